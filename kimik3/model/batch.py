@@ -1,0 +1,138 @@
+"""The runner -> model contract: one packed varlen step and the hybrid cache it reads/writes.
+
+Shapes use one alphabet: N sequences, T packed new tokens, H heads, K/V head dims,
+P = H*K KDA channels, W conv width, L_kda / L_mla cached layers, D_c = kv_lora_rank + rope dim.
+"""
+
+from __future__ import annotations
+
+from dataclasses import dataclass, field
+
+import torch
+
+
+@dataclass(frozen=True)
+class StateCheckpoint:
+    """Snapshot a sequence's KDA state (conv window + recurrent state, every KDA layer)
+    after ``num_tokens`` of its new tokens in this step, into pool slot ``slot``.
+    Used by prefix caching to keep block-boundary states."""
+
+    seq: int          # index of the sequence in the batch
+    num_tokens: int   # 1..query_len: the snapshot covers context + num_tokens tokens
+    slot: int         # destination slot in the KDA state pool
+
+
+@dataclass
+class ForwardBatch:
+    """Metadata of one forward step over N sequences packed into T tokens.
+
+    Sequence n owns packed rows cu_seqlens[n]:cu_seqlens[n+1]; those are its tokens at
+    positions context_lens[n] ... context_lens[n] + query_len - 1.
+    """
+
+    cu_seqlens: torch.Tensor        # [N+1] int64, offsets of each sequence's new tokens
+    context_lens: torch.Tensor      # [N] int64, tokens already cached before this step
+    state_slots: torch.Tensor       # [N] int64, KDA state-pool slot of each sequence
+    block_tables: torch.Tensor      # [N, max_blocks] int32 MLA latent-cache block ids (-1 = none)
+    slot_mapping: torch.Tensor      # [T] int64, latent-cache row (block * block_size + offset) per token
+    query_lens_cpu: list[int]       # host copies, for loops and kernel launch decisions
+    context_lens_cpu: list[int]
+    checkpoints: tuple[StateCheckpoint, ...] = ()
+    # Multimodal: rows of the packed input whose embeddings are replaced (image features).
+    embed_rows: torch.Tensor | None = None    # [M] int64 packed row indices
+    embeds: torch.Tensor | None = None        # [M, D] model dtype
+
+    @property
+    def num_seqs(self) -> int:
+        return len(self.query_lens_cpu)
+
+    @property
+    def num_tokens(self) -> int:
+        return int(sum(self.query_lens_cpu))
+
+    @property
+    def is_decode(self) -> bool:
+        """Every sequence has exactly one new token and some history (pure decode step)."""
+        return all(q == 1 for q in self.query_lens_cpu) and all(c > 0 for c in self.context_lens_cpu)
+
+    @staticmethod
+    def build(query_lens: list[int], context_lens: list[int], state_slots: list[int],
+              block_tables: list[list[int]], block_size: int, device: torch.device | str = "cpu",
+              checkpoints: tuple[StateCheckpoint, ...] = ()) -> ForwardBatch:
+        """Build a batch from host lists (block tables must cover context + query tokens)."""
+        if not (len(query_lens) == len(context_lens) == len(state_slots) == len(block_tables)):
+            raise ValueError("query_lens, context_lens, state_slots and block_tables must have one entry per sequence")
+        cu = [0]
+        slot_mapping: list[int] = []
+        for q, c, table in zip(query_lens, context_lens, block_tables):
+            if q <= 0:
+                raise ValueError(f"every sequence needs at least one new token, got query_len={q}")
+            need = -(-(c + q) // block_size)
+            if len(table) < need:
+                raise ValueError(f"block table has {len(table)} blocks, {need} needed for {c + q} tokens")
+            cu.append(cu[-1] + q)
+            slot_mapping.extend(table[p // block_size] * block_size + p % block_size for p in range(c, c + q))
+        width = max((len(t) for t in block_tables), default=0)
+        tables = torch.full((len(block_tables), max(width, 1)), -1, dtype=torch.int32)
+        for i, t in enumerate(block_tables):
+            tables[i, : len(t)] = torch.tensor(t, dtype=torch.int32)
+        as_long = dict(dtype=torch.int64, device=device)
+        return ForwardBatch(
+            cu_seqlens=torch.tensor(cu, **as_long),
+            context_lens=torch.tensor(context_lens, **as_long),
+            state_slots=torch.tensor(state_slots, **as_long),
+            block_tables=tables.to(device),
+            slot_mapping=torch.tensor(slot_mapping, **as_long),
+            query_lens_cpu=list(query_lens),
+            context_lens_cpu=list(context_lens),
+            checkpoints=tuple(checkpoints),
+        )
+
+
+@dataclass
+class HybridCache:
+    """Per-sequence inference state of the whole text model.
+
+    kda_conv[l]  [num_slots, 3*P, W-1]  last W-1 raw (pre-conv) q|k|v projections, oldest first
+    kda_state[l] [num_slots, H, V, K]   fp32 recurrent state, V-first (fla ``state_v_first=True``)
+    mla_latent[l] [num_blocks, block_size, D_c]  normalised c_kv (kv_lora_rank) | k_pe (rope dim)
+    """
+
+    kda_conv: torch.Tensor
+    kda_state: torch.Tensor
+    mla_latent: torch.Tensor
+    block_size: int
+    layer_index: dict[int, int] = field(default_factory=dict)  # model layer id -> row in its stack
+
+    @staticmethod
+    def allocate(text_cfg, num_slots: int, num_blocks: int, block_size: int,
+                 dtype: torch.dtype, device: torch.device | str = "cpu") -> HybridCache:
+        kda, mla = text_cfg.kda_layer_ids, text_cfg.mla_layer_ids
+        k = text_cfg.kda
+        conv = torch.zeros(len(kda), num_slots, 3 * k.num_heads * k.head_dim, k.conv_size - 1,
+                           dtype=dtype, device=device)
+        state = torch.zeros(len(kda), num_slots, k.num_heads, k.head_dim, k.head_dim,
+                            dtype=torch.float32, device=device)
+        latent = torch.zeros(len(mla), num_blocks, block_size, text_cfg.mla_cache_dim, dtype=dtype, device=device)
+        index = {lid: i for i, lid in enumerate(kda)} | {lid: i for i, lid in enumerate(mla)}
+        return HybridCache(conv, state, latent, block_size, index)
+
+    def copy_state(self, src_slot: int, dst_slot: int) -> None:
+        """Copy one sequence's KDA state (all layers) between pool slots."""
+        self.kda_conv[:, dst_slot].copy_(self.kda_conv[:, src_slot])
+        self.kda_state[:, dst_slot].copy_(self.kda_state[:, src_slot])
+
+    def reset_state(self, slot: int) -> None:
+        self.kda_conv[:, slot].zero_()
+        self.kda_state[:, slot].zero_()
+
+    @staticmethod
+    def bytes_per_slot(text_cfg, dtype: torch.dtype) -> int:
+        k = text_cfg.kda
+        n = len(text_cfg.kda_layer_ids)
+        conv = 3 * k.num_heads * k.head_dim * (k.conv_size - 1) * torch.finfo(dtype).bits // 8
+        return n * (conv + k.num_heads * k.head_dim * k.head_dim * 4)
+
+    @staticmethod
+    def bytes_per_block(text_cfg, block_size: int, dtype: torch.dtype) -> int:
+        return len(text_cfg.mla_layer_ids) * block_size * text_cfg.mla_cache_dim * torch.finfo(dtype).bits // 8
