@@ -1,0 +1,92 @@
+"""``load_model``: build the model on the meta device, then fill it tensor by tensor."""
+
+from __future__ import annotations
+
+import logging
+import re
+from pathlib import Path
+
+import torch
+from tqdm import tqdm
+
+from kimik3.config import load_config
+from kimik3.loader.safetensors_files import CheckpointError, checkpoint_files, file_size_ok, iter_tensors
+from kimik3.model.kimi_k3 import KimiForCausalLM
+from kimik3.ops import mxfp4
+
+logger = logging.getLogger(__name__)
+
+_PACKED = re.compile(r"^(.*)\.weight_(packed|scale)$")
+_DTYPES = {torch.float64, torch.float32, torch.bfloat16, torch.float16}
+
+
+def _text_name(name: str, architecture: str) -> str | None:
+    """Checkpoint name -> text-model name; None for vision/projector tensors."""
+    if architecture != "kimi_k3":
+        return name
+    if name.startswith(("vision_tower.", "mm_projector.")):
+        return None
+    if name.startswith("language_model.layers."):       # vLLM's alternate export (D20 alias)
+        return "model." + name[len("language_model."):]
+    if name.startswith("language_model."):
+        return name[len("language_model."):]
+    raise CheckpointError(f"unexpected tensor '{name}': K3 text tensors live under 'language_model.'")
+
+
+def load_model(path: str | Path, device: str | torch.device = "cpu", dtype: torch.dtype = torch.float32,
+               **switches) -> KimiForCausalLM:
+    """Load a Kimi-K3 or Kimi-Linear checkpoint directory.
+
+    ``dtype``: float64, float32, bfloat16 (float16 also works). ``switches`` set the numeric
+    switches of spec README §4 (e.g. ``mla_latent_norm_eps=1e-5`` for vLLM parity).
+    Returns the text model; ``model(ids)`` gives logits [T, vocab] (float32).
+    """
+    path = Path(path)
+    if not path.is_dir():
+        raise CheckpointError(f"checkpoint directory {path} does not exist")
+    if dtype not in _DTYPES:
+        raise ValueError(f"dtype must be one of {sorted(str(d) for d in _DTYPES)}, got {dtype}")
+    config = load_config(path, **switches)
+    files = checkpoint_files(path)
+    for f in files:
+        file_size_ok(f)
+    with torch.device("meta"):
+        model = KimiForCausalLM(config)
+    model.cast(dtype)
+    model.to_empty(device=device)
+    expected = model.expected_weights()
+    loaded: set[str] = set()
+    pending: dict[str, dict[str, torch.Tensor]] = {}   # MXFP4 halves waiting for their partner
+    skipped = 0
+    for file in tqdm(files, desc="loading", unit="file", disable=len(files) < 2):
+        for raw_name, tensor in iter_tensors(file):
+            name = _text_name(raw_name, config.architecture)
+            if name is None:
+                skipped += 1
+                continue
+            m = _PACKED.match(name)
+            if m:
+                halves = pending.setdefault(m[1], {})
+                halves[m[2]] = tensor
+                if len(halves) < 2:
+                    continue
+                del pending[m[1]]
+                name = m[1] + ".weight"
+                tensor = mxfp4.dequantize(halves["packed"], halves["scale"], torch.float32, name=f"{raw_name} in {file.name}")
+            if name in loaded:
+                raise CheckpointError(f"tensor '{raw_name}' appears twice (second time in {file})")
+            model.load_weight(name, tensor.to(device), source=str(file))
+            loaded.add(name)
+    if pending:
+        base = next(iter(pending))
+        have = next(iter(pending[base]))
+        raise CheckpointError(f"MXFP4 tensor '{base}.weight_{have}' has no matching "
+                              f"'{base}.weight_{'scale' if have == 'packed' else 'packed'}' in {path}")
+    missing = sorted(expected - loaded)
+    if missing:
+        more = f" (+{len(missing) - 5} more)" if len(missing) > 5 else ""
+        raise CheckpointError(f"checkpoint {path} is missing {len(missing)} tensor(s): {', '.join(missing[:5])}{more}")
+    if skipped:
+        logger.info("skipped %d vision/projector tensors (text model loaded)", skipped)
+    model.eval()
+    return model

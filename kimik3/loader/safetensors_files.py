@@ -1,0 +1,69 @@
+"""Iterate the tensors of a checkpoint directory, with errors that name the file."""
+
+from __future__ import annotations
+
+import json
+from collections.abc import Iterator
+from pathlib import Path
+
+import torch
+from safetensors import safe_open
+
+INDEX = "model.safetensors.index.json"
+
+
+class CheckpointError(ValueError):
+    """A checkpoint file is missing, corrupt, or holds tensors the model cannot use."""
+
+
+def checkpoint_files(path: Path) -> list[Path]:
+    """The safetensors files of a checkpoint: those named by the index, else every file."""
+    index = path / INDEX
+    if index.is_file():
+        try:
+            weight_map = json.loads(index.read_text())["weight_map"]
+        except (json.JSONDecodeError, KeyError, TypeError) as e:
+            raise CheckpointError(f"{index}: not a valid safetensors index ({e})") from None
+        files = sorted({path / f for f in weight_map.values()})
+        missing = [f.name for f in files if not f.is_file()]
+        if missing:
+            raise CheckpointError(f"{index} names shard(s) that do not exist in {path}: {', '.join(missing)}")
+        return files
+    files = sorted(path.glob("*.safetensors"))
+    if not files:
+        raise CheckpointError(f"no safetensors files (and no {INDEX}) in {path}")
+    return files
+
+
+def iter_tensors(file: Path) -> Iterator[tuple[str, torch.Tensor]]:
+    """Yield (name, tensor) of one file, one at a time (no full copy of the file in memory)."""
+    try:
+        handle = safe_open(str(file), framework="pt")
+        names = list(handle.keys())
+    except Exception as e:  # safetensors raises its own error types for corrupt headers
+        raise CheckpointError(f"{file}: cannot read safetensors header ({e})") from None
+    for name in names:
+        try:
+            tensor = handle.get_tensor(name)
+        except Exception as e:
+            raise CheckpointError(f"{file}: cannot read tensor '{name}' (truncated or corrupt file?): {e}") from None
+        yield name, tensor
+
+
+def file_size_ok(file: Path) -> None:
+    """Cheap truncation check: the header's largest data offset must fit in the file."""
+    with file.open("rb") as fh:
+        raw = fh.read(8)
+        if len(raw) < 8:
+            raise CheckpointError(f"{file}: truncated (shorter than a safetensors header)")
+        n = int.from_bytes(raw, "little")
+        header_bytes = fh.read(min(n, 100_000_000))
+    if len(header_bytes) < n:
+        raise CheckpointError(f"{file}: truncated inside the safetensors header")
+    try:
+        header = json.loads(header_bytes)
+    except json.JSONDecodeError as e:
+        raise CheckpointError(f"{file}: corrupt safetensors header ({e})") from None
+    end = max((v["data_offsets"][1] for k, v in header.items() if k != "__metadata__"), default=0)
+    if 8 + n + end > file.stat().st_size:
+        raise CheckpointError(f"{file}: truncated: header needs {8 + n + end} bytes, file has {file.stat().st_size}")

@@ -1,0 +1,128 @@
+"""Kimi Delta Attention token mixer (spec token-mixers §2; text-backbone §2.7).
+
+K3: full-rank output gate ``g_proj`` and bounded decay gate (lower bound -5).
+Kimi-Linear: low-rank output gate ``g_a_proj``/``g_b_proj`` and the softplus decay gate.
+"""
+
+from __future__ import annotations
+
+import logging
+
+import torch
+from torch import nn
+
+from kimik3.model.batch import ForwardBatch
+from kimik3.model.layers import linear
+from kimik3.ops.conv import causal_conv1d, conv_window_at
+from kimik3.ops.kda import kda_attention
+from kimik3.ops.norm import gated_rms_norm
+
+logger = logging.getLogger(__name__)
+
+
+class KimiDeltaAttention(nn.Module):
+    def __init__(self, hidden_size: int, num_heads: int, head_dim: int, conv_size: int,
+                 use_full_rank_gate: bool, gate_lower_bound: float | None, norm_eps: float):
+        super().__init__()
+        H, K = num_heads, head_dim
+        P = H * K
+        self.num_heads, self.head_dim, self.lower_bound, self.norm_eps = H, K, gate_lower_bound, norm_eps
+        self.q_proj, self.k_proj, self.v_proj = linear(hidden_size, P), linear(hidden_size, P), linear(hidden_size, P)
+        self.q_conv1d, self.k_conv1d, self.v_conv1d = (_ConvWeight(P, conv_size) for _ in range(3))
+        self.f_a_proj, self.f_b_proj = linear(hidden_size, K), linear(K, P)
+        self.b_proj = linear(hidden_size, H)
+        if use_full_rank_gate:
+            self.g_proj = linear(hidden_size, P)
+        else:
+            self.g_a_proj, self.g_b_proj = linear(hidden_size, K), linear(K, P)
+        # A_log, dt_bias (and, by policy, conv and o_norm) stay fp32: see kimi_k3.FP32_PARAMS
+        self.A_log = nn.Parameter(torch.zeros(H))
+        self.dt_bias = nn.Parameter(torch.zeros(P))
+        self.o_norm = _NormWeight(K)
+        self.o_proj = linear(P, hidden_size)
+
+    def load_A_log(self, tensor: torch.Tensor, name: str) -> None:
+        """Accept [H], Kimi-Linear's [1, 1, H, 1], or a longer vector; use entries 0..H-1 (D7)."""
+        flat = tensor.reshape(-1)
+        H = self.num_heads
+        if flat.numel() < H or (tensor.dim() > 1 and flat.numel() != H):
+            raise ValueError(f"{name}: shape {tuple(tensor.shape)} does not hold {H} heads "
+                             f"(expected [{H}], [1, 1, {H}, 1] or a longer vector)")
+        if flat.numel() > H and bool((flat[H:] != 0).any()):
+            logger.warning("%s: %d stored entries, using the first %d; the discarded tail is non-zero",
+                           name, flat.numel(), H)
+        self.A_log.data.copy_(flat[:H])
+
+    def output_gate(self, x: torch.Tensor) -> torch.Tensor:
+        return self.g_proj(x) if hasattr(self, "g_proj") else self.g_b_proj(self.g_a_proj(x))
+
+    def forward(self, x: torch.Tensor, batch: ForwardBatch, conv_pool: torch.Tensor,
+                state_pool: torch.Tensor) -> torch.Tensor:
+        """x [T, D] -> [T, D]. conv_pool [slots, 3P, W-1] and state_pool [slots, H, V, K] are
+        this layer's pools, read at and written back to ``batch.state_slots``."""
+        T = x.shape[0]
+        H, K = self.num_heads, self.head_dim
+        slots = batch.state_slots
+        fresh = (batch.context_lens == 0)
+        raw = torch.cat([self.q_proj(x), self.k_proj(x), self.v_proj(x)], dim=-1)            # [T, 3P]
+        weight = torch.cat([self.q_conv1d.weight, self.k_conv1d.weight, self.v_conv1d.weight]).squeeze(1)
+        conv0 = conv_pool[slots].masked_fill(fresh.view(-1, 1, 1), 0)
+        state0 = state_pool[slots].masked_fill(fresh.view(-1, 1, 1, 1), 0)
+        mixed, conv1 = causal_conv1d(raw, weight, conv0, batch.query_lens_cpu)
+        q, k, v = (t.view(T, H, K) for t in mixed.chunk(3, dim=-1))
+        f = self.f_b_proj(self.f_a_proj(x)).view(T, H, K)
+        b = self.b_proj(x)
+        if batch.checkpoints:
+            o, state1 = self._attend_with_checkpoints(q, k, v, f, b, raw, conv0, state0, batch,
+                                                      conv_pool, state_pool)
+        else:
+            o, state1 = kda_attention(q, k, v, f, b, self.A_log, self.dt_bias, self.lower_bound,
+                                      state0, batch.query_lens_cpu)
+        conv_pool[slots] = conv1
+        state_pool[slots] = state1
+        gate = self.output_gate(x).view(T, H, K)
+        y = gated_rms_norm(o, self.o_norm.weight, gate, self.norm_eps, x.dtype)
+        return self.o_proj(y.reshape(T, H * K))
+
+    def _attend_with_checkpoints(self, q, k, v, f, b, raw, conv0, state0, batch: ForwardBatch,
+                                 conv_pool, state_pool):
+        """Split sequences at their checkpoint offsets and run the segments in rounds, each
+        round one varlen call whose initial states are the previous round's final states."""
+        starts = batch.cu_seqlens.tolist()
+        cuts: dict[int, dict[int, list[int]]] = {}
+        for c in batch.checkpoints:
+            cuts.setdefault(c.seq, {}).setdefault(c.num_tokens, []).append(c.slot)
+            # the conv window only depends on raw inputs: write it straight away
+            conv_pool[c.slot] = conv_window_at(raw[starts[c.seq]:starts[c.seq + 1]], conv0[c.seq], c.num_tokens)
+        bounds = []
+        for n, ql in enumerate(batch.query_lens_cpu):
+            edges = sorted({0, ql, *(o for o in cuts.get(n, {}) if 0 < o <= ql)})
+            bounds.append(list(zip(edges[:-1], edges[1:])))
+        state = state0.clone()
+        o = q.new_empty(q.shape[0], self.num_heads, self.head_dim, dtype=torch.promote_types(q.dtype, torch.float32))
+        for r in range(max(len(s) for s in bounds)):
+            seqs = [n for n in range(len(bounds)) if r < len(bounds[n])]
+            rows = torch.cat([torch.arange(starts[n] + bounds[n][r][0], starts[n] + bounds[n][r][1]) for n in seqs])
+            lens = [bounds[n][r][1] - bounds[n][r][0] for n in seqs]
+            out, fin = kda_attention(q[rows], k[rows], v[rows], f[rows], b[rows], self.A_log, self.dt_bias,
+                                     self.lower_bound, state[seqs], lens)
+            o[rows] = out.to(o.dtype)
+            state[seqs] = fin
+            for j, n in enumerate(seqs):
+                for slot in cuts.get(n, {}).get(bounds[n][r][1], []):
+                    state_pool[slot] = fin[j]
+        return o, state
+
+
+class _ConvWeight(nn.Module):
+    """Holds ``{q,k,v}_conv1d.weight`` [P, 1, W] (the checkpoint also allows [P, W])."""
+
+    def __init__(self, channels: int, width: int):
+        super().__init__()
+        self.weight = nn.Parameter(torch.zeros(channels, 1, width))
+
+
+class _NormWeight(nn.Module):
+    def __init__(self, dim: int):
+        super().__init__()
+        self.weight = nn.Parameter(torch.ones(dim))

@@ -1,0 +1,205 @@
+"""The Kimi text model (K3 and Kimi-Linear): decoder layers, final norm, LM head.
+
+Module names equal the checkpoint's tensor names (after the ``language_model.`` prefix of the
+multimodal K3 layout), except the routed experts, which are stacked (see ``moe.Experts``).
+"""
+
+from __future__ import annotations
+
+import re
+
+import torch
+from torch import nn
+
+from kimik3.config import ModelConfig, TextConfig
+from kimik3.model.attn_res import ResidualStream
+from kimik3.model.batch import ForwardBatch, HybridCache
+from kimik3.model.kda import KimiDeltaAttention
+from kimik3.model.layers import MLP, GLUActivation, RMSNorm, linear
+from kimik3.model.mla import MLAAttention
+from kimik3.model.moe import MoE
+
+# Parameters kept in fp32 (or wider) whatever the model dtype (spec D4, text-backbone 5.1).
+_ALWAYS_FP32 = re.compile(r"\.(A_log|dt_bias)$")
+_CHECKPOINT_FP32 = re.compile(r"\.([qkv]_conv1d\.weight|o_norm\.weight|gate\.e_score_correction_bias)$")
+_EXPERT = re.compile(r"^model\.layers\.(\d+)\.block_sparse_moe\.experts\.(\d+)\.(w[123])\.weight$")
+_STACKED = re.compile(r"^model\.layers\.(\d+)\.block_sparse_moe\.experts\.(w[123])$")
+
+
+class DecoderLayer(nn.Module):
+    def __init__(self, cfg: TextConfig, layer_id: int, act: GLUActivation):
+        super().__init__()
+        D, eps = cfg.hidden_size, cfg.rms_norm_eps
+        self.layer_id = layer_id
+        self.is_kda = cfg.is_kda_layer(layer_id)
+        if self.is_kda:
+            k = cfg.kda
+            self.self_attn = KimiDeltaAttention(D, k.num_heads, k.head_dim, k.conv_size, k.use_full_rank_gate,
+                                                k.gate_lower_bound, eps)
+        else:
+            self.self_attn = MLAAttention(D, cfg.num_attention_heads, cfg.q_lora_rank, cfg.kv_lora_rank,
+                                          cfg.qk_nope_head_dim, cfg.qk_rope_head_dim, cfg.v_head_dim,
+                                          cfg.mla_use_output_gate, cfg.numerics.mla_latent_norm_eps)
+        if cfg.is_moe_layer(layer_id):
+            self.block_sparse_moe = MoE(cfg, act)
+        else:
+            self.mlp = MLP(D, cfg.intermediate_size, act)
+        self.input_layernorm = RMSNorm(D, eps)
+        self.post_attention_layernorm = RMSNorm(D, eps)
+        if cfg.attn_res_block_size is not None:
+            self.self_attention_res_norm = RMSNorm(D, eps)
+            self.self_attention_res_proj = linear(D, 1)
+            self.mlp_res_norm = RMSNorm(D, eps)
+            self.mlp_res_proj = linear(D, 1)
+
+    def forward(self, stream: ResidualStream, batch: ForwardBatch, cache: HybridCache) -> None:
+        x = stream.attn_input(self.layer_id, self)
+        row = cache.layer_index[self.layer_id]
+        if self.is_kda:
+            a = self.self_attn(x, batch, cache.kda_conv[row], cache.kda_state[row])
+        else:
+            a = self.self_attn(x, batch, cache.mla_latent[row])
+        stream.add(a)
+        x = stream.mlp_input(self)
+        channel_mixer = self.block_sparse_moe if hasattr(self, "block_sparse_moe") else self.mlp
+        stream.add(channel_mixer(x))
+
+
+class KimiModel(nn.Module):
+    def __init__(self, cfg: TextConfig):
+        super().__init__()
+        self.cfg = cfg
+        act = GLUActivation(cfg.hidden_act, cfg.situ_beta, cfg.situ_linear_beta)
+        self.embed_tokens = nn.Embedding(cfg.vocab_size, cfg.hidden_size)
+        self.layers = nn.ModuleList(DecoderLayer(cfg, i, act) for i in range(cfg.num_hidden_layers))
+        self.norm = RMSNorm(cfg.hidden_size, cfg.rms_norm_eps)
+        if cfg.attn_res_block_size is not None:
+            self.output_attn_res_norm = RMSNorm(cfg.hidden_size, cfg.rms_norm_eps)
+            self.output_attn_res_proj = linear(cfg.hidden_size, 1)
+
+    def forward(self, input_ids: torch.Tensor, batch: ForwardBatch, cache: HybridCache) -> torch.Tensor:
+        h = self.embed_tokens(input_ids)
+        if batch.embed_rows is not None:
+            h = h.index_copy(0, batch.embed_rows, batch.embeds.to(h.dtype))
+        cfg = self.cfg
+        stream = ResidualStream(h, cfg.attn_res_block_size, cfg.rms_norm_eps, cfg.numerics.attn_res_fused_norm)
+        for layer in self.layers:
+            layer(stream, batch, cache)
+        if cfg.attn_res_block_size is None:
+            h_final = stream.final()
+        else:
+            h_final = stream.final(self.output_attn_res_norm.weight, self.output_attn_res_proj.weight)
+        return self.norm(h_final)
+
+
+class KimiForCausalLM(nn.Module):
+    """Text model. ``model(ids)`` gives logits of one fresh sequence; ``forward_step`` runs a
+    packed varlen batch against a ``HybridCache`` (the engine's entry point)."""
+
+    def __init__(self, config: ModelConfig):
+        super().__init__()
+        self.config = config
+        self.model = KimiModel(config.text)
+        self.lm_head = linear(config.text.hidden_size, config.text.vocab_size)
+
+    @property
+    def dtype(self) -> torch.dtype:
+        return self.model.embed_tokens.weight.dtype
+
+    @property
+    def device(self) -> torch.device:
+        return self.model.embed_tokens.weight.device
+
+    def cast(self, dtype: torch.dtype) -> KimiForCausalLM:
+        """Move every parameter to ``dtype``, keeping the fp32 ones (per ``f32_param_policy``) at
+        fp32 or wider."""
+        policy = self.config.text.numerics.f32_param_policy
+        wide = torch.promote_types(dtype, torch.float32)
+        for name, p in self.named_parameters():
+            keep = _ALWAYS_FP32.search(name) or (policy == "checkpoint" and _CHECKPOINT_FP32.search(name))
+            p.data = p.data.to(wide if keep else dtype)
+        return self
+
+    # ---- weights -------------------------------------------------------------------------
+    def expected_weights(self) -> set[str]:
+        """Checkpoint names (without the multimodal prefix) this model needs, experts one by one."""
+        names = set()
+        for name, p in self.named_parameters():
+            m = _STACKED.match(name)
+            if m:
+                names.update(f"model.layers.{m[1]}.block_sparse_moe.experts.{e}.{m[2]}.weight"
+                             for e in range(p.shape[0]))
+            else:
+                names.add(name)
+        return names
+
+    def load_weight(self, name: str, tensor: torch.Tensor, source: str = "") -> None:
+        """Copy one checkpoint tensor (text-model name, dense) into its parameter."""
+        where = f" (in {source})" if source else ""
+        m = _EXPERT.match(name)
+        if m:
+            layer = self.model.layers[int(m[1])] if int(m[1]) < len(self.model.layers) else None
+            if layer is None or not hasattr(layer, "block_sparse_moe"):
+                raise ValueError(f"unexpected tensor '{name}'{where}: layer {m[1]} has no routed experts")
+            layer.block_sparse_moe.experts.load_expert(int(m[2]), m[3], tensor, name + where)
+            return
+        try:
+            param = None if _STACKED.match(name) else self.get_parameter(name)
+        except AttributeError:
+            param = None
+        if param is None:
+            raise ValueError(f"unexpected tensor '{name}'{where}: the model has no such parameter")
+        if name.endswith(".A_log"):
+            self.model.layers[int(name.split(".")[2])].self_attn.load_A_log(tensor, name + where)
+            return
+        if re.search(r"[qkv]_conv1d\.weight$", name) and tensor.dim() == 2:
+            tensor = tensor.unsqueeze(1)       # [P, W] is accepted for [P, 1, W]
+        if tuple(tensor.shape) != tuple(param.shape):
+            raise ValueError(f"tensor '{name}'{where} has shape {tuple(tensor.shape)}, "
+                             f"the model expects {tuple(param.shape)}")
+        param.data.copy_(tensor)
+
+    def checkpoint_weights(self):
+        """Yield (text-model checkpoint name, tensor) pairs, experts one by one (for writers)."""
+        for name, p in self.named_parameters():
+            m = _STACKED.match(name)
+            if m:
+                for e in range(p.shape[0]):
+                    yield f"model.layers.{m[1]}.block_sparse_moe.experts.{e}.{m[2]}.weight", p.data[e]
+            else:
+                yield name, p.data
+
+    @torch.inference_mode()
+    def forward_step(self, input_ids: torch.Tensor, batch: ForwardBatch, cache: HybridCache) -> torch.Tensor:
+        """input_ids [T] -> final-normed hidden states [T, D]; advances ``cache`` in place."""
+        if input_ids.dim() != 1 or input_ids.shape[0] != batch.num_tokens:
+            raise ValueError(f"input_ids must be 1-D with {batch.num_tokens} tokens, got shape {tuple(input_ids.shape)}")
+        return self.model(input_ids, batch, cache)
+
+    @torch.inference_mode()
+    def compute_logits(self, hidden: torch.Tensor) -> torch.Tensor:
+        return self.lm_head(hidden).float()
+
+    def allocate_cache(self, num_slots: int, num_blocks: int, block_size: int) -> HybridCache:
+        return HybridCache.allocate(self.config.text, num_slots, num_blocks, block_size, self.dtype, self.device)
+
+    @torch.inference_mode()
+    def forward(self, input_ids: torch.Tensor) -> torch.Tensor:
+        """input_ids [T] (one sequence, no history) -> logits [T, vocab] float32."""
+        input_ids = _as_token_ids(input_ids, self.config.text.vocab_size)
+        T = input_ids.shape[0]
+        # slot 0 / block 0 are the reserved null entries, as in the engine
+        cache = self.allocate_cache(num_slots=2, num_blocks=2, block_size=T)
+        batch = ForwardBatch.build([T], [0], [1], [[1]], block_size=T, device=self.device)
+        return self.compute_logits(self.forward_step(input_ids.to(self.device), batch, cache))
+
+
+def _as_token_ids(input_ids, vocab_size: int) -> torch.Tensor:
+    ids = torch.as_tensor(input_ids)
+    if ids.dim() != 1 or ids.numel() == 0:
+        raise ValueError(f"expected a non-empty 1-D tensor of token ids, got shape {tuple(ids.shape)}")
+    if ids.dtype.is_floating_point or ids.dtype == torch.bool:
+        raise TypeError(f"token ids must be integers, got {ids.dtype}")
+    if int(ids.min()) < 0 or int(ids.max()) >= vocab_size:
+        raise ValueError(f"token ids must lie in [0, {vocab_size}), got range [{int(ids.min())}, {int(ids.max())}]")
+    return ids.long()

@@ -1,0 +1,67 @@
+"""Gated NoPE MLA token mixer (spec token-mixers §4; text-backbone §2.8).
+
+K3: q-LoRA (q_a_proj -> q_a_layernorm -> q_b_proj) and a sigmoid output gate before o_proj.
+Kimi-Linear: plain q_proj, no output gate. Neither applies any rotary embedding.
+"""
+
+from __future__ import annotations
+
+import torch
+from torch import nn
+
+from kimik3.model.batch import ForwardBatch
+from kimik3.model.layers import RMSNorm, linear
+from kimik3.ops.mla import mla_decode_attention, mla_prefill_attention
+
+
+class MLAAttention(nn.Module):
+    def __init__(self, hidden_size: int, num_heads: int, q_lora_rank: int | None, kv_lora_rank: int,
+                 qk_nope_head_dim: int, qk_rope_head_dim: int, v_head_dim: int,
+                 use_output_gate: bool, latent_norm_eps: float):
+        super().__init__()
+        H = num_heads
+        self.num_heads, self.kv_lora_rank = H, kv_lora_rank
+        self.d_nope, self.d_rope, self.d_v = qk_nope_head_dim, qk_rope_head_dim, v_head_dim
+        d_qk = qk_nope_head_dim + qk_rope_head_dim
+        self.scale = d_qk ** -0.5
+        if q_lora_rank is not None:
+            self.q_a_proj = linear(hidden_size, q_lora_rank)
+            self.q_a_layernorm = RMSNorm(q_lora_rank, latent_norm_eps)
+            self.q_b_proj = linear(q_lora_rank, H * d_qk)
+        else:
+            self.q_proj = linear(hidden_size, H * d_qk)
+        self.kv_a_proj_with_mqa = linear(hidden_size, kv_lora_rank + qk_rope_head_dim)
+        self.kv_a_layernorm = RMSNorm(kv_lora_rank, latent_norm_eps)
+        self.kv_b_proj = linear(kv_lora_rank, H * (qk_nope_head_dim + v_head_dim))
+        if use_output_gate:
+            self.g_proj = linear(hidden_size, H * v_head_dim)
+        self.o_proj = linear(H * v_head_dim, hidden_size)
+
+    def query(self, x: torch.Tensor) -> torch.Tensor:
+        if hasattr(self, "q_proj"):
+            return self.q_proj(x)
+        return self.q_b_proj(self.q_a_layernorm(self.q_a_proj(x)))
+
+    def forward(self, x: torch.Tensor, batch: ForwardBatch, cache: torch.Tensor) -> torch.Tensor:
+        """x [T, D] -> [T, D]; cache [num_blocks, block_size, kv_lora_rank + d_rope] of this layer:
+        the new tokens' latents are written at ``batch.slot_mapping`` before attending."""
+        T, H = x.shape[0], self.num_heads
+        q = self.query(x).view(T, H, self.d_nope + self.d_rope)
+        c = self.kv_a_proj_with_mqa(x)
+        latent = torch.cat([self.kv_a_layernorm(c[:, :self.kv_lora_rank]), c[:, self.kv_lora_rank:]], dim=-1)
+        cache.view(-1, cache.shape[-1])[batch.slot_mapping] = latent.to(cache.dtype)
+        seq_lens = [c + q for c, q in zip(batch.context_lens_cpu, batch.query_lens_cpu)]
+        if batch.is_decode:
+            w = self.kv_b_proj.weight.view(H, self.d_nope + self.d_v, self.kv_lora_rank)
+            w_uk, w_uv = w[:, :self.d_nope], w[:, self.d_nope:]                 # [H, d_nope|d_v, r]
+            q_latent = torch.einsum("nhd,hdr->nhr", q[..., :self.d_nope], w_uk)
+            lat = mla_decode_attention(q_latent, q[..., self.d_nope:], cache, batch.block_tables, seq_lens,
+                                       self.kv_lora_rank, self.scale)
+            o = torch.einsum("nhr,hvr->nhv", lat, w_uv)
+        else:
+            o = mla_prefill_attention(q, cache, batch.block_tables, self.kv_b_proj.weight, batch.query_lens_cpu,
+                                      batch.context_lens_cpu, self.kv_lora_rank, self.d_v, self.scale)
+        o = o.reshape(T, H * self.d_v)
+        if hasattr(self, "g_proj"):
+            o = o * torch.sigmoid(self.g_proj(x))
+        return self.o_proj(o)

@@ -1,0 +1,22 @@
+"""GLU activations: SITU (Kimi-K3) and SiLU (Kimi-Linear). Spec text-backbone §4."""
+
+from __future__ import annotations
+
+import torch
+
+from kimik3.ops.norm import acc_dtype
+
+
+def situ_and_mul(gate: torch.Tensor, up: torch.Tensor, beta: float, linear_beta: float | None) -> torch.Tensor:
+    """[beta * tanh(g / beta) * sigmoid(g)] * [linear_beta * tanh(u / linear_beta)], in fp32,
+    cast back to the input dtype. ``linear_beta`` None leaves the up branch unclipped."""
+    acc = acc_dtype(gate.dtype)
+    g, u = gate.to(acc), up.to(acc)
+    gated = beta * torch.tanh(g / beta) * torch.sigmoid(g)
+    clipped = u if linear_beta is None else linear_beta * torch.tanh(u / linear_beta)
+    return (gated * clipped).to(gate.dtype)
+
+
+def silu_and_mul(gate: torch.Tensor, up: torch.Tensor) -> torch.Tensor:
+    acc = acc_dtype(gate.dtype)
+    return (torch.nn.functional.silu(gate.to(acc)) * up.to(acc)).to(gate.dtype)

@@ -1,0 +1,25 @@
+"""Attention residuals (spec text-backbone §2.3): a softmax mix over block sources.
+
+For sources v_i [T, D] (i < n), score s_i = w . RMSNorm(v_i; gamma) (weightless norm with eps,
+then gamma * w folded), alpha = softmax_i(s), mix = sum_i alpha_i v_i of the raw sources, all in
+fp32 (or wider). One source gives that source exactly.
+"""
+
+from __future__ import annotations
+
+import torch
+
+from kimik3.ops.norm import acc_dtype
+
+
+def attn_res_mix(sources: list[torch.Tensor], norm_weight: torch.Tensor, proj_weight: torch.Tensor,
+                 eps: float) -> torch.Tensor:
+    """sources: n tensors [T, D]; norm_weight [D]; proj_weight [1, D] or [D]. Returns fp32 [T, D]."""
+    acc = acc_dtype(sources[0].dtype)
+    if len(sources) == 1:
+        return sources[0].to(acc)
+    v = torch.stack([s.to(acc) for s in sources])                           # [n, T, D]
+    w = norm_weight.to(acc) * proj_weight.reshape(-1).to(acc)               # [D]
+    r = torch.rsqrt(v.pow(2).mean(-1) + eps)                                 # [n, T]
+    alpha = torch.softmax(r * (v @ w), dim=0)                                # [n, T]
+    return (alpha.unsqueeze(-1) * v).sum(0)

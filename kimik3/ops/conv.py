@@ -1,0 +1,43 @@
+"""Causal depthwise short convolution + SiLU over packed varlen sequences (KDA q/k/v streams).
+
+Conv state per sequence: the last W-1 raw inputs of every channel, oldest first, [C, W-1].
+"""
+
+from __future__ import annotations
+
+import torch
+import torch.nn.functional as F
+
+from kimik3.ops.norm import acc_dtype
+
+
+def causal_conv1d(x: torch.Tensor, weight: torch.Tensor, state: torch.Tensor,
+                  query_lens: list[int]) -> tuple[torch.Tensor, torch.Tensor]:
+    """y_t[c] = silu(sum_j weight[c, j] * x_{t-W+1+j}[c]) with history from ``state``.
+
+    x [T, C] (packed), weight [C, W], state [N, C, W-1] (zeros for a fresh sequence).
+    Returns y [T, C] in x's dtype (accumulated in fp32 or wider) and the new state [N, C, W-1].
+    """
+    T, C = x.shape
+    if weight.shape[0] != C or state.shape[1] != C or state.shape[2] != weight.shape[1] - 1:
+        raise ValueError(f"conv shapes disagree: x {tuple(x.shape)}, weight {tuple(weight.shape)}, "
+                         f"state {tuple(state.shape)}")
+    acc = acc_dtype(x.dtype)
+    w = weight.to(acc)
+    width = w.shape[1]
+    outs, new_states = [], []
+    start = 0
+    for n, q in enumerate(query_lens):
+        seq = torch.cat([state[n].to(x.dtype).t(), x[start:start + q]], dim=0)    # [W-1+q, C]
+        windows = seq.unfold(0, width, 1)                                          # [q, C, W]
+        outs.append(F.silu((windows.to(acc) * w).sum(-1)).to(x.dtype))
+        new_states.append(seq[-(width - 1):].t())
+        start += q
+    return torch.cat(outs, dim=0), torch.stack(new_states).to(state.dtype)
+
+
+def conv_window_at(x: torch.Tensor, state: torch.Tensor, num_tokens: int) -> torch.Tensor:
+    """Conv state after the first ``num_tokens`` rows of one sequence's chunk.
+    x [q, C] raw inputs of the chunk, state [C, W-1] before it -> [C, W-1]."""
+    seq = torch.cat([state.to(x.dtype).t(), x[:num_tokens]], dim=0)
+    return seq[-state.shape[1]:].t().to(state.dtype)

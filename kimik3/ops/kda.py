@@ -1,0 +1,113 @@
+"""Kimi Delta Attention (spec token-mixers §2.2, §6).
+
+Per head, with key-major state S [K, V] (stored V-first as [V, K]):
+    S <- diag(exp(g_t)) S;  delta = beta_t (v_t - S^T k_t);  S <- S + k_t delta^T;  o_t = S^T q_t
+q and k are L2-normalised (eps 1e-6 on the sum of squares), q scaled by K^-1/2.
+
+``kda_attention`` is the public op (shapes as fla's ``chunk_kda`` with ``state_v_first=True``):
+the chunked form for prefill, the recurrence for single tokens. The naive functions are the
+reference written as the equations read.
+"""
+
+from __future__ import annotations
+
+import torch
+import torch.nn.functional as F
+
+from kimik3.ops.norm import acc_dtype
+
+
+def kda_gate(f: torch.Tensor, A_log: torch.Tensor, dt_bias: torch.Tensor,
+             lower_bound: float | None) -> torch.Tensor:
+    """Log-decay g [T, H, K] from raw gate logits f [T, H, K], A_log [H], dt_bias [H*K].
+
+    Bounded (K3):      g = lb * sigmoid(exp(A_log[h]) * (f + dt_bias))   in (lb, 0)
+    Softplus (Linear): g = -exp(A_log[h]) * softplus(f + dt_bias)        (identity above 20)
+    """
+    T, H, K = f.shape
+    acc = acc_dtype(f.dtype)
+    a = torch.exp(A_log.to(acc)).view(1, H, 1)
+    z = f.to(acc) + dt_bias.to(acc).view(1, H, K)
+    if lower_bound is not None:
+        return lower_bound * torch.sigmoid(a * z)
+    return -a * F.softplus(z, beta=1.0, threshold=20.0)
+
+
+def l2_normalize(x: torch.Tensor, eps: float = 1e-6) -> torch.Tensor:
+    return x * torch.rsqrt(x.pow(2).sum(-1, keepdim=True) + eps)
+
+
+def naive_recurrent_kda(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, g: torch.Tensor,
+                        beta: torch.Tensor, state: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
+    """One sequence, token by token. q, k [T, H, K] (normalised, q scaled), v [T, H, V],
+    g [T, H, K] log-decay, beta [T, H], state [H, V, K] (V-first). Returns o [T, H, V], state."""
+    S = state.transpose(-1, -2).clone()                     # [H, K, V] key-major for the math
+    outs = []
+    for t in range(q.shape[0]):
+        S = S * torch.exp(g[t]).unsqueeze(-1)                          # decay rows (key channels)
+        delta = beta[t].unsqueeze(-1) * (v[t] - torch.einsum("hkv,hk->hv", S, k[t]))
+        S = S + k[t].unsqueeze(-1) * delta.unsqueeze(-2)               # S += k delta^T
+        outs.append(torch.einsum("hkv,hk->hv", S, q[t]))
+    return torch.stack(outs), S.transpose(-1, -2).contiguous()
+
+
+def chunk_kda_ref(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, g: torch.Tensor,
+                  beta: torch.Tensor, state: torch.Tensor, chunk_size: int = 64
+                  ) -> tuple[torch.Tensor, torch.Tensor]:
+    """Chunked (WY) form of the same recurrence, one sequence (spec token-mixers §6.2).
+    Same arguments as ``naive_recurrent_kda``; the last chunk may be short."""
+    T, H, K = q.shape
+    S = state.transpose(-1, -2).clone()                                 # [H, K, V]
+    outs = []
+    for s in range(0, T, chunk_size):
+        qc, kc, vc = (x[s:s + chunk_size].transpose(0, 1) for x in (q, k, v))   # [H, n, *]
+        gc, bc = g[s:s + chunk_size].transpose(0, 1), beta[s:s + chunk_size].transpose(0, 1)
+        n = qc.shape[1]
+        G = gc.cumsum(1)                                                # [H, n, K] inclusive
+        diff = G.unsqueeze(2) - G.unsqueeze(1)                          # [H, i, j, K] = G_i - G_j
+        lower = torch.ones(n, n, dtype=torch.bool).tril()
+        decay = torch.exp(diff.masked_fill(~lower.unsqueeze(-1), float("-inf")))   # 0 above diagonal
+        Akk = torch.einsum("hik,hjk,hijk->hij", kc, kc, decay).tril(-1) * bc.unsqueeze(-1)
+        Aqk = torch.einsum("hik,hjk,hijk->hij", qc, kc, decay)
+        eye = torch.eye(n, dtype=q.dtype).expand(H, n, n)
+        Tm = torch.linalg.solve_triangular(eye + Akk, torch.diag_embed(bc), upper=False)
+        W = Tm @ (torch.exp(G) * kc)                                    # [H, n, K]
+        U = Tm @ vc                                                     # [H, n, V]
+        Vn = U - W @ S
+        outs.append(((qc * torch.exp(G)) @ S + Aqk @ Vn).transpose(0, 1))
+        last = G[:, -1:, :]                                             # [H, 1, K]
+        S = torch.exp(last).transpose(1, 2) * S + (kc * torch.exp(last - G)).transpose(1, 2) @ Vn
+    return torch.cat(outs), S.transpose(-1, -2).contiguous()
+
+
+def kda_attention(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, f: torch.Tensor, b: torch.Tensor,
+                  A_log: torch.Tensor, dt_bias: torch.Tensor, lower_bound: float | None,
+                  initial_state: torch.Tensor, query_lens: list[int], chunk_size: int = 64
+                  ) -> tuple[torch.Tensor, torch.Tensor]:
+    """KDA over packed varlen sequences.
+
+    q, k [T, H, K] post-conv (not normalised); v [T, H, V]; f [T, H, K] raw gate logits;
+    b [T, H] raw beta logits; A_log [H]; dt_bias [H*K]; initial_state [N, H, V, K] fp32 (V-first).
+    Returns o [T, H, V] (fp32 or wider) and final_state [N, H, V, K].
+    """
+    T, H, K = q.shape
+    if initial_state.shape[0] != len(query_lens) or sum(query_lens) != T:
+        raise ValueError(f"kda_attention: {len(query_lens)} sequences / {sum(query_lens)} tokens, but "
+                         f"initial_state has {initial_state.shape[0]} rows and q has {T} tokens")
+    acc = torch.promote_types(acc_dtype(q.dtype), initial_state.dtype)
+    qn = l2_normalize(q.to(acc)) * K ** -0.5
+    kn = l2_normalize(k.to(acc))
+    g = kda_gate(f, A_log, dt_bias, lower_bound).to(acc)
+    beta = torch.sigmoid(b.to(acc))
+    vf = v.to(acc)
+    outs, finals = [], []
+    start = 0
+    for n, ql in enumerate(query_lens):
+        sl = slice(start, start + ql)
+        s0 = initial_state[n].to(acc)
+        args = (qn[sl], kn[sl], vf[sl], g[sl], beta[sl], s0)
+        o, s = naive_recurrent_kda(*args) if ql == 1 else chunk_kda_ref(*args, chunk_size=chunk_size)
+        outs.append(o)
+        finals.append(s)
+        start += ql
+    return torch.cat(outs), torch.stack(finals).to(initial_state.dtype)

@@ -1,0 +1,35 @@
+"""RMSNorm variants (spec text-backbone §2.1)."""
+
+from __future__ import annotations
+
+import torch
+
+
+def acc_dtype(dtype: torch.dtype) -> torch.dtype:
+    """Accumulation dtype: fp32 for low-precision inputs, the input dtype otherwise."""
+    return torch.promote_types(dtype, torch.float32)
+
+
+def rms_norm(x: torch.Tensor, weight: torch.Tensor, eps: float) -> torch.Tensor:
+    """Kimi's RMSNorm: statistics in fp32, round to x's dtype, then multiply by the weight
+    (two roundings for bf16; exact in fp32/fp64). x [..., D], weight [D]."""
+    xf = x.to(acc_dtype(x.dtype))
+    y = (xf * torch.rsqrt(xf.pow(2).mean(-1, keepdim=True) + eps)).to(x.dtype)
+    return y * weight.to(x.dtype)
+
+
+def rms_norm_fp32_weight(x: torch.Tensor, weight: torch.Tensor, eps: float, out_dtype: torch.dtype) -> torch.Tensor:
+    """RMSNorm with the weight multiply in fp32 and a single rounding (vLLM fused kernels)."""
+    acc = acc_dtype(x.dtype)
+    xf = x.to(acc)
+    return (xf * torch.rsqrt(xf.pow(2).mean(-1, keepdim=True) + eps) * weight.to(acc)).to(out_dtype)
+
+
+def gated_rms_norm(x: torch.Tensor, weight: torch.Tensor, gate: torch.Tensor, eps: float,
+                   out_dtype: torch.dtype) -> torch.Tensor:
+    """KDA output norm: rmsnorm(x) * weight * sigmoid(gate), all in fp32, one rounding.
+    x, gate [..., V]; weight [V]."""
+    acc = torch.promote_types(acc_dtype(x.dtype), acc_dtype(gate.dtype))
+    xf = x.to(acc)
+    y = xf * torch.rsqrt(xf.pow(2).mean(-1, keepdim=True) + eps) * weight.to(acc)
+    return (y * torch.sigmoid(gate.to(acc))).to(out_dtype)
