@@ -1,0 +1,11 @@
+"""Offline and streaming generation: scheduler, hybrid cache manager, runner, sampler."""
+
+from kimik3.engine.config import EngineConfig
+from kimik3.engine.llm import LLM
+from kimik3.engine.llm_engine import LLMEngine
+from kimik3.engine.memory import MemoryPlan, plan_memory
+from kimik3.engine.request import CompletionOutput, RequestOutput
+from kimik3.engine.sampling_params import SamplingParams
+
+__all__ = ["CompletionOutput", "EngineConfig", "LLM", "LLMEngine", "MemoryPlan", "RequestOutput",
+           "SamplingParams", "plan_memory"]

@@ -1,0 +1,39 @@
+"""Engine settings: one dataclass, validated once; the engine derives everything else from it."""
+
+from __future__ import annotations
+
+from dataclasses import dataclass
+
+import torch
+
+
+@dataclass
+class EngineConfig:
+    max_num_seqs: int = 64                  # sequences in one step (= live KDA state slots)
+    max_num_batched_tokens: int = 2048      # token budget of one step (long prompts are chunked)
+    max_model_len: int = 8192               # prompt + output tokens of one sequence
+    enable_prefix_caching: bool = True
+    block_size: int = 16                    # tokens per MLA latent-cache block (and prefix-cache hash unit)
+    kda_checkpoint_interval: int | None = None  # blocks between KDA state checkpoints; None = auto (memory.py)
+    cache_memory_bytes: int | None = None   # both cache pools; None = 85% of free GPU memory / enough on CPU
+    seed: int = 0                           # engine RNG (requests without their own seed)
+
+    def __post_init__(self) -> None:
+        for name in ("max_num_seqs", "max_num_batched_tokens", "max_model_len", "block_size"):
+            value = getattr(self, name)
+            if not isinstance(value, int) or isinstance(value, bool) or value < 1:
+                raise ValueError(f"{name} must be a positive integer, got {value!r}")
+        if self.kda_checkpoint_interval is not None and (
+                not isinstance(self.kda_checkpoint_interval, int) or self.kda_checkpoint_interval < 1):
+            raise ValueError(f"kda_checkpoint_interval must be a positive integer or None (auto), "
+                             f"got {self.kda_checkpoint_interval!r}")
+        if self.cache_memory_bytes is not None and self.cache_memory_bytes <= 0:
+            raise ValueError(f"cache_memory_bytes must be positive or None (auto), got {self.cache_memory_bytes!r}")
+
+
+def default_cache_bytes(device: torch.device, wanted_bytes: int) -> int:
+    """85% of free GPU memory after loading the weights; on CPU what the limits can use (<= 4 GiB)."""
+    if device.type == "cuda":
+        free, _ = torch.cuda.mem_get_info(device)
+        return int(free * 0.85)
+    return min(wanted_bytes, 4 << 30)

@@ -1,0 +1,36 @@
+"""Output text of one generated sequence: incremental decoding plus stop-string matching.
+
+Decoding is the tokenizer's own streaming detokenizer (``tokenizer.detokenizer(skip_special_tokens)``
+with ``feed(ids) -> str``), which never emits half a UTF-8 character; only the text tail is searched
+for stop strings, so each step costs O(1) in the output length.
+"""
+
+from __future__ import annotations
+
+
+class OutputText:
+    def __init__(self, tokenizer, stop: tuple[str, ...], skip_special_tokens: bool):
+        self.stream = tokenizer.detokenizer(skip_special_tokens=skip_special_tokens)
+        self.stop = stop
+        self.text = ""
+        self.holdback = max((len(s) for s in stop), default=1) - 1   # chars that may begin a stop string
+
+    def add(self, token_id: int) -> str | None:
+        """Append a token; returns the stop string if the text now holds one (the text is cut before it)."""
+        delta = self.stream.feed([token_id])
+        if not delta:
+            return None
+        start = max(0, len(self.text) - self.holdback)
+        self.text += delta
+        hits = [(i, s) for s in self.stop if (i := self.text.find(s, start)) >= 0]
+        if not hits:
+            return None
+        i, s = min(hits)
+        self.text = self.text[:i]
+        return s
+
+    def visible(self, finished: bool) -> str:
+        """Text safe to stream: while running, withhold a tail that might begin a stop string."""
+        if finished or not self.holdback:
+            return self.text
+        return self.text[:max(0, len(self.text) - self.holdback)]

@@ -1,0 +1,151 @@
+"""Hybrid cache manager: who holds which latent blocks and KDA state slots, and the prefix cache.
+
+Prefix caching for the hybrid model (spec token-mixers §3.3): reusing a prefix needs its MLA
+latents (the cached blocks) *and* the KDA state right after it. States are kept only at block
+boundaries that are multiples of ``checkpoint_interval`` blocks, snapshotted by the model when a
+step crosses or ends on such a boundary (``StateCheckpoint``). A hit therefore is clamped to the
+last matched boundary with a checkpoint, and it never covers the whole sequence: at least one
+token is always computed so the step yields logits. Evicting a block drops its checkpoint.
+
+Answers are "fits or None": nothing is changed when a request does not fit.
+"""
+
+from __future__ import annotations
+
+from collections import OrderedDict
+from dataclasses import dataclass
+
+from kimik3.engine.block_pool import BlockPool
+from kimik3.engine.memory import MemoryPlan
+from kimik3.engine.request import Request
+
+
+@dataclass(frozen=True)
+class Admission:
+    num_hit_tokens: int          # tokens reused from the prefix cache (a multiple of the block size)
+    restore_from: int | None     # checkpoint slot to copy into the request's live slot, None = zero state
+
+
+class KVCacheManager:
+    def __init__(self, plan: MemoryPlan, enable_prefix_caching: bool):
+        self.plan = plan
+        self.block_size = plan.block_size
+        self.interval = plan.checkpoint_interval if enable_prefix_caching else None
+        self.enable_prefix_caching = enable_prefix_caching and self.interval is not None
+        self.blocks = BlockPool(plan.num_blocks, on_evict=self._drop_checkpoint)
+        live = range(1, plan.num_live_slots + 1)
+        self.free_live_slots = list(reversed(live))
+        self.free_checkpoint_slots = list(reversed(range(plan.num_live_slots + 1, plan.num_slots)))
+        self.checkpoints: OrderedDict[bytes, int] = OrderedDict()   # block hash -> slot, LRU first
+        self.num_hit_tokens = 0
+        self.num_queried_tokens = 0
+
+    # ---- prefix cache ----------------------------------------------------------------
+    def _match(self, req: Request) -> tuple[int, list[int]]:
+        """Longest usable cached prefix of ``req``: (blocks, their ids), clamped to a checkpoint."""
+        if not self.enable_prefix_caching:
+            return 0, []
+        matched: list[int] = []
+        for h in req.block_hashes[:(req.num_tokens - 1) // self.block_size]:
+            block = self.blocks.lookup(h)
+            if block is None:
+                break
+            matched.append(block)
+        n = len(matched) - len(matched) % self.interval
+        while n > 0 and req.block_hashes[n - 1] not in self.checkpoints:
+            n -= self.interval
+        return n, matched[:n]
+
+    def cache_blocks(self, req: Request) -> None:
+        """Register the request's full computed blocks (called after the step that computed them)."""
+        if not self.enable_prefix_caching:
+            return
+        full = min(req.num_computed_tokens // self.block_size, len(req.block_hashes))
+        for i in range(req.num_cached_blocks, full):
+            self.blocks.cache(req.block_ids[i], req.block_hashes[i])
+        req.num_cached_blocks = max(req.num_cached_blocks, full)
+
+    def checkpoint_boundaries(self, start: int, end: int) -> list[int]:
+        """Block indices j (boundary at j*block_size tokens) in (start, end] that take a checkpoint."""
+        if not self.enable_prefix_caching:
+            return []
+        step = self.interval * self.block_size
+        first = (start // step + 1) * step
+        return [p // self.block_size for p in range(first, end + 1, step)]
+
+    def take_checkpoint_slot(self, h: bytes) -> int | None:
+        """A slot to snapshot the state after block hash ``h`` into; None if it is already kept."""
+        if h in self.checkpoints:
+            self.checkpoints.move_to_end(h)
+            return None
+        if self.free_checkpoint_slots:
+            return self.free_checkpoint_slots.pop()
+        if self.checkpoints:
+            _, slot = self.checkpoints.popitem(last=False)
+            return slot
+        return None
+
+    def commit_checkpoint(self, h: bytes, slot: int) -> None:
+        """The step ran: keep the snapshot if its block is cached and no other snapshot won."""
+        if h in self.checkpoints or self.blocks.lookup(h) is None:
+            self.free_checkpoint_slots.append(slot)
+        else:
+            self.checkpoints[h] = slot
+
+    def _drop_checkpoint(self, h: bytes) -> None:
+        slot = self.checkpoints.pop(h, None)
+        if slot is not None:
+            self.free_checkpoint_slots.append(slot)
+
+    # ---- allocation ------------------------------------------------------------------
+    def _blocks_needed(self, req: Request, num_new_tokens: int, have: int) -> int:
+        return max(0, -(-(req.num_computed_tokens + num_new_tokens) // self.block_size) - have)
+
+    def admit(self, req: Request, num_new_tokens: int) -> Admission | None:
+        """Give a waiting request a state slot and blocks for its first ``num_new_tokens`` tokens
+        after any prefix hit (``num_new_tokens`` is capped so at least one token is computed)."""
+        assert req.num_computed_tokens == 0 and not req.block_ids and req.state_slot == 0
+        if not self.free_live_slots:
+            return None
+        n_hit, hit_blocks = self._match(req)
+        hit_tokens = n_hit * self.block_size
+        num_new_tokens = min(num_new_tokens, req.num_tokens - hit_tokens)
+        need = -(-(hit_tokens + num_new_tokens) // self.block_size) - n_hit
+        reclaim = sum(1 for b in hit_blocks if self.blocks.ref_counts[b] == 0)
+        if need > self.blocks.num_free - reclaim:
+            return None
+        for b in hit_blocks:
+            self.blocks.take(b)
+        req.block_ids = hit_blocks + [self.blocks.allocate() for _ in range(need)]
+        req.state_slot = self.free_live_slots.pop()
+        req.num_computed_tokens = hit_tokens
+        req.num_cached_blocks = n_hit
+        restore = None
+        if n_hit:
+            h = req.block_hashes[n_hit - 1]
+            self.checkpoints.move_to_end(h)
+            restore = self.checkpoints[h]
+        self.num_queried_tokens += req.num_tokens
+        self.num_hit_tokens += hit_tokens
+        return Admission(hit_tokens, restore)
+
+    def allocate(self, req: Request, num_new_tokens: int) -> bool:
+        """Grow a running request's block table to hold ``num_new_tokens`` more tokens; False if no room."""
+        need = self._blocks_needed(req, num_new_tokens, len(req.block_ids))
+        if need > self.blocks.num_free:
+            return False
+        req.block_ids.extend(self.blocks.allocate() for _ in range(need))
+        return True
+
+    def free(self, req: Request) -> None:
+        """Return everything the request holds (its cached blocks stay reusable until evicted)."""
+        self.blocks.release(req.block_ids)
+        req.block_ids = []
+        req.num_cached_blocks = 0
+        if req.state_slot:
+            self.free_live_slots.append(req.state_slot)
+            req.state_slot = 0
+
+    @property
+    def prefix_hit_rate(self) -> float:
+        return self.num_hit_tokens / max(self.num_queried_tokens, 1)

@@ -1,0 +1,254 @@
+"""LLMEngine: the streaming core. add_request / abort_request / step, one forward per step.
+
+One loop: ``Scheduler.schedule`` -> ``ModelRunner.execute`` -> ``Scheduler.update`` -> append tokens,
+check stops, emit deltas. Not thread-safe: a server drives it from one loop and forwards aborts there.
+"""
+
+from __future__ import annotations
+
+import logging
+import time
+from dataclasses import dataclass, field
+
+import torch
+
+from kimik3.engine.config import EngineConfig, default_cache_bytes
+from kimik3.engine.detokenizer import OutputText
+from kimik3.engine.kv_cache import KVCacheManager
+from kimik3.engine.memory import MemoryPlan, default_checkpoint_interval, max_blocks_per_seq, plan_memory
+from kimik3.engine.request import CompletionOutput, Request, RequestOutput, RequestStatus
+from kimik3.engine.runner import ModelRunner
+from kimik3.engine.sampling_params import SamplingParams
+from kimik3.engine.scheduler import Scheduler
+from kimik3.model.batch import HybridCache
+
+logger = logging.getLogger(__name__)
+
+_NO_TOKENIZER = object()
+
+
+@dataclass
+class _Group:
+    """The n samples of one user request."""
+
+    request_id: str
+    prompt: str | None
+    children: list[Request]
+    sent_final: set[int] = field(default_factory=set)
+
+
+class LLMEngine:
+    def __init__(self, model, config: EngineConfig | None = None, tokenizer=None,
+                 tokenizer_path: str | None = None):
+        self.model = model
+        self.config = config = config or EngineConfig()
+        text = model.config.text
+        self.vocab_size = text.vocab_size
+        self.eos_token_id = text.eos_token_id
+        self.device = torch.device(model.device)
+        dtype = model.dtype
+        interval = None
+        if config.enable_prefix_caching:
+            interval = config.kda_checkpoint_interval or default_checkpoint_interval(text, config.block_size, dtype)
+        budget = config.cache_memory_bytes
+        if budget is None:
+            per_seq = max_blocks_per_seq(config.max_model_len, config.block_size)
+            wanted = (config.max_num_seqs * (per_seq + (per_seq // interval if interval else 0)) + 2) * (
+                HybridCache.bytes_per_block(text, config.block_size, dtype) + HybridCache.bytes_per_slot(text, dtype))
+            budget = default_cache_bytes(self.device, wanted)
+        self.plan: MemoryPlan = plan_memory(text, budget, config.block_size, config.max_num_seqs, interval, dtype)
+        need = max_blocks_per_seq(config.max_model_len, config.block_size)
+        if need > self.plan.num_usable_blocks:
+            raise ValueError(
+                f"max_model_len={config.max_model_len} needs {need} cache blocks of {config.block_size} tokens, but "
+                f"cache_memory_bytes={budget} holds {self.plan.num_usable_blocks} ({self.plan.describe()}); "
+                f"raise cache_memory_bytes or lower max_model_len to {self.plan.max_cached_tokens}")
+        logger.info(self.plan.describe())
+        self.cache = HybridCache.allocate(text, self.plan.num_slots, self.plan.num_blocks, config.block_size,
+                                          dtype, self.device)
+        self.kv = KVCacheManager(self.plan, config.enable_prefix_caching)
+        self.scheduler = Scheduler(self.kv, config.max_num_seqs, config.max_num_batched_tokens)
+        self.runner = ModelRunner(model, self.cache, config.seed)
+        self._tokenizer = tokenizer
+        self._tokenizer_path = tokenizer_path
+        self.groups: dict[str, _Group] = {}
+        self._aborted: list[_Group] = []
+
+    # ---- tokenizer (loaded on first use) -------------------------------------------------
+    def get_tokenizer(self, required: bool = False):
+        if self._tokenizer is None:
+            try:
+                from kimik3.tokenizer import load_tokenizer
+                self._tokenizer = load_tokenizer(self._tokenizer_path)
+            except Exception as e:  # no tokenizer files (tiny test checkpoints) or module not there yet
+                logger.info("no tokenizer at %s (%s): outputs carry token ids only", self._tokenizer_path, e)
+                self._tokenizer = _NO_TOKENIZER
+                self._tokenizer_error = e
+        if self._tokenizer is _NO_TOKENIZER:
+            if required:
+                raise ValueError(f"this needs a tokenizer, but none could be loaded from {self._tokenizer_path} "
+                                 f"({self._tokenizer_error}); pass {{'prompt_token_ids': [...]}} prompts and "
+                                 f"stop_token_ids instead of text")
+            return None
+        return self._tokenizer
+
+    # ---- requests --------------------------------------------------------------------------
+    def add_request(self, request_id: str, prompt, params: SamplingParams | None = None,
+                    arrival_time: float | None = None) -> None:
+        """Queue a request; raises ValueError (and changes nothing) if it can never run."""
+        params = params or SamplingParams()
+        if request_id in self.groups:
+            raise ValueError(f"request_id {request_id!r} is already in use; pick a unique id")
+        text, ids = self.check_request(prompt, params)
+        arrival = time.monotonic() if arrival_time is None else arrival_time
+        tok = self.get_tokenizer() if params.detokenize else None
+        children = []
+        for i in range(params.n):
+            gen = None
+            if params.seed is not None:
+                gen = torch.Generator(device=self.device)
+                gen.manual_seed(params.seed + i)
+            req = Request(request_id if params.n == 1 else f"{request_id}#{i}", ids, params, arrival, gen,
+                          self.eos_token_id, self.config.block_size, group_id=request_id)
+            if tok is not None:
+                req.detok = OutputText(tok, params.stop_strings, params.skip_special_tokens)
+            children.append(req)
+            self.scheduler.add(req)
+        self.groups[request_id] = _Group(request_id, text, children)
+
+    def check_request(self, prompt, params: SamplingParams) -> tuple[str | None, list[int]]:
+        """Validate a request without queueing it: (prompt text, prompt token ids), or ValueError."""
+        text, ids = self._prompt_ids(prompt)
+        self._validate(ids, params)
+        return text, ids
+
+    def _prompt_ids(self, prompt) -> tuple[str | None, list[int]]:
+        if isinstance(prompt, str):
+            if not prompt:
+                raise ValueError("prompt is empty; give at least one token")
+            return prompt, list(self.get_tokenizer(required=True).encode(prompt))
+        if isinstance(prompt, dict) and "prompt_token_ids" in prompt:
+            ids = prompt["prompt_token_ids"]
+            if not isinstance(ids, (list, tuple)) or not all(isinstance(t, int) and not isinstance(t, bool)
+                                                              for t in ids):
+                raise ValueError(f"prompt_token_ids must be a list of ints, got {type(ids).__name__}")
+            return prompt.get("prompt"), list(ids)
+        raise ValueError(f"a prompt is a string or {{'prompt_token_ids': [...]}}, got {type(prompt).__name__}")
+
+    def _validate(self, ids: list[int], params: SamplingParams) -> None:
+        if not ids:
+            raise ValueError("prompt is empty (0 tokens); give at least one token")
+        bad = [t for t in ids if not 0 <= t < self.vocab_size]
+        if bad:
+            raise ValueError(f"prompt token ids {bad[:5]} lie outside the vocabulary [0, {self.vocab_size})")
+        if len(ids) > self.config.max_model_len:
+            raise ValueError(f"prompt has {len(ids)} tokens, more than max_model_len={self.config.max_model_len}; "
+                             f"shorten it or raise max_model_len")
+        bad = [t for t in params.stop_token_ids if t >= self.vocab_size]
+        if bad:
+            raise ValueError(f"stop_token_ids {bad} lie outside the vocabulary [0, {self.vocab_size}); "
+                             f"remove them")
+        if params.stop_strings:
+            if not params.detokenize:
+                raise ValueError(f"stop strings {params.stop_strings} need detokenize=True")
+            self.get_tokenizer(required=True)
+
+    def abort_request(self, request_id: str) -> None:
+        """Stop a request now and free its memory; its final delta (finish_reason "abort") comes from step()."""
+        group = self.groups.get(request_id)
+        if group is None:
+            return
+        for req in group.children:
+            if not req.is_finished:
+                self.scheduler.finish(req, "abort")
+        self._aborted.append(group)
+
+    def has_unfinished_requests(self) -> bool:
+        return self.scheduler.has_unfinished() or bool(self._aborted)
+
+    # ---- one step ----------------------------------------------------------------------------
+    def step(self) -> list[RequestOutput]:
+        """Run one forward step; returns a delta for every request that produced tokens or finished."""
+        touched: dict[str, _Group] = {g.request_id: g for g in self._aborted}
+        self._aborted = []
+        out = self.scheduler.schedule()
+        if out.is_empty:
+            if self.scheduler.has_unfinished():
+                raise RuntimeError(f"scheduler found nothing to run with {len(self.scheduler.waiting)} waiting "
+                                   f"requests; the cache plan cannot hold one chunk ({self.plan.describe()})")
+            return self._deltas(touched)
+        result = self.runner.execute(out)
+        self.scheduler.update(out)
+        now = time.monotonic()
+        sampling = [c.req for c in out.chunks if c.samples]
+        for req, token, lp in zip(sampling, result.token_ids, result.logprobs):
+            req.append_token(token)
+            if req.first_token_time is None:
+                req.first_token_time = now
+            if req.params.logprobs is not None:
+                req.logprobs.append(lp)
+            reason = self._check_stop(req, token)
+            if reason is not None:
+                self.scheduler.finish(req, reason)
+                req.finish_time = now
+            touched[req.group_id] = self.groups[req.group_id]
+        return self._deltas(touched)
+
+    def _check_stop(self, req: Request, token: int) -> str | None:
+        p = req.params
+        if token in p.stop_token_ids:
+            req.stop_reason = token
+            return "stop"
+        if token == req.eos_token_id and not p.ignore_eos:
+            req.stop_reason = token
+            return "stop"
+        if req.detok is not None:
+            hit = req.detok.add(token)
+            if hit is not None:
+                req.stop_reason = hit
+                return "stop"
+        if req.num_output_tokens >= p.max_tokens or req.num_tokens >= self.config.max_model_len:
+            return "length"
+        return None
+
+    def _deltas(self, groups: dict[str, _Group]) -> list[RequestOutput]:
+        outs = []
+        for g in groups.values():
+            completions = []
+            for i, req in enumerate(g.children):
+                if i in g.sent_final:
+                    continue
+                n_out = req.num_output_tokens
+                done = req.is_finished
+                if n_out == req.num_sent_tokens and not done:
+                    continue
+                text = req.detok.visible(done) if req.detok is not None else ""
+                completions.append(CompletionOutput(
+                    index=i, text=text[req.num_sent_chars:],
+                    token_ids=req.output_token_ids[req.num_sent_tokens:],
+                    logprobs=req.logprobs[req.num_sent_tokens:] if req.params.logprobs is not None else None,
+                    finish_reason=req.finish_reason, stop_reason=req.stop_reason))
+                req.num_sent_tokens, req.num_sent_chars = n_out, len(text)
+                if done:
+                    g.sent_final.add(i)
+            finished = len(g.sent_final) == len(g.children)
+            if completions or finished:
+                outs.append(RequestOutput(g.request_id, g.prompt, g.children[0].prompt_token_ids, completions,
+                                          finished, self._metrics(g) if finished else {}))
+            if finished:
+                self.groups.pop(g.request_id, None)
+        return outs
+
+    def _metrics(self, g: _Group) -> dict[str, float]:
+        first = [r.first_token_time for r in g.children if r.first_token_time is not None]
+        arrival = g.children[0].arrival
+        end = max(r.finish_time or time.monotonic() for r in g.children)
+        n_out = sum(r.num_output_tokens for r in g.children)
+        m = {"arrival_time": arrival, "e2e_s": end - arrival, "num_output_tokens": float(n_out),
+             "num_preemptions": float(sum(r.num_preemptions for r in g.children)),
+             "num_prefix_hit_tokens": float(sum(r.num_prefix_hit_tokens for r in g.children))}
+        if first:
+            m["ttft_s"] = min(first) - arrival
+            if n_out > len(g.children):
+                m["tpot_s"] = (end - min(first)) / max(n_out / len(g.children) - 1, 1)
+        return m

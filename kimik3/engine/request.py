@@ -1,0 +1,135 @@
+"""A request as the scheduler sees it, and the results handed back to the caller.
+
+The scheduling idea (vLLM's): a request holds ``num_tokens`` tokens (prompt + generated) of which
+``num_computed_tokens`` are in the cache. Each step hands it some of the difference; when the two
+meet, the last row's logits give the next token. Prefill, chunked prefill, prefix hits, decode and
+recompute after preemption are all this one rule.
+"""
+
+from __future__ import annotations
+
+import enum
+import hashlib
+from array import array
+from dataclasses import dataclass, field
+
+import torch
+
+from kimik3.engine.sampling_params import SamplingParams
+
+
+class RequestStatus(enum.Enum):
+    WAITING = "waiting"
+    RUNNING = "running"
+    FINISHED = "finished"
+
+
+def block_hash(parent: bytes | None, token_ids: list[int], extra_key: bytes | None = None) -> bytes:
+    """Hash of a full block: the whole prefix up to it (parent hash) + its tokens (+ image content key)."""
+    h = hashlib.blake2b(digest_size=16)
+    h.update(parent or b"root")
+    h.update(array("q", token_ids).tobytes())
+    if extra_key is not None:
+        h.update(b"extra")
+        h.update(extra_key)
+    return h.digest()
+
+
+@dataclass
+class Request:
+    request_id: str
+    prompt_token_ids: list[int]
+    params: SamplingParams
+    arrival: float
+    generator: torch.Generator | None = None   # per-request RNG (seeded sampling); None = engine RNG
+    eos_token_id: int | None = None
+    block_size: int = 16
+    extra_keys: list[bytes | None] | None = None   # per-block extra hash key (image content), or None
+    status: RequestStatus = RequestStatus.WAITING
+    token_ids: list[int] = field(default_factory=list)        # prompt + output
+    num_computed_tokens: int = 0
+    # Cache holdings (owned by the cache manager)
+    block_ids: list[int] = field(default_factory=list)
+    state_slot: int = 0                                         # 0 = none (slot 0 is the null slot)
+    block_hashes: list[bytes] = field(default_factory=list)     # one per full block of token_ids
+    num_cached_blocks: int = 0                                  # leading blocks registered in the prefix cache
+    # Results
+    logprobs: list[dict[int, float]] = field(default_factory=list)
+    finish_reason: str | None = None
+    stop_reason: int | str | None = None
+    first_token_time: float | None = None
+    finish_time: float | None = None
+    group_id: str = ""              # the user's request id (children of an n > 1 request share it)
+    num_preemptions: int = 0
+    num_prefix_hit_tokens: int = 0
+    text: str = ""
+    detok: object | None = None     # incremental detokenizer state (engine-owned)
+    num_sent_tokens: int = 0        # tokens already returned as deltas
+    num_sent_chars: int = 0
+
+    def __post_init__(self) -> None:
+        self.token_ids = list(self.prompt_token_ids)
+        self._extend_hashes()
+
+    @property
+    def num_prompt_tokens(self) -> int:
+        return len(self.prompt_token_ids)
+
+    @property
+    def num_tokens(self) -> int:
+        return len(self.token_ids)
+
+    @property
+    def output_token_ids(self) -> list[int]:
+        return self.token_ids[self.num_prompt_tokens:]
+
+    @property
+    def num_output_tokens(self) -> int:
+        return len(self.token_ids) - len(self.prompt_token_ids)
+
+    @property
+    def is_finished(self) -> bool:
+        return self.status is RequestStatus.FINISHED
+
+    def append_token(self, token_id: int) -> None:
+        self.token_ids.append(token_id)
+        if len(self.token_ids) % self.block_size == 0:
+            self._extend_hashes()
+
+    def _extend_hashes(self) -> None:
+        bs = self.block_size
+        for i in range(len(self.block_hashes), len(self.token_ids) // bs):
+            parent = self.block_hashes[-1] if self.block_hashes else None
+            extra = self.extra_keys[i] if self.extra_keys and i < len(self.extra_keys) else None
+            self.block_hashes.append(block_hash(parent, self.token_ids[i * bs:(i + 1) * bs], extra))
+
+
+@dataclass
+class CompletionOutput:
+    """One of the ``n`` samples of a request (vLLM's shape)."""
+
+    index: int
+    text: str
+    token_ids: list[int]
+    logprobs: list[dict[int, float]] | None     # per generated token: {token id: logprob}
+    finish_reason: str | None = None            # "stop", "length", "abort" or None while running
+    stop_reason: int | str | None = None        # the stop token id or stop string that ended it
+
+    @property
+    def finished(self) -> bool:
+        return self.finish_reason is not None
+
+
+@dataclass
+class RequestOutput:
+    """A request's result (from ``LLM.generate``) or a streamed delta (from ``LLMEngine.step``).
+
+    Deltas carry only the tokens/text produced since the previous delta of the same sample.
+    """
+
+    request_id: str
+    prompt: str | None
+    prompt_token_ids: list[int]
+    outputs: list[CompletionOutput]
+    finished: bool
+    metrics: dict[str, float] = field(default_factory=dict)

@@ -1,0 +1,148 @@
+"""Batched sampling on tensors: penalties, temperature, min-p, top-k, top-p, per-request generators.
+
+Rows are the sequences that produce a token this step. Every transform is a tensor op over
+[n, vocab]; the only per-row Python work is drawing the noise of seeded requests from their own
+generator, which is what makes a seeded request's tokens independent of the batch it lands in.
+"""
+
+from __future__ import annotations
+
+from dataclasses import dataclass
+
+import torch
+
+from kimik3.engine.sampling_params import SamplingParams
+
+
+@dataclass
+class SamplingBatch:
+    """Per-row sampling settings for one step, as device tensors (n rows)."""
+
+    temperature: torch.Tensor           # [n] fp32, 1.0 on greedy rows (they use argmax)
+    greedy: torch.Tensor                # [n] bool
+    top_k: torch.Tensor | None          # [n] int64 (vocab = off), None when no row uses it
+    top_p: torch.Tensor | None          # [n] fp32
+    min_p: torch.Tensor | None          # [n] fp32
+    presence: torch.Tensor | None       # [n] fp32, None when no row has any penalty
+    frequency: torch.Tensor | None
+    repetition: torch.Tensor | None
+    prompt_ids: torch.Tensor | None     # [n, P] int64 padded with vocab (for repetition penalty)
+    output_ids: torch.Tensor | None     # [n, O] int64 padded with vocab
+    generators: list[torch.Generator | None]
+    num_logprobs: list[int | None]
+    all_greedy: bool
+
+    @staticmethod
+    def build(params: list[SamplingParams], generators: list[torch.Generator | None],
+              prompt_ids: list[list[int]], output_ids: list[list[int]], vocab_size: int,
+              device: torch.device | str) -> SamplingBatch:
+        f32 = dict(dtype=torch.float32, device=device)
+        greedy = [p.greedy for p in params]
+        penal = any(p.has_penalties for p in params)
+
+        def col(values, default, **kw):
+            return None if all(v == default for v in values) else torch.tensor(values, **kw)
+
+        def padded(rows: list[list[int]]) -> torch.Tensor:
+            width = max(1, max(len(r) for r in rows))
+            t = torch.full((len(rows), width), vocab_size, dtype=torch.int64)
+            for i, r in enumerate(rows):
+                if r:
+                    t[i, :len(r)] = torch.tensor(r, dtype=torch.int64)
+            return t.to(device)
+
+        return SamplingBatch(
+            temperature=torch.tensor([1.0 if g else p.temperature for p, g in zip(params, greedy)], **f32),
+            greedy=torch.tensor(greedy, dtype=torch.bool, device=device),
+            top_k=col([vocab_size if p.top_k < 0 else min(p.top_k, vocab_size) for p in params], vocab_size,
+                      dtype=torch.int64, device=device),
+            top_p=col([p.top_p for p in params], 1.0, **f32),
+            min_p=col([p.min_p for p in params], 0.0, **f32),
+            presence=torch.tensor([p.presence_penalty for p in params], **f32) if penal else None,
+            frequency=torch.tensor([p.frequency_penalty for p in params], **f32) if penal else None,
+            repetition=torch.tensor([p.repetition_penalty for p in params], **f32) if penal else None,
+            prompt_ids=padded(prompt_ids) if penal else None,
+            output_ids=padded(output_ids) if penal else None,
+            generators=generators,
+            num_logprobs=[p.logprobs for p in params],
+            all_greedy=all(greedy),
+        )
+
+
+def apply_penalties(logits: torch.Tensor, b: SamplingBatch) -> torch.Tensor:
+    """Repetition (HF: prompt + output ids), then presence/frequency (OpenAI: output ids)."""
+    n, vocab = logits.shape
+    counts = torch.zeros(n, vocab + 1, dtype=torch.float32, device=logits.device)
+    counts.scatter_add_(1, b.output_ids, torch.ones_like(b.output_ids, dtype=torch.float32))
+    counts = counts[:, :vocab]
+    seen = torch.zeros(n, vocab + 1, dtype=torch.bool, device=logits.device)
+    seen.scatter_(1, b.prompt_ids, True)
+    seen = seen[:, :vocab] | (counts > 0)
+    rep = b.repetition[:, None]
+    logits = torch.where(seen, torch.where(logits > 0, logits / rep, logits * rep), logits)
+    return logits - b.frequency[:, None] * counts - b.presence[:, None] * (counts > 0).float()
+
+
+def filter_logits(logits: torch.Tensor, b: SamplingBatch) -> torch.Tensor:
+    """Temperature, then min-p, top-k, top-p; removed tokens get -inf."""
+    logits = logits / b.temperature[:, None]
+    if b.min_p is not None:
+        probs = logits.softmax(-1)
+        floor = b.min_p[:, None] * probs.max(-1, keepdim=True).values
+        logits = logits.masked_fill(probs < floor, float("-inf"))
+    if b.top_k is None and b.top_p is None:
+        return logits
+    sorted_logits, order = logits.sort(-1, descending=True)
+    if b.top_k is not None:
+        rank = torch.arange(logits.shape[-1], device=logits.device)
+        sorted_logits = sorted_logits.masked_fill(rank[None, :] >= b.top_k[:, None], float("-inf"))
+    if b.top_p is not None:
+        probs = sorted_logits.softmax(-1)
+        before = probs.cumsum(-1) - probs     # mass of the more likely tokens; the top token always stays
+        sorted_logits = sorted_logits.masked_fill(before >= b.top_p[:, None], float("-inf"))
+    return torch.full_like(logits, float("-inf")).scatter(-1, order, sorted_logits)
+
+
+def draw(probs: torch.Tensor, generators: list[torch.Generator | None],
+         default: torch.Generator | None) -> torch.Tensor:
+    """Exponential-race sampling (argmax p/q, q ~ Exp(1)): one tensor op and no host sync."""
+    q = torch.empty_like(probs)
+    q.exponential_(generator=default)
+    for i, g in enumerate(generators):
+        if g is not None:
+            q[i].exponential_(generator=g)
+    return (probs / q.clamp_(min=1e-20)).argmax(-1)
+
+
+@dataclass
+class SamplerOutput:
+    token_ids: list[int]
+    logprobs: list[dict[int, float] | None]
+
+
+def sample(logits: torch.Tensor, b: SamplingBatch, default_generator: torch.Generator | None = None) -> SamplerOutput:
+    """logits [n, vocab] fp32 -> one token per row (+ logprobs of the raw model distribution)."""
+    raw = logits
+    if b.presence is not None:
+        logits = apply_penalties(logits, b)
+    greedy_tokens = logits.argmax(-1)
+    if b.all_greedy:
+        tokens = greedy_tokens
+    else:
+        probs = filter_logits(logits, b).softmax(-1)
+        tokens = torch.where(b.greedy, greedy_tokens, draw(probs, b.generators, default_generator))
+    token_list = tokens.tolist()
+    logprobs: list[dict[int, float] | None] = [None] * len(token_list)
+    wanted = [k for k in b.num_logprobs if k is not None]
+    if wanted:
+        lp = raw.log_softmax(-1)
+        k = min(max(wanted), lp.shape[-1])
+        top_vals, top_ids = lp.topk(k, -1) if k else (lp[:, :0], lp[:, :0].long())
+        chosen = lp.gather(-1, tokens[:, None])[:, 0]
+        top_vals, top_ids, chosen = top_vals.tolist(), top_ids.tolist(), chosen.tolist()
+        for i, n_top in enumerate(b.num_logprobs):
+            if n_top is not None:
+                d = {token_list[i]: chosen[i]}
+                d.update((t, v) for t, v in zip(top_ids[i][:n_top], top_vals[i][:n_top]) if t not in d)
+                logprobs[i] = d
+    return SamplerOutput(token_list, logprobs)
