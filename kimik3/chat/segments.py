@@ -1,0 +1,44 @@
+"""The unit both chat renderers produce: a piece of prompt text plus whether it may become special ids."""
+
+from __future__ import annotations
+
+from dataclasses import dataclass
+
+
+@dataclass(frozen=True)
+class Segment:
+    """One piece of a rendered prompt.
+
+    ``special=True`` marks a control segment (XTML markers, role tokens, image prompts): it is
+    encoded with special tokens recognised. Everything taken from messages is ``special=False`` and
+    encoded as plain text, so a user typing ``<|open|>`` never yields the special id. Each segment is
+    BPE-encoded on its own (no merges across a boundary).
+    """
+
+    text: str
+    special: bool = False
+
+
+@dataclass(frozen=True)
+class ImagePrompt:
+    """What the renderer needs to know about one image: its original size (pixels, before any resize)
+    and how many ``<|media_pad|>`` ids to emit for it.
+
+    ``num_pad_tokens`` is N from the vision processor's token count when the engine scatters one
+    embedding row per pad (the vLLM layout), or 1 to reproduce the official processor's prompt (one pad,
+    expanded inside the model).
+    """
+
+    width: int
+    height: int
+    num_pad_tokens: int
+
+    def __post_init__(self) -> None:
+        for key in ("width", "height", "num_pad_tokens"):
+            value = getattr(self, key)
+            if not isinstance(value, int) or isinstance(value, bool) or value < 1:
+                raise ValueError(f"ImagePrompt.{key} must be a positive int, got {value!r}")
+
+
+def join_segments(segments: list[Segment]) -> str:
+    return "".join(s.text for s in segments)
