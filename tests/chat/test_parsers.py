@@ -1,0 +1,227 @@
+"""K3 output parsing: fixed examples, then fuzzing (random, truncated, re-chunked inputs)."""
+
+import json
+import logging
+
+import pytest
+from hypothesis import HealthCheck, given, settings
+from hypothesis import strategies as st
+
+from kimik3.chat import K3OutputParser, ToolCall, parse_k3_output, render_k3
+
+FULL = (
+    "Need two lookups.<|close|>think<|sep|><|open|>response<|sep|>Checking.<|close|>response<|sep|>"
+    "<|open|>tools<|sep|>"
+    '<|open|>call tool="get_weather" index="1"<|sep|>'
+    '<|open|>argument key="city" type="string"<|sep|>Paris<|close|>argument<|sep|>'
+    '<|open|>argument key="days" type="number"<|sep|>1e2<|close|>argument<|sep|><|close|>call<|sep|>'
+    '<|open|>call tool="search" index="2"<|sep|>'
+    '<|open|>argument key="q" type="string"<|sep|>a "quoted" <b><|close|>argument<|sep|>'
+    '<|open|>argument key="opts" type="object"<|sep|>{"n": [1, true, null]}<|close|>argument<|sep|>'
+    '<|open|>argument key="exact" type="boolean"<|sep|>false<|close|>argument<|sep|><|close|>call<|sep|>'
+    '<|open|>call tool="raw" index="3"<|sep|><|open|>json type="object"<|sep|>not json {<|close|>json<|sep|>'
+    "<|close|>call<|sep|>"
+    "<|close|>tools<|sep|><|close|>message<|sep|><|end_of_msg|>"
+)
+FULL_CALLS = [
+    ToolCall("get_weather", '{"city": "Paris", "days": 1e2}', 0),
+    ToolCall("search", '{"q": "a \\"quoted\\" <b>", "opts": {"n": [1, true, null]}, "exact": false}', 1),
+    ToolCall("raw", "not json {", 2),
+]
+
+
+def test_full_message():
+    out = parse_k3_output(FULL)
+    assert out.reasoning_content == "Need two lookups."
+    assert out.content == "Checking."
+    assert out.tool_calls == FULL_CALLS
+    assert json.loads(out.tool_calls[1].arguments) == {"q": 'a "quoted" <b>', "opts": {"n": [1, True, None]},
+                                                       "exact": False}
+
+
+def test_plain_answer_and_non_thinking():
+    out = parse_k3_output("hmm<|close|>think<|sep|><|open|>response<|sep|>Hi!<|close|>response<|sep|>"
+                          "<|close|>message<|sep|>")
+    assert (out.reasoning_content, out.content, out.tool_calls) == ("hmm", "Hi!", [])
+    out = parse_k3_output("Hi!<|close|>response<|sep|><|close|>message<|sep|><|end_of_msg|>", thinking=False)
+    assert (out.reasoning_content, out.content, out.tool_calls) == (None, "Hi!", [])
+
+
+def test_think_open_in_output_is_consumed():
+    out = parse_k3_output("<|open|>think<|sep|>r<|close|>think<|sep|><|open|>response<|sep|>c")
+    assert (out.reasoning_content, out.content) == ("r", "c")
+
+
+def test_attribute_unescaping():
+    text = ('<|open|>response<|sep|><|close|>response<|sep|><|open|>tools<|sep|>'
+            '<|open|>call tool="a&quot;b&amp;c" index="1"<|sep|>'
+            '<|open|>argument key="k&amp;&quot;" type="string"<|sep|>v<|close|>argument<|sep|><|close|>call<|sep|>')
+    out = parse_k3_output(text, thinking=False)
+    assert out.tool_calls == [ToolCall('a"b&c', '{"k&\\"": "v"}', 0)]
+
+
+def test_streaming_deltas():
+    p = K3OutputParser()
+    assert p.feed("Let me").reasoning == "Let me"
+    d = p.feed(" think<|clo")
+    assert d.reasoning == " think" and not d.content  # "<|clo" held back: it may be a marker
+    d = p.feed("se|>think<|sep|><|open|>resp")
+    assert not d
+    d = p.feed("onse<|sep|>Answer <|open|>x")  # "<|open|>x" cannot end the response: emitted
+    assert d.content == "Answer <|open|>x"
+    d = p.feed('<|close|>response<|sep|><|open|>tools<|sep|><|open|>call tool="f" index="1"<|sep|>')
+    assert not d.tool_calls and not d.content
+    d = p.feed("<|close|>call<|sep|>")
+    assert d.tool_calls == [ToolCall("f", "{}", 0)]
+    assert not p.feed("<|close|>tools<|sep|><|close|>message<|sep|><|end_of_msg|>")
+    assert not p.finish()
+
+
+@pytest.mark.parametrize(
+    "text, content, calls",
+    [
+        # bad JSON in a typed argument: the call comes back as text
+        ('<|open|>call tool="f" index="1"<|sep|><|open|>argument key="n" type="number"<|sep|>12a'
+         '<|close|>argument<|sep|><|close|>call<|sep|>',
+         '<|open|>call tool="f" index="1"<|sep|><|open|>argument key="n" type="number"<|sep|>12a'
+         '<|close|>argument<|sep|><|close|>call<|sep|>', []),
+        # declared type does not match the value
+        ('<|open|>call tool="f"<|sep|><|open|>argument key="n" type="number"<|sep|>"1"<|close|>argument<|sep|>'
+         '<|close|>call<|sep|>',
+         '<|open|>call tool="f"<|sep|><|open|>argument key="n" type="number"<|sep|>"1"<|close|>argument<|sep|>'
+         '<|close|>call<|sep|>', []),
+        # unknown tool
+        ('<|open|>call tool="nope"<|sep|><|close|>call<|sep|><|open|>call tool="f"<|sep|><|close|>call<|sep|>',
+         '<|open|>call tool="nope"<|sep|><|close|>call<|sep|>', [ToolCall("f", "{}", 0)]),
+        # call never closed
+        ('<|open|>call tool="f"<|sep|><|open|>argument key="a" type="string"<|sep|>x',
+         '<|open|>call tool="f"<|sep|><|open|>argument key="a" type="string"<|sep|>x', []),
+        # garbage inside the tools section
+        ("oops<|close|>tools<|sep|>", "oops<|close|>tools<|sep|>", []),
+        # call without a name
+        ('<|open|>call index="1"<|sep|><|close|>call<|sep|>', '<|open|>call index="1"<|sep|><|close|>call<|sep|>', []),
+    ],
+    ids=["bad-json", "type-mismatch", "unknown-tool", "unclosed-call", "garbage", "no-name"],
+)
+def test_malformed_calls_become_content(caplog, text, content, calls):
+    prefix = "<|open|>response<|sep|><|close|>response<|sep|><|open|>tools<|sep|>"
+    with caplog.at_level(logging.WARNING, logger="kimik3.chat.parsers"):
+        out = parse_k3_output(prefix + text, thinking=False, tools=["f"])
+    assert out.content == content
+    assert out.tool_calls == calls
+    assert any(r.levelno == logging.WARNING for r in caplog.records)
+
+
+def test_unclosed_think_is_reasoning(caplog):
+    with caplog.at_level(logging.WARNING, logger="kimik3.chat.parsers"):
+        out = parse_k3_output("still thinking <|clo")
+    assert (out.reasoning_content, out.content) == ("still thinking <|clo", "")
+    assert "never closed" in caplog.text
+
+
+def test_text_after_end_is_content(caplog):
+    with caplog.at_level(logging.WARNING, logger="kimik3.chat.parsers"):
+        out = parse_k3_output("a<|close|>response<|sep|><|close|>message<|sep|><|end_of_msg|> more", thinking=False)
+    assert out.content == "a more"
+    assert "after the end" in caplog.text
+
+
+def test_response_without_channel_markers(caplog):
+    with caplog.at_level(logging.WARNING, logger="kimik3.chat.parsers"):
+        out = parse_k3_output("r<|close|>think<|sep|>plain answer")
+    assert (out.reasoning_content, out.content) == ("r", "plain answer")
+    assert caplog.records
+
+
+def test_feed_type_and_after_finish():
+    p = K3OutputParser()
+    with pytest.raises(TypeError, match="takes text"):
+        p.feed(b"x")
+    p.finish()
+    with pytest.raises(RuntimeError, match="after finish"):
+        p.feed("x")
+
+
+# ---- fuzzing --------------------------------------------------------------------------------------
+
+PIECES = [
+    "<|open|>", "<|close|>", "<|sep|>", "<|end_of_msg|>", "think", "response", "tools", "call", "argument",
+    "json", "message", ' tool="f"', ' index="1"', ' key="k"', ' type="string"', ' type="number"', ' type="object"',
+    "1", "{", "}", '"', "x", " ", "\n", "é", "😀", "<", "|", ">", "<|", "&quot;",
+]
+MARKUPISH = st.lists(st.sampled_from(PIECES), max_size=60).map("".join)
+
+
+def _parse_chunked(text, cuts, thinking):
+    p = K3OutputParser(thinking=thinking)
+    reasoning, content, calls = "", "", []
+    pos = 0
+    for c in sorted(set(cuts)):
+        c = min(c, len(text))
+        d = p.feed(text[pos:c])
+        reasoning, content, calls = reasoning + d.reasoning, content + d.content, calls + d.tool_calls
+        pos = max(pos, c)
+    for d in (p.feed(text[pos:]), p.finish()):
+        reasoning, content, calls = reasoning + d.reasoning, content + d.content, calls + d.tool_calls
+    return reasoning, content, calls
+
+
+def _one_shot(text, thinking):
+    out = parse_k3_output(text, thinking=thinking)
+    return out.reasoning_content or "", out.content, out.tool_calls
+
+
+@pytest.fixture(autouse=True)
+def _quiet_parser_warnings():
+    logging.getLogger("kimik3.chat.parsers").setLevel(logging.ERROR)
+    yield
+    logging.getLogger("kimik3.chat.parsers").setLevel(logging.NOTSET)
+
+
+@settings(max_examples=1500, deadline=None, suppress_health_check=[HealthCheck.too_slow])
+@given(st.one_of(MARKUPISH, st.text(max_size=80)), st.lists(st.integers(0, 200), max_size=8), st.booleans())
+def test_fuzz_chunking_never_changes_the_result(text, cuts, thinking):
+    assert _parse_chunked(text, cuts, thinking) == _one_shot(text, thinking)
+
+
+@settings(max_examples=1500, deadline=None)
+@given(MARKUPISH, st.booleans())
+def test_fuzz_no_text_is_lost(text, thinking):
+    # returned text never exceeds the input, and every call has a name and string arguments
+    reasoning, content, calls = _one_shot(text, thinking)
+    assert len(reasoning) + len(content) <= len(text)
+    assert all(call.name and isinstance(call.arguments, str) for call in calls)
+    assert [call.index for call in calls] == list(range(len(calls)))
+
+
+@pytest.mark.parametrize("thinking", [True, False], ids=["think", "no-think"])
+def test_every_truncation_of_a_full_message(thinking):
+    text = FULL if thinking else FULL[FULL.index("Checking."):]
+    for n in range(len(text) + 1):
+        reasoning, content, calls = _one_shot(text[:n], thinking)
+        assert calls == FULL_CALLS[: len(calls)]  # calls appear whole and in order, never half-parsed
+        assert _parse_chunked(text[:n], [n // 3, n // 2], thinking) == (reasoning, content, calls)
+    assert _one_shot(text, thinking)[2] == FULL_CALLS
+
+
+SAFE_TEXT = st.text(st.characters(blacklist_characters="<", blacklist_categories=("Cs",)), max_size=30)
+
+
+@settings(max_examples=400, deadline=None)
+@given(
+    SAFE_TEXT, SAFE_TEXT,
+    st.lists(st.tuples(st.sampled_from(["f", "g_2", 'we"ird&']),
+                       st.dictionaries(st.text(min_size=1, max_size=5).filter(lambda s: "<" not in s),
+                                       st.one_of(SAFE_TEXT, st.integers(), st.booleans(), st.none(),
+                                                 st.lists(st.integers(), max_size=3)), max_size=3)), max_size=3),
+    st.lists(st.integers(0, 400), max_size=5),
+)
+def test_render_then_parse_roundtrip(reasoning, content, calls, cuts):
+    msg = {"role": "assistant", "reasoning_content": reasoning, "content": content,
+           "tool_calls": [{"id": str(i), "function": {"name": n, "arguments": json.dumps(a)}}
+                          for i, (n, a) in enumerate(calls)]}
+    rendered = "".join(s.text for s in render_k3([msg], thinking_effort=None, add_generation_prompt=False))
+    generated = rendered[len('<|open|>message role="assistant"<|sep|><|open|>think<|sep|>'):]
+    r, c, got = _parse_chunked(generated, cuts, True)
+    assert (r, c) == (reasoning, content)
+    assert [(t.name, json.loads(t.arguments)) for t in got] == [(n, a) for n, a in calls]
