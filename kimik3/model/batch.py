@@ -94,7 +94,8 @@ class HybridCache:
     """Per-sequence inference state of the whole text model.
 
     kda_conv[l]  [num_slots, 3*P, W-1]  last W-1 raw (pre-conv) q|k|v projections, oldest first
-    kda_state[l] [num_slots, H, V, K]   fp32 recurrent state, V-first (fla ``state_v_first=True``)
+    kda_state[l] [num_slots, H, V, K]   fp32 recurrent state (fp64 for a float64 model), V-first
+                                        (fla ``state_v_first=True``)
     mla_latent[l] [num_blocks, block_size, D_c]  normalised c_kv (kv_lora_rank) | k_pe (rope dim)
     """
 
@@ -112,7 +113,7 @@ class HybridCache:
         conv = torch.zeros(len(kda), num_slots, 3 * k.num_heads * k.head_dim, k.conv_size - 1,
                            dtype=dtype, device=device)
         state = torch.zeros(len(kda), num_slots, k.num_heads, k.head_dim, k.head_dim,
-                            dtype=torch.float32, device=device)
+                            dtype=torch.promote_types(dtype, torch.float32), device=device)
         latent = torch.zeros(len(mla), num_blocks, block_size, text_cfg.mla_cache_dim, dtype=dtype, device=device)
         index = {lid: i for i, lid in enumerate(kda)} | {lid: i for i, lid in enumerate(mla)}
         return HybridCache(conv, state, latent, block_size, index)

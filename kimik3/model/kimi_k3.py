@@ -178,14 +178,16 @@ class KimiForCausalLM(nn.Module):
 
     @torch.inference_mode()
     def compute_logits(self, hidden: torch.Tensor) -> torch.Tensor:
-        return self.lm_head(hidden).float()
+        """hidden [n, D] -> logits [n, vocab] in float32 (float64 for a float64 model)."""
+        return self.lm_head(hidden).to(torch.promote_types(self.dtype, torch.float32))
 
     def allocate_cache(self, num_slots: int, num_blocks: int, block_size: int) -> HybridCache:
         return HybridCache.allocate(self.config.text, num_slots, num_blocks, block_size, self.dtype, self.device)
 
     @torch.inference_mode()
     def forward(self, input_ids: torch.Tensor) -> torch.Tensor:
-        """input_ids [T] (one sequence, no history) -> logits [T, vocab] float32."""
+        """input_ids [T] (one sequence, no history) -> logits [T, vocab] (float32; float64 for a
+        float64 model)."""
         input_ids = _as_token_ids(input_ids, self.config.text.vocab_size)
         T = input_ids.shape[0]
         # slot 0 / block 0 are the reserved null entries, as in the engine
