@@ -110,6 +110,8 @@ class LLMEngine:
                 gen.manual_seed(params.seed + i)
             req = Request(request_id if params.n == 1 else f"{request_id}#{i}", ids, params, arrival, gen,
                           self.eos_token_id, self.config.block_size, group_id=request_id)
+            if i and self.kv.enable_prefix_caching and len(ids) > self.config.block_size:
+                req.wait_for = children[0]
             if tok is not None:
                 req.detok = OutputText(tok, params.stop_strings, params.skip_special_tokens)
             children.append(req)

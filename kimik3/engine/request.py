@@ -60,6 +60,7 @@ class Request:
     first_token_time: float | None = None
     finish_time: float | None = None
     group_id: str = ""              # the user's request id (children of an n > 1 request share it)
+    wait_for: Request | None = None  # sibling whose prompt this one reuses from the prefix cache
     num_preemptions: int = 0
     num_prefix_hit_tokens: int = 0
     text: str = ""

@@ -6,7 +6,8 @@ Rules, in order, per step (budget = ``max_num_batched_tokens``):
    first in line) until it can; a request never disappears.
 2. Waiting requests, first come first served, are admitted while budget, ``max_num_seqs`` and
    cache allow; a long prompt gets a chunk and continues next step. A prefix hit skips the cached
-   part. Nothing is admitted in a step that preempted (the cache is short already).
+   part. Nothing is admitted in a step that preempted (the cache is short already). The samples
+   2..n of an n > 1 request wait until sample 1 has computed the prompt, then hit its blocks.
 3. Chunks that cross a KDA checkpoint boundary ask the model for a state snapshot there.
 """
 
@@ -86,11 +87,14 @@ class Scheduler:
                 i += 1
         while not out.preempted and self.waiting and budget > 0 and len(self.running) < self.max_num_seqs:
             req = self.waiting[0]
+            if self._blocked(req):
+                break
             n = min(req.num_tokens, budget)
             admission = self.kv.admit(req, n)
             if admission is None:
                 break
             self.waiting.popleft()
+            req.wait_for = None
             req.status = RequestStatus.RUNNING
             req.num_prefix_hit_tokens = max(req.num_prefix_hit_tokens, admission.num_hit_tokens)
             self.running.append(req)
@@ -102,6 +106,13 @@ class Scheduler:
             self._add_chunk(out, req, n)
             budget -= n
         return out
+
+    @staticmethod
+    def _blocked(req: Request) -> bool:
+        """Siblings of an n > 1 request wait until the first has computed the shared prompt."""
+        first = req.wait_for
+        return (first is not None and not first.is_finished
+                and first.num_computed_tokens < first.num_prompt_tokens)
 
     def _add_chunk(self, out: SchedulerOutput, req: Request, n: int) -> None:
         start = req.num_computed_tokens

@@ -1,0 +1,91 @@
+"""Shared test helpers: build engines on a model, drive them, check cache-manager invariants."""
+
+from __future__ import annotations
+
+from collections import Counter
+
+from kimik3.engine import EngineConfig, LLMEngine, SamplingParams
+from kimik3.engine.kv_cache import KVCacheManager
+from kimik3.engine.request import Request
+from kimik3.model.batch import HybridCache
+
+
+def budget_for(model, block_size: int, max_num_seqs: int, num_blocks: int, interval: int | None) -> int:
+    """Bytes for which the planner gives at least ``num_blocks`` usable blocks (and their checkpoints)."""
+    text, dtype = model.config.text, model.dtype
+    slot = HybridCache.bytes_per_slot(text, dtype)
+    block = HybridCache.bytes_per_block(text, block_size, dtype)
+    checkpoints = -(-num_blocks // interval) if interval else 0
+    return (1 + max_num_seqs + checkpoints) * slot + (1 + num_blocks) * block
+
+
+def make_engine(model, **kw) -> LLMEngine:
+    """An engine whose cache holds one max_model_len sequence plus ``extra_blocks`` blocks."""
+    extra_blocks = kw.pop("extra_blocks", None)
+    tokenizer = kw.pop("tokenizer", None)
+    kw.setdefault("kda_checkpoint_interval", 1)
+    cfg = EngineConfig(**kw)
+    if extra_blocks is not None:
+        need = -(-cfg.max_model_len // cfg.block_size)
+        interval = cfg.kda_checkpoint_interval if cfg.enable_prefix_caching else None
+        cfg.cache_memory_bytes = budget_for(model, cfg.block_size, cfg.max_num_seqs, need + extra_blocks, interval)
+    return LLMEngine(model, cfg, tokenizer=tokenizer)
+
+
+def run(engine: LLMEngine, requests: dict[str, tuple[list[int], SamplingParams]],
+        arrivals: dict[int, list[str]] | None = None, aborts: dict[int, list[str]] | None = None,
+        check=None, max_steps: int = 100_000) -> dict[str, list]:
+    """Add requests (all at step 0, or per ``arrivals``), step to the end, collect per-sample token ids.
+
+    Returns {request id: [CompletionOutput accumulated per sample index]} as lists of (token_ids, finish_reason).
+    """
+    arrivals = arrivals if arrivals is not None else {0: list(requests)}
+    aborts = aborts or {}
+    results: dict[str, dict[int, list]] = {}
+    step = 0
+    while step < max_steps:
+        for rid in arrivals.get(step, []):
+            engine.add_request(rid, {"prompt_token_ids": requests[rid][0]}, requests[rid][1])
+        for rid in aborts.get(step, []):
+            engine.abort_request(rid)
+        if not engine.has_unfinished_requests() and step >= max(list(arrivals) + list(aborts) + [0]):
+            break
+        for delta in engine.step():
+            per = results.setdefault(delta.request_id, {})
+            for c in delta.outputs:
+                acc = per.setdefault(c.index, [[], None, []])
+                acc[0].extend(c.token_ids)
+                acc[1] = c.finish_reason
+                if c.logprobs:
+                    acc[2].extend(c.logprobs)
+        if check is not None:
+            check(engine)
+        step += 1
+    assert step < max_steps, "engine did not finish"
+    return {rid: [per[i] for i in sorted(per)] for rid, per in results.items()}
+
+
+def check_invariants(kv: KVCacheManager, running: list[Request], pending_checkpoints: int = 0) -> None:
+    """No block leaked or double-freed, ref counts exact, slots accounted for."""
+    pool = kv.blocks
+    holders = Counter(b for r in running for b in r.block_ids)
+    assert 0 not in holders, "the null block was handed out"
+    for b in range(1, pool.num_blocks):
+        assert pool.ref_counts[b] == holders.get(b, 0), f"block {b}: ref {pool.ref_counts[b]}, held {holders.get(b, 0)}"
+        assert (b in pool.free) == (pool.ref_counts[b] == 0), f"block {b} free-list membership wrong"
+    assert 0 not in pool.free and pool.ref_counts[0] == 0
+    for h, b in pool.cached.items():
+        assert pool.block_hashes[b] == h
+    for r in running:
+        assert len(set(r.block_ids)) == len(r.block_ids), "a request holds a block twice"
+        for i in range(r.num_cached_blocks):
+            assert pool.cached.get(r.block_hashes[i]) == r.block_ids[i] or pool.block_hashes[r.block_ids[i]] is None
+    live = [r.state_slot for r in running]
+    assert 0 not in live and len(set(live)) == len(live)
+    assert sorted(live + kv.free_live_slots) == list(range(1, kv.plan.num_live_slots + 1))
+    ck = list(kv.checkpoints.values())
+    assert all(h in pool.cached for h in kv.checkpoints), "a checkpoint outlived its block"
+    all_ck = list(range(kv.plan.num_live_slots + 1, kv.plan.num_slots))
+    assert len(ck) + len(kv.free_checkpoint_slots) + pending_checkpoints == len(all_ck)
+    assert set(ck).isdisjoint(kv.free_checkpoint_slots) and set(ck + kv.free_checkpoint_slots) <= set(all_ck)
+    assert kv.plan.total_bytes <= kv.plan.budget_bytes
