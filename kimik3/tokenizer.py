@@ -25,6 +25,7 @@ import binascii
 import codecs
 import json
 import logging
+import re
 from dataclasses import dataclass
 from pathlib import Path
 from typing import Any, Iterable, Iterator, Sequence
@@ -217,6 +218,9 @@ class KimiTokenizer:
             name=name, pat_str=PAT_STR, mergeable_ranks=mergeable_ranks, special_tokens=self.special_tokens
         )
         self._ranks = mergeable_ranks
+        # longest name first, so a name that is a prefix of another never wins
+        names = sorted(self.special_tokens, key=len, reverse=True)
+        self._special_re = re.compile("|".join(re.escape(n) for n in names))
 
         def lookup(role: str, token: str | None) -> int | None:
             if token is None:
@@ -302,13 +306,24 @@ class KimiTokenizer:
         ``allow_special`` (then every special-token name becomes its id)."""
         if not isinstance(text, str):
             raise TypeError(f"encode() takes a str, got {type(text).__name__}")
+        if not allow_special:
+            return self._encode_plain(text)
+        # Cut at special-token names first so the length cuts below never split one (an image prompt
+        # holds thousands of <|media_pad|> in one run); tiktoken splits there anyway.
+        ids: list[int] = []
+        pos = 0
+        for m in self._special_re.finditer(text):
+            ids.extend(self._encode_plain(text[pos : m.start()]))
+            ids.append(self.special_tokens[m.group()])
+            pos = m.end()
+        ids.extend(self._encode_plain(text[pos:]))
+        return ids
+
+    def _encode_plain(self, text: str) -> list[int]:
         ids: list[int] = []
         for start in range(0, len(text), _MAX_ENCODE_CHARS):
             for piece in _split_long_runs(text[start : start + _MAX_ENCODE_CHARS], _MAX_RUN_CHARS):
-                if allow_special:
-                    ids.extend(self._encoding.encode(piece, allowed_special="all"))
-                else:
-                    ids.extend(self._encoding.encode(piece, allowed_special=set(), disallowed_special=()))
+                ids.extend(self._encoding.encode(piece, allowed_special=set(), disallowed_special=()))
         return ids
 
     def encode_segments(self, segments: Iterable[Any]) -> list[int]:

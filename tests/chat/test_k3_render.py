@@ -236,6 +236,14 @@ def test_image_prompt_positional(tok):
         "What is this?")
 
 
+def test_large_image_keeps_every_pad(tok):
+    # 3000 pads are ~39k characters without whitespace: longer than the encoder's run-length cut
+    conv = [{"role": "user", "content": [{"type": "image"}]}]
+    ids = tok.apply_chat_template(conv, images=[ImagePrompt(1000, 2000, 3000)], tokenize=True)
+    assert ids.count(MEDIA_PAD) == 3000
+    assert all(i >= BASE for i in ids[ids.index(MEDIA_CONTENT) : ids.index(MEDIA_END) + 1])
+
+
 def test_images_in_order_and_one_pad_layout():
     conv = [{"role": "user", "content": [{"type": "text", "text": "A"}, {"type": "image"}, {"type": "text", "text": "B"},
                                          {"type": "image"}]}]

@@ -292,3 +292,10 @@ def test_config_unknown_bos(ckpt):
     (ckpt / "tokenizer_config.json").write_text(json.dumps(cfg))
     with pytest.raises(TokenizerFileError, match=r"bos_token '<s>' is not one of the special tokens"):
         load_tokenizer(ckpt)
+
+
+@settings(max_examples=300, deadline=None)
+@given(st.lists(st.sampled_from(["<|open|>", "<|sep|>", "[BOS]", "<|media_pad|>", "<|", "|>", "ab", " ", "é", "\n"]),
+                max_size=30).map("".join))
+def test_allow_special_matches_tiktoken(tok, text):
+    assert tok.encode(text, allow_special=True) == tok._encoding.encode(text, allowed_special="all")
