@@ -14,8 +14,6 @@ in float64 for a float64 tower.
 
 from __future__ import annotations
 
-import math
-
 import numpy as np
 import torch
 import torch.nn.functional as F

@@ -94,7 +94,8 @@ def test_end_to_end_pads_equal_encoder_rows():
                        init_pos_emb_time=4, merge_kernel_size=(2, 2), pos_emb_interpolation_mode="bilinear",
                        projector_ln_eps=1e-5, text_hidden_size=12)
     rng = np.random.default_rng(0)
-    images = [Image.fromarray(rng.integers(0, 256, (h, w, 3), dtype=np.uint8)) for h, w in ((30, 16), (60, 90), (10, 10))]
+    images = [Image.fromarray(rng.integers(0, 256, (h, w, 3), dtype=np.uint8))
+              for h, w in ((30, 16), (60, 90), (10, 10))]
     inputs = preprocess_images(images)
     assert inputs.num_tokens == [2, 12, 1]      # 16x30 -> grid (4, 2); 90x60 -> (6, 8); 10x10 -> (2, 2)
     torch.manual_seed(0)
