@@ -186,10 +186,11 @@ def load_media_processor_config(path: str | Path | None) -> MediaProcessorConfig
 # ---------------------------------------------------------------------------------------
 # decoding
 
-def load_image(source: ImageSource) -> Image.Image:
+def load_image(source: ImageSource, *, allow_paths: bool = True) -> Image.Image:
     """Decode one image, keeping its mode (alpha and palette survive until after the resize).
 
-    ``source``: a PIL image, raw bytes, a ``data:`` URL, a base64 string, or a file path.
+    ``source``: a PIL image, raw bytes, a ``data:`` URL, a base64 string, or a file path
+    (``allow_paths=False`` refuses paths: a server must not read local files named by clients).
     Only the first frame of animated files is used; EXIF orientation is applied.
     Raises ``ValueError`` naming the problem for anything that is not a usable image.
     """
@@ -200,10 +201,12 @@ def load_image(source: ImageSource) -> Image.Image:
         img = _decode(bytes(source), "image bytes")
         what = "image bytes"
     elif isinstance(source, Path):
+        if not allow_paths:
+            raise ValueError("image file paths are not accepted here; send the bytes or a data: URL")
         img = _decode(_read_file(source), f"image file {source}")
         what = f"image file {source}"
     elif isinstance(source, str):
-        data, what = _bytes_from_string(source)
+        data, what = _bytes_from_string(source, allow_paths)
         img = _decode(data, what)
     else:
         raise TypeError(f"image must be a PIL image, bytes, a data: URL, base64 text or a file path, "
@@ -225,7 +228,7 @@ def _read_file(path: Path) -> bytes:
         raise ValueError(f"cannot read image file {path}: {e}") from None
 
 
-def _bytes_from_string(text: str) -> tuple[bytes, str]:
+def _bytes_from_string(text: str, allow_paths: bool) -> tuple[bytes, str]:
     if text.startswith("data:"):
         header, sep, payload = text.partition(",")
         if not sep:
@@ -233,13 +236,14 @@ def _bytes_from_string(text: str) -> tuple[bytes, str]:
         if header.endswith(";base64"):
             return _b64decode(payload, "data: URL"), "data: URL image"
         return urllib.parse.unquote_to_bytes(payload), "data: URL image"
-    if len(text) < 4096 and Path(text).is_file():
+    if allow_paths and len(text) < 4096 and Path(text).is_file():
         return _read_file(Path(text)), f"image file {text}"
     try:
         return _b64decode(text, "base64 image"), "base64 image"
     except ValueError:
-        raise ValueError(f"image string is neither an existing file, a data: URL, nor base64 data "
-                         f"(starts with {text[:40]!r})") from None
+        kinds = "an existing file, a data: URL, nor base64 data" if allow_paths else \
+            "a data: URL nor base64 data (file paths are not accepted here)"
+        raise ValueError(f"image string is neither {kinds} (starts with {text[:40]!r})") from None
 
 
 def _b64decode(payload: str, what: str) -> bytes:
@@ -415,7 +419,8 @@ def _frames_to_item(frames: list[Image.Image], plan: ResizePlan, cfg: MediaProce
     return patches, [len(frames), plan.grid_h, plan.grid_w]
 
 
-def preprocess_images(images: Sequence[ImageSource], cfg: MediaProcessorConfig | None = None) -> VisionInputs:
+def preprocess_images(images: Sequence[ImageSource], cfg: MediaProcessorConfig | None = None, *,
+                      allow_paths: bool = True) -> VisionInputs:
     """Decode and preprocess still images; each becomes one item with t = 1."""
     cfg = cfg or MediaProcessorConfig()
     if isinstance(images, (Image.Image, bytes, str, Path)):
@@ -425,7 +430,7 @@ def preprocess_images(images: Sequence[ImageSource], cfg: MediaProcessorConfig |
     patches, grids, tokens, sizes = [], [], [], []
     for idx, source in enumerate(images):
         try:
-            img = load_image(source)
+            img = load_image(source, allow_paths=allow_paths)
         except ValueError as e:
             raise ValueError(f"image {idx}: {e}") from None
         plan = plan_resize(img.width, img.height, cfg)
@@ -438,7 +443,8 @@ def preprocess_images(images: Sequence[ImageSource], cfg: MediaProcessorConfig |
                         tokens, sizes)
 
 
-def preprocess_video(frames: Sequence[ImageSource], cfg: MediaProcessorConfig | None = None) -> VisionInputs:
+def preprocess_video(frames: Sequence[ImageSource], cfg: MediaProcessorConfig | None = None, *,
+                     allow_paths: bool = True) -> VisionInputs:
     """Preprocess one video chunk (a list of 1..``temporal_merge_kernel_size`` frames) into a
     single item with t = len(frames). All frames follow the first frame's resize plan under the
     per-frame budget ``in_patch_limit_each_frame``; the token count is that of one frame."""
@@ -449,7 +455,7 @@ def preprocess_video(frames: Sequence[ImageSource], cfg: MediaProcessorConfig | 
     decoded = []
     for idx, source in enumerate(frames):
         try:
-            decoded.append(load_image(source))
+            decoded.append(load_image(source, allow_paths=allow_paths))
         except ValueError as e:
             raise ValueError(f"video frame {idx}: {e}") from None
     first = decoded[0]

@@ -272,6 +272,15 @@ def test_sources_bytes_data_url_base64_path_agree(tmp_path):
         assert np.array_equal(o.numpy(), outs[0].numpy())
 
 
+def test_paths_can_be_refused(tmp_path):
+    path = tmp_path / "x.png"
+    path.write_bytes(_png(np.zeros((4, 4, 3), np.uint8)))
+    with pytest.raises(ValueError, match=r"file paths are not accepted here"):
+        preprocess_images([str(path)], allow_paths=False)
+    with pytest.raises(ValueError, match="paths are not accepted"):
+        preprocess_images([path], allow_paths=False)
+
+
 def _chunk(tag: bytes, body: bytes) -> bytes:
     return struct.pack(">I", len(body)) + tag + body + struct.pack(">I", zlib.crc32(tag + body) & 0xFFFFFFFF)
 
