@@ -423,7 +423,7 @@ def preprocess_images(images: Sequence[ImageSource], cfg: MediaProcessorConfig |
                       allow_paths: bool = True) -> VisionInputs:
     """Decode and preprocess still images; each becomes one item with t = 1."""
     cfg = cfg or MediaProcessorConfig()
-    if isinstance(images, (Image.Image, bytes, str, Path)):
+    if isinstance(images, (Image.Image, bytes, bytearray, memoryview, str, Path)):
         images = [images]
     if len(images) == 0:
         raise ValueError("preprocess_images needs at least one image")
