@@ -123,11 +123,11 @@ def _token_name(value: Any, key: str, path: Path) -> str | None:
     return value
 
 
-def read_tokenizer_config(path: Path) -> dict[str, Any]:
+def read_json_object(path: Path, what: str = "tokenizer config") -> dict[str, Any]:
     try:
         data = json.loads(path.read_text(encoding="utf-8"))
     except FileNotFoundError:
-        raise TokenizerFileError(f"{path}: tokenizer config file not found") from None
+        raise TokenizerFileError(f"{path}: {what} file not found") from None
     except (OSError, UnicodeDecodeError, json.JSONDecodeError) as e:
         raise TokenizerFileError(f"{path}: not a readable JSON file ({e})") from None
     if not isinstance(data, dict):
@@ -469,12 +469,12 @@ def load_tokenizer(path: str | Path) -> KimiTokenizer:
         raise TokenizerFileError(f"{root}: not a checkpoint directory")
     ranks = read_tiktoken_model(root / TIKTOKEN_FILE)
     cfg_path = root / CONFIG_FILE
-    cfg = read_tokenizer_config(cfg_path)
+    cfg = read_json_object(cfg_path)
     added = _added_tokens(cfg, cfg_path)
     model_type = None
     model_cfg_path = root / "config.json"
     if model_cfg_path.is_file():
-        model_cfg = read_tokenizer_config(model_cfg_path)
+        model_cfg = read_json_object(model_cfg_path, "model config")
         model_type = model_cfg.get("model_type")
     chat_format = detect_chat_format((t.content for t in added), model_type if isinstance(model_type, str) else None)
     tok = KimiTokenizer(

@@ -241,7 +241,8 @@ class _Writer:
 # ---- validation ------------------------------------------------------------------------------------
 
 
-def _check_messages(messages: Any) -> list[dict]:
+def check_conversation(messages: Any) -> list[dict]:
+    """Shape checks shared by both chat formats (message dicts, roles, names, tool-call names)."""
     if not isinstance(messages, list):
         raise TypeError(f"conversation must be a list of message dicts, got {type(messages).__name__}")
     for i, m in enumerate(messages):
@@ -409,7 +410,7 @@ def render_k3(
     ``response_format`` ``{"type": "text"|"json_object"|"json_schema", "json_schema": {"schema": ...}}``.
     ``images``: see the module docstring. Raises ValueError/TypeError on invalid input.
     """
-    messages = _check_messages(conversation)
+    messages = check_conversation(conversation)
     _check_options(thinking, thinking_effort, tool_choice, response_format, tools)
     if images is not None:
         images = list(images)

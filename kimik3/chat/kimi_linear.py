@@ -17,6 +17,7 @@ from __future__ import annotations
 import json
 from typing import Any, Sequence
 
+from kimik3.chat.k3 import check_conversation
 from kimik3.chat.segments import Segment
 
 IM_SYSTEM, IM_USER, IM_ASSISTANT = "<|im_system|>", "<|im_user|>", "<|im_assistant|>"
@@ -60,8 +61,7 @@ def render_kimi_linear(
     images: Sequence[Any] | None = None,
 ) -> list[Segment]:
     """Render an OpenAI-style conversation in Kimi-Linear's format (see the module docstring)."""
-    if not isinstance(conversation, list):
-        raise TypeError(f"conversation must be a list of message dicts, got {type(conversation).__name__}")
+    conversation = check_conversation(conversation)
     if not isinstance(thinking, bool):
         raise TypeError(f"thinking must be a bool, got {type(thinking).__name__}")
     if tool_choice not in (None, "auto"):
@@ -85,30 +85,19 @@ def render_kimi_linear(
     if tools:
         turn(IM_SYSTEM, "tool_declare", [Segment(json.dumps(tools, ensure_ascii=False, separators=(",", ":")))])
     for i, m in enumerate(conversation):
-        if not isinstance(m, dict):
-            raise TypeError(f"message {i} must be a dict, got {type(m).__name__}")
-        role = m.get("role")
-        if role not in _ROLE_TOKEN:
-            raise ValueError(f"message {i} has unknown role {role!r}; expected one of system, user, assistant, tool")
+        role = m["role"]
         where = f"message {i} ({role})"
         if i == 0 and role != "system":
             turn(IM_SYSTEM, "system", [Segment(DEFAULT_SYSTEM_PROMPT)])
         name = m.get("name") or role
-        if not isinstance(name, str):
-            raise TypeError(f"{where}: name must be a str")
         text = _content_text(m.get("content"), where)
         body = [Segment(text)]
         if role == "tool":
             body = [Segment(f"## Return of {m.get('tool_call_id', '')}\n"), Segment(text)]
         elif role == "assistant" and m.get("tool_calls"):
-            calls = m["tool_calls"]
-            if not isinstance(calls, list):
-                raise TypeError(f"{where}: tool_calls must be a list")
             body.append(Segment(CALLS_BEGIN, special=True))
-            for k, call in enumerate(calls):
-                fn = call.get("function", call) if isinstance(call, dict) else None
-                if not isinstance(fn, dict) or not isinstance(fn.get("name"), str):
-                    raise ValueError(f"{where}: tool_calls[{k}] needs a function name (str)")
+            for k, call in enumerate(m["tool_calls"]):
+                fn = call.get("function", call)
                 args = fn.get("arguments", "")
                 if isinstance(args, dict):
                     args = json.dumps(args, ensure_ascii=False)

@@ -211,7 +211,7 @@ class K3OutputParser:
         while getattr(self, "_" + self.state)(out, final):
             pass
 
-    def _warn_raw(self, out: ParseDelta, why: str) -> bool:
+    def _warn_raw(self, why: str) -> bool:
         logger.warning("K3 output: %s; returning the rest as plain content", why)
         self.state = "raw"
         return True
@@ -230,7 +230,8 @@ class K3OutputParser:
     def _response_start(self, out: ParseDelta, final: bool) -> bool:
         return self._opening(RESPONSE_OPEN, "response", final)
 
-    def _text(self, out: ParseDelta, final: bool, ends: tuple[str, ...], attr: str) -> tuple[str, bool] | None:
+    def _text(self, out: ParseDelta, final: bool, ends: tuple[str, ...], attr: str) -> str | None:
+        """Move text up to the first of ``ends`` into ``out.<attr>``; return that marker (consumed) or None."""
         hit = _earliest(self.buf, ends)
         if hit is None:
             keep = 0 if final else _held_back(self.buf, ends)
@@ -241,15 +242,15 @@ class K3OutputParser:
         i, marker = hit
         setattr(out, attr, getattr(out, attr) + self.buf[:i])
         self.buf = self.buf[i + len(marker) :]
-        return marker, True
+        return marker
 
     def _think(self, out: ParseDelta, final: bool) -> bool:
-        hit = self._text(out, final, _THINK_ENDS, "reasoning")
-        if hit is None:
+        marker = self._text(out, final, _THINK_ENDS, "reasoning")
+        if marker is None:
             if final:
                 logger.warning("K3 output: think channel never closed; all of it is reasoning")
             return False
-        if hit[0] == RESPONSE_OPEN:
+        if marker == RESPONSE_OPEN:
             logger.warning("K3 output: response channel opened without closing the think channel")
             self.state = "response"
         else:
@@ -257,10 +258,9 @@ class K3OutputParser:
         return True
 
     def _response(self, out: ParseDelta, final: bool) -> bool:
-        hit = self._text(out, final, _RESPONSE_ENDS, "content")
-        if hit is None:
+        marker = self._text(out, final, _RESPONSE_ENDS, "content")
+        if marker is None:
             return False
-        marker = hit[0]
         if marker != RESPONSE_CLOSE:
             logger.warning("K3 output: response channel not closed before %r", marker)
         self.state = {
@@ -285,7 +285,7 @@ class K3OutputParser:
             return False
         if not final and any(m.startswith(s) for m in nexts):
             return False
-        return self._warn_raw(out, f"expected one of {list(nexts)} in {self.state}, got {s[:40]!r}")
+        return self._warn_raw(f"expected one of {list(nexts)} in {self.state}, got {s[:40]!r}")
 
     def _after_think(self, out: ParseDelta, final: bool) -> bool:
         s = self.buf.lstrip(_WS)
@@ -306,7 +306,7 @@ class K3OutputParser:
 
     def _done(self, out: ParseDelta, final: bool) -> bool:
         if self.buf.strip(_WS):
-            return self._warn_raw(out, "text after the end of the message")
+            return self._warn_raw("text after the end of the message")
         if final:
             self.buf = ""
         return False
@@ -317,7 +317,7 @@ class K3OutputParser:
             close = s.find(CALL_CLOSE)
             if close < 0:
                 if final:
-                    return self._warn_raw(out, "tool call never closed")
+                    return self._warn_raw("tool call never closed")
                 return False
             block = s[: close + len(CALL_CLOSE)]
             parsed = parse_call_block(block, self.tool_names)
@@ -339,7 +339,7 @@ class K3OutputParser:
             logger.warning("K3 output: tools section never closed")
             self.buf = ""
             return False
-        return self._warn_raw(out, f"unexpected text in the tools section: {s[:40]!r}")
+        return self._warn_raw(f"unexpected text in the tools section: {s[:40]!r}")
 
     def _raw(self, out: ParseDelta, final: bool) -> bool:
         out.content += self.buf

@@ -38,7 +38,3 @@ class ImagePrompt:
             value = getattr(self, key)
             if not isinstance(value, int) or isinstance(value, bool) or value < 1:
                 raise ValueError(f"ImagePrompt.{key} must be a positive int, got {value!r}")
-
-
-def join_segments(segments: list[Segment]) -> str:
-    return "".join(s.text for s in segments)
