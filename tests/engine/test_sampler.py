@@ -1,0 +1,103 @@
+"""Sampler: each parameter transforms the distribution as documented (frequencies vs the analytic
+distribution, fixed seeds), penalties match their formulas, seeded requests ignore batch composition."""
+
+from __future__ import annotations
+
+import math
+
+import pytest
+import torch
+
+from kimik3.engine import SamplingParams
+from kimik3.engine.sampler import SamplingBatch, apply_penalties, sample
+from tests.engine.fake_model import FakeModel
+from tests.engine.helpers import make_engine, run
+
+LOGITS = [2.0, 1.5, 1.0, 0.5, 0.0, -0.5, -1.0, -3.0]
+N = 40_000
+
+
+def _expected(p: SamplingParams) -> list[float]:
+    """The documented pipeline in plain Python: temperature -> min_p -> top_k -> top_p."""
+    z = [x / p.temperature for x in LOGITS]
+    m = max(z)
+    probs = [math.exp(x - m) for x in z]
+    s = sum(probs)
+    probs = [q / s for q in probs]
+    keep = [q >= p.min_p * max(probs) for q in probs]
+    order = sorted(range(len(z)), key=lambda i: -z[i])
+    if p.top_k > 0:
+        for rank, i in enumerate(order):
+            keep[i] = keep[i] and rank < p.top_k
+    kept_mass = sum(probs[i] for i in order if keep[i])
+    before = 0.0
+    for i in order:
+        if keep[i]:
+            if before >= p.top_p:
+                keep[i] = False
+            before += probs[i] / kept_mass
+    total = sum(q for q, k in zip(probs, keep) if k)
+    return [q / total if k else 0.0 for q, k in zip(probs, keep)]
+
+
+def _frequencies(p: SamplingParams) -> list[float]:
+    logits = torch.tensor([LOGITS] * N)
+    b = SamplingBatch.build([p] * N, [None] * N, [[0]] * N, [[]] * N, len(LOGITS), "cpu")
+    tokens = torch.tensor(sample(logits, b, torch.Generator().manual_seed(1234)).token_ids)
+    return (torch.bincount(tokens, minlength=len(LOGITS)).float() / N).tolist()
+
+
+@pytest.mark.parametrize("params", [
+    dict(temperature=1.0), dict(temperature=0.5), dict(temperature=2.0), dict(top_k=3), dict(top_p=0.7),
+    dict(top_p=0.3, temperature=2.0), dict(min_p=0.2), dict(min_p=0.05, top_k=5, top_p=0.9, temperature=0.8),
+], ids=lambda d: "-".join(f"{k}{v}" for k, v in d.items()))
+def test_sampled_frequencies_match_the_transformed_distribution(params):
+    p = SamplingParams(**params)
+    want, got = _expected(p), _frequencies(p)
+    for i, (w, g) in enumerate(zip(want, got)):
+        if w == 0.0:
+            assert g == 0.0, f"token {i} should be filtered out, sampled with frequency {g}"
+        else:  # 5 standard deviations of a binomial frequency
+            assert abs(g - w) < 5 * math.sqrt(w * (1 - w) / N) + 1e-4, f"token {i}: expected {w:.4f}, got {g:.4f}"
+
+
+def test_greedy_is_argmax_after_penalties():
+    logits = torch.tensor([[3.0, 2.9, -1.0, 0.5]])
+    p = SamplingParams(temperature=0, repetition_penalty=2.0)
+    b = SamplingBatch.build([p], [None], [[0]], [[]], 4, "cpu")
+    assert sample(logits, b).token_ids == [1]           # 3.0 / 2 < 2.9
+
+
+def test_penalty_formulas():
+    logits = torch.tensor([[1.0, -1.0, 2.0, 0.5, 3.0]])
+    p = SamplingParams(presence_penalty=0.5, frequency_penalty=0.25, repetition_penalty=1.5)
+    b = SamplingBatch.build([p], [None], [[0, 1]], [[2, 2, 3]], 5, "cpu")
+    got = apply_penalties(logits, b)[0].tolist()
+    want = [1.0 / 1.5, -1.0 * 1.5, 2.0 / 1.5 - 0.25 * 2 - 0.5, 0.5 / 1.5 - 0.25 - 0.5, 3.0]
+    assert got == pytest.approx(want)
+
+
+def test_logprobs_are_the_raw_model_distribution():
+    logits = torch.tensor([LOGITS, LOGITS[::-1]])
+    params = [SamplingParams(temperature=0.3, top_k=2, logprobs=3), SamplingParams(temperature=0, logprobs=0)]
+    b = SamplingBatch.build(params, [None, None], [[0], [0]], [[], []], 8, "cpu")
+    out = sample(logits, b, torch.Generator().manual_seed(0))
+    ref = logits.log_softmax(-1)
+    assert len(out.logprobs[0]) in (3, 4) and all(v == pytest.approx(float(ref[0, t])) for t, v in out.logprobs[0].items())
+    assert set(out.logprobs[0]) >= {0, 1, 2}
+    assert out.token_ids[1] == 7 and out.logprobs[1] == {7: pytest.approx(float(ref[1, 7]))}
+
+
+def test_seeded_request_is_independent_of_batch_composition():
+    model = FakeModel(sharpness=0.4)
+    seeded = SamplingParams(temperature=1.0, seed=42, max_tokens=12)
+    prompt = [5, 6, 7, 8]
+    alone = run(make_engine(model, max_model_len=64, extra_blocks=4), {"s": (prompt, seeded)})["s"][0][0]
+    others = {f"o{i}": ([i + 1] * (i + 2), SamplingParams(temperature=1.0, max_tokens=5 + i)) for i in range(5)}
+    crowd_engine = make_engine(model, max_num_seqs=8, max_num_batched_tokens=5, max_model_len=64, extra_blocks=20,
+                               seed=3)
+    crowd = run(crowd_engine, {**others, "s": (prompt, seeded)}, arrivals={0: list(others)[:3], 2: ["s", "o3"], 4: ["o4"]})
+    assert crowd["s"][0][0] == alone
+    other_seed = run(make_engine(model, max_model_len=64, extra_blocks=4),
+                     {"s": (prompt, SamplingParams(temperature=1.0, seed=43, max_tokens=12))})["s"][0][0]
+    assert other_seed != alone
