@@ -35,10 +35,22 @@ def _layer_lists(num_layers: int, mla_every: int = 4) -> tuple[list[int], list[i
     return [i for i in range(1, num_layers + 1) if i not in full], full
 
 
+TINY_VISION = {
+    "_attn_implementation": "flash_attention_2", "activation_func": "gelu_pytorch_tanh", "attn_bias": False,
+    "init_pos_emb_height": 8, "init_pos_emb_time": 4, "init_pos_emb_width": 8, "linear_bias": False,
+    "merge_kernel_size": [2, 2], "merge_type": "sd2_tpool", "mlp_type": "mlp2", "mm_hidden_size": 32,
+    "mm_projector_type": "patchmergerv2", "norm_type": "rmsnorm", "patch_embed_proj_bias": False, "patch_size": 14,
+    "pos_emb_interpolation_mode": "bilinear", "pos_emb_type": "divided_fixed", "projector_hidden_act": "gelu",
+    "projector_ln_eps": 1e-5, "qkv_hidden_size": 48, "vt_hidden_size": 32, "vt_intermediate_size": 64,
+    "vt_num_attention_heads": 2, "vt_num_hidden_layers": 2,
+}
+
+
 def tiny_k3_config(vocab_size: int = 256, num_layers: int = 6, hidden: int = 64, block_size: int = 2,
                    num_experts: int = 8, top_k: int = 2, bos: int = 1, eos: int = 2, pad: int = 3,
-                   media: int = 4) -> dict[str, Any]:
-    """A K3 ``config.json`` (top level ``kimi_k3``) with every K3 feature on, at toy widths."""
+                   media: int = 4, vision: bool = True) -> dict[str, Any]:
+    """A K3 ``config.json`` (top level ``kimi_k3``) with every K3 feature on (vision tower
+    included unless ``vision=False``), at toy widths."""
     kda, full = _layer_lists(num_layers)
     text = {
         "model_type": "kimi_linear", "architectures": ["KimiLinearForCausalLM"],
@@ -64,6 +76,7 @@ def tiny_k3_config(vocab_size: int = 256, num_layers: int = 6, hidden: int = 64,
         "bos_token_id": bos, "eos_token_id": eos, "pad_token_id": pad, "ignore_index": -100,
         "media_placeholder_token_id": media, "image_placeholder": "<|kimi_image_placeholder|>",
         "tie_word_embeddings": False, "text_config": text,
+        **({"vision_config": {**copy.deepcopy(TINY_VISION), "text_hidden_size": hidden}} if vision else {}),
     }
 
 
@@ -127,6 +140,9 @@ def checkpoint_names(model: KimiForCausalLM):
     """(release checkpoint name, tensor) for the model's weights in its architecture's layout."""
     prefix = model.config.weight_prefix
     for name, tensor in model.checkpoint_weights():
+        if name.startswith("vision."):
+            yield name[len("vision."):], tensor
+            continue
         if name.endswith(".A_log") and model.config.architecture == "kimi_linear":
             tensor = tensor.view(1, 1, -1, 1)                 # Kimi-Linear stores [1, 1, H, 1]
         yield prefix + name, tensor

@@ -20,12 +20,13 @@ _PACKED = re.compile(r"^(.*)\.weight_(packed|scale)$")
 _DTYPES = {torch.float64, torch.float32, torch.bfloat16, torch.float16}
 
 
-def _text_name(name: str, architecture: str) -> str | None:
-    """Checkpoint name -> text-model name; None for vision/projector tensors."""
+def _text_name(name: str, architecture: str, has_vision: bool) -> str | None:
+    """Checkpoint name -> model name (vision under ``vision.``); None for vision tensors of a
+    config without ``vision_config`` (skipped, logged)."""
     if architecture != "kimi_k3":
         return name
     if name.startswith(("vision_tower.", "mm_projector.")):
-        return None
+        return "vision." + name if has_vision else None
     if name.startswith("language_model.layers."):       # vLLM's alternate export (D20 alias)
         return "model." + name[len("language_model."):]
     if name.startswith("language_model."):
@@ -60,7 +61,7 @@ def load_model(path: str | Path, device: str | torch.device = "cpu", dtype: torc
     skipped = 0
     for file in tqdm(files, desc="loading", unit="file", disable=len(files) < 2):
         for raw_name, tensor in iter_tensors(file):
-            name = _text_name(raw_name, config.architecture)
+            name = _text_name(raw_name, config.architecture, config.vision is not None)
             if name is None:
                 skipped += 1
                 continue
@@ -87,6 +88,6 @@ def load_model(path: str | Path, device: str | torch.device = "cpu", dtype: torc
         more = f" (+{len(missing) - 5} more)" if len(missing) > 5 else ""
         raise CheckpointError(f"checkpoint {path} is missing {len(missing)} tensor(s): {', '.join(missing[:5])}{more}")
     if skipped:
-        logger.info("skipped %d vision/projector tensors (text model loaded)", skipped)
+        logger.info("skipped %d vision/projector tensors: config.json has no vision_config", skipped)
     model.eval()
     return model

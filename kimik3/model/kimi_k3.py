@@ -18,6 +18,7 @@ from kimik3.model.kda import KimiDeltaAttention
 from kimik3.model.layers import MLP, GLUActivation, RMSNorm, linear
 from kimik3.model.mla import MLAAttention
 from kimik3.model.moe import MoE
+from kimik3.model.vision import KimiVisionModel
 
 # Parameters kept in fp32 (or wider) whatever the model dtype (spec D4, text-backbone 5.1).
 _ALWAYS_FP32 = re.compile(r"\.(A_log|dt_bias)$")
@@ -101,6 +102,9 @@ class KimiForCausalLM(nn.Module):
         self.config = config
         self.model = KimiModel(config.text)
         self.lm_head = linear(config.text.hidden_size, config.text.vocab_size)
+        if config.vision is not None:
+            # checkpoint names ``vision_tower.*`` / ``mm_projector.*`` live under ``vision.``
+            self.vision = KimiVisionModel(config.vision)
 
     @property
     def dtype(self) -> torch.dtype:
@@ -122,7 +126,8 @@ class KimiForCausalLM(nn.Module):
 
     # ---- weights -------------------------------------------------------------------------
     def expected_weights(self) -> set[str]:
-        """Checkpoint names (without the multimodal prefix) this model needs, experts one by one."""
+        """Names this model needs (text names without the multimodal prefix, vision names under
+        ``vision.``), experts one by one."""
         names = set()
         for name, p in self.named_parameters():
             m = _STACKED.match(name)
@@ -136,6 +141,15 @@ class KimiForCausalLM(nn.Module):
     def load_weight(self, name: str, tensor: torch.Tensor, source: str = "") -> None:
         """Copy one checkpoint tensor (text-model name, dense) into its parameter."""
         where = f" (in {source})" if source else ""
+        if name.startswith("vision.") and hasattr(self, "vision"):
+            param = dict(self.vision.named_parameters()).get(name[len("vision."):])
+            if param is None:
+                raise ValueError(f"unexpected tensor '{name[len('vision.'):]}'{where}: the vision model has no such parameter")
+            if tuple(tensor.shape) != tuple(param.shape):
+                raise ValueError(f"tensor '{name[len('vision.'):]}'{where} has shape {tuple(tensor.shape)}, "
+                                 f"the model expects {tuple(param.shape)}")
+            param.data.copy_(tensor)
+            return
         m = _EXPERT.match(name)
         if m:
             layer = self.model.layers[int(m[1])] if int(m[1]) < len(self.model.layers) else None
@@ -185,15 +199,34 @@ class KimiForCausalLM(nn.Module):
         return HybridCache.allocate(self.config.text, num_slots, num_blocks, block_size, self.dtype, self.device)
 
     @torch.inference_mode()
-    def forward(self, input_ids: torch.Tensor) -> torch.Tensor:
+    def encode_images(self, pixel_values: torch.Tensor, grid_thws: torch.Tensor) -> torch.Tensor:
+        """pixel_values [P, 3, p, p], grid_thws [n, 3] -> image embeddings [sum_i N_i, D]."""
+        if not hasattr(self, "vision"):
+            raise ValueError("this checkpoint has no vision tower (config.json has no vision_config)")
+        return self.vision.encode_images(pixel_values.to(self.device), grid_thws)
+
+    def image_rows(self, input_ids: torch.Tensor, image_embeds: torch.Tensor) -> torch.Tensor:
+        """Packed rows of the media pad tokens; their count must equal the embedding rows."""
+        rows = (input_ids == self.config.media_placeholder_token_id).nonzero().view(-1)
+        if rows.numel() != image_embeds.shape[0]:
+            raise ValueError(f"prompt holds {rows.numel()} media pad token(s) but the images give "
+                             f"{image_embeds.shape[0]} embedding rows")
+        return rows
+
+    @torch.inference_mode()
+    def forward(self, input_ids: torch.Tensor, pixel_values: torch.Tensor | None = None,
+                grid_thws: torch.Tensor | None = None) -> torch.Tensor:
         """input_ids [T] (one sequence, no history) -> logits [T, vocab] (float32; float64 for a
-        float64 model)."""
-        input_ids = _as_token_ids(input_ids, self.config.text.vocab_size)
+        float64 model). With images, their embeddings replace the media pad tokens' rows."""
+        input_ids = _as_token_ids(input_ids, self.config.text.vocab_size).to(self.device)
         T = input_ids.shape[0]
         # slot 0 / block 0 are the reserved null entries, as in the engine
         cache = self.allocate_cache(num_slots=2, num_blocks=2, block_size=T)
         batch = ForwardBatch.build([T], [0], [1], [[1]], block_size=T, device=self.device)
-        return self.compute_logits(self.forward_step(input_ids.to(self.device), batch, cache))
+        if pixel_values is not None:
+            batch.embeds = self.encode_images(pixel_values, grid_thws)
+            batch.embed_rows = self.image_rows(input_ids, batch.embeds)
+        return self.compute_logits(self.forward_step(input_ids, batch, cache))
 
 
 def _as_token_ids(input_ids, vocab_size: int) -> torch.Tensor:

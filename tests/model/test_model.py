@@ -148,3 +148,25 @@ def test_bfloat16_whole_model_is_finite(tiny_ckpt, arch):
     ids = torch.randint(0, 256, (16,), generator=torch.Generator().manual_seed(6))
     logits = load_model(tiny_ckpt[arch], dtype=torch.bfloat16)(ids)
     assert logits.dtype == torch.float32 and torch.isfinite(logits).all()
+
+
+def test_image_embeddings_replace_media_pad_rows(tiny_ckpt):
+    model = load_model(tiny_ckpt["kimi_k3"], dtype=torch.float64)
+    media = model.config.media_placeholder_token_id
+    pixels = torch.randn(2 * 4 * 4, 3, 14, 14, dtype=torch.float64, generator=torch.Generator().manual_seed(7))
+    grids = torch.tensor([[1, 4, 4], [1, 4, 4]])                   # two images, 4 merged tokens each
+    ids = torch.tensor([9, 10] + [media] * 4 + [11] + [media] * 4 + [12])
+    embeds = model.encode_images(pixels, grids)
+    assert embeds.shape == (8, model.config.text.hidden_size)
+    got = model(ids, pixels, grids)
+    # independent: the same forward with the rows replaced by hand through the batch interface
+    st = Stepper(model, 1, len(ids))
+    batch = ForwardBatch.build([len(ids)], [0], [1], [st.tables[0]], st.bs)
+    batch.embed_rows = torch.tensor([2, 3, 4, 5, 7, 8, 9, 10])
+    batch.embeds = embeds
+    want = model.compute_logits(model.forward_step(ids, batch, st.cache))
+    assert rel_err(got, want) <= 1e-12
+    text_only = model(ids)
+    assert torch.allclose(got[:2], text_only[:2]) and not torch.allclose(got[2:], text_only[2:])
+    with pytest.raises(ValueError, match=r"holds 8 media pad token\(s\) but the images give 4"):
+        model(ids, pixels[:16], grids[:1])
