@@ -26,9 +26,10 @@ import codecs
 import json
 import logging
 import re
+from collections.abc import Iterable, Iterator, Sequence
 from dataclasses import dataclass
 from pathlib import Path
-from typing import Any, Iterable, Iterator, Sequence
+from typing import Any
 
 import tiktoken
 
@@ -46,10 +47,14 @@ NUM_RESERVED_SPECIAL_TOKENS = 256
 PAT_STR = "|".join(
     [
         r"[\p{Han}]+",
-        r"[^\r\n\p{L}\p{N}]?[\p{Lu}\p{Lt}\p{Lm}\p{Lo}\p{M}&&[^\p{Han}]]*"
-        r"[\p{Ll}\p{Lm}\p{Lo}\p{M}&&[^\p{Han}]]+(?i:'s|'t|'re|'ve|'m|'ll|'d)?",
-        r"[^\r\n\p{L}\p{N}]?[\p{Lu}\p{Lt}\p{Lm}\p{Lo}\p{M}&&[^\p{Han}]]+"
-        r"[\p{Ll}\p{Lm}\p{Lo}\p{M}&&[^\p{Han}]]*(?i:'s|'t|'re|'ve|'m|'ll|'d)?",
+        (
+            r"[^\r\n\p{L}\p{N}]?[\p{Lu}\p{Lt}\p{Lm}\p{Lo}\p{M}&&[^\p{Han}]]*"
+            r"[\p{Ll}\p{Lm}\p{Lo}\p{M}&&[^\p{Han}]]+(?i:'s|'t|'re|'ve|'m|'ll|'d)?"
+        ),
+        (
+            r"[^\r\n\p{L}\p{N}]?[\p{Lu}\p{Lt}\p{Lm}\p{Lo}\p{M}&&[^\p{Han}]]+"
+            r"[\p{Ll}\p{Lm}\p{Lo}\p{M}&&[^\p{Han}]]*(?i:'s|'t|'re|'ve|'m|'ll|'d)?"
+        ),
         r"\p{N}{1,3}",
         r" ?[^\s\p{L}\p{N}]+[\r\n]*",
         r"\s*[\r\n]+",
@@ -351,7 +356,7 @@ class KimiTokenizer:
         self._check_id(token_id)
         return self._encoding.decode_single_token_bytes(token_id)
 
-    def detokenizer(self, skip_special_tokens: bool = False) -> "IncrementalDetokenizer":
+    def detokenizer(self, skip_special_tokens: bool = False) -> IncrementalDetokenizer:
         return IncrementalDetokenizer(self, skip_special_tokens=skip_special_tokens)
 
     # ---- chat ----------------------------------------------------------------------------------

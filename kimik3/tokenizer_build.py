@@ -21,11 +21,17 @@ import base64
 import json
 import random
 from collections import Counter, defaultdict
+from itertools import pairwise
 from pathlib import Path
 
 import regex
 
-from kimik3.tokenizer import CONFIG_FILE, NUM_RESERVED_SPECIAL_TOKENS, PAT_STR, TIKTOKEN_FILE
+from kimik3.tokenizer import (
+    CONFIG_FILE,
+    NUM_RESERVED_SPECIAL_TOKENS,
+    PAT_STR,
+    TIKTOKEN_FILE,
+)
 
 # (offset after the base vocabulary, name, HF "special" flag): K3 release table.
 K3_SPECIAL_TOKENS = (
@@ -78,25 +84,8 @@ _TABLES = {"k3": K3_SPECIAL_TOKENS, "kimi_linear": KIMI_LINEAR_SPECIAL_TOKENS}
 
 # Small vocabulary for the generated corpus: everyday words, the chat format's tag and attribute words,
 # JSON-ish tool words, a few Chinese characters and emoji so multi-byte merges exist.
-_WORDS = """
-the a an and or but not of to in on at for with from by as is are was were be been have has had do does
-did will would can could should may might must this that these those it its he she they we you i me my
-your our their what which who when where why how all any each every some many much more most other such
-only own same so than too very just also now then here there up down out over under again once about
-after before between into through during without within along across behind beyond near far time year
-day week month hour minute second people person man woman child world life hand part place case point
-group number way thing fact water food city country house room door window road car book page word line
-name story question answer problem reason idea result change system program code data file value list
-table image picture color light sound music game team work job money market price cost rate level model
-test check build run start stop open close read write send call find make take give get see look know
-think feel want need use try help show tell ask keep move play turn bring begin seem leave put mean
-good new first last long great little old right big high different small large next early young important
-public bad able free full sure clear true false null hot cold warm cool dark bright fast slow happy sad
-message role user assistant system tool tools think response argument key type string number boolean
-object array json function arguments content reasoning index weather location unit celsius query result
-search date temperature city image width height hello world yes no please thanks sorry okay
-""".split()
-_NAMES = "Alice Bob Carol Dave Paris London Tokyo Berlin Monday Friday January July Python Kimi".split()
+_WORDS = ["the", "a", "an", "and", "or", "but", "not", "of", "to", "in", "on", "at", "for", "with", "from", "by", "as", "is", "are", "was", "were", "be", "been", "have", "has", "had", "do", "does", "did", "will", "would", "can", "could", "should", "may", "might", "must", "this", "that", "these", "those", "it", "its", "he", "she", "they", "we", "you", "i", "me", "my", "your", "our", "their", "what", "which", "who", "when", "where", "why", "how", "all", "any", "each", "every", "some", "many", "much", "more", "most", "other", "such", "only", "own", "same", "so", "than", "too", "very", "just", "also", "now", "then", "here", "there", "up", "down", "out", "over", "under", "again", "once", "about", "after", "before", "between", "into", "through", "during", "without", "within", "along", "across", "behind", "beyond", "near", "far", "time", "year", "day", "week", "month", "hour", "minute", "second", "people", "person", "man", "woman", "child", "world", "life", "hand", "part", "place", "case", "point", "group", "number", "way", "thing", "fact", "water", "food", "city", "country", "house", "room", "door", "window", "road", "car", "book", "page", "word", "line", "name", "story", "question", "answer", "problem", "reason", "idea", "result", "change", "system", "program", "code", "data", "file", "value", "list", "table", "image", "picture", "color", "light", "sound", "music", "game", "team", "work", "job", "money", "market", "price", "cost", "rate", "level", "model", "test", "check", "build", "run", "start", "stop", "open", "close", "read", "write", "send", "call", "find", "make", "take", "give", "get", "see", "look", "know", "think", "feel", "want", "need", "use", "try", "help", "show", "tell", "ask", "keep", "move", "play", "turn", "bring", "begin", "seem", "leave", "put", "mean", "good", "new", "first", "last", "long", "great", "little", "old", "right", "big", "high", "different", "small", "large", "next", "early", "young", "important", "public", "bad", "able", "free", "full", "sure", "clear", "true", "false", "null", "hot", "cold", "warm", "cool", "dark", "bright", "fast", "slow", "happy", "sad", "message", "role", "user", "assistant", "system", "tool", "tools", "think", "response", "argument", "key", "type", "string", "number", "boolean", "object", "array", "json", "function", "arguments", "content", "reasoning", "index", "weather", "location", "unit", "celsius", "query", "result", "search", "date", "temperature", "city", "image", "width", "height", "hello", "world", "yes", "no", "please", "thanks", "sorry", "okay"]
+_NAMES = ["Alice", "Bob", "Carol", "Dave", "Paris", "London", "Tokyo", "Berlin", "Monday", "Friday", "January", "July", "Python", "Kimi"]
 _HAN = "你好世界中国人大小天地日月山水火木金土上下左右今明年我他她们的是不了在有和"
 _EMOJI = ["\U0001F600", "\U0001F680", "\u2764\ufe0f", "\U0001F44D\U0001F3FD", "\U0001F1EF\U0001F1F5", "\u2728"]
 _PUNCT = [".", ",", "!", "?", ":", ";", "-", "(", ")", '"', "'", "...", " -", " (", "/"]
@@ -157,7 +146,7 @@ def train_bpe(corpus: str, vocab_size: int) -> dict[bytes, int]:
     pair_counts: Counter = Counter()
     where: dict[tuple[bytes, bytes], set[int]] = defaultdict(set)
     for wi, toks in enumerate(words):
-        for a, b in zip(toks, toks[1:]):
+        for a, b in pairwise(toks):
             pair_counts[(a, b)] += counts[wi]
             where[(a, b)].add(wi)
 
@@ -178,7 +167,7 @@ def train_bpe(corpus: str, vocab_size: int) -> dict[bytes, int]:
             ranks[merged] = len(ranks)
         for wi in sorted(where.pop((a, b), ())):
             toks, c = words[wi], counts[wi]
-            for x, y in zip(toks, toks[1:]):
+            for x, y in pairwise(toks):
                 pair_counts[(x, y)] -= c
                 if pair_counts[(x, y)] <= 0:
                     del pair_counts[(x, y)]
@@ -192,7 +181,7 @@ def train_bpe(corpus: str, vocab_size: int) -> dict[bytes, int]:
                     new.append(toks[j])
                     j += 1
             words[wi] = new
-            for x, y in zip(new, new[1:]):
+            for x, y in pairwise(new):
                 pair_counts[(x, y)] += c
                 where[(x, y)].add(wi)
         pair_counts.pop((a, b), None)

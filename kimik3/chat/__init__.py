@@ -3,7 +3,13 @@ output parser (``parsers``)."""
 
 from kimik3.chat.k3 import render_k3
 from kimik3.chat.kimi_linear import render_kimi_linear
-from kimik3.chat.parsers import K3OutputParser, ParseDelta, ParsedOutput, ToolCall, parse_k3_output
+from kimik3.chat.parsers import (
+    K3OutputParser,
+    ParseDelta,
+    ParsedOutput,
+    ToolCall,
+    parse_k3_output,
+)
 from kimik3.chat.segments import ImagePrompt, Segment
 
 __all__ = [

@@ -19,7 +19,8 @@ text stays plain text and is never replaced by an image (our deviation from the 
 from __future__ import annotations
 
 import json
-from typing import Any, Sequence
+from collections.abc import Sequence
+from typing import Any
 
 from kimik3.chat.segments import ImagePrompt, Segment
 
@@ -194,14 +195,14 @@ class _Writer:
         self.text(tag)
         self.control(SEP)
 
-    def message(self, attrs: list[tuple[str, Any]], body) -> None:
-        self.open("message", *attrs)
-        body()
+    def end_message(self) -> None:
         self.close("message")
         self.control(END_OF_MSG)
 
     def system_note(self, kind: str, body: str) -> None:
-        self.message([("role", "system"), ("type", kind)], lambda: self.text(body.strip()))
+        self.open("message", ("role", "system"), ("type", kind))
+        self.text(body.strip())
+        self.end_message()
 
     def image(self) -> None:
         if self.images is None:
@@ -353,7 +354,9 @@ def order_tool_results(messages: list[dict]) -> list[dict]:
 def _render_tools_declare(w: _Writer, tools: Any, dynamic: bool) -> None:
     header = _DYNAMIC_TOOLS_HEADER if dynamic else _TOOLS_HEADER
     body = header + FENCE + "json\n" + compact_json(sort_keys_deep(tools)) + "\n" + FENCE
-    w.message([("role", "system"), ("type", "tool-declare")], lambda: w.text(body))
+    w.open("message", ("role", "system"), ("type", "tool-declare"))
+    w.text(body)
+    w.end_message()
 
 
 def _render_assistant(w: _Writer, m: dict, where: str, thinking: bool) -> None:
@@ -429,14 +432,11 @@ def render_k3(
     tool_index = 0
     for i, m in enumerate(messages):
         role, where = m["role"], f"message {i} ({m['role']})"
-        named = [("name", m["name"])] if m.get("name") else []
-        if role == "user":
-            w.message([("role", "user"), *named], lambda: w.content(m.get("content"), where))
-        elif role == "system" and m.get("tools"):
+        if role == "system" and m.get("tools"):
             _render_tools_declare(w, m["tools"], dynamic=True)
-        elif role == "system":
-            w.message([("role", "system"), *named], lambda: w.content(m.get("content"), where))
-        elif role == "tool":
+            continue
+        attrs = [("role", role), ("name", m["name"])] if m.get("name") else [("role", role)]
+        if role == "tool":
             tool_index += 1
             tool_name = m.get("tool", m.get("name"))
             if tool_name is None and tool_index <= len(last_calls):
@@ -446,14 +446,16 @@ def render_k3(
                     f"{where}: cannot tell which tool this result is for: give it 'tool' or 'name', or put it "
                     "after the assistant message whose tool_calls it answers"
                 )
-            w.message(
-                [("role", "tool"), ("tool", tool_name), ("index", tool_index)],
-                lambda: w.content(m.get("content"), where),
-            )
-        else:  # assistant
+            attrs = [("role", "tool"), ("tool", tool_name), ("index", tool_index)]
+        elif role == "assistant":
             last_calls = m.get("tool_calls") or []
             tool_index = 0
-            w.message([("role", "assistant"), *named], lambda: _render_assistant(w, m, where, thinking))
+        w.open("message", *attrs)
+        if role == "assistant":
+            _render_assistant(w, m, where, thinking)
+        else:
+            w.content(m.get("content"), where)
+        w.end_message()
 
     if isinstance(tool_choice, str) and tool_choice in _TOOL_CHOICE_BODY:
         w.system_note("tool-choice", _TOOL_CHOICE_BODY[tool_choice])

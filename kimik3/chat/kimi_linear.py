@@ -15,7 +15,8 @@ rejected. Images are not supported (the model is text-only).
 from __future__ import annotations
 
 import json
-from typing import Any, Sequence
+from collections.abc import Sequence
+from typing import Any
 
 from kimik3.chat.k3 import check_conversation
 from kimik3.chat.segments import Segment

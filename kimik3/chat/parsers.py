@@ -28,8 +28,9 @@ from __future__ import annotations
 import json
 import logging
 import re
+from collections.abc import Iterable
 from dataclasses import dataclass, field
-from typing import Any, Iterable
+from typing import Any
 
 from kimik3.chat.k3 import CLOSE, END_OF_MSG, OPEN, SEP, json_type
 

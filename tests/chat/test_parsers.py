@@ -77,19 +77,23 @@ def test_streaming_deltas():
     assert not p.finish()
 
 
+BAD_JSON_CALL = (
+    '<|open|>call tool="f" index="1"<|sep|><|open|>argument key="n" type="number"<|sep|>12a'
+    "<|close|>argument<|sep|><|close|>call<|sep|>"
+)
+MISMATCH_CALL = (
+    '<|open|>call tool="f"<|sep|><|open|>argument key="n" type="number"<|sep|>"1"<|close|>argument<|sep|>'
+    "<|close|>call<|sep|>"
+)
+
+
 @pytest.mark.parametrize(
     "text, content, calls",
     [
         # bad JSON in a typed argument: the call comes back as text
-        ('<|open|>call tool="f" index="1"<|sep|><|open|>argument key="n" type="number"<|sep|>12a'
-         '<|close|>argument<|sep|><|close|>call<|sep|>',
-         '<|open|>call tool="f" index="1"<|sep|><|open|>argument key="n" type="number"<|sep|>12a'
-         '<|close|>argument<|sep|><|close|>call<|sep|>', []),
+        (BAD_JSON_CALL, BAD_JSON_CALL, []),
         # declared type does not match the value
-        ('<|open|>call tool="f"<|sep|><|open|>argument key="n" type="number"<|sep|>"1"<|close|>argument<|sep|>'
-         '<|close|>call<|sep|>',
-         '<|open|>call tool="f"<|sep|><|open|>argument key="n" type="number"<|sep|>"1"<|close|>argument<|sep|>'
-         '<|close|>call<|sep|>', []),
+        (MISMATCH_CALL, MISMATCH_CALL, []),
         # unknown tool
         ('<|open|>call tool="nope"<|sep|><|close|>call<|sep|><|open|>call tool="f"<|sep|><|close|>call<|sep|>',
          '<|open|>call tool="nope"<|sep|><|close|>call<|sep|>', [ToolCall("f", "{}", 0)]),
