@@ -302,6 +302,11 @@ def plan_resize(width: int, height: int, cfg: MediaProcessorConfig, *,
     limit = cfg.in_patch_limit if patch_limit is None else patch_limit
     s1 = math.sqrt(limit / (max(1, width // p) * max(1, height // p)))
     scale = min(1.0, s1, side * p / width, side * p / height)
+    if width * scale < 1 or height * scale < 1:
+        # Deliberate departure from the official processor, which clamps the side to one pixel:
+        # such an image carries no visible content, so the request is refused with a reason.
+        raise ValueError(f"image {width}x{height} has an extreme aspect ratio: fitting it into "
+                         f"{side}x{side} patches would shrink its short side below one pixel")
     new_w = min(max(1, int(width * scale)), side * p)
     new_h = min(max(1, int(height * scale)), side * p)
     f = cfg.merge_factor

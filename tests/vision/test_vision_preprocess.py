@@ -54,9 +54,8 @@ def test_spec_token_table(w, h, resized, pad, grid, n):
 #   14x14      same: pads to 28x28 -> N = 1
 #   28x56      no pad; grid (4, 2) -> N = 2*1 = 2
 #   29x29      pad 27 -> 56x56 -> grid 4x4 -> N = 4
-#   1x100000   s3 = 7168/100000 = 0.07168 is the minimum; W' = max(1, trunc(0.07)) = 1;
-#              H' = trunc(7168 - tiny) <= 7168 pads to 7168 -> grid (512, 2) -> N = 256*1 = 256
-#   100000x1   mirror -> grid (2, 512) -> N = 256
+#   1x100000   s3 = 7168/100000 = 0.07168 is the minimum; the short side would be 0.07 px:
+#              refused by kimik3 (see test_extreme_aspect_ratio_is_refused)
 #   7168x7168  floor patches 512*512 -> s1 = sqrt(1/4) = 0.5 < s2 = 1 -> 3584x3584 = 128*28
 #              -> grid 256x256 -> N = 16384
 #   20000x300  floors 1428*21 = 29988 -> s1 = 1.478; s2 = 7168/20000 = 0.3584 is the minimum;
@@ -64,7 +63,7 @@ def test_spec_token_table(w, h, resized, pad, grid, n):
 #   5000x5000  floors 357*357 = 127449 -> s1 = sqrt(0.514214) = 0.717086 -> W' = trunc(3585.43) = 3585
 #              -> 3585 = 128*28 + 1 -> pad 27 -> 3612 -> grid 258x258 -> N = 129*129 = 16641
 HAND = [(1, 1, (2, 2), 1), (14, 14, (2, 2), 1), (28, 56, (4, 2), 2), (29, 29, (4, 4), 4),
-        (1, 100000, (512, 2), 256), (100000, 1, (2, 512), 256), (7168, 7168, (256, 256), 16384),
+        (7168, 7168, (256, 256), 16384),
         (20000, 300, (8, 512), 1024), (5000, 5000, (258, 258), 16641)]
 
 
@@ -395,3 +394,11 @@ def test_config_processor_defaults_and_errors(tmp_path):
     file.write_text(json.dumps({"patch_size": 14}))
     with pytest.raises(ConfigError, match="'media_proc_cfg' is required"):
         load_media_processor_config(file)
+
+
+@pytest.mark.parametrize("w,h", [(1, 100000), (100000, 1), (3, 100000)])
+def test_extreme_aspect_ratio_is_refused(w, h):
+    # 3 x 100000: scale 0.07168 -> short side 0.215 px (< 1): refused; 100:1 (10000x100) still works
+    with pytest.raises(ValueError, match=rf"image {w}x{h} has an extreme aspect ratio"):
+        count_image_tokens(w, h)
+    assert count_image_tokens(10000, 100) == 768
