@@ -146,6 +146,16 @@ class KVCacheManager:
             self.free_live_slots.append(req.state_slot)
             req.state_slot = 0
 
+    def reset_prefix_cache(self) -> bool:
+        """Forget every cached block and checkpoint; only possible (True) when no block is held."""
+        if self.blocks.num_free != self.plan.num_usable_blocks:
+            return False
+        for h in list(self.checkpoints):
+            self._drop_checkpoint(h)
+        self.blocks.cached.clear()
+        self.blocks.block_hashes = [None] * self.blocks.num_blocks
+        return True
+
     @property
     def prefix_hit_rate(self) -> float:
         return self.num_hit_tokens / max(self.num_queried_tokens, 1)

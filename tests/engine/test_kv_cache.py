@@ -148,3 +148,20 @@ def test_engine_rejects_a_cache_too_small_for_max_model_len():
                        cache_memory_bytes=budget_for(model, 4, 2, 10, 1))
     with pytest.raises(ValueError, match="max_model_len=100 needs 25 cache blocks.*raise cache_memory_bytes"):
         LLMEngine(model, cfg)
+
+
+def test_reset_prefix_cache():
+    plan = MemoryPlan(block_size=BS, num_blocks=6, num_slots=4, num_live_slots=1, num_checkpoint_slots=2,
+                      checkpoint_interval=1, bytes_per_block=1, bytes_per_slot=1, budget_bytes=1 << 20)
+    kv = KVCacheManager(plan, enable_prefix_caching=True)
+    req = Request("a", [1, 2, 3, 4, 5], SamplingParams(), 0.0, block_size=BS)
+    kv.admit(req, 5)
+    slot = kv.take_checkpoint_slot(req.block_hashes[1])
+    req.num_computed_tokens = 5
+    kv.cache_blocks(req)
+    kv.commit_checkpoint(req.block_hashes[1], slot)
+    assert not kv.reset_prefix_cache()           # blocks still held
+    kv.free(req)
+    assert kv.reset_prefix_cache()
+    check_invariants(kv, [])
+    assert not kv.blocks.cached and not kv.checkpoints and len(kv.free_checkpoint_slots) == 2
