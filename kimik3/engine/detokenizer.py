@@ -29,6 +29,10 @@ class OutputText:
         self.text = self.text[:i]
         return s
 
+    def finish(self) -> None:
+        """The sequence ended: an incomplete trailing character becomes U+FFFD, as ``decode`` gives."""
+        self.text += self.stream.finish()
+
     def visible(self, finished: bool) -> str:
         """Text safe to stream: while running, withhold a tail that might begin a stop string."""
         if finished or not self.holdback:

@@ -51,10 +51,12 @@ class LLMEngine:
         if config.enable_prefix_caching:
             interval = config.kda_checkpoint_interval or default_checkpoint_interval(text, config.block_size, dtype)
         budget = config.cache_memory_bytes
-        if budget is None:
+        if budget is None:   # enough for max_num_seqs full-length sequences and their checkpoints
             per_seq = max_blocks_per_seq(config.max_model_len, config.block_size)
-            wanted = (config.max_num_seqs * (per_seq + (per_seq // interval if interval else 0)) + 2) * (
-                HybridCache.bytes_per_block(text, config.block_size, dtype) + HybridCache.bytes_per_slot(text, dtype))
+            slot = HybridCache.bytes_per_slot(text, dtype)
+            block = HybridCache.bytes_per_block(text, config.block_size, dtype)
+            n = config.max_num_seqs
+            wanted = (1 + n) * slot + (1 + n * per_seq) * block + (n * per_seq // interval if interval else 0) * slot
             budget = default_cache_bytes(self.device, wanted)
         self.plan: MemoryPlan = plan_memory(text, budget, config.block_size, config.max_num_seqs, interval, dtype)
         need = max_blocks_per_seq(config.max_model_len, config.block_size)
@@ -191,6 +193,8 @@ class LLMEngine:
                 req.logprobs.append(lp)
             reason = self._check_stop(req, token)
             if reason is not None:
+                if req.detok is not None and not isinstance(req.stop_reason, str):
+                    req.detok.finish()
                 self.scheduler.finish(req, reason)
                 req.finish_time = now
             touched[req.group_id] = self.groups[req.group_id]

@@ -9,6 +9,7 @@ import pytest
 import torch
 
 import kimik3
+import kimik3.testing
 from kimik3.engine import LLM, SamplingParams
 from tests.engine.fake_model import reference_greedy
 from tests.engine.helpers import budget_for, make_engine, run
@@ -73,3 +74,24 @@ def test_llm_generate_api(tiny_ckpt):
         assert v == pytest.approx(float(first[t]), abs=1e-4)
     with pytest.raises(ValueError, match="tokenizer"):
         llm.generate("hello")
+
+
+def test_string_prompts_text_and_stop_strings_with_a_real_tokenizer(tmp_path):
+    from kimik3.tokenizer import load_tokenizer
+    from kimik3.tokenizer_build import build_tiny_tokenizer
+    build_tiny_tokenizer(tmp_path, base_vocab_size=512, seed=0)
+    tok = load_tokenizer(tmp_path)
+    kimik3.testing.make_tiny_checkpoint(tmp_path, arch="kimi_k3", vocab_size=tok.vocab_size)
+    llm = LLM(str(tmp_path), device="cpu", dtype=torch.float32, max_model_len=64, cache_memory_bytes=4 << 20)
+    prompts = ["hello world, this is", "another prompt"]
+    outs = llm.generate(prompts, SamplingParams(temperature=0, max_tokens=12, ignore_eos=True))
+    for prompt, o in zip(prompts, outs):
+        assert o.prompt == prompt and o.prompt_token_ids == tok.encode(prompt)
+        assert o.outputs[0].text == tok.decode(o.outputs[0].token_ids, skip_special_tokens=True)
+    text = outs[0].outputs[0].text
+    stop = text[3:5]
+    cut = text.find(stop)
+    again = llm.generate(prompts[0], SamplingParams(temperature=0, max_tokens=12, ignore_eos=True, stop=stop))[0]
+    c = again.outputs[0]
+    assert c.text == text[:cut] and c.finish_reason == "stop" and c.stop_reason == stop
+    assert c.token_ids == outs[0].outputs[0].token_ids[:len(c.token_ids)]

@@ -27,6 +27,9 @@ class CharTokenizer:
         class Stream:
             def feed(self, ids):
                 return tok.decode(ids)
+
+            def finish(self):
+                return ""
         return Stream()
 
 
