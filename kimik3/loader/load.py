@@ -12,11 +12,13 @@ from tqdm import tqdm
 from kimik3.config import load_config
 from kimik3.loader.safetensors_files import CheckpointError, checkpoint_files, file_size_ok, iter_tensors
 from kimik3.model.kimi_k3 import KimiForCausalLM
+from kimik3.model.moe import Experts
 from kimik3.ops import mxfp4
 
 logger = logging.getLogger(__name__)
 
 _PACKED = re.compile(r"^(.*)\.weight_(packed|scale)$")
+_EXPERT = re.compile(r"^model\.layers\.(\d+)\.block_sparse_moe\.experts\.(\d+)\.(w[123])\.weight$")
 _DTYPES = {torch.float64, torch.float32, torch.bfloat16, torch.float16}
 
 
@@ -35,11 +37,13 @@ def _text_name(name: str, architecture: str, has_vision: bool) -> str | None:
 
 
 def load_model(path: str | Path, device: str | torch.device = "cpu", dtype: torch.dtype = torch.float32,
-               **switches) -> KimiForCausalLM:
+               packed_experts: bool | None = None, **switches) -> KimiForCausalLM:
     """Load a Kimi-K3 or Kimi-Linear checkpoint directory.
 
     ``dtype``: float64, float32, bfloat16 (float16 also works). ``switches`` set the numeric
     switches of spec README §4 (e.g. ``mla_latent_norm_eps=1e-5`` for vLLM parity).
+    ``packed_experts``: keep MXFP4 routed experts packed (the CUDA kernels dequantize on the fly);
+    None chooses it for an MXFP4 checkpoint loaded in bfloat16 onto a CUDA device.
     Returns the text model; ``model(ids)`` gives logits [T, vocab] (float32).
     """
     path = Path(path)
@@ -54,6 +58,14 @@ def load_model(path: str | Path, device: str | torch.device = "cpu", dtype: torc
     with torch.device("meta"):
         model = KimiForCausalLM(config)
     model.cast(dtype)
+    if packed_experts is None:
+        packed_experts = (torch.device(device).type == "cuda" and dtype == torch.bfloat16
+                          and config.text.expert_quantization == "mxfp4")
+    if packed_experts:
+        for module in model.modules():
+            if isinstance(module, Experts):
+                module.use_mxfp4_storage()
+        logger.info("routed experts kept in MXFP4 (packed uint8 + E8M0 scales)")
     model.to_empty(device=device)
     expected = model.expected_weights()
     loaded: set[str] = set()
@@ -73,6 +85,15 @@ def load_model(path: str | Path, device: str | torch.device = "cpu", dtype: torc
                     continue
                 del pending[m[1]]
                 name = m[1] + ".weight"
+                e = _EXPERT.match(name)
+                if packed_experts and e:
+                    if name in loaded:
+                        raise CheckpointError(f"tensor '{raw_name}' appears twice (second time in {file})")
+                    experts = model.get_submodule(f"model.layers.{e[1]}.block_sparse_moe.experts")
+                    experts.load_expert_mxfp4(int(e[2]), e[3], halves["packed"].to(device), halves["scale"].to(device),
+                                              f"{raw_name} in {file.name}")
+                    loaded.add(name)
+                    continue
                 tensor = mxfp4.dequantize(halves["packed"], halves["scale"], torch.float32, name=f"{raw_name} in {file.name}")
             if name in loaded:
                 raise CheckpointError(f"tensor '{raw_name}' appears twice (second time in {file})")

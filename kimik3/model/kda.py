@@ -13,8 +13,8 @@ from torch import nn
 
 from kimik3.model.batch import ForwardBatch
 from kimik3.model.layers import linear
-from kimik3.ops.conv import causal_conv1d, conv_window_at
-from kimik3.ops.kda import kda_attention
+from kimik3.ops.conv import causal_conv1d, causal_conv1d_in_pool, conv_window_at
+from kimik3.ops.kda import kda_attention, kda_attention_in_pool
 from kimik3.ops.norm import gated_rms_norm
 
 logger = logging.getLogger(__name__)
@@ -63,31 +63,33 @@ class KimiDeltaAttention(nn.Module):
         T = x.shape[0]
         H, K = self.num_heads, self.head_dim
         slots = batch.state_slots
-        fresh = (batch.context_lens == 0)
+        has_state = batch.context_lens > 0
         raw = torch.cat([self.q_proj(x), self.k_proj(x), self.v_proj(x)], dim=-1)            # [T, 3P]
         weight = torch.cat([self.q_conv1d.weight, self.k_conv1d.weight, self.v_conv1d.weight]).squeeze(1)
-        conv0 = conv_pool[slots].masked_fill(fresh.view(-1, 1, 1), 0)
-        state0 = state_pool[slots].masked_fill(fresh.view(-1, 1, 1, 1), 0)
-        mixed, conv1 = causal_conv1d(raw, weight, conv0, batch.query_lens_cpu)
-        q, k, v = (t.view(T, H, K) for t in mixed.chunk(3, dim=-1))
         f = self.f_b_proj(self.f_a_proj(x)).view(T, H, K)
         b = self.b_proj(x)
         if batch.checkpoints:
-            o, state1 = self._attend_with_checkpoints(q, k, v, f, b, raw, conv0, state0, batch,
-                                                      conv_pool, state_pool)
+            o = self._attend_with_checkpoints(raw, weight, f, b, has_state, batch, conv_pool, state_pool)
         else:
-            o, state1 = kda_attention(q, k, v, f, b, self.A_log, self.dt_bias, self.lower_bound,
-                                      state0, batch.query_lens_cpu)
-        conv_pool[slots] = conv1
-        state_pool[slots] = state1
+            # the ops read the sequences' pool rows and write the new windows/states back in place
+            mixed = causal_conv1d_in_pool(raw, weight, conv_pool, slots, has_state, batch.query_lens_cpu,
+                                          batch.cu_seqlens)
+            q, k, v = (t.view(T, H, K) for t in mixed.chunk(3, dim=-1))
+            o = kda_attention_in_pool(q, k, v, f, b, self.A_log, self.dt_bias, self.lower_bound, state_pool, slots,
+                                      has_state, batch.query_lens_cpu, batch.cu_seqlens, decode=batch.is_decode)
         gate = self.output_gate(x).view(T, H, K)
         y = gated_rms_norm(o, self.o_norm.weight, gate, self.norm_eps, x.dtype)
         return self.o_proj(y.reshape(T, H * K))
 
-    def _attend_with_checkpoints(self, q, k, v, f, b, raw, conv0, state0, batch: ForwardBatch,
-                                 conv_pool, state_pool):
+    def _attend_with_checkpoints(self, raw, weight, f, b, has_state, batch: ForwardBatch, conv_pool, state_pool):
         """Split sequences at their checkpoint offsets and run the segments in rounds, each
         round one varlen call whose initial states are the previous round's final states."""
+        T, H, K = raw.shape[0], self.num_heads, self.head_dim
+        slots = batch.state_slots
+        conv0 = conv_pool[slots].masked_fill(~has_state.view(-1, 1, 1), 0)
+        state0 = state_pool[slots].masked_fill(~has_state.view(-1, 1, 1, 1), 0)
+        mixed, conv1 = causal_conv1d(raw, weight, conv0, batch.query_lens_cpu)
+        q, k, v = (t.view(T, H, K) for t in mixed.chunk(3, dim=-1))
         starts = batch.cu_seqlens.tolist()
         cuts: dict[int, dict[int, list[int]]] = {}
         for c in batch.checkpoints:
@@ -102,7 +104,8 @@ class KimiDeltaAttention(nn.Module):
         o = q.new_empty(q.shape[0], self.num_heads, self.head_dim, dtype=torch.promote_types(q.dtype, torch.float32))
         for r in range(max(len(s) for s in bounds)):
             seqs = [n for n in range(len(bounds)) if r < len(bounds[n])]
-            rows = torch.cat([torch.arange(starts[n] + bounds[n][r][0], starts[n] + bounds[n][r][1]) for n in seqs])
+            rows = torch.cat([torch.arange(starts[n] + bounds[n][r][0], starts[n] + bounds[n][r][1], device=raw.device)
+                              for n in seqs])
             lens = [bounds[n][r][1] - bounds[n][r][0] for n in seqs]
             out, fin = kda_attention(q[rows], k[rows], v[rows], f[rows], b[rows], self.A_log, self.dt_bias,
                                      self.lower_bound, state[seqs], lens)
@@ -111,7 +114,9 @@ class KimiDeltaAttention(nn.Module):
             for j, n in enumerate(seqs):
                 for slot in cuts.get(n, {}).get(bounds[n][r][1], []):
                     state_pool[slot] = fin[j]
-        return o, state
+        conv_pool[slots] = conv1
+        state_pool[slots] = state
+        return o
 
 
 class _ConvWeight(nn.Module):

@@ -50,13 +50,14 @@ class MLAAttention(nn.Module):
         c = self.kv_a_proj_with_mqa(x)
         latent = torch.cat([self.kv_a_layernorm(c[:, :self.kv_lora_rank]), c[:, self.kv_lora_rank:]], dim=-1)
         cache.view(-1, cache.shape[-1])[batch.slot_mapping] = latent.to(cache.dtype)
-        seq_lens = [c + q for c, q in zip(batch.context_lens_cpu, batch.query_lens_cpu)]
         if batch.is_decode:
+            seq_lens = batch.context_lens + 1                                      # device; no host sync
+            max_len = max(batch.context_lens_cpu) + 1
             w = self.kv_b_proj.weight.view(H, self.d_nope + self.d_v, self.kv_lora_rank)
             w_uk, w_uv = w[:, :self.d_nope], w[:, self.d_nope:]                 # [H, d_nope|d_v, r]
             q_latent = torch.einsum("nhd,hdr->nhr", q[..., :self.d_nope], w_uk)
             lat = mla_decode_attention(q_latent, q[..., self.d_nope:], cache, batch.block_tables, seq_lens,
-                                       self.kv_lora_rank, self.scale)
+                                       self.kv_lora_rank, self.scale, max_seq_len=max_len)
             o = torch.einsum("nhr,hvr->nhv", lat, w_uv)
         else:
             o = mla_prefill_attention(q, cache, batch.block_tables, self.kv_b_proj.weight, batch.query_lens_cpu,

@@ -8,7 +8,8 @@ from torch import nn
 
 from kimik3.config import TextConfig
 from kimik3.model.layers import MLP, GLUActivation, RMSNorm, linear
-from kimik3.ops.moe import fused_moe
+from kimik3.ops import mxfp4
+from kimik3.ops.moe import fused_moe, fused_moe_mxfp4
 from kimik3.ops.norm import acc_dtype
 from kimik3.ops.router import route
 
@@ -29,21 +30,64 @@ class Router(nn.Module):
 
 class Experts(nn.Module):
     """Routed experts stacked per projection: w1 (gate) and w3 (up) [E, I, L], w2 (down) [E, L, I].
-    The checkpoint stores them one by one (``experts.{e}.w{1,2,3}``); ``load_expert`` places them."""
+    The checkpoint stores them one by one (``experts.{e}.w{1,2,3}``); ``load_expert`` places them.
+
+    MXFP4 storage (``use_mxfp4_storage``, chosen by the loader on CUDA): w1/w2/w3 hold the packed
+    uint8 codes [E, N, K/2] and ``w{1,2,3}_scale`` the E8M0 scales [E, N, K/32]; the kernels
+    dequantize on the fly (a quarter of the bytes of bf16)."""
 
     def __init__(self, num_experts: int, width: int, intermediate: int):
         super().__init__()
         self.w1 = nn.Parameter(torch.zeros(num_experts, intermediate, width))
         self.w2 = nn.Parameter(torch.zeros(num_experts, width, intermediate))
         self.w3 = nn.Parameter(torch.zeros(num_experts, intermediate, width))
+        self.mxfp4 = False
+
+    def use_mxfp4_storage(self) -> None:
+        """Switch to packed storage (before the weights are loaded)."""
+        E, I, L = self.w1.shape
+        for which, (n, k) in {"w1": (I, L), "w2": (L, I), "w3": (I, L)}.items():
+            dev = getattr(self, which).device
+            setattr(self, which, nn.Parameter(torch.zeros(E, n, k // 2, dtype=torch.uint8, device=dev),
+                                              requires_grad=False))
+            self.register_buffer(f"{which}_scale", torch.zeros(E, n, k // mxfp4.GROUP, dtype=torch.uint8, device=dev),
+                                 persistent=False)
+        self.mxfp4 = True
+
+    def packed(self, which: str) -> tuple[torch.Tensor, torch.Tensor]:
+        return getattr(self, which), getattr(self, f"{which}_scale")
+
+    def _check(self, expert: int, which: str, shape: tuple, name: str) -> None:
+        E = self.w1.shape[0]
+        if not 0 <= expert < E:
+            raise ValueError(f"{name}: expert {expert} out of range (model has {E} experts)")
+        E, a, b = self.w1.shape if which != "w2" else self.w2.shape
+        want = (a, b * 2) if self.mxfp4 else (a, b)
+        if tuple(shape) != want:
+            raise ValueError(f"{name}: shape {tuple(shape)}, expected {want}")
 
     def load_expert(self, expert: int, which: str, tensor: torch.Tensor, name: str) -> None:
-        target = getattr(self, which)
-        if not 0 <= expert < target.shape[0]:
-            raise ValueError(f"{name}: expert {expert} out of range (model has {target.shape[0]} experts)")
-        if tuple(tensor.shape) != tuple(target.shape[1:]):
-            raise ValueError(f"{name}: shape {tuple(tensor.shape)}, expected {tuple(target.shape[1:])}")
-        target.data[expert].copy_(tensor)
+        """Place a dense expert weight (quantized to MXFP4 when the storage is packed)."""
+        self._check(expert, which, tensor.shape, name)
+        if self.mxfp4:
+            packed, scale = mxfp4.quantize(tensor.float().cpu())
+            return self.load_expert_mxfp4(expert, which, packed, scale, name)
+        getattr(self, which).data[expert].copy_(tensor)
+
+    def load_expert_mxfp4(self, expert: int, which: str, packed: torch.Tensor, scale: torch.Tensor,
+                          name: str) -> None:
+        """Place a checkpoint's MXFP4 pair as is (packed storage), or dequantized (dense storage)."""
+        if not self.mxfp4:
+            return self.load_expert(expert, which, mxfp4.dequantize(packed, scale, torch.float32, name=name), name)
+        n, half = packed.shape
+        self._check(expert, which, (n, 2 * half), name)
+        if packed.dtype != torch.uint8 or scale.dtype != torch.uint8 or tuple(scale.shape) != (n, 2 * half // mxfp4.GROUP):
+            raise ValueError(f"{name}: MXFP4 pair {packed.dtype} {tuple(packed.shape)} / {scale.dtype} "
+                             f"{tuple(scale.shape)} does not match [N, K/2] uint8 / [N, K/32] uint8")
+        if bool((scale == 255).any()):
+            raise ValueError(f"{name}: weight_scale holds 255, the E8M0 NaN encoding")
+        getattr(self, which).data[expert].copy_(packed)
+        getattr(self, f"{which}_scale")[expert].copy_(scale)
 
 
 class MoE(nn.Module):
@@ -69,8 +113,13 @@ class MoE(nn.Module):
                              cfg.moe_router_activation_func, cfg.num_expert_group, cfg.topk_group,
                              cfg.moe_renormalize, cfg.routed_scaling_factor, cfg.numerics.router_renorm_eps)
         z = self.routed_expert_down_proj(x) if hasattr(self, "routed_expert_down_proj") else x
-        u = fused_moe(z, self.experts.w1, self.experts.w2, self.experts.w3, weights, ids, self.act,
-                      cfg.numerics.moe_combine_fp32)
+        if self.experts.mxfp4:
+            e = self.experts
+            u = fused_moe_mxfp4(z, e.packed("w1"), e.packed("w2"), e.packed("w3"), weights, ids, self.act.hidden_act,
+                                self.act.beta, self.act.linear_beta, cfg.numerics.moe_combine_fp32)
+        else:
+            u = fused_moe(z, self.experts.w1, self.experts.w2, self.experts.w3, weights, ids, self.act,
+                          cfg.numerics.moe_combine_fp32)
         if hasattr(self, "routed_expert_norm"):
             u = self.routed_expert_norm(u)
         y = self.routed_expert_up_proj(u) if hasattr(self, "routed_expert_up_proj") else u

@@ -9,15 +9,22 @@ from __future__ import annotations
 
 import torch
 
+from kimik3.ops.backend import use_fast_path
 from kimik3.ops.norm import acc_dtype
 
 
 def attn_res_mix(sources: list[torch.Tensor], norm_weight: torch.Tensor, proj_weight: torch.Tensor,
                  eps: float) -> torch.Tensor:
-    """sources: n tensors [T, D]; norm_weight [D]; proj_weight [1, D] or [D]. Returns fp32 [T, D]."""
+    """sources: n tensors [T, D]; norm_weight [D]; proj_weight [1, D] or [D]. Returns fp32 [T, D].
+    CUDA: one Triton pass (online softmax over the sources)."""
     acc = acc_dtype(sources[0].dtype)
     if len(sources) == 1:
         return sources[0].to(acc)
+    if use_fast_path(sources[0]) and acc == torch.float32:
+        from kimik3.ops.triton.attn_res import MAX_SOURCES, attn_res_mix_triton
+        if len(sources) <= MAX_SOURCES:        # one pass over the sources, no stacking copy
+            w = norm_weight.float() * proj_weight.reshape(-1).float()
+            return attn_res_mix_triton([s.contiguous() for s in sources], w, eps)
     v = torch.stack([s.to(acc) for s in sources])                           # [n, T, D]
     w = norm_weight.to(acc) * proj_weight.reshape(-1).to(acc)               # [D]
     r = torch.rsqrt(v.pow(2).mean(-1) + eps)                                 # [n, T]

@@ -8,6 +8,7 @@ from __future__ import annotations
 import torch
 import torch.nn.functional as F
 
+from kimik3.ops.backend import use_fast_path
 from kimik3.ops.norm import acc_dtype
 
 
@@ -41,3 +42,20 @@ def conv_window_at(x: torch.Tensor, state: torch.Tensor, num_tokens: int) -> tor
     x [q, C] raw inputs of the chunk, state [C, W-1] before it -> [C, W-1]."""
     seq = torch.cat([state.to(x.dtype).t(), x[:num_tokens]], dim=0)
     return seq[-state.shape[1]:].t().to(state.dtype)
+
+
+def causal_conv1d_in_pool(x: torch.Tensor, weight: torch.Tensor, pool: torch.Tensor, slots: torch.Tensor,
+                          has_state: torch.Tensor, query_lens: list[int], cu_seqlens: torch.Tensor) -> torch.Tensor:
+    """``causal_conv1d`` with the history read from, and the new window written to, a state pool.
+
+    x [T, C]; weight [C, W]; pool [num_slots, C, W-1] (rows ``slots`` [N] are read, then
+    overwritten); has_state [N] bool (False: fresh sequence, zero history); cu_seqlens [N+1].
+    Returns y [T, C] in x's dtype. CUDA: one Triton pass, no gather/scatter of the windows.
+    """
+    if use_fast_path(x):
+        from kimik3.ops.triton.conv import causal_conv1d_pool_triton
+        return causal_conv1d_pool_triton(x.contiguous(), weight, pool, slots, has_state, cu_seqlens)
+    state0 = pool[slots].masked_fill(~has_state.view(-1, 1, 1), 0)
+    y, state1 = causal_conv1d(x, weight, state0, query_lens)
+    pool[slots] = state1
+    return y

@@ -14,6 +14,7 @@ from __future__ import annotations
 import torch
 import torch.nn.functional as F
 
+from kimik3.ops.backend import import_fla_kda, use_fast_path
 from kimik3.ops.norm import acc_dtype
 
 
@@ -88,12 +89,17 @@ def kda_attention(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, f: torch.Te
 
     q, k [T, H, K] post-conv (not normalised); v [T, H, V]; f [T, H, K] raw gate logits;
     b [T, H] raw beta logits; A_log [H]; dt_bias [H*K]; initial_state [N, H, V, K] fp32 (V-first).
-    Returns o [T, H, V] (fp32 or wider) and final_state [N, H, V, K].
+    Returns o [T, H, V] (fp32 or wider; q's dtype on CUDA) and final_state [N, H, V, K].
+    CUDA: fla-core's ``chunk_kda`` (gate, beta sigmoid and q/k L2 norm in kernel).
     """
     T, H, K = q.shape
     if initial_state.shape[0] != len(query_lens) or sum(query_lens) != T:
         raise ValueError(f"kda_attention: {len(query_lens)} sequences / {sum(query_lens)} tokens, but "
                          f"initial_state has {initial_state.shape[0]} rows and q has {T} tokens")
+    if use_fast_path(q):
+        cu = torch.tensor([0, *query_lens], device=q.device).cumsum(0)
+        return _chunk_kda_fla(q, k, v, f, b, A_log, dt_bias, lower_bound, initial_state.contiguous(), cu,
+                              chunk_size)
     acc = torch.promote_types(acc_dtype(q.dtype), initial_state.dtype)
     qn = l2_normalize(q.to(acc)) * K ** -0.5
     kn = l2_normalize(k.to(acc))
@@ -111,3 +117,48 @@ def kda_attention(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, f: torch.Te
         finals.append(s)
         start += ql
     return torch.cat(outs), torch.stack(finals).to(initial_state.dtype)
+
+
+def _chunk_kda_fla(q, k, v, f, b, A_log, dt_bias, lower_bound, initial_state, cu_seqlens, chunk_size=64):
+    """fla ``chunk_kda`` over packed varlen tokens; initial_state [N, H, V, K] fp32 (V-first)."""
+    chunk_kda, _ = import_fla_kda()
+    if initial_state.dtype != torch.float32:
+        raise ValueError(f"the CUDA KDA path keeps fp32 states, got {initial_state.dtype}")
+    q, k, v, f = (t.contiguous().unsqueeze(0) for t in (q, k, v, f))     # fla assumes packed rows
+    o, final = chunk_kda(q, k, v, f, b.float().contiguous().unsqueeze(0),
+                         initial_state=initial_state, output_final_state=True, use_qk_l2norm_in_kernel=True,
+                         use_gate_in_kernel=True, use_beta_sigmoid_in_kernel=True,
+                         safe_gate=lower_bound is not None, lower_bound=lower_bound, state_v_first=True,
+                         cu_seqlens=cu_seqlens, A_log=A_log.float(), dt_bias=dt_bias.float(), chunk_size=chunk_size)
+    return o.squeeze(0), final
+
+
+def kda_attention_in_pool(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, f: torch.Tensor, b: torch.Tensor,
+                          A_log: torch.Tensor, dt_bias: torch.Tensor, lower_bound: float | None,
+                          state_pool: torch.Tensor, slots: torch.Tensor, has_state: torch.Tensor,
+                          query_lens: list[int], cu_seqlens: torch.Tensor, decode: bool) -> torch.Tensor:
+    """``kda_attention`` with the states read from and written back to a pool.
+
+    state_pool [num_slots, H, V, K] fp32 (V-first): rows ``slots`` [N] are the initial states
+    (zeros where ``has_state`` [N] is False) and receive the final states. ``decode``: every
+    sequence has one token and a state (then CUDA updates the pool rows in place with fla's
+    recurrent kernel, no gather/scatter). Returns o [T, H, V].
+    """
+    if use_fast_path(q) and decode:
+        _, fused_recurrent_kda_fwd = import_fla_kda()
+        N, H, K = q.shape
+        q, k, v, f = (t.contiguous() for t in (q, k, v, f))                  # fla assumes packed rows
+        o, _ = fused_recurrent_kda_fwd(q.view(N, 1, H, K), k.view(N, 1, H, K), v.view(N, 1, H, -1),
+                                       f.view(N, 1, H, K), b.float().view(N, 1, H), A_log=A_log.float(),
+                                       dt_bias=dt_bias.float(), initial_state=state_pool, inplace_final_state=True,
+                                       state_v_first=True, ssm_state_indices=slots, use_qk_l2norm_in_kernel=True,
+                                       use_gate_in_kernel=True, use_beta_sigmoid_in_kernel=True,
+                                       lower_bound=lower_bound)
+        return o.view(N, H, -1)
+    state0 = state_pool[slots].masked_fill(~has_state.view(-1, 1, 1, 1), 0)
+    if use_fast_path(q):
+        o, state1 = _chunk_kda_fla(q, k, v, f, b, A_log, dt_bias, lower_bound, state0, cu_seqlens)
+    else:
+        o, state1 = kda_attention(q, k, v, f, b, A_log, dt_bias, lower_bound, state0, query_lens)
+    state_pool[slots] = state1
+    return o

@@ -12,6 +12,9 @@ from __future__ import annotations
 
 import torch
 
+import torch.nn.functional as F
+
+from kimik3.ops.backend import use_fast_path
 from kimik3.ops.norm import acc_dtype
 
 
@@ -33,6 +36,9 @@ def mla_prefill_attention(q: torch.Tensor, cache: torch.Tensor, block_tables: to
     """
     T, H, d_qk = q.shape
     d_nope = kv_b_weight.shape[0] // H - v_head_dim
+    if use_fast_path(q):
+        return _prefill_sdpa(q, cache, block_tables, kv_b_weight, query_lens, context_lens, kv_lora_rank,
+                             v_head_dim, scale)
     acc = acc_dtype(q.dtype)
     outs, start = [], 0
     for n, (ql, cl) in enumerate(zip(query_lens, context_lens)):
@@ -52,13 +58,25 @@ def mla_prefill_attention(q: torch.Tensor, cache: torch.Tensor, block_tables: to
 
 
 def mla_decode_attention(q_latent: torch.Tensor, q_pe: torch.Tensor, cache: torch.Tensor,
-                         block_tables: torch.Tensor, seq_lens: list[int], kv_lora_rank: int,
-                         scale: float) -> torch.Tensor:
+                         block_tables: torch.Tensor, seq_lens: list[int] | torch.Tensor, kv_lora_rank: int,
+                         scale: float, max_seq_len: int | None = None) -> torch.Tensor:
     """Absorbed decode: one query per sequence against its whole cached latent history.
 
-    q_latent [N, H, kv_lora_rank] (= W_UK^T q_nope); q_pe [N, H, d_rope]; seq_lens include the
-    new token. Returns the latent output l [N, H, kv_lora_rank] in q_latent's dtype.
+    q_latent [N, H, kv_lora_rank] (= W_UK^T q_nope); q_pe [N, H, d_rope]; seq_lens [N] (host list
+    or device tensor) include the new token; max_seq_len bounds them (CUDA sizes its splits with
+    it; taken from seq_lens when None). Returns the latent output l [N, H, kv_lora_rank] in
+    q_latent's dtype. CUDA: split-K Triton kernel over the paged blocks.
     """
+    if use_fast_path(q_latent):
+        from kimik3.ops.triton.mla_decode import mla_decode_triton
+        if not torch.is_tensor(seq_lens):
+            max_seq_len = max(seq_lens) if max_seq_len is None else max_seq_len
+            seq_lens = torch.tensor(seq_lens, dtype=torch.int32, device=q_latent.device)
+        elif max_seq_len is None:
+            max_seq_len = int(seq_lens.max())
+        return mla_decode_triton(q_latent, q_pe, cache, block_tables, seq_lens, max_seq_len, scale)
+    if torch.is_tensor(seq_lens):
+        seq_lens = seq_lens.tolist()
     acc = acc_dtype(q_latent.dtype)
     mqa_q = torch.cat([q_latent, q_pe], dim=-1).to(acc)                      # [N, H, D_c]
     outs = []
@@ -67,3 +85,26 @@ def mla_decode_attention(q_latent: torch.Tensor, q_pe: torch.Tensor, cache: torc
         p = torch.softmax((mqa_q[n] @ e.t()) * scale, dim=-1)               # [H, S]
         outs.append(p @ e[:, :kv_lora_rank])
     return torch.stack(outs).to(q_latent.dtype)
+
+
+def _prefill_sdpa(q, cache, block_tables, kv_b_weight, query_lens, context_lens, kv_lora_rank, v_head_dim, scale):
+    """The naive form per sequence through torch SDPA (fused attention kernels on CUDA)."""
+    T, H, d_qk = q.shape
+    d_nope = kv_b_weight.shape[0] // H - v_head_dim
+    out = torch.empty(T, H, v_head_dim, dtype=q.dtype, device=q.device)
+    start = 0
+    for n, (ql, cl) in enumerate(zip(query_lens, context_lens)):
+        S = cl + ql
+        e = gather_latents(cache, block_tables[n], S).to(q.dtype)                # [S, D_c]
+        kv = (e[:, :kv_lora_rank] @ kv_b_weight.t().to(q.dtype)).view(S, H, d_nope + v_head_dim)
+        key = torch.cat([kv[..., :d_nope], e[:, kv_lora_rank:].unsqueeze(1).expand(S, H, -1)], dim=-1)
+        qs = q[start:start + ql].transpose(0, 1).unsqueeze(0)                    # [1, H, ql, d_qk]
+        ks, vs = key.transpose(0, 1).unsqueeze(0), kv[..., d_nope:].transpose(0, 1).unsqueeze(0)
+        if cl == 0:
+            o = F.scaled_dot_product_attention(qs, ks, vs, is_causal=True, scale=scale)
+        else:
+            allowed = torch.arange(S, device=q.device).view(1, S) <= torch.arange(cl, S, device=q.device).view(ql, 1)
+            o = F.scaled_dot_product_attention(qs, ks, vs, attn_mask=allowed, scale=scale)
+        out[start:start + ql] = o.squeeze(0).transpose(0, 1)
+        start += ql
+    return out

@@ -1,4 +1,9 @@
-"""Routed experts (reference: a loop over the experts that received tokens)."""
+"""Routed experts: y_t = sum_j weights[t, j] * E_{ids[t, j]}(x_t), E_e(x) = act(x W1_e^T, x W3_e^T) W2_e^T.
+
+``fused_moe`` takes dense stacked weights (reference loop over the experts that received tokens);
+``fused_moe_mxfp4`` takes MXFP4-packed experts (CUDA: Triton grouped W4A16 GEMMs that dequantize
+in the kernel, the activation fused into the first; CPU: dequantize each used expert, then the loop).
+"""
 
 from __future__ import annotations
 
@@ -6,25 +11,52 @@ from typing import Callable
 
 import torch
 
+from kimik3.ops import mxfp4
+from kimik3.ops.activation import silu_and_mul, situ_and_mul
+from kimik3.ops.backend import use_fast_path
 from kimik3.ops.norm import acc_dtype
 
 
 def fused_moe(x: torch.Tensor, w1: torch.Tensor, w2: torch.Tensor, w3: torch.Tensor,
               weights: torch.Tensor, ids: torch.Tensor,
               act: Callable[[torch.Tensor, torch.Tensor], torch.Tensor], combine_fp32: bool) -> torch.Tensor:
-    """y_t = sum_j weights[t, j] * E_{ids[t, j]}(x_t), E_e(x) = act(x W1_e^T, x W3_e^T) W2_e^T.
-
-    x [T, L]; w1, w3 [E, I, L]; w2 [E, L, I]; weights [T, k] fp32; ids [T, k].
+    """x [T, L]; w1, w3 [E, I, L]; w2 [E, L, I]; weights [T, k] fp32; ids [T, k].
     combine_fp32: each expert output (x's dtype) is scaled by its fp32 weight and summed in
     fp32, rounded once (official); else the sum is accumulated in x's dtype.
     """
+    return _expert_loop(x, lambda e, which: (w1, w2, w3)[which - 1][e], weights, ids, act, combine_fp32)
+
+
+def fused_moe_mxfp4(x: torch.Tensor, w1: tuple[torch.Tensor, torch.Tensor], w2: tuple[torch.Tensor, torch.Tensor],
+                    w3: tuple[torch.Tensor, torch.Tensor], weights: torch.Tensor, ids: torch.Tensor,
+                    hidden_act: str, beta: float, linear_beta: float | None, combine_fp32: bool) -> torch.Tensor:
+    """Same function with MXFP4 experts: w1, w3 = (packed uint8 [E, I, L/2], scale uint8 [E, I, L/32]),
+    w2 = (packed [E, L, I/2], scale [E, L, I/32]). ``hidden_act`` "situ" (beta, linear_beta) or "silu".
+    CUDA (bf16 x): the Triton kernels always combine in fp32 with one rounding."""
+    if hidden_act not in ("situ", "silu"):
+        raise ValueError(f"hidden_act must be 'situ' or 'silu', got {hidden_act!r}")
+    if use_fast_path(x) and x.dtype == torch.bfloat16:
+        from kimik3.ops.triton.moe_mxfp4 import fused_moe_mxfp4_triton
+        return fused_moe_mxfp4_triton(x, w1, w2, w3, weights, ids, hidden_act == "situ", beta, linear_beta)
+
+    def act(g, u):
+        return situ_and_mul(g, u, beta, linear_beta) if hidden_act == "situ" else silu_and_mul(g, u)
+
+    def weight(e, which):
+        packed, scale = (w1, w2, w3)[which - 1]
+        return mxfp4.dequantize(packed[e], scale[e], x.dtype, name=f"expert {e} w{which}")
+
+    return _expert_loop(x, weight, weights, ids, act, combine_fp32)
+
+
+def _expert_loop(x, weight, weights, ids, act, combine_fp32):
+    """``weight(e, which)`` gives expert e's w1/w2/w3 ([I, L], [L, I], [I, L]) in x's dtype."""
     T, L = x.shape
     acc = acc_dtype(x.dtype) if combine_fp32 else x.dtype
     out = torch.zeros(T, L, dtype=acc, device=x.device)
-    flat_ids = ids.reshape(-1)
-    for e in torch.unique(flat_ids).tolist():
+    for e in torch.unique(ids.reshape(-1)).tolist():
         tok, slot = (ids == e).nonzero(as_tuple=True)
         xe = x[tok]
-        ye = act(xe @ w1[e].t(), xe @ w3[e].t()) @ w2[e].t()                 # [n, L] in x's dtype
+        ye = act(xe @ weight(e, 1).t(), xe @ weight(e, 3).t()) @ weight(e, 2).t()      # [n, L] in x's dtype
         out.index_add_(0, tok, ye.to(acc) * weights[tok, slot].unsqueeze(-1).to(acc))
     return out.to(x.dtype)

@@ -1,0 +1,53 @@
+"""Which path an op takes: the plain-torch reference, or the fast CUDA path (Triton kernels of
+ours and fla-core). Ops call ``use_fast_path(tensor)``; tests and benchmarks force the reference
+on a GPU with ``with reference_ops(): ...`` (the eager reference is the oracle)."""
+
+from __future__ import annotations
+
+import contextlib
+import logging
+
+import torch
+
+logger = logging.getLogger(__name__)
+
+_force_reference = False
+_announced = False
+
+
+def use_fast_path(t: torch.Tensor) -> bool:
+    """True when ``t`` lives on a CUDA device and the reference is not forced."""
+    global _announced
+    fast = t.is_cuda and not _force_reference
+    if fast and not _announced:
+        logger.info("kimik3 ops: CUDA fast path (Triton kernels, fla-core KDA)")
+        _announced = True
+    return fast
+
+
+@contextlib.contextmanager
+def reference_ops():
+    """Run every op through its torch reference, also on CUDA tensors."""
+    global _force_reference
+    previous, _force_reference = _force_reference, True
+    try:
+        yield
+    finally:
+        _force_reference = previous
+
+
+def import_fla_kda():
+    """fla-core's KDA kernels (imported on first use: CPU runs never need them)."""
+    try:
+        from fla.ops.kda import chunk_kda
+        from fla.ops.kda.fused_recurrent import fused_recurrent_kda_fwd
+    except ImportError as exc:   # pragma: no cover - depends on the environment
+        raise RuntimeError("the CUDA KDA path needs fla-core 0.6.0 (pip install fla-core==0.6.0); "
+                           f"import failed: {exc}. Run on CPU, or wrap the call in "
+                           "kimik3.ops.backend.reference_ops() to use the torch reference") from exc
+    import inspect
+    params = inspect.signature(chunk_kda).parameters
+    if "state_v_first" not in params or "use_beta_sigmoid_in_kernel" not in params:
+        raise RuntimeError("fla-core is too old: chunk_kda lacks state_v_first / use_beta_sigmoid_in_kernel "
+                           "(need fla-core 0.6.0)")
+    return chunk_kda, fused_recurrent_kda_fwd

@@ -1,0 +1,83 @@
+"""Attention-residual mix in one pass over the sources: per token row, each source is read once,
+scored (w . RMSNorm(v)) and folded into an online softmax-weighted sum. Reference:
+``kimik3.ops.attn_res.attn_res_mix``.
+
+The sources are separate tensors; the kernel gets the first one's pointer and each source's
+element offset from it (same dtype, same row stride), so the list needs no stacking copy.
+"""
+
+from __future__ import annotations
+
+import torch
+import triton
+import triton.language as tl
+
+MAX_SOURCES = 12
+
+
+@triton.jit(do_not_specialize=["o1", "o2", "o3", "o4", "o5", "o6", "o7", "o8", "o9", "o10", "o11"])
+def _attn_res_kernel(src, o1, o2, o3, o4, o5, o6, o7, o8, o9, o10, o11, w, out, D, stride_row, eps,
+                     N_SRC: tl.constexpr, BD: tl.constexpr):
+    t = tl.program_id(0).to(tl.int64)
+    d = tl.arange(0, BD)
+    md = d < D
+    wv = tl.load(w + d, mask=md, other=0.0)
+    m = float("-inf")
+    denom = 0.0
+    acc = tl.zeros([BD], dtype=tl.float32)
+    for i in tl.static_range(N_SRC):
+        off = 0
+        if i == 1:
+            off = o1
+        elif i == 2:
+            off = o2
+        elif i == 3:
+            off = o3
+        elif i == 4:
+            off = o4
+        elif i == 5:
+            off = o5
+        elif i == 6:
+            off = o6
+        elif i == 7:
+            off = o7
+        elif i == 8:
+            off = o8
+        elif i == 9:
+            off = o9
+        elif i == 10:
+            off = o10
+        elif i == 11:
+            off = o11
+        v = tl.load(src + off + t * stride_row + d, mask=md, other=0.0).to(tl.float32)
+        r = 1.0 / tl.sqrt(tl.sum(v * v, 0) / D + eps)
+        s = r * tl.sum(v * wv, 0)
+        m_new = tl.maximum(m, s)
+        scale_old = tl.exp(m - m_new)
+        p = tl.exp(s - m_new)
+        acc = acc * scale_old + p * v
+        denom = denom * scale_old + p
+        m = m_new
+    tl.store(out + t * D + d, acc / denom, mask=md)
+
+
+def attn_res_mix_triton(sources: list[torch.Tensor], w: torch.Tensor, eps: float) -> torch.Tensor:
+    """sources: 2..MAX_SOURCES tensors [T, D] of one dtype with unit feature stride and one row
+    stride; w [D] fp32 = norm_weight * proj_weight. Returns fp32 [T, D]."""
+    first = sources[0]
+    T, D = first.shape
+    size = first.element_size()
+    offsets = []
+    for s in sources:
+        if s.dtype != first.dtype or s.shape != first.shape or s.stride() != first.stride() or s.stride(1) != 1:
+            raise ValueError("attn_res_mix_triton: sources must share dtype, shape and strides (unit feature stride)")
+        delta = s.data_ptr() - first.data_ptr()
+        if delta % size:
+            raise ValueError("attn_res_mix_triton: sources are not element-aligned with each other")
+        offsets.append(delta // size)
+    offsets = offsets[1:] + [0] * (MAX_SOURCES - len(offsets))
+    out = torch.empty(T, D, dtype=torch.float32, device=first.device)
+    BD = triton.next_power_of_2(D)
+    _attn_res_kernel[(T,)](first, *offsets, w.contiguous(), out, D, first.stride(0), float(eps),
+                           N_SRC=len(sources), BD=BD, num_warps=8 if BD >= 4096 else 4)
+    return out

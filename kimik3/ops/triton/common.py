@@ -1,0 +1,19 @@
+"""Helpers shared by our Triton kernels."""
+
+from __future__ import annotations
+
+import os
+
+import triton
+import triton.language as tl
+
+# Triton's CPU interpreter (TRITON_INTERPRET=1, used by the CPU tests) multiplies bf16 dot
+# operands as raw bits; there the kernels upcast dot operands to fp32 first.
+INTERPRETING = os.environ.get("TRITON_INTERPRET", "0") == "1"
+
+
+@triton.jit
+def dot(a, b, acc, UPCAST: tl.constexpr):
+    if UPCAST:
+        return tl.dot(a.to(tl.float32), b.to(tl.float32), acc)
+    return tl.dot(a, b, acc)

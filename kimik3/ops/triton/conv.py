@@ -1,0 +1,88 @@
+"""Causal depthwise conv + SiLU over packed varlen tokens, history read from (and the new window
+written to) the conv-state pool by slot. Reference: ``kimik3.ops.conv.causal_conv1d``.
+
+Pool row layout [C, W-1], oldest first: the column for position tau < start of a sequence is
+(W-1) + (tau - start).
+"""
+
+from __future__ import annotations
+
+import torch
+import triton
+import triton.language as tl
+
+
+@triton.jit
+def _conv_fwd_kernel(x, weight, pool, slots, has_state, cu_seqlens, tok_seq, y,
+                     T, C, stride_x, stride_pool_slot, stride_pool_c,
+                     W: tl.constexpr, BT: tl.constexpr, BC: tl.constexpr):
+    pid_t, pid_c = tl.program_id(0), tl.program_id(1)
+    t = pid_t * BT + tl.arange(0, BT)
+    c = pid_c * BC + tl.arange(0, BC)
+    mt, mc = t < T, c < C
+    seq = tl.load(tok_seq + t, mask=mt, other=0)
+    start = tl.load(cu_seqlens + seq, mask=mt, other=0)
+    slot = tl.load(slots + seq, mask=mt, other=0).to(tl.int64)
+    has = tl.load(has_state + seq, mask=mt, other=0) != 0
+    acc = tl.zeros([BT, BC], dtype=tl.float32)
+    for j in tl.static_range(W):
+        tau = t - (W - 1) + j                                   # input position read by tap j
+        inside = tau >= start
+        xv = tl.load(x + tau[:, None].to(tl.int64) * stride_x + c[None, :],
+                     mask=(mt & inside)[:, None] & mc[None, :], other=0.0)
+        col = (W - 1) + (tau - start)
+        hv = tl.load(pool + slot[:, None] * stride_pool_slot + c[None, :].to(tl.int64) * stride_pool_c
+                     + col[:, None], mask=(mt & ~inside & has)[:, None] & mc[None, :], other=0.0)
+        wj = tl.load(weight + c * W + j, mask=mc, other=0.0).to(tl.float32)
+        acc += (xv.to(tl.float32) + hv.to(tl.float32)) * wj[None, :]
+    out = acc * tl.sigmoid(acc)
+    tl.store(y + t[:, None].to(tl.int64) * C + c[None, :], out.to(y.dtype.element_ty),
+             mask=mt[:, None] & mc[None, :])
+
+
+@triton.jit
+def _conv_state_kernel(x, pool, slots, has_state, cu_seqlens, C, stride_x, stride_pool_slot, stride_pool_c,
+                       W: tl.constexpr, WP: tl.constexpr, BC: tl.constexpr):
+    """pool[slot] <- last W-1 entries of [old window | this sequence's raw inputs]."""
+    n, pid_c = tl.program_id(0), tl.program_id(1)
+    c = pid_c * BC + tl.arange(0, BC)
+    mc = c < C
+    start = tl.load(cu_seqlens + n)
+    q = tl.load(cu_seqlens + n + 1) - start
+    slot = tl.load(slots + n).to(tl.int64)
+    has = tl.load(has_state + n) != 0
+    cols = tl.arange(0, WP)
+    i = q + cols                                  # index in [old window (W-1) | new inputs (q)]
+    from_x = i >= W - 1
+    mcol = cols < W - 1
+    row = pool + slot * stride_pool_slot + c[:, None].to(tl.int64) * stride_pool_c
+    xv = tl.load(x + (start + i[None, :] - (W - 1)).to(tl.int64) * stride_x + c[:, None],
+                 mask=mc[:, None] & (mcol & from_x)[None, :], other=0.0)
+    hv = tl.load(row + i[None, :], mask=mc[:, None] & (mcol & ~from_x)[None, :], other=0.0).to(tl.float32)
+    vals = tl.where(from_x[None, :], xv.to(tl.float32), tl.where(has, hv, 0.0))
+    tl.debug_barrier()                            # every old column is read before any is overwritten
+    tl.store(row + cols[None, :], vals.to(pool.dtype.element_ty), mask=mc[:, None] & mcol[None, :])
+
+
+def causal_conv1d_pool_triton(x: torch.Tensor, weight: torch.Tensor, pool: torch.Tensor, slots: torch.Tensor,
+                              has_state: torch.Tensor, cu_seqlens: torch.Tensor) -> torch.Tensor:
+    """x [T, C] raw inputs (row-contiguous), weight [C, W], pool [slots, C, W-1] (updated in place at
+    ``slots``), slots [N], has_state [N] (0: fresh sequence, zero history), cu_seqlens [N+1].
+    Returns y [T, C] in x's dtype."""
+    T, C = x.shape
+    W = weight.shape[1]
+    if x.stride(1) != 1 or pool.stride(2) != 1:
+        raise ValueError("causal_conv1d_pool_triton needs unit stride on the channel/column axes")
+    weight = weight.contiguous()
+    N = slots.shape[0]
+    tok_seq = torch.searchsorted(cu_seqlens[1:].contiguous(), torch.arange(T, device=x.device), right=True)
+    has = has_state.to(torch.int32)
+    y = torch.empty(T, C, dtype=x.dtype, device=x.device)
+    BT, BC = 16, 128
+    _conv_fwd_kernel[(triton.cdiv(T, BT), triton.cdiv(C, BC))](
+        x, weight, pool, slots, has, cu_seqlens, tok_seq, y, T, C, x.stride(0), pool.stride(0), pool.stride(1),
+        W=W, BT=BT, BC=BC)
+    _conv_state_kernel[(N, triton.cdiv(C, 256))](
+        x, pool, slots, has, cu_seqlens, C, x.stride(0), pool.stride(0), pool.stride(1), W=W,
+        WP=triton.next_power_of_2(max(W - 1, 1)), BC=256)
+    return y

@@ -1,0 +1,108 @@
+"""Absorbed MLA decode over the paged latent cache, flash-decoding style.
+
+Pass 1: program (sequence n, head block, split s) attends BH heads to the tokens of split s
+(all heads share the one latent "KV head", so a [BH, D_c] x [D_c, BN] product per cache tile)
+with an online softmax, and stores the normalised partial output and its log-sum-exp.
+Pass 2: program (n, head) merges the splits by their log-sum-exps.
+Reference: ``kimik3.ops.mla.mla_decode_attention``.
+"""
+
+from __future__ import annotations
+
+import torch
+import triton
+import triton.language as tl
+
+from kimik3.ops.triton.common import INTERPRETING, dot
+
+_LOG2E = 1.4426950408889634
+
+
+@triton.jit
+def _mla_decode_split_kernel(q_lat, q_pe, cache, block_tables, seq_lens, part_o, part_lse,
+                             H, R, P, stride_ql_n, stride_ql_h, stride_qp_n, stride_qp_h,
+                             stride_cache_blk, stride_cache_row, stride_bt, tokens_per_split, sm_scale_log2,
+                             BLOCK_SIZE: tl.constexpr, BH: tl.constexpr, BR: tl.constexpr, BP: tl.constexpr,
+                             BN: tl.constexpr, NUM_SPLITS: tl.constexpr, UPCAST: tl.constexpr):
+    n, hb, s = tl.program_id(0), tl.program_id(1), tl.program_id(2)
+    h = hb * BH + tl.arange(0, BH)
+    r = tl.arange(0, BR)
+    pp = tl.arange(0, BP)
+    mh, mr, mp = h < H, r < R, pp < P
+    ql = tl.load(q_lat + n * stride_ql_n + h[:, None] * stride_ql_h + r[None, :],
+                 mask=mh[:, None] & mr[None, :], other=0.0)                         # [BH, BR]
+    qp = tl.load(q_pe + n * stride_qp_n + h[:, None] * stride_qp_h + pp[None, :],
+                 mask=mh[:, None] & mp[None, :], other=0.0)                         # [BH, BP]
+    length = tl.load(seq_lens + n)
+    lo = s * tokens_per_split
+    hi = tl.minimum(lo + tokens_per_split, length)
+    m_i = tl.full([BH], float("-inf"), dtype=tl.float32)
+    l_i = tl.zeros([BH], dtype=tl.float32)
+    acc = tl.zeros([BH, BR], dtype=tl.float32)
+    for start in range(lo, hi, BN):
+        pos = start + tl.arange(0, BN)
+        mpos = pos < hi
+        blk = tl.load(block_tables + n * stride_bt + pos // BLOCK_SIZE, mask=mpos, other=0).to(tl.int64)
+        row = cache + blk * stride_cache_blk + (pos % BLOCK_SIZE).to(tl.int64) * stride_cache_row   # [BN]
+        e_lat = tl.load(row[:, None] + r[None, :], mask=mpos[:, None] & mr[None, :], other=0.0)     # [BN, BR]
+        e_pe = tl.load(row[:, None] + R + pp[None, :], mask=mpos[:, None] & mp[None, :], other=0.0)  # [BN, BP]
+        scores = dot(qp, tl.trans(e_pe), dot(ql, tl.trans(e_lat), tl.zeros([BH, BN], tl.float32), UPCAST), UPCAST)                             # [BH, BN]
+        scores = tl.where(mpos[None, :], scores * sm_scale_log2, float("-inf"))
+        m_new = tl.maximum(m_i, tl.max(scores, 1))
+        alpha = tl.exp2(m_i - m_new)
+        p = tl.exp2(scores - m_new[:, None])
+        l_i = l_i * alpha + tl.sum(p, 1)
+        acc = dot(p.to(e_lat.dtype), e_lat, acc * alpha[:, None], UPCAST)
+        m_i = m_new
+    base = (n * H + h) * NUM_SPLITS + s
+    empty = l_i == 0.0
+    out = acc / tl.where(empty, 1.0, l_i)[:, None]
+    lse = tl.where(empty, float("-inf"), m_i + tl.log2(tl.where(empty, 1.0, l_i)))                   # log2 units
+    tl.store(part_o + base[:, None].to(tl.int64) * BR + r[None, :], out, mask=mh[:, None])
+    tl.store(part_lse + base, lse, mask=mh)
+
+
+@triton.jit
+def _mla_decode_merge_kernel(part_o, part_lse, out, H, R, stride_on, stride_oh,
+                             BR: tl.constexpr, NUM_SPLITS: tl.constexpr, BS: tl.constexpr):
+    n, h = tl.program_id(0), tl.program_id(1)
+    s = tl.arange(0, BS)
+    r = tl.arange(0, BR)
+    base = (n * H + h) * NUM_SPLITS
+    lse = tl.load(part_lse + base + s, mask=s < NUM_SPLITS, other=float("-inf"))
+    m = tl.max(lse, 0)
+    w = tl.where(lse == float("-inf"), 0.0, tl.exp2(lse - m))
+    o = tl.load(part_o + (base + s)[:, None].to(tl.int64) * BR + r[None, :], mask=(s < NUM_SPLITS)[:, None], other=0.0)
+    res = tl.sum(o * w[:, None], 0) / tl.sum(w, 0)
+    tl.store(out + n * stride_on + h * stride_oh + r, res.to(out.dtype.element_ty), mask=r < R)
+
+
+def mla_decode_triton(q_latent: torch.Tensor, q_pe: torch.Tensor, cache: torch.Tensor, block_tables: torch.Tensor,
+                      seq_lens: torch.Tensor, max_seq_len: int, scale: float, num_sms: int = 132) -> torch.Tensor:
+    """q_latent [N, H, R]; q_pe [N, H, P]; cache [num_blocks, block_size, R + P]; block_tables
+    [N, max_blocks]; seq_lens [N] (device); max_seq_len bounds seq_lens (sizes the splits).
+    Returns the latent output [N, H, R] in q_latent's dtype."""
+    N, H, R = q_latent.shape
+    P = q_pe.shape[-1]
+    if cache.stride(-1) != 1 or q_latent.stride(-1) != 1 or q_pe.stride(-1) != 1:
+        raise ValueError("mla_decode_triton needs unit stride on the feature axis")
+    BR, BP = triton.next_power_of_2(max(R, 16)), triton.next_power_of_2(max(P, 16))
+    BH = 16 if H <= 16 else 32
+    BN = 32 if BR >= 256 else 16
+    head_blocks = triton.cdiv(H, BH)
+    # enough programs to fill the chip twice over, never splits shorter than one tile
+    splits = max(1, min(triton.cdiv(max_seq_len, BN), triton.cdiv(2 * num_sms, N * head_blocks), 64))
+    tokens_per_split = triton.cdiv(triton.cdiv(max_seq_len, splits), BN) * BN
+    splits = triton.cdiv(max_seq_len, tokens_per_split)
+    part_o = torch.empty(N * H * splits, BR, dtype=torch.float32, device=q_latent.device)
+    part_lse = torch.empty(N * H * splits, dtype=torch.float32, device=q_latent.device)
+    nw = 8 if BH * BR >= 32 * 512 else 4
+    _mla_decode_split_kernel[(N, head_blocks, splits)](
+        q_latent, q_pe, cache, block_tables, seq_lens, part_o, part_lse, H, R, P,
+        q_latent.stride(0), q_latent.stride(1), q_pe.stride(0), q_pe.stride(1),
+        cache.stride(0), cache.stride(1), block_tables.stride(0), tokens_per_split, scale * _LOG2E,
+        BLOCK_SIZE=cache.shape[1], BH=BH, BR=BR, BP=BP, BN=BN, NUM_SPLITS=splits, UPCAST=INTERPRETING, num_warps=nw, num_stages=2)
+    out = torch.empty(N, H, R, dtype=q_latent.dtype, device=q_latent.device)
+    _mla_decode_merge_kernel[(N, H)](part_o, part_lse, out, H, R, out.stride(0), out.stride(1),
+                                     BR=BR, NUM_SPLITS=splits, BS=triton.next_power_of_2(splits))
+    return out

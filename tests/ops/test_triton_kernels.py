@@ -1,0 +1,136 @@
+"""Our Triton kernels against the torch reference ops, on CPU through TRITON_INTERPRET=1 at tiny
+sizes (the same kernels run on CUDA in tests/gpu, with METHOD.md's bf16 bounds).
+
+Triton's interpreter rounds fp32 -> bf16 toward zero (seen with triton 3.9: 1.00703 -> 1.0), a
+bias of up to one bf16 ulp (2**-8 relative) per rounding; bounds below allow for that and no more.
+"""
+
+import math
+
+import pytest
+import torch
+
+triton = pytest.importorskip("triton")
+
+from kimik3.ops import mxfp4                                            # noqa: E402
+from kimik3.ops.activation import situ_and_mul                          # noqa: E402
+from kimik3.ops.attn_res import attn_res_mix                            # noqa: E402
+from kimik3.ops.conv import causal_conv1d                               # noqa: E402
+from kimik3.ops.mla import mla_decode_attention                         # noqa: E402
+from kimik3.ops.moe import fused_moe                                    # noqa: E402
+
+BF16 = torch.bfloat16
+
+
+def gen(seed):
+    return torch.Generator().manual_seed(seed)
+
+
+def rel_err(out, ref):
+    out, ref = out.double(), ref.double()
+    assert torch.isfinite(out).all(), "non-finite output (unwritten or NaN)"
+    return ((out - ref).norm() / ref.norm()).item()
+
+
+# ---- conv --------------------------------------------------------------------------------
+@pytest.mark.parametrize("lens,ctx", [([5, 1, 9], [0, 3, 2]), ([1, 1, 1, 1], [4, 1, 2, 7])], ids=["varlen", "decode"])
+def test_conv_pool_kernel_matches_reference(lens, ctx):
+    from kimik3.ops.triton.conv import causal_conv1d_pool_triton
+    g = gen(0)
+    C, W, N = 40, 4, len(lens)
+    x = torch.randn(sum(lens), C, generator=g).to(BF16)
+    w = torch.randn(C, W, generator=g)
+    pool = torch.randn(9, C, W - 1, generator=g).to(BF16)
+    slots = torch.tensor([7, 2, 5, 3][:N])                               # scattered, non-contiguous rows
+    has = torch.tensor(ctx) > 0
+    cu = torch.tensor([0, *lens]).cumsum(0)
+    state0 = pool[slots].masked_fill(~has.view(-1, 1, 1), 0)
+    y_ref, s_ref = causal_conv1d(x, w, state0, lens)
+    before = pool.clone()
+    y = causal_conv1d_pool_triton(x, w, pool, slots, has, cu)
+    assert rel_err(y, y_ref) < 8e-3        # one truncating bf16 rounding
+    assert torch.equal(pool[slots], s_ref)
+    untouched = [i for i in range(9) if i not in slots.tolist()]
+    assert torch.equal(pool[untouched], before[untouched])
+
+
+# ---- MLA decode --------------------------------------------------------------------------
+def test_mla_decode_kernel_matches_reference():
+    from kimik3.ops.triton.mla_decode import mla_decode_triton
+    g = gen(1)
+    N, H, R, P, bs = 3, 5, 32, 8, 4
+    lens = [9, 1, 23]
+    cache = torch.randn(20, bs, R + P, generator=g).to(BF16)
+    perm = torch.randperm(19, generator=g) + 1
+    tables = torch.full((N, 6), -1, dtype=torch.int32)
+    used = 0
+    for n, L in enumerate(lens):
+        nb = -(-L // bs)
+        tables[n, :nb] = perm[used:used + nb].int()
+        used += nb
+    q_lat = torch.randn(N, H, R, generator=g).to(BF16)
+    q_pe = torch.randn(N, H, P, generator=g).to(BF16)
+    scale = 0.2
+    ref = mla_decode_attention(q_lat.double(), q_pe.double(), cache.double(), tables, lens, R, scale)
+    out = mla_decode_triton(q_lat, q_pe, cache, tables, torch.tensor(lens, dtype=torch.int32), max(lens), scale,
+                            num_sms=4)
+    assert rel_err(out, ref) < 1e-2
+
+
+# ---- MoE MXFP4 ---------------------------------------------------------------------------
+def _packed_experts(E, N, K, g):
+    codes = torch.randint(0, 16, (E * N, K), generator=g, dtype=torch.uint8)
+    scale = (127 - round(math.log2(2 * math.sqrt(K))) + torch.randint(-1, 2, (E * N, K // 32), generator=g)).to(torch.uint8)
+    packed = mxfp4.pack_codes(codes)
+    dense = mxfp4.dequantize(packed, scale, BF16).view(E, N, K)
+    return (packed.view(E, N, K // 2), scale.view(E, N, K // 32)), dense
+
+
+@pytest.mark.parametrize("T", [3, 40], ids=["T3", "T40"])
+def test_moe_mxfp4_kernel_matches_dense_reference(T):
+    from kimik3.ops.triton.moe_mxfp4 import fused_moe_mxfp4_triton
+    g = gen(2)
+    E, L, I, k = 6, 64, 96, 3
+    w1, d1 = _packed_experts(E, I, L, g)
+    w3, d3 = _packed_experts(E, I, L, g)
+    w2, d2 = _packed_experts(E, L, I, g)
+    x = torch.randn(T, L, generator=g).to(BF16)
+    ids = torch.stack([torch.randperm(E, generator=g)[:k] for _ in range(T)])
+    weights = torch.rand(T, k, generator=g)
+
+    def act(a, b):
+        return situ_and_mul(a, b, 4.0, 25.0)
+    ref = fused_moe(x, d1, d2, d3, weights, ids, act, combine_fp32=True)
+    out = fused_moe_mxfp4_triton(x, w1, w2, w3, weights, ids, True, 4.0, 25.0)
+    assert rel_err(out, ref) < 3e-2        # four truncating bf16 roundings in a chain
+
+
+def test_moe_mxfp4_kernel_silu_without_up_clip():
+    from kimik3.ops.triton.moe_mxfp4 import fused_moe_mxfp4_triton
+    # one expert, one-hot tokens: each output sums silu over one column of W1 (W3, W2 all ones)
+    g = gen(3)
+    E, L, I = 1, 32, 32
+    w1, d1 = _packed_experts(E, I, L, g)
+    ones = torch.full((E, I, L // 2), 0x22, dtype=torch.uint8), torch.full((E, I, L // 32), 127, dtype=torch.uint8)
+    dense_ones = torch.ones(E, I, L)
+    x = torch.eye(L)[:8].to(BF16)
+    ids = torch.zeros(8, 1, dtype=torch.long)
+    w = torch.ones(8, 1)
+    # silu(g) * u with u = 1 and W2 = ones: out = sum_i silu(W1[i, t])
+    out = fused_moe_mxfp4_triton(x, w1, ones, ones, w, ids, False, 1.0, None)
+    ref = fused_moe(x, d1, dense_ones.to(BF16), dense_ones.to(BF16), w, ids,
+                    lambda a, b: torch.nn.functional.silu(a.float()).mul(b.float()).to(BF16), True)
+    assert rel_err(out, ref) < 1e-2
+
+
+# ---- attention residual mix --------------------------------------------------------------
+@pytest.mark.parametrize("n", [2, 5, 9])
+def test_attn_res_kernel_matches_reference(n):
+    from kimik3.ops.triton.attn_res import attn_res_mix_triton
+    g = gen(4)
+    T, D = 6, 48
+    sources = [torch.randn(T, D, generator=g).to(BF16) for _ in range(n)]
+    gamma, proj = 1 + 0.1 * torch.randn(D, generator=g), torch.randn(1, D, generator=g)
+    ref = attn_res_mix([s.double() for s in sources], gamma.double(), proj.double(), 1e-5)
+    out = attn_res_mix_triton(sources, gamma * proj.view(-1), 1e-5)
+    assert rel_err(out, ref) < 1e-5
