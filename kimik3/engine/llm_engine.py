@@ -231,7 +231,7 @@ class LLMEngine:
                 text = req.detok.visible(done) if req.detok is not None else ""
                 completions.append(CompletionOutput(
                     index=i, text=text[req.num_sent_chars:],
-                    token_ids=req.output_token_ids[req.num_sent_tokens:],
+                    token_ids=req.token_ids[req.num_prompt_tokens + req.num_sent_tokens:],
                     logprobs=req.logprobs[req.num_sent_tokens:] if req.params.logprobs is not None else None,
                     finish_reason=req.finish_reason, stop_reason=req.stop_reason))
                 req.num_sent_tokens, req.num_sent_chars = n_out, len(text)
