@@ -1,0 +1,449 @@
+"""The OpenAI-compatible HTTP app: routes, auth, admission (backpressure), streaming, shutdown.
+
+Request path: parse + validate the body (400 before the engine is touched) -> render / tokenise ->
+context-length check -> admission (429 + Retry-After when ``max_num_seqs + max_queue_len`` requests are
+already in flight, 503 while shutting down) -> ``EngineLoop.submit`` -> wait for the first event, so an
+engine-side refusal still gets a proper status -> JSON body or an SSE stream. Whatever ends the
+exchange (done, error, client gone, server stopping) runs one cleanup that aborts the job in the engine
+if it is still running, which frees its cache.
+"""
+
+from __future__ import annotations
+
+import asyncio
+import hmac
+import json
+import logging
+import time
+import uuid
+from contextlib import asynccontextmanager
+from dataclasses import dataclass
+
+from fastapi import FastAPI, Request
+from fastapi.responses import JSONResponse, Response, StreamingResponse
+from pydantic import ValidationError
+from starlette.concurrency import run_in_threadpool
+from starlette.exceptions import HTTPException as StarletteHTTPException
+
+from kimik3.engine import LLMEngine, SamplingParams
+from kimik3.serve.chat import build_chat_prompt
+from kimik3.serve.engine_loop import ChoiceDelta, Done, EngineLoop, Failed, Job, PromptInput
+from kimik3.serve.metrics import ServerMetrics
+from kimik3.serve.protocol import (
+    APIError,
+    ChatCompletionRequest,
+    CompletionRequest,
+    bad_request,
+    error_body,
+    validation_error,
+)
+from kimik3.serve.responses import ChatFormatter, CompletionFormatter, usage_body
+
+logger = logging.getLogger(__name__)
+
+MAX_N = 128
+MAX_TOP_LOGPROBS = 20
+_ROUTES = ("/v1/chat/completions", "/v1/completions", "/v1/models", "/health", "/metrics")
+
+
+@dataclass
+class ServeOptions:
+    served_model_name: str
+    api_key: str | None = None
+    max_queue_len: int = 256            # requests accepted beyond max_num_seqs before answering 429
+    shutdown_timeout: float = 30.0      # seconds in-flight requests get to finish at shutdown
+    processor_config: object | None = None   # MediaProcessorConfig for images (None: defaults)
+
+    def __post_init__(self) -> None:
+        if not isinstance(self.max_queue_len, int) or self.max_queue_len < 0:
+            raise ValueError(f"max_queue_len must be an integer >= 0, got {self.max_queue_len!r}")
+        if not self.served_model_name:
+            raise ValueError("served_model_name must be a non-empty string")
+
+
+class ServerState:
+    def __init__(self, engine: LLMEngine, options: ServeOptions):
+        self.engine = engine
+        self.options = options
+        self.loop = EngineLoop(engine)
+        self.tokenizer = engine.get_tokenizer()
+        self.metrics = ServerMetrics(self.loop, options.served_model_name)
+        self.max_model_len = engine.config.max_model_len
+        self.capacity = engine.config.max_num_seqs + options.max_queue_len
+        self.has_vision = getattr(engine.model.config, "vision", None) is not None
+        self.in_flight = 0
+        self.draining = False
+        self.created = int(time.time())
+
+    def admit(self) -> None:
+        if self.draining:
+            raise APIError(503, "the server is shutting down; retry on another instance", code="shutting_down",
+                           headers={"Retry-After": "5"})
+        if not self.loop.alive:
+            raise APIError(503, "the engine loop is not running", code="engine_down")
+        if self.in_flight >= self.capacity:
+            raise APIError(429, f"the server is at capacity ({self.in_flight} requests in flight, "
+                                f"max_num_seqs + max_queue_len = {self.capacity}); retry shortly",
+                           code="queue_full", headers={"Retry-After": "1"})
+        self.in_flight += 1
+
+
+# ---- helpers -----------------------------------------------------------------------------------------------
+
+async def _parse(request: Request, model):
+    raw = await request.body()
+    if not raw:
+        raise bad_request("request body is empty; send a JSON object", code="invalid_json")
+    try:
+        return model.model_validate_json(raw)
+    except ValidationError as e:
+        raise validation_error(e) from None
+
+
+def _check_model(state: ServerState, name: str | None) -> str:
+    served = state.options.served_model_name
+    if name is not None and name != served:
+        raise APIError(404, f"the model {name!r} does not exist; this server serves {served!r}", "model",
+                       "model_not_found")
+    return served
+
+
+def _sampling_params(req, max_tokens: int, logprobs: int | None, stop_token_ids: list[int]) -> SamplingParams:
+    if req.n < 1 or req.n > MAX_N:
+        raise bad_request(f"n must lie in [1, {MAX_N}], got {req.n}", "n")
+    kw = dict(n=req.n, max_tokens=max_tokens, seed=req.seed, stop=req.stop, ignore_eos=req.ignore_eos,
+              stop_token_ids=(req.stop_token_ids or []) + stop_token_ids, logprobs=logprobs,
+              skip_special_tokens=req.skip_special_tokens)
+    for name in ("temperature", "top_p", "top_k", "min_p", "presence_penalty", "frequency_penalty",
+                 "repetition_penalty"):
+        value = getattr(req, name)
+        if value is not None:
+            kw[name] = value
+    try:
+        return SamplingParams(**kw)
+    except ValueError as e:
+        msg = str(e)
+        param = msg.split(": ", 1)[1].split()[0] if msg.startswith("SamplingParams: ") else None
+        raise bad_request(msg.removeprefix("SamplingParams: "), param) from None
+
+
+def _max_tokens(state: ServerState, requested: int | None, param: str, prompt_len: int, prompt_param: str) -> int:
+    limit = state.max_model_len
+    if prompt_len >= limit:
+        raise bad_request(f"the prompt has {prompt_len} tokens, but this model's context is max_model_len={limit} "
+                          f"tokens (prompt and completion together); shorten the prompt", prompt_param,
+                          "context_length_exceeded")
+    if requested is None:
+        return limit - prompt_len
+    if requested < 1:
+        raise bad_request(f"{param} must be at least 1, got {requested}", param)
+    if prompt_len + requested > limit:
+        raise bad_request(f"this model's context is max_model_len={limit} tokens, but {prompt_len} prompt tokens "
+                          f"+ {param}={requested} = {prompt_len + requested}; lower {param} or shorten the prompt",
+                          param, "context_length_exceeded")
+    return requested
+
+
+def _sse(body: dict) -> bytes:
+    return b"data: " + json.dumps(body, ensure_ascii=False).encode() + b"\n\n"
+
+
+class _JobStream(StreamingResponse):
+    """An SSE response that runs the job's cleanup however the stream ends (done, cancelled, errored)."""
+
+    def __init__(self, body, on_close):
+        super().__init__(body, media_type="text/event-stream", headers={"Cache-Control": "no-cache"})
+        self._on_close = on_close
+
+    async def __call__(self, scope, receive, send):
+        try:
+            await super().__call__(scope, receive, send)
+        finally:
+            self._on_close()
+
+
+class _Exchange:
+    """One admitted job from submit to cleanup: event waiting, metrics, abort on early exit."""
+
+    def __init__(self, state: ServerState, request: Request, job: Job, prompt_tokens: int, fmt):
+        self.state, self.request, self.job, self.fmt = state, request, job, fmt
+        self.prompt_tokens = prompt_tokens
+        self.start = time.monotonic()
+        self.first_token: float | None = None
+        self.last_token: dict[int, float] = {}
+        self.completion_tokens = 0
+        self.closed = False
+        self._getter: asyncio.Future | None = None
+
+    async def next_event(self, poll: float = 0.5):
+        """The job's next event, or None once the client has disconnected."""
+        while True:
+            if self._getter is None:
+                self._getter = asyncio.ensure_future(self.job.queue.get())
+            done, _ = await asyncio.wait({self._getter}, timeout=poll)
+            if done:
+                item, self._getter = self._getter.result(), None
+                if isinstance(item, list):
+                    self._observe(item)
+                return item
+            if await self.request.is_disconnected():
+                return None
+
+    def _observe(self, deltas: list[ChoiceDelta]) -> None:
+        now = time.monotonic()
+        m = self.state.metrics
+        for d in deltas:
+            if d.token_ids:
+                self.completion_tokens += len(d.token_ids)
+                if self.first_token is None:
+                    self.first_token = now
+                    m.ttft.observe(now - self.start)
+                prev = self.last_token.get(d.index)
+                if prev is not None:
+                    m.itl.observe(now - prev)
+                self.last_token[d.index] = now
+            if d.finish_reason is not None:
+                m.finished.labels(d.finish_reason).inc()
+
+    def usage(self, cached: int) -> dict:
+        return usage_body(self.prompt_tokens, self.completion_tokens, cached)
+
+    def close(self) -> None:
+        if self.closed:
+            return
+        self.closed = True
+        if self._getter is not None:
+            self._getter.cancel()
+        if not self.job.done:
+            self.state.loop.abort(self.job)
+            self.state.metrics.finished.labels("abort").inc()
+        self.state.in_flight -= 1
+        self.state.metrics.generation_tokens.inc(self.completion_tokens)
+        if self.first_token is not None:
+            self.state.metrics.e2e.observe(time.monotonic() - self.start)
+
+
+async def _run(state: ServerState, request: Request, prompts: list[PromptInput], params: SamplingParams, fmt,
+               stream: bool, include_usage: bool) -> Response:
+    state.admit()
+    job = Job(fmt.id, prompts, params)
+    prompt_tokens = sum(len(p.token_ids) for p in prompts)
+    ex = _Exchange(state, request, job, prompt_tokens, fmt)
+    state.metrics.prompt_tokens.inc(prompt_tokens)
+    handed_off = False
+    try:
+        state.loop.submit(job)
+        first = await ex.next_event()
+        if first is None:
+            return Response(status_code=499)
+        if isinstance(first, Failed):
+            raise first.error
+        if stream:
+            handed_off = True
+            return _JobStream(_stream(ex, first, include_usage), ex.close)
+        item = first
+        while not isinstance(item, Done):
+            if item is None:
+                return Response(status_code=499)
+            if isinstance(item, Failed):
+                raise item.error
+            fmt.feed(item, streaming=False)
+            item = await ex.next_event()
+        return JSONResponse(fmt.final(ex.usage(item.cached_tokens)))
+    finally:
+        if not handed_off:
+            ex.close()
+
+
+async def _stream(ex: _Exchange, first, include_usage: bool):
+    item = first
+    while True:
+        if isinstance(item, list):
+            for chunk in ex.fmt.feed(item, streaming=True):
+                yield _sse(chunk)
+        elif isinstance(item, Done):
+            if include_usage:
+                yield _sse(ex.fmt.usage_chunk(ex.usage(item.cached_tokens)))
+            break
+        elif isinstance(item, Failed):
+            e = item.error
+            yield _sse(error_body(e.status, e.message, e.param, e.code))
+            break
+        elif item is None:      # client gone: the cleanup aborts the job
+            return
+        item = await ex.next_event()
+    yield b"data: [DONE]\n\n"
+
+
+# ---- the app --------------------------------------------------------------------------------------------------
+
+class _Guard:
+    """Pure ASGI: API-key check on every route but /health, and request counts by route and status."""
+
+    def __init__(self, app, state: ServerState):
+        self.app = app
+        self.state = state
+        key = state.options.api_key
+        self.expected = f"Bearer {key}".encode() if key else None
+
+    async def __call__(self, scope, receive, send):
+        if scope["type"] != "http":
+            return await self.app(scope, receive, send)
+        path = scope.get("path", "")
+        route = path if path in _ROUTES else "other"
+        status = {"code": 500}
+
+        async def send_wrapper(message):
+            if message["type"] == "http.response.start":
+                status["code"] = message["status"]
+            await send(message)
+
+        try:
+            if self.expected is not None and path != "/health":
+                got = dict(scope.get("headers") or []).get(b"authorization", b"")
+                if not hmac.compare_digest(got, self.expected):
+                    body = error_body(401, "invalid or missing API key; send 'Authorization: Bearer <key>'",
+                                      code="invalid_api_key")
+                    await JSONResponse(body, status_code=401)(scope, receive, send_wrapper)
+                    return
+            await self.app(scope, receive, send_wrapper)
+        finally:
+            self.state.metrics.requests.labels(route, str(status["code"])).inc()
+
+
+def create_app(engine: LLMEngine, options: ServeOptions) -> FastAPI:
+    """The FastAPI app serving ``engine``. The engine loop starts with the app's lifespan."""
+    state = ServerState(engine, options)
+
+    @asynccontextmanager
+    async def lifespan(app: FastAPI):
+        state.loop.start(asyncio.get_running_loop())
+        try:
+            yield
+        finally:
+            state.draining = True
+            deadline = time.monotonic() + options.shutdown_timeout
+            while state.in_flight and time.monotonic() < deadline:
+                await asyncio.sleep(0.05)
+            if state.in_flight:
+                logger.warning("shutting down with %d request(s) still in flight: aborting them", state.in_flight)
+            await run_in_threadpool(state.loop.stop)
+
+    app = FastAPI(title="kimik3", lifespan=lifespan, docs_url=None, redoc_url=None, openapi_url=None)
+    app.state.kimik3 = state
+
+    @app.exception_handler(APIError)
+    async def _api_error(request: Request, e: APIError):
+        return JSONResponse(e.body(), status_code=e.status, headers=e.headers)
+
+    @app.exception_handler(StarletteHTTPException)
+    async def _http_error(request: Request, e: StarletteHTTPException):
+        return JSONResponse(error_body(e.status_code, str(e.detail)), status_code=e.status_code)
+
+    @app.exception_handler(Exception)
+    async def _internal(request: Request, e: Exception):
+        logger.exception("unhandled error on %s", request.url.path)
+        return JSONResponse(error_body(500, f"internal error: {type(e).__name__}: {e}"), status_code=500)
+
+    @app.get("/health")
+    async def health():
+        if not state.loop.alive:
+            return JSONResponse(error_body(503, "engine loop is not running"), status_code=503)
+        return Response(status_code=200)
+
+    @app.get("/metrics")
+    async def metrics():
+        return Response(state.metrics.render(), media_type="text/plain; version=0.0.4; charset=utf-8")
+
+    @app.get("/v1/models")
+    async def models():
+        return {"object": "list", "data": [_model_card(state)]}
+
+    @app.get("/v1/models/{model_id:path}")
+    async def model(model_id: str):
+        _check_model(state, model_id)
+        return _model_card(state)
+
+    @app.post("/v1/chat/completions")
+    async def chat_completions(request: Request):
+        req: ChatCompletionRequest = await _parse(request, ChatCompletionRequest)
+        name = _check_model(state, req.model)
+        tok = state.tokenizer
+        if tok is None:
+            raise APIError(500, "this server has no tokenizer, so it cannot render chats", code="no_tokenizer")
+        prompt = await run_in_threadpool(build_chat_prompt, req, tok, options.processor_config, state.has_vision,
+                                         state.loop.multi_modal_arg)
+        requested = req.max_completion_tokens if req.max_completion_tokens is not None else req.max_tokens
+        param = "max_completion_tokens" if req.max_completion_tokens is not None else "max_tokens"
+        max_tokens = _max_tokens(state, requested, param, len(prompt.token_ids), "messages")
+        if req.top_logprobs is not None and not (0 <= req.top_logprobs <= MAX_TOP_LOGPROBS):
+            raise bad_request(f"top_logprobs must lie in [0, {MAX_TOP_LOGPROBS}], got {req.top_logprobs}",
+                              "top_logprobs")
+        if req.top_logprobs and not req.logprobs:
+            raise bad_request("top_logprobs needs logprobs=true", "top_logprobs")
+        logprobs = (req.top_logprobs or 0) if req.logprobs else None
+        params = _sampling_params(req, max_tokens, logprobs, tok.stop_token_ids)
+        include_usage = bool(req.stream_options and req.stream_options.include_usage)
+        fmt = ChatFormatter(f"chatcmpl-{uuid.uuid4().hex}", name, prompt, req.n, logprobs, tok,
+                            include_usage and req.stream)
+        return await _run(state, request, [PromptInput(prompt.token_ids, prompt.images)], params, fmt, req.stream,
+                          include_usage)
+
+    @app.post("/v1/completions")
+    async def completions(request: Request):
+        req: CompletionRequest = await _parse(request, CompletionRequest)
+        name = _check_model(state, req.model)
+        if req.suffix is not None:
+            raise bad_request("suffix is not supported", "suffix")
+        if req.best_of is not None and req.best_of != req.n:
+            raise bad_request("best_of is not supported (it must equal n)", "best_of")
+        if req.logprobs is not None and not (0 <= req.logprobs <= MAX_TOP_LOGPROBS):
+            raise bad_request(f"logprobs must lie in [0, {MAX_TOP_LOGPROBS}], got {req.logprobs}", "logprobs")
+        prompts_ids, echo = _completion_prompts(state, req)
+        requested = req.max_tokens
+        max_tokens = min(_max_tokens(state, requested, "max_tokens", len(ids), "prompt") for ids in prompts_ids)
+        params = _sampling_params(req, max_tokens, req.logprobs, [])
+        include_usage = bool(req.stream_options and req.stream_options.include_usage)
+        n_choices = len(prompts_ids) * req.n
+        fmt = CompletionFormatter(f"cmpl-{uuid.uuid4().hex}", name, n_choices, req.logprobs, state.tokenizer,
+                                  include_usage and req.stream,
+                                  [e for e in echo for _ in range(req.n)] if req.echo else None)
+        return await _run(state, request, [PromptInput(ids) for ids in prompts_ids], params, fmt, req.stream,
+                          include_usage)
+
+    app.add_middleware(_Guard, state=state)
+    return app
+
+
+def _model_card(state: ServerState) -> dict:
+    return {"id": state.options.served_model_name, "object": "model", "created": state.created,
+            "owned_by": "kimik3", "root": state.options.served_model_name, "max_model_len": state.max_model_len}
+
+
+def _completion_prompts(state: ServerState, req: CompletionRequest) -> tuple[list[list[int]], list[str]]:
+    """(token ids, text for echo) per prompt; a string or token list is one prompt, a list of them a batch."""
+    p = req.prompt
+    items = [p] if isinstance(p, str) or (isinstance(p, list) and p and isinstance(p[0], int)) else list(p)
+    if not items:
+        raise bad_request("prompt is empty; give a string, a list of token ids, or a list of either", "prompt")
+    tok = state.tokenizer
+    vocab = state.engine.vocab_size
+    out, texts = [], []
+    for k, item in enumerate(items):
+        where = "prompt" if len(items) == 1 else f"prompt[{k}]"
+        if isinstance(item, str):
+            if tok is None:
+                raise bad_request("this server has no tokenizer; send token ids", where)
+            ids = tok.encode(item)
+            text = item
+        else:
+            ids = list(item)
+            bad = [t for t in ids if not 0 <= t < vocab]
+            if bad:
+                raise bad_request(f"{where}: token ids {bad[:5]} lie outside the vocabulary [0, {vocab})", where)
+            text = tok.decode(ids) if tok is not None else ""
+        if not ids:
+            raise bad_request(f"{where} is empty (0 tokens)", where)
+        out.append(ids)
+        texts.append(text)
+    return out, texts

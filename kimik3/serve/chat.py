@@ -1,0 +1,196 @@
+"""Chat requests -> prompt ids (+ images), and generated text -> reasoning, content and tool calls.
+
+Prompts are rendered with the checkpoint tokenizer's chat template and tokenised segment by segment,
+so message text never becomes special ids. Images arrive as ``data:`` URLs only (the server has no
+network and never reads local files); each is preprocessed here and rendered as its K3 image prompt
+with one ``<|media_pad|>`` per encoder row. Output is parsed by ``K3OutputParser`` per choice, fed
+the streamed text deltas, so streamed and non-streamed answers agree.
+"""
+
+from __future__ import annotations
+
+import uuid
+from dataclasses import dataclass, field
+from typing import Any
+
+from kimik3.chat import ImagePrompt, K3OutputParser, ParseDelta
+from kimik3.serve.protocol import ChatCompletionRequest, bad_request
+
+REASONING_EFFORTS = ("low", "high", "max")
+
+
+@dataclass
+class ChatPrompt:
+    token_ids: list[int]
+    images: Any                      # VisionInputs or None
+    thinking: bool
+    parse_tools: list[dict] | None   # tools whose calls become tool_calls ([] = none; calls stay content)
+
+
+def _thinking_options(req: ChatCompletionRequest) -> tuple[bool, str | None]:
+    kwargs = req.chat_template_kwargs or {}
+    thinking = True
+    for key in ("thinking", "enable_thinking"):
+        if key in kwargs:
+            if not isinstance(kwargs[key], bool):
+                raise bad_request(f"chat_template_kwargs.{key} must be a bool, got {kwargs[key]!r}",
+                                  f"chat_template_kwargs.{key}")
+            thinking = kwargs[key]
+    effort = kwargs.get("thinking_effort", "max")
+    if req.reasoning_effort is not None:
+        if req.reasoning_effort == "none":
+            thinking = False
+        elif req.reasoning_effort in REASONING_EFFORTS:
+            effort = req.reasoning_effort
+        else:
+            raise bad_request(f"reasoning_effort must be one of none, {', '.join(REASONING_EFFORTS)}, got "
+                              f"{req.reasoning_effort!r}" + (" (K3 does not support 'medium')"
+                                                             if req.reasoning_effort == "medium" else ""),
+                              "reasoning_effort")
+    return thinking, effort
+
+
+def _tool_options(req: ChatCompletionRequest) -> tuple[Any, list[dict] | None]:
+    """(tool_choice for the template, tools to parse calls against)."""
+    tc = req.tool_choice
+    if isinstance(tc, dict):
+        raise bad_request("a named tool_choice needs guided decoding, which this server does not do; use "
+                          "'required' (or 'auto') and name the tool in the prompt", "tool_choice",
+                          "unsupported_tool_choice")
+    if tc not in (None, "auto", "none", "required"):
+        raise bad_request(f"tool_choice must be 'auto', 'none' or 'required', got {tc!r}", "tool_choice")
+    if tc == "required" and not req.tools:
+        raise bad_request("tool_choice='required' needs a non-empty 'tools' list", "tool_choice")
+    for k, t in enumerate(req.tools or []):
+        fn = t.get("function")
+        if t.get("type", "function") != "function" or not isinstance(fn, dict) or not isinstance(fn.get("name"), str):
+            raise bad_request(f"tools[{k}] must be {{'type': 'function', 'function': {{'name': str, ...}}}}",
+                              f"tools[{k}]")
+    parse_tools = req.tools if req.tools and tc != "none" else []
+    return (tc if tc in ("none", "required") else None), parse_tools
+
+
+def _response_format(req: ChatCompletionRequest) -> dict | None:
+    rf = req.response_format
+    if rf is None:
+        return None
+    kind = rf.get("type")
+    if kind not in ("text", "json_object", "json_schema"):
+        raise bad_request(f"response_format.type must be text, json_object or json_schema, got {kind!r}",
+                          "response_format.type")
+    if kind == "json_schema":
+        js = rf.get("json_schema")
+        if not isinstance(js, dict) or not isinstance(js.get("schema", {}), dict):
+            raise bad_request("response_format.json_schema must be an object with a 'schema' object",
+                              "response_format.json_schema")
+    return None if kind == "text" else rf
+
+
+def collect_images(messages: list[dict]) -> list[tuple[str, str]]:
+    """(data URL, param path) of every image part, in order; refuses remote URLs and file paths."""
+    found = []
+    for i, m in enumerate(messages):
+        content = m.get("content") if isinstance(m, dict) else None
+        if not isinstance(content, list):
+            continue
+        for k, part in enumerate(content):
+            if not isinstance(part, dict) or part.get("type") not in ("image_url", "image"):
+                continue
+            where = f"messages[{i}].content[{k}]"
+            url = part.get("image_url", part.get("image"))
+            if isinstance(url, dict):
+                url = url.get("url")
+            if not isinstance(url, str) or not url:
+                raise bad_request(f"{where}: an image part needs image_url.url as a string", where)
+            low = url[:16].lower()
+            if low.startswith(("http://", "https://")):
+                raise bad_request(f"{where}: remote image URLs are not supported (this server has no network "
+                                  f"access); send the image inline as a data: URL (data:image/png;base64,...)",
+                                  where, "unsupported_image_url")
+            if not low.startswith("data:"):
+                raise bad_request(f"{where}: images must be data: URLs (data:image/png;base64,...); file paths and "
+                                  f"file:// URLs are refused", where, "unsupported_image_url")
+            found.append((url, where))
+    return found
+
+
+def build_chat_prompt(req: ChatCompletionRequest, tokenizer, processor_cfg, has_vision: bool,
+                      multi_modal_arg: str | None) -> ChatPrompt:
+    thinking, effort = _thinking_options(req)
+    tool_choice, parse_tools = _tool_options(req)
+    response_format = _response_format(req)
+    images = collect_images(req.messages)
+    vision = None
+    prompts = None
+    if images:
+        if not has_vision:
+            raise bad_request("this model has no vision tower; remove the image parts", images[0][1],
+                              "images_unsupported")
+        from kimik3.vision.preprocess import preprocess_images
+        try:
+            vision = preprocess_images([u for u, _ in images], processor_cfg, allow_paths=False)
+        except ValueError as e:
+            msg = str(e)
+            idx = int(msg.split(":")[0].split()[1]) if msg.startswith("image ") and msg.split(":")[0][6:].isdigit() \
+                else 0
+            raise bad_request(f"{images[idx][1]}: bad image: {msg}", images[idx][1], "invalid_image") from None
+        if multi_modal_arg is None:
+            raise bad_request("images are not supported by this engine build yet (the engine cannot take image "
+                              "inputs); send text only", images[0][1], "images_unsupported")
+        prompts = [ImagePrompt(w, h, n) for (w, h), n in zip(vision.sizes, vision.num_tokens)]
+    kwargs = dict(tools=req.tools, tokenize=True, add_generation_prompt=True, thinking=thinking,
+                  thinking_effort=effort if thinking else None, tool_choice=tool_choice,
+                  response_format=response_format, images=prompts)
+    if tokenizer.chat_format != "k3":   # Kimi-Linear: no thinking channel, tool choice or response format notes
+        kwargs.update(thinking_effort=None, tool_choice=None, response_format=None)
+    try:
+        ids = tokenizer.apply_chat_template(req.messages, **kwargs)
+    except (ValueError, TypeError, KeyError) as e:
+        raise bad_request(f"cannot render the conversation: {e}", "messages") from None
+    if tokenizer.chat_format != "k3":
+        thinking, parse_tools = False, None
+    return ChatPrompt(ids, vision, thinking, parse_tools)
+
+
+@dataclass
+class ChoiceParse:
+    """Per-choice parse state: what has been sent, for the final message and finish reason."""
+
+    parser: K3OutputParser | None
+    reasoning: list[str] = field(default_factory=list)
+    content: list[str] = field(default_factory=list)
+    tool_calls: list[dict] = field(default_factory=list)
+    role_sent: bool = False
+
+    def feed(self, text: str, final: bool) -> ParseDelta:
+        if self.parser is None:
+            d = ParseDelta(content=text)
+        else:
+            d = self.parser.feed(text) if text else ParseDelta()
+            if final:
+                tail = self.parser.finish()
+                d = ParseDelta(d.reasoning + tail.reasoning, d.content + tail.content, d.tool_calls + tail.tool_calls)
+        self.reasoning.append(d.reasoning)
+        self.content.append(d.content)
+        return d
+
+    def calls_json(self, delta: ParseDelta, streaming: bool) -> list[dict]:
+        out = []
+        for call in delta.tool_calls:
+            entry = {"id": f"call_{uuid.uuid4().hex[:24]}", "type": "function",
+                     "function": {"name": call.name, "arguments": call.arguments}}
+            self.tool_calls.append(entry)
+            out.append({"index": call.index, **entry} if streaming else entry)
+        return out
+
+
+def make_parse(prompt: ChatPrompt) -> ChoiceParse:
+    if prompt.parse_tools is None:
+        return ChoiceParse(None)
+    return ChoiceParse(K3OutputParser(thinking=prompt.thinking, tools=prompt.parse_tools))
+
+
+def chat_finish_reason(reason: str | None, parse: ChoiceParse) -> str | None:
+    if reason == "stop" and parse.tool_calls:
+        return "tool_calls"
+    return reason

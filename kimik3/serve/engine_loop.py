@@ -1,0 +1,358 @@
+"""The one thread that drives the (not thread-safe) LLMEngine for the server.
+
+HTTP handlers never touch the engine. They build a ``Job`` (prompts + SamplingParams) and call
+``EngineLoop.submit``/``abort``, which append to an op queue and wake the thread. The thread applies
+the ops, runs ``engine.step()`` while there is work, and posts each job's deltas to the job's
+``asyncio.Queue`` on the server's event loop (one ``call_soon_threadsafe`` per step).
+
+Failures: a ValueError from ``add_request`` fails that job with a 400, anything else with a 500. A
+``step()`` that raises cannot say which request broke it, so every request in the engine is aborted
+(freeing its cache) and put on probation: they are re-run one at a time, each resumed from the tokens
+its client has already received (prompt + output so far, remaining ``max_tokens``), while new jobs wait.
+A step that fails with only one request in the engine blames that request: its job gets a 500. So a
+poisoned request costs the others a slower stretch, never their answer. (Resumed seeded samples draw
+fresh noise from the seed, and a stop string straddling the resume point is not seen.)
+"""
+
+from __future__ import annotations
+
+import asyncio
+import inspect
+import itertools
+import logging
+import threading
+import time
+from collections import deque
+from dataclasses import dataclass, field, replace
+from typing import Any
+
+from kimik3.engine import LLMEngine, SamplingParams
+from kimik3.serve.protocol import APIError
+
+logger = logging.getLogger(__name__)
+
+# Names the engine's add_request may give its image argument, in the order they are tried.
+MULTI_MODAL_ARGS = ("multi_modal", "multi_modal_data", "mm_inputs", "images")
+
+
+@dataclass
+class PromptInput:
+    token_ids: list[int]
+    multi_modal: Any = None          # VisionInputs for the engine's image argument, or None
+
+
+@dataclass
+class ChoiceDelta:
+    index: int
+    text: str
+    token_ids: list[int]
+    logprobs: list[dict[int, float]] | None
+    finish_reason: str | None = None
+    stop_reason: int | str | None = None
+
+
+@dataclass
+class Done:
+    cached_tokens: int
+
+
+@dataclass
+class Failed:
+    error: APIError
+
+
+@dataclass
+class _Choice:
+    prompt: int                      # index into Job.prompts
+    token_ids: list[int] = field(default_factory=list)
+    text_len: int = 0                # characters delivered
+    finished: bool = False
+
+
+class Job:
+    """One HTTP request: ``len(prompts) * params.n`` choices; choice ``k * n + i`` is sample i of prompt k."""
+
+    def __init__(self, job_id: str, prompts: list[PromptInput], params: SamplingParams):
+        self.id = job_id
+        self.prompts = prompts
+        self.params = params
+        self.choices = [_Choice(k) for k in range(len(prompts)) for _ in range(params.n)]
+        self.queue: asyncio.Queue = asyncio.Queue()
+        self.cached_tokens = 0
+        self.done = False
+
+
+@dataclass
+class _Route:
+    """An engine request feeding a job: its output index i goes to choice ``indices[i]``."""
+
+    job: Job
+    indices: list[int]
+    probation: bool = False      # a resumed sample re-run alone after a failed step
+
+
+class EngineLoop:
+    def __init__(self, engine: LLMEngine):
+        self.engine = engine
+        params = inspect.signature(engine.add_request).parameters
+        self.multi_modal_arg = next((a for a in MULTI_MODAL_ARGS if a in params), None)
+        self._ops: deque = deque()
+        self._wake = threading.Event()
+        self._thread: threading.Thread | None = None
+        self._loop: asyncio.AbstractEventLoop | None = None
+        self._routes: dict[str, _Route] = {}
+        self._probation: deque[tuple[Job, int]] = deque()
+        self._backlog: deque[Job] = deque()
+        self._ids = itertools.count()
+        self._outbox: list[tuple[Job, Any]] = []
+        self.num_step_failures = 0
+        self.snapshot: dict[str, float] = {}
+        self._publish()
+
+    # ---- called from the event loop -------------------------------------------------------------
+    def start(self, loop: asyncio.AbstractEventLoop) -> None:
+        self._loop = loop
+        self._thread = threading.Thread(target=self._run, name="kimik3-engine", daemon=True)
+        self._thread.start()
+
+    def submit(self, job: Job) -> None:
+        self._push(("add", job))
+
+    def abort(self, job: Job) -> None:
+        self._push(("abort", job))
+
+    def stop(self, timeout: float = 10.0) -> None:
+        """Abort whatever is left (its clients get a 503) and end the thread."""
+        if self._thread is None:
+            return
+        self._push(("stop", None))
+        self._thread.join(timeout)
+        if self._thread.is_alive():
+            logger.warning("engine thread still busy after %.0f s at shutdown", timeout)
+
+    @property
+    def alive(self) -> bool:
+        return self._thread is not None and self._thread.is_alive()
+
+    def _push(self, op) -> None:
+        self._ops.append(op)
+        self._wake.set()
+
+    # ---- the engine thread ------------------------------------------------------------------------
+    def _run(self) -> None:
+        logger.info("engine loop started")
+        while True:
+            if not self._has_work():
+                self._wake.wait(1.0)
+                self._wake.clear()
+            try:
+                if not self._apply_ops():
+                    break
+                self._feed_engine()
+                if self.engine.has_unfinished_requests():
+                    self._step()
+            except Exception:   # a bug in this loop: keep serving, but say so
+                logger.exception("engine loop error")
+            self._publish()
+            self._flush()
+        self._publish()
+        self._flush()
+        logger.info("engine loop stopped")
+
+    def _has_work(self) -> bool:
+        return bool(self._ops) or self.engine.has_unfinished_requests() or (
+            not self._routes and bool(self._probation or self._backlog))
+
+    def _apply_ops(self) -> bool:
+        while self._ops:
+            op, job = self._ops.popleft()
+            if op == "add":
+                if self._probation or self._probation_running():
+                    self._backlog.append(job)
+                else:
+                    self._add_job(job)
+            elif op == "abort":
+                self._drop_job(job)
+            elif op == "stop":
+                jobs = {r.job.id: r.job for r in self._routes.values()}
+                jobs.update({j.id: j for j, _ in self._probation})
+                jobs.update({j.id: j for j in self._backlog})
+                for job in jobs.values():
+                    self._fail(job, APIError(503, "the server is shutting down; the request was aborted",
+                                             code="shutting_down"))
+                while self._ops:     # late adds: refuse them too
+                    op, job = self._ops.popleft()
+                    if op == "add":
+                        self._fail(job, APIError(503, "the server is shutting down", code="shutting_down"))
+                return False
+        return True
+
+    def _probation_running(self) -> bool:
+        return any(r.probation for r in self._routes.values())
+
+    def _feed_engine(self) -> None:
+        """Probation requests run one at a time on an otherwise empty engine; then the backlog goes in."""
+        if self._routes:
+            return
+        while self._probation and not self._routes:
+            job, idx = self._probation.popleft()
+            if not job.done:
+                self._resume(job, idx)
+        if not self._routes:
+            while self._backlog:
+                self._add_job(self._backlog.popleft())
+
+    def _add_job(self, job: Job) -> None:
+        if job.done:
+            return
+        for k, prompt in enumerate(job.prompts):
+            if not self._add(job, f"{job.id}-{k}", prompt, job.params,
+                             [k * job.params.n + i for i in range(job.params.n)]):
+                return
+
+    def _add(self, job: Job, engine_id: str, prompt: PromptInput, params: SamplingParams,
+             indices: list[int], probation: bool = False) -> bool:
+        kwargs = {}
+        if prompt.multi_modal is not None:
+            kwargs[self.multi_modal_arg] = prompt.multi_modal
+        try:
+            self.engine.add_request(engine_id, {"prompt_token_ids": prompt.token_ids}, params, **kwargs)
+        except ValueError as e:
+            self._fail(job, APIError(400, str(e)))
+            return False
+        except Exception as e:
+            logger.exception("add_request failed for %s", engine_id)
+            self._fail(job, APIError(500, f"the engine could not take the request: {type(e).__name__}: {e}",
+                                     code="engine_error"))
+            return False
+        self._routes[engine_id] = _Route(job, indices, probation)
+        return True
+
+    def _resume(self, job: Job, idx: int) -> None:
+        c = job.choices[idx]
+        prompt = job.prompts[c.prompt]
+        p = job.params
+        params = replace(p, n=1, max_tokens=p.max_tokens - len(c.token_ids),
+                         seed=None if p.seed is None else p.seed + idx)
+        tail = self._undelivered_text(c, p)
+        if tail:
+            self._emit(job, [ChoiceDelta(idx, tail, [], [] if p.logprobs is not None else None)])
+        self._add(job, f"{job.id}-r{next(self._ids)}", PromptInput(prompt.token_ids + c.token_ids, prompt.multi_modal),
+                  params, [idx], probation=True)
+
+    def _undelivered_text(self, c: _Choice, p: SamplingParams) -> str:
+        """Text of the delivered tokens that the old detokenizer held back (stop-string look-ahead)."""
+        tok = self.engine.get_tokenizer() if p.detokenize else None
+        if tok is None or not c.token_ids:
+            return ""
+        return tok.decode(c.token_ids, skip_special_tokens=p.skip_special_tokens)[c.text_len:]
+
+    def _drop_job(self, job: Job) -> None:
+        for eid in [eid for eid, r in self._routes.items() if r.job is job]:
+            self._abort_engine(eid)
+        if not job.done:
+            job.done = True
+            self._emit(job, Failed(APIError(499, "client disconnected", code="aborted")))
+
+    def _abort_engine(self, engine_id: str) -> None:
+        del self._routes[engine_id]
+        try:
+            self.engine.abort_request(engine_id)
+        except Exception:
+            logger.exception("abort_request(%s) failed", engine_id)
+
+    def _fail(self, job: Job, error: APIError) -> None:
+        for eid in [eid for eid, r in self._routes.items() if r.job is job]:
+            self._abort_engine(eid)
+        if not job.done:
+            job.done = True
+            self._emit(job, Failed(error))
+
+    def _step(self) -> None:
+        try:
+            outputs = self.engine.step()
+        except Exception as e:
+            self._step_failed(e)
+            return
+        deltas: dict[Job, list[ChoiceDelta]] = {}
+        for out in outputs:
+            route = self._routes.get(out.request_id)
+            if route is None:        # aborted by us; its memory is already free
+                continue
+            job = route.job
+            for o in out.outputs:
+                idx = route.indices[o.index]
+                c = job.choices[idx]
+                c.token_ids.extend(o.token_ids)
+                c.text_len += len(o.text)
+                if o.finish_reason is not None:
+                    c.finished = True
+                deltas.setdefault(job, []).append(ChoiceDelta(idx, o.text, list(o.token_ids), o.logprobs,
+                                                                 o.finish_reason, o.stop_reason))
+            if out.finished:
+                del self._routes[out.request_id]
+                job.cached_tokens += int(out.metrics.get("num_prefix_hit_tokens", 0))
+        for job, ds in deltas.items():
+            self._emit(job, ds)
+            if all(c.finished for c in job.choices) and not job.done:
+                job.done = True
+                self._emit(job, Done(job.cached_tokens))
+
+    def _step_failed(self, error: Exception) -> None:
+        self.num_step_failures += 1
+        routes = dict(self._routes)
+        jobs = {r.job.id: r.job for r in routes.values()}
+        logger.exception("engine step failed with %d request(s) in the engine", len(routes))
+        if len(jobs) <= 1:
+            for job in jobs.values():
+                self._fail(job, APIError(500, f"the engine failed on this request: {type(error).__name__}: {error}",
+                                         code="engine_error"))
+        else:
+            for eid, route in routes.items():
+                self._abort_engine(eid)
+                for idx in route.indices:
+                    if not route.job.choices[idx].finished:
+                        self._probation.append((route.job, idx))
+            logger.warning("re-running %d sample(s) one at a time to find the failing request", len(self._probation))
+        try:   # deliver the aborts: frees nothing more, but clears the engine's bookkeeping
+            while self.engine.has_unfinished_requests() and not self.engine.scheduler.has_unfinished():
+                self.engine.step()
+        except Exception:
+            logger.exception("engine step after a failure raised again")
+
+    # ---- delivery -----------------------------------------------------------------------------------
+    def _emit(self, job: Job, item) -> None:
+        self._outbox.append((job, item))
+
+    def _flush(self) -> None:
+        if not self._outbox or self._loop is None:
+            self._outbox.clear()
+            return
+        batch, self._outbox = self._outbox, []
+        try:
+            self._loop.call_soon_threadsafe(_deliver, batch)
+        except RuntimeError:   # the event loop is closed (interpreter shutting down)
+            pass
+
+    def _publish(self) -> None:
+        e = self.engine
+        kv = e.kv
+        usable = kv.plan.num_usable_blocks
+        self.snapshot = {
+            "running": float(len(e.scheduler.running)),
+            "waiting": float(len(e.scheduler.waiting) + len(self._backlog) + len(self._probation)),
+            "cache_usage": (usable - kv.blocks.num_free) / max(usable, 1),
+            "free_blocks": float(kv.blocks.num_free),
+            "usable_blocks": float(usable),
+            "prefix_hit_rate": kv.prefix_hit_rate,
+            "prefix_queried_tokens": float(kv.num_queried_tokens),
+            "prefix_hit_tokens": float(kv.num_hit_tokens),
+            "preemptions": float(e.scheduler.num_preemptions),
+            "step_failures": float(self.num_step_failures),
+            "time": time.monotonic(),
+        }
+
+
+def _deliver(batch: list[tuple[Job, Any]]) -> None:
+    for job, item in batch:
+        job.queue.put_nowait(item)

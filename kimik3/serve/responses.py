@@ -1,0 +1,193 @@
+"""OpenAI response bodies from engine deltas: chat.completion(.chunk) and text_completion.
+
+A formatter is fed every ``ChoiceDelta`` of a job in order. Streaming, it returns the chunks to send
+for those deltas; either way it accumulates, so ``final(usage)`` builds the non-streamed body.
+"""
+
+from __future__ import annotations
+
+import time
+from typing import Any
+
+from kimik3.serve.chat import ChatPrompt, ChoiceParse, chat_finish_reason, make_parse
+from kimik3.serve.engine_loop import ChoiceDelta
+
+
+def usage_body(prompt_tokens: int, completion_tokens: int, cached_tokens: int) -> dict[str, Any]:
+    return {"prompt_tokens": prompt_tokens, "completion_tokens": completion_tokens,
+            "total_tokens": prompt_tokens + completion_tokens,
+            "prompt_tokens_details": {"cached_tokens": min(cached_tokens, prompt_tokens)}}
+
+
+class _Tokens:
+    """Token text and bytes for logprobs, cached per id."""
+
+    def __init__(self, tokenizer):
+        self.tokenizer = tokenizer
+        self._cache: dict[int, tuple[str, list[int]]] = {}
+
+    def __call__(self, token_id: int) -> tuple[str, list[int]]:
+        hit = self._cache.get(token_id)
+        if hit is None:
+            tok = self.tokenizer
+            if tok is None:
+                hit = (f"token_id:{token_id}", [])
+            elif tok.is_special_id(token_id):
+                name = tok.convert_ids_to_tokens(token_id)
+                hit = (name, list(name.encode()))
+            else:
+                raw = tok.token_bytes(token_id)
+                hit = (raw.decode("utf-8", errors="replace"), list(raw))
+            self._cache[token_id] = hit
+        return hit
+
+
+def _ranked(lp: dict[int, float], k: int) -> list[tuple[int, float]]:
+    """The k most likely entries (the engine adds the sampled token when it is not among them)."""
+    return sorted(lp.items(), key=lambda kv: -kv[1])[:k]
+
+
+class ChatFormatter:
+    def __init__(self, request_id: str, model: str, prompt: ChatPrompt, n: int, top_logprobs: int | None,
+                 tokenizer, include_usage: bool):
+        self.id = request_id
+        self.model = model
+        self.created = int(time.time())
+        self.parses = [make_parse(prompt) for _ in range(n)]
+        self.finish: list[str | None] = [None] * n
+        self.logprobs: list[list[dict]] = [[] for _ in range(n)]
+        self.top_logprobs = top_logprobs
+        self.tokens = _Tokens(tokenizer)
+        self.include_usage = include_usage
+
+    def _logprob_entries(self, d: ChoiceDelta) -> list[dict]:
+        out = []
+        for tid, lp in zip(d.token_ids, d.logprobs or []):
+            text, raw = self.tokens(tid)
+            top = []
+            for t, v in _ranked(lp, self.top_logprobs or 0):
+                tt, tb = self.tokens(t)
+                top.append({"token": tt, "logprob": v, "bytes": tb})
+            out.append({"token": text, "logprob": lp.get(tid, float("-inf")), "bytes": raw, "top_logprobs": top})
+        return out
+
+    def feed(self, deltas: list[ChoiceDelta], streaming: bool) -> list[dict]:
+        chunks = []
+        for d in deltas:
+            parse = self.parses[d.index]
+            pd = parse.feed(d.text, final=d.finish_reason is not None)
+            calls = parse.calls_json(pd, streaming)
+            lps = self._logprob_entries(d) if self.top_logprobs is not None else None
+            if lps:
+                self.logprobs[d.index].extend(lps)
+            if d.finish_reason is not None:
+                self.finish[d.index] = chat_finish_reason(d.finish_reason, parse)
+            if not streaming:
+                continue
+            delta: dict[str, Any] = {}
+            if not parse.role_sent:
+                delta["role"] = "assistant"
+                parse.role_sent = True
+            if pd.reasoning:
+                delta["reasoning_content"] = pd.reasoning
+            if pd.content or ("role" in delta and not pd.reasoning and not calls):
+                delta["content"] = pd.content
+            if calls:
+                delta["tool_calls"] = calls
+            if not delta and d.finish_reason is None and not lps:
+                continue
+            chunks.append(self._chunk([{"index": d.index, "delta": delta,
+                                        "logprobs": {"content": lps} if lps is not None else None,
+                                        "finish_reason": self.finish[d.index]}]))
+        return chunks
+
+    def _chunk(self, choices: list[dict], usage: dict | None = None) -> dict:
+        body = {"id": self.id, "object": "chat.completion.chunk", "created": self.created, "model": self.model,
+                "choices": choices}
+        if self.include_usage:
+            body["usage"] = usage
+        return body
+
+    def usage_chunk(self, usage: dict) -> dict:
+        return self._chunk([], usage)
+
+    def final(self, usage: dict) -> dict:
+        choices = []
+        for i, p in enumerate(self.parses):
+            content = "".join(p.content)
+            msg: dict[str, Any] = {"role": "assistant", "content": content if content or not p.tool_calls else None,
+                                   "reasoning_content": "".join(p.reasoning) if p.parser and p.parser.thinking else None,
+                                   "tool_calls": p.tool_calls}
+            choices.append({"index": i, "message": msg,
+                            "logprobs": {"content": self.logprobs[i]} if self.top_logprobs is not None else None,
+                            "finish_reason": self.finish[i]})
+        return {"id": self.id, "object": "chat.completion", "created": self.created, "model": self.model,
+                "choices": choices, "usage": usage}
+
+
+class CompletionFormatter:
+    def __init__(self, request_id: str, model: str, num_choices: int, logprobs: int | None, tokenizer,
+                 include_usage: bool, echo_texts: list[str] | None):
+        self.id = request_id
+        self.model = model
+        self.created = int(time.time())
+        self.texts = [[] for _ in range(num_choices)]
+        self.finish: list[str | None] = [None] * num_choices
+        self.num_logprobs = logprobs
+        self.lp = [{"tokens": [], "token_logprobs": [], "top_logprobs": [], "text_offset": []}
+                   for _ in range(num_choices)]
+        self.offsets = [0] * num_choices
+        self.tokens = _Tokens(tokenizer)
+        self.include_usage = include_usage
+        self.echo = echo_texts
+
+    def _logprobs(self, d: ChoiceDelta) -> dict | None:
+        if self.num_logprobs is None:
+            return None
+        part = {"tokens": [], "token_logprobs": [], "top_logprobs": [], "text_offset": []}
+        for tid, lp in zip(d.token_ids, d.logprobs or []):
+            text, _ = self.tokens(tid)
+            part["tokens"].append(text)
+            part["token_logprobs"].append(lp.get(tid, float("-inf")))
+            part["top_logprobs"].append({self.tokens(t)[0]: v for t, v in _ranked(lp, self.num_logprobs)})
+            part["text_offset"].append(self.offsets[d.index])
+            self.offsets[d.index] += len(text)
+        acc = self.lp[d.index]
+        for k in part:
+            acc[k].extend(part[k])
+        return part
+
+    def feed(self, deltas: list[ChoiceDelta], streaming: bool) -> list[dict]:
+        chunks = []
+        for d in deltas:
+            text = d.text
+            if self.echo is not None and not self.texts[d.index]:
+                text = self.echo[d.index] + text
+                self.offsets[d.index] = len(self.echo[d.index])
+            lp = self._logprobs(d)
+            self.texts[d.index].append(text)
+            if d.finish_reason is not None:
+                self.finish[d.index] = d.finish_reason
+            if streaming and (text or d.finish_reason is not None or lp):
+                chunks.append(self._chunk([{"index": d.index, "text": text, "logprobs": lp,
+                                            "finish_reason": d.finish_reason}]))
+        return chunks
+
+    def _chunk(self, choices: list[dict], usage: dict | None = None) -> dict:
+        body = {"id": self.id, "object": "text_completion", "created": self.created, "model": self.model,
+                "choices": choices}
+        if self.include_usage:
+            body["usage"] = usage
+        return body
+
+    def usage_chunk(self, usage: dict) -> dict:
+        return self._chunk([], usage)
+
+    def final(self, usage: dict) -> dict:
+        choices = [{"index": i, "text": "".join(t), "logprobs": self.lp[i] if self.num_logprobs is not None else None,
+                    "finish_reason": self.finish[i]} for i, t in enumerate(self.texts)]
+        return {"id": self.id, "object": "text_completion", "created": self.created, "model": self.model,
+                "choices": choices, "usage": usage}
+
+
+__all__ = ["ChatFormatter", "ChoiceParse", "CompletionFormatter", "usage_body"]
