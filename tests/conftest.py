@@ -3,7 +3,8 @@ import torch
 
 from kimik3.testing import make_tiny_checkpoint
 
-torch.set_num_threads(2)
+# tiny ops: one thread avoids OpenMP spin-waiting on the shared 2-core CI machine
+torch.set_num_threads(1)
 
 
 @pytest.fixture(scope="session")

@@ -71,7 +71,8 @@ def load_model(path: str | Path, device: str | torch.device = "cpu", dtype: torc
     loaded: set[str] = set()
     pending: dict[str, dict[str, torch.Tensor]] = {}   # MXFP4 halves waiting for their partner
     skipped = 0
-    for file in tqdm(files, desc="loading", unit="file", disable=len(files) < 2):
+    # the bar shows on a terminal for multi-file checkpoints (tqdm's None = off when not a tty)
+    for file in tqdm(files, desc="loading", unit="file", disable=None if len(files) > 1 else True):
         for raw_name, tensor in iter_tensors(file):
             name = _text_name(raw_name, config.architecture, config.vision is not None)
             if name is None:

@@ -132,7 +132,8 @@ class HybridCache:
         k = text_cfg.kda
         n = len(text_cfg.kda_layer_ids)
         conv = 3 * k.num_heads * k.head_dim * (k.conv_size - 1) * torch.finfo(dtype).bits // 8
-        return n * (conv + k.num_heads * k.head_dim * k.head_dim * 4)
+        state = k.num_heads * k.head_dim * k.head_dim * torch.finfo(torch.promote_types(dtype, torch.float32)).bits // 8
+        return n * (conv + state)
 
     @staticmethod
     def bytes_per_block(text_cfg, block_size: int, dtype: torch.dtype) -> int:

@@ -1,0 +1,90 @@
+"""The kimik3 command, run as a subprocess: generate, chat, inspect, and argument errors."""
+
+import json
+import os
+import subprocess
+import sys
+from pathlib import Path
+
+import pytest
+
+import kimik3
+
+ENV = {**os.environ, "PYTHONUNBUFFERED": "1"}
+RELEASE = Path(__file__).resolve().parents[2] / ".." / "shared" / "configs" / "kimi-k3-release.config.json"
+
+
+def run(*args, stdin=None, timeout=180):
+    return subprocess.run([sys.executable, "-m", "kimik3.cli", *args], input=stdin, capture_output=True,
+                          text=True, timeout=timeout, env=ENV)
+
+
+def test_generate_on_the_embedded_model_streams_text_and_reports_timing():
+    r = run("generate", "Hello world", "--max-tokens", "12")
+    assert r.returncode == 0, r.stderr
+    assert r.stdout.strip()                                     # some generated text
+    assert "[12 tokens in" in r.stderr and "first token" in r.stderr
+
+
+def test_generate_is_deterministic_greedy_and_matches_the_offline_api():
+    a = run("generate", "The sky is", "--max-tokens", "8")
+    b = run("generate", "-", "--max-tokens", "8", stdin="The sky is")
+    assert a.returncode == b.returncode == 0
+    assert a.stdout == b.stdout
+    from kimik3.engine import LLM, SamplingParams
+    llm = LLM(str(kimik3.DEFAULT_MODEL), max_num_seqs=2, max_model_len=256)
+    out = llm.generate("The sky is", SamplingParams(max_tokens=8, temperature=0))[0].outputs[0].text
+    assert a.stdout == out + "\n"
+
+
+def test_generate_chat_and_sampling_flags(tiny_tokenizer_ckpt):
+    r = run("generate", "hi", "--chat", "--max-tokens", "6", "--temperature", "0.8", "--top-p", "0.9",
+            "--top-k", "20", "--seed", "3", "--model", str(tiny_tokenizer_ckpt))
+    assert r.returncode == 0, r.stderr
+    r2 = run("generate", "hi", "--chat", "--max-tokens", "6", "--temperature", "0.8", "--top-p", "0.9",
+             "--top-k", "20", "--seed", "3", "--model", str(tiny_tokenizer_ckpt))
+    assert r.stdout == r2.stdout                                # same seed, same sample
+
+
+def test_chat_repl_with_scripted_stdin():
+    r = run("chat", "--max-tokens", "5", "--no-thinking", stdin="hello\n/reset\nsecond turn\nthird\n/exit\n")
+    assert r.returncode == 0, r.stderr
+    assert "[conversation cleared]" in r.stderr
+    assert len([line for line in r.stdout.splitlines() if line.strip()]) >= 1
+
+
+def test_inspect_embedded_and_release_config():
+    r = run("inspect")
+    assert r.returncode == 0, r.stderr
+    assert "6 = 4 KDA + 2 MLA" in r.stdout and "read from the safetensors headers" in r.stdout
+    r = run("inspect", "--model", str(RELEASE))
+    assert r.returncode == 0, r.stderr
+    assert "93 = 69 KDA + 24 MLA" in r.stdout
+    assert "2,722,740,830,208" in r.stdout                      # routed experts: 92*896*3*3584*3072
+    assert "27,648 B/token" in r.stdout                         # 24 MLA layers x 576 x 2 bytes
+
+
+@pytest.mark.parametrize("args,message", [
+    (["generate", "x", "--max-tokens", "0"], "--max-tokens: expected a positive integer"),
+    (["generate", "x", "--model", "/no/such/dir"], "model path /no/such/dir does not exist"),
+    (["generate", "x", "--temperature", "-1"], "temperature must be >= 0"),
+    (["generate", "x", "--device", "tpu"], "--device must be 'cpu' or 'cuda[:N]'"),
+    (["generate", "x", "--image", "/no/image.png"], "image file /no/image.png does not exist"),
+    (["generate", "   "], "the prompt is empty"),
+    (["inspect", "--model", "/nope"], "model path /nope does not exist"),
+    (["frobnicate"], "invalid choice"),
+    (["generate", "x", "--thinking-effort", "medium"], "invalid choice"),
+])
+def test_bad_arguments_exit_2_with_one_line(args, message):
+    r = run(*args)
+    assert r.returncode == 2
+    lines = [line for line in r.stderr.splitlines() if line.strip()]
+    assert len(lines) == 1 and lines[0].startswith("kimik3: error:") and message in lines[0], r.stderr
+
+
+def test_not_a_checkpoint_directory(tmp_path):
+    r = run("generate", "x", "--model", str(tmp_path))
+    assert r.returncode == 2 and "has no config.json" in r.stderr
+    (tmp_path / "config.json").write_text(json.dumps({"model_type": "llama"}))
+    r = run("generate", "x", "--model", str(tmp_path))
+    assert r.returncode == 2 and "model_type" in r.stderr and "Traceback" not in r.stderr
