@@ -66,11 +66,11 @@ def chunk_kda_ref(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, g: torch.Te
         n = qc.shape[1]
         G = gc.cumsum(1)                                                # [H, n, K] inclusive
         diff = G.unsqueeze(2) - G.unsqueeze(1)                          # [H, i, j, K] = G_i - G_j
-        lower = torch.ones(n, n, dtype=torch.bool).tril()
+        lower = torch.ones(n, n, dtype=torch.bool, device=q.device).tril()
         decay = torch.exp(diff.masked_fill(~lower.unsqueeze(-1), float("-inf")))   # 0 above diagonal
         Akk = torch.einsum("hik,hjk,hijk->hij", kc, kc, decay).tril(-1) * bc.unsqueeze(-1)
         Aqk = torch.einsum("hik,hjk,hijk->hij", qc, kc, decay)
-        eye = torch.eye(n, dtype=q.dtype).expand(H, n, n)
+        eye = torch.eye(n, dtype=q.dtype, device=q.device).expand(H, n, n)
         Tm = torch.linalg.solve_triangular(eye + Akk, torch.diag_embed(bc), upper=False)
         W = Tm @ (torch.exp(G) * kc)                                    # [H, n, K]
         U = Tm @ vc                                                     # [H, n, V]

@@ -49,8 +49,8 @@ def mla_prefill_attention(q: torch.Tensor, cache: torch.Tensor, block_tables: to
         key = torch.cat([k_nope, k_pe], dim=-1)                              # [S, H, d_qk]
         qs = q[start:start + ql]
         scores = torch.einsum("qhd,shd->hqs", qs.to(acc), key.to(acc)) * scale
-        pos_q = torch.arange(cl, cl + ql).view(ql, 1)
-        scores = scores.masked_fill(torch.arange(cl + ql).view(1, -1) > pos_q, float("-inf"))
+        pos_q = torch.arange(cl, cl + ql, device=q.device).view(ql, 1)
+        scores = scores.masked_fill(torch.arange(cl + ql, device=q.device).view(1, -1) > pos_q, float("-inf"))
         p = torch.softmax(scores, dim=-1)
         outs.append(torch.einsum("hqs,shd->qhd", p, v.to(acc)).to(q.dtype))
         start += ql

@@ -41,7 +41,7 @@ def dequantize(packed: torch.Tensor, scale: torch.Tensor, dtype: torch.dtype = t
                          f"weight_packed {tuple(packed.shape)} (expected {(n, k // GROUP)})")
     if bool((scale == 255).any()):
         raise ValueError(f"{name}: weight_scale holds 255, the E8M0 NaN encoding")
-    table = torch.tensor(E2M1_VALUES, dtype=torch.float32)
+    table = torch.tensor(E2M1_VALUES, dtype=torch.float32, device=packed.device)
     values = table[unpack_codes(packed).long()]                       # [N, K]
     factor = torch.exp2(scale.to(torch.float32) - 127.0)              # [N, K/32]
     return (values.view(n, k // GROUP, GROUP) * factor.unsqueeze(-1)).view(n, k).to(dtype)

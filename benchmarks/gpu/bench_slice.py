@@ -1,0 +1,343 @@
+"""One device call: (a) every fast op vs its torch reference, (b) the two ceilings (copy bandwidth,
+bf16 matmul rate), (c) the K3-width 4-layer slice (3 KDA + 1 MLA, 64 MXFP4 experts, top-16) with
+random weights: decode at batch 1/8/32/128 over a 4k context and an 8k-token prefill, each with the
+bytes and FLOPs counted from the shapes, the floor from the measured ceilings, time/floor, and the
+speed-up over the eager torch reference path (same GPU; reference prefill on 2k tokens, see table).
+
+    PYTHONPATH=. python benchmarks/gpu/bench_slice.py        (writes $OUT/bench_slice.json)
+"""
+
+from __future__ import annotations
+
+import datetime
+import json
+import math
+import os
+import statistics
+import subprocess
+import sys
+import time
+import traceback
+from pathlib import Path
+
+import torch
+
+ROOT = Path(__file__).resolve().parents[2]
+sys.path.insert(0, str(ROOT))
+
+from kimik3.config import parse_config                      # noqa: E402
+from kimik3.model.batch import ForwardBatch, HybridCache     # noqa: E402
+from kimik3.model.kimi_k3 import KimiForCausalLM             # noqa: E402
+from kimik3.model.moe import Experts                         # noqa: E402
+from kimik3.ops import mxfp4                                 # noqa: E402
+from kimik3.ops.backend import reference_ops                 # noqa: E402
+
+OUT = Path(os.environ.get("OUT", ROOT / "bench_out"))
+CONFIG = Path(__file__).with_name("kimi-k3-slice4.config.json")
+BLOCK = 64
+CONTEXT = 4096
+results: dict = {}
+
+
+def log(*a):
+    print(*a, flush=True)
+
+
+def save():
+    OUT.mkdir(parents=True, exist_ok=True)
+    (OUT / "bench_slice.json").write_text(json.dumps(results, indent=1, default=str))
+
+
+def cuda_time(fn, warmup=3, iters=10) -> float:
+    """Median seconds of ``fn`` over ``iters`` runs, timed with CUDA events after a warm-up."""
+    for _ in range(warmup):
+        fn()
+    torch.cuda.synchronize()
+    times = []
+    for _ in range(iters):
+        a, b = torch.cuda.Event(enable_timing=True), torch.cuda.Event(enable_timing=True)
+        a.record()
+        fn()
+        b.record()
+        b.synchronize()
+        times.append(a.elapsed_time(b) / 1e3)
+    return statistics.median(times)
+
+
+# ---- (a) correctness -----------------------------------------------------------------------
+def run_checks():
+    from tests.gpu.test_fast_ops import CHECKS, bound
+    rows = {}
+    for name, fn in CHECKS.items():
+        try:
+            for k, v in fn().items():
+                rows[k] = {"rel_err": v, "bound": bound(k), "ok": v <= bound(k)}
+        except Exception as exc:               # keep going: one broken op must not hide the rest
+            rows[name] = {"error": repr(exc)[:400], "ok": False}
+            traceback.print_exc()
+    results["checks"] = rows
+    for k, r in rows.items():
+        log(f"check {k:28s} {'OK ' if r['ok'] else 'BAD'} {r.get('rel_err', r.get('error'))}")
+
+
+# ---- (b) ceilings ----------------------------------------------------------------------------
+def ceilings():
+    n = 1 << 30                                    # 2 GiB bf16 source, copied into a second buffer
+    src = torch.randn(n, device="cuda", dtype=torch.bfloat16)
+    dst = torch.empty_like(src)
+    t = cuda_time(lambda: dst.copy_(src), iters=20)
+    bw = 2 * src.numel() * 2 / t
+    del src, dst
+    a = torch.randn(8192, 8192, device="cuda", dtype=torch.bfloat16)
+    b = torch.randn(8192, 8192, device="cuda", dtype=torch.bfloat16)
+    t = cuda_time(lambda: a @ b, iters=20)
+    mm = 2 * 8192 ** 3 / t
+    results["ceilings"] = {"copy_bytes_per_s": bw, "bf16_matmul_flops": mm}
+    log(f"copy bandwidth {bw / 1e12:.2f} TB/s, bf16 matmul {mm / 1e12:.0f} TFLOP/s")
+    return bw, mm
+
+
+# ---- (c) the slice model ---------------------------------------------------------------------
+def build_slice(cfg: dict) -> KimiForCausalLM:
+    parsed = parse_config(cfg, str(CONFIG))
+    with torch.device("meta"):
+        model = KimiForCausalLM(parsed)
+    model.cast(torch.bfloat16)
+    for m in model.modules():
+        if isinstance(m, Experts):
+            m.use_mxfp4_storage()
+    model.to_empty(device="cuda")
+    g = torch.Generator(device="cuda").manual_seed(0)
+    with torch.no_grad():
+        for name, p in model.named_parameters():
+            if p.dtype == torch.uint8:                                     # packed expert codes
+                p.copy_(torch.randint(0, 256, p.shape, generator=g, device="cuda", dtype=torch.uint8))
+            elif name.endswith("A_log"):
+                p.copy_(torch.log(torch.empty(p.shape, device="cuda").uniform_(1, 16, generator=g)))
+            elif name.endswith(("dt_bias", "e_score_correction_bias")):
+                p.normal_(0, 0.3, generator=g)
+            elif "conv1d" in name:
+                p.normal_(0, 0.5, generator=g)
+            elif p.dim() == 1:
+                p.normal_(1.0, 0.1, generator=g)
+            elif name.endswith("embed_tokens.weight"):
+                p.normal_(0, 1.0, generator=g)
+            else:
+                p.normal_(0, 1 / math.sqrt(p.shape[-1]), generator=g)
+        for m in model.modules():
+            if isinstance(m, Experts):
+                for which in ("w1", "w2", "w3"):
+                    s = getattr(m, f"{which}_scale")
+                    K = s.shape[-1] * 32
+                    base = 127 - round(math.log2(2 * math.sqrt(K)))
+                    s.copy_((base + torch.randint(-1, 2, s.shape, generator=g, device="cuda")).to(torch.uint8))
+    model.eval()
+    return model
+
+
+def dense_twins(model) -> dict:
+    """Dense bf16 copies of the packed experts (the reference path's weights)."""
+    twins = {}
+    for name, m in model.named_modules():
+        if isinstance(m, Experts) and m.mxfp4:
+            E = m.w1.shape[0]
+            I, L = m.w1.shape[1], m.w1.shape[2] * 2
+            with torch.device("meta"):
+                d = Experts(E, L, I).to(torch.bfloat16)
+            d.to_empty(device="cuda")
+            with torch.no_grad():
+                for which in ("w1", "w2", "w3"):
+                    packed, scale = m.packed(which)
+                    dst = getattr(d, which)
+                    for e in range(E):
+                        dst[e].copy_(mxfp4.dequantize(packed[e], scale[e], torch.bfloat16))
+            twins[name] = d
+    return twins
+
+
+class swapped_experts:
+    """Context: MoE layers use their dense twins (for the reference path)."""
+
+    def __init__(self, model, twins):
+        self.model, self.twins, self.saved = model, twins, {}
+
+    def __enter__(self):
+        for name, twin in self.twins.items():
+            parent = self.model.get_submodule(name.rsplit(".", 1)[0])
+            self.saved[name] = parent.experts
+            parent.experts = twin
+
+    def __exit__(self, *exc):
+        for name, packed in self.saved.items():
+            self.model.get_submodule(name.rsplit(".", 1)[0]).experts = packed
+
+
+def decode_setup(model, N: int):
+    cfg = model.config.text
+    per_seq = -(-(CONTEXT + 1) // BLOCK)
+    cache = HybridCache.allocate(cfg, num_slots=N + 1, num_blocks=N * per_seq + 1, block_size=BLOCK,
+                                 dtype=torch.bfloat16, device="cuda")
+    g = torch.Generator(device="cuda").manual_seed(N)
+    cache.mla_latent.normal_(0, 1, generator=g)          # a 4k history per sequence (random latents,
+    cache.kda_state.normal_(0, 0.02, generator=g)         # states and windows stand for the prefill)
+    cache.kda_conv.normal_(0, 1, generator=g)
+    tables = [list(range(1 + n * per_seq, 1 + (n + 1) * per_seq)) for n in range(N)]
+    batch = ForwardBatch.build([1] * N, [CONTEXT] * N, list(range(1, N + 1)), tables, BLOCK, device="cuda")
+    ids = torch.randint(0, cfg.vocab_size, (N,), device="cuda")
+    return cache, batch, ids
+
+
+def step_fn(model, ids, batch, cache, last_only=False):
+    def run():
+        h = model.forward_step(ids, batch, cache)
+        return model.compute_logits(h[-1:] if last_only else h)
+    return run
+
+
+def graph_time(fn) -> float | None:
+    """Capture ``fn`` in a CUDA graph and time its replays (None if capture fails)."""
+    try:
+        s = torch.cuda.Stream()
+        s.wait_stream(torch.cuda.current_stream())
+        with torch.cuda.stream(s):
+            for _ in range(2):
+                fn()
+        torch.cuda.current_stream().wait_stream(s)
+        graph = torch.cuda.CUDAGraph()
+        with torch.cuda.graph(graph):
+            fn()
+        return cuda_time(graph.replay, warmup=3, iters=20)
+    except Exception as exc:
+        log(f"  CUDA graph capture failed: {exc!r}"[:300])
+        return None
+
+
+def counts(model, N: int, T: int, mode: str, experts_active: float):
+    """(bytes, flops) of one step from the shapes. decode: N sequences x 1 token over CONTEXT;
+    prefill: T tokens of one fresh sequence, logits for its last token."""
+    cfg = model.config.text
+    D, V = cfg.hidden_size, cfg.vocab_size
+    kda, mla_layers = len(cfg.kda_layer_ids), len(cfg.mla_layer_ids)
+    H, K = cfg.kda.num_heads, cfg.kda.head_dim
+    Hm = cfg.num_attention_heads
+    dense_params, expert_bytes, expert_params = 0, 0, 0
+    n_moe = 0
+    for name, p in model.named_parameters():
+        if ".experts." in name:
+            continue
+        if name.endswith("embed_tokens.weight") or name.startswith("lm_head"):
+            continue
+        dense_params += p.numel()
+    for m in model.modules():
+        if isinstance(m, Experts):
+            n_moe += 1
+            E = m.w1.shape[0]
+            expert_bytes = sum(t.numel() for w in ("w1", "w2", "w3") for t in m.packed(w)) // E
+            expert_params = sum(getattr(m, w)[0].numel() * 2 for w in ("w1", "w2", "w3"))
+    k = cfg.num_experts_per_token
+    state = H * K * K * 4 + 3 * H * K * (cfg.kda.conv_size - 1) * 2
+    if mode == "decode":
+        tokens = N
+        byts = (dense_params * 2 + D * V * 2 + N * D * 2 + n_moe * experts_active * expert_bytes
+                + 2 * N * kda * state + N * (CONTEXT + 1) * cfg.mla_cache_dim * 2 * mla_layers)
+        attn = N * mla_layers * Hm * 2 * (CONTEXT + 1) * (cfg.mla_cache_dim + cfg.kv_lora_rank)
+        flops = 2 * tokens * (dense_params + D * V) + 2 * tokens * k * expert_params * n_moe + attn \
+            + 2 * tokens * kda * H * K * K * 4
+    else:
+        tokens = T
+        byts = dense_params * 2 + D * V * 2 + n_moe * cfg.num_experts * expert_bytes + T * D * 2 * 4
+        d_qk, d_v = cfg.qk_nope_head_dim + cfg.qk_rope_head_dim, cfg.v_head_dim
+        attn = mla_layers * Hm * 2 * (T * T / 2) * (d_qk + d_v)
+        kda_chunk = kda * H * T * (6 * K * K + 6 * 64 * K)        # state products + intra-chunk (chunk 64)
+        flops = 2 * T * dense_params + 2 * D * V + 2 * T * k * expert_params * n_moe + attn + kda_chunk
+    return byts, flops
+
+
+def bench_model(bw, mm):
+    cfg = json.loads(CONFIG.read_text())
+    t0 = time.time()
+    model = build_slice(cfg)
+    log(f"slice built in {time.time() - t0:.1f}s; {torch.cuda.memory_allocated() / 2**30:.1f} GiB")
+    twins = dense_twins(model)
+    E, k = model.config.text.num_experts, model.config.text.num_experts_per_token
+    rows = []
+    for N in (1, 8, 32, 128):
+        cache, batch, ids = decode_setup(model, N)
+        fast = step_fn(model, ids, batch, cache)
+        t_eager = cuda_time(fast, iters=10)
+        t_graph = graph_time(fast)
+        with reference_ops(), swapped_experts(model, twins):
+            t_ref = cuda_time(fast, warmup=1, iters=3)
+        active = E * (1 - (1 - k / E) ** N)
+        byts, flops = counts(model, N, 0, "decode", active)
+        floor = max(byts / bw, flops / mm)
+        best = min(t for t in (t_eager, t_graph) if t is not None)
+        rows.append({"case": f"decode b{N} ctx{CONTEXT}", "t_eager_ms": t_eager * 1e3,
+                     "t_graph_ms": None if t_graph is None else t_graph * 1e3, "t_ref_ms": t_ref * 1e3,
+                     "bytes": byts, "flops": flops, "floor_ms": floor * 1e3, "time_over_floor": best / floor,
+                     "speedup_vs_ref": t_ref / best, "ref_note": "same shapes"})
+        log(rows[-1])
+        results["model"] = rows
+        save()
+        del cache, batch
+        torch.cuda.empty_cache()
+    for T, with_ref in ((8192, False), (2048, True)):
+        cfg_t = model.config.text
+        cache = HybridCache.allocate(cfg_t, num_slots=2, num_blocks=T // BLOCK + 1, block_size=BLOCK,
+                                     dtype=torch.bfloat16, device="cuda")
+        batch = ForwardBatch.build([T], [0], [1], [list(range(1, T // BLOCK + 1))], BLOCK, device="cuda")
+        ids = torch.randint(0, cfg_t.vocab_size, (T,), device="cuda")
+        fast = step_fn(model, ids, batch, cache, last_only=True)
+        t_fast = cuda_time(fast, warmup=2, iters=5)
+        t_ref = None
+        if with_ref:
+            with reference_ops(), swapped_experts(model, twins):
+                t_ref = cuda_time(fast, warmup=1, iters=2)
+        byts, flops = counts(model, 1, T, "prefill", E)
+        floor = max(byts / bw, flops / mm)
+        rows.append({"case": f"prefill {T}", "t_eager_ms": t_fast * 1e3, "t_graph_ms": None,
+                     "t_ref_ms": None if t_ref is None else t_ref * 1e3, "bytes": byts, "flops": flops,
+                     "floor_ms": floor * 1e3, "time_over_floor": t_fast / floor,
+                     "matmul_fraction": flops / t_fast / mm,
+                     "speedup_vs_ref": None if t_ref is None else t_ref / t_fast,
+                     "ref_note": "reference at 2k tokens (8k would need 25 GB of fp32 scores)" if with_ref else ""})
+        log(rows[-1])
+        results["model"] = rows
+        save()
+        del cache
+        torch.cuda.empty_cache()
+    return rows
+
+
+def main():
+    torch.backends.cuda.matmul.allow_tf32 = False
+    results["gpu"] = torch.cuda.get_device_name()
+    results["date"] = datetime.date.today().isoformat()
+    try:
+        results["commit"] = subprocess.run(["git", "rev-parse", "--short", "HEAD"], cwd=ROOT, capture_output=True,
+                                           text=True).stdout.strip() or os.environ.get("KIMIK3_COMMIT", "?")
+    except OSError:
+        results["commit"] = os.environ.get("KIMIK3_COMMIT", "?")
+    results["torch"], results["triton"] = torch.__version__, __import__("triton").__version__
+    if "--skip-checks" not in sys.argv:
+        run_checks()
+        save()
+    bw, mm = ceilings()
+    save()
+    rows = bench_model(bw, mm)
+    save()
+    log("\n| case | fast eager ms | fast graph ms | floor ms | time/floor | ref ms | speed-up |")
+    log("|---|---|---|---|---|---|---|")
+    for r in rows:
+        g = "-" if r["t_graph_ms"] is None else f"{r['t_graph_ms']:.2f}"
+        ref = "-" if r["t_ref_ms"] is None else f"{r['t_ref_ms']:.1f}"
+        sp = "-" if r["speedup_vs_ref"] is None else f"{r['speedup_vs_ref']:.1f}x"
+        extra = f" ({r['matmul_fraction']:.0%} of matmul rate)" if "matmul_fraction" in r else ""
+        log(f"| {r['case']} | {r['t_eager_ms']:.2f} | {g} | {r['floor_ms']:.2f} | {r['time_over_floor']:.2f}{extra} "
+            f"| {ref} | {sp} |")
+    bad = [k for k, r in results.get("checks", {}).items() if not r["ok"]]
+    log(f"checks: {len(results.get('checks', {})) - len(bad)} ok, bad: {bad}")
+
+
+if __name__ == "__main__":
+    main()

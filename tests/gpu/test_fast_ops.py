@@ -1,0 +1,217 @@
+"""Every CUDA fast op against its torch reference (run on upcast copies, fp32/fp64), on random
+shapes with ragged varlen batches and scattered state slots. Before each fast run the caching
+allocator is filled with NaN, so an unwritten output element shows up as non-finite.
+
+Bounds follow METHOD.md: bf16 operands land between 1e-3 and 1e-2 relative error (||out - ref|| /
+||ref||); fp32 arithmetic far under 1e-3. ``CHECKS`` is reused by benchmarks/gpu/bench_slice.py.
+"""
+
+from __future__ import annotations
+
+import math
+
+import pytest
+import torch
+
+from kimik3.ops import mxfp4
+from kimik3.ops.activation import situ_and_mul
+from kimik3.ops.attn_res import attn_res_mix
+from kimik3.ops.backend import reference_ops
+from kimik3.ops.conv import causal_conv1d_in_pool
+from kimik3.ops.kda import kda_attention_in_pool
+from kimik3.ops.mla import mla_decode_attention, mla_prefill_attention
+from kimik3.ops.moe import fused_moe, fused_moe_mxfp4
+
+pytestmark = [pytest.mark.gpu, pytest.mark.skipif(not torch.cuda.is_available(), reason="needs CUDA")]
+
+BF16, F32, F64 = torch.bfloat16, torch.float32, torch.float64
+BF16_BOUND = 1e-2
+
+
+def poison_allocator(nbytes: int = 1 << 30) -> None:
+    """Fill free cached memory with NaN so fresh torch.empty outputs start poisoned."""
+    junk = torch.full((nbytes // 4,), float("nan"), device="cuda")
+    del junk
+
+
+def rel_err(out: torch.Tensor, ref: torch.Tensor) -> float:
+    out, ref = out.double(), ref.double()
+    if not torch.isfinite(out).all():
+        return float("inf")
+    return ((out - ref).norm() / ref.norm()).item()
+
+
+def _gen(seed: int) -> torch.Generator:
+    return torch.Generator(device="cuda").manual_seed(seed)
+
+
+def _batch(lens, ctx, num_slots, g):
+    N = len(lens)
+    slots = torch.randperm(num_slots - 1, generator=g, device="cuda")[:N] + 1     # scattered, never slot 0
+    cu = torch.tensor([0, *lens], device="cuda").cumsum(0)
+    has = torch.tensor(ctx, device="cuda") > 0
+    return slots, cu, has
+
+
+def check_conv(lens=(37, 1, 130, 5), ctx=(0, 9, 4, 0), C=3 * 12288 // 8, seed=0) -> dict:
+    g = _gen(seed)
+    W, S = 4, 17
+    x = torch.randn(sum(lens), C, generator=g, device="cuda").to(BF16)
+    w = torch.randn(C, W, generator=g, device="cuda")
+    pool = torch.randn(S, C, W - 1, generator=g, device="cuda").to(BF16)
+    slots, cu, has = _batch(list(lens), list(ctx), S, g)
+    ref_pool = pool.clone()
+    with reference_ops():
+        ref = causal_conv1d_in_pool(x, w, ref_pool, slots, has, list(lens), cu)
+    poison_allocator()
+    y = causal_conv1d_in_pool(x, w, pool, slots, has, list(lens), cu)
+    return {"conv.y": rel_err(y, ref), "conv.pool_exact": float(not torch.equal(pool, ref_pool))}
+
+
+def _kda_inputs(T, H, K, g):
+    q, k, v = (torch.randn(T, H, K, generator=g, device="cuda").to(BF16) for _ in range(3))
+    f = torch.randn(T, H, K, generator=g, device="cuda").to(BF16)
+    b = torch.randn(T, H, generator=g, device="cuda").to(BF16)
+    A_log = torch.log(torch.empty(H, device="cuda").uniform_(1, 16, generator=g))
+    dt_bias = 0.5 * torch.randn(H * K, generator=g, device="cuda")
+    return q, k, v, f, b, A_log, dt_bias
+
+
+def check_kda(lens=(200, 1, 67, 130), ctx=(0, 12, 5, 0), H=96, K=128, lower_bound=-5.0, seed=1) -> dict:
+    """Prefill (fla chunk_kda, ragged varlen, states from scattered slots) and decode (fla
+    recurrent kernel updating the pool in place); reference in fp32 on the same inputs."""
+    g = _gen(seed)
+    S = 11
+    out = {}
+    for name, ls, cs in (("prefill", list(lens), list(ctx)), ("decode", [1] * len(lens), [c + 1 for c in ctx])):
+        q, k, v, f, b, A_log, dt_bias = _kda_inputs(sum(ls), H, K, g)
+        pool = 0.1 * torch.randn(S, H, K, K, generator=g, device="cuda")
+        slots, cu, has = _batch(ls, cs, S, g)
+        ref_pool = pool.clone()
+        with reference_ops():
+            ref = kda_attention_in_pool(q.float(), k.float(), v.float(), f.float(), b.float(), A_log, dt_bias,
+                                        lower_bound, ref_pool, slots, has, ls, cu, decode=name == "decode")
+        poison_allocator()
+        o = kda_attention_in_pool(q, k, v, f, b, A_log, dt_bias, lower_bound, pool, slots, has, ls, cu,
+                                  decode=name == "decode")
+        others = torch.ones(S, dtype=torch.bool, device="cuda")
+        others[slots] = False
+        out[f"kda.{name}.o"] = rel_err(o, ref)
+        out[f"kda.{name}.state"] = rel_err(pool[slots], ref_pool[slots])
+        out[f"kda.{name}.others_exact"] = float(not torch.equal(pool[others], ref_pool[others]))
+    return out
+
+
+def _paged(lens, bs, D, g, num_blocks=None):
+    need = sum(-(-L // bs) for L in lens)
+    num_blocks = num_blocks or need + 3
+    cache = torch.randn(num_blocks, bs, D, generator=g, device="cuda").to(BF16)
+    perm = torch.randperm(num_blocks - 1, generator=g, device="cuda") + 1
+    width = max(-(-L // bs) for L in lens)
+    tables = torch.full((len(lens), width), -1, dtype=torch.int32, device="cuda")
+    used = 0
+    for n, L in enumerate(lens):
+        nb = -(-L // bs)
+        tables[n, :nb] = perm[used:used + nb].int()
+        used += nb
+    return cache, tables
+
+
+def check_mla_decode(lens=(4096, 1, 333, 2050, 17), H=96, R=512, P=64, bs=64, seed=2) -> dict:
+    g = _gen(seed)
+    cache, tables = _paged(list(lens), bs, R + P, g)
+    q_lat = torch.randn(len(lens), H, R, generator=g, device="cuda").to(BF16)
+    q_pe = torch.randn(len(lens), H, P, generator=g, device="cuda").to(BF16)
+    scale = 192 ** -0.5
+    with reference_ops():
+        ref = mla_decode_attention(q_lat.double(), q_pe.double(), cache.double(), tables, list(lens), R, scale)
+    poison_allocator()
+    out = mla_decode_attention(q_lat, q_pe, cache, tables, torch.tensor(lens, device="cuda"), R, scale,
+                               max_seq_len=max(lens))
+    return {"mla.decode": rel_err(out, ref)}
+
+
+def check_mla_prefill(lens=(300, 1, 77), ctx=(0, 40, 129), H=16, R=512, P=64, dn=128, dv=128, bs=64, seed=3) -> dict:
+    g = _gen(seed)
+    total = [c + q for c, q in zip(ctx, lens)]
+    cache, tables = _paged(total, bs, R + P, g)
+    q = torch.randn(sum(lens), H, dn + P, generator=g, device="cuda").to(BF16)
+    kv_b = (torch.randn(H * (dn + dv), R, generator=g, device="cuda") / math.sqrt(R)).to(BF16)
+    scale = 192 ** -0.5
+    with reference_ops():
+        ref = mla_prefill_attention(q.float(), cache.float(), tables, kv_b.float(), list(lens), list(ctx), R, dv, scale)
+    poison_allocator()
+    out = mla_prefill_attention(q, cache, tables, kv_b, list(lens), list(ctx), R, dv, scale)
+    return {"mla.prefill": rel_err(out, ref)}
+
+
+def _packed(E, N, K, g):
+    codes = torch.randint(0, 16, (E * N, K), generator=g, device="cuda", dtype=torch.uint8)
+    base = 127 - round(math.log2(2 * math.sqrt(K)))
+    scale = (base + torch.randint(-1, 2, (E * N, K // 32), generator=g, device="cuda")).to(torch.uint8)
+    packed = mxfp4.pack_codes(codes)
+    dense = mxfp4.dequantize(packed, scale, F32).view(E, N, K)
+    return (packed.view(E, N, K // 2), scale.view(E, N, K // 32)), dense
+
+
+def check_moe(T=37, E=16, L=512, I=384, k=4, seed=4) -> dict:
+    g = _gen(seed)
+    w1, d1 = _packed(E, I, L, g)
+    w3, d3 = _packed(E, I, L, g)
+    w2, d2 = _packed(E, L, I, g)
+    x = torch.randn(T, L, generator=g, device="cuda").to(BF16)
+    ids = torch.stack([torch.randperm(E, generator=g, device="cuda")[:k] for _ in range(T)])
+    weights = torch.rand(T, k, generator=g, device="cuda")
+    with reference_ops():   # the same bf16 roundings (projections, activation output) on the dense weights
+        ref = fused_moe(x, d1.to(BF16), d2.to(BF16), d3.to(BF16), weights, ids,
+                        lambda a, b: situ_and_mul(a, b, 4.0, 25.0), True)
+    poison_allocator()
+    out = fused_moe_mxfp4(x, w1, w2, w3, weights, ids, "situ", 4.0, 25.0, True)
+    return {f"moe.T{T}": rel_err(out, ref)}
+
+
+def check_attn_res(n=9, T=77, D=7168, seed=5) -> dict:
+    g = _gen(seed)
+    big = torch.randn(n + 2, T, D, generator=g, device="cuda").to(BF16)
+    sources = [big[i] for i in torch.randperm(n + 2, generator=g, device="cuda")[:n].tolist()]   # scattered
+    gamma = 1 + 0.1 * torch.randn(D, generator=g, device="cuda")
+    proj = torch.randn(1, D, generator=g, device="cuda") / math.sqrt(D)
+    with reference_ops():
+        ref = attn_res_mix([s.double() for s in sources], gamma.double(), proj.double(), 1e-5)
+    poison_allocator()
+    out = attn_res_mix(sources, gamma, proj, 1e-5)
+    return {f"attn_res.n{n}": rel_err(out, ref)}
+
+
+CHECKS = {
+    "conv": check_conv, "kda": check_kda, "mla_decode": check_mla_decode, "mla_prefill": check_mla_prefill,
+    "moe_small": lambda: check_moe(T=3), "moe_mid": lambda: check_moe(T=37),
+    "moe_large": lambda: check_moe(T=700, E=8, L=1024, I=512, k=4), "attn_res": check_attn_res,
+}
+
+
+def bound(name: str) -> float:
+    """Exactness flags must be 0; fp32-arithmetic results far under 1e-3; bf16 ones under 1e-2."""
+    if name.endswith("_exact"):
+        return 0.0
+    if name.startswith("attn_res"):
+        return 1e-4          # fp32 arithmetic on bf16 inputs
+    return BF16_BOUND
+
+
+@pytest.mark.parametrize("check", sorted(CHECKS))
+def test_fast_op_matches_reference(check):
+    results = CHECKS[check]()
+    bad = {k: v for k, v in results.items() if not v <= bound(k)}
+    assert not bad, f"{check}: {bad} (all: {results})"
+
+
+def test_softplus_gate_kda_prefill_and_decode():
+    results = check_kda(lens=(70, 3), ctx=(0, 4), H=4, lower_bound=None, seed=7)
+    bad = {k: v for k, v in results.items() if not v <= bound(k)}
+    assert not bad, results
+
+
+def test_conv_decode_batch():
+    results = check_conv(lens=(1,) * 9, ctx=(3, 1, 5, 8, 2, 2, 9, 4, 1), seed=8)
+    assert results["conv.y"] < BF16_BOUND and results["conv.pool_exact"] == 0, results
