@@ -88,3 +88,13 @@ def test_not_a_checkpoint_directory(tmp_path):
     (tmp_path / "config.json").write_text(json.dumps({"model_type": "llama"}))
     r = run("generate", "x", "--model", str(tmp_path))
     assert r.returncode == 2 and "model_type" in r.stderr and "Traceback" not in r.stderr
+
+
+def test_inspect_parallel_sizing_of_the_release():
+    r = run("inspect", "--model", str(RELEASE), "--tensor-parallel-size", "8")
+    assert r.returncode == 0, r.stderr
+    assert "layout TP8" in r.stdout and "fits: no" in r.stdout
+    r = run("inspect", "--model", str(RELEASE), "--tensor-parallel-size", "16", "--expert-parallel-size", "16")
+    assert "layout TP16/EP16" in r.stdout and "fits: yes" in r.stdout
+    r = run("inspect", "--model", str(RELEASE), "--tensor-parallel-size", "5")
+    assert r.returncode == 2 and "must divide the KDA heads" in r.stderr

@@ -1,0 +1,40 @@
+"""Per-GPU sizing against the spec's tables (parallelism.md §6.2-6.5)."""
+
+import json
+from pathlib import Path
+
+import pytest
+
+from kimik3.config import parse_config
+from kimik3.parallel.sizing import compute_sizing
+
+RELEASE = Path(__file__).resolve().parents[2] / ".." / "shared" / "configs" / "kimi-k3-release.config.json"
+GIB = 1 << 30
+
+
+@pytest.fixture(scope="module")
+def text_only():
+    data = json.loads(RELEASE.read_text())
+    del data["vision_config"]             # the spec's tables count the text model only
+    return parse_config(data, "release (text only)")
+
+
+@pytest.mark.parametrize("tp,ep,gib,fits", [(8, 1, 191.0, False), (16, 16, 100.8, True), (32, 32, 55.8, True)])
+def test_weights_per_gpu_match_the_spec_table(text_only, tp, ep, gib, fits):
+    s = compute_sizing(text_only, tp, ep)
+    assert s.weights_per_gpu / GIB == pytest.approx(gib, abs=0.15)
+    assert s.fits is fits
+
+
+def test_cache_budget_and_capacity_at_tp16_ep16(text_only):
+    s = compute_sizing(text_only, 16, 16)
+    assert s.cache_budget / GIB == pytest.approx(22.4, abs=0.15)
+    assert s.kv_bytes_per_token == 27_648 and s.state_bytes_per_seq / (1 << 20) == pytest.approx(26.8, abs=0.05)
+    assert (s.sequences(32768), s.sequences(131072), s.sequences(1 << 20)) == (25, 6, 0)
+
+
+def test_degrees_must_divide_heads_and_experts(text_only):
+    with pytest.raises(ValueError, match="must divide the KDA heads"):
+        compute_sizing(text_only, 7, 1)
+    with pytest.raises(ValueError, match="must divide num_experts"):
+        compute_sizing(text_only, 8, 48)
