@@ -123,9 +123,6 @@ def build_chat_prompt(req: ChatCompletionRequest, tokenizer, processor_cfg, has_
     vision = None
     prompts = None
     if images:
-        if not has_vision:
-            raise bad_request("this model has no vision tower; remove the image parts", images[0][1],
-                              "images_unsupported")
         from kimik3.vision.preprocess import preprocess_images
         try:
             vision = preprocess_images([u for u, _ in images], processor_cfg, allow_paths=False)
@@ -134,6 +131,9 @@ def build_chat_prompt(req: ChatCompletionRequest, tokenizer, processor_cfg, has_
             idx = int(msg.split(":")[0].split()[1]) if msg.startswith("image ") and msg.split(":")[0][6:].isdigit() \
                 else 0
             raise bad_request(f"{images[idx][1]}: bad image: {msg}", images[idx][1], "invalid_image") from None
+        if not has_vision:
+            raise bad_request("this model has no vision tower; remove the image parts", images[0][1],
+                              "images_unsupported")
         if multi_modal_arg is None:
             raise bad_request("images are not supported by this engine build yet (the engine cannot take image "
                               "inputs); send text only", images[0][1], "images_unsupported")

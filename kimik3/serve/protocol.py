@@ -93,10 +93,27 @@ class CompletionRequest(_SamplingFields):
     best_of: int | None = None
 
 
+_TYPE_TAGS = {"str", "int", "float", "bool", "list", "dict", "none"}
+
+
+def _field_path(loc) -> list[str]:
+    """Field names and indices of a pydantic error location, without union member tags (``str``, ``list[int]``)."""
+    out = []
+    for p in loc:
+        if isinstance(p, int):
+            if out:
+                out[-1] += f"[{p}]"
+            continue
+        if p in _TYPE_TAGS or "[" in p or "-" in p:
+            continue
+        out.append(p)
+    return out
+
+
 def validation_error(e: ValidationError) -> APIError:
     """The first pydantic error as a 400 naming the field (``param``) and what was wrong."""
     err = e.errors(include_url=False)[0]
-    loc = ".".join(str(p) for p in err.get("loc", ()))
+    loc = ".".join(_field_path(err.get("loc", ())))
     if err.get("type") == "json_invalid":
         return bad_request(f"request body is not valid JSON: {err.get('ctx', {}).get('error', err['msg'])}",
                            code="invalid_json")
