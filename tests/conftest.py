@@ -14,3 +14,20 @@ def tiny_ckpt(tmp_path_factory):
     for arch in ("kimi_k3", "kimi_linear"):
         paths[arch] = make_tiny_checkpoint(tmp_path_factory.mktemp(arch), arch, seed=1)
     return paths
+
+
+@pytest.fixture(scope="session")
+def tiny_dir(tmp_path_factory):
+    """A tiny K3 tokenizer (2048 base tokens + K3's special-token table)."""
+    from kimik3.tokenizer_build import build_tiny_tokenizer
+
+    d = tmp_path_factory.mktemp("tiny_k3_tokenizer")
+    build_tiny_tokenizer(d, base_vocab_size=2048, seed=0)
+    return d
+
+
+@pytest.fixture(scope="session")
+def tok(tiny_dir):
+    from kimik3.tokenizer import load_tokenizer
+
+    return load_tokenizer(tiny_dir)
