@@ -17,12 +17,15 @@ class EngineConfig:
     kda_checkpoint_interval: int | None = None  # blocks between KDA state checkpoints; None = auto (memory.py)
     cache_memory_bytes: int | None = None   # both cache pools; None = 85% of free GPU memory / enough on CPU
     seed: int = 0                           # engine RNG (requests without their own seed)
+    encoder_cache_tokens: int = 16384       # image embedding rows kept by content hash (one max-size K3 image)
 
     def __post_init__(self) -> None:
         for name in ("max_num_seqs", "max_num_batched_tokens", "max_model_len", "block_size"):
             value = getattr(self, name)
             if not isinstance(value, int) or isinstance(value, bool) or value < 1:
                 raise ValueError(f"{name} must be a positive integer, got {value!r}")
+        if not isinstance(self.encoder_cache_tokens, int) or self.encoder_cache_tokens < 0:
+            raise ValueError(f"encoder_cache_tokens must be a non-negative integer, got {self.encoder_cache_tokens!r}")
         if self.kda_checkpoint_interval is not None and (
                 not isinstance(self.kda_checkpoint_interval, int) or self.kda_checkpoint_interval < 1):
             raise ValueError(f"kda_checkpoint_interval must be a positive integer or None (auto), "

@@ -16,15 +16,18 @@ from kimik3.engine.config import EngineConfig, default_cache_bytes
 from kimik3.engine.detokenizer import OutputText
 from kimik3.engine.kv_cache import KVCacheManager
 from kimik3.engine.memory import MemoryPlan, default_checkpoint_interval, max_blocks_per_seq, plan_memory
+from kimik3.engine.multimodal import build_multi_modal_input, check_vision_inputs
 from kimik3.engine.request import CompletionOutput, Request, RequestOutput, RequestStatus
 from kimik3.engine.runner import ModelRunner
 from kimik3.engine.sampling_params import SamplingParams
 from kimik3.engine.scheduler import Scheduler
 from kimik3.model.batch import HybridCache
+from kimik3.vision.preprocess import VisionInputs
 
 logger = logging.getLogger(__name__)
 
 _NO_TOKENIZER = object()
+_PROMPT_KEYS = {"prompt_token_ids", "prompt", "multi_modal_data"}
 
 
 @dataclass
@@ -70,7 +73,7 @@ class LLMEngine:
                                           dtype, self.device)
         self.kv = KVCacheManager(self.plan, config.enable_prefix_caching)
         self.scheduler = Scheduler(self.kv, config.max_num_seqs, config.max_num_batched_tokens)
-        self.runner = ModelRunner(model, self.cache, config.seed)
+        self.runner = ModelRunner(model, self.cache, config.seed, config.encoder_cache_tokens)
         self._tokenizer = tokenizer
         self._tokenizer_path = tokenizer_path
         self.groups: dict[str, _Group] = {}
@@ -96,12 +99,20 @@ class LLMEngine:
 
     # ---- requests --------------------------------------------------------------------------
     def add_request(self, request_id: str, prompt, params: SamplingParams | None = None,
-                    arrival_time: float | None = None) -> None:
-        """Queue a request; raises ValueError (and changes nothing) if it can never run."""
+                    arrival_time: float | None = None, *, multi_modal_data: VisionInputs | None = None) -> None:
+        """Queue a request; raises ValueError (and changes nothing) if it can never run.
+
+        ``prompt`` is a string or ``{"prompt_token_ids": [...], "multi_modal_data": VisionInputs, "prompt":
+        text}`` (only the ids required). Images hold one ``<|media_pad|>`` per embedding row in the ids, as
+        ``apply_chat_template(..., images=[ImagePrompt(W, H, N), ...])`` renders them; they may also come
+        as the ``multi_modal_data`` argument (the server passes them so).
+        """
         params = params or SamplingParams()
         if request_id in self.groups:
             raise ValueError(f"request_id {request_id!r} is already in use; pick a unique id")
-        text, ids = self.check_request(prompt, params)
+        text, ids, vision, pads = self._check(prompt, params, multi_modal_data)
+        mm = build_multi_modal_input(vision, pads) if vision is not None else None
+        extra_keys = mm.block_extra_keys(len(ids), self.config.block_size) if mm is not None else None
         arrival = time.monotonic() if arrival_time is None else arrival_time
         tok = self.get_tokenizer() if params.detokenize else None
         children = []
@@ -111,7 +122,8 @@ class LLMEngine:
                 gen = torch.Generator(device=self.device)
                 gen.manual_seed(params.seed + i)
             req = Request(request_id if params.n == 1 else f"{request_id}#{i}", ids, params, arrival, gen,
-                          self.eos_token_id, self.config.block_size, group_id=request_id)
+                          self.eos_token_id, self.config.block_size, extra_keys=extra_keys, mm=mm,
+                          group_id=request_id)
             if i and self.kv.enable_prefix_caching and len(ids) > self.config.block_size:
                 req.wait_for = children[0]
             if tok is not None:
@@ -120,23 +132,37 @@ class LLMEngine:
             self.scheduler.add(req)
         self.groups[request_id] = _Group(request_id, text, children)
 
-    def check_request(self, prompt, params: SamplingParams) -> tuple[str | None, list[int]]:
+    def check_request(self, prompt, params: SamplingParams, multi_modal_data: VisionInputs | None = None
+                      ) -> tuple[str | None, list[int]]:
         """Validate a request without queueing it: (prompt text, prompt token ids), or ValueError."""
-        text, ids = self._prompt_ids(prompt)
-        self._validate(ids, params)
+        text, ids, _, _ = self._check(prompt, params, multi_modal_data)
         return text, ids
 
-    def _prompt_ids(self, prompt) -> tuple[str | None, list[int]]:
+    def _check(self, prompt, params: SamplingParams, multi_modal_data):
+        """(text, ids, images or None, the images' pad positions or None), or ValueError."""
+        text, ids, vision = self._prompt_ids(prompt)
+        if multi_modal_data is not None:
+            if vision is not None:
+                raise ValueError("images given twice (in the prompt's multi_modal_data and as multi_modal_data=); "
+                                 "give them once")
+            vision = multi_modal_data
+        self._validate(ids, params)
+        return text, ids, vision, self._check_images(ids, vision)
+
+    def _prompt_ids(self, prompt) -> tuple[str | None, list[int], VisionInputs | None]:
         if isinstance(prompt, str):
             if not prompt:
                 raise ValueError("prompt is empty; give at least one token")
-            return prompt, list(self.get_tokenizer(required=True).encode(prompt))
+            return prompt, list(self.get_tokenizer(required=True).encode(prompt)), None
         if isinstance(prompt, dict) and "prompt_token_ids" in prompt:
+            unknown = sorted(set(prompt) - _PROMPT_KEYS, key=str)
+            if unknown:
+                raise ValueError(f"unknown prompt key(s) {unknown}; a prompt dict takes {sorted(_PROMPT_KEYS)}")
             ids = prompt["prompt_token_ids"]
             if not isinstance(ids, (list, tuple)) or not all(isinstance(t, int) and not isinstance(t, bool)
                                                               for t in ids):
                 raise ValueError(f"prompt_token_ids must be a list of ints, got {type(ids).__name__}")
-            return prompt.get("prompt"), list(ids)
+            return prompt.get("prompt"), list(ids), prompt.get("multi_modal_data")
         raise ValueError(f"a prompt is a string or {{'prompt_token_ids': [...]}}, got {type(prompt).__name__}")
 
     def _validate(self, ids: list[int], params: SamplingParams) -> None:
@@ -146,8 +172,12 @@ class LLMEngine:
         if bad:
             raise ValueError(f"prompt token ids {bad[:5]} lie outside the vocabulary [0, {self.vocab_size})")
         if len(ids) > self.config.max_model_len:
-            raise ValueError(f"prompt has {len(ids)} tokens, more than max_model_len={self.config.max_model_len}; "
-                             f"shorten it or raise max_model_len")
+            pad = getattr(self.model.config, "media_placeholder_token_id", None)
+            n_img = sum(1 for t in ids if t == pad) if pad is not None else 0
+            what = f" ({n_img} of them image tokens)" if n_img else ""
+            fix = "use fewer or smaller images, shorten the text" if n_img else "shorten it"
+            raise ValueError(f"prompt has {len(ids)} tokens{what}, more than max_model_len="
+                             f"{self.config.max_model_len}; {fix} or raise max_model_len")
         bad = [t for t in params.stop_token_ids if t >= self.vocab_size]
         if bad:
             raise ValueError(f"stop_token_ids {bad} lie outside the vocabulary [0, {self.vocab_size}); "
@@ -156,6 +186,18 @@ class LLMEngine:
             if not params.detokenize:
                 raise ValueError(f"stop strings {params.stop_strings} need detokenize=True")
             self.get_tokenizer(required=True)
+
+    def _check_images(self, ids: list[int], vision) -> list[int] | None:
+        """Pad positions of a prompt's images (checked against the model), or None without images."""
+        if vision is None:
+            return None
+        cfg = self.model.config
+        vc = getattr(cfg, "vision", None)
+        pad = getattr(cfg, "media_placeholder_token_id", None)
+        if vc is None or pad is None:
+            raise ValueError("this model has no vision tower (its config.json has no vision_config), so it "
+                             "cannot take images; send text only")
+        return check_vision_inputs(vision, ids, pad, vc.patch_size, vc.merge_kernel_size[0])
 
     def abort_request(self, request_id: str) -> None:
         """Stop a request now and free its memory; its final delta (finish_reason "abort") comes from step()."""

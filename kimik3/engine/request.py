@@ -15,6 +15,7 @@ from dataclasses import dataclass, field
 
 import torch
 
+from kimik3.engine.multimodal import MultiModalInput
 from kimik3.engine.sampling_params import SamplingParams
 
 
@@ -45,6 +46,7 @@ class Request:
     eos_token_id: int | None = None
     block_size: int = 16
     extra_keys: list[bytes | None] | None = None   # per-block extra hash key (image content), or None
+    mm: MultiModalInput | None = None               # the prompt's images (shared by n > 1 siblings)
     status: RequestStatus = RequestStatus.WAITING
     token_ids: list[int] = field(default_factory=list)        # prompt + output
     num_computed_tokens: int = 0
@@ -67,6 +69,9 @@ class Request:
     detok: object | None = None     # incremental detokenizer state (engine-owned)
     num_sent_tokens: int = 0        # tokens already returned as deltas
     num_sent_chars: int = 0
+    # Image embeddings [N_i, D] by item, held (runner-owned tensors) from the first chunk that needs an
+    # item until its last pad is computed, so a request encodes or fetches each image once per prefill.
+    image_embeds: dict[int, torch.Tensor] = field(default_factory=dict)
 
     def __post_init__(self) -> None:
         self.token_ids = list(self.prompt_token_ids)

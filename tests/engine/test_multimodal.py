@@ -1,0 +1,140 @@
+"""Image prompts through the engine on a tiny random K3 with a vision tower: greedy tokens equal the
+model called directly (``model(ids, pixel_values, grid_thws)`` on the growing sequence) under chunked
+prefill, tiny blocks, prefix caching and preemption; images are encoded once (content-hash cache);
+prefix-cache keys follow image content; bad images and bad image inputs fail clearly and leave
+running requests untouched."""
+
+from __future__ import annotations
+
+import io
+import random
+
+import numpy as np
+import pytest
+import torch
+from PIL import Image
+
+import kimik3
+from kimik3.engine import SamplingParams
+from kimik3.engine.encoder_cache import EncoderCache
+from kimik3.vision.preprocess import VisionInputs, preprocess_images
+from tests.engine.fake_model import reference_greedy
+from tests.engine.helpers import check_invariants, make_engine
+
+MAX_TOKENS = 5
+GREEDY = SamplingParams(temperature=0, max_tokens=MAX_TOKENS, ignore_eos=True)
+
+
+@pytest.fixture(scope="module")
+def model(tiny_ckpt):
+    return kimik3.load_model(tiny_ckpt["kimi_k3"], device="cpu", dtype=torch.float32)
+
+
+def picture(w: int, h: int, seed: int) -> Image.Image:
+    return Image.fromarray(np.random.default_rng(seed).integers(0, 256, (h, w, 3), dtype=np.uint8))
+
+
+def png(img: Image.Image, fmt: str = "PNG") -> bytes:
+    buf = io.BytesIO()
+    img.save(buf, format=fmt)
+    return buf.getvalue()
+
+
+def image_prompt(model, vis: VisionInputs, seed: int = 0) -> list[int]:
+    """Text, then each image's pads with text between: [t t t | pads_0 | t t t t t | pads_1 | ... | t t t t]."""
+    pad = model.config.media_placeholder_token_id
+    rng = random.Random(seed)
+    words = [t for t in range(5, model.config.text.vocab_size) if t != pad]
+    ids = [rng.choice(words) for _ in range(3)]
+    for n in vis.num_tokens:
+        ids += [pad] * n + [rng.choice(words) for _ in range(5)]
+    return ids[:-1]
+
+
+def reference(model, ids: list[int], vis: VisionInputs, max_tokens: int = MAX_TOKENS) -> list[int]:
+    """Greedy decoding with the direct multimodal forward, recomputing the whole sequence each token."""
+    seq = list(ids)
+    for _ in range(max_tokens):
+        seq.append(int(model(torch.tensor(seq), vis.pixel_values, vis.grid_thws)[-1].argmax()))
+    return seq[len(ids):]
+
+
+def drive(engine, arrivals: dict[int, dict[str, dict]], check=None, params=GREEDY) -> dict[str, list[int]]:
+    """Add prompts at their steps, step to the end; returns the tokens of each request."""
+    out: dict[str, list[int]] = {}
+    step = 0
+    while engine.has_unfinished_requests() or step <= max(arrivals):
+        for rid, prompt in arrivals.get(step, {}).items():
+            engine.add_request(rid, prompt, params)
+        for delta in engine.step():
+            out.setdefault(delta.request_id, []).extend(delta.outputs[0].token_ids if delta.outputs else [])
+        if check is not None:
+            check(engine)
+        step += 1
+        assert step < 1000
+    return out
+
+
+@pytest.fixture(scope="module")
+def images():
+    """Two images of different sizes (12 and 2 tokens), and a same-size variant of the first."""
+    a, b, a2 = picture(90, 60, 1), picture(16, 30, 2), picture(90, 60, 3)
+    return {"ab": preprocess_images([a, b]), "a2b": preprocess_images([a2, b])}
+
+
+def test_images_through_the_engine_match_the_model_and_cache_by_content(model, images):
+    ab, a2b = images["ab"], images["a2b"]
+    assert ab.num_tokens == [12, 2] and a2b.num_tokens == [12, 2]
+    ids = image_prompt(model, ab)
+    ref_ab, ref_a2b = reference(model, ids, ab), reference(model, ids, a2b)
+    assert ref_ab != ref_a2b, "the image must matter to the output"
+    engine = make_engine(model, block_size=3, max_num_seqs=4, max_num_batched_tokens=7, max_model_len=40,
+                         extra_blocks=40)
+
+    def check(e):
+        check_invariants(e.kv, e.scheduler.running)
+
+    first = drive(engine, {0: {"ab": {"prompt_token_ids": ids, "multi_modal_data": ab}}}, check)
+    assert first["ab"] == ref_ab
+    assert engine.runner.num_encoded_images == 2
+    # the same images again (fresh tensors, equal content) hit the prefix cache and are not encoded;
+    # a different first image shares only the text blocks before it and is the one image encoded
+    again = preprocess_images([picture(90, 60, 1), picture(16, 30, 2)])
+    text = [5, 6, 7, 8, 9, 10, 11]
+    out = drive(engine, {0: {"same": {"prompt_token_ids": ids, "multi_modal_data": again},
+                             "other": {"prompt_token_ids": ids, "multi_modal_data": a2b},
+                             "text": {"prompt_token_ids": text}}}, check)
+    assert out["same"] == ref_ab and out["other"] == ref_a2b
+    assert out["text"] == reference_greedy(model, text, MAX_TOKENS)
+    assert engine.runner.num_encoded_images == 3
+    assert engine.kv.blocks.num_free == engine.plan.num_usable_blocks
+
+
+def test_prefix_hits_follow_image_content(model, images):
+    ab, a2b = images["ab"], images["a2b"]
+    ids = image_prompt(model, ab)
+    engine = make_engine(model, block_size=3, max_num_seqs=2, max_num_batched_tokens=64, max_model_len=40,
+                         extra_blocks=40)
+    hit = {}
+    for rid, vis in (("ab", ab), ("a2b", a2b), ("ab-again", ab)):
+        engine.add_request(rid, {"prompt_token_ids": ids, "multi_modal_data": vis}, GREEDY)
+        req = engine.groups[rid].children[0]
+        while engine.has_unfinished_requests():
+            engine.step()
+        hit[rid] = req.num_prefix_hit_tokens
+    first_pad = ids.index(model.config.media_placeholder_token_id)
+    assert hit["ab"] == 0
+    assert 0 < hit["a2b"] <= first_pad                  # only the text before the changed image
+    assert hit["ab-again"] == (len(ids) - 1) // 3 * 3   # everything but the block holding the last token
+
+
+def test_preempted_requests_recompute_without_reencoding(model, images):
+    ab, a2b = images["ab"], images["a2b"]
+    ids = image_prompt(model, ab)
+    engine = make_engine(model, block_size=2, max_num_seqs=3, max_num_batched_tokens=6, max_model_len=32,
+                         extra_blocks=0, enable_prefix_caching=False)
+    out = drive(engine, {0: {"x": {"prompt_token_ids": ids, "multi_modal_data": ab}},
+                         2: {"y": {"prompt_token_ids": ids, "multi_modal_data": a2b}}})
+    assert engine.scheduler.num_preemptions > 0
+    assert out["x"] == reference(model, ids, ab) and out["y"] == reference(model, ids, a2b)
+    assert engine.runner.num_encoded_images == 3       # a, b, a2: each once despite recomputes
