@@ -112,7 +112,7 @@ def _sampling_params(req, max_tokens: int, logprobs: int | None, stop_token_ids:
     if req.n < 1 or req.n > MAX_N:
         raise bad_request(f"n must lie in [1, {MAX_N}], got {req.n}", "n")
     kw = dict(n=req.n, max_tokens=max_tokens, seed=req.seed, stop=req.stop, ignore_eos=req.ignore_eos,
-              stop_token_ids=(req.stop_token_ids or []) + stop_token_ids, logprobs=logprobs,
+              stop_token_ids=(req.stop_token_ids or []) + ([] if req.ignore_eos else stop_token_ids), logprobs=logprobs,
               skip_special_tokens=req.skip_special_tokens)
     for name in ("temperature", "top_p", "top_k", "min_p", "presence_penalty", "frequency_penalty",
                  "repetition_penalty"):
@@ -173,11 +173,18 @@ class _Exchange:
         self.last_token: dict[int, float] = {}
         self.completion_tokens = 0
         self.closed = False
+        self.watch_disconnect = True
+        self._checked = self.start
         self._getter: asyncio.Future | None = None
 
-    async def next_event(self, poll: float = 0.5):
-        """The job's next event, or None once the client has disconnected."""
+    async def next_event(self, poll: float = 0.25):
+        """The job's next event, or None once the client has disconnected. While the response is a
+        stream, Starlette watches for the disconnect itself (and cancels the stream)."""
         while True:
+            if self.watch_disconnect and time.monotonic() - self._checked >= poll:
+                self._checked = time.monotonic()
+                if await self.request.is_disconnected():
+                    return None
             if self._getter is None:
                 self._getter = asyncio.ensure_future(self.job.queue.get())
             done, _ = await asyncio.wait({self._getter}, timeout=poll)
@@ -186,8 +193,6 @@ class _Exchange:
                 if isinstance(item, list):
                     self._observe(item)
                 return item
-            if await self.request.is_disconnected():
-                return None
 
     def _observe(self, deltas: list[ChoiceDelta]) -> None:
         now = time.monotonic()
@@ -240,6 +245,7 @@ async def _run(state: ServerState, request: Request, prompts: list[PromptInput],
             raise first.error
         if stream:
             handed_off = True
+            ex.watch_disconnect = False
             return _JobStream(_stream(ex, first, include_usage), ex.close)
         item = first
         while not isinstance(item, Done):

@@ -63,7 +63,6 @@ class LiveServer:
 def fake_engine(max_num_seqs: int = 64, max_model_len: int = 1024, tokenizer=None, **kw) -> LLMEngine:
     tok = tokenizer or kimik3.load_tokenizer(kimik3.DEFAULT_MODEL)
     model = FakeModel(vocab_size=tok.vocab_size, eos_token_id=END_OF_MSG)
-    model.config.vision = True   # the server may accept images (the fake runner never sees them)
     config = EngineConfig(max_num_seqs=max_num_seqs, max_model_len=max_model_len, block_size=16,
                           max_num_batched_tokens=kw.pop("max_num_batched_tokens", 4096), **kw)
     return LLMEngine(model, config, tokenizer=tok)

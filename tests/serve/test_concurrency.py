@@ -1,0 +1,132 @@
+"""Many clients at once, determinism under batching, disconnects, shutdown."""
+
+from __future__ import annotations
+
+import asyncio
+import re
+import threading
+import time
+
+import httpx
+
+from tests.serve.conftest import MODEL, start_fake_server
+
+
+def metric(server, name: str) -> float:
+    text = httpx.get(server.url + "/metrics").text
+    m = re.search(rf"^{re.escape(name)}(?:{{[^}}]*}})? (\S+)$", text, re.M)
+    assert m, f"{name} not in /metrics"
+    return float(m.group(1))
+
+
+def test_64_concurrent_streams(server):
+    async def one(client, i: int):
+        n_tokens = 5 + i % 7
+        stream = await client.chat.completions.create(
+            model=MODEL, messages=[{"role": "user", "content": f"client {i} says hi"}], max_tokens=n_tokens,
+            stream=True, stream_options={"include_usage": True}, extra_body={"ignore_eos": True})
+        usage, finish, chunks = None, None, 0
+        async for chunk in stream:
+            chunks += 1
+            usage = chunk.usage or usage
+            for ch in chunk.choices:
+                finish = ch.finish_reason or finish
+        return n_tokens, usage.completion_tokens, finish, chunks
+
+    async def main():
+        async with server.async_client() as client:
+            return await asyncio.gather(*(one(client, i) for i in range(64)))
+
+    results = asyncio.run(main())
+    assert len(results) == 64
+    for wanted, got, finish, chunks in results:
+        assert got == wanted and finish == "length" and chunks >= 2
+    assert metric(server, "kimik3_num_requests_running") == 0
+
+
+def test_greedy_same_alone_and_concurrent(server):
+    prompts = [f"determinism {i} " * (1 + i % 5) for i in range(12)]
+
+    async def ask(client, p):
+        r = await client.chat.completions.create(model=MODEL, messages=[{"role": "user", "content": p}],
+                                                 max_tokens=12, temperature=0, extra_body={"ignore_eos": True})
+        return r.choices[0].message.reasoning_content, r.usage.completion_tokens
+
+    async def main():
+        async with server.async_client() as client:
+            alone = [await ask(client, p) for p in prompts]
+            together = await asyncio.gather(*(ask(client, p) for p in prompts))
+            return alone, list(together)
+
+    alone, together = asyncio.run(main())
+    assert alone == together
+    assert all(n == 12 for _, n in alone)
+
+
+def test_disconnect_mid_stream_frees_cache():
+    s = start_fake_server(step_delay=0.01)
+    try:
+        usable = s.engine.kv.plan.num_usable_blocks
+        aborts = metric(s, 'kimik3_request_finish_total{finish_reason="abort"}') if "abort" in \
+            httpx.get(s.url + "/metrics").text else 0.0
+        body = {"model": MODEL, "messages": [{"role": "user", "content": "a long story " * 30}], "max_tokens": 700,
+                "stream": True, "ignore_eos": True}
+        with httpx.stream("POST", s.url + "/v1/chat/completions", json=body, timeout=30) as r:
+            lines = r.iter_lines()
+            for _ in range(5):
+                next(lines)
+            assert metric(s, "kimik3_num_requests_running") == 1
+            assert metric(s, "kimik3_kv_cache_usage_ratio") > 0
+        deadline = time.monotonic() + 10
+        while metric(s, "kimik3_kv_cache_usage_ratio") > 0 and time.monotonic() < deadline:
+            time.sleep(0.02)
+        assert metric(s, "kimik3_kv_cache_usage_ratio") == 0
+        assert metric(s, "kimik3_num_requests_running") == 0
+        assert metric(s, 'kimik3_request_finish_total{finish_reason="abort"}') == aborts + 1
+        assert s.engine.kv.blocks.num_free == usable and not s.engine.has_unfinished_requests()
+        assert s.state.in_flight == 0
+        ok = httpx.post(s.url + "/v1/chat/completions", json={**body, "stream": False, "max_tokens": 3}, timeout=30)
+        assert ok.status_code == 200
+    finally:
+        s.stop()
+
+
+def test_disconnect_while_waiting_non_streaming():
+    """A non-streamed request whose client gives up is aborted too."""
+    s = start_fake_server(step_delay=0.01)
+    try:
+        body = {"model": MODEL, "messages": [{"role": "user", "content": "wait"}], "max_tokens": 800,
+                "ignore_eos": True}
+        try:
+            httpx.post(s.url + "/v1/chat/completions", json=body, timeout=0.3)
+            raise AssertionError("the request should still be running")
+        except httpx.ReadTimeout:
+            pass
+        deadline = time.monotonic() + 10
+        while (s.state.in_flight or s.engine.has_unfinished_requests()) and time.monotonic() < deadline:
+            time.sleep(0.02)
+        assert s.state.in_flight == 0 and s.engine.kv.blocks.num_free == s.engine.kv.plan.num_usable_blocks
+        assert metric(s, 'kimik3_request_finish_total{finish_reason="abort"}') == 1
+    finally:
+        s.stop()
+
+
+def test_graceful_shutdown_finishes_in_flight():
+    s = start_fake_server(step_delay=0.01)
+    result = {}
+
+    def client():
+        body = {"model": MODEL, "messages": [{"role": "user", "content": "finish me"}], "max_tokens": 60,
+                "ignore_eos": True}
+        result["r"] = httpx.post(s.url + "/v1/chat/completions", json=body, timeout=30)
+
+    t = threading.Thread(target=client)
+    t.start()
+    deadline = time.monotonic() + 10
+    while not s.engine.has_unfinished_requests() and time.monotonic() < deadline:
+        time.sleep(0.005)
+    s.stop()
+    t.join(30)
+    assert result["r"].status_code == 200
+    assert result["r"].json()["usage"]["completion_tokens"] == 60
+    assert not s.state.loop.alive and not s.engine.has_unfinished_requests()

@@ -1,0 +1,43 @@
+"""The embedded tiny K3 (random weights, real tokenizer and vision tower) behind the server."""
+
+from __future__ import annotations
+
+import argparse
+
+import pytest
+
+import kimik3
+from kimik3.chat import ImagePrompt
+from kimik3.serve import add_serve_arguments, build_app
+from kimik3.vision.preprocess import load_media_processor_config, preprocess_images
+from tests.serve.conftest import LiveServer
+from tests.serve.test_errors import image_msg, png_data_url
+
+
+@pytest.fixture(scope="module")
+def real():
+    args = add_serve_arguments(argparse.ArgumentParser()).parse_args(
+        ["--max-model-len", "512", "--max-num-seqs", "4", "--served-model-name", "tiny-k3"])
+    s = LiveServer(build_app(args))
+    yield s
+    s.stop()
+
+
+def test_chat_and_completion(real):
+    c = real.client()
+    r = c.chat.completions.create(model="tiny-k3", messages=[{"role": "user", "content": "Hello!"}], max_tokens=4,
+                                  temperature=0)
+    assert r.usage.completion_tokens <= 4 and r.choices[0].finish_reason in ("stop", "length")
+    r = c.completions.create(model="tiny-k3", prompt="Hello", max_tokens=3, temperature=0)
+    assert r.usage.prompt_tokens == len(real.state.tokenizer.encode("Hello"))
+
+
+def test_image_end_to_end(real):
+    url = png_data_url(60, 40)
+    msgs = image_msg(url)
+    r = real.client().chat.completions.create(model="tiny-k3", messages=msgs, max_tokens=2, temperature=0)
+    vision = preprocess_images([url], load_media_processor_config(kimik3.DEFAULT_MODEL), allow_paths=False)
+    prompt = real.state.tokenizer.apply_chat_template(
+        msgs, tokenize=True, images=[ImagePrompt(60, 40, vision.num_tokens[0])])
+    assert r.usage.prompt_tokens == len(prompt)
+    assert r.choices[0].finish_reason in ("stop", "length")
