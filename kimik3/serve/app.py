@@ -27,7 +27,14 @@ from starlette.exceptions import HTTPException as StarletteHTTPException
 
 from kimik3.engine import LLMEngine, SamplingParams
 from kimik3.serve.chat import build_chat_prompt
-from kimik3.serve.engine_loop import ChoiceDelta, Done, EngineLoop, Failed, Job, PromptInput
+from kimik3.serve.engine_loop import (
+    ChoiceDelta,
+    Done,
+    EngineLoop,
+    Failed,
+    Job,
+    PromptInput,
+)
 from kimik3.serve.metrics import ServerMetrics
 from kimik3.serve.protocol import (
     APIError,
@@ -111,9 +118,10 @@ def _check_model(state: ServerState, name: str | None) -> str:
 def _sampling_params(req, max_tokens: int, logprobs: int | None, stop_token_ids: list[int]) -> SamplingParams:
     if req.n < 1 or req.n > MAX_N:
         raise bad_request(f"n must lie in [1, {MAX_N}], got {req.n}", "n")
-    kw = dict(n=req.n, max_tokens=max_tokens, seed=req.seed, stop=req.stop, ignore_eos=req.ignore_eos,
-              stop_token_ids=(req.stop_token_ids or []) + ([] if req.ignore_eos else stop_token_ids), logprobs=logprobs,
-              skip_special_tokens=req.skip_special_tokens)
+    # vLLM's rule: ignore_eos also drops the chat format's stop ids; the client's own stop ids stay.
+    stops = (req.stop_token_ids or []) + ([] if req.ignore_eos else stop_token_ids)
+    kw = {"n": req.n, "max_tokens": max_tokens, "seed": req.seed, "stop": req.stop, "ignore_eos": req.ignore_eos,
+          "stop_token_ids": stops, "logprobs": logprobs, "skip_special_tokens": req.skip_special_tokens}
     for name in ("temperature", "top_p", "top_k", "min_p", "presence_penalty", "frequency_penalty",
                  "repetition_penalty"):
         value = getattr(req, name)

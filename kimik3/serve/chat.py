@@ -138,9 +138,9 @@ def build_chat_prompt(req: ChatCompletionRequest, tokenizer, processor_cfg, has_
             raise bad_request("images are not supported by this engine build yet (the engine cannot take image "
                               "inputs); send text only", images[0][1], "images_unsupported")
         prompts = [ImagePrompt(w, h, n) for (w, h), n in zip(vision.sizes, vision.num_tokens)]
-    kwargs = dict(tools=req.tools, tokenize=True, add_generation_prompt=True, thinking=thinking,
-                  thinking_effort=effort if thinking else None, tool_choice=tool_choice,
-                  response_format=response_format, images=prompts)
+    kwargs = {"tools": req.tools, "tokenize": True, "add_generation_prompt": True, "thinking": thinking,
+              "thinking_effort": effort if thinking else None, "tool_choice": tool_choice,
+              "response_format": response_format, "images": prompts}
     if tokenizer.chat_format != "k3":   # Kimi-Linear: no thinking channel, tool choice or response format notes
         kwargs.update(thinking_effort=None, tool_choice=None, response_format=None)
     try:

@@ -271,7 +271,7 @@ class EngineLoop:
     def _step(self) -> None:
         try:
             outputs = self.engine.step()
-        except Exception as e:
+        except Exception as e:  # noqa: BLE001 - logged and blamed in _step_failed
             self._step_failed(e)
             return
         deltas: dict[Job, list[ChoiceDelta]] = {}

@@ -9,7 +9,7 @@ from __future__ import annotations
 import time
 from typing import Any
 
-from kimik3.serve.chat import ChatPrompt, ChoiceParse, chat_finish_reason, make_parse
+from kimik3.serve.chat import ChatPrompt, chat_finish_reason, make_parse
 from kimik3.serve.engine_loop import ChoiceDelta
 
 
@@ -115,8 +115,9 @@ class ChatFormatter:
         choices = []
         for i, p in enumerate(self.parses):
             content = "".join(p.content)
+            thinking = p.parser is not None and p.parser.thinking
             msg: dict[str, Any] = {"role": "assistant", "content": content if content or not p.tool_calls else None,
-                                   "reasoning_content": "".join(p.reasoning) if p.parser and p.parser.thinking else None,
+                                   "reasoning_content": "".join(p.reasoning) if thinking else None,
                                    "tool_calls": p.tool_calls}
             choices.append({"index": i, "message": msg,
                             "logprobs": {"content": self.logprobs[i]} if self.top_logprobs is not None else None,
@@ -153,8 +154,8 @@ class CompletionFormatter:
             part["text_offset"].append(self.offsets[d.index])
             self.offsets[d.index] += len(text)
         acc = self.lp[d.index]
-        for k in part:
-            acc[k].extend(part[k])
+        for k, values in part.items():
+            acc[k].extend(values)
         return part
 
     def feed(self, deltas: list[ChoiceDelta], streaming: bool) -> list[dict]:
@@ -188,6 +189,3 @@ class CompletionFormatter:
                     "finish_reason": self.finish[i]} for i, t in enumerate(self.texts)]
         return {"id": self.id, "object": "text_completion", "created": self.created, "model": self.model,
                 "choices": choices, "usage": usage}
-
-
-__all__ = ["ChatFormatter", "ChoiceParse", "CompletionFormatter", "usage_body"]

@@ -14,7 +14,7 @@ from tests.serve.conftest import MODEL, start_fake_server
 
 def metric(server, name: str) -> float:
     text = httpx.get(server.url + "/metrics").text
-    m = re.search(rf"^{re.escape(name)}(?:{{[^}}]*}})? (\S+)$", text, re.M)
+    m = re.search(rf"^{re.escape(name)}(?:{{[^}}]*}})? (\S+)$", text, re.MULTILINE)
     assert m, f"{name} not in /metrics"
     return float(m.group(1))
 
