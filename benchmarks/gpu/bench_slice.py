@@ -68,7 +68,10 @@ def cuda_time(fn, warmup=3, iters=10) -> float:
 def run_checks():
     from tests.gpu.test_fast_ops import CHECKS, bound
     rows = {}
+    only = next((a.split("=", 1)[1].split(",") for a in sys.argv if a.startswith("--checks=")), None)
     for name, fn in CHECKS.items():
+        if only is not None and name not in only:
+            continue
         try:
             for k, v in fn().items():
                 rows[k] = {"rel_err": v, "bound": bound(k), "ok": v <= bound(k)}
@@ -212,6 +215,20 @@ def graph_time(fn) -> float | None:
         return None
 
 
+def profile(name, fn):
+    """Top kernels of one run by device time (written to $OUT and printed)."""
+    from torch.profiler import ProfilerActivity
+    from torch.profiler import profile as torch_profile
+    fn()
+    torch.cuda.synchronize()
+    with torch_profile(activities=[ProfilerActivity.CUDA]) as prof:
+        fn()
+        torch.cuda.synchronize()
+    table = prof.key_averages().table(sort_by="self_cuda_time_total", row_limit=14, max_name_column_width=60)
+    log(f"--- profile {name}\n{table}")
+    results.setdefault("profiles", {})[name] = table
+
+
 def counts(model, N: int, T: int, mode: str, experts_active: float):
     """(bytes, flops) of one step from the shapes. decode: N sequences x 1 token over CONTEXT;
     prefill: T tokens of one fresh sequence, logits for its last token."""
@@ -258,7 +275,7 @@ def bench_model(bw, mm):
     t0 = time.time()
     model = build_slice(cfg)
     log(f"slice built in {time.time() - t0:.1f}s; {torch.cuda.memory_allocated() / 2**30:.1f} GiB")
-    twins = dense_twins(model)
+    twins = {} if "--no-ref" in sys.argv else dense_twins(model)
     E, k = model.config.text.num_experts, model.config.text.num_experts_per_token
     rows = []
     for N in (1, 8, 32, 128):
@@ -266,8 +283,12 @@ def bench_model(bw, mm):
         fast = step_fn(model, ids, batch, cache)
         t_eager = cuda_time(fast, iters=10)
         t_graph = graph_time(fast)
-        with reference_ops(), swapped_experts(model, twins):
-            t_ref = cuda_time(fast, warmup=1, iters=3)
+        t_ref = float("nan")
+        if "--no-ref" not in sys.argv:
+            with reference_ops(), swapped_experts(model, twins):
+                t_ref = cuda_time(fast, warmup=1, iters=3)
+        if N == 1 and "--profile" in sys.argv:
+            profile("decode b1", fast)
         active = E * (1 - (1 - k / E) ** N)
         byts, flops = counts(model, N, 0, "decode", active)
         floor = max(byts / bw, flops / mm)
@@ -290,7 +311,9 @@ def bench_model(bw, mm):
         fast = step_fn(model, ids, batch, cache, last_only=True)
         t_fast = cuda_time(fast, warmup=2, iters=5)
         t_ref = None
-        if with_ref:
+        if T == 2048 and "--profile" in sys.argv:
+            profile("prefill 2048", fast)
+        if with_ref and "--no-ref" not in sys.argv:
             with reference_ops(), swapped_experts(model, twins):
                 t_ref = cuda_time(fast, warmup=1, iters=2)
         byts, flops = counts(model, 1, T, "prefill", E)

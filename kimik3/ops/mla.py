@@ -99,12 +99,14 @@ def _prefill_sdpa(q, cache, block_tables, kv_b_weight, query_lens, context_lens,
         kv = (e[:, :kv_lora_rank] @ kv_b_weight.t().to(q.dtype)).view(S, H, d_nope + v_head_dim)
         key = torch.cat([kv[..., :d_nope], e[:, kv_lora_rank:].unsqueeze(1).expand(S, H, -1)], dim=-1)
         qs = q[start:start + ql].transpose(0, 1).unsqueeze(0)                    # [1, H, ql, d_qk]
-        ks, vs = key.transpose(0, 1).unsqueeze(0), kv[..., d_nope:].transpose(0, 1).unsqueeze(0)
+        # v zero-padded to d_qk: equal head dims let SDPA pick its flash kernel
+        vs = F.pad(kv[..., d_nope:], (0, max(d_qk - v_head_dim, 0)))
+        ks, vs = key.transpose(0, 1).unsqueeze(0), vs.transpose(0, 1).unsqueeze(0)
         if cl == 0:
             o = F.scaled_dot_product_attention(qs, ks, vs, is_causal=True, scale=scale)
         else:
             allowed = torch.arange(S, device=q.device).view(1, S) <= torch.arange(cl, S, device=q.device).view(ql, 1)
             o = F.scaled_dot_product_attention(qs, ks, vs, attn_mask=allowed, scale=scale)
-        out[start:start + ql] = o.squeeze(0).transpose(0, 1)
+        out[start:start + ql] = o.squeeze(0).transpose(0, 1)[..., :v_head_dim]
         start += ql
     return out

@@ -34,13 +34,14 @@ def _e2m1_to_f32(code, scale):
 
 
 @triton.jit
-def _dequant_tile(packed_ptr, scale_ptr, kk, mask):
-    """Load packed bytes [BKH, BN] (kk rows, n columns) and return (low, high) bf16 tiles."""
-    b = tl.load(packed_ptr + kk[:, None], mask=mask, other=0).to(tl.int32)
-    s = tl.load(scale_ptr + kk[:, None] // 16, mask=mask, other=127).to(tl.int32)
+def _dequant_tile(packed_ptr, scale_ptr, kk, mask, BN: tl.constexpr, BKH: tl.constexpr):
+    """Load packed bytes [BN, BKH] along their contiguous axis (wide loads) and the [BN, BKH/16]
+    scales; return the (low, high) nibbles dequantized as bf16 [BKH, BN] dot operands."""
+    b = tl.load(packed_ptr + kk[None, :], mask=mask, other=0).to(tl.int32)
+    s = tl.load(scale_ptr + (kk[None, :] // 16), mask=mask, other=127).to(tl.int32)
     lo = _e2m1_to_f32(b & 15, s).to(tl.bfloat16)
     hi = _e2m1_to_f32(b >> 4, s).to(tl.bfloat16)
-    return lo, hi
+    return tl.trans(lo), tl.trans(hi)
 
 
 @triton.jit
@@ -64,10 +65,10 @@ def _gate_up_kernel(x, w1p, w1s, w3p, w3s, h, sorted_rows, block_expert, num_row
     n = pid_n * BN + tl.arange(0, BN)
     mn = n < I
     j = tl.arange(0, BKH)
-    col1 = w1p + e * stride_wp_e + n[None, :].to(tl.int64) * stride_wp_n
-    col3 = w3p + e * stride_wp_e + n[None, :].to(tl.int64) * stride_wp_n
-    scl1 = w1s + e * stride_ws_e + n[None, :].to(tl.int64) * stride_ws_n
-    scl3 = w3s + e * stride_ws_e + n[None, :].to(tl.int64) * stride_ws_n
+    col1 = w1p + e * stride_wp_e + n[:, None].to(tl.int64) * stride_wp_n
+    col3 = w3p + e * stride_wp_e + n[:, None].to(tl.int64) * stride_wp_n
+    scl1 = w1s + e * stride_ws_e + n[:, None].to(tl.int64) * stride_ws_n
+    scl3 = w3s + e * stride_ws_e + n[:, None].to(tl.int64) * stride_ws_n
     acc1 = tl.zeros([BM, BN], dtype=tl.float32)
     acc3 = tl.zeros([BM, BN], dtype=tl.float32)
     for kh in range(0, KH, BKH):
@@ -77,11 +78,11 @@ def _gate_up_kernel(x, w1p, w1s, w3p, w3s, h, sorted_rows, block_expert, num_row
         am = valid[:, None] & mk[None, :]
         a_even = tl.load(a_ptr, mask=am, other=0.0)
         a_odd = tl.load(a_ptr + 1, mask=am, other=0.0)
-        bm = mk[:, None] & mn[None, :]
-        lo, hi = _dequant_tile(col1, scl1, kk, bm)
+        bm = mn[:, None] & mk[None, :]
+        lo, hi = _dequant_tile(col1, scl1, kk, bm, BN, BKH)
         acc1 = dot(a_even, lo, acc1, UPCAST)
         acc1 = dot(a_odd, hi, acc1, UPCAST)
-        lo, hi = _dequant_tile(col3, scl3, kk, bm)
+        lo, hi = _dequant_tile(col3, scl3, kk, bm, BN, BKH)
         acc3 = dot(a_even, lo, acc3, UPCAST)
         acc3 = dot(a_odd, hi, acc3, UPCAST)
     # the reference rounds both projections to the activation dtype before the activation
@@ -111,8 +112,8 @@ def _down_kernel(h, w2p, w2s, y, sorted_rows, block_expert, num_rows, L, KH,
     n = pid_n * BN + tl.arange(0, BN)
     mn = n < L
     j = tl.arange(0, BKH)
-    col = w2p + e * stride_wp_e + n[None, :].to(tl.int64) * stride_wp_n
-    scl = w2s + e * stride_ws_e + n[None, :].to(tl.int64) * stride_ws_n
+    col = w2p + e * stride_wp_e + n[:, None].to(tl.int64) * stride_wp_n
+    scl = w2s + e * stride_ws_e + n[:, None].to(tl.int64) * stride_ws_n
     acc = tl.zeros([BM, BN], dtype=tl.float32)
     for kh in range(0, KH, BKH):
         kk = kh + j
@@ -120,7 +121,7 @@ def _down_kernel(h, w2p, w2s, y, sorted_rows, block_expert, num_rows, L, KH,
         a_ptr = h + offs_m[:, None].to(tl.int64) * stride_h + 2 * kk[None, :]
         a_even = tl.load(a_ptr, mask=mk[None, :], other=0.0)
         a_odd = tl.load(a_ptr + 1, mask=mk[None, :], other=0.0)
-        lo, hi = _dequant_tile(col, scl, kk, mk[:, None] & mn[None, :])
+        lo, hi = _dequant_tile(col, scl, kk, mn[:, None] & mk[None, :], BN, BKH)
         acc = dot(a_even, lo, acc, UPCAST)
         acc = dot(a_odd, hi, acc, UPCAST)
     tl.store(y + rows[:, None].to(tl.int64) * stride_y + n[None, :], acc.to(y.dtype.element_ty),
