@@ -156,17 +156,21 @@ class _Printer:
         self._emit(self.parser.finish())
 
 
-def _images(paths: list[str]):
-    from kimik3.vision.preprocess import load_image
+def _images(paths: list[str], model_path: Path):
+    """Decode image files and check that the model's processor can take them (before any model loads)."""
+    from kimik3.vision.preprocess import load_image, load_media_processor_config, plan_resize
 
+    cfg = load_media_processor_config(model_path) if paths else None
     out = []
     for p in paths:
         if not Path(p).is_file():
             raise CLIError(f"image file {p} does not exist")
         try:
-            out.append(load_image(Path(p)))
-        except ValueError as e:
-            raise CLIError(f"image {p}: {e}") from None
+            img = load_image(Path(p))
+            plan_resize(img.width, img.height, cfg)
+        except ValueError as e:   # load_image names the file already; plan_resize does not
+            raise CLIError(str(e) if p in str(e) else f"image {p}: {e}") from None
+        out.append(img)
     return out
 
 
@@ -212,7 +216,7 @@ def cmd_generate(args) -> int:
         prompt = sys.stdin.read()
     if not prompt.strip():
         raise CLIError("the prompt is empty")
-    images = _images(args.image)
+    images = _images(args.image, _model_path(args.model))
     llm, path = _load_llm(args)
     params = _sampling(args)
     if args.chat or images:
@@ -233,7 +237,8 @@ def cmd_chat(args) -> int:
     llm, path = _load_llm(args)
     params = _sampling(args)
     history: list[dict] = [{"role": "system", "content": args.system}] if args.system else []
-    pending_images: list[str] = []
+    pending_images: list = []  # decoded images for the next message
+    images: list = []          # every image of the conversation, in order (each turn renders them all)
     interactive = sys.stdin.isatty()
     print("kimik3 chat: /reset clears the conversation, /image PATH attaches an image, /exit quits", file=sys.stderr)
     while True:
@@ -250,21 +255,19 @@ def cmd_chat(args) -> int:
             return 0
         if text.strip() == "/reset":
             history = history[:1] if args.system else []
-            pending_images = []
+            pending_images, images = [], []
             print("[conversation cleared]", file=sys.stderr)
             continue
         if text.startswith("/image "):
             try:
-                _images([text[7:].strip()])
+                pending_images += _images([text[7:].strip()], path)
             except CLIError as e:
                 print(f"kimik3: error: {e}", file=sys.stderr)
-                continue
-            pending_images.append(text[7:].strip())
             continue
-        images = _images(pending_images)
-        content = ([{"type": "image"} for _ in images] + [{"type": "text", "text": text}]) if images else text
+        new = pending_images
+        content = ([{"type": "image"} for _ in new] + [{"type": "text", "text": text}]) if new else text
         history.append({"role": "user", "content": content})
-        pending_images = []
+        images, pending_images = images + new, []
         printer = _Printer(sys.stdout, thinking=not args.no_thinking)
         collected: list[str] = []
 
@@ -276,6 +279,7 @@ def cmd_chat(args) -> int:
             _stream(llm, request, params, on_text)
         except ValueError as e:                      # e.g. the conversation outgrew max_model_len
             history.pop()
+            images = images[:len(images) - len(new)]
             print(f"kimik3: error: {e}", file=sys.stderr)
             continue
         printer.finish()
