@@ -63,7 +63,7 @@ def drive(engine, arrivals: dict[int, dict[str, dict]], check=None, params=GREED
     """Add prompts at their steps, step to the end; returns the tokens of each request."""
     out: dict[str, list[int]] = {}
     step = 0
-    while engine.has_unfinished_requests() or step <= max(arrivals):
+    while engine.has_unfinished_requests() or step <= max(arrivals, default=-1):
         for rid, prompt in arrivals.get(step, {}).items():
             engine.add_request(rid, prompt, params)
         for delta in engine.step():
@@ -90,6 +90,7 @@ def test_images_through_the_engine_match_the_model_and_cache_by_content(model, i
     assert ref_ab != ref_a2b, "the image must matter to the output"
     engine = make_engine(model, block_size=3, max_num_seqs=4, max_num_batched_tokens=7, max_model_len=40,
                          extra_blocks=40)
+    steps = spy_image_steps(engine)
 
     def check(e):
         check_invariants(e.kv, e.scheduler.running)
@@ -108,6 +109,28 @@ def test_images_through_the_engine_match_the_model_and_cache_by_content(model, i
     assert out["text"] == reference_greedy(model, text, MAX_TOKENS)
     assert engine.runner.num_encoded_images == 3
     assert engine.kv.blocks.num_free == engine.plan.num_usable_blocks
+    # the 12-row image was sliced over several chunks, and some step packed two image requests
+    assert sum(1 for s in steps if "ab" in s) >= 2
+    assert any(len(s) >= 2 and min(r for rows in s.values() for r in rows) > 0 for s in steps)
+
+
+def spy_image_steps(engine) -> list[dict[str, list[int]]]:
+    """Record, per step with image rows, each request's packed embed rows (checked against its pads)."""
+    steps: list[dict[str, list[int]]] = []
+    prepare = engine.runner.prepare
+
+    def spy(out):
+        input_ids, batch, rows = prepare(out)
+        if batch.embed_rows is not None:
+            pad = engine.model.config.media_placeholder_token_id
+            assert torch.equal(batch.embed_rows, (input_ids == pad).nonzero().view(-1))
+            assert batch.embeds.shape == (batch.embed_rows.numel(), engine.model.config.text.hidden_size)
+            starts = batch.cu_seqlens.tolist()
+            steps.append({c.req.request_id: [r for r in batch.embed_rows.tolist() if starts[k] <= r < starts[k + 1]]
+                          for k, c in enumerate(out.chunks) if c.req.mm is not None})
+        return input_ids, batch, rows
+    engine.runner.prepare = spy
+    return steps
 
 
 def test_prefix_hits_follow_image_content(model, images):
@@ -138,3 +161,80 @@ def test_preempted_requests_recompute_without_reencoding(model, images):
     assert engine.scheduler.num_preemptions > 0
     assert out["x"] == reference(model, ids, ab) and out["y"] == reference(model, ids, a2b)
     assert engine.runner.num_encoded_images == 3       # a, b, a2: each once despite recomputes
+
+
+def test_bad_images_and_image_inputs_fail_clearly_and_leave_running_requests_alone(model, images, tiny_ckpt):
+    ab = images["ab"]
+    ids = image_prompt(model, ab)
+    engine = make_engine(model, block_size=3, max_num_seqs=4, max_num_batched_tokens=8, max_model_len=40,
+                         extra_blocks=20)
+    engine.add_request("good", {"prompt_token_ids": ids, "multi_modal_data": ab}, GREEDY)
+    engine.step()                                            # "good" is mid-prefill
+    pad = model.config.media_placeholder_token_id
+    bad_files = {
+        "corrupt": (png(picture(20, 20, 0))[:40] + b"garbage", "image 1: image bytes: corrupt"),
+        "zero size": (Image.new("RGB", (0, 4)), "zero size"),
+        "unsupported": (png(picture(20, 20, 0), "BMP"), "unsupported image format BMP"),
+        "extreme aspect": (Image.new("RGB", (1, 100000)), "extreme aspect ratio"),
+        "not an image": (b"hello world", "cannot identify an image"),
+    }
+    for name, (src, match) in bad_files.items():
+        with pytest.raises(ValueError, match=match):
+            preprocess_images([picture(16, 16, 0), src])
+    wrong = VisionInputs(ab.pixel_values, ab.grid_thws, [12, 3], ab.sizes)
+    bad_requests = {
+        "pad count": ({"prompt_token_ids": ids[:-9], "multi_modal_data": ab}, "holds 12 media pad token.*need 14"),
+        "no images for pads?": ({"prompt_token_ids": ids + [pad], "multi_modal_data": ab}, "holds 15 media pad"),
+        "unknown key": ({"prompt_token_ids": ids, "images": ab}, r"unknown prompt key\(s\) \['images'\]"),
+        "not VisionInputs": ({"prompt_token_ids": ids, "multi_modal_data": [ab.pixel_values]}, "must be a VisionInputs"),
+        "token count": ({"prompt_token_ids": ids, "multi_modal_data": wrong}, "num_tokens=3 but its 4x2 patch grid"),
+        "pixels": ({"prompt_token_ids": ids, "multi_modal_data": VisionInputs(ab.pixel_values[:-1], ab.grid_thws,
+                                                                               ab.num_tokens, ab.sizes)},
+                   "pixel_values must be a float tensor of shape"),
+        "too long": ({"prompt_token_ids": image_prompt(model, preprocess_images([picture(200, 150, 4)]))},
+                     "more than max_model_len=40"),
+    }
+    for name, (prompt, match) in bad_requests.items():
+        with pytest.raises(ValueError, match=match):
+            engine.add_request(name, prompt, GREEDY)
+    big = preprocess_images([picture(200, 150, 4)])
+    with pytest.raises(ValueError, match=r"\(48 of them image tokens\).*fewer or smaller images"):
+        engine.add_request("big", {"prompt_token_ids": image_prompt(model, big), "multi_modal_data": big}, GREEDY)
+    with pytest.raises(ValueError, match="images given twice"):
+        engine.add_request("twice", {"prompt_token_ids": ids, "multi_modal_data": ab}, GREEDY, multi_modal_data=ab)
+    assert list(engine.groups) == ["good"] and len(engine.scheduler.waiting) + len(engine.scheduler.running) == 1
+    out = drive(engine, {})
+    assert out["good"] == reference(model, ids, ab)
+    # a text-only model refuses images
+    text_only = make_engine(kimik3.load_model(tiny_ckpt["kimi_linear"], device="cpu", dtype=torch.float32),
+                            block_size=4, max_model_len=40, extra_blocks=4)
+    with pytest.raises(ValueError, match="no vision tower"):
+        text_only.add_request("img", {"prompt_token_ids": [5, 6]}, GREEDY, multi_modal_data=ab)
+
+
+def test_block_keys_name_the_images_in_each_block(model, images):
+    ab, a2b = images["ab"], images["a2b"]
+    ids = image_prompt(model, ab)                 # 3 text, 12 pads (3..14), 5 text, 2 pads (20, 21), 4 text
+    engine = make_engine(model, block_size=4, max_model_len=40, extra_blocks=4)
+    engine.add_request("x", {"prompt_token_ids": ids, "multi_modal_data": ab}, GREEDY)
+    engine.add_request("y", {"prompt_token_ids": ids, "multi_modal_data": a2b}, GREEDY)
+    x, y = engine.groups["x"].children[0], engine.groups["y"].children[0]
+    assert x.mm.pad_positions == tuple(range(3, 15)) + (20, 21) and x.mm.row_offsets == (0, 12, 14)
+    assert list(x.mm.items_in(0, 3)) == [] and list(x.mm.items_in(12, 21)) == [0, 1]
+    assert x.mm.rows_in(12, 21) == (9, 13)
+    keys = [k is not None for k in x.extra_keys]
+    assert keys == [True, True, True, True, False, True, False]    # blocks 0-3 hold image 0, block 5 image 1
+    assert x.extra_keys[1] != x.extra_keys[2]                        # row offset 1 vs 5 within image 0
+    assert x.extra_keys[5] == y.extra_keys[5] and x.extra_keys[0] != y.extra_keys[0]
+    assert x.block_hashes[0] != y.block_hashes[0]                    # so no block is shared
+
+
+def test_encoder_cache_is_a_bounded_lru():
+    cache = EncoderCache(max_tokens=10)
+    for name, n in (("a", 4), ("b", 4)):
+        cache.put(name.encode(), torch.zeros(n, 2))
+    assert cache.get(b"a") is not None          # a is now the most recent
+    cache.put(b"c", torch.zeros(4, 2))         # evicts b, the least recently used
+    assert cache.get(b"b") is None and cache.get(b"a") is not None and cache.num_tokens == 8
+    cache.put(b"huge", torch.zeros(11, 2))     # larger than the bound: not kept, nothing evicted
+    assert cache.get(b"huge") is None and cache.num_tokens == 8
