@@ -17,7 +17,7 @@ from kimik3.engine.detokenizer import OutputText
 from kimik3.engine.kv_cache import KVCacheManager
 from kimik3.engine.memory import MemoryPlan, default_checkpoint_interval, max_blocks_per_seq, plan_memory
 from kimik3.engine.multimodal import build_multi_modal_input, check_vision_inputs
-from kimik3.engine.request import CompletionOutput, Request, RequestOutput, RequestStatus
+from kimik3.engine.request import CompletionOutput, Request, RequestOutput
 from kimik3.engine.runner import ModelRunner
 from kimik3.engine.sampling_params import SamplingParams
 from kimik3.engine.scheduler import Scheduler

@@ -62,7 +62,7 @@ class MultiModalInput:
         """Per prompt block: the extra hash key of the items whose rows fall in it (None if none)."""
         keys: list[bytes | None] = []
         for b in range(-(-num_prompt_tokens // block_size)):
-            lo, hi = self.rows_in(b * block_size, (b + 1) * block_size)
+            lo, _ = self.rows_in(b * block_size, (b + 1) * block_size)
             key = b"".join(self.hashes[i] + struct.pack("<q", max(lo, self.row_offsets[i]) - self.row_offsets[i])
                            for i in self.items_in(b * block_size, (b + 1) * block_size))
             keys.append(key or None)
@@ -71,9 +71,10 @@ class MultiModalInput:
 
 def check_vision_inputs(data, prompt_ids: list[int], pad_id: int, patch_size: int, merge: int) -> list[int]:
     """Validate ``multi_modal_data`` against the prompt; returns the pad positions, or raises ValueError."""
-    if not isinstance(data, VisionInputs):
-        raise ValueError(f"multi_modal_data must be a VisionInputs (kimik3.vision.preprocess.preprocess_images), "
-                         f"got {type(data).__name__}")
+    if not isinstance(data, VisionInputs):   # ValueError: a bad request (a server's 400), like every check here
+        raise ValueError(  # noqa: TRY004
+            f"multi_modal_data must be a VisionInputs (kimik3.vision.preprocess.preprocess_images), "
+            f"got {type(data).__name__}")
     n = len(data.num_tokens)
     if n == 0:
         raise ValueError("multi_modal_data holds no images; leave it out for a text-only prompt")

@@ -59,8 +59,10 @@ def reference(model, ids: list[int], vis: VisionInputs, max_tokens: int = MAX_TO
     return seq[len(ids):]
 
 
-def drive(engine, arrivals: dict[int, dict[str, dict]], check=None, params=GREEDY) -> dict[str, list[int]]:
-    """Add prompts at their steps, step to the end; returns the tokens of each request."""
+def drive(engine, arrivals: dict[int, dict[str, dict]], check=None, params=GREEDY, metrics=None
+          ) -> dict[str, list[int]]:
+    """Add prompts at their steps, step to the end; returns the tokens of each request (``metrics``, a
+    dict, receives each request's final metrics)."""
     out: dict[str, list[int]] = {}
     step = 0
     while engine.has_unfinished_requests() or step <= max(arrivals, default=-1):
@@ -68,6 +70,8 @@ def drive(engine, arrivals: dict[int, dict[str, dict]], check=None, params=GREED
             engine.add_request(rid, prompt, params)
         for delta in engine.step():
             out.setdefault(delta.request_id, []).extend(delta.outputs[0].token_ids if delta.outputs else [])
+            if delta.finished and metrics is not None:
+                metrics[delta.request_id] = delta.metrics
         if check is not None:
             check(engine)
         step += 1
@@ -102,10 +106,14 @@ def test_images_through_the_engine_match_the_model_and_cache_by_content(model, i
     # a different first image shares only the text blocks before it and is the one image encoded
     again = preprocess_images([picture(90, 60, 1), picture(16, 30, 2)])
     text = [5, 6, 7, 8, 9, 10, 11]
+    metrics: dict[str, dict] = {}
     out = drive(engine, {0: {"same": {"prompt_token_ids": ids, "multi_modal_data": again},
                              "other": {"prompt_token_ids": ids, "multi_modal_data": a2b},
-                             "text": {"prompt_token_ids": text}}}, check)
+                             "text": {"prompt_token_ids": text}}}, check, metrics=metrics)
     assert out["same"] == ref_ab and out["other"] == ref_a2b
+    first_pad = ids.index(model.config.media_placeholder_token_id)
+    assert metrics["same"]["num_prefix_hit_tokens"] == (len(ids) - 1) // 3 * 3
+    assert metrics["other"]["num_prefix_hit_tokens"] == first_pad // 3 * 3     # text before image 0 only
     assert out["text"] == reference_greedy(model, text, MAX_TOKENS)
     assert engine.runner.num_encoded_images == 3
     assert engine.kv.blocks.num_free == engine.plan.num_usable_blocks
@@ -238,3 +246,26 @@ def test_encoder_cache_is_a_bounded_lru():
     assert cache.get(b"b") is None and cache.get(b"a") is not None and cache.num_tokens == 8
     cache.put(b"huge", torch.zeros(11, 2))     # larger than the bound: not kept, nothing evicted
     assert cache.get(b"huge") is None and cache.num_tokens == 8
+
+
+def test_prefix_hit_ending_inside_an_image_takes_the_rest_of_its_rows(model, images):
+    """An aborted request leaves blocks cached up to the middle of image 0; the same prompt again resumes
+    there, slicing image 0's cached embeddings from row 9 on, and encodes only image 1."""
+    ab = images["ab"]
+    ids = image_prompt(model, ab)                 # pads of image 0 at positions 3..14
+    engine = make_engine(model, block_size=3, max_num_seqs=2, max_num_batched_tokens=7, max_model_len=40,
+                         extra_blocks=20)
+    engine.add_request("first", {"prompt_token_ids": ids, "multi_modal_data": ab}, GREEDY)
+    engine.step()
+    engine.step()                                 # 14 tokens computed: blocks 0-3 (12 tokens) are cached
+    engine.abort_request("first")
+    engine.step()
+    assert engine.runner.num_encoded_images == 1
+    steps = spy_image_steps(engine)
+    engine.add_request("again", {"prompt_token_ids": ids, "multi_modal_data": ab}, GREEDY)
+    req = engine.groups["again"].children[0]
+    out = drive(engine, {})
+    assert req.num_prefix_hit_tokens == 12
+    assert out["again"] == reference(model, ids, ab)
+    assert engine.runner.num_encoded_images == 2
+    assert steps[0]["again"] == [0, 1, 2]        # positions 12..14: the last three rows of image 0
