@@ -6,8 +6,8 @@ of BM, so one program of a GEMM works on BM rows of a single expert.
   2. down:    y_r = h W2_e^T, written per assignment r = t * top_k + j (bf16, unweighted);
   3. combine: out_t = sum_j weights[t, j] * y_{t*top_k+j} in fp32, one rounding.
 Weights stay packed: uint8 [E, N, K/2] (element 2i in the low nibble of byte i) and E8M0 scales
-uint8 [E, N, K/32]. Packed byte i pairs with activation columns 2i (low) and 2i+1 (high), so each
-K-step runs two dots over the even and the odd activation columns (no nibble interleave).
+uint8 [E, N, K/32]; each K-step loads its bytes along the contiguous axis, expands them to a bf16
+[BN, BK] tile in registers (fp16 bit trick, one fp32 multiply) and feeds the tensor cores.
 Reference: ``kimik3.ops.moe.fused_moe_mxfp4``.
 """
 
@@ -21,27 +21,25 @@ from kimik3.ops.triton.common import INTERPRETING, dot
 
 
 @triton.jit
-def _e2m1_to_f32(code, scale):
-    """E2M1 code (0..15) times 2**(scale - 127), built from float32 bits (exact; scales below 2
-    flush to zero). code, scale: int32 tensors of one shape."""
-    e = (code >> 1) & 3
-    m = code & 1
-    field = tl.where(e == 0, scale - 1, scale + e - 1)
-    field = tl.maximum(field, 0)
-    mant = tl.where(e == 0, 0, m << 22)
-    bits = tl.where((code & 7) == 0, 0, (field << 23) | mant) | ((code & 8) << 28)
-    return bits.to(tl.float32, bitcast=True)
+def _dequant_tile(packed_ptr, scale_ptr, kh, KH, mn, BN: tl.constexpr, BKH: tl.constexpr):
+    """Packed bytes kh..kh+BKH of BN rows -> bf16 weights [BN, 2*BKH] in element order.
 
-
-@triton.jit
-def _dequant_tile(packed_ptr, scale_ptr, kk, mask, BN: tl.constexpr, BKH: tl.constexpr):
-    """Load packed bytes [BN, BKH] along their contiguous axis (wide loads) and the [BN, BKH/16]
-    scales; return the (low, high) nibbles dequantized as bf16 [BKH, BN] dot operands."""
-    b = tl.load(packed_ptr + kk[None, :], mask=mask, other=0).to(tl.int32)
-    s = tl.load(scale_ptr + (kk[None, :] // 16), mask=mask, other=127).to(tl.int32)
-    lo = _e2m1_to_f32(b & 15, s).to(tl.bfloat16)
-    hi = _e2m1_to_f32(b >> 4, s).to(tl.bfloat16)
-    return tl.trans(lo), tl.trans(hi)
+    A nibble's magnitude bits (e1 e0 m) placed at fp16 bits 11..9 (sign at 15) read as that
+    E2M1 value times 2**-14 (code 1 lands on the fp16 subnormal 2**-15, which the fp16 -> fp32
+    conversion keeps exact); one fp32 multiply by 2**(scale - 113) per element then applies the
+    E8M0 scale and the 2**14 (valid for scale <= 240, i.e. |w| < 2**114)."""
+    kk = kh + tl.arange(0, BKH)
+    mask = mn[:, None] & (kk < KH)[None, :]
+    b = tl.load(packed_ptr + kk[None, :], mask=mask, other=0).to(tl.uint16)
+    lo = (((b & 0x07) << 9) | ((b & 0x08) << 12)).to(tl.float16, bitcast=True).to(tl.float32)
+    hi = (((b & 0x70) << 5) | ((b & 0x80) << 8)).to(tl.float16, bitcast=True).to(tl.float32)
+    G: tl.constexpr = BKH // 16                      # 16 packed bytes (32 elements) share a scale
+    grp = kh // 16 + tl.arange(0, G)
+    sc = tl.load(scale_ptr + grp[None, :], mask=mn[:, None] & (grp < KH // 16)[None, :], other=113).to(tl.int32)
+    factor = ((sc + 14) << 23).to(tl.float32, bitcast=True)                              # [BN, G]
+    factor = tl.reshape(tl.broadcast_to(factor[:, :, None], (BN, G, 16)), (BN, BKH))
+    w = tl.join(lo * factor, hi * factor)                                               # [BN, BKH, 2]
+    return tl.reshape(w, (BN, 2 * BKH)).to(tl.bfloat16)
 
 
 @triton.jit
@@ -64,7 +62,7 @@ def _gate_up_kernel(x, w1p, w1s, w3p, w3s, h, sorted_rows, block_expert, num_row
     tok = (rows // TOP_K).to(tl.int64)
     n = pid_n * BN + tl.arange(0, BN)
     mn = n < I
-    j = tl.arange(0, BKH)
+    kcol = tl.arange(0, 2 * BKH)
     col1 = w1p + e * stride_wp_e + n[:, None].to(tl.int64) * stride_wp_n
     col3 = w3p + e * stride_wp_e + n[:, None].to(tl.int64) * stride_wp_n
     scl1 = w1s + e * stride_ws_e + n[:, None].to(tl.int64) * stride_ws_n
@@ -72,19 +70,11 @@ def _gate_up_kernel(x, w1p, w1s, w3p, w3s, h, sorted_rows, block_expert, num_row
     acc1 = tl.zeros([BM, BN], dtype=tl.float32)
     acc3 = tl.zeros([BM, BN], dtype=tl.float32)
     for kh in range(0, KH, BKH):
-        kk = kh + j
-        mk = kk < KH
-        a_ptr = x + tok[:, None] * stride_x + 2 * kk[None, :]
-        am = valid[:, None] & mk[None, :]
-        a_even = tl.load(a_ptr, mask=am, other=0.0)
-        a_odd = tl.load(a_ptr + 1, mask=am, other=0.0)
-        bm = mn[:, None] & mk[None, :]
-        lo, hi = _dequant_tile(col1, scl1, kk, bm, BN, BKH)
-        acc1 = dot(a_even, lo, acc1, UPCAST)
-        acc1 = dot(a_odd, hi, acc1, UPCAST)
-        lo, hi = _dequant_tile(col3, scl3, kk, bm, BN, BKH)
-        acc3 = dot(a_even, lo, acc3, UPCAST)
-        acc3 = dot(a_odd, hi, acc3, UPCAST)
+        kx = 2 * kh + kcol
+        a = tl.load(x + tok[:, None] * stride_x + kx[None, :], mask=valid[:, None] & (kx < 2 * KH)[None, :],
+                    other=0.0)
+        acc1 = dot(a, tl.trans(_dequant_tile(col1, scl1, kh, KH, mn, BN, BKH)), acc1, UPCAST)
+        acc3 = dot(a, tl.trans(_dequant_tile(col3, scl3, kh, KH, mn, BN, BKH)), acc3, UPCAST)
     # the reference rounds both projections to the activation dtype before the activation
     g = acc1.to(h.dtype.element_ty).to(tl.float32)
     u = acc3.to(h.dtype.element_ty).to(tl.float32)
@@ -111,19 +101,14 @@ def _down_kernel(h, w2p, w2s, y, sorted_rows, block_expert, num_rows, L, KH,
     valid = rows < num_rows
     n = pid_n * BN + tl.arange(0, BN)
     mn = n < L
-    j = tl.arange(0, BKH)
+    kcol = tl.arange(0, 2 * BKH)
     col = w2p + e * stride_wp_e + n[:, None].to(tl.int64) * stride_wp_n
     scl = w2s + e * stride_ws_e + n[:, None].to(tl.int64) * stride_ws_n
     acc = tl.zeros([BM, BN], dtype=tl.float32)
     for kh in range(0, KH, BKH):
-        kk = kh + j
-        mk = kk < KH
-        a_ptr = h + offs_m[:, None].to(tl.int64) * stride_h + 2 * kk[None, :]
-        a_even = tl.load(a_ptr, mask=mk[None, :], other=0.0)
-        a_odd = tl.load(a_ptr + 1, mask=mk[None, :], other=0.0)
-        lo, hi = _dequant_tile(col, scl, kk, mn[:, None] & mk[None, :], BN, BKH)
-        acc = dot(a_even, lo, acc, UPCAST)
-        acc = dot(a_odd, hi, acc, UPCAST)
+        kx = 2 * kh + kcol
+        a = tl.load(h + offs_m[:, None].to(tl.int64) * stride_h + kx[None, :], mask=(kx < 2 * KH)[None, :], other=0.0)
+        acc = dot(a, tl.trans(_dequant_tile(col, scl, kh, KH, mn, BN, BKH)), acc, UPCAST)
     tl.store(y + rows[:, None].to(tl.int64) * stride_y + n[None, :], acc.to(y.dtype.element_ty),
              mask=valid[:, None] & mn[None, :])
 
