@@ -31,14 +31,6 @@ class MultiModalInput:
     pad_positions: tuple[int, ...]   # [sum N_i] prompt positions of the media pad tokens, ascending
     hashes: tuple[bytes, ...]        # [n] sha256 of each item's grid + pixels (encoder cache and prefix keys)
 
-    @property
-    def num_items(self) -> int:
-        return len(self.hashes)
-
-    @property
-    def num_tokens(self) -> int:
-        return len(self.pad_positions)
-
     def pixels(self, i: int) -> torch.Tensor:
         """Item i's patches [t*gh*gw, 3, p, p]."""
         return self.pixel_values[self.patch_offsets[i]:self.patch_offsets[i + 1]]
