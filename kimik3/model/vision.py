@@ -73,10 +73,10 @@ class PosEmbDividedFixed(nn.Module):
             raise ValueError(f"pos_emb_interpolation_mode must be 'bilinear' or 'bicubic', got {interpolation_mode!r}")
         self.num_frames = num_frames
         self.interpolation_mode = interpolation_mode
-        self.weight = nn.Parameter(torch.empty(height, width, dim, dtype=dtype, device=device).normal_(std=0.02))
-        # Recomputed at init, never stored in checkpoints; holds float32 numbers in any dtype.
-        self.register_buffer("time_weight", sincos_time_table(num_frames, dim).to(device=device, dtype=dtype),
-                             persistent=False)
+        self.weight = nn.Parameter(torch.empty(height, width, dim, dtype=dtype, device=device))
+        # Fixed, never in checkpoints; a plain CPU tensor (float32 numbers), not a buffer, so that
+        # building the model on the meta device and materialising it with to_empty keeps its values.
+        self.time_weight = sincos_time_table(num_frames, dim)
 
     def table_for(self, h: int, w: int) -> torch.Tensor:
         """[h*w, D] row-major; the stored table itself iff (h, w) equals its size."""
@@ -93,7 +93,8 @@ class PosEmbDividedFixed(nn.Module):
         for t, h, w in shapes:
             pe = self.table_for(h, w)
             if t > 1:   # nothing is added for t == 1, not even T[0]
-                pe = (pe.unsqueeze(0) + self.time_weight[:t].to(pe.dtype).unsqueeze(1)).reshape(t * h * w, -1)
+                time = self.time_weight[:t].to(device=pe.device, dtype=pe.dtype)
+                pe = (pe.unsqueeze(0) + time.unsqueeze(1)).reshape(t * h * w, -1)
             parts.append(pe)
         return torch.cat(parts)
 
