@@ -170,3 +170,13 @@ def test_image_embeddings_replace_media_pad_rows(tiny_ckpt):
     assert torch.allclose(got[:2], text_only[:2]) and not torch.allclose(got[2:], text_only[2:])
     with pytest.raises(ValueError, match=r"holds 8 media pad token\(s\) but the images give 4"):
         model(ids, pixels[:16], grids[:1])
+
+
+def test_loaded_vision_tower_keeps_its_fixed_time_table(tiny_ckpt):
+    """The sin/cos time rows are not in the checkpoint; building on the meta device and
+    materialising the model must not leave them uninitialised (video items use them)."""
+    from kimik3.model.vision import sincos_time_table
+
+    model = load_model(tiny_ckpt["kimi_k3"], dtype=torch.float32)
+    pos = model.vision.vision_tower.patch_embed.pos_emb
+    assert torch.equal(pos.time_weight, sincos_time_table(pos.num_frames, pos.weight.shape[-1]))
