@@ -85,6 +85,10 @@ class KVCacheManager:
             return slot
         return None
 
+    def return_checkpoint_slots(self, slots) -> None:
+        """Give back slots taken for a step that did not run (the model raised)."""
+        self.free_checkpoint_slots.extend(slots)
+
     def commit_checkpoint(self, h: bytes, slot: int) -> None:
         """The step ran: keep the snapshot if its block is cached and no other snapshot won."""
         if h in self.checkpoints or self.blocks.lookup(h) is None:

@@ -223,7 +223,11 @@ class LLMEngine:
                 raise RuntimeError(f"scheduler found nothing to run with {len(self.scheduler.waiting)} waiting "
                                    f"requests; the cache plan cannot hold one chunk ({self.plan.describe()})")
             return self._deltas(touched)
-        result = self.runner.execute(out)
+        try:
+            result = self.runner.execute(out)
+        except BaseException:
+            self.kv.return_checkpoint_slots(ck.slot for ck in out.checkpoints)
+            raise
         self.scheduler.update(out)
         now = time.monotonic()
         sampling = [c.req for c in out.chunks if c.samples]

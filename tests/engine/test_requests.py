@@ -132,3 +132,24 @@ def test_eos_stops_unless_ignored():
         "go": ([1, 2], SamplingParams(temperature=0, max_tokens=10, ignore_eos=True))})
     assert out["stop"][0][0] == ref[:ref.index(eos) + 1] and out["stop"][0][1] == "stop"
     assert out["go"][0][0] == ref and out["go"][0][1] == "length"
+
+
+def test_a_failed_step_returns_its_checkpoint_slots():
+    """If the model raises, the KDA checkpoint slots taken for that step go back to the pool."""
+    model = FakeModel()
+    engine = make_engine(model, max_model_len=40, block_size=2, max_num_seqs=2, extra_blocks=8)
+    free_before = len(engine.kv.free_checkpoint_slots)
+    engine.add_request("a", {"prompt_token_ids": list(range(1, 12))}, SamplingParams(max_tokens=2))
+    real = engine.runner.execute
+
+    def boom(out):
+        assert out.checkpoints, "the step should ask for checkpoints"
+        raise RuntimeError("device fault")
+    engine.runner.execute = boom
+    with pytest.raises(RuntimeError, match="device fault"):
+        engine.step()
+    assert len(engine.kv.free_checkpoint_slots) == free_before
+    engine.runner.execute = real
+    engine.abort_request("a")
+    engine.step()
+    assert not engine.has_unfinished_requests()
