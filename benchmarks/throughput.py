@@ -1,112 +1,14 @@
-"""Offline throughput: N requests with random input/output lengths through ``LLM.generate``.
-
-Reports output tokens/s, TTFT / TPOT percentiles, engine host overhead per step, and the ratio
-against running the same requests one at a time (batching gain). Without --model it writes a tiny
-random checkpoint to a temp dir, so the numbers then measure the engine's overhead, not a GPU.
+"""Offline throughput benchmark: see ``kimik3/bench.py`` (also ``kimik3 bench``).
 
     python benchmarks/throughput.py --arch kimi_linear --num-requests 64
 """
 
-from __future__ import annotations
-
 import argparse
-import datetime
-import random
-import subprocess
-import tempfile
-import time
+import sys
 
-import torch
-
-from kimik3.engine import LLM, SamplingParams
-
-
-def percentiles(values: list[float], ps=(50, 90, 99)) -> str:
-    if not values:
-        return "n/a"
-    t = torch.tensor(values, dtype=torch.float64)
-    return ", ".join(f"p{p} {float(t.quantile(p / 100)) * 1e3:.1f} ms" for p in ps)
-
-
-def run(llm: LLM, prompts: list[list[int]], params: list[SamplingParams]) -> tuple[float, list]:
-    start = time.perf_counter()
-    outs = llm.generate([{"prompt_token_ids": p} for p in prompts], params)
-    return time.perf_counter() - start, outs
-
-
-def main() -> None:
-    ap = argparse.ArgumentParser(description=__doc__.splitlines()[0])
-    ap.add_argument("--model", help="checkpoint directory (default: a tiny random checkpoint)")
-    ap.add_argument("--arch", default="kimi_k3", choices=["kimi_k3", "kimi_linear"], help="tiny checkpoint kind")
-    ap.add_argument("--num-requests", type=int, default=64)
-    ap.add_argument("--input-len", type=int, nargs=2, default=[16, 256], metavar=("MIN", "MAX"))
-    ap.add_argument("--output-len", type=int, nargs=2, default=[16, 128], metavar=("MIN", "MAX"))
-    ap.add_argument("--max-num-seqs", type=int, default=64)
-    ap.add_argument("--max-num-batched-tokens", type=int, default=2048)
-    ap.add_argument("--block-size", type=int, default=16)
-    ap.add_argument("--no-prefix-caching", action="store_true")
-    ap.add_argument("--cache-memory-bytes", type=int)
-    ap.add_argument("--baseline-requests", type=int, default=16,
-                    help="requests run one at a time for the ratio (0 = all)")
-    ap.add_argument("--device", default=None)
-    ap.add_argument("--dtype", default=None, choices=["float32", "bfloat16", "float16"])
-    ap.add_argument("--threads", type=int, default=None, help="torch CPU threads")
-    ap.add_argument("--seed", type=int, default=0)
-    args = ap.parse_args()
-    if args.threads:
-        torch.set_num_threads(args.threads)
-
-    path = args.model
-    if path is None:
-        from kimik3.testing import make_tiny_checkpoint
-        path = str(make_tiny_checkpoint(tempfile.mkdtemp(prefix="kimik3-bench-"), arch=args.arch, seed=args.seed))
-    dtype = getattr(torch, args.dtype) if args.dtype else None
-    max_len = args.input_len[1] + args.output_len[1]
-    llm = LLM(path, max_num_seqs=args.max_num_seqs, max_num_batched_tokens=args.max_num_batched_tokens,
-              max_model_len=max_len, block_size=args.block_size, enable_prefix_caching=not args.no_prefix_caching,
-              cache_memory_bytes=args.cache_memory_bytes, dtype=dtype, device=args.device, seed=args.seed)
-    vocab = llm.engine.vocab_size
-    rng = random.Random(args.seed)
-    prompts = [[rng.randrange(vocab) for _ in range(rng.randint(*args.input_len))] for _ in range(args.num_requests)]
-    params = [SamplingParams(temperature=1.0, seed=i, ignore_eos=True, max_tokens=rng.randint(*args.output_len))
-              for i in range(args.num_requests)]
-
-    run(llm, [[1, 2, 3]], [SamplingParams(max_tokens=4)])          # warm-up
-    llm.engine.kv.reset_prefix_cache()
-    runner = llm.engine.runner
-    steps0, host0, model0 = runner.num_steps, runner.host_seconds, runner.model_seconds
-    elapsed, outs = run(llm, prompts, params)
-    n_out = sum(len(o.outputs[0].token_ids) for o in outs)
-    n_in = sum(map(len, prompts))
-    steps = runner.num_steps - steps0
-    ttft = [o.metrics["ttft_s"] for o in outs]
-    tpot = [o.metrics["tpot_s"] for o in outs if "tpot_s" in o.metrics]
-
-    hit_rate = llm.engine.kv.prefix_hit_rate
-    llm.engine.kv.reset_prefix_cache()       # the one-at-a-time runs must not reuse the batch's prompts
-    k = args.baseline_requests or args.num_requests
-    idx = list(range(min(k, args.num_requests)))
-    t_seq = 0.0
-    for i in idx:
-        dt, _ = run(llm, [prompts[i]], [params[i]])
-        t_seq += dt
-    seq_out = sum(params[i].max_tokens for i in idx)
-    seq_tps = seq_out / t_seq
-
-    commit = subprocess.run(["git", "rev-parse", "--short", "HEAD"], capture_output=True, text=True).stdout.strip()
-    print(f"kimik3 throughput  commit {commit or '?'}  {datetime.date.today()}  "
-          f"device {llm.engine.device}  dtype {llm.engine.model.dtype}  threads {torch.get_num_threads()}")
-    print(f"model {path}")
-    print(f"{args.num_requests} requests: {n_in} input + {n_out} output tokens in {elapsed:.2f} s, {steps} steps")
-    print(f"output throughput  {n_out / elapsed:.1f} tok/s   (total {(n_in + n_out) / elapsed:.1f} tok/s)")
-    print(f"TTFT  {percentiles(ttft)}")
-    print(f"TPOT  {percentiles(tpot)}")
-    print(f"engine host time   {(runner.host_seconds - host0) / steps * 1e3:.2f} ms/step "
-          f"(model {(runner.model_seconds - model0) / steps * 1e3:.2f} ms/step)")
-    print(f"one at a time      {seq_tps:.1f} tok/s over {len(idx)} requests -> batching gain "
-          f"{n_out / elapsed / seq_tps:.2f}x")
-    print(f"preemptions {llm.engine.scheduler.num_preemptions}, prefix hit rate {hit_rate:.1%}")
-
+from kimik3.bench import add_bench_arguments, bench_main
 
 if __name__ == "__main__":
-    main()
+    parser = argparse.ArgumentParser(description="kimik3 offline throughput")
+    add_bench_arguments(parser)
+    sys.exit(bench_main(parser.parse_args()))

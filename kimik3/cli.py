@@ -1,4 +1,4 @@
-"""The ``kimik3`` command: generate, chat, inspect, serve.
+"""The ``kimik3`` command: generate, chat, inspect, serve, bench.
 
 Every bad argument or path ends in one line ``kimik3: error: ...`` on stderr and exit code 2;
 tracebacks are shown only with ``--debug``.
@@ -85,6 +85,9 @@ def build_parser() -> argparse.ArgumentParser:
         add_serve_arguments = None
     if add_serve_arguments is not None:
         add_serve_arguments(s)
+    b = sub.add_parser("bench", help="offline throughput: N random requests, tok/s, TTFT/TPOT, batching gain")
+    from kimik3.bench import add_bench_arguments
+    add_bench_arguments(b)
     return parser
 
 
@@ -312,7 +315,14 @@ def cmd_serve(args) -> int:
     return serve_main(args)
 
 
-COMMANDS = {"generate": cmd_generate, "chat": cmd_chat, "inspect": cmd_inspect, "serve": cmd_serve}
+def cmd_bench(args) -> int:
+    from kimik3.bench import bench_main
+
+    return bench_main(args)
+
+
+COMMANDS = {"generate": cmd_generate, "chat": cmd_chat, "inspect": cmd_inspect, "serve": cmd_serve,
+            "bench": cmd_bench}
 
 
 def main(argv: list[str] | None = None) -> int:

@@ -98,3 +98,10 @@ def test_inspect_parallel_sizing_of_the_release():
     assert "layout TP16/EP16" in r.stdout and "fits: yes" in r.stdout
     r = run("inspect", "--model", str(RELEASE), "--tensor-parallel-size", "5")
     assert r.returncode == 2 and "must divide the KDA heads" in r.stderr
+
+
+def test_bench_reports_throughput_and_batching_gain():
+    r = run("bench", "--arch", "kimi_linear", "--num-requests", "4", "--input-len", "4", "8", "--output-len",
+            "2", "4", "--baseline-requests", "2", "--threads", "1")
+    assert r.returncode == 0, r.stderr
+    assert "output throughput" in r.stdout and "batching gain" in r.stdout and "TTFT" in r.stdout
