@@ -18,6 +18,7 @@ class EngineConfig:
     cache_memory_bytes: int | None = None   # both cache pools; None = 85% of free GPU memory / enough on CPU
     seed: int = 0                           # engine RNG (requests without their own seed)
     encoder_cache_tokens: int = 16384       # image embedding rows kept by content hash (one max-size K3 image)
+    enforce_eager: bool = False             # True: no CUDA graphs (decode steps run eagerly too)
 
     def __post_init__(self) -> None:
         for name in ("max_num_seqs", "max_num_batched_tokens", "max_model_len", "block_size"):

@@ -42,7 +42,9 @@ class _Group:
 
 class LLMEngine:
     def __init__(self, model, config: EngineConfig | None = None, tokenizer=None,
-                 tokenizer_path: str | None = None):
+                 tokenizer_path: str | None = None, runner_factory=None):
+        """``runner_factory``: builds the runner like ``ModelRunner`` (tensor parallelism passes
+        ``kimik3.parallel``'s lock-step runner)."""
         self.model = model
         self.config = config = config or EngineConfig()
         text = model.config.text
@@ -69,11 +71,15 @@ class LLMEngine:
                 f"cache_memory_bytes={budget} holds {self.plan.num_usable_blocks} ({self.plan.describe()}); "
                 f"raise cache_memory_bytes or lower max_model_len to {self.plan.max_cached_tokens}")
         logger.info(self.plan.describe())
-        self.cache = HybridCache.allocate(text, self.plan.num_slots, self.plan.num_blocks, config.block_size,
-                                          dtype, self.device)
+        if hasattr(model, "allocate_cache"):        # a sharded model holds only its heads' KDA state
+            self.cache = model.allocate_cache(self.plan.num_slots, self.plan.num_blocks, config.block_size)
+        else:
+            self.cache = HybridCache.allocate(text, self.plan.num_slots, self.plan.num_blocks, config.block_size,
+                                              dtype, self.device)
         self.kv = KVCacheManager(self.plan, config.enable_prefix_caching)
         self.scheduler = Scheduler(self.kv, config.max_num_seqs, config.max_num_batched_tokens)
-        self.runner = ModelRunner(model, self.cache, config.seed, config.encoder_cache_tokens)
+        self.runner = (runner_factory or ModelRunner)(model, self.cache, config.seed, config.encoder_cache_tokens,
+                                                      config.max_num_seqs, config.max_model_len, config.enforce_eager)
         self._tokenizer = tokenizer
         self._tokenizer_path = tokenizer_path
         self.groups: dict[str, _Group] = {}

@@ -1,8 +1,9 @@
 """Runner: turn one scheduled step into one packed varlen forward, then sample.
 
 prepare (host lists -> ForwardBatch), run (state restores + one model call), sample (logit rows of
-the sequences that reached their last token). Batch building stays apart from the model call so
-a CUDA-graph decode path can later replay into static buffers.
+the sequences that reached their last token). On CUDA, pure decode steps of up to max_num_seqs
+sequences take a small branch instead: ``prepare_decode`` packs padded host inputs and a captured
+graph replays the step (``cuda_graphs.DecodeGraphs``); everything else runs eagerly.
 
 Images: a chunk whose positions hold media pads gets those pads' embedding rows in the batch
 (``embed_rows`` in packed coordinates, ``embeds``). Each image is encoded at the first chunk that
@@ -17,6 +18,7 @@ import time
 
 import torch
 
+from kimik3.engine.cuda_graphs import DecodeGraphs, pack_decode_inputs
 from kimik3.engine.encoder_cache import EncoderCache
 from kimik3.engine.request import Request
 from kimik3.engine.sampler import SamplerOutput, SamplingBatch, sample
@@ -27,7 +29,8 @@ logger = logging.getLogger(__name__)
 
 
 class ModelRunner:
-    def __init__(self, model, cache: HybridCache, seed: int = 0, encoder_cache_tokens: int = 16384):
+    def __init__(self, model, cache: HybridCache, seed: int = 0, encoder_cache_tokens: int = 16384,
+                 max_num_seqs: int = 64, max_model_len: int = 8192, enforce_eager: bool = True):
         self.model = model
         self.cache = cache
         self.encoder_cache = EncoderCache(encoder_cache_tokens)
@@ -37,9 +40,15 @@ class ModelRunner:
         self.vocab_size = model.config.text.vocab_size
         self.generator = torch.Generator(device=self.device)
         self.generator.manual_seed(seed)
-        self.host_seconds = 0.0     # Python time spent outside the model call (prepare + sample)
+        self.host_seconds = 0.0     # prepare + sample (sampling waits for the device's step)
+        self.prepare_seconds = 0.0  # host batch building alone
         self.model_seconds = 0.0
         self.num_steps = 0
+        self.num_graph_steps = 0
+        self.graphs: DecodeGraphs | None = None
+        if not enforce_eager and self.device.type == "cuda":
+            self.graphs = DecodeGraphs(model, cache, max_num_seqs, max_model_len)
+            self.graphs.capture()
 
     def prepare(self, out: SchedulerOutput) -> tuple[torch.Tensor, ForwardBatch, list[int]]:
         """Packed input ids [T], the batch metadata, and the packed rows that need logits."""
@@ -116,39 +125,80 @@ class ModelRunner:
                 for i in [i for i in c.req.image_embeds if c.req.mm.last_position(i) < end]:
                     del c.req.image_embeds[i]
 
+    def graph_size(self, out: SchedulerOutput) -> int | None:
+        """Padded size of the decode graph that runs this step, or None (eager): one token per
+        sequence, each with history, no KDA checkpoint, no media pad, at most the largest graph."""
+        if self.graphs is None or out.checkpoints:
+            return None
+        for c in out.chunks:
+            if c.num_tokens != 1 or c.start == 0 or (c.req.mm is not None and c.req.mm.items_in(c.start, c.start + 1)):
+                return None
+        return self.graphs.size_for(len(out.chunks))
+
+    def prepare_decode(self, out: SchedulerOutput, size: int) -> tuple[torch.Tensor, torch.Tensor, list[int]]:
+        """Host inputs of a graph step padded to ``size`` rows, and the chunk indices that sample."""
+        chunks = out.chunks
+        meta, tables = pack_decode_inputs([c.req.token_ids[c.start] for c in chunks], [c.start for c in chunks],
+                                          [c.req.state_slot for c in chunks], [c.req.block_ids for c in chunks],
+                                          self.cache.block_size, size)
+        return meta, tables, [i for i, c in enumerate(chunks) if c.samples]
+
+    def run(self, input_ids: torch.Tensor, batch: ForwardBatch, rows: list[int]) -> torch.Tensor | None:
+        """The eager step: one packed forward, then the logits of the packed rows that sample."""
+        hidden = self.model.forward_step(input_ids, batch, self.cache)
+        return self.model.compute_logits(hidden[torch.tensor(rows, device=self.device)]) if rows else None
+
+    def run_graph(self, meta: torch.Tensor, tables: torch.Tensor, rows: list[int], num_seqs: int) -> torch.Tensor | None:
+        """The graph step: replay, then the logits of the chunks that sample."""
+        logits = self.graphs.run(meta, tables, num_seqs)
+        self.num_graph_steps += 1
+        if len(rows) == num_seqs:
+            return logits
+        return logits[torch.tensor(rows, device=self.device)] if rows else None
+
+    def sample(self, out: SchedulerOutput, logits: torch.Tensor | None) -> SamplerOutput:
+        """One token per sampling chunk from its logits row (argmax when every row is plain greedy)."""
+        if logits is None:
+            return SamplerOutput([], [])
+        reqs = [c.req for c in out.chunks if c.samples]
+        if all(r.params.greedy and not r.params.has_penalties and r.params.logprobs is None for r in reqs):
+            return SamplerOutput(logits.argmax(-1).tolist(), [None] * len(reqs))
+        sb = SamplingBatch.build([r.params for r in reqs], [r.generator for r in reqs],
+                                 [r.prompt_token_ids for r in reqs], [r.output_token_ids for r in reqs],
+                                 self.vocab_size, self.device)
+        return sample(logits, sb, self.generator)
+
     @torch.inference_mode()
     def execute(self, out: SchedulerOutput) -> SamplerOutput:
-        """Run one step; returns one token per sampling chunk, in chunk order."""
+        """Run one step; returns one token per sampling chunk, in chunk order.
+
+        Timing: ``host_seconds`` is batch building plus sampling (which waits for the device),
+        ``model_seconds`` the launch of the step and any image encoding."""
         t0 = time.perf_counter()
         enc0 = self.encoder_seconds
-        input_ids, batch, rows = self.prepare(out)
         for src, dst in out.state_copies:
             self.cache.copy_state(src, dst)
         for slot in out.state_resets:
             self.cache.reset_state(slot)
-        t1 = time.perf_counter()
-        hidden = self.model.forward_step(input_ids, batch, self.cache)
-        self._release_images(out.chunks)
-        result = SamplerOutput([], [])
-        if rows:
-            logits = self.model.compute_logits(hidden[torch.tensor(rows, device=self.device)])
-            t2 = time.perf_counter()
-            reqs = [c.req for c in out.chunks if c.samples]
-            sb = SamplingBatch.build(
-                [r.params for r in reqs], [r.generator for r in reqs],
-                [r.prompt_token_ids for r in reqs], [r.output_token_ids for r in reqs],
-                self.vocab_size, self.device) if any(not r.params.greedy or r.params.has_penalties
-                                                     or r.params.logprobs is not None for r in reqs) else None
-            result = sample(logits, sb, self.generator) if sb is not None else \
-                SamplerOutput(logits.argmax(-1).tolist(), [None] * len(rows))
+        size = self.graph_size(out)
+        if size is None:
+            input_ids, batch, rows = self.prepare(out)
+            t1 = time.perf_counter()
+            logits = self.run(input_ids, batch, rows)
         else:
-            t2 = time.perf_counter()
+            meta, tables, rows = self.prepare_decode(out, size)
+            t1 = time.perf_counter()
+            logits = self.run_graph(meta, tables, rows, len(out.chunks))
+        self._release_images(out.chunks)
+        t2 = time.perf_counter()
+        result = self.sample(out, logits)
         t3 = time.perf_counter()
         encode = self.encoder_seconds - enc0
-        host = (t1 - t0) + (t3 - t2) - encode
-        self.host_seconds += host
+        self.prepare_seconds += t1 - t0 - encode
+        self.host_seconds += t1 - t0 - encode + t3 - t2
         self.model_seconds += t2 - t1 + encode
         self.num_steps += 1
-        logger.debug("step %d: %d seqs, %d tokens, host %.2f ms, model %.2f ms", self.num_steps,
-                     len(out.chunks), batch.num_tokens, host * 1e3, (t2 - t1) * 1e3)
+        logger.debug("step %d: %d seqs, %d tokens, %s, prepare %.2f ms, launch %.2f ms, sample %.2f ms",
+                     self.num_steps, len(out.chunks), out.num_tokens, "eager" if size is None else f"graph {size}",
+                     (t1 - t0 - encode) * 1e3, (t2 - t1 + encode) * 1e3, (t3 - t2) * 1e3)
         return result

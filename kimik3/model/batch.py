@@ -38,6 +38,9 @@ class ForwardBatch:
     query_lens_cpu: list[int]       # host copies, for loops and kernel launch decisions
     context_lens_cpu: list[int]
     checkpoints: tuple[StateCheckpoint, ...] = ()
+    # Bound on context + query length of every sequence (MLA decode sizes its splits with it):
+    # the batch's own maximum when eager; max_model_len in a CUDA graph, whose inputs change on replay.
+    max_seq_len: int | None = None
     # Multimodal: rows of the packed input whose embeddings are replaced (image features).
     embed_rows: torch.Tensor | None = None    # [M] int64 packed row indices
     embeds: torch.Tensor | None = None        # [M, D] model dtype
@@ -86,6 +89,7 @@ class ForwardBatch:
             query_lens_cpu=list(query_lens),
             context_lens_cpu=list(context_lens),
             checkpoints=tuple(checkpoints),
+            max_seq_len=max((c + q for q, c in zip(query_lens, context_lens)), default=0),
         )
 
 

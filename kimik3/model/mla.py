@@ -52,7 +52,7 @@ class MLAAttention(nn.Module):
         cache.view(-1, cache.shape[-1])[batch.slot_mapping] = latent.to(cache.dtype)
         if batch.is_decode:
             seq_lens = batch.context_lens + 1                                      # device; no host sync
-            max_len = max(batch.context_lens_cpu) + 1
+            max_len = batch.max_seq_len if batch.max_seq_len is not None else max(batch.context_lens_cpu) + 1
             w = self.kv_b_proj.weight.view(H, self.d_nope + self.d_v, self.kv_lora_rank)
             w_uk, w_uv = w[:, :self.d_nope], w[:, self.d_nope:]                 # [H, d_nope|d_v, r]
             q_latent = torch.einsum("nhd,hdr->nhr", q[..., :self.d_nope], w_uk)

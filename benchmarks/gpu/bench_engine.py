@@ -1,0 +1,162 @@
+"""Engine-level decode on one GPU, CUDA graphs vs eager, on the K3-width 4-layer slice (random
+weights, bf16; ``kimi-k3-slice4.config.json``). One device call:
+
+  (a) decode step at batch 1/8/32 over ~512-token contexts (max_model_len 4096): wall time of
+      ``LLMEngine.step`` (scheduler + runner + sampling + bookkeeping), the device time of the same
+      step (graph replay timed with CUDA events), and the host overhead = wall - device, with the
+      runner's share of it (batch building) — graphs on and off;
+  (b) an offline workload (64 requests, prompts 128-512 tokens, 64 output tokens each, max_num_seqs
+      32): end-to-end output tokens/s, graphs on and off.
+
+    PYTHONPATH=. python benchmarks/gpu/bench_engine.py        (writes $OUT/bench_engine.json)
+"""
+
+from __future__ import annotations
+
+import datetime
+import json
+import os
+import random
+import statistics
+import subprocess
+import sys
+import time
+from pathlib import Path
+
+import torch
+
+ROOT = Path(__file__).resolve().parents[2]
+sys.path.insert(0, str(ROOT))
+
+from benchmarks.gpu.bench_slice import CONFIG, build_slice        # noqa: E402
+from kimik3.engine import EngineConfig, LLMEngine, SamplingParams  # noqa: E402
+
+OUT = Path(os.environ.get("OUT", ROOT / "bench_out"))
+results: dict = {}
+PROMPT = 512
+STEPS = 40
+
+
+def log(*a):
+    print(*a, flush=True)
+
+
+def save():
+    OUT.mkdir(parents=True, exist_ok=True)
+    (OUT / "bench_engine.json").write_text(json.dumps(results, indent=1, default=str))
+
+
+def make(model, eager: bool, max_num_seqs: int) -> LLMEngine:
+    cfg = EngineConfig(max_num_seqs=max_num_seqs, max_num_batched_tokens=4096, max_model_len=4096, block_size=16,
+                       enable_prefix_caching=True, cache_memory_bytes=6 << 30, enforce_eager=eager)
+    t0 = time.perf_counter()
+    engine = LLMEngine(model, cfg)
+    log(f"engine (enforce_eager={eager}) ready in {time.perf_counter() - t0:.1f}s")
+    return engine
+
+
+def events_time(fn, iters=20) -> float:
+    for _ in range(3):
+        fn()
+    torch.cuda.synchronize()
+    a, b = torch.cuda.Event(enable_timing=True), torch.cuda.Event(enable_timing=True)
+    times = []
+    for _ in range(iters):
+        a.record()
+        fn()
+        b.record()
+        b.synchronize()
+        times.append(a.elapsed_time(b) / 1e3)
+    return statistics.median(times)
+
+
+def decode_steps(engine: LLMEngine, batch: int, rng: random.Random) -> dict:
+    vocab = engine.vocab_size
+    params = SamplingParams(temperature=0, max_tokens=STEPS + 20, ignore_eos=True)
+    rids = []
+    for i in range(batch):
+        rid = f"d{batch}-{i}-{rng.random()}"
+        engine.add_request(rid, {"prompt_token_ids": [rng.randrange(1000, vocab) for _ in range(PROMPT)]}, params)
+        rids.append(rid)
+    while engine.scheduler.waiting or any(r.num_output_tokens < 2 for r in engine.scheduler.running):
+        engine.step()
+    r = engine.runner
+    s0, g0, p0, h0, m0 = r.num_steps, r.num_graph_steps, r.prepare_seconds, r.host_seconds, r.model_seconds
+    walls = []
+    for _ in range(STEPS):
+        t = time.perf_counter()
+        engine.step()
+        walls.append(time.perf_counter() - t)
+    n = r.num_steps - s0
+    row = {"batch": batch, "graph_steps": r.num_graph_steps - g0, "steps": n,
+           "wall_ms": statistics.median(walls) * 1e3,
+           "runner_prepare_ms": (r.prepare_seconds - p0) / n * 1e3,
+           "runner_launch_ms": (r.model_seconds - m0) / n * 1e3,
+           "runner_sample_ms": (r.host_seconds - h0 - (r.prepare_seconds - p0)) / n * 1e3}
+    if r.graphs is not None:
+        size = r.graphs.size_for(batch)
+        graph, _ = r.graphs.graphs[size]
+        row["device_ms"] = events_time(graph.replay) * 1e3     # replays the last step's inputs (state is garbage after)
+        row["host_overhead_ms"] = row["wall_ms"] - row["device_ms"]
+        row["host_share"] = row["host_overhead_ms"] / row["wall_ms"]
+    for rid in rids:
+        engine.abort_request(rid)
+    engine.step()
+    return row
+
+
+def offline(engine: LLMEngine, seed: int) -> dict:
+    rng = random.Random(seed)
+    vocab = engine.vocab_size
+    reqs = [[rng.randrange(1000, vocab) for _ in range(rng.randint(128, 512))] for _ in range(64)]
+    params = SamplingParams(temperature=0, max_tokens=64, ignore_eos=True)
+    torch.cuda.synchronize()
+    t0 = time.perf_counter()
+    for i, p in enumerate(reqs):
+        engine.add_request(f"o{seed}-{i}", {"prompt_token_ids": p}, params)
+    n_out = 0
+    while engine.has_unfinished_requests():
+        for d in engine.step():
+            n_out += sum(len(c.token_ids) for c in d.outputs)
+    dt = time.perf_counter() - t0
+    return {"requests": len(reqs), "prompt_tokens": sum(map(len, reqs)), "output_tokens": n_out, "seconds": dt,
+            "output_tok_s": n_out / dt, "total_tok_s": (n_out + sum(map(len, reqs))) / dt}
+
+
+def main():
+    results["gpu"] = torch.cuda.get_device_name()
+    results["date"] = datetime.date.today().isoformat()
+    results["commit"] = subprocess.run(["git", "rev-parse", "--short", "HEAD"], cwd=ROOT, capture_output=True,
+                                       text=True).stdout.strip() or os.environ.get("KIMIK3_COMMIT", "?")
+    t0 = time.time()
+    model = build_slice(json.loads(CONFIG.read_text()))
+    log(f"slice built in {time.time() - t0:.1f}s")
+    for eager in (False, True):
+        key = "eager" if eager else "graphs"
+        engine = make(model, eager, max_num_seqs=32)
+        rng = random.Random(1)
+        rows = []
+        for batch in (1, 8, 32):
+            rows.append(decode_steps(engine, batch, rng))
+            log(key, rows[-1])
+            results[f"decode_{key}"] = rows
+            save()
+        results[f"offline_{key}"] = offline(engine, seed=7)
+        log(key, results[f"offline_{key}"])
+        save()
+        del engine
+        torch.cuda.empty_cache()
+    log("\n| batch | graphs: step wall ms | device ms | host overhead ms (share) | runner prepare ms "
+        "| eager: step wall ms | speed-up |")
+    log("|---|---|---|---|---|---|---|")
+    for g, e in zip(results["decode_graphs"], results["decode_eager"]):
+        log(f"| {g['batch']} | {g['wall_ms']:.2f} | {g['device_ms']:.2f} | {g['host_overhead_ms']:.2f} "
+            f"({g['host_share']:.0%}) | {g['runner_prepare_ms']:.3f} | {e['wall_ms']:.2f} | "
+            f"{e['wall_ms'] / g['wall_ms']:.2f}x |")
+    og, oe = results["offline_graphs"], results["offline_eager"]
+    log(f"offline 64 req x 64 out: graphs {og['output_tok_s']:.0f} out tok/s ({og['seconds']:.1f}s), "
+        f"eager {oe['output_tok_s']:.0f} out tok/s ({oe['seconds']:.1f}s)")
+
+
+if __name__ == "__main__":
+    main()

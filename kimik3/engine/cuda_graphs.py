@@ -1,0 +1,133 @@
+"""CUDA graphs of pure decode steps: one graph per padded batch size, replayed over static inputs.
+
+A pure decode step runs one token of every sequence, each with history, and no KDA checkpoint.
+Its n sequences are padded to the next size of a ladder (1, 2, 4, 8, ... up to max_num_seqs);
+larger steps, prefills and mixed steps run eagerly. Each graph holds ``forward_step`` and
+``compute_logits``; its inputs are views of static device buffers updated in place before
+replay: input ids, context lens, state slots, slot mapping (one int64 [4, B] block), block
+tables [B, max_blocks] int32, and cu_seqlens (fixed: 0..B). MLA decode sizes its splits from
+``max_seq_len``, pinned to max_model_len so a replay attends over any context length.
+
+Padding rows are token 0, context 0, state slot 0 and block 0. The ops do not skip them: fla's
+pool decode (``ssm_state_indices``), the conv window write and the latent write all read and
+write index 0. Slot 0 and block 0 are the null entries that the cache manager never hands to a
+sequence (live slots start at 1, block 0 is never allocated), so padding only touches scratch.
+"""
+
+from __future__ import annotations
+
+import bisect
+import logging
+
+import torch
+
+from kimik3.model.batch import ForwardBatch, HybridCache
+
+logger = logging.getLogger(__name__)
+
+
+def graph_batch_sizes(max_num_seqs: int) -> list[int]:
+    """Padded batch sizes to capture: powers of two below ``max_num_seqs``, then ``max_num_seqs``."""
+    if max_num_seqs < 1:
+        raise ValueError(f"max_num_seqs must be positive, got {max_num_seqs}")
+    sizes = []
+    b = 1
+    while b < max_num_seqs:
+        sizes.append(b)
+        b *= 2
+    return sizes + [max_num_seqs]
+
+
+def padded_batch_size(n: int, sizes: list[int]) -> int | None:
+    """The smallest captured size holding ``n`` sequences; None when ``n`` exceeds them all."""
+    i = bisect.bisect_left(sizes, n)
+    return sizes[i] if i < len(sizes) else None
+
+
+def pack_decode_inputs(token_ids: list[int], context_lens: list[int], state_slots: list[int],
+                       block_tables: list[list[int]], block_size: int, size: int
+                       ) -> tuple[torch.Tensor, torch.Tensor]:
+    """Host inputs of one decode step padded to ``size`` rows.
+
+    Returns meta int64 [4, size] (rows: input ids, context lens, state slots, slot mapping) and
+    block tables int32 [size, width] (width = longest table; short tables end in block 0).
+    Padding rows are all zeros: token 0, context 0, null slot 0, null block 0.
+    """
+    n = len(token_ids)
+    if not (n == len(context_lens) == len(state_slots) == len(block_tables)):
+        raise ValueError("token_ids, context_lens, state_slots and block_tables need one entry per sequence")
+    if not 0 < n <= size:
+        raise ValueError(f"{n} sequences do not fit a decode graph of {size} rows")
+    pad = [0] * (size - n)
+    slot_mapping = []
+    for c, t in zip(context_lens, block_tables):
+        if c // block_size >= len(t):
+            raise ValueError(f"block table has {len(t)} blocks, none for position {c} (block size {block_size})")
+        slot_mapping.append(t[c // block_size] * block_size + c % block_size)
+    meta = torch.tensor([token_ids + pad, context_lens + pad, state_slots + pad, slot_mapping + pad], dtype=torch.int64)
+    width = max(len(t) for t in block_tables)
+    tables = torch.tensor([t + [0] * (width - len(t)) for t in block_tables] + [[0] * width] * len(pad),
+                          dtype=torch.int32)
+    return meta, tables
+
+
+class DecodeGraphs:
+    """Captured decode steps of one model over one cache, keyed by padded batch size."""
+
+    def __init__(self, model, cache: HybridCache, max_num_seqs: int, max_model_len: int):
+        self.model, self.cache = model, cache
+        self.sizes = graph_batch_sizes(max_num_seqs)
+        self.max_model_len = max_model_len
+        device = torch.device(model.device)
+        largest = self.sizes[-1]
+        self.meta = torch.zeros(4, largest, dtype=torch.int64, device=device)
+        self.block_tables = torch.zeros(largest, -(-max_model_len // cache.block_size), dtype=torch.int32,
+                                        device=device)
+        self.cu_seqlens = torch.arange(largest + 1, dtype=torch.int64, device=device)
+        self.graphs: dict[int, tuple[torch.cuda.CUDAGraph, torch.Tensor]] = {}
+
+    def size_for(self, n: int) -> int | None:
+        return padded_batch_size(n, self.sizes)
+
+    def batch(self, size: int) -> ForwardBatch:
+        """The static batch of ``size`` rows (views of the static buffers; dummy host lengths)."""
+        return ForwardBatch(cu_seqlens=self.cu_seqlens[:size + 1], context_lens=self.meta[1, :size],
+                            state_slots=self.meta[2, :size], block_tables=self.block_tables[:size],
+                            slot_mapping=self.meta[3, :size], query_lens_cpu=[1] * size,
+                            context_lens_cpu=[1] * size, max_seq_len=self.max_model_len)
+
+    def step(self, size: int) -> torch.Tensor:
+        """One decode step over the static inputs of ``size`` rows: logits [size, vocab]."""
+        hidden = self.model.forward_step(self.meta[0, :size], self.batch(size), self.cache)
+        return self.model.compute_logits(hidden)
+
+    @torch.inference_mode()
+    def capture(self) -> None:
+        """Capture every size, largest first, in one memory pool. The static inputs hold padding
+        while capturing, so the warm-up runs write only the null slot and block."""
+        self.meta.zero_()
+        self.block_tables.zero_()
+        pool = None
+        for size in reversed(self.sizes):
+            side = torch.cuda.Stream()
+            side.wait_stream(torch.cuda.current_stream())
+            with torch.cuda.stream(side):          # warm-up off the capture: kernel compiles, autotuning
+                self.step(size)
+            torch.cuda.current_stream().wait_stream(side)
+            graph = torch.cuda.CUDAGraph()
+            with torch.cuda.graph(graph, pool=pool):
+                logits = self.step(size)
+            pool = graph.pool()
+            self.graphs[size] = (graph, logits)
+        torch.cuda.synchronize()
+        logger.info("captured CUDA graphs of decode steps for batch sizes %s", self.sizes)
+
+    def run(self, meta: torch.Tensor, block_tables: torch.Tensor, num_seqs: int) -> torch.Tensor:
+        """Copy the host inputs (from ``pack_decode_inputs``) in and replay: logits [num_seqs, vocab]
+        (a view of the graph's output, valid until the next replay)."""
+        size = meta.shape[1]
+        self.meta[:, :size].copy_(meta, non_blocking=True)
+        self.block_tables[:size, :block_tables.shape[1]].copy_(block_tables, non_blocking=True)
+        graph, logits = self.graphs[size]
+        graph.replay()
+        return logits[:num_seqs]
