@@ -48,19 +48,20 @@ TINY_VISION = {
 
 def tiny_k3_config(vocab_size: int = 256, num_layers: int = 6, hidden: int = 64, block_size: int = 2,
                    num_experts: int = 8, top_k: int = 2, bos: int = 1, eos: int = 2, pad: int = 3,
-                   media: int = 4, vision: bool = True) -> dict[str, Any]:
+                   media: int = 4, vision: bool = True, num_heads: int = 2) -> dict[str, Any]:
     """A K3 ``config.json`` (top level ``kimi_k3``) with every K3 feature on (vision tower
-    included unless ``vision=False``), at toy widths."""
+    included unless ``vision=False``), at toy widths. ``num_heads``: KDA and MLA heads (4 lets
+    tensor-parallel tests cut them 4 ways)."""
     kda, full = _layer_lists(num_layers)
     text = {
         "model_type": "kimi_linear", "architectures": ["KimiLinearForCausalLM"],
         "vocab_size": vocab_size, "hidden_size": hidden, "intermediate_size": 96,
-        "num_hidden_layers": num_layers, "num_attention_heads": 2, "num_key_value_heads": 2,
+        "num_hidden_layers": num_layers, "num_attention_heads": num_heads, "num_key_value_heads": num_heads,
         "hidden_act": "situ", "activation_situ_beta": 4.0, "activation_situ_linear_beta": 25.0,
         "rms_norm_eps": 1e-5, "tie_word_embeddings": False, "initializer_range": 0.02, "use_cache": True,
         "q_lora_rank": 24, "kv_lora_rank": 16, "qk_nope_head_dim": 8, "qk_rope_head_dim": 4, "v_head_dim": 8,
         "mla_use_nope": True, "mla_use_output_gate": True,
-        "linear_attn_config": {"kda_layers": kda, "full_attn_layers": full, "num_heads": 2, "head_dim": 16,
+        "linear_attn_config": {"kda_layers": kda, "full_attn_layers": full, "num_heads": num_heads, "head_dim": 16,
                                "short_conv_kernel_size": 4, "gate_lower_bound": -5.0, "use_full_rank_gate": True},
         "num_experts": num_experts, "num_experts_per_token": top_k, "num_shared_experts": 2,
         "moe_intermediate_size": 32, "moe_renormalize": True, "moe_router_activation_func": "sigmoid",
@@ -81,17 +82,17 @@ def tiny_k3_config(vocab_size: int = 256, num_layers: int = 6, hidden: int = 64,
 
 
 def tiny_kimi_linear_config(vocab_size: int = 256, num_layers: int = 5, hidden: int = 48,
-                            num_experts: int = 8, top_k: int = 2) -> dict[str, Any]:
+                            num_experts: int = 8, top_k: int = 2, num_heads: int = 2) -> dict[str, Any]:
     """A bare ``kimi_linear`` config.json: plain q_proj, low-rank KDA gate, softplus decay,
     no attention residuals, no latent MoE, SiLU, bf16 experts, routed_scaling_factor 2.446."""
     kda, full = _layer_lists(num_layers)
     return {
         "model_type": "kimi_linear", "architectures": ["KimiLinearForCausalLM"],
         "vocab_size": vocab_size, "hidden_size": hidden, "intermediate_size": 80, "num_hidden_layers": num_layers,
-        "num_attention_heads": 2, "num_key_value_heads": 2, "head_dim": 72, "hidden_act": "silu",
+        "num_attention_heads": num_heads, "num_key_value_heads": num_heads, "head_dim": 72, "hidden_act": "silu",
         "rms_norm_eps": 1e-5, "tie_word_embeddings": False, "q_lora_rank": None, "kv_lora_rank": 16,
         "qk_nope_head_dim": 8, "qk_rope_head_dim": 4, "v_head_dim": 8, "mla_use_nope": True,
-        "linear_attn_config": {"kda_layers": kda, "full_attn_layers": full, "num_heads": 2, "head_dim": 16,
+        "linear_attn_config": {"kda_layers": kda, "full_attn_layers": full, "num_heads": num_heads, "head_dim": 16,
                                "short_conv_kernel_size": 4},
         "num_experts": num_experts, "num_experts_per_token": top_k, "num_shared_experts": 1,
         "moe_intermediate_size": 24, "moe_renormalize": True, "moe_router_activation_func": "sigmoid",

@@ -19,7 +19,9 @@ class LLM:
                  max_model_len: int = 8192, enable_prefix_caching: bool = True, block_size: int = 16,
                  kda_checkpoint_interval: int | None = None, cache_memory_bytes: int | None = None,
                  dtype: torch.dtype | None = None, device: str | torch.device | None = None, seed: int = 0,
-                 tokenizer=None):
+                 tokenizer=None, tensor_parallel_size: int = 1, enable_expert_parallel: bool = False):
+        """``tensor_parallel_size`` N > 1: this process becomes rank 0 and spawns N-1 workers, one
+        per GPU (``kimik3.parallel``); ``enable_expert_parallel`` splits whole experts over them."""
         import kimik3   # the package re-exports LLM, so load_model is looked up at call time
         device = torch.device(device or ("cuda" if torch.cuda.is_available() else "cpu"))
         dtype = dtype or (torch.bfloat16 if device.type == "cuda" else torch.float32)
@@ -27,9 +29,22 @@ class LLM:
                               max_model_len=max_model_len, enable_prefix_caching=enable_prefix_caching,
                               block_size=block_size, kda_checkpoint_interval=kda_checkpoint_interval,
                               cache_memory_bytes=cache_memory_bytes, seed=seed)
-        model = kimik3.load_model(model_path, device=device, dtype=dtype)
-        self.engine = LLMEngine(model, config, tokenizer=tokenizer, tokenizer_path=str(model_path))
+        self.parallel_group = None
+        if tensor_parallel_size > 1 or enable_expert_parallel:
+            from kimik3.parallel.launch import ParallelConfig, start_group
+            layout = ParallelConfig(tensor_parallel_size, enable_expert_parallel)
+            model, self.parallel_group = start_group(model_path, layout, dtype, device.type)
+            self.engine = LLMEngine(model, config, tokenizer=tokenizer, tokenizer_path=str(model_path),
+                                    runner_factory=self.parallel_group.runner_factory)
+        else:
+            model = kimik3.load_model(model_path, device=device, dtype=dtype)
+            self.engine = LLMEngine(model, config, tokenizer=tokenizer, tokenizer_path=str(model_path))
         self._ids = itertools.count()
+
+    def close(self) -> None:
+        """Stop the tensor-parallel workers (also done at exit); the LLM is unusable afterwards."""
+        if self.parallel_group is not None:
+            self.parallel_group.close()
 
     def get_tokenizer(self):
         return self.engine.get_tokenizer(required=True)

@@ -10,10 +10,11 @@ import torch
 from tqdm import tqdm
 
 from kimik3.config import load_config
-from kimik3.loader.safetensors_files import CheckpointError, checkpoint_files, file_size_ok, iter_tensors
+from kimik3.loader.safetensors_files import CheckpointError, checkpoint_files, file_size_ok, iter_slices
 from kimik3.model.kimi_k3 import KimiForCausalLM
 from kimik3.model.moe import Experts
 from kimik3.ops import mxfp4
+from kimik3.parallel.context import ParallelContext
 
 logger = logging.getLogger(__name__)
 
@@ -37,15 +38,19 @@ def _text_name(name: str, architecture: str, has_vision: bool) -> str | None:
 
 
 def load_model(path: str | Path, device: str | torch.device = "cpu", dtype: torch.dtype = torch.float32,
-               packed_experts: bool | None = None, **switches) -> KimiForCausalLM:
+               packed_experts: bool | None = None, parallel: ParallelContext | None = None,
+               **switches) -> KimiForCausalLM:
     """Load a Kimi-K3 or Kimi-Linear checkpoint directory.
 
     ``dtype``: float64, float32, bfloat16 (float16 also works). ``switches`` set the numeric
     switches of spec README §4 (e.g. ``mla_latent_norm_eps=1e-5`` for vLLM parity).
     ``packed_experts``: keep MXFP4 routed experts packed (the CUDA kernels dequantize on the fly);
     None chooses it for an MXFP4 checkpoint loaded in bfloat16 onto a CUDA device.
+    ``parallel``: this rank's place in a TP/EP group; only the rank's shards are read (each
+    TP-split tensor through a safetensors slice, other ranks' experts not at all).
     Returns the text model; ``model(ids)`` gives logits [T, vocab] (float32).
     """
+    parallel = parallel or ParallelContext()
     path = Path(path)
     if not path.is_dir():
         raise CheckpointError(f"checkpoint directory {path} does not exist")
@@ -56,7 +61,7 @@ def load_model(path: str | Path, device: str | torch.device = "cpu", dtype: torc
     for f in files:
         file_size_ok(f)
     with torch.device("meta"):
-        model = KimiForCausalLM(config)
+        model = KimiForCausalLM(config, parallel)
     model.cast(dtype)
     if packed_experts is None:
         packed_experts = (torch.device(device).type == "cuda" and dtype == torch.bfloat16
@@ -68,17 +73,29 @@ def load_model(path: str | Path, device: str | torch.device = "cpu", dtype: torc
         logger.info("routed experts kept in MXFP4 (packed uint8 + E8M0 scales)")
     model.to_empty(device=device)
     expected = model.expected_weights()
+    shards = model.shard_table()
     loaded: set[str] = set()
     pending: dict[str, dict[str, torch.Tensor]] = {}   # MXFP4 halves waiting for their partner
-    skipped = 0
+    skipped = other_ranks = 0
     # the bar shows on a terminal for multi-file checkpoints (tqdm's None = off when not a tty)
     for file in tqdm(files, desc="loading", unit="file", disable=None if len(files) > 1 else True):
-        for raw_name, tensor in iter_tensors(file):
+        for raw_name, read in iter_slices(file):
             name = _text_name(raw_name, config.architecture, config.vision is not None)
             if name is None:
                 skipped += 1
                 continue
             m = _PACKED.match(name)
+            e = _EXPERT.match(m[1] + ".weight" if m else name)
+            if e:
+                experts = _experts_of(model, e[1], name)
+                if not experts.holds(int(e[2])):
+                    other_ranks += 1          # another EP rank's expert: never read
+                    continue
+                rule, narrow_after = _expert_rule(experts, e[3], m[2] if m else None, packed_experts, raw_name)
+                tensor = read(rule)
+            else:
+                narrow_after = None
+                tensor = read(shards.get(name))
             if m:
                 halves = pending.setdefault(m[1], {})
                 halves[m[2]] = tensor
@@ -86,16 +103,18 @@ def load_model(path: str | Path, device: str | torch.device = "cpu", dtype: torc
                     continue
                 del pending[m[1]]
                 name = m[1] + ".weight"
-                e = _EXPERT.match(name)
                 if packed_experts and e:
                     if name in loaded:
                         raise CheckpointError(f"tensor '{raw_name}' appears twice (second time in {file})")
-                    experts = model.get_submodule(f"model.layers.{e[1]}.block_sparse_moe.experts")
                     experts.load_expert_mxfp4(int(e[2]), e[3], halves["packed"].to(device), halves["scale"].to(device),
                                               f"{raw_name} in {file.name}")
                     loaded.add(name)
                     continue
                 tensor = mxfp4.dequantize(halves["packed"], halves["scale"], torch.float32, name=f"{raw_name} in {file.name}")
+            if narrow_after is not None:
+                dim, rank, size = narrow_after
+                n = tensor.shape[dim] // size
+                tensor = tensor.narrow(dim, rank * n, n)
             if name in loaded:
                 raise CheckpointError(f"tensor '{raw_name}' appears twice (second time in {file})")
             model.load_weight(name, tensor.to(device), source=str(file))
@@ -111,5 +130,36 @@ def load_model(path: str | Path, device: str | torch.device = "cpu", dtype: torc
         raise CheckpointError(f"checkpoint {path} is missing {len(missing)} tensor(s): {', '.join(missing[:5])}{more}")
     if skipped:
         logger.info("skipped %d vision/projector tensors: config.json has no vision_config", skipped)
+    if other_ranks:
+        logger.info("rank %d of %d: left %d routed-expert tensors to the other expert-parallel ranks",
+                    parallel.tp_rank, parallel.tp_size, other_ranks)
     model.eval()
     return model
+
+
+def _experts_of(model: KimiForCausalLM, layer: str, name: str) -> Experts:
+    try:
+        experts = model.get_submodule(f"model.layers.{layer}.block_sparse_moe.experts")
+    except AttributeError:
+        raise CheckpointError(f"unexpected tensor '{name}': layer {layer} has no routed experts") from None
+    return experts
+
+
+def _expert_rule(experts: Experts, which: str, half: str | None, packed_storage: bool, name: str
+                 ) -> tuple[tuple[int, int, int] | None, tuple[int, int, int] | None]:
+    """(slice to read, slice to cut after dequantizing) of one routed-expert tensor whose
+    intermediate is split over ``experts.intermediate_shard`` ranks: w1/w3 by rows, w2 by columns
+    (MXFP4: packed bytes and E8M0 scale columns, on 32-element group boundaries)."""
+    index, count = experts.intermediate_shard
+    if count == 1:
+        return None, None
+    rule = (0 if which != "w2" else 1, index, count)
+    if which != "w2" or half is None:
+        return rule, None
+    local = experts.w1.shape[1]
+    if local % mxfp4.GROUP == 0:
+        return rule, None
+    if packed_storage:
+        raise CheckpointError(f"{name}: the expert intermediate slice ({local} per rank) is not a multiple of the "
+                              f"MXFP4 group ({mxfp4.GROUP}); enable expert parallelism or lower the TP degree")
+    return None, rule          # read the whole expert's w2, split it once dequantized

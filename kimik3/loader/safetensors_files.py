@@ -2,8 +2,9 @@
 
 from __future__ import annotations
 
+import functools
 import json
-from collections.abc import Iterator
+from collections.abc import Callable, Iterator
 from pathlib import Path
 
 import torch
@@ -48,6 +49,39 @@ def iter_tensors(file: Path) -> Iterator[tuple[str, torch.Tensor]]:
         except Exception as e:
             raise CheckpointError(f"{file}: cannot read tensor '{name}' (truncated or corrupt file?): {e}") from None
         yield name, tensor
+
+
+def iter_slices(file: Path) -> Iterator[tuple[str, Callable[[tuple[int, int, int] | None], torch.Tensor]]]:
+    """Yield (name, read) of one file; ``read(rule)`` reads the whole tensor (rule None) or only
+    the contiguous share (dim, rank, size) of it (safetensors ``get_slice``: the rest of the
+    tensor is never read). A caller may skip ``read`` altogether (another rank's expert)."""
+    try:
+        handle = safe_open(str(file), framework="pt")
+        names = list(handle.keys())
+    except Exception as e:  # safetensors raises its own error types for corrupt headers
+        raise CheckpointError(f"{file}: cannot read safetensors header ({e})") from None
+
+    def read(name: str, rule: tuple[int, int, int] | None) -> torch.Tensor:
+        try:
+            if rule is None:
+                return handle.get_tensor(name)
+            piece = handle.get_slice(name)
+            shape = piece.get_shape()
+            dim, rank, size = rule
+            if dim >= len(shape) or shape[dim] % size:
+                raise CheckpointError(f"{file}: tensor '{name}' of shape {tuple(shape)} cannot be split into {size} "
+                                      f"parts along dim {dim}")
+            n = shape[dim] // size
+            index = [slice(None)] * len(shape)
+            index[dim] = slice(rank * n, (rank + 1) * n)
+            return piece[tuple(index)]
+        except CheckpointError:
+            raise
+        except Exception as e:
+            raise CheckpointError(f"{file}: cannot read tensor '{name}' (truncated or corrupt file?): {e}") from None
+
+    for name in names:
+        yield name, functools.partial(read, name)
 
 
 def file_size_ok(file: Path) -> None:

@@ -12,19 +12,27 @@ import torch
 from torch import nn
 
 from kimik3.model.batch import ForwardBatch
-from kimik3.model.layers import linear
+from kimik3.model.layers import linear, tp_shards
 from kimik3.ops.conv import causal_conv1d, causal_conv1d_in_pool, conv_window_at
 from kimik3.ops.kda import kda_attention, kda_attention_in_pool
 from kimik3.ops.norm import gated_rms_norm
+from kimik3.parallel.context import ParallelContext
 
 logger = logging.getLogger(__name__)
 
 
 class KimiDeltaAttention(nn.Module):
+    """Under TP (spec parallelism §1.4) the module holds its rank's H/t heads: q/k/v/g, f_b, b,
+    conv, A_log, dt_bias split by heads (channels); f_a (and Kimi-Linear's g_a) and o_norm
+    replicated; o_proj row-parallel, its partial all-reduced. Heads never talk to each other."""
+
     def __init__(self, hidden_size: int, num_heads: int, head_dim: int, conv_size: int,
-                 use_full_rank_gate: bool, gate_lower_bound: float | None, norm_eps: float):
+                 use_full_rank_gate: bool, gate_lower_bound: float | None, norm_eps: float,
+                 parallel: ParallelContext | None = None):
         super().__init__()
-        H, K = num_heads, head_dim
+        self.par = par = parallel or ParallelContext()
+        self.head_start, H = par.split(num_heads, "KDA heads") if par.enabled else (0, num_heads)
+        K = head_dim
         P = H * K
         self.num_heads, self.head_dim, self.lower_bound, self.norm_eps = H, K, gate_lower_bound, norm_eps
         self.q_proj, self.k_proj, self.v_proj = linear(hidden_size, P), linear(hidden_size, P), linear(hidden_size, P)
@@ -40,18 +48,22 @@ class KimiDeltaAttention(nn.Module):
         self.dt_bias = nn.Parameter(torch.zeros(P))
         self.o_norm = _NormWeight(K)
         self.o_proj = linear(P, hidden_size)
+        self.tp_shards = tp_shards(par, q_proj__weight=0, k_proj__weight=0, v_proj__weight=0, f_b_proj__weight=0,
+                                   b_proj__weight=0, g_proj__weight=0, g_b_proj__weight=0, q_conv1d__weight=0,
+                                   k_conv1d__weight=0, v_conv1d__weight=0, dt_bias=0, o_proj__weight=1)
 
     def load_A_log(self, tensor: torch.Tensor, name: str) -> None:
-        """Accept [H], Kimi-Linear's [1, 1, H, 1], or a longer vector; use entries 0..H-1 (D7)."""
+        """Accept [H], Kimi-Linear's [1, 1, H, 1], or a longer vector; use entries 0..H-1 (D7),
+        and of those this rank's heads."""
         flat = tensor.reshape(-1)
-        H = self.num_heads
+        H = self.num_heads * self.par.tp_size
         if flat.numel() < H or (tensor.dim() > 1 and flat.numel() != H):
             raise ValueError(f"{name}: shape {tuple(tensor.shape)} does not hold {H} heads "
                              f"(expected [{H}], [1, 1, {H}, 1] or a longer vector)")
         if flat.numel() > H and bool((flat[H:] != 0).any()):
             logger.warning("%s: %d stored entries, using the first %d; the discarded tail is non-zero",
                            name, flat.numel(), H)
-        self.A_log.data.copy_(flat[:H])
+        self.A_log.data.copy_(flat[:H][self.head_start:self.head_start + self.num_heads])
 
     def output_gate(self, x: torch.Tensor) -> torch.Tensor:
         return self.g_proj(x) if hasattr(self, "g_proj") else self.g_b_proj(self.g_a_proj(x))
@@ -79,7 +91,7 @@ class KimiDeltaAttention(nn.Module):
                                       has_state, batch.query_lens_cpu, batch.cu_seqlens, decode=batch.is_decode)
         gate = self.output_gate(x).view(T, H, K)
         y = gated_rms_norm(o, self.o_norm.weight, gate, self.norm_eps, x.dtype)
-        return self.o_proj(y.reshape(T, H * K))
+        return self.par.all_reduce(self.o_proj(y.reshape(T, H * K)))
 
     def _attend_with_checkpoints(self, raw, weight, f, b, has_state, batch: ForwardBatch, conv_pool, state_pool):
         """Split sequences at their checkpoint offsets and run the segments in rounds, each

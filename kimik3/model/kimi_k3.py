@@ -6,6 +6,7 @@ multimodal K3 layout), except the routed experts, which are stacked (see ``moe.E
 
 from __future__ import annotations
 
+import dataclasses
 import re
 
 import torch
@@ -19,6 +20,7 @@ from kimik3.model.layers import MLP, Embedding, GLUActivation, RMSNorm, linear
 from kimik3.model.mla import MLAAttention
 from kimik3.model.moe import MoE
 from kimik3.model.vision import KimiVisionModel
+from kimik3.parallel.context import ParallelContext
 
 # Parameters kept in fp32 (or wider) whatever the model dtype (spec D4, text-backbone 5.1).
 _ALWAYS_FP32 = re.compile(r"\.(A_log|dt_bias)$")
@@ -28,7 +30,7 @@ _STACKED = re.compile(r"^model\.layers\.(\d+)\.block_sparse_moe\.experts\.(w[123
 
 
 class DecoderLayer(nn.Module):
-    def __init__(self, cfg: TextConfig, layer_id: int, act: GLUActivation):
+    def __init__(self, cfg: TextConfig, layer_id: int, act: GLUActivation, parallel: ParallelContext):
         super().__init__()
         D, eps = cfg.hidden_size, cfg.rms_norm_eps
         self.layer_id = layer_id
@@ -36,15 +38,15 @@ class DecoderLayer(nn.Module):
         if self.is_kda:
             k = cfg.kda
             self.self_attn = KimiDeltaAttention(D, k.num_heads, k.head_dim, k.conv_size, k.use_full_rank_gate,
-                                                k.gate_lower_bound, eps)
+                                                k.gate_lower_bound, eps, parallel)
         else:
             self.self_attn = MLAAttention(D, cfg.num_attention_heads, cfg.q_lora_rank, cfg.kv_lora_rank,
                                           cfg.qk_nope_head_dim, cfg.qk_rope_head_dim, cfg.v_head_dim,
-                                          cfg.mla_use_output_gate, cfg.numerics.mla_latent_norm_eps)
+                                          cfg.mla_use_output_gate, cfg.numerics.mla_latent_norm_eps, parallel)
         if cfg.is_moe_layer(layer_id):
-            self.block_sparse_moe = MoE(cfg, act)
+            self.block_sparse_moe = MoE(cfg, act, parallel)
         else:
-            self.mlp = MLP(D, cfg.intermediate_size, act)
+            self.mlp = MLP(D, cfg.intermediate_size, act, parallel)
         self.input_layernorm = RMSNorm(D, eps)
         self.post_attention_layernorm = RMSNorm(D, eps)
         if cfg.attn_res_block_size is not None:
@@ -67,12 +69,12 @@ class DecoderLayer(nn.Module):
 
 
 class KimiModel(nn.Module):
-    def __init__(self, cfg: TextConfig):
+    def __init__(self, cfg: TextConfig, parallel: ParallelContext):
         super().__init__()
         self.cfg = cfg
         act = GLUActivation(cfg.hidden_act, cfg.situ_beta, cfg.situ_linear_beta)
-        self.embed_tokens = Embedding(cfg.vocab_size, cfg.hidden_size)
-        self.layers = nn.ModuleList(DecoderLayer(cfg, i, act) for i in range(cfg.num_hidden_layers))
+        self.embed_tokens = Embedding(cfg.vocab_size, cfg.hidden_size, parallel)
+        self.layers = nn.ModuleList(DecoderLayer(cfg, i, act, parallel) for i in range(cfg.num_hidden_layers))
         self.norm = RMSNorm(cfg.hidden_size, cfg.rms_norm_eps)
         if cfg.attn_res_block_size is not None:
             self.output_attn_res_norm = RMSNorm(cfg.hidden_size, cfg.rms_norm_eps)
@@ -95,13 +97,22 @@ class KimiModel(nn.Module):
 
 class KimiForCausalLM(nn.Module):
     """Text model. ``model(ids)`` gives logits of one fresh sequence; ``forward_step`` runs a
-    packed varlen batch against a ``HybridCache`` (the engine's entry point)."""
+    packed varlen batch against a ``HybridCache`` (the engine's entry point).
 
-    def __init__(self, config: ModelConfig):
+    ``parallel``: this rank's place in a tensor/expert-parallel group (spec parallelism.md); the
+    module then holds only its shards, and ``compute_logits`` gathers the vocab-parallel LM head
+    to TP rank 0 (None on the other ranks)."""
+
+    def __init__(self, config: ModelConfig, parallel: ParallelContext | None = None):
         super().__init__()
         self.config = config
-        self.model = KimiModel(config.text)
-        self.lm_head = linear(config.text.hidden_size, config.text.vocab_size)
+        self.parallel = par = parallel or ParallelContext()
+        if par.enabled:
+            check_parallel_degrees(config, par)
+        self.model = KimiModel(config.text, par)
+        _, vocab = par.split(config.text.vocab_size, "vocab size") if par.enabled else (0, config.text.vocab_size)
+        self.lm_head = linear(config.text.hidden_size, vocab)
+        self.tp_shards = {"lm_head.weight": (0, par.tp_rank, par.tp_size)} if par.enabled else {}
         if config.vision is not None:
             # checkpoint names ``vision_tower.*`` / ``mm_projector.*`` live under ``vision.``
             self.vision = KimiVisionModel(config.vision)
@@ -132,11 +143,24 @@ class KimiForCausalLM(nn.Module):
         for name, p in self.named_parameters():
             m = _STACKED.match(name)
             if m:
+                first = self.get_submodule(name.rsplit(".", 1)[0]).first_expert
                 names.update(f"model.layers.{m[1]}.block_sparse_moe.experts.{e}.{m[2]}.weight"
-                             for e in range(p.shape[0]))
+                             for e in range(first, first + p.shape[0]))
             else:
                 names.add(name)
         return names
+
+    def shard_table(self) -> dict[str, tuple[int, int, int]]:
+        """Checkpoint (text) name -> (dim, rank, size) of every TP-split tensor: the loader reads
+        only that slice. Routed experts and ``A_log`` are handled by their modules."""
+        table = {}
+        params = dict(self.named_parameters())
+        for prefix, module in self.named_modules():
+            for pname, rule in getattr(module, "tp_shards", {}).items():
+                name = f"{prefix}.{pname}" if prefix else pname
+                if name in params:
+                    table[name] = rule
+        return table
 
     def load_weight(self, name: str, tensor: torch.Tensor, source: str = "") -> None:
         """Copy one checkpoint tensor (text-model name, dense) into its parameter."""
@@ -178,8 +202,9 @@ class KimiForCausalLM(nn.Module):
         for name, p in self.named_parameters():
             m = _STACKED.match(name)
             if m:
+                first = self.get_submodule(name.rsplit(".", 1)[0]).first_expert
                 for e in range(p.shape[0]):
-                    yield f"model.layers.{m[1]}.block_sparse_moe.experts.{e}.{m[2]}.weight", p.data[e]
+                    yield f"model.layers.{m[1]}.block_sparse_moe.experts.{first + e}.{m[2]}.weight", p.data[e]
             else:
                 yield name, p.data
 
@@ -191,12 +216,20 @@ class KimiForCausalLM(nn.Module):
         return self.model(input_ids, batch, cache)
 
     @torch.inference_mode()
-    def compute_logits(self, hidden: torch.Tensor) -> torch.Tensor:
-        """hidden [n, D] -> logits [n, vocab] in float32 (float64 for a float64 model)."""
-        return self.lm_head(hidden).to(torch.promote_types(self.dtype, torch.float32))
+    def compute_logits(self, hidden: torch.Tensor) -> torch.Tensor | None:
+        """hidden [n, D] -> logits [n, vocab] in float32 (float64 for a float64 model). Under TP
+        each rank computes its vocabulary slice; the full rows exist on TP rank 0 only (None
+        is returned elsewhere)."""
+        logits = self.lm_head(hidden).to(torch.promote_types(self.dtype, torch.float32))
+        return self.parallel.gather_columns_to_first(logits)
 
     def allocate_cache(self, num_slots: int, num_blocks: int, block_size: int) -> HybridCache:
-        return HybridCache.allocate(self.config.text, num_slots, num_blocks, block_size, self.dtype, self.device)
+        """The cache of this rank: KDA state of its local heads, the whole (replicated) MLA latent."""
+        text = self.config.text
+        if self.parallel.enabled:
+            text = dataclasses.replace(text, kda=dataclasses.replace(text.kda, num_heads=text.kda.num_heads
+                                                                    // self.parallel.tp_size))
+        return HybridCache.allocate(text, num_slots, num_blocks, block_size, self.dtype, self.device)
 
     @torch.inference_mode()
     def encode_images(self, pixel_values: torch.Tensor, grid_thws: torch.Tensor) -> torch.Tensor:
@@ -227,6 +260,27 @@ class KimiForCausalLM(nn.Module):
             batch.embeds = self.encode_images(pixel_values, grid_thws)
             batch.embed_rows = self.image_rows(input_ids, batch.embeds)
         return self.compute_logits(self.forward_step(input_ids, batch, cache))
+
+
+def check_parallel_degrees(config: ModelConfig, par: ParallelContext) -> None:
+    """Reject a TP/EP layout the model cannot be cut into, naming the constraint (spec §1.1)."""
+    t, text = par.tp_size, config.text
+    checks = [("KDA heads", text.kda.num_heads if text.kda_layer_ids else t),
+              ("MLA heads", text.num_attention_heads if text.mla_layer_ids else t),
+              ("vocab size", text.vocab_size)]
+    if any(text.is_moe_layer(i) for i in range(text.num_hidden_layers)):
+        checks.append(("shared experts' intermediate size", text.moe_intermediate_size * text.num_shared_experts or t))
+    if not all(text.is_moe_layer(i) for i in range(text.num_hidden_layers)):
+        checks.append(("dense MLP intermediate size", text.intermediate_size))
+    for what, n in checks:
+        if n % t:
+            raise ValueError(f"tensor parallel size {t} must divide the {what} ({n}); choose a divisor of {n}")
+    if text.num_experts % par.ep_size:
+        raise ValueError(f"expert parallel size {par.ep_size} must divide the number of routed experts "
+                         f"({text.num_experts})")
+    if text.moe_intermediate_size % par.expert_tp_size:
+        raise ValueError(f"the expert intermediate size ({text.moe_intermediate_size}) must be divisible by "
+                         f"tensor/expert parallel = {par.expert_tp_size}; enable expert parallelism")
 
 
 def _as_token_ids(input_ids, vocab_size: int) -> torch.Tensor:

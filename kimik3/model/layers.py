@@ -7,6 +7,7 @@ from torch import nn
 
 from kimik3.ops.activation import silu_and_mul, situ_and_mul
 from kimik3.ops.norm import rms_norm
+from kimik3.parallel.context import ParallelContext
 
 
 def linear(in_features: int, out_features: int) -> nn.Linear:
@@ -14,15 +15,34 @@ def linear(in_features: int, out_features: int) -> nn.Linear:
     return nn.Linear(in_features, out_features, bias=False)
 
 
-class Embedding(nn.Module):
-    """Token embedding [vocab, D] (no random init: weights always come from a checkpoint)."""
+def tp_shards(par: ParallelContext, **dims: int) -> dict[str, tuple[int, int, int]]:
+    """The loader's slicing rule for a module's TP-split parameters: name -> (dim, rank, size);
+    empty in a single process. Parameter names use '__' for '.' (``q_proj__weight``)."""
+    if not par.enabled:
+        return {}
+    return {name.replace("__", "."): (dim, par.tp_rank, par.tp_size) for name, dim in dims.items()}
 
-    def __init__(self, num_embeddings: int, dim: int):
+
+class Embedding(nn.Module):
+    """Token embedding [vocab, D] (no random init: weights always come from a checkpoint).
+
+    Vocab-parallel under TP: rank r holds rows [r V/t, (r+1) V/t), looks up the ids in its range,
+    zeros elsewhere, and an all-reduce completes the rows (bit-exact: one non-zero term each)."""
+
+    def __init__(self, num_embeddings: int, dim: int, parallel: ParallelContext | None = None):
         super().__init__()
-        self.weight = nn.Parameter(torch.empty(num_embeddings, dim))
+        self.par = par = parallel or ParallelContext()
+        self.vocab_start, rows = par.split(num_embeddings, "vocab size") if par.enabled else (0, num_embeddings)
+        self.weight = nn.Parameter(torch.empty(rows, dim))
+        self.tp_shards = tp_shards(par, weight=0)
 
     def forward(self, ids: torch.Tensor) -> torch.Tensor:
-        return torch.nn.functional.embedding(ids, self.weight)
+        if not self.par.enabled:
+            return torch.nn.functional.embedding(ids, self.weight)
+        local = ids - self.vocab_start
+        outside = (local < 0) | (local >= self.weight.shape[0])
+        h = torch.nn.functional.embedding(local.masked_fill(outside, 0), self.weight)
+        return self.par.all_reduce(h.masked_fill(outside.unsqueeze(-1), 0))
 
 
 class RMSNorm(nn.Module):
@@ -48,14 +68,23 @@ class GLUActivation:
 
 
 class MLP(nn.Module):
-    """y = act(x W_gate^T, x W_up^T) W_down^T (dense layer-0 MLP and the shared experts)."""
+    """y = act(x W_gate^T, x W_up^T) W_down^T (dense layer-0 MLP and the shared experts).
 
-    def __init__(self, hidden_size: int, intermediate_size: int, act: GLUActivation):
+    Under TP: gate/up column-parallel, down row-parallel over the intermediate; ``reduce=False``
+    returns the rank's partial (the shared experts' partial joins the MoE tail's reduction)."""
+
+    def __init__(self, hidden_size: int, intermediate_size: int, act: GLUActivation,
+                 parallel: ParallelContext | None = None, reduce: bool = True):
         super().__init__()
-        self.gate_proj = linear(hidden_size, intermediate_size)
-        self.up_proj = linear(hidden_size, intermediate_size)
-        self.down_proj = linear(intermediate_size, hidden_size)
+        self.par = par = parallel or ParallelContext()
+        _, inter = par.split(intermediate_size, "MLP intermediate size") if par.enabled else (0, intermediate_size)
+        self.gate_proj = linear(hidden_size, inter)
+        self.up_proj = linear(hidden_size, inter)
+        self.down_proj = linear(inter, hidden_size)
         self.act = act
+        self.reduce = reduce
+        self.tp_shards = tp_shards(par, gate_proj__weight=0, up_proj__weight=0, down_proj__weight=1)
 
     def forward(self, x: torch.Tensor) -> torch.Tensor:
-        return self.down_proj(self.act(self.gate_proj(x), self.up_proj(x)))
+        y = self.down_proj(self.act(self.gate_proj(x), self.up_proj(x)))
+        return self.par.all_reduce(y) if self.reduce else y

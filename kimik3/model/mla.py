@@ -10,16 +10,22 @@ import torch
 from torch import nn
 
 from kimik3.model.batch import ForwardBatch
-from kimik3.model.layers import RMSNorm, linear
+from kimik3.model.layers import RMSNorm, linear, tp_shards
 from kimik3.ops.mla import mla_decode_attention, mla_prefill_attention
+from kimik3.parallel.context import ParallelContext
 
 
 class MLAAttention(nn.Module):
+    """Under TP (spec parallelism §1.5) the module holds H/t heads: q_b (or q_proj), kv_b, g split
+    by heads, o_proj row-parallel (partial all-reduced); q_a, kv_a and their norms replicated, so
+    every rank computes and caches the same latent (the latent cache is replicated per rank)."""
+
     def __init__(self, hidden_size: int, num_heads: int, q_lora_rank: int | None, kv_lora_rank: int,
                  qk_nope_head_dim: int, qk_rope_head_dim: int, v_head_dim: int,
-                 use_output_gate: bool, latent_norm_eps: float):
+                 use_output_gate: bool, latent_norm_eps: float, parallel: ParallelContext | None = None):
         super().__init__()
-        H = num_heads
+        self.par = par = parallel or ParallelContext()
+        _, H = par.split(num_heads, "MLA heads") if par.enabled else (0, num_heads)
         self.num_heads, self.kv_lora_rank = H, kv_lora_rank
         self.d_nope, self.d_rope, self.d_v = qk_nope_head_dim, qk_rope_head_dim, v_head_dim
         d_qk = qk_nope_head_dim + qk_rope_head_dim
@@ -36,6 +42,8 @@ class MLAAttention(nn.Module):
         if use_output_gate:
             self.g_proj = linear(hidden_size, H * v_head_dim)
         self.o_proj = linear(H * v_head_dim, hidden_size)
+        self.tp_shards = tp_shards(par, q_b_proj__weight=0, q_proj__weight=0, kv_b_proj__weight=0, g_proj__weight=0,
+                                   o_proj__weight=1)
 
     def query(self, x: torch.Tensor) -> torch.Tensor:
         if hasattr(self, "q_proj"):
@@ -65,4 +73,4 @@ class MLAAttention(nn.Module):
         o = o.reshape(T, H * self.d_v)
         if hasattr(self, "g_proj"):
             o = o * torch.sigmoid(self.g_proj(x))
-        return self.o_proj(o)
+        return self.par.all_reduce(self.o_proj(o))

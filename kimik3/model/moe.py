@@ -1,5 +1,14 @@
 """Mixture of experts (spec text-backbone §3): fp32 router with bias-corrected grouped top-k,
-routed experts (on a latent width for K3), shared experts on the original input."""
+routed experts (on a latent width for K3), shared experts on the original input.
+
+Under tensor/expert parallelism (spec parallelism §1.7, §2, §3) the router and the latent
+down/up projections and norm are replicated; each rank runs its experts (its expert slice, and
+its share of their intermediate) and the shared experts' intermediate share, then the MoE tail
+completes both partial sums: technique (a) one all-reduce over [latent | shared], or (b) the
+latent all-reduce, then each rank adds its column slice of the up-projection into its shared
+partial and one more all-reduce stitches the slices. Token-sharded modes ("a2a", "agrs") run
+the MoE on 1/t of the tokens per rank with replicated shared experts and all-gather the result.
+"""
 
 from __future__ import annotations
 
@@ -12,6 +21,7 @@ from kimik3.ops import mxfp4
 from kimik3.ops.moe import fused_moe, fused_moe_mxfp4
 from kimik3.ops.norm import acc_dtype
 from kimik3.ops.router import route
+from kimik3.parallel.context import ParallelContext
 
 
 class Router(nn.Module):
@@ -36,8 +46,12 @@ class Experts(nn.Module):
     uint8 codes [E, N, K/2] and ``w{1,2,3}_scale`` the E8M0 scales [E, N, K/32]; the kernels
     dequantize on the fly (a quarter of the bytes of bf16)."""
 
-    def __init__(self, num_experts: int, width: int, intermediate: int):
+    def __init__(self, num_experts: int, width: int, intermediate: int, first_expert: int = 0,
+                 intermediate_shard: tuple[int, int] = (0, 1)):
         super().__init__()
+        # this module holds global experts [first_expert, first_expert + num_experts), and of each
+        # the intermediate slice ``intermediate_shard`` = (index, count) (the loader narrows to it)
+        self.first_expert, self.intermediate_shard = first_expert, intermediate_shard
         self.w1 = nn.Parameter(torch.zeros(num_experts, intermediate, width))
         self.w2 = nn.Parameter(torch.zeros(num_experts, width, intermediate))
         self.w3 = nn.Parameter(torch.zeros(num_experts, intermediate, width))
@@ -57,10 +71,14 @@ class Experts(nn.Module):
     def packed(self, which: str) -> tuple[torch.Tensor, torch.Tensor]:
         return getattr(self, which), getattr(self, f"{which}_scale")
 
+    def holds(self, expert: int) -> bool:
+        return self.first_expert <= expert < self.first_expert + self.w1.shape[0]
+
     def _check(self, expert: int, which: str, shape: tuple, name: str) -> None:
         E = self.w1.shape[0]
-        if not 0 <= expert < E:
-            raise ValueError(f"{name}: expert {expert} out of range (model has {E} experts)")
+        if not self.holds(expert):
+            raise ValueError(f"{name}: expert {expert} out of range (this module holds experts "
+                             f"{self.first_expert}..{self.first_expert + E - 1})")
         E, a, b = self.w1.shape if which != "w2" else self.w2.shape
         want = (a, b * 2) if self.mxfp4 else (a, b)
         if tuple(shape) != want:
@@ -72,7 +90,7 @@ class Experts(nn.Module):
         if self.mxfp4:
             packed, scale = mxfp4.quantize(tensor.float().cpu())
             return self.load_expert_mxfp4(expert, which, packed, scale, name)
-        getattr(self, which).data[expert].copy_(tensor)
+        getattr(self, which).data[expert - self.first_expert].copy_(tensor)
 
     def load_expert_mxfp4(self, expert: int, which: str, packed: torch.Tensor, scale: torch.Tensor,
                           name: str) -> None:
@@ -86,43 +104,159 @@ class Experts(nn.Module):
                              f"{tuple(scale.shape)} does not match [N, K/2] uint8 / [N, K/32] uint8")
         if bool((scale == 255).any()):
             raise ValueError(f"{name}: weight_scale holds 255, the E8M0 NaN encoding")
-        getattr(self, which).data[expert].copy_(packed)
-        getattr(self, f"{which}_scale")[expert].copy_(scale)
+        getattr(self, which).data[expert - self.first_expert].copy_(packed)
+        getattr(self, f"{which}_scale")[expert - self.first_expert].copy_(scale)
 
 
 class MoE(nn.Module):
-    def __init__(self, cfg: TextConfig, act: GLUActivation):
+    def __init__(self, cfg: TextConfig, act: GLUActivation, parallel: ParallelContext | None = None):
         super().__init__()
+        self.par = par = parallel or ParallelContext()
         D = cfg.hidden_size
         width = cfg.routed_expert_hidden_size or D
         self.cfg = cfg
         self.act = act
+        first, num_local, inter = 0, cfg.num_experts, cfg.moe_intermediate_size
+        if par.enabled:
+            first, num_local = par.split(cfg.num_experts, "routed experts", par.ep_size, par.ep_rank)
+            _, inter = par.split(inter, "expert intermediate size", par.expert_tp_size, par.expert_tp_rank)
         self.gate = Router(D, cfg.num_experts, with_bias=True)
-        self.experts = Experts(cfg.num_experts, width, cfg.moe_intermediate_size)
+        self.experts = Experts(num_local, width, inter, first, (par.expert_tp_rank, par.expert_tp_size))
         if cfg.routed_expert_hidden_size is not None:
             self.routed_expert_down_proj = linear(D, width)
             self.routed_expert_up_proj = linear(width, D)
         if cfg.latent_moe_use_norm:
             self.routed_expert_norm = RMSNorm(width, cfg.rms_norm_eps)
         if cfg.num_shared_experts:
-            self.shared_experts = MLP(D, cfg.moe_intermediate_size * cfg.num_shared_experts, act)
+            # token-sharded modes run the shared experts on the rank's own tokens: replicated weights
+            shared_par = None if par.tokens_sharded else par
+            self.shared_experts = MLP(D, cfg.moe_intermediate_size * cfg.num_shared_experts, act, shared_par,
+                                      reduce=False)
+        self.can_slice_up = par.enabled and hasattr(self, "routed_expert_up_proj") and D % par.tp_size == 0
 
     def forward(self, x: torch.Tensor) -> torch.Tensor:
-        cfg = self.cfg
-        weights, ids = route(self.gate.logits(x), self.gate.e_score_correction_bias, cfg.num_experts_per_token,
-                             cfg.moe_router_activation_func, cfg.num_expert_group, cfg.topk_group,
-                             cfg.moe_renormalize, cfg.routed_scaling_factor, cfg.numerics.router_renorm_eps)
+        if self.par.tokens_sharded:
+            return self._forward_token_sharded(x)
+        weights, ids = self._route(x)
         z = self.routed_expert_down_proj(x) if hasattr(self, "routed_expert_down_proj") else x
-        if self.experts.mxfp4:
-            e = self.experts
-            u = fused_moe_mxfp4(z, e.packed("w1"), e.packed("w2"), e.packed("w3"), weights, ids, self.act.hidden_act,
-                                self.act.beta, self.act.linear_beta, cfg.numerics.moe_combine_fp32)
-        else:
-            u = fused_moe(z, self.experts.w1, self.experts.w2, self.experts.w3, weights, ids, self.act,
-                          cfg.numerics.moe_combine_fp32)
+        u = self._local_experts(z, weights, ids)
+        s = self.shared_experts(x) if hasattr(self, "shared_experts") else None
+        return self._tail(u, s) if self.par.enabled else self._finish(u, s)
+
+    def _route(self, x: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
+        cfg = self.cfg
+        return route(self.gate.logits(x), self.gate.e_score_correction_bias, cfg.num_experts_per_token,
+                     cfg.moe_router_activation_func, cfg.num_expert_group, cfg.topk_group,
+                     cfg.moe_renormalize, cfg.routed_scaling_factor, cfg.numerics.router_renorm_eps)
+
+    def _run_experts(self, z: torch.Tensor, weights: torch.Tensor, ids: torch.Tensor) -> torch.Tensor:
+        """z [T, L], weights/ids [T, k] (local expert ids) -> weighted sum [T, L] in z's dtype."""
+        cfg, e = self.cfg, self.experts
+        if z.shape[0] == 0:
+            return z.new_zeros(z.shape)
+        if e.mxfp4:
+            return fused_moe_mxfp4(z, e.packed("w1"), e.packed("w2"), e.packed("w3"), weights, ids, self.act.hidden_act,
+                                   self.act.beta, self.act.linear_beta, cfg.numerics.moe_combine_fp32)
+        return fused_moe(z, e.w1, e.w2, e.w3, weights, ids, self.act, cfg.numerics.moe_combine_fp32)
+
+    def _local_experts(self, z: torch.Tensor, weights: torch.Tensor, ids: torch.Tensor) -> torch.Tensor:
+        """This rank's share of the routed sum over all tokens ([T, L]; the whole sum in one process).
+        Under EP only (token, slot) pairs routed to local experts run, one row per pair."""
+        if self.par.ep_size == 1:
+            return self._run_experts(z, weights, ids)
+        local = ids - self.experts.first_expert
+        tok, slot = ((local >= 0) & (local < self.experts.w1.shape[0])).nonzero(as_tuple=True)
+        out = self._run_experts(z[tok], weights[tok, slot].unsqueeze(-1), local[tok, slot].unsqueeze(-1))
+        return self._combine(z.shape[0], tok, out)
+
+    def _combine(self, num_tokens: int, tok: torch.Tensor, rows: torch.Tensor) -> torch.Tensor:
+        """Sum per-pair expert rows [n, L] into their tokens -> [num_tokens, L] (fp32 sum if official)."""
+        acc = acc_dtype(rows.dtype) if self.cfg.numerics.moe_combine_fp32 else rows.dtype
+        u = torch.zeros(num_tokens, rows.shape[-1], dtype=acc, device=rows.device)
+        return u.index_add_(0, tok, rows.to(acc)).to(rows.dtype)
+
+    def _finish(self, u: torch.Tensor, s: torch.Tensor | None) -> torch.Tensor:
+        """Complete latent sum u [T, L] and shared output s -> layer output [T, D]."""
         if hasattr(self, "routed_expert_norm"):
             u = self.routed_expert_norm(u)
         y = self.routed_expert_up_proj(u) if hasattr(self, "routed_expert_up_proj") else u
-        if hasattr(self, "shared_experts"):
-            y = y + self.shared_experts(x)
-        return y
+        return y if s is None else y + s
+
+    def _tail(self, u: torch.Tensor, s: torch.Tensor | None) -> torch.Tensor:
+        """Partials u [T, L] and s [T, D] of this rank -> the replicated layer output [T, D]."""
+        par = self.par
+        if s is None or not hasattr(self, "routed_expert_up_proj"):
+            if not hasattr(self, "routed_expert_norm"):       # linear in u: sum first, reduce once
+                return par.all_reduce(u if s is None else u + s)
+            return self._finish(par.all_reduce(u), None if s is None else par.all_reduce(s))
+        w_up = self.routed_expert_up_proj.weight                  # [D, L], replicated
+        norm = self.routed_expert_norm if hasattr(self, "routed_expert_norm") else (lambda v: v)
+        if self.can_slice_up and par.use_sliced_tail(u.shape[0]):
+            # (b): rank r adds rows R_r of the up-projection into its own shared partial's columns
+            # R_r; the reduce of s then sums the shared partials and stitches the routed slices.
+            n = norm(par.all_reduce(u))
+            lo, width = par.split(w_up.shape[0], "hidden size")
+            s[:, lo:lo + width] = torch.addmm(s[:, lo:lo + width], n, w_up[lo:lo + width].t())
+            return par.all_reduce(s)
+        # (a): one all-reduce over [latent | shared], then the full up-projection onto the shared sum
+        L = u.shape[-1]
+        buf = par.all_reduce(torch.cat([u, s], dim=-1))
+        return torch.addmm(buf[:, L:], norm(buf[:, :L]), w_up.t())
+
+    def _forward_token_sharded(self, x: torch.Tensor) -> torch.Tensor:
+        """Rank r takes tokens [r n, (r+1) n) (n = ceil(T/t)), runs router, down-projection, expert
+        exchange, latent tail and replicated shared experts on them, then all-gathers [T, D]."""
+        par = self.par
+        T = x.shape[0]
+        n = -(-T // par.tp_size)
+        lo = min(par.tp_rank * n, T)
+        own = x[lo:min(lo + n, T)]
+        weights, ids = self._route(own)
+        z = self.routed_expert_down_proj(own) if hasattr(self, "routed_expert_down_proj") else own
+        if par.moe_mode == "a2a":
+            u, s = self._all_to_all_experts(own, z, weights, ids)
+        else:
+            u, s = self._gathered_experts(own, z, weights, ids, n)
+        y = self._finish(u, s)
+        if y.shape[0] < n:
+            y = torch.cat([y, y.new_zeros(n - y.shape[0], y.shape[1])])
+        return par.all_gather_rows(y)[:T]
+
+    def _shared(self, own: torch.Tensor) -> torch.Tensor | None:
+        return self.shared_experts(own) if hasattr(self, "shared_experts") else None
+
+    def _all_to_all_experts(self, own, z, weights, ids):
+        """Spec §2.2 protocol: bucket (token, slot) pairs by owner rank, exchange counts, send the
+        latent rows and (local id, weight), run the local experts, send the weighted rows back and
+        sum them per token. The shared experts run while the rows travel."""
+        par = self.par
+        n, k = ids.shape
+        per_rank = self.experts.w1.shape[0]
+        dest = (ids // per_rank).reshape(-1)
+        order = torch.argsort(dest, stable=True)
+        tok = torch.arange(n, device=z.device).repeat_interleave(k)[order]
+        meta = torch.stack([(ids.reshape(-1) % per_rank).to(weights.dtype), weights.reshape(-1)], -1)[order]
+        send = torch.bincount(dest, minlength=par.tp_size).tolist()
+        recv = par.exchange_counts(torch.tensor(send, dtype=torch.int64, device=z.device))
+        rows, rows_sent = par.all_to_all(z[tok], send, recv, async_op=True)
+        recv_meta = par.all_to_all(meta, send, recv)
+        s = self._shared(own)
+        rows_sent.wait()
+        out = self._run_experts(rows, recv_meta[:, 1:], recv_meta[:, :1].long())
+        back = par.all_to_all(out, recv, send)
+        return self._combine(n, tok, back), s
+
+    def _gathered_experts(self, own, z, weights, ids, n):
+        """All-gather the shards' latents and routes (padded to n rows, pad ids -1), run the local
+        experts for every token, reduce-scatter the partials back to their owners."""
+        par = self.par
+        pad = n - z.shape[0]
+        if pad:
+            z = torch.cat([z, z.new_zeros(pad, z.shape[1])])
+            weights = torch.cat([weights, weights.new_zeros(pad, weights.shape[1])])
+            ids = torch.cat([ids, ids.new_full((pad, ids.shape[1]), -1)])
+        z_all = par.all_gather_rows(z)
+        w_all, ids_all = par.all_gather_rows(weights), par.all_gather_rows(ids)
+        s = self._shared(own)
+        u = par.reduce_scatter_rows(self._local_experts(z_all, w_all, ids_all))
+        return u[:own.shape[0]], s

@@ -1,0 +1,155 @@
+"""Who this rank is in the tensor/expert-parallel group, and the collectives the model uses
+(spec parallelism.md §1-3). Modules take a ``ParallelContext``; ``ParallelContext()`` (size 1) is
+the single-process code path: no collective is ever issued.
+
+Layout (no PP/DP yet): the world is one TP group of t ranks; expert parallelism reuses it with
+degree e | t. Experts are cut into e contiguous slices (rank r owns slice r // (t/e)), and each
+slice's intermediate is split over the t/e ranks that share it (e = 1: TP-split experts; e = t:
+whole experts, "TEP"). Token-sharded MoE modes ("a2a", "agrs") need e = t.
+"""
+
+from __future__ import annotations
+
+from dataclasses import dataclass, field
+
+import torch
+import torch.distributed as dist
+
+MOE_MODES = ("tep", "a2a", "agrs")
+MOE_TAILS = ("auto", "concat", "sliced")
+# Token count above which the latent-MoE tail switches from (a) one all-reduce over
+# [latent | shared] to (b) the column-sliced up-projection folded into the shared reduce.
+# Measured on 2xH200 (benchmarks/RESULTS.md "Multi-GPU"): see bench_tp2.py.
+SLICED_TAIL_MIN_TOKENS = 256
+
+
+@dataclass
+class ParallelContext:
+    """Rank, size and process group of the TP group, the EP degree and the MoE choices.
+
+    ``moe_mode`` (e > 1): "tep" tokens replicated, each rank runs its experts, partials reduced in
+    the MoE tail; "a2a" each rank takes 1/t of the tokens, routes them, and sends latent rows to
+    the expert owners with ``all_to_all_single``; "agrs" the same shards, all-gather of the
+    latents, reduce-scatter of the expert partials. ``moe_tail``: "auto" picks by token count
+    (``SLICED_TAIL_MIN_TOKENS``), "concat" / "sliced" force technique (a) / (b).
+    """
+
+    tp_rank: int = 0
+    tp_size: int = 1
+    group: object = None               # torch.distributed group of the TP ranks (None: world)
+    ep_size: int = 1
+    moe_mode: str = "tep"
+    moe_tail: str = "auto"
+    sliced_tail_min_tokens: int = SLICED_TAIL_MIN_TOKENS
+    trace: list | None = field(default=None, repr=False)   # (op, bytes) of each collective, when a list
+
+    def __post_init__(self) -> None:
+        if not 0 <= self.tp_rank < self.tp_size:
+            raise ValueError(f"tp_rank {self.tp_rank} outside [0, {self.tp_size})")
+        if self.ep_size < 1 or self.tp_size % self.ep_size:
+            raise ValueError(f"expert parallel size {self.ep_size} must divide the tensor parallel size "
+                             f"{self.tp_size} (experts are split over the TP ranks)")
+        if self.moe_mode not in MOE_MODES:
+            raise ValueError(f"moe_mode must be one of {MOE_MODES}, got {self.moe_mode!r}")
+        if self.moe_mode != "tep" and self.ep_size != self.tp_size:
+            raise ValueError(f"moe_mode {self.moe_mode!r} shards tokens over the EP ranks and needs expert "
+                             f"parallel size = tensor parallel size, got {self.ep_size} and {self.tp_size}")
+        if self.moe_tail not in MOE_TAILS:
+            raise ValueError(f"moe_tail must be one of {MOE_TAILS}, got {self.moe_tail!r}")
+
+    @property
+    def enabled(self) -> bool:
+        return self.tp_size > 1
+
+    # ---- expert placement --------------------------------------------------------------------
+    @property
+    def expert_tp_size(self) -> int:
+        """Ranks sharing one expert slice (each holds 1/expert_tp_size of its intermediate)."""
+        return self.tp_size // self.ep_size
+
+    @property
+    def ep_rank(self) -> int:
+        return self.tp_rank // self.expert_tp_size
+
+    @property
+    def expert_tp_rank(self) -> int:
+        return self.tp_rank % self.expert_tp_size
+
+    @property
+    def tokens_sharded(self) -> bool:
+        """The MoE runs on 1/t of the tokens per rank (all-to-all or all-gather/reduce-scatter)."""
+        return self.enabled and self.moe_mode != "tep"
+
+    def use_sliced_tail(self, num_tokens: int) -> bool:
+        if self.moe_tail == "auto":
+            return num_tokens > self.sliced_tail_min_tokens
+        return self.moe_tail == "sliced"
+
+    def split(self, n: int, what: str, size: int | None = None, rank: int | None = None) -> tuple[int, int]:
+        """(start, length) of this rank's contiguous 1/size share of n items."""
+        size = self.tp_size if size is None else size
+        rank = self.tp_rank if rank is None else rank
+        if n % size:
+            raise ValueError(f"{what} ({n}) is not divisible by the parallel degree {size}")
+        return rank * (n // size), n // size
+
+    # ---- collectives (no-ops at size 1) --------------------------------------------------------
+    def _log(self, op: str, t: torch.Tensor) -> None:
+        if self.trace is not None:
+            self.trace.append((op, t.numel() * t.element_size()))
+
+    def all_reduce(self, x: torch.Tensor) -> torch.Tensor:
+        """Sum over the TP group, in place; returns x."""
+        if self.enabled:
+            self._log("all_reduce", x)
+            dist.all_reduce(x, group=self.group)
+        return x
+
+    def all_gather_rows(self, x: torch.Tensor) -> torch.Tensor:
+        """[n, ...] on every rank -> [t*n, ...] (rank order)."""
+        if not self.enabled:
+            return x
+        self._log("all_gather", x)
+        out = x.new_empty((self.tp_size * x.shape[0], *x.shape[1:]))
+        _ALL_GATHER(out, x.contiguous(), group=self.group)
+        return out
+
+    def reduce_scatter_rows(self, x: torch.Tensor) -> torch.Tensor:
+        """[t*n, ...] partials -> this rank's [n, ...] block of the sum."""
+        if not self.enabled:
+            return x
+        self._log("reduce_scatter", x)
+        out = x.new_empty((x.shape[0] // self.tp_size, *x.shape[1:]))
+        _REDUCE_SCATTER(out, x.contiguous(), group=self.group)
+        return out
+
+    def gather_columns_to_first(self, x: torch.Tensor) -> torch.Tensor | None:
+        """[n, c] on every rank -> [n, t*c] on TP rank 0 (None elsewhere): the vocab-parallel logits."""
+        if not self.enabled:
+            return x
+        self._log("gather", x)
+        x = x.contiguous()
+        parts = [torch.empty_like(x) for _ in range(self.tp_size)] if self.tp_rank == 0 else None
+        dist.gather(x, parts, dst=dist.get_global_rank(self.group, 0) if self.group is not None else 0,
+                    group=self.group)
+        return torch.cat(parts, dim=-1) if parts is not None else None
+
+    def all_to_all(self, x: torch.Tensor, send_counts: list[int], recv_counts: list[int],
+                   async_op: bool = False):
+        """Rows [sum(send_counts), ...] -> [sum(recv_counts), ...]: rows for rank d go to d."""
+        out = x.new_empty((sum(recv_counts), *x.shape[1:]))
+        self._log("all_to_all", x)
+        work = dist.all_to_all_single(out, x.contiguous(), recv_counts, send_counts, group=self.group,
+                                      async_op=async_op)
+        return (out, work) if async_op else out
+
+    def exchange_counts(self, send_counts: torch.Tensor) -> list[int]:
+        """Each rank's int64 count per destination -> the counts this rank receives from each."""
+        recv = torch.empty_like(send_counts)
+        dist.all_to_all_single(recv, send_counts, group=self.group)
+        return recv.tolist()
+
+
+# torch 2.13 renamed the tensor collectives (the old names warn); the GPU machines run 2.11
+_ALL_GATHER = getattr(dist, "all_gather_single", None) or dist.all_gather_into_tensor
+_REDUCE_SCATTER = getattr(dist, "reduce_scatter_single", None) or dist.reduce_scatter_tensor

@@ -1,0 +1,245 @@
+"""Starting a tensor/expert-parallel group (spec parallelism §7): environment, process groups,
+process roles, failure handling.
+
+One node: rank 0 (the process that serves) spawns ranks 1..N-1 (``torch.multiprocessing``,
+spawn) and rendezvous over a free loopback port. Several nodes: every process is started by
+``torchrun`` (RANK, WORLD_SIZE, LOCAL_RANK, MASTER_ADDR/PORT); rank 0 runs the engine and the
+server, the others only ``worker_loop``. Groups: the world group for the model's collectives
+(NCCL on GPU, gloo on CPU; finite timeout) and a gloo control group for the step broadcasts.
+
+Failures are fatal for the group (spec §7.3): a worker that exits, or a rank-0 step that raises,
+logs why and takes the whole group down (exit code 1) instead of leaving ranks in a collective.
+Rank 0 watches its spawned workers; a spawned worker watches its parent; under torchrun the
+agent stops the other ranks.
+"""
+
+from __future__ import annotations
+
+import atexit
+import logging
+import os
+import socket
+import sys
+import threading
+import time
+from dataclasses import dataclass, field
+from datetime import timedelta
+
+import torch
+import torch.distributed as dist
+import torch.multiprocessing as mp
+
+from kimik3.parallel.context import MOE_MODES, MOE_TAILS, ParallelContext
+
+logger = logging.getLogger(__name__)
+
+# NVLink multicast can take a shared host's GPUs out of service (device KINDS.md): off unless set.
+NVLS_SAFE_ENV = {"NCCL_NVLS_ENABLE": "0", "TORCH_SYMM_MEM_DISABLE_MULTICAST": "1", "NVSHMEM_DISABLE_NVLS": "1"}
+# A collective that waits longer than this is a dead or diverged peer.
+DATA_TIMEOUT = timedelta(minutes=10)
+# Workers wait on the control group while the server idles; dead peers are caught by the
+# monitors (and gloo's closed connections), not by this timeout.
+CONTROL_TIMEOUT = timedelta(days=7)
+MONITOR_INTERVAL_S = 0.5
+SHUTDOWN_TIMEOUT_S = 30.0
+
+
+@dataclass(frozen=True)
+class ParallelConfig:
+    """The layout flags (vLLM's names): TP degree t = world size; with expert parallelism the
+    experts are split t ways (EP = TP group)."""
+
+    tensor_parallel_size: int = 1
+    enable_expert_parallel: bool = False
+    moe_mode: str = "tep"          # with EP: "tep", "a2a" (all-to-all) or "agrs"
+    moe_tail: str = "auto"         # "auto", "concat" (a) or "sliced" (b)
+
+    def __post_init__(self) -> None:
+        t = self.tensor_parallel_size
+        if not isinstance(t, int) or isinstance(t, bool) or t < 1:
+            raise ValueError(f"tensor_parallel_size must be a positive integer, got {t!r}")
+        if self.moe_mode not in MOE_MODES:
+            raise ValueError(f"moe_mode must be one of {MOE_MODES}, got {self.moe_mode!r}")
+        if self.moe_mode != "tep" and not self.enable_expert_parallel:
+            raise ValueError(f"moe_mode {self.moe_mode!r} needs enable_expert_parallel")
+        if self.moe_tail not in MOE_TAILS:
+            raise ValueError(f"moe_tail must be one of {MOE_TAILS}, got {self.moe_tail!r}")
+
+    def context(self, rank: int, group=None) -> ParallelContext:
+        t = self.tensor_parallel_size
+        return ParallelContext(rank, t, group, t if self.enable_expert_parallel else 1, self.moe_mode, self.moe_tail)
+
+
+def set_safe_nvls_env() -> list[str]:
+    """Set the NVLink-multicast switches to off where unset; returns the names it set."""
+    unset = [k for k in NVLS_SAFE_ENV if k not in os.environ]
+    for k in unset:
+        os.environ[k] = NVLS_SAFE_ENV[k]
+    if unset:
+        logger.info("NVLink multicast off: set %s", ", ".join(f"{k}={NVLS_SAFE_ENV[k]}" for k in unset))
+    return unset
+
+
+def init_rank(rank: int, world: int, init_method: str, device_type: str) -> tuple[torch.device, object]:
+    """Join the group: the world process group and the gloo control group. Returns (device, control)."""
+    set_safe_nvls_env()
+    if device_type == "cuda":
+        local = int(os.environ.get("LOCAL_RANK", rank))
+        if local >= torch.cuda.device_count():
+            raise RuntimeError(f"rank {rank} wants cuda:{local} but this node has {torch.cuda.device_count()} GPU(s); "
+                               f"lower --tensor-parallel-size or start more nodes with torchrun")
+        device = torch.device("cuda", local)
+        torch.cuda.set_device(device)
+        dist.init_process_group("nccl", init_method=init_method, rank=rank, world_size=world, timeout=DATA_TIMEOUT,
+                                device_id=device)
+    else:
+        device = torch.device("cpu")
+        dist.init_process_group("gloo", init_method=init_method, rank=rank, world_size=world, timeout=DATA_TIMEOUT)
+    control = dist.new_group(backend="gloo", timeout=CONTROL_TIMEOUT)
+    return device, control
+
+
+def free_port() -> int:
+    with socket.socket(socket.AF_INET, socket.SOCK_STREAM) as s:
+        s.bind(("127.0.0.1", 0))
+        return s.getsockname()[1]
+
+
+@dataclass(frozen=True)
+class WorkerSpec:
+    """What a worker needs to load its shard and join the group."""
+
+    model_path: str
+    dtype: torch.dtype
+    device_type: str
+    parallel: ParallelConfig
+    init_method: str
+    load_kwargs: dict = field(default_factory=dict)
+
+
+def run_worker(rank: int, spec: WorkerSpec) -> None:
+    """A rank > 0: join, load the shard, run steps until rank 0 stops; exit 1 on any error."""
+    from kimik3.loader.load import load_model
+    from kimik3.parallel.worker import worker_loop
+    try:
+        device, control = init_rank(rank, spec.parallel.tensor_parallel_size, spec.init_method, spec.device_type)
+        model = load_model(spec.model_path, device=device, dtype=spec.dtype,
+                           parallel=spec.parallel.context(rank), **spec.load_kwargs)
+        steps = worker_loop(model, control)
+        logger.info("worker rank %d: stopped after %d steps", rank, steps)
+        dist.destroy_process_group()
+    except BaseException:
+        logger.exception("tensor-parallel worker rank %d failed", rank)
+        logging.shutdown()
+        os._exit(1)
+
+
+def _spawned_worker(index: int, spec: WorkerSpec, parent_pid: int, log_level: int) -> None:
+    logging.basicConfig(level=log_level, format=f"%(asctime)s %(levelname)s [rank {index + 1}] %(name)s: %(message)s")
+    torch.set_num_threads(max(1, torch.get_num_threads() // spec.parallel.tensor_parallel_size))
+
+    def watch_parent():
+        while True:
+            if os.getppid() != parent_pid:
+                logger.error("rank 0 (pid %d) is gone; worker rank %d exits", parent_pid, index + 1)
+                os._exit(1)
+            time.sleep(MONITOR_INTERVAL_S)
+
+    threading.Thread(target=watch_parent, daemon=True).start()
+    run_worker(index + 1, spec)
+
+
+class ParallelGroup:
+    """Rank 0's handle on the group: the control group, the workers it spawned (watched by a
+    thread), the lock-step runner it hands to the engine, and a clean shutdown."""
+
+    def __init__(self, control, processes: list, device: torch.device):
+        self.control, self.processes, self.device = control, processes, device
+        self.runner = None
+        self._stopping = False
+        if processes:
+            threading.Thread(target=self._monitor, daemon=True, name="kimik3-tp-monitor").start()
+        atexit.register(self.close)
+
+    def runner_factory(self, *args, **kwargs):
+        from kimik3.parallel.worker import ParallelRunner
+        self.runner = ParallelRunner(*args, control=self.control, on_failure=self.fail, **kwargs)
+        return self.runner
+
+    def _monitor(self) -> None:
+        while not self._stopping:
+            for rank, p in enumerate(self.processes, start=1):
+                if p.exitcode is not None and not self._stopping:
+                    self.fail(f"tensor-parallel worker rank {rank} (pid {p.pid}) exited with code {p.exitcode}")
+            time.sleep(MONITOR_INTERVAL_S)
+
+    def fail(self, why: str) -> None:
+        """Take the group down: log, stop the workers, exit 1 (no rank may continue alone)."""
+        self._stopping = True
+        logger.error("%s; stopping all ranks", why)
+        print(f"kimik3: {why}; stopping all ranks", file=sys.stderr, flush=True)
+        for p in self.processes:
+            if p.exitcode is None:
+                p.kill()
+        logging.shutdown()
+        os._exit(1)
+
+    def close(self) -> None:
+        """Stop the workers' loops and leave the group (idempotent; also at exit)."""
+        if self._stopping:
+            return
+        self._stopping = True
+        try:
+            if self.runner is not None:
+                self.runner.shutdown()
+            for p in self.processes:
+                p.join(SHUTDOWN_TIMEOUT_S)
+                if p.exitcode is None:
+                    logger.warning("worker pid %d did not stop in %.0f s; killing it", p.pid, SHUTDOWN_TIMEOUT_S)
+                    p.kill()
+        finally:
+            if dist.is_initialized():
+                dist.destroy_process_group()
+
+
+def start_group(model_path: str, parallel: ParallelConfig, dtype: torch.dtype, device_type: str,
+                **load_kwargs):
+    """Become rank 0 of a new group (spawning the workers, or as torchrun's rank 0) and load
+    rank 0's shard: returns (model, ParallelGroup). Under torchrun a rank > 0 runs its worker
+    loop here and exits the process when rank 0 stops."""
+    from kimik3.loader.load import load_model
+    world = parallel.tensor_parallel_size
+    torchrun = "RANK" in os.environ and "WORLD_SIZE" in os.environ
+    processes = []
+    if torchrun:
+        rank, size = int(os.environ["RANK"]), int(os.environ["WORLD_SIZE"])
+        if size != world:
+            raise ValueError(f"torchrun started {size} processes but --tensor-parallel-size is {world}; "
+                             f"they must be equal (pipeline/data parallel are not supported yet)")
+        spec = WorkerSpec(str(model_path), dtype, device_type, parallel, "env://", load_kwargs)
+        if rank != 0:
+            run_worker(rank, spec)
+            sys.exit(0)
+        logger.info("rank 0 of %d on %s (torchrun)", world, socket.gethostname())
+    else:
+        if device_type == "cuda" and torch.cuda.device_count() < world:
+            raise ValueError(f"--tensor-parallel-size {world} needs {world} GPUs on this node, found "
+                             f"{torch.cuda.device_count()}; use torchrun for several nodes")
+        set_safe_nvls_env()       # the children inherit it
+        spec = WorkerSpec(str(model_path), dtype, device_type, parallel, f"tcp://127.0.0.1:{free_port()}", load_kwargs)
+        ctx = mp.get_context("spawn")
+        for i in range(world - 1):
+            p = ctx.Process(target=_spawned_worker, args=(i, spec, os.getpid(), logging.getLogger().level),
+                            daemon=True, name=f"kimik3-tp-rank{i + 1}")
+            p.start()
+            processes.append(p)
+        logger.info("spawned %d tensor-parallel worker(s): pids %s", len(processes), [p.pid for p in processes])
+    try:
+        device, control = init_rank(0, world, spec.init_method, device_type)
+        group = ParallelGroup(control, processes, device)
+        model = load_model(model_path, device=device, dtype=dtype, parallel=parallel.context(0), **load_kwargs)
+    except BaseException:
+        for p in processes:
+            p.kill()
+        raise
+    return model, group

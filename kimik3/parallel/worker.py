@@ -1,0 +1,114 @@
+"""Lock-step execution (spec parallelism §7.3): rank 0 schedules and samples, every rank runs
+each step's forward on its shards.
+
+Per step rank 0 broadcasts one ``StepDescriptor`` (the packed input ids, the ``ForwardBatch``,
+the rows to sample, the KDA state copies/resets of the step) on the gloo control group; each
+worker applies the cache ops, runs ``forward_step`` and joins the LM-head gather. The cache
+geometry goes once at start (``CacheGeometry``); ``None`` ends the loop. Workers decide nothing:
+the prefix registry, block and slot choices live on rank 0 only.
+"""
+
+from __future__ import annotations
+
+import dataclasses
+import inspect
+import logging
+from dataclasses import dataclass
+
+import torch
+import torch.distributed as dist
+
+from kimik3.engine.runner import ModelRunner
+from kimik3.model.batch import ForwardBatch
+
+logger = logging.getLogger(__name__)
+
+
+@dataclass(frozen=True)
+class CacheGeometry:
+    num_slots: int
+    num_blocks: int
+    block_size: int
+
+
+@dataclass
+class StepDescriptor:
+    input_ids: torch.Tensor                  # [T] int64, host
+    batch: ForwardBatch                      # tensors on the host
+    rows: list[int]                          # packed rows whose logits are gathered
+    state_copies: list[tuple[int, int]]      # applied before the forward, in order
+    state_resets: list[int]
+
+
+def _moved(batch: ForwardBatch, device: torch.device) -> ForwardBatch:
+    """The batch with every tensor field on ``device`` (fields added later travel too)."""
+    changes = {f.name: getattr(batch, f.name).to(device) for f in dataclasses.fields(batch)
+               if isinstance(getattr(batch, f.name), torch.Tensor)}
+    return dataclasses.replace(batch, **changes)
+
+
+def broadcast(obj, group) -> object:
+    """Rank 0's ``obj`` on every rank of ``group`` (pickled; gloo)."""
+    box = [obj]
+    dist.broadcast_object_list(box, src=0, group=group)
+    return box[0]
+
+
+class ParallelRunner(ModelRunner):
+    """Rank 0's runner: the plain runner plus one broadcast of the step before its forward.
+    Decode CUDA graphs stay off (``enforce_eager``): their replay would skip the broadcast."""
+
+    def __init__(self, model, cache, seed: int = 0, encoder_cache_tokens: int = 16384, *args, control=None,
+                 on_failure=None, **kwargs):
+        if len(args) >= 3:                       # (max_num_seqs, max_model_len, enforce_eager, ...)
+            args = (*args[:2], True, *args[3:])
+        elif "enforce_eager" in inspect.signature(ModelRunner.__init__).parameters:
+            kwargs["enforce_eager"] = True
+        super().__init__(model, cache, seed, encoder_cache_tokens, *args, **kwargs)
+        self.control = control
+        self.on_failure = on_failure
+        self._ops: tuple[list, list] = ([], [])
+        self.closed = False
+        broadcast(CacheGeometry(cache.kda_state.shape[1], cache.mla_latent.shape[1], cache.block_size), control)
+
+    def execute(self, out):
+        self._ops = (list(out.state_copies), list(out.state_resets))
+        try:
+            return super().execute(out)
+        except BaseException as e:
+            # a half-run step leaves the workers inside (or before) a collective: the group is lost
+            if self.on_failure is not None:
+                self.on_failure(f"rank 0 failed during a tensor-parallel step: {e!r}")
+            raise
+
+    def run(self, input_ids: torch.Tensor, batch: ForwardBatch, rows: list[int]):
+        broadcast(StepDescriptor(input_ids.cpu(), _moved(batch, torch.device("cpu")), list(rows), *self._ops),
+                  self.control)
+        return super().run(input_ids, batch, rows)
+
+    def shutdown(self) -> None:
+        """Tell the workers to leave their loop (idempotent)."""
+        if not self.closed:
+            self.closed = True
+            broadcast(None, self.control)
+
+
+@torch.inference_mode()
+def worker_loop(model, control) -> int:
+    """Run steps as rank 0 describes them until it says stop; returns the number of steps."""
+    device = torch.device(model.device)
+    geometry: CacheGeometry = broadcast(None, control)
+    cache = model.allocate_cache(geometry.num_slots, geometry.num_blocks, geometry.block_size)
+    steps = 0
+    while True:
+        step: StepDescriptor | None = broadcast(None, control)
+        if step is None:
+            return steps
+        for src, dst in step.state_copies:
+            cache.copy_state(src, dst)
+        for slot in step.state_resets:
+            cache.reset_state(slot)
+        hidden = model.forward_step(step.input_ids.to(device), _moved(step.batch, device), cache)
+        if step.rows:
+            model.compute_logits(hidden[torch.tensor(step.rows, device=device)])
+        steps += 1

@@ -1,0 +1,130 @@
+"""Run a function on N gloo ranks (spawned processes, file:// rendezvous) and the rank-side
+bodies of the parallel tests. Rank 0 writes what the test compares with ``torch.save``."""
+
+from __future__ import annotations
+
+import functools
+import tempfile
+import time
+
+import torch
+import torch.distributed as dist
+import torch.multiprocessing as mp
+
+from kimik3.engine import EngineConfig, LLMEngine, SamplingParams
+from kimik3.loader.load import load_model
+from kimik3.model import ForwardBatch, StateCheckpoint
+from kimik3.parallel.context import ParallelContext
+from kimik3.parallel.launch import init_rank
+from kimik3.parallel.worker import ParallelRunner, worker_loop
+
+
+def spawn(fn, world: int, *args, timeout: float = 120.0) -> None:
+    """Run ``fn(rank, world, control, *args)`` on ``world`` CPU ranks; raise on failure or timeout."""
+    init = f"file://{tempfile.mkdtemp()}/rendezvous"
+    ctx = mp.start_processes(_entry, args=(fn, world, init, args), nprocs=world, join=False, start_method="spawn")
+    deadline = time.monotonic() + timeout
+    while not ctx.join(timeout=1.0):
+        if time.monotonic() > deadline:
+            for p in ctx.processes:
+                p.kill()
+            raise TimeoutError(f"{fn.__name__} on {world} ranks did not finish in {timeout:.0f} s")
+
+
+def _entry(rank, fn, world, init, args):
+    torch.set_num_threads(1)
+    _, control = init_rank(rank, world, init, "cpu")
+    try:
+        fn(rank, world, control, *args)
+    finally:
+        dist.destroy_process_group()
+
+
+# ---- stateful steps shared by the single-process reference and the ranks ----------------------
+BLOCK = 2
+
+
+def run_steps(model, seed: int = 0):
+    """Chunked prefill of two sequences (a KDA checkpoint after 2 tokens of A), two decode steps,
+    then a third sequence resuming from A's checkpoint and first block (a prefix hit).
+    Returns (logits of every step, on TP rank 0: else None; the embedding of A's prompt; cache)."""
+    g = torch.Generator().manual_seed(seed)
+    V = model.config.text.vocab_size
+    a, b = torch.randint(5, V, (9,), generator=g).tolist(), torch.randint(5, V, (7,), generator=g).tolist()
+    cache = model.allocate_cache(num_slots=12, num_blocks=24, block_size=BLOCK)
+    tables = {0: list(range(1, 7)), 1: list(range(7, 13)), 2: [1] + list(range(13, 18))}
+    done = {0: 0, 1: 0, 2: 2}
+    slots = {0: 1, 1: 2, 2: 3}
+    plan = [({0: a[0:4], 1: b[0:5]}, (StateCheckpoint(0, 2, 9),)),
+            ({0: a[4:7]}, ()),
+            ({0: [a[7]], 1: [b[5]]}, ()),
+            ({0: [a[8]], 1: [b[6]]}, ()),
+            ("copy", ()),
+            ({2: a[2:6], 1: [a[1]]}, ())]
+    out = []
+    for chunks, checkpoints in plan:
+        if chunks == "copy":
+            cache.copy_state(9, slots[2])
+            continue
+        seqs = list(chunks)
+        batch = ForwardBatch.build([len(chunks[s]) for s in seqs], [done[s] for s in seqs], [slots[s] for s in seqs],
+                                   [tables[s] for s in seqs], BLOCK, checkpoints=checkpoints)
+        ids = torch.tensor([t for s in seqs for t in chunks[s]])
+        out.append(model.compute_logits(model.forward_step(ids, batch, cache)))
+        for s in seqs:
+            done[s] += len(chunks[s])
+    with torch.inference_mode():
+        emb = model.model.embed_tokens(torch.tensor(a))
+    return out, emb, cache
+
+
+def logits_rank(rank, world, control, ckpts: dict, layouts: dict, out_path: str):
+    results = {}
+    for arch, path in ckpts.items():
+        for name, (ep, mode, tail) in layouts.items():
+            par = ParallelContext(rank, world, None, ep, mode, tail)
+            model = load_model(path, dtype=torch.float64, parallel=par)
+            logits, emb, cache = run_steps(model)
+            results[arch, name] = (logits, emb, cache.kda_state, cache.kda_conv, cache.mla_latent)
+    if rank == 0:
+        torch.save(results, out_path)
+
+
+def engine_prompts(vocab: int) -> tuple[list[list[int]], list[list[int]]]:
+    """Two rounds: the second shares prefixes with the first (prefix-cache hits)."""
+    g = torch.Generator().manual_seed(3)
+    first = [torch.randint(5, vocab, (n,), generator=g).tolist() for n in (13, 6, 21)]
+    second = [first[0][:10] + [7, 8, 9], first[2][:16] + [11], first[1]]
+    return first, second
+
+
+def run_engine(engine: LLMEngine, prompts: list[list[int]], max_tokens: int = 6) -> tuple[list[list[int]], int]:
+    """Greedy outputs of the prompts and the prompt tokens served from the prefix cache."""
+    params = SamplingParams(temperature=0.0, max_tokens=max_tokens, ignore_eos=True)
+    for i, p in enumerate(prompts):
+        engine.add_request(str(i), {"prompt_token_ids": p}, params)
+    done: dict[str, list[int]] = {}
+    hits = 0
+    while engine.has_unfinished_requests():
+        for d in engine.step():
+            done.setdefault(d.request_id, []).extend(d.outputs[0].token_ids if d.outputs else [])
+            hits += int(d.metrics.get("num_prefix_hit_tokens", 0)) if d.finished else 0
+    return [done[str(i)] for i in range(len(prompts))], hits
+
+
+ENGINE_CONFIG = dict(max_num_seqs=4, max_num_batched_tokens=8, max_model_len=64, block_size=4,
+                     kda_checkpoint_interval=1, cache_memory_bytes=1 << 22)
+
+
+def engine_rank(rank, world, control, path: str, ep: int, mode: str, out_path: str):
+    par = ParallelContext(rank, world, None, ep, mode)
+    model = load_model(path, dtype=torch.float64, parallel=par)
+    if rank != 0:
+        worker_loop(model, control)
+        return
+    engine = LLMEngine(model, EngineConfig(**ENGINE_CONFIG), runner_factory=functools.partial(ParallelRunner,
+                                                                                              control=control))
+    first, second = engine_prompts(model.config.text.vocab_size)
+    (a, _), (b, hits) = run_engine(engine, first), run_engine(engine, second)
+    engine.runner.shutdown()
+    torch.save((a + b, hits), out_path)

@@ -1,0 +1,113 @@
+"""Tensor and expert parallelism on CPU (gloo, float64): every layout and MoE tail gives the
+single-process logits; the engine's greedy outputs do not depend on the layout (spec
+parallelism.md §7.4). Ranks are spawned processes; rank bodies live in ``ranks.py``."""
+
+import functools
+
+import pytest
+import torch
+
+from kimik3.engine import EngineConfig, LLMEngine
+from kimik3.loader.load import load_model
+from kimik3.parallel.context import ParallelContext
+from kimik3.testing import make_tiny_checkpoint
+from tests.parallel.ranks import ENGINE_CONFIG, engine_prompts, engine_rank, logits_rank, run_engine, run_steps, spawn
+
+ARCHS = ("kimi_k3", "kimi_linear")
+# name: (expert parallel size, MoE mode, tail); world = TP size
+LAYOUTS = {
+    2: {"tp2": (1, "tep", "concat"), "tp2-sliced": (1, "tep", "sliced"), "ep2": (2, "tep", "concat"),
+        "ep2-sliced": (2, "tep", "sliced"), "ep2-a2a": (2, "a2a", "auto"), "ep2-agrs": (2, "agrs", "auto")},
+    4: {"tp4": (1, "tep", "auto"), "tp4xep2": (2, "tep", "sliced"), "ep4-a2a": (4, "a2a", "auto"),
+        "ep4": (4, "tep", "concat")},
+}
+
+
+def rel_err(a, b):
+    return ((a - b).norm() / b.norm()).item()
+
+
+@pytest.fixture(scope="module")
+def ckpts(tmp_path_factory):
+    """Tiny checkpoints with 4 KDA/MLA heads (so that t = 4 divides them)."""
+    d = tmp_path_factory.mktemp("tp")
+    return {arch: make_tiny_checkpoint(d / arch, arch, seed=1, num_heads=4) for arch in ARCHS}
+
+
+@pytest.fixture(scope="module")
+def reference(ckpts):
+    out = {}
+    for arch, path in ckpts.items():
+        logits, emb, cache = run_steps(load_model(path, dtype=torch.float64))
+        out[arch] = (logits, emb, cache)
+    return out
+
+
+@pytest.mark.parametrize("world", [2, 4])
+def test_layouts_match_one_process(ckpts, reference, tmp_path, world):
+    out = tmp_path / "out.pt"
+    spawn(logits_rank, world, {a: str(p) for a, p in ckpts.items()}, LAYOUTS[world], str(out))
+    results = torch.load(out, weights_only=False)
+    for arch in ARCHS:
+        ref_logits, ref_emb, ref_cache = reference[arch]
+        for name in LAYOUTS[world]:
+            logits, emb, kda_state, kda_conv, latent = results[arch, name]
+            assert torch.equal(emb, ref_emb), f"{arch} {name}: vocab-parallel embedding not bit-exact"
+            for step, (a, b) in enumerate(zip(logits, ref_logits)):
+                assert rel_err(a, b) <= 1e-12, f"{arch} {name} step {step}: rel err {rel_err(a, b):.2e}"
+            # rank 0's KDA state is the head slice of the one-process state; the latent is whole
+            heads = kda_state.shape[2]
+            assert rel_err(kda_state, ref_cache.kda_state[:, :, :heads]) <= 1e-12, f"{arch} {name}: KDA state"
+            channels = kda_conv.shape[2] // 3
+            ref_conv = torch.cat([c[:, :, :channels] for c in ref_cache.kda_conv.chunk(3, dim=2)], dim=2)
+            assert rel_err(kda_conv, ref_conv) <= 1e-12, f"{arch} {name}: KDA conv window"
+            assert rel_err(latent, ref_cache.mla_latent) <= 1e-12, f"{arch} {name}: MLA latent cache"
+
+
+@pytest.mark.parametrize("ep,mode", [(1, "tep"), (2, "a2a")], ids=["tp2", "ep2-a2a"])
+def test_engine_greedy_outputs_match_one_process(ckpts, tmp_path, ep, mode):
+    """Chunked prefill (8-token budget), prefix-cache hits with KDA checkpoints, decode."""
+    path = ckpts["kimi_k3"]
+    engine = LLMEngine(load_model(path, dtype=torch.float64), EngineConfig(**ENGINE_CONFIG))
+    first, second = engine_prompts(engine.vocab_size)
+    (a, _), (b, hits) = run_engine(engine, first), run_engine(engine, second)
+    assert hits > 0
+    spawn(engine_rank, 2, str(path), ep, mode, str(tmp_path / "out.pt"))
+    outs, par_hits = torch.load(tmp_path / "out.pt", weights_only=False)
+    assert outs == a + b
+    assert par_hits == hits
+
+
+# ---- bad degrees ---------------------------------------------------------------------------------
+@pytest.mark.parametrize("kwargs,match", [
+    (dict(tp_size=3), "KDA heads"),
+    (dict(tp_size=4, ep_size=3), "must divide the tensor parallel size"),
+    (dict(tp_size=2, ep_size=1, moe_mode="a2a"), "needs expert parallel size = tensor parallel size"),
+    (dict(tp_size=2, moe_tail="fast"), "moe_tail"),
+])
+def test_bad_degrees_give_clear_errors(ckpts, kwargs, match):
+    from kimik3.config import load_config
+    from kimik3.model.kimi_k3 import KimiForCausalLM
+    with pytest.raises(ValueError, match=match):
+        par = ParallelContext(tp_rank=0, **kwargs)
+        with torch.device("meta"):
+            KimiForCausalLM(load_config(ckpts["kimi_k3"]), par)
+
+
+def test_expert_parallel_must_divide_the_experts(tmp_path):
+    from kimik3.config import parse_config
+    from kimik3.model.kimi_k3 import KimiForCausalLM
+    from kimik3.testing import tiny_k3_config
+    cfg = parse_config(tiny_k3_config(num_experts=6, num_heads=4, vision=False), "tiny")
+    with pytest.raises(ValueError, match="must divide the number of routed experts"), torch.device("meta"):
+        KimiForCausalLM(cfg, ParallelContext(0, 4, None, 4))
+
+
+def test_nvls_variables_are_set_when_unset(monkeypatch):
+    from kimik3.parallel.launch import NVLS_SAFE_ENV, set_safe_nvls_env
+    for k in NVLS_SAFE_ENV:
+        monkeypatch.delenv(k, raising=False)
+    monkeypatch.setenv("NCCL_NVLS_ENABLE", "0")
+    assert set_safe_nvls_env() == ["TORCH_SYMM_MEM_DISABLE_MULTICAST", "NVSHMEM_DISABLE_NVLS"]
+    import os
+    assert all(os.environ[k] == v for k, v in NVLS_SAFE_ENV.items())
