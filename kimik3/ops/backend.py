@@ -5,35 +5,40 @@ on a GPU with ``with reference_ops(): ...`` (the eager reference is the oracle).
 from __future__ import annotations
 
 import contextlib
+import contextvars
+import functools
 import logging
 
 import torch
 
 logger = logging.getLogger(__name__)
 
-_force_reference = False
-_announced = False
+# Scoped to the current thread/context: a benchmark forcing the reference in one thread does not
+# change what a server thread runs.
+_force_reference = contextvars.ContextVar("kimik3_force_reference_ops", default=False)
+
+
+@functools.cache
+def _announce() -> None:
+    logger.info("kimik3 ops: CUDA fast path (Triton kernels, fla-core KDA)")
 
 
 def use_fast_path(t: torch.Tensor) -> bool:
     """True when ``t`` lives on a CUDA device and the reference is not forced."""
-    global _announced
-    fast = t.is_cuda and not _force_reference
-    if fast and not _announced:
-        logger.info("kimik3 ops: CUDA fast path (Triton kernels, fla-core KDA)")
-        _announced = True
+    fast = t.is_cuda and not _force_reference.get()
+    if fast:
+        _announce()
     return fast
 
 
 @contextlib.contextmanager
 def reference_ops():
-    """Run every op through its torch reference, also on CUDA tensors."""
-    global _force_reference
-    previous, _force_reference = _force_reference, True
+    """Run every op through its torch reference, also on CUDA tensors (in this context)."""
+    token = _force_reference.set(True)
     try:
         yield
     finally:
-        _force_reference = previous
+        _force_reference.reset(token)
 
 
 def import_fla_kda():
