@@ -4,6 +4,8 @@ from __future__ import annotations
 
 import torch
 
+from kimik3.ops.backend import use_fast_path
+
 
 def route(logits: torch.Tensor, bias: torch.Tensor | None, top_k: int, activation: str,
           num_expert_group: int, topk_group: int, renormalize: bool, scaling_factor: float,
@@ -11,7 +13,12 @@ def route(logits: torch.Tensor, bias: torch.Tensor | None, top_k: int, activatio
     """logits [T, E] (fp32 or wider) -> (weights [T, top_k] in logits' dtype, ids [T, top_k] int64).
 
     The correction bias only changes which experts are chosen; weights use the unbiased scores.
+    CUDA (fp32 logits, up to 4096 experts): one Triton kernel per token row.
     """
+    if use_fast_path(logits) and logits.dtype == torch.float32 and logits.shape[1] <= 4096:
+        from kimik3.ops.triton.router import route_triton
+        return route_triton(logits, bias, top_k, activation, num_expert_group, topk_group, renormalize,
+                            scaling_factor, renorm_eps)
     scores = torch.sigmoid(logits) if activation == "sigmoid" else torch.softmax(logits, dim=-1)
     choice = scores if bias is None else scores + bias.to(scores.dtype)
     T, E = choice.shape
