@@ -21,6 +21,7 @@ from kimik3.ops.conv import causal_conv1d_in_pool
 from kimik3.ops.kda import kda_attention_in_pool
 from kimik3.ops.mla import mla_decode_attention, mla_prefill_attention
 from kimik3.ops.moe import fused_moe, fused_moe_mxfp4
+from kimik3.ops.router import route
 
 pytestmark = [pytest.mark.gpu, pytest.mark.skipif(not torch.cuda.is_available(), reason="needs CUDA")]
 
@@ -183,10 +184,22 @@ def check_attn_res(n=9, T=77, D=7168, seed=5) -> dict:
     return {f"attn_res.n{n}": rel_err(out, ref)}
 
 
+def check_route(T=300, E=896, k=16, seed=6) -> dict:
+    g = _gen(seed)
+    logits = torch.randn(T, E, generator=g, device="cuda") * 3
+    bias = torch.randn(E, generator=g, device="cuda") * 0.3
+    with reference_ops():
+        w_ref, i_ref = route(logits, bias, k, "sigmoid", 1, 1, True, 1.0, 1e-20)
+    poison_allocator()
+    w, i = route(logits, bias, k, "sigmoid", 1, 1, True, 1.0, 1e-20)
+    return {"route.ids_exact": float((i != i_ref).sum().item()), "route.weights": rel_err(w, w_ref)}
+
+
 CHECKS = {
     "conv": check_conv, "kda": check_kda, "mla_decode": check_mla_decode, "mla_prefill": check_mla_prefill,
     "moe_small": lambda: check_moe(T=3), "moe_mid": lambda: check_moe(T=37),
     "moe_large": lambda: check_moe(T=700, E=8, L=1024, I=512, k=4), "attn_res": check_attn_res,
+    "route": check_route,
 }
 
 
@@ -194,8 +207,8 @@ def bound(name: str) -> float:
     """Exactness flags must be 0; fp32-arithmetic results far under 1e-3; bf16 ones under 1e-2."""
     if name.endswith("_exact"):
         return 0.0
-    if name.startswith("attn_res"):
-        return 1e-4          # fp32 arithmetic on bf16 inputs
+    if name.startswith(("attn_res", "route")):
+        return 1e-4          # fp32 arithmetic
     return BF16_BOUND
 
 
