@@ -19,8 +19,9 @@ MOE_MODES = ("tep", "a2a", "agrs")
 MOE_TAILS = ("auto", "concat", "sliced")
 # Token count above which the latent-MoE tail switches from (a) one all-reduce over
 # [latent | shared] to (b) the column-sliced up-projection folded into the shared reduce.
-# Measured on 2xH200 (benchmarks/RESULTS.md "Multi-GPU"): see bench_tp2.py.
-SLICED_TAIL_MIN_TOKENS = 256
+# 2xH200, K3 widths, eager (benchmarks/RESULTS.md "Multi-GPU"): (a) faster up to 1024 tokens
+# (0.43 vs 0.46 ms), (b) from 2048 on (0.53 vs 0.58 ms; 1.58 vs 1.88 ms at 8192).
+SLICED_TAIL_MIN_TOKENS = 1024
 
 
 @dataclass
