@@ -176,6 +176,12 @@ class ParallelGroup:
     def fail(self, why: str) -> None:
         """Take the group down: log, stop the workers, exit 1 (no rank may continue alone)."""
         self._stopping = True
+        for p in self.processes:
+            p.join(0.2)                     # a peer's closed connection may arrive before its exit code
+        dead = [f"tensor-parallel worker rank {r} (pid {p.pid}) exited with code {p.exitcode}"
+                for r, p in enumerate(self.processes, start=1) if p.exitcode is not None]
+        if dead and not why.startswith("tensor-parallel worker"):
+            why = f"{why} ({'; '.join(dead)})"
         logger.error("%s; stopping all ranks", why)
         print(f"kimik3: {why}; stopping all ranks", file=sys.stderr, flush=True)
         for p in self.processes:

@@ -41,6 +41,15 @@ def add_serve_arguments(parser: argparse.ArgumentParser) -> argparse.ArgumentPar
     parser.add_argument("--shutdown-timeout", type=float, default=30.0,
                         help="seconds in-flight requests get to finish on shutdown before they are aborted")
     parser.add_argument("--log-level", default="info", choices=["debug", "info", "warning", "error"])
+    parser.add_argument("--tensor-parallel-size", "-tp", type=int, default=1,
+                        help="GPUs (ranks) the model is split over; on one node the extra ranks are spawned, "
+                             "across nodes start every rank with torchrun (rank 0 serves)")
+    parser.add_argument("--enable-expert-parallel", action="store_true",
+                        help="split whole routed experts over the tensor-parallel ranks instead of their "
+                             "intermediate")
+    parser.add_argument("--expert-parallel-mode", choices=["tep", "a2a", "agrs"], default="tep",
+                        help="with expert parallelism: tokens replicated (tep), or token-sharded MoE with "
+                             "all-to-all (a2a) or all-gather/reduce-scatter (agrs)")
     return parser
 
 
@@ -53,6 +62,15 @@ def build_engine(args: argparse.Namespace):
     config = EngineConfig(max_num_seqs=args.max_num_seqs, max_num_batched_tokens=args.max_num_batched_tokens,
                           max_model_len=args.max_model_len, enable_prefix_caching=args.enable_prefix_caching,
                           seed=args.seed)
+    tp = getattr(args, "tensor_parallel_size", 1)
+    if tp > 1 or getattr(args, "enable_expert_parallel", False):
+        from kimik3.parallel.launch import ParallelConfig, start_group
+        layout = ParallelConfig(tp, args.enable_expert_parallel,
+                                args.expert_parallel_mode if args.enable_expert_parallel else "tep")
+        model, group = start_group(args.model, layout, dtype, device.type)   # ranks > 0 never return
+        tokenizer = kimik3.load_tokenizer(args.model)
+        return LLMEngine(model, config, tokenizer=tokenizer, tokenizer_path=str(args.model),
+                         runner_factory=group.runner_factory)
     model = kimik3.load_model(args.model, device=device, dtype=dtype)
     tokenizer = kimik3.load_tokenizer(args.model)
     return LLMEngine(model, config, tokenizer=tokenizer, tokenizer_path=str(args.model))
