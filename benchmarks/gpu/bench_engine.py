@@ -29,7 +29,7 @@ import torch
 ROOT = Path(__file__).resolve().parents[2]
 sys.path.insert(0, str(ROOT))
 
-from benchmarks.gpu.bench_slice import CONFIG, build_slice        # noqa: E402
+from benchmarks.gpu.bench_slice import CONFIG, build_slice, cuda_time        # noqa: E402
 from kimik3.engine import EngineConfig, LLMEngine, SamplingParams  # noqa: E402
 
 OUT = Path(os.environ.get("OUT", ROOT / "bench_out"))
@@ -54,21 +54,6 @@ def make(model, eager: bool, max_num_seqs: int) -> LLMEngine:
     engine = LLMEngine(model, cfg)
     log(f"engine (enforce_eager={eager}) ready in {time.perf_counter() - t0:.1f}s")
     return engine
-
-
-def events_time(fn, iters=20) -> float:
-    for _ in range(3):
-        fn()
-    torch.cuda.synchronize()
-    a, b = torch.cuda.Event(enable_timing=True), torch.cuda.Event(enable_timing=True)
-    times = []
-    for _ in range(iters):
-        a.record()
-        fn()
-        b.record()
-        b.synchronize()
-        times.append(a.elapsed_time(b) / 1e3)
-    return statistics.median(times)
 
 
 def decode_steps(engine: LLMEngine, batch: int, rng: random.Random) -> dict:
@@ -97,7 +82,7 @@ def decode_steps(engine: LLMEngine, batch: int, rng: random.Random) -> dict:
     if r.graphs is not None:
         size = r.graphs.size_for(batch)
         graph, _ = r.graphs.graphs[size]
-        row["device_ms"] = events_time(graph.replay) * 1e3     # replays the last step's inputs (state is garbage after)
+        row["device_ms"] = cuda_time(graph.replay, iters=20) * 1e3     # replays the last step's inputs (state is garbage after)
         row["host_overhead_ms"] = row["wall_ms"] - row["device_ms"]
         row["host_share"] = row["host_overhead_ms"] / row["wall_ms"]
     for rid in rids:

@@ -47,18 +47,39 @@ def _ranked(lp: dict[int, float], k: int) -> list[tuple[int, float]]:
     return sorted(lp.items(), key=lambda kv: -kv[1])[:k]
 
 
-class ChatFormatter:
-    def __init__(self, request_id: str, model: str, prompt: ChatPrompt, n: int, top_logprobs: int | None,
-                 tokenizer, include_usage: bool):
+class _Formatter:
+    """What the chat and completion formatters share: ids and the streamed chunk envelope."""
+
+    chunk_object: str
+
+    def __init__(self, request_id: str, model: str, tokenizer, include_usage: bool):
         self.id = request_id
         self.model = model
         self.created = int(time.time())
+        self.tokens = _Tokens(tokenizer)
+        self.include_usage = include_usage
+
+    def _chunk(self, choices: list[dict], usage: dict | None = None) -> dict:
+        body = {"id": self.id, "object": self.chunk_object, "created": self.created, "model": self.model,
+                "choices": choices}
+        if self.include_usage:
+            body["usage"] = usage
+        return body
+
+    def usage_chunk(self, usage: dict) -> dict:
+        return self._chunk([], usage)
+
+
+class ChatFormatter(_Formatter):
+    chunk_object = "chat.completion.chunk"
+
+    def __init__(self, request_id: str, model: str, prompt: ChatPrompt, n: int, top_logprobs: int | None,
+                 tokenizer, include_usage: bool):
+        super().__init__(request_id, model, tokenizer, include_usage)
         self.parses = [make_parse(prompt) for _ in range(n)]
         self.finish: list[str | None] = [None] * n
         self.logprobs: list[list[dict]] = [[] for _ in range(n)]
         self.top_logprobs = top_logprobs
-        self.tokens = _Tokens(tokenizer)
-        self.include_usage = include_usage
 
     def _logprob_entries(self, d: ChoiceDelta) -> list[dict]:
         out = []
@@ -101,16 +122,6 @@ class ChatFormatter:
                                         "finish_reason": self.finish[d.index]}]))
         return chunks
 
-    def _chunk(self, choices: list[dict], usage: dict | None = None) -> dict:
-        body = {"id": self.id, "object": "chat.completion.chunk", "created": self.created, "model": self.model,
-                "choices": choices}
-        if self.include_usage:
-            body["usage"] = usage
-        return body
-
-    def usage_chunk(self, usage: dict) -> dict:
-        return self._chunk([], usage)
-
     def final(self, usage: dict) -> dict:
         choices = []
         for i, p in enumerate(self.parses):
@@ -126,20 +137,18 @@ class ChatFormatter:
                 "choices": choices, "usage": usage}
 
 
-class CompletionFormatter:
+class CompletionFormatter(_Formatter):
+    chunk_object = "text_completion"
+
     def __init__(self, request_id: str, model: str, num_choices: int, logprobs: int | None, tokenizer,
                  include_usage: bool, echo_texts: list[str] | None):
-        self.id = request_id
-        self.model = model
-        self.created = int(time.time())
+        super().__init__(request_id, model, tokenizer, include_usage)
         self.texts = [[] for _ in range(num_choices)]
         self.finish: list[str | None] = [None] * num_choices
         self.num_logprobs = logprobs
         self.lp = [{"tokens": [], "token_logprobs": [], "top_logprobs": [], "text_offset": []}
                    for _ in range(num_choices)]
         self.offsets = [0] * num_choices
-        self.tokens = _Tokens(tokenizer)
-        self.include_usage = include_usage
         self.echo = echo_texts
 
     def _logprobs(self, d: ChoiceDelta) -> dict | None:
@@ -173,16 +182,6 @@ class CompletionFormatter:
                 chunks.append(self._chunk([{"index": d.index, "text": text, "logprobs": lp,
                                             "finish_reason": d.finish_reason}]))
         return chunks
-
-    def _chunk(self, choices: list[dict], usage: dict | None = None) -> dict:
-        body = {"id": self.id, "object": "text_completion", "created": self.created, "model": self.model,
-                "choices": choices}
-        if self.include_usage:
-            body["usage"] = usage
-        return body
-
-    def usage_chunk(self, usage: dict) -> dict:
-        return self._chunk([], usage)
 
     def final(self, usage: dict) -> dict:
         choices = [{"index": i, "text": "".join(t), "logprobs": self.lp[i] if self.num_logprobs is not None else None,

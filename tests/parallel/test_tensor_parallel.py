@@ -2,7 +2,6 @@
 single-process logits; the engine's greedy outputs do not depend on the layout (spec
 parallelism.md §7.4). Ranks are spawned processes; rank bodies live in ``ranks.py``."""
 
-import functools
 
 import pytest
 import torch
