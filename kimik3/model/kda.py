@@ -43,7 +43,7 @@ class KimiDeltaAttention(nn.Module):
             self.g_proj = linear(hidden_size, P)
         else:
             self.g_a_proj, self.g_b_proj = linear(hidden_size, K), linear(K, P)
-        # A_log, dt_bias (and, by policy, conv and o_norm) stay fp32: see kimi_k3.FP32_PARAMS
+        # A_log, dt_bias (and, by policy, conv and o_norm) stay fp32: see KimiForCausalLM.cast
         self.A_log = nn.Parameter(torch.zeros(H))
         self.dt_bias = nn.Parameter(torch.zeros(P))
         self.o_norm = _NormWeight(K)
