@@ -226,25 +226,46 @@ class MoE(nn.Module):
         return self.shared_experts(own) if hasattr(self, "shared_experts") else None
 
     def _all_to_all_experts(self, own, z, weights, ids):
-        """Spec §2.2 protocol: bucket (token, slot) pairs by owner rank, exchange counts, send the
-        latent rows and (local id, weight), run the local experts, send the weighted rows back and
-        sum them per token. The shared experts run while the rows travel."""
+        """Spec §2.2 protocol with deduplication: one latent row per (token, destination rank),
+        whatever the number of that token's experts there. Exchange row and pair counts, send the
+        rows and, per (token, expert) pair, (row within the sender's block, local expert id,
+        weight); the destination runs each pair, sums a row's pairs (fp32 when the combine is) and
+        sends one row back per (token, destination); the owner adds them per token. The shared
+        experts run while the rows travel."""
         par = self.par
         n, k = ids.shape
+        ranks = par.tp_size
         per_rank = self.experts.w1.shape[0]
-        dest = (ids // per_rank).reshape(-1)
-        order = torch.argsort(dest, stable=True)
-        tok = torch.arange(n, device=z.device).repeat_interleave(k)[order]
-        meta = torch.stack([(ids.reshape(-1) % per_rank).to(weights.dtype), weights.reshape(-1)], -1)[order]
-        send = torch.bincount(dest, minlength=par.tp_size).tolist()
-        recv = par.exchange_counts(torch.tensor(send, dtype=torch.int64, device=z.device))
-        rows, rows_sent = par.all_to_all(z[tok], send, recv, async_op=True)
-        recv_meta = par.all_to_all(meta, send, recv)
+        dest = ids // per_rank                                              # [n, k] destination rank
+        token = torch.arange(n, device=z.device).unsqueeze(1).expand(n, k)
+        keys, pair_row = torch.unique((token * ranks + dest).reshape(-1), return_inverse=True)
+        row_dest = keys % ranks
+        order = torch.argsort(row_dest, stable=True)                        # send buffer: rows by rank
+        position = torch.empty_like(order)
+        position[order] = torch.arange(order.numel(), device=z.device)
+        row_counts = torch.bincount(row_dest, minlength=ranks)
+        row_start = torch.cumsum(row_counts, 0) - row_counts
+        pair_dest = dest.reshape(-1)
+        # row of each pair within its destination's block (< 2**24 rows: exact in fp32 metadata)
+        local_row = position[pair_row] - row_start[pair_dest]
+        pair_order = torch.argsort(pair_dest, stable=True)
+        meta = torch.stack([local_row.to(weights.dtype), (ids.reshape(-1) % per_rank).to(weights.dtype),
+                            weights.reshape(-1)], -1)[pair_order]
+        pair_counts = torch.bincount(pair_dest, minlength=ranks)
+        recv_rows = par.exchange_counts(row_counts)
+        recv_pairs = par.exchange_counts(pair_counts)
+        send_rows = row_counts.tolist()
+        rows, rows_sent = par.all_to_all(z[(keys // ranks)[order]], send_rows, recv_rows, async_op=True)
+        recv_meta = par.all_to_all(meta, pair_counts.tolist(), recv_pairs)
         s = self._shared(own)
         rows_sent.wait()
-        out = self._run_experts(rows, recv_meta[:, 1:], recv_meta[:, :1].long())
-        back = par.all_to_all(out, recv, send)
-        return self._combine(n, tok, back), s
+        recv_start = torch.cumsum(torch.tensor(recv_rows, device=z.device), 0) - torch.tensor(recv_rows, device=z.device)
+        source = torch.repeat_interleave(torch.arange(ranks, device=z.device),
+                                         torch.tensor(recv_pairs, device=z.device))
+        row_of_pair = recv_start[source] + recv_meta[:, 0].long()
+        out = self._run_experts(rows[row_of_pair], recv_meta[:, 2:], recv_meta[:, 1:2].long())
+        back = par.all_to_all(self._combine(rows.shape[0], row_of_pair, out), recv_rows, send_rows)
+        return self._combine(n, (keys // ranks)[order], back), s
 
     def _gathered_experts(self, own, z, weights, ids, n):
         """All-gather the shards' latents and routes (padded to n rows, pad ids -1), run the local
