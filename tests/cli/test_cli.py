@@ -105,3 +105,12 @@ def test_bench_reports_throughput_and_batching_gain():
             "2", "4", "--baseline-requests", "2", "--threads", "1")
     assert r.returncode == 0, r.stderr
     assert "output throughput" in r.stdout and "batching gain" in r.stdout and "TTFT" in r.stdout
+
+
+def test_generate_and_inspect_on_a_test_checkpoint(tiny_tokenizer_ckpt):
+    r = run("generate", "plain completion", "--max-tokens", "5", "--model", str(tiny_tokenizer_ckpt))
+    assert r.returncode == 0, r.stderr
+    assert "[5 tokens in" in r.stderr and r.stdout.strip()
+    r = run("inspect", "--model", str(tiny_tokenizer_ckpt))
+    assert r.returncode == 0, r.stderr
+    assert "6 = 4 KDA + 2 MLA" in r.stdout and "vision tower: no" in r.stdout and "U8 (MXFP4)" in r.stdout
