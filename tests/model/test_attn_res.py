@@ -1,0 +1,58 @@
+"""The block-residual stream (spec text-backbone §2.4): source counts per layer, identities, and the
+official vs vLLM-fused rounding of the consuming RMSNorm (README §6 item 5)."""
+
+import math
+from types import SimpleNamespace
+
+import torch
+
+from kimik3.model.attn_res import ResidualStream
+from kimik3.ops.norm import rms_norm
+
+
+def layer(D, g):
+    w = lambda: 1 + 0.1 * torch.randn(D, generator=g)                      # noqa: E731
+    return SimpleNamespace(input_layernorm=SimpleNamespace(weight=w()), post_attention_layernorm=SimpleNamespace(weight=w()),
+                           self_attention_res_norm=SimpleNamespace(weight=w()), mlp_res_norm=SimpleNamespace(weight=w()),
+                           self_attention_res_proj=SimpleNamespace(weight=torch.randn(1, D, generator=g) / math.sqrt(D)),
+                           mlp_res_proj=SimpleNamespace(weight=torch.randn(1, D, generator=g) / math.sqrt(D)))
+
+
+def test_source_counts_follow_the_block_schedule():
+    """Pre-attention: k+1 sources at a boundary (k = i // B), else k+2; pre-MLP: k+2; final: blocks + 1."""
+    D, B, L = 16, 3, 8
+    g = torch.Generator().manual_seed(0)
+    stream = ResidualStream(torch.randn(5, D, dtype=torch.float64, generator=g), B, 1e-5, False)
+    lay = layer(D, g)
+    for i in range(L):
+        stream.attn_input(i, lay)
+        k = i // B
+        assert len(stream.blocks) + (stream.partial is not None) == (k + 1 if i % B == 0 else k + 2)
+        stream.add(torch.randn(5, D, dtype=torch.float64, generator=g))
+        assert len(stream.blocks) + 1 == k + 2                         # pre-MLP sources
+        stream.add(torch.randn(5, D, dtype=torch.float64, generator=g))
+    assert len(stream.blocks) + 1 == math.ceil(L / B) + 1
+
+
+def test_first_layer_sees_exactly_the_normed_embedding():
+    g = torch.Generator().manual_seed(1)
+    h0 = torch.randn(4, 32, dtype=torch.float64, generator=g)
+    lay = layer(32, g)
+    x = ResidualStream(h0, 12, 1e-5, False).attn_input(0, lay)
+    assert torch.equal(x, rms_norm(h0, lay.input_layernorm.weight.double(), 1e-5))
+
+
+def test_fused_norm_switch_is_within_one_bf16_ulp_of_the_official_rounding():
+    g = torch.Generator().manual_seed(2)
+    D = 256
+    lay = layer(D, g)
+    outs = []
+    for fused in (False, True):
+        stream = ResidualStream(torch.randn(64, D, generator=g.manual_seed(3)).bfloat16(), 4, 1e-5, fused)
+        stream.attn_input(0, lay)
+        stream.add(torch.randn(64, D, generator=g).bfloat16())
+        outs.append(stream.mlp_input(lay).float())
+    official, fused = outs
+    assert not torch.equal(official, fused)                           # the switch does change the rounding
+    ulp = torch.finfo(torch.bfloat16).eps * official.abs().clamp_min(2 ** -20)
+    assert ((official - fused).abs() <= 2 * ulp + 1e-6).float().mean() > 0.99
