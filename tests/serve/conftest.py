@@ -12,7 +12,6 @@ import time
 
 import openai
 import pytest
-import torch
 import uvicorn
 
 import kimik3
@@ -83,10 +82,3 @@ def server():
     yield s
     s.stop()
 
-
-@pytest.fixture(autouse=True)
-def _threads():
-    before = torch.get_num_threads()
-    torch.set_num_threads(1)
-    yield
-    torch.set_num_threads(before)
