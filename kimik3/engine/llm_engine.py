@@ -52,18 +52,20 @@ class LLMEngine:
         self.eos_token_id = text.eos_token_id
         self.device = torch.device(model.device)
         dtype = model.dtype
+        # sizes of this rank's cache (under tensor parallelism a KDA state holds only the local heads)
+        cache_text = getattr(model, "cache_text_config", text)
         interval = None
         if config.enable_prefix_caching:
-            interval = config.kda_checkpoint_interval or default_checkpoint_interval(text, config.block_size, dtype)
+            interval = config.kda_checkpoint_interval or default_checkpoint_interval(cache_text, config.block_size, dtype)
         budget = config.cache_memory_bytes
         if budget is None:   # enough for max_num_seqs full-length sequences and their checkpoints
             per_seq = max_blocks_per_seq(config.max_model_len, config.block_size)
-            slot = HybridCache.bytes_per_slot(text, dtype)
-            block = HybridCache.bytes_per_block(text, config.block_size, dtype)
+            slot = HybridCache.bytes_per_slot(cache_text, dtype)
+            block = HybridCache.bytes_per_block(cache_text, config.block_size, dtype)
             n = config.max_num_seqs
             wanted = (1 + n) * slot + (1 + n * per_seq) * block + (n * per_seq // interval if interval else 0) * slot
             budget = default_cache_bytes(self.device, wanted)
-        self.plan: MemoryPlan = plan_memory(text, budget, config.block_size, config.max_num_seqs, interval, dtype)
+        self.plan: MemoryPlan = plan_memory(cache_text, budget, config.block_size, config.max_num_seqs, interval, dtype)
         need = max_blocks_per_seq(config.max_model_len, config.block_size)
         if need > self.plan.num_usable_blocks:
             raise ValueError(
@@ -71,10 +73,10 @@ class LLMEngine:
                 f"cache_memory_bytes={budget} holds {self.plan.num_usable_blocks} ({self.plan.describe()}); "
                 f"raise cache_memory_bytes or lower max_model_len to {self.plan.max_cached_tokens}")
         logger.info(self.plan.describe())
-        if hasattr(model, "allocate_cache"):        # a sharded model holds only its heads' KDA state
+        if hasattr(model, "allocate_cache"):
             self.cache = model.allocate_cache(self.plan.num_slots, self.plan.num_blocks, config.block_size)
         else:
-            self.cache = HybridCache.allocate(text, self.plan.num_slots, self.plan.num_blocks, config.block_size,
+            self.cache = HybridCache.allocate(cache_text, self.plan.num_slots, self.plan.num_blocks, config.block_size,
                                               dtype, self.device)
         self.kv = KVCacheManager(self.plan, config.enable_prefix_caching)
         self.scheduler = Scheduler(self.kv, config.max_num_seqs, config.max_num_batched_tokens)

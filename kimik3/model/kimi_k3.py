@@ -223,13 +223,19 @@ class KimiForCausalLM(nn.Module):
         logits = self.lm_head(hidden).to(torch.promote_types(self.dtype, torch.float32))
         return self.parallel.gather_columns_to_first(logits)
 
-    def allocate_cache(self, num_slots: int, num_blocks: int, block_size: int) -> HybridCache:
-        """The cache of this rank: KDA state of its local heads, the whole (replicated) MLA latent."""
+    @property
+    def cache_text_config(self) -> TextConfig:
+        """The text config that sizes this rank's cache: its local KDA heads (the MLA latent is
+        replicated, so whole). Used for both memory planning and allocation."""
         text = self.config.text
         if self.parallel.enabled:
             text = dataclasses.replace(text, kda=dataclasses.replace(text.kda, num_heads=text.kda.num_heads
                                                                     // self.parallel.tp_size))
-        return HybridCache.allocate(text, num_slots, num_blocks, block_size, self.dtype, self.device)
+        return text
+
+    def allocate_cache(self, num_slots: int, num_blocks: int, block_size: int) -> HybridCache:
+        """The cache of this rank: KDA state of its local heads, the whole (replicated) MLA latent."""
+        return HybridCache.allocate(self.cache_text_config, num_slots, num_blocks, block_size, self.dtype, self.device)
 
     @torch.inference_mode()
     def encode_images(self, pixel_values: torch.Tensor, grid_thws: torch.Tensor) -> torch.Tensor:

@@ -38,3 +38,21 @@ def test_degrees_must_divide_heads_and_experts(text_only):
         compute_sizing(text_only, 7, 1)
     with pytest.raises(ValueError, match="must divide num_experts"):
         compute_sizing(text_only, 8, 48)
+
+
+def test_rank_cache_is_planned_with_local_kda_heads(text_only):
+    """Under TP a KDA state slot holds only the rank's heads (the MLA latent stays whole): the
+    engine plans with the rank's sizes, so K3 at TP16 is not limited by 16x too large states."""
+    import torch
+
+    from kimik3.model.batch import HybridCache
+    from kimik3.model.kimi_k3 import KimiForCausalLM
+    from kimik3.parallel.context import ParallelContext
+
+    with torch.device("meta"):
+        model = KimiForCausalLM(text_only, ParallelContext(tp_rank=3, tp_size=16))
+    local = model.cache_text_config
+    assert local.kda.num_heads == 6
+    dt = torch.bfloat16
+    assert HybridCache.bytes_per_slot(local, dt) * 16 == HybridCache.bytes_per_slot(text_only.text, dt)
+    assert HybridCache.bytes_per_block(local, 16, dt) == HybridCache.bytes_per_block(text_only.text, 16, dt)
