@@ -192,3 +192,11 @@ def test_decodes_and_chunked_prefill_share_steps(budget):
     engine.add_request("long", {"prompt_token_ids": list(range(30))}, SamplingParams(temperature=0, max_tokens=1))
     out = engine.scheduler.schedule()
     assert [(c.req.request_id, c.num_tokens) for c in out.chunks] == [("short", 1), ("long", budget)]
+
+
+def test_offline_api_is_exported_at_the_top_level():
+    import kimik3
+
+    llm = kimik3.LLM(str(kimik3.DEFAULT_MODEL), max_num_seqs=2, max_model_len=64)
+    out = llm.generate(["Hello", "Hello"], kimik3.SamplingParams(max_tokens=4, temperature=0))
+    assert out[0].outputs[0].token_ids == out[1].outputs[0].token_ids and len(out[0].outputs[0].token_ids) == 4
