@@ -57,11 +57,19 @@ def component(name: str) -> str:
     return "other"
 
 
-def _meta_model(config: ModelConfig):
+def meta_model(config: ModelConfig):
+    """The model built on the meta device: exact parameter shapes, no memory."""
     from kimik3.model.kimi_k3 import KimiForCausalLM
 
     with torch.device("meta"):
         return KimiForCausalLM(config)
+
+
+def stored_bytes(name: str, numel: int, mxfp4_experts: bool) -> tuple[str, int]:
+    """(dtype label, bytes) of a parameter as the release stores it."""
+    if ".experts." in name:
+        return ("U8 (MXFP4)", numel // 2 + numel // 32) if mxfp4_experts else ("BF16", 2 * numel)
+    return ("F32", 4 * numel) if _F32_STORED.search(name) else ("BF16", 2 * numel)
 
 
 def summarize(path: str | Path) -> Summary:
@@ -69,19 +77,11 @@ def summarize(path: str | Path) -> Summary:
     path = Path(path)
     config = load_config(path)
     summary = Summary(config)
-    model = _meta_model(config)
-    expert_params = 0
-    for name, p in model.named_parameters():
+    mxfp4 = config.text.expert_quantization == "mxfp4"
+    for name, p in meta_model(config).named_parameters():
         summary.params[component(name)] += p.numel()
-        if ".experts." in name:
-            expert_params += p.numel()
-        else:
-            f32 = bool(_F32_STORED.search(name))
-            summary.stored_bytes["F32" if f32 else "BF16"] += (4 if f32 else 2) * p.numel()
-    if config.text.expert_quantization == "mxfp4":
-        summary.stored_bytes["U8 (MXFP4)"] += expert_params // 2 + expert_params // 32
-    else:
-        summary.stored_bytes["BF16"] += 2 * expert_params
+        label, nbytes = stored_bytes(name, p.numel(), mxfp4)
+        summary.stored_bytes[label] += nbytes
     headers = _header_bytes(path) if path.is_dir() else None
     if headers:
         summary.stored_bytes, summary.bytes_source = headers, "read from the safetensors headers"

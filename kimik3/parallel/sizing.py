@@ -25,7 +25,6 @@ _REPLICATED = re.compile(
     r"routed_expert_(down_proj|up_proj|norm)|\.gate\.(weight|e_score_correction_bias)$|"
     r"self_attn\.(q_a_proj|kv_a_proj_with_mqa|q_a_layernorm|kv_a_layernorm|f_a_proj|o_norm)\.|"
     r"layernorm\.weight$|_res_(norm|proj)\.|^model\.norm\.|^vision\.")
-_F32_STORED = re.compile(r"([qkv]_conv1d\.weight|A_log|dt_bias|o_norm\.weight|e_score_correction_bias)$")
 
 
 @dataclass(frozen=True)
@@ -70,19 +69,16 @@ def check_degrees(config: ModelConfig, tp: int, ep: int) -> None:
 
 
 def compute_sizing(config: ModelConfig, tp: int, ep: int, dtype: torch.dtype = torch.bfloat16) -> Sizing:
-    from kimik3.model.kimi_k3 import KimiForCausalLM
+    from kimik3.inspect import meta_model, stored_bytes
 
     check_degrees(config, tp, ep)
-    with torch.device("meta"):
-        model = KimiForCausalLM(config)
+    mxfp4 = config.text.expert_quantization == "mxfp4"
     sharded = experts = replicated = 0
-    for name, p in model.named_parameters():
-        n = p.numel()
+    for name, p in meta_model(config).named_parameters():
+        _, nbytes = stored_bytes(name, p.numel(), mxfp4)
         if ".experts." in name:
-            experts += n // 2 + n // 32 if config.text.expert_quantization == "mxfp4" else 2 * n
-            continue
-        nbytes = n * (4 if _F32_STORED.search(name) else 2)
-        if _REPLICATED.search(name):
+            experts += nbytes
+        elif _REPLICATED.search(name):
             replicated += nbytes
         else:
             sharded += nbytes
