@@ -134,6 +134,7 @@ def build_slice(cfg: dict) -> KimiForCausalLM:
                     K = s.shape[-1] * 32
                     base = 127 - round(math.log2(2 * math.sqrt(K)))
                     s.copy_((base + torch.randint(-1, 2, s.shape, generator=g, device="cuda")).to(torch.uint8))
+                m.scale_max = max(int(getattr(m, f"{w}_scale").max()) for w in ("w1", "w2", "w3"))
     model.eval()
     return model
 

@@ -135,6 +135,12 @@ class KimiForCausalLM(nn.Module):
             p.data = p.data.to(wide if keep else dtype)
         return self
 
+    def use_side_stream(self, stream: torch.cuda.Stream | None) -> None:
+        """Give every MoE layer a second CUDA stream for its small-batch overlap (None: serial)."""
+        for m in self.modules():
+            if isinstance(m, MoE):
+                m.side_stream = stream
+
     # ---- weights -------------------------------------------------------------------------
     def expected_weights(self) -> set[str]:
         """Names this model needs (text names without the multimodal prefix, vision names under

@@ -23,6 +23,10 @@ from kimik3.ops.norm import acc_dtype
 from kimik3.ops.router import route
 from kimik3.parallel.context import ParallelContext
 
+# Batches up to this many tokens run the router and the shared experts on a side CUDA stream
+# (when the model was given one), beside the routed down-projection and the routed experts.
+SIDE_STREAM_MAX_TOKENS = 256
+
 
 class Router(nn.Module):
     """``gate.weight`` [E, D] and ``gate.e_score_correction_bias`` [E] (fp32 by default, D4)."""
@@ -44,7 +48,8 @@ class Experts(nn.Module):
 
     MXFP4 storage (``use_mxfp4_storage``, chosen by the loader on CUDA): w1/w2/w3 hold the packed
     uint8 codes [E, N, K/2] and ``w{1,2,3}_scale`` the E8M0 scales [E, N, K/32]; the kernels
-    dequantize on the fly (a quarter of the bytes of bf16)."""
+    dequantize on the fly (a quarter of the bytes of bf16). ``scale_max`` is the largest scale
+    code placed so far (None: unknown, e.g. buffers written directly; the kernels then assume any)."""
 
     def __init__(self, num_experts: int, width: int, intermediate: int, first_expert: int = 0,
                  intermediate_shard: tuple[int, int] = (0, 1)):
@@ -56,6 +61,7 @@ class Experts(nn.Module):
         self.w2 = nn.Parameter(torch.zeros(num_experts, width, intermediate))
         self.w3 = nn.Parameter(torch.zeros(num_experts, intermediate, width))
         self.mxfp4 = False
+        self.scale_max: int | None = None
 
     def use_mxfp4_storage(self) -> None:
         """Switch to packed storage (before the weights are loaded)."""
@@ -67,6 +73,7 @@ class Experts(nn.Module):
             self.register_buffer(f"{which}_scale", torch.zeros(E, n, k // mxfp4.GROUP, dtype=torch.uint8, device=dev),
                                  persistent=False)
         self.mxfp4 = True
+        self.scale_max = None
 
     def packed(self, which: str) -> tuple[torch.Tensor, torch.Tensor]:
         return getattr(self, which), getattr(self, f"{which}_scale")
@@ -102,8 +109,10 @@ class Experts(nn.Module):
         if packed.dtype != torch.uint8 or scale.dtype != torch.uint8 or tuple(scale.shape) != (n, 2 * half // mxfp4.GROUP):
             raise ValueError(f"{name}: MXFP4 pair {packed.dtype} {tuple(packed.shape)} / {scale.dtype} "
                              f"{tuple(scale.shape)} does not match [N, K/2] uint8 / [N, K/32] uint8")
-        if bool((scale == 255).any()):
+        top = int(scale.max())
+        if top == 255:
             raise ValueError(f"{name}: weight_scale holds 255, the E8M0 NaN encoding")
+        self.scale_max = max(self.scale_max or 0, top)
         getattr(self, which).data[expert - self.first_expert].copy_(packed)
         getattr(self, f"{which}_scale")[expert - self.first_expert].copy_(scale)
 
@@ -133,15 +142,40 @@ class MoE(nn.Module):
             self.shared_experts = MLP(D, cfg.moe_intermediate_size * cfg.num_shared_experts, act, shared_par,
                                       reduce=False)
         self.can_slice_up = par.enabled and hasattr(self, "routed_expert_up_proj") and D % par.tp_size == 0
+        self.side_stream: torch.cuda.Stream | None = None      # set by KimiForCausalLM.use_side_stream
 
     def forward(self, x: torch.Tensor) -> torch.Tensor:
         if self.par.tokens_sharded:
             return self._forward_token_sharded(x)
-        weights, ids = self._route(x)
-        z = self.routed_expert_down_proj(x) if hasattr(self, "routed_expert_down_proj") else x
-        u = self._local_experts(z, weights, ids)
-        s = self.shared_experts(x) if hasattr(self, "shared_experts") else None
+        if self.side_stream is not None and x.shape[0] <= SIDE_STREAM_MAX_TOKENS:
+            u, s = self._overlapped(x, self.side_stream)
+        else:
+            weights, ids = self._route(x)
+            z = self.routed_expert_down_proj(x) if hasattr(self, "routed_expert_down_proj") else x
+            u = self._local_experts(z, weights, ids)
+            s = self.shared_experts(x) if hasattr(self, "shared_experts") else None
         return self._tail(u, s) if self.par.enabled else self._finish(u, s)
+
+    def _overlapped(self, x: torch.Tensor, side: torch.cuda.Stream):
+        """Small batches leave the GPU half idle in each GEMV, so two run at once: the router
+        (GEMM + top-k) on ``side`` beside the routed down-projection, then the shared experts on
+        ``side`` beside the routed experts. Same kernels and results as the serial order.
+        Memory: ``side`` starts after everything queued so far (x is ready) and the main stream
+        waits for it before any use of its outputs and before this returns, so no block the
+        caching allocator hands out here is reused while the other stream may still read it."""
+        main = torch.cuda.current_stream()
+        side.wait_stream(main)
+        with torch.cuda.stream(side):
+            weights, ids = self._route(x)
+        z = self.routed_expert_down_proj(x) if hasattr(self, "routed_expert_down_proj") else x
+        main.wait_stream(side)
+        s = None
+        if hasattr(self, "shared_experts"):
+            with torch.cuda.stream(side):
+                s = self.shared_experts(x)
+        u = self._local_experts(z, weights, ids)
+        main.wait_stream(side)
+        return u, s
 
     def _route(self, x: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
         cfg = self.cfg
@@ -156,7 +190,7 @@ class MoE(nn.Module):
             return z.new_zeros(z.shape)
         if e.mxfp4:
             return fused_moe_mxfp4(z, e.packed("w1"), e.packed("w2"), e.packed("w3"), weights, ids, self.act.hidden_act,
-                                   self.act.beta, self.act.linear_beta, cfg.numerics.moe_combine_fp32)
+                                   self.act.beta, self.act.linear_beta, cfg.numerics.moe_combine_fp32, e.scale_max)
         return fused_moe(z, e.w1, e.w2, e.w3, weights, ids, self.act, cfg.numerics.moe_combine_fp32)
 
     def _local_experts(self, z: torch.Tensor, weights: torch.Tensor, ids: torch.Tensor) -> torch.Tensor:

@@ -29,15 +29,19 @@ def fused_moe(x: torch.Tensor, w1: torch.Tensor, w2: torch.Tensor, w3: torch.Ten
 
 def fused_moe_mxfp4(x: torch.Tensor, w1: tuple[torch.Tensor, torch.Tensor], w2: tuple[torch.Tensor, torch.Tensor],
                     w3: tuple[torch.Tensor, torch.Tensor], weights: torch.Tensor, ids: torch.Tensor,
-                    hidden_act: str, beta: float, linear_beta: float | None, combine_fp32: bool) -> torch.Tensor:
+                    hidden_act: str, beta: float, linear_beta: float | None, combine_fp32: bool,
+                    scale_max: int | None = None) -> torch.Tensor:
     """Same function with MXFP4 experts: w1, w3 = (packed uint8 [E, I, L/2], scale uint8 [E, I, L/32]),
     w2 = (packed [E, L, I/2], scale [E, L, I/32]). ``hidden_act`` "situ" (beta, linear_beta) or "silu".
+    ``scale_max``: the largest E8M0 scale code in the weights when known (None: any); the CUDA
+    dequantization is one multiply cheaper when it is <= 128.
     CUDA (bf16 x): the Triton kernels always combine in fp32 with one rounding."""
     if hidden_act not in ("situ", "silu"):
         raise ValueError(f"hidden_act must be 'situ' or 'silu', got {hidden_act!r}")
     if use_fast_path(x) and x.dtype == torch.bfloat16:
         from kimik3.ops.triton.moe_mxfp4 import fused_moe_mxfp4_triton
-        return fused_moe_mxfp4_triton(x, w1, w2, w3, weights, ids, hidden_act == "situ", beta, linear_beta)
+        return fused_moe_mxfp4_triton(x, w1, w2, w3, weights, ids, hidden_act == "situ", beta, linear_beta,
+                                      high_scales=scale_max is None or scale_max > 128)
 
     def act(g, u):
         return situ_and_mul(g, u, beta, linear_beta) if hidden_act == "situ" else silu_and_mul(g, u)

@@ -146,29 +146,33 @@ def check_mla_prefill(lens=(300, 1, 77), ctx=(0, 40, 129), H=16, R=512, P=64, dn
     return {"mla.prefill": rel_err(out, ref)}
 
 
-def _packed(E, N, K, g):
+def _packed(E, N, K, g, shift=0):
+    """Random codes (all 16 E2M1 values) and scales around 1/(2 sqrt(K)) times 2**shift."""
     codes = torch.randint(0, 16, (E * N, K), generator=g, device="cuda", dtype=torch.uint8)
-    base = 127 - round(math.log2(2 * math.sqrt(K)))
+    base = 127 - round(math.log2(2 * math.sqrt(K))) + shift
     scale = (base + torch.randint(-1, 2, (E * N, K // 32), generator=g, device="cuda")).to(torch.uint8)
     packed = mxfp4.pack_codes(codes)
     dense = mxfp4.dequantize(packed, scale, F32).view(E, N, K)
     return (packed.view(E, N, K // 2), scale.view(E, N, K // 32)), dense
 
 
-def check_moe(T=37, E=16, L=512, I=384, k=4, seed=4) -> dict:
+def check_moe(T=37, E=16, L=512, I=384, k=4, seed=4, shift=0, tell_scale_max=False) -> dict:
+    """shift: scales 2**shift larger (shift 20 puts them above 128: the two-multiply dequantization);
+    tell_scale_max: pass the largest scale code (<= 128 takes the one-multiply dequantization)."""
     g = _gen(seed)
-    w1, d1 = _packed(E, I, L, g)
-    w3, d3 = _packed(E, I, L, g)
-    w2, d2 = _packed(E, L, I, g)
-    x = torch.randn(T, L, generator=g, device="cuda").to(BF16)
+    w1, d1 = _packed(E, I, L, g, shift)
+    w3, d3 = _packed(E, I, L, g, shift)
+    w2, d2 = _packed(E, L, I, g, shift)
+    scale_max = max(int(w[1].max()) for w in (w1, w2, w3)) if tell_scale_max else None
+    x = (torch.randn(T, L, generator=g, device="cuda") * 2.0 ** -shift).to(BF16)
     ids = torch.stack([torch.randperm(E, generator=g, device="cuda")[:k] for _ in range(T)])
     weights = torch.rand(T, k, generator=g, device="cuda")
     with reference_ops():   # the same bf16 roundings (projections, activation output) on the dense weights
         ref = fused_moe(x, d1.to(BF16), d2.to(BF16), d3.to(BF16), weights, ids,
                         lambda a, b: situ_and_mul(a, b, 4.0, 25.0), True)
     poison_allocator()
-    out = fused_moe_mxfp4(x, w1, w2, w3, weights, ids, "situ", 4.0, 25.0, True)
-    return {f"moe.T{T}": rel_err(out, ref)}
+    out = fused_moe_mxfp4(x, w1, w2, w3, weights, ids, "situ", 4.0, 25.0, True, scale_max)
+    return {f"moe.T{T}.shift{shift}.scale_max_{scale_max}": rel_err(out, ref)}
 
 
 def check_attn_res(n=9, T=77, D=7168, seed=5) -> dict:
@@ -198,6 +202,9 @@ def check_route(T=300, E=896, k=16, seed=6) -> dict:
 CHECKS = {
     "conv": check_conv, "kda": check_kda, "mla_decode": check_mla_decode, "mla_prefill": check_mla_prefill,
     "moe_small": lambda: check_moe(T=3), "moe_mid": lambda: check_moe(T=37),
+    "moe_one_multiply": lambda: check_moe(T=5, tell_scale_max=True, seed=9),
+    "moe_high_scales": lambda: check_moe(T=5, shift=20, seed=10),
+    "moe_high_scales_told": lambda: check_moe(T=5, shift=20, tell_scale_max=True, seed=11),
     "moe_large": lambda: check_moe(T=700, E=8, L=1024, I=512, k=4), "attn_res": check_attn_res,
     "route": check_route,
 }

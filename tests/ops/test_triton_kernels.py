@@ -105,6 +105,33 @@ def test_moe_mxfp4_kernel_matches_dense_reference(T):
     assert rel_err(out, ref) < 3e-2        # four truncating bf16 roundings in a chain
 
 
+@pytest.mark.parametrize("kernel", [True, False], ids=["one_program", "torch_ops"])
+@pytest.mark.parametrize("T,E,k,BM", [(1, 64, 16, 16), (40, 6, 3, 16), (9, 8, 8, 4), (33, 5, 2, 8)])
+def test_sort_by_expert_layout(T, E, k, BM, kernel, monkeypatch):
+    """Every assignment once, inside a block of its own expert, in row order; each expert gets
+    ceil(count / BM) blocks; -1 only for the blocks past the end."""
+    from kimik3.ops.triton import moe_mxfp4
+    if not kernel:
+        monkeypatch.setattr(moe_mxfp4, "ALIGN_KERNEL_MAX_ROWS", -1)
+    g = gen(7)
+    ids = torch.stack([torch.randperm(E, generator=g)[:k] for _ in range(T)])
+    rows, block_expert = moe_mxfp4._sort_by_expert(ids, E, BM)
+    flat, R = ids.reshape(-1).tolist(), T * k
+    rows, block_expert = rows.tolist(), block_expert.tolist()
+    placed = [r for r in rows if r != R]
+    assert sorted(placed) == list(range(R)) and len(rows) % BM == 0
+    for p, r in enumerate(rows):
+        if r != R:
+            assert block_expert[p // BM] == flat[r]
+    counts = [flat.count(e) for e in range(E)]
+    used = [b for b in block_expert if b != -1]
+    assert used == sorted(used) and all(used.count(e) == -(-counts[e] // BM) for e in range(E))
+    assert block_expert[len(used):] == [-1] * (len(block_expert) - len(used))
+    for e in range(E):
+        mine = [r for r in rows if r != R and flat[r] == e]
+        assert mine == sorted(mine)
+
+
 def test_moe_mxfp4_kernel_silu_without_up_clip():
     from kimik3.ops.triton.moe_mxfp4 import fused_moe_mxfp4_triton
     # one expert, one-hot tokens: each output sums silu over one column of W1 (W3, W2 all ones)

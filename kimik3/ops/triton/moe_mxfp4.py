@@ -20,26 +20,83 @@ import triton.language as tl
 from kimik3.ops.triton.common import INTERPRETING, dot
 
 
-@triton.jit
-def _dequant_tile(packed_ptr, scale_ptr, kh, KH, mn, BN: tl.constexpr, BKH: tl.constexpr):
-    """Packed bytes kh..kh+BKH of BN rows -> bf16 weights [BN, 2*BKH] in element order.
+# E2M1 -> bf16 on the integer units, four packed bytes (eight elements) per asm instance.
+# A nibble's magnitude bits (e1 e0 m) placed at bf16 bits 8..6 and its sign at bit 15 read as
+# the E2M1 value times 2**-126 (codes 0/1 land on bf16 subnormals). One multiply of the masked
+# nibble by 2**6 + 2**12 (low nibble) or 2**2 + 2**8 (high nibble) lands both at once (the two
+# copies do not overlap); a bf16x2 multiply by f = 2**(scale - 1) then applies 2**126 and the
+# E8M0 scale 2**(scale - 127) exactly (at most two significant bits times a power of two).
+# f is a bf16 normal for scale <= 128 (|w| <= 12); larger scales (HIGH_SCALES) multiply by
+# f = 2**(min(scale, 128) - 1) and then by g = 2**(max(scale, 128) - 128).
+# Operands: $4 = four packed bytes b0..b3; $5, $6 = bf16x2 factors of bytes (0, 1) and (2, 3)
+# ($7, $8 the same for g); outputs $0, $1 = low nibbles (elements 2i) of bytes (0, 1), (2, 3);
+# $2, $3 = high nibbles (elements 2i + 1). Each value depends only on its own byte and factor,
+# so the result does not depend on which four elements Triton hands to one instance.
+_ASM_E2M1 = """{
+    .reg .b32 t0, t1, a, nz;
+    mov.b32 nz, 0x80008000;
+    prmt.b32 t0, $4, $4, 0x1100;
+    prmt.b32 t1, $4, $4, 0x3322;
+    and.b32 a, t0, 0x000F000F;  mul.lo.u32 a, a, 0x1040;  and.b32 a, a, 0x81C081C0;  fma.rn.bf16x2 $0, a, $5, nz;
+    and.b32 a, t1, 0x000F000F;  mul.lo.u32 a, a, 0x1040;  and.b32 a, a, 0x81C081C0;  fma.rn.bf16x2 $1, a, $6, nz;
+    and.b32 a, t0, 0x00F000F0;  mul.lo.u32 a, a, 0x0104;  and.b32 a, a, 0x81C081C0;  fma.rn.bf16x2 $2, a, $5, nz;
+    and.b32 a, t1, 0x00F000F0;  mul.lo.u32 a, a, 0x0104;  and.b32 a, a, 0x81C081C0;  fma.rn.bf16x2 $3, a, $6, nz;
+"""
+ASM_LOW = tl.constexpr(_ASM_E2M1 + "}")
+ASM_HIGH = tl.constexpr(_ASM_E2M1 + """
+    fma.rn.bf16x2 $0, $0, $7, nz;  fma.rn.bf16x2 $1, $1, $8, nz;
+    fma.rn.bf16x2 $2, $2, $7, nz;  fma.rn.bf16x2 $3, $3, $8, nz;
+}""")
 
-    A nibble's magnitude bits (e1 e0 m) placed at fp16 bits 11..9 (sign at 15) read as that
-    E2M1 value times 2**-14 (code 1 lands on the fp16 subnormal 2**-15, which the fp16 -> fp32
+
+@triton.jit
+def _scales(scale_ptr, kh, KH, mn, G: tl.constexpr):
+    """E8M0 scale codes (int32 [BN, G]) of packed bytes kh..kh + 16 G (16 bytes share a scale);
+    the K loops load them one step ahead, which hides their latency (Triton does not pipeline them)."""
+    grp = kh // 16 + tl.arange(0, G)
+    return tl.load(scale_ptr + grp[None, :], mask=mn[:, None] & (grp < KH // 16)[None, :], other=113).to(tl.int32)
+
+
+@triton.jit
+def _dequant_tile(packed_ptr, sc, kh, KH, mn, BN: tl.constexpr, BKH: tl.constexpr,
+                  ASM: tl.constexpr, HIGH_SCALES: tl.constexpr):
+    """Packed bytes kh..kh+BKH of BN rows, scale codes sc [BN, BKH / 16] -> bf16 weights
+    [BN, 2*BKH] in element order.
+
+    ASM (CUDA): the integer bit placement above. Otherwise (Triton's CPU interpreter, which runs
+    no PTX): a nibble's magnitude bits placed at fp16 bits 11..9 (sign at 15) read as that E2M1
+    value times 2**-14 (code 1 lands on the fp16 subnormal 2**-15, which the fp16 -> fp32
     conversion keeps exact); one fp32 multiply by 2**(scale - 113) per element then applies the
-    E8M0 scale and the 2**14 (valid for scale <= 240, i.e. |w| < 2**114)."""
+    E8M0 scale and the 2**14 (valid for scale <= 240)."""
     kk = kh + tl.arange(0, BKH)
     mask = mn[:, None] & (kk < KH)[None, :]
-    b = tl.load(packed_ptr + kk[None, :], mask=mask, other=0).to(tl.uint16)
+    b = tl.load(packed_ptr + kk[None, :], mask=mask, other=0)
+    G: tl.constexpr = BKH // 16
+    if ASM:
+        if HIGH_SCALES:
+            f = _bf16_bits((tl.minimum(sc, 128) + 126) << 7, BN, G)
+            g = _bf16_bits((tl.maximum(sc, 128) - 1) << 7, BN, G)
+            lo, hi = tl.inline_asm_elementwise(ASM_HIGH, "=r,=r,=r,=r,r,r,r,r,r", [b, f, g],
+                                               dtype=(tl.bfloat16, tl.bfloat16), is_pure=True, pack=4)
+        else:
+            f = _bf16_bits((sc + 126) << 7, BN, G)
+            lo, hi = tl.inline_asm_elementwise(ASM_LOW, "=r,=r,=r,=r,r,r,r", [b, f],
+                                               dtype=(tl.bfloat16, tl.bfloat16), is_pure=True, pack=4)
+        return tl.reshape(tl.join(lo, hi), (BN, 2 * BKH))
+    b = b.to(tl.uint16)
     lo = (((b & 0x07) << 9) | ((b & 0x08) << 12)).to(tl.float16, bitcast=True).to(tl.float32)
     hi = (((b & 0x70) << 5) | ((b & 0x80) << 8)).to(tl.float16, bitcast=True).to(tl.float32)
-    G: tl.constexpr = BKH // 16                      # 16 packed bytes (32 elements) share a scale
-    grp = kh // 16 + tl.arange(0, G)
-    sc = tl.load(scale_ptr + grp[None, :], mask=mn[:, None] & (grp < KH // 16)[None, :], other=113).to(tl.int32)
     factor = ((sc + 14) << 23).to(tl.float32, bitcast=True)                              # [BN, G]
     factor = tl.reshape(tl.broadcast_to(factor[:, :, None], (BN, G, 16)), (BN, BKH))
     w = tl.join(lo * factor, hi * factor)                                               # [BN, BKH, 2]
     return tl.reshape(w, (BN, 2 * BKH)).to(tl.bfloat16)
+
+
+@triton.jit
+def _bf16_bits(bits, BN: tl.constexpr, G: tl.constexpr):
+    """int32 bf16 bit patterns [BN, G] -> bf16 [BN, 16 G], each repeated over its group's 16 bytes."""
+    v = bits.to(tl.int16).to(tl.bfloat16, bitcast=True)
+    return tl.reshape(tl.broadcast_to(v[:, :, None], (BN, G, 16)), (BN, 16 * G))
 
 
 @triton.jit
@@ -51,7 +108,8 @@ def _tanh(x):
 def _gate_up_kernel(x, w1p, w1s, w3p, w3s, h, sorted_rows, block_expert, num_rows, I, KH,
                     stride_x, stride_wp_e, stride_wp_n, stride_ws_e, stride_ws_n, stride_h,
                     beta, linear_beta, TOP_K: tl.constexpr, ACT_SITU: tl.constexpr, CLIP_UP: tl.constexpr,
-                    BM: tl.constexpr, BN: tl.constexpr, BKH: tl.constexpr, UPCAST: tl.constexpr):
+                    BM: tl.constexpr, BN: tl.constexpr, BKH: tl.constexpr, UPCAST: tl.constexpr,
+                    ASM: tl.constexpr, HIGH_SCALES: tl.constexpr):
     pid_m, pid_n = tl.program_id(0), tl.program_id(1)
     e = tl.load(block_expert + pid_m).to(tl.int64)
     if e < 0:
@@ -69,12 +127,16 @@ def _gate_up_kernel(x, w1p, w1s, w3p, w3s, h, sorted_rows, block_expert, num_row
     scl3 = w3s + e * stride_ws_e + n[:, None].to(tl.int64) * stride_ws_n
     acc1 = tl.zeros([BM, BN], dtype=tl.float32)
     acc3 = tl.zeros([BM, BN], dtype=tl.float32)
+    G: tl.constexpr = BKH // 16
+    sc1, sc3 = _scales(scl1, 0, KH, mn, G), _scales(scl3, 0, KH, mn, G)
     for kh in range(0, KH, BKH):
+        next1, next3 = _scales(scl1, kh + BKH, KH, mn, G), _scales(scl3, kh + BKH, KH, mn, G)
         kx = 2 * kh + kcol
         a = tl.load(x + tok[:, None] * stride_x + kx[None, :], mask=valid[:, None] & (kx < 2 * KH)[None, :],
                     other=0.0)
-        acc1 = dot(a, tl.trans(_dequant_tile(col1, scl1, kh, KH, mn, BN, BKH)), acc1, UPCAST)
-        acc3 = dot(a, tl.trans(_dequant_tile(col3, scl3, kh, KH, mn, BN, BKH)), acc3, UPCAST)
+        acc1 = dot(a, tl.trans(_dequant_tile(col1, sc1, kh, KH, mn, BN, BKH, ASM, HIGH_SCALES)), acc1, UPCAST)
+        acc3 = dot(a, tl.trans(_dequant_tile(col3, sc3, kh, KH, mn, BN, BKH, ASM, HIGH_SCALES)), acc3, UPCAST)
+        sc1, sc3 = next1, next3
     # the reference rounds both projections to the activation dtype before the activation
     g = acc1.to(h.dtype.element_ty).to(tl.float32)
     u = acc3.to(h.dtype.element_ty).to(tl.float32)
@@ -91,7 +153,8 @@ def _gate_up_kernel(x, w1p, w1s, w3p, w3s, h, sorted_rows, block_expert, num_row
 @triton.jit
 def _down_kernel(h, w2p, w2s, y, sorted_rows, block_expert, num_rows, L, KH,
                  stride_h, stride_wp_e, stride_wp_n, stride_ws_e, stride_ws_n, stride_y,
-                 BM: tl.constexpr, BN: tl.constexpr, BKH: tl.constexpr, UPCAST: tl.constexpr):
+                 BM: tl.constexpr, BN: tl.constexpr, BKH: tl.constexpr, UPCAST: tl.constexpr,
+                 ASM: tl.constexpr, HIGH_SCALES: tl.constexpr):
     pid_m, pid_n = tl.program_id(0), tl.program_id(1)
     e = tl.load(block_expert + pid_m).to(tl.int64)
     if e < 0:
@@ -105,10 +168,14 @@ def _down_kernel(h, w2p, w2s, y, sorted_rows, block_expert, num_rows, L, KH,
     col = w2p + e * stride_wp_e + n[:, None].to(tl.int64) * stride_wp_n
     scl = w2s + e * stride_ws_e + n[:, None].to(tl.int64) * stride_ws_n
     acc = tl.zeros([BM, BN], dtype=tl.float32)
+    G: tl.constexpr = BKH // 16
+    sc = _scales(scl, 0, KH, mn, G)
     for kh in range(0, KH, BKH):
+        following = _scales(scl, kh + BKH, KH, mn, G)
         kx = 2 * kh + kcol
         a = tl.load(h + offs_m[:, None].to(tl.int64) * stride_h + kx[None, :], mask=(kx < 2 * KH)[None, :], other=0.0)
-        acc = dot(a, tl.trans(_dequant_tile(col, scl, kh, KH, mn, BN, BKH)), acc, UPCAST)
+        acc = dot(a, tl.trans(_dequant_tile(col, sc, kh, KH, mn, BN, BKH, ASM, HIGH_SCALES)), acc, UPCAST)
+        sc = following
     tl.store(y + rows[:, None].to(tl.int64) * stride_y + n[None, :], acc.to(y.dtype.element_ty),
              mask=valid[:, None] & mn[None, :])
 
@@ -128,10 +195,20 @@ def _combine_kernel(y, weights, out, L, TOP_K: tl.constexpr, BL: tl.constexpr):
 def _sort_by_expert(ids: torch.Tensor, num_experts: int, BM: int):
     """Assignment rows grouped by expert, each group padded to a multiple of BM (no host sync).
     Returns sorted_rows [cap] (pad entries hold R = number of assignments) and block_expert
-    [cap / BM] (-1 for blocks past the end)."""
+    [cap / BM] (-1 for blocks past the end); within an expert rows keep their order.
+    Up to ALIGN_KERNEL_MAX_ROWS assignments (decode) one Triton program does it all; beyond, torch ops."""
     flat = ids.reshape(-1)
     R = flat.numel()
     dev = flat.device
+    cap = R + min(num_experts, R) * (BM - 1)
+    cap = (cap + BM - 1) // BM * BM
+    sorted_rows = torch.empty(cap, dtype=torch.int64, device=dev)
+    block_expert = torch.empty(cap // BM, dtype=torch.int64, device=dev)
+    if R <= ALIGN_KERNEL_MAX_ROWS:
+        _align_kernel[(1,)](flat, sorted_rows, block_expert, R, num_experts, cap, BM=BM,
+                            BR=triton.next_power_of_2(R), BE=triton.next_power_of_2(num_experts + 1),
+                            BCAP=triton.next_power_of_2(cap), num_warps=4)
+        return sorted_rows, block_expert
     counts = torch.zeros(num_experts, dtype=torch.int64, device=dev).scatter_add_(0, flat, torch.ones_like(flat))
     padded = (counts + BM - 1) // BM * BM
     pad_end = padded.cumsum(0)
@@ -139,13 +216,39 @@ def _sort_by_expert(ids: torch.Tensor, num_experts: int, BM: int):
     order = torch.argsort(flat, stable=True)
     experts = flat[order]
     rank = torch.arange(R, device=dev) - (counts.cumsum(0) - counts)[experts]
-    cap = R + min(num_experts, R) * (BM - 1)
-    cap = (cap + BM - 1) // BM * BM
-    sorted_rows = torch.full((cap,), R, dtype=torch.int64, device=dev)
+    sorted_rows.fill_(R)
     sorted_rows[pad_start[experts] + rank] = order
-    block_expert = torch.searchsorted(pad_end, torch.arange(0, cap, BM, device=dev), right=True)
-    block_expert = torch.where(block_expert < num_experts, block_expert, -1)
+    block_expert.copy_(torch.searchsorted(pad_end, torch.arange(0, cap, BM, device=dev), right=True))
+    block_expert.masked_fill_(block_expert >= num_experts, -1)
     return sorted_rows, block_expert
+
+
+ALIGN_KERNEL_MAX_ROWS = 4096
+
+
+@triton.jit
+def _align_kernel(ids, sorted_rows, block_expert, R, E, cap, BM: tl.constexpr, BR: tl.constexpr,
+                  BE: tl.constexpr, BCAP: tl.constexpr):
+    """``_sort_by_expert`` in one program: sort (expert, row) keys, count per expert, and place
+    each row at its expert's padded start plus its rank; the first row of every BM block names
+    the block's expert."""
+    i = tl.arange(0, BR)
+    e = tl.load(ids + i, mask=i < R, other=E).to(tl.int32)          # pad slots: expert E (sorted last)
+    key = tl.sort(e * BR + i)
+    se, sr = key // BR, key % BR
+    counts = tl.histogram(se, BE)
+    padded = (counts + BM - 1) // BM * BM
+    start = tl.cumsum(counts, 0) - counts
+    pad_start = tl.cumsum(padded, 0) - padded
+    rank = i - tl.gather(start, se, 0)
+    dest = tl.gather(pad_start, se, 0) + rank
+    c = tl.arange(0, BCAP)
+    tl.store(sorted_rows + c, tl.full([BCAP], 0, tl.int64) + R, mask=c < cap)
+    tl.store(block_expert + c, tl.full([BCAP], -1, tl.int64), mask=c < cap // BM)
+    tl.debug_barrier()
+    real = se < E
+    tl.store(sorted_rows + dest, sr.to(tl.int64), mask=real)
+    tl.store(block_expert + dest // BM, se.to(tl.int64), mask=real & (rank % BM == 0))
 
 
 def _tiles(rows_per_expert: float) -> dict:
@@ -159,16 +262,20 @@ def _tiles(rows_per_expert: float) -> dict:
 
 
 def fused_moe_mxfp4_triton(x: torch.Tensor, w1: tuple, w2: tuple, w3: tuple, weights: torch.Tensor,
-                           ids: torch.Tensor, act_situ: bool, beta: float, linear_beta: float | None) -> torch.Tensor:
+                           ids: torch.Tensor, act_situ: bool, beta: float, linear_beta: float | None,
+                           high_scales: bool = True, tiles: dict | None = None) -> torch.Tensor:
     """x [T, L] bf16; w1, w3 = (packed [E, I, L/2], scale [E, I, L/32]); w2 = (packed [E, L, I/2],
-    scale [E, L, I/32]); weights [T, k] fp32; ids [T, k]. Returns [T, L] in x's dtype."""
+    scale [E, L, I/32]); weights [T, k] fp32; ids [T, k]. Returns [T, L] in x's dtype.
+    high_scales: some E8M0 scale may exceed 128 (the dequantization takes two multiplies; False is
+    only valid when every scale is <= 128). tiles: override the tile choice (benchmarks; with
+    "asm": False the fp16-placement dequantization runs on CUDA too, for comparison)."""
     T, L = x.shape
     E, I = w1[0].shape[0], w1[0].shape[1]
     top_k = ids.shape[1]
     if x.dtype != torch.bfloat16:
         raise ValueError(f"the MXFP4 expert kernels take bf16 activations, got {x.dtype}")
     x = x.contiguous()
-    cfg = _tiles(T * top_k / E)
+    cfg = tiles or _tiles(T * top_k / E)
     BM = cfg["BM"]
     sorted_rows, block_expert = _sort_by_expert(ids, E, BM)
     nb = block_expert.shape[0]
@@ -180,13 +287,15 @@ def fused_moe_mxfp4_triton(x: torch.Tensor, w1: tuple, w2: tuple, w3: tuple, wei
         x, w1p, w1s, w3p, w3s, h, sorted_rows, block_expert, R, I, L // 2,
         x.stride(0), w1p.stride(0), w1p.stride(1), w1s.stride(0), w1s.stride(1), h.stride(0),
         float(beta), float(linear_beta or 1.0), TOP_K=top_k, ACT_SITU=act_situ, CLIP_UP=linear_beta is not None,
-        BM=BM, BN=cfg["BN1"], BKH=cfg["BKH"], UPCAST=INTERPRETING, num_warps=cfg["warps"], num_stages=cfg["stages"])
+        BM=BM, BN=cfg["BN1"], BKH=cfg["BKH"], UPCAST=INTERPRETING,
+        ASM=cfg.get("asm", not INTERPRETING), HIGH_SCALES=high_scales, num_warps=cfg["warps"], num_stages=cfg["stages"])
     y = torch.empty(R, L, dtype=x.dtype, device=x.device)
     w2p, w2s = w2
     _down_kernel[(nb, triton.cdiv(L, cfg["BN2"]))](
         h, w2p, w2s, y, sorted_rows, block_expert, R, L, I // 2,
         h.stride(0), w2p.stride(0), w2p.stride(1), w2s.stride(0), w2s.stride(1), y.stride(0),
-        BM=BM, BN=cfg["BN2"], BKH=cfg["BKH"], UPCAST=INTERPRETING, num_warps=cfg["warps"], num_stages=cfg["stages"])
+        BM=BM, BN=cfg["BN2"], BKH=cfg["BKH"], UPCAST=INTERPRETING,
+        ASM=cfg.get("asm", not INTERPRETING), HIGH_SCALES=high_scales, num_warps=cfg["warps"], num_stages=cfg["stages"])
     out = torch.empty(T, L, dtype=x.dtype, device=x.device)
     BL = min(1024, triton.next_power_of_2(L))
     _combine_kernel[(T, triton.cdiv(L, BL))](y, weights.contiguous(), out, L, TOP_K=top_k, BL=BL)

@@ -1,0 +1,199 @@
+"""One device call: the MXFP4 expert kernels at the slice's shapes (64 experts, latent 3584,
+expert 3072, top-16) across tile choices and both dequantizations (integer bit placement "asm"
+vs the fp16-placement path), each checked against the dense bf16 reference and timed as a CUDA
+graph replay; then the slice model's decode step with and without the MoE side stream.
+
+Bytes per call: the packed codes + scales of every expert the batch touches (weights read once);
+floor = bytes / measured copy rate.
+
+    PYTHONPATH=. python benchmarks/gpu/bench_moe.py        (writes $OUT/bench_moe.json)
+"""
+
+from __future__ import annotations
+
+import datetime
+import json
+import math
+import os
+import subprocess
+import sys
+import time
+from pathlib import Path
+
+import torch
+
+ROOT = Path(__file__).resolve().parents[2]
+sys.path.insert(0, str(ROOT))
+sys.path.insert(0, str(Path(__file__).parent))
+
+from bench_slice import (CONFIG, build_slice, ceilings, cuda_time, decode_setup, graph_time,  # noqa: E402
+                         step_fn)
+
+from kimik3.ops import mxfp4                                 # noqa: E402
+from kimik3.ops.activation import situ_and_mul               # noqa: E402
+from kimik3.ops.backend import reference_ops                 # noqa: E402
+from kimik3.ops.moe import fused_moe                         # noqa: E402
+from kimik3.ops.triton import moe_mxfp4                      # noqa: E402
+from kimik3.ops.triton.moe_mxfp4 import _sort_by_expert, _tiles, fused_moe_mxfp4_triton  # noqa: E402
+
+OUT = Path(os.environ.get("OUT", ROOT / "bench_out"))
+E, L, I, K = 64, 3584, 3072, 16
+results: dict = {}
+
+
+def log(*a):
+    print(*a, flush=True)
+
+
+def save():
+    OUT.mkdir(parents=True, exist_ok=True)
+    (OUT / "bench_moe.json").write_text(json.dumps(results, indent=1, default=str))
+
+
+def packed(N, Kd, g):
+    codes = torch.randint(0, 256, (E, N, Kd // 2), generator=g, device="cuda", dtype=torch.uint8)
+    base = 127 - round(math.log2(2 * math.sqrt(Kd)))
+    scale = (base + torch.randint(-1, 2, (E, N, Kd // 32), generator=g, device="cuda")).to(torch.uint8)
+    return codes, scale
+
+
+def graph_of(fn):
+    s = torch.cuda.Stream()
+    s.wait_stream(torch.cuda.current_stream())
+    with torch.cuda.stream(s):
+        fn()
+        fn()
+    torch.cuda.current_stream().wait_stream(s)
+    g = torch.cuda.CUDAGraph()
+    with torch.cuda.graph(g):
+        fn()
+    return g
+
+
+def rel_err(a, b):
+    return ((a.double() - b.double()).norm() / b.double().norm()).item()
+
+
+CONFIGS = [  # (BN1, BN2, BKH, warps, stages)
+    (64, 64, 64, 4, 3), (32, 32, 128, 4, 3), (64, 64, 128, 4, 3), (64, 64, 128, 4, 4),
+    (128, 128, 64, 4, 3), (128, 128, 128, 8, 3), (32, 32, 256, 4, 2), (64, 64, 256, 4, 2),
+    (64, 64, 256, 8, 3), (128, 128, 128, 4, 3), (32, 32, 64, 2, 4), (64, 64, 64, 4, 5),
+    (32, 64, 128, 4, 4), (64, 128, 128, 4, 3),
+]
+
+
+def kernels(bw):
+    g = torch.Generator(device="cuda").manual_seed(0)
+    w1, w3, w2 = packed(I, L, g), packed(I, L, g), packed(L, I, g)
+    scale_max = max(int(w[1].max()) for w in (w1, w2, w3))
+    per_expert = sum(t[0].numel() + t[1].numel() for t in (w1, w2, w3)) // E
+    rows = []
+    for T in (1, 8, 32, 128, 2048):
+        x = torch.randn(T, L, generator=g, device="cuda").to(torch.bfloat16)
+        ids = torch.stack([torch.randperm(E, generator=g, device="cuda")[:K] for _ in range(T)])
+        weights = torch.rand(T, K, generator=g, device="cuda")
+        used = torch.unique(ids)
+        floor = used.numel() * per_expert / bw
+        # reference: dense bf16 weights of the used experts only (the rest stay zero)
+        d = [torch.zeros(E, *(w[0].shape[1], w[0].shape[2] * 2), dtype=torch.bfloat16, device="cuda") for w in (w1, w2, w3)]
+        for e in used.tolist():
+            for dst, w in zip(d, (w1, w2, w3)):
+                dst[e] = mxfp4.dequantize(w[0][e], w[1][e], torch.bfloat16)
+        with reference_ops():
+            ref = fused_moe(x, d[0], d[1], d[2], weights, ids, lambda a, b: situ_and_mul(a, b, 4.0, 25.0), True)
+        del d
+        base = _tiles(T * K / E)
+        cands = [dict(base, asm=False), dict(base)]
+        if T <= 32:
+            cands += [dict(BM=16, BN1=a, BN2=b, BKH=c, warps=w, stages=s) for a, b, c, w, s in CONFIGS]
+        elif T == 128:
+            cands += [dict(BM=bm, BN1=a, BN2=b, BKH=c, warps=w, stages=s)
+                      for bm in (16, 32) for a, b, c, w, s in CONFIGS[:6]]
+        else:
+            cands += [dict(BM=128, BN1=64, BN2=128, BKH=64, warps=8, stages=3),
+                      dict(BM=64, BN1=128, BN2=128, BKH=64, warps=4, stages=3),
+                      dict(BM=128, BN1=128, BN2=128, BKH=32, warps=8, stages=3),
+                      dict(BM=128, BN1=128, BN2=128, BKH=64, warps=8, stages=3),
+                      dict(BM=64, BN1=64, BN2=128, BKH=64, warps=4, stages=4)]
+        for cfg in cands:
+            def fn(cfg=cfg):
+                return fused_moe_mxfp4_triton(x, w1, w2, w3, weights, ids, True, 4.0, 25.0,
+                                              high_scales=scale_max > 128, tiles=cfg)
+            try:
+                err = rel_err(fn(), ref)
+                graph = graph_of(fn)
+                t = cuda_time(graph.replay, warmup=3, iters=20)
+            except Exception as exc:
+                log(f"T={T} {cfg}: {exc!r}"[:300])
+                rows.append({"T": T, "cfg": cfg, "error": repr(exc)[:300]})
+                continue
+            row = {"T": T, "cfg": cfg, "ms": t * 1e3, "floor_ms": floor * 1e3, "over_floor": t / floor,
+                   "TB_s": used.numel() * per_expert / t / 1e12, "rel_err": err}
+            rows.append(row)
+            log(f"T={T:5d} {cfg} {t * 1e3:.3f} ms  {row['TB_s']:.2f} TB/s  x{row['over_floor']:.2f}  err {err:.2e}")
+            results["kernels"] = rows
+            save()
+        if T <= 128:      # the sort/alignment step alone: one Triton program vs the torch ops
+            for name, limit in (("kernel", moe_mxfp4.ALIGN_KERNEL_MAX_ROWS), ("torch", -1)):
+                saved, moe_mxfp4.ALIGN_KERNEL_MAX_ROWS = moe_mxfp4.ALIGN_KERNEL_MAX_ROWS, limit
+                gs = graph_of(lambda: _sort_by_expert(ids, E, base["BM"]))
+                moe_mxfp4.ALIGN_KERNEL_MAX_ROWS = saved
+                results.setdefault("sort_ms", {}).setdefault(name, {})[T] = cuda_time(gs.replay, warmup=3, iters=20) * 1e3
+                log(f"T={T} sort alone ({name}) {results['sort_ms'][name][T]:.4f} ms")
+    return rows
+
+
+def side_stream():
+    model = build_slice(json.loads(CONFIG.read_text()))
+    rows = []
+    for N in (1, 8, 32, 128):
+        cache, batch, ids = decode_setup(model, N)
+        fast = step_fn(model, ids, batch, cache)
+        out = {}
+        for name, stream in (("serial", None), ("side", torch.cuda.Stream()), ("serial2", None)):
+            model.use_side_stream(stream)
+            logits = fast().float()
+            out[name] = {"graph_ms": graph_time(fast) * 1e3, "eager_ms": cuda_time(fast, iters=10) * 1e3,
+                         "logits": logits}
+        model.use_side_stream(None)
+        row = {"N": N, **{k: {"graph_ms": v["graph_ms"], "eager_ms": v["eager_ms"]} for k, v in out.items()},
+               "side_vs_serial_logits_max_abs": (out["side"]["logits"] - out["serial"]["logits"]).abs().max().item()}
+        rows.append(row)
+        log(row)
+        results["side_stream"] = rows
+        save()
+        del cache, batch
+        torch.cuda.empty_cache()
+    if "--profile" in sys.argv:
+        from torch.profiler import ProfilerActivity, profile
+        cache, batch, ids = decode_setup(model, 1)
+        fast = step_fn(model, ids, batch, cache)
+        fast()
+        torch.cuda.synchronize()
+        with profile(activities=[ProfilerActivity.CUDA]) as prof:
+            fast()
+            torch.cuda.synchronize()
+        table = prof.key_averages().table(sort_by="self_cuda_time_total", row_limit=25, max_name_column_width=60)
+        log(table)
+        results["profile_b1"] = table
+
+
+def main():
+    torch.backends.cuda.matmul.allow_tf32 = False
+    results["gpu"] = torch.cuda.get_device_name()
+    results["date"] = datetime.date.today().isoformat()
+    results["commit"] = os.environ.get("KIMIK3_COMMIT") or subprocess.run(
+        ["git", "rev-parse", "--short", "HEAD"], cwd=ROOT, capture_output=True, text=True).stdout.strip()
+    t0 = time.time()
+    bw, _ = ceilings()
+    if "--no-kernels" not in sys.argv:
+        kernels(bw)
+    log(f"kernels done at {time.time() - t0:.0f}s")
+    if "--no-model" not in sys.argv:
+        side_stream()
+    log(f"done at {time.time() - t0:.0f}s")
+    save()
+
+
+if __name__ == "__main__":
+    main()
