@@ -8,6 +8,11 @@ replay: input ids, context lens, state slots, slot mapping (one int64 [4, B] blo
 tables [B, max_blocks] int32, and cu_seqlens (fixed: 0..B). MLA decode sizes its splits from
 ``max_seq_len``, pinned to max_model_len so a replay attends over any context length.
 
+While capturing, the MoE layers get a second stream (``KimiForCausalLM.use_side_stream``): the
+graphs run the router and the shared experts beside the routed path (measured faster at every
+captured size, benchmarks/RESULTS.md); eager steps stay on one stream, where the extra stream
+switches cost more host time than the overlap saves.
+
 Padding rows are token 0, context 0, state slot 0 and block 0. The ops do not skip them: fla's
 pool decode (``ssm_state_indices``), the conv window write and the latent write all read and
 write index 0. Slot 0 and block 0 are the null entries that the cache manager never hands to a
@@ -108,17 +113,21 @@ class DecodeGraphs:
         self.meta.zero_()
         self.block_tables.zero_()
         pool = None
-        for size in reversed(self.sizes):
-            side = torch.cuda.Stream()
-            side.wait_stream(torch.cuda.current_stream())
-            with torch.cuda.stream(side):          # warm-up off the capture: kernel compiles, autotuning
-                self.step(size)
-            torch.cuda.current_stream().wait_stream(side)
-            graph = torch.cuda.CUDAGraph()
-            with torch.cuda.graph(graph, pool=pool):
-                logits = self.step(size)
-            pool = graph.pool()
-            self.graphs[size] = (graph, logits)
+        self.model.use_side_stream(torch.cuda.Stream())
+        try:
+            for size in reversed(self.sizes):
+                warm = torch.cuda.Stream()
+                warm.wait_stream(torch.cuda.current_stream())
+                with torch.cuda.stream(warm):          # warm-up off the capture: kernel compiles, autotuning
+                    self.step(size)
+                torch.cuda.current_stream().wait_stream(warm)
+                graph = torch.cuda.CUDAGraph()
+                with torch.cuda.graph(graph, pool=pool):
+                    logits = self.step(size)
+                pool = graph.pool()
+                self.graphs[size] = (graph, logits)
+        finally:
+            self.model.use_side_stream(None)
         torch.cuda.synchronize()
         logger.info("captured CUDA graphs of decode steps for batch sizes %s", self.sizes)
 

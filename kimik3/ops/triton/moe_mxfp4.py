@@ -258,7 +258,7 @@ def _tiles(rows_per_expert: float) -> dict:
         return dict(BM=32, BN1=64, BN2=64, BKH=64, warps=4, stages=3)
     if rows_per_expert <= 256:
         return dict(BM=64, BN1=64, BN2=128, BKH=32, warps=4, stages=3)
-    return dict(BM=128, BN1=64, BN2=128, BKH=32, warps=8, stages=3)
+    return dict(BM=128, BN1=128, BN2=128, BKH=32, warps=8, stages=3)
 
 
 def fused_moe_mxfp4_triton(x: torch.Tensor, w1: tuple, w2: tuple, w3: tuple, weights: torch.Tensor,
