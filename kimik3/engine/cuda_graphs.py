@@ -90,6 +90,12 @@ class DecodeGraphs:
         self.block_tables = torch.zeros(largest, -(-max_model_len // cache.block_size), dtype=torch.int32,
                                         device=device)
         self.cu_seqlens = torch.arange(largest + 1, dtype=torch.int64, device=device)
+        # pinned staging copies of the inputs: the host-to-device copies then run asynchronously;
+        # ``staged`` marks when the last ones were read, before the staging is written again
+        pinned = device.type == "cuda"
+        self.meta_host = torch.zeros(self.meta.shape, dtype=torch.int64, pin_memory=pinned)
+        self.block_tables_host = torch.zeros(self.block_tables.shape, dtype=torch.int32, pin_memory=pinned)
+        self.staged = torch.cuda.Event() if pinned else None
         self.graphs: dict[int, tuple[torch.cuda.CUDAGraph, torch.Tensor]] = {}
 
     def size_for(self, n: int) -> int | None:
@@ -135,9 +141,15 @@ class DecodeGraphs:
     def run(self, meta: torch.Tensor, block_tables: torch.Tensor, num_seqs: int) -> torch.Tensor:
         """Copy the host inputs (from ``pack_decode_inputs``) in and replay: logits [num_seqs, vocab]
         (a view of the graph's output, valid until the next replay)."""
-        size = meta.shape[1]
-        self.meta[:, :size].copy_(meta, non_blocking=True)
-        self.block_tables[:size, :block_tables.shape[1]].copy_(block_tables, non_blocking=True)
+        size, width = meta.shape[1], block_tables.shape[1]
+        if self.staged is not None:
+            self.staged.synchronize()
+        self.meta_host[:, :size].copy_(meta)
+        self.block_tables_host[:size, :width].copy_(block_tables)
+        self.meta[:, :size].copy_(self.meta_host[:, :size], non_blocking=True)
+        self.block_tables[:size, :width].copy_(self.block_tables_host[:size, :width], non_blocking=True)
+        if self.staged is not None:
+            self.staged.record()
         graph, logits = self.graphs[size]
         graph.replay()
         return logits[:num_seqs]

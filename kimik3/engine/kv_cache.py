@@ -71,6 +71,8 @@ class KVCacheManager:
             return []
         step = self.interval * self.block_size
         first = (start // step + 1) * step
+        if first > end:          # the common case (a decode step between boundaries)
+            return []
         return [p // self.block_size for p in range(first, end + 1, step)]
 
     def take_checkpoint_slot(self, h: bytes) -> int | None:

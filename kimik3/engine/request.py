@@ -110,7 +110,7 @@ class Request:
             self.block_hashes.append(block_hash(parent, self.token_ids[i * bs:(i + 1) * bs], extra))
 
 
-@dataclass
+@dataclass(slots=True)
 class CompletionOutput:
     """One of the ``n`` samples of a request (vLLM's shape)."""
 
@@ -126,7 +126,7 @@ class CompletionOutput:
         return self.finish_reason is not None
 
 
-@dataclass
+@dataclass(slots=True)
 class RequestOutput:
     """A request's result (from ``LLM.generate``) or a streamed delta (from ``LLMEngine.step``).
 

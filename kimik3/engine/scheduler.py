@@ -26,11 +26,11 @@ class ScheduledChunk:
     req: Request
     num_tokens: int          # new tokens computed this step, starting at req.num_computed_tokens
     start: int               # req.num_computed_tokens when scheduled
+    # the chunk reaches the request's last token (as scheduled), so its last row gives the next token
+    samples: bool = field(init=False)
 
-    @property
-    def samples(self) -> bool:
-        """This chunk reaches the request's last token, so its last row gives the next token."""
-        return self.start + self.num_tokens == self.req.num_tokens
+    def __post_init__(self) -> None:
+        self.samples = self.start + self.num_tokens == self.req.num_tokens
 
 
 @dataclass
