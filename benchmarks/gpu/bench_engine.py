@@ -20,7 +20,6 @@ import json
 import os
 import random
 import statistics
-import subprocess
 import sys
 import time
 from pathlib import Path
@@ -30,7 +29,7 @@ import torch
 ROOT = Path(__file__).resolve().parents[2]
 sys.path.insert(0, str(ROOT))
 
-from benchmarks.gpu.bench_slice import CONFIG, build_slice, cuda_time        # noqa: E402
+from benchmarks.gpu.bench_slice import CONFIG, build_slice, commit_id, cuda_time        # noqa: E402
 from kimik3.engine import EngineConfig, LLMEngine, SamplingParams  # noqa: E402
 
 OUT = Path(os.environ.get("OUT", ROOT / "bench_out"))
@@ -113,8 +112,7 @@ def offline(engine: LLMEngine, seed: int, tag: str) -> dict:
 def main():
     results["gpu"] = torch.cuda.get_device_name()
     results["date"] = datetime.date.today().isoformat()
-    results["commit"] = subprocess.run(["git", "rev-parse", "--short", "HEAD"], cwd=ROOT, capture_output=True,
-                                       text=True).stdout.strip() or os.environ.get("KIMIK3_COMMIT", "?")
+    results["commit"] = commit_id()
     t0 = time.time()
     model = build_slice(json.loads(CONFIG.read_text()))
     log(f"slice built in {time.time() - t0:.1f}s")

@@ -15,7 +15,6 @@ import datetime
 import json
 import math
 import os
-import subprocess
 import sys
 import time
 from pathlib import Path
@@ -26,8 +25,8 @@ ROOT = Path(__file__).resolve().parents[2]
 sys.path.insert(0, str(ROOT))
 sys.path.insert(0, str(Path(__file__).parent))
 
-from bench_slice import (CONFIG, build_slice, ceilings, cuda_time, decode_setup, graph_time,  # noqa: E402
-                         step_fn)
+from bench_slice import (CONFIG, build_slice, ceilings, commit_id, cuda_time, decode_setup,  # noqa: E402
+                         graph_time, step_fn)
 
 from kimik3.ops import mxfp4                                 # noqa: E402
 from kimik3.ops.activation import situ_and_mul               # noqa: E402
@@ -193,8 +192,7 @@ def main():
     torch.backends.cuda.matmul.allow_tf32 = False
     results["gpu"] = torch.cuda.get_device_name()
     results["date"] = datetime.date.today().isoformat()
-    results["commit"] = os.environ.get("KIMIK3_COMMIT") or subprocess.run(
-        ["git", "rev-parse", "--short", "HEAD"], cwd=ROOT, capture_output=True, text=True).stdout.strip()
+    results["commit"] = commit_id()
     t0 = time.time()
     bw, _ = ceilings()
     if "--no-kernels" not in sys.argv:

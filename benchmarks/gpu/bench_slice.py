@@ -39,6 +39,17 @@ CONTEXT = 4096
 results: dict = {}
 
 
+def commit_id() -> str:
+    """KIMIK3_COMMIT when set (the device's copy of the tree may carry stale git metadata), else git."""
+    if os.environ.get("KIMIK3_COMMIT"):
+        return os.environ["KIMIK3_COMMIT"]
+    try:
+        return subprocess.run(["git", "rev-parse", "--short", "HEAD"], cwd=ROOT, capture_output=True,
+                              text=True).stdout.strip() or "?"
+    except OSError:
+        return "?"
+
+
 def log(*a):
     print(*a, flush=True)
 
@@ -339,11 +350,7 @@ def main():
     torch.backends.cuda.matmul.allow_tf32 = False
     results["gpu"] = torch.cuda.get_device_name()
     results["date"] = datetime.date.today().isoformat()
-    try:
-        results["commit"] = subprocess.run(["git", "rev-parse", "--short", "HEAD"], cwd=ROOT, capture_output=True,
-                                           text=True).stdout.strip() or os.environ.get("KIMIK3_COMMIT", "?")
-    except OSError:
-        results["commit"] = os.environ.get("KIMIK3_COMMIT", "?")
+    results["commit"] = commit_id()
     results["torch"], results["triton"] = torch.__version__, __import__("triton").__version__
     if "--skip-checks" not in sys.argv:
         run_checks()

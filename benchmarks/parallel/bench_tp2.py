@@ -303,7 +303,9 @@ def main():
         cfg = json.loads(CONFIG.read_text())
         cfg.pop("vision_config", None)
         decode_sizes, prefill_T, ctx, sweep = [1, 32, 128], 8192, 4096, [1, 16, 64, 128, 256, 512, 1024, 2048, 4096, 8192]
-    commit = subprocess.run(["git", "rev-parse", "--short", "HEAD"], capture_output=True, text=True, cwd=ROOT).stdout.strip()
+    # KIMIK3_COMMIT wins: the device's copy of the tree may carry stale git metadata
+    commit = os.environ.get("KIMIK3_COMMIT") or subprocess.run(
+        ["git", "rev-parse", "--short", "HEAD"], capture_output=True, text=True, cwd=ROOT).stdout.strip()
     results.update(commit=commit, world=world, device=torch.cuda.get_device_name() if cuda else "cpu",
                    date=datetime.date.today().isoformat(), torch=torch.__version__,
                    nvls_env={k: os.environ.get(k) for k in NVLS_SAFE_ENV},
