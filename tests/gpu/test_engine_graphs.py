@@ -123,3 +123,36 @@ def test_greedy_graphs_match_eager(model):
         gap = lp[e_toks[diff]] - lp[g_toks[diff]]
         assert gap < TIE_NATS, f"{rid}: parted at token {diff} with an eager top-2 gap of {gap:.3f} nats"
     assert exact >= len(reqs) // 2, f"only {exact} of {len(reqs)} requests equal"
+
+
+def test_moe_side_stream_graph_matches_serial(model):
+    """The decode graph captured with the MoE side stream gives the serial graph's logits exactly
+    (same kernels, same inputs) from the same cache state."""
+    from benchmarks.gpu.bench_slice import decode_setup, step_fn
+    cache, batch, ids = decode_setup(model, 3)
+    saved = [t.clone() for t in (cache.kda_conv, cache.kda_state, cache.mla_latent)]
+    step = step_fn(model, ids, batch, cache)
+    logits = {}
+    for name, stream in (("serial", None), ("side", torch.cuda.Stream())):
+        model.use_side_stream(stream)
+        try:
+            warm = torch.cuda.Stream()
+            warm.wait_stream(torch.cuda.current_stream())
+            with torch.cuda.stream(warm):
+                step()
+            torch.cuda.current_stream().wait_stream(warm)
+            graph = torch.cuda.CUDAGraph()
+            with torch.cuda.graph(graph):
+                out = step()
+        finally:
+            model.use_side_stream(None)
+        for t, s in zip((cache.kda_conv, cache.kda_state, cache.mla_latent), saved):
+            t.copy_(s)
+        graph.replay()
+        logits[name] = out.clone()
+        states = cache.kda_state.clone()
+        logits[name + "_state"] = states
+        for t, s in zip((cache.kda_conv, cache.kda_state, cache.mla_latent), saved):
+            t.copy_(s)
+    assert torch.equal(logits["side"], logits["serial"])
+    assert torch.equal(logits["side_state"], logits["serial_state"])

@@ -1,0 +1,50 @@
+"""Routed-expert storage: packed MXFP4 placement and the largest scale code the kernels rely on."""
+
+from __future__ import annotations
+
+import pytest
+import torch
+
+from kimik3.model.moe import Experts
+from kimik3.ops import mxfp4
+
+
+def _packed_pair(n: int, k: int, scale_code: int, seed: int):
+    g = torch.Generator().manual_seed(seed)
+    packed = torch.randint(0, 256, (n, k // 2), generator=g, dtype=torch.uint8)
+    scale = torch.full((n, k // mxfp4.GROUP), scale_code, dtype=torch.uint8)
+    scale[0, 0] = scale_code - 3
+    return packed, scale
+
+
+def test_scale_max_tracks_the_largest_loaded_scale_code():
+    experts = Experts(num_experts=2, width=64, intermediate=32)
+    experts.use_mxfp4_storage()
+    assert experts.scale_max is None                       # unknown: kernels assume any scale
+    experts.load_expert_mxfp4(0, "w1", *_packed_pair(32, 64, 120, 0), name="e0.w1")
+    assert experts.scale_max == 120
+    experts.load_expert_mxfp4(1, "w2", *_packed_pair(64, 32, 131, 1), name="e1.w2")
+    assert experts.scale_max == 131
+    experts.load_expert_mxfp4(1, "w3", *_packed_pair(32, 64, 100, 2), name="e1.w3")
+    assert experts.scale_max == 131
+    packed, scale = _packed_pair(32, 64, 120, 0)
+    assert torch.equal(experts.w1[0], packed) and torch.equal(experts.w1_scale[0], scale)
+
+
+def test_dense_weights_quantized_on_load_also_track_scale_max():
+    experts = Experts(num_experts=1, width=64, intermediate=32)
+    experts.use_mxfp4_storage()
+    w = torch.randn(32, 64) * 2.0 ** -6
+    experts.load_expert(0, "w1", w, name="e0.w1")
+    _, scale = mxfp4.quantize(w)
+    assert experts.scale_max == int(scale.max())
+
+
+def test_nan_scale_is_rejected_and_not_recorded():
+    experts = Experts(num_experts=1, width=64, intermediate=32)
+    experts.use_mxfp4_storage()
+    packed, scale = _packed_pair(32, 64, 120, 0)
+    scale[3, 1] = 255
+    with pytest.raises(ValueError, match="e0.w1: weight_scale holds 255"):
+        experts.load_expert_mxfp4(0, "w1", packed, scale, name="e0.w1")
+    assert experts.scale_max is None
