@@ -19,6 +19,9 @@ class EngineConfig:
     seed: int = 0                           # engine RNG (requests without their own seed)
     encoder_cache_tokens: int = 16384       # image embedding rows kept by content hash (one max-size K3 image)
     enforce_eager: bool = False             # True: no CUDA graphs (decode steps run eagerly too)
+    num_speculative_tokens: int = 0         # n-gram draft tokens verified per step (0 = off; speculative.py)
+    speculative_ngram_min: int = 2          # shortest suffix n-gram looked up for a draft
+    speculative_ngram_max: int = 4          # longest suffix n-gram looked up for a draft
 
     def __post_init__(self) -> None:
         for name in ("max_num_seqs", "max_num_batched_tokens", "max_model_len", "block_size"):
@@ -31,6 +34,12 @@ class EngineConfig:
                 not isinstance(self.kda_checkpoint_interval, int) or self.kda_checkpoint_interval < 1):
             raise ValueError(f"kda_checkpoint_interval must be a positive integer or None (auto), "
                              f"got {self.kda_checkpoint_interval!r}")
+        if not isinstance(self.num_speculative_tokens, int) or self.num_speculative_tokens < 0:
+            raise ValueError(f"num_speculative_tokens must be a non-negative integer, got {self.num_speculative_tokens!r}")
+        if not (isinstance(self.speculative_ngram_min, int) and isinstance(self.speculative_ngram_max, int)
+                and 1 <= self.speculative_ngram_min <= self.speculative_ngram_max):
+            raise ValueError(f"speculative n-gram sizes need 1 <= speculative_ngram_min <= speculative_ngram_max, "
+                             f"got {self.speculative_ngram_min!r} and {self.speculative_ngram_max!r}")
         if self.cache_memory_bytes is not None and self.cache_memory_bytes <= 0:
             raise ValueError(f"cache_memory_bytes must be positive or None (auto), got {self.cache_memory_bytes!r}")
 

@@ -35,7 +35,9 @@ class KVCacheManager:
         self.blocks = BlockPool(plan.num_blocks, on_evict=self._drop_checkpoint)
         live = range(1, plan.num_live_slots + 1)
         self.free_live_slots = list(reversed(live))
-        self.free_checkpoint_slots = list(reversed(range(plan.num_live_slots + 1, plan.num_slots)))
+        first_ckpt = plan.num_live_slots + plan.num_spec_slots + 1
+        self.free_spec_slots = list(reversed(range(plan.num_live_slots + 1, first_ckpt)))
+        self.free_checkpoint_slots = list(reversed(range(first_ckpt, plan.num_slots)))
         self.checkpoints: OrderedDict[bytes, int] = OrderedDict()   # block hash -> slot, LRU first
         self.num_hit_tokens = 0
         self.num_queried_tokens = 0
@@ -143,8 +145,21 @@ class KVCacheManager:
         req.block_ids.extend(self.blocks.allocate() for _ in range(need))
         return True
 
+    def take_spec_slots(self, n: int) -> list[int]:
+        """Up to ``n`` speculative snapshot slots (fewer when the pool runs short)."""
+        n = min(n, len(self.free_spec_slots))
+        taken = self.free_spec_slots[len(self.free_spec_slots) - n:]
+        del self.free_spec_slots[len(self.free_spec_slots) - n:]
+        return taken
+
+    def return_spec_slots(self, slots) -> None:
+        self.free_spec_slots.extend(slots)
+
     def free(self, req: Request) -> None:
         """Return everything the request holds (its cached blocks stay reusable until evicted)."""
+        if req.pending_state_copy is not None:        # a speculative rollback that will not run
+            self.free_spec_slots.append(req.pending_state_copy[0])
+            req.pending_state_copy = None
         self.blocks.release(req.block_ids)
         req.block_ids = []
         req.num_cached_blocks = 0

@@ -65,7 +65,8 @@ class LLMEngine:
             n = config.max_num_seqs
             wanted = (1 + n) * slot + (1 + n * per_seq) * block + (n * per_seq // interval if interval else 0) * slot
             budget = default_cache_bytes(self.device, wanted)
-        self.plan: MemoryPlan = plan_memory(cache_text, budget, config.block_size, config.max_num_seqs, interval, dtype)
+        self.plan: MemoryPlan = plan_memory(cache_text, budget, config.block_size, config.max_num_seqs, interval, dtype,
+                                            num_spec_slots=config.max_num_seqs * config.num_speculative_tokens)
         need = max_blocks_per_seq(config.max_model_len, config.block_size)
         if need > self.plan.num_usable_blocks:
             raise ValueError(
@@ -79,7 +80,11 @@ class LLMEngine:
             self.cache = HybridCache.allocate(cache_text, self.plan.num_slots, self.plan.num_blocks, config.block_size,
                                               dtype, self.device)
         self.kv = KVCacheManager(self.plan, config.enable_prefix_caching)
-        self.scheduler = Scheduler(self.kv, config.max_num_seqs, config.max_num_batched_tokens)
+        self.scheduler = Scheduler(self.kv, config.max_num_seqs, config.max_num_batched_tokens,
+                                   config.num_speculative_tokens, config.speculative_ngram_min,
+                                   config.speculative_ngram_max, config.max_model_len)
+        self.num_draft_tokens = 0         # speculative decoding: drafts verified / accepted so far
+        self.num_accepted_tokens = 0
         self.runner = (runner_factory or ModelRunner)(model, self.cache, config.seed, config.encoder_cache_tokens,
                                                       config.max_num_seqs, config.max_model_len, config.enforce_eager)
         self._tokenizer = tokenizer
@@ -234,25 +239,49 @@ class LLMEngine:
         try:
             result = self.runner.execute(out)
         except BaseException:
-            self.kv.return_checkpoint_slots(ck.slot for ck in out.checkpoints)
+            self.kv.return_checkpoint_slots(ck.slot for ck, h in zip(out.checkpoints, out.checkpoint_hashes)
+                                            if h is not None)
+            self.kv.return_spec_slots(slot for c in out.chunks for slot in c.spec_slots)
             raise
+        sampling = [c for c in out.chunks if c.samples]
+        accepted = result.accepted or [[] for _ in sampling]
+        for c, drafts in zip(sampling, accepted):
+            if c.draft:
+                self._settle_drafts(c, len(drafts))
         self.scheduler.update(out)
         now = time.monotonic()
-        sampling = [c.req for c in out.chunks if c.samples]
-        for req, token, lp in zip(sampling, result.token_ids, result.logprobs):
-            req.append_token(token)
+        for c, token, lp, drafts in zip(sampling, result.token_ids, result.logprobs, accepted):
+            req = c.req
             if req.first_token_time is None:
                 req.first_token_time = now
-            if req.params.logprobs is not None:
-                req.logprobs.append(lp)
-            reason = self._check_stop(req, token)
-            if reason is not None:
-                if req.detok is not None and not isinstance(req.stop_reason, str):
-                    req.detok.finish()
-                self.scheduler.finish(req, reason)
-                req.finish_time = now
+            for t in (*drafts, token):
+                req.append_token(t)
+                if req.params.logprobs is not None:
+                    req.logprobs.append(lp)
+                reason = self._check_stop(req, t)
+                if reason is not None:
+                    if req.detok is not None and not isinstance(req.stop_reason, str):
+                        req.detok.finish()
+                    self.scheduler.finish(req, reason)
+                    req.finish_time = now
+                    break
             touched[req.group_id] = self.groups[req.group_id]
         return self._deltas(touched)
+
+    def _settle_drafts(self, c, m: int) -> None:
+        """A speculative chunk accepted ``m`` of its drafts: keep the snapshot after row m + 1 for
+        the request's next step (unless every draft was accepted: then the live state is right)."""
+        req = c.req
+        c.num_accepted = m
+        req.num_draft_tokens += len(c.draft)
+        req.num_accepted_tokens += m
+        self.num_draft_tokens += len(c.draft)
+        self.num_accepted_tokens += m
+        if m < len(c.draft):
+            req.pending_state_copy = (c.spec_slots[m], req.state_slot)
+            self.kv.return_spec_slots(c.spec_slots[:m] + c.spec_slots[m + 1:])
+        else:
+            self.kv.return_spec_slots(c.spec_slots)
 
     def _check_stop(self, req: Request, token: int) -> str | None:
         p = req.params

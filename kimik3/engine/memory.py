@@ -1,7 +1,8 @@
 """Memory planner: split one byte budget between the two cache pools of the hybrid model.
 
 * KDA state pool (fixed size per sequence, every KDA layer): slot 0 is the null slot, then one
-  live slot per running sequence (``max_num_seqs``), then prefix-cache checkpoint slots.
+  live slot per running sequence (``max_num_seqs``), then ``num_speculative_tokens`` snapshot
+  slots per running sequence when speculative decoding is on, then prefix-cache checkpoint slots.
 * MLA latent cache (grows with length): block 0 is the null block, then ``num_blocks - 1`` usable
   blocks of ``block_size`` tokens.
 
@@ -26,11 +27,12 @@ class MemoryPlan:
     num_blocks: int                 # MLA latent-cache blocks, null block 0 included
     num_slots: int                  # KDA state-pool slots: null + live + checkpoint
     num_live_slots: int             # = max_num_seqs, slots 1..num_live_slots
-    num_checkpoint_slots: int       # slots num_live_slots+1 .. num_slots-1
+    num_checkpoint_slots: int       # the last slots, after the live and speculative ones
     checkpoint_interval: int | None # blocks between KDA checkpoints; None = prefix caching off
     bytes_per_block: int
     bytes_per_slot: int
     budget_bytes: int
+    num_spec_slots: int = 0         # speculative-decoding snapshots: slots num_live_slots+1 .. +num_spec_slots
 
     @property
     def num_usable_blocks(self) -> int:
@@ -51,7 +53,9 @@ class MemoryPlan:
               if self.checkpoint_interval else "no KDA checkpoints (prefix caching off)")
         return (f"cache plan: {self.total_bytes / gib:.3f} of {self.budget_bytes / gib:.3f} GiB -> "
                 f"{self.max_cached_tokens} latent tokens ({self.num_usable_blocks} blocks x {self.block_size}), "
-                f"{self.num_live_slots} sequence states, {ck}; "
+                f"{self.num_live_slots} sequence states, "
+                + (f"{self.num_spec_slots} speculative snapshots, " if self.num_spec_slots else "")
+                + f"{ck}; "
                 f"{self.bytes_per_block} B/block, {self.bytes_per_slot} B/state")
 
 
@@ -62,7 +66,7 @@ def default_checkpoint_interval(text_config, block_size: int, dtype: torch.dtype
 
 
 def plan_memory(text_config, budget_bytes: int, block_size: int, max_num_seqs: int,
-                checkpoint_interval: int | None, dtype: torch.dtype) -> MemoryPlan:
+                checkpoint_interval: int | None, dtype: torch.dtype, num_spec_slots: int = 0) -> MemoryPlan:
     """Size both pools from ``budget_bytes``; ``checkpoint_interval=None`` plans no checkpoint slots.
 
     Raises ValueError when the budget cannot hold the live states plus one usable block.
@@ -76,7 +80,7 @@ def plan_memory(text_config, budget_bytes: int, block_size: int, max_num_seqs: i
                          f"got {checkpoint_interval}")
     per_slot = HybridCache.bytes_per_slot(text_config, dtype)
     per_block = HybridCache.bytes_per_block(text_config, block_size, dtype)
-    fixed = (1 + max_num_seqs) * per_slot + per_block          # null slot, live slots, null block
+    fixed = (1 + max_num_seqs + num_spec_slots) * per_slot + per_block   # null, live and snapshot slots, null block
     left = budget_bytes - fixed
     # Cost of one usable block, counting its share of a checkpoint slot (ceil: never over budget).
     per_unit = per_block * (checkpoint_interval or 1) + (per_slot if checkpoint_interval else 0)
@@ -90,12 +94,14 @@ def plan_memory(text_config, budget_bytes: int, block_size: int, max_num_seqs: i
         need = fixed + per_block + (per_slot if checkpoint_interval else 0)
         raise ValueError(
             f"cache_memory_bytes={budget_bytes} cannot hold {max_num_seqs} sequence states "
+            + (f"and {num_spec_slots} speculative snapshots " if num_spec_slots else "") +
             f"({per_slot} B each, plus the null slot) and one {block_size}-token latent block ({per_block} B); "
             f"give at least {need} bytes or lower max_num_seqs")
-    return MemoryPlan(block_size=block_size, num_blocks=1 + num_blocks, num_slots=1 + max_num_seqs + num_ckpt,
+    return MemoryPlan(block_size=block_size, num_blocks=1 + num_blocks,
+                      num_slots=1 + max_num_seqs + num_spec_slots + num_ckpt,
                       num_live_slots=max_num_seqs, num_checkpoint_slots=num_ckpt,
                       checkpoint_interval=checkpoint_interval, bytes_per_block=per_block,
-                      bytes_per_slot=per_slot, budget_bytes=budget_bytes)
+                      bytes_per_slot=per_slot, budget_bytes=budget_bytes, num_spec_slots=num_spec_slots)
 
 
 def max_blocks_per_seq(max_model_len: int, block_size: int) -> int:

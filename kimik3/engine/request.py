@@ -65,6 +65,11 @@ class Request:
     wait_for: Request | None = None  # sibling whose prompt this one reuses from the prefix cache
     num_preemptions: int = 0
     num_prefix_hit_tokens: int = 0
+    # speculative decoding: (snapshot slot, live slot) to copy before this request's next step
+    # (the state after its last accepted token), and its draft statistics
+    pending_state_copy: tuple[int, int] | None = None
+    num_draft_tokens: int = 0
+    num_accepted_tokens: int = 0
     text: str = ""
     detok: object | None = None     # incremental detokenizer state (engine-owned)
     num_sent_tokens: int = 0        # tokens already returned as deltas

@@ -22,6 +22,7 @@ from kimik3.engine.cuda_graphs import DecodeGraphs, pack_decode_inputs
 from kimik3.engine.encoder_cache import EncoderCache
 from kimik3.engine.request import Request
 from kimik3.engine.sampler import SamplerOutput, SamplingBatch, sample
+from kimik3.engine.speculative import accept_greedy, can_speculate
 from kimik3.engine.scheduler import ScheduledChunk, SchedulerOutput
 from kimik3.model.batch import ForwardBatch, HybridCache
 
@@ -55,9 +56,10 @@ class ModelRunner:
         ids: list[int] = []
         rows: list[int] = []
         for c in out.chunks:
-            ids.extend(c.req.token_ids[c.start:c.start + c.num_tokens])
-            if c.samples:
-                rows.append(len(ids) - 1)
+            ids.extend(c.req.token_ids[c.start:c.start + c.num_tokens - len(c.draft)])
+            ids.extend(c.draft)
+            if c.samples:          # a speculative chunk needs every row: row j verifies draft j + 1
+                rows.extend(range(len(ids) - 1 - len(c.draft), len(ids)))
         batch = ForwardBatch.build(
             query_lens=[c.num_tokens for c in out.chunks],
             context_lens=[c.start for c in out.chunks],
@@ -157,11 +159,40 @@ class ModelRunner:
         return logits[torch.tensor(rows, device=self.device)] if rows else None
 
     def sample(self, out: SchedulerOutput, logits: torch.Tensor | None) -> SamplerOutput:
-        """One token per sampling chunk from its logits row (argmax when every row is plain greedy)."""
+        """One token per sampling chunk from its logits row (argmax when every row is plain greedy).
+        A speculative chunk brings one row per draft plus one: its drafts are accepted while they
+        equal the greedy tokens, and its token is the greedy token after the last accepted one."""
         if logits is None:
             return SamplerOutput([], [])
-        reqs = [c.req for c in out.chunks if c.samples]
-        if all(r.params.greedy and not r.params.has_penalties and r.params.logprobs is None for r in reqs):
+        chunks = [c for c in out.chunks if c.samples]
+        reqs = [c.req for c in chunks]
+        if not any(c.draft for c in chunks):
+            return self._sample_last_rows(reqs, logits)
+        last, spans, r = [], [], 0
+        for c in chunks:
+            spans.append((r, r + 1 + len(c.draft)))
+            r += 1 + len(c.draft)
+            last.append(r - 1)
+        if all(can_speculate(q.params) for q in reqs):
+            targets = logits.argmax(-1).tolist()                   # one device sync for every row
+            result = SamplerOutput([targets[i] for i in last], [None] * len(reqs))
+        else:
+            result = self._sample_last_rows(reqs, logits[torch.tensor(last, device=logits.device)])
+            spec_rows = [j for c, (a, b) in zip(chunks, spans) if c.draft for j in range(a, b)]
+            greedy = logits[torch.tensor(spec_rows, device=logits.device)].argmax(-1).tolist()
+            targets = [0] * r
+            for j, t in zip(spec_rows, greedy):
+                targets[j] = t
+        result.accepted = []
+        for i, (c, (a, b)) in enumerate(zip(chunks, spans)):
+            m = accept_greedy(c.draft, targets[a:b]) if c.draft else 0
+            result.accepted.append(c.draft[:m])
+            if c.draft:
+                result.token_ids[i] = targets[a + m]
+        return result
+
+    def _sample_last_rows(self, reqs, logits: torch.Tensor) -> SamplerOutput:
+        if all(can_speculate(r.params) for r in reqs):           # plain greedy: argmax, one sync
             return SamplerOutput(logits.argmax(-1).tolist(), [None] * len(reqs))
         sb = SamplingBatch.build([r.params for r in reqs], [r.generator for r in reqs],
                                  [r.prompt_token_ids for r in reqs], [r.output_token_ids for r in reqs],

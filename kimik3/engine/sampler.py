@@ -118,6 +118,8 @@ def draw(probs: torch.Tensor, generators: list[torch.Generator | None],
 class SamplerOutput:
     token_ids: list[int]
     logprobs: list[dict[int, float] | None]
+    # per sampling chunk, the draft tokens accepted before ``token_ids[i]`` (speculative decoding)
+    accepted: list[list[int]] | None = None
 
 
 def sample(logits: torch.Tensor, b: SamplingBatch, default_generator: torch.Generator | None = None) -> SamplerOutput:

@@ -9,6 +9,10 @@ Rules, in order, per step (budget = ``max_num_batched_tokens``):
    part. Nothing is admitted in a step that preempted (the cache is short already). The samples
    2..n of an n > 1 request wait until sample 1 has computed the prompt, then hit its blocks.
 3. Chunks that cross a KDA checkpoint boundary ask the model for a state snapshot there.
+4. With speculative decoding on, a greedy decode step carries n-gram draft tokens (within the
+   budget, max_tokens, max_model_len, free snapshot slots, and short of the next checkpoint
+   boundary) and asks for a snapshot after each but the last (``speculative.py``); a request
+   whose drafts were partly rejected first copies its snapshot back (``pending_state_copy``).
 """
 
 from __future__ import annotations
@@ -18,19 +22,23 @@ from dataclasses import dataclass, field
 
 from kimik3.engine.kv_cache import KVCacheManager
 from kimik3.engine.request import Request, RequestStatus
+from kimik3.engine.speculative import can_speculate, propose_ngram
 from kimik3.model.batch import StateCheckpoint
 
 
 @dataclass
 class ScheduledChunk:
     req: Request
-    num_tokens: int          # new tokens computed this step, starting at req.num_computed_tokens
+    num_tokens: int          # new tokens computed this step, starting at req.num_computed_tokens (drafts included)
     start: int               # req.num_computed_tokens when scheduled
+    draft: list[int] = field(default_factory=list)       # speculative tokens after the request's last token
+    spec_slots: list[int] = field(default_factory=list)  # snapshot slot after row j + 1, per draft token j
+    num_accepted: int = 0    # drafts the step accepted (set by the engine before ``Scheduler.update``)
     # the chunk reaches the request's last token (as scheduled), so its last row gives the next token
     samples: bool = field(init=False)
 
     def __post_init__(self) -> None:
-        self.samples = self.start + self.num_tokens == self.req.num_tokens
+        self.samples = self.start + self.num_tokens - len(self.draft) == self.req.num_tokens
 
 
 @dataclass
@@ -41,7 +49,7 @@ class SchedulerOutput:
     state_copies: list[tuple[int, int]] = field(default_factory=list)   # (checkpoint slot, live slot) before the step
     state_resets: list[int] = field(default_factory=list)               # live slots to zero before the step
     checkpoints: list[StateCheckpoint] = field(default_factory=list)    # seq = index into chunks
-    checkpoint_hashes: list[bytes] = field(default_factory=list)        # block hash of each checkpoint
+    checkpoint_hashes: list[bytes | None] = field(default_factory=list)  # block hash per checkpoint; None: speculative
     preempted: list[Request] = field(default_factory=list)
 
     @property
@@ -54,10 +62,15 @@ class SchedulerOutput:
 
 
 class Scheduler:
-    def __init__(self, kv: KVCacheManager, max_num_seqs: int, max_num_batched_tokens: int):
+    def __init__(self, kv: KVCacheManager, max_num_seqs: int, max_num_batched_tokens: int,
+                 num_speculative_tokens: int = 0, ngram_min: int = 2, ngram_max: int = 4,
+                 max_model_len: int | None = None):
         self.kv = kv
         self.max_num_seqs = max_num_seqs
         self.max_num_batched_tokens = max_num_batched_tokens
+        self.num_speculative_tokens = num_speculative_tokens
+        self.ngram_min, self.ngram_max = ngram_min, ngram_max
+        self.max_model_len = max_model_len
         self.waiting: deque[Request] = deque()
         self.running: list[Request] = []
         self.num_preemptions = 0
@@ -74,16 +87,23 @@ class Scheduler:
         i = 0
         while i < len(self.running) and budget > 0:
             req = self.running[i]
+            if req.pending_state_copy is not None:     # roll back to the last accepted draft first
+                out.state_copies.append(req.pending_state_copy)
+                self.kv.return_spec_slots([req.pending_state_copy[0]])
+                req.pending_state_copy = None
             n = min(req.num_tokens - req.num_computed_tokens, budget)
-            while not self.kv.allocate(req, n):
+            draft = self._draft(req, budget) if n == 1 else []
+            while not self.kv.allocate(req, n + len(draft)):
                 victim = self.running.pop()
                 self._preempt(victim)
                 out.preempted.append(victim)
                 if victim is req:
                     break
             else:
-                self._add_chunk(out, req, n)
-                budget -= n
+                slots = self.kv.take_spec_slots(len(draft))
+                draft = draft[:len(slots)]
+                self._add_chunk(out, req, n + len(draft), draft, slots)
+                budget -= n + len(draft)
                 i += 1
         while not out.preempted and self.waiting and budget > 0 and len(self.running) < self.max_num_seqs:
             req = self.waiting[0]
@@ -114,16 +134,37 @@ class Scheduler:
         return (first is not None and not first.is_finished
                 and first.num_computed_tokens < first.num_prompt_tokens)
 
-    def _add_chunk(self, out: SchedulerOutput, req: Request, n: int) -> None:
+    def _draft(self, req: Request, budget: int) -> list[int]:
+        """N-gram draft tokens for a decode step of ``req`` (see rule 4)."""
+        k = self.num_speculative_tokens
+        if not k or not can_speculate(req.params):
+            return []
+        k = min(k, budget - 1, req.params.max_tokens - req.num_output_tokens - 1)
+        if self.max_model_len is not None:
+            k = min(k, self.max_model_len - req.num_tokens - 1)
+        start = req.num_computed_tokens
+        if self.kv.enable_prefix_caching:
+            # a checkpoint boundary inside the drafts would need a block hash of unconfirmed tokens
+            step = self.kv.interval * self.kv.block_size
+            first = (start // step + 1) * step
+            boundary = first if first > start + 1 else first + step
+            k = min(k, boundary - start - 2)
+        return propose_ngram(req.token_ids, k, self.ngram_min, self.ngram_max) if k > 0 else []
+
+    def _add_chunk(self, out: SchedulerOutput, req: Request, n: int, draft: list[int] | None = None,
+                   spec_slots: list[int] | None = None) -> None:
         start = req.num_computed_tokens
         seq = len(out.chunks)
-        out.chunks.append(ScheduledChunk(req, n, start))
+        out.chunks.append(ScheduledChunk(req, n, start, draft or [], spec_slots or []))
         for j in self.kv.checkpoint_boundaries(start, start + n):
             h = req.block_hashes[j - 1]
             slot = self.kv.take_checkpoint_slot(h)
             if slot is not None:
                 out.checkpoints.append(StateCheckpoint(seq, j * self.kv.block_size - start, slot))
                 out.checkpoint_hashes.append(h)
+        for j, slot in enumerate(spec_slots or []):      # state after row j + 1 (the real token, drafts 1..j)
+            out.checkpoints.append(StateCheckpoint(seq, j + 1, slot))
+            out.checkpoint_hashes.append(None)
 
     def _preempt(self, req: Request) -> None:
         self.kv.free(req)
@@ -136,10 +177,11 @@ class Scheduler:
     def update(self, out: SchedulerOutput) -> None:
         """After the step ran: advance computed counts, register cached blocks and checkpoints."""
         for chunk in out.chunks:
-            chunk.req.num_computed_tokens = chunk.start + chunk.num_tokens
+            chunk.req.num_computed_tokens = chunk.start + chunk.num_tokens - len(chunk.draft) + chunk.num_accepted
             self.kv.cache_blocks(chunk.req)
         for ck, h in zip(out.checkpoints, out.checkpoint_hashes):
-            self.kv.commit_checkpoint(h, ck.slot)
+            if h is not None:                           # None: a speculative snapshot (the engine's)
+                self.kv.commit_checkpoint(h, ck.slot)
 
     def finish(self, req: Request, reason: str) -> None:
         """Finish or abort a request now: its memory is freed immediately."""

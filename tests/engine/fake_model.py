@@ -29,17 +29,24 @@ class FakeModel:
     dtype = torch.float32
     device = torch.device("cpu")
 
-    def __init__(self, vocab_size: int = 61, eos_token_id: int | None = None, sharpness: float = 1.0):
+    def __init__(self, vocab_size: int = 61, eos_token_id: int | None = None, sharpness: float = 1.0,
+                 next_from_last: bool = False):
+        """``next_from_last``: the next token is 10 + (t mod 3) of the last token t alone, so outputs
+        cycle through 10, 11, 12 and n-gram drafts get accepted (the cache plumbing is checked all
+        the same)."""
         self.config = fake_config(vocab_size, eos_token_id)
         self.vocab_size = vocab_size
         self.sharpness = sharpness
+        self.next_from_last = next_from_last
         self.num_steps = 0
 
     @staticmethod
     def _next(s: int, latent_sum: int, vocab: int) -> int:
         return (7 * s + latent_sum) % vocab
 
-    def _hidden(self, s: int, latent_sum: int) -> list[float]:
+    def _hidden(self, s: int, latent_sum: int, t: int) -> list[float]:
+        if self.next_from_last:
+            return [0.0, float(10 + t % 3)]
         return [float(s), float(latent_sum % MOD)]
 
     def forward_step(self, input_ids: torch.Tensor, batch: ForwardBatch, cache: HybridCache) -> torch.Tensor:
@@ -67,7 +74,10 @@ class FakeModel:
             if ctx:
                 assert int(cache.kda_conv[0, slot, 0, 0]) == int(latent[tables[n][(ctx - 1) // bs],
                                                                       (ctx - 1) % bs, 0]) - 1, "conv state lost"
-            cks = {c.num_tokens: c.slot for c in batch.checkpoints if c.seq == n}
+            cks: dict[int, list[int]] = {}          # several snapshots may share an offset
+            for c in batch.checkpoints:
+                if c.seq == n:
+                    cks.setdefault(c.num_tokens, []).append(c.slot)
             for i, row in enumerate(range(cu[n], cu[n + 1])):
                 t, p = ids[row], ctx + i
                 s, count = (31 * s + t + 1) % MOD, count + 1
@@ -75,9 +85,9 @@ class FakeModel:
                 assert block > 0 and rows[row] == block * bs + p % bs
                 latent.view(-1, 2)[rows[row]] = torch.tensor([t + 1.0, float(p)])
                 latent_sum = (latent_sum + (t + 1) * (p + 1)) % MOD
-                hidden.append(self._hidden(s, latent_sum))
-                if i + 1 in cks:
-                    self._write_state(cache, cks[i + 1], s, count, t)
+                hidden.append(self._hidden(s, latent_sum, t))
+                for ck_slot in cks.get(i + 1, []):
+                    self._write_state(cache, ck_slot, s, count, t)
             self._write_state(cache, slot, s, count, ids[cu[n + 1] - 1])
         return torch.tensor(hidden, dtype=torch.float32)
 
@@ -102,7 +112,7 @@ class FakeModel:
         for p, t in enumerate(torch.as_tensor(input_ids).tolist()):
             s = (31 * s + t + 1) % MOD
             latent_sum = (latent_sum + (t + 1) * (p + 1)) % MOD
-            hidden.append(self._hidden(s, latent_sum))
+            hidden.append(self._hidden(s, latent_sum, t))
         return self.compute_logits(torch.tensor(hidden))
 
 

@@ -10,13 +10,15 @@ from kimik3.engine.request import Request
 from kimik3.model.batch import HybridCache
 
 
-def budget_for(model, block_size: int, max_num_seqs: int, num_blocks: int, interval: int | None) -> int:
+def budget_for(model, block_size: int, max_num_seqs: int, num_blocks: int, interval: int | None,
+               num_speculative_tokens: int = 0) -> int:
     """Bytes for which the planner gives at least ``num_blocks`` usable blocks (and their checkpoints)."""
     text, dtype = model.config.text, model.dtype
     slot = HybridCache.bytes_per_slot(text, dtype)
     block = HybridCache.bytes_per_block(text, block_size, dtype)
     checkpoints = -(-num_blocks // interval) if interval else 0
-    return (1 + max_num_seqs + checkpoints) * slot + (1 + num_blocks) * block
+    spec = max_num_seqs * num_speculative_tokens
+    return (1 + max_num_seqs + spec + checkpoints) * slot + (1 + num_blocks) * block
 
 
 def make_engine(model, **kw) -> LLMEngine:
@@ -28,7 +30,8 @@ def make_engine(model, **kw) -> LLMEngine:
     if extra_blocks is not None:
         need = -(-cfg.max_model_len // cfg.block_size)
         interval = cfg.kda_checkpoint_interval if cfg.enable_prefix_caching else None
-        cfg.cache_memory_bytes = budget_for(model, cfg.block_size, cfg.max_num_seqs, need + extra_blocks, interval)
+        cfg.cache_memory_bytes = budget_for(model, cfg.block_size, cfg.max_num_seqs, need + extra_blocks, interval,
+                                            cfg.num_speculative_tokens)
     return LLMEngine(model, cfg, tokenizer=tokenizer)
 
 
@@ -83,9 +86,16 @@ def check_invariants(kv: KVCacheManager, running: list[Request], pending_checkpo
     live = [r.state_slot for r in running]
     assert 0 not in live and len(set(live)) == len(live)
     assert sorted(live + kv.free_live_slots) == list(range(1, kv.plan.num_live_slots + 1))
+    first_ck = kv.plan.num_live_slots + kv.plan.num_spec_slots + 1
+    pending = [r.pending_state_copy for r in running if r.pending_state_copy is not None]
+    for r in running:
+        if r.pending_state_copy is not None:
+            assert r.pending_state_copy[1] == r.state_slot, "a rollback aims at another request's slot"
+    spec = [src for src, _ in pending] + kv.free_spec_slots
+    assert sorted(spec) == list(range(kv.plan.num_live_slots + 1, first_ck)), "speculative slots leaked"
     ck = list(kv.checkpoints.values())
     assert all(h in pool.cached for h in kv.checkpoints), "a checkpoint outlived its block"
-    all_ck = list(range(kv.plan.num_live_slots + 1, kv.plan.num_slots))
+    all_ck = list(range(first_ck, kv.plan.num_slots))
     assert len(ck) + len(kv.free_checkpoint_slots) + pending_checkpoints == len(all_ck)
     assert set(ck).isdisjoint(kv.free_checkpoint_slots) and set(ck + kv.free_checkpoint_slots) <= set(all_ck)
     assert kv.plan.total_bytes <= kv.plan.budget_bytes

@@ -39,6 +39,8 @@ scenario = st.fixed_dictionaries({
     "num_requests": st.integers(2, 12),
     "staggered": st.booleans(),
     "aborts": st.integers(0, 2),
+    "speculative": st.sampled_from([0, 0, 1, 3]),    # n-gram draft tokens per step (0 = off)
+    "cycling": st.booleans(),                        # outputs cycle, so drafts are often accepted
 })
 
 
@@ -46,7 +48,7 @@ scenario = st.fixed_dictionaries({
 @given(scenario)
 def test_greedy_matches_reference(sc):
     rng = random.Random(sc["seed"])
-    model = FakeModel(eos_token_id=rng.choice([None, 5]))
+    model = FakeModel(eos_token_id=rng.choice([None, 5]), next_from_last=sc["cycling"])
     prompts = _prompts(rng, sc["num_requests"], 30)
     reqs = {f"r{i}": (p, SamplingParams(temperature=0, max_tokens=rng.randint(1, 12), ignore_eos=rng.random() < 0.3))
             for i, p in enumerate(prompts)}
@@ -55,7 +57,8 @@ def test_greedy_matches_reference(sc):
     engine = make_engine(model, block_size=sc["block_size"], max_num_seqs=sc["max_num_seqs"],
                          max_num_batched_tokens=sc["max_num_batched_tokens"], max_model_len=max_model_len,
                          enable_prefix_caching=sc["prefix"], kda_checkpoint_interval=sc["interval"],
-                         extra_blocks=sc["extra_blocks"])
+                         extra_blocks=sc["extra_blocks"], num_speculative_tokens=sc["speculative"],
+                         speculative_ngram_min=1, speculative_ngram_max=3)
     arrivals: dict[int, list[str]] = {}
     for rid in reqs:
         arrivals.setdefault(rng.randint(0, 15) if sc["staggered"] else 0, []).append(rid)
@@ -80,6 +83,9 @@ def test_greedy_matches_reference(sc):
                           else "length")
     event(f"preempted: {engine.scheduler.num_preemptions > 0}")
     event(f"prefix hit: {engine.kv.num_hit_tokens > 0}")
+    if sc["speculative"]:
+        event(f"drafts accepted: {engine.num_accepted_tokens > 0}, rejected: "
+              f"{engine.num_accepted_tokens < engine.num_draft_tokens}")
     # everything returned: no block or slot held, nothing pending
     assert not engine.has_unfinished_requests()
     check_invariants(engine.kv, [])

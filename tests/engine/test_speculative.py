@@ -1,0 +1,157 @@
+"""Speculative decoding with n-gram drafts: the proposer against a brute-force search, and the
+engine's outputs with speculation equal to plain greedy decoding (rollback of the recurrent state
+after rejected drafts, stops inside accepted drafts, mixed batches, prefix-cache boundaries)."""
+
+from __future__ import annotations
+
+import random
+
+import pytest
+import torch
+from hypothesis import given, settings
+from hypothesis import strategies as st
+
+import kimik3
+from kimik3.engine import EngineConfig, SamplingParams
+from kimik3.engine.memory import plan_memory
+from kimik3.engine.speculative import accept_greedy, propose_ngram
+from tests.engine.fake_model import FakeModel, fake_config, reference_greedy
+from tests.engine.helpers import check_invariants, make_engine, run
+
+
+def brute_force_ngram(tokens: list[int], k: int, min_n: int, max_n: int) -> list[int]:
+    for n in range(max_n, min_n - 1, -1):
+        if n >= len(tokens):
+            continue
+        suffix = tokens[-n:]
+        for start in range(len(tokens) - n - 1, -1, -1):      # latest occurrence ending before the last token
+            if tokens[start:start + n] == suffix:
+                return tokens[start + n:start + n + k]
+    return []
+
+
+@settings(max_examples=300, deadline=None)
+@given(st.lists(st.sampled_from([0, 1, 2, 255, 256, 65536, 2**40]), max_size=40), st.integers(0, 5),
+       st.integers(1, 3), st.integers(0, 3))
+def test_propose_ngram_matches_brute_force(tokens, k, min_n, extra):
+    # values whose byte patterns overlap (255/256, 2**16, 2**40) catch matches off token boundaries
+    assert propose_ngram(tokens, k, min_n, min_n + extra) == brute_force_ngram(tokens, k, min_n, min_n + extra)
+
+
+def test_propose_ngram_prefers_longest_then_latest():
+    tokens = [5, 6, 7, 9, 5, 6, 8, 1, 6]
+    assert propose_ngram(tokens, 2, 1, 3) == [8, 1]                 # only "6" recurs: latest at index 5
+    tokens = [1, 2, 3, 4, 9, 3, 5, 1, 2, 3]
+    assert propose_ngram(tokens, 3, 1, 3) == [4, 9, 3]              # "1 2 3" beats the later "3"
+    assert propose_ngram([1, 2, 3], 2, 1, 3) == []
+
+
+def test_accept_greedy():
+    assert accept_greedy([4, 5, 6], [4, 5, 7, 8]) == 2
+    assert accept_greedy([4, 5], [4, 5, 9]) == 2
+    assert accept_greedy([4], [3, 1]) == 0
+
+
+def _engine(model, spec: int, **kw):
+    kw.setdefault("block_size", 4)
+    kw.setdefault("max_num_seqs", 4)
+    kw.setdefault("max_num_batched_tokens", 32)
+    kw.setdefault("max_model_len", 64)
+    kw.setdefault("extra_blocks", 40)
+    return make_engine(model, num_speculative_tokens=spec, speculative_ngram_min=1, speculative_ngram_max=3, **kw)
+
+
+def test_cycling_outputs_accept_drafts_and_save_steps():
+    model = FakeModel(next_from_last=True)          # outputs cycle 10, 11, 12, ...
+    rng = random.Random(0)
+    reqs = {f"r{i}": ([rng.randrange(61) for _ in range(rng.randint(1, 9))],
+                      SamplingParams(temperature=0, max_tokens=rng.randint(8, 30), ignore_eos=True))
+            for i in range(6)}
+    steps = {}
+    for spec in (0, 3):
+        engine = _engine(model, spec)
+        before = model.num_steps
+        results = run(engine, reqs, check=lambda e: check_invariants(e.kv, e.scheduler.running))
+        steps[spec] = model.num_steps - before
+        for rid, (prompt, params) in reqs.items():
+            assert results[rid][0][0] == reference_greedy(model, prompt, params.max_tokens), rid
+        check_invariants(engine.kv, [])
+        if spec:
+            assert engine.num_accepted_tokens > 0.5 * engine.num_draft_tokens > 0
+    assert steps[3] < 0.6 * steps[0], steps
+
+
+def test_rejected_drafts_roll_the_state_back():
+    # the default fake model's next token depends on the whole history: most drafts are wrong, and
+    # the model asserts on every step that the state it is handed covers exactly the context
+    model = FakeModel()
+    rng = random.Random(1)
+    base = [rng.randrange(61) for _ in range(5)]
+    reqs = {f"r{i}": (base * 3 + [rng.randrange(61)], SamplingParams(temperature=0, max_tokens=25, ignore_eos=True))
+            for i in range(3)}
+    engine = _engine(model, 4)
+    results = run(engine, reqs, check=lambda e: check_invariants(e.kv, e.scheduler.running))
+    for rid, (prompt, params) in reqs.items():
+        assert results[rid][0][0] == reference_greedy(model, prompt, params.max_tokens)
+    assert engine.num_draft_tokens > engine.num_accepted_tokens
+
+
+def test_stop_inside_accepted_drafts_and_mixed_batches():
+    """Stops and max_tokens cut at the same token as without speculation; requests that cannot
+    speculate (sampling, logprobs, penalties) give the same outputs in a speculating batch."""
+    model = FakeModel(next_from_last=True, sharpness=0.7)
+    prompt = [3, 4]
+    reqs = {
+        "stop": (prompt, SamplingParams(temperature=0, max_tokens=40, stop_token_ids=[12], ignore_eos=True)),
+        "late_stop": (prompt + [10, 11, 12, 10], SamplingParams(temperature=0, max_tokens=40, stop_token_ids=[7])),
+        "exact": (prompt, SamplingParams(temperature=0, max_tokens=9, ignore_eos=True)),
+        "sampled": (prompt, SamplingParams(temperature=1.0, seed=7, max_tokens=12, ignore_eos=True)),
+        "logprobs": ([5, 6, 7], SamplingParams(temperature=0, max_tokens=12, logprobs=2, ignore_eos=True)),
+        "penalty": ([5, 6], SamplingParams(temperature=0, max_tokens=12, presence_penalty=0.5, ignore_eos=True)),
+    }
+    outs = {}
+    for spec in (0, 3):
+        engine = _engine(model, spec, max_model_len=48)
+        outs[spec] = run(engine, reqs, check=lambda e: check_invariants(e.kv, e.scheduler.running))
+        check_invariants(engine.kv, [])
+    assert outs[3] == outs[0]
+    tokens, reason = outs[3]["stop"][0][:2]
+    assert reason == "stop" and tokens[-1] == 12 and 12 not in tokens[:-1]
+    assert len(outs[3]["exact"][0][0]) == 9
+    assert outs[3]["late_stop"][0][1] == "length"
+
+
+@pytest.mark.parametrize("arch", ["kimi_k3", "kimi_linear"])
+def test_real_model_with_speculation_matches_reference(arch, tiny_ckpt):
+    model = kimik3.load_model(tiny_ckpt[arch], device="cpu", dtype=torch.float32)
+    rng = random.Random(2)
+    vocab = model.config.text.vocab_size
+    assert vocab <= 512
+    # every token id occurs in the prompt, so each decode step finds an n-gram and carries drafts
+    # (the tiny random model's continuations rarely agree with them: rollbacks are the common case)
+    every = list(range(vocab))
+    reqs = {}
+    for i in range(3):
+        rng.shuffle(every)
+        reqs[f"r{i}"] = (every[:], SamplingParams(temperature=0, max_tokens=8 + 2 * i, ignore_eos=True))
+    # a checkpoint every 2 blocks of 16 tokens: drafts are cut short of each boundary
+    engine = make_engine(model, block_size=16, max_num_seqs=3, max_num_batched_tokens=256 + 16,
+                         max_model_len=vocab + 16, kda_checkpoint_interval=2, extra_blocks=8, num_speculative_tokens=3,
+                         speculative_ngram_min=1, speculative_ngram_max=3)
+    results = run(engine, reqs, check=lambda e: check_invariants(e.kv, e.scheduler.running))
+    for rid, (prompt, params) in reqs.items():
+        assert results[rid][0][0] == reference_greedy(model, prompt, params.max_tokens), rid
+    assert engine.num_draft_tokens > 0
+    check_invariants(engine.kv, [])
+
+
+def test_speculative_settings_are_validated_and_planned():
+    with pytest.raises(ValueError, match="num_speculative_tokens"):
+        EngineConfig(num_speculative_tokens=-1)
+    with pytest.raises(ValueError, match="speculative_ngram_min"):
+        EngineConfig(speculative_ngram_min=3, speculative_ngram_max=2)
+    text = fake_config().text
+    plain = plan_memory(text, 100_000, 4, 3, 2, torch.float32)
+    spec = plan_memory(text, 100_000, 4, 3, 2, torch.float32, num_spec_slots=6)
+    assert spec.num_spec_slots == 6 and spec.num_slots - spec.num_checkpoint_slots == plain.num_slots - plain.num_checkpoint_slots + 6
+    assert spec.total_bytes <= spec.budget_bytes
