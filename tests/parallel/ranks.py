@@ -128,3 +128,27 @@ def engine_rank(rank, world, control, path: str, ep: int, mode: str, out_path: s
     (a, _), (b, hits) = run_engine(engine, first), run_engine(engine, second)
     engine.runner.shutdown()
     torch.save((a + b, hits), out_path)
+
+
+SPEC_ENGINE_CONFIG = dict(max_num_seqs=3, max_num_batched_tokens=64, block_size=16, kda_checkpoint_interval=2,
+                          cache_memory_bytes=1 << 24, num_speculative_tokens=3, speculative_ngram_min=1,
+                          speculative_ngram_max=3)
+
+
+def spec_prompts(vocab: int) -> list[list[int]]:
+    """Prompts holding every token id, so each decode step finds an n-gram draft."""
+    g = torch.Generator().manual_seed(5)
+    return [torch.randperm(vocab, generator=g).tolist() for _ in range(2)]
+
+
+def spec_engine_rank(rank, world, control, path: str, out_path: str):
+    model = load_model(path, dtype=torch.float64, parallel=ParallelContext(rank, world))
+    if rank != 0:
+        worker_loop(model, control)
+        return
+    vocab = model.config.text.vocab_size
+    engine = LLMEngine(model, EngineConfig(max_model_len=vocab + 16, **SPEC_ENGINE_CONFIG),
+                       runner_factory=functools.partial(ParallelRunner, control=control))
+    outs, _ = run_engine(engine, spec_prompts(vocab))
+    engine.runner.shutdown()
+    torch.save((outs, engine.num_draft_tokens, engine.num_accepted_tokens), out_path)

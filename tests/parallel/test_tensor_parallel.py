@@ -10,7 +10,8 @@ from kimik3.engine import EngineConfig, LLMEngine
 from kimik3.loader.load import load_model
 from kimik3.parallel.context import ParallelContext
 from kimik3.testing import make_tiny_checkpoint
-from tests.parallel.ranks import ENGINE_CONFIG, engine_prompts, engine_rank, logits_rank, run_engine, run_steps, spawn
+from tests.parallel.ranks import (ENGINE_CONFIG, SPEC_ENGINE_CONFIG, engine_prompts, engine_rank, logits_rank, run_engine,
+                                  run_steps, spawn, spec_engine_rank, spec_prompts)
 
 ARCHS = ("kimi_k3", "kimi_linear")
 # name: (expert parallel size, MoE mode, tail); world = TP size
@@ -75,6 +76,21 @@ def test_engine_greedy_outputs_match_one_process(ckpts, tmp_path, ep, mode):
     outs, par_hits = torch.load(tmp_path / "out.pt", weights_only=False)
     assert outs == a + b
     assert par_hits == hits
+
+
+def test_speculative_decoding_under_tensor_parallel(ckpts, tmp_path):
+    """The snapshot and rollback copies reach every rank: TP2 with n-gram drafts gives the
+    one-process outputs, which equal plain greedy decoding."""
+    path = ckpts["kimi_k3"]
+    model = load_model(path, dtype=torch.float64)
+    vocab = model.config.text.vocab_size
+    prompts = spec_prompts(vocab)
+    plain, _ = run_engine(LLMEngine(model, EngineConfig(max_model_len=vocab + 16, **{
+        **SPEC_ENGINE_CONFIG, "num_speculative_tokens": 0})), prompts)
+    spawn(spec_engine_rank, 2, str(path), str(tmp_path / "out.pt"))
+    outs, drafts, accepted = torch.load(tmp_path / "out.pt", weights_only=False)
+    assert outs == plain
+    assert drafts > 0
 
 
 # ---- bad degrees ---------------------------------------------------------------------------------
