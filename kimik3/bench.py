@@ -44,6 +44,9 @@ def add_bench_arguments(ap: argparse.ArgumentParser) -> None:
     ap.add_argument("--max-num-batched-tokens", type=int, default=2048)
     ap.add_argument("--block-size", type=int, default=16)
     ap.add_argument("--no-prefix-caching", action="store_true")
+    ap.add_argument("--num-speculative-tokens", type=int, default=0,
+                    help="n-gram draft tokens per step (speculation applies to greedy requests: see --greedy)")
+    ap.add_argument("--greedy", action="store_true", help="temperature 0 requests (default: sampled, seeded)")
     ap.add_argument("--cache-memory-bytes", type=int)
     ap.add_argument("--baseline-requests", type=int, default=16,
                     help="requests run one at a time for the ratio (0 = all)")
@@ -65,12 +68,13 @@ def bench_main(args: argparse.Namespace) -> int:
     max_len = args.input_len[1] + args.output_len[1]
     llm = LLM(path, max_num_seqs=args.max_num_seqs, max_num_batched_tokens=args.max_num_batched_tokens,
               max_model_len=max_len, block_size=args.block_size, enable_prefix_caching=not args.no_prefix_caching,
-              cache_memory_bytes=args.cache_memory_bytes, dtype=dtype, device=args.device, seed=args.seed)
+              cache_memory_bytes=args.cache_memory_bytes, dtype=dtype, device=args.device, seed=args.seed,
+              num_speculative_tokens=args.num_speculative_tokens)
     vocab = llm.engine.vocab_size
     rng = random.Random(args.seed)
     prompts = [[rng.randrange(vocab) for _ in range(rng.randint(*args.input_len))] for _ in range(args.num_requests)]
-    params = [SamplingParams(temperature=1.0, seed=i, ignore_eos=True, max_tokens=rng.randint(*args.output_len))
-              for i in range(args.num_requests)]
+    params = [SamplingParams(temperature=0.0 if args.greedy else 1.0, seed=i, ignore_eos=True,
+                             max_tokens=rng.randint(*args.output_len)) for i in range(args.num_requests)]
 
     run(llm, [[1, 2, 3]], [SamplingParams(max_tokens=4)])          # warm-up
     llm.engine.kv.reset_prefix_cache()
@@ -107,4 +111,8 @@ def bench_main(args: argparse.Namespace) -> int:
     print(f"one at a time      {seq_tps:.1f} tok/s over {len(idx)} requests -> batching gain "
           f"{n_out / elapsed / seq_tps:.2f}x")
     print(f"preemptions {llm.engine.scheduler.num_preemptions}, prefix hit rate {hit_rate:.1%}")
+    if args.num_speculative_tokens:
+        e = llm.engine
+        print(f"speculative drafts {e.num_draft_tokens}, accepted {e.num_accepted_tokens} "
+              f"({e.num_accepted_tokens / max(e.num_draft_tokens, 1):.1%})")
     return 0

@@ -42,6 +42,8 @@ def _model_args(p: argparse.ArgumentParser) -> None:
                    help="default: bfloat16 on CUDA, float32 on CPU")
     p.add_argument("--device", default=None, help="cpu or cuda[:N] (default: cuda if available)")
     p.add_argument("--max-model-len", type=_positive_int, default=8192)
+    p.add_argument("--num-speculative-tokens", type=int, default=0,
+                   help="n-gram draft tokens verified per step when greedy (default 0: off)")
 
 
 def _sampling_args(p: argparse.ArgumentParser) -> None:
@@ -120,7 +122,10 @@ def _load_llm(args, max_num_seqs: int = 4):
 
     path = _model_path(args.model)
     device, dtype = _device_dtype(args)
-    return LLM(str(path), max_num_seqs=max_num_seqs, max_model_len=args.max_model_len, device=device, dtype=dtype), path
+    if args.num_speculative_tokens < 0:
+        raise CLIError(f"--num-speculative-tokens must be >= 0, got {args.num_speculative_tokens}")
+    return LLM(str(path), max_num_seqs=max_num_seqs, max_model_len=args.max_model_len, device=device, dtype=dtype,
+               num_speculative_tokens=args.num_speculative_tokens), path
 
 
 def _sampling(args):

@@ -19,16 +19,21 @@ class LLM:
                  max_model_len: int = 8192, enable_prefix_caching: bool = True, block_size: int = 16,
                  kda_checkpoint_interval: int | None = None, cache_memory_bytes: int | None = None,
                  dtype: torch.dtype | None = None, device: str | torch.device | None = None, seed: int = 0,
-                 tokenizer=None, tensor_parallel_size: int = 1, enable_expert_parallel: bool = False):
+                 tokenizer=None, tensor_parallel_size: int = 1, enable_expert_parallel: bool = False,
+                 num_speculative_tokens: int = 0, speculative_ngram_min: int = 2, speculative_ngram_max: int = 4):
         """``tensor_parallel_size`` N > 1: this process becomes rank 0 and spawns N-1 workers, one
-        per GPU (``kimik3.parallel``); ``enable_expert_parallel`` splits whole experts over them."""
+        per GPU (``kimik3.parallel``); ``enable_expert_parallel`` splits whole experts over them.
+        ``num_speculative_tokens`` k > 0: greedy requests verify up to k n-gram draft tokens per
+        step (``kimik3.engine.speculative``)."""
         import kimik3   # the package re-exports LLM, so load_model is looked up at call time
         device = torch.device(device or ("cuda" if torch.cuda.is_available() else "cpu"))
         dtype = dtype or (torch.bfloat16 if device.type == "cuda" else torch.float32)
         config = EngineConfig(max_num_seqs=max_num_seqs, max_num_batched_tokens=max_num_batched_tokens,
                               max_model_len=max_model_len, enable_prefix_caching=enable_prefix_caching,
                               block_size=block_size, kda_checkpoint_interval=kda_checkpoint_interval,
-                              cache_memory_bytes=cache_memory_bytes, seed=seed)
+                              cache_memory_bytes=cache_memory_bytes, seed=seed,
+                              num_speculative_tokens=num_speculative_tokens, speculative_ngram_min=speculative_ngram_min,
+                              speculative_ngram_max=speculative_ngram_max)
         self.parallel_group = None
         if tensor_parallel_size > 1 or enable_expert_parallel:
             from kimik3.parallel.launch import ParallelConfig, start_group

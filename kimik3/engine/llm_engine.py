@@ -63,7 +63,8 @@ class LLMEngine:
             slot = HybridCache.bytes_per_slot(cache_text, dtype)
             block = HybridCache.bytes_per_block(cache_text, config.block_size, dtype)
             n = config.max_num_seqs
-            wanted = (1 + n) * slot + (1 + n * per_seq) * block + (n * per_seq // interval if interval else 0) * slot
+            wanted = ((1 + n + n * config.num_speculative_tokens) * slot + (1 + n * per_seq) * block
+                      + (n * per_seq // interval if interval else 0) * slot)
             budget = default_cache_bytes(self.device, wanted)
         self.plan: MemoryPlan = plan_memory(cache_text, budget, config.block_size, config.max_num_seqs, interval, dtype,
                                             num_spec_slots=config.max_num_seqs * config.num_speculative_tokens)

@@ -348,6 +348,8 @@ class EngineLoop:
             "prefix_queried_tokens": float(kv.num_queried_tokens),
             "prefix_hit_tokens": float(kv.num_hit_tokens),
             "preemptions": float(e.scheduler.num_preemptions),
+            "draft_tokens": float(e.num_draft_tokens),
+            "accepted_tokens": float(e.num_accepted_tokens),
             "step_failures": float(self.num_step_failures),
             "time": time.monotonic(),
         }

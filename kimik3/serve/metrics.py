@@ -43,6 +43,9 @@ class _EngineCollector:
                       s["prefix_queried_tokens"])
         yield counter("kimik3_prefix_cache_hits", "Prompt tokens found in the prefix cache.", s["prefix_hit_tokens"])
         yield counter("kimik3_num_preemptions", "Sequences preempted for lack of cache.", s["preemptions"])
+        yield counter("kimik3_spec_decode_num_draft_tokens", "Speculative draft tokens verified.", s["draft_tokens"])
+        yield counter("kimik3_spec_decode_num_accepted_tokens", "Speculative draft tokens accepted.",
+                      s["accepted_tokens"])
         yield counter("kimik3_engine_step_failures", "Engine steps that raised.", s["step_failures"])
 
 

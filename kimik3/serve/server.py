@@ -32,6 +32,10 @@ def add_serve_arguments(parser: argparse.ArgumentParser) -> argparse.ArgumentPar
     parser.add_argument("--max-num-batched-tokens", type=int, default=2048, help="token budget per engine step")
     parser.add_argument("--enable-prefix-caching", action=argparse.BooleanOptionalAction, default=True,
                         help="reuse cached prompt prefixes (default: on)")
+    parser.add_argument("--num-speculative-tokens", type=int, default=0,
+                        help="n-gram draft tokens verified per step for greedy requests (0 = off)")
+    parser.add_argument("--speculative-ngram-min", type=int, default=2, help="shortest n-gram looked up for drafts")
+    parser.add_argument("--speculative-ngram-max", type=int, default=4, help="longest n-gram looked up for drafts")
     parser.add_argument("--dtype", choices=sorted(_DTYPES), default="auto",
                         help="weights and cache dtype (auto: bfloat16 on GPU, float32 on CPU)")
     parser.add_argument("--device", default=None, help="cuda, cuda:N or cpu (default: cuda if available)")
@@ -61,7 +65,9 @@ def build_engine(args: argparse.Namespace):
     dtype = _DTYPES[args.dtype] or (torch.bfloat16 if device.type == "cuda" else torch.float32)
     config = EngineConfig(max_num_seqs=args.max_num_seqs, max_num_batched_tokens=args.max_num_batched_tokens,
                           max_model_len=args.max_model_len, enable_prefix_caching=args.enable_prefix_caching,
-                          seed=args.seed)
+                          seed=args.seed, num_speculative_tokens=args.num_speculative_tokens,
+                          speculative_ngram_min=args.speculative_ngram_min,
+                          speculative_ngram_max=args.speculative_ngram_max)
     tp = getattr(args, "tensor_parallel_size", 1)
     if tp > 1 or getattr(args, "enable_expert_parallel", False):
         from kimik3.parallel.launch import ParallelConfig, start_group

@@ -35,6 +35,8 @@ def test_generate_is_deterministic_greedy_and_matches_the_offline_api():
     llm = LLM(str(kimik3.DEFAULT_MODEL), max_num_seqs=2, max_model_len=256)
     out = llm.generate("The sky is", SamplingParams(max_tokens=8, temperature=0))[0].outputs[0].text
     assert a.stdout == out + "\n"
+    c = run("generate", "The sky is", "--max-tokens", "8", "--num-speculative-tokens", "3")
+    assert c.returncode == 0 and c.stdout == a.stdout            # speculation changes no greedy token
 
 
 def test_generate_chat_and_sampling_flags(tiny_tokenizer_ckpt):
@@ -74,6 +76,7 @@ def test_inspect_embedded_and_release_config():
     (["inspect", "--model", "/nope"], "model path /nope does not exist"),
     (["frobnicate"], "invalid choice"),
     (["generate", "x", "--thinking-effort", "medium"], "invalid choice"),
+    (["generate", "x", "--num-speculative-tokens", "-2"], "--num-speculative-tokens must be >= 0"),
 ])
 def test_bad_arguments_exit_2_with_one_line(args, message):
     r = run(*args)
@@ -105,6 +108,10 @@ def test_bench_reports_throughput_and_batching_gain():
             "2", "4", "--baseline-requests", "2", "--threads", "1")
     assert r.returncode == 0, r.stderr
     assert "output throughput" in r.stdout and "batching gain" in r.stdout and "TTFT" in r.stdout
+    r = run("bench", "--arch", "kimi_k3", "--num-requests", "3", "--input-len", "4", "8", "--output-len",
+            "6", "8", "--baseline-requests", "1", "--threads", "1", "--greedy", "--num-speculative-tokens", "2")
+    assert r.returncode == 0, r.stderr
+    assert "speculative drafts" in r.stdout
 
 
 def test_generate_and_inspect_on_a_test_checkpoint(tiny_tokenizer_ckpt):
