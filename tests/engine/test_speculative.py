@@ -155,3 +155,34 @@ def test_speculative_settings_are_validated_and_planned():
     spec = plan_memory(text, 100_000, 4, 3, 2, torch.float32, num_spec_slots=6)
     assert spec.num_spec_slots == 6 and spec.num_slots - spec.num_checkpoint_slots == plain.num_slots - plain.num_checkpoint_slots + 6
     assert spec.total_bytes <= spec.budget_bytes
+
+
+@pytest.mark.parametrize("arch", ["kimi_k3", "kimi_linear"])
+def test_real_model_accepts_oracle_drafts(arch, tiny_ckpt, monkeypatch):
+    """Drafts from an oracle (the reference continuation, every other step with its second token
+    corrupted): accepted runs, bonus tokens and rollbacks on the real model, exactly greedy."""
+    import kimik3.engine.scheduler as scheduler
+    model = kimik3.load_model(tiny_ckpt[arch], device="cpu", dtype=torch.float32)
+    rng = random.Random(3)
+    vocab = model.config.text.vocab_size
+    reqs = {f"r{i}": ([rng.randrange(5, vocab) for _ in range(5 + 4 * i)],
+                      SamplingParams(temperature=0, max_tokens=12, ignore_eos=True)) for i in range(3)}
+    futures = {tuple(p): reference_greedy(model, p, sp.max_tokens) for p, sp in reqs.values()}
+
+    def oracle(token_ids, k, min_n, max_n):
+        for prompt, tokens in futures.items():
+            if tuple(token_ids[:len(prompt)]) == prompt:
+                done = len(token_ids) - len(prompt)
+                draft = list(tokens[done:done + k])
+                if done % 2 and len(draft) > 1:
+                    draft[1] = (draft[1] + 1) % vocab
+                return draft
+        raise AssertionError("drafts asked for an unknown request")
+    monkeypatch.setattr(scheduler, "propose_ngram", oracle)
+    engine = make_engine(model, block_size=4, max_num_seqs=3, max_num_batched_tokens=32, max_model_len=40,
+                         kda_checkpoint_interval=2, extra_blocks=12, num_speculative_tokens=3)
+    results = run(engine, reqs, check=lambda e: check_invariants(e.kv, e.scheduler.running))
+    for rid, (prompt, params) in reqs.items():
+        assert results[rid][0][0] == futures[tuple(prompt)], rid
+    assert engine.num_accepted_tokens > 0 and engine.num_draft_tokens > engine.num_accepted_tokens
+    check_invariants(engine.kv, [])

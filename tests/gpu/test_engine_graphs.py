@@ -131,18 +131,31 @@ def test_greedy_graphs_match_eager(model):
     assert_same_greedy(eager, graphed, reqs)
 
 
-def test_speculative_greedy_matches_plain(model):
-    """n-gram drafts on the GPU path: snapshots mid-chunk, rollbacks, graphs for the plain steps."""
+def test_speculative_greedy_matches_plain(model, monkeypatch):
+    """Speculative verify steps on the GPU path (snapshots mid-chunk, rollbacks, graphs for the
+    plain steps). A random-weight model seldom repeats an n-gram, so the drafts come from an
+    oracle: the plain run's own next tokens, every other step with the second one corrupted."""
+    import kimik3.engine.scheduler as scheduler
     reqs = requests(model.config.text.vocab_size)
-    pattern = reqs["r0"][0][-6:]
-    spec_reqs = {rid: (prompt + pattern * 2, params) for rid, (prompt, params) in reqs.items()}
-    plain = generate(make(model, enforce_eager=False), spec_reqs)
-    engine = make(model, enforce_eager=False, num_speculative_tokens=3, speculative_ngram_min=1)
+    plain = generate(make(model, enforce_eager=False), reqs)
+    futures = {tuple(prompt): plain[rid][0] for rid, (prompt, _) in reqs.items()}
+
+    def oracle(token_ids, k, min_n, max_n):
+        for prompt, tokens in futures.items():
+            if tuple(token_ids[:len(prompt)]) == prompt:
+                done = len(token_ids) - len(prompt)
+                draft = list(tokens[done:done + k])
+                if done % 2 and len(draft) > 1:
+                    draft[1] = (draft[1] + 1) % model.config.text.vocab_size
+                return draft
+        raise AssertionError("drafts asked for an unknown request")
+    monkeypatch.setattr(scheduler, "propose_ngram", oracle)
+    engine = make(model, enforce_eager=False, num_speculative_tokens=3)
     no_lp = {rid: (p, SamplingParams(temperature=0, max_tokens=sp.max_tokens, ignore_eos=True))
-             for rid, (p, sp) in spec_reqs.items()}
+             for rid, (p, sp) in reqs.items()}
     spec = generate(engine, no_lp)
-    assert engine.num_draft_tokens > 0
-    assert_same_greedy(plain, spec, spec_reqs)
+    assert engine.num_accepted_tokens > 0 and engine.num_draft_tokens > engine.num_accepted_tokens
+    assert_same_greedy(plain, spec, reqs)
 
 
 def test_moe_side_stream_graph_matches_serial(model):
