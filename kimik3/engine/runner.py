@@ -21,8 +21,8 @@ import torch
 from kimik3.engine.cuda_graphs import DecodeGraphs, pack_decode_inputs
 from kimik3.engine.encoder_cache import EncoderCache
 from kimik3.engine.request import Request
-from kimik3.engine.sampler import SamplerOutput, SamplingBatch, sample
-from kimik3.engine.speculative import accept_greedy, can_speculate
+from kimik3.engine.sampler import SamplerOutput, SamplingBatch, draw, filter_logits, sample
+from kimik3.engine.speculative import accept_greedy, is_plain_greedy
 from kimik3.engine.scheduler import ScheduledChunk, SchedulerOutput
 from kimik3.model.batch import ForwardBatch, HybridCache
 
@@ -160,39 +160,75 @@ class ModelRunner:
 
     def sample(self, out: SchedulerOutput, logits: torch.Tensor | None) -> SamplerOutput:
         """One token per sampling chunk from its logits row (argmax when every row is plain greedy).
-        A speculative chunk brings one row per draft plus one: its drafts are accepted while they
-        equal the greedy tokens, and its token is the greedy token after the last accepted one."""
+        A speculative chunk brings one row per draft plus one (row j verifies draft j + 1); its
+        accepted drafts come before its token (``speculative.py``)."""
         if logits is None:
             return SamplerOutput([], [])
         chunks = [c for c in out.chunks if c.samples]
         reqs = [c.req for c in chunks]
         if not any(c.draft for c in chunks):
             return self._sample_last_rows(reqs, logits)
-        last, spans, r = [], [], 0
+        spans, r = [], 0
         for c in chunks:
             spans.append((r, r + 1 + len(c.draft)))
             r += 1 + len(c.draft)
-            last.append(r - 1)
-        if all(can_speculate(q.params) for q in reqs):
+        greedy_rows = [j for c, (a, b) in zip(chunks, spans) if c.draft and c.req.params.greedy for j in range(a, b)]
+        if all(is_plain_greedy(q.params) for q in reqs):
             targets = logits.argmax(-1).tolist()                   # one device sync for every row
-            result = SamplerOutput([targets[i] for i in last], [None] * len(reqs))
+            result = SamplerOutput([targets[b - 1] for a, b in spans], [None] * len(reqs))
         else:
-            result = self._sample_last_rows(reqs, logits[torch.tensor(last, device=logits.device)])
-            spec_rows = [j for c, (a, b) in zip(chunks, spans) if c.draft for j in range(a, b)]
-            greedy = logits[torch.tensor(spec_rows, device=logits.device)].argmax(-1).tolist()
+            result = self._sample_last_rows(reqs, logits[torch.tensor([b - 1 for _, b in spans], device=logits.device)])
             targets = [0] * r
-            for j, t in zip(spec_rows, greedy):
-                targets[j] = t
-        result.accepted = []
-        for i, (c, (a, b)) in enumerate(zip(chunks, spans)):
-            m = accept_greedy(c.draft, targets[a:b]) if c.draft else 0
-            result.accepted.append(c.draft[:m])
-            if c.draft:
+            if greedy_rows:
+                for j, t in zip(greedy_rows, logits[torch.tensor(greedy_rows, device=logits.device)].argmax(-1).tolist()):
+                    targets[j] = t
+        result.accepted = [[] for _ in chunks]
+        sampled = []
+        for i, (c, (a, _)) in enumerate(zip(chunks, spans)):
+            if not c.draft:
+                continue
+            if c.req.params.greedy:
+                m = accept_greedy(c.draft, targets[a:a + len(c.draft) + 1])
+                result.accepted[i] = c.draft[:m]
                 result.token_ids[i] = targets[a + m]
+            else:
+                sampled.append(i)
+        if sampled:
+            self._verify_sampled([chunks[i] for i in sampled], [spans[i] for i in sampled], logits, result, sampled)
         return result
 
+    def _verify_sampled(self, chunks, spans, logits: torch.Tensor, result: SamplerOutput, index: list[int]) -> None:
+        """Speculative sampling of sampled requests: accept draft j + 1 with probability p_j(d),
+        else draw from p_j without d; all accepted: keep the token drawn from the last row."""
+        rows = [j for a, b in spans for j in range(a, b)]
+        params = [c.req.params for c, (a, b) in zip(chunks, spans) for _ in range(a, b)]
+        sb = SamplingBatch.build(params, [None] * len(rows), [[]] * len(rows), [[]] * len(rows),
+                                 self.vocab_size, self.device)
+        probs = filter_logits(logits[torch.tensor(rows, device=logits.device)], sb).softmax(-1)
+        offset, draft_rows, draft_ids = 0, [], []
+        for c, (a, b) in zip(chunks, spans):
+            draft_rows.extend(range(offset, offset + len(c.draft)))
+            draft_ids.extend(c.draft)
+            offset += b - a
+        p_draft = probs[torch.tensor(draft_rows, device=probs.device),
+                        torch.tensor(draft_ids, device=probs.device)].tolist()
+        offset, k = 0, 0
+        for i, c, (a, b) in zip(index, chunks, spans):
+            n = len(c.draft)
+            u = torch.rand(n, generator=c.req.generator or self.generator, device=self.generator.device).tolist()
+            m = 0
+            while m < n and u[m] < p_draft[k + m]:
+                m += 1
+            result.accepted[i] = c.draft[:m]
+            if m < n:                                  # rejected: draw from p_m without the draft token
+                residual = probs[offset + m].clone()
+                residual[c.draft[m]] = 0.0
+                result.token_ids[i] = int(draw(residual[None], [c.req.generator], self.generator)[0])
+            offset += b - a
+            k += n
+
     def _sample_last_rows(self, reqs, logits: torch.Tensor) -> SamplerOutput:
-        if all(can_speculate(r.params) for r in reqs):           # plain greedy: argmax, one sync
+        if all(is_plain_greedy(r.params) for r in reqs):        # plain greedy: argmax, one sync
             return SamplerOutput(logits.argmax(-1).tolist(), [None] * len(reqs))
         sb = SamplingBatch.build([r.params for r in reqs], [r.generator for r in reqs],
                                  [r.prompt_token_ids for r in reqs], [r.output_token_ids for r in reqs],

@@ -5,14 +5,18 @@ the most recent earlier occurrence of its last ``n`` tokens (n from ``max_n`` do
 The model verifies them in the same forward (one chunk [last token, d_1 .. d_k], logits at every
 row): d_j is accepted while it equals the target's greedy token at the row before it; the
 target's token at the first mismatch (or after the last draft) is emitted too. So a step emits
-1 .. k + 1 tokens, exactly the tokens plain greedy decoding would give.
+1 .. k + 1 tokens, exactly the tokens plain greedy decoding would give. A sampled request accepts
+d_j with probability p_j(d_j) (p_j: its processed distribution at row j - 1: temperature, min-p,
+top-k, top-p), and on a rejection draws from p_j without d_j, renormalised (speculative sampling
+with a one-token draft distribution): every emitted token has exactly the distribution plain
+sampling gives it, drawn with the request's own generator.
 
 Rollback of the recurrent layers (spec token-mixers §3.4, multi-slot in spirit): the step snapshots
 the KDA state after each of the first k rows into spare slots; with m drafts accepted the request
 continues from the snapshot after row m + 1 (copied into its live slot before its next step), or
 from the live state when all k were accepted. MLA latents of rejected rows are simply overwritten
-later. Speculation applies to greedy requests without penalties or logprobs (others decode one
-token per step in the same batches).
+later. Speculation applies to requests without penalties or logprobs (others decode one token per
+step in the same batches).
 """
 
 from __future__ import annotations
@@ -44,8 +48,12 @@ def propose_ngram(token_ids: list[int], k: int, min_n: int, max_n: int) -> list[
 
 
 def can_speculate(params: SamplingParams) -> bool:
-    """Drafts are verified greedily: plain greedy requests only (no penalties, no logprobs)."""
-    return params.greedy and not params.has_penalties and params.logprobs is None
+    """Requests whose rows need no history (penalties) and report no logprobs."""
+    return not params.has_penalties and params.logprobs is None
+
+
+def is_plain_greedy(params: SamplingParams) -> bool:
+    return params.greedy and can_speculate(params)
 
 
 def accept_greedy(draft: list[int], targets: list[int]) -> int:

@@ -98,15 +98,14 @@ def test_rejected_drafts_roll_the_state_back():
 
 def test_stop_inside_accepted_drafts_and_mixed_batches():
     """Stops and max_tokens cut at the same token as without speculation; requests that cannot
-    speculate (sampling, logprobs, penalties) give the same outputs in a speculating batch."""
+    speculate (logprobs, penalties) give the same outputs in a speculating batch."""
     model = FakeModel(next_from_last=True, sharpness=0.7)
     prompt = [3, 4]
     reqs = {
         "stop": (prompt, SamplingParams(temperature=0, max_tokens=40, stop_token_ids=[12], ignore_eos=True)),
         "late_stop": (prompt + [10, 11, 12, 10], SamplingParams(temperature=0, max_tokens=40, stop_token_ids=[7])),
         "exact": (prompt, SamplingParams(temperature=0, max_tokens=9, ignore_eos=True)),
-        "sampled": (prompt, SamplingParams(temperature=1.0, seed=7, max_tokens=12, ignore_eos=True)),
-        "logprobs": ([5, 6, 7], SamplingParams(temperature=0, max_tokens=12, logprobs=2, ignore_eos=True)),
+        "logprobs": ([5, 6, 7], SamplingParams(temperature=0.8, seed=3, max_tokens=12, logprobs=2, ignore_eos=True)),
         "penalty": ([5, 6], SamplingParams(temperature=0, max_tokens=12, presence_penalty=0.5, ignore_eos=True)),
     }
     outs = {}
@@ -119,6 +118,34 @@ def test_stop_inside_accepted_drafts_and_mixed_batches():
     assert reason == "stop" and tokens[-1] == 12 and 12 not in tokens[:-1]
     assert len(outs[3]["exact"][0][0]) == 9
     assert outs[3]["late_stop"][0][1] == "length"
+
+
+def test_sampled_requests_keep_their_distribution():
+    """Speculative sampling: the tokens at output positions 1..4 follow exactly the Markov chain
+    the fake model defines (P(next | last) = softmax(-sharpness * distance / T)), within 5 sigma
+    per token, while most steps carry drafts that are partly rejected."""
+    sharpness, temperature, vocab, n = 0.7, 0.9, 61, 1500
+    model = FakeModel(next_from_last=True, sharpness=sharpness)
+    prompt = [10, 11, 12, 10, 11, 12, 10]
+    reqs = {f"s{i}": (prompt, SamplingParams(temperature=temperature, seed=i, max_tokens=4, ignore_eos=True))
+            for i in range(n)}
+    engine = _engine(model, 3, max_num_seqs=64, max_num_batched_tokens=512, extra_blocks=64 * 4)
+    results = run(engine, reqs)
+    assert engine.num_accepted_tokens > 0.2 * engine.num_draft_tokens
+    assert engine.num_accepted_tokens < 0.8 * engine.num_draft_tokens
+    v = torch.arange(vocab, dtype=torch.float64)
+
+    def transition(last: int) -> torch.Tensor:
+        d = (v - (10 + last % 3)).abs()
+        return torch.softmax(-sharpness * torch.minimum(d, vocab - d) / temperature, 0)
+    step = torch.stack([transition(t) for t in range(vocab)])      # [last, next]
+    dist = transition(prompt[-1])
+    for pos in range(4):
+        counts = torch.bincount(torch.tensor([results[r][0][0][pos] for r in reqs]), minlength=vocab).double()
+        sigma = (n * dist * (1 - dist)).sqrt()
+        bad = ((counts - n * dist).abs() > 5 * sigma + 1).nonzero().flatten().tolist()
+        assert not bad, f"position {pos}: tokens {bad} off (counts {counts[bad].tolist()}, expected {(n * dist)[bad].tolist()})"
+        dist = dist @ step
 
 
 @pytest.mark.parametrize("arch", ["kimi_k3", "kimi_linear"])
