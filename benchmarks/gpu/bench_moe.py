@@ -26,7 +26,7 @@ sys.path.insert(0, str(ROOT))
 sys.path.insert(0, str(Path(__file__).parent))
 
 from bench_slice import (CONFIG, build_slice, ceilings, commit_id, cuda_time, decode_setup,  # noqa: E402
-                         graph_time, step_fn)
+                         graph_time, profile, step_fn)
 
 from kimik3.ops import mxfp4                                 # noqa: E402
 from kimik3.ops.activation import situ_and_mul               # noqa: E402
@@ -175,17 +175,8 @@ def side_stream():
         del cache, batch
         torch.cuda.empty_cache()
     if "--profile" in sys.argv:
-        from torch.profiler import ProfilerActivity, profile
         cache, batch, ids = decode_setup(model, 1)
-        fast = step_fn(model, ids, batch, cache)
-        fast()
-        torch.cuda.synchronize()
-        with profile(activities=[ProfilerActivity.CUDA]) as prof:
-            fast()
-            torch.cuda.synchronize()
-        table = prof.key_averages().table(sort_by="self_cuda_time_total", row_limit=25, max_name_column_width=60)
-        log(table)
-        results["profile_b1"] = table
+        results["profile_b1"] = profile("decode b1", step_fn(model, ids, batch, cache), row_limit=25)
 
 
 def main():

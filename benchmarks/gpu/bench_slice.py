@@ -227,8 +227,8 @@ def graph_time(fn) -> float | None:
         return None
 
 
-def profile(name, fn):
-    """Top kernels of one run by device time (written to $OUT and printed)."""
+def profile(name, fn, row_limit: int = 14) -> str:
+    """Top kernels of one run by device time (printed, kept in this bench's results, returned)."""
     from torch.profiler import ProfilerActivity
     from torch.profiler import profile as torch_profile
     fn()
@@ -236,9 +236,10 @@ def profile(name, fn):
     with torch_profile(activities=[ProfilerActivity.CUDA]) as prof:
         fn()
         torch.cuda.synchronize()
-    table = prof.key_averages().table(sort_by="self_cuda_time_total", row_limit=14, max_name_column_width=60)
+    table = prof.key_averages().table(sort_by="self_cuda_time_total", row_limit=row_limit, max_name_column_width=60)
     log(f"--- profile {name}\n{table}")
     results.setdefault("profiles", {})[name] = table
+    return table
 
 
 def counts(model, N: int, T: int, mode: str, experts_active: float):

@@ -99,3 +99,19 @@ def check_invariants(kv: KVCacheManager, running: list[Request], pending_checkpo
     assert len(ck) + len(kv.free_checkpoint_slots) + pending_checkpoints == len(all_ck)
     assert set(ck).isdisjoint(kv.free_checkpoint_slots) and set(ck + kv.free_checkpoint_slots) <= set(all_ck)
     assert kv.plan.total_bytes <= kv.plan.budget_bytes
+
+
+def oracle_proposer(futures: dict[tuple[int, ...], list[int]], vocab: int):
+    """A stand-in for ``propose_ngram`` whose drafts are a request's known continuation (``futures``:
+    prompt -> its plain-decoding tokens), every other step with the second draft corrupted, so
+    verify steps see accepted runs, bonus tokens and rejections."""
+    def propose(token_ids, k, min_n, max_n):
+        for prompt, tokens in futures.items():
+            if tuple(token_ids[:len(prompt)]) == prompt:
+                done = len(token_ids) - len(prompt)
+                draft = list(tokens[done:done + k])
+                if done % 2 and len(draft) > 1:
+                    draft[1] = (draft[1] + 1) % vocab
+                return draft
+        raise AssertionError("drafts asked for an unknown request")
+    return propose

@@ -16,7 +16,7 @@ from kimik3.engine import EngineConfig, SamplingParams
 from kimik3.engine.memory import plan_memory
 from kimik3.engine.speculative import accept_greedy, propose_ngram
 from tests.engine.fake_model import FakeModel, fake_config, reference_greedy
-from tests.engine.helpers import check_invariants, make_engine, run
+from tests.engine.helpers import check_invariants, make_engine, oracle_proposer, run
 
 
 def brute_force_ngram(tokens: list[int], k: int, min_n: int, max_n: int) -> list[int]:
@@ -195,17 +195,7 @@ def test_real_model_accepts_oracle_drafts(arch, tiny_ckpt, monkeypatch):
     reqs = {f"r{i}": ([rng.randrange(5, vocab) for _ in range(5 + 4 * i)],
                       SamplingParams(temperature=0, max_tokens=12, ignore_eos=True)) for i in range(3)}
     futures = {tuple(p): reference_greedy(model, p, sp.max_tokens) for p, sp in reqs.values()}
-
-    def oracle(token_ids, k, min_n, max_n):
-        for prompt, tokens in futures.items():
-            if tuple(token_ids[:len(prompt)]) == prompt:
-                done = len(token_ids) - len(prompt)
-                draft = list(tokens[done:done + k])
-                if done % 2 and len(draft) > 1:
-                    draft[1] = (draft[1] + 1) % vocab
-                return draft
-        raise AssertionError("drafts asked for an unknown request")
-    monkeypatch.setattr(scheduler, "propose_ngram", oracle)
+    monkeypatch.setattr(scheduler, "propose_ngram", oracle_proposer(futures, vocab))
     engine = make_engine(model, block_size=4, max_num_seqs=3, max_num_batched_tokens=32, max_model_len=40,
                          kda_checkpoint_interval=2, extra_blocks=12, num_speculative_tokens=3)
     results = run(engine, reqs, check=lambda e: check_invariants(e.kv, e.scheduler.running))

@@ -21,6 +21,7 @@ import pytest
 import torch
 
 from kimik3.engine import EngineConfig, LLMEngine, SamplingParams
+from tests.engine.helpers import oracle_proposer
 
 pytestmark = [pytest.mark.gpu, pytest.mark.skipif(not torch.cuda.is_available(), reason="needs CUDA")]
 
@@ -139,17 +140,7 @@ def test_speculative_greedy_matches_plain(model, monkeypatch):
     reqs = requests(model.config.text.vocab_size)
     plain = generate(make(model, enforce_eager=False), reqs)
     futures = {tuple(prompt): plain[rid][0] for rid, (prompt, _) in reqs.items()}
-
-    def oracle(token_ids, k, min_n, max_n):
-        for prompt, tokens in futures.items():
-            if tuple(token_ids[:len(prompt)]) == prompt:
-                done = len(token_ids) - len(prompt)
-                draft = list(tokens[done:done + k])
-                if done % 2 and len(draft) > 1:
-                    draft[1] = (draft[1] + 1) % model.config.text.vocab_size
-                return draft
-        raise AssertionError("drafts asked for an unknown request")
-    monkeypatch.setattr(scheduler, "propose_ngram", oracle)
+    monkeypatch.setattr(scheduler, "propose_ngram", oracle_proposer(futures, model.config.text.vocab_size))
     engine = make(model, enforce_eager=False, num_speculative_tokens=3)
     no_lp = {rid: (p, SamplingParams(temperature=0, max_tokens=sp.max_tokens, ignore_eos=True))
              for rid, (p, sp) in reqs.items()}
