@@ -138,15 +138,19 @@ def test_hit_is_clamped_to_a_checkpoint():
     assert out["b"][0][0] == reference_greedy(model, prompt + [40], 2)
 
 
-def test_n_samples_share_the_prompt():
-    model = FakeModel(sharpness=0.3)
+@pytest.mark.parametrize("spec", [0, 3], ids=["plain", "speculative"])
+def test_n_samples_share_the_prompt(spec):
+    model = FakeModel(sharpness=0.3, next_from_last=bool(spec))
     engine = make_engine(model, block_size=2, max_num_seqs=4, max_num_batched_tokens=64, max_model_len=64,
-                         kda_checkpoint_interval=1, extra_blocks=40)
+                         kda_checkpoint_interval=1, extra_blocks=40, num_speculative_tokens=spec,
+                         speculative_ngram_min=1)
     prompt = list(range(3, 20))
     out = run(engine, {"r": (prompt, SamplingParams(n=3, temperature=1.0, seed=7, max_tokens=6))})
     assert len(out["r"]) == 3 and all(len(c[0]) == 6 for c in out["r"])
     assert len({tuple(c[0]) for c in out["r"]}) > 1, "n samples should differ"
     assert engine.kv.num_hit_tokens == 2 * 16         # samples 2 and 3 reuse the 8 full prompt blocks
+    assert (engine.num_draft_tokens > 0) == bool(spec)
+    check_invariants(engine.kv, [])
 
 
 def test_abort_frees_memory_immediately():
