@@ -41,3 +41,24 @@ def test_image_end_to_end(real):
         msgs, tokenize=True, images=[ImagePrompt(60, 40, vision.num_tokens[0])])
     assert r.usage.prompt_tokens == len(prompt)
     assert r.choices[0].finish_reason in ("stop", "length")
+
+
+def test_speculative_server_matches_plain(real):
+    """``--num-speculative-tokens`` reaches the engine; greedy completions are unchanged and
+    /metrics counts the drafts."""
+    import httpx
+    args = add_serve_arguments(argparse.ArgumentParser()).parse_args(
+        ["--max-model-len", "512", "--max-num-seqs", "4", "--served-model-name", "tiny-k3",
+         "--num-speculative-tokens", "3", "--speculative-ngram-min", "1"])
+    spec = LiveServer(build_app(args))
+    try:
+        assert spec.state.engine.config.num_speculative_tokens == 3
+        prompt = "one two three one two three one two three one two"
+        outs = [s.client().completions.create(model="tiny-k3", prompt=prompt, max_tokens=12, temperature=0)
+                for s in (real, spec)]
+        assert outs[0].choices[0].text == outs[1].choices[0].text
+        metrics = httpx.get(spec.url + "/metrics").text
+        assert "kimik3_spec_decode_num_draft_tokens_total" in metrics
+        assert "kimik3_spec_decode_num_accepted_tokens_total" in metrics
+    finally:
+        spec.stop()
