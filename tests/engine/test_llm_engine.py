@@ -41,6 +41,7 @@ scenario = st.fixed_dictionaries({
     "aborts": st.integers(0, 2),
     "speculative": st.sampled_from([0, 0, 1, 3]),    # n-gram draft tokens per step (0 = off)
     "cycling": st.booleans(),                        # outputs cycle, so drafts are often accepted
+    "sampled": st.integers(0, 2),                    # extra seeded temperature-0.8 requests (plumbing only)
 })
 
 
@@ -52,6 +53,11 @@ def test_greedy_matches_reference(sc):
     prompts = _prompts(rng, sc["num_requests"], 30)
     reqs = {f"r{i}": (p, SamplingParams(temperature=0, max_tokens=rng.randint(1, 12), ignore_eos=rng.random() < 0.3))
             for i, p in enumerate(prompts)}
+    # sampled requests share the batches (and, with speculation, verify drafts by sampling); the
+    # fake model checks their cache plumbing on every step, their tokens are not compared
+    sampled = {f"s{i}": (p, SamplingParams(temperature=0.8, seed=i, max_tokens=rng.randint(1, 12)))
+               for i, p in enumerate(_prompts(rng, sc["sampled"], 30))}
+    reqs.update(sampled)
     # the cache holds the longest request plus a few blocks: several running requests force preemption
     max_model_len = max(len(p) + params.max_tokens for p, params in reqs.values())
     engine = make_engine(model, block_size=sc["block_size"], max_num_seqs=sc["max_num_seqs"],
@@ -72,6 +78,11 @@ def test_greedy_matches_reference(sc):
 
     results = run(engine, reqs, arrivals, aborts, check)
     for rid, (prompt, params) in reqs.items():
+        if rid in sampled:
+            tokens, reason = results[rid][0][:2]
+            assert len(tokens) <= params.max_tokens and reason in ("stop", "length", "abort")
+            assert reason != "length" or len(tokens) == params.max_tokens or len(prompt) + len(tokens) == max_model_len
+            continue
         ref = reference_greedy(model, prompt, params.max_tokens, None if params.ignore_eos else model.config.text.eos_token_id,
                                max_model_len)
         tokens, reason = results[rid][0][:2]
