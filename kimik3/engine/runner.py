@@ -172,13 +172,14 @@ class ModelRunner:
         for c in chunks:
             spans.append((r, r + 1 + len(c.draft)))
             r += 1 + len(c.draft)
-        greedy_rows = [j for c, (a, b) in zip(chunks, spans) if c.draft and c.req.params.greedy for j in range(a, b)]
         if all(is_plain_greedy(q.params) for q in reqs):
             targets = logits.argmax(-1).tolist()                   # one device sync for every row
             result = SamplerOutput([targets[b - 1] for a, b in spans], [None] * len(reqs))
         else:
             result = self._sample_last_rows(reqs, logits[torch.tensor([b - 1 for _, b in spans], device=logits.device)])
-            targets = [0] * r
+            targets = [0] * r                                      # greedy rows of speculative chunks only
+            greedy_rows = [j for c, (a, b) in zip(chunks, spans) if c.draft and c.req.params.greedy
+                           for j in range(a, b)]
             if greedy_rows:
                 for j, t in zip(greedy_rows, logits[torch.tensor(greedy_rows, device=logits.device)].argmax(-1).tolist()):
                     targets[j] = t
