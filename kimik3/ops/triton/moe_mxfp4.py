@@ -105,6 +105,16 @@ def _tanh(x):
 
 
 @triton.jit
+def _block(sorted_rows, num_rows, pid_m, pid_n, N, BM: tl.constexpr, BN: tl.constexpr):
+    """This program's BM sorted rows (assignment ids; ``valid`` false on padding) and BN output
+    columns (``mn`` false past N)."""
+    offs_m = pid_m * BM + tl.arange(0, BM)
+    rows = tl.load(sorted_rows + offs_m)
+    n = pid_n * BN + tl.arange(0, BN)
+    return offs_m, rows, rows < num_rows, n, n < N
+
+
+@triton.jit
 def _gate_up_kernel(x, w1p, w1s, w3p, w3s, h, sorted_rows, block_expert, num_rows, I, KH,
                     stride_x, stride_wp_e, stride_wp_n, stride_ws_e, stride_ws_n, stride_h,
                     beta, linear_beta, TOP_K: tl.constexpr, ACT_SITU: tl.constexpr, CLIP_UP: tl.constexpr,
@@ -114,12 +124,8 @@ def _gate_up_kernel(x, w1p, w1s, w3p, w3s, h, sorted_rows, block_expert, num_row
     e = tl.load(block_expert + pid_m).to(tl.int64)
     if e < 0:
         return
-    offs_m = pid_m * BM + tl.arange(0, BM)
-    rows = tl.load(sorted_rows + offs_m)
-    valid = rows < num_rows
+    offs_m, rows, valid, n, mn = _block(sorted_rows, num_rows, pid_m, pid_n, I, BM, BN)
     tok = (rows // TOP_K).to(tl.int64)
-    n = pid_n * BN + tl.arange(0, BN)
-    mn = n < I
     kcol = tl.arange(0, 2 * BKH)
     col1 = w1p + e * stride_wp_e + n[:, None].to(tl.int64) * stride_wp_n
     col3 = w3p + e * stride_wp_e + n[:, None].to(tl.int64) * stride_wp_n
@@ -159,11 +165,7 @@ def _down_kernel(h, w2p, w2s, y, sorted_rows, block_expert, num_rows, L, KH,
     e = tl.load(block_expert + pid_m).to(tl.int64)
     if e < 0:
         return
-    offs_m = pid_m * BM + tl.arange(0, BM)
-    rows = tl.load(sorted_rows + offs_m)
-    valid = rows < num_rows
-    n = pid_n * BN + tl.arange(0, BN)
-    mn = n < L
+    offs_m, rows, valid, n, mn = _block(sorted_rows, num_rows, pid_m, pid_n, L, BM, BN)
     kcol = tl.arange(0, 2 * BKH)
     col = w2p + e * stride_wp_e + n[:, None].to(tl.int64) * stride_wp_n
     scl = w2s + e * stride_ws_e + n[:, None].to(tl.int64) * stride_ws_n
