@@ -251,14 +251,15 @@ class LLMEngine:
                 self._settle_drafts(c, len(drafts))
         self.scheduler.update(out)
         now = time.monotonic()
-        for c, token, lp, drafts in zip(sampling, result.token_ids, result.logprobs, accepted):
+        draft_lps = result.accepted_logprobs or [[None] * len(d) for d in accepted]
+        for c, token, lp, drafts, lps in zip(sampling, result.token_ids, result.logprobs, accepted, draft_lps):
             req = c.req
             if req.first_token_time is None:
                 req.first_token_time = now
-            for t in (*drafts, token):
+            for t, t_lp in zip((*drafts, token), (*lps, lp)):
                 req.append_token(t)
                 if req.params.logprobs is not None:
-                    req.logprobs.append(lp)
+                    req.logprobs.append(t_lp)
                 reason = self._check_stop(req, t)
                 if reason is not None:
                     if req.detok is not None and not isinstance(req.stop_reason, str):

@@ -21,7 +21,7 @@ import torch
 from kimik3.engine.cuda_graphs import DecodeGraphs, pack_decode_inputs
 from kimik3.engine.encoder_cache import EncoderCache
 from kimik3.engine.request import Request
-from kimik3.engine.sampler import SamplerOutput, SamplingBatch, draw, filter_logits, sample
+from kimik3.engine.sampler import SamplerOutput, SamplingBatch, draw, filter_logits, logprob_dicts, sample
 from kimik3.engine.speculative import accept_greedy, is_plain_greedy
 from kimik3.engine.scheduler import ScheduledChunk, SchedulerOutput
 from kimik3.model.batch import ForwardBatch, HybridCache
@@ -196,7 +196,31 @@ class ModelRunner:
                 sampled.append(i)
         if sampled:
             self._verify_sampled([chunks[i] for i in sampled], [spans[i] for i in sampled], logits, result, sampled)
+        self._speculative_logprobs(chunks, spans, logits, result)
         return result
+
+    @staticmethod
+    def _speculative_logprobs(chunks, spans, logits: torch.Tensor, result: SamplerOutput) -> None:
+        """Logprobs of the emitted tokens of speculative chunks that ask for them: row j for the
+        accepted draft j + 1, row m for the final token."""
+        rows, tokens, tops, where = [], [], [], []
+        result.accepted_logprobs = [[None] * len(acc) for acc in result.accepted]
+        for i, (c, (a, _)) in enumerate(zip(chunks, spans)):
+            if c.draft and c.req.params.logprobs is not None:
+                emitted = [*result.accepted[i], result.token_ids[i]]
+                rows.extend(range(a, a + len(emitted)))
+                tokens.extend(emitted)
+                tops.extend([c.req.params.logprobs] * len(emitted))
+                where.extend((i, j) for j in range(len(emitted)))
+        if not rows:
+            return
+        dicts = logprob_dicts(logits[torch.tensor(rows, device=logits.device)],
+                              torch.tensor(tokens, device=logits.device), tops)
+        for (i, j), d in zip(where, dicts):
+            if j < len(result.accepted[i]):
+                result.accepted_logprobs[i][j] = d
+            else:
+                result.logprobs[i] = d
 
     def _verify_sampled(self, chunks, spans, logits: torch.Tensor, result: SamplerOutput, index: list[int]) -> None:
         """Speculative sampling of sampled requests: accept draft j + 1 with probability p_j(d),

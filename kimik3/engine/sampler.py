@@ -118,8 +118,10 @@ def draw(probs: torch.Tensor, generators: list[torch.Generator | None],
 class SamplerOutput:
     token_ids: list[int]
     logprobs: list[dict[int, float] | None]
-    # per sampling chunk, the draft tokens accepted before ``token_ids[i]`` (speculative decoding)
+    # per sampling chunk, the draft tokens accepted before ``token_ids[i]`` (speculative decoding),
+    # and their logprobs (dicts as in ``logprobs``; None entries when not asked for)
     accepted: list[list[int]] | None = None
+    accepted_logprobs: list[list[dict[int, float] | None]] | None = None
 
 
 def sample(logits: torch.Tensor, b: SamplingBatch, default_generator: torch.Generator | None = None) -> SamplerOutput:
@@ -133,18 +135,25 @@ def sample(logits: torch.Tensor, b: SamplingBatch, default_generator: torch.Gene
     else:
         probs = filter_logits(logits, b).softmax(-1)
         tokens = torch.where(b.greedy, greedy_tokens, draw(probs, b.generators, default_generator))
-    token_list = tokens.tolist()
-    logprobs: list[dict[int, float] | None] = [None] * len(token_list)
-    wanted = [k for k in b.num_logprobs if k is not None]
-    if wanted:
-        lp = raw.log_softmax(-1)
-        k = min(max(wanted), lp.shape[-1])
-        top_vals, top_ids = lp.topk(k, -1) if k else (lp[:, :0], lp[:, :0].long())
-        chosen = lp.gather(-1, tokens[:, None])[:, 0]
-        top_vals, top_ids, chosen = top_vals.tolist(), top_ids.tolist(), chosen.tolist()
-        for i, n_top in enumerate(b.num_logprobs):
-            if n_top is not None:
-                d = {token_list[i]: chosen[i]}
-                d.update((t, v) for t, v in zip(top_ids[i][:n_top], top_vals[i][:n_top]) if t not in d)
-                logprobs[i] = d
-    return SamplerOutput(token_list, logprobs)
+    return SamplerOutput(tokens.tolist(), logprob_dicts(raw, tokens, b.num_logprobs))
+
+
+def logprob_dicts(raw: torch.Tensor, tokens: torch.Tensor, num_logprobs: list[int | None]
+                  ) -> list[dict[int, float] | None]:
+    """Per row: {chosen token: its logprob, then the top-n tokens} under the raw model
+    distribution (None for rows that asked for no logprobs)."""
+    logprobs: list[dict[int, float] | None] = [None] * len(num_logprobs)
+    wanted = [k for k in num_logprobs if k is not None]
+    if not wanted:
+        return logprobs
+    lp = raw.log_softmax(-1)
+    k = min(max(wanted), lp.shape[-1])
+    top_vals, top_ids = lp.topk(k, -1) if k else (lp[:, :0], lp[:, :0].long())
+    chosen = lp.gather(-1, tokens[:, None])[:, 0]
+    token_list, top_vals, top_ids, chosen = tokens.tolist(), top_vals.tolist(), top_ids.tolist(), chosen.tolist()
+    for i, n_top in enumerate(num_logprobs):
+        if n_top is not None:
+            d = {token_list[i]: chosen[i]}
+            d.update((t, v) for t, v in zip(top_ids[i][:n_top], top_vals[i][:n_top]) if t not in d)
+            logprobs[i] = d
+    return logprobs

@@ -15,8 +15,9 @@ Rollback of the recurrent layers (spec token-mixers §3.4, multi-slot in spirit)
 the KDA state after each of the first k rows into spare slots; with m drafts accepted the request
 continues from the snapshot after row m + 1 (copied into its live slot before its next step), or
 from the live state when all k were accepted. MLA latents of rejected rows are simply overwritten
-later. Speculation applies to requests without penalties or logprobs (others decode one token per
-step in the same batches).
+later. Speculation applies to requests without penalties (their rows would depend on the drafts
+before them); the others decode one token per step in the same batches. Logprobs of every
+emitted token come from its own row.
 """
 
 from __future__ import annotations
@@ -48,12 +49,13 @@ def propose_ngram(token_ids: list[int], k: int, min_n: int, max_n: int) -> list[
 
 
 def can_speculate(params: SamplingParams) -> bool:
-    """Requests whose rows need no history (penalties) and report no logprobs."""
-    return not params.has_penalties and params.logprobs is None
+    """Requests whose rows need no output history (no penalties)."""
+    return not params.has_penalties
 
 
 def is_plain_greedy(params: SamplingParams) -> bool:
-    return params.greedy and can_speculate(params)
+    """Greedy with nothing else to compute: the token is the argmax of its row."""
+    return params.greedy and not params.has_penalties and params.logprobs is None
 
 
 def accept_greedy(draft: list[int], targets: list[int]) -> int:

@@ -97,15 +97,16 @@ def test_rejected_drafts_roll_the_state_back():
 
 
 def test_stop_inside_accepted_drafts_and_mixed_batches():
-    """Stops and max_tokens cut at the same token as without speculation; requests that cannot
-    speculate (logprobs, penalties) give the same outputs in a speculating batch."""
+    """Stops and max_tokens cut at the same token as without speculation; a greedy request with
+    logprobs gets the same tokens and logprobs (each from its own row), and one that cannot
+    speculate (penalties) the same outputs in a speculating batch."""
     model = FakeModel(next_from_last=True, sharpness=0.7)
     prompt = [3, 4]
     reqs = {
         "stop": (prompt, SamplingParams(temperature=0, max_tokens=40, stop_token_ids=[12], ignore_eos=True)),
         "late_stop": (prompt + [10, 11, 12, 10], SamplingParams(temperature=0, max_tokens=40, stop_token_ids=[7])),
         "exact": (prompt, SamplingParams(temperature=0, max_tokens=9, ignore_eos=True)),
-        "logprobs": ([5, 6, 7], SamplingParams(temperature=0.8, seed=3, max_tokens=12, logprobs=2, ignore_eos=True)),
+        "logprobs": ([5, 6, 7], SamplingParams(temperature=0, max_tokens=12, logprobs=2, ignore_eos=True)),
         "penalty": ([5, 6], SamplingParams(temperature=0, max_tokens=12, presence_penalty=0.5, ignore_eos=True)),
     }
     outs = {}
@@ -114,10 +115,23 @@ def test_stop_inside_accepted_drafts_and_mixed_batches():
         outs[spec] = run(engine, reqs, check=lambda e: check_invariants(e.kv, e.scheduler.running))
         check_invariants(engine.kv, [])
     assert outs[3] == outs[0]
+    assert len(outs[3]["logprobs"][0][2]) == 12
     tokens, reason = outs[3]["stop"][0][:2]
     assert reason == "stop" and tokens[-1] == 12 and 12 not in tokens[:-1]
     assert len(outs[3]["exact"][0][0]) == 9
     assert outs[3]["late_stop"][0][1] == "length"
+
+
+def test_logprobs_of_accepted_drafts_come_from_their_rows():
+    model = FakeModel(next_from_last=True, sharpness=0.7)       # exact logits: logprobs compare exactly
+    reqs = {"lp": ([5, 6, 7], SamplingParams(temperature=0, max_tokens=12, logprobs=2, ignore_eos=True))}
+    outs, engines = {}, {}
+    for spec in (0, 3):
+        engines[spec] = _engine(model, spec, max_model_len=48)
+        outs[spec] = run(engines[spec], reqs)
+    assert engines[3].num_accepted_tokens > 0
+    tokens, _, logprobs = outs[3]["lp"][0]
+    assert outs[3] == outs[0] and len(logprobs) == 12 and all(t in d for t, d in zip(tokens, logprobs))
 
 
 def test_sampled_requests_keep_their_distribution():
