@@ -45,7 +45,7 @@ def add_bench_arguments(ap: argparse.ArgumentParser) -> None:
     ap.add_argument("--block-size", type=int, default=16)
     ap.add_argument("--no-prefix-caching", action="store_true")
     ap.add_argument("--num-speculative-tokens", type=int, default=0,
-                    help="n-gram draft tokens per step (speculation applies to greedy requests: see --greedy)")
+                    help="n-gram draft tokens verified per step (default 0: off)")
     ap.add_argument("--greedy", action="store_true", help="temperature 0 requests (default: sampled, seeded)")
     ap.add_argument("--cache-memory-bytes", type=int)
     ap.add_argument("--baseline-requests", type=int, default=16,

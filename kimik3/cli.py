@@ -43,7 +43,7 @@ def _model_args(p: argparse.ArgumentParser) -> None:
     p.add_argument("--device", default=None, help="cpu or cuda[:N] (default: cuda if available)")
     p.add_argument("--max-model-len", type=_positive_int, default=8192)
     p.add_argument("--num-speculative-tokens", type=int, default=0,
-                   help="n-gram draft tokens verified per step when greedy (default 0: off)")
+                   help="n-gram draft tokens verified per step (default 0: off)")
 
 
 def _sampling_args(p: argparse.ArgumentParser) -> None:

@@ -158,7 +158,7 @@ class KVCacheManager:
     def free(self, req: Request) -> None:
         """Return everything the request holds (its cached blocks stay reusable until evicted)."""
         if req.pending_state_copy is not None:        # a speculative rollback that will not run
-            self.free_spec_slots.append(req.pending_state_copy[0])
+            self.return_spec_slots([req.pending_state_copy[0]])
             req.pending_state_copy = None
         self.blocks.release(req.block_ids)
         req.block_ids = []

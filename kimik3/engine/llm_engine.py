@@ -275,8 +275,6 @@ class LLMEngine:
         the request's next step (unless every draft was accepted: then the live state is right)."""
         req = c.req
         c.num_accepted = m
-        req.num_draft_tokens += len(c.draft)
-        req.num_accepted_tokens += m
         self.num_draft_tokens += len(c.draft)
         self.num_accepted_tokens += m
         if m < len(c.draft):

@@ -66,10 +66,8 @@ class Request:
     num_preemptions: int = 0
     num_prefix_hit_tokens: int = 0
     # speculative decoding: (snapshot slot, live slot) to copy before this request's next step
-    # (the state after its last accepted token), and its draft statistics
+    # (the state after its last accepted token)
     pending_state_copy: tuple[int, int] | None = None
-    num_draft_tokens: int = 0
-    num_accepted_tokens: int = 0
     text: str = ""
     detok: object | None = None     # incremental detokenizer state (engine-owned)
     num_sent_tokens: int = 0        # tokens already returned as deltas

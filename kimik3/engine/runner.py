@@ -230,15 +230,15 @@ class ModelRunner:
         sb = SamplingBatch.build(params, [None] * len(rows), [[]] * len(rows), [[]] * len(rows),
                                  self.vocab_size, self.device)
         probs = filter_logits(logits[torch.tensor(rows, device=logits.device)], sb).softmax(-1)
-        offset, draft_rows, draft_ids = 0, [], []
-        for c, (a, b) in zip(chunks, spans):
-            draft_rows.extend(range(offset, offset + len(c.draft)))
-            draft_ids.extend(c.draft)
-            offset += b - a
+        starts, local = [], 0                          # each chunk's first row in ``probs``
+        for a, b in spans:
+            starts.append(local)
+            local += b - a
+        draft_rows = [s + j for c, s in zip(chunks, starts) for j in range(len(c.draft))]
         p_draft = probs[torch.tensor(draft_rows, device=probs.device),
-                        torch.tensor(draft_ids, device=probs.device)].tolist()
-        offset, k = 0, 0
-        for i, c, (a, b) in zip(index, chunks, spans):
+                        torch.tensor([t for c in chunks for t in c.draft], device=probs.device)].tolist()
+        k = 0
+        for i, c, start in zip(index, chunks, starts):
             n = len(c.draft)
             u = torch.rand(n, generator=c.req.generator or self.generator, device=self.generator.device).tolist()
             m = 0
@@ -246,10 +246,9 @@ class ModelRunner:
                 m += 1
             result.accepted[i] = c.draft[:m]
             if m < n:                                  # rejected: draw from p_m without the draft token
-                residual = probs[offset + m].clone()
+                residual = probs[start + m].clone()
                 residual[c.draft[m]] = 0.0
                 result.token_ids[i] = int(draw(residual[None], [c.req.generator], self.generator)[0])
-            offset += b - a
             k += n
 
     def _sample_last_rows(self, reqs, logits: torch.Tensor) -> SamplerOutput:

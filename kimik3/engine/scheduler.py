@@ -9,7 +9,7 @@ Rules, in order, per step (budget = ``max_num_batched_tokens``):
    part. Nothing is admitted in a step that preempted (the cache is short already). The samples
    2..n of an n > 1 request wait until sample 1 has computed the prompt, then hit its blocks.
 3. Chunks that cross a KDA checkpoint boundary ask the model for a state snapshot there.
-4. With speculative decoding on, a greedy decode step carries n-gram draft tokens (within the
+4. With speculative decoding on, a decode step without penalties carries n-gram draft tokens (within the
    budget, max_tokens, max_model_len, free snapshot slots, and short of the next checkpoint
    boundary) and asks for a snapshot after each but the last (``speculative.py``); a request
    whose drafts were partly rejected first copies its snapshot back (``pending_state_copy``).

@@ -1,6 +1,6 @@
 """Speculative decoding with n-gram (prompt lookup) drafts: no draft model, no extra weights.
 
-Each step, a greedy decoding request may carry up to ``k`` draft tokens: the tokens that followed
+Each step, a decoding request may carry up to ``k`` draft tokens: the tokens that followed
 the most recent earlier occurrence of its last ``n`` tokens (n from ``max_n`` down to ``min_n``).
 The model verifies them in the same forward (one chunk [last token, d_1 .. d_k], logits at every
 row): d_j is accepted while it equals the target's greedy token at the row before it; the

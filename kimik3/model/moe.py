@@ -12,6 +12,8 @@ the MoE on 1/t of the tokens per rank with replicated shared experts and all-gat
 
 from __future__ import annotations
 
+import contextlib
+
 import torch
 from torch import nn
 
@@ -147,35 +149,28 @@ class MoE(nn.Module):
     def forward(self, x: torch.Tensor) -> torch.Tensor:
         if self.par.tokens_sharded:
             return self._forward_token_sharded(x)
-        if self.side_stream is not None and x.shape[0] <= SIDE_STREAM_MAX_TOKENS:
-            u, s = self._overlapped(x, self.side_stream)
-        else:
-            weights, ids = self._route(x)
-            z = self.routed_expert_down_proj(x) if hasattr(self, "routed_expert_down_proj") else x
-            u = self._local_experts(z, weights, ids)
-            s = self.shared_experts(x) if hasattr(self, "shared_experts") else None
-        return self._tail(u, s) if self.par.enabled else self._finish(u, s)
-
-    def _overlapped(self, x: torch.Tensor, side: torch.cuda.Stream):
-        """Small batches leave the GPU half idle in each GEMV, so two run at once: the router
-        (GEMM + top-k) on ``side`` beside the routed down-projection, then the shared experts on
-        ``side`` beside the routed experts. Same kernels and results as the serial order.
-        Memory: ``side`` starts after everything queued so far (x is ready) and the main stream
-        waits for it before any use of its outputs and before this returns, so no block the
-        caching allocator hands out here is reused while the other stream may still read it."""
-        main = torch.cuda.current_stream()
-        side.wait_stream(main)
-        with torch.cuda.stream(side):
+        # Small batches leave the GPU half idle in each GEMV, so with a side stream two run at once:
+        # the router (GEMM + top-k) beside the routed down-projection, then the shared experts
+        # beside the routed experts. Same kernels and results as one stream. Memory: ``side``
+        # starts after everything queued so far (x is ready) and the main stream waits for it
+        # before using its outputs and before returning, so no block the caching allocator hands
+        # out here is reused while the other stream may still read it.
+        side = self.side_stream if x.shape[0] <= SIDE_STREAM_MAX_TOKENS else None
+        on_side = (lambda: torch.cuda.stream(side)) if side is not None else contextlib.nullcontext
+        if side is not None:
+            main = torch.cuda.current_stream()
+            side.wait_stream(main)
+        with on_side():
             weights, ids = self._route(x)
         z = self.routed_expert_down_proj(x) if hasattr(self, "routed_expert_down_proj") else x
-        main.wait_stream(side)
-        s = None
-        if hasattr(self, "shared_experts"):
-            with torch.cuda.stream(side):
-                s = self.shared_experts(x)
+        if side is not None:
+            main.wait_stream(side)
+        with on_side():
+            s = self.shared_experts(x) if hasattr(self, "shared_experts") else None
         u = self._local_experts(z, weights, ids)
-        main.wait_stream(side)
-        return u, s
+        if side is not None:
+            main.wait_stream(side)
+        return self._tail(u, s) if self.par.enabled else self._finish(u, s)
 
     def _route(self, x: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
         cfg = self.cfg

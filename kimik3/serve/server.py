@@ -33,7 +33,7 @@ def add_serve_arguments(parser: argparse.ArgumentParser) -> argparse.ArgumentPar
     parser.add_argument("--enable-prefix-caching", action=argparse.BooleanOptionalAction, default=True,
                         help="reuse cached prompt prefixes (default: on)")
     parser.add_argument("--num-speculative-tokens", type=int, default=0,
-                        help="n-gram draft tokens verified per step for greedy requests (0 = off)")
+                        help="n-gram draft tokens verified per step (0 = off)")
     parser.add_argument("--speculative-ngram-min", type=int, default=2, help="shortest n-gram looked up for drafts")
     parser.add_argument("--speculative-ngram-max", type=int, default=4, help="longest n-gram looked up for drafts")
     parser.add_argument("--dtype", choices=sorted(_DTYPES), default="auto",
