@@ -10,7 +10,7 @@ import pytest
 from kimik3.config import ConfigError, load_config, parse_config
 from kimik3.testing import tiny_kimi_linear_config
 
-RELEASE = Path(__file__).resolve().parents[1] / ".." / "shared" / "configs" / "kimi-k3-release.config.json"
+RELEASE = Path(__file__).resolve().parent / "data" / "kimi-k3-release.config.json"
 
 
 @pytest.fixture(scope="module")

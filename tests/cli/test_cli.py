@@ -11,7 +11,7 @@ import pytest
 import kimik3
 
 ENV = {**os.environ, "PYTHONUNBUFFERED": "1"}
-RELEASE = Path(__file__).resolve().parents[2] / ".." / "shared" / "configs" / "kimi-k3-release.config.json"
+RELEASE = Path(__file__).resolve().parents[2] / "tests" / "data" / "kimi-k3-release.config.json"
 
 
 def run(*args, stdin=None, timeout=180):

@@ -8,7 +8,7 @@ import pytest
 from kimik3.config import parse_config
 from kimik3.parallel.sizing import compute_sizing
 
-RELEASE = Path(__file__).resolve().parents[2] / ".." / "shared" / "configs" / "kimi-k3-release.config.json"
+RELEASE = Path(__file__).resolve().parents[2] / "tests" / "data" / "kimi-k3-release.config.json"
 GIB = 1 << 30
 
 

@@ -3,6 +3,7 @@
 from __future__ import annotations
 
 import math
+from pathlib import Path
 
 import numpy as np
 import pytest
@@ -267,7 +268,7 @@ def test_state_dict_names_equal_checkpoint_names():
 
 
 def test_k3_shapes_match_spec_table():
-    cfg = load_config("/work/shared/configs/kimi-k3-release.config.json").vision
+    cfg = load_config(Path(__file__).resolve().parents[1] / "data" / "kimi-k3-release.config.json").vision
     with torch.device("meta"):
         m = KimiVisionModel(cfg, dtype=torch.bfloat16)
     shapes = {k: list(v.shape) for k, v in m.state_dict().items()}
