@@ -29,11 +29,10 @@ from bench_slice import (CONFIG, build_slice, ceilings, commit_id, cuda_time, de
                          graph_time, profile, step_fn)
 
 from kimik3.ops import mxfp4                                 # noqa: E402
-from kimik3.ops.activation import situ_and_mul               # noqa: E402
 from kimik3.ops.backend import reference_ops                 # noqa: E402
 from kimik3.ops.moe import fused_moe                         # noqa: E402
-from kimik3.ops.triton import moe_mxfp4                      # noqa: E402
-from kimik3.ops.triton.moe_mxfp4 import _sort_by_expert, _tiles, fused_moe_mxfp4_triton  # noqa: E402
+from kimik3.ops.triton import moe as moe_kernels             # noqa: E402
+from kimik3.ops.triton.moe import _sort_by_expert, _tiles, fused_moe_triton  # noqa: E402
 
 OUT = Path(os.environ.get("OUT", ROOT / "bench_out"))
 E, L, I, K = 64, 3584, 3072, 16
@@ -100,7 +99,7 @@ def kernels(bw):
             for dst, w in zip(d, (w1, w2, w3)):
                 dst[e] = mxfp4.dequantize(w[0][e], w[1][e], torch.bfloat16)
         with reference_ops():
-            ref = fused_moe(x, d[0], d[1], d[2], weights, ids, lambda a, b: situ_and_mul(a, b, 4.0, 25.0), True)
+            ref = fused_moe(x, d[0], d[1], d[2], weights, ids, "situ", 4.0, 25.0, True)
         del d
         base = _tiles(T * K / E)
         cands = [dict(base, asm=False), dict(base)]
@@ -117,8 +116,8 @@ def kernels(bw):
                       dict(BM=64, BN1=64, BN2=128, BKH=64, warps=4, stages=4)]
         for cfg in cands:
             def fn(cfg=cfg):
-                return fused_moe_mxfp4_triton(x, w1, w2, w3, weights, ids, True, 4.0, 25.0,
-                                              high_scales=scale_max > 128, tiles=cfg)
+                return fused_moe_triton(x, w1, w2, w3, weights, ids, True, 4.0, 25.0,
+                                        high_scales=scale_max > 128, tiles=cfg)
             try:
                 err = rel_err(fn(), ref)
                 graph, _ = graph_of(fn)
@@ -134,10 +133,10 @@ def kernels(bw):
             results["kernels"] = rows
             save()
         if T <= 128:      # the sort/alignment step alone: one Triton program vs the torch ops
-            for name, limit in (("kernel", moe_mxfp4.ALIGN_KERNEL_MAX_ROWS), ("torch", -1)):
-                saved, moe_mxfp4.ALIGN_KERNEL_MAX_ROWS = moe_mxfp4.ALIGN_KERNEL_MAX_ROWS, limit
+            for name, limit in (("kernel", moe_kernels.ALIGN_KERNEL_MAX_ROWS), ("torch", -1)):
+                saved, moe_kernels.ALIGN_KERNEL_MAX_ROWS = moe_kernels.ALIGN_KERNEL_MAX_ROWS, limit
                 gs, _ = graph_of(lambda: _sort_by_expert(ids, E, base["BM"]))
-                moe_mxfp4.ALIGN_KERNEL_MAX_ROWS = saved
+                moe_kernels.ALIGN_KERNEL_MAX_ROWS = saved
                 results.setdefault("sort_ms", {}).setdefault(name, {})[T] = cuda_time(gs.replay, warmup=3, iters=20) * 1e3
                 log(f"T={T} sort alone ({name}) {results['sort_ms'][name][T]:.4f} ms")
     return rows

@@ -1,10 +1,13 @@
 """One device call: (a) every fast op vs its torch reference, (b) the two ceilings (copy bandwidth,
-bf16 matmul rate), (c) the K3-width 4-layer slice (3 KDA + 1 MLA, 64 MXFP4 experts, top-16) with
-random weights: decode at batch 1/8/32/128 over a 4k context and an 8k-token prefill, each with the
-bytes and FLOPs counted from the shapes, the floor from the measured ceilings, time/floor, and the
-speed-up over the eager torch reference path (same GPU; reference prefill on 2k tokens, see table).
+bf16 matmul rate), (c) a 4-layer slice (3 KDA + 1 MLA) with random weights: decode at batch
+1/8/32/128 over a 4k context and an 8k-token prefill, each with the bytes and FLOPs counted from
+the shapes, the floor from the measured ceilings, time/floor, and the speed-up over the eager torch
+reference path (same GPU; reference prefill on 2k tokens, see table).
 
-    PYTHONPATH=. python benchmarks/gpu/bench_slice.py        (writes $OUT/bench_slice.json)
+Slices: ``kimi-k3-slice4.config.json`` (K3 width, 64 MXFP4 experts top-16, the default) and
+``kimi-linear-slice4.config.json`` (Kimi-Linear-48B width: 256 bf16 experts top-8 at 1024).
+
+    PYTHONPATH=. python benchmarks/gpu/bench_slice.py [--config=PATH]   (writes $OUT/bench_slice[_NAME].json)
 """
 
 from __future__ import annotations
@@ -34,6 +37,7 @@ from kimik3.ops.backend import reference_ops                 # noqa: E402
 
 OUT = Path(os.environ.get("OUT", ROOT / "bench_out"))
 CONFIG = Path(__file__).with_name("kimi-k3-slice4.config.json")
+KIMI_LINEAR_CONFIG = Path(__file__).with_name("kimi-linear-slice4.config.json")
 BLOCK = 64
 CONTEXT = 4096
 results: dict = {}
@@ -54,9 +58,15 @@ def log(*a):
     print(*a, flush=True)
 
 
+def config_path() -> Path:
+    arg = next((a.split("=", 1)[1] for a in sys.argv if a.startswith("--config=")), None)
+    return Path(arg) if arg else CONFIG
+
+
 def save():
     OUT.mkdir(parents=True, exist_ok=True)
-    (OUT / "bench_slice.json").write_text(json.dumps(results, indent=1, default=str))
+    name = "bench_slice.json" if config_path() == CONFIG else f"bench_slice_{config_path().stem.split('.')[0]}.json"
+    (OUT / name).write_text(json.dumps(results, indent=1, default=str))
 
 
 def cuda_time(fn, warmup=3, iters=10) -> float:
@@ -112,13 +122,15 @@ def ceilings():
 
 
 # ---- (c) the slice model ---------------------------------------------------------------------
-def build_slice(cfg: dict) -> KimiForCausalLM:
-    parsed = parse_config(cfg, str(CONFIG))
+def build_slice(cfg: dict, source: str = str(CONFIG)) -> KimiForCausalLM:
+    """The model of ``cfg`` on the GPU with random bf16 weights (MXFP4 experts when the config
+    quantizes them, else dense bf16 experts)."""
+    parsed = parse_config(cfg, source)
     with torch.device("meta"):
         model = KimiForCausalLM(parsed)
     model.cast(torch.bfloat16)
     for m in model.modules():
-        if isinstance(m, Experts):
+        if isinstance(m, Experts) and parsed.text.expert_quantization == "mxfp4":
             m.use_mxfp4_storage()
     model.to_empty(device="cuda")
     g = torch.Generator(device="cuda").manual_seed(0)
@@ -139,7 +151,7 @@ def build_slice(cfg: dict) -> KimiForCausalLM:
             else:
                 p.normal_(0, 1 / math.sqrt(p.shape[-1]), generator=g)
         for m in model.modules():
-            if isinstance(m, Experts):
+            if isinstance(m, Experts) and m.mxfp4:
                 for which in ("w1", "w2", "w3"):
                     s = getattr(m, f"{which}_scale")
                     K = s.shape[-1] * 32
@@ -262,8 +274,12 @@ def counts(model, N: int, T: int, mode: str, experts_active: float):
         if isinstance(m, Experts):
             n_moe += 1
             E = m.w1.shape[0]
-            expert_bytes = sum(t.numel() for w in ("w1", "w2", "w3") for t in m.packed(w)) // E
-            expert_params = sum(getattr(m, w)[0].numel() * 2 for w in ("w1", "w2", "w3"))
+            if m.mxfp4:
+                expert_bytes = sum(t.numel() for w in ("w1", "w2", "w3") for t in m.packed(w)) // E
+                expert_params = sum(getattr(m, w)[0].numel() * 2 for w in ("w1", "w2", "w3"))
+            else:
+                expert_params = sum(getattr(m, w)[0].numel() for w in ("w1", "w2", "w3"))
+                expert_bytes = expert_params * 2
     k = cfg.num_experts_per_token
     state = H * K * K * 4 + 3 * H * K * (cfg.kda.conv_size - 1) * 2
     if mode == "decode":
@@ -284,9 +300,9 @@ def counts(model, N: int, T: int, mode: str, experts_active: float):
 
 
 def bench_model(bw, mm):
-    cfg = json.loads(CONFIG.read_text())
+    cfg = json.loads(config_path().read_text())
     t0 = time.time()
-    model = build_slice(cfg)
+    model = build_slice(cfg, str(config_path()))
     log(f"slice built in {time.time() - t0:.1f}s; {torch.cuda.memory_allocated() / 2**30:.1f} GiB")
     twins = {} if "--no-ref" in sys.argv else dense_twins(model)
     E, k = model.config.text.num_experts, model.config.text.num_experts_per_token
@@ -344,6 +360,56 @@ def bench_model(bw, mm):
         save()
         del cache
         torch.cuda.empty_cache()
+    if not any(m.mxfp4 for m in model.modules() if isinstance(m, Experts)):
+        bench_experts(model, bw, mm)
+    return rows
+
+
+# ---- (d) dense routed experts alone vs torch._grouped_mm -------------------------------------
+def bench_experts(model, bw, mm):
+    """The routed-expert op of the slice's first MoE layer (dense experts) at 1..2048 tokens vs
+    torch._grouped_mm on the same shapes (gate/up as one [E, L, 2I] GEMM, SiLU-GLU, down; tokens
+    pre-sorted by expert, its best case: no sort, gather or combine timed), both as CUDA graphs.
+    Floor: the touched experts' bytes / copy rate, or FLOPs / matmul rate."""
+    from kimik3.ops.moe import fused_moe
+    moe = next(m for m in model.modules() if isinstance(m, Experts))
+    E, I, L = moe.w1.shape
+    k = model.config.text.num_experts_per_token
+    w13t = torch.cat([moe.w1, moe.w3], dim=1).transpose(1, 2)          # [E, L, 2I], column-major per expert
+    w2t = moe.w2.transpose(1, 2)                                         # [E, I, L]
+    g = torch.Generator(device="cuda").manual_seed(5)
+    rows = []
+    for T in (1, 2, 4, 8, 16, 32, 64, 128, 256, 512, 1024, 2048):
+        x = torch.randn(T, L, device="cuda", generator=g).to(torch.bfloat16)
+        ids = torch.rand(T, E, device="cuda", generator=g).topk(k, dim=-1).indices
+        weights = torch.rand(T, k, device="cuda", generator=g)
+        used = torch.unique(ids).numel()
+        byts = used * 3 * I * L * 2 + T * L * 2 * 2
+        flops = 2 * T * k * 3 * I * L
+        floor = max(byts / bw, flops / mm)
+        ours = graph_time(lambda: fused_moe(x, moe.w1, moe.w2, moe.w3, weights, ids, "silu", 1.0, None, True))
+        order = torch.argsort(ids.reshape(-1))
+        xs = x[order // k].contiguous()
+        offs = torch.bincount(ids.reshape(-1), minlength=E).cumsum(0).to(torch.int32)
+
+        def grouped():
+            gu = torch._grouped_mm(xs, w13t, offs=offs)
+            h = torch.nn.functional.silu(gu[:, :I]) * gu[:, I:]
+            return torch._grouped_mm(h, w2t, offs=offs)
+        try:
+            lib = graph_time(grouped)
+        except Exception as exc:               # the library op may refuse a shape
+            log(f"  torch._grouped_mm T={T}: {exc!r}"[:200])
+            lib = None
+        row = {"T": T, "experts_touched": used, "ours_ms": None if ours is None else ours * 1e3,
+               "grouped_mm_ms": None if lib is None else lib * 1e3, "floor_ms": floor * 1e3,
+               "ours_over_floor": None if ours is None else ours / floor,
+               "grouped_mm_over_floor": None if lib is None else lib / floor,
+               "ours_speedup_vs_grouped_mm": None if (ours is None or lib is None) else lib / ours}
+        rows.append(row)
+        log(row)
+        results["experts"] = rows
+        save()
     return rows
 
 
@@ -358,6 +424,7 @@ def main():
         save()
     bw, mm = ceilings()
     save()
+    results["config"] = config_path().name
     rows = bench_model(bw, mm)
     save()
     log("\n| case | fast eager ms | fast graph ms | floor ms | time/floor | ref ms | speed-up |")

@@ -29,6 +29,21 @@ from kimik3.model.batch import ForwardBatch, HybridCache
 logger = logging.getLogger(__name__)
 
 
+def capture_or_none(graphs: DecodeGraphs) -> DecodeGraphs | None:
+    """Capture the decode graphs; a model that cannot be captured runs eagerly (one warning)."""
+    try:
+        graphs.capture()
+        return graphs
+    except Exception as exc:        # capture errors come as RuntimeError or torch.AcceleratorError
+        logger.warning("CUDA graph capture failed (%s: %s); decode steps run eagerly. Pass enforce_eager "
+                       "to skip the attempt", type(exc).__name__, str(exc).splitlines()[0] if str(exc) else "")
+        graphs.graphs.clear()
+        if torch.cuda.is_available():
+            torch.cuda.synchronize()
+            torch.cuda.empty_cache()
+        return None
+
+
 class ModelRunner:
     def __init__(self, model, cache: HybridCache, seed: int = 0, encoder_cache_tokens: int = 16384,
                  max_num_seqs: int = 64, max_model_len: int = 8192, enforce_eager: bool = True):
@@ -48,8 +63,7 @@ class ModelRunner:
         self.num_graph_steps = 0
         self.graphs: DecodeGraphs | None = None
         if not enforce_eager and self.device.type == "cuda":
-            self.graphs = DecodeGraphs(model, cache, max_num_seqs, max_model_len)
-            self.graphs.capture()
+            self.graphs = capture_or_none(DecodeGraphs(model, cache, max_num_seqs, max_model_len))
 
     def prepare(self, out: SchedulerOutput) -> tuple[torch.Tensor, ForwardBatch, list[int]]:
         """Packed input ids [T], the batch metadata, and the packed rows that need logits."""

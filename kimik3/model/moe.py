@@ -186,7 +186,8 @@ class MoE(nn.Module):
         if e.mxfp4:
             return fused_moe_mxfp4(z, e.packed("w1"), e.packed("w2"), e.packed("w3"), weights, ids, self.act.hidden_act,
                                    self.act.beta, self.act.linear_beta, cfg.numerics.moe_combine_fp32, e.scale_max)
-        return fused_moe(z, e.w1, e.w2, e.w3, weights, ids, self.act, cfg.numerics.moe_combine_fp32)
+        return fused_moe(z, e.w1, e.w2, e.w3, weights, ids, self.act.hidden_act, self.act.beta, self.act.linear_beta,
+                         cfg.numerics.moe_combine_fp32)
 
     def _local_experts(self, z: torch.Tensor, weights: torch.Tensor, ids: torch.Tensor) -> torch.Tensor:
         """This rank's share of the routed sum over all tokens ([T, L]; the whole sum in one process).

@@ -1,8 +1,11 @@
 """Routed experts: y_t = sum_j weights[t, j] * E_{ids[t, j]}(x_t), E_e(x) = act(x W1_e^T, x W3_e^T) W2_e^T.
 
-``fused_moe`` takes dense stacked weights (reference loop over the experts that received tokens);
-``fused_moe_mxfp4`` takes MXFP4-packed experts (CUDA: Triton grouped W4A16 GEMMs that dequantize
-in the kernel, the activation fused into the first; CPU: dequantize each used expert, then the loop).
+``fused_moe`` takes dense stacked weights, ``fused_moe_mxfp4`` MXFP4-packed experts. CUDA (bf16,
+and fp16 for dense weights): one family of Triton grouped GEMMs (``kimik3.ops.triton.moe``) with
+the weight format a compile-time parameter, the activation fused into the first GEMM and the fp32
+combine; no host synchronisation, so decode steps capture into CUDA graphs. Reference (CPU, and
+fp32/fp64 anywhere): a loop over the experts that received tokens (MXFP4: each used expert
+dequantized first).
 """
 
 from __future__ import annotations
@@ -18,12 +21,18 @@ from kimik3.ops.norm import acc_dtype
 
 
 def fused_moe(x: torch.Tensor, w1: torch.Tensor, w2: torch.Tensor, w3: torch.Tensor,
-              weights: torch.Tensor, ids: torch.Tensor,
-              act: Callable[[torch.Tensor, torch.Tensor], torch.Tensor], combine_fp32: bool) -> torch.Tensor:
+              weights: torch.Tensor, ids: torch.Tensor, hidden_act: str, beta: float,
+              linear_beta: float | None, combine_fp32: bool) -> torch.Tensor:
     """x [T, L]; w1, w3 [E, I, L]; w2 [E, L, I]; weights [T, k] fp32; ids [T, k].
+    ``hidden_act`` "situ" (beta, linear_beta) or "silu".
     combine_fp32: each expert output (x's dtype) is scaled by its fp32 weight and summed in
     fp32, rounded once (official); else the sum is accumulated in x's dtype.
+    CUDA (bf16/fp16 x and weights): the Triton kernels always combine in fp32 with one rounding.
     """
+    act = _activation(hidden_act, beta, linear_beta)
+    if use_fast_path(x) and x.dtype in (torch.bfloat16, torch.float16) and w1.dtype == x.dtype:
+        from kimik3.ops.triton.moe import fused_moe_triton
+        return fused_moe_triton(x, w1, w2, w3, weights, ids, hidden_act == "situ", beta, linear_beta)
     return _expert_loop(x, lambda e, which: (w1, w2, w3)[which - 1][e], weights, ids, act, combine_fp32)
 
 
@@ -36,21 +45,26 @@ def fused_moe_mxfp4(x: torch.Tensor, w1: tuple[torch.Tensor, torch.Tensor], w2: 
     ``scale_max``: the largest E8M0 scale code in the weights when known (None: any); the CUDA
     dequantization is one multiply cheaper when it is <= 128.
     CUDA (bf16 x): the Triton kernels always combine in fp32 with one rounding."""
-    if hidden_act not in ("situ", "silu"):
-        raise ValueError(f"hidden_act must be 'situ' or 'silu', got {hidden_act!r}")
+    act = _activation(hidden_act, beta, linear_beta)
     if use_fast_path(x) and x.dtype == torch.bfloat16:
-        from kimik3.ops.triton.moe_mxfp4 import fused_moe_mxfp4_triton
-        return fused_moe_mxfp4_triton(x, w1, w2, w3, weights, ids, hidden_act == "situ", beta, linear_beta,
-                                      high_scales=scale_max is None or scale_max > 128)
-
-    def act(g, u):
-        return situ_and_mul(g, u, beta, linear_beta) if hidden_act == "situ" else silu_and_mul(g, u)
+        from kimik3.ops.triton.moe import fused_moe_triton
+        return fused_moe_triton(x, w1, w2, w3, weights, ids, hidden_act == "situ", beta, linear_beta,
+                                high_scales=scale_max is None or scale_max > 128)
 
     def weight(e, which):
         packed, scale = (w1, w2, w3)[which - 1]
         return mxfp4.dequantize(packed[e], scale[e], x.dtype, name=f"expert {e} w{which}")
 
     return _expert_loop(x, weight, weights, ids, act, combine_fp32)
+
+
+def _activation(hidden_act: str, beta: float, linear_beta: float | None
+                ) -> Callable[[torch.Tensor, torch.Tensor], torch.Tensor]:
+    if hidden_act == "situ":
+        return lambda g, u: situ_and_mul(g, u, beta, linear_beta)
+    if hidden_act == "silu":
+        return silu_and_mul
+    raise ValueError(f"hidden_act must be 'situ' or 'silu', got {hidden_act!r}")
 
 
 def _expert_loop(x, weight, weights, ids, act, combine_fp32):

@@ -120,3 +120,27 @@ def test_engine_graph_branch_matches_eager(model):
             assert changed <= live, f"{pool}: padding touched slots {changed - live}"
         changed = {k for k in range(before[2].shape[1]) if not torch.equal(before[2][:, k], after[2][:, k])}
         assert changed <= blocks, f"mla_latent: padding touched blocks {changed - blocks}"
+
+
+class FailingGraphs(DecodeGraphs):
+    """A model that cannot be captured (e.g. a host sync inside a decode step)."""
+
+    def capture(self) -> None:
+        self.graphs[1] = ("half-captured", None)
+        raise RuntimeError("CUDA error: operation not permitted when stream is capturing\nmore detail")
+
+
+def test_capture_failure_falls_back_to_eager_with_one_warning(model, caplog):
+    from kimik3.engine.runner import capture_or_none
+    reqs = _requests(model.config.text.vocab_size)
+    kw = dict(block_size=3, max_num_seqs=8, max_num_batched_tokens=64, max_model_len=32, extra_blocks=40)
+    eager = run(make_engine(model, **kw), reqs, {0: list(reqs)})
+    engine = make_engine(model, **kw)
+    graphs = FailingGraphs(model, engine.cache, 8, 32)
+    with caplog.at_level("WARNING", logger="kimik3.engine.runner"):
+        engine.runner.graphs = capture_or_none(graphs)
+    assert engine.runner.graphs is None and graphs.graphs == {}
+    warnings = [r for r in caplog.records if r.levelname == "WARNING"]
+    assert len(warnings) == 1 and "operation not permitted" in warnings[0].getMessage()
+    assert run(engine, reqs, {0: list(reqs)}) == eager
+    assert engine.runner.num_graph_steps == 0

@@ -14,7 +14,6 @@ import pytest
 import torch
 
 from kimik3.ops import mxfp4
-from kimik3.ops.activation import situ_and_mul
 from kimik3.ops.attn_res import attn_res_mix
 from kimik3.ops.backend import reference_ops
 from kimik3.ops.conv import causal_conv1d_in_pool
@@ -168,11 +167,33 @@ def check_moe(T=37, E=16, L=512, I=384, k=4, seed=4, shift=0, tell_scale_max=Fal
     ids = torch.stack([torch.randperm(E, generator=g, device="cuda")[:k] for _ in range(T)])
     weights = torch.rand(T, k, generator=g, device="cuda")
     with reference_ops():   # the same bf16 roundings (projections, activation output) on the dense weights
-        ref = fused_moe(x, d1.to(BF16), d2.to(BF16), d3.to(BF16), weights, ids,
-                        lambda a, b: situ_and_mul(a, b, 4.0, 25.0), True)
+        ref = fused_moe(x, d1.to(BF16), d2.to(BF16), d3.to(BF16), weights, ids, "situ", 4.0, 25.0, True)
     poison_allocator()
     out = fused_moe_mxfp4(x, w1, w2, w3, weights, ids, "situ", 4.0, 25.0, True, scale_max)
     return {f"moe.T{T}.shift{shift}.scale_max_{scale_max}": rel_err(out, ref)}
+
+
+def check_moe_dense(T=37, E=256, L=2304, I=1024, k=8, dtype=BF16, act="silu", seed=12) -> dict:
+    """Dense (bf16/fp16) experts on a ragged routing: expert 0 takes every token, expert 1 one
+    token, the last experts none, the rest at random. Worst per-token error against the reference
+    on fp32 copies of the same weights (a bad row cannot hide in a global norm)."""
+    g = _gen(seed)
+    w1, w3 = (torch.randn(E, I, L, generator=g, device="cuda").div_(L ** 0.5).to(dtype) for _ in range(2))
+    w2 = torch.randn(E, L, I, generator=g, device="cuda").div_(I ** 0.5).to(dtype)
+    x = torch.randn(T, L, generator=g, device="cuda").to(dtype)
+    ids = torch.empty(T, k, dtype=torch.long, device="cuda")
+    for t in range(T):
+        first = [0, 1] if (t == T // 2 and k > 1) else [0]
+        rest = (torch.randperm(E - 6, generator=g, device="cuda") + 2)[:k - len(first)]
+        ids[t] = torch.cat([torch.tensor(first, device="cuda"), rest])
+    weights = torch.rand(T, k, generator=g, device="cuda") * 2.446 / k
+    beta, linear_beta = (4.0, 25.0) if act == "situ" else (1.0, None)
+    with reference_ops():
+        ref = fused_moe(x.float(), w1.float(), w2.float(), w3.float(), weights, ids, act, beta, linear_beta, True)
+    poison_allocator()
+    out = fused_moe(x, w1, w2, w3, weights, ids, act, beta, linear_beta, True)
+    worst = max(rel_err(out[t], ref[t]) for t in range(T))
+    return {f"moe_dense.{dtype}.{act}.T{T}.k{k}.worst_token": worst}
 
 
 def check_attn_res(n=9, T=77, D=7168, seed=5) -> dict:
@@ -207,6 +228,10 @@ CHECKS = {
     "moe_high_scales_told": lambda: check_moe(T=5, shift=20, tell_scale_max=True, seed=11),
     "moe_large": lambda: check_moe(T=700, E=8, L=1024, I=512, k=4), "attn_res": check_attn_res,
     "route": check_route,
+    "moe_dense_decode": lambda: check_moe_dense(T=1), "moe_dense_b8": lambda: check_moe_dense(T=8),
+    "moe_dense_mid": lambda: check_moe_dense(T=37), "moe_dense_prefill": lambda: check_moe_dense(T=1500),
+    "moe_dense_fp16_top16": lambda: check_moe_dense(T=21, E=64, k=16, dtype=torch.float16, seed=13),
+    "moe_dense_situ": lambda: check_moe_dense(T=9, E=32, L=512, I=384, k=4, act="situ", seed=14),
 }
 
 

@@ -88,7 +88,7 @@ def _packed_experts(E, N, K, g):
 
 @pytest.mark.parametrize("T", [3, 40], ids=["T3", "T40"])
 def test_moe_mxfp4_kernel_matches_dense_reference(T):
-    from kimik3.ops.triton.moe_mxfp4 import fused_moe_mxfp4_triton
+    from kimik3.ops.triton.moe import fused_moe_triton
     g = gen(2)
     E, L, I, k = 6, 64, 96, 3
     w1, d1 = _packed_experts(E, I, L, g)
@@ -98,10 +98,8 @@ def test_moe_mxfp4_kernel_matches_dense_reference(T):
     ids = torch.stack([torch.randperm(E, generator=g)[:k] for _ in range(T)])
     weights = torch.rand(T, k, generator=g)
 
-    def act(a, b):
-        return situ_and_mul(a, b, 4.0, 25.0)
-    ref = fused_moe(x, d1, d2, d3, weights, ids, act, combine_fp32=True)
-    out = fused_moe_mxfp4_triton(x, w1, w2, w3, weights, ids, True, 4.0, 25.0)
+    ref = fused_moe(x, d1, d2, d3, weights, ids, "situ", 4.0, 25.0, combine_fp32=True)
+    out = fused_moe_triton(x, w1, w2, w3, weights, ids, True, 4.0, 25.0)
     assert rel_err(out, ref) < 3e-2        # four truncating bf16 roundings in a chain
 
 
@@ -110,12 +108,12 @@ def test_moe_mxfp4_kernel_matches_dense_reference(T):
 def test_sort_by_expert_layout(T, E, k, BM, kernel, monkeypatch):
     """Every assignment once, inside a block of its own expert, in row order; each expert gets
     ceil(count / BM) blocks; -1 only for the blocks past the end."""
-    from kimik3.ops.triton import moe_mxfp4
+    from kimik3.ops.triton import moe as moe_kernels
     if not kernel:
-        monkeypatch.setattr(moe_mxfp4, "ALIGN_KERNEL_MAX_ROWS", -1)
+        monkeypatch.setattr(moe_kernels, "ALIGN_KERNEL_MAX_ROWS", -1)
     g = gen(7)
     ids = torch.stack([torch.randperm(E, generator=g)[:k] for _ in range(T)])
-    rows, block_expert = moe_mxfp4._sort_by_expert(ids, E, BM)
+    rows, block_expert = moe_kernels._sort_by_expert(ids, E, BM)
     flat, R = ids.reshape(-1).tolist(), T * k
     rows, block_expert = rows.tolist(), block_expert.tolist()
     placed = [r for r in rows if r != R]
@@ -133,7 +131,7 @@ def test_sort_by_expert_layout(T, E, k, BM, kernel, monkeypatch):
 
 
 def test_moe_mxfp4_kernel_silu_without_up_clip():
-    from kimik3.ops.triton.moe_mxfp4 import fused_moe_mxfp4_triton
+    from kimik3.ops.triton.moe import fused_moe_triton
     # one expert, one-hot tokens: each output sums silu over one column of W1 (W3, W2 all ones)
     g = gen(3)
     E, L, I = 1, 32, 32
@@ -144,10 +142,57 @@ def test_moe_mxfp4_kernel_silu_without_up_clip():
     ids = torch.zeros(8, 1, dtype=torch.long)
     w = torch.ones(8, 1)
     # silu(g) * u with u = 1 and W2 = ones: out = sum_i silu(W1[i, t])
-    out = fused_moe_mxfp4_triton(x, w1, ones, ones, w, ids, False, 1.0, None)
-    ref = fused_moe(x, d1, dense_ones.to(BF16), dense_ones.to(BF16), w, ids,
-                    lambda a, b: torch.nn.functional.silu(a.float()).mul(b.float()).to(BF16), True)
+    out = fused_moe_triton(x, w1, ones, ones, w, ids, False, 1.0, None)
+    ref = fused_moe(x, d1, dense_ones.to(BF16), dense_ones.to(BF16), w, ids, "silu", 1.0, None, True)
     assert rel_err(out, ref) < 1e-2
+
+
+# ---- MoE, dense bf16 / fp16 experts -------------------------------------------------------
+def moe_float64(x, w1, w2, w3, weights, ids, act):
+    """Straight from the math in float64: out_t = sum_j w_tj * (act(x W1_e^T, x W3_e^T) W2_e^T)."""
+    x, w1, w2, w3, weights = (t.double() for t in (x, w1, w2, w3, weights))
+    out = torch.zeros_like(x)
+    for t in range(x.shape[0]):
+        for j in range(ids.shape[1]):
+            e = int(ids[t, j])
+            g, u = x[t] @ w1[e].t(), x[t] @ w3[e].t()
+            out[t] += weights[t, j] * (act(g, u) @ w2[e].t())
+    return out
+
+
+def ragged_ids(T, E, k, g):
+    """Distinct experts per token: expert 0 gets every token, expert 1 exactly one (token T // 2),
+    the last four none, the rest at random from 2 .. E - 5."""
+    ids = torch.empty(T, k, dtype=torch.long)
+    for t in range(T):
+        first = [0, 1] if (t == T // 2 and k > 1) else [0]
+        rest = (torch.randperm(E - 6, generator=g) + 2)[:k - len(first)]
+        ids[t] = torch.cat([torch.tensor(first), rest])
+    return ids
+
+
+def situ64(g, u, beta=4.0, linear_beta=25.0):
+    return beta * torch.tanh(g / beta) * torch.sigmoid(g) * (linear_beta * torch.tanh(u / linear_beta))
+
+
+@pytest.mark.parametrize("dtype,act,T,k", [(BF16, "silu", 5, 4), (torch.float16, "silu", 3, 16), (BF16, "situ", 9, 2),
+                                           (BF16, "silu", 1, 8)], ids=["bf16-silu", "fp16-top16", "bf16-situ", "decode"])
+def test_moe_dense_kernel_matches_float64(dtype, act, T, k):
+    from kimik3.ops.triton.moe import fused_moe_triton
+    g = gen(11)
+    E, L, I = 24, 64, 32
+    w1, w3 = (torch.randn(E, I, L, generator=g) / L ** 0.5 for _ in range(2))
+    w2 = torch.randn(E, L, I, generator=g) / I ** 0.5
+    x = torch.randn(T, L, generator=g)
+    ids = ragged_ids(T, E, k, g)
+    weights = torch.rand(T, k, generator=g) * 2.4
+    lo = [t.to(dtype) for t in (x, w1, w2, w3)]
+    out = fused_moe_triton(lo[0], lo[1], lo[2], lo[3], weights, ids, act == "situ", 4.0, 25.0 if act == "situ" else None)
+    f64 = situ64 if act == "situ" else (lambda a, b: torch.nn.functional.silu(a) * b)
+    ref = moe_float64(*(t.double() for t in lo), weights, ids, f64)
+    assert out.dtype == dtype
+    for t in range(T):                                  # per token: a bad row cannot hide in a global norm
+        assert rel_err(out[t], ref[t]) < 2e-2, t
 
 
 # ---- attention residual mix --------------------------------------------------------------

@@ -1,14 +1,18 @@
-"""Routed experts from MXFP4 weights: grouped W4A16 GEMMs that dequantize in the kernel.
+"""Routed experts as grouped GEMMs: bf16/fp16 weights, or MXFP4 weights dequantized in the kernel.
 
 The (token, expert) assignments are sorted by expert and each expert's rows padded to a multiple
-of BM, so one program of a GEMM works on BM rows of a single expert.
+of BM, so one program of a GEMM works on BM rows of a single expert (each touched expert's
+weights are read once per column tile).
   1. gate/up: h = act(x W1_e^T, x W3_e^T) (SITU or SiLU fused in the epilogue), rows in sorted order;
-  2. down:    y_r = h W2_e^T, written per assignment r = t * top_k + j (bf16, unweighted);
+  2. down:    y_r = h W2_e^T, written per assignment r = t * top_k + j (activation dtype, unweighted);
   3. combine: out_t = sum_j weights[t, j] * y_{t*top_k+j} in fp32, one rounding.
-Weights stay packed: uint8 [E, N, K/2] (element 2i in the low nibble of byte i) and E8M0 scales
-uint8 [E, N, K/32]; each K-step loads its bytes along the contiguous axis, expands them to a bf16
-[BN, BK] tile in registers (fp16 bit trick, one fp32 multiply) and feeds the tensor cores.
-Reference: ``kimik3.ops.moe.fused_moe_mxfp4``.
+The weight format is a compile-time parameter (MXFP4): dense weights [E, N, K] are loaded as
+tiles; MXFP4 weights stay packed: uint8 [E, N, K/2] (element 2i in the low nibble of byte i) and
+E8M0 scales uint8 [E, N, K/32]; each K-step loads its bytes along the contiguous axis, expands
+them to a bf16 [BN, BK] tile in registers and feeds the tensor cores.
+The alignment, the GEMMs and the combine are device work only (no host synchronisation), so
+decode steps capture into CUDA graphs.
+Reference: ``kimik3.ops.moe.fused_moe`` / ``fused_moe_mxfp4``.
 """
 
 from __future__ import annotations
@@ -93,6 +97,25 @@ def _dequant_tile(packed_ptr, sc, kh, KH, mn, BN: tl.constexpr, BKH: tl.constexp
 
 
 @triton.jit
+def _weight_tile(wp, sc, kh, KH, mn, BN: tl.constexpr, BKH: tl.constexpr, MXFP4: tl.constexpr,
+                 ASM: tl.constexpr, HIGH_SCALES: tl.constexpr):
+    """Weights [BN, 2*BKH] of K positions 2*kh.. for BN rows starting at ``wp`` (row pointers):
+    a dense tile (MXFP4 false: KH is half the row length) or the dequantized packed bytes."""
+    if MXFP4:
+        return _dequant_tile(wp, sc, kh, KH, mn, BN, BKH, ASM, HIGH_SCALES)
+    kk = 2 * kh + tl.arange(0, 2 * BKH)
+    return tl.load(wp + kk[None, :], mask=mn[:, None] & (kk < 2 * KH)[None, :], other=0.0)
+
+
+@triton.jit
+def _next_scales(scale_ptr, kh, KH, mn, G: tl.constexpr, MXFP4: tl.constexpr, sc):
+    """The scale codes of the next K-step (MXFP4), or the unused placeholder ``sc`` (dense)."""
+    if MXFP4:
+        return _scales(scale_ptr, kh, KH, mn, G)
+    return sc
+
+
+@triton.jit
 def _bf16_bits(bits, BN: tl.constexpr, G: tl.constexpr):
     """int32 bf16 bit patterns [BN, G] -> bf16 [BN, 16 G], each repeated over its group's 16 bytes."""
     v = bits.to(tl.int16).to(tl.bfloat16, bitcast=True)
@@ -119,7 +142,7 @@ def _gate_up_kernel(x, w1p, w1s, w3p, w3s, h, sorted_rows, block_expert, num_row
                     stride_x, stride_wp_e, stride_wp_n, stride_ws_e, stride_ws_n, stride_h,
                     beta, linear_beta, TOP_K: tl.constexpr, ACT_SITU: tl.constexpr, CLIP_UP: tl.constexpr,
                     BM: tl.constexpr, BN: tl.constexpr, BKH: tl.constexpr, UPCAST: tl.constexpr,
-                    ASM: tl.constexpr, HIGH_SCALES: tl.constexpr):
+                    MXFP4: tl.constexpr, ASM: tl.constexpr, HIGH_SCALES: tl.constexpr):
     pid_m, pid_n = tl.program_id(0), tl.program_id(1)
     e = tl.load(block_expert + pid_m).to(tl.int64)
     if e < 0:
@@ -134,14 +157,16 @@ def _gate_up_kernel(x, w1p, w1s, w3p, w3s, h, sorted_rows, block_expert, num_row
     acc1 = tl.zeros([BM, BN], dtype=tl.float32)
     acc3 = tl.zeros([BM, BN], dtype=tl.float32)
     G: tl.constexpr = BKH // 16
-    sc1, sc3 = _scales(scl1, 0, KH, mn, G), _scales(scl3, 0, KH, mn, G)
+    sc1 = _next_scales(scl1, 0, KH, mn, G, MXFP4, tl.zeros([BN, G], tl.int32))
+    sc3 = _next_scales(scl3, 0, KH, mn, G, MXFP4, tl.zeros([BN, G], tl.int32))
     for kh in range(0, KH, BKH):
-        next1, next3 = _scales(scl1, kh + BKH, KH, mn, G), _scales(scl3, kh + BKH, KH, mn, G)
+        next1 = _next_scales(scl1, kh + BKH, KH, mn, G, MXFP4, sc1)
+        next3 = _next_scales(scl3, kh + BKH, KH, mn, G, MXFP4, sc3)
         kx = 2 * kh + kcol
         a = tl.load(x + tok[:, None] * stride_x + kx[None, :], mask=valid[:, None] & (kx < 2 * KH)[None, :],
                     other=0.0)
-        acc1 = dot(a, tl.trans(_dequant_tile(col1, sc1, kh, KH, mn, BN, BKH, ASM, HIGH_SCALES)), acc1, UPCAST)
-        acc3 = dot(a, tl.trans(_dequant_tile(col3, sc3, kh, KH, mn, BN, BKH, ASM, HIGH_SCALES)), acc3, UPCAST)
+        acc1 = dot(a, tl.trans(_weight_tile(col1, sc1, kh, KH, mn, BN, BKH, MXFP4, ASM, HIGH_SCALES)), acc1, UPCAST)
+        acc3 = dot(a, tl.trans(_weight_tile(col3, sc3, kh, KH, mn, BN, BKH, MXFP4, ASM, HIGH_SCALES)), acc3, UPCAST)
         sc1, sc3 = next1, next3
     # the reference rounds both projections to the activation dtype before the activation
     g = acc1.to(h.dtype.element_ty).to(tl.float32)
@@ -160,7 +185,7 @@ def _gate_up_kernel(x, w1p, w1s, w3p, w3s, h, sorted_rows, block_expert, num_row
 def _down_kernel(h, w2p, w2s, y, sorted_rows, block_expert, num_rows, L, KH,
                  stride_h, stride_wp_e, stride_wp_n, stride_ws_e, stride_ws_n, stride_y,
                  BM: tl.constexpr, BN: tl.constexpr, BKH: tl.constexpr, UPCAST: tl.constexpr,
-                 ASM: tl.constexpr, HIGH_SCALES: tl.constexpr):
+                 MXFP4: tl.constexpr, ASM: tl.constexpr, HIGH_SCALES: tl.constexpr):
     pid_m, pid_n = tl.program_id(0), tl.program_id(1)
     e = tl.load(block_expert + pid_m).to(tl.int64)
     if e < 0:
@@ -171,12 +196,12 @@ def _down_kernel(h, w2p, w2s, y, sorted_rows, block_expert, num_rows, L, KH,
     scl = w2s + e * stride_ws_e + n[:, None].to(tl.int64) * stride_ws_n
     acc = tl.zeros([BM, BN], dtype=tl.float32)
     G: tl.constexpr = BKH // 16
-    sc = _scales(scl, 0, KH, mn, G)
+    sc = _next_scales(scl, 0, KH, mn, G, MXFP4, tl.zeros([BN, G], tl.int32))
     for kh in range(0, KH, BKH):
-        following = _scales(scl, kh + BKH, KH, mn, G)
+        following = _next_scales(scl, kh + BKH, KH, mn, G, MXFP4, sc)
         kx = 2 * kh + kcol
         a = tl.load(h + offs_m[:, None].to(tl.int64) * stride_h + kx[None, :], mask=(kx < 2 * KH)[None, :], other=0.0)
-        acc = dot(a, tl.trans(_dequant_tile(col, sc, kh, KH, mn, BN, BKH, ASM, HIGH_SCALES)), acc, UPCAST)
+        acc = dot(a, tl.trans(_weight_tile(col, sc, kh, KH, mn, BN, BKH, MXFP4, ASM, HIGH_SCALES)), acc, UPCAST)
         sc = following
     tl.store(y + rows[:, None].to(tl.int64) * stride_y + n[None, :], acc.to(y.dtype.element_ty),
              mask=valid[:, None] & mn[None, :])
@@ -263,19 +288,27 @@ def _tiles(rows_per_expert: float) -> dict:
     return dict(BM=128, BN1=128, BN2=128, BKH=32, warps=8, stages=3)
 
 
-def fused_moe_mxfp4_triton(x: torch.Tensor, w1: tuple, w2: tuple, w3: tuple, weights: torch.Tensor,
-                           ids: torch.Tensor, act_situ: bool, beta: float, linear_beta: float | None,
-                           high_scales: bool = True, tiles: dict | None = None) -> torch.Tensor:
-    """x [T, L] bf16; w1, w3 = (packed [E, I, L/2], scale [E, I, L/32]); w2 = (packed [E, L, I/2],
-    scale [E, L, I/32]); weights [T, k] fp32; ids [T, k]. Returns [T, L] in x's dtype.
+def fused_moe_triton(x: torch.Tensor, w1, w2, w3, weights: torch.Tensor, ids: torch.Tensor, act_situ: bool,
+                     beta: float, linear_beta: float | None, high_scales: bool = True,
+                     tiles: dict | None = None) -> torch.Tensor:
+    """x [T, L] bf16 or fp16; weights [T, k] fp32; ids [T, k]. Returns [T, L] in x's dtype.
+    Dense experts: w1, w3 [E, I, L], w2 [E, L, I] in x's dtype. MXFP4 experts (bf16 x): each of
+    w1, w3 = (packed [E, I, L/2], scale [E, I, L/32]), w2 = (packed [E, L, I/2], scale [E, L, I/32]).
     high_scales: some E8M0 scale may exceed 128 (the dequantization takes two multiplies; False is
     only valid when every scale is <= 128). tiles: override the tile choice (benchmarks; with
     "asm": False the fp16-placement dequantization runs on CUDA too, for comparison)."""
+    packed = isinstance(w1, tuple)
+    (w1p, w1s), (w2p, w2s), (w3p, w3s) = (w if packed else (w, w) for w in (w1, w2, w3))
     T, L = x.shape
-    E, I = w1[0].shape[0], w1[0].shape[1]
+    E, I = w1p.shape[0], w1p.shape[1]
     top_k = ids.shape[1]
-    if x.dtype != torch.bfloat16:
+    if packed and x.dtype != torch.bfloat16:
         raise ValueError(f"the MXFP4 expert kernels take bf16 activations, got {x.dtype}")
+    if not packed and (L % 2 or I % 2):
+        raise ValueError(f"the dense expert kernels need even widths, got L={L}, I={I}")
+    if not packed and (x.dtype not in (torch.bfloat16, torch.float16) or w1p.dtype != x.dtype):
+        raise ValueError(f"the dense expert kernels take bf16/fp16 activations and weights of the same dtype, "
+                         f"got {x.dtype} activations and {w1p.dtype} weights")
     x = x.contiguous()
     cfg = tiles or _tiles(T * top_k / E)
     BM = cfg["BM"]
@@ -283,21 +316,18 @@ def fused_moe_mxfp4_triton(x: torch.Tensor, w1: tuple, w2: tuple, w3: tuple, wei
     nb = block_expert.shape[0]
     R = T * top_k
     h = torch.empty(sorted_rows.shape[0], I, dtype=x.dtype, device=x.device)
-    w1p, w1s = w1
-    w3p, w3s = w3
+    common = dict(BM=BM, BKH=cfg["BKH"], UPCAST=INTERPRETING, MXFP4=packed, ASM=cfg.get("asm", not INTERPRETING),
+                  HIGH_SCALES=high_scales, num_warps=cfg["warps"], num_stages=cfg["stages"])
     _gate_up_kernel[(nb, triton.cdiv(I, cfg["BN1"]))](
         x, w1p, w1s, w3p, w3s, h, sorted_rows, block_expert, R, I, L // 2,
         x.stride(0), w1p.stride(0), w1p.stride(1), w1s.stride(0), w1s.stride(1), h.stride(0),
         float(beta), float(linear_beta or 1.0), TOP_K=top_k, ACT_SITU=act_situ, CLIP_UP=linear_beta is not None,
-        BM=BM, BN=cfg["BN1"], BKH=cfg["BKH"], UPCAST=INTERPRETING,
-        ASM=cfg.get("asm", not INTERPRETING), HIGH_SCALES=high_scales, num_warps=cfg["warps"], num_stages=cfg["stages"])
+        BN=cfg["BN1"], **common)
     y = torch.empty(R, L, dtype=x.dtype, device=x.device)
-    w2p, w2s = w2
     _down_kernel[(nb, triton.cdiv(L, cfg["BN2"]))](
         h, w2p, w2s, y, sorted_rows, block_expert, R, L, I // 2,
         h.stride(0), w2p.stride(0), w2p.stride(1), w2s.stride(0), w2s.stride(1), y.stride(0),
-        BM=BM, BN=cfg["BN2"], BKH=cfg["BKH"], UPCAST=INTERPRETING,
-        ASM=cfg.get("asm", not INTERPRETING), HIGH_SCALES=high_scales, num_warps=cfg["warps"], num_stages=cfg["stages"])
+        BN=cfg["BN2"], **common)
     out = torch.empty(T, L, dtype=x.dtype, device=x.device)
     BL = min(1024, triton.next_power_of_2(L))
     _combine_kernel[(T, triton.cdiv(L, BL))](y, weights.contiguous(), out, L, TOP_K=top_k, BL=BL)
