@@ -21,7 +21,7 @@ _LOG2E = 1.4426950408889634
 @triton.jit
 def _mla_decode_split_kernel(q_lat, q_pe, cache, block_tables, seq_lens, part_o, part_lse,
                              H, R, P, stride_ql_n, stride_ql_h, stride_qp_n, stride_qp_h,
-                             stride_cache_blk, stride_cache_row, stride_bt, tokens_per_split, sm_scale_log2,
+                             stride_cache_blk, stride_cache_row, stride_bt, sm_scale_log2,
                              BLOCK_SIZE: tl.constexpr, BH: tl.constexpr, BR: tl.constexpr, BP: tl.constexpr,
                              BN: tl.constexpr, NUM_SPLITS: tl.constexpr, UPCAST: tl.constexpr):
     n, hb, s = tl.program_id(0), tl.program_id(1), tl.program_id(2)
@@ -34,6 +34,9 @@ def _mla_decode_split_kernel(q_lat, q_pe, cache, block_tables, seq_lens, part_o,
     qp = tl.load(q_pe + n * stride_qp_n + h[:, None] * stride_qp_h + pp[None, :],
                  mask=mh[:, None] & mp[None, :], other=0.0)                         # [BH, BP]
     length = tl.load(seq_lens + n)
+    # each sequence spreads its own length over the splits (whole tiles), so a short sequence in
+    # a launch sized for a long one still uses every split
+    tokens_per_split = tl.cdiv(tl.cdiv(length, NUM_SPLITS), BN) * BN
     lo = s * tokens_per_split
     hi = tl.minimum(lo + tokens_per_split, length)
     m_i = tl.full([BH], float("-inf"), dtype=tl.float32)
@@ -90,17 +93,16 @@ def mla_decode_triton(q_latent: torch.Tensor, q_pe: torch.Tensor, cache: torch.T
     BH = 16 if H <= 16 else 32
     BN = 32 if BR >= 256 else 16
     head_blocks = triton.cdiv(H, BH)
-    # enough programs to fill the chip twice over, never splits shorter than one tile
+    # enough programs to fill the chip twice over, never more splits than tiles of the longest
+    # sequence; each sequence divides its own length among them (in the kernel)
     splits = max(1, min(triton.cdiv(max_seq_len, BN), triton.cdiv(2 * num_sms, N * head_blocks), 64))
-    tokens_per_split = triton.cdiv(triton.cdiv(max_seq_len, splits), BN) * BN
-    splits = triton.cdiv(max_seq_len, tokens_per_split)
     part_o = torch.empty(N * H * splits, BR, dtype=torch.float32, device=q_latent.device)
     part_lse = torch.empty(N * H * splits, dtype=torch.float32, device=q_latent.device)
     nw = 8 if BH * BR >= 32 * 512 else 4
     _mla_decode_split_kernel[(N, head_blocks, splits)](
         q_latent, q_pe, cache, block_tables, seq_lens, part_o, part_lse, H, R, P,
         q_latent.stride(0), q_latent.stride(1), q_pe.stride(0), q_pe.stride(1),
-        cache.stride(0), cache.stride(1), block_tables.stride(0), tokens_per_split, scale * _LOG2E,
+        cache.stride(0), cache.stride(1), block_tables.stride(0), scale * _LOG2E,
         BLOCK_SIZE=cache.shape[1], BH=BH, BR=BR, BP=BP, BN=BN, NUM_SPLITS=splits, UPCAST=INTERPRETING, num_warps=nw, num_stages=2)
     out = torch.empty(N, H, R, dtype=q_latent.dtype, device=q_latent.device)
     _mla_decode_merge_kernel[(N, H)](part_o, part_lse, out, H, R, out.stride(0), out.stride(1),
