@@ -41,7 +41,7 @@ def add_bench_arguments(ap: argparse.ArgumentParser) -> None:
     ap.add_argument("--input-len", type=int, nargs=2, default=[16, 256], metavar=("MIN", "MAX"))
     ap.add_argument("--output-len", type=int, nargs=2, default=[16, 128], metavar=("MIN", "MAX"))
     ap.add_argument("--max-num-seqs", type=int, default=64)
-    ap.add_argument("--max-num-batched-tokens", type=int, default=2048)
+    ap.add_argument("--max-num-batched-tokens", type=int, default=8192)
     ap.add_argument("--block-size", type=int, default=16)
     ap.add_argument("--no-prefix-caching", action="store_true")
     ap.add_argument("--num-speculative-tokens", type=int, default=0,

@@ -10,7 +10,7 @@ import torch
 @dataclass
 class EngineConfig:
     max_num_seqs: int = 64                  # sequences in one step (= live KDA state slots)
-    max_num_batched_tokens: int = 2048      # token budget of one step (long prompts are chunked)
+    max_num_batched_tokens: int = 8192      # token budget of one step (long prompts are chunked; bounds a step's memory)
     max_model_len: int = 8192               # prompt + output tokens of one sequence
     enable_prefix_caching: bool = True
     block_size: int = 16                    # tokens per MLA latent-cache block (and prefix-cache hash unit)

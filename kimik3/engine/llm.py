@@ -15,7 +15,7 @@ from kimik3.engine.sampling_params import SamplingParams
 
 
 class LLM:
-    def __init__(self, model_path: str, *, max_num_seqs: int = 64, max_num_batched_tokens: int = 2048,
+    def __init__(self, model_path: str, *, max_num_seqs: int = 64, max_num_batched_tokens: int = 8192,
                  max_model_len: int = 8192, enable_prefix_caching: bool = True, block_size: int = 16,
                  kda_checkpoint_interval: int | None = None, cache_memory_bytes: int | None = None,
                  dtype: torch.dtype | None = None, device: str | torch.device | None = None, seed: int = 0,

@@ -74,7 +74,8 @@ class LLMEngine:
                 f"max_model_len={config.max_model_len} needs {need} cache blocks of {config.block_size} tokens, but "
                 f"cache_memory_bytes={budget} holds {self.plan.num_usable_blocks} ({self.plan.describe()}); "
                 f"raise cache_memory_bytes or lower max_model_len to {self.plan.max_cached_tokens}")
-        logger.info(self.plan.describe())
+        logger.info("%s; %d sequences of max_model_len=%d tokens fit at once", self.plan.describe(),
+                    self.plan.sequences_of(config.max_model_len), config.max_model_len)
         if hasattr(model, "allocate_cache"):
             self.cache = model.allocate_cache(self.plan.num_slots, self.plan.num_blocks, config.block_size)
         else:

@@ -47,6 +47,10 @@ class MemoryPlan:
     def total_bytes(self) -> int:
         return self.num_blocks * self.bytes_per_block + self.num_slots * self.bytes_per_slot
 
+    def sequences_of(self, length: int) -> int:
+        """How many sequences of ``length`` tokens the plan holds at once (latent blocks and live states)."""
+        return min(self.num_usable_blocks // max_blocks_per_seq(length, self.block_size), self.num_live_slots)
+
     def describe(self) -> str:
         gib = 1 << 30
         ck = (f"{self.num_checkpoint_slots} KDA checkpoints (one per {self.checkpoint_interval} blocks)"

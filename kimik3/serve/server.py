@@ -29,7 +29,7 @@ def add_serve_arguments(parser: argparse.ArgumentParser) -> argparse.ArgumentPar
                         help="require 'Authorization: Bearer KEY' on every route but /health")
     parser.add_argument("--max-model-len", type=int, default=8192, help="prompt + output tokens per sequence")
     parser.add_argument("--max-num-seqs", type=int, default=64, help="sequences per engine step")
-    parser.add_argument("--max-num-batched-tokens", type=int, default=2048, help="token budget per engine step")
+    parser.add_argument("--max-num-batched-tokens", type=int, default=8192, help="token budget per engine step (default 8192)")
     parser.add_argument("--enable-prefix-caching", action=argparse.BooleanOptionalAction, default=True,
                         help="reuse cached prompt prefixes (default: on)")
     parser.add_argument("--num-speculative-tokens", type=int, default=0,

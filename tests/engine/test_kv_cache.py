@@ -165,3 +165,13 @@ def test_reset_prefix_cache():
     assert kv.reset_prefix_cache()
     check_invariants(kv, [])
     assert not kv.blocks.cached and not kv.checkpoints and len(kv.free_checkpoint_slots) == 2
+
+
+def test_plan_counts_whole_sequences_of_a_length():
+    """sequences_of: the latent blocks of full sequences (null block aside), capped by the live states."""
+    from kimik3.engine.memory import MemoryPlan
+    plan = MemoryPlan(block_size=16, num_blocks=1 + 10 * 64 + 5, num_slots=9, num_live_slots=8, num_checkpoint_slots=0,
+                      checkpoint_interval=None, bytes_per_block=1, bytes_per_slot=1, budget_bytes=1 << 20)
+    assert plan.sequences_of(1024) == 8                 # 10 fit in the blocks, 8 states
+    assert plan.sequences_of(2048) == 5                 # 645 usable blocks // 128 blocks per sequence
+    assert plan.sequences_of(10 * 1024 * 1024) == 0

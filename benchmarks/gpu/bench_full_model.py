@@ -1,0 +1,125 @@
+"""One device call: the whole Kimi-Linear-48B-A3B (27 layers, its release config.json, random bf16
+weights built on the GPU, about 92 GiB) through ``LLMEngine`` with CUDA graphs on one GPU.
+
+  * the cache plan the engine makes with the memory left;
+  * decode at batch 1 / 32 / 128 with 4k-token prompts: output tok/s of the steady decode steps
+    (every request running), the step time against its floor (bytes of the weights the batch
+    touches + KDA states + latents, over the measured copy rate; ``bench_slice.counts``);
+  * prefill of one 8k-token prompt: tok/s and its floor (FLOPs / matmul rate);
+  * peak GPU memory.
+
+    PYTHONPATH=. python benchmarks/gpu/bench_full_model.py      (writes $OUT/bench_full_kimi_linear.json)
+"""
+
+from __future__ import annotations
+
+import datetime
+import json
+import os
+import statistics
+import sys
+import time
+from pathlib import Path
+
+import torch
+
+ROOT = Path(__file__).resolve().parents[2]
+sys.path.insert(0, str(ROOT))
+sys.path.insert(0, str(Path(__file__).parent))
+
+import bench_slice                                                       # noqa: E402
+from bench_slice import build_slice, ceilings, commit_id, log            # noqa: E402
+
+from kimik3.engine import EngineConfig, LLMEngine, SamplingParams       # noqa: E402
+
+OUT = Path(os.environ.get("OUT", ROOT / "bench_out"))
+CONFIG = ROOT / "tests" / "data" / "kimi-linear-48b-a3b.config.json"
+PROMPT = 4096
+results: dict = {}
+
+
+def save():
+    OUT.mkdir(parents=True, exist_ok=True)
+    (OUT / "bench_full_kimi_linear.json").write_text(json.dumps(results, indent=1, default=str))
+
+
+def run_batch(engine, model, batch: int, max_tokens: int, g) -> dict:
+    """``batch`` requests of PROMPT random tokens; times the steps in which all of them decode."""
+    vocab = model.config.text.vocab_size
+    for i in range(batch):
+        engine.add_request(f"b{batch}.{i}", {"prompt_token_ids": torch.randint(1000, vocab, (PROMPT,), generator=g).tolist()},
+                           SamplingParams(temperature=0, max_tokens=max_tokens, ignore_eos=True, detokenize=False))
+    t0 = time.perf_counter()
+    decode_steps = []
+    while engine.has_unfinished_requests():
+        sched = engine.scheduler
+        pure = (not sched.waiting and len(sched.running) == batch
+                and all(r.num_output_tokens > 0 for r in sched.running))
+        a = time.perf_counter()
+        engine.step()
+        torch.cuda.synchronize()
+        if pure:
+            decode_steps.append(time.perf_counter() - a)
+    total = time.perf_counter() - t0
+    step = statistics.median(decode_steps)
+    return {"batch": batch, "decode_steps_timed": len(decode_steps), "step_ms": step * 1e3,
+            "output_tok_s": batch / step, "tpot_ms": step * 1e3, "wall_s": total}
+
+
+def main():
+    torch.backends.cuda.matmul.allow_tf32 = False
+    results.update(gpu=torch.cuda.get_device_name(), date=datetime.date.today().isoformat(), commit=commit_id(),
+                   torch=torch.__version__, config=CONFIG.name)
+    bw, mm = ceilings()
+    results["ceilings"] = {"copy_bytes_per_s": bw, "bf16_matmul_flops": mm}
+    t0 = time.time()
+    model = build_slice(json.loads(CONFIG.read_text()), str(CONFIG))
+    weights = torch.cuda.memory_allocated()
+    results["weights_bytes"] = weights
+    results["build_s"] = time.time() - t0
+    log(f"Kimi-Linear-48B built in {results['build_s']:.0f}s: {weights / 2**30:.1f} GiB of weights")
+    t0 = time.time()
+    engine = LLMEngine(model, EngineConfig(max_num_seqs=128, max_model_len=PROMPT + 512, enable_prefix_caching=False))
+    results["engine_start_s"] = time.time() - t0
+    results["plan"] = engine.plan.describe()
+    results["graphs"] = engine.runner.graphs is not None and sorted(engine.runner.graphs.graphs)
+    free, total = torch.cuda.mem_get_info()
+    results["free_after_start_bytes"] = free
+    log(results["plan"], "| graphs:", results["graphs"], f"| start {results['engine_start_s']:.0f}s")
+    g = torch.Generator().manual_seed(0)
+    E, k = model.config.text.num_experts, model.config.text.num_experts_per_token
+    rows = []
+    for batch, max_tokens in ((1, 48), (32, 24), (128, 16)):
+        row = run_batch(engine, model, batch, max_tokens, g)
+        active = E * (1 - (1 - k / E) ** batch)
+        byts, flops = bench_slice.counts(model, batch, 0, "decode", active)
+        floor = max(byts / bw, flops / mm)
+        row.update(floor_ms=floor * 1e3, step_over_floor=row["step_ms"] / 1e3 / floor, floor_tok_s=batch / floor)
+        rows.append(row)
+        log(row)
+        results["decode"] = rows
+        save()
+    vocab = model.config.text.vocab_size
+    torch.cuda.synchronize()
+    engine.add_request("prefill", {"prompt_token_ids": torch.randint(1000, vocab, (8192,), generator=g).tolist()},
+                       SamplingParams(temperature=0, max_tokens=1, ignore_eos=True, detokenize=False))
+    t0 = time.perf_counter()
+    while engine.has_unfinished_requests():
+        engine.step()
+    torch.cuda.synchronize()
+    t = time.perf_counter() - t0
+    byts, flops = bench_slice.counts(model, 1, 8192, "prefill", E)
+    floor = max(byts / bw, flops / mm)
+    results["prefill"] = {"tokens": 8192, "s": t, "tok_s": 8192 / t, "floor_s": floor, "over_floor": t / floor,
+                          "matmul_fraction": flops / t / mm, "chunk_budget": engine.config.max_num_batched_tokens}
+    results["peak_bytes"] = torch.cuda.max_memory_allocated()
+    log(results["prefill"], f"peak {results['peak_bytes'] / 2**30:.1f} GiB")
+    save()
+    log("\n| batch | step ms | output tok/s | floor ms | step/floor |")
+    log("|---|---|---|---|---|")
+    for r in rows:
+        log(f"| {r['batch']} | {r['step_ms']:.2f} | {r['output_tok_s']:.0f} | {r['floor_ms']:.2f} | {r['step_over_floor']:.2f} |")
+
+
+if __name__ == "__main__":
+    main()

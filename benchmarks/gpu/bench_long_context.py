@@ -1,0 +1,124 @@
+"""One device call: long prompts through ``LLMEngine`` on the 4-layer slices (random bf16 weights).
+
+For each prompt length P (8k ... 1M tokens), one request of P random tokens with the engine's
+default chunk budget and cache plan (max_model_len = the longest prompt + the decoded tokens):
+  * time to first token, prefill tok/s, peak GPU memory (against weights + planned cache);
+  * floor = max(bytes / copy rate, FLOPs / matmul rate) with the naive-form attention FLOPs of a
+    causal prompt, P^2 x heads x (d_qk + d_v) per MLA layer (``bench_slice.counts``);
+  * decode: the engine's steps after the first token (CUDA graph replays at batch 1, context P),
+    against the decode floor at context P (weights + KDA states + P latents per MLA layer).
+
+    PYTHONPATH=. python benchmarks/gpu/bench_long_context.py [--config=PATH] [--lengths=8192,32768,...]
+    (writes $OUT/bench_long_<slice>.json)
+"""
+
+from __future__ import annotations
+
+import datetime
+import json
+import os
+import statistics
+import sys
+import time
+from pathlib import Path
+
+import torch
+
+ROOT = Path(__file__).resolve().parents[2]
+sys.path.insert(0, str(ROOT))
+sys.path.insert(0, str(Path(__file__).parent))
+
+import bench_slice                                                       # noqa: E402
+from bench_slice import build_slice, ceilings, commit_id, config_path, log  # noqa: E402
+
+from kimik3.engine import EngineConfig, LLMEngine, SamplingParams       # noqa: E402
+from kimik3.model.moe import Experts                                    # noqa: E402
+
+OUT = Path(os.environ.get("OUT", ROOT / "bench_out"))
+DECODE_TOKENS = 16
+results: dict = {}
+
+
+def save():
+    OUT.mkdir(parents=True, exist_ok=True)
+    (OUT / f"bench_long_{config_path().stem.split('.')[0]}.json").write_text(json.dumps(results, indent=1, default=str))
+
+
+def lengths() -> list[int]:
+    arg = next((a.split("=", 1)[1] for a in sys.argv if a.startswith("--lengths=")), None)
+    return [int(x) for x in arg.split(",")] if arg else [8192, 32768, 131072, 524288, 1048576]
+
+
+def decode_floor(model, context: int, bw: float) -> float:
+    """Bytes of one batch-1 decode step at ``context``: bench_slice.counts at that context."""
+    saved, bench_slice.CONTEXT = bench_slice.CONTEXT, context
+    try:
+        cfg = model.config.text
+        byts, flops = bench_slice.counts(model, 1, 0, "decode", cfg.num_experts_per_token)
+    finally:
+        bench_slice.CONTEXT = saved
+    return byts / bw
+
+
+def main():
+    torch.backends.cuda.matmul.allow_tf32 = False
+    results.update(gpu=torch.cuda.get_device_name(), date=datetime.date.today().isoformat(), commit=commit_id(),
+                   torch=torch.__version__, config=config_path().name)
+    bw, mm = ceilings()
+    results["ceilings"] = {"copy_bytes_per_s": bw, "bf16_matmul_flops": mm}
+    model = build_slice(json.loads(config_path().read_text()), str(config_path()))
+    weights = torch.cuda.memory_allocated()
+    E = model.config.text.num_experts
+    longest = max(lengths())
+    cfg = EngineConfig(max_num_seqs=4, max_model_len=longest + DECODE_TOKENS + 1, enable_prefix_caching=False)
+    engine = LLMEngine(model, cfg)
+    planned = engine.plan.total_bytes
+    results["engine"] = {"max_num_batched_tokens": cfg.max_num_batched_tokens, "plan": engine.plan.describe(),
+                         "weights_bytes": weights, "cache_bytes": planned}
+    log(results["engine"])
+    rows = []
+    g = torch.Generator().manual_seed(0)
+    vocab = model.config.text.vocab_size
+    for P in sorted(lengths()):
+        prompt = torch.randint(1000, vocab, (P,), generator=g).tolist()
+        torch.cuda.synchronize()
+        torch.cuda.reset_peak_memory_stats()
+        engine.add_request(f"p{P}", {"prompt_token_ids": prompt},
+                           SamplingParams(temperature=0, max_tokens=DECODE_TOKENS + 1, ignore_eos=True, detokenize=False))
+        t0 = time.perf_counter()
+        ttft, steps, stamps = None, 0, []
+        while engine.has_unfinished_requests():
+            deltas = engine.step()
+            torch.cuda.synchronize()
+            now = time.perf_counter()
+            steps += 1
+            if any(d.outputs and d.outputs[0].token_ids for d in deltas):
+                if ttft is None:
+                    ttft = now - t0
+                stamps.append(now)
+        peak = torch.cuda.max_memory_allocated()
+        byts, flops = bench_slice.counts(model, 1, P, "prefill", E)
+        floor = max(byts / bw, flops / mm)
+        gaps = [b - a for a, b in zip(stamps, stamps[1:])]
+        t_dec = statistics.median(gaps) if gaps else float("nan")
+        d_floor = decode_floor(model, P, bw)
+        row = {"prompt": P, "ttft_s": ttft, "prefill_tok_s": P / ttft, "prefill_floor_s": floor,
+               "prefill_over_floor": ttft / floor, "attention_flops": flops, "matmul_fraction": flops / ttft / mm,
+               "peak_bytes": peak, "peak_over_weights_plus_cache_gib": (peak - weights - planned) / 2 ** 30,
+               "prefill_steps": steps - DECODE_TOKENS, "decode_step_ms": t_dec * 1e3, "decode_floor_ms": d_floor * 1e3,
+               "decode_over_floor": t_dec / d_floor}
+        rows.append(row)
+        log(row)
+        results["rows"] = rows
+        save()
+    log("\n| prompt | TTFT s | prefill tok/s | floor s | time/floor | peak GiB (over weights+cache) "
+        "| decode ms | decode floor ms | decode/floor |")
+    log("|---|---|---|---|---|---|---|---|---|")
+    for r in rows:
+        log(f"| {r['prompt']} | {r['ttft_s']:.2f} | {r['prefill_tok_s']:.0f} | {r['prefill_floor_s']:.2f} "
+            f"| {r['prefill_over_floor']:.2f} | {r['peak_bytes'] / 2**30:.1f} ({r['peak_over_weights_plus_cache_gib']:+.1f}) "
+            f"| {r['decode_step_ms']:.2f} | {r['decode_floor_ms']:.2f} | {r['decode_over_floor']:.2f} |")
+
+
+if __name__ == "__main__":
+    main()
