@@ -254,6 +254,25 @@ def profile(name, fn, row_limit: int = 14) -> str:
     return table
 
 
+def touched_experts(fn) -> float:
+    """Mean number of distinct experts the MoE layers route to in one eager run of ``fn`` (the
+    random router does not spread tokens evenly, so the floor counts what is really read)."""
+    from kimik3.model.moe import MoE
+    seen, route = [], MoE._route
+
+    def recording(self, x):
+        weights, ids = route(self, x)
+        seen.append(torch.unique(ids).numel())
+        return weights, ids
+    MoE._route = recording
+    try:
+        fn()
+        torch.cuda.synchronize()
+    finally:
+        MoE._route = route
+    return sum(seen) / max(len(seen), 1)
+
+
 def counts(model, N: int, T: int, mode: str, experts_active: float):
     """(bytes, flops) of one step from the shapes. decode: N sequences x 1 token over CONTEXT;
     prefill: T tokens of one fresh sequence, logits for its last token."""
@@ -320,11 +339,11 @@ def bench_model(bw, mm):
                 t_ref = cuda_time(fast, warmup=1, iters=3)
         if N == 1 and "--profile" in sys.argv:
             profile("decode b1", fast)
-        active = E * (1 - (1 - k / E) ** N)
+        active = touched_experts(fast)
         byts, flops = counts(model, N, 0, "decode", active)
         floor = max(byts / bw, flops / mm)
         best = min(t for t in (t_eager, t_graph) if t is not None)
-        rows.append({"case": f"decode b{N} ctx{CONTEXT}", "t_eager_ms": t_eager * 1e3,
+        rows.append({"case": f"decode b{N} ctx{CONTEXT}", "experts_touched_per_layer": active, "t_eager_ms": t_eager * 1e3,
                      "t_graph_ms": None if t_graph is None else t_graph * 1e3, "t_ref_ms": t_ref * 1e3,
                      "bytes": byts, "flops": flops, "floor_ms": floor * 1e3, "time_over_floor": best / floor,
                      "speedup_vs_ref": t_ref / best, "ref_note": "same shapes"})
@@ -342,8 +361,8 @@ def bench_model(bw, mm):
         fast = step_fn(model, ids, batch, cache, last_only=True)
         t_fast = cuda_time(fast, warmup=2, iters=5)
         t_ref = None
-        if T == 2048 and "--profile" in sys.argv:
-            profile("prefill 2048", fast)
+        if "--profile" in sys.argv:
+            profile(f"prefill {T}", fast)
         if with_ref and "--no-ref" not in sys.argv:
             with reference_ops(), swapped_experts(model, twins):
                 t_ref = cuda_time(fast, warmup=1, iters=2)
@@ -379,6 +398,26 @@ def bench_experts(model, bw, mm):
     w2t = moe.w2.transpose(1, 2)                                         # [E, I, L]
     g = torch.Generator(device="cuda").manual_seed(5)
     rows = []
+    sweep = {}
+    for T in ((512, 2048, 8192) if "--sweep" in sys.argv else ()):
+        from kimik3.ops.triton.moe import fused_moe_triton
+        x = torch.randn(T, L, device="cuda", generator=g).to(torch.bfloat16)
+        ids = torch.rand(T, E, device="cuda", generator=g).topk(k, dim=-1).indices
+        weights = torch.rand(T, k, device="cuda", generator=g)
+        for BM, BN1, BN2, BKH, warps, stages in ((64, 64, 128, 32, 4, 3), (64, 128, 128, 32, 8, 3), (128, 128, 128, 32, 8, 3),
+                                                 (128, 64, 128, 32, 4, 3), (64, 128, 128, 64, 8, 3), (128, 128, 128, 64, 8, 3),
+                                                 (64, 128, 64, 32, 4, 4), (128, 128, 64, 32, 8, 4), (32, 64, 64, 64, 4, 3)):
+            cfg = dict(BM=BM, BN1=BN1, BN2=BN2, BKH=BKH, warps=warps, stages=stages)
+            try:
+                t = cuda_time(lambda: fused_moe_triton(x, moe.w1, moe.w2, moe.w3, weights, ids, False, 1.0, None, tiles=cfg),
+                              warmup=2, iters=5)
+            except Exception as exc:
+                log(f"  sweep T={T} {cfg}: {exc!r}"[:200])
+                continue
+            sweep.setdefault(T, []).append({"cfg": cfg, "ms": t * 1e3})
+            log(f"  sweep T={T} {cfg} {t * 1e3:.3f} ms")
+        results["dense_tile_sweep"] = sweep
+        save()
     for T in (1, 2, 4, 8, 16, 32, 64, 128, 256, 512, 1024, 2048):
         x = torch.randn(T, L, device="cuda", generator=g).to(torch.bfloat16)
         ids = torch.rand(T, E, device="cuda", generator=g).topk(k, dim=-1).indices
