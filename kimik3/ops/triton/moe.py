@@ -101,17 +101,19 @@ def _weight_tile(wp, sc, kh, KH, mn, BN: tl.constexpr, BKH: tl.constexpr, MXFP4:
                  ASM: tl.constexpr, HIGH_SCALES: tl.constexpr):
     """Weights [BN, 2*BKH] of K positions 2*kh.. for BN rows starting at ``wp`` (row pointers):
     a dense tile (MXFP4 false: KH is half the row length) or the dequantized packed bytes."""
-    if MXFP4:
-        return _dequant_tile(wp, sc, kh, KH, mn, BN, BKH, ASM, HIGH_SCALES)
-    kk = 2 * kh + tl.arange(0, 2 * BKH)
-    return tl.load(wp + kk[None, :], mask=mn[:, None] & (kk < 2 * KH)[None, :], other=0.0)
+    if MXFP4:       # (if/else, not an early return: Triton types every return of a function)
+        w = _dequant_tile(wp, sc, kh, KH, mn, BN, BKH, ASM, HIGH_SCALES)
+    else:
+        kk = 2 * kh + tl.arange(0, 2 * BKH)
+        w = tl.load(wp + kk[None, :], mask=mn[:, None] & (kk < 2 * KH)[None, :], other=0.0)
+    return w
 
 
 @triton.jit
 def _next_scales(scale_ptr, kh, KH, mn, G: tl.constexpr, MXFP4: tl.constexpr, sc):
     """The scale codes of the next K-step (MXFP4), or the unused placeholder ``sc`` (dense)."""
     if MXFP4:
-        return _scales(scale_ptr, kh, KH, mn, G)
+        sc = _scales(scale_ptr, kh, KH, mn, G)
     return sc
 
 

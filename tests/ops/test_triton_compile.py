@@ -1,0 +1,41 @@
+"""Our Triton kernels compile for Hopper (sm_90) on this CPU machine: Triton's compiler and the
+ptxas it ships need no GPU. The interpreter tests (test_triton_kernels.py) run the kernels'
+arithmetic but not the compiler, which rejects some programs the interpreter runs (e.g. a
+function whose returns differ in type, or inline PTX)."""
+
+from __future__ import annotations
+
+import inspect
+
+import pytest
+
+triton = pytest.importorskip("triton")
+
+from triton.backends.compiler import GPUTarget                        # noqa: E402
+from triton.compiler import ASTSource                                 # noqa: E402
+
+HOPPER = GPUTarget("cuda", 90, 32)
+
+
+def compile_for_hopper(kernel, pointer_types: dict[str, str], constexprs: dict, num_warps=4, num_stages=3):
+    """Compile ``kernel`` with the given pointer element types; other non-constexpr arguments are i32
+    (fp32 where ``pointer_types`` says "fp32")."""
+    params = list(inspect.signature(kernel.fn).parameters)
+    unknown = set(constexprs) - set(params)
+    assert not unknown, f"not parameters of {kernel.fn.__name__}: {unknown}"
+    sig = {p: "constexpr" if p in constexprs else pointer_types.get(p, "i32") for p in params}
+    src = ASTSource(fn=kernel, signature=sig, constexprs={(params.index(k),): v for k, v in constexprs.items()})
+    return triton.compile(src, target=HOPPER, options={"num_warps": num_warps, "num_stages": num_stages})
+
+
+@pytest.mark.parametrize("mxfp4,high_scales,dtype", [(True, True, "bf16"), (True, False, "bf16"), (False, False, "bf16"),
+                                                     (False, False, "fp16")],
+                         ids=["mxfp4-high", "mxfp4", "dense-bf16", "dense-fp16"])
+def test_moe_kernels_compile_for_hopper(mxfp4, high_scales, dtype):
+    from kimik3.ops.triton import moe
+    weight = "*u8" if mxfp4 else f"*{dtype}"
+    types = {"x": f"*{dtype}", "h": f"*{dtype}", "y": f"*{dtype}", "sorted_rows": "*i64", "block_expert": "*i64",
+             "beta": "fp32", "linear_beta": "fp32", **{f"w{i}{k}": weight for i in (1, 2, 3) for k in "ps"}}
+    common = dict(BM=16, BKH=64, UPCAST=False, MXFP4=mxfp4, ASM=True, HIGH_SCALES=high_scales)
+    compile_for_hopper(moe._gate_up_kernel, types, dict(common, BN=64, TOP_K=8, ACT_SITU=mxfp4, CLIP_UP=mxfp4))
+    compile_for_hopper(moe._down_kernel, types, dict(common, BN=128), num_warps=8)
