@@ -2,16 +2,19 @@
 
 Cache rows hold e = [c_hat (kv_lora_rank) | k_pe (rope dim)] per token, one "KV head" shared by
 all heads. Two forms compute the same function:
-  * prefill (naive): up-project the cached latents with kv_b into per-head k_nope / v, attend with
+  * naive (prefill): up-project the cached latents with kv_b into per-head k_nope / v, attend with
     keys [k_nope | k_pe] (k_pe shared, never rotated), causal with the sequence's context offset;
-  * decode (absorbed): q_lat = W_UK^T q_nope, scores against e directly, latent output
-    l = sum p c_hat, head output W_UV l.
+  * absorbed (decode; prefill of short query runs): q_lat = W_UK^T q_nope, scores against e
+    directly, latent output l = sum p c_hat, head output W_UV l.
+Prefill walks the keys in pieces of at most PREFILL_BLOCK positions and merges the pieces'
+softmax results by their log-sum-exps (``merge_attention``).
 """
 
 from __future__ import annotations
 
-import torch
+import itertools
 
+import torch
 import torch.nn.functional as F
 
 from kimik3.ops.backend import use_fast_path
@@ -25,36 +28,166 @@ def gather_latents(cache: torch.Tensor, block_table: torch.Tensor, length: int) 
     return cache[block_table[:n_blocks].long()].reshape(-1, cache.shape[-1])[:length]
 
 
+# Context positions per prefill attention piece: a piece's keys, over all sequences of the step,
+# are at most this many, so the naive form's up-projected per-head K/V buffer stays at
+# PREFILL_BLOCK x H x (d_nope + d_v) x 2 bytes (16384 x 96 x 256 x 2 = 0.8 GB for K3).
+PREFILL_BLOCK = 16384
+
+# prefill_form picks the absorbed form when the step's mean query count per sequence is below
+# this and some sequence has cached context. From the FLOPs per (query, key) pair and head:
+# naive 2 x (192 + 128) plus the up-projection 2 x 512 x 256 per key per step, absorbed
+# 2 x (576 + 512): naive wins by FLOPs from ~170 queries per key; the absorbed kernel's wider tiles
+# run slower, so the cut sits below that. Set from benchmarks/gpu/bench_mla_prefill.py.
+ABSORBED_MAX_MEAN_QUERY_LEN = 128
+
+FORMS = ("naive", "absorbed")
+
+
+def prefill_form(query_lens: list[int], context_lens: list[int]) -> str:
+    """The form ``mla_prefill_attention`` uses when the caller names none (rule above)."""
+    if not query_lens or max(context_lens) == 0:
+        return "naive"
+    return "absorbed" if sum(query_lens) < ABSORBED_MAX_MEAN_QUERY_LEN * len(query_lens) else "naive"
+
+
+def merge_attention(o1: torch.Tensor, lse1: torch.Tensor, o2: torch.Tensor,
+                    lse2: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
+    """Exact merge of two softmax attention results over disjoint key sets: o [..., D] each
+    normalised over its own keys, lse [...] their natural-log log-sum-exps (-inf: no key, o 0).
+    Computed in the inputs' dtype (float64 in the CPU tests, float32 on CUDA)."""
+    m = torch.maximum(lse1, lse2)
+    m = m.masked_fill(m == float("-inf"), 0.0)                       # neither saw a key
+    w1, w2 = torch.exp(lse1 - m), torch.exp(lse2 - m)
+    total = w1 + w2
+    inv = 1.0 / total.masked_fill(total == 0, 1.0)
+    o = torch.addcmul(o1 * (w1 * inv).unsqueeze(-1), o2, (w2 * inv).unsqueeze(-1))
+    return o, m + torch.log(total)
+
+
+def prefill_pieces(query_lens: list[int], context_lens: list[int], block: int) -> list[tuple[list[int], list[int]]]:
+    """Key positions 0..context+query-1 of every sequence (none for a sequence without queries),
+    packed in order into pieces of at most ``block`` keys in all, each holding one contiguous run
+    per sequence: [(k_lens, k_pos0)] with k_lens[n] keys of sequence n from position k_pos0[n]."""
+    N = len(query_lens)
+    pieces, k_lens, k_pos0, room = [], [0] * N, [0] * N, block
+    for n, (ql, cl) in enumerate(zip(query_lens, context_lens)):
+        pos, end = 0, (cl + ql) if ql else 0
+        while pos < end:
+            take = min(room, end - pos)
+            k_lens[n], k_pos0[n] = take, pos
+            pos, room = pos + take, room - take
+            if room == 0:
+                pieces.append((k_lens, k_pos0))
+                k_lens, k_pos0, room = [0] * N, [0] * N, block
+    if room < block:
+        pieces.append((k_lens, k_pos0))
+    return pieces
+
+
 def mla_prefill_attention(q: torch.Tensor, cache: torch.Tensor, block_tables: torch.Tensor,
                           kv_b_weight: torch.Tensor, query_lens: list[int], context_lens: list[int],
-                          kv_lora_rank: int, v_head_dim: int, scale: float) -> torch.Tensor:
+                          kv_lora_rank: int, v_head_dim: int, scale: float, form: str | None = None) -> torch.Tensor:
     """Causal attention of packed queries over their sequences' cached latents (new tokens
     included: write them to the cache first).
 
     q [T, H, d_nope + d_rope]; cache [num_blocks, block_size, D_c]; block_tables [N, max_blocks];
     kv_b_weight [H * (d_nope + d_v), kv_lora_rank]. Returns o [T, H, d_v] in q's dtype.
+    form: "naive" (per-head K/V up-projected from each piece's latents), "absorbed" (attention in
+    the latent space: q_lat = W_UK^T q_nope, output W_UV l) or None (``prefill_form``).
+
+    The keys are processed in pieces of at most PREFILL_BLOCK positions over all sequences
+    (``prefill_pieces``), each attended with the causal bound as numbers and merged into a running
+    (o, lse) exactly; memory O(T x H x d + PREFILL_BLOCK x H x d), never O(T x context x H).
+    CUDA: one varlen Triton launch per piece; otherwise a per-sequence torch loop per piece.
     """
-    T, H, d_qk = q.shape
-    d_nope = kv_b_weight.shape[0] // H - v_head_dim
-    if use_fast_path(q):
-        return _prefill_sdpa(q, cache, block_tables, kv_b_weight, query_lens, context_lens, kv_lora_rank,
-                             v_head_dim, scale)
-    acc = acc_dtype(q.dtype)
-    outs, start = [], 0
-    for n, (ql, cl) in enumerate(zip(query_lens, context_lens)):
-        e = gather_latents(cache, block_tables[n], cl + ql)                 # [S, D_c]
-        kv = (e[:, :kv_lora_rank] @ kv_b_weight.t()).view(-1, H, d_nope + v_head_dim)
-        k_nope, v = kv[..., :d_nope], kv[..., d_nope:]
-        k_pe = e[:, kv_lora_rank:].unsqueeze(1).expand(-1, H, -1)
-        key = torch.cat([k_nope, k_pe], dim=-1)                              # [S, H, d_qk]
-        qs = q[start:start + ql]
-        scores = torch.einsum("qhd,shd->hqs", qs.to(acc), key.to(acc)) * scale
-        pos_q = torch.arange(cl, cl + ql, device=q.device).view(ql, 1)
-        scores = scores.masked_fill(torch.arange(cl + ql, device=q.device).view(1, -1) > pos_q, float("-inf"))
-        p = torch.softmax(scores, dim=-1)
-        outs.append(torch.einsum("hqs,shd->qhd", p, v.to(acc)).to(q.dtype))
-        start += ql
-    return torch.cat(outs)
+    T, H, _ = q.shape
+    if len(query_lens) != len(context_lens) or sum(query_lens) != T:
+        raise ValueError(f"mla_prefill_attention: query_lens (sum {sum(query_lens)}, {len(query_lens)} sequences) "
+                         f"must sum to q's {T} tokens and match context_lens ({len(context_lens)})")
+    form = prefill_form(query_lens, context_lens) if form is None else form
+    if form not in FORMS:
+        raise ValueError(f"mla_prefill_attention: form must be one of {FORMS} or None, got {form!r}")
+    R, dv = kv_lora_rank, v_head_dim
+    d_nope = kv_b_weight.shape[0] // H - dv
+    fast = use_fast_path(q)
+    dt = q.dtype if fast else acc_dtype(q.dtype)
+    kv_b = kv_b_weight.to(dt)
+    w = kv_b.view(H, d_nope + dv, R)
+    qa = torch.einsum("thd,hdr->thr", q[..., :d_nope].to(dt), w[:, :d_nope]) if form == "absorbed" else q[..., :d_nope]
+    qa, qb = qa.to(dt), q[..., d_nope:].to(dt)
+    pieces = prefill_pieces(query_lens, context_lens, PREFILL_BLOCK)
+    if fast:
+        from kimik3.ops.triton.mla_prefill import mla_prefill_triton
+        N = len(query_lens)
+        q_info = _device_ints([0, *itertools.accumulate(query_lens), *context_lens], q.device)
+        # a single piece is the answer: no merge, straight to the output dtype
+        part_dtype = (q.dtype if form == "naive" else dt) if len(pieces) == 1 else torch.float32
+    o = lse = None
+    for k_lens, k_pos0 in pieces:
+        e = _gather_piece(cache, block_tables, k_lens, k_pos0).to(dt)                # [S, D_c]
+        if form == "naive":
+            kv = F.linear(e[:, :R], kv_b).view(-1, H, d_nope + dv)
+            ka, v = kv[..., :d_nope], kv[..., d_nope:]
+        else:
+            ka, v = e[:, :R].unsqueeze(1), None                                     # one latent head; v = c_hat
+        kb = e[:, R:].unsqueeze(1)                                                   # k_pe, shared by all heads
+        if fast:
+            k_info = _device_ints([0, *itertools.accumulate(k_lens), *k_pos0], q.device)
+            ob, lseb = mla_prefill_triton(qa, qb, ka, kb, v, q_info[:N + 1], k_info[:N + 1], q_info[N + 1:],
+                                          k_info[N + 1:], max(query_lens), scale, part_dtype)
+        else:
+            ob, lseb = _attend_piece_reference(qa, qb, ka, kb, v, query_lens, context_lens, k_lens, k_pos0, scale)
+        o, lse = (ob, lseb) if o is None else merge_attention(o, lse, ob, lseb)
+    if o is None:                                                                    # no tokens
+        return q.new_empty(0, H, dv)
+    if form == "absorbed":
+        o = torch.einsum("thr,hvr->thv", o.to(dt), w[:, d_nope:])
+    return o.to(q.dtype)
+
+
+def _device_ints(values: list[int], device: torch.device) -> torch.Tensor:
+    return torch.tensor(values, dtype=torch.int32).to(device, non_blocking=True)
+
+
+def _gather_piece(cache: torch.Tensor, block_tables: torch.Tensor, k_lens: list[int], k_pos0: list[int]) -> torch.Tensor:
+    """Cache rows of one piece, packed: sequence n's positions k_pos0[n] .. + k_lens[n] - 1."""
+    bs, dev = cache.shape[1], cache.device
+    S = sum(k_lens)
+    lens = torch.tensor(k_lens, device=dev)
+    seq = torch.repeat_interleave(torch.arange(len(k_lens), device=dev), lens, output_size=S)
+    first = torch.tensor(k_pos0, device=dev) - (torch.cumsum(lens, 0) - lens)      # position of packed row 0
+    pos = torch.arange(S, device=dev) + first[seq]
+    slot = block_tables[seq, pos // bs].long() * bs + pos % bs
+    return cache.view(-1, cache.shape[-1])[slot]
+
+
+def _heads(x: torch.Tensor, H: int) -> torch.Tensor:
+    """[S, Hk, D] -> [S, H, D]: query head h reads kv head h // (H / Hk)."""
+    return x.expand(-1, H, -1) if x.shape[1] == 1 else x.repeat_interleave(H // x.shape[1], dim=1)
+
+
+def _attend_piece_reference(qa, qb, ka, kb, v, query_lens, q_pos0, k_lens, k_pos0, scale):
+    """Torch counterpart of ``mla_prefill_triton`` (same arguments, host lists): per sequence,
+    scores over its keys of the piece with the causal bound, softmax, (o, lse) per row."""
+    T, H, _ = qa.shape
+    v = ka if v is None else v
+    o = qa.new_zeros(T, H, v.shape[-1])
+    lse = qa.new_full((T, H), float("-inf"))
+    qs = ks = 0
+    for ql, cl, kl, k0 in zip(query_lens, q_pos0, k_lens, k_pos0):
+        if ql and kl:
+            keys = slice(ks, ks + kl)
+            s = (torch.einsum("qhd,khd->hqk", qa[qs:qs + ql], _heads(ka[keys], H))
+                 + torch.einsum("qhd,khd->hqk", qb[qs:qs + ql], _heads(kb[keys], H))) * scale
+            visible = torch.arange(k0, k0 + kl, device=qa.device).view(1, kl) <= \
+                torch.arange(cl, cl + ql, device=qa.device).view(ql, 1)
+            s = s.masked_fill(~visible, float("-inf"))
+            m = torch.logsumexp(s, dim=-1)                                           # [H, ql]
+            p = torch.exp(s - m.masked_fill(m == float("-inf"), 0.0).unsqueeze(-1))
+            o[qs:qs + ql] = torch.einsum("hqk,khd->qhd", p, _heads(v[keys], H))
+            lse[qs:qs + ql] = m.t()
+        qs, ks = qs + ql, ks + kl
+    return o, lse
 
 
 def mla_decode_attention(q_latent: torch.Tensor, q_pe: torch.Tensor, cache: torch.Tensor,
@@ -85,28 +218,3 @@ def mla_decode_attention(q_latent: torch.Tensor, q_pe: torch.Tensor, cache: torc
         p = torch.softmax((mqa_q[n] @ e.t()) * scale, dim=-1)               # [H, S]
         outs.append(p @ e[:, :kv_lora_rank])
     return torch.stack(outs).to(q_latent.dtype)
-
-
-def _prefill_sdpa(q, cache, block_tables, kv_b_weight, query_lens, context_lens, kv_lora_rank, v_head_dim, scale):
-    """The naive form per sequence through torch SDPA (fused attention kernels on CUDA)."""
-    T, H, d_qk = q.shape
-    d_nope = kv_b_weight.shape[0] // H - v_head_dim
-    out = torch.empty(T, H, v_head_dim, dtype=q.dtype, device=q.device)
-    start = 0
-    for n, (ql, cl) in enumerate(zip(query_lens, context_lens)):
-        S = cl + ql
-        e = gather_latents(cache, block_tables[n], S).to(q.dtype)                # [S, D_c]
-        kv = (e[:, :kv_lora_rank] @ kv_b_weight.t().to(q.dtype)).view(S, H, d_nope + v_head_dim)
-        key = torch.cat([kv[..., :d_nope], e[:, kv_lora_rank:].unsqueeze(1).expand(S, H, -1)], dim=-1)
-        qs = q[start:start + ql].transpose(0, 1).unsqueeze(0)                    # [1, H, ql, d_qk]
-        # v zero-padded to d_qk: equal head dims let SDPA pick its flash kernel
-        vs = F.pad(kv[..., d_nope:], (0, max(d_qk - v_head_dim, 0)))
-        ks, vs = key.transpose(0, 1).unsqueeze(0), vs.transpose(0, 1).unsqueeze(0)
-        if cl == 0:
-            o = F.scaled_dot_product_attention(qs, ks, vs, is_causal=True, scale=scale)
-        else:
-            allowed = torch.arange(S, device=q.device).view(1, S) <= torch.arange(cl, S, device=q.device).view(ql, 1)
-            o = F.scaled_dot_product_attention(qs, ks, vs, attn_mask=allowed, scale=scale)
-        out[start:start + ql] = o.squeeze(0).transpose(0, 1)[..., :v_head_dim]
-        start += ql
-    return out
