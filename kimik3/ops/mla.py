@@ -118,13 +118,14 @@ def mla_prefill_attention(q: torch.Tensor, cache: torch.Tensor, block_tables: to
     pieces = prefill_pieces(query_lens, context_lens, PREFILL_BLOCK)
     if fast:
         from kimik3.ops.triton.mla_prefill import mla_prefill_triton
-        N = len(query_lens)
         q_info = _device_ints([0, *itertools.accumulate(query_lens), *context_lens], q.device)
         # a single piece is the answer: no merge, straight to the output dtype
         part_dtype = (q.dtype if form == "naive" else dt) if len(pieces) == 1 else torch.float32
+    N = len(query_lens)
     o = lse = None
     for k_lens, k_pos0 in pieces:
-        e = _gather_piece(cache, block_tables, k_lens, k_pos0).to(dt)                # [S, D_c]
+        k_info = _device_ints([0, *itertools.accumulate(k_lens), *k_pos0], q.device)   # cu_k | k_pos0
+        e = _gather_piece(cache, block_tables, k_info[:N + 1], k_info[N + 1:], sum(k_lens)).to(dt)   # [S, D_c]
         if form == "naive":
             kv = F.linear(e[:, :R], kv_b).view(-1, H, d_nope + dv)
             ka, v = kv[..., :d_nope], kv[..., d_nope:]
@@ -132,7 +133,6 @@ def mla_prefill_attention(q: torch.Tensor, cache: torch.Tensor, block_tables: to
             ka, v = e[:, :R].unsqueeze(1), None                                     # one latent head; v = c_hat
         kb = e[:, R:].unsqueeze(1)                                                   # k_pe, shared by all heads
         if fast:
-            k_info = _device_ints([0, *itertools.accumulate(k_lens), *k_pos0], q.device)
             ob, lseb = mla_prefill_triton(qa, qb, ka, kb, v, q_info[:N + 1], k_info[:N + 1], q_info[N + 1:],
                                           k_info[N + 1:], max(query_lens), scale, part_dtype)
         else:
@@ -149,14 +149,13 @@ def _device_ints(values: list[int], device: torch.device) -> torch.Tensor:
     return torch.tensor(values, dtype=torch.int32).to(device, non_blocking=True)
 
 
-def _gather_piece(cache: torch.Tensor, block_tables: torch.Tensor, k_lens: list[int], k_pos0: list[int]) -> torch.Tensor:
-    """Cache rows of one piece, packed: sequence n's positions k_pos0[n] .. + k_lens[n] - 1."""
-    bs, dev = cache.shape[1], cache.device
-    S = sum(k_lens)
-    lens = torch.tensor(k_lens, device=dev)
-    seq = torch.repeat_interleave(torch.arange(len(k_lens), device=dev), lens, output_size=S)
-    first = torch.tensor(k_pos0, device=dev) - (torch.cumsum(lens, 0) - lens)      # position of packed row 0
-    pos = torch.arange(S, device=dev) + first[seq]
+def _gather_piece(cache: torch.Tensor, block_tables: torch.Tensor, cu_k: torch.Tensor, k_pos0: torch.Tensor,
+                  S: int) -> torch.Tensor:
+    """Cache rows of one piece, packed: sequence n's positions k_pos0[n] .. k_pos0[n] + k_len - 1
+    at rows cu_k[n] .. cu_k[n + 1] - 1 (cu_k [N + 1], k_pos0 [N] on the cache's device)."""
+    bs, N = cache.shape[1], k_pos0.numel()
+    seq = torch.repeat_interleave(torch.arange(N, device=cache.device), cu_k[1:] - cu_k[:-1], output_size=S)
+    pos = torch.arange(S, device=cache.device) - cu_k[seq] + k_pos0[seq]
     slot = block_tables[seq, pos // bs].long() * bs + pos % bs
     return cache.view(-1, cache.shape[-1])[slot]
 

@@ -227,10 +227,11 @@ def _mla_setup(seed=18, H=3, r=16, dn=8, dr=4, dv=8, bs=3):
     return cache, torch.tensor(tables), lat, wkvb, lengths, (H, r, dn, dr, dv)
 
 
-def test_mla_prefill_matches_expanded_attention():
+@pytest.mark.parametrize("form", ["naive", "absorbed"])
+def test_mla_prefill_matches_expanded_attention(form):
     cache, tables, lat, wkvb, lengths, (H, r, dn, dr, dv) = _mla_setup()
     q = torch.randn(3 + 4, H, dn + dr, dtype=F64, generator=gen(19))
-    out = mla_prefill_attention(q, cache, tables, wkvb, [3, 4], [4, 0], r, dv, 0.3)
+    out = mla_prefill_attention(q, cache, tables, wkvb, [3, 4], [4, 0], r, dv, 0.3, form=form)
     for s, (ql, cl, start) in enumerate(((3, 4, 0), (4, 0, 3))):
         kv = (lat[s][:, :r] @ wkvb.T).view(-1, H, dn + dv)
         for i in range(ql):
@@ -244,7 +245,7 @@ def test_mla_prefill_matches_expanded_attention():
 def test_mla_absorbed_decode_equals_naive():
     cache, tables, lat, wkvb, lengths, (H, r, dn, dr, dv) = _mla_setup()
     q = torch.randn(2, H, dn + dr, dtype=F64, generator=gen(20))
-    naive = mla_prefill_attention(q, cache, tables, wkvb, [1, 1], [6, 3], r, dv, 192 ** -0.5)
+    naive = mla_prefill_attention(q, cache, tables, wkvb, [1, 1], [6, 3], r, dv, 192 ** -0.5, form="naive")
     w = wkvb.view(H, dn + dv, r)
     q_lat = torch.einsum("nhd,hdr->nhr", q[..., :dn], w[:, :dn])
     lat_out = mla_decode_attention(q_lat, q[..., dn:], cache, tables, lengths, r, 192 ** -0.5)
