@@ -43,6 +43,7 @@ from kimik3.ops.mla import gather_latents, mla_prefill_attention   # noqa: E402
 from kimik3.ops.triton import mla_prefill                          # noqa: E402
 
 R, P, DN, DV, BS = 512, 64, 128, 128, 64
+DEVICE = "cuda"
 D_QK = DN + P
 CHUNK = 8192
 CONTEXTS = (0, 8192, 32768, 131072, 524288, 1048576)
@@ -54,25 +55,25 @@ log = logging.getLogger("bench_mla_prefill")
 
 
 def ceiling() -> float:
-    a = torch.randn(8192, 8192, device="cuda", dtype=torch.bfloat16)
-    b = torch.randn(8192, 8192, device="cuda", dtype=torch.bfloat16)
+    a = torch.randn(8192, 8192, device=DEVICE, dtype=torch.bfloat16)
+    b = torch.randn(8192, 8192, device=DEVICE, dtype=torch.bfloat16)
     t = cuda_time(lambda: a @ b, iters=20)
     return 2 * 8192 ** 3 / t
 
 
 def inputs(H: int, query_lens: list[int], context_lens: list[int], seed: int = 0):
     """A paged latent cache holding every sequence's context + queries (blocks scattered), queries, kv_b."""
-    g = torch.Generator(device="cuda").manual_seed(seed)
+    g = torch.Generator(device=DEVICE).manual_seed(seed)
     need = [-(-(c + q) // BS) for c, q in zip(context_lens, query_lens)]
-    cache = torch.randn(sum(need) + 1, BS, R + P, generator=g, device="cuda").to(torch.bfloat16)
-    perm = torch.randperm(sum(need), generator=g, device="cuda").int() + 1
-    tables = torch.zeros(len(need), max(need), dtype=torch.int32, device="cuda")
+    cache = torch.randn(sum(need) + 1, BS, R + P, generator=g, device=DEVICE).to(torch.bfloat16)
+    perm = torch.randperm(sum(need), generator=g, device=DEVICE).int() + 1
+    tables = torch.zeros(len(need), max(need), dtype=torch.int32, device=DEVICE)
     used = 0
     for n, nb in enumerate(need):
         tables[n, :nb] = perm[used:used + nb]
         used += nb
-    q = torch.randn(sum(query_lens), H, D_QK, generator=g, device="cuda").to(torch.bfloat16)
-    kv_b = (torch.randn(H * (DN + DV), R, generator=g, device="cuda") / math.sqrt(R)).to(torch.bfloat16)
+    q = torch.randn(sum(query_lens), H, D_QK, generator=g, device=DEVICE).to(torch.bfloat16)
+    kv_b = (torch.randn(H * (DN + DV), R, generator=g, device=DEVICE) / math.sqrt(R)).to(torch.bfloat16)
     return q, cache, tables, kv_b
 
 
@@ -151,14 +152,14 @@ def case(rows, mm, H, query_lens, context_lens, forms, sdpa: bool):
 def sweep(rows, mm, H, form, configs):
     """One piece: 8192 queries at positions 16384.. over 16384 keys, all visible (the common piece
     of a long context), then the causal piece of a fresh 8192 prompt."""
-    g = torch.Generator(device="cuda").manual_seed(1)
-    T, S = CHUNK, mla.PREFILL_BLOCK
+    g = torch.Generator(device=DEVICE).manual_seed(1)
+    T, S = CHUNK, max(mla.PREFILL_BLOCK, CHUNK)
     DA, Hk, DVk = (DN, H, DV) if form == "naive" else (R, 1, R)
     bf = torch.bfloat16
-    qa, qb = (torch.randn(T, H, d, generator=g, device="cuda").to(bf) for d in (DA, P))
-    ka, kb = torch.randn(S, Hk, DA, generator=g, device="cuda").to(bf), torch.randn(S, 1, P, generator=g, device="cuda").to(bf)
-    v = torch.randn(S, Hk, DVk, generator=g, device="cuda").to(bf) if form == "naive" else None
-    ints = lambda xs: torch.tensor(xs, dtype=torch.int32, device="cuda")    # noqa: E731
+    qa, qb = (torch.randn(T, H, d, generator=g, device=DEVICE).to(bf) for d in (DA, P))
+    ka, kb = torch.randn(S, Hk, DA, generator=g, device=DEVICE).to(bf), torch.randn(S, 1, P, generator=g, device=DEVICE).to(bf)
+    v = torch.randn(S, Hk, DVk, generator=g, device=DEVICE).to(bf) if form == "naive" else None
+    ints = lambda xs: torch.tensor(xs, dtype=torch.int32, device=DEVICE)    # noqa: E731
     for label, kl, q0 in (("full", S, S), ("causal", T, 0)):
         flops = T * (kl if label == "full" else T / 2) * H * 2 * (D_QK + DV)
         for bm, bn, nw, ns in configs:
