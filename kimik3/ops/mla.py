@@ -98,7 +98,8 @@ def mla_prefill_attention(q: torch.Tensor, cache: torch.Tensor, block_tables: to
     The keys are processed in pieces of at most PREFILL_BLOCK positions over all sequences
     (``prefill_pieces``), each attended with the causal bound as numbers and merged into a running
     (o, lse) exactly; memory O(T x H x d + PREFILL_BLOCK x H x d), never O(T x context x H).
-    CUDA: one varlen Triton launch per piece; otherwise a per-sequence torch loop per piece.
+    CUDA: one varlen Triton launch per piece (split-K over the keys when the queries are too few
+    to fill the GPU); otherwise a per-sequence torch loop per piece.
     """
     T, H, _ = q.shape
     if len(query_lens) != len(context_lens) or sum(query_lens) != T:
@@ -134,7 +135,7 @@ def mla_prefill_attention(q: torch.Tensor, cache: torch.Tensor, block_tables: to
         kb = e[:, R:].unsqueeze(1)                                                   # k_pe, shared by all heads
         if fast:
             ob, lseb = mla_prefill_triton(qa, qb, ka, kb, v, q_info[:N + 1], k_info[:N + 1], q_info[N + 1:],
-                                          k_info[N + 1:], max(query_lens), scale, part_dtype)
+                                          k_info[N + 1:], max(query_lens), scale, part_dtype, max_key_len=max(k_lens))
         else:
             ob, lseb = _attend_piece_reference(qa, qb, ka, kb, v, query_lens, context_lens, k_lens, k_pos0, scale)
         o, lse = (ob, lseb) if o is None else merge_attention(o, lse, ob, lseb)

@@ -180,10 +180,12 @@ def _kernel_from_math(qa, qb, ka, kb, v, query_lens, q_pos0, k_lens, k_pos0, sca
     return o, lse
 
 
+@pytest.mark.parametrize("splits", [1, 3], ids=["one_split", "split_k"])
 @triton_cases
-def test_prefill_kernel_matches_the_math(form):
+def test_prefill_kernel_matches_the_math(form, splits):
     """One piece of a ragged batch: a fresh prompt, a continuation whose piece the causal bound
-    cuts (rows before k_pos0 see nothing), one with no keys in this piece, one fully visible."""
+    cuts (rows before k_pos0 see nothing), one with no keys in this piece, one fully visible;
+    in one program per query tile or split three ways over the keys (merged by the second kernel)."""
     from kimik3.ops.triton.mla_prefill import PrefillConfig, mla_prefill_triton
     g = gen(3)
     query_lens, q_pos0 = [20, 9, 3, 5], [0, 40, 12, 70]
@@ -203,7 +205,7 @@ def test_prefill_kernel_matches_the_math(form):
     cfg = PrefillConfig(16, 16, 4, 2)
     mla_prefill_triton(qa, qb, ka, kb, v, cu(query_lens), cu(k_lens), torch.tensor(q_pos0, dtype=torch.int32),
                        torch.tensor(k_pos0, dtype=torch.int32), max(query_lens), scale, torch.float32, cfg,
-                       out=(o, lse))
+                       out=(o, lse), max_key_len=max(k_lens), num_splits=splits)
     o_ref, lse_ref = _kernel_from_math(qa, qb, ka, kb, v, query_lens, q_pos0, k_lens, k_pos0, scale)
     empty = lse_ref == float("-inf")
     assert empty.any() and (~empty).any()
@@ -214,19 +216,37 @@ def test_prefill_kernel_matches_the_math(form):
     assert all(e < 1e-2 or ql == 0 for e, ql in zip(errs, [20, 9, 0, 5])), errs
 
 
+@pytest.mark.parametrize("sms", [4, 64], ids=["no_split", "split_k"])
 @triton_cases
-def test_prefill_op_on_the_kernel_path_matches_the_math(form, monkeypatch):
-    """The CUDA branch of the op (pieces, varlen gather, kernel, merge) run on CPU tensors."""
-    monkeypatch.setattr(mla, "PREFILL_BLOCK", 16)
+def test_prefill_op_on_the_kernel_path_matches_the_math(form, sms, monkeypatch):
+    """The CUDA branch of the op (pieces, varlen gather, kernel, merge) run on CPU tensors; with
+    64 "SMs" the kernel splits each piece's keys (3 tiles of 16) over programs."""
+    monkeypatch.setattr(mla, "PREFILL_BLOCK", 48)
     monkeypatch.setattr(mla, "use_fast_path", lambda t: True)
     from kimik3.ops.triton import mla_prefill
     monkeypatch.setattr(mla_prefill, "config_for", lambda da, dv: mla_prefill.PrefillConfig(16, 16, 4, 2))
+    monkeypatch.setattr(mla_prefill, "_num_sms", lambda device: sms)
+    monkeypatch.setattr(mla_prefill, "SPLIT_MIN_TILES", 1)
+    launches = []
+    kernel = mla_prefill._merge_splits_kernel
+    monkeypatch.setattr(mla_prefill, "_merge_splits_kernel", _Recorder(kernel, launches))
     query_lens, context_lens = [6, 1, 17, 3], [0, 23, 5, 40]
     H, R, P, dn, dv = 2, 32, 16, 16, 16
     q, cache, tables, kv_b = _inputs(query_lens, context_lens, H, R, P, dn, dv, gen(4), BF16)
     scale = (dn + P) ** -0.5
     ref = mla_from_math(q, cache, tables, kv_b, query_lens, context_lens, R, dv, scale)
     out = mla_prefill_attention(q, cache, tables, kv_b, query_lens, context_lens, R, dv, scale, form=form)
-    assert out.dtype == BF16
+    assert out.dtype == BF16 and (len(launches) > 0) == (sms == 64)
     errs = per_seq_err(out, ref, query_lens)
     assert max(errs) < 2e-2, errs          # bf16 K/V (naive) or q_lat (absorbed), truncating roundings
+
+
+class _Recorder:
+    """Stands in for a Triton kernel: records each launch, then runs it."""
+
+    def __init__(self, kernel, launches):
+        self.kernel, self.launches = kernel, launches
+
+    def __getitem__(self, grid):
+        self.launches.append(grid)
+        return self.kernel[grid]

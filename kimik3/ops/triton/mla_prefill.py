@@ -89,14 +89,15 @@ def _tile(qa, qb, ka_ptrs, kb_ptrs, v_ptrs, kmask, smask, m_i, l_i, acc, sm_scal
 
 @triton.jit
 def _mla_prefill_kernel(qa_ptr, qb_ptr, ka_ptr, kb_ptr, v_ptr, o_ptr, lse_ptr,
-                        cu_q, cu_k, q_pos0, k_pos0, GROUP, Hq,
+                        cu_q, cu_k, q_pos0, k_pos0, GROUP, Hk, tokens_per_split,
                         stride_qa_t, stride_qa_h, stride_qb_t, stride_qb_h,
                         stride_ka_s, stride_ka_h, stride_kb_s, stride_kb_h, stride_v_s, stride_v_h,
-                        stride_o_t, stride_o_h, sm_scale_log2,
+                        stride_o_t, stride_o_h, stride_o_s, stride_lse_t, stride_lse_h, stride_lse_s, sm_scale_log2,
                         DA: tl.constexpr, DB: tl.constexpr, DV: tl.constexpr,
                         BLOCK_M: tl.constexpr, BLOCK_N: tl.constexpr,
                         V_IS_K: tl.constexpr, UPCAST: tl.constexpr):
-    mb, n, g = tl.program_id(0), tl.program_id(1), tl.program_id(2)
+    mb, n, gs = tl.program_id(0), tl.program_id(1), tl.program_id(2)
+    g, split = gs % Hk, gs // Hk
     q_start = tl.load(cu_q + n)
     q_len = tl.load(cu_q + n + 1) - q_start
     rows = q_len * GROUP
@@ -118,11 +119,13 @@ def _mla_prefill_kernel(qa_ptr, qb_ptr, ka_ptr, kb_ptr, v_ptr, o_ptr, lse_ptr,
     qb = tl.load(qb_ptr + q_row[:, None] * stride_qb_t + head[:, None] * stride_qb_h + db[None, :],
                  mask=rmask[:, None], other=0.0)                                          # [BM, DB]
 
-    # keys [0, n_full) are visible to every row of the tile; [n_full, hi) need the causal mask
+    # this split's keys [lo, hi): [lo, n_full) are visible to every row of the tile, [n_full, hi)
+    # need the causal mask (lo and tokens_per_split are multiples of BLOCK_N)
     tok_lo = (mb * BLOCK_M) // GROUP
     tok_hi = tl.minimum((mb * BLOCK_M + BLOCK_M - 1) // GROUP, q_len - 1)
-    hi = tl.maximum(tl.minimum(k_len, tok_hi + shift + 1), 0)
-    n_full = tl.maximum(tl.minimum(tok_lo + shift + 1, k_len), 0) // BLOCK_N * BLOCK_N
+    lo = split * tokens_per_split
+    hi = tl.minimum(tl.minimum(k_len, lo + tokens_per_split), tok_hi + shift + 1)
+    n_full = lo + tl.maximum(tl.minimum(tok_lo + shift + 1, hi) - lo, 0) // BLOCK_N * BLOCK_N
 
     ka_base = ka_ptr + k_start.to(tl.int64) * stride_ka_s + g * stride_ka_h
     kb_base = kb_ptr + k_start.to(tl.int64) * stride_kb_s + g * stride_kb_h
@@ -131,7 +134,7 @@ def _mla_prefill_kernel(qa_ptr, qb_ptr, ka_ptr, kb_ptr, v_ptr, o_ptr, lse_ptr,
     l_i = tl.zeros([BLOCK_M], dtype=tl.float32)
     acc = tl.zeros([BLOCK_M, DV], dtype=tl.float32)
     j = tl.arange(0, BLOCK_N)
-    for start in range(0, n_full, BLOCK_N):
+    for start in range(lo, n_full, BLOCK_N):
         kj = (start + j).to(tl.int64)
         m_i, l_i, acc = _tile(qa, qb, ka_base + kj[:, None] * stride_ka_s + da[None, :],
                               kb_base + kj[:, None] * stride_kb_s + db[None, :],
@@ -150,22 +153,45 @@ def _mla_prefill_kernel(qa_ptr, qb_ptr, ka_ptr, kb_ptr, v_ptr, o_ptr, lse_ptr,
     empty = l_i == 0.0
     out = acc / tl.where(empty, 1.0, l_i)[:, None]
     lse = tl.where(empty, float("-inf"), (m_i + tl.log2(tl.where(empty, 1.0, l_i))) * 0.6931471805599453)   # natural log
-    tl.store(o_ptr + q_row[:, None] * stride_o_t + head[:, None] * stride_o_h + dv[None, :],
+    tl.store(o_ptr + split * stride_o_s + q_row[:, None] * stride_o_t + head[:, None] * stride_o_h + dv[None, :],
              out.to(o_ptr.dtype.element_ty), mask=rmask[:, None])
-    tl.store(lse_ptr + q_row * Hq + head, lse, mask=rmask)
+    tl.store(lse_ptr + split * stride_lse_s + q_row * stride_lse_t + head * stride_lse_h, lse, mask=rmask)
+
+
+@triton.jit
+def _merge_splits_kernel(part_o, part_lse, o_ptr, lse_ptr, num_splits, DV: tl.constexpr, BS: tl.constexpr):
+    """Row (token, head): merge its splits' (o, lse) [rows, num_splits, DV] by their log-sum-exps."""
+    row = tl.program_id(0).to(tl.int64)
+    s = tl.arange(0, BS)
+    d = tl.arange(0, DV)
+    ms = s < num_splits
+    lse = tl.load(part_lse + row * num_splits + s, mask=ms, other=float("-inf"))
+    m = tl.max(lse, 0)
+    m = tl.where(m == float("-inf"), 0.0, m)
+    w = tl.exp(lse - m)
+    po = tl.load(part_o + (row * num_splits + s)[:, None] * DV + d[None, :], mask=ms[:, None], other=0.0)
+    total = tl.sum(w, 0)
+    res = tl.sum(po * w[:, None], 0) / tl.where(total == 0.0, 1.0, total)
+    tl.store(o_ptr + row * DV + d, res.to(o_ptr.dtype.element_ty))
+    tl.store(lse_ptr + row, tl.where(total == 0.0, float("-inf"), m + tl.log(tl.where(total == 0.0, 1.0, total))))
 
 
 def mla_prefill_triton(qa: torch.Tensor, qb: torch.Tensor, ka: torch.Tensor, kb: torch.Tensor,
                        v: torch.Tensor | None, cu_q: torch.Tensor, cu_k: torch.Tensor, q_pos0: torch.Tensor,
                        k_pos0: torch.Tensor, max_query_len: int, scale: float, out_dtype: torch.dtype,
-                       config: PrefillConfig | None = None,
-                       out: tuple[torch.Tensor, torch.Tensor] | None = None) -> tuple[torch.Tensor, torch.Tensor]:
+                       config: PrefillConfig | None = None, out: tuple[torch.Tensor, torch.Tensor] | None = None,
+                       max_key_len: int | None = None, num_splits: int | None = None) -> tuple[torch.Tensor, torch.Tensor]:
     """qa [T, Hq, DA], qb [T, Hq, DB]; ka [S, Hk, DA]; kb [S, Hkb, DB] with Hkb in {1, Hk} (1:
     shared by every kv head); v [S, Hk, DV] or None (v = ka). cu_q / cu_k [N + 1] int32 (device)
     pack the sequences' queries / this block's keys; q_pos0 / k_pos0 [N] int32: position of each
     sequence's first query / first key of the block. max_query_len bounds the query counts.
     Returns (o [T, Hq, DV] in out_dtype, lse [T, Hq] float32, natural log), written into ``out``
-    (contiguous tensors of those shapes and dtypes) when given."""
+    (contiguous tensors of those shapes and dtypes) when given.
+
+    Split-K: when the grid of query tiles is too small to fill the GPU (few queries over long key
+    runs), each sequence's keys are split over ``num_splits`` programs (None: ``split_count``
+    from max_key_len, the largest per-sequence key count; 1 when that is not given), whose
+    partial results a second kernel merges."""
     T, Hq, DA = qa.shape
     DB = qb.shape[-1]
     Hk = ka.shape[1]
@@ -195,11 +221,49 @@ def mla_prefill_triton(qa: torch.Tensor, qb: torch.Tensor, ka: torch.Tensor, kb:
         return o, lse
     vv = ka if v is None else v
     kb_h = 0 if kb.shape[1] == 1 else kb.stride(1)
-    grid = (triton.cdiv(max_query_len * group, cfg.block_m), N, Hk)
-    _mla_prefill_kernel[grid](
-        qa, qb, ka, kb, vv, o, lse, cu_q, cu_k, q_pos0, k_pos0, group, Hq,
+    m_tiles = triton.cdiv(max_query_len * group, cfg.block_m)
+    if num_splits is None:
+        num_splits = 1 if max_key_len is None else split_count(m_tiles * N * Hk, max_key_len, T * Hq * DV, cfg.block_n,
+                                                                _num_sms(qa.device))
+    span = max_key_len if max_key_len is not None else ka.shape[0]
+    tokens_per_split = triton.cdiv(triton.cdiv(max(span, 1), num_splits), cfg.block_n) * cfg.block_n
+    num_splits = max(1, triton.cdiv(span, tokens_per_split))
+    if num_splits == 1:
+        tgt_o, tgt_lse = o, lse
+        o_strides = (o.stride(0), o.stride(1), 0, lse.stride(0), lse.stride(1), 0)
+    else:                                  # [T, Hq, splits, DV] partials, merged below
+        tgt_o = torch.empty(T, Hq, num_splits, DV, dtype=torch.float32, device=qa.device)
+        tgt_lse = torch.empty(T, Hq, num_splits, dtype=torch.float32, device=qa.device)
+        o_strides = (tgt_o.stride(0), tgt_o.stride(1), tgt_o.stride(2), tgt_lse.stride(0), tgt_lse.stride(1),
+                     tgt_lse.stride(2))
+    _mla_prefill_kernel[(m_tiles, N, Hk * num_splits)](
+        qa, qb, ka, kb, vv, tgt_o, tgt_lse, cu_q, cu_k, q_pos0, k_pos0, group, Hk, tokens_per_split,
         qa.stride(0), qa.stride(1), qb.stride(0), qb.stride(1), ka.stride(0), ka.stride(1),
-        kb.stride(0), kb_h, vv.stride(0), vv.stride(1), o.stride(0), o.stride(1), scale * _LOG2E,
+        kb.stride(0), kb_h, vv.stride(0), vv.stride(1), *o_strides, scale * _LOG2E,
         DA=DA, DB=DB, DV=DV, BLOCK_M=cfg.block_m, BLOCK_N=cfg.block_n, V_IS_K=v is None, UPCAST=INTERPRETING,
         num_warps=cfg.num_warps, num_stages=cfg.num_stages)
+    if num_splits > 1:
+        _merge_splits_kernel[(T * Hq,)](tgt_o, tgt_lse, o, lse, num_splits, DV=DV,
+                                        BS=triton.next_power_of_2(num_splits), num_warps=4 if DV >= 256 else 2)
     return o, lse
+
+
+# Split-K limits: at most this many splits, each at least SPLIT_MIN_TILES key tiles, and the fp32
+# partials at most SPLIT_MAX_BYTES.
+MAX_SPLITS = 16
+SPLIT_MIN_TILES = 4
+SPLIT_MAX_BYTES = 256 << 20
+
+
+def split_count(programs: int, max_key_len: int, out_elems: int, block_n: int, num_sms: int) -> int:
+    """Splits per key run so that about two waves of programs fill the GPU."""
+    if programs >= 2 * num_sms:
+        return 1
+    return max(1, min(triton.cdiv(2 * num_sms, programs), max_key_len // (SPLIT_MIN_TILES * block_n), MAX_SPLITS,
+                      SPLIT_MAX_BYTES // (4 * out_elems)))
+
+
+def _num_sms(device: torch.device) -> int:
+    if device.type == "cuda":
+        return torch.cuda.get_device_properties(device).multi_processor_count
+    return 4                               # the CPU interpreter: a small "device" so tests split
