@@ -5,8 +5,8 @@ For H = 96 (K3 slice) and H = 32 (Kimi-Linear), d_qk 192 (128 nope + 64 rope), d
       ``mla_prefill_attention``: the naive form at every context, the absorbed form where its 3.4x
       FLOPs stay affordable, and the replaced path (per-sequence SDPA with a boolean
       [chunk, context] mask over the whole up-projected history) where it fits memory;
-  (b) short query runs (16 and 128 queries per sequence, 4 sequences) over 32k and 1M contexts in
-      both forms: where the absorbed form wins (``kimik3.ops.mla.ABSORBED_MAX_MEAN_QUERY_LEN``);
+  (b) short query runs (16, 128 and 512 queries per sequence, 4 sequences) over 32k and 1M
+      contexts in both forms: where the absorbed form wins (``kimik3.ops.mla.ABSORBED_MAX_QUERY_LEN``);
   (c) a sweep of fixed kernel configs (BLOCK_M, BLOCK_N, num_warps, num_stages) on one piece:
       naive at H = 96, absorbed at H = 32 (``kimik3.ops.triton.mla_prefill.CONFIGS``).
 Each timed case reports time, peak GPU memory above its inputs, attention FLOPs counted from the
@@ -47,6 +47,7 @@ DEVICE = "cuda"
 D_QK = DN + P
 CHUNK = 8192
 CONTEXTS = (0, 8192, 32768, 131072, 524288, 1048576)
+SHORT = [(16, 32768), (16, 1048576), (128, 32768), (128, 1048576), (512, 32768)]   # (queries, context) x 4 seqs
 ABSORBED_MAX_CONTEXT = 131072           # absorbed at chunk 8192 beyond this costs seconds per rep
 SDPA_MAX_BYTES = 40e9                   # the old path's [H, chunk, context] buffers (continuations) must fit
 NAIVE_SWEEP = [(128, 64, 8, 2), (128, 128, 8, 2), (128, 64, 4, 3), (64, 64, 4, 2), (128, 32, 4, 2), (64, 128, 4, 3)]
@@ -192,7 +193,7 @@ def main():
     t_start = time.perf_counter()
     res = {"commit": commit_id(), "gpu": torch.cuda.get_device_name(), "date": datetime.datetime.now(
         datetime.timezone.utc).isoformat(timespec="seconds"), "torch": torch.__version__,
-        "prefill_block": mla.PREFILL_BLOCK, "absorbed_max_mean_query_len": mla.ABSORBED_MAX_MEAN_QUERY_LEN,
+        "prefill_block": mla.PREFILL_BLOCK, "absorbed_max_query_len": mla.ABSORBED_MAX_QUERY_LEN,
         "configs": {f"{k[0]}/{k[1]}": vars(c) for k, c in mla_prefill.CONFIGS.items()}}
     out = Path(args.out)
     out.parent.mkdir(parents=True, exist_ok=True)
@@ -211,8 +212,8 @@ def main():
             case(res["chunk"], mm, H, [CHUNK], [ctx], forms, sdpa)
             torch.cuda.empty_cache()                     # the case's inputs are gone with it
             save()
-        for ql in (16, 128):
-            for ctx in (c for c in (32768, 1048576) if c <= args.max_context):
+        for ql, ctx in SHORT:
+            if ctx <= args.max_context:
                 case(res["short"], mm, H, [ql] * 4, [ctx] * 4, ["naive", "absorbed"], False)
                 torch.cuda.empty_cache()
                 save()

@@ -33,21 +33,19 @@ def gather_latents(cache: torch.Tensor, block_table: torch.Tensor, length: int) 
 # PREFILL_BLOCK x H x (d_nope + d_v) x 2 bytes (16384 x 96 x 256 x 2 = 0.8 GB for K3).
 PREFILL_BLOCK = 16384
 
-# prefill_form picks the absorbed form when the step's mean query count per sequence is below
-# this and some sequence has cached context. From the FLOPs per (query, key) pair and head:
-# naive 2 x (192 + 128) plus the up-projection 2 x 512 x 256 per key per step, absorbed
-# 2 x (576 + 512): naive wins by FLOPs from ~170 queries per key; the absorbed kernel's wider tiles
-# run slower, so the cut sits below that. Set from benchmarks/gpu/bench_mla_prefill.py.
-ABSORBED_MAX_MEAN_QUERY_LEN = 128
+# prefill_form picks the absorbed form for a sequence with cached context and fewer new tokens
+# than this. FLOPs per key and head, for q new tokens: naive q x 2 x (192 + 128) plus the
+# up-projection 2 x 512 x 256 (every step re-expands the history), absorbed q x 2 x (576 + 512):
+# naive wins by FLOPs from ~170 tokens; the absorbed kernel's wider tiles run slower, so the cut
+# sits below that. To be set from benchmarks/gpu/bench_mla_prefill.py ("short" rows).
+ABSORBED_MAX_QUERY_LEN = 128
 
 FORMS = ("naive", "absorbed")
 
 
-def prefill_form(query_lens: list[int], context_lens: list[int]) -> str:
-    """The form ``mla_prefill_attention`` uses when the caller names none (rule above)."""
-    if not query_lens or max(context_lens) == 0:
-        return "naive"
-    return "absorbed" if sum(query_lens) < ABSORBED_MAX_MEAN_QUERY_LEN * len(query_lens) else "naive"
+def prefill_form(query_len: int, context_len: int) -> str:
+    """The form ``mla_prefill_attention`` gives one sequence when the caller names none."""
+    return "absorbed" if context_len > 0 and query_len < ABSORBED_MAX_QUERY_LEN else "naive"
 
 
 def merge_attention(o1: torch.Tensor, lse1: torch.Tensor, o2: torch.Tensor,
@@ -93,7 +91,9 @@ def mla_prefill_attention(q: torch.Tensor, cache: torch.Tensor, block_tables: to
     q [T, H, d_nope + d_rope]; cache [num_blocks, block_size, D_c]; block_tables [N, max_blocks];
     kv_b_weight [H * (d_nope + d_v), kv_lora_rank]. Returns o [T, H, d_v] in q's dtype.
     form: "naive" (per-head K/V up-projected from each piece's latents), "absorbed" (attention in
-    the latent space: q_lat = W_UK^T q_nope, output W_UV l) or None (``prefill_form``).
+    the latent space: q_lat = W_UK^T q_nope, output W_UV l) for every sequence, or None: each
+    sequence by ``prefill_form`` (a step mixing long chunks and decode-like rows runs both,
+    so the decode rows never re-expand their whole history).
 
     The keys are processed in pieces of at most PREFILL_BLOCK positions over all sequences
     (``prefill_pieces``), each attended with the causal bound as numbers and merged into a running
@@ -105,9 +105,26 @@ def mla_prefill_attention(q: torch.Tensor, cache: torch.Tensor, block_tables: to
     if len(query_lens) != len(context_lens) or sum(query_lens) != T:
         raise ValueError(f"mla_prefill_attention: query_lens (sum {sum(query_lens)}, {len(query_lens)} sequences) "
                          f"must sum to q's {T} tokens and match context_lens ({len(context_lens)})")
-    form = prefill_form(query_lens, context_lens) if form is None else form
-    if form not in FORMS:
+    if form is not None and form not in FORMS:
         raise ValueError(f"mla_prefill_attention: form must be one of {FORMS} or None, got {form!r}")
+    forms = [form or prefill_form(ql, cl) for ql, cl in zip(query_lens, context_lens)]
+    if len(set(forms)) <= 1:
+        return _prefill(q, cache, block_tables, kv_b_weight, query_lens, context_lens, kv_lora_rank, v_head_dim,
+                        scale, forms[0] if forms else "naive")
+    out = q.new_empty(T, H, v_head_dim)
+    starts = [0, *itertools.accumulate(query_lens)]
+    for f in FORMS:
+        seqs = [n for n, fn in enumerate(forms) if fn == f]
+        rows = torch.tensor([t for n in seqs for t in range(starts[n], starts[n + 1])], device=q.device)
+        out[rows] = _prefill(q[rows], cache, block_tables[torch.tensor(seqs, device=q.device)], kv_b_weight,
+                             [query_lens[n] for n in seqs], [context_lens[n] for n in seqs], kv_lora_rank,
+                             v_head_dim, scale, f)
+    return out
+
+
+def _prefill(q, cache, block_tables, kv_b_weight, query_lens, context_lens, kv_lora_rank, v_head_dim, scale, form):
+    """``mla_prefill_attention`` with one form for every sequence."""
+    T, H, _ = q.shape
     R, dv = kv_lora_rank, v_head_dim
     d_nope = kv_b_weight.shape[0] // H - dv
     fast = use_fast_path(q)

@@ -88,7 +88,8 @@ def greedy(model, budget, reqs):
 
 def test_many_chunks_give_the_greedy_tokens_of_one_chunk(model, monkeypatch):
     """One chunk per prompt (budget 2048: naive form, one piece) against 48-token chunks with
-    128-position pieces (continuations of <= 48 queries take the absorbed form by prefill_form)."""
+    128-position pieces (continuations of <= 48 queries take the absorbed form by prefill_form,
+    decode rows beside a chunk too)."""
     from kimik3.engine import SamplingParams
     from tests.gpu.test_engine_graphs import assert_same_greedy
     rng = random.Random(1)

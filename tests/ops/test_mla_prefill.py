@@ -143,14 +143,33 @@ def test_reference_path_in_pieces_matches_the_math(case, form, monkeypatch):
 
 
 def test_form_rule_and_bad_form():
-    assert prefill_form([4, 2], [0, 0]) == "naive"                           # nothing cached
-    assert prefill_form([4, 2], [1000, 0]) == "absorbed"                     # short runs over a context
-    assert prefill_form([8192], [100000]) == "naive"
+    assert prefill_form(4, 0) == "naive"                                    # nothing cached
+    assert prefill_form(4, 1000) == "absorbed"                              # a short run over a context
+    assert prefill_form(8192, 100000) == "naive"
     q, cache, tables, kv_b = _inputs([2], [3], 2, 16, 8, 8, 8, gen(2))
     with pytest.raises(ValueError, match="form"):
         mla_prefill_attention(q, cache, tables, kv_b, [2], [3], 16, 8, 0.3, form="flash")
     with pytest.raises(ValueError, match="query_lens"):
         mla_prefill_attention(q, cache, tables, kv_b, [3], [3], 16, 8, 0.3)
+
+
+def test_mixed_forms_in_one_step_match_the_math(monkeypatch):
+    """form=None: long chunks naive, decode-like rows over a context absorbed, in one call."""
+    monkeypatch.setattr(mla, "PREFILL_BLOCK", 8)
+    monkeypatch.setattr(mla, "ABSORBED_MAX_QUERY_LEN", 4)
+    query_lens, context_lens = [5, 1, 7, 3, 2], [0, 19, 3, 30, 0]
+    assert [prefill_form(a, b) for a, b in zip(query_lens, context_lens)] == \
+        ["naive", "absorbed", "naive", "absorbed", "naive"]
+    H, R, P, dn, dv = 3, 16, 8, 8, 8
+    q, cache, tables, kv_b = _inputs(query_lens, context_lens, H, R, P, dn, dv, gen(5))
+    scale = (dn + P) ** -0.5
+    calls = []
+    inner = mla._prefill
+    monkeypatch.setattr(mla, "_prefill", lambda *a: calls.append(a[-1]) or inner(*a))
+    out = mla_prefill_attention(q, cache, tables, kv_b, query_lens, context_lens, R, dv, scale)
+    assert sorted(calls) == ["absorbed", "naive"]
+    ref = mla_from_math(q, cache, tables, kv_b, query_lens, context_lens, R, dv, scale)
+    assert max(per_seq_err(out, ref, query_lens)) < 1e-12
 
 
 # ---- (b) the Triton kernel under the interpreter -----------------------------------------
