@@ -55,3 +55,20 @@ def compile_moe(mxfp4, high_scales, dtype):
     common = dict(BM=16, BKH=64, UPCAST=False, MXFP4=mxfp4, ASM=True, HIGH_SCALES=high_scales)
     compile_for_hopper(moe._gate_up_kernel, types, dict(common, BN=64, TOP_K=8, ACT_SITU=mxfp4, CLIP_UP=mxfp4))
     compile_for_hopper(moe._down_kernel, types, dict(common, BN=128), num_warps=8)
+
+
+def test_mla_prefill_kernels_compile_for_hopper():
+    in_compiler_process("t.compile_mla_prefill()")
+
+
+def compile_mla_prefill():
+    from kimik3.ops.triton import mla_prefill as m
+    types = {p: "*bf16" for p in ("qa_ptr", "qb_ptr", "ka_ptr", "kb_ptr", "v_ptr", "o_ptr")}
+    types.update(lse_ptr="*fp32", cu_q="*i32", cu_k="*i32", q_pos0="*i32", k_pos0="*i32", sm_scale_log2="fp32")
+    for (da, dv), cfg in m.CONFIGS.items():
+        for out in ("*bf16", "*fp32"):                  # one pass, or split-K partials
+            compile_for_hopper(m._mla_prefill_kernel, dict(types, o_ptr=out),
+                               dict(DA=da, DB=64, DV=dv, BLOCK_M=cfg.block_m, BLOCK_N=cfg.block_n, V_IS_K=da == dv == 512,
+                                    UPCAST=False), cfg.num_warps, cfg.num_stages)
+    compile_for_hopper(m._merge_splits_kernel, {"part_o": "*fp32", "part_lse": "*fp32", "o_ptr": "*bf16", "lse_ptr": "*fp32"},
+                       dict(DV=128, BS=16), num_warps=2, num_stages=1)
