@@ -29,6 +29,7 @@ from dataclasses import dataclass, field, replace
 from typing import Any
 
 from kimik3.engine import LLMEngine, SamplingParams
+from kimik3.engine.request import RequestStatus
 from kimik3.serve.protocol import APIError
 
 logger = logging.getLogger(__name__)
@@ -123,6 +124,10 @@ class EngineLoop:
     def abort(self, job: Job) -> None:
         self._push(("abort", job))
 
+    def refuse_queued(self) -> None:
+        """Shutting down: fail (503) every job that has not started running yet."""
+        self._push(("refuse_queued", None))
+
     def stop(self, timeout: float = 10.0) -> None:
         """Abort whatever is left (its clients get a 503) and end the thread."""
         if self._thread is None:
@@ -175,6 +180,8 @@ class EngineLoop:
                     self._add_job(job)
             elif op == "abort":
                 self._drop_job(job)
+            elif op == "refuse_queued":
+                self._refuse_queued()
             elif op == "stop":
                 jobs = {r.job.id: r.job for r in self._routes.values()}
                 jobs.update({j.id: j for j, _ in self._probation})
@@ -188,6 +195,21 @@ class EngineLoop:
                         self._fail(job, APIError(503, "the server is shutting down", code="shutting_down"))
                 return False
         return True
+
+    def _refuse_queued(self) -> None:
+        error = APIError(503, "the server is shutting down; the request was not started, retry on another instance",
+                         code="shutting_down", headers={"Retry-After": "5"})
+        started = {route.job.id for eid, route in self._routes.items() if self._started(eid)}
+        jobs = [j for j, _ in self._probation] + list(self._backlog) + [r.job for r in self._routes.values()]
+        for job in {j.id: j for j in jobs if j.id not in started and not any(c.token_ids for c in j.choices)}.values():
+            self._fail(job, error)
+        self._probation = deque((j, i) for j, i in self._probation if not j.done)
+        self._backlog = deque(j for j in self._backlog if not j.done)
+
+    def _started(self, engine_id: str) -> bool:
+        group = self.engine.groups.get(engine_id)
+        return group is None or any(r.num_computed_tokens or r.num_output_tokens or r.status is not RequestStatus.WAITING
+                                    for r in group.children)
 
     def _probation_running(self) -> bool:
         return any(r.probation for r in self._routes.values())
