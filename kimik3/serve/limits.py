@@ -209,6 +209,7 @@ class LimitedH11Protocol(H11Protocol):
     def connection_made(self, transport) -> None:
         super().connection_made(transport)
         self._head_timer = None
+        self._head_started = False        # bytes of the next request head have arrived
         if len(self.connections) > self.limits.max_connections:
             self.app = _busy_app          # this connection only: its request is answered 503
         self._arm_head_timer()
@@ -226,18 +227,22 @@ class LimitedH11Protocol(H11Protocol):
         self._head_timer = None
         if self.transport.is_closing() or (self.cycle is not None and not self.cycle.response_complete):
             return
-        self.transport.write(_raw_response(408, "Request Timeout", f"no complete request head within "
-                                           f"{self.limits.header_timeout:g} s (--header-timeout)", "header_timeout"))
+        if self._head_started:             # an idle connection is just closed
+            self.transport.write(_raw_response(408, "Request Timeout", f"no complete request head within "
+                                               f"{self.limits.header_timeout:g} s (--header-timeout)",
+                                               "header_timeout"))
         self.transport.close()
 
     def data_received(self, data: bytes) -> None:
         before = self.cycle
+        self._head_started = True
         super().data_received(data)
         if self.cycle is not before:      # a request head arrived: its body has its own deadline
             self._disarm_head_timer()
 
     def on_response_complete(self) -> None:
         super().on_response_complete()
+        self._head_started = False
         if not self.transport.is_closing():
             self._arm_head_timer()         # the next request's head (keep-alive)
 
