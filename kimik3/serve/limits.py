@@ -128,6 +128,20 @@ async def _send_error(send, status: int, message: str, code: str, headers: dict[
     await send({"type": "http.response.body", "body": body})
 
 
+async def _discard_body(receive, budget: int, timeout: float) -> None:
+    """Read and drop what is left of a refused request's body (at most ``budget`` bytes, ``timeout`` seconds),
+    so the client, still sending, reads the error instead of a reset connection."""
+    try:
+        async with asyncio.timeout(timeout):
+            while budget > 0:
+                message = await receive()
+                budget -= len(message.get("body", b""))
+                if message["type"] != "http.request" or not message.get("more_body", False):
+                    return
+    except TimeoutError:
+        pass
+
+
 class BodyLimits:
     """Pure ASGI, outermost: host and content-type checks, then the whole body read under the size and
     time limits before the app runs (the app then reads it from memory)."""
@@ -147,15 +161,19 @@ class BodyLimits:
                                                 "(--allowed-hosts)", "host_not_allowed")
         if scope["method"] != "POST":
             return await self.app(scope, receive, send)
-        ctype = headers.get(b"content-type", b"").split(b";")[0].strip().lower()
-        if self.require_json and ctype != b"application/json":
-            return await _send_error(send, 415, f"POST bodies must be sent as Content-Type: application/json, got "
-                                                f"{ctype.decode('latin-1') or 'none'!r}", "unsupported_media_type")
         limit = self.limits.max_body_bytes
+        ctype = headers.get(b"content-type", b"").split(b";")[0].strip().lower()
         declared = headers.get(b"content-length")
-        if declared is not None and declared.isdigit() and int(declared) > limit:
-            return await _send_error(send, 413, f"the request body has {int(declared)} bytes, more than the "
-                                                f"{limit} this server accepts (--max-body-bytes)", "body_too_large")
+        refusal = None
+        if self.require_json and ctype != b"application/json":
+            refusal = (415, f"POST bodies must be sent as Content-Type: application/json, got "
+                            f"{ctype.decode('latin-1') or 'none'!r}", "unsupported_media_type")
+        elif declared is not None and declared.isdigit() and int(declared) > limit:
+            refusal = (413, f"the request body has {int(declared)} bytes, more than the {limit} this server accepts "
+                            f"(--max-body-bytes)", "body_too_large")
+        if refusal is not None:
+            await _discard_body(receive, 4 * limit, min(self.limits.body_timeout, 5.0))
+            return await _send_error(send, *refusal)
         chunks, size = [], 0
         try:
             async with asyncio.timeout(self.limits.body_timeout):
@@ -167,6 +185,8 @@ class BodyLimits:
                     chunk = message.get("body", b"")
                     size += len(chunk)
                     if size > limit:
+                        if message.get("more_body", False):
+                            await _discard_body(receive, 3 * limit, min(self.limits.body_timeout, 5.0))
                         return await _send_error(send, 413, f"the request body is larger than the {limit} bytes "
                                                             f"this server accepts (--max-body-bytes)", "body_too_large")
                     chunks.append(chunk)

@@ -55,3 +55,103 @@ def test_seed_overflow_beside_running_requests():
         _wait(lambda: s.engine.kv.blocks.num_free == s.engine.kv.plan.num_usable_blocks)
     finally:
         s.stop()
+
+
+def _rss() -> int:
+    import os
+    with open(f"/proc/{os.getpid()}/statm") as f:
+        return int(f.read().split()[1]) * os.sysconf("SC_PAGE_SIZE")
+
+
+def test_soak_load_disconnects_and_bad_input():
+    """~20 s of mixed traffic on loopback: good requests (streamed or not, checked for their token
+    counts), clients that vanish mid-stream, malformed and hostile bodies, a seed overflow and a
+    request that makes the model fail. Every good request completes, the cache returns to idle and
+    RSS stays flat between the warm-up round and the end."""
+    import asyncio
+    import json
+    import random
+
+    from kimik3.serve.limits import Limits
+    s = start_fake_server(step_delay=0.002, limits=Limits(max_stop_strings=4, max_body_bytes=1 << 20))
+    url = s.url + "/v1/chat/completions"
+    bad = [
+        (b'{"model": "k3-test", "messages": [', 400),
+        (json.dumps(_chat("x", n=2, seed=2**64 - 1)).encode(), 400),
+        (json.dumps(_chat("x", n=1000)).encode(), 400),
+        (json.dumps(_chat("x", stop=["a"] * 10)).encode(), 400),
+        (json.dumps(_chat("x" * (2 << 20))).encode(), 413),
+        (json.dumps(_chat("x", max_tokens=10**9)).encode(), 400),
+        (json.dumps(_chat("POISON here", max_tokens=5)).encode(), 500),
+    ]
+
+    async def good(client, rng):
+        n_tok = rng.randint(1, 40)
+        body = _chat(f"good {rng.random()}", max_tokens=n_tok, temperature=rng.choice([0, 1.0]),
+                     seed=rng.randint(0, 2**63))
+        if rng.random() < 0.5:
+            r = await client.post(url, json=body)
+            assert r.status_code == 200, r.text
+            assert r.json()["usage"]["completion_tokens"] == n_tok
+            return
+        async with client.stream("POST", url, json={**body, "stream": True,
+                                                    "stream_options": {"include_usage": True}}) as r:
+            lines = [ln async for ln in r.aiter_lines() if ln]
+        assert lines[-1] == "data: [DONE]"
+        assert json.loads(lines[-2][6:])["usage"]["completion_tokens"] == n_tok
+
+    async def vanish(client, rng):
+        body = _chat("leaving soon", max_tokens=500, stream=True)
+        async with client.stream("POST", url, json=body) as r:
+            k = 0
+            async for ln in r.aiter_lines():
+                k += bool(ln)
+                if k >= rng.randint(1, 5):
+                    break
+
+    async def hostile(client, rng):
+        body, status = rng.choice(bad)
+        r = await client.post(url, content=body, headers={"content-type": rng.choice(["application/json",
+                                                                                     "text/plain"])})
+        assert r.status_code in (status, 415), r.text
+        assert set(r.json()["error"]) == {"message", "type", "param", "code"}
+
+    async def worker(seed: int, until: float):
+        rng = random.Random(seed)
+        async with httpx.AsyncClient(timeout=60) as client:
+            while time.monotonic() < until:
+                await rng.choices([good, vanish, hostile], [6, 2, 2])[0](client, rng)
+
+    async def round_(seconds: float):
+        until = time.monotonic() + seconds
+        await asyncio.gather(*(worker(i, until) for i in range(16)))
+
+    def idle():
+        return (not s.engine.has_unfinished_requests() and s.state.in_flight == 0
+                and s.engine.kv.blocks.num_free == s.engine.kv.plan.num_usable_blocks)
+    try:
+        asyncio.run(round_(4))
+        _wait(idle)
+        before = _rss()
+        asyncio.run(round_(16))
+        _wait(idle)
+        grown = _rss() - before
+        assert grown < 64 << 20, f"RSS grew by {grown >> 20} MiB"
+        assert httpx.post(url, json=_chat("still fine", max_tokens=3), timeout=30).json()["usage"][
+            "completion_tokens"] == 3
+    finally:
+        s.stop()
+
+
+def test_500_bodies_echo_no_internal_text():
+    """A request that makes the model fail gets a 500 whose body names neither the exception nor any
+    request id (the server log has them)."""
+    s = start_fake_server()
+    try:
+        r = httpx.post(s.url + "/v1/chat/completions", json=_chat("POISON", max_tokens=3), timeout=30)
+        err = assert_error(r, 500)
+        assert err["code"] == "engine_error"
+        for leak in ("scripted", "RuntimeError", "POISON", "chatcmpl-", "cmpl-"):
+            assert leak not in err["message"], err
+    finally:
+        s.stop()
