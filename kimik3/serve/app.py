@@ -459,8 +459,8 @@ def create_app(engine: LLMEngine, options: ServeOptions) -> FastAPI:
         return await _run(state, request, [PromptInput(ids) for ids in prompts_ids], params, fmt, req.stream,
                           include_usage)
 
-    app.add_middleware(_Guard, state=state)
     app.add_middleware(BodyLimits, limits=options.limits, require_json=options.api_key is None)
+    app.add_middleware(_Guard, state=state)        # outermost: the API key before any body is read
     return app
 
 
