@@ -392,6 +392,8 @@ def create_app(engine: LLMEngine, options: ServeOptions) -> FastAPI:
     async def health():
         if not state.loop.alive:
             return JSONResponse(error_body(503, "engine loop is not running"), status_code=503)
+        if state.draining:
+            return JSONResponse(error_body(503, "the server is shutting down", code="shutting_down"), status_code=503)
         return Response(status_code=200)
 
     @app.get("/metrics")

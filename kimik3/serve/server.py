@@ -96,7 +96,8 @@ def serve_options(args: argparse.Namespace) -> ServeOptions:
 
 
 def build_app(args: argparse.Namespace):
-    return create_app(build_engine(args), serve_options(args))
+    options = serve_options(args)        # bad flags fail before the model loads
+    return create_app(build_engine(args), options)
 
 
 def run_server(args: argparse.Namespace) -> None:

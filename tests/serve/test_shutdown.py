@@ -70,6 +70,7 @@ def test_sigterm_drains_and_exits_zero(tmp_path):
         assert at - sent < 1.5, f"the queued request waited {at - sent:.1f} s"
         r = httpx.post(url + "/v1/completions", json=long, timeout=10)     # arrives while draining
         assert r.status_code == 503 and r.json()["error"]["code"] == "shutting_down"
+        assert httpx.get(url + "/health", timeout=10).status_code == 503       # load balancers look elsewhere
         for t in threads:
             t.join(30)
         for i, lines in streams.items():
