@@ -1,9 +1,10 @@
 """The OpenAI-compatible HTTP app: routes, auth, admission (backpressure), streaming, shutdown.
 
-Request path: parse + validate the body (400 before the engine is touched) -> render / tokenise ->
-context-length check -> admission (429 + Retry-After when ``max_num_seqs + max_queue_len`` requests are
-already in flight, 503 while shutting down) -> ``EngineLoop.submit`` -> wait for the first event, so an
-engine-side refusal still gets a proper status -> JSON body or an SSE stream. Whatever ends the
+Request path: body limits (``limits.py``: size, time, content type, host) -> parse + validate the body
+(400 before the engine is touched; caps on n, prompts, stop) -> render / tokenise on the CPU pool ->
+context-length check -> admission in sequences (429 + Retry-After when ``n`` x prompts more do not fit in
+``max_num_seqs + max_queue_len``, 503 while shutting down) -> ``EngineLoop.submit`` -> wait for the first
+event, so an engine-side refusal still gets a proper status -> JSON body or an SSE stream. Whatever ends the
 exchange (done, error, client gone, server stopping) runs one cleanup that aborts the job in the engine
 if it is still running, which frees its cache.
 """
@@ -58,7 +59,7 @@ _ROUTES = ("/v1/chat/completions", "/v1/completions", "/v1/models", "/health", "
 class ServeOptions:
     served_model_name: str
     api_key: str | None = None
-    max_queue_len: int = 256            # requests accepted beyond max_num_seqs before answering 429
+    max_queue_len: int = 256            # sequences accepted beyond max_num_seqs before answering 429
     shutdown_timeout: float = 30.0      # seconds in-flight requests get to finish at shutdown
     processor_config: object | None = None   # MediaProcessorConfig for images (None: defaults)
     limits: Limits = field(default_factory=Limits)

@@ -10,6 +10,11 @@
 - Work (``check_request_limits``): caps on ``n``, prompts per request, stop strings (count and
   length) and ``stop_token_ids``, each a 400 naming the limit; admission counts sequences
   (``n`` x prompts) against ``max_num_seqs + max_queue_len`` (429 beyond it, in app.py).
+
+Choices where the issue was silent: a foreign Host is a 421 (Misdirected Request); a request with more
+sequences than are free is a 429 even when it could never fit (one rule, and its message gives both
+numbers); an idle connection at the head deadline is closed without a response; a refused body is read
+and dropped (at most 4x the limit, at most 5 s) so that the client sees the error, not a reset.
 """
 
 from __future__ import annotations

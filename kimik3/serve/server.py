@@ -41,7 +41,7 @@ def add_serve_arguments(parser: argparse.ArgumentParser) -> argparse.ArgumentPar
                         help="weights and cache dtype (auto: bfloat16 on GPU, float32 on CPU)")
     parser.add_argument("--device", default=None, help="cuda, cuda:N or cpu (default: cuda if available)")
     parser.add_argument("--max-queue-len", type=int, default=256,
-                        help="requests accepted beyond --max-num-seqs before answering 429")
+                        help="sequences (n x prompts) accepted beyond --max-num-seqs before answering 429")
     parser.add_argument("--seed", type=int, default=0, help="engine RNG seed (requests without their own seed)")
     parser.add_argument("--shutdown-timeout", type=float, default=30.0,
                         help="seconds in-flight requests get to finish on shutdown before they are aborted")
