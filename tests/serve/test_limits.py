@@ -184,12 +184,13 @@ def test_admission_counts_sequences_not_requests():
 
 
 def test_tokenising_a_huge_prompt_does_not_stall_the_event_loop():
+    """A 13 MB prompt takes seconds to tokenise (on the event loop, /health waited for all of it)."""
     s = start_fake_server(engine_kw={"max_model_len": 256}, limits=Limits(max_body_bytes=64 << 20))
     try:
         done = threading.Event()
 
         def huge():
-            httpx.post(s.url + "/v1/completions", json={"model": MODEL, "prompt": "many words here " * 400_000,
+            httpx.post(s.url + "/v1/completions", json={"model": MODEL, "prompt": "many words here " * 800_000,
                                                         "max_tokens": 1}, timeout=60)
             done.set()
         t = threading.Thread(target=huge)
@@ -201,7 +202,7 @@ def test_tokenising_a_huge_prompt_does_not_stall_the_event_loop():
             worst = max(worst, time.monotonic() - start)
             time.sleep(0.01)
         t.join()
-        assert worst < 0.5, f"/health took {worst:.2f} s while a prompt was tokenised"
+        assert worst < 1.0, f"/health took {worst:.2f} s while a prompt was tokenised"
     finally:
         s.stop()
 
