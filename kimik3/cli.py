@@ -69,7 +69,7 @@ def build_parser() -> argparse.ArgumentParser:
     _model_args(g)
     _sampling_args(g)
 
-    c = sub.add_parser("chat", help="interactive multi-turn chat (/reset, /image PATH, /exit)")
+    c = sub.add_parser("chat", help="interactive multi-turn chat (/reset, /image PATH, /exit; Ctrl-C stops an answer)")
     c.add_argument("--system", default=None, help="system prompt")
     _model_args(c)
     _sampling_args(c)
@@ -200,6 +200,21 @@ def _stream(llm, prompt, params, on_text) -> tuple[int, float, float]:
     return n, first or 0.0, time.perf_counter() - start
 
 
+def _stop(engine, request_id: str) -> None:
+    """Abort a request and run the engine until it has let go of it (Ctrl-C again is ignored meanwhile)."""
+    import signal
+    import threading
+    main = threading.current_thread() is threading.main_thread()
+    previous = signal.signal(signal.SIGINT, signal.SIG_IGN) if main else None
+    try:
+        engine.abort_request(request_id)
+        while engine.has_unfinished_requests():
+            engine.step()
+    finally:
+        if main:
+            signal.signal(signal.SIGINT, previous)
+
+
 def _prompt_with_images(llm, path, conversation, args, images):
     """Token ids for a chat conversation (images rendered as media tokens), or the text."""
     tok = llm.get_tokenizer()
@@ -248,7 +263,8 @@ def cmd_chat(args) -> int:
     pending_images: list = []  # decoded images for the next message
     images: list = []          # every image of the conversation, in order (each turn renders them all)
     interactive = sys.stdin.isatty()
-    print("kimik3 chat: /reset clears the conversation, /image PATH attaches an image, /exit quits", file=sys.stderr)
+    print("kimik3 chat: /reset clears the conversation, /image PATH attaches an image, /exit quits; "
+          "Ctrl-C stops an answer", file=sys.stderr)
     while True:
         if interactive:
             sys.stderr.write("> ")
@@ -282,6 +298,7 @@ def cmd_chat(args) -> int:
         def on_text(t: str) -> None:
             collected.append(t)
             printer.feed(t)
+        stopped = False
         try:
             request = _prompt_with_images(llm, path, history, args, images)
             _stream(llm, request, params, on_text)
@@ -290,9 +307,14 @@ def cmd_chat(args) -> int:
             images = images[:len(images) - len(new)]
             print(f"kimik3: error: {e}", file=sys.stderr)
             continue
+        except KeyboardInterrupt:                    # Ctrl-C: stop this answer, keep what was shown
+            _stop(llm.engine, "cli")
+            stopped = True
         printer.finish()
         sys.stdout.write("\n")
         sys.stdout.flush()
+        if stopped:
+            print("[answer stopped; the conversation goes on]", file=sys.stderr)
         from kimik3.chat import parse_k3_output
 
         parsed = parse_k3_output("".join(collected), thinking=not args.no_thinking)

@@ -46,10 +46,19 @@ class LLM:
             self.engine = LLMEngine(model, config, tokenizer=tokenizer, tokenizer_path=str(model_path))
         self._ids = itertools.count()
 
-    def close(self) -> None:
-        """Stop the tensor-parallel workers (also done at exit); the LLM is unusable afterwards."""
+    def shutdown(self) -> None:
+        """Stop the tensor-parallel workers and destroy the process group (also done at exit), so another
+        ``LLM`` can start in this process; this one is unusable afterwards. Idempotent."""
         if self.parallel_group is not None:
             self.parallel_group.close()
+
+    close = shutdown
+
+    def __enter__(self) -> LLM:
+        return self
+
+    def __exit__(self, *exc) -> None:
+        self.shutdown()
 
     def get_tokenizer(self):
         return self.engine.get_tokenizer(required=True)

@@ -19,7 +19,7 @@ from kimik3.engine.memory import MemoryPlan, default_checkpoint_interval, max_bl
 from kimik3.engine.multimodal import build_multi_modal_input, check_vision_inputs
 from kimik3.engine.request import CompletionOutput, Request, RequestOutput
 from kimik3.engine.runner import ModelRunner
-from kimik3.engine.sampling_params import SamplingParams
+from kimik3.engine.sampling_params import SamplingParams, check_seed
 from kimik3.engine.scheduler import Scheduler
 from kimik3.model.batch import HybridCache
 from kimik3.vision.preprocess import VisionInputs
@@ -28,6 +28,15 @@ logger = logging.getLogger(__name__)
 
 _NO_TOKENIZER = object()
 _PROMPT_KEYS = {"prompt_token_ids", "prompt", "multi_modal_data"}
+
+
+class StepError(RuntimeError):
+    """A step's forward raised. ``request_ids``: the requests (their user ids) in that step's batch,
+    the only ones whose data can have caused it; the engine itself is consistent afterwards."""
+
+    def __init__(self, request_ids: list[str], cause: BaseException):
+        super().__init__(f"engine step over request(s) {request_ids} failed: {type(cause).__name__}: {cause}")
+        self.request_ids = request_ids
 
 
 @dataclass
@@ -121,6 +130,9 @@ class LLMEngine:
         text}`` (only the ids required). Images hold one ``<|media_pad|>`` per embedding row in the ids, as
         ``apply_chat_template(..., images=[ImagePrompt(W, H, N), ...])`` renders them; they may also come
         as the ``multi_modal_data`` argument (the server passes them so).
+
+        Atomic: every sample of the request is built (and checked) first; only then are they all
+        queued and the group registered, so a failure leaves no trace of the request.
         """
         params = params or SamplingParams()
         if request_id in self.groups:
@@ -144,8 +156,9 @@ class LLMEngine:
             if tok is not None:
                 req.detok = OutputText(tok, params.stop_strings, params.skip_special_tokens)
             children.append(req)
+        self.groups[request_id] = _Group(request_id, text, children)   # nothing below can fail
+        for req in children:
             self.scheduler.add(req)
-        self.groups[request_id] = _Group(request_id, text, children)
 
     def check_request(self, prompt, params: SamplingParams, multi_modal_data: VisionInputs | None = None
                       ) -> tuple[str | None, list[int]]:
@@ -181,6 +194,7 @@ class LLMEngine:
         raise ValueError(f"a prompt is a string or {{'prompt_token_ids': [...]}}, got {type(prompt).__name__}")
 
     def _validate(self, ids: list[int], params: SamplingParams) -> None:
+        check_seed(params.seed, params.n)     # again: the fields may have changed since construction
         if not ids:
             raise ValueError("prompt is empty (0 tokens); give at least one token")
         bad = [t for t in ids if not 0 <= t < self.vocab_size]
@@ -240,10 +254,12 @@ class LLMEngine:
             return self._deltas(touched)
         try:
             result = self.runner.execute(out)
-        except BaseException:
+        except BaseException as e:
             self.kv.return_checkpoint_slots(ck.slot for ck, h in zip(out.checkpoints, out.checkpoint_hashes)
                                             if h is not None)
             self.kv.return_spec_slots(slot for c in out.chunks for slot in c.spec_slots)
+            if isinstance(e, Exception):
+                raise StepError(list(dict.fromkeys(c.req.group_id for c in out.chunks)), e) from e
             raise
         sampling = [c for c in out.chunks if c.samples]
         accepted = result.accepted or [[] for _ in sampling]
@@ -268,7 +284,13 @@ class LLMEngine:
                     self.scheduler.finish(req, reason)
                     req.finish_time = now
                     break
-            touched[req.group_id] = self.groups[req.group_id]
+            group = self.groups.get(req.group_id)
+            if group is None:    # cannot happen (add_request is atomic); never let it fail a step
+                logger.error("request %s has no group; finishing it", req.request_id)
+                if not req.is_finished:
+                    self.scheduler.finish(req, "abort")
+                continue
+            touched[req.group_id] = group
         return self._deltas(touched)
 
     def _settle_drafts(self, c, m: int) -> None:

@@ -4,6 +4,19 @@ from __future__ import annotations
 
 from dataclasses import dataclass, field
 
+SEED_LIMIT = 1 << 64        # torch generators take seeds in [0, 2^64); sample i of a request uses seed + i
+
+
+def check_seed(seed, n: int) -> None:
+    """ValueError unless every sample's seed ``seed + i`` (i < n) lies in [0, 2^64)."""
+    if seed is None:
+        return
+    if not isinstance(seed, int) or isinstance(seed, bool):
+        raise ValueError(f"SamplingParams: seed must be an integer or None, got {seed!r}; pass an int")
+    if not 0 <= seed <= SEED_LIMIT - n:
+        raise ValueError(f"SamplingParams: seed must lie in [0, 2^64 - n] = [0, {SEED_LIMIT - n}] with n={n} "
+                         f"(sample i uses seed + i), got {seed}; pick a smaller seed")
+
 
 @dataclass
 class SamplingParams:
@@ -50,8 +63,7 @@ class SamplingParams:
              "use 0 to disable it")
         need(self.repetition_penalty > 0.0, f"repetition_penalty must be > 0, got {self.repetition_penalty}",
              "use 1.0 to disable it")
-        need(self.seed is None or isinstance(self.seed, int), f"seed must be an integer or None, got {self.seed!r}",
-             "pass an int")
+        check_seed(self.seed, self.n)
         need(self.logprobs is None or (isinstance(self.logprobs, int) and self.logprobs >= 0),
              f"logprobs must be None or an integer >= 0, got {self.logprobs!r}", "pass the number of top tokens wanted")
         stops = [self.stop] if isinstance(self.stop, str) else list(self.stop or [])

@@ -9,8 +9,11 @@ server, the others only ``worker_loop``. Groups: the world group for the model's
 
 Failures are fatal for the group (spec §7.3): a worker that exits, or a rank-0 step that raises,
 logs why and takes the whole group down (exit code 1) instead of leaving ranks in a collective.
-Rank 0 watches its spawned workers; a spawned worker watches its parent; under torchrun the
-agent stops the other ranks.
+Rank 0 watches its spawned workers from the moment they are spawned: one that dies before or
+during the rendezvous makes ``start_group`` raise within a second, naming its rank and exit code
+(rank 0 joins in a helper thread while it watches); a spawned worker watches its parent; under
+torchrun the agent stops the other ranks. One group per process: ``ParallelGroup.close`` destroys it,
+so the next ``start_group`` can make another.
 """
 
 from __future__ import annotations
@@ -206,6 +209,36 @@ class ParallelGroup:
         finally:
             if dist.is_initialized():
                 dist.destroy_process_group()
+            atexit.unregister(self.close)
+
+
+def _join_watching(processes: list, device_type: str, init_method: str, world: int):
+    """``init_rank(0, ...)`` while watching the spawned workers: RuntimeError naming the first one that
+    exits before the group is formed (the rendezvous would otherwise wait for it until its timeout)."""
+    box: dict = {}
+
+    def join():
+        try:
+            box["result"] = init_rank(0, world, init_method, device_type)
+        except BaseException as e:  # noqa: BLE001 - handed to the caller's thread
+            box["error"] = e
+    t = threading.Thread(target=join, daemon=True, name="kimik3-tp-rendezvous")
+    t.start()
+    while t.is_alive():
+        t.join(MONITOR_INTERVAL_S / 5)
+        dead = [(r, p) for r, p in enumerate(processes, start=1) if p.exitcode is not None]
+        if dead and t.is_alive():
+            rank, p = dead[0]
+            raise RuntimeError(f"tensor-parallel worker rank {rank} (pid {p.pid}) exited with code {p.exitcode} "
+                               f"before the group was formed; its log above says why (a script run from standard "
+                               f"input or without an `if __name__ == '__main__':` guard cannot be re-imported by "
+                               f"spawned workers)")
+    if "error" in box:
+        raise box["error"]
+    device, control = box["result"]
+    if device.type == "cuda":
+        torch.cuda.set_device(device)      # the current device is per thread
+    return device, control
 
 
 def start_group(model_path: str, parallel: ParallelConfig, dtype: torch.dtype, device_type: str,
@@ -215,6 +248,9 @@ def start_group(model_path: str, parallel: ParallelConfig, dtype: torch.dtype, d
     loop here and exits the process when rank 0 stops."""
     from kimik3.loader.load import load_model
     world = parallel.tensor_parallel_size
+    if dist.is_initialized():
+        raise RuntimeError("this process already runs a tensor-parallel group (an earlier LLM or engine that was "
+                           "not shut down); call its shutdown() first, or use `with LLM(...) as llm:`")
     torchrun = "RANK" in os.environ and "WORLD_SIZE" in os.environ
     processes = []
     if torchrun:
@@ -241,7 +277,10 @@ def start_group(model_path: str, parallel: ParallelConfig, dtype: torch.dtype, d
             processes.append(p)
         logger.info("spawned %d tensor-parallel worker(s): pids %s", len(processes), [p.pid for p in processes])
     try:
-        device, control = init_rank(0, world, spec.init_method, device_type)
+        if processes:
+            device, control = _join_watching(processes, device_type, spec.init_method, world)
+        else:
+            device, control = init_rank(0, world, spec.init_method, device_type)
         group = ParallelGroup(control, processes, device)
         model = load_model(model_path, device=device, dtype=dtype, parallel=parallel.context(0), **load_kwargs)
     except BaseException:

@@ -1,9 +1,10 @@
 """The OpenAI-compatible HTTP app: routes, auth, admission (backpressure), streaming, shutdown.
 
-Request path: parse + validate the body (400 before the engine is touched) -> render / tokenise ->
-context-length check -> admission (429 + Retry-After when ``max_num_seqs + max_queue_len`` requests are
-already in flight, 503 while shutting down) -> ``EngineLoop.submit`` -> wait for the first event, so an
-engine-side refusal still gets a proper status -> JSON body or an SSE stream. Whatever ends the
+Request path: body limits (``limits.py``: size, time, content type, host) -> parse + validate the body
+(400 before the engine is touched; caps on n, prompts, stop) -> render / tokenise on the CPU pool ->
+context-length check -> admission in sequences (429 + Retry-After when ``n`` x prompts more do not fit in
+``max_num_seqs + max_queue_len``, 503 while shutting down) -> ``EngineLoop.submit`` -> wait for the first
+event, so an engine-side refusal still gets a proper status -> JSON body or an SSE stream. Whatever ends the
 exchange (done, error, client gone, server stopping) runs one cleanup that aborts the job in the engine
 if it is still running, which frees its cache.
 """
@@ -11,18 +12,19 @@ if it is still running, which frees its cache.
 from __future__ import annotations
 
 import asyncio
+import functools
 import hmac
 import json
 import logging
 import time
 import uuid
+from concurrent.futures import ThreadPoolExecutor
 from contextlib import asynccontextmanager
-from dataclasses import dataclass
+from dataclasses import dataclass, field
 
 from fastapi import FastAPI, Request
 from fastapi.responses import JSONResponse, Response, StreamingResponse
 from pydantic import ValidationError
-from starlette.concurrency import run_in_threadpool
 from starlette.exceptions import HTTPException as StarletteHTTPException
 
 from kimik3.engine import LLMEngine, SamplingParams
@@ -35,6 +37,7 @@ from kimik3.serve.engine_loop import (
     Job,
     PromptInput,
 )
+from kimik3.serve.limits import BodyLimits, Limits, check_request_limits
 from kimik3.serve.metrics import ServerMetrics
 from kimik3.serve.protocol import (
     APIError,
@@ -48,7 +51,6 @@ from kimik3.serve.responses import ChatFormatter, CompletionFormatter, usage_bod
 
 logger = logging.getLogger(__name__)
 
-MAX_N = 128
 MAX_TOP_LOGPROBS = 20
 _ROUTES = ("/v1/chat/completions", "/v1/completions", "/v1/models", "/health", "/metrics")
 
@@ -57,9 +59,10 @@ _ROUTES = ("/v1/chat/completions", "/v1/completions", "/v1/models", "/health", "
 class ServeOptions:
     served_model_name: str
     api_key: str | None = None
-    max_queue_len: int = 256            # requests accepted beyond max_num_seqs before answering 429
+    max_queue_len: int = 256            # sequences accepted beyond max_num_seqs before answering 429
     shutdown_timeout: float = 30.0      # seconds in-flight requests get to finish at shutdown
     processor_config: object | None = None   # MediaProcessorConfig for images (None: defaults)
+    limits: Limits = field(default_factory=Limits)
 
     def __post_init__(self) -> None:
         if not isinstance(self.max_queue_len, int) or self.max_queue_len < 0:
@@ -78,31 +81,63 @@ class ServerState:
         self.max_model_len = engine.config.max_model_len
         self.capacity = engine.config.max_num_seqs + options.max_queue_len
         self.has_vision = getattr(engine.model.config, "vision", None) is not None
-        self.in_flight = 0
+        self.in_flight = 0                  # sequences (n x prompts of each admitted request)
         self.draining = False
+        self.drained: asyncio.Event | None = None
         self.created = int(time.time())
+        self.pool = ThreadPoolExecutor(options.limits.cpu_workers, thread_name_prefix="kimik3-cpu")
 
-    def admit(self) -> None:
+    async def cpu(self, fn, *args, **kwargs):
+        """Run CPU-heavy request work (parsing, tokenising, rendering, image decoding) on the bounded pool,
+        never on the event loop."""
+        return await asyncio.get_running_loop().run_in_executor(self.pool, functools.partial(fn, *args, **kwargs))
+
+    def admit(self, num_seqs: int) -> None:
+        self.check_admission(num_seqs)
+        self.in_flight += num_seqs
+
+    def check_admission(self, num_seqs: int) -> None:
+        """503 while shutting down, 429 when ``num_seqs`` more sequences do not fit (before any work)."""
         if self.draining:
             raise APIError(503, "the server is shutting down; retry on another instance", code="shutting_down",
                            headers={"Retry-After": "5"})
         if not self.loop.alive:
             raise APIError(503, "the engine loop is not running", code="engine_down")
-        if self.in_flight >= self.capacity:
-            raise APIError(429, f"the server is at capacity ({self.in_flight} requests in flight, "
-                                f"max_num_seqs + max_queue_len = {self.capacity}); retry shortly",
-                           code="queue_full", headers={"Retry-After": "1"})
-        self.in_flight += 1
+        if self.in_flight + num_seqs > self.capacity:
+            raise APIError(429, f"the server is at capacity: this request needs {num_seqs} sequence(s) (n x prompts) "
+                                f"and {self.in_flight} of max_num_seqs + max_queue_len = {self.capacity} are taken; "
+                                f"retry shortly", code="queue_full", headers={"Retry-After": "1"})
+
+    async def drain(self) -> None:
+        """Shutdown, from the signal on: new requests get 503, queued ones 503 at once, running ones get
+        ``shutdown_timeout`` seconds to finish and then end with a 503 error (an SSE error event and
+        ``[DONE]`` on streams). Idempotent; returns once every admitted request has been answered."""
+        if self.drained is not None:
+            await self.drained.wait()
+            return
+        self.drained = asyncio.Event()
+        self.draining = True
+        self.loop.refuse_queued()
+        deadline = time.monotonic() + self.options.shutdown_timeout
+        while self.in_flight and time.monotonic() < deadline:
+            await asyncio.sleep(0.05)
+        if self.in_flight:
+            logger.warning("shutdown deadline: aborting %d sequence(s) still in flight", self.in_flight)
+            await asyncio.get_running_loop().run_in_executor(None, self.loop.stop)
+            end = time.monotonic() + 5.0         # their error events and bodies go out
+            while self.in_flight and time.monotonic() < end:
+                await asyncio.sleep(0.02)
+        self.drained.set()
 
 
 # ---- helpers -----------------------------------------------------------------------------------------------
 
-async def _parse(request: Request, model):
+async def _parse(state: ServerState, request: Request, model):
     raw = await request.body()
     if not raw:
         raise bad_request("request body is empty; send a JSON object", code="invalid_json")
     try:
-        return model.model_validate_json(raw)
+        return await state.cpu(model.model_validate_json, raw) if len(raw) > 65536 else model.model_validate_json(raw)
     except ValidationError as e:
         raise validation_error(e) from None
 
@@ -116,8 +151,6 @@ def _check_model(state: ServerState, name: str | None) -> str:
 
 
 def _sampling_params(req, max_tokens: int, logprobs: int | None, stop_token_ids: list[int]) -> SamplingParams:
-    if req.n < 1 or req.n > MAX_N:
-        raise bad_request(f"n must lie in [1, {MAX_N}], got {req.n}", "n")
     # vLLM's rule: ignore_eos also drops the chat format's stop ids; the client's own stop ids stay.
     stops = (req.stop_token_ids or []) + ([] if req.ignore_eos else stop_token_ids)
     kw = {"n": req.n, "max_tokens": max_tokens, "seed": req.seed, "stop": req.stop, "ignore_eos": req.ignore_eos,
@@ -230,7 +263,7 @@ class _Exchange:
         if not self.job.done:
             self.state.loop.abort(self.job)
             self.state.metrics.finished.labels("abort").inc()
-        self.state.in_flight -= 1
+        self.state.in_flight -= len(self.job.choices)
         self.state.metrics.generation_tokens.inc(self.completion_tokens)
         if self.first_token is not None:
             self.state.metrics.e2e.observe(time.monotonic() - self.start)
@@ -238,7 +271,7 @@ class _Exchange:
 
 async def _run(state: ServerState, request: Request, prompts: list[PromptInput], params: SamplingParams, fmt,
                stream: bool, include_usage: bool) -> Response:
-    state.admit()
+    state.admit(len(prompts) * params.n)
     job = Job(fmt.id, prompts, params)
     prompt_tokens = sum(len(p.token_ids) for p in prompts)
     ex = _Exchange(state, request, job, prompt_tokens, fmt)
@@ -335,13 +368,9 @@ def create_app(engine: LLMEngine, options: ServeOptions) -> FastAPI:
         try:
             yield
         finally:
-            state.draining = True
-            deadline = time.monotonic() + options.shutdown_timeout
-            while state.in_flight and time.monotonic() < deadline:
-                await asyncio.sleep(0.05)
-            if state.in_flight:
-                logger.warning("shutting down with %d request(s) still in flight: aborting them", state.in_flight)
-            await run_in_threadpool(state.loop.stop)
+            await state.drain()
+            await asyncio.get_running_loop().run_in_executor(None, state.loop.stop)
+            state.pool.shutdown(wait=False, cancel_futures=True)
 
     app = FastAPI(title="kimik3", lifespan=lifespan, docs_url=None, redoc_url=None, openapi_url=None)
     app.state.kimik3 = state
@@ -357,12 +386,15 @@ def create_app(engine: LLMEngine, options: ServeOptions) -> FastAPI:
     @app.exception_handler(Exception)
     async def _internal(request: Request, e: Exception):
         logger.exception("unhandled error on %s", request.url.path)
-        return JSONResponse(error_body(500, f"internal error: {type(e).__name__}: {e}"), status_code=500)
+        return JSONResponse(error_body(500, "internal server error (the server log has the details)",
+                                       code="internal_error"), status_code=500)
 
     @app.get("/health")
     async def health():
         if not state.loop.alive:
             return JSONResponse(error_body(503, "engine loop is not running"), status_code=503)
+        if state.draining:
+            return JSONResponse(error_body(503, "the server is shutting down", code="shutting_down"), status_code=503)
         return Response(status_code=200)
 
     @app.get("/metrics")
@@ -380,13 +412,15 @@ def create_app(engine: LLMEngine, options: ServeOptions) -> FastAPI:
 
     @app.post("/v1/chat/completions")
     async def chat_completions(request: Request):
-        req: ChatCompletionRequest = await _parse(request, ChatCompletionRequest)
+        req: ChatCompletionRequest = await _parse(state, request, ChatCompletionRequest)
         name = _check_model(state, req.model)
+        check_request_limits(options.limits, req.n, 1, req.stop, req.stop_token_ids)
+        state.check_admission(req.n)
         tok = state.tokenizer
         if tok is None:
             raise APIError(500, "this server has no tokenizer, so it cannot render chats", code="no_tokenizer")
-        prompt = await run_in_threadpool(build_chat_prompt, req, tok, options.processor_config, state.has_vision,
-                                         state.loop.multi_modal_arg)
+        prompt = await state.cpu(build_chat_prompt, req, tok, options.processor_config, state.has_vision,
+                                 state.loop.multi_modal_arg, max_image_tokens=state.max_model_len - 1)
         requested = req.max_completion_tokens if req.max_completion_tokens is not None else req.max_tokens
         param = "max_completion_tokens" if req.max_completion_tokens is not None else "max_tokens"
         max_tokens = _max_tokens(state, requested, param, len(prompt.token_ids), "messages")
@@ -405,7 +439,7 @@ def create_app(engine: LLMEngine, options: ServeOptions) -> FastAPI:
 
     @app.post("/v1/completions")
     async def completions(request: Request):
-        req: CompletionRequest = await _parse(request, CompletionRequest)
+        req: CompletionRequest = await _parse(state, request, CompletionRequest)
         name = _check_model(state, req.model)
         if req.suffix is not None:
             raise bad_request("suffix is not supported", "suffix")
@@ -413,7 +447,10 @@ def create_app(engine: LLMEngine, options: ServeOptions) -> FastAPI:
             raise bad_request("best_of is not supported (it must equal n)", "best_of")
         if req.logprobs is not None and not (0 <= req.logprobs <= MAX_TOP_LOGPROBS):
             raise bad_request(f"logprobs must lie in [0, {MAX_TOP_LOGPROBS}], got {req.logprobs}", "logprobs")
-        prompts_ids, echo = _completion_prompts(state, req)
+        num_prompts = len(_prompt_items(req.prompt))
+        check_request_limits(options.limits, req.n, num_prompts, req.stop, req.stop_token_ids)
+        state.check_admission(num_prompts * req.n)
+        prompts_ids, echo = await state.cpu(_completion_prompts, state, req)
         requested = req.max_tokens
         max_tokens = min(_max_tokens(state, requested, "max_tokens", len(ids), "prompt") for ids in prompts_ids)
         params = _sampling_params(req, max_tokens, req.logprobs, [])
@@ -425,7 +462,8 @@ def create_app(engine: LLMEngine, options: ServeOptions) -> FastAPI:
         return await _run(state, request, [PromptInput(ids) for ids in prompts_ids], params, fmt, req.stream,
                           include_usage)
 
-    app.add_middleware(_Guard, state=state)
+    app.add_middleware(BodyLimits, limits=options.limits, require_json=options.api_key is None)
+    app.add_middleware(_Guard, state=state)        # outermost: the API key before any body is read
     return app
 
 
@@ -434,10 +472,14 @@ def _model_card(state: ServerState) -> dict:
             "owned_by": "kimik3", "root": state.options.served_model_name, "max_model_len": state.max_model_len}
 
 
+def _prompt_items(p) -> list:
+    """A string or token list is one prompt, a list of them a batch."""
+    return [p] if isinstance(p, str) or (isinstance(p, list) and p and isinstance(p[0], int)) else list(p)
+
+
 def _completion_prompts(state: ServerState, req: CompletionRequest) -> tuple[list[list[int]], list[str]]:
-    """(token ids, text for echo) per prompt; a string or token list is one prompt, a list of them a batch."""
-    p = req.prompt
-    items = [p] if isinstance(p, str) or (isinstance(p, list) and p and isinstance(p[0], int)) else list(p)
+    """(token ids, text for echo) per prompt."""
+    items = _prompt_items(req.prompt)
     if not items:
         raise bad_request("prompt is empty; give a string, a list of token ids, or a list of either", "prompt")
     tok = state.tokenizer

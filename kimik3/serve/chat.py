@@ -114,8 +114,16 @@ def collect_images(messages: list[dict]) -> list[tuple[str, str]]:
     return found
 
 
+def _image_error(images: list[tuple[str, str]], e: ValueError):
+    msg = str(e)
+    idx = int(msg.split(":")[0].split()[1]) if msg.startswith("image ") and msg.split(":")[0][6:].isdigit() else 0
+    return bad_request(f"{images[idx][1]}: bad image: {msg}", images[idx][1], "invalid_image")
+
+
 def build_chat_prompt(req: ChatCompletionRequest, tokenizer, processor_cfg, has_vision: bool,
-                      multi_modal_arg: str | None) -> ChatPrompt:
+                      multi_modal_arg: str | None, max_image_tokens: int | None = None) -> ChatPrompt:
+    """``max_image_tokens``: the most image tokens a prompt can hold (checked from the image headers,
+    before any image is decoded)."""
     thinking, effort = _thinking_options(req)
     tool_choice, parse_tools = _tool_options(req)
     response_format = _response_format(req)
@@ -123,20 +131,26 @@ def build_chat_prompt(req: ChatCompletionRequest, tokenizer, processor_cfg, has_
     vision = None
     prompts = None
     if images:
-        from kimik3.vision.preprocess import preprocess_images
+        from kimik3.vision.preprocess import image_token_counts, preprocess_images
+        urls = [u for u, _ in images]
         try:
-            vision = preprocess_images([u for u, _ in images], processor_cfg, allow_paths=False)
+            cost = image_token_counts(urls, processor_cfg, allow_paths=False)   # headers only
         except ValueError as e:
-            msg = str(e)
-            idx = int(msg.split(":")[0].split()[1]) if msg.startswith("image ") and msg.split(":")[0][6:].isdigit() \
-                else 0
-            raise bad_request(f"{images[idx][1]}: bad image: {msg}", images[idx][1], "invalid_image") from None
+            raise _image_error(images, e) from None
         if not has_vision:
             raise bad_request("this model has no vision tower; remove the image parts", images[0][1],
                               "images_unsupported")
         if multi_modal_arg is None:
             raise bad_request("images are not supported by this engine build yet (the engine cannot take image "
                               "inputs); send text only", images[0][1], "images_unsupported")
+        if max_image_tokens is not None and sum(cost) > max_image_tokens:
+            raise bad_request(f"the images need {sum(cost)} tokens ({cost} per image), more than this model's "
+                              f"context (max_model_len) leaves for them ({max_image_tokens}); send fewer or "
+                              f"smaller images", "messages", "context_length_exceeded")
+        try:
+            vision = preprocess_images(urls, processor_cfg, allow_paths=False)
+        except ValueError as e:
+            raise _image_error(images, e) from None
         prompts = [ImagePrompt(w, h, n) for (w, h), n in zip(vision.sizes, vision.num_tokens)]
     kwargs = {"tools": req.tools, "tokenize": True, "add_generation_prompt": True, "thinking": thinking,
               "thinking_effort": effort if thinking else None, "tool_choice": tool_choice,

@@ -5,12 +5,14 @@ HTTP handlers never touch the engine. They build a ``Job`` (prompts + SamplingPa
 the ops, runs ``engine.step()`` while there is work, and posts each job's deltas to the job's
 ``asyncio.Queue`` on the server's event loop (one ``call_soon_threadsafe`` per step).
 
-Failures: a ValueError from ``add_request`` fails that job with a 400, anything else with a 500. A
-``step()`` that raises cannot say which request broke it, so every request in the engine is aborted
-(freeing its cache) and put on probation: they are re-run one at a time, each resumed from the tokens
-its client has already received (prompt + output so far, remaining ``max_tokens``), while new jobs wait.
-A step that fails with only one request in the engine blames that request: its job gets a 500. So a
-poisoned request costs the others a slower stretch, never their answer. (Resumed seeded samples draw
+Failures: a ValueError from ``add_request`` fails that job with a 400 (the engine kept nothing of it),
+anything else with a 500. A step whose forward raises names the requests of its batch (``StepError``):
+when they all belong to one job, that job alone gets a 500 and the rest keep running. Otherwise every
+request in the engine is aborted (freeing its cache) and put on probation: they are re-run one at a
+time, each resumed from the tokens its client has already received (prompt + output so far, remaining
+``max_tokens``), while new jobs wait, so the blame lands on the request whose data fails alone. An
+engine request that no job owns is aborted and blames nobody. So a poisoned request costs the others a
+slower stretch, never their answer. (Resumed seeded samples draw
 fresh noise from the seed, and a stop string straddling the resume point is not seen.)
 """
 
@@ -27,6 +29,7 @@ from dataclasses import dataclass, field, replace
 from typing import Any
 
 from kimik3.engine import LLMEngine, SamplingParams
+from kimik3.engine.request import RequestStatus
 from kimik3.serve.protocol import APIError
 
 logger = logging.getLogger(__name__)
@@ -121,6 +124,10 @@ class EngineLoop:
     def abort(self, job: Job) -> None:
         self._push(("abort", job))
 
+    def refuse_queued(self) -> None:
+        """Shutting down: fail (503) every job that has not started running yet."""
+        self._push(("refuse_queued", None))
+
     def stop(self, timeout: float = 10.0) -> None:
         """Abort whatever is left (its clients get a 503) and end the thread."""
         if self._thread is None:
@@ -173,6 +180,8 @@ class EngineLoop:
                     self._add_job(job)
             elif op == "abort":
                 self._drop_job(job)
+            elif op == "refuse_queued":
+                self._refuse_queued()
             elif op == "stop":
                 jobs = {r.job.id: r.job for r in self._routes.values()}
                 jobs.update({j.id: j for j, _ in self._probation})
@@ -186,6 +195,21 @@ class EngineLoop:
                         self._fail(job, APIError(503, "the server is shutting down", code="shutting_down"))
                 return False
         return True
+
+    def _refuse_queued(self) -> None:
+        error = APIError(503, "the server is shutting down; the request was not started, retry on another instance",
+                         code="shutting_down", headers={"Retry-After": "5"})
+        started = {route.job.id for eid, route in self._routes.items() if self._started(eid)}
+        jobs = [j for j, _ in self._probation] + list(self._backlog) + [r.job for r in self._routes.values()]
+        for job in {j.id: j for j in jobs if j.id not in started and not any(c.token_ids for c in j.choices)}.values():
+            self._fail(job, error)
+        self._probation = deque((j, i) for j, i in self._probation if not j.done)
+        self._backlog = deque(j for j in self._backlog if not j.done)
+
+    def _started(self, engine_id: str) -> bool:
+        group = self.engine.groups.get(engine_id)
+        return group is None or any(r.num_computed_tokens or r.num_output_tokens or r.status is not RequestStatus.WAITING
+                                    for r in group.children)
 
     def _probation_running(self) -> bool:
         return any(r.probation for r in self._routes.values())
@@ -222,7 +246,7 @@ class EngineLoop:
             return False
         except Exception as e:
             logger.exception("add_request failed for %s", engine_id)
-            self._fail(job, APIError(500, f"the engine could not take the request: {type(e).__name__}: {e}",
+            self._fail(job, APIError(500, "the engine could not take the request (the server log has the details)",
                                      code="engine_error"))
             return False
         self._routes[engine_id] = _Route(job, indices, probation)
@@ -302,13 +326,25 @@ class EngineLoop:
         self.num_step_failures += 1
         routes = dict(self._routes)
         jobs = {r.job.id: r.job for r in routes.values()}
-        logger.exception("engine step failed with %d request(s) in the engine", len(routes))
-        if len(jobs) <= 1:
-            for job in jobs.values():
-                self._fail(job, APIError(500, f"the engine failed on this request: {type(error).__name__}: {error}",
-                                         code="engine_error"))
+        batch = getattr(error, "request_ids", None)       # StepError: the requests of the failed forward
+        unknown = [eid for eid in batch or () if eid not in routes]
+        for eid in unknown:                               # never ours: drop them, blame nobody for them
+            logger.error("engine request %s has no job; aborting it", eid)
+            self.engine.abort_request(eid)
+        if batch is not None and not unknown:
+            suspects = {routes[eid].job.id: routes[eid].job for eid in batch}
+        else:
+            suspects = jobs if not unknown else {}
+        logger.error("engine step failed with %d request(s) in the engine: %s", len(routes), error,
+                     exc_info=error)
+        if len(suspects) == 1:      # only its data was in the failed forward: it alone fails
+            for job in suspects.values():
+                self._fail(job, APIError(500, "the engine failed while running this request; it was aborted "
+                                              "(the server log has the details)", code="engine_error"))
         else:
             for eid, route in routes.items():
+                if eid not in self._routes:
+                    continue
                 self._abort_engine(eid)
                 for idx in route.indices:
                     if not route.job.choices[idx].finished:

@@ -9,6 +9,7 @@ from pathlib import Path
 import torch
 
 from kimik3.serve.app import ServeOptions, create_app
+from kimik3.serve.limits import add_limit_arguments, limits_from_args
 
 logger = logging.getLogger(__name__)
 
@@ -40,10 +41,11 @@ def add_serve_arguments(parser: argparse.ArgumentParser) -> argparse.ArgumentPar
                         help="weights and cache dtype (auto: bfloat16 on GPU, float32 on CPU)")
     parser.add_argument("--device", default=None, help="cuda, cuda:N or cpu (default: cuda if available)")
     parser.add_argument("--max-queue-len", type=int, default=256,
-                        help="requests accepted beyond --max-num-seqs before answering 429")
+                        help="sequences (n x prompts) accepted beyond --max-num-seqs before answering 429")
     parser.add_argument("--seed", type=int, default=0, help="engine RNG seed (requests without their own seed)")
     parser.add_argument("--shutdown-timeout", type=float, default=30.0,
                         help="seconds in-flight requests get to finish on shutdown before they are aborted")
+    add_limit_arguments(parser)
     parser.add_argument("--log-level", default="info", choices=["debug", "info", "warning", "error"])
     parser.add_argument("--tensor-parallel-size", "-tp", type=int, default=1,
                         help="GPUs (ranks) the model is split over; on one node the extra ranks are spawned, "
@@ -89,20 +91,22 @@ def serve_options(args: argparse.Namespace) -> ServeOptions:
         processor = load_media_processor_config(args.model)
     name = args.served_model_name or Path(args.model).resolve().name
     return ServeOptions(served_model_name=name, api_key=args.api_key, max_queue_len=args.max_queue_len,
-                        shutdown_timeout=args.shutdown_timeout, processor_config=processor)
+                        shutdown_timeout=args.shutdown_timeout, processor_config=processor,
+                        limits=limits_from_args(args))
 
 
 def build_app(args: argparse.Namespace):
-    return create_app(build_engine(args), serve_options(args))
+    options = serve_options(args)        # bad flags fail before the model loads
+    return create_app(build_engine(args), options)
 
 
 def run_server(args: argparse.Namespace) -> None:
     """Build the engine and app from ``args`` and serve until SIGINT/SIGTERM (graceful shutdown)."""
-    import uvicorn
+    from kimik3.serve.lifecycle import Server, server_config
     app = build_app(args)
     logger.info("serving %s on http://%s:%d", args.model, args.host, args.port)
-    uvicorn.run(app, host=args.host, port=args.port, log_level=args.log_level,
-                timeout_graceful_shutdown=int(args.shutdown_timeout) + 1)
+    Server(server_config(app, app.state.kimik3.options.limits, host=args.host, port=args.port,
+                         log_level=args.log_level)).run()
 
 
 def serve_main(args: argparse.Namespace) -> int:

@@ -39,6 +39,9 @@ _ACCEPTED_FORMATS = {"PNG": "PNG", "JPEG": "JPEG", "MPO": "JPEG", "WEBP": "WebP"
 _EXIF_ORIENTATION = 0x0112
 _BG_PATTERNS = ("chessboard", "white", "black", "gray")
 _FILL_STAGES = ("before_resize", "after_resize")
+# Largest image decoded (width x height of its first frame): its pixels are held in memory, in the
+# file's mode, before the resize. 50 MP covers 8K photos; larger files are refused from the header.
+MAX_DECODE_PIXELS = 50_000_000
 
 
 # ---------------------------------------------------------------------------------------
@@ -253,7 +256,42 @@ def _b64decode(payload: str, what: str) -> bytes:
         raise ValueError(f"{what}: invalid base64 payload ({e})") from None
 
 
-def _decode(data: bytes, what: str) -> Image.Image:
+def probe_image(source: ImageSource, *, allow_paths: bool = True) -> tuple[int, int, int]:
+    """(width, height, frames) of an image from its header alone (no pixel is decoded); ValueError like
+    ``load_image`` for what is not a usable image, or one above ``MAX_DECODE_PIXELS``."""
+    if isinstance(source, Image.Image):
+        return source.width, source.height, getattr(source, "n_frames", 1)
+    if isinstance(source, (bytes, bytearray, memoryview)):
+        data, what = bytes(source), "image bytes"
+    elif isinstance(source, Path):
+        if not allow_paths:
+            raise ValueError("image file paths are not accepted here; send the bytes or a data: URL")
+        data, what = _read_file(source), f"image file {source}"
+    elif isinstance(source, str):
+        data, what = _bytes_from_string(source, allow_paths)
+    else:
+        raise TypeError(f"image must be a PIL image, bytes, a data: URL, base64 text or a file path, "
+                        f"got {type(source).__name__}")
+    img = _open(data, what)
+    return img.width, img.height, getattr(img, "n_frames", 1)
+
+
+def image_token_counts(images: Sequence[ImageSource], cfg: MediaProcessorConfig | None = None, *,
+                       allow_paths: bool = True) -> list[int]:
+    """``<|media_pad|>`` tokens per image, from the headers (the cost of a request before any decoding)."""
+    cfg = cfg or MediaProcessorConfig()
+    out = []
+    for idx, source in enumerate(images):
+        try:
+            w, h, _ = probe_image(source, allow_paths=allow_paths)
+            out.append(plan_resize(w, h, cfg).num_tokens)
+        except ValueError as e:
+            raise ValueError(f"image {idx}: {e}") from None
+    return out
+
+
+def _open(data: bytes, what: str) -> Image.Image:
+    """The lazily opened image (header parsed, no pixels), checked for format and size."""
     if not data:
         raise ValueError(f"{what} is empty (0 bytes)")
     try:
@@ -267,6 +305,16 @@ def _decode(data: bytes, what: str) -> Image.Image:
     fmt = img.format
     if fmt not in _ACCEPTED_FORMATS:
         raise ValueError(f"{what}: unsupported image format {fmt}; accepted formats are PNG, JPEG, WebP and GIF")
+    w, h = img.size
+    if w * h > MAX_DECODE_PIXELS:
+        raise ValueError(f"{what} is {w}x{h} = {w * h} pixels, more than the {MAX_DECODE_PIXELS} decoded here "
+                         f"(the model sees it scaled down anyway); downscale it before sending")
+    return img
+
+
+def _decode(data: bytes, what: str) -> Image.Image:
+    img = _open(data, what)
+    fmt = img.format
     try:
         img.seek(0)
         img.load()

@@ -139,3 +139,36 @@ def test_inspect_says_whether_kimi_linear_fits_one_h200():
     assert f"{cache // (per_seq + per_token * 1048576)} sequences of 1048576" in line
     assert f"{cache // (per_seq + per_token * 131072)} sequences of 131072" in line
     assert "one H100 (79.6 GiB): does not fit" in r.stdout
+
+
+def test_chat_ctrl_c_stops_the_answer_and_keeps_the_conversation(monkeypatch, capsys):
+    """Ctrl-C while an answer streams (KeyboardInterrupt in the engine step) stops that answer; the
+    REPL goes on, and the next turn's prompt holds the first question and the partial answer."""
+    import io
+
+    from kimik3 import cli
+    from kimik3.engine import LLM
+
+    llm = LLM(str(kimik3.DEFAULT_MODEL), max_num_seqs=2, max_model_len=1024)
+    real_step = llm.engine.step
+    steps = {"n": 0}
+
+    def step():
+        steps["n"] += 1
+        if steps["n"] == 4:
+            raise KeyboardInterrupt
+        return real_step()
+    llm.engine.step = step
+    monkeypatch.setattr(cli, "_load_llm", lambda args, max_num_seqs=4: (llm, kimik3.DEFAULT_MODEL))
+    seen = []
+    real_prompt = cli._prompt_with_images
+    monkeypatch.setattr(cli, "_prompt_with_images",
+                        lambda llm_, path, conv, args, images: (seen.append([dict(m) for m in conv]),
+                                                                real_prompt(llm_, path, conv, args, images))[1])
+    monkeypatch.setattr(sys, "stdin", io.StringIO("first question\nsecond question\n/exit\n"))
+    assert cli.main(["chat", "--max-tokens", "30", "--no-thinking"]) == 0
+    assert "[answer stopped" in capsys.readouterr().err
+    assert [m["role"] for m in seen[1]] == ["user", "assistant", "user"]
+    assert seen[1][0]["content"] == "first question" and seen[1][2]["content"] == "second question"
+    assert not llm.engine.has_unfinished_requests()
+    assert llm.engine.kv.blocks.num_free == llm.engine.kv.plan.num_usable_blocks

@@ -153,3 +153,104 @@ def test_a_failed_step_returns_its_checkpoint_slots():
     engine.abort_request("a")
     engine.step()
     assert not engine.has_unfinished_requests()
+
+
+def _collect(engine, got: dict) -> None:
+    for d in engine.step():
+        for c in d.outputs:
+            got.setdefault((d.request_id, c.index), []).extend(c.token_ids)
+
+
+def _solo(model, requests: dict) -> dict:
+    engine = make_engine(model, max_model_len=40, max_num_seqs=4, extra_blocks=12)
+    for rid, (ids, p) in requests.items():
+        engine.add_request(rid, {"prompt_token_ids": ids}, p)
+    got: dict = {}
+    while engine.has_unfinished_requests():
+        _collect(engine, got)
+    return got
+
+
+RUNNING = {"greedy": ([3, 4, 5], SamplingParams(temperature=0, max_tokens=8)),
+           "seeded": ([6, 7], SamplingParams(temperature=1.0, seed=11, n=2, max_tokens=8))}
+
+
+@pytest.mark.parametrize("how", ["seed-overflow", "seed-mutated", "late-failure"])
+def test_failed_add_leaves_nothing_and_running_requests_match_a_solo_run(how, monkeypatch):
+    """n=2 with seed 2^64 - 1 overflows at sample 1: nothing of the request may stay queued (it used to
+    leave sample 0 orphaned, and every later step raised KeyError)."""
+    model = FakeModel()
+    want = _solo(model, RUNNING)
+    engine = make_engine(model, max_model_len=40, max_num_seqs=4, extra_blocks=12)
+    for rid, (ids, p) in RUNNING.items():
+        engine.add_request(rid, {"prompt_token_ids": ids}, p)
+    got: dict = {}
+    _collect(engine, got)
+    waiting, running, groups = list(engine.scheduler.waiting), list(engine.scheduler.running), dict(engine.groups)
+    if how == "seed-overflow":
+        with pytest.raises(ValueError, match=r"seed must lie in \[0, 2\^64 - n\]"):
+            engine.add_request("bad", {"prompt_token_ids": [1, 2]}, SamplingParams(n=2, seed=2**64 - 1))
+    elif how == "seed-mutated":               # fields changed after the params were validated
+        p = SamplingParams(n=2, seed=1)
+        p.seed = 2**64 - 1
+        with pytest.raises(ValueError, match="seed must lie in"):
+            engine.add_request("bad", {"prompt_token_ids": [1, 2]}, p)
+    else:                                     # any failure while building sample 1
+        import kimik3.engine.llm_engine as le
+        calls = []
+
+        def failing(*a, **kw):
+            calls.append(1)
+            if len(calls) == 2:
+                raise RuntimeError("boom")
+            return real(*a, **kw)
+        real = le.OutputText
+        monkeypatch.setattr(le, "OutputText", failing)
+        engine._tokenizer = CharTokenizer()
+        with pytest.raises(RuntimeError, match="boom"):
+            engine.add_request("bad", {"prompt_token_ids": [1, 2]}, SamplingParams(n=2))
+    assert list(engine.scheduler.waiting) == waiting and list(engine.scheduler.running) == running
+    assert engine.groups == groups
+    while engine.has_unfinished_requests():
+        _collect(engine, got)
+    assert got == want and all(len(v) == 8 for v in got.values())
+
+
+def test_seed_range_edges():
+    SamplingParams(n=2, seed=2**64 - 2)
+    SamplingParams(seed=0)
+    for n, seed in [(1, 2**64), (2, 2**64 - 1), (1, -1)]:
+        with pytest.raises(ValueError, match="seed must lie in"):
+            SamplingParams(n=n, seed=seed)
+
+
+def test_a_sequence_without_a_group_never_fails_a_step():
+    from kimik3.engine.request import Request
+    model = FakeModel()
+    want = _solo(model, RUNNING)
+    engine = make_engine(model, max_model_len=40, max_num_seqs=4, extra_blocks=12)
+    for rid, (ids, p) in RUNNING.items():
+        engine.add_request(rid, {"prompt_token_ids": ids}, p)
+    ghost = Request("ghost", [1, 2, 3], SamplingParams(temperature=0, max_tokens=50), 0.0, block_size=4,
+                    group_id="ghost")
+    engine.scheduler.add(ghost)
+    got: dict = {}
+    while engine.has_unfinished_requests():
+        _collect(engine, got)
+    assert got == want and ghost.is_finished
+    assert engine.kv.blocks.num_free == engine.kv.plan.num_usable_blocks
+
+
+def test_a_failed_step_names_the_requests_of_its_batch():
+    from kimik3.engine.llm_engine import StepError
+    engine = make_engine(FakeModel(), max_model_len=40, max_num_seqs=1, extra_blocks=8)
+    engine.add_request("a", {"prompt_token_ids": [1, 2, 3]}, SamplingParams(max_tokens=4))
+    engine.add_request("b", {"prompt_token_ids": [1, 2, 3]}, SamplingParams(max_tokens=4, n=2))
+    real = engine.runner.execute
+    engine.runner.execute = lambda out: (_ for _ in ()).throw(RuntimeError("device fault"))
+    with pytest.raises(StepError) as e:
+        engine.step()
+    assert e.value.request_ids == ["a"]          # max_num_seqs=1: only "a" was in the batch
+    engine.runner.execute = real
+    while engine.has_unfinished_requests():
+        engine.step()

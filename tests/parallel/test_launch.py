@@ -2,6 +2,7 @@
 a worker that dies takes the group down with a clear error instead of hanging."""
 
 import json
+import os
 import subprocess
 import sys
 import textwrap
@@ -53,3 +54,71 @@ def test_dead_worker_takes_the_group_down_with_a_clear_error(ckpt):
     res = _run(ckpt, "tp", "kill", timeout=90)
     assert res.returncode == 1
     assert "tensor-parallel worker rank 1" in res.stderr and "stopping all ranks" in res.stderr
+
+
+STDIN_SCRIPT = textwrap.dedent("""
+    import sys, time, torch
+    from kimik3.engine import LLM
+    start = time.monotonic()
+    try:
+        LLM(sys.argv[1], tensor_parallel_size=2, dtype=torch.float64, device="cpu", max_model_len=64,
+            block_size=4, cache_memory_bytes=1 << 22)
+    except RuntimeError as e:
+        print(f"FAILED after {time.monotonic() - start:.1f} s: {e}", flush=True)
+        sys.exit(3)
+""")
+
+
+def test_worker_that_dies_before_the_rendezvous_fails_within_seconds(ckpt):
+    """A script read from standard input: the spawned worker cannot re-import it and exits at once.
+    Rank 0 used to wait in the rendezvous until its timeout."""
+    res = subprocess.run([sys.executable, "-", str(ckpt)], input=STDIN_SCRIPT, capture_output=True, text=True,
+                         timeout=120)
+    assert res.returncode == 3, res.stdout + res.stderr[-3000:]
+    line = next(ln for ln in res.stdout.splitlines() if ln.startswith("FAILED"))
+    assert "worker rank 1" in line and "exited with code 1" in line
+    assert float(line.split()[2]) < 10
+
+
+TWO_SCRIPT = textwrap.dedent("""
+    import json, sys, torch
+    from kimik3.engine import LLM, SamplingParams
+
+    def main():
+        kw = dict(tensor_parallel_size=2, dtype=torch.float64, device="cpu", max_model_len=64,
+                  max_num_batched_tokens=8, block_size=4, cache_memory_bytes=1 << 22)
+        prompt = [{"prompt_token_ids": [5, 6, 7, 8, 9, 10, 11, 12, 13, 14, 15]}]
+        params = SamplingParams(temperature=0.0, max_tokens=5, ignore_eos=True)
+        out = []
+        with LLM(sys.argv[1], **kw) as llm:
+            out.append(llm.generate(prompt, params)[0].outputs[0].token_ids)
+            try:
+                LLM(sys.argv[1], **kw)
+            except RuntimeError as e:
+                print("SECOND", e, flush=True)
+        llm = LLM(sys.argv[1], **kw)
+        out.append(llm.generate(prompt, params)[0].outputs[0].token_ids)
+        llm.shutdown()
+        print("TOKENS", json.dumps(out), flush=True)
+
+    if __name__ == "__main__":
+        main()
+""")
+
+
+def test_two_tensor_parallel_llms_one_after_the_other(ckpt, tmp_path):
+    """``with LLM(...)`` / ``shutdown()`` stop the workers and destroy the group, so the next LLM starts;
+    one started while another runs is refused with a clear error."""
+    from kimik3.engine import LLM, SamplingParams
+    script = tmp_path / "two.py"
+    script.write_text(TWO_SCRIPT)
+    llm = LLM(str(ckpt), dtype=torch.float64, device="cpu", max_model_len=64, max_num_batched_tokens=8,
+              block_size=4, cache_memory_bytes=1 << 22)
+    want = llm.generate([{"prompt_token_ids": [5, 6, 7, 8, 9, 10, 11, 12, 13, 14, 15]}],
+                        SamplingParams(temperature=0.0, max_tokens=5, ignore_eos=True))[0].outputs[0].token_ids
+    res = subprocess.run([sys.executable, str(script), str(ckpt)], capture_output=True, text=True, timeout=240,
+                         env={**os.environ, "PYTHONPATH": os.getcwd()})
+    assert res.returncode == 0, res.stderr[-3000:]
+    assert "SECOND" in res.stdout and "shut down" in res.stdout
+    line = next(ln for ln in res.stdout.splitlines() if ln.startswith("TOKENS"))
+    assert json.loads(line.split(" ", 1)[1]) == [want, want]

@@ -12,11 +12,11 @@ import time
 
 import openai
 import pytest
-import uvicorn
 
 import kimik3
 from kimik3.engine import EngineConfig, LLMEngine
 from kimik3.serve import ServeOptions, create_app
+from kimik3.serve.lifecycle import Server, server_config
 from tests.engine.fake_model import FakeModel
 from tests.serve.scripted import ScriptedRunner
 
@@ -34,8 +34,9 @@ class LiveServer:
         sock.bind(("127.0.0.1", 0))
         self.port = sock.getsockname()[1]
         self.url = f"http://127.0.0.1:{self.port}"
-        config = uvicorn.Config(app, log_level="warning", timeout_graceful_shutdown=5, lifespan="on")
-        self.server = uvicorn.Server(config)
+        config = server_config(app, app.state.kimik3.options.limits, log_level="warning",
+                               timeout_graceful_shutdown=5)
+        self.server = Server(config)
         self.thread = threading.Thread(target=self.server.run, kwargs={"sockets": [sock]}, daemon=True)
         self.thread.start()
         deadline = time.monotonic() + 30

@@ -1,0 +1,280 @@
+"""Bounded cost per request and per connection: the server's limits and where they are enforced.
+
+- Connections (``LimitedH11Protocol``, uvicorn's h11 protocol plus two rules): a connection must
+  deliver a complete request head within ``header_timeout`` seconds (else 408 and closed); beyond
+  ``max_connections`` open connections a new one is answered 503 (OpenAI body) and closed.
+- Bodies (``BodyLimits``, ASGI, before any route): the whole body must arrive within
+  ``body_timeout`` seconds (408) and hold at most ``max_body_bytes`` (413); without an API key POST
+  bodies must be ``Content-Type: application/json`` (415: a web page cannot send that cross-origin
+  without a preflight) and, with ``allowed_hosts``, the ``Host`` header must name one of them (421).
+- Work (``check_request_limits``): caps on ``n``, prompts per request, stop strings (count and
+  length) and ``stop_token_ids``, each a 400 naming the limit; admission counts sequences
+  (``n`` x prompts) against ``max_num_seqs + max_queue_len`` (429 beyond it, in app.py).
+
+Choices where the issue was silent: a foreign Host is a 421 (Misdirected Request); a request with more
+sequences than are free is a 429 even when it could never fit (one rule, and its message gives both
+numbers); an idle connection at the head deadline is closed without a response; a refused body is read
+and dropped (at most 4x the limit, at most 5 s) so that the client sees the error, not a reset.
+"""
+
+from __future__ import annotations
+
+import argparse
+import asyncio
+import json
+import logging
+import resource
+from dataclasses import dataclass
+
+from uvicorn.protocols.http.h11_impl import H11Protocol
+
+from kimik3.serve.protocol import APIError, bad_request, error_body
+
+logger = logging.getLogger(__name__)
+
+MIB = 1 << 20
+
+
+@dataclass(frozen=True)
+class Limits:
+    max_body_bytes: int = 64 * MIB
+    header_timeout: float = 10.0        # seconds for a complete request head
+    body_timeout: float = 60.0          # seconds for the whole body
+    max_connections: int = 1024
+    max_n: int = 64
+    max_prompts: int = 1024             # prompts in one /v1/completions request
+    max_stop_strings: int = 64
+    max_stop_chars: int = 1024          # characters in one stop string
+    max_stop_token_ids: int = 1024
+    allowed_hosts: tuple[str, ...] | None = None   # Host header values accepted (None: any)
+    cpu_workers: int = 4                # threads for tokenising, rendering and image decoding
+
+    def __post_init__(self) -> None:
+        for name in ("max_body_bytes", "max_connections", "max_n", "max_prompts", "max_stop_strings",
+                     "max_stop_chars", "max_stop_token_ids", "cpu_workers"):
+            v = getattr(self, name)
+            if not isinstance(v, int) or isinstance(v, bool) or v < 1:
+                raise ValueError(f"{name} must be a positive integer, got {v!r}")
+        for name in ("header_timeout", "body_timeout"):
+            if not getattr(self, name) > 0:
+                raise ValueError(f"{name} must be > 0 seconds, got {getattr(self, name)!r}")
+
+
+def add_limit_arguments(parser: argparse.ArgumentParser) -> None:
+    d = Limits()
+    parser.add_argument("--max-body-bytes", type=int, default=d.max_body_bytes,
+                        help="largest request body accepted (413 beyond; default 64 MiB)")
+    parser.add_argument("--header-timeout", type=float, default=d.header_timeout,
+                        help="seconds a connection gets to send a complete request head (408 after)")
+    parser.add_argument("--body-timeout", type=float, default=d.body_timeout,
+                        help="seconds a request gets to send its whole body (408 after)")
+    parser.add_argument("--max-connections", type=int, default=d.max_connections,
+                        help="open connections served at once; more are answered 503")
+    parser.add_argument("--max-n", type=int, default=d.max_n, help="largest n (samples per prompt) accepted")
+    parser.add_argument("--allowed-hosts", default=None,
+                        help="comma-separated Host header values accepted (e.g. localhost:8000); others get 421. "
+                             "Without --api-key this stops DNS-rebinding pages; default: any")
+
+
+def limits_from_args(args: argparse.Namespace) -> Limits:
+    hosts = getattr(args, "allowed_hosts", None)
+    return Limits(max_body_bytes=args.max_body_bytes, header_timeout=args.header_timeout,
+                  body_timeout=args.body_timeout, max_connections=args.max_connections, max_n=args.max_n,
+                  allowed_hosts=tuple(h.strip().lower() for h in hosts.split(",") if h.strip()) if hosts else None)
+
+
+def raise_fd_limit(max_connections: int) -> int:
+    """Lift the soft open-file limit so ``max_connections`` sockets fit (plus room for the rest);
+    returns the connection cap that fits under it (accept() failing with EMFILE is what must never happen)."""
+    soft, hard = resource.getrlimit(resource.RLIMIT_NOFILE)
+    want = max_connections + 256
+    if soft != resource.RLIM_INFINITY and soft < want:
+        new = want if hard == resource.RLIM_INFINITY else min(want, hard)
+        try:
+            resource.setrlimit(resource.RLIMIT_NOFILE, (new, hard))
+            soft = new
+        except (ValueError, OSError) as e:
+            logger.warning("cannot raise the open-file limit to %d: %s", new, e)
+    if soft != resource.RLIM_INFINITY and soft - 256 < max_connections:
+        cap = max(1, soft - 256)
+        logger.warning("--max-connections %d does not fit the open-file limit %d; serving %d", max_connections,
+                       soft, cap)
+        return cap
+    return max_connections
+
+
+# ---- per-request work --------------------------------------------------------------------------------------
+
+def check_request_limits(limits: Limits, n: int, num_prompts: int, stop, stop_token_ids) -> None:
+    """400 naming the limit when a request asks for more than the server bounds."""
+    if not 1 <= n <= limits.max_n:
+        raise bad_request(f"n must lie in [1, {limits.max_n}] (the server's --max-n), got {n}", "n")
+    if num_prompts > limits.max_prompts:
+        raise bad_request(f"a request holds at most {limits.max_prompts} prompts, got {num_prompts}", "prompt")
+    stops = [stop] if isinstance(stop, str) else list(stop or [])
+    if len(stops) > limits.max_stop_strings:
+        raise bad_request(f"stop holds at most {limits.max_stop_strings} strings, got {len(stops)}", "stop")
+    long = [k for k, s in enumerate(stops) if isinstance(s, str) and len(s) > limits.max_stop_chars]
+    if long:
+        raise bad_request(f"stop[{long[0]}] has {len(stops[long[0]])} characters; a stop string has at most "
+                          f"{limits.max_stop_chars}", "stop")
+    if stop_token_ids is not None and len(stop_token_ids) > limits.max_stop_token_ids:
+        raise bad_request(f"stop_token_ids holds at most {limits.max_stop_token_ids} ids, got "
+                          f"{len(stop_token_ids)}", "stop_token_ids")
+
+
+# ---- bodies (ASGI) ------------------------------------------------------------------------------------------
+
+async def _send_error(send, status: int, message: str, code: str, headers: dict[str, str] | None = None) -> None:
+    body = json.dumps(error_body(status, message, code=code)).encode()
+    raw = [(b"content-type", b"application/json"), (b"content-length", str(len(body)).encode()),
+           (b"connection", b"close")] + [(k.lower().encode(), v.encode()) for k, v in (headers or {}).items()]
+    await send({"type": "http.response.start", "status": status, "headers": raw})
+    await send({"type": "http.response.body", "body": body})
+
+
+async def _discard_body(receive, budget: int, timeout: float) -> None:
+    """Read and drop what is left of a refused request's body (at most ``budget`` bytes, ``timeout`` seconds),
+    so the client, still sending, reads the error instead of a reset connection."""
+    try:
+        async with asyncio.timeout(timeout):
+            while budget > 0:
+                message = await receive()
+                budget -= len(message.get("body", b""))
+                if message["type"] != "http.request" or not message.get("more_body", False):
+                    return
+    except TimeoutError:
+        pass
+
+
+class BodyLimits:
+    """Pure ASGI, outermost: host and content-type checks, then the whole body read under the size and
+    time limits before the app runs (the app then reads it from memory)."""
+
+    def __init__(self, app, limits: Limits, require_json: bool):
+        self.app = app
+        self.limits = limits
+        self.require_json = require_json
+
+    async def __call__(self, scope, receive, send):
+        if scope["type"] != "http":
+            return await self.app(scope, receive, send)
+        headers = dict(scope.get("headers") or [])
+        hosts = self.limits.allowed_hosts
+        if hosts is not None and headers.get(b"host", b"").decode("latin-1").lower() not in hosts:
+            return await _send_error(send, 421, f"the Host header must be one of {', '.join(hosts)} "
+                                                "(--allowed-hosts)", "host_not_allowed")
+        if scope["method"] != "POST":
+            return await self.app(scope, receive, send)
+        limit = self.limits.max_body_bytes
+        ctype = headers.get(b"content-type", b"").split(b";")[0].strip().lower()
+        declared = headers.get(b"content-length")
+        refusal = None
+        if self.require_json and ctype != b"application/json":
+            refusal = (415, f"POST bodies must be sent as Content-Type: application/json, got "
+                            f"{ctype.decode('latin-1') or 'none'!r}", "unsupported_media_type")
+        elif declared is not None and declared.isdigit() and int(declared) > limit:
+            refusal = (413, f"the request body has {int(declared)} bytes, more than the {limit} this server accepts "
+                            f"(--max-body-bytes)", "body_too_large")
+        if refusal is not None:
+            await _discard_body(receive, 4 * limit, min(self.limits.body_timeout, 5.0))
+            return await _send_error(send, *refusal)
+        chunks, size = [], 0
+        try:
+            async with asyncio.timeout(self.limits.body_timeout):
+                more = True
+                while more:
+                    message = await receive()
+                    if message["type"] == "http.disconnect":
+                        return
+                    chunk = message.get("body", b"")
+                    size += len(chunk)
+                    if size > limit:
+                        if message.get("more_body", False):
+                            await _discard_body(receive, 3 * limit, min(self.limits.body_timeout, 5.0))
+                        return await _send_error(send, 413, f"the request body is larger than the {limit} bytes "
+                                                            f"this server accepts (--max-body-bytes)", "body_too_large")
+                    chunks.append(chunk)
+                    more = message.get("more_body", False)
+        except TimeoutError:
+            return await _send_error(send, 408, f"the request body did not arrive within "
+                                                f"{self.limits.body_timeout:g} s (--body-timeout)", "body_timeout")
+        body = b"".join(chunks)
+        delivered = False
+
+        async def replay():
+            nonlocal delivered
+            if not delivered:
+                delivered = True
+                return {"type": "http.request", "body": body, "more_body": False}
+            return await receive()
+
+        await self.app(scope, replay, send)
+
+
+# ---- connections (uvicorn protocol) -------------------------------------------------------------------------
+
+async def _busy_app(scope, receive, send):
+    await _send_error(send, 503, "the server has too many open connections (--max-connections); retry shortly",
+                      "too_many_connections", {"Retry-After": "1"})
+
+
+def _raw_response(status: int, reason: str, message: str, code: str) -> bytes:
+    body = json.dumps(error_body(status, message, code=code)).encode()
+    return (f"HTTP/1.1 {status} {reason}\r\ncontent-type: application/json\r\ncontent-length: {len(body)}\r\n"
+            f"connection: close\r\n\r\n").encode() + body
+
+
+class LimitedH11Protocol(H11Protocol):
+    """uvicorn's h11 protocol with a request-head deadline and a connection cap (``limits`` is set on the
+    subclass that ``protocol_class`` makes)."""
+
+    limits: Limits = Limits()
+
+    def connection_made(self, transport) -> None:
+        super().connection_made(transport)
+        self._head_timer = None
+        self._head_started = False        # bytes of the next request head have arrived
+        if len(self.connections) > self.limits.max_connections:
+            self.app = _busy_app          # this connection only: its request is answered 503
+        self._arm_head_timer()
+
+    def _arm_head_timer(self) -> None:
+        if self._head_timer is None:
+            self._head_timer = self.loop.call_later(self.limits.header_timeout, self._head_timed_out)
+
+    def _disarm_head_timer(self) -> None:
+        if self._head_timer is not None:
+            self._head_timer.cancel()
+            self._head_timer = None
+
+    def _head_timed_out(self) -> None:
+        self._head_timer = None
+        if self.transport.is_closing() or (self.cycle is not None and not self.cycle.response_complete):
+            return
+        if self._head_started:             # an idle connection is just closed
+            self.transport.write(_raw_response(408, "Request Timeout", f"no complete request head within "
+                                               f"{self.limits.header_timeout:g} s (--header-timeout)",
+                                               "header_timeout"))
+        self.transport.close()
+
+    def data_received(self, data: bytes) -> None:
+        before = self.cycle
+        self._head_started = True
+        super().data_received(data)
+        if self.cycle is not before:      # a request head arrived: its body has its own deadline
+            self._disarm_head_timer()
+
+    def on_response_complete(self) -> None:
+        super().on_response_complete()
+        self._head_started = False
+        if not self.transport.is_closing():
+            self._arm_head_timer()         # the next request's head (keep-alive)
+
+    def connection_lost(self, exc) -> None:
+        self._disarm_head_timer()
+        super().connection_lost(exc)
+
+
+def protocol_class(limits: Limits) -> type[LimitedH11Protocol]:
+    return type("KimiH11Protocol", (LimitedH11Protocol,), {"limits": limits})

@@ -1,0 +1,275 @@
+"""Bounded cost per request and per connection: body size and time, request heads, connection cap,
+content type and Host checks, caps on n / prompts / stop, admission counted in sequences."""
+
+from __future__ import annotations
+
+import base64
+import io
+import json
+import os
+import socket
+import struct
+import threading
+import time
+import zlib
+
+import httpx
+import pytest
+from PIL import Image
+
+from kimik3.serve.limits import Limits
+from tests.serve.conftest import MODEL, start_fake_server
+from tests.serve.test_errors import assert_error
+
+
+def chat(**kw) -> dict:
+    return {"model": MODEL, "messages": [{"role": "user", "content": "hi"}], "max_tokens": 2, **kw}
+
+
+@pytest.fixture(scope="module")
+def server():
+    s = start_fake_server(engine_kw={"max_model_len": 256},
+                          limits=Limits(max_body_bytes=1 << 20, header_timeout=0.5, body_timeout=0.5,
+                                        max_connections=32, max_stop_strings=4, max_stop_chars=8,
+                                        max_stop_token_ids=4, max_prompts=8))
+    yield s
+    s.stop()
+
+
+def _connect(server) -> socket.socket:
+    return socket.create_connection(("127.0.0.1", server.port), timeout=10)
+
+
+def _read_response(sock: socket.socket) -> tuple[int, dict]:
+    data = b""
+    while b"\r\n\r\n" not in data:
+        chunk = sock.recv(65536)
+        if not chunk:
+            raise ConnectionError(f"closed before a response: {data!r}")
+        data += chunk
+    head, body = data.split(b"\r\n\r\n", 1)
+    length = int(next(ln.split(b":")[1] for ln in head.split(b"\r\n") if ln.lower().startswith(b"content-length")))
+    while len(body) < length:
+        body += sock.recv(65536)
+    return int(head.split()[1]), json.loads(body)
+
+
+def _closed(sock: socket.socket) -> bool:
+    try:
+        return sock.recv(1) == b""
+    except (ConnectionResetError, TimeoutError):
+        return True
+
+
+def test_body_over_the_limit_is_413(server):
+    big = json.dumps(chat(messages=[{"role": "user", "content": "x" * (2 << 20)}]))
+    r = httpx.post(server.url + "/v1/chat/completions", content=big, headers={"content-type": "application/json"},
+                   timeout=30)
+    err = assert_error(r, 413, None, "--max-body-bytes")
+    assert err["type"] == "invalid_request_error"
+
+    def chunks():                       # no Content-Length: counted while it streams
+        for _ in range(3):
+            yield b" " * (1 << 19)
+    r = httpx.post(server.url + "/v1/chat/completions", content=chunks(), headers={"content-type": "application/json"},
+                   timeout=30)
+    assert_error(r, 413, None, "larger than")
+    assert httpx.post(server.url + "/v1/chat/completions", json=chat(), timeout=30).status_code == 200
+
+
+def test_slow_body_is_closed_after_the_timeout(server):
+    socks = []
+    for _ in range(5):
+        s = _connect(server)
+        s.sendall(b"POST /v1/chat/completions HTTP/1.1\r\nHost: x\r\nContent-Type: application/json\r\n"
+                  b"Content-Length: 1000\r\n\r\n{\"model\"")
+        socks.append(s)
+    start = time.monotonic()
+    for s in socks:
+        status, body = _read_response(s)
+        assert status == 408 and "--body-timeout" in body["error"]["message"]
+        assert _closed(s)
+    assert time.monotonic() - start < 5
+    assert httpx.post(server.url + "/v1/chat/completions", json=chat(), timeout=30).status_code == 200
+
+
+def test_slow_header_is_closed_after_the_timeout(server):
+    silent, partial = _connect(server), _connect(server)
+    partial.sendall(b"POST /v1/chat/completions HTTP/1.1\r\nHost: x\r\n")
+    start = time.monotonic()
+    status, body = _read_response(partial)
+    assert status == 408 and "--header-timeout" in body["error"]["message"]
+    assert _closed(partial) and _closed(silent)
+    assert time.monotonic() - start < 5
+
+
+def test_connections_beyond_the_cap_get_503_and_the_server_recovers(server):
+    held = [_connect(server) for _ in range(40)]       # idle: the head deadline closes them later
+    try:
+        time.sleep(0.1)
+        r = httpx.post(server.url + "/v1/chat/completions", json=chat(), timeout=30)
+        err = assert_error(r, 503, None, "--max-connections")
+        assert err["code"] == "too_many_connections"
+    finally:
+        for s in held:
+            s.close()
+    deadline = time.monotonic() + 10
+    while httpx.post(server.url + "/v1/chat/completions", json=chat(), timeout=30).status_code != 200:
+        assert time.monotonic() < deadline
+        time.sleep(0.05)
+
+
+def test_post_without_json_content_type_is_415(server):
+    for ctype in ("text/plain", "application/x-www-form-urlencoded", None):
+        headers = {"content-type": ctype} if ctype else {}
+        r = httpx.post(server.url + "/v1/chat/completions", content=json.dumps(chat()), headers=headers, timeout=30)
+        assert_error(r, 415, None, "application/json")
+    r = httpx.post(server.url + "/v1/completions", content=json.dumps({"model": MODEL, "prompt": "x"}),
+                   headers={"content-type": "application/json; charset=utf-8"}, timeout=30)
+    assert r.status_code == 200
+
+
+def test_with_an_api_key_any_content_type_is_parsed():
+    s = start_fake_server(api_key="k")
+    try:
+        r = httpx.post(s.url + "/v1/chat/completions", content=json.dumps(chat()),
+                       headers={"content-type": "text/plain", "authorization": "Bearer k"}, timeout=30)
+        assert r.status_code == 200
+    finally:
+        s.stop()
+
+
+def test_allowed_hosts():
+    s = start_fake_server(limits=Limits(allowed_hosts=("localhost:8000",)))
+    try:
+        r = httpx.post(s.url + "/v1/chat/completions", json=chat(), headers={"host": "evil.example"}, timeout=30)
+        assert_error(r, 421, None, "--allowed-hosts")
+        r = httpx.post(s.url + "/v1/chat/completions", json=chat(), headers={"host": "localhost:8000"}, timeout=30)
+        assert r.status_code == 200
+    finally:
+        s.stop()
+
+
+@pytest.mark.parametrize("body,param,contains", [
+    (chat(n=65), "n", "--max-n"),
+    (chat(stop=["a", "b", "c", "d", "e"]), "stop", "at most 4"),
+    (chat(stop="x" * 9), "stop", "at most 8"),
+    (chat(stop_token_ids=[1, 2, 3, 4, 5]), "stop_token_ids", "at most 4"),
+], ids=["n", "stop-count", "stop-length", "stop-ids"])
+def test_request_caps_name_the_limit(server, body, param, contains):
+    assert_error(httpx.post(server.url + "/v1/chat/completions", json=body, timeout=30), 400, param, contains)
+
+
+def test_prompts_per_request_cap(server):
+    r = httpx.post(server.url + "/v1/completions", json={"model": MODEL, "prompt": ["a"] * 9}, timeout=30)
+    assert_error(r, 400, "prompt", "at most 8 prompts")
+
+
+def test_admission_counts_sequences_not_requests():
+    """400 prompts on a server with room for 4 sequences: 429 at once, nothing queued."""
+    s = start_fake_server(engine_kw={"max_num_seqs": 2}, max_queue_len=2)
+    try:
+        start = time.monotonic()
+        r = httpx.post(s.url + "/v1/completions", json={"model": MODEL, "prompt": [f"p{i}" for i in range(400)],
+                                                        "max_tokens": 50}, timeout=30)
+        err = assert_error(r, 429, None, "needs 400 sequence(s)")
+        assert err["type"] == "rate_limit_error" and r.headers["retry-after"] == "1"
+        assert time.monotonic() - start < 1 and not s.engine.has_unfinished_requests()
+        r = httpx.post(s.url + "/v1/completions", json={"model": MODEL, "prompt": "x", "n": 5}, timeout=30)
+        assert_error(r, 429, None, "needs 5 sequence(s)")
+        r = httpx.post(s.url + "/v1/completions", json={"model": MODEL, "prompt": ["a", "b"], "n": 2}, timeout=30)
+        assert r.status_code == 200 and len(r.json()["choices"]) == 4
+    finally:
+        s.stop()
+
+
+def test_tokenising_a_huge_prompt_does_not_stall_the_event_loop():
+    """A 13 MB prompt takes seconds to tokenise (on the event loop, /health waited for all of it)."""
+    s = start_fake_server(engine_kw={"max_model_len": 256}, limits=Limits(max_body_bytes=64 << 20))
+    try:
+        done = threading.Event()
+
+        def huge():
+            httpx.post(s.url + "/v1/completions", json={"model": MODEL, "prompt": "many words here " * 800_000,
+                                                        "max_tokens": 1}, timeout=60)
+            done.set()
+        t = threading.Thread(target=huge)
+        t.start()
+        worst = 0.0
+        while not done.is_set():
+            start = time.monotonic()
+            assert httpx.get(s.url + "/health", timeout=30).status_code == 200
+            worst = max(worst, time.monotonic() - start)
+            time.sleep(0.01)
+        t.join()
+        assert worst < 1.0, f"/health took {worst:.2f} s while a prompt was tokenised"
+    finally:
+        s.stop()
+
+
+# ---- images ----------------------------------------------------------------------------------------------------
+
+def _png_bomb(w: int, h: int) -> bytes:
+    """A valid all-transparent RGBA PNG of w x h, written row by row (never held decoded)."""
+    def chunk(kind: bytes, data: bytes) -> bytes:
+        return struct.pack(">I", len(data)) + kind + data + struct.pack(">I", zlib.crc32(kind + data) & 0xFFFFFFFF)
+    z = zlib.compressobj(9)
+    row = b"\0" * (1 + 4 * w)
+    idat = b"".join(z.compress(row) for _ in range(h)) + z.flush()
+    return (b"\x89PNG\r\n\x1a\n" + chunk(b"IHDR", struct.pack(">IIBBBBB", w, h, 8, 6, 0, 0, 0))
+            + chunk(b"IDAT", idat) + chunk(b"IEND", b""))
+
+
+def _rss() -> int:
+    with open(f"/proc/{os.getpid()}/statm") as f:
+        return int(f.read().split()[1]) * os.sysconf("SC_PAGE_SIZE")
+
+
+def _image_chat(data: bytes) -> dict:
+    url = "data:image/png;base64," + base64.b64encode(data).decode()
+    return chat(messages=[{"role": "user", "content": [{"type": "image_url", "image_url": {"url": url}},
+                                                       {"type": "text", "text": "what is it?"}]}])
+
+
+@pytest.fixture(scope="module")
+def bomb() -> bytes:
+    return _png_bomb(13000, 13000)
+
+
+def test_image_bomb_is_refused_from_its_header(server, bomb):
+    """A 657 KB RGBA PNG of 13000x13000 pixels (676 MB decoded) is refused from its header: the best
+    of three tries under 100 ms (loopback transfer of the 876 KB body included), RSS unchanged."""
+    body = json.dumps(_image_chat(bomb))
+    before = _rss()
+    times = []
+    with httpx.Client(timeout=30) as client:
+        client.get(server.url + "/health")
+        for _ in range(3):
+            start = time.monotonic()
+            r = client.post(server.url + "/v1/chat/completions", content=body,
+                            headers={"content-type": "application/json"})
+            times.append(time.monotonic() - start)
+            err = assert_error(r, 400, "messages[0].content[0]", "13000x13000")
+            assert err["code"] == "invalid_image"
+    assert min(times) < 0.1, f"refusing took {[round(t * 1000) for t in times]} ms"
+    assert _rss() - before < 100 << 20
+
+
+def test_images_too_many_tokens_for_the_context_are_refused_before_decoding(monkeypatch):
+    """The header gives the token count; an image that cannot fit is refused without decoding it."""
+    import argparse
+
+    import kimik3.vision.preprocess as pre
+    from kimik3.serve import add_serve_arguments, build_app
+    from tests.serve.conftest import LiveServer
+    args = add_serve_arguments(argparse.ArgumentParser()).parse_args(["--max-model-len", "64",
+                                                                      "--served-model-name", MODEL])
+    s = LiveServer(build_app(args))
+    try:
+        monkeypatch.setattr(pre, "preprocess_images", lambda *a, **k: pytest.fail("decoded an image that cannot fit"))
+        buf = io.BytesIO()
+        Image.new("RGB", (1000, 1000)).save(buf, format="PNG")
+        r = httpx.post(s.url + "/v1/chat/completions", json=_image_chat(buf.getvalue()), timeout=30)
+        assert_error(r, 400, "messages", "max_model_len")
+    finally:
+        s.stop()
