@@ -119,11 +119,14 @@ def _load_llm(args):
     return llm, llm.model_path
 
 
-def _sampling(args, llm):
+def _sampling(args):
+    """The request's SamplingParams (checked before any model loads): flags, else the model's
+    generation_config.json, else SAMPLING_DEFAULTS."""
     from kimik3.engine import SamplingParams
 
+    ea = _engine_args(args)
     defaults = {**SAMPLING_DEFAULTS, "max_tokens": getattr(args, "default_max_tokens", 64),
-                **llm.generation_defaults}
+                **ea.generation_defaults(ea.model_path())}
     kw = {k: getattr(args, k) if getattr(args, k) is not None else defaults[k] for k in SAMPLING_DEFAULTS}
     for k in ("min_p", "repetition_penalty"):
         if k in defaults:
@@ -221,8 +224,8 @@ def cmd_generate(args) -> int:
     if not prompt.strip():
         raise CLIError("the prompt is empty")
     images = _images(args.image, _engine_args(args).model_path())
+    params = _sampling(args)
     llm, path = _load_llm(args)
-    params = _sampling(args, llm)
     if args.chat or images:
         content = ([{"type": "image"} for _ in images] + [{"type": "text", "text": prompt}]) if images else prompt
         request = _prompt_with_images(llm, path, [{"role": "user", "content": content}], args, images)
@@ -238,8 +241,8 @@ def cmd_generate(args) -> int:
 
 
 def cmd_chat(args) -> int:
+    params = _sampling(args)
     llm, path = _load_llm(args)
-    params = _sampling(args, llm)
     history: list[dict] = [{"role": "system", "content": args.system}] if args.system else []
     pending_images: list = []  # decoded images for the next message
     images: list = []          # every image of the conversation, in order (each turn renders them all)

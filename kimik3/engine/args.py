@@ -213,11 +213,11 @@ class EngineArgs:
 
     def resolve_device_dtype(self) -> tuple[torch.device, torch.dtype]:
         device = self.device or ("cuda" if torch.cuda.is_available() else "cpu")
-        dev = torch.device(device) if not isinstance(device, torch.device) else device
+        if not isinstance(device, torch.device) and not re.fullmatch(r"cpu|cuda(:\d+)?", str(device)):
+            raise ValueError(f"device must be 'cpu' or 'cuda[:N]', got {device!r}")
+        dev = torch.device(device)
         if dev.type == "cuda" and not torch.cuda.is_available():
             raise ValueError(f"device {device}: CUDA is not available on this machine")
-        if dev.type not in ("cpu", "cuda"):
-            raise ValueError(f"device must be 'cpu' or 'cuda[:N]', got {device!r}")
         dtype = self.dtype if isinstance(self.dtype, torch.dtype) else DTYPES[self.dtype]
         if dtype is None:
             dtype = torch.bfloat16 if dev.type == "cuda" else torch.float32

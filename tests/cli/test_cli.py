@@ -70,13 +70,13 @@ def test_inspect_embedded_and_release_config():
     (["generate", "x", "--max-tokens", "0"], "--max-tokens: expected a positive integer"),
     (["generate", "x", "--model", "/no/such/dir"], "model path /no/such/dir does not exist"),
     (["generate", "x", "--temperature", "-1"], "temperature must be >= 0"),
-    (["generate", "x", "--device", "tpu"], "--device must be 'cpu' or 'cuda[:N]'"),
+    (["generate", "x", "--device", "tpu"], "device must be 'cpu' or 'cuda[:N]'"),
     (["generate", "x", "--image", "/no/image.png"], "image file /no/image.png does not exist"),
     (["generate", "   "], "the prompt is empty"),
     (["inspect", "--model", "/nope"], "model path /nope does not exist"),
     (["frobnicate"], "invalid choice"),
     (["generate", "x", "--thinking-effort", "medium"], "invalid choice"),
-    (["generate", "x", "--num-speculative-tokens", "-2"], "--num-speculative-tokens must be >= 0"),
+    (["generate", "x", "--num-speculative-tokens", "-2"], "--num-speculative-tokens: expected an integer >= 0"),
 ])
 def test_bad_arguments_exit_2_with_one_line(args, message):
     r = run(*args)
