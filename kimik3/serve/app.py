@@ -27,7 +27,7 @@ from starlette.concurrency import run_in_threadpool
 from starlette.exceptions import HTTPException as StarletteHTTPException
 
 from kimik3.engine import LLMEngine, SamplingParams
-from kimik3.serve.chat import build_chat_prompt
+from kimik3.serve.chat import build_chat_prompt, collect_images
 from kimik3.serve.engine_loop import (
     ChoiceDelta,
     Done,
@@ -402,6 +402,10 @@ def create_app(engine: LLMEngine, options: ServeOptions) -> FastAPI:
         tok = state.tokenizer
         if tok is None:
             raise APIError(500, "this server has no tokenizer, so it cannot render chats", code="no_tokenizer")
+        limit = (options.limit_mm_per_prompt or {}).get("image")
+        if limit is not None and len(collect_images(req.messages)) > limit:
+            raise bad_request(f"the messages hold {len(collect_images(req.messages))} images, more than this server's "
+                              f"--limit-mm-per-prompt image={limit}", "messages", "too_many_images")
         prompt = await run_in_threadpool(build_chat_prompt, req, tok, options.processor_config, state.has_vision,
                                          state.loop.multi_modal_arg)
         requested = req.max_completion_tokens if req.max_completion_tokens is not None else req.max_tokens
