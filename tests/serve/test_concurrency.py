@@ -67,7 +67,7 @@ def test_disconnect_mid_stream_frees_cache():
     s = start_fake_server(step_delay=0.01)
     try:
         usable = s.engine.kv.plan.num_usable_blocks
-        aborts = metric(s, 'vllm:request_success_total{model_name="k3-test",finished_reason="abort"}') if "abort" in \
+        aborts = metric(s, 'vllm:request_success_total{finished_reason="abort",model_name="k3-test"}') if "abort" in \
             httpx.get(s.url + "/metrics").text else 0.0
         body = {"model": MODEL, "messages": [{"role": "user", "content": "a long story " * 30}], "max_tokens": 700,
                 "stream": True, "ignore_eos": True}
@@ -82,7 +82,7 @@ def test_disconnect_mid_stream_frees_cache():
             time.sleep(0.02)
         assert metric(s, "vllm:kv_cache_usage_perc") == 0
         assert metric(s, "vllm:num_requests_running") == 0
-        assert metric(s, 'vllm:request_success_total{model_name="k3-test",finished_reason="abort"}') == aborts + 1
+        assert metric(s, 'vllm:request_success_total{finished_reason="abort",model_name="k3-test"}') == aborts + 1
         assert s.engine.kv.blocks.num_free == usable and not s.engine.has_unfinished_requests()
         assert s.state.in_flight == 0
         ok = httpx.post(s.url + "/v1/chat/completions", json={**body, "stream": False, "max_tokens": 3}, timeout=30)
@@ -106,7 +106,7 @@ def test_disconnect_while_waiting_non_streaming():
         while (s.state.in_flight or s.engine.has_unfinished_requests()) and time.monotonic() < deadline:
             time.sleep(0.02)
         assert s.state.in_flight == 0 and s.engine.kv.blocks.num_free == s.engine.kv.plan.num_usable_blocks
-        assert metric(s, 'vllm:request_success_total{model_name="k3-test",finished_reason="abort"}') == 1
+        assert metric(s, 'vllm:request_success_total{finished_reason="abort",model_name="k3-test"}') == 1
     finally:
         s.stop()
 
