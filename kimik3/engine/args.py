@@ -91,7 +91,8 @@ def _mm_limits(text: str) -> dict[str, int]:
     try:
         value = json.loads(text)
     except json.JSONDecodeError:
-        raise argparse.ArgumentTypeError(f"expected JSON such as '{{\"image\": 4, \"video\": 1}}', got {text!r}") from None
+        raise argparse.ArgumentTypeError(f"expected JSON such as '{{\"image\": 4, \"video\": 1}}', "
+                                         f"got {text!r}") from None
     return check_mm_limits(value)
 
 
@@ -140,7 +141,8 @@ class EngineArgs:
         "what the loaded weights leave of it. Ignored on CPU (default: 0.9)", default=0.9, type=_fraction)
     kv_cache_memory_bytes: int | None = _opt(
         "bytes for the cache pools, overriding --gpu-memory-utilization (default: sized automatically; "
-        "on CPU what max-num-seqs full sequences need, at most 4 GiB)", default=None, type=_positive(human_readable_int))
+        "on CPU what max-num-seqs full sequences need, at most 4 GiB)", default=None,
+        type=_positive(human_readable_int))
     kv_cache_dtype: str = _opt("cache dtype; only auto (the model dtype; KDA states in float32) (default: auto)",
                                default="auto", choices=["auto"])
     kda_checkpoint_interval: int | None = _opt(

@@ -161,7 +161,9 @@ class LLM:
             vision = preprocess_images(images, self._processor_config(), allow_paths=False)
             kw["images"] = [ImagePrompt(w, h, n) for (w, h), n in zip(vision.sizes, vision.num_tokens)]
         ids = tok.apply_chat_template(rendered, **kw)
-        return {"prompt_token_ids": ids, "multi_modal_data": vision} if vision is not None else {"prompt_token_ids": ids}
+        if vision is None:
+            return {"prompt_token_ids": ids}
+        return {"prompt_token_ids": ids, "multi_modal_data": vision}
 
     def _check_mm_limit(self, kind: str, count: int) -> None:
         limits = self.args.limit_mm_per_prompt

@@ -67,7 +67,8 @@ class ServerMetrics:
 
         self.requests = Counter("kimik3:http_requests", "HTTP requests by route and status code.",
                                 ["model_name", "route", "status"], registry=r)
-        self._finished = Counter("vllm:request_success", "Finished sequences by finish reason.", ["model_name", "finished_reason"], registry=r)
+        self._finished = Counter("vllm:request_success", "Finished sequences by finish reason.",
+                                 ["model_name", "finished_reason"], registry=r)
         self.prompt_tokens = Counter("vllm:prompt_tokens", "Prompt tokens of accepted requests.", m,
                                      registry=r).labels(model_name)
         self.generation_tokens = Counter("vllm:generation_tokens", "Generated tokens.", m,
