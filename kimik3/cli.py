@@ -13,6 +13,8 @@ import sys
 import time
 from pathlib import Path
 
+from kimik3.engine.args import positive_int
+
 DIM, RESET = "\x1b[2m", "\x1b[0m"
 
 
@@ -24,16 +26,6 @@ class _Parser(argparse.ArgumentParser):
     def error(self, message: str) -> None:          # one line instead of usage + message
         self.exit(2, f"kimik3: error: {message} (see 'kimik3 {self.prog.split()[-1]} --help')\n"
                   if " " in self.prog else f"kimik3: error: {message}\n")
-
-
-def _positive_int(text: str) -> int:
-    try:
-        value = int(text)
-    except ValueError:
-        raise argparse.ArgumentTypeError(f"expected a positive integer, got {text!r}") from None
-    if value < 1:
-        raise argparse.ArgumentTypeError(f"expected a positive integer, got {value}")
-    return value
 
 
 LOG_LEVELS = ["debug", "info", "warning", "error"]
@@ -50,7 +42,7 @@ def _log_args(p: argparse.ArgumentParser) -> None:
 
 def _sampling_args(p: argparse.ArgumentParser, max_tokens: int) -> None:
     g = p.add_argument_group("sampling (defaults: the model's generation_config.json, else the values named)")
-    g.add_argument("--max-tokens", type=_positive_int, default=None, help=f"tokens to generate (default: {max_tokens})")
+    g.add_argument("--max-tokens", type=positive_int, default=None, help=f"tokens to generate (default: {max_tokens})")
     g.add_argument("--temperature", type=float, default=None, help="0 = greedy (default: 0)")
     g.add_argument("--top-p", type=float, default=None, help="nucleus sampling mass (default: 1.0, off)")
     g.add_argument("--top-k", type=int, default=None, help="keep the k most likely tokens (default: -1, off)")
@@ -86,9 +78,9 @@ def build_parser() -> argparse.ArgumentParser:
     i = sub.add_parser("inspect", help="architecture, parameters, bytes and cache sizes of a checkpoint")
     i.add_argument("--model", default=None,
                    help="checkpoint directory or config.json (default: the embedded model)")
-    i.add_argument("--tensor-parallel-size", "-tp", type=_positive_int, default=1,
+    i.add_argument("--tensor-parallel-size", "-tp", type=positive_int, default=1,
                    help="ranks to size the model for (default: 1)")
-    i.add_argument("--expert-parallel-size", type=_positive_int, default=1,
+    i.add_argument("--expert-parallel-size", type=positive_int, default=1,
                    help="expert-parallel ranks to size the model for (default: 1)")
     _log_args(i)
 

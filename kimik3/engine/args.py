@@ -57,34 +57,35 @@ def human_readable_int(text: str) -> int:
                                          f"got {text!r}") from None
 
 
-def _positive(parse):
-    def check(text: str) -> int:
-        value = parse(text)
-        if value < 1:
-            raise argparse.ArgumentTypeError(f"expected a positive integer, got {text!r}")
+def number(parse, ok, what: str):
+    """An argparse type: ``parse`` the text, then require ``ok(value)``; errors say ``expected {what}``."""
+    def check(text: str):
+        try:
+            value = parse(text)
+        except (ValueError, argparse.ArgumentTypeError):
+            raise argparse.ArgumentTypeError(f"expected {what}, got {text!r}") from None
+        if not ok(value):
+            raise argparse.ArgumentTypeError(f"expected {what}, got {text!r}")
         return value
-    check.__name__ = parse.__name__   # argparse names the type in its messages
+    check.__name__ = what                 # argparse names the type in its messages
     return check
 
 
-def _non_negative_int(text: str) -> int:
-    try:
-        value = int(text)
-    except ValueError:
-        raise argparse.ArgumentTypeError(f"expected an integer >= 0, got {text!r}") from None
-    if value < 0:
-        raise argparse.ArgumentTypeError(f"expected an integer >= 0, got {value}")
-    return value
+def _positive(parse):
+    """Positive integers through ``parse`` (which keeps its own message for malformed text)."""
+    inner = number(parse, lambda v: v >= 1, "a positive integer")
+
+    def check(text: str) -> int:
+        if parse is human_readable_int:
+            human_readable_int(text)           # its own message: suffixes, decimals
+        return inner(text)
+    check.__name__ = "a positive integer"
+    return check
 
 
-def _fraction(text: str) -> float:
-    try:
-        value = float(text)
-    except ValueError:
-        raise argparse.ArgumentTypeError(f"expected a number in (0, 1], got {text!r}") from None
-    if not 0.0 < value <= 1.0:
-        raise argparse.ArgumentTypeError(f"expected a number in (0, 1], got {value}")
-    return value
+positive_int = number(int, lambda v: v >= 1, "a positive integer")
+non_negative_int = number(int, lambda v: v >= 0, "an integer >= 0")
+_fraction = number(float, lambda v: 0.0 < v <= 1.0, "a number in (0, 1]")
 
 
 def _mm_limits(text: str) -> dict[str, int]:
@@ -151,7 +152,7 @@ class EngineArgs:
     enforce_eager: bool = _opt("never capture CUDA graphs; every step runs eagerly (default: off)", default=False)
     seed: int = _opt("engine RNG seed for requests without their own seed (default: 0)", default=0, type=int)
     max_logprobs: int = _opt("most logprobs a request may ask for per token (default: 20)", default=20,
-                             type=_non_negative_int)
+                             type=non_negative_int)
     language_model_only: bool = _opt("load the text model only: skip the vision tower, refuse images "
                                      "(default: off)", default=False)
     generation_config: str = _opt(
@@ -172,7 +173,7 @@ class EngineArgs:
                                      "all-to-all (a2a) or all-gather/reduce-scatter (agrs) (default: tep)",
                                      default="tep", choices=["tep", "a2a", "agrs"])
     num_speculative_tokens: int = _opt("n-gram draft tokens verified per step (default: 0, off)", default=0,
-                                       type=_non_negative_int)
+                                       type=non_negative_int)
     speculative_ngram_min: int = _opt("shortest n-gram looked up for drafts (default: 2)", default=2,
                                       type=_positive(int))
     speculative_ngram_max: int = _opt("longest n-gram looked up for drafts (default: 4)", default=4,

@@ -6,7 +6,7 @@ from __future__ import annotations
 import argparse
 import json
 
-from kimik3.engine.args import add_engine_args
+from kimik3.engine.args import non_negative_int, add_engine_args
 
 # The K3 recipe's parser names. kimik3 always parses K3 output with its own parser (kimik3.chat), so
 # these flags name what is always on; any other parser name is refused.
@@ -46,13 +46,6 @@ def _json_list(text: str) -> list[str]:
     return value
 
 
-def _non_negative(text: str) -> int:
-    value = int(text)
-    if value < 0:
-        raise argparse.ArgumentTypeError(f"expected an integer >= 0, got {value}")
-    return value
-
-
 def add_serve_arguments(parser: argparse.ArgumentParser) -> argparse.ArgumentParser:
     """Every ``serve`` flag: ``kimik3 serve [MODEL] --port 8000 ...``."""
     add_engine_args(parser, positional_model=True)
@@ -85,7 +78,7 @@ def add_serve_arguments(parser: argparse.ArgumentParser) -> argparse.ArgumentPar
     g.add_argument("--reasoning-parser", type=_parser_name("reasoning"), default=K3_PARSER,
                    help=f"reasoning parser; only {K3_PARSER}, which kimik3 always uses: the thinking channel "
                         f"comes back as reasoning / reasoning_content (default: {K3_PARSER})")
-    g.add_argument("--max-queue-len", type=_non_negative, default=256,
+    g.add_argument("--max-queue-len", type=non_negative_int, default=256,
                    help="requests accepted beyond --max-num-seqs before answering 429 (default: 256)")
     g.add_argument("--shutdown-timeout", type=float, default=30.0,
                    help="seconds in-flight requests get to finish on shutdown before they are aborted (default: 30)")
