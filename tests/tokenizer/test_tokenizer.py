@@ -209,7 +209,7 @@ def test_detect_chat_format():
     assert detect_chat_format(lin, "kimi_k3") == "kimi_linear"
 
 
-def test_config_json_model_type_is_checked(tiny_dir, tmp_path):
+def test_tokenizer_names_decide_over_config_model_type(tiny_dir, tmp_path):
     d = tmp_path / "ckpt"
     shutil.copytree(tiny_dir, d)
     (d / "config.json").write_text(json.dumps({"model_type": "kimi_linear"}))
