@@ -30,30 +30,26 @@ def percentiles(values: list[float], ps=(50, 90, 99)) -> str:
 
 def run(llm: LLM, prompts: list[list[int]], params: list[SamplingParams]) -> tuple[float, list]:
     start = time.perf_counter()
-    outs = llm.generate([{"prompt_token_ids": p} for p in prompts], params)
+    outs = llm.generate([{"prompt_token_ids": p} for p in prompts], params, use_tqdm=False)
     return time.perf_counter() - start, outs
 
 
 def add_bench_arguments(ap: argparse.ArgumentParser) -> None:
-    ap.add_argument("--model", help="checkpoint directory (default: a tiny random checkpoint)")
-    ap.add_argument("--arch", default="kimi_k3", choices=["kimi_k3", "kimi_linear"], help="tiny checkpoint kind")
-    ap.add_argument("--num-requests", type=int, default=64)
-    ap.add_argument("--input-len", type=int, nargs=2, default=[16, 256], metavar=("MIN", "MAX"))
-    ap.add_argument("--output-len", type=int, nargs=2, default=[16, 128], metavar=("MIN", "MAX"))
-    ap.add_argument("--max-num-seqs", type=int, default=64)
-    ap.add_argument("--max-num-batched-tokens", type=int, default=8192)
-    ap.add_argument("--block-size", type=int, default=16)
-    ap.add_argument("--no-prefix-caching", action="store_true")
-    ap.add_argument("--num-speculative-tokens", type=int, default=0,
-                    help="n-gram draft tokens verified per step (default 0: off)")
+    from kimik3.engine.args import add_engine_args
+
+    ap.add_argument("--model", help="checkpoint directory (default: a tiny random checkpoint written to a temp dir)")
+    ap.add_argument("--arch", default="kimi_k3", choices=["kimi_k3", "kimi_linear"],
+                    help="tiny checkpoint kind (default: kimi_k3)")
+    ap.add_argument("--num-requests", type=int, default=64, help="requests (default: 64)")
+    ap.add_argument("--input-len", type=int, nargs=2, default=[16, 256], metavar=("MIN", "MAX"),
+                    help="prompt lengths, uniform (default: 16 256)")
+    ap.add_argument("--output-len", type=int, nargs=2, default=[16, 128], metavar=("MIN", "MAX"),
+                    help="output lengths, uniform (default: 16 128)")
     ap.add_argument("--greedy", action="store_true", help="temperature 0 requests (default: sampled, seeded)")
-    ap.add_argument("--cache-memory-bytes", type=int)
     ap.add_argument("--baseline-requests", type=int, default=16,
-                    help="requests run one at a time for the ratio (0 = all)")
-    ap.add_argument("--device", default=None)
-    ap.add_argument("--dtype", default=None, choices=["float32", "bfloat16", "float16"])
-    ap.add_argument("--threads", type=int, default=None, help="torch CPU threads")
-    ap.add_argument("--seed", type=int, default=0)
+                    help="requests run one at a time for the ratio; 0 = all (default: 16)")
+    ap.add_argument("--threads", type=int, default=None, help="torch CPU threads (default: torch's choice)")
+    add_engine_args(ap, skip=("model",))
 
 
 def bench_main(args: argparse.Namespace) -> int:
@@ -64,12 +60,13 @@ def bench_main(args: argparse.Namespace) -> int:
     if path is None:
         from kimik3.testing import make_tiny_checkpoint
         path = str(make_tiny_checkpoint(tempfile.mkdtemp(prefix="kimik3-bench-"), arch=args.arch, seed=args.seed))
-    dtype = getattr(torch, args.dtype) if args.dtype else None
-    max_len = args.input_len[1] + args.output_len[1]
-    llm = LLM(path, max_num_seqs=args.max_num_seqs, max_num_batched_tokens=args.max_num_batched_tokens,
-              max_model_len=max_len, block_size=args.block_size, enable_prefix_caching=not args.no_prefix_caching,
-              cache_memory_bytes=args.cache_memory_bytes, dtype=dtype, device=args.device, seed=args.seed,
-              num_speculative_tokens=args.num_speculative_tokens)
+    from kimik3.engine.args import EngineArgs
+
+    ea = EngineArgs.from_cli(args)
+    kwargs = {f: getattr(ea, f) for f in vars(ea) if f != "model"}
+    if kwargs["max_model_len"] is None:     # long enough for the longest request
+        kwargs["max_model_len"] = args.input_len[1] + args.output_len[1]
+    llm = LLM(path, **kwargs)
     vocab = llm.engine.vocab_size
     rng = random.Random(args.seed)
     prompts = [[rng.randrange(vocab) for _ in range(rng.randint(*args.input_len))] for _ in range(args.num_requests)]

@@ -13,6 +13,8 @@ import sys
 import time
 from pathlib import Path
 
+from kimik3.engine.args import positive_int
+
 DIM, RESET = "\x1b[2m", "\x1b[0m"
 
 
@@ -26,114 +28,103 @@ class _Parser(argparse.ArgumentParser):
                   if " " in self.prog else f"kimik3: error: {message}\n")
 
 
-def _positive_int(text: str) -> int:
-    try:
-        value = int(text)
-    except ValueError:
-        raise argparse.ArgumentTypeError(f"expected a positive integer, got {text!r}") from None
-    if value < 1:
-        raise argparse.ArgumentTypeError(f"expected a positive integer, got {value}")
-    return value
+LOG_LEVELS = ["debug", "info", "warning", "error"]
+# generate/chat run one request at a time: their cache is planned for one sequence
+ONE_AT_A_TIME = {"max_num_seqs": 1}
+# sampling flags of generate/chat: None = the model's generation_config.json, else these
+SAMPLING_DEFAULTS = {"max_tokens": 64, "temperature": 0.0, "top_p": 1.0, "top_k": -1}
 
 
-def _model_args(p: argparse.ArgumentParser) -> None:
-    p.add_argument("--model", default=None, help="checkpoint directory (default: the embedded tiny K3)")
-    p.add_argument("--dtype", choices=["float32", "bfloat16", "float64"], default=None,
-                   help="default: bfloat16 on CUDA, float32 on CPU")
-    p.add_argument("--device", default=None, help="cpu or cuda[:N] (default: cuda if available)")
-    p.add_argument("--max-model-len", type=_positive_int, default=8192)
-    p.add_argument("--num-speculative-tokens", type=int, default=0,
-                   help="n-gram draft tokens verified per step (default 0: off)")
+def _log_args(p: argparse.ArgumentParser) -> None:
+    p.add_argument("--log-level", choices=LOG_LEVELS, default="info",
+                   help="level of kimik3's own log messages, on stderr (default: info)")
 
 
-def _sampling_args(p: argparse.ArgumentParser) -> None:
-    p.add_argument("--max-tokens", type=_positive_int, default=64)
-    p.add_argument("--temperature", type=float, default=0.0, help="0 = greedy (default)")
-    p.add_argument("--top-p", type=float, default=1.0)
-    p.add_argument("--top-k", type=int, default=-1)
-    p.add_argument("--seed", type=int, default=None)
-    p.add_argument("--no-thinking", action="store_true", help="chat format: thinking off")
-    p.add_argument("--thinking-effort", choices=["low", "high", "max"], default="max")
+def _sampling_args(p: argparse.ArgumentParser, max_tokens: int) -> None:
+    g = p.add_argument_group("sampling (defaults: the model's generation_config.json, else the values named)")
+    g.add_argument("--max-tokens", type=positive_int, default=None, help=f"tokens to generate (default: {max_tokens})")
+    g.add_argument("--temperature", type=float, default=None, help="0 = greedy (default: 0)")
+    g.add_argument("--top-p", type=float, default=None, help="nucleus sampling mass (default: 1.0, off)")
+    g.add_argument("--top-k", type=int, default=None, help="keep the k most likely tokens (default: -1, off)")
+    g.add_argument("--no-thinking", action="store_true", help="chat format: thinking off (default: thinking on)")
+    g.add_argument("--thinking-effort", choices=["low", "high", "max"], default="max",
+                   help="chat format: thinking effort (default: max)")
 
 
 def build_parser() -> argparse.ArgumentParser:
+    from kimik3.engine.args import add_engine_args
+
     parser = _Parser(prog="kimik3", description="Inference engine for Kimi-K3 and Kimi-Linear.")
-    parser.add_argument("-v", "--verbose", action="store_true", help="log at INFO level")
-    parser.add_argument("--debug", action="store_true", help="show tracebacks")
+    parser.add_argument("-v", "--verbose", action="store_true", help="same as --log-level info (default: off)")
+    parser.add_argument("--debug", action="store_true", help="show tracebacks (default: off)")
     sub = parser.add_subparsers(dest="command", required=True, parser_class=_Parser)
 
     g = sub.add_parser("generate", help="generate a completion for one prompt (streams to stdout)")
     g.add_argument("prompt", nargs="?", help="the prompt; '-' or omitted reads standard input")
-    g.add_argument("--chat", action="store_true", help="wrap the prompt in the model's chat format")
-    g.add_argument("--image", action="append", default=[], metavar="PATH", help="an image (implies --chat)")
-    _model_args(g)
-    _sampling_args(g)
+    g.add_argument("--chat", action="store_true", help="wrap the prompt in the model's chat format (default: off)")
+    g.add_argument("--image", action="append", default=[], metavar="PATH",
+                   help="an image (implies --chat; repeatable) (default: none)")
+    _log_args(g)
+    add_engine_args(g, overrides=ONE_AT_A_TIME)
+    _sampling_args(g, 64)
 
     c = sub.add_parser("chat", help="interactive multi-turn chat (/reset, /image PATH, /exit; Ctrl-C stops an answer)")
-    c.add_argument("--system", default=None, help="system prompt")
-    _model_args(c)
-    _sampling_args(c)
-    c.set_defaults(max_tokens=512)
+    c.add_argument("--system", default=None, help="system prompt (default: none)")
+    _log_args(c)
+    add_engine_args(c, overrides=ONE_AT_A_TIME)
+    _sampling_args(c, 512)
+    c.set_defaults(default_max_tokens=512)
 
     i = sub.add_parser("inspect", help="architecture, parameters, bytes and cache sizes of a checkpoint")
-    i.add_argument("--model", default=None, help="checkpoint directory or config.json (default: the embedded model)")
-    i.add_argument("--tensor-parallel-size", type=_positive_int, default=1)
-    i.add_argument("--expert-parallel-size", type=_positive_int, default=1)
+    i.add_argument("--model", default=None,
+                   help="checkpoint directory or config.json (default: the embedded model)")
+    i.add_argument("--tensor-parallel-size", "-tp", type=positive_int, default=1,
+                   help="ranks to size the model for (default: 1)")
+    i.add_argument("--expert-parallel-size", type=positive_int, default=1,
+                   help="expert-parallel ranks to size the model for (default: 1)")
+    _log_args(i)
 
     s = sub.add_parser("serve", help="OpenAI-compatible HTTP server")
-    try:
-        from kimik3.serve import add_serve_arguments
-    except ImportError:       # the server package is optional at import time
-        add_serve_arguments = None
-    if add_serve_arguments is not None:
-        add_serve_arguments(s)
+    _log_args(s)
+    from kimik3.serve.cli_args import add_serve_arguments
+    add_serve_arguments(s)
     b = sub.add_parser("bench", help="offline throughput: N random requests, tok/s, TTFT/TPOT, batching gain")
+    _log_args(b)
     from kimik3.bench import add_bench_arguments
     add_bench_arguments(b)
     return parser
 
 
 # ---- helpers ------------------------------------------------------------------------------
-def _model_path(arg: str | None) -> Path:
-    import kimik3
+def _engine_args(args):
+    from kimik3.engine.args import EngineArgs
 
-    path = Path(arg) if arg else kimik3.DEFAULT_MODEL
-    if not path.exists():
-        raise CLIError(f"model path {path} does not exist")
-    if path.is_dir() and not (path / "config.json").is_file():
-        raise CLIError(f"{path} has no config.json: not a checkpoint directory")
-    return path
+    return EngineArgs.from_cli(args)
 
 
-def _device_dtype(args):
-    import torch
-
-    device = args.device or ("cuda" if torch.cuda.is_available() else "cpu")
-    if device.startswith("cuda") and not torch.cuda.is_available():
-        raise CLIError(f"--device {device}: CUDA is not available on this machine")
-    if device != "cpu" and not device.startswith("cuda"):
-        raise CLIError(f"--device must be 'cpu' or 'cuda[:N]', got {device!r}")
-    dtype = getattr(torch, args.dtype) if args.dtype else (torch.bfloat16 if device.startswith("cuda") else torch.float32)
-    return device, dtype
-
-
-def _load_llm(args, max_num_seqs: int = 4):
+def _load_llm(args):
     from kimik3.engine import LLM
 
-    path = _model_path(args.model)
-    device, dtype = _device_dtype(args)
-    if args.num_speculative_tokens < 0:
-        raise CLIError(f"--num-speculative-tokens must be >= 0, got {args.num_speculative_tokens}")
-    return LLM(str(path), max_num_seqs=max_num_seqs, max_model_len=args.max_model_len, device=device, dtype=dtype,
-               num_speculative_tokens=args.num_speculative_tokens), path
+    ea = _engine_args(args)
+    kwargs = {f: getattr(ea, f) for f in vars(ea) if f != "model"}
+    llm = LLM(ea.model, **kwargs)
+    return llm, llm.model_path
 
 
 def _sampling(args):
+    """The request's SamplingParams (checked before any model loads): flags, else the model's
+    generation_config.json, else SAMPLING_DEFAULTS."""
     from kimik3.engine import SamplingParams
 
+    ea = _engine_args(args)
+    defaults = {**SAMPLING_DEFAULTS, "max_tokens": getattr(args, "default_max_tokens", 64),
+                **ea.generation_defaults(ea.model_path())}
+    kw = {k: getattr(args, k) if getattr(args, k) is not None else defaults[k] for k in SAMPLING_DEFAULTS}
+    for k in ("min_p", "repetition_penalty"):
+        if k in defaults:
+            kw[k] = defaults[k]
     try:
-        return SamplingParams(max_tokens=args.max_tokens, temperature=args.temperature, top_p=args.top_p,
-                              top_k=args.top_k, seed=args.seed)
+        return SamplingParams(**kw)
     except ValueError as e:
         raise CLIError(str(e)) from None
 
@@ -239,9 +230,9 @@ def cmd_generate(args) -> int:
         prompt = sys.stdin.read()
     if not prompt.strip():
         raise CLIError("the prompt is empty")
-    images = _images(args.image, _model_path(args.model))
-    llm, path = _load_llm(args)
+    images = _images(args.image, _engine_args(args).model_path())
     params = _sampling(args)
+    llm, path = _load_llm(args)
     if args.chat or images:
         content = ([{"type": "image"} for _ in images] + [{"type": "text", "text": prompt}]) if images else prompt
         request = _prompt_with_images(llm, path, [{"role": "user", "content": content}], args, images)
@@ -257,8 +248,8 @@ def cmd_generate(args) -> int:
 
 
 def cmd_chat(args) -> int:
-    llm, path = _load_llm(args)
     params = _sampling(args)
+    llm, path = _load_llm(args)
     history: list[dict] = [{"role": "system", "content": args.system}] if args.system else []
     pending_images: list = []  # decoded images for the next message
     images: list = []          # every image of the conversation, in order (each turn renders them all)
@@ -325,7 +316,9 @@ def cmd_chat(args) -> int:
 def cmd_inspect(args) -> int:
     from kimik3.inspect import format_summary, summarize
 
-    path = Path(args.model) if args.model else _model_path(None)
+    import kimik3
+
+    path = Path(args.model) if args.model else kimik3.DEFAULT_MODEL
     if not path.exists():
         raise CLIError(f"model path {path} does not exist")
     print(format_summary(summarize(path)))
@@ -352,21 +345,29 @@ COMMANDS = {"generate": cmd_generate, "chat": cmd_chat, "inspect": cmd_inspect, 
             "bench": cmd_bench}
 
 
+def setup_logging(level: str) -> None:
+    """kimik3's log messages at ``level`` on stderr (malformed output of a random model is shown as text,
+    not warned about, unless at debug)."""
+    logging.basicConfig(level=level.upper(), format="%(asctime)s %(levelname)s %(name)s: %(message)s", force=True)
+    logging.getLogger("kimik3").setLevel(level.upper())
+    if level != "debug":
+        logging.getLogger("kimik3.chat.parsers").setLevel(logging.ERROR)
+
+
 def main(argv: list[str] | None = None) -> int:
     parser = build_parser()
     args = parser.parse_args(argv)
-    logging.basicConfig(level=logging.INFO if args.verbose else logging.WARNING,
-                        format="%(levelname)s %(name)s: %(message)s")
-    if not args.verbose:   # malformed output of the (random) model is shown as text, not warned about
-        logging.getLogger("kimik3.chat.parsers").setLevel(logging.ERROR)
+    setup_logging("info" if args.verbose and args.log_level not in ("debug", "info") else args.log_level)
     try:
+        from kimik3.engine.args import merge_model_tag
+        merge_model_tag(args)
         return COMMANDS[args.command](args)
     except KeyboardInterrupt:
         return 130
     except BrokenPipeError:                          # e.g. `kimik3 inspect | head`
         sys.stdout = open(os.devnull, "w")
         return 0
-    except (CLIError, ValueError, TypeError, OSError) as e:
+    except Exception as e:   # every user-facing failure: one line, exit 2 (--debug shows the traceback)
         if args.debug:
             raise
         message = str(e).strip().splitlines()[0] if str(e).strip() else type(e).__name__

@@ -49,7 +49,7 @@ _HF_GENERIC_KEYS = frozenset(
 # Keys the text model knows but does not need for the forward pass (documented, not used).
 _TEXT_INFORMATIONAL_KEYS = frozenset(
     """
-    num_key_value_heads head_dim rope_theta rope_scaling rope_parameters max_position_embeddings
+    num_key_value_heads head_dim rope_theta rope_scaling rope_parameters
     model_max_length topk_method use_grouped_topk quantization_config pad_token_id bos_token_id
     eos_token_id num_nextn_predict_layers
     """.split()
@@ -187,6 +187,7 @@ class TextConfig:
     bos_token_id: int | None = None
     eos_token_id: int | None = None
     pad_token_id: int | None = None
+    max_position_embeddings: int | None = None   # the longest sequence the model was built for
     numerics: Numerics = field(default_factory=Numerics)
 
     # ---- derived schedule -------------------------------------------------------------
@@ -380,6 +381,7 @@ def parse_text_config(data: dict, source: str, *, where: str = "",
         bos_token_id=r.get("bos_token_id", int, required=False, nullable=True),
         eos_token_id=r.get("eos_token_id", int, required=False, nullable=True),
         pad_token_id=r.get("pad_token_id", int, required=False, nullable=True),
+        max_position_embeddings=r.get("max_position_embeddings", int, required=False, nullable=True),
         **moe_keys,
     )
     r.warn_unknown(_TEXT_INFORMATIONAL_KEYS)

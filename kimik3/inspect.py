@@ -143,25 +143,27 @@ def format_summary(s: Summary, dtype: torch.dtype = torch.bfloat16, block_size: 
 
 
 # What one GPU holds, as nvidia-smi reports it (MiB), and the engine's default cache rule
-# (kimik3.engine.config.default_cache_bytes: 85% of the memory free after the weights load).
+# (kimik3.engine.config.gpu_cache_budget: gpu_memory_utilization of the whole GPU, minus the weights).
 SINGLE_GPUS = {"H200": 143771 << 20, "H100": 81559 << 20}
 CUDA_CONTEXT_BYTES = 1 << 30        # CUDA context, kernels and workspaces: about 1 GiB, an estimate
-CACHE_SHARE = 0.85
 
 
 def single_gpu_fit(weight_bytes: int, per_token: int, per_sequence: int) -> list[str]:
     """Whether the weights fit one GPU, and the default cache there in tokens and long sequences."""
+    from kimik3.engine.args import EngineArgs
+
+    utilization = EngineArgs.gpu_memory_utilization
     gib = 1 << 30
     lines = []
     for name, memory in SINGLE_GPUS.items():
         left = memory - weight_bytes - CUDA_CONTEXT_BYTES
-        if left <= 0:
+        cache = int(utilization * memory) - weight_bytes
+        if left <= 0 or cache <= 0:
             lines.append(f"one {name} ({memory / gib:.1f} GiB): does not fit (weights {weight_bytes / gib:.1f} GiB)")
             continue
-        cache = int(left * CACHE_SHARE)
         fits = {n: cache // (per_sequence + per_token * n) for n in (4096, 131072, 1048576)}
         lines.append(f"one {name} ({memory / gib:.1f} GiB): fits, weights {weight_bytes / gib:.1f} GiB; default cache "
-                     f"{cache / gib:.1f} GiB ({CACHE_SHARE:.0%} of the {left / gib:.1f} GiB left) = "
+                     f"{cache / gib:.1f} GiB (gpu_memory_utilization {utilization} of the GPU, less the weights) = "
                      f"{cache // per_token:,} latent tokens; memory for "
                      + ", ".join(f"{k} sequences of {n}" for n, k in fits.items()) + " tokens at once")
     return lines

@@ -163,7 +163,9 @@ def detect_chat_format(special_names: Iterable[str], model_type: str | None = No
     All of ``K3_MARKERS`` named -> ``"k3"`` (XTML); else all of ``KIMI_LINEAR_MARKERS`` named ->
     ``"kimi_linear"`` (K2-style ``<|im_*|>``); else the top-level ``config.json`` ``model_type``
     (``kimi_k3`` -> k3, ``kimi_linear`` -> kimi_linear); else None (no chat template).
-    A ``model_type`` that contradicts the tokenizer's names is an error.
+    The tokenizer's names win over ``model_type``: a K3 text-only checkpoint (``model_type``
+    ``kimi_linear`` with the K3 fields, as the official K3 text config class writes it) beside the K3
+    tokenizer chats in the K3 format.
     """
     names = set(special_names)
     by_tokens = None
@@ -173,10 +175,8 @@ def detect_chat_format(special_names: Iterable[str], model_type: str | None = No
         by_tokens = "kimi_linear"
     by_config = _MODEL_TYPE_FORMAT.get(model_type) if model_type else None
     if by_tokens and by_config and by_tokens != by_config:
-        raise ValueError(
-            f"tokenizer special tokens say chat format {by_tokens!r} but config.json model_type "
-            f"{model_type!r} says {by_config!r}; the checkpoint's files disagree"
-        )
+        logger.info("config.json model_type %r would mean chat format %r; the tokenizer's special tokens say %r, "
+                    "which is used", model_type, by_config, by_tokens)
     return by_tokens or by_config
 
 

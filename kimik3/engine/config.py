@@ -15,7 +15,9 @@ class EngineConfig:
     enable_prefix_caching: bool = True
     block_size: int = 16                    # tokens per MLA latent-cache block (and prefix-cache hash unit)
     kda_checkpoint_interval: int | None = None  # blocks between KDA state checkpoints; None = auto (memory.py)
-    cache_memory_bytes: int | None = None   # both cache pools; None = 85% of free GPU memory / enough on CPU
+    cache_memory_bytes: int | None = None   # both cache pools; None = from gpu_memory_utilization / enough on CPU
+    gpu_memory_utilization: float = 0.9     # fraction of the GPU's memory the whole process may use (vLLM's meaning)
+    max_logprobs: int = 20                  # most logprobs one request may ask for per token
     seed: int = 0                           # engine RNG (requests without their own seed)
     encoder_cache_tokens: int = 16384       # image embedding rows kept by content hash (one max-size K3 image)
     enforce_eager: bool = False             # True: no CUDA graphs (decode steps run eagerly too)
@@ -40,13 +42,37 @@ class EngineConfig:
                 and 1 <= self.speculative_ngram_min <= self.speculative_ngram_max):
             raise ValueError(f"speculative n-gram sizes need 1 <= speculative_ngram_min <= speculative_ngram_max, "
                              f"got {self.speculative_ngram_min!r} and {self.speculative_ngram_max!r}")
+        if not 0.0 < self.gpu_memory_utilization <= 1.0:
+            raise ValueError(f"gpu_memory_utilization must lie in (0, 1], got {self.gpu_memory_utilization!r}")
+        if not isinstance(self.max_logprobs, int) or self.max_logprobs < 0:
+            raise ValueError(f"max_logprobs must be an integer >= 0, got {self.max_logprobs!r}")
         if self.cache_memory_bytes is not None and self.cache_memory_bytes <= 0:
             raise ValueError(f"cache_memory_bytes must be positive or None (auto), got {self.cache_memory_bytes!r}")
 
 
-def default_cache_bytes(device: torch.device, wanted_bytes: int) -> int:
-    """85% of free GPU memory after loading the weights; on CPU what the limits can use (<= 4 GiB)."""
+def default_cache_bytes(device: torch.device, wanted_bytes: int, gpu_memory_utilization: float = 0.9) -> int:
+    """The cache budget when none is given. On a GPU (vLLM's meaning of gpu_memory_utilization): the
+    process may use ``utilization * total`` bytes; the cache gets that minus what the process already
+    holds (the weights); the rest of the GPU stays free for activations, CUDA graphs and other processes.
+    On CPU: what the limits can use, at most 4 GiB."""
     if device.type == "cuda":
-        free, _ = torch.cuda.mem_get_info(device)
-        return int(free * 0.85)
+        free, total = torch.cuda.mem_get_info(device)
+        return gpu_cache_budget(total, free, torch.cuda.memory_reserved(device), gpu_memory_utilization)
     return min(wanted_bytes, 4 << 30)
+
+
+def gpu_cache_budget(total: int, free: int, held: int, utilization: float) -> int:
+    """``utilization * total - held`` (``held``: bytes this process's allocator holds now), or ValueError
+    when that is not positive or more than the GPU has free (other processes hold the rest)."""
+    gib = 1 << 30
+    budget = int(utilization * total) - held
+    if budget <= 0:
+        raise ValueError(f"gpu_memory_utilization={utilization} allows {utilization * total / gib:.2f} GiB of the "
+                         f"GPU's {total / gib:.2f} GiB, but the weights already take {held / gib:.2f} GiB; raise "
+                         f"gpu_memory_utilization or use more GPUs (tensor_parallel_size)")
+    if budget > free:
+        raise ValueError(f"gpu_memory_utilization={utilization} asks for {budget / gib:.2f} GiB of cache but only "
+                         f"{free / gib:.2f} GiB of the GPU is free (other processes hold "
+                         f"{(total - free - held) / gib:.2f} GiB); lower gpu_memory_utilization to at most "
+                         f"{(free + held) / total:.2f}")
+    return budget

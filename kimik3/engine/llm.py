@@ -1,49 +1,44 @@
-"""Offline API shaped like vLLM's: ``LLM(path).generate(prompts, SamplingParams(...))``."""
+"""Offline API shaped like vLLM's: ``LLM(model=path).generate(prompts, SamplingParams(...))``, ``LLM.chat``."""
 
 from __future__ import annotations
 
+import dataclasses
 import itertools
 import time
+from typing import Any
 
-import torch
 from tqdm import tqdm
 
-from kimik3.engine.config import EngineConfig
-from kimik3.engine.llm_engine import LLMEngine
+from kimik3.engine.args import EngineArgs
 from kimik3.engine.request import CompletionOutput, RequestOutput
 from kimik3.engine.sampling_params import SamplingParams
+from kimik3.vision.preprocess import VisionInputs
+
+_ENGINE_ARGS = tuple(f.name for f in dataclasses.fields(EngineArgs) if f.name != "model")
+_MM_KEYS = {"image", "video"}
+_IMAGE_PARTS = ("image", "image_pil", "image_url")
 
 
 class LLM:
-    def __init__(self, model_path: str, *, max_num_seqs: int = 64, max_num_batched_tokens: int = 8192,
-                 max_model_len: int = 8192, enable_prefix_caching: bool = True, block_size: int = 16,
-                 kda_checkpoint_interval: int | None = None, cache_memory_bytes: int | None = None,
-                 dtype: torch.dtype | None = None, device: str | torch.device | None = None, seed: int = 0,
-                 tokenizer=None, tensor_parallel_size: int = 1, enable_expert_parallel: bool = False,
-                 num_speculative_tokens: int = 0, speculative_ngram_min: int = 2, speculative_ngram_max: int = 4):
-        """``tensor_parallel_size`` N > 1: this process becomes rank 0 and spawns N-1 workers, one
-        per GPU (``kimik3.parallel``); ``enable_expert_parallel`` splits whole experts over them.
-        ``num_speculative_tokens`` k > 0: greedy requests verify up to k n-gram draft tokens per
-        step (``kimik3.engine.speculative``)."""
-        import kimik3   # the package re-exports LLM, so load_model is looked up at call time
-        device = torch.device(device or ("cuda" if torch.cuda.is_available() else "cpu"))
-        dtype = dtype or (torch.bfloat16 if device.type == "cuda" else torch.float32)
-        config = EngineConfig(max_num_seqs=max_num_seqs, max_num_batched_tokens=max_num_batched_tokens,
-                              max_model_len=max_model_len, enable_prefix_caching=enable_prefix_caching,
-                              block_size=block_size, kda_checkpoint_interval=kda_checkpoint_interval,
-                              cache_memory_bytes=cache_memory_bytes, seed=seed,
-                              num_speculative_tokens=num_speculative_tokens, speculative_ngram_min=speculative_ngram_min,
-                              speculative_ngram_max=speculative_ngram_max)
-        self.parallel_group = None
-        if tensor_parallel_size > 1 or enable_expert_parallel:
-            from kimik3.parallel.launch import ParallelConfig, start_group
-            layout = ParallelConfig(tensor_parallel_size, enable_expert_parallel)
-            model, self.parallel_group = start_group(model_path, layout, dtype, device.type)
-            self.engine = LLMEngine(model, config, tokenizer=tokenizer, tokenizer_path=str(model_path),
-                                    runner_factory=self.parallel_group.runner_factory)
-        else:
-            model = kimik3.load_model(model_path, device=device, dtype=dtype)
-            self.engine = LLMEngine(model, config, tokenizer=tokenizer, tokenizer_path=str(model_path))
+    def __init__(self, model: str | None = None, *, tokenizer=None, **engine_args: Any):
+        """``model``: a checkpoint directory (None: the embedded tiny K3). ``engine_args``: the fields of
+        ``kimik3.engine.EngineArgs``, named as vLLM names them (``dtype="bfloat16"``, ``max_model_len``,
+        ``gpu_memory_utilization``, ``enforce_eager``, ``kv_cache_dtype``, ``max_logprobs``,
+        ``limit_mm_per_prompt``, ``language_model_only``, ``tensor_parallel_size`` ...); the same
+        settings as the ``kimik3`` flags, with the same defaults.
+
+        ``tensor_parallel_size`` N > 1: this process becomes rank 0 and spawns N-1 workers, one per GPU
+        (``kimik3.parallel``); ``enable_expert_parallel`` splits whole experts over them.
+        ``num_speculative_tokens`` k > 0: requests verify up to k n-gram draft tokens per step."""
+        unknown = sorted(set(engine_args) - set(_ENGINE_ARGS))
+        if unknown:
+            raise TypeError(f"LLM() got unknown argument(s) {unknown}; it takes model, tokenizer and "
+                            f"{', '.join(_ENGINE_ARGS)}")
+        self.args = EngineArgs(model=model, **engine_args)
+        self.model_path = self.args.model_path()
+        self.engine, self.parallel_group = self.args.create_engine(tokenizer)
+        self.generation_defaults = self.args.generation_defaults(self.model_path)   # SamplingParams names
+        self._processor = None
         self._ids = itertools.count()
 
     def shutdown(self) -> None:
@@ -63,12 +58,23 @@ class LLM:
     def get_tokenizer(self):
         return self.engine.get_tokenizer(required=True)
 
+    def get_default_sampling_params(self) -> SamplingParams:
+        """SamplingParams from the model's generation_config.json (``generation_config="auto"``), else vLLM's."""
+        return SamplingParams(**self.generation_defaults)
+
     def generate(self, prompts, sampling_params: SamplingParams | list[SamplingParams] | None = None,
-                 use_tqdm: bool = False) -> list[RequestOutput]:
-        """Run every prompt to completion; results come back in prompt order."""
+                 use_tqdm: bool = True) -> list[RequestOutput]:
+        """Run every prompt to completion; results come back in prompt order.
+
+        A prompt is a string, ``{"prompt_token_ids": ids}`` or ``{"prompt": text}``, optionally with vLLM's
+        ``"multi_modal_data": {"image": PIL image or list, "video": list of frames (or a list of such lists)}``.
+        The prompt may hold one ``<|media_pad|>`` per image / video chunk (the HF processor's form; it is
+        expanded here to one pad per embedding row) or the expanded pads already. Images come first, then
+        video chunks, in the order their pads appear. ``use_tqdm``: a progress bar on stderr."""
         if isinstance(prompts, (str, dict)):
             prompts = [prompts]
-        params = sampling_params or SamplingParams()
+        prompts = [self._engine_prompt(p) for p in prompts]
+        params = sampling_params or self.get_default_sampling_params()
         params = params if isinstance(params, list) else [params] * len(prompts)
         if len(params) != len(prompts):
             raise ValueError(f"got {len(params)} SamplingParams for {len(prompts)} prompts; give one or one each")
@@ -96,6 +102,129 @@ class LLM:
                     bar.set_postfix(tok_s=f"{n_out / (time.perf_counter() - start):.0f}")
         bar.close()
         return [results[rid] for rid in ids]
+
+    def chat(self, messages, sampling_params: SamplingParams | list[SamplingParams] | None = None,
+             use_tqdm: bool = True, chat_template_kwargs: dict | None = None, add_generation_prompt: bool = True,
+             tools: list[dict] | None = None) -> list[RequestOutput]:
+        """Generate replies to one conversation (a list of ``{"role", "content"}`` messages) or a list of
+        them, rendered in the checkpoint's chat format. Content parts may be text, ``{"type": "image_pil",
+        "image_pil": PIL}`` / ``{"type": "image", "image": PIL}``, or ``{"type": "image_url", "image_url":
+        {"url": "data:..."}}``. ``chat_template_kwargs``: ``thinking`` (bool), ``thinking_effort``. The text
+        comes back raw (thinking included); ``kimik3.chat.parse_k3_output`` splits it."""
+        if not isinstance(messages, list) or not messages:
+            raise ValueError("messages must be a non-empty list of messages (or of conversations)")
+        conversations = messages if isinstance(messages[0], list) else [messages]
+        prompts = [self._chat_prompt(c, chat_template_kwargs or {}, add_generation_prompt, tools)
+                   for c in conversations]
+        return self.generate(prompts, sampling_params, use_tqdm)
+
+    # ---- prompts -------------------------------------------------------------------------------------
+    def _processor_config(self):
+        if self._processor is None:
+            from kimik3.vision.preprocess import load_media_processor_config
+            self._processor = load_media_processor_config(self.model_path)
+        return self._processor
+
+    def _chat_prompt(self, conversation: list, template_kwargs: dict, add_generation_prompt: bool, tools):
+        from kimik3.chat import ImagePrompt
+        from kimik3.vision.preprocess import preprocess_images
+        unknown = sorted(set(template_kwargs) - {"thinking", "thinking_effort"})
+        if unknown:
+            raise ValueError(f"chat_template_kwargs {unknown} are not supported; kimik3 takes thinking and "
+                             f"thinking_effort")
+        images, rendered = [], []
+        for i, m in enumerate(conversation):
+            content = m.get("content") if isinstance(m, dict) else None
+            if isinstance(content, list):
+                parts = []
+                for k, part in enumerate(content):
+                    kind = part.get("type") if isinstance(part, dict) else None
+                    if kind in _IMAGE_PARTS:
+                        source = part.get(kind)
+                        if kind == "image_url":
+                            source = source.get("url") if isinstance(source, dict) else source
+                            if not isinstance(source, str) or not source.startswith("data:"):
+                                raise ValueError(f"messages[{i}].content[{k}]: image_url must be a data: URL "
+                                                 f"(or pass a PIL image as an image_pil part)")
+                        if source is None:
+                            raise ValueError(f"messages[{i}].content[{k}]: a {kind} part needs its image under "
+                                             f"{kind!r}")
+                        images.append(source)
+                        part = {"type": "image"}
+                    parts.append(part)
+                m = {**m, "content": parts}
+            rendered.append(m)
+        tok = self.get_tokenizer()
+        kw: dict[str, Any] = {"tools": tools, "tokenize": True, "add_generation_prompt": add_generation_prompt}
+        if tok.chat_format == "k3":
+            kw.update(thinking=template_kwargs.get("thinking", True),
+                      thinking_effort=template_kwargs.get("thinking_effort", "max"))
+        elif template_kwargs:
+            raise ValueError(f"chat_template_kwargs {sorted(template_kwargs)} need the K3 chat format; this "
+                             f"tokenizer renders {tok.chat_format!r}")
+        else:
+            kw.update(thinking_effort=None)
+        vision = None
+        if images:
+            self._check_mm_limit("image", len(images))
+            vision = preprocess_images(images, self._processor_config(), allow_paths=False)
+            kw["images"] = [ImagePrompt(w, h, n) for (w, h), n in zip(vision.sizes, vision.num_tokens)]
+        ids = tok.apply_chat_template(rendered, **kw)
+        if vision is None:
+            return {"prompt_token_ids": ids}
+        return {"prompt_token_ids": ids, "multi_modal_data": vision}
+
+    def _check_mm_limit(self, kind: str, count: int) -> None:
+        limits = self.args.limit_mm_per_prompt
+        if limits is not None and kind in limits and count > limits[kind]:
+            raise ValueError(f"the prompt has {count} {kind}(s), more than limit_mm_per_prompt[{kind!r}]="
+                             f"{limits[kind]}")
+
+    def _engine_prompt(self, prompt):
+        """vLLM's prompt forms -> the engine's (token ids, VisionInputs with one pad per embedding row)."""
+        if not isinstance(prompt, dict):
+            return prompt
+        mm = prompt.get("multi_modal_data")
+        if "prompt_token_ids" not in prompt and "prompt" in prompt:
+            text = prompt["prompt"]
+            if not isinstance(text, str) or not text:
+                raise ValueError("a prompt's 'prompt' must be a non-empty string")
+            ids = self.get_tokenizer().encode(text, allow_special=mm is not None)
+            prompt = {**prompt, "prompt_token_ids": ids}
+        if mm is None or isinstance(mm, VisionInputs):
+            return prompt
+        if not isinstance(mm, dict) or not mm or set(mm) - _MM_KEYS:
+            raise ValueError(f"multi_modal_data must be {{'image': PIL image or list, 'video': list of frames}} "
+                             f"(or a kimik3 VisionInputs), got {mm if not isinstance(mm, dict) else sorted(mm)!r}")
+        from kimik3.vision.preprocess import concat_vision_inputs, preprocess_images, preprocess_video
+        from kimik3.vision.prompt import expand_media_pads
+        cfg = self._processor_config()
+        parts = []
+        images = mm.get("image")
+        if images is not None:
+            images = images if isinstance(images, (list, tuple)) else [images]
+            self._check_mm_limit("image", len(images))
+            if images:
+                parts.append(preprocess_images(images, cfg))
+        videos = mm.get("video")
+        if videos is not None:
+            videos = list(videos) if isinstance(videos, (list, tuple)) else [videos]
+            if videos and not isinstance(videos[0], (list, tuple)):
+                videos = [videos]                        # one video given as its list of frames
+            self._check_mm_limit("video", len(videos))
+            chunk = cfg.temporal_merge_kernel_size
+            for frames in videos:
+                parts += [preprocess_video(frames[i:i + chunk], cfg) for i in range(0, len(frames), chunk)]
+        if not parts:
+            raise ValueError("multi_modal_data holds no images or video frames; leave it out for a text prompt")
+        vision = concat_vision_inputs(parts)
+        pad = getattr(self.engine.model.config, "media_placeholder_token_id", None)
+        ids = list(prompt["prompt_token_ids"])
+        n_pads = sum(1 for t in ids if t == pad) if pad is not None else 0
+        if pad is not None and n_pads == len(vision) and n_pads != sum(vision.num_tokens):
+            ids = expand_media_pads(ids, vision.num_tokens, pad)
+        return {**{k: v for k, v in prompt.items() if k != "multi_modal_data"}, "prompt_token_ids": ids,
+                "multi_modal_data": vision}
 
 
 def _merge(acc: RequestOutput, delta: RequestOutput) -> None:

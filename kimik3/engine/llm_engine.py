@@ -74,7 +74,7 @@ class LLMEngine:
             n = config.max_num_seqs
             wanted = ((1 + n + n * config.num_speculative_tokens) * slot + (1 + n * per_seq) * block
                       + (n * per_seq // interval if interval else 0) * slot)
-            budget = default_cache_bytes(self.device, wanted)
+            budget = default_cache_bytes(self.device, wanted, config.gpu_memory_utilization)
         self.plan: MemoryPlan = plan_memory(cache_text, budget, config.block_size, config.max_num_seqs, interval, dtype,
                                             num_spec_slots=config.max_num_seqs * config.num_speculative_tokens)
         need = max_blocks_per_seq(config.max_model_len, config.block_size)
@@ -207,6 +207,9 @@ class LLMEngine:
             fix = "use fewer or smaller images, shorten the text" if n_img else "shorten it"
             raise ValueError(f"prompt has {len(ids)} tokens{what}, more than max_model_len="
                              f"{self.config.max_model_len}; {fix} or raise max_model_len")
+        if params.logprobs is not None and params.logprobs > self.config.max_logprobs:
+            raise ValueError(f"logprobs={params.logprobs} is more than max_logprobs={self.config.max_logprobs}; "
+                             f"ask for fewer or raise max_logprobs")
         bad = [t for t in params.stop_token_ids if t >= self.vocab_size]
         if bad:
             raise ValueError(f"stop_token_ids {bad} lie outside the vocabulary [0, {self.vocab_size}); "
@@ -359,8 +362,16 @@ class LLMEngine:
         m = {"arrival_time": arrival, "e2e_s": end - arrival, "num_output_tokens": float(n_out),
              "num_preemptions": float(sum(r.num_preemptions for r in g.children)),
              "num_prefix_hit_tokens": float(sum(r.num_prefix_hit_tokens for r in g.children))}
+        m["max_output_tokens"] = float(max(r.num_output_tokens for r in g.children))
+        scheduled = [r.scheduled_time for r in g.children if r.scheduled_time is not None]
+        if scheduled:
+            m["queue_s"] = min(scheduled) - arrival          # waiting for a slot and cache
+            m["inference_s"] = end - min(scheduled)          # running (prefill + decode)
         if first:
             m["ttft_s"] = min(first) - arrival
+            if scheduled:
+                m["prefill_s"] = min(first) - min(scheduled)
+                m["decode_s"] = end - min(first)
             if n_out > len(g.children):
                 m["tpot_s"] = (end - min(first)) / max(n_out / len(g.children) - 1, 1)
         return m

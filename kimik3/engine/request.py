@@ -59,6 +59,7 @@ class Request:
     logprobs: list[dict[int, float]] = field(default_factory=list)
     finish_reason: str | None = None
     stop_reason: int | str | None = None
+    scheduled_time: float | None = None   # first admitted to run (queue time ends)
     first_token_time: float | None = None
     finish_time: float | None = None
     group_id: str = ""              # the user's request id (children of an n > 1 request share it)

@@ -17,6 +17,8 @@ Rules, in order, per step (budget = ``max_num_batched_tokens``):
 
 from __future__ import annotations
 
+import time
+
 from collections import deque
 from dataclasses import dataclass, field
 
@@ -116,6 +118,8 @@ class Scheduler:
             self.waiting.popleft()
             req.wait_for = None
             req.status = RequestStatus.RUNNING
+            if req.scheduled_time is None:
+                req.scheduled_time = time.monotonic()
             req.num_prefix_hit_tokens = max(req.num_prefix_hit_tokens, admission.num_hit_tokens)
             self.running.append(req)
             if admission.restore_from is None:

@@ -2,6 +2,7 @@
 
 from __future__ import annotations
 
+import dataclasses
 import logging
 import re
 from pathlib import Path
@@ -39,7 +40,7 @@ def _text_name(name: str, architecture: str, has_vision: bool) -> str | None:
 
 def load_model(path: str | Path, device: str | torch.device = "cpu", dtype: torch.dtype = torch.float32,
                packed_experts: bool | None = None, parallel: ParallelContext | None = None,
-               **switches) -> KimiForCausalLM:
+               language_model_only: bool = False, progress: bool = False, **switches) -> KimiForCausalLM:
     """Load a Kimi-K3 or Kimi-Linear checkpoint directory.
 
     ``dtype``: float64, float32, bfloat16 (float16 also works). ``switches`` set the numeric
@@ -48,6 +49,8 @@ def load_model(path: str | Path, device: str | torch.device = "cpu", dtype: torc
     None chooses it for an MXFP4 checkpoint loaded in bfloat16 onto a CUDA device.
     ``parallel``: this rank's place in a TP/EP group; only the rank's shards are read (each
     TP-split tensor through a safetensors slice, other ranks' experts not at all).
+    ``language_model_only``: skip the vision tower (its tensors are not read; the model takes no images).
+    ``progress``: a progress bar (bytes read, on stderr) while the files load.
     Returns the text model; ``model(ids)`` gives logits [T, vocab] (float32).
     """
     parallel = parallel or ParallelContext()
@@ -57,6 +60,9 @@ def load_model(path: str | Path, device: str | torch.device = "cpu", dtype: torc
     if dtype not in _DTYPES:
         raise ValueError(f"dtype must be one of {sorted(str(d) for d in _DTYPES)}, got {dtype}")
     config = load_config(path, **switches)
+    if language_model_only and config.vision is not None:
+        config = dataclasses.replace(config, vision=None)
+        logger.info("language_model_only: the vision tower is not loaded")
     files = checkpoint_files(path)
     for f in files:
         file_size_ok(f)
@@ -77,8 +83,9 @@ def load_model(path: str | Path, device: str | torch.device = "cpu", dtype: torc
     loaded: set[str] = set()
     pending: dict[str, dict[str, torch.Tensor]] = {}   # MXFP4 halves waiting for their partner
     skipped = other_ranks = 0
-    # the bar shows on a terminal for multi-file checkpoints (tqdm's None = off when not a tty)
-    for file in tqdm(files, desc="loading", unit="file", disable=None if len(files) > 1 else True):
+    bar = tqdm(total=sum(f.stat().st_size for f in files), desc=f"loading {path.name}", unit="B", unit_scale=True,
+               unit_divisor=1024, disable=not progress or parallel.tp_rank != 0)
+    for file in files:
         for raw_name, read in iter_slices(file):
             name = _text_name(raw_name, config.architecture, config.vision is not None)
             if name is None:
@@ -119,6 +126,8 @@ def load_model(path: str | Path, device: str | torch.device = "cpu", dtype: torc
                 raise CheckpointError(f"tensor '{raw_name}' appears twice (second time in {file})")
             model.load_weight(name, tensor.to(device), source=str(file))
             loaded.add(name)
+        bar.update(file.stat().st_size)
+    bar.close()
     if pending:
         base = next(iter(pending))
         have = next(iter(pending[base]))
@@ -129,7 +138,7 @@ def load_model(path: str | Path, device: str | torch.device = "cpu", dtype: torc
         more = f" (+{len(missing) - 5} more)" if len(missing) > 5 else ""
         raise CheckpointError(f"checkpoint {path} is missing {len(missing)} tensor(s): {', '.join(missing[:5])}{more}")
     if skipped:
-        logger.info("skipped %d vision/projector tensors: config.json has no vision_config", skipped)
+        logger.info("skipped %d vision/projector tensors (no vision tower: language_model_only or no vision_config)", skipped)
     if other_ranks:
         logger.info("rank %d of %d: left %d routed-expert tensors to the other expert-parallel ranks",
                     parallel.tp_rank, parallel.tp_size, other_ranks)

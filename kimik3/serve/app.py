@@ -23,12 +23,13 @@ from contextlib import asynccontextmanager
 from dataclasses import dataclass, field
 
 from fastapi import FastAPI, Request
+from fastapi.middleware.cors import CORSMiddleware
 from fastapi.responses import JSONResponse, Response, StreamingResponse
 from pydantic import ValidationError
 from starlette.exceptions import HTTPException as StarletteHTTPException
 
 from kimik3.engine import LLMEngine, SamplingParams
-from kimik3.serve.chat import build_chat_prompt
+from kimik3.serve.chat import build_chat_prompt, collect_images
 from kimik3.serve.engine_loop import (
     ChoiceDelta,
     Done,
@@ -51,8 +52,8 @@ from kimik3.serve.responses import ChatFormatter, CompletionFormatter, usage_bod
 
 logger = logging.getLogger(__name__)
 
-MAX_TOP_LOGPROBS = 20
-_ROUTES = ("/v1/chat/completions", "/v1/completions", "/v1/models", "/health", "/metrics")
+_ROUTES = ("/v1/chat/completions", "/v1/completions", "/v1/responses", "/v1/models", "/health", "/metrics",
+           "/tokenize", "/detokenize", "/version", "/ping")
 
 
 @dataclass
@@ -63,6 +64,13 @@ class ServeOptions:
     shutdown_timeout: float = 30.0      # seconds in-flight requests get to finish at shutdown
     processor_config: object | None = None   # MediaProcessorConfig for images (None: defaults)
     limits: Limits = field(default_factory=Limits)
+    allowed_origins: list[str] = field(default_factory=lambda: ["*"])   # CORS (vLLM's defaults)
+    allowed_methods: list[str] = field(default_factory=lambda: ["*"])
+    allowed_headers: list[str] = field(default_factory=lambda: ["*"])
+    allow_credentials: bool = False
+    log_requests: bool = False          # one INFO line per request
+    generation_defaults: dict = field(default_factory=dict)   # SamplingParams defaults (generation_config.json)
+    limit_mm_per_prompt: dict | None = None   # {"image": N}: most images per request
 
     def __post_init__(self) -> None:
         if not isinstance(self.max_queue_len, int) or self.max_queue_len < 0:
@@ -79,6 +87,7 @@ class ServerState:
         self.tokenizer = engine.get_tokenizer()
         self.metrics = ServerMetrics(self.loop, options.served_model_name)
         self.max_model_len = engine.config.max_model_len
+        self.max_logprobs = engine.config.max_logprobs
         self.capacity = engine.config.max_num_seqs + options.max_queue_len
         self.has_vision = getattr(engine.model.config, "vision", None) is not None
         self.in_flight = 0                  # sequences (n x prompts of each admitted request)
@@ -150,7 +159,8 @@ def _check_model(state: ServerState, name: str | None) -> str:
     return served
 
 
-def _sampling_params(req, max_tokens: int, logprobs: int | None, stop_token_ids: list[int]) -> SamplingParams:
+def _sampling_params(req, max_tokens: int, logprobs: int | None, stop_token_ids: list[int],
+                     defaults: dict | None = None) -> SamplingParams:
     # vLLM's rule: ignore_eos also drops the chat format's stop ids; the client's own stop ids stay.
     stops = (req.stop_token_ids or []) + ([] if req.ignore_eos else stop_token_ids)
     kw = {"n": req.n, "max_tokens": max_tokens, "seed": req.seed, "stop": req.stop, "ignore_eos": req.ignore_eos,
@@ -158,6 +168,8 @@ def _sampling_params(req, max_tokens: int, logprobs: int | None, stop_token_ids:
     for name in ("temperature", "top_p", "top_k", "min_p", "presence_penalty", "frequency_penalty",
                  "repetition_penalty"):
         value = getattr(req, name)
+        if value is None:
+            value = (defaults or {}).get(name)      # the model's generation_config.json
         if value is not None:
             kw[name] = value
     try:
@@ -175,7 +187,8 @@ def _max_tokens(state: ServerState, requested: int | None, param: str, prompt_le
                           f"tokens (prompt and completion together); shorten the prompt", prompt_param,
                           "context_length_exceeded")
     if requested is None:
-        return limit - prompt_len
+        default = state.options.generation_defaults.get("max_tokens")
+        return min(default, limit - prompt_len) if default else limit - prompt_len
     if requested < 1:
         raise bad_request(f"{param} must be at least 1, got {requested}", param)
     if prompt_len + requested > limit:
@@ -249,7 +262,7 @@ class _Exchange:
                     m.itl.observe(now - prev)
                 self.last_token[d.index] = now
             if d.finish_reason is not None:
-                m.finished.labels(d.finish_reason).inc()
+                m.finished(d.finish_reason)
 
     def usage(self, cached: int) -> dict:
         return usage_body(self.prompt_tokens, self.completion_tokens, cached)
@@ -262,11 +275,9 @@ class _Exchange:
             self._getter.cancel()
         if not self.job.done:
             self.state.loop.abort(self.job)
-            self.state.metrics.finished.labels("abort").inc()
+            self.state.metrics.finished("abort")
         self.state.in_flight -= len(self.job.choices)
         self.state.metrics.generation_tokens.inc(self.completion_tokens)
-        if self.first_token is not None:
-            self.state.metrics.e2e.observe(time.monotonic() - self.start)
 
 
 async def _run(state: ServerState, request: Request, prompts: list[PromptInput], params: SamplingParams, fmt,
@@ -274,6 +285,9 @@ async def _run(state: ServerState, request: Request, prompts: list[PromptInput],
     state.admit(len(prompts) * params.n)
     job = Job(fmt.id, prompts, params)
     prompt_tokens = sum(len(p.token_ids) for p in prompts)
+    if state.options.log_requests:
+        logger.info("request %s: %d prompt(s), %d prompt tokens, stream=%s, %s", fmt.id, len(prompts),
+                    prompt_tokens, stream, params)
     ex = _Exchange(state, request, job, prompt_tokens, fmt)
     state.metrics.prompt_tokens.inc(prompt_tokens)
     handed_off = False
@@ -303,29 +317,32 @@ async def _run(state: ServerState, request: Request, prompts: list[PromptInput],
 
 
 async def _stream(ex: _Exchange, first, include_usage: bool):
+    encode = getattr(ex.fmt, "sse", _sse)        # a formatter may frame its own events (/v1/responses)
     item = first
     while True:
         if isinstance(item, list):
             for chunk in ex.fmt.feed(item, streaming=True):
-                yield _sse(chunk)
+                yield encode(chunk)
         elif isinstance(item, Done):
             if include_usage:
-                yield _sse(ex.fmt.usage_chunk(ex.usage(item.cached_tokens)))
+                yield encode(ex.fmt.usage_chunk(ex.usage(item.cached_tokens)))
             break
         elif isinstance(item, Failed):
             e = item.error
-            yield _sse(error_body(e.status, e.message, e.param, e.code))
+            yield encode(error_body(e.status, e.message, e.param, e.code))
             break
         elif item is None:      # client gone: the cleanup aborts the job
             return
         item = await ex.next_event()
-    yield b"data: [DONE]\n\n"
+    if getattr(ex.fmt, "done_marker", True):
+        yield b"data: [DONE]\n\n"
 
 
 # ---- the app --------------------------------------------------------------------------------------------------
 
 class _Guard:
-    """Pure ASGI: API-key check on every route but /health, and request counts by route and status."""
+    """Pure ASGI: API-key check on the /v1 routes (as vLLM: /health, /metrics, /ping, /version, /tokenize and
+    /detokenize stay open; CORS preflights are answered outside this), and request counts by route and status."""
 
     def __init__(self, app, state: ServerState):
         self.app = app
@@ -346,7 +363,7 @@ class _Guard:
             await send(message)
 
         try:
-            if self.expected is not None and path != "/health":
+            if self.expected is not None and path.startswith("/v1") and scope.get("method") != "OPTIONS":
                 got = dict(scope.get("headers") or []).get(b"authorization", b"")
                 if not hmac.compare_digest(got, self.expected):
                     body = error_body(401, "invalid or missing API key; send 'Authorization: Bearer <key>'",
@@ -355,7 +372,7 @@ class _Guard:
                     return
             await self.app(scope, receive, send_wrapper)
         finally:
-            self.state.metrics.requests.labels(route, str(status["code"])).inc()
+            self.state.metrics.request(route, str(status["code"]))
 
 
 def create_app(engine: LLMEngine, options: ServeOptions) -> FastAPI:
@@ -419,18 +436,22 @@ def create_app(engine: LLMEngine, options: ServeOptions) -> FastAPI:
         tok = state.tokenizer
         if tok is None:
             raise APIError(500, "this server has no tokenizer, so it cannot render chats", code="no_tokenizer")
+        limit = (options.limit_mm_per_prompt or {}).get("image")
+        if limit is not None and len(collect_images(req.messages)) > limit:
+            raise bad_request(f"the messages hold {len(collect_images(req.messages))} images, more than this server's "
+                              f"--limit-mm-per-prompt image={limit}", "messages", "too_many_images")
         prompt = await state.cpu(build_chat_prompt, req, tok, options.processor_config, state.has_vision,
                                  state.loop.multi_modal_arg, max_image_tokens=state.max_model_len - 1)
         requested = req.max_completion_tokens if req.max_completion_tokens is not None else req.max_tokens
         param = "max_completion_tokens" if req.max_completion_tokens is not None else "max_tokens"
         max_tokens = _max_tokens(state, requested, param, len(prompt.token_ids), "messages")
-        if req.top_logprobs is not None and not (0 <= req.top_logprobs <= MAX_TOP_LOGPROBS):
-            raise bad_request(f"top_logprobs must lie in [0, {MAX_TOP_LOGPROBS}], got {req.top_logprobs}",
-                              "top_logprobs")
+        if req.top_logprobs is not None and not (0 <= req.top_logprobs <= state.max_logprobs):
+            raise bad_request(f"top_logprobs must lie in [0, {state.max_logprobs}] (--max-logprobs), got "
+                              f"{req.top_logprobs}", "top_logprobs")
         if req.top_logprobs and not req.logprobs:
             raise bad_request("top_logprobs needs logprobs=true", "top_logprobs")
         logprobs = (req.top_logprobs or 0) if req.logprobs else None
-        params = _sampling_params(req, max_tokens, logprobs, tok.stop_token_ids)
+        params = _sampling_params(req, max_tokens, logprobs, tok.stop_token_ids, options.generation_defaults)
         include_usage = bool(req.stream_options and req.stream_options.include_usage)
         fmt = ChatFormatter(f"chatcmpl-{uuid.uuid4().hex}", name, prompt, req.n, logprobs, tok,
                             include_usage and req.stream)
@@ -445,15 +466,16 @@ def create_app(engine: LLMEngine, options: ServeOptions) -> FastAPI:
             raise bad_request("suffix is not supported", "suffix")
         if req.best_of is not None and req.best_of != req.n:
             raise bad_request("best_of is not supported (it must equal n)", "best_of")
-        if req.logprobs is not None and not (0 <= req.logprobs <= MAX_TOP_LOGPROBS):
-            raise bad_request(f"logprobs must lie in [0, {MAX_TOP_LOGPROBS}], got {req.logprobs}", "logprobs")
+        if req.logprobs is not None and not (0 <= req.logprobs <= state.max_logprobs):
+            raise bad_request(f"logprobs must lie in [0, {state.max_logprobs}] (--max-logprobs), got {req.logprobs}",
+                              "logprobs")
         num_prompts = len(_prompt_items(req.prompt))
         check_request_limits(options.limits, req.n, num_prompts, req.stop, req.stop_token_ids)
         state.check_admission(num_prompts * req.n)
         prompts_ids, echo = await state.cpu(_completion_prompts, state, req)
         requested = req.max_tokens
         max_tokens = min(_max_tokens(state, requested, "max_tokens", len(ids), "prompt") for ids in prompts_ids)
-        params = _sampling_params(req, max_tokens, req.logprobs, [])
+        params = _sampling_params(req, max_tokens, req.logprobs, [], options.generation_defaults)
         include_usage = bool(req.stream_options and req.stream_options.include_usage)
         n_choices = len(prompts_ids) * req.n
         fmt = CompletionFormatter(f"cmpl-{uuid.uuid4().hex}", name, n_choices, req.logprobs, state.tokenizer,
@@ -462,8 +484,13 @@ def create_app(engine: LLMEngine, options: ServeOptions) -> FastAPI:
         return await _run(state, request, [PromptInput(ids) for ids in prompts_ids], params, fmt, req.stream,
                           include_usage)
 
+    from kimik3.serve.routes import add_routes     # /tokenize, /detokenize, /version, /ping, /v1/responses
+    add_routes(app, state)
+    # last added runs first: CORS (preflights answered), then the API key, then the body limits
     app.add_middleware(BodyLimits, limits=options.limits, require_json=options.api_key is None)
-    app.add_middleware(_Guard, state=state)        # outermost: the API key before any body is read
+    app.add_middleware(_Guard, state=state)
+    app.add_middleware(CORSMiddleware, allow_origins=options.allowed_origins, allow_methods=options.allowed_methods,
+                       allow_headers=options.allowed_headers, allow_credentials=options.allow_credentials)
     return app
 
 

@@ -110,6 +110,7 @@ class EngineLoop:
         self._outbox: list[tuple[Job, Any]] = []
         self.num_step_failures = 0
         self.snapshot: dict[str, float] = {}
+        self.on_finished = None   # (engine metrics, prompt tokens, SamplingParams) of each finished engine request
         self._publish()
 
     # ---- called from the event loop -------------------------------------------------------------
@@ -316,6 +317,8 @@ class EngineLoop:
             if out.finished:
                 del self._routes[out.request_id]
                 job.cached_tokens += int(out.metrics.get("num_prefix_hit_tokens", 0))
+                if self.on_finished is not None:
+                    self.on_finished(out.metrics, len(out.prompt_token_ids), job.params)
         for job, ds in deltas.items():
             self._emit(job, ds)
             if all(c.finished for c in job.choices) and not job.done:

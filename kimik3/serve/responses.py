@@ -109,8 +109,8 @@ class ChatFormatter(_Formatter):
             if not parse.role_sent:
                 delta["role"] = "assistant"
                 parse.role_sent = True
-            if pd.reasoning:
-                delta["reasoning_content"] = pd.reasoning
+            if pd.reasoning:          # current vLLM's name, and the older one clients still read
+                delta["reasoning"] = delta["reasoning_content"] = pd.reasoning
             if pd.content or ("role" in delta and not pd.reasoning and not calls):
                 delta["content"] = pd.content
             if calls:
@@ -127,9 +127,9 @@ class ChatFormatter(_Formatter):
         for i, p in enumerate(self.parses):
             content = "".join(p.content)
             thinking = p.parser is not None and p.parser.thinking
+            reasoning = "".join(p.reasoning) if thinking else None
             msg: dict[str, Any] = {"role": "assistant", "content": content if content or not p.tool_calls else None,
-                                   "reasoning_content": "".join(p.reasoning) if thinking else None,
-                                   "tool_calls": p.tool_calls}
+                                   "reasoning": reasoning, "reasoning_content": reasoning, "tool_calls": p.tool_calls}
             choices.append({"index": i, "message": msg,
                             "logprobs": {"content": self.logprobs[i]} if self.top_logprobs is not None else None,
                             "finish_reason": self.finish[i]})

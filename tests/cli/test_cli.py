@@ -70,13 +70,13 @@ def test_inspect_embedded_and_release_config():
     (["generate", "x", "--max-tokens", "0"], "--max-tokens: expected a positive integer"),
     (["generate", "x", "--model", "/no/such/dir"], "model path /no/such/dir does not exist"),
     (["generate", "x", "--temperature", "-1"], "temperature must be >= 0"),
-    (["generate", "x", "--device", "tpu"], "--device must be 'cpu' or 'cuda[:N]'"),
+    (["generate", "x", "--device", "tpu"], "device must be 'cpu' or 'cuda[:N]'"),
     (["generate", "x", "--image", "/no/image.png"], "image file /no/image.png does not exist"),
     (["generate", "   "], "the prompt is empty"),
     (["inspect", "--model", "/nope"], "model path /nope does not exist"),
     (["frobnicate"], "invalid choice"),
     (["generate", "x", "--thinking-effort", "medium"], "invalid choice"),
-    (["generate", "x", "--num-speculative-tokens", "-2"], "--num-speculative-tokens must be >= 0"),
+    (["generate", "x", "--num-speculative-tokens", "-2"], "--num-speculative-tokens: expected an integer >= 0"),
 ])
 def test_bad_arguments_exit_2_with_one_line(args, message):
     r = run(*args)
@@ -125,15 +125,14 @@ def test_generate_and_inspect_on_a_test_checkpoint(tiny_tokenizer_ckpt):
 
 def test_inspect_says_whether_kimi_linear_fits_one_h200():
     """Kimi-Linear-48B's release config: bf16 weights (from the parameter count), the engine's default
-    cache (85% of an H200's memory left after the weights and ~1 GiB of CUDA context), and how many
+    cache (gpu_memory_utilization 0.9 of an H200's memory, less the weights), and how many
     1M-token sequences it holds: MLA 7 layers x 576 x 2 B per token, KDA 20 layers x (32 x 128 x 128
     fp32 state + 3 x 32 x 128 x 3 bf16 conv window) per sequence."""
     r = run("inspect", "--model", str(RELEASE.with_name("kimi-linear-48b-a3b.config.json")))
     assert r.returncode == 0, r.stderr
     line = next(x for x in r.stdout.splitlines() if x.startswith("one H200"))
     weights = 49_122_681_728 * 2           # bf16 (a few small F32 tensors add 4 MiB: no count changes)
-    left = (143771 << 20) - weights - (1 << 30)
-    cache = int(left * 0.85)
+    cache = int(0.9 * (143771 << 20)) - weights
     per_token, per_seq = 7 * 576 * 2, 20 * (32 * 128 * 128 * 4 + 3 * 32 * 128 * 3 * 2)
     assert "fits" in line
     assert f"{cache // (per_seq + per_token * 1048576)} sequences of 1048576" in line

@@ -58,7 +58,7 @@ def test_llm_generate_api(tiny_ckpt):
     model = kimik3.load_model(path, device="cpu", dtype=torch.float32)
     budget = budget_for(model, 4, 8, 64, 1)
     llm = LLM(str(path), device="cpu", dtype=torch.float32, block_size=4, max_num_seqs=8, max_model_len=64,
-              cache_memory_bytes=budget, kda_checkpoint_interval=1, seed=0)
+              kv_cache_memory_bytes=budget, kda_checkpoint_interval=1, seed=0)
     prompts = [{"prompt_token_ids": [11, 12, 13, 14, 15]}, {"prompt_token_ids": [20, 21]}]
     outs = llm.generate(prompts, SamplingParams(temperature=0, max_tokens=4, ignore_eos=True, logprobs=2))
     assert [o.prompt_token_ids for o in outs] == [p["prompt_token_ids"] for p in prompts]
@@ -82,7 +82,7 @@ def test_string_prompts_text_and_stop_strings_with_a_real_tokenizer(tmp_path):
     build_tiny_tokenizer(tmp_path, base_vocab_size=512, seed=0)
     tok = load_tokenizer(tmp_path)
     kimik3.testing.make_tiny_checkpoint(tmp_path, arch="kimi_k3", vocab_size=tok.vocab_size)
-    llm = LLM(str(tmp_path), device="cpu", dtype=torch.float32, max_model_len=64, cache_memory_bytes=4 << 20)
+    llm = LLM(str(tmp_path), device="cpu", dtype=torch.float32, max_model_len=64, kv_cache_memory_bytes=4 << 20)
     prompts = ["hello world, this is", "another prompt"]
     outs = llm.generate(prompts, SamplingParams(temperature=0, max_tokens=12, ignore_eos=True))
     for prompt, o in zip(prompts, outs):

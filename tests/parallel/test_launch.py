@@ -17,7 +17,7 @@ SCRIPT = textwrap.dedent("""
     from kimik3.engine import LLM, SamplingParams
     llm = LLM(sys.argv[1], tensor_parallel_size=2, enable_expert_parallel=sys.argv[2] == "ep",
               dtype=torch.float64, device="cpu", max_model_len=64, max_num_batched_tokens=8, block_size=4,
-              cache_memory_bytes=1 << 22)
+              kv_cache_memory_bytes=1 << 22)
     params = SamplingParams(temperature=0.0, max_tokens=5, ignore_eos=True)
     if sys.argv[3] == "kill":
         llm.parallel_group.processes[0].kill()
@@ -41,7 +41,7 @@ def _run(ckpt, layout, action, timeout=120):
 def test_llm_with_tensor_parallel_matches_one_process(ckpt, layout):
     from kimik3.engine import LLM, SamplingParams
     llm = LLM(str(ckpt), dtype=torch.float64, device="cpu", max_model_len=64, max_num_batched_tokens=8,
-              block_size=4, cache_memory_bytes=1 << 22)
+              block_size=4, kv_cache_memory_bytes=1 << 22)
     want = llm.generate([{"prompt_token_ids": [5, 6, 7, 8, 9, 10, 11, 12, 13, 14, 15]}],
                         SamplingParams(temperature=0.0, max_tokens=5, ignore_eos=True))[0].outputs[0].token_ids
     res = _run(ckpt, layout, "run")

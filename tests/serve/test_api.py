@@ -193,8 +193,9 @@ def test_models_health_metrics(server):
     assert [m.id for m in models.data] == [MODEL]
     assert httpx.get(server.url + "/health").status_code == 200
     text = httpx.get(server.url + "/metrics").text
-    for name in ("kimik3_requests_total", "kimik3_time_to_first_token_seconds_bucket",
-                 "kimik3_inter_token_latency_seconds_bucket", "kimik3_num_requests_running",
-                 "kimik3_num_requests_waiting", "kimik3_kv_cache_usage_ratio", "kimik3_prefix_cache_hit_rate"):
+    for name in ("kimik3:http_requests_total", "vllm:time_to_first_token_seconds_bucket",
+                 "vllm:inter_token_latency_seconds_bucket", "vllm:num_requests_running",
+                 "vllm:num_requests_waiting", "vllm:kv_cache_usage_perc", "vllm:prefix_cache_queries_total",
+                 "vllm:prefix_cache_hits_total"):
         assert name in text, name
-    assert 'kimik3_requests_total{route="/v1/chat/completions",status="200"}' in text
+    assert f'kimik3:http_requests_total{{model_name="{MODEL}",route="/v1/chat/completions",status="200"}}' in text

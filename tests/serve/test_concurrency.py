@@ -41,7 +41,7 @@ def test_64_concurrent_streams(server):
     assert len(results) == 64
     for wanted, got, finish, chunks in results:
         assert got == wanted and finish == "length" and chunks >= 2
-    assert metric(server, "kimik3_num_requests_running") == 0
+    assert metric(server, "vllm:num_requests_running") == 0
 
 
 def test_greedy_same_alone_and_concurrent(server):
@@ -67,7 +67,7 @@ def test_disconnect_mid_stream_frees_cache():
     s = start_fake_server(step_delay=0.01)
     try:
         usable = s.engine.kv.plan.num_usable_blocks
-        aborts = metric(s, 'kimik3_request_finish_total{finish_reason="abort"}') if "abort" in \
+        aborts = metric(s, 'vllm:request_success_total{finished_reason="abort",model_name="k3-test"}') if "abort" in \
             httpx.get(s.url + "/metrics").text else 0.0
         body = {"model": MODEL, "messages": [{"role": "user", "content": "a long story " * 30}], "max_tokens": 700,
                 "stream": True, "ignore_eos": True}
@@ -75,14 +75,14 @@ def test_disconnect_mid_stream_frees_cache():
             lines = r.iter_lines()
             for _ in range(5):
                 next(lines)
-            assert metric(s, "kimik3_num_requests_running") == 1
-            assert metric(s, "kimik3_kv_cache_usage_ratio") > 0
+            assert metric(s, "vllm:num_requests_running") == 1
+            assert metric(s, "vllm:kv_cache_usage_perc") > 0
         deadline = time.monotonic() + 10
-        while metric(s, "kimik3_kv_cache_usage_ratio") > 0 and time.monotonic() < deadline:
+        while metric(s, "vllm:kv_cache_usage_perc") > 0 and time.monotonic() < deadline:
             time.sleep(0.02)
-        assert metric(s, "kimik3_kv_cache_usage_ratio") == 0
-        assert metric(s, "kimik3_num_requests_running") == 0
-        assert metric(s, 'kimik3_request_finish_total{finish_reason="abort"}') == aborts + 1
+        assert metric(s, "vllm:kv_cache_usage_perc") == 0
+        assert metric(s, "vllm:num_requests_running") == 0
+        assert metric(s, 'vllm:request_success_total{finished_reason="abort",model_name="k3-test"}') == aborts + 1
         assert s.engine.kv.blocks.num_free == usable and not s.engine.has_unfinished_requests()
         assert s.state.in_flight == 0
         ok = httpx.post(s.url + "/v1/chat/completions", json={**body, "stream": False, "max_tokens": 3}, timeout=30)
@@ -106,7 +106,7 @@ def test_disconnect_while_waiting_non_streaming():
         while (s.state.in_flight or s.engine.has_unfinished_requests()) and time.monotonic() < deadline:
             time.sleep(0.02)
         assert s.state.in_flight == 0 and s.engine.kv.blocks.num_free == s.engine.kv.plan.num_usable_blocks
-        assert metric(s, 'kimik3_request_finish_total{finish_reason="abort"}') == 1
+        assert metric(s, 'vllm:request_success_total{finished_reason="abort",model_name="k3-test"}') == 1
     finally:
         s.stop()
 

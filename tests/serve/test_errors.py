@@ -115,8 +115,9 @@ def test_unknown_route_and_method(server):
 def test_api_key():
     s = start_fake_server(api_key="sekrit")
     try:
-        assert httpx.get(s.url + "/health").status_code == 200
-        for path in ("/v1/models", "/metrics"):
+        for path in ("/health", "/metrics", "/ping", "/version"):     # open, as in vLLM: only /v1 needs the key
+            assert httpx.get(s.url + path).status_code == 200, path
+        for path in ("/v1/models",):
             assert_error(httpx.get(s.url + path), 401)
             assert_error(httpx.get(s.url + path, headers={"Authorization": "Bearer wrong"}), 401)
         with pytest.raises(openai.AuthenticationError):

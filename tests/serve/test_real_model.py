@@ -58,7 +58,7 @@ def test_speculative_server_matches_plain(real):
                 for s in (real, spec)]
         assert outs[0].choices[0].text == outs[1].choices[0].text
         metrics = httpx.get(spec.url + "/metrics").text
-        assert "kimik3_spec_decode_num_draft_tokens_total" in metrics
-        assert "kimik3_spec_decode_num_accepted_tokens_total" in metrics
+        assert "vllm:spec_decode_num_draft_tokens_total" in metrics
+        assert "vllm:spec_decode_num_accepted_tokens_total" in metrics
     finally:
         spec.stop()

@@ -1,0 +1,352 @@
+"""One definition of the engine's arguments (vLLM's ``EngineArgs``): a dataclass plus one argparse builder.
+
+Every ``kimik3`` subcommand that builds an engine (``generate``, ``chat``, ``serve``, ``bench``) adds its
+flags with ``add_engine_args``, and ``LLM(...)`` takes the same fields as keyword arguments, so names,
+choices and defaults agree everywhere. Names follow vLLM; ``EngineArgs.create_engine()`` resolves the
+automatic values (dtype, device, ``max_model_len`` from the model's config) and builds the engine.
+
+``--max-model-len`` takes vLLM's human-readable integers: a lowercase suffix is decimal (``32k`` = 32000,
+``1m`` = 1000000, ``25.6k`` = 25600), an uppercase one binary (``32K`` = 32768, ``1M`` = 1048576, no
+decimals), exactly as vLLM's ``human_readable_int`` parses them.
+"""
+
+from __future__ import annotations
+
+import argparse
+import dataclasses
+import json
+import logging
+import re
+from dataclasses import dataclass, field
+from pathlib import Path
+from typing import Any
+
+import torch
+
+logger = logging.getLogger(__name__)
+
+# vLLM's --dtype names (plus float64, kimik3's exact-reference dtype).
+DTYPES: dict[str, torch.dtype | None] = {"auto": None, "half": torch.float16, "float16": torch.float16,
+                                        "bfloat16": torch.bfloat16, "float": torch.float32,
+                                        "float32": torch.float32, "float64": torch.float64}
+# generation_config.json keys used as default sampling settings, and their SamplingParams names (vLLM's map).
+GENERATION_KEYS = {"temperature": "temperature", "top_p": "top_p", "top_k": "top_k", "min_p": "min_p",
+                   "repetition_penalty": "repetition_penalty", "max_new_tokens": "max_tokens"}
+MM_KINDS = ("image", "video")
+
+_DECIMAL = {"k": 10**3, "m": 10**6, "g": 10**9, "t": 10**12}
+_BINARY = {"K": 2**10, "M": 2**20, "G": 2**30, "T": 2**40}
+
+
+def human_readable_int(text: str) -> int:
+    """``'32k'`` -> 32000, ``'32K'`` -> 32768, ``'25.6k'`` -> 25600, ``'4096'`` -> 4096 (vLLM's rule)."""
+    value = str(text).strip()
+    m = re.fullmatch(r"(\d+(?:\.\d+)?)([kKmMgGtT])", value)
+    if m:
+        number, suffix = m.groups()
+        if suffix in _DECIMAL:
+            return int(float(number) * _DECIMAL[suffix])
+        if "." in number:
+            raise argparse.ArgumentTypeError(f"decimals are not allowed with the binary suffix {suffix} in {text!r}; "
+                                             f"did you mean {number}{suffix.lower()}?")
+        return int(number) * _BINARY[suffix]
+    try:
+        return int(value)
+    except ValueError:
+        raise argparse.ArgumentTypeError(f"expected an integer such as 8192, 32k (32000) or 32K (32768), "
+                                         f"got {text!r}") from None
+
+
+def number(parse, ok, what: str):
+    """An argparse type: ``parse`` the text, then require ``ok(value)``; errors say ``expected {what}``."""
+    def check(text: str):
+        try:
+            value = parse(text)
+        except (ValueError, argparse.ArgumentTypeError):
+            raise argparse.ArgumentTypeError(f"expected {what}, got {text!r}") from None
+        if not ok(value):
+            raise argparse.ArgumentTypeError(f"expected {what}, got {text!r}")
+        return value
+    check.__name__ = what                 # argparse names the type in its messages
+    return check
+
+
+def _positive(parse):
+    """Positive integers through ``parse`` (which keeps its own message for malformed text)."""
+    inner = number(parse, lambda v: v >= 1, "a positive integer")
+
+    def check(text: str) -> int:
+        if parse is human_readable_int:
+            human_readable_int(text)           # its own message: suffixes, decimals
+        return inner(text)
+    check.__name__ = "a positive integer"
+    return check
+
+
+positive_int = number(int, lambda v: v >= 1, "a positive integer")
+non_negative_int = number(int, lambda v: v >= 0, "an integer >= 0")
+_fraction = number(float, lambda v: 0.0 < v <= 1.0, "a number in (0, 1]")
+
+
+def _mm_limits(text: str) -> dict[str, int]:
+    try:
+        value = json.loads(text)
+    except json.JSONDecodeError:
+        raise argparse.ArgumentTypeError(f"expected JSON such as '{{\"image\": 4, \"video\": 1}}', "
+                                         f"got {text!r}") from None
+    return check_mm_limits(value)
+
+
+def check_mm_limits(value: Any) -> dict[str, int]:
+    if not isinstance(value, dict):
+        raise ValueError(f"limit_mm_per_prompt must map 'image'/'video' to counts, got {value!r}")
+    for k, v in value.items():
+        if k not in MM_KINDS:
+            raise ValueError(f"limit_mm_per_prompt: unknown modality {k!r}; kimik3 takes {list(MM_KINDS)}")
+        if not isinstance(v, int) or isinstance(v, bool) or v < 0:
+            raise ValueError(f"limit_mm_per_prompt[{k!r}] must be an integer >= 0, got {v!r}")
+    return dict(value)
+
+
+def _opt(help: str, **kw) -> Any:
+    """A dataclass field that carries its flag's help text (and argparse options)."""
+    default = kw.pop("default")
+    factory = kw.pop("default_factory", None)
+    meta = {"help": help, **kw}
+    if factory is not None:
+        return field(default_factory=factory, metadata=meta)
+    return field(default=default, metadata=meta)
+
+
+@dataclass
+class EngineArgs:
+    """The engine's arguments; ``LLM(**fields)`` and the ``kimik3`` flags (``--max-model-len`` ...) take them."""
+
+    model: str | None = _opt("checkpoint directory (default: the embedded tiny K3 with random weights)",
+                             default=None)
+    dtype: Any = _opt("weights and activations dtype: auto (bfloat16 on CUDA, float32 on CPU), half/float16, "
+                      "bfloat16, float/float32, float64 (default: auto)", default="auto", choices=list(DTYPES))
+    device: str | None = _opt("cpu, cuda or cuda:N (default: cuda if available, else cpu)", default=None)
+    max_model_len: int | None = _opt(
+        "prompt + output tokens per sequence; takes 32k (=32000) or 32K (=32768) as vLLM does "
+        "(default: the model's max_position_embeddings)", default=None, type=_positive(human_readable_int))
+    max_num_seqs: int = _opt("sequences per engine step (default: 64)", default=64,
+                             type=_positive(human_readable_int))
+    max_num_batched_tokens: int = _opt("token budget of one engine step; longer prompts are chunked, which bounds a "
+                                       "step's memory (default: 8192)", default=8192,
+                                       type=_positive(human_readable_int))
+    block_size: int = _opt("tokens per cache block (default: 16)", default=16, type=_positive(human_readable_int))
+    enable_prefix_caching: bool = _opt("reuse the cache of shared prompt prefixes (default: on)", default=True)
+    gpu_memory_utilization: float = _opt(
+        "fraction of the GPU's memory this whole process may use (weights, cache, activations); the cache gets "
+        "what the loaded weights leave of it. Ignored on CPU (default: 0.9)", default=0.9, type=_fraction)
+    kv_cache_memory_bytes: int | None = _opt(
+        "bytes for the cache pools, overriding --gpu-memory-utilization (default: sized automatically; "
+        "on CPU what max-num-seqs full sequences need, at most 4 GiB)", default=None,
+        type=_positive(human_readable_int))
+    kv_cache_dtype: str = _opt("cache dtype; only auto (the model dtype; KDA states in float32) (default: auto)",
+                               default="auto", choices=["auto"])
+    kda_checkpoint_interval: int | None = _opt(
+        "cache blocks between saved KDA states for prefix caching (default: auto)", default=None,
+        type=_positive(human_readable_int))
+    enforce_eager: bool = _opt("never capture CUDA graphs; every step runs eagerly (default: off)", default=False)
+    seed: int = _opt("engine RNG seed for requests without their own seed (default: 0)", default=0, type=int)
+    max_logprobs: int = _opt("most logprobs a request may ask for per token (default: 20)", default=20,
+                             type=non_negative_int)
+    language_model_only: bool = _opt("load the text model only: skip the vision tower, refuse images "
+                                     "(default: off)", default=False)
+    generation_config: str = _opt(
+        "default sampling settings: auto reads the model's generation_config.json, vllm uses the built-in "
+        "defaults, or a folder holding a generation_config.json (default: auto)", default="auto")
+    limit_mm_per_prompt: dict[str, int] | None = _opt(
+        "most images/videos per prompt, as JSON: '{\"image\": 4, \"video\": 1}' (default: no limit)",
+        default=None, type=_mm_limits)
+    trust_remote_code: bool = _opt(
+        "accepted for the K3 recipe; a no-op: kimik3 implements K3 itself and never runs checkpoint code "
+        "(default: off)", default=False)
+    tensor_parallel_size: int = _opt("GPUs (ranks) the model is split over; on one node the extra ranks are "
+                                     "spawned, across nodes start every rank with torchrun (default: 1)",
+                                     default=1, type=_positive(human_readable_int), aliases=("-tp",))
+    enable_expert_parallel: bool = _opt("split whole routed experts over the tensor-parallel ranks instead of "
+                                        "their intermediate (default: off)", default=False)
+    expert_parallel_mode: str = _opt("with expert parallelism: tokens replicated (tep), or token-sharded MoE with "
+                                     "all-to-all (a2a) or all-gather/reduce-scatter (agrs) (default: tep)",
+                                     default="tep", choices=["tep", "a2a", "agrs"])
+    num_speculative_tokens: int = _opt("n-gram draft tokens verified per step (default: 0, off)", default=0,
+                                       type=non_negative_int)
+    speculative_ngram_min: int = _opt("shortest n-gram looked up for drafts (default: 2)", default=2,
+                                      type=_positive(int))
+    speculative_ngram_max: int = _opt("longest n-gram looked up for drafts (default: 4)", default=4,
+                                      type=_positive(int))
+    use_tqdm_on_load: bool = _opt("show a progress bar while the weights load (default: on)", default=True)
+
+    def __post_init__(self) -> None:
+        if isinstance(self.dtype, str) and self.dtype not in DTYPES:
+            raise ValueError(f"dtype must be one of {list(DTYPES)} (or a torch.dtype), got {self.dtype!r}")
+        if not isinstance(self.dtype, (str, torch.dtype)):
+            raise ValueError(f"dtype must be a string such as 'bfloat16' or a torch.dtype, got {self.dtype!r}")
+        if self.kv_cache_dtype != "auto":
+            raise ValueError(f"kv_cache_dtype {self.kv_cache_dtype!r} is not supported: the cache is kept in the "
+                             f"model dtype (KDA states in float32); use 'auto'")
+        if not (isinstance(self.gpu_memory_utilization, (int, float)) and 0.0 < self.gpu_memory_utilization <= 1.0):
+            raise ValueError(f"gpu_memory_utilization must lie in (0, 1], got {self.gpu_memory_utilization!r}")
+        if not isinstance(self.max_logprobs, int) or self.max_logprobs < 0:
+            raise ValueError(f"max_logprobs must be an integer >= 0, got {self.max_logprobs!r}")
+        if self.max_model_len is not None and isinstance(self.max_model_len, str):
+            self.max_model_len = human_readable_int(self.max_model_len)
+        if self.limit_mm_per_prompt is not None:
+            self.limit_mm_per_prompt = check_mm_limits(self.limit_mm_per_prompt)
+        if self.expert_parallel_mode not in ("tep", "a2a", "agrs"):
+            raise ValueError(f"expert_parallel_mode must be 'tep', 'a2a' or 'agrs', got {self.expert_parallel_mode!r}")
+
+    # ---- the command line ------------------------------------------------------------------------
+    @classmethod
+    def from_cli(cls, args: argparse.Namespace) -> EngineArgs:
+        return cls(**{f.name: getattr(args, f.name) for f in dataclasses.fields(cls) if hasattr(args, f.name)})
+
+    # ---- resolution ---------------------------------------------------------------------------------
+    def model_path(self) -> Path:
+        import kimik3
+        path = Path(self.model) if self.model else kimik3.DEFAULT_MODEL
+        if not path.exists():
+            raise ValueError(f"model path {path} does not exist")
+        if not path.is_dir() or not (path / "config.json").is_file():
+            raise ValueError(f"{path} has no config.json: not a checkpoint directory")
+        return path
+
+    def resolve_device_dtype(self) -> tuple[torch.device, torch.dtype]:
+        device = self.device or ("cuda" if torch.cuda.is_available() else "cpu")
+        if not isinstance(device, torch.device) and not re.fullmatch(r"cpu|cuda(:\d+)?", str(device)):
+            raise ValueError(f"device must be 'cpu' or 'cuda[:N]', got {device!r}")
+        dev = torch.device(device)
+        if dev.type == "cuda" and not torch.cuda.is_available():
+            raise ValueError(f"device {device}: CUDA is not available on this machine")
+        dtype = self.dtype if isinstance(self.dtype, torch.dtype) else DTYPES[self.dtype]
+        if dtype is None:
+            dtype = torch.bfloat16 if dev.type == "cuda" else torch.float32
+        return dev, dtype
+
+    def resolve_max_model_len(self, model_config) -> int:
+        limit = model_config.text.max_position_embeddings
+        if self.max_model_len is None:
+            if limit is None:
+                raise ValueError("the model's config.json has no max_position_embeddings; pass max_model_len")
+            return limit
+        if limit is not None and self.max_model_len > limit:
+            raise ValueError(f"max_model_len={self.max_model_len} is longer than the model's "
+                             f"max_position_embeddings={limit}; lower it")
+        return self.max_model_len
+
+    def generation_defaults(self, path: Path) -> dict[str, Any]:
+        """Default sampling settings (SamplingParams names) from ``generation_config.json``."""
+        return read_generation_config(path, self.generation_config)
+
+    def engine_config(self, max_model_len: int):
+        from kimik3.engine.config import EngineConfig
+        return EngineConfig(max_num_seqs=self.max_num_seqs, max_num_batched_tokens=self.max_num_batched_tokens,
+                            max_model_len=max_model_len, enable_prefix_caching=self.enable_prefix_caching,
+                            block_size=self.block_size, kda_checkpoint_interval=self.kda_checkpoint_interval,
+                            cache_memory_bytes=self.kv_cache_memory_bytes,
+                            gpu_memory_utilization=float(self.gpu_memory_utilization), seed=self.seed,
+                            enforce_eager=self.enforce_eager, max_logprobs=self.max_logprobs,
+                            num_speculative_tokens=self.num_speculative_tokens,
+                            speculative_ngram_min=self.speculative_ngram_min,
+                            speculative_ngram_max=self.speculative_ngram_max)
+
+    def create_engine(self, tokenizer=None):
+        """Load the model and build the engine: ``(LLMEngine, parallel group or None)``."""
+        import kimik3
+        from kimik3.config import load_config
+        from kimik3.engine.llm_engine import LLMEngine
+        path = self.model_path()
+        device, dtype = self.resolve_device_dtype()
+        model_config = load_config(path)
+        config = self.engine_config(self.resolve_max_model_len(model_config))
+        self.generation_defaults(path)          # a bad generation config fails before the load
+        logger.info("loading %s (%s on %s)", path, str(dtype).removeprefix("torch."), device)
+        if self.tensor_parallel_size > 1 or self.enable_expert_parallel:
+            if self.language_model_only:
+                raise ValueError("language_model_only is not supported with tensor or expert parallelism yet; "
+                                 "leave it off (images are then accepted)")
+            from kimik3.parallel.launch import ParallelConfig, start_group
+            layout = ParallelConfig(self.tensor_parallel_size, self.enable_expert_parallel,
+                                    self.expert_parallel_mode if self.enable_expert_parallel else "tep")
+            model, group = start_group(str(path), layout, dtype, device.type)   # ranks > 0 never return
+            engine = LLMEngine(model, config, tokenizer=tokenizer, tokenizer_path=str(path),
+                               runner_factory=group.runner_factory)
+            return engine, group
+        model = kimik3.load_model(path, device=device, dtype=dtype, language_model_only=self.language_model_only,
+                                  progress=self.use_tqdm_on_load)
+        return LLMEngine(model, config, tokenizer=tokenizer, tokenizer_path=str(path)), None
+
+
+def read_generation_config(path: Path, setting: str) -> dict[str, Any]:
+    """``setting``: 'auto' (the model folder's file, if any), 'vllm' (none), or a folder holding the file."""
+    if setting == "vllm":
+        return {}
+    folder = Path(path) if setting == "auto" else Path(setting)
+    file = folder / "generation_config.json"
+    if setting != "auto" and not file.is_file():
+        raise ValueError(f"generation_config {setting}: no generation_config.json there")
+    if not file.is_file():
+        return {}
+    try:
+        data = json.loads(file.read_text(encoding="utf-8"))
+    except json.JSONDecodeError as e:
+        raise ValueError(f"{file}: not valid JSON ({e})") from None
+    if not isinstance(data, dict):
+        raise ValueError(f"{file}: must hold a JSON object")
+    out = {}
+    for key, name in GENERATION_KEYS.items():
+        value = data.get(key)
+        if value is None:
+            continue
+        if isinstance(value, bool) or not isinstance(value, (int, float)):
+            raise ValueError(f"{file}: {key} must be a number, got {value!r}")
+        out[name] = int(value) if name in ("top_k", "max_tokens") else float(value)
+    if out:
+        logger.info("default sampling settings from %s: %s", file, out)
+    return out
+
+
+def add_engine_args(parser: argparse.ArgumentParser, *, positional_model: bool = False,
+                    skip: tuple[str, ...] = (), overrides: dict[str, Any] | None = None) -> argparse.ArgumentParser:
+    """Add every ``EngineArgs`` field as a flag (``max_model_len`` -> ``--max-model-len``).
+
+    ``positional_model``: also take the model as the first positional argument (``kimik3 serve MODEL``,
+    as ``vllm serve MODEL``); ``--model`` keeps working. ``skip``: fields a command does not take.
+    ``overrides``: a command's own defaults (its help says so).
+    """
+    overrides = overrides or {}
+    group = parser.add_argument_group("engine")
+    if positional_model:
+        group.add_argument("model_tag", nargs="?", default=None, metavar="MODEL",
+                           help="checkpoint directory (same as --model)")
+    for f in dataclasses.fields(EngineArgs):
+        if f.name in skip:
+            continue
+        meta = dict(f.metadata)
+        flag = "--" + f.name.replace("_", "-")
+        names = [flag, *meta.pop("aliases", ())]
+        kw: dict[str, Any] = {"default": f.default, "help": meta.pop("help"), "dest": f.name}
+        if f.name in overrides:
+            kw["default"] = overrides[f.name]
+            kw["help"] = re.sub(r"\(default: [^)]*\)$", f"(default: {overrides[f.name]} for this command)", kw["help"])
+        if f.type in ("bool", bool):
+            kw["action"] = argparse.BooleanOptionalAction
+        else:
+            kw["type"] = meta.pop("type", None) or (int if f.type in ("int", int) else str)
+            kw.update(meta)
+        group.add_argument(*names, **kw)
+    return parser
+
+
+def merge_model_tag(args: argparse.Namespace) -> None:
+    """``serve MODEL`` and ``serve --model MODEL`` are one setting; both at once must agree."""
+    tag = getattr(args, "model_tag", None)
+    if tag is None:
+        return
+    if args.model is not None and args.model != tag:
+        raise ValueError(f"the model is given twice and differently: {tag!r} (positional) and --model "
+                         f"{args.model!r}; give it once")
+    args.model = tag

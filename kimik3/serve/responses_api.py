@@ -1,0 +1,348 @@
+"""OpenAI's Responses API, ``POST /v1/responses``: text and function calls, non-streaming and streaming.
+
+A request is turned into the chat request it means (``input`` items -> messages, flat function tools ->
+chat tools, ``max_output_tokens`` -> ``max_tokens``, ``reasoning.effort`` -> ``reasoning_effort``) and runs
+through the chat path (same rendering, K3 output parser, admission and cleanup). The parsed reasoning,
+text and tool calls come back as ``reasoning``, ``message`` and ``function_call`` output items; streamed,
+as the Responses events (``response.created`` ... ``response.output_text.delta`` ...
+``response.completed``), each an SSE ``event:`` + ``data:`` pair. Nothing is stored: ``store: true``
+and ``previous_response_id`` are refused.
+"""
+
+from __future__ import annotations
+
+import json
+import time
+import uuid
+from typing import Any
+
+from fastapi import FastAPI, Request
+from pydantic import ValidationError
+
+from kimik3.serve.engine_loop import ChoiceDelta, PromptInput
+from kimik3.serve.protocol import ChatCompletionRequest, _Body, bad_request, validation_error
+from kimik3.serve.responses import ChatFormatter
+
+_ROLES = {"user": "user", "assistant": "assistant", "system": "system", "developer": "system"}
+_EFFORTS = {"none": "none", "minimal": "low", "low": "low", "medium": "medium", "high": "high", "max": "max"}
+
+
+class ResponsesRequest(_Body):
+    model: str | None = None
+    input: str | list[dict[str, Any]]
+    instructions: str | None = None
+    max_output_tokens: int | None = None
+    temperature: float | None = None
+    top_p: float | None = None
+    top_k: int | None = None
+    seed: int | None = None
+    stream: bool = False
+    tools: list[dict[str, Any]] | None = None
+    tool_choice: str | dict[str, Any] | None = None
+    parallel_tool_calls: bool | None = None
+    reasoning: dict[str, Any] | None = None
+    store: bool | None = None
+    previous_response_id: str | None = None
+    metadata: dict[str, Any] | None = None
+    user: str | None = None
+
+
+def _content(parts: Any, where: str) -> Any:
+    if isinstance(parts, str):
+        return parts
+    if not isinstance(parts, list):
+        raise bad_request(f"{where}.content must be a string or a list of content parts", f"{where}.content")
+    out = []
+    for k, part in enumerate(parts):
+        kind = part.get("type") if isinstance(part, dict) else None
+        if kind in ("input_text", "output_text", "text"):
+            out.append({"type": "text", "text": part.get("text", "")})
+        elif kind == "input_image":
+            url = part.get("image_url")
+            out.append({"type": "image_url", "image_url": {"url": url}})
+        else:
+            raise bad_request(f"{where}.content[{k}]: unsupported content part type {kind!r} (kimik3 takes "
+                              f"input_text, output_text and input_image)", f"{where}.content[{k}]")
+    return out
+
+
+def to_messages(req: ResponsesRequest) -> list[dict[str, Any]]:
+    """``instructions`` + ``input`` -> chat messages (function calls and their outputs included)."""
+    messages: list[dict[str, Any]] = []
+    if req.instructions:
+        messages.append({"role": "system", "content": req.instructions})
+    if isinstance(req.input, str):
+        messages.append({"role": "user", "content": req.input})
+        return messages
+    pending_reasoning: str | None = None
+
+    def assistant() -> dict[str, Any]:
+        nonlocal pending_reasoning
+        last = messages[-1] if messages else None
+        if last is None or last.get("role") != "assistant" or last.get("_closed"):
+            last = {"role": "assistant", "content": ""}
+            messages.append(last)
+        if pending_reasoning is not None:
+            last["reasoning_content"] = pending_reasoning
+            pending_reasoning = None
+        return last
+
+    for i, item in enumerate(req.input):
+        where = f"input[{i}]"
+        kind = item.get("type", "message")
+        if kind == "message":
+            role = _ROLES.get(item.get("role"))
+            if role is None:
+                raise bad_request(f"{where}.role must be user, assistant, system or developer, got "
+                                  f"{item.get('role')!r}", f"{where}.role")
+            content = _content(item.get("content", ""), where)
+            if role == "assistant":
+                msg = assistant()
+                text = content if isinstance(content, str) else "".join(p.get("text", "") for p in content)
+                msg["content"] = (msg.get("content") or "") + text
+            else:
+                messages.append({"role": role, "content": content})
+        elif kind == "function_call":
+            msg = assistant()
+            msg.setdefault("tool_calls", []).append(
+                {"id": item.get("call_id"), "type": "function",
+                 "function": {"name": item.get("name"), "arguments": item.get("arguments", "")}})
+        elif kind == "function_call_output":
+            output = item.get("output")
+            if not isinstance(output, str):
+                output = json.dumps(output)
+            if messages and messages[-1].get("role") == "assistant":
+                messages[-1]["_closed"] = True
+            messages.append({"role": "tool", "tool_call_id": item.get("call_id"), "content": output})
+        elif kind == "reasoning":
+            texts = [c.get("text", "") for c in item.get("content") or [] if isinstance(c, dict)]
+            pending_reasoning = "".join(texts)
+        else:
+            raise bad_request(f"{where}: unsupported input item type {kind!r} (kimik3 takes message, "
+                              f"function_call, function_call_output and reasoning)", f"{where}.type")
+    for m in messages:
+        m.pop("_closed", None)
+    return messages
+
+
+def to_chat_request(req: ResponsesRequest) -> ChatCompletionRequest:
+    if req.store:
+        raise bad_request("this server stores no responses; send store=false (or leave it out)", "store")
+    if req.previous_response_id is not None:
+        raise bad_request("previous_response_id needs stored responses, which this server does not keep; "
+                          "send the whole conversation as input", "previous_response_id")
+    tools = None
+    if req.tools is not None:
+        tools = []
+        for k, t in enumerate(req.tools):
+            if t.get("type") != "function" or not isinstance(t.get("name"), str):
+                raise bad_request(f"tools[{k}] must be {{'type': 'function', 'name': str, 'parameters': {{...}}}} "
+                                  f"(kimik3 serves function tools only)", f"tools[{k}]")
+            fn = {"name": t["name"], "parameters": t.get("parameters") or {"type": "object", "properties": {}}}
+            if t.get("description"):
+                fn["description"] = t["description"]
+            tools.append({"type": "function", "function": fn})
+    tool_choice = req.tool_choice
+    if isinstance(tool_choice, dict) and tool_choice.get("type") == "function":
+        tool_choice = {"type": "function", "function": {"name": tool_choice.get("name")}}
+    effort = None
+    if req.reasoning is not None:
+        raw = req.reasoning.get("effort")
+        if raw is not None:
+            effort = _EFFORTS.get(raw, raw)
+    body = {"model": req.model, "messages": to_messages(req), "max_tokens": req.max_output_tokens,
+            "temperature": req.temperature, "top_p": req.top_p, "top_k": req.top_k, "seed": req.seed,
+            "stream": req.stream, "tools": tools, "tool_choice": tool_choice,
+            "parallel_tool_calls": req.parallel_tool_calls, "reasoning_effort": effort}
+    try:
+        return ChatCompletionRequest.model_validate({k: v for k, v in body.items() if v is not None})
+    except ValidationError as e:
+        raise validation_error(e) from None
+
+
+class ResponsesFormatter:
+    """Feeds a ``ChatFormatter`` (one choice) and speaks the Responses API: the final ``response`` object,
+    or the stream of events."""
+
+    def __init__(self, request_id: str, model: str, prompt, tokenizer, req: ResponsesRequest):
+        self.id = request_id
+        self.chat = ChatFormatter(request_id, model, prompt, 1, None, tokenizer, False)
+        self.model = model
+        self.req = req
+        self.created = int(time.time())
+        self.seq = 0
+        self.items: list[dict[str, Any]] = []      # output items, in order
+        self.open: dict[str, Any] | None = None    # the reasoning or message item being streamed
+        self.finish: str | None = None
+        self.started = False
+
+    # ---- the response object ----------------------------------------------------------------------
+    def _response(self, status: str, usage: dict | None) -> dict[str, Any]:
+        incomplete = {"reason": "max_output_tokens"} if status == "incomplete" else None
+        body = {"id": self.id, "object": "response", "created_at": self.created, "model": self.model,
+                "status": status, "error": None, "incomplete_details": incomplete,
+                "instructions": self.req.instructions, "max_output_tokens": self.req.max_output_tokens,
+                "output": self.items, "parallel_tool_calls": self.req.parallel_tool_calls is not False,
+                "temperature": self.req.temperature, "top_p": self.req.top_p,
+                "tool_choice": self.req.tool_choice or "auto", "tools": self.req.tools or [], "store": False,
+                "text": {"format": {"type": "text"}}, "metadata": self.req.metadata or {}}
+        if usage is not None:
+            body["usage"] = {"input_tokens": usage["prompt_tokens"],
+                             "input_tokens_details": {"cached_tokens": usage["prompt_tokens_details"]["cached_tokens"]},
+                             "output_tokens": usage["completion_tokens"],
+                             "output_tokens_details": {"reasoning_tokens": 0},
+                             "total_tokens": usage["total_tokens"]}
+        return body
+
+    def _status(self) -> str:
+        return "incomplete" if self.finish == "length" else "completed"
+
+    def final(self, usage: dict) -> dict[str, Any]:
+        chat = self.chat.final(usage)
+        choice = chat["choices"][0]
+        msg = choice["message"]
+        self.finish = choice["finish_reason"]
+        if msg.get("reasoning_content"):
+            self.items.append(_reasoning_item(f"rs_{uuid.uuid4().hex}", msg["reasoning_content"]))
+        if msg.get("content"):
+            self.items.append(_message_item(f"msg_{uuid.uuid4().hex}", msg["content"], "completed"))
+        for call in msg.get("tool_calls") or []:
+            self.items.append(_call_item(call, "completed"))
+        return self._response(self._status(), usage)
+
+    # ---- streaming --------------------------------------------------------------------------------------
+    def _event(self, kind: str, **fields) -> dict[str, Any]:
+        self.seq += 1
+        return {"type": kind, "sequence_number": self.seq - 1, **fields}
+
+    def _close_open(self) -> list[dict[str, Any]]:
+        item, self.open = self.open, None
+        if item is None:
+            return []
+        idx = self.items.index(item)
+        if item["type"] == "reasoning":
+            text = item["content"][0]["text"]
+            return [self._event("response.reasoning_text.done", item_id=item["id"], output_index=idx,
+                                content_index=0, text=text),
+                    self._event("response.output_item.done", output_index=idx, item=item)]
+        item["status"] = "completed"
+        part = item["content"][0]
+        return [self._event("response.output_text.done", item_id=item["id"], output_index=idx, content_index=0,
+                            text=part["text"], logprobs=[]),
+                self._event("response.content_part.done", item_id=item["id"], output_index=idx, content_index=0,
+                            part=part),
+                self._event("response.output_item.done", output_index=idx, item=item)]
+
+    def _open(self, kind: str) -> list[dict[str, Any]]:
+        if self.open is not None and self.open["type"] == kind:
+            return []
+        events = self._close_open()
+        if kind == "reasoning":
+            item = _reasoning_item(f"rs_{uuid.uuid4().hex}", "")
+        else:
+            item = _message_item(f"msg_{uuid.uuid4().hex}", "", "in_progress")
+        self.items.append(item)
+        self.open = item
+        idx = len(self.items) - 1
+        events.append(self._event("response.output_item.added", output_index=idx, item={**item, "content": []}))
+        if kind == "message":
+            events.append(self._event("response.content_part.added", item_id=item["id"], output_index=idx,
+                                      content_index=0, part={"type": "output_text", "text": "", "annotations": []}))
+        return events
+
+    def feed(self, deltas: list[ChoiceDelta], streaming: bool) -> list[dict[str, Any]]:
+        if not streaming:
+            self.chat.feed(deltas, streaming=False)
+            return []
+        events: list[dict[str, Any]] = []
+        if not self.started:
+            self.started = True
+            skeleton = self._response("in_progress", None)
+            events += [self._event("response.created", response=skeleton),
+                       self._event("response.in_progress", response=skeleton)]
+        for chunk in self.chat.feed(deltas, streaming=True):
+            choice = chunk["choices"][0]
+            delta = choice["delta"]
+            if delta.get("reasoning_content"):
+                events += self._open("reasoning")
+                self.open["content"][0]["text"] += delta["reasoning_content"]
+                events.append(self._event("response.reasoning_text.delta", item_id=self.open["id"],
+                                          output_index=len(self.items) - 1, content_index=0,
+                                          delta=delta["reasoning_content"]))
+            if delta.get("content"):
+                events += self._open("message")
+                self.open["content"][0]["text"] += delta["content"]
+                events.append(self._event("response.output_text.delta", item_id=self.open["id"],
+                                          output_index=len(self.items) - 1, content_index=0,
+                                          delta=delta["content"], logprobs=[]))
+            for call in delta.get("tool_calls") or []:
+                events += self._close_open()
+                item = _call_item(call, "in_progress")
+                self.items.append(item)
+                idx = len(self.items) - 1
+                events.append(self._event("response.output_item.added", output_index=idx,
+                                          item={**item, "arguments": ""}))
+                events.append(self._event("response.function_call_arguments.delta", item_id=item["id"],
+                                          output_index=idx, delta=item["arguments"]))
+                events.append(self._event("response.function_call_arguments.done", item_id=item["id"],
+                                          output_index=idx, arguments=item["arguments"]))
+                item["status"] = "completed"
+                events.append(self._event("response.output_item.done", output_index=idx, item=item))
+            if choice.get("finish_reason") is not None:
+                self.finish = choice["finish_reason"]
+        return events
+
+    def usage_chunk(self, usage: dict) -> list[dict[str, Any]]:
+        """The stream's end: close the open item, then ``response.completed`` (or ``.incomplete``)."""
+        events = self._close_open()
+        status = self._status()
+        kind = "response.completed" if status == "completed" else "response.incomplete"
+        return events + [self._event(kind, response=self._response(status, usage))]
+
+    done_marker = False                    # the Responses stream ends with its last event, no [DONE]
+
+    @staticmethod
+    def sse(events) -> bytes:
+        if isinstance(events, dict):
+            events = [events]
+        out = b""
+        for e in events:
+            kind = e.get("type", "error") if "error" not in e else "error"
+            out += f"event: {kind}\n".encode() + b"data: " + json.dumps(e, ensure_ascii=False).encode() + b"\n\n"
+        return out
+
+
+def _reasoning_item(item_id: str, text: str) -> dict[str, Any]:
+    return {"type": "reasoning", "id": item_id, "summary": [], "content": [{"type": "reasoning_text", "text": text}]}
+
+
+def _message_item(item_id: str, text: str, status: str) -> dict[str, Any]:
+    return {"type": "message", "id": item_id, "role": "assistant", "status": status,
+            "content": [{"type": "output_text", "text": text, "annotations": []}]}
+
+
+def _call_item(call: dict, status: str) -> dict[str, Any]:
+    return {"type": "function_call", "id": f"fc_{uuid.uuid4().hex}", "call_id": call["id"],
+            "name": call["function"]["name"], "arguments": call["function"]["arguments"], "status": status}
+
+
+def add_responses_route(app: FastAPI, state) -> None:
+
+    from kimik3.serve.app import _check_model, _max_tokens, _parse, _run, _sampling_params
+    from kimik3.serve.chat import build_chat_prompt
+
+    @app.post("/v1/responses")
+    async def responses(request: Request):
+        req: ResponsesRequest = await _parse(state, request, ResponsesRequest)
+        name = _check_model(state, req.model)
+        chat = to_chat_request(req)
+        tok = state.tokenizer
+        if tok is None:
+            raise bad_request("this server has no tokenizer, so it cannot render conversations")
+        prompt = await state.cpu(build_chat_prompt, chat, tok, state.options.processor_config,
+                                         state.has_vision, state.loop.multi_modal_arg)
+        max_tokens = _max_tokens(state, chat.max_tokens, "max_output_tokens", len(prompt.token_ids), "input")
+        params = _sampling_params(chat, max_tokens, None, tok.stop_token_ids, state.options.generation_defaults)
+        fmt = ResponsesFormatter(f"resp_{uuid.uuid4().hex}", name, prompt, tok, req)
+        return await _run(state, request, [PromptInput(prompt.token_ids, prompt.images)], params, fmt, req.stream,
+                          True)

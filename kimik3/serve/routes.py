@@ -1,0 +1,95 @@
+"""vLLM's utility routes beside the OpenAI ones: ``/tokenize``, ``/detokenize``, ``/version``, ``/ping``, and
+OpenAI's ``/v1/responses`` (``kimik3.serve.responses_api``)."""
+
+from __future__ import annotations
+
+import importlib.metadata
+from typing import Any
+
+from fastapi import FastAPI, Request
+from fastapi.responses import JSONResponse, Response
+from pydantic import Field
+
+from kimik3.serve.protocol import APIError, _Body, bad_request
+
+
+class TokenizeRequest(_Body):
+    """vLLM's body: ``prompt`` (a string) or ``messages`` (a chat, rendered as /v1/chat/completions would)."""
+
+    model: str | None = None
+    prompt: str | None = None
+    messages: list[dict[str, Any]] | None = None
+    add_special_tokens: bool = True
+    add_generation_prompt: bool = True
+    return_token_strs: bool = False
+    tools: list[dict[str, Any]] | None = None
+    chat_template_kwargs: dict[str, Any] | None = None
+
+
+class DetokenizeRequest(_Body):
+    model: str | None = None
+    tokens: list[int] = Field(min_length=0)
+
+
+def _version() -> str:
+    try:
+        return importlib.metadata.version("kimik3")
+    except importlib.metadata.PackageNotFoundError:   # run from a source tree that was never installed
+        return "unknown (not installed)"
+
+
+def add_routes(app: FastAPI, state) -> None:
+    from kimik3.serve.app import _check_model, _parse
+    from kimik3.serve.chat import build_chat_prompt
+    from kimik3.serve.protocol import ChatCompletionRequest
+    from kimik3.serve.responses_api import add_responses_route
+
+    def tokenizer():
+        if state.tokenizer is None:
+            raise APIError(500, "this server has no tokenizer", code="no_tokenizer")
+        return state.tokenizer
+
+    @app.get("/version")
+    async def version():
+        return {"version": _version()}
+
+    @app.api_route("/ping", methods=["GET", "POST"])
+    async def ping():
+        if not state.loop.alive:
+            return JSONResponse({"error": {"message": "engine loop is not running"}}, status_code=503)
+        return Response(status_code=200)
+
+    @app.post("/tokenize")
+    async def tokenize(request: Request):
+        req: TokenizeRequest = await _parse(state, request, TokenizeRequest)
+        _check_model(state, req.model)
+        tok = tokenizer()
+        if (req.prompt is None) == (req.messages is None):
+            raise bad_request("give exactly one of prompt (a string) or messages (a chat)", "prompt")
+        if req.prompt is not None:
+            # add_special_tokens: kimik3's tokenizer adds none to a raw prompt (the engine does not either)
+            ids = tok.encode(req.prompt)
+        else:
+            chat = ChatCompletionRequest.model_validate(
+                {"messages": req.messages, "tools": req.tools, "chat_template_kwargs": req.chat_template_kwargs})
+            prompt = await state.cpu(build_chat_prompt, chat, tok, state.options.processor_config,
+                                             state.has_vision, state.loop.multi_modal_arg)
+            ids = prompt.token_ids
+        body: dict[str, Any] = {"count": len(ids), "max_model_len": state.max_model_len, "tokens": ids}
+        body["token_strs"] = [tok.convert_ids_to_tokens(t) if tok.is_special_id(t)
+                              else tok.token_bytes(t).decode("utf-8", errors="replace")
+                              for t in ids] if req.return_token_strs else None
+        return body
+
+    @app.post("/detokenize")
+    async def detokenize(request: Request):
+        req: DetokenizeRequest = await _parse(state, request, DetokenizeRequest)
+        _check_model(state, req.model)
+        tok = tokenizer()
+        vocab = state.engine.vocab_size
+        bad = [t for t in req.tokens if not 0 <= t < vocab]
+        if bad:
+            raise bad_request(f"token ids {bad[:5]} lie outside the vocabulary [0, {vocab})", "tokens")
+        return {"prompt": tok.decode(req.tokens, skip_special_tokens=False)}
+
+    add_responses_route(app, state)

@@ -1,0 +1,126 @@
+"""The one engine-argument definition: vLLM's names, choices and defaults on every subcommand and on LLM."""
+
+from __future__ import annotations
+
+import argparse
+import dataclasses
+import json
+
+import pytest
+import torch
+
+import kimik3
+from kimik3.cli import build_parser
+from kimik3.config import load_config
+from kimik3.engine.args import EngineArgs, human_readable_int, read_generation_config
+from kimik3.engine.config import gpu_cache_budget
+
+ENGINE_COMMANDS = ("generate", "chat", "serve", "bench")
+
+
+def subparsers() -> dict[str, argparse.ArgumentParser]:
+    parser = build_parser()
+    action = next(a for a in parser._actions if isinstance(a, argparse._SubParsersAction))
+    return dict(action.choices)
+
+
+@pytest.mark.parametrize("text,value", [("4096", 4096), ("32k", 32_000), ("32K", 32_768), ("25.6k", 25_600),
+                                        ("1m", 1_000_000), ("1M", 1_048_576), ("2g", 2_000_000_000),
+                                        (" 8K ", 8192)])
+def test_human_readable_int_follows_vllm(text, value):
+    assert human_readable_int(text) == value
+
+
+@pytest.mark.parametrize("text", ["1.5K", "abc", "32kb", ""])
+def test_human_readable_int_refuses(text):
+    with pytest.raises(argparse.ArgumentTypeError):
+        human_readable_int(text)
+
+
+def test_every_engine_field_is_the_same_flag_on_every_command():
+    subs = subparsers()
+    fields = {f.name: f for f in dataclasses.fields(EngineArgs)}
+    for command in ENGINE_COMMANDS:
+        actions = {a.dest: a for a in subs[command]._actions}
+        for name, f in fields.items():
+            if command == "bench" and name == "model":      # bench writes a tiny checkpoint without --model
+                continue
+            a = actions.get(name)
+            assert a is not None, f"{command} lacks --{name.replace('_', '-')}"
+            assert "--" + name.replace("_", "-") in a.option_strings
+            assert a.choices == f.metadata.get("choices"), (command, name)
+            if not (command in ("generate", "chat") and name == "max_num_seqs"):
+                assert a.default == f.default, (command, name)
+    # the old spellings are gone: one name per setting
+    for command in ENGINE_COMMANDS:
+        flags = {s for a in subs[command]._actions for s in a.option_strings}
+        assert "--no-prefix-caching" not in flags and "--cache-memory-bytes" not in flags
+        assert {"--enable-prefix-caching", "--no-enable-prefix-caching"} <= flags
+
+
+def test_every_flag_names_its_default():
+    for command, sub in subparsers().items():
+        for a in sub._actions:
+            if isinstance(a, argparse._HelpAction) or not a.option_strings:
+                continue
+            assert a.help and "default" in a.help, f"kimik3 {command} {a.option_strings[0]}: help names no default"
+
+
+def test_dtype_strings_resolve_like_vllm():
+    want = {"half": torch.float16, "float16": torch.float16, "bfloat16": torch.bfloat16, "float": torch.float32,
+            "float32": torch.float32, "float64": torch.float64, "auto": torch.float32}
+    for name, dtype in want.items():
+        assert EngineArgs(dtype=name, device="cpu").resolve_device_dtype() == (torch.device("cpu"), dtype)
+    assert EngineArgs(dtype=torch.bfloat16, device="cpu").resolve_device_dtype()[1] is torch.bfloat16
+    with pytest.raises(ValueError, match="dtype must be one of"):
+        EngineArgs(dtype="fp8")
+    with pytest.raises(ValueError, match="kv_cache_dtype 'fp8' is not supported"):
+        EngineArgs(kv_cache_dtype="fp8")
+    with pytest.raises(ValueError, match="device must be 'cpu' or 'cuda"):
+        EngineArgs(device="tpu").resolve_device_dtype()
+
+
+def test_max_model_len_defaults_to_the_model_config():
+    cfg = load_config(kimik3.DEFAULT_MODEL)
+    raw = json.loads((kimik3.DEFAULT_MODEL / "config.json").read_text())["text_config"]["max_position_embeddings"]
+    assert EngineArgs().resolve_max_model_len(cfg) == raw
+    assert EngineArgs(max_model_len="4k").resolve_max_model_len(cfg) == 4000
+    with pytest.raises(ValueError, match="longer than the model's max_position_embeddings"):
+        EngineArgs(max_model_len=raw + 1).resolve_max_model_len(cfg)
+
+
+def test_gpu_memory_utilization_is_a_fraction_of_the_whole_gpu():
+    gib = 1 << 30
+    # 80 GiB GPU, weights hold 30 GiB, nobody else: 0.9 * 80 - 30 = 42 GiB of cache
+    assert gpu_cache_budget(80 * gib, 50 * gib, 30 * gib, 0.9) == int(0.9 * 80 * gib) - 30 * gib
+    with pytest.raises(ValueError, match="only 20.00 GiB of the GPU is free"):   # another process holds 30 GiB
+        gpu_cache_budget(80 * gib, 20 * gib, 30 * gib, 0.9)
+    with pytest.raises(ValueError, match="the weights already take"):
+        gpu_cache_budget(80 * gib, 10 * gib, 70 * gib, 0.5)
+    with pytest.raises(ValueError, match="gpu_memory_utilization must lie in"):
+        EngineArgs(gpu_memory_utilization=1.5)
+
+
+def test_generation_config_defaults(tmp_path):
+    (tmp_path / "generation_config.json").write_text(json.dumps(
+        {"temperature": 0.6, "top_p": 0.95, "top_k": 20, "max_new_tokens": 7, "do_sample": True}))
+    assert read_generation_config(tmp_path, "auto") == {"temperature": 0.6, "top_p": 0.95, "top_k": 20,
+                                                        "max_tokens": 7}
+    assert read_generation_config(tmp_path, "vllm") == {}
+    other = tmp_path / "other"
+    other.mkdir()
+    assert read_generation_config(other, "auto") == {}
+    assert read_generation_config(other, str(tmp_path))["temperature"] == 0.6
+    with pytest.raises(ValueError, match="no generation_config.json there"):
+        read_generation_config(tmp_path, str(other))
+    (tmp_path / "generation_config.json").write_text(json.dumps({"temperature": "hot"}))
+    with pytest.raises(ValueError, match="temperature must be a number"):
+        read_generation_config(tmp_path, "auto")
+
+
+def test_limit_mm_per_prompt_is_checked():
+    assert EngineArgs(limit_mm_per_prompt={"image": 2}).limit_mm_per_prompt == {"image": 2}
+    with pytest.raises(ValueError, match="unknown modality 'audio'"):
+        EngineArgs(limit_mm_per_prompt={"audio": 1})
+    args = subparsers()["serve"].parse_args(["--limit-mm-per-prompt", '{"image": 3, "video": 0}'])
+    assert EngineArgs.from_cli(args).limit_mm_per_prompt == {"image": 3, "video": 0}
