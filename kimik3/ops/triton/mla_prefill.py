@@ -1,4 +1,4 @@
-"""Varlen causal flash attention for MLA prefill over one block of context positions.
+"""Varlen causal flash attention for MLA prefill over one piece of context positions.
 
 All sequences of a step in one launch. Queries are packed [T, Hq, DA + DB] (given as two parts,
 qa [T, Hq, DA] and qb [T, Hq, DB], so a 576-wide dot runs as 512 + 64); the block's keys are
@@ -16,8 +16,9 @@ Causal bound, lower-right aligned, as numbers: key j of sequence n sits at posit
 k_pos0[n] + j, query i at q_pos0[n] + i (= its context length + i); key visible iff
 k_pos <= q_pos. Online softmax (running max and sum, base 2); the program stores the normalised
 output and the natural-log log-sum-exp per row (-inf, output 0 for a row that sees no key), so
-partial results over context blocks merge exactly (``kimik3.ops.mla.merge_attention``).
-Reference: ``kimik3.ops.mla._attend_block_reference``.
+partial results over pieces merge exactly (``kimik3.ops.mla.merge_attention``). Few query tiles
+over long key runs: split-K over the keys, partials merged by ``_merge_splits_kernel``.
+Reference: ``kimik3.ops.mla._attend_piece_reference``.
 """
 
 from __future__ import annotations
