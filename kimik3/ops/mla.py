@@ -37,8 +37,10 @@ PREFILL_BLOCK = 16384
 # than this. FLOPs per key and head, for q new tokens: naive q x 2 x (192 + 128) plus the
 # up-projection 2 x 512 x 256 (every step re-expands the history), absorbed q x 2 x (576 + 512):
 # naive wins by FLOPs from ~170 tokens; the absorbed kernel's wider tiles run slower, so the cut
-# sits below that. To be set from benchmarks/gpu/bench_mla_prefill.py ("short" rows).
-ABSORBED_MAX_QUERY_LEN = 128
+# sits below that. Measured on the H200 (bench_mla_prefill.py "short" rows, 4 sequences, commit
+# c5d62e8): 16 tokens over 32k / 1M at H=96, absorbed 6.3 / 223 ms vs naive 11.0 / 331 ms; 128
+# tokens, absorbed 28.7 / 889 ms vs naive 11.2 / 350 ms (at H=32 the two are within 15% at 128).
+ABSORBED_MAX_QUERY_LEN = 64
 
 FORMS = ("naive", "absorbed")
 
