@@ -63,14 +63,14 @@ class Limits:
 def add_limit_arguments(parser: argparse.ArgumentParser) -> None:
     d = Limits()
     parser.add_argument("--max-body-bytes", type=int, default=d.max_body_bytes,
-                        help="largest request body accepted (413 beyond; default 64 MiB)")
+                        help="largest request body accepted, in bytes (413 beyond; default: 64 MiB)")
     parser.add_argument("--header-timeout", type=float, default=d.header_timeout,
-                        help="seconds a connection gets to send a complete request head (408 after)")
+                        help=f"seconds a connection gets to send a complete request head (408 after; default: {d.header_timeout:g})")
     parser.add_argument("--body-timeout", type=float, default=d.body_timeout,
-                        help="seconds a request gets to send its whole body (408 after)")
+                        help=f"seconds a request gets to send its whole body (408 after; default: {d.body_timeout:g})")
     parser.add_argument("--max-connections", type=int, default=d.max_connections,
-                        help="open connections served at once; more are answered 503")
-    parser.add_argument("--max-n", type=int, default=d.max_n, help="largest n (samples per prompt) accepted")
+                        help=f"open connections served at once; more are answered 503 (default: {d.max_connections})")
+    parser.add_argument("--max-n", type=int, default=d.max_n, help=f"largest n (samples per prompt) accepted (default: {d.max_n})")
     parser.add_argument("--allowed-hosts", default=None,
                         help="comma-separated Host header values accepted (e.g. localhost:8000); others get 421. "
                              "Without --api-key this stops DNS-rebinding pages; default: any")

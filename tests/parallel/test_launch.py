@@ -62,7 +62,7 @@ STDIN_SCRIPT = textwrap.dedent("""
     start = time.monotonic()
     try:
         LLM(sys.argv[1], tensor_parallel_size=2, dtype=torch.float64, device="cpu", max_model_len=64,
-            block_size=4, cache_memory_bytes=1 << 22)
+            block_size=4, kv_cache_memory_bytes=1 << 22)
     except RuntimeError as e:
         print(f"FAILED after {time.monotonic() - start:.1f} s: {e}", flush=True)
         sys.exit(3)
@@ -86,7 +86,7 @@ TWO_SCRIPT = textwrap.dedent("""
 
     def main():
         kw = dict(tensor_parallel_size=2, dtype=torch.float64, device="cpu", max_model_len=64,
-                  max_num_batched_tokens=8, block_size=4, cache_memory_bytes=1 << 22)
+                  max_num_batched_tokens=8, block_size=4, kv_cache_memory_bytes=1 << 22)
         prompt = [{"prompt_token_ids": [5, 6, 7, 8, 9, 10, 11, 12, 13, 14, 15]}]
         params = SamplingParams(temperature=0.0, max_tokens=5, ignore_eos=True)
         out = []
@@ -113,7 +113,7 @@ def test_two_tensor_parallel_llms_one_after_the_other(ckpt, tmp_path):
     script = tmp_path / "two.py"
     script.write_text(TWO_SCRIPT)
     llm = LLM(str(ckpt), dtype=torch.float64, device="cpu", max_model_len=64, max_num_batched_tokens=8,
-              block_size=4, cache_memory_bytes=1 << 22)
+              block_size=4, kv_cache_memory_bytes=1 << 22)
     want = llm.generate([{"prompt_token_ids": [5, 6, 7, 8, 9, 10, 11, 12, 13, 14, 15]}],
                         SamplingParams(temperature=0.0, max_tokens=5, ignore_eos=True))[0].outputs[0].token_ids
     res = subprocess.run([sys.executable, str(script), str(ckpt)], capture_output=True, text=True, timeout=240,
