@@ -282,7 +282,7 @@ def main() -> None:
     batch = step_batch(B, T, device)
     budget = args.minutes * 60.0
     warmup = 0.03
-    history, step, tokens_seen = [], 0, 0
+    history, step, tokens_seen, skipped = [], 0, 0, 0
     random_loss = math.log(parsed.text.vocab_size)
     # the fast CUDA kernels have no backward: every op runs its torch reference (CPU does anyway)
     ops = reference_ops if device.type == "cuda" else contextlib.nullcontext
@@ -309,7 +309,12 @@ def main() -> None:
             if step == 0:
                 check_gradients(model, trainable)
             gnorm = torch.nn.utils.clip_grad_norm_(trainable, 1.0)
-            opt.step()
+            if not torch.isfinite(gnorm):          # a bad batch must not end a one-shot run
+                skipped += 1
+                logger.warning("step %d: non-finite gradient norm, update skipped", step)
+                opt.zero_grad(set_to_none=True)
+            else:
+                opt.step()
             imbalance = balancer.update()
             step += 1
             tokens_seen += B * T
@@ -350,6 +355,7 @@ def main() -> None:
         "val_tokens": int(val.numel()), "random_model_loss_ln_vocab": round(random_loss, 4),
         "initial_loss": round(loss0, 4), "val_loss_dense_experts": round(loss_dense, 4),
         "val_loss_mxfp4_experts": round(loss_mxfp4, 4), "val_loss_checkpoint_bf16": round(loss_ckpt, 4),
+        "target_3_nats_below_random_met": loss_ckpt <= random_loss - 3.0, "skipped_steps": skipped,
         "checkpoint_bytes": sum(f.stat().st_size for f in args.out.iterdir()),
         "sample_once_upon_a_time": sample, "history": history, "total_seconds": round(time.time() - t_start, 1),
     }
