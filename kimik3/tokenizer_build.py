@@ -158,7 +158,7 @@ def train_bpe(corpus: str, vocab_size: int) -> dict[bytes, int]:
                 best = (pair, c)
         if best is None:
             raise ValueError(
-                f"the generated corpus has too few distinct pairs for base_vocab_size={vocab_size} "
+                f"the corpus has too few distinct pairs for base_vocab_size={vocab_size} "
                 f"(stopped at {len(ranks)}); use a smaller size"
             )
         (a, b), _ = best
@@ -229,13 +229,19 @@ def tokenizer_config(base_vocab_size: int, chat_format: str = "k3") -> dict:
 
 def build_tiny_tokenizer(out_dir: Path, base_vocab_size: int = 2048, seed: int = 0, chat_format: str = "k3") -> None:
     """Write ``tiktoken.model`` and ``tokenizer_config.json`` for a tiny tokenizer into ``out_dir``."""
+    write_tokenizer(out_dir, generate_corpus(seed), base_vocab_size, chat_format)
+
+
+def write_tokenizer(out_dir: Path, corpus: str, base_vocab_size: int, chat_format: str = "k3") -> None:
+    """Train a byte-level BPE of ``base_vocab_size`` tokens on ``corpus`` and write ``tiktoken.model``
+    and ``tokenizer_config.json`` (the release special-token table after the base vocabulary)."""
     if not isinstance(base_vocab_size, int) or not 256 <= base_vocab_size <= 8192:
         raise ValueError(f"base_vocab_size must be an int in [256, 8192], got {base_vocab_size!r}")
     if chat_format not in _TABLES:
         raise ValueError(f"chat_format must be one of {sorted(_TABLES)}, got {chat_format!r}")
     out_dir = Path(out_dir)
     out_dir.mkdir(parents=True, exist_ok=True)
-    ranks = train_bpe(generate_corpus(seed), base_vocab_size)
+    ranks = train_bpe(corpus, base_vocab_size)
     lines = [f"{base64.b64encode(tok).decode('ascii')} {rank}\n" for tok, rank in sorted(ranks.items(), key=lambda x: x[1])]
     (out_dir / TIKTOKEN_FILE).write_text("".join(lines), encoding="ascii")
     cfg = tokenizer_config(base_vocab_size, chat_format)

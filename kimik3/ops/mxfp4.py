@@ -58,7 +58,7 @@ def quantize(weight: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
     exp = torch.ceil(torch.log2(amax / 6.0)).clamp(-127, 127)
     scale = (exp + 127).to(torch.uint8)
     scaled = w / torch.exp2(exp).unsqueeze(-1)
-    mags = torch.tensor(E2M1_VALUES[:8])
+    mags = torch.tensor(E2M1_VALUES[:8], device=w.device)
     idx = (scaled.abs().unsqueeze(-1) - mags).abs().argmin(-1)        # nearest magnitude
     codes = (idx + 8 * (scaled < 0)).to(torch.uint8).view(n, k)
     return pack_codes(codes), scale

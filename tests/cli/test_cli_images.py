@@ -1,4 +1,5 @@
-"""``kimik3 generate --image`` and ``/image`` in ``kimik3 chat`` on the embedded model, as subprocesses;
+"""``kimik3 generate --image`` and ``/image`` in ``kimik3 chat`` (on the embedded model, and on a random
+tiny K3 where the output must depend on the pixels), as subprocesses;
 bad image files end in one error line and exit code 2 (before the model loads)."""
 
 import struct
@@ -42,8 +43,29 @@ def pictures(tmp_path_factory):
     return paths
 
 
-def test_generate_with_two_images(pictures):
-    args = ["generate", "What differs between these?", "--max-tokens", "8", "--no-thinking"]
+@pytest.fixture(scope="module")
+def random_vision_ckpt(tmp_path_factory):
+    """A random tiny K3 with a vision tower and its own tokenizer. The embedded model is trained on
+    text only (its vision tower is untrained) and its peaked predictions seldom change with the pixels
+    of same-sized images, so the pixels-reach-the-model check runs on random weights."""
+    import shutil
+
+    import kimik3
+    from kimik3.testing import make_tiny_checkpoint
+    from kimik3.tokenizer_build import build_tiny_tokenizer, model_token_ids
+
+    path = tmp_path_factory.mktemp("vision_ckpt")
+    ids = model_token_ids(512)
+    make_tiny_checkpoint(path, "kimi_k3", seed=3, vocab_size=ids["vocab_size"], bos=ids["bos_token_id"],
+                         eos=ids["eos_token_id"], pad=ids["pad_token_id"], media=ids["media_placeholder_token_id"])
+    build_tiny_tokenizer(path, base_vocab_size=512, seed=1)
+    shutil.copyfile(kimik3.DEFAULT_MODEL / "preprocessor_config.json", path / "preprocessor_config.json")
+    return path
+
+
+def test_generate_with_two_images(pictures, random_vision_ckpt):
+    args = ["generate", "What differs between these?", "--max-tokens", "8", "--no-thinking",
+            "--model", random_vision_ckpt]
     a = start(*args, "--image", pictures["wide"], "--image", pictures["tall"])
     other = start(*args, "--image", pictures["wide2"], "--image", pictures["tall"])
     (a_out, a_err), (o_out, o_err) = a.communicate(timeout=180), other.communicate(timeout=180)

@@ -21,7 +21,7 @@ from tests.engine.fake_model import FakeModel
 from tests.serve.scripted import ScriptedRunner
 
 MODEL = "k3-test"
-END_OF_MSG = 2050
+END_OF_MSG = kimik3.load_tokenizer(kimik3.DEFAULT_MODEL).convert_tokens_to_ids("<|end_of_msg|>")
 
 
 class LiveServer:
