@@ -9,16 +9,21 @@ from __future__ import annotations
 
 
 class OutputText:
-    def __init__(self, tokenizer, stop: tuple[str, ...], skip_special_tokens: bool):
+    def __init__(self, tokenizer, stop: tuple[str, ...], skip_special_tokens: bool, include_stop: bool = False):
         self.stream = tokenizer.detokenizer(skip_special_tokens=skip_special_tokens)
         self.stop = stop
+        self.include_stop = include_stop    # keep the stop string at the end of the text (vLLM's include_stop_str_in_output)
         self.text = ""
         self.holdback = max((len(s) for s in stop), default=1) - 1   # chars that may begin a stop string
 
-    def add(self, token_id: int) -> str | None:
-        """Append a token; returns the stop string if the text now holds one (the text is cut before it)."""
+    def add(self, token_id: int, check_stop: bool = True) -> str | None:
+        """Append a token; returns the stop string if the text now holds one (the text is cut before it,
+        or after it with ``include_stop``). ``check_stop=False`` (before min_tokens) only appends."""
         delta = self.stream.feed([token_id])
         if not delta:
+            return None
+        if not check_stop:
+            self.text += delta
             return None
         start = max(0, len(self.text) - self.holdback)
         self.text += delta
@@ -26,7 +31,7 @@ class OutputText:
         if not hits:
             return None
         i, s = min(hits)
-        self.text = self.text[:i]
+        self.text = self.text[:i + len(s) if self.include_stop else i]
         return s
 
     def finish(self) -> None:

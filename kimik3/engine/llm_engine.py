@@ -100,6 +100,7 @@ class LLMEngine:
                                                       config.max_num_seqs, config.max_model_len, config.enforce_eager)
         self._tokenizer = tokenizer
         self._tokenizer_path = tokenizer_path
+        self._grammar = None    # structured.GrammarCompiler, built on the first constrained request
         self.groups: dict[str, _Group] = {}
         self._aborted: list[_Group] = []
 
@@ -120,6 +121,16 @@ class LLMEngine:
                                  f"stop_token_ids instead of text")
             return None
         return self._tokenizer
+
+    def grammar_compiler(self):
+        """The llguidance compiler over this engine's tokenizer (built on first use; needs a tokenizer)."""
+        if self._grammar is None:
+            from kimik3.engine.structured import GrammarCompiler
+            tok = self.get_tokenizer(required=True)
+            ends = [self.eos_token_id, *getattr(tok, "stop_token_ids", [])]
+            self._grammar = GrammarCompiler(tok, self.vocab_size, [t for t in ends if t is not None])
+            self.runner.grammar = self._grammar
+        return self._grammar
 
     # ---- requests --------------------------------------------------------------------------
     def add_request(self, request_id: str, prompt, params: SamplingParams | None = None,
@@ -142,6 +153,9 @@ class LLMEngine:
         extra_keys = mm.block_extra_keys(len(ids), self.config.block_size) if mm is not None else None
         arrival = time.monotonic() if arrival_time is None else arrival_time
         tok = self.get_tokenizer() if params.detokenize else None
+        bad_words = self._bad_word_ids(params)
+        so = params.structured_outputs
+        matchers = [self.grammar_compiler().matcher(so) for _ in range(params.n)] if so is not None else None
         children = []
         for i in range(params.n):
             gen = None
@@ -154,7 +168,10 @@ class LLMEngine:
             if i and self.kv.enable_prefix_caching and len(ids) > self.config.block_size:
                 req.wait_for = children[0]
             if tok is not None:
-                req.detok = OutputText(tok, params.stop_strings, params.skip_special_tokens)
+                req.detok = OutputText(tok, params.stop_strings, params.skip_special_tokens,
+                                       params.include_stop_str_in_output)
+            req.bad_word_ids = bad_words
+            req.matcher = matchers[i] if matchers else None
             children.append(req)
         self.groups[request_id] = _Group(request_id, text, children)   # nothing below can fail
         for req in children:
@@ -218,6 +235,29 @@ class LLMEngine:
             if not params.detokenize:
                 raise ValueError(f"stop strings {params.stop_strings} need detokenize=True")
             self.get_tokenizer(required=True)
+        for what, ids_ in (("logit_bias", list(params.logit_bias or ())), ("allowed_token_ids",
+                                                                          params.allowed_token_ids or [])):
+            bad = [t for t in ids_ if t >= self.vocab_size]
+            if bad:
+                raise ValueError(f"{what}: token ids {bad[:5]} lie outside the vocabulary [0, {self.vocab_size}); "
+                                 f"remove them")
+        if params.bad_words:
+            self.get_tokenizer(required=True)
+        if params.structured_outputs is not None:
+            self.grammar_compiler().check(params.structured_outputs)
+
+    def _bad_word_ids(self, params: SamplingParams) -> list[list[int]]:
+        """Token sequences of each bad word, as written and after a space (vLLM's rule), deduplicated."""
+        if not params.bad_words:
+            return []
+        tok = self.get_tokenizer(required=True)
+        seqs: list[list[int]] = []
+        for w in params.bad_words:
+            for text in (w, " " + w.lstrip()):
+                ids = list(tok.encode(text))
+                if ids and ids not in seqs:
+                    seqs.append(ids)
+        return seqs
 
     def _check_images(self, ids: list[int], vision) -> list[int] | None:
         """Pad positions of a prompt's images (checked against the model), or None without images."""
@@ -281,6 +321,10 @@ class LLMEngine:
                 if req.params.logprobs is not None:
                     req.logprobs.append(t_lp)
                 reason = self._check_stop(req, t)
+                if req.matcher is not None:
+                    req.matcher.consume(t)
+                    if reason is None and req.matcher.stopped:   # the grammar is complete
+                        req.stop_reason, reason = t, "stop"
                 if reason is not None:
                     if req.detok is not None and not isinstance(req.stop_reason, str):
                         req.detok.finish()
@@ -318,7 +362,7 @@ class LLMEngine:
             req.stop_reason = token
             return "stop"
         if req.detok is not None:
-            hit = req.detok.add(token)
+            hit = req.detok.add(token, check_stop=req.num_output_tokens >= p.min_tokens)
             if hit is not None:
                 req.stop_reason = hit
                 return "stop"

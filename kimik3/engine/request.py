@@ -76,6 +76,10 @@ class Request:
     # Image embeddings [N_i, D] by item, held (runner-owned tensors) from the first chunk that needs an
     # item until its last pad is computed, so a request encodes or fetches each image once per prefill.
     image_embeds: dict[int, torch.Tensor] = field(default_factory=dict)
+    # logit controls: token sequences of params.bad_words, and the grammar state of structured outputs
+    bad_word_ids: list[list[int]] = field(default_factory=list)
+    matcher: object | None = None                   # structured.Matcher
+    prompt_logprobs: list[dict[int, float] | None] = field(default_factory=list)  # one per prompt token
 
     def __post_init__(self) -> None:
         self.token_ids = list(self.prompt_token_ids)

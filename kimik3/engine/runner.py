@@ -21,7 +21,16 @@ import torch
 from kimik3.engine.cuda_graphs import DecodeGraphs, pack_decode_inputs
 from kimik3.engine.encoder_cache import EncoderCache
 from kimik3.engine.request import Request
-from kimik3.engine.sampler import SamplerOutput, SamplingBatch, draw, filter_logits, logprob_dicts, sample
+from kimik3.engine.sampler import (
+    ControlRow,
+    SamplerOutput,
+    SamplingBatch,
+    apply_controls,
+    draw,
+    filter_logits,
+    logprob_dicts,
+    sample,
+)
 from kimik3.engine.speculative import accept_greedy, is_plain_greedy
 from kimik3.engine.scheduler import ScheduledChunk, SchedulerOutput
 from kimik3.model.batch import ForwardBatch, HybridCache
@@ -62,6 +71,7 @@ class ModelRunner:
         self.num_steps = 0
         self.num_graph_steps = 0
         self.graphs: DecodeGraphs | None = None
+        self.grammar = None         # structured.GrammarCompiler, set by the engine when it has a tokenizer
         if not enforce_eager and self.device.type == "cuda":
             self.graphs = capture_or_none(DecodeGraphs(model, cache, max_num_seqs, max_model_len))
 
@@ -180,17 +190,21 @@ class ModelRunner:
             return SamplerOutput([], [])
         chunks = [c for c in out.chunks if c.samples]
         reqs = [c.req for c in chunks]
-        if not any(c.draft for c in chunks):
-            return self._sample_last_rows(reqs, logits)
         spans, r = [], 0
         for c in chunks:
             spans.append((r, r + 1 + len(c.draft)))
             r += 1 + len(c.draft)
+        raw = logits
+        if any(q.params.has_controls for q in reqs):
+            logits = self._controlled(chunks, spans, logits)
+        if not any(c.draft for c in chunks):
+            return self._sample_last_rows(reqs, logits, raw)
         if all(is_plain_greedy(q.params) for q in reqs):
             targets = logits.argmax(-1).tolist()                   # one device sync for every row
             result = SamplerOutput([targets[b - 1] for a, b in spans], [None] * len(reqs))
         else:
-            result = self._sample_last_rows(reqs, logits[torch.tensor([b - 1 for _, b in spans], device=logits.device)])
+            last = torch.tensor([b - 1 for _, b in spans], device=logits.device)
+            result = self._sample_last_rows(reqs, logits[last], raw[last])
             targets = [0] * r                                      # greedy rows of speculative chunks only
             greedy_rows = [j for c, (a, b) in zip(chunks, spans) if c.draft and c.req.params.greedy
                            for j in range(a, b)]
@@ -210,8 +224,29 @@ class ModelRunner:
                 sampled.append(i)
         if sampled:
             self._verify_sampled([chunks[i] for i in sampled], [spans[i] for i in sampled], logits, result, sampled)
-        self._speculative_logprobs(chunks, spans, logits, result)
+        self._speculative_logprobs(chunks, spans, raw, result)
         return result
+
+    def _controlled(self, chunks, spans, logits: torch.Tensor) -> torch.Tensor:
+        """Logits with each controlled request's logit controls and grammar mask applied; row a + j of
+        a speculative chunk sees the request's output followed by its drafts 1..j."""
+        rows: list[int] = []
+        controls: list[ControlRow] = []
+        for c, (a, b) in zip(chunks, spans):
+            q = c.req
+            if not q.params.has_controls:
+                continue
+            out_ids = q.output_token_ids
+            ends = [t for t in (q.eos_token_id, *q.params.stop_token_ids) if t is not None and not
+                    (t == q.eos_token_id and q.params.ignore_eos)]
+            for j in range(b - a):
+                rows.append(a + j)
+                controls.append(ControlRow(q.params, out_ids + c.draft[:j], ends, q.bad_word_ids, q.matcher,
+                                           c.draft[:j]))
+        bitmask = None
+        if any(row.matcher is not None for row in controls):
+            bitmask = self.grammar.fill_bitmasks([(row.matcher, row.pending) for row in controls])
+        return apply_controls(logits, rows, controls, bitmask)
 
     @staticmethod
     def _speculative_logprobs(chunks, spans, logits: torch.Tensor, result: SamplerOutput) -> None:
@@ -265,13 +300,13 @@ class ModelRunner:
                 result.token_ids[i] = int(draw(residual[None], [c.req.generator], self.generator)[0])
             k += n
 
-    def _sample_last_rows(self, reqs, logits: torch.Tensor) -> SamplerOutput:
+    def _sample_last_rows(self, reqs, logits: torch.Tensor, raw: torch.Tensor) -> SamplerOutput:
         if all(is_plain_greedy(r.params) for r in reqs):        # plain greedy: argmax, one sync
             return SamplerOutput(logits.argmax(-1).tolist(), [None] * len(reqs))
         sb = SamplingBatch.build([r.params for r in reqs], [r.generator for r in reqs],
                                  [r.prompt_token_ids for r in reqs], [r.output_token_ids for r in reqs],
                                  self.vocab_size, self.device)
-        return sample(logits, sb, self.generator)
+        return sample(logits, sb, self.generator, raw)
 
     @torch.inference_mode()
     def execute(self, out: SchedulerOutput) -> SamplerOutput:

@@ -1,8 +1,14 @@
-"""Batched sampling on tensors: penalties, temperature, min-p, top-k, top-p, per-request generators.
+"""Batched sampling on tensors: logit controls, penalties, temperature, min-p, top-k, top-p,
+per-request generators.
 
 Rows are the sequences that produce a token this step. Every transform is a tensor op over
 [n, vocab]; the only per-row Python work is drawing the noise of seeded requests from their own
 generator, which is what makes a seeded request's tokens independent of the batch it lands in.
+
+Logit controls (``apply_controls``) touch only the rows of requests that have them: their entries
+(biases, banned and allowed ids, the grammar bitmask) go to the device as a few index tensors and one
+bitmask, and one gather / index_put / masked_fill / index_copy sequence rewrites those rows; the other
+rows are not read or written, so they stay bit-identical.
 """
 
 from __future__ import annotations
@@ -69,6 +75,67 @@ class SamplingBatch:
         )
 
 
+@dataclass
+class ControlRow:
+    """What one logits row needs for its logit controls: its request's settings and history."""
+
+    params: SamplingParams
+    output_ids: list[int]               # generated tokens before this row (drafts before it included)
+    end_ids: list[int]                  # tokens min_tokens holds back (EOS and stop_token_ids)
+    bad_words: list[list[int]]          # token sequences of the bad words
+    matcher: object | None = None       # structured.Matcher, or None
+    pending: list[int] | None = None    # draft tokens the matcher has not consumed yet (speculative rows)
+
+
+def banned_ids(row: ControlRow) -> list[int]:
+    """Tokens this row may not produce: end tokens before ``min_tokens``, and the last token of each
+    bad word whose other tokens end the output."""
+    out = list(row.end_ids) if len(row.output_ids) < row.params.min_tokens else []
+    hist = row.output_ids
+    for w in row.bad_words:
+        k = len(w) - 1
+        if k == 0 or (len(hist) >= k and hist[-k:] == w[:-1]):
+            out.append(w[-1])
+    return out
+
+
+def apply_controls(logits: torch.Tensor, rows: list[int], controls: list[ControlRow],
+                   bitmask: torch.Tensor | None) -> torch.Tensor:
+    """Logits with the controls of ``rows`` applied (other rows unchanged): + logit_bias, -inf on banned
+    ids, only allowed_token_ids and the grammar's tokens (``bitmask``: int32 [len(rows), words] host
+    tensor, or None) left. A row whose allowed set would be empty keeps the grammar's set alone."""
+    from kimik3.engine.structured import unpack_bitmask
+    dev = logits.device
+    n_rows, vocab = len(rows), logits.shape[-1]
+    index = torch.tensor(rows, dtype=torch.int64, device=dev)
+    sub = logits.index_select(0, index)
+    r, c, v = [], [], []
+    for k, row in enumerate(controls):
+        for t, b in (row.params.logit_bias or {}).items():
+            r.append(k), c.append(t), v.append(b)
+        for t in banned_ids(row):
+            r.append(k), c.append(t), v.append(float("-inf"))
+    if r:
+        sub.index_put_((torch.tensor(r, device=dev), torch.tensor(c, device=dev)),
+                       torch.tensor(v, dtype=sub.dtype, device=dev), accumulate=True)
+    grammar = unpack_bitmask(bitmask, vocab, dev) if bitmask is not None else None
+    listed = [k for k, row in enumerate(controls) if row.params.allowed_token_ids is not None]
+    if listed:
+        allow = torch.ones(n_rows, vocab, dtype=torch.bool, device=dev)
+        allow[torch.tensor(listed, device=dev)] = False
+        ar = [k for k in listed for _ in controls[k].params.allowed_token_ids]
+        ac = [t for k in listed for t in controls[k].params.allowed_token_ids]
+        allow[torch.tensor(ar, device=dev), torch.tensor(ac, device=dev)] = True
+        if grammar is not None:
+            both = allow & grammar
+            grammar = torch.where(both.any(-1, keepdim=True), both, grammar)
+        else:
+            grammar = allow
+    if grammar is not None:
+        sub = sub.masked_fill(~grammar, float("-inf"))
+    return logits.index_copy(0, index, sub)
+
+
 def apply_penalties(logits: torch.Tensor, b: SamplingBatch) -> torch.Tensor:
     """Repetition (HF: prompt + output ids), then presence/frequency (OpenAI: output ids)."""
     n, vocab = logits.shape
@@ -124,9 +191,11 @@ class SamplerOutput:
     accepted_logprobs: list[list[dict[int, float] | None]] | None = None
 
 
-def sample(logits: torch.Tensor, b: SamplingBatch, default_generator: torch.Generator | None = None) -> SamplerOutput:
-    """logits [n, vocab] fp32 -> one token per row (+ logprobs of the raw model distribution)."""
-    raw = logits
+def sample(logits: torch.Tensor, b: SamplingBatch, default_generator: torch.Generator | None = None,
+           raw: torch.Tensor | None = None) -> SamplerOutput:
+    """logits [n, vocab] fp32 (logit controls already applied) -> one token per row (+ logprobs of
+    ``raw``, the model distribution before any processing; default ``logits``)."""
+    raw = logits if raw is None else raw
     if b.presence is not None:
         logits = apply_penalties(logits, b)
     greedy_tokens = logits.argmax(-1)

@@ -153,7 +153,10 @@ class Scheduler:
             first = (start // step + 1) * step
             boundary = first if first > start + 1 else first + step
             k = min(k, boundary - start - 2)
-        return propose_ngram(req.token_ids, k, self.ngram_min, self.ngram_max) if k > 0 else []
+        draft = propose_ngram(req.token_ids, k, self.ngram_min, self.ngram_max) if k > 0 else []
+        if draft and req.matcher is not None:   # only drafts the grammar accepts (the rest would be rejected)
+            draft = draft[:req.matcher.valid_prefix(draft)]
+        return draft
 
     def _add_chunk(self, out: SchedulerOutput, req: Request, n: int, draft: list[int] | None = None,
                    spec_slots: list[int] | None = None) -> None:

@@ -1,0 +1,165 @@
+"""Constrained decoding on llguidance: grammars from StructuredOutputsParams, per-request matchers,
+and token bitmasks for the sampler.
+
+Each constrained request owns an ``llguidance.LLMatcher`` over the engine's tokenizer (built once
+from its ``tiktoken.Encoding``). Before a step samples, ``fill_bitmasks`` writes one int32 bitmask row
+per logits row on the host (all matchers of the step in one parallel ``LLExecutor`` call); the sampler
+copies it to the device and turns the bits of the masked-out tokens into -inf, after the logits
+(so a CUDA-graph decode step stays a graph). After the step, each emitted token is consumed by its
+request's matcher. Speculative rows: drafts are cut to the longest prefix the grammar accepts
+(``valid_prefix``); the mask of the row after draft j is computed by consuming drafts 1..j and rolling
+them back, so a verify step emits exactly the tokens plain constrained decoding gives. When a
+matcher stops (its grammar is complete and it took an end token), the request finishes with "stop".
+
+JSON schemas compile with compact separators (``", "`` and ``": "``, no free whitespace) unless the
+schema's own ``x-guidance`` says otherwise: outputs stay short and every token counts.
+"""
+
+from __future__ import annotations
+
+import json
+import logging
+import os
+from dataclasses import dataclass
+
+import torch
+
+from kimik3.engine.sampling_params import StructuredOutputsParams
+
+logger = logging.getLogger(__name__)
+
+JSON_OPTIONS = {"whitespace_flexible": False, "item_separator": ", ", "key_separator": ": "}
+ANY_JSON_OBJECT = {"type": "object"}
+
+
+def _llg():
+    try:
+        import llguidance     # (not llguidance.torch: importing it runs torch.compile, seconds)
+    except ImportError as e:  # pragma: no cover - the test extra installs it
+        raise ValueError("structured outputs need the llguidance package; pip install 'kimik3[structured]' "
+                         f"(or pip install llguidance) ({e})") from None
+    return llguidance
+
+
+def json_schema_for_llguidance(schema: dict | str) -> dict:
+    """The schema with kimik3's JSON options (the schema's own ``x-guidance`` wins)."""
+    if isinstance(schema, str):
+        try:
+            schema = json.loads(schema)
+        except ValueError as e:
+            raise ValueError(f"the JSON schema is not valid JSON: {e}") from None
+    if isinstance(schema, bool):
+        schema = {} if schema else {"not": {}}
+    if not isinstance(schema, dict):
+        raise ValueError(f"a JSON schema must be an object, got {type(schema).__name__}")
+    return {**schema, "x-guidance": {**JSON_OPTIONS, **schema.get("x-guidance", {})}}
+
+
+def lark_json(schema: dict | str) -> str:
+    """A Lark ``%json`` item for ``schema`` (to embed JSON in a larger grammar)."""
+    return "%json " + json.dumps(json_schema_for_llguidance(schema), ensure_ascii=False)
+
+
+def grammar_text(so: StructuredOutputsParams) -> str:
+    """The llguidance grammar of a constraint (not yet checked against a tokenizer)."""
+    M = _llg().LLMatcher
+    if so.json is not None or so.json_object:
+        return M.grammar_from_json_schema(json_schema_for_llguidance(ANY_JSON_OBJECT if so.json_object else so.json))
+    if so.regex is not None:
+        return M.grammar_from_regex(so.regex)
+    if so.choice is not None:
+        return M.grammar_from_lark("start: " + " | ".join(json.dumps(c, ensure_ascii=False) for c in so.choice))
+    text = so.grammar
+    if not text.lstrip().startswith(("start:", "%", "//")) and "::=" in text:
+        from llguidance.gbnf_to_lark import any_to_lark
+        try:
+            text = any_to_lark(text)
+        except Exception as e:
+            raise ValueError(f"the grammar is neither Lark nor valid GBNF: {e}") from None
+    return M.grammar_from_lark(text)
+
+
+class GrammarCompiler:
+    """The llguidance tokenizer of one engine (built on first use) and matchers over it."""
+
+    def __init__(self, tokenizer, vocab_size: int, end_token_ids: list[int]):
+        self.tokenizer = tokenizer
+        self.vocab_size = vocab_size
+        self.end_token_ids = sorted(set(end_token_ids))
+        self._ll_tokenizer = None
+        self._executor = None
+        self.words = (vocab_size + 31) // 32
+
+    @property
+    def ll_tokenizer(self):
+        if self._ll_tokenizer is None:
+            llg = _llg()
+            from llguidance.tiktoken import lltokenizer_from_encoding
+            enc = getattr(self.tokenizer, "_encoding", None)
+            if enc is None:
+                raise ValueError("structured outputs need the checkpoint's tiktoken tokenizer")
+            self._ll_tokenizer = lltokenizer_from_encoding(enc, n_vocab=self.vocab_size,
+                                                           eos_token=self.end_token_ids)
+            self._executor = llg.LLExecutor(num_threads=max(1, min(8, (os.cpu_count() or 2) // 2)))
+        return self._ll_tokenizer
+
+    def matcher(self, so: StructuredOutputsParams | str) -> Matcher:
+        """A fresh matcher for a constraint (or an llguidance grammar text); ValueError naming what is wrong."""
+        llg = _llg()
+        grammar = grammar_text(so) if isinstance(so, StructuredOutputsParams) else so
+        m = llg.LLMatcher(self.ll_tokenizer, grammar, log_level=0)
+        if m.is_error():
+            raise ValueError(f"structured_outputs: the constraint does not compile: {m.get_error()}")
+        return Matcher(m)
+
+    def check(self, so: StructuredOutputsParams | str) -> None:
+        self.matcher(so)
+
+    def fill_bitmasks(self, rows: list[tuple[Matcher | None, list[int]]]) -> torch.Tensor:
+        """int32 bitmask [len(rows), words] (host): row i allows the tokens its matcher allows after
+        consuming ``rows[i][1]`` (draft tokens, rolled back afterwards); every token without a matcher."""
+        mask = torch.full((len(rows), self.words), -1, dtype=torch.int32,
+                          pin_memory=torch.cuda.is_available())
+        row_bytes = self.words * 4
+        plain = [(m.m, i) for i, (m, pending) in enumerate(rows) if m is not None and not pending]
+        if plain:
+            self._executor.unsafe_compute_mask_ptr(plain, mask.data_ptr(), row_bytes, len(rows))
+        for i, (m, pending) in enumerate(rows):
+            if m is not None and pending:
+                if not m.m.consume_tokens(pending):
+                    raise RuntimeError(f"grammar refused draft tokens {pending} it had accepted: {m.m.get_error()}")
+                m.m.unsafe_compute_mask_ptr(mask.data_ptr() + i * row_bytes, row_bytes)
+                m.m.rollback(len(pending))
+        return mask
+
+
+@dataclass
+class Matcher:
+    """One request's grammar state."""
+
+    m: object
+
+    def consume(self, token_id: int) -> bool:
+        """Advance by an emitted token; False (and a warning) if the grammar refused it."""
+        if self.m.is_stopped():
+            return True
+        ok = self.m.consume_token(token_id)
+        if not ok:
+            logger.warning("structured outputs: token %d refused by the grammar: %s", token_id, self.m.get_error())
+        return ok
+
+    @property
+    def stopped(self) -> bool:
+        return self.m.is_stopped()
+
+    def valid_prefix(self, draft: list[int]) -> int:
+        """How many leading draft tokens the grammar accepts (state unchanged)."""
+        return self.m.validate_tokens(draft) if draft else 0
+
+
+def unpack_bitmask(mask: torch.Tensor, vocab_size: int, device: torch.device) -> torch.Tensor:
+    """int32 bitmask [n, words] -> bool [n, vocab] on ``device`` (True = allowed); one copy, tensor ops."""
+    dev = mask.to(device, non_blocking=True)
+    shifts = torch.arange(32, dtype=torch.int32, device=device)
+    bits = (dev[:, :, None] >> shifts) & 1
+    return bits.reshape(mask.shape[0], -1)[:, :vocab_size].bool()
