@@ -45,8 +45,9 @@ class KVCacheManager:
     # ---- prefix cache ----------------------------------------------------------------
     def _match(self, req: Request) -> tuple[int, list[int]]:
         """Longest usable cached prefix of ``req``: (blocks, their ids), clamped to a checkpoint."""
-        if not self.enable_prefix_caching:
-            return 0, []
+        if not self.enable_prefix_caching or (req.params.prompt_logprobs is not None
+                                              and len(req.prompt_logprobs) < req.num_prompt_tokens):
+            return 0, []    # prompt logprobs need the logits of every prompt position
         matched: list[int] = []
         for h in req.block_hashes[:(req.num_tokens - 1) // self.block_size]:
             block = self.blocks.lookup(h)

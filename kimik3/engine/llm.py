@@ -240,5 +240,7 @@ def _merge(acc: RequestOutput, delta: RequestOutput) -> None:
             c.logprobs.extend(d.logprobs)
         c.finish_reason, c.stop_reason = d.finish_reason, d.stop_reason
     acc.outputs.sort(key=lambda c: c.index)
+    if delta.prompt_logprobs is not None:
+        acc.prompt_logprobs = delta.prompt_logprobs
     acc.finished = delta.finished
     acc.metrics = delta.metrics or acc.metrics

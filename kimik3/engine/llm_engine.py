@@ -47,6 +47,7 @@ class _Group:
     prompt: str | None
     children: list[Request]
     sent_final: set[int] = field(default_factory=set)
+    sent_prompt_logprobs: bool = False
 
 
 class LLMEngine:
@@ -392,8 +393,13 @@ class LLMEngine:
                     g.sent_final.add(i)
             finished = len(g.sent_final) == len(g.children)
             if completions or finished:
-                outs.append(RequestOutput(g.request_id, g.prompt, g.children[0].prompt_token_ids, completions,
-                                          finished, self._metrics(g) if finished else {}))
+                first = g.children[0]
+                prompt_lps = None
+                if (first.params.prompt_logprobs is not None and not g.sent_prompt_logprobs
+                        and len(first.prompt_logprobs) == first.num_prompt_tokens):
+                    prompt_lps, g.sent_prompt_logprobs = list(first.prompt_logprobs), True
+                outs.append(RequestOutput(g.request_id, g.prompt, first.prompt_token_ids, completions,
+                                          finished, self._metrics(g) if finished else {}, prompt_lps))
             if finished:
                 self.groups.pop(g.request_id, None)
         return outs

@@ -147,3 +147,6 @@ class RequestOutput:
     outputs: list[CompletionOutput]
     finished: bool
     metrics: dict[str, float] = field(default_factory=dict)
+    # with SamplingParams.prompt_logprobs: None for the first prompt token, then {token: logprob, top-n...}
+    # per prompt token (in the first delta that has them all; None otherwise)
+    prompt_logprobs: list[dict[int, float] | None] | None = None

@@ -71,15 +71,30 @@ class ModelRunner:
         self.num_steps = 0
         self.num_graph_steps = 0
         self.graphs: DecodeGraphs | None = None
+        self._prompt_rows: list[tuple[Request, int, int]] = []   # (request, position, packed row) this step
         self.grammar = None         # structured.GrammarCompiler, set by the engine when it has a tokenizer
         if not enforce_eager and self.device.type == "cuda":
             self.graphs = capture_or_none(DecodeGraphs(model, cache, max_num_seqs, max_model_len))
 
+    @staticmethod
+    def prompt_logprob_positions(c: ScheduledChunk) -> range:
+        """Positions of this chunk whose logits score the next prompt token (prompt_logprobs not yet
+        recorded there; a recompute after preemption records nothing twice)."""
+        req = c.req
+        if req.params.prompt_logprobs is None:
+            return range(0)
+        lo = max(c.start, len(req.prompt_logprobs) - 1)
+        return range(lo, min(c.start + c.num_tokens, req.num_prompt_tokens - 1))
+
     def prepare(self, out: SchedulerOutput) -> tuple[torch.Tensor, ForwardBatch, list[int]]:
-        """Packed input ids [T], the batch metadata, and the packed rows that need logits."""
+        """Packed input ids [T], the batch metadata, and the packed rows that need logits (the
+        sampling rows first, then the rows that score prompt tokens)."""
         ids: list[int] = []
         rows: list[int] = []
+        self._prompt_rows = []
         for c in out.chunks:
+            for p in self.prompt_logprob_positions(c):
+                self._prompt_rows.append((c.req, p, len(ids) + p - c.start))
             ids.extend(c.req.token_ids[c.start:c.start + c.num_tokens - len(c.draft)])
             ids.extend(c.draft)
             if c.samples:          # a speculative chunk needs every row: row j verifies draft j + 1
@@ -93,7 +108,23 @@ class ModelRunner:
             checkpoints=tuple(out.checkpoints))
         if any(c.req.mm is not None for c in out.chunks):
             batch.embed_rows, batch.embeds = self._image_rows(out.chunks)
+        rows.extend(r for _, _, r in self._prompt_rows)
         return torch.tensor(ids, dtype=torch.int64, device=self.device), batch, rows
+
+    def _record_prompt_logprobs(self, logits: torch.Tensor | None) -> torch.Tensor | None:
+        """Take the prompt-scoring rows off the end of ``logits`` and store their logprob dicts."""
+        n = len(self._prompt_rows)
+        if not n:
+            return logits
+        scored, logits = logits[-n:], logits[:-n]
+        reqs = [q for q, _, _ in self._prompt_rows]
+        targets = torch.tensor([q.token_ids[p + 1] for q, p, _ in self._prompt_rows], device=scored.device)
+        for q, d in zip(reqs, logprob_dicts(scored, targets, [q.params.prompt_logprobs for q in reqs])):
+            if not q.prompt_logprobs:
+                q.prompt_logprobs.append(None)      # the first prompt token has no logprob
+            q.prompt_logprobs.append(d)
+        self._prompt_rows = []
+        return logits if logits.shape[0] else None
 
     def _image_rows(self, chunks: list[ScheduledChunk]) -> tuple[torch.Tensor | None, torch.Tensor | None]:
         """Packed rows [M] of the media pads in this step and their embeddings [M, D] (None, None if none)."""
@@ -157,6 +188,8 @@ class ModelRunner:
         if self.graphs is None or out.checkpoints:
             return None
         for c in out.chunks:
+            if self.prompt_logprob_positions(c):
+                return None
             if c.num_tokens != 1 or c.start == 0 or (c.req.mm is not None and c.req.mm.items_in(c.start, c.start + 1)):
                 return None
         return self.graphs.size_for(len(out.chunks))
@@ -324,7 +357,7 @@ class ModelRunner:
         if size is None:
             input_ids, batch, rows = self.prepare(out)
             t1 = time.perf_counter()
-            logits = self.run(input_ids, batch, rows)
+            logits = self._record_prompt_logprobs(self.run(input_ids, batch, rows))
         else:
             meta, tables, rows = self.prepare_decode(out, size)
             t1 = time.perf_counter()
