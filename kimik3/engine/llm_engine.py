@@ -130,7 +130,6 @@ class LLMEngine:
             tok = self.get_tokenizer(required=True)
             ends = [self.eos_token_id, *getattr(tok, "stop_token_ids", [])]
             self._grammar = GrammarCompiler(tok, self.vocab_size, [t for t in ends if t is not None])
-            self.runner.grammar = self._grammar
         return self._grammar
 
     # ---- requests --------------------------------------------------------------------------

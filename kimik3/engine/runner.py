@@ -32,6 +32,7 @@ from kimik3.engine.sampler import (
     sample,
 )
 from kimik3.engine.speculative import accept_greedy, is_plain_greedy
+from kimik3.engine.structured import fill_bitmasks
 from kimik3.engine.scheduler import ScheduledChunk, SchedulerOutput
 from kimik3.model.batch import ForwardBatch, HybridCache
 
@@ -72,7 +73,6 @@ class ModelRunner:
         self.num_graph_steps = 0
         self.graphs: DecodeGraphs | None = None
         self._prompt_rows: list[tuple[Request, int, int]] = []   # (request, position, packed row) this step
-        self.grammar = None         # structured.GrammarCompiler, set by the engine when it has a tokenizer
         if not enforce_eager and self.device.type == "cuda":
             self.graphs = capture_or_none(DecodeGraphs(model, cache, max_num_seqs, max_model_len))
 
@@ -278,7 +278,7 @@ class ModelRunner:
                                            c.draft[:j]))
         bitmask = None
         if any(row.matcher is not None for row in controls):
-            bitmask = self.grammar.fill_bitmasks([(row.matcher, row.pending) for row in controls])
+            bitmask = fill_bitmasks([(row.matcher, row.pending) for row in controls])
         return apply_controls(logits, rows, controls, bitmask)
 
     @staticmethod

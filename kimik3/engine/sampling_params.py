@@ -25,7 +25,8 @@ LOGIT_BIAS_LIMIT = 100.0
 class StructuredOutputsParams:
     """A constraint on the generated text (vLLM's ``StructuredOutputsParams``): exactly one of
     ``json`` (a JSON schema, dict or text), ``json_object`` (any JSON object), ``regex``, ``choice``
-    (one of these strings) or ``grammar`` (a Lark grammar in llguidance's dialect, or GBNF).
+    (one of these strings) or ``grammar`` (a Lark grammar in llguidance's dialect, GBNF, or
+    llguidance's JSON grammar list ``{"grammars": [...]}``).
     Decoding is masked token by token with llguidance (``kimik3.engine.structured``)."""
 
     json: dict | str | None = None

@@ -70,6 +70,8 @@ def grammar_text(so: StructuredOutputsParams) -> str:
     if so.choice is not None:
         return M.grammar_from_lark("start: " + " | ".join(json.dumps(c, ensure_ascii=False) for c in so.choice))
     text = so.grammar
+    if text.lstrip().startswith("{"):       # llguidance's own JSON form ({"grammars": [...]})
+        return text
     if not text.lstrip().startswith(("start:", "%", "//")) and "::=" in text:
         from llguidance.gbnf_to_lark import any_to_lark
         try:
@@ -77,6 +79,15 @@ def grammar_text(so: StructuredOutputsParams) -> str:
         except Exception as e:
             raise ValueError(f"the grammar is neither Lark nor valid GBNF: {e}") from None
     return M.grammar_from_lark(text)
+
+
+def grammar_parts(so: StructuredOutputsParams) -> list[dict]:
+    """The constraint as llguidance's top-level grammar list (the first one is the start), so that a
+    larger grammar can embed it as ``@name``."""
+    text = grammar_text(so)
+    if text.lstrip().startswith("{"):
+        return json.loads(text)["grammars"]
+    return [{"lark_grammar": text}]
 
 
 class GrammarCompiler:
@@ -110,14 +121,15 @@ class GrammarCompiler:
         m = llg.LLMatcher(self.ll_tokenizer, grammar, log_level=0)
         if m.is_error():
             raise ValueError(f"structured_outputs: the constraint does not compile: {m.get_error()}")
-        return Matcher(m)
+        return Matcher(m, self)
 
     def check(self, so: StructuredOutputsParams | str) -> None:
         self.matcher(so)
 
     def fill_bitmasks(self, rows: list[tuple[Matcher | None, list[int]]]) -> torch.Tensor:
         """int32 bitmask [len(rows), words] (host): row i allows the tokens its matcher allows after
-        consuming ``rows[i][1]`` (draft tokens, rolled back afterwards); every token without a matcher."""
+        consuming ``rows[i][1]`` (draft tokens, rolled back afterwards); every token without a matcher.
+        Matchers without drafts are filled in one parallel call."""
         mask = torch.full((len(rows), self.words), -1, dtype=torch.int32,
                           pin_memory=torch.cuda.is_available())
         row_bytes = self.words * 4
@@ -138,6 +150,7 @@ class Matcher:
     """One request's grammar state."""
 
     m: object
+    compiler: GrammarCompiler
 
     def consume(self, token_id: int) -> bool:
         """Advance by an emitted token; False (and a warning) if the grammar refused it."""
@@ -163,3 +176,9 @@ def unpack_bitmask(mask: torch.Tensor, vocab_size: int, device: torch.device) ->
     shifts = torch.arange(32, dtype=torch.int32, device=device)
     bits = (dev[:, :, None] >> shifts) & 1
     return bits.reshape(mask.shape[0], -1)[:, :vocab_size].bool()
+
+
+def fill_bitmasks(rows: list[tuple[Matcher | None, list[int]]]) -> torch.Tensor:
+    """``GrammarCompiler.fill_bitmasks`` of the compiler the rows' matchers come from."""
+    compiler = next(m.compiler for m, _ in rows if m is not None)
+    return compiler.fill_bitmasks(rows)

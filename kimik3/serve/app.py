@@ -49,6 +49,7 @@ from kimik3.serve.protocol import (
     validation_error,
 )
 from kimik3.serve.responses import ChatFormatter, CompletionFormatter, usage_body
+from kimik3.serve.structured import request_constraint
 
 logger = logging.getLogger(__name__)
 
@@ -159,12 +160,32 @@ def _check_model(state: ServerState, name: str | None) -> str:
     return served
 
 
+def _logit_bias(bias: dict[str, float] | None) -> dict[int, float] | None:
+    if bias is None:
+        return None
+    out = {}
+    for key, value in bias.items():
+        if not key.isdigit():
+            raise bad_request(f"logit_bias keys must be token ids, got {key!r}", "logit_bias")
+        out[int(key)] = value
+    return out
+
+
 def _sampling_params(req, max_tokens: int, logprobs: int | None, stop_token_ids: list[int],
-                     defaults: dict | None = None) -> SamplingParams:
+                     defaults: dict | None = None, constraint=None, max_logprobs: int = 20) -> SamplingParams:
+    if req.prompt_logprobs is not None and not (0 <= req.prompt_logprobs <= max_logprobs):
+        raise bad_request(f"prompt_logprobs must lie in [0, {max_logprobs}] (--max-logprobs), got "
+                          f"{req.prompt_logprobs}", "prompt_logprobs")
+    if req.prompt_logprobs is not None and req.stream:
+        raise bad_request("prompt_logprobs needs stream=false (they come with the full response)", "prompt_logprobs")
     # vLLM's rule: ignore_eos also drops the chat format's stop ids; the client's own stop ids stay.
     stops = (req.stop_token_ids or []) + ([] if req.ignore_eos else stop_token_ids)
     kw = {"n": req.n, "max_tokens": max_tokens, "seed": req.seed, "stop": req.stop, "ignore_eos": req.ignore_eos,
-          "stop_token_ids": stops, "logprobs": logprobs, "skip_special_tokens": req.skip_special_tokens}
+          "stop_token_ids": stops, "logprobs": logprobs, "skip_special_tokens": req.skip_special_tokens,
+          "logit_bias": _logit_bias(req.logit_bias), "allowed_token_ids": req.allowed_token_ids,
+          "bad_words": req.bad_words, "min_tokens": req.min_tokens,
+          "include_stop_str_in_output": req.include_stop_str_in_output, "prompt_logprobs": req.prompt_logprobs,
+          "structured_outputs": constraint}
     for name in ("temperature", "top_p", "top_k", "min_p", "presence_penalty", "frequency_penalty",
                  "repetition_penalty"):
         value = getattr(req, name)
@@ -310,7 +331,10 @@ async def _run(state: ServerState, request: Request, prompts: list[PromptInput],
                 raise item.error
             fmt.feed(item, streaming=False)
             item = await ex.next_event()
-        return JSONResponse(fmt.final(ex.usage(item.cached_tokens)))
+        body = fmt.final(ex.usage(item.cached_tokens))
+        if params.prompt_logprobs is not None:
+            fmt.add_prompt_logprobs(body, job.prompt_logprobs, params.n)
+        return JSONResponse(body)
     finally:
         if not handed_off:
             ex.close()
@@ -451,7 +475,8 @@ def create_app(engine: LLMEngine, options: ServeOptions) -> FastAPI:
         if req.top_logprobs and not req.logprobs:
             raise bad_request("top_logprobs needs logprobs=true", "top_logprobs")
         logprobs = (req.top_logprobs or 0) if req.logprobs else None
-        params = _sampling_params(req, max_tokens, logprobs, tok.stop_token_ids, options.generation_defaults)
+        params = _sampling_params(req, max_tokens, logprobs, tok.stop_token_ids, options.generation_defaults,
+                                  prompt.constraint, state.max_logprobs)
         include_usage = bool(req.stream_options and req.stream_options.include_usage)
         fmt = ChatFormatter(f"chatcmpl-{uuid.uuid4().hex}", name, prompt, req.n, logprobs, tok,
                             include_usage and req.stream)
@@ -462,10 +487,9 @@ def create_app(engine: LLMEngine, options: ServeOptions) -> FastAPI:
     async def completions(request: Request):
         req: CompletionRequest = await _parse(state, request, CompletionRequest)
         name = _check_model(state, req.model)
-        if req.suffix is not None:
-            raise bad_request("suffix is not supported", "suffix")
         if req.best_of is not None and req.best_of != req.n:
-            raise bad_request("best_of is not supported (it must equal n)", "best_of")
+            raise bad_request(f"best_of={req.best_of} is not supported: kimik3 does not rank candidates, so best_of "
+                              f"must equal n ({req.n}) or be left out", "best_of", "unsupported_field")
         if req.logprobs is not None and not (0 <= req.logprobs <= state.max_logprobs):
             raise bad_request(f"logprobs must lie in [0, {state.max_logprobs}] (--max-logprobs), got {req.logprobs}",
                               "logprobs")
@@ -475,7 +499,8 @@ def create_app(engine: LLMEngine, options: ServeOptions) -> FastAPI:
         prompts_ids, echo = await state.cpu(_completion_prompts, state, req)
         requested = req.max_tokens
         max_tokens = min(_max_tokens(state, requested, "max_tokens", len(ids), "prompt") for ids in prompts_ids)
-        params = _sampling_params(req, max_tokens, req.logprobs, [], options.generation_defaults)
+        params = _sampling_params(req, max_tokens, req.logprobs, [], options.generation_defaults,
+                                  request_constraint(req), state.max_logprobs)
         include_usage = bool(req.stream_options and req.stream_options.include_usage)
         n_choices = len(prompts_ids) * req.n
         fmt = CompletionFormatter(f"cmpl-{uuid.uuid4().hex}", name, n_choices, req.logprobs, state.tokenizer,

@@ -14,7 +14,9 @@ from dataclasses import dataclass, field
 from typing import Any
 
 from kimik3.chat import ImagePrompt, K3OutputParser, ParseDelta
+from kimik3.engine.sampling_params import StructuredOutputsParams
 from kimik3.serve.protocol import ChatCompletionRequest, bad_request
+from kimik3.serve.structured import MAX_PARALLEL_CALLS, k3_answer_grammar, request_constraint, response_format_constraint
 
 REASONING_EFFORTS = ("low", "high", "max")
 
@@ -25,6 +27,7 @@ class ChatPrompt:
     images: Any                      # VisionInputs or None
     thinking: bool
     parse_tools: list[dict] | None   # tools whose calls become tool_calls ([] = none; calls stay content)
+    constraint: StructuredOutputsParams | None = None   # what decoding is held to (serve/structured.py)
 
 
 def _thinking_options(req: ChatCompletionRequest) -> tuple[bool, str | None]:
@@ -50,40 +53,54 @@ def _thinking_options(req: ChatCompletionRequest) -> tuple[bool, str | None]:
     return thinking, effort
 
 
-def _tool_options(req: ChatCompletionRequest) -> tuple[Any, list[dict] | None]:
-    """(tool_choice for the template, tools to parse calls against)."""
+def _tool_options(req: ChatCompletionRequest) -> tuple[Any, list[dict] | None, str | None, list[dict]]:
+    """(tool_choice for the template, tools to parse calls against, the tool constraint: None, "auto"
+    or "required", the tools it allows)."""
     tc = req.tool_choice
-    if isinstance(tc, dict):
-        raise bad_request("a named tool_choice needs guided decoding, which this server does not do; use "
-                          "'required' (or 'auto') and name the tool in the prompt", "tool_choice",
-                          "unsupported_tool_choice")
-    if tc not in (None, "auto", "none", "required"):
-        raise bad_request(f"tool_choice must be 'auto', 'none' or 'required', got {tc!r}", "tool_choice")
-    if tc == "required" and not req.tools:
-        raise bad_request("tool_choice='required' needs a non-empty 'tools' list", "tool_choice")
     for k, t in enumerate(req.tools or []):
         fn = t.get("function")
         if t.get("type", "function") != "function" or not isinstance(fn, dict) or not isinstance(fn.get("name"), str):
             raise bad_request(f"tools[{k}] must be {{'type': 'function', 'function': {{'name': str, ...}}}}",
                               f"tools[{k}]")
+        if fn.get("parameters") is not None and not isinstance(fn["parameters"], dict):
+            raise bad_request(f"tools[{k}].function.parameters must be a JSON schema object",
+                              f"tools[{k}].function.parameters")
+    if isinstance(tc, dict):
+        fn = tc.get("function")
+        name = fn.get("name") if isinstance(fn, dict) else None
+        if tc.get("type", "function") != "function" or not isinstance(name, str):
+            raise bad_request("a named tool_choice is {'type': 'function', 'function': {'name': str}}", "tool_choice")
+        chosen = [t for t in req.tools or [] if t["function"]["name"] == name]
+        if not chosen:
+            raise bad_request(f"tool_choice names {name!r}, which is not in 'tools'", "tool_choice")
+        return tc, req.tools, "required", chosen[:1]
+    if tc not in (None, "auto", "none", "required"):
+        raise bad_request(f"tool_choice must be 'auto', 'none', 'required' or a named function, got {tc!r}",
+                          "tool_choice")
+    if tc == "required" and not req.tools:
+        raise bad_request("tool_choice='required' needs a non-empty 'tools' list", "tool_choice")
     parse_tools = req.tools if req.tools and tc != "none" else []
-    return (tc if tc in ("none", "required") else None), parse_tools
+    mode = None if not parse_tools else ("required" if tc == "required" else "auto")
+    return (tc if tc in ("none", "required") else None), parse_tools, mode, parse_tools
 
 
 def _response_format(req: ChatCompletionRequest) -> dict | None:
-    rf = req.response_format
-    if rf is None:
+    """The response_format for the chat template's note (checked), or None for none / text."""
+    return None if response_format_constraint(req.response_format) is None else req.response_format
+
+
+def _constraint(req: ChatCompletionRequest, k3: bool, thinking: bool, tool_mode: str | None,
+                tools: list[dict]) -> StructuredOutputsParams | None:
+    content = request_constraint(req)
+    if not k3:                       # Kimi-Linear: no channels to wrap; tool calls stay unconstrained
+        if tool_mode == "required":
+            raise bad_request("tool_choice 'required' or a named function needs the K3 chat format", "tool_choice")
+        return content
+    if content is None and tool_mode is None:
         return None
-    kind = rf.get("type")
-    if kind not in ("text", "json_object", "json_schema"):
-        raise bad_request(f"response_format.type must be text, json_object or json_schema, got {kind!r}",
-                          "response_format.type")
-    if kind == "json_schema":
-        js = rf.get("json_schema")
-        if not isinstance(js, dict) or not isinstance(js.get("schema", {}), dict):
-            raise bad_request("response_format.json_schema must be an object with a 'schema' object",
-                              "response_format.json_schema")
-    return None if kind == "text" else rf
+    calls = 1 if req.parallel_tool_calls is False or isinstance(req.tool_choice, dict) else MAX_PARALLEL_CALLS
+    return StructuredOutputsParams(grammar=k3_answer_grammar(thinking=thinking, content=content, tools=tools,
+                                                             tool_mode=tool_mode, max_calls=calls))
 
 
 def collect_images(messages: list[dict]) -> list[tuple[str, str]]:
@@ -125,7 +142,13 @@ def build_chat_prompt(req: ChatCompletionRequest, tokenizer, processor_cfg, has_
     """``max_image_tokens``: the most image tokens a prompt can hold (checked from the image headers,
     before any image is decoded)."""
     thinking, effort = _thinking_options(req)
-    tool_choice, parse_tools = _tool_options(req)
+    if not req.add_generation_prompt:
+        raise bad_request("add_generation_prompt=false is not supported: the answer always starts a new assistant "
+                          "message", "add_generation_prompt", "unsupported_field")
+    if req.continue_final_message:
+        raise bad_request("continue_final_message=true is not supported: the answer always starts a new assistant "
+                          "message", "continue_final_message", "unsupported_field")
+    tool_choice, parse_tools, tool_mode, constrained_tools = _tool_options(req)
     response_format = _response_format(req)
     images = collect_images(req.messages)
     vision = None
@@ -161,9 +184,11 @@ def build_chat_prompt(req: ChatCompletionRequest, tokenizer, processor_cfg, has_
         ids = tokenizer.apply_chat_template(req.messages, **kwargs)
     except (ValueError, TypeError, KeyError) as e:
         raise bad_request(f"cannot render the conversation: {e}", "messages") from None
-    if tokenizer.chat_format != "k3":
+    k3 = tokenizer.chat_format == "k3"
+    constraint = _constraint(req, k3, thinking, tool_mode, constrained_tools)
+    if not k3:
         thinking, parse_tools = False, None
-    return ChatPrompt(ids, vision, thinking, parse_tools)
+    return ChatPrompt(ids, vision, thinking, parse_tools, constraint)
 
 
 @dataclass

@@ -82,6 +82,7 @@ class Job:
         self.choices = [_Choice(k) for k in range(len(prompts)) for _ in range(params.n)]
         self.queue: asyncio.Queue = asyncio.Queue()
         self.cached_tokens = 0
+        self.prompt_logprobs: dict[int, list] = {}     # by prompt index (SamplingParams.prompt_logprobs)
         self.done = False
 
 
@@ -257,7 +258,12 @@ class EngineLoop:
         c = job.choices[idx]
         prompt = job.prompts[c.prompt]
         p = job.params
+        if p.structured_outputs is not None:    # a fresh grammar would not know the delivered tokens
+            self._fail(job, APIError(500, "the engine failed while this constrained request ran; retry it",
+                                     code="engine_error"))
+            return
         params = replace(p, n=1, max_tokens=p.max_tokens - len(c.token_ids),
+                         min_tokens=max(0, p.min_tokens - len(c.token_ids)), prompt_logprobs=None,
                          seed=None if p.seed is None else p.seed + idx)
         tail = self._undelivered_text(c, p)
         if tail:
@@ -305,6 +311,8 @@ class EngineLoop:
             if route is None:        # aborted by us; its memory is already free
                 continue
             job = route.job
+            if out.prompt_logprobs is not None:
+                job.prompt_logprobs[job.choices[route.indices[0]].prompt] = out.prompt_logprobs
             for o in out.outputs:
                 idx = route.indices[o.index]
                 c = job.choices[idx]

@@ -1,9 +1,17 @@
 """OpenAI request bodies (pydantic, strict types) and the OpenAI error body.
 
 Bodies are parsed with ``model_validate_json`` in strict mode, so ``"max_tokens": "5"`` is a type error
-(400), not a silent coercion. Unknown fields are ignored, as vLLM does. vLLM's extra sampling fields
-(``top_k``, ``min_p``, ``repetition_penalty``, ``ignore_eos``, ``stop_token_ids``, ``skip_special_tokens``,
-``chat_template_kwargs``) are accepted too, so ``extra_body`` works from the ``openai`` client.
+(400), not a silent coercion. A field kimik3 does not implement is never accepted and ignored: it is a
+400 naming it (``unsupported_field``; vLLM-only fields it will not serve get the reason, see
+``UNSUPPORTED``). vLLM's extra sampling fields (``top_k``, ``min_p``, ``repetition_penalty``,
+``ignore_eos``, ``stop_token_ids``, ``skip_special_tokens``, ``min_tokens``, ``bad_words``,
+``allowed_token_ids``, ``include_stop_str_in_output``, ``prompt_logprobs``, ``guided_*``,
+``structured_outputs``, ``chat_template_kwargs``) are accepted, so ``extra_body`` works from the
+``openai`` client. Accepted no-ops, with their reason: ``user`` (OpenAI's end-user id for abuse
+monitoring; kimik3 keeps no per-user state), ``add_generation_prompt: true`` and
+``continue_final_message: false`` (what kimik3 always does; the other values are a 400), ``best_of``
+equal to ``n`` (the n samples are the best_of), ``response_format.json_schema.strict`` (the schema is
+always enforced).
 """
 
 from __future__ import annotations
@@ -43,7 +51,41 @@ def bad_request(message: str, param: str | None = None, code: str | None = None)
 
 
 class _Body(BaseModel):
-    model_config = ConfigDict(strict=True, extra="ignore")
+    model_config = ConfigDict(strict=True, extra="forbid")
+
+
+# Fields other servers take that kimik3 will not serve, with the reason (any other unknown field is a 400 too).
+_BEAM = "beam search is not implemented"
+UNSUPPORTED = {
+    "use_beam_search": _BEAM, "length_penalty": f"it only applies to beam search; {_BEAM}",
+    "early_stopping": f"it only applies to beam search; {_BEAM}",
+    "priority": "the scheduler is first come, first served: requests have no priority",
+    "vllm_xargs": "kimik3 takes no extension arguments",
+    "chat_template": "the chat format is the checkpoint's own (K3 or Kimi-Linear); custom templates are not supported",
+    "thinking_token_budget": "the reasoning length cannot be capped; use max_tokens or reasoning_effort",
+    "guided_decoding_backend": "the structured-outputs backend is always llguidance",
+    "guided_whitespace_pattern": "JSON is always written with compact separators",
+    "logits_processors": "custom logits processors are not supported",
+    "truncate_prompt_tokens": "prompts are never truncated; shorten the prompt",
+    "spaces_between_special_tokens": "detokenization is the tokenizer's own",
+    "return_tokens_as_token_ids": "token ids come back in the logprobs' bytes only",
+    "documents": "retrieval documents are not part of the K3 chat format",
+    "mm_processor_kwargs": "image preprocessing follows the checkpoint's preprocessor_config.json",
+    "cache_salt": "the prefix cache is shared by all requests",
+    "kv_transfer_params": "disaggregated prefill is not supported",
+    "functions": "legacy function calling is not supported; use tools", "function_call": "use tool_choice",
+    "echo": "chat requests cannot echo the prompt",
+    "audio": "K3 has no audio input or output", "modalities": "K3 answers in text only",
+    "prediction": "predicted outputs are not supported (see --num-speculative-tokens)",
+    "web_search_options": "the server has no network access",
+    "suffix": "K3 has no fill-in-the-middle format",
+}
+
+
+def unsupported_field(name: str) -> APIError:
+    reason = UNSUPPORTED.get(name)
+    return bad_request(f"{name}: kimik3 does not support this field" + (f" ({reason})" if reason else "")
+                       + "; remove it", name, "unsupported_field")
 
 
 class StreamOptions(_Body):
@@ -67,7 +109,21 @@ class _SamplingFields(_Body):
     skip_special_tokens: bool = True
     stream: bool = False
     stream_options: StreamOptions | None = None
-    user: str | None = None
+    user: str | None = None             # accepted no-op (see the module docstring)
+    # logit controls (vLLM's names)
+    logit_bias: dict[str, float] | None = None
+    allowed_token_ids: list[int] | None = None
+    bad_words: list[str] | None = None
+    min_tokens: int = 0
+    include_stop_str_in_output: bool = False
+    prompt_logprobs: int | None = None
+    # constraints (one at most): OpenAI's response_format, vLLM's structured_outputs and guided_*
+    response_format: dict[str, Any] | None = None
+    structured_outputs: dict[str, Any] | None = None
+    guided_json: dict[str, Any] | str | None = None
+    guided_regex: str | None = None
+    guided_choice: list[str] | None = None
+    guided_grammar: str | None = None
 
 
 class ChatCompletionRequest(_SamplingFields):
@@ -80,8 +136,9 @@ class ChatCompletionRequest(_SamplingFields):
     tool_choice: str | dict[str, Any] | None = None
     parallel_tool_calls: bool | None = None
     reasoning_effort: str | None = None
-    response_format: dict[str, Any] | None = None
     chat_template_kwargs: dict[str, Any] | None = None
+    add_generation_prompt: bool = True      # only true: the answer always starts a new assistant message
+    continue_final_message: bool = False    # only false
 
 
 class CompletionRequest(_SamplingFields):
@@ -89,8 +146,7 @@ class CompletionRequest(_SamplingFields):
     max_tokens: int | None = 16
     logprobs: int | None = None
     echo: bool = False
-    suffix: str | None = None
-    best_of: int | None = None
+    best_of: int | None = None              # only equal to n
 
 
 _TYPE_TAGS = {"str", "int", "float", "bool", "list", "dict", "none"}
@@ -111,8 +167,15 @@ def _field_path(loc) -> list[str]:
 
 
 def validation_error(e: ValidationError) -> APIError:
-    """The first pydantic error as a 400 naming the field (``param``) and what was wrong."""
-    err = e.errors(include_url=False)[0]
+    """The first pydantic error as a 400 naming the field (``param``) and what was wrong; a field the
+    body may not hold comes first."""
+    errors = e.errors(include_url=False)
+    extra = [x for x in errors if x.get("type") == "extra_forbidden"]
+    if extra:
+        path = ".".join(_field_path(extra[0].get("loc", ())))
+        return unsupported_field(path) if "." not in path else bad_request(
+            f"{path}: kimik3 does not support this field; remove it", path, "unsupported_field")
+    err = errors[0]
     loc = ".".join(_field_path(err.get("loc", ())))
     if err.get("type") == "json_invalid":
         return bad_request(f"request body is not valid JSON: {err.get('ctx', {}).get('error', err['msg'])}",

@@ -69,6 +69,20 @@ class _Formatter:
     def usage_chunk(self, usage: dict) -> dict:
         return self._chunk([], usage)
 
+    def prompt_logprobs(self, lps: list[dict[int, float] | None]) -> list[dict | None]:
+        """vLLM's prompt_logprobs: None for the first token, then {token id: {logprob, decoded_token}}."""
+        return [None if d is None else {str(t): {"logprob": v, "decoded_token": self.tokens(t)[0]}
+                                        for t, v in d.items()} for d in lps]
+
+    def add_prompt_logprobs(self, body: dict, by_prompt: dict[int, list], n: int) -> dict:
+        """Chat: one top-level ``prompt_logprobs``; completions: one per choice (choice i has prompt i // n)."""
+        if self.chunk_object == "chat.completion.chunk":
+            body["prompt_logprobs"] = self.prompt_logprobs(by_prompt.get(0, []))
+        else:
+            for i, choice in enumerate(body["choices"]):
+                choice["prompt_logprobs"] = self.prompt_logprobs(by_prompt.get(i // n, []))
+        return body
+
 
 class ChatFormatter(_Formatter):
     chunk_object = "chat.completion.chunk"
