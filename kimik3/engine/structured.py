@@ -36,8 +36,8 @@ def _llg():
     try:
         import llguidance     # (not llguidance.torch: importing it runs torch.compile, seconds)
     except ImportError as e:  # pragma: no cover - the test extra installs it
-        raise ValueError("structured outputs need the llguidance package; pip install 'kimik3[structured]' "
-                         f"(or pip install llguidance) ({e})") from None
+        raise ValueError(f"structured outputs need the llguidance package (a kimik3 dependency): "
+                         f"pip install llguidance ({e})") from None
     return llguidance
 
 
