@@ -17,10 +17,23 @@ back. A tool call is emitted whole when its ``<|close|>call<|sep|>`` arrives.
 
 Malformed output never raises. Choices (the official release ships no parser): an unterminated think
 channel stays reasoning (as vLLM does); a call with a bad argument (unparseable JSON, type mismatch,
-unknown type), no tool name, or a name outside the given ``tools``, and any text that breaks the
-structure after the response channel, are returned verbatim as content, with a logged warning.
-Tool-call arguments come back as a JSON object string; non-string values keep their generated literal
-text (the inverse of the renderer's one-level split), a ``json`` block comes back as its raw text.
+unknown type, a ``json`` block that is not a JSON object), no tool name, or a name outside the given
+``tools``, and any text that breaks the structure after the response channel, are returned verbatim as
+content, with a logged warning.
+
+Tool-call arguments are always RFC 8259 JSON objects: non-string values keep their generated literal
+text (the inverse of the renderer's one-level split), a ``json`` block its raw text, except that a value
+holding ``NaN``, ``Infinity`` or ``-Infinity`` (which K3 may write, and which JSON has no spelling for)
+is re-serialised with each of them as ``null`` (JavaScript's ``JSON.stringify`` rule).
+
+Recovery rules for what deployed models emit:
+- an output cut (max_tokens, a stop string) inside a structural marker (``<|open|>tools``,
+  ``<|open|>call tool="f" index="1"``) or inside an unterminated tool call drops that unfinished part:
+  text a user sees never holds control-token text from a cut (a bare prefix such as ``<|clo`` is text);
+- with thinking on, a response close marker inside the think channel (the model answered without
+  closing its thinking or opening the response) returns the think channel's text as the content too
+  (it stays the reasoning, as it was streamed, so streamed and one-shot parses agree);
+- a tools section opened inside the think channel ends the reasoning and its calls are parsed.
 """
 
 from __future__ import annotations
@@ -45,6 +58,7 @@ ARG_OPEN, ARG_CLOSE = f"{OPEN}argument", f"{CLOSE}argument{SEP}"
 JSON_OPEN, JSON_CLOSE = f"{OPEN}json", f"{CLOSE}json{SEP}"
 
 _WS = " \t\r\n"
+_CONTROL = (OPEN, CLOSE, SEP, END_OF_MSG)
 _ATTRS = re.compile(r'((?: [^\s="<>|]+="[^"]*")*)' + re.escape(SEP))
 _ATTR = re.compile(r' ([^\s="<>|]+)="([^"]*)"')
 
@@ -101,6 +115,29 @@ def _tool_names(tools: Iterable[Any] | None) -> set[str] | None:
     return names
 
 
+def _finite(value: Any) -> Any:
+    """``value`` with every NaN / Infinity / -Infinity replaced by None."""
+    if isinstance(value, float) and (value != value or value in (float("inf"), float("-inf"))):
+        return None
+    if isinstance(value, dict):
+        return {k: _finite(v) for k, v in value.items()}
+    if isinstance(value, list):
+        return [_finite(v) for v in value]
+    return value
+
+
+def _rfc8259(text: str) -> tuple[Any, str]:
+    """(decoded value, JSON text without NaN/Infinity): ``text`` itself when it has none. Raises ValueError."""
+    hits = []
+
+    def constant(name: str) -> float:
+        hits.append(name)
+        return float(name.replace("Infinity", "inf").replace("NaN", "nan"))
+
+    decoded = json.loads(text, parse_constant=constant)
+    return decoded, (json.dumps(_finite(decoded), ensure_ascii=False) if hits else text)
+
+
 def parse_call_block(block: str, tool_names: set[str] | None = None) -> tuple[str, str] | str:
     """``<|open|>call ...<|close|>call<|sep|>`` -> (name, arguments JSON), or a reason it is malformed."""
     head = _attrs(block, len(CALL_OPEN))
@@ -135,12 +172,11 @@ def parse_call_block(block: str, tool_names: set[str] | None = None) -> tuple[st
                 literal = json.dumps(value, ensure_ascii=False)
             else:
                 try:
-                    decoded = json.loads(value)
+                    decoded, literal = _rfc8259(value)
                 except ValueError:
                     return f"argument {key!r} is not valid JSON"
                 if json_type(decoded) != kind:
                     return f"argument {key!r} declared {kind!r} but holds {json_type(decoded)!r}"
-                literal = value
             pieces.append(json.dumps(key, ensure_ascii=False) + ": " + literal)
             i = close + len(ARG_CLOSE)
         elif block.startswith(JSON_OPEN, i) and not pieces:
@@ -148,7 +184,12 @@ def parse_call_block(block: str, tool_names: set[str] | None = None) -> tuple[st
             close = block.find(JSON_CLOSE, head[1]) if head else -1
             if head is None or close < 0 or close > end:
                 return "bad json element"
-            raw_json = block[head[1] : close]
+            try:
+                decoded, raw_json = _rfc8259(block[head[1] : close])
+            except ValueError:
+                return "the json block is not valid JSON"
+            if not isinstance(decoded, dict):
+                return "the json block is not a JSON object"
             i = close + len(JSON_CLOSE)
         else:
             return "unexpected text inside a call"
@@ -174,7 +215,7 @@ def _earliest(buf: str, markers: tuple[str, ...]) -> tuple[int, str] | None:
     return best
 
 
-_THINK_ENDS = (THINK_CLOSE, RESPONSE_OPEN)
+_THINK_ENDS = (THINK_CLOSE, RESPONSE_OPEN, RESPONSE_CLOSE, TOOLS_OPEN)
 _RESPONSE_ENDS = (RESPONSE_CLOSE, TOOLS_OPEN, MESSAGE_CLOSE, END_OF_MSG)
 
 
@@ -188,6 +229,7 @@ class K3OutputParser:
         self.buf = ""
         self.num_calls = 0
         self.finished = False
+        self.think_text = ""   # the think channel so far (returned as content too if a response close ends it)
 
     def feed(self, text: str) -> ParseDelta:
         if not isinstance(text, str):
@@ -235,18 +277,31 @@ class K3OutputParser:
         """Move text up to the first of ``ends`` into ``out.<attr>``; return that marker (consumed) or None."""
         hit = _earliest(self.buf, ends)
         if hit is None:
-            keep = 0 if final else _held_back(self.buf, ends)
+            keep = _held_back(self.buf, ends)
             cut = len(self.buf) - keep
             setattr(out, attr, getattr(out, attr) + self.buf[:cut])
             self.buf = self.buf[cut:]
+            if final:
+                self._drop_cut_marker(out, attr)
             return None
         i, marker = hit
         setattr(out, attr, getattr(out, attr) + self.buf[:i])
         self.buf = self.buf[i + len(marker) :]
         return marker
 
+    def _drop_cut_marker(self, out: ParseDelta, attr: str) -> None:
+        """At the end: a held-back tail that starts with a control token is a cut marker (dropped);
+        one that is only a prefix of a control token is text."""
+        if self.buf.startswith(_CONTROL):
+            logger.debug("K3 output: dropping the cut marker %r at the end", self.buf[:40])
+        else:
+            setattr(out, attr, getattr(out, attr) + self.buf)
+        self.buf = ""
+
     def _think(self, out: ParseDelta, final: bool) -> bool:
+        before = len(out.reasoning)
         marker = self._text(out, final, _THINK_ENDS, "reasoning")
+        self.think_text += out.reasoning[before:]
         if marker is None:
             if final:
                 # the usual end of a length-cut answer, not malformed output: no warning
@@ -255,6 +310,13 @@ class K3OutputParser:
         if marker == RESPONSE_OPEN:
             logger.warning("K3 output: response channel opened without closing the think channel")
             self.state = "response"
+        elif marker == RESPONSE_CLOSE:
+            logger.warning("K3 output: response closed but never opened; the think channel is the answer")
+            out.content += self.think_text
+            self.state = "after_response"
+        elif marker == TOOLS_OPEN:
+            logger.warning("K3 output: tools section inside the think channel; parsing its calls")
+            self.state = "tools"
         else:
             self.state = "after_think"
         return True
@@ -285,8 +347,12 @@ class K3OutputParser:
             if final:
                 self.buf = ""
             return False
-        if not final and any(m.startswith(s) for m in nexts):
-            return False
+        if any(m.startswith(s) for m in nexts):
+            if final and s.startswith(_CONTROL):     # cut inside the next marker: drop it
+                self.buf = ""
+                return False
+            if not final:
+                return False
         return self._warn_raw(f"expected one of {list(nexts)} in {self.state}, got {s[:40]!r}")
 
     def _after_think(self, out: ParseDelta, final: bool) -> bool:
@@ -318,8 +384,9 @@ class K3OutputParser:
         if s.startswith(CALL_OPEN):
             close = s.find(CALL_CLOSE)
             if close < 0:
-                if final:
-                    return self._warn_raw("tool call never closed")
+                if final:       # cut inside the call (max_tokens, a stop string): nothing of it is shown
+                    logger.warning("K3 output: tool call cut before its end; dropped: %r", s[:60])
+                    self.buf = ""
                 return False
             block = s[: close + len(CALL_CLOSE)]
             parsed = parse_call_block(block, self.tool_names)
@@ -336,6 +403,9 @@ class K3OutputParser:
             self.state = "after_tools"
             return True
         if not final and (not s or CALL_OPEN.startswith(s) or TOOLS_CLOSE.startswith(s)):
+            return False
+        if final and s and (CALL_OPEN.startswith(s) or TOOLS_CLOSE.startswith(s)) and s.startswith(_CONTROL):
+            self.buf = ""       # cut inside a marker
             return False
         if not s:
             logger.warning("K3 output: tools section never closed")

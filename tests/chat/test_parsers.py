@@ -19,14 +19,14 @@ FULL = (
     '<|open|>argument key="q" type="string"<|sep|>a "quoted" <b><|close|>argument<|sep|>'
     '<|open|>argument key="opts" type="object"<|sep|>{"n": [1, true, null]}<|close|>argument<|sep|>'
     '<|open|>argument key="exact" type="boolean"<|sep|>false<|close|>argument<|sep|><|close|>call<|sep|>'
-    '<|open|>call tool="raw" index="3"<|sep|><|open|>json type="object"<|sep|>not json {<|close|>json<|sep|>'
-    "<|close|>call<|sep|>"
+    '<|open|>call tool="raw" index="3"<|sep|><|open|>json type="object"<|sep|>{"v": [1, NaN], "w": -Infinity}'
+    "<|close|>json<|sep|><|close|>call<|sep|>"
     "<|close|>tools<|sep|><|close|>message<|sep|><|end_of_msg|>"
 )
 FULL_CALLS = [
     ToolCall("get_weather", '{"city": "Paris", "days": 1e2}', 0),
     ToolCall("search", '{"q": "a \\"quoted\\" <b>", "opts": {"n": [1, true, null]}, "exact": false}', 1),
-    ToolCall("raw", "not json {", 2),
+    ToolCall("raw", '{"v": [1, null], "w": null}', 2),
 ]
 
 
@@ -97,15 +97,19 @@ MISMATCH_CALL = (
         # unknown tool
         ('<|open|>call tool="nope"<|sep|><|close|>call<|sep|><|open|>call tool="f"<|sep|><|close|>call<|sep|>',
          '<|open|>call tool="nope"<|sep|><|close|>call<|sep|>', [ToolCall("f", "{}", 0)]),
-        # call never closed
-        ('<|open|>call tool="f"<|sep|><|open|>argument key="a" type="string"<|sep|>x',
-         '<|open|>call tool="f"<|sep|><|open|>argument key="a" type="string"<|sep|>x', []),
+        # a json block that is not JSON, or not an object
+        ('<|open|>call tool="f"<|sep|><|open|>json type="object"<|sep|>not json {<|close|>json<|sep|><|close|>call<|sep|>',
+         '<|open|>call tool="f"<|sep|><|open|>json type="object"<|sep|>not json {<|close|>json<|sep|><|close|>call<|sep|>',
+         []),
+        ('<|open|>call tool="f"<|sep|><|open|>json type="object"<|sep|>[1]<|close|>json<|sep|><|close|>call<|sep|>',
+         '<|open|>call tool="f"<|sep|><|open|>json type="object"<|sep|>[1]<|close|>json<|sep|><|close|>call<|sep|>', []),
         # garbage inside the tools section
         ("oops<|close|>tools<|sep|>", "oops<|close|>tools<|sep|>", []),
         # call without a name
         ('<|open|>call index="1"<|sep|><|close|>call<|sep|>', '<|open|>call index="1"<|sep|><|close|>call<|sep|>', []),
     ],
-    ids=["bad-json", "type-mismatch", "unknown-tool", "unclosed-call", "garbage", "no-name"],
+    ids=["bad-json", "type-mismatch", "unknown-tool", "json-block-not-json", "json-block-not-object", "garbage",
+         "no-name"],
 )
 def test_malformed_calls_become_content(caplog, text, content, calls):
     prefix = "<|open|>response<|sep|><|close|>response<|sep|><|open|>tools<|sep|>"
@@ -114,6 +118,59 @@ def test_malformed_calls_become_content(caplog, text, content, calls):
     assert out.content == content
     assert out.tool_calls == calls
     assert any(r.levelno == logging.WARNING for r in caplog.records)
+
+
+@pytest.mark.parametrize("text", [
+    '{"x": NaN, "y": [Infinity, -Infinity, 1.5]}',
+    '<|open|>argument key="x" type="number"<|sep|>NaN<|close|>argument<|sep|>'
+    '<|open|>argument key="y" type="array"<|sep|>[Infinity, -Infinity, 1.5]<|close|>argument<|sep|>',
+], ids=["json-block", "typed-arguments"])
+def test_non_finite_numbers_become_null(text):
+    body = f'<|open|>json type="object"<|sep|>{text}<|close|>json<|sep|>' if text.startswith("{") else text
+    out = parse_k3_output('<|close|>response<|sep|><|open|>tools<|sep|><|open|>call tool="f" index="1"<|sep|>'
+                          + body + "<|close|>call<|sep|><|close|>tools<|sep|><|close|>message<|sep|>",
+                          thinking=False, tools=["f"])
+    (call,) = out.tool_calls
+    strict = json.loads(call.arguments, parse_constant=lambda c: pytest.fail(f"non-JSON constant {c}"))
+    assert strict == {"x": None, "y": [None, None, 1.5]}
+
+
+CUT = ("Let me see.<|close|>think<|sep|><|open|>response<|sep|>On it.<|close|>response<|sep|><|open|>tools<|sep|>"
+       '<|open|>call tool="calc" index="1"<|sep|><|open|>argument key="e" type="string"<|sep|>1+1'
+       "<|close|>argument<|sep|><|close|>call<|sep|>"
+       '<|open|>call tool="calc" index="2"<|sep|><|open|>argument key="e" type="string"<|sep|>2*3'
+       "<|close|>argument<|sep|><|close|>call<|sep|><|close|>tools<|sep|><|close|>message<|sep|>")
+
+
+@pytest.mark.parametrize("thinking", [True, False], ids=["think", "no-think"])
+def test_cut_output_never_shows_control_text(thinking):
+    """Every cut of a message with calls, parsed one-shot and streamed in pieces: no content or
+    reasoning ever holds a control token, and the finished calls are kept."""
+    text = CUT if thinking else CUT[CUT.index("On it."):]
+    full = _one_shot(text, thinking)
+    assert [c.name for c in full[2]] == ["calc", "calc"]
+    for n in range(len(text) + 1):
+        reasoning, content, calls = _one_shot(text[:n], thinking)
+        for part in (reasoning, content):
+            assert not any(tok in part for tok in ("<|open|>", "<|close|>", "<|sep|>")), (n, part)
+        assert calls == full[2][:len(calls)]
+        assert _parse_chunked(text[:n], [n // 4, n // 2, max(0, n - 3)], thinking) == (reasoning, content, calls)
+
+
+@pytest.mark.parametrize("cuts", [[], [5, 17], list(range(0, 60, 3))])
+def test_response_closed_but_never_opened(cuts):
+    text = "The answer is 42.<|close|>response<|sep|><|close|>message<|sep|>"
+    assert _one_shot(text, True) == ("The answer is 42.", "The answer is 42.", [])
+    assert _parse_chunked(text, cuts, True) == ("The answer is 42.", "The answer is 42.", [])
+
+
+@pytest.mark.parametrize("cuts", [[], [9, 30, 31], list(range(0, 200, 7))])
+def test_tools_inside_an_unclosed_think(cuts):
+    text = ('Thinking<|open|>tools<|sep|><|open|>call tool="f" index="1"<|sep|><|open|>argument key="a" '
+            'type="number"<|sep|>3<|close|>argument<|sep|><|close|>call<|sep|><|close|>tools<|sep|>'
+            "<|close|>message<|sep|>")
+    want = ("Thinking", "", [ToolCall("f", '{"a": 3}', 0)])
+    assert _one_shot(text, True) == want and _parse_chunked(text, cuts, True) == want
 
 
 def test_unclosed_think_is_reasoning(caplog):
@@ -192,10 +249,14 @@ def test_fuzz_chunking_never_changes_the_result(text, cuts, thinking):
 @settings(max_examples=1500, deadline=None)
 @given(MARKUPISH, st.booleans())
 def test_fuzz_no_text_is_lost(text, thinking):
-    # returned text never exceeds the input, and every call has a name and string arguments
+    # returned text never exceeds the input (reasoning and content each: a think channel that the
+    # response close ends is both), and every call has a name and RFC 8259 JSON object arguments
     reasoning, content, calls = _one_shot(text, thinking)
-    assert len(reasoning) + len(content) <= len(text)
-    assert all(call.name and isinstance(call.arguments, str) for call in calls)
+    assert len(reasoning) <= len(text) and len(content) <= len(text)
+    if "<|close|>response<|sep|>" not in text:
+        assert len(reasoning) + len(content) <= len(text)
+    assert all(call.name and isinstance(json.loads(call.arguments, parse_constant=lambda c: 1 / 0), dict)
+               for call in calls)
     assert [call.index for call in calls] == list(range(len(calls)))
 
 
