@@ -246,3 +246,23 @@ def test_speculation_with_a_constraint_gives_the_same_greedy_tokens():
         engines[spec] = llm.engine
     assert outs[3] == outs[0]
     assert engines[3].num_draft_tokens > 0 and engines[3].num_accepted_tokens > 0
+
+
+@pytest.mark.slow
+def test_ten_thousand_generated_constraints(llm):
+    """The issue's target, run once per release: ``python -m tests.engine.test_structured 10000``."""
+    n, bad = property_run(llm, 10_000, seed=11)
+    assert not bad, f"{len(bad)} of {n} invalid, first: {bad[:3]}"
+
+
+if __name__ == "__main__":      # python -m tests.engine.test_structured N: the property run, with counts
+    import sys
+    import time
+    count = int(sys.argv[1]) if len(sys.argv) > 1 else 10_000
+    t0 = time.perf_counter()
+    total, invalid = property_run(kimik3.LLM(kimik3.DEFAULT_MODEL, max_num_seqs=64, max_model_len=512), count, seed=11)
+    kinds = {k: sum(1 for i in range(total) if (i % 4 == 3) == (k == "regex")) for k in ("json", "regex")}
+    print(f"{total} constraints ({kinds['json']} JSON schemas, {kinds['regex']} regexes) sampled at temperature 1.0: "
+          f"{len(invalid)} invalid, {time.perf_counter() - t0:.0f} s")
+    for row in invalid[:10]:
+        print(row)
