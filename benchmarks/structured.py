@@ -3,6 +3,7 @@ constraint vs without, at batch 1 / 32 / 128.
 
     python benchmarks/structured.py mask [--backends llguidance,xgrammar]      # host mask time, K3-size vocab
     python benchmarks/structured.py engine [--model DIR] [--device cuda]       # engine step, constrained vs not
+    python benchmarks/structured.py engine --slice --device cuda --no-enforce-eager   # the GPU slice, graphs
 
 ``mask``: a synthetic 163,840-token vocabulary (163,584 byte-level tokens + 256 specials, K3's size; the
 release tokenizer is not shipped here) and one JSON schema; each step fills the bitmask of every matcher in
@@ -10,7 +11,8 @@ the batch (llguidance: one parallel ``LLExecutor`` call; xgrammar: one ``fill_ne
 matcher), then advances each matcher by a random allowed token. ``engine``: every request decodes
 ``--steps`` tokens (the schema never completes sooner), and the mean time of the decode steps after the
 first is reported. Without ``--model`` it uses the embedded random K3 (a CPU-size model: the numbers then
-measure host overhead, not a GPU).
+measure host overhead, not a GPU); ``--slice`` builds the K3-width 4-layer GPU slice of
+``benchmarks/gpu/bench_slice.py`` in memory, with the synthetic 163,840-token tokenizer.
 """
 
 from __future__ import annotations
@@ -71,6 +73,16 @@ def _git() -> str:
         return subprocess.run(["git", "rev-parse", "--short", "HEAD"], capture_output=True, text=True).stdout.strip()
     except OSError:
         return "?"
+
+
+def synthetic_tokenizer():
+    """A KimiTokenizer over ``synthetic_vocab`` (163,584 base tokens + 256 specials = K3's vocabulary size)."""
+    from kimik3.tokenizer import AddedToken, KimiTokenizer
+    vocab = synthetic_vocab()
+    n = len(vocab)
+    names = ["[BOS]", "[EOS]", "<|end_of_msg|>", "<|open|>", "<|close|>", "<|sep|>"]
+    return KimiTokenizer({b: i for i, b in enumerate(vocab)},
+                         [AddedToken(n + i, name, True) for i, name in enumerate(names)], chat_format="k3")
 
 
 def bench_llguidance(vocab: list[bytes], batch: int, steps: int, rng: random.Random) -> float:
@@ -165,12 +177,20 @@ def cmd_engine(args) -> None:
     import kimik3
     from kimik3.engine import EngineConfig, LLMEngine, SamplingParams
     from kimik3.engine.sampling_params import StructuredOutputsParams
-    path = args.model or kimik3.DEFAULT_MODEL
-    dtype = torch.bfloat16 if args.device.startswith("cuda") else torch.float32
-    model = kimik3.load_model(path, device=args.device, dtype=dtype)
+    if args.slice:
+        import sys
+        from pathlib import Path
+        sys.path.insert(0, str(Path(__file__).resolve().parents[1]))
+        from benchmarks.gpu.bench_slice import CONFIG, build_slice
+        model, tok, name = build_slice(json.loads(CONFIG.read_text())), synthetic_tokenizer(), "K3-width 4-layer slice"
+    else:
+        path = args.model or kimik3.DEFAULT_MODEL
+        dtype = torch.bfloat16 if args.device.startswith("cuda") else torch.float32
+        model, tok = kimik3.load_model(path, device=args.device, dtype=dtype), kimik3.load_tokenizer(path)
+        name = args.model or "embedded tiny K3"
     engine = LLMEngine(model, EngineConfig(max_num_seqs=max(BATCHES), max_model_len=args.steps + 64,
-                                           enforce_eager=args.enforce_eager), tokenizer=kimik3.load_tokenizer(path))
-    print(f"# engine decode step, constrained (JSON schema) vs unconstrained, model {args.model or 'embedded tiny K3'}, "
+                                           enforce_eager=args.enforce_eager), tokenizer=tok)
+    print(f"# engine decode step, constrained (JSON schema) vs unconstrained, model {name}, "
           f"device {args.device}, {args.steps} steps, commit {_git()}, {datetime.date.today()}")
     print("| batch | unconstrained ms/step | constrained ms/step | ratio |")
     print("|---|---|---|---|")
@@ -200,6 +220,7 @@ def main() -> None:
     m.add_argument("--device", default="cpu")
     e = sub.add_parser("engine")
     e.add_argument("--model", help="checkpoint directory (default: the embedded tiny K3)")
+    e.add_argument("--slice", action="store_true", help="the GPU slice of benchmarks/gpu/bench_slice.py (CUDA)")
     e.add_argument("--device", default="cpu")
     e.add_argument("--steps", type=int, default=32)
     e.add_argument("--enforce-eager", action=argparse.BooleanOptionalAction, default=True,

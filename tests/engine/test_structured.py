@@ -266,3 +266,34 @@ if __name__ == "__main__":      # python -m tests.engine.test_structured N: the 
           f"{len(invalid)} invalid, {time.perf_counter() - t0:.0f} s")
     for row in invalid[:10]:
         print(row)
+
+
+def test_constraints_survive_chunked_prefill_preemption_and_prefix_hits(tok):
+    """Greedy constrained requests in a cache too small for all of them (preemptions), 5-token prefill
+    chunks and a shared prompt (prefix hits) give the tokens of a roomy one-chunk run, all valid."""
+    from tests.engine.helpers import make_engine, run
+    model = kimik3.load_model(kimik3.DEFAULT_MODEL, dtype=torch.float64)
+    schema = {"type": "object", "properties": {"xs": {"type": "array", "items": {"type": "integer", "minimum": 0,
+                                                                                 "maximum": 99},
+                                                      "minItems": 12, "maxItems": 12},
+                                               "w": {"enum": ["alpha", "beta"]}},
+              "required": ["xs", "w"], "additionalProperties": False}
+    shared = tok.encode("a shared prompt that is long enough to fill a few cache blocks, " * 2)
+    rx = r"([a-z]{2,5} ){16}"
+    reqs = {f"r{i}": ((shared if i < 3 else tok.encode(f"another prompt {i} " * 6)) + tok.encode(f" number {i}"),
+                      SamplingParams(max_tokens=70, temperature=0, structured_outputs=SO(json=schema)
+                                     if i % 2 == 0 else SO(regex=rx)))
+            for i in range(6)}
+    roomy = run(make_engine(model, tokenizer=tok, max_num_seqs=8, max_model_len=128), reqs)
+    tight_engine = make_engine(model, tokenizer=tok, max_num_seqs=8, max_model_len=128, max_num_batched_tokens=5,
+                               enable_prefix_caching=True, extra_blocks=1)
+    tight = run(tight_engine, reqs)
+    assert tight_engine.scheduler.num_preemptions > 0 and tight_engine.kv.num_hit_tokens > 0
+    for rid, (_, params) in reqs.items():
+        ids = tight[rid][0][0]
+        assert ids == roomy[rid][0][0], rid
+        text = tok.decode(ids[:-1] if ids[-1] == 2050 else ids)
+        if params.structured_outputs.json is not None:
+            jsonschema.validate(json.loads(text), schema)
+        else:
+            assert re.fullmatch(rx, text), text

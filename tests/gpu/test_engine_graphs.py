@@ -224,3 +224,37 @@ def test_tiny_checkpoint_graphs_match_eager(arch, tmp_path):
     graphed = generate(engine, reqs)
     assert engine.runner.num_graph_steps > 0
     assert_same_greedy(eager, graphed, reqs)
+
+
+def test_constrained_decode_steps_stay_graphs(model):
+    """Structured outputs (llguidance masks applied after the graph's logits) on the slice with K3's
+    163,840-token vocabulary (the synthetic tokenizer of benchmarks/structured.py): decode steps replay
+    graphs, and every output matches its constraint, with graphs and eagerly."""
+    import re
+
+    from benchmarks.structured import synthetic_tokenizer
+    from kimik3.engine.sampling_params import StructuredOutputsParams as SO
+    tok = synthetic_tokenizer()
+    schema = {"type": "object", "properties": {"n": {"type": "integer", "minimum": 0, "maximum": 999},
+                                               "tag": {"enum": ["a", "b", "c"]}},
+              "required": ["n", "tag"], "additionalProperties": False}
+    params = [SamplingParams(max_tokens=40, temperature=t, seed=i, structured_outputs=so)
+              for i, (t, so) in enumerate([(0, SO(json=schema)), (1.0, SO(json=schema)),
+                                           (0, SO(regex=r"[a-f]{4}-[0-9]{3}")), (1.0, SO(choice=["yes", "no"]))])]
+    for eager in (True, False):
+        cfg = EngineConfig(max_num_seqs=8, max_num_batched_tokens=256, max_model_len=512, block_size=16,
+                           cache_memory_bytes=3 << 30, enforce_eager=eager)
+        engine = LLMEngine(model, cfg, tokenizer=tok)
+        for i, p in enumerate(params):
+            engine.add_request(f"c{i}", {"prompt_token_ids": [1000 + i, 2000, 3000]}, p)
+        texts: dict[str, list[int]] = {}
+        while engine.has_unfinished_requests():
+            for d in engine.step():
+                texts.setdefault(d.request_id, []).extend(d.outputs[0].token_ids if d.outputs else [])
+        decoded = {k: tok.decode([t for t in v if t < tok.num_base_tokens]) for k, v in texts.items()}
+        for k in ("c0", "c1"):
+            obj = json.loads(decoded[k])
+            assert set(obj) == {"n", "tag"} and 0 <= obj["n"] <= 999 and obj["tag"] in "abc"
+        assert re.fullmatch(r"[a-f]{4}-[0-9]{3}", decoded["c2"]) and decoded["c3"] in ("yes", "no")
+        if not eager:
+            assert engine.runner.num_graph_steps > 0
