@@ -164,8 +164,9 @@ def _valid(kind, spec, text) -> bool:
     return True
 
 
-def property_run(llm, n: int, seed: int, max_tokens: int = 440) -> tuple[int, list]:
-    """``n`` generated schemas and regexes sampled at temperature 1.0: (count, invalid outputs)."""
+def property_run(llm, n: int, seed: int, max_tokens: int = 440, progress=None) -> tuple[int, list]:
+    """``n`` generated schemas and regexes sampled at temperature 1.0: (count, invalid outputs);
+    ``progress(done, invalid)`` after each batch."""
     rng = random.Random(seed)
     cases = []
     for i in range(n):
@@ -185,6 +186,8 @@ def property_run(llm, n: int, seed: int, max_tokens: int = 440) -> tuple[int, li
             c = o.outputs[0]
             if c.finish_reason != "stop" or not _valid(kind, spec, c.text):
                 bad.append((kind, spec, c.text, c.finish_reason))
+        if progress is not None:
+            progress(lo + len(part), bad)
     return n, bad
 
 
@@ -260,7 +263,9 @@ if __name__ == "__main__":      # python -m tests.engine.test_structured N: the 
     import time
     count = int(sys.argv[1]) if len(sys.argv) > 1 else 10_000
     t0 = time.perf_counter()
-    total, invalid = property_run(kimik3.LLM(kimik3.DEFAULT_MODEL, max_num_seqs=64, max_model_len=512), count, seed=11)
+    total, invalid = property_run(kimik3.LLM(kimik3.DEFAULT_MODEL, max_num_seqs=64, max_model_len=512), count, seed=11,
+                                  progress=lambda done, bad: print(f"{done} done, {len(bad)} invalid, "
+                                                                   f"{time.perf_counter() - t0:.0f} s", flush=True))
     kinds = {k: sum(1 for i in range(total) if (i % 4 == 3) == (k == "regex")) for k in ("json", "regex")}
     print(f"{total} constraints ({kinds['json']} JSON schemas, {kinds['regex']} regexes) sampled at temperature 1.0: "
           f"{len(invalid)} invalid, {time.perf_counter() - t0:.0f} s")
