@@ -101,18 +101,25 @@ def bench_llguidance(vocab: list[bytes], batch: int, steps: int, rng: random.Ran
     executor = llguidance.LLExecutor()
     words = (n + 256 + 31) // 32
     mask = torch.full((batch, words), -1, dtype=torch.int32)
+    fill = lambda: executor.unsafe_compute_mask_ptr([(m, i) for i, m in enumerate(matchers)], mask.data_ptr(),  # noqa: E731
+                                                    words * 4, batch)
+    return _time_steps(fill, mask, matchers, steps, rng, lambda m: m.is_stopped(), lambda m, t: m.consume_token(t))
+
+
+def _time_steps(fill, mask: torch.Tensor, matchers, steps: int, rng: random.Random, done, accept) -> float:
+    """Mean seconds of ``fill()`` (all masks of a step) over ``steps`` steps after the first; between
+    steps each matcher takes a random allowed token (a finished one starts over)."""
     times = []
     for _ in range(steps):
         t0 = time.perf_counter()
-        executor.unsafe_compute_mask_ptr([(m, i) for i, m in enumerate(matchers)], mask.data_ptr(), words * 4, batch)
+        fill()
         times.append(time.perf_counter() - t0)
-        bits = ((mask[:, :, None] >> torch.arange(32, dtype=torch.int32)) & 1).reshape(batch, -1)
+        bits = ((mask[:, :, None] >> torch.arange(32, dtype=torch.int32)) & 1).reshape(len(matchers), -1)
         for i, m in enumerate(matchers):
-            if m.is_stopped():
+            if done(m):
                 m.reset()
-                continue
-            allowed = bits[i].nonzero().flatten().tolist()
-            m.consume_token(rng.choice(allowed))
+            else:
+                accept(m, rng.choice(bits[i].nonzero().flatten().tolist()))
     return statistics.mean(times[1:])
 
 
@@ -124,19 +131,11 @@ def bench_xgrammar(vocab: list[bytes], batch: int, steps: int, rng: random.Rando
     compiled = xgr.GrammarCompiler(info).compile_json_schema(json.dumps(SCHEMA), any_whitespace=False)
     matchers = [xgr.GrammarMatcher(compiled) for _ in range(batch)]
     mask = xgr.allocate_token_bitmask(batch, n)
-    times = []
-    for _ in range(steps):
-        t0 = time.perf_counter()
+
+    def fill():
         for i, m in enumerate(matchers):
             m.fill_next_token_bitmask(mask, i)
-        times.append(time.perf_counter() - t0)
-        bits = ((mask[:, :, None] >> torch.arange(32, dtype=torch.int32)) & 1).reshape(batch, -1)
-        for i, m in enumerate(matchers):
-            if m.is_terminated():
-                m.reset()
-                continue
-            m.accept_token(rng.choice(bits[i][:n].nonzero().flatten().tolist()))
-    return statistics.mean(times[1:])
+    return _time_steps(fill, mask, matchers, steps, rng, lambda m: m.is_terminated(), lambda m, t: m.accept_token(t))
 
 
 def bench_apply(batch: int, vocab: int, device: str, reps: int = 20) -> float:
