@@ -129,7 +129,8 @@ def test_chat_streamed_matches_plain_under_a_schema(real):
 
 def test_other_modes_on_both_routes(real):
     c = real.client()
-    small = [t for t in range(2048) if real.state.tokenizer.decode([t]) in set('{}":,0123456789ab ')] + [2050]
+    tok = real.state.tokenizer
+    small = [t for t in range(tok.num_base_tokens) if tok.decode([t]) in set('{}":1a')] + tok.stop_token_ids
     cases = [({"guided_regex": r"[a-c]{2,4}-\d{2}"}, lambda t: re.fullmatch(r"[a-c]{2,4}-\d{2}", t)),
              ({"guided_choice": ["left", "right"]}, lambda t: t in ("left", "right")),
              ({"guided_grammar": 'start: "v" /[0-9]/ ("." /[0-9]/)?'}, lambda t: re.fullmatch(r"v[0-9](\.[0-9])?", t)),
@@ -167,7 +168,7 @@ def test_logit_bias_and_controls_on_the_routes(real):
     assert r.choices[0].text == tok.decode([77] * 5)
     r = c.chat.completions.create(model=M, messages=MSGS, max_tokens=5, logit_bias={"77": 100}, extra_body=OFF)
     assert r.choices[0].message.content == tok.decode([77] * 5)
-    r = c.completions.create(model=M, prompt="Hi", max_tokens=6, temperature=0, logit_bias={"2050": 40},
+    r = c.completions.create(model=M, prompt="Hi", max_tokens=6, temperature=0, logit_bias={str(tok.stop_token_ids[0]): 40},
                              extra_body={"min_tokens": 4})
     assert r.usage.completion_tokens == 5 and r.choices[0].finish_reason == "stop"
     r = _post(real, "/v1/completions", {"model": M, "prompt": "Hello there", "max_tokens": 2, "prompt_logprobs": 2})
@@ -185,7 +186,7 @@ def test_logit_bias_and_controls_on_the_routes(real):
 def test_reasoning_comes_before_the_constraint():
     tok = kimik3.load_tokenizer(kimik3.DEFAULT_MODEL)
     grammar = k3_answer_grammar(thinking=True, content=SO(json=SCHEMA), tools=None, tool_mode=None, max_calls=1)
-    compiler = GrammarCompiler(tok, 2304, [2050])
+    compiler = GrammarCompiler(tok, tok.vocab_size, tok.stop_token_ids)
 
     def accepts(text: str) -> int:
         m = compiler.matcher(grammar)
