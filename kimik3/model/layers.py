@@ -5,7 +5,7 @@ from __future__ import annotations
 import torch
 from torch import nn
 
-from kimik3.ops.activation import silu_and_mul, situ_and_mul
+from kimik3.ops.activation import glu_activation
 from kimik3.ops.norm import rms_norm
 from kimik3.parallel.context import ParallelContext
 
@@ -60,11 +60,10 @@ class GLUActivation:
 
     def __init__(self, hidden_act: str, beta: float, linear_beta: float | None):
         self.hidden_act, self.beta, self.linear_beta = hidden_act, beta, linear_beta
+        self._fn = glu_activation(hidden_act, beta, linear_beta)
 
     def __call__(self, gate: torch.Tensor, up: torch.Tensor) -> torch.Tensor:
-        if self.hidden_act == "situ":
-            return situ_and_mul(gate, up, self.beta, self.linear_beta)
-        return silu_and_mul(gate, up)
+        return self._fn(gate, up)
 
 
 class MLP(nn.Module):

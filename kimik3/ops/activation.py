@@ -20,3 +20,12 @@ def situ_and_mul(gate: torch.Tensor, up: torch.Tensor, beta: float, linear_beta:
 def silu_and_mul(gate: torch.Tensor, up: torch.Tensor) -> torch.Tensor:
     acc = acc_dtype(gate.dtype)
     return (torch.nn.functional.silu(gate.to(acc)) * up.to(acc)).to(gate.dtype)
+
+
+def glu_activation(hidden_act: str, beta: float, linear_beta: float | None):
+    """The GLU gating ``act(gate, up)`` named by ``hidden_act``: "situ" (beta, linear_beta) or "silu"."""
+    if hidden_act == "situ":
+        return lambda gate, up: situ_and_mul(gate, up, beta, linear_beta)
+    if hidden_act == "silu":
+        return silu_and_mul
+    raise ValueError(f"hidden_act must be 'situ' or 'silu', got {hidden_act!r}")

@@ -10,12 +10,11 @@ dequantized first).
 
 from __future__ import annotations
 
-from typing import Callable
 
 import torch
 
 from kimik3.ops import mxfp4
-from kimik3.ops.activation import silu_and_mul, situ_and_mul
+from kimik3.ops.activation import glu_activation
 from kimik3.ops.backend import use_fast_path
 from kimik3.ops.norm import acc_dtype
 
@@ -29,7 +28,7 @@ def fused_moe(x: torch.Tensor, w1: torch.Tensor, w2: torch.Tensor, w3: torch.Ten
     fp32, rounded once (official); else the sum is accumulated in x's dtype.
     CUDA (bf16/fp16 x and weights): the Triton kernels always combine in fp32 with one rounding.
     """
-    act = _activation(hidden_act, beta, linear_beta)
+    act = glu_activation(hidden_act, beta, linear_beta)
     if use_fast_path(x) and x.dtype in (torch.bfloat16, torch.float16) and w1.dtype == x.dtype:
         from kimik3.ops.triton.moe import fused_moe_triton
         return fused_moe_triton(x, w1, w2, w3, weights, ids, hidden_act == "situ", beta, linear_beta)
@@ -45,7 +44,7 @@ def fused_moe_mxfp4(x: torch.Tensor, w1: tuple[torch.Tensor, torch.Tensor], w2: 
     ``scale_max``: the largest E8M0 scale code in the weights when known (None: any); the CUDA
     dequantization is one multiply cheaper when it is <= 128.
     CUDA (bf16 x): the Triton kernels always combine in fp32 with one rounding."""
-    act = _activation(hidden_act, beta, linear_beta)
+    act = glu_activation(hidden_act, beta, linear_beta)
     if use_fast_path(x) and x.dtype == torch.bfloat16:
         from kimik3.ops.triton.moe import fused_moe_triton
         return fused_moe_triton(x, w1, w2, w3, weights, ids, hidden_act == "situ", beta, linear_beta,
@@ -56,15 +55,6 @@ def fused_moe_mxfp4(x: torch.Tensor, w1: tuple[torch.Tensor, torch.Tensor], w2: 
         return mxfp4.dequantize(packed[e], scale[e], x.dtype, name=f"expert {e} w{which}")
 
     return _expert_loop(x, weight, weights, ids, act, combine_fp32)
-
-
-def _activation(hidden_act: str, beta: float, linear_beta: float | None
-                ) -> Callable[[torch.Tensor, torch.Tensor], torch.Tensor]:
-    if hidden_act == "situ":
-        return lambda g, u: situ_and_mul(g, u, beta, linear_beta)
-    if hidden_act == "silu":
-        return silu_and_mul
-    raise ValueError(f"hidden_act must be 'situ' or 'silu', got {hidden_act!r}")
 
 
 def _expert_loop(x, weight, weights, ids, act, combine_fp32):
