@@ -8,7 +8,54 @@ a later request with the same prefix can take it back. Block 0 is the null block
 from __future__ import annotations
 
 from collections import OrderedDict
-from typing import Callable
+from typing import Callable, Iterable
+
+import numpy as np
+
+
+class BlockTable:
+    """A request's MLA block ids, kept in a growing int32 array: a decode step copies the array
+    into the graph's input (a memcpy) instead of converting a Python list of context/16 ids."""
+
+    def __init__(self, ids: Iterable[int] = ()):
+        ids = np.fromiter(ids, dtype=np.int32)
+        self._ids = np.zeros(max(16, len(ids)), dtype=np.int32)
+        self._ids[:len(ids)] = ids
+        self._n = len(ids)
+
+    @property
+    def array(self) -> np.ndarray:
+        """The ids as an int32 view (valid until the table next grows)."""
+        return self._ids[:self._n]
+
+    def extend(self, ids: Iterable[int]) -> None:
+        new = np.fromiter(ids, dtype=np.int32)
+        if self._n + len(new) > len(self._ids):
+            grown = np.zeros(max(2 * len(self._ids), self._n + len(new)), dtype=np.int32)
+            grown[:self._n] = self.array
+            self._ids = grown
+        self._ids[self._n:self._n + len(new)] = new
+        self._n += len(new)
+
+    def __array__(self, dtype=None, copy=None) -> np.ndarray:
+        return self.array if dtype is None else self.array.astype(dtype, copy=False)
+
+    def __len__(self) -> int:
+        return self._n
+
+    def __getitem__(self, i: int) -> int:
+        if not -self._n <= i < self._n:
+            raise IndexError(f"block {i} of a {self._n}-block table")
+        return int(self._ids[i % self._n])
+
+    def __iter__(self):
+        return iter(self.array.tolist())
+
+    def __eq__(self, other) -> bool:
+        return list(self) == list(other)
+
+    def __repr__(self) -> str:
+        return f"BlockTable({self.array.tolist()})"
 
 
 class BlockPool:

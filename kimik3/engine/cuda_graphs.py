@@ -71,7 +71,7 @@ def pack_decode_inputs(token_ids: list[int], context_lens: list[int], state_slot
         if c // block_size >= len(t):
             raise ValueError(f"block table has {len(t)} blocks, none for position {c} (block size {block_size})")
         slot_mapping.append(t[c // block_size] * block_size + c % block_size)
-        tables[i, :len(t)] = t
+        tables[i, :len(t)] = np.asarray(t, dtype=np.int32)     # a memcpy for a BlockTable
     meta = np.zeros((4, size), dtype=np.int64)
     meta[0, :n], meta[1, :n], meta[2, :n], meta[3, :n] = token_ids, context_lens, state_slots, slot_mapping
     return torch.from_numpy(meta), torch.from_numpy(tables)

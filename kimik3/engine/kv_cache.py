@@ -15,7 +15,7 @@ from __future__ import annotations
 from collections import OrderedDict
 from dataclasses import dataclass
 
-from kimik3.engine.block_pool import BlockPool
+from kimik3.engine.block_pool import BlockPool, BlockTable
 from kimik3.engine.memory import MemoryPlan
 from kimik3.engine.request import Request
 
@@ -125,7 +125,7 @@ class KVCacheManager:
             return None
         for b in hit_blocks:
             self.blocks.take(b)
-        req.block_ids = hit_blocks + [self.blocks.allocate() for _ in range(need)]
+        req.block_ids = BlockTable(hit_blocks + [self.blocks.allocate() for _ in range(need)])
         req.state_slot = self.free_live_slots.pop()
         req.num_computed_tokens = hit_tokens
         req.num_cached_blocks = n_hit
@@ -162,7 +162,7 @@ class KVCacheManager:
             self.return_spec_slots([req.pending_state_copy[0]])
             req.pending_state_copy = None
         self.blocks.release(req.block_ids)
-        req.block_ids = []
+        req.block_ids = BlockTable()
         req.num_cached_blocks = 0
         if req.state_slot:
             self.free_live_slots.append(req.state_slot)

@@ -15,6 +15,7 @@ from dataclasses import dataclass, field
 
 import torch
 
+from kimik3.engine.block_pool import BlockTable
 from kimik3.engine.multimodal import MultiModalInput
 from kimik3.engine.sampling_params import SamplingParams
 
@@ -51,7 +52,7 @@ class Request:
     token_ids: list[int] = field(default_factory=list)        # prompt + output
     num_computed_tokens: int = 0
     # Cache holdings (owned by the cache manager)
-    block_ids: list[int] = field(default_factory=list)
+    block_ids: BlockTable = field(default_factory=BlockTable)
     state_slot: int = 0                                         # 0 = none (slot 0 is the null slot)
     block_hashes: list[bytes] = field(default_factory=list)     # one per full block of token_ids
     num_cached_blocks: int = 0                                  # leading blocks registered in the prefix cache

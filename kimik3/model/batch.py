@@ -8,6 +8,7 @@ from __future__ import annotations
 
 from dataclasses import dataclass, field
 
+import numpy as np
 import torch
 
 
@@ -66,26 +67,26 @@ class ForwardBatch:
         if not (len(query_lens) == len(context_lens) == len(state_slots) == len(block_tables)):
             raise ValueError("query_lens, context_lens, state_slots and block_tables must have one entry per sequence")
         cu = [0]
-        slot_mapping: list[int] = []
-        for q, c, table in zip(query_lens, context_lens, block_tables):
+        width = max((len(t) for t in block_tables), default=0)
+        tables = np.full((len(block_tables), max(width, 1)), -1, dtype=np.int32)
+        slot_mapping = []
+        for i, (q, c, table) in enumerate(zip(query_lens, context_lens, block_tables)):
             if q <= 0:
                 raise ValueError(f"every sequence needs at least one new token, got query_len={q}")
             need = -(-(c + q) // block_size)
             if len(table) < need:
                 raise ValueError(f"block table has {len(table)} blocks, {need} needed for {c + q} tokens")
             cu.append(cu[-1] + q)
-            slot_mapping.extend(table[p // block_size] * block_size + p % block_size for p in range(c, c + q))
-        width = max((len(t) for t in block_tables), default=0)
-        tables = torch.full((len(block_tables), max(width, 1)), -1, dtype=torch.int32)
-        for i, t in enumerate(block_tables):
-            tables[i, : len(t)] = torch.tensor(t, dtype=torch.int32)
+            tables[i, :len(table)] = np.asarray(table, dtype=np.int32)
+            pos = np.arange(c, c + q)
+            slot_mapping.append(tables[i, pos // block_size].astype(np.int64) * block_size + pos % block_size)
         as_long = dict(dtype=torch.int64, device=device)
         return ForwardBatch(
             cu_seqlens=torch.tensor(cu, **as_long),
             context_lens=torch.tensor(context_lens, **as_long),
             state_slots=torch.tensor(state_slots, **as_long),
-            block_tables=tables.to(device),
-            slot_mapping=torch.tensor(slot_mapping, **as_long),
+            block_tables=torch.from_numpy(tables).to(device),
+            slot_mapping=torch.from_numpy(np.concatenate(slot_mapping) if slot_mapping else np.zeros(0, np.int64)).to(device),
             query_lens_cpu=list(query_lens),
             context_lens_cpu=list(context_lens),
             checkpoints=tuple(checkpoints),
