@@ -1,4 +1,4 @@
-"""MLA prefill attention over a long cached context, one device call (~2 minutes of GPU time).
+"""MLA attention over a long cached context, one device call (~2 minutes of GPU time).
 
 For H = 96 (K3 slice) and H = 32 (Kimi-Linear), d_qk 192 (128 nope + 64 rope), d_v 128, latent 512:
   (a) a chunk of 8192 queries over contexts 0, 8k, 32k, 128k, 512k, 1M through
@@ -9,6 +9,9 @@ For H = 96 (K3 slice) and H = 32 (Kimi-Linear), d_qk 192 (128 nope + 64 rope), d
       contexts in both forms: where the absorbed form wins (``kimik3.ops.mla.ABSORBED_MAX_QUERY_LEN``);
   (c) a sweep of fixed kernel configs (BLOCK_M, BLOCK_N, num_warps, num_stages) on one piece:
       naive at H = 96, absorbed at H = 32 (``kimik3.ops.triton.mla_prefill.CONFIGS``).
+  (d) decode (``mla_decode_attention``, split-K over the paged blocks): batch 1 and 8 at contexts
+      4k, 32k, 128k, 1M, against the floor of reading each sequence's latents (context x 576 x 2
+      bytes) at the measured copy rate (``--decode-only`` runs this part alone).
 Each timed case reports time, peak GPU memory above its inputs, attention FLOPs counted from the
 shapes (causal: chunk x (context + chunk / 2) x H x 2 x (d_qk + d_v); the same count for both
 forms), the naive form's up-projection FLOPs, achieved TFLOP/s and its ratio to the measured bf16
@@ -37,6 +40,8 @@ sys.path.insert(0, str(ROOT))
 sys.path.insert(0, str(Path(__file__).parent))
 
 from bench_slice import commit_id, cuda_time                       # noqa: E402
+
+from kimik3.ops.mla import mla_decode_attention                     # noqa: E402
 
 from kimik3.ops import mla                                         # noqa: E402
 from kimik3.ops.mla import gather_latents, mla_prefill_attention   # noqa: E402
@@ -183,11 +188,40 @@ def sweep(rows, mm, H, form, configs):
             log.info("%s", row)
 
 
+DECODE_CASES = [(n, ctx) for ctx in (4096, 32768, 131072, 1048576) for n in (1, 8)]
+
+
+def copy_rate() -> float:
+    src = torch.randn(1 << 30, device=DEVICE, dtype=torch.bfloat16)
+    dst = torch.empty_like(src)
+    return 2 * src.numel() * 2 / cuda_time(lambda: dst.copy_(src), iters=20)
+
+
+def decode(rows, bw):
+    """(d): one query per sequence over ``ctx`` cached latents, sequence lengths on the device as
+    in the decode graph; floor = latent bytes read / copy rate."""
+    for H in (96, 32):
+        for n, ctx in DECODE_CASES:
+            q, cache, tables, _ = inputs(H, [1] * n, [ctx - 1] * n)
+            q_lat = torch.randn(n, H, R, device=DEVICE).to(torch.bfloat16)
+            lens = torch.full((n,), ctx, dtype=torch.int32, device=DEVICE)
+            fn = lambda: mla_decode_attention(q_lat, q[..., DN:], cache, tables, lens, R, D_QK ** -0.5,  # noqa: E731
+                                              max_seq_len=ctx)
+            t = cuda_time(fn, warmup=3, iters=20)
+            floor = n * ctx * (R + P) * 2 / bw
+            row = {"H": H, "batch": n, "context": ctx, "seconds": t, "floor_s": floor, "over_floor": t / floor}
+            rows.append(row)
+            log.info("decode %s", {k: (f"{v:.4g}" if isinstance(v, float) else v) for k, v in row.items()})
+            del q, cache, tables
+            torch.cuda.empty_cache()
+
+
 def main():
     ap = argparse.ArgumentParser(description=__doc__.split("\n")[0])
     ap.add_argument("--out", required=True, help="JSON results path")
     ap.add_argument("--max-context", type=int, default=CONTEXTS[-1], help="skip longer contexts")
     ap.add_argument("--no-sweep", action="store_true", help="skip the kernel config sweep")
+    ap.add_argument("--decode-only", action="store_true", help="run only (d), the decode cases")
     args = ap.parse_args()
     logging.basicConfig(level=logging.INFO, format="%(message)s")
     t_start = time.perf_counter()
@@ -202,6 +236,12 @@ def main():
         res["wall_s"] = time.perf_counter() - t_start
         out.write_text(json.dumps(res, indent=1))
 
+    bw = res["copy_bytes_per_s"] = copy_rate()
+    res["decode"] = []
+    decode(res["decode"], bw)
+    save()
+    if args.decode_only:
+        return
     mm = res["bf16_matmul_flops"] = ceiling()
     log.info("bf16 matmul %.0f TFLOP/s", mm / 1e12)
     res["chunk"], res["short"], res["sweep"] = [], [], []
