@@ -8,8 +8,12 @@ default chunk budget and cache plan (max_model_len = the longest prompt + the de
   * decode: the engine's steps after the first token (CUDA graph replays at batch 1, context P),
     against the decode floor at context P (weights + KDA states + P latents per MLA layer).
 
+With ``--replay-only`` no prompt runs: for each length, the batch-1 decode graph is replayed with
+its static inputs set to a context of that length (random blocks of the cache), giving the decode
+step's device time against its floor in seconds instead of a prefill's minutes.
+
     PYTHONPATH=. python benchmarks/gpu/bench_long_context.py [--config=PATH] [--lengths=8192,32768,...]
-    (writes $OUT/bench_long_<slice>.json)
+        [--replay-only]   (writes $OUT/bench_long_<slice>[_replay].json)
 """
 
 from __future__ import annotations
@@ -41,7 +45,8 @@ results: dict = {}
 
 def save():
     OUT.mkdir(parents=True, exist_ok=True)
-    (OUT / f"bench_long_{config_path().stem.split('.')[0]}.json").write_text(json.dumps(results, indent=1, default=str))
+    suffix = "_replay" if "--replay-only" in sys.argv else ""
+    (OUT / f"bench_long_{config_path().stem.split('.')[0]}{suffix}.json").write_text(json.dumps(results, indent=1, default=str))
 
 
 def lengths() -> list[int]:
@@ -70,6 +75,29 @@ def graph_replay_s(engine) -> float:
     return bench_slice.cuda_time(graphs.graphs[1][0].replay, warmup=2, iters=10)
 
 
+def replay_at(engine, context: int, perm: torch.Tensor) -> float:
+    """The batch-1 decode graph's device time with its inputs set to one sequence at ``context``
+    (its blocks: the first of ``perm``, a permutation of the cache's blocks)."""
+    graphs = engine.runner.graphs
+    bs = engine.cache.block_size
+    blocks = perm[:context // bs + 1] + 1
+    graphs.meta[:, 0] = torch.tensor([1000, context, 1, int(blocks[context // bs]) * bs + context % bs])
+    graphs.block_tables[0].zero_()
+    graphs.block_tables[0, :len(blocks)] = blocks.to(graphs.block_tables)
+    return bench_slice.cuda_time(graphs.graphs[1][0].replay, warmup=2, iters=20)
+
+
+def replay_only(model, engine, bw):
+    perm = torch.randperm(engine.plan.num_blocks - 1, generator=torch.Generator().manual_seed(0))
+    rows = results["rows"] = []
+    for P in sorted(lengths()):
+        t = replay_at(engine, P, perm)
+        d_floor = decode_floor(model, P, bw)
+        rows.append({"context": P, "graph_replay_ms": t * 1e3, "decode_floor_ms": d_floor * 1e3, "over_floor": t / d_floor})
+        log(rows[-1])
+        save()
+
+
 def main():
     torch.backends.cuda.matmul.allow_tf32 = False
     results.update(gpu=torch.cuda.get_device_name(), date=datetime.date.today().isoformat(), commit=commit_id(),
@@ -86,11 +114,14 @@ def main():
     results["engine"] = {"max_num_batched_tokens": cfg.max_num_batched_tokens, "plan": engine.plan.describe(),
                          "weights_bytes": weights, "cache_bytes": planned}
     log(results["engine"])
+    if "--replay-only" in sys.argv:
+        return replay_only(model, engine, bw)
     rows = []
     g = torch.Generator().manual_seed(0)
     vocab = model.config.text.vocab_size
-    # warm-up (Triton compiles every kernel shape once): a fresh chunk, a continuation chunk, decode
-    warm = torch.randint(1000, vocab, (cfg.max_num_batched_tokens + 100,), generator=g).tolist()
+    # warm-up (Triton compiles every kernel variant once): a fresh chunk, continuations whose keys
+    # span one and two attention pieces (PREFILL_BLOCK), a short continuation, decode
+    warm = torch.randint(1000, vocab, (4 * cfg.max_num_batched_tokens + 100,), generator=g).tolist()
     engine.add_request("warm-up", {"prompt_token_ids": warm},
                        SamplingParams(temperature=0, max_tokens=4, ignore_eos=True, detokenize=False))
     t0 = time.perf_counter()
@@ -105,12 +136,14 @@ def main():
         engine.add_request(f"p{P}", {"prompt_token_ids": prompt},
                            SamplingParams(temperature=0, max_tokens=DECODE_TOKENS + 1, ignore_eos=True, detokenize=False))
         t0 = time.perf_counter()
-        ttft, steps, stamps, replay_s = None, 0, [], float("nan")
+        ttft, steps, stamps, replay_s, step_ends = None, 0, [], float("nan"), [t0]
         while engine.has_unfinished_requests():
             deltas = engine.step()
             torch.cuda.synchronize()
             now = time.perf_counter()
             steps += 1
+            if ttft is None:
+                step_ends.append(now)
             if any(d.outputs and d.outputs[0].token_ids for d in deltas):
                 if ttft is None:
                     ttft = now - t0
@@ -126,7 +159,8 @@ def main():
         row = {"prompt": P, "ttft_s": ttft, "prefill_tok_s": P / ttft, "prefill_floor_s": floor,
                "prefill_over_floor": ttft / floor, "attention_flops": flops, "matmul_fraction": flops / ttft / mm,
                "peak_bytes": peak, "peak_over_weights_plus_cache_gib": (peak - weights - planned) / 2 ** 30,
-               "prefill_steps": steps - DECODE_TOKENS, "decode_step_ms": t_dec * 1e3, "decode_floor_ms": d_floor * 1e3,
+               "prefill_steps": steps - DECODE_TOKENS,
+               "prefill_step_ms": [round((b - a) * 1e3, 1) for a, b in zip(step_ends, step_ends[1:])][:64], "decode_step_ms": t_dec * 1e3, "decode_floor_ms": d_floor * 1e3,
                "decode_over_floor": t_dec / d_floor, "graph_replay_ms": replay_s * 1e3,
                "graph_replay_over_floor": replay_s / d_floor}
         rows.append(row)

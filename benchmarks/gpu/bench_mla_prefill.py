@@ -9,9 +9,10 @@ For H = 96 (K3 slice) and H = 32 (Kimi-Linear), d_qk 192 (128 nope + 64 rope), d
       contexts in both forms: where the absorbed form wins (``kimik3.ops.mla.ABSORBED_MAX_QUERY_LEN``);
   (c) a sweep of fixed kernel configs (BLOCK_M, BLOCK_N, num_warps, num_stages) on one piece:
       naive at H = 96, absorbed at H = 32 (``kimik3.ops.triton.mla_prefill.CONFIGS``).
-  (d) decode (``mla_decode_attention``, split-K over the paged blocks): batch 1 and 8 at contexts
-      4k, 32k, 128k, 1M, against the floor of reading each sequence's latents (context x 576 x 2
-      bytes) at the measured copy rate (``--decode-only`` runs this part alone).
+  (d) decode (``mla_decode_triton``, split-K over the paged blocks, in CUDA graphs): batch 1 at
+      contexts 4k-1M and batches 8-128, against the floor of reading each sequence's latents
+      (context x 576 x 2 bytes) at the measured copy rate; ``--decode-sweep`` times the launch
+      configs of DECODE_SWEEP beside the default; ``--decode-only`` runs this part alone.
 Each timed case reports time, peak GPU memory above its inputs, attention FLOPs counted from the
 shapes (causal: chunk x (context + chunk / 2) x H x 2 x (d_qk + d_v); the same count for both
 forms), the naive form's up-projection FLOPs, achieved TFLOP/s and its ratio to the measured bf16
@@ -41,7 +42,8 @@ sys.path.insert(0, str(Path(__file__).parent))
 
 from bench_slice import commit_id, cuda_time                       # noqa: E402
 
-from kimik3.ops.mla import mla_decode_attention                     # noqa: E402
+from kimik3.ops.triton import mla_decode                           # noqa: E402
+from kimik3.ops.triton.mla_decode import DecodeConfig              # noqa: E402
 
 from kimik3.ops import mla                                         # noqa: E402
 from kimik3.ops.mla import gather_latents, mla_prefill_attention   # noqa: E402
@@ -188,7 +190,23 @@ def sweep(rows, mm, H, form, configs):
             log.info("%s", row)
 
 
-DECODE_CASES = [(n, ctx) for ctx in (4096, 32768, 131072, 1048576) for n in (1, 8)]
+DECODE_BS = 16                             # the engine's cache block size
+DECODE_CASES = [(1, 4096), (1, 32768), (1, 131072), (1, 1048576), (8, 131072), (32, 32768), (128, 4096)]
+DECODE_SWEEP = [DecodeConfig(form="gather", bh=32, bn=32, num_warps=8, num_stages=2),     # the first kernel's launch
+                DecodeConfig(form="gather", bh=16, bn=16, num_warps=4, num_stages=2),
+                DecodeConfig(form="gather", bh=32, bn=16, num_warps=4, num_stages=2),
+                DecodeConfig(bh=16, num_warps=4, num_stages=2),
+                DecodeConfig(bh=16, num_warps=4, num_stages=2, programs_per_sm=4),
+                DecodeConfig(bh=32, num_warps=4, num_stages=1),
+                DecodeConfig(bh=32, num_warps=4, num_stages=2),
+                DecodeConfig(bh=32, num_warps=4, num_stages=3),
+                DecodeConfig(bh=32, num_warps=4, num_stages=2, programs_per_sm=4),
+                DecodeConfig(bh=32, num_warps=4, num_stages=2, programs_per_sm=4, max_splits=256),
+                DecodeConfig(bh=32, num_warps=8, num_stages=2),
+                DecodeConfig(bh=64, num_warps=4, num_stages=2),
+                DecodeConfig(bh=64, num_warps=8, num_stages=2),
+                DecodeConfig(bh=64, num_warps=8, num_stages=3),
+                DecodeConfig(bh=64, num_warps=8, num_stages=2, programs_per_sm=4, max_splits=256)]
 
 
 def copy_rate() -> float:
@@ -197,23 +215,59 @@ def copy_rate() -> float:
     return 2 * src.numel() * 2 / cuda_time(lambda: dst.copy_(src), iters=20)
 
 
-def decode(rows, bw):
-    """(d): one query per sequence over ``ctx`` cached latents, sequence lengths on the device as
-    in the decode graph; floor = latent bytes read / copy rate."""
-    for H in (96, 32):
-        for n, ctx in DECODE_CASES:
-            q, cache, tables, _ = inputs(H, [1] * n, [ctx - 1] * n)
-            q_lat = torch.randn(n, H, R, device=DEVICE).to(torch.bfloat16)
-            lens = torch.full((n,), ctx, dtype=torch.int32, device=DEVICE)
-            fn = lambda: mla_decode_attention(q_lat, q[..., DN:], cache, tables, lens, R, D_QK ** -0.5,  # noqa: E731
-                                              max_seq_len=ctx)
-            t = cuda_time(fn, warmup=3, iters=20)
-            floor = n * ctx * (R + P) * 2 / bw
-            row = {"H": H, "batch": n, "context": ctx, "seconds": t, "floor_s": floor, "over_floor": t / floor}
-            rows.append(row)
-            log.info("decode %s", {k: (f"{v:.4g}" if isinstance(v, float) else v) for k, v in row.items()})
-            del q, cache, tables
-            torch.cuda.empty_cache()
+def graph_time(fn, iters: int = 20) -> float:
+    """Median device seconds of ``fn`` captured in a CUDA graph (no launch overhead: as in the
+    engine's decode graphs)."""
+    fn()
+    torch.cuda.synchronize()
+    graph = torch.cuda.CUDAGraph()
+    with torch.cuda.graph(graph):
+        fn()
+    return cuda_time(graph.replay, warmup=2, iters=iters)
+
+
+def decode(rows, bw, sweep: bool):
+    """(d): one query per sequence over ``ctx`` cached latents (block size 16, scattered blocks),
+    sequence lengths on the device, each launch in a CUDA graph; floor = latent bytes / copy rate.
+    The default launch (``mla_decode.config_for``) always, the sweep's configs with ``sweep``; the
+    relative difference of each output from the default's."""
+    global BS
+    saved, BS = BS, DECODE_BS
+    try:
+        for H in (96, 32):
+            for n, ctx in DECODE_CASES:
+                q, cache, tables, _ = inputs(H, [1] * n, [ctx - 1] * n)
+                q_lat = torch.randn(n, H, R, device=DEVICE).to(torch.bfloat16)
+                lens = torch.full((n,), ctx, dtype=torch.int32, device=DEVICE)
+                floor = n * ctx * (R + P) * 2 / bw
+                default = mla_decode.config_for(H, DECODE_BS)
+                ref = None
+                for cfg in [None] + (DECODE_SWEEP if sweep else []):
+                    fn = lambda cfg=cfg: mla_decode.mla_decode_triton(  # noqa: E731
+                        q_lat, q[..., DN:], cache, tables, lens, ctx, D_QK ** -0.5, config=cfg)
+                    row = {"H": H, "batch": n, "context": ctx, "config": vars(cfg or default), "default": cfg is None,
+                           "floor_s": floor}
+                    try:
+                        t = graph_time(fn)
+                        out = fn().double()
+                        ref = out if ref is None else ref
+                        row.update(seconds=t, over_floor=t / floor, rel_diff=((out - ref).norm() / ref.norm()).item())
+                    except Exception as exc:                      # a config may not fit the SM's memory
+                        row["error"] = repr(exc)[:300]
+                    rows.append(row)
+                    log.info("decode %s", {k: (f"{v:.4g}" if isinstance(v, float) else v) for k, v in row.items()})
+                del q, cache, tables, ref
+                torch.cuda.empty_cache()
+    finally:
+        BS = saved
+    best = {}
+    for r in rows:
+        if "seconds" in r:
+            k = (r["H"], r["batch"], r["context"])
+            if k not in best or r["seconds"] < best[k]["seconds"]:
+                best[k] = r
+    for (H, n, ctx), r in best.items():
+        log.info("decode best H=%d b%d ctx %d: %.4g x floor with %s", H, n, ctx, r["over_floor"], r["config"])
 
 
 def main():
@@ -222,6 +276,7 @@ def main():
     ap.add_argument("--max-context", type=int, default=CONTEXTS[-1], help="skip longer contexts")
     ap.add_argument("--no-sweep", action="store_true", help="skip the kernel config sweep")
     ap.add_argument("--decode-only", action="store_true", help="run only (d), the decode cases")
+    ap.add_argument("--decode-sweep", action="store_true", help="(d) also over the DECODE_SWEEP launch configs")
     args = ap.parse_args()
     logging.basicConfig(level=logging.INFO, format="%(message)s")
     t_start = time.perf_counter()
@@ -238,7 +293,7 @@ def main():
 
     bw = res["copy_bytes_per_s"] = copy_rate()
     res["decode"] = []
-    decode(res["decode"], bw)
+    decode(res["decode"], bw, args.decode_sweep)
     save()
     if args.decode_only:
         return

@@ -72,3 +72,23 @@ def compile_mla_prefill():
                                     UPCAST=False), cfg.num_warps, cfg.num_stages)
     compile_for_hopper(m._merge_splits_kernel, {"part_o": "*fp32", "part_lse": "*fp32", "o_ptr": "*bf16", "lse_ptr": "*fp32"},
                        dict(DV=128, BS=16), num_warps=2, num_stages=1)
+
+
+def test_mla_decode_kernels_compile_for_hopper():
+    in_compiler_process("t.compile_mla_decode()")
+
+
+def compile_mla_decode():
+    from kimik3.ops.triton import mla_decode as m
+    types = {"q_lat": "*bf16", "q_pe": "*bf16", "cache": "*bf16", "block_tables": "*i32", "seq_lens": "*i32",
+             "part_o": "*fp32", "part_lse": "*fp32", "sm_scale_log2": "fp32"}
+    for block_size, H in ((16, 96), (64, 32), (4, 8)):
+        cfg = m.config_for(H, block_size)
+        common = dict(BLOCK_SIZE=block_size, BH=cfg.bh, BR=512, BP=64, NUM_SPLITS=64, UPCAST=False)
+        if cfg.form == "paged":
+            compile_for_hopper(m._mla_decode_paged_kernel, types, common, cfg.num_warps, cfg.num_stages)
+        else:
+            compile_for_hopper(m._mla_decode_split_kernel, types, dict(common, BN=cfg.bn), cfg.num_warps,
+                               cfg.num_stages)
+    compile_for_hopper(m._mla_decode_merge_kernel, {"part_o": "*fp32", "part_lse": "*fp32", "out": "*bf16"},
+                       dict(BR=512, NUM_SPLITS=64, BS=64), num_warps=4, num_stages=1)

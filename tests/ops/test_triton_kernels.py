@@ -55,14 +55,16 @@ def test_conv_pool_kernel_matches_reference(lens, ctx):
 
 
 # ---- MLA decode --------------------------------------------------------------------------
+@pytest.mark.parametrize("form,bs", [("gather", 4), ("paged", 16)])
 @pytest.mark.parametrize("max_len,sms", [(23, 4), (4096, 64)], ids=["tight", "graph_pinned_long"])
-def test_mla_decode_kernel_matches_reference(max_len, sms):
+def test_mla_decode_kernel_matches_reference(max_len, sms, form, bs):
     """max_len 4096: a launch sized for long sequences (CUDA graphs pin it to max_model_len) over
-    short ones: every sequence spreads over the splits, and a one-token sequence leaves most empty."""
-    from kimik3.ops.triton.mla_decode import mla_decode_triton
+    short ones: every sequence spreads over the splits, and a one-token sequence leaves most empty.
+    Both forms of pass 1; the paged one with a feature width (P = 8) under its 16-wide tile."""
+    from kimik3.ops.triton.mla_decode import DecodeConfig, mla_decode_triton
     g = gen(1)
-    N, H, R, P, bs = 3, 5, 32, 8, 4
-    lens = [9, 1, 23]
+    N, H, R, P = 3, 5, 32, 8
+    lens = [9, 1, 23] if bs == 4 else [9, 1, 50]
     cache = torch.randn(20, bs, R + P, generator=g).to(BF16)
     perm = torch.randperm(19, generator=g) + 1
     tables = torch.full((N, 6), -1, dtype=torch.int32)
@@ -75,8 +77,8 @@ def test_mla_decode_kernel_matches_reference(max_len, sms):
     q_pe = torch.randn(N, H, P, generator=g).to(BF16)
     scale = 0.2
     ref = mla_decode_attention(q_lat.double(), q_pe.double(), cache.double(), tables, lens, R, scale)
-    out = mla_decode_triton(q_lat, q_pe, cache, tables, torch.tensor(lens, dtype=torch.int32), max_len, scale,
-                            num_sms=sms)
+    out = mla_decode_triton(q_lat, q_pe, cache, tables, torch.tensor(lens, dtype=torch.int32), max(max_len, *lens),
+                            scale, num_sms=sms, config=DecodeConfig(form=form, bh=16, bn=16))
     for n in range(N):
         assert rel_err(out[n], ref[n]) < 1e-2, n
 

@@ -4,10 +4,15 @@ Pass 1: program (sequence n, head block, split s) attends BH heads to the tokens
 (all heads share the one latent "KV head", so a [BH, D_c] x [D_c, BN] product per cache tile)
 with an online softmax, and stores the normalised partial output and its log-sum-exp.
 Pass 2: program (n, head) merges the splits by their log-sum-exps.
+Two forms of pass 1: "paged" walks one cache block per iteration (a 64-bit block base and the
+block's fixed 32-bit row offsets, hoisted out of the loop), for power-of-two block sizes of at
+least 16; "gather" loads BN token rows by 64-bit address each (any block size).
 Reference: ``kimik3.ops.mla.mla_decode_attention``.
 """
 
 from __future__ import annotations
+
+from dataclasses import dataclass
 
 import torch
 import triton
@@ -66,6 +71,51 @@ def _mla_decode_split_kernel(q_lat, q_pe, cache, block_tables, seq_lens, part_o,
 
 
 @triton.jit
+def _mla_decode_paged_kernel(q_lat, q_pe, cache, block_tables, seq_lens, part_o, part_lse,
+                             H, R, P, stride_ql_n, stride_ql_h, stride_qp_n, stride_qp_h,
+                             stride_cache_blk, stride_cache_row, stride_bt, sm_scale_log2,
+                             BLOCK_SIZE: tl.constexpr, BH: tl.constexpr, BR: tl.constexpr, BP: tl.constexpr,
+                             NUM_SPLITS: tl.constexpr, UPCAST: tl.constexpr):
+    n, hb, s = tl.program_id(0), tl.program_id(1), tl.program_id(2)
+    h = hb * BH + tl.arange(0, BH)
+    r = tl.arange(0, BR)
+    pp = tl.arange(0, BP)
+    mh, mr, mp = h < H, r < R, pp < P
+    ql = tl.load(q_lat + n * stride_ql_n + h[:, None] * stride_ql_h + r[None, :],
+                 mask=mh[:, None] & mr[None, :], other=0.0)                         # [BH, BR]
+    qp = tl.load(q_pe + n * stride_qp_n + h[:, None] * stride_qp_h + pp[None, :],
+                 mask=mh[:, None] & mp[None, :], other=0.0)                         # [BH, BP]
+    length = tl.load(seq_lens + n)
+    blocks_per_split = tl.cdiv(tl.cdiv(length, BLOCK_SIZE), NUM_SPLITS)
+    b_lo = s * blocks_per_split
+    b_hi = tl.minimum(b_lo + blocks_per_split, tl.cdiv(length, BLOCK_SIZE))
+    m_i = tl.full([BH], float("-inf"), dtype=tl.float32)
+    l_i = tl.zeros([BH], dtype=tl.float32)
+    acc = tl.zeros([BH, BR], dtype=tl.float32)
+    rows = tl.arange(0, BLOCK_SIZE)[:, None] * stride_cache_row                   # int32 offsets in a block
+    off_lat, off_pe = rows + r[None, :], rows + R + pp[None, :]
+    for b in range(b_lo, b_hi):
+        base = cache + tl.load(block_tables + n * stride_bt + b).to(tl.int64) * stride_cache_blk
+        e_lat = tl.load(base + off_lat, mask=mr[None, :], other=0.0)                                 # [BS, BR]
+        e_pe = tl.load(base + off_pe, mask=mp[None, :], other=0.0)                                   # [BS, BP]
+        scores = dot(qp, tl.trans(e_pe), dot(ql, tl.trans(e_lat), tl.zeros([BH, BLOCK_SIZE], tl.float32), UPCAST), UPCAST)
+        pos = b * BLOCK_SIZE + tl.arange(0, BLOCK_SIZE)
+        scores = tl.where((pos < length)[None, :], scores * sm_scale_log2, float("-inf"))
+        m_new = tl.maximum(m_i, tl.max(scores, 1))
+        alpha = tl.exp2(m_i - m_new)
+        p = tl.exp2(scores - m_new[:, None])
+        l_i = l_i * alpha + tl.sum(p, 1)
+        acc = dot(p.to(e_lat.dtype), e_lat, acc * alpha[:, None], UPCAST)
+        m_i = m_new
+    base_o = (n * H + h) * NUM_SPLITS + s
+    empty = l_i == 0.0
+    out = acc / tl.where(empty, 1.0, l_i)[:, None]
+    lse = tl.where(empty, float("-inf"), m_i + tl.log2(tl.where(empty, 1.0, l_i)))                   # log2 units
+    tl.store(part_o + base_o[:, None].to(tl.int64) * BR + r[None, :], out, mask=mh[:, None])
+    tl.store(part_lse + base_o, lse, mask=mh)
+
+
+@triton.jit
 def _mla_decode_merge_kernel(part_o, part_lse, out, H, R, stride_on, stride_oh,
                              BR: tl.constexpr, NUM_SPLITS: tl.constexpr, BS: tl.constexpr):
     n, h = tl.program_id(0), tl.program_id(1)
@@ -80,30 +130,62 @@ def _mla_decode_merge_kernel(part_o, part_lse, out, H, R, stride_on, stride_oh,
     tl.store(out + n * stride_on + h * stride_oh + r, res.to(out.dtype.element_ty), mask=r < R)
 
 
+@dataclass(frozen=True)
+class DecodeConfig:
+    """Pass-1 launch of the decode kernel: form ("paged" or "gather"), heads per program, token
+    rows per tile (gather form; the paged form takes one cache block), warps, pipeline stages,
+    programs per SM to aim for, and the most splits of one sequence."""
+    form: str = "paged"
+    bh: int = 32
+    bn: int = 32
+    num_warps: int = 4
+    num_stages: int = 2
+    programs_per_sm: int = 2
+    max_splits: int = 64
+
+
+def config_for(H: int, block_size: int) -> DecodeConfig:
+    """The default launch (the gather form where the paged one cannot run: blocks under 16 rows)."""
+    if block_size < 16 or block_size & (block_size - 1):
+        return DecodeConfig(form="gather", bh=16 if H <= 16 else 32, bn=32, num_warps=8, num_stages=2)
+    return DecodeConfig(bh=16 if H <= 16 else 32)
+
+
 def mla_decode_triton(q_latent: torch.Tensor, q_pe: torch.Tensor, cache: torch.Tensor, block_tables: torch.Tensor,
-                      seq_lens: torch.Tensor, max_seq_len: int, scale: float, num_sms: int = 132) -> torch.Tensor:
+                      seq_lens: torch.Tensor, max_seq_len: int, scale: float, num_sms: int = 132,
+                      config: DecodeConfig | None = None) -> torch.Tensor:
     """q_latent [N, H, R]; q_pe [N, H, P]; cache [num_blocks, block_size, R + P]; block_tables
     [N, max_blocks]; seq_lens [N] (device); max_seq_len bounds seq_lens (sizes the splits).
     Returns the latent output [N, H, R] in q_latent's dtype."""
     N, H, R = q_latent.shape
     P = q_pe.shape[-1]
+    block_size = cache.shape[1]
     if cache.stride(-1) != 1 or q_latent.stride(-1) != 1 or q_pe.stride(-1) != 1:
         raise ValueError("mla_decode_triton needs unit stride on the feature axis")
+    cfg = config or config_for(H, block_size)
+    if cfg.form == "paged" and (block_size < 16 or block_size & (block_size - 1)):
+        raise ValueError(f"the paged decode form needs a power-of-two block size >= 16, got {block_size}")
     BR, BP = triton.next_power_of_2(max(R, 16)), triton.next_power_of_2(max(P, 16))
-    BH = 16 if H <= 16 else 32
-    BN = 32 if BR >= 256 else 16
+    BH = min(cfg.bh, max(16, triton.next_power_of_2(H)))
+    tile = block_size if cfg.form == "paged" else cfg.bn
     head_blocks = triton.cdiv(H, BH)
-    # enough programs to fill the chip twice over, never more splits than tiles of the longest
-    # sequence; each sequence divides its own length among them (in the kernel)
-    splits = max(1, min(triton.cdiv(max_seq_len, BN), triton.cdiv(2 * num_sms, N * head_blocks), 64))
+    # enough programs to fill the chip, never more splits than tiles of the longest sequence;
+    # each sequence divides its own length among them (in the kernel)
+    splits = max(1, min(triton.cdiv(max_seq_len, tile), triton.cdiv(cfg.programs_per_sm * num_sms, N * head_blocks),
+                        cfg.max_splits))
     part_o = torch.empty(N * H * splits, BR, dtype=torch.float32, device=q_latent.device)
     part_lse = torch.empty(N * H * splits, dtype=torch.float32, device=q_latent.device)
-    nw = 8 if BH * BR >= 32 * 512 else 4
-    _mla_decode_split_kernel[(N, head_blocks, splits)](
-        q_latent, q_pe, cache, block_tables, seq_lens, part_o, part_lse, H, R, P,
-        q_latent.stride(0), q_latent.stride(1), q_pe.stride(0), q_pe.stride(1),
-        cache.stride(0), cache.stride(1), block_tables.stride(0), scale * _LOG2E,
-        BLOCK_SIZE=cache.shape[1], BH=BH, BR=BR, BP=BP, BN=BN, NUM_SPLITS=splits, UPCAST=INTERPRETING, num_warps=nw, num_stages=2)
+    args = (q_latent, q_pe, cache, block_tables, seq_lens, part_o, part_lse, H, R, P,
+            q_latent.stride(0), q_latent.stride(1), q_pe.stride(0), q_pe.stride(1),
+            cache.stride(0), cache.stride(1), block_tables.stride(0), scale * _LOG2E)
+    if cfg.form == "paged":
+        _mla_decode_paged_kernel[(N, head_blocks, splits)](
+            *args, BLOCK_SIZE=block_size, BH=BH, BR=BR, BP=BP, NUM_SPLITS=splits, UPCAST=INTERPRETING,
+            num_warps=cfg.num_warps, num_stages=cfg.num_stages)
+    else:
+        _mla_decode_split_kernel[(N, head_blocks, splits)](
+            *args, BLOCK_SIZE=block_size, BH=BH, BR=BR, BP=BP, BN=cfg.bn, NUM_SPLITS=splits, UPCAST=INTERPRETING,
+            num_warps=cfg.num_warps, num_stages=cfg.num_stages)
     out = torch.empty(N, H, R, dtype=q_latent.dtype, device=q_latent.device)
     _mla_decode_merge_kernel[(N, H)](part_o, part_lse, out, H, R, out.stride(0), out.stride(1),
                                      BR=BR, NUM_SPLITS=splits, BS=triton.next_power_of_2(splits))
