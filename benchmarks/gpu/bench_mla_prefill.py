@@ -240,7 +240,7 @@ def decode(rows, bw, sweep: bool):
                 q_lat = torch.randn(n, H, R, device=DEVICE).to(torch.bfloat16)
                 lens = torch.full((n,), ctx, dtype=torch.int32, device=DEVICE)
                 floor = n * ctx * (R + P) * 2 / bw
-                default = mla_decode.config_for(H, DECODE_BS)
+                default = mla_decode.config_for(H, DECODE_BS, ctx)
                 ref = None
                 for cfg in [None] + (DECODE_SWEEP if sweep else []):
                     fn = lambda cfg=cfg: mla_decode.mla_decode_triton(  # noqa: E731

@@ -144,11 +144,15 @@ class DecodeConfig:
     max_splits: int = 64
 
 
-def config_for(H: int, block_size: int) -> DecodeConfig:
-    """The default launch (the gather form where the paged one cannot run: blocks under 16 rows)."""
+def config_for(H: int, block_size: int, max_seq_len: int = 0) -> DecodeConfig:
+    """The default launch, from the sweep of ``bench_mla_prefill.py --decode-sweep`` (H200,
+    block size 16): the paged form with 32 heads per program and 4 programs per SM; up to 256
+    splits of a sequence where contexts reach 512k (64 below: fewer partials to merge). The gather
+    form where the paged one cannot run (blocks under 16 rows)."""
+    bh = 16 if H <= 16 else 32
     if block_size < 16 or block_size & (block_size - 1):
-        return DecodeConfig(form="gather", bh=16 if H <= 16 else 32, bn=32, num_warps=8, num_stages=2)
-    return DecodeConfig(bh=16 if H <= 16 else 32)
+        return DecodeConfig(form="gather", bh=bh, bn=32, num_warps=8, num_stages=2)
+    return DecodeConfig(bh=bh, programs_per_sm=4, max_splits=256 if max_seq_len >= 1 << 19 else 64)
 
 
 def mla_decode_triton(q_latent: torch.Tensor, q_pe: torch.Tensor, cache: torch.Tensor, block_tables: torch.Tensor,
@@ -162,7 +166,7 @@ def mla_decode_triton(q_latent: torch.Tensor, q_pe: torch.Tensor, cache: torch.T
     block_size = cache.shape[1]
     if cache.stride(-1) != 1 or q_latent.stride(-1) != 1 or q_pe.stride(-1) != 1:
         raise ValueError("mla_decode_triton needs unit stride on the feature axis")
-    cfg = config or config_for(H, block_size)
+    cfg = config or config_for(H, block_size, max_seq_len)
     if cfg.form == "paged" and (block_size < 16 or block_size & (block_size - 1)):
         raise ValueError(f"the paged decode form needs a power-of-two block size >= 16, got {block_size}")
     BR, BP = triton.next_power_of_2(max(R, 16)), triton.next_power_of_2(max(P, 16))
