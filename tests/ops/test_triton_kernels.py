@@ -55,9 +55,9 @@ def test_conv_pool_kernel_matches_reference(lens, ctx):
 
 
 # ---- MLA decode --------------------------------------------------------------------------
-@pytest.mark.parametrize("form,bs", [("gather", 4), ("paged", 16)])
+@pytest.mark.parametrize("form,bs,lazy", [("gather", 4, False), ("paged", 16, False), ("paged", 16, True)])
 @pytest.mark.parametrize("max_len,sms", [(23, 4), (4096, 64)], ids=["tight", "graph_pinned_long"])
-def test_mla_decode_kernel_matches_reference(max_len, sms, form, bs):
+def test_mla_decode_kernel_matches_reference(max_len, sms, form, bs, lazy):
     """max_len 4096: a launch sized for long sequences (CUDA graphs pin it to max_model_len) over
     short ones: every sequence spreads over the splits, and a one-token sequence leaves most empty.
     Both forms of pass 1; the paged one with a feature width (P = 8) under its 16-wide tile."""
@@ -78,7 +78,7 @@ def test_mla_decode_kernel_matches_reference(max_len, sms, form, bs):
     scale = 0.2
     ref = mla_decode_attention(q_lat.double(), q_pe.double(), cache.double(), tables, lens, R, scale)
     out = mla_decode_triton(q_lat, q_pe, cache, tables, torch.tensor(lens, dtype=torch.int32), max(max_len, *lens),
-                            scale, num_sms=sms, config=DecodeConfig(form=form, bh=16, bn=16))
+                            scale, num_sms=sms, config=DecodeConfig(form=form, bh=16, bn=16, lazy_rescale=lazy))
     for n in range(N):
         assert rel_err(out[n], ref[n]) < 1e-2, n
 

@@ -75,7 +75,7 @@ def _mla_decode_paged_kernel(q_lat, q_pe, cache, block_tables, seq_lens, part_o,
                              H, R, P, stride_ql_n, stride_ql_h, stride_qp_n, stride_qp_h,
                              stride_cache_blk, stride_cache_row, stride_bt, sm_scale_log2,
                              BLOCK_SIZE: tl.constexpr, BH: tl.constexpr, BR: tl.constexpr, BP: tl.constexpr,
-                             NUM_SPLITS: tl.constexpr, UPCAST: tl.constexpr):
+                             NUM_SPLITS: tl.constexpr, LAZY_RESCALE: tl.constexpr, UPCAST: tl.constexpr):
     n, hb, s = tl.program_id(0), tl.program_id(1), tl.program_id(2)
     h = hb * BH + tl.arange(0, BH)
     r = tl.arange(0, BR)
@@ -102,11 +102,23 @@ def _mla_decode_paged_kernel(q_lat, q_pe, cache, block_tables, seq_lens, part_o,
         pos = b * BLOCK_SIZE + tl.arange(0, BLOCK_SIZE)
         scores = tl.where((pos < length)[None, :], scores * sm_scale_log2, float("-inf"))
         m_new = tl.maximum(m_i, tl.max(scores, 1))
-        alpha = tl.exp2(m_i - m_new)
-        p = tl.exp2(scores - m_new[:, None])
-        l_i = l_i * alpha + tl.sum(p, 1)
-        acc = dot(p.to(e_lat.dtype), e_lat, acc * alpha[:, None], UPCAST)
-        m_i = m_new
+        if LAZY_RESCALE:
+            # rescale only when some row's running max moved (exact: otherwise every alpha is 1);
+            # after the first tiles the max seldom moves, and the [BH, BR] multiply is skipped
+            if tl.max(m_new - m_i, 0) > 0:
+                alpha = tl.exp2(m_i - m_new)
+                l_i = l_i * alpha
+                acc = acc * alpha[:, None]
+                m_i = m_new
+            p = tl.exp2(scores - m_i[:, None])
+            l_i = l_i + tl.sum(p, 1)
+            acc = dot(p.to(e_lat.dtype), e_lat, acc, UPCAST)
+        else:
+            alpha = tl.exp2(m_i - m_new)
+            p = tl.exp2(scores - m_new[:, None])
+            l_i = l_i * alpha + tl.sum(p, 1)
+            acc = dot(p.to(e_lat.dtype), e_lat, acc * alpha[:, None], UPCAST)
+            m_i = m_new
     base_o = (n * H + h) * NUM_SPLITS + s
     empty = l_i == 0.0
     out = acc / tl.where(empty, 1.0, l_i)[:, None]
@@ -134,7 +146,8 @@ def _mla_decode_merge_kernel(part_o, part_lse, out, H, R, stride_on, stride_oh,
 class DecodeConfig:
     """Pass-1 launch of the decode kernel: form ("paged" or "gather"), heads per program, token
     rows per tile (gather form; the paged form takes one cache block), warps, pipeline stages,
-    programs per SM to aim for, and the most splits of one sequence."""
+    programs per SM to aim for, the most splits of one sequence, and (paged form) whether the
+    running output is rescaled only when a running max moves."""
     form: str = "paged"
     bh: int = 32
     bn: int = 32
@@ -142,6 +155,7 @@ class DecodeConfig:
     num_stages: int = 2
     programs_per_sm: int = 2
     max_splits: int = 64
+    lazy_rescale: bool = False
 
 
 def config_for(H: int, block_size: int, max_seq_len: int = 0) -> DecodeConfig:
@@ -184,7 +198,8 @@ def mla_decode_triton(q_latent: torch.Tensor, q_pe: torch.Tensor, cache: torch.T
             cache.stride(0), cache.stride(1), block_tables.stride(0), scale * _LOG2E)
     if cfg.form == "paged":
         _mla_decode_paged_kernel[(N, head_blocks, splits)](
-            *args, BLOCK_SIZE=block_size, BH=BH, BR=BR, BP=BP, NUM_SPLITS=splits, UPCAST=INTERPRETING,
+            *args, BLOCK_SIZE=block_size, BH=BH, BR=BR, BP=BP, NUM_SPLITS=splits, LAZY_RESCALE=cfg.lazy_rescale,
+            UPCAST=INTERPRETING,
             num_warps=cfg.num_warps, num_stages=cfg.num_stages)
     else:
         _mla_decode_split_kernel[(N, head_blocks, splits)](
