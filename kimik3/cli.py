@@ -323,7 +323,7 @@ def cmd_inspect(args) -> int:
         raise CLIError(f"model path {path} does not exist")
     print(format_summary(summarize(path)))
     if args.tensor_parallel_size > 1 or args.expert_parallel_size > 1:
-        from kimik3.parallel.sizing import format_sizing
+        from kimik3.sizing import format_sizing
 
         print(format_sizing(path, args.tensor_parallel_size, args.expert_parallel_size))
     return 0

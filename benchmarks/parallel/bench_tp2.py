@@ -37,7 +37,7 @@ from kimik3.config import parse_config                      # noqa: E402
 from kimik3.model.batch import ForwardBatch                  # noqa: E402
 from kimik3.model.kimi_k3 import KimiForCausalLM             # noqa: E402
 from kimik3.model.moe import Experts                         # noqa: E402
-from kimik3.parallel.context import ParallelContext          # noqa: E402
+from kimik3.distributed import ParallelContext          # noqa: E402
 from kimik3.parallel.launch import NVLS_SAFE_ENV, set_safe_nvls_env  # noqa: E402
 
 OUT = Path(os.environ.get("OUT", ROOT / "bench_out"))

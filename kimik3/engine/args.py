@@ -14,6 +14,7 @@ from __future__ import annotations
 
 import argparse
 import dataclasses
+import functools
 import json
 import logging
 import re
@@ -22,6 +23,8 @@ from pathlib import Path
 from typing import Any
 
 import torch
+
+from kimik3.distributed import MOE_MODES
 
 logger = logging.getLogger(__name__)
 
@@ -196,8 +199,8 @@ class EngineArgs:
             self.max_model_len = human_readable_int(self.max_model_len)
         if self.limit_mm_per_prompt is not None:
             self.limit_mm_per_prompt = check_mm_limits(self.limit_mm_per_prompt)
-        if self.expert_parallel_mode not in ("tep", "a2a", "agrs"):
-            raise ValueError(f"expert_parallel_mode must be 'tep', 'a2a' or 'agrs', got {self.expert_parallel_mode!r}")
+        if self.expert_parallel_mode not in MOE_MODES:
+            raise ValueError(f"expert_parallel_mode must be one of {MOE_MODES}, got {self.expert_parallel_mode!r}")
 
     # ---- the command line ------------------------------------------------------------------------
     @classmethod
@@ -206,8 +209,8 @@ class EngineArgs:
 
     # ---- resolution ---------------------------------------------------------------------------------
     def model_path(self) -> Path:
-        import kimik3
-        path = Path(self.model) if self.model else kimik3.DEFAULT_MODEL
+        from kimik3.loader import DEFAULT_MODEL
+        path = Path(self.model) if self.model else DEFAULT_MODEL
         if not path.exists():
             raise ValueError(f"model path {path} does not exist")
         if not path.is_dir() or not (path / "config.json").is_file():
@@ -255,9 +258,9 @@ class EngineArgs:
 
     def create_engine(self, tokenizer=None):
         """Load the model and build the engine: ``(LLMEngine, parallel group or None)``."""
-        import kimik3
         from kimik3.config import load_config
         from kimik3.engine.llm_engine import LLMEngine
+        from kimik3.loader import load_model
         path = self.model_path()
         device, dtype = self.resolve_device_dtype()
         model_config = load_config(path)
@@ -268,14 +271,16 @@ class EngineArgs:
             if self.language_model_only:
                 raise ValueError("language_model_only is not supported with tensor or expert parallelism yet; "
                                  "leave it off (images are then accepted)")
+            from kimik3.engine.parallel_runner import ParallelRunner
             from kimik3.parallel.launch import ParallelConfig, start_group
             layout = ParallelConfig(self.tensor_parallel_size, self.enable_expert_parallel,
                                     self.expert_parallel_mode if self.enable_expert_parallel else "tep")
             model, group = start_group(str(path), layout, dtype, device.type)   # ranks > 0 never return
             engine = LLMEngine(model, config, tokenizer=tokenizer, tokenizer_path=str(path),
-                               runner_factory=group.runner_factory)
+                               runner_factory=functools.partial(ParallelRunner, control=group.control,
+                                                                on_failure=group.fail))
             return engine, group
-        model = kimik3.load_model(path, device=device, dtype=dtype, language_model_only=self.language_model_only,
+        model = load_model(path, device=device, dtype=dtype, language_model_only=self.language_model_only,
                                   progress=self.use_tqdm_on_load)
         return LLMEngine(model, config, tokenizer=tokenizer, tokenizer_path=str(path)), None
 

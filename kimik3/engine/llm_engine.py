@@ -54,7 +54,7 @@ class LLMEngine:
     def __init__(self, model, config: EngineConfig | None = None, tokenizer=None,
                  tokenizer_path: str | None = None, runner_factory=None):
         """``runner_factory``: builds the runner like ``ModelRunner`` (tensor parallelism passes
-        ``kimik3.parallel``'s lock-step runner)."""
+        ``kimik3.engine.parallel_runner.ParallelRunner``)."""
         self.model = model
         self.config = config = config or EngineConfig()
         text = model.config.text

@@ -15,7 +15,7 @@ from kimik3.loader.safetensors_files import CheckpointError, checkpoint_files, f
 from kimik3.model.kimi_k3 import KimiForCausalLM
 from kimik3.model.moe import Experts
 from kimik3.ops import mxfp4
-from kimik3.parallel.context import ParallelContext
+from kimik3.distributed import ParallelContext
 
 logger = logging.getLogger(__name__)
 

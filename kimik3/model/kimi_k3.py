@@ -20,7 +20,7 @@ from kimik3.model.layers import MLP, Embedding, GLUActivation, RMSNorm, linear
 from kimik3.model.mla import MLAAttention
 from kimik3.model.moe import MoE
 from kimik3.model.vision import KimiVisionModel
-from kimik3.parallel.context import ParallelContext
+from kimik3.distributed import ParallelContext
 
 # Parameters kept in fp32 (or wider) whatever the model dtype (spec D4, text-backbone 5.1).
 _ALWAYS_FP32 = re.compile(r"\.(A_log|dt_bias)$")

@@ -7,7 +7,7 @@ from torch import nn
 
 from kimik3.ops.activation import glu_activation
 from kimik3.ops.norm import rms_norm
-from kimik3.parallel.context import ParallelContext
+from kimik3.distributed import ParallelContext
 
 
 def linear(in_features: int, out_features: int) -> nn.Linear:

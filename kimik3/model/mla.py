@@ -12,7 +12,7 @@ from torch import nn
 from kimik3.model.batch import ForwardBatch
 from kimik3.model.layers import RMSNorm, linear, tp_shards
 from kimik3.ops.mla import mla_decode_attention, mla_prefill_attention
-from kimik3.parallel.context import ParallelContext
+from kimik3.distributed import ParallelContext
 
 
 class MLAAttention(nn.Module):

@@ -23,7 +23,7 @@ from kimik3.ops import mxfp4
 from kimik3.ops.moe import fused_moe, fused_moe_mxfp4
 from kimik3.ops.norm import acc_dtype
 from kimik3.ops.router import route
-from kimik3.parallel.context import ParallelContext
+from kimik3.distributed import ParallelContext
 
 # Batches up to this many tokens run the router and the shared experts on a side CUDA stream
 # (when the model was given one), beside the routed down-projection and the routed experts.

@@ -32,7 +32,9 @@ import torch
 import torch.distributed as dist
 import torch.multiprocessing as mp
 
-from kimik3.parallel.context import MOE_MODES, MOE_TAILS, ParallelContext
+from kimik3.distributed import ParallelContext
+from kimik3.loader.load import load_model
+from kimik3.parallel.worker import stop_workers, worker_loop
 
 logger = logging.getLogger(__name__)
 
@@ -61,12 +63,7 @@ class ParallelConfig:
         t = self.tensor_parallel_size
         if not isinstance(t, int) or isinstance(t, bool) or t < 1:
             raise ValueError(f"tensor_parallel_size must be a positive integer, got {t!r}")
-        if self.moe_mode not in MOE_MODES:
-            raise ValueError(f"moe_mode must be one of {MOE_MODES}, got {self.moe_mode!r}")
-        if self.moe_mode != "tep" and not self.enable_expert_parallel:
-            raise ValueError(f"moe_mode {self.moe_mode!r} needs enable_expert_parallel")
-        if self.moe_tail not in MOE_TAILS:
-            raise ValueError(f"moe_tail must be one of {MOE_TAILS}, got {self.moe_tail!r}")
+        self.context(0)              # the MoE mode and tail are checked where they are used
 
     def context(self, rank: int, group=None) -> ParallelContext:
         t = self.tensor_parallel_size
@@ -122,8 +119,6 @@ class WorkerSpec:
 
 def run_worker(rank: int, spec: WorkerSpec) -> None:
     """A rank > 0: join, load the shard, run steps until rank 0 stops; exit 1 on any error."""
-    from kimik3.loader.load import load_model
-    from kimik3.parallel.worker import worker_loop
     try:
         device, control = init_rank(rank, spec.parallel.tensor_parallel_size, spec.init_method, spec.device_type)
         model = load_model(spec.model_path, device=device, dtype=spec.dtype,
@@ -153,21 +148,16 @@ def _spawned_worker(index: int, spec: WorkerSpec, parent_pid: int, log_level: in
 
 
 class ParallelGroup:
-    """Rank 0's handle on the group: the control group, the workers it spawned (watched by a
-    thread), the lock-step runner it hands to the engine, and a clean shutdown."""
+    """Rank 0's handle on the group: the control group (rank 0's runner broadcasts each step on
+    it: ``kimik3.engine.parallel_runner``), the workers it spawned (watched by a thread), and a
+    clean shutdown."""
 
     def __init__(self, control, processes: list, device: torch.device):
         self.control, self.processes, self.device = control, processes, device
-        self.runner = None
         self._stopping = False
         if processes:
             threading.Thread(target=self._monitor, daemon=True, name="kimik3-tp-monitor").start()
         atexit.register(self.close)
-
-    def runner_factory(self, *args, **kwargs):
-        from kimik3.parallel.worker import ParallelRunner
-        self.runner = ParallelRunner(*args, control=self.control, on_failure=self.fail, **kwargs)
-        return self.runner
 
     def _monitor(self) -> None:
         while not self._stopping:
@@ -199,8 +189,7 @@ class ParallelGroup:
             return
         self._stopping = True
         try:
-            if self.runner is not None:
-                self.runner.shutdown()
+            stop_workers(self.control)
             for p in self.processes:
                 p.join(SHUTDOWN_TIMEOUT_S)
                 if p.exitcode is None:
@@ -246,7 +235,6 @@ def start_group(model_path: str, parallel: ParallelConfig, dtype: torch.dtype, d
     """Become rank 0 of a new group (spawning the workers, or as torchrun's rank 0) and load
     rank 0's shard: returns (model, ParallelGroup). Under torchrun a rank > 0 runs its worker
     loop here and exits the process when rank 0 stops."""
-    from kimik3.loader.load import load_model
     world = parallel.tensor_parallel_size
     if dist.is_initialized():
         raise RuntimeError("this process already runs a tensor-parallel group (an earlier LLM or engine that was "

@@ -1,5 +1,6 @@
 """Lock-step execution (spec parallelism §7.3): rank 0 schedules and samples, every rank runs
-each step's forward on its shards.
+each step's forward on its shards. This is the workers' side (the model only); rank 0's side is
+``kimik3.engine.parallel_runner.ParallelRunner``.
 
 Per step rank 0 broadcasts one ``StepDescriptor`` (the packed input ids, the ``ForwardBatch``,
 the rows to sample, the KDA state copies/resets of the step) on the gloo control group; each
@@ -11,14 +12,12 @@ the prefix registry, block and slot choices live on rank 0 only.
 from __future__ import annotations
 
 import dataclasses
-import inspect
 import logging
 from dataclasses import dataclass
 
 import torch
 import torch.distributed as dist
 
-from kimik3.engine.runner import ModelRunner
 from kimik3.model.batch import ForwardBatch
 
 logger = logging.getLogger(__name__)
@@ -54,50 +53,30 @@ def broadcast(obj, group) -> object:
     return box[0]
 
 
-class ParallelRunner(ModelRunner):
-    """Rank 0's runner: the plain runner plus one broadcast of the step before its forward.
-    Decode CUDA graphs stay off (``enforce_eager``): their replay would skip the broadcast."""
+def send_geometry(cache, control) -> None:
+    """Rank 0, once: the cache shape the workers allocate."""
+    broadcast(CacheGeometry(cache.kda_state.shape[1], cache.mla_latent.shape[1], cache.block_size), control)
 
-    def __init__(self, model, cache, seed: int = 0, encoder_cache_tokens: int = 16384, *args, control=None,
-                 on_failure=None, **kwargs):
-        if len(args) >= 3:                       # (max_num_seqs, max_model_len, enforce_eager, ...)
-            args = (*args[:2], True, *args[3:])
-        elif "enforce_eager" in inspect.signature(ModelRunner.__init__).parameters:
-            kwargs["enforce_eager"] = True
-        super().__init__(model, cache, seed, encoder_cache_tokens, *args, **kwargs)
-        self.control = control
-        self.on_failure = on_failure
-        self._ops: tuple[list, list] = ([], [])
-        self.closed = False
-        broadcast(CacheGeometry(cache.kda_state.shape[1], cache.mla_latent.shape[1], cache.block_size), control)
 
-    def execute(self, out):
-        self._ops = (list(out.state_copies), list(out.state_resets))
-        try:
-            return super().execute(out)
-        except BaseException as e:
-            # a half-run step leaves the workers inside (or before) a collective: the group is lost
-            if self.on_failure is not None:
-                self.on_failure(f"rank 0 failed during a tensor-parallel step: {e!r}")
-            raise
+def send_step(control, input_ids: torch.Tensor, batch: ForwardBatch, rows: list[int],
+              state_copies: list[tuple[int, int]], state_resets: list[int]) -> None:
+    """Rank 0, before each forward: the step every worker runs with it."""
+    broadcast(StepDescriptor(input_ids.cpu(), _moved(batch, torch.device("cpu")), list(rows), list(state_copies),
+                             list(state_resets)), control)
 
-    def run(self, input_ids: torch.Tensor, batch: ForwardBatch, rows: list[int]):
-        broadcast(StepDescriptor(input_ids.cpu(), _moved(batch, torch.device("cpu")), list(rows), *self._ops),
-                  self.control)
-        return super().run(input_ids, batch, rows)
 
-    def shutdown(self) -> None:
-        """Tell the workers to leave their loop (idempotent)."""
-        if not self.closed:
-            self.closed = True
-            broadcast(None, self.control)
+def stop_workers(control) -> None:
+    """Rank 0: tell the workers to leave their loop (before or after the cache geometry)."""
+    broadcast(None, control)
 
 
 @torch.inference_mode()
 def worker_loop(model, control) -> int:
     """Run steps as rank 0 describes them until it says stop; returns the number of steps."""
     device = torch.device(model.device)
-    geometry: CacheGeometry = broadcast(None, control)
+    geometry: CacheGeometry | None = broadcast(None, control)
+    if geometry is None:                 # rank 0 stopped before its engine was built
+        return 0
     cache = model.allocate_cache(geometry.num_slots, geometry.num_blocks, geometry.block_size)
     steps = 0
     while True:

@@ -14,9 +14,10 @@ import torch.multiprocessing as mp
 from kimik3.engine import EngineConfig, LLMEngine, SamplingParams
 from kimik3.loader.load import load_model
 from kimik3.model import ForwardBatch, StateCheckpoint
-from kimik3.parallel.context import ParallelContext
+from kimik3.distributed import ParallelContext
+from kimik3.engine.parallel_runner import ParallelRunner
 from kimik3.parallel.launch import init_rank
-from kimik3.parallel.worker import ParallelRunner, worker_loop
+from kimik3.parallel.worker import stop_workers, worker_loop
 
 
 def spawn(fn, world: int, *args, timeout: float = 120.0) -> None:
@@ -126,7 +127,7 @@ def engine_rank(rank, world, control, path: str, ep: int, mode: str, out_path: s
                                                                                               control=control))
     first, second = engine_prompts(model.config.text.vocab_size)
     (a, _), (b, hits) = run_engine(engine, first), run_engine(engine, second)
-    engine.runner.shutdown()
+    stop_workers(control)
     torch.save((a + b, hits), out_path)
 
 
@@ -150,5 +151,5 @@ def spec_engine_rank(rank, world, control, path: str, out_path: str):
     engine = LLMEngine(model, EngineConfig(max_model_len=vocab + 16, **SPEC_ENGINE_CONFIG),
                        runner_factory=functools.partial(ParallelRunner, control=control))
     outs, _ = run_engine(engine, spec_prompts(vocab))
-    engine.runner.shutdown()
+    stop_workers(control)
     torch.save((outs, engine.num_draft_tokens, engine.num_accepted_tokens), out_path)

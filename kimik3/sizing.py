@@ -15,9 +15,10 @@ from pathlib import Path
 import torch
 
 from kimik3.config import ModelConfig, load_config
+from kimik3.inspect import SINGLE_GPUS, meta_model, stored_bytes
 from kimik3.model.batch import HybridCache
 
-H200_BYTES = 143_771 * (1 << 20)       # 140.4 GiB per GPU, as nvidia-smi reports
+H200_BYTES = SINGLE_GPUS["H200"]        # 140.4 GiB per GPU, as nvidia-smi reports
 MEMORY_FRACTION = 0.92                  # u: share of GPU memory the engine may take
 OVERHEAD_BYTES = 6 << 30                # O: CUDA context, NCCL buffers, activations, graphs (assumed)
 
@@ -69,8 +70,6 @@ def check_degrees(config: ModelConfig, tp: int, ep: int) -> None:
 
 
 def compute_sizing(config: ModelConfig, tp: int, ep: int, dtype: torch.dtype = torch.bfloat16) -> Sizing:
-    from kimik3.inspect import meta_model, stored_bytes
-
     check_degrees(config, tp, ep)
     mxfp4 = config.text.expert_quantization == "mxfp4"
     sharded = experts = replicated = 0

@@ -1,6 +1,7 @@
 """Who this rank is in the tensor/expert-parallel group, and the collectives the model uses
 (spec parallelism.md §1-3). Modules take a ``ParallelContext``; ``ParallelContext()`` (size 1) is
-the single-process code path: no collective is ever issued.
+the single-process code path: no collective is ever issued. This module sits below the model (it
+imports only torch); starting the processes of a group is ``kimik3.parallel``'s job.
 
 Layout (no PP/DP yet): the world is one TP group of t ranks; expert parallelism reuses it with
 degree e | t. Experts are cut into e contiguous slices (rank r owns slice r // (t/e)), and each
@@ -54,7 +55,8 @@ class ParallelContext:
             raise ValueError(f"moe_mode must be one of {MOE_MODES}, got {self.moe_mode!r}")
         if self.moe_mode != "tep" and self.ep_size != self.tp_size:
             raise ValueError(f"moe_mode {self.moe_mode!r} shards tokens over the EP ranks and needs expert "
-                             f"parallel size = tensor parallel size, got {self.ep_size} and {self.tp_size}")
+                             f"parallel size = tensor parallel size (--enable-expert-parallel), got {self.ep_size} "
+                             f"and {self.tp_size}")
         if self.moe_tail not in MOE_TAILS:
             raise ValueError(f"moe_tail must be one of {MOE_TAILS}, got {self.moe_tail!r}")
 

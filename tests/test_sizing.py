@@ -6,9 +6,9 @@ from pathlib import Path
 import pytest
 
 from kimik3.config import parse_config
-from kimik3.parallel.sizing import compute_sizing
+from kimik3.sizing import compute_sizing
 
-RELEASE = Path(__file__).resolve().parents[2] / "tests" / "data" / "kimi-k3-release.config.json"
+RELEASE = Path(__file__).resolve().parent / "data" / "kimi-k3-release.config.json"
 GIB = 1 << 30
 
 
@@ -47,7 +47,7 @@ def test_rank_cache_is_planned_with_local_kda_heads(text_only):
 
     from kimik3.model.batch import HybridCache
     from kimik3.model.kimi_k3 import KimiForCausalLM
-    from kimik3.parallel.context import ParallelContext
+    from kimik3.distributed import ParallelContext
 
     with torch.device("meta"):
         model = KimiForCausalLM(text_only, ParallelContext(tp_rank=3, tp_size=16))

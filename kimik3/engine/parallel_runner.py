@@ -1,0 +1,45 @@
+"""Rank 0's runner under tensor/expert parallelism: the plain ``ModelRunner`` plus one broadcast
+of each step before its forward (the workers' side and the step protocol: ``kimik3.parallel.worker``)."""
+
+from __future__ import annotations
+
+import logging
+
+import torch
+
+from kimik3.engine.runner import ModelRunner
+from kimik3.model.batch import ForwardBatch
+from kimik3.parallel.worker import send_geometry, send_step
+
+logger = logging.getLogger(__name__)
+
+
+class ParallelRunner(ModelRunner):
+    """``control``: the group's gloo control group; ``on_failure(why)``: called when a step raises
+    (the group is then lost: ``ParallelGroup.fail``). Decode CUDA graphs stay off whatever
+    ``enforce_eager`` says: a graph replay would skip the step broadcast."""
+
+    def __init__(self, model, cache, seed: int = 0, encoder_cache_tokens: int = 16384, max_num_seqs: int = 64,
+                 max_model_len: int = 8192, enforce_eager: bool = True, *, control, on_failure=None):
+        if not enforce_eager:
+            logger.info("decode CUDA graphs are off under tensor parallelism (a replay would skip the step "
+                        "broadcast); steps run eagerly")
+        super().__init__(model, cache, seed, encoder_cache_tokens, max_num_seqs, max_model_len, enforce_eager=True)
+        self.control = control
+        self.on_failure = on_failure
+        self._ops: tuple[list, list] = ([], [])
+        send_geometry(cache, control)
+
+    def execute(self, out):
+        self._ops = (list(out.state_copies), list(out.state_resets))
+        try:
+            return super().execute(out)
+        except BaseException as e:
+            # a half-run step leaves the workers inside (or before) a collective: the group is lost
+            if self.on_failure is not None:
+                self.on_failure(f"rank 0 failed during a tensor-parallel step: {e!r}")
+            raise
+
+    def run(self, input_ids: torch.Tensor, batch: ForwardBatch, rows: list[int]):
+        send_step(self.control, input_ids, batch, rows, *self._ops)
+        return super().run(input_ids, batch, rows)
