@@ -315,10 +315,9 @@ def cmd_chat(args) -> int:
 
 def cmd_inspect(args) -> int:
     from kimik3.inspect import format_summary, summarize
+    from kimik3.loader import DEFAULT_MODEL
 
-    import kimik3
-
-    path = Path(args.model) if args.model else kimik3.DEFAULT_MODEL
+    path = Path(args.model) if args.model else DEFAULT_MODEL
     if not path.exists():
         raise CLIError(f"model path {path} does not exist")
     print(format_summary(summarize(path)))

@@ -19,7 +19,9 @@ from typing import Any
 from fastapi import FastAPI, Request
 from pydantic import ValidationError
 
+from kimik3.serve.chat import build_chat_prompt
 from kimik3.serve.engine_loop import ChoiceDelta, PromptInput
+from kimik3.serve.exchange import check_model, max_tokens_for, parse_body, run_job, sampling_params
 from kimik3.serve.protocol import ChatCompletionRequest, _Body, bad_request, validation_error
 from kimik3.serve.responses import ChatFormatter
 
@@ -327,22 +329,18 @@ def _call_item(call: dict, status: str) -> dict[str, Any]:
 
 
 def add_responses_route(app: FastAPI, state) -> None:
-
-    from kimik3.serve.app import _check_model, _max_tokens, _parse, _run, _sampling_params
-    from kimik3.serve.chat import build_chat_prompt
-
     @app.post("/v1/responses")
     async def responses(request: Request):
-        req: ResponsesRequest = await _parse(state, request, ResponsesRequest)
-        name = _check_model(state, req.model)
+        req: ResponsesRequest = await parse_body(state, request, ResponsesRequest)
+        name = check_model(state, req.model)
         chat = to_chat_request(req)
         tok = state.tokenizer
         if tok is None:
             raise bad_request("this server has no tokenizer, so it cannot render conversations")
         prompt = await state.cpu(build_chat_prompt, chat, tok, state.options.processor_config,
                                          state.has_vision, state.loop.multi_modal_arg)
-        max_tokens = _max_tokens(state, chat.max_tokens, "max_output_tokens", len(prompt.token_ids), "input")
-        params = _sampling_params(chat, max_tokens, None, tok.stop_token_ids, state.options.generation_defaults)
+        max_tokens = max_tokens_for(state, chat.max_tokens, "max_output_tokens", len(prompt.token_ids), "input")
+        params = sampling_params(chat, max_tokens, None, tok.stop_token_ids, state.options.generation_defaults)
         fmt = ResponsesFormatter(f"resp_{uuid.uuid4().hex}", name, prompt, tok, req)
-        return await _run(state, request, [PromptInput(prompt.token_ids, prompt.images)], params, fmt, req.stream,
+        return await run_job(state, request, [PromptInput(prompt.token_ids, prompt.images)], params, fmt, req.stream,
                           True)

@@ -10,7 +10,10 @@ from fastapi import FastAPI, Request
 from fastapi.responses import JSONResponse, Response
 from pydantic import Field
 
-from kimik3.serve.protocol import APIError, _Body, bad_request
+from kimik3.serve.chat import build_chat_prompt
+from kimik3.serve.exchange import check_model, parse_body
+from kimik3.serve.protocol import APIError, ChatCompletionRequest, _Body, bad_request
+from kimik3.serve.responses_api import add_responses_route
 
 
 class TokenizeRequest(_Body):
@@ -39,10 +42,6 @@ def _version() -> str:
 
 
 def add_routes(app: FastAPI, state) -> None:
-    from kimik3.serve.app import _check_model, _parse
-    from kimik3.serve.chat import build_chat_prompt
-    from kimik3.serve.protocol import ChatCompletionRequest
-    from kimik3.serve.responses_api import add_responses_route
 
     def tokenizer():
         if state.tokenizer is None:
@@ -61,8 +60,8 @@ def add_routes(app: FastAPI, state) -> None:
 
     @app.post("/tokenize")
     async def tokenize(request: Request):
-        req: TokenizeRequest = await _parse(state, request, TokenizeRequest)
-        _check_model(state, req.model)
+        req: TokenizeRequest = await parse_body(state, request, TokenizeRequest)
+        check_model(state, req.model)
         tok = tokenizer()
         if (req.prompt is None) == (req.messages is None):
             raise bad_request("give exactly one of prompt (a string) or messages (a chat)", "prompt")
@@ -83,8 +82,8 @@ def add_routes(app: FastAPI, state) -> None:
 
     @app.post("/detokenize")
     async def detokenize(request: Request):
-        req: DetokenizeRequest = await _parse(state, request, DetokenizeRequest)
-        _check_model(state, req.model)
+        req: DetokenizeRequest = await parse_body(state, request, DetokenizeRequest)
+        check_model(state, req.model)
         tok = tokenizer()
         vocab = state.engine.vocab_size
         bad = [t for t in req.tokens if not 0 <= t < vocab]
