@@ -155,7 +155,6 @@ class TextConfig:
     situ_beta: float
     situ_linear_beta: float | None
     intermediate_size: int                 # dense MLP width (layers < first_k_dense_replace)
-    tie_word_embeddings: bool
     # MLA
     num_attention_heads: int
     q_lora_rank: int | None
@@ -222,12 +221,6 @@ class TextConfig:
         """Values per token per MLA layer in the latent cache: [c_kv | k_pe]."""
         return self.kv_lora_rank + self.qk_rope_head_dim
 
-    @property
-    def kda_proj_dim(self) -> int:
-        return self.kda.num_heads * self.kda.head_dim
-
-    def with_numerics(self, **switches: Any) -> TextConfig:
-        return dataclasses.replace(self, numerics=dataclasses.replace(self.numerics, **switches))
 
 
 @dataclass(frozen=True)
@@ -256,7 +249,6 @@ class ModelConfig:
     text: TextConfig
     vision: VisionConfig | None = None
     media_placeholder_token_id: int | None = None
-    image_placeholder: str | None = None
     source: str = ""
 
     @property
@@ -300,11 +292,19 @@ def _parse_quantization(qc: dict | None, source: str) -> str | None:
     return "mxfp4"
 
 
+def check_untied(r: _Reader) -> None:
+    """Both models keep a separate ``lm_head``: a tied checkpoint is refused, not loaded wrong."""
+    if r.get("tie_word_embeddings", bool, required=False, default=False):
+        raise r._fail("tie_word_embeddings", "is true, but kimik3 implements Kimi-K3 and Kimi-Linear, whose "
+                                             "lm_head is its own weight (untied); this is not such a checkpoint")
+
+
 def parse_text_config(data: dict, source: str, *, where: str = "",
                       quantization: dict | None = None) -> TextConfig:
     r = _Reader(data, source, where)
     if r.get("mla_use_nope", bool, required=False, default=True) is not True:
         raise r._fail("mla_use_nope", "must be true: kimik3 implements the NoPE MLA of Kimi models only")
+    check_untied(r)
     lin = r.child("linear_attn_config")
     kda = _parse_kda(lin)
     n_layers = r.get("num_hidden_layers", int)
@@ -366,7 +366,6 @@ def parse_text_config(data: dict, source: str, *, where: str = "",
         situ_beta=situ_beta,
         situ_linear_beta=situ_lin,
         intermediate_size=r.get("intermediate_size", int) if needs_dense else 0,
-        tie_word_embeddings=r.get("tie_word_embeddings", bool, required=False, default=False),
         num_attention_heads=r.get("num_attention_heads", int),
         q_lora_rank=r.get("q_lora_rank", int, required=False, nullable=True),
         kv_lora_rank=r.get("kv_lora_rank", int),
@@ -452,10 +451,11 @@ def parse_config(data: dict, source: str = "config.json", **switches: Any) -> Mo
                 pad_token_id=r.get("pad_token_id", int, required=False, default=text.pad_token_id)),
             vision=vision,
             media_placeholder_token_id=r.get("media_placeholder_token_id", int, required=vision is not None),
-            image_placeholder=r.get("image_placeholder", str, required=False),
             source=source,
         )
-        r.get("tie_word_embeddings", bool, required=False)
+        check_untied(r)
+        # the display-only image placeholder text: kimik3.chat.k3.IMAGE_PLACEHOLDER renders it (a known key)
+        r.get("image_placeholder", str, required=False)
         r.warn_unknown()
         return top
     if model_type == "kimi_linear":

@@ -80,6 +80,19 @@ def test_bad_values_are_rejected(release):
         parse_config({"model_type": "llama"}, "c")
 
 
+@pytest.mark.parametrize("where", ["top", "text_config"])
+def test_tied_embeddings_are_refused(release, where):
+    data = copy.deepcopy(release)
+    (data if where == "top" else data["text_config"])["tie_word_embeddings"] = True
+    key = "tie_word_embeddings" if where == "top" else "text_config.tie_word_embeddings"
+    with pytest.raises(ConfigError, match=rf"key '{key}' is true, but .*untied"):
+        parse_config(data, "c")
+    linear = tiny_kimi_linear_config()
+    linear["tie_word_embeddings"] = True
+    with pytest.raises(ConfigError, match="tie_word_embeddings"):
+        parse_config(linear, "kl")
+
+
 def test_kimi_linear_branches_selected_from_fields():
     cfg = parse_config(tiny_kimi_linear_config(), "kl")
     t = cfg.text

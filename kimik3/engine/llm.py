@@ -196,8 +196,8 @@ class LLM:
         if not isinstance(mm, dict) or not mm or set(mm) - _MM_KEYS:
             raise ValueError(f"multi_modal_data must be {{'image': PIL image or list, 'video': list of frames}} "
                              f"(or a kimik3 VisionInputs), got {mm if not isinstance(mm, dict) else sorted(mm)!r}")
+        from kimik3.engine.multimodal import expand_media_pads
         from kimik3.vision.preprocess import concat_vision_inputs, preprocess_images, preprocess_video
-        from kimik3.vision.prompt import expand_media_pads
         cfg = self._processor_config()
         parts = []
         images = mm.get("image")

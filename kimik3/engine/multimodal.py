@@ -109,3 +109,17 @@ def build_multi_modal_input(data: VisionInputs, pad_positions: list[int]) -> Mul
         hashes.append(h.digest())
     return MultiModalInput(pixels, grid, tuple(patch_offsets), tuple(row_offsets), tuple(pad_positions),
                            tuple(hashes))
+
+
+def expand_media_pads(input_ids: list[int], num_tokens: list[int], pad_id: int) -> list[int]:
+    """The HF processor's prompt form (one media pad per image / video chunk) -> ours: the k-th pad
+    becomes ``num_tokens[k]`` pads, one per embedding row."""
+    positions = [i for i, t in enumerate(input_ids) if t == pad_id]
+    if len(positions) != len(num_tokens):
+        raise ValueError(f"prompt holds {len(positions)} media pad token(s) (id {pad_id}) but "
+                         f"{len(num_tokens)} image(s) were given; each image needs exactly one pad to expand")
+    out: list[int] = []
+    pads = iter(num_tokens)
+    for t in input_ids:
+        out.extend([pad_id] * next(pads) if t == pad_id else [t])
+    return out

@@ -36,21 +36,6 @@ def checkpoint_files(path: Path) -> list[Path]:
     return files
 
 
-def iter_tensors(file: Path) -> Iterator[tuple[str, torch.Tensor]]:
-    """Yield (name, tensor) of one file, one at a time (no full copy of the file in memory)."""
-    try:
-        handle = safe_open(str(file), framework="pt")
-        names = list(handle.keys())
-    except Exception as e:  # safetensors raises its own error types for corrupt headers
-        raise CheckpointError(f"{file}: cannot read safetensors header ({e})") from None
-    for name in names:
-        try:
-            tensor = handle.get_tensor(name)
-        except Exception as e:
-            raise CheckpointError(f"{file}: cannot read tensor '{name}' (truncated or corrupt file?): {e}") from None
-        yield name, tensor
-
-
 def iter_slices(file: Path) -> Iterator[tuple[str, Callable[[tuple[int, int, int] | None], torch.Tensor]]]:
     """Yield (name, read) of one file; ``read(rule)`` reads the whole tensor (rule None) or only
     the contiguous share (dim, rank, size) of it (safetensors ``get_slice``: the rest of the

@@ -10,7 +10,6 @@ dequantized first).
 
 from __future__ import annotations
 
-
 import torch
 
 from kimik3.ops import mxfp4

@@ -17,6 +17,7 @@ from PIL import Image
 import kimik3
 from kimik3.engine import SamplingParams
 from kimik3.engine.encoder_cache import EncoderCache
+from kimik3.engine.multimodal import expand_media_pads
 from kimik3.vision.preprocess import VisionInputs, preprocess_images
 from tests.engine.fake_model import reference_greedy
 from tests.engine.helpers import check_invariants, make_engine
@@ -269,3 +270,10 @@ def test_prefix_hit_ending_inside_an_image_takes_the_rest_of_its_rows(model, ima
     assert out["again"] == reference(model, ids, ab)
     assert engine.runner.num_encoded_images == 2
     assert steps[0]["again"] == [0, 1, 2]        # positions 12..14: the last three rows of image 0
+
+
+def test_expand_media_pads_one_pad_per_item():
+    ids = [5, 163605, 6, 163605, 7]
+    assert expand_media_pads(ids, [2, 3], 163605) == [5, 163605, 163605, 6, 163605, 163605, 163605, 7]
+    with pytest.raises(ValueError, match="2 media pad token.*3 image"):
+        expand_media_pads(ids, [1, 1, 1], 163605)
