@@ -22,10 +22,14 @@ import datetime
 import json
 import random
 import statistics
-import subprocess
+import sys
 import time
+from pathlib import Path
 
 import torch
+
+sys.path.insert(0, str(Path(__file__).resolve().parents[1]))
+from benchmarks.common import commit_id  # noqa: E402
 
 SCHEMA = {"type": "object", "properties": {
     "id": {"type": "integer", "minimum": 0}, "name": {"type": "string", "maxLength": 40},
@@ -66,13 +70,6 @@ def synthetic_vocab(n_base: int = 163_584, seed: int = 0) -> list[bytes]:
             seen.add(b)
             vocab.append(b)
     return vocab
-
-
-def _git() -> str:
-    try:
-        return subprocess.run(["git", "rev-parse", "--short", "HEAD"], capture_output=True, text=True).stdout.strip()
-    except OSError:
-        return "?"
 
 
 def synthetic_tokenizer():
@@ -157,7 +154,7 @@ def bench_apply(batch: int, vocab: int, device: str, reps: int = 20) -> float:
 def cmd_mask(args) -> None:
     vocab = synthetic_vocab()
     print(f"# mask time per step, vocabulary {len(vocab) + 256} tokens, schema {len(json.dumps(SCHEMA))} chars, "
-          f"commit {_git()}, {datetime.date.today()}, {torch.get_num_threads()} torch threads")
+          f"commit {commit_id()}, {datetime.date.today()}, {torch.get_num_threads()} torch threads")
     print("| backend | batch | mask fill ms/step | apply on " + args.device + " ms/step |")
     print("|---|---|---|---|")
     for backend in args.backends.split(","):
@@ -177,9 +174,6 @@ def cmd_engine(args) -> None:
     from kimik3.engine import EngineConfig, LLMEngine, SamplingParams
     from kimik3.engine.sampling_params import StructuredOutputsParams
     if args.slice:
-        import sys
-        from pathlib import Path
-        sys.path.insert(0, str(Path(__file__).resolve().parents[1]))
         from benchmarks.gpu.bench_slice import CONFIG, build_slice
         model, tok, name = build_slice(json.loads(CONFIG.read_text())), synthetic_tokenizer(), "K3-width 4-layer slice"
     else:
@@ -190,7 +184,7 @@ def cmd_engine(args) -> None:
     engine = LLMEngine(model, EngineConfig(max_num_seqs=max(BATCHES), max_model_len=args.steps + 64,
                                            enforce_eager=args.enforce_eager), tokenizer=tok)
     print(f"# engine decode step, constrained (JSON schema) vs unconstrained, model {name}, "
-          f"device {args.device}, {args.steps} steps, commit {_git()}, {datetime.date.today()}")
+          f"device {args.device}, {args.steps} steps, commit {commit_id()}, {datetime.date.today()}")
     print("| batch | unconstrained ms/step | constrained ms/step | ratio |")
     print("|---|---|---|---|")
     for b in BATCHES:

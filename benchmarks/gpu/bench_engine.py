@@ -17,7 +17,6 @@ from __future__ import annotations
 
 import datetime
 import json
-import os
 import random
 import statistics
 import sys
@@ -29,22 +28,13 @@ import torch
 ROOT = Path(__file__).resolve().parents[2]
 sys.path.insert(0, str(ROOT))
 
-from benchmarks.gpu.bench_slice import CONFIG, build_slice, commit_id, cuda_time        # noqa: E402
+from benchmarks.common import commit_id, cuda_time, log, save_results  # noqa: E402
+from benchmarks.gpu.bench_slice import CONFIG, build_slice  # noqa: E402
 from kimik3.engine import EngineConfig, LLMEngine, SamplingParams  # noqa: E402
 
-OUT = Path(os.environ.get("OUT", ROOT / "bench_out"))
 results: dict = {}
 PROMPT = 512
 STEPS = 40
-
-
-def log(*a):
-    print(*a, flush=True)
-
-
-def save():
-    OUT.mkdir(parents=True, exist_ok=True)
-    (OUT / "bench_engine.json").write_text(json.dumps(results, indent=1, default=str))
 
 
 def make(model, eager: bool, max_num_seqs: int) -> LLMEngine:
@@ -125,14 +115,14 @@ def main():
             rows.append(decode_steps(engine, batch, rng))
             log(key, rows[-1])
             results[f"decode_{key}"] = rows
-            save()
+            save_results("bench_engine.json", results)
         # warm-up on the very same mix (same prefill shapes, so every Triton variant is compiled),
         # then forget its cached prefixes so the timed pass computes everything again
         offline(engine, seed=7, tag="warm")
         engine.kv.reset_prefix_cache()
         results[f"offline_{key}"] = offline(engine, seed=7, tag="timed")
         log(key, results[f"offline_{key}"])
-        save()
+        save_results("bench_engine.json", results)
         del engine
         torch.cuda.empty_cache()
     log("\n| batch | graphs: step wall ms | device ms | host overhead ms (share) | runner prepare ms "

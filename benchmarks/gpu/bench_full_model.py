@@ -15,7 +15,6 @@ from __future__ import annotations
 
 import datetime
 import json
-import os
 import statistics
 import sys
 import time
@@ -28,19 +27,15 @@ sys.path.insert(0, str(ROOT))
 sys.path.insert(0, str(Path(__file__).parent))
 
 import bench_slice                                                       # noqa: E402
-from bench_slice import build_slice, ceilings, commit_id, log            # noqa: E402
+from bench_slice import build_slice, ceilings                           # noqa: E402
+
+from benchmarks.common import commit_id, log, save_results                  # noqa: E402
 
 from kimik3.engine import EngineConfig, LLMEngine, SamplingParams       # noqa: E402
 
-OUT = Path(os.environ.get("OUT", ROOT / "bench_out"))
 CONFIG = ROOT / "tests" / "data" / "kimi-linear-48b-a3b.config.json"
 PROMPT = 4096
 results: dict = {}
-
-
-def save():
-    OUT.mkdir(parents=True, exist_ok=True)
-    (OUT / "bench_full_kimi_linear.json").write_text(json.dumps(results, indent=1, default=str))
 
 
 def run_batch(engine, model, batch: int, max_tokens: int, g) -> dict:
@@ -102,7 +97,7 @@ def main():
         rows.append(row)
         log(row)
         results["decode"] = rows
-        save()
+        save_results("bench_full_kimi_linear.json", results)
     vocab = model.config.text.vocab_size
     torch.cuda.synchronize()
     engine.add_request("prefill", {"prompt_token_ids": torch.randint(1000, vocab, (8192,), generator=g).tolist()},
@@ -118,7 +113,7 @@ def main():
                           "matmul_fraction": flops / t / mm, "chunk_budget": engine.config.max_num_batched_tokens}
     results["peak_bytes"] = torch.cuda.max_memory_allocated()
     log(results["prefill"], f"peak {results['peak_bytes'] / 2**30:.1f} GiB")
-    save()
+    save_results("bench_full_kimi_linear.json", results)
     log("\n| batch | step ms | output tok/s | floor ms | step/floor |")
     log("|---|---|---|---|---|")
     for r in rows:

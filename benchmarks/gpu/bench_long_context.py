@@ -20,7 +20,6 @@ from __future__ import annotations
 
 import datetime
 import json
-import os
 import statistics
 import sys
 import time
@@ -33,20 +32,20 @@ sys.path.insert(0, str(ROOT))
 sys.path.insert(0, str(Path(__file__).parent))
 
 import bench_slice                                                       # noqa: E402
-from bench_slice import build_slice, ceilings, commit_id, config_path, log  # noqa: E402
+from bench_slice import build_slice, ceilings, config_path              # noqa: E402
+
+from benchmarks.common import commit_id, cuda_time, log, save_results       # noqa: E402
 
 from kimik3.engine import EngineConfig, LLMEngine, SamplingParams       # noqa: E402
 from kimik3.model.moe import Experts                                    # noqa: E402
 
-OUT = Path(os.environ.get("OUT", ROOT / "bench_out"))
 DECODE_TOKENS = 16
 results: dict = {}
 
 
 def save():
-    OUT.mkdir(parents=True, exist_ok=True)
     suffix = "_replay" if "--replay-only" in sys.argv else ""
-    (OUT / f"bench_long_{config_path().stem.split('.')[0]}{suffix}.json").write_text(json.dumps(results, indent=1, default=str))
+    save_results(f"bench_long_{config_path().stem.split('.')[0]}{suffix}.json", results)
 
 
 def lengths() -> list[int]:
@@ -72,7 +71,7 @@ def graph_replay_s(engine) -> float:
     graphs = engine.runner.graphs
     if graphs is None or 1 not in graphs.graphs:
         return float("nan")
-    return bench_slice.cuda_time(graphs.graphs[1][0].replay, warmup=2, iters=10)
+    return cuda_time(graphs.graphs[1][0].replay, warmup=2, iters=10)
 
 
 def replay_at(engine, context: int, perm: torch.Tensor) -> float:
@@ -84,7 +83,7 @@ def replay_at(engine, context: int, perm: torch.Tensor) -> float:
     graphs.meta[:, 0] = torch.tensor([1000, context, 1, int(blocks[context // bs]) * bs + context % bs])
     graphs.block_tables[0].zero_()
     graphs.block_tables[0, :len(blocks)] = blocks.to(graphs.block_tables)
-    return bench_slice.cuda_time(graphs.graphs[1][0].replay, warmup=2, iters=20)
+    return cuda_time(graphs.graphs[1][0].replay, warmup=2, iters=20)
 
 
 def replay_only(model, engine, bw):

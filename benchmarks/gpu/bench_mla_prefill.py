@@ -40,7 +40,7 @@ ROOT = Path(__file__).resolve().parents[2]
 sys.path.insert(0, str(ROOT))
 sys.path.insert(0, str(Path(__file__).parent))
 
-from bench_slice import commit_id, cuda_time                       # noqa: E402
+from benchmarks.common import commit_id, cuda_time                # noqa: E402
 
 from kimik3.ops.triton import mla_decode                           # noqa: E402
 from kimik3.ops.triton.mla_decode import DecodeConfig              # noqa: E402

@@ -14,7 +14,6 @@ from __future__ import annotations
 import datetime
 import json
 import math
-import os
 import sys
 import time
 from pathlib import Path
@@ -25,8 +24,9 @@ ROOT = Path(__file__).resolve().parents[2]
 sys.path.insert(0, str(ROOT))
 sys.path.insert(0, str(Path(__file__).parent))
 
-from bench_slice import (CONFIG, build_slice, ceilings, commit_id, cuda_time, decode_setup,  # noqa: E402
-                         graph_time, profile, step_fn)
+from bench_slice import CONFIG, build_slice, ceilings, decode_setup, graph_time, profile, step_fn  # noqa: E402
+
+from benchmarks.common import capture_graph, commit_id, cuda_time, log, rel_err, save_results  # noqa: E402
 
 from kimik3.ops import mxfp4                                 # noqa: E402
 from kimik3.ops.backend import reference_ops                 # noqa: E402
@@ -34,18 +34,8 @@ from kimik3.ops.moe import fused_moe                         # noqa: E402
 from kimik3.ops.triton import moe as moe_kernels             # noqa: E402
 from kimik3.ops.triton.moe import _sort_by_expert, _tiles, fused_moe_triton  # noqa: E402
 
-OUT = Path(os.environ.get("OUT", ROOT / "bench_out"))
 E, L, I, K = 64, 3584, 3072, 16
 results: dict = {}
-
-
-def log(*a):
-    print(*a, flush=True)
-
-
-def save():
-    OUT.mkdir(parents=True, exist_ok=True)
-    (OUT / "bench_moe.json").write_text(json.dumps(results, indent=1, default=str))
 
 
 def packed(N, Kd, g):
@@ -53,24 +43,6 @@ def packed(N, Kd, g):
     base = 127 - round(math.log2(2 * math.sqrt(Kd)))
     scale = (base + torch.randint(-1, 2, (E, N, Kd // 32), generator=g, device="cuda")).to(torch.uint8)
     return codes, scale
-
-
-def graph_of(fn):
-    """``fn`` captured after two warm-up runs: (graph, its output tensor)."""
-    s = torch.cuda.Stream()
-    s.wait_stream(torch.cuda.current_stream())
-    with torch.cuda.stream(s):
-        fn()
-        fn()
-    torch.cuda.current_stream().wait_stream(s)
-    g = torch.cuda.CUDAGraph()
-    with torch.cuda.graph(g):
-        out = fn()
-    return g, out
-
-
-def rel_err(a, b):
-    return ((a.double() - b.double()).norm() / b.double().norm()).item()
 
 
 CONFIGS = [  # (BN1, BN2, BKH, warps, stages)
@@ -120,7 +92,7 @@ def kernels(bw):
                                         high_scales=scale_max > 128, tiles=cfg)
             try:
                 err = rel_err(fn(), ref)
-                graph, _ = graph_of(fn)
+                graph, _ = capture_graph(fn)
                 t = cuda_time(graph.replay, warmup=3, iters=20)
             except Exception as exc:
                 log(f"T={T} {cfg}: {exc!r}"[:300])
@@ -131,11 +103,11 @@ def kernels(bw):
             rows.append(row)
             log(f"T={T:5d} {cfg} {t * 1e3:.3f} ms  {row['TB_s']:.2f} TB/s  x{row['over_floor']:.2f}  err {err:.2e}")
             results["kernels"] = rows
-            save()
+            save_results("bench_moe.json", results)
         if T <= 128:      # the sort/alignment step alone: one Triton program vs the torch ops
             for name, limit in (("kernel", moe_kernels.ALIGN_KERNEL_MAX_ROWS), ("torch", -1)):
                 saved, moe_kernels.ALIGN_KERNEL_MAX_ROWS = moe_kernels.ALIGN_KERNEL_MAX_ROWS, limit
-                gs, _ = graph_of(lambda: _sort_by_expert(ids, E, base["BM"]))
+                gs, _ = capture_graph(lambda: _sort_by_expert(ids, E, base["BM"]))
                 moe_kernels.ALIGN_KERNEL_MAX_ROWS = saved
                 results.setdefault("sort_ms", {}).setdefault(name, {})[T] = cuda_time(gs.replay, warmup=3, iters=20) * 1e3
                 log(f"T={T} sort alone ({name}) {results['sort_ms'][name][T]:.4f} ms")
@@ -157,7 +129,7 @@ def side_stream():
         for name, stream in (("serial", None), ("side", torch.cuda.Stream()), ("serial2", None)):
             model.use_side_stream(stream)
             restore()
-            graph, graph_out = graph_of(fast)     # the engine runs the overlap inside decode graphs
+            graph, graph_out = capture_graph(fast)     # the engine runs the overlap inside decode graphs
             restore()
             graph.replay()
             logits = graph_out.float().clone()
@@ -170,7 +142,7 @@ def side_stream():
         rows.append(row)
         log(row)
         results["side_stream"] = rows
-        save()
+        save_results("bench_moe.json", results)
         del cache, batch
         torch.cuda.empty_cache()
     if "--profile" in sys.argv:
@@ -191,7 +163,7 @@ def main():
     if "--no-model" not in sys.argv:
         side_stream()
     log(f"done at {time.time() - t0:.0f}s")
-    save()
+    save_results("bench_moe.json", results)
 
 
 if __name__ == "__main__":

@@ -15,9 +15,6 @@ from __future__ import annotations
 import datetime
 import json
 import math
-import os
-import statistics
-import subprocess
 import sys
 import time
 import traceback
@@ -28,6 +25,7 @@ import torch
 ROOT = Path(__file__).resolve().parents[2]
 sys.path.insert(0, str(ROOT))
 
+from benchmarks.common import capture_graph, commit_id, cuda_time, log, save_results  # noqa: E402
 from kimik3.config import parse_config                      # noqa: E402
 from kimik3.model.batch import ForwardBatch, HybridCache     # noqa: E402
 from kimik3.model.kimi_k3 import KimiForCausalLM             # noqa: E402
@@ -35,27 +33,11 @@ from kimik3.model.moe import Experts                         # noqa: E402
 from kimik3.ops import mxfp4                                 # noqa: E402
 from kimik3.ops.backend import reference_ops                 # noqa: E402
 
-OUT = Path(os.environ.get("OUT", ROOT / "bench_out"))
 CONFIG = Path(__file__).with_name("kimi-k3-slice4.config.json")
 KIMI_LINEAR_CONFIG = Path(__file__).with_name("kimi-linear-slice4.config.json")
 BLOCK = 64
 CONTEXT = 4096
 results: dict = {}
-
-
-def commit_id() -> str:
-    """KIMIK3_COMMIT when set (the device's copy of the tree may carry stale git metadata), else git."""
-    if os.environ.get("KIMIK3_COMMIT"):
-        return os.environ["KIMIK3_COMMIT"]
-    try:
-        return subprocess.run(["git", "rev-parse", "--short", "HEAD"], cwd=ROOT, capture_output=True,
-                              text=True).stdout.strip() or "?"
-    except OSError:
-        return "?"
-
-
-def log(*a):
-    print(*a, flush=True)
 
 
 def config_path() -> Path:
@@ -64,25 +46,8 @@ def config_path() -> Path:
 
 
 def save():
-    OUT.mkdir(parents=True, exist_ok=True)
     name = "bench_slice.json" if config_path() == CONFIG else f"bench_slice_{config_path().stem.split('.')[0]}.json"
-    (OUT / name).write_text(json.dumps(results, indent=1, default=str))
-
-
-def cuda_time(fn, warmup=3, iters=10) -> float:
-    """Median seconds of ``fn`` over ``iters`` runs, timed with CUDA events after a warm-up."""
-    for _ in range(warmup):
-        fn()
-    torch.cuda.synchronize()
-    times = []
-    for _ in range(iters):
-        a, b = torch.cuda.Event(enable_timing=True), torch.cuda.Event(enable_timing=True)
-        a.record()
-        fn()
-        b.record()
-        b.synchronize()
-        times.append(a.elapsed_time(b) / 1e3)
-    return statistics.median(times)
+    save_results(name, results)
 
 
 # ---- (a) correctness -----------------------------------------------------------------------
@@ -224,15 +189,7 @@ def step_fn(model, ids, batch, cache, last_only=False):
 def graph_time(fn) -> float | None:
     """Capture ``fn`` in a CUDA graph and time its replays (None if capture fails)."""
     try:
-        s = torch.cuda.Stream()
-        s.wait_stream(torch.cuda.current_stream())
-        with torch.cuda.stream(s):
-            for _ in range(2):
-                fn()
-        torch.cuda.current_stream().wait_stream(s)
-        graph = torch.cuda.CUDAGraph()
-        with torch.cuda.graph(graph):
-            fn()
+        graph, _ = capture_graph(fn)
         return cuda_time(graph.replay, warmup=3, iters=20)
     except Exception as exc:
         log(f"  CUDA graph capture failed: {exc!r}"[:300])

@@ -20,7 +20,6 @@ import json
 import math
 import os
 import statistics
-import subprocess
 import sys
 import time
 import zlib
@@ -33,14 +32,14 @@ import torch.distributed as dist
 ROOT = Path(__file__).resolve().parents[2]
 sys.path.insert(0, str(ROOT))
 
-from kimik3.config import parse_config                      # noqa: E402
-from kimik3.model.batch import ForwardBatch                  # noqa: E402
-from kimik3.model.kimi_k3 import KimiForCausalLM             # noqa: E402
-from kimik3.model.moe import Experts                         # noqa: E402
-from kimik3.distributed import ParallelContext          # noqa: E402
+from benchmarks.common import commit_id, save_results                # noqa: E402
+from kimik3.config import parse_config                               # noqa: E402
+from kimik3.distributed import ParallelContext                       # noqa: E402
+from kimik3.model.batch import ForwardBatch                          # noqa: E402
+from kimik3.model.kimi_k3 import KimiForCausalLM                     # noqa: E402
+from kimik3.model.moe import Experts                                 # noqa: E402
 from kimik3.parallel.launch import NVLS_SAFE_ENV, set_safe_nvls_env  # noqa: E402
 
-OUT = Path(os.environ.get("OUT", ROOT / "bench_out"))
 CONFIG = ROOT / "benchmarks" / "gpu" / "kimi-k3-slice4.config.json"
 results: dict = {"sections": {}}
 RANK = 0
@@ -53,8 +52,7 @@ def log(*a):
 
 def save():
     if RANK == 0:
-        OUT.mkdir(parents=True, exist_ok=True)
-        (OUT / "bench_tp2.json").write_text(json.dumps(results, indent=1, default=str))
+        save_results("bench_tp2.json", results)
 
 
 def timed(fn, warmup=2, iters=5) -> float:
@@ -303,10 +301,7 @@ def main():
         cfg = json.loads(CONFIG.read_text())
         cfg.pop("vision_config", None)
         decode_sizes, prefill_T, ctx, sweep = [1, 32, 128], 8192, 4096, [1, 16, 64, 128, 256, 512, 1024, 2048, 4096, 8192]
-    # KIMIK3_COMMIT wins: the device's copy of the tree may carry stale git metadata
-    commit = os.environ.get("KIMIK3_COMMIT") or subprocess.run(
-        ["git", "rev-parse", "--short", "HEAD"], capture_output=True, text=True, cwd=ROOT).stdout.strip()
-    results.update(commit=commit, world=world, device=torch.cuda.get_device_name() if cuda else "cpu",
+    results.update(commit=commit_id(), world=world, device=torch.cuda.get_device_name() if cuda else "cpu",
                    date=datetime.date.today().isoformat(), torch=torch.__version__,
                    nvls_env={k: os.environ.get(k) for k in NVLS_SAFE_ENV},
                    nccl=".".join(map(str, torch.cuda.nccl.version())) if cuda else None)

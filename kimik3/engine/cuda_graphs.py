@@ -28,6 +28,7 @@ import numpy as np
 import torch
 
 from kimik3.model.batch import ForwardBatch, HybridCache
+from kimik3.ops import ceil_div
 
 logger = logging.getLogger(__name__)
 
@@ -87,7 +88,7 @@ class DecodeGraphs:
         device = torch.device(model.device)
         largest = self.sizes[-1]
         self.meta = torch.zeros(4, largest, dtype=torch.int64, device=device)
-        self.block_tables = torch.zeros(largest, -(-max_model_len // cache.block_size), dtype=torch.int32,
+        self.block_tables = torch.zeros(largest, ceil_div(max_model_len, cache.block_size), dtype=torch.int32,
                                         device=device)
         self.cu_seqlens = torch.arange(largest + 1, dtype=torch.int64, device=device)
         # pinned staging copies of the inputs: the host-to-device copies then run asynchronously;

@@ -18,6 +18,7 @@ from dataclasses import dataclass
 from kimik3.engine.block_pool import BlockPool, BlockTable
 from kimik3.engine.memory import MemoryPlan
 from kimik3.engine.request import Request
+from kimik3.ops import ceil_div
 
 
 @dataclass(frozen=True)
@@ -108,7 +109,7 @@ class KVCacheManager:
 
     # ---- allocation ------------------------------------------------------------------
     def _blocks_needed(self, req: Request, num_new_tokens: int, have: int) -> int:
-        return max(0, -(-(req.num_computed_tokens + num_new_tokens) // self.block_size) - have)
+        return max(0, ceil_div(req.num_computed_tokens + num_new_tokens, self.block_size) - have)
 
     def admit(self, req: Request, num_new_tokens: int) -> Admission | None:
         """Give a waiting request a state slot and blocks for its first ``num_new_tokens`` tokens
@@ -119,7 +120,7 @@ class KVCacheManager:
         n_hit, hit_blocks = self._match(req)
         hit_tokens = n_hit * self.block_size
         num_new_tokens = min(num_new_tokens, req.num_tokens - hit_tokens)
-        need = -(-(hit_tokens + num_new_tokens) // self.block_size) - n_hit
+        need = ceil_div(hit_tokens + num_new_tokens, self.block_size) - n_hit
         reclaim = sum(1 for b in hit_blocks if self.blocks.ref_counts[b] == 0)
         if need > self.blocks.num_free - reclaim:
             return None

@@ -13,12 +13,12 @@ slot per ``checkpoint_interval`` blocks: every cached boundary can keep its stat
 
 from __future__ import annotations
 
-import math
 from dataclasses import dataclass
 
 import torch
 
 from kimik3.model.batch import HybridCache
+from kimik3.ops import ceil_div
 
 
 @dataclass(frozen=True)
@@ -109,4 +109,4 @@ def plan_memory(text_config, budget_bytes: int, block_size: int, max_num_seqs: i
 
 
 def max_blocks_per_seq(max_model_len: int, block_size: int) -> int:
-    return math.ceil(max_model_len / block_size)
+    return ceil_div(max_model_len, block_size)

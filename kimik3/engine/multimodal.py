@@ -19,6 +19,7 @@ from dataclasses import dataclass
 
 import torch
 
+from kimik3.ops import ceil_div
 from kimik3.vision.preprocess import VisionInputs
 
 
@@ -53,7 +54,7 @@ class MultiModalInput:
     def block_extra_keys(self, num_prompt_tokens: int, block_size: int) -> list[bytes | None]:
         """Per prompt block: the extra hash key of the items whose rows fall in it (None if none)."""
         keys: list[bytes | None] = []
-        for b in range(-(-num_prompt_tokens // block_size)):
+        for b in range(ceil_div(num_prompt_tokens, block_size)):
             lo, _ = self.rows_in(b * block_size, (b + 1) * block_size)
             key = b"".join(self.hashes[i] + struct.pack("<q", max(lo, self.row_offsets[i]) - self.row_offsets[i])
                            for i in self.items_in(b * block_size, (b + 1) * block_size))

@@ -11,16 +11,15 @@ import torch
 from tqdm import tqdm
 
 from kimik3.config import load_config
+from kimik3.distributed import ParallelContext
 from kimik3.loader.safetensors_files import CheckpointError, checkpoint_files, file_size_ok, iter_slices
-from kimik3.model.kimi_k3 import KimiForCausalLM
+from kimik3.model.kimi_k3 import EXPERT_WEIGHT, KimiForCausalLM
 from kimik3.model.moe import Experts
 from kimik3.ops import mxfp4
-from kimik3.distributed import ParallelContext
 
 logger = logging.getLogger(__name__)
 
 _PACKED = re.compile(r"^(.*)\.weight_(packed|scale)$")
-_EXPERT = re.compile(r"^model\.layers\.(\d+)\.block_sparse_moe\.experts\.(\d+)\.(w[123])\.weight$")
 _DTYPES = {torch.float64, torch.float32, torch.bfloat16, torch.float16}
 
 
@@ -92,7 +91,7 @@ def load_model(path: str | Path, device: str | torch.device = "cpu", dtype: torc
                 skipped += 1
                 continue
             m = _PACKED.match(name)
-            e = _EXPERT.match(m[1] + ".weight" if m else name)
+            e = EXPERT_WEIGHT.match(m[1] + ".weight" if m else name)
             if e:
                 experts = _experts_of(model, e[1], name)
                 if not experts.holds(int(e[2])):

@@ -11,6 +11,8 @@ from dataclasses import dataclass, field
 import numpy as np
 import torch
 
+from kimik3.ops import ceil_div
+
 
 @dataclass(frozen=True)
 class StateCheckpoint:
@@ -73,7 +75,7 @@ class ForwardBatch:
         for i, (q, c, table) in enumerate(zip(query_lens, context_lens, block_tables)):
             if q <= 0:
                 raise ValueError(f"every sequence needs at least one new token, got query_len={q}")
-            need = -(-(c + q) // block_size)
+            need = ceil_div(c + q, block_size)
             if len(table) < need:
                 raise ValueError(f"block table has {len(table)} blocks, {need} needed for {c + q} tokens")
             cu.append(cu[-1] + q)

@@ -11,12 +11,12 @@ import logging
 import torch
 from torch import nn
 
+from kimik3.distributed import ParallelContext
 from kimik3.model.batch import ForwardBatch
 from kimik3.model.layers import linear, tp_shards
 from kimik3.ops.conv import causal_conv1d, causal_conv1d_in_pool, conv_window_at
 from kimik3.ops.kda import kda_attention, kda_attention_in_pool
 from kimik3.ops.norm import gated_rms_norm
-from kimik3.distributed import ParallelContext
 
 logger = logging.getLogger(__name__)
 

@@ -13,6 +13,7 @@ import torch
 from torch import nn
 
 from kimik3.config import ModelConfig, TextConfig
+from kimik3.distributed import ParallelContext
 from kimik3.model.attn_res import ResidualStream
 from kimik3.model.batch import ForwardBatch, HybridCache
 from kimik3.model.kda import KimiDeltaAttention
@@ -20,12 +21,12 @@ from kimik3.model.layers import MLP, Embedding, GLUActivation, RMSNorm, linear
 from kimik3.model.mla import MLAAttention
 from kimik3.model.moe import MoE
 from kimik3.model.vision import KimiVisionModel
-from kimik3.distributed import ParallelContext
 
 # Parameters kept in fp32 (or wider) whatever the model dtype (spec D4, text-backbone 5.1).
 _ALWAYS_FP32 = re.compile(r"\.(A_log|dt_bias)$")
 _CHECKPOINT_FP32 = re.compile(r"\.([qkv]_conv1d\.weight|o_norm\.weight|gate\.e_score_correction_bias)$")
-_EXPERT = re.compile(r"^model\.layers\.(\d+)\.block_sparse_moe\.experts\.(\d+)\.(w[123])\.weight$")
+# one routed expert's matrix as the checkpoint names it: (layer, expert, w1|w2|w3); the loader reads it too
+EXPERT_WEIGHT = re.compile(r"^model\.layers\.(\d+)\.block_sparse_moe\.experts\.(\d+)\.(w[123])\.weight$")
 _STACKED = re.compile(r"^model\.layers\.(\d+)\.block_sparse_moe\.experts\.(w[123])$")
 
 
@@ -180,7 +181,7 @@ class KimiForCausalLM(nn.Module):
                                  f"the model expects {tuple(param.shape)}")
             param.data.copy_(tensor)
             return
-        m = _EXPERT.match(name)
+        m = EXPERT_WEIGHT.match(name)
         if m:
             layer = self.model.layers[int(m[1])] if int(m[1]) < len(self.model.layers) else None
             if layer is None or not hasattr(layer, "block_sparse_moe"):

@@ -5,9 +5,9 @@ from __future__ import annotations
 import torch
 from torch import nn
 
+from kimik3.distributed import ParallelContext
 from kimik3.ops.activation import glu_activation
 from kimik3.ops.norm import rms_norm
-from kimik3.distributed import ParallelContext
 
 
 def linear(in_features: int, out_features: int) -> nn.Linear:

@@ -9,10 +9,10 @@ from __future__ import annotations
 import torch
 from torch import nn
 
+from kimik3.distributed import ParallelContext
 from kimik3.model.batch import ForwardBatch
 from kimik3.model.layers import RMSNorm, linear, tp_shards
 from kimik3.ops.mla import mla_decode_attention, mla_prefill_attention
-from kimik3.distributed import ParallelContext
 
 
 class MLAAttention(nn.Module):

@@ -18,12 +18,12 @@ import torch
 from torch import nn
 
 from kimik3.config import TextConfig
+from kimik3.distributed import ParallelContext
 from kimik3.model.layers import MLP, GLUActivation, RMSNorm, linear
-from kimik3.ops import mxfp4
+from kimik3.ops import ceil_div, mxfp4
 from kimik3.ops.moe import fused_moe, fused_moe_mxfp4
 from kimik3.ops.norm import acc_dtype
 from kimik3.ops.router import route
-from kimik3.distributed import ParallelContext
 
 # Batches up to this many tokens run the router and the shared experts on a side CUDA stream
 # (when the model was given one), beside the routed down-projection and the routed experts.
@@ -238,7 +238,7 @@ class MoE(nn.Module):
         exchange, latent tail and replicated shared experts on them, then all-gathers [T, D]."""
         par = self.par
         T = x.shape[0]
-        n = -(-T // par.tp_size)
+        n = ceil_div(T, par.tp_size)
         lo = min(par.tp_rank * n, T)
         own = x[lo:min(lo + n, T)]
         weights, ids = self._route(own)

@@ -17,6 +17,7 @@ import itertools
 import torch
 import torch.nn.functional as F
 
+from kimik3.ops import ceil_div
 from kimik3.ops.backend import use_fast_path
 from kimik3.ops.norm import acc_dtype
 
@@ -24,7 +25,7 @@ from kimik3.ops.norm import acc_dtype
 def gather_latents(cache: torch.Tensor, block_table: torch.Tensor, length: int) -> torch.Tensor:
     """Rows 0..length-1 of one sequence from the paged cache [num_blocks, block_size, D_c]."""
     bs = cache.shape[1]
-    n_blocks = -(-length // bs)
+    n_blocks = ceil_div(length, bs)
     return cache[block_table[:n_blocks].long()].reshape(-1, cache.shape[-1])[:length]
 
 

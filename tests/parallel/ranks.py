@@ -11,11 +11,11 @@ import torch
 import torch.distributed as dist
 import torch.multiprocessing as mp
 
+from kimik3.distributed import ParallelContext
 from kimik3.engine import EngineConfig, LLMEngine, SamplingParams
+from kimik3.engine.parallel_runner import ParallelRunner
 from kimik3.loader.load import load_model
 from kimik3.model import ForwardBatch, StateCheckpoint
-from kimik3.distributed import ParallelContext
-from kimik3.engine.parallel_runner import ParallelRunner
 from kimik3.parallel.launch import init_rank
 from kimik3.parallel.worker import stop_workers, worker_loop
 

@@ -6,9 +6,9 @@ parallelism.md §7.4). Ranks are spawned processes; rank bodies live in ``ranks.
 import pytest
 import torch
 
+from kimik3.distributed import ParallelContext
 from kimik3.engine import EngineConfig, LLMEngine
 from kimik3.loader.load import load_model
-from kimik3.distributed import ParallelContext
 from kimik3.testing import make_tiny_checkpoint
 from tests.parallel.ranks import (ENGINE_CONFIG, SPEC_ENGINE_CONFIG, engine_prompts, engine_rank, logits_rank, run_engine,
                                   run_steps, spawn, spec_engine_rank, spec_prompts)

@@ -1,0 +1,73 @@
+"""What the benchmark scripts share: where results go, the commit they name, logging, CUDA-event
+timing and CUDA-graph capture. Run the scripts from the repository root (``PYTHONPATH=.``)."""
+
+from __future__ import annotations
+
+import json
+import os
+import statistics
+import subprocess
+from pathlib import Path
+
+import torch
+
+ROOT = Path(__file__).resolve().parents[1]
+OUT = Path(os.environ.get("OUT", ROOT / "bench_out"))
+
+
+def log(*a) -> None:
+    print(*a, flush=True)
+
+
+def save_results(name: str, results: dict) -> Path:
+    """``results`` as JSON in ``$OUT/name`` (``bench_out/`` without $OUT)."""
+    OUT.mkdir(parents=True, exist_ok=True)
+    path = OUT / name
+    path.write_text(json.dumps(results, indent=1, default=str))
+    return path
+
+
+def commit_id() -> str:
+    """KIMIK3_COMMIT when set (the device's copy of the tree may carry stale git metadata), else git."""
+    if os.environ.get("KIMIK3_COMMIT"):
+        return os.environ["KIMIK3_COMMIT"]
+    try:
+        return subprocess.run(["git", "rev-parse", "--short", "HEAD"], cwd=ROOT, capture_output=True,
+                              text=True).stdout.strip() or "?"
+    except OSError:
+        return "?"
+
+
+def cuda_time(fn, warmup: int = 3, iters: int = 10) -> float:
+    """Median seconds of ``fn`` over ``iters`` runs, timed with CUDA events after a warm-up."""
+    for _ in range(warmup):
+        fn()
+    torch.cuda.synchronize()
+    times = []
+    for _ in range(iters):
+        a, b = torch.cuda.Event(enable_timing=True), torch.cuda.Event(enable_timing=True)
+        a.record()
+        fn()
+        b.record()
+        b.synchronize()
+        times.append(a.elapsed_time(b) / 1e3)
+    return statistics.median(times)
+
+
+def capture_graph(fn):
+    """``fn`` captured in a CUDA graph after two warm-up runs on a side stream: (graph, its output)."""
+    s = torch.cuda.Stream()
+    s.wait_stream(torch.cuda.current_stream())
+    with torch.cuda.stream(s):
+        fn()
+        fn()
+    torch.cuda.current_stream().wait_stream(s)
+    graph = torch.cuda.CUDAGraph()
+    with torch.cuda.graph(graph):
+        out = fn()
+    return graph, out
+
+
+def rel_err(a: torch.Tensor, b: torch.Tensor) -> float:
+    """||a - b|| / ||b|| in float64."""
+    return ((a.double() - b.double()).norm() / b.double().norm()).item()
