@@ -18,7 +18,7 @@ from kimik3.ops import mla
 from kimik3.ops.backend import reference_ops
 from kimik3.ops.mla import mla_prefill_attention
 from tests.gpu.test_fast_ops import BF16_BOUND, _paged, poison_allocator
-from tests.ops.test_mla_prefill import per_seq_err
+from tests.helpers import rel_errs
 
 pytestmark = [pytest.mark.gpu, pytest.mark.skipif(not torch.cuda.is_available(), reason="needs CUDA")]
 
@@ -43,7 +43,7 @@ def run_case(H, query_lens, context_lens, form, block, seed=0, bs=64):
     finally:
         mla.PREFILL_BLOCK = old
     assert out.dtype == BF16 and out.shape == (sum(query_lens), H, DV)
-    return per_seq_err(out, ref, query_lens)
+    return rel_errs(out, ref, query_lens)
 
 
 CASES = {

@@ -6,13 +6,10 @@ import torch
 
 from kimik3 import load_model
 from kimik3.model import ForwardBatch, StateCheckpoint
+from tests.helpers import rel_err
 from tests.model.reference import Reference
 
 ARCHS = ["kimi_k3", "kimi_linear"]
-
-
-def rel_err(a, b):
-    return ((a.double() - b.double()).norm() / b.double().norm()).item()
 
 
 class Stepper:

@@ -12,6 +12,7 @@ import torch
 
 from kimik3.ops import mla
 from kimik3.ops.mla import merge_attention, mla_prefill_attention, prefill_form, prefill_pieces
+from tests.helpers import rel_errs
 
 F64, BF16 = torch.float64, torch.bfloat16
 
@@ -58,16 +59,6 @@ def mla_from_math(q, cache, tables, kv_b, query_lens, context_lens, R, dv, scale
         out.append(torch.stack(heads, dim=1))
         start += ql
     return torch.cat(out)
-
-
-def per_seq_err(out, ref, query_lens):
-    assert torch.isfinite(out).all(), "non-finite output (unwritten or NaN)"
-    errs, start = [], 0
-    for ql in query_lens:
-        o, r = out[start:start + ql].double(), ref[start:start + ql].double()
-        errs.append(((o - r).norm() / r.norm()).item())
-        start += ql
-    return errs
 
 
 # ---- (a) the merge -----------------------------------------------------------------------
@@ -139,7 +130,7 @@ def test_reference_path_in_pieces_matches_the_math(case, form, monkeypatch):
     scale = (dn + P) ** -0.5
     ref = mla_from_math(q, cache, tables, kv_b, query_lens, context_lens, R, dv, scale)
     out = mla_prefill_attention(q, cache, tables, kv_b, query_lens, context_lens, R, dv, scale, form=form)
-    assert max(per_seq_err(out, ref, query_lens)) < 1e-12
+    assert max(rel_errs(out, ref, query_lens)) < 1e-12
 
 
 def test_form_rule_and_bad_form():
@@ -169,7 +160,7 @@ def test_mixed_forms_in_one_step_match_the_math(monkeypatch):
     out = mla_prefill_attention(q, cache, tables, kv_b, query_lens, context_lens, R, dv, scale)
     assert sorted(calls) == ["absorbed", "naive"]
     ref = mla_from_math(q, cache, tables, kv_b, query_lens, context_lens, R, dv, scale)
-    assert max(per_seq_err(out, ref, query_lens)) < 1e-12
+    assert max(rel_errs(out, ref, query_lens)) < 1e-12
 
 
 # ---- (b) the Triton kernel under the interpreter -----------------------------------------
@@ -231,7 +222,7 @@ def test_prefill_kernel_matches_the_math(form, splits):
     assert torch.equal(lse[empty], lse_ref[empty].float()) and bool((o[empty] == 0).all())
     seen = ~empty
     assert (lse[seen].double() - lse_ref[seen]).abs().max().item() < 2e-2      # scores of bf16 products
-    errs = per_seq_err(torch.where(empty.unsqueeze(-1), 0, o), o_ref, query_lens)
+    errs = rel_errs(torch.where(empty.unsqueeze(-1), 0, o), o_ref, query_lens)
     assert all(e < 1e-2 or ql == 0 for e, ql in zip(errs, [20, 9, 0, 5])), errs
 
 
@@ -256,7 +247,7 @@ def test_prefill_op_on_the_kernel_path_matches_the_math(form, sms, monkeypatch):
     ref = mla_from_math(q, cache, tables, kv_b, query_lens, context_lens, R, dv, scale)
     out = mla_prefill_attention(q, cache, tables, kv_b, query_lens, context_lens, R, dv, scale, form=form)
     assert out.dtype == BF16 and (len(launches) > 0) == (sms == 64)
-    errs = per_seq_err(out, ref, query_lens)
+    errs = rel_errs(out, ref, query_lens)
     assert max(errs) < 2e-2, errs          # bf16 K/V (naive) or q_lat (absorbed), truncating roundings
 
 

@@ -18,18 +18,13 @@ from kimik3.ops.attn_res import attn_res_mix                            # noqa: 
 from kimik3.ops.conv import causal_conv1d                               # noqa: E402
 from kimik3.ops.mla import mla_decode_attention                         # noqa: E402
 from kimik3.ops.moe import fused_moe                                    # noqa: E402
+from tests.helpers import rel_err
 
 BF16 = torch.bfloat16
 
 
 def gen(seed):
     return torch.Generator().manual_seed(seed)
-
-
-def rel_err(out, ref):
-    out, ref = out.double(), ref.double()
-    assert torch.isfinite(out).all(), "non-finite output (unwritten or NaN)"
-    return ((out - ref).norm() / ref.norm()).item()
 
 
 # ---- conv --------------------------------------------------------------------------------

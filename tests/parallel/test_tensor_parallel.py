@@ -10,6 +10,7 @@ from kimik3.distributed import ParallelContext
 from kimik3.engine import EngineConfig, LLMEngine
 from kimik3.loader.load import load_model
 from kimik3.testing import make_tiny_checkpoint
+from tests.helpers import rel_err
 from tests.parallel.ranks import (ENGINE_CONFIG, SPEC_ENGINE_CONFIG, engine_prompts, engine_rank, logits_rank, run_engine,
                                   run_steps, spawn, spec_engine_rank, spec_prompts)
 
@@ -21,10 +22,6 @@ LAYOUTS = {
     4: {"tp4": (1, "tep", "auto"), "tp4xep2": (2, "tep", "sliced"), "ep4-a2a": (4, "a2a", "auto"),
         "ep4": (4, "tep", "concat")},
 }
-
-
-def rel_err(a, b):
-    return ((a - b).norm() / b.norm()).item()
 
 
 @pytest.fixture(scope="module")
