@@ -11,7 +11,7 @@ import pytest
 import torch
 
 import kimik3
-from kimik3.engine import EngineConfig, SamplingParams
+from kimik3.engine import SamplingParams
 from kimik3.engine.cuda_graphs import DecodeGraphs, graph_batch_sizes, pack_decode_inputs, padded_batch_size
 from tests.engine.helpers import make_engine, run
 
@@ -50,11 +50,6 @@ def test_pack_decode_inputs_errors():
         pack_decode_inputs([1], [4], [1], [[1]], block_size=4, size=1)
     with pytest.raises(ValueError, match="one entry per sequence"):
         pack_decode_inputs([1, 2], [1], [1], [[1]], block_size=4, size=2)
-
-
-def test_enforce_eager_config():
-    assert EngineConfig().enforce_eager is False
-    assert EngineConfig(enforce_eager=True).enforce_eager is True
 
 
 class _EagerReplay:

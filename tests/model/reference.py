@@ -169,11 +169,14 @@ class Reference:
         alpha = torch.softmax(scores, 0)
         return sum(alpha[i].unsqueeze(-1) * s for i, s in enumerate(sources))
 
-    def logits(self, ids: list[int]) -> torch.Tensor:
+    def logits(self, ids: list[int], embeds: dict[int, torch.Tensor] | None = None) -> torch.Tensor:
+        """``embeds``: position -> input row that replaces the token's embedding (an image row)."""
         c, w = self.c, self.w
         eps = c["rms_norm_eps"]
         kda_layers = set(c["linear_attn_config"]["kda_layers"])
         h0 = w["model.embed_tokens.weight"][torch.tensor(ids)]
+        for pos, row in (embeds or {}).items():
+            h0[pos] = row.to(F64)
         B = c.get("attn_res_block_size")
         blocks, partial, resid = [], h0, h0
         for i in range(c["num_hidden_layers"]):

@@ -94,14 +94,17 @@ def test_mxfp4_scale_and_errors():
 
 
 def test_mxfp4_k3_expert_shapes_and_quantize_exact_on_grid():
-    for n, k in ((3072, 3584), (3584, 3072)):                      # w1/w3 and w2 of a K3 expert
-        w = mxfp4.dequantize(torch.randint(0, 256, (n, k // 2), dtype=torch.uint8, generator=gen(5)),
-                             torch.randint(110, 130, (n, k // 32), dtype=torch.uint8, generator=gen(6)))
-        p, s = mxfp4.quantize(w)
+    from kimik3.inspect import stored_bytes
+    stored = predicted = 0
+    for w, (n, k) in (("w1", (3072, 3584)), ("w3", (3072, 3584)), ("w2", (3584, 3072))):   # one K3 expert
+        dense = mxfp4.dequantize(torch.randint(0, 256, (n, k // 2), dtype=torch.uint8, generator=gen(5)),
+                                 torch.randint(110, 130, (n, k // 32), dtype=torch.uint8, generator=gen(6)))
+        p, s = mxfp4.quantize(dense)
         assert (tuple(p.shape), tuple(s.shape)) == ((n, k // 2), (n, k // 32))
-        assert torch.equal(mxfp4.dequantize(p, s), w)
-    assert p.numel() * 2 + s.numel() * 0 == 3584 * 3072                # 2 nibbles per byte
-    assert 2 * (3072 * 1792 + 3072 * 112) + 3584 * 1536 + 3584 * 96 == 17_547_264
+        assert torch.equal(mxfp4.dequantize(p, s), dense)
+        stored += p.numel() * p.element_size() + s.numel() * s.element_size()
+        predicted += stored_bytes(f"model.layers.1.block_sparse_moe.experts.0.{w}.weight", n * k, True)[1]
+    assert stored == predicted == 17_547_264          # bytes per expert in the release (spec README)
 
 
 # ---- RMSNorm ------------------------------------------------------------------------------

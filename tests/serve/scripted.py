@@ -13,6 +13,7 @@ class ScriptedRunner:
         self.tokenizer = tokenizer
         self.scripts = dict(scripts or {})
         self.step_delay = step_delay
+        self.failed_steps: list[list] = []     # per step that raised: each chunk's script (None: unscripted)
 
     def __getattr__(self, name):
         return getattr(self.runner, name)
@@ -30,9 +31,10 @@ class ScriptedRunner:
     def execute(self, out):
         if self.step_delay:
             time.sleep(self.step_delay)
-        for c in out.chunks:
-            if self._script(c.req) == "POISON":
-                raise RuntimeError("scripted model failure (POISON in the prompt)")
+        scripts = [self._script(c.req) for c in out.chunks]
+        if "POISON" in scripts:
+            self.failed_steps.append(scripts)
+            raise RuntimeError("scripted model failure (POISON in the prompt)")
         result = self.runner.execute(out)
         reqs = [c.req for c in out.chunks if c.samples]
         for i, req in enumerate(reqs):

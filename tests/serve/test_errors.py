@@ -172,6 +172,7 @@ def test_engine_failure_fails_only_that_request():
         msgs = [{"role": "user", "content": "innocent"}]
         alone = c.chat.completions.create(model=MODEL, messages=msgs, max_tokens=40, temperature=0,
                                           extra_body={"ignore_eos": True})
+        steps_alone = s.runner.num_steps
         got = {}
 
         def innocent():
@@ -179,9 +180,13 @@ def test_engine_failure_fails_only_that_request():
                                                  extra_body={"ignore_eos": True})
         t = threading.Thread(target=innocent)
         t.start()
-        time.sleep(0.1)
+        deadline = time.monotonic() + 30
+        while s.runner.num_steps == steps_alone:        # the innocent request is running (it had a step)
+            assert time.monotonic() < deadline and t.is_alive(), "the innocent request never ran"
+            time.sleep(0.005)
         r = post(s, "/v1/chat/completions", chat(messages=[{"role": "user", "content": "POISON"}]))
         assert_error(r, 500, None, "engine failed")
+        assert sorted(map(str, s.runner.failed_steps[0])) == ["None", "POISON"]   # the innocent one ran in that step
         t.join(30)
         assert got["r"].usage.completion_tokens == 40
         assert got["r"].choices[0].message.reasoning_content == alone.choices[0].message.reasoning_content
