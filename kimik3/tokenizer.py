@@ -260,7 +260,9 @@ class KimiTokenizer:
         Differs from ``eos_token_id`` (the tokenizer's ``[EOS]``): K3 stops on ``<|end_of_msg|>``,
         Kimi-Linear on ``<|im_end|>`` (both id n+2, the model config's ``eos_token_id``).
         """
-        stop = {"k3": "<|end_of_msg|>", "kimi_linear": "<|im_end|>"}.get(self.chat_format or "")
+        from kimik3.chat import k3, kimi_linear
+
+        stop = {"k3": k3.STOP_TOKEN, "kimi_linear": kimi_linear.STOP_TOKEN}.get(self.chat_format or "")
         if stop is None or stop not in self.special_tokens:
             return [] if self.eos_token_id is None else [self.eos_token_id]
         return [self.special_tokens[stop]]
