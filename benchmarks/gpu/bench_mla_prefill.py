@@ -45,7 +45,7 @@ from benchmarks.common import commit_id, cuda_time                # noqa: E402
 from kimik3.ops.triton import mla_decode                           # noqa: E402
 from kimik3.ops.triton.mla_decode import DecodeConfig              # noqa: E402
 
-from kimik3.ops import mla                                         # noqa: E402
+from kimik3.ops import ceil_div, mla                               # noqa: E402
 from kimik3.ops.mla import gather_latents, mla_prefill_attention   # noqa: E402
 from kimik3.ops.triton import mla_prefill                          # noqa: E402
 
@@ -72,7 +72,7 @@ def ceiling() -> float:
 def inputs(H: int, query_lens: list[int], context_lens: list[int], seed: int = 0):
     """A paged latent cache holding every sequence's context + queries (blocks scattered), queries, kv_b."""
     g = torch.Generator(device=DEVICE).manual_seed(seed)
-    need = [-(-(c + q) // BS) for c, q in zip(context_lens, query_lens)]
+    need = [ceil_div(c + q, BS) for c, q in zip(context_lens, query_lens)]
     cache = torch.randn(sum(need) + 1, BS, R + P, generator=g, device=DEVICE).to(torch.bfloat16)
     perm = torch.randperm(sum(need), generator=g, device=DEVICE).int() + 1
     tables = torch.zeros(len(need), max(need), dtype=torch.int32, device=DEVICE)

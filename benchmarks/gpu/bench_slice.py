@@ -30,7 +30,7 @@ from kimik3.config import parse_config                      # noqa: E402
 from kimik3.model.batch import ForwardBatch, HybridCache     # noqa: E402
 from kimik3.model.kimi_k3 import KimiForCausalLM             # noqa: E402
 from kimik3.model.moe import Experts                         # noqa: E402
-from kimik3.ops import mxfp4                                 # noqa: E402
+from kimik3.ops import ceil_div, mxfp4                       # noqa: E402
 from kimik3.ops.backend import reference_ops                 # noqa: E402
 
 CONFIG = Path(__file__).with_name("kimi-k3-slice4.config.json")
@@ -166,7 +166,7 @@ class swapped_experts:
 
 def decode_setup(model, N: int):
     cfg = model.config.text
-    per_seq = -(-(CONTEXT + 1) // BLOCK)
+    per_seq = ceil_div(CONTEXT + 1, BLOCK)
     cache = HybridCache.allocate(cfg, num_slots=N + 1, num_blocks=N * per_seq + 1, block_size=BLOCK,
                                  dtype=torch.bfloat16, device="cuda")
     g = torch.Generator(device="cuda").manual_seed(N)

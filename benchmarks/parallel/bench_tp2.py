@@ -38,6 +38,7 @@ from kimik3.distributed import ParallelContext                       # noqa: E40
 from kimik3.model.batch import ForwardBatch                          # noqa: E402
 from kimik3.model.kimi_k3 import KimiForCausalLM                     # noqa: E402
 from kimik3.model.moe import Experts                                 # noqa: E402
+from kimik3.ops import ceil_div                                      # noqa: E402
 from kimik3.parallel.launch import NVLS_SAFE_ENV, set_safe_nvls_env  # noqa: E402
 
 CONFIG = ROOT / "benchmarks" / "gpu" / "kimi-k3-slice4.config.json"
@@ -178,7 +179,7 @@ def agreement(model, prompt: list[int], forced: list[int] | None, steps: int):
 
 # ---- (2) step timings ----------------------------------------------------------------------------
 def decode_case(model, N: int, context: int):
-    per_seq = -(-(context + 1) // 64)
+    per_seq = ceil_div(context + 1, 64)
     cache = model.allocate_cache(num_slots=N + 1, num_blocks=N * per_seq + 1, block_size=64)
     g = torch.Generator(device=DEVICE).manual_seed(N)
     cache.mla_latent.normal_(0, 1, generator=g)      # same bytes on every rank (replicated latent)
