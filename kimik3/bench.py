@@ -74,18 +74,17 @@ def bench_main(args: argparse.Namespace) -> int:
                              max_tokens=rng.randint(*args.output_len)) for i in range(args.num_requests)]
 
     run(llm, [[1, 2, 3]], [SamplingParams(max_tokens=4)])          # warm-up
-    llm.engine.kv.reset_prefix_cache()
-    runner = llm.engine.runner
-    steps0, host0, model0 = runner.num_steps, runner.host_seconds, runner.model_seconds
+    llm.reset_prefix_cache()
+    before = llm.engine.stats()
     elapsed, outs = run(llm, prompts, params)
+    after = llm.engine.stats()
     n_out = sum(len(o.outputs[0].token_ids) for o in outs)
     n_in = sum(map(len, prompts))
-    steps = runner.num_steps - steps0
+    steps = after.num_steps - before.num_steps
     ttft = [o.metrics["ttft_s"] for o in outs]
     tpot = [o.metrics["tpot_s"] for o in outs if "tpot_s" in o.metrics]
 
-    hit_rate = llm.engine.kv.prefix_hit_rate
-    llm.engine.kv.reset_prefix_cache()       # the one-at-a-time runs must not reuse the batch's prompts
+    llm.reset_prefix_cache()       # the one-at-a-time runs must not reuse the batch's prompts
     k = args.baseline_requests or args.num_requests
     idx = list(range(min(k, args.num_requests)))
     t_seq = 0.0
@@ -94,6 +93,7 @@ def bench_main(args: argparse.Namespace) -> int:
         t_seq += dt
     seq_out = sum(params[i].max_tokens for i in idx)
     seq_tps = seq_out / t_seq
+    total = llm.engine.stats()
 
     commit = subprocess.run(["git", "rev-parse", "--short", "HEAD"], capture_output=True, text=True).stdout.strip()
     print(f"kimik3 throughput  commit {commit or '?'}  {datetime.date.today()}  "
@@ -103,13 +103,12 @@ def bench_main(args: argparse.Namespace) -> int:
     print(f"output throughput  {n_out / elapsed:.1f} tok/s   (total {(n_in + n_out) / elapsed:.1f} tok/s)")
     print(f"TTFT  {percentiles(ttft)}")
     print(f"TPOT  {percentiles(tpot)}")
-    print(f"engine host time   {(runner.host_seconds - host0) / steps * 1e3:.2f} ms/step "
-          f"(model {(runner.model_seconds - model0) / steps * 1e3:.2f} ms/step)")
+    print(f"engine host time   {(after.host_seconds - before.host_seconds) / steps * 1e3:.2f} ms/step "
+          f"(model {(after.model_seconds - before.model_seconds) / steps * 1e3:.2f} ms/step)")
     print(f"one at a time      {seq_tps:.1f} tok/s over {len(idx)} requests -> batching gain "
           f"{n_out / elapsed / seq_tps:.2f}x")
-    print(f"preemptions {llm.engine.scheduler.num_preemptions}, prefix hit rate {hit_rate:.1%}")
+    print(f"preemptions {total.num_preemptions}, prefix hit rate {after.prefix_hit_rate:.1%}")
     if args.num_speculative_tokens:
-        e = llm.engine
-        print(f"speculative drafts {e.num_draft_tokens}, accepted {e.num_accepted_tokens} "
-              f"({e.num_accepted_tokens / max(e.num_draft_tokens, 1):.1%})")
+        print(f"speculative drafts {total.num_draft_tokens}, accepted {total.num_accepted_tokens} "
+              f"({total.num_accepted_tokens / max(total.num_draft_tokens, 1):.1%})")
     return 0

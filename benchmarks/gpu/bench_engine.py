@@ -56,19 +56,20 @@ def decode_steps(engine: LLMEngine, batch: int, rng: random.Random) -> dict:
         rids.append(rid)
     while engine.scheduler.waiting or any(r.num_output_tokens < 2 for r in engine.scheduler.running):
         engine.step()
-    r = engine.runner
-    s0, g0, p0, h0, m0 = r.num_steps, r.num_graph_steps, r.prepare_seconds, r.host_seconds, r.model_seconds
+    r, s0 = engine.runner, engine.stats()
     walls = []
     for _ in range(STEPS):
         t = time.perf_counter()
         engine.step()
         walls.append(time.perf_counter() - t)
-    n = r.num_steps - s0
-    row = {"batch": batch, "graph_steps": r.num_graph_steps - g0, "steps": n,
+    s1 = engine.stats()
+    n = s1.num_steps - s0.num_steps
+    prepare = s1.prepare_seconds - s0.prepare_seconds
+    row = {"batch": batch, "graph_steps": s1.num_graph_steps - s0.num_graph_steps, "steps": n,
            "wall_ms": statistics.median(walls) * 1e3,
-           "runner_prepare_ms": (r.prepare_seconds - p0) / n * 1e3,
-           "runner_launch_ms": (r.model_seconds - m0) / n * 1e3,
-           "runner_sample_ms": (r.host_seconds - h0 - (r.prepare_seconds - p0)) / n * 1e3}
+           "runner_prepare_ms": prepare / n * 1e3,
+           "runner_launch_ms": (s1.model_seconds - s0.model_seconds) / n * 1e3,
+           "runner_sample_ms": (s1.host_seconds - s0.host_seconds - prepare) / n * 1e3}
     if r.graphs is not None:
         size = r.graphs.size_for(batch)
         graph, _ = r.graphs.graphs[size]

@@ -2,8 +2,8 @@
 
 Every ``kimik3`` subcommand that builds an engine (``generate``, ``chat``, ``serve``, ``bench``) adds its
 flags with ``add_engine_args``, and ``LLM(...)`` takes the same fields as keyword arguments, so names,
-choices and defaults agree everywhere. Names follow vLLM; ``EngineArgs.create_engine()`` resolves the
-automatic values (dtype, device, ``max_model_len`` from the model's config) and builds the engine.
+choices and defaults agree everywhere. Names follow vLLM; ``EngineArgs`` resolves the automatic values
+(dtype, device, ``max_model_len`` from the model's config) and ``build.build_engine`` builds the engine.
 
 ``--max-model-len`` takes vLLM's human-readable integers: a lowercase suffix is decimal (``32k`` = 32000,
 ``1m`` = 1000000, ``25.6k`` = 25600), an uppercase one binary (``32K`` = 32768, ``1M`` = 1048576, no
@@ -14,7 +14,6 @@ from __future__ import annotations
 
 import argparse
 import dataclasses
-import functools
 import json
 import logging
 import re
@@ -255,34 +254,6 @@ class EngineArgs:
                             num_speculative_tokens=self.num_speculative_tokens,
                             speculative_ngram_min=self.speculative_ngram_min,
                             speculative_ngram_max=self.speculative_ngram_max)
-
-    def create_engine(self, tokenizer=None):
-        """Load the model and build the engine: ``(LLMEngine, parallel group or None)``."""
-        from kimik3.config import load_config
-        from kimik3.engine.llm_engine import LLMEngine
-        from kimik3.loader import load_model
-        path = self.model_path()
-        device, dtype = self.resolve_device_dtype()
-        model_config = load_config(path)
-        config = self.engine_config(self.resolve_max_model_len(model_config))
-        self.generation_defaults(path)          # a bad generation config fails before the load
-        logger.info("loading %s (%s on %s)", path, str(dtype).removeprefix("torch."), device)
-        if self.tensor_parallel_size > 1 or self.enable_expert_parallel:
-            if self.language_model_only:
-                raise ValueError("language_model_only is not supported with tensor or expert parallelism yet; "
-                                 "leave it off (images are then accepted)")
-            from kimik3.engine.parallel_runner import ParallelRunner
-            from kimik3.parallel.launch import ParallelConfig, start_group
-            layout = ParallelConfig(self.tensor_parallel_size, self.enable_expert_parallel,
-                                    self.expert_parallel_mode if self.enable_expert_parallel else "tep")
-            model, group = start_group(str(path), layout, dtype, device.type)   # ranks > 0 never return
-            engine = LLMEngine(model, config, tokenizer=tokenizer, tokenizer_path=str(path),
-                               runner_factory=functools.partial(ParallelRunner, control=group.control,
-                                                                on_failure=group.fail))
-            return engine, group
-        model = load_model(path, device=device, dtype=dtype, language_model_only=self.language_model_only,
-                                  progress=self.use_tqdm_on_load)
-        return LLMEngine(model, config, tokenizer=tokenizer, tokenizer_path=str(path)), None
 
 
 def read_generation_config(path: Path, setting: str) -> dict[str, Any]:

@@ -4,8 +4,6 @@ from __future__ import annotations
 
 from dataclasses import dataclass
 
-import torch
-
 
 @dataclass
 class EngineConfig:
@@ -48,31 +46,3 @@ class EngineConfig:
             raise ValueError(f"max_logprobs must be an integer >= 0, got {self.max_logprobs!r}")
         if self.cache_memory_bytes is not None and self.cache_memory_bytes <= 0:
             raise ValueError(f"cache_memory_bytes must be positive or None (auto), got {self.cache_memory_bytes!r}")
-
-
-def default_cache_bytes(device: torch.device, wanted_bytes: int, gpu_memory_utilization: float = 0.9) -> int:
-    """The cache budget when none is given. On a GPU (vLLM's meaning of gpu_memory_utilization): the
-    process may use ``utilization * total`` bytes; the cache gets that minus what the process already
-    holds (the weights); the rest of the GPU stays free for activations, CUDA graphs and other processes.
-    On CPU: what the limits can use, at most 4 GiB."""
-    if device.type == "cuda":
-        free, total = torch.cuda.mem_get_info(device)
-        return gpu_cache_budget(total, free, torch.cuda.memory_reserved(device), gpu_memory_utilization)
-    return min(wanted_bytes, 4 << 30)
-
-
-def gpu_cache_budget(total: int, free: int, held: int, utilization: float) -> int:
-    """``utilization * total - held`` (``held``: bytes this process's allocator holds now), or ValueError
-    when that is not positive or more than the GPU has free (other processes hold the rest)."""
-    gib = 1 << 30
-    budget = int(utilization * total) - held
-    if budget <= 0:
-        raise ValueError(f"gpu_memory_utilization={utilization} allows {utilization * total / gib:.2f} GiB of the "
-                         f"GPU's {total / gib:.2f} GiB, but the weights already take {held / gib:.2f} GiB; raise "
-                         f"gpu_memory_utilization or use more GPUs (tensor_parallel_size)")
-    if budget > free:
-        raise ValueError(f"gpu_memory_utilization={utilization} asks for {budget / gib:.2f} GiB of cache but only "
-                         f"{free / gib:.2f} GiB of the GPU is free (other processes hold "
-                         f"{(total - free - held) / gib:.2f} GiB); lower gpu_memory_utilization to at most "
-                         f"{(free + held) / total:.2f}")
-    return budget

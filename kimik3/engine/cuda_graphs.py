@@ -154,3 +154,18 @@ class DecodeGraphs:
         graph, logits = self.graphs[size]
         graph.replay()
         return logits[:num_seqs]
+
+
+def capture_or_none(graphs: DecodeGraphs) -> DecodeGraphs | None:
+    """Capture the decode graphs; a model that cannot be captured runs eagerly (one warning)."""
+    try:
+        graphs.capture()
+        return graphs
+    except Exception as exc:        # capture errors come as RuntimeError or torch.AcceleratorError
+        logger.warning("CUDA graph capture failed (%s: %s); decode steps run eagerly. Pass enforce_eager "
+                       "to skip the attempt", type(exc).__name__, str(exc).splitlines()[0] if str(exc) else "")
+        graphs.graphs.clear()
+        if torch.cuda.is_available():
+            torch.cuda.synchronize()
+            torch.cuda.empty_cache()
+        return None

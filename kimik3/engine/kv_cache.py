@@ -17,7 +17,7 @@ from dataclasses import dataclass
 
 from kimik3.engine.block_pool import BlockPool, BlockTable
 from kimik3.engine.memory import MemoryPlan
-from kimik3.engine.request import Request
+from kimik3.engine.request import CacheHoldings, Request
 from kimik3.ops import ceil_div
 
 
@@ -47,7 +47,7 @@ class KVCacheManager:
     def _match(self, req: Request) -> tuple[int, list[int]]:
         """Longest usable cached prefix of ``req``: (blocks, their ids), clamped to a checkpoint."""
         if not self.enable_prefix_caching or (req.params.prompt_logprobs is not None
-                                              and len(req.prompt_logprobs) < req.num_prompt_tokens):
+                                              and len(req.out.prompt_logprobs) < req.num_prompt_tokens):
             return 0, []    # prompt logprobs need the logits of every prompt position
         matched: list[int] = []
         for h in req.block_hashes[:(req.num_tokens - 1) // self.block_size]:
@@ -64,20 +64,23 @@ class KVCacheManager:
         """Register the request's full computed blocks (called after the step that computed them)."""
         if not self.enable_prefix_caching:
             return
+        held = req.cache
         full = min(req.num_computed_tokens // self.block_size, len(req.block_hashes))
-        for i in range(req.num_cached_blocks, full):
-            self.blocks.cache(req.block_ids[i], req.block_hashes[i])
-        req.num_cached_blocks = max(req.num_cached_blocks, full)
+        for i in range(held.num_cached_blocks, full):
+            self.blocks.cache(held.block_ids[i], req.block_hashes[i])
+        held.num_cached_blocks = max(held.num_cached_blocks, full)
+
+    def next_checkpoint(self, pos: int) -> int | None:
+        """The first token count after ``pos`` at which a checkpoint is taken (None: prefix caching off)."""
+        step = self.interval * self.block_size if self.enable_prefix_caching else 0
+        return (pos // step + 1) * step if step else None
 
     def checkpoint_boundaries(self, start: int, end: int) -> list[int]:
         """Block indices j (boundary at j*block_size tokens) in (start, end] that take a checkpoint."""
-        if not self.enable_prefix_caching:
+        first = self.next_checkpoint(start)
+        if first is None or first > end:      # the common case (a decode step between boundaries)
             return []
-        step = self.interval * self.block_size
-        first = (start // step + 1) * step
-        if first > end:          # the common case (a decode step between boundaries)
-            return []
-        return [p // self.block_size for p in range(first, end + 1, step)]
+        return [p // self.block_size for p in range(first, end + 1, self.interval * self.block_size)]
 
     def take_checkpoint_slot(self, h: bytes) -> int | None:
         """A slot to snapshot the state after block hash ``h`` into; None if it is already kept."""
@@ -108,13 +111,11 @@ class KVCacheManager:
             self.free_checkpoint_slots.append(slot)
 
     # ---- allocation ------------------------------------------------------------------
-    def _blocks_needed(self, req: Request, num_new_tokens: int, have: int) -> int:
-        return max(0, ceil_div(req.num_computed_tokens + num_new_tokens, self.block_size) - have)
-
     def admit(self, req: Request, num_new_tokens: int) -> Admission | None:
         """Give a waiting request a state slot and blocks for its first ``num_new_tokens`` tokens
         after any prefix hit (``num_new_tokens`` is capped so at least one token is computed)."""
-        assert req.num_computed_tokens == 0 and not req.block_ids and req.state_slot == 0
+        held = req.cache
+        assert req.num_computed_tokens == 0 and not held.block_ids and held.state_slot == 0
         if not self.free_live_slots:
             return None
         n_hit, hit_blocks = self._match(req)
@@ -126,10 +127,10 @@ class KVCacheManager:
             return None
         for b in hit_blocks:
             self.blocks.take(b)
-        req.block_ids = BlockTable(hit_blocks + [self.blocks.allocate() for _ in range(need)])
-        req.state_slot = self.free_live_slots.pop()
+        held.block_ids = BlockTable(hit_blocks + [self.blocks.allocate() for _ in range(need)])
+        held.state_slot = self.free_live_slots.pop()
+        held.num_cached_blocks = n_hit
         req.num_computed_tokens = hit_tokens
-        req.num_cached_blocks = n_hit
         restore = None
         if n_hit:
             h = req.block_hashes[n_hit - 1]
@@ -141,33 +142,29 @@ class KVCacheManager:
 
     def allocate(self, req: Request, num_new_tokens: int) -> bool:
         """Grow a running request's block table to hold ``num_new_tokens`` more tokens; False if no room."""
-        need = self._blocks_needed(req, num_new_tokens, len(req.block_ids))
+        held = req.cache
+        need = max(0, ceil_div(req.num_computed_tokens + num_new_tokens, self.block_size) - len(held.block_ids))
         if need > self.blocks.num_free:
             return False
-        req.block_ids.extend(self.blocks.allocate() for _ in range(need))
+        held.block_ids.extend(self.blocks.allocate() for _ in range(need))
         return True
 
     def take_spec_slots(self, n: int) -> list[int]:
         """Up to ``n`` speculative snapshot slots (fewer when the pool runs short)."""
-        n = min(n, len(self.free_spec_slots))
-        taken = self.free_spec_slots[len(self.free_spec_slots) - n:]
-        del self.free_spec_slots[len(self.free_spec_slots) - n:]
-        return taken
+        return [self.free_spec_slots.pop() for _ in range(min(n, len(self.free_spec_slots)))]
 
     def return_spec_slots(self, slots) -> None:
         self.free_spec_slots.extend(slots)
 
     def free(self, req: Request) -> None:
         """Return everything the request holds (its cached blocks stay reusable until evicted)."""
-        if req.pending_state_copy is not None:        # a speculative rollback that will not run
-            self.return_spec_slots([req.pending_state_copy[0]])
-            req.pending_state_copy = None
-        self.blocks.release(req.block_ids)
-        req.block_ids = BlockTable()
-        req.num_cached_blocks = 0
-        if req.state_slot:
-            self.free_live_slots.append(req.state_slot)
-            req.state_slot = 0
+        held = req.cache
+        if held.rollback_slot is not None:        # a speculative rollback that will not run
+            self.return_spec_slots([held.rollback_slot])
+        if held.state_slot:
+            self.free_live_slots.append(held.state_slot)
+        self.blocks.release(held.block_ids)
+        req.cache = CacheHoldings()
 
     def reset_prefix_cache(self) -> bool:
         """Forget every cached block and checkpoint; only possible (True) when no block is held."""
@@ -178,7 +175,3 @@ class KVCacheManager:
         self.blocks.cached.clear()
         self.blocks.block_hashes = [None] * self.blocks.num_blocks
         return True
-
-    @property
-    def prefix_hit_rate(self) -> float:
-        return self.num_hit_tokens / max(self.num_queried_tokens, 1)

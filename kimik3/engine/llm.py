@@ -10,7 +10,8 @@ from typing import Any
 from tqdm import tqdm
 
 from kimik3.engine.args import EngineArgs
-from kimik3.engine.request import CompletionOutput, RequestOutput
+from kimik3.engine.build import build_engine
+from kimik3.engine.output import CompletionOutput, RequestOutput
 from kimik3.engine.sampling_params import SamplingParams
 from kimik3.vision.preprocess import VisionInputs
 
@@ -29,14 +30,15 @@ class LLM:
 
         ``tensor_parallel_size`` N > 1: this process becomes rank 0 and spawns N-1 workers, one per GPU
         (``kimik3.parallel``); ``enable_expert_parallel`` splits whole experts over them.
-        ``num_speculative_tokens`` k > 0: requests verify up to k n-gram draft tokens per step."""
+        ``num_speculative_tokens`` k > 0: each step, requests without penalties (greedy or sampled) verify
+        up to k n-gram draft tokens (``kimik3.engine.speculative``)."""
         unknown = sorted(set(engine_args) - set(_ENGINE_ARGS))
         if unknown:
             raise TypeError(f"LLM() got unknown argument(s) {unknown}; it takes model, tokenizer and "
                             f"{', '.join(_ENGINE_ARGS)}")
         self.args = EngineArgs(model=model, **engine_args)
         self.model_path = self.args.model_path()
-        self.engine, self.parallel_group = self.args.create_engine(tokenizer)
+        self.engine, self.parallel_group = build_engine(self.args, tokenizer)
         self.generation_defaults = self.args.generation_defaults(self.model_path)   # SamplingParams names
         self._processor = None
         self._ids = itertools.count()
@@ -57,6 +59,10 @@ class LLM:
 
     def get_tokenizer(self):
         return self.engine.get_tokenizer(required=True)
+
+    def reset_prefix_cache(self) -> bool:
+        """Forget every cached block and KDA checkpoint; only possible (True) when no request holds blocks."""
+        return self.engine.kv.reset_prefix_cache()
 
     def get_default_sampling_params(self) -> SamplingParams:
         """SamplingParams from the model's generation_config.json (``generation_config="auto"``), else vLLM's."""
@@ -218,7 +224,7 @@ class LLM:
         if not parts:
             raise ValueError("multi_modal_data holds no images or video frames; leave it out for a text prompt")
         vision = concat_vision_inputs(parts)
-        pad = getattr(self.engine.model.config, "media_placeholder_token_id", None)
+        pad = self.engine.model.config.media_placeholder_token_id
         ids = list(prompt["prompt_token_ids"])
         n_pads = sum(1 for t in ids if t == pad) if pad is not None else 0
         if pad is not None and n_pads == len(vision) and n_pads != sum(vision.num_tokens):

@@ -63,12 +63,6 @@ class MemoryPlan:
                 f"{self.bytes_per_block} B/block, {self.bytes_per_slot} B/state")
 
 
-def default_checkpoint_interval(text_config, block_size: int, dtype: torch.dtype) -> int:
-    """Blocks per KDA checkpoint such that checkpoints take about as much memory as the latents they cover."""
-    per_block = max(HybridCache.bytes_per_block(text_config, block_size, dtype), 1)
-    return max(1, round(HybridCache.bytes_per_slot(text_config, dtype) / per_block))
-
-
 def plan_memory(text_config, budget_bytes: int, block_size: int, max_num_seqs: int,
                 checkpoint_interval: int | None, dtype: torch.dtype, num_spec_slots: int = 0) -> MemoryPlan:
     """Size both pools from ``budget_bytes``; ``checkpoint_interval=None`` plans no checkpoint slots.

@@ -3,10 +3,12 @@ of each step before its forward (the workers' side and the step protocol: ``kimi
 
 from __future__ import annotations
 
+import dataclasses
 import logging
 
 import torch
 
+from kimik3.engine.config import EngineConfig
 from kimik3.engine.runner import ModelRunner
 from kimik3.model.batch import ForwardBatch
 from kimik3.parallel.worker import send_geometry, send_step
@@ -19,12 +21,11 @@ class ParallelRunner(ModelRunner):
     (the group is then lost: ``ParallelGroup.fail``). Decode CUDA graphs stay off whatever
     ``enforce_eager`` says: a graph replay would skip the step broadcast."""
 
-    def __init__(self, model, cache, seed: int = 0, encoder_cache_tokens: int = 16384, max_num_seqs: int = 64,
-                 max_model_len: int = 8192, enforce_eager: bool = True, *, control, on_failure=None):
-        if not enforce_eager:
+    def __init__(self, model, cache, config: EngineConfig, *, control, on_failure=None):
+        if not config.enforce_eager:
             logger.info("decode CUDA graphs are off under tensor parallelism (a replay would skip the step "
                         "broadcast); steps run eagerly")
-        super().__init__(model, cache, seed, encoder_cache_tokens, max_num_seqs, max_model_len, enforce_eager=True)
+        super().__init__(model, cache, dataclasses.replace(config, enforce_eager=True))
         self.control = control
         self.on_failure = on_failure
         self._ops: tuple[list, list] = ([], [])

@@ -1,9 +1,12 @@
-"""A request as the scheduler sees it, and the results handed back to the caller.
+"""A request as the engine sees it: its tokens and settings, plus one small record per other owner.
 
 The scheduling idea (vLLM's): a request holds ``num_tokens`` tokens (prompt + generated) of which
 ``num_computed_tokens`` are in the cache. Each step hands it some of the difference; when the two
 meet, the last row's logits give the next token. Prefill, chunked prefill, prefix hits, decode and
 recompute after preemption are all this one rule.
+
+Owners: ``Request`` itself (tokens, settings, status) is the scheduler's; ``Request.cache`` is the
+cache manager's (``kv_cache.py``); ``Request.out`` is what the engine hands back (``output.py``).
 """
 
 from __future__ import annotations
@@ -38,6 +41,35 @@ def block_hash(parent: bytes | None, token_ids: list[int], extra_key: bytes | No
 
 
 @dataclass
+class CacheHoldings:
+    """What the cache manager gave the request; only ``KVCacheManager`` writes it."""
+
+    block_ids: BlockTable = field(default_factory=BlockTable)   # MLA latent blocks, in position order
+    state_slot: int = 0                 # live KDA state slot; 0 = none (slot 0 is the null slot)
+    num_cached_blocks: int = 0          # leading blocks registered in the prefix cache
+    # speculative decoding: the snapshot slot holding the state after the last accepted token, copied
+    # into ``state_slot`` before the request's next step
+    rollback_slot: int | None = None
+
+
+@dataclass
+class OutputState:
+    """Results and metrics on their way to the caller (``output.py``)."""
+
+    logprobs: list[dict[int, float]] = field(default_factory=list)
+    prompt_logprobs: list[dict[int, float] | None] = field(default_factory=list)  # one per prompt token
+    stop_reason: int | str | None = None    # the stop token id or stop string that ended it
+    detok: object | None = None             # detokenizer.OutputText, or None (token ids only)
+    num_sent_tokens: int = 0                # tokens already returned as deltas
+    num_sent_chars: int = 0
+    scheduled_time: float | None = None     # first admitted to run (queue time ends)
+    first_token_time: float | None = None
+    finish_time: float | None = None
+    num_preemptions: int = 0
+    num_prefix_hit_tokens: int = 0
+
+
+@dataclass
 class Request:
     request_id: str
     prompt_token_ids: list[int]
@@ -48,39 +80,21 @@ class Request:
     block_size: int = 16
     extra_keys: list[bytes | None] | None = None   # per-block extra hash key (image content), or None
     mm: MultiModalInput | None = None               # the prompt's images (shared by n > 1 siblings)
-    status: RequestStatus = RequestStatus.WAITING
-    token_ids: list[int] = field(default_factory=list)        # prompt + output
-    num_computed_tokens: int = 0
-    # Cache holdings (owned by the cache manager)
-    block_ids: BlockTable = field(default_factory=BlockTable)
-    state_slot: int = 0                                         # 0 = none (slot 0 is the null slot)
-    block_hashes: list[bytes] = field(default_factory=list)     # one per full block of token_ids
-    num_cached_blocks: int = 0                                  # leading blocks registered in the prefix cache
-    # Results
-    logprobs: list[dict[int, float]] = field(default_factory=list)
-    finish_reason: str | None = None
-    stop_reason: int | str | None = None
-    scheduled_time: float | None = None   # first admitted to run (queue time ends)
-    first_token_time: float | None = None
-    finish_time: float | None = None
     group_id: str = ""              # the user's request id (children of an n > 1 request share it)
     wait_for: Request | None = None  # sibling whose prompt this one reuses from the prefix cache
-    num_preemptions: int = 0
-    num_prefix_hit_tokens: int = 0
-    # speculative decoding: (snapshot slot, live slot) to copy before this request's next step
-    # (the state after its last accepted token)
-    pending_state_copy: tuple[int, int] | None = None
-    text: str = ""
-    detok: object | None = None     # incremental detokenizer state (engine-owned)
-    num_sent_tokens: int = 0        # tokens already returned as deltas
-    num_sent_chars: int = 0
-    # Image embeddings [N_i, D] by item, held (runner-owned tensors) from the first chunk that needs an
-    # item until its last pad is computed, so a request encodes or fetches each image once per prefill.
-    image_embeds: dict[int, torch.Tensor] = field(default_factory=dict)
+    status: RequestStatus = RequestStatus.WAITING
+    finish_reason: str | None = None
+    token_ids: list[int] = field(default_factory=list)        # prompt + output
+    num_computed_tokens: int = 0
+    block_hashes: list[bytes] = field(default_factory=list)     # one per full block of token_ids
     # logit controls: token sequences of params.bad_words, and the grammar state of structured outputs
     bad_word_ids: list[list[int]] = field(default_factory=list)
     matcher: object | None = None                   # structured.Matcher
-    prompt_logprobs: list[dict[int, float] | None] = field(default_factory=list)  # one per prompt token
+    # Image embeddings [N_i, D] by item, held (the runner's tensors) from the first chunk that needs an
+    # item until its last pad is computed, so a request encodes or fetches each image once per prefill.
+    image_embeds: dict[int, torch.Tensor] = field(default_factory=dict)
+    cache: CacheHoldings = field(default_factory=CacheHoldings)
+    out: OutputState = field(default_factory=OutputState)
 
     def __post_init__(self) -> None:
         self.token_ids = list(self.prompt_token_ids)
@@ -117,37 +131,3 @@ class Request:
             parent = self.block_hashes[-1] if self.block_hashes else None
             extra = self.extra_keys[i] if self.extra_keys and i < len(self.extra_keys) else None
             self.block_hashes.append(block_hash(parent, self.token_ids[i * bs:(i + 1) * bs], extra))
-
-
-@dataclass(slots=True)
-class CompletionOutput:
-    """One of the ``n`` samples of a request (vLLM's shape)."""
-
-    index: int
-    text: str
-    token_ids: list[int]
-    logprobs: list[dict[int, float]] | None     # per generated token: {token id: logprob}
-    finish_reason: str | None = None            # "stop", "length", "abort" or None while running
-    stop_reason: int | str | None = None        # the stop token id or stop string that ended it
-
-    @property
-    def finished(self) -> bool:
-        return self.finish_reason is not None
-
-
-@dataclass(slots=True)
-class RequestOutput:
-    """A request's result (from ``LLM.generate``) or a streamed delta (from ``LLMEngine.step``).
-
-    Deltas carry only the tokens/text produced since the previous delta of the same sample.
-    """
-
-    request_id: str
-    prompt: str | None
-    prompt_token_ids: list[int]
-    outputs: list[CompletionOutput]
-    finished: bool
-    metrics: dict[str, float] = field(default_factory=dict)
-    # with SamplingParams.prompt_logprobs: None for the first prompt token, then {token: logprob, top-n...}
-    # per prompt token (in the first delta that has them all; None otherwise)
-    prompt_logprobs: list[dict[int, float] | None] | None = None

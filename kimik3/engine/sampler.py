@@ -1,14 +1,11 @@
-"""Batched sampling on tensors: logit controls, penalties, temperature, min-p, top-k, top-p,
-per-request generators.
+"""Sampling: one token per sequence that reached its last token, from its logits row.
 
 Rows are the sequences that produce a token this step. Every transform is a tensor op over
-[n, vocab]; the only per-row Python work is drawing the noise of seeded requests from their own
+[n, vocab] (after the logit controls of ``logit_controls.py``: penalties, temperature, min-p, top-k,
+top-p); the only per-row Python work is drawing the noise of seeded requests from their own
 generator, which is what makes a seeded request's tokens independent of the batch it lands in.
-
-Logit controls (``apply_controls``) touch only the rows of requests that have them: their entries
-(biases, banned and allowed ids, the grammar bitmask) go to the device as a few index tensors and one
-bitmask, and one gather / index_put / masked_fill / index_copy sequence rewrites those rows; the other
-rows are not read or written, so they stay bit-identical.
+Plain greedy rows take the argmax, one device sync for the step. Speculative chunks (several rows
+each) are verified by ``speculative.verify``, which uses these pieces.
 """
 
 from __future__ import annotations
@@ -18,6 +15,48 @@ from dataclasses import dataclass
 import torch
 
 from kimik3.engine.sampling_params import SamplingParams
+
+
+def is_plain_greedy(params: SamplingParams) -> bool:
+    """Greedy with nothing else to compute: the token is the argmax of its row."""
+    return params.greedy and not params.has_penalties and params.logprobs is None
+
+
+def row_spans(chunks) -> list[tuple[int, int]]:
+    """Each sampling chunk's logits rows [a, b): one, plus one per draft token."""
+    spans, r = [], 0
+    for c in chunks:
+        spans.append((r, r + 1 + len(c.draft)))
+        r += 1 + len(c.draft)
+    return spans
+
+
+class Sampler:
+    def __init__(self, vocab_size: int, device: torch.device, seed: int):
+        self.vocab_size = vocab_size
+        self.device = device
+        self.generator = torch.Generator(device=device)     # requests without their own seed
+        self.generator.manual_seed(seed)
+
+    def sample_rows(self, reqs, logits: torch.Tensor, raw: torch.Tensor) -> SamplerOutput:
+        """One token per request from its (controlled) row; logprobs from ``raw``."""
+        if all(is_plain_greedy(r.params) for r in reqs):        # plain greedy: argmax, one sync
+            return SamplerOutput(logits.argmax(-1).tolist(), [None] * len(reqs))
+        sb = SamplingBatch.build([r.params for r in reqs], [r.generator for r in reqs],
+                                 [r.prompt_token_ids for r in reqs], [r.output_token_ids for r in reqs],
+                                 self.vocab_size, self.device)
+        return sample(logits, sb, self.generator, raw)
+
+    @staticmethod
+    def record_prompt_logprobs(scored: list[tuple], logits: torch.Tensor) -> None:
+        """Store the logprob dicts of prompt positions: ``scored`` holds (request, position) per row of
+        ``logits`` (the row scores the prompt token after the position)."""
+        reqs = [q for q, _ in scored]
+        targets = torch.tensor([q.token_ids[p + 1] for q, p in scored], device=logits.device)
+        for q, d in zip(reqs, logprob_dicts(logits, targets, [q.params.prompt_logprobs for q in reqs])):
+            if not q.out.prompt_logprobs:
+                q.out.prompt_logprobs.append(None)      # the first prompt token has no logprob
+            q.out.prompt_logprobs.append(d)
 
 
 @dataclass
@@ -73,67 +112,6 @@ class SamplingBatch:
             num_logprobs=[p.logprobs for p in params],
             all_greedy=all(greedy),
         )
-
-
-@dataclass
-class ControlRow:
-    """What one logits row needs for its logit controls: its request's settings and history."""
-
-    params: SamplingParams
-    output_ids: list[int]               # generated tokens before this row (drafts before it included)
-    end_ids: list[int]                  # tokens min_tokens holds back (EOS and stop_token_ids)
-    bad_words: list[list[int]]          # token sequences of the bad words
-    matcher: object | None = None       # structured.Matcher, or None
-    pending: list[int] | None = None    # draft tokens the matcher has not consumed yet (speculative rows)
-
-
-def banned_ids(row: ControlRow) -> list[int]:
-    """Tokens this row may not produce: end tokens before ``min_tokens``, and the last token of each
-    bad word whose other tokens end the output."""
-    out = list(row.end_ids) if len(row.output_ids) < row.params.min_tokens else []
-    hist = row.output_ids
-    for w in row.bad_words:
-        k = len(w) - 1
-        if k == 0 or (len(hist) >= k and hist[-k:] == w[:-1]):
-            out.append(w[-1])
-    return out
-
-
-def apply_controls(logits: torch.Tensor, rows: list[int], controls: list[ControlRow],
-                   bitmask: torch.Tensor | None) -> torch.Tensor:
-    """Logits with the controls of ``rows`` applied (other rows unchanged): + logit_bias, -inf on banned
-    ids, only allowed_token_ids and the grammar's tokens (``bitmask``: int32 [len(rows), words] host
-    tensor, or None) left. A row whose allowed set would be empty keeps the grammar's set alone."""
-    from kimik3.engine.structured import unpack_bitmask
-    dev = logits.device
-    n_rows, vocab = len(rows), logits.shape[-1]
-    index = torch.tensor(rows, dtype=torch.int64, device=dev)
-    sub = logits.index_select(0, index)
-    r, c, v = [], [], []
-    for k, row in enumerate(controls):
-        for t, b in (row.params.logit_bias or {}).items():
-            r.append(k), c.append(t), v.append(b)
-        for t in banned_ids(row):
-            r.append(k), c.append(t), v.append(float("-inf"))
-    if r:
-        sub.index_put_((torch.tensor(r, device=dev), torch.tensor(c, device=dev)),
-                       torch.tensor(v, dtype=sub.dtype, device=dev), accumulate=True)
-    grammar = unpack_bitmask(bitmask, vocab, dev) if bitmask is not None else None
-    listed = [k for k, row in enumerate(controls) if row.params.allowed_token_ids is not None]
-    if listed:
-        allow = torch.ones(n_rows, vocab, dtype=torch.bool, device=dev)
-        allow[torch.tensor(listed, device=dev)] = False
-        ar = [k for k in listed for _ in controls[k].params.allowed_token_ids]
-        ac = [t for k in listed for t in controls[k].params.allowed_token_ids]
-        allow[torch.tensor(ar, device=dev), torch.tensor(ac, device=dev)] = True
-        if grammar is not None:
-            both = allow & grammar
-            grammar = torch.where(both.any(-1, keepdim=True), both, grammar)
-        else:
-            grammar = allow
-    if grammar is not None:
-        sub = sub.masked_fill(~grammar, float("-inf"))
-    return logits.index_copy(0, index, sub)
 
 
 def apply_penalties(logits: torch.Tensor, b: SamplingBatch) -> torch.Tensor:

@@ -12,7 +12,7 @@ Rules, in order, per step (budget = ``max_num_batched_tokens``):
 4. With speculative decoding on, a decode step without penalties carries n-gram draft tokens (within the
    budget, max_tokens, max_model_len, free snapshot slots, and short of the next checkpoint
    boundary) and asks for a snapshot after each but the last (``speculative.py``); a request
-   whose drafts were partly rejected first copies its snapshot back (``pending_state_copy``).
+   whose drafts were partly rejected first copies its snapshot back (``CacheHoldings.rollback_slot``).
 """
 
 from __future__ import annotations
@@ -22,6 +22,7 @@ import time
 from collections import deque
 from dataclasses import dataclass, field
 
+from kimik3.engine.config import EngineConfig
 from kimik3.engine.kv_cache import KVCacheManager
 from kimik3.engine.request import Request, RequestStatus
 from kimik3.engine.speculative import can_speculate, propose_ngram
@@ -64,15 +65,9 @@ class SchedulerOutput:
 
 
 class Scheduler:
-    def __init__(self, kv: KVCacheManager, max_num_seqs: int, max_num_batched_tokens: int,
-                 num_speculative_tokens: int = 0, ngram_min: int = 2, ngram_max: int = 4,
-                 max_model_len: int | None = None):
+    def __init__(self, kv: KVCacheManager, config: EngineConfig):
         self.kv = kv
-        self.max_num_seqs = max_num_seqs
-        self.max_num_batched_tokens = max_num_batched_tokens
-        self.num_speculative_tokens = num_speculative_tokens
-        self.ngram_min, self.ngram_max = ngram_min, ngram_max
-        self.max_model_len = max_model_len
+        self.config = config
         self.waiting: deque[Request] = deque()
         self.running: list[Request] = []
         self.num_preemptions = 0
@@ -85,14 +80,15 @@ class Scheduler:
 
     def schedule(self) -> SchedulerOutput:
         out = SchedulerOutput()
-        budget = self.max_num_batched_tokens
+        budget = self.config.max_num_batched_tokens
         i = 0
         while i < len(self.running) and budget > 0:
             req = self.running[i]
-            if req.pending_state_copy is not None:     # roll back to the last accepted draft first
-                out.state_copies.append(req.pending_state_copy)
-                self.kv.return_spec_slots([req.pending_state_copy[0]])
-                req.pending_state_copy = None
+            held = req.cache
+            if held.rollback_slot is not None:         # roll back to the last accepted draft first
+                out.state_copies.append((held.rollback_slot, held.state_slot))
+                self.kv.return_spec_slots([held.rollback_slot])
+                held.rollback_slot = None
             n = min(req.num_tokens - req.num_computed_tokens, budget)
             draft = self._draft(req, budget) if n == 1 else []
             while not self.kv.allocate(req, n + len(draft)):
@@ -107,7 +103,7 @@ class Scheduler:
                 self._add_chunk(out, req, n + len(draft), draft, slots)
                 budget -= n + len(draft)
                 i += 1
-        while not out.preempted and self.waiting and budget > 0 and len(self.running) < self.max_num_seqs:
+        while not out.preempted and self.waiting and budget > 0 and len(self.running) < self.config.max_num_seqs:
             req = self.waiting[0]
             if self._blocked(req):
                 break
@@ -118,14 +114,14 @@ class Scheduler:
             self.waiting.popleft()
             req.wait_for = None
             req.status = RequestStatus.RUNNING
-            if req.scheduled_time is None:
-                req.scheduled_time = time.monotonic()
-            req.num_prefix_hit_tokens = max(req.num_prefix_hit_tokens, admission.num_hit_tokens)
+            if req.out.scheduled_time is None:
+                req.out.scheduled_time = time.monotonic()
+            req.out.num_prefix_hit_tokens = max(req.out.num_prefix_hit_tokens, admission.num_hit_tokens)
             self.running.append(req)
             if admission.restore_from is None:
-                out.state_resets.append(req.state_slot)
+                out.state_resets.append(req.cache.state_slot)
             else:
-                out.state_copies.append((admission.restore_from, req.state_slot))
+                out.state_copies.append((admission.restore_from, req.cache.state_slot))
             n = min(n, req.num_tokens - req.num_computed_tokens)
             self._add_chunk(out, req, n)
             budget -= n
@@ -140,20 +136,15 @@ class Scheduler:
 
     def _draft(self, req: Request, budget: int) -> list[int]:
         """N-gram draft tokens for a decode step of ``req`` (see rule 4)."""
-        k = self.num_speculative_tokens
-        if not k or not can_speculate(req.params):
+        cfg = self.config
+        if not cfg.num_speculative_tokens or not can_speculate(req.params):
             return []
-        k = min(k, budget - 1, req.params.max_tokens - req.num_output_tokens - 1)
-        if self.max_model_len is not None:
-            k = min(k, self.max_model_len - req.num_tokens - 1)
-        start = req.num_computed_tokens
-        if self.kv.enable_prefix_caching:
-            # a checkpoint boundary inside the drafts would need a block hash of unconfirmed tokens
-            step = self.kv.interval * self.kv.block_size
-            first = (start // step + 1) * step
-            boundary = first if first > start + 1 else first + step
-            k = min(k, boundary - start - 2)
-        draft = propose_ngram(req.token_ids, k, self.ngram_min, self.ngram_max) if k > 0 else []
+        k = min(cfg.num_speculative_tokens, budget - 1, req.params.max_tokens - req.num_output_tokens - 1,
+                cfg.max_model_len - req.num_tokens - 1)
+        boundary = self.kv.next_checkpoint(req.num_computed_tokens + 1)
+        if boundary is not None:   # a checkpoint inside the drafts would need a hash of unconfirmed tokens
+            k = min(k, boundary - req.num_computed_tokens - 2)
+        draft = propose_ngram(req.token_ids, k, cfg.speculative_ngram_min, cfg.speculative_ngram_max) if k > 0 else []
         if draft and req.matcher is not None:   # only drafts the grammar accepts (the rest would be rejected)
             draft = draft[:req.matcher.valid_prefix(draft)]
         return draft
@@ -177,7 +168,7 @@ class Scheduler:
         self.kv.free(req)
         req.num_computed_tokens = 0
         req.status = RequestStatus.WAITING
-        req.num_preemptions += 1
+        req.out.num_preemptions += 1
         self.num_preemptions += 1
         self.waiting.appendleft(req)
 
@@ -187,7 +178,7 @@ class Scheduler:
             chunk.req.num_computed_tokens = chunk.start + chunk.num_tokens - len(chunk.draft) + chunk.num_accepted
             self.kv.cache_blocks(chunk.req)
         for ck, h in zip(out.checkpoints, out.checkpoint_hashes):
-            if h is not None:                           # None: a speculative snapshot (the engine's)
+            if h is not None:                           # None: a speculative snapshot (speculative.py's)
                 self.kv.commit_checkpoint(h, ck.slot)
 
     def finish(self, req: Request, reason: str) -> None:

@@ -24,6 +24,10 @@ from __future__ import annotations
 
 from array import array
 
+import torch
+
+from kimik3.engine.sampler import Sampler, SamplerOutput, SamplingBatch, draw, filter_logits, is_plain_greedy, \
+    logprob_dicts, row_spans
 from kimik3.engine.sampling_params import SamplingParams
 
 
@@ -53,14 +57,111 @@ def can_speculate(params: SamplingParams) -> bool:
     return not params.has_penalties
 
 
-def is_plain_greedy(params: SamplingParams) -> bool:
-    """Greedy with nothing else to compute: the token is the argmax of its row."""
-    return params.greedy and not params.has_penalties and params.logprobs is None
-
-
 def accept_greedy(draft: list[int], targets: list[int]) -> int:
     """Number of leading drafts equal to the target's greedy tokens (targets[j] follows row j)."""
     m = 0
     while m < len(draft) and draft[m] == targets[m]:
         m += 1
     return m
+
+
+def verify(sampler: Sampler, chunks, logits: torch.Tensor, raw: torch.Tensor) -> SamplerOutput:
+    """The tokens of a step with speculative chunks: per chunk, its accepted drafts
+    (``SamplerOutput.accepted``) and the token after them. A chunk brings one logits row per draft
+    plus one (row j verifies draft j + 1); a chunk without drafts samples from its one row.
+    ``logits``: with the logit controls applied; ``raw``: without (for logprobs)."""
+    spans = row_spans(chunks)
+    if all(is_plain_greedy(c.req.params) for c in chunks):
+        targets = logits.argmax(-1).tolist()                   # one device sync for every row
+        result = SamplerOutput([targets[b - 1] for _, b in spans], [None] * len(chunks))
+    else:
+        last = torch.tensor([b - 1 for _, b in spans], device=logits.device)
+        result = sampler.sample_rows([c.req for c in chunks], logits[last], raw[last])
+        targets = [0] * spans[-1][1]                           # greedy rows of speculative chunks only
+        greedy_rows = [j for c, (a, b) in zip(chunks, spans) if c.draft and c.req.params.greedy
+                       for j in range(a, b)]
+        if greedy_rows:
+            rows = logits[torch.tensor(greedy_rows, device=logits.device)].argmax(-1).tolist()
+            for j, t in zip(greedy_rows, rows):
+                targets[j] = t
+    result.accepted = [[] for _ in chunks]
+    sampled = []
+    for i, (c, (a, _)) in enumerate(zip(chunks, spans)):
+        if c.draft and c.req.params.greedy:
+            m = accept_greedy(c.draft, targets[a:a + len(c.draft) + 1])
+            result.accepted[i] = c.draft[:m]
+            result.token_ids[i] = targets[a + m]
+        elif c.draft:
+            sampled.append(i)
+    if sampled:
+        _verify_sampled(sampler, [chunks[i] for i in sampled], [spans[i] for i in sampled], logits, result, sampled)
+    _logprobs(chunks, spans, raw, result)
+    return result
+
+
+def _verify_sampled(sampler: Sampler, chunks, spans, logits: torch.Tensor, result: SamplerOutput,
+                    index: list[int]) -> None:
+    """Speculative sampling of sampled requests: accept draft j + 1 with probability p_j(d),
+    else draw from p_j without d; all accepted: keep the token drawn from the last row."""
+    rows = [j for a, b in spans for j in range(a, b)]
+    params = [c.req.params for c, (a, b) in zip(chunks, spans) for _ in range(a, b)]
+    sb = SamplingBatch.build(params, [None] * len(rows), [[]] * len(rows), [[]] * len(rows),
+                             sampler.vocab_size, sampler.device)
+    probs = filter_logits(logits[torch.tensor(rows, device=logits.device)], sb).softmax(-1)
+    starts, local = [], 0                          # each chunk's first row in ``probs``
+    for a, b in spans:
+        starts.append(local)
+        local += b - a
+    draft_rows = [s + j for c, s in zip(chunks, starts) for j in range(len(c.draft))]
+    p_draft = probs[torch.tensor(draft_rows, device=probs.device),
+                    torch.tensor([t for c in chunks for t in c.draft], device=probs.device)].tolist()
+    k = 0
+    gen = sampler.generator
+    for i, c, start in zip(index, chunks, starts):
+        n = len(c.draft)
+        u = torch.rand(n, generator=c.req.generator or gen, device=gen.device).tolist()
+        m = 0
+        while m < n and u[m] < p_draft[k + m]:
+            m += 1
+        result.accepted[i] = c.draft[:m]
+        if m < n:                                  # rejected: draw from p_m without the draft token
+            residual = probs[start + m].clone()
+            residual[c.draft[m]] = 0.0
+            result.token_ids[i] = int(draw(residual[None], [c.req.generator], gen)[0])
+        k += n
+
+
+def _logprobs(chunks, spans, logits: torch.Tensor, result: SamplerOutput) -> None:
+    """Logprobs of the emitted tokens of speculative chunks that ask for them: row j for the
+    accepted draft j + 1, row m for the final token."""
+    rows, tokens, tops, where = [], [], [], []
+    result.accepted_logprobs = [[None] * len(acc) for acc in result.accepted]
+    for i, (c, (a, _)) in enumerate(zip(chunks, spans)):
+        if c.draft and c.req.params.logprobs is not None:
+            emitted = [*result.accepted[i], result.token_ids[i]]
+            rows.extend(range(a, a + len(emitted)))
+            tokens.extend(emitted)
+            tops.extend([c.req.params.logprobs] * len(emitted))
+            where.extend((i, j) for j in range(len(emitted)))
+    if not rows:
+        return
+    dicts = logprob_dicts(logits[torch.tensor(rows, device=logits.device)],
+                          torch.tensor(tokens, device=logits.device), tops)
+    for (i, j), d in zip(where, dicts):
+        if j < len(result.accepted[i]):
+            result.accepted_logprobs[i][j] = d
+        else:
+            result.logprobs[i] = d
+
+
+def settle_drafts(kv, chunk, m: int) -> None:
+    """A speculative chunk accepted ``m`` of its drafts: keep the snapshot after row m + 1 for the
+    request's next step (unless every draft was accepted: then the live state is right) and give
+    the other snapshot slots back."""
+    chunk.num_accepted = m
+    slots = chunk.spec_slots
+    if m < len(chunk.draft):
+        chunk.req.cache.rollback_slot = slots[m]
+        kv.return_spec_slots(slots[:m] + slots[m + 1:])
+    else:
+        kv.return_spec_slots(slots)

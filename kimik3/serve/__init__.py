@@ -8,10 +8,8 @@ from kimik3.serve.app import ServeOptions, create_app
 from kimik3.serve.server import (
            add_serve_arguments,
            build_app,
-           build_engine,
            run_server,
            serve_main,
 )
 
-__all__ = ["ServeOptions", "add_serve_arguments", "build_app", "build_engine", "create_app", "run_server",
-           "serve_main"]
+__all__ = ["ServeOptions", "add_serve_arguments", "build_app", "create_app", "run_server", "serve_main"]

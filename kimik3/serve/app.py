@@ -150,7 +150,7 @@ def create_app(engine: LLMEngine, options: ServeOptions) -> FastAPI:
             raise bad_request(f"the messages hold {len(collect_images(req.messages))} images, more than this server's "
                               f"--limit-mm-per-prompt image={limit}", "messages", "too_many_images")
         prompt = await state.cpu(build_chat_prompt, req, tok, options.processor_config, state.has_vision,
-                                 state.loop.multi_modal_arg, max_image_tokens=state.max_model_len - 1)
+                                 max_image_tokens=state.max_model_len - 1)
         requested = req.max_completion_tokens if req.max_completion_tokens is not None else req.max_tokens
         param = "max_completion_tokens" if req.max_completion_tokens is not None else "max_tokens"
         max_tokens = max_tokens_for(state, requested, param, len(prompt.token_ids), "messages")

@@ -138,7 +138,7 @@ def _image_error(images: list[tuple[str, str]], e: ValueError):
 
 
 def build_chat_prompt(req: ChatCompletionRequest, tokenizer, processor_cfg, has_vision: bool,
-                      multi_modal_arg: str | None, max_image_tokens: int | None = None) -> ChatPrompt:
+                      max_image_tokens: int | None = None) -> ChatPrompt:
     """``max_image_tokens``: the most image tokens a prompt can hold (checked from the image headers,
     before any image is decoded)."""
     thinking, effort = _thinking_options(req)
@@ -163,9 +163,6 @@ def build_chat_prompt(req: ChatCompletionRequest, tokenizer, processor_cfg, has_
         if not has_vision:
             raise bad_request("this model has no vision tower; remove the image parts", images[0][1],
                               "images_unsupported")
-        if multi_modal_arg is None:
-            raise bad_request("images are not supported by this engine build yet (the engine cannot take image "
-                              "inputs); send text only", images[0][1], "images_unsupported")
         if max_image_tokens is not None and sum(cost) > max_image_tokens:
             raise bad_request(f"the images need {sum(cost)} tokens ({cost} per image), more than this model's "
                               f"context (max_model_len) leaves for them ({max_image_tokens}); send fewer or "

@@ -19,7 +19,6 @@ fresh noise from the seed, and a stop string straddling the resume point is not 
 from __future__ import annotations
 
 import asyncio
-import inspect
 import itertools
 import logging
 import threading
@@ -29,19 +28,15 @@ from dataclasses import dataclass, field, replace
 from typing import Any
 
 from kimik3.engine import LLMEngine, SamplingParams
-from kimik3.engine.request import RequestStatus
 from kimik3.serve.protocol import APIError
 
 logger = logging.getLogger(__name__)
-
-# Names the engine's add_request may give its image argument, in the order they are tried.
-MULTI_MODAL_ARGS = ("multi_modal", "multi_modal_data", "mm_inputs", "images")
 
 
 @dataclass
 class PromptInput:
     token_ids: list[int]
-    multi_modal: Any = None          # VisionInputs for the engine's image argument, or None
+    multi_modal: Any = None          # VisionInputs (the engine's multi_modal_data), or None
 
 
 @dataclass
@@ -98,8 +93,6 @@ class _Route:
 class EngineLoop:
     def __init__(self, engine: LLMEngine):
         self.engine = engine
-        params = inspect.signature(engine.add_request).parameters
-        self.multi_modal_arg = next((a for a in MULTI_MODAL_ARGS if a in params), None)
         self._ops: deque = deque()
         self._wake = threading.Event()
         self._thread: threading.Thread | None = None
@@ -201,17 +194,12 @@ class EngineLoop:
     def _refuse_queued(self) -> None:
         error = APIError(503, "the server is shutting down; the request was not started, retry on another instance",
                          code="shutting_down", headers={"Retry-After": "5"})
-        started = {route.job.id for eid, route in self._routes.items() if self._started(eid)}
+        started = {route.job.id for eid, route in self._routes.items() if self.engine.request_started(eid)}
         jobs = [j for j, _ in self._probation] + list(self._backlog) + [r.job for r in self._routes.values()]
         for job in {j.id: j for j in jobs if j.id not in started and not any(c.token_ids for c in j.choices)}.values():
             self._fail(job, error)
         self._probation = deque((j, i) for j, i in self._probation if not j.done)
         self._backlog = deque(j for j in self._backlog if not j.done)
-
-    def _started(self, engine_id: str) -> bool:
-        group = self.engine.groups.get(engine_id)
-        return group is None or any(r.num_computed_tokens or r.num_output_tokens or r.status is not RequestStatus.WAITING
-                                    for r in group.children)
 
     def _probation_running(self) -> bool:
         return any(r.probation for r in self._routes.values())
@@ -238,11 +226,9 @@ class EngineLoop:
 
     def _add(self, job: Job, engine_id: str, prompt: PromptInput, params: SamplingParams,
              indices: list[int], probation: bool = False) -> bool:
-        kwargs = {}
-        if prompt.multi_modal is not None:
-            kwargs[self.multi_modal_arg] = prompt.multi_modal
         try:
-            self.engine.add_request(engine_id, {"prompt_token_ids": prompt.token_ids}, params, **kwargs)
+            self.engine.add_request(engine_id, {"prompt_token_ids": prompt.token_ids}, params,
+                                    multi_modal_data=prompt.multi_modal)
         except ValueError as e:
             self._fail(job, APIError(400, str(e)))
             return False
@@ -362,7 +348,8 @@ class EngineLoop:
                         self._probation.append((route.job, idx))
             logger.warning("re-running %d sample(s) one at a time to find the failing request", len(self._probation))
         try:   # deliver the aborts: frees nothing more, but clears the engine's bookkeeping
-            while self.engine.has_unfinished_requests() and not self.engine.scheduler.has_unfinished():
+            s = self.engine.stats()
+            if self.engine.has_unfinished_requests() and not s.num_running + s.num_waiting:
                 self.engine.step()
         except Exception:
             logger.exception("engine step after a failure raised again")
@@ -382,21 +369,19 @@ class EngineLoop:
             pass
 
     def _publish(self) -> None:
-        e = self.engine
-        kv = e.kv
-        usable = kv.plan.num_usable_blocks
+        s = self.engine.stats()
         self.snapshot = {
-            "running": float(len(e.scheduler.running)),
-            "waiting": float(len(e.scheduler.waiting) + len(self._backlog) + len(self._probation)),
-            "cache_usage": (usable - kv.blocks.num_free) / max(usable, 1),
-            "free_blocks": float(kv.blocks.num_free),
-            "usable_blocks": float(usable),
-            "prefix_hit_rate": kv.prefix_hit_rate,
-            "prefix_queried_tokens": float(kv.num_queried_tokens),
-            "prefix_hit_tokens": float(kv.num_hit_tokens),
-            "preemptions": float(e.scheduler.num_preemptions),
-            "draft_tokens": float(e.num_draft_tokens),
-            "accepted_tokens": float(e.num_accepted_tokens),
+            "running": float(s.num_running),
+            "waiting": float(s.num_waiting + len(self._backlog) + len(self._probation)),
+            "cache_usage": s.cache_usage,
+            "free_blocks": float(s.num_free_blocks),
+            "usable_blocks": float(s.num_usable_blocks),
+            "prefix_hit_rate": s.prefix_hit_rate,
+            "prefix_queried_tokens": float(s.num_queried_tokens),
+            "prefix_hit_tokens": float(s.num_hit_tokens),
+            "preemptions": float(s.num_preemptions),
+            "draft_tokens": float(s.num_draft_tokens),
+            "accepted_tokens": float(s.num_accepted_tokens),
             "step_failures": float(self.num_step_failures),
             "time": time.monotonic(),
         }

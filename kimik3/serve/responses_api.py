@@ -338,7 +338,7 @@ def add_responses_route(app: FastAPI, state) -> None:
         if tok is None:
             raise bad_request("this server has no tokenizer, so it cannot render conversations")
         prompt = await state.cpu(build_chat_prompt, chat, tok, state.options.processor_config,
-                                         state.has_vision, state.loop.multi_modal_arg)
+                                         state.has_vision)
         max_tokens = max_tokens_for(state, chat.max_tokens, "max_output_tokens", len(prompt.token_ids), "input")
         params = sampling_params(chat, max_tokens, None, tok.stop_token_ids, state.options.generation_defaults)
         fmt = ResponsesFormatter(f"resp_{uuid.uuid4().hex}", name, prompt, tok, req)

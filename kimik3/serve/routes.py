@@ -72,7 +72,7 @@ def add_routes(app: FastAPI, state) -> None:
             chat = ChatCompletionRequest.model_validate(
                 {"messages": req.messages, "tools": req.tools, "chat_template_kwargs": req.chat_template_kwargs})
             prompt = await state.cpu(build_chat_prompt, chat, tok, state.options.processor_config,
-                                             state.has_vision, state.loop.multi_modal_arg)
+                                             state.has_vision)
             ids = prompt.token_ids
         body: dict[str, Any] = {"count": len(ids), "max_model_len": state.max_model_len, "tokens": ids}
         body["token_strs"] = [tok.convert_ids_to_tokens(t) if tok.is_special_id(t)

@@ -14,21 +14,14 @@ import socket
 from pathlib import Path
 
 from kimik3.engine.args import EngineArgs, merge_model_tag
+from kimik3.engine.build import build_engine
 from kimik3.serve.app import ServeOptions, create_app
 from kimik3.serve.cli_args import add_serve_arguments
 from kimik3.serve.limits import limits_from_args
 
-__all__ = ["add_serve_arguments", "bind_socket", "build_app", "build_engine", "run_server", "serve_main",
-           "serve_options"]
+__all__ = ["add_serve_arguments", "bind_socket", "build_app", "run_server", "serve_main", "serve_options"]
 
 logger = logging.getLogger(__name__)
-
-
-def build_engine(args: argparse.Namespace):
-    """Load the model and tokenizer named by ``args`` and build the engine."""
-    merge_model_tag(args)
-    engine, _ = EngineArgs.from_cli(args).create_engine()
-    return engine
 
 
 def serve_options(args: argparse.Namespace, engine_args: EngineArgs | None = None) -> ServeOptions:
@@ -52,7 +45,7 @@ def build_app(args: argparse.Namespace):
     merge_model_tag(args)
     ea = EngineArgs.from_cli(args)
     options = serve_options(args, ea)       # bad options fail before the load
-    engine, _ = ea.create_engine()
+    engine, _ = build_engine(ea)
     return create_app(engine, options)
 
 

@@ -22,7 +22,7 @@ def fake_config(vocab_size: int = 61, eos_token_id: int | None = None) -> Simple
     text = SimpleNamespace(
         vocab_size=vocab_size, eos_token_id=eos_token_id, kda_layer_ids=(0,), mla_layer_ids=(1,),
         kda=SimpleNamespace(num_heads=1, head_dim=2, conv_size=2), mla_cache_dim=2)
-    return SimpleNamespace(text=text, architecture="fake")
+    return SimpleNamespace(text=text, architecture="fake", vision=None, media_placeholder_token_id=None)
 
 
 class FakeModel:
@@ -39,6 +39,13 @@ class FakeModel:
         self.sharpness = sharpness
         self.next_from_last = next_from_last
         self.num_steps = 0
+
+    @property
+    def cache_text_config(self) -> SimpleNamespace:
+        return self.config.text
+
+    def allocate_cache(self, num_slots: int, num_blocks: int, block_size: int) -> HybridCache:
+        return HybridCache.allocate(self.config.text, num_slots, num_blocks, block_size, self.dtype, self.device)
 
     @staticmethod
     def _next(s: int, latent_sum: int, vocab: int) -> int:

@@ -71,7 +71,7 @@ def run(engine: LLMEngine, requests: dict[str, tuple[list[int], SamplingParams]]
 def check_invariants(kv: KVCacheManager, running: list[Request], pending_checkpoints: int = 0) -> None:
     """No block leaked or double-freed, ref counts exact, slots accounted for."""
     pool = kv.blocks
-    holders = Counter(b for r in running for b in r.block_ids)
+    holders = Counter(b for r in running for b in r.cache.block_ids)
     assert 0 not in holders, "the null block was handed out"
     for b in range(1, pool.num_blocks):
         assert pool.ref_counts[b] == holders.get(b, 0), f"block {b}: ref {pool.ref_counts[b]}, held {holders.get(b, 0)}"
@@ -80,18 +80,16 @@ def check_invariants(kv: KVCacheManager, running: list[Request], pending_checkpo
     for h, b in pool.cached.items():
         assert pool.block_hashes[b] == h
     for r in running:
-        assert len(set(r.block_ids)) == len(r.block_ids), "a request holds a block twice"
-        for i in range(r.num_cached_blocks):
-            assert pool.cached.get(r.block_hashes[i]) == r.block_ids[i] or pool.block_hashes[r.block_ids[i]] is None
-    live = [r.state_slot for r in running]
+        held = r.cache
+        assert len(set(held.block_ids)) == len(held.block_ids), "a request holds a block twice"
+        for i in range(held.num_cached_blocks):
+            assert (pool.cached.get(r.block_hashes[i]) == held.block_ids[i]
+                    or pool.block_hashes[held.block_ids[i]] is None)
+    live = [r.cache.state_slot for r in running]
     assert 0 not in live and len(set(live)) == len(live)
     assert sorted(live + kv.free_live_slots) == list(range(1, kv.plan.num_live_slots + 1))
     first_ck = kv.plan.num_live_slots + kv.plan.num_spec_slots + 1
-    pending = [r.pending_state_copy for r in running if r.pending_state_copy is not None]
-    for r in running:
-        if r.pending_state_copy is not None:
-            assert r.pending_state_copy[1] == r.state_slot, "a rollback aims at another request's slot"
-    spec = [src for src, _ in pending] + kv.free_spec_slots
+    spec = [r.cache.rollback_slot for r in running if r.cache.rollback_slot is not None] + kv.free_spec_slots
     assert sorted(spec) == list(range(kv.plan.num_live_slots + 1, first_ck)), "speculative slots leaked"
     ck = list(kv.checkpoints.values())
     assert all(h in pool.cached for h in kv.checkpoints), "a checkpoint outlived its block"

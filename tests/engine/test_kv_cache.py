@@ -40,7 +40,7 @@ class CacheMachine(RuleBasedStateMachine):
         before = self.kv.blocks.num_free
         adm = self.kv.admit(req, chunk)
         if adm is None:
-            assert self.kv.blocks.num_free == before and not req.block_ids
+            assert self.kv.blocks.num_free == before and not req.cache.block_ids
             return
         assert adm.num_hit_tokens % BS == 0 and adm.num_hit_tokens < req.num_tokens
         if adm.num_hit_tokens:
@@ -75,12 +75,12 @@ class CacheMachine(RuleBasedStateMachine):
             req.append_token(new_token)          # a decode step sampled a token
         n = min(n, req.num_tokens - req.num_computed_tokens - req.pending)
         if n > 0:
-            held = list(req.block_ids)
+            held = list(req.cache.block_ids)
             before = self.kv.blocks.num_free
             if self.kv.allocate(req, req.pending + n):
                 req.pending += n
             else:
-                assert req.block_ids == held and self.kv.blocks.num_free == before
+                assert req.cache.block_ids == held and self.kv.blocks.num_free == before
 
     @precondition(lambda self: self.running)
     @rule(i=st.integers(0, 2))
@@ -92,7 +92,7 @@ class CacheMachine(RuleBasedStateMachine):
     def consistent(self):
         check_invariants(self.kv, self.running)
         for r in self.running:
-            assert len(r.block_ids) * BS >= r.num_computed_tokens + r.pending
+            assert len(r.cache.block_ids) * BS >= r.num_computed_tokens + r.pending
 
 
 TestCacheMachine = CacheMachine.TestCase

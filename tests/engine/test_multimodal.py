@@ -102,7 +102,7 @@ def test_images_through_the_engine_match_the_model_and_cache_by_content(model, i
 
     first = drive(engine, {0: {"ab": {"prompt_token_ids": ids, "multi_modal_data": ab}}}, check)
     assert first["ab"] == ref_ab
-    assert engine.runner.num_encoded_images == 2
+    assert engine.stats().num_encoded_images == 2
     # the same images again (fresh tensors, equal content) hit the prefix cache and are not encoded;
     # a different first image shares only the text blocks before it and is the one image encoded
     again = preprocess_images([picture(90, 60, 1), picture(16, 30, 2)])
@@ -116,7 +116,7 @@ def test_images_through_the_engine_match_the_model_and_cache_by_content(model, i
     assert metrics["same"]["num_prefix_hit_tokens"] == (len(ids) - 1) // 3 * 3
     assert metrics["other"]["num_prefix_hit_tokens"] == first_pad // 3 * 3     # text before image 0 only
     assert out["text"] == reference_greedy(model, text, MAX_TOKENS)
-    assert engine.runner.num_encoded_images == 3
+    assert engine.stats().num_encoded_images == 3
     assert engine.kv.blocks.num_free == engine.plan.num_usable_blocks
     # the 12-row image was sliced over several chunks, and some step packed two image requests
     assert sum(1 for s in steps if "ab" in s) >= 2
@@ -126,10 +126,11 @@ def test_images_through_the_engine_match_the_model_and_cache_by_content(model, i
 def spy_image_steps(engine) -> list[dict[str, list[int]]]:
     """Record, per step with image rows, each request's packed embed rows (checked against its pads)."""
     steps: list[dict[str, list[int]]] = []
-    prepare = engine.runner.prepare
+    build = engine.runner.batches.build
 
     def spy(out):
-        input_ids, batch, rows = prepare(out)
+        step = build(out)
+        input_ids, batch = step.input_ids, step.batch
         if batch.embed_rows is not None:
             pad = engine.model.config.media_placeholder_token_id
             assert torch.equal(batch.embed_rows, (input_ids == pad).nonzero().view(-1))
@@ -137,8 +138,8 @@ def spy_image_steps(engine) -> list[dict[str, list[int]]]:
             starts = batch.cu_seqlens.tolist()
             steps.append({c.req.request_id: [r for r in batch.embed_rows.tolist() if starts[k] <= r < starts[k + 1]]
                           for k, c in enumerate(out.chunks) if c.req.mm is not None})
-        return input_ids, batch, rows
-    engine.runner.prepare = spy
+        return step
+    engine.runner.batches.build = spy
     return steps
 
 
@@ -153,7 +154,7 @@ def test_prefix_hits_follow_image_content(model, images):
         req = engine.groups[rid].children[0]
         while engine.has_unfinished_requests():
             engine.step()
-        hit[rid] = req.num_prefix_hit_tokens
+        hit[rid] = req.out.num_prefix_hit_tokens
     first_pad = ids.index(model.config.media_placeholder_token_id)
     assert hit["ab"] == 0
     assert 0 < hit["a2b"] <= first_pad                  # only the text before the changed image
@@ -169,7 +170,7 @@ def test_preempted_requests_recompute_without_reencoding(model, images):
                          2: {"y": {"prompt_token_ids": ids, "multi_modal_data": a2b}}})
     assert engine.scheduler.num_preemptions > 0
     assert out["x"] == reference(model, ids, ab) and out["y"] == reference(model, ids, a2b)
-    assert engine.runner.num_encoded_images == 3       # a, b, a2: each once despite recomputes
+    assert engine.stats().num_encoded_images == 3       # a, b, a2: each once despite recomputes
 
 
 def test_bad_images_and_image_inputs_fail_clearly_and_leave_running_requests_alone(model, images, tiny_ckpt):
@@ -261,14 +262,14 @@ def test_prefix_hit_ending_inside_an_image_takes_the_rest_of_its_rows(model, ima
     engine.step()                                 # 14 tokens computed: blocks 0-3 (12 tokens) are cached
     engine.abort_request("first")
     engine.step()
-    assert engine.runner.num_encoded_images == 1
+    assert engine.stats().num_encoded_images == 1
     steps = spy_image_steps(engine)
     engine.add_request("again", {"prompt_token_ids": ids, "multi_modal_data": ab}, GREEDY)
     req = engine.groups["again"].children[0]
     out = drive(engine, {})
-    assert req.num_prefix_hit_tokens == 12
+    assert req.out.num_prefix_hit_tokens == 12
     assert out["again"] == reference(model, ids, ab)
-    assert engine.runner.num_encoded_images == 2
+    assert engine.stats().num_encoded_images == 2
     assert steps[0]["again"] == [0, 1, 2]        # positions 12..14: the last three rows of image 0
 
 

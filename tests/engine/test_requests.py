@@ -196,7 +196,7 @@ def test_failed_add_leaves_nothing_and_running_requests_match_a_solo_run(how, mo
         with pytest.raises(ValueError, match="seed must lie in"):
             engine.add_request("bad", {"prompt_token_ids": [1, 2]}, p)
     else:                                     # any failure while building sample 1
-        import kimik3.engine.llm_engine as le
+        import kimik3.engine.input_processor as ip
         calls = []
 
         def failing(*a, **kw):
@@ -204,9 +204,9 @@ def test_failed_add_leaves_nothing_and_running_requests_match_a_solo_run(how, mo
             if len(calls) == 2:
                 raise RuntimeError("boom")
             return real(*a, **kw)
-        real = le.OutputText
-        monkeypatch.setattr(le, "OutputText", failing)
-        engine._tokenizer = CharTokenizer()
+        real = ip.OutputText
+        monkeypatch.setattr(ip, "OutputText", failing)
+        engine.inputs._tokenizer = CharTokenizer()
         with pytest.raises(RuntimeError, match="boom"):
             engine.add_request("bad", {"prompt_token_ids": [1, 2]}, SamplingParams(n=2))
     assert list(engine.scheduler.waiting) == waiting and list(engine.scheduler.running) == running

@@ -126,13 +126,13 @@ class FailingGraphs(DecodeGraphs):
 
 
 def test_capture_failure_falls_back_to_eager_with_one_warning(model, caplog):
-    from kimik3.engine.runner import capture_or_none
+    from kimik3.engine.cuda_graphs import capture_or_none
     reqs = _requests(model.config.text.vocab_size)
     kw = dict(block_size=3, max_num_seqs=8, max_num_batched_tokens=64, max_model_len=32, extra_blocks=40)
     eager = run(make_engine(model, **kw), reqs, {0: list(reqs)})
     engine = make_engine(model, **kw)
     graphs = FailingGraphs(model, engine.cache, 8, 32)
-    with caplog.at_level("WARNING", logger="kimik3.engine.runner"):
+    with caplog.at_level("WARNING", logger="kimik3.engine.cuda_graphs"):
         engine.runner.graphs = capture_or_none(graphs)
     assert engine.runner.graphs is None and graphs.graphs == {}
     warnings = [r for r in caplog.records if r.levelname == "WARNING"]

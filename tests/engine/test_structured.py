@@ -16,7 +16,7 @@ import torch
 
 import kimik3
 from kimik3.engine import SamplingParams
-from kimik3.engine.sampler import ControlRow, apply_controls
+from kimik3.engine.logit_controls import ControlRow, apply_controls
 from kimik3.engine.sampling_params import StructuredOutputsParams as SO
 from kimik3.engine.structured import GrammarCompiler, unpack_bitmask
 from tests.engine.fake_model import FakeModel
@@ -70,7 +70,7 @@ def test_logit_bias_forces_a_token(llm):
 
 
 def test_allowed_bad_words_min_tokens(llm, tok):
-    eos = llm.engine.eos_token_id
+    eos = llm.engine.model.config.text.eos_token_id
     allowed = [65, 66, 67, eos]
     outs = _gen(llm, ["Hi"] * 3, [
         SamplingParams(max_tokens=30, temperature=1.0, seed=1, allowed_token_ids=allowed),
@@ -207,7 +207,7 @@ def test_each_mode(llm, tok, so, check):
     # a random model writes any JSON object for ever; allowed_token_ids (a few one-character tokens and
     # the end token) keeps its keys and values short, the grammar still decides what is valid
     small = [t for t in range(tok.num_base_tokens) if tok.decode([t]) in set('{}":1a')]
-    extra = {"allowed_token_ids": small + [llm.engine.eos_token_id]} if so.json_object else {}
+    extra = {"allowed_token_ids": small + [llm.engine.model.config.text.eos_token_id]} if so.json_object else {}
     outs = llm.generate(["Hi"] * 4, [SamplingParams(max_tokens=300, temperature=1.0, seed=s, structured_outputs=so,
                                                     **extra) for s in range(4)])
     for o in outs:

@@ -85,19 +85,19 @@ def test_padded_graph_step_matches_eager_step(model):
         engine.step()
     out = engine.scheduler.schedule()
     out.checkpoints.clear()       # compare the plain decode step (checkpointed ones run eagerly anyway)
-    assert runner.graph_size(out) == 8 and len(out.chunks) == 5
+    assert runner.batches.graph_size(out, runner.graphs) == 8 and len(out.chunks) == 5
     pools = (cache.kda_conv, cache.kda_state, cache.mla_latent)
     saved = [t.clone() for t in pools]
-    meta, tables, rows = runner.prepare_decode(out, 8)
+    meta, tables, rows = runner.batches.build_decode(out, 8)
     graph_logits = runner.run_graph(meta, tables, rows, 5).clone()
     graph_pools = [t.clone() for t in pools]
     for t, s in zip(pools, saved):
         t.copy_(s)
-    ids, batch, rows = runner.prepare(out)
-    eager_logits = runner.run(ids, batch, rows)
+    step = runner.batches.build(out)
+    eager_logits = runner.run(step.input_ids, step.batch, step.rows)
     assert worst_rel_err(graph_logits, eager_logits) < LOGIT_BOUND                 # per sequence
     # the live sequences' KDA slots and the latent blocks their new tokens went to: as eager
-    slots = [c.req.state_slot for c in out.chunks]
+    slots = [c.req.cache.state_slot for c in out.chunks]
     blocks = sorted(set((meta[3, :5] // cache.block_size).tolist()))
     for name, graph, eager in (("kda_conv", graph_pools[0], cache.kda_conv), ("kda_state", graph_pools[1], cache.kda_state)):
         err = worst_rel_err(graph[:, slots], eager[:, slots], dim=1)                  # per slot

@@ -1,0 +1,89 @@
+"""Batch building: the scheduler's decision (``SchedulerOutput``) as the model's inputs.
+
+Eager steps get packed input ids [T], a ``ForwardBatch`` and the packed rows that need logits: the
+sampling rows first (a chunk that reaches its last token; a speculative chunk needs every row, row j
+verifying draft j + 1), then the rows that score prompt tokens (``prompt_logprobs``). A chunk whose
+positions hold media pads gets those pads' embedding rows (``encoder_cache.ImageEncoder``).
+
+Pure decode steps of up to max_num_seqs sequences can replay a CUDA graph instead: one token per
+sequence, each with history, no KDA checkpoint, no media pad, no prompt scoring. Their inputs are
+packed padded to the graph's size (``cuda_graphs.pack_decode_inputs``: block tables are copied
+from each request's int32 ``BlockTable``, no per-step Python conversion).
+"""
+
+from __future__ import annotations
+
+from dataclasses import dataclass
+
+import torch
+
+from kimik3.engine.cuda_graphs import DecodeGraphs, pack_decode_inputs
+from kimik3.engine.encoder_cache import ImageEncoder
+from kimik3.model.batch import ForwardBatch
+
+
+@dataclass
+class StepInputs:
+    input_ids: torch.Tensor     # [T] int64, packed new tokens
+    batch: ForwardBatch
+    rows: list[int]             # packed rows that need logits: sampling rows, then prompt-scoring rows
+    prompt_rows: list[tuple]    # (request, position) of each prompt-scoring row (the last rows of ``rows``)
+
+
+def prompt_logprob_positions(c) -> range:
+    """Positions of chunk ``c`` whose logits score the next prompt token (prompt_logprobs not yet
+    recorded there; a recompute after preemption records nothing twice)."""
+    req = c.req
+    if req.params.prompt_logprobs is None:
+        return range(0)
+    lo = max(c.start, len(req.out.prompt_logprobs) - 1)
+    return range(lo, min(c.start + c.num_tokens, req.num_prompt_tokens - 1))
+
+
+class BatchBuilder:
+    def __init__(self, block_size: int, device: torch.device, images: ImageEncoder):
+        self.block_size = block_size
+        self.device = device
+        self.images = images
+
+    def build(self, out) -> StepInputs:
+        """The eager step's inputs."""
+        ids: list[int] = []
+        rows: list[int] = []
+        scored: list[tuple] = []
+        scored_rows: list[int] = []
+        for c in out.chunks:
+            for p in prompt_logprob_positions(c):
+                scored.append((c.req, p))
+                scored_rows.append(len(ids) + p - c.start)
+            ids.extend(c.req.token_ids[c.start:c.start + c.num_tokens - len(c.draft)])
+            ids.extend(c.draft)
+            if c.samples:
+                rows.extend(range(len(ids) - 1 - len(c.draft), len(ids)))
+        batch = ForwardBatch.build(
+            query_lens=[c.num_tokens for c in out.chunks], context_lens=[c.start for c in out.chunks],
+            state_slots=[c.req.cache.state_slot for c in out.chunks],
+            block_tables=[c.req.cache.block_ids for c in out.chunks],
+            block_size=self.block_size, device=self.device, checkpoints=tuple(out.checkpoints))
+        if any(c.req.mm is not None for c in out.chunks):
+            batch.embed_rows, batch.embeds = self.images.rows(out.chunks)
+        return StepInputs(torch.tensor(ids, dtype=torch.int64, device=self.device), batch, rows + scored_rows, scored)
+
+    @staticmethod
+    def graph_size(out, graphs: DecodeGraphs | None) -> int | None:
+        """Padded size of the decode graph that runs this step, or None (eager)."""
+        if graphs is None or out.checkpoints:
+            return None
+        for c in out.chunks:
+            if c.num_tokens != 1 or c.start == 0 or prompt_logprob_positions(c) or (
+                    c.req.mm is not None and c.req.mm.items_in(c.start, c.start + 1)):
+                return None
+        return graphs.size_for(len(out.chunks))
+
+    def build_decode(self, out, size: int) -> tuple[torch.Tensor, torch.Tensor, list[int]]:
+        """A graph step's host inputs padded to ``size`` rows, and the chunk indices that sample."""
+        chunks = out.chunks
+        meta, tables = pack_decode_inputs([c.req.token_ids[c.start] for c in chunks], [c.start for c in chunks],
+                                          [c.req.cache.state_slot for c in chunks],
+                                          [c.req.cache.block_ids for c in chunks], self.block_size, size)
+        return meta, tables, [i for i, c in enumerate(chunks) if c.samples]

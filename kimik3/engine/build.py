@@ -1,0 +1,44 @@
+"""``build_engine``: the one way from ``EngineArgs`` to a running engine, used by ``LLM``, ``kimik3
+serve``, ``kimik3 bench`` and the other commands (through ``LLM``).
+
+It resolves the automatic settings, checks the generation config before the (long) load, loads the
+model, and builds the ``LLMEngine``; with tensor or expert parallelism this process becomes rank 0
+of a new group (``kimik3.parallel.launch``) whose lock-step runner drives every rank's forward.
+"""
+
+from __future__ import annotations
+
+import functools
+import logging
+
+from kimik3.config import load_config
+from kimik3.engine.args import EngineArgs
+from kimik3.engine.llm_engine import LLMEngine
+from kimik3.loader import load_model
+
+logger = logging.getLogger(__name__)
+
+
+def build_engine(args: EngineArgs, tokenizer=None):
+    """Load the model and build the engine: ``(LLMEngine, parallel group or None)``."""
+    path = args.model_path()
+    device, dtype = args.resolve_device_dtype()
+    config = args.engine_config(args.resolve_max_model_len(load_config(path)))
+    args.generation_defaults(path)          # a bad generation config fails before the load
+    logger.info("loading %s (%s on %s)", path, str(dtype).removeprefix("torch."), device)
+    if args.tensor_parallel_size > 1 or args.enable_expert_parallel:
+        if args.language_model_only:
+            raise ValueError("language_model_only is not supported with tensor or expert parallelism yet; "
+                             "leave it off (images are then accepted)")
+        from kimik3.engine.parallel_runner import ParallelRunner
+        from kimik3.parallel.launch import ParallelConfig, start_group
+        layout = ParallelConfig(args.tensor_parallel_size, args.enable_expert_parallel,
+                                args.expert_parallel_mode if args.enable_expert_parallel else "tep")
+        model, group = start_group(str(path), layout, dtype, device.type)   # ranks > 0 never return
+        engine = LLMEngine(model, config, tokenizer=tokenizer, tokenizer_path=str(path),
+                           runner_factory=functools.partial(ParallelRunner, control=group.control,
+                                                            on_failure=group.fail))
+        return engine, group
+    model = load_model(path, device=device, dtype=dtype, language_model_only=args.language_model_only,
+                       progress=args.use_tqdm_on_load)
+    return LLMEngine(model, config, tokenizer=tokenizer, tokenizer_path=str(path)), None

@@ -1,0 +1,100 @@
+"""Logit controls: per-request rewrites of logits rows before sampling (logit_bias, min_tokens,
+bad_words, allowed_token_ids and the grammar of structured outputs).
+
+They touch only the rows of requests that have them: their entries (biases, banned and allowed ids,
+the grammar bitmask) go to the device as a few index tensors and one bitmask, and one gather /
+index_put / masked_fill / index_copy sequence rewrites those rows; the other rows are not read or
+written, so they stay bit-identical.
+"""
+
+from __future__ import annotations
+
+from dataclasses import dataclass
+
+import torch
+
+from kimik3.engine.sampling_params import SamplingParams
+from kimik3.engine.structured import fill_bitmasks, unpack_bitmask
+
+
+def controlled_logits(chunks, spans: list[tuple[int, int]], logits: torch.Tensor) -> torch.Tensor:
+    """Logits with each controlled request's controls applied. Chunk i owns rows ``spans[i]``; row
+    a + j of a speculative chunk sees the request's output followed by its drafts 1..j."""
+    rows: list[int] = []
+    controls: list[ControlRow] = []
+    for c, (a, b) in zip(chunks, spans):
+        q = c.req
+        if not q.params.has_controls:
+            continue
+        ends = [t for t in (q.eos_token_id, *q.params.stop_token_ids) if t is not None and not
+                (t == q.eos_token_id and q.params.ignore_eos)]
+        out_ids = q.output_token_ids
+        for j in range(b - a):
+            rows.append(a + j)
+            controls.append(ControlRow(q.params, out_ids + c.draft[:j], ends, q.bad_word_ids, q.matcher, c.draft[:j]))
+    if not rows:
+        return logits
+    bitmask = None
+    if any(row.matcher is not None for row in controls):
+        bitmask = fill_bitmasks([(row.matcher, row.pending) for row in controls])
+    return apply_controls(logits, rows, controls, bitmask)
+
+
+@dataclass
+class ControlRow:
+    """What one logits row needs for its logit controls: its request's settings and history."""
+
+    params: SamplingParams
+    output_ids: list[int]               # generated tokens before this row (drafts before it included)
+    end_ids: list[int]                  # tokens min_tokens holds back (EOS and stop_token_ids)
+    bad_words: list[list[int]]          # token sequences of the bad words
+    matcher: object | None = None       # structured.Matcher, or None
+    pending: list[int] | None = None    # draft tokens the matcher has not consumed yet (speculative rows)
+
+
+def banned_ids(row: ControlRow) -> list[int]:
+    """Tokens this row may not produce: end tokens before ``min_tokens``, and the last token of each
+    bad word whose other tokens end the output."""
+    out = list(row.end_ids) if len(row.output_ids) < row.params.min_tokens else []
+    hist = row.output_ids
+    for w in row.bad_words:
+        k = len(w) - 1
+        if k == 0 or (len(hist) >= k and hist[-k:] == w[:-1]):
+            out.append(w[-1])
+    return out
+
+
+def apply_controls(logits: torch.Tensor, rows: list[int], controls: list[ControlRow],
+                   bitmask: torch.Tensor | None) -> torch.Tensor:
+    """Logits with the controls of ``rows`` applied (other rows unchanged): + logit_bias, -inf on banned
+    ids, only allowed_token_ids and the grammar's tokens (``bitmask``: int32 [len(rows), words] host
+    tensor, or None) left. A row whose allowed set would be empty keeps the grammar's set alone."""
+    dev = logits.device
+    n_rows, vocab = len(rows), logits.shape[-1]
+    index = torch.tensor(rows, dtype=torch.int64, device=dev)
+    sub = logits.index_select(0, index)
+    r, c, v = [], [], []
+    for k, row in enumerate(controls):
+        for t, b in (row.params.logit_bias or {}).items():
+            r.append(k), c.append(t), v.append(b)
+        for t in banned_ids(row):
+            r.append(k), c.append(t), v.append(float("-inf"))
+    if r:
+        sub.index_put_((torch.tensor(r, device=dev), torch.tensor(c, device=dev)),
+                       torch.tensor(v, dtype=sub.dtype, device=dev), accumulate=True)
+    grammar = unpack_bitmask(bitmask, vocab, dev) if bitmask is not None else None
+    listed = [k for k, row in enumerate(controls) if row.params.allowed_token_ids is not None]
+    if listed:
+        allow = torch.ones(n_rows, vocab, dtype=torch.bool, device=dev)
+        allow[torch.tensor(listed, device=dev)] = False
+        ar = [k for k in listed for _ in controls[k].params.allowed_token_ids]
+        ac = [t for k in listed for t in controls[k].params.allowed_token_ids]
+        allow[torch.tensor(ar, device=dev), torch.tensor(ac, device=dev)] = True
+        if grammar is not None:
+            both = allow & grammar
+            grammar = torch.where(both.any(-1, keepdim=True), both, grammar)
+        else:
+            grammar = allow
+    if grammar is not None:
+        sub = sub.masked_fill(~grammar, float("-inf"))
+    return logits.index_copy(0, index, sub)
