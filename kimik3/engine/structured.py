@@ -1,4 +1,4 @@
-"""Constrained decoding on llguidance: grammars from StructuredOutputsParams, per-request matchers,
+r"""Constrained decoding on llguidance: grammars from StructuredOutputsParams, per-request matchers,
 and token bitmasks for the sampler.
 
 Each constrained request owns an ``llguidance.LLMatcher`` over the engine's tokenizer (built once
@@ -13,6 +13,11 @@ matcher stops (its grammar is complete and it took an end token), the request fi
 
 JSON schemas compile with compact separators (``", "`` and ``": "``, no free whitespace) unless the
 schema's own ``x-guidance`` says otherwise: outputs stay short and every token counts.
+
+A ``regex`` constraint has the semantics of a JSON Schema ``pattern`` (ECMA-262): ``\d`` is ``[0-9]`` and
+``\w`` is ``[0-9A-Za-z_]``, as llguidance already reads the patterns inside schemas. (Handed over as is,
+llguidance's regexes follow Rust's ``regex`` crate, where ``\d`` is any Unicode decimal digit: a random
+model then writes digits such as U+1E4F0..U+1E4F9 that other regex engines do not take for digits.)
 """
 
 from __future__ import annotations
@@ -66,7 +71,9 @@ def grammar_text(so: StructuredOutputsParams) -> str:
     if so.json is not None or so.json_object:
         return M.grammar_from_json_schema(json_schema_for_llguidance(ANY_JSON_OBJECT if so.json_object else so.json))
     if so.regex is not None:
-        return M.grammar_from_regex(so.regex)
+        if (len(so.regex) - len(so.regex.rstrip("\\"))) % 2:      # regex_to_lark would drop it silently
+            raise ValueError("structured_outputs: the regex ends in a lone backslash")
+        return M.grammar_from_lark(f"start: /{_llg().regex_to_lark(so.regex, 'dw')}/")    # ECMA-262 \d, \w
     if so.choice is not None:
         return M.grammar_from_lark("start: " + " | ".join(json.dumps(c, ensure_ascii=False) for c in so.choice))
     text = so.grammar

@@ -1,7 +1,9 @@
 """Logit controls and constrained decoding in the engine, on the embedded random K3 and the fake model.
 
-Outputs are checked by independent means: ``json`` + ``jsonschema`` for schemas, Python's ``re`` for
-regexes, a float64 per-row loop for the logit-control arithmetic, the plain engine for bit-identity."""
+Outputs are checked by independent means: ``json`` + ``jsonschema`` for schemas (its ``pattern`` and
+``uuid`` checks made JSON Schema's: ECMA-262 regexes through ``regress``, RFC 4122 hex digits), ``regress``
+(an ECMA-262 regex engine) for regexes, a float64 per-row loop for the logit-control arithmetic, the
+plain engine for bit-identity."""
 
 from __future__ import annotations
 
@@ -9,9 +11,12 @@ import json
 import math
 import random
 import re
+import unicodedata
+from dataclasses import dataclass, field
 
 import jsonschema
 import pytest
+import regress
 import torch
 
 import kimik3
@@ -20,9 +25,27 @@ from kimik3.engine.logit_controls import ControlRow, apply_controls
 from kimik3.engine.sampling_params import StructuredOutputsParams as SO
 from kimik3.engine.structured import GrammarCompiler, unpack_bitmask
 from tests.engine.fake_model import FakeModel
-from tests.engine.schemas import random_regex, random_schema
+from tests.engine.schemas import max_output_bytes, random_regex, random_schema, regex_max_chars
 
 FORMATS = jsonschema.FormatChecker()
+REGEX_CHAR_BYTES = 4        # a character of a regex match is at most 4 bytes of UTF-8
+
+
+@FORMATS.checks("uuid")
+def _uuid(text) -> bool:
+    """RFC 4122's ABNF: ASCII hex digits (jsonschema's check, through ``uuid.UUID``, takes any Unicode digit)."""
+    hexa = "[0-9a-fA-F]"
+    return not isinstance(text, str) or re.fullmatch(f"{hexa}{{8}}(-{hexa}{{4}}){{3}}-{hexa}{{12}}", text) is not None
+
+
+def _ecma_pattern(validator, pattern, instance, schema):
+    """JSON Schema's ``pattern``: an ECMA-262 regex found anywhere in the string (jsonschema uses Python's
+    ``re``, where ``\\d`` is any Unicode digit; in ECMA-262 it is [0-9])."""
+    if validator.is_type(instance, "string") and regress.Regex(pattern).find(instance) is None:
+        yield jsonschema.ValidationError(f"{instance!r} does not match {pattern!r}")
+
+
+VALIDATOR = jsonschema.validators.extend(jsonschema.Draft202012Validator, {"pattern": _ecma_pattern})
 
 
 @pytest.fixture(scope="module")
@@ -154,46 +177,170 @@ def test_controlled_rows_leave_plain_rows_bit_identical(llm, tok, model):
 
 # ---- constrained decoding -------------------------------------------------------------------------
 
+def _strict_object(pairs):
+    keys = [k for k, _ in pairs]
+    if len(set(keys)) != len(keys):
+        raise ValueError(f"duplicate keys in {keys}")
+    return dict(pairs)
+
+
+def _not_json(name):
+    raise ValueError(f"{name} is not JSON (RFC 8259)")
+
+
 def _valid(kind, spec, text) -> bool:
+    """A regex: ``text`` is a full ECMA-262 match. A schema: ``text`` is RFC 8259 JSON (no NaN, no
+    duplicate keys) and valid under JSON Schema 2020-12 with format assertions."""
     if kind == "regex":
-        return re.fullmatch(spec, text) is not None
+        return regress.Regex(f"^(?:{spec})$").find(text) is not None
     try:
-        jsonschema.validate(json.loads(text), spec, format_checker=FORMATS)
+        VALIDATOR(spec, format_checker=FORMATS).validate(json.loads(text, object_pairs_hook=_strict_object,
+                                                                    parse_constant=_not_json))
     except (ValueError, jsonschema.ValidationError):
         return False
     return True
 
 
-def property_run(llm, n: int, seed: int, max_tokens: int = 440, progress=None) -> tuple[int, list]:
-    """``n`` generated schemas and regexes sampled at temperature 1.0: (count, invalid outputs);
-    ``progress(done, invalid)`` after each batch."""
+def draw_cases(n: int, seed: int, max_tokens: int) -> tuple[list[tuple], int]:
+    """``n`` cases ``(kind, spec, constraint, max_tokens)``, every fourth a regex, the others JSON schemas,
+    and how many schemas were drawn again. A case's ``max_tokens`` is its longest valid output in bytes
+    plus 1 (a token is at least a byte; the end token last), so every output can finish; a schema whose
+    longest output does not fit in ``max_tokens`` is drawn again (3 in 1,000 at 440)."""
     rng = random.Random(seed)
-    cases = []
+    cases, redrawn = [], 0
     for i in range(n):
         if i % 4 == 3:
             rx = random_regex(rng)
-            cases.append(("regex", rx, SO(regex=rx)))
-        else:
+            cases.append(("regex", rx, SO(regex=rx), REGEX_CHAR_BYTES * regex_max_chars(rx) + 1))
+            continue
+        while True:
             sch = random_schema(rng)
-            cases.append(("json", sch, SO(json=sch)))
-    bad = []
+            need = max_output_bytes(sch) + 1
+            if need <= max_tokens:
+                break
+            redrawn += 1
+        cases.append(("json", sch, SO(json=sch), need))
+    return cases, redrawn
+
+
+@dataclass
+class PropertyRun:
+    count: int
+    invalid: list = field(default_factory=list)     # (kind, spec, text, finish_reason): stopped, but not valid
+    length: list = field(default_factory=list)      # the same, cut at max_tokens before the output was complete
+    redrawn: int = 0
+
+
+def property_run(llm, n: int, seed: int, max_tokens: int = 440, progress=None) -> PropertyRun:
+    """``n`` generated schemas and regexes (``draw_cases``) sampled at temperature 1.0; ``progress(run)``
+    after each batch of 64."""
+    cases, redrawn = draw_cases(n, seed, max_tokens)
+    run = PropertyRun(n, redrawn=redrawn)
     for lo in range(0, n, 64):
         part = cases[lo:lo + 64]
         outs = llm.generate([f"case {lo + k}" for k in range(len(part))],
-                            [SamplingParams(max_tokens=max_tokens, temperature=1.0, seed=seed * 100_000 + lo + k,
-                                            structured_outputs=so) for k, (_, _, so) in enumerate(part)])
-        for (kind, spec, _), o in zip(part, outs):
+                            [SamplingParams(max_tokens=need, temperature=1.0, seed=seed * 100_000 + lo + k,
+                                            structured_outputs=so) for k, (_, _, so, need) in enumerate(part)],
+                            use_tqdm=False)
+        for (kind, spec, _, _), o in zip(part, outs):
             c = o.outputs[0]
-            if c.finish_reason != "stop" or not _valid(kind, spec, c.text):
-                bad.append((kind, spec, c.text, c.finish_reason))
+            if c.finish_reason == "length":
+                run.length.append((kind, spec, c.text, c.finish_reason))
+            elif c.finish_reason != "stop" or not _valid(kind, spec, c.text):
+                run.invalid.append((kind, spec, c.text, c.finish_reason))
         if progress is not None:
-            progress(lo + len(part), bad)
-    return n, bad
+            progress(lo + len(part), run)
+    return run
 
 
 def test_generated_schemas_and_regexes_always_validate(llm):
-    n, bad = property_run(llm, 256, seed=7)
-    assert not bad, f"{len(bad)} of {n} invalid, first: {bad[:3]}"
+    run = property_run(llm, 256, seed=7)
+    assert not run.invalid and not run.length, (f"{len(run.invalid)} invalid, {len(run.length)} cut at max_tokens "
+                                                f"of {run.count}, first: {(run.invalid + run.length)[:3]}")
+
+
+# Decimal digits beyond ASCII: Python 3.11's (Unicode 14) and some of Unicode 15 and 16's, which Rust's
+# regex crate (llguidance) knows and Python's re does not (a random model wrote U+116D3 and U+1CCF9 for \\d).
+UNICODE_DIGITS = ([chr(c) for c in range(0x80, 0x110000) if unicodedata.category(chr(c)) == "Nd"]
+                  + [chr(c) for c in (*range(0x11F50, 0x11F5A), *range(0x1E4F0, 0x1E4FA), *range(0x116D0, 0x116E4),
+                                      *range(0x1CCF0, 0x1CCFA))])
+
+
+@pytest.mark.parametrize("so,quote", [(SO(regex=r"x\d{2}"), ""), (SO(regex=r"x[\d]\w"), ""),
+                                      (SO(json={"type": "string", "pattern": r"^x\d{2}$"}), '"')],
+                         ids=["regex", "regex-class", "schema-pattern"])
+def test_digit_classes_are_ascii_as_in_json_schema(tok, so, quote):
+    """\\d is [0-9] and \\w [0-9A-Za-z_] (ECMA-262, JSON Schema's regexes) in a regex constraint as in a
+    schema's pattern: the grammar takes ASCII digits and no other decimal digit."""
+    m = GrammarCompiler(tok, tok.vocab_size, tok.stop_token_ids).matcher(so)
+    end = [tok.stop_token_ids[0]]
+
+    def takes(text):
+        ids = tok.encode(quote + text + quote)
+        return m.m.validate_tokens(ids + end) == len(ids) + 1
+    assert all(takes(f"x{d}{d}") for d in "0123456789")
+    taken = [d for d in UNICODE_DIGITS if takes(f"x{d}{d}") or takes(f"x{d}0") or takes(f"x0{d}")]
+    assert not taken, [f"U+{ord(d):04X}" for d in taken]
+
+
+def test_validator_reads_regexes_and_formats_as_json_schema():
+    """The property check's side of the same semantics: ECMA-262 \\d and \\w, RFC 4122 hex digits."""
+    arabic, outlined = "\u0661", "\U0001CCF9"
+    assert _valid("regex", r"\d{2}", "12") and not _valid("regex", r"\d{2}", arabic * 2)
+    assert not _valid("regex", r"(\d\d)?[0-9]{2}", outlined + "000") and not _valid("regex", r"\w", "\u00e9")
+    pattern = {"type": "string", "pattern": r"^\d+$"}
+    assert _valid("json", pattern, '"42"') and not _valid("json", pattern, json.dumps(arabic))
+    uuid = {"type": "string", "format": "uuid"}
+    good = "12345678-abcd-ABCD-1234-123456789abc"
+    assert _valid("json", uuid, json.dumps(good)) and not _valid("json", uuid, json.dumps(arabic + good[1:]))
+    assert not _valid("json", {"type": "number"}, "NaN") and not _valid("json", {"type": "object"}, '{"a": 1, "a": 2}')
+
+
+def _longest_walk(compiler, tok, so, rng) -> int:
+    """Bytes of an output written to be long: each step takes a random one of the shortest tokens the
+    grammar allows (one byte), of those a backslash first (then ``u``: a ``\\uXXXX`` escape) and closers
+    (``"``, ``]``, ``}``) last, an end token only when nothing else is allowed."""
+    m = compiler.matcher(so)
+    ends = set(compiler.end_token_ids)
+    raw = [tok.token_bytes(t) if t < tok.num_base_tokens else b"" for t in range(tok.vocab_size)]
+    out, escaped = 0, False
+    while not m.stopped:
+        rank = {b"u" if escaped else b"\\": 0, b'"': 2, b"]": 2, b"}": 2}
+        mask = unpack_bitmask(compiler.fill_bitmasks([(m, [])]), tok.vocab_size, torch.device("cpu"))[0]
+        allowed = [t for t in mask.nonzero().flatten().tolist() if t not in ends and raw[t]]
+        if not allowed:
+            assert m.consume(next(t for t in ends if mask[t]))
+            break
+        best = min((len(raw[t]), rank.get(raw[t], 1)) for t in allowed)
+        t = rng.choice([t for t in allowed if (len(raw[t]), rank.get(raw[t], 1)) == best])
+        assert m.consume(t)
+        out, escaped = out + len(raw[t]), raw[t] == b"\\" and not escaped
+    return out
+
+
+def test_every_case_can_finish_within_its_max_tokens(tok):
+    """The property run gives each case its longest output + 1 tokens: the generated schemas are
+    satisfiable (every number range holds a multiple strictly inside; they compile), and outputs written
+    to be as long as the grammar lets them stay within the bound."""
+    from fractions import Fraction
+    compiler = GrammarCompiler(tok, tok.vocab_size, tok.stop_token_ids)
+    cases, _ = draw_cases(20_000, seed=3, max_tokens=440)
+    assert all(need <= 440 for *_, need in cases)
+
+    def numbers(sch):
+        if sch.get("type") == "number":
+            yield sch
+        for sub in [*sch.get("properties", {}).values(), *([sch["items"]] if "items" in sch else [])]:
+            yield from numbers(sub)
+    for kind, spec, so, need in cases:
+        for num in numbers(spec) if kind == "json" else ():
+            lo, hi, mul = (Fraction(num[k]) for k in ("minimum", "maximum", "multipleOf"))
+            assert (lo // mul + 1) * mul < hi, num
+    for _, _, so, _ in cases[:400]:
+        compiler.check(so)
+    rng = random.Random(0)
+    for kind, spec, so, need in cases[:120]:
+        assert _longest_walk(compiler, tok, so, rng) + 1 <= need, spec
 
 
 @pytest.mark.parametrize("so,check", [
@@ -215,8 +362,8 @@ def test_each_mode(llm, tok, so, check):
 
 
 def test_bad_constraints_are_refused_before_queueing(llm):
-    for so in (SO(regex="(unclosed"), SO(json={"type": "object", "properties": {"a": {"type": "frob"}}}),
-               SO(grammar="start: nothing_defined")):
+    for so in (SO(regex="(unclosed"), SO(regex="ab\\"), SO(grammar="start: nothing_defined"),
+               SO(json={"type": "object", "properties": {"a": {"type": "frob"}}})):
         with pytest.raises(ValueError, match="structured_outputs"):
             llm.engine.add_request("bad", "Hi", SamplingParams(structured_outputs=so))
         assert not llm.engine.has_unfinished_requests()
@@ -287,11 +434,12 @@ if __name__ == "__main__":      # the issue's 10,000 target: python -m tests.eng
     import time
     count = int(sys.argv[1]) if len(sys.argv) > 1 else 10_000
     t0 = time.perf_counter()
-    total, invalid = property_run(kimik3.LLM(kimik3.DEFAULT_MODEL, max_num_seqs=64, max_model_len=512), count, seed=11,
-                                  progress=lambda done, bad: print(f"{done} done, {len(bad)} invalid, "
-                                                                   f"{time.perf_counter() - t0:.0f} s", flush=True))
-    kinds = {k: sum(1 for i in range(total) if (i % 4 == 3) == (k == "regex")) for k in ("json", "regex")}
-    print(f"{total} constraints ({kinds['json']} JSON schemas, {kinds['regex']} regexes) sampled at temperature 1.0: "
-          f"{len(invalid)} invalid, {time.perf_counter() - t0:.0f} s")
-    for row in invalid[:10]:
+    run = property_run(kimik3.LLM(kimik3.DEFAULT_MODEL, max_num_seqs=64, max_model_len=512), count, seed=11,
+                       progress=lambda done, r: print(f"{done} done, {len(r.invalid)} invalid, {len(r.length)} cut at "
+                                                      f"max_tokens, {time.perf_counter() - t0:.0f} s", flush=True))
+    kinds = {k: sum(1 for i in range(run.count) if (i % 4 == 3) == (k == "regex")) for k in ("json", "regex")}
+    print(f"{run.count} constraints ({kinds['json']} JSON schemas, {kinds['regex']} regexes; {run.redrawn} schemas "
+          f"drawn again, their longest output over 440 tokens) sampled at temperature 1.0: {len(run.invalid)} invalid, "
+          f"{len(run.length)} cut at max_tokens, {time.perf_counter() - t0:.0f} s")
+    for row in (run.invalid + run.length)[:10]:
         print(row)
