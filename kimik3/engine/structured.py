@@ -35,6 +35,28 @@ logger = logging.getLogger(__name__)
 
 JSON_OPTIONS = {"whitespace_flexible": False, "item_separator": ", ", "key_separator": ": "}
 ANY_JSON_OBJECT = {"type": "object"}
+# RFC 3339 full-date with its day-of-month rule (llguidance's "date" takes Feb 29 of any year): a leap year
+# ends in a multiple of 4 other than 00, or is a multiple of 400
+_LEAP_YEAR = "(?:[0-9]{2}(?:0[48]|[2468][048]|[13579][26])|(?:[02468][048]|[13579][26])00)"
+DATE_PATTERN = ("^(?:[0-9]{4}-(?:(?:0[13578]|1[02])-(?:0[1-9]|[12][0-9]|3[01])|(?:0[469]|11)-(?:0[1-9]|[12][0-9]|30)"
+                f"|02-(?:0[1-9]|1[0-9]|2[0-8]))|{_LEAP_YEAR}-02-29)$")
+_DATA_KEYWORDS = ("enum", "const", "default", "examples")      # JSON values, not schemas
+
+
+def _strict_dates(node):
+    """``node`` with every ``"format": "date"`` schema also under ``DATE_PATTERN`` (an ``allOf`` when the
+    schema has its own pattern; llguidance intersects them)."""
+    if isinstance(node, list):
+        return [_strict_dates(v) for v in node]
+    if not isinstance(node, dict):
+        return node
+    out = {k: v if k in _DATA_KEYWORDS else _strict_dates(v) for k, v in node.items()}
+    if out.get("format") == "date":
+        if "pattern" not in out:
+            out["pattern"] = DATE_PATTERN
+        else:
+            out["allOf"] = [*out.get("allOf", []), {"pattern": DATE_PATTERN}]
+    return out
 
 
 def _llg():
@@ -47,7 +69,8 @@ def _llg():
 
 
 def json_schema_for_llguidance(schema: dict | str) -> dict:
-    """The schema with kimik3's JSON options (the schema's own ``x-guidance`` wins)."""
+    """The schema with kimik3's JSON options (the schema's own ``x-guidance`` wins) and dates held to
+    RFC 3339's calendar (``_strict_dates``)."""
     if isinstance(schema, str):
         try:
             schema = json.loads(schema)
@@ -57,6 +80,7 @@ def json_schema_for_llguidance(schema: dict | str) -> dict:
         schema = {} if schema else {"not": {}}
     if not isinstance(schema, dict):
         raise ValueError(f"a JSON schema must be an object, got {type(schema).__name__}")
+    schema = _strict_dates(schema)
     return {**schema, "x-guidance": {**JSON_OPTIONS, **schema.get("x-guidance", {})}}
 
 

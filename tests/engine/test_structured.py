@@ -1,7 +1,8 @@
 """Logit controls and constrained decoding in the engine, on the embedded random K3 and the fake model.
 
-Outputs are checked by independent means: ``json`` + ``jsonschema`` for schemas (its ``pattern`` and
-``uuid`` checks made JSON Schema's: ECMA-262 regexes through ``regress``, RFC 4122 hex digits), ``regress``
+Outputs are checked by independent means: ``json`` + ``jsonschema`` for schemas (its ``pattern``,
+``uuid`` and ``date`` checks made JSON Schema's: ECMA-262 regexes through ``regress``, RFC 4122 hex digits,
+RFC 3339 dates from the calendar rule), ``regress``
 (an ECMA-262 regex engine) for regexes, a float64 per-row loop for the logit-control arithmetic, the
 plain engine for bit-identity."""
 
@@ -36,6 +37,21 @@ def _uuid(text) -> bool:
     """RFC 4122's ABNF: ASCII hex digits (jsonschema's check, through ``uuid.UUID``, takes any Unicode digit)."""
     hexa = "[0-9a-fA-F]"
     return not isinstance(text, str) or re.fullmatch(f"{hexa}{{8}}(-{hexa}{{4}}){{3}}-{hexa}{{12}}", text) is not None
+
+
+def _rfc3339_days(year: int, month: int) -> int:
+    leap = year % 4 == 0 and (year % 100 != 0 or year % 400 == 0)
+    return [31, 29 if leap else 28, 31, 30, 31, 30, 31, 31, 30, 31, 30, 31][month - 1]
+
+
+@FORMATS.checks("date")
+def _date(text) -> bool:
+    """RFC 3339 full-date: 4-digit year (0000 included: jsonschema's check, through ``datetime``, refuses
+    years before 1), month 01-12, day within the month (Feb 29 in leap years only)."""
+    if not isinstance(text, str):
+        return True
+    m = re.fullmatch(r"([0-9]{4})-([0-9]{2})-([0-9]{2})", text)
+    return m is not None and 1 <= int(m[2]) <= 12 and 1 <= int(m[3]) <= _rfc3339_days(int(m[1]), int(m[2]))
 
 
 def _ecma_pattern(validator, pattern, instance, schema):
@@ -294,6 +310,25 @@ def test_validator_reads_regexes_and_formats_as_json_schema():
     good = "12345678-abcd-ABCD-1234-123456789abc"
     assert _valid("json", uuid, json.dumps(good)) and not _valid("json", uuid, json.dumps(arabic + good[1:]))
     assert not _valid("json", {"type": "number"}, "NaN") and not _valid("json", {"type": "object"}, '{"a": 1, "a": 2}')
+    date = {"type": "string", "format": "date"}
+    assert _valid("json", date, '"0000-02-29"') and _valid("json", date, '"2024-02-29"')
+    assert not any(_valid("json", date, f'"{d}"') for d in ("2021-02-29", "1900-02-29", "2021-04-31", "2021-13-01"))
+
+
+def test_dates_follow_the_calendar(tok):
+    """A "date" format takes RFC 3339 dates: Feb 29 of leap years only (llguidance's own date grammar takes
+    it in every year), every valid day of a month and no other."""
+    m = GrammarCompiler(tok, tok.vocab_size, tok.stop_token_ids).matcher(SO(json={"type": "string", "format": "date"}))
+    end = [tok.stop_token_ids[0]]
+
+    def takes(text):
+        ids = tok.encode(f'"{text}"')
+        return m.m.validate_tokens(ids + end) == len(ids) + 1
+    leap = [y for y in range(10_000) if _rfc3339_days(y, 2) == 29]
+    assert [y for y in range(10_000) if takes(f"{y:04d}-02-29")] == leap
+    for year in (0, 1900, 2000, 2021, 2024, 9999):
+        days = [(mo, d) for mo in range(0, 14) for d in range(0, 33) if takes(f"{year:04d}-{mo:02d}-{d:02d}")]
+        assert days == [(mo, d) for mo in range(1, 13) for d in range(1, _rfc3339_days(year, mo) + 1)], year
 
 
 def _longest_walk(compiler, tok, so, rng) -> int:
