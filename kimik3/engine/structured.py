@@ -41,6 +41,7 @@ _LEAP_YEAR = "(?:[0-9]{2}(?:0[48]|[2468][048]|[13579][26])|(?:[02468][048]|[1357
 DATE_PATTERN = ("^(?:[0-9]{4}-(?:(?:0[13578]|1[02])-(?:0[1-9]|[12][0-9]|3[01])|(?:0[469]|11)-(?:0[1-9]|[12][0-9]|30)"
                 f"|02-(?:0[1-9]|1[0-9]|2[0-8]))|{_LEAP_YEAR}-02-29)$")
 _DATA_KEYWORDS = ("enum", "const", "default", "examples")      # JSON values, not schemas
+_SCHEMA_MAPS = ("properties", "patternProperties", "$defs", "definitions", "dependentSchemas")   # name -> schema
 
 
 def _strict_dates(node):
@@ -50,7 +51,12 @@ def _strict_dates(node):
         return [_strict_dates(v) for v in node]
     if not isinstance(node, dict):
         return node
-    out = {k: v if k in _DATA_KEYWORDS else _strict_dates(v) for k, v in node.items()}
+    out = {}
+    for k, v in node.items():
+        if k in _SCHEMA_MAPS and isinstance(v, dict):
+            out[k] = {name: _strict_dates(sub) for name, sub in v.items()}
+        else:
+            out[k] = v if k in _DATA_KEYWORDS else _strict_dates(v)
     if out.get("format") == "date":
         if "pattern" not in out:
             out["pattern"] = DATE_PATTERN

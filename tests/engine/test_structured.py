@@ -317,18 +317,25 @@ def test_validator_reads_regexes_and_formats_as_json_schema():
 
 def test_dates_follow_the_calendar(tok):
     """A "date" format takes RFC 3339 dates: Feb 29 of leap years only (llguidance's own date grammar takes
-    it in every year), every valid day of a month and no other."""
-    m = GrammarCompiler(tok, tok.vocab_size, tok.stop_token_ids).matcher(SO(json={"type": "string", "format": "date"}))
+    it in every year), every valid day of a month and no other; also where the schema nests it under a
+    property named like a keyword and beside its own pattern."""
+    compiler = GrammarCompiler(tok, tok.vocab_size, tok.stop_token_ids)
     end = [tok.stop_token_ids[0]]
 
-    def takes(text):
-        ids = tok.encode(f'"{text}"')
+    def takes(m, text):
+        ids = tok.encode(text)
         return m.m.validate_tokens(ids + end) == len(ids) + 1
+    m = compiler.matcher(SO(json={"type": "string", "format": "date"}))
     leap = [y for y in range(10_000) if _rfc3339_days(y, 2) == 29]
-    assert [y for y in range(10_000) if takes(f"{y:04d}-02-29")] == leap
+    assert [y for y in range(10_000) if takes(m, f'"{y:04d}-02-29"')] == leap
     for year in (0, 1900, 2000, 2021, 2024, 9999):
-        days = [(mo, d) for mo in range(0, 14) for d in range(0, 33) if takes(f"{year:04d}-{mo:02d}-{d:02d}")]
+        days = [(mo, d) for mo in range(0, 14) for d in range(0, 33) if takes(m, f'"{year:04d}-{mo:02d}-{d:02d}"')]
         assert days == [(mo, d) for mo in range(1, 13) for d in range(1, _rfc3339_days(year, mo) + 1)], year
+    nested = {"type": "object", "properties": {"enum": {"type": "array", "items": {"format": "date", "pattern": "^2"}}},
+              "required": ["enum"], "additionalProperties": False}
+    m = compiler.matcher(SO(json=nested))
+    assert takes(m, '{"enum": ["2024-02-29"]}') and not takes(m, '{"enum": ["1024-02-29"]}')
+    assert not takes(m, '{"enum": ["2023-02-29"]}')
 
 
 def _longest_walk(compiler, tok, so, rng) -> int:
