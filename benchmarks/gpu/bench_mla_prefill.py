@@ -192,15 +192,15 @@ def sweep(rows, mm, H, form, configs):
 
 DECODE_BS = 16                             # the engine's cache block size
 DECODE_CASES = [(1, 4096), (1, 32768), (1, 131072), (1, 1048576), (8, 131072), (32, 32768), (128, 4096)]
-# the second sweep (the first, at f510ef7, chose the default: results/mla_decode_sweep_f510ef7.json)
-DECODE_SWEEP = [DecodeConfig(form="gather", bh=32, bn=64, num_warps=4, num_stages=2, programs_per_sm=4),
-                DecodeConfig(bh=32, programs_per_sm=4, lazy_rescale=True),
-                DecodeConfig(bh=32, programs_per_sm=4, max_splits=256, lazy_rescale=True),
-                DecodeConfig(bh=32, num_stages=1, programs_per_sm=4, prefetch=True),
-                DecodeConfig(bh=32, num_stages=1, programs_per_sm=4, prefetch=True, lazy_rescale=True),
-                DecodeConfig(bh=32, num_stages=1, programs_per_sm=4, max_splits=256, prefetch=True, lazy_rescale=True),
-                DecodeConfig(bh=16, num_stages=1, programs_per_sm=4, prefetch=True, lazy_rescale=True),
-                DecodeConfig(bh=32, num_stages=2, programs_per_sm=4, prefetch=True, lazy_rescale=True)]
+# the sweeps: the first (f510ef7) chose the default; the second (3ddadd8) also tried a lazy rescale
+# and a hand prefetch in the paged form (both slower or equal, since removed) and 64-row gather
+# tiles (10-20% faster at H = 96 up to 128k, not at 1M): results/mla_decode_sweep*_*.json
+DECODE_SWEEP = [DecodeConfig(form="gather", bh=32, bn=32, num_warps=8, num_stages=2),     # the first kernel's launch
+                DecodeConfig(form="gather", bh=32, bn=64, num_warps=4, num_stages=2, programs_per_sm=4),
+                DecodeConfig(bh=16, programs_per_sm=4),
+                DecodeConfig(bh=32, programs_per_sm=4, max_splits=256),
+                DecodeConfig(bh=32, num_stages=3, programs_per_sm=4),
+                DecodeConfig(bh=64, num_warps=8, programs_per_sm=4)]
 
 
 def copy_rate() -> float:

@@ -33,8 +33,9 @@ def prompts(model):
     shared = words[:13]
     chosen = {"a": shared, "b": shared + words[20:27], "c": words[40:45], "d": shared[:9],
               "e": words[60:120], "f": tok.encode("Once upon a time")}
+    on_cuda = lambda ids: model(ids.to("cuda"))             # noqa: E731  (reference_greedy builds CPU ids)
     with torch.inference_mode():
-        return {k: (p, reference_greedy(model, p, MAX_TOKENS)) for k, p in chosen.items()}
+        return {k: (p, reference_greedy(on_cuda, p, MAX_TOKENS)) for k, p in chosen.items()}
 
 
 @pytest.mark.parametrize("mode", ["eager", "graphs", "chunked_prefix_graphs", "speculative_graphs"])

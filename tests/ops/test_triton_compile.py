@@ -86,9 +86,7 @@ def compile_mla_decode():
         cfg = m.config_for(H, block_size)
         common = dict(BLOCK_SIZE=block_size, BH=cfg.bh, BR=512, BP=64, NUM_SPLITS=64, UPCAST=False)
         if cfg.form == "paged":
-            for lazy, prefetch in ((False, False), (True, False), (True, True)):
-                compile_for_hopper(m._mla_decode_paged_kernel, types, dict(common, LAZY_RESCALE=lazy, PREFETCH=prefetch),
-                                   cfg.num_warps, cfg.num_stages)
+            compile_for_hopper(m._mla_decode_paged_kernel, types, common, cfg.num_warps, cfg.num_stages)
         else:
             compile_for_hopper(m._mla_decode_split_kernel, types, dict(common, BN=cfg.bn), cfg.num_warps,
                                cfg.num_stages)

@@ -50,10 +50,9 @@ def test_conv_pool_kernel_matches_reference(lens, ctx):
 
 
 # ---- MLA decode --------------------------------------------------------------------------
-@pytest.mark.parametrize("form,bs,lazy,prefetch", [("gather", 4, False, False), ("paged", 16, False, False),
-                                                   ("paged", 16, True, False), ("paged", 16, True, True)])
+@pytest.mark.parametrize("form,bs", [("gather", 4), ("paged", 16)])
 @pytest.mark.parametrize("max_len,sms", [(23, 4), (4096, 64), (50, 1)], ids=["tight", "graph_pinned_long", "one_split"])
-def test_mla_decode_kernel_matches_reference(max_len, sms, form, bs, lazy, prefetch):
+def test_mla_decode_kernel_matches_reference(max_len, sms, form, bs):
     """max_len 4096: a launch sized for long sequences (CUDA graphs pin it to max_model_len) over
     short ones: every sequence spreads over the splits, and a one-token sequence leaves most empty;
     one SM: one split walks all of a sequence's blocks.
@@ -75,8 +74,7 @@ def test_mla_decode_kernel_matches_reference(max_len, sms, form, bs, lazy, prefe
     scale = 0.2
     ref = mla_decode_attention(q_lat.double(), q_pe.double(), cache.double(), tables, lens, R, scale)
     out = mla_decode_triton(q_lat, q_pe, cache, tables, torch.tensor(lens, dtype=torch.int32), max(max_len, *lens),
-                            scale, num_sms=sms, config=DecodeConfig(form=form, bh=16, bn=16, lazy_rescale=lazy,
-                                                                           prefetch=prefetch))
+                            scale, num_sms=sms, config=DecodeConfig(form=form, bh=16, bn=16))
     for n in range(N):
         assert rel_err(out[n], ref[n]) < 1e-2, n
 

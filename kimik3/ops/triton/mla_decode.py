@@ -24,6 +24,21 @@ _LOG2E = 1.4426950408889634
 
 
 @triton.jit
+def _attend_tile(ql, qp, e_lat, e_pe, pos, limit, m_i, l_i, acc, sm_scale_log2,
+                 BH: tl.constexpr, BN: tl.constexpr, UPCAST: tl.constexpr):
+    """One tile of the online softmax: (m_i, l_i, acc) updated by the cached tokens at ``pos``
+    [BN] (those at or past ``limit`` masked out); e_lat [BN, BR], e_pe [BN, BP]."""
+    scores = dot(qp, tl.trans(e_pe), dot(ql, tl.trans(e_lat), tl.zeros([BH, BN], tl.float32), UPCAST), UPCAST)   # [BH, BN]
+    scores = tl.where((pos < limit)[None, :], scores * sm_scale_log2, float("-inf"))
+    m_new = tl.maximum(m_i, tl.max(scores, 1))
+    alpha = tl.exp2(m_i - m_new)
+    p = tl.exp2(scores - m_new[:, None])
+    l_i = l_i * alpha + tl.sum(p, 1)
+    acc = dot(p.to(e_lat.dtype), e_lat, acc * alpha[:, None], UPCAST)
+    return m_new, l_i, acc
+
+
+@triton.jit
 def _mla_decode_split_kernel(q_lat, q_pe, cache, block_tables, seq_lens, part_o, part_lse,
                              H, R, P, stride_ql_n, stride_ql_h, stride_qp_n, stride_qp_h,
                              stride_cache_blk, stride_cache_row, stride_bt, sm_scale_log2,
@@ -54,14 +69,7 @@ def _mla_decode_split_kernel(q_lat, q_pe, cache, block_tables, seq_lens, part_o,
         row = cache + blk * stride_cache_blk + (pos % BLOCK_SIZE).to(tl.int64) * stride_cache_row   # [BN]
         e_lat = tl.load(row[:, None] + r[None, :], mask=mpos[:, None] & mr[None, :], other=0.0)     # [BN, BR]
         e_pe = tl.load(row[:, None] + R + pp[None, :], mask=mpos[:, None] & mp[None, :], other=0.0)  # [BN, BP]
-        scores = dot(qp, tl.trans(e_pe), dot(ql, tl.trans(e_lat), tl.zeros([BH, BN], tl.float32), UPCAST), UPCAST)                             # [BH, BN]
-        scores = tl.where(mpos[None, :], scores * sm_scale_log2, float("-inf"))
-        m_new = tl.maximum(m_i, tl.max(scores, 1))
-        alpha = tl.exp2(m_i - m_new)
-        p = tl.exp2(scores - m_new[:, None])
-        l_i = l_i * alpha + tl.sum(p, 1)
-        acc = dot(p.to(e_lat.dtype), e_lat, acc * alpha[:, None], UPCAST)
-        m_i = m_new
+        m_i, l_i, acc = _attend_tile(ql, qp, e_lat, e_pe, pos, hi, m_i, l_i, acc, sm_scale_log2, BH, BN, UPCAST)
     base = (n * H + h) * NUM_SPLITS + s
     empty = l_i == 0.0
     out = acc / tl.where(empty, 1.0, l_i)[:, None]
@@ -71,40 +79,11 @@ def _mla_decode_split_kernel(q_lat, q_pe, cache, block_tables, seq_lens, part_o,
 
 
 @triton.jit
-def _attend_block(ql, qp, e_lat, e_pe, b, length, m_i, l_i, acc, sm_scale_log2,
-                  BH: tl.constexpr, BLOCK_SIZE: tl.constexpr, LAZY_RESCALE: tl.constexpr, UPCAST: tl.constexpr):
-    """One cache block of the online softmax: (m_i, l_i, acc) updated by tokens b * BLOCK_SIZE.. ."""
-    scores = dot(qp, tl.trans(e_pe), dot(ql, tl.trans(e_lat), tl.zeros([BH, BLOCK_SIZE], tl.float32), UPCAST), UPCAST)
-    pos = b * BLOCK_SIZE + tl.arange(0, BLOCK_SIZE)
-    scores = tl.where((pos < length)[None, :], scores * sm_scale_log2, float("-inf"))
-    m_new = tl.maximum(m_i, tl.max(scores, 1))
-    if LAZY_RESCALE:
-        # rescale only when some row's running max moved (exact: otherwise every alpha is 1);
-        # after the first blocks the max seldom moves, and the [BH, BR] multiply is skipped
-        if tl.max(m_new - m_i, 0) > 0:
-            alpha = tl.exp2(m_i - m_new)
-            l_i = l_i * alpha
-            acc = acc * alpha[:, None]
-            m_i = m_new
-        p = tl.exp2(scores - m_i[:, None])
-        l_i = l_i + tl.sum(p, 1)
-        acc = dot(p.to(e_lat.dtype), e_lat, acc, UPCAST)
-    else:
-        alpha = tl.exp2(m_i - m_new)
-        p = tl.exp2(scores - m_new[:, None])
-        l_i = l_i * alpha + tl.sum(p, 1)
-        acc = dot(p.to(e_lat.dtype), e_lat, acc * alpha[:, None], UPCAST)
-        m_i = m_new
-    return m_i, l_i, acc
-
-
-@triton.jit
 def _mla_decode_paged_kernel(q_lat, q_pe, cache, block_tables, seq_lens, part_o, part_lse,
                              H, R, P, stride_ql_n, stride_ql_h, stride_qp_n, stride_qp_h,
                              stride_cache_blk, stride_cache_row, stride_bt, sm_scale_log2,
                              BLOCK_SIZE: tl.constexpr, BH: tl.constexpr, BR: tl.constexpr, BP: tl.constexpr,
-                             NUM_SPLITS: tl.constexpr, LAZY_RESCALE: tl.constexpr, PREFETCH: tl.constexpr,
-                             UPCAST: tl.constexpr):
+                             NUM_SPLITS: tl.constexpr, UPCAST: tl.constexpr):
     n, hb, s = tl.program_id(0), tl.program_id(1), tl.program_id(2)
     h = hb * BH + tl.arange(0, BH)
     r = tl.arange(0, BR)
@@ -124,27 +103,12 @@ def _mla_decode_paged_kernel(q_lat, q_pe, cache, block_tables, seq_lens, part_o,
     rows = tl.arange(0, BLOCK_SIZE)[:, None] * stride_cache_row                   # int32 offsets in a block
     off_lat, off_pe = rows + r[None, :], rows + R + pp[None, :]
     table = block_tables + n * stride_bt
-    if PREFETCH:
-        # by hand: block b + 1's rows are in flight while block b is attended, and the table
-        # entry of b + 2 while b + 1's rows load (past the split's end: the null block 0)
-        blk = tl.load(table + b_lo, mask=b_lo < b_hi, other=0).to(tl.int64)
-        e_lat = tl.load(cache + blk * stride_cache_blk + off_lat, mask=mr[None, :], other=0.0)
-        e_pe = tl.load(cache + blk * stride_cache_blk + off_pe, mask=mp[None, :], other=0.0)
-        blk = tl.load(table + b_lo + 1, mask=b_lo + 1 < b_hi, other=0).to(tl.int64)
-        for b in range(b_lo, b_hi):
-            nxt_lat = tl.load(cache + blk * stride_cache_blk + off_lat, mask=mr[None, :], other=0.0)
-            nxt_pe = tl.load(cache + blk * stride_cache_blk + off_pe, mask=mp[None, :], other=0.0)
-            blk = tl.load(table + b + 2, mask=b + 2 < b_hi, other=0).to(tl.int64)
-            m_i, l_i, acc = _attend_block(ql, qp, e_lat, e_pe, b, length, m_i, l_i, acc, sm_scale_log2,
-                                          BH, BLOCK_SIZE, LAZY_RESCALE, UPCAST)
-            e_lat, e_pe = nxt_lat, nxt_pe
-    else:
-        for b in range(b_lo, b_hi):
-            base = cache + tl.load(table + b).to(tl.int64) * stride_cache_blk
-            e_lat = tl.load(base + off_lat, mask=mr[None, :], other=0.0)                             # [BS, BR]
-            e_pe = tl.load(base + off_pe, mask=mp[None, :], other=0.0)                               # [BS, BP]
-            m_i, l_i, acc = _attend_block(ql, qp, e_lat, e_pe, b, length, m_i, l_i, acc, sm_scale_log2,
-                                          BH, BLOCK_SIZE, LAZY_RESCALE, UPCAST)
+    for b in range(b_lo, b_hi):
+        base = cache + tl.load(table + b).to(tl.int64) * stride_cache_blk
+        e_lat = tl.load(base + off_lat, mask=mr[None, :], other=0.0)                                 # [BS, BR]
+        e_pe = tl.load(base + off_pe, mask=mp[None, :], other=0.0)                                   # [BS, BP]
+        m_i, l_i, acc = _attend_tile(ql, qp, e_lat, e_pe, b * BLOCK_SIZE + tl.arange(0, BLOCK_SIZE), length,
+                                     m_i, l_i, acc, sm_scale_log2, BH, BLOCK_SIZE, UPCAST)
     base_o = (n * H + h) * NUM_SPLITS + s
     empty = l_i == 0.0
     out = acc / tl.where(empty, 1.0, l_i)[:, None]
@@ -172,9 +136,9 @@ def _mla_decode_merge_kernel(part_o, part_lse, out, H, R, stride_on, stride_oh,
 class DecodeConfig:
     """Pass-1 launch of the decode kernel: form ("paged" or "gather"), heads per program, token
     rows per tile (gather form; the paged form takes one cache block), warps, pipeline stages,
-    programs per SM to aim for, the most splits of one sequence, and (paged form) whether the
-    running output is rescaled only when a running max moves and whether the next block's rows
-    are loaded by hand while the current one is attended."""
+    programs per SM to aim for, and the most splits of one sequence. (Measured on the H200 and
+    dropped: rescaling the running output only when a running max moves, and prefetching the
+    next block's rows by hand; neither was faster: results/mla_decode_sweep2_3ddadd8.json.)"""
     form: str = "paged"
     bh: int = 32
     bn: int = 32
@@ -182,8 +146,6 @@ class DecodeConfig:
     num_stages: int = 2
     programs_per_sm: int = 2
     max_splits: int = 64
-    lazy_rescale: bool = False
-    prefetch: bool = False
 
 
 def config_for(H: int, block_size: int, max_seq_len: int = 0) -> DecodeConfig:
@@ -226,8 +188,7 @@ def mla_decode_triton(q_latent: torch.Tensor, q_pe: torch.Tensor, cache: torch.T
             cache.stride(0), cache.stride(1), block_tables.stride(0), scale * _LOG2E)
     if cfg.form == "paged":
         _mla_decode_paged_kernel[(N, head_blocks, splits)](
-            *args, BLOCK_SIZE=block_size, BH=BH, BR=BR, BP=BP, NUM_SPLITS=splits, LAZY_RESCALE=cfg.lazy_rescale,
-            PREFETCH=cfg.prefetch, UPCAST=INTERPRETING,
+            *args, BLOCK_SIZE=block_size, BH=BH, BR=BR, BP=BP, NUM_SPLITS=splits, UPCAST=INTERPRETING,
             num_warps=cfg.num_warps, num_stages=cfg.num_stages)
     else:
         _mla_decode_split_kernel[(N, head_blocks, splits)](
