@@ -85,10 +85,8 @@ def compile_mla_decode():
     for block_size, H in ((16, 96), (64, 32), (4, 8)):
         cfg = m.config_for(H, block_size)
         common = dict(BLOCK_SIZE=block_size, BH=cfg.bh, BR=512, BP=64, NUM_SPLITS=64, UPCAST=False)
-        if cfg.form == "paged":
-            compile_for_hopper(m._mla_decode_paged_kernel, types, common, cfg.num_warps, cfg.num_stages)
-        else:
-            compile_for_hopper(m._mla_decode_split_kernel, types, dict(common, BN=cfg.bn), cfg.num_warps,
-                               cfg.num_stages)
+        tile = block_size if cfg.form == "paged" else cfg.bn
+        compile_for_hopper(m._mla_decode_split_kernel, types, dict(common, BN=tile, PAGED=cfg.form == "paged"),
+                           cfg.num_warps, cfg.num_stages)
     compile_for_hopper(m._mla_decode_merge_kernel, {"part_o": "*fp32", "part_lse": "*fp32", "out": "*bf16"},
                        dict(BR=512, NUM_SPLITS=64, BS=64), num_warps=4, num_stages=1)

@@ -43,7 +43,9 @@ def _mla_decode_split_kernel(q_lat, q_pe, cache, block_tables, seq_lens, part_o,
                              H, R, P, stride_ql_n, stride_ql_h, stride_qp_n, stride_qp_h,
                              stride_cache_blk, stride_cache_row, stride_bt, sm_scale_log2,
                              BLOCK_SIZE: tl.constexpr, BH: tl.constexpr, BR: tl.constexpr, BP: tl.constexpr,
-                             BN: tl.constexpr, NUM_SPLITS: tl.constexpr, UPCAST: tl.constexpr):
+                             BN: tl.constexpr, NUM_SPLITS: tl.constexpr, PAGED: tl.constexpr, UPCAST: tl.constexpr):
+    """Pass 1. PAGED: tiles are whole cache blocks (BN == BLOCK_SIZE), addressed from the block's
+    64-bit base plus fixed 32-bit row offsets; else BN token rows, each addressed by 64 bits."""
     n, hb, s = tl.program_id(0), tl.program_id(1), tl.program_id(2)
     h = hb * BH + tl.arange(0, BH)
     r = tl.arange(0, BR)
@@ -62,53 +64,22 @@ def _mla_decode_split_kernel(q_lat, q_pe, cache, block_tables, seq_lens, part_o,
     m_i = tl.full([BH], float("-inf"), dtype=tl.float32)
     l_i = tl.zeros([BH], dtype=tl.float32)
     acc = tl.zeros([BH, BR], dtype=tl.float32)
+    table = block_tables + n * stride_bt
+    rows = tl.arange(0, BN)[:, None] * stride_cache_row                           # int32 offsets in a block
+    off_lat, off_pe = rows + r[None, :], rows + R + pp[None, :]
     for start in range(lo, hi, BN):
         pos = start + tl.arange(0, BN)
-        mpos = pos < hi
-        blk = tl.load(block_tables + n * stride_bt + pos // BLOCK_SIZE, mask=mpos, other=0).to(tl.int64)
-        row = cache + blk * stride_cache_blk + (pos % BLOCK_SIZE).to(tl.int64) * stride_cache_row   # [BN]
-        e_lat = tl.load(row[:, None] + r[None, :], mask=mpos[:, None] & mr[None, :], other=0.0)     # [BN, BR]
-        e_pe = tl.load(row[:, None] + R + pp[None, :], mask=mpos[:, None] & mp[None, :], other=0.0)  # [BN, BP]
+        if PAGED:
+            base = cache + tl.load(table + start // BLOCK_SIZE).to(tl.int64) * stride_cache_blk
+            e_lat = tl.load(base + off_lat, mask=mr[None, :], other=0.0)                              # [BN, BR]
+            e_pe = tl.load(base + off_pe, mask=mp[None, :], other=0.0)                                # [BN, BP]
+        else:
+            mpos = pos < hi
+            blk = tl.load(table + pos // BLOCK_SIZE, mask=mpos, other=0).to(tl.int64)
+            row = cache + blk * stride_cache_blk + (pos % BLOCK_SIZE).to(tl.int64) * stride_cache_row  # [BN]
+            e_lat = tl.load(row[:, None] + r[None, :], mask=mpos[:, None] & mr[None, :], other=0.0)
+            e_pe = tl.load(row[:, None] + R + pp[None, :], mask=mpos[:, None] & mp[None, :], other=0.0)
         m_i, l_i, acc = _attend_tile(ql, qp, e_lat, e_pe, pos, hi, m_i, l_i, acc, sm_scale_log2, BH, BN, UPCAST)
-    base = (n * H + h) * NUM_SPLITS + s
-    empty = l_i == 0.0
-    out = acc / tl.where(empty, 1.0, l_i)[:, None]
-    lse = tl.where(empty, float("-inf"), m_i + tl.log2(tl.where(empty, 1.0, l_i)))                   # log2 units
-    tl.store(part_o + base[:, None].to(tl.int64) * BR + r[None, :], out, mask=mh[:, None])
-    tl.store(part_lse + base, lse, mask=mh)
-
-
-@triton.jit
-def _mla_decode_paged_kernel(q_lat, q_pe, cache, block_tables, seq_lens, part_o, part_lse,
-                             H, R, P, stride_ql_n, stride_ql_h, stride_qp_n, stride_qp_h,
-                             stride_cache_blk, stride_cache_row, stride_bt, sm_scale_log2,
-                             BLOCK_SIZE: tl.constexpr, BH: tl.constexpr, BR: tl.constexpr, BP: tl.constexpr,
-                             NUM_SPLITS: tl.constexpr, UPCAST: tl.constexpr):
-    n, hb, s = tl.program_id(0), tl.program_id(1), tl.program_id(2)
-    h = hb * BH + tl.arange(0, BH)
-    r = tl.arange(0, BR)
-    pp = tl.arange(0, BP)
-    mh, mr, mp = h < H, r < R, pp < P
-    ql = tl.load(q_lat + n * stride_ql_n + h[:, None] * stride_ql_h + r[None, :],
-                 mask=mh[:, None] & mr[None, :], other=0.0)                         # [BH, BR]
-    qp = tl.load(q_pe + n * stride_qp_n + h[:, None] * stride_qp_h + pp[None, :],
-                 mask=mh[:, None] & mp[None, :], other=0.0)                         # [BH, BP]
-    length = tl.load(seq_lens + n)
-    blocks_per_split = tl.cdiv(tl.cdiv(length, BLOCK_SIZE), NUM_SPLITS)
-    b_lo = s * blocks_per_split
-    b_hi = tl.minimum(b_lo + blocks_per_split, tl.cdiv(length, BLOCK_SIZE))
-    m_i = tl.full([BH], float("-inf"), dtype=tl.float32)
-    l_i = tl.zeros([BH], dtype=tl.float32)
-    acc = tl.zeros([BH, BR], dtype=tl.float32)
-    rows = tl.arange(0, BLOCK_SIZE)[:, None] * stride_cache_row                   # int32 offsets in a block
-    off_lat, off_pe = rows + r[None, :], rows + R + pp[None, :]
-    table = block_tables + n * stride_bt
-    for b in range(b_lo, b_hi):
-        base = cache + tl.load(table + b).to(tl.int64) * stride_cache_blk
-        e_lat = tl.load(base + off_lat, mask=mr[None, :], other=0.0)                                 # [BS, BR]
-        e_pe = tl.load(base + off_pe, mask=mp[None, :], other=0.0)                                   # [BS, BP]
-        m_i, l_i, acc = _attend_tile(ql, qp, e_lat, e_pe, b * BLOCK_SIZE + tl.arange(0, BLOCK_SIZE), length,
-                                     m_i, l_i, acc, sm_scale_log2, BH, BLOCK_SIZE, UPCAST)
     base_o = (n * H + h) * NUM_SPLITS + s
     empty = l_i == 0.0
     out = acc / tl.where(empty, 1.0, l_i)[:, None]
@@ -186,14 +157,9 @@ def mla_decode_triton(q_latent: torch.Tensor, q_pe: torch.Tensor, cache: torch.T
     args = (q_latent, q_pe, cache, block_tables, seq_lens, part_o, part_lse, H, R, P,
             q_latent.stride(0), q_latent.stride(1), q_pe.stride(0), q_pe.stride(1),
             cache.stride(0), cache.stride(1), block_tables.stride(0), scale * _LOG2E)
-    if cfg.form == "paged":
-        _mla_decode_paged_kernel[(N, head_blocks, splits)](
-            *args, BLOCK_SIZE=block_size, BH=BH, BR=BR, BP=BP, NUM_SPLITS=splits, UPCAST=INTERPRETING,
-            num_warps=cfg.num_warps, num_stages=cfg.num_stages)
-    else:
-        _mla_decode_split_kernel[(N, head_blocks, splits)](
-            *args, BLOCK_SIZE=block_size, BH=BH, BR=BR, BP=BP, BN=cfg.bn, NUM_SPLITS=splits, UPCAST=INTERPRETING,
-            num_warps=cfg.num_warps, num_stages=cfg.num_stages)
+    _mla_decode_split_kernel[(N, head_blocks, splits)](
+        *args, BLOCK_SIZE=block_size, BH=BH, BR=BR, BP=BP, BN=tile, NUM_SPLITS=splits, PAGED=cfg.form == "paged",
+        UPCAST=INTERPRETING, num_warps=cfg.num_warps, num_stages=cfg.num_stages)
     out = torch.empty(N, H, R, dtype=q_latent.dtype, device=q_latent.device)
     _mla_decode_merge_kernel[(N, H)](part_o, part_lse, out, H, R, out.stride(0), out.stride(1),
                                      BR=BR, NUM_SPLITS=splits, BS=triton.next_power_of_2(splits))
