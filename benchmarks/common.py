@@ -54,6 +54,20 @@ def cuda_time(fn, warmup: int = 3, iters: int = 10) -> float:
     return statistics.median(times)
 
 
+def copy_rate() -> float:
+    """Measured device copy bandwidth, bytes/s: a 2 GiB bf16 buffer copied into a second one."""
+    src = torch.randn(1 << 30, device="cuda", dtype=torch.bfloat16)
+    dst = torch.empty_like(src)
+    return 2 * src.numel() * 2 / cuda_time(lambda: dst.copy_(src), iters=20)
+
+
+def matmul_rate() -> float:
+    """Measured bf16 matmul rate, FLOP/s: an 8192^3 product."""
+    a = torch.randn(8192, 8192, device="cuda", dtype=torch.bfloat16)
+    b = torch.randn(8192, 8192, device="cuda", dtype=torch.bfloat16)
+    return 2 * 8192 ** 3 / cuda_time(lambda: a @ b, iters=20)
+
+
 def capture_graph(fn):
     """``fn`` captured in a CUDA graph after two warm-up runs on a side stream: (graph, its output)."""
     s = torch.cuda.Stream()

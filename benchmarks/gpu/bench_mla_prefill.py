@@ -40,7 +40,7 @@ ROOT = Path(__file__).resolve().parents[2]
 sys.path.insert(0, str(ROOT))
 sys.path.insert(0, str(Path(__file__).parent))
 
-from benchmarks.common import commit_id, cuda_time                # noqa: E402
+from benchmarks.common import capture_graph, commit_id, copy_rate, cuda_time, matmul_rate, rel_err  # noqa: E402
 
 from kimik3.ops.triton import mla_decode                           # noqa: E402
 from kimik3.ops.triton.mla_decode import DecodeConfig              # noqa: E402
@@ -60,13 +60,6 @@ SDPA_MAX_BYTES = 40e9                   # the old path's [H, chunk, context] buf
 NAIVE_SWEEP = [(128, 64, 8, 2), (128, 128, 8, 2), (128, 64, 4, 3), (64, 64, 4, 2), (128, 32, 4, 2), (64, 128, 4, 3)]
 ABSORBED_SWEEP = [(64, 32, 8, 2), (64, 64, 8, 1), (32, 64, 4, 2), (128, 32, 8, 1)]
 log = logging.getLogger("bench_mla_prefill")
-
-
-def ceiling() -> float:
-    a = torch.randn(8192, 8192, device=DEVICE, dtype=torch.bfloat16)
-    b = torch.randn(8192, 8192, device=DEVICE, dtype=torch.bfloat16)
-    t = cuda_time(lambda: a @ b, iters=20)
-    return 2 * 8192 ** 3 / t
 
 
 def inputs(H: int, query_lens: list[int], context_lens: list[int], seed: int = 0):
@@ -153,7 +146,7 @@ def case(rows, mm, H, query_lens, context_lens, forms, sdpa: bool):
         ref = outs["naive"].double()
         for name, o in outs.items():
             if name != "naive":
-                diff = ((o.double() - ref).norm() / ref.norm()).item()
+                diff = rel_err(o, ref)
                 next(r for r in rows[::-1] if r["path"] == name)["rel_diff_vs_naive"] = diff
 
 
@@ -203,20 +196,10 @@ DECODE_SWEEP = [DecodeConfig(form="gather", bh=32, bn=32, num_warps=8, num_stage
                 DecodeConfig(bh=64, num_warps=8, programs_per_sm=4)]
 
 
-def copy_rate() -> float:
-    src = torch.randn(1 << 30, device=DEVICE, dtype=torch.bfloat16)
-    dst = torch.empty_like(src)
-    return 2 * src.numel() * 2 / cuda_time(lambda: dst.copy_(src), iters=20)
-
-
 def graph_time(fn, iters: int = 20) -> float:
     """Median device seconds of ``fn`` captured in a CUDA graph (no launch overhead: as in the
     engine's decode graphs)."""
-    fn()
-    torch.cuda.synchronize()
-    graph = torch.cuda.CUDAGraph()
-    with torch.cuda.graph(graph):
-        fn()
+    graph, _ = capture_graph(fn)
     return cuda_time(graph.replay, warmup=2, iters=iters)
 
 
@@ -245,7 +228,7 @@ def decode(rows, bw, sweep: bool):
                         t = graph_time(fn)
                         out = fn().double()
                         ref = out if ref is None else ref
-                        row.update(seconds=t, over_floor=t / floor, rel_diff=((out - ref).norm() / ref.norm()).item())
+                        row.update(seconds=t, over_floor=t / floor, rel_diff=rel_err(out, ref))
                     except Exception as exc:                      # a config may not fit the SM's memory
                         row["error"] = repr(exc)[:300]
                     rows.append(row)
@@ -291,7 +274,7 @@ def main():
     save()
     if args.decode_only:
         return
-    mm = res["bf16_matmul_flops"] = ceiling()
+    mm = res["bf16_matmul_flops"] = matmul_rate()
     log.info("bf16 matmul %.0f TFLOP/s", mm / 1e12)
     res["chunk"], res["short"], res["sweep"] = [], [], []
     for H in (96, 32):

@@ -25,7 +25,7 @@ import torch
 ROOT = Path(__file__).resolve().parents[2]
 sys.path.insert(0, str(ROOT))
 
-from benchmarks.common import capture_graph, commit_id, cuda_time, log, save_results  # noqa: E402
+from benchmarks.common import capture_graph, commit_id, copy_rate, cuda_time, log, matmul_rate, save_results  # noqa: E402
 from kimik3.config import parse_config                      # noqa: E402
 from kimik3.model.batch import ForwardBatch, HybridCache     # noqa: E402
 from kimik3.model.kimi_k3 import KimiForCausalLM             # noqa: E402
@@ -71,16 +71,7 @@ def run_checks():
 
 # ---- (b) ceilings ----------------------------------------------------------------------------
 def ceilings():
-    n = 1 << 30                                    # 2 GiB bf16 source, copied into a second buffer
-    src = torch.randn(n, device="cuda", dtype=torch.bfloat16)
-    dst = torch.empty_like(src)
-    t = cuda_time(lambda: dst.copy_(src), iters=20)
-    bw = 2 * src.numel() * 2 / t
-    del src, dst
-    a = torch.randn(8192, 8192, device="cuda", dtype=torch.bfloat16)
-    b = torch.randn(8192, 8192, device="cuda", dtype=torch.bfloat16)
-    t = cuda_time(lambda: a @ b, iters=20)
-    mm = 2 * 8192 ** 3 / t
+    bw, mm = copy_rate(), matmul_rate()
     results["ceilings"] = {"copy_bytes_per_s": bw, "bf16_matmul_flops": mm}
     log(f"copy bandwidth {bw / 1e12:.2f} TB/s, bf16 matmul {mm / 1e12:.0f} TFLOP/s")
     return bw, mm
