@@ -51,6 +51,9 @@ class BlockTable:
     def __iter__(self):
         return iter(self.array.tolist())
 
+    def __reversed__(self):
+        return iter(self.array[::-1].tolist())      # (BlockPool.release walks a table tail first)
+
     def __eq__(self, other) -> bool:
         return list(self) == list(other)
 

@@ -15,7 +15,7 @@ def test_block_table_grows_like_a_list():
         new = rng.integers(1, 10_000, size=int(rng.integers(0, 9))).tolist()
         ids.extend(new)
         table.extend(iter(new))
-        assert len(table) == len(ids) and list(table) == ids and table == ids
+        assert len(table) == len(ids) and list(table) == ids and table == ids and list(reversed(table)) == ids[::-1]
         assert np.asarray(table).dtype == np.int32 and np.asarray(table).tolist() == ids
     assert [table[i] for i in range(-len(ids), len(ids))] == ids[-len(ids):] + ids
     with pytest.raises(IndexError):
