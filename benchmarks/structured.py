@@ -169,6 +169,33 @@ def cmd_mask(args) -> None:
                   flush=True)
 
 
+def _profile(clock: dict[str, float]) -> None:
+    """Host seconds per engine part, summed into ``clock`` (wrappers on the classes and modules the
+    engine calls through; the device step shows as the sampler's wait)."""
+    from kimik3.engine import llm_engine, logit_controls, runner, sampler, scheduler, structured
+
+    def timed(owner, name, label):
+        fn = getattr(owner, name)
+
+        def wrapper(*a, **k):
+            t0 = time.perf_counter()
+            try:
+                return fn(*a, **k)
+            finally:
+                clock[label] = clock.get(label, 0.0) + time.perf_counter() - t0
+        setattr(owner, name, wrapper)
+    timed(structured.GrammarCompiler, "fill_bitmasks", "mask_fill")
+    timed(logit_controls, "apply_controls", "apply_controls")
+    timed(structured.Matcher, "consume", "consume")
+    timed(sampler.Sampler, "sample_rows", "sample+device_wait")
+    timed(runner.ModelRunner, "execute", "execute")
+    timed(runner.BatchBuilder, "build_decode", "build_decode")
+    timed(runner.ModelRunner, "run_graph", "graph_launch")
+    timed(scheduler.Scheduler, "schedule", "schedule")
+    timed(llm_engine, "append_output", "append_output")
+    timed(llm_engine, "deltas", "deltas")
+
+
 def cmd_engine(args) -> None:
     import kimik3
     from kimik3.engine import EngineConfig, LLMEngine, SamplingParams
@@ -183,6 +210,14 @@ def cmd_engine(args) -> None:
         name = args.model or "embedded tiny K3"
     engine = LLMEngine(model, EngineConfig(max_num_seqs=max(BATCHES), max_model_len=args.steps + 64,
                                            enforce_eager=args.enforce_eager), tokenizer=tok)
+    clock: dict[str, float] = {}
+    if args.profile:
+        _profile(clock)
+    if args.grammar_threads:
+        import llguidance
+        compiler = engine.inputs.grammar_compiler()
+        compiler.ll_tokenizer                                   # builds the default executor first
+        compiler._executor = llguidance.LLExecutor(num_threads=args.grammar_threads)
     print(f"# engine decode step, constrained (JSON schema) vs unconstrained, model {name}, "
           f"device {args.device}, {args.steps} steps, commit {commit_id()}, {datetime.date.today()}")
     print("| batch | unconstrained ms/step | constrained ms/step | ratio |")
@@ -196,11 +231,15 @@ def cmd_engine(args) -> None:
             for i in range(b):
                 engine.add_request(f"{constrained}-{b}-{i}", {"prompt_token_ids": [5 + i % 50, 6, 7, 8]}, params)
             times = []
+            clock.clear()
             while engine.has_unfinished_requests():
                 t0 = time.perf_counter()
                 engine.step()
                 times.append(time.perf_counter() - t0)
             row.append(statistics.mean(times[2:]) * 1e3)
+            if args.profile:
+                parts = ", ".join(f"{k} {v / len(times) * 1e3:.2f}" for k, v in sorted(clock.items()))
+                print(f"#   batch {b} {'constrained' if constrained else 'plain'}: ms/step {parts}", flush=True)
         print(f"| {b} | {row[0]:.2f} | {row[1]:.2f} | {row[1] / row[0]:.3f} |", flush=True)
 
 
@@ -216,6 +255,8 @@ def main() -> None:
     e.add_argument("--slice", action="store_true", help="the GPU slice of benchmarks/gpu/bench_slice.py (CUDA)")
     e.add_argument("--device", default="cpu")
     e.add_argument("--steps", type=int, default=32)
+    e.add_argument("--profile", action="store_true", help="host ms per step in each engine part")
+    e.add_argument("--grammar-threads", type=int, help="llguidance executor threads (default: the engine's)")
     e.add_argument("--enforce-eager", action=argparse.BooleanOptionalAction, default=True,
                    help="--no-enforce-eager runs decode steps as CUDA graphs")
     args = ap.parse_args()

@@ -8,8 +8,8 @@ random weights built in memory, bf16), prefix caching on.
 2. Greedy generation of six requests of different lengths sharing a prefix (batches shrink 6 -> 1,
    so most steps are padded; checkpoint steps fall back to eager). The two engines run the same
    kernels on differently padded shapes, so bf16 rounding differs: tokens must be equal, except
-   that a request may part ways at a near-tie, where the eager top-2 logprobs lie within
-   ``TIE_NATS`` and the graph's token is the eager runner-up; the rest of it is then not compared.
+   that a request may part ways at a near-tie, where the graph's token is among the eager top-5
+   within ``TIE_NATS`` of the eager choice; the rest of it is then not compared.
 """
 
 from __future__ import annotations
@@ -30,6 +30,7 @@ pytestmark = [pytest.mark.gpu, pytest.mark.skipif(not torch.cuda.is_available(),
 CONFIG = Path(__file__).resolve().parents[2] / "benchmarks" / "gpu" / "kimi-k3-slice4.config.json"
 KIMI_LINEAR_CONFIG = CONFIG.with_name("kimi-linear-slice4.config.json")
 TIE_NATS = 0.1          # bf16 logits of the slice differ by ~1e-2 between paddings; this is a tie
+TOP_K = 5               # reference logprobs kept per token: a parting token outside them is a real divergence
 LOGIT_BOUND = 2e-2      # ||graph - eager|| / ||eager|| of each sequence's logits (bf16 model, fp32 logits), state slot, block
 
 
@@ -52,7 +53,7 @@ def requests(vocab: int) -> dict[str, tuple[list[int], SamplingParams]]:
     system = [rng.randrange(low, vocab) for _ in range(40)]
     tails = (3, 17, 30, 1, 55, 9)
     return {f"r{i}": (system + [rng.randrange(low, vocab) for _ in range(t)],
-                      SamplingParams(temperature=0, max_tokens=6 + 4 * i, ignore_eos=True, logprobs=2))
+                      SamplingParams(temperature=0, max_tokens=6 + 4 * i, ignore_eos=True, logprobs=TOP_K))
             for i, t in enumerate(tails)}
 
 
@@ -112,8 +113,10 @@ def test_padded_graph_step_matches_eager_step(model):
 
 
 def assert_same_greedy(reference, other, reqs) -> None:
-    """Token lists equal, except that a request may part ways at a near-tie of the reference's
-    top-2 logprobs (bf16 rounding differs between batch shapes); the rest is then not compared."""
+    """Token lists equal, except that a request may part ways at a near-tie: the other run's token is
+    among the reference's top ``TOP_K`` there, within ``TIE_NATS`` of its choice (a random model's
+    logits are nearly flat, so several tokens can lie within bf16 rounding of each other); the rest
+    is then not compared. A token outside the reference's top ``TOP_K`` is a real divergence."""
     exact = 0
     for rid in reqs:
         (e_toks, e_lps), (g_toks, _) = reference[rid], other[rid]
@@ -123,9 +126,9 @@ def assert_same_greedy(reference, other, reqs) -> None:
             exact += 1
             continue
         lp = e_lps[diff]
-        assert g_toks[diff] in lp, f"{rid}: token {diff} is {g_toks[diff]}, not in the reference top-2 {lp}"
+        assert g_toks[diff] in lp, f"{rid}: token {diff} is {g_toks[diff]}, not in the reference top-{TOP_K} {lp}"
         gap = lp[e_toks[diff]] - lp[g_toks[diff]]
-        assert gap < TIE_NATS, f"{rid}: parted at token {diff} with a reference top-2 gap of {gap:.3f} nats"
+        assert gap < TIE_NATS, f"{rid}: parted at token {diff} with a gap of {gap:.3f} nats to the reference's choice"
     assert exact >= len(reqs) // 2, f"only {exact} of {len(reqs)} requests equal"
 
 
