@@ -64,6 +64,13 @@ def banned_ids(row: ControlRow) -> list[int]:
     return out
 
 
+def on_device(values: list, dtype: torch.dtype, device: torch.device) -> torch.Tensor:
+    """A small host list as a device tensor, copied from pinned memory without waiting for the
+    device (a pageable copy would wait for the step that is still running)."""
+    host = torch.tensor(values, dtype=dtype, pin_memory=device.type == "cuda")
+    return host.to(device, non_blocking=True)
+
+
 def apply_controls(logits: torch.Tensor, rows: list[int], controls: list[ControlRow],
                    bitmask: torch.Tensor | None) -> torch.Tensor:
     """Logits with the controls of ``rows`` applied (other rows unchanged): + logit_bias, -inf on banned
@@ -71,7 +78,7 @@ def apply_controls(logits: torch.Tensor, rows: list[int], controls: list[Control
     tensor, or None) left. A row whose allowed set would be empty keeps the grammar's set alone."""
     dev = logits.device
     n_rows, vocab = len(rows), logits.shape[-1]
-    index = torch.tensor(rows, dtype=torch.int64, device=dev)
+    index = on_device(rows, torch.int64, dev)
     sub = logits.index_select(0, index)
     r, c, v = [], [], []
     for k, row in enumerate(controls):
@@ -80,16 +87,16 @@ def apply_controls(logits: torch.Tensor, rows: list[int], controls: list[Control
         for t in banned_ids(row):
             r.append(k), c.append(t), v.append(float("-inf"))
     if r:
-        sub.index_put_((torch.tensor(r, device=dev), torch.tensor(c, device=dev)),
-                       torch.tensor(v, dtype=sub.dtype, device=dev), accumulate=True)
+        sub.index_put_((on_device(r, torch.int64, dev), on_device(c, torch.int64, dev)),
+                       on_device(v, sub.dtype, dev), accumulate=True)
     grammar = unpack_bitmask(bitmask, vocab, dev) if bitmask is not None else None
     listed = [k for k, row in enumerate(controls) if row.params.allowed_token_ids is not None]
     if listed:
         allow = torch.ones(n_rows, vocab, dtype=torch.bool, device=dev)
-        allow[torch.tensor(listed, device=dev)] = False
+        allow[on_device(listed, torch.int64, dev)] = False
         ar = [k for k in listed for _ in controls[k].params.allowed_token_ids]
         ac = [t for k in listed for t in controls[k].params.allowed_token_ids]
-        allow[torch.tensor(ar, device=dev), torch.tensor(ac, device=dev)] = True
+        allow[on_device(ar, torch.int64, dev), on_device(ac, torch.int64, dev)] = True
         if grammar is not None:
             both = allow & grammar
             grammar = torch.where(both.any(-1, keepdim=True), both, grammar)

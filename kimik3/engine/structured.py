@@ -24,7 +24,6 @@ from __future__ import annotations
 
 import json
 import logging
-import os
 from dataclasses import dataclass
 
 import torch
@@ -148,7 +147,7 @@ class GrammarCompiler:
                 raise ValueError("structured outputs need the checkpoint's tiktoken tokenizer")
             self._ll_tokenizer = lltokenizer_from_encoding(enc, n_vocab=self.vocab_size,
                                                            eos_token=self.end_token_ids)
-            self._executor = llg.LLExecutor(num_threads=max(1, min(8, (os.cpu_count() or 2) // 2)))
+            self._executor = llg.LLExecutor()       # llguidance's default: 80% of the CPUs, up to 32 threads
         return self._ll_tokenizer
 
     def matcher(self, so: StructuredOutputsParams | str) -> Matcher:
@@ -167,8 +166,13 @@ class GrammarCompiler:
         """int32 bitmask [len(rows), words] (host): row i allows the tokens its matcher allows after
         consuming ``rows[i][1]`` (draft tokens, rolled back afterwards); every token without a matcher.
         Matchers without drafts are filled in one parallel call."""
-        mask = torch.full((len(rows), self.words), -1, dtype=torch.int32,
-                          pin_memory=torch.cuda.is_available())
+        # pinned, so the copy to the device does not wait for the step; rows without a matcher allow
+        # every token, filled one row at a time (a whole-tensor fill of this size goes to torch's CPU
+        # thread pool, whose spinning threads then compete with llguidance's for the cores)
+        mask = torch.empty((len(rows), self.words), dtype=torch.int32, pin_memory=torch.cuda.is_available())
+        for i, (m, _) in enumerate(rows):
+            if m is None:
+                mask[i].fill_(-1)
         row_bytes = self.words * 4
         plain = [(m.m, i) for i, (m, pending) in enumerate(rows) if m is not None and not pending]
         if plain:

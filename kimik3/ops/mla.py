@@ -102,7 +102,7 @@ def mla_prefill_attention(q: torch.Tensor, cache: torch.Tensor, block_tables: to
     (``prefill_pieces``), each attended with the causal bound as numbers and merged into a running
     (o, lse) exactly; memory O(T x H x d + PREFILL_BLOCK x H x d), never O(T x context x H).
     CUDA: one varlen Triton launch per piece (split-K over the keys when the queries are too few
-    to fill the GPU); otherwise a per-sequence torch loop per piece.
+    to fill the GPU; head dims that are powers of two >= 16); otherwise a per-sequence torch loop per piece.
     """
     T, H, _ = q.shape
     if len(query_lens) != len(context_lens) or sum(query_lens) != T:
@@ -130,7 +130,10 @@ def _prefill(q, cache, block_tables, kv_b_weight, query_lens, context_lens, kv_l
     T, H, _ = q.shape
     R, dv = kv_lora_rank, v_head_dim
     d_nope = kv_b_weight.shape[0] // H - dv
-    fast = use_fast_path(q)
+    d_rope = q.shape[-1] - d_nope
+    # the kernel's head dims (qa / qb / v) are powers of two >= 16; smaller test models take the reference
+    fast = use_fast_path(q) and all(d >= 16 and not d & (d - 1) for d in
+                                    ((d_nope, d_rope, dv) if form == "naive" else (R, d_rope)))
     dt = q.dtype if fast else acc_dtype(q.dtype)
     kv_b = kv_b_weight.to(dt)
     w = kv_b.view(H, d_nope + dv, R)

@@ -147,7 +147,8 @@ def test_greedy_graphs_match_eager(model):
 def test_speculative_greedy_matches_plain(model, monkeypatch):
     """Speculative verify steps on the GPU path (snapshots mid-chunk, rollbacks, graphs for the
     plain steps). A random-weight model seldom repeats an n-gram, so the drafts come from an
-    oracle: the plain run's own next tokens, every other step with the second one corrupted."""
+    oracle: the plain run's own next tokens, every other step with the second one corrupted. The
+    tokens are checked against the model called directly (``assert_greedy_path``)."""
     import kimik3.engine.scheduler as scheduler
     reqs = requests(model.config.text.vocab_size)
     plain = generate(make(model, enforce_eager=False), reqs)
@@ -158,7 +159,24 @@ def test_speculative_greedy_matches_plain(model, monkeypatch):
              for rid, (p, sp) in reqs.items()}
     spec = generate(engine, no_lp)
     assert engine.num_accepted_tokens > 0 and engine.num_draft_tokens > engine.num_accepted_tokens
-    assert_same_greedy(plain, spec, reqs)
+    assert_greedy_path(model, reqs, spec)
+
+
+def assert_greedy_path(model, reqs, out) -> None:
+    """Each emitted token is the greedy choice of the model called directly on the prompt and the
+    tokens before it, up to a near-tie (``TIE_NATS``). This decides a parting from another engine
+    run: the slice's logits are nearly flat, so runs part at ties often (4 of 6 requests between the
+    plain and the speculative runs), and a wrong token is one the model itself ranks lower."""
+    with torch.inference_mode():
+        for rid, (prompt, sp) in reqs.items():
+            tokens = out[rid][0]
+            assert len(tokens) == sp.max_tokens, rid
+            ids = list(prompt)
+            for i, t in enumerate(tokens):
+                ref = model(torch.tensor(ids, device="cuda"))[-1].float().log_softmax(-1)
+                below = float(ref.max() - ref[t])
+                assert below < TIE_NATS, f"{rid}: token {i} ({t}) is {below:.3f} nats below the model's greedy choice"
+                ids.append(t)
 
 
 def test_moe_side_stream_graph_matches_serial(model, monkeypatch):
