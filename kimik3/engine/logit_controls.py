@@ -13,6 +13,7 @@ from dataclasses import dataclass
 
 import torch
 
+from kimik3.engine.sampler import on_device
 from kimik3.engine.sampling_params import SamplingParams
 from kimik3.engine.structured import fill_bitmasks, unpack_bitmask
 
@@ -62,13 +63,6 @@ def banned_ids(row: ControlRow) -> list[int]:
         if k == 0 or (len(hist) >= k and hist[-k:] == w[:-1]):
             out.append(w[-1])
     return out
-
-
-def on_device(values: list, dtype: torch.dtype, device: torch.device) -> torch.Tensor:
-    """A small host list as a device tensor, copied from pinned memory without waiting for the
-    device (a pageable copy would wait for the step that is still running)."""
-    host = torch.tensor(values, dtype=dtype, pin_memory=device.type == "cuda")
-    return host.to(device, non_blocking=True)
 
 
 def apply_controls(logits: torch.Tensor, rows: list[int], controls: list[ControlRow],

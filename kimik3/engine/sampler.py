@@ -17,6 +17,13 @@ import torch
 from kimik3.engine.sampling_params import SamplingParams
 
 
+def on_device(values: list, dtype: torch.dtype, device: torch.device | str) -> torch.Tensor:
+    """A host list as a device tensor, copied from pinned memory without waiting for the device
+    (a pageable copy waits for the step still running there)."""
+    device = torch.device(device)
+    return torch.tensor(values, dtype=dtype, pin_memory=device.type == "cuda").to(device, non_blocking=True)
+
+
 def is_plain_greedy(params: SamplingParams) -> bool:
     """Greedy with nothing else to compute: the token is the argmax of its row."""
     return params.greedy and not params.has_penalties and params.logprobs is None
@@ -81,31 +88,27 @@ class SamplingBatch:
     def build(params: list[SamplingParams], generators: list[torch.Generator | None],
               prompt_ids: list[list[int]], output_ids: list[list[int]], vocab_size: int,
               device: torch.device | str) -> SamplingBatch:
-        f32 = dict(dtype=torch.float32, device=device)
+        f32 = torch.float32
         greedy = [p.greedy for p in params]
         penal = any(p.has_penalties for p in params)
 
-        def col(values, default, **kw):
-            return None if all(v == default for v in values) else torch.tensor(values, **kw)
+        def col(values, default, dtype=f32):
+            return None if all(v == default for v in values) else on_device(values, dtype, device)
 
         def padded(rows: list[list[int]]) -> torch.Tensor:
             width = max(1, max(len(r) for r in rows))
-            t = torch.full((len(rows), width), vocab_size, dtype=torch.int64)
-            for i, r in enumerate(rows):
-                if r:
-                    t[i, :len(r)] = torch.tensor(r, dtype=torch.int64)
-            return t.to(device)
+            return on_device([r + [vocab_size] * (width - len(r)) for r in rows], torch.int64, device)
 
         return SamplingBatch(
-            temperature=torch.tensor([1.0 if g else p.temperature for p, g in zip(params, greedy)], **f32),
-            greedy=torch.tensor(greedy, dtype=torch.bool, device=device),
+            temperature=on_device([1.0 if g else p.temperature for p, g in zip(params, greedy)], f32, device),
+            greedy=on_device(greedy, torch.bool, device),
             top_k=col([vocab_size if p.top_k < 0 else min(p.top_k, vocab_size) for p in params], vocab_size,
-                      dtype=torch.int64, device=device),
-            top_p=col([p.top_p for p in params], 1.0, **f32),
-            min_p=col([p.min_p for p in params], 0.0, **f32),
-            presence=torch.tensor([p.presence_penalty for p in params], **f32) if penal else None,
-            frequency=torch.tensor([p.frequency_penalty for p in params], **f32) if penal else None,
-            repetition=torch.tensor([p.repetition_penalty for p in params], **f32) if penal else None,
+                      torch.int64),
+            top_p=col([p.top_p for p in params], 1.0),
+            min_p=col([p.min_p for p in params], 0.0),
+            presence=on_device([p.presence_penalty for p in params], f32, device) if penal else None,
+            frequency=on_device([p.frequency_penalty for p in params], f32, device) if penal else None,
+            repetition=on_device([p.repetition_penalty for p in params], f32, device) if penal else None,
             prompt_ids=padded(prompt_ids) if penal else None,
             output_ids=padded(output_ids) if penal else None,
             generators=generators,
