@@ -18,7 +18,7 @@ from kimik3.engine.config import EngineConfig
 from kimik3.engine.cuda_graphs import DecodeGraphs, capture_or_none
 from kimik3.engine.encoder_cache import ImageEncoder
 from kimik3.engine.logit_controls import controlled_logits
-from kimik3.engine.sampler import Sampler, SamplerOutput, row_spans
+from kimik3.engine.sampler import Sampler, SamplerOutput, on_device, row_spans
 from kimik3.engine.speculative import verify
 from kimik3.model.batch import ForwardBatch, HybridCache
 
@@ -45,7 +45,7 @@ class ModelRunner:
     def run(self, input_ids: torch.Tensor, batch: ForwardBatch, rows: list[int]) -> torch.Tensor | None:
         """The eager step: one packed forward, then the logits of ``rows``."""
         hidden = self.model.forward_step(input_ids, batch, self.cache)
-        return self.model.compute_logits(hidden[torch.tensor(rows, device=self.device)]) if rows else None
+        return self.model.compute_logits(hidden[on_device(rows, torch.int64, self.device)]) if rows else None
 
     def run_graph(self, meta: torch.Tensor, tables: torch.Tensor, rows: list[int], num_seqs: int) -> torch.Tensor | None:
         """The graph step: replay, then the logits of the chunks that sample."""
@@ -53,7 +53,7 @@ class ModelRunner:
         self.num_graph_steps += 1
         if len(rows) == num_seqs:
             return logits
-        return logits[torch.tensor(rows, device=self.device)] if rows else None
+        return logits[on_device(rows, torch.int64, self.device)] if rows else None
 
     def sample(self, out, logits: torch.Tensor | None) -> SamplerOutput:
         """One token per sampling chunk, in chunk order (after its accepted drafts, if it has any):
