@@ -1,6 +1,6 @@
 """The trained default model on CUDA (bf16, the fast kernels), through the engine in each mode, against
 the model called directly on the engine's own growing sequences: at every step the engine's token is
-the reference's greedy choice up to a near-tie (its top logits are bf16 values: 0.06 apart at ~10),
+the reference's greedy choice up to a near-tie (``TIE_NATS``; its top logits are bf16 values: 0.06 apart at ~10),
 and its logprob is the reference's within ``LOGPROB_BOUND``. The logprobs are what decide: a prefix
 hit that skips restoring the KDA state moves one of them by 0.22 nats, bf16 rounding by < 0.04."""
 
@@ -14,12 +14,12 @@ import torch
 import kimik3
 from kimik3.engine import SamplingParams
 from tests.engine.helpers import make_engine, run
+from tests.gpu.test_engine_graphs import assert_model_greedy
 
 pytestmark = [pytest.mark.gpu, pytest.mark.skipif(not torch.cuda.is_available(), reason="needs CUDA")]
 
 HELD_OUT = (Path(__file__).resolve().parents[1] / "data" / "default_model_heldout.txt").read_text(encoding="utf-8")
 MAX_TOKENS = 12
-TIE = 0.1               # logits (= nats) below the reference's greedy choice: a tie under bf16 rounding
 LOGPROB_BOUND = 0.1     # |engine - reference| logprob of each emitted token
 
 
@@ -37,18 +37,6 @@ def prompts():
             "e": words[70:130], "f": tok.encode("Once upon a time")}
 
 
-def assert_reference_path(model, prompt: list[int], tokens: list[int], logprobs: list[dict]) -> None:
-    assert len(tokens) == len(logprobs) == MAX_TOKENS
-    ids = list(prompt)
-    with torch.inference_mode():
-        for i, (t, lp) in enumerate(zip(tokens, logprobs)):
-            ref = model(torch.tensor(ids, device="cuda"))[-1].float().log_softmax(-1)
-            below = float(ref.max() - ref[t])
-            assert below < TIE, f"token {i} ({t}) is {below:.3f} nats below the reference's greedy choice"
-            assert abs(lp[t] - float(ref[t])) < LOGPROB_BOUND, f"token {i}: logprob {lp[t]:.4f}, reference {float(ref[t]):.4f}"
-            ids.append(t)
-
-
 @pytest.mark.parametrize("mode", ["eager", "graphs", "chunked_prefix_graphs", "speculative"])
 def test_engine_greedy_equals_the_model_called_directly_on_cuda(model, prompts, mode):
     params = SamplingParams(temperature=0, max_tokens=MAX_TOKENS, ignore_eos=True, logprobs=1)
@@ -64,10 +52,8 @@ def test_engine_greedy_equals_the_model_called_directly_on_cuda(model, prompts, 
     results = run(engine, {k: (p, params) for k, p in prompts.items()}, arrivals)
     for rid, prompt in prompts.items():
         tokens, _, logprobs = results[rid][0]
-        try:
-            assert_reference_path(model, prompt, tokens, logprobs)
-        except AssertionError as e:
-            raise AssertionError(f"{rid}: {e}") from None
+        assert len(tokens) == len(logprobs) == MAX_TOKENS, rid
+        assert_model_greedy(model, rid, prompt, tokens, logprobs, LOGPROB_BOUND)
     if mode != "eager":
         assert engine.runner.graphs is not None, "capture fell back to eager"
     if mode in ("graphs", "chunked_prefix_graphs"):

@@ -148,7 +148,7 @@ def test_speculative_greedy_matches_plain(model, monkeypatch):
     """Speculative verify steps on the GPU path (snapshots mid-chunk, rollbacks, graphs for the
     plain steps). A random-weight model seldom repeats an n-gram, so the drafts come from an
     oracle: the plain run's own next tokens, every other step with the second one corrupted. The
-    tokens are checked against the model called directly (``assert_greedy_path``)."""
+    tokens are checked against the model called directly (``assert_model_greedy``)."""
     import kimik3.engine.scheduler as scheduler
     reqs = requests(model.config.text.vocab_size)
     plain = generate(make(model, enforce_eager=False), reqs)
@@ -159,24 +159,28 @@ def test_speculative_greedy_matches_plain(model, monkeypatch):
              for rid, (p, sp) in reqs.items()}
     spec = generate(engine, no_lp)
     assert engine.num_accepted_tokens > 0 and engine.num_draft_tokens > engine.num_accepted_tokens
-    assert_greedy_path(model, reqs, spec)
+    for rid, (prompt, sp) in reqs.items():
+        assert len(spec[rid][0]) == sp.max_tokens, rid
+        assert_model_greedy(model, rid, prompt, spec[rid][0])
 
 
-def assert_greedy_path(model, reqs, out) -> None:
+def assert_model_greedy(model, rid: str, prompt: list[int], tokens: list[int], logprobs: list[dict] | None = None,
+                        logprob_bound: float | None = None) -> None:
     """Each emitted token is the greedy choice of the model called directly on the prompt and the
-    tokens before it, up to a near-tie (``TIE_NATS``). This decides a parting from another engine
-    run: the slice's logits are nearly flat, so runs part at ties often (4 of 6 requests between the
-    plain and the speculative runs), and a wrong token is one the model itself ranks lower."""
+    tokens before it, up to a near-tie (``TIE_NATS``); with ``logprobs``, each token's logprob is the
+    model's within ``logprob_bound``. This decides a parting from another engine run: the slice's
+    logits are nearly flat, so runs part at ties often (4 of 6 requests between the plain and the
+    speculative runs), and a wrong token is one the model itself ranks lower."""
+    ids = list(prompt)
     with torch.inference_mode():
-        for rid, (prompt, sp) in reqs.items():
-            tokens = out[rid][0]
-            assert len(tokens) == sp.max_tokens, rid
-            ids = list(prompt)
-            for i, t in enumerate(tokens):
-                ref = model(torch.tensor(ids, device="cuda"))[-1].float().log_softmax(-1)
-                below = float(ref.max() - ref[t])
-                assert below < TIE_NATS, f"{rid}: token {i} ({t}) is {below:.3f} nats below the model's greedy choice"
-                ids.append(t)
+        for i, t in enumerate(tokens):
+            ref = model(torch.tensor(ids, device="cuda"))[-1].float().log_softmax(-1)
+            below = float(ref.max() - ref[t])
+            assert below < TIE_NATS, f"{rid}: token {i} ({t}) is {below:.3f} nats below the model's greedy choice"
+            if logprobs is not None:
+                assert abs(logprobs[i][t] - float(ref[t])) < logprob_bound, \
+                    f"{rid}: token {i}: logprob {logprobs[i][t]:.4f}, the model's {float(ref[t]):.4f}"
+            ids.append(t)
 
 
 def test_moe_side_stream_graph_matches_serial(model, monkeypatch):
