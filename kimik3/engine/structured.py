@@ -167,8 +167,8 @@ class GrammarCompiler:
         consuming ``rows[i][1]`` (draft tokens, rolled back afterwards); every token without a matcher.
         Matchers without drafts are filled in one parallel call."""
         # pinned, so the copy to the device does not wait for the step; rows without a matcher allow
-        # every token, filled one row at a time (a whole-tensor fill of this size goes to torch's CPU
-        # thread pool, whose spinning threads then compete with llguidance's for the cores)
+        # every token, filled one row at a time (a whole-tensor fill of this size runs on torch's CPU
+        # thread pool, whose threads can then compete with llguidance's for the cores)
         mask = torch.empty((len(rows), self.words), dtype=torch.int32, pin_memory=torch.cuda.is_available())
         for i, (m, _) in enumerate(rows):
             if m is None:
