@@ -256,3 +256,30 @@ def test_softplus_gate_kda_prefill_and_decode():
 def test_conv_decode_batch():
     results = check_conv(lens=(1,) * 9, ctx=(3, 1, 5, 8, 2, 2, 9, 4, 1), seed=8)
     assert results["conv.y"] < BF16_BOUND and results["conv.pool_exact"] == 0, results
+
+
+def compiled_variants(kernel) -> int:
+    """Compiled specialisations of a Triton kernel so far (all devices)."""
+    return sum(len(caches[0]) for caches in kernel.device_caches.values())
+
+
+def test_mla_decode_compiles_few_variants_as_contexts_grow():
+    """A sequence that grows block by block changes the decode's split count at almost every block
+    (1 .. 64 here); the split count is a runtime argument, so the kernels compile a handful of
+    specialisations (Triton's ==1 / %16 ones), not one per count; every launch stays exact."""
+    from kimik3.ops.triton import mla_decode as m
+    H, R, P, bs = 32, 512, 64, 16
+    g = _gen(5)
+    cache, tables = _paged([64 * bs], bs, R + P, g)
+    q_lat = torch.randn(1, H, R, generator=g, device="cuda").to(BF16)
+    q_pe = torch.randn(1, H, P, generator=g, device="cuda").to(BF16)
+    before = compiled_variants(m._mla_decode_split_kernel), compiled_variants(m._mla_decode_merge_kernel)
+    for blocks in range(1, 65):
+        n = blocks * bs - 3
+        with reference_ops():
+            ref = mla_decode_attention(q_lat.double(), q_pe.double(), cache.double(), tables, [n], R, 0.07)
+        out = mla_decode_attention(q_lat, q_pe, cache, tables, torch.tensor([n], device="cuda"), R, 0.07, max_seq_len=n)
+        assert worst_rel_err(out, ref) < BF16_BOUND, n
+    split = compiled_variants(m._mla_decode_split_kernel) - before[0]
+    merge = compiled_variants(m._mla_decode_merge_kernel) - before[1]
+    assert split <= 3 and merge <= 10, (split, merge)      # merge: one per power-of-two bound on the count

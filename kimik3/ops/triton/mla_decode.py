@@ -43,7 +43,7 @@ def _mla_decode_split_kernel(q_lat, q_pe, cache, block_tables, seq_lens, part_o,
                              H, R, P, stride_ql_n, stride_ql_h, stride_qp_n, stride_qp_h,
                              stride_cache_blk, stride_cache_row, stride_bt, sm_scale_log2,
                              BLOCK_SIZE: tl.constexpr, BH: tl.constexpr, BR: tl.constexpr, BP: tl.constexpr,
-                             BN: tl.constexpr, NUM_SPLITS: tl.constexpr, PAGED: tl.constexpr, UPCAST: tl.constexpr):
+                             NUM_SPLITS, BN: tl.constexpr, PAGED: tl.constexpr, UPCAST: tl.constexpr):
     """Pass 1. PAGED: tiles are whole cache blocks (BN == BLOCK_SIZE), addressed from the block's
     64-bit base plus fixed 32-bit row offsets; else BN token rows, each addressed by 64 bits."""
     n, hb, s = tl.program_id(0), tl.program_id(1), tl.program_id(2)
@@ -89,8 +89,8 @@ def _mla_decode_split_kernel(q_lat, q_pe, cache, block_tables, seq_lens, part_o,
 
 
 @triton.jit
-def _mla_decode_merge_kernel(part_o, part_lse, out, H, R, stride_on, stride_oh,
-                             BR: tl.constexpr, NUM_SPLITS: tl.constexpr, BS: tl.constexpr):
+def _mla_decode_merge_kernel(part_o, part_lse, out, H, R, stride_on, stride_oh, NUM_SPLITS,
+                             BR: tl.constexpr, BS: tl.constexpr):
     n, h = tl.program_id(0), tl.program_id(1)
     s = tl.arange(0, BS)
     r = tl.arange(0, BR)
