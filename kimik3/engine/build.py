@@ -2,7 +2,8 @@
 serve``, ``kimik3 bench`` and the other commands (through ``LLM``).
 
 It resolves the automatic settings, checks the generation config before the (long) load, loads the
-model, and builds the ``LLMEngine``; with tensor or expert parallelism this process becomes rank 0
+model, builds the ``LLMEngine`` and, on a GPU, warms it up (``warmup.py``: kernels compile before
+the first request, not during it); with tensor or expert parallelism this process becomes rank 0
 of a new group (``kimik3.parallel.launch``) whose lock-step runner drives every rank's forward.
 """
 
@@ -14,6 +15,7 @@ import logging
 from kimik3.config import load_config
 from kimik3.engine.args import EngineArgs
 from kimik3.engine.llm_engine import LLMEngine
+from kimik3.engine.warmup import warm_up
 from kimik3.loader import load_model
 
 logger = logging.getLogger(__name__)
@@ -38,7 +40,10 @@ def build_engine(args: EngineArgs, tokenizer=None):
         engine = LLMEngine(model, config, tokenizer=tokenizer, tokenizer_path=str(path),
                            runner_factory=functools.partial(ParallelRunner, control=group.control,
                                                             on_failure=group.fail))
-        return engine, group
-    model = load_model(path, device=device, dtype=dtype, language_model_only=args.language_model_only,
-                       progress=args.use_tqdm_on_load)
-    return LLMEngine(model, config, tokenizer=tokenizer, tokenizer_path=str(path)), None
+    else:
+        model = load_model(path, device=device, dtype=dtype, language_model_only=args.language_model_only,
+                           progress=args.use_tqdm_on_load)
+        engine, group = LLMEngine(model, config, tokenizer=tokenizer, tokenizer_path=str(path)), None
+    if device.type == "cuda":
+        warm_up(engine)
+    return engine, group

@@ -1,0 +1,163 @@
+"""Served throughput against the offline engine on the same workload (#18 item 5).
+
+``--requests`` streaming completions (random ``--prompt``-token prompts, ``--output`` tokens each,
+greedy, ``ignore_eos``) sent ``--concurrency`` at a time from a client in another process (the
+standard library's ``http.client``, so nothing but the server competes for this process's GIL)
+to ``create_app`` + uvicorn in this process, for ``--passes`` identical passes in a row; then the
+same requests through ``LLMEngine`` directly with ``max_num_seqs`` = the concurrency. Reports output
+tok/s and time to first token (p50 / p99) per pass, and each pass's ratio to offline.
+
+    python benchmarks/serve_vs_offline.py                              # the embedded tiny model, CPU
+    python benchmarks/serve_vs_offline.py --slice --device cuda        # the K3-width GPU slice, graphs
+
+``--slice`` builds the K3-width 4-layer slice of ``benchmarks/gpu/bench_slice.py`` with the synthetic
+163,840-token tokenizer of ``structured.py``. The engine is warmed up first as ``build_engine`` does on
+a GPU (``--no-warmup``: not).
+"""
+
+from __future__ import annotations
+
+import argparse
+import datetime
+import http.client
+import json
+import multiprocessing
+import random
+import statistics
+import sys
+import threading
+import time
+from concurrent.futures import ThreadPoolExecutor
+from pathlib import Path
+
+sys.path.insert(0, str(Path(__file__).resolve().parents[1]))
+
+
+def one_request(port: int, ids: list[int], max_tokens: int) -> tuple[float, float, int]:
+    """One streaming completion: (seconds to the first token, seconds in all, completion tokens)."""
+    conn = http.client.HTTPConnection("127.0.0.1", port, timeout=900)
+    body = json.dumps({"model": "bench", "prompt": ids, "max_tokens": max_tokens, "temperature": 0,
+                       "ignore_eos": True, "stream": True, "stream_options": {"include_usage": True}})
+    t0 = time.perf_counter()
+    conn.request("POST", "/v1/completions", body, {"Content-Type": "application/json"})
+    resp = conn.getresponse()
+    if resp.status != 200:
+        raise RuntimeError(f"HTTP {resp.status}: {resp.read()[:300]!r}")
+    first, tokens = None, 0
+    for line in resp:
+        if not line.startswith(b"data: "):
+            continue
+        data = line[6:].strip()
+        if data == b"[DONE]":
+            break
+        chunk = json.loads(data)
+        if first is None and chunk.get("choices") and chunk["choices"][0].get("text"):
+            first = time.perf_counter() - t0
+        if chunk.get("usage"):
+            tokens = chunk["usage"]["completion_tokens"]
+    conn.close()
+    return first if first is not None else float("nan"), time.perf_counter() - t0, tokens
+
+
+def client(port: int, prompts: list[list[int]], max_tokens: int, concurrency: int, passes: int, out) -> None:
+    """(In the client process.) ``passes`` passes over ``prompts``; one dict per pass into ``out``."""
+    try:
+        for _ in range(passes):
+            t0 = time.perf_counter()
+            with ThreadPoolExecutor(concurrency) as pool:
+                rows = list(pool.map(lambda p: one_request(port, p, max_tokens), prompts))
+            wall = time.perf_counter() - t0
+            ttft = sorted(r[0] for r in rows)
+            out.put({"wall_s": wall, "output_tok_s": sum(r[2] for r in rows) / wall,
+                     "completion_tokens": sum(r[2] for r in rows), "ttft_p50_s": ttft[len(ttft) // 2],
+                     "ttft_p99_s": ttft[min(len(ttft) - 1, int(0.99 * len(ttft)))], "ttft_max_s": ttft[-1]})
+    except Exception as e:                       # the parent prints it
+        out.put({"error": f"{type(e).__name__}: {e}"})
+
+
+def offline(engine, prompts: list[list[int]], max_tokens: int) -> float:
+    from kimik3.engine import SamplingParams
+    params = SamplingParams(temperature=0, max_tokens=max_tokens, ignore_eos=True)
+    t0 = time.perf_counter()
+    for i, p in enumerate(prompts):
+        engine.add_request(f"offline-{i}", {"prompt_token_ids": p}, params)
+    tokens = 0
+    while engine.has_unfinished_requests():
+        for d in engine.step():
+            tokens += sum(len(c.token_ids) for c in d.outputs)
+    return tokens / (time.perf_counter() - t0)
+
+
+def main() -> None:
+    ap = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
+    ap.add_argument("--slice", action="store_true", help="the K3-width GPU slice (else the embedded tiny model)")
+    ap.add_argument("--device", default="cpu")
+    ap.add_argument("--requests", type=int, default=128)
+    ap.add_argument("--prompt", type=int, default=256)
+    ap.add_argument("--output", type=int, default=128)
+    ap.add_argument("--concurrency", type=int, default=64)
+    ap.add_argument("--passes", type=int, default=4)
+    ap.add_argument("--warmup", action=argparse.BooleanOptionalAction, default=True)
+    args = ap.parse_args()
+
+    import torch
+    import uvicorn
+
+    import kimik3
+    from benchmarks.common import commit_id
+    from kimik3.engine import EngineConfig, LLMEngine
+    from kimik3.engine.warmup import warm_up
+    from kimik3.serve.app import ServeOptions, create_app
+    if args.slice:
+        from benchmarks.gpu.bench_slice import CONFIG, build_slice
+        from benchmarks.structured import synthetic_tokenizer
+        model, tok, name = build_slice(json.loads(CONFIG.read_text())), synthetic_tokenizer(), "K3-width 4-layer slice"
+    else:
+        dtype = torch.bfloat16 if args.device.startswith("cuda") else torch.float32
+        model = kimik3.load_model(kimik3.DEFAULT_MODEL, device=args.device, dtype=dtype)
+        tok, name = kimik3.load_tokenizer(kimik3.DEFAULT_MODEL), "embedded tiny K3"
+    engine = LLMEngine(model, EngineConfig(max_num_seqs=args.concurrency, max_model_len=args.prompt + args.output + 16),
+                       tokenizer=tok)
+    warm = warm_up(engine) if args.warmup else 0.0
+    rng = random.Random(0)
+    vocab = model.config.text.vocab_size
+    pad = model.config.media_placeholder_token_id
+    ids = [t for t in range(vocab) if t != pad]
+    prompts = [rng.choices(ids, k=args.prompt) for _ in range(args.requests)]
+
+    app = create_app(engine, ServeOptions(served_model_name="bench", max_queue_len=4 * args.requests))
+    server = uvicorn.Server(uvicorn.Config(app, host="127.0.0.1", port=0, log_level="warning"))
+    thread = threading.Thread(target=server.run, daemon=True)
+    thread.start()
+    while not server.started:
+        time.sleep(0.05)
+    port = server.servers[0].sockets[0].getsockname()[1]
+    ctx = multiprocessing.get_context("spawn")
+    out = ctx.Queue()
+    proc = ctx.Process(target=client, args=(port, prompts, args.output, args.concurrency, args.passes, out))
+    proc.start()
+    passes = [out.get() for _ in range(args.passes)]
+    proc.join()
+    server.should_exit = True
+    thread.join(timeout=60)
+    off = offline(engine, prompts, args.output)
+
+    print(f"# served vs offline, model {name}, device {args.device}, {args.requests} requests x {args.prompt} prompt + "
+          f"{args.output} output tokens, {args.concurrency} at a time, warm-up {'%.1f s' % warm if args.warmup else 'off'}, "
+          f"commit {commit_id()}, {datetime.date.today()}")
+    print(f"offline: {off:.0f} output tok/s")
+    print("| pass | output tok/s | / offline | TTFT p50 s | TTFT p99 s | TTFT max s |")
+    print("|---|---|---|---|---|---|")
+    for i, p in enumerate(passes, 1):
+        if "error" in p:
+            print(f"| {i} | error: {p['error']} | | | | |")
+            continue
+        print(f"| {i} | {p['output_tok_s']:.0f} | {p['output_tok_s'] / off:.2f} | {p['ttft_p50_s']:.3f} | "
+              f"{p['ttft_p99_s']:.3f} | {p['ttft_max_s']:.3f} |")
+    ok = [p for p in passes if "error" not in p]
+    if ok:
+        print(f"# steady (passes 2..): {statistics.mean(p['output_tok_s'] for p in ok[1:] or ok):.0f} tok/s")
+
+
+if __name__ == "__main__":
+    main()

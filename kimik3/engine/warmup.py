@@ -1,0 +1,54 @@
+"""Warm-up: run the kinds of step that serving will hit once, before the first request.
+
+On a GPU the first step of a new kind compiles Triton kernels (and autotunes fla's): a prefill
+length in a new class (Triton specialises integer arguments on == 1 and on divisibility by 16,
+and some tiles on the next power of two of the rows), a mixed step with decode rows beside a
+chunk, a longer context's split count. Without a warm-up those compiles (seconds each) land on
+the first requests' time to first token. ``warm_up`` sends prompts of lengths 2^k - 1, 2^k and
+2^k + 1 up to one step's token budget, all at once (so prefill chunks share steps with decode
+rows), each decoding two tokens, then empties the prefix cache, so the warm-up leaves no blocks
+behind. The engine's counters (steps, graph steps) include its steps. Images are not warmed: the
+vision tower compiles nothing of ours (torch ops only).
+"""
+
+from __future__ import annotations
+
+import logging
+import random
+import time
+
+from kimik3.engine.llm_engine import LLMEngine
+from kimik3.engine.sampling_params import SamplingParams
+
+logger = logging.getLogger(__name__)
+
+
+def warmup_lengths(limit: int) -> list[int]:
+    """Prompt lengths 2^k - 1, 2^k, 2^k + 1 and ``limit`` itself, all in [1, limit]."""
+    out = {limit}
+    p = 1
+    while p <= limit:
+        out.update(n for n in (p - 1, p, p + 1) if 1 <= n <= limit)
+        p *= 2
+    return sorted(out)
+
+
+def warm_up(engine: LLMEngine, seed: int = 0) -> float:
+    """Run the warm-up requests to completion on an idle engine; returns the seconds it took."""
+    if engine.has_unfinished_requests():
+        raise RuntimeError("warm_up runs on an idle engine; it has unfinished requests")
+    cfg = engine.config
+    limit = max(1, min(cfg.max_num_batched_tokens, cfg.max_model_len - 2))
+    pad = engine.model.config.media_placeholder_token_id
+    rng = random.Random(seed)
+    ids = [t for t in range(engine.vocab_size) if t != pad]
+    params = SamplingParams(temperature=0, max_tokens=2, ignore_eos=True, detokenize=False)
+    t0 = time.perf_counter()
+    for i, n in enumerate(warmup_lengths(limit)):
+        engine.add_request(f"warmup-{i}", {"prompt_token_ids": rng.choices(ids, k=n)}, params)
+    while engine.has_unfinished_requests():
+        engine.step()
+    engine.kv.reset_prefix_cache()
+    seconds = time.perf_counter() - t0
+    logger.info("warm-up: %d prompts of 1..%d tokens in %.1f s", len(warmup_lengths(limit)), limit, seconds)
+    return seconds

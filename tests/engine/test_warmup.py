@@ -1,0 +1,44 @@
+"""The warm-up (``kimik3/engine/warmup.py``) leaves no trace: after it, the engine's greedy outputs equal
+``model(ids)`` decoding, every cache block is free, no request is left, and it refuses a busy engine."""
+
+from __future__ import annotations
+
+import pytest
+import torch
+
+import kimik3
+from kimik3.engine import SamplingParams
+from kimik3.engine.warmup import warm_up, warmup_lengths
+from tests.engine.fake_model import reference_greedy
+from tests.engine.helpers import make_engine, run
+
+
+def test_lengths_cover_each_power_of_two_and_its_neighbours():
+    assert warmup_lengths(17) == [1, 2, 3, 4, 5, 7, 8, 9, 15, 16, 17]
+    assert warmup_lengths(20) == [1, 2, 3, 4, 5, 7, 8, 9, 15, 16, 17, 20]
+    assert warmup_lengths(1) == [1]
+
+
+@pytest.mark.parametrize("arch", ["kimi_k3", "kimi_linear"])
+def test_warm_up_leaves_no_trace(tiny_ckpt, arch):
+    model = kimik3.load_model(tiny_ckpt[arch], device="cpu", dtype=torch.float32)
+    engine = make_engine(model, block_size=2, max_num_seqs=3, max_num_batched_tokens=9, max_model_len=24,
+                         enable_prefix_caching=True, extra_blocks=20)
+    seconds = warm_up(engine)
+    assert seconds > 0 and engine.runner.num_steps > 0 and not engine.groups
+    assert engine.kv.blocks.num_free == engine.plan.num_usable_blocks
+    assert not engine.kv.blocks.cached and not engine.kv.checkpoints         # the prefix cache is empty
+    vocab = model.config.text.vocab_size
+    prompts = [[(7 * i + 11 * n) % vocab for i in range(n)] for n in (5, 9, 13)]
+    reqs = {f"r{i}": (p, SamplingParams(temperature=0, max_tokens=4, ignore_eos=True)) for i, p in enumerate(prompts)}
+    results = run(engine, reqs)
+    for rid, (prompt, params) in reqs.items():
+        assert results[rid][0][0] == reference_greedy(model, prompt, params.max_tokens), rid
+
+
+def test_warm_up_refuses_a_busy_engine(tiny_ckpt):
+    model = kimik3.load_model(tiny_ckpt["kimi_k3"], device="cpu", dtype=torch.float32)
+    engine = make_engine(model, block_size=2, max_num_seqs=2, max_model_len=16)
+    engine.add_request("busy", {"prompt_token_ids": [5, 6, 7]}, SamplingParams(max_tokens=2))
+    with pytest.raises(RuntimeError, match="idle engine"):
+        warm_up(engine)
