@@ -1,14 +1,12 @@
 """Batch building: the scheduler's decision (``SchedulerOutput``) as the model's inputs.
 
-Eager steps get packed input ids [T], a ``ForwardBatch`` and the packed rows that need logits: the
-sampling rows first (a chunk that reaches its last token; a speculative chunk needs every row, row j
-verifying draft j + 1), then the rows that score prompt tokens (``prompt_logprobs``). A chunk whose
-positions hold media pads gets those pads' embedding rows (``encoder_cache.ImageEncoder``).
+Eager steps get packed input ids [T], a ``ForwardBatch`` and the packed rows that need logits: the sampling
+rows first (a chunk that reaches its last token; a speculative chunk needs every row, row j verifying draft
+j + 1), then the rows that score prompt tokens (``prompt_logprobs``). A chunk whose positions hold media
+pads gets those pads' embedding rows (``encoder_cache.ImageEncoder``).
 
-Pure decode steps of up to max_num_seqs sequences can replay a CUDA graph instead: one token per
-sequence, each with history, no KDA checkpoint, no media pad, no prompt scoring. Their inputs are
-packed padded to the graph's size (``cuda_graphs.pack_decode_inputs``: block tables are copied
-from each request's int32 ``BlockTable``, no per-step Python conversion).
+Pure decode steps (``graph_size`` says which) can replay a CUDA graph instead, their inputs packed padded to
+the graph's size (``cuda_graphs.pack_decode_inputs``, which copies each request's int32 ``BlockTable``).
 """
 
 from __future__ import annotations
@@ -48,10 +46,7 @@ class BatchBuilder:
 
     def build(self, out) -> StepInputs:
         """The eager step's inputs."""
-        ids: list[int] = []
-        rows: list[int] = []
-        scored: list[tuple] = []
-        scored_rows: list[int] = []
+        ids, rows, scored, scored_rows = [], [], [], []     # scored: (request, position) per prompt-scoring row
         for c in out.chunks:
             for p in prompt_logprob_positions(c):
                 scored.append((c.req, p))
@@ -71,13 +66,12 @@ class BatchBuilder:
 
     @staticmethod
     def graph_size(out, graphs: DecodeGraphs | None) -> int | None:
-        """Padded size of the decode graph that runs this step, or None (eager)."""
-        if graphs is None or out.checkpoints:
+        """Padded size of the decode graph that runs this step, or None (eager): a graph step has one token per
+        sequence, each with history, and no KDA checkpoint, media pad or prompt scoring."""
+        if graphs is None or out.checkpoints or any(
+                c.num_tokens != 1 or c.start == 0 or prompt_logprob_positions(c)
+                or (c.req.mm is not None and c.req.mm.items_in(c.start, c.start + 1)) for c in out.chunks):
             return None
-        for c in out.chunks:
-            if c.num_tokens != 1 or c.start == 0 or prompt_logprob_positions(c) or (
-                    c.req.mm is not None and c.req.mm.items_in(c.start, c.start + 1)):
-                return None
         return graphs.size_for(len(out.chunks))
 
     def build_decode(self, out, size: int) -> tuple[torch.Tensor, torch.Tensor, list[int]]:

@@ -7,58 +7,26 @@ a later request with the same prefix can take it back. Block 0 is the null block
 
 from __future__ import annotations
 
+from array import array
 from collections import OrderedDict
 from typing import Callable, Iterable
 
-import numpy as np
 
+class BlockTable(array):
+    """A request's MLA block ids, a growing int32 array: a decode step copies it into the graph's input (a memcpy
+    through the buffer protocol). Equals a list of its ids; it cannot grow while a numpy view of it lives."""
 
-class BlockTable:
-    """A request's MLA block ids, kept in a growing int32 array: a decode step copies the array
-    into the graph's input (a memcpy) instead of converting a Python list of context/16 ids."""
-
-    def __init__(self, ids: Iterable[int] = ()):
-        ids = np.fromiter(ids, dtype=np.int32)
-        self._ids = np.zeros(max(16, len(ids)), dtype=np.int32)
-        self._ids[:len(ids)] = ids
-        self._n = len(ids)
-
-    @property
-    def array(self) -> np.ndarray:
-        """The ids as an int32 view (valid until the table next grows)."""
-        return self._ids[:self._n]
-
-    def extend(self, ids: Iterable[int]) -> None:
-        new = np.fromiter(ids, dtype=np.int32)
-        if self._n + len(new) > len(self._ids):
-            grown = np.zeros(max(2 * len(self._ids), self._n + len(new)), dtype=np.int32)
-            grown[:self._n] = self.array
-            self._ids = grown
-        self._ids[self._n:self._n + len(new)] = new
-        self._n += len(new)
-
-    def __array__(self, dtype=None, copy=None) -> np.ndarray:
-        return self.array if dtype is None else self.array.astype(dtype, copy=False)
-
-    def __len__(self) -> int:
-        return self._n
-
-    def __getitem__(self, i: int) -> int:
-        if not -self._n <= i < self._n:
-            raise IndexError(f"block {i} of a {self._n}-block table")
-        return int(self._ids[i % self._n])
-
-    def __iter__(self):
-        return iter(self.array.tolist())
-
-    def __reversed__(self):
-        return iter(self.array[::-1].tolist())      # (BlockPool.release walks a table tail first)
+    def __new__(cls, ids: Iterable[int] = ()):
+        return super().__new__(cls, "i", ids)
 
     def __eq__(self, other) -> bool:
         return list(self) == list(other)
 
+    def __ne__(self, other) -> bool:
+        return not self == other
+
     def __repr__(self) -> str:
-        return f"BlockTable({self.array.tolist()})"
+        return f"BlockTable({self.tolist()})"
 
 
 class BlockPool:
@@ -97,7 +65,7 @@ class BlockPool:
 
     def release(self, blocks: list[int]) -> None:
         """Drop one reference to each block; tail blocks are freed first so they are evicted first."""
-        for block in reversed(blocks):
+        for block in blocks[::-1]:
             assert self.ref_counts[block] > 0, f"block {block} released more often than taken"
             self.ref_counts[block] -= 1
             if self.ref_counts[block] == 0:

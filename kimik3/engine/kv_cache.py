@@ -1,11 +1,10 @@
 """Hybrid cache manager: who holds which latent blocks and KDA state slots, and the prefix cache.
 
-Prefix caching for the hybrid model (spec token-mixers §3.3): reusing a prefix needs its MLA
-latents (the cached blocks) *and* the KDA state right after it. States are kept only at block
-boundaries that are multiples of ``checkpoint_interval`` blocks, snapshotted by the model when a
-step crosses or ends on such a boundary (``StateCheckpoint``). A hit therefore is clamped to the
-last matched boundary with a checkpoint, and it never covers the whole sequence: at least one
-token is always computed so the step yields logits. Evicting a block drops its checkpoint.
+Prefix caching for the hybrid model (spec token-mixers §3.3): reusing a prefix needs its MLA latents (the
+cached blocks) *and* the KDA state right after it. States are kept only every ``checkpoint_interval`` blocks,
+snapshotted by the model when a step crosses or ends on such a boundary (``StateCheckpoint``), so a hit is
+clamped to the last matched boundary with a checkpoint; it never covers the whole sequence (at least one token
+is computed, so the step yields logits). Evicting a block drops its checkpoint.
 
 Answers are "fits or None": nothing is changed when a request does not fit.
 """
@@ -34,14 +33,13 @@ class KVCacheManager:
         self.interval = plan.checkpoint_interval if enable_prefix_caching else None
         self.enable_prefix_caching = enable_prefix_caching and self.interval is not None
         self.blocks = BlockPool(plan.num_blocks, on_evict=self._drop_checkpoint)
-        live = range(1, plan.num_live_slots + 1)
-        self.free_live_slots = list(reversed(live))
-        first_ckpt = plan.num_live_slots + plan.num_spec_slots + 1
-        self.free_spec_slots = list(reversed(range(plan.num_live_slots + 1, first_ckpt)))
+        first_spec = 1 + plan.num_live_slots           # MemoryPlan's slot layout; each list pops its lowest first
+        first_ckpt = first_spec + plan.num_spec_slots
+        self.free_live_slots = list(reversed(range(1, first_spec)))
+        self.free_spec_slots = list(reversed(range(first_spec, first_ckpt)))
         self.free_checkpoint_slots = list(reversed(range(first_ckpt, plan.num_slots)))
         self.checkpoints: OrderedDict[bytes, int] = OrderedDict()   # block hash -> slot, LRU first
-        self.num_hit_tokens = 0
-        self.num_queried_tokens = 0
+        self.num_hit_tokens = self.num_queried_tokens = 0      # prompt tokens found in / looked up in the prefix cache
 
     # ---- prefix cache ----------------------------------------------------------------
     def _match(self, req: Request) -> tuple[int, list[int]]:
@@ -51,8 +49,7 @@ class KVCacheManager:
             return 0, []    # prompt logprobs need the logits of every prompt position
         matched: list[int] = []
         for h in req.block_hashes[:(req.num_tokens - 1) // self.block_size]:
-            block = self.blocks.lookup(h)
-            if block is None:
+            if (block := self.blocks.lookup(h)) is None:
                 break
             matched.append(block)
         n = len(matched) - len(matched) % self.interval
@@ -89,10 +86,7 @@ class KVCacheManager:
             return None
         if self.free_checkpoint_slots:
             return self.free_checkpoint_slots.pop()
-        if self.checkpoints:
-            _, slot = self.checkpoints.popitem(last=False)
-            return slot
-        return None
+        return self.checkpoints.popitem(last=False)[1] if self.checkpoints else None    # evict the LRU snapshot
 
     def return_checkpoint_slots(self, slots) -> None:
         """Give back slots taken for a step that did not run (the model raised)."""

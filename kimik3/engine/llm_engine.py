@@ -1,10 +1,9 @@
 """LLMEngine: the streaming core. add_request / abort_request / step, one forward per step.
 
-One loop (nano-vllm's): ``Scheduler.schedule`` decides -> ``ModelRunner.execute`` builds the batch,
-runs the model and samples -> ``Scheduler.update`` advances the requests -> the engine appends the
-tokens, checks stops and emits deltas (``output.py``). Requests come in through ``InputProcessor``;
-``stats()`` is the engine's one read-out. Not thread-safe: a server drives it from one loop and
-forwards aborts there.
+One loop (nano-vllm's): ``Scheduler.schedule`` decides -> ``ModelRunner.execute`` builds the batch, runs the
+model and samples -> ``Scheduler.update`` advances the requests -> the engine appends the tokens, checks
+stops and emits deltas (``output.py``). Requests come in through ``InputProcessor``; ``stats()`` is the
+engine's one read-out. Not thread-safe: a server drives it from one loop and forwards aborts there.
 """
 
 from __future__ import annotations
@@ -19,7 +18,7 @@ from kimik3.engine.config import EngineConfig
 from kimik3.engine.input_processor import InputProcessor
 from kimik3.engine.kv_cache import KVCacheManager
 from kimik3.engine.output import EngineStats, RequestGroup, RequestOutput, append_output, deltas
-from kimik3.engine.request import Request, RequestStatus
+from kimik3.engine.request import RequestStatus
 from kimik3.engine.runner import ModelRunner
 from kimik3.engine.sampling_params import SamplingParams
 from kimik3.engine.scheduler import Scheduler, ScheduledChunk
@@ -41,10 +40,9 @@ class StepError(RuntimeError):
 class LLMEngine:
     def __init__(self, model, config: EngineConfig | None = None, tokenizer=None,
                  tokenizer_path: str | None = None, runner_factory=None):
-        """``model``: ``forward_step``, ``compute_logits``, ``allocate_cache`` and ``cache_text_config``
-        (this rank's cache sizes) as ``KimiForCausalLM`` has them. ``runner_factory``: builds the
-        runner like ``ModelRunner(model, cache, config)`` (tensor parallelism passes
-        ``kimik3.engine.parallel_runner.ParallelRunner``)."""
+        """``model``: ``forward_step``, ``compute_logits``, ``allocate_cache`` and ``cache_text_config`` (this
+        rank's cache sizes) as ``KimiForCausalLM`` has them. ``runner_factory``: builds the runner like
+        ``ModelRunner(model, cache, config)`` (tensor parallelism passes ``parallel_runner.ParallelRunner``)."""
         self.model = model
         self.config = config = config or EngineConfig()
         self.vocab_size = model.config.text.vocab_size
@@ -57,25 +55,21 @@ class LLMEngine:
         self.inputs = InputProcessor(model.config, config, self.device, tokenizer, tokenizer_path)
         self.groups: dict[str, RequestGroup] = {}
         self._aborted: list[RequestGroup] = []
-        self.num_draft_tokens = 0         # speculative decoding: drafts verified / accepted so far
-        self.num_accepted_tokens = 0
+        self.num_draft_tokens = self.num_accepted_tokens = 0     # speculative decoding: drafts verified / accepted
 
     def get_tokenizer(self, required: bool = False):
         """The checkpoint's tokenizer (loaded on first use); None, or ValueError if ``required``, without one."""
         return self.inputs.get_tokenizer(required)
 
-    # ---- requests --------------------------------------------------------------------------
     def add_request(self, request_id: str, prompt, params: SamplingParams | None = None,
                     arrival_time: float | None = None, *, multi_modal_data: VisionInputs | None = None) -> None:
         """Queue a request; raises ValueError (and changes nothing) if it can never run.
 
         ``prompt`` is a string or ``{"prompt_token_ids": [...], "multi_modal_data": VisionInputs, "prompt":
         text}`` (only the ids required). Images hold one ``<|media_pad|>`` per embedding row in the ids, as
-        ``apply_chat_template(..., images=[ImagePrompt(W, H, N), ...])`` renders them; they may also come
-        as the ``multi_modal_data`` argument (the server passes them so).
-
-        Atomic: every sample of the request is built (and checked) first; only then are they all
-        queued and the group registered, so a failure leaves no trace of the request.
+        ``apply_chat_template(..., images=[ImagePrompt(W, H, N), ...])`` renders them; they may also come as the
+        ``multi_modal_data`` argument (the server passes them so). Atomic: every sample is built and checked
+        before any is queued and the group registered, so a failure leaves no trace of the request.
         """
         params = params or SamplingParams()
         if request_id in self.groups:
@@ -122,7 +116,6 @@ class LLMEngine:
             host_seconds=runner.host_seconds, prepare_seconds=runner.prepare_seconds,
             model_seconds=runner.model_seconds)
 
-    # ---- one step ----------------------------------------------------------------------------
     def step(self) -> list[RequestOutput]:
         """Run one forward step; returns a delta for every request that produced tokens or finished."""
         touched: dict[str, RequestGroup] = {g.request_id: g for g in self._aborted}

@@ -1,14 +1,12 @@
 """Memory planner: split one byte budget between the two cache pools of the hybrid model.
 
-* KDA state pool (fixed size per sequence, every KDA layer): slot 0 is the null slot, then one
-  live slot per running sequence (``max_num_seqs``), then ``num_speculative_tokens`` snapshot
-  slots per running sequence when speculative decoding is on, then prefix-cache checkpoint slots.
-* MLA latent cache (grows with length): block 0 is the null block, then ``num_blocks - 1`` usable
-  blocks of ``block_size`` tokens.
+* KDA state pool (fixed size per sequence, every KDA layer): slot 0 is the null slot, then one live slot per
+  running sequence (``max_num_seqs``), then ``num_speculative_tokens`` snapshot slots per running sequence
+  when speculative decoding is on, then prefix-cache checkpoint slots.
+* MLA latent cache (grows with length): block 0 is the null block, then ``num_blocks - 1`` usable blocks.
 
-With prefix caching, a checkpoint is kept every ``checkpoint_interval`` blocks, so each usable block
-costs ``bytes_per_block + bytes_per_slot / checkpoint_interval`` and the checkpoint pool holds one
-slot per ``checkpoint_interval`` blocks: every cached boundary can keep its state.
+With prefix caching, a checkpoint is kept every ``checkpoint_interval`` blocks, so each usable block costs
+``bytes_per_block + bytes_per_slot / checkpoint_interval`` and every cached boundary can keep its state.
 """
 
 from __future__ import annotations
@@ -25,7 +23,7 @@ from kimik3.ops import ceil_div
 class MemoryPlan:
     block_size: int
     num_blocks: int                 # MLA latent-cache blocks, null block 0 included
-    num_slots: int                  # KDA state-pool slots: null + live + checkpoint
+    num_slots: int                  # KDA state-pool slots: null + live + speculative + checkpoint
     num_live_slots: int             # = max_num_seqs, slots 1..num_live_slots
     num_checkpoint_slots: int       # the last slots, after the live and speculative ones
     checkpoint_interval: int | None # blocks between KDA checkpoints; None = prefix caching off
@@ -55,20 +53,17 @@ class MemoryPlan:
         gib = 1 << 30
         ck = (f"{self.num_checkpoint_slots} KDA checkpoints (one per {self.checkpoint_interval} blocks)"
               if self.checkpoint_interval else "no KDA checkpoints (prefix caching off)")
+        spec = f"{self.num_spec_slots} speculative snapshots, " if self.num_spec_slots else ""
         return (f"cache plan: {self.total_bytes / gib:.3f} of {self.budget_bytes / gib:.3f} GiB -> "
                 f"{self.max_cached_tokens} latent tokens ({self.num_usable_blocks} blocks x {self.block_size}), "
-                f"{self.num_live_slots} sequence states, "
-                + (f"{self.num_spec_slots} speculative snapshots, " if self.num_spec_slots else "")
-                + f"{ck}; "
+                f"{self.num_live_slots} sequence states, {spec}{ck}; "
                 f"{self.bytes_per_block} B/block, {self.bytes_per_slot} B/state")
 
 
 def plan_memory(text_config, budget_bytes: int, block_size: int, max_num_seqs: int,
                 checkpoint_interval: int | None, dtype: torch.dtype, num_spec_slots: int = 0) -> MemoryPlan:
     """Size both pools from ``budget_bytes``; ``checkpoint_interval=None`` plans no checkpoint slots.
-
-    Raises ValueError when the budget cannot hold the live states plus one usable block.
-    """
+    Raises ValueError when the budget cannot hold the live states plus one usable block."""
     if block_size < 1:
         raise ValueError(f"block_size must be >= 1, got {block_size}")
     if max_num_seqs < 1:
@@ -78,28 +73,25 @@ def plan_memory(text_config, budget_bytes: int, block_size: int, max_num_seqs: i
                          f"got {checkpoint_interval}")
     per_slot = HybridCache.bytes_per_slot(text_config, dtype)
     per_block = HybridCache.bytes_per_block(text_config, block_size, dtype)
+    interval, per_ckpt = (checkpoint_interval, per_slot) if checkpoint_interval else (1, 0)
     fixed = (1 + max_num_seqs + num_spec_slots) * per_slot + per_block   # null, live and snapshot slots, null block
-    left = budget_bytes - fixed
-    # Cost of one usable block, counting its share of a checkpoint slot (ceil: never over budget).
-    per_unit = per_block * (checkpoint_interval or 1) + (per_slot if checkpoint_interval else 0)
-    per_unit = max(per_unit, 1)   # a model without MLA layers has free blocks
-    units = left // per_unit if left > 0 else 0
-    num_blocks = units * (checkpoint_interval or 1)
+    left = max(budget_bytes - fixed, 0)
+    # A unit is ``interval`` usable blocks and their checkpoint slot; the leftover still buys plain blocks.
+    per_unit = max(per_block * interval + per_ckpt, 1)   # (1: a model without MLA layers has free blocks)
+    units = left // per_unit
+    num_blocks = units * interval + (left - units * per_unit) // max(per_block, 1)
     num_ckpt = units if checkpoint_interval else 0
-    if checkpoint_interval:   # leftover bytes still buy plain blocks
-        num_blocks += (left - units * per_unit) // max(per_block, 1)
     if num_blocks < 1:
-        need = fixed + per_block + (per_slot if checkpoint_interval else 0)
+        need = fixed + per_block + per_ckpt
         raise ValueError(
             f"cache_memory_bytes={budget_bytes} cannot hold {max_num_seqs} sequence states "
             + (f"and {num_spec_slots} speculative snapshots " if num_spec_slots else "") +
             f"({per_slot} B each, plus the null slot) and one {block_size}-token latent block ({per_block} B); "
             f"give at least {need} bytes or lower max_num_seqs")
-    return MemoryPlan(block_size=block_size, num_blocks=1 + num_blocks,
-                      num_slots=1 + max_num_seqs + num_spec_slots + num_ckpt,
-                      num_live_slots=max_num_seqs, num_checkpoint_slots=num_ckpt,
-                      checkpoint_interval=checkpoint_interval, bytes_per_block=per_block,
-                      bytes_per_slot=per_slot, budget_bytes=budget_bytes, num_spec_slots=num_spec_slots)
+    return MemoryPlan(block_size=block_size, num_blocks=1 + num_blocks, num_live_slots=max_num_seqs,
+                      num_slots=1 + max_num_seqs + num_spec_slots + num_ckpt, num_checkpoint_slots=num_ckpt,
+                      checkpoint_interval=checkpoint_interval, bytes_per_block=per_block, bytes_per_slot=per_slot,
+                      budget_bytes=budget_bytes, num_spec_slots=num_spec_slots)
 
 
 def max_blocks_per_seq(max_model_len: int, block_size: int) -> int:

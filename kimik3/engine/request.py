@@ -47,9 +47,7 @@ class CacheHoldings:
     block_ids: BlockTable = field(default_factory=BlockTable)   # MLA latent blocks, in position order
     state_slot: int = 0                 # live KDA state slot; 0 = none (slot 0 is the null slot)
     num_cached_blocks: int = 0          # leading blocks registered in the prefix cache
-    # speculative decoding: the snapshot slot holding the state after the last accepted token, copied
-    # into ``state_slot`` before the request's next step
-    rollback_slot: int | None = None
+    rollback_slot: int | None = None    # speculative: snapshot of the last accepted draft's state, copied in next step
 
 
 @dataclass
@@ -87,9 +85,8 @@ class Request:
     token_ids: list[int] = field(default_factory=list)        # prompt + output
     num_computed_tokens: int = 0
     block_hashes: list[bytes] = field(default_factory=list)     # one per full block of token_ids
-    # logit controls: token sequences of params.bad_words, and the grammar state of structured outputs
-    bad_word_ids: list[list[int]] = field(default_factory=list)
-    matcher: object | None = None                   # structured.Matcher
+    bad_word_ids: list[list[int]] = field(default_factory=list)   # logit controls: params.bad_words as token ids
+    matcher: object | None = None                   # logit controls: the structured-output grammar (structured.Matcher)
     # Image embeddings [N_i, D] by item, held (the runner's tensors) from the first chunk that needs an
     # item until its last pad is computed, so a request encodes or fetches each image once per prefill.
     image_embeds: dict[int, torch.Tensor] = field(default_factory=dict)

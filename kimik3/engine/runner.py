@@ -1,9 +1,8 @@
 """Runner: run one scheduled step on the model, eagerly or as a captured decode graph, then sample.
 
-``execute``: the step's KDA state copies and resets, its inputs (``batch_builder.py``), one forward
-(a CUDA graph replay for pure decode steps that fit one, ``cuda_graphs.DecodeGraphs``; else one
-packed varlen ``forward_step``), the logits of the rows that need them, then the sampler (or the
-speculative verifier when the step carries drafts, ``speculative.py``).
+``execute``: the step's KDA state copies and resets, its inputs (``batch_builder.py``), one forward (a
+``cuda_graphs.DecodeGraphs`` replay for a pure decode step that fits one, else one packed varlen
+``forward_step``), the logits rows, then the sampler or, for drafts, the verifier (``speculative.py``).
 """
 
 from __future__ import annotations
@@ -18,8 +17,8 @@ from kimik3.engine.config import EngineConfig
 from kimik3.engine.cuda_graphs import DecodeGraphs, capture_or_none
 from kimik3.engine.encoder_cache import ImageEncoder
 from kimik3.engine.logit_controls import controlled_logits
-from kimik3.engine.sampler import Sampler, SamplerOutput, on_device, row_spans
-from kimik3.engine.speculative import verify
+from kimik3.engine.sampler import Sampler, SamplerOutput, on_device
+from kimik3.engine.speculative import row_spans, verify
 from kimik3.model.batch import ForwardBatch, HybridCache
 
 logger = logging.getLogger(__name__)
@@ -36,8 +35,7 @@ class ModelRunner:
         self.host_seconds = 0.0     # batch building + sampling (sampling waits for the device's step)
         self.prepare_seconds = 0.0  # batch building alone
         self.model_seconds = 0.0    # the step's launch and any image encoding
-        self.num_steps = 0
-        self.num_graph_steps = 0
+        self.num_steps = self.num_graph_steps = 0
         self.graphs: DecodeGraphs | None = None
         if not config.enforce_eager and self.device.type == "cuda":
             self.graphs = capture_or_none(DecodeGraphs(model, cache, config.max_num_seqs, config.max_model_len))
@@ -71,8 +69,7 @@ class ModelRunner:
     @torch.inference_mode()
     def execute(self, out) -> SamplerOutput:
         """Run one step; returns one token per sampling chunk, in chunk order."""
-        t0 = time.perf_counter()
-        enc0 = self.images.seconds
+        t0, enc0 = time.perf_counter(), self.images.seconds
         for src, dst in out.state_copies:
             self.cache.copy_state(src, dst)
         for slot in out.state_resets:
@@ -93,13 +90,13 @@ class ModelRunner:
         self.images.release(out.chunks)
         t2 = time.perf_counter()
         result = self.sample(out, logits)
-        t3 = time.perf_counter()
-        encode = self.images.seconds - enc0
-        self.prepare_seconds += t1 - t0 - encode
-        self.host_seconds += t1 - t0 - encode + t3 - t2
-        self.model_seconds += t2 - t1 + encode
+        encode = self.images.seconds - enc0         # images encoded while building the batch count as model time
+        prepare, launch, sampling = t1 - t0 - encode, t2 - t1 + encode, time.perf_counter() - t2
+        self.prepare_seconds += prepare
+        self.host_seconds += prepare + sampling
+        self.model_seconds += launch
         self.num_steps += 1
         logger.debug("step %d: %d seqs, %d tokens, %s, prepare %.2f ms, launch %.2f ms, sample %.2f ms",
                      self.num_steps, len(out.chunks), out.num_tokens, "eager" if size is None else f"graph {size}",
-                     (t1 - t0 - encode) * 1e3, (t2 - t1 + encode) * 1e3, (t3 - t2) * 1e3)
+                     prepare * 1e3, launch * 1e3, sampling * 1e3)
         return result

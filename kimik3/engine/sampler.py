@@ -1,11 +1,10 @@
 """Sampling: one token per sequence that reached its last token, from its logits row.
 
-Rows are the sequences that produce a token this step. Every transform is a tensor op over
-[n, vocab] (after the logit controls of ``logit_controls.py``: penalties, temperature, min-p, top-k,
-top-p); the only per-row Python work is drawing the noise of seeded requests from their own
-generator, which is what makes a seeded request's tokens independent of the batch it lands in.
-Plain greedy rows take the argmax, one device sync for the step. Speculative chunks (several rows
-each) are verified by ``speculative.verify``, which uses these pieces.
+Every transform is a tensor op over [n, vocab] (after the logit controls of ``logit_controls.py``:
+penalties, temperature, min-p, top-k, top-p); the only per-row Python work is drawing the noise of seeded
+requests from their own generator, which makes a seeded request's tokens independent of its batch. Plain
+greedy rows take the argmax, one device sync for the step. Speculative chunks (several rows each) are
+verified by ``speculative.verify``, which uses these pieces.
 """
 
 from __future__ import annotations
@@ -29,21 +28,11 @@ def is_plain_greedy(params: SamplingParams) -> bool:
     return params.greedy and not params.has_penalties and params.logprobs is None
 
 
-def row_spans(chunks) -> list[tuple[int, int]]:
-    """Each sampling chunk's logits rows [a, b): one, plus one per draft token."""
-    spans, r = [], 0
-    for c in chunks:
-        spans.append((r, r + 1 + len(c.draft)))
-        r += 1 + len(c.draft)
-    return spans
-
-
 class Sampler:
     def __init__(self, vocab_size: int, device: torch.device, seed: int):
         self.vocab_size = vocab_size
         self.device = device
-        self.generator = torch.Generator(device=device)     # requests without their own seed
-        self.generator.manual_seed(seed)
+        self.generator = torch.Generator(device=device).manual_seed(seed)     # requests without their own seed
 
     def sample_rows(self, reqs, logits: torch.Tensor, raw: torch.Tensor) -> SamplerOutput:
         """One token per request from its (controlled) row; logprobs from ``raw``."""
@@ -85,11 +74,11 @@ class SamplingBatch:
     all_greedy: bool
 
     @staticmethod
-    def build(params: list[SamplingParams], generators: list[torch.Generator | None],
-              prompt_ids: list[list[int]], output_ids: list[list[int]], vocab_size: int,
-              device: torch.device | str) -> SamplingBatch:
+    def build(params: list[SamplingParams], generators: list[torch.Generator | None], prompt_ids: list[list[int]],
+              output_ids: list[list[int]], vocab_size: int, device: torch.device | str) -> SamplingBatch:
         f32 = torch.float32
         greedy = [p.greedy for p in params]
+        top_k = [vocab_size if p.top_k < 0 else min(p.top_k, vocab_size) for p in params]
         penal = any(p.has_penalties for p in params)
 
         def col(values, default, dtype=f32):
@@ -102,8 +91,7 @@ class SamplingBatch:
         return SamplingBatch(
             temperature=on_device([1.0 if g else p.temperature for p, g in zip(params, greedy)], f32, device),
             greedy=on_device(greedy, torch.bool, device),
-            top_k=col([vocab_size if p.top_k < 0 else min(p.top_k, vocab_size) for p in params], vocab_size,
-                      torch.int64),
+            top_k=col(top_k, vocab_size, torch.int64),
             top_p=col([p.top_p for p in params], 1.0),
             min_p=col([p.min_p for p in params], 0.0),
             presence=on_device([p.presence_penalty for p in params], f32, device) if penal else None,
@@ -111,10 +99,7 @@ class SamplingBatch:
             repetition=on_device([p.repetition_penalty for p in params], f32, device) if penal else None,
             prompt_ids=padded(prompt_ids) if penal else None,
             output_ids=padded(output_ids) if penal else None,
-            generators=generators,
-            num_logprobs=[p.logprobs for p in params],
-            all_greedy=all(greedy),
-        )
+            generators=generators, num_logprobs=[p.logprobs for p in params], all_greedy=all(greedy))
 
 
 def apply_penalties(logits: torch.Tensor, b: SamplingBatch) -> torch.Tensor:
@@ -166,10 +151,8 @@ def draw(probs: torch.Tensor, generators: list[torch.Generator | None],
 class SamplerOutput:
     token_ids: list[int]
     logprobs: list[dict[int, float] | None]
-    # per sampling chunk, the draft tokens accepted before ``token_ids[i]`` (speculative decoding),
-    # and their logprobs (dicts as in ``logprobs``; None entries when not asked for)
-    accepted: list[list[int]] | None = None
-    accepted_logprobs: list[list[dict[int, float] | None]] | None = None
+    accepted: list[list[int]] | None = None     # speculative: per sampling chunk, drafts accepted before token_ids[i]
+    accepted_logprobs: list[list[dict[int, float] | None]] | None = None    # their logprobs (None: not asked for)
 
 
 def sample(logits: torch.Tensor, b: SamplingBatch, default_generator: torch.Generator | None = None,
@@ -179,12 +162,10 @@ def sample(logits: torch.Tensor, b: SamplingBatch, default_generator: torch.Gene
     raw = logits if raw is None else raw
     if b.presence is not None:
         logits = apply_penalties(logits, b)
-    greedy_tokens = logits.argmax(-1)
-    if b.all_greedy:
-        tokens = greedy_tokens
-    else:
+    tokens = logits.argmax(-1)
+    if not b.all_greedy:
         probs = filter_logits(logits, b).softmax(-1)
-        tokens = torch.where(b.greedy, greedy_tokens, draw(probs, b.generators, default_generator))
+        tokens = torch.where(b.greedy, tokens, draw(probs, b.generators, default_generator))
     return SamplerOutput(tokens.tolist(), logprob_dicts(raw, tokens, b.num_logprobs))
 
 

@@ -1,24 +1,20 @@
 """Scheduler: each step, hand out a token budget so every request's computed tokens catch up.
 
-Rules, in order, per step (budget = ``max_num_batched_tokens``):
-1. Running requests, oldest first, take what they still lack (1 for a decode, a chunk for a prefill).
-   If the cache cannot grow, the newest running request is preempted (freed, recomputed later,
-   first in line) until it can; a request never disappears.
-2. Waiting requests, first come first served, are admitted while budget, ``max_num_seqs`` and
-   cache allow; a long prompt gets a chunk and continues next step. A prefix hit skips the cached
-   part. Nothing is admitted in a step that preempted (the cache is short already). The samples
-   2..n of an n > 1 request wait until sample 1 has computed the prompt, then hit its blocks.
+Per step (budget = ``max_num_batched_tokens``):
+1. Running requests, oldest first, take what they still lack (1 for a decode, a chunk for a prefill); while
+   the cache cannot grow, the newest running request is preempted (freed, recomputed later, first in line).
+2. Waiting requests, first come first served, are admitted while budget, ``max_num_seqs`` and cache allow
+   (a long prompt gets a chunk, a prefix hit skips the cached part), but not in a step that preempted (the
+   cache is short already). Samples 2..n of an n > 1 request wait for sample 1's prompt, then hit its blocks.
 3. Chunks that cross a KDA checkpoint boundary ask the model for a state snapshot there.
-4. With speculative decoding on, a decode step without penalties carries n-gram draft tokens (within the
-   budget, max_tokens, max_model_len, free snapshot slots, and short of the next checkpoint
-   boundary) and asks for a snapshot after each but the last (``speculative.py``); a request
-   whose drafts were partly rejected first copies its snapshot back (``CacheHoldings.rollback_slot``).
+4. Speculative decoding: a decode step without penalties carries n-gram drafts (``_draft``) and a snapshot
+   after each but the last (``speculative.py``); a request whose drafts were partly rejected first copies
+   its snapshot back (``CacheHoldings.rollback_slot``).
 """
 
 from __future__ import annotations
 
 import time
-
 from collections import deque
 from dataclasses import dataclass, field
 
@@ -37,8 +33,7 @@ class ScheduledChunk:
     draft: list[int] = field(default_factory=list)       # speculative tokens after the request's last token
     spec_slots: list[int] = field(default_factory=list)  # snapshot slot after row j + 1, per draft token j
     num_accepted: int = 0    # drafts the step accepted (set by the engine before ``Scheduler.update``)
-    # the chunk reaches the request's last token (as scheduled), so its last row gives the next token
-    samples: bool = field(init=False)
+    samples: bool = field(init=False)   # reaches the request's last token (as scheduled): its last row samples
 
     def __post_init__(self) -> None:
         self.samples = self.start + self.num_tokens - len(self.draft) == self.req.num_tokens
@@ -111,13 +106,12 @@ class Scheduler:
             admission = self.kv.admit(req, n)
             if admission is None:
                 break
-            self.waiting.popleft()
+            self.running.append(self.waiting.popleft())
             req.wait_for = None
             req.status = RequestStatus.RUNNING
             if req.out.scheduled_time is None:
                 req.out.scheduled_time = time.monotonic()
             req.out.num_prefix_hit_tokens = max(req.out.num_prefix_hit_tokens, admission.num_hit_tokens)
-            self.running.append(req)
             if admission.restore_from is None:
                 out.state_resets.append(req.cache.state_slot)
             else:
@@ -131,11 +125,11 @@ class Scheduler:
     def _blocked(req: Request) -> bool:
         """Siblings of an n > 1 request wait until the first has computed the shared prompt."""
         first = req.wait_for
-        return (first is not None and not first.is_finished
-                and first.num_computed_tokens < first.num_prompt_tokens)
+        return first is not None and not first.is_finished and first.num_computed_tokens < first.num_prompt_tokens
 
     def _draft(self, req: Request, budget: int) -> list[int]:
-        """N-gram draft tokens for a decode step of ``req`` (see rule 4)."""
+        """N-gram draft tokens for a decode step of ``req``, within the budget, max_tokens, max_model_len and
+        short of the next checkpoint boundary (``schedule`` trims them to the free snapshot slots)."""
         cfg = self.config
         if not cfg.num_speculative_tokens or not can_speculate(req.params):
             return []
@@ -144,7 +138,7 @@ class Scheduler:
         boundary = self.kv.next_checkpoint(req.num_computed_tokens + 1)
         if boundary is not None:   # a checkpoint inside the drafts would need a hash of unconfirmed tokens
             k = min(k, boundary - req.num_computed_tokens - 2)
-        draft = propose_ngram(req.token_ids, k, cfg.speculative_ngram_min, cfg.speculative_ngram_max) if k > 0 else []
+        draft = propose_ngram(req.token_ids, k, cfg.speculative_ngram_min, cfg.speculative_ngram_max)
         if draft and req.matcher is not None:   # only drafts the grammar accepts (the rest would be rejected)
             draft = draft[:req.matcher.valid_prefix(draft)]
         return draft

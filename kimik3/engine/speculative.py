@@ -27,7 +27,7 @@ from array import array
 import torch
 
 from kimik3.engine.sampler import Sampler, SamplerOutput, SamplingBatch, draw, filter_logits, is_plain_greedy, \
-    logprob_dicts, row_spans
+    logprob_dicts
 from kimik3.engine.sampling_params import SamplingParams
 
 
@@ -55,6 +55,15 @@ def propose_ngram(token_ids: list[int], k: int, min_n: int, max_n: int) -> list[
 def can_speculate(params: SamplingParams) -> bool:
     """Requests whose rows need no output history (no penalties)."""
     return not params.has_penalties
+
+
+def row_spans(chunks) -> list[tuple[int, int]]:
+    """Each sampling chunk's logits rows [a, b): one, plus one per draft token."""
+    spans, r = [], 0
+    for c in chunks:
+        spans.append((r, r + 1 + len(c.draft)))
+        r += 1 + len(c.draft)
+    return spans
 
 
 def accept_greedy(draft: list[int], targets: list[int]) -> int:
