@@ -98,6 +98,7 @@ def main() -> None:
     ap.add_argument("--concurrency", type=int, default=64)
     ap.add_argument("--passes", type=int, default=4)
     ap.add_argument("--warmup", action=argparse.BooleanOptionalAction, default=True)
+    ap.add_argument("--async-scheduling", action="store_true", help="the engine's async scheduling")
     args = ap.parse_args()
 
     import torch
@@ -116,8 +117,8 @@ def main() -> None:
         dtype = torch.bfloat16 if args.device.startswith("cuda") else torch.float32
         model = kimik3.load_model(kimik3.DEFAULT_MODEL, device=args.device, dtype=dtype)
         tok, name = kimik3.load_tokenizer(kimik3.DEFAULT_MODEL), "embedded tiny K3"
-    engine = LLMEngine(model, EngineConfig(max_num_seqs=args.concurrency, max_model_len=args.prompt + args.output + 16),
-                       tokenizer=tok)
+    engine = LLMEngine(model, EngineConfig(max_num_seqs=args.concurrency, max_model_len=args.prompt + args.output + 16,
+                                           async_scheduling=args.async_scheduling), tokenizer=tok)
     warm = warm_up(engine) if args.warmup else 0.0
     rng = random.Random(0)
     vocab = model.config.text.vocab_size
@@ -143,7 +144,8 @@ def main() -> None:
     off = offline(engine, prompts, args.output)
 
     print(f"# served vs offline, model {name}, device {args.device}, {args.requests} requests x {args.prompt} prompt + "
-          f"{args.output} output tokens, {args.concurrency} at a time, warm-up {'%.1f s' % warm if args.warmup else 'off'}, "
+          f"{args.output} output tokens, {args.concurrency} at a time, async scheduling {args.async_scheduling}, "
+          f"warm-up {'%.1f s' % warm if args.warmup else 'off'}, "
           f"commit {commit_id()}, {datetime.date.today()}")
     print(f"offline: {off:.0f} output tok/s")
     print("| pass | output tok/s | / offline | TTFT p50 s | TTFT p99 s | TTFT max s |")

@@ -209,7 +209,8 @@ def cmd_engine(args) -> None:
         model, tok = kimik3.load_model(path, device=args.device, dtype=dtype), kimik3.load_tokenizer(path)
         name = args.model or "embedded tiny K3"
     engine = LLMEngine(model, EngineConfig(max_num_seqs=max(BATCHES), max_model_len=args.steps + 64,
-                                           enforce_eager=args.enforce_eager), tokenizer=tok)
+                                           enforce_eager=args.enforce_eager, async_scheduling=args.async_scheduling),
+                       tokenizer=tok)
     clock: dict[str, float] = {}
     if args.profile:
         _profile(clock)
@@ -219,7 +220,8 @@ def cmd_engine(args) -> None:
         compiler.ll_tokenizer                                   # builds the default executor first
         compiler._executor = llguidance.LLExecutor(num_threads=args.grammar_threads)
     print(f"# engine decode step, constrained (JSON schema) vs unconstrained, model {name}, "
-          f"device {args.device}, {args.steps} steps, commit {commit_id()}, {datetime.date.today()}")
+          f"device {args.device}, {args.steps} steps, async scheduling {'on' if args.async_scheduling else 'off'}, "
+          f"commit {commit_id()}, {datetime.date.today()}")
     print("| batch | unconstrained ms/step | constrained ms/step | ratio |")
     print("|---|---|---|---|")
     for b in BATCHES:
@@ -256,6 +258,7 @@ def main() -> None:
     e.add_argument("--device", default="cpu")
     e.add_argument("--steps", type=int, default=32)
     e.add_argument("--profile", action="store_true", help="host ms per step in each engine part")
+    e.add_argument("--async-scheduling", action="store_true", help="the engine's async scheduling")
     e.add_argument("--grammar-threads", type=int, help="llguidance executor threads (default: the engine's)")
     e.add_argument("--enforce-eager", action=argparse.BooleanOptionalAction, default=True,
                    help="--no-enforce-eager runs decode steps as CUDA graphs")

@@ -180,6 +180,8 @@ class EngineArgs:
                                       type=_positive(int))
     speculative_ngram_max: int = _opt("longest n-gram looked up for drafts (default: 4)", default=4,
                                       type=_positive(int))
+    async_scheduling: bool = _opt("schedule and launch each decode step before the previous step's tokens reach "
+                                  "the host, so host work overlaps the GPU (default: off)", default=False)
     use_tqdm_on_load: bool = _opt("show a progress bar while the weights load (default: on)", default=True)
 
     def __post_init__(self) -> None:
@@ -253,7 +255,8 @@ class EngineArgs:
                             enforce_eager=self.enforce_eager, max_logprobs=self.max_logprobs,
                             num_speculative_tokens=self.num_speculative_tokens,
                             speculative_ngram_min=self.speculative_ngram_min,
-                            speculative_ngram_max=self.speculative_ngram_max)
+                            speculative_ngram_max=self.speculative_ngram_max,
+                            async_scheduling=self.async_scheduling)
 
 
 def read_generation_config(path: Path, setting: str) -> dict[str, Any]:

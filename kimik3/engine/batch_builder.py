@@ -7,6 +7,8 @@ pads gets those pads' embedding rows (``encoder_cache.ImageEncoder``).
 
 Pure decode steps (``graph_size`` says which) can replay a CUDA graph instead, their inputs packed padded to
 the graph's size (``cuda_graphs.pack_decode_inputs``, which copies each request's int32 ``BlockTable``).
+An async-scheduled chunk's input token (``input_pending``: still on the device) is a 0 here; the runner
+passes the device tokens in its place.
 """
 
 from __future__ import annotations
@@ -51,7 +53,7 @@ class BatchBuilder:
             for p in prompt_logprob_positions(c):
                 scored.append((c.req, p))
                 scored_rows.append(len(ids) + p - c.start)
-            ids.extend(c.req.token_ids[c.start:c.start + c.num_tokens - len(c.draft)])
+            ids.extend([0] if c.input_pending else c.req.token_ids[c.start:c.start + c.num_tokens - len(c.draft)])
             ids.extend(c.draft)
             if c.samples:
                 rows.extend(range(len(ids) - 1 - len(c.draft), len(ids)))
@@ -77,7 +79,7 @@ class BatchBuilder:
     def build_decode(self, out, size: int) -> tuple[torch.Tensor, torch.Tensor, list[int]]:
         """A graph step's host inputs padded to ``size`` rows, and the chunk indices that sample."""
         chunks = out.chunks
-        meta, tables = pack_decode_inputs([c.req.token_ids[c.start] for c in chunks], [c.start for c in chunks],
-                                          [c.req.cache.state_slot for c in chunks],
+        meta, tables = pack_decode_inputs([0 if c.input_pending else c.req.token_ids[c.start] for c in chunks],
+                                          [c.start for c in chunks], [c.req.cache.state_slot for c in chunks],
                                           [c.req.cache.block_ids for c in chunks], self.block_size, size)
         return meta, tables, [i for i, c in enumerate(chunks) if c.samples]

@@ -139,9 +139,11 @@ class DecodeGraphs:
         torch.cuda.synchronize()
         logger.info("captured CUDA graphs of decode steps for batch sizes %s", self.sizes)
 
-    def run(self, meta: torch.Tensor, block_tables: torch.Tensor, num_seqs: int) -> torch.Tensor:
+    def run(self, meta: torch.Tensor, block_tables: torch.Tensor, num_seqs: int,
+            input_ids: torch.Tensor | None = None) -> torch.Tensor:
         """Copy the host inputs (from ``pack_decode_inputs``) in and replay: logits [num_seqs, vocab]
-        (a view of the graph's output, valid until the next replay)."""
+        (a view of the graph's output, valid until the next replay). ``input_ids``: [num_seqs] device
+        tokens that replace the host ones (async scheduling: the previous step's samples)."""
         size, width = meta.shape[1], block_tables.shape[1]
         if self.staged is not None:
             self.staged.synchronize()
@@ -149,6 +151,8 @@ class DecodeGraphs:
         self.block_tables_host[:size, :width].copy_(block_tables)
         self.meta[:, :size].copy_(self.meta_host[:, :size], non_blocking=True)
         self.block_tables[:size, :width].copy_(self.block_tables_host[:size, :width], non_blocking=True)
+        if input_ids is not None:
+            self.meta[0, :num_seqs].copy_(input_ids)
         if self.staged is not None:
             self.staged.record()
         graph, logits = self.graphs[size]

@@ -2,7 +2,8 @@
 
 One loop (nano-vllm's): ``Scheduler.schedule`` decides -> ``ModelRunner.execute`` builds the batch, runs the
 model and samples -> ``Scheduler.update`` advances the requests -> the engine appends the tokens, checks
-stops and emits deltas (``output.py``). Requests come in through ``InputProcessor``; ``stats()`` is the
+stops and emits deltas (``output.py``). With ``async_scheduling`` a decode step's tokens stay on the device
+while the next step is scheduled and launched (``step``). Requests come in through ``InputProcessor``; ``stats()`` is the
 engine's one read-out. Not thread-safe: a server drives it from one loop and forwards aborts there.
 """
 
@@ -20,6 +21,7 @@ from kimik3.engine.kv_cache import KVCacheManager
 from kimik3.engine.output import EngineStats, RequestGroup, RequestOutput, append_output, deltas
 from kimik3.engine.request import RequestStatus
 from kimik3.engine.runner import ModelRunner
+from kimik3.engine.sampler import on_device
 from kimik3.engine.sampling_params import SamplingParams
 from kimik3.engine.scheduler import Scheduler, ScheduledChunk
 from kimik3.engine.speculative import settle_drafts
@@ -56,6 +58,8 @@ class LLMEngine:
         self.groups: dict[str, RequestGroup] = {}
         self._aborted: list[RequestGroup] = []
         self.num_draft_tokens = self.num_accepted_tokens = 0     # speculative decoding: drafts verified / accepted
+        self._in_flight = None        # async scheduling: (step on the device, its PendingOutput)
+        self._error: StepError | None = None      # a step scheduled ahead failed: raised by the next step()
 
     def get_tokenizer(self, required: bool = False):
         """The checkpoint's tokenizer (loaded on first use); None, or ValueError if ``required``, without one."""
@@ -96,7 +100,7 @@ class LLMEngine:
         self._aborted.append(group)
 
     def has_unfinished_requests(self) -> bool:
-        return self.scheduler.has_unfinished() or bool(self._aborted)
+        return self.scheduler.has_unfinished() or bool(self._aborted) or self._in_flight is not None
 
     def request_started(self, request_id: str) -> bool:
         """Whether any sample of the request has been scheduled (or it is gone already)."""
@@ -117,17 +121,34 @@ class LLMEngine:
             model_seconds=runner.model_seconds)
 
     def step(self) -> list[RequestOutput]:
-        """Run one forward step; returns a delta for every request that produced tokens or finished."""
+        """Run one forward step; returns a delta for every request that produced tokens or finished. With
+        async scheduling a pure decode step's tokens come in the next call (which first launches the step
+        after it, ``Scheduler.schedule_ahead``), so the host's work overlaps the device's."""
         touched: dict[str, RequestGroup] = {g.request_id: g for g in self._aborted}
         self._aborted = []
+        if self._error is not None:
+            error, self._error = self._error, None
+            raise error
+        if self._in_flight is not None:
+            self._step_ahead(touched)
+            return self._deltas(touched)
         out = self.scheduler.schedule()
         if out.is_empty:
             if self.scheduler.has_unfinished():
                 raise RuntimeError(f"scheduler found nothing to run with {len(self.scheduler.waiting)} waiting "
                                    f"requests; the cache plan cannot hold one chunk ({self.plan.describe()})")
             return self._deltas(touched)
+        if self.config.async_scheduling and all(c.samples and not c.draft for c in out.chunks):
+            self._in_flight = (out, self._guarded(out, lambda: self.runner.sample(out, self.runner.launch(out))))
+            self.scheduler.update(out)      # the computed counts need no sampled token
+            return self._deltas(touched)
+        self._commit(out, self._guarded(out, lambda: self.runner.execute(out)), touched)
+        return self._deltas(touched)
+
+    def _guarded(self, out, run):
+        """``run()``; if it raises, the step's reserved slots go back and a StepError names its requests."""
         try:
-            result = self.runner.execute(out)
+            return run()
         except BaseException as e:
             self.kv.return_checkpoint_slots(ck.slot for ck, h in zip(out.checkpoints, out.checkpoint_hashes)
                                             if h is not None)
@@ -135,6 +156,44 @@ class LLMEngine:
             if isinstance(e, Exception):
                 raise StepError(list(dict.fromkeys(c.req.group_id for c in out.chunks)), e) from e
             raise
+
+    def _step_ahead(self, touched: dict[str, RequestGroup]) -> None:
+        """Launch the step after the one in flight, then take the in-flight step's tokens, then sample the
+        new step (its logit controls see those tokens). A failure of the new step is raised by the next
+        ``step`` call, after this one has delivered the in-flight step's tokens."""
+        prev, pending = self._in_flight
+        self._in_flight = None
+        ahead = self.scheduler.schedule_ahead(prev)
+        logits = None
+        if ahead is not None:
+            inputs = pending.tokens               # row i: prev.chunks[i]'s token; ahead keeps prev's order
+            if len(ahead.chunks) < len(prev.chunks):
+                row = {id(c.req): i for i, c in enumerate(prev.chunks)}
+                inputs = inputs[on_device([row[id(c.req)] for c in ahead.chunks], torch.int64, self.device)]
+            logits = self._try(ahead, lambda: self.runner.launch(ahead, inputs))
+        self._commit(prev, pending.result(), touched, updated=True)
+        if logits is None:
+            return
+        keep = [i for i, c in enumerate(ahead.chunks) if not c.req.is_finished]   # prev's token ended the others
+        if not keep:
+            return
+        if len(keep) < len(ahead.chunks):
+            ahead.chunks = [ahead.chunks[i] for i in keep]
+            logits = logits[on_device(keep, torch.int64, self.device)]
+        result = self._try(ahead, lambda: self.runner.sample(ahead, logits))
+        if result is not None:
+            self._in_flight = (ahead, result)
+            self.scheduler.update(ahead)
+
+    def _try(self, out, run):
+        try:
+            return self._guarded(out, run)
+        except StepError as e:
+            self._error = e
+            return None
+
+    def _commit(self, out, result, touched: dict[str, RequestGroup], updated: bool = False) -> None:
+        """Settle a step's drafts, advance the requests (unless ``updated`` already) and append its tokens."""
         sampling = [c for c in out.chunks if c.samples]
         accepted = result.accepted or [[] for _ in sampling]
         for c, drafts in zip(sampling, accepted):
@@ -142,10 +201,13 @@ class LLMEngine:
                 settle_drafts(self.kv, c, len(drafts))
                 self.num_draft_tokens += len(c.draft)
                 self.num_accepted_tokens += len(drafts)
-        self.scheduler.update(out)
+        if not updated:
+            self.scheduler.update(out)
         draft_lps = result.accepted_logprobs or [[None] * len(d) for d in accepted]
         now = time.monotonic()
         for c, token, lp, drafts, lps in zip(sampling, result.token_ids, result.logprobs, accepted, draft_lps):
+            if c.req.is_finished:       # aborted while its step was in flight
+                continue
             self._append(c, (*drafts, token), (*lps, lp), now)
             group = self.groups.get(c.req.group_id)
             if group is None:    # cannot happen (add_request is atomic); never let it fail a step
@@ -154,7 +216,6 @@ class LLMEngine:
                     self.scheduler.finish(c.req, "abort")
                 continue
             touched[group.request_id] = group
-        return self._deltas(touched)
 
     def _append(self, c: ScheduledChunk, tokens: tuple[int, ...], logprobs: tuple, now: float) -> None:
         """Give a request its new tokens until one of them finishes it."""

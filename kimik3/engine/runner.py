@@ -1,8 +1,9 @@
 """Runner: run one scheduled step on the model, eagerly or as a captured decode graph, then sample.
 
-``execute``: the step's KDA state copies and resets, its inputs (``batch_builder.py``), one forward (a
-``cuda_graphs.DecodeGraphs`` replay for a pure decode step that fits one, else one packed varlen
-``forward_step``), the logits rows, then the sampler or, for drafts, the verifier (``speculative.py``).
+``execute`` = ``launch``: the step's KDA state copies and resets, its inputs (``batch_builder.py``), one
+forward (a ``cuda_graphs.DecodeGraphs`` replay for a pure decode step that fits one, else one packed
+varlen ``forward_step``), the logits rows; then ``sample``: the sampler or, for drafts, the verifier
+(``speculative.py``). Async scheduling calls the two apart, with the previous step's commit between.
 """
 
 from __future__ import annotations
@@ -17,7 +18,7 @@ from kimik3.engine.config import EngineConfig
 from kimik3.engine.cuda_graphs import DecodeGraphs, capture_or_none
 from kimik3.engine.encoder_cache import ImageEncoder
 from kimik3.engine.logit_controls import controlled_logits
-from kimik3.engine.sampler import Sampler, SamplerOutput, on_device
+from kimik3.engine.sampler import PendingOutput, Sampler, SamplerOutput, on_device
 from kimik3.engine.speculative import row_spans, verify
 from kimik3.model.batch import ForwardBatch, HybridCache
 
@@ -45,30 +46,43 @@ class ModelRunner:
         hidden = self.model.forward_step(input_ids, batch, self.cache)
         return self.model.compute_logits(hidden[on_device(rows, torch.int64, self.device)]) if rows else None
 
-    def run_graph(self, meta: torch.Tensor, tables: torch.Tensor, rows: list[int], num_seqs: int) -> torch.Tensor | None:
+    def run_graph(self, meta: torch.Tensor, tables: torch.Tensor, rows: list[int], num_seqs: int,
+                  input_ids: torch.Tensor | None = None) -> torch.Tensor | None:
         """The graph step: replay, then the logits of the chunks that sample."""
-        logits = self.graphs.run(meta, tables, num_seqs)
+        logits = self.graphs.run(meta, tables, num_seqs, input_ids)
         self.num_graph_steps += 1
         if len(rows) == num_seqs:
             return logits
         return logits[on_device(rows, torch.int64, self.device)] if rows else None
 
-    def sample(self, out, logits: torch.Tensor | None) -> SamplerOutput:
+    @torch.inference_mode()
+    def sample(self, out, logits: torch.Tensor | None) -> SamplerOutput | PendingOutput:
         """One token per sampling chunk, in chunk order (after its accepted drafts, if it has any):
         logit controls first (``logit_controls.py``), then the sampler or the draft verifier."""
+        t0 = time.perf_counter()
         chunks = [c for c in out.chunks if c.samples]
-        if logits is None:
-            return SamplerOutput([], [])
         raw = logits
-        if any(c.req.params.has_controls for c in chunks):
-            logits = controlled_logits(chunks, row_spans(chunks), logits)
-        if any(c.draft for c in chunks):
-            return verify(self.sampler, chunks, logits, raw)
-        return self.sampler.sample_rows([c.req for c in chunks], logits, raw)
+        if logits is None:
+            result = SamplerOutput([], [])
+        else:
+            if any(c.req.params.has_controls for c in chunks):
+                logits = controlled_logits(chunks, row_spans(chunks), logits)
+            if any(c.draft for c in chunks):
+                result = verify(self.sampler, chunks, logits, raw)
+            else:
+                result = self.sampler.sample_rows([c.req for c in chunks], logits, raw)
+        self.host_seconds += time.perf_counter() - t0
+        return result
 
-    @torch.inference_mode()
     def execute(self, out) -> SamplerOutput:
         """Run one step; returns one token per sampling chunk, in chunk order."""
+        return self.sample(out, self.launch(out)).result()
+
+    @torch.inference_mode()
+    def launch(self, out, input_ids: torch.Tensor | None = None) -> torch.Tensor | None:
+        """Start one step on the device; returns the logits of its sampling rows. ``input_ids``: the
+        device tensor of an async-scheduled step's input tokens (each chunk's ``input_pending`` token,
+        the previous step's sample, in chunk order)."""
         t0, enc0 = time.perf_counter(), self.images.seconds
         for src, dst in out.state_copies:
             self.cache.copy_state(src, dst)
@@ -78,7 +92,7 @@ class ModelRunner:
         if size is None:
             step = self.batches.build(out)
             t1 = time.perf_counter()
-            logits = self.run(step.input_ids, step.batch, step.rows)
+            logits = self.run(step.input_ids if input_ids is None else input_ids, step.batch, step.rows)
             if step.prompt_rows:      # the prompt-scoring rows come last
                 n = len(step.prompt_rows)
                 self.sampler.record_prompt_logprobs(step.prompt_rows, logits[-n:])
@@ -86,17 +100,15 @@ class ModelRunner:
         else:
             meta, tables, rows = self.batches.build_decode(out, size)
             t1 = time.perf_counter()
-            logits = self.run_graph(meta, tables, rows, len(out.chunks))
+            logits = self.run_graph(meta, tables, rows, len(out.chunks), input_ids)
         self.images.release(out.chunks)
-        t2 = time.perf_counter()
-        result = self.sample(out, logits)
         encode = self.images.seconds - enc0         # images encoded while building the batch count as model time
-        prepare, launch, sampling = t1 - t0 - encode, t2 - t1 + encode, time.perf_counter() - t2
+        prepare, launch = t1 - t0 - encode, time.perf_counter() - t1 + encode
         self.prepare_seconds += prepare
-        self.host_seconds += prepare + sampling
+        self.host_seconds += prepare
         self.model_seconds += launch
         self.num_steps += 1
-        logger.debug("step %d: %d seqs, %d tokens, %s, prepare %.2f ms, launch %.2f ms, sample %.2f ms",
-                     self.num_steps, len(out.chunks), out.num_tokens, "eager" if size is None else f"graph {size}",
-                     prepare * 1e3, launch * 1e3, sampling * 1e3)
-        return result
+        logger.debug("step %d: %d seqs, %d tokens, %s, prepare %.2f ms, launch %.2f ms", self.num_steps,
+                     len(out.chunks), out.num_tokens, "eager" if size is None else f"graph {size}",
+                     prepare * 1e3, launch * 1e3)
+        return logits

@@ -34,10 +34,10 @@ class Sampler:
         self.device = device
         self.generator = torch.Generator(device=device).manual_seed(seed)     # requests without their own seed
 
-    def sample_rows(self, reqs, logits: torch.Tensor, raw: torch.Tensor) -> SamplerOutput:
+    def sample_rows(self, reqs, logits: torch.Tensor, raw: torch.Tensor) -> PendingOutput:
         """One token per request from its (controlled) row; logprobs from ``raw``."""
-        if all(is_plain_greedy(r.params) for r in reqs):        # plain greedy: argmax, one sync
-            return SamplerOutput(logits.argmax(-1).tolist(), [None] * len(reqs))
+        if all(is_plain_greedy(r.params) for r in reqs):        # plain greedy: the argmax
+            return PendingOutput(logits.argmax(-1), [None] * len(reqs))
         sb = SamplingBatch.build([r.params for r in reqs], [r.generator for r in reqs],
                                  [r.prompt_token_ids for r in reqs], [r.output_token_ids for r in reqs],
                                  self.vocab_size, self.device)
@@ -154,9 +154,33 @@ class SamplerOutput:
     accepted: list[list[int]] | None = None     # speculative: per sampling chunk, drafts accepted before token_ids[i]
     accepted_logprobs: list[list[dict[int, float] | None]] | None = None    # their logprobs (None: not asked for)
 
+    def result(self) -> SamplerOutput:
+        return self
+
+
+class PendingOutput:
+    """Sampled tokens (and their logprob tensors) on their way to the host: the device-to-host copies
+    are queued without waiting, so work queued after them (async scheduling's next step) runs on;
+    ``result`` waits for these copies alone."""
+
+    def __init__(self, tokens: torch.Tensor, num_logprobs: list[int | None], raw: torch.Tensor | None = None):
+        self.tokens = tokens                    # [n] int64 on the device (the next step's input ids)
+        self.num_logprobs = num_logprobs
+        parts = logprob_parts(raw, tokens, num_logprobs) if raw is not None else ()
+        self._host = [t.to("cpu", non_blocking=True) for t in (tokens, *parts)]
+        self._ready = torch.cuda.Event() if tokens.is_cuda else None
+        if self._ready is not None:
+            self._ready.record()
+
+    def result(self) -> SamplerOutput:
+        if self._ready is not None:
+            self._ready.synchronize()
+        tokens, *parts = [t.tolist() for t in self._host]
+        return SamplerOutput(tokens, _dicts(tokens, parts, self.num_logprobs))
+
 
 def sample(logits: torch.Tensor, b: SamplingBatch, default_generator: torch.Generator | None = None,
-           raw: torch.Tensor | None = None) -> SamplerOutput:
+           raw: torch.Tensor | None = None) -> PendingOutput:
     """logits [n, vocab] fp32 (logit controls already applied) -> one token per row (+ logprobs of
     ``raw``, the model distribution before any processing; default ``logits``)."""
     raw = logits if raw is None else raw
@@ -166,22 +190,33 @@ def sample(logits: torch.Tensor, b: SamplingBatch, default_generator: torch.Gene
     if not b.all_greedy:
         probs = filter_logits(logits, b).softmax(-1)
         tokens = torch.where(b.greedy, tokens, draw(probs, b.generators, default_generator))
-    return SamplerOutput(tokens.tolist(), logprob_dicts(raw, tokens, b.num_logprobs))
+    return PendingOutput(tokens, b.num_logprobs, raw)
+
+
+def logprob_parts(raw: torch.Tensor, tokens: torch.Tensor, num_logprobs: list[int | None]) -> tuple:
+    """(top logprobs, their ids, the chosen tokens' logprobs) of ``raw``'s rows, on its device; ()
+    when no row asks for logprobs."""
+    wanted = [k for k in num_logprobs if k is not None]
+    if not wanted:
+        return ()
+    lp = raw.log_softmax(-1)
+    k = min(max(wanted), lp.shape[-1])
+    top_vals, top_ids = lp.topk(k, -1) if k else (lp[:, :0], lp[:, :0].long())
+    return top_vals, top_ids, lp.gather(-1, tokens[:, None])[:, 0]
 
 
 def logprob_dicts(raw: torch.Tensor, tokens: torch.Tensor, num_logprobs: list[int | None]
                   ) -> list[dict[int, float] | None]:
     """Per row: {chosen token: its logprob, then the top-n tokens} under the raw model
     distribution (None for rows that asked for no logprobs)."""
+    return _dicts(tokens.tolist(), [t.tolist() for t in logprob_parts(raw, tokens, num_logprobs)], num_logprobs)
+
+
+def _dicts(token_list: list[int], parts: list, num_logprobs: list[int | None]) -> list[dict[int, float] | None]:
     logprobs: list[dict[int, float] | None] = [None] * len(num_logprobs)
-    wanted = [k for k in num_logprobs if k is not None]
-    if not wanted:
+    if not parts:
         return logprobs
-    lp = raw.log_softmax(-1)
-    k = min(max(wanted), lp.shape[-1])
-    top_vals, top_ids = lp.topk(k, -1) if k else (lp[:, :0], lp[:, :0].long())
-    chosen = lp.gather(-1, tokens[:, None])[:, 0]
-    token_list, top_vals, top_ids, chosen = tokens.tolist(), top_vals.tolist(), top_ids.tolist(), chosen.tolist()
+    top_vals, top_ids, chosen = parts
     for i, n_top in enumerate(num_logprobs):
         if n_top is not None:
             d = {token_list[i]: chosen[i]}

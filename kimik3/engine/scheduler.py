@@ -10,6 +10,9 @@ Per step (budget = ``max_num_batched_tokens``):
 4. Speculative decoding: a decode step without penalties carries n-gram drafts (``_draft``) and a snapshot
    after each but the last (``speculative.py``); a request whose drafts were partly rejected first copies
    its snapshot back (``CacheHoldings.rollback_slot``).
+5. Async scheduling: while a step's tokens are still on the device, the next decode step of the same requests
+   is scheduled ahead (``schedule_ahead``) when nothing else could change it: no waiting request, no
+   preemption, no checkpoint to take, no drafts; a request that prev's token finishes is left out or dropped.
 """
 
 from __future__ import annotations
@@ -33,10 +36,11 @@ class ScheduledChunk:
     draft: list[int] = field(default_factory=list)       # speculative tokens after the request's last token
     spec_slots: list[int] = field(default_factory=list)  # snapshot slot after row j + 1, per draft token j
     num_accepted: int = 0    # drafts the step accepted (set by the engine before ``Scheduler.update``)
+    input_pending: bool = False   # async: the input token is the previous step's sample, not yet on the host
     samples: bool = field(init=False)   # reaches the request's last token (as scheduled): its last row samples
 
     def __post_init__(self) -> None:
-        self.samples = self.start + self.num_tokens - len(self.draft) == self.req.num_tokens
+        self.samples = self.start + self.num_tokens - len(self.draft) == self.req.num_tokens + self.input_pending
 
 
 @dataclass
@@ -120,6 +124,22 @@ class Scheduler:
             self._add_chunk(out, req, n)
             budget -= n
         return out
+
+    def schedule_ahead(self, prev: SchedulerOutput) -> SchedulerOutput | None:
+        """Async scheduling (rule 5): the decode step after ``prev`` while prev's tokens are still on
+        the device, or None when it could differ from what ``schedule`` will decide once they arrive."""
+        if (self.waiting or len(prev.chunks) != len(self.running) or len(prev.chunks) > self.config.max_num_batched_tokens
+                or any(not c.samples or c.draft or c.req.is_finished for c in prev.chunks)):
+            return None
+        out = SchedulerOutput()
+        for c in prev.chunks:
+            req, start = c.req, c.req.num_computed_tokens
+            if req.num_output_tokens + 1 >= req.params.max_tokens or start + 1 >= self.config.max_model_len:
+                continue                               # prev's token ends it
+            if self.kv.checkpoint_boundaries(start, start + 1) or not self.kv.allocate(req, 1):
+                return None                            # a checkpoint needs its block's hash; or preemption
+            out.chunks.append(ScheduledChunk(req, 1, start, input_pending=True))
+        return out if out.chunks else None
 
     @staticmethod
     def _blocked(req: Request) -> bool:

@@ -85,7 +85,7 @@ def verify(sampler: Sampler, chunks, logits: torch.Tensor, raw: torch.Tensor) ->
         result = SamplerOutput([targets[b - 1] for _, b in spans], [None] * len(chunks))
     else:
         last = torch.tensor([b - 1 for _, b in spans], device=logits.device)
-        result = sampler.sample_rows([c.req for c in chunks], logits[last], raw[last])
+        result = sampler.sample_rows([c.req for c in chunks], logits[last], raw[last]).result()
         targets = [0] * spans[-1][1]                           # greedy rows of speculative chunks only
         greedy_rows = [j for c, (a, b) in zip(chunks, spans) if c.draft and c.req.params.greedy
                        for j in range(a, b)]

@@ -113,3 +113,17 @@ def oracle_proposer(futures: dict[tuple[int, ...], list[int]], vocab: int):
                 return draft
         raise AssertionError("drafts asked for an unknown request")
     return propose
+
+
+class count_calls:
+    """Wraps ``owner.name`` (an instance's method) to count the calls that returned something."""
+
+    def __init__(self, owner, name: str):
+        self.hits = 0
+        fn = getattr(owner, name)
+
+        def wrapper(*a, **k):
+            out = fn(*a, **k)
+            self.hits += out is not None
+            return out
+        setattr(owner, name, wrapper)

@@ -14,7 +14,7 @@ from hypothesis import strategies as st
 
 from kimik3.engine import SamplingParams
 from tests.engine.fake_model import FakeModel, reference_greedy
-from tests.engine.helpers import check_invariants, make_engine, run
+from tests.engine.helpers import check_invariants, count_calls, make_engine, run
 
 
 def _prompts(rng: random.Random, n: int, max_len: int, vocab: int = 61) -> list[list[int]]:
@@ -42,6 +42,7 @@ scenario = st.fixed_dictionaries({
     "speculative": st.sampled_from([0, 0, 1, 3]),    # n-gram draft tokens per step (0 = off)
     "cycling": st.booleans(),                        # outputs cycle, so drafts are often accepted
     "sampled": st.integers(0, 2),                    # extra seeded temperature-0.8 requests (plumbing only)
+    "async": st.booleans(),                          # async scheduling (without speculation only)
 })
 
 
@@ -64,7 +65,9 @@ def test_greedy_matches_reference(sc):
                          max_num_batched_tokens=sc["max_num_batched_tokens"], max_model_len=max_model_len,
                          enable_prefix_caching=sc["prefix"], kda_checkpoint_interval=sc["interval"],
                          extra_blocks=sc["extra_blocks"], num_speculative_tokens=sc["speculative"],
-                         speculative_ngram_min=1, speculative_ngram_max=3)
+                         speculative_ngram_min=1, speculative_ngram_max=3,
+                         async_scheduling=sc["async"] and not sc["speculative"])
+    ahead = count_calls(engine.scheduler, "schedule_ahead")
     arrivals: dict[int, list[str]] = {}
     for rid in reqs:
         arrivals.setdefault(rng.randint(0, 15) if sc["staggered"] else 0, []).append(rid)
@@ -94,6 +97,8 @@ def test_greedy_matches_reference(sc):
                           else "length")
     event(f"preempted: {engine.scheduler.num_preemptions > 0}")
     event(f"prefix hit: {engine.kv.num_hit_tokens > 0}")
+    if engine.config.async_scheduling:
+        event(f"steps scheduled ahead: {ahead.hits > 0}")
     if sc["speculative"]:
         event(f"drafts accepted: {engine.num_accepted_tokens > 0}, rejected: "
               f"{engine.num_accepted_tokens < engine.num_draft_tokens}")

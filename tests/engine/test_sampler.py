@@ -43,7 +43,7 @@ def _expected(p: SamplingParams) -> list[float]:
 def _frequencies(p: SamplingParams) -> list[float]:
     logits = torch.tensor([LOGITS] * N)
     b = SamplingBatch.build([p] * N, [None] * N, [[0]] * N, [[]] * N, len(LOGITS), "cpu")
-    tokens = torch.tensor(sample(logits, b, torch.Generator().manual_seed(1234)).token_ids)
+    tokens = torch.tensor(sample(logits, b, torch.Generator().manual_seed(1234)).result().token_ids)
     return (torch.bincount(tokens, minlength=len(LOGITS)).float() / N).tolist()
 
 
@@ -65,7 +65,7 @@ def test_greedy_is_argmax_after_penalties():
     logits = torch.tensor([[3.0, 2.9, -1.0, 0.5]])
     p = SamplingParams(temperature=0, repetition_penalty=2.0)
     b = SamplingBatch.build([p], [None], [[0]], [[]], 4, "cpu")
-    assert sample(logits, b).token_ids == [1]           # 3.0 / 2 < 2.9
+    assert sample(logits, b).result().token_ids == [1]           # 3.0 / 2 < 2.9
 
 
 def test_penalty_formulas():
@@ -81,7 +81,7 @@ def test_logprobs_are_the_raw_model_distribution():
     logits = torch.tensor([LOGITS, LOGITS[::-1]])
     params = [SamplingParams(temperature=0.3, top_k=2, logprobs=3), SamplingParams(temperature=0, logprobs=0)]
     b = SamplingBatch.build(params, [None, None], [[0], [0]], [[], []], 8, "cpu")
-    out = sample(logits, b, torch.Generator().manual_seed(0))
+    out = sample(logits, b, torch.Generator().manual_seed(0)).result()
     ref = logits.log_softmax(-1)
     assert len(out.logprobs[0]) in (3, 4) and all(v == pytest.approx(float(ref[0, t])) for t, v in out.logprobs[0].items())
     assert set(out.logprobs[0]) >= {0, 1, 2}

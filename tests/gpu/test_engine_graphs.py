@@ -164,6 +164,20 @@ def test_speculative_greedy_matches_plain(model, monkeypatch):
         assert_model_greedy(model, rid, prompt, spec[rid][0])
 
 
+def test_async_scheduling_greedy_is_the_models(model):
+    """Async scheduling on the GPU (pinned token copies in flight, the next graph step fed the device
+    tokens): every token is the model's greedy choice, graphs replay, and steps were scheduled ahead."""
+    from tests.engine.helpers import count_calls
+    reqs = requests(model.config.text.vocab_size)
+    engine = make(model, enforce_eager=False, async_scheduling=True)
+    ahead = count_calls(engine.scheduler, "schedule_ahead")
+    out = generate(engine, reqs)
+    assert ahead.hits > 0 and engine.runner.num_graph_steps > 0
+    for rid, (prompt, sp) in reqs.items():
+        assert len(out[rid][0]) == sp.max_tokens, rid
+        assert_model_greedy(model, rid, prompt, out[rid][0])
+
+
 def assert_model_greedy(model, rid: str, prompt: list[int], tokens: list[int], logprobs: list[dict] | None = None,
                         logprob_bound: float | None = None) -> None:
     """Each emitted token is the greedy choice of the model called directly on the prompt and the

@@ -130,3 +130,41 @@ def test_graceful_shutdown_finishes_in_flight():
     assert result["r"].status_code == 200
     assert result["r"].json()["usage"]["completion_tokens"] == 60
     assert not s.state.loop.alive and not s.engine.has_unfinished_requests()
+
+
+def test_async_scheduling_server_matches_the_synchronous_one(server):
+    """The server over an async-scheduling engine: 32 concurrent greedy streams give the synchronous
+    server's texts and token counts, a client that disconnects mid-stream frees its cache, and the
+    engine ends idle with every block free."""
+    s = start_fake_server(step_delay=0.002, engine_kw={"async_scheduling": True})
+    try:
+        async def one(client, i: int):
+            stream = await client.chat.completions.create(
+                model=MODEL, messages=[{"role": "user", "content": f"async client {i}"}], max_tokens=4 + i % 9,
+                temperature=0, stream=True, stream_options={"include_usage": True}, extra_body={"ignore_eos": True})
+            text, usage = [], None
+            async for chunk in stream:
+                usage = chunk.usage or usage
+                text += [getattr(ch.delta, "reasoning_content", None) or ch.delta.content or "" for ch in chunk.choices]
+            return "".join(text), usage.completion_tokens
+
+        async def run_all(srv):
+            async with srv.async_client() as client:
+                return await asyncio.gather(*(one(client, i) for i in range(32)))
+
+        got = asyncio.run(run_all(s))
+        assert got == asyncio.run(run_all(server)) and all(text and n == 4 + i % 9 for i, (text, n) in enumerate(got))
+        body = {"model": MODEL, "messages": [{"role": "user", "content": "a long story " * 30}], "max_tokens": 700,
+                "stream": True, "ignore_eos": True}
+        with httpx.stream("POST", s.url + "/v1/chat/completions", json=body, timeout=30) as r:
+            lines = r.iter_lines()
+            for _ in range(5):
+                next(lines)
+        deadline = time.monotonic() + 10
+        while s.engine.has_unfinished_requests() and time.monotonic() < deadline:
+            time.sleep(0.02)
+        assert not s.engine.has_unfinished_requests()
+        assert s.engine.kv.blocks.num_free == s.engine.kv.plan.num_usable_blocks
+        assert s.engine.runner.num_steps > 0
+    finally:
+        s.stop()

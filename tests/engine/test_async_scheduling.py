@@ -1,0 +1,157 @@
+"""Async scheduling (``EngineConfig.async_scheduling``) on the tiny K3 / Kimi-Linear checkpoints: greedy
+outputs equal ``model(ids)`` decoding, sampled and constrained requests give the synchronous engine's
+tokens and logprobs, requests ended by the in-flight step's token (stop tokens) or aborted while it is in
+flight leave it cleanly, and a failure of a step scheduled ahead reaches the caller after the tokens of
+the step before it. (The fake-model property test in test_llm_engine.py runs async too.)"""
+
+from __future__ import annotations
+
+import random
+
+import pytest
+import torch
+
+import kimik3
+from kimik3.engine import EngineConfig, SamplingParams
+from kimik3.engine.llm_engine import StepError
+from kimik3.engine.sampling_params import StructuredOutputsParams
+from tests.engine.fake_model import reference_greedy
+from tests.engine.helpers import count_calls, make_engine, run
+
+
+@pytest.fixture(scope="module", params=["kimi_k3", "kimi_linear"])
+def model(request, tiny_ckpt):
+    return kimik3.load_model(tiny_ckpt[request.param], device="cpu", dtype=torch.float32)
+
+
+def engines(model, **kw):
+    """A synchronous and an async engine with the same settings (prefix caching on)."""
+    kw = dict(block_size=4, kda_checkpoint_interval=4, max_num_seqs=4, max_num_batched_tokens=16, max_model_len=40,
+              extra_blocks=20, **kw)
+    return make_engine(model, **kw), make_engine(model, async_scheduling=True, **kw)
+
+
+def prompts(vocab: int, n: int, seed: int) -> list[list[int]]:
+    rng = random.Random(seed)
+    system = [rng.randrange(5, vocab) for _ in range(5)]
+    return [system + [rng.randrange(5, vocab) for _ in range(rng.randint(1, 9))] for _ in range(n)]
+
+
+def test_greedy_equals_the_model_and_stop_tokens_end_in_flight(model):
+    vocab = model.config.text.vocab_size
+    reqs = {}
+    for i, p in enumerate(prompts(vocab, 6, seed=1)):
+        ref = reference_greedy(model, p, 9)
+        stop = [ref[2 + i % 5]] if i % 2 else []         # half of them end on a stop token mid-run
+        reqs[f"r{i}"] = (p, SamplingParams(temperature=0, max_tokens=9, ignore_eos=True, stop_token_ids=stop))
+    _, engine = engines(model)
+    ahead = count_calls(engine.scheduler, "schedule_ahead")
+    arrivals = {0: ["r0", "r1", "r2"], 5: ["r3", "r4"], 9: ["r5"]}    # arrivals end the pipelining for a step
+    results = run(engine, reqs, arrivals)
+    for rid, (p, params) in reqs.items():
+        ref = reference_greedy(model, p, 9)
+        stop = params.stop_token_ids
+        want = ref[:ref.index(stop[0]) + 1] if stop else ref
+        tokens, reason, _ = results[rid][0]
+        assert tokens == want and reason == ("stop" if stop else "length"), rid
+    assert ahead.hits > 5
+    assert not engine.has_unfinished_requests() and engine.kv.blocks.num_free == engine.plan.num_usable_blocks
+
+
+def test_sampled_requests_give_the_synchronous_tokens_and_logprobs(model):
+    """Seeded and unseeded (engine generator) samples with penalties and logprobs: the async engine
+    draws the same noise for the same rows, so its tokens equal the synchronous engine's exactly."""
+    vocab = model.config.text.vocab_size
+    reqs = {}
+    for i, p in enumerate(prompts(vocab, 6, seed=2)):
+        reqs[f"s{i}"] = (p, SamplingParams(temperature=0.9, top_p=0.9, max_tokens=7 + i, seed=i if i % 2 else None,
+                                           presence_penalty=0.5 * (i % 3 == 0), logprobs=2,
+                                           stop_token_ids=[7] if i == 4 else []))
+    sync, asyn = engines(model)
+    ahead = count_calls(asyn.scheduler, "schedule_ahead")
+    a, b = run(sync, reqs), run(asyn, reqs)
+    assert ahead.hits > 5
+    for rid in reqs:
+        assert b[rid][0][0] == a[rid][0][0] and b[rid][0][1] == a[rid][0][1], rid
+        # logprobs: the same tokens, values to float32 rounding (an ahead step may carry one more row
+        # than the synchronous step, for a request its in-flight token ends, and matmuls round by shape)
+        for la, lb in zip(a[rid][0][2], b[rid][0][2]):
+            assert list(la) == list(lb) and all(abs(la[t] - lb[t]) < 1e-4 for t in la), rid
+
+
+def test_abort_while_in_flight(model):
+    """An abort lands while the request's step is in flight: that step's token never reaches it, its
+    final delta says abort, and the others continue exactly."""
+    vocab = model.config.text.vocab_size
+    ps = prompts(vocab, 3, seed=3)
+    _, engine = engines(model)
+    for i, p in enumerate(ps):
+        engine.add_request(f"r{i}", {"prompt_token_ids": p}, SamplingParams(temperature=0, max_tokens=10, ignore_eos=True))
+    got: dict[str, list[int]] = {}
+    reasons: dict[str, str] = {}
+
+    def step():
+        for d in engine.step():
+            got.setdefault(d.request_id, []).extend(d.outputs[0].token_ids)
+            reasons[d.request_id] = d.outputs[0].finish_reason
+    while len(got.get("r1", [])) < 3 or engine._in_flight is None:
+        step()
+    before = len(got["r1"])
+    engine.abort_request("r1")
+    while engine.has_unfinished_requests():
+        step()
+    assert reasons["r1"] == "abort" and len(got["r1"]) == before
+    assert got["r1"] == reference_greedy(model, ps[1], before)
+    for rid in ("r0", "r2"):
+        assert got[rid] == reference_greedy(model, ps[int(rid[1])], 10), rid
+    assert engine.kv.blocks.num_free == engine.plan.num_usable_blocks
+
+
+def test_constrained_requests_give_the_synchronous_tokens(tiny_ckpt):
+    llm = kimik3.LLM(kimik3.DEFAULT_MODEL, max_num_seqs=8, max_model_len=256)
+    tok = llm.engine.get_tokenizer()
+    schema = {"type": "object", "properties": {"n": {"type": "integer"}, "w": {"enum": ["a", "bb"]}},
+              "required": ["n", "w"], "additionalProperties": False}
+    params = [SamplingParams(temperature=1.0, seed=i, max_tokens=60,
+                             structured_outputs=StructuredOutputsParams(json=schema)) for i in range(6)]
+    prompts_ = [f"give {i}" for i in range(6)]
+    sync = [o.outputs[0] for o in llm.generate(prompts_, params, use_tqdm=False)]
+    llm.engine.config.async_scheduling = True
+    ahead = count_calls(llm.engine.scheduler, "schedule_ahead")
+    asyn = [o.outputs[0] for o in llm.generate(prompts_, params, use_tqdm=False)]
+    assert ahead.hits > 5
+    import json
+    for s, a in zip(sync, asyn):
+        assert a.token_ids == s.token_ids and a.finish_reason == s.finish_reason == "stop"
+        assert set(json.loads(tok.decode(a.token_ids))) == {"n", "w"}
+
+
+def test_a_failed_step_ahead_is_raised_after_the_step_before_it(model, monkeypatch):
+    vocab = model.config.text.vocab_size
+    reqs = {f"r{i}": (p, SamplingParams(temperature=0, max_tokens=6, ignore_eos=True))
+            for i, p in enumerate(prompts(vocab, 2, seed=4))}
+    _, engine = engines(model)
+    launch = engine.runner.launch
+    at_failure: dict[str, int] = {}
+
+    def failing(out, input_ids=None):
+        if input_ids is not None and out.chunks[0].req.num_output_tokens >= 2:
+            at_failure.update((c.req.group_id, c.req.num_output_tokens) for c in out.chunks)
+            raise RuntimeError("boom")
+        return launch(out, input_ids)
+    monkeypatch.setattr(engine.runner, "launch", failing)
+    for rid, (p, sp) in reqs.items():
+        engine.add_request(rid, {"prompt_token_ids": p}, sp)
+    got: dict[str, list[int]] = {}
+    with pytest.raises(StepError, match="boom") as err:
+        for _ in range(50):
+            for d in engine.step():
+                got.setdefault(d.request_id, []).extend(d.outputs[0].token_ids)
+    assert sorted(err.value.request_ids) == ["r0", "r1"]
+    for rid, (p, _) in reqs.items():       # the in-flight step's tokens arrived too, and they are right
+        assert len(got[rid]) == at_failure[rid] + 1 and got[rid] == reference_greedy(model, p, len(got[rid])), rid
+
+
+def test_async_scheduling_refuses_speculation():
+    with pytest.raises(ValueError, match="async_scheduling does not work with speculative decoding"):
+        EngineConfig(async_scheduling=True, num_speculative_tokens=2)
