@@ -1,0 +1,49 @@
+#!/usr/bin/env bash
+# One device call: the GPU test files side by side (correctness only, so they may share the GPU), then
+# the timing benchmarks one at a time, each under its own time limit; logs into $OUT/logs.tgz.
+#
+#   python3 -m pip install -q --no-index --no-deps --target /tmp/site .whl/*.whl && \
+#     PYTHONPATH=/tmp/site:$PWD KIMIK3_COMMIT=<commit> bash benchmarks/gpu/device_call.sh [tests] [benches] [serve]
+#
+# Sections (default: all three, in this order): tests = tests/gpu/*.py in parallel; benches = the
+# constrained decode step (#19) sync and async; serve = served vs offline (#18 item 5) sync and async.
+# A fresh machine spends its first 90-110 s compiling kernels; the parallel tests pay that once each.
+set -u
+START=$(date +%s)
+BUDGET=${BUDGET:-560}                     # seconds this script may run (the device allows 600 per call)
+L=/tmp/logs; mkdir -p "$L"
+left() { echo $(( BUDGET - ($(date +%s) - START) )); }
+sections=${*:-tests benches serve}
+nvidia-smi --query-gpu=name,memory.total,driver_version --format=csv > "$L/gpu.txt" 2>&1
+if ! python3 -c "import fastapi, uvicorn, prometheus_client" 2>/dev/null && ls .whl/serve/*.whl >/dev/null 2>&1; then
+  python3 -m pip install -q --no-index --no-deps --target /tmp/site .whl/serve/*.whl
+fi
+
+run() {  # name cap command...: run with a limit of min(cap, time left - 10 s)
+  local name=$1 cap=$2; shift 2
+  local t=$(( $(left) - 10 )); [ "$t" -gt "$cap" ] && t=$cap
+  if [ "$t" -lt 20 ]; then echo "skip $name (time)"; return; fi
+  timeout "$t" "$@" > "$L/$name.log" 2>&1
+  echo "$name rc=$? at $(( $(date +%s) - START )) s"
+}
+
+if [[ " $sections " == *" tests "* ]]; then
+  for f in tests/gpu/test_*.py; do
+    n=$(basename "$f" .py)
+    run "$n" 400 python3 -m pytest -v -p no:cacheprovider --timeout=380 --durations=0 -rA "$f" &
+  done
+  wait
+  grep -hE "^(PASSED|FAILED|ERROR) " "$L"/test_*.log | cut -c1-300
+fi
+if [[ " $sections " == *" benches "* ]]; then
+  run structured_sync 150 python3 benchmarks/structured.py engine --slice --device cuda --no-enforce-eager --profile
+  run structured_async 150 python3 benchmarks/structured.py engine --slice --device cuda --no-enforce-eager \
+      --async-scheduling --profile
+  grep -h "^|" "$L"/structured_*.log
+fi
+if [[ " $sections " == *" serve "* ]]; then
+  run serve_sync 150 python3 benchmarks/serve_vs_offline.py --slice --device cuda
+  run serve_async 150 python3 benchmarks/serve_vs_offline.py --slice --device cuda --async-scheduling
+  grep -hE "^(#|\||offline)" "$L"/serve_*.log
+fi
+cd /tmp && tar czf "${OUT:-/tmp}/logs.tgz" logs && echo "done at $(( $(date +%s) - START )) s"
