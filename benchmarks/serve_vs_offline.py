@@ -61,8 +61,9 @@ def one_request(port: int, ids: list[int], max_tokens: int) -> tuple[float, floa
 
 def client(port: int, prompts: list[list[int]], max_tokens: int, concurrency: int, passes: int, out) -> None:
     """(In the client process.) ``passes`` passes over ``prompts``; one dict per pass into ``out``."""
+    done = 0
     try:
-        for _ in range(passes):
+        for done in range(passes):
             t0 = time.perf_counter()
             with ThreadPoolExecutor(concurrency) as pool:
                 rows = list(pool.map(lambda p: one_request(port, p, max_tokens), prompts))
@@ -71,8 +72,9 @@ def client(port: int, prompts: list[list[int]], max_tokens: int, concurrency: in
             out.put({"wall_s": wall, "output_tok_s": sum(r[2] for r in rows) / wall,
                      "completion_tokens": sum(r[2] for r in rows), "ttft_p50_s": ttft[len(ttft) // 2],
                      "ttft_p99_s": ttft[min(len(ttft) - 1, int(0.99 * len(ttft)))], "ttft_max_s": ttft[-1]})
-    except Exception as e:                       # the parent prints it
-        out.put({"error": f"{type(e).__name__}: {e}"})
+    except Exception as e:                       # the parent prints it (once per pass it waits for)
+        for _ in range(done, passes):
+            out.put({"error": f"{type(e).__name__}: {e}"})
 
 
 def offline(engine, prompts: list[list[int]], max_tokens: int) -> float:
