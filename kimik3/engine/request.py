@@ -87,6 +87,8 @@ class Request:
     block_hashes: list[bytes] = field(default_factory=list)     # one per full block of token_ids
     bad_word_ids: list[list[int]] = field(default_factory=list)   # logit controls: params.bad_words as token ids
     matcher: object | None = None                   # logit controls: the structured-output grammar (structured.Matcher)
+    draft_misses: int = 0           # speculative: verify steps in a row that accepted no draft
+    draft_pause: int = 0            # decode steps left before this request drafts again
     # Image embeddings [N_i, D] by item, held (the runner's tensors) from the first chunk that needs an
     # item until its last pad is computed, so a request encodes or fetches each image once per prefill.
     image_embeds: dict[int, torch.Tensor] = field(default_factory=dict)

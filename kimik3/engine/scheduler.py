@@ -9,7 +9,7 @@ Per step (budget = ``max_num_batched_tokens``):
 3. Chunks that cross a KDA checkpoint boundary ask the model for a state snapshot there.
 4. Speculative decoding: a decode step without penalties carries n-gram drafts (``_draft``) and a snapshot
    after each but the last (``speculative.py``); a request whose drafts were partly rejected first copies
-   its snapshot back (``CacheHoldings.rollback_slot``).
+   its snapshot back (``CacheHoldings.rollback_slot``); one whose drafts keep failing pauses drafting.
 5. Async scheduling: while a step's tokens are still on the device, the next decode step of the same requests
    is scheduled ahead (``schedule_ahead``) when nothing else could change it: no waiting request, no
    preemption, no checkpoint to take, no drafts; a request that prev's token finishes is left out or dropped.
@@ -152,6 +152,9 @@ class Scheduler:
         short of the next checkpoint boundary (``schedule`` trims them to the free snapshot slots)."""
         cfg = self.config
         if not cfg.num_speculative_tokens or not can_speculate(req.params):
+            return []
+        if req.draft_pause:               # its recent drafts all failed (speculative.MAX_DRAFT_PAUSE)
+            req.draft_pause -= 1
             return []
         k = min(cfg.num_speculative_tokens, budget - 1, req.params.max_tokens - req.num_output_tokens - 1,
                 cfg.max_model_len - req.num_tokens - 1)

@@ -81,6 +81,28 @@ def test_cycling_outputs_accept_drafts_and_save_steps():
     assert steps[3] < 0.6 * steps[0], steps
 
 
+def test_drafts_that_keep_failing_pause_drafting(monkeypatch):
+    """Drafts that are always wrong: after each verify step that accepts nothing the request stops
+    drafting for 2, 4, ... 128 decode steps, so 300 tokens carry 9 verify steps, not 300; drafts that
+    are right keep coming (3 per step, 4 tokens a step). The tokens are plain greedy's either way."""
+    import kimik3.engine.scheduler as scheduler
+    model = FakeModel()
+    prompt = [3, 1, 4, 1, 5]
+    ref = reference_greedy(model, prompt, 300)
+    for shift in (1, 0):
+        def propose(token_ids, k, min_n, max_n, shift=shift):
+            done = len(token_ids) - len(prompt)
+            return [(t + shift) % 61 for t in ref[done:done + k]]
+        monkeypatch.setattr(scheduler, "propose_ngram", propose)
+        engine = _engine(model, 3, max_model_len=320, max_num_seqs=1, enable_prefix_caching=False)
+        results = run(engine, {"r": (prompt, SamplingParams(temperature=0, max_tokens=300, ignore_eos=True))})
+        assert results["r"][0][0] == ref
+        if shift:     # verify steps before pauses of 2, 4, ..., 128, 128: 8 in the 299 decode steps
+            assert engine.num_accepted_tokens == 0 and engine.num_draft_tokens == 3 * 8
+        else:
+            assert engine.num_accepted_tokens == engine.num_draft_tokens >= 3 * (300 // 4 - 1)
+
+
 def test_rejected_drafts_roll_the_state_back():
     # the default fake model's next token depends on the whole history: most drafts are wrong, and
     # the model asserts on every step that the state it is handed covers exactly the context
