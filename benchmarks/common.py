@@ -85,3 +85,14 @@ def capture_graph(fn):
 def rel_err(a: torch.Tensor, b: torch.Tensor) -> float:
     """||a - b|| / ||b|| in float64."""
     return ((a.double() - b.double()).norm() / b.double().norm()).item()
+
+
+def drain(engine, requests: list[tuple[str, list[int]]], params) -> int:
+    """Add ``requests`` (id, prompt token ids) to ``engine`` and step it until done; the output tokens."""
+    for rid, ids in requests:
+        engine.add_request(rid, {"prompt_token_ids": ids}, params)
+    tokens = 0
+    while engine.has_unfinished_requests():
+        for d in engine.step():
+            tokens += sum(len(c.token_ids) for c in d.outputs)
+    return tokens

@@ -78,15 +78,11 @@ def client(port: int, prompts: list[list[int]], max_tokens: int, concurrency: in
 
 
 def offline(engine, prompts: list[list[int]], max_tokens: int) -> float:
+    from benchmarks.common import drain
     from kimik3.engine import SamplingParams
-    params = SamplingParams(temperature=0, max_tokens=max_tokens, ignore_eos=True)
     t0 = time.perf_counter()
-    for i, p in enumerate(prompts):
-        engine.add_request(f"offline-{i}", {"prompt_token_ids": p}, params)
-    tokens = 0
-    while engine.has_unfinished_requests():
-        for d in engine.step():
-            tokens += sum(len(c.token_ids) for c in d.outputs)
+    tokens = drain(engine, [(f"offline-{i}", p) for i, p in enumerate(prompts)],
+                   SamplingParams(temperature=0, max_tokens=max_tokens, ignore_eos=True))
     return tokens / (time.perf_counter() - t0)
 
 

@@ -28,7 +28,7 @@ import torch
 ROOT = Path(__file__).resolve().parents[2]
 sys.path.insert(0, str(ROOT))
 
-from benchmarks.common import commit_id, cuda_time, log, save_results  # noqa: E402
+from benchmarks.common import commit_id, cuda_time, drain, log, save_results  # noqa: E402
 from benchmarks.gpu.bench_slice import CONFIG, build_slice  # noqa: E402
 from kimik3.engine import EngineConfig, LLMEngine, SamplingParams  # noqa: E402
 
@@ -89,12 +89,7 @@ def offline(engine: LLMEngine, seed: int, tag: str) -> dict:
     params = SamplingParams(temperature=0, max_tokens=64, ignore_eos=True)
     torch.cuda.synchronize()
     t0 = time.perf_counter()
-    for i, p in enumerate(reqs):
-        engine.add_request(f"{tag}-{seed}-{i}", {"prompt_token_ids": p}, params)
-    n_out = 0
-    while engine.has_unfinished_requests():
-        for d in engine.step():
-            n_out += sum(len(c.token_ids) for c in d.outputs)
+    n_out = drain(engine, [(f"{tag}-{seed}-{i}", p) for i, p in enumerate(reqs)], params)
     dt = time.perf_counter() - t0
     return {"requests": len(reqs), "prompt_tokens": sum(map(len, reqs)), "output_tokens": n_out, "seconds": dt,
             "output_tok_s": n_out / dt, "total_tok_s": (n_out + sum(map(len, reqs))) / dt}

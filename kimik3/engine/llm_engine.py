@@ -3,8 +3,9 @@
 One loop (nano-vllm's): ``Scheduler.schedule`` decides -> ``ModelRunner.execute`` builds the batch, runs the
 model and samples -> ``Scheduler.update`` advances the requests -> the engine appends the tokens, checks
 stops and emits deltas (``output.py``). With ``async_scheduling`` a decode step's tokens stay on the device
-while the next step is scheduled and launched (``step``). Requests come in through ``InputProcessor``; ``stats()`` is the
-engine's one read-out. Not thread-safe: a server drives it from one loop and forwards aborts there.
+while the next step is scheduled and launched (``step``). Requests come in through ``InputProcessor``;
+``stats()`` is the engine's one read-out. Not thread-safe: a server drives it from one loop and forwards
+aborts there.
 """
 
 from __future__ import annotations

@@ -128,7 +128,8 @@ class Scheduler:
     def schedule_ahead(self, prev: SchedulerOutput) -> SchedulerOutput | None:
         """Async scheduling (rule 5): the decode step after ``prev`` while prev's tokens are still on
         the device, or None when it could differ from what ``schedule`` will decide once they arrive."""
-        if (self.waiting or len(prev.chunks) != len(self.running) or len(prev.chunks) > self.config.max_num_batched_tokens
+        if (self.waiting or len(prev.chunks) != len(self.running)
+                or len(prev.chunks) > self.config.max_num_batched_tokens
                 or any(not c.samples or c.draft or c.req.is_finished for c in prev.chunks)):
             return None
         out = SchedulerOutput()

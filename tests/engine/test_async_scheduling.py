@@ -85,8 +85,9 @@ def test_abort_while_in_flight(model):
     vocab = model.config.text.vocab_size
     ps = prompts(vocab, 3, seed=3)
     _, engine = engines(model)
+    params = SamplingParams(temperature=0, max_tokens=10, ignore_eos=True)
     for i, p in enumerate(ps):
-        engine.add_request(f"r{i}", {"prompt_token_ids": p}, SamplingParams(temperature=0, max_tokens=10, ignore_eos=True))
+        engine.add_request(f"r{i}", {"prompt_token_ids": p}, params)
     got: dict[str, list[int]] = {}
     reasons: dict[str, str] = {}
 

@@ -19,6 +19,15 @@ def metric(server, name: str) -> float:
     return float(m.group(1))
 
 
+def disconnect_mid_stream(server, body: dict, while_streaming=lambda: None) -> None:
+    """Open a streamed chat completion, read 5 lines, call ``while_streaming``, then hang up."""
+    with httpx.stream("POST", server.url + "/v1/chat/completions", json=body, timeout=30) as r:
+        lines = r.iter_lines()
+        for _ in range(5):
+            next(lines)
+        while_streaming()
+
+
 def test_64_concurrent_streams(server):
     async def one(client, i: int):
         n_tokens = 5 + i % 7
@@ -71,12 +80,11 @@ def test_disconnect_mid_stream_frees_cache():
             httpx.get(s.url + "/metrics").text else 0.0
         body = {"model": MODEL, "messages": [{"role": "user", "content": "a long story " * 30}], "max_tokens": 700,
                 "stream": True, "ignore_eos": True}
-        with httpx.stream("POST", s.url + "/v1/chat/completions", json=body, timeout=30) as r:
-            lines = r.iter_lines()
-            for _ in range(5):
-                next(lines)
+
+        def while_streaming():
             assert metric(s, "vllm:num_requests_running") == 1
             assert metric(s, "vllm:kv_cache_usage_perc") > 0
+        disconnect_mid_stream(s, body, while_streaming)
         deadline = time.monotonic() + 10
         while metric(s, "vllm:kv_cache_usage_perc") > 0 and time.monotonic() < deadline:
             time.sleep(0.02)
@@ -154,12 +162,8 @@ def test_async_scheduling_server_matches_the_synchronous_one(server):
 
         got = asyncio.run(run_all(s))
         assert got == asyncio.run(run_all(server)) and all(text and n == 4 + i % 9 for i, (text, n) in enumerate(got))
-        body = {"model": MODEL, "messages": [{"role": "user", "content": "a long story " * 30}], "max_tokens": 700,
-                "stream": True, "ignore_eos": True}
-        with httpx.stream("POST", s.url + "/v1/chat/completions", json=body, timeout=30) as r:
-            lines = r.iter_lines()
-            for _ in range(5):
-                next(lines)
+        disconnect_mid_stream(s, {"model": MODEL, "messages": [{"role": "user", "content": "a long story " * 30}],
+                                  "max_tokens": 700, "stream": True, "ignore_eos": True})
         deadline = time.monotonic() + 10
         while s.engine.has_unfinished_requests() and time.monotonic() < deadline:
             time.sleep(0.02)
