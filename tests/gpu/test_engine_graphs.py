@@ -190,7 +190,9 @@ def assert_model_greedy(model, rid: str, prompt: list[int], tokens: list[int], l
         for i, t in enumerate(tokens):
             ref = model(torch.tensor(ids, device="cuda"))[-1].float().log_softmax(-1)
             below = float(ref.max() - ref[t])
-            assert below < TIE_NATS, f"{rid}: token {i} ({t}) is {below:.3f} nats below the model's greedy choice"
+            top = [(int(j), round(float(v), 3)) for v, j in zip(*ref.topk(3))]
+            assert below < TIE_NATS, (f"{rid}: token {i} ({t}) is {below:.3f} nats below the model's greedy choice "
+                                      f"(the model's top 3: {top})")
             if logprobs is not None:
                 assert abs(logprobs[i][t] - float(ref[t])) < logprob_bound, \
                     f"{rid}: token {i}: logprob {logprobs[i][t]:.4f}, the model's {float(ref[t]):.4f}"
