@@ -171,7 +171,7 @@ def cmd_mask(args) -> None:
 
 def _profile(clock: dict[str, float]) -> None:
     """Host seconds per engine part, summed into ``clock`` (wrappers on the classes and modules the
-    engine calls through; the device step shows as the sampler's wait)."""
+    engine calls through; the device step shows as device_wait, PendingOutput.result)."""
     from kimik3.engine import llm_engine, logit_controls, runner, sampler, scheduler, structured
 
     def timed(owner, name, label):
@@ -187,7 +187,8 @@ def _profile(clock: dict[str, float]) -> None:
     timed(structured.GrammarCompiler, "fill_bitmasks", "mask_fill")
     timed(logit_controls, "apply_controls", "apply_controls")
     timed(structured.Matcher, "consume", "consume")
-    timed(sampler.Sampler, "sample_rows", "sample+device_wait")
+    timed(sampler.Sampler, "sample_rows", "sample")
+    timed(sampler.PendingOutput, "result", "device_wait")
     timed(runner.ModelRunner, "execute", "execute")
     timed(runner.BatchBuilder, "build_decode", "build_decode")
     timed(runner.ModelRunner, "run_graph", "graph_launch")

@@ -59,7 +59,7 @@ class EngineStats:
     num_steps: int                  # runner steps, and those replayed as CUDA graphs
     num_graph_steps: int
     num_encoded_images: int         # images run through the vision tower (encoder cache misses)
-    host_seconds: float             # batch building + sampling (which waits for the device's step)
+    host_seconds: float             # batch building + sampling's host work (not the wait for the device)
     prepare_seconds: float          # batch building alone
     model_seconds: float            # the forward launches and image encoding
 

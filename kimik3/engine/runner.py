@@ -33,7 +33,7 @@ class ModelRunner:
         self.images = ImageEncoder(model, config.encoder_cache_tokens)
         self.batches = BatchBuilder(cache.block_size, self.device, self.images)
         self.sampler = Sampler(model.config.text.vocab_size, self.device, config.seed)
-        self.host_seconds = 0.0     # batch building + sampling (sampling waits for the device's step)
+        self.host_seconds = 0.0     # batch building + sampling's host work (not the wait for the device)
         self.prepare_seconds = 0.0  # batch building alone
         self.model_seconds = 0.0    # the step's launch and any image encoding
         self.num_steps = self.num_graph_steps = 0
