@@ -4,9 +4,10 @@ weights, bf16; ``kimi-k3-slice4.config.json``). One device call:
   (a) decode step at batch 1/8/32 over ~512-token contexts (max_model_len 4096): wall time of
       ``LLMEngine.step`` (scheduler + runner + sampling + bookkeeping), the device time of the same
       step (graph replay timed with CUDA events), and the host overhead = wall - device, with the
-      runner's share of it (batch building) — graphs on and off;
+      runner's share of it (batch building) — graphs on and off, and graphs with async scheduling
+      (its wall time per step should approach the device time: the host work overlaps it);
   (b) an offline workload (64 requests, prompts 128-512 tokens, 64 output tokens each, max_num_seqs
-      32): end-to-end output tokens/s, graphs on and off, each timed on its second pass over the
+      32): end-to-end output tokens/s, in each of the three modes, each timed on its second pass over the
       same mix with the prefix cache emptied in between (run 1 had no warm-up and run 2 warmed up
       on another mix: prefill shapes then still JIT-compiled during the timed pass).
 
@@ -37,12 +38,13 @@ PROMPT = 512
 STEPS = 40
 
 
-def make(model, eager: bool, max_num_seqs: int) -> LLMEngine:
+def make(model, eager: bool, max_num_seqs: int, async_scheduling: bool = False) -> LLMEngine:
     cfg = EngineConfig(max_num_seqs=max_num_seqs, max_num_batched_tokens=4096, max_model_len=4096, block_size=16,
-                       enable_prefix_caching=True, cache_memory_bytes=6 << 30, enforce_eager=eager)
+                       enable_prefix_caching=True, cache_memory_bytes=6 << 30, enforce_eager=eager,
+                       async_scheduling=async_scheduling)
     t0 = time.perf_counter()
     engine = LLMEngine(model, cfg)
-    log(f"engine (enforce_eager={eager}) ready in {time.perf_counter() - t0:.1f}s")
+    log(f"engine (enforce_eager={eager}, async_scheduling={async_scheduling}) ready in {time.perf_counter() - t0:.1f}s")
     return engine
 
 
@@ -102,9 +104,8 @@ def main():
     t0 = time.time()
     model = build_slice(json.loads(CONFIG.read_text()))
     log(f"slice built in {time.time() - t0:.1f}s")
-    for eager in (False, True):
-        key = "eager" if eager else "graphs"
-        engine = make(model, eager, max_num_seqs=32)
+    for key in ("graphs", "eager", "async"):           # async: graphs with async scheduling
+        engine = make(model, key == "eager", max_num_seqs=32, async_scheduling=key == "async")
         rng = random.Random(1)
         rows = []
         for batch in (1, 8, 32):
@@ -122,12 +123,12 @@ def main():
         del engine
         torch.cuda.empty_cache()
     log("\n| batch | graphs: step wall ms | device ms | host overhead ms (share) | runner prepare ms "
-        "| eager: step wall ms | speed-up |")
-    log("|---|---|---|---|---|---|---|")
-    for g, e in zip(results["decode_graphs"], results["decode_eager"]):
+        "| eager: step wall ms | speed-up | async: step wall ms (host share) |")
+    log("|---|---|---|---|---|---|---|---|")
+    for g, e, a in zip(results["decode_graphs"], results["decode_eager"], results["decode_async"]):
         log(f"| {g['batch']} | {g['wall_ms']:.2f} | {g['device_ms']:.2f} | {g['host_overhead_ms']:.2f} "
             f"({g['host_share']:.0%}) | {g['runner_prepare_ms']:.3f} | {e['wall_ms']:.2f} | "
-            f"{e['wall_ms'] / g['wall_ms']:.2f}x |")
+            f"{e['wall_ms'] / g['wall_ms']:.2f}x | {a['wall_ms']:.2f} ({a['host_share']:.0%}) |")
     og, oe = results["offline_graphs"], results["offline_eager"]
     log(f"offline 64 req x 64 out: graphs {og['output_tok_s']:.0f} out tok/s ({og['seconds']:.1f}s), "
         f"eager {oe['output_tok_s']:.0f} out tok/s ({oe['seconds']:.1f}s)")
