@@ -125,11 +125,11 @@ class LLMEngine:
         """Run one forward step; returns a delta for every request that produced tokens or finished. With
         async scheduling a pure decode step's tokens come in the next call (which first launches the step
         after it, ``Scheduler.schedule_ahead``), so the host's work overlaps the device's."""
-        touched: dict[str, RequestGroup] = {g.request_id: g for g in self._aborted}
-        self._aborted = []
-        if self._error is not None:
+        if self._error is not None:      # before the aborted groups are taken: their deltas come next call
             error, self._error = self._error, None
             raise error
+        touched: dict[str, RequestGroup] = {g.request_id: g for g in self._aborted}
+        self._aborted = []
         if self._in_flight is not None:
             self._step_ahead(touched)
             return self._deltas(touched)

@@ -144,11 +144,18 @@ def test_a_failed_step_ahead_is_raised_after_the_step_before_it(model, monkeypat
     for rid, (p, sp) in reqs.items():
         engine.add_request(rid, {"prompt_token_ids": p}, sp)
     got: dict[str, list[int]] = {}
+    for _ in range(50):
+        for d in engine.step():
+            got.setdefault(d.request_id, []).extend(d.outputs[0].token_ids)
+        if at_failure:
+            break
+    engine.abort_request("r0")           # lands while the failure waits to be raised
     with pytest.raises(StepError, match="boom") as err:
-        for _ in range(50):
-            for d in engine.step():
-                got.setdefault(d.request_id, []).extend(d.outputs[0].token_ids)
+        engine.step()
     assert sorted(err.value.request_ids) == ["r0", "r1"]
+    engine.abort_request("r1")           # the server's answer to a StepError: abort the requests it names
+    finals = {d.request_id: d.outputs[0].finish_reason for d in engine.step()}
+    assert finals == {"r0": "abort", "r1": "abort"} and not engine.has_unfinished_requests()   # r0's kept
     for rid, (p, _) in reqs.items():       # the in-flight step's tokens arrived too, and they are right
         assert len(got[rid]) == at_failure[rid] + 1 and got[rid] == reference_greedy(model, p, len(got[rid])), rid
 
@@ -156,3 +163,4 @@ def test_a_failed_step_ahead_is_raised_after_the_step_before_it(model, monkeypat
 def test_async_scheduling_refuses_speculation():
     with pytest.raises(ValueError, match="async_scheduling does not work with speculative decoding"):
         EngineConfig(async_scheduling=True, num_speculative_tokens=2)
+
