@@ -22,9 +22,6 @@ class ParallelRunner(ModelRunner):
     ``enforce_eager`` says: a graph replay would skip the step broadcast."""
 
     def __init__(self, model, cache, config: EngineConfig, *, control, on_failure=None):
-        if config.async_scheduling:
-            raise ValueError("async_scheduling does not work with tensor or expert parallelism yet (the workers "
-                             "get each step's token ids from rank 0's host); leave it off")
         if not config.enforce_eager:
             logger.info("decode CUDA graphs are off under tensor parallelism (a replay would skip the step "
                         "broadcast); steps run eagerly")
