@@ -43,12 +43,13 @@ def warm_up(engine: LLMEngine, seed: int = 0) -> float:
     rng = random.Random(seed)
     ids = [t for t in range(engine.vocab_size) if t != pad]
     params = SamplingParams(temperature=0, max_tokens=2, ignore_eos=True, detokenize=False)
+    lengths = warmup_lengths(limit)
     t0 = time.perf_counter()
-    for i, n in enumerate(warmup_lengths(limit)):
+    for i, n in enumerate(lengths):
         engine.add_request(f"warmup-{i}", {"prompt_token_ids": rng.choices(ids, k=n)}, params)
     while engine.has_unfinished_requests():
         engine.step()
     engine.kv.reset_prefix_cache()
     seconds = time.perf_counter() - t0
-    logger.info("warm-up: %d prompts of 1..%d tokens in %.1f s", len(warmup_lengths(limit)), limit, seconds)
+    logger.info("warm-up: %d prompts of 1..%d tokens in %.1f s", len(lengths), limit, seconds)
     return seconds

@@ -131,9 +131,10 @@ def _prefill(q, cache, block_tables, kv_b_weight, query_lens, context_lens, kv_l
     R, dv = kv_lora_rank, v_head_dim
     d_nope = kv_b_weight.shape[0] // H - dv
     d_rope = q.shape[-1] - d_nope
-    # the kernel's head dims (qa / qb / v) are powers of two >= 16; smaller test models take the reference
-    fast = use_fast_path(q) and all(d >= 16 and not d & (d - 1) for d in
-                                    ((d_nope, d_rope, dv) if form == "naive" else (R, d_rope)))
+    fast = use_fast_path(q)
+    if fast:        # head dims (qa / qb / v) the kernel does not take (small test models) use the reference
+        from kimik3.ops.triton.mla_prefill import mla_prefill_triton, takes_head_dims
+        fast = takes_head_dims(*((d_nope, d_rope, dv) if form == "naive" else (R, d_rope)))
     dt = q.dtype if fast else acc_dtype(q.dtype)
     kv_b = kv_b_weight.to(dt)
     w = kv_b.view(H, d_nope + dv, R)
@@ -141,7 +142,6 @@ def _prefill(q, cache, block_tables, kv_b_weight, query_lens, context_lens, kv_l
     qa, qb = qa.to(dt), q[..., d_nope:].to(dt)
     pieces = prefill_pieces(query_lens, context_lens, PREFILL_BLOCK)
     if fast:
-        from kimik3.ops.triton.mla_prefill import mla_prefill_triton
         q_info = _device_ints([0, *itertools.accumulate(query_lens), *context_lens], q.device)
         # a single piece is the answer: no merge, straight to the output dtype
         part_dtype = (q.dtype if form == "naive" else dt) if len(pieces) == 1 else torch.float32

@@ -177,6 +177,11 @@ def _merge_splits_kernel(part_o, part_lse, o_ptr, lse_ptr, num_splits, DV: tl.co
     tl.store(lse_ptr + row, tl.where(total == 0.0, float("-inf"), m + tl.log(tl.where(total == 0.0, 1.0, total))))
 
 
+def takes_head_dims(*dims: int) -> bool:
+    """Whether the kernel takes these head dims: powers of two >= 16."""
+    return all(d >= 16 and not d & (d - 1) for d in dims)
+
+
 def mla_prefill_triton(qa: torch.Tensor, qb: torch.Tensor, ka: torch.Tensor, kb: torch.Tensor,
                        v: torch.Tensor | None, cu_q: torch.Tensor, cu_k: torch.Tensor, q_pos0: torch.Tensor,
                        k_pos0: torch.Tensor, max_query_len: int, scale: float, out_dtype: torch.dtype,
@@ -203,9 +208,8 @@ def mla_prefill_triton(qa: torch.Tensor, qb: torch.Tensor, ka: torch.Tensor, kb:
     for name, t in (("qa", qa), ("qb", qb), ("ka", ka), ("kb", kb), ("v", v)):
         if t is not None and t.stride(-1) != 1:
             raise ValueError(f"mla_prefill_triton needs unit stride on the feature axis of {name}")
-    for d in (DA, DB, DV):
-        if d < 16 or d & (d - 1):
-            raise ValueError(f"mla_prefill_triton: head dims must be powers of two >= 16, got {DA}/{DB}/{DV}")
+    if not takes_head_dims(DA, DB, DV):
+        raise ValueError(f"mla_prefill_triton: head dims must be powers of two >= 16, got {DA}/{DB}/{DV}")
     cfg = config or config_for(DA, DV)
     group = Hq // Hk
     N = cu_q.numel() - 1
