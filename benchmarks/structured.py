@@ -197,6 +197,24 @@ def _profile(clock: dict[str, float]) -> None:
     timed(llm_engine, "deltas", "deltas")
 
 
+def _trace_start():
+    from torch.profiler import ProfilerActivity, profile
+    prof = profile(activities=[ProfilerActivity.CPU, ProfilerActivity.CUDA])
+    prof.start()
+    return prof
+
+
+def _trace_report(prof, steps: int, label: str) -> None:
+    """Device time per step (kernels and copies summed) and the device ops that take most of it."""
+    torch.cuda.synchronize()
+    prof.stop()
+    events = [e for e in prof.key_averages() if e.device_type.name == "CUDA"]
+    busy = sum(e.self_device_time_total for e in events) / 1e3 / steps
+    print(f"#   trace {label}: device busy {busy:.2f} ms/step over {steps} steps", flush=True)
+    for e in sorted(events, key=lambda e: -e.self_device_time_total)[:12]:
+        print(f"#     {e.self_device_time_total / 1e3 / steps:7.3f} ms/step  {e.count / steps:6.1f}/step  {e.key[:90]}")
+
+
 def cmd_engine(args) -> None:
     import kimik3
     from kimik3.engine import EngineConfig, LLMEngine, SamplingParams
@@ -235,11 +253,14 @@ def cmd_engine(args) -> None:
                 engine.add_request(f"{constrained}-{b}-{i}", {"prompt_token_ids": [5 + i % 50, 6, 7, 8]}, params)
             times = []
             clock.clear()
+            prof = _trace_start() if args.trace == b else None
             while engine.has_unfinished_requests():
                 t0 = time.perf_counter()
                 engine.step()
                 times.append(time.perf_counter() - t0)
             row.append(statistics.mean(times[2:]) * 1e3)
+            if prof is not None:
+                _trace_report(prof, len(times), "constrained" if constrained else "plain")
             if args.profile:
                 parts = ", ".join(f"{k} {v / len(times) * 1e3:.2f}" for k, v in sorted(clock.items()))
                 print(f"#   batch {b} {'constrained' if constrained else 'plain'}: ms/step {parts}", flush=True)
@@ -260,10 +281,13 @@ def main() -> None:
     e.add_argument("--steps", type=int, default=32)
     e.add_argument("--profile", action="store_true", help="host ms per step in each engine part")
     e.add_argument("--async-scheduling", action="store_true", help="the engine's async scheduling")
+    e.add_argument("--trace", type=int, metavar="BATCH", help="torch.profiler at this batch: device ms/step, top ops")
     e.add_argument("--grammar-threads", type=int, help="llguidance executor threads (default: the engine's)")
     e.add_argument("--enforce-eager", action=argparse.BooleanOptionalAction, default=True,
                    help="--no-enforce-eager runs decode steps as CUDA graphs")
     args = ap.parse_args()
+    if getattr(args, "trace", None) and not args.device.startswith("cuda"):
+        ap.error("--trace measures device time: it needs --device cuda")
     (cmd_mask if args.cmd == "mask" else cmd_engine)(args)
 
 

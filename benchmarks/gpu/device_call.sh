@@ -5,8 +5,10 @@
 #   python3 -m pip install -q --no-index --no-deps --target /tmp/site .whl/*.whl && \
 #     PYTHONPATH=/tmp/site:$PWD KIMIK3_COMMIT=<commit> bash benchmarks/gpu/device_call.sh [tests] [benches] [serve]
 #
-# Sections (default: all three, in this order): tests = tests/gpu/*.py in parallel; benches = the
-# constrained decode step (#19) sync and async; serve = served vs offline (#18 item 5) sync and async.
+# Sections (default: tests benches serve, in this order): tests = tests/gpu/*.py in parallel (or the
+# files / node ids in TESTS; PER_TEST: pytest's per-test limit); benches = the constrained decode step
+# (#19) sync and async; trace = its device time per step at batch 32 (torch.profiler); serve = served vs
+# offline (#18 item 5) sync and async.
 # A fresh machine spends its first 90-110 s compiling kernels; the parallel tests pay that once each.
 set -u
 START=$(date +%s)
@@ -28,9 +30,9 @@ run() {  # name cap command...: run with a limit of min(cap, time left - 10 s)
 }
 
 if [[ " $sections " == *" tests "* ]]; then
-  for f in tests/gpu/test_*.py; do
-    n=$(basename "$f" .py)
-    run "$n" 400 python3 -m pytest -v -p no:cacheprovider --timeout=380 --durations=0 -rA "$f" &
+  for f in ${TESTS:-tests/gpu/test_*.py}; do         # TESTS: test files or node ids, each its own process
+    n=$(basename "${f%%::*}" .py)
+    run "$n" 400 python3 -m pytest -v -p no:cacheprovider --timeout="${PER_TEST:-380}" --durations=0 -rA "$f" &
   done
   wait
   grep -hE "^(PASSED|FAILED|ERROR) " "$L"/test_*.log | cut -c1-300
@@ -40,6 +42,11 @@ if [[ " $sections " == *" benches "* ]]; then
   run structured_async 150 python3 benchmarks/structured.py engine --slice --device cuda --no-enforce-eager \
       --async-scheduling --profile
   grep -h "^|" "$L"/structured_*.log
+fi
+if [[ " $sections " == *" trace "* ]]; then           # device time per step, constrained vs not, async
+  run structured_trace 150 python3 benchmarks/structured.py engine --slice --device cuda --no-enforce-eager \
+      --async-scheduling --profile --trace 32
+  grep -hE "^(\||#   (batch|trace)|#     )" "$L"/structured_trace.log
 fi
 if [[ " $sections " == *" serve "* ]]; then
   run serve_sync 150 python3 benchmarks/serve_vs_offline.py --slice --device cuda

@@ -7,9 +7,10 @@ random weights built in memory, bf16), prefix caching on.
    after it, and every other slot and block untouched by the padding rows.
 2. Greedy generation of six requests of different lengths sharing a prefix (batches shrink 6 -> 1,
    so most steps are padded; checkpoint steps fall back to eager). The two engines run the same
-   kernels on differently padded shapes, so bf16 rounding differs: tokens must be equal, except
-   that a request may part ways at a near-tie, where the graph's token is among the eager top-5
-   within ``TIE_NATS`` of the eager choice; the rest of it is then not compared.
+   kernels on differently padded shapes, so bf16 rounding differs: logprobs must agree within
+   ``SLICE_NOISE`` and tokens be equal, except that a request may part ways at a near-tie, where the
+   graph's token is among the eager top-5 within ``SLICE_TIE`` of the eager choice; the rest of it
+   is then not compared.
 """
 
 from __future__ import annotations
@@ -29,8 +30,16 @@ pytestmark = [pytest.mark.gpu, pytest.mark.skipif(not torch.cuda.is_available(),
 
 CONFIG = Path(__file__).resolve().parents[2] / "benchmarks" / "gpu" / "kimi-k3-slice4.config.json"
 KIMI_LINEAR_CONFIG = CONFIG.with_name("kimi-linear-slice4.config.json")
-TIE_NATS = 0.1          # bf16 logits of the slice differ by ~1e-2 between paddings; this is a tie
-TOP_K = 5               # reference logprobs kept per token: a parting token outside them is a real divergence
+TIE_NATS = 0.1          # the default model's near-tie (its top logits: bf16 values 0.06 apart at ~10)
+TOP_K = 5               # logprobs kept per token: a parting token outside the reference's is a real divergence
+# The random slice's logits are nearly flat (logprobs ~ -12) and come out of 4 K3-width bf16 layers whose
+# kernels differ between the compared paths (padding, chunking, prefill vs decode): the logprob of one token
+# moves by up to SLICE_NOISE between two such computations. Each test measures it (every token of both
+# runs' top-5 while their sequences agree) and asserts it; a parting is a tie when the reference's gap is
+# below twice the noise (each side can move by it). A wrong state, block or position moves logprobs by
+# nats, not tenths.
+SLICE_NOISE = 0.15
+SLICE_TIE = 2 * SLICE_NOISE
 LOGIT_BOUND = 2e-2      # ||graph - eager|| / ||eager|| of each sequence's logits (bf16 model, fp32 logits), state slot, block
 
 
@@ -112,23 +121,35 @@ def test_padded_graph_step_matches_eager_step(model):
     assert torch.equal(graph_pools[2][:, others], saved[2][:, others]), "mla_latent: padding wrote a used block"
 
 
-def assert_same_greedy(reference, other, reqs) -> None:
-    """Token lists equal, except that a request may part ways at a near-tie: the other run's token is
-    among the reference's top ``TOP_K`` there, within ``TIE_NATS`` of its choice (a random model's
-    logits are nearly flat, so several tokens can lie within bf16 rounding of each other); the rest
-    is then not compared. A token outside the reference's top ``TOP_K`` is a real divergence."""
-    exact = 0
+def logprob_noise(a: dict[int, float], b: dict[int, float]) -> float:
+    """The largest difference of two logprob dicts of one position over the tokens both hold."""
+    return max((abs(a[t] - b[t]) for t in a.keys() & b.keys()), default=0.0)
+
+
+def assert_same_greedy(reference, other, reqs, noise: float = SLICE_NOISE) -> None:
+    """Token lists equal, except that a request may part ways at a near-tie. Both runs carry top-K
+    logprobs: at every position up to and including the parting one (the sequences are equal up
+    to there) the two agree within ``noise``; at the parting the other's token is among the
+    reference's top ``TOP_K`` within ``2 * noise`` of its choice; the rest is then not compared."""
+    exact, worst = 0, 0.0
     for rid in reqs:
-        (e_toks, e_lps), (g_toks, _) = reference[rid], other[rid]
+        (e_toks, e_lps), (g_toks, g_lps) = reference[rid], other[rid]
         assert len(e_toks) == len(g_toks) == reqs[rid][1].max_tokens
+        assert len(e_lps) == len(g_lps) == len(e_toks), f"{rid}: logprobs missing"
         diff = next((i for i, (a, b) in enumerate(zip(e_toks, g_toks)) if a != b), None)
+        for i in range(len(e_toks) if diff is None else diff + 1):
+            d = logprob_noise(e_lps[i], g_lps[i])
+            worst = max(worst, d)
+            assert d < noise, f"{rid}: token {i}: logprobs differ by {d:.3f} nats ({e_lps[i]} vs {g_lps[i]})"
         if diff is None:
             exact += 1
             continue
         lp = e_lps[diff]
         assert g_toks[diff] in lp, f"{rid}: token {diff} is {g_toks[diff]}, not in the reference top-{TOP_K} {lp}"
         gap = lp[e_toks[diff]] - lp[g_toks[diff]]
-        assert gap < TIE_NATS, f"{rid}: parted at token {diff} with a gap of {gap:.3f} nats to the reference's choice"
+        print(f"{rid}: parted at token {diff}, reference gap {gap:.3f} nats")
+        assert gap < 2 * noise, f"{rid}: parted at token {diff} with a gap of {gap:.3f} nats to the reference's choice"
+    print(f"logprob noise: largest {worst:.3f} nats over {len(reqs)} requests, {exact} equal")
     assert exact >= len(reqs) // 2, f"only {exact} of {len(reqs)} requests equal"
 
 
@@ -155,13 +176,11 @@ def test_speculative_greedy_matches_plain(model, monkeypatch):
     futures = {tuple(prompt): plain[rid][0] for rid, (prompt, _) in reqs.items()}
     monkeypatch.setattr(scheduler, "propose_ngram", oracle_proposer(futures, model.config.text.vocab_size))
     engine = make(model, enforce_eager=False, num_speculative_tokens=3)
-    no_lp = {rid: (p, SamplingParams(temperature=0, max_tokens=sp.max_tokens, ignore_eos=True))
-             for rid, (p, sp) in reqs.items()}
-    spec = generate(engine, no_lp)
+    spec = generate(engine, reqs)
     assert engine.num_accepted_tokens > 0 and engine.num_draft_tokens > engine.num_accepted_tokens
     for rid, (prompt, sp) in reqs.items():
         assert len(spec[rid][0]) == sp.max_tokens, rid
-        assert_model_greedy(model, rid, prompt, spec[rid][0])
+        assert_model_greedy(model, rid, prompt, *spec[rid], SLICE_NOISE, SLICE_TIE)
 
 
 def test_async_scheduling_greedy_is_the_models(model):
@@ -175,28 +194,35 @@ def test_async_scheduling_greedy_is_the_models(model):
     assert ahead.hits > 0 and engine.runner.num_graph_steps > 0
     for rid, (prompt, sp) in reqs.items():
         assert len(out[rid][0]) == sp.max_tokens, rid
-        assert_model_greedy(model, rid, prompt, out[rid][0])
+        assert_model_greedy(model, rid, prompt, *out[rid], SLICE_NOISE, SLICE_TIE)
 
 
 def assert_model_greedy(model, rid: str, prompt: list[int], tokens: list[int], logprobs: list[dict] | None = None,
-                        logprob_bound: float | None = None) -> None:
+                        logprob_bound: float | None = None, tie: float = TIE_NATS) -> None:
     """Each emitted token is the greedy choice of the model called directly on the prompt and the
-    tokens before it, up to a near-tie (``TIE_NATS``); with ``logprobs``, each token's logprob is the
-    model's within ``logprob_bound``. This decides a parting from another engine run: the slice's
-    logits are nearly flat, so runs part at ties often (4 of 6 requests between the plain and the
-    speculative runs), and a wrong token is one the model itself ranks lower."""
-    ids = list(prompt)
+    tokens before it, up to a near-tie (``tie``); with ``logprobs``, every logprob the engine returned
+    (each token of its top-K) is the model's within ``logprob_bound``. This decides a parting from
+    another engine run: the slice's logits are nearly flat, so runs part at ties often (4 of 6
+    requests between the plain and the speculative runs), and a wrong token is one the model itself
+    ranks lower."""
+    ids, worst = list(prompt), 0.0
     with torch.inference_mode():
         for i, t in enumerate(tokens):
             ref = model(torch.tensor(ids, device="cuda"))[-1].float().log_softmax(-1)
             below = float(ref.max() - ref[t])
             top = [(int(j), round(float(v), 3)) for v, j in zip(*ref.topk(3))]
-            assert below < TIE_NATS, (f"{rid}: token {i} ({t}) is {below:.3f} nats below the model's greedy choice "
-                                      f"(the model's top 3: {top})")
+            assert below < tie, (f"{rid}: token {i} ({t}) is {below:.3f} nats below the model's greedy choice "
+                                 f"(the model's top 3: {top})")
             if logprobs is not None:
-                assert abs(logprobs[i][t] - float(ref[t])) < logprob_bound, \
-                    f"{rid}: token {i}: logprob {logprobs[i][t]:.4f}, the model's {float(ref[t]):.4f}"
+                assert t in logprobs[i], f"{rid}: token {i}: {t} has no logprob ({logprobs[i]})"
+                for j, v in logprobs[i].items():
+                    d = abs(v - float(ref[j]))
+                    worst = max(worst, d)
+                    assert d < logprob_bound, (f"{rid}: token {i}: the logprob of {j} is {v:.4f}, the model's "
+                                               f"{float(ref[j]):.4f} (the model's top 3: {top})")
             ids.append(t)
+    if logprobs is not None:
+        print(f"{rid}: logprobs within {worst:.3f} nats of the model's")
 
 
 def test_moe_side_stream_graph_matches_serial(model, monkeypatch):
