@@ -18,8 +18,11 @@ measure host overhead, not a GPU); ``--slice`` builds the K3-width 4-layer GPU s
 from __future__ import annotations
 
 import argparse
+import cProfile
 import datetime
+import io
 import json
+import pstats
 import random
 import statistics
 import sys
@@ -254,6 +257,9 @@ def cmd_engine(args) -> None:
             times = []
             clock.clear()
             prof = _trace_start() if args.trace == b else None
+            host = cProfile.Profile() if args.host_profile == b and constrained else None
+            if host is not None:
+                host.enable()
             while engine.has_unfinished_requests():
                 t0 = time.perf_counter()
                 engine.step()
@@ -261,6 +267,11 @@ def cmd_engine(args) -> None:
             row.append(statistics.mean(times[2:]) * 1e3)
             if prof is not None:
                 _trace_report(prof, len(times), "constrained" if constrained else "plain")
+            if host is not None:
+                host.disable()
+                text = io.StringIO()
+                pstats.Stats(host, stream=text).sort_stats("tottime").print_stats(25)
+                print("\n".join("#   " + line for line in text.getvalue().splitlines() if line.strip()), flush=True)
             if args.profile:
                 parts = ", ".join(f"{k} {v / len(times) * 1e3:.2f}" for k, v in sorted(clock.items()))
                 print(f"#   batch {b} {'constrained' if constrained else 'plain'}: ms/step {parts}", flush=True)
@@ -281,6 +292,7 @@ def main() -> None:
     e.add_argument("--steps", type=int, default=32)
     e.add_argument("--profile", action="store_true", help="host ms per step in each engine part")
     e.add_argument("--async-scheduling", action="store_true", help="the engine's async scheduling")
+    e.add_argument("--host-profile", type=int, metavar="BATCH", help="cProfile of the constrained run at this batch")
     e.add_argument("--trace", type=int, metavar="BATCH", help="torch.profiler at this batch: device ms/step, top ops")
     e.add_argument("--grammar-threads", type=int, help="llguidance executor threads (default: the engine's)")
     e.add_argument("--enforce-eager", action=argparse.BooleanOptionalAction, default=True,

@@ -72,14 +72,15 @@ def apply_controls(logits: torch.Tensor, rows: list[int], controls: list[Control
     tensor, or None) left. A row whose allowed set would be empty keeps the grammar's set alone."""
     dev = logits.device
     n_rows, vocab = len(rows), logits.shape[-1]
-    index = on_device(rows, torch.int64, dev)
-    sub = logits.index_select(0, index)
+    every_row = rows == list(range(logits.shape[0]))       # (a batch of constrained requests): no gather
+    index = None if every_row else on_device(rows, torch.int64, dev)
     r, c, v = [], [], []
     for k, row in enumerate(controls):
         for t, b in (row.params.logit_bias or {}).items():
             r.append(k), c.append(t), v.append(b)
         for t in banned_ids(row):
             r.append(k), c.append(t), v.append(float("-inf"))
+    sub = logits.index_select(0, index) if index is not None else logits.clone() if r else logits
     if r:
         sub.index_put_((on_device(r, torch.int64, dev), on_device(c, torch.int64, dev)),
                        on_device(v, sub.dtype, dev), accumulate=True)
@@ -97,5 +98,5 @@ def apply_controls(logits: torch.Tensor, rows: list[int], controls: list[Control
         else:
             grammar = allow
     if grammar is not None:
-        sub = sub.masked_fill(~grammar, float("-inf"))
-    return logits.index_copy(0, index, sub)
+        sub = sub.masked_fill(~grammar, float("-inf"))      # out of place: the raw logits stay for logprobs
+    return sub if index is None else logits.index_copy(0, index, sub)

@@ -101,6 +101,23 @@ def test_apply_controls_matches_a_float64_loop():
     assert torch.allclose(out.double(), want, atol=1e-6, equal_nan=False)
 
 
+def test_apply_controls_on_every_row_leaves_the_raw_logits():
+    """Every row controlled (no gather, no scatter): the result is right and the input (the raw logits,
+    kept for logprobs) is not written."""
+    torch.manual_seed(1)
+    logits = torch.randn(2, 40)
+    raw = logits.clone()
+    bitmask = torch.zeros(2, 2, dtype=torch.int32)
+    bitmask[:, 0] = (1 << 5) | (1 << 7)                  # the grammar allows tokens 5 and 7
+    rows = [ControlRow(SamplingParams(logit_bias={7: 3.0}), [], [], []), ControlRow(SamplingParams(), [], [], [])]
+    out = apply_controls(logits, [0, 1], rows, bitmask)
+    want = torch.full((2, 40), -math.inf, dtype=torch.float64)
+    want[:, 5], want[:, 7] = raw[:, 5].double(), raw[:, 7].double()
+    want[0, 7] += 3.0
+    assert torch.equal(logits, raw)
+    assert torch.allclose(out.double(), want, atol=1e-6)
+
+
 def test_logit_bias_forces_a_token(llm):
     outs = _gen(llm, ["Hello", "Hello"], [SamplingParams(max_tokens=8, temperature=0, logit_bias={77: 100}),
                                           SamplingParams(max_tokens=8, temperature=1.0, seed=3, logit_bias={77: 100})])

@@ -9,8 +9,8 @@ random weights built in memory, bf16), prefix caching on.
    so most steps are padded; checkpoint steps fall back to eager). The two engines run the same
    kernels on differently padded shapes, so bf16 rounding differs: logprobs must agree within
    ``SLICE_NOISE`` and tokens be equal, except that a request may part ways at a near-tie, where the
-   graph's token is among the eager top-5 within ``SLICE_TIE`` of the eager choice; the rest of it
-   is then not compared.
+   graph's token is among the eager top-5 within twice that of the eager choice; the rest of it is
+   then not compared.
 """
 
 from __future__ import annotations
@@ -32,14 +32,18 @@ CONFIG = Path(__file__).resolve().parents[2] / "benchmarks" / "gpu" / "kimi-k3-s
 KIMI_LINEAR_CONFIG = CONFIG.with_name("kimi-linear-slice4.config.json")
 TIE_NATS = 0.1          # the default model's near-tie (its top logits: bf16 values 0.06 apart at ~10)
 TOP_K = 5               # logprobs kept per token: a parting token outside the reference's is a real divergence
-# The random slice's logits are nearly flat (logprobs ~ -12) and come out of 4 K3-width bf16 layers whose
-# kernels differ between the compared paths (padding, chunking, prefill vs decode): the logprob of one token
-# moves by up to SLICE_NOISE between two such computations. Each test measures it (every token of both
-# runs' top-5 while their sequences agree) and asserts it; a parting is a tie when the reference's gap is
-# below twice the noise (each side can move by it). A wrong state, block or position moves logprobs by
-# nats, not tenths.
-SLICE_NOISE = 0.15
-SLICE_TIE = 2 * SLICE_NOISE
+# The random slice's logits are nearly flat (logprobs ~ -8 to -12, top-5 within ~0.5 nats) and come out of
+# 4 K3-width bf16 layers. Two computations of one token's logprobs differ by bf16 rounding, and by more
+# where the rounding flips one of a token's 16 routed experts (of 64) at a near-tie of router scores, a
+# discrete change of its MoE output. Measured at c0af3ed, over every top-5 token of the compared runs:
+# - the same kernels on other shapes (graphs vs eager, padded rows, async vs sync scheduling): <= 0.031;
+# - other kernels (one chunk vs 48-token chunks, speculative verify or the model's own prefill vs decode
+#   steps): 0.22-0.31 at one position in ~100, ~0.03-0.1 elsewhere.
+# Each comparison asserts the bound of its kind; a parting is a tie when the reference's gap is below
+# twice it (each side can move by it). Exact orchestration (states, blocks, rollbacks) is tested on CPU
+# in float64 (tests/engine); these tests cover the CUDA path within its rounding.
+SLICE_NOISE = 0.1
+SLICE_CROSS_NOISE = 0.5
 LOGIT_BOUND = 2e-2      # ||graph - eager|| / ||eager|| of each sequence's logits (bf16 model, fp32 logits), state slot, block
 
 
@@ -180,21 +184,21 @@ def test_speculative_greedy_matches_plain(model, monkeypatch):
     assert engine.num_accepted_tokens > 0 and engine.num_draft_tokens > engine.num_accepted_tokens
     for rid, (prompt, sp) in reqs.items():
         assert len(spec[rid][0]) == sp.max_tokens, rid
-        assert_model_greedy(model, rid, prompt, *spec[rid], SLICE_NOISE, SLICE_TIE)
+        assert_model_greedy(model, rid, prompt, *spec[rid], SLICE_CROSS_NOISE, 2 * SLICE_CROSS_NOISE)
 
 
 def test_async_scheduling_greedy_is_the_models(model):
     """Async scheduling on the GPU (pinned token copies in flight, the next graph step fed the device
-    tokens): every token is the model's greedy choice, graphs replay, and steps were scheduled ahead."""
+    tokens) gives the synchronous engine's tokens and logprobs (the same kernels: ``SLICE_NOISE``),
+    graphs replay, and steps were scheduled ahead."""
     from tests.engine.helpers import count_calls
     reqs = requests(model.config.text.vocab_size)
+    sync = generate(make(model, enforce_eager=False), reqs)
     engine = make(model, enforce_eager=False, async_scheduling=True)
     ahead = count_calls(engine.scheduler, "schedule_ahead")
     out = generate(engine, reqs)
     assert ahead.hits > 0 and engine.runner.num_graph_steps > 0
-    for rid, (prompt, sp) in reqs.items():
-        assert len(out[rid][0]) == sp.max_tokens, rid
-        assert_model_greedy(model, rid, prompt, *out[rid], SLICE_NOISE, SLICE_TIE)
+    assert_same_greedy(sync, out, reqs)
 
 
 def assert_model_greedy(model, rid: str, prompt: list[int], tokens: list[int], logprobs: list[dict] | None = None,
