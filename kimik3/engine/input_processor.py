@@ -159,11 +159,8 @@ class InputProcessor:
         so = params.structured_outputs
         children: list[Request] = []
         for i in range(params.n):
-            gen = None
-            if params.seed is not None:
-                gen = torch.Generator(device=self.device)
-                gen.manual_seed(params.seed + i)
-            req = Request(request_id if params.n == 1 else f"{request_id}#{i}", ids, params, arrival, gen,
+            seed = None if params.seed is None else params.seed + i
+            req = Request(request_id if params.n == 1 else f"{request_id}#{i}", ids, params, arrival, seed,
                           self.eos_token_id, bs, extra_keys=extra_keys, mm=mm, group_id=request_id,
                           bad_word_ids=bad_words,
                           matcher=self.grammar_compiler().matcher(so) if so is not None else None)

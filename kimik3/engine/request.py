@@ -73,7 +73,7 @@ class Request:
     prompt_token_ids: list[int]
     params: SamplingParams
     arrival: float
-    generator: torch.Generator | None = None   # per-request RNG (seeded sampling); None = engine RNG
+    seed: int | None = None                   # seeded sampling (sampler.seeded_uniform); None = engine RNG
     eos_token_id: int | None = None
     block_size: int = 16
     extra_keys: list[bytes | None] | None = None   # per-block extra hash key (image content), or None

@@ -1,14 +1,17 @@
 """Sampling: one token per sequence that reached its last token, from its logits row.
 
 Every transform is a tensor op over [n, vocab] (after the logit controls of ``logit_controls.py``:
-penalties, temperature, min-p, top-k, top-p); the only per-row Python work is drawing the noise of seeded
-requests from their own generator, which makes a seeded request's tokens independent of its batch. Plain
-greedy rows take the argmax, one device sync for the step. Speculative chunks (several rows each) are
-verified by ``speculative.verify``, which uses these pieces.
+penalties, temperature, min-p, top-k, top-p). Unseeded rows draw from the engine's generator (an
+exponential race); a seeded request's row inverts its distribution's CDF at a uniform fixed by (seed,
+output position) (``seeded_uniform``), so its tokens depend on neither its batch, its step nor the
+device, and a step of many seeded rows costs the same few tensor ops as one. Plain greedy rows take the
+argmax. Speculative chunks (several rows each) are verified by ``speculative.verify``, which uses these
+pieces.
 """
 
 from __future__ import annotations
 
+import hashlib
 from dataclasses import dataclass
 
 import torch
@@ -38,9 +41,9 @@ class Sampler:
         """One token per request from its (controlled) row; logprobs from ``raw``."""
         if all(is_plain_greedy(r.params) for r in reqs):        # plain greedy: the argmax
             return PendingOutput(logits.argmax(-1), [None] * len(reqs))
-        sb = SamplingBatch.build([r.params for r in reqs], [r.generator for r in reqs],
-                                 [r.prompt_token_ids for r in reqs], [r.output_token_ids for r in reqs],
-                                 self.vocab_size, self.device)
+        uniforms = [None if r.seed is None else seeded_uniform(r.seed, r.num_output_tokens) for r in reqs]
+        sb = SamplingBatch.build([r.params for r in reqs], uniforms, [r.prompt_token_ids for r in reqs],
+                                 [r.output_token_ids for r in reqs], self.vocab_size, self.device)
         return sample(logits, sb, self.generator, raw)
 
     @staticmethod
@@ -69,12 +72,12 @@ class SamplingBatch:
     repetition: torch.Tensor | None
     prompt_ids: torch.Tensor | None     # [n, P] int64 padded with vocab (for repetition penalty)
     output_ids: torch.Tensor | None     # [n, O] int64 padded with vocab
-    generators: list[torch.Generator | None]
+    uniforms: list[float | None]        # seeded rows: the uniform their token inverts the CDF at
     num_logprobs: list[int | None]
     all_greedy: bool
 
     @staticmethod
-    def build(params: list[SamplingParams], generators: list[torch.Generator | None], prompt_ids: list[list[int]],
+    def build(params: list[SamplingParams], uniforms: list[float | None], prompt_ids: list[list[int]],
               output_ids: list[list[int]], vocab_size: int, device: torch.device | str) -> SamplingBatch:
         f32 = torch.float32
         greedy = [p.greedy for p in params]
@@ -99,7 +102,7 @@ class SamplingBatch:
             repetition=on_device([p.repetition_penalty for p in params], f32, device) if penal else None,
             prompt_ids=padded(prompt_ids) if penal else None,
             output_ids=padded(output_ids) if penal else None,
-            generators=generators, num_logprobs=[p.logprobs for p in params], all_greedy=all(greedy))
+            uniforms=uniforms, num_logprobs=[p.logprobs for p in params], all_greedy=all(greedy))
 
 
 def apply_penalties(logits: torch.Tensor, b: SamplingBatch) -> torch.Tensor:
@@ -136,15 +139,29 @@ def filter_logits(logits: torch.Tensor, b: SamplingBatch) -> torch.Tensor:
     return torch.full_like(logits, float("-inf")).scatter(-1, order, sorted_logits)
 
 
-def draw(probs: torch.Tensor, generators: list[torch.Generator | None],
-         default: torch.Generator | None) -> torch.Tensor:
-    """Exponential-race sampling (argmax p/q, q ~ Exp(1)): one tensor op and no host sync."""
-    q = torch.empty_like(probs)
-    q.exponential_(generator=default)
-    for i, g in enumerate(generators):
-        if g is not None:
-            q[i].exponential_(generator=g)
-    return (probs / q.clamp_(min=1e-20)).argmax(-1)
+def seeded_uniform(seed: int, position: int, stream: int = 0) -> float:
+    """A uniform in (0, 1) fixed by a seeded request's seed, the output position it draws for, and the
+    stream (0: the token, 1: accepting a draft, 2: the token after a rejected draft): 53 bits of blake2b."""
+    h = hashlib.blake2b(f"{seed}:{position}:{stream}".encode(), digest_size=8).digest()
+    return ((int.from_bytes(h, "little") >> 11) + 0.5) / 2 ** 53
+
+
+def draw(probs: torch.Tensor, uniforms: list[float | None], default: torch.Generator | None) -> torch.Tensor:
+    """One token per row of ``probs``: rows with a uniform take the token where their CDF (float64)
+    reaches it; the others race (argmax p/q, q ~ Exp(1) from ``default``). No host sync."""
+    seeded = [i for i, u in enumerate(uniforms) if u is not None]
+    tokens = None
+    if len(seeded) < len(uniforms):
+        q = torch.empty_like(probs).exponential_(generator=default)
+        tokens = (probs / q.clamp_(min=1e-20)).argmax(-1)
+    if seeded:
+        dev = probs.device
+        rows = on_device(seeded, torch.int64, dev) if tokens is not None else None
+        cdf = (probs if rows is None else probs.index_select(0, rows)).double().cumsum(-1)
+        u = on_device([uniforms[i] for i in seeded], torch.float64, dev)[:, None] * cdf[:, -1:]
+        picked = torch.searchsorted(cdf, u).clamp_(max=probs.shape[-1] - 1)[:, 0]
+        tokens = picked if rows is None else tokens.index_copy(0, rows, picked)
+    return tokens
 
 
 @dataclass
@@ -189,7 +206,7 @@ def sample(logits: torch.Tensor, b: SamplingBatch, default_generator: torch.Gene
     tokens = logits.argmax(-1)
     if not b.all_greedy:
         probs = filter_logits(logits, b).softmax(-1)
-        tokens = torch.where(b.greedy, tokens, draw(probs, b.generators, default_generator))
+        tokens = torch.where(b.greedy, tokens, draw(probs, b.uniforms, default_generator))
     return PendingOutput(tokens, b.num_logprobs, raw)
 
 

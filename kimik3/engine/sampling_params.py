@@ -4,7 +4,7 @@ from __future__ import annotations
 
 from dataclasses import dataclass, field
 
-SEED_LIMIT = 1 << 64        # torch generators take seeds in [0, 2^64); sample i of a request uses seed + i
+SEED_LIMIT = 1 << 64        # seeds lie in [0, 2^64) (as vLLM's); sample i of a request uses seed + i
 
 
 def check_seed(seed, n: int) -> None:

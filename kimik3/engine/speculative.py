@@ -9,7 +9,7 @@ target's token at the first mismatch (or after the last draft) is emitted too. S
 d_j with probability p_j(d_j) (p_j: its processed distribution at row j - 1: temperature, min-p,
 top-k, top-p), and on a rejection draws from p_j without d_j, renormalised (speculative sampling
 with a one-token draft distribution): every emitted token has exactly the distribution plain
-sampling gives it, drawn with the request's own generator.
+sampling gives it (a seeded request's uniforms from ``seeded_uniform``, per position and use).
 
 Rollback of the recurrent layers (spec token-mixers §3.4, multi-slot in spirit): the step snapshots
 the KDA state after each of the first k rows into spare slots; with m drafts accepted the request
@@ -27,7 +27,7 @@ from array import array
 import torch
 
 from kimik3.engine.sampler import Sampler, SamplerOutput, SamplingBatch, draw, filter_logits, is_plain_greedy, \
-    logprob_dicts
+    logprob_dicts, seeded_uniform
 from kimik3.engine.sampling_params import SamplingParams
 
 
@@ -127,8 +127,9 @@ def _verify_sampled(sampler: Sampler, chunks, spans, logits: torch.Tensor, resul
     k = 0
     gen = sampler.generator
     for i, c, start in zip(index, chunks, starts):
-        n = len(c.draft)
-        u = torch.rand(n, generator=c.req.generator or gen, device=gen.device).tolist()
+        n, seed, pos = len(c.draft), c.req.seed, c.req.num_output_tokens
+        u = (torch.rand(n, generator=gen, device=gen.device).tolist() if seed is None
+             else [seeded_uniform(seed, pos + j, 1) for j in range(n)])
         m = 0
         while m < n and u[m] < p_draft[k + m]:
             m += 1
@@ -136,7 +137,8 @@ def _verify_sampled(sampler: Sampler, chunks, spans, logits: torch.Tensor, resul
         if m < n:                                  # rejected: draw from p_m without the draft token
             residual = probs[start + m].clone()
             residual[c.draft[m]] = 0.0
-            result.token_ids[i] = int(draw(residual[None], [c.req.generator], gen)[0])
+            uniform = None if seed is None else seeded_uniform(seed, pos + m, 2)
+            result.token_ids[i] = int(draw(residual[None], [uniform], gen)[0])
         k += n
 
 

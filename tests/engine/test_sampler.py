@@ -9,7 +9,7 @@ import pytest
 import torch
 
 from kimik3.engine import SamplingParams
-from kimik3.engine.sampler import SamplingBatch, apply_penalties, sample
+from kimik3.engine.sampler import SamplingBatch, apply_penalties, draw, sample, seeded_uniform
 from tests.engine.fake_model import FakeModel
 from tests.engine.helpers import make_engine, run
 
@@ -40,9 +40,11 @@ def _expected(p: SamplingParams) -> list[float]:
     return [q / total if k else 0.0 for q, k in zip(probs, keep)]
 
 
-def _frequencies(p: SamplingParams) -> list[float]:
+def _frequencies(p: SamplingParams, seeded: bool = False) -> list[float]:
+    """N draws: from the engine generator, or one per seed (N seeded rows, one position each)."""
     logits = torch.tensor([LOGITS] * N)
-    b = SamplingBatch.build([p] * N, [None] * N, [[0]] * N, [[]] * N, len(LOGITS), "cpu")
+    uniforms = [seeded_uniform(i, 3) for i in range(N)] if seeded else [None] * N
+    b = SamplingBatch.build([p] * N, uniforms, [[0]] * N, [[]] * N, len(LOGITS), "cpu")
     tokens = torch.tensor(sample(logits, b, torch.Generator().manual_seed(1234)).result().token_ids)
     return (torch.bincount(tokens, minlength=len(LOGITS)).float() / N).tolist()
 
@@ -51,14 +53,45 @@ def _frequencies(p: SamplingParams) -> list[float]:
     dict(temperature=1.0), dict(temperature=0.5), dict(temperature=2.0), dict(top_k=3), dict(top_p=0.7),
     dict(top_p=0.3, temperature=2.0), dict(min_p=0.2), dict(min_p=0.05, top_k=5, top_p=0.9, temperature=0.8),
 ], ids=lambda d: "-".join(f"{k}{v}" for k, v in d.items()))
-def test_sampled_frequencies_match_the_transformed_distribution(params):
+@pytest.mark.parametrize("seeded", [False, True], ids=["engine_rng", "seeded"])
+def test_sampled_frequencies_match_the_transformed_distribution(params, seeded):
     p = SamplingParams(**params)
-    want, got = _expected(p), _frequencies(p)
+    want, got = _expected(p), _frequencies(p, seeded)
     for i, (w, g) in enumerate(zip(want, got)):
         if w == 0.0:
             assert g == 0.0, f"token {i} should be filtered out, sampled with frequency {g}"
         else:  # 5 standard deviations of a binomial frequency
             assert abs(g - w) < 5 * math.sqrt(w * (1 - w) / N) + 1e-4, f"token {i}: expected {w:.4f}, got {g:.4f}"
+
+
+def test_seeded_rows_invert_the_cdf_at_their_uniform():
+    """A seeded row's token is the first whose cumulative probability (float64, in Python) reaches
+    u times the row's total; unseeded rows beside it change nothing, and neither does its row index."""
+    torch.manual_seed(3)
+    probs = torch.rand(6, 50).pow(3)                   # unnormalised, with near-zero entries
+    probs[2, 10:] = 0.0                                # mass only on the first ten tokens
+    uniforms = [seeded_uniform(7, k) if k % 2 == 0 else None for k in range(6)]
+    got = draw(probs, uniforms, torch.Generator().manual_seed(0)).tolist()
+    for i, u in enumerate(uniforms):
+        if u is None:
+            continue
+        row = probs[i].double().tolist()
+        total, acc, want = sum(row), 0.0, None
+        for t, q in enumerate(row):
+            acc += q
+            if acc >= u * total:
+                want = t
+                break
+        assert got[i] == want, (i, got[i], want)
+        assert draw(probs[i:i + 1], [u], None).item() == want        # alone: the same token
+    assert got[2] < 10
+
+
+def test_seeded_uniforms_are_fixed_by_seed_position_and_stream():
+    u = seeded_uniform(42, 5)
+    assert 0.0 < u < 1.0 and u == seeded_uniform(42, 5)
+    others = {seeded_uniform(43, 5), seeded_uniform(42, 6), seeded_uniform(42, 5, 1)}
+    assert u not in others and len(others) == 3
 
 
 def test_greedy_is_argmax_after_penalties():
