@@ -8,7 +8,8 @@
 # Sections (default: tests benches serve, in this order): tests = tests/gpu/*.py in parallel (or the
 # files / node ids in TESTS; PER_TEST: pytest's per-test limit); benches = the constrained decode step
 # (#19) sync and async; trace = its device time per step at batch 32 (torch.profiler); serve = served vs
-# offline (#18 item 5) sync and async; hostprof = cProfile of the constrained async step at batch 32.
+# offline (#18 item 5) sync and async; spec = n-gram speculation vs plain at batch 1; engine =
+# bench_engine.py (host share); hostprof = cProfile of the constrained async step at batch 32.
 # A fresh machine spends its first 90-110 s compiling kernels; the parallel tests pay that once each.
 set -u
 START=$(date +%s)
@@ -52,6 +53,14 @@ if [[ " $sections " == *" serve "* ]]; then
   run serve_sync 150 python3 benchmarks/serve_vs_offline.py --slice --device cuda
   run serve_async 150 python3 benchmarks/serve_vs_offline.py --slice --device cuda --async-scheduling
   grep -hE "^(#|\||offline)" "$L"/serve_*.log
+fi
+if [[ " $sections " == *" spec "* ]]; then            # n-gram speculation vs plain at batch 1 (#18)
+  run bench_speculative 240 python3 benchmarks/gpu/bench_speculative.py
+  grep -h "^|" "$L"/bench_speculative.log
+fi
+if [[ " $sections " == *" engine "* ]]; then          # host share of a step, sync / graphs / async (#18)
+  run bench_engine 300 python3 benchmarks/gpu/bench_engine.py
+  tail -30 "$L"/bench_engine.log
 fi
 if [[ " $sections " == *" hostprof "* ]]; then        # where the constrained async step's host time goes
   run structured_hostprof 120 python3 benchmarks/structured.py engine --slice --device cuda --no-enforce-eager \
