@@ -6,7 +6,7 @@
 #     PYTHONPATH=/tmp/site:$PWD KIMIK3_COMMIT=<commit> bash benchmarks/gpu/device_call.sh [tests] [benches] [serve]
 #
 # Sections (default: tests benches serve, in this order): tests = tests/gpu/*.py in parallel (or the
-# files / node ids in TESTS; PER_TEST: pytest's per-test limit); benches = the constrained decode step
+# files / node ids in TESTS; PER_TEST: pytest's per-test limit; FILE_CAP: each file's); benches = the constrained decode step
 # (#19) sync and async; trace = its device time per step at batch 32 (torch.profiler); serve = served vs
 # offline (#18 item 5) sync and async; spec = n-gram speculation vs plain at batch 1; engine =
 # bench_engine.py (host share); hostprof = cProfile of the constrained async step at batch 32.
@@ -33,7 +33,7 @@ run() {  # name cap command...: run with a limit of min(cap, time left - 10 s)
 if [[ " $sections " == *" tests "* ]]; then
   for f in ${TESTS:-tests/gpu/test_*.py}; do         # TESTS: test files or node ids, each its own process
     n=$(basename "${f%%::*}" .py)
-    run "$n" 400 python3 -m pytest -v -p no:cacheprovider --timeout="${PER_TEST:-380}" --durations=0 -rA "$f" &
+    run "$n" "${FILE_CAP:-400}" python3 -m pytest -v -p no:cacheprovider --timeout="${PER_TEST:-380}" --durations=0 -rA "$f" &
   done
   wait
   grep -hE "^(PASSED|FAILED|ERROR) " "$L"/test_*.log | cut -c1-300
