@@ -37,7 +37,6 @@ from bench_slice import build_slice, ceilings, config_path              # noqa: 
 from benchmarks.common import commit_id, cuda_time, log, save_results       # noqa: E402
 
 from kimik3.engine import EngineConfig, LLMEngine, SamplingParams       # noqa: E402
-from kimik3.model.moe import Experts                                    # noqa: E402
 
 DECODE_TOKENS = 16
 results: dict = {}

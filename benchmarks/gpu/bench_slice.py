@@ -272,7 +272,7 @@ def bench_model(bw, mm):
     model = build_slice(cfg, str(config_path()))
     log(f"slice built in {time.time() - t0:.1f}s; {torch.cuda.memory_allocated() / 2**30:.1f} GiB")
     twins = {} if "--no-ref" in sys.argv else dense_twins(model)
-    E, k = model.config.text.num_experts, model.config.text.num_experts_per_token
+    E = model.config.text.num_experts
     rows = []
     for N in (1, 8, 32, 128):
         cache, batch, ids = decode_setup(model, N)

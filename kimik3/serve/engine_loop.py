@@ -232,7 +232,7 @@ class EngineLoop:
         except ValueError as e:
             self._fail(job, APIError(400, str(e)))
             return False
-        except Exception as e:
+        except Exception:
             logger.exception("add_request failed for %s", engine_id)
             self._fail(job, APIError(500, "the engine could not take the request (the server log has the details)",
                                      code="engine_error"))

@@ -28,7 +28,7 @@ from dataclasses import dataclass
 
 from uvicorn.protocols.http.h11_impl import H11Protocol
 
-from kimik3.serve.protocol import APIError, bad_request, error_body
+from kimik3.serve.protocol import bad_request, error_body
 
 logger = logging.getLogger(__name__)
 

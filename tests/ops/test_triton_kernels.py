@@ -13,7 +13,6 @@ import torch
 triton = pytest.importorskip("triton")
 
 from kimik3.ops import mxfp4                                            # noqa: E402
-from kimik3.ops.activation import situ_and_mul                          # noqa: E402
 from kimik3.ops.attn_res import attn_res_mix                            # noqa: E402
 from kimik3.ops.conv import causal_conv1d                               # noqa: E402
 from kimik3.ops.mla import mla_decode_attention                         # noqa: E402
