@@ -3,8 +3,9 @@
 Every transform is a tensor op over [n, vocab] (after the logit controls of ``logit_controls.py``:
 penalties, temperature, min-p, top-k, top-p). Unseeded rows draw from the engine's generator (an
 exponential race); a seeded request's row inverts its distribution's CDF at a uniform fixed by (seed,
-output position) (``seeded_uniform``), so its tokens depend on neither its batch, its step nor the
-device, and a step of many seeded rows costs the same few tensor ops as one. Plain greedy rows take the
+position of the token in the sequence) (``seeded_uniform``), so its tokens depend on neither its batch,
+its step nor the device, a request resumed from its own output continues as it would have, and a step
+of many seeded rows costs the same few tensor ops as one. Plain greedy rows take the
 argmax. Speculative chunks (several rows each) are verified by ``speculative.verify``, which uses these
 pieces.
 """
@@ -41,7 +42,7 @@ class Sampler:
         """One token per request from its (controlled) row; logprobs from ``raw``."""
         if all(is_plain_greedy(r.params) for r in reqs):        # plain greedy: the argmax
             return PendingOutput(logits.argmax(-1), [None] * len(reqs))
-        uniforms = [None if r.seed is None else seeded_uniform(r.seed, r.num_output_tokens) for r in reqs]
+        uniforms = [None if r.seed is None else seeded_uniform(r.seed, r.num_tokens) for r in reqs]
         sb = SamplingBatch.build([r.params for r in reqs], uniforms, [r.prompt_token_ids for r in reqs],
                                  [r.output_token_ids for r in reqs], self.vocab_size, self.device)
         return sample(logits, sb, self.generator, raw)
@@ -140,7 +141,7 @@ def filter_logits(logits: torch.Tensor, b: SamplingBatch) -> torch.Tensor:
 
 
 def seeded_uniform(seed: int, position: int, stream: int = 0) -> float:
-    """A uniform in (0, 1) fixed by a seeded request's seed, the output position it draws for, and the
+    """A uniform in (0, 1) fixed by a seeded request's seed, the sequence position it draws for, and the
     stream (0: the token, 1: accepting a draft, 2: the token after a rejected draft): 53 bits of blake2b."""
     h = hashlib.blake2b(f"{seed}:{position}:{stream}".encode(), digest_size=8).digest()
     return ((int.from_bytes(h, "little") >> 11) + 0.5) / 2 ** 53

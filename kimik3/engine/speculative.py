@@ -127,7 +127,7 @@ def _verify_sampled(sampler: Sampler, chunks, spans, logits: torch.Tensor, resul
     k = 0
     gen = sampler.generator
     for i, c, start in zip(index, chunks, starts):
-        n, seed, pos = len(c.draft), c.req.seed, c.req.num_output_tokens
+        n, seed, pos = len(c.draft), c.req.seed, c.req.num_tokens
         u = (torch.rand(n, generator=gen, device=gen.device).tolist() if seed is None
              else [seeded_uniform(seed, pos + j, 1) for j in range(n)])
         m = 0

@@ -12,8 +12,8 @@ request in the engine is aborted (freeing its cache) and put on probation: they 
 time, each resumed from the tokens its client has already received (prompt + output so far, remaining
 ``max_tokens``), while new jobs wait, so the blame lands on the request whose data fails alone. An
 engine request that no job owns is aborted and blames nobody. So a poisoned request costs the others a
-slower stretch, never their answer. (Resumed seeded samples draw
-fresh noise from the seed, and a stop string straddling the resume point is not seen.)
+slower stretch, never their answer. (A resumed seeded sample continues as it would have: its noise is
+fixed by seed and position. A stop string straddling the resume point is not seen.)
 """
 
 from __future__ import annotations

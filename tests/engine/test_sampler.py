@@ -134,3 +134,17 @@ def test_seeded_request_is_independent_of_batch_composition():
     other_seed = run(make_engine(model, max_model_len=64, extra_blocks=4),
                      {"s": (prompt, SamplingParams(temperature=1.0, seed=43, max_tokens=12))})["s"][0][0]
     assert other_seed != alone
+
+
+def test_seeded_request_resumed_from_its_own_output_continues_the_same():
+    """12 seeded tokens in one request equal 5, then a request whose prompt is the first one's prompt
+    and those 5 tokens, with the same seed, for 7 more (what the server does when it resumes a request):
+    the noise is fixed by seed and position in the sequence, not by the request's own count."""
+    model = FakeModel(sharpness=0.4)
+    prompt = [5, 6, 7, 8]
+    params = lambda n: SamplingParams(temperature=1.0, seed=42, max_tokens=n)  # noqa: E731
+    whole = run(make_engine(model, max_model_len=64, extra_blocks=4), {"s": (prompt, params(12))})["s"][0][0]
+    head = run(make_engine(model, max_model_len=64, extra_blocks=4), {"s": (prompt, params(5))})["s"][0][0]
+    tail = run(make_engine(model, max_model_len=64, extra_blocks=4), {"s": (prompt + head, params(7))})["s"][0][0]
+    assert head + tail == whole
+    assert len(set(whole)) > 3                  # sampled, not a constant run
