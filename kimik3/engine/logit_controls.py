@@ -29,10 +29,13 @@ def controlled_logits(chunks, spans: list[tuple[int, int]], logits: torch.Tensor
             continue
         ends = [t for t in (q.eos_token_id, *q.params.stop_token_ids) if t is not None and not
                 (t == q.eos_token_id and q.params.ignore_eos)]
-        out_ids = q.output_token_ids
+        keep = max((len(w) for w in q.bad_word_ids), default=1) - 1     # bad words read the last tokens only
+        tail = q.token_ids[max(q.num_prompt_tokens, q.num_tokens - keep):] if keep else []
         for j in range(b - a):
             rows.append(a + j)
-            controls.append(ControlRow(q.params, out_ids + c.draft[:j], ends, q.bad_word_ids, q.matcher, c.draft[:j]))
+            hist = (tail + c.draft[:j])[-keep:] if keep else []
+            controls.append(ControlRow(q.params, hist, ends, q.bad_word_ids, q.matcher, c.draft[:j],
+                                       q.num_output_tokens + j))
     if not rows:
         return logits
     bitmask = None
@@ -46,17 +49,20 @@ class ControlRow:
     """What one logits row needs for its logit controls: its request's settings and history."""
 
     params: SamplingParams
-    output_ids: list[int]               # generated tokens before this row (drafts before it included)
+    output_ids: list[int]               # generated tokens before this row (drafts included): the last ones
+                                        # the bad words read, or all of them
     end_ids: list[int]                  # tokens min_tokens holds back (EOS and stop_token_ids)
     bad_words: list[list[int]]          # token sequences of the bad words
     matcher: object | None = None       # structured.Matcher, or None
     pending: list[int] | None = None    # draft tokens the matcher has not consumed yet (speculative rows)
+    num_output: int | None = None       # generated tokens before this row (None: len(output_ids))
 
 
 def banned_ids(row: ControlRow) -> list[int]:
     """Tokens this row may not produce: end tokens before ``min_tokens``, and the last token of each
     bad word whose other tokens end the output."""
-    out = list(row.end_ids) if len(row.output_ids) < row.params.min_tokens else []
+    n = len(row.output_ids) if row.num_output is None else row.num_output
+    out = list(row.end_ids) if n < row.params.min_tokens else []
     hist = row.output_ids
     for w in row.bad_words:
         k = len(w) - 1

@@ -118,6 +118,28 @@ def test_apply_controls_on_every_row_leaves_the_raw_logits():
     assert torch.allclose(out.double(), want, atol=1e-6)
 
 
+def test_bad_words_and_min_tokens_read_the_output_and_drafts_only():
+    """Over a long output: a bad word's last token is banned on each row whose output (drafts before
+    the row included) ends in the word's other tokens, never by prompt tokens; min_tokens counts
+    output tokens and drafts."""
+    from kimik3.engine.logit_controls import controlled_logits
+    from kimik3.engine.request import Request
+    from kimik3.engine.scheduler import ScheduledChunk
+    from kimik3.engine.speculative import row_spans
+    params = SamplingParams(min_tokens=502, max_tokens=1000, bad_words=["unused"])
+    chunks = []
+    for outputs, draft in (([9] + [1] * 497 + [5, 6], [2, 5, 6]), ([9], [])):
+        req = Request("r", [7, 8], params, 0.0, eos_token_id=0, block_size=4)
+        req.bad_word_ids = [[8, 9, 3], [5, 6, 4]]     # "8 9" would straddle the prompt: never a match
+        for t in outputs:
+            req.append_token(t)
+        chunks.append(ScheduledChunk(req, 1 + len(draft), req.num_tokens - 1, draft=draft))
+    out = controlled_logits(chunks, row_spans(chunks), torch.zeros(5, 12))
+    banned = [sorted(int(t) for t in torch.nonzero(row == -math.inf)) for row in out]
+    # rows 0-3 follow 500 output tokens ending in 5 6, then drafts 1..j (501-503 tokens); row 4 follows [9]
+    assert banned == [[0, 4], [0], [], [4], [0]]
+
+
 def test_logit_bias_forces_a_token(llm):
     outs = _gen(llm, ["Hello", "Hello"], [SamplingParams(max_tokens=8, temperature=0, logit_bias={77: 100}),
                                           SamplingParams(max_tokens=8, temperature=1.0, seed=3, logit_bias={77: 100})])
