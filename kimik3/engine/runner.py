@@ -32,7 +32,7 @@ class ModelRunner:
         self.device = torch.device(model.device)
         self.images = ImageEncoder(model, config.encoder_cache_tokens)
         self.batches = BatchBuilder(cache.block_size, self.device, self.images)
-        self.sampler = Sampler(model.config.text.vocab_size, self.device, config.seed)
+        self.sampler = Sampler(model.config.text.vocab_size, self.device, config.seed, config.max_num_seqs)
         self.host_seconds = 0.0     # batch building + sampling's host work (not the wait for the device)
         self.prepare_seconds = 0.0  # batch building alone
         self.model_seconds = 0.0    # the step's launch and any image encoding

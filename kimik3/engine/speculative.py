@@ -114,8 +114,7 @@ def _verify_sampled(sampler: Sampler, chunks, spans, logits: torch.Tensor, resul
     else draw from p_j without d; all accepted: keep the token drawn from the last row."""
     rows = [j for a, b in spans for j in range(a, b)]
     params = [c.req.params for c, (a, b) in zip(chunks, spans) for _ in range(a, b)]
-    sb = SamplingBatch.build(params, [None] * len(rows), [[]] * len(rows), [[]] * len(rows),
-                             sampler.vocab_size, sampler.device)
+    sb = SamplingBatch.build(params, [None] * len(rows), sampler.vocab_size, sampler.device)
     probs = filter_logits(logits[torch.tensor(rows, device=logits.device)], sb).softmax(-1)
     starts, local = [], 0                          # each chunk's first row in ``probs``
     for a, b in spans:

@@ -9,7 +9,7 @@ import pytest
 import torch
 
 from kimik3.engine import SamplingParams
-from kimik3.engine.sampler import SamplingBatch, apply_penalties, draw, sample, seeded_uniform
+from kimik3.engine.sampler import SamplingBatch, apply_penalties, draw, history_from_ids, sample, seeded_uniform
 from tests.engine.fake_model import FakeModel
 from tests.engine.helpers import make_engine, run
 
@@ -44,7 +44,7 @@ def _frequencies(p: SamplingParams, seeded: bool = False) -> list[float]:
     """N draws: from the engine generator, or one per seed (N seeded rows, one position each)."""
     logits = torch.tensor([LOGITS] * N)
     uniforms = [seeded_uniform(i, 3) for i in range(N)] if seeded else [None] * N
-    b = SamplingBatch.build([p] * N, uniforms, [[0]] * N, [[]] * N, len(LOGITS), "cpu")
+    b = SamplingBatch.build([p] * N, uniforms, len(LOGITS), "cpu")
     tokens = torch.tensor(sample(logits, b, torch.Generator().manual_seed(1234)).result().token_ids)
     return (torch.bincount(tokens, minlength=len(LOGITS)).float() / N).tolist()
 
@@ -97,14 +97,14 @@ def test_seeded_uniforms_are_fixed_by_seed_position_and_stream():
 def test_greedy_is_argmax_after_penalties():
     logits = torch.tensor([[3.0, 2.9, -1.0, 0.5]])
     p = SamplingParams(temperature=0, repetition_penalty=2.0)
-    b = SamplingBatch.build([p], [None], [[0]], [[]], 4, "cpu")
+    b = SamplingBatch.build([p], [None], 4, "cpu", history_from_ids([[0]], [[]], 4, "cpu"))
     assert sample(logits, b).result().token_ids == [1]           # 3.0 / 2 < 2.9
 
 
 def test_penalty_formulas():
     logits = torch.tensor([[1.0, -1.0, 2.0, 0.5, 3.0]])
     p = SamplingParams(presence_penalty=0.5, frequency_penalty=0.25, repetition_penalty=1.5)
-    b = SamplingBatch.build([p], [None], [[0, 1]], [[2, 2, 3]], 5, "cpu")
+    b = SamplingBatch.build([p], [None], 5, "cpu", history_from_ids([[0, 1]], [[2, 2, 3]], 5, "cpu"))
     got = apply_penalties(logits, b)[0].tolist()
     want = [1.0 / 1.5, -1.0 * 1.5, 2.0 / 1.5 - 0.25 * 2 - 0.5, 0.5 / 1.5 - 0.25 - 0.5, 3.0]
     assert got == pytest.approx(want)
@@ -113,7 +113,7 @@ def test_penalty_formulas():
 def test_logprobs_are_the_raw_model_distribution():
     logits = torch.tensor([LOGITS, LOGITS[::-1]])
     params = [SamplingParams(temperature=0.3, top_k=2, logprobs=3), SamplingParams(temperature=0, logprobs=0)]
-    b = SamplingBatch.build(params, [None, None], [[0], [0]], [[], []], 8, "cpu")
+    b = SamplingBatch.build(params, [None, None], 8, "cpu")
     out = sample(logits, b, torch.Generator().manual_seed(0)).result()
     ref = logits.log_softmax(-1)
     assert len(out.logprobs[0]) in (3, 4) and all(v == pytest.approx(float(ref[0, t])) for t, v in out.logprobs[0].items())
@@ -148,3 +148,38 @@ def test_seeded_request_resumed_from_its_own_output_continues_the_same():
     tail = run(make_engine(model, max_model_len=64, extra_blocks=4), {"s": (prompt + head, params(7))})["s"][0][0]
     assert head + tail == whole
     assert len(set(whole)) > 3                  # sampled, not a constant run
+
+
+def _penalized_greedy(model, prompt: list[int], p: SamplingParams) -> list[int]:
+    """Greedy decoding under the penalties, in float64 from the math: the model called on the growing
+    sequence; repetition over prompt + output tokens, then frequency and presence over the output."""
+    ids, out = list(prompt), []
+    for _ in range(p.max_tokens):
+        logits = model(torch.tensor(ids))[-1].double().tolist()
+        for t in range(len(logits)):
+            if t in ids:
+                logits[t] = logits[t] / p.repetition_penalty if logits[t] > 0 else logits[t] * p.repetition_penalty
+            n = out.count(t)
+            logits[t] -= p.frequency_penalty * n + p.presence_penalty * (n > 0)
+        t = max(range(len(logits)), key=lambda j: (logits[j], -j))       # the first of equal maxima
+        ids.append(t)
+        out.append(t)
+    return out
+
+
+def test_penalized_requests_follow_their_history_through_preemption_and_slot_reuse():
+    """The penalties' token history is kept per live slot and brought up to date each step: requests
+    that finish, are preempted and re-admitted, or take a slot another one held, still get exactly
+    the greedy tokens of their penalized distribution (dyadic penalties: float32 = float64 here)."""
+    model = FakeModel(sharpness=1.0)
+    pen = [dict(repetition_penalty=1.5), dict(frequency_penalty=0.5, presence_penalty=0.25),
+           dict(repetition_penalty=0.75, frequency_penalty=0.5), {}, dict(presence_penalty=1.0)]
+    reqs = {f"p{i}": ([3 + i, 9, 3 + i, 20 + i] * (1 + i % 2), SamplingParams(temperature=0, max_tokens=14 + i,
+                                                                           ignore_eos=True, **kw))
+            for i, kw in enumerate(pen)}
+    engine = make_engine(model, max_num_seqs=3, max_num_batched_tokens=8, block_size=4, max_model_len=40,
+                         enable_prefix_caching=False, extra_blocks=2)
+    got = run(engine, reqs, arrivals={0: ["p0", "p1", "p2"], 3: ["p3"], 5: ["p4"]})
+    assert engine.stats().num_preemptions > 0
+    for rid, (prompt, p) in reqs.items():
+        assert got[rid][0][0] == _penalized_greedy(model, prompt, p), rid
