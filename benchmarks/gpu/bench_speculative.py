@@ -83,7 +83,7 @@ def main() -> None:
         plain = run(model, prompt, args.output, False, eager)
         if wname == "oracle":
             future, start = plain["tokens"], len(prompt)
-            scheduler.propose_ngram = lambda ids, k, lo, hi: list(future[len(ids) - start:len(ids) - start + k])
+            scheduler.propose_ngram = lambda ids, k, lo, hi, data=None: list(future[len(ids) - start:len(ids) - start + k])
         try:
             spec = run(model, prompt, args.output, True, eager)
         finally:

@@ -24,7 +24,7 @@ from dataclasses import dataclass, field
 from kimik3.engine.config import EngineConfig
 from kimik3.engine.kv_cache import KVCacheManager
 from kimik3.engine.request import Request, RequestStatus
-from kimik3.engine.speculative import can_speculate, propose_ngram
+from kimik3.engine.speculative import can_speculate, propose_ngram, token_bytes
 from kimik3.model.batch import StateCheckpoint
 
 
@@ -162,7 +162,8 @@ class Scheduler:
         boundary = self.kv.next_checkpoint(req.num_computed_tokens + 1)
         if boundary is not None:   # a checkpoint inside the drafts would need a hash of unconfirmed tokens
             k = min(k, boundary - req.num_computed_tokens - 2)
-        draft = propose_ngram(req.token_ids, k, cfg.speculative_ngram_min, cfg.speculative_ngram_max)
+        draft = propose_ngram(req.token_ids, k, cfg.speculative_ngram_min, cfg.speculative_ngram_max,
+                              data=token_bytes(req))
         if draft and req.matcher is not None:   # only drafts the grammar accepts (the rest would be rejected)
             draft = draft[:req.matcher.valid_prefix(draft)]
         return draft

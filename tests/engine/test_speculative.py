@@ -14,7 +14,7 @@ from hypothesis import strategies as st
 import kimik3
 from kimik3.engine import EngineConfig, SamplingParams
 from kimik3.engine.memory import plan_memory
-from kimik3.engine.speculative import accept_greedy, propose_ngram
+from kimik3.engine.speculative import accept_greedy, propose_ngram, token_bytes
 from tests.engine.fake_model import FakeModel, fake_config, reference_greedy
 from tests.engine.helpers import check_invariants, make_engine, oracle_proposer, run
 
@@ -36,6 +36,21 @@ def brute_force_ngram(tokens: list[int], k: int, min_n: int, max_n: int) -> list
 def test_propose_ngram_matches_brute_force(tokens, k, min_n, extra):
     # values whose byte patterns overlap (255/256, 2**16, 2**40) catch matches off token boundaries
     assert propose_ngram(tokens, k, min_n, min_n + extra) == brute_force_ngram(tokens, k, min_n, min_n + extra)
+
+
+def test_token_bytes_follow_the_request_as_it_grows():
+    """The proposer's int64 bytes of a request, extended call by call, equal a fresh conversion, and
+    the drafts from them equal the drafts from the token list."""
+    from array import array
+
+    from kimik3.engine.request import Request
+    req = Request("r", [5, 2**40, 255], SamplingParams(), 0.0, block_size=4)
+    for step in ([256, 5], [], [2**40, 255, 256], [7]):
+        for t in step:
+            req.append_token(t)
+        data = token_bytes(req)
+        assert bytes(data) == array("q", req.token_ids).tobytes()
+        assert propose_ngram(req.token_ids, 2, 1, 3, data=data) == propose_ngram(req.token_ids, 2, 1, 3)
 
 
 def test_propose_ngram_prefers_longest_then_latest():
@@ -90,7 +105,7 @@ def test_drafts_that_keep_failing_pause_drafting(monkeypatch):
     prompt = [3, 1, 4, 1, 5]
     ref = reference_greedy(model, prompt, 300)
     for shift in (1, 0):
-        def propose(token_ids, k, min_n, max_n, shift=shift):
+        def propose(token_ids, k, min_n, max_n, data=None, shift=shift):
             done = len(token_ids) - len(prompt)
             return [(t + shift) % 61 for t in ref[done:done + k]]
         monkeypatch.setattr(scheduler, "propose_ngram", propose)
