@@ -124,13 +124,12 @@ def deltas(groups: list[RequestGroup]) -> list[RequestOutput]:
             out, done = req.out, req.is_finished
             if i in g.sent_final or (req.num_output_tokens == out.num_sent_tokens and not done):
                 continue
-            text = out.detok.visible(done) if out.detok is not None else ""
             completions.append(CompletionOutput(
-                index=i, text=text[out.num_sent_chars:],
+                index=i, text=out.detok.take(done) if out.detok is not None else "",
                 token_ids=req.token_ids[req.num_prompt_tokens + out.num_sent_tokens:],
                 logprobs=out.logprobs[out.num_sent_tokens:] if req.params.logprobs is not None else None,
                 finish_reason=req.finish_reason, stop_reason=out.stop_reason))
-            out.num_sent_tokens, out.num_sent_chars = req.num_output_tokens, len(text)
+            out.num_sent_tokens = req.num_output_tokens
             if done:
                 g.sent_final.add(i)
         finished = len(g.sent_final) == len(g.children)

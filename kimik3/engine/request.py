@@ -59,7 +59,6 @@ class OutputState:
     stop_reason: int | str | None = None    # the stop token id or stop string that ended it
     detok: object | None = None             # detokenizer.OutputText, or None (token ids only)
     num_sent_tokens: int = 0                # tokens already returned as deltas
-    num_sent_chars: int = 0
     scheduled_time: float | None = None     # first admitted to run (queue time ends)
     first_token_time: float | None = None
     finish_time: float | None = None
