@@ -16,6 +16,7 @@ import torch
 
 from kimik3.engine.config import EngineConfig
 from kimik3.engine.detokenizer import OutputText
+from kimik3.engine.logit_controls import BadWords
 from kimik3.engine.multimodal import build_multi_modal_input, check_vision_inputs
 from kimik3.engine.request import Request
 from kimik3.engine.sampling_params import SamplingParams, check_seed
@@ -155,14 +156,14 @@ class InputProcessor:
         mm = build_multi_modal_input(prompt.vision, prompt.pad_positions) if prompt.vision is not None else None
         extra_keys = mm.block_extra_keys(len(ids), bs) if mm is not None else None
         tok = self.get_tokenizer() if params.detokenize else None
-        bad_words = self._bad_word_ids(params)
+        bad_words = self._bad_words(params)
         so = params.structured_outputs
         children: list[Request] = []
         for i in range(params.n):
             seed = None if params.seed is None else params.seed + i
             req = Request(request_id if params.n == 1 else f"{request_id}#{i}", ids, params, arrival, seed,
                           self.eos_token_id, bs, extra_keys=extra_keys, mm=mm, group_id=request_id,
-                          bad_word_ids=bad_words,
+                          bad_words=bad_words,
                           matcher=self.grammar_compiler().matcher(so) if so is not None else None)
             if i and share_prefix and len(ids) > bs:
                 req.wait_for = children[0]
@@ -172,15 +173,15 @@ class InputProcessor:
             children.append(req)
         return children
 
-    def _bad_word_ids(self, params: SamplingParams) -> list[list[int]]:
+    def _bad_words(self, params: SamplingParams) -> BadWords | None:
         """Token sequences of each bad word, as written and after a space (vLLM's rule), deduplicated."""
         if not params.bad_words:
-            return []
+            return None
         tok = self.get_tokenizer(required=True)
-        seqs: list[list[int]] = []
+        seqs: dict[tuple[int, ...], None] = {}
         for w in params.bad_words:
             for text in (w, " " + w.lstrip()):
-                ids = list(tok.encode(text))
-                if ids and ids not in seqs:
-                    seqs.append(ids)
-        return seqs
+                ids = tuple(tok.encode(text))
+                if ids:
+                    seqs[ids] = None
+        return BadWords([list(w) for w in seqs])

@@ -29,13 +29,16 @@ def controlled_logits(chunks, spans: list[tuple[int, int]], logits: torch.Tensor
             continue
         ends = [t for t in (q.eos_token_id, *q.params.stop_token_ids) if t is not None and not
                 (t == q.eos_token_id and q.params.ignore_eos)]
-        keep = max((len(w) for w in q.bad_word_ids), default=1) - 1     # bad words read the last tokens only
+        bad = q.bad_words
+        keep = bad.longest_prefix if bad is not None else 0     # bad words read the last tokens only
         tail = q.token_ids[max(q.num_prompt_tokens, q.num_tokens - keep):] if keep else []
+        if q.params.allowed_token_ids is not None and q.allowed_ids is None:     # once per request
+            q.allowed_ids = on_device(q.params.allowed_token_ids, torch.int64, logits.device)
         for j in range(b - a):
             rows.append(a + j)
             hist = (tail + c.draft[:j])[-keep:] if keep else []
-            controls.append(ControlRow(q.params, hist, ends, q.bad_word_ids, q.matcher, c.draft[:j],
-                                       q.num_output_tokens + j))
+            controls.append(ControlRow(q.params, hist, ends, bad, q.matcher, c.draft[:j],
+                                       q.num_output_tokens + j, q.allowed_ids))
     if not rows:
         return logits
     bitmask = None
@@ -52,10 +55,33 @@ class ControlRow:
     output_ids: list[int]               # generated tokens before this row (drafts included): the last ones
                                         # the bad words read, or all of them
     end_ids: list[int]                  # tokens min_tokens holds back (EOS and stop_token_ids)
-    bad_words: list[list[int]]          # token sequences of the bad words
+    bad_words: BadWords | None          # token sequences of the bad words
     matcher: object | None = None       # structured.Matcher, or None
     pending: list[int] | None = None    # draft tokens the matcher has not consumed yet (speculative rows)
     num_output: int | None = None       # generated tokens before this row (None: len(output_ids))
+    allowed: torch.Tensor | None = None  # params.allowed_token_ids on the device (None: made here)
+
+
+class BadWords:
+    """The token sequences of a request's bad words, indexed by all but their last token, so a row
+    looks up one tuple per distinct word length instead of scanning every word (a request may carry
+    thousands)."""
+
+    def __init__(self, seqs: list[list[int]]):
+        self.seqs = seqs
+        self.last_by_prefix: dict[tuple[int, ...], list[int]] = {}
+        for w in seqs:
+            self.last_by_prefix.setdefault(tuple(w[:-1]), []).append(w[-1])
+        self.prefix_lengths = sorted({len(w) - 1 for w in seqs})
+        self.longest_prefix = max(self.prefix_lengths, default=0)
+
+    def banned(self, hist: list[int]) -> list[int]:
+        """The last token of each word whose other tokens end ``hist``."""
+        out: list[int] = []
+        for k in self.prefix_lengths:
+            if len(hist) >= k:
+                out.extend(self.last_by_prefix.get(tuple(hist[len(hist) - k:]), ()))
+        return out
 
 
 def banned_ids(row: ControlRow) -> list[int]:
@@ -63,11 +89,8 @@ def banned_ids(row: ControlRow) -> list[int]:
     bad word whose other tokens end the output."""
     n = len(row.output_ids) if row.num_output is None else row.num_output
     out = list(row.end_ids) if n < row.params.min_tokens else []
-    hist = row.output_ids
-    for w in row.bad_words:
-        k = len(w) - 1
-        if k == 0 or (len(hist) >= k and hist[-k:] == w[:-1]):
-            out.append(w[-1])
+    if row.bad_words is not None:
+        out.extend(row.bad_words.banned(row.output_ids))
     return out
 
 
@@ -95,9 +118,9 @@ def apply_controls(logits: torch.Tensor, rows: list[int], controls: list[Control
     if listed:
         allow = torch.ones(n_rows, vocab, dtype=torch.bool, device=dev)
         allow[on_device(listed, torch.int64, dev)] = False
-        ar = [k for k in listed for _ in controls[k].params.allowed_token_ids]
-        ac = [t for k in listed for t in controls[k].params.allowed_token_ids]
-        allow[on_device(ar, torch.int64, dev), on_device(ac, torch.int64, dev)] = True
+        for k in listed:          # one index write per listed row: its ids stay on the device
+            ids = controls[k].allowed
+            allow[k, ids if ids is not None else on_device(controls[k].params.allowed_token_ids, torch.int64, dev)] = True
         if grammar is not None:
             both = allow & grammar
             grammar = torch.where(both.any(-1, keepdim=True), both, grammar)

@@ -84,7 +84,8 @@ class Request:
     token_ids: list[int] = field(default_factory=list)        # prompt + output
     num_computed_tokens: int = 0
     block_hashes: list[bytes] = field(default_factory=list)     # one per full block of token_ids
-    bad_word_ids: list[list[int]] = field(default_factory=list)   # logit controls: params.bad_words as token ids
+    bad_words: object | None = None  # logit controls: params.bad_words as token ids (logit_controls.BadWords)
+    allowed_ids: object | None = None   # logit controls: params.allowed_token_ids on the device (first use)
     matcher: object | None = None                   # logit controls: the structured-output grammar (structured.Matcher)
     draft_misses: int = 0           # speculative: verify steps in a row that accepted no draft
     draft_pause: int = 0            # decode steps left before this request drafts again

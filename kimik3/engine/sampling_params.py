@@ -139,7 +139,7 @@ class SamplingParams:
                  and token_ids(self.allowed_token_ids),
                  f"allowed_token_ids must be a non-empty list of token ids, got {self.allowed_token_ids!r}",
                  "pass at least one token id")
-            self.allowed_token_ids = list(self.allowed_token_ids)
+            self.allowed_token_ids = list(dict.fromkeys(self.allowed_token_ids))     # once each: the cost per step
         if self.bad_words is not None:
             need(isinstance(self.bad_words, (list, tuple)) and all(isinstance(w, str) and w.strip()
                                                                    for w in self.bad_words),

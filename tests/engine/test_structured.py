@@ -19,10 +19,12 @@ import jsonschema
 import pytest
 import regress
 import torch
+from hypothesis import given, settings
+from hypothesis import strategies as st
 
 import kimik3
 from kimik3.engine import SamplingParams
-from kimik3.engine.logit_controls import ControlRow, apply_controls
+from kimik3.engine.logit_controls import BadWords, ControlRow, apply_controls
 from kimik3.engine.sampling_params import StructuredOutputsParams as SO
 from kimik3.engine.structured import GrammarCompiler, unpack_bitmask
 from tests.engine.fake_model import FakeModel
@@ -87,7 +89,7 @@ def test_apply_controls_matches_a_float64_loop():
     logits = torch.randn(4, vocab)
     p_bias = SamplingParams(logit_bias={3: 5.0, 7: -2.5}, min_tokens=4)
     p_allow = SamplingParams(allowed_token_ids=[1, 2, 9], bad_words=["x"])
-    rows = [ControlRow(p_bias, [1, 2], [0, 11], []), ControlRow(p_allow, [5, 6], [0], [[6, 9], [2]])]
+    rows = [ControlRow(p_bias, [1, 2], [0, 11], None), ControlRow(p_allow, [5, 6], [0], BadWords([[6, 9], [2]]))]
     out = apply_controls(logits, [1, 3], rows, None)
     want = logits.double().clone()
     want[1, 3] += 5.0
@@ -101,6 +103,14 @@ def test_apply_controls_matches_a_float64_loop():
     assert torch.allclose(out.double(), want, atol=1e-6, equal_nan=False)
 
 
+@settings(max_examples=300, deadline=None)
+@given(st.lists(st.lists(st.integers(0, 4), min_size=1, max_size=4), max_size=12),
+       st.lists(st.integers(0, 4), max_size=8))
+def test_bad_word_index_bans_what_a_scan_of_every_word_bans(words, hist):
+    want = sorted(w[-1] for w in words if len(w) == 1 or (len(hist) >= len(w) - 1 and hist[len(hist) - len(w) + 1:] == w[:-1]))
+    assert sorted(BadWords(words).banned(hist)) == want
+
+
 def test_apply_controls_on_every_row_leaves_the_raw_logits():
     """Every row controlled (no gather, no scatter): the result is right and the input (the raw logits,
     kept for logprobs) is not written."""
@@ -109,7 +119,7 @@ def test_apply_controls_on_every_row_leaves_the_raw_logits():
     raw = logits.clone()
     bitmask = torch.zeros(2, 2, dtype=torch.int32)
     bitmask[:, 0] = (1 << 5) | (1 << 7)                  # the grammar allows tokens 5 and 7
-    rows = [ControlRow(SamplingParams(logit_bias={7: 3.0}), [], [], []), ControlRow(SamplingParams(), [], [], [])]
+    rows = [ControlRow(SamplingParams(logit_bias={7: 3.0}), [], [], None), ControlRow(SamplingParams(), [], [], None)]
     out = apply_controls(logits, [0, 1], rows, bitmask)
     want = torch.full((2, 40), -math.inf, dtype=torch.float64)
     want[:, 5], want[:, 7] = raw[:, 5].double(), raw[:, 7].double()
@@ -130,7 +140,7 @@ def test_bad_words_and_min_tokens_read_the_output_and_drafts_only():
     chunks = []
     for outputs, draft in (([9] + [1] * 497 + [5, 6], [2, 5, 6]), ([9], [])):
         req = Request("r", [7, 8], params, 0.0, eos_token_id=0, block_size=4)
-        req.bad_word_ids = [[8, 9, 3], [5, 6, 4]]     # "8 9" would straddle the prompt: never a match
+        req.bad_words = BadWords([[8, 9, 3], [5, 6, 4]])     # "8 9" would straddle the prompt: never a match
         for t in outputs:
             req.append_token(t)
         chunks.append(ScheduledChunk(req, 1 + len(draft), req.num_tokens - 1, draft=draft))
