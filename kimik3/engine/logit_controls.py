@@ -32,13 +32,13 @@ def controlled_logits(chunks, spans: list[tuple[int, int]], logits: torch.Tensor
         bad = q.bad_words
         keep = bad.longest_prefix if bad is not None else 0     # bad words read the last tokens only
         tail = q.token_ids[max(q.num_prompt_tokens, q.num_tokens - keep):] if keep else []
-        if q.params.allowed_token_ids is not None and q.allowed_ids is None:     # once per request
-            q.allowed_ids = on_device(q.params.allowed_token_ids, torch.int64, logits.device)
+        if q.device_controls is None:                 # once per request
+            q.device_controls = DeviceControls.of(q.params, logits.device)
         for j in range(b - a):
             rows.append(a + j)
             hist = (tail + c.draft[:j])[-keep:] if keep else []
             controls.append(ControlRow(q.params, hist, ends, bad, q.matcher, c.draft[:j],
-                                       q.num_output_tokens + j, q.allowed_ids))
+                                       q.num_output_tokens + j, q.device_controls))
     if not rows:
         return logits
     bitmask = None
@@ -59,7 +59,24 @@ class ControlRow:
     matcher: object | None = None       # structured.Matcher, or None
     pending: list[int] | None = None    # draft tokens the matcher has not consumed yet (speculative rows)
     num_output: int | None = None       # generated tokens before this row (None: len(output_ids))
-    allowed: torch.Tensor | None = None  # params.allowed_token_ids on the device (None: made here)
+    tensors: DeviceControls | None = None    # the request's ids and biases on the device (None: made here)
+
+
+@dataclass
+class DeviceControls:
+    """A request's allowed ids and logit biases as device tensors, made once: a step then writes them
+    with one tensor op per row, whatever their number (up to the vocabulary)."""
+
+    allowed: torch.Tensor | None        # int64 ids
+    bias_ids: torch.Tensor | None       # int64 ids
+    bias: torch.Tensor | None           # fp32 values
+
+    @staticmethod
+    def of(params: SamplingParams, device: torch.device) -> DeviceControls:
+        allowed = None if params.allowed_token_ids is None else on_device(params.allowed_token_ids, torch.int64, device)
+        lb = params.logit_bias or {}
+        return DeviceControls(allowed, on_device(list(lb), torch.int64, device) if lb else None,
+                              on_device(list(lb.values()), torch.float32, device) if lb else None)
 
 
 class BadWords:
@@ -103,24 +120,25 @@ def apply_controls(logits: torch.Tensor, rows: list[int], controls: list[Control
     n_rows, vocab = len(rows), logits.shape[-1]
     every_row = rows == list(range(logits.shape[0]))       # (a batch of constrained requests): no gather
     index = None if every_row else on_device(rows, torch.int64, dev)
-    r, c, v = [], [], []
+    tensors = [row.tensors or DeviceControls.of(row.params, dev) for row in controls]
+    r, c = [], []
     for k, row in enumerate(controls):
-        for t, b in (row.params.logit_bias or {}).items():
-            r.append(k), c.append(t), v.append(b)
         for t in banned_ids(row):
-            r.append(k), c.append(t), v.append(float("-inf"))
-    sub = logits.index_select(0, index) if index is not None else logits.clone() if r else logits
+            r.append(k), c.append(t)
+    biased = [k for k, t in enumerate(tensors) if t.bias_ids is not None]
+    sub = logits.index_select(0, index) if index is not None else logits.clone() if r or biased else logits
+    for k in biased:                 # one op per biased row: its ids and values stay on the device
+        sub[k].index_add_(0, tensors[k].bias_ids, tensors[k].bias.to(sub.dtype))
     if r:
         sub.index_put_((on_device(r, torch.int64, dev), on_device(c, torch.int64, dev)),
-                       on_device(v, sub.dtype, dev), accumulate=True)
+                       torch.tensor(float("-inf"), dtype=sub.dtype, device=dev))
     grammar = unpack_bitmask(bitmask, vocab, dev) if bitmask is not None else None
     listed = [k for k, row in enumerate(controls) if row.params.allowed_token_ids is not None]
     if listed:
         allow = torch.ones(n_rows, vocab, dtype=torch.bool, device=dev)
         allow[on_device(listed, torch.int64, dev)] = False
         for k in listed:          # one index write per listed row: its ids stay on the device
-            ids = controls[k].allowed
-            allow[k, ids if ids is not None else on_device(controls[k].params.allowed_token_ids, torch.int64, dev)] = True
+            allow[k, tensors[k].allowed] = True
         if grammar is not None:
             both = allow & grammar
             grammar = torch.where(both.any(-1, keepdim=True), both, grammar)

@@ -85,7 +85,7 @@ class Request:
     num_computed_tokens: int = 0
     block_hashes: list[bytes] = field(default_factory=list)     # one per full block of token_ids
     bad_words: object | None = None  # logit controls: params.bad_words as token ids (logit_controls.BadWords)
-    allowed_ids: object | None = None   # logit controls: params.allowed_token_ids on the device (first use)
+    device_controls: object | None = None   # logit controls: ids and biases on the device (first use)
     matcher: object | None = None                   # logit controls: the structured-output grammar (structured.Matcher)
     draft_misses: int = 0           # speculative: verify steps in a row that accepted no draft
     draft_pause: int = 0            # decode steps left before this request drafts again
