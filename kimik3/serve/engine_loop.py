@@ -250,7 +250,7 @@ class EngineLoop:
             return
         params = replace(p, n=1, max_tokens=p.max_tokens - len(c.token_ids),
                          min_tokens=max(0, p.min_tokens - len(c.token_ids)), prompt_logprobs=None,
-                         seed=None if p.seed is None else p.seed + idx)
+                         seed=None if p.seed is None else p.seed + idx % p.n)     # sample i of its prompt
         tail = self._undelivered_text(c, p)
         if tail:
             self._emit(job, [ChoiceDelta(idx, tail, [], [] if p.logprobs is not None else None)])

@@ -194,3 +194,31 @@ def test_engine_failure_fails_only_that_request():
         assert s.engine.kv.blocks.num_free == s.engine.kv.plan.num_usable_blocks
     finally:
         s.stop()
+
+
+def test_resumed_seeded_samples_continue_as_they_would_have():
+    """Seeded samples (2 prompts x n=2, temperature 1) in a step that a poisoned request makes fail are
+    re-run from what their clients already got; each choice's text equals the same request run alone
+    (the noise is fixed by the seed of the sample and the position, so the resume is seamless)."""
+    s = start_fake_server(step_delay=0.01)
+    try:
+        c = s.client()
+        kw = dict(model=MODEL, prompt=["one two three", "four"], max_tokens=60, temperature=1.0, n=2, seed=7,
+                  extra_body={"ignore_eos": True})
+        alone = c.completions.create(**kw)
+        texts = sorted((ch.index, ch.text) for ch in alone.choices)
+        assert len({t for _, t in texts}) == 4, texts            # sampled: each choice its own text
+        steps_alone, got = s.runner.num_steps, {}
+        t = threading.Thread(target=lambda: got.update(r=c.completions.create(**kw)))
+        t.start()
+        deadline = time.monotonic() + 30
+        while s.runner.num_steps < steps_alone + 3:             # the seeded samples are decoding
+            assert time.monotonic() < deadline and t.is_alive(), "the seeded request never ran"
+            time.sleep(0.005)
+        r = post(s, "/v1/chat/completions", chat(messages=[{"role": "user", "content": "POISON"}]))
+        assert_error(r, 500, None, "engine failed")
+        t.join(30)
+        assert len(s.runner.failed_steps[0]) > 1                # the seeded samples were in the failed step
+        assert sorted((ch.index, ch.text) for ch in got["r"].choices) == texts
+    finally:
+        s.stop()
