@@ -13,7 +13,8 @@ time, each resumed from the tokens its client has already received (prompt + out
 ``max_tokens``), while new jobs wait, so the blame lands on the request whose data fails alone. An
 engine request that no job owns is aborted and blames nobody. So a poisoned request costs the others a
 slower stretch, never their answer. (A resumed seeded sample continues as it would have: its noise is
-fixed by seed and position. A stop string straddling the resume point is not seen.)
+fixed by seed and position. A stop string straddling the resume point is not seen, and presence and
+frequency penalties count the output from the resume point on.)
 """
 
 from __future__ import annotations
