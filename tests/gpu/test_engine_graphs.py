@@ -187,7 +187,7 @@ def test_speculative_greedy_matches_plain(model, monkeypatch):
         assert_model_greedy(model, rid, prompt, *spec[rid], SLICE_CROSS_NOISE, 2 * SLICE_CROSS_NOISE)
 
 
-def test_async_scheduling_greedy_is_the_models(model):
+def test_async_scheduling_gives_the_synchronous_tokens(model):
     """Async scheduling on the GPU (pinned token copies in flight, the next graph step fed the device
     tokens) gives the synchronous engine's tokens and logprobs (the same kernels: ``SLICE_NOISE``),
     graphs replay, and steps were scheduled ahead."""
