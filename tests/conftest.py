@@ -1,3 +1,6 @@
+import os
+import sys
+
 import pytest
 import torch
 
@@ -31,3 +34,10 @@ def tok(tiny_dir):
     from kimik3.tokenizer import load_tokenizer
 
     return load_tokenizer(tiny_dir)
+
+
+def pytest_runtest_logreport(report):
+    """With KIMIK3_INSTAFAIL=1 (the GPU device calls), a failure's report is written the moment it
+    happens, so a run cut off by its time limit still leaves it in the log."""
+    if report.failed and os.environ.get("KIMIK3_INSTAFAIL"):
+        print(f"\nFAILED {report.nodeid} ({report.when})\n{report.longreprtext}\n", file=sys.__stderr__, flush=True)

@@ -31,6 +31,7 @@ run() {  # name cap command...: run with a limit of min(cap, time left - 10 s)
 }
 
 if [[ " $sections " == *" tests "* ]]; then
+  export KIMIK3_INSTAFAIL=1                           # failures are logged as they happen (tests/conftest.py)
   for f in ${TESTS:-tests/gpu/test_*.py}; do         # TESTS: test files or node ids, each its own process
     n=$(basename "${f%%::*}" .py)
     run "$n" "${FILE_CAP:-400}" python3 -m pytest -v -p no:cacheprovider --timeout="${PER_TEST:-380}" --durations=0 -rA "$f" &
