@@ -86,8 +86,8 @@ class SamplingBatch:
     @staticmethod
     def build(params: list[SamplingParams], uniforms: list[float | None], vocab_size: int,
               device: torch.device | str, history: tuple[torch.Tensor, torch.Tensor] | None = None) -> SamplingBatch:
-        """``history``: (seen, counts) of the rows, needed when any row has penalties
-        (``PenaltyHistory.rows``, or ``history_from_ids``)."""
+        """``history``: (seen, counts) of the rows (``PenaltyHistory.rows``), needed when any row has
+        penalties."""
         f32 = torch.float32
         greedy = [p.greedy for p in params]
         top_k = [vocab_size if p.top_k < 0 else min(p.top_k, vocab_size) for p in params]
@@ -111,24 +111,12 @@ class SamplingBatch:
             uniforms=uniforms, num_logprobs=[p.logprobs for p in params], all_greedy=all(greedy))
 
 
-def history_from_ids(prompt_ids: list[list[int]], output_ids: list[list[int]], vocab_size: int,
-                     device: torch.device | str) -> tuple[torch.Tensor, torch.Tensor]:
-    """(seen, counts) of ``SamplingBatch`` from each row's prompt and output token ids."""
-    n = len(prompt_ids)
-    counts = torch.zeros(n, vocab_size, dtype=torch.float32, device=device)
-    seen = torch.zeros(n, vocab_size, dtype=torch.bool, device=device)
-    for i, (prompt, out) in enumerate(zip(prompt_ids, output_ids)):
-        counts[i].index_add_(0, torch.tensor(out, dtype=torch.int64, device=device), torch.ones(len(out), device=device))
-        seen[i, torch.tensor(prompt, dtype=torch.int64, device=device)] = True
-    return seen | (counts > 0), counts
-
-
 class PenaltyHistory:
     """The token history penalties read, kept on the device per live state slot and brought up to
     date with each step's new tokens: a penalized row costs O(new tokens) a step, not O(prompt +
     output) (rebuilding [n, P] id tensors from the token lists took 134 ms a step for 32 requests
-    of 32k-token prompts). A slot's rows are rebuilt when another request (or a re-admission)
-    holds it. ``seen``: in the prompt; ``counts``: times in the output (int32). Size: (1 +
+    of 32k-token prompts). A slot's rows are rebuilt when another request takes it (a request
+    preempted and re-admitted to its own slot keeps them: its history did not change). ``seen``: in the prompt; ``counts``: times in the output (int32). Size: (1 +
     max_num_seqs) x vocab x 5 bytes, allocated when the first penalized request samples, outside
     the cache plan (211 MB for K3's vocabulary at 256 sequences)."""
 

@@ -9,12 +9,24 @@ import pytest
 import torch
 
 from kimik3.engine import SamplingParams
-from kimik3.engine.sampler import SamplingBatch, apply_penalties, draw, history_from_ids, sample, seeded_uniform
+from kimik3.engine.sampler import SamplingBatch, apply_penalties, draw, sample, seeded_uniform
 from tests.engine.fake_model import FakeModel
 from tests.engine.helpers import make_engine, run
 
 LOGITS = [2.0, 1.5, 1.0, 0.5, 0.0, -0.5, -1.0, -3.0]
 N = 40_000
+
+
+def _history_from_ids(prompt_ids: list[list[int]], output_ids: list[list[int]], vocab_size: int,
+                     device: torch.device | str) -> tuple[torch.Tensor, torch.Tensor]:
+    """(seen, counts) of ``SamplingBatch`` built directly from each row's prompt and output ids."""
+    n = len(prompt_ids)
+    counts = torch.zeros(n, vocab_size, dtype=torch.float32, device=device)
+    seen = torch.zeros(n, vocab_size, dtype=torch.bool, device=device)
+    for i, (prompt, out) in enumerate(zip(prompt_ids, output_ids)):
+        counts[i].index_add_(0, torch.tensor(out, dtype=torch.int64, device=device), torch.ones(len(out), device=device))
+        seen[i, torch.tensor(prompt, dtype=torch.int64, device=device)] = True
+    return seen | (counts > 0), counts
 
 
 def _expected(p: SamplingParams) -> list[float]:
@@ -97,14 +109,14 @@ def test_seeded_uniforms_are_fixed_by_seed_position_and_stream():
 def test_greedy_is_argmax_after_penalties():
     logits = torch.tensor([[3.0, 2.9, -1.0, 0.5]])
     p = SamplingParams(temperature=0, repetition_penalty=2.0)
-    b = SamplingBatch.build([p], [None], 4, "cpu", history_from_ids([[0]], [[]], 4, "cpu"))
+    b = SamplingBatch.build([p], [None], 4, "cpu", _history_from_ids([[0]], [[]], 4, "cpu"))
     assert sample(logits, b).result().token_ids == [1]           # 3.0 / 2 < 2.9
 
 
 def test_penalty_formulas():
     logits = torch.tensor([[1.0, -1.0, 2.0, 0.5, 3.0]])
     p = SamplingParams(presence_penalty=0.5, frequency_penalty=0.25, repetition_penalty=1.5)
-    b = SamplingBatch.build([p], [None], 5, "cpu", history_from_ids([[0, 1]], [[2, 2, 3]], 5, "cpu"))
+    b = SamplingBatch.build([p], [None], 5, "cpu", _history_from_ids([[0, 1]], [[2, 2, 3]], 5, "cpu"))
     got = apply_penalties(logits, b)[0].tolist()
     want = [1.0 / 1.5, -1.0 * 1.5, 2.0 / 1.5 - 0.25 * 2 - 0.5, 0.5 / 1.5 - 0.25 - 0.5, 3.0]
     assert got == pytest.approx(want)
