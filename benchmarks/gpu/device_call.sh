@@ -33,7 +33,7 @@ run() {  # name cap command...: run with a limit of min(cap, time left - 10 s)
 if [[ " $sections " == *" tests "* ]]; then
   export KIMIK3_INSTAFAIL=1                           # failures are logged as they happen (tests/conftest.py)
   for f in ${TESTS:-tests/gpu/test_*.py}; do         # TESTS: test files or node ids, each its own process
-    n=$(basename "${f%%::*}" .py)
+    n=$(basename "${f%%::*}" .py); [[ "$f" == *::* ]] && n="$n-${f##*::}"   # node ids of one file: one log each
     run "$n" "${FILE_CAP:-400}" python3 -m pytest -v -p no:cacheprovider --timeout="${PER_TEST:-380}" --durations=0 -rA "$f" &
   done
   wait
