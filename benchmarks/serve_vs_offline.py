@@ -18,6 +18,7 @@ a GPU (``--no-warmup``: not).
 from __future__ import annotations
 
 import argparse
+import collections
 import datetime
 import http.client
 import json
@@ -77,6 +78,52 @@ def client(port: int, prompts: list[list[int]], max_tokens: int, concurrency: in
             out.put({"error": f"{type(e).__name__}: {e}"})
 
 
+class StackSampler:
+    """Every ``interval`` s, the Python stack of each other thread of this process: counts (thread, the
+    innermost frame in kimik3 / fla / triton / torch code, the kimik3 calls above it), to tell where the
+    engine thread's time went in a pass (a stall: compiling, autotuning, waiting)."""
+
+    ROOTS = ("kimik3", "fla", "triton", "torch")
+
+    def __init__(self, interval: float = 0.02):
+        self.interval, self.counts, self._stop = interval, collections.Counter(), threading.Event()
+        self._thread = threading.Thread(target=self._run, daemon=True)
+
+    def _run(self) -> None:
+        me = threading.get_ident()
+        names = {}
+        while not self._stop.wait(self.interval):
+            for ident, frame in sys._current_frames().items():
+                if ident == me:
+                    continue
+                inner, calls = None, []
+                while frame is not None:
+                    path = frame.f_code.co_filename.replace("\\", "/")
+                    parts = path.split("/")
+                    root = next((r for r in self.ROOTS if r in parts), None)
+                    if root is not None:
+                        at = f"{'/'.join(parts[parts.index(root):])}:{frame.f_lineno} {frame.f_code.co_name}"
+                        inner = inner or at
+                        if root == "kimik3" and len(calls) < 4:
+                            calls.append(frame.f_code.co_name)
+                    frame = frame.f_back
+                if inner is not None:
+                    if ident not in names:
+                        names = {t.ident: t.name for t in threading.enumerate()}
+                    self.counts[(names.get(ident, str(ident)), inner, " < ".join(calls))] += 1
+
+    def start(self) -> None:
+        self._thread.start()
+
+    def take(self) -> collections.Counter:
+        counts, self.counts = self.counts, collections.Counter()
+        return counts
+
+    def stop(self) -> None:
+        self._stop.set()
+        self._thread.join()
+
+
 def offline(engine, prompts: list[list[int]], max_tokens: int) -> float:
     from benchmarks.common import drain
     from kimik3.engine import SamplingParams
@@ -97,6 +144,8 @@ def main() -> None:
     ap.add_argument("--passes", type=int, default=4)
     ap.add_argument("--warmup", action=argparse.BooleanOptionalAction, default=True)
     ap.add_argument("--async-scheduling", action="store_true", help="the engine's async scheduling")
+    ap.add_argument("--sample-stacks", type=int, default=0, metavar="N",
+                    help="sample this process's thread stacks every 20 ms; print each pass's N commonest")
     args = ap.parse_args()
 
     import torch
@@ -135,7 +184,15 @@ def main() -> None:
     out = ctx.Queue()
     proc = ctx.Process(target=client, args=(port, prompts, args.output, args.concurrency, args.passes, out))
     proc.start()
-    passes = [out.get() for _ in range(args.passes)]
+    sampler = StackSampler() if args.sample_stacks else None
+    if sampler is not None:
+        sampler.start()
+    passes, stacks = [], []
+    for _ in range(args.passes):
+        passes.append(out.get())
+        stacks.append(sampler.take() if sampler is not None else None)
+    if sampler is not None:
+        sampler.stop()
     proc.join()
     server.should_exit = True
     thread.join(timeout=60)
@@ -154,6 +211,12 @@ def main() -> None:
             continue
         print(f"| {i} | {p['output_tok_s']:.0f} | {p['output_tok_s'] / off:.2f} | {p['ttft_p50_s']:.3f} | "
               f"{p['ttft_p99_s']:.3f} | {p['ttft_max_s']:.3f} |")
+    for i, counts in enumerate(stacks, 1):
+        if counts:
+            total = sum(counts.values())
+            print(f"# pass {i}: {total} stack samples (20 ms apart, all threads); the commonest:")
+            for (thread, inner, calls), n in counts.most_common(args.sample_stacks):
+                print(f"#   {n:5d} {100 * n / total:5.1f}% [{thread}] {inner}  ({calls})")
     ok = [p for p in passes if "error" not in p]
     if ok:
         print(f"# steady (passes 2..): {statistics.mean(p['output_tok_s'] for p in ok[1:] or ok):.0f} tok/s")

@@ -8,7 +8,7 @@
 # Sections (default: tests benches serve, in this order): tests = tests/gpu/*.py in parallel (or the
 # files / node ids in TESTS; PER_TEST: pytest's per-test limit; FILE_CAP: each file's); benches = the constrained decode step
 # (#19) sync and async; trace = its device time per step at batch 32 (torch.profiler); serve = served vs
-# offline (#18 item 5) sync and async; spec = n-gram speculation vs plain at batch 1; engine =
+# offline (#18 item 5) sync and async; stacks = the same, with stack samples per pass; spec = n-gram speculation vs plain at batch 1; engine =
 # bench_engine.py (host share); hostprof = cProfile of the constrained async step at batch 32.
 # A fresh machine spends its first 90-110 s compiling kernels; the parallel tests pay that once each.
 set -u
@@ -54,6 +54,11 @@ if [[ " $sections " == *" serve "* ]]; then
   run serve_sync 150 python3 benchmarks/serve_vs_offline.py --slice --device cuda
   run serve_async 150 python3 benchmarks/serve_vs_offline.py --slice --device cuda --async-scheduling
   grep -hE "^(#|\||offline)" "$L"/serve_*.log
+fi
+if [[ " $sections " == *" stacks "* ]]; then          # served, async then sync, with the engine's stacks sampled
+  run serve_stacks_async 200 python3 benchmarks/serve_vs_offline.py --slice --device cuda --async-scheduling --sample-stacks 12
+  run serve_stacks_sync 200 python3 benchmarks/serve_vs_offline.py --slice --device cuda --sample-stacks 12
+  grep -hE "^(#|\||offline)" "$L"/serve_stacks_*.log | cut -c1-260
 fi
 if [[ " $sections " == *" spec "* ]]; then            # n-gram speculation vs plain at batch 1 (#18)
   run bench_speculative 240 python3 benchmarks/gpu/bench_speculative.py
