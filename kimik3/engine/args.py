@@ -180,8 +180,9 @@ class EngineArgs:
                                       type=_positive(int))
     speculative_ngram_max: int = _opt("longest n-gram looked up for drafts (default: 4)", default=4,
                                       type=_positive(int))
-    async_scheduling: bool = _opt("schedule and launch each decode step before the previous step's tokens reach "
-                                  "the host, so host work overlaps the GPU (default: off)", default=False)
+    async_scheduling: bool | None = _opt(
+        "schedule and launch each decode step before the previous step's tokens reach the host, so host work "
+        "overlaps the GPU (default: on for one CUDA device without speculation, as vLLM; else off)", default=None)
     use_tqdm_on_load: bool = _opt("show a progress bar while the weights load (default: on)", default=True)
 
     def __post_init__(self) -> None:
@@ -245,7 +246,15 @@ class EngineArgs:
         """Default sampling settings (SamplingParams names) from ``generation_config.json``."""
         return read_generation_config(path, self.generation_config)
 
-    def engine_config(self, max_model_len: int):
+    def resolve_async_scheduling(self, device: torch.device) -> bool:
+        """The flag if given; else on for a CUDA device when neither speculation nor tensor / expert
+        parallelism is on (they need each step's tokens on the host; on a CPU there is nothing to overlap)."""
+        if self.async_scheduling is not None:
+            return self.async_scheduling
+        return (device.type == "cuda" and not self.num_speculative_tokens and self.tensor_parallel_size == 1
+                and not self.enable_expert_parallel)
+
+    def engine_config(self, max_model_len: int, device: torch.device):
         from kimik3.engine.config import EngineConfig
         return EngineConfig(max_num_seqs=self.max_num_seqs, max_num_batched_tokens=self.max_num_batched_tokens,
                             max_model_len=max_model_len, enable_prefix_caching=self.enable_prefix_caching,
@@ -256,7 +265,7 @@ class EngineArgs:
                             num_speculative_tokens=self.num_speculative_tokens,
                             speculative_ngram_min=self.speculative_ngram_min,
                             speculative_ngram_max=self.speculative_ngram_max,
-                            async_scheduling=self.async_scheduling)
+                            async_scheduling=self.resolve_async_scheduling(device))
 
 
 def read_generation_config(path: Path, setting: str) -> dict[str, Any]:
@@ -311,7 +320,7 @@ def add_engine_args(parser: argparse.ArgumentParser, *, positional_model: bool =
         if f.name in overrides:
             kw["default"] = overrides[f.name]
             kw["help"] = re.sub(r"\(default: [^)]*\)$", f"(default: {overrides[f.name]} for this command)", kw["help"])
-        if f.type in ("bool", bool):
+        if f.type in ("bool", bool, "bool | None"):      # bool | None: None (the default) = auto
             kw["action"] = argparse.BooleanOptionalAction
         else:
             kw["type"] = meta.pop("type", None) or (int if f.type in ("int", int) else str)

@@ -25,7 +25,7 @@ def build_engine(args: EngineArgs, tokenizer=None):
     """Load the model and build the engine: ``(LLMEngine, parallel group or None)``."""
     path = args.model_path()
     device, dtype = args.resolve_device_dtype()
-    config = args.engine_config(args.resolve_max_model_len(load_config(path)))
+    config = args.engine_config(args.resolve_max_model_len(load_config(path)), device)
     args.generation_defaults(path)          # a bad generation config fails before the load
     logger.info("loading %s (%s on %s)", path, str(dtype).removeprefix("torch."), device)
     if args.tensor_parallel_size > 1 or args.enable_expert_parallel:

@@ -173,3 +173,23 @@ def test_async_scheduling_refuses_tensor_parallelism_before_the_load(monkeypatch
     monkeypatch.setattr(build, "load_model", lambda *a, **k: pytest.fail("the weights were loaded"))
     with pytest.raises(ValueError, match="async_scheduling does not work with tensor or expert parallelism"):
         build.build_engine(EngineArgs(tensor_parallel_size=2, async_scheduling=True, device="cpu"))
+
+
+@pytest.mark.parametrize("flags, device, expected", [
+    ([], "cuda", True),                                     # vLLM's default: on where it works
+    ([], "cpu", False),                                     # nothing to overlap on a CPU
+    (["--num-speculative-tokens", "2"], "cuda", False),     # auto leaves it off where it does not work
+    (["-tp", "2"], "cuda", False),
+    (["--enable-expert-parallel"], "cuda", False),
+    (["--no-async-scheduling"], "cuda", False),
+    (["--async-scheduling"], "cpu", True),
+])
+def test_async_scheduling_is_on_by_default_where_it_works(flags, device, expected):
+    """The flag's default (None) resolves per device and setting; a given flag always wins."""
+    import argparse
+
+    from kimik3.engine.args import EngineArgs, add_engine_args
+    ns = add_engine_args(argparse.ArgumentParser()).parse_args(flags)
+    args = EngineArgs(**{k: v for k, v in vars(ns).items() if k in EngineArgs.__dataclass_fields__})
+    assert args.resolve_async_scheduling(torch.device(device)) is expected
+    assert args.engine_config(64, torch.device(device)).async_scheduling is expected

@@ -13,7 +13,7 @@ import torch
 
 import kimik3
 from kimik3.engine import SamplingParams
-from tests.engine.helpers import make_engine, run
+from tests.engine.helpers import count_calls, make_engine, run
 from tests.gpu.test_engine_graphs import assert_model_greedy
 
 pytestmark = [pytest.mark.gpu, pytest.mark.skipif(not torch.cuda.is_available(), reason="needs CUDA")]
@@ -37,18 +37,19 @@ def prompts():
             "e": words[70:130], "f": tok.encode("Once upon a time")}
 
 
-@pytest.mark.parametrize("mode", ["eager", "graphs", "chunked_prefix_graphs", "speculative"])
+@pytest.mark.parametrize("mode", ["eager", "graphs", "chunked_prefix_graphs", "speculative", "async_chunked_prefix"])
 def test_engine_greedy_equals_the_model_called_directly_on_cuda(model, prompts, mode):
     params = SamplingParams(temperature=0, max_tokens=MAX_TOKENS, ignore_eos=True, logprobs=1)
     kw = dict(block_size=16, max_num_seqs=8, max_num_batched_tokens=256, max_model_len=192, extra_blocks=64,
               enforce_eager=mode == "eager")
     arrivals = {0: list(prompts)}
-    if mode == "chunked_prefix_graphs":
-        kw.update(max_num_batched_tokens=24, kda_checkpoint_interval=1)
+    if mode in ("chunked_prefix_graphs", "async_chunked_prefix"):   # async: the default on one GPU
+        kw.update(max_num_batched_tokens=24, kda_checkpoint_interval=1, async_scheduling=mode.startswith("async"))
         arrivals = {0: ["a"], 8: ["b", "d"], 10: ["c", "e", "f"]}
     elif mode == "speculative":       # graphs on; steps that carry drafts (here: nearly all) run eagerly
         kw.update(num_speculative_tokens=3, speculative_ngram_min=1, speculative_ngram_max=3)
     engine = make_engine(model, **kw)
+    ahead = count_calls(engine.scheduler, "schedule_ahead")
     results = run(engine, {k: (p, params) for k, p in prompts.items()}, arrivals)
     for rid, prompt in prompts.items():
         tokens, _, logprobs = results[rid][0]
@@ -56,9 +57,10 @@ def test_engine_greedy_equals_the_model_called_directly_on_cuda(model, prompts, 
         assert_model_greedy(model, rid, prompt, tokens, logprobs, LOGPROB_BOUND)
     if mode != "eager":
         assert engine.runner.graphs is not None, "capture fell back to eager"
-    if mode in ("graphs", "chunked_prefix_graphs"):
+    if mode in ("graphs", "chunked_prefix_graphs", "async_chunked_prefix"):
         assert engine.runner.num_graph_steps > 0
-    if mode == "chunked_prefix_graphs":
+    if mode in ("chunked_prefix_graphs", "async_chunked_prefix"):
         assert engine.kv.num_hit_tokens > 0
     if mode == "speculative":
         assert engine.num_accepted_tokens > 0
+    assert (ahead.hits > 0) == (mode == "async_chunked_prefix"), ahead.hits     # steps were launched ahead
