@@ -4,11 +4,15 @@ On a GPU the first step of a new kind compiles Triton kernels (and autotunes fla
 length in a new class (Triton specialises integer arguments on == 1 and on divisibility by 16,
 and some tiles on the next power of two of the rows), a mixed step with decode rows beside a
 chunk, a longer context's split count. Without a warm-up those compiles (seconds each) land on
-the first requests' time to first token. ``warm_up`` sends prompts of lengths 2^k - 1, 2^k and
-2^k + 1 up to one step's token budget, all at once (so prefill chunks share steps with decode
-rows), each decoding two tokens, then empties the prefix cache, so the warm-up leaves no blocks
-behind. The engine's counters (steps, graph steps) include its steps. Images are not warmed: the
-vision tower compiles nothing of ours (torch ops only).
+the first requests' time to first token. ``warm_up`` runs three rounds of prompts of lengths 2^k - 1,
+2^k and 2^k + 1 up to one step's token budget, each decoding two tokens: (1) one prompt at a time, so a
+step holds exactly each of those token counts (the step-size classes: serving's steps take any size,
+and the kernels specialise on the step's rows); (2) all at once, so prefill chunks share steps with
+decode rows; (3) the same prompts again, all at once, so they hit the prefix cache (chunks shortened
+by a hit, KDA states restored from checkpoints: what a repeated system prompt meets). Then it empties
+the prefix cache, so the warm-up leaves no blocks behind. The engine's counters (steps, graph steps,
+hit tokens) include its steps. Images are not warmed: the vision tower compiles nothing of ours
+(torch ops only).
 """
 
 from __future__ import annotations
@@ -44,12 +48,16 @@ def warm_up(engine: LLMEngine, seed: int = 0) -> float:
     ids = [t for t in range(engine.vocab_size) if t != pad]
     params = SamplingParams(temperature=0, max_tokens=2, ignore_eos=True, detokenize=False)
     lengths = warmup_lengths(limit)
+    alone, together = ([rng.choices(ids, k=n) for n in lengths] for _ in range(2))   # (2) must not hit (1)
     t0 = time.perf_counter()
-    for i, n in enumerate(lengths):
-        engine.add_request(f"warmup-{i}", {"prompt_token_ids": rng.choices(ids, k=n)}, params)
-    while engine.has_unfinished_requests():
-        engine.step()
+    rounds = [[p] for p in alone] + [together, together]      # (1) each alone, (2) all at once, (3) again: hits
+    for r, group in enumerate(rounds):
+        for i, p in enumerate(group):
+            engine.add_request(f"warmup-{r}-{i}", {"prompt_token_ids": p}, params)
+        while engine.has_unfinished_requests():
+            engine.step()
     engine.kv.reset_prefix_cache()
     seconds = time.perf_counter() - t0
-    logger.info("warm-up: %d prompts of 1..%d tokens in %.1f s", len(lengths), limit, seconds)
+    logger.info("warm-up: %d prompts of 1..%d tokens, alone, together and again, in %.1f s", len(lengths), limit,
+                seconds)
     return seconds

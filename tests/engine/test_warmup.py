@@ -42,3 +42,25 @@ def test_warm_up_refuses_a_busy_engine(tiny_ckpt):
     engine.add_request("busy", {"prompt_token_ids": [5, 6, 7]}, SamplingParams(max_tokens=2))
     with pytest.raises(RuntimeError, match="idle engine"):
         warm_up(engine)
+
+
+def test_warm_up_steps_take_each_size_class_and_hit_the_prefix_cache(tiny_ckpt):
+    """Kernels specialise on a step's token count, so the warm-up has a step of exactly each warm-up
+    length (one prompt alone), steps that mix prefill chunks with decode rows, and prefix hits."""
+    model = kimik3.load_model(tiny_ckpt["kimi_k3"], device="cpu", dtype=torch.float32)
+    engine = make_engine(model, block_size=2, max_num_seqs=4, max_num_batched_tokens=17, max_model_len=40,
+                         enable_prefix_caching=True, extra_blocks=40)
+    steps = []
+    schedule = engine.scheduler.schedule
+
+    def record():
+        out = schedule()
+        steps.append([(c.num_tokens, c.samples) for c in out.chunks])
+        return out
+    engine.scheduler.schedule = record
+    warm_up(engine)
+    alone = {chunks[0][0] for chunks in steps if len(chunks) == 1}
+    assert set(warmup_lengths(17)) <= alone
+    assert any(len(c) > 1 and any(n > 1 for n, _ in c) and any(n == 1 for n, _ in c) for c in steps)  # mixed
+    assert engine.kv.num_hit_tokens > 0
+    assert not engine.kv.blocks.cached and not engine.kv.checkpoints
