@@ -120,13 +120,16 @@ def kda_attention(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, f: torch.Te
 
 
 def _chunk_kda_fla(q, k, v, f, b, A_log, dt_bias, lower_bound, initial_state, cu_seqlens, chunk_size=64):
-    """fla ``chunk_kda`` over packed varlen tokens; initial_state [N, H, V, K] fp32 (V-first)."""
+    """fla ``chunk_kda`` over packed varlen tokens; initial_state [N, H, V, K] fp32 (V-first). q and k
+    are L2-normalised by our kernel first (``triton/l2norm.py``: fla's autotunes per size bucket)."""
+    from kimik3.ops.triton.l2norm import l2norm_triton
     chunk_kda, _ = import_fla_kda()
     if initial_state.dtype != torch.float32:
         raise ValueError(f"the CUDA KDA path keeps fp32 states, got {initial_state.dtype}")
+    q, k = l2norm_triton(q), l2norm_triton(k)
     q, k, v, f = (t.contiguous().unsqueeze(0) for t in (q, k, v, f))     # fla assumes packed rows
     o, final = chunk_kda(q, k, v, f, b.float().contiguous().unsqueeze(0),
-                         initial_state=initial_state, output_final_state=True, use_qk_l2norm_in_kernel=True,
+                         initial_state=initial_state, output_final_state=True, use_qk_l2norm_in_kernel=False,
                          use_gate_in_kernel=True, use_beta_sigmoid_in_kernel=True,
                          safe_gate=lower_bound is not None, lower_bound=lower_bound, state_v_first=True,
                          cu_seqlens=cu_seqlens, A_log=A_log.float(), dt_bias=dt_bias.float(), chunk_size=chunk_size)

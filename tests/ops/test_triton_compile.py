@@ -90,3 +90,14 @@ def compile_mla_decode():
                            cfg.num_warps, cfg.num_stages)
     compile_for_hopper(m._mla_decode_merge_kernel, {"part_o": "*fp32", "part_lse": "*fp32", "out": "*bf16"},
                        dict(BR=512, BS=64), num_warps=4, num_stages=1)
+
+
+def test_l2norm_kernel_compiles_for_hopper():
+    in_compiler_process("t.compile_l2norm()")
+
+
+def compile_l2norm():
+    from kimik3.ops.triton import l2norm
+    for dtype in ("bf16", "fp32"):
+        compile_for_hopper(l2norm._l2norm_kernel, {"x": f"*{dtype}", "y": f"*{dtype}", "eps": "fp32"},
+                           dict(D=128, BR=32), num_warps=4, num_stages=1)

@@ -26,6 +26,31 @@ def gen(seed):
     return torch.Generator().manual_seed(seed)
 
 
+# ---- l2norm ------------------------------------------------------------------------------
+@pytest.mark.parametrize("rows,D", [(1, 128), (37, 128), (300, 64), (5, 16)])
+@pytest.mark.parametrize("dtype", [torch.float32, BF16])
+def test_l2norm_kernel_matches_float64(rows, D, dtype):
+    """Rows x / sqrt(sum(x^2) + 1e-6) from the math in float64, one rounding to ``dtype`` apart; row
+    counts below, at and across the kernel's row block; a zero row stays zero, a tiny one sees eps."""
+    from kimik3.ops.triton.l2norm import l2norm_triton
+    x = (torch.randn(rows, 3, D, generator=gen(rows + D)) * 4).to(dtype)
+    x[0, 1] = 0
+    x[-1, 2] *= 1e-3                  # a row whose sum of squares is near eps: eps must be the math's
+    x64 = x.double()
+    want = x64 / torch.sqrt(x64.pow(2).sum(-1, keepdim=True) + 1e-6)
+    got = l2norm_triton(x)
+    assert got.shape == x.shape and got.dtype == dtype
+    ulp = 2 ** -7 if dtype == BF16 else 2 ** -22     # one rounding of values <= 1 (interpreter: toward zero)
+    assert (got.double() - want).abs().max() <= ulp
+    assert torch.equal(got[0, 1], torch.zeros(D, dtype=dtype))
+
+
+def test_l2norm_kernel_refuses_a_row_size_it_cannot_tile():
+    from kimik3.ops.triton.l2norm import l2norm_triton
+    with pytest.raises(ValueError, match="power of two"):
+        l2norm_triton(torch.randn(2, 96))
+
+
 # ---- conv --------------------------------------------------------------------------------
 @pytest.mark.parametrize("lens,ctx", [([5, 1, 9], [0, 3, 2]), ([1, 1, 1, 1], [4, 1, 2, 7])], ids=["varlen", "decode"])
 def test_conv_pool_kernel_matches_reference(lens, ctx):
