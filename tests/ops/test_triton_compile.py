@@ -55,6 +55,8 @@ def compile_moe(mxfp4, high_scales, dtype):
     common = dict(BM=16, BKH=64, UPCAST=False, MXFP4=mxfp4, ASM=True, HIGH_SCALES=high_scales)
     compile_for_hopper(moe._gate_up_kernel, types, dict(common, BN=64, TOP_K=8, ACT_SITU=mxfp4, CLIP_UP=mxfp4))
     compile_for_hopper(moe._down_kernel, types, dict(common, BN=128), num_warps=8)
+    compile_for_hopper(moe._align_kernel, {"ids": "*i64", "sorted_rows": "*i64", "block_expert": "*i64"},
+                       dict(BM=16, BR=256, BE=128, BCAP=2048))
 
 
 def test_mla_prefill_kernels_compile_for_hopper():

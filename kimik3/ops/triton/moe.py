@@ -255,7 +255,7 @@ def _sort_by_expert(ids: torch.Tensor, num_experts: int, BM: int):
 ALIGN_KERNEL_MAX_ROWS = 4096
 
 
-@triton.jit
+@triton.jit(do_not_specialize=["R", "cap"])       # they only bound masks: one compile per tile shape
 def _align_kernel(ids, sorted_rows, block_expert, R, E, cap, BM: tl.constexpr, BR: tl.constexpr,
                   BE: tl.constexpr, BCAP: tl.constexpr):
     """``_sort_by_expert`` in one program: sort (expert, row) keys, count per expert, and place
