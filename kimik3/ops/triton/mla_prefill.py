@@ -88,7 +88,7 @@ def _tile(qa, qb, ka_ptrs, kb_ptrs, v_ptrs, kmask, smask, m_i, l_i, acc, sm_scal
     return m_new, l_i, acc
 
 
-@triton.jit
+@triton.jit(do_not_specialize=["stride_lse_h"])    # = the split count: one compile for every count
 def _mla_prefill_kernel(qa_ptr, qb_ptr, ka_ptr, kb_ptr, v_ptr, o_ptr, lse_ptr,
                         cu_q, cu_k, q_pos0, k_pos0, GROUP, Hk, tokens_per_split,
                         stride_qa_t, stride_qa_h, stride_qb_t, stride_qb_h,
@@ -159,7 +159,7 @@ def _mla_prefill_kernel(qa_ptr, qb_ptr, ka_ptr, kb_ptr, v_ptr, o_ptr, lse_ptr,
     tl.store(lse_ptr + split * stride_lse_s + q_row * stride_lse_t + head * stride_lse_h, lse, mask=rmask)
 
 
-@triton.jit
+@triton.jit(do_not_specialize=["num_splits"])
 def _merge_splits_kernel(part_o, part_lse, o_ptr, lse_ptr, num_splits, DV: tl.constexpr, BS: tl.constexpr):
     """Row (token, head): merge its splits' (o, lse) [rows, num_splits, DV] by their log-sum-exps."""
     row = tl.program_id(0).to(tl.int64)
@@ -248,8 +248,9 @@ def mla_prefill_triton(qa: torch.Tensor, qb: torch.Tensor, ka: torch.Tensor, kb:
         DA=DA, DB=DB, DV=DV, BLOCK_M=cfg.block_m, BLOCK_N=cfg.block_n, V_IS_K=v is None, UPCAST=INTERPRETING,
         num_warps=cfg.num_warps, num_stages=cfg.num_stages)
     if num_splits > 1:
-        _merge_splits_kernel[(T * Hq,)](tgt_o, tgt_lse, o, lse, num_splits, DV=DV,
-                                        BS=triton.next_power_of_2(num_splits), num_warps=4 if DV >= 256 else 2)
+        bs = triton.next_power_of_2(max(num_splits, MAX_SPLITS))   # one compile for the automatic counts
+        _merge_splits_kernel[(T * Hq,)](tgt_o, tgt_lse, o, lse, num_splits, DV=DV, BS=bs,
+                                        num_warps=4 if DV >= 256 else 2)
     return o, lse
 
 
