@@ -127,6 +127,62 @@ def test_constrained_requests_give_the_synchronous_tokens(tiny_ckpt):
         assert set(json.loads(tok.decode(a.token_ids))) == {"n", "w"}
 
 
+def test_every_request_option_gives_the_synchronous_outputs():
+    """Async scheduling is the default on a GPU, so each request option must give the synchronous
+    engine's outputs under it (text, tokens, finish reasons, logprobs), side by side in one batch:
+    stop strings (kept or cut), min_tokens, bad_words, logit_bias, allowed_token_ids, n = 2 samples,
+    prompt_logprobs, penalties, seeded and greedy rows, and requests arriving mid-run."""
+    llm = kimik3.LLM(kimik3.DEFAULT_MODEL, max_num_seqs=6, max_model_len=256)
+    tok = llm.engine.get_tokenizer()
+    story = "Once upon a time there was a little"
+    common = dict(max_tokens=24, ignore_eos=True)
+    options = [
+        SamplingParams(temperature=0, stop=[" the", "."], **common),
+        SamplingParams(temperature=0, stop=[" the"], include_stop_str_in_output=True, **common),
+        SamplingParams(temperature=0.8, seed=3, min_tokens=10, stop=[" a"], **common),
+        SamplingParams(temperature=0, bad_words=[" the", " a"], logprobs=3, **common),
+        SamplingParams(temperature=0.9, seed=5, logit_bias={tok.encode(" dog")[0]: 8.0}, **common),
+        SamplingParams(temperature=1.0, seed=7, allowed_token_ids=tok.encode(" cat dog sat on the mat"), **common),
+        SamplingParams(temperature=0.8, seed=11, n=2, presence_penalty=0.8, frequency_penalty=0.3, **common),
+        SamplingParams(temperature=0, prompt_logprobs=2, repetition_penalty=1.3, **common),
+    ]
+    prompts_ = [f"{story} {w}" for w in ("girl", "boy", "cat", "dog", "king", "bird", "fox", "tree")]
+
+    def outputs():
+        got, step = {}, 0
+        while step < 4 or llm.engine.has_unfinished_requests():
+            for i in range(len(options)) if step in (0, 3) else ():     # half of them arrive mid-run
+                if (i % 2 == 0) == (step == 0):
+                    llm.engine.add_request(f"q{i}", prompts_[i], options[i])
+            for d in llm.engine.step():
+                for c in d.outputs:
+                    acc = got.setdefault((d.request_id, c.index), {"ids": [], "text": "", "lps": [], "prompt": None})
+                    acc["ids"] += c.token_ids
+                    acc["text"] += c.text
+                    acc["lps"] += c.logprobs or []
+                    acc["reason"] = c.finish_reason
+                if d.prompt_logprobs is not None:
+                    got[(d.request_id, 0)]["prompt"] = d.prompt_logprobs
+            step += 1
+        return got
+    sync = outputs()
+    llm.engine.config.async_scheduling = True
+    ahead = count_calls(llm.engine.scheduler, "schedule_ahead")
+    asyn = outputs()
+    assert ahead.hits > 5 and set(asyn) == set(sync) and len(sync) == len(options) + 1
+    for key, s in sync.items():
+        a = asyn[key]
+        assert (a["ids"], a["text"], a["reason"]) == (s["ids"], s["text"], s["reason"]), key
+        for la, ls in zip(a["lps"], s["lps"]):
+            assert list(la) == list(ls) and all(abs(la[t] - ls[t]) < 1e-4 for t in la), key
+        assert (a["prompt"] is None) == (s["prompt"] is None), key
+        for pa, ps in zip(a["prompt"] or [], s["prompt"] or []):
+            assert (pa is None and ps is None) or (list(pa) == list(ps) and all(abs(pa[t] - ps[t]) < 1e-4 for t in pa))
+    assert sync[("q7", 0)]["prompt"] is not None and len(sync[("q3", 0)]["lps"]) == 24
+    assert sync[("q1", 0)]["text"].endswith(" the") and not sync[("q0", 0)]["text"].endswith((" the", "."))
+    assert len(sync[("q2", 0)]["ids"]) >= 10
+
+
 def test_a_failed_step_ahead_is_raised_after_the_step_before_it(model, monkeypatch):
     vocab = model.config.text.vocab_size
     reqs = {f"r{i}": (p, SamplingParams(temperature=0, max_tokens=6, ignore_eos=True))
