@@ -13,6 +13,7 @@ pieces.
 from __future__ import annotations
 
 import hashlib
+import weakref
 from dataclasses import dataclass
 
 import torch
@@ -123,7 +124,8 @@ class PenaltyHistory:
     def __init__(self, num_slots: int, vocab_size: int, device: torch.device):
         self.seen = torch.zeros(num_slots, vocab_size, dtype=torch.bool, device=device)
         self.counts = torch.zeros(num_slots, vocab_size, dtype=torch.int32, device=device)
-        self.owner: list[object | None] = [None] * num_slots      # the request whose history a slot holds
+        self.owner: list[weakref.ref | None] = [None] * num_slots   # the request whose history a slot holds
+        # (weakly: a finished request's tokens are not kept alive by the slot it last held)
         self.num_counted = [0] * num_slots                        # its output tokens counted so far
         self.device = device
 
@@ -133,8 +135,8 @@ class PenaltyHistory:
         for q in reqs:
             s = q.cache.state_slot
             slots.append(s)
-            if self.owner[s] is not q:
-                self.owner[s], self.num_counted[s] = q, 0
+            if self.owner[s] is None or self.owner[s]() is not q:
+                self.owner[s], self.num_counted[s] = weakref.ref(q), 0
                 self.seen[s].zero_()
                 self.counts[s].zero_()
                 self.seen[s, on_device(q.prompt_token_ids, torch.int64, dev)] = True

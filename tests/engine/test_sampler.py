@@ -3,6 +3,7 @@ distribution, fixed seeds), penalties match their formulas, seeded requests igno
 
 from __future__ import annotations
 
+import gc
 import math
 
 import pytest
@@ -195,3 +196,7 @@ def test_penalized_requests_follow_their_history_through_preemption_and_slot_reu
     assert engine.stats().num_preemptions > 0
     for rid, (prompt, p) in reqs.items():
         assert got[rid][0][0] == _penalized_greedy(model, prompt, p), rid
+    history = engine.runner.sampler.history
+    assert history is not None and any(o is not None for o in history.owner)
+    gc.collect()
+    assert all(o is None or o() is None for o in history.owner)     # finished requests are not kept alive
