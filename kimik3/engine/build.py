@@ -26,6 +26,8 @@ def build_engine(args: EngineArgs, tokenizer=None):
     path = args.model_path()
     device, dtype = args.resolve_device_dtype()
     config = args.engine_config(args.resolve_max_model_len(load_config(path)), device)
+    if config.async_scheduling and args.async_scheduling is None:
+        logger.info("async scheduling on (the default on one CUDA device; --no-async-scheduling turns it off)")
     args.generation_defaults(path)          # a bad generation config fails before the load
     logger.info("loading %s (%s on %s)", path, str(dtype).removeprefix("torch."), device)
     if args.tensor_parallel_size > 1 or args.enable_expert_parallel:
