@@ -182,7 +182,8 @@ class EngineArgs:
                                       type=_positive(int))
     async_scheduling: bool | None = _opt(
         "schedule and launch each decode step before the previous step's tokens reach the host, so host work "
-        "overlaps the GPU (default: on for one CUDA device without speculation, as vLLM; else off)", default=None)
+        "overlaps the GPU; not with speculation (default: on for one CUDA device without speculation, as in "
+        "vLLM; else off)", default=None)
     use_tqdm_on_load: bool = _opt("show a progress bar while the weights load (default: on)", default=True)
 
     def __post_init__(self) -> None:
@@ -247,8 +248,9 @@ class EngineArgs:
         return read_generation_config(path, self.generation_config)
 
     def resolve_async_scheduling(self, device: torch.device) -> bool:
-        """The flag if given; else on for a CUDA device when neither speculation nor tensor / expert
-        parallelism is on (they need each step's tokens on the host; on a CPU there is nothing to overlap)."""
+        """The flag if given; else on for one CUDA device without speculation (a draft needs the previous
+        token on the host; on a CPU there is nothing to overlap). Under tensor / expert parallelism it is
+        opt-in: tested with gloo on CPU ranks, not yet run on several GPUs."""
         if self.async_scheduling is not None:
             return self.async_scheduling
         return (device.type == "cuda" and not self.num_speculative_tokens and self.tensor_parallel_size == 1

@@ -34,9 +34,6 @@ def build_engine(args: EngineArgs, tokenizer=None):
         if args.language_model_only:
             raise ValueError("language_model_only is not supported with tensor or expert parallelism yet; "
                              "leave it off (images are then accepted)")
-        if args.async_scheduling:         # checked before the group starts and the weights load
-            raise ValueError("async_scheduling does not work with tensor or expert parallelism yet (the workers "
-                             "get each step's token ids from rank 0's host); leave it off")
         from kimik3.engine.parallel_runner import ParallelRunner
         from kimik3.parallel.launch import ParallelConfig, start_group
         layout = ParallelConfig(args.tensor_parallel_size, args.enable_expert_parallel,

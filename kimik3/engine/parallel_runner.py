@@ -29,12 +29,16 @@ class ParallelRunner(ModelRunner):
         self.control = control
         self.on_failure = on_failure
         self._ops: tuple[list, list] = ([], [])
+        self._ids_on_device = False
         send_geometry(cache, control)
 
-    def execute(self, out):
+    def launch(self, out, input_ids: torch.Tensor | None = None):
+        """The step's forward on every rank (sampling, after it, is rank 0's alone). ``input_ids``:
+        async scheduling's device tokens, which reach the workers on the model's group."""
         self._ops = (list(out.state_copies), list(out.state_resets))
+        self._ids_on_device = input_ids is not None
         try:
-            return super().execute(out)
+            return super().launch(out, input_ids)
         except BaseException as e:
             # a half-run step leaves the workers inside (or before) a collective: the group is lost
             if self.on_failure is not None:
@@ -42,5 +46,6 @@ class ParallelRunner(ModelRunner):
             raise
 
     def run(self, input_ids: torch.Tensor, batch: ForwardBatch, rows: list[int]):
-        send_step(self.control, input_ids, batch, rows, *self._ops)
+        send_step(self.control, input_ids, batch, rows, *self._ops, model_group=self.model.parallel.group,
+                  ids_on_device=self._ids_on_device)
         return super().run(input_ids, batch, rows)

@@ -4,7 +4,10 @@ each step's forward on its shards. This is the workers' side (the model only); r
 
 Per step rank 0 broadcasts one ``StepDescriptor`` (the packed input ids, the ``ForwardBatch``,
 the rows to sample, the KDA state copies/resets of the step) on the gloo control group; each
-worker applies the cache ops, runs ``forward_step`` and joins the LM-head gather. The cache
+worker applies the cache ops, runs ``forward_step`` and joins the LM-head gather. Under async
+scheduling a step's input ids are the previous step's samples, still on rank 0's device: the
+descriptor then carries their count, and the ids follow as a broadcast on the model's own group
+(NCCL on GPUs: from device to device, without a wait on rank 0's host). The cache
 geometry goes once at start (``CacheGeometry``); ``None`` ends the loop. Workers decide nothing:
 the prefix registry, block and slot choices live on rank 0 only.
 """
@@ -32,7 +35,7 @@ class CacheGeometry:
 
 @dataclass
 class StepDescriptor:
-    input_ids: torch.Tensor                  # [T] int64, host
+    input_ids: torch.Tensor | int            # [T] int64 on the host, or T: the ids follow on the model's group
     batch: ForwardBatch                      # tensors on the host
     rows: list[int]                          # packed rows whose logits are gathered
     state_copies: list[tuple[int, int]]      # applied before the forward, in order
@@ -59,10 +62,19 @@ def send_geometry(cache, control) -> None:
 
 
 def send_step(control, input_ids: torch.Tensor, batch: ForwardBatch, rows: list[int],
-              state_copies: list[tuple[int, int]], state_resets: list[int]) -> None:
-    """Rank 0, before each forward: the step every worker runs with it."""
-    broadcast(StepDescriptor(input_ids.cpu(), _moved(batch, torch.device("cpu")), list(rows), list(state_copies),
+              state_copies: list[tuple[int, int]], state_resets: list[int], model_group=None,
+              ids_on_device: bool = False) -> None:
+    """Rank 0, before each forward: the step every worker runs with it. ``ids_on_device``: the ids
+    are a device tensor still being computed (async scheduling); they go on ``model_group``."""
+    ids = input_ids.numel() if ids_on_device else input_ids.cpu()
+    broadcast(StepDescriptor(ids, _moved(batch, torch.device("cpu")), list(rows), list(state_copies),
                              list(state_resets)), control)
+    if ids_on_device:
+        dist.broadcast(input_ids, src=_first_rank(model_group), group=model_group)
+
+
+def _first_rank(group) -> int:
+    return 0 if group is None else dist.get_global_rank(group, 0)
 
 
 def stop_workers(control) -> None:
@@ -87,7 +99,12 @@ def worker_loop(model, control) -> int:
             cache.copy_state(src, dst)
         for slot in step.state_resets:
             cache.reset_state(slot)
-        hidden = model.forward_step(step.input_ids.to(device), _moved(step.batch, device), cache)
+        if isinstance(step.input_ids, int):       # async scheduling: the ids come from rank 0's device
+            ids = torch.empty(step.input_ids, dtype=torch.int64, device=device)
+            dist.broadcast(ids, src=_first_rank(model.parallel.group), group=model.parallel.group)
+        else:
+            ids = step.input_ids.to(device)
+        hidden = model.forward_step(ids, _moved(step.batch, device), cache)
         if step.rows:
             model.compute_logits(hidden[torch.tensor(step.rows, device=device)])
         steps += 1

@@ -221,16 +221,6 @@ def test_async_scheduling_refuses_speculation():
         EngineConfig(async_scheduling=True, num_speculative_tokens=2)
 
 
-def test_async_scheduling_refuses_tensor_parallelism_before_the_load(monkeypatch):
-    import kimik3.engine.build as build
-    import kimik3.parallel.launch as launch
-    from kimik3.engine.args import EngineArgs
-    monkeypatch.setattr(launch, "start_group", lambda *a, **k: pytest.fail("the group was started"))
-    monkeypatch.setattr(build, "load_model", lambda *a, **k: pytest.fail("the weights were loaded"))
-    with pytest.raises(ValueError, match="async_scheduling does not work with tensor or expert parallelism"):
-        build.build_engine(EngineArgs(tensor_parallel_size=2, async_scheduling=True, device="cpu"))
-
-
 @pytest.mark.parametrize("flags, device, expected", [
     ([], "cuda", True),                                     # vLLM's default: on where it works
     ([], "cpu", False),                                     # nothing to overlap on a CPU

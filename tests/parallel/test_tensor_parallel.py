@@ -70,9 +70,22 @@ def test_engine_greedy_outputs_match_one_process(ckpts, tmp_path, ep, mode):
     (a, _), (b, hits) = run_engine(engine, first), run_engine(engine, second)
     assert hits > 0
     spawn(engine_rank, 2, str(path), ep, mode, str(tmp_path / "out.pt"))
-    outs, par_hits = torch.load(tmp_path / "out.pt", weights_only=False)
+    outs, par_hits, _ = torch.load(tmp_path / "out.pt", weights_only=False)
     assert outs == a + b
     assert par_hits == hits
+
+
+def test_async_scheduling_under_tensor_parallel(ckpts, tmp_path):
+    """Async scheduling with TP2: the ahead steps' input ids (rank 0's device samples) reach the
+    worker on the model's group, and the outputs are the one-process greedy outputs."""
+    path = ckpts["kimi_linear"]
+    engine = LLMEngine(load_model(path, dtype=torch.float64), EngineConfig(**ENGINE_CONFIG))
+    first, second = engine_prompts(engine.vocab_size)
+    (a, _), (b, hits) = run_engine(engine, first), run_engine(engine, second)
+    spawn(engine_rank, 2, str(path), 1, "tep", str(tmp_path / "out.pt"), True)
+    outs, par_hits, ahead = torch.load(tmp_path / "out.pt", weights_only=False)
+    assert ahead > 5, "no step was launched ahead"
+    assert outs == a + b and par_hits == hits
 
 
 def test_speculative_decoding_under_tensor_parallel(ckpts, tmp_path):
