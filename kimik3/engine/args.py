@@ -151,7 +151,10 @@ class EngineArgs:
     kda_checkpoint_interval: int | None = _opt(
         "cache blocks between saved KDA states for prefix caching (default: auto)", default=None,
         type=_positive(human_readable_int))
-    enforce_eager: bool = _opt("never capture CUDA graphs; every step runs eagerly (default: off)", default=False)
+    enforce_eager: bool | None = _opt(
+        "never capture CUDA graphs; every step runs eagerly. --no-enforce-eager asks for decode graphs under "
+        "tensor/expert parallelism too (default: off on one GPU; on under parallelism, whose graphs are tested "
+        "on CPU ranks but not yet run on several GPUs)", default=None)
     seed: int = _opt("engine RNG seed for requests without their own seed (default: 0)", default=0, type=int)
     max_logprobs: int = _opt("most logprobs a request may ask for per token (default: 20)", default=20,
                              type=non_negative_int)
@@ -256,6 +259,12 @@ class EngineArgs:
         return (device.type == "cuda" and not self.num_speculative_tokens and self.tensor_parallel_size == 1
                 and not self.enable_expert_parallel)
 
+    def resolve_enforce_eager(self) -> bool:
+        """The flag if given; else eager under tensor / expert parallelism only."""
+        if self.enforce_eager is not None:
+            return self.enforce_eager
+        return self.tensor_parallel_size > 1 or self.enable_expert_parallel
+
     def engine_config(self, max_model_len: int, device: torch.device):
         from kimik3.engine.config import EngineConfig
         return EngineConfig(max_num_seqs=self.max_num_seqs, max_num_batched_tokens=self.max_num_batched_tokens,
@@ -263,7 +272,7 @@ class EngineArgs:
                             block_size=self.block_size, kda_checkpoint_interval=self.kda_checkpoint_interval,
                             cache_memory_bytes=self.kv_cache_memory_bytes,
                             gpu_memory_utilization=float(self.gpu_memory_utilization), seed=self.seed,
-                            enforce_eager=self.enforce_eager, max_logprobs=self.max_logprobs,
+                            enforce_eager=self.resolve_enforce_eager(), max_logprobs=self.max_logprobs,
                             num_speculative_tokens=self.num_speculative_tokens,
                             speculative_ngram_min=self.speculative_ngram_min,
                             speculative_ngram_max=self.speculative_ngram_max,

@@ -15,7 +15,7 @@ import torch
 
 from kimik3.engine.batch_builder import BatchBuilder
 from kimik3.engine.config import EngineConfig
-from kimik3.engine.cuda_graphs import DecodeGraphs, capture_or_none
+from kimik3.model.cuda_graphs import DecodeGraphs, capture_or_none
 from kimik3.engine.encoder_cache import ImageEncoder
 from kimik3.engine.logit_controls import controlled_logits
 from kimik3.engine.sampler import PendingOutput, Sampler, SamplerOutput, on_device
@@ -39,7 +39,11 @@ class ModelRunner:
         self.num_steps = self.num_graph_steps = 0
         self.graphs: DecodeGraphs | None = None
         if not config.enforce_eager and self.device.type == "cuda":
-            self.graphs = capture_or_none(DecodeGraphs(model, cache, config.max_num_seqs, config.max_model_len))
+            self.graphs = self.capture_graphs(DecodeGraphs(model, cache, config.max_num_seqs, config.max_model_len))
+
+    def capture_graphs(self, graphs: DecodeGraphs) -> DecodeGraphs | None:
+        """Capture the decode graphs, or None (eager) when the model cannot be captured."""
+        return capture_or_none(graphs)
 
     def run(self, input_ids: torch.Tensor, batch: ForwardBatch, rows: list[int]) -> torch.Tensor | None:
         """The eager step: one packed forward, then the logits of ``rows``."""

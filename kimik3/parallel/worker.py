@@ -10,6 +10,10 @@ descriptor then carries their count, and the ids follow as a broadcast on the mo
 (NCCL on GPUs: from device to device, without a wait on rank 0's host). The cache
 geometry goes once at start (``CacheGeometry``); ``None`` ends the loop. Workers decide nothing:
 the prefix registry, block and slot choices live on rank 0 only.
+
+Decode CUDA graphs: ``CaptureGraphs`` has every rank capture its own graphs (their collectives
+inside) at the same time, and all keep them only if every rank succeeded (``agree``); a pure decode
+step is then a ``GraphStep`` (the packed decode inputs), which each rank replays.
 """
 
 from __future__ import annotations
@@ -21,6 +25,7 @@ from dataclasses import dataclass
 import torch
 import torch.distributed as dist
 
+from kimik3.model.cuda_graphs import DecodeGraphs, capture_or_none
 from kimik3.model.batch import ForwardBatch
 
 logger = logging.getLogger(__name__)
@@ -40,6 +45,22 @@ class StepDescriptor:
     rows: list[int]                          # packed rows whose logits are gathered
     state_copies: list[tuple[int, int]]      # applied before the forward, in order
     state_resets: list[int]
+
+
+@dataclass
+class GraphStep:
+    meta: torch.Tensor                       # [4, size] int64 host (``cuda_graphs.pack_decode_inputs``)
+    block_tables: torch.Tensor               # [size, width] int32 host
+    num_seqs: int
+    ids_on_device: bool                      # async scheduling: the ids follow on the model's group
+    state_copies: list[tuple[int, int]]
+    state_resets: list[int]
+
+
+@dataclass(frozen=True)
+class CaptureGraphs:
+    max_num_seqs: int
+    max_model_len: int
 
 
 def _moved(batch: ForwardBatch, device: torch.device) -> ForwardBatch:
@@ -73,8 +94,38 @@ def send_step(control, input_ids: torch.Tensor, batch: ForwardBatch, rows: list[
         dist.broadcast(input_ids, src=_first_rank(model_group), group=model_group)
 
 
+def send_graph_step(control, meta: torch.Tensor, block_tables: torch.Tensor, num_seqs: int,
+                    state_copies: list[tuple[int, int]], state_resets: list[int], input_ids: torch.Tensor | None,
+                    model_group=None) -> None:
+    """Rank 0, before each graph replay: the inputs every worker replays its graph of that size with."""
+    broadcast(GraphStep(meta.cpu(), block_tables.cpu(), num_seqs, input_ids is not None, list(state_copies),
+                        list(state_resets)), control)
+    if input_ids is not None:
+        dist.broadcast(input_ids, src=_first_rank(model_group), group=model_group)
+
+
+def agree(ok: bool, control) -> bool:
+    """Whether ``ok`` holds on every rank (each rank calls it with its own)."""
+    flag = torch.tensor([int(ok)])
+    dist.all_reduce(flag, op=dist.ReduceOp.MIN, group=control)
+    return bool(flag.item())
+
+
 def _first_rank(group) -> int:
     return 0 if group is None else dist.get_global_rank(group, 0)
+
+
+def _apply_state_ops(cache, copies: list[tuple[int, int]], resets: list[int]) -> None:
+    for src, dst in copies:
+        cache.copy_state(src, dst)
+    for slot in resets:
+        cache.reset_state(slot)
+
+
+def _recv_ids(n: int, device: torch.device, group) -> torch.Tensor:
+    ids = torch.empty(n, dtype=torch.int64, device=device)
+    dist.broadcast(ids, src=_first_rank(group), group=group)
+    return ids
 
 
 def stop_workers(control) -> None:
@@ -83,28 +134,35 @@ def stop_workers(control) -> None:
 
 
 @torch.inference_mode()
-def worker_loop(model, control) -> int:
-    """Run steps as rank 0 describes them until it says stop; returns the number of steps."""
+def worker_loop(model, control, graphs_class=DecodeGraphs) -> int:
+    """Run steps as rank 0 describes them until it says stop; returns the number of steps.
+    ``graphs_class``: what ``CaptureGraphs`` builds (tests pass a stand-in)."""
     device = torch.device(model.device)
     geometry: CacheGeometry | None = broadcast(None, control)
     if geometry is None:                 # rank 0 stopped before its engine was built
         return 0
     cache = model.allocate_cache(geometry.num_slots, geometry.num_blocks, geometry.block_size)
+    graphs = None
     steps = 0
     while True:
-        step: StepDescriptor | None = broadcast(None, control)
+        step = broadcast(None, control)
         if step is None:
             return steps
-        for src, dst in step.state_copies:
-            cache.copy_state(src, dst)
-        for slot in step.state_resets:
-            cache.reset_state(slot)
-        if isinstance(step.input_ids, int):       # async scheduling: the ids come from rank 0's device
-            ids = torch.empty(step.input_ids, dtype=torch.int64, device=device)
-            dist.broadcast(ids, src=_first_rank(model.parallel.group), group=model.parallel.group)
+        if isinstance(step, CaptureGraphs):
+            graphs = capture_or_none(graphs_class(model, cache, step.max_num_seqs, step.max_model_len))
+            if not agree(graphs is not None, control):
+                graphs = None
+            continue
+        _apply_state_ops(cache, step.state_copies, step.state_resets)
+        if isinstance(step, GraphStep):
+            ids = _recv_ids(step.num_seqs, device, model.parallel.group) if step.ids_on_device else None
+            graphs.run(step.meta, step.block_tables, step.num_seqs, ids)
         else:
-            ids = step.input_ids.to(device)
-        hidden = model.forward_step(ids, _moved(step.batch, device), cache)
-        if step.rows:
-            model.compute_logits(hidden[torch.tensor(step.rows, device=device)])
+            if isinstance(step.input_ids, int):       # async scheduling: the ids come from rank 0's device
+                ids = _recv_ids(step.input_ids, device, model.parallel.group)
+            else:
+                ids = step.input_ids.to(device)
+            hidden = model.forward_step(ids, _moved(step.batch, device), cache)
+            if step.rows:
+                model.compute_logits(hidden[torch.tensor(step.rows, device=device)])
         steps += 1

@@ -4,7 +4,10 @@ from __future__ import annotations
 
 from collections import Counter
 
+import torch
+
 from kimik3.engine import EngineConfig, LLMEngine, SamplingParams
+from kimik3.model.cuda_graphs import DecodeGraphs
 from kimik3.engine.kv_cache import KVCacheManager
 from kimik3.engine.request import Request
 from kimik3.model.batch import HybridCache
@@ -127,3 +130,39 @@ class count_calls:
             self.hits += out is not None
             return out
         setattr(owner, name, wrapper)
+
+
+class _EagerReplay:
+    """Stands in for a captured graph: the same step, run eagerly, into a fixed output buffer."""
+
+    def __init__(self, graphs: DecodeGraphs, size: int, vocab: int, seen: list):
+        self.graphs, self.size, self.seen = graphs, size, seen
+        self.out = torch.empty(size, vocab, dtype=torch.promote_types(graphs.model.dtype, torch.float32))
+
+    def replay(self):
+        cache = self.graphs.cache
+        before = (cache.kda_conv.clone(), cache.kda_state.clone(), cache.mla_latent.clone())
+        logits = self.graphs.step(self.size)          # None on a tensor-parallel worker (rank 0 gets them)
+        if logits is not None:
+            self.out.copy_(logits)
+        meta = self.graphs.meta[:, :self.size]
+        self.seen.append((meta.clone(), before, (cache.kda_conv.clone(), cache.kda_state.clone(), cache.mla_latent.clone())))
+
+
+class EagerReplayGraphs(DecodeGraphs):
+    """DecodeGraphs whose capture makes eager stand-ins (CPU)."""
+
+    def capture(self) -> None:
+        self.seen: list = []
+        vocab = self.model.config.text.vocab_size
+        for size in self.sizes:
+            replay = _EagerReplay(self, size, vocab, self.seen)
+            self.graphs[size] = (replay, replay.out)
+
+
+class FailingGraphs(DecodeGraphs):
+    """A model that cannot be captured (e.g. a host sync inside a decode step)."""
+
+    def capture(self) -> None:
+        self.graphs[1] = ("half-captured", None)
+        raise RuntimeError("CUDA error: operation not permitted when stream is capturing\nmore detail")

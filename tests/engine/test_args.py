@@ -124,3 +124,14 @@ def test_limit_mm_per_prompt_is_checked():
         EngineArgs(limit_mm_per_prompt={"audio": 1})
     args = subparsers()["serve"].parse_args(["--limit-mm-per-prompt", '{"image": 3, "video": 0}'])
     assert EngineArgs.from_cli(args).limit_mm_per_prompt == {"image": 3, "video": 0}
+
+
+@pytest.mark.parametrize("flags, expected", [
+    ([], False), (["-tp", "2"], True), (["--enable-expert-parallel"], True),     # graphs under TP: opt-in
+    (["-tp", "2", "--no-enforce-eager"], False), (["--enforce-eager"], True),
+])
+def test_enforce_eager_defaults_to_graphs_on_one_gpu_only(flags, expected):
+    from kimik3.engine.args import add_engine_args
+    ns = add_engine_args(argparse.ArgumentParser()).parse_args(flags)
+    args = EngineArgs(**{k: v for k, v in vars(ns).items() if k in EngineArgs.__dataclass_fields__})
+    assert args.engine_config(64, torch.device("cuda")).enforce_eager is expected

@@ -4,7 +4,7 @@ import numpy as np
 import pytest
 
 from kimik3.engine.block_pool import BlockTable
-from kimik3.engine.cuda_graphs import pack_decode_inputs
+from kimik3.model.cuda_graphs import pack_decode_inputs
 
 
 def test_block_table_grows_like_a_list():

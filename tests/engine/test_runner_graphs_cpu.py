@@ -12,8 +12,8 @@ import torch
 
 import kimik3
 from kimik3.engine import SamplingParams
-from kimik3.engine.cuda_graphs import DecodeGraphs, graph_batch_sizes, pack_decode_inputs, padded_batch_size
-from tests.engine.helpers import make_engine, run
+from kimik3.model.cuda_graphs import graph_batch_sizes, pack_decode_inputs, padded_batch_size
+from tests.engine.helpers import EagerReplayGraphs, FailingGraphs, make_engine, run
 
 
 @pytest.mark.parametrize("max_num_seqs,sizes", [(1, [1]), (5, [1, 2, 4, 5]), (8, [1, 2, 4, 8]),
@@ -50,32 +50,6 @@ def test_pack_decode_inputs_errors():
         pack_decode_inputs([1], [4], [1], [[1]], block_size=4, size=1)
     with pytest.raises(ValueError, match="one entry per sequence"):
         pack_decode_inputs([1, 2], [1], [1], [[1]], block_size=4, size=2)
-
-
-class _EagerReplay:
-    """Stands in for a captured graph: the same step, run eagerly, into a fixed output buffer."""
-
-    def __init__(self, graphs: DecodeGraphs, size: int, vocab: int, seen: list):
-        self.graphs, self.size, self.seen = graphs, size, seen
-        self.out = torch.empty(size, vocab, dtype=torch.promote_types(graphs.model.dtype, torch.float32))
-
-    def replay(self):
-        cache = self.graphs.cache
-        before = (cache.kda_conv.clone(), cache.kda_state.clone(), cache.mla_latent.clone())
-        self.out.copy_(self.graphs.step(self.size))
-        meta = self.graphs.meta[:, :self.size]
-        self.seen.append((meta.clone(), before, (cache.kda_conv.clone(), cache.kda_state.clone(), cache.mla_latent.clone())))
-
-
-class EagerReplayGraphs(DecodeGraphs):
-    """DecodeGraphs whose capture makes eager stand-ins (CPU)."""
-
-    def capture(self) -> None:
-        self.seen: list = []
-        vocab = self.model.config.text.vocab_size
-        for size in self.sizes:
-            replay = _EagerReplay(self, size, vocab, self.seen)
-            self.graphs[size] = (replay, replay.out)
 
 
 @pytest.fixture(scope="module")
@@ -117,22 +91,14 @@ def test_engine_graph_branch_matches_eager(model):
         assert changed <= blocks, f"mla_latent: padding touched blocks {changed - blocks}"
 
 
-class FailingGraphs(DecodeGraphs):
-    """A model that cannot be captured (e.g. a host sync inside a decode step)."""
-
-    def capture(self) -> None:
-        self.graphs[1] = ("half-captured", None)
-        raise RuntimeError("CUDA error: operation not permitted when stream is capturing\nmore detail")
-
-
 def test_capture_failure_falls_back_to_eager_with_one_warning(model, caplog):
-    from kimik3.engine.cuda_graphs import capture_or_none
+    from kimik3.model.cuda_graphs import capture_or_none
     reqs = _requests(model.config.text.vocab_size)
     kw = dict(block_size=3, max_num_seqs=8, max_num_batched_tokens=64, max_model_len=32, extra_blocks=40)
     eager = run(make_engine(model, **kw), reqs, {0: list(reqs)})
     engine = make_engine(model, **kw)
     graphs = FailingGraphs(model, engine.cache, 8, 32)
-    with caplog.at_level("WARNING", logger="kimik3.engine.cuda_graphs"):
+    with caplog.at_level("WARNING", logger="kimik3.model.cuda_graphs"):
         engine.runner.graphs = capture_or_none(graphs)
     assert engine.runner.graphs is None and graphs.graphs == {}
     warnings = [r for r in caplog.records if r.levelname == "WARNING"]

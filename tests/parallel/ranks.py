@@ -18,7 +18,7 @@ from kimik3.loader.load import load_model
 from kimik3.model import ForwardBatch, StateCheckpoint
 from kimik3.parallel.launch import init_rank
 from kimik3.parallel.worker import stop_workers, worker_loop
-from tests.engine.helpers import count_calls
+from tests.engine.helpers import EagerReplayGraphs, FailingGraphs, count_calls
 
 
 def spawn(fn, world: int, *args, timeout: float = 120.0) -> None:
@@ -118,20 +118,27 @@ ENGINE_CONFIG = dict(max_num_seqs=4, max_num_batched_tokens=8, max_model_len=64,
                      kda_checkpoint_interval=1, cache_memory_bytes=1 << 22)
 
 
-def engine_rank(rank, world, control, path: str, ep: int, mode: str, out_path: str, async_scheduling: bool = False):
-    """The engine on rank 0, workers elsewhere: (greedy outputs, prefix-hit tokens, steps launched ahead)."""
+def engine_rank(rank, world, control, path: str, ep: int, mode: str, out_path: str, async_scheduling: bool = False,
+                graphs: str | None = None):
+    """The engine on rank 0, workers elsewhere: (greedy outputs, prefix-hit tokens, steps launched
+    ahead, graph steps). ``graphs``: decode "graphs" as eager stand-ins on every rank ("all"), or
+    with rank 1's capture failing ("rank1-fails")."""
     par = ParallelContext(rank, world, None, ep, mode)
     model = load_model(path, dtype=torch.float64, parallel=par)
     if rank != 0:
-        worker_loop(model, control)
+        worker_loop(model, control, FailingGraphs if graphs == "rank1-fails" and rank == 1 else EagerReplayGraphs)
         return
     engine = LLMEngine(model, EngineConfig(**ENGINE_CONFIG, async_scheduling=async_scheduling),
                        runner_factory=functools.partial(ParallelRunner, control=control))
+    if graphs is not None:            # on CPU the runner captures nothing by itself
+        cfg = engine.config
+        engine.runner.graphs = engine.runner.capture_graphs(EagerReplayGraphs(model, engine.cache, cfg.max_num_seqs,
+                                                                              cfg.max_model_len))
     ahead = count_calls(engine.scheduler, "schedule_ahead")
     first, second = engine_prompts(model.config.text.vocab_size)
     (a, _), (b, hits) = run_engine(engine, first), run_engine(engine, second)
     stop_workers(control)
-    torch.save((a + b, hits, ahead.hits), out_path)
+    torch.save((a + b, hits, ahead.hits, engine.runner.num_graph_steps), out_path)
 
 
 SPEC_ENGINE_CONFIG = dict(max_num_seqs=3, max_num_batched_tokens=64, block_size=16, kda_checkpoint_interval=2,

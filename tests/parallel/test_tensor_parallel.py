@@ -70,7 +70,7 @@ def test_engine_greedy_outputs_match_one_process(ckpts, tmp_path, ep, mode):
     (a, _), (b, hits) = run_engine(engine, first), run_engine(engine, second)
     assert hits > 0
     spawn(engine_rank, 2, str(path), ep, mode, str(tmp_path / "out.pt"))
-    outs, par_hits, _ = torch.load(tmp_path / "out.pt", weights_only=False)
+    outs, par_hits, _, _ = torch.load(tmp_path / "out.pt", weights_only=False)
     assert outs == a + b
     assert par_hits == hits
 
@@ -83,9 +83,26 @@ def test_async_scheduling_under_tensor_parallel(ckpts, tmp_path):
     first, second = engine_prompts(engine.vocab_size)
     (a, _), (b, hits) = run_engine(engine, first), run_engine(engine, second)
     spawn(engine_rank, 2, str(path), 1, "tep", str(tmp_path / "out.pt"), True)
-    outs, par_hits, ahead = torch.load(tmp_path / "out.pt", weights_only=False)
+    outs, par_hits, ahead, _ = torch.load(tmp_path / "out.pt", weights_only=False)
     assert ahead > 5, "no step was launched ahead"
     assert outs == a + b and par_hits == hits
+
+
+@pytest.mark.parametrize("graphs,async_scheduling", [("all", False), ("all", True), ("rank1-fails", False)])
+def test_decode_graphs_under_tensor_parallel(ckpts, tmp_path, graphs, async_scheduling):
+    """Decode graphs with TP2 (eager stand-ins for the captured graphs on every rank, their
+    collectives inside): graph steps reach the worker, which replays its own (with async
+    scheduling's device ids too), and the outputs are the one-process greedy outputs. A rank whose
+    capture fails makes every rank run eagerly."""
+    path = ckpts["kimi_k3"]
+    engine = LLMEngine(load_model(path, dtype=torch.float64), EngineConfig(**ENGINE_CONFIG))
+    first, second = engine_prompts(engine.vocab_size)
+    (a, _), (b, hits) = run_engine(engine, first), run_engine(engine, second)
+    spawn(engine_rank, 2, str(path), 1, "tep", str(tmp_path / "out.pt"), async_scheduling, graphs)
+    outs, par_hits, ahead, graph_steps = torch.load(tmp_path / "out.pt", weights_only=False)
+    assert outs == a + b and par_hits == hits
+    assert (graph_steps > 0) == (graphs == "all"), graph_steps
+    assert (ahead > 0) == async_scheduling
 
 
 def test_speculative_decoding_under_tensor_parallel(ckpts, tmp_path):

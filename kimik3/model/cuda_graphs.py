@@ -157,7 +157,7 @@ class DecodeGraphs:
             self.staged.record()
         graph, logits = self.graphs[size]
         graph.replay()
-        return logits[:num_seqs]
+        return None if logits is None else logits[:num_seqs]      # None: a tensor-parallel worker
 
 
 def capture_or_none(graphs: DecodeGraphs) -> DecodeGraphs | None:
