@@ -283,3 +283,48 @@ def test_mla_decode_compiles_few_variants_as_contexts_grow():
     split = compiled_variants(m._mla_decode_split_kernel) - before[0]
     merge = compiled_variants(m._mla_decode_merge_kernel) - before[1]
     assert split <= 3 and merge <= 10, (split, merge)      # merge: one per power-of-two bound on the count
+
+
+def test_kernels_behind_served_compile_stalls_compile_once_per_tile_shape():
+    """A served step can have any size, and the kernels whose compiles stalled served passes
+    (benchmarks/RESULTS.md, sixth session) now compile once per tile shape, exact each time: the
+    KDA q/k L2 norm for every row count; the expert alignment for every row count whose tile
+    bounds (next powers of two of the rows and the padded capacity) agree; the split-K merge of
+    MLA prefill for every split count."""
+    from kimik3.ops.triton import l2norm, mla_prefill
+    from kimik3.ops.triton import moe as moe_kernels
+    g = _gen(11)
+    before = compiled_variants(l2norm._l2norm_kernel)
+    for T in (1, 7, 16, 33, 683, 684, 4097):              # 683 / 684 tokens at 96 heads: fla's NB buckets
+        x = (torch.randn(T, 96, 128, generator=g, device="cuda") * 3).to(BF16)
+        x64 = x.double()
+        ref = x64 / torch.sqrt(x64.pow(2).sum(-1, keepdim=True) + 1e-6)
+        assert (l2norm.l2norm_triton(x).double() - ref).abs().max().item() <= 2 ** -8, T
+    assert compiled_variants(l2norm._l2norm_kernel) - before == 1
+
+    E, k, BM = 256, 8, 16                                   # Kimi-Linear's routing: odd T gives R % 16 = 8
+    before = compiled_variants(moe_kernels._align_kernel)
+    for T in (257, 258, 301, 333, 400, 511):               # R = 8 T in (2048, 4096]; capacity in (4096, 8192]
+        ids = torch.stack([torch.randperm(E, generator=g, device="cuda")[:k] for _ in range(T)])
+        rows, block_expert = moe_kernels._sort_by_expert(ids, E, BM)
+        R = T * k
+        placed = rows[rows != R]
+        assert torch.equal(placed.sort().values, torch.arange(R, device="cuda")), T
+        assert torch.equal(block_expert[torch.nonzero(rows != R)[:, 0] // BM], ids.reshape(-1)[placed]), T
+    assert compiled_variants(moe_kernels._align_kernel) - before == 1
+
+    cfg = mla_prefill.PrefillConfig(16, 16, 4, 2)
+    T, S, Hq, DA, DB, DV = 4, 512, 2, 32, 16, 16
+    qa, qb = (torch.randn(T, Hq, d, generator=g, device="cuda").to(BF16) for d in (DA, DB))
+    ka, kb = torch.randn(S, Hq, DA, generator=g, device="cuda").to(BF16), torch.randn(S, 1, DB, generator=g, device="cuda").to(BF16)
+    v = torch.randn(S, Hq, DV, generator=g, device="cuda").to(BF16)
+    cu = lambda xs: torch.tensor([0, *xs], device="cuda").cumsum(0).int()      # noqa: E731
+    pos = lambda xs: torch.tensor(xs, device="cuda", dtype=torch.int32)         # noqa: E731
+    args = (qa, qb, ka, kb, v, cu([T]), cu([S]), pos([S]), pos([0]), T, 0.1, torch.float32, cfg)
+    one, one_lse = mla_prefill.mla_prefill_triton(*args, max_key_len=S, num_splits=1)
+    before = compiled_variants(mla_prefill._merge_splits_kernel)
+    for splits in (2, 3, 5, 8, 11, 16):
+        o, lse = mla_prefill.mla_prefill_triton(*args, max_key_len=S, num_splits=splits)
+        # each split rounds its own probabilities to bf16 for the PV product: 2^-9 of |o| <= ~1
+        assert (o - one).abs().max().item() < 4e-3 and (lse - one_lse).abs().max().item() < 1e-4, splits
+    assert compiled_variants(mla_prefill._merge_splits_kernel) - before == 1
