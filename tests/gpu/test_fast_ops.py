@@ -300,7 +300,7 @@ def test_kernels_behind_served_compile_stalls_compile_once_per_tile_shape():
         x64 = x.double()
         ref = x64 / torch.sqrt(x64.pow(2).sum(-1, keepdim=True) + 1e-6)
         assert (l2norm.l2norm_triton(x).double() - ref).abs().max().item() <= 2 ** -8, T
-    assert compiled_variants(l2norm._l2norm_kernel) - before == 1
+    assert compiled_variants(l2norm._l2norm_kernel) - before <= 1          # (0: an earlier test compiled it)
 
     E, k, BM = 256, 8, 16                                   # Kimi-Linear's routing: odd T gives R % 16 = 8
     before = compiled_variants(moe_kernels._align_kernel)
@@ -311,7 +311,7 @@ def test_kernels_behind_served_compile_stalls_compile_once_per_tile_shape():
         placed = rows[rows != R]
         assert torch.equal(placed.sort().values, torch.arange(R, device="cuda")), T
         assert torch.equal(block_expert[torch.nonzero(rows != R)[:, 0] // BM], ids.reshape(-1)[placed]), T
-    assert compiled_variants(moe_kernels._align_kernel) - before == 1
+    assert compiled_variants(moe_kernels._align_kernel) - before <= 1
 
     cfg = mla_prefill.PrefillConfig(16, 16, 4, 2)
     T, S, Hq, DA, DB, DV = 4, 512, 2, 32, 16, 16
@@ -327,4 +327,4 @@ def test_kernels_behind_served_compile_stalls_compile_once_per_tile_shape():
         o, lse = mla_prefill.mla_prefill_triton(*args, max_key_len=S, num_splits=splits)
         # each split rounds its own probabilities to bf16 for the PV product: 2^-9 of |o| <= ~1
         assert (o - one).abs().max().item() < 4e-3 and (lse - one_lse).abs().max().item() < 1e-4, splits
-    assert compiled_variants(mla_prefill._merge_splits_kernel) - before == 1
+    assert compiled_variants(mla_prefill._merge_splits_kernel) - before <= 1
