@@ -17,9 +17,9 @@ from dataclasses import dataclass
 
 import torch
 
-from kimik3.model.cuda_graphs import DecodeGraphs, pack_decode_inputs
 from kimik3.engine.encoder_cache import ImageEncoder
 from kimik3.model.batch import ForwardBatch
+from kimik3.model.cuda_graphs import DecodeGraphs, pack_decode_inputs
 
 
 @dataclass

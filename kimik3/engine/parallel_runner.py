@@ -9,9 +9,9 @@ import logging
 import torch
 
 from kimik3.engine.config import EngineConfig
-from kimik3.model.cuda_graphs import DecodeGraphs, capture_or_none
 from kimik3.engine.runner import ModelRunner
 from kimik3.model.batch import ForwardBatch
+from kimik3.model.cuda_graphs import DecodeGraphs, capture_or_none
 from kimik3.parallel.worker import CaptureGraphs, agree, broadcast, send_geometry, send_graph_step, send_step
 
 logger = logging.getLogger(__name__)

@@ -15,12 +15,12 @@ import torch
 
 from kimik3.engine.batch_builder import BatchBuilder
 from kimik3.engine.config import EngineConfig
-from kimik3.model.cuda_graphs import DecodeGraphs, capture_or_none
 from kimik3.engine.encoder_cache import ImageEncoder
 from kimik3.engine.logit_controls import controlled_logits
 from kimik3.engine.sampler import PendingOutput, Sampler, SamplerOutput, on_device
 from kimik3.engine.speculative import row_spans, verify
 from kimik3.model.batch import ForwardBatch, HybridCache
+from kimik3.model.cuda_graphs import DecodeGraphs, capture_or_none
 
 logger = logging.getLogger(__name__)
 
@@ -88,10 +88,7 @@ class ModelRunner:
         device tensor of an async-scheduled step's input tokens (each chunk's ``input_pending`` token,
         the previous step's sample, in chunk order)."""
         t0, enc0 = time.perf_counter(), self.images.seconds
-        for src, dst in out.state_copies:
-            self.cache.copy_state(src, dst)
-        for slot in out.state_resets:
-            self.cache.reset_state(slot)
+        self.cache.apply_state_ops(out.state_copies, out.state_resets)
         size = self.batches.graph_size(out, self.graphs)
         if size is None:
             step = self.batches.build(out)

@@ -117,9 +117,10 @@ class PenaltyHistory:
     date with each step's new tokens: a penalized row costs O(new tokens) a step, not O(prompt +
     output) (rebuilding [n, P] id tensors from the token lists took 134 ms a step for 32 requests
     of 32k-token prompts). A slot's rows are rebuilt when another request takes it (a request
-    preempted and re-admitted to its own slot keeps them: its history did not change). ``seen``: in the prompt; ``counts``: times in the output (int32). Size: (1 +
-    max_num_seqs) x vocab x 5 bytes, allocated when the first penalized request samples, outside
-    the cache plan (211 MB for K3's vocabulary at 256 sequences)."""
+    preempted and re-admitted to its own slot keeps them: its history did not change). ``seen``:
+    in the prompt; ``counts``: times in the output (int32). Size: (1 + max_num_seqs) x vocab x 5
+    bytes, allocated when the first penalized request samples, outside the cache plan (211 MB for
+    K3's vocabulary at 256 sequences)."""
 
     def __init__(self, num_slots: int, vocab_size: int, device: torch.device):
         self.seen = torch.zeros(num_slots, vocab_size, dtype=torch.bool, device=device)

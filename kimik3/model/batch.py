@@ -134,6 +134,13 @@ class HybridCache:
         self.kda_conv[:, slot].zero_()
         self.kda_state[:, slot].zero_()
 
+    def apply_state_ops(self, copies: list[tuple[int, int]], resets: list[int]) -> None:
+        """A step's KDA state copies (src, dst), in order, then its resets."""
+        for src, dst in copies:
+            self.copy_state(src, dst)
+        for slot in resets:
+            self.reset_state(slot)
+
     @staticmethod
     def bytes_per_slot(text_cfg, dtype: torch.dtype) -> int:
         k = text_cfg.kda

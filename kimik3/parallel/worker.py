@@ -25,8 +25,8 @@ from dataclasses import dataclass
 import torch
 import torch.distributed as dist
 
-from kimik3.model.cuda_graphs import DecodeGraphs, capture_or_none
 from kimik3.model.batch import ForwardBatch
+from kimik3.model.cuda_graphs import DecodeGraphs, capture_or_none
 
 logger = logging.getLogger(__name__)
 
@@ -91,7 +91,7 @@ def send_step(control, input_ids: torch.Tensor, batch: ForwardBatch, rows: list[
     broadcast(StepDescriptor(ids, _moved(batch, torch.device("cpu")), list(rows), list(state_copies),
                              list(state_resets)), control)
     if ids_on_device:
-        dist.broadcast(input_ids, src=_first_rank(model_group), group=model_group)
+        _send_ids(input_ids, model_group)
 
 
 def send_graph_step(control, meta: torch.Tensor, block_tables: torch.Tensor, num_seqs: int,
@@ -101,7 +101,7 @@ def send_graph_step(control, meta: torch.Tensor, block_tables: torch.Tensor, num
     broadcast(GraphStep(meta.cpu(), block_tables.cpu(), num_seqs, input_ids is not None, list(state_copies),
                         list(state_resets)), control)
     if input_ids is not None:
-        dist.broadcast(input_ids, src=_first_rank(model_group), group=model_group)
+        _send_ids(input_ids, model_group)
 
 
 def agree(ok: bool, control) -> bool:
@@ -115,11 +115,8 @@ def _first_rank(group) -> int:
     return 0 if group is None else dist.get_global_rank(group, 0)
 
 
-def _apply_state_ops(cache, copies: list[tuple[int, int]], resets: list[int]) -> None:
-    for src, dst in copies:
-        cache.copy_state(src, dst)
-    for slot in resets:
-        cache.reset_state(slot)
+def _send_ids(ids: torch.Tensor, group) -> None:
+    dist.broadcast(ids, src=_first_rank(group), group=group)
 
 
 def _recv_ids(n: int, device: torch.device, group) -> torch.Tensor:
@@ -153,7 +150,7 @@ def worker_loop(model, control, graphs_class=DecodeGraphs) -> int:
             if not agree(graphs is not None, control):
                 graphs = None
             continue
-        _apply_state_ops(cache, step.state_copies, step.state_resets)
+        cache.apply_state_ops(step.state_copies, step.state_resets)
         if isinstance(step, GraphStep):
             ids = _recv_ids(step.num_seqs, device, model.parallel.group) if step.ids_on_device else None
             graphs.run(step.meta, step.block_tables, step.num_seqs, ids)

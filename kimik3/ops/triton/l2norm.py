@@ -1,4 +1,4 @@
-"""Row L2 normalisation for KDA's q and k before fla's chunk kernels: y = x * rsqrt(sum(x^2) + eps),
+"""Row L2 normalisation for KDA's q and k before fla's chunk kernels: y = x / sqrt(sum(x^2) + eps),
 computed in fp32 and stored in x's dtype (as fla's ``l2norm_fwd``). One fixed config, and the row
 count is not specialised on, so every prefill size runs the one compiled kernel: fla's own
 ``l2norm_fwd`` autotunes 25 configs per bucket of 65,536 rows (each 683 tokens at 96 heads), which
