@@ -1,14 +1,22 @@
 """n-gram speculation against plain decoding at batch 1 (#18's target: never slower when the drafts are
 rejected, faster when they are right), on the K3-width 4-layer slice with CUDA graphs.
 
-Three workloads, each one request of ``--output`` greedy tokens, plain and with
-``num_speculative_tokens`` 3, timed as output tokens per second of the decode steps:
-- ``no_drafts``: a random prompt; n-grams seldom repeat, so few drafts are proposed (the proposer's cost);
-- ``rejected``: the prompt is a random sequence written twice, so the proposer drafts the first copy's
-  continuation at every step and the random model rejects it (the pause after failed verify steps
-  is what keeps this close to plain decoding);
-- ``oracle``: drafts are the plain run's own next tokens (a stand-in proposer, always right): the
-  most speculation can give here, labelled as such, since a random model repeats nothing by itself.
+A random-weight model repeats nothing and its logits are nearly flat (two runs part at near-ties),
+so the slice is made to copy: its embeddings are scaled up until the embedding dominates the final
+hidden state, and the LM-head row of token ``next[x]`` is set to the embedding of ``x``, so the
+greedy token after ``x`` is ``next[x]`` by a wide margin (every layer still runs its random weights,
+so a step costs what it always does). The real n-gram proposer and verifier then see three
+workloads, each one request of ``--output`` greedy tokens, plain and with ``num_speculative_tokens``
+3, timed as output tokens per second of the decode steps:
+- ``no_drafts``: a random prompt whose tokens have no ``next``: the continuation (random LM-head
+  rows) seldom repeats an n-gram, so few drafts are proposed (the proposer's cost);
+- ``rejected``: triples ``c_i c_(i+1) w_i`` with ``next[c_i] = c_(i+1)``, ending in ``c_0``: each
+  output bigram ``c_i c_(i+1)`` occurs in the prompt, so the proposer drafts ``w_i ..`` at every
+  step, which the model never emits (the pause after failed verify steps keeps this close to plain
+  decoding);
+- ``repetitive``: ``next`` follows the prompt's own order (the model copies its prompt, as in
+  editing code): every draft is right after the first token.
+Plain and speculative tokens must agree (the margins leave no near-ties).
 
     PYTHONPATH=. python benchmarks/gpu/bench_speculative.py            (writes $OUT/bench_speculative.json)
     PYTHONPATH=. python benchmarks/gpu/bench_speculative.py --cpu      (the embedded tiny model: a smoke run)
@@ -31,6 +39,8 @@ sys.path.insert(0, str(ROOT))
 
 from benchmarks.common import commit_id, log, save_results  # noqa: E402
 from kimik3.engine import EngineConfig, LLMEngine, SamplingParams  # noqa: E402
+
+EMBED_SCALE = 64.0      # the embedding's share of the final hidden state (layer outputs are O(1) per element)
 
 
 def run(model, prompt: list[int], output: int, speculative: bool, eager: bool) -> dict:
@@ -57,6 +67,32 @@ def run(model, prompt: list[int], output: int, speculative: bool, eager: bool) -
             "accepted_tokens": s.num_accepted_tokens - s0.num_accepted_tokens}
 
 
+def make_copying(model, successor: dict[int, int]) -> None:
+    """Scale the embeddings by ``EMBED_SCALE`` and set LM-head row ``successor[x]`` to x's embedding."""
+    embed, head = model.model.embed_tokens.weight, model.lm_head.weight
+    with torch.no_grad():
+        embed.mul_(EMBED_SCALE)
+        src = torch.tensor(list(successor), device=embed.device)
+        dst = torch.tensor(list(successor.values()), device=embed.device)
+        head[dst] = embed[src] / embed[src].norm(dim=-1, keepdim=True)     # unit rows, as the random ones
+
+
+def workloads(vocab: int, n: int, seed: int = 0) -> tuple[dict[str, list[int]], dict[int, int]]:
+    """The three prompts of about ``n`` tokens (disjoint token sets) and the successor map that makes them so."""
+    rng = random.Random(seed)
+    low = min(1000, vocab // 4)
+    m = (n - 1) // 3
+    pool = iter(rng.sample(range(low, vocab), 2 * n + 2 * m + 1))
+    no_drafts = [next(pool) for _ in range(n)]
+    cycle = [next(pool) for _ in range(m + 1)]           # rejected: c_0 c_1 w_0 c_1 c_2 w_1 ... c_0
+    wrong = [next(pool) for _ in range(m)]
+    rejected = [t for i in range(m) for t in (cycle[i], cycle[i + 1], wrong[i])] + cycle[:1]
+    copy = [next(pool) for _ in range(n)]
+    successor = {a: b for a, b in zip(cycle, cycle[1:] + cycle[:1])}          # the model's token after a
+    successor.update({a: b for a, b in zip(copy, copy[1:] + copy[:1])})       # repetitive: the prompt's order
+    return {"no_drafts": no_drafts, "rejected": rejected, "repetitive": copy}, successor
+
+
 def main() -> None:
     ap = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
     ap.add_argument("--cpu", action="store_true", help="the embedded tiny model on the CPU (a smoke run)")
@@ -64,43 +100,35 @@ def main() -> None:
     ap.add_argument("--output", type=int, default=128)
     args = ap.parse_args()
     import kimik3
-    import kimik3.engine.scheduler as scheduler
     if args.cpu:
         model, name = kimik3.load_model(kimik3.DEFAULT_MODEL, device="cpu", dtype=torch.float32), "embedded tiny K3 (CPU)"
     else:
         from benchmarks.gpu.bench_slice import CONFIG, build_slice
         model, name = build_slice(json.loads(CONFIG.read_text())), "K3-width 4-layer slice"
     eager = args.cpu
-    vocab = model.config.text.vocab_size
-    rng = random.Random(0)
-    low = min(1000, vocab // 4)
-    half = [rng.randrange(low, vocab) for _ in range(args.prompt // 2)]
-    workloads = {"no_drafts": [rng.randrange(low, vocab) for _ in range(args.prompt)], "rejected": half + half,
-                 "oracle": [rng.randrange(low, vocab) for _ in range(args.prompt)]}
-    ngram = scheduler.propose_ngram
+    prompts, successor = workloads(model.config.text.vocab_size, args.prompt)
+    make_copying(model, successor)
     rows = []
-    for wname, prompt in workloads.items():
+    for wname, prompt in prompts.items():
         plain = run(model, prompt, args.output, False, eager)
-        if wname == "oracle":
-            future, start = plain["tokens"], len(prompt)
-            scheduler.propose_ngram = lambda ids, k, lo, hi, data=None: list(future[len(ids) - start:len(ids) - start + k])
-        try:
-            spec = run(model, prompt, args.output, True, eager)
-        finally:
-            scheduler.propose_ngram = ngram
-        same = spec["tokens"] == plain["tokens"]
+        spec = run(model, prompt, args.output, True, eager)
         rows.append({"workload": wname, "plain_tok_s": plain["decode_tok_s"], "spec_tok_s": spec["decode_tok_s"],
                      "speedup": spec["decode_tok_s"] / plain["decode_tok_s"], "plain_steps": plain["steps"],
                      "spec_steps": spec["steps"], "draft_tokens": spec["draft_tokens"],
-                     "accepted_tokens": spec["accepted_tokens"], "same_tokens": same})
+                     "accepted_tokens": spec["accepted_tokens"], "same_tokens": spec["tokens"] == plain["tokens"],
+                     "follows_successor": sum(successor.get(a) == b for a, b in
+                                              zip([prompt[-1]] + plain["tokens"], plain["tokens"]))})
         log(f"{wname}: {rows[-1]}")
     print(f"# n-gram speculation (3 drafts) vs plain decoding, batch 1, {args.prompt}-token prompt, {args.output} "
-          f"output tokens, model {name}, graphs {'off' if eager else 'on'}, commit {commit_id()}, {datetime.date.today()}")
-    print("| workload | plain tok/s | speculative tok/s | speedup | steps plain / spec | drafts accepted / proposed | same tokens |")
-    print("|---|---|---|---|---|---|---|")
+          f"output tokens, model {name} made to copy, graphs {'off' if eager else 'on'}, commit {commit_id()}, "
+          f"{datetime.date.today()}")
+    print("| workload | plain tok/s | speculative tok/s | speedup | steps plain / spec | drafts accepted / proposed "
+          "| same tokens | tokens = successor |")
+    print("|---|---|---|---|---|---|---|---|")
     for r in rows:
         print(f"| {r['workload']} | {r['plain_tok_s']:.0f} | {r['spec_tok_s']:.0f} | {r['speedup']:.2f} | "
-              f"{r['plain_steps']} / {r['spec_steps']} | {r['accepted_tokens']} / {r['draft_tokens']} | {r['same_tokens']} |")
+              f"{r['plain_steps']} / {r['spec_steps']} | {r['accepted_tokens']} / {r['draft_tokens']} | "
+              f"{r['same_tokens']} | {r['follows_successor']} / {args.output} |")
     save_results("bench_speculative", {"commit": commit_id(), "model": name, "rows": rows})
 
 
