@@ -25,8 +25,11 @@ Plain and speculative tokens must agree (the margins leave no near-ties).
 from __future__ import annotations
 
 import argparse
+import cProfile
 import datetime
+import io
 import json
+import pstats
 import random
 import sys
 import time
@@ -43,8 +46,9 @@ from kimik3.engine import EngineConfig, LLMEngine, SamplingParams  # noqa: E402
 EMBED_SCALE = 64.0      # the embedding's share of the final hidden state (layer outputs are O(1) per element)
 
 
-def run(model, prompt: list[int], output: int, speculative: bool, eager: bool) -> dict:
-    """One request through a fresh engine: its tokens and decode tokens/s (after the first token)."""
+def run(model, prompt: list[int], output: int, speculative: bool, eager: bool, profile: bool = False) -> dict:
+    """One request through a fresh engine: its tokens and decode tokens/s (after the first token);
+    ``profile``: the host's cProfile of the timed pass, top functions by own time, logged."""
     cfg = EngineConfig(max_num_seqs=1, max_num_batched_tokens=2048, max_model_len=len(prompt) + output + 16,
                        block_size=16, enable_prefix_caching=False, cache_memory_bytes=2 << 30,
                        enforce_eager=eager, num_speculative_tokens=3 if speculative else 0)
@@ -54,6 +58,9 @@ def run(model, prompt: list[int], output: int, speculative: bool, eager: bool) -
         engine.add_request(f"r{warm}", {"prompt_token_ids": prompt},
                            SamplingParams(temperature=0, max_tokens=output, ignore_eos=True))
         tokens, t_first, steps = [], None, 0
+        prof = cProfile.Profile() if profile and warm else None
+        if prof:
+            prof.enable()
         while engine.has_unfinished_requests():
             for d in engine.step():
                 tokens.extend(d.outputs[0].token_ids)
@@ -61,6 +68,11 @@ def run(model, prompt: list[int], output: int, speculative: bool, eager: bool) -
                 t_first, n_first = time.perf_counter(), len(tokens)
             steps += 1
         seconds = time.perf_counter() - t_first
+        if prof:
+            prof.disable()
+            text = io.StringIO()
+            pstats.Stats(prof, stream=text).sort_stats("tottime").print_stats(20)
+            log(text.getvalue())
     s = engine.stats()
     return {"tokens": tokens, "decode_tok_s": (len(tokens) - n_first) / seconds, "steps": steps,
             "draft_tokens": s.num_draft_tokens - s0.num_draft_tokens,
@@ -98,6 +110,7 @@ def main() -> None:
     ap.add_argument("--cpu", action="store_true", help="the embedded tiny model on the CPU (a smoke run)")
     ap.add_argument("--prompt", type=int, default=512)
     ap.add_argument("--output", type=int, default=128)
+    ap.add_argument("--profile", action="store_true", help="log the host profile of each speculative run")
     args = ap.parse_args()
     import kimik3
     if args.cpu:
@@ -111,7 +124,7 @@ def main() -> None:
     rows = []
     for wname, prompt in prompts.items():
         plain = run(model, prompt, args.output, False, eager)
-        spec = run(model, prompt, args.output, True, eager)
+        spec = run(model, prompt, args.output, True, eager, args.profile)
         rows.append({"workload": wname, "plain_tok_s": plain["decode_tok_s"], "spec_tok_s": spec["decode_tok_s"],
                      "speedup": spec["decode_tok_s"] / plain["decode_tok_s"], "plain_steps": plain["steps"],
                      "spec_steps": spec["steps"], "draft_tokens": spec["draft_tokens"],

@@ -61,7 +61,7 @@ if [[ " $sections " == *" stacks "* ]]; then          # served, async then sync,
   grep -hE "^(#|\||offline)" "$L"/serve_stacks_*.log | cut -c1-260
 fi
 if [[ " $sections " == *" spec "* ]]; then            # n-gram speculation vs plain at batch 1 (#18)
-  run bench_speculative 240 python3 benchmarks/gpu/bench_speculative.py
+  run bench_speculative 240 python3 benchmarks/gpu/bench_speculative.py --profile
   grep -h "^|" "$L"/bench_speculative.log
 fi
 if [[ " $sections " == *" engine "* ]]; then          # host share of a step, sync / graphs / async (#18)

@@ -13,6 +13,8 @@ import torch
 
 from kimik3.ops import ceil_div
 
+RECURRENT_SNAPSHOT_MAX = 16     # new tokens per sequence up to which KDA snapshots come from one recurrent pass
+
 
 @dataclass(frozen=True)
 class StateCheckpoint:
@@ -41,6 +43,11 @@ class ForwardBatch:
     query_lens_cpu: list[int]       # host copies, for loops and kernel launch decisions
     context_lens_cpu: list[int]
     checkpoints: tuple[StateCheckpoint, ...] = ()
+    # [N, max query_len] KDA pool slot that keeps the state after each row (``kda_recurrent_in_pool``):
+    # set when there are checkpoints and every sequence has history and at most RECURRENT_SNAPSHOT_MAX
+    # new tokens (speculative verify steps); a checkpoint's slot at its row, the live slot at the last
+    # row, scratch slot 0 elsewhere. None: the KDA layers split the chunks at the checkpoints instead.
+    snapshot_writes: torch.Tensor | None = None
     # Bound on context + query length of every sequence (MLA decode sizes its splits with it):
     # the batch's own maximum when eager; max_model_len in a CUDA graph, whose inputs change on replay.
     max_seq_len: int | None = None
@@ -92,8 +99,24 @@ class ForwardBatch:
             query_lens_cpu=list(query_lens),
             context_lens_cpu=list(context_lens),
             checkpoints=tuple(checkpoints),
+            snapshot_writes=snapshot_write_table(query_lens, context_lens, state_slots, checkpoints, device),
             max_seq_len=max((c + q for q, c in zip(query_lens, context_lens)), default=0),
         )
+
+
+def snapshot_write_table(query_lens: list[int], context_lens: list[int], state_slots: list[int],
+                         checkpoints, device) -> torch.Tensor | None:
+    """``ForwardBatch.snapshot_writes`` from host lists (None where the recurrent pass does not apply).
+    A checkpoint at a chunk's last row is not in the table: the layer copies the live slot there."""
+    if not checkpoints or min(context_lens) == 0 or max(query_lens) > RECURRENT_SNAPSHOT_MAX:
+        return None
+    table = np.zeros((len(query_lens), max(query_lens)), dtype=np.int64)
+    for n, (q, slot) in enumerate(zip(query_lens, state_slots)):
+        table[n, q - 1] = slot
+    for c in checkpoints:
+        if c.num_tokens < query_lens[c.seq]:
+            table[c.seq, c.num_tokens - 1] = c.slot
+    return torch.from_numpy(table).to(device)
 
 
 @dataclass

@@ -14,8 +14,8 @@ from torch import nn
 from kimik3.distributed import ParallelContext
 from kimik3.model.batch import ForwardBatch
 from kimik3.model.layers import linear, tp_shards
-from kimik3.ops.conv import causal_conv1d, causal_conv1d_in_pool, conv_window_at
-from kimik3.ops.kda import kda_attention, kda_attention_in_pool
+from kimik3.ops.conv import causal_conv1d, causal_conv1d_in_pool, conv_windows_at
+from kimik3.ops.kda import kda_attention, kda_attention_in_pool, kda_recurrent_in_pool
 from kimik3.ops.norm import gated_rms_norm
 
 logger = logging.getLogger(__name__)
@@ -80,7 +80,9 @@ class KimiDeltaAttention(nn.Module):
         weight = torch.cat([self.q_conv1d.weight, self.k_conv1d.weight, self.v_conv1d.weight]).squeeze(1)
         f = self.f_b_proj(self.f_a_proj(x)).view(T, H, K)
         b = self.b_proj(x)
-        if batch.checkpoints:
+        if batch.snapshot_writes is not None:
+            o = self._attend_recurrent_snapshots(raw, weight, f, b, has_state, batch, conv_pool, state_pool)
+        elif batch.checkpoints:
             o = self._attend_with_checkpoints(raw, weight, f, b, has_state, batch, conv_pool, state_pool)
         else:
             # the ops read the sequences' pool rows and write the new windows/states back in place
@@ -93,6 +95,29 @@ class KimiDeltaAttention(nn.Module):
         y = gated_rms_norm(o, self.o_norm.weight, gate, self.norm_eps, x.dtype)
         return self.par.all_reduce(self.o_proj(y.reshape(T, H * K)))
 
+    def _attend_recurrent_snapshots(self, raw, weight, f, b, has_state, batch: ForwardBatch, conv_pool, state_pool):
+        """Short chunks with history and checkpoints (speculative verify steps): the conv windows at the
+        checkpoints in one gather, the states from one recurrent pass that writes each kept row's
+        state to its slot (``batch.snapshot_writes``)."""
+        T, H, K = raw.shape[0], self.num_heads, self.head_dim
+        slots, lens = batch.state_slots, batch.query_lens_cpu
+        starts = [0]
+        for q in lens[:-1]:
+            starts.append(starts[-1] + q)
+        windows = conv_pool[slots]                          # before the conv below writes the new ones
+        mixed = causal_conv1d_in_pool(raw, weight, conv_pool, slots, has_state, lens, batch.cu_seqlens)
+        cks = batch.checkpoints
+        conv_pool[torch.tensor([c.slot for c in cks], device=raw.device)] = conv_windows_at(
+            raw, windows, starts, [(c.seq, c.num_tokens) for c in cks])
+        q, k, v = (t.view(T, H, K) for t in mixed.chunk(3, dim=-1))
+        o = kda_recurrent_in_pool(q, k, v, f, b, self.A_log, self.dt_bias, self.lower_bound, state_pool,
+                                  batch.snapshot_writes, lens, batch.cu_seqlens)
+        ends = [c for c in cks if c.num_tokens == lens[c.seq]]     # snapshots of a chunk's final state
+        if ends:
+            seqs = torch.tensor([c.seq for c in ends], device=raw.device)
+            state_pool[torch.tensor([c.slot for c in ends], device=raw.device)] = state_pool[slots[seqs]]
+        return o
+
     def _attend_with_checkpoints(self, raw, weight, f, b, has_state, batch: ForwardBatch, conv_pool, state_pool):
         """Split sequences at their checkpoint offsets and run the segments in rounds, each
         round one varlen call whose initial states are the previous round's final states."""
@@ -102,12 +127,15 @@ class KimiDeltaAttention(nn.Module):
         state0 = state_pool[slots].masked_fill(~has_state.view(-1, 1, 1, 1), 0)
         mixed, conv1 = causal_conv1d(raw, weight, conv0, batch.query_lens_cpu)
         q, k, v = (t.view(T, H, K) for t in mixed.chunk(3, dim=-1))
-        starts = batch.cu_seqlens.tolist()
+        starts = [0]
+        for ql in batch.query_lens_cpu:
+            starts.append(starts[-1] + ql)
         cuts: dict[int, dict[int, list[int]]] = {}
         for c in batch.checkpoints:
             cuts.setdefault(c.seq, {}).setdefault(c.num_tokens, []).append(c.slot)
-            # the conv window only depends on raw inputs: write it straight away
-            conv_pool[c.slot] = conv_window_at(raw[starts[c.seq]:starts[c.seq + 1]], conv0[c.seq], c.num_tokens)
+        # the conv window only depends on raw inputs: written straight away
+        conv_pool[torch.tensor([c.slot for c in batch.checkpoints], device=raw.device)] = conv_windows_at(
+            raw, conv0, starts, [(c.seq, c.num_tokens) for c in batch.checkpoints])
         bounds = []
         for n, ql in enumerate(batch.query_lens_cpu):
             edges = sorted({0, ql, *(o for o in cuts.get(n, {}) if 0 < o <= ql)})

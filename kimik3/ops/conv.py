@@ -37,11 +37,17 @@ def causal_conv1d(x: torch.Tensor, weight: torch.Tensor, state: torch.Tensor,
     return torch.cat(outs, dim=0), torch.stack(new_states).to(state.dtype)
 
 
-def conv_window_at(x: torch.Tensor, state: torch.Tensor, num_tokens: int) -> torch.Tensor:
-    """Conv state after the first ``num_tokens`` rows of one sequence's chunk.
-    x [q, C] raw inputs of the chunk, state [C, W-1] before it -> [C, W-1]."""
-    seq = torch.cat([state.to(x.dtype).t(), x[:num_tokens]], dim=0)
-    return seq[-state.shape[1]:].t().to(state.dtype)
+def conv_windows_at(x: torch.Tensor, windows: torch.Tensor, starts: list[int],
+                    cuts: list[tuple[int, int]]) -> torch.Tensor:
+    """Conv states after the first m rows of sequences' chunks, one gather for all of them.
+    x [T, C] packed raw inputs; windows [N, C, W-1] the states before the chunks; starts[n]: the
+    packed row of sequence n's first new token; cuts: (n, m) pairs. Returns [len(cuts), C, W-1]:
+    the last W-1 of sequence n's history followed by its first m rows."""
+    N, C, W1 = windows.shape
+    hist = torch.cat([windows.transpose(1, 2).reshape(N * W1, C).to(x.dtype), x])      # [N*(W-1) + T, C]
+    rows = [n * W1 + W1 + p if p < 0 else N * W1 + starts[n] + p for n, m in cuts for p in range(m - W1, m)]
+    picked = hist[torch.tensor(rows, dtype=torch.int64, device=x.device)]
+    return picked.view(len(cuts), W1, C).transpose(1, 2).to(windows.dtype)
 
 
 def causal_conv1d_in_pool(x: torch.Tensor, weight: torch.Tensor, pool: torch.Tensor, slots: torch.Tensor,

@@ -136,6 +136,47 @@ def _chunk_kda_fla(q, k, v, f, b, A_log, dt_bias, lower_bound, initial_state, cu
     return o.squeeze(0), final
 
 
+def kda_recurrent_in_pool(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, f: torch.Tensor, b: torch.Tensor,
+                          A_log: torch.Tensor, dt_bias: torch.Tensor, lower_bound: float | None,
+                          state_pool: torch.Tensor, write_slots: torch.Tensor, query_lens: list[int],
+                          cu_seqlens: torch.Tensor) -> torch.Tensor:
+    """Short chunks of sequences that have a state (a speculative verify step: the last token and its
+    drafts), token by token, with the state after every row kept: the state after row t of sequence
+    n goes to pool slot ``write_slots[n, t]`` ([N, max query_len] int64; a row whose state is not
+    wanted names the scratch slot 0). The initial state is read from ``write_slots[n, query_len - 1]``,
+    the sequence's live slot, which receives the final state. Shapes as ``kda_attention``; returns
+    o [T, H, V]. CUDA: fla's recurrent kernel in one launch (per-token state indices, as vLLM's
+    speculative decoding uses it)."""
+    T, H, K = q.shape
+    if use_fast_path(q):
+        _, fused_recurrent_kda_fwd = import_fla_kda()
+        q, k, v, f = (t.contiguous().unsqueeze(0) for t in (q, k, v, f))     # [1, T, ...] packed rows
+        lens = cu_seqlens[1:] - cu_seqlens[:-1]
+        o, _ = fused_recurrent_kda_fwd(q, k, v, f, b.float().contiguous().unsqueeze(0), A_log=A_log.float(),
+                                       dt_bias=dt_bias.float(), initial_state=state_pool, inplace_final_state=True,
+                                       state_v_first=True, cu_seqlens=cu_seqlens, ssm_state_indices=write_slots,
+                                       num_accepted_tokens=lens, use_qk_l2norm_in_kernel=True,
+                                       use_gate_in_kernel=True, use_beta_sigmoid_in_kernel=True,
+                                       lower_bound=lower_bound)
+        return o.squeeze(0)
+    acc = torch.promote_types(acc_dtype(q.dtype), state_pool.dtype)
+    qn = l2_normalize(q.to(acc)) * K ** -0.5
+    kn = l2_normalize(k.to(acc))
+    g = kda_gate(f, A_log, dt_bias, lower_bound).to(acc)
+    beta = torch.sigmoid(b.to(acc))
+    vf = v.to(acc)
+    slots = write_slots.tolist()
+    outs, start = [], 0
+    for n, ql in enumerate(query_lens):
+        S = state_pool[slots[n][ql - 1]].to(acc)
+        for t in range(start, start + ql):
+            o, S = naive_recurrent_kda(qn[t:t + 1], kn[t:t + 1], vf[t:t + 1], g[t:t + 1], beta[t:t + 1], S)
+            outs.append(o)
+            state_pool[slots[n][t - start]] = S.to(state_pool.dtype)
+        start += ql
+    return torch.cat(outs)
+
+
 def kda_attention_in_pool(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, f: torch.Tensor, b: torch.Tensor,
                           A_log: torch.Tensor, dt_bias: torch.Tensor, lower_bound: float | None,
                           state_pool: torch.Tensor, slots: torch.Tensor, has_state: torch.Tensor,

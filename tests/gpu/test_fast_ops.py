@@ -20,7 +20,7 @@ from kimik3.ops import mxfp4
 from kimik3.ops.attn_res import attn_res_mix
 from kimik3.ops.backend import reference_ops
 from kimik3.ops.conv import causal_conv1d_in_pool
-from kimik3.ops.kda import kda_attention_in_pool
+from kimik3.ops.kda import kda_attention_in_pool, kda_recurrent_in_pool
 from kimik3.ops.mla import mla_decode_attention, mla_prefill_attention
 from kimik3.ops.moe import fused_moe, fused_moe_mxfp4
 from kimik3.ops.router import route
@@ -97,6 +97,37 @@ def check_kda(lens=(200, 1, 67, 130), ctx=(0, 12, 5, 0), H=96, K=128, lower_boun
         out[f"kda.{name}.state"] = worst_rel_err(pool[slots], ref_pool[slots])      # per slot
         out[f"kda.{name}.others_exact"] = float(not torch.equal(pool[others], ref_pool[others]))
     return out
+
+
+def check_kda_snapshots(lens=(4, 1, 3, 4), H=96, K=128, lower_bound=-5.0, seed=15) -> dict:
+    """Speculative verify steps: fla's recurrent kernel over short chunks with history, the state
+    after each listed row written to its slot (2-D state indices), the live slot read first and
+    written last; reference in fp32. Slot 0 is scratch; the slots the table does not name stay exact."""
+    g = _gen(seed)
+    S = 24
+    q, k, v, f, b, A_log, dt_bias = _kda_inputs(sum(lens), H, K, g)
+    pool = 0.1 * torch.randn(S, H, K, K, generator=g, device="cuda")
+    perm = (torch.randperm(S - 1, generator=g, device="cuda") + 1).tolist()
+    table = torch.zeros(len(lens), max(lens), dtype=torch.int64)
+    for n, ql in enumerate(lens):
+        table[n, ql - 1] = perm.pop()
+        for t in range(ql - 1):
+            if (n + t) % 3 != 2:                 # some rows keep no state (scratch)
+                table[n, t] = perm.pop()
+    table = table.cuda()
+    cu = torch.tensor([0, *lens], device="cuda").cumsum(0)
+    ref_pool = pool.clone()
+    with reference_ops():
+        ref = kda_recurrent_in_pool(q.float(), k.float(), v.float(), f.float(), b.float(), A_log, dt_bias,
+                                    lower_bound, ref_pool, table, list(lens), cu)
+    poison_allocator()
+    o = kda_recurrent_in_pool(q, k, v, f, b, A_log, dt_bias, lower_bound, pool, table, list(lens), cu)
+    named = table[table > 0]
+    others = torch.ones(S, dtype=torch.bool, device="cuda")
+    others[named] = False
+    others[0] = False
+    return {"kda_snap.o": worst_rel_err(o, ref, list(lens)), "kda_snap.state": worst_rel_err(pool[named], ref_pool[named]),
+            "kda_snap.others_exact": float(not torch.equal(pool[others], ref_pool[others]))}
 
 
 def _paged(lens, bs, D, g, num_blocks=None):
@@ -217,7 +248,8 @@ def check_route(T=300, E=896, k=16, seed=6) -> dict:
 
 
 CHECKS = {
-    "conv": check_conv, "kda": check_kda, "mla_decode": check_mla_decode, "mla_prefill": check_mla_prefill,
+    "conv": check_conv, "kda": check_kda, "kda_snapshots": check_kda_snapshots,
+    "kda_snapshots_softplus": lambda: check_kda_snapshots(lens=(2, 4, 1), H=4, lower_bound=None, seed=16), "mla_decode": check_mla_decode, "mla_prefill": check_mla_prefill,
     "moe_small": lambda: check_moe(T=3), "moe_mid": lambda: check_moe(T=37),
     "moe_one_multiply": lambda: check_moe(T=5, tell_scale_max=True, seed=9),
     "moe_high_scales": lambda: check_moe(T=5, shift=20, seed=10),

@@ -9,8 +9,9 @@ import torch
 from kimik3.ops import mxfp4
 from kimik3.ops.activation import situ_and_mul
 from kimik3.ops.attn_res import attn_res_mix
-from kimik3.ops.conv import causal_conv1d
-from kimik3.ops.kda import chunk_kda_ref, kda_attention, kda_gate, l2_normalize, naive_recurrent_kda
+from kimik3.ops.conv import causal_conv1d, conv_windows_at
+from kimik3.ops.kda import chunk_kda_ref, kda_attention, kda_gate, kda_recurrent_in_pool, l2_normalize, \
+    naive_recurrent_kda
 from kimik3.ops.mla import mla_decode_attention, mla_prefill_attention
 from kimik3.ops.norm import gated_rms_norm, rms_norm
 from kimik3.ops.router import route
@@ -154,6 +155,17 @@ def test_causal_conv_matches_loop_and_carries_state():
         assert torch.equal(new[n], hist[-3:].t())
 
 
+def test_conv_windows_at_are_the_histories_after_m_rows():
+    g = gen(21)
+    x = torch.randn(7, 5, dtype=F64, generator=g)             # two chunks: rows 0..3 and 4..6
+    windows = torch.randn(2, 5, 3, dtype=F64, generator=g)
+    cuts = [(0, 1), (0, 4), (1, 2), (1, 3), (0, 2)]
+    got = conv_windows_at(x, windows, [0, 4], cuts)
+    for i, (n, m) in enumerate(cuts):
+        hist = [windows[n][:, j] for j in range(3)] + [x[[0, 4][n] + t] for t in range(m)]   # oldest first
+        assert torch.equal(got[i], torch.stack(hist[-3:], dim=1)), (n, m)
+
+
 # ---- KDA ------------------------------------------------------------------------------------
 def _kda_inputs(T, H=3, K=8, seed=14):
     g = gen(seed)
@@ -209,6 +221,30 @@ def test_kda_split_sequence_equals_whole_and_varlen_equals_alone():
     both, sb = kda_attention(q, k, v, f, b, A, dt, -5.0, torch.cat([s0, torch.zeros_like(s0)]), [9, 11])
     alone, _ = kda_attention(q[9:], k[9:], v[9:], f[9:], b[9:], A, dt, -5.0, torch.zeros_like(s0), [11])
     assert torch.allclose(both[:9], first, atol=1e-12) and torch.allclose(both[9:], alone, atol=1e-12)
+
+
+def test_kda_recurrent_in_pool_keeps_the_state_after_each_listed_row():
+    """Two short chunks with history: the outputs are the chunked op's over the whole chunk, each
+    listed slot holds the chunked op's final state over that prefix, the live slot the final state,
+    and slots the table does not name are untouched (slot 0 is scratch)."""
+    q, k, v, f, b, A, dt, _ = _kda_inputs(6, seed=22)
+    pool = torch.randn(8, 3, 8, 8, dtype=F64, generator=gen(23))
+    before = pool.clone()
+    lens, live = [4, 2], [3, 6]
+    table = torch.tensor([[5, 0, 7, 3], [1, 6, 0, 0]])     # seq 0: after rows 1 and 3 into 5 and 7; seq 1: after row 1 into 1
+    o = kda_recurrent_in_pool(q, k, v, f, b, A, dt, -5.0, pool, table, lens, torch.tensor([0, 4, 6]))
+    for n, (start, ql) in enumerate(((0, 4), (4, 2))):
+        rows = slice(start, start + ql)
+        whole, _ = kda_attention(q[rows], k[rows], v[rows], f[rows], b[rows], A, dt, -5.0, before[live[n]][None], [ql])
+        assert torch.allclose(o[rows], whole, rtol=0, atol=1e-12), n
+        for t in range(ql):
+            slot = int(table[n, t])
+            if slot:
+                _, s_t = kda_attention(q[start:start + t + 1], k[start:start + t + 1], v[start:start + t + 1],
+                                       f[start:start + t + 1], b[start:start + t + 1], A, dt, -5.0,
+                                       before[live[n]][None], [t + 1])
+                assert torch.allclose(pool[slot], s_t[0], rtol=0, atol=1e-12), (n, t)
+    assert torch.equal(pool[2], before[2]) and torch.equal(pool[4], before[4])
 
 
 # ---- MLA ------------------------------------------------------------------------------------
