@@ -169,12 +169,18 @@ def test_greedy_graphs_match_eager(model):
     assert_same_greedy(eager, graphed, reqs)
 
 
-def test_speculative_greedy_matches_plain(model, monkeypatch):
+@pytest.mark.parametrize("snapshots", ["one_pass", "rounds"])
+def test_speculative_greedy_matches_plain(model, monkeypatch, snapshots):
     """Speculative verify steps on the GPU path (snapshots mid-chunk, rollbacks, graphs for the
     plain steps). A random-weight model seldom repeats an n-gram, so the drafts come from an
     oracle: the plain run's own next tokens, every other step with the second one corrupted. The
-    tokens are checked against the model called directly (``assert_model_greedy``)."""
+    tokens are checked against the model called directly (``assert_model_greedy``). The KDA
+    snapshots come from one recurrent pass (``ForwardBatch.snapshot_writes``) or, as prefill chunks
+    with prefix checkpoints take them, from the chunks split at the checkpoints."""
     import kimik3.engine.scheduler as scheduler
+    import kimik3.model.batch as batch_module
+    if snapshots == "rounds":
+        monkeypatch.setattr(batch_module, "RECURRENT_SNAPSHOT_MAX", 0)
     reqs = requests(model.config.text.vocab_size)
     plain = generate(make(model, enforce_eager=False), reqs)
     futures = {tuple(prompt): plain[rid][0] for rid, (prompt, _) in reqs.items()}

@@ -360,3 +360,20 @@ def test_kernels_behind_served_compile_stalls_compile_once_per_tile_shape():
         # each split rounds its own probabilities to bf16 for the PV product: 2^-9 of |o| <= ~1
         assert (o - one).abs().max().item() < 4e-3 and (lse - one_lse).abs().max().item() < 1e-4, splits
     assert compiled_variants(mla_prefill._merge_splits_kernel) - before <= 1
+
+    # MLA prefill over batch sizes 1..8: the position arrays start 16-byte aligned whatever the
+    # size (3dd9428 compiled a second variant whenever N + 1 was not a multiple of 4)
+    H, R, dn, dr, dv, bs = 2, 64, 16, 16, 16, 16           # head dims no other test compiles
+    cache = torch.randn(64, bs, R + dr, generator=g, device="cuda").to(BF16)
+    kv_b = (torch.randn(H * (dn + dv), R, generator=g, device="cuda") / 8).to(BF16)
+    before = compiled_variants(mla_prefill._mla_prefill_kernel)
+    for N in range(1, 9):
+        qlens, ctx = [1 + n % 3 for n in range(N)], [5 + 7 * n for n in range(N)]
+        tables = torch.stack([torch.randperm(63, generator=g, device="cuda")[:8] + 1 for _ in range(N)]).int()
+        q = torch.randn(sum(qlens), H, dn + dr, generator=g, device="cuda").to(BF16)
+        o = mla_prefill_attention(q, cache, tables, kv_b, qlens, ctx, R, dv, 0.25, form="absorbed")
+        with reference_ops():
+            ref = mla_prefill_attention(q.float(), cache.float(), tables, kv_b.float(), qlens, ctx, R, dv, 0.25,
+                                        form="absorbed")
+        assert worst_rel_err(o, ref, qlens) < BF16_BOUND, N
+    assert compiled_variants(mla_prefill._mla_prefill_kernel) - before <= 2    # unsplit and split-K
