@@ -13,7 +13,7 @@ import torch
 
 from kimik3.ops import ceil_div
 
-RECURRENT_SNAPSHOT_MAX = 16     # new tokens per sequence up to which KDA snapshots come from one recurrent pass
+SHORT_CHUNK_MAX = 16    # new tokens per sequence up to which a step with history runs as a short step
 
 
 @dataclass(frozen=True)
@@ -43,11 +43,11 @@ class ForwardBatch:
     query_lens_cpu: list[int]       # host copies, for loops and kernel launch decisions
     context_lens_cpu: list[int]
     checkpoints: tuple[StateCheckpoint, ...] = ()
-    # [N, max query_len] KDA pool slot that keeps the state after each row (``kda_recurrent_in_pool``):
-    # set when there are checkpoints and every sequence has history and at most RECURRENT_SNAPSHOT_MAX
-    # new tokens (speculative verify steps); a checkpoint's slot at its row, the live slot at the last
-    # row, scratch slot 0 elsewhere. None: the KDA layers split the chunks at the checkpoints instead.
-    snapshot_writes: torch.Tensor | None = None
+    # A short step (every sequence has history and at most SHORT_CHUNK_MAX new tokens, some more than
+    # one: a speculative verify step) has [N, max query_len] KDA pool slots that keep the state after
+    # each row (``kda_recurrent_in_pool``): a checkpoint's slot at its row, the live slot at the
+    # sequence's last row, scratch slot 0 elsewhere; its MLA rows attend as decode rows. None otherwise.
+    row_state_slots: torch.Tensor | None = None
     # Bound on context + query length of every sequence (MLA decode sizes its splits with it):
     # the batch's own maximum when eager; max_model_len in a CUDA graph, whose inputs change on replay.
     max_seq_len: int | None = None
@@ -62,6 +62,14 @@ class ForwardBatch:
     @property
     def num_tokens(self) -> int:
         return int(sum(self.query_lens_cpu))
+
+    def row_positions(self) -> tuple[torch.Tensor, torch.Tensor]:
+        """Per packed row: its sequence's index and its offset in the chunk, [T] each (device ops
+        with a host-known size, so a CUDA graph can hold them)."""
+        T = self.num_tokens
+        lens = self.cu_seqlens[1:] - self.cu_seqlens[:-1]
+        seq = torch.repeat_interleave(torch.arange(self.num_seqs, device=lens.device), lens, output_size=T)
+        return seq, torch.arange(T, device=lens.device) - self.cu_seqlens[seq]
 
     @property
     def is_decode(self) -> bool:
@@ -99,16 +107,16 @@ class ForwardBatch:
             query_lens_cpu=list(query_lens),
             context_lens_cpu=list(context_lens),
             checkpoints=tuple(checkpoints),
-            snapshot_writes=snapshot_write_table(query_lens, context_lens, state_slots, checkpoints, device),
+            row_state_slots=row_state_table(query_lens, context_lens, state_slots, checkpoints, device),
             max_seq_len=max((c + q for q, c in zip(query_lens, context_lens)), default=0),
         )
 
 
-def snapshot_write_table(query_lens: list[int], context_lens: list[int], state_slots: list[int],
-                         checkpoints, device) -> torch.Tensor | None:
-    """``ForwardBatch.snapshot_writes`` from host lists (None where the recurrent pass does not apply).
-    A checkpoint at a chunk's last row is not in the table: the layer copies the live slot there."""
-    if not checkpoints or min(context_lens) == 0 or max(query_lens) > RECURRENT_SNAPSHOT_MAX:
+def row_state_table(query_lens: list[int], context_lens: list[int], state_slots: list[int],
+                    checkpoints, device) -> torch.Tensor | None:
+    """``ForwardBatch.row_state_slots`` from host lists (None unless a short step). A checkpoint at a
+    chunk's last row is not in the table: the KDA layer copies the live slot there."""
+    if not 1 < max(query_lens, default=0) <= SHORT_CHUNK_MAX or min(context_lens) == 0:
         return None
     table = np.zeros((len(query_lens), max(query_lens)), dtype=np.int64)
     for n, (q, slot) in enumerate(zip(query_lens, state_slots)):

@@ -80,8 +80,8 @@ class KimiDeltaAttention(nn.Module):
         weight = torch.cat([self.q_conv1d.weight, self.k_conv1d.weight, self.v_conv1d.weight]).squeeze(1)
         f = self.f_b_proj(self.f_a_proj(x)).view(T, H, K)
         b = self.b_proj(x)
-        if batch.snapshot_writes is not None:
-            o = self._attend_recurrent_snapshots(raw, weight, f, b, has_state, batch, conv_pool, state_pool)
+        if batch.row_state_slots is not None:
+            o = self._attend_short(raw, weight, f, b, has_state, batch, conv_pool, state_pool)
         elif batch.checkpoints:
             o = self._attend_with_checkpoints(raw, weight, f, b, has_state, batch, conv_pool, state_pool)
         else:
@@ -95,27 +95,30 @@ class KimiDeltaAttention(nn.Module):
         y = gated_rms_norm(o, self.o_norm.weight, gate, self.norm_eps, x.dtype)
         return self.par.all_reduce(self.o_proj(y.reshape(T, H * K)))
 
-    def _attend_recurrent_snapshots(self, raw, weight, f, b, has_state, batch: ForwardBatch, conv_pool, state_pool):
-        """Short chunks with history and checkpoints (speculative verify steps): the conv windows at the
-        checkpoints in one gather, the states from one recurrent pass that writes each kept row's
-        state to its slot (``batch.snapshot_writes``)."""
+    def _attend_short(self, raw, weight, f, b, has_state, batch: ForwardBatch, conv_pool, state_pool):
+        """A short step (speculative verify): one recurrent pass that leaves the state after each row
+        in ``batch.row_state_slots`` (a scratch slot where none is kept), the conv window after each
+        row in the same slot, and the final ones in the live slots. Graph-safe: device tables, host
+        indices that follow the chunk lengths only."""
         T, H, K = raw.shape[0], self.num_heads, self.head_dim
-        slots, lens = batch.state_slots, batch.query_lens_cpu
+        slots, lens, table = batch.state_slots, batch.query_lens_cpu, batch.row_state_slots
         starts = [0]
         for q in lens[:-1]:
             starts.append(starts[-1] + q)
         windows = conv_pool[slots]                          # before the conv below writes the new ones
         mixed = causal_conv1d_in_pool(raw, weight, conv_pool, slots, has_state, lens, batch.cu_seqlens)
-        cks = batch.checkpoints
-        conv_pool[torch.tensor([c.slot for c in cks], device=raw.device)] = conv_windows_at(
-            raw, windows, starts, [(c.seq, c.num_tokens) for c in cks])
+        cuts = [(n, t) for n, ql in enumerate(lens) for t in range(1, ql)]     # windows after t rows
+        if cuts:
+            seq, row = (torch.tensor(i, device=raw.device) for i in zip(*[(n, t - 1) for n, t in cuts]))
+            conv_pool[table[seq, row]] = conv_windows_at(raw, windows, starts, cuts)
         q, k, v = (t.view(T, H, K) for t in mixed.chunk(3, dim=-1))
-        o = kda_recurrent_in_pool(q, k, v, f, b, self.A_log, self.dt_bias, self.lower_bound, state_pool,
-                                  batch.snapshot_writes, lens, batch.cu_seqlens)
-        ends = [c for c in cks if c.num_tokens == lens[c.seq]]     # snapshots of a chunk's final state
+        o = kda_recurrent_in_pool(q, k, v, f, b, self.A_log, self.dt_bias, self.lower_bound, state_pool, table,
+                                  lens, batch.cu_seqlens)
+        ends = [c for c in batch.checkpoints if c.num_tokens == lens[c.seq]]     # snapshots of a chunk's end
         if ends:
-            seqs = torch.tensor([c.seq for c in ends], device=raw.device)
-            state_pool[torch.tensor([c.slot for c in ends], device=raw.device)] = state_pool[slots[seqs]]
+            src = slots[torch.tensor([c.seq for c in ends], device=raw.device)]
+            dst = torch.tensor([c.slot for c in ends], device=raw.device)
+            conv_pool[dst], state_pool[dst] = conv_pool[src], state_pool[src]
         return o
 
     def _attend_with_checkpoints(self, raw, weight, f, b, has_state, batch: ForwardBatch, conv_pool, state_pool):

@@ -58,13 +58,20 @@ class MLAAttention(nn.Module):
         c = self.kv_a_proj_with_mqa(x)
         latent = torch.cat([self.kv_a_layernorm(c[:, :self.kv_lora_rank]), c[:, self.kv_lora_rank:]], dim=-1)
         cache.view(-1, cache.shape[-1])[batch.slot_mapping] = latent.to(cache.dtype)
-        if batch.is_decode:
-            seq_lens = batch.context_lens + 1                                      # device; no host sync
-            max_len = batch.max_seq_len if batch.max_seq_len is not None else max(batch.context_lens_cpu) + 1
+        if batch.is_decode or batch.row_state_slots is not None:
+            # decode rows (device ops, no host sync); a short step's row j of a chunk attends like a
+            # decode row over its context + j + 1 keys
+            if batch.is_decode:
+                tables, seq_lens = batch.block_tables, batch.context_lens + 1
+            else:
+                seq, offset = batch.row_positions()
+                tables, seq_lens = batch.block_tables[seq], batch.context_lens[seq] + offset + 1
+            max_len = batch.max_seq_len if batch.max_seq_len is not None else \
+                max(c + q for c, q in zip(batch.context_lens_cpu, batch.query_lens_cpu))
             w = self.kv_b_proj.weight.view(H, self.d_nope + self.d_v, self.kv_lora_rank)
             w_uk, w_uv = w[:, :self.d_nope], w[:, self.d_nope:]                 # [H, d_nope|d_v, r]
             q_latent = torch.einsum("nhd,hdr->nhr", q[..., :self.d_nope], w_uk)
-            lat = mla_decode_attention(q_latent, q[..., self.d_nope:], cache, batch.block_tables, seq_lens,
+            lat = mla_decode_attention(q_latent, q[..., self.d_nope:], cache, tables, seq_lens,
                                        self.kv_lora_rank, self.scale, max_seq_len=max_len)
             o = torch.einsum("nhr,hvr->nhv", lat, w_uv)
         else:

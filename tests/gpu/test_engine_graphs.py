@@ -175,12 +175,12 @@ def test_speculative_greedy_matches_plain(model, monkeypatch, snapshots):
     plain steps). A random-weight model seldom repeats an n-gram, so the drafts come from an
     oracle: the plain run's own next tokens, every other step with the second one corrupted. The
     tokens are checked against the model called directly (``assert_model_greedy``). The KDA
-    snapshots come from one recurrent pass (``ForwardBatch.snapshot_writes``) or, as prefill chunks
+    snapshots come from one recurrent pass (a short step: ``ForwardBatch.row_state_slots``) or, as prefill chunks
     with prefix checkpoints take them, from the chunks split at the checkpoints."""
     import kimik3.engine.scheduler as scheduler
     import kimik3.model.batch as batch_module
     if snapshots == "rounds":
-        monkeypatch.setattr(batch_module, "RECURRENT_SNAPSHOT_MAX", 0)
+        monkeypatch.setattr(batch_module, "SHORT_CHUNK_MAX", 0)
     reqs = requests(model.config.text.vocab_size)
     plain = generate(make(model, enforce_eager=False), reqs)
     futures = {tuple(prompt): plain[rid][0] for rid, (prompt, _) in reqs.items()}

@@ -133,7 +133,7 @@ def test_checkpoints_in_a_short_step_with_history_restore_each_prefix(tiny_ckpt,
     cks = (StateCheckpoint(seq=0, num_tokens=1, slot=5), StateCheckpoint(seq=0, num_tokens=3, slot=6),
            StateCheckpoint(seq=0, num_tokens=4, slot=7))
     batch = ForwardBatch.build([4], [5], [1], [st.tables[0]], 3, checkpoints=cks)
-    assert batch.snapshot_writes is not None
+    assert batch.row_state_slots is not None
     assert rel_err(st.step({0: ids[5:9]}, checkpoints=cks)[0], full[5:9]) <= 1e-10
     for c in cks:
         done = 5 + c.num_tokens
