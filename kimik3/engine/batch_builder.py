@@ -5,8 +5,9 @@ rows first (a chunk that reaches its last token; a speculative chunk needs every
 j + 1), then the rows that score prompt tokens (``prompt_logprobs``). A chunk whose positions hold media
 pads gets those pads' embedding rows (``encoder_cache.ImageEncoder``).
 
-Pure decode steps (``graph_size`` says which) can replay a CUDA graph instead, their inputs packed padded to
-the graph's size (``cuda_graphs.pack_decode_inputs``, which copies each request's int32 ``BlockTable``).
+Decode steps and speculative verify steps whose chunks all carry the same number of drafts (``graph_size``
+says which) can replay a CUDA graph instead, their inputs packed padded to the graph's size
+(``cuda_graphs.pack_decode_inputs``, which copies each request's int32 ``BlockTable``).
 An async-scheduled chunk's input token (``input_pending``: still on the device) is a 0 here; the runner
 passes the device tokens in its place.
 """
@@ -18,7 +19,7 @@ from dataclasses import dataclass
 import torch
 
 from kimik3.engine.encoder_cache import ImageEncoder
-from kimik3.model.batch import ForwardBatch
+from kimik3.model.batch import ForwardBatch, row_state_rows
 from kimik3.model.cuda_graphs import DecodeGraphs, pack_decode_inputs
 
 
@@ -68,18 +69,28 @@ class BatchBuilder:
 
     @staticmethod
     def graph_size(out, graphs: DecodeGraphs | None) -> int | None:
-        """Padded size of the decode graph that runs this step, or None (eager): a graph step has one token per
-        sequence, each with history, and no KDA checkpoint, media pad or prompt scoring."""
-        if graphs is None or out.checkpoints or any(
-                c.num_tokens != 1 or c.start == 0 or prompt_logprob_positions(c)
-                or (c.req.mm is not None and c.req.mm.items_in(c.start, c.start + 1)) for c in out.chunks):
+        """Padded size of the graph that runs this step, or None (eager): a graph step has L tokens per
+        sequence, each with history: one (decode; no KDA checkpoint) or its last token and L - 1 drafts
+        (verify, L up to the graphs' max query length; the speculative snapshots its only checkpoints),
+        and no media pad or prompt scoring."""
+        if graphs is None or not out.chunks:
+            return None
+        L = out.chunks[0].num_tokens
+        if L > graphs.max_query_len or (out.checkpoints and L == 1) or any(h is not None for h in out.checkpoint_hashes) \
+                or any(c.num_tokens != L or len(c.draft) != L - 1 or c.start == 0 or prompt_logprob_positions(c)
+                       or (c.req.mm is not None and c.req.mm.items_in(c.start, c.start + L)) for c in out.chunks):
             return None
         return graphs.size_for(len(out.chunks))
 
     def build_decode(self, out, size: int) -> tuple[torch.Tensor, torch.Tensor, list[int]]:
-        """A graph step's host inputs padded to ``size`` rows, and the chunk indices that sample."""
+        """A graph step's host inputs padded to ``size`` sequences, and the rows that sample (each
+        sampling chunk's L rows)."""
         chunks = out.chunks
-        meta, tables = pack_decode_inputs([0 if c.input_pending else c.req.token_ids[c.start] for c in chunks],
-                                          [c.start for c in chunks], [c.req.cache.state_slot for c in chunks],
-                                          [c.req.cache.block_ids for c in chunks], self.block_size, size)
-        return meta, tables, [i for i, c in enumerate(chunks) if c.samples]
+        L = chunks[0].num_tokens
+        first = [0 if c.input_pending else c.req.token_ids[c.start] for c in chunks]
+        slots = [c.req.cache.state_slot for c in chunks]
+        meta, tables = pack_decode_inputs(
+            first if L == 1 else [[t, *c.draft] for t, c in zip(first, chunks)], [c.start for c in chunks], slots,
+            [c.req.cache.block_ids for c in chunks], self.block_size, size,
+            None if L == 1 else row_state_rows([L] * len(chunks), slots, out.checkpoints).tolist())
+        return meta, tables, [i * L + j for i, c in enumerate(chunks) if c.samples for j in range(L)]

@@ -33,7 +33,7 @@ class ParallelRunner(ModelRunner):
     def capture_graphs(self, graphs: DecodeGraphs) -> DecodeGraphs | None:
         """Every rank captures at once (the graphs hold the step's collectives); all keep them only
         if all succeeded, else every rank runs eagerly."""
-        broadcast(CaptureGraphs(graphs.sizes[-1], graphs.max_model_len), self.control)
+        broadcast(CaptureGraphs(graphs.sizes[-1], graphs.max_model_len, graphs.max_query_len), self.control)
         captured = capture_or_none(graphs)
         if not agree(captured is not None, self.control):
             if captured is not None:

@@ -1,7 +1,7 @@
 """Runner: run one scheduled step on the model, eagerly or as a captured decode graph, then sample.
 
 ``execute`` = ``launch``: the step's KDA state copies and resets, its inputs (``batch_builder.py``), one
-forward (a ``cuda_graphs.DecodeGraphs`` replay for a pure decode step that fits one, else one packed
+forward (a ``cuda_graphs.DecodeGraphs`` replay for a decode or verify step that fits one, else one packed
 varlen ``forward_step``), the logits rows; then ``sample``: the sampler or, for drafts, the verifier
 (``speculative.py``). Async scheduling calls the two apart, with the previous step's commit between.
 """
@@ -39,7 +39,8 @@ class ModelRunner:
         self.num_steps = self.num_graph_steps = 0
         self.graphs: DecodeGraphs | None = None
         if not config.enforce_eager and self.device.type == "cuda":
-            self.graphs = self.capture_graphs(DecodeGraphs(model, cache, config.max_num_seqs, config.max_model_len))
+            self.graphs = self.capture_graphs(DecodeGraphs(model, cache, config.max_num_seqs, config.max_model_len,
+                                                           1 + config.num_speculative_tokens))
 
     def capture_graphs(self, graphs: DecodeGraphs) -> DecodeGraphs | None:
         """Capture the decode graphs, or None (eager) when the model cannot be captured."""
@@ -55,7 +56,7 @@ class ModelRunner:
         """The graph step: replay, then the logits of the chunks that sample."""
         logits = self.graphs.run(meta, tables, num_seqs, input_ids)
         self.num_graph_steps += 1
-        if len(rows) == num_seqs:
+        if len(rows) == logits.shape[0]:
             return logits
         return logits[on_device(rows, torch.int64, self.device)] if rows else None
 

@@ -114,17 +114,23 @@ class ForwardBatch:
 
 def row_state_table(query_lens: list[int], context_lens: list[int], state_slots: list[int],
                     checkpoints, device) -> torch.Tensor | None:
-    """``ForwardBatch.row_state_slots`` from host lists (None unless a short step). A checkpoint at a
-    chunk's last row is not in the table: the KDA layer copies the live slot there."""
+    """``ForwardBatch.row_state_slots`` from host lists (None unless a short step)."""
     if not 1 < max(query_lens, default=0) <= SHORT_CHUNK_MAX or min(context_lens) == 0:
         return None
+    return torch.from_numpy(row_state_rows(query_lens, state_slots, checkpoints)).to(device)
+
+
+def row_state_rows(query_lens: list[int], state_slots: list[int], checkpoints) -> np.ndarray:
+    """[N, max query_len] int64: the live slot at each sequence's last row, a checkpoint's slot at its
+    row, scratch slot 0 elsewhere. A checkpoint at a chunk's last row is not in the table: the KDA
+    layer copies the live slot there."""
     table = np.zeros((len(query_lens), max(query_lens)), dtype=np.int64)
     for n, (q, slot) in enumerate(zip(query_lens, state_slots)):
         table[n, q - 1] = slot
     for c in checkpoints:
         if c.num_tokens < query_lens[c.seq]:
             table[c.seq, c.num_tokens - 1] = c.slot
-    return torch.from_numpy(table).to(device)
+    return table
 
 
 @dataclass

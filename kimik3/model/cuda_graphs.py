@@ -1,12 +1,15 @@
-"""CUDA graphs of pure decode steps: one graph per padded batch size, replayed over static inputs.
+"""CUDA graphs of decode and verify steps: one graph per padded batch size and query length.
 
-A pure decode step runs one token of every sequence, each with history, and no KDA checkpoint.
-Its n sequences are padded to the next size of a ladder (1, 2, 4, 8, ... up to max_num_seqs);
-larger steps, prefills and mixed steps run eagerly. Each graph holds ``forward_step`` and
-``compute_logits``; its inputs are views of static device buffers updated in place before
-replay: input ids, context lens, state slots, slot mapping (one int64 [4, B] block), block
-tables [B, max_blocks] int32, and cu_seqlens (fixed: 0..B). MLA decode sizes its splits from
-``max_seq_len``, pinned to max_model_len so a replay attends over any context length.
+A decode step runs one token of every sequence, each with history, and no KDA checkpoint; a
+verify step (speculative decoding) runs L = 1 + d tokens of every sequence (its last token and d
+drafts, the same d for all), with the KDA snapshots after each of the first d rows as its only
+checkpoints (a short step, ``ForwardBatch.row_state_slots``). Its n sequences are padded to the
+next size of a ladder (1, 2, 4, 8, ... up to max_num_seqs); larger steps, prefills and mixed steps
+run eagerly. Each graph holds ``forward_step`` and ``compute_logits``; its inputs are views of
+static device buffers updated in place before replay: one int64 [5, B * L] block (input ids,
+context lens, state slots, slot mapping, the [B, L] row state slots), block tables [B, max_blocks]
+int32, and cu_seqlens (fixed: 0, L, 2L, ..). MLA decode sizes its splits from ``max_seq_len``,
+pinned to max_model_len so a replay attends over any context length.
 
 While capturing, the MoE layers get a second stream (``KimiForCausalLM.use_side_stream``): the
 graphs run the router and the shared experts beside the routed path (measured faster at every
@@ -51,67 +54,85 @@ def padded_batch_size(n: int, sizes: list[int]) -> int | None:
     return sizes[i] if i < len(sizes) else None
 
 
-def pack_decode_inputs(token_ids: list[int], context_lens: list[int], state_slots: list[int],
-                       block_tables: list[list[int]], block_size: int, size: int
-                       ) -> tuple[torch.Tensor, torch.Tensor]:
-    """Host inputs of one decode step padded to ``size`` rows.
+META_ROWS = 5       # input ids, context lens, state slots, slot mapping, row state slots
 
-    Returns meta int64 [4, size] (rows: input ids, context lens, state slots, slot mapping) and
-    block tables int32 [size, width] (width = longest table; short tables end in block 0).
-    Padding rows are all zeros: token 0, context 0, null slot 0, null block 0.
+
+def pack_decode_inputs(token_ids: list[int] | list[list[int]], context_lens: list[int], state_slots: list[int],
+                       block_tables: list[list[int]], block_size: int, size: int,
+                       row_state_slots: list[list[int]] | None = None) -> tuple[torch.Tensor, torch.Tensor]:
+    """Host inputs of one decode step (``token_ids``: one per sequence) or verify step (a list of L
+    per sequence, and ``row_state_slots``: L slots per sequence) padded to ``size`` sequences.
+
+    Returns meta int64 [5, size * L] (rows: input ids, context lens, state slots, slot mapping, row
+    state slots as [size, L]; the per-sequence rows use the first ``size`` columns) and block tables
+    int32 [size, width] (width = longest table; short tables end in block 0). Padding is all zeros:
+    token 0, context 0, null slot 0, null block 0.
     """
     n = len(token_ids)
     if not (n == len(context_lens) == len(state_slots) == len(block_tables)):
         raise ValueError("token_ids, context_lens, state_slots and block_tables need one entry per sequence")
     if not 0 < n <= size:
         raise ValueError(f"{n} sequences do not fit a decode graph of {size} rows")
+    rows = [t if isinstance(t, list) else [t] for t in token_ids]
+    L = len(rows[0])
+    if any(len(r) != L for r in rows) or (L > 1) != (row_state_slots is not None):
+        raise ValueError("a verify step needs the same number of tokens for every sequence and its row state slots")
     # numpy rows (about half the host time of nested Python lists through torch.tensor at batch 32)
     tables = np.zeros((size, max(map(len, block_tables))), dtype=np.int32)
-    slot_mapping = []
+    slot_mapping = np.zeros((size, L), dtype=np.int64)
     for i, (c, t) in enumerate(zip(context_lens, block_tables)):
-        if c // block_size >= len(t):
-            raise ValueError(f"block table has {len(t)} blocks, none for position {c} (block size {block_size})")
-        slot_mapping.append(t[c // block_size] * block_size + c % block_size)
+        if (c + L - 1) // block_size >= len(t):
+            raise ValueError(f"block table has {len(t)} blocks, none for position {c + L - 1} (block size {block_size})")
+        for j in range(L):
+            slot_mapping[i, j] = t[(c + j) // block_size] * block_size + (c + j) % block_size
         tables[i, :len(t)] = np.asarray(t, dtype=np.int32)     # a memcpy for a BlockTable
-    meta = np.zeros((4, size), dtype=np.int64)
-    meta[0, :n], meta[1, :n], meta[2, :n], meta[3, :n] = token_ids, context_lens, state_slots, slot_mapping
+    meta = np.zeros((META_ROWS, size * L), dtype=np.int64)
+    meta[0, :n * L] = np.asarray(rows, dtype=np.int64).reshape(-1)
+    meta[1, :n], meta[2, :n], meta[3] = context_lens, state_slots, slot_mapping.reshape(-1)
+    if row_state_slots is not None:
+        meta[4, :n * L] = np.asarray(row_state_slots, dtype=np.int64).reshape(-1)
     return torch.from_numpy(meta), torch.from_numpy(tables)
 
 
 class DecodeGraphs:
-    """Captured decode steps of one model over one cache, keyed by padded batch size."""
+    """Captured decode steps (query length 1) and verify steps (2 .. ``max_query_len``) of one model
+    over one cache, keyed by (padded batch size, query length)."""
 
-    def __init__(self, model, cache: HybridCache, max_num_seqs: int, max_model_len: int):
+    def __init__(self, model, cache: HybridCache, max_num_seqs: int, max_model_len: int, max_query_len: int = 1):
         self.model, self.cache = model, cache
         self.sizes = graph_batch_sizes(max_num_seqs)
-        self.max_model_len = max_model_len
+        self.max_model_len, self.max_query_len = max_model_len, max_query_len
         device = torch.device(model.device)
         largest = self.sizes[-1]
-        self.meta = torch.zeros(4, largest, dtype=torch.int64, device=device)
+        self.meta = torch.zeros(META_ROWS, largest * max_query_len, dtype=torch.int64, device=device)
         self.block_tables = torch.zeros(largest, ceil_div(max_model_len, cache.block_size), dtype=torch.int32,
                                         device=device)
-        self.cu_seqlens = torch.arange(largest + 1, dtype=torch.int64, device=device)
+        self.cu_seqlens = torch.arange(largest + 1, dtype=torch.int64, device=device)   # times L: a verify step's
         # pinned staging copies of the inputs: the host-to-device copies then run asynchronously;
         # ``staged`` marks when the last ones were read, before the staging is written again
         pinned = device.type == "cuda"
         self.meta_host = torch.zeros(self.meta.shape, dtype=torch.int64, pin_memory=pinned)
         self.block_tables_host = torch.zeros(self.block_tables.shape, dtype=torch.int32, pin_memory=pinned)
         self.staged = torch.cuda.Event() if pinned else None
-        self.graphs: dict[int, tuple[torch.cuda.CUDAGraph, torch.Tensor]] = {}
+        self.graphs: dict[tuple[int, int], tuple[torch.cuda.CUDAGraph, torch.Tensor]] = {}
+        self.batches = {(size, L): self.batch(size, L) for size in self.sizes for L in range(1, max_query_len + 1)}
 
     def size_for(self, n: int) -> int | None:
         return padded_batch_size(n, self.sizes)
 
-    def batch(self, size: int) -> ForwardBatch:
-        """The static batch of ``size`` rows (views of the static buffers; dummy host lengths)."""
-        return ForwardBatch(cu_seqlens=self.cu_seqlens[:size + 1], context_lens=self.meta[1, :size],
+    def batch(self, size: int, L: int = 1) -> ForwardBatch:
+        """The static batch of ``size`` sequences of L tokens (views of the static buffers; dummy host
+        context lengths). Built before capture: a verify step's ``cu_seqlens`` is a fresh tensor."""
+        T = size * L
+        return ForwardBatch(cu_seqlens=self.cu_seqlens[:size + 1] * L, context_lens=self.meta[1, :size],
                             state_slots=self.meta[2, :size], block_tables=self.block_tables[:size],
-                            slot_mapping=self.meta[3, :size], query_lens_cpu=[1] * size,
-                            context_lens_cpu=[1] * size, max_seq_len=self.max_model_len)
+                            slot_mapping=self.meta[3, :T], query_lens_cpu=[L] * size,
+                            context_lens_cpu=[1] * size, max_seq_len=self.max_model_len,
+                            row_state_slots=self.meta[4, :T].view(size, L) if L > 1 else None)
 
-    def step(self, size: int) -> torch.Tensor:
-        """One decode step over the static inputs of ``size`` rows: logits [size, vocab]."""
-        hidden = self.model.forward_step(self.meta[0, :size], self.batch(size), self.cache)
+    def step(self, size: int, L: int = 1) -> torch.Tensor:
+        """One step over the static inputs of ``size`` sequences of L tokens: logits [size * L, vocab]."""
+        hidden = self.model.forward_step(self.meta[0, :size * L], self.batches[size, L], self.cache)
         return self.model.compute_logits(hidden)
 
     @torch.inference_mode()
@@ -123,41 +144,44 @@ class DecodeGraphs:
         pool = None
         self.model.use_side_stream(torch.cuda.Stream())
         try:
-            for size in reversed(self.sizes):
+            for size, L in sorted(self.batches, key=lambda k: -k[0] * k[1]):
                 warm = torch.cuda.Stream()
                 warm.wait_stream(torch.cuda.current_stream())
                 with torch.cuda.stream(warm):          # warm-up off the capture: kernel compiles, autotuning
-                    self.step(size)
+                    self.step(size, L)
                 torch.cuda.current_stream().wait_stream(warm)
                 graph = torch.cuda.CUDAGraph()
                 with torch.cuda.graph(graph, pool=pool):
-                    logits = self.step(size)
+                    logits = self.step(size, L)
                 pool = graph.pool()
-                self.graphs[size] = (graph, logits)
+                self.graphs[size, L] = (graph, logits)
         finally:
             self.model.use_side_stream(None)
         torch.cuda.synchronize()
-        logger.info("captured CUDA graphs of decode steps for batch sizes %s", self.sizes)
+        logger.info("captured CUDA graphs of decode steps for batch sizes %s%s", self.sizes,
+                    f" and of verify steps of 2..{self.max_query_len} tokens" if self.max_query_len > 1 else "")
 
     def run(self, meta: torch.Tensor, block_tables: torch.Tensor, num_seqs: int,
             input_ids: torch.Tensor | None = None) -> torch.Tensor:
-        """Copy the host inputs (from ``pack_decode_inputs``) in and replay: logits [num_seqs, vocab]
+        """Copy the host inputs (from ``pack_decode_inputs``) in and replay: logits [num_seqs * L, vocab]
         (a view of the graph's output, valid until the next replay). ``input_ids``: [num_seqs] device
-        tokens that replace the host ones (async scheduling: the previous step's samples)."""
-        size, width = meta.shape[1], block_tables.shape[1]
+        tokens that replace the host ones at each sequence's first row (async scheduling: the previous
+        step's samples)."""
+        (size, width), cols = block_tables.shape, meta.shape[1]
+        L = cols // size
         if self.staged is not None:
             self.staged.synchronize()
-        self.meta_host[:, :size].copy_(meta)
+        self.meta_host[:, :cols].copy_(meta)
         self.block_tables_host[:size, :width].copy_(block_tables)
-        self.meta[:, :size].copy_(self.meta_host[:, :size], non_blocking=True)
+        self.meta[:, :cols].copy_(self.meta_host[:, :cols], non_blocking=True)
         self.block_tables[:size, :width].copy_(self.block_tables_host[:size, :width], non_blocking=True)
         if input_ids is not None:
-            self.meta[0, :num_seqs].copy_(input_ids)
+            self.meta[0, :cols].view(size, L)[:num_seqs, 0].copy_(input_ids)
         if self.staged is not None:
             self.staged.record()
-        graph, logits = self.graphs[size]
+        graph, logits = self.graphs[size, L]
         graph.replay()
-        return None if logits is None else logits[:num_seqs]      # None: a tensor-parallel worker
+        return None if logits is None else logits[:num_seqs * L]      # None: a tensor-parallel worker
 
 
 def capture_or_none(graphs: DecodeGraphs) -> DecodeGraphs | None:

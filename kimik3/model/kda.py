@@ -102,22 +102,20 @@ class KimiDeltaAttention(nn.Module):
         indices that follow the chunk lengths only."""
         T, H, K = raw.shape[0], self.num_heads, self.head_dim
         slots, lens, table = batch.state_slots, batch.query_lens_cpu, batch.row_state_slots
-        starts = [0]
-        for q in lens[:-1]:
-            starts.append(starts[-1] + q)
         windows = conv_pool[slots]                          # before the conv below writes the new ones
         mixed = causal_conv1d_in_pool(raw, weight, conv_pool, slots, has_state, lens, batch.cu_seqlens)
-        cuts = [(n, t) for n, ql in enumerate(lens) for t in range(1, ql)]     # windows after t rows
-        if cuts:
-            seq, row = (torch.tensor(i, device=raw.device) for i in zip(*[(n, t - 1) for n, t in cuts]))
-            conv_pool[table[seq, row]] = conv_windows_at(raw, windows, starts, cuts)
+        seq, offset = batch.row_positions()                 # the window after every row, into its slot
+        conv_pool[table[seq, offset]] = conv_windows_at(raw, windows, batch.cu_seqlens, seq, offset + 1)
         q, k, v = (t.view(T, H, K) for t in mixed.chunk(3, dim=-1))
         o = kda_recurrent_in_pool(q, k, v, f, b, self.A_log, self.dt_bias, self.lower_bound, state_pool, table,
                                   lens, batch.cu_seqlens)
-        ends = [c for c in batch.checkpoints if c.num_tokens == lens[c.seq]]     # snapshots of a chunk's end
-        if ends:
-            src = slots[torch.tensor([c.seq for c in ends], device=raw.device)]
-            dst = torch.tensor([c.slot for c in ends], device=raw.device)
+        # checkpoints the table could not name (a chunk's last row, or a second one at a row) are
+        # copies of the slot that has that row's state
+        named = {(c.seq, c.num_tokens): i for i, c in enumerate(batch.checkpoints) if c.num_tokens < lens[c.seq]}
+        extra = [c for i, c in enumerate(batch.checkpoints) if named.get((c.seq, c.num_tokens)) != i]
+        if extra:
+            seq, row = (torch.tensor(v, device=raw.device) for v in zip(*[(c.seq, c.num_tokens - 1) for c in extra]))
+            src, dst = table[seq, row], torch.tensor([c.slot for c in extra], device=raw.device)
             conv_pool[dst], state_pool[dst] = conv_pool[src], state_pool[src]
         return o
 
@@ -137,8 +135,9 @@ class KimiDeltaAttention(nn.Module):
         for c in batch.checkpoints:
             cuts.setdefault(c.seq, {}).setdefault(c.num_tokens, []).append(c.slot)
         # the conv window only depends on raw inputs: written straight away
-        conv_pool[torch.tensor([c.slot for c in batch.checkpoints], device=raw.device)] = conv_windows_at(
-            raw, conv0, starts, [(c.seq, c.num_tokens) for c in batch.checkpoints])
+        seq, rows, dst = (torch.tensor(v, device=raw.device) for v in zip(*[(c.seq, c.num_tokens, c.slot)
+                                                                             for c in batch.checkpoints]))
+        conv_pool[dst] = conv_windows_at(raw, conv0, batch.cu_seqlens, seq, rows)
         bounds = []
         for n, ql in enumerate(batch.query_lens_cpu):
             edges = sorted({0, ql, *(o for o in cuts.get(n, {}) if 0 < o <= ql)})

@@ -37,17 +37,17 @@ def causal_conv1d(x: torch.Tensor, weight: torch.Tensor, state: torch.Tensor,
     return torch.cat(outs, dim=0), torch.stack(new_states).to(state.dtype)
 
 
-def conv_windows_at(x: torch.Tensor, windows: torch.Tensor, starts: list[int],
-                    cuts: list[tuple[int, int]]) -> torch.Tensor:
-    """Conv states after the first m rows of sequences' chunks, one gather for all of them.
-    x [T, C] packed raw inputs; windows [N, C, W-1] the states before the chunks; starts[n]: the
-    packed row of sequence n's first new token; cuts: (n, m) pairs. Returns [len(cuts), C, W-1]:
-    the last W-1 of sequence n's history followed by its first m rows."""
+def conv_windows_at(x: torch.Tensor, windows: torch.Tensor, cu_seqlens: torch.Tensor, seq: torch.Tensor,
+                    num_rows: torch.Tensor) -> torch.Tensor:
+    """Conv states after the first ``num_rows[i]`` rows of sequence ``seq[i]``'s chunk, one gather for
+    all (device indices only: a CUDA graph can hold it). x [T, C] packed raw inputs; windows
+    [N, C, W-1] the states before the chunks; cu_seqlens [N + 1]; seq, num_rows [M] int64.
+    Returns [M, C, W-1]: the last W-1 of the sequence's history followed by its first rows."""
     N, C, W1 = windows.shape
     hist = torch.cat([windows.transpose(1, 2).reshape(N * W1, C).to(x.dtype), x])      # [N*(W-1) + T, C]
-    rows = [n * W1 + W1 + p if p < 0 else N * W1 + starts[n] + p for n, m in cuts for p in range(m - W1, m)]
-    picked = hist[torch.tensor(rows, dtype=torch.int64, device=x.device)]
-    return picked.view(len(cuts), W1, C).transpose(1, 2).to(windows.dtype)
+    p = num_rows.unsqueeze(1) - W1 + torch.arange(W1, device=x.device)                  # positions in the chunk
+    rows = torch.where(p < 0, (seq * W1 + W1).unsqueeze(1) + p, N * W1 + cu_seqlens[seq].unsqueeze(1) + p)
+    return hist[rows].transpose(1, 2).to(windows.dtype)
 
 
 def causal_conv1d_in_pool(x: torch.Tensor, weight: torch.Tensor, pool: torch.Tensor, slots: torch.Tensor,

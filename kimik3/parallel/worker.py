@@ -49,7 +49,7 @@ class StepDescriptor:
 
 @dataclass
 class GraphStep:
-    meta: torch.Tensor                       # [4, size] int64 host (``cuda_graphs.pack_decode_inputs``)
+    meta: torch.Tensor                       # [5, size * L] int64 host (``cuda_graphs.pack_decode_inputs``)
     block_tables: torch.Tensor               # [size, width] int32 host
     num_seqs: int
     ids_on_device: bool                      # async scheduling: the ids follow on the model's group
@@ -61,6 +61,7 @@ class GraphStep:
 class CaptureGraphs:
     max_num_seqs: int
     max_model_len: int
+    max_query_len: int        # 1 + speculative tokens: verify steps are captured too
 
 
 def _moved(batch: ForwardBatch, device: torch.device) -> ForwardBatch:
@@ -146,7 +147,8 @@ def worker_loop(model, control, graphs_class=DecodeGraphs) -> int:
         if step is None:
             return steps
         if isinstance(step, CaptureGraphs):
-            graphs = capture_or_none(graphs_class(model, cache, step.max_num_seqs, step.max_model_len))
+            graphs = capture_or_none(graphs_class(model, cache, step.max_num_seqs, step.max_model_len,
+                                                     step.max_query_len))
             if not agree(graphs is not None, control):
                 graphs = None
             continue

@@ -135,17 +135,18 @@ class count_calls:
 class _EagerReplay:
     """Stands in for a captured graph: the same step, run eagerly, into a fixed output buffer."""
 
-    def __init__(self, graphs: DecodeGraphs, size: int, vocab: int, seen: list):
-        self.graphs, self.size, self.seen = graphs, size, seen
-        self.out = torch.empty(size, vocab, dtype=torch.promote_types(graphs.model.dtype, torch.float32))
+    def __init__(self, graphs: DecodeGraphs, size: int, L: int, vocab: int, seen: list):
+        self.graphs, self.size, self.L, self.seen = graphs, size, L, seen
+        self.out = torch.empty(size * L, vocab, dtype=torch.promote_types(graphs.model.dtype, torch.float32))
 
     def replay(self):
         cache = self.graphs.cache
         before = (cache.kda_conv.clone(), cache.kda_state.clone(), cache.mla_latent.clone())
-        logits = self.graphs.step(self.size)          # None on a tensor-parallel worker (rank 0 gets them)
+        logits = self.graphs.step(self.size, self.L)  # None on a tensor-parallel worker (rank 0 gets them)
         if logits is not None:
             self.out.copy_(logits)
-        meta = self.graphs.meta[:, :self.size]
+        self.graphs.replayed.append((self.size, self.L))
+        meta = self.graphs.meta[:, :self.size * self.L]
         self.seen.append((meta.clone(), before, (cache.kda_conv.clone(), cache.kda_state.clone(), cache.mla_latent.clone())))
 
 
@@ -154,15 +155,16 @@ class EagerReplayGraphs(DecodeGraphs):
 
     def capture(self) -> None:
         self.seen: list = []
+        self.replayed: list[tuple[int, int]] = []      # (size, query length) of each replay
         vocab = self.model.config.text.vocab_size
-        for size in self.sizes:
-            replay = _EagerReplay(self, size, vocab, self.seen)
-            self.graphs[size] = (replay, replay.out)
+        for size, L in self.batches:
+            replay = _EagerReplay(self, size, L, vocab, self.seen)
+            self.graphs[size, L] = (replay, replay.out)
 
 
 class FailingGraphs(DecodeGraphs):
     """A model that cannot be captured (e.g. a host sync inside a decode step)."""
 
     def capture(self) -> None:
-        self.graphs[1] = ("half-captured", None)
+        self.graphs[1, 1] = ("half-captured", None)
         raise RuntimeError("CUDA error: operation not permitted when stream is capturing\nmore detail")

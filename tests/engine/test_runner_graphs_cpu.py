@@ -39,8 +39,25 @@ def test_pack_decode_inputs_pads_with_null_entries():
     assert meta.tolist() == [[11, 12, 13, 0, 0],            # input ids
                              [5, 2, 8, 0, 0],               # context lens
                              [3, 1, 2, 0, 0],               # state slots (0 = null)
-                             [9 * 4 + 1, 4 * 4 + 2, 8 * 4 + 0, 0, 0]]   # slot mapping (block 0 row 0)
+                             [9 * 4 + 1, 4 * 4 + 2, 8 * 4 + 0, 0, 0],   # slot mapping (block 0 row 0)
+                             [0, 0, 0, 0, 0]]               # row state slots (verify steps only)
     assert tables.tolist() == [[7, 9, 0], [4, 0, 0], [6, 5, 8], [0, 0, 0], [0, 0, 0]]
+
+
+def test_pack_verify_inputs_lays_out_rows_per_sequence():
+    """A verify step: each sequence's last token and drafts as consecutive rows, their latent slots
+    (crossing a block), the [size, L] row state slots; padding sequences all zeros."""
+    meta, tables = pack_decode_inputs(token_ids=[[11, 21, 22], [12, 31, 32]], context_lens=[3, 5], state_slots=[3, 1],
+                                      block_tables=[[7, 9], [4, 6]], block_size=4, size=4,
+                                      row_state_slots=[[8, 9, 3], [0, 10, 1]])
+    assert meta.shape == (5, 12)
+    assert meta[0].tolist() == [11, 21, 22, 12, 31, 32] + [0] * 6
+    assert meta[1, :4].tolist() == [3, 5, 0, 0] and meta[2, :4].tolist() == [3, 1, 0, 0]
+    assert meta[3].tolist() == [7 * 4 + 3, 9 * 4 + 0, 9 * 4 + 1, 6 * 4 + 1, 6 * 4 + 2, 6 * 4 + 3] + [0] * 6
+    assert meta[4].tolist() == [8, 9, 3, 0, 10, 1] + [0] * 6
+    with pytest.raises(ValueError, match="same number of tokens"):
+        pack_decode_inputs([[1, 2], [3]], [1, 1], [1, 2], [[1], [2]], block_size=4, size=2,
+                           row_state_slots=[[0, 1], [2]])
 
 
 def test_pack_decode_inputs_errors():
@@ -89,6 +106,42 @@ def test_engine_graph_branch_matches_eager(model):
             assert changed <= live, f"{pool}: padding touched slots {changed - live}"
         changed = {k for k in range(before[2].shape[1]) if not torch.equal(before[2][:, k], after[2][:, k])}
         assert changed <= blocks, f"mla_latent: padding touched blocks {changed - blocks}"
+
+
+@pytest.mark.parametrize("arch", ["kimi_k3", "kimi_linear"])
+def test_verify_steps_replay_graphs_exactly_greedy(tiny_ckpt, arch, monkeypatch):
+    """Speculative verify steps as graph steps (oracle drafts, every other step with a wrong second
+    draft): every token is the model's own greedy continuation, graphs of 2..4 tokens per sequence
+    replayed (padded sequences too), and padding touched only the null slot and block."""
+    import kimik3.engine.scheduler as scheduler
+    from tests.engine.fake_model import reference_greedy
+    from tests.engine.helpers import oracle_proposer
+    model = kimik3.load_model(tiny_ckpt[arch], device="cpu", dtype=torch.float32)
+    rng = random.Random(4)
+    vocab = model.config.text.vocab_size
+    reqs = {f"r{i}": ([rng.randrange(5, vocab) for _ in range(5 + 4 * i)],
+                      SamplingParams(temperature=0, max_tokens=12, ignore_eos=True)) for i in range(3)}
+    futures = {tuple(p): reference_greedy(model, p, sp.max_tokens) for p, sp in reqs.values()}
+    monkeypatch.setattr(scheduler, "propose_ngram", oracle_proposer(futures, vocab))
+    engine = make_engine(model, block_size=4, max_num_seqs=3, max_num_batched_tokens=32, max_model_len=40,
+                         enable_prefix_caching=False, extra_blocks=12, num_speculative_tokens=3)
+    runner = engine.runner                  # (prefix checkpoints inside a verify chunk run eagerly)
+    runner.graphs = EagerReplayGraphs(model, engine.cache, 3, 40, 4)
+    runner.graphs.capture()
+    results = run(engine, reqs)
+    for rid, (prompt, params) in reqs.items():
+        assert results[rid][0][0] == futures[tuple(prompt)], rid
+    verify = [k for k in runner.graphs.replayed if k[1] > 1]
+    assert verify and any(size > 1 for size, _ in verify), runner.graphs.replayed
+    assert engine.num_accepted_tokens > 0 and engine.num_draft_tokens > engine.num_accepted_tokens
+    for (size, L), (meta, before, after) in zip(runner.graphs.replayed, runner.graphs.seen):
+        live = set(meta[2, :size].tolist()) | set(meta[4].tolist()) | {0}
+        blocks = set((meta[3] // 4).tolist()) | {0}
+        for pool, (b, a) in (("kda_conv", (before[0], after[0])), ("kda_state", (before[1], after[1]))):
+            changed = {s for s in range(b.shape[1]) if not torch.equal(b[:, s], a[:, s])}
+            assert changed <= live, f"{pool}: step ({size}, {L}) touched slots {changed - live}"
+        changed = {k for k in range(before[2].shape[1]) if not torch.equal(before[2][:, k], after[2][:, k])}
+        assert changed <= blocks, f"mla_latent: step ({size}, {L}) touched blocks {changed - blocks}"
 
 
 def test_capture_failure_falls_back_to_eager_with_one_warning(model, caplog):

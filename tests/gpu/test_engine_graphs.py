@@ -169,25 +169,24 @@ def test_greedy_graphs_match_eager(model):
     assert_same_greedy(eager, graphed, reqs)
 
 
-@pytest.mark.parametrize("snapshots", ["one_pass", "rounds"])
-def test_speculative_greedy_matches_plain(model, monkeypatch, snapshots):
-    """Speculative verify steps on the GPU path (snapshots mid-chunk, rollbacks, graphs for the
-    plain steps). A random-weight model seldom repeats an n-gram, so the drafts come from an
-    oracle: the plain run's own next tokens, every other step with the second one corrupted. The
-    tokens are checked against the model called directly (``assert_model_greedy``). The KDA
-    snapshots come from one recurrent pass (a short step: ``ForwardBatch.row_state_slots``) or, as prefill chunks
-    with prefix checkpoints take them, from the chunks split at the checkpoints."""
+def test_speculative_greedy_matches_plain(model, monkeypatch):
+    """Speculative verify steps on the GPU path (CUDA graphs of 2..4 tokens per sequence with the KDA
+    snapshots after each row, rollbacks, graphs for the plain steps). A random-weight model seldom
+    repeats an n-gram, so the drafts come from an oracle: the plain run's own next tokens, every
+    other step with the second one corrupted. The tokens are checked against the model called
+    directly (``assert_model_greedy``)."""
     import kimik3.engine.scheduler as scheduler
-    import kimik3.model.batch as batch_module
-    if snapshots == "rounds":
-        monkeypatch.setattr(batch_module, "SHORT_CHUNK_MAX", 0)
     reqs = requests(model.config.text.vocab_size)
     plain = generate(make(model, enforce_eager=False), reqs)
     futures = {tuple(prompt): plain[rid][0] for rid, (prompt, _) in reqs.items()}
     monkeypatch.setattr(scheduler, "propose_ngram", oracle_proposer(futures, model.config.text.vocab_size))
     engine = make(model, enforce_eager=False, num_speculative_tokens=3)
+    graphs, verify_replays = engine.runner.graphs, []
+    run = graphs.run
+    graphs.run = lambda meta, tables, *a: verify_replays.append(meta.shape[1] > tables.shape[0]) or run(meta, tables, *a)
     spec = generate(engine, reqs)
     assert engine.num_accepted_tokens > 0 and engine.num_draft_tokens > engine.num_accepted_tokens
+    assert any(verify_replays), "no verify step replayed a graph"
     for rid, (prompt, sp) in reqs.items():
         assert len(spec[rid][0]) == sp.max_tokens, rid
         assert_model_greedy(model, rid, prompt, *spec[rid], SLICE_CROSS_NOISE, 2 * SLICE_CROSS_NOISE)

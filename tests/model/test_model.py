@@ -122,8 +122,9 @@ def test_state_checkpoint_restores_the_prefix_state(tiny_ckpt, arch):
 
 @pytest.mark.parametrize("arch", ARCHS)
 def test_checkpoints_in_a_short_step_with_history_restore_each_prefix(tiny_ckpt, arch):
-    """A verify-like step (history, four new tokens, checkpoints after 1, 3 and all 4 of them: the
-    one-pass recurrent path): each snapshot, copied into a fresh sequence's slot with the MLA blocks
+    """A verify-like step (history, four new tokens, checkpoints after 1 (two: a prefix checkpoint
+    and a speculative snapshot can share a row), 3 and all 4 of them: the one-pass recurrent path):
+    each snapshot, copied into a fresh sequence's slot with the MLA blocks
     of its prefix, continues exactly like the whole sequence."""
     model = load_model(tiny_ckpt[arch], dtype=torch.float64)
     ids = torch.randint(0, 256, (12,), generator=torch.Generator().manual_seed(7)).tolist()
@@ -131,7 +132,7 @@ def test_checkpoints_in_a_short_step_with_history_restore_each_prefix(tiny_ckpt,
     st = Stepper(model, 2, 12, block_size=3)
     st.step({0: ids[:5]})
     cks = (StateCheckpoint(seq=0, num_tokens=1, slot=5), StateCheckpoint(seq=0, num_tokens=3, slot=6),
-           StateCheckpoint(seq=0, num_tokens=4, slot=7))
+           StateCheckpoint(seq=0, num_tokens=4, slot=7), StateCheckpoint(seq=0, num_tokens=1, slot=8))   # two at row 1
     batch = ForwardBatch.build([4], [5], [1], [st.tables[0]], 3, checkpoints=cks)
     assert batch.row_state_slots is not None
     assert rel_err(st.step({0: ids[5:9]}, checkpoints=cks)[0], full[5:9]) <= 1e-10

@@ -160,7 +160,8 @@ def test_conv_windows_at_are_the_histories_after_m_rows():
     x = torch.randn(7, 5, dtype=F64, generator=g)             # two chunks: rows 0..3 and 4..6
     windows = torch.randn(2, 5, 3, dtype=F64, generator=g)
     cuts = [(0, 1), (0, 4), (1, 2), (1, 3), (0, 2)]
-    got = conv_windows_at(x, windows, [0, 4], cuts)
+    seq, rows = (torch.tensor(v) for v in zip(*cuts))
+    got = conv_windows_at(x, windows, torch.tensor([0, 4, 7]), seq, rows)
     for i, (n, m) in enumerate(cuts):
         hist = [windows[n][:, j] for j in range(3)] + [x[[0, 4][n] + t] for t in range(m)]   # oldest first
         assert torch.equal(got[i], torch.stack(hist[-3:], dim=1)), (n, m)
