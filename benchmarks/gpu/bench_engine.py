@@ -74,7 +74,7 @@ def decode_steps(engine: LLMEngine, batch: int, rng: random.Random) -> dict:
            "runner_sample_ms": (s1.host_seconds - s0.host_seconds - prepare) / n * 1e3}
     if r.graphs is not None:
         size = r.graphs.size_for(batch)
-        graph, _ = r.graphs.graphs[size]
+        graph, _ = r.graphs.graphs[size, 1]
         row["device_ms"] = cuda_time(graph.replay, iters=20) * 1e3     # replays the last step's inputs (state is garbage after)
         row["host_overhead_ms"] = row["wall_ms"] - row["device_ms"]
         row["host_share"] = row["host_overhead_ms"] / row["wall_ms"]

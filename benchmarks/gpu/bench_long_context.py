@@ -70,7 +70,7 @@ def graph_replay_s(engine) -> float:
     graphs = engine.runner.graphs
     if graphs is None or 1 not in graphs.graphs:
         return float("nan")
-    return cuda_time(graphs.graphs[1][0].replay, warmup=2, iters=10)
+    return cuda_time(graphs.graphs[1, 1][0].replay, warmup=2, iters=10)
 
 
 def replay_at(engine, context: int, perm: torch.Tensor) -> float:
@@ -82,7 +82,7 @@ def replay_at(engine, context: int, perm: torch.Tensor) -> float:
     graphs.meta[:, 0] = torch.tensor([1000, context, 1, int(blocks[context // bs]) * bs + context % bs])
     graphs.block_tables[0].zero_()
     graphs.block_tables[0, :len(blocks)] = blocks.to(graphs.block_tables)
-    return cuda_time(graphs.graphs[1][0].replay, warmup=2, iters=20)
+    return cuda_time(graphs.graphs[1, 1][0].replay, warmup=2, iters=20)
 
 
 def replay_only(model, engine, bw):

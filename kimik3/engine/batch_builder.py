@@ -80,7 +80,8 @@ class BatchBuilder:
                 or any(c.num_tokens != L or len(c.draft) != L - 1 or c.start == 0 or prompt_logprob_positions(c)
                        or (c.req.mm is not None and c.req.mm.items_in(c.start, c.start + L)) for c in out.chunks):
             return None
-        return graphs.size_for(len(out.chunks))
+        size = graphs.size_for(len(out.chunks))
+        return size if (size, L) in graphs.batches else None
 
     def build_decode(self, out, size: int) -> tuple[torch.Tensor, torch.Tensor, list[int]]:
         """A graph step's host inputs padded to ``size`` sequences, and the rows that sample (each

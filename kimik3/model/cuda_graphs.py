@@ -4,8 +4,8 @@ A decode step runs one token of every sequence, each with history, and no KDA ch
 verify step (speculative decoding) runs L = 1 + d tokens of every sequence (its last token and d
 drafts, the same d for all), with the KDA snapshots after each of the first d rows as its only
 checkpoints (a short step, ``ForwardBatch.row_state_slots``). Its n sequences are padded to the
-next size of a ladder (1, 2, 4, 8, ... up to max_num_seqs); larger steps, prefills and mixed steps
-run eagerly. Each graph holds ``forward_step`` and ``compute_logits``; its inputs are views of
+next size of a ladder (1, 2, 4, 8, ... up to max_num_seqs; verify steps up to 32 sequences); larger
+steps, prefills and mixed steps run eagerly. Each graph holds ``forward_step`` and ``compute_logits``; its inputs are views of
 static device buffers updated in place before replay: one int64 [5, B * L] block (input ids,
 context lens, state slots, slot mapping, the [B, L] row state slots), block tables [B, max_blocks]
 int32, and cu_seqlens (fixed: 0, L, 2L, ..). MLA decode sizes its splits from ``max_seq_len``,
@@ -55,6 +55,10 @@ def padded_batch_size(n: int, sizes: list[int]) -> int | None:
 
 
 META_ROWS = 5       # input ids, context lens, state slots, slot mapping, row state slots
+# Verify steps of more sequences run eagerly: the graphs' logits outputs stay allocated (at 163840
+# tokens of vocabulary, sizes 1..32 at L = 2..4 hold 371 MB; every ladder size up to 256 at L = 1..4, 3.3 GB)
+# and speculation pays least in large batches.
+VERIFY_GRAPH_MAX_SEQS = 32
 
 
 def pack_decode_inputs(token_ids: list[int] | list[list[int]], context_lens: list[int], state_slots: list[int],
@@ -115,7 +119,8 @@ class DecodeGraphs:
         self.block_tables_host = torch.zeros(self.block_tables.shape, dtype=torch.int32, pin_memory=pinned)
         self.staged = torch.cuda.Event() if pinned else None
         self.graphs: dict[tuple[int, int], tuple[torch.cuda.CUDAGraph, torch.Tensor]] = {}
-        self.batches = {(size, L): self.batch(size, L) for size in self.sizes for L in range(1, max_query_len + 1)}
+        self.batches = {(size, L): self.batch(size, L) for size in self.sizes for L in range(1, max_query_len + 1)
+                        if L == 1 or size <= VERIFY_GRAPH_MAX_SEQS}
 
     def size_for(self, n: int) -> int | None:
         return padded_batch_size(n, self.sizes)
