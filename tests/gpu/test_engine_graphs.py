@@ -173,8 +173,9 @@ def test_speculative_greedy_matches_plain(model, monkeypatch):
     """Speculative verify steps on the GPU path (CUDA graphs of 2..4 tokens per sequence with the KDA
     snapshots after each row, rollbacks, graphs for the plain steps). A random-weight model seldom
     repeats an n-gram, so the drafts come from an oracle: the plain run's own next tokens, every
-    other step with the second one corrupted. The tokens are checked against the model called
-    directly (``assert_model_greedy``)."""
+    other step with the second one corrupted. The tokens of both runs are checked against the model
+    called directly (``assert_model_greedy``), one flipped expert allowed per request (r5's token 1,
+    0.517 / 0.564 nats at 3dd9428 / cf42f4f, once its verify row ran the decode kernels)."""
     import kimik3.engine.scheduler as scheduler
     reqs = requests(model.config.text.vocab_size)
     plain = generate(make(model, enforce_eager=False), reqs)
@@ -187,9 +188,12 @@ def test_speculative_greedy_matches_plain(model, monkeypatch):
     spec = generate(engine, reqs)
     assert engine.num_accepted_tokens > 0 and engine.num_draft_tokens > engine.num_accepted_tokens
     assert any(verify_replays), "no verify step replayed a graph"
-    for rid, (prompt, sp) in reqs.items():
+    for rid, (prompt, sp) in reqs.items():       # the plain graph run too: the verify rows run its kernels
         assert len(spec[rid][0]) == sp.max_tokens, rid
-        assert_model_greedy(model, rid, prompt, *spec[rid], SLICE_CROSS_NOISE, 2 * SLICE_CROSS_NOISE)
+        print("plain", end=" ")
+        assert_model_greedy(model, rid, prompt, *plain[rid], SLICE_CROSS_NOISE, 2 * SLICE_CROSS_NOISE, flips=1)
+        print("speculative", end=" ")
+        assert_model_greedy(model, rid, prompt, *spec[rid], SLICE_CROSS_NOISE, 2 * SLICE_CROSS_NOISE, flips=1)
 
 
 def test_async_scheduling_gives_the_synchronous_tokens(model):
@@ -207,16 +211,17 @@ def test_async_scheduling_gives_the_synchronous_tokens(model):
 
 
 def assert_model_greedy(model, rid: str, prompt: list[int], tokens: list[int], logprobs: list[dict] | None = None,
-                        logprob_bound: float | None = None, tie: float = TIE_NATS) -> None:
+                        logprob_bound: float | None = None, tie: float = TIE_NATS, flips: int = 0) -> None:
     """Each emitted token is the greedy choice of the model called directly on the prompt and the
     tokens before it, up to a near-tie (``tie``); with ``logprobs``, every logprob the engine returned
     for the token emitted is the model's within ``logprob_bound``, and every other entry of its top-K
     within twice that (an alternative deep in the slice's flat tail moves more: 0.53 nats for a token
-    1.1 nats below the top at 3b19f67, where the emitted tokens stayed within 0.22). This decides a
-    parting from another engine run: the slice's logits are nearly flat, so runs part at ties often (4 of 6
-    requests between the plain and the speculative runs), and a wrong token is one the model itself
-    ranks lower."""
-    ids, worst = list(prompt), 0.0
+    1.1 nats below the top at 3b19f67, where the emitted tokens stayed within 0.22). ``flips``: how
+    many emitted tokens may be past ``logprob_bound`` (within twice it), for an expert flipped by
+    rounding at one position. This decides a parting from another engine run: the slice's logits are
+    nearly flat, so runs part at ties often (4 of 6 requests between the plain and the speculative
+    runs), and a wrong token is one the model itself ranks lower."""
+    ids, worst, past = list(prompt), 0.0, []
     with torch.inference_mode():
         for i, t in enumerate(tokens):
             ref = model(torch.tensor(ids, device="cuda"))[-1].float().log_softmax(-1)
@@ -229,11 +234,15 @@ def assert_model_greedy(model, rid: str, prompt: list[int], tokens: list[int], l
                 for j, v in logprobs[i].items():
                     d, bound = abs(v - float(ref[j])), logprob_bound if j == t else 2 * logprob_bound
                     worst = max(worst, d)
+                    if j == t and bound <= d < 2 * bound and len(past) < flips:
+                        past.append((i, round(d, 3)))
+                        continue
                     assert d < bound, (f"{rid}: token {i}: the logprob of {j} is {v:.4f}, the model's "
-                                       f"{float(ref[j]):.4f} (the model's top 3: {top})")
+                                       f"{float(ref[j]):.4f} (the model's top 3: {top}; flips allowed {flips}, "
+                                       f"taken at {past})")
             ids.append(t)
     if logprobs is not None:
-        print(f"{rid}: logprobs within {worst:.3f} nats of the model's")
+        print(f"{rid}: logprobs within {worst:.3f} nats of the model's" + (f" (past the bound: {past})" if past else ""))
 
 
 def test_moe_side_stream_graph_matches_serial(model, monkeypatch):
