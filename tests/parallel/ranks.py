@@ -152,14 +152,20 @@ def spec_prompts(vocab: int) -> list[list[int]]:
     return [torch.randperm(vocab, generator=g).tolist() for _ in range(2)]
 
 
-def spec_engine_rank(rank, world, control, path: str, out_path: str):
+def spec_engine_rank(rank, world, control, path: str, out_path: str, graphs: bool = False):
+    """``graphs``: decode and verify "graphs" as eager stand-ins on every rank (prefix caching off, so
+    verify chunks carry no prefix checkpoint); also saves the verify replays of rank 0."""
     model = load_model(path, dtype=torch.float64, parallel=ParallelContext(rank, world))
     if rank != 0:
-        worker_loop(model, control)
+        worker_loop(model, control, EagerReplayGraphs)
         return
     vocab = model.config.text.vocab_size
-    engine = LLMEngine(model, EngineConfig(max_model_len=vocab + 16, **SPEC_ENGINE_CONFIG),
-                       runner_factory=functools.partial(ParallelRunner, control=control))
+    cfg = EngineConfig(max_model_len=vocab + 16, **SPEC_ENGINE_CONFIG, enable_prefix_caching=not graphs)
+    engine = LLMEngine(model, cfg, runner_factory=functools.partial(ParallelRunner, control=control))
+    if graphs:
+        engine.runner.graphs = engine.runner.capture_graphs(EagerReplayGraphs(
+            model, engine.cache, cfg.max_num_seqs, cfg.max_model_len, 1 + cfg.num_speculative_tokens))
     outs, _ = run_engine(engine, spec_prompts(vocab))
     stop_workers(control)
-    torch.save((outs, engine.num_draft_tokens, engine.num_accepted_tokens), out_path)
+    verify = sum(L > 1 for _, L in engine.runner.graphs.replayed) if graphs else 0
+    torch.save((outs, engine.num_draft_tokens, engine.num_accepted_tokens, verify), out_path)

@@ -105,19 +105,21 @@ def test_decode_graphs_under_tensor_parallel(ckpts, tmp_path, graphs, async_sche
     assert (ahead > 0) == async_scheduling
 
 
-def test_speculative_decoding_under_tensor_parallel(ckpts, tmp_path):
+@pytest.mark.parametrize("graphs", [False, True])
+def test_speculative_decoding_under_tensor_parallel(ckpts, tmp_path, graphs):
     """The snapshot and rollback copies reach every rank: TP2 with n-gram drafts gives the
-    one-process outputs, which equal plain greedy decoding."""
+    one-process outputs, which equal plain greedy decoding; with graphs, verify steps replay the
+    workers' verify graphs too (their (size, L) key travels in the replayed inputs' shape)."""
     path = ckpts["kimi_k3"]
     model = load_model(path, dtype=torch.float64)
     vocab = model.config.text.vocab_size
     prompts = spec_prompts(vocab)
     plain, _ = run_engine(LLMEngine(model, EngineConfig(max_model_len=vocab + 16, **{
         **SPEC_ENGINE_CONFIG, "num_speculative_tokens": 0})), prompts)
-    spawn(spec_engine_rank, 2, str(path), str(tmp_path / "out.pt"))
-    outs, drafts, accepted = torch.load(tmp_path / "out.pt", weights_only=False)
+    spawn(spec_engine_rank, 2, str(path), str(tmp_path / "out.pt"), graphs)
+    outs, drafts, accepted, verify_replays = torch.load(tmp_path / "out.pt", weights_only=False)
     assert outs == plain
-    assert drafts > 0
+    assert drafts > 0 and (verify_replays > 0) == graphs, verify_replays
 
 
 # ---- bad degrees ---------------------------------------------------------------------------------
