@@ -34,7 +34,7 @@ class ParallelRunner(ModelRunner):
         """Every rank captures at once (the graphs hold the step's collectives); all keep them only
         if all succeeded, else every rank runs eagerly."""
         broadcast(CaptureGraphs(graphs.sizes[-1], graphs.max_model_len, graphs.max_query_len), self.control)
-        captured = capture_or_none(graphs)
+        captured = capture_or_none(graphs, decode_only_retry=False)
         if not agree(captured is not None, self.control):
             if captured is not None:
                 logger.warning("another rank could not capture its decode graphs; every rank runs eagerly")

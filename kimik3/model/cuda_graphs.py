@@ -189,16 +189,24 @@ class DecodeGraphs:
         return None if logits is None else logits[:num_seqs * L]      # None: a tensor-parallel worker
 
 
-def capture_or_none(graphs: DecodeGraphs) -> DecodeGraphs | None:
-    """Capture the decode graphs; a model that cannot be captured runs eagerly (one warning)."""
+def capture_or_none(graphs: DecodeGraphs, decode_only_retry: bool = True) -> DecodeGraphs | None:
+    """Capture the graphs; a model that cannot be captured runs eagerly (one warning). When verify
+    graphs were asked for, a failure retries with decode graphs alone (``decode_only_retry``; under
+    tensor parallelism every rank must hold the same graphs, so the ranks agree on None instead)."""
     try:
         graphs.capture()
         return graphs
     except Exception as exc:        # capture errors come as RuntimeError or torch.AcceleratorError
-        logger.warning("CUDA graph capture failed (%s: %s); decode steps run eagerly. Pass enforce_eager "
-                       "to skip the attempt", type(exc).__name__, str(exc).splitlines()[0] if str(exc) else "")
+        retry = decode_only_retry and graphs.max_query_len > 1
+        logger.warning("CUDA graph capture failed (%s: %s); %s. Pass enforce_eager to skip the attempt",
+                       type(exc).__name__, str(exc).splitlines()[0] if str(exc) else "",
+                       "verify steps run eagerly, decode steps are captured again alone" if retry
+                       else "decode steps run eagerly")
         graphs.graphs.clear()
         if torch.cuda.is_available():
             torch.cuda.synchronize()
             torch.cuda.empty_cache()
+        if retry:
+            return capture_or_none(type(graphs)(graphs.model, graphs.cache, graphs.sizes[-1], graphs.max_model_len),
+                                   decode_only_retry=False)
         return None

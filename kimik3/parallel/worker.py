@@ -148,7 +148,7 @@ def worker_loop(model, control, graphs_class=DecodeGraphs) -> int:
             return steps
         if isinstance(step, CaptureGraphs):
             graphs = capture_or_none(graphs_class(model, cache, step.max_num_seqs, step.max_model_len,
-                                                     step.max_query_len))
+                                                  step.max_query_len), decode_only_retry=False)
             if not agree(graphs is not None, control):
                 graphs = None
             continue

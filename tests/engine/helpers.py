@@ -162,6 +162,15 @@ class EagerReplayGraphs(DecodeGraphs):
             self.graphs[size, L] = (replay, replay.out)
 
 
+class VerifyFailingGraphs(EagerReplayGraphs):
+    """Decode steps capture; verify steps cannot (a kernel of the short path that does not capture)."""
+
+    def capture(self) -> None:
+        super().capture()
+        if self.max_query_len > 1:
+            raise RuntimeError("CUDA error: operation not permitted when stream is capturing")
+
+
 class FailingGraphs(DecodeGraphs):
     """A model that cannot be captured (e.g. a host sync inside a decode step)."""
 

@@ -13,7 +13,7 @@ import torch
 import kimik3
 from kimik3.engine import SamplingParams
 from kimik3.model.cuda_graphs import graph_batch_sizes, pack_decode_inputs, padded_batch_size
-from tests.engine.helpers import EagerReplayGraphs, FailingGraphs, make_engine, run
+from tests.engine.helpers import EagerReplayGraphs, FailingGraphs, VerifyFailingGraphs, make_engine, run
 
 
 @pytest.mark.parametrize("max_num_seqs,sizes", [(1, [1]), (5, [1, 2, 4, 5]), (8, [1, 2, 4, 8]),
@@ -158,3 +158,21 @@ def test_capture_failure_falls_back_to_eager_with_one_warning(model, caplog):
     assert len(warnings) == 1 and "operation not permitted" in warnings[0].getMessage()
     assert run(engine, reqs, {0: list(reqs)}) == eager
     assert engine.runner.num_graph_steps == 0
+
+
+def test_verify_capture_failure_keeps_the_decode_graphs(model, caplog):
+    """Verify graphs that cannot be captured cost only themselves: one warning, the decode graphs
+    captured again alone, verify steps eager, tokens unchanged."""
+    from kimik3.model.cuda_graphs import capture_or_none
+    reqs = _requests(model.config.text.vocab_size)
+    kw = dict(block_size=3, max_num_seqs=8, max_num_batched_tokens=64, max_model_len=32, extra_blocks=40,
+              num_speculative_tokens=2, speculative_ngram_min=1, enable_prefix_caching=False)
+    eager = run(make_engine(model, **kw), reqs, {0: list(reqs)})
+    engine = make_engine(model, **kw)
+    with caplog.at_level("WARNING", logger="kimik3.model.cuda_graphs"):
+        engine.runner.graphs = graphs = capture_or_none(VerifyFailingGraphs(model, engine.cache, 8, 32, 3))
+    warnings = [r.getMessage() for r in caplog.records if r.levelname == "WARNING"]
+    assert len(warnings) == 1 and "decode steps are captured again alone" in warnings[0], warnings
+    assert graphs is not None and graphs.max_query_len == 1 and set(graphs.graphs) == {(s, 1) for s in graphs.sizes}
+    assert run(engine, reqs, {0: list(reqs)}) == eager
+    assert engine.runner.num_graph_steps > 0
