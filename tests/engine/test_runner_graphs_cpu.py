@@ -126,13 +126,14 @@ def test_verify_steps_replay_graphs_exactly_greedy(tiny_ckpt, arch, monkeypatch)
     engine = make_engine(model, block_size=4, max_num_seqs=3, max_num_batched_tokens=32, max_model_len=40,
                          enable_prefix_caching=False, extra_blocks=12, num_speculative_tokens=3)
     runner = engine.runner                  # (prefix checkpoints inside a verify chunk run eagerly)
-    runner.graphs = EagerReplayGraphs(model, engine.cache, 3, 40, 4)
+    runner.graphs = EagerReplayGraphs(model, engine.cache, 4, 40, 4)   # ladder 1, 2, 4: 3 sequences pad to 4
     runner.graphs.capture()
     results = run(engine, reqs)
     for rid, (prompt, params) in reqs.items():
         assert results[rid][0][0] == futures[tuple(prompt)], rid
-    verify = [k for k in runner.graphs.replayed if k[1] > 1]
-    assert verify and any(size > 1 for size, _ in verify), runner.graphs.replayed
+    verify = [(k, meta) for k, (meta, _, _) in zip(runner.graphs.replayed, runner.graphs.seen) if k[1] > 1]
+    assert any(size > 1 for (size, _), _ in verify), runner.graphs.replayed
+    assert any((meta[2, :size] == 0).any() for (size, _), meta in verify), "no verify step was padded"
     assert engine.num_accepted_tokens > 0 and engine.num_draft_tokens > engine.num_accepted_tokens
     for (size, L), (meta, before, after) in zip(runner.graphs.replayed, runner.graphs.seen):
         live = set(meta[2, :size].tolist()) | set(meta[4].tolist()) | {0}
@@ -176,3 +177,36 @@ def test_verify_capture_failure_keeps_the_decode_graphs(model, caplog):
     assert graphs is not None and graphs.max_query_len == 1 and set(graphs.graphs) == {(s, 1) for s in graphs.sizes}
     assert run(engine, reqs, {0: list(reqs)}) == eager
     assert engine.runner.num_graph_steps > 0
+
+
+def test_verify_graphs_keep_sampled_and_logprob_requests_exact(model, monkeypatch):
+    """Seeded sampled requests with logprobs and n-gram drafts (every other one corrupted): verify
+    steps as graph replays give the eager engine's tokens and logprobs."""
+    import kimik3.engine.scheduler as scheduler
+    from tests.engine.helpers import oracle_proposer
+    vocab = model.config.text.vocab_size
+    rng = random.Random(6)
+    prompts = [[rng.randrange(5, vocab) for _ in range(6 + 3 * i)] for i in range(3)]
+    greedy = run(make_engine(model, block_size=4, max_num_seqs=3, max_model_len=40, extra_blocks=12),
+                 {str(i): (p, SamplingParams(temperature=0, max_tokens=10, ignore_eos=True)) for i, p in enumerate(prompts)})
+    monkeypatch.setattr(scheduler, "propose_ngram", oracle_proposer(
+        {tuple(p): greedy[str(i)][0][0] for i, p in enumerate(prompts)}, vocab))
+    reqs = {str(i): (p, SamplingParams(temperature=0.8, top_p=0.9, seed=10 + i, max_tokens=10, ignore_eos=True,
+                                       logprobs=3)) for i, p in enumerate(prompts)}
+    kw = dict(block_size=4, max_num_seqs=3, max_num_batched_tokens=32, max_model_len=40, enable_prefix_caching=False,
+              extra_blocks=12, num_speculative_tokens=3)
+    eager = make_engine(model, **kw)
+    want = run(eager, reqs)
+    engine = make_engine(model, **kw)
+    engine.runner.graphs = EagerReplayGraphs(model, engine.cache, 4, 40, 4)   # ladder 1, 2, 4: 3 sequences pad to 4
+    engine.runner.graphs.capture()
+    got = run(engine, reqs)
+    graphs = engine.runner.graphs
+    assert any(L > 1 and (meta[2, :size] == 0).any() for (size, L), (meta, _, _) in zip(graphs.replayed, graphs.seen)), \
+        "no padded verify step replayed a graph"
+    assert eager.num_draft_tokens > 0
+    for rid in reqs:
+        assert got[rid][0][0] == want[rid][0][0], rid
+        assert len(got[rid][0][2]) == len(got[rid][0][0]) == len(want[rid][0][2]), rid
+        for a, b in zip(got[rid][0][2], want[rid][0][2]):
+            assert a.keys() == b.keys() and all(abs(a[t] - b[t]) < 1e-4 for t in a), rid
