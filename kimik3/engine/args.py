@@ -76,6 +76,7 @@ def number(parse, ok, what: str):
 def _positive(parse):
     """Positive integers through ``parse`` (which keeps its own message for malformed text)."""
     inner = number(parse, lambda v: v >= 1, "a positive integer")
+
     def check(text: str) -> int:
         if parse is human_readable_int:
             human_readable_int(text)           # its own message: suffixes, decimals
