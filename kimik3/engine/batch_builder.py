@@ -76,9 +76,10 @@ class BatchBuilder:
         if graphs is None or not out.chunks:
             return None
         L = out.chunks[0].num_tokens
-        if L > graphs.max_query_len or (out.checkpoints and L == 1) or any(h is not None for h in out.checkpoint_hashes) \
-                or any(c.num_tokens != L or len(c.draft) != L - 1 or c.start == 0 or prompt_logprob_positions(c)
-                       or (c.req.mm is not None and c.req.mm.items_in(c.start, c.start + L)) for c in out.chunks):
+        prefix_checkpoints = any(h is not None for h in out.checkpoint_hashes)
+        if L > graphs.max_query_len or (out.checkpoints and L == 1) or prefix_checkpoints or any(
+                c.num_tokens != L or len(c.draft) != L - 1 or c.start == 0 or prompt_logprob_positions(c)
+                or (c.req.mm is not None and c.req.mm.items_in(c.start, c.start + L)) for c in out.chunks):
             return None
         size = graphs.size_for(len(out.chunks))
         return size if (size, L) in graphs.batches else None

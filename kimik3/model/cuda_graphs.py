@@ -5,8 +5,9 @@ verify step (speculative decoding) runs L = 1 + d tokens of every sequence (its 
 drafts, the same d for all), with the KDA snapshots after each of the first d rows as its only
 checkpoints (a short step, ``ForwardBatch.row_state_slots``). Its n sequences are padded to the
 next size of a ladder (1, 2, 4, 8, ... up to max_num_seqs; verify steps up to 32 sequences); larger
-steps, prefills and mixed steps run eagerly. Each graph holds ``forward_step`` and ``compute_logits``; its inputs are views of
-static device buffers updated in place before replay: one int64 [5, B * L] block (input ids,
+steps, prefills and mixed steps run eagerly. Each graph holds ``forward_step`` and
+``compute_logits``; its inputs are views of static device buffers updated in place before
+replay: one int64 [5, B * L] block (input ids,
 context lens, state slots, slot mapping, the [B, L] row state slots), block tables [B, max_blocks]
 int32, and cu_seqlens (fixed: 0, L, 2L, ..). MLA decode sizes its splits from ``max_seq_len``,
 pinned to max_model_len so a replay attends over any context length.
@@ -56,8 +57,8 @@ def padded_batch_size(n: int, sizes: list[int]) -> int | None:
 
 META_ROWS = 5       # input ids, context lens, state slots, slot mapping, row state slots
 # Verify steps of more sequences run eagerly: the graphs' logits outputs stay allocated (at 163840
-# tokens of vocabulary, sizes 1..32 at L = 2..4 hold 371 MB; every ladder size up to 256 at L = 1..4, 3.3 GB)
-# and speculation pays least in large batches.
+# tokens of vocabulary, sizes 1..32 at L = 2..4 hold 371 MB; every ladder size up to 256 at
+# L = 1..4, 3.3 GB) and speculation pays least in large batches.
 VERIFY_GRAPH_MAX_SEQS = 32
 
 
@@ -86,7 +87,8 @@ def pack_decode_inputs(token_ids: list[int] | list[list[int]], context_lens: lis
     slot_mapping = np.zeros((size, L), dtype=np.int64)
     for i, (c, t) in enumerate(zip(context_lens, block_tables)):
         if (c + L - 1) // block_size >= len(t):
-            raise ValueError(f"block table has {len(t)} blocks, none for position {c + L - 1} (block size {block_size})")
+            raise ValueError(f"block table has {len(t)} blocks, none for position {c + L - 1} "
+                             f"(block size {block_size})")
         for j in range(L):
             slot_mapping[i, j] = t[(c + j) // block_size] * block_size + (c + j) % block_size
         tables[i, :len(t)] = np.asarray(t, dtype=np.int32)     # a memcpy for a BlockTable
@@ -111,7 +113,7 @@ class DecodeGraphs:
         self.meta = torch.zeros(META_ROWS, largest * max_query_len, dtype=torch.int64, device=device)
         self.block_tables = torch.zeros(largest, ceil_div(max_model_len, cache.block_size), dtype=torch.int32,
                                         device=device)
-        self.cu_seqlens = torch.arange(largest + 1, dtype=torch.int64, device=device)   # times L: a verify step's
+        self.cu_seqlens = torch.arange(largest + 1, dtype=torch.int64, device=device)   # times L in a verify step
         # pinned staging copies of the inputs: the host-to-device copies then run asynchronously;
         # ``staged`` marks when the last ones were read, before the staging is written again
         pinned = device.type == "cuda"

@@ -6,6 +6,7 @@ Kimi-Linear: low-rank output gate ``g_a_proj``/``g_b_proj`` and the softplus dec
 
 from __future__ import annotations
 
+import itertools
 import logging
 
 import torch
@@ -98,8 +99,8 @@ class KimiDeltaAttention(nn.Module):
     def _attend_short(self, raw, weight, f, b, has_state, batch: ForwardBatch, conv_pool, state_pool):
         """A short step (speculative verify): one recurrent pass that leaves the state after each row
         in ``batch.row_state_slots`` (a scratch slot where none is kept), the conv window after each
-        row in the same slot, and the final ones in the live slots. Graph-safe: device tables, host
-        indices that follow the chunk lengths only."""
+        row in the same slot, and the final ones in the live slots. Graph-safe (device indices only)
+        but for the checkpoints the table cannot name, which only eager steps have."""
         T, H, K = raw.shape[0], self.num_heads, self.head_dim
         slots, lens, table = batch.state_slots, batch.query_lens_cpu, batch.row_state_slots
         windows = conv_pool[slots]                          # before the conv below writes the new ones
@@ -128,9 +129,7 @@ class KimiDeltaAttention(nn.Module):
         state0 = state_pool[slots].masked_fill(~has_state.view(-1, 1, 1, 1), 0)
         mixed, conv1 = causal_conv1d(raw, weight, conv0, batch.query_lens_cpu)
         q, k, v = (t.view(T, H, K) for t in mixed.chunk(3, dim=-1))
-        starts = [0]
-        for ql in batch.query_lens_cpu:
-            starts.append(starts[-1] + ql)
+        starts = [0, *itertools.accumulate(batch.query_lens_cpu)]
         cuts: dict[int, dict[int, list[int]]] = {}
         for c in batch.checkpoints:
             cuts.setdefault(c.seq, {}).setdefault(c.num_tokens, []).append(c.slot)

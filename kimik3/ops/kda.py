@@ -81,6 +81,14 @@ def chunk_kda_ref(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, g: torch.Te
     return torch.cat(outs), S.transpose(-1, -2).contiguous()
 
 
+def _reference_inputs(q, k, v, f, b, A_log, dt_bias, lower_bound, state_dtype):
+    """The reference's operands in the accumulation dtype: q and k L2-normalised (q scaled by
+    K^-1/2), v, the log-decay g and beta = sigmoid(b)."""
+    acc = torch.promote_types(acc_dtype(q.dtype), state_dtype)
+    return (l2_normalize(q.to(acc)) * q.shape[-1] ** -0.5, l2_normalize(k.to(acc)), v.to(acc),
+            kda_gate(f, A_log, dt_bias, lower_bound).to(acc), torch.sigmoid(b.to(acc)))
+
+
 def kda_attention(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, f: torch.Tensor, b: torch.Tensor,
                   A_log: torch.Tensor, dt_bias: torch.Tensor, lower_bound: float | None,
                   initial_state: torch.Tensor, query_lens: list[int], chunk_size: int = 64
@@ -100,12 +108,8 @@ def kda_attention(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, f: torch.Te
         cu = torch.tensor([0, *query_lens], device=q.device).cumsum(0)
         return _chunk_kda_fla(q, k, v, f, b, A_log, dt_bias, lower_bound, initial_state.contiguous(), cu,
                               chunk_size)
-    acc = torch.promote_types(acc_dtype(q.dtype), initial_state.dtype)
-    qn = l2_normalize(q.to(acc)) * K ** -0.5
-    kn = l2_normalize(k.to(acc))
-    g = kda_gate(f, A_log, dt_bias, lower_bound).to(acc)
-    beta = torch.sigmoid(b.to(acc))
-    vf = v.to(acc)
+    qn, kn, vf, g, beta = _reference_inputs(q, k, v, f, b, A_log, dt_bias, lower_bound, initial_state.dtype)
+    acc = qn.dtype
     outs, finals = [], []
     start = 0
     for n, ql in enumerate(query_lens):
@@ -147,7 +151,6 @@ def kda_recurrent_in_pool(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, f: 
     the sequence's live slot, which receives the final state. Shapes as ``kda_attention``; returns
     o [T, H, V]. CUDA: fla's recurrent kernel in one launch (per-token state indices, as vLLM's
     speculative decoding uses it)."""
-    T, H, K = q.shape
     if use_fast_path(q):
         _, fused_recurrent_kda_fwd = import_fla_kda()
         q, k, v, f = (t.contiguous().unsqueeze(0) for t in (q, k, v, f))     # [1, T, ...] packed rows
@@ -159,12 +162,8 @@ def kda_recurrent_in_pool(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, f: 
                                        use_gate_in_kernel=True, use_beta_sigmoid_in_kernel=True,
                                        lower_bound=lower_bound)
         return o.squeeze(0)
-    acc = torch.promote_types(acc_dtype(q.dtype), state_pool.dtype)
-    qn = l2_normalize(q.to(acc)) * K ** -0.5
-    kn = l2_normalize(k.to(acc))
-    g = kda_gate(f, A_log, dt_bias, lower_bound).to(acc)
-    beta = torch.sigmoid(b.to(acc))
-    vf = v.to(acc)
+    qn, kn, vf, g, beta = _reference_inputs(q, k, v, f, b, A_log, dt_bias, lower_bound, state_pool.dtype)
+    acc = qn.dtype
     slots = write_slots.tolist()
     outs, start = [], 0
     for n, ql in enumerate(query_lens):
