@@ -102,6 +102,23 @@ def check_invariants(kv: KVCacheManager, running: list[Request], pending_checkpo
     assert kv.plan.total_bytes <= kv.plan.budget_bytes
 
 
+def oracle_requests(model, monkeypatch, seed: int) -> tuple[dict, dict[tuple[int, ...], list[int]]]:
+    """Three greedy requests of 12 tokens on random prompts of 5, 9 and 13 tokens, with
+    ``propose_ngram`` replaced by ``oracle_proposer`` over their continuations (the model called
+    directly): (requests, continuation by prompt)."""
+    import random
+
+    import kimik3.engine.scheduler as scheduler
+    from tests.engine.fake_model import reference_greedy
+    rng = random.Random(seed)
+    vocab = model.config.text.vocab_size
+    reqs = {f"r{i}": ([rng.randrange(5, vocab) for _ in range(5 + 4 * i)],
+                      SamplingParams(temperature=0, max_tokens=12, ignore_eos=True)) for i in range(3)}
+    futures = {tuple(p): reference_greedy(model, p, sp.max_tokens) for p, sp in reqs.values()}
+    monkeypatch.setattr(scheduler, "propose_ngram", oracle_proposer(futures, vocab))
+    return reqs, futures
+
+
 def oracle_proposer(futures: dict[tuple[int, ...], list[int]], vocab: int):
     """A stand-in for ``propose_ngram`` whose drafts are a request's known continuation (``futures``:
     prompt -> its plain-decoding tokens), every other step with the second draft corrupted, so

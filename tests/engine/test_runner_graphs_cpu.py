@@ -13,7 +13,8 @@ import torch
 import kimik3
 from kimik3.engine import SamplingParams
 from kimik3.model.cuda_graphs import graph_batch_sizes, pack_decode_inputs, padded_batch_size
-from tests.engine.helpers import EagerReplayGraphs, FailingGraphs, VerifyFailingGraphs, make_engine, run
+from tests.engine.helpers import EagerReplayGraphs, FailingGraphs, VerifyFailingGraphs, make_engine, oracle_requests, \
+    run
 
 
 @pytest.mark.parametrize("max_num_seqs,sizes", [(1, [1]), (5, [1, 2, 4, 5]), (8, [1, 2, 4, 8]),
@@ -69,6 +70,18 @@ def test_pack_decode_inputs_errors():
         pack_decode_inputs([1, 2], [1], [1], [[1]], block_size=4, size=2)
 
 
+def assert_touched_only_own(meta, before, after, block_size: int, step: str) -> None:
+    """A replay (its ``meta`` and the cache pools before and after it) changed only its sequences'
+    state slots (live and row slots), the latent blocks of its tokens, and the null slot and block."""
+    live = set(meta[2].tolist()) | set(meta[4].tolist()) | {0}
+    blocks = set((meta[3] // block_size).tolist()) | {0}
+    for pool, (b, a) in (("kda_conv", (before[0], after[0])), ("kda_state", (before[1], after[1]))):
+        changed = {s for s in range(b.shape[1]) if not torch.equal(b[:, s], a[:, s])}
+        assert changed <= live, f"{pool}: {step} touched slots {changed - live}"
+    changed = {k for k in range(before[2].shape[1]) if not torch.equal(before[2][:, k], after[2][:, k])}
+    assert changed <= blocks, f"mla_latent: {step} touched blocks {changed - blocks}"
+
+
 @pytest.fixture(scope="module")
 def model(tiny_ckpt):
     return kimik3.load_model(tiny_ckpt["kimi_k3"], device="cpu", dtype=torch.float32)
@@ -99,13 +112,7 @@ def test_engine_graph_branch_matches_eager(model):
     padded = [s for s in runner.graphs.seen if (s[0][2] == 0).any()]
     assert padded, "no decode step was padded"
     for meta, before, after in padded:
-        live = set(meta[2].tolist()) | {0}
-        blocks = set((meta[3] // 3).tolist()) | {0}
-        for pool, (b, a) in (("kda_conv", (before[0], after[0])), ("kda_state", (before[1], after[1]))):
-            changed = {s for s in range(b.shape[1]) if not torch.equal(b[:, s], a[:, s])}
-            assert changed <= live, f"{pool}: padding touched slots {changed - live}"
-        changed = {k for k in range(before[2].shape[1]) if not torch.equal(before[2][:, k], after[2][:, k])}
-        assert changed <= blocks, f"mla_latent: padding touched blocks {changed - blocks}"
+        assert_touched_only_own(meta, before, after, block_size=3, step="a padded decode step")
 
 
 @pytest.mark.parametrize("arch", ["kimi_k3", "kimi_linear"])
@@ -113,16 +120,8 @@ def test_verify_steps_replay_graphs_exactly_greedy(tiny_ckpt, arch, monkeypatch)
     """Speculative verify steps as graph steps (oracle drafts, every other step with a wrong second
     draft): every token is the model's own greedy continuation, graphs of 2..4 tokens per sequence
     replayed (padded sequences too), and padding touched only the null slot and block."""
-    import kimik3.engine.scheduler as scheduler
-    from tests.engine.fake_model import reference_greedy
-    from tests.engine.helpers import oracle_proposer
     model = kimik3.load_model(tiny_ckpt[arch], device="cpu", dtype=torch.float32)
-    rng = random.Random(4)
-    vocab = model.config.text.vocab_size
-    reqs = {f"r{i}": ([rng.randrange(5, vocab) for _ in range(5 + 4 * i)],
-                      SamplingParams(temperature=0, max_tokens=12, ignore_eos=True)) for i in range(3)}
-    futures = {tuple(p): reference_greedy(model, p, sp.max_tokens) for p, sp in reqs.values()}
-    monkeypatch.setattr(scheduler, "propose_ngram", oracle_proposer(futures, vocab))
+    reqs, futures = oracle_requests(model, monkeypatch, seed=4)
     engine = make_engine(model, block_size=4, max_num_seqs=3, max_num_batched_tokens=32, max_model_len=40,
                          enable_prefix_caching=False, extra_blocks=12, num_speculative_tokens=3)
     runner = engine.runner                  # (prefix checkpoints inside a verify chunk run eagerly)
@@ -135,14 +134,8 @@ def test_verify_steps_replay_graphs_exactly_greedy(tiny_ckpt, arch, monkeypatch)
     assert any(size > 1 for (size, _), _ in verify), runner.graphs.replayed
     assert any((meta[2, :size] == 0).any() for (size, _), meta in verify), "no verify step was padded"
     assert engine.num_accepted_tokens > 0 and engine.num_draft_tokens > engine.num_accepted_tokens
-    for (size, L), (meta, before, after) in zip(runner.graphs.replayed, runner.graphs.seen):
-        live = set(meta[2, :size].tolist()) | set(meta[4].tolist()) | {0}
-        blocks = set((meta[3] // 4).tolist()) | {0}
-        for pool, (b, a) in (("kda_conv", (before[0], after[0])), ("kda_state", (before[1], after[1]))):
-            changed = {s for s in range(b.shape[1]) if not torch.equal(b[:, s], a[:, s])}
-            assert changed <= live, f"{pool}: step ({size}, {L}) touched slots {changed - live}"
-        changed = {k for k in range(before[2].shape[1]) if not torch.equal(before[2][:, k], after[2][:, k])}
-        assert changed <= blocks, f"mla_latent: step ({size}, {L}) touched blocks {changed - blocks}"
+    for key, (meta, before, after) in zip(runner.graphs.replayed, runner.graphs.seen):
+        assert_touched_only_own(meta, before, after, block_size=4, step=f"step {key}")
 
 
 def test_capture_failure_falls_back_to_eager_with_one_warning(model, caplog):

@@ -16,7 +16,7 @@ from kimik3.engine import EngineConfig, SamplingParams
 from kimik3.engine.memory import plan_memory
 from kimik3.engine.speculative import accept_greedy, propose_ngram, token_bytes
 from tests.engine.fake_model import FakeModel, fake_config, reference_greedy
-from tests.engine.helpers import check_invariants, make_engine, oracle_proposer, run
+from tests.engine.helpers import check_invariants, make_engine, oracle_requests, run
 
 
 def brute_force_ngram(tokens: list[int], k: int, min_n: int, max_n: int) -> list[int]:
@@ -239,14 +239,8 @@ def test_speculative_settings_are_validated_and_planned():
 def test_real_model_accepts_oracle_drafts(arch, tiny_ckpt, monkeypatch):
     """Drafts from an oracle (the reference continuation, every other step with its second token
     corrupted): accepted runs, bonus tokens and rollbacks on the real model, exactly greedy."""
-    import kimik3.engine.scheduler as scheduler
     model = kimik3.load_model(tiny_ckpt[arch], device="cpu", dtype=torch.float32)
-    rng = random.Random(3)
-    vocab = model.config.text.vocab_size
-    reqs = {f"r{i}": ([rng.randrange(5, vocab) for _ in range(5 + 4 * i)],
-                      SamplingParams(temperature=0, max_tokens=12, ignore_eos=True)) for i in range(3)}
-    futures = {tuple(p): reference_greedy(model, p, sp.max_tokens) for p, sp in reqs.values()}
-    monkeypatch.setattr(scheduler, "propose_ngram", oracle_proposer(futures, vocab))
+    reqs, futures = oracle_requests(model, monkeypatch, seed=3)
     engine = make_engine(model, block_size=4, max_num_seqs=3, max_num_batched_tokens=32, max_model_len=40,
                          kda_checkpoint_interval=2, extra_blocks=12, num_speculative_tokens=3)
     results = run(engine, reqs, check=lambda e: check_invariants(e.kv, e.scheduler.running))
