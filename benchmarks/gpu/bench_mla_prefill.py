@@ -187,13 +187,61 @@ DECODE_BS = 16                             # the engine's cache block size
 DECODE_CASES = [(1, 4096), (1, 32768), (1, 131072), (1, 1048576), (8, 131072), (32, 32768), (128, 4096)]
 # the sweeps: the first (f510ef7) chose the default; the second (3ddadd8) also tried a lazy rescale
 # and a hand prefetch in the paged form (both slower or equal, since removed) and 64-row gather
-# tiles (10-20% faster at H = 96 up to 128k, not at 1M): results/mla_decode_sweep*_*.json
-DECODE_SWEEP = [DecodeConfig(form="gather", bh=32, bn=32, num_warps=8, num_stages=2),     # the first kernel's launch
-                DecodeConfig(form="gather", bh=32, bn=64, num_warps=4, num_stages=2, programs_per_sm=4),
-                DecodeConfig(bh=16, programs_per_sm=4),
-                DecodeConfig(bh=32, programs_per_sm=4, max_splits=256),
-                DecodeConfig(bh=32, num_stages=3, programs_per_sm=4),
-                DecodeConfig(bh=64, num_warps=8, programs_per_sm=4)]
+# tiles (10-20% faster at H = 96 up to 128k, not at 1M): results/mla_decode_sweep*_*.json. Every
+# launch so far ran at 70-90 TFLOP/s (mma.sync tiles of 16-32 heads); the third sweep tries tiles
+# Hopper's wgmma can take (64 heads a program, 64-128 token rows), with the output's 512 latent
+# columns in one program (8 warps) or split over two (bv 256: the scores computed twice), and the
+# products transposed (trans: 64-128 token rows as the M side, 32 heads as N: no padded heads at H = 96).
+DECODE_SWEEP = [DecodeConfig(form="gather", bh=32, bn=64, num_warps=4, num_stages=2, programs_per_sm=4),
+                DecodeConfig(form="gather", bh=64, bn=64, num_warps=8, num_stages=2, programs_per_sm=1, max_splits=256),
+                DecodeConfig(form="gather", bh=64, bn=64, num_warps=8, num_stages=2, programs_per_sm=2, max_splits=256),
+                DecodeConfig(form="gather", bh=64, bn=32, num_warps=8, num_stages=3, programs_per_sm=2, max_splits=256),
+                DecodeConfig(form="gather", bh=64, bn=128, num_warps=8, num_stages=1, programs_per_sm=1, max_splits=256),
+                DecodeConfig(form="gather", bh=64, bn=64, bv=256, num_warps=4, num_stages=2, programs_per_sm=1,
+                             max_splits=256),
+                DecodeConfig(form="gather", bh=64, bn=64, bv=256, num_warps=8, num_stages=2, programs_per_sm=2,
+                             max_splits=256),
+                DecodeConfig(form="gather", bh=64, bn=32, bv=256, num_warps=4, num_stages=3, programs_per_sm=2,
+                             max_splits=256),
+                DecodeConfig(bh=64, bv=256, num_warps=4, num_stages=3, programs_per_sm=2, max_splits=256),
+                DecodeConfig(form="gather", bh=32, bn=64, trans=True, num_warps=4, num_stages=2, programs_per_sm=2,
+                             max_splits=256),
+                DecodeConfig(form="gather", bh=32, bn=64, trans=True, num_warps=8, num_stages=2, programs_per_sm=2,
+                             max_splits=256),
+                DecodeConfig(form="gather", bh=32, bn=64, trans=True, num_warps=4, num_stages=3, programs_per_sm=4,
+                             max_splits=256),
+                DecodeConfig(form="gather", bh=32, bn=128, trans=True, num_warps=8, num_stages=1, programs_per_sm=1,
+                             max_splits=256),
+                DecodeConfig(form="gather", bh=32, bn=64, bv=256, trans=True, num_warps=4, num_stages=2,
+                             programs_per_sm=2, max_splits=256),
+                DecodeConfig(form="gather", bh=64, bn=64, trans=True, num_warps=8, num_stages=2, programs_per_sm=1,
+                             max_splits=256),
+                DecodeConfig(form="gather", bh=16, bn=64, trans=True, num_warps=4, num_stages=2, programs_per_sm=4,
+                             max_splits=256)]
+
+
+def kernel_info(fn) -> dict:
+    """Run ``fn`` once with the decode pass-1 launch intercepted: whether its PTX issues wgmma
+    (Hopper's warpgroup MMA) or only mma.sync, registers and spills per thread, shared memory."""
+    jit = mla_decode._mla_decode_split_kernel
+    seen = []
+
+    class Spy:
+        def __getitem__(self, grid):
+            def launch(*a, **kw):
+                seen.append(jit[grid](*a, **kw))
+                return seen[-1]
+            return launch
+
+    mla_decode._mla_decode_split_kernel = Spy()
+    try:
+        fn()
+    finally:
+        mla_decode._mla_decode_split_kernel = jit
+    k = seen[-1]
+    ptx = k.asm.get("ptx", "")
+    return {"wgmma": "wgmma.mma_async" in ptx, "mma_sync": "mma.sync" in ptx, "regs": getattr(k, "n_regs", None),
+            "spills": getattr(k, "n_spills", None), "shared": getattr(k.metadata, "shared", None)}
 
 
 def graph_time(fn, iters: int = 20) -> float:
@@ -203,7 +251,7 @@ def graph_time(fn, iters: int = 20) -> float:
     return cuda_time(graph.replay, warmup=2, iters=iters)
 
 
-def decode(rows, bw, sweep: bool):
+def decode(rows, bw, sweep: bool, cases=None):
     """(d): one query per sequence over ``ctx`` cached latents (block size 16, scattered blocks),
     sequence lengths on the device, each launch in a CUDA graph; floor = latent bytes / copy rate.
     The default launch (``mla_decode.config_for``) always, the sweep's configs with ``sweep``; the
@@ -212,7 +260,7 @@ def decode(rows, bw, sweep: bool):
     saved, BS = BS, DECODE_BS
     try:
         for H in (96, 32):
-            for n, ctx in DECODE_CASES:
+            for n, ctx in (c for c in DECODE_CASES if not cases or f"{H}/{c[0]}/{c[1]}" in cases):
                 q, cache, tables, _ = inputs(H, [1] * n, [ctx - 1] * n)
                 q_lat = torch.randn(n, H, R, device=DEVICE).to(torch.bfloat16)
                 lens = torch.full((n,), ctx, dtype=torch.int32, device=DEVICE)
@@ -225,6 +273,7 @@ def decode(rows, bw, sweep: bool):
                     row = {"H": H, "batch": n, "context": ctx, "config": vars(cfg or default), "default": cfg is None,
                            "floor_s": floor}
                     try:
+                        row.update(kernel=kernel_info(fn))
                         t = graph_time(fn)
                         out = fn().double()
                         ref = out if ref is None else ref
@@ -254,6 +303,7 @@ def main():
     ap.add_argument("--no-sweep", action="store_true", help="skip the kernel config sweep")
     ap.add_argument("--decode-only", action="store_true", help="run only (d), the decode cases")
     ap.add_argument("--decode-sweep", action="store_true", help="(d) also over the DECODE_SWEEP launch configs")
+    ap.add_argument("--decode-cases", nargs="*", help="(d) only these cases, as H/batch/context (e.g. 96/1/131072)")
     args = ap.parse_args()
     logging.basicConfig(level=logging.INFO, format="%(message)s")
     t_start = time.perf_counter()
@@ -270,7 +320,7 @@ def main():
 
     bw = res["copy_bytes_per_s"] = copy_rate()
     res["decode"] = []
-    decode(res["decode"], bw, args.decode_sweep)
+    decode(res["decode"], bw, args.decode_sweep, args.decode_cases)
     save()
     if args.decode_only:
         return

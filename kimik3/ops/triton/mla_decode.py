@@ -24,17 +24,33 @@ _LOG2E = 1.4426950408889634
 
 
 @triton.jit
-def _attend_tile(ql, qp, e_lat, e_pe, pos, limit, m_i, l_i, acc, sm_scale_log2,
+def _attend_tile(ql, qp, e_lat, e_pe, e_v, pos, limit, m_i, l_i, acc, sm_scale_log2,
                  BH: tl.constexpr, BN: tl.constexpr, UPCAST: tl.constexpr):
     """One tile of the online softmax: (m_i, l_i, acc) updated by the cached tokens at ``pos``
-    [BN] (those at or past ``limit`` masked out); e_lat [BN, BR], e_pe [BN, BP]."""
+    [BN] (those at or past ``limit`` masked out); e_lat [BN, BR], e_pe [BN, BP]; e_v [BN, BV] the
+    latent columns this program outputs (e_lat itself when it outputs them all)."""
     scores = dot(qp, tl.trans(e_pe), dot(ql, tl.trans(e_lat), tl.zeros([BH, BN], tl.float32), UPCAST), UPCAST)   # [BH, BN]
     scores = tl.where((pos < limit)[None, :], scores * sm_scale_log2, float("-inf"))
     m_new = tl.maximum(m_i, tl.max(scores, 1))
     alpha = tl.exp2(m_i - m_new)
     p = tl.exp2(scores - m_new[:, None])
     l_i = l_i * alpha + tl.sum(p, 1)
-    acc = dot(p.to(e_lat.dtype), e_lat, acc * alpha[:, None], UPCAST)
+    acc = dot(p.to(e_v.dtype), e_v, acc * alpha[:, None], UPCAST)
+    return m_new, l_i, acc
+
+
+@triton.jit
+def _attend_tile_t(ql, qp, e_lat, e_pe, e_v, pos, limit, m_i, l_i, acc, sm_scale_log2,
+                   BH: tl.constexpr, BN: tl.constexpr, UPCAST: tl.constexpr):
+    """``_attend_tile`` with the products transposed, token rows as their M side: scores [BN, BH]
+    and acc [BV, BH], so a head block of 16-32 heads is the N side of the tensor-core tiles."""
+    scores = dot(e_pe, tl.trans(qp), dot(e_lat, tl.trans(ql), tl.zeros([BN, BH], tl.float32), UPCAST), UPCAST)   # [BN, BH]
+    scores = tl.where((pos < limit)[:, None], scores * sm_scale_log2, float("-inf"))
+    m_new = tl.maximum(m_i, tl.max(scores, 0))
+    alpha = tl.exp2(m_i - m_new)
+    p = tl.exp2(scores - m_new[None, :])
+    l_i = l_i * alpha + tl.sum(p, 0)
+    acc = dot(tl.trans(e_v), p.to(e_v.dtype), acc * alpha[None, :], UPCAST)
     return m_new, l_i, acc
 
 
@@ -43,12 +59,17 @@ def _mla_decode_split_kernel(q_lat, q_pe, cache, block_tables, seq_lens, part_o,
                              H, R, P, stride_ql_n, stride_ql_h, stride_qp_n, stride_qp_h,
                              stride_cache_blk, stride_cache_row, stride_bt, sm_scale_log2,
                              BLOCK_SIZE: tl.constexpr, BH: tl.constexpr, BR: tl.constexpr, BP: tl.constexpr,
-                             NUM_SPLITS, BN: tl.constexpr, PAGED: tl.constexpr, UPCAST: tl.constexpr):
+                             NUM_SPLITS, BN: tl.constexpr, BV: tl.constexpr, PAGED: tl.constexpr,
+                             TRANS: tl.constexpr, UPCAST: tl.constexpr):
     """Pass 1. PAGED: tiles are whole cache blocks (BN == BLOCK_SIZE), addressed from the block's
-    64-bit base plus fixed 32-bit row offsets; else BN token rows, each addressed by 64 bits."""
-    n, hb, s = tl.program_id(0), tl.program_id(1), tl.program_id(2)
+    64-bit base plus fixed 32-bit row offsets; else BN token rows, each addressed by 64 bits.
+    Program axis 1 is (head block, column block): each program outputs BV of the R latent columns
+    (the scores are computed in full by every column block). TRANS: the products transposed."""
+    n, hv, s = tl.program_id(0), tl.program_id(1), tl.program_id(2)
+    hb, vb = hv // (BR // BV), hv % (BR // BV)
     h = hb * BH + tl.arange(0, BH)
     r = tl.arange(0, BR)
+    v = vb * BV + tl.arange(0, BV)
     pp = tl.arange(0, BP)
     mh, mr, mp = h < H, r < R, pp < P
     ql = tl.load(q_lat + n * stride_ql_n + h[:, None] * stride_ql_h + r[None, :],
@@ -63,29 +84,41 @@ def _mla_decode_split_kernel(q_lat, q_pe, cache, block_tables, seq_lens, part_o,
     hi = tl.minimum(lo + tokens_per_split, length)
     m_i = tl.full([BH], float("-inf"), dtype=tl.float32)
     l_i = tl.zeros([BH], dtype=tl.float32)
-    acc = tl.zeros([BH, BR], dtype=tl.float32)
+    acc = tl.zeros([BV, BH] if TRANS else [BH, BV], dtype=tl.float32)
     table = block_tables + n * stride_bt
     rows = tl.arange(0, BN)[:, None] * stride_cache_row                           # int32 offsets in a block
-    off_lat, off_pe = rows + r[None, :], rows + R + pp[None, :]
+    off_lat, off_pe, off_v = rows + r[None, :], rows + R + pp[None, :], rows + v[None, :]
     for start in range(lo, hi, BN):
         pos = start + tl.arange(0, BN)
         if PAGED:
             base = cache + tl.load(table + start // BLOCK_SIZE).to(tl.int64) * stride_cache_blk
             e_lat = tl.load(base + off_lat, mask=mr[None, :], other=0.0)                              # [BN, BR]
             e_pe = tl.load(base + off_pe, mask=mp[None, :], other=0.0)                                # [BN, BP]
+            e_v = e_lat if BV == BR else tl.load(base + off_v, mask=(v < R)[None, :], other=0.0)     # [BN, BV]
         else:
             mpos = pos < hi
             blk = tl.load(table + pos // BLOCK_SIZE, mask=mpos, other=0).to(tl.int64)
             row = cache + blk * stride_cache_blk + (pos % BLOCK_SIZE).to(tl.int64) * stride_cache_row  # [BN]
             e_lat = tl.load(row[:, None] + r[None, :], mask=mpos[:, None] & mr[None, :], other=0.0)
             e_pe = tl.load(row[:, None] + R + pp[None, :], mask=mpos[:, None] & mp[None, :], other=0.0)
-        m_i, l_i, acc = _attend_tile(ql, qp, e_lat, e_pe, pos, hi, m_i, l_i, acc, sm_scale_log2, BH, BN, UPCAST)
+            e_v = e_lat if BV == BR else tl.load(row[:, None] + v[None, :], mask=mpos[:, None] & (v < R)[None, :],
+                                                 other=0.0)
+        if TRANS:
+            m_i, l_i, acc = _attend_tile_t(ql, qp, e_lat, e_pe, e_v, pos, hi, m_i, l_i, acc, sm_scale_log2, BH, BN,
+                                           UPCAST)
+        else:
+            m_i, l_i, acc = _attend_tile(ql, qp, e_lat, e_pe, e_v, pos, hi, m_i, l_i, acc, sm_scale_log2, BH, BN,
+                                         UPCAST)
     base_o = (n * H + h) * NUM_SPLITS + s
     empty = l_i == 0.0
-    out = acc / tl.where(empty, 1.0, l_i)[:, None]
     lse = tl.where(empty, float("-inf"), m_i + tl.log2(tl.where(empty, 1.0, l_i)))                   # log2 units
-    tl.store(part_o + base_o[:, None].to(tl.int64) * BR + r[None, :], out, mask=mh[:, None])
-    tl.store(part_lse + base_o, lse, mask=mh)
+    if TRANS:
+        out = acc / tl.where(empty, 1.0, l_i)[None, :]                                                # [BV, BH]
+        tl.store(part_o + base_o[None, :].to(tl.int64) * BR + v[:, None], out, mask=mh[None, :])
+    else:
+        out = acc / tl.where(empty, 1.0, l_i)[:, None]                                                # [BH, BV]
+        tl.store(part_o + base_o[:, None].to(tl.int64) * BR + v[None, :], out, mask=mh[:, None])
+    tl.store(part_lse + base_o, lse, mask=mh & (h * 0 + vb == 0))          # one column block stores it
 
 
 @triton.jit
@@ -106,13 +139,16 @@ def _mla_decode_merge_kernel(part_o, part_lse, out, H, R, stride_on, stride_oh, 
 @dataclass(frozen=True)
 class DecodeConfig:
     """Pass-1 launch of the decode kernel: form ("paged" or "gather"), heads per program, token
-    rows per tile (gather form; the paged form takes one cache block), warps, pipeline stages,
-    programs per SM to aim for, and the most splits of one sequence. (Measured on the H200 and
+    rows per tile (gather form; the paged form takes one cache block), latent columns each program
+    outputs (0: all R), products transposed (token rows as M), warps, pipeline stages, programs per SM to aim for, and the most splits of
+    one sequence. (Measured on the H200 and
     dropped: rescaling the running output only when a running max moves, and prefetching the
     next block's rows by hand; neither was faster: results/mla_decode_sweep2_3ddadd8.json.)"""
     form: str = "paged"
     bh: int = 32
     bn: int = 32
+    bv: int = 0
+    trans: bool = False
     num_warps: int = 4
     num_stages: int = 2
     programs_per_sm: int = 2
@@ -147,7 +183,8 @@ def mla_decode_triton(q_latent: torch.Tensor, q_pe: torch.Tensor, cache: torch.T
     BR, BP = triton.next_power_of_2(max(R, 16)), triton.next_power_of_2(max(P, 16))
     BH = min(cfg.bh, max(16, triton.next_power_of_2(H)))
     tile = block_size if cfg.form == "paged" else cfg.bn
-    head_blocks = triton.cdiv(H, BH)
+    BV = min(cfg.bv or BR, BR)
+    head_blocks = triton.cdiv(H, BH) * (BR // BV)
     # enough programs to fill the chip, never more splits than tiles of the longest sequence;
     # each sequence divides its own length among them (in the kernel)
     splits = max(1, min(triton.cdiv(max_seq_len, tile), triton.cdiv(cfg.programs_per_sm * num_sms, N * head_blocks),
@@ -158,7 +195,7 @@ def mla_decode_triton(q_latent: torch.Tensor, q_pe: torch.Tensor, cache: torch.T
             q_latent.stride(0), q_latent.stride(1), q_pe.stride(0), q_pe.stride(1),
             cache.stride(0), cache.stride(1), block_tables.stride(0), scale * _LOG2E)
     _mla_decode_split_kernel[(N, head_blocks, splits)](
-        *args, BLOCK_SIZE=block_size, BH=BH, BR=BR, BP=BP, BN=tile, NUM_SPLITS=splits, PAGED=cfg.form == "paged",
+        *args, BLOCK_SIZE=block_size, BH=BH, BR=BR, BP=BP, BN=tile, BV=BV, NUM_SPLITS=splits, PAGED=cfg.form == "paged", TRANS=cfg.trans,
         UPCAST=INTERPRETING, num_warps=cfg.num_warps, num_stages=cfg.num_stages)
     out = torch.empty(N, H, R, dtype=q_latent.dtype, device=q_latent.device)
     _mla_decode_merge_kernel[(N, H)](part_o, part_lse, out, H, R, out.stride(0), out.stride(1),
