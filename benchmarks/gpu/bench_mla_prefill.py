@@ -192,6 +192,7 @@ DECODE_CASES = [(1, 4096), (1, 32768), (1, 131072), (1, 1048576), (8, 131072), (
 # Hopper's wgmma can take (64 heads a program, 64-128 token rows), with the output's 512 latent
 # columns in one program (8 warps) or split over two (bv 256: the scores computed twice), and the
 # products transposed (trans: 64-128 token rows as the M side, 32 heads as N: no padded heads at H = 96).
+# It chose today's defaults (2-2.6x faster at H = 96; results/mla_decode_sweep3_1e66f41.json).
 DECODE_SWEEP = [DecodeConfig(form="gather", bh=32, bn=64, num_warps=4, num_stages=2, programs_per_sm=4),
                 DecodeConfig(form="gather", bh=64, bn=64, num_warps=8, num_stages=2, programs_per_sm=1, max_splits=256),
                 DecodeConfig(form="gather", bh=64, bn=64, num_warps=8, num_stages=2, programs_per_sm=2, max_splits=256),
@@ -265,7 +266,7 @@ def decode(rows, bw, sweep: bool, cases=None):
                 q_lat = torch.randn(n, H, R, device=DEVICE).to(torch.bfloat16)
                 lens = torch.full((n,), ctx, dtype=torch.int32, device=DEVICE)
                 floor = n * ctx * (R + P) * 2 / bw
-                default = mla_decode.config_for(H, DECODE_BS, ctx)
+                default = mla_decode.config_for(H, DECODE_BS, ctx, n)
                 ref = None
                 for cfg in [None] + (DECODE_SWEEP if sweep else []):
                     fn = lambda cfg=cfg: mla_decode.mla_decode_triton(  # noqa: E731

@@ -84,8 +84,9 @@ def compile_mla_decode():
     from kimik3.ops.triton import mla_decode as m
     types = {"q_lat": "*bf16", "q_pe": "*bf16", "cache": "*bf16", "block_tables": "*i32", "seq_lens": "*i32",
              "part_o": "*fp32", "part_lse": "*fp32", "sm_scale_log2": "fp32"}
-    for block_size, H in ((16, 96), (64, 32), (4, 8)):
-        cfg = m.config_for(H, block_size)
+    cases = {(m.config_for(H, block_size, max_len, batch), block_size) for block_size in (16, 4) for H in (96, 32, 8)
+             for batch in (1, 8) for max_len in (4096, 1 << 20)}          # every launch the defaults pick
+    for cfg, block_size in cases:
         common = dict(BLOCK_SIZE=block_size, BH=cfg.bh, BR=512, BP=64, UPCAST=False)
         tile = block_size if cfg.form == "paged" else cfg.bn
         compile_for_hopper(m._mla_decode_split_kernel, types, dict(common, BN=tile, BV=cfg.bv or 512, TRANS=cfg.trans,

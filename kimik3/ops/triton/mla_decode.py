@@ -155,15 +155,20 @@ class DecodeConfig:
     max_splits: int = 64
 
 
-def config_for(H: int, block_size: int, max_seq_len: int = 0) -> DecodeConfig:
-    """The default launch, from the sweep of ``bench_mla_prefill.py --decode-sweep`` (H200,
-    block size 16): the paged form with 32 heads per program and 4 programs per SM; up to 256
-    splits of a sequence where contexts reach 512k (64 below: fewer partials to merge). The gather
-    form where the paged one cannot run (blocks under 16 rows)."""
-    bh = 16 if H <= 16 else 32
-    if block_size < 16 or block_size & (block_size - 1):
-        return DecodeConfig(form="gather", bh=bh, bn=32, num_warps=8, num_stages=2)
-    return DecodeConfig(bh=bh, programs_per_sm=4, max_splits=256 if max_seq_len >= 1 << 19 else 64)
+def config_for(H: int, block_size: int, max_seq_len: int = 0, batch: int = 1) -> DecodeConfig:
+    """The default launch, from the third sweep of ``bench_mla_prefill.py --decode-sweep`` (H200,
+    block size 16, ``results/mla_decode_sweep3_1e66f41.json``): tiles Hopper's wgmma takes, one
+    program per SM (their 184-221 KB of shared memory), up to 256 splits of a sequence. Transposed
+    products over 128 token rows with 16-32 heads as the N side, except at 64+ heads over many
+    rows (8+ sequences or contexts from 512k), where 64 heads a program over 64 rows read each
+    tile for twice the heads; and at 32 or fewer heads with 8+ sequences, where the mma.sync tile
+    of 64 rows won. The gather form reads any block size (tiles span blocks)."""
+    if H > 32 and (batch >= 8 or max_seq_len >= 1 << 19):
+        return DecodeConfig(form="gather", bh=64, bn=64, num_warps=8, num_stages=2, programs_per_sm=1, max_splits=256)
+    if H <= 32 and batch >= 8:
+        return DecodeConfig(form="gather", bh=32, bn=64, num_warps=8, num_stages=2, programs_per_sm=2, max_splits=256)
+    return DecodeConfig(form="gather", bh=16 if H <= 16 else 32, bn=128, trans=True, num_warps=8, num_stages=1,
+                        programs_per_sm=1, max_splits=256)
 
 
 def mla_decode_triton(q_latent: torch.Tensor, q_pe: torch.Tensor, cache: torch.Tensor, block_tables: torch.Tensor,
@@ -177,7 +182,7 @@ def mla_decode_triton(q_latent: torch.Tensor, q_pe: torch.Tensor, cache: torch.T
     block_size = cache.shape[1]
     if cache.stride(-1) != 1 or q_latent.stride(-1) != 1 or q_pe.stride(-1) != 1:
         raise ValueError("mla_decode_triton needs unit stride on the feature axis")
-    cfg = config or config_for(H, block_size, max_seq_len)
+    cfg = config or config_for(H, block_size, max_seq_len, N)
     if cfg.form == "paged" and (block_size < 16 or block_size & (block_size - 1)):
         raise ValueError(f"the paged decode form needs a power-of-two block size >= 16, got {block_size}")
     BR, BP = triton.next_power_of_2(max(R, 16)), triton.next_power_of_2(max(P, 16))
