@@ -8,7 +8,7 @@
 # Sections (default: tests benches serve, in this order): tests = tests/gpu/*.py in parallel (or the
 # files / node ids in TESTS; PER_TEST: pytest's per-test limit; FILE_CAP: each file's); benches = the constrained decode step
 # (#19) sync and async; trace = its device time per step at batch 32 (torch.profiler); serve = served vs
-# offline (#18 item 5) sync and async; mladecode = the MLA decode config sweep (first, alone on the GPU); stacks = the same, with stack samples per pass; spec = n-gram speculation vs plain at batch 1; engine =
+# offline (#18 item 5) sync and async; mladecode = the MLA decode config sweep (first, alone on the GPU; MLA_SWEEP= for the defaults only); long = the decode graph replayed at 8k-1M contexts; stacks = the same, with stack samples per pass; spec = n-gram speculation vs plain at batch 1; engine =
 # bench_engine.py (host share); hostprof = cProfile of the constrained async step at batch 32.
 # A fresh machine spends its first 90-110 s compiling kernels; the parallel tests pay that once each.
 set -u
@@ -31,10 +31,16 @@ run() {  # name cap command...: run with a limit of min(cap, time left - 10 s)
 }
 
 if [[ " $sections " == *" mladecode "* ]]; then       # MLA decode launch configs (#14, #18), before the tests share the GPU
-  run mla_decode_sweep 300 python3 benchmarks/gpu/bench_mla_prefill.py --decode-only --decode-sweep \
+  run mla_decode_sweep 300 python3 benchmarks/gpu/bench_mla_prefill.py --decode-only ${MLA_SWEEP---decode-sweep} \
       --decode-cases ${MLA_CASES:-96/1/32768 96/1/131072 96/1/1048576 96/128/4096 32/1/1048576 32/8/131072} \
       --out "$L/mla_decode_sweep.json"
   grep -h "decode best" "$L"/mla_decode_sweep.log
+fi
+if [[ " $sections " == *" long "* ]]; then            # the batch-1 decode graph at 8k-1M contexts, both slices (#14)
+  run long_replay_k3 240 python3 benchmarks/gpu/bench_long_context.py --replay-only
+  run long_replay_kl 200 python3 benchmarks/gpu/bench_long_context.py --replay-only \
+      --config=benchmarks/gpu/kimi-linear-slice4.config.json
+  grep -h "^|" "$L"/long_replay_*.log
 fi
 if [[ " $sections " == *" tests "* ]]; then
   export KIMIK3_INSTAFAIL=1                           # failures are logged as they happen (tests/conftest.py)
