@@ -79,7 +79,8 @@ def replay_at(engine, context: int, perm: torch.Tensor) -> float:
     graphs = engine.runner.graphs
     bs = engine.cache.block_size
     blocks = perm[:context // bs + 1] + 1
-    graphs.meta[:, 0] = torch.tensor([1000, context, 1, int(blocks[context // bs]) * bs + context % bs])
+    graphs.meta[:, 0] = 0                                # rows: see model.cuda_graphs.pack_decode_inputs
+    graphs.meta[:4, 0] = torch.tensor([1000, context, 1, int(blocks[context // bs]) * bs + context % bs])
     graphs.block_tables[0].zero_()
     graphs.block_tables[0, :len(blocks)] = blocks.to(graphs.block_tables)
     return cuda_time(graphs.graphs[1, 1][0].replay, warmup=2, iters=20)
