@@ -22,10 +22,10 @@ from kimik3.engine.kv_cache import KVCacheManager
 from kimik3.engine.output import EngineStats, RequestGroup, RequestOutput, append_output, deltas
 from kimik3.engine.request import RequestStatus
 from kimik3.engine.runner import ModelRunner
-from kimik3.engine.sampler import on_device
 from kimik3.engine.sampling_params import SamplingParams
 from kimik3.engine.scheduler import Scheduler, ScheduledChunk
 from kimik3.engine.speculative import settle_drafts
+from kimik3.engine.transfer import on_device
 from kimik3.vision.preprocess import VisionInputs
 
 logger = logging.getLogger(__name__)

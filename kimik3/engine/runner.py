@@ -17,8 +17,10 @@ from kimik3.engine.batch_builder import BatchBuilder
 from kimik3.engine.config import EngineConfig
 from kimik3.engine.encoder_cache import ImageEncoder
 from kimik3.engine.logit_controls import controlled_logits
-from kimik3.engine.sampler import PendingOutput, Sampler, SamplerOutput, on_device
+from kimik3.engine.logprobs import record_prompt_logprobs
+from kimik3.engine.sampler import PendingOutput, Sampler, SamplerOutput
 from kimik3.engine.speculative import row_spans, verify
+from kimik3.engine.transfer import on_device
 from kimik3.model.batch import ForwardBatch, HybridCache
 from kimik3.model.cuda_graphs import DecodeGraphs, capture_or_none
 
@@ -97,7 +99,7 @@ class ModelRunner:
             logits = self.run(step.input_ids if input_ids is None else input_ids, step.batch, step.rows)
             if step.prompt_rows:      # the prompt-scoring rows come last
                 n = len(step.prompt_rows)
-                self.sampler.record_prompt_logprobs(step.prompt_rows, logits[-n:])
+                record_prompt_logprobs(step.prompt_rows, logits[-n:])
                 logits = logits[:-n] if logits.shape[0] > n else None
         else:
             meta, tables, rows = self.batches.build_decode(out, size)

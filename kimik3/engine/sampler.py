@@ -1,31 +1,26 @@
 """Sampling: one token per sequence that reached its last token, from its logits row.
 
-Every transform is a tensor op over [n, vocab] (after the logit controls of ``logit_controls.py``:
-penalties, temperature, min-p, top-k, top-p). Unseeded rows draw from the engine's generator (an
-exponential race); a seeded request's row inverts its distribution's CDF at a uniform fixed by (seed,
-position of the token in the sequence) (``seeded_uniform``), so its tokens depend on neither its batch,
-its step nor the device, a request resumed from its own output continues as it would have, and a step
-of many seeded rows costs the same few tensor ops as one. Plain greedy rows take the
-argmax. Speculative chunks (several rows each) are verified by ``speculative.verify``, which uses these
-pieces.
+Every transform is a tensor op over [n, vocab] (after the logit controls of ``logit_controls.py``):
+penalties (``logit_controls.apply_penalties``), temperature, min-p, top-k, top-p. Unseeded rows draw
+from the engine's generator (an exponential race); a seeded request's row inverts its distribution's
+CDF at a uniform fixed by (seed, position of the token in the sequence) (``seeded_uniform``), so its
+tokens depend on neither its batch, its step nor the device, a request resumed from its own output
+continues as it would have, and a step of many seeded rows costs the same few tensor ops as one. Plain
+greedy rows take the argmax. Speculative chunks (several rows each) are verified by
+``speculative.verify``, which uses these pieces. Logprobs come from ``logprobs.py``.
 """
 
 from __future__ import annotations
 
 import hashlib
-import weakref
 from dataclasses import dataclass
 
 import torch
 
+from kimik3.engine.logit_controls import PenaltyHistory, apply_penalties
+from kimik3.engine.logprobs import dicts_from_parts, logprob_parts
 from kimik3.engine.sampling_params import SamplingParams
-
-
-def on_device(values: list, dtype: torch.dtype, device: torch.device | str) -> torch.Tensor:
-    """A host list as a device tensor, copied from pinned memory without waiting for the device
-    (a pageable copy waits for the step still running there)."""
-    device = torch.device(device)
-    return torch.tensor(values, dtype=dtype, pin_memory=device.type == "cuda").to(device, non_blocking=True)
+from kimik3.engine.transfer import on_device
 
 
 def is_plain_greedy(params: SamplingParams) -> bool:
@@ -53,17 +48,6 @@ class Sampler:
             history = self.history.rows(reqs)
         sb = SamplingBatch.build([r.params for r in reqs], uniforms, self.vocab_size, self.device, history)
         return sample(logits, sb, self.generator, raw)
-
-    @staticmethod
-    def record_prompt_logprobs(scored: list[tuple], logits: torch.Tensor) -> None:
-        """Store the logprob dicts of prompt positions: ``scored`` holds (request, position) per row of
-        ``logits`` (the row scores the prompt token after the position)."""
-        reqs = [q for q, _ in scored]
-        targets = torch.tensor([q.token_ids[p + 1] for q, p in scored], device=logits.device)
-        for q, d in zip(reqs, logprob_dicts(logits, targets, [q.params.prompt_logprobs for q in reqs])):
-            if not q.out.prompt_logprobs:
-                q.out.prompt_logprobs.append(None)      # the first prompt token has no logprob
-            q.out.prompt_logprobs.append(d)
 
 
 @dataclass
@@ -110,54 +94,6 @@ class SamplingBatch:
             repetition=on_device([p.repetition_penalty for p in params], f32, device) if penal else None,
             seen=history[0] if penal else None, counts=history[1] if penal else None,
             uniforms=uniforms, num_logprobs=[p.logprobs for p in params], all_greedy=all(greedy))
-
-
-class PenaltyHistory:
-    """The token history penalties read, kept on the device per live state slot and brought up to
-    date with each step's new tokens: a penalized row costs O(new tokens) a step, not O(prompt +
-    output) (rebuilding [n, P] id tensors from the token lists took 134 ms a step for 32 requests
-    of 32k-token prompts). A slot's rows are rebuilt when another request takes it (a request
-    preempted and re-admitted to its own slot keeps them: its history did not change). ``seen``:
-    in the prompt; ``counts``: times in the output (int32). Size: (1 + max_num_seqs) x vocab x 5
-    bytes, allocated when the first penalized request samples, outside the cache plan (211 MB for
-    K3's vocabulary at 256 sequences)."""
-
-    def __init__(self, num_slots: int, vocab_size: int, device: torch.device):
-        self.seen = torch.zeros(num_slots, vocab_size, dtype=torch.bool, device=device)
-        self.counts = torch.zeros(num_slots, vocab_size, dtype=torch.int32, device=device)
-        self.owner: list[weakref.ref | None] = [None] * num_slots   # the request whose history a slot holds
-        # (weakly: a finished request's tokens are not kept alive by the slot it last held)
-        self.num_counted = [0] * num_slots                        # its output tokens counted so far
-        self.device = device
-
-    def rows(self, reqs) -> tuple[torch.Tensor, torch.Tensor]:
-        """(seen [n, vocab] bool: prompt or output, counts [n, vocab] fp32) of the requests' rows."""
-        dev, slots, new_slots, new_ids = self.device, [], [], []
-        for q in reqs:
-            s = q.cache.state_slot
-            slots.append(s)
-            if self.owner[s] is None or self.owner[s]() is not q:
-                self.owner[s], self.num_counted[s] = weakref.ref(q), 0
-                self.seen[s].zero_()
-                self.counts[s].zero_()
-                self.seen[s, on_device(q.prompt_token_ids, torch.int64, dev)] = True
-            new = q.token_ids[q.num_prompt_tokens + self.num_counted[s]:]
-            new_slots.extend([s] * len(new))
-            new_ids.extend(new)
-            self.num_counted[s] = q.num_output_tokens
-        if new_ids:
-            self.counts.index_put_((on_device(new_slots, torch.int64, dev), on_device(new_ids, torch.int64, dev)),
-                                   torch.ones(len(new_ids), dtype=torch.int32, device=dev), accumulate=True)
-        index = on_device(slots, torch.int64, dev)
-        counts = self.counts.index_select(0, index).float()
-        return self.seen.index_select(0, index) | (counts > 0), counts
-
-
-def apply_penalties(logits: torch.Tensor, b: SamplingBatch) -> torch.Tensor:
-    """Repetition (HF: prompt + output ids), then presence/frequency (OpenAI: output ids)."""
-    rep, counts = b.repetition[:, None], b.counts
-    logits = torch.where(b.seen, torch.where(logits > 0, logits / rep, logits * rep), logits)
-    return logits - b.frequency[:, None] * counts - b.presence[:, None] * (counts > 0).float()
 
 
 def filter_logits(logits: torch.Tensor, b: SamplingBatch) -> torch.Tensor:
@@ -234,7 +170,7 @@ class PendingOutput:
         if self._ready is not None:
             self._ready.synchronize()
         tokens, *parts = [t.tolist() for t in self._host]
-        return SamplerOutput(tokens, _dicts(tokens, parts, self.num_logprobs))
+        return SamplerOutput(tokens, dicts_from_parts(tokens, parts, self.num_logprobs))
 
 
 def sample(logits: torch.Tensor, b: SamplingBatch, default_generator: torch.Generator | None = None,
@@ -249,35 +185,3 @@ def sample(logits: torch.Tensor, b: SamplingBatch, default_generator: torch.Gene
         probs = filter_logits(logits, b).softmax(-1)
         tokens = torch.where(b.greedy, tokens, draw(probs, b.uniforms, default_generator))
     return PendingOutput(tokens, b.num_logprobs, raw)
-
-
-def logprob_parts(raw: torch.Tensor, tokens: torch.Tensor, num_logprobs: list[int | None]) -> tuple:
-    """(top logprobs, their ids, the chosen tokens' logprobs) of ``raw``'s rows, on its device; ()
-    when no row asks for logprobs."""
-    wanted = [k for k in num_logprobs if k is not None]
-    if not wanted:
-        return ()
-    lp = raw.log_softmax(-1)
-    k = min(max(wanted), lp.shape[-1])
-    top_vals, top_ids = lp.topk(k, -1) if k else (lp[:, :0], lp[:, :0].long())
-    return top_vals, top_ids, lp.gather(-1, tokens[:, None])[:, 0]
-
-
-def logprob_dicts(raw: torch.Tensor, tokens: torch.Tensor, num_logprobs: list[int | None]
-                  ) -> list[dict[int, float] | None]:
-    """Per row: {chosen token: its logprob, then the top-n tokens} under the raw model
-    distribution (None for rows that asked for no logprobs)."""
-    return _dicts(tokens.tolist(), [t.tolist() for t in logprob_parts(raw, tokens, num_logprobs)], num_logprobs)
-
-
-def _dicts(token_list: list[int], parts: list, num_logprobs: list[int | None]) -> list[dict[int, float] | None]:
-    logprobs: list[dict[int, float] | None] = [None] * len(num_logprobs)
-    if not parts:
-        return logprobs
-    top_vals, top_ids, chosen = parts
-    for i, n_top in enumerate(num_logprobs):
-        if n_top is not None:
-            d = {token_list[i]: chosen[i]}
-            d.update((t, v) for t, v in zip(top_ids[i][:n_top], top_vals[i][:n_top]) if t not in d)
-            logprobs[i] = d
-    return logprobs

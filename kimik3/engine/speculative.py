@@ -26,8 +26,9 @@ from array import array
 
 import torch
 
+from kimik3.engine.logprobs import logprob_dicts
 from kimik3.engine.sampler import Sampler, SamplerOutput, SamplingBatch, draw, filter_logits, is_plain_greedy, \
-    logprob_dicts, seeded_uniform
+    seeded_uniform
 from kimik3.engine.sampling_params import SamplingParams
 
 

@@ -10,7 +10,8 @@ import pytest
 import torch
 
 from kimik3.engine import SamplingParams
-from kimik3.engine.sampler import SamplingBatch, apply_penalties, draw, sample, seeded_uniform
+from kimik3.engine.logit_controls import apply_penalties
+from kimik3.engine.sampler import SamplingBatch, draw, sample, seeded_uniform
 from tests.engine.fake_model import FakeModel
 from tests.engine.helpers import make_engine, run
 
