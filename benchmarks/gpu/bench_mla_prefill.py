@@ -9,7 +9,8 @@ For H = 96 (K3 slice) and H = 32 (Kimi-Linear), d_qk 192 (128 nope + 64 rope), d
       contexts in both forms: where the absorbed form wins (``kimik3.ops.mla.ABSORBED_MAX_QUERY_LEN``);
   (c) a sweep of fixed kernel configs (BLOCK_M, BLOCK_N, num_warps, num_stages) on one piece:
       naive at H = 96, absorbed at H = 32 (``kimik3.ops.triton.mla_prefill.CONFIGS``).
-  (d) decode (``mla_decode_triton``, split-K over the paged blocks, in CUDA graphs): batch 1 at
+  (d) decode (``mla_decode_triton``, split-K over the paged blocks, in CUDA graphs; H = 96, 32 and
+      16, the heads a GPU holds of K3 at tensor parallelism 8 padded to a tile): batch 1 at
       contexts 4k-1M and batches 8-128, against the floor of reading each sequence's latents
       (context x 576 x 2 bytes) at the measured copy rate; ``--decode-sweep`` times the launch
       configs of DECODE_SWEEP beside the default; ``--decode-only`` runs this part alone.
@@ -192,33 +193,22 @@ DECODE_CASES = [(1, 4096), (1, 32768), (1, 131072), (1, 1048576), (8, 131072), (
 # Hopper's wgmma can take (64 heads a program, 64-128 token rows), with the output's 512 latent
 # columns in one program (8 warps) or split over two (bv 256: the scores computed twice), and the
 # products transposed (trans: 64-128 token rows as the M side, 32 heads as N: no padded heads at H = 96).
-# It chose today's defaults (2-2.6x faster at H = 96; results/mla_decode_sweep3_1e66f41.json).
-DECODE_SWEEP = [DecodeConfig(form="gather", bh=32, bn=64, num_warps=4, num_stages=2, programs_per_sm=4),
-                DecodeConfig(form="gather", bh=64, bn=64, num_warps=8, num_stages=2, programs_per_sm=1, max_splits=256),
-                DecodeConfig(form="gather", bh=64, bn=64, num_warps=8, num_stages=2, programs_per_sm=2, max_splits=256),
-                DecodeConfig(form="gather", bh=64, bn=32, num_warps=8, num_stages=3, programs_per_sm=2, max_splits=256),
-                DecodeConfig(form="gather", bh=64, bn=128, num_warps=8, num_stages=1, programs_per_sm=1, max_splits=256),
-                DecodeConfig(form="gather", bh=64, bn=64, bv=256, num_warps=4, num_stages=2, programs_per_sm=1,
-                             max_splits=256),
-                DecodeConfig(form="gather", bh=64, bn=64, bv=256, num_warps=8, num_stages=2, programs_per_sm=2,
-                             max_splits=256),
-                DecodeConfig(form="gather", bh=64, bn=32, bv=256, num_warps=4, num_stages=3, programs_per_sm=2,
-                             max_splits=256),
-                DecodeConfig(bh=64, bv=256, num_warps=4, num_stages=3, programs_per_sm=2, max_splits=256),
-                DecodeConfig(form="gather", bh=32, bn=64, trans=True, num_warps=4, num_stages=2, programs_per_sm=2,
-                             max_splits=256),
-                DecodeConfig(form="gather", bh=32, bn=64, trans=True, num_warps=8, num_stages=2, programs_per_sm=2,
-                             max_splits=256),
-                DecodeConfig(form="gather", bh=32, bn=64, trans=True, num_warps=4, num_stages=3, programs_per_sm=4,
-                             max_splits=256),
-                DecodeConfig(form="gather", bh=32, bn=128, trans=True, num_warps=8, num_stages=1, programs_per_sm=1,
-                             max_splits=256),
-                DecodeConfig(form="gather", bh=32, bn=64, bv=256, trans=True, num_warps=4, num_stages=2,
-                             programs_per_sm=2, max_splits=256),
-                DecodeConfig(form="gather", bh=64, bn=64, trans=True, num_warps=8, num_stages=2, programs_per_sm=1,
-                             max_splits=256),
-                DecodeConfig(form="gather", bh=16, bn=64, trans=True, num_warps=4, num_stages=2, programs_per_sm=4,
-                             max_splits=256)]
+# It chose the third defaults (2-2.6x faster at H = 96; results/mla_decode_sweep3_1e66f41.json).
+# Every launch of the third sweep ran out of registers (255 a thread: the gathered tile passes
+# through them) or overlapped nothing (one stage: block ids, rows, products in turn). The fourth
+# tries prefetch: 1 loads the next tile's block ids while a tile computes (no registers), 2 its
+# rows too (into registers), beside the third defaults, with 1-3 stages and 16-64 heads a program.
+G = dict(form="gather", max_splits=256)
+DECODE_SWEEP = [DecodeConfig(**G, bh=32, bn=128, trans=True, prefetch=1, num_warps=8, num_stages=1, programs_per_sm=1),
+                DecodeConfig(**G, bh=16, bn=128, trans=True, prefetch=1, num_warps=8, num_stages=1, programs_per_sm=1),
+                DecodeConfig(**G, bh=32, bn=64, trans=True, prefetch=1, num_warps=8, num_stages=2, programs_per_sm=1),
+                DecodeConfig(**G, bh=32, bn=64, trans=True, prefetch=1, num_warps=8, num_stages=1, programs_per_sm=1),
+                DecodeConfig(**G, bh=32, bn=64, trans=True, prefetch=2, num_warps=8, num_stages=1, programs_per_sm=1),
+                DecodeConfig(**G, bh=32, bn=32, trans=True, prefetch=1, num_warps=4, num_stages=3, programs_per_sm=2),
+                DecodeConfig(**G, bh=64, bn=64, prefetch=1, num_warps=8, num_stages=2, programs_per_sm=1),
+                DecodeConfig(**G, bh=64, bn=64, prefetch=1, num_warps=8, num_stages=1, programs_per_sm=1),
+                DecodeConfig(**G, bh=32, bn=64, prefetch=1, num_warps=8, num_stages=2, programs_per_sm=2),
+                DecodeConfig(**G, bh=32, bn=64, prefetch=1, num_warps=8, num_stages=2, programs_per_sm=1)]
 
 
 def kernel_info(fn) -> dict:
@@ -260,7 +250,7 @@ def decode(rows, bw, sweep: bool, cases=None):
     global BS
     saved, BS = BS, DECODE_BS
     try:
-        for H in (96, 32):
+        for H in (96, 32, 16):
             for n, ctx in (c for c in DECODE_CASES if not cases or f"{H}/{c[0]}/{c[1]}" in cases):
                 q, cache, tables, _ = inputs(H, [1] * n, [ctx - 1] * n)
                 q_lat = torch.randn(n, H, R, device=DEVICE).to(torch.bfloat16)

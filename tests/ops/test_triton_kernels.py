@@ -74,19 +74,21 @@ def test_conv_pool_kernel_matches_reference(lens, ctx):
 
 
 # ---- MLA decode --------------------------------------------------------------------------
-@pytest.mark.parametrize("form,bs,bv,trans", [("gather", 4, 0, False), ("paged", 16, 0, False), ("gather", 4, 16, False),
-                                              ("paged", 16, 16, False), ("gather", 4, 16, True), ("paged", 16, 0, True),
-                                              ("default", 4, 0, False)],
-                         ids=["gather", "paged", "gather-half-columns", "paged-half-columns", "gather-half-columns-t",
-                              "paged-t", "default"])
+@pytest.mark.parametrize("form,bs,bv,trans,prefetch", [
+    ("gather", 4, 0, False, 0), ("paged", 16, 0, False, 0), ("gather", 4, 16, False, 0), ("paged", 16, 16, False, 0),
+    ("gather", 4, 16, True, 0), ("paged", 16, 0, True, 0), ("gather", 4, 0, True, 1), ("gather", 4, 16, False, 2),
+    ("default", 4, 0, False, 0)],
+    ids=["gather", "paged", "gather-half-columns", "paged-half-columns", "gather-half-columns-t", "paged-t",
+         "gather-t-prefetch-ids", "gather-half-columns-prefetch-rows", "default"])
 @pytest.mark.parametrize("max_len,sms", [(23, 4), (4096, 64), (50, 1)], ids=["tight", "graph_pinned_long", "one_split"])
-def test_mla_decode_kernel_matches_reference(max_len, sms, form, bs, bv, trans):
+def test_mla_decode_kernel_matches_reference(max_len, sms, form, bs, bv, trans, prefetch):
     """max_len 4096: a launch sized for long sequences (CUDA graphs pin it to max_model_len) over
     short ones: every sequence spreads over the splits, and a one-token sequence leaves most empty;
     one SM: one split walks all of a sequence's blocks.
     Both forms of pass 1; the paged one with a feature width (P = 8) under its 16-wide tile; each
     also with programs that output half of the R latent columns (bv = 16), and with the products
-    transposed (token rows as the M side); and the default launch (``config_for``)."""
+    transposed (token rows as the M side); the gather form with the next tile's block ids or rows
+    loaded a tile ahead; and the default launch (``config_for``)."""
     from kimik3.ops.triton.mla_decode import DecodeConfig, mla_decode_triton
     g = gen(1)
     N, H, R, P = 3, 5, 32, 8
@@ -105,7 +107,8 @@ def test_mla_decode_kernel_matches_reference(max_len, sms, form, bs, bv, trans):
     ref = mla_decode_attention(q_lat.double(), q_pe.double(), cache.double(), tables, lens, R, scale)
     out = mla_decode_triton(q_lat, q_pe, cache, tables, torch.tensor(lens, dtype=torch.int32), max(max_len, *lens),
                             scale, num_sms=sms,
-                            config=None if form == "default" else DecodeConfig(form=form, bh=16, bn=16, bv=bv, trans=trans))
+                            config=None if form == "default" else DecodeConfig(form=form, bh=16, bn=16, bv=bv, trans=trans,
+                                                                                 prefetch=prefetch))
     for n in range(N):
         assert rel_err(out[n], ref[n]) < 1e-2, n
 

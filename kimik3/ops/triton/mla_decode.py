@@ -55,16 +55,38 @@ def _attend_tile_t(ql, qp, e_lat, e_pe, e_v, pos, limit, m_i, l_i, acc, sm_scale
 
 
 @triton.jit
+def _rows(cache, blk, pos, hi, r, pp, v, R, P, stride_blk, stride_row, BLOCK_SIZE: tl.constexpr, BR: tl.constexpr,
+          BP: tl.constexpr, BV: tl.constexpr):
+    """The cached rows at ``pos`` [BN] (block ids ``blk``, int64; rows at or past ``hi`` read as
+    zeros): latent [BN, BR], rope part [BN, BP], the output columns [BN, BV]."""
+    mpos = pos < hi
+    row = cache + blk * stride_blk + (pos % BLOCK_SIZE).to(tl.int64) * stride_row                   # [BN]
+    e_lat = tl.load(row[:, None] + r[None, :], mask=mpos[:, None] & (r < R)[None, :], other=0.0)
+    e_pe = tl.load(row[:, None] + R + pp[None, :], mask=mpos[:, None] & (pp < P)[None, :], other=0.0)
+    e_v = e_lat if BV == BR else tl.load(row[:, None] + v[None, :], mask=mpos[:, None] & (v < R)[None, :], other=0.0)
+    return e_lat, e_pe, e_v
+
+
+@triton.jit
+def _gather_tile(cache, table, pos, hi, r, pp, v, R, P, stride_blk, stride_row, BLOCK_SIZE: tl.constexpr,
+                 BR: tl.constexpr, BP: tl.constexpr, BV: tl.constexpr):
+    """``_rows`` with the block ids read from the sequence's block table."""
+    blk = tl.load(table + pos // BLOCK_SIZE, mask=pos < hi, other=0).to(tl.int64)
+    return _rows(cache, blk, pos, hi, r, pp, v, R, P, stride_blk, stride_row, BLOCK_SIZE, BR, BP, BV)
+
+
+@triton.jit
 def _mla_decode_split_kernel(q_lat, q_pe, cache, block_tables, seq_lens, part_o, part_lse,
                              H, R, P, stride_ql_n, stride_ql_h, stride_qp_n, stride_qp_h,
                              stride_cache_blk, stride_cache_row, stride_bt, sm_scale_log2,
                              BLOCK_SIZE: tl.constexpr, BH: tl.constexpr, BR: tl.constexpr, BP: tl.constexpr,
                              NUM_SPLITS, BN: tl.constexpr, BV: tl.constexpr, PAGED: tl.constexpr,
-                             TRANS: tl.constexpr, UPCAST: tl.constexpr):
+                             TRANS: tl.constexpr, PREFETCH: tl.constexpr, UPCAST: tl.constexpr):
     """Pass 1. PAGED: tiles are whole cache blocks (BN == BLOCK_SIZE), addressed from the block's
     64-bit base plus fixed 32-bit row offsets; else BN token rows, each addressed by 64 bits.
     Program axis 1 is (head block, column block): each program outputs BV of the R latent columns
-    (the scores are computed in full by every column block). TRANS: the products transposed."""
+    (the scores are computed in full by every column block). TRANS: the products transposed.
+    PREFETCH (gather form): 1 loads each tile's block ids a tile ahead, 2 its rows (into registers)."""
     n, hv, s = tl.program_id(0), tl.program_id(1), tl.program_id(2)
     hb, vb = hv // (BR // BV), hv % (BR // BV)
     h = hb * BH + tl.arange(0, BH)
@@ -88,6 +110,11 @@ def _mla_decode_split_kernel(q_lat, q_pe, cache, block_tables, seq_lens, part_o,
     table = block_tables + n * stride_bt
     rows = tl.arange(0, BN)[:, None] * stride_cache_row                           # int32 offsets in a block
     off_lat, off_pe, off_v = rows + r[None, :], rows + R + pp[None, :], rows + v[None, :]
+    if PREFETCH == 1:                     # the first tile's block ids (later tiles: one tile ahead)
+        blk_next = tl.load(table + (lo + tl.arange(0, BN)) // BLOCK_SIZE, mask=lo + tl.arange(0, BN) < hi, other=0)
+    if PREFETCH == 2:                     # the first tile's rows (later tiles: one tile ahead)
+        e_lat_n, e_pe_n, e_v_n = _gather_tile(cache, table, lo + tl.arange(0, BN), hi, r, pp, v, R, P, stride_cache_blk,
+                                              stride_cache_row, BLOCK_SIZE, BR, BP, BV)
     for start in range(lo, hi, BN):
         pos = start + tl.arange(0, BN)
         if PAGED:
@@ -95,14 +122,17 @@ def _mla_decode_split_kernel(q_lat, q_pe, cache, block_tables, seq_lens, part_o,
             e_lat = tl.load(base + off_lat, mask=mr[None, :], other=0.0)                              # [BN, BR]
             e_pe = tl.load(base + off_pe, mask=mp[None, :], other=0.0)                                # [BN, BP]
             e_v = e_lat if BV == BR else tl.load(base + off_v, mask=(v < R)[None, :], other=0.0)     # [BN, BV]
+        elif PREFETCH == 2:                   # the next tile's rows load while this tile computes
+            e_lat, e_pe, e_v = e_lat_n, e_pe_n, e_v_n
+            e_lat_n, e_pe_n, e_v_n = _gather_tile(cache, table, pos + BN, hi, r, pp, v, R, P, stride_cache_blk,
+                                                  stride_cache_row, BLOCK_SIZE, BR, BP, BV)
+        elif PREFETCH == 1:                   # the next tile's block ids load while this tile computes
+            e_lat, e_pe, e_v = _rows(cache, blk_next.to(tl.int64), pos, hi, r, pp, v, R, P, stride_cache_blk,
+                                     stride_cache_row, BLOCK_SIZE, BR, BP, BV)
+            blk_next = tl.load(table + (pos + BN) // BLOCK_SIZE, mask=pos + BN < hi, other=0)
         else:
-            mpos = pos < hi
-            blk = tl.load(table + pos // BLOCK_SIZE, mask=mpos, other=0).to(tl.int64)
-            row = cache + blk * stride_cache_blk + (pos % BLOCK_SIZE).to(tl.int64) * stride_cache_row  # [BN]
-            e_lat = tl.load(row[:, None] + r[None, :], mask=mpos[:, None] & mr[None, :], other=0.0)
-            e_pe = tl.load(row[:, None] + R + pp[None, :], mask=mpos[:, None] & mp[None, :], other=0.0)
-            e_v = e_lat if BV == BR else tl.load(row[:, None] + v[None, :], mask=mpos[:, None] & (v < R)[None, :],
-                                                 other=0.0)
+            e_lat, e_pe, e_v = _gather_tile(cache, table, pos, hi, r, pp, v, R, P, stride_cache_blk, stride_cache_row,
+                                            BLOCK_SIZE, BR, BP, BV)
         if TRANS:
             m_i, l_i, acc = _attend_tile_t(ql, qp, e_lat, e_pe, e_v, pos, hi, m_i, l_i, acc, sm_scale_log2, BH, BN,
                                            UPCAST)
@@ -149,6 +179,7 @@ class DecodeConfig:
     bn: int = 32
     bv: int = 0
     trans: bool = False
+    prefetch: int = 0
     num_warps: int = 4
     num_stages: int = 2
     programs_per_sm: int = 2
@@ -201,7 +232,7 @@ def mla_decode_triton(q_latent: torch.Tensor, q_pe: torch.Tensor, cache: torch.T
             cache.stride(0), cache.stride(1), block_tables.stride(0), scale * _LOG2E)
     _mla_decode_split_kernel[(N, head_blocks, splits)](
         *args, BLOCK_SIZE=block_size, BH=BH, BR=BR, BP=BP, BN=tile, BV=BV, NUM_SPLITS=splits, PAGED=cfg.form == "paged", TRANS=cfg.trans,
-        UPCAST=INTERPRETING, num_warps=cfg.num_warps, num_stages=cfg.num_stages)
+        PREFETCH=cfg.prefetch if cfg.form == "gather" else 0, UPCAST=INTERPRETING, num_warps=cfg.num_warps, num_stages=cfg.num_stages)
     out = torch.empty(N, H, R, dtype=q_latent.dtype, device=q_latent.device)
     _mla_decode_merge_kernel[(N, H)](part_o, part_lse, out, H, R, out.stride(0), out.stride(1),
                                      BR=BR, NUM_SPLITS=splits, BS=triton.next_power_of_2(splits))
