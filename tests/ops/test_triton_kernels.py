@@ -75,11 +75,11 @@ def test_conv_pool_kernel_matches_reference(lens, ctx):
 
 # ---- MLA decode --------------------------------------------------------------------------
 @pytest.mark.parametrize("form,bs,bv,trans,prefetch", [
-    ("gather", 4, 0, False, 0), ("paged", 16, 0, False, 0), ("gather", 4, 16, False, 0), ("paged", 16, 16, False, 0),
-    ("gather", 4, 16, True, 0), ("paged", 16, 0, True, 0), ("gather", 4, 0, True, 1), ("gather", 4, 16, False, 2),
-    ("default", 4, 0, False, 0)],
+    ("gather", 4, 0, False, False), ("paged", 16, 0, False, False), ("gather", 4, 16, False, False),
+    ("paged", 16, 16, False, False), ("gather", 4, 16, True, False), ("paged", 16, 0, True, False),
+    ("gather", 4, 0, True, True), ("gather", 4, 16, False, True), ("default", 4, 0, False, False)],
     ids=["gather", "paged", "gather-half-columns", "paged-half-columns", "gather-half-columns-t", "paged-t",
-         "gather-t-prefetch-ids", "gather-half-columns-prefetch-rows", "default"])
+         "gather-t-prefetch-ids", "gather-half-columns-prefetch-ids", "default"])
 @pytest.mark.parametrize("max_len,sms", [(23, 4), (4096, 64), (50, 1)], ids=["tight", "graph_pinned_long", "one_split"])
 def test_mla_decode_kernel_matches_reference(max_len, sms, form, bs, bv, trans, prefetch):
     """max_len 4096: a launch sized for long sequences (CUDA graphs pin it to max_model_len) over
@@ -87,8 +87,8 @@ def test_mla_decode_kernel_matches_reference(max_len, sms, form, bs, bv, trans, 
     one SM: one split walks all of a sequence's blocks.
     Both forms of pass 1; the paged one with a feature width (P = 8) under its 16-wide tile; each
     also with programs that output half of the R latent columns (bv = 16), and with the products
-    transposed (token rows as the M side); the gather form with the next tile's block ids or rows
-    loaded a tile ahead; and the default launch (``config_for``)."""
+    transposed (token rows as the M side); the gather form with the next tile's block ids loaded a
+    tile ahead; and the default launch (``config_for``)."""
     from kimik3.ops.triton.mla_decode import DecodeConfig, mla_decode_triton
     g = gen(1)
     N, H, R, P = 3, 5, 32, 8

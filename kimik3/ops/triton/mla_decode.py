@@ -86,7 +86,7 @@ def _mla_decode_split_kernel(q_lat, q_pe, cache, block_tables, seq_lens, part_o,
     64-bit base plus fixed 32-bit row offsets; else BN token rows, each addressed by 64 bits.
     Program axis 1 is (head block, column block): each program outputs BV of the R latent columns
     (the scores are computed in full by every column block). TRANS: the products transposed.
-    PREFETCH (gather form): 1 loads each tile's block ids a tile ahead, 2 its rows (into registers)."""
+    PREFETCH (gather form): each tile's block ids are loaded a tile ahead."""
     n, hv, s = tl.program_id(0), tl.program_id(1), tl.program_id(2)
     hb, vb = hv // (BR // BV), hv % (BR // BV)
     h = hb * BH + tl.arange(0, BH)
@@ -110,11 +110,8 @@ def _mla_decode_split_kernel(q_lat, q_pe, cache, block_tables, seq_lens, part_o,
     table = block_tables + n * stride_bt
     rows = tl.arange(0, BN)[:, None] * stride_cache_row                           # int32 offsets in a block
     off_lat, off_pe, off_v = rows + r[None, :], rows + R + pp[None, :], rows + v[None, :]
-    if PREFETCH == 1:                     # the first tile's block ids (later tiles: one tile ahead)
+    if PREFETCH:                          # the first tile's block ids (later tiles: one tile ahead)
         blk_next = tl.load(table + (lo + tl.arange(0, BN)) // BLOCK_SIZE, mask=lo + tl.arange(0, BN) < hi, other=0)
-    if PREFETCH == 2:                     # the first tile's rows (later tiles: one tile ahead)
-        e_lat_n, e_pe_n, e_v_n = _gather_tile(cache, table, lo + tl.arange(0, BN), hi, r, pp, v, R, P, stride_cache_blk,
-                                              stride_cache_row, BLOCK_SIZE, BR, BP, BV)
     for start in range(lo, hi, BN):
         pos = start + tl.arange(0, BN)
         if PAGED:
@@ -122,11 +119,7 @@ def _mla_decode_split_kernel(q_lat, q_pe, cache, block_tables, seq_lens, part_o,
             e_lat = tl.load(base + off_lat, mask=mr[None, :], other=0.0)                              # [BN, BR]
             e_pe = tl.load(base + off_pe, mask=mp[None, :], other=0.0)                                # [BN, BP]
             e_v = e_lat if BV == BR else tl.load(base + off_v, mask=(v < R)[None, :], other=0.0)     # [BN, BV]
-        elif PREFETCH == 2:                   # the next tile's rows load while this tile computes
-            e_lat, e_pe, e_v = e_lat_n, e_pe_n, e_v_n
-            e_lat_n, e_pe_n, e_v_n = _gather_tile(cache, table, pos + BN, hi, r, pp, v, R, P, stride_cache_blk,
-                                                  stride_cache_row, BLOCK_SIZE, BR, BP, BV)
-        elif PREFETCH == 1:                   # the next tile's block ids load while this tile computes
+        elif PREFETCH:                   # the next tile's block ids load while this tile computes
             e_lat, e_pe, e_v = _rows(cache, blk_next.to(tl.int64), pos, hi, r, pp, v, R, P, stride_cache_blk,
                                      stride_cache_row, BLOCK_SIZE, BR, BP, BV)
             blk_next = tl.load(table + (pos + BN) // BLOCK_SIZE, mask=pos + BN < hi, other=0)
@@ -170,8 +163,9 @@ def _mla_decode_merge_kernel(part_o, part_lse, out, H, R, stride_on, stride_oh, 
 class DecodeConfig:
     """Pass-1 launch of the decode kernel: form ("paged" or "gather"), heads per program, token
     rows per tile (gather form; the paged form takes one cache block), latent columns each program
-    outputs (0: all R), products transposed (token rows as M), warps, pipeline stages, programs per SM to aim for, and the most splits of
-    one sequence. (Measured on the H200 and
+    outputs (0: all R), products transposed (token rows as M), block ids loaded a tile ahead
+    (gather form), warps, pipeline stages, programs per SM to aim for, and the most splits of one
+    sequence. (Measured on the H200 and
     dropped: rescaling the running output only when a running max moves, and prefetching the
     next block's rows by hand; neither was faster: results/mla_decode_sweep2_3ddadd8.json.)"""
     form: str = "paged"
@@ -179,7 +173,7 @@ class DecodeConfig:
     bn: int = 32
     bv: int = 0
     trans: bool = False
-    prefetch: int = 0
+    prefetch: bool = False
     num_warps: int = 4
     num_stages: int = 2
     programs_per_sm: int = 2
@@ -232,7 +226,7 @@ def mla_decode_triton(q_latent: torch.Tensor, q_pe: torch.Tensor, cache: torch.T
             cache.stride(0), cache.stride(1), block_tables.stride(0), scale * _LOG2E)
     _mla_decode_split_kernel[(N, head_blocks, splits)](
         *args, BLOCK_SIZE=block_size, BH=BH, BR=BR, BP=BP, BN=tile, BV=BV, NUM_SPLITS=splits, PAGED=cfg.form == "paged", TRANS=cfg.trans,
-        PREFETCH=cfg.prefetch if cfg.form == "gather" else 0, UPCAST=INTERPRETING, num_warps=cfg.num_warps, num_stages=cfg.num_stages)
+        PREFETCH=cfg.prefetch and cfg.form == "gather", UPCAST=INTERPRETING, num_warps=cfg.num_warps, num_stages=cfg.num_stages)
     out = torch.empty(N, H, R, dtype=q_latent.dtype, device=q_latent.device)
     _mla_decode_merge_kernel[(N, H)](part_o, part_lse, out, H, R, out.stride(0), out.stride(1),
                                      BR=BR, NUM_SPLITS=splits, BS=triton.next_power_of_2(splits))
