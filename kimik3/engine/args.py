@@ -179,10 +179,8 @@ class EngineArgs:
                                      default="tep", choices=["tep", "a2a", "agrs"])
     num_speculative_tokens: int = _opt("n-gram draft tokens verified per step (default: 0, off)", default=0,
                                        type=non_negative_int)
-    speculative_ngram_min: int = _opt("shortest n-gram looked up for drafts (default: 2)", default=2,
-                                      type=_positive(int))
-    speculative_ngram_max: int = _opt("longest n-gram looked up for drafts (default: 4)", default=4,
-                                      type=_positive(int))
+    speculative_ngram_min: int = _opt("shortest n-gram looked up for drafts (default: 2)", default=2, type=positive_int)
+    speculative_ngram_max: int = _opt("longest n-gram looked up for drafts (default: 4)", default=4, type=positive_int)
     async_scheduling: bool | None = _opt(
         "schedule and launch each decode step before the previous step's tokens reach the host, so host work "
         "overlaps the GPU; not with speculation (default: on for one CUDA device without speculation, as in "
