@@ -23,7 +23,8 @@ from kimik3.engine.output import EngineStats, RequestGroup, RequestOutput, appen
 from kimik3.engine.request import RequestStatus
 from kimik3.engine.runner import ModelRunner
 from kimik3.engine.sampling_params import SamplingParams
-from kimik3.engine.scheduler import Scheduler, ScheduledChunk
+from kimik3.engine.scheduler import Scheduler
+from kimik3.engine.scheduler_output import ScheduledChunk
 from kimik3.engine.speculative import settle_drafts
 from kimik3.engine.transfer import on_device
 from kimik3.vision.preprocess import VisionInputs

@@ -12,12 +12,11 @@ cache manager's (``kv_cache.py``); ``Request.out`` is what the engine hands back
 from __future__ import annotations
 
 import enum
-import hashlib
-from array import array
 from dataclasses import dataclass, field
 
 import torch
 
+from kimik3.engine.block_hash import extend_block_hashes
 from kimik3.engine.block_pool import BlockTable
 from kimik3.engine.multimodal import MultiModalInput
 from kimik3.engine.sampling_params import SamplingParams
@@ -27,17 +26,6 @@ class RequestStatus(enum.Enum):
     WAITING = "waiting"
     RUNNING = "running"
     FINISHED = "finished"
-
-
-def block_hash(parent: bytes | None, token_ids: list[int], extra_key: bytes | None = None) -> bytes:
-    """Hash of a full block: the whole prefix up to it (parent hash) + its tokens (+ image content key)."""
-    h = hashlib.blake2b(digest_size=16)
-    h.update(parent or b"root")
-    h.update(array("q", token_ids).tobytes())
-    if extra_key is not None:
-        h.update(b"extra")
-        h.update(extra_key)
-    return h.digest()
 
 
 @dataclass
@@ -83,7 +71,7 @@ class Request:
     finish_reason: str | None = None
     token_ids: list[int] = field(default_factory=list)        # prompt + output
     num_computed_tokens: int = 0
-    block_hashes: list[bytes] = field(default_factory=list)     # one per full block of token_ids
+    block_hashes: list[bytes] = field(default_factory=list)     # one per full block of token_ids (block_hash.py)
     bad_words: object | None = None  # logit controls: params.bad_words as token ids (logit_controls.BadWords)
     device_controls: object | None = None   # logit controls: ids and biases on the device (first use)
     matcher: object | None = None                   # logit controls: the structured-output grammar (structured.Matcher)
@@ -98,7 +86,7 @@ class Request:
 
     def __post_init__(self) -> None:
         self.token_ids = list(self.prompt_token_ids)
-        self._extend_hashes()
+        extend_block_hashes(self.block_hashes, self.token_ids, self.block_size, self.extra_keys)
 
     @property
     def num_prompt_tokens(self) -> int:
@@ -123,11 +111,4 @@ class Request:
     def append_token(self, token_id: int) -> None:
         self.token_ids.append(token_id)
         if len(self.token_ids) % self.block_size == 0:
-            self._extend_hashes()
-
-    def _extend_hashes(self) -> None:
-        bs = self.block_size
-        for i in range(len(self.block_hashes), len(self.token_ids) // bs):
-            parent = self.block_hashes[-1] if self.block_hashes else None
-            extra = self.extra_keys[i] if self.extra_keys and i < len(self.extra_keys) else None
-            self.block_hashes.append(block_hash(parent, self.token_ids[i * bs:(i + 1) * bs], extra))
+            extend_block_hashes(self.block_hashes, self.token_ids, self.block_size, self.extra_keys)

@@ -19,48 +19,13 @@ from __future__ import annotations
 
 import time
 from collections import deque
-from dataclasses import dataclass, field
 
 from kimik3.engine.config import EngineConfig
 from kimik3.engine.kv_cache import KVCacheManager
 from kimik3.engine.request import Request, RequestStatus
+from kimik3.engine.scheduler_output import ScheduledChunk, SchedulerOutput
 from kimik3.engine.speculative import can_speculate, propose_ngram, token_bytes
 from kimik3.model.batch import StateCheckpoint
-
-
-@dataclass
-class ScheduledChunk:
-    req: Request
-    num_tokens: int          # new tokens computed this step, starting at req.num_computed_tokens (drafts included)
-    start: int               # req.num_computed_tokens when scheduled
-    draft: list[int] = field(default_factory=list)       # speculative tokens after the request's last token
-    spec_slots: list[int] = field(default_factory=list)  # snapshot slot after row j + 1, per draft token j
-    num_accepted: int = 0    # drafts the step accepted (set by the engine before ``Scheduler.update``)
-    input_pending: bool = False   # async: the input token is the previous step's sample, not yet on the host
-    samples: bool = field(init=False)   # reaches the request's last token (as scheduled): its last row samples
-
-    def __post_init__(self) -> None:
-        self.samples = self.start + self.num_tokens - len(self.draft) == self.req.num_tokens + self.input_pending
-
-
-@dataclass
-class SchedulerOutput:
-    """What runs this step (the scheduler -> runner contract)."""
-
-    chunks: list[ScheduledChunk] = field(default_factory=list)
-    state_copies: list[tuple[int, int]] = field(default_factory=list)   # (checkpoint slot, live slot) before the step
-    state_resets: list[int] = field(default_factory=list)               # live slots to zero before the step
-    checkpoints: list[StateCheckpoint] = field(default_factory=list)    # seq = index into chunks
-    checkpoint_hashes: list[bytes | None] = field(default_factory=list)  # block hash per checkpoint; None: speculative
-    preempted: list[Request] = field(default_factory=list)
-
-    @property
-    def num_tokens(self) -> int:
-        return sum(c.num_tokens for c in self.chunks)
-
-    @property
-    def is_empty(self) -> bool:
-        return not self.chunks
 
 
 class Scheduler:

@@ -134,7 +134,7 @@ def test_bad_words_and_min_tokens_read_the_output_and_drafts_only():
     output tokens and drafts."""
     from kimik3.engine.logit_controls import controlled_logits
     from kimik3.engine.request import Request
-    from kimik3.engine.scheduler import ScheduledChunk
+    from kimik3.engine.scheduler_output import ScheduledChunk
     from kimik3.engine.speculative import row_spans
     params = SamplingParams(min_tokens=502, max_tokens=1000, bad_words=["unused"])
     chunks = []
