@@ -85,7 +85,7 @@ def compile_mla_decode():
     types = {"q_lat": "*bf16", "q_pe": "*bf16", "cache": "*bf16", "block_tables": "*i32", "seq_lens": "*i32",
              "part_o": "*fp32", "part_lse": "*fp32", "sm_scale_log2": "fp32"}
     cases = {(m.config_for(H, block_size, max_len, batch), block_size) for block_size in (16, 4) for H in (96, 32, 8)
-             for batch in (1, 8) for max_len in (4096, 1 << 20)}          # every launch the defaults pick
+             for batch in (1, 8, 32) for max_len in (4096, 1 << 20)}          # every launch the defaults pick
     for cfg, block_size in cases:
         common = dict(BLOCK_SIZE=block_size, BH=cfg.bh, BR=512, BP=64, UPCAST=False)
         tile = block_size if cfg.form == "paged" else cfg.bn

@@ -181,19 +181,22 @@ class DecodeConfig:
 
 
 def config_for(H: int, block_size: int, max_seq_len: int = 0, batch: int = 1) -> DecodeConfig:
-    """The default launch, from the third sweep of ``bench_mla_prefill.py --decode-sweep`` (H200,
-    block size 16, ``results/mla_decode_sweep3_1e66f41.json``): tiles Hopper's wgmma takes, one
-    program per SM (their 184-221 KB of shared memory), up to 256 splits of a sequence. Transposed
-    products over 128 token rows with 16-32 heads as the N side, except at 64+ heads over many
-    rows (8+ sequences or contexts from 512k), where 64 heads a program over 64 rows read each
-    tile for twice the heads; and at 32 or fewer heads with 8+ sequences, where the mma.sync tile
-    of 64 rows won. The gather form reads any block size (tiles span blocks)."""
-    if H > 32 and (batch >= 8 or max_seq_len >= 1 << 19):
-        return DecodeConfig(form="gather", bh=64, bn=64, num_warps=8, num_stages=2, programs_per_sm=1, max_splits=256)
-    if H <= 32 and batch >= 8:
-        return DecodeConfig(form="gather", bh=32, bn=64, num_warps=8, num_stages=2, programs_per_sm=2, max_splits=256)
-    return DecodeConfig(form="gather", bh=16 if H <= 16 else 32, bn=128, trans=True, num_warps=8, num_stages=1,
-                        programs_per_sm=1, max_splits=256)
+    """The default launch, from the fourth sweep of ``bench_mla_prefill.py --decode-sweep`` (H200,
+    block size 16, ``results/mla_decode_sweep4_935d67f.json``; the third chose the tile shapes:
+    ``results/mla_decode_sweep3_1e66f41.json``): gathered tiles of any block size with the next
+    tile's block ids loaded ahead, up to 256 splits of a sequence. By heads and batch:
+    64 heads a program over 64 rows at 64+ heads for 32+ sequences, or for fewer than 8 over
+    contexts from 512k; 32 heads over 64 rows, two programs an SM, for 8-31 sequences (and at 32
+    or fewer heads from 8 sequences); 16 heads over 64 rows at 16 or fewer heads (two programs an
+    SM from 512k); else the products transposed over 128 rows, 32 heads as the N side."""
+    common = dict(form="gather", prefetch=True, num_warps=8, max_splits=256)
+    if H > 32 and (batch >= 32 or (batch < 8 and max_seq_len >= 1 << 19)):
+        return DecodeConfig(**common, bh=64, bn=64, num_stages=2, programs_per_sm=1)
+    if batch >= 8:
+        return DecodeConfig(**common, bh=32, bn=64, num_stages=2, programs_per_sm=2)
+    if H <= 16:
+        return DecodeConfig(**common, bh=16, bn=64, num_stages=2, programs_per_sm=2 if max_seq_len >= 1 << 19 else 1)
+    return DecodeConfig(**common, bh=32, bn=128, trans=True, num_stages=1, programs_per_sm=1)
 
 
 def mla_decode_triton(q_latent: torch.Tensor, q_pe: torch.Tensor, cache: torch.Tensor, block_tables: torch.Tensor,
