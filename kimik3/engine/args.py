@@ -73,16 +73,12 @@ def number(parse, ok, what: str):
     return check
 
 
-def _positive(parse):
-    """Positive integers through ``parse`` (which keeps its own message for malformed text)."""
-    inner = number(parse, lambda v: v >= 1, "a positive integer")
-
-    def check(text: str) -> int:
-        if parse is human_readable_int:
-            human_readable_int(text)           # its own message: suffixes, decimals
-        return inner(text)
-    check.__name__ = "a positive integer"
-    return check
+def positive_size(text: str) -> int:
+    """A positive ``human_readable_int`` (whose own messages explain malformed suffixes and decimals)."""
+    value = human_readable_int(text)
+    if value < 1:
+        raise argparse.ArgumentTypeError(f"expected a positive integer, got {text!r}")
+    return value
 
 
 positive_int = number(int, lambda v: v >= 1, "a positive integer")
@@ -131,13 +127,13 @@ class EngineArgs:
     device: str | None = _opt("cpu, cuda or cuda:N (default: cuda if available, else cpu)", default=None)
     max_model_len: int | None = _opt(
         "prompt + output tokens per sequence; takes 32k (=32000) or 32K (=32768) as vLLM does "
-        "(default: the model's max_position_embeddings)", default=None, type=_positive(human_readable_int))
+        "(default: the model's max_position_embeddings)", default=None, type=positive_size)
     max_num_seqs: int = _opt("sequences per engine step (default: 64)", default=64,
-                             type=_positive(human_readable_int))
+                             type=positive_size)
     max_num_batched_tokens: int = _opt("token budget of one engine step; longer prompts are chunked, which bounds a "
                                        "step's memory (default: 8192)", default=8192,
-                                       type=_positive(human_readable_int))
-    block_size: int = _opt("tokens per cache block (default: 16)", default=16, type=_positive(human_readable_int))
+                                       type=positive_size)
+    block_size: int = _opt("tokens per cache block (default: 16)", default=16, type=positive_size)
     enable_prefix_caching: bool = _opt("reuse the cache of shared prompt prefixes (default: on)", default=True)
     gpu_memory_utilization: float = _opt(
         "fraction of the GPU's memory this whole process may use (weights, cache, activations); the cache gets "
@@ -145,12 +141,12 @@ class EngineArgs:
     kv_cache_memory_bytes: int | None = _opt(
         "bytes for the cache pools, overriding --gpu-memory-utilization (default: sized automatically; "
         "on CPU what max-num-seqs full sequences need, at most 4 GiB)", default=None,
-        type=_positive(human_readable_int))
+        type=positive_size)
     kv_cache_dtype: str = _opt("cache dtype; only auto (the model dtype; KDA states in float32) (default: auto)",
                                default="auto", choices=["auto"])
     kda_checkpoint_interval: int | None = _opt(
         "cache blocks between saved KDA states for prefix caching (default: auto)", default=None,
-        type=_positive(human_readable_int))
+        type=positive_size)
     enforce_eager: bool | None = _opt(
         "never capture CUDA graphs; every step runs eagerly. --no-enforce-eager asks for decode graphs under "
         "tensor/expert parallelism too (default: off on one GPU; on under parallelism, whose graphs are tested "
@@ -171,7 +167,7 @@ class EngineArgs:
         "(default: off)", default=False)
     tensor_parallel_size: int = _opt("GPUs (ranks) the model is split over; on one node the extra ranks are "
                                      "spawned, across nodes start every rank with torchrun (default: 1)",
-                                     default=1, type=_positive(human_readable_int), aliases=("-tp",))
+                                     default=1, type=positive_size, aliases=("-tp",))
     enable_expert_parallel: bool = _opt("split whole routed experts over the tensor-parallel ranks instead of "
                                         "their intermediate (default: off)", default=False)
     expert_parallel_mode: str = _opt("with expert parallelism: tokens replicated (tep), or token-sharded MoE with "

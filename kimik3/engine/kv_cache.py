@@ -150,6 +150,20 @@ class KVCacheManager:
     def return_spec_slots(self, slots) -> None:
         self.free_spec_slots.extend(slots)
 
+    def keep_rollback(self, req: Request, slot: int) -> None:
+        """Hold snapshot ``slot`` (the state after the last accepted draft) for ``req``'s next step."""
+        req.cache.rollback_slot = slot
+
+    def take_rollback(self, req: Request) -> tuple[int, int] | None:
+        """``req``'s pending rollback as a state copy (snapshot slot, live slot), its snapshot slot given
+        back (the copy runs before the step, ahead of any write to the slot), or None."""
+        held = req.cache
+        if held.rollback_slot is None:
+            return None
+        copy, held.rollback_slot = (held.rollback_slot, held.state_slot), None
+        self.return_spec_slots([copy[0]])
+        return copy
+
     def free(self, req: Request) -> None:
         """Return everything the request holds (its cached blocks stay reusable until evicted)."""
         held = req.cache

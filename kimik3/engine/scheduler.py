@@ -48,11 +48,9 @@ class Scheduler:
         i = 0
         while i < len(self.running) and budget > 0:
             req = self.running[i]
-            held = req.cache
-            if held.rollback_slot is not None:         # roll back to the last accepted draft first
-                out.state_copies.append((held.rollback_slot, held.state_slot))
-                self.kv.return_spec_slots([held.rollback_slot])
-                held.rollback_slot = None
+            rollback = self.kv.take_rollback(req)     # roll back to the last accepted draft first
+            if rollback is not None:
+                out.state_copies.append(rollback)
             n = min(req.num_tokens - req.num_computed_tokens, budget)
             draft = self._draft(req, budget) if n == 1 else []
             while not self.kv.allocate(req, n + len(draft)):

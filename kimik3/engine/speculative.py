@@ -192,7 +192,7 @@ def settle_drafts(kv, chunk, m: int) -> None:
     req.draft_pause = min(2 ** req.draft_misses, MAX_DRAFT_PAUSE) if req.draft_misses else 0
     slots = chunk.spec_slots
     if m < len(chunk.draft):
-        chunk.req.cache.rollback_slot = slots[m]
+        kv.keep_rollback(req, slots[m])
         kv.return_spec_slots(slots[:m] + slots[m + 1:])
     else:
         kv.return_spec_slots(slots)
