@@ -179,8 +179,8 @@ class EngineArgs:
     speculative_ngram_max: int = _opt("longest n-gram looked up for drafts (default: 4)", default=4, type=positive_int)
     async_scheduling: bool | None = _opt(
         "schedule and launch each decode step before the previous step's tokens reach the host, so host work "
-        "overlaps the GPU; not with speculation (default: on for one CUDA device without speculation, as in "
-        "vLLM; else off)", default=None)
+        "overlaps the GPU; with speculation only while every request's drafting is paused (default: on for "
+        "one CUDA device without speculation, as in vLLM; else off)", default=None)
     use_tqdm_on_load: bool = _opt("show a progress bar while the weights load (default: on)", default=True)
 
     def __post_init__(self) -> None:
@@ -246,7 +246,8 @@ class EngineArgs:
 
     def resolve_async_scheduling(self, device: torch.device) -> bool:
         """The flag if given; else on for one CUDA device without speculation (a draft needs the previous
-        token on the host; on a CPU there is nothing to overlap). Under tensor / expert parallelism it is
+        token on the host, so with speculation only paused requests run ahead; not yet measured on a GPU;
+        on a CPU there is nothing to overlap). Under tensor / expert parallelism it is
         opt-in: tested with gloo on CPU ranks, not yet run on several GPUs."""
         if self.async_scheduling is not None:
             return self.async_scheduling

@@ -41,9 +41,6 @@ class EngineConfig:
                 and 1 <= self.speculative_ngram_min <= self.speculative_ngram_max):
             raise ValueError(f"speculative n-gram sizes need 1 <= speculative_ngram_min <= speculative_ngram_max, "
                              f"got {self.speculative_ngram_min!r} and {self.speculative_ngram_max!r}")
-        if self.async_scheduling and self.num_speculative_tokens:
-            raise ValueError("async_scheduling does not work with speculative decoding yet (a draft needs the "
-                             "previous token on the host); turn one of them off")
         if not 0.0 < self.gpu_memory_utilization <= 1.0:
             raise ValueError(f"gpu_memory_utilization must lie in (0, 1], got {self.gpu_memory_utilization!r}")
         if not isinstance(self.max_logprobs, int) or self.max_logprobs < 0:

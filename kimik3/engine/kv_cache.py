@@ -154,15 +154,14 @@ class KVCacheManager:
         """Hold snapshot ``slot`` (the state after the last accepted draft) for ``req``'s next step."""
         req.cache.rollback_slot = slot
 
-    def take_rollback(self, req: Request) -> tuple[int, int] | None:
-        """``req``'s pending rollback as a state copy (snapshot slot, live slot), its snapshot slot given
-        back (the copy runs before the step, ahead of any write to the slot), or None."""
+    def take_rollback(self, req: Request, state_copies: list[tuple[int, int]]) -> None:
+        """Append ``req``'s pending rollback to a step's state copies as (snapshot slot, live slot), its
+        snapshot slot given back (the copy runs before the step, ahead of any write to the slot)."""
         held = req.cache
-        if held.rollback_slot is None:
-            return None
-        copy, held.rollback_slot = (held.rollback_slot, held.state_slot), None
-        self.return_spec_slots([copy[0]])
-        return copy
+        if held.rollback_slot is not None:
+            state_copies.append((held.rollback_slot, held.state_slot))
+            self.return_spec_slots([held.rollback_slot])
+            held.rollback_slot = None
 
     def free(self, req: Request) -> None:
         """Return everything the request holds (its cached blocks stay reusable until evicted)."""

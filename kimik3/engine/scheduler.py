@@ -12,7 +12,9 @@ Per step (budget = ``max_num_batched_tokens``):
    its snapshot back (``CacheHoldings.rollback_slot``); one whose drafts keep failing pauses drafting.
 5. Async scheduling: while a step's tokens are still on the device, the next decode step of the same requests
    is scheduled ahead (``schedule_ahead``) when nothing else could change it: no waiting request, no
-   preemption, no checkpoint to take, no drafts; a request that prev's token finishes is left out or dropped.
+   preemption, no checkpoint to take, no drafts, and with speculation every request's drafting paused (a
+   draft needs prev's token: under async a request whose lookup found nothing pauses for a few steps);
+   a request that prev's token finishes is left out or dropped.
 """
 
 from __future__ import annotations
@@ -24,7 +26,7 @@ from kimik3.engine.config import EngineConfig
 from kimik3.engine.kv_cache import KVCacheManager
 from kimik3.engine.request import Request, RequestStatus
 from kimik3.engine.scheduler_output import ScheduledChunk, SchedulerOutput
-from kimik3.engine.speculative import can_speculate, propose_ngram, token_bytes
+from kimik3.engine.speculative import EMPTY_DRAFT_PAUSE, can_speculate, propose_ngram, token_bytes
 from kimik3.model.batch import StateCheckpoint
 
 
@@ -48,9 +50,7 @@ class Scheduler:
         i = 0
         while i < len(self.running) and budget > 0:
             req = self.running[i]
-            rollback = self.kv.take_rollback(req)     # roll back to the last accepted draft first
-            if rollback is not None:
-                out.state_copies.append(rollback)
+            self.kv.take_rollback(req, out.state_copies)     # roll back to the last accepted draft first
             n = min(req.num_tokens - req.num_computed_tokens, budget)
             draft = self._draft(req, budget) if n == 1 else []
             while not self.kv.allocate(req, n + len(draft)):
@@ -93,7 +93,8 @@ class Scheduler:
         the device, or None when it could differ from what ``schedule`` will decide once they arrive."""
         if (self.waiting or len(prev.chunks) != len(self.running)
                 or len(prev.chunks) > self.config.max_num_batched_tokens
-                or any(not c.samples or c.draft or c.req.is_finished for c in prev.chunks)):
+                or any(not c.samples or c.draft or c.req.is_finished for c in prev.chunks)
+                or any(self._may_draft(c.req) and not c.req.draft_pause for c in prev.chunks)):
             return None
         out = SchedulerOutput()
         for c in prev.chunks:
@@ -103,7 +104,12 @@ class Scheduler:
             if self.kv.checkpoint_boundaries(start, start + 1) or not self.kv.allocate(req, 1):
                 return None                            # a checkpoint needs its block's hash; or preemption
             out.chunks.append(ScheduledChunk(req, 1, start, input_pending=True))
+        for req in (c.req for c in out.chunks if self._may_draft(c.req)):
+            req.draft_pause -= 1                       # a decode step without drafts, as ``_draft`` counts them
         return out if out.chunks else None
+
+    def _may_draft(self, req: Request) -> bool:
+        return bool(self.config.num_speculative_tokens) and can_speculate(req.params)
 
     @staticmethod
     def _blocked(req: Request) -> bool:
@@ -115,7 +121,7 @@ class Scheduler:
         """N-gram draft tokens for a decode step of ``req``, within the budget, max_tokens, max_model_len and
         short of the next checkpoint boundary (``schedule`` trims them to the free snapshot slots)."""
         cfg = self.config
-        if not cfg.num_speculative_tokens or not can_speculate(req.params):
+        if not self._may_draft(req):
             return []
         if req.draft_pause:               # its recent drafts all failed (speculative.MAX_DRAFT_PAUSE)
             req.draft_pause -= 1
@@ -129,6 +135,8 @@ class Scheduler:
                               data=token_bytes(req))
         if draft and req.matcher is not None:   # only drafts the grammar accepts (the rest would be rejected)
             draft = draft[:req.matcher.valid_prefix(draft)]
+        if not draft and cfg.async_scheduling:
+            req.draft_pause = EMPTY_DRAFT_PAUSE
         return draft
 
     def _add_chunk(self, out: SchedulerOutput, req: Request, n: int, draft: list[int] | None = None,

@@ -180,6 +180,9 @@ def _logprobs(chunks, spans, logits: torch.Tensor, result: SamplerOutput) -> Non
 # CUDA graph: about 2.6x at batch 1 on the H200), so drafts that keep failing cost at most 1/128 of
 # that extra per token instead of all of it.
 MAX_DRAFT_PAUSE = 128
+# Under async scheduling a request whose n-gram lookup found nothing skips this many decode steps' lookups:
+# a step that may draft waits for the previous step's token on the host, one that cannot runs ahead.
+EMPTY_DRAFT_PAUSE = 4
 
 
 def settle_drafts(kv, chunk, m: int) -> None:

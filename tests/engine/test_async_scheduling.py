@@ -12,7 +12,7 @@ import pytest
 import torch
 
 import kimik3
-from kimik3.engine import EngineConfig, SamplingParams
+from kimik3.engine import SamplingParams
 from kimik3.engine.llm_engine import StepError
 from kimik3.engine.sampling_params import StructuredOutputsParams
 from tests.engine.fake_model import reference_greedy
@@ -216,9 +216,31 @@ def test_a_failed_step_ahead_is_raised_after_the_step_before_it(model, monkeypat
         assert len(got[rid]) == at_failure[rid] + 1 and got[rid] == reference_greedy(model, p, len(got[rid])), rid
 
 
-def test_async_scheduling_refuses_speculation():
-    with pytest.raises(ValueError, match="async_scheduling does not work with speculative decoding"):
-        EngineConfig(async_scheduling=True, num_speculative_tokens=2)
+def test_speculation_with_async_scheduling_gives_the_synchronous_tokens(model):
+    """n-gram speculation under async scheduling: drafts are proposed and verified in synchronous steps;
+    a request whose lookup found nothing (or whose drafts kept failing) pauses drafting, and while every
+    request's drafting is paused steps run ahead. Greedy (drafting) tokens equal the model's own decoding;
+    seeded requests with penalties (which never draft) in the same batches the synchronous engine's."""
+    vocab = model.config.text.vocab_size
+    rng = random.Random(5)
+    reqs = {}
+    for i in range(2):
+        base = [rng.randrange(5, vocab) for _ in range(6)]
+        p = base + reference_greedy(model, base, 8) + base         # repeats: the n-gram proposer drafts
+        reqs[f"g{i}"] = (p, SamplingParams(temperature=0, max_tokens=24, ignore_eos=True))
+        reqs[f"s{i}"] = (p, SamplingParams(temperature=0.9, seed=i, presence_penalty=0.3, max_tokens=24,
+                                           ignore_eos=True))     # penalties: no drafts, samples fixed by seed
+    kw = dict(block_size=4, max_num_seqs=4, max_num_batched_tokens=64, max_model_len=48, extra_blocks=40,
+              num_speculative_tokens=3, speculative_ngram_min=1, speculative_ngram_max=2)
+    sync, asyn = make_engine(model, **kw), make_engine(model, async_scheduling=True, **kw)
+    ahead = count_calls(asyn.scheduler, "schedule_ahead")
+    a, b = run(sync, reqs), run(asyn, reqs)
+    for rid, (p, params) in reqs.items():
+        if rid.startswith("g"):
+            assert b[rid][0][0] == reference_greedy(model, p, params.max_tokens), rid
+        assert b[rid][0][0] == a[rid][0][0], rid
+    assert asyn.num_draft_tokens > 0 and ahead.hits > 5        # drafts verified, and steps ran ahead
+    assert not asyn.has_unfinished_requests() and asyn.kv.blocks.num_free == asyn.plan.num_usable_blocks
 
 
 @pytest.mark.parametrize("flags, device, expected", [
