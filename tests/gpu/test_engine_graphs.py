@@ -198,6 +198,31 @@ def test_speculative_greedy_matches_plain(model, monkeypatch):
         assert_model_greedy(model, rid, prompt, *spec[rid], SLICE_CROSS_NOISE, 2 * SLICE_CROSS_NOISE, flips=1)
 
 
+def test_speculation_under_async_scheduling_matches_the_model(model, monkeypatch):
+    """Async scheduling with n-gram speculation on the GPU path: verify steps (graphs) wait for the
+    previous step's tokens, and while drafting is paused (an empty lookup pauses it for
+    ``EMPTY_DRAFT_PAUSE`` steps under async) decode graph steps run ahead. The oracle drafts the plain
+    run's continuation at two lookups in three and nothing at the third; tokens are checked against the
+    model called directly, as in ``test_speculative_greedy_matches_plain``."""
+    import itertools
+
+    import kimik3.engine.scheduler as scheduler
+    from tests.engine.helpers import count_calls
+    reqs = requests(model.config.text.vocab_size)
+    plain = generate(make(model, enforce_eager=False), reqs)
+    oracle = oracle_proposer({tuple(prompt): plain[rid][0] for rid, (prompt, _) in reqs.items()},
+                             model.config.text.vocab_size)
+    lookups = itertools.count()
+    monkeypatch.setattr(scheduler, "propose_ngram", lambda *a, **k: oracle(*a, **k) if next(lookups) % 3 else [])
+    engine = make(model, enforce_eager=False, num_speculative_tokens=3, async_scheduling=True)
+    ahead = count_calls(engine.scheduler, "schedule_ahead")
+    spec = generate(engine, reqs)
+    assert engine.num_accepted_tokens > 0 and ahead.hits > 0 and engine.runner.num_graph_steps > 0
+    for rid, (prompt, sp) in reqs.items():
+        assert len(spec[rid][0]) == sp.max_tokens, rid
+        assert_model_greedy(model, rid, prompt, *spec[rid], SLICE_CROSS_NOISE, 2 * SLICE_CROSS_NOISE, flips=1)
+
+
 def test_async_scheduling_gives_the_synchronous_tokens(model):
     """Async scheduling on the GPU (pinned token copies in flight, the next graph step fed the device
     tokens) gives the synchronous engine's tokens and logprobs (the same kernels: ``SLICE_NOISE``),
