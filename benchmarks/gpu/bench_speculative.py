@@ -20,6 +20,7 @@ Plain and speculative tokens must agree (the margins leave no near-ties).
 
     PYTHONPATH=. python benchmarks/gpu/bench_speculative.py            (writes $OUT/bench_speculative.json)
     PYTHONPATH=. python benchmarks/gpu/bench_speculative.py --cpu      (the embedded tiny model: a smoke run)
+    ... --async-scheduling   (both runs async: plain async against speculation under async)
 """
 
 from __future__ import annotations
@@ -46,12 +47,14 @@ from kimik3.engine import EngineConfig, LLMEngine, SamplingParams  # noqa: E402
 EMBED_SCALE = 64.0      # the embedding's share of the final hidden state (layer outputs are O(1) per element)
 
 
-def run(model, prompt: list[int], output: int, speculative: bool, eager: bool, profile: bool = False) -> dict:
+def run(model, prompt: list[int], output: int, speculative: bool, eager: bool, profile: bool = False,
+        async_scheduling: bool = False) -> dict:
     """One request through a fresh engine: its tokens and decode tokens/s (after the first token);
     ``profile``: the host's cProfile of the timed pass, top functions by own time, logged."""
     cfg = EngineConfig(max_num_seqs=1, max_num_batched_tokens=2048, max_model_len=len(prompt) + output + 16,
                        block_size=16, enable_prefix_caching=False, cache_memory_bytes=2 << 30,
-                       enforce_eager=eager, num_speculative_tokens=3 if speculative else 0)
+                       enforce_eager=eager, num_speculative_tokens=3 if speculative else 0,
+                       async_scheduling=async_scheduling)
     engine = LLMEngine(model, cfg)
     for warm in range(2):                        # the first pass compiles and captures what it meets
         s0 = engine.stats()
@@ -111,6 +114,8 @@ def main() -> None:
     ap.add_argument("--prompt", type=int, default=512)
     ap.add_argument("--output", type=int, default=128)
     ap.add_argument("--profile", action="store_true", help="log the host profile of each speculative run")
+    ap.add_argument("--async-scheduling", action="store_true",
+                    help="both runs with async scheduling (speculative steps that may draft wait for the last token)")
     args = ap.parse_args()
     import kimik3
     if args.cpu:
@@ -123,8 +128,8 @@ def main() -> None:
     make_copying(model, successor)
     rows = []
     for wname, prompt in prompts.items():
-        plain = run(model, prompt, args.output, False, eager)
-        spec = run(model, prompt, args.output, True, eager, args.profile)
+        plain = run(model, prompt, args.output, False, eager, async_scheduling=args.async_scheduling)
+        spec = run(model, prompt, args.output, True, eager, args.profile, args.async_scheduling)
         rows.append({"workload": wname, "plain_tok_s": plain["decode_tok_s"], "spec_tok_s": spec["decode_tok_s"],
                      "speedup": spec["decode_tok_s"] / plain["decode_tok_s"], "plain_steps": plain["steps"],
                      "spec_steps": spec["steps"], "draft_tokens": spec["draft_tokens"],
@@ -133,7 +138,8 @@ def main() -> None:
                                               zip([prompt[-1]] + plain["tokens"], plain["tokens"]))})
         log(f"{wname}: {rows[-1]}")
     print(f"# n-gram speculation (3 drafts) vs plain decoding, batch 1, {args.prompt}-token prompt, {args.output} "
-          f"output tokens, model {name} made to copy, graphs {'off' if eager else 'on'}, commit {commit_id()}, "
+          f"output tokens, model {name} made to copy, graphs {'off' if eager else 'on'}, async scheduling "
+          f"{args.async_scheduling}, commit {commit_id()}, "
           f"{datetime.date.today()}")
     print("| workload | plain tok/s | speculative tok/s | speedup | steps plain / spec | drafts accepted / proposed "
           "| same tokens | tokens = successor |")
@@ -142,7 +148,8 @@ def main() -> None:
         print(f"| {r['workload']} | {r['plain_tok_s']:.0f} | {r['spec_tok_s']:.0f} | {r['speedup']:.2f} | "
               f"{r['plain_steps']} / {r['spec_steps']} | {r['accepted_tokens']} / {r['draft_tokens']} | "
               f"{r['same_tokens']} | {r['follows_successor']} / {args.output} |")
-    save_results("bench_speculative", {"commit": commit_id(), "model": name, "rows": rows})
+    save_results("bench_speculative" + "_async" * args.async_scheduling,
+                 {"commit": commit_id(), "model": name, "async_scheduling": args.async_scheduling, "rows": rows})
 
 
 if __name__ == "__main__":
