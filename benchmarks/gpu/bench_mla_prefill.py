@@ -196,18 +196,18 @@ DECODE_CASES = [(1, 4096), (1, 32768), (1, 131072), (1, 1048576), (8, 131072), (
 # It chose the third defaults (2-2.6x faster at H = 96; results/mla_decode_sweep3_1e66f41.json).
 # Every launch of the third sweep ran out of registers (255 a thread: the gathered tile passes
 # through them) or overlapped nothing (one stage: block ids, rows, products in turn). The fourth
-# tries prefetch (the next tile's block ids load while a tile computes; no registers) on each
-# default and beside 1-2 stages and 16-64 heads a program. Its first run (1af974a) stopped at an
-# illegal address in the transposed 64-row one-stage launch with prefetch (Triton 3.6; the
-# interpreter runs it right), which took the context down; that launch and the rows prefetched
-# into registers (spilling) are out of the list.
+# (935d67f) tried loading the next tile's block ids while a tile computes (no registers) on each
+# default and beside 1-2 stages and 16-64 heads a program: never slower (2-6%, up to 18% with two
+# programs an SM), so the gather form now always does it (results/mla_decode_sweep4_935d67f.json).
+# Its first run (1af974a) stopped at an illegal address in the transposed 64-row one-stage launch
+# (Triton 3.6; the interpreter runs it right), which took the context down: that launch and the
+# rows prefetched into registers (450-950 bytes of spills a thread) are out of the list.
 G = dict(form="gather", max_splits=256)
-DECODE_SWEEP = [DecodeConfig(**G, bh=32, bn=128, trans=True, prefetch=True, num_warps=8, num_stages=1, programs_per_sm=1),
-                DecodeConfig(**G, bh=16, bn=128, trans=True, prefetch=True, num_warps=8, num_stages=1, programs_per_sm=1),
-                DecodeConfig(**G, bh=32, bn=64, trans=True, prefetch=True, num_warps=8, num_stages=2, programs_per_sm=1),
-                DecodeConfig(**G, bh=64, bn=64, prefetch=True, num_warps=8, num_stages=2, programs_per_sm=1),
-                DecodeConfig(**G, bh=32, bn=64, prefetch=True, num_warps=8, num_stages=2, programs_per_sm=2),
-                DecodeConfig(**G, bh=32, bn=64, prefetch=True, num_warps=8, num_stages=2, programs_per_sm=1),
+DECODE_SWEEP = [DecodeConfig(**G, bh=32, bn=128, trans=True, num_warps=8, num_stages=1, programs_per_sm=1),
+                DecodeConfig(**G, bh=16, bn=128, trans=True, num_warps=8, num_stages=1, programs_per_sm=1),
+                DecodeConfig(**G, bh=32, bn=64, trans=True, num_warps=8, num_stages=2, programs_per_sm=1),
+                DecodeConfig(**G, bh=64, bn=64, num_warps=8, num_stages=2, programs_per_sm=1),
+                DecodeConfig(**G, bh=32, bn=64, num_warps=8, num_stages=2, programs_per_sm=2),
                 DecodeConfig(**G, bh=32, bn=64, num_warps=8, num_stages=2, programs_per_sm=1)]
 
 

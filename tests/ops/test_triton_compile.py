@@ -90,9 +90,7 @@ def compile_mla_decode():
         common = dict(BLOCK_SIZE=block_size, BH=cfg.bh, BR=512, BP=64, UPCAST=False)
         tile = block_size if cfg.form == "paged" else cfg.bn
         compile_for_hopper(m._mla_decode_split_kernel, types, dict(common, BN=tile, BV=cfg.bv or 512, TRANS=cfg.trans,
-                                                                   PAGED=cfg.form == "paged",
-                                                                   PREFETCH=cfg.prefetch and cfg.form == "gather"),
-                           cfg.num_warps, cfg.num_stages)
+                                                                   PAGED=cfg.form == "paged"), cfg.num_warps, cfg.num_stages)
     compile_for_hopper(m._mla_decode_merge_kernel, {"part_o": "*fp32", "part_lse": "*fp32", "out": "*bf16"},
                        dict(BR=512, BS=64), num_warps=4, num_stages=1)
 

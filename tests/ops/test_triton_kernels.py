@@ -74,21 +74,20 @@ def test_conv_pool_kernel_matches_reference(lens, ctx):
 
 
 # ---- MLA decode --------------------------------------------------------------------------
-@pytest.mark.parametrize("form,bs,bv,trans,prefetch", [
-    ("gather", 4, 0, False, False), ("paged", 16, 0, False, False), ("gather", 4, 16, False, False),
-    ("paged", 16, 16, False, False), ("gather", 4, 16, True, False), ("paged", 16, 0, True, False),
-    ("gather", 4, 0, True, True), ("gather", 4, 16, False, True), ("default", 4, 0, False, False)],
-    ids=["gather", "paged", "gather-half-columns", "paged-half-columns", "gather-half-columns-t", "paged-t",
-         "gather-t-prefetch-ids", "gather-half-columns-prefetch-ids", "default"])
+@pytest.mark.parametrize("form,bs,bv,trans", [("gather", 4, 0, False), ("paged", 16, 0, False), ("gather", 4, 16, False),
+                                              ("paged", 16, 16, False), ("gather", 4, 16, True), ("paged", 16, 0, True),
+                                              ("gather", 4, 0, True), ("default", 4, 0, False)],
+                         ids=["gather", "paged", "gather-half-columns", "paged-half-columns", "gather-half-columns-t",
+                              "paged-t", "gather-t", "default"])
 @pytest.mark.parametrize("max_len,sms", [(23, 4), (4096, 64), (50, 1)], ids=["tight", "graph_pinned_long", "one_split"])
-def test_mla_decode_kernel_matches_reference(max_len, sms, form, bs, bv, trans, prefetch):
+def test_mla_decode_kernel_matches_reference(max_len, sms, form, bs, bv, trans):
     """max_len 4096: a launch sized for long sequences (CUDA graphs pin it to max_model_len) over
     short ones: every sequence spreads over the splits, and a one-token sequence leaves most empty;
     one SM: one split walks all of a sequence's blocks.
     Both forms of pass 1; the paged one with a feature width (P = 8) under its 16-wide tile; each
     also with programs that output half of the R latent columns (bv = 16), and with the products
-    transposed (token rows as the M side); the gather form with the next tile's block ids loaded a
-    tile ahead; and the default launch (``config_for``)."""
+    transposed (token rows as the M side); and the default launch (``config_for``). The gather form
+    loads each tile's block ids a tile ahead: "one_split" walks many tiles in one program."""
     from kimik3.ops.triton.mla_decode import DecodeConfig, mla_decode_triton
     g = gen(1)
     N, H, R, P = 3, 5, 32, 8
@@ -107,8 +106,7 @@ def test_mla_decode_kernel_matches_reference(max_len, sms, form, bs, bv, trans, 
     ref = mla_decode_attention(q_lat.double(), q_pe.double(), cache.double(), tables, lens, R, scale)
     out = mla_decode_triton(q_lat, q_pe, cache, tables, torch.tensor(lens, dtype=torch.int32), max(max_len, *lens),
                             scale, num_sms=sms,
-                            config=None if form == "default" else DecodeConfig(form=form, bh=16, bn=16, bv=bv, trans=trans,
-                                                                                 prefetch=prefetch))
+                            config=None if form == "default" else DecodeConfig(form=form, bh=16, bn=16, bv=bv, trans=trans))
     for n in range(N):
         assert rel_err(out[n], ref[n]) < 1e-2, n
 

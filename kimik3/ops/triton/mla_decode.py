@@ -6,7 +6,8 @@ with an online softmax, and stores the normalised partial output and its log-sum
 Pass 2: program (n, head) merges the splits by their log-sum-exps.
 Two forms of pass 1: "paged" walks one cache block per iteration (a 64-bit block base and the
 block's fixed 32-bit row offsets, hoisted out of the loop), for power-of-two block sizes of at
-least 16; "gather" loads BN token rows by 64-bit address each (any block size).
+least 16; "gather" loads BN token rows by 64-bit address each (any block size), the next tile's
+block ids loaded while a tile computes.
 Reference: ``kimik3.ops.mla.mla_decode_attention``.
 """
 
@@ -68,25 +69,17 @@ def _rows(cache, blk, pos, hi, r, pp, v, R, P, stride_blk, stride_row, BLOCK_SIZ
 
 
 @triton.jit
-def _gather_tile(cache, table, pos, hi, r, pp, v, R, P, stride_blk, stride_row, BLOCK_SIZE: tl.constexpr,
-                 BR: tl.constexpr, BP: tl.constexpr, BV: tl.constexpr):
-    """``_rows`` with the block ids read from the sequence's block table."""
-    blk = tl.load(table + pos // BLOCK_SIZE, mask=pos < hi, other=0).to(tl.int64)
-    return _rows(cache, blk, pos, hi, r, pp, v, R, P, stride_blk, stride_row, BLOCK_SIZE, BR, BP, BV)
-
-
-@triton.jit
 def _mla_decode_split_kernel(q_lat, q_pe, cache, block_tables, seq_lens, part_o, part_lse,
                              H, R, P, stride_ql_n, stride_ql_h, stride_qp_n, stride_qp_h,
                              stride_cache_blk, stride_cache_row, stride_bt, sm_scale_log2,
                              BLOCK_SIZE: tl.constexpr, BH: tl.constexpr, BR: tl.constexpr, BP: tl.constexpr,
                              NUM_SPLITS, BN: tl.constexpr, BV: tl.constexpr, PAGED: tl.constexpr,
-                             TRANS: tl.constexpr, PREFETCH: tl.constexpr, UPCAST: tl.constexpr):
+                             TRANS: tl.constexpr, UPCAST: tl.constexpr):
     """Pass 1. PAGED: tiles are whole cache blocks (BN == BLOCK_SIZE), addressed from the block's
     64-bit base plus fixed 32-bit row offsets; else BN token rows, each addressed by 64 bits.
     Program axis 1 is (head block, column block): each program outputs BV of the R latent columns
     (the scores are computed in full by every column block). TRANS: the products transposed.
-    PREFETCH (gather form): each tile's block ids are loaded a tile ahead."""
+    The gather form loads each tile's block ids a tile ahead (the fourth sweep: never slower)."""
     n, hv, s = tl.program_id(0), tl.program_id(1), tl.program_id(2)
     hb, vb = hv // (BR // BV), hv % (BR // BV)
     h = hb * BH + tl.arange(0, BH)
@@ -110,7 +103,7 @@ def _mla_decode_split_kernel(q_lat, q_pe, cache, block_tables, seq_lens, part_o,
     table = block_tables + n * stride_bt
     rows = tl.arange(0, BN)[:, None] * stride_cache_row                           # int32 offsets in a block
     off_lat, off_pe, off_v = rows + r[None, :], rows + R + pp[None, :], rows + v[None, :]
-    if PREFETCH:                          # the first tile's block ids (later tiles: one tile ahead)
+    if not PAGED:                         # the first tile's block ids (later tiles: one tile ahead)
         blk_next = tl.load(table + (lo + tl.arange(0, BN)) // BLOCK_SIZE, mask=lo + tl.arange(0, BN) < hi, other=0)
     for start in range(lo, hi, BN):
         pos = start + tl.arange(0, BN)
@@ -119,13 +112,10 @@ def _mla_decode_split_kernel(q_lat, q_pe, cache, block_tables, seq_lens, part_o,
             e_lat = tl.load(base + off_lat, mask=mr[None, :], other=0.0)                              # [BN, BR]
             e_pe = tl.load(base + off_pe, mask=mp[None, :], other=0.0)                                # [BN, BP]
             e_v = e_lat if BV == BR else tl.load(base + off_v, mask=(v < R)[None, :], other=0.0)     # [BN, BV]
-        elif PREFETCH:                   # the next tile's block ids load while this tile computes
+        else:                             # the next tile's block ids load while this tile computes
             e_lat, e_pe, e_v = _rows(cache, blk_next.to(tl.int64), pos, hi, r, pp, v, R, P, stride_cache_blk,
                                      stride_cache_row, BLOCK_SIZE, BR, BP, BV)
             blk_next = tl.load(table + (pos + BN) // BLOCK_SIZE, mask=pos + BN < hi, other=0)
-        else:
-            e_lat, e_pe, e_v = _gather_tile(cache, table, pos, hi, r, pp, v, R, P, stride_cache_blk, stride_cache_row,
-                                            BLOCK_SIZE, BR, BP, BV)
         if TRANS:
             m_i, l_i, acc = _attend_tile_t(ql, qp, e_lat, e_pe, e_v, pos, hi, m_i, l_i, acc, sm_scale_log2, BH, BN,
                                            UPCAST)
@@ -163,9 +153,8 @@ def _mla_decode_merge_kernel(part_o, part_lse, out, H, R, stride_on, stride_oh, 
 class DecodeConfig:
     """Pass-1 launch of the decode kernel: form ("paged" or "gather"), heads per program, token
     rows per tile (gather form; the paged form takes one cache block), latent columns each program
-    outputs (0: all R), products transposed (token rows as M), block ids loaded a tile ahead
-    (gather form), warps, pipeline stages, programs per SM to aim for, and the most splits of one
-    sequence. (Measured on the H200 and
+    outputs (0: all R), products transposed (token rows as M), warps, pipeline stages, programs per
+    SM to aim for, and the most splits of one sequence. (Measured on the H200 and
     dropped: rescaling the running output only when a running max moves, and prefetching the
     next block's rows by hand; neither was faster: results/mla_decode_sweep2_3ddadd8.json.)"""
     form: str = "paged"
@@ -173,7 +162,6 @@ class DecodeConfig:
     bn: int = 32
     bv: int = 0
     trans: bool = False
-    prefetch: bool = False
     num_warps: int = 4
     num_stages: int = 2
     programs_per_sm: int = 2
@@ -189,7 +177,7 @@ def config_for(H: int, block_size: int, max_seq_len: int = 0, batch: int = 1) ->
     contexts from 512k; 32 heads over 64 rows, two programs an SM, for 8-31 sequences (and at 32
     or fewer heads from 8 sequences); 16 heads over 64 rows at 16 or fewer heads (two programs an
     SM from 512k); else the products transposed over 128 rows, 32 heads as the N side."""
-    common = dict(form="gather", prefetch=True, num_warps=8, max_splits=256)
+    common = dict(form="gather", num_warps=8, max_splits=256)
     if H > 32 and (batch >= 32 or (batch < 8 and max_seq_len >= 1 << 19)):
         return DecodeConfig(**common, bh=64, bn=64, num_stages=2, programs_per_sm=1)
     if batch >= 8:
@@ -229,7 +217,7 @@ def mla_decode_triton(q_latent: torch.Tensor, q_pe: torch.Tensor, cache: torch.T
             cache.stride(0), cache.stride(1), block_tables.stride(0), scale * _LOG2E)
     _mla_decode_split_kernel[(N, head_blocks, splits)](
         *args, BLOCK_SIZE=block_size, BH=BH, BR=BR, BP=BP, BN=tile, BV=BV, NUM_SPLITS=splits, PAGED=cfg.form == "paged", TRANS=cfg.trans,
-        PREFETCH=cfg.prefetch and cfg.form == "gather", UPCAST=INTERPRETING, num_warps=cfg.num_warps, num_stages=cfg.num_stages)
+        UPCAST=INTERPRETING, num_warps=cfg.num_warps, num_stages=cfg.num_stages)
     out = torch.empty(N, H, R, dtype=q_latent.dtype, device=q_latent.device)
     _mla_decode_merge_kernel[(N, H)](part_o, part_lse, out, H, R, out.stride(0), out.stride(1),
                                      BR=BR, NUM_SPLITS=splits, BS=triton.next_power_of_2(splits))
