@@ -1,0 +1,118 @@
+"""Where a decode step's device time goes, by module and op: one eager step of a slice under
+torch.profiler with every module's forward as a named range, each kernel charged to the innermost
+module that launched it. Beside it the step as a CUDA graph, its floor (bytes at the copy rate), and
+the kernel count, so the overhead of small launches can be read off (#13, #18).
+
+    PYTHONPATH=. python benchmarks/gpu/profile_step.py [--config=PATH] [--batches=1,32]
+    (writes $OUT/profile_step_<config>.json)
+"""
+
+from __future__ import annotations
+
+import collections
+import datetime
+import re
+import sys
+from pathlib import Path
+
+import torch
+
+ROOT = Path(__file__).resolve().parents[2]
+sys.path.insert(0, str(ROOT))
+
+from benchmarks.common import commit_id, copy_rate, cuda_time, log, save_results  # noqa: E402
+from benchmarks.gpu import bench_slice  # noqa: E402
+
+
+def module_ranges(model):
+    """Forward hooks that open a profiler range per module call ("mod:<path>", layer index -> kind)."""
+    from torch.autograd.profiler import record_function
+    stack, handles = [], []
+    kinds = {i: ("kda" if layer.is_kda else "mla") for i, layer in enumerate(model.model.layers)}
+    for name, m in model.named_modules():
+        label = re.sub(r"layers\.(\d+)", lambda g: f"layers.{kinds[int(g.group(1))]}", name) or "(root)"
+
+        def pre(_m, _a, label=label):
+            rf = record_function("mod:" + label)
+            rf.__enter__()
+            stack.append(rf)
+
+        def post(_m, _a, _o):
+            stack.pop().__exit__(None, None, None)
+        handles += [m.register_forward_pre_hook(pre), m.register_forward_hook(post)]
+    return handles
+
+
+def charge(prof) -> list[dict]:
+    """Rows (module, op, kernel) -> count and device us, from the profiler's CPU events."""
+    rows = collections.defaultdict(lambda: [0, 0.0])
+    for e in prof.events():
+        if not e.kernels:
+            continue
+        p, mod = e, "(outside)"
+        while p is not None:
+            if p.name.startswith("mod:"):
+                mod = p.name[4:]
+                break
+            p = p.cpu_parent
+        op = e.name if not e.name.startswith("mod:") else "(launch)"
+        for k in e.kernels:
+            r = rows[(mod, op, k.name[:70])]
+            r[0] += 1
+            r[1] += k.duration
+    return sorted(({"module": m, "op": o, "kernel": k, "count": c, "us": round(t, 2)}
+                   for (m, o, k), (c, t) in rows.items()), key=lambda r: -r["us"])
+
+
+def main():
+    from torch.profiler import ProfilerActivity, profile
+    cfg_path = bench_slice.config_path()
+    batches = [int(b) for b in next((a.split("=", 1)[1] for a in sys.argv if a.startswith("--batches=")),
+                                    "1,32").split(",")]
+    results = {"gpu": torch.cuda.get_device_name(), "date": datetime.date.today().isoformat(),
+               "commit": commit_id(), "torch": torch.__version__, "config": cfg_path.name, "cases": []}
+    name = f"profile_step_{cfg_path.stem.split('.')[0]}.json"
+    bw = copy_rate()
+    model = bench_slice.build_slice(__import__("json").loads(cfg_path.read_text()), str(cfg_path))
+    for N in batches:
+        cache, batch, ids = bench_slice.decode_setup(model, N)
+        fn = bench_slice.step_fn(model, ids, batch, cache)
+        t_eager = cuda_time(fn, iters=10)
+        model.use_side_stream(torch.cuda.Stream())
+        t_graph = bench_slice.graph_time(fn)
+        model.use_side_stream(None)
+        active = bench_slice.touched_experts(fn)
+        byts, _ = bench_slice.counts(model, N, 0, "decode", active)
+        handles = module_ranges(model)
+        fn()
+        torch.cuda.synchronize()
+        with profile(activities=[ProfilerActivity.CPU, ProfilerActivity.CUDA]) as prof:
+            fn()
+            torch.cuda.synchronize()
+        for h in handles:
+            h.remove()
+        rows = charge(prof)
+        total = sum(r["us"] for r in rows)
+        kernels = sum(r["count"] for r in rows)
+        by_module = collections.Counter()
+        for r in rows:
+            by_module[r["module"]] += r["us"]
+        case = {"batch": N, "t_eager_ms": t_eager * 1e3, "t_graph_ms": t_graph and t_graph * 1e3,
+                "floor_ms": byts / bw * 1e3, "kernel_us": round(total, 1), "kernels": kernels,
+                "small_kernels": sum(r["count"] for r in rows if r["us"] / r["count"] < 4.0),
+                "small_kernel_us": round(sum(r["us"] for r in rows if r["us"] / r["count"] < 4.0), 1),
+                "by_module": {m: round(t, 1) for m, t in by_module.most_common()}, "rows": rows}
+        results["cases"].append(case)
+        log(f"# batch {N}: graph {case['t_graph_ms']:.3f} ms, floor {case['floor_ms']:.3f} ms, kernels "
+            f"{kernels} summing to {total:.0f} us ({case['small_kernels']} under 4 us: {case['small_kernel_us']:.0f} us)")
+        for m, t in by_module.most_common():
+            log(f"#   {t:8.1f} us  {m}")
+        for r in rows[:60]:
+            log(f"  {r['us']:8.1f} us {r['count']:4d}x  {r['module'][:40]:40s} {r['op'][:28]:28s} {r['kernel']}")
+        save_results(name, results)
+        del cache, batch
+        torch.cuda.empty_cache()
+
+
+if __name__ == "__main__":
+    main()
