@@ -23,6 +23,7 @@ from kimik3.ops.conv import causal_conv1d_in_pool
 from kimik3.ops.kda import kda_attention_in_pool, kda_recurrent_in_pool
 from kimik3.ops.mla import mla_decode_attention, mla_prefill_attention
 from kimik3.ops.moe import fused_moe, fused_moe_mxfp4
+from kimik3.ops.norm import gated_rms_norm, rms_norm, rms_norm_fp32_weight
 from kimik3.ops.router import route
 from tests.helpers import worst_rel_err
 
@@ -247,7 +248,28 @@ def check_route(T=300, E=896, k=16, seed=6) -> dict:
     return {"route.ids_exact": float((i != i_ref).sum().item()), "route.weights": worst_rel_err(w, w_ref)}
 
 
+def check_rms_norm(T=77, seed=17) -> dict:
+    """The three RMSNorm forms at the models' widths (K3 7168, Kimi-Linear 2304, MLA's latent 512 read
+    with the 576-wide row stride, KDA's per-head 128 over T x 32 rows), per row against float64."""
+    g = _gen(seed)
+    out = {}
+    for D, stride in ((7168, 7168), (2304, 2304), (512, 576), (128, 128)):
+        rows = T * 32 if D == 128 else T
+        x = (torch.randn(rows, stride, generator=g, device="cuda") * 3).to(BF16)[:, :D]
+        w = 1 + 0.3 * torch.randn(D, generator=g, device="cuda")
+        gate = torch.randn(rows, D, generator=g, device="cuda").to(BF16)
+        with reference_ops():
+            refs = [rms_norm(x.double(), w.double(), 1e-5), rms_norm_fp32_weight(x.double(), w.double(), 1e-5, F64),
+                    gated_rms_norm(x.float().double(), w.double(), gate.double(), 1e-5, F64)]
+        poison_allocator()
+        gots = [rms_norm(x, w, 1e-5), rms_norm_fp32_weight(x, w, 1e-5, BF16), gated_rms_norm(x.float(), w, gate, 1e-5, BF16)]
+        for name, got, ref in zip(("kimi", "fp32_weight", "gated"), gots, refs):
+            out[f"rms_norm.{name}.D{D}"] = worst_rel_err(got, ref)
+    return out
+
+
 CHECKS = {
+    "rms_norm": check_rms_norm,
     "conv": check_conv, "kda": check_kda, "kda_snapshots": check_kda_snapshots,
     "kda_snapshots_softplus": lambda: check_kda_snapshots(lens=(2, 4, 1), H=4, lower_bound=None, seed=16), "mla_decode": check_mla_decode, "mla_prefill": check_mla_prefill,
     "moe_small": lambda: check_moe(T=3), "moe_mid": lambda: check_moe(T=37),

@@ -104,3 +104,16 @@ def compile_l2norm():
     for dtype in ("bf16", "fp32"):
         compile_for_hopper(l2norm._l2norm_kernel, {"x": f"*{dtype}", "y": f"*{dtype}", "eps": "fp32"},
                            dict(D=128, BR=32), num_warps=4, num_stages=1)
+
+
+def test_rms_norm_kernel_compiles_for_hopper():
+    in_compiler_process("t.compile_rms_norm()")
+
+
+def compile_rms_norm():
+    from kimik3.ops.triton import norm
+    for form, (x, w, y) in ((norm.KIMI, ("bf16", "fp32", "bf16")), (norm.FP32_WEIGHT, ("fp32", "fp32", "bf16")),
+                            (norm.GATED, ("fp32", "fp32", "bf16"))):
+        for BD, BR in ((8192, 1), (128, 16)):
+            compile_for_hopper(norm._rms_norm_kernel, {"x": f"*{x}", "w": f"*{w}", "g": "*bf16", "y": f"*{y}", "eps": "fp32"},
+                               dict(FORM=form, BR=BR, BD=BD), num_warps=8 if BD >= 4096 else 4, num_stages=1)

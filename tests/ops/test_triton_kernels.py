@@ -240,3 +240,59 @@ def test_attn_res_kernel_matches_reference(n):
     ref = attn_res_mix([s.double() for s in sources], gamma.double(), proj.double(), 1e-5)
     out = attn_res_mix_triton(sources, gamma * proj.view(-1), 1e-5)
     assert rel_err(out, ref) < 1e-5
+
+
+# ---- RMSNorm -----------------------------------------------------------------------------
+@pytest.mark.parametrize("rows,D", [(1, 2304), (3, 7168), (37, 128), (70, 48), (5, 512)])
+@pytest.mark.parametrize("form", ["kimi", "fp32_weight", "gated"])
+@pytest.mark.parametrize("dtype", [torch.float32, BF16])
+def test_rms_norm_kernel_matches_float64(rows, D, form, dtype):
+    """x * rsqrt(mean(x^2) + eps) * w [* sigmoid(gate)] from the math in float64, per element within
+    the form's roundings (three for Kimi's bf16 form, one otherwise; the interpreter truncates); row
+    counts below, at and across the kernel's row block, widths that are not powers of two, a row
+    read with a stride (MLA's latent slice), and a zero row (eps alone)."""
+    from kimik3.ops.triton.norm import FP32_WEIGHT, GATED, KIMI, rms_norm_triton
+    g = gen(rows * D)
+    wide = (torch.randn(rows, D + 64, generator=g) * 3).to(dtype)
+    x = wide[:, :D]                                      # row stride D + 64
+    x[0] = 0 if rows > 1 else x[0]
+    w = 1 + 0.3 * torch.randn(D, generator=g)
+    gate = torch.randn(rows, D, generator=g).to(dtype)
+    eps = 1e-5
+    x64 = x.double()
+    want = x64 * torch.rsqrt(x64.pow(2).mean(-1, keepdim=True) + eps)
+    if form == "kimi":
+        want = want * w.to(dtype).double()
+    else:
+        want = want * w.double()
+    if form == "gated":
+        want = want * torch.sigmoid(gate.double())
+    code = {"kimi": KIMI, "fp32_weight": FP32_WEIGHT, "gated": GATED}[form]
+    out_dtype = dtype if form == "kimi" else BF16
+    got = rms_norm_triton(x, w, eps, code, out_dtype, gate if form == "gated" else None)
+    assert got.shape == x.shape and got.dtype == out_dtype
+    roundings = 3 if form == "kimi" and dtype == BF16 else 1   # Kimi's: the row, the weight, the product
+    ulp = 2 ** -7 if out_dtype == BF16 else 2 ** -22      # truncation: up to one whole ulp per rounding
+    bound = roundings * ulp * want.abs() + 1e-30
+    assert ((got.double() - want).abs() <= bound).all(), ((got.double() - want).abs() - bound).max()
+    if rows > 1:
+        assert torch.equal(got[0], torch.zeros(D, dtype=out_dtype))
+
+
+def test_rms_norm_ops_take_the_kernel_on_the_fast_path(monkeypatch):
+    """rms_norm / rms_norm_fp32_weight / gated_rms_norm route CUDA-class tensors to the kernel (the
+    dispatch is checked here by pretending the fast path is on; float64 stays on the reference)."""
+    from kimik3.ops import norm
+    from kimik3.ops.triton import norm as kernel
+    calls = []
+    real = kernel.rms_norm_triton
+    monkeypatch.setattr(norm, "use_fast_path", lambda t: True)
+    monkeypatch.setattr(kernel, "rms_norm_triton", lambda *a, **k: calls.append(a[3]) or real(*a, **k))
+    x, w, gate = torch.randn(4, 64).to(BF16), torch.randn(64), torch.randn(4, 64).to(BF16)
+    ref = [norm.rms_norm(x.double(), w.double(), 1e-6), norm.rms_norm_fp32_weight(x.double(), w.double(), 1e-6, torch.float64),
+           norm.gated_rms_norm(x.double(), w.double(), gate.double(), 1e-6, torch.float64)]
+    assert calls == []
+    got = [norm.rms_norm(x, w, 1e-6), norm.rms_norm_fp32_weight(x, w, 1e-6, BF16), norm.gated_rms_norm(x, w, gate, 1e-6, BF16)]
+    assert calls == [kernel.KIMI, kernel.FP32_WEIGHT, kernel.GATED]
+    for a, b in zip(got, ref):
+        assert rel_err(a, b) < 1e-2
