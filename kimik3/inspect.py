@@ -78,7 +78,7 @@ def summarize(path: str | Path) -> Summary:
     config = load_config(path)
     summary = Summary(config)
     mxfp4 = config.text.expert_quantization == "mxfp4"
-    for name, p in meta_model(config).named_parameters():
+    for name, p in meta_model(config).checkpoint_weights():
         summary.params[component(name)] += p.numel()
         label, nbytes = stored_bytes(name, p.numel(), mxfp4)
         summary.stored_bytes[label] += nbytes

@@ -73,7 +73,7 @@ def compute_sizing(config: ModelConfig, tp: int, ep: int, dtype: torch.dtype = t
     check_degrees(config, tp, ep)
     mxfp4 = config.text.expert_quantization == "mxfp4"
     sharded = experts = replicated = 0
-    for name, p in meta_model(config).named_parameters():
+    for name, p in meta_model(config).checkpoint_weights():
         _, nbytes = stored_bytes(name, p.numel(), mxfp4)
         if ".experts." in name:
             experts += nbytes

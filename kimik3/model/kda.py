@@ -14,7 +14,7 @@ from torch import nn
 
 from kimik3.distributed import ParallelContext
 from kimik3.model.batch import ForwardBatch
-from kimik3.model.layers import linear, tp_shards
+from kimik3.model.layers import MergedLinear, linear, tp_shards
 from kimik3.ops.conv import causal_conv1d, causal_conv1d_in_pool, conv_windows_at
 from kimik3.ops.kda import kda_attention, kda_attention_in_pool, kda_recurrent_in_pool
 from kimik3.ops.norm import gated_rms_norm
@@ -36,14 +36,15 @@ class KimiDeltaAttention(nn.Module):
         K = head_dim
         P = H * K
         self.num_heads, self.head_dim, self.lower_bound, self.norm_eps = H, K, gate_lower_bound, norm_eps
-        self.q_proj, self.k_proj, self.v_proj = linear(hidden_size, P), linear(hidden_size, P), linear(hidden_size, P)
+        # everything read from x in one GEMM: q, k, v [P each], f_a [K], b [H], then the output gate's
+        # g [P] (K3) or g_a [K] (Kimi-Linear)
+        gate = {"g_proj": P} if use_full_rank_gate else {"g_a_proj": K}
+        self.in_proj = MergedLinear(hidden_size, {"q_proj": P, "k_proj": P, "v_proj": P, "f_a_proj": K,
+                                                  "b_proj": H, **gate})
         self.q_conv1d, self.k_conv1d, self.v_conv1d = (_ConvWeight(P, conv_size) for _ in range(3))
-        self.f_a_proj, self.f_b_proj = linear(hidden_size, K), linear(K, P)
-        self.b_proj = linear(hidden_size, H)
-        if use_full_rank_gate:
-            self.g_proj = linear(hidden_size, P)
-        else:
-            self.g_a_proj, self.g_b_proj = linear(hidden_size, K), linear(K, P)
+        self.f_b_proj = linear(K, P)
+        if not use_full_rank_gate:
+            self.g_b_proj = linear(K, P)
         # A_log, dt_bias (and, by policy, conv and o_norm) stay fp32: see KimiForCausalLM.cast
         self.A_log = nn.Parameter(torch.zeros(H))
         self.dt_bias = nn.Parameter(torch.zeros(P))
@@ -66,9 +67,6 @@ class KimiDeltaAttention(nn.Module):
                            name, flat.numel(), H)
         self.A_log.data.copy_(flat[:H][self.head_start:self.head_start + self.num_heads])
 
-    def output_gate(self, x: torch.Tensor) -> torch.Tensor:
-        return self.g_proj(x) if hasattr(self, "g_proj") else self.g_b_proj(self.g_a_proj(x))
-
     def forward(self, x: torch.Tensor, batch: ForwardBatch, conv_pool: torch.Tensor,
                 state_pool: torch.Tensor) -> torch.Tensor:
         """x [T, D] -> [T, D]. conv_pool [slots, 3P, W-1] and state_pool [slots, H, V, K] are
@@ -77,22 +75,21 @@ class KimiDeltaAttention(nn.Module):
         H, K = self.num_heads, self.head_dim
         slots = batch.state_slots
         has_state = batch.context_lens > 0
-        raw = torch.cat([self.q_proj(x), self.k_proj(x), self.v_proj(x)], dim=-1)            # [T, 3P]
+        y = self.in_proj(x)
+        raw, f_a, b, g = y.split([3 * H * K, K, H, y.shape[-1] - 3 * H * K - K - H], dim=-1)   # raw [T, 3P]
         weight = torch.cat([self.q_conv1d.weight, self.k_conv1d.weight, self.v_conv1d.weight]).squeeze(1)
-        f = self.f_b_proj(self.f_a_proj(x)).view(T, H, K)
-        b = self.b_proj(x)
+        f = self.f_b_proj(f_a).view(T, H, K)
         if batch.row_state_slots is not None:
             o = self._attend_short(raw, weight, f, b, has_state, batch, conv_pool, state_pool)
         elif batch.checkpoints:
             o = self._attend_with_checkpoints(raw, weight, f, b, has_state, batch, conv_pool, state_pool)
         else:
             # the ops read the sequences' pool rows and write the new windows/states back in place
-            mixed = causal_conv1d_in_pool(raw, weight, conv_pool, slots, has_state, batch.query_lens_cpu,
-                                          batch.cu_seqlens)
-            q, k, v = (t.view(T, H, K) for t in mixed.chunk(3, dim=-1))
+            q, k, v = (t.view(T, H, K) for t in causal_conv1d_in_pool(raw, weight, conv_pool, slots, has_state,
+                                                                       batch.query_lens_cpu, batch.cu_seqlens, 3))
             o = kda_attention_in_pool(q, k, v, f, b, self.A_log, self.dt_bias, self.lower_bound, state_pool, slots,
                                       has_state, batch.query_lens_cpu, batch.cu_seqlens, decode=batch.is_decode)
-        gate = self.output_gate(x).view(T, H, K)
+        gate = (self.g_b_proj(g) if hasattr(self, "g_b_proj") else g).view(T, H, K)
         y = gated_rms_norm(o, self.o_norm.weight, gate, self.norm_eps, x.dtype)
         return self.par.all_reduce(self.o_proj(y.reshape(T, H * K)))
 
@@ -104,10 +101,10 @@ class KimiDeltaAttention(nn.Module):
         T, H, K = raw.shape[0], self.num_heads, self.head_dim
         slots, lens, table = batch.state_slots, batch.query_lens_cpu, batch.row_state_slots
         windows = conv_pool[slots]                          # before the conv below writes the new ones
-        mixed = causal_conv1d_in_pool(raw, weight, conv_pool, slots, has_state, lens, batch.cu_seqlens)
+        q, k, v = (t.view(T, H, K) for t in causal_conv1d_in_pool(raw, weight, conv_pool, slots, has_state, lens,
+                                                                   batch.cu_seqlens, 3))
         seq, offset = batch.row_positions()                 # the window after every row, into its slot
         conv_pool[table[seq, offset]] = conv_windows_at(raw, windows, batch.cu_seqlens, seq, offset + 1)
-        q, k, v = (t.view(T, H, K) for t in mixed.chunk(3, dim=-1))
         o = kda_recurrent_in_pool(q, k, v, f, b, self.A_log, self.dt_bias, self.lower_bound, state_pool, table,
                                   lens, batch.cu_seqlens)
         # checkpoints the table could not name (a chunk's last row, or a second one at a row) are

@@ -17,7 +17,7 @@ from kimik3.distributed import ParallelContext
 from kimik3.model.attn_res import ResidualStream
 from kimik3.model.batch import ForwardBatch, HybridCache
 from kimik3.model.kda import KimiDeltaAttention
-from kimik3.model.layers import MLP, Embedding, GLUActivation, RMSNorm, linear
+from kimik3.model.layers import MLP, Embedding, GLUActivation, MergedLinear, RMSNorm, linear
 from kimik3.model.mla import MLAAttention
 from kimik3.model.moe import MoE
 from kimik3.model.vision import KimiVisionModel
@@ -145,27 +145,29 @@ class KimiForCausalLM(nn.Module):
     # ---- weights -------------------------------------------------------------------------
     def expected_weights(self) -> set[str]:
         """Names this model needs (text names without the multimodal prefix, vision names under
-        ``vision.``), experts one by one."""
-        names = set()
-        for name, p in self.named_parameters():
-            m = _STACKED.match(name)
-            if m:
-                first = self.get_submodule(name.rsplit(".", 1)[0]).first_expert
-                names.update(f"model.layers.{m[1]}.block_sparse_moe.experts.{e}.{m[2]}.weight"
-                             for e in range(first, first + p.shape[0]))
-            else:
-                names.add(name)
-        return names
+        ``vision.``), experts and merged projections one by one."""
+        return {name for name, _ in self.checkpoint_weights()}
+
+    def _merged_part(self, name: str) -> tuple[MergedLinear, str] | None:
+        """(module, part) when checkpoint tensor ``name`` lives in a merged projection's weight."""
+        owner, _, leaf = name.removesuffix(".weight").rpartition(".")
+        if not name.endswith(".weight") or not owner:
+            return None
+        try:
+            module = self.get_submodule(owner)
+        except AttributeError:
+            return None
+        return next(((c, leaf) for c in module.children() if isinstance(c, MergedLinear) and leaf in c.parts), None)
 
     def shard_table(self) -> dict[str, tuple[int, int, int]]:
         """Checkpoint (text) name -> (dim, rank, size) of every TP-split tensor: the loader reads
         only that slice. Routed experts and ``A_log`` are handled by their modules."""
         table = {}
-        params = dict(self.named_parameters())
+        names = self.expected_weights()
         for prefix, module in self.named_modules():
             for pname, rule in getattr(module, "tp_shards", {}).items():
                 name = f"{prefix}.{pname}" if prefix else pname
-                if name in params:
+                if name in names:
                     table[name] = rule
         return table
 
@@ -188,11 +190,12 @@ class KimiForCausalLM(nn.Module):
                 raise ValueError(f"unexpected tensor '{name}'{where}: layer {m[1]} has no routed experts")
             layer.block_sparse_moe.experts.load_expert(int(m[2]), m[3], tensor, name + where)
             return
+        merged = self._merged_part(name)
         try:
-            param = None if _STACKED.match(name) else self.get_parameter(name)
+            param = merged[0].part(merged[1]) if merged else None if _STACKED.match(name) else self.get_parameter(name)
         except AttributeError:
             param = None
-        if param is None:
+        if param is None or (merged is None and isinstance(self.get_submodule(name.rsplit(".", 1)[0]), MergedLinear)):
             raise ValueError(f"unexpected tensor '{name}'{where}: the model has no such parameter")
         if name.endswith(".A_log"):
             self.model.layers[int(name.split(".")[2])].self_attn.load_A_log(tensor, name + where)
@@ -208,10 +211,14 @@ class KimiForCausalLM(nn.Module):
         """Yield (text-model checkpoint name, tensor) pairs, experts one by one (for writers)."""
         for name, p in self.named_parameters():
             m = _STACKED.match(name)
+            owner = self.get_submodule(name.rsplit(".", 1)[0]) if "." in name else self
             if m:
-                first = self.get_submodule(name.rsplit(".", 1)[0]).first_expert
                 for e in range(p.shape[0]):
-                    yield f"model.layers.{m[1]}.block_sparse_moe.experts.{first + e}.{m[2]}.weight", p.data[e]
+                    yield f"model.layers.{m[1]}.block_sparse_moe.experts.{owner.first_expert + e}.{m[2]}.weight", p.data[e]
+            elif isinstance(owner, MergedLinear):
+                parent = name.rsplit(".", 2)[0]
+                for part in owner.parts:
+                    yield f"{parent}.{part}.weight", owner.part(part)
             else:
                 yield name, p.data
 

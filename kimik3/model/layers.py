@@ -15,6 +15,31 @@ def linear(in_features: int, out_features: int) -> nn.Linear:
     return nn.Linear(in_features, out_features, bias=False)
 
 
+class MergedLinear(nn.Module):
+    """Bias-free projections of one input kept as one weight [sum of outs, in], so a step reads the
+    input once and launches one GEMM (vLLM's merged column-parallel linears). The checkpoint keeps
+    one tensor per projection: ``parts`` maps each one's module name (beside this module) to its
+    rows, in order; the model's loading and naming read them through ``part``."""
+
+    def __init__(self, in_features: int, parts: dict[str, int]):
+        super().__init__()
+        self.parts = dict(parts)
+        self.weight = nn.Parameter(torch.zeros(sum(self.parts.values()), in_features))
+
+    def part(self, name: str) -> torch.Tensor:
+        """The rows of projection ``name`` (a view of ``weight``)."""
+        start = 0
+        for part, rows in self.parts.items():
+            if part == name:
+                return self.weight.data[start:start + rows]
+            start += rows
+        raise KeyError(f"{name} is not one of {list(self.parts)}")
+
+    def forward(self, x: torch.Tensor) -> torch.Tensor:
+        """x [..., in] -> [..., sum of outs]: the projections side by side, in ``parts`` order."""
+        return torch.nn.functional.linear(x, self.weight)
+
+
 def tp_shards(par: ParallelContext, **dims: int) -> dict[str, tuple[int, int, int]]:
     """The loader's slicing rule for a module's TP-split parameters: name -> (dim, rank, size);
     empty in a single process. Parameter names use '__' for '.' (``q_proj__weight``)."""
@@ -77,13 +102,12 @@ class MLP(nn.Module):
         super().__init__()
         self.par = par = parallel or ParallelContext()
         _, inter = par.split(intermediate_size, "MLP intermediate size") if par.enabled else (0, intermediate_size)
-        self.gate_proj = linear(hidden_size, inter)
-        self.up_proj = linear(hidden_size, inter)
+        self.gate_up_proj = MergedLinear(hidden_size, {"gate_proj": inter, "up_proj": inter})
         self.down_proj = linear(inter, hidden_size)
         self.act = act
         self.reduce = reduce
         self.tp_shards = tp_shards(par, gate_proj__weight=0, up_proj__weight=0, down_proj__weight=1)
 
     def forward(self, x: torch.Tensor) -> torch.Tensor:
-        y = self.down_proj(self.act(self.gate_proj(x), self.up_proj(x)))
+        y = self.down_proj(self.act(*self.gate_up_proj(x).chunk(2, dim=-1)))
         return self.par.all_reduce(y) if self.reduce else y

@@ -11,7 +11,7 @@ from torch import nn
 
 from kimik3.distributed import ParallelContext
 from kimik3.model.batch import ForwardBatch
-from kimik3.model.layers import RMSNorm, linear, tp_shards
+from kimik3.model.layers import MergedLinear, RMSNorm, linear, tp_shards
 from kimik3.ops.mla import mla_decode_attention, mla_prefill_attention
 
 
@@ -30,32 +30,28 @@ class MLAAttention(nn.Module):
         self.d_nope, self.d_rope, self.d_v = qk_nope_head_dim, qk_rope_head_dim, v_head_dim
         d_qk = qk_nope_head_dim + qk_rope_head_dim
         self.scale = d_qk ** -0.5
+        # everything read from x in one GEMM: the query (q_a [q_lora_rank], or q [H d_qk]), the latent
+        # with the rope key [kv_lora_rank + d_rope], and K3's output gate g [H d_v]
+        query = {"q_a_proj": q_lora_rank} if q_lora_rank is not None else {"q_proj": H * d_qk}
+        self.in_proj = MergedLinear(hidden_size, {**query, "kv_a_proj_with_mqa": kv_lora_rank + qk_rope_head_dim,
+                                                  **({"g_proj": H * v_head_dim} if use_output_gate else {})})
         if q_lora_rank is not None:
-            self.q_a_proj = linear(hidden_size, q_lora_rank)
             self.q_a_layernorm = RMSNorm(q_lora_rank, latent_norm_eps)
             self.q_b_proj = linear(q_lora_rank, H * d_qk)
-        else:
-            self.q_proj = linear(hidden_size, H * d_qk)
-        self.kv_a_proj_with_mqa = linear(hidden_size, kv_lora_rank + qk_rope_head_dim)
         self.kv_a_layernorm = RMSNorm(kv_lora_rank, latent_norm_eps)
         self.kv_b_proj = linear(kv_lora_rank, H * (qk_nope_head_dim + v_head_dim))
-        if use_output_gate:
-            self.g_proj = linear(hidden_size, H * v_head_dim)
         self.o_proj = linear(H * v_head_dim, hidden_size)
         self.tp_shards = tp_shards(par, q_b_proj__weight=0, q_proj__weight=0, kv_b_proj__weight=0, g_proj__weight=0,
                                    o_proj__weight=1)
-
-    def query(self, x: torch.Tensor) -> torch.Tensor:
-        if hasattr(self, "q_proj"):
-            return self.q_proj(x)
-        return self.q_b_proj(self.q_a_layernorm(self.q_a_proj(x)))
 
     def forward(self, x: torch.Tensor, batch: ForwardBatch, cache: torch.Tensor) -> torch.Tensor:
         """x [T, D] -> [T, D]; cache [num_blocks, block_size, kv_lora_rank + d_rope] of this layer:
         the new tokens' latents are written at ``batch.slot_mapping`` before attending."""
         T, H = x.shape[0], self.num_heads
-        q = self.query(x).view(T, H, self.d_nope + self.d_rope)
-        c = self.kv_a_proj_with_mqa(x)
+        q, c, *gate = self.in_proj(x).split(list(self.in_proj.parts.values()), dim=-1)
+        if hasattr(self, "q_b_proj"):
+            q = self.q_b_proj(self.q_a_layernorm(q))
+        q = q.view(T, H, self.d_nope + self.d_rope)
         latent = torch.cat([self.kv_a_layernorm(c[:, :self.kv_lora_rank]), c[:, self.kv_lora_rank:]], dim=-1)
         cache.view(-1, cache.shape[-1])[batch.slot_mapping] = latent.to(cache.dtype)
         if batch.is_decode or batch.row_state_slots is not None:
@@ -78,6 +74,6 @@ class MLAAttention(nn.Module):
             o = mla_prefill_attention(q, cache, batch.block_tables, self.kv_b_proj.weight, batch.query_lens_cpu,
                                       batch.context_lens_cpu, self.kv_lora_rank, self.d_v, self.scale)
         o = o.reshape(T, H * self.d_v)
-        if hasattr(self, "g_proj"):
-            o = o * torch.sigmoid(self.g_proj(x))
+        if gate:
+            o = o * torch.sigmoid(gate[0])
         return self.par.all_reduce(self.o_proj(o))

@@ -17,6 +17,7 @@ import pytest
 import torch
 
 from kimik3.ops import mxfp4
+from kimik3.ops.activation import situ_and_mul, silu_and_mul
 from kimik3.ops.attn_res import attn_res_mix
 from kimik3.ops.backend import reference_ops
 from kimik3.ops.conv import causal_conv1d_in_pool
@@ -54,15 +55,15 @@ def _batch(lens, ctx, num_slots, g):
 def check_conv(lens=(37, 1, 130, 5), ctx=(0, 9, 4, 0), C=3 * 12288 // 8, seed=0) -> dict:
     g = _gen(seed)
     W, S = 4, 17
-    x = torch.randn(sum(lens), C, generator=g, device="cuda").to(BF16)
+    x = torch.randn(sum(lens), C + 512, generator=g, device="cuda").to(BF16)[:, :C]   # a merged projection's slice
     w = torch.randn(C, W, generator=g, device="cuda")
     pool = torch.randn(S, C, W - 1, generator=g, device="cuda").to(BF16)
     slots, cu, has = _batch(list(lens), list(ctx), S, g)
     ref_pool = pool.clone()
     with reference_ops():
-        ref = causal_conv1d_in_pool(x, w, ref_pool, slots, has, list(lens), cu)
+        ref = torch.cat(causal_conv1d_in_pool(x, w, ref_pool, slots, has, list(lens), cu, 3), dim=-1)
     poison_allocator()
-    y = causal_conv1d_in_pool(x, w, pool, slots, has, list(lens), cu)
+    y = torch.cat(causal_conv1d_in_pool(x, w, pool, slots, has, list(lens), cu, 3), dim=-1)
     return {"conv.y": worst_rel_err(y, ref, lens), "conv.pool_exact": float(not torch.equal(pool, ref_pool))}
 
 
@@ -268,8 +269,24 @@ def check_rms_norm(T=77, seed=17) -> dict:
     return out
 
 
+def check_glu(seed=18) -> dict:
+    """SiLU and SITU gating on merged gate|up rows (the dense MLP's and shared experts' widths)."""
+    g = _gen(seed)
+    out = {}
+    for T, I in ((1, 1024), (77, 9216), (300, 3072)):
+        merged = (torch.randn(T, 2 * I, generator=g, device="cuda") * 3).to(BF16)
+        gate, up = merged.chunk(2, dim=-1)
+        with reference_ops():
+            refs = [silu_and_mul(gate.double(), up.double()), situ_and_mul(gate.double(), up.double(), 8.0, 32.0)]
+        poison_allocator()
+        gots = [silu_and_mul(gate, up), situ_and_mul(gate, up, 8.0, 32.0)]
+        for name, got, ref in zip(("silu", "situ"), gots, refs):
+            out[f"glu.{name}.T{T}"] = worst_rel_err(got, ref)
+    return out
+
+
 CHECKS = {
-    "rms_norm": check_rms_norm,
+    "rms_norm": check_rms_norm, "glu": check_glu,
     "conv": check_conv, "kda": check_kda, "kda_snapshots": check_kda_snapshots,
     "kda_snapshots_softplus": lambda: check_kda_snapshots(lens=(2, 4, 1), H=4, lower_bound=None, seed=16), "mla_decode": check_mla_decode, "mla_prefill": check_mla_prefill,
     "moe_small": lambda: check_moe(T=3), "moe_mid": lambda: check_moe(T=37),

@@ -117,3 +117,27 @@ def compile_rms_norm():
         for BD, BR in ((8192, 1), (128, 16)):
             compile_for_hopper(norm._rms_norm_kernel, {"x": f"*{x}", "w": f"*{w}", "g": "*bf16", "y": f"*{y}", "eps": "fp32"},
                                dict(FORM=form, BR=BR, BD=BD), num_warps=8 if BD >= 4096 else 4, num_stages=1)
+
+
+def test_glu_kernel_compiles_for_hopper():
+    in_compiler_process("t.compile_glu()")
+
+
+def compile_glu():
+    from kimik3.ops.triton import activation
+    for situ, clip in ((False, False), (True, True), (True, False)):
+        compile_for_hopper(activation._glu_kernel, {"g_ptr": "*bf16", "u_ptr": "*bf16", "y_ptr": "*bf16", "beta": "fp32",
+                                                    "linear_beta": "fp32"},
+                           dict(SITU=situ, CLIP_UP=clip, BR=2, BI=1024), num_warps=4, num_stages=1)
+
+
+def test_conv_kernels_compile_for_hopper():
+    in_compiler_process("t.compile_conv()")
+
+
+def compile_conv():
+    from kimik3.ops.triton import conv
+    types = {"x": "*bf16", "weight": "*fp32", "pool": "*bf16", "slots": "*i64", "has_state": "*i32", "cu_seqlens": "*i32",
+             "tok_seq": "*i64", "y": "*bf16"}
+    compile_for_hopper(conv._conv_fwd_kernel, types, dict(W=4, BT=16, BC=128))
+    compile_for_hopper(conv._conv_state_kernel, types, dict(W=4, WP=4, BC=256))

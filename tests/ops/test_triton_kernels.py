@@ -52,12 +52,15 @@ def test_l2norm_kernel_refuses_a_row_size_it_cannot_tile():
 
 
 # ---- conv --------------------------------------------------------------------------------
+@pytest.mark.parametrize("groups", [1, 4])
 @pytest.mark.parametrize("lens,ctx", [([5, 1, 9], [0, 3, 2]), ([1, 1, 1, 1], [4, 1, 2, 7])], ids=["varlen", "decode"])
-def test_conv_pool_kernel_matches_reference(lens, ctx):
+def test_conv_pool_kernel_matches_reference(lens, ctx, groups):
+    """The windows and outputs against the reference; the inputs read with a row stride (a column
+    slice of a merged projection), the outputs in ``groups`` channel groups side by side."""
     from kimik3.ops.triton.conv import causal_conv1d_pool_triton
     g = gen(0)
     C, W, N = 40, 4, len(lens)
-    x = torch.randn(sum(lens), C, generator=g).to(BF16)
+    x = torch.randn(sum(lens), C + 24, generator=g).to(BF16)[:, :C]
     w = torch.randn(C, W, generator=g)
     pool = torch.randn(9, C, W - 1, generator=g).to(BF16)
     slots = torch.tensor([7, 2, 5, 3][:N])                               # scattered, non-contiguous rows
@@ -66,8 +69,9 @@ def test_conv_pool_kernel_matches_reference(lens, ctx):
     state0 = pool[slots].masked_fill(~has.view(-1, 1, 1), 0)
     y_ref, s_ref = causal_conv1d(x, w, state0, lens)
     before = pool.clone()
-    y = causal_conv1d_pool_triton(x, w, pool, slots, has, cu)
-    assert rel_err(y, y_ref) < 8e-3        # one truncating bf16 rounding
+    y = causal_conv1d_pool_triton(x, w, pool, slots, has, cu, groups)
+    assert y.shape == (groups, sum(lens), C // groups)
+    assert rel_err(torch.cat(y.unbind(0), dim=-1), y_ref) < 8e-3        # one truncating bf16 rounding
     assert torch.equal(pool[slots], s_ref)
     untouched = [i for i in range(9) if i not in slots.tolist()]
     assert torch.equal(pool[untouched], before[untouched])
@@ -296,3 +300,41 @@ def test_rms_norm_ops_take_the_kernel_on_the_fast_path(monkeypatch):
     assert calls == [kernel.KIMI, kernel.FP32_WEIGHT, kernel.GATED]
     for a, b in zip(got, ref):
         assert rel_err(a, b) < 1e-2
+
+
+# ---- GLU gating --------------------------------------------------------------------------
+@pytest.mark.parametrize("act", ["silu", "situ", "situ_unclipped"])
+@pytest.mark.parametrize("rows,I", [(1, 1024), (9, 3072), (70, 48)])
+def test_glu_kernel_matches_float64(act, rows, I):
+    """act(g) * u from the math in float64 (SiLU: g sigmoid(g); SITU: beta tanh(g / beta) sigmoid(g)
+    times linear_beta tanh(u / linear_beta), or u unclipped), one bf16 rounding apart; gate and up
+    read as the two halves of one merged projection's rows (row stride 2 I)."""
+    from kimik3.ops.triton.activation import glu_triton
+    g = gen(rows + I)
+    merged = (torch.randn(rows, 2 * I, generator=g) * 4).to(BF16)
+    gate, up = merged.chunk(2, dim=-1)
+    beta, lb = 2.0, (None if act == "situ_unclipped" else 3.0)
+    g64, u64 = gate.double(), up.double()
+    if act == "silu":
+        want = g64 * torch.sigmoid(g64) * u64
+    else:
+        want = beta * torch.tanh(g64 / beta) * torch.sigmoid(g64) * (u64 if lb is None else lb * torch.tanh(u64 / lb))
+    got = glu_triton(gate, up, act != "silu", beta, lb)
+    assert got.shape == gate.shape and got.dtype == BF16 and got.is_contiguous()
+    # one truncating rounding, plus tanh's fp32 form (2 sigmoid(2x) - 1: 1e-7 absolute, near 0)
+    assert ((got.double() - want).abs() <= 2 ** -7 * want.abs() + 1e-6).all()
+
+
+def test_glu_ops_take_the_kernel_on_the_fast_path(monkeypatch):
+    from kimik3.ops import activation
+    from kimik3.ops.triton import activation as kernel
+    calls = []
+    real = kernel.glu_triton
+    monkeypatch.setattr(activation, "use_fast_path", lambda t: True)
+    monkeypatch.setattr(kernel, "glu_triton", lambda *a, **k: calls.append(a[2]) or real(*a, **k))
+    gate, up = torch.randn(3, 40).to(BF16), torch.randn(3, 40).to(BF16)
+    ref = activation.situ_and_mul(gate.double(), up.double(), 2.0, 3.0)
+    assert calls == []
+    got = [activation.silu_and_mul(gate, up), activation.situ_and_mul(gate, up, 2.0, 3.0)]
+    assert calls == [False, True]
+    assert rel_err(got[1], ref) < 1e-2

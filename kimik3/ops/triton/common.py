@@ -17,3 +17,8 @@ def dot(a, b, acc, UPCAST: tl.constexpr):
     if UPCAST:
         return tl.dot(a.to(tl.float32), b.to(tl.float32), acc)
     return tl.dot(a, b, acc)
+
+
+@triton.jit
+def tanh(x):
+    return 2.0 * tl.sigmoid(2.0 * x) - 1.0

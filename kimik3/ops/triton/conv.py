@@ -14,7 +14,7 @@ import triton.language as tl
 
 @triton.jit
 def _conv_fwd_kernel(x, weight, pool, slots, has_state, cu_seqlens, tok_seq, y,
-                     T, C, stride_x, stride_pool_slot, stride_pool_c,
+                     T, C, G, stride_x, stride_pool_slot, stride_pool_c,
                      W: tl.constexpr, BT: tl.constexpr, BC: tl.constexpr):
     pid_t, pid_c = tl.program_id(0), tl.program_id(1)
     t = pid_t * BT + tl.arange(0, BT)
@@ -36,8 +36,9 @@ def _conv_fwd_kernel(x, weight, pool, slots, has_state, cu_seqlens, tok_seq, y,
         wj = tl.load(weight + c * W + j, mask=mc, other=0.0).to(tl.float32)
         acc += (xv.to(tl.float32) + hv.to(tl.float32)) * wj[None, :]
     out = acc * tl.sigmoid(acc)
-    tl.store(y + t[:, None].to(tl.int64) * C + c[None, :], out.to(y.dtype.element_ty),
-             mask=mt[:, None] & mc[None, :])
+    # channel c of token t at [c // G, t, c % G]: G = C is the plain [T, C] layout
+    dst = (c // G).to(tl.int64)[None, :] * T * G + t[:, None].to(tl.int64) * G + (c % G)[None, :]
+    tl.store(y + dst, out.to(y.dtype.element_ty), mask=mt[:, None] & mc[None, :])
 
 
 @triton.jit
@@ -65,11 +66,13 @@ def _conv_state_kernel(x, pool, slots, has_state, cu_seqlens, C, stride_x, strid
 
 
 def causal_conv1d_pool_triton(x: torch.Tensor, weight: torch.Tensor, pool: torch.Tensor, slots: torch.Tensor,
-                              has_state: torch.Tensor, cu_seqlens: torch.Tensor) -> torch.Tensor:
-    """x [T, C] raw inputs (row-contiguous), weight [C, W], pool [slots, C, W-1] (updated in place at
+                              has_state: torch.Tensor, cu_seqlens: torch.Tensor, groups: int = 1) -> torch.Tensor:
+    """x [T, C] raw inputs (any row stride), weight [C, W], pool [slots, C, W-1] (updated in place at
     ``slots``), slots [N], has_state [N] (0: fresh sequence, zero history), cu_seqlens [N+1].
-    Returns y [T, C] in x's dtype."""
+    Returns y [groups, T, C / groups] in x's dtype: channel group g of every token side by side."""
     T, C = x.shape
+    if C % groups:
+        raise ValueError(f"causal_conv1d_pool_triton: {C} channels do not split into {groups} groups")
     W = weight.shape[1]
     if x.stride(1) != 1 or pool.stride(2) != 1:
         raise ValueError("causal_conv1d_pool_triton needs unit stride on the channel/column axes")
@@ -77,10 +80,10 @@ def causal_conv1d_pool_triton(x: torch.Tensor, weight: torch.Tensor, pool: torch
     N = slots.shape[0]
     tok_seq = torch.searchsorted(cu_seqlens[1:].contiguous(), torch.arange(T, device=x.device), right=True)
     has = has_state.to(torch.int32)
-    y = torch.empty(T, C, dtype=x.dtype, device=x.device)
+    y = torch.empty(groups, T, C // groups, dtype=x.dtype, device=x.device)
     BT, BC = 16, 128
     _conv_fwd_kernel[(triton.cdiv(T, BT), triton.cdiv(C, BC))](
-        x, weight, pool, slots, has, cu_seqlens, tok_seq, y, T, C, x.stride(0), pool.stride(0), pool.stride(1),
+        x, weight, pool, slots, has, cu_seqlens, tok_seq, y, T, C, C // groups, x.stride(0), pool.stride(0), pool.stride(1),
         W=W, BT=BT, BC=BC)
     _conv_state_kernel[(N, triton.cdiv(C, 256))](
         x, pool, slots, has, cu_seqlens, C, x.stride(0), pool.stride(0), pool.stride(1), W=W,

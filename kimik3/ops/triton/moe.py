@@ -21,7 +21,7 @@ import torch
 import triton
 import triton.language as tl
 
-from kimik3.ops.triton.common import INTERPRETING, dot
+from kimik3.ops.triton.common import INTERPRETING, dot, tanh
 
 
 # E2M1 -> bf16 on the integer units, four packed bytes (eight elements) per asm instance.
@@ -125,11 +125,6 @@ def _bf16_bits(bits, BN: tl.constexpr, G: tl.constexpr):
 
 
 @triton.jit
-def _tanh(x):
-    return 2.0 * tl.sigmoid(2.0 * x) - 1.0
-
-
-@triton.jit
 def _block(sorted_rows, num_rows, pid_m, pid_n, N, BM: tl.constexpr, BN: tl.constexpr):
     """This program's BM sorted rows (assignment ids; ``valid`` false on padding) and BN output
     columns (``mn`` false past N)."""
@@ -174,11 +169,11 @@ def _gate_up_kernel(x, w1p, w1s, w3p, w3s, h, sorted_rows, block_expert, num_row
     g = acc1.to(h.dtype.element_ty).to(tl.float32)
     u = acc3.to(h.dtype.element_ty).to(tl.float32)
     if ACT_SITU:
-        gated = beta * _tanh(g / beta) * tl.sigmoid(g)
+        gated = beta * tanh(g / beta) * tl.sigmoid(g)
     else:
         gated = g * tl.sigmoid(g)
     if CLIP_UP:
-        u = linear_beta * _tanh(u / linear_beta)
+        u = linear_beta * tanh(u / linear_beta)
     out = (gated * u).to(h.dtype.element_ty)
     tl.store(h + offs_m[:, None].to(tl.int64) * stride_h + n[None, :], out, mask=mn[None, :])
 
