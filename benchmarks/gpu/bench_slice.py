@@ -327,7 +327,7 @@ def bench_model(bw, mm):
         save()
         del cache
         torch.cuda.empty_cache()
-    if not any(m.mxfp4 for m in model.modules() if isinstance(m, Experts)):
+    if not any(m.mxfp4 for m in model.modules() if isinstance(m, Experts)) and "--no-experts" not in sys.argv:
         bench_experts(model, bw, mm)
     return rows
 

@@ -60,6 +60,21 @@ def charge(prof) -> list[dict]:
             r = rows[(mod, op, k.name[:70])]
             r[0] += 1
             r[1] += k.duration
+    # kernels launched through the driver (Triton, fla) link to no CPU op: charged by name
+    from torch.autograd import DeviceType
+    device = collections.defaultdict(lambda: [0, 0.0])
+    for e in prof.events():
+        if e.device_type == DeviceType.CUDA:
+            d = device[e.name[:70]]
+            d[0] += 1
+            d[1] += e.time_range.end - e.time_range.start
+    linked = collections.defaultdict(lambda: [0, 0.0])
+    for (_, _, k), (c, t) in rows.items():
+        linked[k][0] += c
+        linked[k][1] += t
+    for k, (c, t) in device.items():
+        if c > linked[k][0]:
+            rows[("(driver launch)", "-", k)] = [c - linked[k][0], t - linked[k][1]]
     return sorted(({"module": m, "op": o, "kernel": k, "count": c, "us": round(t, 2)}
                    for (m, o, k), (c, t) in rows.items()), key=lambda r: -r["us"])
 
