@@ -8,7 +8,7 @@
 # Sections (default: tests benches serve, in this order): tests = tests/gpu/*.py in parallel (or the
 # files / node ids in TESTS; PER_TEST: pytest's per-test limit; FILE_CAP: each file's); benches = the constrained decode step
 # (#19) sync and async; trace = its device time per step at batch 32 (torch.profiler); serve = served vs
-# offline (#18 item 5) sync and async; slice = bench_slice.py on both slices (no reference, no checks); profile = one decode step's kernels by module (profile_step.py); mladecode = the MLA decode config sweep (first, alone on the GPU; MLA_SWEEP= for the defaults only); long = the decode graph replayed at 8k-1M contexts; stacks = the same, with stack samples per pass; spec = n-gram speculation vs plain at batch 1 (SPEC_ASYNC=1: also both async); engine =
+# offline (#18 item 5) sync and async; slice = bench_slice.py on both slices (no reference, no checks); profile = one decode step's kernels by module (profile_step.py); mladecode = the MLA decode config sweep (first, alone on the GPU; MLA_SWEEP= for the defaults only); long = the decode graph replayed at 8k-1M contexts; stacks = the same, with stack samples per pass; spec = n-gram speculation vs plain at batch 1 (SPEC_ASYNC=1: also both async; =only: async alone); engine =
 # bench_engine.py (host share); hostprof = cProfile of the constrained async step at batch 32.
 # A fresh machine spends its first 90-110 s compiling kernels; the parallel tests pay that once each.
 set -u
@@ -84,7 +84,7 @@ if [[ " $sections " == *" stacks "* ]]; then          # served, async then sync,
   grep -hE "^(#|\||offline)" "$L"/serve_stacks_*.log | cut -c1-260
 fi
 if [[ " $sections " == *" spec "* ]]; then            # n-gram speculation vs plain at batch 1 (#18)
-  run bench_speculative 240 python3 benchmarks/gpu/bench_speculative.py --profile
+  [ "${SPEC_ASYNC:-}" != only ] && run bench_speculative 240 python3 benchmarks/gpu/bench_speculative.py --profile
   [ -n "${SPEC_ASYNC:-}" ] && run bench_speculative_async 240 python3 benchmarks/gpu/bench_speculative.py --async-scheduling
   grep -h "^|" "$L"/bench_speculative*.log
 fi

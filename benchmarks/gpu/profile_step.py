@@ -64,7 +64,7 @@ def charge(prof) -> list[dict]:
     from torch.autograd import DeviceType
     device = collections.defaultdict(lambda: [0, 0.0])
     for e in prof.events():
-        if e.device_type == DeviceType.CUDA:
+        if e.device_type == DeviceType.CUDA and not e.name.startswith("mod:"):   # not the ranges' GPU spans
             d = device[e.name[:70]]
             d[0] += 1
             d[1] += e.time_range.end - e.time_range.start
