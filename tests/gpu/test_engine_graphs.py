@@ -44,6 +44,14 @@ TOP_K = 5               # logprobs kept per token: a parting token outside the r
 # in float64 (tests/engine); these tests cover the CUDA path within its rounding.
 SLICE_NOISE = 0.1
 SLICE_CROSS_NOISE = 0.5
+
+
+def flips_allowed(num_tokens: int) -> int:
+    """Positions of a request where an expert flip may move the logprobs past the cross-kernel bound
+    (``assert_model_greedy``): one, and one more per 16 tokens. At 8e0e2ef (fused norms, merged
+    projections: other roundings) r4's 22 tokens had two such positions in both speculative runs
+    (0.628 / 0.673 and 1.018 / 0.531 nats), every emitted token the model's own greedy choice."""
+    return 1 + num_tokens // 16
 LOGIT_BOUND = 2e-2      # ||graph - eager|| / ||eager|| of each sequence's logits (bf16 model, fp32 logits), state slot, block
 
 
@@ -175,7 +183,7 @@ def test_speculative_greedy_matches_plain(model, monkeypatch):
     snapshots after each row, rollbacks, graphs for the plain steps). A random-weight model seldom
     repeats an n-gram, so the drafts come from an oracle: the plain run's own next tokens, every
     other step with the second one corrupted. The tokens of both runs are checked against the model
-    called directly (``assert_model_greedy``), one flipped position allowed per request (r5's token 1,
+    called directly (``assert_model_greedy``), ``flips_allowed`` flipped positions per request (r5's token 1,
     0.517 / 0.564 nats at 3dd9428 / cf42f4f once its verify row ran the decode kernels; the plain
     run's r4 token 21 at c32086b)."""
     import kimik3.engine.scheduler as scheduler
@@ -193,9 +201,11 @@ def test_speculative_greedy_matches_plain(model, monkeypatch):
     for rid, (prompt, sp) in reqs.items():       # the plain graph run too: the verify rows run its kernels
         assert len(spec[rid][0]) == sp.max_tokens, rid
         print("plain", end=" ")
-        assert_model_greedy(model, rid, prompt, *plain[rid], SLICE_CROSS_NOISE, 2 * SLICE_CROSS_NOISE, flips=1)
+        assert_model_greedy(model, rid, prompt, *plain[rid], SLICE_CROSS_NOISE, 2 * SLICE_CROSS_NOISE,
+                            flips=flips_allowed(sp.max_tokens))
         print("speculative", end=" ")
-        assert_model_greedy(model, rid, prompt, *spec[rid], SLICE_CROSS_NOISE, 2 * SLICE_CROSS_NOISE, flips=1)
+        assert_model_greedy(model, rid, prompt, *spec[rid], SLICE_CROSS_NOISE, 2 * SLICE_CROSS_NOISE,
+                            flips=flips_allowed(sp.max_tokens))
 
 
 def test_speculation_under_async_scheduling_matches_the_model(model, monkeypatch):
@@ -220,7 +230,8 @@ def test_speculation_under_async_scheduling_matches_the_model(model, monkeypatch
     assert engine.num_accepted_tokens > 0 and ahead.hits > 0 and engine.runner.num_graph_steps > 0
     for rid, (prompt, sp) in reqs.items():
         assert len(spec[rid][0]) == sp.max_tokens, rid
-        assert_model_greedy(model, rid, prompt, *spec[rid], SLICE_CROSS_NOISE, 2 * SLICE_CROSS_NOISE, flips=1)
+        assert_model_greedy(model, rid, prompt, *spec[rid], SLICE_CROSS_NOISE, 2 * SLICE_CROSS_NOISE,
+                            flips=flips_allowed(sp.max_tokens))
 
 
 def test_async_scheduling_gives_the_synchronous_tokens(model):

@@ -89,9 +89,12 @@ def greedy(model, budget, reqs):
 def test_many_chunks_give_the_greedy_tokens_of_one_chunk(model, monkeypatch):
     """One chunk per prompt (budget 2048: naive form, one piece) against 48-token chunks with
     128-position pieces (continuations of <= 48 queries take the absorbed form by prefill_form,
-    decode rows beside a chunk too)."""
+    decode rows beside a chunk too). Both runs' tokens are checked against the model called directly
+    (``assert_model_greedy``): the slice's top-5 logprobs lie within ~0.2 nats, so an expert flipped
+    by rounding in one run (0.5-1 nats) parts the runs outside each other's top-5 (r0's token 3 at
+    8e0e2ef), while each run's tokens stay the model's greedy choice."""
     from kimik3.engine import SamplingParams
-    from tests.gpu.test_engine_graphs import SLICE_CROSS_NOISE, assert_same_greedy
+    from tests.gpu.test_engine_graphs import SLICE_CROSS_NOISE, assert_model_greedy, flips_allowed
     rng = random.Random(1)
     vocab = model.config.text.vocab_size
     reqs = {f"r{i}": ([rng.randrange(1000, vocab) for _ in range(n)],
@@ -101,4 +104,8 @@ def test_many_chunks_give_the_greedy_tokens_of_one_chunk(model, monkeypatch):
     monkeypatch.setattr(mla, "PREFILL_BLOCK", 128)
     many, many_steps = greedy(model, 48, reqs)
     assert many_steps >= one_steps + 10, (one_steps, many_steps)       # 1046 prompt tokens / 48 per step
-    assert_same_greedy(one, many, reqs, SLICE_CROSS_NOISE)     # other kernels (naive vs absorbed)
+    for name, run in (("one chunk", one), ("48-token chunks", many)):
+        for rid, (prompt, sp) in reqs.items():
+            print(name, end=" ")
+            assert_model_greedy(model, rid, prompt, *run[rid], SLICE_CROSS_NOISE, 2 * SLICE_CROSS_NOISE,
+                                flips=flips_allowed(sp.max_tokens))
