@@ -152,6 +152,27 @@ def test_unexpected_and_missing_tensors(tiny_ckpt, tmp_path):
         load_model(path)
 
 
+def test_merged_projections_load_by_their_checkpoint_names(tiny_ckpt, tmp_path):
+    """The merged input projection of a KDA layer holds q_proj's rows first, then k, v, f_a, b and the
+    gate, each the checkpoint tensor of its name; its own name is no checkpoint tensor (refused)."""
+    from safetensors.torch import load_file
+    path = tiny_ckpt["kimi_k3"]
+    model = load_model(path, dtype=torch.float32)
+    stored = {}
+    for f in sorted(path.glob("*.safetensors")):
+        stored.update(load_file(f))
+    attn = model.model.layers[0].self_attn
+    p = "language_model.model.layers.0.self_attn."
+    want = torch.cat([stored[p + n + ".weight"] for n in ("q_proj", "k_proj", "v_proj", "f_a_proj", "b_proj", "g_proj")])
+    assert torch.equal(attn.in_proj.weight.data, want.float())
+    assert "model.layers.0.self_attn.in_proj.weight" not in model.expected_weights()
+    path = copy_ckpt(path, tmp_path / "merged")
+    rewrite(path, lambda t: {**t, p + "in_proj.weight": attn.in_proj.weight.data.bfloat16()}
+            if "language_model.model.norm.weight" in t else t)
+    with pytest.raises(ValueError, match=r"unexpected tensor 'model\.layers\.0\.self_attn\.in_proj\.weight'"):
+        load_model(path)
+
+
 def test_bad_arguments(tiny_ckpt, tmp_path):
     with pytest.raises(CheckpointError, match="does not exist"):
         load_model(tmp_path / "nope")
