@@ -9,7 +9,7 @@ import torch
 import triton
 import triton.language as tl
 
-from kimik3.ops.triton.common import tanh
+from kimik3.ops.triton.common import glu
 
 
 @triton.jit(do_not_specialize=["R", "sg", "su"])
@@ -20,13 +20,8 @@ def _glu_kernel(g_ptr, u_ptr, y_ptr, R, I, sg, su, beta, linear_beta, SITU: tl.c
     mask = (rows[:, None] < R) & (cols[None, :] < I)
     g = tl.load(g_ptr + rows[:, None] * sg + cols[None, :], mask=mask, other=0.0).to(tl.float32)
     u = tl.load(u_ptr + rows[:, None] * su + cols[None, :], mask=mask, other=0.0).to(tl.float32)
-    if SITU:
-        gated = beta * tanh(g / beta) * tl.sigmoid(g)
-    else:
-        gated = g * tl.sigmoid(g)
-    if CLIP_UP:
-        u = linear_beta * tanh(u / linear_beta)
-    tl.store(y_ptr + rows[:, None] * I + cols[None, :], (gated * u).to(y_ptr.dtype.element_ty), mask=mask)
+    out = glu(g, u, beta, linear_beta, SITU, CLIP_UP)
+    tl.store(y_ptr + rows[:, None] * I + cols[None, :], out.to(y_ptr.dtype.element_ty), mask=mask)
 
 
 def glu_triton(gate: torch.Tensor, up: torch.Tensor, situ: bool, beta: float = 1.0,

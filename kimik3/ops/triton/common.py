@@ -22,3 +22,16 @@ def dot(a, b, acc, UPCAST: tl.constexpr):
 @triton.jit
 def tanh(x):
     return 2.0 * tl.sigmoid(2.0 * x) - 1.0
+
+
+@triton.jit
+def glu(g, u, beta, linear_beta, SITU: tl.constexpr, CLIP_UP: tl.constexpr):
+    """act(g) * u in fp32: SITU (beta tanh(g / beta) sigmoid(g), the up branch clipped to
+    linear_beta tanh(u / linear_beta) when CLIP_UP) or SiLU (g sigmoid(g))."""
+    if SITU:
+        gated = beta * tanh(g / beta) * tl.sigmoid(g)
+    else:
+        gated = g * tl.sigmoid(g)
+    if CLIP_UP:
+        u = linear_beta * tanh(u / linear_beta)
+    return gated * u

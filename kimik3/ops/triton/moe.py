@@ -21,7 +21,7 @@ import torch
 import triton
 import triton.language as tl
 
-from kimik3.ops.triton.common import INTERPRETING, dot, tanh
+from kimik3.ops.triton.common import INTERPRETING, dot, glu
 
 
 # E2M1 -> bf16 on the integer units, four packed bytes (eight elements) per asm instance.
@@ -168,13 +168,7 @@ def _gate_up_kernel(x, w1p, w1s, w3p, w3s, h, sorted_rows, block_expert, num_row
     # the reference rounds both projections to the activation dtype before the activation
     g = acc1.to(h.dtype.element_ty).to(tl.float32)
     u = acc3.to(h.dtype.element_ty).to(tl.float32)
-    if ACT_SITU:
-        gated = beta * tanh(g / beta) * tl.sigmoid(g)
-    else:
-        gated = g * tl.sigmoid(g)
-    if CLIP_UP:
-        u = linear_beta * tanh(u / linear_beta)
-    out = (gated * u).to(h.dtype.element_ty)
+    out = glu(g, u, beta, linear_beta, ACT_SITU, CLIP_UP).to(h.dtype.element_ty)
     tl.store(h + offs_m[:, None].to(tl.int64) * stride_h + n[None, :], out, mask=mn[None, :])
 
 
