@@ -299,6 +299,9 @@ CHECKS = {
     "moe_dense_mid": lambda: check_moe_dense(T=37), "moe_dense_prefill": lambda: check_moe_dense(T=1500),
     "moe_dense_fp16_top16": lambda: check_moe_dense(T=21, E=64, k=16, dtype=torch.float16, seed=13),
     "moe_dense_situ": lambda: check_moe_dense(T=9, E=32, L=512, I=384, k=4, act="situ", seed=14),
+    # past GROUPED_MM_ROWS_PER_EXPERT rows per expert: torch._grouped_mm between our sort, gating and combine
+    "moe_dense_grouped": lambda: check_moe_dense(T=2100, seed=19),
+    "moe_dense_grouped_situ": lambda: check_moe_dense(T=300, E=32, L=512, I=384, k=8, act="situ", seed=20),
 }
 
 

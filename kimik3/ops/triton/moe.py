@@ -279,6 +279,37 @@ def _tiles(rows_per_expert: float) -> dict:
     return dict(BM=128, BN1=128, BN2=128, BKH=32, warps=8, stages=3)
 
 
+# From this many rows per expert, dense bf16 experts run as torch._grouped_mm (CUTLASS grouped GEMMs) beside
+# our sort, gating and combine: measured on the H200 at the Kimi-Linear width (bench_slice.py, 6344050, the
+# library on pre-sorted tokens) it was 0.94x our tiles' time at 32 rows per expert, 0.71x at 64 (2048 tokens,
+# top-8 of 256); the gather and combine around it add ~2 x T x k x L x 2 bytes, so the switch is at 64.
+GROUPED_MM_ROWS_PER_EXPERT = 64
+
+
+def _grouped_mm_experts(x, w1, w2, w3, weights, ids, act_situ, beta, linear_beta) -> torch.Tensor:
+    """Dense bf16 experts through ``torch._grouped_mm``: assignments sorted by expert (stable; group
+    ends counted on the device, no host sync), gate and up GEMMs, our gating kernel, the down GEMM,
+    then the rows put back in (token, slot) order for the fp32 combine kernel."""
+    from kimik3.ops.triton.activation import glu_triton
+    T, L = x.shape
+    E, top_k = w1.shape[0], ids.shape[1]
+    flat = ids.reshape(-1)
+    order = torch.argsort(flat, stable=True)
+    counts = torch.zeros(E, dtype=torch.int32, device=x.device).scatter_add_(
+        0, flat, torch.ones(flat.shape[0], dtype=torch.int32, device=x.device))
+    offs = counts.cumsum(0, dtype=torch.int32)
+    xs = x[order // top_k]
+    gate = torch._grouped_mm(xs, w1.transpose(1, 2), offs=offs)             # [R, I]
+    up = torch._grouped_mm(xs, w3.transpose(1, 2), offs=offs)
+    h = glu_triton(gate, up, act_situ, beta, linear_beta)
+    y = torch.empty(flat.shape[0], L, dtype=x.dtype, device=x.device)
+    y[order] = torch._grouped_mm(h, w2.transpose(1, 2), offs=offs)            # rows back in (token, slot) order
+    out = torch.empty(T, L, dtype=x.dtype, device=x.device)
+    BL = min(1024, triton.next_power_of_2(L))
+    _combine_kernel[(T, triton.cdiv(L, BL))](y, weights.contiguous(), out, L, TOP_K=top_k, BL=BL)
+    return out
+
+
 def fused_moe_triton(x: torch.Tensor, w1, w2, w3, weights: torch.Tensor, ids: torch.Tensor, act_situ: bool,
                      beta: float, linear_beta: float | None, high_scales: bool = True,
                      tiles: dict | None = None) -> torch.Tensor:
@@ -287,7 +318,8 @@ def fused_moe_triton(x: torch.Tensor, w1, w2, w3, weights: torch.Tensor, ids: to
     w1, w3 = (packed [E, I, L/2], scale [E, I, L/32]), w2 = (packed [E, L, I/2], scale [E, L, I/32]).
     high_scales: some E8M0 scale may exceed 128 (the dequantization takes two multiplies; False is
     only valid when every scale is <= 128). tiles: override the tile choice (benchmarks; with
-    "asm": False the fp16-placement dequantization runs on CUDA too, for comparison)."""
+    "asm": False the fp16-placement dequantization runs on CUDA too, for comparison); without it, dense
+    bf16 experts with ``GROUPED_MM_ROWS_PER_EXPERT`` rows per expert or more run as library grouped GEMMs."""
     packed = isinstance(w1, tuple)
     (w1p, w1s), (w2p, w2s), (w3p, w3s) = (w if packed else (w, w) for w in (w1, w2, w3))
     T, L = x.shape
@@ -301,6 +333,8 @@ def fused_moe_triton(x: torch.Tensor, w1, w2, w3, weights: torch.Tensor, ids: to
         raise ValueError(f"the dense expert kernels take bf16/fp16 activations and weights of the same dtype, "
                          f"got {x.dtype} activations and {w1p.dtype} weights")
     x = x.contiguous()
+    if not packed and tiles is None and x.dtype == torch.bfloat16 and T * top_k >= GROUPED_MM_ROWS_PER_EXPERT * E:
+        return _grouped_mm_experts(x, w1p, w2p, w3p, weights, ids, act_situ, beta, linear_beta)
     cfg = tiles or _tiles(T * top_k / E)
     BM = cfg["BM"]
     sorted_rows, block_expert = _sort_by_expert(ids, E, BM)
