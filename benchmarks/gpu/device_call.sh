@@ -8,7 +8,7 @@
 # Sections (default: tests benches serve, in this order): tests = tests/gpu/*.py in parallel (or the
 # files / node ids in TESTS; PER_TEST: pytest's per-test limit; FILE_CAP: each file's); benches = the constrained decode step
 # (#19) sync and async; trace = its device time per step at batch 32 (torch.profiler); serve = served vs
-# offline (#18 item 5) sync and async; slice = bench_slice.py on both slices (no reference, no checks); profile = one decode step's kernels by module (profile_step.py); mladecode = the MLA decode config sweep (first, alone on the GPU; MLA_SWEEP= for the defaults only); long = the decode graph replayed at 8k-1M contexts; stacks = the same, with stack samples per pass; spec = n-gram speculation vs plain at batch 1 (SPEC_ASYNC=1: also both async; =only: async alone); engine =
+# offline (#18 item 5) sync and async; slice = bench_slice.py on both slices (no reference, no checks); profile = one decode step's kernels by module (profile_step.py; PROFILE_PREFILL=8192 adds a prefill); mladecode = the MLA decode config sweep (first, alone on the GPU; MLA_SWEEP= for the defaults only); long = the decode graph replayed at 8k-1M contexts; stacks = the same, with stack samples per pass; spec = n-gram speculation vs plain at batch 1 (SPEC_ASYNC=1: also both async; =only: async alone); engine =
 # bench_engine.py (host share); hostprof = cProfile of the constrained async step at batch 32.
 # A fresh machine spends its first 90-110 s compiling kernels; the parallel tests pay that once each.
 set -u
@@ -37,8 +37,10 @@ if [[ " $sections " == *" mladecode "* ]]; then       # MLA decode launch config
   grep -h "decode best" "$L"/mla_decode_sweep.log
 fi
 if [[ " $sections " == *" profile "* ]]; then         # one eager decode step by module and op, both slices (#13, #18)
-  run profile_kl 150 python3 benchmarks/gpu/profile_step.py --config=benchmarks/gpu/kimi-linear-slice4.config.json --batches=${PROFILE_BATCHES:-1,32}
-  run profile_k3 150 python3 benchmarks/gpu/profile_step.py --batches=${PROFILE_BATCHES:-1,32,128}
+  run profile_kl 150 python3 benchmarks/gpu/profile_step.py --config=benchmarks/gpu/kimi-linear-slice4.config.json \
+      --batches=${PROFILE_BATCHES:-1,32} ${PROFILE_PREFILL:+--prefill=$PROFILE_PREFILL}
+  run profile_k3 150 python3 benchmarks/gpu/profile_step.py --batches=${PROFILE_BATCHES:-1,32,128} \
+      ${PROFILE_PREFILL:+--prefill=$PROFILE_PREFILL}
   grep -h "^#" "$L"/profile_*.log
 fi
 if [[ " $sections " == *" slice "* ]]; then           # bench_slice: decode b1-128 and prefill vs floor, both slices

@@ -3,8 +3,8 @@ torch.profiler with every module's forward as a named range, each kernel charged
 module that launched it. Beside it the step as a CUDA graph, its floor (bytes at the copy rate), and
 the kernel count, so the overhead of small launches can be read off (#13, #18).
 
-    PYTHONPATH=. python benchmarks/gpu/profile_step.py [--config=PATH] [--batches=1,32]
-    (writes $OUT/profile_step_<config>.json)
+    PYTHONPATH=. python benchmarks/gpu/profile_step.py [--config=PATH] [--batches=1,32] [--prefill=8192]
+    (writes $OUT/profile_step_<config>.json; --prefill adds one fresh prompt of that many tokens, eager)
 """
 
 from __future__ import annotations
@@ -127,6 +127,35 @@ def main():
         save_results(name, results)
         del cache, batch
         torch.cuda.empty_cache()
+    prefill = next((int(a.split("=", 1)[1]) for a in sys.argv if a.startswith("--prefill=")), None)
+    if prefill:
+        from kimik3.model.batch import ForwardBatch, HybridCache
+        cfg = model.config.text
+        B = bench_slice.BLOCK
+        cache = HybridCache.allocate(cfg, num_slots=2, num_blocks=prefill // B + 1, block_size=B,
+                                     dtype=torch.bfloat16, device="cuda")
+        batch = ForwardBatch.build([prefill], [0], [1], [list(range(1, prefill // B + 1))], B, device="cuda")
+        ids = torch.randint(0, cfg.vocab_size, (prefill,), device="cuda")
+        fn = bench_slice.step_fn(model, ids, batch, cache, last_only=True)
+        t = cuda_time(fn, warmup=2, iters=5)
+        handles = module_ranges(model)
+        with profile(activities=[ProfilerActivity.CPU, ProfilerActivity.CUDA]) as prof:
+            fn()
+            torch.cuda.synchronize()
+        for h in handles:
+            h.remove()
+        rows = charge(prof)
+        by_module = collections.Counter()
+        for r in rows:
+            by_module[r["module"]] += r["us"]
+        results["prefill"] = {"tokens": prefill, "t_eager_ms": t * 1e3, "by_module": dict(by_module.most_common()),
+                              "rows": rows}
+        log(f"# prefill {prefill}: {t * 1e3:.2f} ms eager")
+        for m, us in by_module.most_common(25):
+            log(f"#   {us:9.1f} us  {m}")
+        for r in rows[:40]:
+            log(f"  {r['us']:9.1f} us {r['count']:4d}x  {r['module'][:40]:40s} {r['op'][:28]:28s} {r['kernel']}")
+        save_results(name, results)
 
 
 if __name__ == "__main__":
