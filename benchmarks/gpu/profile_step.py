@@ -79,8 +79,25 @@ def charge(prof) -> list[dict]:
                    for (m, o, k), (c, t) in rows.items()), key=lambda r: -r["us"])
 
 
-def main():
+def profiled(model, fn) -> tuple[list[dict], collections.Counter]:
+    """One run of ``fn`` under the profiler with module ranges: (rows, device us by module)."""
     from torch.profiler import ProfilerActivity, profile
+    handles = module_ranges(model)
+    fn()
+    torch.cuda.synchronize()
+    with profile(activities=[ProfilerActivity.CPU, ProfilerActivity.CUDA]) as prof:
+        fn()
+        torch.cuda.synchronize()
+    for h in handles:
+        h.remove()
+    rows = charge(prof)
+    by_module = collections.Counter()
+    for r in rows:
+        by_module[r["module"]] += r["us"]
+    return rows, by_module
+
+
+def main():
     cfg_path = bench_slice.config_path()
     batches = [int(b) for b in next((a.split("=", 1)[1] for a in sys.argv if a.startswith("--batches=")),
                                     "1,32").split(",")]
@@ -98,20 +115,9 @@ def main():
         model.use_side_stream(None)
         active = bench_slice.touched_experts(fn)
         byts, _ = bench_slice.counts(model, N, 0, "decode", active)
-        handles = module_ranges(model)
-        fn()
-        torch.cuda.synchronize()
-        with profile(activities=[ProfilerActivity.CPU, ProfilerActivity.CUDA]) as prof:
-            fn()
-            torch.cuda.synchronize()
-        for h in handles:
-            h.remove()
-        rows = charge(prof)
+        rows, by_module = profiled(model, fn)
         total = sum(r["us"] for r in rows)
         kernels = sum(r["count"] for r in rows)
-        by_module = collections.Counter()
-        for r in rows:
-            by_module[r["module"]] += r["us"]
         case = {"batch": N, "t_eager_ms": t_eager * 1e3, "t_graph_ms": t_graph and t_graph * 1e3,
                 "floor_ms": byts / bw * 1e3, "kernel_us": round(total, 1), "kernels": kernels,
                 "small_kernels": sum(r["count"] for r in rows if r["us"] / r["count"] < 4.0),
@@ -138,16 +144,7 @@ def main():
         ids = torch.randint(0, cfg.vocab_size, (prefill,), device="cuda")
         fn = bench_slice.step_fn(model, ids, batch, cache, last_only=True)
         t = cuda_time(fn, warmup=2, iters=5)
-        handles = module_ranges(model)
-        with profile(activities=[ProfilerActivity.CPU, ProfilerActivity.CUDA]) as prof:
-            fn()
-            torch.cuda.synchronize()
-        for h in handles:
-            h.remove()
-        rows = charge(prof)
-        by_module = collections.Counter()
-        for r in rows:
-            by_module[r["module"]] += r["us"]
+        rows, by_module = profiled(model, fn)
         results["prefill"] = {"tokens": prefill, "t_eager_ms": t * 1e3, "by_module": dict(by_module.most_common()),
                               "rows": rows}
         log(f"# prefill {prefill}: {t * 1e3:.2f} ms eager")

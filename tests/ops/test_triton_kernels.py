@@ -213,38 +213,11 @@ def situ64(g, u, beta=4.0, linear_beta=25.0):
     return beta * torch.tanh(g / beta) * torch.sigmoid(g) * (linear_beta * torch.tanh(u / linear_beta))
 
 
-@pytest.mark.parametrize("act", ["silu", "situ"])
-def test_moe_dense_grouped_mm_path_matches_float64(act, monkeypatch):
-    """At GROUPED_MM_ROWS_PER_EXPERT rows per expert and more, dense bf16 experts take torch._grouped_mm
-    (the CPU build runs it too) between our sort, gating and combine: against float64 per token, on a
-    ragged routing (expert 0 in every token, expert 1 in one, four experts with none); the tile kernels
-    are not called."""
-    from kimik3.ops.triton import moe as kernels
-    g = gen(12)
-    E, L, I, k = 24, 64, 32, 8
-    T = kernels.GROUPED_MM_ROWS_PER_EXPERT * E // k + 3
-    w1, w3 = (torch.randn(E, I, L, generator=g) / L ** 0.5 for _ in range(2))
-    w2 = torch.randn(E, L, I, generator=g) / I ** 0.5
-    x = torch.randn(T, L, generator=g)
-    ids = ragged_ids(T, E, k, g)
-    weights = torch.rand(T, k, generator=g) * 2.4
-    lo = [t.to(BF16) for t in (x, w1, w2, w3)]
-    monkeypatch.setattr(kernels, "_gate_up_kernel", None)                # the tiles must not run
-    out = kernels.fused_moe_triton(lo[0], lo[1], lo[2], lo[3], weights, ids, act == "situ", 4.0,
-                                   25.0 if act == "situ" else None)
-    f64 = situ64 if act == "situ" else (lambda a, b: torch.nn.functional.silu(a) * b)
-    ref = moe_float64(*(t.double() for t in lo), weights, ids, f64)
-    assert out.dtype == BF16 and out.shape == (T, L)
-    for t in range(T):
-        assert rel_err(out[t], ref[t]) < 2e-2, t
-
-
-@pytest.mark.parametrize("dtype,act,T,k", [(BF16, "silu", 5, 4), (torch.float16, "silu", 3, 16), (BF16, "situ", 9, 2),
-                                           (BF16, "silu", 1, 8)], ids=["bf16-silu", "fp16-top16", "bf16-situ", "decode"])
-def test_moe_dense_kernel_matches_float64(dtype, act, T, k):
+def check_dense_experts(dtype, act, T, k, seed, E=24, L=64, I=32):
+    """fused_moe_triton on a ragged routing (expert 0 in every token, expert 1 in one, four experts with
+    none) against float64, per token: a bad row cannot hide in a global norm."""
     from kimik3.ops.triton.moe import fused_moe_triton
-    g = gen(11)
-    E, L, I = 24, 64, 32
+    g = gen(seed)
     w1, w3 = (torch.randn(E, I, L, generator=g) / L ** 0.5 for _ in range(2))
     w2 = torch.randn(E, L, I, generator=g) / I ** 0.5
     x = torch.randn(T, L, generator=g)
@@ -254,9 +227,24 @@ def test_moe_dense_kernel_matches_float64(dtype, act, T, k):
     out = fused_moe_triton(lo[0], lo[1], lo[2], lo[3], weights, ids, act == "situ", 4.0, 25.0 if act == "situ" else None)
     f64 = situ64 if act == "situ" else (lambda a, b: torch.nn.functional.silu(a) * b)
     ref = moe_float64(*(t.double() for t in lo), weights, ids, f64)
-    assert out.dtype == dtype
-    for t in range(T):                                  # per token: a bad row cannot hide in a global norm
+    assert out.dtype == dtype and out.shape == (T, L)
+    for t in range(T):
         assert rel_err(out[t], ref[t]) < 2e-2, t
+
+
+@pytest.mark.parametrize("act", ["silu", "situ"])
+def test_moe_dense_grouped_mm_path_matches_float64(act, monkeypatch):
+    """At GROUPED_MM_ROWS_PER_EXPERT rows per expert and more, dense bf16 experts take torch._grouped_mm
+    (the CPU build runs it too) between our sort, gating and combine; the tile kernels are not called."""
+    from kimik3.ops.triton import moe as kernels
+    monkeypatch.setattr(kernels, "_gate_up_kernel", None)                # the tiles must not run
+    check_dense_experts(BF16, act, kernels.GROUPED_MM_ROWS_PER_EXPERT * 24 // 8 + 3, 8, seed=12)
+
+
+@pytest.mark.parametrize("dtype,act,T,k", [(BF16, "silu", 5, 4), (torch.float16, "silu", 3, 16), (BF16, "situ", 9, 2),
+                                           (BF16, "silu", 1, 8)], ids=["bf16-silu", "fp16-top16", "bf16-situ", "decode"])
+def test_moe_dense_kernel_matches_float64(dtype, act, T, k):
+    check_dense_experts(dtype, act, T, k, seed=11)
 
 
 # ---- attention residual mix --------------------------------------------------------------
