@@ -75,8 +75,8 @@ class KimiDeltaAttention(nn.Module):
         H, K = self.num_heads, self.head_dim
         slots = batch.state_slots
         has_state = batch.context_lens > 0
-        y = self.in_proj(x)
-        raw, f_a, b, g = y.split([3 * H * K, K, H, y.shape[-1] - 3 * H * K - K - H], dim=-1)   # raw [T, 3P]
+        q_rows, k_rows, v_rows, *rest = self.in_proj.parts.values()
+        raw, f_a, b, g = self.in_proj(x).split([q_rows + k_rows + v_rows, *rest], dim=-1)   # raw: q|k|v [T, 3P]
         weight = torch.cat([self.q_conv1d.weight, self.k_conv1d.weight, self.v_conv1d.weight]).squeeze(1)
         f = self.f_b_proj(f_a).view(T, H, K)
         if batch.row_state_slots is not None:

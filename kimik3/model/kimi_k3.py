@@ -148,26 +148,35 @@ class KimiForCausalLM(nn.Module):
         ``vision.``), experts and merged projections one by one."""
         return {name for name, _ in self.checkpoint_weights()}
 
-    def _merged_part(self, name: str) -> tuple[MergedLinear, str] | None:
-        """(module, part) when checkpoint tensor ``name`` lives in a merged projection's weight."""
-        owner, _, leaf = name.removesuffix(".weight").rpartition(".")
-        if not name.endswith(".weight") or not owner:
-            return None
+    def _checkpoint_tensor(self, name: str) -> torch.Tensor | None:
+        """Where dense checkpoint tensor ``name`` goes: its parameter, or its rows of a merged
+        projection's weight; None for a name the checkpoint cannot hold (no such parameter, the
+        stacked experts, a merged weight's own name)."""
+        owner, _, leaf = name.rpartition(".")
         try:
             module = self.get_submodule(owner)
         except AttributeError:
+            module = None
+        if module is None and leaf == "weight":               # "<owner>.<part>.weight" of a merged projection
+            parent, _, part = owner.rpartition(".")
+            try:
+                merged = [c for c in self.get_submodule(parent).children() if isinstance(c, MergedLinear) and part in c.parts]
+            except AttributeError:
+                merged = []
+            return merged[0].part(part) if merged else None
+        if module is None or isinstance(module, MergedLinear) or _STACKED.match(name):
             return None
-        return next(((c, leaf) for c in module.children() if isinstance(c, MergedLinear) and leaf in c.parts), None)
+        param = getattr(module, leaf, None)
+        return param if isinstance(param, nn.Parameter) else None
 
     def shard_table(self) -> dict[str, tuple[int, int, int]]:
         """Checkpoint (text) name -> (dim, rank, size) of every TP-split tensor: the loader reads
         only that slice. Routed experts and ``A_log`` are handled by their modules."""
         table = {}
-        names = self.expected_weights()
         for prefix, module in self.named_modules():
             for pname, rule in getattr(module, "tp_shards", {}).items():
                 name = f"{prefix}.{pname}" if prefix else pname
-                if name in names:
+                if self._checkpoint_tensor(name) is not None:
                     table[name] = rule
         return table
 
@@ -190,12 +199,8 @@ class KimiForCausalLM(nn.Module):
                 raise ValueError(f"unexpected tensor '{name}'{where}: layer {m[1]} has no routed experts")
             layer.block_sparse_moe.experts.load_expert(int(m[2]), m[3], tensor, name + where)
             return
-        merged = self._merged_part(name)
-        try:
-            param = merged[0].part(merged[1]) if merged else None if _STACKED.match(name) else self.get_parameter(name)
-        except AttributeError:
-            param = None
-        if param is None or (merged is None and isinstance(self.get_submodule(name.rsplit(".", 1)[0]), MergedLinear)):
+        param = self._checkpoint_tensor(name)
+        if param is None:
             raise ValueError(f"unexpected tensor '{name}'{where}: the model has no such parameter")
         if name.endswith(".A_log"):
             self.model.layers[int(name.split(".")[2])].self_attn.load_A_log(tensor, name + where)

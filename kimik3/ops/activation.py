@@ -4,21 +4,15 @@ from __future__ import annotations
 
 import torch
 
-from kimik3.ops.backend import use_fast_path
+from kimik3.ops.backend import use_fast_kernel
 from kimik3.ops.norm import acc_dtype
-
-_FAST_DTYPES = (torch.float32, torch.bfloat16, torch.float16)
-
-
-def _fast(gate: torch.Tensor) -> bool:
-    return use_fast_path(gate) and gate.dtype in _FAST_DTYPES
 
 
 def situ_and_mul(gate: torch.Tensor, up: torch.Tensor, beta: float, linear_beta: float | None) -> torch.Tensor:
     """[beta * tanh(g / beta) * sigmoid(g)] * [linear_beta * tanh(u / linear_beta)], in fp32,
     cast back to the input dtype. ``linear_beta`` None leaves the up branch unclipped. CUDA: one
     Triton kernel (tanh as 2 sigmoid(2x) - 1, as the expert kernels compute it)."""
-    if _fast(gate) and up.dtype == gate.dtype:
+    if use_fast_kernel(gate) and up.dtype == gate.dtype:
         from kimik3.ops.triton.activation import glu_triton
         return glu_triton(gate, up, True, beta, linear_beta)
     acc = acc_dtype(gate.dtype)
@@ -30,7 +24,7 @@ def situ_and_mul(gate: torch.Tensor, up: torch.Tensor, beta: float, linear_beta:
 
 def silu_and_mul(gate: torch.Tensor, up: torch.Tensor) -> torch.Tensor:
     """silu(gate) * up in fp32, cast back to the input dtype. CUDA: one Triton kernel."""
-    if _fast(gate) and up.dtype == gate.dtype:
+    if use_fast_kernel(gate) and up.dtype == gate.dtype:
         from kimik3.ops.triton.activation import glu_triton
         return glu_triton(gate, up, False)
     acc = acc_dtype(gate.dtype)

@@ -31,6 +31,17 @@ def use_fast_path(t: torch.Tensor) -> bool:
     return fast
 
 
+# dtypes our elementwise Triton kernels (norms, gating) read; float64 stays on the reference
+KERNEL_DTYPES = (torch.float32, torch.bfloat16, torch.float16)
+
+
+def use_fast_kernel(t: torch.Tensor, *others: torch.Tensor | torch.dtype) -> bool:
+    """``use_fast_path(t)``, and ``t`` and every other operand (a tensor or an output dtype) one of
+    ``KERNEL_DTYPES``."""
+    dtypes = [o if isinstance(o, torch.dtype) else o.dtype for o in (t, *others)]
+    return use_fast_path(t) and all(d in KERNEL_DTYPES for d in dtypes)
+
+
 @contextlib.contextmanager
 def reference_ops():
     """Run every op through its torch reference, also on CUDA tensors (in this context)."""

@@ -4,14 +4,7 @@ from __future__ import annotations
 
 import torch
 
-from kimik3.ops.backend import use_fast_path
-
-_FAST_DTYPES = (torch.float32, torch.bfloat16, torch.float16)
-
-
-def _fast(x: torch.Tensor, *others: torch.Tensor) -> bool:
-    """CUDA, and every operand a dtype the Triton kernel reads (float64 stays on the reference)."""
-    return use_fast_path(x) and all(t.dtype in _FAST_DTYPES for t in (x, *others))
+from kimik3.ops.backend import use_fast_kernel
 
 
 def acc_dtype(dtype: torch.dtype) -> torch.dtype:
@@ -22,7 +15,7 @@ def acc_dtype(dtype: torch.dtype) -> torch.dtype:
 def rms_norm(x: torch.Tensor, weight: torch.Tensor, eps: float) -> torch.Tensor:
     """Kimi's RMSNorm: statistics in fp32, round to x's dtype, then multiply by the weight
     (two roundings for bf16; exact in fp32/fp64). x [..., D], weight [D]. CUDA: one Triton kernel."""
-    if _fast(x, weight):
+    if use_fast_kernel(x, weight):
         from kimik3.ops.triton.norm import KIMI, rms_norm_triton
         return rms_norm_triton(x, weight, eps, KIMI, x.dtype)
     xf = x.to(acc_dtype(x.dtype))
@@ -32,7 +25,7 @@ def rms_norm(x: torch.Tensor, weight: torch.Tensor, eps: float) -> torch.Tensor:
 
 def rms_norm_fp32_weight(x: torch.Tensor, weight: torch.Tensor, eps: float, out_dtype: torch.dtype) -> torch.Tensor:
     """RMSNorm with the weight multiply in fp32 and a single rounding (vLLM fused kernels)."""
-    if _fast(x, weight) and out_dtype in _FAST_DTYPES:
+    if use_fast_kernel(x, weight, out_dtype):
         from kimik3.ops.triton.norm import FP32_WEIGHT, rms_norm_triton
         return rms_norm_triton(x, weight, eps, FP32_WEIGHT, out_dtype)
     acc = acc_dtype(x.dtype)
@@ -44,7 +37,7 @@ def gated_rms_norm(x: torch.Tensor, weight: torch.Tensor, gate: torch.Tensor, ep
                    out_dtype: torch.dtype) -> torch.Tensor:
     """KDA output norm: rmsnorm(x) * weight * sigmoid(gate), all in fp32, one rounding.
     x, gate [..., V]; weight [V]. CUDA: one Triton kernel."""
-    if _fast(x, weight, gate) and out_dtype in _FAST_DTYPES:
+    if use_fast_kernel(x, weight, gate, out_dtype):
         from kimik3.ops.triton.norm import GATED, rms_norm_triton
         return rms_norm_triton(x, weight, eps, GATED, out_dtype, gate)
     acc = torch.promote_types(acc_dtype(x.dtype), acc_dtype(gate.dtype))

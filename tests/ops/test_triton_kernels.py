@@ -300,11 +300,11 @@ def test_rms_norm_kernel_matches_float64(rows, D, form, dtype):
 def test_rms_norm_ops_take_the_kernel_on_the_fast_path(monkeypatch):
     """rms_norm / rms_norm_fp32_weight / gated_rms_norm route CUDA-class tensors to the kernel (the
     dispatch is checked here by pretending the fast path is on; float64 stays on the reference)."""
-    from kimik3.ops import norm
+    from kimik3.ops import backend, norm
     from kimik3.ops.triton import norm as kernel
     calls = []
     real = kernel.rms_norm_triton
-    monkeypatch.setattr(norm, "use_fast_path", lambda t: True)
+    monkeypatch.setattr(backend, "use_fast_path", lambda t: True)
     monkeypatch.setattr(kernel, "rms_norm_triton", lambda *a, **k: calls.append(a[3]) or real(*a, **k))
     x, w, gate = torch.randn(4, 64).to(BF16), torch.randn(64), torch.randn(4, 64).to(BF16)
     ref = [norm.rms_norm(x.double(), w.double(), 1e-6), norm.rms_norm_fp32_weight(x.double(), w.double(), 1e-6, torch.float64),
@@ -340,11 +340,11 @@ def test_glu_kernel_matches_float64(act, rows, I):
 
 
 def test_glu_ops_take_the_kernel_on_the_fast_path(monkeypatch):
-    from kimik3.ops import activation
+    from kimik3.ops import activation, backend
     from kimik3.ops.triton import activation as kernel
     calls = []
     real = kernel.glu_triton
-    monkeypatch.setattr(activation, "use_fast_path", lambda t: True)
+    monkeypatch.setattr(backend, "use_fast_path", lambda t: True)
     monkeypatch.setattr(kernel, "glu_triton", lambda *a, **k: calls.append(a[2]) or real(*a, **k))
     gate, up = torch.randn(3, 40).to(BF16), torch.randn(3, 40).to(BF16)
     ref = activation.situ_and_mul(gate.double(), up.double(), 2.0, 3.0)
