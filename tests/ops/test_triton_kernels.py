@@ -352,3 +352,17 @@ def test_glu_ops_take_the_kernel_on_the_fast_path(monkeypatch):
     got = [activation.silu_and_mul(gate, up), activation.situ_and_mul(gate, up, 2.0, 3.0)]
     assert calls == [False, True]
     assert rel_err(got[1], ref) < 1e-2
+
+
+def test_elementwise_kernels_refuse_mismatched_operands():
+    """The norm, gating and conv wrappers name what does not fit instead of reading out of bounds."""
+    from kimik3.ops.triton.activation import glu_triton
+    from kimik3.ops.triton.conv import causal_conv1d_pool_triton
+    from kimik3.ops.triton.norm import KIMI, rms_norm_triton
+    with pytest.raises(ValueError, match=r"weight shape \(63,\) does not match rows of 64"):
+        rms_norm_triton(torch.randn(2, 64), torch.ones(63), 1e-6, KIMI, torch.float32)
+    with pytest.raises(ValueError, match=r"gate \(2, 8\) and up \(2, 9\) differ"):
+        glu_triton(torch.randn(2, 8), torch.randn(2, 9), False)
+    with pytest.raises(ValueError, match="10 channels do not split into 3 groups"):
+        causal_conv1d_pool_triton(torch.randn(4, 10), torch.randn(10, 4), torch.zeros(2, 10, 3), torch.tensor([1]),
+                                  torch.tensor([False]), torch.tensor([0, 4]), 3)
