@@ -185,7 +185,7 @@ def sweep(rows, mm, H, form, configs):
 
 
 DECODE_BS = 16                             # the engine's cache block size
-DECODE_CASES = [(1, 4096), (1, 32768), (1, 131072), (1, 1048576), (8, 131072), (32, 32768), (128, 4096)]
+DECODE_CASES = [(1, 4096), (1, 32768), (1, 131072), (1, 1048576), (8, 131072), (32, 4096), (32, 32768), (128, 4096)]
 # the sweeps: the first (f510ef7) chose the default; the second (3ddadd8) also tried a lazy rescale
 # and a hand prefetch in the paged form (both slower or equal, since removed) and 64-row gather
 # tiles (10-20% faster at H = 96 up to 128k, not at 1M): results/mla_decode_sweep*_*.json. Every
@@ -208,7 +208,12 @@ DECODE_SWEEP = [DecodeConfig(**G, bh=32, bn=128, trans=True, num_warps=8, num_st
                 DecodeConfig(**G, bh=32, bn=64, trans=True, num_warps=8, num_stages=2, programs_per_sm=1),
                 DecodeConfig(**G, bh=64, bn=64, num_warps=8, num_stages=2, programs_per_sm=1),
                 DecodeConfig(**G, bh=32, bn=64, num_warps=8, num_stages=2, programs_per_sm=2),
-                DecodeConfig(**G, bh=32, bn=64, num_warps=8, num_stages=2, programs_per_sm=1)]
+                DecodeConfig(**G, bh=32, bn=64, num_warps=8, num_stages=2, programs_per_sm=1),
+                # at 32 heads and 32-128 sequences (Kimi-Linear's batch decode, 2.5x its floor at 5091417):
+                # more programs an SM, and three stages
+                DecodeConfig(**G, bh=32, bn=64, num_warps=8, num_stages=2, programs_per_sm=4),
+                DecodeConfig(**G, bh=32, bn=64, num_warps=4, num_stages=3, programs_per_sm=2),
+                DecodeConfig(**G, bh=32, bn=32, num_warps=4, num_stages=3, programs_per_sm=4)]
 
 
 def kernel_info(fn) -> dict:
