@@ -8,7 +8,7 @@
 # Sections (default: tests benches serve, in this order): tests = tests/gpu/*.py in parallel (or the
 # files / node ids in TESTS; PER_TEST: pytest's per-test limit; FILE_CAP: each file's); benches = the constrained decode step
 # (#19) sync and async; trace = its device time per step at batch 32 (torch.profiler); serve = served vs
-# offline (#18 item 5) sync and async; slice = bench_slice.py on both slices (no reference, no checks); profile = one decode step's kernels by module (profile_step.py; PROFILE_PREFILL=8192 adds a prefill); mladecode = the MLA decode config sweep (first, alone on the GPU; MLA_SWEEP= for the defaults only); long = the decode graph replayed at 8k-1M contexts; stacks = the same, with stack samples per pass; spec = n-gram speculation vs plain at batch 1 (SPEC_ASYNC=1: also both async; =only: async alone); engine =
+# offline (#18 item 5) sync and async; slice = bench_slice.py on both slices (no reference, no checks); profile = one decode step's kernels by module (profile_step.py; PROFILE_PREFILL=8192 adds a prefill); mladecode = the MLA decode config sweep (first, alone on the GPU; MLA_SWEEP= for the defaults only); decodeops = bench_decode_ops.py (KDA step, conv decode); long = the decode graph replayed at 8k-1M contexts; stacks = the same, with stack samples per pass; spec = n-gram speculation vs plain at batch 1 (SPEC_ASYNC=1: also both async; =only: async alone); engine =
 # bench_engine.py (host share); hostprof = cProfile of the constrained async step at batch 32.
 # A fresh machine spends its first 90-110 s compiling kernels; the parallel tests pay that once each.
 set -u
@@ -35,6 +35,10 @@ if [[ " $sections " == *" mladecode "* ]]; then       # MLA decode launch config
       --decode-cases ${MLA_CASES:-96/1/32768 96/1/131072 96/1/1048576 96/128/4096 32/1/1048576 32/8/131072} \
       --out "$L/mla_decode_sweep.json"
   grep -h "decode best" "$L"/mla_decode_sweep.log
+fi
+if [[ " $sections " == *" decodeops "* ]]; then       # KDA step and conv decode kernels vs fla / the general pair
+  run decode_ops 150 python3 benchmarks/gpu/bench_decode_ops.py
+  grep -h "^|" "$L"/decode_ops.log
 fi
 if [[ " $sections " == *" profile "* ]]; then         # one eager decode step by module and op, both slices (#13, #18)
   run profile_kl 150 python3 benchmarks/gpu/profile_step.py --config=benchmarks/gpu/kimi-linear-slice4.config.json \

@@ -3,7 +3,8 @@
 K3 keeps, per token, completed block vectors b_0 (the embedding), b_1, ... (sums of the
 sub-layer outputs of each block of ``block_size`` layers) and a running partial sum P of the
 current block. Each sub-layer reads a softmax mix (``attn_res_mix``) of [b_0 .. b_k, P].
-Without attention residuals the same interface is the ordinary pre-norm residual stream.
+Without attention residuals the same interface is the ordinary pre-norm residual stream, whose
+adds wait for the norm that reads them (``add_rms_norm``: one pass over both).
 """
 
 from __future__ import annotations
@@ -11,7 +12,7 @@ from __future__ import annotations
 import torch
 
 from kimik3.ops.attn_res import attn_res_mix
-from kimik3.ops.norm import rms_norm, rms_norm_fp32_weight
+from kimik3.ops.norm import add_rms_norm, rms_norm, rms_norm_fp32_weight
 
 
 class ResidualStream:
@@ -20,17 +21,26 @@ class ResidualStream:
         self.dtype = embedding.dtype
         self.blocks: list[torch.Tensor] = []
         self.partial: torch.Tensor | None = embedding   # b_0 is written at layer 0's boundary
+        self.pending: torch.Tensor | None = None        # plain stream: the last output, not yet added
 
     def _mixed_input(self, norm_weight, proj_weight, consumer_weight) -> torch.Tensor:
         sources = self.blocks + ([self.partial] if self.partial is not None else [])
         mix = attn_res_mix(sources, norm_weight, proj_weight, self.eps)
         if self.fused_norm:                        # vLLM: norm the fp32 mix, fp32 weight, one rounding
             return rms_norm_fp32_weight(mix, consumer_weight, self.eps, self.dtype)
-        return rms_norm(mix.to(self.dtype), consumer_weight, self.eps)  # official: bf16 mix, then norm
+        return rms_norm(mix, consumer_weight, self.eps, self.dtype)    # official: bf16 mix, then norm
+
+    def _normed(self, weight) -> torch.Tensor:
+        """The plain stream's norm, the pending add fused into it."""
+        if self.pending is None:
+            return rms_norm(self.partial, weight, self.eps)
+        self.partial, y = add_rms_norm(self.partial, self.pending, weight, self.eps)
+        self.pending = None
+        return y
 
     def attn_input(self, layer_id: int, layer) -> torch.Tensor:
         if self.block_size is None:
-            return rms_norm(self.partial, layer.input_layernorm.weight, self.eps)
+            return self._normed(layer.input_layernorm.weight)
         if layer_id % self.block_size == 0:       # block boundary: P becomes b_k, P restarts empty
             self.blocks.append(self.partial)
             self.partial = None
@@ -39,16 +49,20 @@ class ResidualStream:
 
     def mlp_input(self, layer) -> torch.Tensor:
         if self.block_size is None:
-            return rms_norm(self.partial, layer.post_attention_layernorm.weight, self.eps)
+            return self._normed(layer.post_attention_layernorm.weight)
         return self._mixed_input(layer.mlp_res_norm.weight, layer.mlp_res_proj.weight,
                                  layer.post_attention_layernorm.weight)
 
     def add(self, out: torch.Tensor) -> None:
-        """Add a sub-layer output (rounded to the model dtype after each add)."""
-        self.partial = out if self.partial is None else self.partial + out
+        """Add a sub-layer output (rounded to the model dtype after each add; in the plain stream
+        when the next norm reads it)."""
+        if self.block_size is None:
+            self.pending = out
+        else:
+            self.partial = out if self.partial is None else self.partial + out
 
     def final(self, norm_weight=None, proj_weight=None) -> torch.Tensor:
         """h_final: the output mix over [b_0 .. b_last, P] (AttnRes) or the residual itself."""
         if self.block_size is None:
-            return self.partial
+            return self.partial if self.pending is None else self.partial + self.pending
         return attn_res_mix(self.blocks + [self.partial], norm_weight, proj_weight, self.eps).to(self.dtype)

@@ -14,7 +14,7 @@ from torch import nn
 
 from kimik3.distributed import ParallelContext
 from kimik3.model.batch import ForwardBatch
-from kimik3.model.layers import MergedLinear, linear, tp_shards
+from kimik3.model.layers import MergedLinear, MergedWeight, linear, tp_shards
 from kimik3.ops.conv import causal_conv1d, causal_conv1d_in_pool, conv_windows_at
 from kimik3.ops.kda import kda_attention, kda_attention_in_pool, kda_recurrent_in_pool
 from kimik3.ops.norm import gated_rms_norm
@@ -41,7 +41,8 @@ class KimiDeltaAttention(nn.Module):
         gate = {"g_proj": P} if use_full_rank_gate else {"g_a_proj": K}
         self.in_proj = MergedLinear(hidden_size, {"q_proj": P, "k_proj": P, "v_proj": P, "f_a_proj": K,
                                                   "b_proj": H, **gate})
-        self.q_conv1d, self.k_conv1d, self.v_conv1d = (_ConvWeight(P, conv_size) for _ in range(3))
+        # the q, k, v short convs' weights [3P, 1, W] (checkpoint: {q,k,v}_conv1d.weight [P, 1, W] or [P, W])
+        self.conv1d = MergedWeight((1, conv_size), {"q_conv1d": P, "k_conv1d": P, "v_conv1d": P})
         self.f_b_proj = linear(K, P)
         if not use_full_rank_gate:
             self.g_b_proj = linear(K, P)
@@ -74,17 +75,18 @@ class KimiDeltaAttention(nn.Module):
         T = x.shape[0]
         H, K = self.num_heads, self.head_dim
         slots = batch.state_slots
-        has_state = batch.context_lens > 0
         q_rows, k_rows, v_rows, *rest = self.in_proj.parts.values()
         raw, f_a, b, g = self.in_proj(x).split([q_rows + k_rows + v_rows, *rest], dim=-1)   # raw: q|k|v [T, 3P]
-        weight = torch.cat([self.q_conv1d.weight, self.k_conv1d.weight, self.v_conv1d.weight]).squeeze(1)
+        weight = self.conv1d.weight.squeeze(1)                                  # [3P, W]
         f = self.f_b_proj(f_a).view(T, H, K)
         if batch.row_state_slots is not None:
-            o = self._attend_short(raw, weight, f, b, has_state, batch, conv_pool, state_pool)
+            o = self._attend_short(raw, weight, f, b, batch.context_lens > 0, batch, conv_pool, state_pool)
         elif batch.checkpoints:
-            o = self._attend_with_checkpoints(raw, weight, f, b, has_state, batch, conv_pool, state_pool)
+            o = self._attend_with_checkpoints(raw, weight, f, b, batch.context_lens > 0, batch, conv_pool, state_pool)
         else:
             # the ops read the sequences' pool rows and write the new windows/states back in place
+            # (None: every sequence has history, which a decode step's kernels take as given)
+            has_state = None if batch.is_decode else batch.context_lens > 0
             q, k, v = (t.view(T, H, K) for t in causal_conv1d_in_pool(raw, weight, conv_pool, slots, has_state,
                                                                        batch.query_lens_cpu, batch.cu_seqlens, 3))
             o = kda_attention_in_pool(q, k, v, f, b, self.A_log, self.dt_bias, self.lower_bound, state_pool, slots,
@@ -155,14 +157,6 @@ class KimiDeltaAttention(nn.Module):
         conv_pool[slots] = conv1
         state_pool[slots] = state
         return o
-
-
-class _ConvWeight(nn.Module):
-    """Holds ``{q,k,v}_conv1d.weight`` [P, 1, W] (the checkpoint also allows [P, W])."""
-
-    def __init__(self, channels: int, width: int):
-        super().__init__()
-        self.weight = nn.Parameter(torch.zeros(channels, 1, width))
 
 
 class _NormWeight(nn.Module):

@@ -17,14 +17,14 @@ from kimik3.distributed import ParallelContext
 from kimik3.model.attn_res import ResidualStream
 from kimik3.model.batch import ForwardBatch, HybridCache
 from kimik3.model.kda import KimiDeltaAttention
-from kimik3.model.layers import MLP, Embedding, GLUActivation, MergedLinear, RMSNorm, linear
+from kimik3.model.layers import MLP, Embedding, GLUActivation, MergedWeight, RMSNorm, linear
 from kimik3.model.mla import MLAAttention
 from kimik3.model.moe import MoE
 from kimik3.model.vision import KimiVisionModel
 
 # Parameters kept in fp32 (or wider) whatever the model dtype (spec D4, text-backbone 5.1).
 _ALWAYS_FP32 = re.compile(r"\.(A_log|dt_bias)$")
-_CHECKPOINT_FP32 = re.compile(r"\.([qkv]_conv1d\.weight|o_norm\.weight|gate\.e_score_correction_bias)$")
+_CHECKPOINT_FP32 = re.compile(r"\.(conv1d\.weight|o_norm\.weight|gate\.e_score_correction_bias)$")
 # one routed expert's matrix as the checkpoint names it: (layer, expert, w1|w2|w3); the loader reads it too
 EXPERT_WEIGHT = re.compile(r"^model\.layers\.(\d+)\.block_sparse_moe\.experts\.(\d+)\.(w[123])\.weight$")
 _STACKED = re.compile(r"^model\.layers\.(\d+)\.block_sparse_moe\.experts\.(w[123])$")
@@ -160,11 +160,11 @@ class KimiForCausalLM(nn.Module):
         if module is None and leaf == "weight":               # "<owner>.<part>.weight" of a merged projection
             parent, _, part = owner.rpartition(".")
             try:
-                merged = [c for c in self.get_submodule(parent).children() if isinstance(c, MergedLinear) and part in c.parts]
+                merged = [c for c in self.get_submodule(parent).children() if isinstance(c, MergedWeight) and part in c.parts]
             except AttributeError:
                 merged = []
             return merged[0].part(part) if merged else None
-        if module is None or isinstance(module, MergedLinear) or _STACKED.match(name):
+        if module is None or isinstance(module, MergedWeight) or _STACKED.match(name):
             return None
         param = getattr(module, leaf, None)
         return param if isinstance(param, nn.Parameter) else None
@@ -220,7 +220,7 @@ class KimiForCausalLM(nn.Module):
             if m:
                 for e in range(p.shape[0]):
                     yield f"model.layers.{m[1]}.block_sparse_moe.experts.{owner.first_expert + e}.{m[2]}.weight", p.data[e]
-            elif isinstance(owner, MergedLinear):
+            elif isinstance(owner, MergedWeight):
                 parent = name.rsplit(".", 2)[0]
                 for part in owner.parts:
                     yield f"{parent}.{part}.weight", owner.part(part)

@@ -15,25 +15,33 @@ def linear(in_features: int, out_features: int) -> nn.Linear:
     return nn.Linear(in_features, out_features, bias=False)
 
 
-class MergedLinear(nn.Module):
-    """Bias-free projections of one input kept as one weight [sum of outs, in], so a step reads the
-    input once and launches one GEMM (vLLM's merged column-parallel linears). The checkpoint keeps
-    one tensor per projection: ``parts`` maps each one's module name (beside this module) to its
-    rows, in order; the model's loading and naming read them through ``part``."""
+class MergedWeight(nn.Module):
+    """Checkpoint tensors of one module kept as one weight stacked along dim 0 ([sum of rows, *tail]),
+    so a step reads it as one operand. The checkpoint keeps one tensor per part: ``parts`` maps each
+    one's module name (beside this module) to its rows, in order; the model's loading and naming read
+    them through ``part``."""
 
-    def __init__(self, in_features: int, parts: dict[str, int]):
+    def __init__(self, tail: tuple[int, ...], parts: dict[str, int]):
         super().__init__()
         self.parts = dict(parts)
-        self.weight = nn.Parameter(torch.zeros(sum(self.parts.values()), in_features))
+        self.weight = nn.Parameter(torch.zeros(sum(self.parts.values()), *tail))
 
     def part(self, name: str) -> torch.Tensor:
-        """The rows of projection ``name`` (a view of ``weight``)."""
+        """The rows of part ``name`` (a view of ``weight``)."""
         start = 0
         for part, rows in self.parts.items():
             if part == name:
                 return self.weight.data[start:start + rows]
             start += rows
         raise KeyError(f"{name} is not one of {list(self.parts)}")
+
+
+class MergedLinear(MergedWeight):
+    """Bias-free projections of one input as one weight [sum of outs, in], so a step reads the input
+    once and launches one GEMM (vLLM's merged column-parallel linears)."""
+
+    def __init__(self, in_features: int, parts: dict[str, int]):
+        super().__init__((in_features,), parts)
 
     def forward(self, x: torch.Tensor) -> torch.Tensor:
         """x [..., in] -> [..., sum of outs]: the projections side by side, in ``parts`` order."""

@@ -51,12 +51,13 @@ def conv_windows_at(x: torch.Tensor, windows: torch.Tensor, cu_seqlens: torch.Te
 
 
 def causal_conv1d_in_pool(x: torch.Tensor, weight: torch.Tensor, pool: torch.Tensor, slots: torch.Tensor,
-                          has_state: torch.Tensor, query_lens: list[int], cu_seqlens: torch.Tensor,
+                          has_state: torch.Tensor | None, query_lens: list[int], cu_seqlens: torch.Tensor,
                           groups: int = 1) -> tuple[torch.Tensor, ...]:
     """``causal_conv1d`` with the history read from, and the new window written to, a state pool.
 
     x [T, C]; weight [C, W]; pool [num_slots, C, W-1] (rows ``slots`` [N] are read, then
-    overwritten); has_state [N] bool (False: fresh sequence, zero history); cu_seqlens [N+1].
+    overwritten); has_state [N] bool (False: fresh sequence, zero history; None: every sequence has
+    history, as in a decode step); cu_seqlens [N+1].
     Returns y in x's dtype as ``groups`` contiguous [T, C / groups] tensors (KDA: q, k, v, each
     packed as fla's kernels read them). CUDA: one Triton pass, no gather/scatter of the windows.
     """
@@ -64,7 +65,7 @@ def causal_conv1d_in_pool(x: torch.Tensor, weight: torch.Tensor, pool: torch.Ten
         from kimik3.ops.triton.conv import causal_conv1d_pool_triton
         x = x if x.stride(-1) == 1 else x.contiguous()
         return causal_conv1d_pool_triton(x, weight, pool, slots, has_state, cu_seqlens, groups).unbind(0)
-    state0 = pool[slots].masked_fill(~has_state.view(-1, 1, 1), 0)
+    state0 = pool[slots] if has_state is None else pool[slots].masked_fill(~has_state.view(-1, 1, 1), 0)
     y, state1 = causal_conv1d(x, weight, state0, query_lens)
     pool[slots] = state1
     return tuple(part.contiguous() for part in y.chunk(groups, dim=-1))

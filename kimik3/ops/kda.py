@@ -178,27 +178,19 @@ def kda_recurrent_in_pool(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, f: 
 
 def kda_attention_in_pool(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, f: torch.Tensor, b: torch.Tensor,
                           A_log: torch.Tensor, dt_bias: torch.Tensor, lower_bound: float | None,
-                          state_pool: torch.Tensor, slots: torch.Tensor, has_state: torch.Tensor,
+                          state_pool: torch.Tensor, slots: torch.Tensor, has_state: torch.Tensor | None,
                           query_lens: list[int], cu_seqlens: torch.Tensor, decode: bool) -> torch.Tensor:
     """``kda_attention`` with the states read from and written back to a pool.
 
     state_pool [num_slots, H, V, K] fp32 (V-first): rows ``slots`` [N] are the initial states
-    (zeros where ``has_state`` [N] is False) and receive the final states. ``decode``: every
-    sequence has one token and a state (then CUDA updates the pool rows in place with fla's
-    recurrent kernel, no gather/scatter). Returns o [T, H, V].
+    (zeros where ``has_state`` [N] is False; None: every sequence has one) and receive the final
+    states. ``decode``: every sequence has one token and a state (then CUDA updates the pool rows in
+    place with our one-kernel step, ``triton/kda.py``: no gather/scatter). Returns o [T, H, V].
     """
     if use_fast_path(q) and decode:
-        _, fused_recurrent_kda_fwd = import_fla_kda()
-        N, H, K = q.shape
-        q, k, v, f = (t.contiguous() for t in (q, k, v, f))                  # fla assumes packed rows
-        o, _ = fused_recurrent_kda_fwd(q.view(N, 1, H, K), k.view(N, 1, H, K), v.view(N, 1, H, -1),
-                                       f.view(N, 1, H, K), b.float().view(N, 1, H), A_log=A_log.float(),
-                                       dt_bias=dt_bias.float(), initial_state=state_pool, inplace_final_state=True,
-                                       state_v_first=True, ssm_state_indices=slots, use_qk_l2norm_in_kernel=True,
-                                       use_gate_in_kernel=True, use_beta_sigmoid_in_kernel=True,
-                                       lower_bound=lower_bound)
-        return o.view(N, H, -1)
-    state0 = state_pool[slots].masked_fill(~has_state.view(-1, 1, 1, 1), 0)
+        from kimik3.ops.triton.kda import kda_decode_triton
+        return kda_decode_triton(q, k, v, f, b, A_log, dt_bias, lower_bound, state_pool, slots)
+    state0 = state_pool[slots] if has_state is None else state_pool[slots].masked_fill(~has_state.view(-1, 1, 1, 1), 0)
     if use_fast_path(q):
         o, state1 = _chunk_kda_fla(q, k, v, f, b, A_log, dt_bias, lower_bound, state0, cu_seqlens)
     else:

@@ -12,15 +12,29 @@ def acc_dtype(dtype: torch.dtype) -> torch.dtype:
     return torch.promote_types(dtype, torch.float32)
 
 
-def rms_norm(x: torch.Tensor, weight: torch.Tensor, eps: float) -> torch.Tensor:
+def rms_norm(x: torch.Tensor, weight: torch.Tensor, eps: float, dtype: torch.dtype | None = None) -> torch.Tensor:
     """Kimi's RMSNorm: statistics in fp32, round to x's dtype, then multiply by the weight
-    (two roundings for bf16; exact in fp32/fp64). x [..., D], weight [D]. CUDA: one Triton kernel."""
-    if use_fast_kernel(x, weight):
+    (two roundings for bf16; exact in fp32/fp64). x [..., D], weight [D]. ``dtype``: the norm of
+    x rounded to it first (the result in ``dtype``). CUDA: one Triton kernel."""
+    dtype = dtype or x.dtype
+    if use_fast_kernel(x, weight, dtype):
         from kimik3.ops.triton.norm import KIMI, rms_norm_triton
-        return rms_norm_triton(x, weight, eps, KIMI, x.dtype)
+        return rms_norm_triton(x, weight, eps, KIMI, dtype)
+    x = x.to(dtype)
     xf = x.to(acc_dtype(x.dtype))
     y = (xf * torch.rsqrt(xf.pow(2).mean(-1, keepdim=True) + eps)).to(x.dtype)
     return y * weight.to(x.dtype)
+
+
+def add_rms_norm(x: torch.Tensor, residual: torch.Tensor, weight: torch.Tensor,
+                 eps: float) -> tuple[torch.Tensor, torch.Tensor]:
+    """(s, rms_norm(s)) for s = x + residual in x's dtype: a residual stream's add and the norm that
+    reads it. CUDA (same dtype and shape): one Triton kernel reads both once."""
+    if use_fast_kernel(x, residual, weight) and residual.dtype == x.dtype and residual.shape == x.shape:
+        from kimik3.ops.triton.norm import KIMI, rms_norm_triton
+        return rms_norm_triton(x, weight, eps, KIMI, x.dtype, residual=residual)
+    s = x + residual
+    return s, rms_norm(s, weight, eps)
 
 
 def rms_norm_fp32_weight(x: torch.Tensor, weight: torch.Tensor, eps: float, out_dtype: torch.dtype) -> torch.Tensor:

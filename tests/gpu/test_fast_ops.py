@@ -24,7 +24,7 @@ from kimik3.ops.conv import causal_conv1d_in_pool
 from kimik3.ops.kda import kda_attention_in_pool, kda_recurrent_in_pool
 from kimik3.ops.mla import mla_decode_attention, mla_prefill_attention
 from kimik3.ops.moe import fused_moe, fused_moe_mxfp4
-from kimik3.ops.norm import gated_rms_norm, rms_norm, rms_norm_fp32_weight
+from kimik3.ops.norm import add_rms_norm, gated_rms_norm, rms_norm, rms_norm_fp32_weight
 from kimik3.ops.router import route
 from tests.helpers import worst_rel_err
 
@@ -52,7 +52,8 @@ def _batch(lens, ctx, num_slots, g):
     return slots, cu, has
 
 
-def check_conv(lens=(37, 1, 130, 5), ctx=(0, 9, 4, 0), C=3 * 12288 // 8, seed=0) -> dict:
+def check_conv(lens=(37, 1, 130, 5), ctx=(0, 9, 4, 0), C=3 * 12288 // 8, seed=0, given=True) -> dict:
+    """given=False: has_state None (every sequence has history; one token each: the decode kernel)."""
     g = _gen(seed)
     W, S = 4, 17
     x = torch.randn(sum(lens), C + 512, generator=g, device="cuda").to(BF16)[:, :C]   # a merged projection's slice
@@ -63,7 +64,7 @@ def check_conv(lens=(37, 1, 130, 5), ctx=(0, 9, 4, 0), C=3 * 12288 // 8, seed=0)
     with reference_ops():
         ref = torch.cat(causal_conv1d_in_pool(x, w, ref_pool, slots, has, list(lens), cu, 3), dim=-1)
     poison_allocator()
-    y = torch.cat(causal_conv1d_in_pool(x, w, pool, slots, has, list(lens), cu, 3), dim=-1)
+    y = torch.cat(causal_conv1d_in_pool(x, w, pool, slots, has if given else None, list(lens), cu, 3), dim=-1)
     return {"conv.y": worst_rel_err(y, ref, lens), "conv.pool_exact": float(not torch.equal(pool, ref_pool))}
 
 
@@ -77,13 +78,16 @@ def _kda_inputs(T, H, K, g):
 
 
 def check_kda(lens=(200, 1, 67, 130), ctx=(0, 12, 5, 0), H=96, K=128, lower_bound=-5.0, seed=1) -> dict:
-    """Prefill (fla chunk_kda, ragged varlen, states from scattered slots) and decode (fla
-    recurrent kernel updating the pool in place); reference in fp32 on the same inputs."""
+    """Prefill (fla chunk_kda, ragged varlen, states from scattered slots) and decode (our one-kernel
+    step updating the pool in place; b a strided slice, as the model passes it); reference in fp32
+    on the same inputs."""
     g = _gen(seed)
     S = 11
     out = {}
     for name, ls, cs in (("prefill", list(lens), list(ctx)), ("decode", [1] * len(lens), [c + 1 for c in ctx])):
         q, k, v, f, b, A_log, dt_bias = _kda_inputs(sum(ls), H, K, g)
+        if name == "decode":
+            b = torch.cat([b, b[:, :3]], dim=1)[:, :H]                   # row stride H + 3
         pool = 0.1 * torch.randn(S, H, K, K, generator=g, device="cuda")
         slots, cu, has = _batch(ls, cs, S, g)
         ref_pool = pool.clone()
@@ -266,6 +270,14 @@ def check_rms_norm(T=77, seed=17) -> dict:
         gots = [rms_norm(x, w, 1e-5), rms_norm_fp32_weight(x, w, 1e-5, BF16), gated_rms_norm(x.float(), w, gate, 1e-5, BF16)]
         for name, got, ref in zip(("kimi", "fp32_weight", "gated"), gots, refs):
             out[f"rms_norm.{name}.D{D}"] = worst_rel_err(got, ref)
+        # the residual add fused into Kimi's norm (the sum bit-equal to torch's bf16 add), and an fp32
+        # row normed as its bf16 rounding (AttnRes: bf16 mix, then norm) bit-equal to rounding first
+        s, y = add_rms_norm(x, gate, w, 1e-5)
+        out[f"rms_norm.add_sum_exact.D{D}"] = float(not torch.equal(s, x + gate))
+        out[f"rms_norm.add_norm_exact.D{D}"] = float(not torch.equal(y, rms_norm(x + gate, w, 1e-5)))
+        mix = x.float() + 0.01 * gate.float()
+        out[f"rms_norm.rounded_input_exact.D{D}"] = float(not torch.equal(rms_norm(mix, w, 1e-5, BF16),
+                                                                          rms_norm(mix.to(BF16), w, 1e-5)))
     return out
 
 
@@ -327,8 +339,9 @@ def test_softplus_gate_kda_prefill_and_decode():
     assert not bad, results
 
 
-def test_conv_decode_batch():
-    results = check_conv(lens=(1,) * 9, ctx=(3, 1, 5, 8, 2, 2, 9, 4, 1), seed=8)
+@pytest.mark.parametrize("given", [True, False], ids=["has_state", "decode_kernel"])
+def test_conv_decode_batch(given):
+    results = check_conv(lens=(1,) * 9, ctx=(3, 1, 5, 8, 2, 2, 9, 4, 1), seed=8, given=given)
     assert results["conv.y"] < BF16_BOUND and results["conv.pool_exact"] == 0, results
 
 

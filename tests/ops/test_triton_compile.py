@@ -112,11 +112,13 @@ def test_rms_norm_kernel_compiles_for_hopper():
 
 def compile_rms_norm():
     from kimik3.ops.triton import norm
-    for form, (x, w, y) in ((norm.KIMI, ("bf16", "fp32", "bf16")), (norm.FP32_WEIGHT, ("fp32", "fp32", "bf16")),
-                            (norm.GATED, ("fp32", "fp32", "bf16"))):
+    for form, (x, w, y), res in ((norm.KIMI, ("bf16", "fp32", "bf16"), False), (norm.KIMI, ("bf16", "fp32", "bf16"), True),
+                                 (norm.KIMI, ("fp32", "fp32", "bf16"), False), (norm.FP32_WEIGHT, ("fp32", "fp32", "bf16"), False),
+                                 (norm.GATED, ("fp32", "fp32", "bf16"), False)):
         for BD, BR in ((8192, 1), (128, 16)):
-            compile_for_hopper(norm._rms_norm_kernel, {"x": f"*{x}", "w": f"*{w}", "g": "*bf16", "y": f"*{y}", "eps": "fp32"},
-                               dict(FORM=form, BR=BR, BD=BD), num_warps=8 if BD >= 4096 else 4, num_stages=1)
+            compile_for_hopper(norm._rms_norm_kernel, {"x": f"*{x}", "w": f"*{w}", "g": "*bf16", "r": f"*{x}", "s": f"*{x}",
+                                                       "y": f"*{y}", "eps": "fp32"},
+                               dict(FORM=form, HAS_RES=res, BR=BR, BD=BD), num_warps=8 if BD >= 4096 else 4, num_stages=1)
 
 
 def test_glu_kernel_compiles_for_hopper():
@@ -141,3 +143,16 @@ def compile_conv():
              "tok_seq": "*i64", "y": "*bf16"}
     compile_for_hopper(conv._conv_fwd_kernel, types, dict(W=4, BT=16, BC=128))
     compile_for_hopper(conv._conv_state_kernel, types, dict(W=4, WP=4, BC=256))
+    compile_for_hopper(conv._conv_decode_kernel, types, dict(W=4, WP=4, BC=256))
+
+
+def test_kda_decode_kernel_compiles_for_hopper():
+    in_compiler_process("t.compile_kda_decode()")
+
+
+def compile_kda_decode():
+    from kimik3.ops.triton import kda
+    types = {"q": "*bf16", "k": "*bf16", "v": "*bf16", "f": "*bf16", "b": "*bf16", "A_log": "*fp32", "dt_bias": "*fp32",
+             "pool": "*fp32", "slots": "*i64", "o": "*bf16", "lower_bound": "fp32", "scale": "fp32"}
+    for bounded in (True, False):
+        compile_for_hopper(kda._kda_decode_kernel, types, dict(H=32, K=128, V=128, BV=32, BOUNDED=bounded))

@@ -53,10 +53,13 @@ def test_l2norm_kernel_refuses_a_row_size_it_cannot_tile():
 
 # ---- conv --------------------------------------------------------------------------------
 @pytest.mark.parametrize("groups", [1, 4])
-@pytest.mark.parametrize("lens,ctx", [([5, 1, 9], [0, 3, 2]), ([1, 1, 1, 1], [4, 1, 2, 7])], ids=["varlen", "decode"])
-def test_conv_pool_kernel_matches_reference(lens, ctx, groups):
+@pytest.mark.parametrize("lens,ctx,given", [([5, 1, 9], [0, 3, 2], True), ([1, 1, 1, 1], [4, 1, 2, 7], True),
+                                            ([1, 1, 1, 1], [4, 1, 2, 7], False), ([2, 1, 3], [4, 1, 2], False)],
+                         ids=["varlen", "decode", "decode_kernel", "short_all_history"])
+def test_conv_pool_kernel_matches_reference(lens, ctx, given, groups):
     """The windows and outputs against the reference; the inputs read with a row stride (a column
-    slice of a merged projection), the outputs in ``groups`` channel groups side by side."""
+    slice of a merged projection), the outputs in ``groups`` channel groups side by side. Without
+    ``has_state`` (every sequence has history) a decode step takes its own one-pass kernel."""
     from kimik3.ops.triton.conv import causal_conv1d_pool_triton
     g = gen(0)
     C, W, N = 40, 4, len(lens)
@@ -69,11 +72,54 @@ def test_conv_pool_kernel_matches_reference(lens, ctx, groups):
     state0 = pool[slots].masked_fill(~has.view(-1, 1, 1), 0)
     y_ref, s_ref = causal_conv1d(x, w, state0, lens)
     before = pool.clone()
-    y = causal_conv1d_pool_triton(x, w, pool, slots, has, cu, groups)
+    y = causal_conv1d_pool_triton(x, w, pool, slots, has if given else None, cu, groups)
     assert y.shape == (groups, sum(lens), C // groups)
     assert rel_err(torch.cat(y.unbind(0), dim=-1), y_ref) < 8e-3        # one truncating bf16 rounding
     assert torch.equal(pool[slots], s_ref)
     untouched = [i for i in range(9) if i not in slots.tolist()]
+    assert torch.equal(pool[untouched], before[untouched])
+
+
+# ---- KDA decode ----------------------------------------------------------------------------
+@pytest.mark.parametrize("lower_bound", [-5.0, None], ids=["bounded", "softplus"])
+def test_kda_decode_kernel_matches_float64(lower_bound):
+    """One decode step of three sequences in scattered pool slots against the equations in float64:
+    gate (K3's bounded sigmoid or Kimi-Linear's softplus, with a logit past softplus's threshold),
+    beta = sigmoid(b), q and k L2-normalised (q by K^-1/2), decay, delta rule, output. q and b are
+    read with row strides (slices of a wider projection); value channels span two programs."""
+    from kimik3.ops.triton.kda import kda_decode_triton
+    g = gen(5)
+    N, H, K = 3, 2, 32
+    V = K
+    wide = torch.randn(N, 3 * H * K + H + 8, generator=g).to(BF16)
+    q = wide[:, :H * K].view(N, H, K)
+    k, v = (wide[:, H * K * (i + 1):H * K * (i + 2)].view(N, H, K) for i in range(2))
+    b = wide[:, 3 * H * K:3 * H * K + H]
+    f = (torch.randn(N, H, K, generator=g) * 3).to(BF16)
+    f[0, 0, 0] = 30.0                                                    # softplus's identity branch
+    A_log = torch.randn(H, generator=g) * 0.5
+    dt_bias = torch.randn(H * K, generator=g) * 0.5
+    pool = torch.randn(6, H, V, K, generator=g)
+    slots = torch.tensor([4, 1, 3])
+    before = pool.clone()
+    o = kda_decode_triton(q, k, v, f, b, A_log, dt_bias, lower_bound, pool, slots, block_v=16)
+
+    d = lambda t: t.double()                                             # noqa: E731
+    z = d(f) + d(dt_bias).view(1, H, K)
+    a = torch.exp(d(A_log)).view(1, H, 1)
+    gate = lower_bound * torch.sigmoid(a * z) if lower_bound is not None else -a * torch.where(
+        z > 20, z, torch.log1p(torch.exp(z)))
+    qn = d(q) / torch.sqrt((d(q) ** 2).sum(-1, keepdim=True) + 1e-6) / math.sqrt(K)
+    kn = d(k) / torch.sqrt((d(k) ** 2).sum(-1, keepdim=True) + 1e-6)
+    beta = torch.sigmoid(d(b))
+    S = d(before[slots]) * torch.exp(gate).unsqueeze(2)                  # [N, H, V, K]: rows decay by key channel
+    delta = beta.unsqueeze(-1) * (d(v) - (S * kn.unsqueeze(2)).sum(-1))
+    S = S + delta.unsqueeze(-1) * kn.unsqueeze(2)
+    want = (S * qn.unsqueeze(2)).sum(-1)
+    assert o.shape == (N, H, V) and o.dtype == BF16
+    assert rel_err(o, want) < 8e-3                                       # one truncating bf16 rounding
+    assert (d(pool[slots]) - S).abs().max() <= 1e-5 * S.abs().max()
+    untouched = [i for i in range(6) if i not in slots.tolist()]
     assert torch.equal(pool[untouched], before[untouched])
 
 
@@ -297,6 +343,29 @@ def test_rms_norm_kernel_matches_float64(rows, D, form, dtype):
         assert torch.equal(got[0], torch.zeros(D, dtype=out_dtype))
 
 
+@pytest.mark.parametrize("rows,D", [(1, 2304), (37, 128), (70, 48)])
+def test_rms_norm_kernel_residual_add_and_rounded_input(rows, D):
+    """The residual stream's add fused into Kimi's norm: s = x + r rounded once to bf16 (equal to
+    torch's bf16 add), y the norm of that s from the math in float64 within Kimi's three roundings;
+    and an fp32 row normed as its bf16 rounding (the AttnRes mix), which must equal the norm of the
+    pre-rounded row bit for bit. Both read with row strides."""
+    from kimik3.ops.triton.norm import KIMI, rms_norm_triton
+    g = gen(rows + D)
+    x = (torch.randn(rows, D + 8, generator=g) * 3).to(BF16)[:, :D]
+    r = (torch.randn(rows, D + 16, generator=g) * 3).to(BF16)[:, 8:D + 8]
+    w = 1 + 0.3 * torch.randn(D, generator=g)
+    s, y = rms_norm_triton(x, w, 1e-5, KIMI, BF16, residual=r)
+    s64 = (x.double() + r.double()).to(BF16).double()                     # one rounding of the exact sum
+    assert s.dtype == BF16 and ((s.double() - s64).abs() <= 2 ** -7 * s64.abs()).all()   # interpreter truncates
+    want = s.double() * torch.rsqrt(s.double().pow(2).mean(-1, keepdim=True) + 1e-5) * w.to(BF16).double()
+    assert ((y.double() - want).abs() <= 3 * 2 ** -7 * want.abs() + 1e-30).all()
+    assert torch.equal(y, rms_norm_triton(s, w, 1e-5, KIMI, BF16))      # the norm of the stored (rounded) sum
+    base = (torch.randn(rows, D + 4, generator=g) * 2).to(BF16)[:, :D]
+    mix = base.float()
+    mix[:, ::2] *= 1 + 2 ** -10            # fp32 values a quarter ulp past bf16 ones: both roundings give base
+    assert torch.equal(rms_norm_triton(mix, w, 1e-5, KIMI, BF16), rms_norm_triton(base, w, 1e-5, KIMI, BF16))
+
+
 def test_rms_norm_ops_take_the_kernel_on_the_fast_path(monkeypatch):
     """rms_norm / rms_norm_fp32_weight / gated_rms_norm route CUDA-class tensors to the kernel (the
     dispatch is checked here by pretending the fast path is on; float64 stays on the reference)."""
@@ -308,10 +377,12 @@ def test_rms_norm_ops_take_the_kernel_on_the_fast_path(monkeypatch):
     monkeypatch.setattr(kernel, "rms_norm_triton", lambda *a, **k: calls.append(a[3]) or real(*a, **k))
     x, w, gate = torch.randn(4, 64).to(BF16), torch.randn(64), torch.randn(4, 64).to(BF16)
     ref = [norm.rms_norm(x.double(), w.double(), 1e-6), norm.rms_norm_fp32_weight(x.double(), w.double(), 1e-6, torch.float64),
-           norm.gated_rms_norm(x.double(), w.double(), gate.double(), 1e-6, torch.float64)]
+           norm.gated_rms_norm(x.double(), w.double(), gate.double(), 1e-6, torch.float64),
+           norm.add_rms_norm(x.double(), gate.double(), w.double(), 1e-6)[1]]
     assert calls == []
-    got = [norm.rms_norm(x, w, 1e-6), norm.rms_norm_fp32_weight(x, w, 1e-6, BF16), norm.gated_rms_norm(x, w, gate, 1e-6, BF16)]
-    assert calls == [kernel.KIMI, kernel.FP32_WEIGHT, kernel.GATED]
+    got = [norm.rms_norm(x, w, 1e-6), norm.rms_norm_fp32_weight(x, w, 1e-6, BF16), norm.gated_rms_norm(x, w, gate, 1e-6, BF16),
+           norm.add_rms_norm(x, gate, w, 1e-6)[1]]
+    assert calls == [kernel.KIMI, kernel.FP32_WEIGHT, kernel.GATED, kernel.KIMI]
     for a, b in zip(got, ref):
         assert rel_err(a, b) < 1e-2
 

@@ -65,11 +65,37 @@ def _conv_state_kernel(x, pool, slots, has_state, cu_seqlens, C, stride_x, strid
     tl.store(row + cols[None, :], vals.to(pool.dtype.element_ty), mask=mc[:, None] & mcol[None, :])
 
 
+@triton.jit
+def _conv_decode_kernel(x, weight, pool, slots, y, N, C, G, stride_x, stride_pool_slot, stride_pool_c,
+                        W: tl.constexpr, WP: tl.constexpr, BC: tl.constexpr):
+    """One token per sequence, every one with history: y = silu(window . w[:, :W-1] + x w[:, W-1])
+    and the window shifted by one (x appended), its row read once and written once."""
+    n, pid_c = tl.program_id(0).to(tl.int64), tl.program_id(1)
+    c = pid_c * BC + tl.arange(0, BC)
+    cols = tl.arange(0, WP)
+    mc = c < C
+    m = mc[:, None] & (cols < W - 1)[None, :]
+    row = pool + tl.load(slots + n).to(tl.int64) * stride_pool_slot + c[:, None].to(tl.int64) * stride_pool_c
+    win = tl.load(row + cols[None, :], mask=m, other=0.0)                      # [BC, WP], oldest first
+    xv = tl.load(x + n * stride_x + c, mask=mc, other=0.0)
+    taps = tl.load(weight + c[:, None] * W + cols[None, :], mask=m, other=0.0).to(tl.float32)
+    acc = tl.sum(win.to(tl.float32) * taps, 1) + xv.to(tl.float32) * tl.load(weight + c * W + W - 1, mask=mc,
+                                                                              other=0.0).to(tl.float32)
+    out = acc * tl.sigmoid(acc)
+    tl.store(y + (c // G).to(tl.int64) * N * G + n * G + (c % G), out.to(y.dtype.element_ty), mask=mc)
+    later = tl.load(row + cols[None, :] + 1, mask=mc[:, None] & (cols < W - 2)[None, :], other=0.0)
+    shifted = tl.where((cols == W - 2)[None, :], xv.to(pool.dtype.element_ty)[:, None], later)
+    tl.debug_barrier()                            # every old column is read before any is overwritten
+    tl.store(row + cols[None, :], shifted, mask=m)
+
+
 def causal_conv1d_pool_triton(x: torch.Tensor, weight: torch.Tensor, pool: torch.Tensor, slots: torch.Tensor,
-                              has_state: torch.Tensor, cu_seqlens: torch.Tensor, groups: int = 1) -> torch.Tensor:
+                              has_state: torch.Tensor | None, cu_seqlens: torch.Tensor, groups: int = 1) -> torch.Tensor:
     """x [T, C] raw inputs (any row stride), weight [C, W], pool [slots, C, W-1] (updated in place at
-    ``slots``), slots [N], has_state [N] (0: fresh sequence, zero history), cu_seqlens [N+1].
-    Returns y [groups, T, C / groups] in x's dtype: channel group g of every token side by side."""
+    ``slots``), slots [N], has_state [N] (0: fresh sequence, zero history; None: every sequence has
+    history), cu_seqlens [N+1]. Returns y [groups, T, C / groups] in x's dtype: channel group g of
+    every token side by side. A decode step (one token per sequence, has_state None) runs as one
+    kernel that reads and writes each window once."""
     T, C = x.shape
     if C % groups:
         raise ValueError(f"causal_conv1d_pool_triton: {C} channels do not split into {groups} groups")
@@ -78,6 +104,16 @@ def causal_conv1d_pool_triton(x: torch.Tensor, weight: torch.Tensor, pool: torch
         raise ValueError("causal_conv1d_pool_triton needs unit stride on the channel/column axes")
     weight = weight.contiguous()
     N = slots.shape[0]
+    if has_state is None and T == N:
+        y = torch.empty(groups, T, C // groups, dtype=x.dtype, device=x.device)
+        if T:
+            BC = 256
+            _conv_decode_kernel[(N, triton.cdiv(C, BC))](
+                x, weight, pool, slots, y, N, C, C // groups, x.stride(0), pool.stride(0), pool.stride(1),
+                W=W, WP=triton.next_power_of_2(max(W - 1, 1)), BC=BC)
+        return y
+    if has_state is None:
+        has_state = torch.ones(N, dtype=torch.bool, device=x.device)
     tok_seq = torch.searchsorted(cu_seqlens[1:].contiguous(), torch.arange(T, device=x.device), right=True)
     has = has_state.to(torch.int32)
     y = torch.empty(groups, T, C // groups, dtype=x.dtype, device=x.device)

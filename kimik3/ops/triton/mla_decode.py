@@ -176,10 +176,15 @@ def config_for(H: int, block_size: int, max_seq_len: int = 0, batch: int = 1) ->
     64 heads a program over 64 rows at 64+ heads for 32+ sequences, or for fewer than 8 over
     contexts from 512k; 32 heads over 64 rows, two programs an SM, for 8-31 sequences (and at 32
     or fewer heads from 8 sequences); 16 heads over 64 rows at 16 or fewer heads (two programs an
-    SM from 512k); else the products transposed over 128 rows, 32 heads as the N side."""
+    SM from 512k); else the products transposed over 128 rows, 32 heads as the N side. At 32 or
+    fewer heads (Kimi-Linear) for 32+ sequences, 32 rows a tile, three stages, four programs an SM
+    (the sweep at 7e8c19d, ``results/mla_decode_sweep5_7e8c19d.json``: 0.96x the time of two programs
+    over 64 rows at 4k contexts, 0.79x at 32k, 0.98x for 128 sequences)."""
     common = dict(form="gather", num_warps=8, max_splits=256)
     if H > 32 and (batch >= 32 or (batch < 8 and max_seq_len >= 1 << 19)):
         return DecodeConfig(**common, bh=64, bn=64, num_stages=2, programs_per_sm=1)
+    if batch >= 32:
+        return DecodeConfig(form="gather", max_splits=256, bh=32, bn=32, num_warps=4, num_stages=3, programs_per_sm=4)
     if batch >= 8:
         return DecodeConfig(**common, bh=32, bn=64, num_stages=2, programs_per_sm=2)
     if H <= 16:

@@ -2,12 +2,13 @@
 elementwise and reduce kernels each (casts, square, mean, rsqrt, products), a third of the kernels
 of a decode step. Three forms, chosen at compile time:
 
-- ``KIMI``: statistics in fp32, the normalised row rounded to x's dtype, then times the weight
-  rounded to x's dtype, one more rounding (Kimi's RMSNorm);
+- ``KIMI``: statistics in fp32, the normalised row rounded to the output dtype, then times the weight
+  rounded to it, one more rounding (Kimi's RMSNorm; a wider x is rounded to the output dtype first);
 - ``FP32_WEIGHT``: x * rstd * w in fp32, one rounding to the output dtype;
 - ``GATED``: as ``FP32_WEIGHT`` times sigmoid(gate) (KDA's output norm).
 
-The row count is not specialised on, so every batch size runs one compiled kernel per (form, D,
+Optionally the row is first the sum of x and a residual (rounded to x's dtype, and stored: the
+residual stream's add fused into the norm that follows it). The row count is not specialised on, so every batch size runs one compiled kernel per (form, D,
 dtypes).
 """
 
@@ -20,18 +21,26 @@ import triton.language as tl
 KIMI, FP32_WEIGHT, GATED = 0, 1, 2
 
 
-@triton.jit(do_not_specialize=["R", "sx", "sg"])
-def _rms_norm_kernel(x, w, g, y, R, D, sx, sg, eps, FORM: tl.constexpr, BR: tl.constexpr, BD: tl.constexpr):
+@triton.jit(do_not_specialize=["R", "sx", "sg", "sr"])
+def _rms_norm_kernel(x, w, g, r, s, y, R, D, sx, sg, sr, eps, FORM: tl.constexpr, HAS_RES: tl.constexpr,
+                     BR: tl.constexpr, BD: tl.constexpr):
     rows = tl.program_id(0).to(tl.int64) * BR + tl.arange(0, BR)
     cols = tl.arange(0, BD)
     mask = (rows[:, None] < R) & (cols[None, :] < D)
     v = tl.load(x + rows[:, None] * sx + cols[None, :], mask=mask, other=0.0).to(tl.float32)
-    rstd = 1 / tl.sqrt(tl.sum(v * v, axis=1) / D + eps)
+    if HAS_RES:                         # the residual sum x + r, rounded to its dtype, is stored and normed
+        v = (v + tl.load(r + rows[:, None] * sr + cols[None, :], mask=mask, other=0.0).to(tl.float32))
+        v = v.to(s.dtype.element_ty)
+        tl.store(s + rows[:, None] * D + cols[None, :], v, mask=mask)
+        v = v.to(tl.float32)
     wv = tl.load(w + cols, mask=cols < D, other=0.0)
     if FORM == 0:
-        n = (v * rstd[:, None]).to(x.dtype.element_ty).to(tl.float32)
-        out = n * wv.to(x.dtype.element_ty).to(tl.float32)
+        v = v.to(y.dtype.element_ty).to(tl.float32)      # the row in the output dtype (a no-op when x has it)
+        rstd = 1 / tl.sqrt(tl.sum(v * v, axis=1) / D + eps)
+        n = (v * rstd[:, None]).to(y.dtype.element_ty).to(tl.float32)
+        out = n * wv.to(y.dtype.element_ty).to(tl.float32)
     else:
+        rstd = 1 / tl.sqrt(tl.sum(v * v, axis=1) / D + eps)
         out = v * rstd[:, None] * wv.to(tl.float32)
         if FORM == 2:
             gv = tl.load(g + rows[:, None] * sg + cols[None, :], mask=mask, other=0.0).to(tl.float32)
@@ -46,8 +55,10 @@ def _rows(t: torch.Tensor) -> torch.Tensor:
 
 
 def rms_norm_triton(x: torch.Tensor, weight: torch.Tensor, eps: float, form: int, out_dtype: torch.dtype,
-                    gate: torch.Tensor | None = None) -> torch.Tensor:
-    """x [..., D] (fp32/bf16/fp16), weight [D], gate like x (``GATED`` only) -> [..., D] in ``out_dtype``."""
+                    gate: torch.Tensor | None = None, residual: torch.Tensor | None = None):
+    """x [..., D] (fp32/bf16/fp16), weight [D], gate like x (``GATED`` only) -> [..., D] in ``out_dtype``
+    (``KIMI`` with a wider x: the norm of x rounded to ``out_dtype``). With ``residual`` (like x, same
+    dtype): the norm of s = x + residual rounded to x's dtype, returned as (s, y)."""
     D = x.shape[-1]
     if weight.shape != (D,):
         raise ValueError(f"rms_norm_triton: weight shape {tuple(weight.shape)} does not match rows of {D}")
@@ -55,12 +66,20 @@ def rms_norm_triton(x: torch.Tensor, weight: torch.Tensor, eps: float, form: int
     gates = _rows(gate) if form == GATED else rows
     if form == GATED and gates.shape != rows.shape:
         raise ValueError(f"rms_norm_triton: gate shape {tuple(gate.shape)} does not match x {tuple(x.shape)}")
+    res = rows if residual is None else _rows(residual)
+    if residual is not None and (res.shape != rows.shape or residual.dtype != x.dtype):
+        raise ValueError(f"rms_norm_triton: residual {residual.dtype} {tuple(residual.shape)} does not match "
+                         f"x {x.dtype} {tuple(x.shape)}")
     R = rows.shape[0]
     y = torch.empty(R, D, dtype=out_dtype, device=x.device)
+    s = torch.empty(R, D, dtype=x.dtype, device=x.device) if residual is not None else y
     BD = triton.next_power_of_2(D)
     BR = max(1, min(64, 2048 // BD))
     if R:
-        _rms_norm_kernel[(triton.cdiv(R, BR),)](rows, weight.contiguous(), gates, y, R, D, rows.stride(0),
-                                               gates.stride(0), float(eps), FORM=form, BR=BR, BD=BD,
+        _rms_norm_kernel[(triton.cdiv(R, BR),)](rows, weight.contiguous(), gates, res, s, y, R, D, rows.stride(0),
+                                               gates.stride(0), res.stride(0), float(eps), FORM=form,
+                                               HAS_RES=residual is not None, BR=BR, BD=BD,
                                                num_warps=8 if BD >= 4096 else 4)
+    if residual is not None:
+        return s.view(x.shape), y.view(x.shape)
     return y.view(x.shape)

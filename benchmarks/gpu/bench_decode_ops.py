@@ -1,0 +1,118 @@
+"""The KDA layer's decode-step ops alone, each replayed as a CUDA graph, against their floor (bytes at
+the measured copy rate) and the alternatives: our one-kernel KDA step (``ops/triton/kda.py``) over
+value-block widths and warp counts beside fla-core's ``fused_recurrent_kda_fwd`` (the kernel it
+replaces), and the one-pass conv decode kernel beside the general varlen pair (conv + window
+update). Shapes: Kimi-Linear (32 heads) and K3 (96 heads) x 128, batch 1/32/128, scattered slots.
+
+    PYTHONPATH=. python benchmarks/gpu/bench_decode_ops.py     (writes $OUT/bench_decode_ops.json)
+"""
+
+from __future__ import annotations
+
+import datetime
+import sys
+from pathlib import Path
+
+import torch
+
+ROOT = Path(__file__).resolve().parents[2]
+sys.path.insert(0, str(ROOT))
+
+from benchmarks.common import capture_graph, commit_id, copy_rate, cuda_time, log, rel_err, save_results  # noqa: E402
+from kimik3.ops.backend import import_fla_kda  # noqa: E402
+from kimik3.ops.triton.conv import causal_conv1d_pool_triton  # noqa: E402
+from kimik3.ops.triton.kda import kda_decode_triton  # noqa: E402
+
+K = 128
+W = 4
+
+
+def graph_us(fn) -> float:
+    graph, _ = capture_graph(fn)
+    return cuda_time(graph.replay, warmup=3, iters=50) * 1e6
+
+
+def inputs(N: int, H: int, g: torch.Generator):
+    P = H * K
+    wide = torch.randn(N, 3 * P + K + H + P, device="cuda", generator=g).to(torch.bfloat16)  # a merged projection
+    q, k, v = (wide[:, i * P:(i + 1) * P].view(N, H, K) for i in range(3))
+    b = wide[:, 3 * P + K:3 * P + K + H]
+    f = torch.randn(N, H, K, device="cuda", generator=g).to(torch.bfloat16)
+    A_log = torch.log(torch.empty(H, device="cuda").uniform_(1, 16, generator=g))
+    dt_bias = 0.5 * torch.randn(P, device="cuda", generator=g)
+    slots = torch.randperm(2 * N + 1, device="cuda", generator=g)[:N] + 1
+    return wide, q, k, v, b, f, A_log, dt_bias, slots
+
+
+def main():
+    bw = copy_rate()
+    g = torch.Generator(device="cuda").manual_seed(0)
+    _, fla_recurrent = import_fla_kda()
+    rows = []
+    for H, lower_bound in ((32, None), (96, -5.0)):
+        for N in (1, 32, 128):
+            wide, q, k, v, b, f, A_log, dt_bias, slots = inputs(N, H, g)
+            pool = 0.1 * torch.randn(2 * N + 2, H, K, K, device="cuda", generator=g)
+            floor = (2 * N * H * K * K * 4 + 4 * N * H * K * 2) / bw * 1e6          # state read + write, q k v o
+            b32, qc, kc, vc = b.float().contiguous(), q.contiguous(), k.contiguous(), v.contiguous()
+
+            def fla():
+                return fla_recurrent(q.contiguous().view(N, 1, H, K), k.contiguous().view(N, 1, H, K),
+                                     v.contiguous().view(N, 1, H, K), f.view(N, 1, H, K), b.float().view(N, 1, H),
+                                     A_log=A_log, dt_bias=dt_bias, initial_state=pool, inplace_final_state=True,
+                                     state_v_first=True, ssm_state_indices=slots, use_qk_l2norm_in_kernel=True,
+                                     use_gate_in_kernel=True, use_beta_sigmoid_in_kernel=True,
+                                     lower_bound=lower_bound)[0]
+
+            def fla_kernel_only():                   # operands prepared outside (its launch alone)
+                return fla_recurrent(qc.view(N, 1, H, K), kc.view(N, 1, H, K), vc.view(N, 1, H, K), f.view(N, 1, H, K),
+                                     b32.view(N, 1, H), A_log=A_log, dt_bias=dt_bias, initial_state=pool,
+                                     inplace_final_state=True, state_v_first=True, ssm_state_indices=slots,
+                                     use_qk_l2norm_in_kernel=True, use_gate_in_kernel=True,
+                                     use_beta_sigmoid_in_kernel=True, lower_bound=lower_bound)[0]
+            saved = pool.clone()
+            ref = fla().double()
+            pool.copy_(saved)
+            cases = {"fla (as called before: b cast)": fla, "fla kernel alone": fla_kernel_only}
+            for bv in (16, 32, 64):
+                for warps in (2, 4, 8):
+                    cases[f"ours BV={bv} warps={warps}"] = (lambda bv=bv, warps=warps: kda_decode_triton(
+                        q, k, v, f, b, A_log, dt_bias, lower_bound, pool, slots, block_v=bv, num_warps=warps))
+            for name, fn in cases.items():
+                pool.copy_(saved)
+                err = rel_err(fn().double(), ref)
+                t = graph_us(fn)
+                rows.append({"op": "kda", "heads": H, "batch": N, "case": name, "us": t, "floor_us": floor,
+                             "over_floor": t / floor, "rel_diff_vs_fla": err})
+                log(f"kda H={H} b{N} {name}: {t:.1f} us = {t / floor:.2f} x floor, rel diff {err:.1e}")
+            # conv: raw q|k|v columns of the merged projection, pool [slots, 3P, W-1] bf16
+            C = 3 * H * K
+            x = wide[:, :C]
+            weight = torch.randn(C, W, device="cuda", generator=g)
+            cpool = torch.randn(2 * N + 2, C, W - 1, device="cuda", generator=g).to(torch.bfloat16)
+            cu = torch.arange(N + 1, device="cuda")
+            has = torch.ones(N, dtype=torch.bool, device="cuda")
+            cfloor = (2 * N * C * (W - 1) * 2 + 2 * N * C * 2) / bw * 1e6
+            csaved = cpool.clone()
+            outs = {}
+            for name, fn in (("general pair", lambda: causal_conv1d_pool_triton(x, weight, cpool, slots, has, cu, 3)),
+                             ("decode kernel", lambda: causal_conv1d_pool_triton(x, weight, cpool, slots, None, cu, 3))):
+                cpool.copy_(csaved)
+                outs[name] = (fn().double(), cpool[slots].clone())
+                t = graph_us(fn)
+                rows.append({"op": "conv", "heads": H, "batch": N, "case": name, "us": t, "floor_us": cfloor,
+                             "over_floor": t / cfloor})
+                log(f"conv H={H} b{N} {name}: {t:.1f} us = {t / cfloor:.2f} x floor")
+            same = torch.equal(outs["general pair"][1], outs["decode kernel"][1])
+            log(f"conv H={H} b{N}: outputs rel diff {rel_err(*[o[0] for o in outs.values()]):.1e}, windows equal {same}")
+    print("| op | heads | batch | case | us | floor us | time/floor |\n|---|---|---|---|---|---|---|")
+    for r in rows:
+        print(f"| {r['op']} | {r['heads']} | {r['batch']} | {r['case']} | {r['us']:.1f} | {r['floor_us']:.1f} | "
+              f"{r['over_floor']:.2f} |")
+    save_results("bench_decode_ops", {"gpu": torch.cuda.get_device_name(), "date": datetime.date.today().isoformat(),
+                                      "commit": commit_id(), "torch": torch.__version__, "copy_bytes_per_s": bw,
+                                      "rows": rows})
+
+
+if __name__ == "__main__":
+    main()

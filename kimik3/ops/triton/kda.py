@@ -1,0 +1,82 @@
+"""One KDA decode step in one kernel: every sequence has one new token and a state in the pool.
+Reference: ``kimik3.ops.kda.naive_recurrent_kda`` on ``_reference_inputs`` (the gate, beta's sigmoid
+and the q/k L2 norm are computed here from the raw operands).
+
+Program (sequence n, head h, value block): the state rows S[v, :] of its BV value channels
+(V-first pool, [slot, H, V, K] fp32), so the rows of one head are split over V / BV programs
+that each read and write their own slice once:
+    S <- S * exp(g)[None, :];  delta = beta (v - S k);  S <- S + delta[:, None] k[None, :];  o = S q
+q, k, v, f and b are read through their row strides (slices of the step's merged projection, as
+they come), so no operand is copied first.
+"""
+
+from __future__ import annotations
+
+import torch
+import triton
+import triton.language as tl
+
+
+@triton.jit
+def _kda_decode_kernel(q, k, v, f, b, A_log, dt_bias, pool, slots, o, lower_bound, scale,
+                       stride_q, stride_k, stride_v, stride_f, stride_b, stride_o, stride_slot,
+                       H: tl.constexpr, K: tl.constexpr, V: tl.constexpr, BV: tl.constexpr,
+                       BOUNDED: tl.constexpr):
+    n, h, iv = tl.program_id(0).to(tl.int64), tl.program_id(1), tl.program_id(2)
+    ck = tl.arange(0, K)
+    cv = iv * BV + tl.arange(0, BV)
+    slot = tl.load(slots + n).to(tl.int64)
+    rows = pool + slot * stride_slot + h * V * K + cv[:, None] * K + ck[None, :]
+    S = tl.load(rows)                                                      # [BV, K] fp32
+    qv = tl.load(q + n * stride_q + h * K + ck).to(tl.float32)
+    kv = tl.load(k + n * stride_k + h * K + ck).to(tl.float32)
+    vv = tl.load(v + n * stride_v + h * V + cv).to(tl.float32)
+    z = tl.load(f + n * stride_f + h * K + ck).to(tl.float32) + tl.load(dt_bias + h * K + ck).to(tl.float32)
+    a = tl.exp(tl.load(A_log + h).to(tl.float32))
+    if BOUNDED:
+        g = lower_bound * tl.sigmoid(a * z)
+    else:
+        g = -a * tl.where(z > 20.0, z, tl.log(1.0 + tl.exp(z)))            # softplus, threshold 20
+    beta = tl.sigmoid(tl.load(b + n * stride_b + h).to(tl.float32))
+    qv = qv * (1.0 / tl.sqrt(tl.sum(qv * qv, 0) + 1e-6)) * scale
+    kv = kv * (1.0 / tl.sqrt(tl.sum(kv * kv, 0) + 1e-6))
+    S = S * tl.exp(g)[None, :]
+    delta = beta * (vv - tl.sum(S * kv[None, :], 1))
+    S = S + delta[:, None] * kv[None, :]
+    tl.store(o + n * stride_o + h * V + cv, tl.sum(S * qv[None, :], 1).to(o.dtype.element_ty))
+    tl.store(rows, S)
+
+
+def default_block_v(V: int) -> int:
+    """Value channels a program updates (its state slice: block x K x 4 bytes)."""
+    return min(32, V)
+
+
+def kda_decode_triton(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, f: torch.Tensor, b: torch.Tensor,
+                      A_log: torch.Tensor, dt_bias: torch.Tensor, lower_bound: float | None,
+                      state_pool: torch.Tensor, slots: torch.Tensor, block_v: int | None = None,
+                      num_warps: int = 4) -> torch.Tensor:
+    """q, k, f [N, H, K]; v [N, H, V]; b [N, H] (each with unit stride inside a row, any row stride);
+    A_log [H], dt_bias [H*K]; state_pool [slots, H, V, K] fp32, rows ``slots`` [N] updated in place.
+    Returns o [N, H, V] in v's dtype."""
+    N, H, K = q.shape
+    V = v.shape[-1]
+    BV = block_v or default_block_v(V)
+    if state_pool.dtype != torch.float32 or tuple(state_pool.shape[1:]) != (H, V, K) or not state_pool[0].is_contiguous():
+        raise ValueError(f"kda_decode_triton: the state pool must be fp32 [slots, {H}, {V}, {K}] with contiguous "
+                         f"rows, got {state_pool.dtype} {tuple(state_pool.shape)}")
+    if K & (K - 1) or V % BV or BV & (BV - 1):
+        raise ValueError(f"kda_decode_triton: head dims K={K}, V={V} need K a power of two and V a multiple of "
+                         f"the power-of-two block {BV}")
+    for name, t in (("q", q), ("k", k), ("v", v), ("f", f)):
+        if t.stride(-1) != 1 or t.stride(-2) != t.shape[-1]:
+            raise ValueError(f"kda_decode_triton: {name} needs each row's heads packed ({tuple(t.stride())})")
+    if b.stride(-1) != 1:
+        raise ValueError("kda_decode_triton: b needs unit stride over heads")
+    o = torch.empty(N, H, V, dtype=v.dtype, device=v.device)
+    if N:
+        _kda_decode_kernel[(N, H, V // BV)](
+            q, k, v, f, b, A_log, dt_bias, state_pool, slots, o, float(lower_bound or 0.0), K ** -0.5,
+            q.stride(0), k.stride(0), v.stride(0), f.stride(0), b.stride(0), o.stride(0), state_pool.stride(0),
+            H=H, K=K, V=V, BV=BV, BOUNDED=lower_bound is not None, num_warps=num_warps)
+    return o
