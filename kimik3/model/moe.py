@@ -23,7 +23,7 @@ from kimik3.model.layers import MLP, GLUActivation, RMSNorm, linear
 from kimik3.ops import ceil_div, mxfp4
 from kimik3.ops.moe import fused_moe, fused_moe_mxfp4
 from kimik3.ops.norm import acc_dtype
-from kimik3.ops.router import route
+from kimik3.ops.router import route, router_logits
 
 # Batches up to this many tokens run the router and the shared experts on a side CUDA stream
 # (when the model was given one), beside the routed down-projection and the routed experts.
@@ -40,8 +40,7 @@ class Router(nn.Module):
             self.e_score_correction_bias = nn.Parameter(torch.zeros(num_experts))
 
     def logits(self, x: torch.Tensor) -> torch.Tensor:
-        acc = acc_dtype(x.dtype)   # both operands upcast: logits in fp32 (spec §3.1)
-        return x.to(acc) @ self.weight.to(acc).t()
+        return router_logits(x, self.weight)      # both operands upcast: logits in fp32 (spec §3.1)
 
 
 class Experts(nn.Module):

@@ -1,10 +1,32 @@
-"""MoE routing (spec text-backbone §3.1-3.4): scores, bias-corrected grouped top-k, weights."""
+"""MoE routing (spec text-backbone §3.1-3.4): logits, scores, bias-corrected grouped top-k, weights."""
 
 from __future__ import annotations
 
 import torch
 
 from kimik3.ops.backend import use_fast_path
+from kimik3.ops.norm import acc_dtype
+
+# The router logits run as our Triton kernel on CUDA (bf16/fp16 x, fp32 weight) up to this many tokens,
+# and up to ROUTER_LOGITS_MAX_TOKENS_LARGE for weights over 2**20 elements; beyond, cuBLAS's fp32 GEMM on
+# the upcast x. H200 (benchmarks/gpu/bench_router_align.py): Kimi-Linear's 256 x 2304 weight 2.0x / 1.2x
+# faster than the cast + GEMM at 32 / 64 tokens, 1.05x at 128; K3 release's 896 x 7168 2.3x at 16 tokens
+# but 0.66x at 32 (the kernel's fp32 products, no tensor cores, outgrow the weight read there).
+ROUTER_LOGITS_MAX_TOKENS = 64
+ROUTER_LOGITS_MAX_TOKENS_LARGE = 16
+
+
+def router_logits(x: torch.Tensor, weight: torch.Tensor) -> torch.Tensor:
+    """x [T, D] @ weight [E, D]^T with both operands upcast to ``acc_dtype(x.dtype)`` (fp32 logits
+    for bf16/fp16/fp32 x, fp64 for fp64; spec §3.1). CUDA (bf16/fp16 x, fp32 weight, few tokens:
+    ``ROUTER_LOGITS_MAX_TOKENS``): one Triton kernel that reads x in its own dtype."""
+    if (use_fast_path(x) and x.dtype in (torch.bfloat16, torch.float16) and weight.dtype == torch.float32
+            and x.dim() == 2 and x.shape[0] <= (ROUTER_LOGITS_MAX_TOKENS if weight.numel() <= 1 << 20
+                                                 else ROUTER_LOGITS_MAX_TOKENS_LARGE)):
+        from kimik3.ops.triton.router import router_logits_triton
+        return router_logits_triton(x, weight)
+    acc = acc_dtype(x.dtype)
+    return x.to(acc) @ weight.to(acc).t()
 
 
 def route(logits: torch.Tensor, bias: torch.Tensor | None, top_k: int, activation: str,

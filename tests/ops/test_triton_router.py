@@ -45,3 +45,129 @@ def test_kimi_linear_routing_matches_float64():
         w, i = fn(logits, bias, 8, "sigmoid", 1, 1, True, 2.446, 1e-20)
         assert torch.equal(i, ids64)
         assert torch.allclose(w.double(), w64, rtol=1e-6, atol=0)
+
+
+# ---- router logits -----------------------------------------------------------------------
+def _logits_bound(x, w):
+    """fp32 products summed in fp32 (any order, blocked): within 2**-20 of sum |x_d w_d| of the
+    float64 result (worst case ~D 2**-24; bf16 or TF32 operands would miss it by 100x)."""
+    return 2 ** -20 * (x.double().abs() @ w.double().abs().t())
+
+
+@pytest.mark.parametrize("T,E,D", [(1, 64, 2304), (1, 256, 2304), (5, 64, 512), (5, 896, 512), (37, 64, 2304),
+                                   (37, 256, 512)])
+def test_router_logits_kernel_matches_float64(T, E, D):
+    """fp32 logits of bf16 x and the fp32 gate weight against the float64 math, x a column slice of
+    a wider tensor (row stride > D; contiguous x in the test below), at each tile choice of
+    ``logits_config``: one token x one or two experts, 8 tokens x one, two or four experts."""
+    from kimik3.ops.triton.router import logits_config, router_logits_triton
+    g = torch.Generator().manual_seed(T * E + D)
+    x = (torch.randn(T, D + 96, generator=g) * 2).to(torch.bfloat16)[:, 64:64 + D]
+    w = torch.randn(E, D, generator=g) * D ** -0.5
+    out = router_logits_triton(x, w)
+    assert out.shape == (T, E) and out.dtype == torch.float32
+    assert ((out.double() - x.double() @ w.double().t()).abs() <= _logits_bound(x, w)).all(), logits_config(T, E)
+
+
+def test_router_logits_takes_the_kernel_on_the_fast_path(monkeypatch):
+    """``router_logits`` (what ``Router.logits`` calls) sends bf16/fp16 x with an fp32 weight to the
+    kernel up to ROUTER_LOGITS_MAX_TOKENS tokens (ROUTER_LOGITS_MAX_TOKENS_LARGE for weights over
+    2**20 elements; checked by pretending the fast path is on); more tokens, fp32 x or a bf16
+    weight keep the torch math; an unfit weight is refused."""
+    from kimik3.ops import router
+    from kimik3.ops.triton import router as kernel
+    calls = []
+    real = kernel.router_logits_triton
+    monkeypatch.setattr(router, "use_fast_path", lambda t: True)
+    monkeypatch.setattr(router, "ROUTER_LOGITS_MAX_TOKENS", 8)
+    monkeypatch.setattr(router, "ROUTER_LOGITS_MAX_TOKENS_LARGE", 2)
+    monkeypatch.setattr(kernel, "router_logits_triton", lambda x, w: calls.append(x.shape) or real(x, w))
+    small, large = torch.randn(16, 64), torch.randn(2, (1 << 19) + 64) * 2 ** -9      # 2**20 + 128 elements
+    for T, dtype, w in ((3, torch.bfloat16, small), (8, torch.float16, small), (9, torch.bfloat16, small),
+                        (3, torch.float32, small), (3, torch.bfloat16, small.to(torch.bfloat16)),
+                        (2, torch.bfloat16, large), (3, torch.bfloat16, large)):
+        x = torch.randn(T, w.shape[1]).to(dtype)
+        out = router.router_logits(x, w)
+        assert out.dtype == torch.float32
+        assert ((out.double() - x.double() @ w.double().t()).abs() <= _logits_bound(x, w.double())).all()
+    assert calls == [(3, 64), (8, 64), (2, (1 << 19) + 64)]
+    with pytest.raises(ValueError, match=r"x has width 64 but the router weight is \(16, 32\)"):
+        real(torch.randn(2, 64).to(torch.bfloat16), torch.randn(16, 32))
+
+
+# ---- expert alignment --------------------------------------------------------------------
+def expected_alignment(flat: list[int], E: int, BM: int) -> tuple[list[int], list[int]]:
+    """``_sort_by_expert``'s contract in plain lists: each expert's rows in row order, padded with
+    R to a multiple of BM, experts in order, then R up to the capacity; one block id per BM
+    entries (-1 past the last expert's blocks)."""
+    R = len(flat)
+    cap = -(-(R + min(E, R) * (BM - 1)) // BM) * BM
+    by_expert = [[] for _ in range(E)]
+    for r, e in enumerate(flat):
+        by_expert[e].append(r)
+    rows, blocks = [], []
+    for e, mine in enumerate(by_expert):
+        n = -(-len(mine) // BM) * BM
+        rows += mine + [R] * (n - len(mine))
+        blocks += [e] * (n // BM)
+    return rows + [R] * (cap - len(rows)), blocks + [-1] * (cap // BM - len(blocks))
+
+
+def _poisoned_empty(monkeypatch):
+    """torch.empty that returns -7 / NaN filled tensors, so an unwritten output element shows."""
+    real = torch.empty
+
+    def empty(*a, **k):
+        t = real(*a, **k)
+        return t.fill_(float("nan") if t.is_floating_point() else -7)
+    monkeypatch.setattr(torch, "empty", empty)
+
+
+ALIGN_CASES = {   # name: (E, BM, ids as a function of a generator)
+    "decode_k3": (64, 16, lambda g: torch.stack([torch.randperm(64, generator=g)[:16] for _ in range(1)])),
+    "one_row": (256, 16, lambda g: torch.tensor([[200]])),
+    "kimi_linear_37": (256, 16, lambda g: torch.stack([torch.randperm(256, generator=g)[:8] for _ in range(37)])),
+    "release_5": (896, 16, lambda g: torch.stack([torch.randperm(896, generator=g)[:16] for _ in range(5)])),
+    # skewed: a few experts with many rows, some with one, most with none; repeats within a token
+    "skewed": (40, 16, lambda g: torch.cat([torch.full((100,), 3), torch.full((37,), 39), torch.tensor([0, 17, 5]),
+                                            torch.randint(4, 9, (60,), generator=g)])[torch.randperm(200, generator=g)]
+               .view(50, 4)),
+    "big_blocks": (24, 64, lambda g: torch.randint(0, 24, (77, 4), generator=g)),
+    "all_one_expert": (8, 128, lambda g: torch.full((129, 2), 5)),
+}
+
+
+@pytest.mark.parametrize("kernel", [True, False], ids=["kernel", "torch_ops"])
+@pytest.mark.parametrize("case", list(ALIGN_CASES))
+def test_sort_by_expert_matches_plain_lists(case, kernel, monkeypatch):
+    """The alignment's exact outputs (sorted rows, block experts) against ``expected_alignment``,
+    outputs poisoned first; rows 1 .. 400 and experts with 0, 1 and many rows."""
+    from kimik3.ops.triton import moe as moe_kernels
+    if not kernel:
+        monkeypatch.setattr(moe_kernels, "ALIGN_KERNEL_MAX_ROWS", -1)
+    E, BM, make = ALIGN_CASES[case]
+    ids = make(torch.Generator().manual_seed(len(case)))
+    want_rows, want_blocks = expected_alignment(ids.reshape(-1).tolist(), E, BM)
+    _poisoned_empty(monkeypatch)
+    rows, block_expert = moe_kernels._sort_by_expert(ids, E, BM)
+    assert rows.dtype == block_expert.dtype == torch.int64
+    assert rows.tolist() == want_rows
+    assert block_expert.tolist() == want_blocks
+
+
+def test_align_kernel_matches_plain_lists_across_row_counts():
+    """Row counts 1 .. 300 below, at and past powers of two and ALIGN_BLOCKS (one row per program up
+    to 64 rows, then several) with random ids of 48 experts, one of them on a third of the rows
+    (a stable argsort decides the expected order here)."""
+    from kimik3.ops.triton import moe as moe_kernels
+    g = torch.Generator().manual_seed(5)
+    E, BM = 48, 16
+    for R in (1, 2, 3, 7, 8, 9, 31, 63, 64, 65, 127, 129, 256, 300):
+        flat = torch.randint(0, E, (R,), generator=g)
+        flat[: R // 3] = flat[0]                         # one expert with many rows
+        order = torch.argsort(flat, stable=True).tolist()
+        rows, block_expert = moe_kernels._sort_by_expert(flat.view(R, 1), E, BM)
+        placed = [r for r in rows.tolist() if r != R]
+        assert placed == order, R
+        want_rows, want_blocks = expected_alignment(flat.tolist(), E, BM)
+        assert rows.tolist() == want_rows and block_expert.tolist() == want_blocks, R

@@ -214,7 +214,7 @@ def _sort_by_expert(ids: torch.Tensor, num_experts: int, BM: int):
     """Assignment rows grouped by expert, each group padded to a multiple of BM (no host sync).
     Returns sorted_rows [cap] (pad entries hold R = number of assignments) and block_expert
     [cap / BM] (-1 for blocks past the end); within an expert rows keep their order.
-    Up to ALIGN_KERNEL_MAX_ROWS assignments (decode) one Triton program does it all; beyond, torch ops."""
+    Up to ALIGN_KERNEL_MAX_ROWS assignments (decode) one Triton launch does it all; beyond, torch ops."""
     flat = ids.reshape(-1)
     R = flat.numel()
     dev = flat.device
@@ -222,10 +222,11 @@ def _sort_by_expert(ids: torch.Tensor, num_experts: int, BM: int):
     cap = (cap + BM - 1) // BM * BM
     sorted_rows = torch.empty(cap, dtype=torch.int64, device=dev)
     block_expert = torch.empty(cap // BM, dtype=torch.int64, device=dev)
-    if R <= ALIGN_KERNEL_MAX_ROWS:
-        _align_kernel[(1,)](flat, sorted_rows, block_expert, R, num_experts, cap, BM=BM,
-                            BR=triton.next_power_of_2(R), BE=triton.next_power_of_2(num_experts + 1),
-                            BCAP=triton.next_power_of_2(cap), num_warps=4)
+    if 0 < R <= ALIGN_KERNEL_MAX_ROWS:
+        BR = triton.next_power_of_2(R)
+        _align_kernel[(min(BR, ALIGN_BLOCKS.value),)](
+            flat, sorted_rows, block_expert, R, num_experts, cap, BM=BM, BR=BR,
+            BE=triton.next_power_of_2(num_experts), BCAP=triton.next_power_of_2(cap), num_warps=align_warps(R))
         return sorted_rows, block_expert
     counts = torch.zeros(num_experts, dtype=torch.int64, device=dev).scatter_add_(0, flat, torch.ones_like(flat))
     padded = (counts + BM - 1) // BM * BM
@@ -242,31 +243,59 @@ def _sort_by_expert(ids: torch.Tensor, num_experts: int, BM: int):
 
 
 ALIGN_KERNEL_MAX_ROWS = 4096
+ALIGN_BLOCKS = tl.constexpr(64)       # the alignment kernel's programs: min(next_power_of_2(R), this)
+
+
+def align_warps(R: int) -> int:
+    """Warps of each ``_align_kernel`` program for R assignments (one value per power-of-two bound on R).
+    H200 (benchmarks/gpu/bench_router_align.py --sweep): every warp adds its whole histogram into
+    shared memory, so few rows take few warps (896 experts, 16 rows: 4.8 us at 2 warps, 7.0 at 4)."""
+    return 2 if R <= 256 else 4 if R <= 2048 else 8
 
 
 @triton.jit(do_not_specialize=["R", "cap"])       # they only bound masks: one compile per tile shape
 def _align_kernel(ids, sorted_rows, block_expert, R, E, cap, BM: tl.constexpr, BR: tl.constexpr,
                   BE: tl.constexpr, BCAP: tl.constexpr):
-    """``_sort_by_expert`` in one program: sort (expert, row) keys, count per expert, and place
-    each row at its expert's padded start plus its rank; the first row of every BM block names
-    the block's expert."""
+    """``_sort_by_expert`` without a sort (BR, BE, BCAP: powers of two >= R, E, cap). The rows are
+    split into NB = min(BR, ALIGN_BLOCKS) blocks of BT consecutive rows, one program each (grid
+    (NB,)); every output element is written by exactly one program, so programs need no order.
+    Each program counts every expert's rows (histogram of all ids -> padded starts) and those
+    before its block (a second histogram); a row's rank within its expert adds the rows of that
+    expert before it inside the block. A row goes to its expert's padded start plus its rank; the
+    row of rank 0 mod BM names its block's expert; the expert's last row writes the padding after
+    it; the tail past the last padded end is split evenly between the programs."""
+    NB: tl.constexpr = BR if BR < ALIGN_BLOCKS else ALIGN_BLOCKS
+    BT: tl.constexpr = BR // NB
+    pid = tl.program_id(0)
+    row0 = pid * BT
     i = tl.arange(0, BR)
-    e = tl.load(ids + i, mask=i < R, other=E).to(tl.int32)          # pad slots: expert E (sorted last)
-    key = tl.sort(e * BR + i)
-    se, sr = key // BR, key % BR
-    counts = tl.histogram(se, BE)
+    e = tl.load(ids + i, mask=i < R, other=0).to(tl.int32)          # slots past R count in bin 0: taken off
+    bins = tl.arange(0, BE)
+    counts = tl.histogram(e, BE) - tl.where(bins == 0, BR - R, 0)
+    before = tl.histogram(tl.where(i < row0, e, 0), BE) - tl.where(bins == 0, BR - row0, 0)
     padded = (counts + BM - 1) // BM * BM
-    start = tl.cumsum(counts, 0) - counts
     pad_start = tl.cumsum(padded, 0) - padded
-    rank = i - tl.gather(start, se, 0)
-    dest = tl.gather(pad_start, se, 0) + rank
-    c = tl.arange(0, BCAP)
-    tl.store(sorted_rows + c, tl.full([BCAP], 0, tl.int64) + R, mask=c < cap)
-    tl.store(block_expert + c, tl.full([BCAP], -1, tl.int64), mask=c < cap // BM)
-    tl.debug_barrier()
-    real = se < E
-    tl.store(sorted_rows + dest, sr.to(tl.int64), mask=real)
-    tl.store(block_expert + dest // BM, se.to(tl.int64), mask=real & (rank % BM == 0))
+    pad_total = tl.sum(padded, 0)
+
+    j = tl.arange(0, BT)
+    r = row0 + j
+    real = r < R
+    er = tl.load(ids + r, mask=real, other=0).to(tl.int32)
+    earlier = (er[:, None] == er[None, :]) & (j[None, :] < j[:, None])
+    dest = tl.gather(pad_start + before, er, 0) + tl.sum(earlier.to(tl.int32), 1)
+    end = tl.gather(pad_start + counts, er, 0)                      # one past the expert's last row
+    tl.store(sorted_rows + dest, r.to(tl.int64), mask=real)
+    tl.store(block_expert + dest // BM, er.to(tl.int64), mask=real & (dest % BM == 0))
+    k = tl.arange(0, BM)                                            # padding: end .. next multiple of BM
+    pad = (real & (dest + 1 == end))[:, None] & (k[None, :] < BM - 1 - dest[:, None] % BM)
+    tl.store(sorted_rows + dest[:, None] + 1 + k[None, :], tl.full([BT, BM], 0, tl.int64) + R, mask=pad)
+
+    CH: tl.constexpr = BCAP // NB
+    c = pid * CH + tl.arange(0, CH)
+    tl.store(sorted_rows + c, tl.full([CH], 0, tl.int64) + R, mask=(c >= pad_total) & (c < cap))
+    CB: tl.constexpr = BCAP // BM // NB if BCAP // BM >= NB else 1
+    b = pid * CB + tl.arange(0, CB)
+    tl.store(block_expert + b, tl.full([CB], -1, tl.int64), mask=(b >= pad_total // BM) & (b < cap // BM))
 
 
 def _tiles(rows_per_expert: float) -> dict:

@@ -1,7 +1,15 @@
-"""MoE routing in one kernel: scores (sigmoid or softmax), bias-corrected grouped top-k,
-unbiased weights, renormalisation and scaling (spec text-backbone §3.2-3.4). One program per
-token; the top-k is k rounds of argmax over the (masked) expert row, so ids come out in
-descending order of the biased score, as ``torch.topk`` gives them."""
+"""The MoE router's kernels (spec text-backbone §3.1-3.4).
+
+Logits: x [T, D] (bf16/fp16, read in its own dtype and upcast in registers) times the fp32 gate
+weight [E, D], fp32 products accumulated in fp32 (no TF32, no tensor cores). A grid of (token
+block, expert block) programs, no atomics; at decode sizes the expert blocks are small, so
+enough programs stream the weight at memory speed. (tl.dot in IEEE fp32, Triton's FMA path, ran
+5-20x slower than this on the H200 at 32-256 tokens.)
+
+Routing: scores (sigmoid or softmax), bias-corrected grouped top-k, unbiased weights,
+renormalisation and scaling in one kernel, one program per token; the top-k is k rounds of
+argmax over the (masked) expert row, so ids come out in descending order of the biased score,
+as ``torch.topk`` gives them."""
 
 from __future__ import annotations
 
@@ -80,3 +88,56 @@ def route_triton(logits: torch.Tensor, bias: torch.Tensor | None, top_k: int, ac
             TOP_K=top_k, BLOCK_K=triton.next_power_of_2(top_k), GROUPS=groups, TOPK_GROUP=topk_group,
             BLOCK_G=triton.next_power_of_2(groups), BLOCK_E=triton.next_power_of_2(E))
     return weights, ids
+
+
+@triton.jit
+def _logits_kernel(x_ptr, w_ptr, out_ptr, T, E, D, stride_xt, stride_xd, stride_we, stride_wd,
+                   BT: tl.constexpr, BE: tl.constexpr, BD: tl.constexpr):
+    """out[t, e] = sum_d fp32(x[t, d]) * w[e, d] for this program's BT tokens and BE experts: the
+    products accumulate elementwise in a [BT, BE, BD] fp32 tile, summed over BD at the end."""
+    t = tl.program_id(0) * BT + tl.arange(0, BT)
+    e = tl.program_id(1) * BE + tl.arange(0, BE)
+    d = tl.arange(0, BD)
+    xp = x_ptr + t[:, None].to(tl.int64) * stride_xt + d[None, :] * stride_xd
+    wp = w_ptr + e[:, None].to(tl.int64) * stride_we + d[None, :] * stride_wd
+    acc = tl.zeros([BT, BE, BD], tl.float32)
+    for d0 in range(0, D, BD):
+        md = (d0 + d < D)[None, :]
+        xv = tl.load(xp, mask=(t < T)[:, None] & md, other=0.0).to(tl.float32)
+        wv = tl.load(wp, mask=(e < E)[:, None] & md, other=0.0)
+        acc += xv[:, None, :] * wv[None, :, :]
+        xp += BD * stride_xd
+        wp += BD * stride_wd
+    out = tl.sum(acc, axis=2)
+    tl.store(out_ptr + t[:, None] * E + e[None, :], out, mask=(t < T)[:, None] & (e < E)[None, :])
+
+
+def logits_config(T: int, E: int) -> dict:
+    """Tiles of ``router_logits_triton`` for T tokens and E experts: BT tokens x BE experts per
+    program, BD of the hidden width per step (BT x BE x BD = 4096 products in flight), warps.
+    The best of a sweep on the H200 (benchmarks/gpu/bench_router_align.py --sweep): while the
+    weight read dominates, small expert blocks (one expert, and one token when E < 128) give
+    enough programs to stream it; more tokens take larger expert blocks (more reuse per load)."""
+    if T <= 16:
+        BT, BE = (1 if T == 1 or E < 128 else min(8, triton.next_power_of_2(T))), (2 if E > 256 else 1)
+    else:
+        BT, BE = 8, (1 if E < 128 else 2 if T <= 32 else 4)
+    return dict(BT=BT, BE=BE, BD=4096 // (BT * BE), warps=4)
+
+
+def router_logits_triton(x: torch.Tensor, weight: torch.Tensor, config: dict | None = None) -> torch.Tensor:
+    """x [T, D] bf16/fp16 (any strides), weight [E, D] fp32 -> logits [T, E] fp32 =
+    fp32(x) @ weight^T with fp32 products and fp32 accumulation (no TF32), deterministic for a
+    given T. config: override ``logits_config(T, E)`` (benchmarks)."""
+    if x.dtype not in (torch.bfloat16, torch.float16) or weight.dtype != torch.float32:
+        raise ValueError(f"router_logits_triton takes bf16/fp16 x and an fp32 weight, got {x.dtype} and {weight.dtype}")
+    (T, D), E = x.shape, weight.shape[0]
+    if weight.shape[1] != D:
+        raise ValueError(f"x has width {D} but the router weight is {tuple(weight.shape)}")
+    out = torch.empty(T, E, dtype=torch.float32, device=x.device)
+    cfg = config or logits_config(T, E)
+    if T:
+        grid = (triton.cdiv(T, cfg["BT"]), triton.cdiv(E, cfg["BE"]))
+        _logits_kernel[grid](x, weight, out, T, E, D, x.stride(0), x.stride(1), weight.stride(0), weight.stride(1),
+                             BT=cfg["BT"], BE=cfg["BE"], BD=cfg["BD"], num_warps=cfg["warps"])
+    return out

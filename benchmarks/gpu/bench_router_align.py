@@ -1,0 +1,162 @@
+"""The MoE router's logits and the expert alignment at decode sizes, one device call (under a minute).
+
+(a) Router logits x [T, D] bf16 @ w [E, D]^T fp32 for (D, E) = Kimi-Linear (2304, 256), the K3
+    slice (7168, 64) and K3 release (7168, 896) at T = 1 .. 256: the previous path (``x.float() @
+    w.t()``: a cast kernel and cuBLAS's fp32 GEMM) against ``router_logits_triton`` (default tiles;
+    ``--sweep`` adds LOGITS_SWEEP); the weight's bytes at the measured copy rate are the floor.
+(b) The alignment of R = T x top_k routed rows (``_sort_by_expert``) for Kimi-Linear (256 experts,
+    top-8) and K3 release (896 experts, top-16) at R = 8/16 .. 4096: the previous one-program sort
+    (``_sort_align_kernel`` below, 4 warps) against ``_align_kernel`` at ``align_warps(R)``;
+    ``--sweep`` times the sort at 4 and 16 warps and ``_align_kernel`` at 1, 2, 4 and 8. Every variant's outputs must equal the torch path's.
+Each time is one call's share of a CUDA graph of REPS calls back to back (as in a decode graph).
+
+    PYTHONPATH=. python benchmarks/gpu/bench_router_align.py [--sweep]   (writes $OUT/bench_router_align.json)
+"""
+
+from __future__ import annotations
+
+import argparse
+import datetime
+import sys
+from pathlib import Path
+
+import torch
+import triton
+import triton.language as tl
+
+ROOT = Path(__file__).resolve().parents[2]
+sys.path.insert(0, str(ROOT))
+
+from benchmarks.common import capture_graph, commit_id, copy_rate, cuda_time, log, save_results  # noqa: E402
+
+from kimik3.ops.triton import moe as moe_kernels                       # noqa: E402
+from kimik3.ops.triton.router import logits_config, router_logits_triton  # noqa: E402
+
+REPS = 20
+LOGITS_SHAPES = {"kimi_linear": (2304, 256), "k3_slice": (7168, 64), "k3_release": (7168, 896)}
+TOKENS = (1, 8, 16, 32, 64, 128, 256)
+LOGITS_SWEEP = [dict(BT=bt, BE=be, BD=4096 // (bt * be), warps=w) for bt, be, w in
+                ((1, 1, 4), (1, 2, 4), (1, 4, 4), (8, 1, 4), (8, 1, 8), (8, 2, 4), (8, 4, 4), (8, 8, 4),
+                 (4, 8, 4), (16, 4, 4), (16, 8, 4), (8, 16, 4), (16, 16, 4), (16, 8, 8))]
+ALIGN_SHAPES = {"kimi_linear": (256, 8), "k3_release": (896, 16)}      # experts, top-k
+ALIGN_ROWS = (8, 256, 1024, 2048, 4096)
+
+
+@triton.jit(do_not_specialize=["R", "cap"])
+def _sort_align_kernel(ids, sorted_rows, block_expert, R, E, cap, BM: tl.constexpr, BR: tl.constexpr,
+                       BE: tl.constexpr, BCAP: tl.constexpr):
+    """The previous alignment (commit before this benchmark), for comparison: one program sorts
+    the (expert, row) keys, counts per expert and places each row at its padded start + rank."""
+    i = tl.arange(0, BR)
+    e = tl.load(ids + i, mask=i < R, other=E).to(tl.int32)
+    key = tl.sort(e * BR + i)
+    se, sr = key // BR, key % BR
+    counts = tl.histogram(se, BE)
+    padded = (counts + BM - 1) // BM * BM
+    start = tl.cumsum(counts, 0) - counts
+    pad_start = tl.cumsum(padded, 0) - padded
+    rank = i - tl.gather(start, se, 0)
+    dest = tl.gather(pad_start, se, 0) + rank
+    c = tl.arange(0, BCAP)
+    tl.store(sorted_rows + c, tl.full([BCAP], 0, tl.int64) + R, mask=c < cap)
+    tl.store(block_expert + c, tl.full([BCAP], -1, tl.int64), mask=c < cap // BM)
+    tl.debug_barrier()
+    real = se < E
+    tl.store(sorted_rows + dest, sr.to(tl.int64), mask=real)
+    tl.store(block_expert + dest // BM, se.to(tl.int64), mask=real & (rank % BM == 0))
+
+
+def graph_time(fn) -> float:
+    """Seconds per call of ``fn``: REPS calls captured in one CUDA graph, the replay timed."""
+    graph, _ = capture_graph(lambda: [fn() for _ in range(REPS)])
+    return cuda_time(graph.replay, warmup=3, iters=20) / REPS
+
+
+def logits(results: dict, bw: float, sweep: bool) -> None:
+    log("| (D, E) | T | previous us | triton us | speed-up | floor us | best sweep us (config) |")
+    log("|---|---|---|---|---|---|---|")
+    for name, (D, E) in LOGITS_SHAPES.items():
+        g = torch.Generator(device="cuda").manual_seed(D + E)
+        w = torch.randn(E, D, generator=g, device="cuda") * D ** -0.5
+        for T in TOKENS:
+            x = torch.randn(T, D, generator=g, device="cuda").to(torch.bfloat16)
+            want = x.double() @ w.double().t()
+            bound = 2 ** -20 * (x.double().abs() @ w.double().abs().t())
+            row = {"D": D, "E": E, "T": T, "floor_us": E * D * 4 / bw * 1e6,
+                   "previous_us": graph_time(lambda: x.float() @ w.t()) * 1e6, "config": logits_config(T, E)}
+            row["triton_us"] = graph_time(lambda: router_logits_triton(x, w)) * 1e6
+            row["sweep"] = []
+            for cfg in [None] + (LOGITS_SWEEP if sweep else []):
+                out = router_logits_triton(x, w, cfg)
+                if not ((out.double() - want).abs() <= bound).all():
+                    raise AssertionError(f"router logits off at {name} T={T} config={cfg}")
+                if cfg:
+                    row["sweep"].append({"config": cfg, "us": graph_time(lambda cfg=cfg: router_logits_triton(x, w, cfg)) * 1e6})
+            best = min(row["sweep"] or [{"config": "default", "us": row["triton_us"]}], key=lambda s: s["us"])
+            results["logits"].append(row)
+            log(f"| ({D}, {E}) | {T} | {row['previous_us']:.2f} | {row['triton_us']:.2f} | "
+                f"{row['previous_us'] / row['triton_us']:.2f}x | {row['floor_us']:.2f} | {best['us']:.2f} ({best['config']}) |")
+
+
+def previous_align(ids: torch.Tensor, E: int, BM: int, warps: int):
+    """``_sort_by_expert``'s previous launch of the one-program sort."""
+    flat = ids.reshape(-1)
+    R = flat.numel()
+    cap = (R + min(E, R) * (BM - 1) + BM - 1) // BM * BM
+    rows = torch.empty(cap, dtype=torch.int64, device=ids.device)
+    blocks = torch.empty(cap // BM, dtype=torch.int64, device=ids.device)
+    _sort_align_kernel[(1,)](flat, rows, blocks, R, E, cap, BM=BM, BR=triton.next_power_of_2(R),
+                             BE=triton.next_power_of_2(E + 1), BCAP=triton.next_power_of_2(cap), num_warps=warps)
+    return rows, blocks
+
+
+def align(results: dict, sweep: bool) -> None:
+    log("\n| experts, top-k | R | BM | previous (sort, 4 warps) us | new us (warps) | speed-up | sweep: us by warps |")
+    log("|---|---|---|---|---|---|---|")
+    real_warps = moe_kernels.align_warps
+    for name, (E, k) in ALIGN_SHAPES.items():
+        g = torch.Generator(device="cuda").manual_seed(E)
+        for R in ALIGN_ROWS:
+            T = max(1, R // k)
+            R = T * k
+            ids = torch.stack([torch.randperm(E, generator=g, device="cuda")[:k] for _ in range(T)])
+            BM = moe_kernels._tiles(R / E)["BM"]
+            saved, moe_kernels.ALIGN_KERNEL_MAX_ROWS = moe_kernels.ALIGN_KERNEL_MAX_ROWS, -1
+            want = moe_kernels._sort_by_expert(ids, E, BM)
+            moe_kernels.ALIGN_KERNEL_MAX_ROWS = saved
+            row = {"experts": E, "top_k": k, "R": R, "BM": BM, "new_warps": real_warps(R), "sort": {}, "new": {}}
+            runs = [("sort", w) for w in ((4, 16) if sweep else (4,))]
+            runs += [("new", w) for w in sorted({real_warps(R), *((1, 2, 4, 8) if sweep else ())})]
+            try:
+                for kind, warps in runs:
+                    if kind == "sort":
+                        fn = lambda warps=warps: previous_align(ids, E, BM, warps)            # noqa: E731
+                    else:
+                        moe_kernels.align_warps = lambda R, warps=warps: warps
+                        fn = lambda: moe_kernels._sort_by_expert(ids, E, BM)                   # noqa: E731
+                    if not all(torch.equal(a, b) for a, b in zip(fn(), want)):
+                        raise AssertionError(f"{kind} alignment differs from the torch path: {name} R={R} warps={warps}")
+                    row[kind][warps] = graph_time(fn) * 1e6
+            finally:
+                moe_kernels.align_warps = real_warps
+            results["align"].append(row)
+            base, new = row["sort"][4], row["new"][row["new_warps"]]
+            swept = "; ".join(f"{kind} " + ", ".join(f"{w}: {us:.1f}" for w, us in row[kind].items())
+                              for kind in ("sort", "new")) if sweep else ""
+            log(f"| {E}, {k} | {R} | {BM} | {base:.2f} | {new:.2f} ({row['new_warps']}) | {base / new:.1f}x | {swept} |")
+
+
+def main() -> None:
+    ap = argparse.ArgumentParser(description=__doc__.split("\n")[0])
+    ap.add_argument("--sweep", action="store_true", help="also time LOGITS_SWEEP and other warps for the alignment")
+    args = ap.parse_args()
+    bw = copy_rate()
+    results = {"commit": commit_id(), "date": datetime.date.today().isoformat(), "device": torch.cuda.get_device_name(),
+               "copy_rate_GBps": bw / 1e9, "reps_per_graph": REPS, "logits": [], "align": []}
+    logits(results, bw, args.sweep)
+    align(results, args.sweep)
+    log(f"# wrote {save_results('bench_router_align.json', results)}")
+
+
+if __name__ == "__main__":
+    main()
