@@ -38,6 +38,7 @@ if [[ " $sections " == *" mladecode "* ]]; then       # MLA decode launch config
 fi
 if [[ " $sections " == *" decodeops "* ]]; then       # KDA step and conv decode kernels vs fla / the general pair
   run decode_ops 150 python3 benchmarks/gpu/bench_decode_ops.py
+  cp bench_out/bench_decode_ops.json "$L"/ 2>/dev/null
   grep -h "^|" "$L"/decode_ops.log
 fi
 if [[ " $sections " == *" profile "* ]]; then         # one eager decode step by module and op, both slices (#13, #18)
