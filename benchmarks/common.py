@@ -83,7 +83,9 @@ def capture_graph(fn):
 
 
 def rel_err(a: torch.Tensor, b: torch.Tensor) -> float:
-    """||a - b|| / ||b|| in float64."""
+    """||a - b|| / ||b|| in float64 (same shapes: a broadcast would compare unrelated rows)."""
+    if a.shape != b.shape:
+        raise ValueError(f"rel_err: shapes {tuple(a.shape)} and {tuple(b.shape)} differ")
     return ((a.double() - b.double()).norm() / b.double().norm()).item()
 
 

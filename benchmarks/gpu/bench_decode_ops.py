@@ -62,14 +62,14 @@ def main():
                                      A_log=A_log, dt_bias=dt_bias, initial_state=pool, inplace_final_state=True,
                                      state_v_first=True, ssm_state_indices=slots, use_qk_l2norm_in_kernel=True,
                                      use_gate_in_kernel=True, use_beta_sigmoid_in_kernel=True,
-                                     lower_bound=lower_bound)[0]
+                                     lower_bound=lower_bound)[0].view(N, H, K)
 
             def fla_kernel_only():                   # operands prepared outside (its launch alone)
                 return fla_recurrent(qc.view(N, 1, H, K), kc.view(N, 1, H, K), vc.view(N, 1, H, K), f.view(N, 1, H, K),
                                      b32.view(N, 1, H), A_log=A_log, dt_bias=dt_bias, initial_state=pool,
                                      inplace_final_state=True, state_v_first=True, ssm_state_indices=slots,
                                      use_qk_l2norm_in_kernel=True, use_gate_in_kernel=True,
-                                     use_beta_sigmoid_in_kernel=True, lower_bound=lower_bound)[0]
+                                     use_beta_sigmoid_in_kernel=True, lower_bound=lower_bound)[0].view(N, H, K)
             saved = pool.clone()
             ref = fla().double()
             pool.copy_(saved)
@@ -79,7 +79,9 @@ def main():
                     q, k, v, f, b, A_log, dt_bias, lower_bound, pool, slots, block_v=bv, num_warps=warps))
             for name, fn in cases.items():
                 pool.copy_(saved)
-                err = rel_err(fn().double(), ref)
+                out = fn().double()
+                assert out.shape == ref.shape, (name, out.shape, ref.shape)
+                err = rel_err(out, ref)
                 t = graph_us(fn)
                 rows.append({"op": "kda", "heads": H, "batch": N, "case": name, "us": t, "floor_us": floor,
                              "over_floor": t / floor, "rel_diff_vs_fla": err})
