@@ -57,6 +57,9 @@ def compile_moe(mxfp4, high_scales, dtype):
     compile_for_hopper(moe._down_kernel, types, dict(common, BN=128), num_warps=8)
     compile_for_hopper(moe._align_kernel, {"ids": "*i64", "sorted_rows": "*i64", "block_expert": "*i64"},
                        dict(BM=16, BR=256, BE=128, BCAP=2048))
+    for has_pos in (False, True):
+        compile_for_hopper(moe._combine_kernel, {"y": f"*{dtype}", "weights": "*fp32", "pos": "*i64", "out": f"*{dtype}"},
+                           dict(TOP_K=8, BL=1024, HAS_POS=has_pos))
 
 
 def test_mla_prefill_kernels_compile_for_hopper():
