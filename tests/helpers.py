@@ -30,3 +30,16 @@ def rel_errs(out: torch.Tensor, ref: torch.Tensor, lens: Sequence[int] | None = 
 def worst_rel_err(out: torch.Tensor, ref: torch.Tensor, lens: Sequence[int] | None = None, dim: int = 0) -> float:
     """The largest of ``rel_errs``: a bound on it holds for every sequence / token / slot alone."""
     return max(rel_errs(out, ref, lens, dim))
+
+
+def capture_graph(fn):
+    """(CUDA) ``fn`` captured in a CUDA graph after a warm-up run on a side stream: (graph, its output)."""
+    stream = torch.cuda.Stream()
+    stream.wait_stream(torch.cuda.current_stream())
+    with torch.cuda.stream(stream):
+        fn()
+    torch.cuda.current_stream().wait_stream(stream)
+    graph = torch.cuda.CUDAGraph()
+    with torch.cuda.graph(graph):
+        out = fn()
+    return graph, out

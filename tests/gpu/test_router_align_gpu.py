@@ -12,6 +12,7 @@ from kimik3.ops.router import router_logits
 from kimik3.ops.triton import moe as moe_kernels
 from kimik3.ops.triton.router import router_logits_triton
 from tests.gpu.test_fast_ops import poison_allocator
+from tests.helpers import capture_graph
 from tests.ops.test_triton_router import expected_alignment
 
 pytestmark = [pytest.mark.gpu, pytest.mark.skipif(not torch.cuda.is_available(), reason="needs CUDA")]
@@ -97,14 +98,7 @@ def test_router_logits_and_align_replay_in_a_cuda_graph():
     def step():
         return router_logits(x, w), moe_kernels._sort_by_expert(ids, E, BM)
     step()
-    stream = torch.cuda.Stream()
-    stream.wait_stream(torch.cuda.current_stream())
-    with torch.cuda.stream(stream):
-        step()
-    torch.cuda.current_stream().wait_stream(stream)
-    graph = torch.cuda.CUDAGraph()
-    with torch.cuda.graph(graph):
-        logits, (rows, block_expert) = step()
+    graph, (logits, (rows, block_expert)) = capture_graph(step)
     for seed in range(3):
         x.copy_(torch.randn(T, D, generator=_gen(10 + seed), device="cuda"))
         ids.copy_(_ids(T, E, k, _gen(20 + seed)))
