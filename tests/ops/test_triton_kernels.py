@@ -437,3 +437,24 @@ def test_elementwise_kernels_refuse_mismatched_operands():
     with pytest.raises(ValueError, match="10 channels do not split into 3 groups"):
         causal_conv1d_pool_triton(torch.randn(4, 10), torch.randn(10, 4), torch.zeros(2, 10, 3), torch.tensor([1]),
                                   torch.tensor([False]), torch.tensor([0, 4]), 3)
+
+
+def test_decode_kernels_refuse_operands_that_do_not_fit():
+    """The KDA step and the fused residual norm name what does not fit instead of reading out of bounds."""
+    from kimik3.ops.triton.kda import kda_decode_triton
+    from kimik3.ops.triton.norm import KIMI, rms_norm_triton
+    N, H, K = 2, 2, 16
+    q, k, v, f = (torch.randn(N, H, K).to(BF16) for _ in range(4))
+    b, A_log, dt_bias = torch.randn(N, H).to(BF16), torch.zeros(H), torch.zeros(H * K)
+    slots = torch.tensor([1, 2])
+    with pytest.raises(ValueError, match=r"state pool must be fp32 \[slots, 2, 16, 16\]"):
+        kda_decode_triton(q, k, v, f, b, A_log, dt_bias, None, torch.zeros(3, H, K, K, dtype=BF16), slots)
+    with pytest.raises(ValueError, match=r"state pool must be fp32 \[slots, 2, 16, 16\]"):
+        kda_decode_triton(q, k, v, f, b, A_log, dt_bias, None, torch.zeros(3, H, K, 2 * K), slots)
+    with pytest.raises(ValueError, match="K=16, V=16 need K a power of two and V a multiple of the power-of-two block 12"):
+        kda_decode_triton(q, k, v, f, b, A_log, dt_bias, None, torch.zeros(3, H, K, K), slots, block_v=12)
+    with pytest.raises(ValueError, match="k needs each row's heads packed"):
+        kda_decode_triton(q, torch.randn(N, K, H).to(BF16).transpose(1, 2), v, f, b, A_log, dt_bias, None,
+                          torch.zeros(3, H, K, K), slots)
+    with pytest.raises(ValueError, match=r"residual torch.float32 \(2, 8\) does not match x torch.bfloat16 \(2, 8\)"):
+        rms_norm_triton(torch.randn(2, 8).to(BF16), torch.ones(8), 1e-6, KIMI, BF16, residual=torch.randn(2, 8))
