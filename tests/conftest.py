@@ -4,7 +4,13 @@ import sys
 import pytest
 import torch
 
-from kimik3.testing import make_tiny_checkpoint
+# Without CUDA our Triton kernels run on CPU tensors through Triton's interpreter. The variable must be
+# set before ``triton.jit`` wraps a kernel, and any test module (tests/gpu among them, collected before
+# tests/ops) may import a kernel module, so it is set here, before the first test module is collected.
+if not torch.cuda.is_available():
+    os.environ.setdefault("TRITON_INTERPRET", "1")
+
+from kimik3.testing import make_tiny_checkpoint  # noqa: E402
 
 # tiny ops: one thread avoids OpenMP spin-waiting on the shared 2-core CI machine
 torch.set_num_threads(1)
