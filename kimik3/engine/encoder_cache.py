@@ -50,8 +50,9 @@ class EncoderCache:
 class ImageEncoder:
     """The step's media-pad rows and their embeddings, from the encoder cache or the vision tower."""
 
-    def __init__(self, model, max_tokens: int):
+    def __init__(self, model, max_tokens: int, encode=None):
         self.model = model
+        self.encode = encode            # the tower's per-patch part (``EncoderGraphs.encode``), None: eager
         self.device = torch.device(model.device)
         self.cache = EncoderCache(max_tokens)
         self.num_encoded_images = 0     # images run through the vision tower (cache misses)
@@ -93,7 +94,7 @@ class ImageEncoder:
         items = list(missing.values())
         pixels = torch.cat([req.mm.pixels(i) for req, i in items])
         grids = torch.stack([req.mm.grid_thws[i] for req, i in items])
-        encoded = self.model.encode_images(pixels.to(self.device), grids)
+        encoded = self.model.encode_images(pixels.to(self.device), grids, self.encode)
         sizes = [req.mm.row_offsets[i + 1] - req.mm.row_offsets[i] for req, i in items]
         by_hash = dict(zip(missing, encoded.split(sizes)))
         for h, embeds in by_hash.items():

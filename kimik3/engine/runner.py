@@ -1,9 +1,10 @@
 """Runner: run one scheduled step on the model, eagerly or as a captured decode graph, then sample.
 
-``execute`` = ``launch``: the step's KDA state copies and resets, its inputs (``batch_builder.py``), one
-forward (a ``cuda_graphs.DecodeGraphs`` replay for a decode or verify step that fits one, else one packed
-varlen ``forward_step``), the logits rows; then ``sample``: the sampler or, for drafts, the verifier
-(``speculative.py``). Async scheduling calls the two apart, with the previous step's commit between.
+``execute`` = ``launch``: the step's KDA state copies and resets, its inputs (``batch_builder.py``; images
+through the vision tower's graphs, ``encoder_graphs.py``), one forward (a ``cuda_graphs.DecodeGraphs``
+replay for a decode or verify step that fits one, else one packed varlen ``forward_step``), the logits
+rows; then ``sample``: the sampler or, for drafts, the verifier (``speculative.py``). Async scheduling
+calls the two apart, with the previous step's commit between.
 """
 
 from __future__ import annotations
@@ -23,6 +24,7 @@ from kimik3.engine.speculative import row_spans, verify
 from kimik3.engine.transfer import on_device
 from kimik3.model.batch import ForwardBatch, HybridCache
 from kimik3.model.cuda_graphs import DecodeGraphs, capture_or_none
+from kimik3.model.encoder_graphs import EncoderGraphs, capture_encoder_or_none
 
 logger = logging.getLogger(__name__)
 
@@ -32,7 +34,12 @@ class ModelRunner:
         self.model = model
         self.cache = cache
         self.device = torch.device(model.device)
-        self.images = ImageEncoder(model, config.encoder_cache_tokens)
+        graphs = not config.enforce_eager and self.device.type == "cuda"
+        self.encoder_graphs: EncoderGraphs | None = None
+        if graphs and hasattr(model, "vision") and EncoderGraphs.can_capture(model.vision.vision_tower):
+            self.encoder_graphs = capture_encoder_or_none(EncoderGraphs(model.vision.vision_tower))
+        self.images = ImageEncoder(model, config.encoder_cache_tokens,
+                                   self.encoder_graphs.encode if self.encoder_graphs else None)
         self.batches = BatchBuilder(cache.block_size, self.device, self.images)
         self.sampler = Sampler(model.config.text.vocab_size, self.device, config.seed, config.max_num_seqs)
         self.host_seconds = 0.0     # batch building + sampling's host work (not the wait for the device)
@@ -40,7 +47,7 @@ class ModelRunner:
         self.model_seconds = 0.0    # the step's launch and any image encoding
         self.num_steps = self.num_graph_steps = 0
         self.graphs: DecodeGraphs | None = None
-        if not config.enforce_eager and self.device.type == "cuda":
+        if graphs:
             self.graphs = self.capture_graphs(DecodeGraphs(model, cache, config.max_num_seqs, config.max_model_len,
                                                            1 + config.num_speculative_tokens))
 

@@ -257,11 +257,12 @@ class KimiForCausalLM(nn.Module):
         return HybridCache.allocate(self.cache_text_config, num_slots, num_blocks, block_size, self.dtype, self.device)
 
     @torch.inference_mode()
-    def encode_images(self, pixel_values: torch.Tensor, grid_thws: torch.Tensor) -> torch.Tensor:
-        """pixel_values [P, 3, p, p], grid_thws [n, 3] -> image embeddings [sum_i N_i, D]."""
+    def encode_images(self, pixel_values: torch.Tensor, grid_thws: torch.Tensor, encode=None) -> torch.Tensor:
+        """pixel_values [P, 3, p, p], grid_thws [n, 3] -> image embeddings [sum_i N_i, D]; ``encode``:
+        the tower's per-patch part (``KimiVisionModel.encode_images``)."""
         if not hasattr(self, "vision"):
             raise ValueError("this checkpoint has no vision tower (config.json has no vision_config)")
-        return self.vision.encode_images(pixel_values.to(self.device), grid_thws)
+        return self.vision.encode_images(pixel_values.to(self.device), grid_thws, encode)
 
     def image_rows(self, input_ids: torch.Tensor, image_embeds: torch.Tensor) -> torch.Tensor:
         """Packed rows of the media pad tokens; their count must equal the embedding rows."""

@@ -6,13 +6,19 @@ Output of ``KimiVisionModel.encode_images``: [sum_b (h_b/2)*(w_b/2), text_hidden
 ``<|media_pad|>`` token, items in order.
 
 Module and parameter names equal the checkpoint's tensor names once the ``vision_tower.`` /
-``mm_projector.`` prefixes are stripped (spec §6), so a generic loader fills them. Attention is a
-plain per-item loop (block-diagonal varlen attention); it is the CPU path and the reference.
-Compute precision: RMSNorm statistics, RoPE and softmax run in float32 for bf16/fp32 weights and
-in float64 for a float64 tower.
+``mm_projector.`` prefixes are stripped (spec §6), so a generic loader fills them. Attention is
+block-diagonal varlen attention (``ops/attention.py``: a per-item loop on the CPU, one flash kernel
+launch on CUDA). Compute precision: RMSNorm statistics, RoPE and softmax run in float32 for bf16/fp32
+weights and in float64 for a float64 tower.
+
+The tower runs in two parts: ``MoonViT.prepare`` turns the items' grids into tensors (position
+embeddings, RoPE tables, item bounds), ``MoonViT.run`` is the fixed-shape rest, which
+``model/encoder_graphs.py`` captures as CUDA graphs over a ladder of patch budgets.
 """
 
 from __future__ import annotations
+
+from dataclasses import dataclass
 
 import numpy as np
 import torch
@@ -20,6 +26,7 @@ import torch.nn.functional as F
 from torch import nn
 
 from kimik3.config import VisionConfig
+from kimik3.ops.attention import varlen_attention
 
 ROPE_THETA = 10000.0
 ROPE_MAX_GRID = 512     # the official tower precomputes a 512x512 RoPE table and asserts h, w <= 512
@@ -108,9 +115,10 @@ class PatchEmbed(nn.Module):
         self.pos_emb = PosEmbDividedFixed(pos_emb_height, pos_emb_width, pos_emb_time, dim, interpolation_mode,
                                           dtype=dtype, device=device)
 
-    def forward(self, pixel_values: torch.Tensor, shapes: list[tuple[int, int, int]]) -> torch.Tensor:
+    def forward(self, pixel_values: torch.Tensor, pos: torch.Tensor) -> torch.Tensor:
+        """[P, 3, p, p] and the items' position embeddings ``pos_emb(shapes)`` [P, D] -> [P, D]."""
         x = self.proj(pixel_values).reshape(pixel_values.shape[0], -1)          # [P, D]
-        return x + self.pos_emb(shapes)
+        return x + pos
 
 
 def rope_2d(h: int, w: int, head_dim: int, dtype: torch.dtype, device=None) -> tuple[torch.Tensor, torch.Tensor]:
@@ -145,6 +153,16 @@ class VisionMLP(nn.Module):
         return self.fc1(F.gelu(self.fc0(x), approximate="tanh"))
 
 
+@dataclass
+class TowerInputs:
+    """What the tower's fixed-shape part needs of its items' grids (``MoonViT.prepare``), P rows."""
+    pos: torch.Tensor           # [P, D] position embeddings (time rows added for video), tower dtype
+    cos: torch.Tensor           # [P, dh/2] 2D RoPE tables, the compute dtype (float32; float64 for float64)
+    sin: torch.Tensor
+    cu_seqlens: torch.Tensor    # [n + 1] int32: item i owns rows [cu[i], cu[i+1])
+    max_len: int                # bound on every item's length
+
+
 class EncoderBlock(nn.Module):
     """Pre-norm block: x += Wo(attn(rope(Q), rope(K), V)); x += fc1(gelu_tanh(fc0(norm1(x))))."""
 
@@ -161,23 +179,17 @@ class EncoderBlock(nn.Module):
         self.norm1 = VisionRMSNorm(dim, norm_eps, dtype=dtype, device=device)
         self.mlp = VisionMLP(dim, mlp_dim, dtype=dtype, device=device)
 
-    def attention(self, x: torch.Tensor, lengths: list[int], cos: torch.Tensor, sin: torch.Tensor) -> torch.Tensor:
+    def attention(self, x: torch.Tensor, items: TowerInputs) -> torch.Tensor:
         n = x.shape[0]
         qkv = self.wqkv(x).view(n, 3, self.num_heads, self.head_dim)           # slot-major: Q, K, V
         q, k, v = qkv.unbind(1)                                                 # [P, H, dh]
-        q, k = apply_rope(q, cos, sin), apply_rope(k, cos, sin)
-        ct = cos.dtype
-        out, start = [], 0
-        for length in lengths:   # block-diagonal: each item attends only to itself (all its frames)
-            sl = slice(start, start + length)
-            qi, ki, vi = (z[sl].to(ct).transpose(0, 1) for z in (q, k, v))     # [H, L, dh]
-            oi = F.scaled_dot_product_attention(qi, ki, vi, scale=self.head_dim ** -0.5)
-            out.append(oi.transpose(0, 1).reshape(length, -1))
-            start += length
-        return self.wo(torch.cat(out).to(x.dtype))
+        q, k = apply_rope(q, items.cos, items.sin), apply_rope(k, items.cos, items.sin)
+        # block-diagonal: each item attends only to itself (all its frames)
+        out = varlen_attention(q, k, v, items.cu_seqlens, items.max_len, self.head_dim ** -0.5)
+        return self.wo(out.reshape(n, -1))
 
-    def forward(self, x: torch.Tensor, lengths: list[int], cos: torch.Tensor, sin: torch.Tensor) -> torch.Tensor:
-        x = x + self.attention(self.norm0(x), lengths, cos, sin)
+    def forward(self, x: torch.Tensor, items: TowerInputs) -> torch.Tensor:
+        x = x + self.attention(self.norm0(x), items)
         return x + self.mlp(self.norm1(x))
 
 
@@ -190,15 +202,9 @@ class VisionEncoder(nn.Module):
                                                  device=device) for _ in range(num_layers))
         self.final_layernorm = VisionRMSNorm(dim, norm_eps, dtype=dtype, device=device)
 
-    def forward(self, x: torch.Tensor, shapes: list[tuple[int, int, int]]) -> torch.Tensor:
-        ct = _compute_dtype(x.dtype)
-        tables = [rope_2d(h, w, self.head_dim, ct, x.device) for _, h, w in shapes]
-        # the same spatial angles for every frame: no temporal rotation
-        cos = torch.cat([c.repeat(t, 1) for (t, _, _), (c, _) in zip(shapes, tables)])
-        sin = torch.cat([s.repeat(t, 1) for (t, _, _), (_, s) in zip(shapes, tables)])
-        lengths = [t * h * w for t, h, w in shapes]
+    def forward(self, x: torch.Tensor, items: TowerInputs) -> torch.Tensor:
         for block in self.blocks:
-            x = block(x, lengths, cos, sin)
+            x = block(x, items)
         return self.final_layernorm(x)
 
 
@@ -266,15 +272,36 @@ class MoonViT(nn.Module):
             raise ValueError(f"grid_thws describes {total} patches but pixel_values has {pixel_values.shape[0]} rows")
         return shapes
 
+    @property
+    def dtype(self) -> torch.dtype:
+        return self.patch_embed.proj.weight.dtype
+
+    def prepare(self, shapes: list[tuple[int, int, int]]) -> TowerInputs:
+        """The items' grid-dependent inputs of ``run``, on the tower's device."""
+        device = self.patch_embed.proj.weight.device
+        ct = _compute_dtype(self.dtype)
+        tables = [rope_2d(h, w, self.encoder.head_dim, ct, device) for _, h, w in shapes]
+        # the same spatial angles for every frame: no temporal rotation
+        cos = torch.cat([c.repeat(t, 1) for (t, _, _), (c, _) in zip(shapes, tables)])
+        sin = torch.cat([s.repeat(t, 1) for (t, _, _), (_, s) in zip(shapes, tables)])
+        lengths = [t * h * w for t, h, w in shapes]
+        cu = torch.tensor(np.cumsum([0, *lengths]), dtype=torch.int32).to(device)
+        return TowerInputs(self.patch_embed.pos_emb(shapes), cos, sin, cu, max(lengths))
+
+    def run(self, pixel_values: torch.Tensor, items: TowerInputs) -> torch.Tensor:
+        """Per-patch hidden states after the final norm [P, D], from pixels [P, 3, p, p] in the
+        tower's dtype: fixed shapes, no host synchronisation on the CUDA path."""
+        return self.encoder(self.patch_embed(pixel_values, items.pos), items)
+
     def encode(self, pixel_values: torch.Tensor, shapes: list[tuple[int, int, int]]) -> torch.Tensor:
         """Per-patch hidden states after the final norm: [P, D]."""
-        x = self.patch_embed(pixel_values, shapes)
-        return self.encoder(x, shapes)
+        return self.run(pixel_values, self.prepare(shapes))
 
-    def forward(self, pixel_values: torch.Tensor, grid_thws: torch.Tensor) -> torch.Tensor:
-        """[P, 3, p, p], [B, 3] -> merged rows [sum N_b, kh*kw*D]."""
+    def forward(self, pixel_values: torch.Tensor, grid_thws: torch.Tensor, encode=None) -> torch.Tensor:
+        """[P, 3, p, p], [B, 3] -> merged rows [sum N_b, kh*kw*D]. ``encode``: what computes the
+        per-patch states, ``self.encode`` by default (``EncoderGraphs.encode``: the same from graphs)."""
         shapes = self.check_inputs(pixel_values, grid_thws)
-        x = self.encode(pixel_values.to(self.patch_embed.proj.weight.dtype), shapes)
+        x = (encode or self.encode)(pixel_values.to(self.dtype), shapes)
         return tpool_merge(x, shapes, self.merge_kernel_size)
 
 
@@ -311,14 +338,16 @@ class KimiVisionModel(nn.Module):
                                           dtype=dtype, device=device)
 
     @torch.no_grad()
-    def encode_images(self, pixel_values: torch.Tensor, grid_thws: torch.Tensor) -> torch.Tensor:
+    def encode_images(self, pixel_values: torch.Tensor, grid_thws: torch.Tensor, encode=None) -> torch.Tensor:
         """Image/video-chunk embeddings for the text model.
 
         pixel_values: [P, 3, p, p] (any float dtype; cast to the tower's), P = sum t*h*w
         grid_thws:    [B, 3] int64 rows (t, h, w) in patches
+        encode:       the tower's per-patch part (``MoonViT.forward``), None for its own
         returns:      [sum_b (h_b/2)*(w_b/2), text_hidden] in the projector's dtype, items in order
         """
-        merged = self.vision_tower(pixel_values.to(self.vision_tower.patch_embed.proj.weight.device), grid_thws)
+        merged = self.vision_tower(pixel_values.to(self.vision_tower.patch_embed.proj.weight.device), grid_thws,
+                                   encode)
         return self.mm_projector(merged.to(self.mm_projector.post_norm.weight.dtype))
 
     forward = encode_images

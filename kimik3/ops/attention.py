@@ -1,0 +1,63 @@
+"""Varlen bidirectional attention over packed items: each item's rows attend to all of its own rows and
+to no other (MoonViT's block-diagonal attention, spec vision-multimodal §3.4).
+
+Reference: one softmax attention per item (SDPA) in float32 (float64 for float64 inputs). CUDA: the
+varlen flash kernel of MLA prefill (``ops/triton/mla_prefill.py``), all items in one launch, with its
+causal bound moved past every key (a query's position = its item's length: q_pos0 = cu[1:], k_pos0 =
+cu[:-1]) and the head dim cut in two halves (the kernel's qa | qb and ka | kb parts). Its inputs are
+device tensors and Python ints only, so a CUDA graph can capture it (``model/encoder_graphs.py``).
+"""
+
+from __future__ import annotations
+
+import torch
+import torch.nn.functional as F
+
+from kimik3.ops.backend import use_fast_path
+
+KERNEL_DTYPES = (torch.bfloat16, torch.float16)
+
+
+def varlen_attention(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, cu_seqlens: torch.Tensor, max_len: int,
+                     scale: float) -> torch.Tensor:
+    """q, k, v [P, H, dh]; cu_seqlens [n + 1] int32 on q's device: item i owns rows [cu[i], cu[i+1]),
+    cu[0] = 0, cu[n] = P (empty items allowed); ``max_len`` bounds every item's length. Returns
+    o [P, H, dh] in q's dtype: softmax(scale * q k^T) v within each item."""
+    if q.ndim != 3 or k.shape != q.shape or v.shape != q.shape:
+        raise ValueError(f"varlen_attention needs q, k, v of one shape [P, H, dh], got {list(q.shape)}, "
+                         f"{list(k.shape)}, {list(v.shape)}")
+    if cu_seqlens.ndim != 1 or cu_seqlens.numel() < 2 or cu_seqlens.dtype != torch.int32:
+        raise ValueError(f"varlen_attention needs cu_seqlens as int32 [n + 1], n >= 1, got {cu_seqlens.dtype} "
+                         f"{list(cu_seqlens.shape)}")
+    dh = q.shape[-1]
+    if use_fast_path(q) and kernel_takes(q.dtype, dh):
+        from kimik3.ops.triton.mla_prefill import mla_prefill_triton
+        half = dh // 2
+        o, _ = mla_prefill_triton(q[..., :half], q[..., half:], k[..., :half], k[..., half:], v, cu_seqlens,
+                                  cu_seqlens, cu_seqlens[1:], cu_seqlens[:-1], max_len, scale, q.dtype,
+                                  max_key_len=max_len)
+        return o
+    return _reference(q, k, v, cu_seqlens, max_len, scale)
+
+
+def kernel_takes(dtype: torch.dtype, head_dim: int) -> bool:
+    """Whether CUDA tensors of this dtype and head dim take the kernel (else the reference, which reads
+    ``cu_seqlens`` on the host and so cannot be captured in a CUDA graph): half types, and a head dim
+    whose halves are powers of two >= 16 (MoonViT's 128: 64 + 64)."""
+    h = head_dim // 2
+    return dtype in KERNEL_DTYPES and head_dim % 2 == 0 and h >= 16 and not h & (h - 1)
+
+
+def _reference(q, k, v, cu_seqlens, max_len, scale):
+    bounds = cu_seqlens.tolist()
+    lengths = [b - a for a, b in zip(bounds[:-1], bounds[1:])]
+    if bounds[0] != 0 or bounds[-1] != q.shape[0] or min(lengths) < 0 or max(lengths) > max_len:
+        raise ValueError(f"varlen_attention: cu_seqlens {bounds} must rise from 0 to the {q.shape[0]} rows "
+                         f"in steps of at most max_len={max_len}")
+    ct = torch.promote_types(q.dtype, torch.float32)
+    out = torch.empty(q.shape, dtype=ct, device=q.device)
+    for a, b in zip(bounds[:-1], bounds[1:]):
+        if b > a:
+            qi, ki, vi = (z[a:b].to(ct).transpose(0, 1) for z in (q, k, v))        # [H, L, dh]
+            out[a:b] = F.scaled_dot_product_attention(qi, ki, vi, scale=scale).transpose(0, 1)
+    return out.to(q.dtype)
