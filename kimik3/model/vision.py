@@ -27,6 +27,8 @@ from torch import nn
 
 from kimik3.config import VisionConfig
 from kimik3.ops.attention import varlen_attention
+from kimik3.ops.norm import rms_norm_fp32_weight
+from kimik3.ops.rope import rotate_pairs
 
 ROPE_THETA = 10000.0
 ROPE_MAX_GRID = 512     # the official tower precomputes a 512x512 RoPE table and asserts h, w <= 512
@@ -40,7 +42,8 @@ def _compute_dtype(dtype: torch.dtype) -> torch.dtype:
 
 class VisionRMSNorm(nn.Module):
     """``torch.nn.RMSNorm`` semantics: statistics and the weight product in float32 (float64 for a
-    float64 input), one rounding back to the input dtype (D9). ``eps`` is a model constant (D24)."""
+    float64 input), one rounding back to the input dtype (D9). ``eps`` is a model constant (D24).
+    ``ops.norm.rms_norm_fp32_weight``: one kernel on CUDA."""
 
     def __init__(self, dim: int, eps: float, *, dtype: torch.dtype | None = None, device=None):
         super().__init__()
@@ -48,10 +51,7 @@ class VisionRMSNorm(nn.Module):
         self.weight = nn.Parameter(torch.ones(dim, dtype=dtype, device=device))
 
     def forward(self, x: torch.Tensor) -> torch.Tensor:
-        ct = _compute_dtype(x.dtype)
-        y = x.to(ct)
-        y = y * torch.rsqrt(y.pow(2).mean(-1, keepdim=True) + self.eps)
-        return (y * self.weight.to(ct)).to(x.dtype)
+        return rms_norm_fp32_weight(x, self.weight, self.eps, x.dtype)
 
     def extra_repr(self) -> str:
         return f"{self.weight.shape[0]}, eps={self.eps}"
@@ -134,15 +134,6 @@ def rope_2d(h: int, w: int, head_dim: int, dtype: torch.dtype, device=None) -> t
     return angles.cos(), angles.sin()
 
 
-def apply_rope(x: torch.Tensor, cos: torch.Tensor, sin: torch.Tensor) -> torch.Tensor:
-    """Rotate interleaved pairs (x[2m], x[2m+1]) of x [L, H, dh] by cos/sin [L, dh/2]."""
-    ct = cos.dtype
-    pairs = x.to(ct).reshape(*x.shape[:-1], -1, 2)
-    a, b = pairs[..., 0], pairs[..., 1]
-    c, s = cos.unsqueeze(1), sin.unsqueeze(1)
-    return torch.stack([a * c - b * s, a * s + b * c], dim=-1).reshape(x.shape).to(x.dtype)
-
-
 class VisionMLP(nn.Module):
     def __init__(self, dim: int, hidden: int, *, dtype: torch.dtype | None = None, device=None):
         super().__init__()
@@ -181,9 +172,10 @@ class EncoderBlock(nn.Module):
 
     def attention(self, x: torch.Tensor, items: TowerInputs) -> torch.Tensor:
         n = x.shape[0]
-        qkv = self.wqkv(x).view(n, 3, self.num_heads, self.head_dim)           # slot-major: Q, K, V
-        q, k, v = qkv.unbind(1)                                                 # [P, H, dh]
-        q, k = apply_rope(q, items.cos, items.sin), apply_rope(k, items.cos, items.sin)
+        H = self.num_heads
+        qkv = self.wqkv(x).view(n, 3 * H, self.head_dim)                       # slot-major: Q, K, V heads
+        qk = rotate_pairs(qkv[:, :2 * H], items.cos, items.sin)                  # Q and K as 2H heads
+        q, k, v = qk[:, :H], qk[:, H:], qkv[:, 2 * H:]                           # [P, H, dh]
         # block-diagonal: each item attends only to itself (all its frames)
         out = varlen_attention(q, k, v, items.cu_seqlens, items.max_len, self.head_dim ** -0.5)
         return self.wo(out.reshape(n, -1))

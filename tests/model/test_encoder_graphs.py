@@ -61,3 +61,34 @@ def test_budgets():
     # the default ladder: rising by at most 1.6x, to K3's per-frame patch limit
     assert ENCODER_GRAPH_BUDGETS[-1] == 16384
     assert all(b / a <= 1.6 for a, b in zip(ENCODER_GRAPH_BUDGETS, ENCODER_GRAPH_BUDGETS[1:]))
+
+
+def test_padded_items_on_the_kernel_path_track_float64(monkeypatch):
+    """The CUDA branch of every tower op (RMSNorm, RoPE and attention kernels, the latter reading Q and
+    K from the rotated pair and V from the projection) on CPU tensors through Triton's interpreter: a
+    bf16 tower of head dim 32, each item padded to its budget, within the bf16 bound of float64."""
+    from kimik3.config import VisionConfig
+    from kimik3.model.vision import KimiVisionModel
+    from kimik3.ops import attention, norm, rope
+    from tests.helpers import worst_rel_err
+    cfg = VisionConfig(patch_size=14, hidden_size=64, num_hidden_layers=2, num_attention_heads=2, qkv_hidden_size=64,
+                       intermediate_size=128, init_pos_emb_height=4, init_pos_emb_width=4, init_pos_emb_time=4,
+                       merge_kernel_size=(2, 2), pos_emb_interpolation_mode="bilinear", projector_ln_eps=1e-5,
+                       text_hidden_size=48)
+    torch.manual_seed(0)
+    m64 = KimiVisionModel(cfg, dtype=torch.float64)
+    with torch.no_grad():
+        for name, p in m64.named_parameters():
+            p.copy_(1 + 0.2 * torch.randn_like(p) if "norm" in name else torch.randn_like(p) * p[0].numel() ** -0.5)
+    m16 = KimiVisionModel(cfg, dtype=torch.bfloat16)
+    m16.load_state_dict({k: v.to(torch.bfloat16) for k, v in m64.state_dict().items()})
+    grids = [(1, 2, 2), (1, 4, 6), (2, 2, 4)]
+    pv = _pixels(grids, seed=8).double()
+    ref = torch.cat([m64.vision_tower.encode(pv[a:a + n], [g]) for a, n, g in
+                     zip([0, 4, 28], [4, 24, 16], grids)])
+    for module in (attention, norm, rope):
+        monkeypatch.setattr(module, "use_fast_path" if module is attention else "use_fast_kernel", lambda *a: True)
+    graphs = EncoderGraphs(m16.vision_tower, BUDGETS)
+    out = graphs.encode(pv.to(torch.bfloat16), grids)
+    assert out.dtype == torch.bfloat16
+    assert worst_rel_err(out, ref, [4, 24, 16]) < 3e-2           # bf16 weights and activations, truncating roundings

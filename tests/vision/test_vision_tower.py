@@ -10,8 +10,9 @@ import pytest
 import torch
 
 from kimik3.config import VisionConfig, load_config
-from kimik3.model.vision import (KimiVisionModel, VisionRMSNorm, apply_rope, rope_2d, sincos_time_table,
+from kimik3.model.vision import (KimiVisionModel, VisionRMSNorm, rope_2d, sincos_time_table,
                                  tokens_per_item, tpool_merge)
+from kimik3.ops.rope import rotate_pairs
 
 TINY = VisionConfig(patch_size=14, hidden_size=32, num_hidden_layers=2, num_attention_heads=2, qkv_hidden_size=48,
                     intermediate_size=64, init_pos_emb_height=4, init_pos_emb_width=4, init_pos_emb_time=4,
@@ -225,7 +226,7 @@ def test_rope_layout_x_in_even_pairs():
         assert sin[n, 2 * j].item() == pytest.approx(math.sin(3 * f[j]), abs=1e-15)
     q = torch.zeros(15, 1, dh, dtype=torch.float64)
     q[:, 0, 2] = 1.0                                        # dims 2,3 = pair 1 -> row angle y*f_0
-    out = apply_rope(q, cos, sin)
+    out = rotate_pairs(q, cos, sin)
     assert out[n, 0, 2].item() == pytest.approx(math.cos(2.0)) and out[n, 0, 3].item() == pytest.approx(math.sin(2.0))
     assert out[n, 0, [0, 1]].abs().max() == 0
 
