@@ -43,3 +43,14 @@ def capture_graph(fn):
     with torch.cuda.graph(graph):
         out = fn()
     return graph, out
+
+
+class LaunchRecorder:
+    """Stands in for a Triton kernel (``kernel[grid](...)``): records each launch's grid, then runs it."""
+
+    def __init__(self, kernel, launches: list):
+        self.kernel, self.launches = kernel, launches
+
+    def __getitem__(self, grid):
+        self.launches.append(grid)
+        return self.kernel[grid]

@@ -7,7 +7,7 @@ import torch
 
 from kimik3.ops import attention
 from kimik3.ops.attention import varlen_attention
-from tests.helpers import rel_errs
+from tests.helpers import LaunchRecorder, rel_errs
 
 F64, BF16 = torch.float64, torch.bfloat16
 # items with one, none, many and a few rows; the last case is a graph's layout: one item, then padding
@@ -54,7 +54,7 @@ def test_kernel_path_matches_the_math(case, split, monkeypatch):
     monkeypatch.setattr(mla_prefill, "SPLIT_MIN_TILES", 1)
     merges = []
     kernel = mla_prefill._merge_splits_kernel
-    monkeypatch.setattr(mla_prefill, "_merge_splits_kernel", _Launches(kernel, merges))
+    monkeypatch.setattr(mla_prefill, "_merge_splits_kernel", LaunchRecorder(kernel, merges))
     lengths = CASES[case]
     q, k, v, cu = _inputs(lengths, 2, 32, BF16, seed=7)
     out = varlen_attention(q, k, v, cu, max(lengths), 32 ** -0.5)
@@ -62,17 +62,6 @@ def test_kernel_path_matches_the_math(case, split, monkeypatch):
     errs = [e for e, n in zip(rel_errs(out, ref, lengths), lengths) if n]
     assert out.dtype == BF16 and max(errs) < 1e-2, errs
     assert bool(merges) == (split and max(lengths) >= 32)      # two key tiles or more can split
-
-
-class _Launches:
-    """Stands in for a Triton kernel: counts its launches, then runs it."""
-
-    def __init__(self, kernel, launches):
-        self.kernel, self.launches = kernel, launches
-
-    def __getitem__(self, grid):
-        self.launches.append(grid)
-        return self.kernel[grid]
 
 
 def test_kernel_path_reads_strided_operands(monkeypatch):

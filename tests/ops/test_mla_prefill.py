@@ -12,7 +12,7 @@ import torch
 
 from kimik3.ops import mla
 from kimik3.ops.mla import merge_attention, mla_prefill_attention, prefill_form, prefill_pieces
-from tests.helpers import rel_errs
+from tests.helpers import LaunchRecorder, rel_errs
 
 F64, BF16 = torch.float64, torch.bfloat16
 
@@ -239,7 +239,7 @@ def test_prefill_op_on_the_kernel_path_matches_the_math(form, sms, monkeypatch):
     monkeypatch.setattr(mla_prefill, "SPLIT_MIN_TILES", 1)
     launches = []
     kernel = mla_prefill._merge_splits_kernel
-    monkeypatch.setattr(mla_prefill, "_merge_splits_kernel", _Recorder(kernel, launches))
+    monkeypatch.setattr(mla_prefill, "_merge_splits_kernel", LaunchRecorder(kernel, launches))
     query_lens, context_lens = [6, 1, 17, 3], [0, 23, 5, 40]
     H, R, P, dn, dv = 2, 32, 16, 16, 16
     q, cache, tables, kv_b = _inputs(query_lens, context_lens, H, R, P, dn, dv, gen(4), BF16)
@@ -249,14 +249,3 @@ def test_prefill_op_on_the_kernel_path_matches_the_math(form, sms, monkeypatch):
     assert out.dtype == BF16 and (len(launches) > 0) == (sms == 64)
     errs = rel_errs(out, ref, query_lens)
     assert max(errs) < 2e-2, errs          # bf16 K/V (naive) or q_lat (absorbed), truncating roundings
-
-
-class _Recorder:
-    """Stands in for a Triton kernel: records each launch, then runs it."""
-
-    def __init__(self, kernel, launches):
-        self.kernel, self.launches = kernel, launches
-
-    def __getitem__(self, grid):
-        self.launches.append(grid)
-        return self.kernel[grid]
