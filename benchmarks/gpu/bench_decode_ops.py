@@ -3,6 +3,7 @@ the measured copy rate) and the alternatives: our one-kernel KDA step (``ops/tri
 value-block widths and warp counts beside fla-core's ``fused_recurrent_kda_fwd`` (the kernel it
 replaces), and the one-pass conv decode kernel beside the general varlen pair (conv + window
 update). Shapes: Kimi-Linear (32 heads) and K3 (96 heads) x 128, batch 1/32/128, scattered slots.
+Then the prefill conv over 8192 tokens across tile shapes (``conv_prefill_sweep``).
 
     PYTHONPATH=. python benchmarks/gpu/bench_decode_ops.py     (writes $OUT/bench_decode_ops.json)
 """
@@ -106,6 +107,7 @@ def main():
                 log(f"conv H={H} b{N} {name}: {t:.1f} us = {t / cfloor:.2f} x floor")
             same = torch.equal(outs["general pair"][1], outs["decode kernel"][1])
             log(f"conv H={H} b{N}: outputs rel diff {rel_err(*[o[0] for o in outs.values()]):.1e}, windows equal {same}")
+    rows += conv_prefill_sweep(bw, g)
     print("| op | heads | batch | case | us | floor us | time/floor |\n|---|---|---|---|---|---|---|")
     for r in rows:
         print(f"| {r['op']} | {r['heads']} | {r['batch']} | {r['case']} | {r['us']:.1f} | {r['floor_us']:.1f} | "
@@ -113,6 +115,41 @@ def main():
     save_results("bench_decode_ops", {"gpu": torch.cuda.get_device_name(), "date": datetime.date.today().isoformat(),
                                       "commit": commit_id(), "torch": torch.__version__, "copy_bytes_per_s": bw,
                                       "rows": rows})
+
+
+# prefill conv tiles (tokens, channels, warps): the default first
+CONV_TILES = ((16, 128, 4), (32, 128, 4), (64, 128, 4), (64, 64, 4), (32, 256, 4), (64, 256, 8), (128, 128, 8))
+
+
+def conv_prefill_sweep(bw: float, g: torch.Generator) -> list[dict]:
+    """The prefill conv (8192 tokens: one fresh prompt, or 4 continuing ones) over ``CONV_TILES``:
+    floor = the raw q|k|v columns read once + the output written once (+ the windows)."""
+    rows = []
+    for H in (32, 96):
+        C, T = 3 * H * K, 8192
+        wide = torch.randn(T, C + 512, device="cuda", generator=g).to(torch.bfloat16)
+        x = wide[:, :C]                                          # a merged projection's columns
+        weight = torch.randn(C, W, device="cuda", generator=g)
+        for name, lens, ctx in (("1 x 8192 fresh", [T], [0]), ("4 x 2048 continued", [T // 4] * 4, [1] * 4)):
+            N = len(lens)
+            pool = torch.randn(N + 1, C, W - 1, device="cuda", generator=g).to(torch.bfloat16)
+            slots = torch.arange(1, N + 1, device="cuda")
+            cu = torch.tensor([0, *lens], device="cuda").cumsum(0)
+            has = torch.tensor(ctx, device="cuda") > 0
+            floor = (2 * T * C * 2 + 2 * N * C * (W - 1) * 2) / bw * 1e6
+            saved = pool.clone()
+            ref = None
+            for tile in CONV_TILES:
+                pool.copy_(saved)
+                out = causal_conv1d_pool_triton(x, weight, pool, slots, has, cu, 3, tile=tile)
+                same = "" if ref is None else f", equal to the default's: {torch.equal(out, ref)}"
+                ref = out.clone() if ref is None else ref
+                t = cuda_time(lambda: causal_conv1d_pool_triton(x, weight, pool, slots, has, cu, 3, tile=tile),
+                              iters=10) * 1e6
+                rows.append({"op": "conv prefill", "heads": H, "batch": N, "case": f"{name} tile {tile}", "us": t,
+                             "floor_us": floor, "over_floor": t / floor})
+                log(f"conv prefill H={H} {name} tile {tile}: {t:.1f} us = {t / floor:.2f} x floor{same}")
+    return rows
 
 
 if __name__ == "__main__":

@@ -80,6 +80,25 @@ def test_conv_pool_kernel_matches_reference(lens, ctx, given, groups):
     assert torch.equal(pool[untouched], before[untouched])
 
 
+@pytest.mark.parametrize("tile", [(64, 64, 4), (8, 256, 8)])
+def test_conv_pool_kernel_other_tiles_match_reference(tile):
+    """Tiles of other shapes (the prefill sweep's): sequences that start inside a tile, channels past
+    the last full tile; against the reference, and the default tile's numbers exactly."""
+    from kimik3.ops.triton.conv import causal_conv1d_pool_triton
+    g = gen(1)
+    C, W, lens = 40, 4, [70, 3, 20]
+    x = torch.randn(sum(lens), C, generator=g).to(BF16)
+    w = torch.randn(C, W, generator=g)
+    pool = torch.randn(4, C, W - 1, generator=g).to(BF16)
+    slots, has, cu = torch.tensor([3, 1, 2]), torch.tensor([True, False, True]), torch.tensor([0, *lens]).cumsum(0)
+    y_ref, s_ref = causal_conv1d(x, w, pool[slots].masked_fill(~has.view(-1, 1, 1), 0), lens)
+    pool2 = pool.clone()
+    want = causal_conv1d_pool_triton(x, w, pool, slots, has, cu)
+    got = causal_conv1d_pool_triton(x, w, pool2, slots, has, cu, tile=tile)
+    assert rel_err(got[0], y_ref) < 8e-3 and torch.equal(pool2[slots], s_ref)
+    assert torch.equal(got, want)
+
+
 # ---- KDA decode ----------------------------------------------------------------------------
 @pytest.mark.parametrize("lower_bound", [-5.0, None], ids=["bounded", "softplus"])
 def test_kda_decode_kernel_matches_float64(lower_bound):

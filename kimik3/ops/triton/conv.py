@@ -89,13 +89,19 @@ def _conv_decode_kernel(x, weight, pool, slots, y, N, C, G, stride_x, stride_poo
     tl.store(row + cols[None, :], shifted, mask=m)
 
 
+# (tokens, channels, warps) of a prefill program; benchmarks/gpu/bench_decode_ops.py sweeps others
+PREFILL_TILE = (16, 128, 4)
+
+
 def causal_conv1d_pool_triton(x: torch.Tensor, weight: torch.Tensor, pool: torch.Tensor, slots: torch.Tensor,
-                              has_state: torch.Tensor | None, cu_seqlens: torch.Tensor, groups: int = 1) -> torch.Tensor:
+                              has_state: torch.Tensor | None, cu_seqlens: torch.Tensor, groups: int = 1,
+                              tile: tuple[int, int, int] | None = None) -> torch.Tensor:
     """x [T, C] raw inputs (any row stride), weight [C, W], pool [slots, C, W-1] (updated in place at
     ``slots``), slots [N], has_state [N] (0: fresh sequence, zero history; None: every sequence has
     history), cu_seqlens [N+1]. Returns y [groups, T, C / groups] in x's dtype: channel group g of
     every token side by side. A decode step (one token per sequence, has_state None) runs as one
-    kernel that reads and writes each window once."""
+    kernel that reads and writes each window once; other steps as a conv kernel over tiles of
+    ``tile`` = (tokens, channels, warps) (default ``PREFILL_TILE``) and a window kernel."""
     T, C = x.shape
     if C % groups:
         raise ValueError(f"causal_conv1d_pool_triton: {C} channels do not split into {groups} groups")
@@ -117,10 +123,10 @@ def causal_conv1d_pool_triton(x: torch.Tensor, weight: torch.Tensor, pool: torch
     tok_seq = torch.searchsorted(cu_seqlens[1:].contiguous(), torch.arange(T, device=x.device), right=True)
     has = has_state.to(torch.int32)
     y = torch.empty(groups, T, C // groups, dtype=x.dtype, device=x.device)
-    BT, BC = 16, 128
+    BT, BC, warps = tile or PREFILL_TILE
     _conv_fwd_kernel[(triton.cdiv(T, BT), triton.cdiv(C, BC))](
         x, weight, pool, slots, has, cu_seqlens, tok_seq, y, T, C, C // groups, x.stride(0), pool.stride(0), pool.stride(1),
-        W=W, BT=BT, BC=BC)
+        W=W, BT=BT, BC=BC, num_warps=warps)
     _conv_state_kernel[(N, triton.cdiv(C, 256))](
         x, pool, slots, has, cu_seqlens, C, x.stride(0), pool.stride(0), pool.stride(1), W=W,
         WP=triton.next_power_of_2(max(W - 1, 1)), BC=256)
