@@ -37,7 +37,7 @@ if [[ " $sections " == *" mladecode "* ]]; then       # MLA decode launch config
   grep -h "decode best" "$L"/mla_decode_sweep.log
 fi
 if [[ " $sections " == *" decodeops "* ]]; then       # KDA step and conv decode kernels vs fla / the general pair
-  run decode_ops 150 python3 benchmarks/gpu/bench_decode_ops.py
+  run decode_ops 200 python3 benchmarks/gpu/bench_decode_ops.py
   cp bench_out/bench_decode_ops.json "$L"/ 2>/dev/null
   grep -h "^|" "$L"/decode_ops.log
 fi
