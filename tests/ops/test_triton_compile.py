@@ -144,7 +144,8 @@ def compile_conv():
     from kimik3.ops.triton import conv
     types = {"x": "*bf16", "weight": "*fp32", "pool": "*bf16", "slots": "*i64", "has_state": "*i32", "cu_seqlens": "*i32",
              "tok_seq": "*i64", "y": "*bf16"}
-    compile_for_hopper(conv._conv_fwd_kernel, types, dict(W=4, BT=16, BC=128))
+    for BT, BC, warps in ((16, 128, 4), (64, 256, 8)):
+        compile_for_hopper(conv._conv_fwd_kernel, types, dict(W=4, BT=BT, BC=BC), num_warps=warps)
     compile_for_hopper(conv._conv_state_kernel, types, dict(W=4, WP=4, BC=256))
     compile_for_hopper(conv._conv_decode_kernel, types, dict(W=4, WP=4, BC=256))
 
@@ -159,3 +160,14 @@ def compile_kda_decode():
              "pool": "*fp32", "slots": "*i64", "o": "*bf16", "lower_bound": "fp32", "scale": "fp32"}
     for bounded in (True, False):
         compile_for_hopper(kda._kda_decode_kernel, types, dict(H=32, K=128, V=128, BV=32, BOUNDED=bounded))
+
+
+def test_rope_kernel_compiles_for_hopper():
+    in_compiler_process("t.compile_rope()")
+
+
+def compile_rope():
+    from kimik3.ops.triton import rope
+    for dtype in ("bf16", "fp32"):
+        compile_for_hopper(rope._rotate_pairs_kernel, {"x": f"*{dtype}", "c": "*fp32", "s": "*fp32", "y": f"*{dtype}"},
+                           dict(HALF=64, BR=64, BH=64), num_warps=4, num_stages=1)

@@ -25,16 +25,26 @@ def _conv_fwd_kernel(x, weight, pool, slots, has_state, cu_seqlens, tok_seq, y,
     slot = tl.load(slots + seq, mask=mt, other=0).to(tl.int64)
     has = tl.load(has_state + seq, mask=mt, other=0) != 0
     acc = tl.zeros([BT, BC], dtype=tl.float32)
-    for j in tl.static_range(W):
-        tau = t - (W - 1) + j                                   # input position read by tap j
-        inside = tau >= start
-        xv = tl.load(x + tau[:, None].to(tl.int64) * stride_x + c[None, :],
-                     mask=(mt & inside)[:, None] & mc[None, :], other=0.0)
-        col = (W - 1) + (tau - start)
-        hv = tl.load(pool + slot[:, None] * stride_pool_slot + c[None, :].to(tl.int64) * stride_pool_c
-                     + col[:, None], mask=(mt & ~inside & has)[:, None] & mc[None, :], other=0.0)
-        wj = tl.load(weight + c * W + j, mask=mc, other=0.0).to(tl.float32)
-        acc += (xv.to(tl.float32) + hv.to(tl.float32)) * wj[None, :]
+    # only a continuing sequence's first W-1 tokens read its pool window: tiles without one skip
+    # that path's per-element address arithmetic (the kernel is bound by instructions, not bytes)
+    if tl.max((mt & has & (t - start < W - 1)).to(tl.int32), 0) > 0:
+        for j in tl.static_range(W):
+            tau = t - (W - 1) + j                               # input position read by tap j
+            inside = tau >= start
+            xv = tl.load(x + tau[:, None].to(tl.int64) * stride_x + c[None, :],
+                         mask=(mt & inside)[:, None] & mc[None, :], other=0.0)
+            col = (W - 1) + (tau - start)
+            hv = tl.load(pool + slot[:, None] * stride_pool_slot + c[None, :].to(tl.int64) * stride_pool_c
+                         + col[:, None], mask=(mt & ~inside & has)[:, None] & mc[None, :], other=0.0)
+            wj = tl.load(weight + c * W + j, mask=mc, other=0.0).to(tl.float32)
+            acc += (xv.to(tl.float32) + hv.to(tl.float32)) * wj[None, :]
+    else:
+        for j in tl.static_range(W):
+            tau = t - (W - 1) + j
+            xv = tl.load(x + tau[:, None].to(tl.int64) * stride_x + c[None, :],
+                         mask=(mt & (tau >= start))[:, None] & mc[None, :], other=0.0)
+            wj = tl.load(weight + c * W + j, mask=mc, other=0.0).to(tl.float32)
+            acc += xv.to(tl.float32) * wj[None, :]
     out = acc * tl.sigmoid(acc)
     # channel c of token t at [c // G, t, c % G]: G = C is the plain [T, C] layout
     dst = (c // G).to(tl.int64)[None, :] * T * G + t[:, None].to(tl.int64) * G + (c % G)[None, :]
