@@ -394,7 +394,9 @@ def test_rms_norm_ops_take_the_kernel_on_the_fast_path(monkeypatch):
     real = kernel.rms_norm_triton
     monkeypatch.setattr(backend, "use_fast_path", lambda t: True)
     monkeypatch.setattr(kernel, "rms_norm_triton", lambda *a, **k: calls.append(a[3]) or real(*a, **k))
-    x, w, gate = torch.randn(4, 64).to(BF16), torch.randn(64), torch.randn(4, 64).to(BF16)
+    g = gen(11)                          # seeded: the global RNG's state depends on which tests ran before
+    x, w, gate = (torch.randn(4, 64, generator=g).to(BF16), torch.randn(64, generator=g),
+                  torch.randn(4, 64, generator=g).to(BF16))
     ref = [norm.rms_norm(x.double(), w.double(), 1e-6), norm.rms_norm_fp32_weight(x.double(), w.double(), 1e-6, torch.float64),
            norm.gated_rms_norm(x.double(), w.double(), gate.double(), 1e-6, torch.float64),
            norm.add_rms_norm(x.double(), gate.double(), w.double(), 1e-6)[1]]
@@ -403,7 +405,7 @@ def test_rms_norm_ops_take_the_kernel_on_the_fast_path(monkeypatch):
            norm.add_rms_norm(x, gate, w, 1e-6)[1]]
     assert calls == [kernel.KIMI, kernel.FP32_WEIGHT, kernel.GATED, kernel.KIMI]
     for a, b in zip(got, ref):
-        assert rel_err(a, b) < 1e-2
+        assert rel_err(a, b) < 2e-2       # up to two bf16 roundings, which the interpreter truncates
 
 
 # ---- GLU gating --------------------------------------------------------------------------
