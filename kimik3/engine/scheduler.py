@@ -13,7 +13,8 @@ Per step (budget = ``max_num_batched_tokens``):
 5. Async scheduling: while a step's tokens are still on the device, the next decode step of the same requests
    is scheduled ahead (``schedule_ahead``) when nothing else could change it: no waiting request, no
    preemption, no checkpoint to take, no drafts, and with speculation every request's drafting paused (a
-   draft needs prev's token: under async a request whose lookup found nothing pauses for a few steps);
+   draft needs prev's token: under async a request whose lookup found nothing pauses for a few steps) or
+   impossible whatever prev's token is (``speculative.may_propose_after``);
    a request that prev's token finishes is left out or dropped.
 """
 
@@ -26,7 +27,7 @@ from kimik3.engine.config import EngineConfig
 from kimik3.engine.kv_cache import KVCacheManager
 from kimik3.engine.request import Request, RequestStatus
 from kimik3.engine.scheduler_output import ScheduledChunk, SchedulerOutput
-from kimik3.engine.speculative import EMPTY_DRAFT_PAUSE, can_speculate, propose_ngram, token_bytes
+from kimik3.engine.speculative import EMPTY_DRAFT_PAUSE, can_speculate, may_propose_after, propose_ngram, token_bytes
 from kimik3.model.batch import StateCheckpoint
 
 
@@ -94,7 +95,9 @@ class Scheduler:
         if (self.waiting or len(prev.chunks) != len(self.running)
                 or len(prev.chunks) > self.config.max_num_batched_tokens
                 or any(not c.samples or c.draft or c.req.is_finished for c in prev.chunks)
-                or any(self._may_draft(c.req) and not c.req.draft_pause for c in prev.chunks)):
+                or any(self._may_draft(c.req) and not c.req.draft_pause
+                       and may_propose_after(c.req.token_ids, self.config.speculative_ngram_min, token_bytes(c.req))
+                       for c in prev.chunks)):
             return None
         out = SchedulerOutput()
         for c in prev.chunks:
@@ -104,7 +107,7 @@ class Scheduler:
             if self.kv.checkpoint_boundaries(start, start + 1) or not self.kv.allocate(req, 1):
                 return None                            # a checkpoint needs its block's hash; or preemption
             out.chunks.append(ScheduledChunk(req, 1, start, input_pending=True))
-        for req in (c.req for c in out.chunks if self._may_draft(c.req)):
+        for req in (c.req for c in out.chunks if self._may_draft(c.req) and c.req.draft_pause):
             req.draft_pause -= 1                       # a decode step without drafts, as ``_draft`` counts them
         return out if out.chunks else None
 

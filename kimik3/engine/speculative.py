@@ -41,6 +41,20 @@ def token_bytes(req) -> bytearray:
     return buf
 
 
+def _rfind_tokens(data: bytes, n: int, end: int) -> int:
+    """Token index of the latest occurrence of the last ``n`` tokens of ``data`` (int64 bytes) that
+    ends by byte ``end``; -1 when there is none."""
+    width = array("q").itemsize
+    suffix = data[-n * width:]
+    while True:
+        pos = data.rfind(suffix, 0, end)
+        if pos < 0:
+            return -1
+        if pos % width == 0:                # token-aligned match
+            return pos // width
+        end = pos + len(suffix) - 1
+
+
 def propose_ngram(token_ids: list[int], k: int, min_n: int, max_n: int, data: bytes | None = None) -> list[int]:
     """Up to ``k`` tokens that followed the latest earlier occurrence of the longest suffix n-gram
     (``max_n`` >= n >= ``min_n``) of ``token_ids``; [] when none recurs. ``data``: the same tokens
@@ -50,17 +64,25 @@ def propose_ngram(token_ids: list[int], k: int, min_n: int, max_n: int, data: by
     data = array("q", token_ids).tobytes() if data is None else data
     width = array("q").itemsize
     for n in range(min(max_n, len(token_ids) - 1), min_n - 1, -1):
-        suffix = data[-n * width:]
-        end = len(data) - width             # an occurrence must end before the last token
-        while True:
-            pos = data.rfind(suffix, 0, end)
-            if pos < 0:
-                break
-            if pos % width == 0:            # token-aligned match
-                start = pos // width + n
-                return token_ids[start:start + k]
-            end = pos + len(suffix) - 1
+        pos = _rfind_tokens(data, n, len(data) - width)    # an occurrence must end before the last token
+        if pos >= 0:
+            return token_ids[pos + n:pos + n + k]
     return []
+
+
+def may_propose_after(token_ids: list[int], min_n: int, data: bytes | None = None) -> bool:
+    """False when ``propose_ngram`` finds nothing for ``token_ids`` plus any one more token: its
+    suffix n-grams (n >= ``min_n``) end in that token, so each can recur only where the n - 1 tokens
+    before it recur followed by a token, and the shortest of those (n = min_n) recurs wherever a longer
+    one does. With min_n = 1 any token may recur: True. Under async scheduling this lets a step whose
+    drafts cannot exist run ahead instead of waiting for the previous step's token."""
+    if min_n <= 1:
+        return True
+    if len(token_ids) < min_n:
+        return False
+    data = array("q", token_ids).tobytes() if data is None else data
+    width = array("q").itemsize
+    return _rfind_tokens(data, min_n - 1, len(data) - width) >= 0
 
 
 def can_speculate(params: SamplingParams) -> bool:
@@ -181,7 +203,8 @@ def _logprobs(chunks, spans, logits: torch.Tensor, result: SamplerOutput) -> Non
 # that extra per token instead of all of it.
 MAX_DRAFT_PAUSE = 128
 # Under async scheduling a request whose n-gram lookup found nothing skips this many decode steps' lookups:
-# a step that may draft waits for the previous step's token on the host, one that cannot runs ahead.
+# a step that may draft waits for the previous step's token on the host, one that cannot runs ahead
+# (as does one whose lookup cannot find anything whatever that token is: ``may_propose_after``).
 EMPTY_DRAFT_PAUSE = 4
 
 

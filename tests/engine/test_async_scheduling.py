@@ -243,6 +243,29 @@ def test_speculation_with_async_scheduling_gives_the_synchronous_tokens(model):
     assert not asyn.has_unfinished_requests() and asyn.kv.blocks.num_free == asyn.plan.num_usable_blocks
 
 
+def test_speculating_steps_run_ahead_when_no_draft_can_exist(model, monkeypatch):
+    """n-gram speculation (n >= 2) under async scheduling on prompts of distinct tokens: where the last
+    token never occurred before no draft can exist, so the step runs ahead without first waiting for a
+    lookup to fail. More steps run ahead than with that check off, and the tokens are the model's."""
+    from kimik3.engine import scheduler
+    vocab = model.config.text.vocab_size
+    reqs = {f"g{i}": (random.Random(i).sample(range(5, vocab), 10),
+                      SamplingParams(temperature=0, max_tokens=16, ignore_eos=True)) for i in range(2)}
+    kw = dict(block_size=4, max_num_seqs=4, max_num_batched_tokens=64, max_model_len=40, extra_blocks=30,
+              num_speculative_tokens=2, speculative_ngram_min=2, speculative_ngram_max=3, async_scheduling=True)
+    hits = []
+    for check in (True, False):
+        if not check:
+            monkeypatch.setattr(scheduler, "may_propose_after", lambda *a: True)
+        engine = make_engine(model, **kw)
+        ahead = count_calls(engine.scheduler, "schedule_ahead")
+        out = run(engine, reqs)
+        for rid, (p, params) in reqs.items():
+            assert out[rid][0][0] == reference_greedy(model, p, params.max_tokens), (check, rid)
+        hits.append(ahead.hits)
+    assert hits[0] > hits[1], hits
+
+
 @pytest.mark.parametrize("flags, device, expected", [
     ([], "cuda", True),                                     # vLLM's default: on where it works
     ([], "cpu", False),                                     # nothing to overlap on a CPU

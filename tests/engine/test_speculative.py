@@ -14,7 +14,7 @@ from hypothesis import strategies as st
 import kimik3
 from kimik3.engine import EngineConfig, SamplingParams
 from kimik3.engine.memory import plan_memory
-from kimik3.engine.speculative import accept_greedy, propose_ngram, token_bytes
+from kimik3.engine.speculative import accept_greedy, may_propose_after, propose_ngram, token_bytes
 from tests.engine.fake_model import FakeModel, fake_config, reference_greedy
 from tests.engine.helpers import check_invariants, make_engine, oracle_requests, run
 
@@ -36,6 +36,30 @@ def brute_force_ngram(tokens: list[int], k: int, min_n: int, max_n: int) -> list
 def test_propose_ngram_matches_brute_force(tokens, k, min_n, extra):
     # values whose byte patterns overlap (255/256, 2**16, 2**40) catch matches off token boundaries
     assert propose_ngram(tokens, k, min_n, min_n + extra) == brute_force_ngram(tokens, k, min_n, min_n + extra)
+
+
+@settings(max_examples=300, deadline=None)
+@given(st.lists(st.sampled_from([0, 1, 2, 255, 256, 2**40]), max_size=30), st.integers(1, 3), st.integers(0, 2))
+def test_may_propose_after_says_whether_any_next_token_gives_a_draft(tokens, min_n, extra):
+    """Exact for min_n >= 2: False iff no next token whatever (every value that occurs, and a new one)
+    makes the brute-force proposer draft; min_n = 1 is always True (the next token itself may recur)."""
+    nexts = {0, 1, 2, 255, 256, 2**40, 7}
+    any_draft = any(brute_force_ngram(tokens + [x], 3, min_n, min_n + extra) for x in nexts)
+    if min_n == 1:
+        assert may_propose_after(tokens, min_n)
+    else:
+        assert may_propose_after(tokens, min_n) == any_draft
+
+
+def test_may_propose_after_reads_the_request_bytes():
+    tokens = [4, 5, 6, 4, 9]
+    assert not may_propose_after(tokens, 2)                 # 9 never occurred before: nothing can follow it
+    assert may_propose_after(tokens[:4], 2)                 # 4 occurred (then 5): "4 5" may recur
+    assert may_propose_after(tokens[:4], 3) is False        # "6 4" never occurred before
+    data = bytearray()
+    from array import array
+    data.extend(array("q", tokens).tobytes())
+    assert may_propose_after(tokens, 2, data=data) is False and may_propose_after(tokens, 1)
 
 
 def test_token_bytes_follow_the_request_as_it_grows():
