@@ -94,11 +94,13 @@ class Scheduler:
         the device, or None when it could differ from what ``schedule`` will decide once they arrive."""
         if (self.waiting or len(prev.chunks) != len(self.running)
                 or len(prev.chunks) > self.config.max_num_batched_tokens
-                or any(not c.samples or c.draft or c.req.is_finished for c in prev.chunks)
-                or any(self._may_draft(c.req) and not c.req.draft_pause
-                       and may_propose_after(c.req.token_ids, self.config.speculative_ngram_min, token_bytes(c.req))
-                       for c in prev.chunks)):
+                or any(not c.samples or c.draft or c.req.is_finished for c in prev.chunks)):
             return None
+        drafting = [c.req for c in prev.chunks if self._may_draft(c.req) and not c.req.draft_pause]
+        if any(may_propose_after(r.token_ids, self.config.speculative_ngram_min, token_bytes(r)) for r in drafting):
+            return None
+        for req in drafting:            # no draft can exist: as after a lookup that found nothing (``_draft``)
+            req.draft_pause = EMPTY_DRAFT_PAUSE + 1
         out = SchedulerOutput()
         for c in prev.chunks:
             req, start = c.req, c.req.num_computed_tokens

@@ -204,7 +204,8 @@ def _logprobs(chunks, spans, logits: torch.Tensor, result: SamplerOutput) -> Non
 MAX_DRAFT_PAUSE = 128
 # Under async scheduling a request whose n-gram lookup found nothing skips this many decode steps' lookups:
 # a step that may draft waits for the previous step's token on the host, one that cannot runs ahead
-# (as does one whose lookup cannot find anything whatever that token is: ``may_propose_after``).
+# (as does one whose lookup cannot find anything whatever that token is, ``may_propose_after``, which then
+# pauses as a failed lookup does: on a long context each check scans its whole history).
 EMPTY_DRAFT_PAUSE = 4
 
 
