@@ -61,7 +61,7 @@ def test_tower_graphs_equal_the_eager_tower_per_image_size():
         assert graphs.num_replays == replays + (graphs.budget_for(grid[0] * grid[1] * grid[2]) is not None)
         with reference_ops():
             ref = m64.vision_tower.encode(pv.double(), [grid])
-        assert worst_rel_err(out, eager) < 2e-3, grid          # the same kernels; another GEMM row count
+        assert worst_rel_err(out, eager) < BF16_BOUND / 2, grid   # the same kernels; GEMMs of other row counts
         assert worst_rel_err(out, ref) < BF16_BOUND and worst_rel_err(eager, ref) < BF16_BOUND, grid
 
 
