@@ -52,9 +52,13 @@ def compile_moe(mxfp4, high_scales, dtype):
     weight = "*u8" if mxfp4 else f"*{dtype}"
     types = {"x": f"*{dtype}", "h": f"*{dtype}", "y": f"*{dtype}", "sorted_rows": "*i64", "block_expert": "*i64",
              "beta": "fp32", "linear_beta": "fp32", **{f"w{i}{k}": weight for i in (1, 2, 3) for k in "ps"}}
-    common = dict(BM=16, BKH=64, UPCAST=False, MXFP4=mxfp4, ASM=True, HIGH_SCALES=high_scales)
-    compile_for_hopper(moe._gate_up_kernel, types, dict(common, BN=64, TOP_K=8, ACT_SITU=mxfp4, CLIP_UP=mxfp4))
-    compile_for_hopper(moe._down_kernel, types, dict(common, BN=128), num_warps=8)
+    for swap in (False, True):
+        common = dict(BM=16, BKH=64, UPCAST=False, MXFP4=mxfp4, ASM=True, HIGH_SCALES=high_scales, SWAP=swap)
+        kernels = [compile_for_hopper(moe._gate_up_kernel, types, dict(common, BN=64, TOP_K=8, ACT_SITU=mxfp4,
+                                                                       CLIP_UP=mxfp4)),
+                   compile_for_hopper(moe._down_kernel, types, dict(common, BN=128), num_warps=8)]
+        if swap:        # the point of the transposed products: 16 rows of an expert as wgmma tiles (m64n16)
+            assert all("wgmma.mma_async.sync.aligned.m64n16k16" in k.asm["ptx"] for k in kernels)
     compile_for_hopper(moe._align_kernel, {"ids": "*i64", "sorted_rows": "*i64", "block_expert": "*i64"},
                        dict(BM=16, BR=256, BE=128, BCAP=2048))
     for has_pos in (False, True):
