@@ -42,6 +42,34 @@ def tower_flops(cfg, L: int) -> float:
     return cfg.num_hidden_layers * per_layer + 2 * L * 3 * cfg.patch_size ** 2 * D
 
 
+# launch configs of the varlen kernel at the tower's head dim (64 | 64, v 128): the default first
+ATTN_CONFIGS = ((64, 64, 4, 2), (128, 64, 8, 2), (128, 128, 8, 2), (64, 128, 4, 2), (128, 64, 4, 3))
+
+
+def attention_configs(cfg, g) -> list[dict]:
+    """The attention op alone (one item of L patches, 12 heads) over ``ATTN_CONFIGS``, against FLOPs
+    4 L^2 H dh at the matmul rate measured by the caller's run (reported as TFLOP/s)."""
+    from kimik3.ops.triton.mla_prefill import PrefillConfig, mla_prefill_triton
+    H, dh = cfg.num_attention_heads, cfg.qkv_hidden_size // cfg.num_attention_heads
+    rows = []
+    for L in (1024, 4096, 16384):
+        q, k, v = (torch.randn(L, H, dh, generator=g, device="cuda").to(torch.bfloat16) for _ in range(3))
+        cu = torch.tensor([0, L], dtype=torch.int32, device="cuda")
+        ref = None
+        for c in ATTN_CONFIGS:
+            def op(c=c):
+                return mla_prefill_triton(q[..., :dh // 2], q[..., dh // 2:], k[..., :dh // 2], k[..., dh // 2:], v,
+                                          cu, cu, cu[1:], cu[:-1], L, dh ** -0.5, torch.bfloat16,
+                                          config=PrefillConfig(*c), max_key_len=L)[0]
+            out = op()
+            ref = out if ref is None else ref
+            us = cuda_time(op, iters=10) * 1e6
+            tflops = 4 * L * L * H * dh / us / 1e6
+            rows.append({"patches": L, "config": c, "us": us, "tflops": tflops, "rel_diff_vs_default": rel_err(out, ref)})
+            log(f"# attention L={L} config {c}: {us:.0f} us, {tflops:.0f} TFLOP/s")
+    return rows
+
+
 def main():
     ap = argparse.ArgumentParser(description=__doc__.splitlines()[0])
     ap.add_argument("--grids", default=",".join(f"{h}x{w}" for h, w in GRIDS))
@@ -92,6 +120,7 @@ def main():
         log(f"| {h}x{w} | {L} | {budget} | {floor:.3f} | {reference:.2f} | {eager:.2f} | "
             f"{graph if graph is None else f'{graph:.2f}'} | {'-' if graph is None else f'{graph / floor:.2f}'} | "
             f"{'-' if graph is None else f'{eager / graph:.2f}'} | {op:.0f} | {sdpa:.0f} |")
+    sweep = attention_configs(cfg, g)
     with torch.inference_mode():
         many = [(1, 16, 16), (1, 32, 32), (1, 24, 40)]
         pv = (torch.rand(sum(a * b * c for a, b, c in many), 3, 14, 14, generator=g, device="cuda") * 2 - 1)
@@ -104,7 +133,8 @@ def main():
         "commit": commit_id(), "gpu": torch.cuda.get_device_name(), "date": datetime.date.today().isoformat(),
         "copy_rate": bw, "matmul_rate": mm, "tower_bytes": tower_bytes, "capture_s": capture_s,
         "budgets": list(graphs.budgets) if graphs else None, "rows": rows,
-        "three_images": {"grids": many, "eager_ms": image_eager, "graph_ms": image_graph}})
+        "three_images": {"grids": many, "eager_ms": image_eager, "graph_ms": image_graph},
+        "attention_configs": sweep})
     log(f"wrote {path}")
 
 
