@@ -11,8 +11,9 @@ and the kernels specialise on the step's rows); (2) all at once, so prefill chun
 decode rows; (3) the same prompts again, all at once, so they hit the prefix cache (chunks shortened
 by a hit, KDA states restored from checkpoints: what a repeated system prompt meets). Then it empties
 the prefix cache, so the warm-up leaves no blocks behind. The engine's counters (steps, graph steps,
-hit tokens) include its steps. Images are not warmed: the vision tower compiles nothing of ours
-(torch ops only).
+hit tokens) include its steps. Images are not warmed here: the vision tower's kernels compile when the
+runner captures its CUDA graphs (``model/encoder_graphs.py``, at engine start); under ``enforce_eager``
+the first image compiles them.
 """
 
 from __future__ import annotations
