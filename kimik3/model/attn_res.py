@@ -2,7 +2,8 @@
 
 K3 keeps, per token, completed block vectors b_0 (the embedding), b_1, ... (sums of the
 sub-layer outputs of each block of ``block_size`` layers) and a running partial sum P of the
-current block. Each sub-layer reads a softmax mix (``attn_res_mix``) of [b_0 .. b_k, P].
+current block. Each sub-layer reads a softmax mix of [b_0 .. b_k, P], normed by its input norm
+(``attn_res_mix_norm``: one pass on CUDA).
 Without attention residuals the same interface is the ordinary pre-norm residual stream, whose
 adds wait for the norm that reads them (``add_rms_norm``: one pass over both).
 """
@@ -11,8 +12,8 @@ from __future__ import annotations
 
 import torch
 
-from kimik3.ops.attn_res import attn_res_mix
-from kimik3.ops.norm import add_rms_norm, rms_norm, rms_norm_fp32_weight
+from kimik3.ops.attn_res import attn_res_mix, attn_res_mix_norm
+from kimik3.ops.norm import add_rms_norm, rms_norm
 
 
 class ResidualStream:
@@ -25,10 +26,9 @@ class ResidualStream:
 
     def _mixed_input(self, norm_weight, proj_weight, consumer_weight) -> torch.Tensor:
         sources = self.blocks + ([self.partial] if self.partial is not None else [])
-        mix = attn_res_mix(sources, norm_weight, proj_weight, self.eps)
-        if self.fused_norm:                        # vLLM: norm the fp32 mix, fp32 weight, one rounding
-            return rms_norm_fp32_weight(mix, consumer_weight, self.eps, self.dtype)
-        return rms_norm(mix, consumer_weight, self.eps, self.dtype)    # official: bf16 mix, then norm
+        # vLLM (fused_norm): norm the fp32 mix, fp32 weight, one rounding; official: bf16 mix, then norm
+        return attn_res_mix_norm(sources, norm_weight, proj_weight, self.eps, consumer_weight, self.fused_norm,
+                                 self.dtype)
 
     def _normed(self, weight) -> torch.Tensor:
         """The plain stream's norm, the pending add fused into it."""

@@ -10,7 +10,7 @@ from __future__ import annotations
 import torch
 
 from kimik3.ops.backend import use_fast_path
-from kimik3.ops.norm import acc_dtype
+from kimik3.ops.norm import acc_dtype, rms_norm, rms_norm_fp32_weight
 
 
 def attn_res_mix(sources: list[torch.Tensor], norm_weight: torch.Tensor, proj_weight: torch.Tensor,
@@ -30,3 +30,24 @@ def attn_res_mix(sources: list[torch.Tensor], norm_weight: torch.Tensor, proj_we
     r = torch.rsqrt(v.pow(2).mean(-1) + eps)                                 # [n, T]
     alpha = torch.softmax(r * (v @ w), dim=0)                                # [n, T]
     return (alpha.unsqueeze(-1) * v).sum(0)
+
+
+def attn_res_mix_norm(sources: list[torch.Tensor], norm_weight: torch.Tensor, proj_weight: torch.Tensor,
+                      eps: float, consumer_weight: torch.Tensor, fp32_weight: bool, dtype: torch.dtype) -> torch.Tensor:
+    """The sub-layer input: ``attn_res_mix`` normed by its consumer's RMSNorm (same eps) in ``dtype``,
+    ``rms_norm_fp32_weight`` (fp32_weight: vLLM's fused form, one rounding) or ``rms_norm`` with the mix
+    rounded to ``dtype`` first (official). One source: its norm (the fp32 mix of one bf16 source is that
+    source exactly). CUDA: one Triton pass (the mix's epilogue holds the norm)."""
+    if len(sources) == 1:
+        x = sources[0]
+        return rms_norm_fp32_weight(x, consumer_weight, eps, dtype) if fp32_weight else rms_norm(x, consumer_weight,
+                                                                                                 eps, dtype)
+    if use_fast_path(sources[0]) and acc_dtype(sources[0].dtype) == torch.float32 and dtype != torch.float64:
+        from kimik3.ops.triton.attn_res import FP32_WEIGHT_NORM, KIMI_NORM, MAX_SOURCES, attn_res_mix_triton
+        if len(sources) <= MAX_SOURCES:
+            w = norm_weight.float() * proj_weight.reshape(-1).float()
+            return attn_res_mix_triton([s.contiguous() for s in sources], w, eps,
+                                       FP32_WEIGHT_NORM if fp32_weight else KIMI_NORM, consumer_weight, eps, dtype)
+    mix = attn_res_mix(sources, norm_weight, proj_weight, eps)
+    return rms_norm_fp32_weight(mix, consumer_weight, eps, dtype) if fp32_weight else rms_norm(mix, consumer_weight,
+                                                                                               eps, dtype)

@@ -18,7 +18,7 @@ import torch
 
 from kimik3.ops import mxfp4
 from kimik3.ops.activation import situ_and_mul, silu_and_mul
-from kimik3.ops.attn_res import attn_res_mix
+from kimik3.ops.attn_res import attn_res_mix, attn_res_mix_norm
 from kimik3.ops.backend import reference_ops
 from kimik3.ops.conv import causal_conv1d_in_pool
 from kimik3.ops.kda import kda_attention_in_pool, kda_recurrent_in_pool
@@ -242,6 +242,24 @@ def check_attn_res(n=9, T=77, D=7168, seed=5) -> dict:
     return {f"attn_res.n{n}": worst_rel_err(out, ref)}                 # per token
 
 
+def check_attn_res_norm(n=5, T=77, D=7168, seed=21) -> dict:
+    """The mix with its consumer's norm in the epilogue (both forms), bf16 out, against the float64 reference."""
+    g = _gen(seed)
+    sources = [torch.randn(T, D, generator=g, device="cuda").to(BF16) for _ in range(n)]
+    gamma = 1 + 0.1 * torch.randn(D, generator=g, device="cuda")
+    proj = torch.randn(1, D, generator=g, device="cuda") / math.sqrt(D)
+    consumer = 1 + 0.2 * torch.randn(D, generator=g, device="cuda")
+    out = {}
+    for fp32_weight in (True, False):
+        with reference_ops():
+            ref = attn_res_mix_norm([s.double() for s in sources], gamma.double(), proj.double(), 1e-5,
+                                    consumer.double(), fp32_weight, torch.float64)
+        poison_allocator()
+        got = attn_res_mix_norm(sources, gamma, proj, 1e-5, consumer, fp32_weight, BF16)
+        out[f"mix_norm.{'fp32_weight' if fp32_weight else 'official'}"] = worst_rel_err(got, ref)
+    return out
+
+
 def check_route(T=300, E=896, k=16, seed=6) -> dict:
     g = _gen(seed)
     logits = torch.randn(T, E, generator=g, device="cuda") * 3
@@ -306,7 +324,7 @@ CHECKS = {
     "moe_high_scales": lambda: check_moe(T=5, shift=20, seed=10),
     "moe_high_scales_told": lambda: check_moe(T=5, shift=20, tell_scale_max=True, seed=11),
     "moe_large": lambda: check_moe(T=700, E=8, L=1024, I=512, k=4), "attn_res": check_attn_res,
-    "route": check_route,
+    "attn_res_norm": check_attn_res_norm, "route": check_route,
     "moe_dense_decode": lambda: check_moe_dense(T=1), "moe_dense_b8": lambda: check_moe_dense(T=8),
     "moe_dense_mid": lambda: check_moe_dense(T=37), "moe_dense_prefill": lambda: check_moe_dense(T=1500),
     "moe_dense_fp16_top16": lambda: check_moe_dense(T=21, E=64, k=16, dtype=torch.float16, seed=13),

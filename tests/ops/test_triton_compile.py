@@ -175,3 +175,15 @@ def compile_rope():
     for dtype in ("bf16", "fp32"):
         compile_for_hopper(rope._rotate_pairs_kernel, {"x": f"*{dtype}", "c": "*fp32", "s": "*fp32", "y": f"*{dtype}"},
                            dict(HALF=64, BR=64, BH=64), num_warps=4, num_stages=1)
+
+
+def test_attn_res_kernel_compiles_for_hopper():
+    in_compiler_process("t.compile_attn_res()")
+
+
+def compile_attn_res():
+    from kimik3.ops.triton import attn_res
+    for norm, out in ((attn_res.NO_NORM, "fp32"), (attn_res.KIMI_NORM, "bf16"), (attn_res.FP32_WEIGHT_NORM, "bf16")):
+        compile_for_hopper(attn_res._attn_res_kernel, {"src": "*bf16", "w": "*fp32", "cw": "*fp32", "out": f"*{out}",
+                                                       "eps": "fp32", "norm_eps": "fp32"},
+                           dict(N_SRC=5, BD=8192, NORM=norm), num_warps=8, num_stages=1)

@@ -336,6 +336,42 @@ def test_attn_res_kernel_matches_reference(n):
     assert rel_err(out, ref) < 1e-5
 
 
+def _mix_norm_float64(sources, gamma, proj, eps, consumer, fp32_weight):
+    """The sub-layer input from the math in float64: alpha = softmax_i(w . v_i / rms(v_i)), w = gamma * proj,
+    mix = sum_i alpha_i v_i, then mix / rms(mix) * consumer (the official form rounds the mix to bf16 first)."""
+    v = torch.stack([s.double() for s in sources])
+    w = gamma.double() * proj.double().view(-1)
+    score = (v @ w) / v.pow(2).mean(-1).add(eps).sqrt()
+    mix = (torch.softmax(score, 0).unsqueeze(-1) * v).sum(0)
+    if not fp32_weight:
+        mix = mix.to(BF16).double()
+    return mix / mix.pow(2).mean(-1, keepdim=True).add(eps).sqrt() * consumer.double()
+
+
+@pytest.mark.parametrize("fp32_weight", [True, False], ids=["vllm_fused", "official"])
+@pytest.mark.parametrize("n", [1, 2, 5, 9])
+def test_attn_res_mix_norm_kernel_path_matches_float64(n, fp32_weight, monkeypatch):
+    """The sub-layer input in one kernel (the norm in the mix's epilogue) on CPU tensors, against the math;
+    one source takes the plain norm; the kernel must be the one that ran."""
+    from kimik3.ops import attn_res
+    from kimik3.ops import norm as norm_ops
+    from kimik3.ops.triton import attn_res as kernel
+    monkeypatch.setattr(attn_res, "use_fast_path", lambda t: True)
+    monkeypatch.setattr(norm_ops, "use_fast_kernel", lambda *a: True)
+    calls = []
+    real = kernel.attn_res_mix_triton
+    monkeypatch.setattr(kernel, "attn_res_mix_triton", lambda *a, **k: calls.append(a[3]) or real(*a, **k))
+    g = gen(5 + n)
+    T, D = 7, 96
+    sources = [torch.randn(T, D, generator=g).to(BF16) for _ in range(n)]
+    gamma, proj = 1 + 0.1 * torch.randn(D, generator=g), torch.randn(1, D, generator=g)
+    consumer = 1 + 0.2 * torch.randn(D, generator=g)
+    out = attn_res.attn_res_mix_norm(sources, gamma, proj, 1e-5, consumer, fp32_weight, BF16)
+    ref = _mix_norm_float64(sources, gamma, proj, 1e-5, consumer, fp32_weight)
+    assert out.dtype == BF16 and rel_err(out, ref) < 1e-2
+    assert calls == ([] if n == 1 else [kernel.FP32_WEIGHT_NORM if fp32_weight else kernel.KIMI_NORM])
+
+
 # ---- RMSNorm -----------------------------------------------------------------------------
 @pytest.mark.parametrize("rows,D", [(1, 2304), (3, 7168), (37, 128), (70, 48), (5, 512)])
 @pytest.mark.parametrize("form", ["kimi", "fp32_weight", "gated"])

@@ -1,6 +1,7 @@
 """Attention-residual mix in one pass over the sources: per token row, each source is read once,
 scored (w . RMSNorm(v)) and folded into an online softmax-weighted sum. Reference:
-``kimik3.ops.attn_res.attn_res_mix``.
+``kimik3.ops.attn_res.attn_res_mix``. Optionally the consumer's RMSNorm of the mix in the epilogue
+(``attn_res_mix_norm``): the fp32 mix never goes to memory.
 
 The sources are separate tensors; the kernel gets the first one's pointer and each source's
 element offset from it (same dtype, same row stride), so the list needs no stacking copy.
@@ -15,9 +16,12 @@ import triton.language as tl
 MAX_SOURCES = 12
 
 
+NO_NORM, KIMI_NORM, FP32_WEIGHT_NORM = 0, 1, 2
+
+
 @triton.jit(do_not_specialize=["o1", "o2", "o3", "o4", "o5", "o6", "o7", "o8", "o9", "o10", "o11"])
-def _attn_res_kernel(src, o1, o2, o3, o4, o5, o6, o7, o8, o9, o10, o11, w, out, D, stride_row, eps,
-                     N_SRC: tl.constexpr, BD: tl.constexpr):
+def _attn_res_kernel(src, o1, o2, o3, o4, o5, o6, o7, o8, o9, o10, o11, w, cw, out, D, stride_row, eps, norm_eps,
+                     N_SRC: tl.constexpr, BD: tl.constexpr, NORM: tl.constexpr):
     t = tl.program_id(0).to(tl.int64)
     d = tl.arange(0, BD)
     md = d < D
@@ -58,12 +62,27 @@ def _attn_res_kernel(src, o1, o2, o3, o4, o5, o6, o7, o8, o9, o10, o11, w, out, 
         acc = acc * scale_old + p * v
         denom = denom * scale_old + p
         m = m_new
-    tl.store(out + t * D + d, acc / denom, mask=md)
+    mix = acc / denom
+    if NORM == 0:
+        tl.store(out + t * D + d, mix, mask=md)
+    else:   # the consumer's RMSNorm of the fp32 mix (``kimik3.ops.norm``'s forms), in the output dtype
+        cv = tl.load(cw + d, mask=md, other=0.0)
+        if NORM == 1:                       # rms_norm(mix, w, eps, dtype): the mix rounded first, two roundings
+            v = mix.to(out.dtype.element_ty).to(tl.float32)
+            rstd = 1 / tl.sqrt(tl.sum(v * v, 0) / D + norm_eps)
+            y = (v * rstd).to(out.dtype.element_ty).to(tl.float32) * cv.to(out.dtype.element_ty).to(tl.float32)
+        else:                               # rms_norm_fp32_weight(mix, w, eps, dtype): one rounding
+            rstd = 1 / tl.sqrt(tl.sum(mix * mix, 0) / D + norm_eps)
+            y = mix * rstd * cv.to(tl.float32)
+        tl.store(out + t * D + d, y.to(out.dtype.element_ty), mask=md)
 
 
-def attn_res_mix_triton(sources: list[torch.Tensor], w: torch.Tensor, eps: float) -> torch.Tensor:
+def attn_res_mix_triton(sources: list[torch.Tensor], w: torch.Tensor, eps: float, norm: int = NO_NORM,
+                        consumer_weight: torch.Tensor | None = None, norm_eps: float = 0.0,
+                        out_dtype: torch.dtype = torch.float32) -> torch.Tensor:
     """sources: 2..MAX_SOURCES tensors [T, D] of one dtype with unit feature stride and one row
-    stride; w [D] fp32 = norm_weight * proj_weight. Returns fp32 [T, D]."""
+    stride; w [D] fp32 = norm_weight * proj_weight. Returns the fp32 mix [T, D], or with ``norm``
+    (KIMI_NORM / FP32_WEIGHT_NORM) its RMSNorm by ``consumer_weight`` [D] (eps ``norm_eps``) in ``out_dtype``."""
     first = sources[0]
     T, D = first.shape
     size = first.element_size()
@@ -76,8 +95,11 @@ def attn_res_mix_triton(sources: list[torch.Tensor], w: torch.Tensor, eps: float
             raise ValueError("attn_res_mix_triton: sources are not element-aligned with each other")
         offsets.append(delta // size)
     offsets = offsets[1:] + [0] * (MAX_SOURCES - len(offsets))
-    out = torch.empty(T, D, dtype=torch.float32, device=first.device)
+    if norm != NO_NORM and (consumer_weight is None or consumer_weight.shape != (D,)):
+        raise ValueError(f"attn_res_mix_triton: a fused norm needs a consumer weight of [{D}]")
+    out = torch.empty(T, D, dtype=torch.float32 if norm == NO_NORM else out_dtype, device=first.device)
     BD = triton.next_power_of_2(D)
-    _attn_res_kernel[(T,)](first, *offsets, w.contiguous(), out, D, first.stride(0), float(eps),
-                           N_SRC=len(sources), BD=BD, num_warps=8 if BD >= 4096 else 4)
+    cw = w if consumer_weight is None else consumer_weight.contiguous()
+    _attn_res_kernel[(T,)](first, *offsets, w.contiguous(), cw, out, D, first.stride(0), float(eps), float(norm_eps),
+                           N_SRC=len(sources), BD=BD, NORM=norm, num_warps=8 if BD >= 4096 else 4)
     return out
