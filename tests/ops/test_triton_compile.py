@@ -28,16 +28,22 @@ def in_compiler_process(case: str) -> None:
     assert r.returncode == 0, r.stderr[-3000:]
 
 
-def compile_for_hopper(kernel, pointer_types: dict[str, str], constexprs: dict, num_warps=4, num_stages=3):
+def compile_for_hopper(kernel, pointer_types: dict[str, str], constexprs: dict, num_warps=4, num_stages=3,
+                       divisible: set[str] | None = None):
     """(In the child process.) Compile ``kernel`` with the given pointer element types; other non-constexpr arguments are i32
-    (fp32 where ``pointer_types`` says "fp32")."""
+    (fp32 where ``pointer_types`` says "fp32"). ``divisible``: integer arguments known to be multiples of 16,
+    and then every pointer 16-byte aligned, as Triton specialises them at run time (which lets it pipeline
+    loads with cp.async); None compiles the unspecialised variant."""
     from triton.backends.compiler import GPUTarget
     from triton.compiler import ASTSource
     params = list(inspect.signature(kernel.fn).parameters)
     unknown = set(constexprs) - set(params)
     assert not unknown, f"not parameters of {kernel.fn.__name__}: {unknown}"
     sig = {p: "constexpr" if p in constexprs else pointer_types.get(p, "i32") for p in params}
-    src = ASTSource(fn=kernel, signature=sig, constexprs={(params.index(k),): v for k, v in constexprs.items()})
+    attrs = {(i,): [["tt.divisibility", 16]] for i, p in enumerate(params)
+             if divisible is not None and p not in constexprs and (sig[p].startswith("*") or p in divisible)}
+    src = ASTSource(fn=kernel, signature=sig, constexprs={(params.index(k),): v for k, v in constexprs.items()},
+                    attrs=attrs)
     return triton.compile(src, target=GPUTarget("cuda", 90, 32), options={"num_warps": num_warps, "num_stages": num_stages})
 
 
@@ -52,13 +58,18 @@ def compile_moe(mxfp4, high_scales, dtype):
     weight = "*u8" if mxfp4 else f"*{dtype}"
     types = {"x": f"*{dtype}", "h": f"*{dtype}", "y": f"*{dtype}", "sorted_rows": "*i64", "block_expert": "*i64",
              "beta": "fp32", "linear_beta": "fp32", **{f"w{i}{k}": weight for i in (1, 2, 3) for k in "ps"}}
-    for swap in (False, True):
+    sizes = {"I", "KH", "L", "stride_x", "stride_wp_e", "stride_wp_n", "stride_ws_e", "stride_ws_n", "stride_h",
+             "stride_y"}
+    for swap, divisible in ((False, None), (True, None), (False, sizes), (True, sizes)):
         common = dict(BM=16, BKH=64, UPCAST=False, MXFP4=mxfp4, ASM=True, HIGH_SCALES=high_scales, SWAP=swap)
         kernels = [compile_for_hopper(moe._gate_up_kernel, types, dict(common, BN=64, TOP_K=8, ACT_SITU=mxfp4,
-                                                                       CLIP_UP=mxfp4)),
-                   compile_for_hopper(moe._down_kernel, types, dict(common, BN=128), num_warps=8)]
+                                                                       CLIP_UP=mxfp4), divisible=divisible),
+                   compile_for_hopper(moe._down_kernel, types, dict(common, BN=128), num_warps=8, divisible=divisible)]
+        ptx = [k.asm["ptx"] for k in kernels]
         if swap:        # the point of the transposed products: 16 rows of an expert as wgmma tiles (m64n16)
-            assert all("wgmma.mma_async.sync.aligned.m64n16k16" in k.asm["ptx"] for k in kernels)
+            assert all("wgmma.mma_async.sync.aligned.m64n16k16" in p for p in ptx)
+        if divisible:   # with the run time's alignment the K loops stream their tiles by cp.async
+            assert all("cp.async.cg" in p or "cp.async.ca" in p for p in ptx)
     compile_for_hopper(moe._align_kernel, {"ids": "*i64", "sorted_rows": "*i64", "block_expert": "*i64"},
                        dict(BM=16, BR=256, BE=128, BCAP=2048))
     for has_pos in (False, True):
