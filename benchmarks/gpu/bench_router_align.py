@@ -98,6 +98,32 @@ def logits(results: dict, bw: float, sweep: bool) -> None:
                 f"{row['previous_us'] / row['triton_us']:.2f}x | {row['floor_us']:.2f} | {best['us']:.2f} ({best['config']}) |")
 
 
+PREFILL_TOKENS = (128, 512, 1024, 2048, 8192)
+
+
+def prefill_logits(results: dict) -> None:
+    """Long steps: the cast + cuBLAS fp32 GEMM against the TF32 x3 tile kernel (``router_logits_gemm_triton``),
+    both checked against float64 within the fp32 bound; the kernel's rate from FLOPs 2 T E D."""
+    from kimik3.ops.triton.router import router_logits_gemm_triton
+    log("| (D, E) | T | cast + fp32 GEMM us | TF32x3 kernel us | speed-up | TFLOP/s kernel |")
+    log("|---|---|---|---|---|---|")
+    for name, (D, E) in LOGITS_SHAPES.items():
+        g = torch.Generator(device="cuda").manual_seed(D + E + 1)
+        w = torch.randn(E, D, generator=g, device="cuda") * D ** -0.5
+        for T in PREFILL_TOKENS:
+            x = torch.randn(T, D, generator=g, device="cuda").to(torch.bfloat16)
+            want = x.double() @ w.double().t()
+            bound = 2 ** -20 * (x.double().abs() @ w.double().abs().t())
+            out = router_logits_gemm_triton(x, w)
+            ok = bool(((out.double() - want).abs() <= bound).all())
+            prev = cuda_time(lambda: x.float() @ w.t(), iters=20) * 1e6
+            ours = cuda_time(lambda: router_logits_gemm_triton(x, w), iters=20) * 1e6
+            results.setdefault("prefill_logits", []).append({"D": D, "E": E, "T": T, "previous_us": prev,
+                                                             "kernel_us": ours, "within_fp32_bound": ok})
+            log(f"| ({D}, {E}) | {T} | {prev:.1f} | {ours:.1f} | {prev / ours:.2f}x | {2 * T * E * D / ours / 1e6:.0f} |"
+                + ("" if ok else " **outside the fp32 bound**"))
+
+
 def previous_align(ids: torch.Tensor, E: int, BM: int, warps: int):
     """``_sort_by_expert``'s previous launch of the one-program sort."""
     flat = ids.reshape(-1)
@@ -154,6 +180,7 @@ def main() -> None:
     results = {"commit": commit_id(), "date": datetime.date.today().isoformat(), "device": torch.cuda.get_device_name(),
                "copy_rate_GBps": bw / 1e9, "reps_per_graph": REPS, "logits": [], "align": []}
     logits(results, bw, args.sweep)
+    prefill_logits(results)
     align(results, args.sweep)
     log(f"# wrote {save_results('bench_router_align.json', results)}")
 

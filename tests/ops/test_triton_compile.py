@@ -198,3 +198,14 @@ def compile_attn_res():
         compile_for_hopper(attn_res._attn_res_kernel, {"src": "*bf16", "w": "*fp32", "cw": "*fp32", "out": f"*{out}",
                                                        "eps": "fp32", "norm_eps": "fp32"},
                            dict(N_SRC=5, BD=8192, NORM=norm), num_warps=8, num_stages=1)
+
+
+def test_router_logits_gemm_kernel_compiles_to_tf32_wgmma():
+    in_compiler_process("t.compile_router_gemm()")
+
+
+def compile_router_gemm():
+    from kimik3.ops.triton import router
+    k = compile_for_hopper(router._logits_gemm_kernel, {"x_ptr": "*bf16", "w_ptr": "*fp32", "out_ptr": "*fp32"},
+                           dict(BM=128, BN=64, BK=32), divisible={"D", "E", "stride_xt", "stride_we"})
+    assert "wgmma.mma_async.sync.aligned.m64n64k8.f32.tf32.tf32" in k.asm["ptx"]

@@ -69,6 +69,41 @@ def test_router_logits_kernel_matches_float64(T, E, D):
     assert ((out.double() - x.double() @ w.double().t()).abs() <= _logits_bound(x, w)).all(), logits_config(T, E)
 
 
+@pytest.mark.parametrize("T,E,D,tiles", [(150, 256, 2304, (32, 32, 32, 4)), (7, 64, 520, (16, 64, 64, 4))],
+                         ids=["kimi_linear_prefill", "ragged"])
+def test_router_logits_gemm_kernel_matches_float64(T, E, D, tiles):
+    """The prefill kernel (TF32 x3 on a GPU; fp32 products in the interpreter) against the float64 math,
+    within the bound of fp32 products: tokens, experts and the width past the last full tile."""
+    from kimik3.ops.triton.router import router_logits_gemm_triton
+    g = torch.Generator().manual_seed(T + D)
+    x = (torch.randn(T, D, generator=g) * 2).to(torch.bfloat16)
+    w = torch.randn(E, D, generator=g) * D ** -0.5
+    out = router_logits_gemm_triton(x, w, tiles)
+    assert out.shape == (T, E) and out.dtype == torch.float32
+    assert ((out.double() - x.double() @ w.double().t()).abs() <= _logits_bound(x, w)).all()
+    with pytest.raises(ValueError, match="fp32 weight"):
+        router_logits_gemm_triton(x, w.to(torch.bfloat16))
+
+
+def test_router_logits_takes_the_gemm_kernel_for_long_steps(monkeypatch):
+    from kimik3.ops import router
+    from kimik3.ops.triton import router as kernel
+    calls = []
+    real = kernel.router_logits_gemm_triton
+    monkeypatch.setattr(router, "use_fast_path", lambda t: True)
+    monkeypatch.setattr(router, "ROUTER_LOGITS_MAX_TOKENS", 2)
+    monkeypatch.setattr(router, "ROUTER_LOGITS_GEMM_MIN_TOKENS", 9)
+    monkeypatch.setattr(kernel, "router_logits_gemm_triton", lambda x, w: calls.append(x.shape[0]) or real(x, w))
+    w = torch.randn(16, 96) * 96 ** -0.5
+    for T in (8, 9, 40):
+        x = torch.randn(T, 96).to(torch.bfloat16)
+        out = router.router_logits(x, w)
+        assert ((out.double() - x.double() @ w.double().t()).abs() <= _logits_bound(x, w.double())).all()
+    x = torch.randn(12, 192).to(torch.bfloat16)[:, ::2]                # no unit feature stride: torch math
+    assert router.router_logits(x, w).shape == (12, 16)
+    assert calls == [9, 40]
+
+
 def test_router_logits_takes_the_kernel_on_the_fast_path(monkeypatch):
     """``router_logits`` (what ``Router.logits`` calls) sends bf16/fp16 x with an fp32 weight to the
     kernel up to ROUTER_LOGITS_MAX_TOKENS tokens (ROUTER_LOGITS_MAX_TOKENS_LARGE for weights over

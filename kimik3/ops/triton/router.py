@@ -141,3 +141,43 @@ def router_logits_triton(x: torch.Tensor, weight: torch.Tensor, config: dict | N
         _logits_kernel[grid](x, weight, out, T, E, D, x.stride(0), x.stride(1), weight.stride(0), weight.stride(1),
                              BT=cfg["BT"], BE=cfg["BE"], BD=cfg["BD"], num_warps=cfg["warps"])
     return out
+
+
+@triton.jit
+def _logits_gemm_kernel(x_ptr, w_ptr, out_ptr, T, E, D, stride_xt, stride_we,
+                        BM: tl.constexpr, BN: tl.constexpr, BK: tl.constexpr):
+    """out = fp32(x) @ w^T for BM tokens x BN experts on tensor cores at fp32 accuracy: TF32 x3
+    (each operand split into a TF32 part and a TF32 remainder; x's remainder is zero, a bf16/fp16 value
+    being exact in TF32), fp32 accumulation."""
+    t = tl.program_id(0) * BM + tl.arange(0, BM)
+    e = tl.program_id(1) * BN + tl.arange(0, BN)
+    k = tl.arange(0, BK)
+    acc = tl.zeros([BM, BN], tl.float32)
+    for k0 in range(0, D, BK):
+        mk = (k0 + k < D)[None, :]
+        xv = tl.load(x_ptr + t[:, None].to(tl.int64) * stride_xt + (k0 + k)[None, :], mask=(t < T)[:, None] & mk,
+                     other=0.0).to(tl.float32)
+        wv = tl.load(w_ptr + e[:, None].to(tl.int64) * stride_we + (k0 + k)[None, :], mask=(e < E)[:, None] & mk,
+                     other=0.0)
+        acc = tl.dot(xv, tl.trans(wv), acc, input_precision="tf32x3")
+    tl.store(out_ptr + t[:, None].to(tl.int64) * E + e[None, :], acc, mask=(t < T)[:, None] & (e < E)[None, :])
+
+
+def router_logits_gemm_triton(x: torch.Tensor, weight: torch.Tensor, tiles: tuple[int, int, int, int] = (128, 64, 32, 4)
+                              ) -> torch.Tensor:
+    """x [T, D] bf16/fp16 (unit feature stride), weight [E, D] fp32 (unit feature stride) -> logits
+    [T, E] fp32 for long steps (prefill): TF32 x3 tensor-core products, error at fp32's level, no
+    upcast copy of x. tiles: (tokens, experts, K step, warps)."""
+    if x.dtype not in (torch.bfloat16, torch.float16) or weight.dtype != torch.float32:
+        raise ValueError(f"router_logits_gemm_triton takes bf16/fp16 x and an fp32 weight, got {x.dtype} and "
+                         f"{weight.dtype}")
+    (T, D), E = x.shape, weight.shape[0]
+    if weight.shape[1] != D or x.stride(1) != 1 or weight.stride(1) != 1:
+        raise ValueError(f"router_logits_gemm_triton: x {tuple(x.shape)} and weight {tuple(weight.shape)} need one "
+                         f"width and unit feature strides")
+    BM, BN, BK, warps = tiles
+    out = torch.empty(T, E, dtype=torch.float32, device=x.device)
+    if T:
+        _logits_gemm_kernel[(triton.cdiv(T, BM), triton.cdiv(E, BN))](
+            x, weight, out, T, E, D, x.stride(0), weight.stride(0), BM=BM, BN=BN, BK=BK, num_warps=warps)
+    return out
