@@ -27,7 +27,7 @@ _ALWAYS_FP32 = re.compile(r"\.(A_log|dt_bias)$")
 _CHECKPOINT_FP32 = re.compile(r"\.(conv1d\.weight|o_norm\.weight|gate\.e_score_correction_bias)$")
 # one routed expert's matrix as the checkpoint names it: (layer, expert, w1|w2|w3); the loader reads it too
 EXPERT_WEIGHT = re.compile(r"^model\.layers\.(\d+)\.block_sparse_moe\.experts\.(\d+)\.(w[123])\.weight$")
-_STACKED = re.compile(r"^model\.layers\.(\d+)\.block_sparse_moe\.experts\.(w[123])$")
+_STACKED = re.compile(r"^model\.layers\.(\d+)\.block_sparse_moe\.experts\.(w13|w2)$")
 
 
 class DecoderLayer(nn.Module):
@@ -217,9 +217,12 @@ class KimiForCausalLM(nn.Module):
         for name, p in self.named_parameters():
             m = _STACKED.match(name)
             owner = self.get_submodule(name.rsplit(".", 1)[0]) if "." in name else self
-            if m:
+            if m:           # w13: w1 and w3, the halves of one parameter
+                parts = {"w1": owner.w1, "w3": owner.w3} if m[2] == "w13" else {"w2": p}
                 for e in range(p.shape[0]):
-                    yield f"model.layers.{m[1]}.block_sparse_moe.experts.{owner.first_expert + e}.{m[2]}.weight", p.data[e]
+                    for which, t in parts.items():
+                        yield (f"model.layers.{m[1]}.block_sparse_moe.experts.{owner.first_expert + e}.{which}.weight",
+                               t.data[e])
             elif isinstance(owner, MergedWeight):
                 parent = name.rsplit(".", 2)[0]
                 for part in owner.parts:

@@ -45,7 +45,9 @@ class Router(nn.Module):
 
 class Experts(nn.Module):
     """Routed experts stacked per projection: w1 (gate) and w3 (up) [E, I, L], w2 (down) [E, L, I].
-    The checkpoint stores them one by one (``experts.{e}.w{1,2,3}``); ``load_expert`` places them.
+    w1 and w3 are the two halves of one parameter ``w13`` [E, 2I, L] (views), so the grouped-GEMM path
+    runs gate and up as one GEMM over the gathered tokens. The checkpoint stores them one by one
+    (``experts.{e}.w{1,2,3}``); ``load_expert`` places them.
 
     MXFP4 storage (``use_mxfp4_storage``, chosen by the loader on CUDA): w1/w2/w3 hold the packed
     uint8 codes [E, N, K/2] and ``w{1,2,3}_scale`` the E8M0 scales [E, N, K/32]; the kernels
@@ -58,16 +60,31 @@ class Experts(nn.Module):
         # this module holds global experts [first_expert, first_expert + num_experts), and of each
         # the intermediate slice ``intermediate_shard`` = (index, count) (the loader narrows to it)
         self.first_expert, self.intermediate_shard = first_expert, intermediate_shard
-        self.w1 = nn.Parameter(torch.zeros(num_experts, intermediate, width))
+        self.w13 = nn.Parameter(torch.zeros(num_experts, 2 * intermediate, width))
         self.w2 = nn.Parameter(torch.zeros(num_experts, width, intermediate))
-        self.w3 = nn.Parameter(torch.zeros(num_experts, intermediate, width))
         self.mxfp4 = False
         self.scale_max: int | None = None
 
+    @property
+    def w1(self) -> torch.Tensor:
+        return self.w13[:, :self.w13.shape[1] // 2]
+
+    @property
+    def w3(self) -> torch.Tensor:
+        return self.w13[:, self.w13.shape[1] // 2:]
+
+    @property
+    def w1_scale(self) -> torch.Tensor:
+        return self.w13_scale[:, :self.w13_scale.shape[1] // 2]
+
+    @property
+    def w3_scale(self) -> torch.Tensor:
+        return self.w13_scale[:, self.w13_scale.shape[1] // 2:]
+
     def use_mxfp4_storage(self) -> None:
         """Switch to packed storage (before the weights are loaded)."""
-        E, I, L = self.w1.shape
-        for which, (n, k) in {"w1": (I, L), "w2": (L, I), "w3": (I, L)}.items():
+        E, I2, L = self.w13.shape
+        for which, (n, k) in {"w13": (I2, L), "w2": (L, I2 // 2)}.items():
             dev = getattr(self, which).device
             setattr(self, which, nn.Parameter(torch.zeros(E, n, k // 2, dtype=torch.uint8, device=dev),
                                               requires_grad=False))

@@ -207,12 +207,17 @@ def check_moe(T=37, E=16, L=512, I=384, k=4, seed=4, shift=0, tell_scale_max=Fal
     return {f"moe.T{T}.shift{shift}.scale_max_{scale_max}": worst_rel_err(out, ref)}   # per token
 
 
-def check_moe_dense(T=37, E=256, L=2304, I=1024, k=8, dtype=BF16, act="silu", seed=12) -> dict:
+def check_moe_dense(T=37, E=256, L=2304, I=1024, k=8, dtype=BF16, act="silu", seed=12, w13=False) -> dict:
     """Dense (bf16/fp16) experts on a ragged routing: expert 0 takes every token, expert 1 one
     token, the last experts none, the rest at random. Worst per-token error against the reference
-    on fp32 copies of the same weights (a bad row cannot hide in a global norm)."""
+    on fp32 copies of the same weights (a bad row cannot hide in a global norm). ``w13``: w1 and w3 as
+    the halves of one tensor (the model's ``Experts.w13``; the grouped path's one gate | up GEMM)."""
     g = _gen(seed)
-    w1, w3 = (torch.randn(E, I, L, generator=g, device="cuda").div_(L ** 0.5).to(dtype) for _ in range(2))
+    if w13:
+        both = torch.randn(E, 2 * I, L, generator=g, device="cuda").div_(L ** 0.5).to(dtype)
+        w1, w3 = both[:, :I], both[:, I:]
+    else:
+        w1, w3 = (torch.randn(E, I, L, generator=g, device="cuda").div_(L ** 0.5).to(dtype) for _ in range(2))
     w2 = torch.randn(E, L, I, generator=g, device="cuda").div_(I ** 0.5).to(dtype)
     x = torch.randn(T, L, generator=g, device="cuda").to(dtype)
     ids = torch.empty(T, k, dtype=torch.long, device="cuda")
@@ -331,6 +336,8 @@ CHECKS = {
     "moe_dense_situ": lambda: check_moe_dense(T=9, E=32, L=512, I=384, k=4, act="situ", seed=14),
     # past GROUPED_MM_ROWS_PER_EXPERT rows per expert: torch._grouped_mm between our sort, gating and combine
     "moe_dense_grouped": lambda: check_moe_dense(T=2100, seed=19),
+    "moe_dense_grouped_w13": lambda: check_moe_dense(T=2100, seed=22, w13=True),
+    "moe_dense_decode_w13": lambda: check_moe_dense(T=1, seed=23, w13=True),
     "moe_dense_grouped_situ": lambda: check_moe_dense(T=300, E=32, L=512, I=384, k=8, act="situ", seed=20),
 }
 

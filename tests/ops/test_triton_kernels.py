@@ -312,6 +312,30 @@ def test_moe_dense_grouped_mm_path_matches_float64(act, monkeypatch):
     check_dense_experts(BF16, act, kernels.GROUPED_MM_ROWS_PER_EXPERT * 24 // 8 + 3, 8, seed=12)
 
 
+@pytest.mark.parametrize("merged", [False, True], ids=["separate", "w13_halves"])
+def test_moe_dense_grouped_mm_runs_gate_and_up_as_one_gemm_for_halves_of_one_weight(merged, monkeypatch):
+    """w1 and w3 as the halves of one [E, 2I, L] tensor (``Experts.w13``): one grouped GEMM for both
+    (two in all, with the down projection), against float64; separate tensors take one GEMM each."""
+    from kimik3.ops.triton import moe as kernels
+    calls = []
+    real = torch._grouped_mm
+    monkeypatch.setattr(torch, "_grouped_mm", lambda *a, **k: calls.append(a[1].shape) or real(*a, **k))
+    g = gen(21)
+    E, L, I, T, k = 24, 64, 32, kernels.GROUPED_MM_ROWS_PER_EXPERT * 3 + 5, 8
+    w13 = torch.randn(E, 2 * I, L, generator=g) / L ** 0.5
+    w2 = torch.randn(E, L, I, generator=g) / I ** 0.5
+    x = torch.randn(T, L, generator=g)
+    ids = ragged_ids(T, E, k, g)
+    weights = torch.rand(T, k, generator=g)
+    lo = [t.to(BF16) for t in (x, w13, w2)]
+    b1, b3 = (lo[1][:, :I], lo[1][:, I:]) if merged else (lo[1][:, :I].clone(), lo[1][:, I:].clone())
+    out = kernels.fused_moe_triton(lo[0], b1, lo[2], b3, weights, ids, False, 1.0, None)
+    ref = moe_float64(lo[0], b1, lo[2], b3, weights, ids, lambda a, b: torch.nn.functional.silu(a) * b)
+    assert len(calls) == (2 if merged else 3)
+    for t in range(T):
+        assert rel_err(out[t], ref[t]) < 2e-2, t
+
+
 @pytest.mark.parametrize("dtype,act,T,k", [(BF16, "silu", 5, 4), (torch.float16, "silu", 3, 16), (BF16, "situ", 9, 2),
                                            (BF16, "silu", 1, 8)], ids=["bf16-silu", "fp16-top16", "bf16-situ", "decode"])
 def test_moe_dense_kernel_matches_float64(dtype, act, T, k):

@@ -347,6 +347,16 @@ def _tiles(rows_per_expert: float) -> dict:
 GROUPED_MM_ROWS_PER_EXPERT = 64
 
 
+def _halves_of_one(w1: torch.Tensor, w3: torch.Tensor) -> torch.Tensor | None:
+    """[E, 2I, L] when w1 and w3 [E, I, L] (rows contiguous) are the first and second halves of one
+    such tensor (``Experts.w13``), else None."""
+    E, I, L = w1.shape
+    if (w3.shape != w1.shape or w1.stride() != w3.stride() or w1.stride()[1:] != (L, 1) or w1.stride(0) != 2 * I * L
+            or w3.data_ptr() != w1.data_ptr() + I * L * w1.element_size()):
+        return None
+    return torch.as_strided(w1, (E, 2 * I, L), w1.stride())
+
+
 def _grouped_mm_experts(x, w1, w2, w3, weights, ids, act_situ, beta, linear_beta) -> torch.Tensor:
     """Dense bf16 experts through ``torch._grouped_mm``: assignments sorted by expert (stable; group
     ends counted on the device, no host sync), gate and up GEMMs, our gating kernel, the down GEMM,
@@ -361,8 +371,13 @@ def _grouped_mm_experts(x, w1, w2, w3, weights, ids, act_situ, beta, linear_beta
         0, flat, torch.ones(flat.shape[0], dtype=torch.int32, device=x.device))
     offs = counts.cumsum(0, dtype=torch.int32)
     xs = x[order // top_k]
-    gate = torch._grouped_mm(xs, w1.transpose(1, 2), offs=offs)             # [R, I]
-    up = torch._grouped_mm(xs, w3.transpose(1, 2), offs=offs)
+    w13 = _halves_of_one(w1, w3)
+    if w13 is not None:             # gate | up as one GEMM: the gathered rows read once, one launch
+        gate_up = torch._grouped_mm(xs, w13.transpose(1, 2), offs=offs)      # [R, 2I]
+        gate, up = gate_up[:, :w1.shape[1]], gate_up[:, w1.shape[1]:]
+    else:
+        gate = torch._grouped_mm(xs, w1.transpose(1, 2), offs=offs)         # [R, I]
+        up = torch._grouped_mm(xs, w3.transpose(1, 2), offs=offs)
     h = glu_triton(gate, up, act_situ, beta, linear_beta)
     y = torch._grouped_mm(h, w2.transpose(1, 2), offs=offs)                   # [R, L], rows in expert order
     pos = torch.empty_like(order).scatter_(0, order, torch.arange(order.shape[0], device=x.device))
