@@ -60,6 +60,19 @@ SWAP_CONFIGS = [(64, 64, 64, 4, 3), (128, 128, 64, 4, 3), (128, 128, 128, 4, 3),
                 (128, 128, 64, 8, 3), (256, 256, 64, 8, 3)]
 
 
+def check_and_time(fn, ref, label: str, rows: list, key: dict) -> tuple[float, float] | None:
+    """(seconds of a CUDA-graph replay of ``fn``, its error against ``ref``), or None after logging and
+    recording the error of a launch config that fails (compile, resources)."""
+    try:
+        err = rel_err(fn(), ref)
+        graph, _ = capture_graph(fn)
+        return cuda_time(graph.replay, warmup=3, iters=20), err
+    except Exception as exc:
+        log(f"{label}: {exc!r}"[:300])
+        rows.append({**key, "error": repr(exc)[:300]})
+        return None
+
+
 def dense_kernels(bw):
     """Kimi-Linear's bf16 experts (256, width 2304, intermediate 1024, top-8) at decode sizes: the
     default tiles against the transposed products, each against the touched experts' bytes."""
@@ -80,14 +93,10 @@ def dense_kernels(bw):
                                    for a, b, c, w, st in SWAP_CONFIGS]:
             def fn(cfg=cfg):
                 return fused_moe_triton(x, w1, w2, w3, weights, ids, False, 1.0, None, tiles=cfg)
-            try:
-                err = rel_err(fn(), ref)
-                graph, _ = capture_graph(fn)
-                t = cuda_time(graph.replay, warmup=3, iters=20)
-            except Exception as exc:
-                log(f"dense T={T} {cfg}: {exc!r}"[:300])
-                rows.append({"T": T, "cfg": cfg, "error": repr(exc)[:300]})
+            timed = check_and_time(fn, ref, f"dense T={T} {cfg}", rows, {"T": T, "cfg": cfg})
+            if timed is None:
                 continue
+            t, err = timed
             rows.append({"T": T, "cfg": cfg, "ms": t * 1e3, "floor_ms": floor * 1e3, "over_floor": t / floor,
                          "rel_err": err})
             log(f"dense T={T:4d} {cfg} {t * 1e3:.3f} ms  x{t / floor:.2f}  err {err:.2e}")
@@ -139,14 +148,10 @@ def kernels(bw):
             def fn(cfg=cfg):
                 return fused_moe_triton(x, w1, w2, w3, weights, ids, True, 4.0, 25.0,
                                         high_scales=scale_max > 128, tiles=cfg)
-            try:
-                err = rel_err(fn(), ref)
-                graph, _ = capture_graph(fn)
-                t = cuda_time(graph.replay, warmup=3, iters=20)
-            except Exception as exc:
-                log(f"T={T} {cfg}: {exc!r}"[:300])
-                rows.append({"T": T, "cfg": cfg, "error": repr(exc)[:300]})
+            timed = check_and_time(fn, ref, f"T={T} {cfg}", rows, {"T": T, "cfg": cfg})
+            if timed is None:
                 continue
+            t, err = timed
             row = {"T": T, "cfg": cfg, "ms": t * 1e3, "floor_ms": floor * 1e3, "over_floor": t / floor,
                    "TB_s": used.numel() * per_expert / t / 1e12, "rel_err": err}
             rows.append(row)

@@ -43,6 +43,12 @@ class Router(nn.Module):
         return router_logits(x, self.weight)      # both operands upcast: logits in fp32 (spec §3.1)
 
 
+def _half(t: torch.Tensor, i: int) -> torch.Tensor:
+    """Half i (0 or 1) of t's rows per expert: [E, 2n, k] -> [E, n, k], a view."""
+    n = t.shape[1] // 2
+    return t[:, i * n:(i + 1) * n]
+
+
 class Experts(nn.Module):
     """Routed experts stacked per projection: w1 (gate) and w3 (up) [E, I, L], w2 (down) [E, L, I].
     w1 and w3 are the two halves of one parameter ``w13`` [E, 2I, L] (views), so the grouped-GEMM path
@@ -65,21 +71,11 @@ class Experts(nn.Module):
         self.mxfp4 = False
         self.scale_max: int | None = None
 
-    @property
-    def w1(self) -> torch.Tensor:
-        return self.w13[:, :self.w13.shape[1] // 2]
-
-    @property
-    def w3(self) -> torch.Tensor:
-        return self.w13[:, self.w13.shape[1] // 2:]
-
-    @property
-    def w1_scale(self) -> torch.Tensor:
-        return self.w13_scale[:, :self.w13_scale.shape[1] // 2]
-
-    @property
-    def w3_scale(self) -> torch.Tensor:
-        return self.w13_scale[:, self.w13_scale.shape[1] // 2:]
+    # w1 / w3 (and their MXFP4 scales): the first and second halves of w13 (of w13_scale)
+    w1 = property(lambda self: _half(self.w13, 0))
+    w3 = property(lambda self: _half(self.w13, 1))
+    w1_scale = property(lambda self: _half(self.w13_scale, 0))
+    w3_scale = property(lambda self: _half(self.w13_scale, 1))
 
     def use_mxfp4_storage(self) -> None:
         """Switch to packed storage (before the weights are loaded)."""
