@@ -143,7 +143,7 @@ def router_logits_triton(x: torch.Tensor, weight: torch.Tensor, config: dict | N
     return out
 
 
-@triton.jit
+@triton.jit(do_not_specialize=["T"])         # one compile for every step size
 def _logits_gemm_kernel(x_ptr, w_ptr, out_ptr, T, E, D, stride_xt, stride_we,
                         BM: tl.constexpr, BN: tl.constexpr, BK: tl.constexpr):
     """out = fp32(x) @ w^T for BM tokens x BN experts on tensor cores at fp32 accuracy: TF32 x3
