@@ -60,6 +60,14 @@ def random_vision_ckpt(tmp_path_factory):
                          eos=ids["eos_token_id"], pad=ids["pad_token_id"], media=ids["media_placeholder_token_id"])
     build_tiny_tokenizer(path, base_vocab_size=512, seed=1)
     shutil.copyfile(kimik3.DEFAULT_MODEL / "preprocessor_config.json", path / "preprocessor_config.json")
+    # loud image rows (projector output norm x 20): a random text model then follows the pixels, so
+    # different images give different greedy tokens rather than the same ones by chance
+    from safetensors.torch import load_file, save_file
+    for f in path.glob("*.safetensors"):
+        tensors = load_file(str(f))
+        if any(k.endswith("mm_projector.post_norm.weight") for k in tensors):
+            save_file({k: v * 20 if k.endswith("mm_projector.post_norm.weight") else v for k, v in tensors.items()},
+                      str(f), metadata={"format": "pt"})
     return path
 
 
