@@ -75,7 +75,6 @@ class EncoderGraphs:
     @torch.inference_mode()
     def capture(self) -> None:
         """Capture every budget, largest first, in one memory pool (warm-up runs first compile the kernels)."""
-        self.cu_seqlens.copy_(torch.tensor([0, 0, 0], dtype=torch.int32))
         pool = None
         for B in sorted(self.budgets, reverse=True):
             self.cu_seqlens[1:] = B                      # one item of B rows while capturing

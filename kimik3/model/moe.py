@@ -55,8 +55,8 @@ class Experts(nn.Module):
     runs gate and up as one GEMM over the gathered tokens. The checkpoint stores them one by one
     (``experts.{e}.w{1,2,3}``); ``load_expert`` places them.
 
-    MXFP4 storage (``use_mxfp4_storage``, chosen by the loader on CUDA): w1/w2/w3 hold the packed
-    uint8 codes [E, N, K/2] and ``w{1,2,3}_scale`` the E8M0 scales [E, N, K/32]; the kernels
+    MXFP4 storage (``use_mxfp4_storage``, chosen by the loader on CUDA): w13/w2 hold the packed
+    uint8 codes [E, N, K/2] and ``w13_scale`` / ``w2_scale`` the E8M0 scales [E, N, K/32]; the kernels
     dequantize on the fly (a quarter of the bytes of bf16). ``scale_max`` is the largest scale
     code placed so far (None: unknown, e.g. buffers written directly; the kernels then assume any)."""
 

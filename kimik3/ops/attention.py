@@ -43,9 +43,11 @@ def varlen_attention(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, cu_seqle
 def kernel_takes(dtype: torch.dtype, head_dim: int) -> bool:
     """Whether CUDA tensors of this dtype and head dim take the kernel (else the reference, which reads
     ``cu_seqlens`` on the host and so cannot be captured in a CUDA graph): half types, and a head dim
-    whose halves are powers of two >= 16 (MoonViT's 128: 64 + 64)."""
-    h = head_dim // 2
-    return dtype in KERNEL_DTYPES and head_dim % 2 == 0 and h >= 16 and not h & (h - 1)
+    whose halves the kernel takes (``mla_prefill.takes_head_dims``; MoonViT's 128: 64 + 64)."""
+    if dtype not in KERNEL_DTYPES or head_dim % 2:
+        return False
+    from kimik3.ops.triton.mla_prefill import takes_head_dims
+    return takes_head_dims(head_dim // 2, head_dim)
 
 
 def _reference(q, k, v, cu_seqlens, max_len, scale):

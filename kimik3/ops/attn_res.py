@@ -38,16 +38,13 @@ def attn_res_mix_norm(sources: list[torch.Tensor], norm_weight: torch.Tensor, pr
     ``rms_norm_fp32_weight`` (fp32_weight: vLLM's fused form, one rounding) or ``rms_norm`` with the mix
     rounded to ``dtype`` first (official). One source: its norm (the fp32 mix of one bf16 source is that
     source exactly). CUDA: one Triton pass (the mix's epilogue holds the norm)."""
-    if len(sources) == 1:
-        x = sources[0]
-        return rms_norm_fp32_weight(x, consumer_weight, eps, dtype) if fp32_weight else rms_norm(x, consumer_weight,
-                                                                                                 eps, dtype)
-    if use_fast_path(sources[0]) and acc_dtype(sources[0].dtype) == torch.float32 and dtype != torch.float64:
+    if (len(sources) > 1 and use_fast_path(sources[0]) and acc_dtype(sources[0].dtype) == torch.float32
+            and dtype != torch.float64):
         from kimik3.ops.triton.attn_res import FP32_WEIGHT_NORM, KIMI_NORM, MAX_SOURCES, attn_res_mix_triton
         if len(sources) <= MAX_SOURCES:
             w = norm_weight.float() * proj_weight.reshape(-1).float()
             return attn_res_mix_triton([s.contiguous() for s in sources], w, eps,
                                        FP32_WEIGHT_NORM if fp32_weight else KIMI_NORM, consumer_weight, eps, dtype)
-    mix = attn_res_mix(sources, norm_weight, proj_weight, eps)
-    return rms_norm_fp32_weight(mix, consumer_weight, eps, dtype) if fp32_weight else rms_norm(mix, consumer_weight,
-                                                                                               eps, dtype)
+    mix = sources[0] if len(sources) == 1 else attn_res_mix(sources, norm_weight, proj_weight, eps)
+    norm = rms_norm_fp32_weight if fp32_weight else rms_norm
+    return norm(mix, consumer_weight, eps, dtype)

@@ -121,6 +121,40 @@ def _next_scales(scale_ptr, kh, KH, mn, G: tl.constexpr, MXFP4: tl.constexpr, sc
 
 
 @triton.jit
+def _zero_acc(BM: tl.constexpr, BN: tl.constexpr, SWAP: tl.constexpr):
+    """The fp32 accumulator: [BM, BN], or transposed [BN, BM] under SWAP."""
+    if SWAP:
+        acc = tl.zeros([BN, BM], dtype=tl.float32)
+    else:
+        acc = tl.zeros([BM, BN], dtype=tl.float32)
+    return acc
+
+
+@triton.jit
+def _act_tile(ptr, row_off, row_ok, kx, KH, SWAP: tl.constexpr, ROW_MASK: tl.constexpr):
+    """Activation rows ``row_off`` (element offsets) at K positions kx: [BM, 2 BKH], or [2 BKH, BM]
+    under SWAP; K past 2 KH reads 0, and with ROW_MASK so do the rows not ``row_ok``."""
+    kin = kx < 2 * KH
+    if SWAP:
+        mask = (row_ok[None, :] & kin[:, None]) if ROW_MASK else kin[:, None]
+        a = tl.load(ptr + row_off[None, :] + kx[:, None], mask=mask, other=0.0)
+    else:
+        mask = (row_ok[:, None] & kin[None, :]) if ROW_MASK else kin[None, :]
+        a = tl.load(ptr + row_off[:, None] + kx[None, :], mask=mask, other=0.0)
+    return a
+
+
+@triton.jit
+def _mma(a, w, acc, SWAP: tl.constexpr, UPCAST: tl.constexpr):
+    """acc += a w^T, or under SWAP acc^T += w a^T (weights as the MMA's M side, tokens as N)."""
+    if SWAP:
+        acc = dot(w, a, acc, UPCAST)
+    else:
+        acc = dot(a, tl.trans(w), acc, UPCAST)
+    return acc
+
+
+@triton.jit
 def _bf16_bits(bits, BN: tl.constexpr, G: tl.constexpr):
     """int32 bf16 bit patterns [BN, G] -> bf16 [BN, 16 G], each repeated over its group's 16 bytes."""
     v = bits.to(tl.int16).to(tl.bfloat16, bitcast=True)
@@ -154,12 +188,8 @@ def _gate_up_kernel(x, w1p, w1s, w3p, w3s, h, sorted_rows, block_expert, num_row
     col3 = w3p + e * stride_wp_e + n[:, None].to(tl.int64) * stride_wp_n
     scl1 = w1s + e * stride_ws_e + n[:, None].to(tl.int64) * stride_ws_n
     scl3 = w3s + e * stride_ws_e + n[:, None].to(tl.int64) * stride_ws_n
-    if SWAP:
-        acc1 = tl.zeros([BN, BM], dtype=tl.float32)
-        acc3 = tl.zeros([BN, BM], dtype=tl.float32)
-    else:
-        acc1 = tl.zeros([BM, BN], dtype=tl.float32)
-        acc3 = tl.zeros([BM, BN], dtype=tl.float32)
+    acc1 = _zero_acc(BM, BN, SWAP)
+    acc3 = _zero_acc(BM, BN, SWAP)
     G: tl.constexpr = BKH // 16
     sc1 = _next_scales(scl1, 0, KH, mn, G, MXFP4, tl.zeros([BN, G], tl.int32))
     sc3 = _next_scales(scl3, 0, KH, mn, G, MXFP4, tl.zeros([BN, G], tl.int32))
@@ -167,18 +197,9 @@ def _gate_up_kernel(x, w1p, w1s, w3p, w3s, h, sorted_rows, block_expert, num_row
         next1 = _next_scales(scl1, kh + BKH, KH, mn, G, MXFP4, sc1)
         next3 = _next_scales(scl3, kh + BKH, KH, mn, G, MXFP4, sc3)
         kx = 2 * kh + kcol
-        w1t = _weight_tile(col1, sc1, kh, KH, mn, BN, BKH, MXFP4, ASM, HIGH_SCALES)
-        w3t = _weight_tile(col3, sc3, kh, KH, mn, BN, BKH, MXFP4, ASM, HIGH_SCALES)
-        if SWAP:        # weights as the MMA's M side (wgmma, dequantized tile from registers), tokens as N
-            a = tl.load(x + tok[None, :] * stride_x + kx[:, None], mask=valid[None, :] & (kx < 2 * KH)[:, None],
-                        other=0.0)
-            acc1 = dot(w1t, a, acc1, UPCAST)
-            acc3 = dot(w3t, a, acc3, UPCAST)
-        else:
-            a = tl.load(x + tok[:, None] * stride_x + kx[None, :], mask=valid[:, None] & (kx < 2 * KH)[None, :],
-                        other=0.0)
-            acc1 = dot(a, tl.trans(w1t), acc1, UPCAST)
-            acc3 = dot(a, tl.trans(w3t), acc3, UPCAST)
+        a = _act_tile(x, tok * stride_x, valid, kx, KH, SWAP, True)
+        acc1 = _mma(a, _weight_tile(col1, sc1, kh, KH, mn, BN, BKH, MXFP4, ASM, HIGH_SCALES), acc1, SWAP, UPCAST)
+        acc3 = _mma(a, _weight_tile(col3, sc3, kh, KH, mn, BN, BKH, MXFP4, ASM, HIGH_SCALES), acc3, SWAP, UPCAST)
         sc1, sc3 = next1, next3
     if SWAP:
         acc1, acc3 = tl.trans(acc1), tl.trans(acc3)
@@ -202,24 +223,15 @@ def _down_kernel(h, w2p, w2s, y, sorted_rows, block_expert, num_rows, L, KH,
     kcol = tl.arange(0, 2 * BKH)
     col = w2p + e * stride_wp_e + n[:, None].to(tl.int64) * stride_wp_n
     scl = w2s + e * stride_ws_e + n[:, None].to(tl.int64) * stride_ws_n
-    if SWAP:
-        acc = tl.zeros([BN, BM], dtype=tl.float32)
-    else:
-        acc = tl.zeros([BM, BN], dtype=tl.float32)
+    acc = _zero_acc(BM, BN, SWAP)
     G: tl.constexpr = BKH // 16
     sc = _next_scales(scl, 0, KH, mn, G, MXFP4, tl.zeros([BN, G], tl.int32))
+    h_rows = offs_m.to(tl.int64) * stride_h  # h has a row for every sorted slot, padding included: no row mask
     for kh in range(0, KH, BKH):
         following = _next_scales(scl, kh + BKH, KH, mn, G, MXFP4, sc)
         kx = 2 * kh + kcol
-        w = _weight_tile(col, sc, kh, KH, mn, BN, BKH, MXFP4, ASM, HIGH_SCALES)
-        if SWAP:
-            a = tl.load(h + offs_m[None, :].to(tl.int64) * stride_h + kx[:, None], mask=(kx < 2 * KH)[:, None],
-                        other=0.0)
-            acc = dot(w, a, acc, UPCAST)
-        else:
-            a = tl.load(h + offs_m[:, None].to(tl.int64) * stride_h + kx[None, :], mask=(kx < 2 * KH)[None, :],
-                        other=0.0)
-            acc = dot(a, tl.trans(w), acc, UPCAST)
+        acc = _mma(_act_tile(h, h_rows, valid, kx, KH, SWAP, False),
+                   _weight_tile(col, sc, kh, KH, mn, BN, BKH, MXFP4, ASM, HIGH_SCALES), acc, SWAP, UPCAST)
         sc = following
     if SWAP:
         acc = tl.trans(acc)
