@@ -24,6 +24,10 @@ CFG = VisionConfig(patch_size=14, hidden_size=256, num_hidden_layers=3, num_atte
 BUDGETS = (64, 256, 1024)
 # 16 -> 64 rows, 64 fills its budget, a 2-frame video of 128 -> 256, 320 -> 1024, 1156 above the ladder
 GRIDS = [(1, 4, 4), (1, 8, 8), (2, 8, 8), (1, 16, 20), (1, 34, 34)]
+# bf16 weights and activations through the 3-layer tower: the plain-torch bf16 tower (reference ops, CPU)
+# is 0.020 / 0.027 / 0.009 / 0.021 off float64 on the first four images; the kernels were 0.023 on the
+# first at dd7e126, the merged embeddings 0.017 (the one-op bound BF16_BOUND is for a single kernel)
+TOWER_BOUND = 4e-2
 
 
 def _towers():
@@ -62,7 +66,7 @@ def test_tower_graphs_equal_the_eager_tower_per_image_size():
         with reference_ops():
             ref = m64.vision_tower.encode(pv.double(), [grid])
         assert worst_rel_err(out, eager) < BF16_BOUND / 2, grid   # the same kernels; GEMMs of other row counts
-        assert worst_rel_err(out, ref) < BF16_BOUND and worst_rel_err(eager, ref) < BF16_BOUND, grid
+        assert worst_rel_err(out, ref) < TOWER_BOUND and worst_rel_err(eager, ref) < TOWER_BOUND, grid
 
 
 def test_image_embeddings_through_graphs_match_float64_in_one_call():
@@ -75,7 +79,7 @@ def test_image_embeddings_through_graphs_match_float64_in_one_call():
     with reference_ops():
         ref = m64.encode_images(pv.double(), grids)
     lens = [(h // 2) * (w // 2) for _, h, w in GRIDS]
-    assert worst_rel_err(out, ref, lens) < BF16_BOUND
+    assert worst_rel_err(out, ref, lens) < TOWER_BOUND
 
 
 def test_varlen_attention_kernel_on_cuda_matches_float64():
