@@ -88,11 +88,12 @@ def main():
     t0 = datetime.datetime.now()
     graphs = capture_encoder_or_none(EncoderGraphs(tower))
     capture_s = (datetime.datetime.now() - t0).total_seconds()
+    log(f"# attention op: {'torch varlen flash' if attention.flash_takes(torch.empty(1, 1, cfg.qkv_hidden_size // cfg.num_attention_heads, dtype=torch.bfloat16, device='cuda')) else 'the Triton MLA prefill kernel'}")
     log(f"# copy {bw / 1e12:.2f} TB/s, matmul {mm / 1e12:.0f} TFLOP/s; tower {tower_bytes / 1e9:.2f} GB; "
         f"graphs captured in {capture_s:.1f} s; pool {torch.cuda.memory_reserved() / 2**30:.2f} GiB reserved")
     log("| grid | patches | budget | floor ms | reference ms | eager ms | graph ms | graph/floor | eager/graph "
-        "| attn op us | SDPA us |")
-    log("|---|---|---|---|---|---|---|---|---|---|---|")
+        "| attn op us | Triton kernel us | SDPA us |")
+    log("|---|---|---|---|---|---|---|---|---|---|---|---|")
     rows = []
     g = torch.Generator(device="cuda").manual_seed(1)
     for h, w in grids:
@@ -110,16 +111,19 @@ def main():
             q, k, v = (torch.randn(L, H, dh, generator=g, device="cuda").to(torch.bfloat16) for _ in range(3))
             cu = torch.tensor([0, L], dtype=torch.int32, device="cuda")
             op = cuda_time(lambda: attention.varlen_attention(q, k, v, cu, L, dh ** -0.5), iters=10) * 1e6
+            flash_takes, attention.flash_takes = attention.flash_takes, lambda q: False
+            triton_op = cuda_time(lambda: attention.varlen_attention(q, k, v, cu, L, dh ** -0.5), iters=10) * 1e6
+            attention.flash_takes = flash_takes
             qt, kt, vt = (z.transpose(0, 1).unsqueeze(0) for z in (q, k, v))
             sdpa = cuda_time(lambda: F.scaled_dot_product_attention(qt, kt, vt, scale=dh ** -0.5), iters=10) * 1e6
         budget = graphs.budget_for(L) if graphs else None
         row = {"grid": [h, w], "patches": L, "budget": budget, "floor_ms": floor, "reference_ms": reference,
-               "eager_ms": eager, "graph_ms": graph, "attn_op_us": op, "sdpa_us": sdpa,
+               "eager_ms": eager, "graph_ms": graph, "attn_op_us": op, "attn_triton_us": triton_op, "flash_op": attention.flash_takes(q), "sdpa_us": sdpa,
                "rel_err_graph_vs_reference": err}
         rows.append(row)
         log(f"| {h}x{w} | {L} | {budget} | {floor:.3f} | {reference:.2f} | {eager:.2f} | "
             f"{graph if graph is None else f'{graph:.2f}'} | {'-' if graph is None else f'{graph / floor:.2f}'} | "
-            f"{'-' if graph is None else f'{eager / graph:.2f}'} | {op:.0f} | {sdpa:.0f} |")
+            f"{'-' if graph is None else f'{eager / graph:.2f}'} | {op:.0f} | {triton_op:.0f} | {sdpa:.0f} |")
     sweep = attention_configs(cfg, g)
     with torch.inference_mode():
         many = [(1, 16, 16), (1, 32, 32), (1, 24, 40)]

@@ -1,11 +1,13 @@
 """Varlen bidirectional attention over packed items: each item's rows attend to all of its own rows and
 to no other (MoonViT's block-diagonal attention, spec vision-multimodal §3.4).
 
-Reference: one softmax attention per item (SDPA) in float32 (float64 for float64 inputs). CUDA: the
-varlen flash kernel of MLA prefill (``ops/triton/mla_prefill.py``), all items in one launch, with its
-causal bound moved past every key (a query's position = its item's length: q_pos0 = cu[1:], k_pos0 =
-cu[:-1]) and the head dim cut in two halves (the kernel's qa | qb and ka | kb parts). Its inputs are
-device tensors and Python ints only, so a CUDA graph can capture it (``model/encoder_graphs.py``).
+Reference: one softmax attention per item (SDPA) in float32 (float64 for float64 inputs). CUDA, all
+items in one launch, inputs device tensors and Python ints only (so a CUDA graph captures it,
+``model/encoder_graphs.py``): torch's varlen flash-attention forward (``aten._flash_attention_forward``
+with cumulative sequence lengths, the kernel spec vision §3.10 names) where the build has it (sm80+,
+head dim a multiple of 8 up to 256); else the varlen kernel of MLA prefill (``ops/triton/mla_prefill.py``)
+with its causal bound moved past every key (a query's position = its item's length: q_pos0 = cu[1:],
+k_pos0 = cu[:-1]) and the head dim cut in two halves (the kernel's qa | qb and ka | kb parts).
 """
 
 from __future__ import annotations
@@ -30,6 +32,9 @@ def varlen_attention(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, cu_seqle
         raise ValueError(f"varlen_attention needs cu_seqlens as int32 [n + 1], n >= 1, got {cu_seqlens.dtype} "
                          f"{list(cu_seqlens.shape)}")
     dh = q.shape[-1]
+    if use_fast_path(q) and flash_takes(q):
+        return torch.ops.aten._flash_attention_forward(q, k, v, cu_seqlens, cu_seqlens, max_len, max_len, 0.0, False,
+                                                       False, scale=scale)[0]
     if use_fast_path(q) and kernel_takes(q.dtype, dh):
         from kimik3.ops.triton.mla_prefill import mla_prefill_triton
         half = dh // 2
@@ -38,6 +43,15 @@ def varlen_attention(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, cu_seqle
                                   max_key_len=max_len)
         return o
     return _reference(q, k, v, cu_seqlens, max_len, scale)
+
+
+def flash_takes(q: torch.Tensor) -> bool:
+    """Whether torch's varlen flash forward takes these CUDA inputs: half types, head dim a multiple of 8
+    up to 256, an sm80+ GPU, a build that has the op."""
+    dh = q.shape[-1]
+    return (q.is_cuda and q.dtype in KERNEL_DTYPES and dh % 8 == 0 and dh <= 256
+            and torch.cuda.get_device_capability(q.device) >= (8, 0)
+            and hasattr(torch.ops.aten, "_flash_attention_forward"))
 
 
 def kernel_takes(dtype: torch.dtype, head_dim: int) -> bool:

@@ -14,23 +14,26 @@ from kimik3.ops.norm import acc_dtype
 # but 0.66x at 32 (the kernel's fp32 products, no tensor cores, outgrow the weight read there).
 ROUTER_LOGITS_MAX_TOKENS = 64
 ROUTER_LOGITS_MAX_TOKENS_LARGE = 16
-# From this many tokens (prefill chunks) a tiled Triton GEMM on tensor cores at fp32 accuracy (TF32 x3)
-# replaces the cast + SIMT fp32 GEMM, which took 0.2 ms a layer of the Kimi-Linear 8k prefill (48 TFLOP/s,
-# results/profile_step_kl_7e8c19d.json) plus 30 us for the cast; below it, as measured, cuBLAS.
-ROUTER_LOGITS_GEMM_MIN_TOKENS = 1024
+# From this many logits (tokens x experts: prefill chunks) a tiled Triton GEMM on tensor cores at fp32
+# accuracy (TF32 x3) replaces the cast + SIMT fp32 GEMM, which took 0.2 ms a layer of the Kimi-Linear 8k
+# prefill (48 TFLOP/s, results/profile_step_kl_7e8c19d.json) plus 30 us for the cast. Its 128 x 64 tiles
+# fill the GPU only from about this size: on the H200 at 6e3384c (bench_router_align.py) it took
+# 167 / 450 us against 262 / 570 us at (8192 tokens, 256 experts) / (2048, 896) and lost below (123
+# against 87 us at (2048, 256), 325 against 316 at (1024, 896)); at (8192, 64) it won by 1.08x (318 us).
+ROUTER_LOGITS_GEMM_MIN_LOGITS = 1 << 20
 
 
 def router_logits(x: torch.Tensor, weight: torch.Tensor) -> torch.Tensor:
     """x [T, D] @ weight [E, D]^T with both operands upcast to ``acc_dtype(x.dtype)`` (fp32 logits
     for bf16/fp16/fp32 x, fp64 for fp64; spec §3.1). CUDA (bf16/fp16 x, fp32 weight, few tokens:
     ``ROUTER_LOGITS_MAX_TOKENS``): one Triton kernel that reads x in its own dtype; from
-    ``ROUTER_LOGITS_GEMM_MIN_TOKENS``, a tiled Triton GEMM with TF32 x3 products (error at fp32's level:
+    ``ROUTER_LOGITS_GEMM_MIN_LOGITS`` logits, a tiled Triton GEMM with TF32 x3 products (error at fp32's level:
     x is exact in TF32, the weight's TF32 remainder is kept)."""
     if use_fast_path(x) and x.dtype in (torch.bfloat16, torch.float16) and weight.dtype == torch.float32 and x.dim() == 2:
         if x.shape[0] <= (ROUTER_LOGITS_MAX_TOKENS if weight.numel() <= 1 << 20 else ROUTER_LOGITS_MAX_TOKENS_LARGE):
             from kimik3.ops.triton.router import router_logits_triton
             return router_logits_triton(x, weight)
-        if x.shape[0] >= ROUTER_LOGITS_GEMM_MIN_TOKENS and x.stride(1) == 1 and weight.stride(1) == 1:
+        if x.shape[0] * weight.shape[0] >= ROUTER_LOGITS_GEMM_MIN_LOGITS and x.stride(1) == 1 and weight.stride(1) == 1:
             from kimik3.ops.triton.router import router_logits_gemm_triton
             return router_logits_gemm_triton(x, weight)
     acc = acc_dtype(x.dtype)

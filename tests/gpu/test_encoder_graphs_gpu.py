@@ -82,16 +82,21 @@ def test_image_embeddings_through_graphs_match_float64_in_one_call():
     assert worst_rel_err(out, ref, lens) < TOWER_BOUND
 
 
-def test_varlen_attention_kernel_on_cuda_matches_float64():
-    """The op alone at the tower's head dim, ragged items (one row, a budget's padding, long)."""
-    from kimik3.ops.attention import varlen_attention
+@pytest.mark.parametrize("kernel", ["flash", "triton"])
+def test_varlen_attention_kernel_on_cuda_matches_float64(kernel, monkeypatch):
+    """The op alone at the tower's head dim, ragged items (one row, a budget's padding, long), on each
+    CUDA kernel: torch's varlen flash forward and the MLA prefill kernel."""
+    from kimik3.ops import attention
+    if kernel == "triton":
+        monkeypatch.setattr(attention, "flash_takes", lambda q: False)
     g = torch.Generator(device="cuda").manual_seed(3)
     lengths = [1, 300, 17, 2048, 0, 5]
     P, H, dh = sum(lengths), 12, 128
     q, k, v = (torch.randn(P, H, dh, generator=g, device="cuda").to(torch.bfloat16) for _ in range(3))
+    assert attention.flash_takes(q) == (kernel == "flash")
     cu = torch.tensor([0, *lengths], device="cuda").cumsum(0).to(torch.int32)
     poison_allocator()
-    out = varlen_attention(q, k, v, cu, max(lengths), dh ** -0.5)
+    out = attention.varlen_attention(q, k, v, cu, max(lengths), dh ** -0.5)
     with reference_ops():
-        ref = varlen_attention(q.double(), k.double(), v.double(), cu, max(lengths), dh ** -0.5)
+        ref = attention.varlen_attention(q.double(), k.double(), v.double(), cu, max(lengths), dh ** -0.5)
     assert worst_rel_err(out, ref, [n for n in lengths if n]) < BF16_BOUND     # per item

@@ -10,7 +10,7 @@ import torch
 
 from kimik3.ops.router import router_logits
 from kimik3.ops.triton import moe as moe_kernels
-from kimik3.ops.triton.router import router_logits_triton
+from kimik3.ops.triton.router import router_logits_gemm_triton, router_logits_triton
 from tests.gpu.test_fast_ops import poison_allocator
 from tests.helpers import capture_graph
 from tests.ops.test_triton_router import expected_alignment
@@ -35,17 +35,18 @@ def _ids(T: int, E: int, k: int, g: torch.Generator) -> torch.Tensor:
     return torch.rand(T, E, generator=g, device="cuda").argsort(dim=1)[:, :k]
 
 
-@pytest.mark.parametrize("T", TOKENS)
+@pytest.mark.parametrize("T", TOKENS + (4096,))
 @pytest.mark.parametrize("shape", list(SHAPES))
 def test_router_logits_match_float64_on_cuda(shape, T):
-    """The kernel, and ``router_logits`` (kernel up to ROUTER_LOGITS_MAX_TOKENS, cuBLAS fp32 past
-    it), for x contiguous and as a column slice of a wider tensor."""
+    """The decode kernel, the TF32 x3 GEMM kernel, and ``router_logits`` (the decode kernel up to
+    ROUTER_LOGITS_MAX_TOKENS, the GEMM kernel from ROUTER_LOGITS_GEMM_MIN_LOGITS, cuBLAS fp32 between),
+    for x contiguous and as a column slice of a wider tensor."""
     D, E, _ = SHAPES[shape]
     g = _gen(T + E)
     wide = (torch.randn(T, D + 128, generator=g, device="cuda") * 2).to(torch.bfloat16)
     w = torch.randn(E, D, generator=g, device="cuda") * D ** -0.5
     for x in (wide[:, :D].contiguous(), wide[:, 64:64 + D]):
-        for fn in (router_logits_triton, router_logits):
+        for fn in (router_logits_triton, router_logits_gemm_triton, router_logits):
             poison_allocator()
             out = fn(x, w)
             assert out.shape == (T, E) and out.dtype == torch.float32

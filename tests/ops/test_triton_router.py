@@ -92,7 +92,7 @@ def test_router_logits_takes_the_gemm_kernel_for_long_steps(monkeypatch):
     real = kernel.router_logits_gemm_triton
     monkeypatch.setattr(router, "use_fast_path", lambda t: True)
     monkeypatch.setattr(router, "ROUTER_LOGITS_MAX_TOKENS", 2)
-    monkeypatch.setattr(router, "ROUTER_LOGITS_GEMM_MIN_TOKENS", 9)
+    monkeypatch.setattr(router, "ROUTER_LOGITS_GEMM_MIN_LOGITS", 9 * 16)       # 16 experts: from 9 tokens
     monkeypatch.setattr(kernel, "router_logits_gemm_triton", lambda x, w: calls.append(x.shape[0]) or real(x, w))
     w = torch.randn(16, 96) * 96 ** -0.5
     for T in (8, 9, 40):
