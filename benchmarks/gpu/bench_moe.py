@@ -1,14 +1,14 @@
 """One device call: the MXFP4 expert kernels at the slice's shapes (64 experts, latent 3584,
 expert 3072, top-16) across tile choices and both dequantizations (integer bit placement "asm"
-vs the fp16-placement path) and the transposed products (``swap``), each checked against the dense
-bf16 reference and timed as a CUDA graph replay; Kimi-Linear's bf16 experts at decode sizes, default
-tiles against ``swap``; then the slice model's decode step with and without the MoE side stream.
+vs the fp16-placement path), each checked against the dense bf16 reference and timed as a CUDA
+graph replay; Kimi-Linear's bf16 experts at decode sizes (the default tiles); then the slice model's
+decode step with and without the MoE side stream.
 
 Bytes per call: the packed codes + scales of every expert the batch touches (weights read once);
 floor = bytes / measured copy rate.
 
     PYTHONPATH=. python benchmarks/gpu/bench_moe.py        (writes $OUT/bench_moe.json)
-    ... --swap-only --no-model: decode sizes, the default tiles against ``swap`` only
+    ... --decode-only --no-model: decode sizes (1-128 tokens), the default tiles only
 """
 
 from __future__ import annotations
@@ -55,11 +55,6 @@ CONFIGS = [  # (BN1, BN2, BKH, warps, stages)
 ]
 
 
-# the transposed products (``swap``: weight rows as wgmma's M side, 64 per warpgroup, tokens as N)
-SWAP_CONFIGS = [(64, 64, 64, 4, 3), (128, 128, 64, 4, 3), (128, 128, 128, 4, 3), (64, 128, 128, 4, 3),
-                (128, 128, 64, 8, 3), (256, 256, 64, 8, 3)]
-
-
 def check_and_time(fn, ref, label: str, rows: list, key: dict) -> tuple[float, float] | None:
     """(seconds of a CUDA-graph replay of ``fn``, its error against ``ref``), or None after logging and
     recording the error of a launch config that fails (compile, resources)."""
@@ -75,7 +70,7 @@ def check_and_time(fn, ref, label: str, rows: list, key: dict) -> tuple[float, f
 
 def dense_kernels(bw):
     """Kimi-Linear's bf16 experts (256, width 2304, intermediate 1024, top-8) at decode sizes: the
-    default tiles against the transposed products, each against the touched experts' bytes."""
+    default tiles against the touched experts' bytes."""
     g = torch.Generator(device="cuda").manual_seed(1)
     En, Ln, In, Kn = 256, 2304, 1024, 8
     w1, w3 = (torch.randn(En, In, Ln, generator=g, device="cuda").to(torch.bfloat16) * Ln ** -0.5 for _ in range(2))
@@ -88,20 +83,17 @@ def dense_kernels(bw):
         floor = torch.unique(ids).numel() * 3 * Ln * In * 2 / bw
         with reference_ops():
             ref = fused_moe(x, w1, w2, w3, weights, ids, "silu", 1.0, None, True)
-        base = _tiles(T * Kn / En)
-        for cfg in [dict(base)] + [dict(base, BN1=a, BN2=b, BKH=c, warps=w, stages=st, swap=True)
-                                   for a, b, c, w, st in SWAP_CONFIGS]:
-            def fn(cfg=cfg):
-                return fused_moe_triton(x, w1, w2, w3, weights, ids, False, 1.0, None, tiles=cfg)
-            timed = check_and_time(fn, ref, f"dense T={T} {cfg}", rows, {"T": T, "cfg": cfg})
-            if timed is None:
-                continue
-            t, err = timed
-            rows.append({"T": T, "cfg": cfg, "ms": t * 1e3, "floor_ms": floor * 1e3, "over_floor": t / floor,
-                         "rel_err": err})
-            log(f"dense T={T:4d} {cfg} {t * 1e3:.3f} ms  x{t / floor:.2f}  err {err:.2e}")
-            results["dense_kernels"] = rows
-            save_results("bench_moe.json", results)
+        cfg = _tiles(T * Kn / En)
+        timed = check_and_time(lambda: fused_moe_triton(x, w1, w2, w3, weights, ids, False, 1.0, None, tiles=cfg),
+                               ref, f"dense T={T} {cfg}", rows, {"T": T, "cfg": cfg})
+        if timed is None:
+            continue
+        t, err = timed
+        rows.append({"T": T, "cfg": cfg, "ms": t * 1e3, "floor_ms": floor * 1e3, "over_floor": t / floor,
+                     "rel_err": err})
+        log(f"dense T={T:4d} {cfg} {t * 1e3:.3f} ms  x{t / floor:.2f}  err {err:.2e}")
+        results["dense_kernels"] = rows
+        save_results("bench_moe.json", results)
     return rows
 
 
@@ -111,8 +103,8 @@ def kernels(bw):
     scale_max = max(int(w[1].max()) for w in (w1, w2, w3))
     per_expert = sum(t[0].numel() + t[1].numel() for t in (w1, w2, w3)) // E
     rows = []
-    swap_only = "--swap-only" in sys.argv          # the default tiles against the transposed products alone
-    for T in (1, 8, 32, 128) if swap_only else (1, 8, 32, 128, 2048):
+    decode_only = "--decode-only" in sys.argv          # the default tiles at 1-128 tokens alone
+    for T in (1, 8, 32, 128) if decode_only else (1, 8, 32, 128, 2048):
         x = torch.randn(T, L, generator=g, device="cuda").to(torch.bfloat16)
         ids = torch.stack([torch.randperm(E, generator=g, device="cuda")[:K] for _ in range(T)])
         weights = torch.rand(T, K, generator=g, device="cuda")
@@ -130,20 +122,17 @@ def kernels(bw):
         cands = [dict(base, asm=False), dict(base)]
         if T <= 32:
             cands += [dict(BM=16, BN1=a, BN2=b, BKH=c, warps=w, stages=s) for a, b, c, w, s in CONFIGS]
-            cands += [dict(BM=16, BN1=a, BN2=b, BKH=c, warps=w, stages=s, swap=True) for a, b, c, w, s in SWAP_CONFIGS]
         elif T == 128:
             cands += [dict(BM=bm, BN1=a, BN2=b, BKH=c, warps=w, stages=s)
                       for bm in (16, 32) for a, b, c, w, s in CONFIGS[:6]]
-            cands += [dict(BM=bm, BN1=a, BN2=b, BKH=c, warps=w, stages=s, swap=True)
-                      for bm in (16, 32) for a, b, c, w, s in SWAP_CONFIGS]
         else:
             cands += [dict(BM=128, BN1=64, BN2=128, BKH=64, warps=8, stages=3),
                       dict(BM=64, BN1=128, BN2=128, BKH=64, warps=4, stages=3),
                       dict(BM=128, BN1=128, BN2=128, BKH=32, warps=8, stages=3),
                       dict(BM=128, BN1=128, BN2=128, BKH=64, warps=8, stages=3),
                       dict(BM=64, BN1=64, BN2=128, BKH=64, warps=4, stages=4)]
-        if swap_only:
-            cands = [dict(base)] + [c for c in cands if c.get("swap")]
+        if decode_only:
+            cands = [dict(base)]
         for cfg in cands:
             def fn(cfg=cfg):
                 return fused_moe_triton(x, w1, w2, w3, weights, ids, True, 4.0, 25.0,

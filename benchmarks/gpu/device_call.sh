@@ -8,7 +8,7 @@
 # Sections (default: tests benches serve, in this order): tests = tests/gpu/*.py in parallel (or the
 # files / node ids in TESTS; PER_TEST: pytest's per-test limit; FILE_CAP: each file's); benches = the constrained decode step
 # (#19) sync and async; trace = its device time per step at batch 32 (torch.profiler); serve = served vs
-# offline (#18 item 5) sync and async; slice = bench_slice.py on both slices (no reference, no checks); profile = one decode step's kernels by module (profile_step.py; PROFILE_PREFILL=8192 adds a prefill); mladecode = the MLA decode config sweep (first, alone on the GPU; MLA_SWEEP= for the defaults only); decodeops = bench_decode_ops.py (KDA step, conv decode); vision = bench_vision.py (the tower eager vs graphs); moe = bench_moe.py --swap-only (expert tiles vs swap); router = bench_router_align.py; long = the decode graph replayed at 8k-1M contexts; stacks = the same, with stack samples per pass; spec = n-gram speculation vs plain at batch 1 (SPEC_ASYNC=1: also both async; =only: async alone); engine =
+# offline (#18 item 5) sync and async; slice = bench_slice.py on both slices (no reference, no checks); profile = one decode step's kernels by module (profile_step.py; PROFILE_PREFILL=8192 adds a prefill); mladecode = the MLA decode config sweep (first, alone on the GPU; MLA_SWEEP= for the defaults only); decodeops = bench_decode_ops.py (KDA step, conv decode); vision = bench_vision.py (the tower eager vs graphs); moe = bench_moe.py --decode-only (expert kernels at 1-128 tokens); router = bench_router_align.py; long = the decode graph replayed at 8k-1M contexts; stacks = the same, with stack samples per pass; spec = n-gram speculation vs plain at batch 1 (SPEC_ASYNC=1: also both async; =only: async alone); engine =
 # bench_engine.py (host share); hostprof = cProfile of the constrained async step at batch 32.
 # A fresh machine spends its first 90-110 s compiling kernels; the parallel tests pay that once each.
 set -u
@@ -41,8 +41,8 @@ if [[ " $sections " == *" decodeops "* ]]; then       # KDA step and conv decode
   cp bench_out/bench_decode_ops.json "$L"/ 2>/dev/null
   grep -h "^|" "$L"/decode_ops.log
 fi
-if [[ " $sections " == *" moe "* ]]; then             # expert kernels at decode sizes: default tiles vs swap (#18, #13)
-  run moe 300 python3 benchmarks/gpu/bench_moe.py --swap-only --no-model
+if [[ " $sections " == *" moe "* ]]; then             # expert kernels at decode sizes, the default tiles (#18, #13)
+  run moe 300 python3 benchmarks/gpu/bench_moe.py --decode-only --no-model
   cp bench_out/bench_moe.json "$L"/ 2>/dev/null
   grep -h "^T=\|^dense" "$L"/moe.log | sort -t' ' -k1,1 | head -120
 fi

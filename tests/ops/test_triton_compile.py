@@ -60,14 +60,12 @@ def compile_moe(mxfp4, high_scales, dtype):
              "beta": "fp32", "linear_beta": "fp32", **{f"w{i}{k}": weight for i in (1, 2, 3) for k in "ps"}}
     sizes = {"I", "KH", "L", "stride_x", "stride_wp_e", "stride_wp_n", "stride_ws_e", "stride_ws_n", "stride_h",
              "stride_y"}
-    for swap, divisible in ((False, None), (True, None), (False, sizes), (True, sizes)):
-        common = dict(BM=16, BKH=64, UPCAST=False, MXFP4=mxfp4, ASM=True, HIGH_SCALES=high_scales, SWAP=swap)
+    for divisible in (None, sizes):
+        common = dict(BM=16, BKH=64, UPCAST=False, MXFP4=mxfp4, ASM=True, HIGH_SCALES=high_scales)
         kernels = [compile_for_hopper(moe._gate_up_kernel, types, dict(common, BN=64, TOP_K=8, ACT_SITU=mxfp4,
                                                                        CLIP_UP=mxfp4), divisible=divisible),
                    compile_for_hopper(moe._down_kernel, types, dict(common, BN=128), num_warps=8, divisible=divisible)]
         ptx = [k.asm["ptx"] for k in kernels]
-        if swap:        # the point of the transposed products: 16 rows of an expert as wgmma tiles (m64n16)
-            assert all("wgmma.mma_async.sync.aligned.m64n16k16" in p for p in ptx)
         if divisible:   # with the run time's alignment the K loops stream their tiles by cp.async
             assert all("cp.async.cg" in p or "cp.async.ca" in p for p in ptx)
     compile_for_hopper(moe._align_kernel, {"ids": "*i64", "sorted_rows": "*i64", "block_expert": "*i64"},

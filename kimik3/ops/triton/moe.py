@@ -9,10 +9,7 @@ weights are read once per column tile).
 The weight format is a compile-time parameter (MXFP4): dense weights [E, N, K] are loaded as
 tiles; MXFP4 weights stay packed: uint8 [E, N, K/2] (element 2i in the low nibble of byte i) and
 E8M0 scales uint8 [E, N, K/32]; each K-step loads its bytes along the contiguous axis, expands
-them to a bf16 [BN, BK] tile in registers and feeds the tensor cores. With SWAP the products are
-computed transposed (weights [BN, BK] x tokens [BK, BM]): the weight rows are the MMA's M side, so
-8-32 rows of an expert still make Hopper wgmma tiles (m64nBMk16, the dequantized tile read from
-registers) where [BM, BK] x [BK, BN] runs mma.sync; ``_tiles`` chooses.
+them to a bf16 [BN, BK] tile in registers and feeds the tensor cores.
 The alignment, the GEMMs and the combine are device work only (no host synchronisation), so
 decode steps capture into CUDA graphs.
 Reference: ``kimik3.ops.moe.fused_moe`` / ``fused_moe_mxfp4``.
@@ -121,40 +118,6 @@ def _next_scales(scale_ptr, kh, KH, mn, G: tl.constexpr, MXFP4: tl.constexpr, sc
 
 
 @triton.jit
-def _zero_acc(BM: tl.constexpr, BN: tl.constexpr, SWAP: tl.constexpr):
-    """The fp32 accumulator: [BM, BN], or transposed [BN, BM] under SWAP."""
-    if SWAP:
-        acc = tl.zeros([BN, BM], dtype=tl.float32)
-    else:
-        acc = tl.zeros([BM, BN], dtype=tl.float32)
-    return acc
-
-
-@triton.jit
-def _act_tile(ptr, row_off, row_ok, kx, KH, SWAP: tl.constexpr, ROW_MASK: tl.constexpr):
-    """Activation rows ``row_off`` (element offsets) at K positions kx: [BM, 2 BKH], or [2 BKH, BM]
-    under SWAP; K past 2 KH reads 0, and with ROW_MASK so do the rows not ``row_ok``."""
-    kin = kx < 2 * KH
-    if SWAP:
-        mask = (row_ok[None, :] & kin[:, None]) if ROW_MASK else kin[:, None]
-        a = tl.load(ptr + row_off[None, :] + kx[:, None], mask=mask, other=0.0)
-    else:
-        mask = (row_ok[:, None] & kin[None, :]) if ROW_MASK else kin[None, :]
-        a = tl.load(ptr + row_off[:, None] + kx[None, :], mask=mask, other=0.0)
-    return a
-
-
-@triton.jit
-def _mma(a, w, acc, SWAP: tl.constexpr, UPCAST: tl.constexpr):
-    """acc += a w^T, or under SWAP acc^T += w a^T (weights as the MMA's M side, tokens as N)."""
-    if SWAP:
-        acc = dot(w, a, acc, UPCAST)
-    else:
-        acc = dot(a, tl.trans(w), acc, UPCAST)
-    return acc
-
-
-@triton.jit
 def _bf16_bits(bits, BN: tl.constexpr, G: tl.constexpr):
     """int32 bf16 bit patterns [BN, G] -> bf16 [BN, 16 G], each repeated over its group's 16 bytes."""
     v = bits.to(tl.int16).to(tl.bfloat16, bitcast=True)
@@ -176,7 +139,7 @@ def _gate_up_kernel(x, w1p, w1s, w3p, w3s, h, sorted_rows, block_expert, num_row
                     stride_x, stride_wp_e, stride_wp_n, stride_ws_e, stride_ws_n, stride_h,
                     beta, linear_beta, TOP_K: tl.constexpr, ACT_SITU: tl.constexpr, CLIP_UP: tl.constexpr,
                     BM: tl.constexpr, BN: tl.constexpr, BKH: tl.constexpr, UPCAST: tl.constexpr,
-                    MXFP4: tl.constexpr, ASM: tl.constexpr, HIGH_SCALES: tl.constexpr, SWAP: tl.constexpr):
+                    MXFP4: tl.constexpr, ASM: tl.constexpr, HIGH_SCALES: tl.constexpr):
     pid_m, pid_n = tl.program_id(0), tl.program_id(1)
     e = tl.load(block_expert + pid_m).to(tl.int64)
     if e < 0:
@@ -188,8 +151,8 @@ def _gate_up_kernel(x, w1p, w1s, w3p, w3s, h, sorted_rows, block_expert, num_row
     col3 = w3p + e * stride_wp_e + n[:, None].to(tl.int64) * stride_wp_n
     scl1 = w1s + e * stride_ws_e + n[:, None].to(tl.int64) * stride_ws_n
     scl3 = w3s + e * stride_ws_e + n[:, None].to(tl.int64) * stride_ws_n
-    acc1 = _zero_acc(BM, BN, SWAP)
-    acc3 = _zero_acc(BM, BN, SWAP)
+    acc1 = tl.zeros([BM, BN], dtype=tl.float32)
+    acc3 = tl.zeros([BM, BN], dtype=tl.float32)
     G: tl.constexpr = BKH // 16
     sc1 = _next_scales(scl1, 0, KH, mn, G, MXFP4, tl.zeros([BN, G], tl.int32))
     sc3 = _next_scales(scl3, 0, KH, mn, G, MXFP4, tl.zeros([BN, G], tl.int32))
@@ -197,12 +160,11 @@ def _gate_up_kernel(x, w1p, w1s, w3p, w3s, h, sorted_rows, block_expert, num_row
         next1 = _next_scales(scl1, kh + BKH, KH, mn, G, MXFP4, sc1)
         next3 = _next_scales(scl3, kh + BKH, KH, mn, G, MXFP4, sc3)
         kx = 2 * kh + kcol
-        a = _act_tile(x, tok * stride_x, valid, kx, KH, SWAP, True)
-        acc1 = _mma(a, _weight_tile(col1, sc1, kh, KH, mn, BN, BKH, MXFP4, ASM, HIGH_SCALES), acc1, SWAP, UPCAST)
-        acc3 = _mma(a, _weight_tile(col3, sc3, kh, KH, mn, BN, BKH, MXFP4, ASM, HIGH_SCALES), acc3, SWAP, UPCAST)
+        a = tl.load(x + tok[:, None] * stride_x + kx[None, :], mask=valid[:, None] & (kx < 2 * KH)[None, :],
+                    other=0.0)
+        acc1 = dot(a, tl.trans(_weight_tile(col1, sc1, kh, KH, mn, BN, BKH, MXFP4, ASM, HIGH_SCALES)), acc1, UPCAST)
+        acc3 = dot(a, tl.trans(_weight_tile(col3, sc3, kh, KH, mn, BN, BKH, MXFP4, ASM, HIGH_SCALES)), acc3, UPCAST)
         sc1, sc3 = next1, next3
-    if SWAP:
-        acc1, acc3 = tl.trans(acc1), tl.trans(acc3)
     # the reference rounds both projections to the activation dtype before the activation
     g = acc1.to(h.dtype.element_ty).to(tl.float32)
     u = acc3.to(h.dtype.element_ty).to(tl.float32)
@@ -214,7 +176,7 @@ def _gate_up_kernel(x, w1p, w1s, w3p, w3s, h, sorted_rows, block_expert, num_row
 def _down_kernel(h, w2p, w2s, y, sorted_rows, block_expert, num_rows, L, KH,
                  stride_h, stride_wp_e, stride_wp_n, stride_ws_e, stride_ws_n, stride_y,
                  BM: tl.constexpr, BN: tl.constexpr, BKH: tl.constexpr, UPCAST: tl.constexpr,
-                 MXFP4: tl.constexpr, ASM: tl.constexpr, HIGH_SCALES: tl.constexpr, SWAP: tl.constexpr):
+                 MXFP4: tl.constexpr, ASM: tl.constexpr, HIGH_SCALES: tl.constexpr):
     pid_m, pid_n = tl.program_id(0), tl.program_id(1)
     e = tl.load(block_expert + pid_m).to(tl.int64)
     if e < 0:
@@ -223,18 +185,15 @@ def _down_kernel(h, w2p, w2s, y, sorted_rows, block_expert, num_rows, L, KH,
     kcol = tl.arange(0, 2 * BKH)
     col = w2p + e * stride_wp_e + n[:, None].to(tl.int64) * stride_wp_n
     scl = w2s + e * stride_ws_e + n[:, None].to(tl.int64) * stride_ws_n
-    acc = _zero_acc(BM, BN, SWAP)
+    acc = tl.zeros([BM, BN], dtype=tl.float32)
     G: tl.constexpr = BKH // 16
     sc = _next_scales(scl, 0, KH, mn, G, MXFP4, tl.zeros([BN, G], tl.int32))
-    h_rows = offs_m.to(tl.int64) * stride_h  # h has a row for every sorted slot, padding included: no row mask
     for kh in range(0, KH, BKH):
         following = _next_scales(scl, kh + BKH, KH, mn, G, MXFP4, sc)
         kx = 2 * kh + kcol
-        acc = _mma(_act_tile(h, h_rows, valid, kx, KH, SWAP, False),
-                   _weight_tile(col, sc, kh, KH, mn, BN, BKH, MXFP4, ASM, HIGH_SCALES), acc, SWAP, UPCAST)
+        a = tl.load(h + offs_m[:, None].to(tl.int64) * stride_h + kx[None, :], mask=(kx < 2 * KH)[None, :], other=0.0)
+        acc = dot(a, tl.trans(_weight_tile(col, sc, kh, KH, mn, BN, BKH, MXFP4, ASM, HIGH_SCALES)), acc, UPCAST)
         sc = following
-    if SWAP:
-        acc = tl.trans(acc)
     tl.store(y + rows[:, None].to(tl.int64) * stride_y + n[None, :], acc.to(y.dtype.element_ty),
              mask=valid[:, None] & mn[None, :])
 
@@ -431,7 +390,7 @@ def fused_moe_triton(x: torch.Tensor, w1, w2, w3, weights: torch.Tensor, ids: to
     R = T * top_k
     h = torch.empty(sorted_rows.shape[0], I, dtype=x.dtype, device=x.device)
     common = dict(BM=BM, BKH=cfg["BKH"], UPCAST=INTERPRETING, MXFP4=packed, ASM=cfg.get("asm", not INTERPRETING),
-                  HIGH_SCALES=high_scales, SWAP=cfg.get("swap", False), num_warps=cfg["warps"], num_stages=cfg["stages"])
+                  HIGH_SCALES=high_scales, num_warps=cfg["warps"], num_stages=cfg["stages"])
     _gate_up_kernel[(nb, triton.cdiv(I, cfg["BN1"]))](
         x, w1p, w1s, w3p, w3s, h, sorted_rows, block_expert, R, I, L // 2,
         x.stride(0), w1p.stride(0), w1p.stride(1), w1s.stride(0), w1s.stride(1), h.stride(0),
