@@ -1,10 +1,10 @@
 """The K3 vision tower (27 layers, 1024 wide, 12 heads x 128; random bf16 weights from the release
 config's ``vision_config``) on one image, per image size: eager with the old per-item attention (fp32
-SDPA, the reference path), eager with the varlen kernel, and as a CUDA graph of its patch budget
+SDPA, the reference path), eager with the varlen flash kernel, and as a CUDA graph of its patch budget
 (``model/encoder_graphs.py``); against its floor max(weight bytes / copy rate, FLOPs / matmul rate),
 FLOPs from the shapes: per patch and layer 2 x (1024 x 4608 + 1536 x 1024 + 2 x 1024 x 4096) for the
 projections and 4 x L x 1536 for attention over the item's L patches. Plus the attention op alone
-against torch's SDPA (flash, bf16) on the same item, and the whole image path (tower, merge,
+(varlen flash) against torch's SDPA on the same item (one item: SDPA takes its cuDNN or flash kernel), and the whole image path (tower, merge,
 projector) through the graphs.
 
     PYTHONPATH=. python benchmarks/gpu/bench_vision.py     (writes $OUT/bench_vision.json)
@@ -42,34 +42,6 @@ def tower_flops(cfg, L: int) -> float:
     return cfg.num_hidden_layers * per_layer + 2 * L * 3 * cfg.patch_size ** 2 * D
 
 
-# launch configs of the varlen kernel at the tower's head dim (64 | 64, v 128): the default first
-ATTN_CONFIGS = ((64, 64, 4, 2), (128, 64, 8, 2), (128, 128, 8, 2), (64, 128, 4, 2), (128, 64, 4, 3))
-
-
-def attention_configs(cfg, g) -> list[dict]:
-    """The attention op alone (one item of L patches, 12 heads) over ``ATTN_CONFIGS``, against FLOPs
-    4 L^2 H dh at the matmul rate measured by the caller's run (reported as TFLOP/s)."""
-    from kimik3.ops.triton.mla_prefill import PrefillConfig, mla_prefill_triton
-    H, dh = cfg.num_attention_heads, cfg.qkv_hidden_size // cfg.num_attention_heads
-    rows = []
-    for L in (1024, 4096, 16384):
-        q, k, v = (torch.randn(L, H, dh, generator=g, device="cuda").to(torch.bfloat16) for _ in range(3))
-        cu = torch.tensor([0, L], dtype=torch.int32, device="cuda")
-        ref = None
-        for c in ATTN_CONFIGS:
-            def op(c=c):
-                return mla_prefill_triton(q[..., :dh // 2], q[..., dh // 2:], k[..., :dh // 2], k[..., dh // 2:], v,
-                                          cu, cu, cu[1:], cu[:-1], L, dh ** -0.5, torch.bfloat16,
-                                          config=PrefillConfig(*c), max_key_len=L)[0]
-            out = op()
-            ref = out if ref is None else ref
-            us = cuda_time(op, iters=10) * 1e6
-            tflops = 4 * L * L * H * dh / us / 1e6
-            rows.append({"patches": L, "config": c, "us": us, "tflops": tflops, "rel_diff_vs_default": rel_err(out, ref)})
-            log(f"# attention L={L} config {c}: {us:.0f} us, {tflops:.0f} TFLOP/s")
-    return rows
-
-
 def main():
     ap = argparse.ArgumentParser(description=__doc__.splitlines()[0])
     ap.add_argument("--grids", default=",".join(f"{h}x{w}" for h, w in GRIDS))
@@ -88,12 +60,11 @@ def main():
     t0 = datetime.datetime.now()
     graphs = capture_encoder_or_none(EncoderGraphs(tower))
     capture_s = (datetime.datetime.now() - t0).total_seconds()
-    log(f"# attention op: {'torch varlen flash' if attention.flash_takes(torch.empty(1, 1, cfg.qkv_hidden_size // cfg.num_attention_heads, dtype=torch.bfloat16, device='cuda')) else 'the Triton MLA prefill kernel'}")
     log(f"# copy {bw / 1e12:.2f} TB/s, matmul {mm / 1e12:.0f} TFLOP/s; tower {tower_bytes / 1e9:.2f} GB; "
         f"graphs captured in {capture_s:.1f} s; pool {torch.cuda.memory_reserved() / 2**30:.2f} GiB reserved")
     log("| grid | patches | budget | floor ms | reference ms | eager ms | graph ms | graph/floor | eager/graph "
-        "| attn op us | Triton kernel us | SDPA us |")
-    log("|---|---|---|---|---|---|---|---|---|---|---|---|")
+        "| attn op us | SDPA us |")
+    log("|---|---|---|---|---|---|---|---|---|---|---|")
     rows = []
     g = torch.Generator(device="cuda").manual_seed(1)
     for h, w in grids:
@@ -111,20 +82,16 @@ def main():
             q, k, v = (torch.randn(L, H, dh, generator=g, device="cuda").to(torch.bfloat16) for _ in range(3))
             cu = torch.tensor([0, L], dtype=torch.int32, device="cuda")
             op = cuda_time(lambda: attention.varlen_attention(q, k, v, cu, L, dh ** -0.5), iters=10) * 1e6
-            flash_takes, attention.flash_takes = attention.flash_takes, lambda q: False
-            triton_op = cuda_time(lambda: attention.varlen_attention(q, k, v, cu, L, dh ** -0.5), iters=10) * 1e6
-            attention.flash_takes = flash_takes
             qt, kt, vt = (z.transpose(0, 1).unsqueeze(0) for z in (q, k, v))
             sdpa = cuda_time(lambda: F.scaled_dot_product_attention(qt, kt, vt, scale=dh ** -0.5), iters=10) * 1e6
         budget = graphs.budget_for(L) if graphs else None
         row = {"grid": [h, w], "patches": L, "budget": budget, "floor_ms": floor, "reference_ms": reference,
-               "eager_ms": eager, "graph_ms": graph, "attn_op_us": op, "attn_triton_us": triton_op, "flash_op": attention.flash_takes(q), "sdpa_us": sdpa,
+               "eager_ms": eager, "graph_ms": graph, "attn_op_us": op, "sdpa_us": sdpa,
                "rel_err_graph_vs_reference": err}
         rows.append(row)
         log(f"| {h}x{w} | {L} | {budget} | {floor:.3f} | {reference:.2f} | {eager:.2f} | "
             f"{graph if graph is None else f'{graph:.2f}'} | {'-' if graph is None else f'{graph / floor:.2f}'} | "
-            f"{'-' if graph is None else f'{eager / graph:.2f}'} | {op:.0f} | {triton_op:.0f} | {sdpa:.0f} |")
-    sweep = attention_configs(cfg, g)
+            f"{'-' if graph is None else f'{eager / graph:.2f}'} | {op:.0f} | {sdpa:.0f} |")
     with torch.inference_mode():
         many = [(1, 16, 16), (1, 32, 32), (1, 24, 40)]
         pv = (torch.rand(sum(a * b * c for a, b, c in many), 3, 14, 14, generator=g, device="cuda") * 2 - 1)
@@ -137,8 +104,7 @@ def main():
         "commit": commit_id(), "gpu": torch.cuda.get_device_name(), "date": datetime.date.today().isoformat(),
         "copy_rate": bw, "matmul_rate": mm, "tower_bytes": tower_bytes, "capture_s": capture_s,
         "budgets": list(graphs.budgets) if graphs else None, "rows": rows,
-        "three_images": {"grids": many, "eager_ms": image_eager, "graph_ms": image_graph},
-        "attention_configs": sweep})
+        "three_images": {"grids": many, "eager_ms": image_eager, "graph_ms": image_graph}})
     log(f"wrote {path}")
 
 

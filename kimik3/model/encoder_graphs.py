@@ -53,9 +53,9 @@ class EncoderGraphs:
 
     @staticmethod
     def can_capture(tower: MoonViT) -> bool:
-        """Whether the tower's attention takes the varlen kernel (half types, head dims such as K3's
-        128); a tower whose attention runs the reference loop (toy widths) is encoded eagerly."""
-        ok = kernel_takes(tower.dtype, tower.encoder.head_dim)
+        """Whether the tower's attention takes the varlen flash kernel (CUDA, half types, head dims
+        such as K3's 128); a tower whose attention runs the reference loop is encoded eagerly."""
+        ok = kernel_takes(tower.dtype, tower.encoder.head_dim, tower.patch_embed.proj.weight.device)
         if not ok:
             logger.info("vision tower encoded eagerly: its attention (%s, head dim %d) does not take the varlen "
                         "kernel that CUDA graphs capture", str(tower.dtype).removeprefix("torch."),

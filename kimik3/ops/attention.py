@@ -1,13 +1,12 @@
 """Varlen bidirectional attention over packed items: each item's rows attend to all of its own rows and
 to no other (MoonViT's block-diagonal attention, spec vision-multimodal §3.4).
 
-Reference: one softmax attention per item (SDPA) in float32 (float64 for float64 inputs). CUDA, all
-items in one launch, inputs device tensors and Python ints only (so a CUDA graph captures it,
-``model/encoder_graphs.py``): torch's varlen flash-attention forward (``aten._flash_attention_forward``
-with cumulative sequence lengths, the kernel spec vision §3.10 names) where the build has it (sm80+,
-head dim a multiple of 8 up to 256); else the varlen kernel of MLA prefill (``ops/triton/mla_prefill.py``)
-with its causal bound moved past every key (a query's position = its item's length: q_pos0 = cu[1:],
-k_pos0 = cu[:-1]) and the head dim cut in two halves (the kernel's qa | qb and ka | kb parts).
+Reference: one softmax attention per item (SDPA) in float32 (float64 for float64 inputs). CUDA:
+torch's varlen flash-attention forward (``aten._flash_attention_forward`` with cumulative sequence
+lengths, the kernel spec vision §3.10 names), all items in one launch; its inputs are device tensors
+and Python ints only, so a CUDA graph captures it (``model/encoder_graphs.py``). As an op alone on
+the H200 it took 0.3-0.7x the time of our MLA prefill kernel reused with its causal bound past every
+key at 256-2304 patches and 0.85-1.02x from 4096 (bench_vision.py at 2f99559): that path was dropped.
 """
 
 from __future__ import annotations
@@ -31,37 +30,19 @@ def varlen_attention(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, cu_seqle
     if cu_seqlens.ndim != 1 or cu_seqlens.numel() < 2 or cu_seqlens.dtype != torch.int32:
         raise ValueError(f"varlen_attention needs cu_seqlens as int32 [n + 1], n >= 1, got {cu_seqlens.dtype} "
                          f"{list(cu_seqlens.shape)}")
-    dh = q.shape[-1]
-    if use_fast_path(q) and flash_takes(q):
+    if use_fast_path(q) and kernel_takes(q.dtype, q.shape[-1], q.device):
         return torch.ops.aten._flash_attention_forward(q, k, v, cu_seqlens, cu_seqlens, max_len, max_len, 0.0, False,
                                                        False, scale=scale)[0]
-    if use_fast_path(q) and kernel_takes(q.dtype, dh):
-        from kimik3.ops.triton.mla_prefill import mla_prefill_triton
-        half = dh // 2
-        o, _ = mla_prefill_triton(q[..., :half], q[..., half:], k[..., :half], k[..., half:], v, cu_seqlens,
-                                  cu_seqlens, cu_seqlens[1:], cu_seqlens[:-1], max_len, scale, q.dtype,
-                                  max_key_len=max_len)
-        return o
     return _reference(q, k, v, cu_seqlens, max_len, scale)
 
 
-def flash_takes(q: torch.Tensor) -> bool:
-    """Whether torch's varlen flash forward takes these CUDA inputs: half types, head dim a multiple of 8
-    up to 256, an sm80+ GPU, a build that has the op."""
-    dh = q.shape[-1]
-    return (q.is_cuda and q.dtype in KERNEL_DTYPES and dh % 8 == 0 and dh <= 256
-            and torch.cuda.get_device_capability(q.device) >= (8, 0)
-            and hasattr(torch.ops.aten, "_flash_attention_forward"))
-
-
-def kernel_takes(dtype: torch.dtype, head_dim: int) -> bool:
-    """Whether CUDA tensors of this dtype and head dim take the kernel (else the reference, which reads
-    ``cu_seqlens`` on the host and so cannot be captured in a CUDA graph): half types, and a head dim
-    whose halves the kernel takes (``mla_prefill.takes_head_dims``; MoonViT's 128: 64 + 64)."""
-    if dtype not in KERNEL_DTYPES or head_dim % 2:
-        return False
-    from kimik3.ops.triton.mla_prefill import takes_head_dims
-    return takes_head_dims(head_dim // 2, head_dim)
+def kernel_takes(dtype: torch.dtype, head_dim: int, device: torch.device) -> bool:
+    """Whether inputs of this dtype and head dim on ``device`` take the flash kernel (else the
+    reference, which reads ``cu_seqlens`` on the host and so cannot be captured in a CUDA graph): a
+    CUDA sm80+ device, half types, a head dim that is a multiple of 8 up to 256."""
+    device = torch.device(device)
+    return (device.type == "cuda" and dtype in KERNEL_DTYPES and head_dim % 8 == 0 and head_dim <= 256
+            and torch.cuda.get_device_capability(device) >= (8, 0))
 
 
 def _reference(q, k, v, cu_seqlens, max_len, scale):

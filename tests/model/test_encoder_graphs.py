@@ -64,9 +64,9 @@ def test_budgets():
 
 
 def test_padded_items_on_the_kernel_path_track_float64(monkeypatch):
-    """The CUDA branch of every tower op (RMSNorm, RoPE and attention kernels, the latter reading Q and
-    K from the rotated pair and V from the projection) on CPU tensors through Triton's interpreter: a
-    bf16 tower of head dim 32, each item padded to its budget, within the bf16 bound of float64."""
+    """The CUDA branch of the tower's RMSNorm and RoPE kernels on CPU tensors through Triton's
+    interpreter (the attention's flash kernel has no CPU form: the reference runs it), a bf16 tower of
+    head dim 32, each item padded to its budget, within the bf16 bound of float64."""
     from kimik3.config import VisionConfig
     from kimik3.model.vision import KimiVisionModel
     from kimik3.ops import attention, norm, rope
