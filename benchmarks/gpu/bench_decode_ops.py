@@ -118,7 +118,7 @@ def main():
 
 
 # prefill conv tiles (tokens, channels, warps): the default first
-CONV_TILES = ((16, 128, 4), (32, 128, 4), (64, 128, 4), (64, 64, 4), (32, 256, 4), (64, 256, 8), (128, 128, 8))
+CONV_TILES = ((64, 128, 1), (32, 128, 1), (128, 128, 1), (256, 128, 1), (64, 64, 1), (64, 256, 2), (64, 128, 2))   # (BT, BC, warps)
 
 
 def conv_prefill_sweep(bw: float, g: torch.Generator) -> list[dict]:

@@ -99,6 +99,33 @@ def test_conv_pool_kernel_other_tiles_match_reference(tile):
     assert torch.equal(got, want)
 
 
+@pytest.mark.parametrize("W", [2, 3])
+def test_conv_pool_kernel_narrow_kernels_match_reference(W):
+    """Kernel sizes below 4 (zero taps in the prefill kernel's registers, windows of W-1 columns):
+    sequences starting inside a run, fresh and continued, against the reference; a zero tap never
+    reads past its window (an inf there stays in its own channel)."""
+    from kimik3.ops.triton.conv import causal_conv1d_pool_triton
+    g = gen(2)
+    C, lens = 24, [9, 2, 30]
+    x = torch.randn(sum(lens), C, generator=g).to(BF16)
+    w = torch.randn(C, W, generator=g)
+    pool = torch.randn(4, C, W - 1, generator=g).to(BF16)
+    pool[2, 5, W - 2] = float("inf")        # an overflowed window column: only channel 5 of sequence 0 sees it
+    slots, has, cu = torch.tensor([2, 3, 1]), torch.tensor([True, False, True]), torch.tensor([0, *lens]).cumsum(0)
+    y_ref, s_ref = causal_conv1d(x, w, pool[slots].masked_fill(~has.view(-1, 1, 1), 0), lens)
+    got = causal_conv1d_pool_triton(x, w, pool, slots, has, cu, tile=(8, 16, 1))[0]
+    finite = torch.isfinite(y_ref)
+    assert not finite.all() and torch.equal(torch.isfinite(got), finite)
+    assert rel_err(got[finite], y_ref[finite]) < 8e-3 and torch.equal(pool[slots], s_ref)
+
+
+def test_conv_pool_kernel_names_a_kernel_size_it_does_not_take():
+    from kimik3.ops.triton.conv import causal_conv1d_pool_triton
+    with pytest.raises(ValueError, match="kernel size 5"):
+        causal_conv1d_pool_triton(torch.randn(4, 8).to(BF16), torch.randn(8, 5), torch.zeros(2, 8, 4).to(BF16),
+                                  torch.tensor([1]), torch.tensor([True]), torch.tensor([0, 4]))
+
+
 # ---- KDA decode ----------------------------------------------------------------------------
 @pytest.mark.parametrize("lower_bound", [-5.0, None], ids=["bounded", "softplus"])
 def test_kda_decode_kernel_matches_float64(lower_bound):

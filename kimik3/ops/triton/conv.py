@@ -13,42 +13,76 @@ import triton.language as tl
 
 
 @triton.jit
+def _history(x, pool, tau, start, slot, has, c, mc, stride_x, stride_pool_slot, stride_pool_c, W: tl.constexpr):
+    """The raw input the conv sees at position tau of the sequence starting at ``start``: x's row when
+    tau >= start, else the pool window's column (zero for a fresh sequence: has == 0), as fp32 [BC]."""
+    tv = tl.zeros_like(c) + tau                 # vector masks (the interpreter takes no scalar-vector mixes)
+    col = (W - 1) + (tv - start)
+    xv = tl.load(x + tv.to(tl.int64) * stride_x + c, mask=mc & (tv >= start), other=0.0)
+    hv = tl.load(pool + slot * stride_pool_slot + c.to(tl.int64) * stride_pool_c + col,
+                 mask=mc & (tv < start) & (col >= 0) & (tl.zeros_like(c) + has != 0), other=0.0)
+    return xv.to(tl.float32) + hv.to(tl.float32)
+
+
+@triton.jit
 def _conv_fwd_kernel(x, weight, pool, slots, has_state, cu_seqlens, tok_seq, y,
                      T, C, G, stride_x, stride_pool_slot, stride_pool_c,
                      W: tl.constexpr, BT: tl.constexpr, BC: tl.constexpr):
+    """A run of BT tokens x BC channels, token by token: each input row is loaded once (one coalesced
+    vector, the next one already in flight) and the W-1 previous inputs ride along in registers, so a
+    token costs one load, W FMAs, the SiLU and one store per channel. At a sequence's first token the
+    registers are refilled from its pool window (zeros when fresh). W <= 4: taps past the kernel size are left out."""
     pid_t, pid_c = tl.program_id(0), tl.program_id(1)
-    t = pid_t * BT + tl.arange(0, BT)
     c = pid_c * BC + tl.arange(0, BC)
-    mt, mc = t < T, c < C
-    seq = tl.load(tok_seq + t, mask=mt, other=0)
-    start = tl.load(cu_seqlens + seq, mask=mt, other=0)
-    slot = tl.load(slots + seq, mask=mt, other=0).to(tl.int64)
-    has = tl.load(has_state + seq, mask=mt, other=0) != 0
-    acc = tl.zeros([BT, BC], dtype=tl.float32)
-    # only a continuing sequence's first W-1 tokens read its pool window: tiles without one skip
-    # that path's per-element address arithmetic (the kernel is bound by instructions, not bytes)
-    if tl.max((mt & has & (t - start < W - 1)).to(tl.int32), 0) > 0:
-        for j in tl.static_range(W):
-            tau = t - (W - 1) + j                               # input position read by tap j
-            inside = tau >= start
-            xv = tl.load(x + tau[:, None].to(tl.int64) * stride_x + c[None, :],
-                         mask=(mt & inside)[:, None] & mc[None, :], other=0.0)
-            col = (W - 1) + (tau - start)
-            hv = tl.load(pool + slot[:, None] * stride_pool_slot + c[None, :].to(tl.int64) * stride_pool_c
-                         + col[:, None], mask=(mt & ~inside & has)[:, None] & mc[None, :], other=0.0)
-            wj = tl.load(weight + c * W + j, mask=mc, other=0.0).to(tl.float32)
-            acc += (xv.to(tl.float32) + hv.to(tl.float32)) * wj[None, :]
-    else:
-        for j in tl.static_range(W):
-            tau = t - (W - 1) + j
-            xv = tl.load(x + tau[:, None].to(tl.int64) * stride_x + c[None, :],
-                         mask=(mt & (tau >= start))[:, None] & mc[None, :], other=0.0)
-            wj = tl.load(weight + c * W + j, mask=mc, other=0.0).to(tl.float32)
-            acc += xv.to(tl.float32) * wj[None, :]
-    out = acc * tl.sigmoid(acc)
+    mc = c < C
+    t0 = pid_t * BT
+    n = tl.minimum(BT, T - t0)
+    # taps, oldest first: w0 * x[t-3] + w1 * x[t-2] + w2 * x[t-1] + w3 * x[t]
+    w3 = tl.load(weight + c * W + (W - 1), mask=mc, other=0.0).to(tl.float32)
+    w2 = tl.zeros([BC], dtype=tl.float32)
+    w1 = tl.zeros([BC], dtype=tl.float32)
+    w0 = tl.zeros([BC], dtype=tl.float32)
+    if W >= 2:
+        w2 = tl.load(weight + c * W + (W - 2), mask=mc, other=0.0).to(tl.float32)
+    if W >= 3:
+        w1 = tl.load(weight + c * W + (W - 3), mask=mc, other=0.0).to(tl.float32)
+    if W >= 4:
+        w0 = tl.load(weight + c * W + (W - 4), mask=mc, other=0.0).to(tl.float32)
+    seq = tl.load(tok_seq + t0)
+    start = tl.load(cu_seqlens + seq)
+    end = tl.load(cu_seqlens + seq + 1)
+    slot = tl.load(slots + seq).to(tl.int64)
+    has = tl.load(has_state + seq)
+    h1 = _history(x, pool, t0 - 1, start, slot, has, c, mc, stride_x, stride_pool_slot, stride_pool_c, W)
+    h2 = _history(x, pool, t0 - 2, start, slot, has, c, mc, stride_x, stride_pool_slot, stride_pool_c, W)
+    h3 = _history(x, pool, t0 - 3, start, slot, has, c, mc, stride_x, stride_pool_slot, stride_pool_c, W)
     # channel c of token t at [c // G, t, c % G]: G = C is the plain [T, C] layout
-    dst = (c // G).to(tl.int64)[None, :] * T * G + t[:, None].to(tl.int64) * G + (c % G)[None, :]
-    tl.store(y + dst, out.to(y.dtype.element_ty), mask=mt[:, None] & mc[None, :])
+    dst = y + (c // G).to(tl.int64) * T * G + (c % G) + t0.to(tl.int64) * G
+    src = x + t0.to(tl.int64) * stride_x + c
+    nxt = tl.load(src, mask=mc, other=0.0)
+    for i in range(n):
+        t = t0 + i
+        cur = nxt.to(tl.float32)
+        nxt = tl.load(src + stride_x, mask=mc & (tl.zeros_like(c) + i + 1 < n), other=0.0)   # the next row
+        if t == end:                                                        # a sequence starts here
+            seq = tl.load(tok_seq + t)
+            end = tl.load(cu_seqlens + seq + 1)
+            slot = tl.load(slots + seq).to(tl.int64)
+            has = tl.load(has_state + seq)
+            h1 = _history(x, pool, t - 1, t, slot, has, c, mc, stride_x, stride_pool_slot, stride_pool_c, W)
+            h2 = _history(x, pool, t - 2, t, slot, has, c, mc, stride_x, stride_pool_slot, stride_pool_c, W)
+            h3 = _history(x, pool, t - 3, t, slot, has, c, mc, stride_x, stride_pool_slot, stride_pool_c, W)
+        acc = w3 * cur                                  # taps past the kernel size never enter (0 * inf)
+        if W >= 2:
+            acc += w2 * h1
+        if W >= 3:
+            acc += w1 * h2
+        if W >= 4:
+            acc += w0 * h3
+        tl.store(dst, (acc * tl.sigmoid(acc)).to(y.dtype.element_ty), mask=mc)
+        h3, h2, h1 = h2, h1, cur
+        src += stride_x
+        dst += G
 
 
 @triton.jit
@@ -100,7 +134,8 @@ def _conv_decode_kernel(x, weight, pool, slots, y, N, C, G, stride_x, stride_poo
 
 
 # (tokens, channels, warps) of a prefill program; benchmarks/gpu/bench_decode_ops.py sweeps others
-PREFILL_TILE = (16, 128, 4)
+PREFILL_TILE = (64, 128, 1)
+MAX_WIDTH = 4           # the prefill kernel's taps ride in registers: kernel sizes up to 4 (Kimi's is 4)
 
 
 def causal_conv1d_pool_triton(x: torch.Tensor, weight: torch.Tensor, pool: torch.Tensor, slots: torch.Tensor,
@@ -116,6 +151,9 @@ def causal_conv1d_pool_triton(x: torch.Tensor, weight: torch.Tensor, pool: torch
     if C % groups:
         raise ValueError(f"causal_conv1d_pool_triton: {C} channels do not split into {groups} groups")
     W = weight.shape[1]
+    if W > MAX_WIDTH:
+        raise ValueError(f"causal_conv1d_pool_triton: conv kernel size {W} > {MAX_WIDTH}, the largest the CUDA "
+                         f"kernels take (short_conv_kernel_size); run on the CPU reference path")
     if x.stride(1) != 1 or pool.stride(2) != 1:
         raise ValueError("causal_conv1d_pool_triton needs unit stride on the channel/column axes")
     weight = weight.contiguous()
