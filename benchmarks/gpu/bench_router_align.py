@@ -4,6 +4,10 @@
     slice (7168, 64) and K3 release (7168, 896) at T = 1 .. 256: the previous path (``x.float() @
     w.t()``: a cast kernel and cuBLAS's fp32 GEMM) against ``router_logits_triton`` (default tiles;
     ``--sweep`` adds LOGITS_SWEEP); the weight's bytes at the measured copy rate are the floor.
+(a') The same logits with the gate weight in bf16, as the checkpoints store it, T = 1 .. 8192: the path
+    every model took before (the cast of x and of the weight to fp32, then cuBLAS's fp32 GEMM) against
+    ``router_logits`` (the decode kernel, then the bf16 tensor-core GEMM kernel) and that GEMM kernel at
+    BF16_GEMM_SWEEP's tiles; floor: the bf16 weight's bytes at the copy rate.
 (b) The alignment of R = T x top_k routed rows (``_sort_by_expert``) for Kimi-Linear (256 experts,
     top-8) and K3 release (896 experts, top-16) at R = 8/16 .. 4096: the previous one-program sort
     (``_sort_align_kernel`` below, 4 warps) against ``_align_kernel`` at ``align_warps(R)``;
@@ -38,6 +42,9 @@ TOKENS = (1, 8, 16, 32, 64, 128, 256)
 LOGITS_SWEEP = [dict(BT=bt, BE=be, BD=4096 // (bt * be), warps=w) for bt, be, w in
                 ((1, 1, 4), (1, 2, 4), (1, 4, 4), (8, 1, 4), (8, 1, 8), (8, 2, 4), (8, 4, 4), (8, 8, 4),
                  (4, 8, 4), (16, 4, 4), (16, 8, 4), (8, 16, 4), (16, 16, 4), (16, 8, 8))]
+BF16_TOKENS = (1, 8, 16, 32, 64, 128, 256, 512, 1024, 2048, 8192)
+BF16_GEMM_SWEEP = ((32, 32, 64, 4), (64, 32, 64, 4), (64, 64, 64, 4), (64, 16, 128, 4), (128, 64, 32, 4),
+                   (128, 128, 64, 8))
 ALIGN_SHAPES = {"kimi_linear": (256, 8), "k3_release": (896, 16)}      # experts, top-k
 ALIGN_ROWS = (8, 256, 1024, 2048, 4096)
 
@@ -124,6 +131,39 @@ def prefill_logits(results: dict) -> None:
                 + ("" if ok else " **outside the fp32 bound**"))
 
 
+def bf16_weight_logits(results: dict, bw: float) -> None:
+    """(a'): the checkpoint's bf16 gate weight; every variant checked against float64 within the fp32 bound."""
+    from kimik3.ops.router import router_logits
+    from kimik3.ops.triton.router import gemm_tiles, router_logits_gemm_triton
+    log("| (D, E) bf16 weight | T | cast + fp32 GEMM us | router_logits us | speed-up | floor us | GEMM kernel default us "
+        "| best GEMM tiles us |")
+    log("|---|---|---|---|---|---|---|---|")
+    for name, (D, E) in LOGITS_SHAPES.items():
+        g = torch.Generator(device="cuda").manual_seed(D + E + 2)
+        w = (torch.randn(E, D, generator=g, device="cuda") * D ** -0.5).to(torch.bfloat16)
+        for T in BF16_TOKENS:
+            x = torch.randn(T, D, generator=g, device="cuda").to(torch.bfloat16)
+            want = x.double() @ w.double().t()
+            bound = 2 ** -20 * (x.double().abs() @ w.double().abs().t())
+            for fn in (lambda: router_logits(x, w), lambda: router_logits_gemm_triton(x, w),
+                       *(lambda t=t: router_logits_gemm_triton(x, w, t) for t in BF16_GEMM_SWEEP)):
+                if not ((fn().double() - want).abs() <= bound).all():
+                    raise AssertionError(f"bf16-weight router logits off at {name} T={T}")
+            timer = graph_time if T <= 256 else (lambda f: cuda_time(f, iters=20))
+            row = {"D": D, "E": E, "T": T, "floor_us": E * D * 2 / bw * 1e6,
+                   "previous_us": timer(lambda: x.float() @ w.float().t()) * 1e6,
+                   "router_logits_us": timer(lambda: router_logits(x, w)) * 1e6,
+                   "gemm_default_us": timer(lambda: router_logits_gemm_triton(x, w)) * 1e6,
+                   "gemm_default_tiles": gemm_tiles(T, False),
+                   "gemm_sweep": {str(t): timer(lambda t=t: router_logits_gemm_triton(x, w, t)) * 1e6
+                                  for t in BF16_GEMM_SWEEP}}
+            best = min(row["gemm_sweep"].items(), key=lambda kv: kv[1])
+            results.setdefault("bf16_weight_logits", []).append(row)
+            log(f"| ({D}, {E}) | {T} | {row['previous_us']:.2f} | {row['router_logits_us']:.2f} | "
+                f"{row['previous_us'] / row['router_logits_us']:.2f}x | {row['floor_us']:.2f} | "
+                f"{row['gemm_default_us']:.2f} | {best[1]:.2f} {best[0]} |")
+
+
 def previous_align(ids: torch.Tensor, E: int, BM: int, warps: int):
     """``_sort_by_expert``'s previous launch of the one-program sort."""
     flat = ids.reshape(-1)
@@ -181,6 +221,7 @@ def main() -> None:
                "copy_rate_GBps": bw / 1e9, "reps_per_graph": REPS, "logits": [], "align": []}
     logits(results, bw, args.sweep)
     prefill_logits(results)
+    bf16_weight_logits(results, bw)
     align(results, args.sweep)
     log(f"# wrote {save_results('bench_router_align.json', results)}")
 

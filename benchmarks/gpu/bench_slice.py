@@ -8,6 +8,9 @@ Slices: ``kimi-k3-slice4.config.json`` (K3 width, 64 MXFP4 experts top-16, the d
 ``kimi-linear-slice4.config.json`` (Kimi-Linear-48B width: 256 bf16 experts top-8 at 1024).
 
     PYTHONPATH=. python benchmarks/gpu/bench_slice.py [--config=PATH]   (writes $OUT/bench_slice[_NAME].json)
+
+``--pdl-ab``: every case also without programmatic dependent launch (``kimik3.ops.triton.common.PDL_ENABLED``
+off: our kernels launched the ordinary way), in the same process, so the two columns compare directly.
 """
 
 from __future__ import annotations
@@ -32,6 +35,7 @@ from kimik3.model.kimi_k3 import KimiForCausalLM             # noqa: E402
 from kimik3.model.moe import Experts                         # noqa: E402
 from kimik3.ops import ceil_div, mxfp4                       # noqa: E402
 from kimik3.ops.backend import reference_ops                 # noqa: E402
+from kimik3.ops.triton import common as triton_common        # noqa: E402
 
 CONFIG = Path(__file__).with_name("kimi-k3-slice4.config.json")
 KIMI_LINEAR_CONFIG = Path(__file__).with_name("kimi-linear-slice4.config.json")
@@ -187,6 +191,18 @@ def graph_time(fn) -> float | None:
         return None
 
 
+def without_pdl(measure):
+    """``measure()`` with our kernels launched without PDL (``--pdl-ab`` only; else None)."""
+    if "--pdl-ab" not in sys.argv:
+        return None
+    saved = triton_common.PDL_ENABLED
+    triton_common.PDL_ENABLED = False
+    try:
+        return measure()
+    finally:
+        triton_common.PDL_ENABLED = saved
+
+
 def profile(name, fn, row_limit: int = 14) -> str:
     """Top kernels of one run by device time (printed, kept in this bench's results, returned)."""
     from torch.profiler import ProfilerActivity
@@ -280,6 +296,7 @@ def bench_model(bw, mm):
         t_eager = cuda_time(fast, iters=10)
         model.use_side_stream(torch.cuda.Stream())      # as the engine's decode graphs run
         t_graph = graph_time(fast)
+        t_graph_no_pdl = without_pdl(lambda: graph_time(fast))
         model.use_side_stream(None)
         t_ref = float("nan")
         if "--no-ref" not in sys.argv:
@@ -293,6 +310,7 @@ def bench_model(bw, mm):
         best = min(t for t in (t_eager, t_graph) if t is not None)
         rows.append({"case": f"decode b{N} ctx{CONTEXT}", "experts_touched_per_layer": active, "t_eager_ms": t_eager * 1e3,
                      "t_graph_ms": None if t_graph is None else t_graph * 1e3, "t_ref_ms": t_ref * 1e3,
+                     "t_graph_no_pdl_ms": None if t_graph_no_pdl is None else t_graph_no_pdl * 1e3,
                      "bytes": byts, "flops": flops, "floor_ms": floor * 1e3, "time_over_floor": best / floor,
                      "speedup_vs_ref": t_ref / best, "ref_note": "same shapes"})
         log(rows[-1])
@@ -308,6 +326,7 @@ def bench_model(bw, mm):
         ids = torch.randint(0, cfg_t.vocab_size, (T,), device="cuda")
         fast = step_fn(model, ids, batch, cache, last_only=True)
         t_fast = cuda_time(fast, warmup=2, iters=5)
+        t_no_pdl = without_pdl(lambda: cuda_time(fast, warmup=2, iters=5))
         t_ref = None
         if "--profile" in sys.argv:
             profile(f"prefill {T}", fast)
@@ -317,6 +336,7 @@ def bench_model(bw, mm):
         byts, flops = counts(model, 1, T, "prefill", E)
         floor = max(byts / bw, flops / mm)
         rows.append({"case": f"prefill {T}", "t_eager_ms": t_fast * 1e3, "t_graph_ms": None,
+                     "t_eager_no_pdl_ms": None if t_no_pdl is None else t_no_pdl * 1e3,
                      "t_ref_ms": None if t_ref is None else t_ref * 1e3, "bytes": byts, "flops": flops,
                      "floor_ms": floor * 1e3, "time_over_floor": t_fast / floor,
                      "matmul_fraction": flops / t_fast / mm,
@@ -414,15 +434,17 @@ def main():
     results["config"] = config_path().name
     rows = bench_model(bw, mm)
     save()
-    log("\n| case | fast eager ms | fast graph ms | floor ms | time/floor | ref ms | speed-up |")
-    log("|---|---|---|---|---|---|---|")
+    log("\n| case | fast eager ms | fast graph ms | floor ms | time/floor | ref ms | speed-up | without PDL ms |")
+    log("|---|---|---|---|---|---|---|---|")
     for r in rows:
-        g = "-" if r["t_graph_ms"] is None else f"{r['t_graph_ms']:.2f}"
+        g = "-" if r["t_graph_ms"] is None else f"{r['t_graph_ms']:.3f}"
+        off = r.get("t_graph_no_pdl_ms") or r.get("t_eager_no_pdl_ms")
+        off = "-" if off is None else f"{off:.3f}"
         ref = "-" if r["t_ref_ms"] is None else f"{r['t_ref_ms']:.1f}"
         sp = "-" if r["speedup_vs_ref"] is None else f"{r['speedup_vs_ref']:.1f}x"
         extra = f" ({r['matmul_fraction']:.0%} of matmul rate)" if "matmul_fraction" in r else ""
         log(f"| {r['case']} | {r['t_eager_ms']:.2f} | {g} | {r['floor_ms']:.2f} | {r['time_over_floor']:.2f}{extra} "
-            f"| {ref} | {sp} |")
+            f"| {ref} | {sp} | {off} |")
     bad = [k for k, r in results.get("checks", {}).items() if not r["ok"]]
     log(f"checks: {len(results.get('checks', {})) - len(bad)} ok, bad: {bad}")
 

@@ -8,7 +8,8 @@
 # Sections (default: tests benches serve, in this order): tests = tests/gpu/*.py in parallel (or the
 # files / node ids in TESTS; PER_TEST: pytest's per-test limit; FILE_CAP: each file's); benches = the constrained decode step
 # (#19) sync and async; trace = its device time per step at batch 32 (torch.profiler); serve = served vs
-# offline (#18 item 5) sync and async; slice = bench_slice.py on both slices (no reference, no checks); profile = one decode step's kernels by module (profile_step.py; PROFILE_PREFILL=8192 adds a prefill); mladecode = the MLA decode config sweep (first, alone on the GPU; MLA_SWEEP= for the defaults only); decodeops = bench_decode_ops.py (KDA step, conv decode); vision = bench_vision.py (the tower eager vs graphs); moe = bench_moe.py --decode-only (expert kernels at 1-128 tokens); router = bench_router_align.py; long = the decode graph replayed at 8k-1M contexts; stacks = the same, with stack samples per pass; spec = n-gram speculation vs plain at batch 1 (SPEC_ASYNC=1: also both async; =only: async alone); engine =
+# offline (#18 item 5) sync and async; slice = bench_slice.py on both slices (no reference, no checks; SLICES=kl or k3
+# for one, SLICE_ARGS=--pdl-ab adds each case without programmatic dependent launch); profile = one decode step's kernels by module (profile_step.py; PROFILE_PREFILL=8192 adds a prefill); mladecode = the MLA decode config sweep (first, alone on the GPU; MLA_SWEEP= for the defaults only); decodeops = bench_decode_ops.py (KDA step, conv decode); vision = bench_vision.py (the tower eager vs graphs); moe = bench_moe.py --decode-only (expert kernels at 1-128 tokens); router = bench_router_align.py; long = the decode graph replayed at 8k-1M contexts; stacks = the same, with stack samples per pass; spec = n-gram speculation vs plain at batch 1 (SPEC_ASYNC=1: also both async; =only: async alone); engine =
 # bench_engine.py (host share); hostprof = cProfile of the constrained async step at batch 32.
 # A fresh machine spends its first 90-110 s compiling kernels; the parallel tests pay that once each.
 set -u
@@ -63,10 +64,12 @@ if [[ " $sections " == *" profile "* ]]; then         # one eager decode step by
       ${PROFILE_PREFILL:+--prefill=$PROFILE_PREFILL}
   grep -h "^#" "$L"/profile_*.log
 fi
-if [[ " $sections " == *" slice "* ]]; then           # bench_slice: decode b1-128 and prefill vs floor, both slices
-  run slice_kl 200 python3 benchmarks/gpu/bench_slice.py --config=benchmarks/gpu/kimi-linear-slice4.config.json \
-      --skip-checks --no-ref --no-experts
-  run slice_k3 200 python3 benchmarks/gpu/bench_slice.py --skip-checks --no-ref
+if [[ " $sections " == *" slice "* ]]; then           # bench_slice: decode b1-128 and prefill vs floor (SLICES: kl k3)
+  [[ " ${SLICES:-kl k3} " == *" kl "* ]] && run slice_kl 200 python3 benchmarks/gpu/bench_slice.py \
+      --config=benchmarks/gpu/kimi-linear-slice4.config.json --skip-checks --no-ref --no-experts ${SLICE_ARGS:-}
+  [[ " ${SLICES:-kl k3} " == *" k3 "* ]] && run slice_k3 200 python3 benchmarks/gpu/bench_slice.py --skip-checks --no-ref \
+      ${SLICE_ARGS:-}
+  cp bench_out/bench_slice*.json "$L"/ 2>/dev/null
   grep -h "^|" "$L"/slice_*.log
 fi
 if [[ " $sections " == *" long "* ]]; then            # the batch-1 decode graph at 8k-1M contexts, both slices (#14)

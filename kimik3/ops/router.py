@@ -7,33 +7,38 @@ import torch
 from kimik3.ops.backend import use_fast_path
 from kimik3.ops.norm import acc_dtype
 
-# The router logits run as our Triton kernel on CUDA (bf16/fp16 x, fp32 weight) up to this many tokens,
-# and up to ROUTER_LOGITS_MAX_TOKENS_LARGE for weights over 2**20 elements; beyond, cuBLAS's fp32 GEMM on
-# the upcast x. H200 (benchmarks/gpu/bench_router_align.py): Kimi-Linear's 256 x 2304 weight 2.0x / 1.2x
-# faster than the cast + GEMM at 32 / 64 tokens, 1.05x at 128; K3 release's 896 x 7168 2.3x at 16 tokens
-# but 0.66x at 32 (the kernel's fp32 products, no tensor cores, outgrow the weight read there).
+# The router logits run as our Triton kernel on CUDA (bf16/fp16 x; the gate weight in x's dtype, as the
+# checkpoint stores it, or fp32) up to this many tokens, and up to ROUTER_LOGITS_MAX_TOKENS_LARGE for
+# weights over 2**20 elements. H200 (benchmarks/gpu/bench_router_align.py, fp32 weight): Kimi-Linear's
+# 256 x 2304 weight 2.0x / 1.2x faster than the cast + GEMM at 32 / 64 tokens, 1.05x at 128; K3 release's
+# 896 x 7168 2.3x at 16 tokens but 0.66x at 32 (the kernel's fp32 products, no tensor cores, outgrow the
+# weight read there).
 ROUTER_LOGITS_MAX_TOKENS = 64
 ROUTER_LOGITS_MAX_TOKENS_LARGE = 16
-# From this many logits (tokens x experts: prefill chunks) a tiled Triton GEMM on tensor cores at fp32
-# accuracy (TF32 x3) replaces the cast + SIMT fp32 GEMM, which took 0.2 ms a layer of the Kimi-Linear 8k
-# prefill (48 TFLOP/s, results/profile_step_kl_7e8c19d.json) plus 30 us for the cast. Its 128 x 64 tiles
-# fill the GPU only from about this size: on the H200 at 6e3384c (bench_router_align.py) it took
-# 167 / 450 us against 262 / 570 us at (8192 tokens, 256 experts) / (2048, 896) and lost below (123
-# against 87 us at (2048, 256), 325 against 316 at (1024, 896)); at (8192, 64) it won by 1.08x (318 us).
+# Past those, a tiled Triton GEMM on tensor cores at fp32 accuracy: for a 16-bit weight of x's dtype
+# always (the 16-bit products are exact: nothing to round, and no fp32 copies of x and the weight,
+# which the cast + SIMT fp32 GEMM wrote every step); for an fp32 weight (TF32 x3) from this many logits
+# (tokens x experts: prefill chunks), where its 128 x 64 tiles fill the GPU. H200 at 6e3384c
+# (bench_router_align.py): 167 / 450 us against 262 / 570 us for the cast + SIMT GEMM at (8192 tokens,
+# 256 experts) / (2048, 896); it lost below (123 against 87 us at (2048, 256), 325 against 316 at
+# (1024, 896)); at (8192, 64) it won by 1.08x (318 us).
 ROUTER_LOGITS_GEMM_MIN_LOGITS = 1 << 20
 
 
 def router_logits(x: torch.Tensor, weight: torch.Tensor) -> torch.Tensor:
     """x [T, D] @ weight [E, D]^T with both operands upcast to ``acc_dtype(x.dtype)`` (fp32 logits
-    for bf16/fp16/fp32 x, fp64 for fp64; spec §3.1). CUDA (bf16/fp16 x, fp32 weight, few tokens:
-    ``ROUTER_LOGITS_MAX_TOKENS``): one Triton kernel that reads x in its own dtype; from
-    ``ROUTER_LOGITS_GEMM_MIN_LOGITS`` logits, a tiled Triton GEMM with TF32 x3 products (error at fp32's level:
-    x is exact in TF32, the weight's TF32 remainder is kept)."""
-    if use_fast_path(x) and x.dtype in (torch.bfloat16, torch.float16) and weight.dtype == torch.float32 and x.dim() == 2:
+    for bf16/fp16/fp32 x, fp64 for fp64; spec §3.1). CUDA (bf16/fp16 x, weight fp32 or x's dtype):
+    up to ``ROUTER_LOGITS_MAX_TOKENS`` tokens one Triton kernel that reads both in their own dtypes;
+    beyond, a tiled Triton GEMM on tensor cores (exact 16-bit products, or TF32 x3 for an fp32 weight
+    from ``ROUTER_LOGITS_GEMM_MIN_LOGITS`` logits), fp32 accumulation: error at fp32's level."""
+    if (use_fast_path(x) and x.dtype in (torch.bfloat16, torch.float16) and weight.dtype in (torch.float32, x.dtype)
+            and x.dim() == 2):
         if x.shape[0] <= (ROUTER_LOGITS_MAX_TOKENS if weight.numel() <= 1 << 20 else ROUTER_LOGITS_MAX_TOKENS_LARGE):
             from kimik3.ops.triton.router import router_logits_triton
             return router_logits_triton(x, weight)
-        if x.shape[0] * weight.shape[0] >= ROUTER_LOGITS_GEMM_MIN_LOGITS and x.stride(1) == 1 and weight.stride(1) == 1:
+        wide = weight.dtype == torch.float32
+        if ((not wide or x.shape[0] * weight.shape[0] >= ROUTER_LOGITS_GEMM_MIN_LOGITS)
+                and x.stride(1) == 1 and weight.stride(1) == 1):
             from kimik3.ops.triton.router import router_logits_gemm_triton
             return router_logits_gemm_triton(x, weight)
     acc = acc_dtype(x.dtype)

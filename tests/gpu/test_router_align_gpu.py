@@ -35,16 +35,18 @@ def _ids(T: int, E: int, k: int, g: torch.Generator) -> torch.Tensor:
     return torch.rand(T, E, generator=g, device="cuda").argsort(dim=1)[:, :k]
 
 
+@pytest.mark.parametrize("wdtype", [torch.float32, torch.bfloat16], ids=["fp32_weight", "bf16_weight"])
 @pytest.mark.parametrize("T", TOKENS + (4096,))
 @pytest.mark.parametrize("shape", list(SHAPES))
-def test_router_logits_match_float64_on_cuda(shape, T):
-    """The decode kernel, the TF32 x3 GEMM kernel, and ``router_logits`` (the decode kernel up to
-    ROUTER_LOGITS_MAX_TOKENS, the GEMM kernel from ROUTER_LOGITS_GEMM_MIN_LOGITS, cuBLAS fp32 between),
-    for x contiguous and as a column slice of a wider tensor."""
+def test_router_logits_match_float64_on_cuda(shape, T, wdtype):
+    """The decode kernel, the tensor-core GEMM kernel (TF32 x3 for an fp32 weight, bf16 products for
+    the checkpoint's bf16 weight), and ``router_logits`` (the decode kernel up to
+    ROUTER_LOGITS_MAX_TOKENS, then the GEMM kernel; an fp32 weight takes cuBLAS fp32 below
+    ROUTER_LOGITS_GEMM_MIN_LOGITS), for x contiguous and as a column slice of a wider tensor."""
     D, E, _ = SHAPES[shape]
     g = _gen(T + E)
     wide = (torch.randn(T, D + 128, generator=g, device="cuda") * 2).to(torch.bfloat16)
-    w = torch.randn(E, D, generator=g, device="cuda") * D ** -0.5
+    w = (torch.randn(E, D, generator=g, device="cuda") * D ** -0.5).to(wdtype)
     for x in (wide[:, :D].contiguous(), wide[:, 64:64 + D]):
         for fn in (router_logits_triton, router_logits_gemm_triton, router_logits):
             poison_allocator()
@@ -85,13 +87,14 @@ def test_align_skewed_ids_on_cuda(R, BM):
 
 
 def test_router_logits_and_align_replay_in_a_cuda_graph():
-    """Captured once, replayed on new inputs copied into the captured buffers: both stay exact."""
+    """Captured once, replayed on new inputs copied into the captured buffers: both stay exact (the
+    checkpoint's bf16 gate weight: 128 tokens take the tensor-core GEMM kernel)."""
     D, E, k = SHAPES["k3_release"]
     T = 128
     g = _gen(3)
     x = torch.empty(T, D, device="cuda", dtype=torch.bfloat16)
     ids = torch.empty(T, k, device="cuda", dtype=torch.int64)
-    w = torch.randn(E, D, generator=g, device="cuda") * D ** -0.5
+    w = (torch.randn(E, D, generator=g, device="cuda") * D ** -0.5).to(torch.bfloat16)
     BM = moe_kernels._tiles(T * k / E)["BM"]
     x.copy_(torch.randn(T, D, generator=g, device="cuda"))
     ids.copy_(_ids(T, E, k, g))

@@ -37,6 +37,7 @@ def compile_for_hopper(kernel, pointer_types: dict[str, str], constexprs: dict, 
     from triton.backends.compiler import GPUTarget
     from triton.compiler import ASTSource
     params = list(inspect.signature(kernel.fn).parameters)
+    constexprs = {"PDL": False, **constexprs} if "PDL" in params else constexprs   # launched without PDL unless asked
     unknown = set(constexprs) - set(params)
     assert not unknown, f"not parameters of {kernel.fn.__name__}: {unknown}"
     sig = {p: "constexpr" if p in constexprs else pointer_types.get(p, "i32") for p in params}
@@ -44,7 +45,10 @@ def compile_for_hopper(kernel, pointer_types: dict[str, str], constexprs: dict, 
              if divisible is not None and p not in constexprs and (sig[p].startswith("*") or p in divisible)}
     src = ASTSource(fn=kernel, signature=sig, constexprs={(params.index(k),): v for k, v in constexprs.items()},
                     attrs=attrs)
-    return triton.compile(src, target=GPUTarget("cuda", 90, 32), options={"num_warps": num_warps, "num_stages": num_stages})
+    options = {"num_warps": num_warps, "num_stages": num_stages}
+    if constexprs.get("PDL"):
+        options["launch_pdl"] = True
+    return triton.compile(src, target=GPUTarget("cuda", 90, 32), options=options)
 
 
 @pytest.mark.parametrize("variants", ["[(True, True, 'bf16'), (True, False, 'bf16')]",
@@ -198,12 +202,62 @@ def compile_attn_res():
                            dict(N_SRC=5, BD=8192, NORM=norm), num_warps=8, num_stages=1)
 
 
-def test_router_logits_gemm_kernel_compiles_to_tf32_wgmma():
+def test_router_logits_gemm_kernel_compiles_to_wgmma():
     in_compiler_process("t.compile_router_gemm()")
 
 
 def compile_router_gemm():
+    """fp32 weight: TF32 wgmma (x3); the checkpoint's bf16 weight: bf16 wgmma with fp32 accumulation,
+    at the prefill tiles and the mid-size ones (a 64-token tile still a wgmma)."""
     from kimik3.ops.triton import router
+    sizes = {"D", "E", "stride_xt", "stride_we"}
     k = compile_for_hopper(router._logits_gemm_kernel, {"x_ptr": "*bf16", "w_ptr": "*fp32", "out_ptr": "*fp32"},
-                           dict(BM=128, BN=64, BK=32), divisible={"D", "E", "stride_xt", "stride_we"})
+                           dict(BM=128, BN=64, BK=32, WIDE_W=True, UPCAST=False), divisible=sizes)
     assert "wgmma.mma_async.sync.aligned.m64n64k8.f32.tf32.tf32" in k.asm["ptx"]
+    for BM, BN, BK in ((128, 64, 32), (64, 32, 64)):
+        k = compile_for_hopper(router._logits_gemm_kernel, {"x_ptr": "*bf16", "w_ptr": "*bf16", "out_ptr": "*fp32"},
+                               dict(BM=BM, BN=BN, BK=BK, WIDE_W=False, UPCAST=False), divisible=sizes)
+        assert f"wgmma.mma_async.sync.aligned.m64n{BN}k16.f32.bf16.bf16" in k.asm["ptx"], (BM, BN, BK)
+
+
+def test_every_kernel_waits_first_under_pdl():
+    in_compiler_process("t.compile_with_pdl()")
+
+
+def compile_with_pdl():
+    """Every kernel of ours takes ``PDL``; compiled with it the PTX waits on the previous grid
+    (griddepcontrol.wait) before its first global load and then lets the next one launch; without it,
+    neither instruction is there."""
+    import re
+
+    from kimik3.ops.triton import moe, norm, router
+    kernels = [k for mod in _kernel_modules() for k in vars(mod).values()
+               if isinstance(k, triton.runtime.JITFunction) and "PDL" in inspect.signature(k.fn).parameters]
+    assert len(kernels) >= 20, [k.fn.__name__ for k in kernels]
+    for mod in _kernel_modules():          # every launch of a kernel passes pdl(...)
+        src = inspect.getsource(mod)
+        launched = re.findall(r"(_\w+_kernel)\[", src)
+        assert all("PDL" in inspect.signature(getattr(mod, name).fn).parameters for name in launched), mod.__name__
+        assert len(launched) == src.count("**pdl("), mod.__name__
+    cases = [(norm._rms_norm_kernel, {"x": "*bf16", "w": "*bf16", "g": "*bf16", "r": "*bf16", "s": "*bf16", "y": "*bf16",
+                                      "eps": "fp32"}, dict(FORM=0, HAS_RES=True, BR=1, BD=4096)),
+             (router._route_kernel, {"logits_ptr": "*fp32", "bias_ptr": "*fp32", "weights_ptr": "*fp32", "ids_ptr": "*i64",
+                                     "scaling": "fp32", "eps": "fp32"},
+              dict(HAS_BIAS=True, SIGMOID=True, RENORM=True, TOP_K=8, BLOCK_K=8, GROUPS=1, TOPK_GROUP=1, BLOCK_G=1,
+                   BLOCK_E=256)),
+             (moe._combine_kernel, {"y": "*bf16", "weights": "*fp32", "pos": "*i64", "out": "*bf16"},
+              dict(TOP_K=8, BL=1024, HAS_POS=False))]
+    for kernel, types, constexprs in cases:
+        for on in (False, True):
+            ptx = compile_for_hopper(kernel, types, dict(constexprs, PDL=on)).asm["ptx"]
+            body = ptx[ptx.index(".entry"):]
+            if on:
+                wait, launch = body.index("griddepcontrol.wait"), body.index("griddepcontrol.launch_dependents")
+                assert wait < launch < body.index("ld.global"), kernel.fn.__name__
+            else:
+                assert "griddepcontrol" not in body, kernel.fn.__name__
+
+
+def _kernel_modules():
+    from kimik3.ops.triton import activation, attn_res, conv, kda, l2norm, mla_decode, mla_prefill, moe, norm, rope, router
+    return [activation, attn_res, conv, kda, l2norm, mla_decode, mla_prefill, moe, norm, rope, router]

@@ -54,38 +54,59 @@ def _logits_bound(x, w):
     return 2 ** -20 * (x.double().abs() @ w.double().abs().t())
 
 
+@pytest.mark.parametrize("wdtype", [torch.float32, torch.bfloat16], ids=["fp32_weight", "bf16_weight"])
 @pytest.mark.parametrize("T,E,D", [(1, 64, 2304), (1, 256, 2304), (5, 64, 512), (5, 896, 512), (37, 64, 2304),
                                    (37, 256, 512)])
-def test_router_logits_kernel_matches_float64(T, E, D):
-    """fp32 logits of bf16 x and the fp32 gate weight against the float64 math, x a column slice of
-    a wider tensor (row stride > D; contiguous x in the test below), at each tile choice of
-    ``logits_config``: one token x one or two experts, 8 tokens x one, two or four experts."""
+def test_router_logits_kernel_matches_float64(T, E, D, wdtype):
+    """fp32 logits of bf16 x and the gate weight (fp32, or bf16 as the checkpoint stores it) against
+    the float64 math, x a column slice of a wider tensor (row stride > D; contiguous x in the test
+    below), at each tile choice of ``logits_config``: one token x one or two experts, 8 tokens x one,
+    two or four experts."""
     from kimik3.ops.triton.router import logits_config, router_logits_triton
     g = torch.Generator().manual_seed(T * E + D)
     x = (torch.randn(T, D + 96, generator=g) * 2).to(torch.bfloat16)[:, 64:64 + D]
-    w = torch.randn(E, D, generator=g) * D ** -0.5
+    w = (torch.randn(E, D, generator=g) * D ** -0.5).to(wdtype)
     out = router_logits_triton(x, w)
     assert out.shape == (T, E) and out.dtype == torch.float32
     assert ((out.double() - x.double() @ w.double().t()).abs() <= _logits_bound(x, w)).all(), logits_config(T, E)
 
 
-@pytest.mark.parametrize("T,E,D,tiles", [(150, 256, 2304, (32, 32, 32, 4)), (7, 64, 520, (16, 64, 64, 4))],
-                         ids=["kimi_linear_prefill", "ragged"])
-def test_router_logits_gemm_kernel_matches_float64(T, E, D, tiles):
-    """The prefill kernel (TF32 x3 on a GPU; fp32 products in the interpreter) against the float64 math,
-    within the bound of fp32 products: tokens, experts and the width past the last full tile."""
+@pytest.mark.parametrize("T,E,D,tiles,dtypes", [
+    (150, 256, 2304, (32, 32, 32, 4), (torch.bfloat16, torch.float32)),
+    (7, 64, 520, (16, 64, 64, 4), (torch.bfloat16, torch.float32)),
+    (150, 256, 2304, None, (torch.bfloat16, torch.bfloat16)),
+    (70, 96, 520, None, (torch.float16, torch.float16)),
+    (300, 40, 136, None, (torch.bfloat16, torch.bfloat16)),
+], ids=["kimi_linear_prefill", "ragged", "kimi_linear_prefill_bf16_weight", "fp16_ragged", "bf16_long"])
+def test_router_logits_gemm_kernel_matches_float64(T, E, D, tiles, dtypes):
+    """The tensor-core kernel (TF32 x3 for an fp32 weight, exact 16-bit products for a weight of x's
+    dtype, on a GPU; fp32 products in the interpreter) against the float64 math, within the bound of
+    fp32 products: tokens, experts and the width past the last full tile, the default tiles of each
+    size class (``gemm_tiles``) and given ones."""
     from kimik3.ops.triton.router import router_logits_gemm_triton
     g = torch.Generator().manual_seed(T + D)
-    x = (torch.randn(T, D, generator=g) * 2).to(torch.bfloat16)
-    w = torch.randn(E, D, generator=g) * D ** -0.5
+    xdtype, wdtype = dtypes
+    x = (torch.randn(T, D, generator=g) * 2).to(xdtype)
+    w = (torch.randn(E, D, generator=g) * D ** -0.5).to(wdtype)
     out = router_logits_gemm_triton(x, w, tiles)
     assert out.shape == (T, E) and out.dtype == torch.float32
     assert ((out.double() - x.double() @ w.double().t()).abs() <= _logits_bound(x, w)).all()
-    with pytest.raises(ValueError, match="fp32 weight"):
-        router_logits_gemm_triton(x, w.to(torch.bfloat16))
+
+
+def test_router_logits_kernels_refuse_mixed_16_bit_operands():
+    from kimik3.ops.triton.router import router_logits_gemm_triton, router_logits_triton
+    x = torch.randn(3, 64).to(torch.bfloat16)
+    for fn in (router_logits_triton, router_logits_gemm_triton):
+        with pytest.raises(ValueError, match="an fp32 weight or one of x's dtype, got torch.bfloat16 and torch.float16"):
+            fn(x, torch.randn(8, 64).to(torch.float16))
+        with pytest.raises(ValueError, match="takes bf16/fp16 x"):
+            fn(x.float(), torch.randn(8, 64))
 
 
 def test_router_logits_takes_the_gemm_kernel_for_long_steps(monkeypatch):
+    """Past the decode kernel's token limit: a weight of x's dtype always takes the GEMM kernel; an
+    fp32 one from ROUTER_LOGITS_GEMM_MIN_LOGITS logits (the cast + fp32 GEMM before); no unit feature
+    stride keeps the torch math."""
     from kimik3.ops import router
     from kimik3.ops.triton import router as kernel
     calls = []
@@ -93,22 +114,28 @@ def test_router_logits_takes_the_gemm_kernel_for_long_steps(monkeypatch):
     monkeypatch.setattr(router, "use_fast_path", lambda t: True)
     monkeypatch.setattr(router, "ROUTER_LOGITS_MAX_TOKENS", 2)
     monkeypatch.setattr(router, "ROUTER_LOGITS_GEMM_MIN_LOGITS", 9 * 16)       # 16 experts: from 9 tokens
-    monkeypatch.setattr(kernel, "router_logits_gemm_triton", lambda x, w: calls.append(x.shape[0]) or real(x, w))
+    monkeypatch.setattr(kernel, "router_logits_gemm_triton",
+                        lambda x, w: calls.append((x.shape[0], w.dtype)) or real(x, w))
     w = torch.randn(16, 96) * 96 ** -0.5
-    for T in (8, 9, 40):
-        x = torch.randn(T, 96).to(torch.bfloat16)
-        out = router.router_logits(x, w)
-        assert ((out.double() - x.double() @ w.double().t()).abs() <= _logits_bound(x, w.double())).all()
+    for wdtype in (torch.float32, torch.bfloat16):
+        for T in (8, 9, 40):
+            x = torch.randn(T, 96).to(torch.bfloat16)
+            out = router.router_logits(x, w.to(wdtype))
+            assert ((out.double() - x.double() @ w.to(wdtype).double().t()).abs()
+                    <= _logits_bound(x, w.to(wdtype).double())).all()
     x = torch.randn(12, 192).to(torch.bfloat16)[:, ::2]                # no unit feature stride: torch math
     assert router.router_logits(x, w).shape == (12, 16)
-    assert calls == [9, 40]
+    assert router.router_logits(x, w.to(torch.bfloat16)).shape == (12, 16)
+    bf16 = torch.bfloat16
+    assert calls == [(9, torch.float32), (40, torch.float32), (8, bf16), (9, bf16), (40, bf16)]
 
 
 def test_router_logits_takes_the_kernel_on_the_fast_path(monkeypatch):
-    """``router_logits`` (what ``Router.logits`` calls) sends bf16/fp16 x with an fp32 weight to the
-    kernel up to ROUTER_LOGITS_MAX_TOKENS tokens (ROUTER_LOGITS_MAX_TOKENS_LARGE for weights over
-    2**20 elements; checked by pretending the fast path is on); more tokens, fp32 x or a bf16
-    weight keep the torch math; an unfit weight is refused."""
+    """``router_logits`` (what ``Router.logits`` calls) sends bf16/fp16 x with an fp32 weight or one of
+    x's dtype (the checkpoint's bf16) to the kernel up to ROUTER_LOGITS_MAX_TOKENS tokens
+    (ROUTER_LOGITS_MAX_TOKENS_LARGE for weights over 2**20 elements; checked by pretending the fast
+    path is on); more tokens (an fp32 weight below the GEMM's threshold), fp32 x, or a 16-bit weight
+    of the other dtype keep the torch math; an unfit weight is refused."""
     from kimik3.ops import router
     from kimik3.ops.triton import router as kernel
     calls = []
@@ -116,16 +143,18 @@ def test_router_logits_takes_the_kernel_on_the_fast_path(monkeypatch):
     monkeypatch.setattr(router, "use_fast_path", lambda t: True)
     monkeypatch.setattr(router, "ROUTER_LOGITS_MAX_TOKENS", 8)
     monkeypatch.setattr(router, "ROUTER_LOGITS_MAX_TOKENS_LARGE", 2)
-    monkeypatch.setattr(kernel, "router_logits_triton", lambda x, w: calls.append(x.shape) or real(x, w))
+    monkeypatch.setattr(kernel, "router_logits_triton", lambda x, w: calls.append((x.shape, w.dtype)) or real(x, w))
     small, large = torch.randn(16, 64), torch.randn(2, (1 << 19) + 64) * 2 ** -9      # 2**20 + 128 elements
-    for T, dtype, w in ((3, torch.bfloat16, small), (8, torch.float16, small), (9, torch.bfloat16, small),
-                        (3, torch.float32, small), (3, torch.bfloat16, small.to(torch.bfloat16)),
-                        (2, torch.bfloat16, large), (3, torch.bfloat16, large)):
+    bf16, fp16, fp32 = torch.bfloat16, torch.float16, torch.float32
+    for T, dtype, w in ((3, bf16, small), (8, fp16, small), (9, bf16, small), (3, fp32, small),
+                        (3, bf16, small.to(bf16)), (8, fp16, small.to(fp16)), (3, bf16, small.to(fp16)),
+                        (2, bf16, large), (3, bf16, large), (2, bf16, large.to(bf16))):
         x = torch.randn(T, w.shape[1]).to(dtype)
         out = router.router_logits(x, w)
         assert out.dtype == torch.float32
         assert ((out.double() - x.double() @ w.double().t()).abs() <= _logits_bound(x, w.double())).all()
-    assert calls == [(3, 64), (8, 64), (2, (1 << 19) + 64)]
+    assert calls == [((3, 64), fp32), ((8, 64), fp32), ((3, 64), bf16), ((8, 64), fp16),
+                     ((2, (1 << 19) + 64), fp32), ((2, (1 << 19) + 64), bf16)]
     with pytest.raises(ValueError, match=r"x has width 64 but the router weight is \(16, 32\)"):
         real(torch.randn(2, 64).to(torch.bfloat16), torch.randn(16, 32))
 

@@ -9,12 +9,13 @@ import torch
 import triton
 import triton.language as tl
 
-from kimik3.ops.triton.common import glu
+from kimik3.ops.triton.common import glu, pdl, pdl_entry
 
 
 @triton.jit(do_not_specialize=["R", "sg", "su"])
 def _glu_kernel(g_ptr, u_ptr, y_ptr, R, I, sg, su, beta, linear_beta, SITU: tl.constexpr, CLIP_UP: tl.constexpr,
-                BR: tl.constexpr, BI: tl.constexpr):
+                BR: tl.constexpr, BI: tl.constexpr, PDL: tl.constexpr):
+    pdl_entry(PDL)
     rows = tl.program_id(0).to(tl.int64) * BR + tl.arange(0, BR)
     cols = tl.program_id(1) * BI + tl.arange(0, BI)
     mask = (rows[:, None] < R) & (cols[None, :] < I)
@@ -39,5 +40,5 @@ def glu_triton(gate: torch.Tensor, up: torch.Tensor, situ: bool, beta: float = 1
     if R:
         _glu_kernel[(triton.cdiv(R, BR), triton.cdiv(I, BI))](
             g, u, y, R, I, g.stride(0), u.stride(0), float(beta), float(linear_beta or 1.0),
-            SITU=situ, CLIP_UP=situ and linear_beta is not None, BR=BR, BI=BI, num_warps=4)
+            SITU=situ, CLIP_UP=situ and linear_beta is not None, BR=BR, BI=BI, num_warps=4, **pdl(g))
     return y.view(gate.shape)

@@ -13,6 +13,8 @@ import torch
 import triton
 import triton.language as tl
 
+from kimik3.ops.triton.common import pdl, pdl_entry
+
 MAX_SOURCES = 12
 
 
@@ -21,7 +23,8 @@ NO_NORM, KIMI_NORM, FP32_WEIGHT_NORM = 0, 1, 2
 
 @triton.jit(do_not_specialize=["o1", "o2", "o3", "o4", "o5", "o6", "o7", "o8", "o9", "o10", "o11"])
 def _attn_res_kernel(src, o1, o2, o3, o4, o5, o6, o7, o8, o9, o10, o11, w, cw, out, D, stride_row, eps, norm_eps,
-                     N_SRC: tl.constexpr, BD: tl.constexpr, NORM: tl.constexpr):
+                     N_SRC: tl.constexpr, BD: tl.constexpr, NORM: tl.constexpr, PDL: tl.constexpr):
+    pdl_entry(PDL)
     t = tl.program_id(0).to(tl.int64)
     d = tl.arange(0, BD)
     md = d < D
@@ -101,5 +104,5 @@ def attn_res_mix_triton(sources: list[torch.Tensor], w: torch.Tensor, eps: float
     BD = triton.next_power_of_2(D)
     cw = w if consumer_weight is None else consumer_weight.contiguous()
     _attn_res_kernel[(T,)](first, *offsets, w.contiguous(), cw, out, D, first.stride(0), float(eps), float(norm_eps),
-                           N_SRC=len(sources), BD=BD, NORM=norm, num_warps=8 if BD >= 4096 else 4)
+                           N_SRC=len(sources), BD=BD, NORM=norm, num_warps=8 if BD >= 4096 else 4, **pdl(first))
     return out

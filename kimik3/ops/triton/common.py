@@ -2,14 +2,48 @@
 
 from __future__ import annotations
 
+import functools
 import os
 
+import torch
 import triton
 import triton.language as tl
 
 # Triton's CPU interpreter (TRITON_INTERPRET=1, used by the CPU tests) multiplies bf16 dot
 # operands as raw bits; there the kernels upcast dot operands to fp32 first.
 INTERPRETING = os.environ.get("TRITON_INTERPRET", "0") == "1"
+
+# Programmatic dependent launch (Hopper and later; CUDA's PDL): every kernel of ours starts with
+# ``pdl_entry`` and is launched with ``**pdl(tensor)``. Such a kernel may be launched while the kernel
+# before it in the stream still runs; its first instruction waits until that kernel has completed and
+# its memory is visible (griddepcontrol.wait), then lets the kernel after it launch in turn. Each of
+# our kernels waits before it touches memory, so a kernel can never run ahead of its predecessor's
+# results, and the stream's order holds transitively. What it buys is the launch latency between
+# dependent kernels (a CUDA graph of a decode step is a chain of ~100 small kernels).
+# KIMIK3_PDL=0 launches them the ordinary way (for comparison and debugging).
+PDL_ENABLED = os.environ.get("KIMIK3_PDL", "1") != "0"
+
+
+@functools.cache
+def _pdl_capable(index: int) -> bool:
+    return torch.cuda.get_device_capability(index)[0] >= 9
+
+
+def pdl(t: torch.Tensor) -> dict:
+    """Launch options of a kernel taking ``PDL`` for an operand ``t``: PDL on a CUDA device of compute
+    capability 9.0 or later (never in the interpreter)."""
+    on = PDL_ENABLED and not INTERPRETING and t.is_cuda and _pdl_capable(t.device.index if t.device.index is not None
+                                                                         else torch.cuda.current_device())
+    return {"PDL": True, "launch_pdl": True} if on else {"PDL": False}
+
+
+@triton.jit
+def pdl_entry(PDL: tl.constexpr):
+    """A kernel's first statement: under PDL wait for the previous kernel in the stream to complete
+    (its writes visible), then allow the next one to launch. Nothing otherwise."""
+    if PDL:
+        tl.extra.cuda.gdc_wait()
+        tl.extra.cuda.gdc_launch_dependents()
 
 
 @triton.jit

@@ -11,6 +11,8 @@ import torch
 import triton
 import triton.language as tl
 
+from kimik3.ops.triton.common import pdl, pdl_entry
+
 
 @triton.jit
 def _history(x, pool, tau, start, slot, has, c, mc, stride_x, stride_pool_slot, stride_pool_c, W: tl.constexpr):
@@ -27,11 +29,12 @@ def _history(x, pool, tau, start, slot, has, c, mc, stride_x, stride_pool_slot, 
 @triton.jit
 def _conv_fwd_kernel(x, weight, pool, slots, has_state, cu_seqlens, tok_seq, y,
                      T, C, G, stride_x, stride_pool_slot, stride_pool_c,
-                     W: tl.constexpr, BT: tl.constexpr, BC: tl.constexpr):
+                     W: tl.constexpr, BT: tl.constexpr, BC: tl.constexpr, PDL: tl.constexpr):
     """A run of BT tokens x BC channels, token by token: each input row is loaded once (one coalesced
     vector, the next one already in flight) and the W-1 previous inputs ride along in registers, so a
     token costs one load, W FMAs, the SiLU and one store per channel. At a sequence's first token the
     registers are refilled from its pool window (zeros when fresh). W <= 4: taps past the kernel size are left out."""
+    pdl_entry(PDL)
     pid_t, pid_c = tl.program_id(0), tl.program_id(1)
     c = pid_c * BC + tl.arange(0, BC)
     mc = c < C
@@ -87,8 +90,9 @@ def _conv_fwd_kernel(x, weight, pool, slots, has_state, cu_seqlens, tok_seq, y,
 
 @triton.jit
 def _conv_state_kernel(x, pool, slots, has_state, cu_seqlens, C, stride_x, stride_pool_slot, stride_pool_c,
-                       W: tl.constexpr, WP: tl.constexpr, BC: tl.constexpr):
+                       W: tl.constexpr, WP: tl.constexpr, BC: tl.constexpr, PDL: tl.constexpr):
     """pool[slot] <- last W-1 entries of [old window | this sequence's raw inputs]."""
+    pdl_entry(PDL)
     n, pid_c = tl.program_id(0), tl.program_id(1)
     c = pid_c * BC + tl.arange(0, BC)
     mc = c < C
@@ -111,9 +115,10 @@ def _conv_state_kernel(x, pool, slots, has_state, cu_seqlens, C, stride_x, strid
 
 @triton.jit
 def _conv_decode_kernel(x, weight, pool, slots, y, N, C, G, stride_x, stride_pool_slot, stride_pool_c,
-                        W: tl.constexpr, WP: tl.constexpr, BC: tl.constexpr):
+                        W: tl.constexpr, WP: tl.constexpr, BC: tl.constexpr, PDL: tl.constexpr):
     """One token per sequence, every one with history: y = silu(window . w[:, :W-1] + x w[:, W-1])
     and the window shifted by one (x appended), its row read once and written once."""
+    pdl_entry(PDL)
     n, pid_c = tl.program_id(0).to(tl.int64), tl.program_id(1)
     c = pid_c * BC + tl.arange(0, BC)
     cols = tl.arange(0, WP)
@@ -164,7 +169,7 @@ def causal_conv1d_pool_triton(x: torch.Tensor, weight: torch.Tensor, pool: torch
             BC = 256
             _conv_decode_kernel[(N, triton.cdiv(C, BC))](
                 x, weight, pool, slots, y, N, C, C // groups, x.stride(0), pool.stride(0), pool.stride(1),
-                W=W, WP=triton.next_power_of_2(max(W - 1, 1)), BC=BC)
+                W=W, WP=triton.next_power_of_2(max(W - 1, 1)), BC=BC, **pdl(x))
         return y
     if has_state is None:
         has_state = torch.ones(N, dtype=torch.bool, device=x.device)
@@ -174,8 +179,8 @@ def causal_conv1d_pool_triton(x: torch.Tensor, weight: torch.Tensor, pool: torch
     BT, BC, warps = tile or PREFILL_TILE
     _conv_fwd_kernel[(triton.cdiv(T, BT), triton.cdiv(C, BC))](
         x, weight, pool, slots, has, cu_seqlens, tok_seq, y, T, C, C // groups, x.stride(0), pool.stride(0), pool.stride(1),
-        W=W, BT=BT, BC=BC, num_warps=warps)
+        W=W, BT=BT, BC=BC, num_warps=warps, **pdl(x))
     _conv_state_kernel[(N, triton.cdiv(C, 256))](
         x, pool, slots, has, cu_seqlens, C, x.stride(0), pool.stride(0), pool.stride(1), W=W,
-        WP=triton.next_power_of_2(max(W - 1, 1)), BC=256)
+        WP=triton.next_power_of_2(max(W - 1, 1)), BC=256, **pdl(x))
     return y

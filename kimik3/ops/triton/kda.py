@@ -16,12 +16,15 @@ import torch
 import triton
 import triton.language as tl
 
+from kimik3.ops.triton.common import pdl, pdl_entry
+
 
 @triton.jit
 def _kda_decode_kernel(q, k, v, f, b, A_log, dt_bias, pool, slots, o, lower_bound, scale,
                        stride_q, stride_k, stride_v, stride_f, stride_b, stride_o, stride_slot,
                        H: tl.constexpr, K: tl.constexpr, V: tl.constexpr, BV: tl.constexpr,
-                       BOUNDED: tl.constexpr):
+                       BOUNDED: tl.constexpr, PDL: tl.constexpr):
+    pdl_entry(PDL)
     n, h, iv = tl.program_id(0).to(tl.int64), tl.program_id(1), tl.program_id(2)
     ck = tl.arange(0, K)
     cv = iv * BV + tl.arange(0, BV)
@@ -78,5 +81,5 @@ def kda_decode_triton(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, f: torc
         _kda_decode_kernel[(N, H, V // BV)](
             q, k, v, f, b, A_log, dt_bias, state_pool, slots, o, float(lower_bound or 0.0), K ** -0.5,
             q.stride(0), k.stride(0), v.stride(0), f.stride(0), b.stride(0), o.stride(0), state_pool.stride(0),
-            H=H, K=K, V=V, BV=BV, BOUNDED=lower_bound is not None, num_warps=num_warps)
+            H=H, K=K, V=V, BV=BV, BOUNDED=lower_bound is not None, num_warps=num_warps, **pdl(q))
     return o

@@ -10,9 +10,12 @@ import torch
 import triton
 import triton.language as tl
 
+from kimik3.ops.triton.common import pdl, pdl_entry
+
 
 @triton.jit(do_not_specialize=["R"])
-def _l2norm_kernel(x, y, R, eps, D: tl.constexpr, BR: tl.constexpr):
+def _l2norm_kernel(x, y, R, eps, D: tl.constexpr, BR: tl.constexpr, PDL: tl.constexpr):
+    pdl_entry(PDL)
     rows = tl.program_id(0).to(tl.int64) * BR + tl.arange(0, BR)
     offs = rows[:, None] * D + tl.arange(0, D)[None, :]
     mask = rows[:, None] < R
@@ -30,5 +33,5 @@ def l2norm_triton(x: torch.Tensor, eps: float = 1e-6) -> torch.Tensor:
     y = torch.empty_like(rows)
     BR = max(1, 4096 // D)
     if rows.shape[0]:
-        _l2norm_kernel[(triton.cdiv(rows.shape[0], BR),)](rows, y, rows.shape[0], eps, D=D, BR=BR, num_warps=4)
+        _l2norm_kernel[(triton.cdiv(rows.shape[0], BR),)](rows, y, rows.shape[0], eps, D=D, BR=BR, num_warps=4, **pdl(rows))
     return y.view(x.shape)

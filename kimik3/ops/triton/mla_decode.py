@@ -19,7 +19,7 @@ import torch
 import triton
 import triton.language as tl
 
-from kimik3.ops.triton.common import INTERPRETING, dot
+from kimik3.ops.triton.common import INTERPRETING, dot, pdl, pdl_entry
 
 _LOG2E = 1.4426950408889634
 
@@ -74,12 +74,13 @@ def _mla_decode_split_kernel(q_lat, q_pe, cache, block_tables, seq_lens, part_o,
                              stride_cache_blk, stride_cache_row, stride_bt, sm_scale_log2,
                              BLOCK_SIZE: tl.constexpr, BH: tl.constexpr, BR: tl.constexpr, BP: tl.constexpr,
                              NUM_SPLITS, BN: tl.constexpr, BV: tl.constexpr, PAGED: tl.constexpr,
-                             TRANS: tl.constexpr, UPCAST: tl.constexpr):
+                             TRANS: tl.constexpr, UPCAST: tl.constexpr, PDL: tl.constexpr):
     """Pass 1. PAGED: tiles are whole cache blocks (BN == BLOCK_SIZE), addressed from the block's
     64-bit base plus fixed 32-bit row offsets; else BN token rows, each addressed by 64 bits.
     Program axis 1 is (head block, column block): each program outputs BV of the R latent columns
     (the scores are computed in full by every column block). TRANS: the products transposed.
     The gather form loads each tile's block ids a tile ahead (the fourth sweep: never slower)."""
+    pdl_entry(PDL)
     n, hv, s = tl.program_id(0), tl.program_id(1), tl.program_id(2)
     hb, vb = hv // (BR // BV), hv % (BR // BV)
     h = hb * BH + tl.arange(0, BH)
@@ -136,7 +137,8 @@ def _mla_decode_split_kernel(q_lat, q_pe, cache, block_tables, seq_lens, part_o,
 
 @triton.jit
 def _mla_decode_merge_kernel(part_o, part_lse, out, H, R, stride_on, stride_oh, NUM_SPLITS,
-                             BR: tl.constexpr, BS: tl.constexpr):
+                             BR: tl.constexpr, BS: tl.constexpr, PDL: tl.constexpr):
+    pdl_entry(PDL)
     n, h = tl.program_id(0), tl.program_id(1)
     s = tl.arange(0, BS)
     r = tl.arange(0, BR)
@@ -222,8 +224,8 @@ def mla_decode_triton(q_latent: torch.Tensor, q_pe: torch.Tensor, cache: torch.T
             cache.stride(0), cache.stride(1), block_tables.stride(0), scale * _LOG2E)
     _mla_decode_split_kernel[(N, head_blocks, splits)](
         *args, BLOCK_SIZE=block_size, BH=BH, BR=BR, BP=BP, BN=tile, BV=BV, NUM_SPLITS=splits, PAGED=cfg.form == "paged", TRANS=cfg.trans,
-        UPCAST=INTERPRETING, num_warps=cfg.num_warps, num_stages=cfg.num_stages)
+        UPCAST=INTERPRETING, num_warps=cfg.num_warps, num_stages=cfg.num_stages, **pdl(q_latent))
     out = torch.empty(N, H, R, dtype=q_latent.dtype, device=q_latent.device)
     _mla_decode_merge_kernel[(N, H)](part_o, part_lse, out, H, R, out.stride(0), out.stride(1),
-                                     BR=BR, NUM_SPLITS=splits, BS=triton.next_power_of_2(splits))
+                                     BR=BR, NUM_SPLITS=splits, BS=triton.next_power_of_2(splits), **pdl(part_o))
     return out

@@ -29,7 +29,7 @@ import torch
 import triton
 import triton.language as tl
 
-from kimik3.ops.triton.common import INTERPRETING, dot
+from kimik3.ops.triton.common import INTERPRETING, dot, pdl, pdl_entry
 
 _LOG2E = 1.4426950408889634
 
@@ -96,7 +96,8 @@ def _mla_prefill_kernel(qa_ptr, qb_ptr, ka_ptr, kb_ptr, v_ptr, o_ptr, lse_ptr,
                         stride_o_t, stride_o_h, stride_o_s, stride_lse_t, stride_lse_h, stride_lse_s, sm_scale_log2,
                         DA: tl.constexpr, DB: tl.constexpr, DV: tl.constexpr,
                         BLOCK_M: tl.constexpr, BLOCK_N: tl.constexpr,
-                        V_IS_K: tl.constexpr, UPCAST: tl.constexpr):
+                        V_IS_K: tl.constexpr, UPCAST: tl.constexpr, PDL: tl.constexpr):
+    pdl_entry(PDL)
     mb, n, gs = tl.program_id(0), tl.program_id(1), tl.program_id(2)
     g, split = gs % Hk, gs // Hk
     q_start = tl.load(cu_q + n)
@@ -160,8 +161,9 @@ def _mla_prefill_kernel(qa_ptr, qb_ptr, ka_ptr, kb_ptr, v_ptr, o_ptr, lse_ptr,
 
 
 @triton.jit(do_not_specialize=["num_splits"])
-def _merge_splits_kernel(part_o, part_lse, o_ptr, lse_ptr, num_splits, DV: tl.constexpr, BS: tl.constexpr):
+def _merge_splits_kernel(part_o, part_lse, o_ptr, lse_ptr, num_splits, DV: tl.constexpr, BS: tl.constexpr, PDL: tl.constexpr):
     """Row (token, head): merge its splits' (o, lse) [rows, num_splits, DV] by their log-sum-exps."""
+    pdl_entry(PDL)
     row = tl.program_id(0).to(tl.int64)
     s = tl.arange(0, BS)
     d = tl.arange(0, DV)
@@ -246,11 +248,11 @@ def mla_prefill_triton(qa: torch.Tensor, qb: torch.Tensor, ka: torch.Tensor, kb:
         qa.stride(0), qa.stride(1), qb.stride(0), qb.stride(1), ka.stride(0), ka.stride(1),
         kb.stride(0), kb_h, vv.stride(0), vv.stride(1), *o_strides, scale * _LOG2E,
         DA=DA, DB=DB, DV=DV, BLOCK_M=cfg.block_m, BLOCK_N=cfg.block_n, V_IS_K=v is None, UPCAST=INTERPRETING,
-        num_warps=cfg.num_warps, num_stages=cfg.num_stages)
+        num_warps=cfg.num_warps, num_stages=cfg.num_stages, **pdl(qa))
     if num_splits > 1:
         bs = triton.next_power_of_2(max(num_splits, MAX_SPLITS))   # one compile for the automatic counts
         _merge_splits_kernel[(T * Hq,)](tgt_o, tgt_lse, o, lse, num_splits, DV=DV, BS=bs,
-                                        num_warps=4 if DV >= 256 else 2)
+                                        num_warps=4 if DV >= 256 else 2, **pdl(tgt_o))
     return o, lse
 
 

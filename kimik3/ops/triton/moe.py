@@ -21,7 +21,7 @@ import torch
 import triton
 import triton.language as tl
 
-from kimik3.ops.triton.common import INTERPRETING, dot, glu
+from kimik3.ops.triton.common import INTERPRETING, dot, glu, pdl, pdl_entry
 
 
 # E2M1 -> bf16 on the integer units, four packed bytes (eight elements) per asm instance.
@@ -139,7 +139,8 @@ def _gate_up_kernel(x, w1p, w1s, w3p, w3s, h, sorted_rows, block_expert, num_row
                     stride_x, stride_wp_e, stride_wp_n, stride_ws_e, stride_ws_n, stride_h,
                     beta, linear_beta, TOP_K: tl.constexpr, ACT_SITU: tl.constexpr, CLIP_UP: tl.constexpr,
                     BM: tl.constexpr, BN: tl.constexpr, BKH: tl.constexpr, UPCAST: tl.constexpr,
-                    MXFP4: tl.constexpr, ASM: tl.constexpr, HIGH_SCALES: tl.constexpr):
+                    MXFP4: tl.constexpr, ASM: tl.constexpr, HIGH_SCALES: tl.constexpr, PDL: tl.constexpr):
+    pdl_entry(PDL)
     pid_m, pid_n = tl.program_id(0), tl.program_id(1)
     e = tl.load(block_expert + pid_m).to(tl.int64)
     if e < 0:
@@ -176,7 +177,8 @@ def _gate_up_kernel(x, w1p, w1s, w3p, w3s, h, sorted_rows, block_expert, num_row
 def _down_kernel(h, w2p, w2s, y, sorted_rows, block_expert, num_rows, L, KH,
                  stride_h, stride_wp_e, stride_wp_n, stride_ws_e, stride_ws_n, stride_y,
                  BM: tl.constexpr, BN: tl.constexpr, BKH: tl.constexpr, UPCAST: tl.constexpr,
-                 MXFP4: tl.constexpr, ASM: tl.constexpr, HIGH_SCALES: tl.constexpr):
+                 MXFP4: tl.constexpr, ASM: tl.constexpr, HIGH_SCALES: tl.constexpr, PDL: tl.constexpr):
+    pdl_entry(PDL)
     pid_m, pid_n = tl.program_id(0), tl.program_id(1)
     e = tl.load(block_expert + pid_m).to(tl.int64)
     if e < 0:
@@ -199,9 +201,10 @@ def _down_kernel(h, w2p, w2s, y, sorted_rows, block_expert, num_rows, L, KH,
 
 
 @triton.jit
-def _combine_kernel(y, weights, pos, out, L, TOP_K: tl.constexpr, BL: tl.constexpr, HAS_POS: tl.constexpr):
+def _combine_kernel(y, weights, pos, out, L, TOP_K: tl.constexpr, BL: tl.constexpr, HAS_POS: tl.constexpr, PDL: tl.constexpr):
     """out[t] = sum_j weights[t, j] y[row of (t, j)] in fp32, one rounding; the row is t k + j, or
     pos[t k + j] (the grouped-GEMM path's rows stay in expert order)."""
+    pdl_entry(PDL)
     t, pid = tl.program_id(0).to(tl.int64), tl.program_id(1)
     c = pid * BL + tl.arange(0, BL)
     mc = c < L
@@ -229,7 +232,7 @@ def _sort_by_expert(ids: torch.Tensor, num_experts: int, BM: int):
         BR = triton.next_power_of_2(R)
         _align_kernel[(min(BR, ALIGN_BLOCKS.value),)](
             flat, sorted_rows, block_expert, R, num_experts, cap, BM=BM, BR=BR,
-            BE=triton.next_power_of_2(num_experts), BCAP=triton.next_power_of_2(cap), num_warps=align_warps(R))
+            BE=triton.next_power_of_2(num_experts), BCAP=triton.next_power_of_2(cap), num_warps=align_warps(R), **pdl(flat))
         return sorted_rows, block_expert
     counts = torch.zeros(num_experts, dtype=torch.int64, device=dev).scatter_add_(0, flat, torch.ones_like(flat))
     padded = (counts + BM - 1) // BM * BM
@@ -258,7 +261,7 @@ def align_warps(R: int) -> int:
 
 @triton.jit(do_not_specialize=["R", "cap"])       # they only bound masks: one compile per tile shape
 def _align_kernel(ids, sorted_rows, block_expert, R, E, cap, BM: tl.constexpr, BR: tl.constexpr,
-                  BE: tl.constexpr, BCAP: tl.constexpr):
+                  BE: tl.constexpr, BCAP: tl.constexpr, PDL: tl.constexpr):
     """``_sort_by_expert`` without a sort (BR, BE, BCAP: powers of two >= R, E, cap). The rows are
     split into NB = min(BR, ALIGN_BLOCKS) blocks of BT consecutive rows, one program each (grid
     (NB,)); every output element is written by exactly one program, so programs need no order.
@@ -267,6 +270,7 @@ def _align_kernel(ids, sorted_rows, block_expert, R, E, cap, BM: tl.constexpr, B
     expert before it inside the block. A row goes to its expert's padded start plus its rank; the
     row of rank 0 mod BM names its block's expert; the expert's last row writes the padding after
     it; the tail past the last padded end is split evenly between the programs."""
+    pdl_entry(PDL)
     NB: tl.constexpr = BR if BR < ALIGN_BLOCKS else ALIGN_BLOCKS
     BT: tl.constexpr = BR // NB
     pid = tl.program_id(0)
@@ -354,7 +358,7 @@ def _grouped_mm_experts(x, w1, w2, w3, weights, ids, act_situ, beta, linear_beta
     pos = torch.empty_like(order).scatter_(0, order, torch.arange(order.shape[0], device=x.device))
     out = torch.empty(T, L, dtype=x.dtype, device=x.device)
     BL = min(1024, triton.next_power_of_2(L))
-    _combine_kernel[(T, triton.cdiv(L, BL))](y, weights.contiguous(), pos, out, L, TOP_K=top_k, BL=BL, HAS_POS=True)
+    _combine_kernel[(T, triton.cdiv(L, BL))](y, weights.contiguous(), pos, out, L, TOP_K=top_k, BL=BL, HAS_POS=True, **pdl(y))
     return out
 
 
@@ -395,13 +399,13 @@ def fused_moe_triton(x: torch.Tensor, w1, w2, w3, weights: torch.Tensor, ids: to
         x, w1p, w1s, w3p, w3s, h, sorted_rows, block_expert, R, I, L // 2,
         x.stride(0), w1p.stride(0), w1p.stride(1), w1s.stride(0), w1s.stride(1), h.stride(0),
         float(beta), float(linear_beta or 1.0), TOP_K=top_k, ACT_SITU=act_situ, CLIP_UP=linear_beta is not None,
-        BN=cfg["BN1"], **common)
+        BN=cfg["BN1"], **common, **pdl(x))
     y = torch.empty(R, L, dtype=x.dtype, device=x.device)
     _down_kernel[(nb, triton.cdiv(L, cfg["BN2"]))](
         h, w2p, w2s, y, sorted_rows, block_expert, R, L, I // 2,
         h.stride(0), w2p.stride(0), w2p.stride(1), w2s.stride(0), w2s.stride(1), y.stride(0),
-        BN=cfg["BN2"], **common)
+        BN=cfg["BN2"], **common, **pdl(h))
     out = torch.empty(T, L, dtype=x.dtype, device=x.device)
     BL = min(1024, triton.next_power_of_2(L))
-    _combine_kernel[(T, triton.cdiv(L, BL))](y, weights.contiguous(), y, out, L, TOP_K=top_k, BL=BL, HAS_POS=False)
+    _combine_kernel[(T, triton.cdiv(L, BL))](y, weights.contiguous(), y, out, L, TOP_K=top_k, BL=BL, HAS_POS=False, **pdl(y))
     return out

@@ -18,12 +18,15 @@ import torch
 import triton
 import triton.language as tl
 
+from kimik3.ops.triton.common import pdl, pdl_entry
+
 KIMI, FP32_WEIGHT, GATED = 0, 1, 2
 
 
 @triton.jit(do_not_specialize=["R", "sx", "sg", "sr"])
 def _rms_norm_kernel(x, w, g, r, s, y, R, D, sx, sg, sr, eps, FORM: tl.constexpr, HAS_RES: tl.constexpr,
-                     BR: tl.constexpr, BD: tl.constexpr):
+                     BR: tl.constexpr, BD: tl.constexpr, PDL: tl.constexpr):
+    pdl_entry(PDL)
     rows = tl.program_id(0).to(tl.int64) * BR + tl.arange(0, BR)
     cols = tl.arange(0, BD)
     mask = (rows[:, None] < R) & (cols[None, :] < D)
@@ -79,7 +82,7 @@ def rms_norm_triton(x: torch.Tensor, weight: torch.Tensor, eps: float, form: int
         _rms_norm_kernel[(triton.cdiv(R, BR),)](rows, weight.contiguous(), gates, res, s, y, R, D, rows.stride(0),
                                                gates.stride(0), res.stride(0), float(eps), FORM=form,
                                                HAS_RES=residual is not None, BR=BR, BD=BD,
-                                               num_warps=8 if BD >= 4096 else 4)
+                                               num_warps=8 if BD >= 4096 else 4, **pdl(rows))
     if residual is not None:
         return s.view(x.shape), y.view(x.shape)
     return y.view(x.shape)

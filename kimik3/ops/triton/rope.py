@@ -8,9 +8,12 @@ import torch
 import triton
 import triton.language as tl
 
+from kimik3.ops.triton.common import pdl, pdl_entry
+
 
 @triton.jit(do_not_specialize=["R", "H", "sx_t", "sx_h"])
-def _rotate_pairs_kernel(x, c, s, y, R, H, sx_t, sx_h, HALF: tl.constexpr, BR: tl.constexpr, BH: tl.constexpr):
+def _rotate_pairs_kernel(x, c, s, y, R, H, sx_t, sx_h, HALF: tl.constexpr, BR: tl.constexpr, BH: tl.constexpr, PDL: tl.constexpr):
+    pdl_entry(PDL)
     rows = tl.program_id(0).to(tl.int64) * BR + tl.arange(0, BR)          # (token, head) pairs
     m = tl.arange(0, BH)
     mask = (rows[:, None] < R) & (m[None, :] < HALF)
@@ -41,5 +44,5 @@ def rotate_pairs_triton(x: torch.Tensor, cos: torch.Tensor, sin: torch.Tensor) -
     BR = max(1, 4096 // BH)
     if R:
         _rotate_pairs_kernel[(triton.cdiv(R, BR),)](x, c, s, y, R, H, x.stride(0), x.stride(1), HALF=half, BR=BR,
-                                                   BH=BH, num_warps=4)
+                                                   BH=BH, num_warps=4, **pdl(x))
     return y

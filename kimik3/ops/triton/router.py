@@ -1,10 +1,12 @@
 """The MoE router's kernels (spec text-backbone §3.1-3.4).
 
-Logits: x [T, D] (bf16/fp16, read in its own dtype and upcast in registers) times the fp32 gate
-weight [E, D], fp32 products accumulated in fp32 (no TF32, no tensor cores). A grid of (token
-block, expert block) programs, no atomics; at decode sizes the expert blocks are small, so
-enough programs stream the weight at memory speed. (tl.dot in IEEE fp32, Triton's FMA path, ran
-5-20x slower than this on the H200 at 32-256 tokens.)
+Logits: x [T, D] (bf16/fp16, read in its own dtype and upcast in registers) times the gate weight
+[E, D] (the checkpoint's bf16, or fp32), fp32 products accumulated in fp32 (no TF32, no tensor
+cores). A grid of (token block, expert block) programs, no atomics; at decode sizes the expert
+blocks are small, so enough programs stream the weight at memory speed. (tl.dot in IEEE fp32,
+Triton's FMA path, ran 5-20x slower than this on the H200 at 32-256 tokens.) Longer steps take a
+tensor-core GEMM at fp32 accuracy: with a 16-bit weight of x's dtype a plain bf16/fp16 product
+(each product of two 16-bit values is exact in fp32), with an fp32 weight TF32 x3.
 
 Routing: scores (sigmoid or softmax), bias-corrected grouped top-k, unbiased weights,
 renormalisation and scaling in one kernel, one program per token; the top-k is k rounds of
@@ -17,12 +19,15 @@ import torch
 import triton
 import triton.language as tl
 
+from kimik3.ops.triton.common import INTERPRETING, dot, pdl, pdl_entry
+
 
 @triton.jit
 def _route_kernel(logits_ptr, bias_ptr, weights_ptr, ids_ptr, E, stride_t, per_group, scaling, eps,
                   HAS_BIAS: tl.constexpr, SIGMOID: tl.constexpr, RENORM: tl.constexpr,
                   TOP_K: tl.constexpr, BLOCK_K: tl.constexpr, GROUPS: tl.constexpr,
-                  TOPK_GROUP: tl.constexpr, BLOCK_G: tl.constexpr, BLOCK_E: tl.constexpr):
+                  TOPK_GROUP: tl.constexpr, BLOCK_G: tl.constexpr, BLOCK_E: tl.constexpr, PDL: tl.constexpr):
+    pdl_entry(PDL)
     t = tl.program_id(0)
     offs = tl.arange(0, BLOCK_E)
     valid = offs < E
@@ -86,15 +91,16 @@ def route_triton(logits: torch.Tensor, bias: torch.Tensor | None, top_k: int, ac
             float(scaling_factor), float(renorm_eps),
             HAS_BIAS=bias is not None, SIGMOID=activation == "sigmoid", RENORM=renormalize and top_k > 1,
             TOP_K=top_k, BLOCK_K=triton.next_power_of_2(top_k), GROUPS=groups, TOPK_GROUP=topk_group,
-            BLOCK_G=triton.next_power_of_2(groups), BLOCK_E=triton.next_power_of_2(E))
+            BLOCK_G=triton.next_power_of_2(groups), BLOCK_E=triton.next_power_of_2(E), **pdl(logits))
     return weights, ids
 
 
 @triton.jit
 def _logits_kernel(x_ptr, w_ptr, out_ptr, T, E, D, stride_xt, stride_xd, stride_we, stride_wd,
-                   BT: tl.constexpr, BE: tl.constexpr, BD: tl.constexpr):
+                   BT: tl.constexpr, BE: tl.constexpr, BD: tl.constexpr, PDL: tl.constexpr):
     """out[t, e] = sum_d fp32(x[t, d]) * w[e, d] for this program's BT tokens and BE experts: the
     products accumulate elementwise in a [BT, BE, BD] fp32 tile, summed over BD at the end."""
+    pdl_entry(PDL)
     t = tl.program_id(0) * BT + tl.arange(0, BT)
     e = tl.program_id(1) * BE + tl.arange(0, BE)
     d = tl.arange(0, BD)
@@ -104,7 +110,7 @@ def _logits_kernel(x_ptr, w_ptr, out_ptr, T, E, D, stride_xt, stride_xd, stride_
     for d0 in range(0, D, BD):
         md = (d0 + d < D)[None, :]
         xv = tl.load(xp, mask=(t < T)[:, None] & md, other=0.0).to(tl.float32)
-        wv = tl.load(wp, mask=(e < E)[:, None] & md, other=0.0)
+        wv = tl.load(wp, mask=(e < E)[:, None] & md, other=0.0).to(tl.float32)
         acc += xv[:, None, :] * wv[None, :, :]
         xp += BD * stride_xd
         wp += BD * stride_wd
@@ -125,12 +131,17 @@ def logits_config(T: int, E: int) -> dict:
     return dict(BT=BT, BE=BE, BD=4096 // (BT * BE), warps=4)
 
 
+def _check_operands(name: str, x: torch.Tensor, weight: torch.Tensor) -> None:
+    if x.dtype not in (torch.bfloat16, torch.float16) or weight.dtype not in (torch.float32, x.dtype):
+        raise ValueError(f"{name} takes bf16/fp16 x and an fp32 weight or one of x's dtype, got {x.dtype} and "
+                         f"{weight.dtype}")
+
+
 def router_logits_triton(x: torch.Tensor, weight: torch.Tensor, config: dict | None = None) -> torch.Tensor:
-    """x [T, D] bf16/fp16 (any strides), weight [E, D] fp32 -> logits [T, E] fp32 =
-    fp32(x) @ weight^T with fp32 products and fp32 accumulation (no TF32), deterministic for a
+    """x [T, D] bf16/fp16 (any strides), weight [E, D] fp32 or x's dtype -> logits [T, E] fp32 =
+    fp32(x) @ fp32(weight)^T with fp32 products and fp32 accumulation (no TF32), deterministic for a
     given T. config: override ``logits_config(T, E)`` (benchmarks)."""
-    if x.dtype not in (torch.bfloat16, torch.float16) or weight.dtype != torch.float32:
-        raise ValueError(f"router_logits_triton takes bf16/fp16 x and an fp32 weight, got {x.dtype} and {weight.dtype}")
+    _check_operands("router_logits_triton", x, weight)
     (T, D), E = x.shape, weight.shape[0]
     if weight.shape[1] != D:
         raise ValueError(f"x has width {D} but the router weight is {tuple(weight.shape)}")
@@ -139,16 +150,20 @@ def router_logits_triton(x: torch.Tensor, weight: torch.Tensor, config: dict | N
     if T:
         grid = (triton.cdiv(T, cfg["BT"]), triton.cdiv(E, cfg["BE"]))
         _logits_kernel[grid](x, weight, out, T, E, D, x.stride(0), x.stride(1), weight.stride(0), weight.stride(1),
-                             BT=cfg["BT"], BE=cfg["BE"], BD=cfg["BD"], num_warps=cfg["warps"])
+                             BT=cfg["BT"], BE=cfg["BE"], BD=cfg["BD"], num_warps=cfg["warps"], **pdl(x))
     return out
 
 
 @triton.jit(do_not_specialize=["T"])         # one compile for every step size
 def _logits_gemm_kernel(x_ptr, w_ptr, out_ptr, T, E, D, stride_xt, stride_we,
-                        BM: tl.constexpr, BN: tl.constexpr, BK: tl.constexpr):
-    """out = fp32(x) @ w^T for BM tokens x BN experts on tensor cores at fp32 accuracy: TF32 x3
-    (each operand split into a TF32 part and a TF32 remainder; x's remainder is zero, a bf16/fp16 value
-    being exact in TF32), fp32 accumulation."""
+                        BM: tl.constexpr, BN: tl.constexpr, BK: tl.constexpr, WIDE_W: tl.constexpr,
+                        UPCAST: tl.constexpr, PDL: tl.constexpr):
+    """out = fp32(x) @ fp32(w)^T for BM tokens x BN experts on tensor cores at fp32 accuracy, fp32
+    accumulation. WIDE_W (fp32 weight): TF32 x3 (each operand split into a TF32 part and a TF32
+    remainder; x's remainder is zero, a bf16/fp16 value being exact in TF32). Otherwise w has x's
+    16-bit dtype and the plain 16-bit product is exact: 8 (bf16) or 11 (fp16) significant bits
+    squared fit fp32's 24."""
+    pdl_entry(PDL)
     t = tl.program_id(0) * BM + tl.arange(0, BM)
     e = tl.program_id(1) * BN + tl.arange(0, BN)
     k = tl.arange(0, BK)
@@ -156,28 +171,42 @@ def _logits_gemm_kernel(x_ptr, w_ptr, out_ptr, T, E, D, stride_xt, stride_we,
     for k0 in range(0, D, BK):
         mk = (k0 + k < D)[None, :]
         xv = tl.load(x_ptr + t[:, None].to(tl.int64) * stride_xt + (k0 + k)[None, :], mask=(t < T)[:, None] & mk,
-                     other=0.0).to(tl.float32)
+                     other=0.0)
         wv = tl.load(w_ptr + e[:, None].to(tl.int64) * stride_we + (k0 + k)[None, :], mask=(e < E)[:, None] & mk,
                      other=0.0)
-        acc = tl.dot(xv, tl.trans(wv), acc, input_precision="tf32x3")
+        if WIDE_W:
+            acc = tl.dot(xv.to(tl.float32), tl.trans(wv), acc, input_precision="tf32x3")
+        else:
+            acc = dot(xv, tl.trans(wv), acc, UPCAST)
     tl.store(out_ptr + t[:, None].to(tl.int64) * E + e[None, :], acc, mask=(t < T)[:, None] & (e < E)[None, :])
 
 
-def router_logits_gemm_triton(x: torch.Tensor, weight: torch.Tensor, tiles: tuple[int, int, int, int] = (128, 64, 32, 4)
+def gemm_tiles(T: int, wide_weight: bool) -> tuple[int, int, int, int]:
+    """Tiles of ``router_logits_gemm_triton``: (tokens, experts, K step, warps). The fp32 weight's
+    TF32 x3 kernel keeps its measured 128 x 64 tiles (it runs only from 2**20 logits). The 16-bit
+    weight's kernel also runs the steps between the decode kernel and those, where small token tiles
+    and 32-expert tiles give more programs to stream the weight."""
+    if wide_weight or T > 256:
+        return 128, 64, 32, 4
+    return (32 if T <= 32 else 64), 32, 64, 4
+
+
+def router_logits_gemm_triton(x: torch.Tensor, weight: torch.Tensor, tiles: tuple[int, int, int, int] | None = None
                               ) -> torch.Tensor:
-    """x [T, D] bf16/fp16 (unit feature stride), weight [E, D] fp32 (unit feature stride) -> logits
-    [T, E] fp32 for long steps (prefill): TF32 x3 tensor-core products, error at fp32's level, no
-    upcast copy of x. tiles: (tokens, experts, K step, warps)."""
-    if x.dtype not in (torch.bfloat16, torch.float16) or weight.dtype != torch.float32:
-        raise ValueError(f"router_logits_gemm_triton takes bf16/fp16 x and an fp32 weight, got {x.dtype} and "
-                         f"{weight.dtype}")
+    """x [T, D] bf16/fp16 (unit feature stride), weight [E, D] fp32 or x's dtype (unit feature stride)
+    -> logits [T, E] fp32 for long steps (prefill): tensor-core products at fp32 accuracy (exact 16-bit
+    products, or TF32 x3 for an fp32 weight), fp32 accumulation, no upcast copy of x or the weight.
+    tiles: (tokens, experts, K step, warps); default ``gemm_tiles``."""
+    _check_operands("router_logits_gemm_triton", x, weight)
     (T, D), E = x.shape, weight.shape[0]
     if weight.shape[1] != D or x.stride(1) != 1 or weight.stride(1) != 1:
         raise ValueError(f"router_logits_gemm_triton: x {tuple(x.shape)} and weight {tuple(weight.shape)} need one "
                          f"width and unit feature strides")
-    BM, BN, BK, warps = tiles
+    wide = weight.dtype == torch.float32
+    BM, BN, BK, warps = tiles or gemm_tiles(T, wide)
     out = torch.empty(T, E, dtype=torch.float32, device=x.device)
     if T:
         _logits_gemm_kernel[(triton.cdiv(T, BM), triton.cdiv(E, BN))](
-            x, weight, out, T, E, D, x.stride(0), weight.stride(0), BM=BM, BN=BN, BK=BK, num_warps=warps)
+            x, weight, out, T, E, D, x.stride(0), weight.stride(0), BM=BM, BN=BN, BK=BK, WIDE_W=wide,
+            UPCAST=INTERPRETING, num_warps=warps, **pdl(x))
     return out
