@@ -9,6 +9,8 @@ floor = bytes / measured copy rate.
 
     PYTHONPATH=. python benchmarks/gpu/bench_moe.py        (writes $OUT/bench_moe.json)
     ... --decode-only --no-model: decode sizes (1-128 tokens), the default tiles only
+    ... --prefill-only: 512-8192 tokens (128-2048 rows an expert), the fused kernels' default tiles against
+        the dequantize + torch._grouped_mm path, each against the FLOPs at the measured matmul rate
 """
 
 from __future__ import annotations
@@ -157,6 +159,43 @@ def kernels(bw):
     return rows
 
 
+def prefill_kernels(bw, mm):
+    """MXFP4 experts at prefill sizes: the fused dequantizing kernels (their default tiles) against
+    ``_grouped_mm_mxfp4_experts`` (chunks of experts dequantized to bf16, torch._grouped_mm), both checked
+    against the dense bf16 reference; floor = max(FLOPs / matmul rate, packed bytes / copy rate)."""
+    g = torch.Generator(device="cuda").manual_seed(5)
+    w1, w3, w2 = packed(I, L, g), packed(I, L, g), packed(L, I, g)
+    high = max(int(w[1].max()) for w in (w1, w2, w3)) > 128
+    d = [mxfp4.dequantize(w[0].reshape(-1, w[0].shape[-1]), w[1].reshape(-1, w[1].shape[-1]), torch.bfloat16)
+         .view(E, w[0].shape[1], -1) for w in (w1, w2, w3)]
+    per_expert = sum(t[0].numel() + t[1].numel() for t in (w1, w2, w3)) // E
+    rows = []
+    log("| tokens | rows an expert | fused ms | grouped ms | fused / grouped | floor ms | grouped TFLOP/s |")
+    log("|---|---|---|---|---|---|---|")
+    for T in (512, 1024, 2048, 4096, 8192):
+        x = torch.randn(T, L, generator=g, device="cuda").to(torch.bfloat16)
+        ids = torch.stack([torch.randperm(E, generator=g, device="cuda")[:K] for _ in range(T)])
+        weights = torch.rand(T, K, generator=g, device="cuda")
+        with reference_ops():
+            ref = fused_moe(x, d[0], d[1], d[2], weights, ids, "situ", 4.0, 25.0, True)
+        flops = 2 * T * K * 3 * L * I
+        floor = max(flops / mm, E * per_expert / bw)
+        fused = lambda: fused_moe_triton(x, w1, w2, w3, weights, ids, True, 4.0, 25.0, high_scales=high,  # noqa: E731
+                                         tiles=_tiles(T * K / E))
+        grouped = lambda: moe_kernels._grouped_mm_mxfp4_experts(x, w1, w2, w3, weights, ids, True, 4.0, 25.0, high)  # noqa: E731
+        row = {"T": T, "rows_per_expert": T * K / E, "floor_ms": floor * 1e3, "flops": flops}
+        for name, fn in (("fused", fused), ("grouped", grouped)):
+            row[f"{name}_rel_err"] = rel_err(fn(), ref)
+            row[f"{name}_ms"] = cuda_time(fn, warmup=2, iters=10) * 1e3
+        rows.append(row)
+        log(f"| {T} | {T * K // E} | {row['fused_ms']:.2f} | {row['grouped_ms']:.2f} | "
+            f"{row['fused_ms'] / row['grouped_ms']:.2f}x | {row['floor_ms']:.2f} | {flops / row['grouped_ms'] / 1e9:.0f} |"
+            f" errs {row['fused_rel_err']:.1e} / {row['grouped_rel_err']:.1e}")
+        results["prefill"] = rows
+        save_results("bench_moe.json", results)
+    return rows
+
+
 def side_stream():
     model = build_slice(json.loads(CONFIG.read_text()))
     rows = []
@@ -199,7 +238,11 @@ def main():
     results["date"] = datetime.date.today().isoformat()
     results["commit"] = commit_id()
     t0 = time.time()
-    bw, _ = ceilings()
+    bw, mm = ceilings()
+    if "--prefill-only" in sys.argv:
+        prefill_kernels(bw, mm)
+        save_results("bench_moe.json", results)
+        return
     if "--no-kernels" not in sys.argv:
         kernels(bw)
         dense_kernels(bw)

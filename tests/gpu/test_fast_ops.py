@@ -207,6 +207,18 @@ def check_moe(T=37, E=16, L=512, I=384, k=4, seed=4, shift=0, tell_scale_max=Fal
     return {f"moe.T{T}.shift{shift}.scale_max_{scale_max}": worst_rel_err(out, ref)}   # per token
 
 
+def check_dequantize_mxfp4(shift=0, seed=30) -> dict:
+    """The prefill path's dequantization kernel (the integer bit placement in PTX) against
+    ``mxfp4.dequantize`` bit for bit, into the second half of a poisoned [E, 2N, K] scratch."""
+    from kimik3.ops.triton.moe import dequantize_mxfp4
+    g = _gen(seed)
+    E, N, K = 5, 300, 1088
+    (packed, scale), dense = _packed(E, N, K, g, shift)
+    out = torch.full((E, 2 * N, K), float("nan"), dtype=BF16, device="cuda")
+    dequantize_mxfp4(packed, scale, out[:, N:], high_scales=shift > 0)
+    return {f"dequantize_mxfp4.shift{shift}_exact": float((out[:, N:].float() != dense).sum() + out[:, :N].isfinite().sum())}
+
+
 def check_moe_dense(T=37, E=256, L=2304, I=1024, k=8, dtype=BF16, act="silu", seed=12, w13=False) -> dict:
     """Dense (bf16/fp16) experts on a ragged routing: expert 0 takes every token, expert 1 one
     token, the last experts none, the rest at random. Worst per-token error against the reference
@@ -329,6 +341,10 @@ CHECKS = {
     "moe_high_scales": lambda: check_moe(T=5, shift=20, seed=10),
     "moe_high_scales_told": lambda: check_moe(T=5, shift=20, tell_scale_max=True, seed=11),
     "moe_large": lambda: check_moe(T=700, E=8, L=1024, I=512, k=4), "attn_res": check_attn_res,
+    # past MXFP4_GROUPED_MM_ROWS_PER_EXPERT rows per expert: dequantized chunks through torch._grouped_mm
+    "moe_grouped": lambda: check_moe(T=2100, E=16, L=1024, I=512, k=4, seed=24),
+    "moe_grouped_high_scales": lambda: check_moe(T=2100, E=16, L=512, I=384, k=4, shift=20, seed=25),
+    "dequantize_mxfp4": check_dequantize_mxfp4, "dequantize_mxfp4_high": lambda: check_dequantize_mxfp4(20, 31),
     "attn_res_norm": check_attn_res_norm, "route": check_route,
     "moe_dense_decode": lambda: check_moe_dense(T=1), "moe_dense_b8": lambda: check_moe_dense(T=8),
     "moe_dense_mid": lambda: check_moe_dense(T=37), "moe_dense_prefill": lambda: check_moe_dense(T=1500),

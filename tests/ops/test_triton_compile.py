@@ -72,6 +72,9 @@ def compile_moe(mxfp4, high_scales, dtype):
         ptx = [k.asm["ptx"] for k in kernels]
         if divisible:   # with the run time's alignment the K loops stream their tiles by cp.async
             assert all("cp.async.cg" in p or "cp.async.ca" in p for p in ptx)
+    if mxfp4:
+        compile_for_hopper(moe._dequant_kernel, {"packed": "*u8", "scale": "*u8", "out": "*bf16"},
+                           dict(BN=32, BKH=64, ASM=True, HIGH_SCALES=high_scales))
     compile_for_hopper(moe._align_kernel, {"ids": "*i64", "sorted_rows": "*i64", "block_expert": "*i64"},
                        dict(BM=16, BR=256, BE=128, BCAP=2048))
     for has_pos in (False, True):

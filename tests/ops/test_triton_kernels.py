@@ -260,6 +260,55 @@ def test_sort_by_expert_layout(T, E, k, BM, kernel, monkeypatch):
         assert mine == sorted(mine)
 
 
+@pytest.mark.parametrize("high", [False, True], ids=["scales_to_128", "high_scales"])
+def test_dequantize_mxfp4_kernel_is_exact(high):
+    """The prefill path's dequantization kernel against ``mxfp4.dequantize`` (the format's definition),
+    bit for bit, into a strided output (the second half of a [E, 2N, K] scratch, as gate | up fills it)
+    poisoned first; rows and bytes past whole tiles; scale codes up to 140 with ``high``."""
+    from kimik3.ops.triton.moe import dequantize_mxfp4
+    g = gen(31 + high)
+    E, N, K = 3, 37, 160
+    codes = torch.randint(0, 16, (E * N, K), generator=g, dtype=torch.uint8)
+    top = 140 if high else 128
+    scale = torch.randint(100, top + 1, (E * N, K // 32), generator=g).to(torch.uint8)
+    packed = mxfp4.pack_codes(codes)
+    want = mxfp4.dequantize(packed, scale, torch.float64).view(E, N, K)
+    out = torch.full((E, 2 * N, K), float("nan"), dtype=BF16)
+    dequantize_mxfp4(packed.view(E, N, K // 2), scale.view(E, N, K // 32), out[:, N:], high_scales=high)
+    assert torch.equal(out[:, N:].double(), want)
+    assert out[:, :N].isnan().all()
+
+
+@pytest.mark.parametrize("act", ["silu", "situ"])
+def test_moe_mxfp4_grouped_mm_path_matches_float64(act, monkeypatch):
+    """At MXFP4_GROUPED_MM_ROWS_PER_EXPERT rows per expert and more (prefill), MXFP4 experts are dequantized
+    a chunk of experts at a time and run through torch._grouped_mm (the CPU build runs it): against the
+    float64 math on the dequantized weights, per token, with chunks of 5 experts (so the last is
+    partial) on a ragged routing (expert 0 in every token, expert 1 in one, four experts with none:
+    a chunk with no rows is skipped); the fused tile kernels are not called."""
+    from kimik3.ops.triton import moe as kernels
+    monkeypatch.setattr(kernels, "_gate_up_kernel", None)                # the tiles must not run
+    monkeypatch.setattr(kernels, "MXFP4_GROUPED_MM_ROWS_PER_EXPERT", 4)
+    E, L, I, k = 24, 64, 32, 4
+    monkeypatch.setattr(kernels, "MXFP4_DEQUANT_CHUNK_BYTES", 5 * 2 * I * L * 2)
+    g = gen(41)
+    w13, d13 = _packed_experts(E, 2 * I, L, g)
+    w2, d2 = _packed_experts(E, L, I, g)
+    halves = [(w13[0][:, :I], w13[1][:, :I]), (w13[0][:, I:], w13[1][:, I:])]
+    T = 4 * E // k + 7
+    x = torch.randn(T, L, generator=g).to(BF16)
+    ids = ragged_ids(T, E, k, g)
+    ids[:, -1] = torch.where(ids[:, -1] >= E - 10, ids[:, -1] - 6, ids[:, -1])   # experts 14..19 unused too
+    weights = torch.rand(T, k, generator=g) * 2.4
+    situ = act == "situ"
+    out = kernels.fused_moe_triton(x, halves[0], w2, halves[1], weights, ids, situ, 4.0, 25.0 if situ else None)
+    f64 = situ64 if situ else (lambda a, b: torch.nn.functional.silu(a) * b)
+    ref = moe_float64(x, d13[:, :I], d2, d13[:, I:], weights, ids, f64)
+    assert out.dtype == BF16 and out.shape == (T, L)
+    for t in range(T):
+        assert rel_err(out[t], ref[t]) < 2e-2, t
+
+
 def test_moe_mxfp4_kernel_silu_without_up_clip():
     from kimik3.ops.triton.moe import fused_moe_triton
     # one expert, one-hot tokens: each output sums silu over one column of W1 (W3, W2 all ones)

@@ -124,6 +124,43 @@ def _bf16_bits(bits, BN: tl.constexpr, G: tl.constexpr):
     return tl.reshape(tl.broadcast_to(v[:, :, None], (BN, G, 16)), (BN, 16 * G))
 
 
+@triton.jit(do_not_specialize=["N", "KH"])
+def _dequant_kernel(packed, scale, out, N, KH, stride_p_e, stride_p_n, stride_s_e, stride_s_n, stride_o_e, stride_o_n,
+                    BN: tl.constexpr, BKH: tl.constexpr, ASM: tl.constexpr, HIGH_SCALES: tl.constexpr,
+                    PDL: tl.constexpr):
+    """MXFP4 [E, N, 2 KH] (packed bytes [E, N, KH], scales [E, N, KH / 16]) -> bf16 ``out`` [E, N, 2 KH]:
+    program (e, row block, byte block) expands BN x BKH bytes with ``_dequant_tile`` (exact)."""
+    pdl_entry(PDL)
+    e, pid_n, pid_k = tl.program_id(0).to(tl.int64), tl.program_id(1), tl.program_id(2)
+    n = pid_n * BN + tl.arange(0, BN)
+    mn = n < N
+    kh = pid_k * BKH
+    G: tl.constexpr = BKH // 16
+    sc = _scales(scale + e * stride_s_e + n[:, None].to(tl.int64) * stride_s_n, kh, KH, mn, G)
+    w = _dequant_tile(packed + e * stride_p_e + n[:, None].to(tl.int64) * stride_p_n, sc, kh, KH, mn, BN, BKH, ASM,
+                      HIGH_SCALES)
+    k = 2 * kh + tl.arange(0, 2 * BKH)
+    tl.store(out + e * stride_o_e + n[:, None].to(tl.int64) * stride_o_n + k[None, :], w,
+             mask=mn[:, None] & (k < 2 * KH)[None, :])
+
+
+def dequantize_mxfp4(packed: torch.Tensor, scale: torch.Tensor, out: torch.Tensor, high_scales: bool = True) -> None:
+    """MXFP4 experts (packed uint8 [E, N, K/2], E8M0 scales uint8 [E, N, K/32]; any expert and row strides,
+    unit inner stride) dequantized into ``out`` bf16 [E, N, K] (unit inner stride), exactly."""
+    E, N, KH = packed.shape
+    if out.shape != (E, N, 2 * KH) or out.dtype != torch.bfloat16 or scale.shape != (E, N, KH // 16):
+        raise ValueError(f"dequantize_mxfp4: packed {tuple(packed.shape)}, scale {tuple(scale.shape)} and out "
+                         f"{out.dtype} {tuple(out.shape)} do not match")
+    if packed.stride(2) != 1 or scale.stride(2) != 1 or out.stride(2) != 1:
+        raise ValueError("dequantize_mxfp4 needs unit stride on the inner axis")
+    BN, BKH = 32, 64
+    if E and N and KH:
+        _dequant_kernel[(E, triton.cdiv(N, BN), triton.cdiv(KH, BKH))](
+            packed, scale, out, N, KH, packed.stride(0), packed.stride(1), scale.stride(0), scale.stride(1),
+            out.stride(0), out.stride(1), BN=BN, BKH=BKH, ASM=not INTERPRETING, HIGH_SCALES=high_scales,
+            num_warps=4, **pdl(out))
+
+
 @triton.jit
 def _block(sorted_rows, num_rows, pid_m, pid_n, N, BM: tl.constexpr, BN: tl.constexpr):
     """This program's BM sorted rows (assignment ids; ``valid`` false on padding) and BN output
@@ -362,6 +399,58 @@ def _grouped_mm_experts(x, w1, w2, w3, weights, ids, act_situ, beta, linear_beta
     return out
 
 
+# From this many rows per expert (prefill), MXFP4 experts are dequantized to bf16 a chunk of experts at a
+# time and run as torch._grouped_mm, as dense experts are: where the products dominate, the library's bf16
+# tiles beat our fused dequantizing kernels (K3 slice 8k prefill, results/profile_step_k3_7e8c19d.json:
+# 19.4 ms a layer for gate/up at 2,048 rows an expert, 2.6x its FLOPs at the matmul rate). The
+# dequantization writes and rereads 4 bytes per weight element, repaid by the products of many rows.
+MXFP4_GROUPED_MM_ROWS_PER_EXPERT = 512
+# bf16 scratch of one chunk's gate | up weights (the down weights take half of it again)
+MXFP4_DEQUANT_CHUNK_BYTES = 256 << 20
+
+
+def _grouped_mm_mxfp4_experts(x, w1, w2, w3, weights, ids, act_situ, beta, linear_beta, high_scales) -> torch.Tensor:
+    """MXFP4 experts (packed, scale pairs) through ``torch._grouped_mm``: assignments sorted by expert, then
+    per chunk of experts (at most ``MXFP4_DEQUANT_CHUNK_BYTES`` of bf16 gate | up weights) the chunk's
+    weights dequantized exactly into scratch, gate | up as one grouped GEMM over the chunk's rows, our
+    gating kernel, the down GEMM; then the fp32 combine as in ``_grouped_mm_experts``. The chunks' row
+    ranges come to the host once (one synchronisation a call: eager prefill only, never in a graph)."""
+    from kimik3.ops.triton.activation import glu_triton
+    (w1p, w1s), (w2p, w2s), (w3p, w3s) = w1, w2, w3
+    T, L = x.shape
+    E, I = w1p.shape[0], w1p.shape[1]
+    top_k = ids.shape[1]
+    flat = ids.reshape(-1)
+    order = torch.argsort(flat, stable=True)
+    counts = torch.zeros(E, dtype=torch.int64, device=x.device).scatter_add_(0, flat, torch.ones_like(flat))
+    ends = [0] + counts.cumsum(0).tolist()
+    R = flat.shape[0]
+    y = torch.empty(R, L, dtype=x.dtype, device=x.device)                  # rows in expert order
+    per_chunk = max(1, MXFP4_DEQUANT_CHUNK_BYTES // (2 * I * L * 2))
+    w13 = torch.empty(min(per_chunk, E), 2 * I, L, dtype=torch.bfloat16, device=x.device)
+    wd = torch.empty(min(per_chunk, E), L, I, dtype=torch.bfloat16, device=x.device)
+    for e0 in range(0, E, per_chunk):
+        e1 = min(E, e0 + per_chunk)
+        r0, r1 = ends[e0], ends[e1]
+        if r0 == r1:
+            continue
+        n = e1 - e0
+        dequantize_mxfp4(w1p[e0:e1], w1s[e0:e1], w13[:n, :I], high_scales)
+        dequantize_mxfp4(w3p[e0:e1], w3s[e0:e1], w13[:n, I:], high_scales)
+        dequantize_mxfp4(w2p[e0:e1], w2s[e0:e1], wd[:n], high_scales)
+        offs = (counts[e0:e1].cumsum(0)).to(torch.int32)
+        xs = x[order[r0:r1] // top_k]
+        gate_up = torch._grouped_mm(xs, w13[:n].transpose(1, 2), offs=offs)                  # [r, 2I]
+        h = glu_triton(gate_up[:, :I], gate_up[:, I:], act_situ, beta, linear_beta)
+        y[r0:r1] = torch._grouped_mm(h, wd[:n].transpose(1, 2), offs=offs)                   # [r, L]
+    pos = torch.empty_like(order).scatter_(0, order, torch.arange(R, device=x.device))
+    out = torch.empty(T, L, dtype=x.dtype, device=x.device)
+    BL = min(1024, triton.next_power_of_2(L))
+    _combine_kernel[(T, triton.cdiv(L, BL))](y, weights.contiguous(), pos, out, L, TOP_K=top_k, BL=BL, HAS_POS=True,
+                                             **pdl(y))
+    return out
+
+
 def fused_moe_triton(x: torch.Tensor, w1, w2, w3, weights: torch.Tensor, ids: torch.Tensor, act_situ: bool,
                      beta: float, linear_beta: float | None, high_scales: bool = True,
                      tiles: dict | None = None) -> torch.Tensor:
@@ -371,7 +460,9 @@ def fused_moe_triton(x: torch.Tensor, w1, w2, w3, weights: torch.Tensor, ids: to
     high_scales: some E8M0 scale may exceed 128 (the dequantization takes two multiplies; False is
     only valid when every scale is <= 128). tiles: override the tile choice (benchmarks; with
     "asm": False the fp16-placement dequantization runs on CUDA too, for comparison); without it, dense
-    bf16 experts with ``GROUPED_MM_ROWS_PER_EXPERT`` rows per expert or more run as library grouped GEMMs."""
+    bf16 experts with ``GROUPED_MM_ROWS_PER_EXPERT`` rows per expert or more run as library grouped GEMMs, and
+    MXFP4 ones with ``MXFP4_GROUPED_MM_ROWS_PER_EXPERT`` or more too, dequantized a chunk at a time (outside
+    CUDA-graph capture: the chunks' rows come to the host)."""
     packed = isinstance(w1, tuple)
     (w1p, w1s), (w2p, w2s), (w3p, w3s) = (w if packed else (w, w) for w in (w1, w2, w3))
     T, L = x.shape
@@ -387,6 +478,9 @@ def fused_moe_triton(x: torch.Tensor, w1, w2, w3, weights: torch.Tensor, ids: to
     x = x.contiguous()
     if not packed and tiles is None and x.dtype == torch.bfloat16 and T * top_k >= GROUPED_MM_ROWS_PER_EXPERT * E:
         return _grouped_mm_experts(x, w1p, w2p, w3p, weights, ids, act_situ, beta, linear_beta)
+    if (packed and tiles is None and T * top_k >= MXFP4_GROUPED_MM_ROWS_PER_EXPERT * E
+            and not (x.is_cuda and torch.cuda.is_current_stream_capturing())):
+        return _grouped_mm_mxfp4_experts(x, w1, w2, w3, weights, ids, act_situ, beta, linear_beta, high_scales)
     cfg = tiles or _tiles(T * top_k / E)
     BM = cfg["BM"]
     sorted_rows, block_expert = _sort_by_expert(ids, E, BM)
