@@ -9,6 +9,7 @@ floor = bytes / measured copy rate.
 
     PYTHONPATH=. python benchmarks/gpu/bench_moe.py        (writes $OUT/bench_moe.json)
     ... --decode-only --no-model: decode sizes (1-128 tokens), the default tiles only
+    ... --tokens=32,128: only these decode sizes (with the tile sweep unless --decode-only)
     ... --prefill-only: 512-8192 tokens (128-2048 rows an expert), the fused kernels' default tiles against
         the dequantize + torch._grouped_mm path, each against the FLOPs at the measured matmul rate
 """
@@ -106,7 +107,9 @@ def kernels(bw):
     per_expert = sum(t[0].numel() + t[1].numel() for t in (w1, w2, w3)) // E
     rows = []
     decode_only = "--decode-only" in sys.argv          # the default tiles at 1-128 tokens alone
-    for T in (1, 8, 32, 128) if decode_only else (1, 8, 32, 128, 2048):
+    only = next((a.split("=", 1)[1] for a in sys.argv if a.startswith("--tokens=")), None)   # e.g. --tokens=32,128
+    sizes = (1, 8, 32, 128) if decode_only else (1, 8, 32, 128, 2048)
+    for T in [t for t in sizes if only is None or str(t) in only.split(",")]:
         x = torch.randn(T, L, generator=g, device="cuda").to(torch.bfloat16)
         ids = torch.stack([torch.randperm(E, generator=g, device="cuda")[:K] for _ in range(T)])
         weights = torch.rand(T, K, generator=g, device="cuda")
@@ -124,9 +127,9 @@ def kernels(bw):
         cands = [dict(base, asm=False), dict(base)]
         if T <= 32:
             cands += [dict(BM=16, BN1=a, BN2=b, BKH=c, warps=w, stages=s) for a, b, c, w, s in CONFIGS]
-        elif T == 128:
+        elif T == 128:      # 32 rows an expert on average: BM = 64 dequantizes each expert's tiles once
             cands += [dict(BM=bm, BN1=a, BN2=b, BKH=c, warps=w, stages=s)
-                      for bm in (16, 32) for a, b, c, w, s in CONFIGS[:6]]
+                      for bm in (16, 32, 64) for a, b, c, w, s in CONFIGS[:6]]
         else:
             cands += [dict(BM=128, BN1=64, BN2=128, BKH=64, warps=8, stages=3),
                       dict(BM=64, BN1=128, BN2=128, BKH=64, warps=4, stages=3),

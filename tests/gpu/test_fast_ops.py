@@ -207,6 +207,12 @@ def check_moe(T=37, E=16, L=512, I=384, k=4, seed=4, shift=0, tell_scale_max=Fal
     return {f"moe.T{T}.shift{shift}.scale_max_{scale_max}": worst_rel_err(out, ref)}   # per token
 
 
+def _grouped_tokens(E: int, k: int) -> int:
+    """Tokens that give E experts (top-k) the rows per expert of the MXFP4 grouped-GEMM path, and some."""
+    from kimik3.ops.triton.moe import MXFP4_GROUPED_MM_ROWS_PER_EXPERT
+    return MXFP4_GROUPED_MM_ROWS_PER_EXPERT * E // k + 37
+
+
 def check_dequantize_mxfp4(shift=0, seed=30) -> dict:
     """The prefill path's dequantization kernel (the integer bit placement in PTX) against
     ``mxfp4.dequantize`` bit for bit, into the second half of a poisoned [E, 2N, K] scratch."""
@@ -342,8 +348,8 @@ CHECKS = {
     "moe_high_scales_told": lambda: check_moe(T=5, shift=20, tell_scale_max=True, seed=11),
     "moe_large": lambda: check_moe(T=700, E=8, L=1024, I=512, k=4), "attn_res": check_attn_res,
     # past MXFP4_GROUPED_MM_ROWS_PER_EXPERT rows per expert: dequantized chunks through torch._grouped_mm
-    "moe_grouped": lambda: check_moe(T=2100, E=16, L=1024, I=512, k=4, seed=24),
-    "moe_grouped_high_scales": lambda: check_moe(T=2100, E=16, L=512, I=384, k=4, shift=20, seed=25),
+    "moe_grouped": lambda: check_moe(T=_grouped_tokens(16, 4), E=16, L=1024, I=512, k=4, seed=24),
+    "moe_grouped_high_scales": lambda: check_moe(T=_grouped_tokens(8, 4), E=8, L=512, I=384, k=4, shift=20, seed=25),
     "dequantize_mxfp4": check_dequantize_mxfp4, "dequantize_mxfp4_high": lambda: check_dequantize_mxfp4(20, 31),
     "attn_res_norm": check_attn_res_norm, "route": check_route,
     "moe_dense_decode": lambda: check_moe_dense(T=1), "moe_dense_b8": lambda: check_moe_dense(T=8),

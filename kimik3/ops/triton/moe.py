@@ -401,10 +401,11 @@ def _grouped_mm_experts(x, w1, w2, w3, weights, ids, act_situ, beta, linear_beta
 
 # From this many rows per expert (prefill), MXFP4 experts are dequantized to bf16 a chunk of experts at a
 # time and run as torch._grouped_mm, as dense experts are: where the products dominate, the library's bf16
-# tiles beat our fused dequantizing kernels (K3 slice 8k prefill, results/profile_step_k3_7e8c19d.json:
-# 19.4 ms a layer for gate/up at 2,048 rows an expert, 2.6x its FLOPs at the matmul rate). The
-# dequantization writes and rereads 4 bytes per weight element, repaid by the products of many rows.
-MXFP4_GROUPED_MM_ROWS_PER_EXPERT = 512
+# tiles beat our fused dequantizing kernels, and the dequantization (4 bytes written and reread per weight
+# element) is repaid. H200, K3 slice shapes (64 experts, 3584 -> 3072, top-16; bench_moe.py --prefill-only,
+# results/moe_prefill_65bef5e.json), fused / grouped time: 0.40x at 128 rows an expert, 0.64x at 256,
+# 0.99x at 512, 1.29x at 1024, 1.45x at 2048 (17.3 against 25.1 ms a layer: 502 TFLOP/s).
+MXFP4_GROUPED_MM_ROWS_PER_EXPERT = 1024
 # bf16 scratch of one chunk's gate | up weights (the down weights take half of it again)
 MXFP4_DEQUANT_CHUNK_BYTES = 256 << 20
 
