@@ -123,7 +123,7 @@ def kernels(bw):
         with reference_ops():
             ref = fused_moe(x, d[0], d[1], d[2], weights, ids, "situ", 4.0, 25.0, True)
         del d
-        base = _tiles(T * K / E)
+        base = _tiles(T * K / E, True)
         cands = [dict(base, asm=False), dict(base)]
         if T <= 32:
             cands += [dict(BM=16, BN1=a, BN2=b, BKH=c, warps=w, stages=s) for a, b, c, w, s in CONFIGS]
@@ -184,7 +184,7 @@ def prefill_kernels(bw, mm):
         flops = 2 * T * K * 3 * L * I
         floor = max(flops / mm, E * per_expert / bw)
         fused = lambda: fused_moe_triton(x, w1, w2, w3, weights, ids, True, 4.0, 25.0, high_scales=high,  # noqa: E731
-                                         tiles=_tiles(T * K / E))
+                                         tiles=_tiles(T * K / E, True))
         grouped = lambda: moe_kernels._grouped_mm_mxfp4_experts(x, w1, w2, w3, weights, ids, True, 4.0, 25.0, high)  # noqa: E731
         row = {"T": T, "rows_per_expert": T * K / E, "floor_ms": floor * 1e3, "flops": flops}
         for name, fn in (("fused", fused), ("grouped", grouped)):

@@ -32,6 +32,7 @@ ROOT = Path(__file__).resolve().parents[2]
 sys.path.insert(0, str(ROOT))
 
 from benchmarks.common import capture_graph, commit_id, copy_rate, cuda_time, log, save_results  # noqa: E402
+from kimik3.ops.backend import reference_ops                           # noqa: E402
 
 from kimik3.ops.triton import moe as moe_kernels                       # noqa: E402
 from kimik3.ops.triton.router import logits_config, router_logits_triton  # noqa: E402
@@ -154,7 +155,7 @@ def bf16_weight_logits(results: dict, bw: float) -> None:
                    "previous_us": timer(lambda: x.float() @ w.float().t()) * 1e6,
                    "router_logits_us": timer(lambda: router_logits(x, w)) * 1e6,
                    "gemm_default_us": timer(lambda: router_logits_gemm_triton(x, w)) * 1e6,
-                   "gemm_default_tiles": gemm_tiles(T, False),
+                   "gemm_default_tiles": gemm_tiles(T, E, False),
                    "gemm_sweep": {str(t): timer(lambda t=t: router_logits_gemm_triton(x, w, t)) * 1e6
                                   for t in BF16_GEMM_SWEEP}}
             best = min(row["gemm_sweep"].items(), key=lambda kv: kv[1])
@@ -162,6 +163,34 @@ def bf16_weight_logits(results: dict, bw: float) -> None:
             log(f"| ({D}, {E}) | {T} | {row['previous_us']:.2f} | {row['router_logits_us']:.2f} | "
                 f"{row['previous_us'] / row['router_logits_us']:.2f}x | {row['floor_us']:.2f} | "
                 f"{row['gemm_default_us']:.2f} | {best[1]:.2f} {best[0]} |")
+
+
+ROUTE_SHAPES = {"kimi_linear": (256, 8, 2.446), "k3_slice": (64, 16, 1.0), "k3_release": (896, 16, 1.0)}
+
+
+def routing(results: dict) -> None:
+    """The routing kernel (scores, biased top-k, weights) at 1-128 tokens by warps a program; ids must equal
+    the torch path's and weights match it."""
+    from kimik3.ops.router import route
+    from kimik3.ops.triton.router import ROUTE_WARPS, route_triton
+    log("| experts, top-k | T | us at 1 / 2 / 4 / 8 warps | default warps |")
+    log("|---|---|---|---|")
+    for name, (E, k, scale) in ROUTE_SHAPES.items():
+        g = torch.Generator(device="cuda").manual_seed(E + k)
+        bias = torch.randn(E, generator=g, device="cuda") * 0.3
+        for T in (1, 8, 32, 128):
+            logits = torch.randn(T, E, generator=g, device="cuda") * 3
+            args = (bias, k, "sigmoid", 1, 1, True, scale, 1e-20)
+            with reference_ops():
+                w_ref, i_ref = route(logits, *args)
+            row = {"E": E, "top_k": k, "T": T, "us": {}}
+            for warps in (1, 2, 4, 8):
+                w, i = route_triton(logits, *args, num_warps=warps)
+                if not torch.equal(i, i_ref) or not torch.allclose(w, w_ref, rtol=1e-6, atol=1e-7):
+                    raise AssertionError(f"routing off at {name} T={T} warps={warps}")
+                row["us"][warps] = graph_time(lambda warps=warps: route_triton(logits, *args, num_warps=warps)) * 1e6
+            results.setdefault("route", []).append(row)
+            log(f"| {E}, {k} | {T} | " + " / ".join(f"{row['us'][w]:.2f}" for w in (1, 2, 4, 8)) + f" | {ROUTE_WARPS} |")
 
 
 def previous_align(ids: torch.Tensor, E: int, BM: int, warps: int):
@@ -215,13 +244,19 @@ def align(results: dict, sweep: bool) -> None:
 def main() -> None:
     ap = argparse.ArgumentParser(description=__doc__.split("\n")[0])
     ap.add_argument("--sweep", action="store_true", help="also time LOGITS_SWEEP and other warps for the alignment")
+    ap.add_argument("--route-only", action="store_true", help="only the routing kernel by warps")
     args = ap.parse_args()
     bw = copy_rate()
     results = {"commit": commit_id(), "date": datetime.date.today().isoformat(), "device": torch.cuda.get_device_name(),
                "copy_rate_GBps": bw / 1e9, "reps_per_graph": REPS, "logits": [], "align": []}
+    if args.route_only:
+        routing(results)
+        log(f"# wrote {save_results('bench_router_align.json', results)}")
+        return
     logits(results, bw, args.sweep)
     prefill_logits(results)
     bf16_weight_logits(results, bw)
+    routing(results)
     align(results, args.sweep)
     log(f"# wrote {save_results('bench_router_align.json', results)}")
 

@@ -23,8 +23,7 @@ def attn_res_mix(sources: list[torch.Tensor], norm_weight: torch.Tensor, proj_we
     if use_fast_path(sources[0]) and acc == torch.float32:
         from kimik3.ops.triton.attn_res import MAX_SOURCES, attn_res_mix_triton
         if len(sources) <= MAX_SOURCES:        # one pass over the sources, no stacking copy
-            w = norm_weight.float() * proj_weight.reshape(-1).float()
-            return attn_res_mix_triton([s.contiguous() for s in sources], w, eps)
+            return attn_res_mix_triton([s.contiguous() for s in sources], norm_weight, proj_weight, eps)
     v = torch.stack([s.to(acc) for s in sources])                           # [n, T, D]
     w = norm_weight.to(acc) * proj_weight.reshape(-1).to(acc)               # [D]
     r = torch.rsqrt(v.pow(2).mean(-1) + eps)                                 # [n, T]
@@ -41,9 +40,8 @@ def attn_res_mix_norm(sources: list[torch.Tensor], norm_weight: torch.Tensor, pr
     if (len(sources) > 1 and use_fast_path(sources[0]) and acc_dtype(sources[0].dtype) == torch.float32
             and dtype != torch.float64):
         from kimik3.ops.triton.attn_res import FP32_WEIGHT_NORM, KIMI_NORM, MAX_SOURCES, attn_res_mix_triton
-        if len(sources) <= MAX_SOURCES:
-            w = norm_weight.float() * proj_weight.reshape(-1).float()
-            return attn_res_mix_triton([s.contiguous() for s in sources], w, eps,
+        if len(sources) <= MAX_SOURCES:        # (the kernel folds gamma * proj: no cast or product launches)
+            return attn_res_mix_triton([s.contiguous() for s in sources], norm_weight, proj_weight, eps,
                                        FP32_WEIGHT_NORM if fp32_weight else KIMI_NORM, consumer_weight, eps, dtype)
     mix = sources[0] if len(sources) == 1 else attn_res_mix(sources, norm_weight, proj_weight, eps)
     norm = rms_norm_fp32_weight if fp32_weight else rms_norm

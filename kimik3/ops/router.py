@@ -7,38 +7,45 @@ import torch
 from kimik3.ops.backend import use_fast_path
 from kimik3.ops.norm import acc_dtype
 
-# The router logits run as our Triton kernel on CUDA (bf16/fp16 x; the gate weight in x's dtype, as the
-# checkpoint stores it, or fp32) up to this many tokens, and up to ROUTER_LOGITS_MAX_TOKENS_LARGE for
-# weights over 2**20 elements. H200 (benchmarks/gpu/bench_router_align.py, fp32 weight): Kimi-Linear's
-# 256 x 2304 weight 2.0x / 1.2x faster than the cast + GEMM at 32 / 64 tokens, 1.05x at 128; K3 release's
-# 896 x 7168 2.3x at 16 tokens but 0.66x at 32 (the kernel's fp32 products, no tensor cores, outgrow the
-# weight read there).
+# The router logits run as our Triton kernels on CUDA (bf16/fp16 x; the gate weight in x's dtype, as the
+# checkpoints store it, or fp32).
+# 16-bit weight: the SIMT kernel up to ROUTER_LOGITS_SIMT_MAX_LOGITS logits (tokens x experts), then the
+# tensor-core GEMM kernel (exact 16-bit products). The SIMT kernel's time grows with T x E x D, the GEMM
+# kernel's at decode sizes with D alone (a latency-bound walk over the width), so they cross at a fixed
+# T x E. H200 (bench_router_align.py, bf16 weight, 2d76027): SIMT 4.4 / 6.2 / 10.3 us against the GEMM's
+# 5.4 at 8 / 16 / 32 tokens x 256 experts (D 2304); 9.7 / 14.0 against 13.8 at 32 / 64 x 64 (D 7168);
+# 5.4 / 19.1 against 13.9 at 1 / 8 x 896 (D 7168). Both replace the cast of x and of the weight to fp32
+# and cuBLAS's fp32 GEMM (8.7-24.9 us at one token, 19-83 at 8-16: every checkpoint's path before).
+ROUTER_LOGITS_SIMT_MAX_LOGITS = 4096
+# fp32 weight: the SIMT kernel up to this many tokens (ROUTER_LOGITS_MAX_TOKENS_LARGE for weights over 2**20
+# elements); beyond, cuBLAS's fp32 GEMM on the upcast x, and from ROUTER_LOGITS_GEMM_MIN_LOGITS logits
+# (prefill chunks) the tensor-core kernel with TF32 x3 products. H200 (6e3384c): Kimi-Linear's 256 x 2304
+# weight 2.0x / 1.2x faster than the cast + GEMM at 32 / 64 tokens, 1.05x at 128; K3 release's 896 x 7168
+# 2.3x at 16 tokens but 0.66x at 32; the TF32 x3 kernel 167 / 450 us against 262 / 570 us at (8192
+# tokens, 256 experts) / (2048, 896), slower below (123 against 87 us at (2048, 256)).
 ROUTER_LOGITS_MAX_TOKENS = 64
 ROUTER_LOGITS_MAX_TOKENS_LARGE = 16
-# Past those, a tiled Triton GEMM on tensor cores at fp32 accuracy: for a 16-bit weight of x's dtype
-# always (the 16-bit products are exact: nothing to round, and no fp32 copies of x and the weight,
-# which the cast + SIMT fp32 GEMM wrote every step); for an fp32 weight (TF32 x3) from this many logits
-# (tokens x experts: prefill chunks), where its 128 x 64 tiles fill the GPU. H200 at 6e3384c
-# (bench_router_align.py): 167 / 450 us against 262 / 570 us for the cast + SIMT GEMM at (8192 tokens,
-# 256 experts) / (2048, 896); it lost below (123 against 87 us at (2048, 256), 325 against 316 at
-# (1024, 896)); at (8192, 64) it won by 1.08x (318 us).
 ROUTER_LOGITS_GEMM_MIN_LOGITS = 1 << 20
 
 
 def router_logits(x: torch.Tensor, weight: torch.Tensor) -> torch.Tensor:
     """x [T, D] @ weight [E, D]^T with both operands upcast to ``acc_dtype(x.dtype)`` (fp32 logits
     for bf16/fp16/fp32 x, fp64 for fp64; spec §3.1). CUDA (bf16/fp16 x, weight fp32 or x's dtype):
-    up to ``ROUTER_LOGITS_MAX_TOKENS`` tokens one Triton kernel that reads both in their own dtypes;
-    beyond, a tiled Triton GEMM on tensor cores (exact 16-bit products, or TF32 x3 for an fp32 weight
-    from ``ROUTER_LOGITS_GEMM_MIN_LOGITS`` logits), fp32 accumulation: error at fp32's level."""
+    Triton kernels that read both in their own dtypes, fp32 accumulation (error at fp32's level):
+    a SIMT kernel for few logits, a tensor-core GEMM for more (exact 16-bit products, or TF32 x3 for
+    an fp32 weight); the thresholds above."""
     if (use_fast_path(x) and x.dtype in (torch.bfloat16, torch.float16) and weight.dtype in (torch.float32, x.dtype)
             and x.dim() == 2):
-        if x.shape[0] <= (ROUTER_LOGITS_MAX_TOKENS if weight.numel() <= 1 << 20 else ROUTER_LOGITS_MAX_TOKENS_LARGE):
+        T, E = x.shape[0], weight.shape[0]
+        wide = weight.dtype == torch.float32
+        if wide:
+            simt = T <= (ROUTER_LOGITS_MAX_TOKENS if weight.numel() <= 1 << 20 else ROUTER_LOGITS_MAX_TOKENS_LARGE)
+        else:
+            simt = T * E <= ROUTER_LOGITS_SIMT_MAX_LOGITS
+        if simt:
             from kimik3.ops.triton.router import router_logits_triton
             return router_logits_triton(x, weight)
-        wide = weight.dtype == torch.float32
-        if ((not wide or x.shape[0] * weight.shape[0] >= ROUTER_LOGITS_GEMM_MIN_LOGITS)
-                and x.stride(1) == 1 and weight.stride(1) == 1):
+        if (not wide or T * E >= ROUTER_LOGITS_GEMM_MIN_LOGITS) and x.stride(1) == 1 and weight.stride(1) == 1:
             from kimik3.ops.triton.router import router_logits_gemm_triton
             return router_logits_gemm_triton(x, weight)
     acc = acc_dtype(x.dtype)

@@ -200,8 +200,8 @@ def test_attn_res_kernel_compiles_for_hopper():
 def compile_attn_res():
     from kimik3.ops.triton import attn_res
     for norm, out in ((attn_res.NO_NORM, "fp32"), (attn_res.KIMI_NORM, "bf16"), (attn_res.FP32_WEIGHT_NORM, "bf16")):
-        compile_for_hopper(attn_res._attn_res_kernel, {"src": "*bf16", "w": "*fp32", "cw": "*fp32", "out": f"*{out}",
-                                                       "eps": "fp32", "norm_eps": "fp32"},
+        compile_for_hopper(attn_res._attn_res_kernel, {"src": "*bf16", "g": "*bf16", "p": "*bf16", "cw": "*fp32",
+                                                       "out": f"*{out}", "eps": "fp32", "norm_eps": "fp32"},
                            dict(N_SRC=5, BD=8192, NORM=norm), num_warps=8, num_stages=1)
 
 
@@ -210,16 +210,16 @@ def test_router_logits_gemm_kernel_compiles_to_wgmma():
 
 
 def compile_router_gemm():
-    """fp32 weight: TF32 wgmma (x3); the checkpoint's bf16 weight: bf16 wgmma with fp32 accumulation,
-    at the prefill tiles and the mid-size ones (a 64-token tile still a wgmma)."""
+    """fp32 weight: TF32 wgmma (x3); the checkpoint's bf16 weight: bf16 wgmma with fp32 accumulation
+    at each of ``gemm_tiles``' tiles (a 64-token tile still a wgmma)."""
     from kimik3.ops.triton import router
     sizes = {"D", "E", "stride_xt", "stride_we"}
     k = compile_for_hopper(router._logits_gemm_kernel, {"x_ptr": "*bf16", "w_ptr": "*fp32", "out_ptr": "*fp32"},
                            dict(BM=128, BN=64, BK=32, WIDE_W=True, UPCAST=False), divisible=sizes)
     assert "wgmma.mma_async.sync.aligned.m64n64k8.f32.tf32.tf32" in k.asm["ptx"]
-    for BM, BN, BK in ((128, 64, 32), (64, 32, 64)):
+    for BM, BN, BK, warps in ((64, 16, 128, 4), (64, 64, 64, 4), (128, 128, 64, 8)):      # gemm_tiles' choices
         k = compile_for_hopper(router._logits_gemm_kernel, {"x_ptr": "*bf16", "w_ptr": "*bf16", "out_ptr": "*fp32"},
-                               dict(BM=BM, BN=BN, BK=BK, WIDE_W=False, UPCAST=False), divisible=sizes)
+                               dict(BM=BM, BN=BN, BK=BK, WIDE_W=False, UPCAST=False), num_warps=warps, divisible=sizes)
         assert f"wgmma.mma_async.sync.aligned.m64n{BN}k16.f32.bf16.bf16" in k.asm["ptx"], (BM, BN, BK)
 
 

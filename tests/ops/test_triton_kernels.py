@@ -413,15 +413,18 @@ def test_moe_dense_kernel_matches_float64(dtype, act, T, k):
 
 
 # ---- attention residual mix --------------------------------------------------------------
+@pytest.mark.parametrize("wdtype", [torch.float32, BF16], ids=["fp32_weights", "bf16_weights"])
 @pytest.mark.parametrize("n", [2, 5, 9])
-def test_attn_res_kernel_matches_reference(n):
+def test_attn_res_kernel_matches_reference(n, wdtype):
+    """The mix against the float64 reference, with the norm and projection weights as stored (the
+    checkpoint's bf16: the kernel folds gamma * proj in fp32 itself)."""
     from kimik3.ops.triton.attn_res import attn_res_mix_triton
     g = gen(4)
     T, D = 6, 48
     sources = [torch.randn(T, D, generator=g).to(BF16) for _ in range(n)]
-    gamma, proj = 1 + 0.1 * torch.randn(D, generator=g), torch.randn(1, D, generator=g)
+    gamma, proj = (1 + 0.1 * torch.randn(D, generator=g)).to(wdtype), torch.randn(1, D, generator=g).to(wdtype)
     ref = attn_res_mix([s.double() for s in sources], gamma.double(), proj.double(), 1e-5)
-    out = attn_res_mix_triton(sources, gamma * proj.view(-1), 1e-5)
+    out = attn_res_mix_triton(sources, gamma, proj, 1e-5)
     assert rel_err(out, ref) < 1e-5
 
 
@@ -449,7 +452,7 @@ def test_attn_res_mix_norm_kernel_path_matches_float64(n, fp32_weight, monkeypat
     monkeypatch.setattr(norm_ops, "use_fast_kernel", lambda *a: True)
     calls = []
     real = kernel.attn_res_mix_triton
-    monkeypatch.setattr(kernel, "attn_res_mix_triton", lambda *a, **k: calls.append(a[3]) or real(*a, **k))
+    monkeypatch.setattr(kernel, "attn_res_mix_triton", lambda *a, **k: calls.append(a[4]) or real(*a, **k))
     g = gen(5 + n)
     T, D = 7, 96
     sources = [torch.randn(T, D, generator=g).to(BF16) for _ in range(n)]

@@ -104,15 +104,16 @@ def test_router_logits_kernels_refuse_mixed_16_bit_operands():
 
 
 def test_router_logits_takes_the_gemm_kernel_for_long_steps(monkeypatch):
-    """Past the decode kernel's token limit: a weight of x's dtype always takes the GEMM kernel; an
-    fp32 one from ROUTER_LOGITS_GEMM_MIN_LOGITS logits (the cast + fp32 GEMM before); no unit feature
-    stride keeps the torch math."""
+    """Past the SIMT kernel's limits: a weight of x's dtype always takes the GEMM kernel; an fp32 one
+    from ROUTER_LOGITS_GEMM_MIN_LOGITS logits (the cast + fp32 GEMM before); no unit feature stride
+    keeps the torch math."""
     from kimik3.ops import router
     from kimik3.ops.triton import router as kernel
     calls = []
     real = kernel.router_logits_gemm_triton
     monkeypatch.setattr(router, "use_fast_path", lambda t: True)
     monkeypatch.setattr(router, "ROUTER_LOGITS_MAX_TOKENS", 2)
+    monkeypatch.setattr(router, "ROUTER_LOGITS_SIMT_MAX_LOGITS", 2 * 16)
     monkeypatch.setattr(router, "ROUTER_LOGITS_GEMM_MIN_LOGITS", 9 * 16)       # 16 experts: from 9 tokens
     monkeypatch.setattr(kernel, "router_logits_gemm_triton",
                         lambda x, w: calls.append((x.shape[0], w.dtype)) or real(x, w))
@@ -131,11 +132,12 @@ def test_router_logits_takes_the_gemm_kernel_for_long_steps(monkeypatch):
 
 
 def test_router_logits_takes_the_kernel_on_the_fast_path(monkeypatch):
-    """``router_logits`` (what ``Router.logits`` calls) sends bf16/fp16 x with an fp32 weight or one of
-    x's dtype (the checkpoint's bf16) to the kernel up to ROUTER_LOGITS_MAX_TOKENS tokens
-    (ROUTER_LOGITS_MAX_TOKENS_LARGE for weights over 2**20 elements; checked by pretending the fast
-    path is on); more tokens (an fp32 weight below the GEMM's threshold), fp32 x, or a 16-bit weight
-    of the other dtype keep the torch math; an unfit weight is refused."""
+    """``router_logits`` (what ``Router.logits`` calls) sends bf16/fp16 x to the SIMT kernel with an
+    fp32 weight up to ROUTER_LOGITS_MAX_TOKENS tokens (ROUTER_LOGITS_MAX_TOKENS_LARGE for weights over
+    2**20 elements) and with one of x's dtype (the checkpoint's bf16) up to ROUTER_LOGITS_SIMT_MAX_LOGITS
+    tokens x experts (checked by pretending the fast path is on); more tokens with an fp32 weight below
+    the GEMM's threshold, fp32 x, or a 16-bit weight of the other dtype keep the torch math; an unfit
+    weight is refused."""
     from kimik3.ops import router
     from kimik3.ops.triton import router as kernel
     calls = []
@@ -143,6 +145,7 @@ def test_router_logits_takes_the_kernel_on_the_fast_path(monkeypatch):
     monkeypatch.setattr(router, "use_fast_path", lambda t: True)
     monkeypatch.setattr(router, "ROUTER_LOGITS_MAX_TOKENS", 8)
     monkeypatch.setattr(router, "ROUTER_LOGITS_MAX_TOKENS_LARGE", 2)
+    monkeypatch.setattr(router, "ROUTER_LOGITS_SIMT_MAX_LOGITS", 8 * 16)
     monkeypatch.setattr(kernel, "router_logits_triton", lambda x, w: calls.append((x.shape, w.dtype)) or real(x, w))
     small, large = torch.randn(16, 64), torch.randn(2, (1 << 19) + 64) * 2 ** -9      # 2**20 + 128 elements
     bf16, fp16, fp32 = torch.bfloat16, torch.float16, torch.float32

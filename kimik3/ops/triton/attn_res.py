@@ -22,13 +22,14 @@ NO_NORM, KIMI_NORM, FP32_WEIGHT_NORM = 0, 1, 2
 
 
 @triton.jit(do_not_specialize=["o1", "o2", "o3", "o4", "o5", "o6", "o7", "o8", "o9", "o10", "o11"])
-def _attn_res_kernel(src, o1, o2, o3, o4, o5, o6, o7, o8, o9, o10, o11, w, cw, out, D, stride_row, eps, norm_eps,
+def _attn_res_kernel(src, o1, o2, o3, o4, o5, o6, o7, o8, o9, o10, o11, g, p, cw, out, D, stride_row, eps, norm_eps,
                      N_SRC: tl.constexpr, BD: tl.constexpr, NORM: tl.constexpr, PDL: tl.constexpr):
     pdl_entry(PDL)
     t = tl.program_id(0).to(tl.int64)
     d = tl.arange(0, BD)
     md = d < D
-    wv = tl.load(w + d, mask=md, other=0.0)
+    # the score weight w = gamma * proj in fp32 (exact for 16-bit factors), folded here: no per-step casts
+    wv = tl.load(g + d, mask=md, other=0.0).to(tl.float32) * tl.load(p + d, mask=md, other=0.0).to(tl.float32)
     m = float("-inf")
     denom = 0.0
     acc = tl.zeros([BD], dtype=tl.float32)
@@ -80,11 +81,12 @@ def _attn_res_kernel(src, o1, o2, o3, o4, o5, o6, o7, o8, o9, o10, o11, w, cw, o
         tl.store(out + t * D + d, y.to(out.dtype.element_ty), mask=md)
 
 
-def attn_res_mix_triton(sources: list[torch.Tensor], w: torch.Tensor, eps: float, norm: int = NO_NORM,
-                        consumer_weight: torch.Tensor | None = None, norm_eps: float = 0.0,
+def attn_res_mix_triton(sources: list[torch.Tensor], norm_weight: torch.Tensor, proj_weight: torch.Tensor, eps: float,
+                        norm: int = NO_NORM, consumer_weight: torch.Tensor | None = None, norm_eps: float = 0.0,
                         out_dtype: torch.dtype = torch.float32) -> torch.Tensor:
     """sources: 2..MAX_SOURCES tensors [T, D] of one dtype with unit feature stride and one row
-    stride; w [D] fp32 = norm_weight * proj_weight. Returns the fp32 mix [T, D], or with ``norm``
+    stride; norm_weight [D] and proj_weight [1, D] or [D] (fp32 or 16-bit; the kernel folds
+    w = norm_weight * proj_weight in fp32). Returns the fp32 mix [T, D], or with ``norm``
     (KIMI_NORM / FP32_WEIGHT_NORM) its RMSNorm by ``consumer_weight`` [D] (eps ``norm_eps``) in ``out_dtype``."""
     first = sources[0]
     T, D = first.shape
@@ -100,9 +102,13 @@ def attn_res_mix_triton(sources: list[torch.Tensor], w: torch.Tensor, eps: float
     offsets = offsets[1:] + [0] * (MAX_SOURCES - len(offsets))
     if norm != NO_NORM and (consumer_weight is None or consumer_weight.shape != (D,)):
         raise ValueError(f"attn_res_mix_triton: a fused norm needs a consumer weight of [{D}]")
+    gamma, proj = norm_weight.contiguous(), proj_weight.reshape(-1).contiguous()
+    if gamma.shape != (D,) or proj.shape != (D,):
+        raise ValueError(f"attn_res_mix_triton: norm weight {tuple(norm_weight.shape)} and proj weight "
+                         f"{tuple(proj_weight.shape)} do not hold {D} values each")
     out = torch.empty(T, D, dtype=torch.float32 if norm == NO_NORM else out_dtype, device=first.device)
     BD = triton.next_power_of_2(D)
-    cw = w if consumer_weight is None else consumer_weight.contiguous()
-    _attn_res_kernel[(T,)](first, *offsets, w.contiguous(), cw, out, D, first.stride(0), float(eps), float(norm_eps),
+    cw = gamma if consumer_weight is None else consumer_weight.contiguous()
+    _attn_res_kernel[(T,)](first, *offsets, gamma, proj, cw, out, D, first.stride(0), float(eps), float(norm_eps),
                            N_SRC=len(sources), BD=BD, NORM=norm, num_warps=8 if BD >= 4096 else 4, **pdl(first))
     return out

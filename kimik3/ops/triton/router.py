@@ -75,10 +75,17 @@ def _route_kernel(logits_ptr, bias_ptr, weights_ptr, ids_ptr, E, stride_t, per_g
     tl.store(ids_ptr + t * TOP_K + koffs, ids, mask=kmask)
 
 
+# Warps of a routing program (one token row): its top-k is k rounds of argmax over the row, each a
+# reduction whose cross-warp step goes through shared memory with barriers; the whole row in one warp
+# reduces by shuffles alone. ``bench_router_align.py`` times 1, 2 and 4.
+ROUTE_WARPS = 4
+
+
 def route_triton(logits: torch.Tensor, bias: torch.Tensor | None, top_k: int, activation: str,
                  num_expert_group: int, topk_group: int, renormalize: bool, scaling_factor: float,
-                 renorm_eps: float) -> tuple[torch.Tensor, torch.Tensor]:
-    """Same contract as ``kimik3.ops.router.route`` for fp32 logits [T, E]."""
+                 renorm_eps: float, num_warps: int | None = None) -> tuple[torch.Tensor, torch.Tensor]:
+    """Same contract as ``kimik3.ops.router.route`` for fp32 logits [T, E]; num_warps: override
+    ``ROUTE_WARPS`` (benchmarks)."""
     T, E = logits.shape
     logits = logits.contiguous()
     weights = torch.empty(T, top_k, dtype=torch.float32, device=logits.device)
@@ -91,7 +98,8 @@ def route_triton(logits: torch.Tensor, bias: torch.Tensor | None, top_k: int, ac
             float(scaling_factor), float(renorm_eps),
             HAS_BIAS=bias is not None, SIGMOID=activation == "sigmoid", RENORM=renormalize and top_k > 1,
             TOP_K=top_k, BLOCK_K=triton.next_power_of_2(top_k), GROUPS=groups, TOPK_GROUP=topk_group,
-            BLOCK_G=triton.next_power_of_2(groups), BLOCK_E=triton.next_power_of_2(E), **pdl(logits))
+            BLOCK_G=triton.next_power_of_2(groups), BLOCK_E=triton.next_power_of_2(E), num_warps=num_warps or ROUTE_WARPS,
+            **pdl(logits))
     return weights, ids
 
 
@@ -181,14 +189,17 @@ def _logits_gemm_kernel(x_ptr, w_ptr, out_ptr, T, E, D, stride_xt, stride_we,
     tl.store(out_ptr + t[:, None].to(tl.int64) * E + e[None, :], acc, mask=(t < T)[:, None] & (e < E)[None, :])
 
 
-def gemm_tiles(T: int, wide_weight: bool) -> tuple[int, int, int, int]:
-    """Tiles of ``router_logits_gemm_triton``: (tokens, experts, K step, warps). The fp32 weight's
-    TF32 x3 kernel keeps its measured 128 x 64 tiles (it runs only from 2**20 logits). The 16-bit
-    weight's kernel also runs the steps between the decode kernel and those, where small token tiles
-    and 32-expert tiles give more programs to stream the weight."""
-    if wide_weight or T > 256:
+def gemm_tiles(T: int, E: int, wide_weight: bool) -> tuple[int, int, int, int]:
+    """Tiles of ``router_logits_gemm_triton``: (tokens, experts, K step, warps). The fp32 weight's TF32
+    x3 kernel keeps its measured 128 x 64 tiles (it runs only from 2**20 logits). The 16-bit weight's
+    kernel, from the H200 sweep (bench_router_align.py, 2d76027): up to 256 tokens 16-expert tiles with
+    128-wide K steps (5.4 / 13.8 us at D 2304 / 7168, every E and T measured); beyond, 64 x 64 tiles, and
+    128 x 128 ones from 2**21 logits (306 against 444 us for 128 x 64 at 8192 tokens x 896 experts)."""
+    if wide_weight:
         return 128, 64, 32, 4
-    return (32 if T <= 32 else 64), 32, 64, 4
+    if T <= 256:
+        return 64, 16, 128, 4
+    return (128, 128, 64, 8) if T * E >= 1 << 21 else (64, 64, 64, 4)
 
 
 def router_logits_gemm_triton(x: torch.Tensor, weight: torch.Tensor, tiles: tuple[int, int, int, int] | None = None
@@ -203,7 +214,7 @@ def router_logits_gemm_triton(x: torch.Tensor, weight: torch.Tensor, tiles: tupl
         raise ValueError(f"router_logits_gemm_triton: x {tuple(x.shape)} and weight {tuple(weight.shape)} need one "
                          f"width and unit feature strides")
     wide = weight.dtype == torch.float32
-    BM, BN, BK, warps = tiles or gemm_tiles(T, wide)
+    BM, BN, BK, warps = tiles or gemm_tiles(T, E, wide)
     out = torch.empty(T, E, dtype=torch.float32, device=x.device)
     if T:
         _logits_gemm_kernel[(triton.cdiv(T, BM), triton.cdiv(E, BN))](
