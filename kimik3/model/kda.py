@@ -36,16 +36,17 @@ class KimiDeltaAttention(nn.Module):
         K = head_dim
         P = H * K
         self.num_heads, self.head_dim, self.lower_bound, self.norm_eps = H, K, gate_lower_bound, norm_eps
-        # everything read from x in one GEMM: q, k, v [P each], f_a [K], b [H], then the output gate's
-        # g [P] (K3) or g_a [K] (Kimi-Linear)
-        gate = {"g_proj": P} if use_full_rank_gate else {"g_a_proj": K}
-        self.in_proj = MergedLinear(hidden_size, {"q_proj": P, "k_proj": P, "v_proj": P, "f_a_proj": K,
-                                                  "b_proj": H, **gate})
+        # everything read from x in one GEMM: q, k, v [P each], f_a [K], then K3's b [H] and output gate
+        # g [P], or Kimi-Linear's low-rank gate input g_a [K] (beside f_a) and b [H]
+        tail = {"b_proj": H, "g_proj": P} if use_full_rank_gate else {"g_a_proj": K, "b_proj": H}
+        self.in_proj = MergedLinear(hidden_size, {"q_proj": P, "k_proj": P, "v_proj": P, "f_a_proj": K, **tail})
         # the q, k, v short convs' weights [3P, 1, W] (checkpoint: {q,k,v}_conv1d.weight [P, 1, W] or [P, W])
         self.conv1d = MergedWeight((1, conv_size), {"q_conv1d": P, "k_conv1d": P, "v_conv1d": P})
-        self.f_b_proj = linear(K, P)
-        if not use_full_rank_gate:
-            self.g_b_proj = linear(K, P)
+        if use_full_rank_gate:
+            self.f_b_proj = linear(K, P)
+        else:
+            # Kimi-Linear's two low-rank up-projections [P, K] as one weight: one batched GEMM of f_a | g_a
+            self.fg_b_proj = MergedWeight((K,), {"f_b_proj": P, "g_b_proj": P})
         # A_log, dt_bias (and, by policy, conv and o_norm) stay fp32: see KimiForCausalLM.cast
         self.A_log = nn.Parameter(torch.zeros(H))
         self.dt_bias = nn.Parameter(torch.zeros(P))
@@ -75,10 +76,17 @@ class KimiDeltaAttention(nn.Module):
         T = x.shape[0]
         H, K = self.num_heads, self.head_dim
         slots = batch.state_slots
-        q_rows, k_rows, v_rows, *rest = self.in_proj.parts.values()
-        raw, f_a, b, g = self.in_proj(x).split([q_rows + k_rows + v_rows, *rest], dim=-1)   # raw: q|k|v [T, 3P]
+        P = H * K
+        if hasattr(self, "f_b_proj"):                                           # K3: q|k|v, f_a, b, g
+            raw, f_a, b, gate = self.in_proj(x).split([3 * P, K, H, P], dim=-1)   # raw: q|k|v [T, 3P]
+            f = self.f_b_proj(f_a)
+        else:                                                                   # Kimi-Linear: q|k|v, f_a|g_a, b
+            raw, fg_a, b = self.in_proj(x).split([3 * P, 2 * K, H], dim=-1)
+            # [2, T, K] @ [2, K, P] -> f = f_a f_b^T and gate = g_a g_b^T, one launch
+            fg = torch.bmm(fg_a.view(T, 2, K).transpose(0, 1), self.fg_b_proj.weight.view(2, P, K).transpose(1, 2))
+            f, gate = fg[0], fg[1]
+        f = f.view(T, H, K)
         weight = self.conv1d.weight.squeeze(1)                                  # [3P, W]
-        f = self.f_b_proj(f_a).view(T, H, K)
         if batch.row_state_slots is not None:
             o = self._attend_short(raw, weight, f, b, batch.context_lens > 0, batch, conv_pool, state_pool)
         elif batch.checkpoints:
@@ -91,8 +99,7 @@ class KimiDeltaAttention(nn.Module):
                                                                        batch.query_lens_cpu, batch.cu_seqlens, 3))
             o = kda_attention_in_pool(q, k, v, f, b, self.A_log, self.dt_bias, self.lower_bound, state_pool, slots,
                                       has_state, batch.query_lens_cpu, batch.cu_seqlens, decode=batch.is_decode)
-        gate = (self.g_b_proj(g) if hasattr(self, "g_b_proj") else g).view(T, H, K)
-        y = gated_rms_norm(o, self.o_norm.weight, gate, self.norm_eps, x.dtype)
+        y = gated_rms_norm(o, self.o_norm.weight, gate.view(T, H, K), self.norm_eps, x.dtype)
         return self.par.all_reduce(self.o_proj(y.reshape(T, H * K)))
 
     def _attend_short(self, raw, weight, f, b, has_state, batch: ForwardBatch, conv_pool, state_pool):
