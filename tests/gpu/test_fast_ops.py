@@ -347,6 +347,7 @@ CHECKS = {
     "moe_high_scales": lambda: check_moe(T=5, shift=20, seed=10),
     "moe_high_scales_told": lambda: check_moe(T=5, shift=20, tell_scale_max=True, seed=11),
     "moe_large": lambda: check_moe(T=700, E=8, L=1024, I=512, k=4), "attn_res": check_attn_res,
+    "moe_64_row_tiles": lambda: check_moe(T=128, E=16, L=1024, I=512, k=4, seed=26),   # 32 rows an expert: BM 64
     # past MXFP4_GROUPED_MM_ROWS_PER_EXPERT rows per expert: dequantized chunks through torch._grouped_mm
     "moe_grouped": lambda: check_moe(T=_grouped_tokens(16, 4), E=16, L=1024, I=512, k=4, seed=24),
     "moe_grouped_high_scales": lambda: check_moe(T=_grouped_tokens(8, 4), E=8, L=512, I=384, k=4, shift=20, seed=25),
