@@ -83,8 +83,8 @@ class KimiDeltaAttention(nn.Module):
         else:                                                                   # Kimi-Linear: q|k|v, f_a|g_a, b
             raw, fg_a, b = self.in_proj(x).split([3 * P, 2 * K, H], dim=-1)
             # [2, T, K] @ [2, K, P] -> f = f_a f_b^T and gate = g_a g_b^T, one launch
-            fg = torch.bmm(fg_a.view(T, 2, K).transpose(0, 1), self.fg_b_proj.weight.view(2, P, K).transpose(1, 2))
-            f, gate = fg[0], fg[1]
+            w_b = self.fg_b_proj.weight.view(2, P, K).transpose(1, 2)
+            f, gate = torch.bmm(fg_a.view(T, 2, K).transpose(0, 1), w_b)
         f = f.view(T, H, K)
         weight = self.conv1d.weight.squeeze(1)                                  # [3P, W]
         if batch.row_state_slots is not None:

@@ -33,5 +33,6 @@ def l2norm_triton(x: torch.Tensor, eps: float = 1e-6) -> torch.Tensor:
     y = torch.empty_like(rows)
     BR = max(1, 4096 // D)
     if rows.shape[0]:
-        _l2norm_kernel[(triton.cdiv(rows.shape[0], BR),)](rows, y, rows.shape[0], eps, D=D, BR=BR, num_warps=4, **pdl(rows))
+        _l2norm_kernel[(triton.cdiv(rows.shape[0], BR),)](rows, y, rows.shape[0], eps, D=D, BR=BR, num_warps=4,
+                                                          **pdl(rows))
     return y.view(x.shape)

@@ -161,7 +161,8 @@ def _mla_prefill_kernel(qa_ptr, qb_ptr, ka_ptr, kb_ptr, v_ptr, o_ptr, lse_ptr,
 
 
 @triton.jit(do_not_specialize=["num_splits"])
-def _merge_splits_kernel(part_o, part_lse, o_ptr, lse_ptr, num_splits, DV: tl.constexpr, BS: tl.constexpr, PDL: tl.constexpr):
+def _merge_splits_kernel(part_o, part_lse, o_ptr, lse_ptr, num_splits, DV: tl.constexpr, BS: tl.constexpr,
+                         PDL: tl.constexpr):
     """Row (token, head): merge its splits' (o, lse) [rows, num_splits, DV] by their log-sum-exps."""
     pdl_entry(PDL)
     row = tl.program_id(0).to(tl.int64)

@@ -238,7 +238,8 @@ def _down_kernel(h, w2p, w2s, y, sorted_rows, block_expert, num_rows, L, KH,
 
 
 @triton.jit
-def _combine_kernel(y, weights, pos, out, L, TOP_K: tl.constexpr, BL: tl.constexpr, HAS_POS: tl.constexpr, PDL: tl.constexpr):
+def _combine_kernel(y, weights, pos, out, L, TOP_K: tl.constexpr, BL: tl.constexpr, HAS_POS: tl.constexpr,
+                    PDL: tl.constexpr):
     """out[t] = sum_j weights[t, j] y[row of (t, j)] in fp32, one rounding; the row is t k + j, or
     pos[t k + j] (the grouped-GEMM path's rows stay in expert order)."""
     pdl_entry(PDL)
@@ -269,7 +270,8 @@ def _sort_by_expert(ids: torch.Tensor, num_experts: int, BM: int):
         BR = triton.next_power_of_2(R)
         _align_kernel[(min(BR, ALIGN_BLOCKS.value),)](
             flat, sorted_rows, block_expert, R, num_experts, cap, BM=BM, BR=BR,
-            BE=triton.next_power_of_2(num_experts), BCAP=triton.next_power_of_2(cap), num_warps=align_warps(R), **pdl(flat))
+            BE=triton.next_power_of_2(num_experts), BCAP=triton.next_power_of_2(cap), num_warps=align_warps(R),
+            **pdl(flat))
         return sorted_rows, block_expert
     counts = torch.zeros(num_experts, dtype=torch.int64, device=dev).scatter_add_(0, flat, torch.ones_like(flat))
     padded = (counts + BM - 1) // BM * BM
@@ -399,7 +401,8 @@ def _grouped_mm_experts(x, w1, w2, w3, weights, ids, act_situ, beta, linear_beta
     pos = torch.empty_like(order).scatter_(0, order, torch.arange(order.shape[0], device=x.device))
     out = torch.empty(T, L, dtype=x.dtype, device=x.device)
     BL = min(1024, triton.next_power_of_2(L))
-    _combine_kernel[(T, triton.cdiv(L, BL))](y, weights.contiguous(), pos, out, L, TOP_K=top_k, BL=BL, HAS_POS=True, **pdl(y))
+    _combine_kernel[(T, triton.cdiv(L, BL))](y, weights.contiguous(), pos, out, L, TOP_K=top_k, BL=BL, HAS_POS=True,
+                                             **pdl(y))
     return out
 
 
@@ -506,5 +509,6 @@ def fused_moe_triton(x: torch.Tensor, w1, w2, w3, weights: torch.Tensor, ids: to
         BN=cfg["BN2"], **common, **pdl(h))
     out = torch.empty(T, L, dtype=x.dtype, device=x.device)
     BL = min(1024, triton.next_power_of_2(L))
-    _combine_kernel[(T, triton.cdiv(L, BL))](y, weights.contiguous(), y, out, L, TOP_K=top_k, BL=BL, HAS_POS=False, **pdl(y))
+    _combine_kernel[(T, triton.cdiv(L, BL))](y, weights.contiguous(), y, out, L, TOP_K=top_k, BL=BL, HAS_POS=False,
+                                             **pdl(y))
     return out

@@ -12,7 +12,8 @@ from kimik3.ops.triton.common import pdl, pdl_entry
 
 
 @triton.jit(do_not_specialize=["R", "H", "sx_t", "sx_h"])
-def _rotate_pairs_kernel(x, c, s, y, R, H, sx_t, sx_h, HALF: tl.constexpr, BR: tl.constexpr, BH: tl.constexpr, PDL: tl.constexpr):
+def _rotate_pairs_kernel(x, c, s, y, R, H, sx_t, sx_h, HALF: tl.constexpr, BR: tl.constexpr, BH: tl.constexpr,
+                         PDL: tl.constexpr):
     pdl_entry(PDL)
     rows = tl.program_id(0).to(tl.int64) * BR + tl.arange(0, BR)          # (token, head) pairs
     m = tl.arange(0, BH)

@@ -98,8 +98,8 @@ def route_triton(logits: torch.Tensor, bias: torch.Tensor | None, top_k: int, ac
             float(scaling_factor), float(renorm_eps),
             HAS_BIAS=bias is not None, SIGMOID=activation == "sigmoid", RENORM=renormalize and top_k > 1,
             TOP_K=top_k, BLOCK_K=triton.next_power_of_2(top_k), GROUPS=groups, TOPK_GROUP=topk_group,
-            BLOCK_G=triton.next_power_of_2(groups), BLOCK_E=triton.next_power_of_2(E), num_warps=num_warps or ROUTE_WARPS,
-            **pdl(logits))
+            BLOCK_G=triton.next_power_of_2(groups), BLOCK_E=triton.next_power_of_2(E),
+            num_warps=num_warps or ROUTE_WARPS, **pdl(logits))
     return weights, ids
 
 
