@@ -26,7 +26,8 @@ PDL_ENABLED = os.environ.get("KIMIK3_PDL", "1") != "0"
 
 @functools.cache
 def _pdl_capable(index: int) -> bool:
-    return torch.cuda.get_device_capability(index)[0] >= 9
+    """An NVIDIA GPU of compute capability 9.0 or later (ROCm devices report their own version numbers)."""
+    return torch.version.hip is None and torch.cuda.get_device_capability(index)[0] >= 9
 
 
 def pdl(t: torch.Tensor) -> dict:
