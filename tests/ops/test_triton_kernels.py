@@ -618,3 +618,27 @@ def test_decode_kernels_refuse_operands_that_do_not_fit():
                           torch.zeros(3, H, K, K), slots)
     with pytest.raises(ValueError, match=r"residual torch.float32 \(2, 8\) does not match x torch.bfloat16 \(2, 8\)"):
         rms_norm_triton(torch.randn(2, 8).to(BF16), torch.ones(8), 1e-6, KIMI, BF16, residual=torch.randn(2, 8))
+
+
+# ---- programmatic dependent launch --------------------------------------------------------
+def test_pdl_launch_options(monkeypatch):
+    """PDL only for CUDA tensors on a capable device, outside the interpreter, unless KIMIK3_PDL=0 turned it
+    off; the kernels then get PDL=True and the launch option, else PDL=False alone."""
+    from kimik3.ops.triton import common
+
+    class FakeCuda:
+        is_cuda = True
+        device = torch.device("cuda", 0)
+
+    assert common.pdl(torch.zeros(1)) == {"PDL": False}
+    monkeypatch.setattr(common, "INTERPRETING", False)
+    monkeypatch.setattr(common, "_pdl_capable", lambda index: index == 0)
+    assert common.pdl(FakeCuda()) == {"PDL": True, "launch_pdl": True}
+    monkeypatch.setattr(common, "_pdl_capable", lambda index: False)          # pre-Hopper, or not NVIDIA
+    assert common.pdl(FakeCuda()) == {"PDL": False}
+    monkeypatch.setattr(common, "_pdl_capable", lambda index: True)
+    monkeypatch.setattr(common, "PDL_ENABLED", False)
+    assert common.pdl(FakeCuda()) == {"PDL": False}
+    monkeypatch.setattr(common, "PDL_ENABLED", True)
+    monkeypatch.setattr(common, "INTERPRETING", True)
+    assert common.pdl(FakeCuda()) == {"PDL": False}
