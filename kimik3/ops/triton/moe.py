@@ -381,12 +381,8 @@ def _grouped_mm_experts(x, w1, w2, w3, weights, ids, act_situ, beta, linear_beta
     then the fp32 combine kernel reading each (token, slot)'s row where the sort put it (no scatter back:
     at 8192 tokens that index_put took 0.7 ms of a 1.9 ms layer, ``results/profile_step_kl_7e8c19d.json``)."""
     from kimik3.ops.triton.activation import glu_triton
-    T, L = x.shape
-    E, top_k = w1.shape[0], ids.shape[1]
-    flat = ids.reshape(-1)
-    order = torch.argsort(flat, stable=True)
-    counts = torch.zeros(E, dtype=torch.int32, device=x.device).scatter_add_(
-        0, flat, torch.ones(flat.shape[0], dtype=torch.int32, device=x.device))
+    top_k = ids.shape[1]
+    order, counts = _expert_order(ids, w1.shape[0])
     offs = counts.cumsum(0, dtype=torch.int32)
     xs = x[order // top_k]
     w13 = _halves_of_one(w1, w3)
@@ -398,8 +394,23 @@ def _grouped_mm_experts(x, w1, w2, w3, weights, ids, act_situ, beta, linear_beta
         up = torch._grouped_mm(xs, w3.transpose(1, 2), offs=offs)
     h = glu_triton(gate, up, act_situ, beta, linear_beta)
     y = torch._grouped_mm(h, w2.transpose(1, 2), offs=offs)                   # [R, L], rows in expert order
-    pos = torch.empty_like(order).scatter_(0, order, torch.arange(order.shape[0], device=x.device))
-    out = torch.empty(T, L, dtype=x.dtype, device=x.device)
+    return _combine_expert_order(y, order, weights)
+
+
+def _expert_order(ids: torch.Tensor, num_experts: int) -> tuple[torch.Tensor, torch.Tensor]:
+    """The grouped-GEMM paths' sort: (order [R], the assignments sorted by expert, stable; counts [E] int64
+    of each expert's assignments), on the device."""
+    flat = ids.reshape(-1)
+    counts = torch.zeros(num_experts, dtype=torch.int64, device=ids.device).scatter_add_(0, flat, torch.ones_like(flat))
+    return torch.argsort(flat, stable=True), counts
+
+
+def _combine_expert_order(y: torch.Tensor, order: torch.Tensor, weights: torch.Tensor) -> torch.Tensor:
+    """The fp32 combine of expert rows y [R, L] held in expert order (``order`` from ``_expert_order``)
+    with weights [T, k]: the kernel reads each (token, slot)'s row where the sort put it -> [T, L] in y's dtype."""
+    (R, L), (T, top_k) = y.shape, weights.shape
+    pos = torch.empty_like(order).scatter_(0, order, torch.arange(R, device=y.device))
+    out = torch.empty(T, L, dtype=y.dtype, device=y.device)
     BL = min(1024, triton.next_power_of_2(L))
     _combine_kernel[(T, triton.cdiv(L, BL))](y, weights.contiguous(), pos, out, L, TOP_K=top_k, BL=BL, HAS_POS=True,
                                              **pdl(y))
@@ -425,15 +436,12 @@ def _grouped_mm_mxfp4_experts(x, w1, w2, w3, weights, ids, act_situ, beta, linea
     ranges come to the host once (one synchronisation a call: eager prefill only, never in a graph)."""
     from kimik3.ops.triton.activation import glu_triton
     (w1p, w1s), (w2p, w2s), (w3p, w3s) = w1, w2, w3
-    T, L = x.shape
+    L = x.shape[1]
     E, I = w1p.shape[0], w1p.shape[1]
     top_k = ids.shape[1]
-    flat = ids.reshape(-1)
-    order = torch.argsort(flat, stable=True)
-    counts = torch.zeros(E, dtype=torch.int64, device=x.device).scatter_add_(0, flat, torch.ones_like(flat))
+    order, counts = _expert_order(ids, E)
     ends = [0] + counts.cumsum(0).tolist()
-    R = flat.shape[0]
-    y = torch.empty(R, L, dtype=x.dtype, device=x.device)                  # rows in expert order
+    y = torch.empty(order.shape[0], L, dtype=x.dtype, device=x.device)     # rows in expert order
     per_chunk = max(1, MXFP4_DEQUANT_CHUNK_BYTES // (2 * I * L * 2))
     w13 = torch.empty(min(per_chunk, E), 2 * I, L, dtype=torch.bfloat16, device=x.device)
     wd = torch.empty(min(per_chunk, E), L, I, dtype=torch.bfloat16, device=x.device)
@@ -451,12 +459,7 @@ def _grouped_mm_mxfp4_experts(x, w1, w2, w3, weights, ids, act_situ, beta, linea
         gate_up = torch._grouped_mm(xs, w13[:n].transpose(1, 2), offs=offs)                  # [r, 2I]
         h = glu_triton(gate_up[:, :I], gate_up[:, I:], act_situ, beta, linear_beta)
         y[r0:r1] = torch._grouped_mm(h, wd[:n].transpose(1, 2), offs=offs)                   # [r, L]
-    pos = torch.empty_like(order).scatter_(0, order, torch.arange(R, device=x.device))
-    out = torch.empty(T, L, dtype=x.dtype, device=x.device)
-    BL = min(1024, triton.next_power_of_2(L))
-    _combine_kernel[(T, triton.cdiv(L, BL))](y, weights.contiguous(), pos, out, L, TOP_K=top_k, BL=BL, HAS_POS=True,
-                                             **pdl(y))
-    return out
+    return _combine_expert_order(y, order, weights)
 
 
 def fused_moe_triton(x: torch.Tensor, w1, w2, w3, weights: torch.Tensor, ids: torch.Tensor, act_situ: bool,
