@@ -642,3 +642,17 @@ def test_pdl_launch_options(monkeypatch):
     monkeypatch.setattr(common, "PDL_ENABLED", True)
     monkeypatch.setattr(common, "INTERPRETING", True)
     assert common.pdl(FakeCuda()) == {"PDL": False}
+
+
+def test_kernel_wrappers_refuse_mismatched_operands():
+    """The new entry points name what does not fit instead of reading out of bounds."""
+    from kimik3.ops.triton.attn_res import attn_res_mix_triton
+    from kimik3.ops.triton.moe import dequantize_mxfp4
+    packed, scale = torch.zeros(2, 8, 32, dtype=torch.uint8), torch.zeros(2, 8, 2, dtype=torch.uint8)
+    with pytest.raises(ValueError, match=r"dequantize_mxfp4: packed \(2, 8, 32\), scale \(2, 8, 2\) and out"):
+        dequantize_mxfp4(packed, scale, torch.empty(2, 8, 32, dtype=BF16))              # K is 64, not 32
+    with pytest.raises(ValueError, match="unit stride on the inner axis"):
+        dequantize_mxfp4(packed, scale, torch.empty(2, 64, 8, dtype=BF16).transpose(1, 2))
+    sources = [torch.randn(3, 16).to(BF16) for _ in range(2)]
+    with pytest.raises(ValueError, match=r"norm weight \(16,\) and proj weight \(1, 8\) do not hold 16 values each"):
+        attn_res_mix_triton(sources, torch.ones(16), torch.ones(1, 8), 1e-5)
