@@ -264,3 +264,17 @@ def compile_with_pdl():
 def _kernel_modules():
     from kimik3.ops.triton import activation, attn_res, conv, kda, l2norm, mla_decode, mla_prefill, moe, norm, rope, router
     return [activation, attn_res, conv, kda, l2norm, mla_decode, mla_prefill, moe, norm, rope, router]
+
+
+def test_gemv_kernel_compiles_for_hopper():
+    in_compiler_process("t.compile_gemv()")
+
+
+def compile_gemv():
+    """The decode projection kernel at 1-8 rows, even and masked, with the K loop pipelined
+    (cp.async needs the run time's 16-byte alignment specialisation, as launched)."""
+    from kimik3.ops.triton import gemv
+    for BM, even in ((1, True), (8, False)):
+        k = compile_for_hopper(gemv._gemv_kernel, {"x": "*bf16", "w": "*bf16", "y": "*bf16"},
+                               dict(BM=BM, BN=8, BK=512 // BM, EVEN=even, STAGES=3), divisible={"K", "stride_x", "stride_w"})
+        assert "cp.async" in k.asm["ptx"], f"BM={BM}: the weight loads are not pipelined"

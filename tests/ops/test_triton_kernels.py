@@ -656,3 +656,33 @@ def test_kernel_wrappers_refuse_mismatched_operands():
     sources = [torch.randn(3, 16).to(BF16) for _ in range(2)]
     with pytest.raises(ValueError, match=r"norm weight \(16,\) and proj weight \(1, 8\) do not hold 16 values each"):
         attn_res_mix_triton(sources, torch.ones(16), torch.ones(1, 8), 1e-5)
+
+
+# ---- decode-sized projections (gemv) -----------------------------------------------------------
+@pytest.mark.parametrize("M,N,K,cfg", [(1, 40, 96, None), (3, 33, 200, None), (4, 64, 512, (4, 64)),
+                                       (8, 16, 64, None), (2, 7, 1000, (16, 128))],
+                         ids=["one_row", "ragged", "even", "eight_rows", "tail_columns"])
+@pytest.mark.parametrize("dtype", [BF16, torch.float16])
+def test_gemv_kernel_matches_float64(M, N, K, cfg, dtype):
+    """x @ w^T from the math in float64, within one rounding of the output plus the fp32 sums' error;
+    rows, columns and K below, at and across the kernel's blocks (masked tails and the even path)."""
+    from kimik3.ops.triton.gemv import GemvConfig, gemv
+    g = gen(M * 1000 + N + K)
+    x = torch.randn(2, M, K, generator=g).to(dtype)[1]             # a view: rows at an offset
+    w = torch.randn(N, K, generator=g).to(dtype)
+    y = gemv(x, w, GemvConfig(*cfg) if cfg else None)
+    want = x.double() @ w.double().t()
+    scale = x.double().abs() @ w.double().abs().t()
+    assert y.shape == (M, N) and y.dtype == dtype
+    assert ((y.double() - want).abs() <= 2 ** -7 * want.abs() + K * 2 ** -23 * scale).all()
+
+
+def test_gemv_refuses_mismatched_operands():
+    from kimik3.ops.triton.gemv import gemv
+    x = torch.zeros(1, 64, dtype=BF16)
+    with pytest.raises(ValueError, match="does not match"):
+        gemv(x, torch.zeros(8, 32, dtype=BF16))
+    with pytest.raises(ValueError, match="does not match"):
+        gemv(x, torch.zeros(8, 64, dtype=torch.float16))
+    with pytest.raises(ValueError, match="bf16 or fp16"):
+        gemv(x.float(), torch.zeros(8, 64))

@@ -1,0 +1,89 @@
+"""Decode-sized projections: y [M, N] = x [M, K] @ w [N, K]^T for a few rows M, as a streaming read of w.
+
+At decode sizes a projection is a read of its weight; the library's tiles for M of 1-8 leave part of
+the GPU idle on some shapes or add a split-K reduction launch (a few us on 5-20 MB weights). Here
+program p owns BN output columns (BN whole rows of w, read once, K contiguous) and all M rows of x,
+and keeps a [BM, BN, BK] fp32 partial product across its K loop, summed over BK once at the end: no
+split-K, no second launch, no shuffles inside the loop. Products and sums in fp32, one rounding.
+Reference: ``torch.nn.functional.linear`` (``kimik3.ops.linear``).
+"""
+
+from __future__ import annotations
+
+from dataclasses import dataclass
+
+import torch
+import triton
+import triton.language as tl
+
+from kimik3.ops.triton.common import pdl, pdl_entry
+
+
+@triton.jit
+def _gemv_kernel(x, w, y, M, N, K, stride_x, stride_w, stride_y,
+                 BM: tl.constexpr, BN: tl.constexpr, BK: tl.constexpr, EVEN: tl.constexpr,
+                 STAGES: tl.constexpr, PDL: tl.constexpr):
+    pdl_entry(PDL)
+    n = tl.program_id(0) * BN + tl.arange(0, BN)
+    m = tl.arange(0, BM)
+    mm, mn = m < M, n < N
+    kk = tl.arange(0, BK)
+    w_rows = w + n[:, None].to(tl.int64) * stride_w + kk[None, :]                     # [BN, BK]
+    x_rows = x + m[:, None].to(tl.int64) * stride_x + kk[None, :]                     # [BM, BK]
+    acc = tl.zeros([BM, BN, BK], tl.float32)
+    for k0 in tl.range(0, K, BK, num_stages=STAGES):
+        if EVEN:       # N % BN == 0 and K % BK == 0
+            wt = tl.load(w_rows + k0)
+            xt = tl.load(x_rows + k0, mask=mm[:, None], other=0.0)
+        else:
+            mk = (k0 + kk) < K
+            wt = tl.load(w_rows + k0, mask=mn[:, None] & mk[None, :], other=0.0)
+            xt = tl.load(x_rows + k0, mask=mm[:, None] & mk[None, :], other=0.0)
+        acc += xt.to(tl.float32)[:, None, :] * wt.to(tl.float32)[None, :, :]
+    out = tl.sum(acc, 2)                                                                 # [BM, BN]
+    tl.store(y + m[:, None].to(tl.int64) * stride_y + n[None, :], out.to(y.dtype.element_ty),
+             mask=mm[:, None] & mn[None, :])
+
+
+@dataclass(frozen=True)
+class GemvConfig:
+    """Columns a program owns, K elements a loop step reads of each row, warps, pipeline stages."""
+    bn: int = 8
+    bk: int = 512
+    num_warps: int = 4
+    stages: int = 3
+
+
+def gemv_config(M: int, N: int, K: int, num_sms: int = 132) -> GemvConfig:
+    """The default launch: the most columns a program (4-32) that still gives every SM two programs,
+    and K steps that keep the fp32 partial product at 32 registers a thread (4 warps) per row of x."""
+    bn = 32
+    while bn > 4 and triton.cdiv(N, bn) < 2 * num_sms:
+        bn //= 2
+    bk = max(64, min(triton.next_power_of_2(K), 4096 // (bn * triton.next_power_of_2(M))))
+    return GemvConfig(bn=bn, bk=bk)
+
+
+def gemv(x: torch.Tensor, w: torch.Tensor, config: GemvConfig | None = None) -> torch.Tensor:
+    """x [..., K] (bf16 or fp16, unit stride on K); w [N, K] of x's dtype, contiguous.
+    Returns [..., N] in x's dtype."""
+    K = x.shape[-1]
+    N = w.shape[0]
+    if w.dim() != 2 or w.shape[1] != K or w.dtype != x.dtype or not w.is_contiguous():
+        raise ValueError(f"gemv: weight {w.dtype} {tuple(w.shape)} (contiguous: {w.is_contiguous()}) does not "
+                         f"match x {x.dtype} [..., {K}]")
+    if x.dtype not in (torch.bfloat16, torch.float16):
+        raise ValueError(f"gemv takes bf16 or fp16 operands, got {x.dtype}")
+    x2 = x.reshape(-1, K)
+    if x2.stride(-1) != 1:
+        x2 = x2.contiguous()
+    M = x2.shape[0]
+    y = torch.empty(M, N, dtype=x.dtype, device=x.device)
+    if M and N:
+        cfg = config or gemv_config(M, N, K)
+        BM = triton.next_power_of_2(M)
+        _gemv_kernel[(triton.cdiv(N, cfg.bn),)](
+            x2, w, y, M, N, K, x2.stride(0), w.stride(0), y.stride(0),
+            BM=BM, BN=cfg.bn, BK=cfg.bk, EVEN=N % cfg.bn == 0 and K % cfg.bk == 0, STAGES=cfg.stages,
+            num_warps=cfg.num_warps, **pdl(x))
+    return y.view(*x.shape[:-1], N)
