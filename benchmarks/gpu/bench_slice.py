@@ -11,6 +11,8 @@ Slices: ``kimi-k3-slice4.config.json`` (K3 width, 64 MXFP4 experts top-16, the d
 
 ``--pdl-ab``: every case also without programmatic dependent launch (``kimik3.ops.triton.common.PDL_ENABLED``
 off: our kernels launched the ordinary way), in the same process, so the two columns compare directly.
+``--gemv-ab``: every decode case also with the projections of up to 8 rows on the streaming kernel
+(``kimik3.ops.linear.GEMV_MAX_ROWS``; the other setting of the one the model ships with).
 """
 
 from __future__ import annotations
@@ -34,6 +36,7 @@ from kimik3.model.batch import ForwardBatch, HybridCache     # noqa: E402
 from kimik3.model.kimi_k3 import KimiForCausalLM             # noqa: E402
 from kimik3.model.moe import Experts                         # noqa: E402
 from kimik3.ops import ceil_div, mxfp4                       # noqa: E402
+from kimik3.ops import linear as ops_linear                   # noqa: E402
 from kimik3.ops.backend import reference_ops                 # noqa: E402
 from kimik3.ops.triton import common as triton_common        # noqa: E402
 
@@ -203,6 +206,18 @@ def without_pdl(measure):
         triton_common.PDL_ENABLED = saved
 
 
+def other_gemv(measure):
+    """``measure()`` with ``GEMV_MAX_ROWS`` flipped between 0 and 8 (``--gemv-ab`` only; else None)."""
+    if "--gemv-ab" not in sys.argv:
+        return None
+    saved = ops_linear.GEMV_MAX_ROWS
+    ops_linear.GEMV_MAX_ROWS = 0 if saved else 8
+    try:
+        return measure()
+    finally:
+        ops_linear.GEMV_MAX_ROWS = saved
+
+
 def profile(name, fn, row_limit: int = 14) -> str:
     """Top kernels of one run by device time (printed, kept in this bench's results, returned)."""
     from torch.profiler import ProfilerActivity
@@ -297,6 +312,7 @@ def bench_model(bw, mm):
         model.use_side_stream(torch.cuda.Stream())      # as the engine's decode graphs run
         t_graph = graph_time(fast)
         t_graph_no_pdl = without_pdl(lambda: graph_time(fast))
+        t_graph_other_gemv = other_gemv(lambda: graph_time(fast))
         model.use_side_stream(None)
         t_ref = float("nan")
         if "--no-ref" not in sys.argv:
@@ -311,6 +327,8 @@ def bench_model(bw, mm):
         rows.append({"case": f"decode b{N} ctx{CONTEXT}", "experts_touched_per_layer": active, "t_eager_ms": t_eager * 1e3,
                      "t_graph_ms": None if t_graph is None else t_graph * 1e3, "t_ref_ms": t_ref * 1e3,
                      "t_graph_no_pdl_ms": None if t_graph_no_pdl is None else t_graph_no_pdl * 1e3,
+                     "gemv_max_rows": ops_linear.GEMV_MAX_ROWS,
+                     "t_graph_other_gemv_ms": None if t_graph_other_gemv is None else t_graph_other_gemv * 1e3,
                      "bytes": byts, "flops": flops, "floor_ms": floor * 1e3, "time_over_floor": best / floor,
                      "speedup_vs_ref": t_ref / best, "ref_note": "same shapes"})
         log(rows[-1])
@@ -434,8 +452,9 @@ def main():
     results["config"] = config_path().name
     rows = bench_model(bw, mm)
     save()
-    log("\n| case | fast eager ms | fast graph ms | floor ms | time/floor | ref ms | speed-up | without PDL ms |")
-    log("|---|---|---|---|---|---|---|---|")
+    log(f"\n| case | fast eager ms | fast graph ms | floor ms | time/floor | ref ms | speed-up | without PDL ms "
+        f"| GEMV_MAX_ROWS {0 if ops_linear.GEMV_MAX_ROWS else 8} ms |")
+    log("|---|---|---|---|---|---|---|---|---|")
     for r in rows:
         g = "-" if r["t_graph_ms"] is None else f"{r['t_graph_ms']:.3f}"
         off = r.get("t_graph_no_pdl_ms") or r.get("t_eager_no_pdl_ms")
@@ -443,8 +462,10 @@ def main():
         ref = "-" if r["t_ref_ms"] is None else f"{r['t_ref_ms']:.1f}"
         sp = "-" if r["speedup_vs_ref"] is None else f"{r['speedup_vs_ref']:.1f}x"
         extra = f" ({r['matmul_fraction']:.0%} of matmul rate)" if "matmul_fraction" in r else ""
+        other = r.get("t_graph_other_gemv_ms")
+        other = "-" if other is None else f"{other:.3f}"
         log(f"| {r['case']} | {r['t_eager_ms']:.2f} | {g} | {r['floor_ms']:.2f} | {r['time_over_floor']:.2f}{extra} "
-            f"| {ref} | {sp} | {off} |")
+            f"| {ref} | {sp} | {off} | {other} |")
     bad = [k for k, r in results.get("checks", {}).items() if not r["ok"]]
     log(f"checks: {len(results.get('checks', {})) - len(bad)} ok, bad: {bad}")
 

@@ -7,12 +7,19 @@ from torch import nn
 
 from kimik3.distributed import ParallelContext
 from kimik3.ops.activation import glu_activation
+from kimik3.ops.linear import linear as ops_linear
 from kimik3.ops.norm import rms_norm
 
 
-def linear(in_features: int, out_features: int) -> nn.Linear:
-    """Every projection in Kimi models is bias-free."""
-    return nn.Linear(in_features, out_features, bias=False)
+class Linear(nn.Linear):
+    """A bias-free projection (every projection in Kimi models) through ``kimik3.ops.linear``."""
+
+    def forward(self, x: torch.Tensor) -> torch.Tensor:
+        return ops_linear(x, self.weight)
+
+
+def linear(in_features: int, out_features: int) -> Linear:
+    return Linear(in_features, out_features, bias=False)
 
 
 class MergedWeight(nn.Module):
@@ -45,7 +52,7 @@ class MergedLinear(MergedWeight):
 
     def forward(self, x: torch.Tensor) -> torch.Tensor:
         """x [..., in] -> [..., sum of outs]: the projections side by side, in ``parts`` order."""
-        return torch.nn.functional.linear(x, self.weight)
+        return ops_linear(x, self.weight)
 
 
 def tp_shards(par: ParallelContext, **dims: int) -> dict[str, tuple[int, int, int]]:
