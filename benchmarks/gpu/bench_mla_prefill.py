@@ -213,7 +213,12 @@ DECODE_SWEEP = [DecodeConfig(**G, bh=32, bn=128, trans=True, num_warps=8, num_st
                 # more programs an SM, and three stages
                 DecodeConfig(**G, bh=32, bn=64, num_warps=8, num_stages=2, programs_per_sm=4),
                 DecodeConfig(**G, bh=32, bn=64, num_warps=4, num_stages=3, programs_per_sm=2),
-                DecodeConfig(**G, bh=32, bn=32, num_warps=4, num_stages=3, programs_per_sm=4)]
+                DecodeConfig(**G, bh=32, bn=32, num_warps=4, num_stages=3, programs_per_sm=4),
+                # one sequence over a short context (the slices' batch-1 step at 4k: 32 programs of
+                # 128 rows by default): more, smaller programs
+                DecodeConfig(**G, bh=16, bn=64, trans=True, num_warps=4, num_stages=2, programs_per_sm=2),
+                DecodeConfig(**G, bh=32, bn=32, trans=True, num_warps=4, num_stages=2, programs_per_sm=2),
+                DecodeConfig(**G, bh=32, bn=64, trans=True, num_warps=4, num_stages=2, programs_per_sm=2)]
 
 
 def kernel_info(fn) -> dict:
