@@ -22,6 +22,7 @@ sys.path.insert(0, str(ROOT))
 from benchmarks.common import capture_graph, commit_id, copy_rate, cuda_time, log, rel_err, save_results  # noqa: E402
 from kimik3.ops.backend import import_fla_kda  # noqa: E402
 from kimik3.ops.triton.conv import causal_conv1d_pool_triton  # noqa: E402
+from kimik3.ops.norm import gated_rms_norm  # noqa: E402
 from kimik3.ops.triton.kda import kda_decode_triton  # noqa: E402
 
 K = 128
@@ -78,6 +79,22 @@ def main():
             for bv, warps in ((16, 4), (32, 4), (32, 8), (64, 8)):
                 cases[f"ours BV={bv} warps={warps}"] = (lambda bv=bv, warps=warps: kda_decode_triton(
                     q, k, v, f, b, A_log, dt_bias, lower_bound, pool, slots, block_v=bv, num_warps=warps))
+            # the layer's output norm: the default step then the norm kernel, against the step that does both
+            out_gate = torch.randn(N, H, K, device="cuda", generator=g).to(torch.bfloat16)
+            norm_w = 1 + 0.1 * torch.randn(K, device="cuda", generator=g)
+            pool.copy_(saved)
+            normed_ref = gated_rms_norm(ref, norm_w, out_gate, 1e-5, torch.float64)
+            normed = {"ours + separate norm": lambda: gated_rms_norm(kda_decode_triton(
+                          q, k, v, f, b, A_log, dt_bias, lower_bound, pool, slots), norm_w, out_gate, 1e-5, torch.bfloat16),
+                      "ours, norm fused": lambda: kda_decode_triton(q, k, v, f, b, A_log, dt_bias, lower_bound, pool, slots,
+                                                                    norm=(norm_w, out_gate, 1e-5, torch.bfloat16))}
+            for name, fn in normed.items():
+                pool.copy_(saved)
+                err = rel_err(fn().double(), normed_ref)
+                t = graph_us(fn)
+                rows.append({"op": "kda+norm", "heads": H, "batch": N, "case": name, "us": t, "floor_us": floor,
+                             "over_floor": t / floor, "rel_diff_vs_fla": err})
+                log(f"kda+norm H={H} b{N} {name}: {t:.1f} us = {t / floor:.2f} x floor, rel diff {err:.1e}")
             for name, fn in cases.items():
                 pool.copy_(saved)
                 out = fn().double()

@@ -16,8 +16,7 @@ from kimik3.distributed import ParallelContext
 from kimik3.model.batch import ForwardBatch
 from kimik3.model.layers import MergedLinear, MergedWeight, linear, tp_shards
 from kimik3.ops.conv import causal_conv1d, causal_conv1d_in_pool, conv_windows_at
-from kimik3.ops.kda import kda_attention, kda_attention_in_pool, kda_recurrent_in_pool
-from kimik3.ops.norm import gated_rms_norm
+from kimik3.ops.kda import OutputNorm, kda_attention, kda_attention_in_pool, kda_recurrent_in_pool
 
 logger = logging.getLogger(__name__)
 
@@ -87,19 +86,21 @@ class KimiDeltaAttention(nn.Module):
             f, gate = torch.bmm(fg_a.view(T, 2, K).transpose(0, 1), w_b)
         f = f.view(T, H, K)
         weight = self.conv1d.weight.squeeze(1)                                  # [3P, W]
+        out_norm = OutputNorm(self.o_norm.weight, gate.view(T, H, K), self.norm_eps, x.dtype)
         if batch.row_state_slots is not None:
-            o = self._attend_short(raw, weight, f, b, batch.context_lens > 0, batch, conv_pool, state_pool)
+            y = out_norm(self._attend_short(raw, weight, f, b, batch.context_lens > 0, batch, conv_pool, state_pool))
         elif batch.checkpoints:
-            o = self._attend_with_checkpoints(raw, weight, f, b, batch.context_lens > 0, batch, conv_pool, state_pool)
+            y = out_norm(self._attend_with_checkpoints(raw, weight, f, b, batch.context_lens > 0, batch, conv_pool,
+                                                       state_pool))
         else:
             # the ops read the sequences' pool rows and write the new windows/states back in place
             # (None: every sequence has history, which a decode step's kernels take as given)
             has_state = None if batch.is_decode else batch.context_lens > 0
             q, k, v = (t.view(T, H, K) for t in causal_conv1d_in_pool(raw, weight, conv_pool, slots, has_state,
                                                                        batch.query_lens_cpu, batch.cu_seqlens, 3))
-            o = kda_attention_in_pool(q, k, v, f, b, self.A_log, self.dt_bias, self.lower_bound, state_pool, slots,
-                                      has_state, batch.query_lens_cpu, batch.cu_seqlens, decode=batch.is_decode)
-        y = gated_rms_norm(o, self.o_norm.weight, gate.view(T, H, K), self.norm_eps, x.dtype)
+            y = kda_attention_in_pool(q, k, v, f, b, self.A_log, self.dt_bias, self.lower_bound, state_pool, slots,
+                                      has_state, batch.query_lens_cpu, batch.cu_seqlens, decode=batch.is_decode,
+                                      out_norm=out_norm)
         return self.par.all_reduce(self.o_proj(y.reshape(T, H * K)))
 
     def _attend_short(self, raw, weight, f, b, has_state, batch: ForwardBatch, conv_pool, state_pool):

@@ -11,11 +11,26 @@ reference written as the equations read.
 
 from __future__ import annotations
 
+from dataclasses import dataclass
+
 import torch
 import torch.nn.functional as F
 
 from kimik3.ops.backend import import_fla_kda, use_fast_path
-from kimik3.ops.norm import acc_dtype
+from kimik3.ops.norm import acc_dtype, gated_rms_norm
+
+
+@dataclass(frozen=True)
+class OutputNorm:
+    """A KDA layer's output norm: rmsnorm(o) * weight * sigmoid(gate) in fp32, rounded to ``dtype``
+    (``gated_rms_norm``). weight [V]; gate [T, H, V]."""
+    weight: torch.Tensor
+    gate: torch.Tensor
+    eps: float
+    dtype: torch.dtype
+
+    def __call__(self, o: torch.Tensor) -> torch.Tensor:
+        return gated_rms_norm(o, self.weight, self.gate, self.eps, self.dtype)
 
 
 def kda_gate(f: torch.Tensor, A_log: torch.Tensor, dt_bias: torch.Tensor,
@@ -179,21 +194,25 @@ def kda_recurrent_in_pool(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, f: 
 def kda_attention_in_pool(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, f: torch.Tensor, b: torch.Tensor,
                           A_log: torch.Tensor, dt_bias: torch.Tensor, lower_bound: float | None,
                           state_pool: torch.Tensor, slots: torch.Tensor, has_state: torch.Tensor | None,
-                          query_lens: list[int], cu_seqlens: torch.Tensor, decode: bool) -> torch.Tensor:
+                          query_lens: list[int], cu_seqlens: torch.Tensor, decode: bool,
+                          out_norm: OutputNorm | None = None) -> torch.Tensor:
     """``kda_attention`` with the states read from and written back to a pool.
 
     state_pool [num_slots, H, V, K] fp32 (V-first): rows ``slots`` [N] are the initial states
     (zeros where ``has_state`` [N] is False; None: every sequence has one) and receive the final
     states. ``decode``: every sequence has one token and a state (then CUDA updates the pool rows in
-    place with our one-kernel step, ``triton/kda.py``: no gather/scatter). Returns o [T, H, V].
+    place with our one-kernel step, ``triton/kda.py``: no gather/scatter). Returns o [T, H, V], or
+    ``out_norm(o)`` (in its dtype) when given: on the CUDA decode step inside the same kernel, from
+    the unrounded o.
     """
     if use_fast_path(q) and decode:
         from kimik3.ops.triton.kda import kda_decode_triton
-        return kda_decode_triton(q, k, v, f, b, A_log, dt_bias, lower_bound, state_pool, slots)
+        norm = None if out_norm is None else (out_norm.weight, out_norm.gate, out_norm.eps, out_norm.dtype)
+        return kda_decode_triton(q, k, v, f, b, A_log, dt_bias, lower_bound, state_pool, slots, norm=norm)
     state0 = state_pool[slots] if has_state is None else state_pool[slots].masked_fill(~has_state.view(-1, 1, 1, 1), 0)
     if use_fast_path(q):
         o, state1 = _chunk_kda_fla(q, k, v, f, b, A_log, dt_bias, lower_bound, state0, cu_seqlens)
     else:
         o, state1 = kda_attention(q, k, v, f, b, A_log, dt_bias, lower_bound, state0, query_lens)
     state_pool[slots] = state1
-    return o
+    return o if out_norm is None else out_norm(o)

@@ -21,7 +21,7 @@ from kimik3.ops.activation import situ_and_mul, silu_and_mul
 from kimik3.ops.attn_res import attn_res_mix, attn_res_mix_norm
 from kimik3.ops.backend import reference_ops
 from kimik3.ops.conv import causal_conv1d_in_pool
-from kimik3.ops.kda import kda_attention_in_pool, kda_recurrent_in_pool
+from kimik3.ops.kda import OutputNorm, kda_attention_in_pool, kda_recurrent_in_pool
 from kimik3.ops.mla import mla_decode_attention, mla_prefill_attention
 from kimik3.ops.moe import fused_moe, fused_moe_mxfp4
 from kimik3.ops.norm import add_rms_norm, gated_rms_norm, rms_norm, rms_norm_fp32_weight
@@ -77,10 +77,11 @@ def _kda_inputs(T, H, K, g):
     return q, k, v, f, b, A_log, dt_bias
 
 
-def check_kda(lens=(200, 1, 67, 130), ctx=(0, 12, 5, 0), H=96, K=128, lower_bound=-5.0, seed=1) -> dict:
+def check_kda(lens=(200, 1, 67, 130), ctx=(0, 12, 5, 0), H=96, K=128, lower_bound=-5.0, seed=1,
+              normed=False) -> dict:
     """Prefill (fla chunk_kda, ragged varlen, states from scattered slots) and decode (our one-kernel
     step updating the pool in place; b a strided slice, as the model passes it); reference in fp32
-    on the same inputs."""
+    on the same inputs. ``normed``: with the layer's output norm (fused into the decode step)."""
     g = _gen(seed)
     S = 11
     out = {}
@@ -91,12 +92,19 @@ def check_kda(lens=(200, 1, 67, 130), ctx=(0, 12, 5, 0), H=96, K=128, lower_boun
         pool = 0.1 * torch.randn(S, H, K, K, generator=g, device="cuda")
         slots, cu, has = _batch(ls, cs, S, g)
         ref_pool = pool.clone()
+        norm = ref_norm = None
+        if normed:
+            gate = torch.randn(sum(ls), H * K + 3, generator=g, device="cuda").to(BF16)[:, 3:].view(-1, H, K)
+            weight = 1 + 0.2 * torch.randn(K, generator=g, device="cuda")
+            norm = OutputNorm(weight, gate, 1e-5, BF16)
+            ref_norm = OutputNorm(weight, gate.float(), 1e-5, torch.float32)
         with reference_ops():
             ref = kda_attention_in_pool(q.float(), k.float(), v.float(), f.float(), b.float(), A_log, dt_bias,
-                                        lower_bound, ref_pool, slots, has, ls, cu, decode=name == "decode")
+                                        lower_bound, ref_pool, slots, has, ls, cu, decode=name == "decode",
+                                        out_norm=ref_norm)
         poison_allocator()
         o = kda_attention_in_pool(q, k, v, f, b, A_log, dt_bias, lower_bound, pool, slots, has, ls, cu,
-                                  decode=name == "decode")
+                                  decode=name == "decode", out_norm=norm)
         others = torch.ones(S, dtype=torch.bool, device="cuda")
         others[slots] = False
         out[f"kda.{name}.o"] = worst_rel_err(o, ref, ls)
@@ -341,6 +349,8 @@ def check_glu(seed=18) -> dict:
 CHECKS = {
     "rms_norm": check_rms_norm, "glu": check_glu,
     "conv": check_conv, "kda": check_kda, "kda_snapshots": check_kda_snapshots,
+    "kda_normed": lambda: check_kda(lens=(9, 1, 30), ctx=(0, 3, 7), seed=27, normed=True),
+    "kda_normed_softplus": lambda: check_kda(lens=(5, 2), ctx=(2, 0), H=32, lower_bound=None, seed=28, normed=True),
     "kda_snapshots_softplus": lambda: check_kda_snapshots(lens=(2, 4, 1), H=4, lower_bound=None, seed=16), "mla_decode": check_mla_decode, "mla_prefill": check_mla_prefill,
     "moe_small": lambda: check_moe(T=3), "moe_mid": lambda: check_moe(T=37),
     "moe_one_multiply": lambda: check_moe(T=5, tell_scale_max=True, seed=9),

@@ -178,8 +178,10 @@ def compile_kda_decode():
     from kimik3.ops.triton import kda
     types = {"q": "*bf16", "k": "*bf16", "v": "*bf16", "f": "*bf16", "b": "*bf16", "A_log": "*fp32", "dt_bias": "*fp32",
              "pool": "*fp32", "slots": "*i64", "o": "*bf16", "lower_bound": "fp32", "scale": "fp32"}
-    for bounded in (True, False):
-        compile_for_hopper(kda._kda_decode_kernel, types, dict(H=32, K=128, V=128, BV=32, BOUNDED=bounded))
+    types.update(norm_w="*fp32", gate="*bf16", eps="fp32")
+    for bounded, norm in ((True, False), (False, False), (True, True)):
+        compile_for_hopper(kda._kda_decode_kernel, types, dict(H=32, K=128, V=128, BV=128 if norm else 32,
+                                                               BOUNDED=bounded, NORM=norm), num_warps=8 if norm else 4)
 
 
 def test_rope_kernel_compiles_for_hopper():

@@ -127,12 +127,14 @@ def test_conv_pool_kernel_names_a_kernel_size_it_does_not_take():
 
 
 # ---- KDA decode ----------------------------------------------------------------------------
+@pytest.mark.parametrize("with_norm", [False, True], ids=["o", "normed"])
 @pytest.mark.parametrize("lower_bound", [-5.0, None], ids=["bounded", "softplus"])
-def test_kda_decode_kernel_matches_float64(lower_bound):
+def test_kda_decode_kernel_matches_float64(lower_bound, with_norm):
     """One decode step of three sequences in scattered pool slots against the equations in float64:
     gate (K3's bounded sigmoid or Kimi-Linear's softplus, with a logit past softplus's threshold),
     beta = sigmoid(b), q and k L2-normalised (q by K^-1/2), decay, delta rule, output. q and b are
-    read with row strides (slices of a wider projection); value channels span two programs."""
+    read with row strides (slices of a wider projection); value channels span two programs. With the
+    output norm: rmsnorm(o) * w * sigmoid(gate) of the unrounded o, the gate read with a row stride."""
     from kimik3.ops.triton.kda import kda_decode_triton
     g = gen(5)
     N, H, K = 3, 2, 32
@@ -148,7 +150,10 @@ def test_kda_decode_kernel_matches_float64(lower_bound):
     pool = torch.randn(6, H, V, K, generator=g)
     slots = torch.tensor([4, 1, 3])
     before = pool.clone()
-    o = kda_decode_triton(q, k, v, f, b, A_log, dt_bias, lower_bound, pool, slots, block_v=16)
+    out_gate = torch.randn(N, H * V + 5, generator=g).to(BF16)[:, 5:].view(N, H, V)
+    norm_w = torch.randn(V, generator=g) * 0.3 + 1
+    norm = (norm_w, out_gate, 1e-5, BF16) if with_norm else None
+    o = kda_decode_triton(q, k, v, f, b, A_log, dt_bias, lower_bound, pool, slots, block_v=16, norm=norm)
 
     d = lambda t: t.double()                                             # noqa: E731
     z = d(f) + d(dt_bias).view(1, H, K)
@@ -162,6 +167,8 @@ def test_kda_decode_kernel_matches_float64(lower_bound):
     delta = beta.unsqueeze(-1) * (d(v) - (S * kn.unsqueeze(2)).sum(-1))
     S = S + delta.unsqueeze(-1) * kn.unsqueeze(2)
     want = (S * qn.unsqueeze(2)).sum(-1)
+    if with_norm:
+        want = want / torch.sqrt((want ** 2).mean(-1, keepdim=True) + 1e-5) * d(norm_w) * torch.sigmoid(d(out_gate))
     assert o.shape == (N, H, V) and o.dtype == BF16
     assert rel_err(o, want) < 8e-3                                       # one truncating bf16 rounding
     assert (d(pool[slots]) - S).abs().max() <= 1e-5 * S.abs().max()
@@ -616,6 +623,9 @@ def test_decode_kernels_refuse_operands_that_do_not_fit():
     with pytest.raises(ValueError, match="k needs each row's heads packed"):
         kda_decode_triton(q, torch.randn(N, K, H).to(BF16).transpose(1, 2), v, f, b, A_log, dt_bias, None,
                           torch.zeros(3, H, K, K), slots)
+    with pytest.raises(ValueError, match=r"output norm needs weight \[16\] and gate \[2, 2, 16\]"):
+        kda_decode_triton(q, k, v, f, b, A_log, dt_bias, None, torch.zeros(3, H, K, K), slots,
+                          norm=(torch.ones(K), torch.zeros(N, K, H).transpose(1, 2), 1e-5, BF16))
     with pytest.raises(ValueError, match=r"residual torch.float32 \(2, 8\) does not match x torch.bfloat16 \(2, 8\)"):
         rms_norm_triton(torch.randn(2, 8).to(BF16), torch.ones(8), 1e-6, KIMI, BF16, residual=torch.randn(2, 8))
 

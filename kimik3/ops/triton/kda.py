@@ -8,6 +8,10 @@ that each read and write their own slice once:
     S <- S * exp(g)[None, :];  delta = beta (v - S k);  S <- S + delta[:, None] k[None, :];  o = S q
 q, k, v, f and b are read through their row strides (slices of the step's merged projection, as
 they come), so no operand is copied first.
+
+With the output norm (NORM: one program holds a head's whole value row, BV == V), the program
+finishes the layer's KDA output as well: o <- rmsnorm(o) * w * sigmoid(gate), in fp32 from the
+unrounded o, stored once in the layer's dtype (the separate norm launch read o back in bf16).
 """
 
 from __future__ import annotations
@@ -20,10 +24,10 @@ from kimik3.ops.triton.common import pdl, pdl_entry
 
 
 @triton.jit
-def _kda_decode_kernel(q, k, v, f, b, A_log, dt_bias, pool, slots, o, lower_bound, scale,
-                       stride_q, stride_k, stride_v, stride_f, stride_b, stride_o, stride_slot,
+def _kda_decode_kernel(q, k, v, f, b, A_log, dt_bias, pool, slots, o, norm_w, gate, lower_bound, scale, eps,
+                       stride_q, stride_k, stride_v, stride_f, stride_b, stride_o, stride_slot, stride_gate,
                        H: tl.constexpr, K: tl.constexpr, V: tl.constexpr, BV: tl.constexpr,
-                       BOUNDED: tl.constexpr, PDL: tl.constexpr):
+                       BOUNDED: tl.constexpr, NORM: tl.constexpr, PDL: tl.constexpr):
     pdl_entry(PDL)
     n, h, iv = tl.program_id(0).to(tl.int64), tl.program_id(1), tl.program_id(2)
     ck = tl.arange(0, K)
@@ -46,7 +50,11 @@ def _kda_decode_kernel(q, k, v, f, b, A_log, dt_bias, pool, slots, o, lower_boun
     S = S * tl.exp(g)[None, :]
     delta = beta * (vv - tl.sum(S * kv[None, :], 1))
     S = S + delta[:, None] * kv[None, :]
-    tl.store(o + n * stride_o + h * V + cv, tl.sum(S * qv[None, :], 1).to(o.dtype.element_ty))
+    out = tl.sum(S * qv[None, :], 1)                                       # [BV] fp32
+    if NORM:                                                               # BV == V: the head's whole row
+        out = out * (1.0 / tl.sqrt(tl.sum(out * out, 0) / V + eps)) * tl.load(norm_w + cv).to(tl.float32)
+        out = out * tl.sigmoid(tl.load(gate + n * stride_gate + h * V + cv).to(tl.float32))
+    tl.store(o + n * stride_o + h * V + cv, out.to(o.dtype.element_ty))
     tl.store(rows, S)
 
 
@@ -58,13 +66,15 @@ def default_block_v(V: int) -> int:
 def kda_decode_triton(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, f: torch.Tensor, b: torch.Tensor,
                       A_log: torch.Tensor, dt_bias: torch.Tensor, lower_bound: float | None,
                       state_pool: torch.Tensor, slots: torch.Tensor, block_v: int | None = None,
-                      num_warps: int = 4) -> torch.Tensor:
+                      num_warps: int | None = None,
+                      norm: tuple[torch.Tensor, torch.Tensor, float, torch.dtype] | None = None) -> torch.Tensor:
     """q, k, f [N, H, K]; v [N, H, V]; b [N, H] (each with unit stride inside a row, any row stride);
     A_log [H], dt_bias [H*K]; state_pool [slots, H, V, K] fp32, rows ``slots`` [N] updated in place.
-    Returns o [N, H, V] in v's dtype."""
+    Returns o [N, H, V] in v's dtype; with ``norm`` = (weight [V], gate [N, H, V], eps, dtype) the
+    normed output rmsnorm(o) * weight * sigmoid(gate) in that dtype (one program a head: 8 warps)."""
     N, H, K = q.shape
     V = v.shape[-1]
-    BV = block_v or default_block_v(V)
+    BV = V if norm is not None else (block_v or default_block_v(V))
     if state_pool.dtype != torch.float32 or tuple(state_pool.shape[1:]) != (H, V, K) or not state_pool[0].is_contiguous():
         raise ValueError(f"kda_decode_triton: the state pool must be fp32 [slots, {H}, {V}, {K}] with contiguous "
                          f"rows, got {state_pool.dtype} {tuple(state_pool.shape)}")
@@ -76,10 +86,21 @@ def kda_decode_triton(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, f: torc
             raise ValueError(f"kda_decode_triton: {name} needs each row's heads packed ({tuple(t.stride())})")
     if b.stride(-1) != 1:
         raise ValueError("kda_decode_triton: b needs unit stride over heads")
-    o = torch.empty(N, H, V, dtype=v.dtype, device=v.device)
+    if norm is not None:
+        weight, gate, eps, dtype = norm
+        if tuple(weight.shape) != (V,) or tuple(gate.shape) != (N, H, V) or gate.stride(-1) != 1 \
+                or gate.stride(-2) != V:
+            raise ValueError(f"kda_decode_triton: the output norm needs weight [{V}] and gate [{N}, {H}, {V}] with "
+                             f"each row's heads packed, got {tuple(weight.shape)} and {tuple(gate.shape)} "
+                             f"(strides {tuple(gate.stride())})")
+    else:
+        weight, gate, eps, dtype = A_log, A_log, 0.0, v.dtype                   # unused placeholders
+    o = torch.empty(N, H, V, dtype=dtype, device=v.device)
     if N:
         _kda_decode_kernel[(N, H, V // BV)](
-            q, k, v, f, b, A_log, dt_bias, state_pool, slots, o, float(lower_bound or 0.0), K ** -0.5,
-            q.stride(0), k.stride(0), v.stride(0), f.stride(0), b.stride(0), o.stride(0), state_pool.stride(0),
-            H=H, K=K, V=V, BV=BV, BOUNDED=lower_bound is not None, num_warps=num_warps, **pdl(q))
+            q, k, v, f, b, A_log, dt_bias, state_pool, slots, o, weight, gate, float(lower_bound or 0.0), K ** -0.5,
+            float(eps), q.stride(0), k.stride(0), v.stride(0), f.stride(0), b.stride(0), o.stride(0),
+            state_pool.stride(0), gate.stride(0) if norm is not None else 0,
+            H=H, K=K, V=V, BV=BV, BOUNDED=lower_bound is not None, NORM=norm is not None,
+            num_warps=num_warps or (8 if norm is not None else 4), **pdl(q))
     return o
