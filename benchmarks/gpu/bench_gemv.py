@@ -33,7 +33,7 @@ SHAPES = {
     "k3 mla in_proj": (14400, 7168), "k3 q_b": (18432, 1536),
 }
 ROWS = (1, 2, 4, 8)
-SWEEP = [GemvConfig(bn, bk, w, s) for bn in (4, 8, 16) for bk in (256, 512, 1024) for w in (4, 8) for s in (2, 4)
+SWEEP = [GemvConfig(bn, bk, w, s) for bn in (4, 8, 16) for bk in (256, 512, 1024) for w in (4, 8) for s in (3,)
          if bn * bk <= 8192 and bn * bk >= 2048]
 
 
