@@ -353,6 +353,7 @@ CHECKS = {
     "kda_normed_softplus": lambda: check_kda(lens=(5, 2), ctx=(2, 0), H=32, lower_bound=None, seed=28, normed=True),
     "kda_snapshots_softplus": lambda: check_kda_snapshots(lens=(2, 4, 1), H=4, lower_bound=None, seed=16), "mla_decode": check_mla_decode, "mla_prefill": check_mla_prefill,
     "moe_small": lambda: check_moe(T=3), "moe_mid": lambda: check_moe(T=37),
+    "moe_one_token": lambda: check_moe(T=1, seed=29),     # k distinct experts, a block each, no alignment
     "moe_one_multiply": lambda: check_moe(T=5, tell_scale_max=True, seed=9),
     "moe_high_scales": lambda: check_moe(T=5, shift=20, seed=10),
     "moe_high_scales_told": lambda: check_moe(T=5, shift=20, tell_scale_max=True, seed=11),

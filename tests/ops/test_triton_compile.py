@@ -64,8 +64,8 @@ def compile_moe(mxfp4, high_scales, dtype):
              "beta": "fp32", "linear_beta": "fp32", **{f"w{i}{k}": weight for i in (1, 2, 3) for k in "ps"}}
     sizes = {"I", "KH", "L", "stride_x", "stride_wp_e", "stride_wp_n", "stride_ws_e", "stride_ws_n", "stride_h",
              "stride_y"}
-    for divisible in (None, sizes):
-        common = dict(BM=16, BKH=64, UPCAST=False, MXFP4=mxfp4, ASM=True, HIGH_SCALES=high_scales)
+    for divisible, one_token in ((None, False), (sizes, False), (sizes, True)):
+        common = dict(BM=16, BKH=64, UPCAST=False, MXFP4=mxfp4, ASM=True, HIGH_SCALES=high_scales, ONE_TOKEN=one_token)
         kernels = [compile_for_hopper(moe._gate_up_kernel, types, dict(common, BN=64, TOP_K=8, ACT_SITU=mxfp4,
                                                                        CLIP_UP=mxfp4), divisible=divisible),
                    compile_for_hopper(moe._down_kernel, types, dict(common, BN=128), num_warps=8, divisible=divisible)]

@@ -223,7 +223,7 @@ def _packed_experts(E, N, K, g):
     return (packed.view(E, N, K // 2), scale.view(E, N, K // 32)), dense
 
 
-@pytest.mark.parametrize("T", [3, 40], ids=["T3", "T40"])
+@pytest.mark.parametrize("T", [1, 3, 40], ids=["T1", "T3", "T40"])
 def test_moe_mxfp4_kernel_matches_dense_reference(T):
     from kimik3.ops.triton.moe import fused_moe_triton
     g = gen(2)
@@ -238,6 +238,28 @@ def test_moe_mxfp4_kernel_matches_dense_reference(T):
     ref = fused_moe(x, d1, d2, d3, weights, ids, "situ", 4.0, 25.0, combine_fp32=True)
     out = fused_moe_triton(x, w1, w2, w3, weights, ids, True, 4.0, 25.0)
     assert rel_err(out, ref) < 3e-2        # four truncating bf16 roundings in a chain
+
+
+@pytest.mark.parametrize("mxfp4", [False, True], ids=["dense", "mxfp4"])
+def test_moe_one_token_blocks_equal_the_aligned_path(mxfp4, monkeypatch):
+    """A single token's k distinct experts take a block each without the alignment launch: the same bits
+    as the aligned tables, and the alignment is never called."""
+    from kimik3.ops.triton import moe as kernels
+    g = gen(31)
+    E, L, I, k = 8, 64, 96, 5
+    if mxfp4:
+        (w1, _), (w3, _), (w2, _) = (_packed_experts(E, n, m, g) for n, m in ((I, L), (I, L), (L, I)))
+    else:
+        w1, w3 = (torch.randn(E, I, L, generator=g).to(BF16) * L ** -0.5 for _ in range(2))
+        w2 = torch.randn(E, L, I, generator=g).to(BF16) * I ** -0.5
+    x = torch.randn(1, L, generator=g).to(BF16)
+    ids = torch.randperm(E, generator=g)[:k].view(1, k)
+    weights = torch.rand(1, k, generator=g)
+    tiles = dict(kernels._tiles(k / E, mxfp4), one_token=False)
+    aligned = kernels.fused_moe_triton(x, w1, w2, w3, weights, ids, False, 1.0, None, tiles=tiles)
+    monkeypatch.setattr(kernels, "_sort_by_expert", None)                 # must not be needed
+    direct = kernels.fused_moe_triton(x, w1, w2, w3, weights, ids, False, 1.0, None)
+    assert torch.equal(direct, aligned)
 
 
 @pytest.mark.parametrize("kernel", [True, False], ids=["one_program", "torch_ops"])

@@ -162,11 +162,15 @@ def dequantize_mxfp4(packed: torch.Tensor, scale: torch.Tensor, out: torch.Tenso
 
 
 @triton.jit
-def _block(sorted_rows, num_rows, pid_m, pid_n, N, BM: tl.constexpr, BN: tl.constexpr):
+def _block(sorted_rows, num_rows, pid_m, pid_n, N, BM: tl.constexpr, BN: tl.constexpr, ONE_TOKEN: tl.constexpr):
     """This program's BM sorted rows (assignment ids; ``valid`` false on padding) and BN output
-    columns (``mn`` false past N)."""
+    columns (``mn`` false past N). ONE_TOKEN (a single token, whose top-k experts are distinct):
+    block b holds assignment b alone, with no alignment tables (``block_expert`` is then the ids)."""
     offs_m = pid_m * BM + tl.arange(0, BM)
-    rows = tl.load(sorted_rows + offs_m)
+    if ONE_TOKEN:
+        rows = tl.where(tl.arange(0, BM) == 0, pid_m, num_rows).to(tl.int64)
+    else:
+        rows = tl.load(sorted_rows + offs_m)
     n = pid_n * BN + tl.arange(0, BN)
     return offs_m, rows, rows < num_rows, n, n < N
 
@@ -176,13 +180,14 @@ def _gate_up_kernel(x, w1p, w1s, w3p, w3s, h, sorted_rows, block_expert, num_row
                     stride_x, stride_wp_e, stride_wp_n, stride_ws_e, stride_ws_n, stride_h,
                     beta, linear_beta, TOP_K: tl.constexpr, ACT_SITU: tl.constexpr, CLIP_UP: tl.constexpr,
                     BM: tl.constexpr, BN: tl.constexpr, BKH: tl.constexpr, UPCAST: tl.constexpr,
-                    MXFP4: tl.constexpr, ASM: tl.constexpr, HIGH_SCALES: tl.constexpr, PDL: tl.constexpr):
+                    MXFP4: tl.constexpr, ASM: tl.constexpr, HIGH_SCALES: tl.constexpr, ONE_TOKEN: tl.constexpr,
+                    PDL: tl.constexpr):
     pdl_entry(PDL)
     pid_m, pid_n = tl.program_id(0), tl.program_id(1)
     e = tl.load(block_expert + pid_m).to(tl.int64)
     if e < 0:
         return
-    offs_m, rows, valid, n, mn = _block(sorted_rows, num_rows, pid_m, pid_n, I, BM, BN)
+    offs_m, rows, valid, n, mn = _block(sorted_rows, num_rows, pid_m, pid_n, I, BM, BN, ONE_TOKEN)
     tok = (rows // TOP_K).to(tl.int64)
     kcol = tl.arange(0, 2 * BKH)
     col1 = w1p + e * stride_wp_e + n[:, None].to(tl.int64) * stride_wp_n
@@ -214,13 +219,14 @@ def _gate_up_kernel(x, w1p, w1s, w3p, w3s, h, sorted_rows, block_expert, num_row
 def _down_kernel(h, w2p, w2s, y, sorted_rows, block_expert, num_rows, L, KH,
                  stride_h, stride_wp_e, stride_wp_n, stride_ws_e, stride_ws_n, stride_y,
                  BM: tl.constexpr, BN: tl.constexpr, BKH: tl.constexpr, UPCAST: tl.constexpr,
-                 MXFP4: tl.constexpr, ASM: tl.constexpr, HIGH_SCALES: tl.constexpr, PDL: tl.constexpr):
+                 MXFP4: tl.constexpr, ASM: tl.constexpr, HIGH_SCALES: tl.constexpr, ONE_TOKEN: tl.constexpr,
+                 PDL: tl.constexpr):
     pdl_entry(PDL)
     pid_m, pid_n = tl.program_id(0), tl.program_id(1)
     e = tl.load(block_expert + pid_m).to(tl.int64)
     if e < 0:
         return
-    offs_m, rows, valid, n, mn = _block(sorted_rows, num_rows, pid_m, pid_n, L, BM, BN)
+    offs_m, rows, valid, n, mn = _block(sorted_rows, num_rows, pid_m, pid_n, L, BM, BN, ONE_TOKEN)
     kcol = tl.arange(0, 2 * BKH)
     col = w2p + e * stride_wp_e + n[:, None].to(tl.int64) * stride_wp_n
     scl = w2s + e * stride_ws_e + n[:, None].to(tl.int64) * stride_ws_n
@@ -470,7 +476,9 @@ def fused_moe_triton(x: torch.Tensor, w1, w2, w3, weights: torch.Tensor, ids: to
     w1, w3 = (packed [E, I, L/2], scale [E, I, L/32]), w2 = (packed [E, L, I/2], scale [E, L, I/32]).
     high_scales: some E8M0 scale may exceed 128 (the dequantization takes two multiplies; False is
     only valid when every scale is <= 128). tiles: override the tile choice (benchmarks; with
-    "asm": False the fp16-placement dequantization runs on CUDA too, for comparison); without it, dense
+    "asm": False the fp16-placement dequantization runs on CUDA too, for comparison; "one_token": False
+    aligns a single token's rows as any batch's, where by default its k distinct experts take a block
+    each with no alignment launch); without it, dense
     bf16 experts with ``GROUPED_MM_ROWS_PER_EXPERT`` rows per expert or more run as library grouped GEMMs, and
     MXFP4 ones with ``MXFP4_GROUPED_MM_ROWS_PER_EXPERT`` or more too, dequantized a chunk at a time (outside
     CUDA-graph capture: the chunks' rows come to the host)."""
@@ -494,12 +502,16 @@ def fused_moe_triton(x: torch.Tensor, w1, w2, w3, weights: torch.Tensor, ids: to
         return _grouped_mm_mxfp4_experts(x, w1, w2, w3, weights, ids, act_situ, beta, linear_beta, high_scales)
     cfg = tiles or _tiles(T * top_k / E, packed)
     BM = cfg["BM"]
-    sorted_rows, block_expert = _sort_by_expert(ids, E, BM)
-    nb = block_expert.shape[0]
     R = T * top_k
-    h = torch.empty(sorted_rows.shape[0], I, dtype=x.dtype, device=x.device)
+    one_token = T == 1 and cfg.get("one_token", True)          # one token: its top-k experts are distinct
+    if one_token:               # block b = assignment b: no alignment launch (the kernels derive the rows)
+        block_expert, sorted_rows, nb = ids.reshape(-1), ids, R
+    else:
+        sorted_rows, block_expert = _sort_by_expert(ids, E, BM)
+        nb = block_expert.shape[0]
+    h = torch.empty(nb * BM, I, dtype=x.dtype, device=x.device)
     common = dict(BM=BM, BKH=cfg["BKH"], UPCAST=INTERPRETING, MXFP4=packed, ASM=cfg.get("asm", not INTERPRETING),
-                  HIGH_SCALES=high_scales, num_warps=cfg["warps"], num_stages=cfg["stages"])
+                  HIGH_SCALES=high_scales, ONE_TOKEN=one_token, num_warps=cfg["warps"], num_stages=cfg["stages"])
     _gate_up_kernel[(nb, triton.cdiv(I, cfg["BN1"]))](
         x, w1p, w1s, w3p, w3s, h, sorted_rows, block_expert, R, I, L // 2,
         x.stride(0), w1p.stride(0), w1p.stride(1), w1s.stride(0), w1s.stride(1), h.stride(0),
