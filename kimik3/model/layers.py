@@ -8,6 +8,7 @@ from torch import nn
 from kimik3.distributed import ParallelContext
 from kimik3.ops.activation import glu_activation
 from kimik3.ops.linear import linear as ops_linear
+from kimik3.ops.linear import linear_glu
 from kimik3.ops.norm import rms_norm
 
 
@@ -124,5 +125,6 @@ class MLP(nn.Module):
         self.tp_shards = tp_shards(par, gate_proj__weight=0, up_proj__weight=0, down_proj__weight=1)
 
     def forward(self, x: torch.Tensor) -> torch.Tensor:
-        y = self.down_proj(self.act(*self.gate_up_proj(x).chunk(2, dim=-1)))
+        a = self.act
+        y = self.down_proj(linear_glu(x, self.gate_up_proj.weight, a.hidden_act, a.beta, a.linear_beta))
         return self.par.all_reduce(y) if self.reduce else y

@@ -1,22 +1,38 @@
-"""Bias-free dense projections y = x W^T (every projection of the Kimi models).
-Reference: torch's linear (cuBLAS on CUDA). CUDA, bf16/fp16, at most ``GEMV_MAX_ROWS`` rows: the
-streaming kernel of ``kimik3.ops.triton.gemv``, where the H200 measurement chose it
-(``benchmarks/gpu/bench_gemv.py``)."""
+"""Bias-free dense projections y = x W^T (every projection of the Kimi models), and an MLP's gate/up
+projection with its GLU activation. Reference: torch's linear (cuBLAS on CUDA), then the activation
+op. CUDA, bf16/fp16, at most ``GEMV_MAX_ROWS`` rows: the streaming kernel of
+``kimik3.ops.triton.gemv`` (the activation in its epilogue), where the H200 measurement chose it
+(``benchmarks/gpu/bench_gemv.py``, ``bench_slice.py --gemv-ab``)."""
 
 from __future__ import annotations
 
 import torch
 
+from kimik3.ops.activation import glu_activation
 from kimik3.ops.backend import use_fast_path
 
 # Rows (tokens) up to which a projection takes the streaming kernel on CUDA; 0: never.
 GEMV_MAX_ROWS = 0
 
 
+def _streams(x: torch.Tensor, weight: torch.Tensor) -> bool:
+    return bool(GEMV_MAX_ROWS and use_fast_path(x) and x.dtype in (torch.bfloat16, torch.float16)
+                and weight.dtype == x.dtype and weight.is_contiguous() and 0 < x.numel() <= GEMV_MAX_ROWS * x.shape[-1])
+
+
 def linear(x: torch.Tensor, weight: torch.Tensor) -> torch.Tensor:
     """x [..., K] @ weight [N, K]^T -> [..., N] in x's dtype."""
-    if (GEMV_MAX_ROWS and use_fast_path(x) and x.dtype in (torch.bfloat16, torch.float16) and weight.dtype == x.dtype
-            and weight.is_contiguous() and 0 < x.numel() <= GEMV_MAX_ROWS * x.shape[-1]):
+    if _streams(x, weight):
         from kimik3.ops.triton.gemv import gemv
         return gemv(x, weight)
     return torch.nn.functional.linear(x, weight)
+
+
+def linear_glu(x: torch.Tensor, weight: torch.Tensor, hidden_act: str, beta: float,
+               linear_beta: float | None) -> torch.Tensor:
+    """act(x W_gate^T, x W_up^T) for weight = [W_gate; W_up] ([2I, K]): [..., I] in x's dtype, each
+    product rounded to x's dtype before the activation (``kimik3.ops.activation.glu_activation``)."""
+    if _streams(x, weight):
+        from kimik3.ops.triton.gemv import gemv
+        return gemv(x, weight, glu_act=(hidden_act == "situ", beta, linear_beta))
+    return glu_activation(hidden_act, beta, linear_beta)(*linear(x, weight).chunk(2, dim=-1))

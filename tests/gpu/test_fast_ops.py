@@ -346,7 +346,31 @@ def check_glu(seed=18) -> dict:
     return out
 
 
+def check_linear(seed=30) -> dict:
+    """ops.linear and linear_glu on the streaming kernel (GEMV_MAX_ROWS 8) at 1-8 rows against torch's
+    linear (and the activation op), on a projection shape of each slice and ragged ones."""
+    from kimik3.ops import linear as ops_linear
+    g = _gen(seed)
+    out = {}
+    saved = ops_linear.GEMV_MAX_ROWS
+    try:
+        for N, K in ((2304, 4096), (6720, 2304), (1000, 333)):
+            w = (torch.randn(N, K, generator=g, device="cuda") * K ** -0.5).to(BF16)
+            for M in (1, 3, 8):
+                x = torch.randn(M, K, generator=g, device="cuda").to(BF16)
+                ops_linear.GEMV_MAX_ROWS = 0
+                ref, ref_glu = ops_linear.linear(x, w), ops_linear.linear_glu(x, w, "situ", 4.0, 25.0)
+                ops_linear.GEMV_MAX_ROWS = 8
+                poison_allocator()
+                out[f"linear.{N}x{K}.M{M}"] = worst_rel_err(ops_linear.linear(x, w), ref)
+                out[f"linear_glu.{N}x{K}.M{M}"] = worst_rel_err(ops_linear.linear_glu(x, w, "situ", 4.0, 25.0), ref_glu)
+    finally:
+        ops_linear.GEMV_MAX_ROWS = saved
+    return out
+
+
 CHECKS = {
+    "linear": check_linear,
     "rms_norm": check_rms_norm, "glu": check_glu,
     "conv": check_conv, "kda": check_kda, "kda_snapshots": check_kda_snapshots,
     "kda_normed": lambda: check_kda(lens=(9, 1, 30), ctx=(0, 3, 7), seed=27, normed=True),

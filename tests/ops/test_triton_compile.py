@@ -276,7 +276,9 @@ def compile_gemv():
     """The decode projection kernel at 1-8 rows, even and masked, with the K loop pipelined
     (cp.async needs the run time's 16-byte alignment specialisation, as launched)."""
     from kimik3.ops.triton import gemv
-    for BM, even in ((1, True), (8, False)):
-        k = compile_for_hopper(gemv._gemv_kernel, {"x": "*bf16", "w": "*bf16", "y": "*bf16"},
-                               dict(BM=BM, BN=8, BK=512 // BM, EVEN=even, STAGES=3), divisible={"K", "stride_x", "stride_w"})
-        assert "cp.async" in k.asm["ptx"], f"BM={BM}: the weight loads are not pipelined"
+    for BM, even, act in ((1, True, None), (8, False, None), (1, True, "silu"), (2, False, "situ")):
+        consts = dict(BM=BM, BN=8, BK=512 // BM, EVEN=even, GLU=act is not None, SITU=act == "situ",
+                      CLIP_UP=act == "situ", STAGES=3)
+        k = compile_for_hopper(gemv._gemv_kernel, {"x": "*bf16", "w": "*bf16", "y": "*bf16", "beta": "fp32",
+                                                   "linear_beta": "fp32"}, consts, divisible={"K", "stride_x", "stride_w"})
+        assert "cp.async" in k.asm["ptx"], f"BM={BM} {act}: the weight loads are not pipelined"

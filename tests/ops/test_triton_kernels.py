@@ -718,3 +718,38 @@ def test_gemv_refuses_mismatched_operands():
         gemv(x, torch.zeros(8, 64, dtype=torch.float16))
     with pytest.raises(ValueError, match="bf16 or fp16"):
         gemv(x.float(), torch.zeros(8, 64))
+
+
+@pytest.mark.parametrize("act", ["silu", "situ", "situ_unclipped"])
+@pytest.mark.parametrize("M,I,K", [(1, 24, 200), (5, 16, 512)], ids=["one_row_ragged", "five_rows_even"])
+def test_gemv_glu_matches_float64(act, M, I, K):
+    """The gate/up projection and its activation in one launch: act(round(x W_g^T), round(x W_u^T)) from the
+    math in float64 (SiLU, or SITU with and without the up clip), within the output's rounding."""
+    from kimik3.ops.triton.gemv import gemv
+    g = gen(M * 7 + I + K)
+    x = torch.randn(M, K, generator=g).to(BF16)
+    w = (torch.randn(2 * I, K, generator=g) * K ** -0.5).to(BF16)
+    situ, beta, linear_beta = act.startswith("situ"), 4.0, (None if act == "situ_unclipped" else 2.0)
+    y = gemv(x, w, glu_act=(situ, beta, linear_beta))
+    gate, up = ((x.double() @ w[rows].double().t()).to(BF16).double() for rows in (slice(0, I), slice(I, 2 * I)))
+    if situ:
+        gated = beta * torch.tanh(gate / beta) * torch.sigmoid(gate)
+        want = gated * (up if linear_beta is None else linear_beta * torch.tanh(up / linear_beta))
+    else:
+        want = gate * torch.sigmoid(gate) * up
+    assert y.shape == (M, I) and y.dtype == BF16
+    # the products may round to the other bf16 neighbour (fp32 sums): one ulp of gate and up, then the output's
+    slack = 2 ** -7 * (gate.abs() + 1) * (up.abs() + 1)
+    assert ((y.double() - want).abs() <= 2 ** -7 * want.abs() + slack).all()
+
+
+def test_linear_ops_reference_path_equals_the_two_launch_form():
+    """ops.linear / linear_glu on the CPU: torch's linear, and the activation op on its two halves."""
+    from kimik3.ops.activation import glu_activation
+    from kimik3.ops.linear import linear, linear_glu
+    g = gen(3)
+    x = torch.randn(3, 32, generator=g).to(BF16)
+    w = torch.randn(20, 32, generator=g).to(BF16)
+    assert torch.equal(linear(x, w), torch.nn.functional.linear(x, w))
+    gate, up = torch.nn.functional.linear(x, w).chunk(2, dim=-1)
+    assert torch.equal(linear_glu(x, w, "situ", 4.0, 25.0), glu_activation("situ", 4.0, 25.0)(gate, up))

@@ -16,31 +16,43 @@ import torch
 import triton
 import triton.language as tl
 
-from kimik3.ops.triton.common import pdl, pdl_entry
+from kimik3.ops.triton.common import glu, pdl, pdl_entry
 
 
 @triton.jit
-def _gemv_kernel(x, w, y, M, N, K, stride_x, stride_w, stride_y,
+def _gemv_kernel(x, w, y, M, N, K, stride_x, stride_w, stride_y, beta, linear_beta,
                  BM: tl.constexpr, BN: tl.constexpr, BK: tl.constexpr, EVEN: tl.constexpr,
+                 GLU: tl.constexpr, SITU: tl.constexpr, CLIP_UP: tl.constexpr,
                  STAGES: tl.constexpr, PDL: tl.constexpr):
+    """GLU: w is [gate; up] ([2N, K]) and the program's columns n of both give y = act(gate, up) [M, N],
+    each product rounded to y's dtype before the activation (as the two-launch form rounds them)."""
     pdl_entry(PDL)
     n = tl.program_id(0) * BN + tl.arange(0, BN)
     m = tl.arange(0, BM)
     mm, mn = m < M, n < N
     kk = tl.arange(0, BK)
     w_rows = w + n[:, None].to(tl.int64) * stride_w + kk[None, :]                     # [BN, BK]
+    up_rows = w_rows + N * stride_w                                                   # GLU: the up rows
     x_rows = x + m[:, None].to(tl.int64) * stride_x + kk[None, :]                     # [BM, BK]
     acc = tl.zeros([BM, BN, BK], tl.float32)
+    acc_up = tl.zeros([BM, BN, BK] if GLU else [1, 1, 1], tl.float32)
     for k0 in tl.range(0, K, BK, num_stages=STAGES):
         if EVEN:       # N % BN == 0 and K % BK == 0
-            wt = tl.load(w_rows + k0)
-            xt = tl.load(x_rows + k0, mask=mm[:, None], other=0.0)
+            xt = tl.load(x_rows + k0, mask=mm[:, None], other=0.0).to(tl.float32)[:, None, :]
+            acc += xt * tl.load(w_rows + k0).to(tl.float32)[None, :, :]
+            if GLU:
+                acc_up += xt * tl.load(up_rows + k0).to(tl.float32)[None, :, :]
         else:
             mk = (k0 + kk) < K
-            wt = tl.load(w_rows + k0, mask=mn[:, None] & mk[None, :], other=0.0)
-            xt = tl.load(x_rows + k0, mask=mm[:, None] & mk[None, :], other=0.0)
-        acc += xt.to(tl.float32)[:, None, :] * wt.to(tl.float32)[None, :, :]
+            xt = tl.load(x_rows + k0, mask=mm[:, None] & mk[None, :], other=0.0).to(tl.float32)[:, None, :]
+            acc += xt * tl.load(w_rows + k0, mask=mn[:, None] & mk[None, :], other=0.0).to(tl.float32)[None, :, :]
+            if GLU:
+                acc_up += xt * tl.load(up_rows + k0, mask=mn[:, None] & mk[None, :], other=0.0).to(tl.float32)[None, :, :]
     out = tl.sum(acc, 2)                                                                 # [BM, BN]
+    if GLU:
+        g = out.to(y.dtype.element_ty).to(tl.float32)
+        u = tl.sum(acc_up, 2).to(y.dtype.element_ty).to(tl.float32)
+        out = glu(g, u, beta, linear_beta, SITU, CLIP_UP)
     tl.store(y + m[:, None].to(tl.int64) * stride_y + n[None, :], out.to(y.dtype.element_ty),
              mask=mm[:, None] & mn[None, :])
 
@@ -54,21 +66,28 @@ class GemvConfig:
     stages: int = 3
 
 
-def gemv_config(M: int, N: int, K: int, num_sms: int = 132) -> GemvConfig:
+def gemv_config(M: int, N: int, K: int, num_sms: int = 132, glu: bool = False) -> GemvConfig:
     """The default launch: the most columns a program (4-32) that still gives every SM two programs,
-    and K steps that keep the fp32 partial product at 32 registers a thread (4 warps) per row of x."""
+    and K steps that keep the fp32 partial products at 32 registers a thread (4 warps) per row of x
+    (GLU: N counts gate and up rows, each program reads both)."""
     bn = 32
     while bn > 4 and triton.cdiv(N, bn) < 2 * num_sms:
         bn //= 2
-    bk = max(64, min(triton.next_power_of_2(K), 4096 // (bn * triton.next_power_of_2(M))))
+    if glu:
+        bn = max(4, bn // 2)
+    bk = max(64, min(triton.next_power_of_2(K), 4096 // (bn * triton.next_power_of_2(M) * (2 if glu else 1))))
     return GemvConfig(bn=bn, bk=bk)
 
 
-def gemv(x: torch.Tensor, w: torch.Tensor, config: GemvConfig | None = None) -> torch.Tensor:
+def gemv(x: torch.Tensor, w: torch.Tensor, config: GemvConfig | None = None,
+         glu_act: tuple[bool, float, float | None] | None = None) -> torch.Tensor:
     """x [..., K] (bf16 or fp16, unit stride on K); w [N, K] of x's dtype, contiguous.
-    Returns [..., N] in x's dtype."""
+    Returns [..., N] in x's dtype. ``glu_act`` = (situ, beta, linear_beta): w holds [gate; up] (2I rows)
+    and the result is the GLU activation of the two products, [..., I] (``kimik3.ops.activation``)."""
     K = x.shape[-1]
     N = w.shape[0]
+    if glu_act is not None and N % 2:
+        raise ValueError(f"gemv: a GLU weight stacks gate and up rows, got an odd {N} rows")
     if w.dim() != 2 or w.shape[1] != K or w.dtype != x.dtype or not w.is_contiguous():
         raise ValueError(f"gemv: weight {w.dtype} {tuple(w.shape)} (contiguous: {w.is_contiguous()}) does not "
                          f"match x {x.dtype} [..., {K}]")
@@ -78,12 +97,14 @@ def gemv(x: torch.Tensor, w: torch.Tensor, config: GemvConfig | None = None) -> 
     if x2.stride(-1) != 1:
         x2 = x2.contiguous()
     M = x2.shape[0]
-    y = torch.empty(M, N, dtype=x.dtype, device=x.device)
+    N_out = N // 2 if glu_act is not None else N
+    y = torch.empty(M, N_out, dtype=x.dtype, device=x.device)
     if M and N:
-        cfg = config or gemv_config(M, N, K)
+        situ, beta, linear_beta = glu_act or (False, 1.0, None)
+        cfg = config or gemv_config(M, N, K, glu=glu_act is not None)
         BM = triton.next_power_of_2(M)
-        _gemv_kernel[(triton.cdiv(N, cfg.bn),)](
-            x2, w, y, M, N, K, x2.stride(0), w.stride(0), y.stride(0),
-            BM=BM, BN=cfg.bn, BK=cfg.bk, EVEN=N % cfg.bn == 0 and K % cfg.bk == 0, STAGES=cfg.stages,
-            num_warps=cfg.num_warps, **pdl(x))
-    return y.view(*x.shape[:-1], N)
+        _gemv_kernel[(triton.cdiv(N_out, cfg.bn),)](
+            x2, w, y, M, N_out, K, x2.stride(0), w.stride(0), y.stride(0), float(beta), float(linear_beta or 1.0),
+            BM=BM, BN=cfg.bn, BK=cfg.bk, EVEN=N_out % cfg.bn == 0 and K % cfg.bk == 0, GLU=glu_act is not None,
+            SITU=situ, CLIP_UP=situ and linear_beta is not None, STAGES=cfg.stages, num_warps=cfg.num_warps, **pdl(x))
+    return y.view(*x.shape[:-1], N_out)
