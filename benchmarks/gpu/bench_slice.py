@@ -12,7 +12,7 @@ Slices: ``kimi-k3-slice4.config.json`` (K3 width, 64 MXFP4 experts top-16, the d
 ``--pdl-ab``: every case also without programmatic dependent launch (``kimik3.ops.triton.common.PDL_ENABLED``
 off: our kernels launched the ordinary way), in the same process, so the two columns compare directly.
 ``--gemv-ab``: every decode case also with the projections of up to 8 rows on the streaming kernel
-(``kimik3.ops.linear.GEMV_MAX_ROWS``; the other setting of the one the model ships with).
+(``kimik3.ops.linear.GEMV_MAX_ROWS`` flipped: 0 when the model ships with it on, else 8).
 """
 
 from __future__ import annotations

@@ -11,8 +11,10 @@ import torch
 from kimik3.ops.activation import glu_activation
 from kimik3.ops.backend import use_fast_path
 
-# Rows (tokens) up to which a projection takes the streaming kernel on CUDA; 0: never.
-GEMV_MAX_ROWS = 0
+# Rows (tokens) up to which a projection takes the streaming kernel on CUDA (0: never). One row: on the
+# lent GPU (H100, e9088c3) it beat cuBLAS at M = 1 on 14 of the 19 slice shapes (up to 1.34x) and made
+# both slices' batch-1 step 1.6-2.1% faster; from 4 rows it lost on most shapes (bench_gemv.py).
+GEMV_MAX_ROWS = 1
 
 
 def _streams(x: torch.Tensor, weight: torch.Tensor) -> bool:

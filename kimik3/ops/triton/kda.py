@@ -10,8 +10,9 @@ q, k, v, f and b are read through their row strides (slices of the step's merged
 they come), so no operand is copied first.
 
 With the output norm (NORM: one program holds a head's whole value row, BV == V), the program
-finishes the layer's KDA output as well: o <- rmsnorm(o) * w * sigmoid(gate), in fp32 from the
-unrounded o, stored once in the layer's dtype (the separate norm launch read o back in bf16).
+finishes the layer's KDA output as well: o <- rmsnorm(o) * w * sigmoid(gate), from o rounded to the
+layer's dtype as the separate norm launch reads it (the same arithmetic as ``triton/norm.py``'s
+GATED form), stored once.
 """
 
 from __future__ import annotations
@@ -52,6 +53,7 @@ def _kda_decode_kernel(q, k, v, f, b, A_log, dt_bias, pool, slots, o, norm_w, ga
     S = S + delta[:, None] * kv[None, :]
     out = tl.sum(S * qv[None, :], 1)                                       # [BV] fp32
     if NORM:                                                               # BV == V: the head's whole row
+        out = out.to(v.dtype.element_ty).to(tl.float32)                    # o as the unfused norm reads it
         out = out * (1.0 / tl.sqrt(tl.sum(out * out, 0) / V + eps)) * tl.load(norm_w + cv).to(tl.float32)
         out = out * tl.sigmoid(tl.load(gate + n * stride_gate + h * V + cv).to(tl.float32))
     tl.store(o + n * stride_o + h * V + cv, out.to(o.dtype.element_ty))
