@@ -51,6 +51,7 @@ def main() -> None:
     ap = argparse.ArgumentParser(description=__doc__.split("\n")[0])
     ap.add_argument("--sweep", action="store_true", help="time every launch of SWEEP at M=1")
     ap.add_argument("--shapes", default="", help="comma-separated names of SHAPES to run (default all)")
+    ap.add_argument("--rows", default=",".join(map(str, ROWS)), help="comma-separated M values (default 1,2,4,8)")
     args = ap.parse_args()
     bw = copy_rate()
     results = {"commit": commit_id(), "date": datetime.date.today().isoformat(), "device": torch.cuda.get_device_name(),
@@ -65,7 +66,7 @@ def main() -> None:
         nbytes = N * K * 2
         ws = [torch.randn(N, K, generator=g, device="cuda").to(torch.bfloat16) for _ in range(copies_for(nbytes))]
         best_cfg = None
-        for M in ROWS:
+        for M in (int(m) for m in args.rows.split(",")):
             x = torch.randn(M, K, generator=g, device="cuda").to(torch.bfloat16)
             want = x.double() @ ws[0].double().t()
             bound = 2 ** -7 * (x.double().abs() @ ws[0].double().abs().t()) + 1e-30

@@ -172,7 +172,7 @@ def routing(results: dict) -> None:
     """The routing kernel (scores, biased top-k, weights) at 1-128 tokens by warps a program; ids must equal
     the torch path's and weights match it."""
     from kimik3.ops.router import route
-    from kimik3.ops.triton.router import ROUTE_WARPS, route_triton
+    from kimik3.ops.triton.router import route_triton, route_warps
     log("| experts, top-k | T | us at 1 / 2 / 4 / 8 warps | default warps |")
     log("|---|---|---|---|")
     for name, (E, k, scale) in ROUTE_SHAPES.items():
@@ -190,7 +190,7 @@ def routing(results: dict) -> None:
                     raise AssertionError(f"routing off at {name} T={T} warps={warps}")
                 row["us"][warps] = graph_time(lambda warps=warps: route_triton(logits, *args, num_warps=warps)) * 1e6
             results.setdefault("route", []).append(row)
-            log(f"| {E}, {k} | {T} | " + " / ".join(f"{row['us'][w]:.2f}" for w in (1, 2, 4, 8)) + f" | {ROUTE_WARPS} |")
+            log(f"| {E}, {k} | {T} | " + " / ".join(f"{row['us'][w]:.2f}" for w in (1, 2, 4, 8)) + f" | {route_warps(E)} |")
 
 
 def previous_align(ids: torch.Tensor, E: int, BM: int, warps: int):

@@ -12,14 +12,17 @@ from kimik3.ops.activation import glu_activation
 from kimik3.ops.backend import use_fast_path
 
 # Rows (tokens) up to which a projection takes the streaming kernel on CUDA (0: never). One row: on the
-# lent GPU (H100, e9088c3) it beat cuBLAS at M = 1 on 14 of the 19 slice shapes (up to 1.34x) and made
-# both slices' batch-1 step 1.6-2.1% faster; from 4 rows it lost on most shapes (bench_gemv.py).
+# lent GPU (H100, e9088c3 / 12cf350) it beat cuBLAS at M = 1 on 14 of the 19 slice shapes (up to 1.4x)
+# and made the slices' batch-1 step 0.8-2.6% faster; from 4 rows it lost on most shapes (bench_gemv.py).
 GEMV_MAX_ROWS = 1
+# Below this reduction length cuBLAS stays faster (K3's f_b, K = 128: 4.1 against 4.3-4.6 us).
+GEMV_MIN_K = 512
 
 
 def _streams(x: torch.Tensor, weight: torch.Tensor) -> bool:
-    return bool(GEMV_MAX_ROWS and use_fast_path(x) and x.dtype in (torch.bfloat16, torch.float16)
-                and weight.dtype == x.dtype and weight.is_contiguous() and 0 < x.numel() <= GEMV_MAX_ROWS * x.shape[-1])
+    K = x.shape[-1]
+    return bool(GEMV_MAX_ROWS and use_fast_path(x) and x.dtype in (torch.bfloat16, torch.float16) and K >= GEMV_MIN_K
+                and weight.dtype == x.dtype and weight.is_contiguous() and 0 < x.numel() <= GEMV_MAX_ROWS * K)
 
 
 def linear(x: torch.Tensor, weight: torch.Tensor) -> torch.Tensor:

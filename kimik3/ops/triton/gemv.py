@@ -67,15 +67,17 @@ class GemvConfig:
 
 
 def gemv_config(M: int, N: int, K: int, num_sms: int = 132, glu: bool = False) -> GemvConfig:
-    """The default launch: the most columns a program (4-32) that still gives every SM two programs,
-    and K steps that keep the fp32 partial products at 32 registers a thread (4 warps) per row of x
-    (GLU: N counts gate and up rows, each program reads both)."""
-    bn = 32
+    """The default launch: 8 columns a program (fewer where that leaves an SM fewer than two programs)
+    and K steps that keep the fp32 partial products at 32 registers a thread (4 warps) per row of x,
+    at most 512 (GLU: N counts gate and up rows, each program reads both). From the M = 1 sweep on the
+    lent GPU (H100, 12cf350, ``bench_gemv.py --sweep``): 8 x 512 was within 2% of the best of 14
+    launches on 4 of 5 shapes, where 32 x 128 (wide N) had been 4-10% slower than it."""
+    bn = 8
     while bn > 4 and triton.cdiv(N, bn) < 2 * num_sms:
         bn //= 2
     if glu:
         bn = max(4, bn // 2)
-    bk = max(64, min(triton.next_power_of_2(K), 4096 // (bn * triton.next_power_of_2(M) * (2 if glu else 1))))
+    bk = max(64, min(512, triton.next_power_of_2(K), 4096 // (bn * triton.next_power_of_2(M) * (2 if glu else 1))))
     return GemvConfig(bn=bn, bk=bk)
 
 

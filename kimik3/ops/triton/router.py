@@ -77,15 +77,18 @@ def _route_kernel(logits_ptr, bias_ptr, weights_ptr, ids_ptr, E, stride_t, per_g
 
 # Warps of a routing program (one token row): its top-k is k rounds of argmax over the row, each a
 # reduction whose cross-warp step goes through shared memory with barriers; the whole row in one warp
-# reduces by shuffles alone. ``bench_router_align.py`` times 1, 2 and 4.
-ROUTE_WARPS = 4
+# reduces by shuffles alone. ``bench_router_align.py --route-only`` (H100, 12cf350): one warp takes
+# 2.7 us for 256 experts top-8 (4 warps: 4.0) and 3.3 for 64 top-16 (6.1); for K3's 896 experts four
+# warps do (8.0 us, one warp 10.0).
+def route_warps(num_experts: int) -> int:
+    return 1 if num_experts <= 256 else 4
 
 
 def route_triton(logits: torch.Tensor, bias: torch.Tensor | None, top_k: int, activation: str,
                  num_expert_group: int, topk_group: int, renormalize: bool, scaling_factor: float,
                  renorm_eps: float, num_warps: int | None = None) -> tuple[torch.Tensor, torch.Tensor]:
     """Same contract as ``kimik3.ops.router.route`` for fp32 logits [T, E]; num_warps: override
-    ``ROUTE_WARPS`` (benchmarks)."""
+    ``route_warps(E)`` (benchmarks)."""
     T, E = logits.shape
     logits = logits.contiguous()
     weights = torch.empty(T, top_k, dtype=torch.float32, device=logits.device)
@@ -99,7 +102,7 @@ def route_triton(logits: torch.Tensor, bias: torch.Tensor | None, top_k: int, ac
             HAS_BIAS=bias is not None, SIGMOID=activation == "sigmoid", RENORM=renormalize and top_k > 1,
             TOP_K=top_k, BLOCK_K=triton.next_power_of_2(top_k), GROUPS=groups, TOPK_GROUP=topk_group,
             BLOCK_G=triton.next_power_of_2(groups), BLOCK_E=triton.next_power_of_2(E),
-            num_warps=num_warps or ROUTE_WARPS, **pdl(logits))
+            num_warps=num_warps or route_warps(E), **pdl(logits))
     return weights, ids
 
 
