@@ -67,17 +67,23 @@ class GemvConfig:
 
 
 def gemv_config(M: int, N: int, K: int, num_sms: int = 132, glu: bool = False) -> GemvConfig:
-    """The default launch: 8 columns a program (fewer where that leaves an SM fewer than two programs)
-    and K steps that keep the fp32 partial products at 32 registers a thread (4 warps) per row of x,
-    at most 512 (GLU: N counts gate and up rows, each program reads both). From the M = 1 sweep on the
-    lent GPU (H100, 12cf350, ``bench_gemv.py --sweep``): 8 x 512 was within 2% of the best of 14
-    launches on 4 of 5 shapes, where 32 x 128 (wide N) had been 4-10% slower than it."""
-    bn = 8
-    while bn > 4 and triton.cdiv(N, bn) < 2 * num_sms:
-        bn //= 2
+    """The default launch by the output width N, as measured at M = 1 on the lent GPU (H100, both slices'
+    19 projection shapes, ``bench_gemv.py`` at e9088c3, 12cf350 with ``--sweep``, 0304426): from 64
+    columns an SM 8 columns a program over K steps of 512 (3-10% faster than 32 x 128 on the 8 such
+    shapes), from 32 an SM 16 x 256 (8-14% faster than 8 x 512 on the 5 shapes at N = 6720-7168),
+    below that 8 (4 where an SM would get fewer than two programs) x 512. More rows of x shorten the K step so the fp32 partial products
+    stay at 32 registers a thread (4 warps) a row; GLU (N counts gate and up rows, each program reads
+    both) halves the columns."""
+    if N >= 64 * num_sms:
+        bn = 8
+    elif N >= 32 * num_sms:
+        bn = 16
+    else:
+        bn = 8 if triton.cdiv(N, 8) >= 2 * num_sms else 4
     if glu:
         bn = max(4, bn // 2)
-    bk = max(64, min(512, triton.next_power_of_2(K), 4096 // (bn * triton.next_power_of_2(M) * (2 if glu else 1))))
+    bk = max(64, min(4096 // bn if bn == 16 else 512, triton.next_power_of_2(K),
+                     4096 // (bn * triton.next_power_of_2(M) * (2 if glu else 1))))
     return GemvConfig(bn=bn, bk=bk)
 
 
