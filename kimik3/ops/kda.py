@@ -203,7 +203,7 @@ def kda_attention_in_pool(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, f: 
     states. ``decode``: every sequence has one token and a state (then CUDA updates the pool rows in
     place with our one-kernel step, ``triton/kda.py``: no gather/scatter). Returns o [T, H, V], or
     ``out_norm(o)`` (in its dtype) when given: on the CUDA decode step inside the same kernel, from
-    the unrounded o.
+    o rounded to the layer's dtype as every other path hands it to the norm.
     """
     if use_fast_path(q) and decode:
         from kimik3.ops.triton.kda import kda_decode_triton

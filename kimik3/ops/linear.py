@@ -1,8 +1,8 @@
 """Bias-free dense projections y = x W^T (every projection of the Kimi models), and an MLP's gate/up
 projection with its GLU activation. Reference: torch's linear (cuBLAS on CUDA), then the activation
 op. CUDA, bf16/fp16, at most ``GEMV_MAX_ROWS`` rows: the streaming kernel of
-``kimik3.ops.triton.gemv`` (the activation in its epilogue), where the H200 measurement chose it
-(``benchmarks/gpu/bench_gemv.py``, ``bench_slice.py --gemv-ab``)."""
+``kimik3.ops.triton.gemv`` (the activation in its epilogue), where measurement chose it (on an H100:
+``benchmarks/gpu/bench_gemv.py``, ``bench_slice.py --gemv-ab``)."""
 
 from __future__ import annotations
 

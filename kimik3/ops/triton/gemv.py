@@ -32,7 +32,7 @@ def _gemv_kernel(x, w, y, M, N, K, stride_x, stride_w, stride_y, beta, linear_be
     mm, mn = m < M, n < N
     kk = tl.arange(0, BK)
     w_rows = w + n[:, None].to(tl.int64) * stride_w + kk[None, :]                     # [BN, BK]
-    up_rows = w_rows + N * stride_w                                                   # GLU: the up rows
+    up_rows = w_rows + N.to(tl.int64) * stride_w                                      # GLU: the up rows
     x_rows = x + m[:, None].to(tl.int64) * stride_x + kk[None, :]                     # [BM, BK]
     acc = tl.zeros([BM, BN, BK], tl.float32)
     acc_up = tl.zeros([BM, BN, BK] if GLU else [1, 1, 1], tl.float32)
