@@ -194,28 +194,27 @@ def graph_time(fn) -> float | None:
         return None
 
 
-def without_pdl(measure):
-    """``measure()`` with our kernels launched without PDL (``--pdl-ab`` only; else None)."""
-    if "--pdl-ab" not in sys.argv:
+def with_setting(flag: str, module, name: str, value, measure):
+    """``measure()`` with ``module.name`` set to ``value`` for its duration, when ``flag`` is on the command
+    line (else None): the second column of ``--pdl-ab`` and ``--gemv-ab``."""
+    if flag not in sys.argv:
         return None
-    saved = triton_common.PDL_ENABLED
-    triton_common.PDL_ENABLED = False
+    saved = getattr(module, name)
+    setattr(module, name, value)
     try:
         return measure()
     finally:
-        triton_common.PDL_ENABLED = saved
+        setattr(module, name, saved)
+
+
+def without_pdl(measure):
+    """``measure()`` with our kernels launched without PDL (``--pdl-ab`` only; else None)."""
+    return with_setting("--pdl-ab", triton_common, "PDL_ENABLED", False, measure)
 
 
 def other_gemv(measure):
     """``measure()`` with ``GEMV_MAX_ROWS`` flipped between 0 and 8 (``--gemv-ab`` only; else None)."""
-    if "--gemv-ab" not in sys.argv:
-        return None
-    saved = ops_linear.GEMV_MAX_ROWS
-    ops_linear.GEMV_MAX_ROWS = 0 if saved else 8
-    try:
-        return measure()
-    finally:
-        ops_linear.GEMV_MAX_ROWS = saved
+    return with_setting("--gemv-ab", ops_linear, "GEMV_MAX_ROWS", 0 if ops_linear.GEMV_MAX_ROWS else 8, measure)
 
 
 def profile(name, fn, row_limit: int = 14) -> str:
