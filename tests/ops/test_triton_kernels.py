@@ -719,6 +719,8 @@ def test_gemv_refuses_mismatched_operands():
         gemv(x, torch.zeros(8, 64, dtype=torch.float16))
     with pytest.raises(ValueError, match="bf16 or fp16"):
         gemv(x.float(), torch.zeros(8, 64))
+    with pytest.raises(ValueError, match="odd 7 rows"):
+        gemv(x, torch.zeros(7, 64, dtype=BF16), glu_act=(False, 1.0, None))
 
 
 @pytest.mark.parametrize("act", ["silu", "situ", "situ_unclipped"])
