@@ -3,12 +3,15 @@ weights built on the GPU, about 92 GiB) through ``LLMEngine`` with CUDA graphs o
 
   * the cache plan the engine makes with the memory left;
   * decode at batch 1 / 32 / 128 with 4k-token prompts: output tok/s of the steady decode steps
-    (every request running), the step time against its floor (bytes of the weights the batch
-    touches + KDA states + latents, over the measured copy rate; ``bench_slice.counts``);
+    (every request running; the median interval between steps, host work included), the decode
+    graph's device time alone (replayed on the last step's inputs), both against the floor (bytes of
+    the weights the batch touches + KDA states + latents, over the measured copy rate;
+    ``bench_slice.counts``);
   * prefill of one 8k-token prompt: tok/s and its floor (FLOPs / matmul rate);
   * peak GPU memory.
 
-    PYTHONPATH=. python benchmarks/gpu/bench_full_model.py      (writes $OUT/bench_full_kimi_linear.json)
+    PYTHONPATH=. python benchmarks/gpu/bench_full_model.py [--async-scheduling]
+                                                    (writes $OUT/bench_full_kimi_linear[_async].json)
 """
 
 from __future__ import annotations
@@ -29,13 +32,15 @@ sys.path.insert(0, str(Path(__file__).parent))
 import bench_slice                                                       # noqa: E402
 from bench_slice import build_slice, ceilings                           # noqa: E402
 
-from benchmarks.common import commit_id, log, save_results                  # noqa: E402
+from benchmarks.common import commit_id, cuda_time, log, save_results       # noqa: E402
 
 from kimik3.engine import EngineConfig, LLMEngine, SamplingParams       # noqa: E402
 
 CONFIG = ROOT / "tests" / "data" / "kimi-linear-48b-a3b.config.json"
 PROMPT = 4096
 PREFILL = 8192          # the one-prompt prefill measured last: max_model_len must admit it
+ASYNC = "--async-scheduling" in sys.argv
+OUT_NAME = "bench_full_kimi_linear_async.json" if ASYNC else "bench_full_kimi_linear.json"
 results: dict = {}
 
 
@@ -46,31 +51,34 @@ def run_batch(engine, model, batch: int, max_tokens: int, g) -> dict:
         engine.add_request(f"b{batch}.{i}", {"prompt_token_ids": torch.randint(1000, vocab, (PROMPT,), generator=g).tolist()},
                            SamplingParams(temperature=0, max_tokens=max_tokens, ignore_eos=True, detokenize=False))
     t0 = time.perf_counter()
-    decode_steps, touched = [], None
+    ends, touched = [], None      # ends: when each step in which every request decodes returned
     while engine.has_unfinished_requests():
         sched = engine.scheduler
         pure = (not sched.waiting and len(sched.running) == batch
                 and all(r.num_output_tokens > 0 for r in sched.running))
         if pure and touched is None:    # one eager decode step records how many experts it reads
+            torch.cuda.synchronize()
             graphs, engine.runner.graphs = engine.runner.graphs, None
             touched = bench_slice.touched_experts(engine.step)
             engine.runner.graphs = graphs
+            ends.append(None)
             continue
-        a = time.perf_counter()
         engine.step()
-        torch.cuda.synchronize()
-        if pure:
-            decode_steps.append(time.perf_counter() - a)
+        ends.append(time.perf_counter() if pure else None)
     total = time.perf_counter() - t0
-    step = statistics.median(decode_steps)
-    return {"batch": batch, "experts_touched_per_layer": touched, "decode_steps_timed": len(decode_steps), "step_ms": step * 1e3,
-            "output_tok_s": batch / step, "tpot_ms": step * 1e3, "wall_s": total}
+    gaps = [b - a for a, b in zip(ends, ends[1:]) if a is not None and b is not None]
+    step = statistics.median(gaps)
+    graphs = engine.runner.graphs
+    key = (graphs.size_for(batch), 1) if graphs is not None else None
+    replay = cuda_time(graphs.graphs[key][0].replay, warmup=2, iters=10) if key in (graphs.graphs if graphs else {}) else float("nan")
+    return {"batch": batch, "experts_touched_per_layer": touched, "decode_steps_timed": len(gaps), "step_ms": step * 1e3,
+            "output_tok_s": batch / step, "tpot_ms": step * 1e3, "graph_replay_ms": replay * 1e3, "wall_s": total}
 
 
 def main():
     torch.backends.cuda.matmul.allow_tf32 = False
     results.update(gpu=torch.cuda.get_device_name(), date=datetime.date.today().isoformat(), commit=commit_id(),
-                   torch=torch.__version__, config=CONFIG.name)
+                   torch=torch.__version__, config=CONFIG.name, async_scheduling=ASYNC)
     bw, mm = ceilings()
     results["ceilings"] = {"copy_bytes_per_s": bw, "bf16_matmul_flops": mm}
     t0 = time.time()
@@ -80,7 +88,8 @@ def main():
     results["build_s"] = time.time() - t0
     log(f"Kimi-Linear-48B built in {results['build_s']:.0f}s: {weights / 2**30:.1f} GiB of weights")
     t0 = time.time()
-    engine = LLMEngine(model, EngineConfig(max_num_seqs=128, max_model_len=PREFILL + 64, enable_prefix_caching=False))
+    engine = LLMEngine(model, EngineConfig(max_num_seqs=128, max_model_len=PREFILL + 64, enable_prefix_caching=False,
+                                             async_scheduling=ASYNC))
     results["engine_start_s"] = time.time() - t0
     results["plan"] = engine.plan.describe()
     results["graphs"] = engine.runner.graphs is not None and sorted(engine.runner.graphs.graphs)
@@ -94,11 +103,12 @@ def main():
         row = run_batch(engine, model, batch, max_tokens, g)
         byts, flops = bench_slice.counts(model, batch, 0, "decode", row["experts_touched_per_layer"])
         floor = max(byts / bw, flops / mm)
-        row.update(floor_ms=floor * 1e3, step_over_floor=row["step_ms"] / 1e3 / floor, floor_tok_s=batch / floor)
+        row.update(floor_ms=floor * 1e3, step_over_floor=row["step_ms"] / 1e3 / floor, floor_tok_s=batch / floor,
+                   replay_over_floor=row["graph_replay_ms"] / 1e3 / floor)
         rows.append(row)
         log(row)
         results["decode"] = rows
-        save_results("bench_full_kimi_linear.json", results)
+        save_results(OUT_NAME, results)
     vocab = model.config.text.vocab_size
     torch.cuda.synchronize()
     engine.add_request("prefill", {"prompt_token_ids": torch.randint(1000, vocab, (PREFILL,), generator=g).tolist()},
@@ -114,11 +124,12 @@ def main():
                           "matmul_fraction": flops / t / mm, "chunk_budget": engine.config.max_num_batched_tokens}
     results["peak_bytes"] = torch.cuda.max_memory_allocated()
     log(results["prefill"], f"peak {results['peak_bytes'] / 2**30:.1f} GiB")
-    save_results("bench_full_kimi_linear.json", results)
-    log("\n| batch | step ms | output tok/s | floor ms | step/floor |")
-    log("|---|---|---|---|---|")
+    save_results(OUT_NAME, results)
+    log("\n| batch | step ms | output tok/s | graph replay ms | floor ms | step/floor | replay/floor |")
+    log("|---|---|---|---|---|---|---|")
     for r in rows:
-        log(f"| {r['batch']} | {r['step_ms']:.2f} | {r['output_tok_s']:.0f} | {r['floor_ms']:.2f} | {r['step_over_floor']:.2f} |")
+        log(f"| {r['batch']} | {r['step_ms']:.2f} | {r['output_tok_s']:.0f} | {r['graph_replay_ms']:.2f} | {r['floor_ms']:.2f} "
+            f"| {r['step_over_floor']:.2f} | {r['replay_over_floor']:.2f} |")
 
 
 if __name__ == "__main__":

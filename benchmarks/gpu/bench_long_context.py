@@ -68,7 +68,7 @@ def graph_replay_s(engine) -> float:
     engine step above adds its host work: scheduling, input packing, sampling). The replays
     advance this benchmark request's KDA state; its later tokens are not looked at."""
     graphs = engine.runner.graphs
-    if graphs is None or 1 not in graphs.graphs:
+    if graphs is None or (1, 1) not in graphs.graphs:
         return float("nan")
     return cuda_time(graphs.graphs[1, 1][0].replay, warmup=2, iters=10)
 
