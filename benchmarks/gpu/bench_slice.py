@@ -13,6 +13,8 @@ Slices: ``kimi-k3-slice4.config.json`` (K3 width, 64 MXFP4 experts top-16, the d
 off: our kernels launched the ordinary way), in the same process, so the two columns compare directly.
 ``--gemv-ab``: every decode case also with the projections of up to 8 rows on the streaming kernel
 (``kimik3.ops.linear.GEMV_MAX_ROWS`` flipped: 0 when the model ships with it on, else 8).
+``--side-ab``: every decode case also captured without the MoE side stream (router and shared experts on
+the main stream, as eager steps run).
 """
 
 from __future__ import annotations
@@ -313,6 +315,7 @@ def bench_model(bw, mm):
         t_graph_no_pdl = without_pdl(lambda: graph_time(fast))
         t_graph_other_gemv = other_gemv(lambda: graph_time(fast))
         model.use_side_stream(None)
+        t_graph_no_side = graph_time(fast) if "--side-ab" in sys.argv else None
         t_ref = float("nan")
         if "--no-ref" not in sys.argv:
             with reference_ops(), swapped_experts(model, twins):
@@ -328,6 +331,7 @@ def bench_model(bw, mm):
                      "t_graph_no_pdl_ms": None if t_graph_no_pdl is None else t_graph_no_pdl * 1e3,
                      "gemv_max_rows": ops_linear.GEMV_MAX_ROWS,
                      "t_graph_other_gemv_ms": None if t_graph_other_gemv is None else t_graph_other_gemv * 1e3,
+                     "t_graph_no_side_stream_ms": None if t_graph_no_side is None else t_graph_no_side * 1e3,
                      "bytes": byts, "flops": flops, "floor_ms": floor * 1e3, "time_over_floor": best / floor,
                      "speedup_vs_ref": t_ref / best, "ref_note": "same shapes"})
         log(rows[-1])
@@ -452,8 +456,8 @@ def main():
     rows = bench_model(bw, mm)
     save()
     log(f"\n| case | fast eager ms | fast graph ms | floor ms | time/floor | ref ms | speed-up | without PDL ms "
-        f"| GEMV_MAX_ROWS {0 if ops_linear.GEMV_MAX_ROWS else 8} ms |")
-    log("|---|---|---|---|---|---|---|---|---|")
+        f"| GEMV_MAX_ROWS {0 if ops_linear.GEMV_MAX_ROWS else 8} ms | no side stream ms |")
+    log("|---|---|---|---|---|---|---|---|---|---|")
     for r in rows:
         g = "-" if r["t_graph_ms"] is None else f"{r['t_graph_ms']:.3f}"
         off = r.get("t_graph_no_pdl_ms") or r.get("t_eager_no_pdl_ms")
@@ -463,8 +467,10 @@ def main():
         extra = f" ({r['matmul_fraction']:.0%} of matmul rate)" if "matmul_fraction" in r else ""
         other = r.get("t_graph_other_gemv_ms")
         other = "-" if other is None else f"{other:.3f}"
-        log(f"| {r['case']} | {r['t_eager_ms']:.2f} | {g} | {r['floor_ms']:.2f} | {r['time_over_floor']:.2f}{extra} "
-            f"| {ref} | {sp} | {off} | {other} |")
+        side = r.get("t_graph_no_side_stream_ms")
+        side = "-" if side is None else f"{side:.3f}"
+        log(f"| {r['case']} | {r['t_eager_ms']:.2f} | {g} | {r['floor_ms']:.3f} | {r['time_over_floor']:.2f}{extra} "
+            f"| {ref} | {sp} | {off} | {other} | {side} |")
     bad = [k for k, r in results.get("checks", {}).items() if not r["ok"]]
     log(f"checks: {len(results.get('checks', {})) - len(bad)} ok, bad: {bad}")
 
