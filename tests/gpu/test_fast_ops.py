@@ -396,6 +396,8 @@ CHECKS = {
     "moe_dense_grouped": lambda: check_moe_dense(T=2100, seed=19),
     "moe_dense_grouped_w13": lambda: check_moe_dense(T=2100, seed=22, w13=True),
     "moe_dense_decode_w13": lambda: check_moe_dense(T=1, seed=23, w13=True),
+    "moe_dense_decode_fp16_situ_top16": lambda: check_moe_dense(T=1, E=64, L=3584, I=768, k=16, dtype=torch.float16,
+                                                                act="situ", seed=24),
     "moe_dense_grouped_situ": lambda: check_moe_dense(T=300, E=32, L=512, I=384, k=8, act="situ", seed=20),
 }
 

@@ -274,11 +274,20 @@ def test_gemv_kernel_compiles_for_hopper():
 
 def compile_gemv():
     """The decode projection kernel at 1-8 rows, even and masked, with the K loop pipelined
-    (cp.async needs the run time's 16-byte alignment specialisation, as launched)."""
+    (cp.async needs the run time's 16-byte alignment specialisation, as launched); one token's experts:
+    the gate/up rows located by expert id, and the down-and-combine kernel's inner K loop."""
     from kimik3.ops.triton import gemv
-    for BM, even, act in ((1, True, None), (8, False, None), (1, True, "silu"), (2, False, "situ")):
+    types = {"x": "*bf16", "w": "*bf16", "w_up": "*bf16", "y": "*bf16", "ids": "*i64", "beta": "fp32",
+             "linear_beta": "fp32"}
+    for BM, even, act, experts in ((1, True, None, False), (8, False, None, False), (1, True, "silu", False),
+                                   (2, False, "situ", False), (1, True, "silu", True), (1, False, "situ", True)):
         consts = dict(BM=BM, BN=8, BK=512 // BM, EVEN=even, GLU=act is not None, SITU=act == "situ",
-                      CLIP_UP=act == "situ", STAGES=3)
-        k = compile_for_hopper(gemv._gemv_kernel, {"x": "*bf16", "w": "*bf16", "y": "*bf16", "beta": "fp32",
-                                                   "linear_beta": "fp32"}, consts, divisible={"K", "stride_x", "stride_w"})
-        assert "cp.async" in k.asm["ptx"], f"BM={BM} {act}: the weight loads are not pipelined"
+                      CLIP_UP=act == "situ", EXPERTS=experts, STAGES=3)
+        k = compile_for_hopper(gemv._gemv_kernel, types, consts, divisible={"K", "stride_x", "stride_w", "stride_we"})
+        assert "cp.async" in k.asm["ptx"], f"BM={BM} {act} experts={experts}: the weight loads are not pipelined"
+    for even in (True, False):
+        k = compile_for_hopper(gemv._gemv_combine_kernel, {"h": "*bf16", "w": "*bf16", "ids": "*i64", "weights": "*fp32",
+                                                           "y": "*bf16"},
+                               dict(TOP_K=8, BN=4, BK=512, EVEN=even, STAGES=3), divisible={"K", "stride_h", "stride_w",
+                                                                                          "stride_we"})
+        assert "cp.async" in k.asm["ptx"], f"even={even}: the down-projection loads are not pipelined"

@@ -256,11 +256,78 @@ def test_moe_one_token_blocks_equal_the_aligned_path(mxfp4, monkeypatch):
     x = torch.randn(1, L, generator=g).to(BF16)
     ids = torch.randperm(E, generator=g)[:k].view(1, k)
     weights = torch.rand(1, k, generator=g)
-    tiles = dict(kernels._tiles(k / E, mxfp4), one_token=False)
-    aligned = kernels.fused_moe_triton(x, w1, w2, w3, weights, ids, False, 1.0, None, tiles=tiles)
+    tiles = kernels._tiles(k / E, mxfp4)
+    aligned = kernels.fused_moe_triton(x, w1, w2, w3, weights, ids, False, 1.0, None, tiles=dict(tiles, one_token=False))
     monkeypatch.setattr(kernels, "_sort_by_expert", None)                 # must not be needed
-    direct = kernels.fused_moe_triton(x, w1, w2, w3, weights, ids, False, 1.0, None)
+    # (given tiles, dense experts stay on the block kernels rather than the streaming ones)
+    direct = kernels.fused_moe_triton(x, w1, w2, w3, weights, ids, False, 1.0, None, tiles=tiles if not mxfp4 else None)
     assert torch.equal(direct, aligned)
+
+
+def _one_token_want(x, w1, w2, w3, weights, ids, act, beta, linear_beta):
+    """One token's experts from the math in float64, rounded where the kernels round (each product, the
+    activation's output h, each expert's output), and the bound a correct kernel meets: one ulp of the
+    output, plus one ulp of every rounded intermediate moved to its other neighbour (fp32 sums)."""
+    ulp = 2 ** -8 if x.dtype == BF16 else 2 ** -11
+    want, scale = torch.zeros(x.shape[-1], dtype=torch.float64), torch.zeros(x.shape[-1], dtype=torch.float64)
+    xd = x[0].double()
+    for j, e in enumerate(ids[0].tolist()):
+        gate, up = ((w[e].double() @ xd).to(x.dtype).double() for w in (w1, w3))
+        if act == "silu":
+            h = gate * torch.sigmoid(gate) * up
+        else:
+            up_c = up if linear_beta is None else linear_beta * torch.tanh(up / linear_beta)
+            h = beta * torch.tanh(gate / beta) * torch.sigmoid(gate) * up_c
+        h_abs = (h.abs() + ulp * (gate.abs() + 1) * (up.abs() + 1))          # h within a flip of gate / up
+        h = h.to(x.dtype).double()
+        y = (w2[e].double() @ h).to(x.dtype).double()
+        w = float(weights[0, j])
+        want += w * y
+        scale += abs(w) * (w2[e].double().abs() @ (h_abs * (1 + ulp)) * (1 + ulp) + y.abs() * ulp)
+    return want, 2 * ulp * (want.abs() + scale)
+
+
+@pytest.mark.parametrize("act", ["silu", "situ"])
+@pytest.mark.parametrize("dtype", [BF16, torch.float16])
+@pytest.mark.parametrize("L,I,k,halves", [(64, 96, 5, True), (200, 24, 3, False), (512, 64, 8, True)],
+                         ids=["ragged_w13", "tails", "even_w13"])
+def test_one_token_experts_match_float64(L, I, k, halves, dtype, act):
+    """One token's experts on the streaming kernels (gate/up with the activation, then each program's
+    columns of the k down-projections combined with the fp32 routing weights) against the math in float64;
+    w1 / w3 as the halves of one [E, 2I, L] tensor (the model's ``Experts.w13``) or apart; widths across
+    and at the kernels' blocks; an expert chosen twice counts twice."""
+    from kimik3.ops.triton import moe as kernels
+    g = gen(L + I + k)
+    E = 9
+    if halves:
+        both = (torch.randn(E, 2 * I, L, generator=g) * L ** -0.5).to(dtype)
+        w1, w3 = both[:, :I], both[:, I:]
+    else:
+        w1, w3 = ((torch.randn(E, I, L, generator=g) * L ** -0.5).to(dtype) for _ in range(2))
+    w2 = (torch.randn(E, L, I, generator=g) * I ** -0.5).to(dtype)
+    x = torch.randn(1, L, generator=g).to(dtype)
+    ids = torch.randperm(E, generator=g)[:k].view(1, k)
+    ids[0, -1] = ids[0, 0]                                                     # one expert twice
+    weights = torch.rand(1, k, generator=g) * 2.446 / k
+    beta, linear_beta = (4.0, 25.0) if act == "situ" else (1.0, None)
+    out = kernels.fused_moe_triton(x, w1, w2, w3, weights, ids, act == "situ", beta, linear_beta)
+    want, bound = _one_token_want(x, w1, w2, w3, weights, ids, act, beta, linear_beta)
+    assert out.shape == (1, L) and out.dtype == dtype
+    assert ((out[0].double() - want).abs() <= bound).all()
+
+
+def test_one_token_experts_refuse_mismatched_operands():
+    from kimik3.ops.triton.gemv import one_token_experts
+    w = torch.zeros(4, 16, 32, dtype=BF16)
+    w2 = torch.zeros(4, 32, 16, dtype=BF16)
+    x, weights, ids = torch.zeros(1, 32, dtype=BF16), torch.ones(1, 2), torch.zeros(1, 2, dtype=torch.long)
+    with pytest.raises(ValueError, match="one token"):
+        one_token_experts(torch.zeros(2, 32, dtype=BF16), w, w2, w, torch.ones(2, 2), torch.zeros(2, 2, dtype=torch.long),
+                          False, 1.0, None)
+    with pytest.raises(ValueError, match="do not match"):
+        one_token_experts(x, w, w2.transpose(1, 2), w, weights, ids, False, 1.0, None)
+    with pytest.raises(ValueError, match="do not match"):
+        one_token_experts(x, w, w2.half(), w, weights, ids, False, 1.0, None)
 
 
 @pytest.mark.parametrize("kernel", [True, False], ids=["one_program", "torch_ops"])

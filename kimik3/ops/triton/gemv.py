@@ -6,6 +6,13 @@ program p owns BN output columns (BN whole rows of w, read once, K contiguous) a
 and keeps a [BM, BN, BK] fp32 partial product across its K loop, summed over BK once at the end: no
 split-K, no second launch, no shuffles inside the loop. Products and sums in fp32, one rounding.
 Reference: ``torch.nn.functional.linear`` (``kimik3.ops.linear``).
+
+One token's routed experts (dense weights) are the same read: ``one_token_experts`` runs the gate/up
+product of each of its k experts as a GLU program row (program axis 1: the assignment, its expert's
+rows located from ``ids``), then one launch in which each program owns BN output columns, reads them
+from each of the k down-projections in turn and sums the k rounded outputs with their fp32 routing
+weights (the combine: one rounding, the expert order of the combine kernel). Reference:
+``kimik3.ops.moe.fused_moe``.
 """
 
 from __future__ import annotations
@@ -20,19 +27,27 @@ from kimik3.ops.triton.common import glu, pdl, pdl_entry
 
 
 @triton.jit
-def _gemv_kernel(x, w, y, M, N, K, stride_x, stride_w, stride_y, beta, linear_beta,
+def _gemv_kernel(x, w, w_up, y, ids, M, N, K, stride_x, stride_w, stride_we, stride_y, beta, linear_beta,
                  BM: tl.constexpr, BN: tl.constexpr, BK: tl.constexpr, EVEN: tl.constexpr,
-                 GLU: tl.constexpr, SITU: tl.constexpr, CLIP_UP: tl.constexpr,
+                 GLU: tl.constexpr, SITU: tl.constexpr, CLIP_UP: tl.constexpr, EXPERTS: tl.constexpr,
                  STAGES: tl.constexpr, PDL: tl.constexpr):
-    """GLU: w is [gate; up] ([2N, K]) and the program's columns n of both give y = act(gate, up) [M, N],
-    each product rounded to y's dtype before the activation (as the two-launch form rounds them)."""
+    """GLU: ``w`` holds the gate rows and ``w_up`` the up rows ([N, K] each, row stride ``stride_w``); the
+    program's columns n of both give y = act(gate, up) [M, N], each product rounded to y's dtype before
+    the activation (as the two-launch form rounds them). EXPERTS: program axis 1 is assignment j of one
+    token (x row 0): w and w_up start ``ids[j]`` experts (``stride_we`` elements each) in, y at row j."""
     pdl_entry(PDL)
+    if EXPERTS:
+        j = tl.program_id(1)
+        e = tl.load(ids + j).to(tl.int64)
+        w += e * stride_we
+        w_up += e * stride_we
+        y += j.to(tl.int64) * stride_y
     n = tl.program_id(0) * BN + tl.arange(0, BN)
     m = tl.arange(0, BM)
     mm, mn = m < M, n < N
     kk = tl.arange(0, BK)
     w_rows = w + n[:, None].to(tl.int64) * stride_w + kk[None, :]                     # [BN, BK]
-    up_rows = w_rows + N.to(tl.int64) * stride_w                                      # GLU: the up rows
+    up_rows = w_up + n[:, None].to(tl.int64) * stride_w + kk[None, :]                 # GLU: the up rows
     x_rows = x + m[:, None].to(tl.int64) * stride_x + kk[None, :]                     # [BM, BK]
     acc = tl.zeros([BM, BN, BK], tl.float32)
     acc_up = tl.zeros([BM, BN, BK] if GLU else [1, 1, 1], tl.float32)
@@ -55,6 +70,35 @@ def _gemv_kernel(x, w, y, M, N, K, stride_x, stride_w, stride_y, beta, linear_be
         out = glu(g, u, beta, linear_beta, SITU, CLIP_UP)
     tl.store(y + m[:, None].to(tl.int64) * stride_y + n[None, :], out.to(y.dtype.element_ty),
              mask=mm[:, None] & mn[None, :])
+
+
+@triton.jit
+def _gemv_combine_kernel(h, w, ids, weights, y, N, K, stride_h, stride_w, stride_we,
+                         TOP_K: tl.constexpr, BN: tl.constexpr, BK: tl.constexpr, EVEN: tl.constexpr,
+                         STAGES: tl.constexpr, PDL: tl.constexpr):
+    """One token's down-projections and combine: y[n] = sum_j weights[j] round(h[j] . w[ids[j], n]) for the
+    program's BN columns n, the k products in fp32 (each rounded to y's dtype, as the expert outputs
+    are), summed in fp32 in expert order j, one rounding."""
+    pdl_entry(PDL)
+    n = tl.program_id(0) * BN + tl.arange(0, BN)
+    mn = n < N
+    kk = tl.arange(0, BK)
+    total = tl.zeros([BN], tl.float32)
+    for j in range(TOP_K):
+        e = tl.load(ids + j).to(tl.int64)
+        w_rows = w + e * stride_we + n[:, None].to(tl.int64) * stride_w + kk[None, :]     # [BN, BK]
+        h_row = h + j * stride_h + kk
+        acc = tl.zeros([BN, BK], tl.float32)
+        for k0 in tl.range(0, K, BK, num_stages=STAGES):
+            if EVEN:   # N % BN == 0 and K % BK == 0
+                acc += tl.load(h_row + k0).to(tl.float32)[None, :] * tl.load(w_rows + k0).to(tl.float32)
+            else:
+                mk = (k0 + kk) < K
+                ht = tl.load(h_row + k0, mask=mk, other=0.0).to(tl.float32)
+                acc += ht[None, :] * tl.load(w_rows + k0, mask=mn[:, None] & mk[None, :], other=0.0).to(tl.float32)
+        out_j = tl.sum(acc, 1).to(y.dtype.element_ty).to(tl.float32)
+        total += tl.load(weights + j).to(tl.float32) * out_j
+    tl.store(y + n, total.to(y.dtype.element_ty), mask=mn)
 
 
 @dataclass(frozen=True)
@@ -112,7 +156,49 @@ def gemv(x: torch.Tensor, w: torch.Tensor, config: GemvConfig | None = None,
         cfg = config or gemv_config(M, N, K, glu=glu_act is not None)
         BM = triton.next_power_of_2(M)
         _gemv_kernel[(triton.cdiv(N_out, cfg.bn),)](
-            x2, w, y, M, N_out, K, x2.stride(0), w.stride(0), y.stride(0), float(beta), float(linear_beta or 1.0),
-            BM=BM, BN=cfg.bn, BK=cfg.bk, EVEN=N_out % cfg.bn == 0 and K % cfg.bk == 0, GLU=glu_act is not None,
-            SITU=situ, CLIP_UP=situ and linear_beta is not None, STAGES=cfg.stages, num_warps=cfg.num_warps, **pdl(x))
+            x2, w, w[N_out:] if glu_act is not None else w, y, y, M, N_out, K, x2.stride(0), w.stride(0), 0, y.stride(0),
+            float(beta), float(linear_beta or 1.0), BM=BM, BN=cfg.bn, BK=cfg.bk,
+            EVEN=N_out % cfg.bn == 0 and K % cfg.bk == 0, GLU=glu_act is not None, SITU=situ,
+            CLIP_UP=situ and linear_beta is not None, EXPERTS=False, STAGES=cfg.stages, num_warps=cfg.num_warps, **pdl(x))
     return y.view(*x.shape[:-1], N_out)
+
+
+def combine_config(N: int, K: int, num_sms: int = 132) -> GemvConfig:
+    """``one_token_experts``' down-and-combine launch: each program reads its columns from all k experts, so
+    programs are k times longer than a projection's; 8 columns a program where that gives four programs an
+    SM, else 4 (fewer, longer programs leave SMs idle at the tail)."""
+    bn = 8 if triton.cdiv(N, 8) >= 4 * num_sms else 4
+    return GemvConfig(bn=bn, bk=max(64, min(512, triton.next_power_of_2(K))))
+
+
+def one_token_experts(x: torch.Tensor, w1: torch.Tensor, w2: torch.Tensor, w3: torch.Tensor, weights: torch.Tensor,
+                      ids: torch.Tensor, act_situ: bool, beta: float, linear_beta: float | None,
+                      configs: tuple[GemvConfig, GemvConfig] | None = None) -> torch.Tensor:
+    """One token's routed experts in two launches: x [1, L]; w1, w3 [E, I, L] and w2 [E, L, I] in x's dtype
+    (bf16 or fp16, unit stride on the last axis); weights [1, k] fp32; ids [1, k]. Returns [1, L]:
+    sum_j weights[j] E_{ids[j]}(x) in fp32, one rounding (``kimik3.ops.moe.fused_moe``'s combine)."""
+    T, L = x.shape
+    E, I, _ = w1.shape
+    k = ids.shape[-1]
+    if T != 1 or weights.shape != (1, k) or ids.shape != (1, k):
+        raise ValueError(f"one_token_experts: one token's x [1, L], weights and ids [1, k], got x {tuple(x.shape)}, "
+                         f"weights {tuple(weights.shape)}, ids {tuple(ids.shape)}")
+    if (w3.shape != w1.shape or w3.stride() != w1.stride() or w2.shape != (E, L, I) or w1.shape[2] != L
+            or w1.stride(2) != 1 or w2.stride(2) != 1 or not all(w.dtype == x.dtype for w in (w1, w2, w3))):
+        raise ValueError(f"one_token_experts: experts w1 {w1.dtype} {tuple(w1.shape)}, w3 {tuple(w3.shape)}, w2 "
+                         f"{tuple(w2.shape)} (unit stride on the last axis) do not match x {x.dtype} [1, {L}]")
+    x = x.contiguous()
+    ids, weights = ids.reshape(k).contiguous(), weights.reshape(k).contiguous()
+    up_cfg, down_cfg = configs or (gemv_config(1, 2 * I * k, L, glu=True), combine_config(L, I))
+    h = torch.empty(k, I, dtype=x.dtype, device=x.device)
+    _gemv_kernel[(triton.cdiv(I, up_cfg.bn), k)](
+        x, w1, w3, h, ids, 1, I, L, x.stride(0), w1.stride(1), w1.stride(0), h.stride(0), float(beta),
+        float(linear_beta or 1.0), BM=1, BN=up_cfg.bn, BK=up_cfg.bk, EVEN=I % up_cfg.bn == 0 and L % up_cfg.bk == 0,
+        GLU=True, SITU=act_situ, CLIP_UP=act_situ and linear_beta is not None, EXPERTS=True, STAGES=up_cfg.stages,
+        num_warps=up_cfg.num_warps, **pdl(x))
+    out = torch.empty(1, L, dtype=x.dtype, device=x.device)
+    _gemv_combine_kernel[(triton.cdiv(L, down_cfg.bn),)](
+        h, w2, ids, weights, out, L, I, h.stride(0), w2.stride(1), w2.stride(0), TOP_K=k, BN=down_cfg.bn,
+        BK=down_cfg.bk, EVEN=L % down_cfg.bn == 0 and I % down_cfg.bk == 0, STAGES=down_cfg.stages,
+        num_warps=down_cfg.num_warps, **pdl(h))
+    return out

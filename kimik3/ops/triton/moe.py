@@ -22,6 +22,7 @@ import triton
 import triton.language as tl
 
 from kimik3.ops.triton.common import INTERPRETING, dot, glu, pdl, pdl_entry
+from kimik3.ops.triton.gemv import one_token_experts
 
 
 # E2M1 -> bf16 on the integer units, four packed bytes (eight elements) per asm instance.
@@ -370,6 +371,11 @@ def _tiles(rows_per_expert: float, mxfp4: bool = False) -> dict:
 # top-8 of 256); the gather and combine around it add ~2 x T x k x L x 2 bytes, so the switch is at 64.
 GROUPED_MM_ROWS_PER_EXPERT = 64
 
+# One token with dense experts: its k experts' gate/up and down read as streaming products, the combine in
+# the down launch (``kimik3.ops.triton.gemv.one_token_experts``: two launches where the block kernels take
+# three, and no tensor-core tile of which one row is used). False: the block kernels (benchmarks' A/B).
+ONE_TOKEN_GEMV = True
+
 
 def _halves_of_one(w1: torch.Tensor, w3: torch.Tensor) -> torch.Tensor | None:
     """[E, 2I, L] when w1 and w3 [E, I, L] (rows contiguous) are the first and second halves of one
@@ -475,7 +481,8 @@ def fused_moe_triton(x: torch.Tensor, w1, w2, w3, weights: torch.Tensor, ids: to
     Dense experts: w1, w3 [E, I, L], w2 [E, L, I] in x's dtype. MXFP4 experts (bf16 x): each of
     w1, w3 = (packed [E, I, L/2], scale [E, I, L/32]), w2 = (packed [E, L, I/2], scale [E, L, I/32]).
     high_scales: some E8M0 scale may exceed 128 (the dequantization takes two multiplies; False is
-    only valid when every scale is <= 128). tiles: override the tile choice (benchmarks; with
+    only valid when every scale is <= 128). One token with dense experts (``ONE_TOKEN_GEMV``): two streaming
+    launches (``kimik3.ops.triton.gemv.one_token_experts``). tiles: override the tile choice (benchmarks; with
     "asm": False the fp16-placement dequantization runs on CUDA too, for comparison; "one_token": False
     aligns a single token's rows as any batch's, where by default its k distinct experts take a block
     each with no alignment launch); without it, dense
@@ -495,6 +502,8 @@ def fused_moe_triton(x: torch.Tensor, w1, w2, w3, weights: torch.Tensor, ids: to
         raise ValueError(f"the dense expert kernels take bf16/fp16 activations and weights of the same dtype, "
                          f"got {x.dtype} activations and {w1p.dtype} weights")
     x = x.contiguous()
+    if not packed and tiles is None and T == 1 and ONE_TOKEN_GEMV and w1p.stride(2) == 1 and w2p.stride(2) == 1:
+        return one_token_experts(x, w1p, w2p, w3p, weights, ids, act_situ, beta, linear_beta)
     if not packed and tiles is None and x.dtype == torch.bfloat16 and T * top_k >= GROUPED_MM_ROWS_PER_EXPERT * E:
         return _grouped_mm_experts(x, w1p, w2p, w3p, weights, ids, act_situ, beta, linear_beta)
     if (packed and tiles is None and T * top_k >= MXFP4_GROUPED_MM_ROWS_PER_EXPERT * E
