@@ -21,6 +21,7 @@ from kimik3.model.layers import MLP, Embedding, GLUActivation, MergedWeight, RMS
 from kimik3.model.mla import MLAAttention
 from kimik3.model.moe import MoE
 from kimik3.model.vision import KimiVisionModel
+from kimik3.ops.linear import linear as ops_linear
 
 # Parameters kept in fp32 (or wider) whatever the model dtype (spec D4, text-backbone 5.1).
 _ALWAYS_FP32 = re.compile(r"\.(A_log|dt_bias)$")
@@ -242,7 +243,7 @@ class KimiForCausalLM(nn.Module):
         """hidden [n, D] -> logits [n, vocab] in float32 (float64 for a float64 model). Under TP
         each rank computes its vocabulary slice; the full rows exist on TP rank 0 only (None
         is returned elsewhere)."""
-        logits = self.lm_head(hidden).to(torch.promote_types(self.dtype, torch.float32))
+        logits = ops_linear(hidden, self.lm_head.weight, out_dtype=torch.promote_types(self.dtype, torch.float32))
         return self.parallel.gather_columns_to_first(logits)
 
     @property

@@ -25,12 +25,14 @@ def _streams(x: torch.Tensor, weight: torch.Tensor) -> bool:
                 and weight.dtype == x.dtype and weight.is_contiguous() and 0 < x.numel() <= GEMV_MAX_ROWS * K)
 
 
-def linear(x: torch.Tensor, weight: torch.Tensor) -> torch.Tensor:
-    """x [..., K] @ weight [N, K]^T -> [..., N] in x's dtype."""
+def linear(x: torch.Tensor, weight: torch.Tensor, out_dtype: torch.dtype | None = None) -> torch.Tensor:
+    """x [..., K] @ weight [N, K]^T -> [..., N] in x's dtype; ``out_dtype``: that result (rounded to x's
+    dtype) converted to it, in the same launch on the streaming kernel (the LM head's fp32 logits)."""
     if _streams(x, weight):
         from kimik3.ops.triton.gemv import gemv
-        return gemv(x, weight)
-    return torch.nn.functional.linear(x, weight)
+        return gemv(x, weight, out_dtype=out_dtype)
+    y = torch.nn.functional.linear(x, weight)
+    return y if out_dtype is None else y.to(out_dtype)
 
 
 def linear_glu(x: torch.Tensor, weight: torch.Tensor, hidden_act: str, beta: float,

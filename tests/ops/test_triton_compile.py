@@ -285,6 +285,10 @@ def compile_gemv():
                       CLIP_UP=act == "situ", EXPERTS=experts, STAGES=3)
         k = compile_for_hopper(gemv._gemv_kernel, types, consts, divisible={"K", "stride_x", "stride_w", "stride_we"})
         assert "cp.async" in k.asm["ptx"], f"BM={BM} {act} experts={experts}: the weight loads are not pipelined"
+    k = compile_for_hopper(gemv._gemv_kernel, dict(types, y="*fp32"),                 # the LM head's fp32 logits
+                           dict(BM=1, BN=8, BK=512, EVEN=True, GLU=False, SITU=False, CLIP_UP=False, EXPERTS=False,
+                                STAGES=3), divisible={"K", "stride_x", "stride_w", "stride_we"})
+    assert "cp.async" in k.asm["ptx"]
     for even in (True, False):
         k = compile_for_hopper(gemv._gemv_combine_kernel, {"h": "*bf16", "w": "*bf16", "ids": "*i64", "weights": "*fp32",
                                                            "y": "*bf16"},

@@ -777,6 +777,23 @@ def test_gemv_kernel_matches_float64(M, N, K, cfg, dtype):
     assert ((y.double() - want).abs() <= 2 ** -7 * want.abs() + K * 2 ** -23 * scale).all()
 
 
+@pytest.mark.parametrize("dtype", [BF16, torch.float16])
+def test_gemv_stores_the_rounded_product_in_float32(dtype):
+    """``out_dtype`` float32 (the LM head's logits): the product rounded to x's dtype, then converted (what
+    ``linear(x, w).float()`` gives); one launch."""
+    from kimik3.ops.triton.gemv import gemv
+    g = gen(41)
+    x = torch.randn(1, 700, generator=g).to(dtype)
+    w = torch.randn(45, 700, generator=g).to(dtype)
+    y = gemv(x, w, out_dtype=torch.float32)
+    want = (x.double() @ w.double().t())
+    scale = x.double().abs() @ w.double().abs().t()
+    assert y.dtype == torch.float32 and torch.equal(y, y.to(dtype).float())       # holds a value of x's dtype
+    assert ((y.double() - want).abs() <= 2 ** -7 * want.abs() + 700 * 2 ** -23 * scale).all()
+    with pytest.raises(ValueError, match="out_dtype"):
+        gemv(x, w, out_dtype=torch.float64)
+
+
 def test_gemv_refuses_mismatched_operands():
     from kimik3.ops.triton.gemv import gemv
     x = torch.zeros(1, 64, dtype=BF16)

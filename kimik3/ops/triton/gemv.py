@@ -68,7 +68,8 @@ def _gemv_kernel(x, w, w_up, y, ids, M, N, K, stride_x, stride_w, stride_we, str
         g = out.to(y.dtype.element_ty).to(tl.float32)
         u = tl.sum(acc_up, 2).to(y.dtype.element_ty).to(tl.float32)
         out = glu(g, u, beta, linear_beta, SITU, CLIP_UP)
-    tl.store(y + m[:, None].to(tl.int64) * stride_y + n[None, :], out.to(y.dtype.element_ty),
+    # rounded to x's dtype, then stored as y's (a wider y: the rounded product converted, exactly)
+    tl.store(y + m[:, None].to(tl.int64) * stride_y + n[None, :], out.to(x.dtype.element_ty).to(y.dtype.element_ty),
              mask=mm[:, None] & mn[None, :])
 
 
@@ -132,10 +133,11 @@ def gemv_config(M: int, N: int, K: int, num_sms: int = 132, glu: bool = False) -
 
 
 def gemv(x: torch.Tensor, w: torch.Tensor, config: GemvConfig | None = None,
-         glu_act: tuple[bool, float, float | None] | None = None) -> torch.Tensor:
+         glu_act: tuple[bool, float, float | None] | None = None, out_dtype: torch.dtype | None = None) -> torch.Tensor:
     """x [..., K] (bf16 or fp16, unit stride on K); w [N, K] of x's dtype, contiguous.
     Returns [..., N] in x's dtype. ``glu_act`` = (situ, beta, linear_beta): w holds [gate; up] (2I rows)
-    and the result is the GLU activation of the two products, [..., I] (``kimik3.ops.activation``)."""
+    and the result is the GLU activation of the two products, [..., I] (``kimik3.ops.activation``).
+    ``out_dtype``: the result (rounded to x's dtype) stored in this dtype (fp32 or x's)."""
     K = x.shape[-1]
     N = w.shape[0]
     if glu_act is not None and N % 2:
@@ -145,12 +147,14 @@ def gemv(x: torch.Tensor, w: torch.Tensor, config: GemvConfig | None = None,
                          f"match x {x.dtype} [..., {K}]")
     if x.dtype not in (torch.bfloat16, torch.float16):
         raise ValueError(f"gemv takes bf16 or fp16 operands, got {x.dtype}")
+    if out_dtype not in (None, x.dtype, torch.float32):
+        raise ValueError(f"gemv stores x's dtype or float32, got out_dtype {out_dtype}")
     x2 = x.reshape(-1, K)
     if x2.stride(-1) != 1:
         x2 = x2.contiguous()
     M = x2.shape[0]
     N_out = N // 2 if glu_act is not None else N
-    y = torch.empty(M, N_out, dtype=x.dtype, device=x.device)
+    y = torch.empty(M, N_out, dtype=out_dtype or x.dtype, device=x.device)
     if M and N:
         situ, beta, linear_beta = glu_act or (False, 1.0, None)
         cfg = config or gemv_config(M, N, K, glu=glu_act is not None)
