@@ -12,7 +12,7 @@ from torch import nn
 from kimik3.distributed import ParallelContext
 from kimik3.model.batch import ForwardBatch
 from kimik3.model.layers import MergedLinear, RMSNorm, linear, tp_shards
-from kimik3.ops.mla import mla_decode_attention, mla_prefill_attention
+from kimik3.ops.mla import cache_latent, mla_decode_attention, mla_prefill_attention
 
 
 class MLAAttention(nn.Module):
@@ -52,8 +52,7 @@ class MLAAttention(nn.Module):
         if hasattr(self, "q_b_proj"):
             q = self.q_b_proj(self.q_a_layernorm(q))
         q = q.view(T, H, self.d_nope + self.d_rope)
-        latent = torch.cat([self.kv_a_layernorm(c[:, :self.kv_lora_rank]), c[:, self.kv_lora_rank:]], dim=-1)
-        cache.view(-1, cache.shape[-1])[batch.slot_mapping] = latent.to(cache.dtype)
+        cache_latent(c, self.kv_a_layernorm.weight, self.kv_a_layernorm.eps, cache, batch.slot_mapping)   # [norm(c_kv) | k_pe]
         if batch.is_decode or batch.row_state_slots is not None:
             # decode rows (device ops, no host sync); a short step's row j of a chunk attends like a
             # decode row over its context + j + 1 keys

@@ -18,8 +18,21 @@ import torch
 import torch.nn.functional as F
 
 from kimik3.ops import ceil_div
-from kimik3.ops.backend import use_fast_path
-from kimik3.ops.norm import acc_dtype
+from kimik3.ops.backend import use_fast_kernel, use_fast_path
+from kimik3.ops.norm import acc_dtype, rms_norm
+
+
+def cache_latent(c: torch.Tensor, norm_weight: torch.Tensor, eps: float, cache: torch.Tensor,
+                 slots: torch.Tensor) -> None:
+    """New cache rows: c [T, R + P] (kv_a_proj_with_mqa's output) -> row slots[t] of the flattened cache
+    [..., R + P] = [rms_norm(c[t, :R]) (kv_a_layernorm: ``kimik3.ops.norm.rms_norm``) | c[t, R:]], in the
+    cache's dtype. CUDA (c in the cache's dtype): one Triton kernel (the norm, the copy and the scatter)."""
+    R = norm_weight.shape[0]
+    if use_fast_kernel(c, norm_weight, cache) and c.dtype == cache.dtype and c.stride(-1) == 1 and cache.is_contiguous():
+        from kimik3.ops.triton.norm import cache_latent_triton
+        return cache_latent_triton(c, norm_weight, eps, cache, slots)
+    latent = torch.cat([rms_norm(c[:, :R], norm_weight, eps), c[:, R:]], dim=-1)
+    cache.view(-1, cache.shape[-1])[slots] = latent.to(cache.dtype)
 
 
 def gather_latents(cache: torch.Tensor, block_table: torch.Tensor, length: int) -> torch.Tensor:

@@ -22,7 +22,7 @@ from kimik3.ops.attn_res import attn_res_mix, attn_res_mix_norm
 from kimik3.ops.backend import reference_ops
 from kimik3.ops.conv import causal_conv1d_in_pool
 from kimik3.ops.kda import OutputNorm, kda_attention_in_pool, kda_recurrent_in_pool
-from kimik3.ops.mla import mla_decode_attention, mla_prefill_attention
+from kimik3.ops.mla import cache_latent, mla_decode_attention, mla_prefill_attention
 from kimik3.ops.moe import fused_moe, fused_moe_mxfp4
 from kimik3.ops.norm import add_rms_norm, gated_rms_norm, rms_norm, rms_norm_fp32_weight
 from kimik3.ops.router import route
@@ -260,6 +260,27 @@ def check_moe_dense(T=37, E=256, L=2304, I=1024, k=8, dtype=BF16, act="silu", se
     return {f"moe_dense.{dtype}.{act}.T{T}.k{k}.worst_token": worst_rel_err(out, ref)}
 
 
+def check_cache_latent(T=37, R=512, P=64, seed=25) -> dict:
+    """MLA's new cache rows (the latent's norm, the rope part, at scattered slots) against the reference on
+    fp64 copies, per token; the rope part bit for bit; every other row of the cache left as it was."""
+    g = _gen(seed)
+    c = torch.randn(T, 2048, generator=g, device="cuda").to(BF16)[:, 1000:1000 + R + P]    # a merged projection's slice
+    w = (1 + 0.1 * torch.randn(R, generator=g, device="cuda")).to(BF16)
+    cache = torch.randn(64, 16, R + P, generator=g, device="cuda").to(BF16)
+    before = cache.clone()
+    slots = torch.randperm(64 * 16, generator=g, device="cuda")[:T]
+    ref = cache.double()
+    with reference_ops():
+        cache_latent(c.double(), w.double(), 1e-6, ref, slots)
+    poison_allocator()
+    cache_latent(c, w, 1e-6, cache, slots)
+    rows, untouched = cache.view(-1, R + P), torch.ones(64 * 16, dtype=torch.bool, device="cuda")
+    untouched[slots] = False
+    return {"cache_latent.worst_token": worst_rel_err(rows[slots], ref.view(-1, R + P)[slots]),
+            "cache_latent.rope_exact": float(not torch.equal(rows[slots, R:], c[:, R:])),
+            "cache_latent.others_exact": float(not torch.equal(rows[untouched], before.view(-1, R + P)[untouched]))}
+
+
 def check_attn_res(n=9, T=77, D=7168, seed=5) -> dict:
     g = _gen(seed)
     big = torch.randn(n + 2, T, D, generator=g, device="cuda").to(BF16)
@@ -399,6 +420,7 @@ CHECKS = {
     "moe_dense_decode_fp16_situ_top16": lambda: check_moe_dense(T=1, E=64, L=3584, I=768, k=16, dtype=torch.float16,
                                                                 act="situ", seed=24),
     "moe_dense_grouped_situ": lambda: check_moe_dense(T=300, E=32, L=512, I=384, k=8, act="situ", seed=20),
+    "cache_latent": check_cache_latent,
 }
 
 

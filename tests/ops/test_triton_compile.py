@@ -142,6 +142,9 @@ def compile_rms_norm():
             compile_for_hopper(norm._rms_norm_kernel, {"x": f"*{x}", "w": f"*{w}", "g": "*bf16", "r": f"*{x}", "s": f"*{x}",
                                                        "y": f"*{y}", "eps": "fp32"},
                                dict(FORM=form, HAS_RES=res, BR=BR, BD=BD), num_warps=8 if BD >= 4096 else 4, num_stages=1)
+    for w in ("bf16", "fp32"):                    # MLA's cache rows: the latent's norm, the rope part, at the slot
+        compile_for_hopper(norm._cache_latent_kernel, {"x": "*bf16", "w": f"*{w}", "slots": "*i64", "cache": "*bf16",
+                                                       "eps": "fp32"}, dict(BD=512, BP=64), num_stages=1)
 
 
 def test_glu_kernel_compiles_for_hopper():

@@ -215,6 +215,51 @@ def test_mla_decode_kernel_matches_reference(max_len, sms, form, bs, bv, trans):
         assert rel_err(out[n], ref[n]) < 1e-2, n
 
 
+# ---- MLA cache rows ------------------------------------------------------------------------
+@pytest.mark.parametrize("dtype", [BF16, torch.float16])
+@pytest.mark.parametrize("R,P", [(32, 8), (48, 5)], ids=["pow2", "ragged"])
+def test_cache_latent_kernel_matches_float64(R, P, dtype):
+    """Each token's row [rms_norm(c_kv) * w | k_pe] lands at its slot: the norm from the math in float64
+    within its two roundings (the normalised row, then times the weight), k_pe bit for bit; rows of
+    other slots untouched; c read through a row stride (a column slice of the merged projection)."""
+    from kimik3.ops.triton.norm import cache_latent_triton
+    g = gen(R + P)
+    T, eps = 5, 1e-6
+    wide = torch.randn(T, 3 + R + P + 4, generator=g).mul(3).to(dtype)
+    c = wide[:, 3:3 + R + P]
+    c[1, :R] *= 1e-3                                                     # a small row: eps must be the math's
+    w = (1 + 0.2 * torch.randn(R, generator=g)).to(dtype)
+    cache = torch.randn(4, 4, R + P, generator=g).to(dtype)
+    before = cache.clone()
+    slots = torch.tensor([13, 2, 7, 0, 9])
+    cache_latent_triton(c, w, eps, cache, slots)
+    rows = cache.view(-1, R + P)
+    x = c[:, :R].double()
+    normed = x / torch.sqrt(x.pow(2).mean(-1, keepdim=True) + eps)
+    want = normed * w.double()
+    ulp = 2 ** -7 if dtype == BF16 else 2 ** -10                   # one rounding, the interpreter's truncation
+    got = rows[slots, :R].double()
+    assert ((got - want).abs() <= ulp * (want.abs() + normed.abs() * w.double().abs())).all()
+    assert torch.equal(rows[slots, R:], c[:, R:])
+    others = torch.ones(16, dtype=torch.bool)
+    others[slots] = False
+    assert torch.equal(rows[others], before.view(-1, R + P)[others])
+
+
+def test_cache_latent_reference_path_is_the_norm_then_the_copy():
+    """ops.mla.cache_latent on the CPU: rms_norm of the latent part, the rope part as it is, at the slots."""
+    from kimik3.ops.mla import cache_latent
+    from kimik3.ops.norm import rms_norm
+    g = gen(5)
+    c = torch.randn(3, 40, generator=g).to(BF16)
+    w = torch.randn(32, generator=g).to(BF16)
+    cache = torch.zeros(2, 4, 40, dtype=BF16)
+    cache_latent(c, w, 1e-6, cache, torch.tensor([6, 1, 3]))
+    rows = cache.view(-1, 40)
+    assert torch.equal(rows[[6, 1, 3], :32], rms_norm(c[:, :32], w, 1e-6))
+    assert torch.equal(rows[[6, 1, 3], 32:], c[:, 32:])
+
+
 # ---- MoE MXFP4 ---------------------------------------------------------------------------
 def _packed_experts(E, N, K, g):
     codes = torch.randint(0, 16, (E * N, K), generator=g, dtype=torch.uint8)

@@ -10,6 +10,9 @@ of a decode step. Three forms, chosen at compile time:
 Optionally the row is first the sum of x and a residual (rounded to x's dtype, and stored: the
 residual stream's add fused into the norm that follows it). The row count is not specialised on, so every batch size runs one compiled kernel per (form, D,
 dtypes).
+
+``cache_latent_triton``: MLA's new cache rows in one launch: the ``KIMI`` norm of each token's latent
+part, its rope part as it is, both stored at the token's cache slot (``kimik3.ops.mla.cache_latent``).
 """
 
 from __future__ import annotations
@@ -21,6 +24,17 @@ import triton.language as tl
 from kimik3.ops.triton.common import pdl, pdl_entry
 
 KIMI, FP32_WEIGHT, GATED = 0, 1, 2
+
+
+@triton.jit
+def _kimi_norm(v, wv, D, eps, dtype: tl.constexpr):
+    """``KIMI`` of rows v [BR, BD] (fp32, zeros past D) with the weight wv [BD]: the row rounded to dtype
+    (a no-op when it came in dtype), statistics in fp32, the normalised row rounded, times the weight
+    rounded; fp32, rounded to dtype by the caller."""
+    v = v.to(dtype).to(tl.float32)
+    rstd = 1 / tl.sqrt(tl.sum(v * v, axis=1) / D + eps)
+    n = (v * rstd[:, None]).to(dtype).to(tl.float32)
+    return n * wv.to(dtype).to(tl.float32)
 
 
 @triton.jit(do_not_specialize=["R", "sx", "sg", "sr"])
@@ -38,10 +52,7 @@ def _rms_norm_kernel(x, w, g, r, s, y, R, D, sx, sg, sr, eps, FORM: tl.constexpr
         v = v.to(tl.float32)
     wv = tl.load(w + cols, mask=cols < D, other=0.0)
     if FORM == 0:
-        v = v.to(y.dtype.element_ty).to(tl.float32)      # the row in the output dtype (a no-op when x has it)
-        rstd = 1 / tl.sqrt(tl.sum(v * v, axis=1) / D + eps)
-        n = (v * rstd[:, None]).to(y.dtype.element_ty).to(tl.float32)
-        out = n * wv.to(y.dtype.element_ty).to(tl.float32)
+        out = _kimi_norm(v, wv, D, eps, y.dtype.element_ty)
     else:
         rstd = 1 / tl.sqrt(tl.sum(v * v, axis=1) / D + eps)
         out = v * rstd[:, None] * wv.to(tl.float32)
@@ -86,3 +97,36 @@ def rms_norm_triton(x: torch.Tensor, weight: torch.Tensor, eps: float, form: int
     if residual is not None:
         return s.view(x.shape), y.view(x.shape)
     return y.view(x.shape)
+
+
+@triton.jit(do_not_specialize=["sx"])
+def _cache_latent_kernel(x, w, slots, cache, D, P, sx, stride_row, eps, BD: tl.constexpr, BP: tl.constexpr,
+                         PDL: tl.constexpr):
+    """Token t: cache row slots[t] = [KIMI norm of x[t, :D] with w | x[t, D:D + P]]."""
+    pdl_entry(PDL)
+    t = tl.program_id(0).to(tl.int64)
+    cols = tl.arange(0, BD)
+    m = cols < D
+    v = tl.load(x + t * sx + cols, mask=m, other=0.0).to(tl.float32)[None, :]
+    out = _kimi_norm(v, tl.load(w + cols, mask=m, other=0.0), D, eps, cache.dtype.element_ty)        # [1, BD]
+    row = cache + tl.load(slots + t).to(tl.int64) * stride_row
+    tl.store(row + cols[None, :], out.to(cache.dtype.element_ty), mask=m[None, :])
+    pc = tl.arange(0, BP)
+    pe = tl.load(x + t * sx + D + pc, mask=pc < P, other=0.0)
+    tl.store(row + D + pc, pe.to(cache.dtype.element_ty), mask=pc < P)
+
+
+def cache_latent_triton(c: torch.Tensor, weight: torch.Tensor, eps: float, cache: torch.Tensor,
+                        slots: torch.Tensor) -> None:
+    """c [T, D + P] (c's dtype = the cache's; unit feature stride), weight [D], cache [..., D + P] with
+    contiguous rows, slots [T] (row indices of the flattened cache)."""
+    T, C = c.shape
+    D = weight.shape[0]
+    if C <= D or cache.shape[-1] != C or c.dtype != cache.dtype or c.stride(-1) != 1 or slots.shape != (T,):
+        raise ValueError(f"cache_latent_triton: c {c.dtype} {tuple(c.shape)}, weight {tuple(weight.shape)}, cache "
+                         f"{cache.dtype} {tuple(cache.shape)} and slots {tuple(slots.shape)} do not match")
+    rows = cache.view(-1, C)
+    if T:
+        _cache_latent_kernel[(T,)](c, weight.contiguous(), slots, rows, D, C - D, c.stride(0), rows.stride(0),
+                                   float(eps), BD=triton.next_power_of_2(D), BP=triton.next_power_of_2(C - D),
+                                   num_warps=4, **pdl(c))
