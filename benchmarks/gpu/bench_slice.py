@@ -15,8 +15,10 @@ off: our kernels launched the ordinary way), in the same process, so the two col
 (``kimik3.ops.linear.GEMV_MAX_ROWS`` flipped: 0 when the model ships with it on, else 8).
 ``--side-ab``: every decode case also captured without the MoE side stream (router and shared experts on
 the main stream, as eager steps run).
-``--one-token-ab``: every decode case also with a single token's dense experts on the block kernels
+``--one-token-ab``: the batch-1 decode case also with a single token's dense experts on the block kernels
 (``kimik3.ops.triton.moe.ONE_TOKEN_GEMV`` off).
+``--prefetch-ab``: the batch-1 decode case (the one on the streaming kernel) also without the projections' weight prefetch before the PDL wait
+(``kimik3.ops.triton.gemv.PREFETCH_WEIGHTS`` off).
 """
 
 from __future__ import annotations
@@ -43,6 +45,7 @@ from kimik3.ops import ceil_div, mxfp4                       # noqa: E402
 from kimik3.ops import linear as ops_linear                   # noqa: E402
 from kimik3.ops.backend import reference_ops                 # noqa: E402
 from kimik3.ops.triton import common as triton_common        # noqa: E402
+from kimik3.ops.triton import gemv as gemv_kernels            # noqa: E402
 from kimik3.ops.triton import moe as moe_kernels              # noqa: E402
 
 CONFIG = Path(__file__).with_name("kimi-k3-slice4.config.json")
@@ -319,6 +322,8 @@ def bench_model(bw, mm):
         t_graph_other_gemv = other_gemv(lambda: graph_time(fast))
         t_graph_block_experts = with_setting("--one-token-ab", moe_kernels, "ONE_TOKEN_GEMV", False,
                                              lambda: graph_time(fast)) if N == 1 else None
+        t_graph_no_prefetch = with_setting("--prefetch-ab", gemv_kernels, "PREFETCH_WEIGHTS", False,
+                                           lambda: graph_time(fast)) if N == 1 else None
         model.use_side_stream(None)
         t_graph_no_side = graph_time(fast) if "--side-ab" in sys.argv else None
         t_ref = float("nan")
@@ -338,6 +343,7 @@ def bench_model(bw, mm):
                      "t_graph_other_gemv_ms": None if t_graph_other_gemv is None else t_graph_other_gemv * 1e3,
                      "t_graph_no_side_stream_ms": None if t_graph_no_side is None else t_graph_no_side * 1e3,
                      "t_graph_one_token_block_kernels_ms": None if t_graph_block_experts is None else t_graph_block_experts * 1e3,
+                     "t_graph_no_prefetch_ms": None if t_graph_no_prefetch is None else t_graph_no_prefetch * 1e3,
                      "bytes": byts, "flops": flops, "floor_ms": floor * 1e3, "time_over_floor": best / floor,
                      "speedup_vs_ref": t_ref / best, "ref_note": "same shapes"})
         log(rows[-1])
@@ -462,8 +468,8 @@ def main():
     rows = bench_model(bw, mm)
     save()
     log(f"\n| case | fast eager ms | fast graph ms | floor ms | time/floor | ref ms | speed-up | without PDL ms "
-        f"| GEMV_MAX_ROWS {0 if ops_linear.GEMV_MAX_ROWS else 8} ms | no side stream ms | one token on block kernels ms |")
-    log("|---|---|---|---|---|---|---|---|---|---|---|")
+        f"| GEMV_MAX_ROWS {0 if ops_linear.GEMV_MAX_ROWS else 8} ms | no side stream ms | one token on block kernels ms | no weight prefetch ms |")
+    log("|---|---|---|---|---|---|---|---|---|---|---|---|")
     for r in rows:
         g = "-" if r["t_graph_ms"] is None else f"{r['t_graph_ms']:.3f}"
         off = r.get("t_graph_no_pdl_ms") or r.get("t_eager_no_pdl_ms")
@@ -477,8 +483,10 @@ def main():
         side = "-" if side is None else f"{side:.3f}"
         blocks = r.get("t_graph_one_token_block_kernels_ms")
         blocks = "-" if blocks is None else f"{blocks:.3f}"
+        nopf = r.get("t_graph_no_prefetch_ms")
+        nopf = "-" if nopf is None else f"{nopf:.3f}"
         log(f"| {r['case']} | {r['t_eager_ms']:.2f} | {g} | {r['floor_ms']:.3f} | {r['time_over_floor']:.2f}{extra} "
-            f"| {ref} | {sp} | {off} | {other} | {side} | {blocks} |")
+            f"| {ref} | {sp} | {off} | {other} | {side} | {blocks} | {nopf} |")
     bad = [k for k, r in results.get("checks", {}).items() if not r["ok"]]
     log(f"checks: {len(results.get('checks', {})) - len(bad)} ok, bad: {bad}")
 

@@ -285,13 +285,21 @@ def compile_gemv():
     for BM, even, act, experts in ((1, True, None, False), (8, False, None, False), (1, True, "silu", False),
                                    (2, False, "situ", False), (1, True, "silu", True), (1, False, "situ", True)):
         consts = dict(BM=BM, BN=8, BK=512 // BM, EVEN=even, GLU=act is not None, SITU=act == "situ",
-                      CLIP_UP=act == "situ", EXPERTS=experts, STAGES=3)
+                      CLIP_UP=act == "situ", EXPERTS=experts, STAGES=3, PREFETCH=0)
         k = compile_for_hopper(gemv._gemv_kernel, types, consts, divisible={"K", "stride_x", "stride_w", "stride_we"})
         assert "cp.async" in k.asm["ptx"], f"BM={BM} {act} experts={experts}: the weight loads are not pipelined"
     k = compile_for_hopper(gemv._gemv_kernel, dict(types, y="*fp32"),                 # the LM head's fp32 logits
                            dict(BM=1, BN=8, BK=512, EVEN=True, GLU=False, SITU=False, CLIP_UP=False, EXPERTS=False,
-                                STAGES=3), divisible={"K", "stride_x", "stride_w", "stride_we"})
+                                STAGES=3, PREFETCH=0), divisible={"K", "stride_x", "stride_w", "stride_we"})
     assert "cp.async" in k.asm["ptx"]
+    for act in (None, "silu"):          # under PDL: the weight rows' first K step asked of L2 before the wait
+        k = compile_for_hopper(gemv._gemv_kernel, types, dict(BM=1, BN=8, BK=512, EVEN=True, GLU=act is not None,
+                                                              SITU=False, CLIP_UP=False, EXPERTS=False, STAGES=3,
+                                                              PREFETCH=1024, PDL=True),
+                               divisible={"K", "stride_x", "stride_w", "stride_we"})
+        body = k.asm["ptx"][k.asm["ptx"].index(".entry"):]
+        assert body.count("cp.async.bulk.prefetch.L2.global") >= (2 if act else 1), act
+        assert body.index("cp.async.bulk.prefetch.L2.global") < body.index("griddepcontrol.wait"), act
     for even in (True, False):
         k = compile_for_hopper(gemv._gemv_combine_kernel, {"h": "*bf16", "w": "*bf16", "ids": "*i64", "weights": "*fp32",
                                                            "y": "*bf16"},

@@ -48,6 +48,16 @@ def pdl_entry(PDL: tl.constexpr):
 
 
 @triton.jit
+def prefetch_l2(ptrs, nbytes):
+    """Ask L2 for ``nbytes`` (an int32 tensor like ``ptrs``: multiples of 16) from each address of ``ptrs``
+    (16-byte aligned), without waiting for them: Hopper's bulk prefetch (sm_90+; never in the interpreter).
+    A kernel launched with PDL may call it before ``pdl_entry`` on memory the kernel before it does not write
+    (its weights), so those reads start while that kernel finishes."""
+    tl.inline_asm_elementwise("cp.async.bulk.prefetch.L2.global [$1], $2; mov.u32 $0, 0;", "=r,l,r", [ptrs, nbytes],
+                              dtype=tl.int32, is_pure=False, pack=1)
+
+
+@triton.jit
 def dot(a, b, acc, UPCAST: tl.constexpr):
     if UPCAST:
         return tl.dot(a.to(tl.float32), b.to(tl.float32), acc)

@@ -23,18 +23,29 @@ import torch
 import triton
 import triton.language as tl
 
-from kimik3.ops.triton.common import glu, pdl, pdl_entry
+from kimik3.ops.triton.common import glu, pdl, pdl_entry, prefetch_l2
+
+# Under PDL a projection's program asks L2 for the first K step of its weight rows before it waits for the
+# kernel before it (whose output is x, never the weight), so its first loads overlap that kernel's tail.
+PREFETCH_WEIGHTS = True
 
 
 @triton.jit
 def _gemv_kernel(x, w, w_up, y, ids, M, N, K, stride_x, stride_w, stride_we, stride_y, beta, linear_beta,
                  BM: tl.constexpr, BN: tl.constexpr, BK: tl.constexpr, EVEN: tl.constexpr,
                  GLU: tl.constexpr, SITU: tl.constexpr, CLIP_UP: tl.constexpr, EXPERTS: tl.constexpr,
-                 STAGES: tl.constexpr, PDL: tl.constexpr):
+                 STAGES: tl.constexpr, PREFETCH: tl.constexpr, PDL: tl.constexpr):
     """GLU: ``w`` holds the gate rows and ``w_up`` the up rows ([N, K] each, row stride ``stride_w``); the
     program's columns n of both give y = act(gate, up) [M, N], each product rounded to y's dtype before
     the activation (as the two-launch form rounds them). EXPERTS: program axis 1 is assignment j of one
-    token (x row 0): w and w_up start ``ids[j]`` experts (``stride_we`` elements each) in, y at row j."""
+    token (x row 0): w and w_up start ``ids[j]`` experts (``stride_we`` elements each) in, y at row j.
+    PREFETCH (PDL, not EXPERTS: bytes, a multiple of 16): the program's weight rows' first PREFETCH bytes
+    asked of L2 before waiting for the previous kernel."""
+    if PREFETCH:
+        rows = tl.minimum(tl.program_id(0) * BN + tl.arange(0, BN), N - 1).to(tl.int64) * stride_w
+        prefetch_l2(w + rows, tl.full([BN], PREFETCH, tl.int32))
+        if GLU:
+            prefetch_l2(w_up + rows, tl.full([BN], PREFETCH, tl.int32))
     pdl_entry(PDL)
     if EXPERTS:
         j = tl.program_id(1)
@@ -163,8 +174,18 @@ def gemv(x: torch.Tensor, w: torch.Tensor, config: GemvConfig | None = None,
             x2, w, w[N_out:] if glu_act is not None else w, y, y, M, N_out, K, x2.stride(0), w.stride(0), 0, y.stride(0),
             float(beta), float(linear_beta or 1.0), BM=BM, BN=cfg.bn, BK=cfg.bk,
             EVEN=N_out % cfg.bn == 0 and K % cfg.bk == 0, GLU=glu_act is not None, SITU=situ,
-            CLIP_UP=situ and linear_beta is not None, EXPERTS=False, STAGES=cfg.stages, num_warps=cfg.num_warps, **pdl(x))
+            CLIP_UP=situ and linear_beta is not None, EXPERTS=False, STAGES=cfg.stages,
+            PREFETCH=_prefetch_bytes(w, cfg.bk, K) if pdl(x)["PDL"] else 0, num_warps=cfg.num_warps, **pdl(x))
     return y.view(*x.shape[:-1], N_out)
+
+
+def _prefetch_bytes(w: torch.Tensor, bk: int, K: int) -> int:
+    """Bytes of each weight row a program prefetches (its first K step, whole 16-byte units), 0 for none:
+    rows must start on 16-byte boundaries."""
+    size = w.element_size()
+    if not PREFETCH_WEIGHTS or w.data_ptr() % 16 or (w.stride(0) * size) % 16:
+        return 0
+    return min(bk, K) * size // 16 * 16
 
 
 def combine_config(N: int, K: int, num_sms: int = 132) -> GemvConfig:
@@ -199,7 +220,7 @@ def one_token_experts(x: torch.Tensor, w1: torch.Tensor, w2: torch.Tensor, w3: t
         x, w1, w3, h, ids, 1, I, L, x.stride(0), w1.stride(1), w1.stride(0), h.stride(0), float(beta),
         float(linear_beta or 1.0), BM=1, BN=up_cfg.bn, BK=up_cfg.bk, EVEN=I % up_cfg.bn == 0 and L % up_cfg.bk == 0,
         GLU=True, SITU=act_situ, CLIP_UP=act_situ and linear_beta is not None, EXPERTS=True, STAGES=up_cfg.stages,
-        num_warps=up_cfg.num_warps, **pdl(x))
+        PREFETCH=0, num_warps=up_cfg.num_warps, **pdl(x))
     out = torch.empty(1, L, dtype=x.dtype, device=x.device)
     _gemv_combine_kernel[(triton.cdiv(L, down_cfg.bn),)](
         h, w2, ids, weights, out, L, I, h.stride(0), w2.stride(1), w2.stride(0), TOP_K=k, BN=down_cfg.bn,
