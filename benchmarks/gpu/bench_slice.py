@@ -17,8 +17,8 @@ off: our kernels launched the ordinary way), in the same process, so the two col
 the main stream, as eager steps run).
 ``--one-token-ab``: the batch-1 decode case also with a single token's dense experts on the block kernels
 (``kimik3.ops.triton.moe.ONE_TOKEN_GEMV`` off).
-``--prefetch-ab``: the batch-1 decode case (the one on the streaming kernel) also without the projections' weight prefetch before the PDL wait
-(``kimik3.ops.triton.gemv.PREFETCH_WEIGHTS`` off).
+``--prefetch-ab``: the batch-1 decode case also without the L2 requests before the PDL wait (the projections'
+weight rows, the KDA step's state rows: ``kimik3.ops.triton.common.PREFETCH_ENABLED`` off).
 """
 
 from __future__ import annotations
@@ -45,7 +45,6 @@ from kimik3.ops import ceil_div, mxfp4                       # noqa: E402
 from kimik3.ops import linear as ops_linear                   # noqa: E402
 from kimik3.ops.backend import reference_ops                 # noqa: E402
 from kimik3.ops.triton import common as triton_common        # noqa: E402
-from kimik3.ops.triton import gemv as gemv_kernels            # noqa: E402
 from kimik3.ops.triton import moe as moe_kernels              # noqa: E402
 
 CONFIG = Path(__file__).with_name("kimi-k3-slice4.config.json")
@@ -322,7 +321,7 @@ def bench_model(bw, mm):
         t_graph_other_gemv = other_gemv(lambda: graph_time(fast))
         t_graph_block_experts = with_setting("--one-token-ab", moe_kernels, "ONE_TOKEN_GEMV", False,
                                              lambda: graph_time(fast)) if N == 1 else None
-        t_graph_no_prefetch = with_setting("--prefetch-ab", gemv_kernels, "PREFETCH_WEIGHTS", False,
+        t_graph_no_prefetch = with_setting("--prefetch-ab", triton_common, "PREFETCH_ENABLED", False,
                                            lambda: graph_time(fast)) if N == 1 else None
         model.use_side_stream(None)
         t_graph_no_side = graph_time(fast) if "--side-ab" in sys.argv else None

@@ -184,7 +184,15 @@ def compile_kda_decode():
     types.update(norm_w="*fp32", gate="*bf16", eps="fp32")
     for bounded, norm in ((True, False), (False, False), (True, True)):
         compile_for_hopper(kda._kda_decode_kernel, types, dict(H=32, K=128, V=128, BV=128 if norm else 32,
-                                                               BOUNDED=bounded, NORM=norm), num_warps=8 if norm else 4)
+                                                               BOUNDED=bounded, NORM=norm, PREFETCH=False),
+                           num_warps=8 if norm else 4)
+    for K in (128, 4):                  # under PDL: the state rows asked of L2 before the wait (none under 32 values)
+        body = compile_for_hopper(kda._kda_decode_kernel, types, dict(H=2, K=K, V=K, BV=K, BOUNDED=True, NORM=True,
+                                                                      PREFETCH=True, PDL=True), num_warps=8).asm["ptx"]
+        body = body[body.index(".entry"):]
+        assert ("prefetch.global.L2" in body) == (K == 128)
+        if K == 128:
+            assert body.index("prefetch.global.L2") < body.index("griddepcontrol.wait")
 
 
 def test_rope_kernel_compiles_for_hopper():
@@ -295,11 +303,11 @@ def compile_gemv():
     for act in (None, "silu"):          # under PDL: the weight rows' first K step asked of L2 before the wait
         k = compile_for_hopper(gemv._gemv_kernel, types, dict(BM=1, BN=8, BK=512, EVEN=True, GLU=act is not None,
                                                               SITU=False, CLIP_UP=False, EXPERTS=False, STAGES=3,
-                                                              PREFETCH=1024, PDL=True),
+                                                              PREFETCH=8, PDL=True),
                                divisible={"K", "stride_x", "stride_w", "stride_we"})
         body = k.asm["ptx"][k.asm["ptx"].index(".entry"):]
-        assert body.count("cp.async.bulk.prefetch.L2.global") >= (2 if act else 1), act
-        assert body.index("cp.async.bulk.prefetch.L2.global") < body.index("griddepcontrol.wait"), act
+        assert body.count("prefetch.global.L2") >= (2 if act else 1), act
+        assert body.index("prefetch.global.L2") < body.index("griddepcontrol.wait"), act
     for even in (True, False):
         k = compile_for_hopper(gemv._gemv_combine_kernel, {"h": "*bf16", "w": "*bf16", "ids": "*i64", "weights": "*fp32",
                                                            "y": "*bf16"},

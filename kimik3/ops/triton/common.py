@@ -21,7 +21,11 @@ INTERPRETING = os.environ.get("TRITON_INTERPRET", "0") == "1"
 # results, and the stream's order holds transitively. What it buys is the launch latency between
 # dependent kernels (a CUDA graph of a decode step is a chain of ~100 small kernels).
 # KIMIK3_PDL=0 launches them the ordinary way (for comparison and debugging).
+# Before its wait a kernel may only ask L2 for lines it will read (``prefetch_l2``: the projections' weight
+# rows, the KDA step's state rows, located by the step's slot ids, an input written before its first kernel).
+# KIMIK3_PREFETCH=0 turns those requests off (for comparison).
 PDL_ENABLED = os.environ.get("KIMIK3_PDL", "1") != "0"
+PREFETCH_ENABLED = os.environ.get("KIMIK3_PREFETCH", "1") != "0"
 
 
 @functools.cache
@@ -48,13 +52,13 @@ def pdl_entry(PDL: tl.constexpr):
 
 
 @triton.jit
-def prefetch_l2(ptrs, nbytes):
-    """Ask L2 for ``nbytes`` (an int32 tensor like ``ptrs``: multiples of 16) from each address of ``ptrs``
-    (16-byte aligned), without waiting for them: Hopper's bulk prefetch (sm_90+; never in the interpreter).
-    A kernel launched with PDL may call it before ``pdl_entry`` on memory the kernel before it does not write
-    (its weights), so those reads start while that kernel finishes."""
-    tl.inline_asm_elementwise("cp.async.bulk.prefetch.L2.global [$1], $2; mov.u32 $0, 0;", "=r,l,r", [ptrs, nbytes],
-                              dtype=tl.int32, is_pure=False, pack=1)
+def prefetch_l2(ptrs):
+    """Ask L2 for the 128-byte line holding each address of ``ptrs``, without waiting for it (PTX
+    prefetch.global.L2; never in the interpreter). A kernel launched with PDL may call it before
+    ``pdl_entry``: its loads then start while the kernel before it finishes. Always safe: L2 is where global
+    memory is coherent, so a line the kernel before still writes is read after the wait as written."""
+    tl.inline_asm_elementwise("prefetch.global.L2 [$1]; mov.u32 $0, 0;", "=r,l", [ptrs], dtype=tl.int32,
+                              is_pure=False, pack=1)
 
 
 @triton.jit

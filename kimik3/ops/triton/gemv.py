@@ -23,11 +23,8 @@ import torch
 import triton
 import triton.language as tl
 
+from kimik3.ops.triton import common
 from kimik3.ops.triton.common import glu, pdl, pdl_entry, prefetch_l2
-
-# Under PDL a projection's program asks L2 for the first K step of its weight rows before it waits for the
-# kernel before it (whose output is x, never the weight), so its first loads overlap that kernel's tail.
-PREFETCH_WEIGHTS = True
 
 
 @triton.jit
@@ -39,13 +36,14 @@ def _gemv_kernel(x, w, w_up, y, ids, M, N, K, stride_x, stride_w, stride_we, str
     program's columns n of both give y = act(gate, up) [M, N], each product rounded to y's dtype before
     the activation (as the two-launch form rounds them). EXPERTS: program axis 1 is assignment j of one
     token (x row 0): w and w_up start ``ids[j]`` experts (``stride_we`` elements each) in, y at row j.
-    PREFETCH (PDL, not EXPERTS: bytes, a multiple of 16): the program's weight rows' first PREFETCH bytes
-    asked of L2 before waiting for the previous kernel."""
+    PREFETCH (PDL, not EXPERTS; a power of two): the first PREFETCH 128-byte lines of each of the program's
+    weight rows asked of L2 before waiting for the previous kernel."""
     if PREFETCH:
         rows = tl.minimum(tl.program_id(0) * BN + tl.arange(0, BN), N - 1).to(tl.int64) * stride_w
-        prefetch_l2(w + rows, tl.full([BN], PREFETCH, tl.int32))
+        lines = rows[:, None] + tl.arange(0, PREFETCH)[None, :] * (128 // (w.dtype.element_ty.primitive_bitwidth // 8))
+        prefetch_l2(w + lines)
         if GLU:
-            prefetch_l2(w_up + rows, tl.full([BN], PREFETCH, tl.int32))
+            prefetch_l2(w_up + lines)
     pdl_entry(PDL)
     if EXPERTS:
         j = tl.program_id(1)
@@ -175,17 +173,16 @@ def gemv(x: torch.Tensor, w: torch.Tensor, config: GemvConfig | None = None,
             float(beta), float(linear_beta or 1.0), BM=BM, BN=cfg.bn, BK=cfg.bk,
             EVEN=N_out % cfg.bn == 0 and K % cfg.bk == 0, GLU=glu_act is not None, SITU=situ,
             CLIP_UP=situ and linear_beta is not None, EXPERTS=False, STAGES=cfg.stages,
-            PREFETCH=_prefetch_bytes(w, cfg.bk, K) if pdl(x)["PDL"] else 0, num_warps=cfg.num_warps, **pdl(x))
+            PREFETCH=_prefetch_lines(w, cfg.bk, K) if pdl(x)["PDL"] else 0, num_warps=cfg.num_warps, **pdl(x))
     return y.view(*x.shape[:-1], N_out)
 
 
-def _prefetch_bytes(w: torch.Tensor, bk: int, K: int) -> int:
-    """Bytes of each weight row a program prefetches (its first K step, whole 16-byte units), 0 for none:
-    rows must start on 16-byte boundaries."""
-    size = w.element_size()
-    if not PREFETCH_WEIGHTS or w.data_ptr() % 16 or (w.stride(0) * size) % 16:
-        return 0
-    return min(bk, K) * size // 16 * 16
+def _prefetch_lines(w: torch.Tensor, bk: int, K: int) -> int:
+    """128-byte lines of each weight row a program asks of L2 before its PDL wait (the kernel before it
+    writes x, never the weight, so the first weight reads overlap that kernel's tail): those of its first K
+    step (a power of two, none past the row), 0 for none (``common.PREFETCH_ENABLED`` off)."""
+    lines = min(bk, K) * w.element_size() // 128
+    return triton.next_power_of_2(lines + 1) // 2 if common.PREFETCH_ENABLED and lines else 0
 
 
 def combine_config(N: int, K: int, num_sms: int = 132) -> GemvConfig:

@@ -13,6 +13,9 @@ With the output norm (NORM: one program holds a head's whole value row, BV == V)
 finishes the layer's KDA output as well: o <- rmsnorm(o) * w * sigmoid(gate), from o rounded to the
 layer's dtype as the separate norm launch reads it (the same arithmetic as ``triton/norm.py``'s
 GATED form), stored once.
+
+Under PDL a program asks L2 for its state rows before it waits for the kernel before it: a state row is
+written only by this layer's step, so the read of the 64 KB of a head starts during that kernel's tail.
 """
 
 from __future__ import annotations
@@ -21,20 +24,23 @@ import torch
 import triton
 import triton.language as tl
 
-from kimik3.ops.triton.common import pdl, pdl_entry
+from kimik3.ops.triton import common
+from kimik3.ops.triton.common import pdl, pdl_entry, prefetch_l2
 
 
 @triton.jit
 def _kda_decode_kernel(q, k, v, f, b, A_log, dt_bias, pool, slots, o, norm_w, gate, lower_bound, scale, eps,
                        stride_q, stride_k, stride_v, stride_f, stride_b, stride_o, stride_slot, stride_gate,
                        H: tl.constexpr, K: tl.constexpr, V: tl.constexpr, BV: tl.constexpr,
-                       BOUNDED: tl.constexpr, NORM: tl.constexpr, PDL: tl.constexpr):
-    pdl_entry(PDL)
+                       BOUNDED: tl.constexpr, NORM: tl.constexpr, PREFETCH: tl.constexpr, PDL: tl.constexpr):
     n, h, iv = tl.program_id(0).to(tl.int64), tl.program_id(1), tl.program_id(2)
     ck = tl.arange(0, K)
     cv = iv * BV + tl.arange(0, BV)
-    slot = tl.load(slots + n).to(tl.int64)
+    slot = tl.load(slots + n).to(tl.int64)        # a step's input, written before its first kernel
     rows = pool + slot * stride_slot + h * V * K + cv[:, None] * K + ck[None, :]
+    if PREFETCH and BV * K >= 32:                  # (under PDL) the rows' 128-byte lines (32 fp32 each), before the wait
+        prefetch_l2(pool + slot * stride_slot + h * V * K + iv * BV * K + tl.arange(0, BV * K // 32) * 32)
+    pdl_entry(PDL)
     S = tl.load(rows)                                                      # [BV, K] fp32
     qv = tl.load(q + n * stride_q + h * K + ck).to(tl.float32)
     kv = tl.load(k + n * stride_k + h * K + ck).to(tl.float32)
@@ -104,5 +110,6 @@ def kda_decode_triton(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, f: torc
             float(eps), q.stride(0), k.stride(0), v.stride(0), f.stride(0), b.stride(0), o.stride(0),
             state_pool.stride(0), gate.stride(0) if norm is not None else 0,
             H=H, K=K, V=V, BV=BV, BOUNDED=lower_bound is not None, NORM=norm is not None,
-            num_warps=num_warps or (8 if norm is not None else 4), **pdl(q))
+            PREFETCH=pdl(q)["PDL"] and common.PREFETCH_ENABLED, num_warps=num_warps or (8 if norm is not None else 4),
+            **pdl(q))
     return o
