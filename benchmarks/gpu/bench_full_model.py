@@ -99,7 +99,7 @@ def main():
     g = torch.Generator().manual_seed(0)
     E = model.config.text.num_experts
     rows = []
-    for batch, max_tokens in ((1, 48), (32, 48), (128, 110)):
+    for batch, max_tokens in ((1, 40), (32, 40), (128, 64)):
         row = run_batch(engine, model, batch, max_tokens, g)
         byts, flops = bench_slice.counts(model, batch, 0, "decode", row["experts_touched_per_layer"])
         floor = max(byts / bw, flops / mm)
