@@ -373,7 +373,8 @@ GROUPED_MM_ROWS_PER_EXPERT = 64
 
 # One token with dense experts: its k experts' gate/up and down read as streaming products, the combine in
 # the down launch (``kimik3.ops.triton.gemv.one_token_experts``: two launches where the block kernels take
-# three, and no tensor-core tile of which one row is used). False: the block kernels (benchmarks' A/B).
+# three, and no tensor-core tile of which one row is used). H100 (bench_slice.py --one-token-ab): the
+# Kimi-Linear slice's batch-1 step 2.3% (04c7b10) and 1.6% (0a2ea22) faster. False: the block kernels.
 ONE_TOKEN_GEMV = True
 
 
