@@ -1,6 +1,7 @@
 """Where a decode step's device time goes, by module and op: one eager step of a slice under
 torch.profiler with every module's forward as a named range, each kernel charged to the innermost
-module that launched it. Beside it the step as a CUDA graph, its floor (bytes at the copy rate), and
+module that launched it (Triton's kernels through Triton's launch hook: the profiler links them to no
+CPU op). Beside it the step as a CUDA graph, its floor (bytes at the copy rate), and
 the kernel count, so the overhead of small launches can be read off (#13, #18).
 
     PYTHONPATH=. python benchmarks/gpu/profile_step.py [--config=PATH] [--batches=1,32] [--prefill=8192]
@@ -24,8 +25,9 @@ from benchmarks.common import commit_id, copy_rate, cuda_time, log, save_results
 from benchmarks.gpu import bench_slice  # noqa: E402
 
 
-def module_ranges(model):
-    """Forward hooks that open a profiler range per module call ("mod:<path>", layer index -> kind)."""
+def module_ranges(model, labels: list[str]):
+    """Forward hooks that open a profiler range per module call ("mod:<path>", layer index -> kind) and
+    keep ``labels`` as the stack of the modules being run."""
     from torch.autograd.profiler import record_function
     stack, handles = [], []
     kinds = {i: ("kda" if layer.is_kda else "mla") for i, layer in enumerate(model.model.layers)}
@@ -36,15 +38,44 @@ def module_ranges(model):
             rf = record_function("mod:" + label)
             rf.__enter__()
             stack.append(rf)
+            labels.append(label)
 
         def post(_m, _a, _o):
             stack.pop().__exit__(None, None, None)
+            labels.pop()
         handles += [m.register_forward_pre_hook(pre), m.register_forward_hook(post)]
     return handles
 
 
-def charge(prof) -> list[dict]:
-    """Rows (module, op, kernel) -> count and device us, from the profiler's CPU events."""
+def record_triton_launches(labels: list[str]):
+    """Triton's launch hook noting (kernel name -> innermost module, in launch order) for every launch
+    (Triton and fla kernels go through the driver, so the profiler links them to no CPU op). Returns the
+    record and an undo; both empty-handed (nothing recorded) where this Triton has no such hook."""
+    launches = collections.defaultdict(collections.deque)
+
+    def enter(metadata):
+        try:
+            launches[metadata.data["name"]].append(labels[-1] if labels else "(outside)")
+        except Exception:            # a Triton whose metadata differs: those kernels stay "(driver launch)"
+            pass
+    try:
+        from triton import knobs
+        hook = knobs.runtime.launch_enter_hook
+        if hasattr(hook, "add"):                       # a chain of hooks (newer Triton)
+            hook.add(enter)
+            return launches, lambda: hook.remove(enter)
+        if hook is None:                               # one hook slot (older Triton)
+            knobs.runtime.launch_enter_hook = enter
+            return launches, lambda: setattr(knobs.runtime, "launch_enter_hook", None)
+    except Exception as exc:
+        log(f"  no Triton launch hook ({exc!r}): Triton kernels charged to '(driver launch)'")
+    return launches, lambda: None
+
+
+def charge(prof, launches) -> list[dict]:
+    """Rows (module, op, kernel) -> count and device us, from the profiler's CPU events; the kernels that
+    ``launches`` saw (Triton's, in launch order per name) charged to the module that launched them."""
+    from torch.autograd import DeviceType
     rows = collections.defaultdict(lambda: [0, 0.0])
     for e in prof.events():
         if not e.kernels:
@@ -57,22 +88,30 @@ def charge(prof) -> list[dict]:
             p = p.cpu_parent
         op = e.name if not e.name.startswith("mod:") else "(launch)"
         for k in e.kernels:
+            if k.name in launches:
+                continue
             r = rows[(mod, op, k.name[:70])]
             r[0] += 1
             r[1] += k.duration
-    # kernels launched through the driver (Triton, fla) link to no CPU op: charged by name
-    from torch.autograd import DeviceType
-    device = collections.defaultdict(lambda: [0, 0.0])
-    for e in prof.events():
-        if e.device_type == DeviceType.CUDA and not e.name.startswith("mod:"):   # not the ranges' GPU spans
-            d = device[e.name[:70]]
-            d[0] += 1
-            d[1] += e.time_range.end - e.time_range.start
+    device = sorted((e for e in prof.events() if e.device_type == DeviceType.CUDA and not e.name.startswith("mod:")),
+                    key=lambda e: e.time_range.start)           # not the ranges' GPU spans; one stream: launch order
+    # the other kernels launched through the driver (fla's, when Triton has no hook) link to no CPU op: by name
+    unlinked = collections.defaultdict(lambda: [0, 0.0])
+    for e in device:
+        t = e.time_range.end - e.time_range.start
+        if e.name in launches:
+            queue = launches[e.name]
+            r = rows[(queue.popleft() if queue else "(driver launch)", "triton", e.name[:70])]
+            r[0] += 1
+            r[1] += t
+        else:
+            unlinked[e.name[:70]][0] += 1
+            unlinked[e.name[:70]][1] += t
     linked = collections.defaultdict(lambda: [0, 0.0])
     for (_, _, k), (c, t) in rows.items():
         linked[k][0] += c
         linked[k][1] += t
-    for k, (c, t) in device.items():
+    for k, (c, t) in unlinked.items():
         if c > linked[k][0]:
             rows[("(driver launch)", "-", k)] = [c - linked[k][0], t - linked[k][1]]
     return sorted(({"module": m, "op": o, "kernel": k, "count": c, "us": round(t, 2)}
@@ -82,15 +121,20 @@ def charge(prof) -> list[dict]:
 def profiled(model, fn) -> tuple[list[dict], collections.Counter]:
     """One run of ``fn`` under the profiler with module ranges: (rows, device us by module)."""
     from torch.profiler import ProfilerActivity, profile
-    handles = module_ranges(model)
+    labels: list[str] = []
+    handles = module_ranges(model, labels)
     fn()
     torch.cuda.synchronize()
-    with profile(activities=[ProfilerActivity.CPU, ProfilerActivity.CUDA]) as prof:
-        fn()
-        torch.cuda.synchronize()
-    for h in handles:
-        h.remove()
-    rows = charge(prof)
+    launches, undo = record_triton_launches(labels)
+    try:
+        with profile(activities=[ProfilerActivity.CPU, ProfilerActivity.CUDA]) as prof:
+            fn()
+            torch.cuda.synchronize()
+    finally:
+        undo()
+        for h in handles:
+            h.remove()
+    rows = charge(prof, launches)
     by_module = collections.Counter()
     for r in rows:
         by_module[r["module"]] += r["us"]
