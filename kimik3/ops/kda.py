@@ -17,7 +17,12 @@ import torch
 import torch.nn.functional as F
 
 from kimik3.ops.backend import import_fla_kda, use_fast_path
+from kimik3.ops.conv import causal_conv1d_in_pool
 from kimik3.ops.norm import acc_dtype, gated_rms_norm
+
+# A KDA decode step on CUDA runs its short conv inside the recurrence's kernel (one launch a layer fewer);
+# False: the conv's own decode kernel first (benchmarks' A/B).
+CONV_IN_DECODE_KERNEL = True
 
 
 @dataclass(frozen=True)
@@ -216,3 +221,25 @@ def kda_attention_in_pool(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, f: 
         o, state1 = kda_attention(q, k, v, f, b, A_log, dt_bias, lower_bound, state0, query_lens)
     state_pool[slots] = state1
     return o if out_norm is None else out_norm(o)
+
+
+def kda_decode_in_pools(raw: torch.Tensor, conv_weight: torch.Tensor, conv_pool: torch.Tensor, f: torch.Tensor,
+                        b: torch.Tensor, A_log: torch.Tensor, dt_bias: torch.Tensor, lower_bound: float | None,
+                        state_pool: torch.Tensor, slots: torch.Tensor, query_lens: list[int], cu_seqlens: torch.Tensor,
+                        out_norm: OutputNorm) -> torch.Tensor:
+    """A KDA layer's decode step (one token per sequence, every one with history): the short conv + SiLU of
+    raw q | k | v [N, 3 H K] over the windows of conv_pool [slots, 3 H K, W-1] (``causal_conv1d_in_pool``),
+    then ``kda_attention_in_pool`` on its outputs, both pools' rows ``slots`` updated in place. Returns
+    out_norm(o) [N, H, V]. CUDA (``CONV_IN_DECODE_KERNEL``, W <= 4, V = K): one kernel for both, the conv's
+    output rounded to raw's dtype before the recurrence reads it, as the two launches do."""
+    N, H, K = f.shape
+    if (CONV_IN_DECODE_KERNEL and use_fast_path(raw) and raw.stride(-1) == 1 and conv_weight.shape[-1] <= 4
+            and conv_weight.shape[0] == 3 * H * K):
+        from kimik3.ops.triton.kda import kda_decode_triton
+        return kda_decode_triton(None, None, None, f, b, A_log, dt_bias, lower_bound, state_pool, slots,
+                                 norm=(out_norm.weight, out_norm.gate, out_norm.eps, out_norm.dtype),
+                                 conv=(raw, conv_weight, conv_pool))
+    q, k, v = (t.view(N, H, -1) for t in causal_conv1d_in_pool(raw, conv_weight, conv_pool, slots, None, query_lens,
+                                                               cu_seqlens, 3))
+    return kda_attention_in_pool(q, k, v, f, b, A_log, dt_bias, lower_bound, state_pool, slots, None, query_lens,
+                                 cu_seqlens, decode=True, out_norm=out_norm)

@@ -21,7 +21,7 @@ from kimik3.ops.activation import situ_and_mul, silu_and_mul
 from kimik3.ops.attn_res import attn_res_mix, attn_res_mix_norm
 from kimik3.ops.backend import reference_ops
 from kimik3.ops.conv import causal_conv1d_in_pool
-from kimik3.ops.kda import OutputNorm, kda_attention_in_pool, kda_recurrent_in_pool
+from kimik3.ops.kda import OutputNorm, kda_attention_in_pool, kda_decode_in_pools, kda_recurrent_in_pool
 from kimik3.ops.mla import cache_latent, mla_decode_attention, mla_prefill_attention
 from kimik3.ops.moe import fused_moe, fused_moe_mxfp4
 from kimik3.ops.norm import add_rms_norm, gated_rms_norm, rms_norm, rms_norm_fp32_weight
@@ -111,6 +111,36 @@ def check_kda(lens=(200, 1, 67, 130), ctx=(0, 12, 5, 0), H=96, K=128, lower_boun
         out[f"kda.{name}.state"] = worst_rel_err(pool[slots], ref_pool[slots])      # per slot
         out[f"kda.{name}.others_exact"] = float(not torch.equal(pool[others], ref_pool[others]))
     return out
+
+
+def check_kda_decode_conv(N=5, H=32, K=128, W=4, lower_bound=None, seed=26) -> dict:
+    """A decode step with the short conv in the recurrence's kernel (the model's decode path: raw q|k|v a
+    slice of the merged projection, both pools at scattered slots) against the reference (the conv, then
+    the step) in fp32 on the same inputs; the conv windows bit for bit."""
+    g = _gen(seed)
+    S, P = 11, H * K
+    raw = torch.randn(N, 3 * P + 200, generator=g, device="cuda").to(BF16)[:, 100:100 + 3 * P]
+    conv_w = 0.5 * torch.randn(3 * P, W, generator=g, device="cuda")
+    windows = torch.randn(S, 3 * P, W - 1, generator=g, device="cuda").to(BF16)
+    _, _, _, f, b, A_log, dt_bias = _kda_inputs(N, H, K, g)
+    pool = 0.1 * torch.randn(S, H, K, K, generator=g, device="cuda")
+    slots = torch.randperm(S - 1, generator=g, device="cuda")[:N] + 1
+    cu = torch.arange(N + 1, device="cuda")
+    gate = torch.randn(N, H, K, generator=g, device="cuda").to(BF16)
+    weight = 1 + 0.2 * torch.randn(K, generator=g, device="cuda")
+    ref_windows, ref_pool = windows.float(), pool.clone()
+    with reference_ops():
+        ref = kda_decode_in_pools(raw.float(), conv_w, ref_windows, f.float(), b.float(), A_log, dt_bias, lower_bound,
+                                  ref_pool, slots, [1] * N, cu, OutputNorm(weight, gate.float(), 1e-5, torch.float32))
+    poison_allocator()
+    o = kda_decode_in_pools(raw, conv_w, windows, f, b, A_log, dt_bias, lower_bound, pool, slots, [1] * N, cu,
+                            OutputNorm(weight, gate, 1e-5, BF16))
+    others = torch.ones(S, dtype=torch.bool, device="cuda")
+    others[slots] = False
+    return {"kda_conv.decode.o": worst_rel_err(o, ref, [1] * N),
+            "kda_conv.decode.state": worst_rel_err(pool[slots], ref_pool[slots]),
+            "kda_conv.windows_exact": float(not torch.equal(windows.float(), ref_windows)),
+            "kda_conv.others_exact": float(not torch.equal(pool[others], ref_pool[others]))}
 
 
 def check_kda_snapshots(lens=(4, 1, 3, 4), H=96, K=128, lower_bound=-5.0, seed=15) -> dict:
@@ -421,6 +451,8 @@ CHECKS = {
                                                                 act="situ", seed=24),
     "moe_dense_grouped_situ": lambda: check_moe_dense(T=300, E=32, L=512, I=384, k=8, act="situ", seed=20),
     "cache_latent": check_cache_latent,
+    "kda_decode_conv": check_kda_decode_conv,
+    "kda_decode_conv_bounded_w2": lambda: check_kda_decode_conv(N=3, H=8, W=2, lower_bound=-5.0, seed=27),
 }
 
 

@@ -16,6 +16,11 @@ GATED form), stored once.
 
 Under PDL a program asks L2 for its state rows before it waits for the kernel before it: a state row is
 written only by this layer's step, so the read of the 64 KB of a head starts during that kernel's tail.
+
+With the short conv (CONV, with the norm: one program a head), the program also runs the layer's causal
+conv + SiLU for its head's q, k and v channels from the raw projection and the sequence's conv window
+(``triton/conv.py``'s decode step: the same arithmetic, its output rounded to the layer's dtype as the conv
+launch stores it), and shifts the window; q, k, v are then these values (one launch fewer a KDA layer).
 """
 
 from __future__ import annotations
@@ -29,10 +34,36 @@ from kimik3.ops.triton.common import pdl, pdl_entry, prefetch_l2
 
 
 @triton.jit
-def _kda_decode_kernel(q, k, v, f, b, A_log, dt_bias, pool, slots, o, norm_w, gate, lower_bound, scale, eps,
-                       stride_q, stride_k, stride_v, stride_f, stride_b, stride_o, stride_slot, stride_gate,
+def _conv_channels(x_row, weight, window, c, stride_window_c, W: tl.constexpr, WP: tl.constexpr):
+    """One token's causal conv + SiLU on channels c: silu(window . w[:, :W-1] + x w[:, W-1]) rounded to x's
+    dtype (returned as fp32), and the window shifted by one with x appended ([C, WP], stored by the caller
+    once every read of the old windows is done). window: the sequence's conv-pool row [3P, W-1]."""
+    cols = tl.arange(0, WP)
+    m = (cols < W - 1)[None, :]
+    rows = window + c[:, None].to(tl.int64) * stride_window_c
+    win = tl.load(rows + cols[None, :], mask=m, other=0.0)                           # [C, WP], oldest first
+    xv = tl.load(x_row + c)
+    taps = tl.load(weight + c[:, None] * W + cols[None, :], mask=m, other=0.0).to(tl.float32)
+    acc = tl.sum(win.to(tl.float32) * taps, 1) + xv.to(tl.float32) * tl.load(weight + c * W + W - 1).to(tl.float32)
+    out = (acc * tl.sigmoid(acc)).to(x_row.dtype.element_ty).to(tl.float32)
+    later = tl.load(rows + cols[None, :] + 1, mask=(cols < W - 2)[None, :], other=0.0)
+    shifted = tl.where((cols == W - 2)[None, :], xv.to(window.dtype.element_ty)[:, None], later)
+    return out, shifted
+
+
+@triton.jit
+def _store_window(window, c, stride_window_c, shifted, W: tl.constexpr, WP: tl.constexpr):
+    cols = tl.arange(0, WP)
+    tl.store(window + c[:, None].to(tl.int64) * stride_window_c + cols[None, :], shifted, mask=(cols < W - 1)[None, :])
+
+
+@triton.jit
+def _kda_decode_kernel(q, k, v, f, b, A_log, dt_bias, pool, slots, o, norm_w, gate, raw, conv_w, conv_pool,
+                       lower_bound, scale, eps, stride_q, stride_k, stride_v, stride_f, stride_b, stride_o,
+                       stride_slot, stride_gate, stride_raw, stride_conv_slot, stride_conv_c,
                        H: tl.constexpr, K: tl.constexpr, V: tl.constexpr, BV: tl.constexpr,
-                       BOUNDED: tl.constexpr, NORM: tl.constexpr, PREFETCH: tl.constexpr, PDL: tl.constexpr):
+                       BOUNDED: tl.constexpr, NORM: tl.constexpr, CONV: tl.constexpr, W: tl.constexpr,
+                       WP: tl.constexpr, PREFETCH: tl.constexpr, PDL: tl.constexpr):
     n, h, iv = tl.program_id(0).to(tl.int64), tl.program_id(1), tl.program_id(2)
     ck = tl.arange(0, K)
     cv = iv * BV + tl.arange(0, BV)
@@ -42,9 +73,20 @@ def _kda_decode_kernel(q, k, v, f, b, A_log, dt_bias, pool, slots, o, norm_w, ga
         prefetch_l2(pool + slot * stride_slot + h * V * K + iv * BV * K + tl.arange(0, BV * K // 32) * 32)
     pdl_entry(PDL)
     S = tl.load(rows)                                                      # [BV, K] fp32
-    qv = tl.load(q + n * stride_q + h * K + ck).to(tl.float32)
-    kv = tl.load(k + n * stride_k + h * K + ck).to(tl.float32)
-    vv = tl.load(v + n * stride_v + h * V + cv).to(tl.float32)
+    if CONV:                   # q | k | v channels of this head in the raw projection, conv windows alike
+        x_row = raw + n * stride_raw
+        window = conv_pool + slot * stride_conv_slot
+        qv, q_win = _conv_channels(x_row, conv_w, window, h * K + ck, stride_conv_c, W, WP)
+        kv, k_win = _conv_channels(x_row, conv_w, window, H * K + h * K + ck, stride_conv_c, W, WP)
+        vv, v_win = _conv_channels(x_row, conv_w, window, 2 * H * K + h * V + cv, stride_conv_c, W, WP)
+        tl.debug_barrier()                    # every old window column is read before any is overwritten
+        _store_window(window, h * K + ck, stride_conv_c, q_win, W, WP)
+        _store_window(window, H * K + h * K + ck, stride_conv_c, k_win, W, WP)
+        _store_window(window, 2 * H * K + h * V + cv, stride_conv_c, v_win, W, WP)
+    else:
+        qv = tl.load(q + n * stride_q + h * K + ck).to(tl.float32)
+        kv = tl.load(k + n * stride_k + h * K + ck).to(tl.float32)
+        vv = tl.load(v + n * stride_v + h * V + cv).to(tl.float32)
     z = tl.load(f + n * stride_f + h * K + ck).to(tl.float32) + tl.load(dt_bias + h * K + ck).to(tl.float32)
     a = tl.exp(tl.load(A_log + h).to(tl.float32))
     if BOUNDED:
@@ -71,15 +113,31 @@ def default_block_v(V: int) -> int:
     return min(32, V)
 
 
-def kda_decode_triton(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, f: torch.Tensor, b: torch.Tensor,
-                      A_log: torch.Tensor, dt_bias: torch.Tensor, lower_bound: float | None,
+def kda_decode_triton(q: torch.Tensor | None, k: torch.Tensor | None, v: torch.Tensor | None, f: torch.Tensor,
+                      b: torch.Tensor, A_log: torch.Tensor, dt_bias: torch.Tensor, lower_bound: float | None,
                       state_pool: torch.Tensor, slots: torch.Tensor, block_v: int | None = None,
                       num_warps: int | None = None,
-                      norm: tuple[torch.Tensor, torch.Tensor, float, torch.dtype] | None = None) -> torch.Tensor:
+                      norm: tuple[torch.Tensor, torch.Tensor, float, torch.dtype] | None = None,
+                      conv: tuple[torch.Tensor, torch.Tensor, torch.Tensor] | None = None) -> torch.Tensor:
     """q, k, f [N, H, K]; v [N, H, V]; b [N, H] (each with unit stride inside a row, any row stride);
     A_log [H], dt_bias [H*K]; state_pool [slots, H, V, K] fp32, rows ``slots`` [N] updated in place.
     Returns o [N, H, V] in v's dtype; with ``norm`` = (weight [V], gate [N, H, V], eps, dtype) the
-    normed output rmsnorm(o) * weight * sigmoid(gate) in that dtype (one program a head: 8 warps)."""
+    normed output rmsnorm(o) * weight * sigmoid(gate) in that dtype (one program a head: 8 warps).
+    ``conv`` = (raw [N, 3 H K] q|k|v before the conv (unit stride in a row), weight [3 H K, W] (W <= 4), pool
+    [slots, 3 H K, W-1] whose rows ``slots`` are updated in place), with ``norm`` and V = K: q, k, v are the
+    conv's outputs computed here (pass None for them)."""
+    if conv is not None:
+        raw, conv_weight, conv_pool = conv
+        N, H, K = f.shape
+        W = conv_weight.shape[-1]
+        if (norm is None or raw.dim() != 2 or raw.shape != (N, 3 * H * K) or raw.stride(1) != 1
+                or conv_weight.shape != (3 * H * K, W) or not 2 <= W <= 4 or conv_pool.shape[1:] != (3 * H * K, W - 1)
+                or conv_pool.stride(2) != 1):
+            raise ValueError(f"kda_decode_triton: the fused conv needs the output norm, raw [{N}, {3 * H * K}], weight "
+                             f"[{3 * H * K}, W <= 4] and pool [slots, {3 * H * K}, W-1]; got raw {tuple(raw.shape)}, "
+                             f"weight {tuple(conv_weight.shape)}, pool {tuple(conv_pool.shape)}")
+        conv_weight = conv_weight.contiguous()
+        q = k = v = raw.view(N, 3, H, K)[:, 0]                     # placeholders of the right shape (not read)
     N, H, K = q.shape
     V = v.shape[-1]
     BV = V if norm is not None else (block_v or default_block_v(V))
@@ -104,12 +162,15 @@ def kda_decode_triton(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, f: torc
     else:
         weight, gate, eps, dtype = A_log, A_log, 0.0, v.dtype                   # unused placeholders
     o = torch.empty(N, H, V, dtype=dtype, device=v.device)
+    if conv is None:
+        raw, conv_weight, conv_pool, W = q, A_log, q, 2                          # unused placeholders
     if N:
         _kda_decode_kernel[(N, H, V // BV)](
-            q, k, v, f, b, A_log, dt_bias, state_pool, slots, o, weight, gate, float(lower_bound or 0.0), K ** -0.5,
-            float(eps), q.stride(0), k.stride(0), v.stride(0), f.stride(0), b.stride(0), o.stride(0),
-            state_pool.stride(0), gate.stride(0) if norm is not None else 0,
-            H=H, K=K, V=V, BV=BV, BOUNDED=lower_bound is not None, NORM=norm is not None,
-            PREFETCH=pdl(q)["PDL"] and common.PREFETCH_ENABLED, num_warps=num_warps or (8 if norm is not None else 4),
-            **pdl(q))
+            q, k, v, f, b, A_log, dt_bias, state_pool, slots, o, weight, gate, raw, conv_weight, conv_pool,
+            float(lower_bound or 0.0), K ** -0.5, float(eps), q.stride(0), k.stride(0), v.stride(0), f.stride(0),
+            b.stride(0), o.stride(0), state_pool.stride(0), gate.stride(0) if norm is not None else 0,
+            raw.stride(0), conv_pool.stride(0), conv_pool.stride(1) if conv is not None else 0,
+            H=H, K=K, V=V, BV=BV, BOUNDED=lower_bound is not None, NORM=norm is not None, CONV=conv is not None,
+            W=W, WP=triton.next_power_of_2(max(W - 1, 1)), PREFETCH=pdl(f)["PDL"] and common.PREFETCH_ENABLED,
+            num_warps=num_warps or (8 if norm is not None else 4), **pdl(f))
     return o
