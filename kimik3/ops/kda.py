@@ -230,10 +230,10 @@ def kda_decode_in_pools(raw: torch.Tensor, conv_weight: torch.Tensor, conv_pool:
     """A KDA layer's decode step (one token per sequence, every one with history): the short conv + SiLU of
     raw q | k | v [N, 3 H K] over the windows of conv_pool [slots, 3 H K, W-1] (``causal_conv1d_in_pool``),
     then ``kda_attention_in_pool`` on its outputs, both pools' rows ``slots`` updated in place. Returns
-    out_norm(o) [N, H, V]. CUDA (``CONV_IN_DECODE_KERNEL``, W <= 4, V = K): one kernel for both, the conv's
+    out_norm(o) [N, H, V]. CUDA (``CONV_IN_DECODE_KERNEL``, 2 <= W <= 4, V = K): one kernel for both, the conv's
     output rounded to raw's dtype before the recurrence reads it, as the two launches do."""
     N, H, K = f.shape
-    if (CONV_IN_DECODE_KERNEL and use_fast_path(raw) and raw.stride(-1) == 1 and conv_weight.shape[-1] <= 4
+    if (CONV_IN_DECODE_KERNEL and use_fast_path(raw) and raw.stride(-1) == 1 and 2 <= conv_weight.shape[-1] <= 4
             and conv_weight.shape[0] == 3 * H * K):
         from kimik3.ops.triton.kda import kda_decode_triton
         return kda_decode_triton(None, None, None, f, b, A_log, dt_bias, lower_bound, state_pool, slots,
