@@ -19,8 +19,9 @@ written only by this layer's step, so the read of the 64 KB of a head starts dur
 
 With the short conv (CONV, with the norm: one program a head), the program also runs the layer's causal
 conv + SiLU for its head's q, k and v channels from the raw projection and the sequence's conv window
-(``triton/conv.py``'s decode step: the same arithmetic, its output rounded to the layer's dtype as the conv
-launch stores it), and shifts the window; q, k, v are then these values (one launch fewer a KDA layer).
+(``triton/conv.py``'s ``conv_step``, as the conv's decode kernel runs it: the output rounded to the
+layer's dtype as that launch stores it), and shifts the window; q, k, v are then these values (one
+launch fewer a KDA layer).
 """
 
 from __future__ import annotations
@@ -31,30 +32,7 @@ import triton.language as tl
 
 from kimik3.ops.triton import common
 from kimik3.ops.triton.common import pdl, pdl_entry, prefetch_l2
-
-
-@triton.jit
-def _conv_channels(x_row, weight, window, c, stride_window_c, W: tl.constexpr, WP: tl.constexpr):
-    """One token's causal conv + SiLU on channels c: silu(window . w[:, :W-1] + x w[:, W-1]) rounded to x's
-    dtype (returned as fp32), and the window shifted by one with x appended ([C, WP], stored by the caller
-    once every read of the old windows is done). window: the sequence's conv-pool row [3P, W-1]."""
-    cols = tl.arange(0, WP)
-    m = (cols < W - 1)[None, :]
-    rows = window + c[:, None].to(tl.int64) * stride_window_c
-    win = tl.load(rows + cols[None, :], mask=m, other=0.0)                           # [C, WP], oldest first
-    xv = tl.load(x_row + c)
-    taps = tl.load(weight + c[:, None] * W + cols[None, :], mask=m, other=0.0).to(tl.float32)
-    acc = tl.sum(win.to(tl.float32) * taps, 1) + xv.to(tl.float32) * tl.load(weight + c * W + W - 1).to(tl.float32)
-    out = (acc * tl.sigmoid(acc)).to(x_row.dtype.element_ty).to(tl.float32)
-    later = tl.load(rows + cols[None, :] + 1, mask=(cols < W - 2)[None, :], other=0.0)
-    shifted = tl.where((cols == W - 2)[None, :], xv.to(window.dtype.element_ty)[:, None], later)
-    return out, shifted
-
-
-@triton.jit
-def _store_window(window, c, stride_window_c, shifted, W: tl.constexpr, WP: tl.constexpr):
-    cols = tl.arange(0, WP)
-    tl.store(window + c[:, None].to(tl.int64) * stride_window_c + cols[None, :], shifted, mask=(cols < W - 1)[None, :])
+from kimik3.ops.triton.conv import conv_step, store_window
 
 
 @triton.jit
@@ -76,13 +54,14 @@ def _kda_decode_kernel(q, k, v, f, b, A_log, dt_bias, pool, slots, o, norm_w, ga
     if CONV:                   # q | k | v channels of this head in the raw projection, conv windows alike
         x_row = raw + n * stride_raw
         window = conv_pool + slot * stride_conv_slot
-        qv, q_win = _conv_channels(x_row, conv_w, window, h * K + ck, stride_conv_c, W, WP)
-        kv, k_win = _conv_channels(x_row, conv_w, window, H * K + h * K + ck, stride_conv_c, W, WP)
-        vv, v_win = _conv_channels(x_row, conv_w, window, 2 * H * K + h * V + cv, stride_conv_c, W, WP)
+        all_k, all_v = ck < K, cv < V                                    # (every channel of the head)
+        qv, q_win = conv_step(x_row, conv_w, window, h * K + ck, all_k, stride_conv_c, W, WP)
+        kv, k_win = conv_step(x_row, conv_w, window, H * K + h * K + ck, all_k, stride_conv_c, W, WP)
+        vv, v_win = conv_step(x_row, conv_w, window, 2 * H * K + h * V + cv, all_v, stride_conv_c, W, WP)
         tl.debug_barrier()                    # every old window column is read before any is overwritten
-        _store_window(window, h * K + ck, stride_conv_c, q_win, W, WP)
-        _store_window(window, H * K + h * K + ck, stride_conv_c, k_win, W, WP)
-        _store_window(window, 2 * H * K + h * V + cv, stride_conv_c, v_win, W, WP)
+        store_window(window, h * K + ck, all_k, stride_conv_c, q_win, W, WP)
+        store_window(window, H * K + h * K + ck, all_k, stride_conv_c, k_win, W, WP)
+        store_window(window, 2 * H * K + h * V + cv, all_v, stride_conv_c, v_win, W, WP)
     else:
         qv = tl.load(q + n * stride_q + h * K + ck).to(tl.float32)
         kv = tl.load(k + n * stride_k + h * K + ck).to(tl.float32)
