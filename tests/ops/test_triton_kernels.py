@@ -319,6 +319,19 @@ def test_cache_latent_kernel_matches_float64(R, P, dtype):
     assert torch.equal(rows[others], before.view(-1, R + P)[others])
 
 
+def test_cache_latent_kernel_refuses_mismatched_operands():
+    from kimik3.ops.triton.norm import cache_latent_triton
+    c, w, cache, slots = torch.zeros(2, 40, dtype=BF16), torch.ones(32), torch.zeros(2, 4, 40, dtype=BF16), torch.tensor([0, 1])
+    with pytest.raises(ValueError, match="do not match"):
+        cache_latent_triton(c, w, 1e-6, torch.zeros(2, 4, 36, dtype=BF16), slots)         # cache rows of another width
+    with pytest.raises(ValueError, match="do not match"):
+        cache_latent_triton(c.float(), w, 1e-6, cache, slots)                            # another dtype than the cache
+    with pytest.raises(ValueError, match="do not match"):
+        cache_latent_triton(c, w, 1e-6, cache, torch.tensor([0]))                        # a slot short
+    with pytest.raises(ValueError, match="do not match"):
+        cache_latent_triton(c, torch.ones(40), 1e-6, cache, slots)                       # no rope part left
+
+
 def test_cache_latent_reference_path_is_the_norm_then_the_copy():
     """ops.mla.cache_latent on the CPU: rms_norm of the latent part, the rope part as it is, at the slots."""
     from kimik3.ops.mla import cache_latent
