@@ -21,6 +21,8 @@ the main stream, as eager steps run).
 (``kimik3.ops.kda.CONV_IN_DECODE_KERNEL`` off).
 ``--prefetch-ab``: the batch-1 decode case also without the L2 requests before the PDL wait (the projections'
 weight rows, the KDA step's state rows: ``kimik3.ops.triton.common.PREFETCH_ENABLED`` off).
+``--flash-kda-ab`` (with ``KIMIK3_FLASH_KDA`` set): the prefill cases also with fla-core's chunk_kda in place of
+FlashKDA (K3's bounded gate only; Kimi-Linear's KDA never takes FlashKDA).
 """
 
 from __future__ import annotations
@@ -28,6 +30,7 @@ from __future__ import annotations
 import datetime
 import json
 import math
+import os
 import sys
 import time
 import traceback
@@ -227,6 +230,19 @@ def other_gemv(measure):
     return with_setting("--gemv-ab", ops_linear, "GEMV_MAX_ROWS", 0 if ops_linear.GEMV_MAX_ROWS else 8, measure)
 
 
+def without_flash_kda(measure):
+    """``measure()`` with the FlashKDA library unnamed (``--flash-kda-ab`` with KIMIK3_FLASH_KDA set: the prefill
+    cases then run FlashKDA, and this column fla-core's chunk_kda; else None)."""
+    from kimik3.ops.cuda.flash_kda import ENV
+    if "--flash-kda-ab" not in sys.argv or not os.environ.get(ENV):
+        return None
+    saved = os.environ.pop(ENV)
+    try:
+        return measure()
+    finally:
+        os.environ[ENV] = saved
+
+
 def profile(name, fn, row_limit: int = 14) -> str:
     """Top kernels of one run by device time (printed, kept in this bench's results, returned)."""
     from torch.profiler import ProfilerActivity
@@ -364,6 +380,7 @@ def bench_model(bw, mm):
         fast = step_fn(model, ids, batch, cache, last_only=True)
         t_fast = cuda_time(fast, warmup=2, iters=5)
         t_no_pdl = without_pdl(lambda: cuda_time(fast, warmup=2, iters=5))
+        t_no_flash = without_flash_kda(lambda: cuda_time(fast, warmup=2, iters=5))
         t_ref = None
         if "--profile" in sys.argv:
             profile(f"prefill {T}", fast)
@@ -374,6 +391,7 @@ def bench_model(bw, mm):
         floor = max(byts / bw, flops / mm)
         rows.append({"case": f"prefill {T}", "t_eager_ms": t_fast * 1e3, "t_graph_ms": None,
                      "t_eager_no_pdl_ms": None if t_no_pdl is None else t_no_pdl * 1e3,
+                     "t_eager_no_flash_kda_ms": None if t_no_flash is None else t_no_flash * 1e3,
                      "t_ref_ms": None if t_ref is None else t_ref * 1e3, "bytes": byts, "flops": flops,
                      "floor_ms": floor * 1e3, "time_over_floor": t_fast / floor,
                      "matmul_fraction": flops / t_fast / mm,

@@ -18,6 +18,7 @@ import torch.nn.functional as F
 
 from kimik3.ops.backend import import_fla_kda, use_fast_path
 from kimik3.ops.conv import causal_conv1d_in_pool
+from kimik3.ops.cuda.flash_kda import flash_kda_applies, flash_kda_varlen
 from kimik3.ops.norm import acc_dtype, gated_rms_norm
 
 # A KDA decode step on CUDA runs its short conv inside the recurrence's kernel (one launch a layer fewer);
@@ -118,7 +119,8 @@ def kda_attention(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, f: torch.Te
     q, k [T, H, K] post-conv (not normalised); v [T, H, V]; f [T, H, K] raw gate logits;
     b [T, H] raw beta logits; A_log [H]; dt_bias [H*K]; initial_state [N, H, V, K] fp32 (V-first).
     Returns o [T, H, V] (fp32 or wider; q's dtype on CUDA) and final_state [N, H, V, K].
-    CUDA: fla-core's ``chunk_kda`` (gate, beta sigmoid and q/k L2 norm in kernel).
+    CUDA: fla-core's ``chunk_kda`` (gate, beta sigmoid and q/k L2 norm in kernel), or FlashKDA (opt-in,
+    ``cuda/flash_kda.py``).
     """
     T, H, K = q.shape
     if initial_state.shape[0] != len(query_lens) or sum(query_lens) != T:
@@ -126,7 +128,7 @@ def kda_attention(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, f: torch.Te
                          f"initial_state has {initial_state.shape[0]} rows and q has {T} tokens")
     if use_fast_path(q):
         cu = torch.tensor([0, *query_lens], device=q.device).cumsum(0)
-        return _chunk_kda_fla(q, k, v, f, b, A_log, dt_bias, lower_bound, initial_state.contiguous(), cu,
+        return _chunk_kda_cuda(q, k, v, f, b, A_log, dt_bias, lower_bound, initial_state.contiguous(), cu,
                               chunk_size)
     qn, kn, vf, g, beta = _reference_inputs(q, k, v, f, b, A_log, dt_bias, lower_bound, initial_state.dtype)
     acc = qn.dtype
@@ -143,9 +145,13 @@ def kda_attention(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, f: torch.Te
     return torch.cat(outs), torch.stack(finals).to(initial_state.dtype)
 
 
-def _chunk_kda_fla(q, k, v, f, b, A_log, dt_bias, lower_bound, initial_state, cu_seqlens, chunk_size=64):
-    """fla ``chunk_kda`` over packed varlen tokens; initial_state [N, H, V, K] fp32 (V-first). q and k
-    are L2-normalised by our kernel first (``triton/l2norm.py``: fla's autotunes per size bucket)."""
+def _chunk_kda_cuda(q, k, v, f, b, A_log, dt_bias, lower_bound, initial_state, cu_seqlens, chunk_size=64):
+    """Chunked KDA on CUDA over packed varlen tokens; initial_state [N, H, V, K] fp32 (V-first).
+    FlashKDA where ``KIMIK3_FLASH_KDA`` names its library and the call fits it (``cuda/flash_kda.py``),
+    else fla-core's ``chunk_kda``, q and k L2-normalised by our kernel first (``triton/l2norm.py``:
+    fla's autotunes per size bucket)."""
+    if flash_kda_applies(q, v, lower_bound):
+        return flash_kda_varlen(q, k, v, f, b, A_log, dt_bias, lower_bound, initial_state, cu_seqlens)
     from kimik3.ops.triton.l2norm import l2norm_triton
     chunk_kda, _ = import_fla_kda()
     if initial_state.dtype != torch.float32:
@@ -216,7 +222,7 @@ def kda_attention_in_pool(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, f: 
         return kda_decode_triton(q, k, v, f, b, A_log, dt_bias, lower_bound, state_pool, slots, norm=norm)
     state0 = state_pool[slots] if has_state is None else state_pool[slots].masked_fill(~has_state.view(-1, 1, 1, 1), 0)
     if use_fast_path(q):
-        o, state1 = _chunk_kda_fla(q, k, v, f, b, A_log, dt_bias, lower_bound, state0, cu_seqlens)
+        o, state1 = _chunk_kda_cuda(q, k, v, f, b, A_log, dt_bias, lower_bound, state0, cu_seqlens)
     else:
         o, state1 = kda_attention(q, k, v, f, b, A_log, dt_bias, lower_bound, state0, query_lens)
     state_pool[slots] = state1

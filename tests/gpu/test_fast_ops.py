@@ -12,6 +12,7 @@ benchmarks/gpu/bench_slice.py.
 from __future__ import annotations
 
 import math
+import os
 
 import pytest
 import torch
@@ -21,6 +22,7 @@ from kimik3.ops.activation import situ_and_mul, silu_and_mul
 from kimik3.ops.attn_res import attn_res_mix, attn_res_mix_norm
 from kimik3.ops.backend import reference_ops
 from kimik3.ops.conv import causal_conv1d_in_pool
+from kimik3.ops.cuda import flash_kda
 from kimik3.ops.kda import OutputNorm, kda_attention_in_pool, kda_decode_in_pools, kda_recurrent_in_pool
 from kimik3.ops.mla import cache_latent, mla_decode_attention, mla_prefill_attention
 from kimik3.ops.moe import fused_moe, fused_moe_mxfp4
@@ -470,6 +472,18 @@ def test_fast_op_matches_reference(check):
     results = CHECKS[check]()
     bad = {k: v for k, v in results.items() if not v <= bound(k)}
     assert not bad, f"{check}: {bad} (all: {results})"
+
+
+@pytest.mark.skipif(not os.environ.get(flash_kda.ENV), reason="KIMIK3_FLASH_KDA names no FlashKDA library")
+def test_flash_kda_prefill_matches_reference():
+    """The opt-in FlashKDA prefill (K3's bounded gate, 96 heads): ragged varlen with sequences of 1 and
+    1000+ tokens, states from scattered slots, against the fp32 reference, under the same bounds as fla."""
+    probe = torch.empty(1, 1, 128, dtype=BF16, device="cuda")
+    assert flash_kda.flash_kda_applies(probe, probe, -5.0)
+    assert not flash_kda.flash_kda_applies(probe, probe, None)        # the softplus gate stays on fla
+    results = check_kda(lens=(700, 1, 67, 1300), ctx=(0, 12, 5, 0), seed=31)
+    bad = {k: v for k, v in results.items() if not v <= bound(k)}
+    assert not bad, f"FlashKDA: {bad} (all: {results})"
 
 
 def test_softplus_gate_kda_prefill_and_decode():
