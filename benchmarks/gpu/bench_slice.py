@@ -17,8 +17,6 @@ off: our kernels launched the ordinary way), in the same process, so the two col
 the main stream, as eager steps run).
 ``--one-token-ab``: the batch-1 decode case also with a single token's dense experts on the block kernels
 (``kimik3.ops.triton.moe.ONE_TOKEN_GEMV`` off).
-``--conv-ab``: every decode case also with the KDA layers' short conv in its own launch
-(``kimik3.ops.kda.CONV_IN_DECODE_KERNEL`` off).
 ``--prefetch-ab``: the batch-1 decode case also without the L2 requests before the PDL wait (the projections'
 weight rows, the KDA step's state rows: ``kimik3.ops.triton.common.PREFETCH_ENABLED`` off).
 ``--flash-kda-ab`` (with ``KIMIK3_FLASH_KDA`` set): the prefill cases also with fla-core's chunk_kda in place of
@@ -47,7 +45,6 @@ from kimik3.model.batch import ForwardBatch, HybridCache     # noqa: E402
 from kimik3.model.kimi_k3 import KimiForCausalLM             # noqa: E402
 from kimik3.model.moe import Experts                         # noqa: E402
 from kimik3.ops import ceil_div, mxfp4                       # noqa: E402
-from kimik3.ops import kda as ops_kda                          # noqa: E402
 from kimik3.ops import linear as ops_linear                   # noqa: E402
 from kimik3.ops.backend import reference_ops                 # noqa: E402
 from kimik3.ops.triton import common as triton_common        # noqa: E402
@@ -340,7 +337,6 @@ def bench_model(bw, mm):
         t_graph_other_gemv = other_gemv(lambda: graph_time(fast))
         t_graph_block_experts = with_setting("--one-token-ab", moe_kernels, "ONE_TOKEN_GEMV", False,
                                              lambda: graph_time(fast)) if N == 1 else None
-        t_graph_conv_apart = with_setting("--conv-ab", ops_kda, "CONV_IN_DECODE_KERNEL", False, lambda: graph_time(fast))
         t_graph_no_prefetch = with_setting("--prefetch-ab", triton_common, "PREFETCH_ENABLED", False,
                                            lambda: graph_time(fast)) if N == 1 else None
         model.use_side_stream(None)
@@ -363,7 +359,6 @@ def bench_model(bw, mm):
                      "t_graph_no_side_stream_ms": None if t_graph_no_side is None else t_graph_no_side * 1e3,
                      "t_graph_one_token_block_kernels_ms": None if t_graph_block_experts is None else t_graph_block_experts * 1e3,
                      "t_graph_no_prefetch_ms": None if t_graph_no_prefetch is None else t_graph_no_prefetch * 1e3,
-                     "t_graph_conv_apart_ms": None if t_graph_conv_apart is None else t_graph_conv_apart * 1e3,
                      "bytes": byts, "flops": flops, "floor_ms": floor * 1e3, "time_over_floor": best / floor,
                      "speedup_vs_ref": t_ref / best, "ref_note": "same shapes"})
         log(rows[-1])
@@ -490,7 +485,7 @@ def main():
     rows = bench_model(bw, mm)
     save()
     log(f"\n| case | fast eager ms | fast graph ms | floor ms | time/floor | ref ms | speed-up | without PDL ms "
-        f"| GEMV_MAX_ROWS {0 if ops_linear.GEMV_MAX_ROWS else 8} ms | no side stream ms | one token on block kernels ms | no weight prefetch ms | conv apart ms |")
+        f"| GEMV_MAX_ROWS {0 if ops_linear.GEMV_MAX_ROWS else 8} ms | no side stream ms | one token on block kernels ms | no weight prefetch ms | prefill without FlashKDA ms |")
     log("|---|---|---|---|---|---|---|---|---|---|---|---|---|")
     for r in rows:
         g = "-" if r["t_graph_ms"] is None else f"{r['t_graph_ms']:.3f}"
@@ -507,10 +502,10 @@ def main():
         blocks = "-" if blocks is None else f"{blocks:.3f}"
         nopf = r.get("t_graph_no_prefetch_ms")
         nopf = "-" if nopf is None else f"{nopf:.3f}"
-        apart = r.get("t_graph_conv_apart_ms")
-        apart = "-" if apart is None else f"{apart:.3f}"
+        noflash = r.get("t_eager_no_flash_kda_ms")
+        noflash = "-" if noflash is None else f"{noflash:.3f}"
         log(f"| {r['case']} | {r['t_eager_ms']:.2f} | {g} | {r['floor_ms']:.3f} | {r['time_over_floor']:.2f}{extra} "
-            f"| {ref} | {sp} | {off} | {other} | {side} | {blocks} | {nopf} | {apart} |")
+            f"| {ref} | {sp} | {off} | {other} | {side} | {blocks} | {nopf} | {noflash} |")
     bad = [k for k, r in results.get("checks", {}).items() if not r["ok"]]
     log(f"checks: {len(results.get('checks', {})) - len(bad)} ok, bad: {bad}")
 

@@ -21,11 +21,6 @@ from kimik3.ops.conv import causal_conv1d_in_pool
 from kimik3.ops.cuda.flash_kda import flash_kda_applies, flash_kda_varlen
 from kimik3.ops.norm import acc_dtype, gated_rms_norm
 
-# A KDA decode step on CUDA runs its short conv inside the recurrence's kernel (one launch a layer fewer);
-# False: the conv's own decode kernel first (benchmarks' A/B).
-CONV_IN_DECODE_KERNEL = True
-
-
 @dataclass(frozen=True)
 class OutputNorm:
     """A KDA layer's output norm: rmsnorm(o) * weight * sigmoid(gate) in fp32, rounded to ``dtype``
@@ -236,15 +231,9 @@ def kda_decode_in_pools(raw: torch.Tensor, conv_weight: torch.Tensor, conv_pool:
     """A KDA layer's decode step (one token per sequence, every one with history): the short conv + SiLU of
     raw q | k | v [N, 3 H K] over the windows of conv_pool [slots, 3 H K, W-1] (``causal_conv1d_in_pool``),
     then ``kda_attention_in_pool`` on its outputs, both pools' rows ``slots`` updated in place. Returns
-    out_norm(o) [N, H, V]. CUDA (``CONV_IN_DECODE_KERNEL``, 2 <= W <= 4, V = K): one kernel for both, the conv's
-    output rounded to raw's dtype before the recurrence reads it, as the two launches do."""
+    out_norm(o) [N, H, V]. (The conv inside the step's kernel, one launch fewer, was measured slower on an
+    H100 at every batch: README "Decisions".)"""
     N, H, K = f.shape
-    if (CONV_IN_DECODE_KERNEL and use_fast_path(raw) and raw.stride(-1) == 1 and 2 <= conv_weight.shape[-1] <= 4
-            and conv_weight.shape[0] == 3 * H * K):
-        from kimik3.ops.triton.kda import kda_decode_triton
-        return kda_decode_triton(None, None, None, f, b, A_log, dt_bias, lower_bound, state_pool, slots,
-                                 norm=(out_norm.weight, out_norm.gate, out_norm.eps, out_norm.dtype),
-                                 conv=(raw, conv_weight, conv_pool))
     q, k, v = (t.view(N, H, -1) for t in causal_conv1d_in_pool(raw, conv_weight, conv_pool, slots, None, query_lens,
                                                                cu_seqlens, 3))
     return kda_attention_in_pool(q, k, v, f, b, A_log, dt_bias, lower_bound, state_pool, slots, None, query_lens,

@@ -116,9 +116,9 @@ def check_kda(lens=(200, 1, 67, 130), ctx=(0, 12, 5, 0), H=96, K=128, lower_boun
 
 
 def check_kda_decode_conv(N=5, H=32, K=128, W=4, lower_bound=None, seed=26) -> dict:
-    """A decode step with the short conv in the recurrence's kernel (the model's decode path: raw q|k|v a
-    slice of the merged projection, both pools at scattered slots) against the reference (the conv, then
-    the step) in fp32 on the same inputs; the conv windows bit for bit."""
+    """A KDA layer's decode step (``kda_decode_in_pools``, the model's decode path: raw q|k|v a slice of the
+    merged projection, both pools at scattered slots) against the reference (the conv, then the step) in
+    fp32 on the same inputs; the conv windows bit for bit."""
     g = _gen(seed)
     S, P = 11, H * K
     raw = torch.randn(N, 3 * P + 200, generator=g, device="cuda").to(BF16)[:, 100:100 + 3 * P]

@@ -181,15 +181,14 @@ def compile_kda_decode():
     from kimik3.ops.triton import kda
     types = {"q": "*bf16", "k": "*bf16", "v": "*bf16", "f": "*bf16", "b": "*bf16", "A_log": "*fp32", "dt_bias": "*fp32",
              "pool": "*fp32", "slots": "*i64", "o": "*bf16", "lower_bound": "fp32", "scale": "fp32"}
-    types.update(norm_w="*fp32", gate="*bf16", eps="fp32", raw="*bf16", conv_w="*fp32", conv_pool="*bf16")
-    for bounded, norm, conv in ((True, False, False), (False, False, False), (True, True, False), (False, True, True)):
+    types.update(norm_w="*fp32", gate="*bf16", eps="fp32")
+    for bounded, norm in ((True, False), (False, False), (True, True)):
         compile_for_hopper(kda._kda_decode_kernel, types, dict(H=32, K=128, V=128, BV=128 if norm else 32,
-                                                               BOUNDED=bounded, NORM=norm, CONV=conv, W=4, WP=4,
-                                                               PREFETCH=False), num_warps=8 if norm else 4)
+                                                               BOUNDED=bounded, NORM=norm, PREFETCH=False),
+                           num_warps=8 if norm else 4)
     for K in (128, 4):                  # under PDL: the state rows asked of L2 before the wait (none under 32 values)
         body = compile_for_hopper(kda._kda_decode_kernel, types, dict(H=2, K=K, V=K, BV=K, BOUNDED=True, NORM=True,
-                                                                      CONV=True, W=4, WP=4, PREFETCH=True, PDL=True),
-                                  num_warps=8).asm["ptx"]
+                                                                      PREFETCH=True, PDL=True), num_warps=8).asm["ptx"]
         body = body[body.index(".entry"):]
         assert ("prefetch.global.L2" in body) == (K == 128)
         if K == 128:

@@ -217,11 +217,11 @@ def test_mla_decode_kernel_matches_reference(max_len, sms, form, bs, bv, trans):
 
 @pytest.mark.parametrize("W", [4, 2])
 @pytest.mark.parametrize("lower_bound", [-5.0, None], ids=["bounded", "softplus"])
-def test_kda_decode_with_its_conv_matches_float64(lower_bound, W):
-    """The decode step with the layer's short conv in the same kernel: the conv + SiLU of each head's raw
-    q / k / v channels over the sequence's window (rounded to bf16, as the conv launch stores it), then
-    the step, against the math in float64; the windows shifted by one with the raw input appended, bit
-    for bit; other slots untouched. Also the same bits as the conv's own kernel followed by the step's."""
+def test_kda_decode_step_after_the_conv_matches_float64(lower_bound, W):
+    """A KDA layer's decode step as the model runs it on CUDA: the conv's decode kernel (conv + SiLU of the raw
+    q / k / v channels over each sequence's window, rounded to bf16) then the step's kernel with the output
+    norm, against the math in float64; the windows shifted by one with the raw input appended, bit for bit;
+    other slots untouched."""
     from kimik3.ops.triton.conv import causal_conv1d_pool_triton
     from kimik3.ops.triton.kda import kda_decode_triton
     g = gen(17 + W)
@@ -238,8 +238,9 @@ def test_kda_decode_with_its_conv_matches_float64(lower_bound, W):
     norm = (torch.randn(K, generator=g) * 0.3 + 1, out_gate, 1e-5, BF16)
     slots = torch.tensor([4, 0, 2])
     conv_pool, state_pool = windows.clone(), states.clone()
-    o = kda_decode_triton(None, None, None, f, b, A_log, dt_bias, lower_bound, state_pool, slots, norm=norm,
-                          conv=(raw, conv_w, conv_pool))
+    qkv = causal_conv1d_pool_triton(raw, conv_w, conv_pool, slots, None, torch.arange(N + 1), 3)
+    o = kda_decode_triton(*(t.view(N, H, K) for t in qkv), f, b, A_log, dt_bias, lower_bound, state_pool, slots,
+                          norm=norm)
 
     d = lambda t: t.double()                                             # noqa: E731
     hist = torch.cat([d(windows[slots]), d(raw).unsqueeze(-1)], -1)      # [N, 3P, W]
@@ -259,33 +260,11 @@ def test_kda_decode_with_its_conv_matches_float64(lower_bound, W):
     assert o.shape == (N, H, K) and o.dtype == BF16
     assert rel_err(o, want) < 8e-3                                       # one truncating bf16 rounding
     # q, k, v are the conv's bf16 outputs: a truncating rounding there moves the new state by up to an ulp of
-    # the delta rule's terms (the bits themselves are checked against the two launches below)
+    # the delta rule's terms
     assert (d(state_pool[slots]) - S).abs().max() <= 2 ** -5 * S.abs().max()
     assert torch.equal(conv_pool[slots], torch.cat([windows[slots, :, 1:], raw.unsqueeze(-1)], -1))
     others = [1, 3]
     assert torch.equal(conv_pool[others], windows[others]) and torch.equal(state_pool[others], states[others])
-    # the two launches it replaces: the conv's decode kernel, then the step on its q, k, v
-    conv_pool2, state_pool2 = windows.clone(), states.clone()
-    qkv = causal_conv1d_pool_triton(raw, conv_w, conv_pool2, slots, None, torch.arange(N + 1), 3)
-    o2 = kda_decode_triton(*(t.view(N, H, K) for t in qkv), f, b, A_log, dt_bias, lower_bound, state_pool2, slots,
-                           norm=norm)
-    assert torch.equal(o, o2) and torch.equal(conv_pool, conv_pool2) and torch.equal(state_pool, state_pool2)
-
-
-def test_kda_decode_conv_refuses_what_it_cannot_fuse():
-    from kimik3.ops.triton.kda import kda_decode_triton
-    N, H, K = 2, 2, 16
-    f, b = torch.zeros(N, H, K, dtype=BF16), torch.zeros(N, H, dtype=BF16)
-    pool, slots = torch.zeros(3, H, K, K), torch.tensor([1, 2])
-    raw, w, windows = torch.zeros(N, 3 * H * K, dtype=BF16), torch.zeros(3 * H * K, 4), torch.zeros(3, 3 * H * K, 3,
-                                                                                                     dtype=BF16)
-    norm = (torch.ones(K), torch.zeros(N, H, K, dtype=BF16), 1e-5, BF16)
-    with pytest.raises(ValueError, match="fused conv needs the output norm"):
-        kda_decode_triton(None, None, None, f, b, torch.zeros(H), torch.zeros(H * K), None, pool, slots,
-                          conv=(raw, w, windows))
-    with pytest.raises(ValueError, match="W <= 4"):
-        kda_decode_triton(None, None, None, f, b, torch.zeros(H), torch.zeros(H * K), None, pool, slots, norm=norm,
-                          conv=(raw, torch.zeros(3 * H * K, 5), torch.zeros(3, 3 * H * K, 4, dtype=BF16)))
 
 
 # ---- MLA cache rows ------------------------------------------------------------------------

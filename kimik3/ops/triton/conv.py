@@ -118,7 +118,7 @@ def conv_step(x_row, weight, window, c, mc, stride_window_c, W: tl.constexpr, WP
     """One token's conv + SiLU on channels c (mc: the valid ones) with history: silu(window . w[:, :W-1]
     + x w[:, W-1]) rounded to x's dtype (returned as fp32), and the window shifted by one with x appended
     ([C, WP]; ``store_window`` it once every read of the old windows is done). window: the sequence's
-    pool row [C_all, W-1], oldest first. Also the KDA decode kernel's conv (``triton/kda.py``)."""
+    pool row [C_all, W-1], oldest first."""
     cols = tl.arange(0, WP)
     m = mc[:, None] & (cols < W - 1)[None, :]
     rows = window + c[:, None].to(tl.int64) * stride_window_c

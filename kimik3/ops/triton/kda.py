@@ -16,12 +16,6 @@ GATED form), stored once.
 
 Under PDL a program asks L2 for its state rows before it waits for the kernel before it: a state row is
 written only by this layer's step, so the read of the 64 KB of a head starts during that kernel's tail.
-
-With the short conv (CONV, with the norm: one program a head), the program also runs the layer's causal
-conv + SiLU for its head's q, k and v channels from the raw projection and the sequence's conv window
-(``triton/conv.py``'s ``conv_step``, as the conv's decode kernel runs it: the output rounded to the
-layer's dtype as that launch stores it), and shifts the window; q, k, v are then these values (one
-launch fewer a KDA layer).
 """
 
 from __future__ import annotations
@@ -32,16 +26,13 @@ import triton.language as tl
 
 from kimik3.ops.triton import common
 from kimik3.ops.triton.common import pdl, pdl_entry, prefetch_l2
-from kimik3.ops.triton.conv import conv_step, store_window
 
 
 @triton.jit
-def _kda_decode_kernel(q, k, v, f, b, A_log, dt_bias, pool, slots, o, norm_w, gate, raw, conv_w, conv_pool,
-                       lower_bound, scale, eps, stride_q, stride_k, stride_v, stride_f, stride_b, stride_o,
-                       stride_slot, stride_gate, stride_raw, stride_conv_slot, stride_conv_c,
+def _kda_decode_kernel(q, k, v, f, b, A_log, dt_bias, pool, slots, o, norm_w, gate, lower_bound, scale, eps,
+                       stride_q, stride_k, stride_v, stride_f, stride_b, stride_o, stride_slot, stride_gate,
                        H: tl.constexpr, K: tl.constexpr, V: tl.constexpr, BV: tl.constexpr,
-                       BOUNDED: tl.constexpr, NORM: tl.constexpr, CONV: tl.constexpr, W: tl.constexpr,
-                       WP: tl.constexpr, PREFETCH: tl.constexpr, PDL: tl.constexpr):
+                       BOUNDED: tl.constexpr, NORM: tl.constexpr, PREFETCH: tl.constexpr, PDL: tl.constexpr):
     n, h, iv = tl.program_id(0).to(tl.int64), tl.program_id(1), tl.program_id(2)
     ck = tl.arange(0, K)
     cv = iv * BV + tl.arange(0, BV)
@@ -51,21 +42,9 @@ def _kda_decode_kernel(q, k, v, f, b, A_log, dt_bias, pool, slots, o, norm_w, ga
         prefetch_l2(pool + slot * stride_slot + h * V * K + iv * BV * K + tl.arange(0, BV * K // 32) * 32)
     pdl_entry(PDL)
     S = tl.load(rows)                                                      # [BV, K] fp32
-    if CONV:                   # q | k | v channels of this head in the raw projection, conv windows alike
-        x_row = raw + n * stride_raw
-        window = conv_pool + slot * stride_conv_slot
-        all_k, all_v = ck < K, cv < V                                    # (every channel of the head)
-        qv, q_win = conv_step(x_row, conv_w, window, h * K + ck, all_k, stride_conv_c, W, WP)
-        kv, k_win = conv_step(x_row, conv_w, window, H * K + h * K + ck, all_k, stride_conv_c, W, WP)
-        vv, v_win = conv_step(x_row, conv_w, window, 2 * H * K + h * V + cv, all_v, stride_conv_c, W, WP)
-        tl.debug_barrier()                    # every old window column is read before any is overwritten
-        store_window(window, h * K + ck, all_k, stride_conv_c, q_win, W, WP)
-        store_window(window, H * K + h * K + ck, all_k, stride_conv_c, k_win, W, WP)
-        store_window(window, 2 * H * K + h * V + cv, all_v, stride_conv_c, v_win, W, WP)
-    else:
-        qv = tl.load(q + n * stride_q + h * K + ck).to(tl.float32)
-        kv = tl.load(k + n * stride_k + h * K + ck).to(tl.float32)
-        vv = tl.load(v + n * stride_v + h * V + cv).to(tl.float32)
+    qv = tl.load(q + n * stride_q + h * K + ck).to(tl.float32)
+    kv = tl.load(k + n * stride_k + h * K + ck).to(tl.float32)
+    vv = tl.load(v + n * stride_v + h * V + cv).to(tl.float32)
     z = tl.load(f + n * stride_f + h * K + ck).to(tl.float32) + tl.load(dt_bias + h * K + ck).to(tl.float32)
     a = tl.exp(tl.load(A_log + h).to(tl.float32))
     if BOUNDED:
@@ -92,31 +71,15 @@ def default_block_v(V: int) -> int:
     return min(32, V)
 
 
-def kda_decode_triton(q: torch.Tensor | None, k: torch.Tensor | None, v: torch.Tensor | None, f: torch.Tensor,
-                      b: torch.Tensor, A_log: torch.Tensor, dt_bias: torch.Tensor, lower_bound: float | None,
+def kda_decode_triton(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, f: torch.Tensor, b: torch.Tensor,
+                      A_log: torch.Tensor, dt_bias: torch.Tensor, lower_bound: float | None,
                       state_pool: torch.Tensor, slots: torch.Tensor, block_v: int | None = None,
                       num_warps: int | None = None,
-                      norm: tuple[torch.Tensor, torch.Tensor, float, torch.dtype] | None = None,
-                      conv: tuple[torch.Tensor, torch.Tensor, torch.Tensor] | None = None) -> torch.Tensor:
+                      norm: tuple[torch.Tensor, torch.Tensor, float, torch.dtype] | None = None) -> torch.Tensor:
     """q, k, f [N, H, K]; v [N, H, V]; b [N, H] (each with unit stride inside a row, any row stride);
     A_log [H], dt_bias [H*K]; state_pool [slots, H, V, K] fp32, rows ``slots`` [N] updated in place.
     Returns o [N, H, V] in v's dtype; with ``norm`` = (weight [V], gate [N, H, V], eps, dtype) the
-    normed output rmsnorm(o) * weight * sigmoid(gate) in that dtype (one program a head: 8 warps).
-    ``conv`` = (raw [N, 3 H K] q|k|v before the conv (unit stride in a row), weight [3 H K, W] (W <= 4), pool
-    [slots, 3 H K, W-1] whose rows ``slots`` are updated in place), with ``norm`` and V = K: q, k, v are the
-    conv's outputs computed here (pass None for them)."""
-    if conv is not None:
-        raw, conv_weight, conv_pool = conv
-        N, H, K = f.shape
-        W = conv_weight.shape[-1]
-        if (norm is None or raw.dim() != 2 or raw.shape != (N, 3 * H * K) or raw.stride(1) != 1
-                or conv_weight.shape != (3 * H * K, W) or not 2 <= W <= 4 or conv_pool.shape[1:] != (3 * H * K, W - 1)
-                or conv_pool.stride(2) != 1):
-            raise ValueError(f"kda_decode_triton: the fused conv needs the output norm, raw [{N}, {3 * H * K}], weight "
-                             f"[{3 * H * K}, W <= 4] and pool [slots, {3 * H * K}, W-1]; got raw {tuple(raw.shape)}, "
-                             f"weight {tuple(conv_weight.shape)}, pool {tuple(conv_pool.shape)}")
-        conv_weight = conv_weight.contiguous()
-        q = k = v = raw.view(N, 3, H, K)[:, 0]                     # placeholders of the right shape (not read)
+    normed output rmsnorm(o) * weight * sigmoid(gate) in that dtype (one program a head: 8 warps)."""
     N, H, K = q.shape
     V = v.shape[-1]
     BV = V if norm is not None else (block_v or default_block_v(V))
@@ -141,15 +104,12 @@ def kda_decode_triton(q: torch.Tensor | None, k: torch.Tensor | None, v: torch.T
     else:
         weight, gate, eps, dtype = A_log, A_log, 0.0, v.dtype                   # unused placeholders
     o = torch.empty(N, H, V, dtype=dtype, device=v.device)
-    if conv is None:
-        raw, conv_weight, conv_pool, W = q, A_log, q, 2                          # unused placeholders
     if N:
         _kda_decode_kernel[(N, H, V // BV)](
-            q, k, v, f, b, A_log, dt_bias, state_pool, slots, o, weight, gate, raw, conv_weight, conv_pool,
-            float(lower_bound or 0.0), K ** -0.5, float(eps), q.stride(0), k.stride(0), v.stride(0), f.stride(0),
-            b.stride(0), o.stride(0), state_pool.stride(0), gate.stride(0) if norm is not None else 0,
-            raw.stride(0), conv_pool.stride(0), conv_pool.stride(1) if conv is not None else 0,
-            H=H, K=K, V=V, BV=BV, BOUNDED=lower_bound is not None, NORM=norm is not None, CONV=conv is not None,
-            W=W, WP=triton.next_power_of_2(max(W - 1, 1)), PREFETCH=pdl(f)["PDL"] and common.PREFETCH_ENABLED,
-            num_warps=num_warps or (8 if norm is not None else 4), **pdl(f))
+            q, k, v, f, b, A_log, dt_bias, state_pool, slots, o, weight, gate, float(lower_bound or 0.0), K ** -0.5,
+            float(eps), q.stride(0), k.stride(0), v.stride(0), f.stride(0), b.stride(0), o.stride(0),
+            state_pool.stride(0), gate.stride(0) if norm is not None else 0,
+            H=H, K=K, V=V, BV=BV, BOUNDED=lower_bound is not None, NORM=norm is not None,
+            PREFETCH=pdl(q)["PDL"] and common.PREFETCH_ENABLED, num_warps=num_warps or (8 if norm is not None else 4),
+            **pdl(q))
     return o
