@@ -12,14 +12,18 @@ With ``--replay-only`` no prompt runs: for each length, the batch-1 decode graph
 its static inputs set to a context of that length (random blocks of the cache), giving the decode
 step's device time against its floor in seconds instead of a prefill's minutes.
 
+``--block-size=N``: the engine's cache block size (default: the engine's). With ``KIMIK3_FLASH_MLA`` set and
+``--block-size=64``, decode attends through FlashMLA (``kimik3/ops/cuda/flash_mla.py``).
+
     PYTHONPATH=. python benchmarks/gpu/bench_long_context.py [--config=PATH] [--lengths=8192,32768,...]
-        [--replay-only]   (writes $OUT/bench_long_<slice>[_replay].json)
+        [--replay-only] [--block-size=64]   (writes $OUT/bench_long_<slice>[_replay][_bs<N>][_flashmla].json)
 """
 
 from __future__ import annotations
 
 import datetime
 import json
+import os
 import statistics
 import sys
 import time
@@ -42,8 +46,15 @@ DECODE_TOKENS = 16
 results: dict = {}
 
 
+def block_size() -> int | None:
+    arg = next((a.split("=", 1)[1] for a in sys.argv if a.startswith("--block-size=")), None)
+    return int(arg) if arg else None
+
+
 def save():
     suffix = "_replay" if "--replay-only" in sys.argv else ""
+    suffix += f"_bs{block_size()}" if block_size() else ""
+    suffix += "_flashmla" if os.environ.get("KIMIK3_FLASH_MLA") else ""
     save_results(f"bench_long_{config_path().stem.split('.')[0]}{suffix}.json", results)
 
 
@@ -100,14 +111,16 @@ def replay_only(model, engine, bw):
 def main():
     torch.backends.cuda.matmul.allow_tf32 = False
     results.update(gpu=torch.cuda.get_device_name(), date=datetime.date.today().isoformat(), commit=commit_id(),
-                   torch=torch.__version__, config=config_path().name)
+                   torch=torch.__version__, config=config_path().name, block_size=block_size(),
+                   flash_mla=bool(os.environ.get("KIMIK3_FLASH_MLA")))
     bw, mm = ceilings()
     results["ceilings"] = {"copy_bytes_per_s": bw, "bf16_matmul_flops": mm}
     model = build_slice(json.loads(config_path().read_text()), str(config_path()))
     weights = torch.cuda.memory_allocated()
     E = model.config.text.num_experts
     longest = max(lengths())
-    cfg = EngineConfig(max_num_seqs=4, max_model_len=longest + DECODE_TOKENS + 1, enable_prefix_caching=False)
+    sized = {"block_size": block_size()} if block_size() else {}
+    cfg = EngineConfig(max_num_seqs=4, max_model_len=longest + DECODE_TOKENS + 1, enable_prefix_caching=False, **sized)
     engine = LLMEngine(model, cfg)
     planned = engine.plan.total_bytes
     results["engine"] = {"max_num_batched_tokens": cfg.max_num_batched_tokens, "plan": engine.plan.describe(),

@@ -239,10 +239,16 @@ def mla_decode_attention(q_latent: torch.Tensor, q_pe: torch.Tensor, cache: torc
     q_latent [N, H, kv_lora_rank] (= W_UK^T q_nope); q_pe [N, H, d_rope]; seq_lens [N] (host list
     or device tensor) include the new token; max_seq_len bounds them (CUDA sizes its splits with
     it; taken from seq_lens when None). Returns the latent output l [N, H, kv_lora_rank] in
-    q_latent's dtype. CUDA: split-K Triton kernel over the paged blocks.
+    q_latent's dtype. CUDA: split-K Triton kernel over the paged blocks, or DeepSeek's FlashMLA (opt-in,
+    64-token blocks: ``cuda/flash_mla.py``).
     """
     if use_fast_path(q_latent):
+        from kimik3.ops.cuda.flash_mla import flash_mla_applies, flash_mla_decode
         from kimik3.ops.triton.mla_decode import mla_decode_triton
+        if flash_mla_applies(q_latent, q_pe, cache):
+            if not torch.is_tensor(seq_lens):
+                seq_lens = torch.tensor(seq_lens, dtype=torch.int32, device=q_latent.device)
+            return flash_mla_decode(q_latent, q_pe, cache, block_tables, seq_lens, scale)
         if not torch.is_tensor(seq_lens):
             max_seq_len = max(seq_lens) if max_seq_len is None else max_seq_len
             seq_lens = torch.tensor(seq_lens, dtype=torch.int32, device=q_latent.device)

@@ -16,6 +16,7 @@ random weights built in memory, bf16), prefix caching on.
 from __future__ import annotations
 
 import json
+import os
 import random
 from pathlib import Path
 
@@ -61,8 +62,8 @@ def model():
     return build_slice(json.loads(CONFIG.read_text()))
 
 
-def make(model, enforce_eager: bool, **kw) -> LLMEngine:
-    cfg = EngineConfig(max_num_seqs=8, max_num_batched_tokens=256, max_model_len=512, block_size=16,
+def make(model, enforce_eager: bool, block_size: int = 16, **kw) -> LLMEngine:
+    cfg = EngineConfig(max_num_seqs=8, max_num_batched_tokens=256, max_model_len=512, block_size=block_size,
                        enable_prefix_caching=True, kda_checkpoint_interval=2, cache_memory_bytes=3 << 30,
                        enforce_eager=enforce_eager, **kw)
     return LLMEngine(model, cfg)
@@ -175,6 +176,23 @@ def test_greedy_graphs_match_eager(model):
     runner = graph_engine.runner
     assert 0 < runner.num_graph_steps < runner.num_steps
     assert graph_engine.kv.num_hit_tokens > 0, "no prefix hit"
+    assert_same_greedy(eager, graphed, reqs)
+
+
+@pytest.mark.skipif(not os.environ.get("KIMIK3_FLASH_MLA"), reason="KIMIK3_FLASH_MLA names no FlashMLA library")
+def test_flash_mla_engine_graphs_match_eager(model, monkeypatch):
+    """64-token blocks with the FlashMLA library named: every decode step (eager and captured) attends
+    through FlashMLA, and the graphs give the eager steps' tokens."""
+    from kimik3.ops.cuda import flash_mla
+    calls = []
+    real = flash_mla.flash_mla_decode
+    monkeypatch.setattr(flash_mla, "flash_mla_decode", lambda *a, **k: calls.append(1) or real(*a, **k))
+    reqs = requests(model.config.text.vocab_size)
+    eager = generate(make(model, enforce_eager=True, block_size=64), reqs)
+    assert calls, "FlashMLA never ran"
+    graph_engine = make(model, enforce_eager=False, block_size=64)
+    graphed = generate(graph_engine, reqs)
+    assert 0 < graph_engine.runner.num_graph_steps < graph_engine.runner.num_steps
     assert_same_greedy(eager, graphed, reqs)
 
 

@@ -22,13 +22,13 @@ from kimik3.ops.activation import situ_and_mul, silu_and_mul
 from kimik3.ops.attn_res import attn_res_mix, attn_res_mix_norm
 from kimik3.ops.backend import reference_ops
 from kimik3.ops.conv import causal_conv1d_in_pool
-from kimik3.ops.cuda import flash_kda
+from kimik3.ops.cuda import flash_kda, flash_mla
 from kimik3.ops.kda import OutputNorm, kda_attention_in_pool, kda_decode_in_pools, kda_recurrent_in_pool
 from kimik3.ops.mla import cache_latent, mla_decode_attention, mla_prefill_attention
 from kimik3.ops.moe import fused_moe, fused_moe_mxfp4
 from kimik3.ops.norm import add_rms_norm, gated_rms_norm, rms_norm, rms_norm_fp32_weight
 from kimik3.ops.router import route
-from tests.helpers import worst_rel_err
+from tests.helpers import capture_graph, worst_rel_err
 
 pytestmark = [pytest.mark.gpu, pytest.mark.skipif(not torch.cuda.is_available(), reason="needs CUDA")]
 
@@ -484,6 +484,40 @@ def test_flash_kda_prefill_matches_reference():
     results = check_kda(lens=(700, 1, 67, 1300), ctx=(0, 12, 5, 0), seed=31)
     bad = {k: v for k, v in results.items() if not v <= bound(k)}
     assert not bad, f"FlashKDA: {bad} (all: {results})"
+
+
+@pytest.mark.skipif(not os.environ.get(flash_mla.ENV), reason="KIMIK3_FLASH_MLA names no FlashMLA library")
+def test_flash_mla_decode_matches_reference():
+    """The opt-in FlashMLA decode (64-token blocks) at K3's 96 heads, Kimi-Linear's 32 and 12 (K3 at TP 8):
+    ragged lengths from 1 to 4,096 over scattered blocks, against float64, per sequence."""
+    q_lat, q_pe = torch.empty(1, 4, 512, dtype=BF16, device="cuda"), torch.empty(1, 4, 64, dtype=BF16, device="cuda")
+    assert flash_mla.flash_mla_applies(q_lat, q_pe, torch.empty(2, 64, 576, dtype=BF16, device="cuda"))
+    assert not flash_mla.flash_mla_applies(q_lat, q_pe, torch.empty(2, 16, 576, dtype=BF16, device="cuda"))
+    for H, seed in ((96, 40), (32, 41), (12, 42)):
+        results = check_mla_decode(H=H, seed=seed)
+        assert results["mla.decode"] <= BF16_BOUND, (H, results)
+
+
+@pytest.mark.skipif(not os.environ.get(flash_mla.ENV), reason="KIMIK3_FLASH_MLA names no FlashMLA library")
+def test_flash_mla_decode_replays_in_a_graph():
+    """Captured once, replayed on new queries, lengths and block tables: the same bits as an eager call
+    on those inputs (the scheduler's metadata is recomputed inside the graph)."""
+    g = _gen(43)
+    cache, tables = _paged([300, 5000, 1], 64, 576, g, num_blocks=200)
+    q_lat = torch.randn(3, 96, 512, generator=g, device="cuda").to(BF16)
+    q_pe = torch.randn(3, 96, 64, generator=g, device="cuda").to(BF16)
+    lens = torch.tensor([300, 5000, 1], dtype=torch.int32, device="cuda")
+    graph, out = capture_graph(lambda: mla_decode_attention(q_lat, q_pe, cache, tables, lens, 512, 0.07,
+                                                            max_seq_len=8192))
+    q_lat.copy_(torch.randn(3, 96, 512, generator=g, device="cuda"))
+    lens.copy_(torch.tensor([64, 4001, 129], dtype=torch.int32, device="cuda"))
+    tables[2, :3] = torch.tensor([190, 7, 150], dtype=torch.int32, device="cuda")
+    graph.replay()
+    eager = mla_decode_attention(q_lat, q_pe, cache, tables, lens, 512, 0.07, max_seq_len=8192)
+    assert torch.equal(out, eager)
+    with reference_ops():
+        ref = mla_decode_attention(q_lat.double(), q_pe.double(), cache.double(), tables, [64, 4001, 129], 512, 0.07)
+    assert worst_rel_err(out, ref) <= BF16_BOUND
 
 
 def test_softplus_gate_kda_prefill_and_decode():

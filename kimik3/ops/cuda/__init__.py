@@ -1,1 +1,27 @@
-"""Fast paths from CUDA C++ libraries built outside the package (opt-in, loaded through ctypes)."""
+"""Fast paths from CUDA C++ libraries built outside the package (opt-in, loaded through ctypes): each
+library is named by an environment variable and built by a script in ``scripts/``."""
+
+from __future__ import annotations
+
+import ctypes
+import functools
+import os
+from collections.abc import Callable
+
+
+@functools.cache
+def _load(env: str, path: str, declare: Callable[[ctypes.CDLL], None], build: str) -> ctypes.CDLL:
+    try:
+        lib = ctypes.CDLL(path)
+    except OSError as exc:
+        raise RuntimeError(f"{env}={path}: cannot load the library ({exc}); build it with {build}, or unset the "
+                           "variable to run the default kernels") from exc
+    declare(lib)
+    return lib
+
+
+def library(env: str, declare: Callable[[ctypes.CDLL], None], build: str) -> ctypes.CDLL | None:
+    """The library the variable ``env`` names (loaded once per path, its functions typed by ``declare``),
+    or None when the variable is unset."""
+    path = os.environ.get(env, "")
+    return _load(env, path, declare, build) if path else None

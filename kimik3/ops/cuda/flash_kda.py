@@ -13,35 +13,27 @@ README "Decisions" says why we accept that (opt-in) and what the GPU test bounds
 from __future__ import annotations
 
 import ctypes
-import functools
-import os
 
 import torch
+
+from kimik3.ops.cuda import library
 
 ENV = "KIMIK3_FLASH_KDA"
 HEAD_DIM = 128
 
 
-@functools.cache
-def _library(path: str) -> ctypes.CDLL:
-    try:
-        lib = ctypes.CDLL(path)
-    except OSError as exc:
-        raise RuntimeError(f"{ENV}={path}: cannot load the FlashKDA library ({exc}); build it with "
-                           "scripts/build_flash_kda.sh, or unset the variable to run fla-core's chunk_kda") from exc
+def _declare(lib: ctypes.CDLL) -> None:
     lib.kimik3_flash_kda_workspace_bytes.restype = ctypes.c_int64
     lib.kimik3_flash_kda_workspace_bytes.argtypes = [ctypes.c_int64] * 3
     lib.kimik3_flash_kda_fwd.restype = ctypes.c_int
     lib.kimik3_flash_kda_fwd.argtypes = [ctypes.c_void_p] * 9 + [ctypes.c_int64, ctypes.c_int, ctypes.c_int,
                                                                   ctypes.c_void_p, ctypes.c_void_p, ctypes.c_void_p,
                                                                   ctypes.c_float, ctypes.c_float, ctypes.c_void_p]
-    return lib
 
 
 def flash_kda_library() -> ctypes.CDLL | None:
     """The library ``KIMIK3_FLASH_KDA`` names (loaded once per path), or None when unset."""
-    path = os.environ.get(ENV, "")
-    return _library(path) if path else None
+    return library(ENV, _declare, "scripts/build_flash_kda.sh")
 
 
 def flash_kda_applies(q: torch.Tensor, v: torch.Tensor, lower_bound: float | None) -> bool:

@@ -1,0 +1,83 @@
+"""DeepSeek's FlashMLA dense decode (Hopper) for the absorbed MLA decode, through the C entry point of
+``flash_mla_shim.cu`` (built by ``scripts/build_flash_mla.sh``). Opt-in: ``KIMIK3_FLASH_MLA=<path to
+libkimik3_flash_mla.so>`` and a latent cache in blocks of 64 tokens (``--block-size 64``); otherwise
+decode runs our Triton split-K kernel (``ops/triton/mla_decode.py``).
+
+It computes what ours computes: per sequence and head, softmax(scale q . c) over the sequence's cached
+latent rows c (576 = 512 latent + 64 rope columns), times their first 512 columns, in bf16 with fp32
+accumulation, splits merged by their log-sum-exp. Three launches (scheduler, split attention, combine),
+no host synchronisation, so decode steps still capture into CUDA graphs.
+"""
+
+from __future__ import annotations
+
+import ctypes
+import functools
+
+import torch
+
+from kimik3.ops.cuda import library
+
+ENV = "KIMIK3_FLASH_MLA"
+LATENT, ROPE, PAGE = 512, 64, 64
+
+
+def _declare(lib: ctypes.CDLL) -> None:
+    lib.kimik3_flash_mla_sm_parts.restype = ctypes.c_int
+    lib.kimik3_flash_mla_sm_parts.argtypes = [ctypes.c_int, ctypes.c_int]
+    lib.kimik3_flash_mla_meta_ints.restype = ctypes.c_int
+    lib.kimik3_flash_mla_decode.restype = ctypes.c_int
+    lib.kimik3_flash_mla_decode.argtypes = ([ctypes.c_void_p] * 3 + [ctypes.c_int64] + [ctypes.c_void_p] * 7
+                                            + [ctypes.c_int] * 4 + [ctypes.c_float, ctypes.c_void_p])
+
+
+def flash_mla_library() -> ctypes.CDLL | None:
+    """The library ``KIMIK3_FLASH_MLA`` names (loaded once per path), or None when unset."""
+    return library(ENV, _declare, "scripts/build_flash_mla.sh")
+
+
+@functools.cache
+def _num_sms(device: torch.device) -> int:
+    return torch.cuda.get_device_properties(device).multi_processor_count
+
+
+def flash_mla_applies(q_latent: torch.Tensor, q_pe: torch.Tensor, cache: torch.Tensor) -> bool:
+    """Whether this decode may go to FlashMLA: bf16 on a Hopper GPU, 512 + 64 latent columns, a cache of
+    64-token blocks with packed rows, and the library named."""
+    return (q_latent.is_cuda and q_latent.dtype == torch.bfloat16 and cache.dtype == torch.bfloat16
+            and q_pe.dtype == torch.bfloat16 and q_latent.shape[-1] == LATENT and q_pe.shape[-1] == ROPE
+            and cache.dim() == 3 and cache.shape[1:] == (PAGE, LATENT + ROPE) and cache.stride(2) == 1
+            and cache.stride(1) == LATENT + ROPE and cache.stride(0) == PAGE * (LATENT + ROPE)
+            and torch.cuda.get_device_capability(q_latent.device) == (9, 0) and flash_mla_library() is not None)
+
+
+def flash_mla_decode(q_latent: torch.Tensor, q_pe: torch.Tensor, cache: torch.Tensor, block_tables: torch.Tensor,
+                     seq_lens: torch.Tensor, scale: float) -> torch.Tensor:
+    """q_latent [N, H, 512]; q_pe [N, H, 64]; cache [num_blocks, 64, 576]; block_tables [N, max_blocks];
+    seq_lens [N] on the device (the new token included). Returns the latent output [N, H, 512] bf16."""
+    if not flash_mla_applies(q_latent, q_pe, cache):
+        raise ValueError(f"flash_mla_decode: needs {ENV}, a Hopper GPU, bf16 q [N, H, {LATENT}] + [N, H, {ROPE}] and a "
+                         f"cache [blocks, {PAGE}, {LATENT + ROPE}]; got {q_latent.dtype} {tuple(q_latent.shape)}, "
+                         f"{tuple(q_pe.shape)}, cache {cache.dtype} {tuple(cache.shape)}")
+    lib = flash_mla_library()
+    N, H, _ = q_latent.shape
+    dev = q_latent.device
+    q = torch.cat([q_latent, q_pe], dim=-1)                                         # [N, H, 576], packed
+    tables = block_tables if block_tables.dtype == torch.int32 and block_tables.stride(-1) == 1 else \
+        block_tables.to(torch.int32).contiguous()
+    lens = seq_lens.to(torch.int32).contiguous()
+    parts = lib.kimik3_flash_mla_sm_parts(H, _num_sms(dev))
+    out = torch.empty(N, H, LATENT, dtype=torch.bfloat16, device=dev)
+    lse = torch.empty(N, H, dtype=torch.float32, device=dev)
+    meta = torch.empty(parts, lib.kimik3_flash_mla_meta_ints(), dtype=torch.int32, device=dev)
+    splits = torch.empty(N + 1, dtype=torch.int32, device=dev)
+    lse_acc = torch.empty(N + parts, H, dtype=torch.float32, device=dev)
+    o_acc = torch.empty(N + parts, H, LATENT, dtype=torch.float32, device=dev)
+    err = lib.kimik3_flash_mla_decode(q.data_ptr(), cache.data_ptr(), tables.data_ptr(), tables.stride(0),
+                                      lens.data_ptr(), out.data_ptr(), lse.data_ptr(), meta.data_ptr(),
+                                      splits.data_ptr(), lse_acc.data_ptr(), o_acc.data_ptr(), N, H, cache.shape[0],
+                                      parts, float(scale), torch.cuda.current_stream(dev).cuda_stream)
+    if err:
+        raise RuntimeError(f"FlashMLA decode failed ({'an exception in FlashMLA' if err < 0 else f'CUDA error {err}'}; "
+                           f"N={N}, H={H})")
+    return out
