@@ -16,6 +16,7 @@ import argparse
 import dataclasses
 import json
 import logging
+import os
 import re
 from dataclasses import dataclass, field
 from pathlib import Path
@@ -24,6 +25,8 @@ from typing import Any
 import torch
 
 from kimik3.distributed import MOE_MODES
+from kimik3.ops.cuda.flash_mla import ENV as FLASH_MLA_ENV
+from kimik3.ops.cuda.flash_mla import PAGE as FLASH_MLA_BLOCK
 
 logger = logging.getLogger(__name__)
 
@@ -133,7 +136,9 @@ class EngineArgs:
     max_num_batched_tokens: int = _opt("token budget of one engine step; longer prompts are chunked, which bounds a "
                                        "step's memory (default: 8192)", default=8192,
                                        type=positive_size)
-    block_size: int = _opt("tokens per cache block (default: 16)", default=16, type=positive_size)
+    block_size: int | None = _opt("tokens per cache block (default: 16; 64 on CUDA when KIMIK3_FLASH_MLA names "
+                                  "FlashMLA's library, whose decode takes 64-token blocks)", default=None,
+                                  type=positive_size)
     enable_prefix_caching: bool = _opt("reuse the cache of shared prompt prefixes (default: on)", default=True)
     gpu_memory_utilization: float = _opt(
         "fraction of the GPU's memory this whole process may use (weights, cache, activations); the cache gets "
@@ -256,6 +261,18 @@ class EngineArgs:
         return (device.type == "cuda" and not self.num_speculative_tokens and self.tensor_parallel_size == 1
                 and not self.enable_expert_parallel)
 
+    def resolve_block_size(self, device: torch.device) -> int:
+        """The flag if given; else 64 on CUDA when ``KIMIK3_FLASH_MLA`` names FlashMLA's library (its decode
+        reads 64-token blocks: ``kimik3/ops/cuda/flash_mla.py``), else 16. A given size other than 64 with
+        the library named on CUDA keeps the Triton decode, said once in the log."""
+        flash = device.type == "cuda" and bool(os.environ.get(FLASH_MLA_ENV))
+        if self.block_size is None:
+            return FLASH_MLA_BLOCK if flash else 16
+        if flash and self.block_size != FLASH_MLA_BLOCK:
+            logger.warning("--block-size %d: FlashMLA (%s) reads %d-token blocks, so MLA decode runs the Triton kernel",
+                           self.block_size, FLASH_MLA_ENV, FLASH_MLA_BLOCK)
+        return self.block_size
+
     def resolve_enforce_eager(self) -> bool:
         """The flag if given; else eager under tensor / expert parallelism only."""
         if self.enforce_eager is not None:
@@ -266,7 +283,7 @@ class EngineArgs:
         from kimik3.engine.config import EngineConfig
         return EngineConfig(max_num_seqs=self.max_num_seqs, max_num_batched_tokens=self.max_num_batched_tokens,
                             max_model_len=max_model_len, enable_prefix_caching=self.enable_prefix_caching,
-                            block_size=self.block_size, kda_checkpoint_interval=self.kda_checkpoint_interval,
+                            block_size=self.resolve_block_size(device), kda_checkpoint_interval=self.kda_checkpoint_interval,
                             cache_memory_bytes=self.kv_cache_memory_bytes,
                             gpu_memory_utilization=float(self.gpu_memory_utilization), seed=self.seed,
                             enforce_eager=self.resolve_enforce_eager(), max_logprobs=self.max_logprobs,
