@@ -19,6 +19,8 @@ the main stream, as eager steps run).
 (``kimik3.ops.triton.moe.ONE_TOKEN_GEMV`` off).
 ``--prefetch-ab``: the batch-1 decode case also without the L2 requests before the PDL wait (the projections'
 weight rows, the KDA step's state rows: ``kimik3.ops.triton.common.PREFETCH_ENABLED`` off).
+``--flash-mla-ab`` (with ``KIMIK3_FLASH_MLA`` set): every decode case also with our Triton MLA decode in place of
+FlashMLA (the slice's cache has 64-token blocks, so the main columns run FlashMLA).
 ``--flash-kda-ab`` (with ``KIMIK3_FLASH_KDA`` set): the prefill cases also with fla-core's chunk_kda in place of
 FlashKDA (K3's bounded gate only; Kimi-Linear's KDA never takes FlashKDA).
 """
@@ -227,17 +229,28 @@ def other_gemv(measure):
     return with_setting("--gemv-ab", ops_linear, "GEMV_MAX_ROWS", 0 if ops_linear.GEMV_MAX_ROWS else 8, measure)
 
 
-def without_flash_kda(measure):
-    """``measure()`` with the FlashKDA library unnamed (``--flash-kda-ab`` with KIMIK3_FLASH_KDA set: the prefill
-    cases then run FlashKDA, and this column fla-core's chunk_kda; else None)."""
-    from kimik3.ops.cuda.flash_kda import ENV
-    if "--flash-kda-ab" not in sys.argv or not os.environ.get(ENV):
+def without_library(flag: str, env: str, measure):
+    """``measure()`` with the library ``env`` names unnamed (``flag`` on the command line and ``env`` set: the
+    main columns then run that library, this one our default kernels; else None)."""
+    if flag not in sys.argv or not os.environ.get(env):
         return None
-    saved = os.environ.pop(ENV)
+    saved = os.environ.pop(env)
     try:
         return measure()
     finally:
-        os.environ[ENV] = saved
+        os.environ[env] = saved
+
+
+def without_flash_kda(measure):
+    """``--flash-kda-ab`` (KIMIK3_FLASH_KDA set): the prefill cases on fla-core's chunk_kda."""
+    from kimik3.ops.cuda.flash_kda import ENV
+    return without_library("--flash-kda-ab", ENV, measure)
+
+
+def without_flash_mla(measure):
+    """``--flash-mla-ab`` (KIMIK3_FLASH_MLA set): the decode cases on our Triton MLA decode."""
+    from kimik3.ops.cuda.flash_mla import ENV
+    return without_library("--flash-mla-ab", ENV, measure)
 
 
 def profile(name, fn, row_limit: int = 14) -> str:
@@ -339,6 +352,7 @@ def bench_model(bw, mm):
                                              lambda: graph_time(fast)) if N == 1 else None
         t_graph_no_prefetch = with_setting("--prefetch-ab", triton_common, "PREFETCH_ENABLED", False,
                                            lambda: graph_time(fast)) if N == 1 else None
+        t_graph_no_flash_mla = without_flash_mla(lambda: graph_time(fast))
         model.use_side_stream(None)
         t_graph_no_side = graph_time(fast) if "--side-ab" in sys.argv else None
         t_ref = float("nan")
@@ -359,6 +373,7 @@ def bench_model(bw, mm):
                      "t_graph_no_side_stream_ms": None if t_graph_no_side is None else t_graph_no_side * 1e3,
                      "t_graph_one_token_block_kernels_ms": None if t_graph_block_experts is None else t_graph_block_experts * 1e3,
                      "t_graph_no_prefetch_ms": None if t_graph_no_prefetch is None else t_graph_no_prefetch * 1e3,
+                     "t_graph_no_flash_mla_ms": None if t_graph_no_flash_mla is None else t_graph_no_flash_mla * 1e3,
                      "bytes": byts, "flops": flops, "floor_ms": floor * 1e3, "time_over_floor": best / floor,
                      "speedup_vs_ref": t_ref / best, "ref_note": "same shapes"})
         log(rows[-1])
@@ -485,7 +500,7 @@ def main():
     rows = bench_model(bw, mm)
     save()
     log(f"\n| case | fast eager ms | fast graph ms | floor ms | time/floor | ref ms | speed-up | without PDL ms "
-        f"| GEMV_MAX_ROWS {0 if ops_linear.GEMV_MAX_ROWS else 8} ms | no side stream ms | one token on block kernels ms | no weight prefetch ms | prefill without FlashKDA ms |")
+        f"| GEMV_MAX_ROWS {0 if ops_linear.GEMV_MAX_ROWS else 8} ms | no side stream ms | one token on block kernels ms | no weight prefetch ms | without FlashKDA (prefill) / FlashMLA (decode) ms |")
     log("|---|---|---|---|---|---|---|---|---|---|---|---|---|")
     for r in rows:
         g = "-" if r["t_graph_ms"] is None else f"{r['t_graph_ms']:.3f}"
@@ -502,7 +517,7 @@ def main():
         blocks = "-" if blocks is None else f"{blocks:.3f}"
         nopf = r.get("t_graph_no_prefetch_ms")
         nopf = "-" if nopf is None else f"{nopf:.3f}"
-        noflash = r.get("t_eager_no_flash_kda_ms")
+        noflash = r.get("t_eager_no_flash_kda_ms") or r.get("t_graph_no_flash_mla_ms")
         noflash = "-" if noflash is None else f"{noflash:.3f}"
         log(f"| {r['case']} | {r['t_eager_ms']:.2f} | {g} | {r['floor_ms']:.3f} | {r['time_over_floor']:.2f}{extra} "
             f"| {ref} | {sp} | {off} | {other} | {side} | {blocks} | {nopf} | {noflash} |")
