@@ -18,6 +18,7 @@ from __future__ import annotations
 
 import datetime
 import json
+import os
 import statistics
 import sys
 import time
@@ -88,8 +89,11 @@ def main():
     results["build_s"] = time.time() - t0
     log(f"Kimi-Linear-48B built in {results['build_s']:.0f}s: {weights / 2**30:.1f} GiB of weights")
     t0 = time.time()
+    # the engine's flags pick 64-token blocks when FlashMLA's library is named (EngineArgs.resolve_block_size)
+    block = 64 if os.environ.get("KIMIK3_FLASH_MLA") else 16
     engine = LLMEngine(model, EngineConfig(max_num_seqs=128, max_model_len=PREFILL + 64, enable_prefix_caching=False,
-                                             async_scheduling=ASYNC))
+                                             async_scheduling=ASYNC, block_size=block))
+    results["block_size"], results["flash_mla"] = block, bool(os.environ.get("KIMIK3_FLASH_MLA"))
     results["engine_start_s"] = time.time() - t0
     results["plan"] = engine.plan.describe()
     results["graphs"] = engine.runner.graphs is not None and sorted(engine.runner.graphs.graphs)
