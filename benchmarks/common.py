@@ -82,6 +82,27 @@ def capture_graph(fn):
     return graph, out
 
 
+def library_path(env: str, script: str) -> str:
+    """The path ``env`` names (a library of ``kimik3/ops/cuda``); exits naming the build script when unset."""
+    path = os.environ.get(env, "")
+    if not path:
+        raise SystemExit(f"set {env} to the library {script} builds")
+    return path
+
+
+def named_or_not(env: str, path: str, named: bool, fn):
+    """``fn()`` with ``env`` set to ``path`` (named) or unset, then set again: an op that reads the variable
+    when called takes the library or our kernels (a CUDA graph keeps what ran at its capture)."""
+    if named:
+        os.environ[env] = path
+    else:
+        os.environ.pop(env, None)
+    try:
+        return fn()
+    finally:
+        os.environ[env] = path
+
+
 def rel_err(a: torch.Tensor, b: torch.Tensor) -> float:
     """||a - b|| / ||b|| in float64 (same shapes: a broadcast would compare unrelated rows)."""
     if a.shape != b.shape:

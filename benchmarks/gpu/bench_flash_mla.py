@@ -12,7 +12,6 @@ rate). Then each path's error against the float64 reference on a small ragged ba
 from __future__ import annotations
 
 import datetime
-import os
 import sys
 from pathlib import Path
 
@@ -21,7 +20,8 @@ import torch
 ROOT = Path(__file__).resolve().parents[2]
 sys.path.insert(0, str(ROOT))
 
-from benchmarks.common import capture_graph, commit_id, copy_rate, cuda_time, log, matmul_rate, rel_err, save_results  # noqa: E402
+from benchmarks.common import (capture_graph, commit_id, copy_rate, cuda_time, library_path, log, matmul_rate,  # noqa: E402
+                               named_or_not, rel_err, save_results)
 from kimik3.ops.backend import reference_ops  # noqa: E402
 from kimik3.ops.cuda.flash_mla import ENV  # noqa: E402
 from kimik3.ops.mla import mla_decode_attention  # noqa: E402
@@ -47,21 +47,12 @@ def inputs(H: int, lens: list[int], g: torch.Generator):
 
 
 def op(args, max_len: int, flash: bool, lib: str):
-    """The decode op with FlashMLA's library named or not (decided when called: captured as it ran)."""
-    if flash:
-        os.environ[ENV] = lib
-    else:
-        os.environ.pop(ENV, None)
-    try:
-        return mla_decode_attention(*args[:4], args[4], R, SCALE, max_seq_len=max_len)
-    finally:
-        os.environ[ENV] = lib
+    """The decode op with FlashMLA's library named or not."""
+    return named_or_not(ENV, lib, flash, lambda: mla_decode_attention(*args[:4], args[4], R, SCALE, max_seq_len=max_len))
 
 
 def main():
-    lib = os.environ.get(ENV, "")
-    if not lib:
-        sys.exit(f"bench_flash_mla.py: set {ENV} to the FlashMLA library (scripts/build_flash_mla.sh)")
+    lib = library_path(ENV, "scripts/build_flash_mla.sh")
     bw, mm = copy_rate(), matmul_rate()
     g = torch.Generator(device="cuda").manual_seed(0)
     rows = []

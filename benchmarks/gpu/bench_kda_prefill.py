@@ -12,7 +12,6 @@ rate are far below it. Then each path's error against the fp32 reference on a sm
 from __future__ import annotations
 
 import datetime
-import os
 import sys
 from pathlib import Path
 
@@ -21,7 +20,7 @@ import torch
 ROOT = Path(__file__).resolve().parents[2]
 sys.path.insert(0, str(ROOT))
 
-from benchmarks.common import commit_id, copy_rate, cuda_time, log, rel_err, save_results  # noqa: E402
+from benchmarks.common import commit_id, copy_rate, cuda_time, library_path, log, named_or_not, rel_err, save_results  # noqa: E402
 from kimik3.ops import kda as ops_kda  # noqa: E402
 from kimik3.ops.backend import reference_ops  # noqa: E402
 from kimik3.ops.cuda.flash_kda import ENV  # noqa: E402
@@ -43,20 +42,11 @@ def inputs(lens: list[int], H: int, g: torch.Generator):
 
 def run(args, flash: bool, lib: str):
     """``_chunk_kda_cuda`` with the FlashKDA library named or not."""
-    if flash:
-        os.environ[ENV] = lib
-    else:
-        os.environ.pop(ENV, None)
-    try:
-        return ops_kda._chunk_kda_cuda(*args[:7], LOWER_BOUND, args[7], args[8])
-    finally:
-        os.environ[ENV] = lib
+    return named_or_not(ENV, lib, flash, lambda: ops_kda._chunk_kda_cuda(*args[:7], LOWER_BOUND, args[7], args[8]))
 
 
 def main():
-    lib = os.environ.get(ENV, "")
-    if not lib:
-        sys.exit(f"bench_kda_prefill.py: set {ENV} to the FlashKDA library (scripts/build_flash_kda.sh)")
+    lib = library_path(ENV, "scripts/build_flash_kda.sh")
     bw = copy_rate()
     g = torch.Generator(device="cuda").manual_seed(0)
     rows = []
