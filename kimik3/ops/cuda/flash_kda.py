@@ -28,7 +28,8 @@ def _declare(lib: ctypes.CDLL) -> None:
     lib.kimik3_flash_kda_fwd.restype = ctypes.c_int
     lib.kimik3_flash_kda_fwd.argtypes = [ctypes.c_void_p] * 9 + [ctypes.c_int64, ctypes.c_int, ctypes.c_int,
                                                                   ctypes.c_void_p, ctypes.c_void_p, ctypes.c_void_p,
-                                                                  ctypes.c_float, ctypes.c_float, ctypes.c_void_p]
+                                                                  ctypes.c_float, ctypes.c_float, ctypes.c_int,
+                                                                  ctypes.c_void_p]
 
 
 def flash_kda_library() -> ctypes.CDLL | None:
@@ -73,6 +74,7 @@ def flash_kda_varlen(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, f: torch
     err = lib.kimik3_flash_kda_fwd(q.data_ptr(), k.data_ptr(), v.data_ptr(), f.data_ptr(), beta_ht.data_ptr(),
                                    state0.data_ptr(), final.data_ptr(), out.data_ptr(), workspace.data_ptr(), T, H, N,
                                    cu.data_ptr(), A_log.data_ptr(), dt_bias.data_ptr(), K ** -0.5, float(lower_bound),
+                                   q.device.index if q.device.index is not None else torch.cuda.current_device(),
                                    torch.cuda.current_stream(q.device).cuda_stream)
     if err:
         raise RuntimeError(f"FlashKDA forward failed with CUDA error {err} (T={T}, H={H}, N={N})")

@@ -25,12 +25,16 @@ extern "C" int64_t kimik3_flash_kda_workspace_bytes(int64_t tokens, int64_t head
 
 // q, k, v, g (raw gate logits), out: bf16 [tokens, heads, 128]; beta_ht: bf16 raw beta logits [heads, tokens];
 // initial_state / final_state: fp32 [seqs, heads, 128, 128]; cu_seqlens: int64 [seqs + 1] on the device;
-// A_log fp32 [heads]; dt_bias fp32 [heads, 128]. Enqueued on ``stream``; returns the CUDA error code.
+// A_log fp32 [heads]; dt_bias fp32 [heads, 128]. Enqueued on ``stream`` of GPU ``device``; returns the CUDA
+// error code. (This library links its own CUDA runtime, whose current device is set here: the caller's
+// runtime may be on another GPU of the process.)
 extern "C" int kimik3_flash_kda_fwd(const void* q, const void* k, const void* v, const void* g, const void* beta_ht,
                                     const void* initial_state, void* final_state, void* out, void* workspace,
                                     int64_t tokens, int heads, int seqs, const int64_t* cu_seqlens,
                                     const float* A_log, const float* dt_bias, float scale, float lower_bound,
-                                    void* stream) {
+                                    int device, void* stream) {
+    cudaError_t set = cudaSetDevice(device);
+    if (set != cudaSuccess) return static_cast<int>(set);
     using BF16 = cutlass::bfloat16_t;
     int tiles = static_cast<int>((tokens + kChunk - 1) / kChunk + seqs);
     float gate_scale = lower_bound * 1.4426950408889634f;      // the kernel's gate works in base 2

@@ -28,7 +28,7 @@ def _declare(lib: ctypes.CDLL) -> None:
     lib.kimik3_flash_mla_meta_ints.restype = ctypes.c_int
     lib.kimik3_flash_mla_decode.restype = ctypes.c_int
     lib.kimik3_flash_mla_decode.argtypes = ([ctypes.c_void_p] * 3 + [ctypes.c_int64] + [ctypes.c_void_p] * 7
-                                            + [ctypes.c_int] * 4 + [ctypes.c_float, ctypes.c_void_p])
+                                            + [ctypes.c_int] * 4 + [ctypes.c_float, ctypes.c_int, ctypes.c_void_p])
 
 
 def flash_mla_library() -> ctypes.CDLL | None:
@@ -76,7 +76,8 @@ def flash_mla_decode(q_latent: torch.Tensor, q_pe: torch.Tensor, cache: torch.Te
     err = lib.kimik3_flash_mla_decode(q.data_ptr(), cache.data_ptr(), tables.data_ptr(), tables.stride(0),
                                       lens.data_ptr(), out.data_ptr(), lse.data_ptr(), meta.data_ptr(),
                                       splits.data_ptr(), lse_acc.data_ptr(), o_acc.data_ptr(), N, H, cache.shape[0],
-                                      parts, float(scale), torch.cuda.current_stream(dev).cuda_stream)
+                                      parts, float(scale), dev.index if dev.index is not None else torch.cuda.current_device(),
+                                      torch.cuda.current_stream(dev).cuda_stream)
     if err:
         raise RuntimeError(f"FlashMLA decode failed ({'an exception in FlashMLA' if err < 0 else f'CUDA error {err}'}; "
                            f"N={N}, H={H})")

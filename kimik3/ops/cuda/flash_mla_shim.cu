@@ -33,13 +33,16 @@ extern "C" int kimik3_flash_mla_meta_ints() { return static_cast<int>(sizeof(Dec
 // q [b, heads, 576] bf16 (contiguous); cache [num_blocks, 64, 576] bf16; block_table int32 rows of
 // `table_stride`; seqlens int32 [b] (the new token included); out [b, heads, 512] bf16; lse fp32 [b, heads];
 // meta int32 [parts, meta_ints]; splits int32 [b + 1]; lse_accum fp32 [b + parts, heads]; o_accum fp32
-// [b + parts, heads, 512]. Three launches on `stream` (scheduler, split attention, combine); returns 0, a CUDA
-// error code, or -1 when FlashMLA raised.
+// [b + parts, heads, 512]. Three launches on `stream` of GPU `device` (scheduler, split attention, combine);
+// returns 0, a CUDA error code, or -1 when FlashMLA raised. (This library links its own CUDA runtime, whose
+// current device is set here: the caller's runtime may be on another GPU of the process.)
 extern "C" int kimik3_flash_mla_decode(void* q, void* cache, int* block_table, int64_t table_stride, int* seqlens,
                                        void* out, float* lse, void* meta, int* splits, float* lse_accum,
                                        float* o_accum, int batch, int heads, int num_blocks, int parts, float scale,
-                                       void* stream) {
+                                       int device, void* stream) {
     try {
+        cudaError_t set = cudaSetDevice(device);
+        if (set != cudaSuccess) return static_cast<int>(set);
         auto s = static_cast<cudaStream_t>(stream);
         auto* sched = static_cast<DecodingSchedMeta*>(meta);
         GetDecodeSchedMetaParams sched_params = {batch, 1, kPage, 5, -1, -1, nullptr, nullptr, seqlens, sched, splits,
