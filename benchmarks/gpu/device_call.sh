@@ -11,6 +11,9 @@
 # offline (#18 item 5) sync and async; slice = bench_slice.py on both slices (no reference, no checks; SLICES=kl or k3
 # for one, SLICE_ARGS=--pdl-ab adds each case without programmatic dependent launch); profile = one decode step's kernels by module (profile_step.py; PROFILE_PREFILL=8192 adds a prefill); mladecode = the MLA decode config sweep (first, alone on the GPU; MLA_SWEEP= for the defaults only); decodeops = bench_decode_ops.py (KDA step, conv decode); vision = bench_vision.py (the tower eager vs graphs); moe = bench_moe.py --decode-only (expert kernels at 1-128 tokens); moeprefill = bench_moe.py --prefill-only; router = bench_router_align.py; long = the decode graph replayed at 8k-1M contexts; stacks = the same, with stack samples per pass; spec = n-gram speculation vs plain at batch 1 (SPEC_ASYNC=1: also both async; =only: async alone); engine =
 # bench_engine.py (host share); hostprof = cProfile of the constrained async step at batch 32.
+# FLASH=1: name the carried FlashMLA / FlashKDA libraries (.whl/libkimik3_flash_{mla,kda}.so, built here by
+# scripts/build_flash_{mla,kda}.sh) for every section; full = the whole Kimi-Linear-48B (bench_full_model.py, needs an
+# H200); flashops = bench_flash_mla.py and bench_kda_prefill.py (FLASH=1).
 # A fresh machine spends its first 90-110 s compiling kernels; the parallel tests pay that once each.
 set -u
 START=$(date +%s)
@@ -18,6 +21,10 @@ BUDGET=${BUDGET:-560}                     # seconds this script may run (the dev
 L=/tmp/logs; mkdir -p "$L"
 left() { echo $(( BUDGET - ($(date +%s) - START) )); }
 sections=${*:-tests benches serve}
+if [ "${FLASH:-}" = 1 ]; then
+  export KIMIK3_FLASH_MLA=$PWD/.whl/libkimik3_flash_mla.so KIMIK3_FLASH_KDA=$PWD/.whl/libkimik3_flash_kda.so
+  BLOCK_ARG=--block-size=64
+fi
 nvidia-smi --query-gpu=name,memory.total,driver_version --format=csv > "$L/gpu.txt" 2>&1
 if ! python3 -c "import fastapi, uvicorn, prometheus_client" 2>/dev/null && ls .whl/serve/*.whl >/dev/null 2>&1; then
   python3 -m pip install -q --no-index --no-deps --target /tmp/site .whl/serve/*.whl
@@ -31,6 +38,17 @@ run() {  # name cap command...: run with a limit of min(cap, time left - 10 s)
   echo "$name rc=$? at $(( $(date +%s) - START )) s"
 }
 
+if [[ " $sections " == *" full "* ]]; then            # the whole Kimi-Linear-48B through LLMEngine (#13; ~92 GiB)
+  run full 300 python3 benchmarks/gpu/bench_full_model.py
+  cp bench_out/bench_full_kimi_linear*.json "$L"/ 2>/dev/null
+  grep -hE "decode|prefill|peak|plan" "$L"/full.log | tail -12
+fi
+if [[ " $sections " == *" flashops "* ]]; then        # FlashMLA decode and FlashKDA prefill against our kernels (FLASH=1)
+  run flash_mla 150 python3 benchmarks/gpu/bench_flash_mla.py
+  run kda_prefill 150 python3 benchmarks/gpu/bench_kda_prefill.py
+  cp bench_out/bench_flash_mla.json bench_out/bench_kda_prefill.json "$L"/ 2>/dev/null
+  grep -h "^|" "$L"/flash_mla.log "$L"/kda_prefill.log
+fi
 if [[ " $sections " == *" mladecode "* ]]; then       # MLA decode launch configs (#14, #18), before the tests share the GPU
   run mla_decode_sweep 300 python3 benchmarks/gpu/bench_mla_prefill.py --decode-only ${MLA_SWEEP---decode-sweep} \
       --decode-cases ${MLA_CASES:-96/1/32768 96/1/131072 96/1/1048576 96/128/4096 32/1/1048576 32/8/131072} \
@@ -77,8 +95,8 @@ if [[ " $sections " == *" slice "* ]]; then           # bench_slice: decode b1-1
   grep -h "^|" "$L"/slice_*.log
 fi
 if [[ " $sections " == *" long "* ]]; then            # the batch-1 decode graph at 8k-1M contexts, both slices (#14)
-  run long_replay_k3 240 python3 benchmarks/gpu/bench_long_context.py --replay-only
-  run long_replay_kl 200 python3 benchmarks/gpu/bench_long_context.py --replay-only \
+  run long_replay_k3 240 python3 benchmarks/gpu/bench_long_context.py --replay-only ${BLOCK_ARG:-}
+  run long_replay_kl 200 python3 benchmarks/gpu/bench_long_context.py --replay-only ${BLOCK_ARG:-} \
       --config=benchmarks/gpu/kimi-linear-slice4.config.json
   grep -h "^|" "$L"/long_replay_*.log
 fi
