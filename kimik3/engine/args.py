@@ -263,15 +263,11 @@ class EngineArgs:
 
     def resolve_block_size(self, device: torch.device) -> int:
         """The flag if given; else 64 on CUDA when ``KIMIK3_FLASH_MLA`` names FlashMLA's library (its decode
-        reads 64-token blocks: ``kimik3/ops/cuda/flash_mla.py``), else 16. A given size other than 64 with
-        the library named on CUDA keeps the Triton decode, said once in the log."""
-        flash = device.type == "cuda" and bool(os.environ.get(FLASH_MLA_ENV))
-        if self.block_size is None:
-            return FLASH_MLA_BLOCK if flash else 16
-        if flash and self.block_size != FLASH_MLA_BLOCK:
-            logger.warning("--block-size %d: FlashMLA (%s) reads %d-token blocks, so MLA decode runs the Triton kernel",
-                           self.block_size, FLASH_MLA_ENV, FLASH_MLA_BLOCK)
-        return self.block_size
+        reads 64-token blocks: ``kimik3/ops/cuda/flash_mla.py``, which says once in the log when a given other
+        size keeps our Triton decode), else 16."""
+        if self.block_size is not None:
+            return self.block_size
+        return FLASH_MLA_BLOCK if device.type == "cuda" and os.environ.get(FLASH_MLA_ENV) else 16
 
     def resolve_enforce_eager(self) -> bool:
         """The flag if given; else eager under tensor / expert parallelism only."""

@@ -5,6 +5,8 @@ numerics and graph capture are checked on a GPU: tests/gpu/test_fast_ops.py::tes
 
 from __future__ import annotations
 
+import re
+
 import pytest
 import torch
 
@@ -65,3 +67,40 @@ def test_flash_kda_refuses_what_it_cannot_run(monkeypatch):
     with pytest.raises(ValueError, match="KIMIK3_FLASH_KDA"):
         flash_kda.flash_kda_varlen(q, q, q, q, q[..., 0], torch.zeros(2), torch.zeros(256), -5.0,
                                    torch.zeros(1, 2, 128, 128), torch.tensor([0, 4]))
+
+
+@pytest.mark.parametrize("change, reason", [
+    ({}, None),
+    ({"dtype": torch.float16}, "runs in torch.float16"),
+    ({"block": 16}, "16-token blocks.*--block-size 64"),
+    ({"capability": (10, 0)}, "sm_100.*Hopper"),
+    ({"rope": 32}, "512 \\+ 32 wide"),
+])
+def test_flash_mla_says_why_it_passes_a_decode_over(change, reason):
+    dtype, block = change.get("dtype", BF16), change.get("block", 64)
+    q_lat = torch.zeros(2, 4, 512, dtype=dtype)
+    q_pe = torch.zeros(2, 4, change.get("rope", 64), dtype=dtype)
+    cache = torch.zeros(3, block, 576, dtype=dtype)
+    got = flash_mla.refusal(q_lat, q_pe, cache, change.get("capability", (9, 0)))
+    assert (got is None) if reason is None else re.search(reason, got), got
+
+
+@pytest.mark.parametrize("lower_bound, dtype, dim, reason", [
+    (-5.0, BF16, 128, None),
+    (None, BF16, 128, "softplus form"),
+    (-5.0, torch.float16, 128, "runs in torch.float16"),
+    (-5.0, BF16, 64, "head dims are 64"),
+])
+def test_flash_kda_says_why_it_passes_a_call_over(lower_bound, dtype, dim, reason):
+    q = torch.zeros(3, 2, dim, dtype=dtype)
+    got = flash_kda.refusal(q, q, lower_bound)
+    assert (got is None) if reason is None else re.search(reason, got), got
+
+
+def test_a_named_library_passed_over_is_said_once(caplog):
+    from kimik3.ops.cuda import passed_over
+    with caplog.at_level("WARNING"):
+        for _ in range(3):
+            passed_over("KIMIK3_TEST_LIBRARY", "a reason only this test gives", "our kernels run")
+    said = [r for r in caplog.records if "a reason only this test gives" in r.getMessage()]
+    assert len(said) == 1 and "KIMIK3_TEST_LIBRARY" in said[0].getMessage()

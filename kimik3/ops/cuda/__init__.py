@@ -5,8 +5,11 @@ from __future__ import annotations
 
 import ctypes
 import functools
+import logging
 import os
 from collections.abc import Callable
+
+logger = logging.getLogger(__name__)
 
 
 @functools.cache
@@ -25,3 +28,10 @@ def library(env: str, declare: Callable[[ctypes.CDLL], None], build: str) -> cty
     or None when the variable is unset."""
     path = os.environ.get(env, "")
     return _load(env, path, declare, build) if path else None
+
+
+@functools.cache
+def passed_over(env: str, reason: str, fallback: str) -> None:
+    """Say once per (variable, reason) that the library ``env`` names does not take some calls, and what runs
+    them instead: a named library is never silently ignored."""
+    logger.warning("%s names a library, but %s: %s", env, reason, fallback)

@@ -13,10 +13,11 @@ README "Decisions" says why we accept that (opt-in) and what the GPU test bounds
 from __future__ import annotations
 
 import ctypes
+import os
 
 import torch
 
-from kimik3.ops.cuda import library
+from kimik3.ops.cuda import library, passed_over
 
 ENV = "KIMIK3_FLASH_KDA"
 HEAD_DIM = 128
@@ -37,11 +38,27 @@ def flash_kda_library() -> ctypes.CDLL | None:
     return library(ENV, _declare, "scripts/build_flash_kda.sh")
 
 
+def refusal(q: torch.Tensor, v: torch.Tensor, lower_bound: float | None) -> str | None:
+    """Why FlashKDA cannot take this call, or None when it can: K3's bounded gate, bf16, K = V = 128."""
+    if lower_bound is None:
+        return "this model's KDA gate is the softplus form (Kimi-Linear; FlashKDA takes K3's bounded gate)"
+    if q.dtype != torch.bfloat16 or v.dtype != torch.bfloat16:
+        return f"the model runs in {q.dtype} (FlashKDA takes bf16)"
+    if q.shape[-1] != HEAD_DIM or v.shape[-1] != HEAD_DIM:
+        return f"the head dims are {q.shape[-1]} / {v.shape[-1]} (FlashKDA takes {HEAD_DIM})"
+    return None
+
+
 def flash_kda_applies(q: torch.Tensor, v: torch.Tensor, lower_bound: float | None) -> bool:
-    """Whether this call may go to FlashKDA: the library is named, the operands are bf16 on CUDA with
-    K = V = 128, and the gate is bounded."""
-    return (lower_bound is not None and q.is_cuda and q.dtype == torch.bfloat16 and v.dtype == torch.bfloat16
-            and q.shape[-1] == HEAD_DIM and v.shape[-1] == HEAD_DIM and flash_kda_library() is not None)
+    """Whether this call goes to FlashKDA: the library is named, the call is on CUDA and ``refusal`` finds
+    nothing (what it finds is logged once)."""
+    if not q.is_cuda or not os.environ.get(ENV):
+        return False
+    reason = refusal(q, v, lower_bound)
+    if reason is not None:
+        passed_over(ENV, reason, "KDA prefill runs fla-core's chunk_kda")
+        return False
+    return flash_kda_library() is not None
 
 
 def flash_kda_varlen(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, f: torch.Tensor, b: torch.Tensor,

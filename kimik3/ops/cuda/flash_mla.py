@@ -13,10 +13,11 @@ from __future__ import annotations
 
 import ctypes
 import functools
+import os
 
 import torch
 
-from kimik3.ops.cuda import library
+from kimik3.ops.cuda import library, passed_over
 
 ENV = "KIMIK3_FLASH_MLA"
 LATENT, ROPE, PAGE = 512, 64, 64
@@ -41,14 +42,34 @@ def _num_sms(device: torch.device) -> int:
     return torch.cuda.get_device_properties(device).multi_processor_count
 
 
+def refusal(q_latent: torch.Tensor, q_pe: torch.Tensor, cache: torch.Tensor,
+            capability: tuple[int, int]) -> str | None:
+    """Why FlashMLA cannot take this decode, or None when it can: bf16 on Hopper (``capability`` (9, 0)),
+    512 + 64 latent columns, a cache of 64-token blocks with packed rows."""
+    if not q_latent.dtype == q_pe.dtype == cache.dtype == torch.bfloat16:
+        return f"the model runs in {q_latent.dtype} (FlashMLA takes bf16)"
+    if q_latent.shape[-1] != LATENT or q_pe.shape[-1] != ROPE:
+        return f"the latent is {q_latent.shape[-1]} + {q_pe.shape[-1]} wide (FlashMLA takes {LATENT} + {ROPE})"
+    if cache.dim() != 3 or cache.shape[1] != PAGE:
+        return f"the cache has {cache.shape[1]}-token blocks (FlashMLA reads {PAGE}: --block-size {PAGE})"
+    if cache.shape[2] != LATENT + ROPE or cache.stride(2) != 1 or cache.stride(1) != LATENT + ROPE \
+            or cache.stride(0) != PAGE * (LATENT + ROPE):
+        return f"the cache rows are not packed (shape {tuple(cache.shape)}, strides {cache.stride()})"
+    if tuple(capability) != (9, 0):
+        return f"the GPU is sm_{capability[0]}{capability[1]} (the library is built for Hopper, sm_90a)"
+    return None
+
+
 def flash_mla_applies(q_latent: torch.Tensor, q_pe: torch.Tensor, cache: torch.Tensor) -> bool:
-    """Whether this decode may go to FlashMLA: bf16 on a Hopper GPU, 512 + 64 latent columns, a cache of
-    64-token blocks with packed rows, and the library named."""
-    return (q_latent.is_cuda and q_latent.dtype == torch.bfloat16 and cache.dtype == torch.bfloat16
-            and q_pe.dtype == torch.bfloat16 and q_latent.shape[-1] == LATENT and q_pe.shape[-1] == ROPE
-            and cache.dim() == 3 and cache.shape[1:] == (PAGE, LATENT + ROPE) and cache.stride(2) == 1
-            and cache.stride(1) == LATENT + ROPE and cache.stride(0) == PAGE * (LATENT + ROPE)
-            and torch.cuda.get_device_capability(q_latent.device) == (9, 0) and flash_mla_library() is not None)
+    """Whether this decode goes to FlashMLA: the library is named, the call is on CUDA and ``refusal`` finds
+    nothing (what it finds is logged once)."""
+    if not q_latent.is_cuda or not os.environ.get(ENV):
+        return False
+    reason = refusal(q_latent, q_pe, cache, torch.cuda.get_device_capability(q_latent.device))
+    if reason is not None:
+        passed_over(ENV, reason, "MLA decode runs our Triton kernel")
+        return False
+    return flash_mla_library() is not None
 
 
 def flash_mla_decode(q_latent: torch.Tensor, q_pe: torch.Tensor, cache: torch.Tensor, block_tables: torch.Tensor,
