@@ -45,9 +45,22 @@ extern "C" int kimik3_flash_mla_decode(void* q, void* cache, int* block_table, i
         if (set != cudaSuccess) return static_cast<int>(set);
         auto s = static_cast<cudaStream_t>(stream);
         auto* sched = static_cast<DecodingSchedMeta*>(meta);
-        GetDecodeSchedMetaParams sched_params = {batch, 1, kPage, 5, -1, -1, nullptr, nullptr, seqlens, sched, splits,
-                                                 parts, s};
-        smxx::decode::run_get_decoding_sched_meta_kernel(sched_params);
+        // fields by name (not by position), so a FlashMLA that reorders them fails to compile instead of misreading
+        GetDecodeSchedMetaParams m = {};
+        m.b = batch;
+        m.s_q = 1;
+        m.block_size_n = kPage;
+        m.fixed_overhead_num_blocks = 5;       // FlashMLA's own dense-decode setting
+        m.topk = -1;                           // dense attention
+        m.extra_topk = -1;
+        m.topk_length = nullptr;
+        m.extra_topk_length = nullptr;
+        m.seqlens_k_ptr = seqlens;
+        m.tile_scheduler_metadata_ptr = sched;
+        m.num_splits_ptr = splits;
+        m.num_sm_parts = parts;
+        m.stream = s;
+        smxx::decode::run_get_decoding_sched_meta_kernel(m);
 
         DenseAttnDecodeParams p = {};
         p.b = batch;
@@ -88,10 +101,31 @@ extern "C" int kimik3_flash_mla_decode(void* q, void* cache, int* block_table, i
         p.stream = s;
         sm90::run_flash_splitkv_mla_kernel<cutlass::bfloat16_t>(p);
 
-        CombineParams c = {batch, 1, heads, kDimV,
-                           lse, out, heads, heads, heads * kDimV, heads * kDimV, kDimV,
-                           lse_accum, o_accum, heads, heads, heads * kDimV, heads * kDimV, kDimV,
-                           sched, splits, parts, nullptr, s};
+        // lse [b, 1, heads] and out [b, 1, heads, 512]; the partials [b + parts, heads(, 512)] alike
+        CombineParams c = {};
+        c.b = batch;
+        c.s_q = 1;
+        c.h_q = heads;
+        c.d_v = kDimV;
+        c.lse = lse;
+        c.out = out;
+        c.stride_lse_b = heads;
+        c.stride_lse_s_q = heads;
+        c.stride_o_b = heads * kDimV;
+        c.stride_o_s_q = heads * kDimV;
+        c.stride_o_h_q = kDimV;
+        c.lse_accum = lse_accum;
+        c.o_accum = o_accum;
+        c.stride_lse_accum_split = heads;
+        c.stride_lse_accum_s_q = heads;
+        c.stride_o_accum_split = heads * kDimV;
+        c.stride_o_accum_s_q = heads * kDimV;
+        c.stride_o_accum_h_q = kDimV;
+        c.tile_scheduler_metadata_ptr = sched;
+        c.num_splits_ptr = splits;
+        c.num_sm_parts = parts;
+        c.attn_sink = nullptr;
+        c.stream = s;
         smxx::decode::run_flash_mla_combine_kernel<cutlass::bfloat16_t>(c);
         return static_cast<int>(cudaGetLastError());
     } catch (const std::exception&) {
