@@ -79,6 +79,8 @@ def flash_kda_varlen(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, f: torch
         raise ValueError(f"flash_kda_varlen: shapes do not agree: q {tuple(q.shape)}, k {tuple(k.shape)}, "
                          f"v {tuple(v.shape)}, f {tuple(f.shape)}, b {tuple(b.shape)}, initial_state "
                          f"{initial_state.dtype} {tuple(initial_state.shape)} for {N} sequences")
+    if T == 0:
+        return v.new_empty(v.shape), initial_state.clone()
     q, k, v, f = (t.to(torch.bfloat16).contiguous() for t in (q, k, v, f))
     beta_ht = b.to(torch.bfloat16).t().contiguous()                                  # [H, T]: the kernel's layout
     A_log = A_log.float().contiguous()

@@ -83,6 +83,8 @@ def flash_mla_decode(q_latent: torch.Tensor, q_pe: torch.Tensor, cache: torch.Te
     lib = flash_mla_library()
     N, H, _ = q_latent.shape
     dev = q_latent.device
+    if N == 0:
+        return q_latent.new_empty(0, H, LATENT)
     q = torch.cat([q_latent, q_pe], dim=-1)                                         # [N, H, 576], packed
     tables = block_tables if block_tables.dtype == torch.int32 and block_tables.stride(-1) == 1 else \
         block_tables.to(torch.int32).contiguous()
