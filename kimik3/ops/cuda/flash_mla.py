@@ -1,7 +1,7 @@
 """DeepSeek's FlashMLA dense decode (Hopper) for the absorbed MLA decode, through the C entry point of
 ``flash_mla_shim.cu`` (built by ``scripts/build_flash_mla.sh``). Opt-in: ``KIMIK3_FLASH_MLA=<path to
-libkimik3_flash_mla.so>`` and a latent cache in blocks of 64 tokens (``--block-size 64``); otherwise
-decode runs our Triton split-K kernel (``ops/triton/mla_decode.py``).
+libkimik3_flash_mla.so>`` and a latent cache in blocks of 64 tokens (``--block-size``'s default once the
+variable is set); otherwise decode runs our Triton split-K kernel (``ops/triton/mla_decode.py``).
 
 It computes what ours computes: per sequence and head, softmax(scale q . c) over the sequence's cached
 latent rows c (576 = 512 latent + 64 rope columns), times their first 512 columns, in bf16 with fp32
