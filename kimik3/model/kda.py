@@ -16,7 +16,7 @@ from kimik3.distributed import ParallelContext
 from kimik3.model.batch import ForwardBatch
 from kimik3.model.layers import MergedLinear, MergedWeight, linear, tp_shards
 from kimik3.ops.conv import causal_conv1d, causal_conv1d_in_pool, conv_windows_at
-from kimik3.ops.kda import OutputNorm, kda_attention, kda_attention_in_pool, kda_decode_in_pools, kda_recurrent_in_pool
+from kimik3.ops.kda import OutputNorm, kda_attention, kda_attention_in_pool, kda_recurrent_in_pool
 
 logger = logging.getLogger(__name__)
 
@@ -92,16 +92,14 @@ class KimiDeltaAttention(nn.Module):
         elif batch.checkpoints:
             y = out_norm(self._attend_with_checkpoints(raw, weight, f, b, batch.context_lens > 0, batch, conv_pool,
                                                        state_pool))
-        elif batch.is_decode:         # one token per sequence, every one with history: conv and recurrence
-            y = kda_decode_in_pools(raw, weight, conv_pool, f, b, self.A_log, self.dt_bias, self.lower_bound,
-                                    state_pool, slots, batch.query_lens_cpu, batch.cu_seqlens, out_norm)
         else:
             # the ops read the sequences' pool rows and write the new windows/states back in place
-            has_state = batch.context_lens > 0
+            # (None: every sequence has history, which a decode step's kernels take as given)
+            has_state = None if batch.is_decode else batch.context_lens > 0
             q, k, v = (t.view(T, H, K) for t in causal_conv1d_in_pool(raw, weight, conv_pool, slots, has_state,
                                                                        batch.query_lens_cpu, batch.cu_seqlens, 3))
             y = kda_attention_in_pool(q, k, v, f, b, self.A_log, self.dt_bias, self.lower_bound, state_pool, slots,
-                                      has_state, batch.query_lens_cpu, batch.cu_seqlens, decode=False,
+                                      has_state, batch.query_lens_cpu, batch.cu_seqlens, decode=batch.is_decode,
                                       out_norm=out_norm)
         return self.par.all_reduce(self.o_proj(y.reshape(T, H * K)))
 

@@ -17,9 +17,9 @@ import torch
 import torch.nn.functional as F
 
 from kimik3.ops.backend import import_fla_kda, use_fast_path
-from kimik3.ops.conv import causal_conv1d_in_pool
 from kimik3.ops.cuda.flash_kda import flash_kda_applies, flash_kda_varlen
 from kimik3.ops.norm import acc_dtype, gated_rms_norm
+
 
 @dataclass(frozen=True)
 class OutputNorm:
@@ -223,18 +223,3 @@ def kda_attention_in_pool(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, f: 
     state_pool[slots] = state1
     return o if out_norm is None else out_norm(o)
 
-
-def kda_decode_in_pools(raw: torch.Tensor, conv_weight: torch.Tensor, conv_pool: torch.Tensor, f: torch.Tensor,
-                        b: torch.Tensor, A_log: torch.Tensor, dt_bias: torch.Tensor, lower_bound: float | None,
-                        state_pool: torch.Tensor, slots: torch.Tensor, query_lens: list[int], cu_seqlens: torch.Tensor,
-                        out_norm: OutputNorm) -> torch.Tensor:
-    """A KDA layer's decode step (one token per sequence, every one with history): the short conv + SiLU of
-    raw q | k | v [N, 3 H K] over the windows of conv_pool [slots, 3 H K, W-1] (``causal_conv1d_in_pool``),
-    then ``kda_attention_in_pool`` on its outputs, both pools' rows ``slots`` updated in place. Returns
-    out_norm(o) [N, H, V]. (The conv inside the step's kernel, one launch fewer, was measured slower on an
-    H100 at every batch: README "Decisions".)"""
-    N, H, K = f.shape
-    q, k, v = (t.view(N, H, -1) for t in causal_conv1d_in_pool(raw, conv_weight, conv_pool, slots, None, query_lens,
-                                                               cu_seqlens, 3))
-    return kda_attention_in_pool(q, k, v, f, b, A_log, dt_bias, lower_bound, state_pool, slots, None, query_lens,
-                                 cu_seqlens, decode=True, out_norm=out_norm)

@@ -23,7 +23,7 @@ from kimik3.ops.attn_res import attn_res_mix, attn_res_mix_norm
 from kimik3.ops.backend import reference_ops
 from kimik3.ops.conv import causal_conv1d_in_pool
 from kimik3.ops.cuda import flash_kda, flash_mla
-from kimik3.ops.kda import OutputNorm, kda_attention_in_pool, kda_decode_in_pools, kda_recurrent_in_pool
+from kimik3.ops.kda import OutputNorm, kda_attention_in_pool, kda_recurrent_in_pool
 from kimik3.ops.mla import cache_latent, mla_decode_attention, mla_prefill_attention
 from kimik3.ops.moe import fused_moe, fused_moe_mxfp4
 from kimik3.ops.norm import add_rms_norm, gated_rms_norm, rms_norm, rms_norm_fp32_weight
@@ -116,9 +116,9 @@ def check_kda(lens=(200, 1, 67, 130), ctx=(0, 12, 5, 0), H=96, K=128, lower_boun
 
 
 def check_kda_decode_conv(N=5, H=32, K=128, W=4, lower_bound=None, seed=26) -> dict:
-    """A KDA layer's decode step (``kda_decode_in_pools``, the model's decode path: raw q|k|v a slice of the
-    merged projection, both pools at scattered slots) against the reference (the conv, then the step) in
-    fp32 on the same inputs; the conv windows bit for bit."""
+    """A KDA layer's decode step as the model runs it (the conv's decode kernel on raw q|k|v, a slice of the
+    merged projection, then the step with the output norm; both pools at scattered slots) against the
+    reference ops in fp32 on the same inputs; the conv windows bit for bit."""
     g = _gen(seed)
     S, P = 11, H * K
     raw = torch.randn(N, 3 * P + 200, generator=g, device="cuda").to(BF16)[:, 100:100 + 3 * P]
@@ -131,12 +131,16 @@ def check_kda_decode_conv(N=5, H=32, K=128, W=4, lower_bound=None, seed=26) -> d
     gate = torch.randn(N, H, K, generator=g, device="cuda").to(BF16)
     weight = 1 + 0.2 * torch.randn(K, generator=g, device="cuda")
     ref_windows, ref_pool = windows.float(), pool.clone()
+
+    def step(raw, windows, f, b, pool, norm):
+        q, k, v = (t.view(N, H, K) for t in causal_conv1d_in_pool(raw, conv_w, windows, slots, None, [1] * N, cu, 3))
+        return kda_attention_in_pool(q, k, v, f, b, A_log, dt_bias, lower_bound, pool, slots, None, [1] * N, cu,
+                                     decode=True, out_norm=norm)
     with reference_ops():
-        ref = kda_decode_in_pools(raw.float(), conv_w, ref_windows, f.float(), b.float(), A_log, dt_bias, lower_bound,
-                                  ref_pool, slots, [1] * N, cu, OutputNorm(weight, gate.float(), 1e-5, torch.float32))
+        ref = step(raw.float(), ref_windows, f.float(), b.float(), ref_pool,
+                   OutputNorm(weight, gate.float(), 1e-5, torch.float32))
     poison_allocator()
-    o = kda_decode_in_pools(raw, conv_w, windows, f, b, A_log, dt_bias, lower_bound, pool, slots, [1] * N, cu,
-                            OutputNorm(weight, gate, 1e-5, BF16))
+    o = step(raw, windows, f, b, pool, OutputNorm(weight, gate, 1e-5, BF16))
     others = torch.ones(S, dtype=torch.bool, device="cuda")
     others[slots] = False
     return {"kda_conv.decode.o": worst_rel_err(o, ref, [1] * N),

@@ -114,33 +114,6 @@ def _conv_state_kernel(x, pool, slots, has_state, cu_seqlens, C, stride_x, strid
 
 
 @triton.jit
-def conv_step(x_row, weight, window, c, mc, stride_window_c, W: tl.constexpr, WP: tl.constexpr):
-    """One token's conv + SiLU on channels c (mc: the valid ones) with history: silu(window . w[:, :W-1]
-    + x w[:, W-1]) rounded to x's dtype (returned as fp32), and the window shifted by one with x appended
-    ([C, WP]; ``store_window`` it once every read of the old windows is done). window: the sequence's
-    pool row [C_all, W-1], oldest first."""
-    cols = tl.arange(0, WP)
-    m = mc[:, None] & (cols < W - 1)[None, :]
-    rows = window + c[:, None].to(tl.int64) * stride_window_c
-    win = tl.load(rows + cols[None, :], mask=m, other=0.0)                      # [C, WP], oldest first
-    xv = tl.load(x_row + c, mask=mc, other=0.0)
-    taps = tl.load(weight + c[:, None] * W + cols[None, :], mask=m, other=0.0).to(tl.float32)
-    acc = tl.sum(win.to(tl.float32) * taps, 1) + xv.to(tl.float32) * tl.load(weight + c * W + W - 1, mask=mc,
-                                                                              other=0.0).to(tl.float32)
-    out = (acc * tl.sigmoid(acc)).to(x_row.dtype.element_ty).to(tl.float32)
-    later = tl.load(rows + cols[None, :] + 1, mask=mc[:, None] & (cols < W - 2)[None, :], other=0.0)
-    shifted = tl.where((cols == W - 2)[None, :], xv.to(window.dtype.element_ty)[:, None], later)
-    return out, shifted
-
-
-@triton.jit
-def store_window(window, c, mc, stride_window_c, shifted, W: tl.constexpr, WP: tl.constexpr):
-    cols = tl.arange(0, WP)
-    tl.store(window + c[:, None].to(tl.int64) * stride_window_c + cols[None, :], shifted,
-             mask=mc[:, None] & (cols < W - 1)[None, :])
-
-
-@triton.jit
 def _conv_decode_kernel(x, weight, pool, slots, y, N, C, G, stride_x, stride_pool_slot, stride_pool_c,
                         W: tl.constexpr, WP: tl.constexpr, BC: tl.constexpr, PDL: tl.constexpr):
     """One token per sequence, every one with history: y = silu(window . w[:, :W-1] + x w[:, W-1])
@@ -148,12 +121,21 @@ def _conv_decode_kernel(x, weight, pool, slots, y, N, C, G, stride_x, stride_poo
     pdl_entry(PDL)
     n, pid_c = tl.program_id(0).to(tl.int64), tl.program_id(1)
     c = pid_c * BC + tl.arange(0, BC)
+    cols = tl.arange(0, WP)
     mc = c < C
-    window = pool + tl.load(slots + n).to(tl.int64) * stride_pool_slot
-    out, shifted = conv_step(x + n * stride_x, weight, window, c, mc, stride_pool_c, W, WP)
+    m = mc[:, None] & (cols < W - 1)[None, :]
+    row = pool + tl.load(slots + n).to(tl.int64) * stride_pool_slot + c[:, None].to(tl.int64) * stride_pool_c
+    win = tl.load(row + cols[None, :], mask=m, other=0.0)                      # [BC, WP], oldest first
+    xv = tl.load(x + n * stride_x + c, mask=mc, other=0.0)
+    taps = tl.load(weight + c[:, None] * W + cols[None, :], mask=m, other=0.0).to(tl.float32)
+    acc = tl.sum(win.to(tl.float32) * taps, 1) + xv.to(tl.float32) * tl.load(weight + c * W + W - 1, mask=mc,
+                                                                              other=0.0).to(tl.float32)
+    out = acc * tl.sigmoid(acc)
     tl.store(y + (c // G).to(tl.int64) * N * G + n * G + (c % G), out.to(y.dtype.element_ty), mask=mc)
+    later = tl.load(row + cols[None, :] + 1, mask=mc[:, None] & (cols < W - 2)[None, :], other=0.0)
+    shifted = tl.where((cols == W - 2)[None, :], xv.to(pool.dtype.element_ty)[:, None], later)
     tl.debug_barrier()                            # every old column is read before any is overwritten
-    store_window(window, c, mc, stride_pool_c, shifted, W, WP)
+    tl.store(row + cols[None, :], shifted, mask=m)
 
 
 # (tokens, channels, warps) of a prefill program; benchmarks/gpu/bench_decode_ops.py sweeps others
