@@ -245,14 +245,12 @@ def mla_decode_attention(q_latent: torch.Tensor, q_pe: torch.Tensor, cache: torc
     if use_fast_path(q_latent):
         from kimik3.ops.cuda.flash_mla import flash_mla_applies, flash_mla_decode
         from kimik3.ops.triton.mla_decode import mla_decode_triton
-        if flash_mla_applies(q_latent, q_pe, cache):
-            if not torch.is_tensor(seq_lens):
-                seq_lens = torch.tensor(seq_lens, dtype=torch.int32, device=q_latent.device)
-            return flash_mla_decode(q_latent, q_pe, cache, block_tables, seq_lens, scale)
         if not torch.is_tensor(seq_lens):
             max_seq_len = max(seq_lens) if max_seq_len is None else max_seq_len
             seq_lens = torch.tensor(seq_lens, dtype=torch.int32, device=q_latent.device)
-        elif max_seq_len is None:
+        if flash_mla_applies(q_latent, q_pe, cache):
+            return flash_mla_decode(q_latent, q_pe, cache, block_tables, seq_lens, scale)
+        if max_seq_len is None:
             max_seq_len = int(seq_lens.max())
         return mla_decode_triton(q_latent, q_pe, cache, block_tables, seq_lens, max_seq_len, scale)
     if torch.is_tensor(seq_lens):
