@@ -103,7 +103,11 @@ def main():
     g = torch.Generator().manual_seed(0)
     E = model.config.text.num_experts
     rows = []
-    for batch, max_tokens in ((1, 40), (32, 40), (128, 64)):
+    budget = engine.config.max_num_batched_tokens
+    for batch in (1, 32, 128):
+        # the last prompt's prefill ends after batch * PROMPT / budget steps, while the first ones already decode:
+        # 40 steps in which every request decodes come after that
+        max_tokens = 40 + -(-batch * PROMPT // budget)
         row = run_batch(engine, model, batch, max_tokens, g)
         byts, flops = bench_slice.counts(model, batch, 0, "decode", row["experts_touched_per_layer"])
         floor = max(byts / bw, flops / mm)
