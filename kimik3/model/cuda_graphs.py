@@ -26,6 +26,8 @@ sequence (live slots start at 1, block 0 is never allocated), so padding only to
 from __future__ import annotations
 
 import bisect
+import contextlib
+import gc
 import logging
 
 import numpy as np
@@ -35,6 +37,22 @@ from kimik3.model.batch import ForwardBatch, HybridCache
 from kimik3.ops import ceil_div
 
 logger = logging.getLogger(__name__)
+
+
+@contextlib.contextmanager
+def garbage_collection_paused():
+    """Python's cyclic garbage collector run once, then kept off inside: an unreachable object freed
+    during a capture (an earlier engine's graphs, say) calls CUDA functions that a capture forbids
+    (``cudaGraphExecDestroy``) and invalidates it. Seen on the H200: an engine built after another
+    one lost its verify graphs."""
+    gc.collect()
+    was_on = gc.isenabled()
+    gc.disable()
+    try:
+        yield
+    finally:
+        if was_on:
+            gc.enable()
 
 
 def graph_batch_sizes(max_num_seqs: int) -> list[int]:
@@ -143,9 +161,12 @@ class DecodeGraphs:
         return self.model.compute_logits(hidden)
 
     @torch.inference_mode()
+    @garbage_collection_paused()
     def capture(self) -> None:
         """Capture every size, largest first, in one memory pool. The static inputs hold padding
-        while capturing, so the warm-up runs write only the null slot and block."""
+        while capturing, so the warm-up runs write only the null slot and block.
+
+        Runs under ``garbage_collection_paused``."""
         self.meta.zero_()
         self.block_tables.zero_()
         pool = None

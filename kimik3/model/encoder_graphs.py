@@ -23,6 +23,7 @@ import logging
 
 import torch
 
+from kimik3.model.cuda_graphs import garbage_collection_paused
 from kimik3.model.vision import MoonViT, TowerInputs
 from kimik3.ops.attention import kernel_takes
 
@@ -73,8 +74,10 @@ class EncoderGraphs:
         return self.tower.run(self.pixels[:B], items)
 
     @torch.inference_mode()
+    @garbage_collection_paused()
     def capture(self) -> None:
-        """Capture every budget, largest first, in one memory pool (warm-up runs first compile the kernels)."""
+        """Capture every budget, largest first, in one memory pool (warm-up runs first compile the kernels;
+        no garbage collection meanwhile: ``garbage_collection_paused``)."""
         pool = None
         for B in sorted(self.budgets, reverse=True):
             self.cu_seqlens[1:] = B                      # one item of B rows while capturing

@@ -5,14 +5,17 @@ slot / null block besides the sequences' own."""
 
 from __future__ import annotations
 
+import gc
 import random
+import weakref
 
 import pytest
 import torch
 
 import kimik3
 from kimik3.engine import SamplingParams
-from kimik3.model.cuda_graphs import graph_batch_sizes, pack_decode_inputs, padded_batch_size
+from kimik3.model.cuda_graphs import garbage_collection_paused, graph_batch_sizes, pack_decode_inputs, \
+    padded_batch_size
 from tests.engine.helpers import EagerReplayGraphs, FailingGraphs, VerifyFailingGraphs, make_engine, oracle_requests, \
     run
 
@@ -26,6 +29,37 @@ def test_graph_batch_sizes(max_num_seqs, sizes):
 def test_graph_batch_sizes_rejects_zero():
     with pytest.raises(ValueError, match="max_num_seqs must be positive"):
         graph_batch_sizes(0)
+
+
+def test_captures_run_with_garbage_collected_first_and_paused():
+    """An unreachable cycle (an earlier engine holding graphs, say) is freed before a capture, and
+    nothing is collected during it: a graph freed mid-capture invalidates the capture on a GPU."""
+    class Node:
+        pass
+
+    def cycle() -> weakref.ref:
+        a, b = Node(), Node()
+        a.other, b.other = b, a
+        return weakref.ref(a)
+
+    old = gc.get_threshold()
+    try:
+        gc.set_threshold(1, 1, 1)
+        with garbage_collection_paused():
+            assert not gc.isenabled()
+            during = cycle()
+            for _ in range(1000):        # allocations that would trigger collections at threshold 1
+                [[] for _ in range(10)]
+            assert during() is not None, "garbage was collected during the capture"
+        assert gc.isenabled(), "the collector was left off"
+        gc.disable()                     # only the context manager's own collection may free this one
+        before = cycle()
+        with garbage_collection_paused():
+            assert before() is None, "the cycle made before the capture was not collected"
+        assert not gc.isenabled(), "a collector that was off was turned on"
+    finally:
+        gc.enable()
+        gc.set_threshold(*old)
 
 
 @pytest.mark.parametrize("n,size", [(1, 1), (2, 2), (3, 4), (5, 8), (8, 8), (9, None)])

@@ -253,6 +253,27 @@ def test_speculation_under_async_scheduling_matches_the_model(model, monkeypatch
                             flips=flips_allowed(sp.max_tokens))
 
 
+def test_engine_built_after_a_dropped_one_captures_every_graph(model):
+    """An engine dropped in a reference cycle is freed by the garbage collector, whose frees of its
+    graphs are CUDA calls that a capture forbids: were it collected while the next engine captures
+    (a threshold of 1 makes that near certain), that capture would fail and its verify graphs be
+    lost (the H200 at 817571d). Every (size, query length) graph of the new engine is captured."""
+    import gc
+    old = make(model, enforce_eager=False, num_speculative_tokens=3)
+    assert old.runner.graphs is not None
+    old.runner.cycle = old                    # reachable from nothing once dropped, freed by gc alone
+    del old
+    threshold = gc.get_threshold()
+    gc.set_threshold(1, 1, 1)
+    try:
+        engine = make(model, enforce_eager=False, num_speculative_tokens=3)
+    finally:
+        gc.set_threshold(*threshold)
+    graphs = engine.runner.graphs
+    assert graphs is not None and graphs.max_query_len == 4
+    assert sorted(graphs.graphs) == sorted(graphs.batches), "some graphs were not captured"
+
+
 def test_async_scheduling_gives_the_synchronous_tokens(model):
     """Async scheduling on the GPU (pinned token copies in flight, the next graph step fed the device
     tokens) gives the synchronous engine's tokens and logprobs (the same kernels: ``SLICE_NOISE``),
