@@ -53,6 +53,7 @@ def run_batch(engine, model, batch: int, max_tokens: int, g) -> dict:
                            SamplingParams(temperature=0, max_tokens=max_tokens, ignore_eos=True, detokenize=False))
     t0 = time.perf_counter()
     ends, touched = [], None      # ends: when each step in which every request decodes returned
+    first = last = None
     while engine.has_unfinished_requests():
         sched = engine.scheduler
         pure = (not sched.waiting and len(sched.running) == batch
@@ -64,8 +65,12 @@ def run_batch(engine, model, batch: int, max_tokens: int, g) -> dict:
             engine.runner.graphs = graphs
             ends.append(None)
             continue
+        if pure and first is None:     # the runner's host counters from the first timed step on
+            first = runner_counters(engine.runner)
         engine.step()
         ends.append(time.perf_counter() if pure else None)
+        if pure:
+            last = runner_counters(engine.runner)
     total = time.perf_counter() - t0
     gaps = [b - a for a, b in zip(ends, ends[1:]) if a is not None and b is not None]
     step = statistics.median(gaps)
@@ -73,7 +78,15 @@ def run_batch(engine, model, batch: int, max_tokens: int, g) -> dict:
     key = (graphs.size_for(batch), 1) if graphs is not None else None
     replay = cuda_time(graphs.graphs[key][0].replay, warmup=2, iters=10) if key in (graphs.graphs if graphs else {}) else float("nan")
     return {"batch": batch, "experts_touched_per_layer": touched, "decode_steps_timed": len(gaps), "step_ms": step * 1e3,
-            "output_tok_s": batch / step, "tpot_ms": step * 1e3, "graph_replay_ms": replay * 1e3, "wall_s": total}
+            "output_tok_s": batch / step, "tpot_ms": step * 1e3, "graph_replay_ms": replay * 1e3, "wall_s": total,
+            # per timed step: batch building, the replay's launch, building + sampling's host work
+            **{f"{k}_ms_per_step": (last[k] - first[k]) / max(last["steps"] - first["steps"], 1) * 1e3
+               for k in ("prepare", "launch", "host")}}
+
+
+def runner_counters(runner) -> dict:
+    return {"prepare": runner.prepare_seconds, "launch": runner.model_seconds, "host": runner.host_seconds,
+            "steps": runner.num_steps}
 
 
 def main():
