@@ -13,7 +13,7 @@
 # bench_engine.py (host share); hostprof = cProfile of the constrained async step at batch 32.
 # FLASH=1: name the carried FlashMLA / FlashKDA libraries (.whl/libkimik3_flash_{mla,kda}.so, built here by
 # scripts/build_flash_{mla,kda}.sh) for every section; full = the whole Kimi-Linear-48B (bench_full_model.py, needs an
-# H200); flashops = bench_flash_mla.py and bench_kda_prefill.py (FLASH=1).
+# H200; FULL_ARGS: its flags); flashops = bench_flash_mla.py and bench_kda_prefill.py (FLASH=1).
 # A fresh machine spends its first 90-110 s compiling kernels; the parallel tests pay that once each.
 set -u
 START=$(date +%s)
@@ -39,7 +39,7 @@ run() {  # name cap command...: run with a limit of min(cap, time left - 10 s)
 }
 
 if [[ " $sections " == *" full "* ]]; then            # the whole Kimi-Linear-48B through LLMEngine (#13; ~92 GiB)
-  run full 300 python3 benchmarks/gpu/bench_full_model.py
+  run full 300 python3 benchmarks/gpu/bench_full_model.py ${FULL_ARGS:-}     # FULL_ARGS=--async-scheduling
   cp bench_out/bench_full_kimi_linear*.json "$L"/ 2>/dev/null
   grep -hE "decode|prefill|peak|plan" "$L"/full.log | tail -12
 fi
