@@ -253,23 +253,29 @@ def test_speculation_under_async_scheduling_matches_the_model(model, monkeypatch
                             flips=flips_allowed(sp.max_tokens))
 
 
-def test_engine_built_after_a_dropped_one_captures_every_graph(model):
+def test_engine_built_after_a_dropped_one_captures_every_graph(model, monkeypatch):
     """An engine dropped in a reference cycle is freed by the garbage collector, whose frees of its
-    graphs are CUDA calls that a capture forbids: were it collected while the next engine captures
-    (a threshold of 1 makes that near certain), that capture would fail and its verify graphs be
-    lost (the H200 at 817571d). Every (size, query length) graph of the new engine is captured."""
+    graphs are CUDA calls that a capture forbids: were it collected while the next engine captures,
+    that capture would fail and the verify graphs be lost (the H200 at 817571d). Here a collection is
+    forced inside the first capture; every (size, query length) graph of the new engine is captured."""
     import gc
+
+    from kimik3.model.cuda_graphs import DecodeGraphs
     old = make(model, enforce_eager=False, num_speculative_tokens=3)
     assert old.runner.graphs is not None
     old.runner.cycle = old                    # reachable from nothing once dropped, freed by gc alone
     del old
-    threshold = gc.get_threshold()
-    gc.set_threshold(1, 1, 1)
-    try:
-        engine = make(model, enforce_eager=False, num_speculative_tokens=3)
-    finally:
-        gc.set_threshold(*threshold)
+    step, collected = DecodeGraphs.step, []
+
+    def collecting_step(self, size, L=1):
+        if torch.cuda.is_current_stream_capturing() and not collected:
+            collected.append(gc.collect())    # a collection mid-capture, as an allocation can trigger
+        return step(self, size, L)
+
+    monkeypatch.setattr(DecodeGraphs, "step", collecting_step)
+    engine = make(model, enforce_eager=False, num_speculative_tokens=3)
     graphs = engine.runner.graphs
+    assert collected, "no collection ran inside a capture"
     assert graphs is not None and graphs.max_query_len == 4
     assert sorted(graphs.graphs) == sorted(graphs.batches), "some graphs were not captured"
 
