@@ -124,7 +124,7 @@ def kda_attention(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, f: torch.Te
     if use_fast_path(q):
         cu = torch.tensor([0, *query_lens], device=q.device).cumsum(0)
         return _chunk_kda_cuda(q, k, v, f, b, A_log, dt_bias, lower_bound, initial_state.contiguous(), cu,
-                              chunk_size)
+                               chunk_size)
     qn, kn, vf, g, beta = _reference_inputs(q, k, v, f, b, A_log, dt_bias, lower_bound, initial_state.dtype)
     acc = qn.dtype
     outs, finals = [], []
@@ -222,4 +222,3 @@ def kda_attention_in_pool(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, f: 
         o, state1 = kda_attention(q, k, v, f, b, A_log, dt_bias, lower_bound, state0, query_lens)
     state_pool[slots] = state1
     return o if out_norm is None else out_norm(o)
-
