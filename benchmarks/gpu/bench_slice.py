@@ -41,7 +41,8 @@ import torch
 ROOT = Path(__file__).resolve().parents[2]
 sys.path.insert(0, str(ROOT))
 
-from benchmarks.common import capture_graph, commit_id, copy_rate, cuda_time, log, matmul_rate, save_results  # noqa: E402
+from benchmarks.common import (capture_graph, commit_id, copy_rate, cuda_time, log, matmul_rate,  # noqa: E402
+                               named_or_not, save_results)
 from kimik3.config import parse_config                      # noqa: E402
 from kimik3.model.batch import ForwardBatch, HybridCache     # noqa: E402
 from kimik3.model.kimi_k3 import KimiForCausalLM             # noqa: E402
@@ -234,11 +235,7 @@ def without_library(flag: str, env: str, measure):
     main columns then run that library, this one our default kernels; else None)."""
     if flag not in sys.argv or not os.environ.get(env):
         return None
-    saved = os.environ.pop(env)
-    try:
-        return measure()
-    finally:
-        os.environ[env] = saved
+    return named_or_not(env, os.environ[env], False, measure)
 
 
 def without_flash_kda(measure):
