@@ -12,9 +12,15 @@
     top-8) and K3 release (896 experts, top-16) at R = 8/16 .. 4096: the previous one-program sort
     (``_sort_align_kernel`` below, 4 warps) against ``_align_kernel`` at ``align_warps(R)``;
     ``--sweep`` times the sort at 4 and 16 warps and ``_align_kernel`` at 1, 2, 4 and 8. Every variant's outputs must equal the torch path's.
+(c) ``--split``: the MoE layer's routing (logits + routing kernel) with the checkpoint's bf16 gate weight at
+    T = 1 .. 256 for the three (D, E): ``route_tokens`` (split-K partials summed by the routing kernel, from
+    ROUTER_SPLIT_MIN_TOKENS) against the unsplit logits (``router_logits``) + ``route``, and the split
+    parameters SPLIT_MIN_STEPS x SPLIT_TARGET_PROGRAMS in SPLIT_SWEEP; floor: the weight's bytes. Every
+    variant's experts must be a top-k of the float64 routing (``tests/gpu/test_router_align_gpu._routing_ok``).
 Each time is one call's share of a CUDA graph of REPS calls back to back (as in a decode graph).
 
-    PYTHONPATH=. python benchmarks/gpu/bench_router_align.py [--sweep]   (writes $OUT/bench_router_align.json)
+    PYTHONPATH=. python benchmarks/gpu/bench_router_align.py [--sweep] [--split] [--split-only]
+                                                              (writes $OUT/bench_router_align.json)
 """
 
 from __future__ import annotations
@@ -48,6 +54,8 @@ BF16_GEMM_SWEEP = ((32, 32, 64, 4), (64, 32, 64, 4), (64, 64, 64, 4), (64, 16, 1
                    (128, 128, 64, 8))
 ALIGN_SHAPES = {"kimi_linear": (256, 8), "k3_release": (896, 16)}      # experts, top-k
 ALIGN_ROWS = (8, 256, 1024, 2048, 4096)
+SPLIT_SHAPES = {"kimi_linear": (2304, 256, 8, 2.446), "k3_slice": (7168, 64, 16, 1.0), "k3_release": (7168, 896, 16, 1.0)}
+SPLIT_SWEEP = ((2, 128), (4, 64), (4, 128), (4, 256), (8, 128))      # (SPLIT_MIN_STEPS, SPLIT_TARGET_PROGRAMS)
 
 
 @triton.jit(do_not_specialize=["R", "cap"])
@@ -193,6 +201,45 @@ def routing(results: dict) -> None:
             log(f"| {E}, {k} | {T} | " + " / ".join(f"{row['us'][w]:.2f}" for w in (1, 2, 4, 8)) + f" | {route_warps(E)} |")
 
 
+def split_routing(results: dict, bw: float) -> None:
+    """(c): ``route_tokens`` split-K against the unsplit logits + routing, and the split parameters swept."""
+    from kimik3.ops import router
+    from kimik3.ops.triton import router as kernel
+    from tests.gpu.test_router_align_gpu import _routing_ok
+    log("\n| (D, E) | T | unsplit logits + route us | route_tokens us (splits) | speed-up | floor us | "
+        "sweep (min steps, programs): us |")
+    log("|---|---|---|---|---|---|---|")
+    saved = kernel.SPLIT_MIN_STEPS, kernel.SPLIT_TARGET_PROGRAMS
+    for name, (D, E, k, scale) in SPLIT_SHAPES.items():
+        g = torch.Generator(device="cuda").manual_seed(D + E)
+        w = (torch.randn(E, D, generator=g, device="cuda") * D ** -0.5).to(torch.bfloat16)
+        bias = torch.randn(E, generator=g, device="cuda") * 0.1
+        args = (bias, k, "sigmoid", 1, 1, True, scale, 0.0)
+        for T in TOKENS:
+            x = (torch.randn(T, D, generator=g, device="cuda") * 2).to(torch.bfloat16)
+            unsplit = lambda: router.route(router.router_logits(x, w), *args)          # noqa: E731
+            split = lambda: router.route_tokens(x, w, *args)                            # noqa: E731
+            row = {"D": D, "E": E, "T": T, "floor_us": E * D * 2 / bw * 1e6, "unsplit_us": graph_time(unsplit) * 1e6,
+                   "splits": kernel.split_tiles(T, E, D)[4] if T >= router.ROUTER_SPLIT_MIN_TOKENS else 1,
+                   "route_tokens_us": graph_time(split) * 1e6, "sweep": {}}
+            for fn in (unsplit, split):
+                if not _routing_ok(*fn(), x, w, bias, k, scale):
+                    raise AssertionError(f"routing off at {name} T={T}")
+            if T >= router.ROUTER_SPLIT_MIN_TOKENS:
+                try:
+                    for steps, programs in SPLIT_SWEEP:
+                        kernel.SPLIT_MIN_STEPS, kernel.SPLIT_TARGET_PROGRAMS = steps, programs
+                        if not _routing_ok(*split(), x, w, bias, k, scale):
+                            raise AssertionError(f"split routing off at {name} T={T} {steps, programs}")
+                        row["sweep"][f"{steps},{programs}"] = graph_time(split) * 1e6
+                finally:
+                    kernel.SPLIT_MIN_STEPS, kernel.SPLIT_TARGET_PROGRAMS = saved
+            results.setdefault("split_routing", []).append(row)
+            log(f"| ({D}, {E}) | {T} | {row['unsplit_us']:.2f} | {row['route_tokens_us']:.2f} ({row['splits']}) | "
+                f"{row['unsplit_us'] / row['route_tokens_us']:.2f}x | {row['floor_us']:.2f} | "
+                + ", ".join(f"({key}): {us:.2f}" for key, us in row["sweep"].items()) + " |")
+
+
 def previous_align(ids: torch.Tensor, E: int, BM: int, warps: int):
     """``_sort_by_expert``'s previous launch of the one-program sort."""
     flat = ids.reshape(-1)
@@ -245,19 +292,24 @@ def main() -> None:
     ap = argparse.ArgumentParser(description=__doc__.split("\n")[0])
     ap.add_argument("--sweep", action="store_true", help="also time LOGITS_SWEEP and other warps for the alignment")
     ap.add_argument("--route-only", action="store_true", help="only the routing kernel by warps")
+    ap.add_argument("--split", action="store_true", help="also (c): split-K routing against unsplit")
+    ap.add_argument("--split-only", action="store_true", help="only (c)")
     args = ap.parse_args()
     bw = copy_rate()
     results = {"commit": commit_id(), "date": datetime.date.today().isoformat(), "device": torch.cuda.get_device_name(),
                "copy_rate_GBps": bw / 1e9, "reps_per_graph": REPS, "logits": [], "align": []}
     if args.route_only:
         routing(results)
-        log(f"# wrote {save_results('bench_router_align.json', results)}")
-        return
-    logits(results, bw, args.sweep)
-    prefill_logits(results)
-    bf16_weight_logits(results, bw)
-    routing(results)
-    align(results, args.sweep)
+    elif args.split_only:
+        split_routing(results, bw)
+    else:
+        logits(results, bw, args.sweep)
+        prefill_logits(results)
+        bf16_weight_logits(results, bw)
+        routing(results)
+        align(results, args.sweep)
+        if args.split:
+            split_routing(results, bw)
     log(f"# wrote {save_results('bench_router_align.json', results)}")
 
 

@@ -23,6 +23,8 @@ weight rows, the KDA step's state rows: ``kimik3.ops.triton.common.PREFETCH_ENAB
 FlashMLA (the slice's cache has 64-token blocks, so the main columns run FlashMLA).
 ``--flash-kda-ab`` (with ``KIMIK3_FLASH_KDA`` set): the prefill cases also with fla-core's chunk_kda in place of
 FlashKDA (K3's bounded gate only; Kimi-Linear's KDA never takes FlashKDA).
+``--router-split-ab``: every decode case also with the MoE routing on unsplit logits (``kimik3.ops.router``'s
+split-K path off: ROUTER_SPLIT_MIN_TOKENS past any batch).
 """
 
 from __future__ import annotations
@@ -49,6 +51,7 @@ from kimik3.model.kimi_k3 import KimiForCausalLM             # noqa: E402
 from kimik3.model.moe import Experts                         # noqa: E402
 from kimik3.ops import ceil_div, mxfp4                       # noqa: E402
 from kimik3.ops import linear as ops_linear                   # noqa: E402
+from kimik3.ops import router as ops_router                   # noqa: E402
 from kimik3.ops.backend import reference_ops                 # noqa: E402
 from kimik3.ops.triton import common as triton_common        # noqa: E402
 from kimik3.ops.triton import moe as moe_kernels              # noqa: E402
@@ -350,6 +353,8 @@ def bench_model(bw, mm):
         t_graph_no_prefetch = with_setting("--prefetch-ab", triton_common, "PREFETCH_ENABLED", False,
                                            lambda: graph_time(fast)) if N == 1 else None
         t_graph_no_flash_mla = without_flash_mla(lambda: graph_time(fast))
+        t_graph_unsplit_router = with_setting("--router-split-ab", ops_router, "ROUTER_SPLIT_MIN_TOKENS", 1 << 30,
+                                              lambda: graph_time(fast))
         model.use_side_stream(None)
         t_graph_no_side = graph_time(fast) if "--side-ab" in sys.argv else None
         t_ref = float("nan")
@@ -371,6 +376,7 @@ def bench_model(bw, mm):
                      "t_graph_one_token_block_kernels_ms": None if t_graph_block_experts is None else t_graph_block_experts * 1e3,
                      "t_graph_no_prefetch_ms": None if t_graph_no_prefetch is None else t_graph_no_prefetch * 1e3,
                      "t_graph_no_flash_mla_ms": None if t_graph_no_flash_mla is None else t_graph_no_flash_mla * 1e3,
+                     "t_graph_unsplit_router_ms": None if t_graph_unsplit_router is None else t_graph_unsplit_router * 1e3,
                      "bytes": byts, "flops": flops, "floor_ms": floor * 1e3, "time_over_floor": best / floor,
                      "speedup_vs_ref": t_ref / best, "ref_note": "same shapes"})
         log(rows[-1])
@@ -497,8 +503,9 @@ def main():
     rows = bench_model(bw, mm)
     save()
     log(f"\n| case | fast eager ms | fast graph ms | floor ms | time/floor | ref ms | speed-up | without PDL ms "
-        f"| GEMV_MAX_ROWS {0 if ops_linear.GEMV_MAX_ROWS else 8} ms | no side stream ms | one token on block kernels ms | no weight prefetch ms | without FlashKDA (prefill) / FlashMLA (decode) ms |")
-    log("|---|---|---|---|---|---|---|---|---|---|---|---|---|")
+        f"| GEMV_MAX_ROWS {0 if ops_linear.GEMV_MAX_ROWS else 8} ms | no side stream ms | one token on block kernels ms | no weight prefetch ms | without FlashKDA (prefill) / FlashMLA (decode) ms "
+        f"| unsplit router logits ms |")
+    log("|---|---|---|---|---|---|---|---|---|---|---|---|---|---|")
     for r in rows:
         g = "-" if r["t_graph_ms"] is None else f"{r['t_graph_ms']:.3f}"
         off = r.get("t_graph_no_pdl_ms") or r.get("t_eager_no_pdl_ms")
@@ -516,8 +523,10 @@ def main():
         nopf = "-" if nopf is None else f"{nopf:.3f}"
         noflash = r.get("t_eager_no_flash_kda_ms") or r.get("t_graph_no_flash_mla_ms")
         noflash = "-" if noflash is None else f"{noflash:.3f}"
+        unsplit = r.get("t_graph_unsplit_router_ms")
+        unsplit = "-" if unsplit is None else f"{unsplit:.3f}"
         log(f"| {r['case']} | {r['t_eager_ms']:.2f} | {g} | {r['floor_ms']:.3f} | {r['time_over_floor']:.2f}{extra} "
-            f"| {ref} | {sp} | {off} | {other} | {side} | {blocks} | {nopf} | {noflash} |")
+            f"| {ref} | {sp} | {off} | {other} | {side} | {blocks} | {nopf} | {noflash} | {unsplit} |")
     bad = [k for k, r in results.get("checks", {}).items() if not r["ok"]]
     log(f"checks: {len(results.get('checks', {})) - len(bad)} ok, bad: {bad}")
 

@@ -23,7 +23,7 @@ from kimik3.model.layers import MLP, GLUActivation, RMSNorm, linear
 from kimik3.ops import ceil_div, mxfp4
 from kimik3.ops.moe import fused_moe, fused_moe_mxfp4
 from kimik3.ops.norm import acc_dtype
-from kimik3.ops.router import route, router_logits
+from kimik3.ops.router import route_tokens
 
 # Batches up to this many tokens run the router and the shared experts on a side CUDA stream
 # (when the model was given one), beside the routed down-projection and the routed experts.
@@ -38,9 +38,6 @@ class Router(nn.Module):
         self.weight = nn.Parameter(torch.zeros(num_experts, hidden_size))
         if with_bias:
             self.e_score_correction_bias = nn.Parameter(torch.zeros(num_experts))
-
-    def logits(self, x: torch.Tensor) -> torch.Tensor:
-        return router_logits(x, self.weight)      # both operands upcast: logits in fp32 (spec §3.1)
 
 
 def _half(t: torch.Tensor, i: int) -> torch.Tensor:
@@ -186,9 +183,10 @@ class MoE(nn.Module):
 
     def _route(self, x: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
         cfg = self.cfg
-        return route(self.gate.logits(x), self.gate.e_score_correction_bias, cfg.num_experts_per_token,
-                     cfg.moe_router_activation_func, cfg.num_expert_group, cfg.topk_group,
-                     cfg.moe_renormalize, cfg.routed_scaling_factor, cfg.numerics.router_renorm_eps)
+        # logits of both operands upcast, fp32 (spec §3.1)
+        return route_tokens(x, self.gate.weight, self.gate.e_score_correction_bias, cfg.num_experts_per_token,
+                            cfg.moe_router_activation_func, cfg.num_expert_group, cfg.topk_group,
+                            cfg.moe_renormalize, cfg.routed_scaling_factor, cfg.numerics.router_renorm_eps)
 
     def _run_experts(self, z: torch.Tensor, weights: torch.Tensor, ids: torch.Tensor) -> torch.Tensor:
         """z [T, L], weights/ids [T, k] (local expert ids) -> weighted sum [T, L] in z's dtype."""

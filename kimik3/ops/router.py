@@ -24,6 +24,12 @@ ROUTER_LOGITS_SIMT_MAX_LOGITS = 4096
 # 2.3x at 16 tokens but 0.66x at 32; the TF32 x3 kernel 167 / 450 us against 262 / 570 us at (8192
 # tokens, 256 experts) / (2048, 896), slower below (123 against 87 us at (2048, 256)).
 ROUTER_LOGITS_MAX_TOKENS = 64
+# ``route_tokens`` with a 16-bit weight from ROUTER_SPLIT_MIN_TOKENS to ROUTER_SPLIT_MAX_TOKENS tokens: split-K
+# partial logits (``triton/router.py: router_logit_partials``) that the routing kernel sums, in place of the
+# SIMT kernel (4.4-8.0 us at 8-16 tokens x 64-256 experts, 19-25 at 896) or the unsplit GEMM (13.8 / 5.4 us at
+# D = 7168 / 2304, a latency-bound walk over the width). Not yet timed on a GPU (bench_router_align.py --split).
+ROUTER_SPLIT_MIN_TOKENS = 8
+ROUTER_SPLIT_MAX_TOKENS = 256
 ROUTER_LOGITS_MAX_TOKENS_LARGE = 16
 ROUTER_LOGITS_GEMM_MIN_LOGITS = 1 << 20
 
@@ -50,6 +56,24 @@ def router_logits(x: torch.Tensor, weight: torch.Tensor) -> torch.Tensor:
             return router_logits_gemm_triton(x, weight)
     acc = acc_dtype(x.dtype)
     return x.to(acc) @ weight.to(acc).t()
+
+
+def route_tokens(x: torch.Tensor, weight: torch.Tensor, bias: torch.Tensor | None, top_k: int, activation: str,
+                 num_expert_group: int, topk_group: int, renormalize: bool, scaling_factor: float,
+                 renorm_eps: float) -> tuple[torch.Tensor, torch.Tensor]:
+    """``route(router_logits(x, weight), ...)``: the MoE layer's routing of x [T, D] by the gate weight
+    [E, D]. CUDA, decode-sized steps (``ROUTER_SPLIT_MIN_TOKENS``..``ROUTER_SPLIT_MAX_TOKENS`` tokens, a weight
+    of x's 16-bit dtype): split-K partial logits, summed by the routing kernel (two launches, the same fp32
+    accuracy; the logits are never stored whole)."""
+    T, E = x.shape[0], weight.shape[0]
+    if (use_fast_path(x) and x.dim() == 2 and x.dtype in (torch.bfloat16, torch.float16) and weight.dtype == x.dtype
+            and ROUTER_SPLIT_MIN_TOKENS <= T <= ROUTER_SPLIT_MAX_TOKENS and E <= 4096 and x.stride(1) == 1
+            and weight.stride(1) == 1 and weight.shape[1] == x.shape[1]):
+        from kimik3.ops.triton.router import route_triton, router_logit_partials
+        return route_triton(router_logit_partials(x, weight), bias, top_k, activation, num_expert_group, topk_group,
+                            renormalize, scaling_factor, renorm_eps)
+    return route(router_logits(x, weight), bias, top_k, activation, num_expert_group, topk_group, renormalize,
+                 scaling_factor, renorm_eps)
 
 
 def route(logits: torch.Tensor, bias: torch.Tensor | None, top_k: int, activation: str,

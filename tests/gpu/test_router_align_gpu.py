@@ -8,9 +8,9 @@ from __future__ import annotations
 import pytest
 import torch
 
-from kimik3.ops.router import router_logits
+from kimik3.ops.router import route_tokens, router_logits
 from kimik3.ops.triton import moe as moe_kernels
-from kimik3.ops.triton.router import router_logits_gemm_triton, router_logits_triton
+from kimik3.ops.triton.router import router_logit_partials, router_logits_gemm_triton, router_logits_triton
 from tests.gpu.test_fast_ops import poison_allocator
 from tests.helpers import capture_graph
 from tests.ops.test_triton_router import expected_alignment
@@ -111,3 +111,43 @@ def test_router_logits_and_align_replay_in_a_cuda_graph():
         assert _logits_ok(logits, x, w)
         want = expected_alignment(ids.reshape(-1).tolist(), E, BM)
         assert rows.tolist() == want[0] and block_expert.tolist() == want[1]
+
+
+def _routing_ok(weights, ids, x, w, bias, k, scale) -> bool:
+    """A top-k of the float64 biased sigmoid scores up to fp32's error (a chosen expert's score at least the
+    k-th best's less 1e-4: near-ties may go either way), in descending order to the same tolerance, and the
+    weights those experts' float64 scores renormalised and scaled."""
+    s = torch.sigmoid(x.double() @ w.double().t())
+    choice = s + bias.double()
+    picked = choice.gather(1, ids)
+    kth = choice.topk(k, dim=-1).values[:, -1:]
+    distinct = all(len(set(r)) == k for r in ids.tolist())
+    ordered = bool((picked[:, 1:] <= picked[:, :-1] + 1e-4).all())
+    want = s.gather(1, ids)
+    want = want / want.sum(-1, keepdim=True) * scale
+    return distinct and ordered and bool((picked >= kth - 1e-4).all()) and torch.allclose(weights.double(), want,
+                                                                                          rtol=1e-5, atol=0)
+
+
+@pytest.mark.parametrize("T", (8, 32, 128, 256))
+@pytest.mark.parametrize("shape", list(SHAPES))
+def test_split_k_routing_on_cuda(shape, T):
+    """The split-K partials sum to the float64 logits within the fp32 bound; ``route_tokens`` (split-K,
+    summed in the routing kernel) picks a top-k of the float64 routing (``_routing_ok``) on the checkpoint's
+    bf16 gate weight; then the two launches replay in a CUDA graph on new inputs."""
+    D, E, k = SHAPES[shape]
+    g = _gen(T * E + 1)
+    x = (torch.randn(T, D, generator=g, device="cuda") * 2).to(torch.bfloat16)
+    w = (torch.randn(E, D, generator=g, device="cuda") * D ** -0.5).to(torch.bfloat16)
+    bias = torch.randn(E, generator=g, device="cuda") * 0.1
+    poison_allocator()
+    parts = router_logit_partials(x, w)
+    assert parts.shape[0] > 1 and _logits_ok(parts.sum(0), x, w)
+    args = (k, "sigmoid", 1, 1, True, 2.446, 0.0)
+    weights, ids = route_tokens(x, w, bias, *args)
+    assert _routing_ok(weights, ids, x, w, bias, k, 2.446)
+    graph, (gw, gi) = capture_graph(lambda: route_tokens(x, w, bias, *args))
+    x.copy_((torch.randn(T, D, generator=_gen(T), device="cuda") * 2).to(torch.bfloat16))
+    graph.replay()
+    torch.cuda.synchronize()
+    assert _routing_ok(gw, gi, x, w, bias, k, 2.446)

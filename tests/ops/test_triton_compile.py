@@ -224,9 +224,10 @@ def test_router_logits_gemm_kernel_compiles_to_wgmma():
 
 def compile_router_gemm():
     """fp32 weight: TF32 wgmma (x3); the checkpoint's bf16 weight: bf16 wgmma with fp32 accumulation
-    at each of ``gemm_tiles``' tiles (a 64-token tile still a wgmma)."""
+    at each of ``gemm_tiles``' tiles (a 64-token tile still a wgmma), and bf16 tensor-core products at each
+    of ``split_tiles``' decode tiles (16-32 token tiles: mma.sync)."""
     from kimik3.ops.triton import router
-    sizes = {"D", "E", "stride_xt", "stride_we"}
+    sizes = {"D", "E", "KS", "stride_xt", "stride_we"}
     k = compile_for_hopper(router._logits_gemm_kernel, {"x_ptr": "*bf16", "w_ptr": "*fp32", "out_ptr": "*fp32"},
                            dict(BM=128, BN=64, BK=32, WIDE_W=True, UPCAST=False), divisible=sizes)
     assert "wgmma.mma_async.sync.aligned.m64n64k8.f32.tf32.tf32" in k.asm["ptx"]
@@ -234,6 +235,14 @@ def compile_router_gemm():
         k = compile_for_hopper(router._logits_gemm_kernel, {"x_ptr": "*bf16", "w_ptr": "*bf16", "out_ptr": "*fp32"},
                                dict(BM=BM, BN=BN, BK=BK, WIDE_W=False, UPCAST=False), num_warps=warps, divisible=sizes)
         assert f"wgmma.mma_async.sync.aligned.m64n{BN}k16.f32.bf16.bf16" in k.asm["ptx"], (BM, BN, BK)
+    from kimik3.ops.triton.router import split_tiles
+    shapes = {split_tiles(T, E, D)[:4] for T in (8, 16, 32, 128, 256) for E, D in ((64, 7168), (256, 2304), (896, 7168))}
+    for BM, BN, BK, warps in sorted(shapes):         # split-K decode tiles: bf16 tensor-core products either way
+        k = compile_for_hopper(router._logits_gemm_kernel, {"x_ptr": "*bf16", "w_ptr": "*bf16", "out_ptr": "*fp32"},
+                               dict(BM=BM, BN=BN, BK=BK, WIDE_W=False, UPCAST=False), num_warps=warps, divisible=sizes)
+        ptx = k.asm["ptx"]
+        assert "wgmma.mma_async.sync.aligned" in ptx or "mma.sync.aligned.m16n8k16.row.col.f32.bf16.bf16" in ptx, \
+            (BM, BN, BK)
 
 
 def test_every_kernel_waits_first_under_pdl():
@@ -260,7 +269,7 @@ def compile_with_pdl():
              (router._route_kernel, {"logits_ptr": "*fp32", "bias_ptr": "*fp32", "weights_ptr": "*fp32", "ids_ptr": "*i64",
                                      "scaling": "fp32", "eps": "fp32"},
               dict(HAS_BIAS=True, SIGMOID=True, RENORM=True, TOP_K=8, BLOCK_K=8, GROUPS=1, TOPK_GROUP=1, BLOCK_G=1,
-                   BLOCK_E=256)),
+                   BLOCK_E=256, SPLITS=4)),
              (moe._combine_kernel, {"y": "*bf16", "weights": "*fp32", "pos": "*i64", "out": "*bf16"},
               dict(TOP_K=8, BL=1024, HAS_POS=False))]
     for kernel, types, constexprs in cases:

@@ -132,7 +132,7 @@ def test_router_logits_takes_the_gemm_kernel_for_long_steps(monkeypatch):
 
 
 def test_router_logits_takes_the_kernel_on_the_fast_path(monkeypatch):
-    """``router_logits`` (what ``Router.logits`` calls) sends bf16/fp16 x to the SIMT kernel with an
+    """``router_logits`` (what ``route_tokens`` calls outside its split-K range) sends bf16/fp16 x to the SIMT kernel with an
     fp32 weight up to ROUTER_LOGITS_MAX_TOKENS tokens (ROUTER_LOGITS_MAX_TOKENS_LARGE for weights over
     2**20 elements) and with one of x's dtype (the checkpoint's bf16) up to ROUTER_LOGITS_SIMT_MAX_LOGITS
     tokens x experts (checked by pretending the fast path is on); more tokens with an fp32 weight below
@@ -238,3 +238,76 @@ def test_align_kernel_matches_plain_lists_across_row_counts():
         assert placed == order, R
         want_rows, want_blocks = expected_alignment(flat.tolist(), E, BM)
         assert rows.tolist() == want_rows and block_expert.tolist() == want_blocks, R
+
+
+# ---- split-K logits summed by the routing kernel -------------------------------------------
+@pytest.mark.parametrize("T,E,D,tiles", [
+    (8, 64, 1032, None),                    # K3-like at decode: the width past the last full split
+    (37, 256, 1160, None),                  # Kimi-Linear-like experts, ragged tokens
+    (5, 96, 640, (16, 32, 64, 4, 3)),       # three splits of 192 + 192 + 256 -> 256, 256, 128
+    (20, 40, 136, (16, 16, 32, 4, 5)),      # the last split narrower than one K step
+], ids=["k3_like", "kimi_linear_like", "given_tiles", "ragged_split"])
+def test_router_logit_partials_sum_to_float64_logits(T, E, D, tiles, monkeypatch):
+    """Each split's partial is the float64 product over its width (within the fp32 bound), and their
+    sum the whole product: the splits cover the width once (outputs poisoned first)."""
+    from kimik3.ops.triton import router as kernel
+    g = torch.Generator().manual_seed(T * E + D)
+    x = (torch.randn(T, D, generator=g) * 2).to(torch.bfloat16)
+    w = (torch.randn(E, D, generator=g) * D ** -0.5).to(torch.bfloat16)
+    _poisoned_empty(monkeypatch)
+    parts = kernel.router_logit_partials(x, w, tiles)
+    _, _, BK, _, asked = tiles or kernel.split_tiles(T, E, D)
+    S, KS = parts.shape[0], -(-(-(-D // BK)) // asked) * BK         # each split ceil(steps / asked) K steps
+    assert S > 1 and parts.shape[1:] == (T, E) and parts.dtype == torch.float32
+    for s in range(S):
+        xs, ws = x[:, s * KS:(s + 1) * KS], w[:, s * KS:(s + 1) * KS]
+        assert ((parts[s].double() - xs.double() @ ws.double().t()).abs() <= _logits_bound(xs, ws)).all(), s
+    assert ((parts.double().sum(0) - x.double() @ w.double().t()).abs() <= _logits_bound(x, w)).all()
+
+
+def test_split_tiles_cover_the_width_with_enough_programs():
+    """Splits of at least SPLIT_MIN_STEPS K steps (none empty), and more than one where the width allows,
+    for the three router shapes at decode sizes."""
+    import triton as tr
+
+    from kimik3.ops.triton.router import SPLIT_MIN_STEPS, split_tiles
+    for D, E in ((7168, 64), (7168, 896), (2304, 256)):
+        for T in (8, 32, 128, 256):
+            BM, BN, BK, _, S = split_tiles(T, E, D)
+            steps = tr.cdiv(D, BK)
+            per = tr.cdiv(steps, S)
+            assert S > 1 and per >= SPLIT_MIN_STEPS and (S - 1) * per < steps, (D, E, T, S)
+
+
+@pytest.mark.parametrize("E,k,groups,topk_group,D", [(64, 16, 1, 1, 1032), (256, 8, 1, 1, 1160),
+                                                     (32, 4, 4, 2, 1032)], ids=["k3_like", "kimi_linear", "grouped"])
+def test_route_tokens_matches_float64_routing(E, k, groups, topk_group, D, monkeypatch):
+    """``route_tokens`` on the split-K path (the fast path pretended on, as on CUDA) against the routing
+    math in float64 from the float64 logits: the same experts in the same order, weights within fp32
+    rounding; below ROUTER_SPLIT_MIN_TOKENS it takes the unsplit logits, with the same result."""
+    from kimik3.ops import router
+    from kimik3.ops.triton import router as kernel
+    calls = []
+    real = kernel.router_logit_partials
+    monkeypatch.setattr(kernel, "router_logit_partials", lambda x, w: calls.append(x.shape[0]) or real(x, w))
+    monkeypatch.setattr(router, "use_fast_path", lambda t: True)
+    g = torch.Generator().manual_seed(E + D)
+    w = (torch.randn(E, D, generator=g) * D ** -0.5).to(torch.bfloat16)
+    bias = torch.randn(E, generator=g) * 0.1
+    for T in (router.ROUTER_SPLIT_MIN_TOKENS - 1, 9, 40):
+        x = (torch.randn(T, D, generator=g) * 2).to(torch.bfloat16)
+        logits = x.double() @ w.double().t()
+        s = torch.sigmoid(logits)
+        choice = s + bias.double()
+        if groups > 1:
+            grouped = choice.view(T, groups, E // groups)
+            keep = grouped.topk(2, dim=-1).values.sum(-1).topk(topk_group, dim=-1).indices
+            mask = torch.zeros(T, groups, dtype=torch.bool).scatter_(1, keep, True)
+            choice = grouped.masked_fill(~mask.unsqueeze(-1), float("-inf")).view(T, E)
+        ids64 = choice.topk(k, dim=-1).indices
+        w64 = s.gather(1, ids64)
+        w64 = w64 / w64.sum(-1, keepdim=True) * 2.5
+        weights, ids = router.route_tokens(x, w, bias, k, "sigmoid", groups, topk_group, True, 2.5, 0.0)
+        assert torch.equal(ids, ids64), T
+        assert torch.allclose(weights.double(), w64, rtol=1e-5, atol=0), T
+    assert calls == [9, 40]

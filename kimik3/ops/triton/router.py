@@ -6,7 +6,9 @@ cores). A grid of (token block, expert block) programs, no atomics; at decode si
 blocks are small, so enough programs stream the weight at memory speed. (tl.dot in IEEE fp32,
 Triton's FMA path, ran 5-20x slower than this on the H200 at 32-256 tokens.) Longer steps take a
 tensor-core GEMM at fp32 accuracy: with a 16-bit weight of x's dtype a plain bf16/fp16 product
-(each product of two 16-bit values is exact in fp32), with an fp32 weight TF32 x3.
+(each product of two 16-bit values is exact in fp32), with an fp32 weight TF32 x3. At decode sizes the
+same GEMM kernel splits the width (split-K: partials [S, T, E], no atomics) and the routing kernel sums
+the partials in split order (``router_logit_partials``, ``route_triton``).
 
 Routing: scores (sigmoid or softmax), bias-corrected grouped top-k, unbiased weights,
 renormalisation and scaling in one kernel, one program per token; the top-k is k rounds of
@@ -23,15 +25,18 @@ from kimik3.ops.triton.common import INTERPRETING, dot, pdl, pdl_entry
 
 
 @triton.jit
-def _route_kernel(logits_ptr, bias_ptr, weights_ptr, ids_ptr, E, stride_t, per_group, scaling, eps,
+def _route_kernel(logits_ptr, bias_ptr, weights_ptr, ids_ptr, E, stride_s, stride_t, per_group, scaling, eps,
                   HAS_BIAS: tl.constexpr, SIGMOID: tl.constexpr, RENORM: tl.constexpr,
                   TOP_K: tl.constexpr, BLOCK_K: tl.constexpr, GROUPS: tl.constexpr,
-                  TOPK_GROUP: tl.constexpr, BLOCK_G: tl.constexpr, BLOCK_E: tl.constexpr, PDL: tl.constexpr):
+                  TOPK_GROUP: tl.constexpr, BLOCK_G: tl.constexpr, BLOCK_E: tl.constexpr, SPLITS: tl.constexpr,
+                  PDL: tl.constexpr):
     pdl_entry(PDL)
     t = tl.program_id(0)
     offs = tl.arange(0, BLOCK_E)
     valid = offs < E
     x = tl.load(logits_ptr + t * stride_t + offs, mask=valid, other=float("-inf")).to(tl.float32)
+    for s in tl.static_range(1, SPLITS):        # split-K partial logits, summed in split order
+        x += tl.load(logits_ptr + s * stride_s + t * stride_t + offs, mask=valid, other=0.0).to(tl.float32)
     if SIGMOID:
         scores = tl.sigmoid(x)
     else:
@@ -87,21 +92,23 @@ def route_warps(num_experts: int) -> int:
 def route_triton(logits: torch.Tensor, bias: torch.Tensor | None, top_k: int, activation: str,
                  num_expert_group: int, topk_group: int, renormalize: bool, scaling_factor: float,
                  renorm_eps: float, num_warps: int | None = None) -> tuple[torch.Tensor, torch.Tensor]:
-    """Same contract as ``kimik3.ops.router.route`` for fp32 logits [T, E]; num_warps: override
-    ``route_warps(E)`` (benchmarks)."""
-    T, E = logits.shape
+    """Same contract as ``kimik3.ops.router.route`` for fp32 logits [T, E], or for their S split-K
+    partials [S, T, E] (``router_logit_partials``: the kernel sums them, in split order); num_warps:
+    override ``route_warps(E)`` (benchmarks)."""
     logits = logits.contiguous()
+    parts = logits if logits.dim() == 3 else logits.unsqueeze(0)
+    S, T, E = parts.shape
     weights = torch.empty(T, top_k, dtype=torch.float32, device=logits.device)
     ids = torch.empty(T, top_k, dtype=torch.int64, device=logits.device)
     grouped = num_expert_group > 1 and num_expert_group > topk_group
     groups = num_expert_group if grouped else 1
     if T:
         _route_kernel[(T,)](
-            logits, bias if bias is not None else logits, weights, ids, E, logits.stride(0), E // groups,
-            float(scaling_factor), float(renorm_eps),
+            parts, bias if bias is not None else parts, weights, ids, E, parts.stride(0), parts.stride(1),
+            E // groups, float(scaling_factor), float(renorm_eps),
             HAS_BIAS=bias is not None, SIGMOID=activation == "sigmoid", RENORM=renormalize and top_k > 1,
             TOP_K=top_k, BLOCK_K=triton.next_power_of_2(top_k), GROUPS=groups, TOPK_GROUP=topk_group,
-            BLOCK_G=triton.next_power_of_2(groups), BLOCK_E=triton.next_power_of_2(E),
+            BLOCK_G=triton.next_power_of_2(groups), BLOCK_E=triton.next_power_of_2(E), SPLITS=S,
             num_warps=num_warps or route_warps(E), **pdl(logits))
     return weights, ids
 
@@ -166,21 +173,24 @@ def router_logits_triton(x: torch.Tensor, weight: torch.Tensor, config: dict | N
 
 
 @triton.jit(do_not_specialize=["T"])         # one compile for every step size
-def _logits_gemm_kernel(x_ptr, w_ptr, out_ptr, T, E, D, stride_xt, stride_we,
+def _logits_gemm_kernel(x_ptr, w_ptr, out_ptr, T, E, D, KS, stride_xt, stride_we,
                         BM: tl.constexpr, BN: tl.constexpr, BK: tl.constexpr, WIDE_W: tl.constexpr,
                         UPCAST: tl.constexpr, PDL: tl.constexpr):
     """out = fp32(x) @ fp32(w)^T for BM tokens x BN experts on tensor cores at fp32 accuracy, fp32
     accumulation. WIDE_W (fp32 weight): TF32 x3 (each operand split into a TF32 part and a TF32
     remainder; x's remainder is zero, a bf16/fp16 value being exact in TF32). Otherwise w has x's
     16-bit dtype and the plain 16-bit product is exact: 8 (bf16) or 11 (fp16) significant bits
-    squared fit fp32's 24."""
+    squared fit fp32's 24. Split-K: program (.., .., s) sums the width [s KS, (s + 1) KS) into
+    partial s of out [S, T, E] (KS a multiple of BK; one split: KS >= D)."""
     pdl_entry(PDL)
     t = tl.program_id(0) * BM + tl.arange(0, BM)
     e = tl.program_id(1) * BN + tl.arange(0, BN)
+    s = tl.program_id(2)
     k = tl.arange(0, BK)
     acc = tl.zeros([BM, BN], tl.float32)
-    for k0 in range(0, D, BK):
-        mk = (k0 + k < D)[None, :]
+    k_end = tl.minimum(D, (s + 1) * KS)
+    for k0 in range(s * KS, k_end, BK):
+        mk = (k0 + k < k_end)[None, :]
         xv = tl.load(x_ptr + t[:, None].to(tl.int64) * stride_xt + (k0 + k)[None, :], mask=(t < T)[:, None] & mk,
                      other=0.0)
         wv = tl.load(w_ptr + e[:, None].to(tl.int64) * stride_we + (k0 + k)[None, :], mask=(e < E)[:, None] & mk,
@@ -189,6 +199,7 @@ def _logits_gemm_kernel(x_ptr, w_ptr, out_ptr, T, E, D, stride_xt, stride_we,
             acc = tl.dot(xv.to(tl.float32), tl.trans(wv), acc, input_precision="tf32x3")
         else:
             acc = dot(xv, tl.trans(wv), acc, UPCAST)
+    out_ptr += s.to(tl.int64) * T * E
     tl.store(out_ptr + t[:, None].to(tl.int64) * E + e[None, :], acc, mask=(t < T)[:, None] & (e < E)[None, :])
 
 
@@ -220,7 +231,50 @@ def router_logits_gemm_triton(x: torch.Tensor, weight: torch.Tensor, tiles: tupl
     BM, BN, BK, warps = tiles or gemm_tiles(T, E, wide)
     out = torch.empty(T, E, dtype=torch.float32, device=x.device)
     if T:
-        _logits_gemm_kernel[(triton.cdiv(T, BM), triton.cdiv(E, BN))](
-            x, weight, out, T, E, D, x.stride(0), weight.stride(0), BM=BM, BN=BN, BK=BK, WIDE_W=wide,
+        _logits_gemm_kernel[(triton.cdiv(T, BM), triton.cdiv(E, BN), 1)](
+            x, weight, out, T, E, D, triton.cdiv(D, BK) * BK, x.stride(0), weight.stride(0), BM=BM, BN=BN, BK=BK,
+            WIDE_W=wide, UPCAST=INTERPRETING, num_warps=warps, **pdl(x))
+    return out
+
+
+# Split-K logits (``router_logit_partials``) for decode-sized steps: the unsplit GEMM's time at up to 256 tokens
+# is its walk over the width (13.8 us at D = 7168 whatever T and E on the H200, 5.4 at 2304: a handful of
+# programs, 56 / 18 dependent K steps each), so the width is cut into splits of at least SPLIT_MIN_STEPS K
+# steps until about SPLIT_TARGET_PROGRAMS programs run; the routing kernel sums the partials. A fixed program
+# target (not the device's SM count): the partials, and so the logits' last bits, depend on T alone.
+SPLIT_MIN_STEPS = 4
+SPLIT_TARGET_PROGRAMS = 128
+
+
+def split_tiles(T: int, E: int, D: int) -> tuple[int, int, int, int, int]:
+    """(tokens, experts, K step, warps, splits) of ``router_logit_partials`` for T tokens, E experts, width D."""
+    BM = 16 if T <= 16 else 32 if T <= 32 else 64
+    BN = 16 if E <= 64 else 32 if E <= 256 else 64
+    BK = 128
+    steps = triton.cdiv(D, BK)
+    blocks = triton.cdiv(T, BM) * triton.cdiv(E, BN)
+    S = max(1, min(steps // SPLIT_MIN_STEPS, triton.cdiv(SPLIT_TARGET_PROGRAMS, blocks)))
+    S = triton.cdiv(steps, triton.cdiv(steps, S))       # no empty split
+    return BM, BN, BK, 4, S
+
+
+def router_logit_partials(x: torch.Tensor, weight: torch.Tensor,
+                          tiles: tuple[int, int, int, int, int] | None = None) -> torch.Tensor:
+    """x [T, D] bf16/fp16 (unit feature stride) and a weight [E, D] of x's dtype (unit feature stride) ->
+    split-K partial logits [S, T, E] fp32 (their sum over S, in order, is the logits: exact 16-bit products,
+    fp32 accumulation), for ``route_triton``. tiles: (tokens, experts, K step, warps, splits); default
+    ``split_tiles``."""
+    _check_operands("router_logit_partials", x, weight)
+    (T, D), E = x.shape, weight.shape[0]
+    if weight.dtype != x.dtype or weight.shape[1] != D or x.stride(1) != 1 or weight.stride(1) != 1:
+        raise ValueError(f"router_logit_partials: x {x.dtype} {tuple(x.shape)} and weight {weight.dtype} "
+                         f"{tuple(weight.shape)} need one dtype, one width and unit feature strides")
+    BM, BN, BK, warps, S = tiles or split_tiles(T, E, D)
+    KS = triton.cdiv(triton.cdiv(D, BK), S) * BK
+    S = triton.cdiv(D, KS)
+    out = torch.empty(S, T, E, dtype=torch.float32, device=x.device)
+    if T:
+        _logits_gemm_kernel[(triton.cdiv(T, BM), triton.cdiv(E, BN), S)](
+            x, weight, out, T, E, D, KS, x.stride(0), weight.stride(0), BM=BM, BN=BN, BK=BK, WIDE_W=False,
             UPCAST=INTERPRETING, num_warps=warps, **pdl(x))
     return out
