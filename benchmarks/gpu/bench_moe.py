@@ -12,6 +12,9 @@ floor = bytes / measured copy rate.
     ... --tokens=32,128: only these decode sizes (with the tile sweep unless --decode-only)
     ... --prefill-only: 512-8192 tokens (128-2048 rows an expert), the fused kernels' default tiles against
         the dequantize + torch._grouped_mm path, each against the FLOPs at the measured matmul rate
+    ... --compare=OLD_MOE_PY: beside each default-tile row, the kernels of another copy of
+        ``kimik3/ops/triton/moe.py`` (e.g. one that reads the checkpoint's byte order: it is given the codes
+        converted back with ``mxfp4.kernel_order``), checked and timed the same way ("compared" rows)
 """
 
 from __future__ import annotations
@@ -102,7 +105,20 @@ def dense_kernels(bw):
     return rows
 
 
+def compared_module():
+    """The module named by ``--compare=PATH`` (another copy of kimik3/ops/triton/moe.py), or None."""
+    path = next((a.split("=", 1)[1] for a in sys.argv if a.startswith("--compare=")), None)
+    if path is None:
+        return None
+    import importlib.util
+    spec = importlib.util.spec_from_file_location("moe_compared", path)
+    module = importlib.util.module_from_spec(spec)
+    spec.loader.exec_module(module)
+    return module
+
+
 def kernels(bw):
+    compared = compared_module()
     g = torch.Generator(device="cuda").manual_seed(0)
     w1, w3, w2 = packed(I, L, g), packed(I, L, g), packed(L, I, g)
     scale_max = max(int(w[1].max()) for w in (w1, w2, w3))
@@ -140,8 +156,14 @@ def kernels(bw):
                       dict(BM=64, BN1=64, BN2=128, BKH=64, warps=4, stages=4)]
         if decode_only:
             cands = [dict(base)]
+        if compared is not None:
+            cands += [dict(base, compared=True)]
         for cfg in cands:
             def fn(cfg=cfg):
+                if cfg.get("compared"):
+                    back = [(mxfp4.kernel_order(w[0]), w[1]) for w in (w1, w2, w3)]
+                    return compared.fused_moe_triton(x, *back, weights, ids, True, 4.0, 25.0,
+                                                     high_scales=scale_max > 128, tiles=dict(base))
                 return fused_moe_triton(x, w1, w2, w3, weights, ids, True, 4.0, 25.0,
                                         high_scales=scale_max > 128, tiles=cfg)
             timed = check_and_time(fn, ref, f"T={T} {cfg}", rows, {"T": T, "cfg": cfg})
