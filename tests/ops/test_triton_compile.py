@@ -114,8 +114,11 @@ def compile_mla_decode():
         tile = block_size if cfg.form == "paged" else cfg.bn
         compile_for_hopper(m._mla_decode_split_kernel, types, dict(common, BN=tile, BV=cfg.bv or 512, TRANS=cfg.trans,
                                                                    PAGED=cfg.form == "paged"), cfg.num_warps, cfg.num_stages)
-    compile_for_hopper(m._mla_decode_merge_kernel, {"part_o": "*fp32", "part_lse": "*fp32", "out": "*bf16"},
-                       dict(BR=512, BS=64), num_warps=4, num_stages=1)
+    from triton.tools.disasm import get_sass
+    merge = compile_for_hopper(m._mla_decode_merge_kernel, {"part_o": "*fp32", "part_lse": "*fp32", "out": "*bf16"},
+                               dict(BR=512, BS=m.MERGE_SPLITS), num_warps=4, num_stages=1)
+    sass = get_sass(merge.asm["cubin"])
+    assert " STL" not in sass and " LDL" not in sass         # the merge's tile stays in registers (no spills)
 
 
 def test_l2norm_kernel_compiles_for_hopper():

@@ -215,6 +215,30 @@ def test_mla_decode_kernel_matches_reference(max_len, sms, form, bs, bv, trans):
         assert rel_err(out[n], ref[n]) < 1e-2, n
 
 
+@pytest.mark.parametrize("S", [1, 7, 70], ids=["one_split", "one_chunk", "three_chunks"])
+def test_mla_decode_merge_matches_float64(S):
+    """Pass 2 alone: S split partials (outputs [BR], log2-sum-exps) of each (sequence, head) merged, BS
+    splits at a time, against the float64 softmax merge: the largest lse in a later chunk than the first
+    (the running sum must be rescaled), empty splits (lse -inf, outputs NaN: never read), one head whose
+    splits are all empty but one."""
+    from kimik3.ops.triton.mla_decode import MERGE_SPLITS, _mla_decode_merge_kernel
+    g = gen(S)
+    N, H, R, BR = 2, 3, 24, 32
+    lse = torch.randn(N * H, S, generator=g) * 4 + torch.linspace(0, 12, S)       # later splits weigh more
+    lse[:, 1::5] = float("-inf")
+    lse[1, :] = float("-inf")
+    lse[1, S // 2] = 3.0
+    part_o = torch.randn(N * H, S, BR, generator=g)
+    part_o[lse == float("-inf")] = float("nan")
+    w = torch.exp2(lse.double() - lse.double().max(-1, keepdim=True).values)
+    want = (w[..., None] * part_o.double().nan_to_num()).sum(1) / w.sum(1, keepdim=True)
+    out = torch.empty(N, H, R, dtype=BF16)
+    _mla_decode_merge_kernel[(N, H)](part_o.reshape(-1, BR), lse.reshape(-1), out, H, R, out.stride(0), out.stride(1),
+                                     S, BR=BR, BS=min(MERGE_SPLITS, triton.next_power_of_2(S)), PDL=False)
+    assert S <= MERGE_SPLITS or S > 2 * MERGE_SPLITS                   # the chunks the ids name
+    assert rel_err(out.reshape(N * H, R), want[:, :R]) < 8e-3           # one bf16 rounding
+
+
 @pytest.mark.parametrize("W", [4, 2])
 @pytest.mark.parametrize("lower_bound", [-5.0, None], ids=["bounded", "softplus"])
 def test_kda_decode_step_after_the_conv_matches_float64(lower_bound, W):

@@ -3,7 +3,7 @@
 Pass 1: program (sequence n, head block, split s) attends BH heads to the tokens of split s
 (all heads share the one latent "KV head", so a [BH, D_c] x [D_c, BN] product per cache tile)
 with an online softmax, and stores the normalised partial output and its log-sum-exp.
-Pass 2: program (n, head) merges the splits by their log-sum-exps.
+Pass 2: program (n, head) merges the splits by their log-sum-exps, a few at a time.
 Two forms of pass 1: "paged" walks one cache block per iteration (a 64-bit block base and the
 block's fixed 32-bit row offsets, hoisted out of the loop), for power-of-two block sizes of at
 least 16; "gather" loads BN token rows by 64-bit address each (any block size), the next tile's
@@ -138,17 +138,33 @@ def _mla_decode_split_kernel(q_lat, q_pe, cache, block_tables, seq_lens, part_o,
 @triton.jit
 def _mla_decode_merge_kernel(part_o, part_lse, out, H, R, stride_on, stride_oh, NUM_SPLITS,
                              BR: tl.constexpr, BS: tl.constexpr, PDL: tl.constexpr):
+    """Pass 2. Program (n, head) combines the splits BS at a time with a running log-sum-exp (a
+    [BS, BR] fp32 tile stays in registers; all splits of a long launch at once spilled from 65
+    splits on: 1,900 local loads and stores at 128, Triton 3.6); empty splits (lse -inf) are
+    neither read nor counted."""
     pdl_entry(PDL)
     n, h = tl.program_id(0), tl.program_id(1)
-    s = tl.arange(0, BS)
     r = tl.arange(0, BR)
     base = (n * H + h) * NUM_SPLITS
-    lse = tl.load(part_lse + base + s, mask=s < NUM_SPLITS, other=float("-inf"))
-    m = tl.max(lse, 0)
-    w = tl.where(lse == float("-inf"), 0.0, tl.exp2(lse - m))
-    o = tl.load(part_o + (base + s)[:, None].to(tl.int64) * BR + r[None, :], mask=(s < NUM_SPLITS)[:, None], other=0.0)
-    res = tl.sum(o * w[:, None], 0) / tl.sum(w, 0)
-    tl.store(out + n * stride_on + h * stride_oh + r, res.to(out.dtype.element_ty), mask=r < R)
+    m = tl.full([], float("-inf"), tl.float32)
+    den = tl.full([], 0.0, tl.float32)
+    acc = tl.zeros([BR], dtype=tl.float32)
+    for s0 in range(0, NUM_SPLITS, BS):
+        s = s0 + tl.arange(0, BS)
+        lse = tl.load(part_lse + base + s, mask=s < NUM_SPLITS, other=float("-inf"))
+        live = lse != float("-inf")
+        m_new = tl.maximum(m, tl.max(lse, 0))
+        alpha = tl.where(m_new == float("-inf"), 1.0, tl.exp2(m - m_new))
+        w = tl.where(live, tl.exp2(lse - m_new), 0.0)
+        o = tl.load(part_o + (base + s)[:, None].to(tl.int64) * BR + r[None, :], mask=live[:, None], other=0.0)
+        acc = acc * alpha + tl.sum(o * w[:, None], 0)
+        den = den * alpha + tl.sum(w, 0)
+        m = m_new
+    tl.store(out + n * stride_on + h * stride_oh + r, (acc / den).to(out.dtype.element_ty), mask=r < R)
+
+
+# Splits the merge combines at a time (its [MERGE_SPLITS, BR] fp32 tile: 64 x 512 compiled without spilling)
+MERGE_SPLITS = 32
 
 
 @dataclass(frozen=True)
@@ -226,6 +242,6 @@ def mla_decode_triton(q_latent: torch.Tensor, q_pe: torch.Tensor, cache: torch.T
         *args, BLOCK_SIZE=block_size, BH=BH, BR=BR, BP=BP, BN=tile, BV=BV, NUM_SPLITS=splits, PAGED=cfg.form == "paged", TRANS=cfg.trans,
         UPCAST=INTERPRETING, num_warps=cfg.num_warps, num_stages=cfg.num_stages, **pdl(q_latent))
     out = torch.empty(N, H, R, dtype=q_latent.dtype, device=q_latent.device)
-    _mla_decode_merge_kernel[(N, H)](part_o, part_lse, out, H, R, out.stride(0), out.stride(1),
-                                     BR=BR, NUM_SPLITS=splits, BS=triton.next_power_of_2(splits), **pdl(part_o))
+    _mla_decode_merge_kernel[(N, H)](part_o, part_lse, out, H, R, out.stride(0), out.stride(1), splits,
+                                     BR=BR, BS=min(MERGE_SPLITS, triton.next_power_of_2(splits)), **pdl(part_o))
     return out
