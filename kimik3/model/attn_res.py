@@ -5,7 +5,8 @@ sub-layer outputs of each block of ``block_size`` layers) and a running partial 
 current block. Each sub-layer reads a softmax mix of [b_0 .. b_k, P], normed by its input norm
 (``attn_res_mix_norm``: one pass on CUDA).
 Without attention residuals the same interface is the ordinary pre-norm residual stream, whose
-adds wait for the norm that reads them (``add_rms_norm``: one pass over both).
+adds wait for the norm that reads them (``add_rms_norm``: one pass over both; a MoE layer's routed and
+shared outputs come as two parts, summed in that same pass).
 """
 
 from __future__ import annotations
@@ -22,7 +23,7 @@ class ResidualStream:
         self.dtype = embedding.dtype
         self.blocks: list[torch.Tensor] = []
         self.partial: torch.Tensor | None = embedding   # b_0 is written at layer 0's boundary
-        self.pending: torch.Tensor | None = None        # plain stream: the last output, not yet added
+        self.pending: tuple = ()        # plain stream: the last output (one or two parts), not yet added
 
     def _mixed_input(self, norm_weight, proj_weight, consumer_weight) -> torch.Tensor:
         sources = self.blocks + ([self.partial] if self.partial is not None else [])
@@ -32,10 +33,11 @@ class ResidualStream:
 
     def _normed(self, weight) -> torch.Tensor:
         """The plain stream's norm, the pending add fused into it."""
-        if self.pending is None:
+        if not self.pending:
             return rms_norm(self.partial, weight, self.eps)
-        self.partial, y = add_rms_norm(self.partial, self.pending, weight, self.eps)
-        self.pending = None
+        residual, *second = self.pending
+        self.partial, y = add_rms_norm(self.partial, residual, weight, self.eps, *second)
+        self.pending = ()
         return y
 
     def attn_input(self, layer_id: int, layer) -> torch.Tensor:
@@ -53,16 +55,21 @@ class ResidualStream:
         return self._mixed_input(layer.mlp_res_norm.weight, layer.mlp_res_proj.weight,
                                  layer.post_attention_layernorm.weight)
 
-    def add(self, out: torch.Tensor) -> None:
-        """Add a sub-layer output (rounded to the model dtype after each add; in the plain stream
-        when the next norm reads it)."""
+    def add(self, out: torch.Tensor, part: torch.Tensor | None = None) -> None:
+        """Add a sub-layer output, out + part when it comes in two parts (their sum first; rounded to the
+        model dtype after each add; in the plain stream when the next norm reads it)."""
+        if part is not None and self.block_size is not None:
+            out, part = out + part, None
         if self.block_size is None:
-            self.pending = out
+            self.pending = (out,) if part is None else (out, part)
         else:
             self.partial = out if self.partial is None else self.partial + out
 
     def final(self, norm_weight=None, proj_weight=None) -> torch.Tensor:
         """h_final: the output mix over [b_0 .. b_last, P] (AttnRes) or the residual itself."""
         if self.block_size is None:
-            return self.partial if self.pending is None else self.partial + self.pending
+            if not self.pending:
+                return self.partial
+            residual, *second = self.pending
+            return self.partial + (residual + second[0] if second else residual)
         return attn_res_mix(self.blocks + [self.partial], norm_weight, proj_weight, self.eps).to(self.dtype)

@@ -66,8 +66,10 @@ class DecoderLayer(nn.Module):
             a = self.self_attn(x, batch, cache.mla_latent[row])
         stream.add(a)
         x = stream.mlp_input(self)
-        channel_mixer = self.block_sparse_moe if hasattr(self, "block_sparse_moe") else self.mlp
-        stream.add(channel_mixer(x))
+        if hasattr(self, "block_sparse_moe"):
+            stream.add(*self.block_sparse_moe.forward_parts(x))     # routed and shared outputs, added by the stream
+        else:
+            stream.add(self.mlp(x))
 
 
 class KimiModel(nn.Module):

@@ -158,8 +158,15 @@ class MoE(nn.Module):
         self.side_stream: torch.cuda.Stream | None = None      # set by KimiForCausalLM.use_side_stream
 
     def forward(self, x: torch.Tensor) -> torch.Tensor:
+        y, s = self.forward_parts(x)
+        return y if s is None else y + s
+
+    def forward_parts(self, x: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor | None]:
+        """The layer's output as (routed, shared) when it is their plain sum (one process, no routed
+        up-projection: Kimi-Linear), so the residual stream adds both in the norm that reads them
+        (``ResidualStream.add``); else (output, None)."""
         if self.par.tokens_sharded:
-            return self._forward_token_sharded(x)
+            return self._forward_token_sharded(x), None
         # Small batches leave the GPU half idle in each GEMV, so with a side stream two run at once:
         # the router (GEMM + top-k) beside the routed down-projection, then the shared experts
         # beside the routed experts. Same kernels and results as one stream. Memory: ``side``
@@ -181,7 +188,11 @@ class MoE(nn.Module):
         u = self._local_experts(z, weights, ids)
         if side is not None:
             main.wait_stream(side)
-        return self._tail(u, s) if self.par.enabled else self._finish(u, s)
+        if self.par.enabled:
+            return self._tail(u, s), None
+        if hasattr(self, "routed_expert_norm") or hasattr(self, "routed_expert_up_proj"):
+            return self._finish(u, s), None
+        return u, s
 
     def _route(self, x: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
         cfg = self.cfg

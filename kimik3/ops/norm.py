@@ -26,14 +26,16 @@ def rms_norm(x: torch.Tensor, weight: torch.Tensor, eps: float, dtype: torch.dty
     return y * weight.to(x.dtype)
 
 
-def add_rms_norm(x: torch.Tensor, residual: torch.Tensor, weight: torch.Tensor,
-                 eps: float) -> tuple[torch.Tensor, torch.Tensor]:
+def add_rms_norm(x: torch.Tensor, residual: torch.Tensor, weight: torch.Tensor, eps: float,
+                 residual2: torch.Tensor | None = None) -> tuple[torch.Tensor, torch.Tensor]:
     """(s, rms_norm(s)) for s = x + residual in x's dtype: a residual stream's add and the norm that
-    reads it. CUDA (same dtype and shape): one Triton kernel reads both once."""
-    if use_fast_kernel(x, residual, weight) and residual.dtype == x.dtype and residual.shape == x.shape:
+    reads it; with ``residual2``, s = x + (residual + residual2) (a sub-layer's output in two parts, their
+    sum rounded first). CUDA (same dtype and shape): one Triton kernel reads them all once."""
+    parts = (residual,) if residual2 is None else (residual, residual2)
+    if use_fast_kernel(x, *parts, weight) and all(r.dtype == x.dtype and r.shape == x.shape for r in parts):
         from kimik3.ops.triton.norm import KIMI, rms_norm_triton
-        return rms_norm_triton(x, weight, eps, KIMI, x.dtype, residual=residual)
-    s = x + residual
+        return rms_norm_triton(x, weight, eps, KIMI, x.dtype, residual=residual, residual2=residual2)
+    s = x + (residual if residual2 is None else residual + residual2)
     return s, rms_norm(s, weight, eps)
 
 

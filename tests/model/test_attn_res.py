@@ -56,3 +56,29 @@ def test_fused_norm_switch_is_within_one_bf16_ulp_of_the_official_rounding():
     assert not torch.equal(official, fused)                           # the switch does change the rounding
     ulp = torch.finfo(torch.bfloat16).eps * official.abs().clamp_min(2 ** -20)
     assert ((official - fused).abs() <= 2 * ulp + 1e-6).float().mean() > 0.99
+
+
+def test_plain_stream_adds_an_output_in_two_parts_as_their_sum():
+    """The plain pre-norm stream (Kimi-Linear) given a MoE layer's routed and shared outputs apart: the next
+    norm's input and the final residual are x + (routed + shared) in bf16, the same bits as the sum added
+    whole; the block stream sums the two parts first as well."""
+    g = torch.Generator().manual_seed(4)
+    D = 64
+    lay = layer(D, g)
+    h0 = torch.randn(6, D, generator=g).bfloat16()
+    a, routed, shared = (torch.randn(6, D, generator=g).bfloat16() for _ in range(3))
+    for block in (None, 4):
+        got, want = ResidualStream(h0, block, 1e-5, False), ResidualStream(h0, block, 1e-5, False)
+        for stream, parts in ((got, (routed, shared)), (want, (routed + shared,))):
+            stream.attn_input(0, lay)
+            stream.add(a)
+            stream.mlp_input(lay)
+            stream.add(*parts)
+        assert torch.equal(got.attn_input(1, lay), want.attn_input(1, lay))
+        got.add(a)
+        want.add(a)
+        assert torch.equal(got.mlp_input(lay), want.mlp_input(lay))
+        got.add(routed, shared)
+        want.add(routed + shared)
+        final = {} if block is None else dict(norm_weight=lay.mlp_res_norm.weight, proj_weight=lay.mlp_res_proj.weight)
+        assert torch.equal(got.final(**final), want.final(**final))

@@ -198,3 +198,19 @@ def test_loaded_vision_tower_keeps_its_fixed_time_table(tiny_ckpt):
     model = load_model(tiny_ckpt["kimi_k3"], dtype=torch.float32)
     pos = model.vision.vision_tower.patch_embed.pos_emb
     assert torch.equal(pos.time_weight, sincos_time_table(pos.num_frames, pos.weight.shape[-1]))
+
+
+@pytest.mark.parametrize("arch", ARCHS)
+def test_moe_parts_sum_to_the_layer_output(tiny_ckpt, arch):
+    """Kimi-Linear's MoE layers hand the residual stream their routed and shared outputs apart (summed in
+    the next norm's pass); K3's latent MoE (routed up-projection and norm after the sum) hands one output.
+    Either way the parts sum to the layer's output."""
+    from kimik3.model.moe import MoE
+    model = load_model(tiny_ckpt[arch], dtype=torch.float64)
+    x = torch.randn(5, model.config.text.hidden_size, dtype=torch.float64, generator=torch.Generator().manual_seed(0))
+    layers = [m for m in model.modules() if isinstance(m, MoE)]
+    assert layers
+    for moe in layers:
+        y, s = moe.forward_parts(x)
+        assert (s is not None) == (arch == "kimi_linear")
+        assert torch.equal(y if s is None else y + s, moe(x))

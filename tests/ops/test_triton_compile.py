@@ -138,13 +138,17 @@ def test_rms_norm_kernel_compiles_for_hopper():
 
 def compile_rms_norm():
     from kimik3.ops.triton import norm
-    for form, (x, w, y), res in ((norm.KIMI, ("bf16", "fp32", "bf16"), False), (norm.KIMI, ("bf16", "fp32", "bf16"), True),
-                                 (norm.KIMI, ("fp32", "fp32", "bf16"), False), (norm.FP32_WEIGHT, ("fp32", "fp32", "bf16"), False),
-                                 (norm.GATED, ("fp32", "fp32", "bf16"), False)):
+    for form, (x, w, y), res, res2 in ((norm.KIMI, ("bf16", "fp32", "bf16"), False, False),
+                                       (norm.KIMI, ("bf16", "fp32", "bf16"), True, False),
+                                       (norm.KIMI, ("bf16", "bf16", "bf16"), True, True),
+                                       (norm.KIMI, ("fp32", "fp32", "bf16"), False, False),
+                                       (norm.FP32_WEIGHT, ("fp32", "fp32", "bf16"), False, False),
+                                       (norm.GATED, ("fp32", "fp32", "bf16"), False, False)):
         for BD, BR in ((8192, 1), (128, 16)):
-            compile_for_hopper(norm._rms_norm_kernel, {"x": f"*{x}", "w": f"*{w}", "g": "*bf16", "r": f"*{x}", "s": f"*{x}",
-                                                       "y": f"*{y}", "eps": "fp32"},
-                               dict(FORM=form, HAS_RES=res, BR=BR, BD=BD), num_warps=8 if BD >= 4096 else 4, num_stages=1)
+            compile_for_hopper(norm._rms_norm_kernel, {"x": f"*{x}", "w": f"*{w}", "g": "*bf16", "r": f"*{x}", "r2": f"*{x}",
+                                                       "s": f"*{x}", "y": f"*{y}", "eps": "fp32"},
+                               dict(FORM=form, HAS_RES=res, HAS_RES2=res2, BR=BR, BD=BD), num_warps=8 if BD >= 4096 else 4,
+                               num_stages=1)
     for w in ("bf16", "fp32"):                    # MLA's cache rows: the latent's norm, the rope part, at the slot
         compile_for_hopper(norm._cache_latent_kernel, {"x": "*bf16", "w": f"*{w}", "slots": "*i64", "cache": "*bf16",
                                                        "eps": "fp32"}, dict(BD=512, BP=64), num_stages=1)
@@ -267,8 +271,8 @@ def compile_with_pdl():
         launched = re.findall(r"(_\w+_kernel)\[", src)
         assert all("PDL" in inspect.signature(getattr(mod, name).fn).parameters for name in launched), mod.__name__
         assert len(launched) == src.count("**pdl("), mod.__name__
-    cases = [(norm._rms_norm_kernel, {"x": "*bf16", "w": "*bf16", "g": "*bf16", "r": "*bf16", "s": "*bf16", "y": "*bf16",
-                                      "eps": "fp32"}, dict(FORM=0, HAS_RES=True, BR=1, BD=4096)),
+    cases = [(norm._rms_norm_kernel, {"x": "*bf16", "w": "*bf16", "g": "*bf16", "r": "*bf16", "r2": "*bf16", "s": "*bf16",
+                                      "y": "*bf16", "eps": "fp32"}, dict(FORM=0, HAS_RES=True, HAS_RES2=True, BR=1, BD=4096)),
              (router._route_kernel, {"logits_ptr": "*fp32", "bias_ptr": "*fp32", "weights_ptr": "*fp32", "ids_ptr": "*i64",
                                      "scaling": "fp32", "eps": "fp32"},
               dict(HAS_BIAS=True, SIGMOID=True, RENORM=True, TOP_K=8, BLOCK_K=8, GROUPS=1, TOPK_GROUP=1, BLOCK_G=1,

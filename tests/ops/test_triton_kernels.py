@@ -758,6 +758,27 @@ def test_rms_norm_kernel_residual_add_and_rounded_input(rows, D):
     assert torch.equal(rms_norm_triton(mix, w, 1e-5, KIMI, BF16), rms_norm_triton(base, w, 1e-5, KIMI, BF16))
 
 
+@pytest.mark.parametrize("rows,D", [(1, 2304), (37, 128)])
+def test_rms_norm_kernel_adds_two_residuals(rows, D):
+    """s = x + (r1 + r2) (a MoE layer's routed and shared outputs into the stream): each sum rounded to bf16,
+    against float64 within a bf16 step of the inner sum and of s (the interpreter truncates); the norm is of
+    the stored s; the CPU op (``add_rms_norm``) gives torch's roundings of the same order of sums."""
+    from kimik3.ops.norm import add_rms_norm
+    from kimik3.ops.triton.norm import KIMI, rms_norm_triton
+    g = gen(rows * D)
+    x, r1, r2 = ((torch.randn(rows, D, generator=g) * 3).to(BF16) for _ in range(3))
+    w = 1 + 0.3 * torch.randn(D, generator=g)
+    s, y = rms_norm_triton(x, w, 1e-5, KIMI, BF16, residual=r1, residual2=r2)
+    inner = r1.double() + r2.double()
+    s64 = x.double() + inner
+    assert ((s.double() - s64).abs() <= 2 ** -7 * (s64.abs() + inner.abs()) + 2 ** -7 * s.double().abs()).all()
+    assert torch.equal(y, rms_norm_triton(s, w, 1e-5, KIMI, BF16))      # the norm of the stored (rounded) sum
+    s_cpu, y_cpu = add_rms_norm(x, r1, w.to(BF16), 1e-5, residual2=r2)
+    assert torch.equal(s_cpu, x + (r1 + r2))
+    with pytest.raises(ValueError, match="residual2 needs residual"):
+        rms_norm_triton(x, w, 1e-5, KIMI, BF16, residual2=r2)
+
+
 def test_rms_norm_ops_take_the_kernel_on_the_fast_path(monkeypatch):
     """rms_norm / rms_norm_fp32_weight / gated_rms_norm route CUDA-class tensors to the kernel (the
     dispatch is checked here by pretending the fast path is on; float64 stays on the reference)."""

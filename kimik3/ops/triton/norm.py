@@ -8,7 +8,8 @@ of a decode step. Three forms, chosen at compile time:
 - ``GATED``: as ``FP32_WEIGHT`` times sigmoid(gate) (KDA's output norm).
 
 Optionally the row is first the sum of x and a residual (rounded to x's dtype, and stored: the
-residual stream's add fused into the norm that follows it). The row count is not specialised on, so every batch size runs one compiled kernel per (form, D,
+residual stream's add fused into the norm that follows it), or of x and two residuals r1 + r2 (their sum
+rounded first: a MoE layer's routed and shared outputs, added here rather than by a launch of their own). The row count is not specialised on, so every batch size runs one compiled kernel per (form, D,
 dtypes).
 
 ``cache_latent_triton``: MLA's new cache rows in one launch: the ``KIMI`` norm of each token's latent
@@ -37,16 +38,20 @@ def _kimi_norm(v, wv, D, eps, dtype: tl.constexpr):
     return n * wv.to(dtype).to(tl.float32)
 
 
-@triton.jit(do_not_specialize=["R", "sx", "sg", "sr"])
-def _rms_norm_kernel(x, w, g, r, s, y, R, D, sx, sg, sr, eps, FORM: tl.constexpr, HAS_RES: tl.constexpr,
-                     BR: tl.constexpr, BD: tl.constexpr, PDL: tl.constexpr):
+@triton.jit(do_not_specialize=["R", "sx", "sg", "sr", "sr2"])
+def _rms_norm_kernel(x, w, g, r, r2, s, y, R, D, sx, sg, sr, sr2, eps, FORM: tl.constexpr, HAS_RES: tl.constexpr,
+                     HAS_RES2: tl.constexpr, BR: tl.constexpr, BD: tl.constexpr, PDL: tl.constexpr):
     pdl_entry(PDL)
     rows = tl.program_id(0).to(tl.int64) * BR + tl.arange(0, BR)
     cols = tl.arange(0, BD)
     mask = (rows[:, None] < R) & (cols[None, :] < D)
     v = tl.load(x + rows[:, None] * sx + cols[None, :], mask=mask, other=0.0).to(tl.float32)
     if HAS_RES:                         # the residual sum x + r, rounded to its dtype, is stored and normed
-        v = (v + tl.load(r + rows[:, None] * sr + cols[None, :], mask=mask, other=0.0).to(tl.float32))
+        res = tl.load(r + rows[:, None] * sr + cols[None, :], mask=mask, other=0.0)
+        if HAS_RES2:                    # x + (r + r2), the inner sum rounded first
+            r2v = tl.load(r2 + rows[:, None] * sr2 + cols[None, :], mask=mask, other=0.0)
+            res = (res.to(tl.float32) + r2v.to(tl.float32)).to(s.dtype.element_ty)
+        v = (v + res.to(tl.float32))
         v = v.to(s.dtype.element_ty)
         tl.store(s + rows[:, None] * D + cols[None, :], v, mask=mask)
         v = v.to(tl.float32)
@@ -69,10 +74,12 @@ def _rows(t: torch.Tensor) -> torch.Tensor:
 
 
 def rms_norm_triton(x: torch.Tensor, weight: torch.Tensor, eps: float, form: int, out_dtype: torch.dtype,
-                    gate: torch.Tensor | None = None, residual: torch.Tensor | None = None):
+                    gate: torch.Tensor | None = None, residual: torch.Tensor | None = None,
+                    residual2: torch.Tensor | None = None):
     """x [..., D] (fp32/bf16/fp16), weight [D], gate like x (``GATED`` only) -> [..., D] in ``out_dtype``
     (``KIMI`` with a wider x: the norm of x rounded to ``out_dtype``). With ``residual`` (like x, same
-    dtype): the norm of s = x + residual rounded to x's dtype, returned as (s, y)."""
+    dtype): the norm of s = x + residual rounded to x's dtype, returned as (s, y); with ``residual2`` too
+    (like x): s = x + (residual + residual2), each sum rounded to x's dtype."""
     D = x.shape[-1]
     if weight.shape != (D,):
         raise ValueError(f"rms_norm_triton: weight shape {tuple(weight.shape)} does not match rows of {D}")
@@ -80,19 +87,23 @@ def rms_norm_triton(x: torch.Tensor, weight: torch.Tensor, eps: float, form: int
     gates = _rows(gate) if form == GATED else rows
     if form == GATED and gates.shape != rows.shape:
         raise ValueError(f"rms_norm_triton: gate shape {tuple(gate.shape)} does not match x {tuple(x.shape)}")
+    if residual2 is not None and residual is None:
+        raise ValueError("rms_norm_triton: residual2 needs residual")
     res = rows if residual is None else _rows(residual)
-    if residual is not None and (res.shape != rows.shape or residual.dtype != x.dtype):
-        raise ValueError(f"rms_norm_triton: residual {residual.dtype} {tuple(residual.shape)} does not match "
-                         f"x {x.dtype} {tuple(x.shape)}")
+    res2 = res if residual2 is None else _rows(residual2)
+    for name, t, flat in (("residual", residual, res), ("residual2", residual2, res2)):
+        if t is not None and (flat.shape != rows.shape or t.dtype != x.dtype):
+            raise ValueError(f"rms_norm_triton: {name} {t.dtype} {tuple(t.shape)} does not match "
+                             f"x {x.dtype} {tuple(x.shape)}")
     R = rows.shape[0]
     y = torch.empty(R, D, dtype=out_dtype, device=x.device)
     s = torch.empty(R, D, dtype=x.dtype, device=x.device) if residual is not None else y
     BD = triton.next_power_of_2(D)
     BR = max(1, min(64, 2048 // BD))
     if R:
-        _rms_norm_kernel[(triton.cdiv(R, BR),)](rows, weight.contiguous(), gates, res, s, y, R, D, rows.stride(0),
-                                               gates.stride(0), res.stride(0), float(eps), FORM=form,
-                                               HAS_RES=residual is not None, BR=BR, BD=BD,
+        _rms_norm_kernel[(triton.cdiv(R, BR),)](rows, weight.contiguous(), gates, res, res2, s, y, R, D, rows.stride(0),
+                                               gates.stride(0), res.stride(0), res2.stride(0), float(eps), FORM=form,
+                                               HAS_RES=residual is not None, HAS_RES2=residual2 is not None, BR=BR, BD=BD,
                                                num_warps=8 if BD >= 4096 else 4, **pdl(rows))
     if residual is not None:
         return s.view(x.shape), y.view(x.shape)
