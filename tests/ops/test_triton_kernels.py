@@ -184,9 +184,10 @@ def test_kda_decode_kernel_matches_float64(lower_bound, with_norm):
                          ids=["gather", "paged", "gather-half-columns", "paged-half-columns", "gather-half-columns-t",
                               "paged-t", "gather-t", "default"])
 @pytest.mark.parametrize("max_len,sms", [(23, 4), (4096, 64), (50, 1)], ids=["tight", "graph_pinned_long", "one_split"])
-def test_mla_decode_kernel_matches_reference(max_len, sms, form, bs, bv, trans):
+def test_mla_decode_kernel_matches_reference(max_len, sms, form, bs, bv, trans, monkeypatch):
     """max_len 4096: a launch sized for long sequences (CUDA graphs pin it to max_model_len) over
-    short ones: every sequence spreads over the splits, and a one-token sequence leaves most empty;
+    short ones: every sequence spreads over the splits, and a one-token sequence leaves most empty
+    (their partial outputs are never written nor read: the scratch comes NaN-filled);
     one SM: one split walks all of a sequence's blocks.
     Both forms of pass 1; the paged one with a feature width (P = 8) under its 16-wide tile; each
     also with programs that output half of the R latent columns (bv = 16), and with the products
@@ -208,6 +209,8 @@ def test_mla_decode_kernel_matches_reference(max_len, sms, form, bs, bv, trans):
     q_pe = torch.randn(N, H, P, generator=g).to(BF16)
     scale = 0.2
     ref = mla_decode_attention(q_lat.double(), q_pe.double(), cache.double(), tables, lens, R, scale)
+    real_empty = torch.empty
+    monkeypatch.setattr(torch, "empty", lambda *a, **k: real_empty(*a, **k).fill_(float("nan")))
     out = mla_decode_triton(q_lat, q_pe, cache, tables, torch.tensor(lens, dtype=torch.int32), max(max_len, *lens),
                             scale, num_sms=sms,
                             config=None if form == "default" else DecodeConfig(form=form, bh=16, bn=16, bv=bv, trans=trans))

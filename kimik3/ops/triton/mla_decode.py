@@ -126,12 +126,13 @@ def _mla_decode_split_kernel(q_lat, q_pe, cache, block_tables, seq_lens, part_o,
     base_o = (n * H + h) * NUM_SPLITS + s
     empty = l_i == 0.0
     lse = tl.where(empty, float("-inf"), m_i + tl.log2(tl.where(empty, 1.0, l_i)))                   # log2 units
+    live = mh & ~empty                    # an empty split's output is never read (the merge skips lse -inf)
     if TRANS:
         out = acc / tl.where(empty, 1.0, l_i)[None, :]                                                # [BV, BH]
-        tl.store(part_o + base_o[None, :].to(tl.int64) * BR + v[:, None], out, mask=mh[None, :])
+        tl.store(part_o + base_o[None, :].to(tl.int64) * BR + v[:, None], out, mask=live[None, :])
     else:
         out = acc / tl.where(empty, 1.0, l_i)[:, None]                                                # [BH, BV]
-        tl.store(part_o + base_o[:, None].to(tl.int64) * BR + v[None, :], out, mask=mh[:, None])
+        tl.store(part_o + base_o[:, None].to(tl.int64) * BR + v[None, :], out, mask=live[:, None])
     tl.store(part_lse + base_o, lse, mask=mh & (h * 0 + vb == 0))          # one column block stores it
 
 
