@@ -382,6 +382,10 @@ def check_rms_norm(T=77, seed=17) -> dict:
         s, y = add_rms_norm(x, gate, w, 1e-5)
         out[f"rms_norm.add_sum_exact.D{D}"] = float(not torch.equal(s, x + gate))
         out[f"rms_norm.add_norm_exact.D{D}"] = float(not torch.equal(y, rms_norm(x + gate, w, 1e-5)))
+        # a MoE layer's two parts added in the same pass: x + (r1 + r2), the bits of torch's two bf16 adds
+        s2, y2 = add_rms_norm(x, gate, w, 1e-5, residual2=x.flip(0))
+        out[f"rms_norm.add_two_parts_exact.D{D}"] = float(not torch.equal(s2, x + (gate + x.flip(0))))
+        out[f"rms_norm.add_two_parts_norm_exact.D{D}"] = float(not torch.equal(y2, rms_norm(s2, w, 1e-5)))
         mix = x.float() + 0.01 * gate.float()
         out[f"rms_norm.rounded_input_exact.D{D}"] = float(not torch.equal(rms_norm(mix, w, 1e-5, BF16),
                                                                           rms_norm(mix.to(BF16), w, 1e-5)))
