@@ -122,6 +122,8 @@ def kernels(bw):
     g = torch.Generator(device="cuda").manual_seed(0)
     w1, w3, w2 = packed(I, L, g), packed(I, L, g), packed(L, I, g)
     scale_max = max(int(w[1].max()) for w in (w1, w2, w3))
+    # the compared kernels read the checkpoint's byte order: the same weights converted back, once
+    back = [(mxfp4.kernel_order(w[0]), w[1]) for w in (w1, w2, w3)] if compared is not None else None
     per_expert = sum(t[0].numel() + t[1].numel() for t in (w1, w2, w3)) // E
     rows = []
     decode_only = "--decode-only" in sys.argv          # the default tiles at 1-128 tokens alone
@@ -161,7 +163,6 @@ def kernels(bw):
         for cfg in cands:
             def fn(cfg=cfg):
                 if cfg.get("compared"):
-                    back = [(mxfp4.kernel_order(w[0]), w[1]) for w in (w1, w2, w3)]
                     return compared.fused_moe_triton(x, *back, weights, ids, True, 4.0, 25.0,
                                                      high_scales=scale_max > 128, tiles=dict(base))
                 return fused_moe_triton(x, w1, w2, w3, weights, ids, True, 4.0, 25.0,
