@@ -47,8 +47,6 @@ results: dict = {}
 
 
 def packed(N, Kd, g):
-    """Random MXFP4 experts (codes [E, N, Kd/2] read in the kernels' byte order, scales [E, N, Kd/32]); their
-    dense values are ``mxfp4.dequantize(mxfp4.kernel_order(codes), scale)``."""
     codes = torch.randint(0, 256, (E, N, Kd // 2), generator=g, device="cuda", dtype=torch.uint8)
     base = 127 - round(math.log2(2 * math.sqrt(Kd)))
     scale = (base + torch.randint(-1, 2, (E, N, Kd // 32), generator=g, device="cuda")).to(torch.uint8)
@@ -139,7 +137,7 @@ def kernels(bw):
         d = [torch.zeros(E, *(w[0].shape[1], w[0].shape[2] * 2), dtype=torch.bfloat16, device="cuda") for w in (w1, w2, w3)]
         for e in used.tolist():
             for dst, w in zip(d, (w1, w2, w3)):
-                dst[e] = mxfp4.dequantize(mxfp4.kernel_order(w[0][e]), w[1][e], torch.bfloat16)
+                dst[e] = mxfp4.dequantize(w[0][e], w[1][e], torch.bfloat16)
         with reference_ops():
             ref = fused_moe(x, d[0], d[1], d[2], weights, ids, "situ", 4.0, 25.0, True)
         del d
@@ -194,8 +192,7 @@ def prefill_kernels(bw, mm):
     g = torch.Generator(device="cuda").manual_seed(5)
     w1, w3, w2 = packed(I, L, g), packed(I, L, g), packed(L, I, g)
     high = max(int(w[1].max()) for w in (w1, w2, w3)) > 128
-    d = [mxfp4.dequantize(mxfp4.kernel_order(w[0].reshape(-1, w[0].shape[-1])), w[1].reshape(-1, w[1].shape[-1]),
-                          torch.bfloat16)
+    d = [mxfp4.dequantize(w[0].reshape(-1, w[0].shape[-1]), w[1].reshape(-1, w[1].shape[-1]), torch.bfloat16)
          .view(E, w[0].shape[1], -1) for w in (w1, w2, w3)]
     per_expert = sum(t[0].numel() + t[1].numel() for t in (w1, w2, w3)) // E
     rows = []

@@ -156,7 +156,7 @@ def dense_twins(model) -> dict:
                     packed, scale = m.packed(which)
                     dst = getattr(d, which)
                     for e in range(E):
-                        dst[e].copy_(mxfp4.dequantize(mxfp4.kernel_order(packed[e]), scale[e], torch.bfloat16))
+                        dst[e].copy_(mxfp4.dequantize(packed[e], scale[e], torch.bfloat16))
             twins[name] = d
     return twins
 

@@ -53,8 +53,7 @@ class Experts(nn.Module):
     (``experts.{e}.w{1,2,3}``); ``load_expert`` places them.
 
     MXFP4 storage (``use_mxfp4_storage``, chosen by the loader on CUDA): w13/w2 hold the packed
-    uint8 codes [E, N, K/2] in the kernels' byte order (``mxfp4.kernel_order`` of the checkpoint's
-    ``weight_packed``) and ``w13_scale`` / ``w2_scale`` the E8M0 scales [E, N, K/32]; the kernels
+    uint8 codes [E, N, K/2] and ``w13_scale`` / ``w2_scale`` the E8M0 scales [E, N, K/32]; the kernels
     dequantize on the fly (a quarter of the bytes of bf16). ``scale_max`` is the largest scale
     code placed so far (None: unknown, e.g. buffers written directly; the kernels then assume any)."""
 
@@ -113,8 +112,7 @@ class Experts(nn.Module):
 
     def load_expert_mxfp4(self, expert: int, which: str, packed: torch.Tensor, scale: torch.Tensor,
                           name: str) -> None:
-        """Place a checkpoint's MXFP4 pair (packed storage: the codes in ``mxfp4.kernel_order``, the scales as
-        they are), or dequantized (dense storage)."""
+        """Place a checkpoint's MXFP4 pair as is (packed storage), or dequantized (dense storage)."""
         if not self.mxfp4:
             return self.load_expert(expert, which, mxfp4.dequantize(packed, scale, torch.float32, name=name), name)
         n, half = packed.shape
@@ -126,7 +124,7 @@ class Experts(nn.Module):
         if top == 255:
             raise ValueError(f"{name}: weight_scale holds 255, the E8M0 NaN encoding")
         self.scale_max = max(self.scale_max or 0, top)
-        getattr(self, which).data[expert - self.first_expert].copy_(mxfp4.kernel_order(packed))
+        getattr(self, which).data[expert - self.first_expert].copy_(packed)
         getattr(self, f"{which}_scale")[expert - self.first_expert].copy_(scale)
 
 

@@ -41,8 +41,7 @@ def fused_moe_mxfp4(x: torch.Tensor, w1: tuple[torch.Tensor, torch.Tensor], w2: 
                     hidden_act: str, beta: float, linear_beta: float | None, combine_fp32: bool,
                     scale_max: int | None = None) -> torch.Tensor:
     """Same function with MXFP4 experts: w1, w3 = (packed uint8 [E, I, L/2], scale uint8 [E, I, L/32]),
-    w2 = (packed [E, L, I/2], scale [E, L, I/32]), the codes in ``mxfp4.kernel_order`` (the CUDA kernels'
-    byte order; ``Experts`` stores them so). ``hidden_act`` "situ" (beta, linear_beta) or "silu".
+    w2 = (packed [E, L, I/2], scale [E, L, I/32]). ``hidden_act`` "situ" (beta, linear_beta) or "silu".
     ``scale_max``: the largest E8M0 scale code in the weights when known (None: any); the CUDA
     dequantization is one multiply cheaper when it is <= 128.
     CUDA (bf16 x): the Triton kernels always combine in fp32 with one rounding."""
@@ -54,7 +53,7 @@ def fused_moe_mxfp4(x: torch.Tensor, w1: tuple[torch.Tensor, torch.Tensor], w2: 
 
     def weight(e, which):
         packed, scale = (w1, w2, w3)[which - 1]
-        return mxfp4.dequantize(mxfp4.kernel_order(packed[e]), scale[e], x.dtype, name=f"expert {e} w{which}")
+        return mxfp4.dequantize(packed[e], scale[e], x.dtype, name=f"expert {e} w{which}")
 
     return _expert_loop(x, weight, weights, ids, act, combine_fp32)
 

@@ -2,10 +2,6 @@
 
 weight_packed uint8 [N, K/2]: byte j of a row holds element 2j in the low nibble and 2j+1 in
 the high nibble. weight_scale uint8 [N, K/32]: W[n, k] = E2M1(code) * 2**(scale[n, k//32] - 127).
-
-The CUDA expert kernels read the codes in ``kernel_order``: each two bytes hold elements 4m, 4m + 1 in
-their low nibbles and 4m + 2, 4m + 3 in their high nibbles, so the kernels' expansion of two bytes'
-low (or high) nibbles is a pair of consecutive elements, as the tensor cores take them.
 """
 
 from __future__ import annotations
@@ -29,18 +25,6 @@ def pack_codes(codes: torch.Tensor) -> torch.Tensor:
         raise ValueError(f"MXFP4 rows need an even number of elements, got {codes.shape[-1]}")
     pairs = codes.view(*codes.shape[:-1], -1, 2)
     return (pairs[..., 0] | (pairs[..., 1] << 4)).to(torch.uint8)
-
-
-def kernel_order(packed: torch.Tensor) -> torch.Tensor:
-    """Checkpoint byte order <-> ``kernel_order`` (an involution: the same call converts back). uint8
-    [..., K/2] with K/2 even: in each two bytes (b0, b1) the high nibble of b0 and the low nibble of b1
-    trade places."""
-    if packed.dtype != torch.uint8 or packed.shape[-1] % 2:
-        raise ValueError(f"kernel_order takes uint8 codes with an even number of bytes a row, got {packed.dtype} "
-                         f"{tuple(packed.shape)}")
-    pairs = packed.view(*packed.shape[:-1], -1, 2)
-    b0, b1 = pairs[..., 0], pairs[..., 1]
-    return torch.stack(((b0 & 0x0F) | (b1 << 4), (b0 >> 4) | (b1 & 0xF0)), dim=-1).view(packed.shape)
 
 
 def dequantize(packed: torch.Tensor, scale: torch.Tensor, dtype: torch.dtype = torch.float32,

@@ -224,14 +224,13 @@ def check_mla_prefill(lens=(300, 1, 77), ctx=(0, 40, 129), H=16, R=512, P=64, dn
 
 
 def _packed(E, N, K, g, shift=0):
-    """Random codes (all 16 E2M1 values; packed in the kernels' byte order, ``mxfp4.kernel_order``) and
-    scales around 1/(2 sqrt(K)) times 2**shift; their dense values from the format's definition."""
+    """Random codes (all 16 E2M1 values) and scales around 1/(2 sqrt(K)) times 2**shift."""
     codes = torch.randint(0, 16, (E * N, K), generator=g, device="cuda", dtype=torch.uint8)
     base = 127 - round(math.log2(2 * math.sqrt(K))) + shift
     scale = (base + torch.randint(-1, 2, (E * N, K // 32), generator=g, device="cuda")).to(torch.uint8)
     packed = mxfp4.pack_codes(codes)
     dense = mxfp4.dequantize(packed, scale, F32).view(E, N, K)
-    return (mxfp4.kernel_order(packed).view(E, N, K // 2), scale.view(E, N, K // 32)), dense
+    return (packed.view(E, N, K // 2), scale.view(E, N, K // 32)), dense
 
 
 def check_moe(T=37, E=16, L=512, I=384, k=4, seed=4, shift=0, tell_scale_max=False) -> dict:

@@ -94,19 +94,6 @@ def test_mxfp4_scale_and_errors():
         mxfp4.dequantize(packed, torch.zeros(2, 2, dtype=torch.uint8))
 
 
-def test_mxfp4_kernel_order_pairs_consecutive_elements_and_converts_back():
-    """Every byte pair: elements 4m, 4m + 1 in the low nibbles, 4m + 2, 4m + 3 in the high ones (from the
-    codes, not from the function's own inverse); the same call converts back; odd rows are refused."""
-    pairs = torch.arange(1 << 16, dtype=torch.int64).view(-1, 1)
-    packed = torch.cat([pairs & 0xFF, pairs >> 8], dim=1).to(torch.uint8)        # every (b0, b1)
-    codes = mxfp4.unpack_codes(packed)                                          # [65536, 4]: e0 .. e3
-    k = mxfp4.kernel_order(packed)
-    assert torch.equal(k & 0x0F, codes[:, :2]) and torch.equal(k >> 4, codes[:, 2:])
-    assert torch.equal(mxfp4.kernel_order(k), packed)
-    with pytest.raises(ValueError, match="even number of bytes"):
-        mxfp4.kernel_order(torch.zeros(2, 3, dtype=torch.uint8))
-
-
 def test_mxfp4_k3_expert_shapes_and_quantize_exact_on_grid():
     from kimik3.inspect import stored_bytes
     stored = predicted = 0

@@ -354,13 +354,11 @@ def test_cache_latent_reference_path_is_the_norm_then_the_copy():
 
 # ---- MoE MXFP4 ---------------------------------------------------------------------------
 def _packed_experts(E, N, K, g):
-    """Random MXFP4 experts: ((codes in the kernels' byte order [E, N, K/2], scales [E, N, K/32]), their
-    dense bf16 values from the format's definition)."""
     codes = torch.randint(0, 16, (E * N, K), generator=g, dtype=torch.uint8)
     scale = (127 - round(math.log2(2 * math.sqrt(K))) + torch.randint(-1, 2, (E * N, K // 32), generator=g)).to(torch.uint8)
     packed = mxfp4.pack_codes(codes)
     dense = mxfp4.dequantize(packed, scale, BF16).view(E, N, K)
-    return (mxfp4.kernel_order(packed).view(E, N, K // 2), scale.view(E, N, K // 32)), dense
+    return (packed.view(E, N, K // 2), scale.view(E, N, K // 32)), dense
 
 
 @pytest.mark.parametrize("T", [1, 3, 40], ids=["T1", "T3", "T40"])
@@ -498,8 +496,8 @@ def test_sort_by_expert_layout(T, E, k, BM, kernel, monkeypatch):
 
 @pytest.mark.parametrize("high", [False, True], ids=["scales_to_128", "high_scales"])
 def test_dequantize_mxfp4_kernel_is_exact(high):
-    """The prefill path's dequantization kernel (codes in the kernels' byte order) against
-    ``mxfp4.dequantize`` (the format's definition, checkpoint order), bit for bit, into a strided output (the second half of a [E, 2N, K] scratch, as gate | up fills it)
+    """The prefill path's dequantization kernel against ``mxfp4.dequantize`` (the format's definition),
+    bit for bit, into a strided output (the second half of a [E, 2N, K] scratch, as gate | up fills it)
     poisoned first; rows and bytes past whole tiles; scale codes up to 140 with ``high``."""
     from kimik3.ops.triton.moe import dequantize_mxfp4
     g = gen(31 + high)
@@ -510,8 +508,7 @@ def test_dequantize_mxfp4_kernel_is_exact(high):
     packed = mxfp4.pack_codes(codes)
     want = mxfp4.dequantize(packed, scale, torch.float64).view(E, N, K)
     out = torch.full((E, 2 * N, K), float("nan"), dtype=BF16)
-    dequantize_mxfp4(mxfp4.kernel_order(packed).view(E, N, K // 2), scale.view(E, N, K // 32), out[:, N:],
-                     high_scales=high)
+    dequantize_mxfp4(packed.view(E, N, K // 2), scale.view(E, N, K // 32), out[:, N:], high_scales=high)
     assert torch.equal(out[:, N:].double(), want)
     assert out[:, :N].isnan().all()
 

@@ -7,10 +7,9 @@ weights are read once per column tile).
   2. down:    y_r = h W2_e^T, written per assignment r = t * top_k + j (activation dtype, unweighted);
   3. combine: out_t = sum_j weights[t, j] * y_{t*top_k+j} in fp32, one rounding.
 The weight format is a compile-time parameter (MXFP4): dense weights [E, N, K] are loaded as
-tiles; MXFP4 weights stay packed: uint8 [E, N, K/2] in ``mxfp4.kernel_order`` (bytes 2m, 2m + 1 hold
-elements 4m, 4m + 1 in their low nibbles, 4m + 2, 4m + 3 in their high ones) and E8M0 scales uint8
-[E, N, K/32]; each K-step loads its bytes along the contiguous axis, expands them to a bf16 [BN, BK]
-tile in registers and feeds the tensor cores.
+tiles; MXFP4 weights stay packed: uint8 [E, N, K/2] (element 2i in the low nibble of byte i) and
+E8M0 scales uint8 [E, N, K/32]; each K-step loads its bytes along the contiguous axis, expands
+them to a bf16 [BN, BK] tile in registers and feeds the tensor cores.
 The alignment, the GEMMs and the combine are device work only (no host synchronisation), so
 decode steps capture into CUDA graphs.
 Reference: ``kimik3.ops.moe.fused_moe`` / ``fused_moe_mxfp4``.
@@ -66,8 +65,8 @@ def _scales(scale_ptr, kh, KH, mn, G: tl.constexpr):
 @triton.jit
 def _dequant_tile(packed_ptr, sc, kh, KH, mn, BN: tl.constexpr, BKH: tl.constexpr,
                   ASM: tl.constexpr, HIGH_SCALES: tl.constexpr):
-    """Packed bytes kh..kh+BKH (``mxfp4.kernel_order``) of BN rows, scale codes sc [BN, BKH / 16] -> bf16
-    weights [BN, 2*BKH] in element order (``_in_k_order``).
+    """Packed bytes kh..kh+BKH of BN rows, scale codes sc [BN, BKH / 16] -> bf16 weights
+    [BN, 2*BKH] in element order.
 
     ASM (CUDA): the integer bit placement above. Otherwise (Triton's CPU interpreter, which runs
     no PTX): a nibble's magnitude bits placed at fp16 bits 11..9 (sign at 15) read as that E2M1
@@ -88,26 +87,14 @@ def _dequant_tile(packed_ptr, sc, kh, KH, mn, BN: tl.constexpr, BKH: tl.constexp
             f = _bf16_bits((sc + 126) << 7, BN, G)
             lo, hi = tl.inline_asm_elementwise(ASM_LOW, "=r,=r,=r,=r,r,r,r", [b, f],
                                                dtype=(tl.bfloat16, tl.bfloat16), is_pure=True, pack=4)
-        return _in_k_order(lo, hi, BN, BKH)
+        return tl.reshape(tl.join(lo, hi), (BN, 2 * BKH))
     b = b.to(tl.uint16)
     lo = (((b & 0x07) << 9) | ((b & 0x08) << 12)).to(tl.float16, bitcast=True).to(tl.float32)
     hi = (((b & 0x70) << 5) | ((b & 0x80) << 8)).to(tl.float16, bitcast=True).to(tl.float32)
     factor = ((sc + 14) << 23).to(tl.float32, bitcast=True)                              # [BN, G]
     factor = tl.reshape(tl.broadcast_to(factor[:, :, None], (BN, G, 16)), (BN, BKH))
-    return _in_k_order(lo * factor, hi * factor, BN, BKH).to(tl.bfloat16)
-
-
-@triton.jit
-def _in_k_order(lo, hi, BN: tl.constexpr, BKH: tl.constexpr):
-    """The values of the low and the high nibbles [BN, BKH] of bytes in ``mxfp4.kernel_order`` -> the
-    weights [BN, 2 BKH] in element order: element 4m + 2 s + j is nibble s (0 low, 1 high) of byte 2m + j.
-    The ASM expansion writes the low (high) nibbles of two neighbouring bytes into one register, which
-    is then the pair of consecutive elements (4m, 4m + 1) or (4m + 2, 4m + 3) an MMA operand register
-    holds: the checkpoint's order would pair elements 4m and 4m + 2 and cost a byte permute per
-    register to re-pair (64 of the 613 instructions of the Hopper K loop, Triton 3.6)."""
-    lo = tl.reshape(lo, (BN, BKH // 2, 2))
-    hi = tl.reshape(hi, (BN, BKH // 2, 2))
-    return tl.reshape(tl.permute(tl.join(lo, hi), (0, 1, 3, 2)), (BN, 2 * BKH))
+    w = tl.join(lo * factor, hi * factor)                                               # [BN, BKH, 2]
+    return tl.reshape(w, (BN, 2 * BKH)).to(tl.bfloat16)
 
 
 @triton.jit
@@ -159,9 +146,8 @@ def _dequant_kernel(packed, scale, out, N, KH, stride_p_e, stride_p_n, stride_s_
 
 
 def dequantize_mxfp4(packed: torch.Tensor, scale: torch.Tensor, out: torch.Tensor, high_scales: bool = True) -> None:
-    """MXFP4 experts (packed uint8 [E, N, K/2] in ``mxfp4.kernel_order``, E8M0 scales uint8 [E, N, K/32]; any
-    expert and row strides, unit inner stride) dequantized into ``out`` bf16 [E, N, K] (unit inner stride),
-    exactly."""
+    """MXFP4 experts (packed uint8 [E, N, K/2], E8M0 scales uint8 [E, N, K/32]; any expert and row strides,
+    unit inner stride) dequantized into ``out`` bf16 [E, N, K] (unit inner stride), exactly."""
     E, N, KH = packed.shape
     if out.shape != (E, N, 2 * KH) or out.dtype != torch.bfloat16 or scale.shape != (E, N, KH // 16):
         raise ValueError(f"dequantize_mxfp4: packed {tuple(packed.shape)}, scale {tuple(scale.shape)} and out "
@@ -494,8 +480,7 @@ def fused_moe_triton(x: torch.Tensor, w1, w2, w3, weights: torch.Tensor, ids: to
                      tiles: dict | None = None) -> torch.Tensor:
     """x [T, L] bf16 or fp16; weights [T, k] fp32; ids [T, k]. Returns [T, L] in x's dtype.
     Dense experts: w1, w3 [E, I, L], w2 [E, L, I] in x's dtype. MXFP4 experts (bf16 x): each of
-    w1, w3 = (packed [E, I, L/2], scale [E, I, L/32]), w2 = (packed [E, L, I/2], scale [E, L, I/32]), the
-    codes in ``mxfp4.kernel_order``.
+    w1, w3 = (packed [E, I, L/2], scale [E, I, L/32]), w2 = (packed [E, L, I/2], scale [E, L, I/32]).
     high_scales: some E8M0 scale may exceed 128 (the dequantization takes two multiplies; False is
     only valid when every scale is <= 128). One token with dense experts (``ONE_TOKEN_GEMV``): two streaming
     launches (``kimik3.ops.triton.gemv.one_token_experts``). tiles: override the tile choice (benchmarks; with
