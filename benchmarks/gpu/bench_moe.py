@@ -12,9 +12,8 @@ floor = bytes / measured copy rate.
     ... --tokens=32,128: only these decode sizes (with the tile sweep unless --decode-only)
     ... --prefill-only: 512-8192 tokens (128-2048 rows an expert), the fused kernels' default tiles against
         the dequantize + torch._grouped_mm path, each against the FLOPs at the measured matmul rate
-    ... --compare=OLD_MOE_PY: beside each default-tile row, the kernels of another copy of
-        ``kimik3/ops/triton/moe.py`` (e.g. one that reads the checkpoint's byte order: it is given the codes
-        converted back with ``mxfp4.kernel_order``), checked and timed the same way ("compared" rows)
+    ... --compare=OTHER_MOE_PY: beside each default-tile row, the kernels of another copy of
+        ``kimik3/ops/triton/moe.py`` on the same weights, checked and timed the same way ("compared" rows)
 """
 
 from __future__ import annotations
@@ -120,8 +119,6 @@ def kernels(bw):
     g = torch.Generator(device="cuda").manual_seed(0)
     w1, w3, w2 = packed(I, L, g), packed(I, L, g), packed(L, I, g)
     scale_max = max(int(w[1].max()) for w in (w1, w2, w3))
-    # the compared kernels read the checkpoint's byte order: the same weights converted back, once
-    back = [(mxfp4.kernel_order(w[0]), w[1]) for w in (w1, w2, w3)] if compared is not None else None
     per_expert = sum(t[0].numel() + t[1].numel() for t in (w1, w2, w3)) // E
     rows = []
     decode_only = "--decode-only" in sys.argv          # the default tiles at 1-128 tokens alone
@@ -161,7 +158,7 @@ def kernels(bw):
         for cfg in cands:
             def fn(cfg=cfg):
                 if cfg.get("compared"):
-                    return compared.fused_moe_triton(x, *back, weights, ids, True, 4.0, 25.0,
+                    return compared.fused_moe_triton(x, w1, w2, w3, weights, ids, True, 4.0, 25.0,
                                                      high_scales=scale_max > 128, tiles=dict(base))
                 return fused_moe_triton(x, w1, w2, w3, weights, ids, True, 4.0, 25.0,
                                         high_scales=scale_max > 128, tiles=cfg)

@@ -27,8 +27,11 @@ ROUTER_LOGITS_MAX_TOKENS = 64
 # ``route_tokens`` with a 16-bit weight from ROUTER_SPLIT_MIN_TOKENS to ROUTER_SPLIT_MAX_TOKENS tokens: split-K
 # partial logits (``triton/router.py: router_logit_partials``) that the routing kernel sums, in place of the
 # SIMT kernel (4.4-8.0 us at 8-16 tokens x 64-256 experts, 19-25 at 896) or the unsplit GEMM (13.8 / 5.4 us at
-# D = 7168 / 2304, a latency-bound walk over the width). Not yet timed on a GPU (bench_router_align.py --split).
-ROUTER_SPLIT_MIN_TOKENS = 8
+# D = 7168 / 2304, a latency-bound walk over the width). The bounds sit just past / at powers of two, so a step and
+# the CUDA graph it is padded to (``cuda_graphs.graph_batch_sizes``: 1, 2, 4, 8, ...) take the same path and
+# the same bits (an eager step of 5-7 tokens and its 8-row graph both split; otherwise a greedy token could
+# differ between the two at an expert near-tie: seen on the H100 at 7f26387).
+ROUTER_SPLIT_MIN_TOKENS = 5
 ROUTER_SPLIT_MAX_TOKENS = 256
 ROUTER_LOGITS_MAX_TOKENS_LARGE = 16
 ROUTER_LOGITS_GEMM_MIN_LOGITS = 1 << 20
@@ -58,6 +61,11 @@ def router_logits(x: torch.Tensor, weight: torch.Tensor) -> torch.Tensor:
     return x.to(acc) @ weight.to(acc).t()
 
 
+def splits_logits(num_tokens: int) -> bool:
+    """Whether ``route_tokens`` takes split-K logits for a step of this many tokens (on the fast path)."""
+    return ROUTER_SPLIT_MIN_TOKENS <= num_tokens <= ROUTER_SPLIT_MAX_TOKENS
+
+
 def route_tokens(x: torch.Tensor, weight: torch.Tensor, bias: torch.Tensor | None, top_k: int, activation: str,
                  num_expert_group: int, topk_group: int, renormalize: bool, scaling_factor: float,
                  renorm_eps: float) -> tuple[torch.Tensor, torch.Tensor]:
@@ -67,8 +75,8 @@ def route_tokens(x: torch.Tensor, weight: torch.Tensor, bias: torch.Tensor | Non
     accuracy; the logits are never stored whole)."""
     T, E = x.shape[0], weight.shape[0]
     if (use_fast_path(x) and x.dim() == 2 and x.dtype in (torch.bfloat16, torch.float16) and weight.dtype == x.dtype
-            and ROUTER_SPLIT_MIN_TOKENS <= T <= ROUTER_SPLIT_MAX_TOKENS and E <= 4096 and x.stride(1) == 1
-            and weight.stride(1) == 1 and weight.shape[1] == x.shape[1]):
+            and splits_logits(T) and E <= 4096 and x.stride(1) == 1 and weight.stride(1) == 1
+            and weight.shape[1] == x.shape[1]):
         from kimik3.ops.triton.router import route_triton, router_logit_partials
         return route_triton(router_logit_partials(x, weight), bias, top_k, activation, num_expert_group, topk_group,
                             renormalize, scaling_factor, renorm_eps)

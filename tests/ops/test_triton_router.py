@@ -279,6 +279,24 @@ def test_split_tiles_cover_the_width_with_enough_programs():
             assert S > 1 and per >= SPLIT_MIN_STEPS and (S - 1) * per < steps, (D, E, T, S)
 
 
+def test_a_step_and_its_padded_graph_route_alike():
+    """An eager step of T tokens and the CUDA graph it is padded to (the decode ladder of 256 sequences) take
+    the same logits path and the same split tiles, so a row's logits have the same bits in both: where they
+    did not (unsplit at 5-7 tokens, split at 8), a greedy token differed between eager and graph steps on the
+    H100 at an expert near-tie."""
+    from kimik3.model.cuda_graphs import graph_batch_sizes, padded_batch_size
+    from kimik3.ops.router import splits_logits
+    from kimik3.ops.triton.router import split_tiles
+    sizes = graph_batch_sizes(256)
+    for T in range(1, 257):
+        padded = padded_batch_size(T, sizes)
+        assert splits_logits(T) == splits_logits(padded), (T, padded)
+        for D, E in ((7168, 64), (7168, 896), (2304, 256)):
+            if splits_logits(T):
+                (bm, _, _, _, s), (bm_p, _, _, _, s_p) = split_tiles(T, E, D), split_tiles(padded, E, D)
+                assert (bm, s) == (bm_p, s_p), (T, padded, D, E)
+
+
 @pytest.mark.parametrize("E,k,groups,topk_group,D", [(64, 16, 1, 1, 1032), (256, 8, 1, 1, 1160),
                                                      (32, 4, 4, 2, 1032)], ids=["k3_like", "kimi_linear", "grouped"])
 def test_route_tokens_matches_float64_routing(E, k, groups, topk_group, D, monkeypatch):

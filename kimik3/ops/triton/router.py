@@ -247,7 +247,9 @@ SPLIT_TARGET_PROGRAMS = 128
 
 
 def split_tiles(T: int, E: int, D: int) -> tuple[int, int, int, int, int]:
-    """(tokens, experts, K step, warps, splits) of ``router_logit_partials`` for T tokens, E experts, width D."""
+    """(tokens, experts, K step, warps, splits) of ``router_logit_partials`` for T tokens, E experts, width D,
+    sized by the next power of two of T: a step and the CUDA graph it is padded to split alike (same bits)."""
+    T = triton.next_power_of_2(T)
     BM = 16 if T <= 16 else 32 if T <= 32 else 64
     BN = 16 if E <= 64 else 32 if E <= 256 else 64
     BK = 128

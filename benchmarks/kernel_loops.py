@@ -1,0 +1,110 @@
+"""Instructions in the K loop of the MXFP4 expert kernels, from their Hopper (sm_90) compile on this
+machine (no GPU: Triton's compiler, the ptxas and nvdisasm it ships). The loops are issue-bound at
+decode sizes (benchmarks/RESULTS.md: the integer expansion alone is half the measured time), so the
+count per K step is a proxy for their time, which only a GPU run measures (``bench_moe.py``).
+
+Per tile configuration of ``kimik3.ops.triton.moe._tiles`` (rows an expert -> BM, BN, BKH, warps,
+stages): the gate/up and down kernels' loop bodies, total and by opcode class; ``--compare FILE``
+also compiles the kernels of another copy of ``moe.py`` (e.g. ``git show HEAD~1:kimik3/ops/triton/moe.py``)
+for the before / after columns. Run with the Triton the GPU has (3.6: ``pip install --target DIR
+triton==3.6.0`` and ``PYTHONPATH=DIR:.``); other versions compile other loops.
+
+    PYTHONPATH=. python benchmarks/kernel_loops.py [--compare OLD_MOE_PY]   (writes $OUT/kernel_loops.json)
+"""
+
+from __future__ import annotations
+
+import argparse
+import collections
+import datetime
+import importlib.util
+import re
+import sys
+from pathlib import Path
+
+ROOT = Path(__file__).resolve().parents[1]
+sys.path.insert(0, str(ROOT))
+
+import triton                                                           # noqa: E402
+from triton.backends.compiler import GPUTarget                          # noqa: E402
+from triton.compiler import ASTSource                                   # noqa: E402
+from triton.tools.disasm import get_sass                                # noqa: E402
+
+from benchmarks.common import commit_id, log, save_results             # noqa: E402
+
+TYPES = {"x": "*bf16", "h": "*bf16", "y": "*bf16", "sorted_rows": "*i64", "block_expert": "*i64",
+         "beta": "fp32", "linear_beta": "fp32", **{f"w{i}{k}": "*u8" for i in (1, 2, 3) for k in "ps"}}
+# integer arguments Triton specialises as multiples of 16 at run time (the K3 shapes are)
+DIVISIBLE = {"I", "KH", "L", "stride_x", "stride_wp_e", "stride_wp_n", "stride_ws_e", "stride_ws_n", "stride_h",
+             "stride_y"}
+ROWS_PER_EXPERT = (8, 32, 128, 512)          # K3 slice decode at 32 / 128 tokens, then prefill-sized
+
+
+def compile_kernel(kernel, constexprs: dict, warps: int, stages: int):
+    params = list(kernel.arg_names)
+    sig = {p: "constexpr" if p in constexprs else TYPES.get(p, "i32") for p in params}
+    attrs = {(i,): [["tt.divisibility", 16]] for i, p in enumerate(params)
+             if p not in constexprs and (sig[p].startswith("*") or p in DIVISIBLE)}
+    src = ASTSource(fn=kernel, signature=sig, constexprs={(params.index(k),): v for k, v in constexprs.items()},
+                    attrs=attrs)
+    return triton.compile(src, target=GPUTarget("cuda", 90, 32), options={"num_warps": warps, "num_stages": stages})
+
+
+def loop_body(sass: str) -> list[str]:
+    """The instructions of the longest backward branch's body (the K loop)."""
+    lines = sass.splitlines()
+    labels = {line[:-1]: i for i, line in enumerate(lines) if re.match(r"^\S+:$", line) and not line.startswith("Function")}
+    best = None
+    for i, line in enumerate(lines):
+        m = re.search(r"BRA (\S+);", line)
+        if m and m.group(1) in labels and labels[m.group(1)] < i:
+            best = max(best or (0, 0, 0), (i - labels[m.group(1)], labels[m.group(1)], i))
+    _, start, end = best
+    return [line.split("\t", 1)[1].strip() for line in lines[start + 1:end + 1] if "\t" in line]
+
+
+def count(module, name: str, BM: int, BN: int, BKH: int, warps: int, stages: int) -> dict:
+    common = dict(BM=BM, BN=BN, BKH=BKH, UPCAST=False, MXFP4=True, ASM=True, HIGH_SCALES=False, ONE_TOKEN=False,
+                  PDL=False)
+    if name == "gate_up":
+        k = compile_kernel(module._gate_up_kernel, dict(common, TOP_K=16, ACT_SITU=True, CLIP_UP=True), warps, stages)
+    else:
+        k = compile_kernel(module._down_kernel, common, warps, stages)
+    body = loop_body(get_sass(k.asm["cubin"]))
+    ops = collections.Counter(re.sub(r"^@!?U?P\w+ ", "", b).split()[0].rstrip(";").split(".")[0] for b in body)
+    return {"instructions": len(body), "by_opcode": dict(ops.most_common()),
+            "convert_layouts": k.asm["ttgir"].count("ttg.convert_layout")}
+
+
+def load_module(path: str):
+    spec = importlib.util.spec_from_file_location("moe_compared", path)
+    module = importlib.util.module_from_spec(spec)
+    spec.loader.exec_module(module)
+    return module
+
+
+def main() -> None:
+    ap = argparse.ArgumentParser(description=__doc__.split("\n")[0])
+    ap.add_argument("--compare", help="another moe.py whose kernels to count beside")
+    args = ap.parse_args()
+    from kimik3.ops.triton import moe
+    modules = {"this": moe, **({"compared": load_module(args.compare)} if args.compare else {})}
+    results = {"commit": commit_id(), "date": datetime.date.today().isoformat(), "triton": triton.__version__,
+               "target": "sm_90", "rows": []}
+    log("| rows an expert | kernel | BM, BN, BKH, warps, stages | "
+        + " | ".join(f"{m}: instructions a K step" for m in modules) + " |")
+    log("|---|---|---|" + "---|" * len(modules))
+    for rows in ROWS_PER_EXPERT:
+        t = moe._tiles(rows, True)
+        for name, BN in (("gate_up", t["BN1"]), ("down", t["BN2"])):
+            cfg = (t["BM"], BN, t["BKH"], t["warps"], t["stages"])
+            row = {"rows_per_expert": rows, "kernel": name, "tiles": cfg,
+                   **{m: count(mod, name, *cfg) for m, mod in modules.items()}}
+            results["rows"].append(row)
+            log(f"| {rows} | {name} | {', '.join(map(str, cfg))} | "
+                + " | ".join(str(row[m]["instructions"]) for m in modules) + " |")
+    log(f"# wrote {save_results('kernel_loops.json', results)}")
+
+
+if __name__ == "__main__":
+    main()
