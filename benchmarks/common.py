@@ -119,3 +119,13 @@ def drain(engine, requests: list[tuple[str, list[int]]], params) -> int:
         for d in engine.step():
             tokens += sum(len(c.token_ids) for c in d.outputs)
     return tokens
+
+
+def load_module(path: str, name: str = "module_compared"):
+    """The Python file at ``path`` imported as a module of its own (another copy of a kernel module, for an
+    A/B in one process)."""
+    import importlib.util
+    spec = importlib.util.spec_from_file_location(name, path)
+    module = importlib.util.module_from_spec(spec)
+    spec.loader.exec_module(module)
+    return module

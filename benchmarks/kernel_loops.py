@@ -17,7 +17,6 @@ from __future__ import annotations
 import argparse
 import collections
 import datetime
-import importlib.util
 import re
 import sys
 from pathlib import Path
@@ -30,7 +29,7 @@ from triton.backends.compiler import GPUTarget                          # noqa: 
 from triton.compiler import ASTSource                                   # noqa: E402
 from triton.tools.disasm import get_sass                                # noqa: E402
 
-from benchmarks.common import commit_id, log, save_results             # noqa: E402
+from benchmarks.common import commit_id, load_module, log, save_results  # noqa: E402
 
 TYPES = {"x": "*bf16", "h": "*bf16", "y": "*bf16", "sorted_rows": "*i64", "block_expert": "*i64",
          "beta": "fp32", "linear_beta": "fp32", **{f"w{i}{k}": "*u8" for i in (1, 2, 3) for k in "ps"}}
@@ -74,13 +73,6 @@ def count(module, name: str, BM: int, BN: int, BKH: int, warps: int, stages: int
     ops = collections.Counter(re.sub(r"^@!?U?P\w+ ", "", b).split()[0].rstrip(";").split(".")[0] for b in body)
     return {"instructions": len(body), "by_opcode": dict(ops.most_common()),
             "convert_layouts": k.asm["ttgir"].count("ttg.convert_layout")}
-
-
-def load_module(path: str):
-    spec = importlib.util.spec_from_file_location("moe_compared", path)
-    module = importlib.util.module_from_spec(spec)
-    spec.loader.exec_module(module)
-    return module
 
 
 def main() -> None:

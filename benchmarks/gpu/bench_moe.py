@@ -33,7 +33,7 @@ sys.path.insert(0, str(Path(__file__).parent))
 
 from bench_slice import CONFIG, build_slice, ceilings, decode_setup, graph_time, profile, step_fn  # noqa: E402
 
-from benchmarks.common import capture_graph, commit_id, cuda_time, log, rel_err, save_results  # noqa: E402
+from benchmarks.common import capture_graph, commit_id, cuda_time, load_module, log, rel_err, save_results  # noqa: E402
 
 from kimik3.ops import mxfp4                                 # noqa: E402
 from kimik3.ops.backend import reference_ops                 # noqa: E402
@@ -105,13 +105,7 @@ def dense_kernels(bw):
 def compared_module():
     """The module named by ``--compare=PATH`` (another copy of kimik3/ops/triton/moe.py), or None."""
     path = next((a.split("=", 1)[1] for a in sys.argv if a.startswith("--compare=")), None)
-    if path is None:
-        return None
-    import importlib.util
-    spec = importlib.util.spec_from_file_location("moe_compared", path)
-    module = importlib.util.module_from_spec(spec)
-    spec.loader.exec_module(module)
-    return module
+    return None if path is None else load_module(path, "moe_compared")
 
 
 def kernels(bw):

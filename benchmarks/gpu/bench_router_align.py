@@ -220,12 +220,12 @@ def split_routing(results: dict, bw: float) -> None:
             unsplit = lambda: router.route(router.router_logits(x, w), *args)          # noqa: E731
             split = lambda: router.route_tokens(x, w, *args)                            # noqa: E731
             row = {"D": D, "E": E, "T": T, "floor_us": E * D * 2 / bw * 1e6, "unsplit_us": graph_time(unsplit) * 1e6,
-                   "splits": kernel.split_tiles(T, E, D)[4] if T >= router.ROUTER_SPLIT_MIN_TOKENS else 1,
+                   "splits": kernel.split_tiles(T, E, D)[4] if router.splits_logits(T) else 1,
                    "route_tokens_us": graph_time(split) * 1e6, "sweep": {}}
             for fn in (unsplit, split):
                 if not _routing_ok(*fn(), x, w, bias, k, scale):
                     raise AssertionError(f"routing off at {name} T={T}")
-            if T >= router.ROUTER_SPLIT_MIN_TOKENS:
+            if router.splits_logits(T):
                 try:
                     for steps, programs in SPLIT_SWEEP:
                         kernel.SPLIT_MIN_STEPS, kernel.SPLIT_TARGET_PROGRAMS = steps, programs

@@ -23,7 +23,7 @@ class ResidualStream:
         self.dtype = embedding.dtype
         self.blocks: list[torch.Tensor] = []
         self.partial: torch.Tensor | None = embedding   # b_0 is written at layer 0's boundary
-        self.pending: tuple = ()        # plain stream: the last output (one or two parts), not yet added
+        self.pending: tuple[torch.Tensor, torch.Tensor | None] | None = None   # plain stream: the last output, not yet added
 
     def _mixed_input(self, norm_weight, proj_weight, consumer_weight) -> torch.Tensor:
         sources = self.blocks + ([self.partial] if self.partial is not None else [])
@@ -33,11 +33,11 @@ class ResidualStream:
 
     def _normed(self, weight) -> torch.Tensor:
         """The plain stream's norm, the pending add fused into it."""
-        if not self.pending:
+        if self.pending is None:
             return rms_norm(self.partial, weight, self.eps)
-        residual, *second = self.pending
-        self.partial, y = add_rms_norm(self.partial, residual, weight, self.eps, *second)
-        self.pending = ()
+        out, part = self.pending
+        self.partial, y = add_rms_norm(self.partial, out, weight, self.eps, part)
+        self.pending = None
         return y
 
     def attn_input(self, layer_id: int, layer) -> torch.Tensor:
@@ -61,15 +61,15 @@ class ResidualStream:
         if part is not None and self.block_size is not None:
             out, part = out + part, None
         if self.block_size is None:
-            self.pending = (out,) if part is None else (out, part)
+            self.pending = (out, part)
         else:
             self.partial = out if self.partial is None else self.partial + out
 
     def final(self, norm_weight=None, proj_weight=None) -> torch.Tensor:
         """h_final: the output mix over [b_0 .. b_last, P] (AttnRes) or the residual itself."""
         if self.block_size is None:
-            if not self.pending:
+            if self.pending is None:
                 return self.partial
-            residual, *second = self.pending
-            return self.partial + (residual + second[0] if second else residual)
+            out, part = self.pending
+            return self.partial + (out if part is None else out + part)
         return attn_res_mix(self.blocks + [self.partial], norm_weight, proj_weight, self.eps).to(self.dtype)
