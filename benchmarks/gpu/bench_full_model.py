@@ -10,8 +10,11 @@ weights built on the GPU, about 92 GiB) through ``LLMEngine`` with CUDA graphs o
   * prefill of one 8k-token prompt: tok/s and its floor (FLOPs / matmul rate);
   * peak GPU memory.
 
-    PYTHONPATH=. python benchmarks/gpu/bench_full_model.py [--async-scheduling]
-                                                    (writes $OUT/bench_full_kimi_linear[_async].json)
+    PYTHONPATH=. python benchmarks/gpu/bench_full_model.py [--async-scheduling] [--layers=N]
+                                                    (writes $OUT/bench_full_kimi_linear[_async][_Nlayers].json)
+
+``--layers=N`` keeps the release config's first N layers (with their KDA / MLA kinds), so that an 80 GB GPU can
+run the same engine path; its ratios are to that model's own floor.
 """
 
 from __future__ import annotations
@@ -41,7 +44,9 @@ CONFIG = ROOT / "tests" / "data" / "kimi-linear-48b-a3b.config.json"
 PROMPT = 4096
 PREFILL = 8192          # the one-prompt prefill measured last: max_model_len must admit it
 ASYNC = "--async-scheduling" in sys.argv
-OUT_NAME = "bench_full_kimi_linear_async.json" if ASYNC else "bench_full_kimi_linear.json"
+LAYERS = next((int(a.split("=", 1)[1]) for a in sys.argv if a.startswith("--layers=")), None)
+OUT_NAME = ("bench_full_kimi_linear" + ("_async" if ASYNC else "") + (f"_{LAYERS}layers" if LAYERS else "")
+            + ".json")
 results: dict = {}
 
 
@@ -89,18 +94,31 @@ def runner_counters(runner) -> dict:
             "steps": runner.num_steps}
 
 
+def release_config(layers: int | None) -> dict:
+    """The release config.json, or its first ``layers`` layers (1-indexed layer lists kept where they fall)."""
+    cfg = json.loads(CONFIG.read_text())
+    if layers is not None:
+        if not 1 <= layers <= cfg["num_hidden_layers"]:
+            raise SystemExit(f"--layers={layers}: the model has 1-{cfg['num_hidden_layers']} layers")
+        cfg["num_hidden_layers"] = layers
+        la = cfg["linear_attn_config"]
+        for key in ("kda_layers", "full_attn_layers"):
+            la[key] = [i for i in la[key] if i <= layers]
+    return cfg
+
+
 def main():
     torch.backends.cuda.matmul.allow_tf32 = False
     results.update(gpu=torch.cuda.get_device_name(), date=datetime.date.today().isoformat(), commit=commit_id(),
-                   torch=torch.__version__, config=CONFIG.name, async_scheduling=ASYNC)
+                   torch=torch.__version__, config=CONFIG.name, async_scheduling=ASYNC, layers=LAYERS)
     bw, mm = ceilings()
     results["ceilings"] = {"copy_bytes_per_s": bw, "bf16_matmul_flops": mm}
     t0 = time.time()
-    model = build_slice(json.loads(CONFIG.read_text()), str(CONFIG))
+    model = build_slice(release_config(LAYERS), str(CONFIG))
     weights = torch.cuda.memory_allocated()
     results["weights_bytes"] = weights
     results["build_s"] = time.time() - t0
-    log(f"Kimi-Linear-48B built in {results['build_s']:.0f}s: {weights / 2**30:.1f} GiB of weights")
+    log(f"Kimi-Linear-48B ({LAYERS or 'all'} layers) built in {results['build_s']:.0f}s: {weights / 2**30:.1f} GiB of weights")
     t0 = time.time()
     # the engine's flags pick 64-token blocks when FlashMLA's library is named (EngineArgs.resolve_block_size)
     block = 64 if os.environ.get("KIMIK3_FLASH_MLA") else 16
