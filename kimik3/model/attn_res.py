@@ -6,7 +6,7 @@ current block. Each sub-layer reads a softmax mix of [b_0 .. b_k, P], normed by 
 (``attn_res_mix_norm``: one pass on CUDA).
 Without attention residuals the same interface is the ordinary pre-norm residual stream, whose
 adds wait for the norm that reads them (``add_rms_norm``: one pass over both; a MoE layer's routed and
-shared outputs come as two parts, summed in that same pass).
+shared outputs come as two parts, summed in that same pass), the last layer's in the final norm.
 """
 
 from __future__ import annotations
@@ -65,11 +65,11 @@ class ResidualStream:
         else:
             self.partial = out if self.partial is None else self.partial + out
 
-    def final(self, norm_weight=None, proj_weight=None) -> torch.Tensor:
-        """h_final: the output mix over [b_0 .. b_last, P] (AttnRes) or the residual itself."""
+    def output(self, norm_weight, res_norm_weight=None, res_proj_weight=None) -> torch.Tensor:
+        """The final norm (``norm_weight``) of h_final: the residual, the last layer's pending add fused into
+        the norm, or (AttnRes) the output mix over [b_0 .. b_last, P] with ``res_norm_weight`` and
+        ``res_proj_weight``, rounded to the model dtype."""
         if self.block_size is None:
-            if self.pending is None:
-                return self.partial
-            out, part = self.pending
-            return self.partial + (out if part is None else out + part)
-        return attn_res_mix(self.blocks + [self.partial], norm_weight, proj_weight, self.eps).to(self.dtype)
+            return self._normed(norm_weight)
+        h_final = attn_res_mix(self.blocks + [self.partial], res_norm_weight, res_proj_weight, self.eps).to(self.dtype)
+        return rms_norm(h_final, norm_weight, self.eps)

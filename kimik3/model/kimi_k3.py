@@ -93,10 +93,8 @@ class KimiModel(nn.Module):
         for layer in self.layers:
             layer(stream, batch, cache)
         if cfg.attn_res_block_size is None:
-            h_final = stream.final()
-        else:
-            h_final = stream.final(self.output_attn_res_norm.weight, self.output_attn_res_proj.weight)
-        return self.norm(h_final)
+            return stream.output(self.norm.weight)
+        return stream.output(self.norm.weight, self.output_attn_res_norm.weight, self.output_attn_res_proj.weight)
 
 
 class KimiForCausalLM(nn.Module):

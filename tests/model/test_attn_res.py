@@ -80,5 +80,25 @@ def test_plain_stream_adds_an_output_in_two_parts_as_their_sum():
         assert torch.equal(got.mlp_input(lay), want.mlp_input(lay))
         got.add(routed, shared)
         want.add(routed + shared)
-        final = {} if block is None else dict(norm_weight=lay.mlp_res_norm.weight, proj_weight=lay.mlp_res_proj.weight)
-        assert torch.equal(got.final(**final), want.final(**final))
+        final = {} if block is None else dict(res_norm_weight=lay.mlp_res_norm.weight,
+                                              res_proj_weight=lay.mlp_res_proj.weight)
+        w = lay.input_layernorm.weight
+        assert torch.equal(got.output(w, **final), want.output(w, **final))
+
+
+def test_plain_stream_output_is_the_final_norm_of_the_residual():
+    """The plain stream's output (the last layer's add fused into the final norm) against the residual
+    sum and the RMSNorm written out in float64."""
+    g = torch.Generator().manual_seed(5)
+    D, eps = 48, 1e-6
+    h0, a, routed, shared = (torch.randn(3, D, generator=g, dtype=torch.float64) for _ in range(4))
+    w = torch.rand(D, generator=g, dtype=torch.float64) + 0.5
+    lay = layer(D, g)
+    lay.post_attention_layernorm.weight = torch.ones(D, dtype=torch.float64)
+    stream = ResidualStream(h0, None, eps, False)
+    stream.add(a)
+    stream.mlp_input(lay)              # a is added here, in the post-attention norm
+    stream.add(routed, shared)         # pending until the final norm
+    h = h0 + a + (routed + shared)
+    want = h / torch.sqrt((h * h).mean(-1, keepdim=True) + eps) * w
+    torch.testing.assert_close(stream.output(w), want, rtol=1e-12, atol=1e-12)
