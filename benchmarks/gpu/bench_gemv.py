@@ -5,7 +5,10 @@ Each time is one call's share of a CUDA graph of REPS calls that cycle through e
 the weight (> 2x the L2 cache) that every call reads its weight from memory, as a decode step does
 (one layer's weight is not read again until the next step). Floor = weight bytes / copy rate.
 ``--sweep``: also every launch in SWEEP at M = 1 (and the best one at 2-8).
-Writes ``bench_gemv.json``.
+``--experts``: instead, one token's routed experts (``one_token_experts``, Kimi-Linear: 256 experts of
+1024 x 2304, top-8; random experts each call) over gate/up launches (EXPERT_UP) with the default
+down-and-combine, then down-and-combine launches (EXPERT_DOWN) with the best gate/up, loops and unrolled;
+floor = the 8 experts' weight bytes / copy rate. Writes ``bench_gemv.json`` (``bench_gemv_experts.json``).
 """
 
 from __future__ import annotations
@@ -19,7 +22,7 @@ import torch
 
 sys.path.insert(0, str(Path(__file__).resolve().parents[2]))
 from benchmarks.common import capture_graph, commit_id, copy_rate, cuda_time, log, save_results  # noqa: E402
-from kimik3.ops.triton.gemv import GemvConfig, gemv, gemv_config             # noqa: E402
+from kimik3.ops.triton.gemv import GemvConfig, combine_config, gemv, gemv_config, one_token_experts  # noqa: E402
 
 REPS = 24
 # (N, K) of the dense projections (benchmarks/gpu/*-slice4.config.json), with the module they are
@@ -36,6 +39,10 @@ ROWS = (1, 2, 4, 8)
 SWEEP = [GemvConfig(bn, bk, w, s) for bn in (4, 8, 16) for bk in (256, 512, 1024) for w in (4, 8) for s in (3,)
          if bn * bk <= 8192 and bn * bk >= 2048]
 
+EXPERT_UP = [GemvConfig(bn, bk, w, 3, u) for bn in (4, 8) for bk in (128, 256, 512) for w in (4, 8) for u in (False, True)]
+EXPERT_DOWN = [GemvConfig(bn, bk, w, 3, u) for bn in (4, 8, 16) for bk in (256, 512, 1024) for w in (4, 8)
+               for u in (False, True) if bn * bk <= 8192]
+
 
 def copies_for(nbytes: int) -> int:
     return max(2, min(REPS, -(-(200 << 20) // nbytes)))
@@ -47,9 +54,49 @@ def per_call(fn, weights) -> float:
     return cuda_time(graph.replay, warmup=3, iters=20) / REPS
 
 
+def experts(bw: float, results: dict) -> None:
+    """One token's experts at Kimi-Linear's shapes: the gate/up launches, then the down-and-combine ones."""
+    E, I, L, k = 256, 1024, 2304, 8
+    g = torch.Generator(device="cuda").manual_seed(0)
+    w13 = (torch.randn(E, 2 * I, L, generator=g, device="cuda") * L ** -0.5).to(torch.bfloat16)
+    w2 = (torch.randn(E, L, I, generator=g, device="cuda") * I ** -0.5).to(torch.bfloat16)
+    w1, w3 = w13[:, :I], w13[:, I:]
+    x = torch.randn(1, L, generator=g, device="cuda").to(torch.bfloat16)
+    calls = [(torch.randperm(E, generator=g, device="cuda")[:k].view(1, k),
+              torch.rand(1, k, generator=g, device="cuda") * 2.446 / k) for _ in range(REPS)]
+    floor = k * 3 * I * L * 2 / bw
+    ids0, wt0 = calls[0]
+    ref = one_token_experts(x, w1, w2, w3, wt0, ids0, False, 1.0, None).double()
+
+    def time(cfgs) -> float:
+        out = one_token_experts(x, w1, w2, w3, wt0, ids0, False, 1.0, None, configs=cfgs).double()
+        if not ((out - ref).abs() <= 2 ** -6 * ref.abs() + 1e-3).all():
+            raise AssertionError(f"one_token_experts off with {cfgs}")
+        graph, _ = capture_graph(lambda: [one_token_experts(x, w1, w2, w3, wt, ids, False, 1.0, None, configs=cfgs)
+                                          for ids, wt in calls])
+        return cuda_time(graph.replay, warmup=3, iters=20) / REPS
+
+    default = (gemv_config(1, 2 * I * k, L, glu=True), combine_config(L, I))
+    rows = [{"which": "default", "up": str(default[0]), "down": str(default[1]), "us": time(default) * 1e6}]
+    log(f"# one token's experts (Kimi-Linear, top-{k}): floor {floor * 1e6:.1f} us, default {rows[0]['us']:.1f} us")
+    for cfg in EXPERT_UP:
+        rows.append({"which": "up", "up": str(cfg), "down": str(default[1]), "us": time((cfg, default[1])) * 1e6})
+    best_up = min((r for r in rows if r["which"] == "up"), key=lambda r: r["us"])
+    up = EXPERT_UP[[str(c) for c in EXPERT_UP].index(best_up["up"])]
+    for cfg in EXPERT_DOWN:
+        rows.append({"which": "down", "up": str(up), "down": str(cfg), "us": time((up, cfg)) * 1e6})
+    log("| which | gate/up launch | down launch | us | / floor | / default |")
+    log("|---|---|---|---|---|---|")
+    for r in sorted(rows, key=lambda r: (r["which"], r["us"])):
+        log(f"| {r['which']} | {r['up']} | {r['down']} | {r['us']:.1f} | {r['us'] / (floor * 1e6):.2f} | "
+            f"{r['us'] / rows[0]['us']:.3f} |")
+    results["experts"] = {"floor_us": floor * 1e6, "rows": rows}
+
+
 def main() -> None:
     ap = argparse.ArgumentParser(description=__doc__.split("\n")[0])
     ap.add_argument("--sweep", action="store_true", help="time every launch of SWEEP at M=1")
+    ap.add_argument("--experts", action="store_true", help="one token's experts' launches instead of the projections")
     ap.add_argument("--shapes", default="", help="comma-separated names of SHAPES to run (default all)")
     ap.add_argument("--rows", default=",".join(map(str, ROWS)), help="comma-separated M values (default 1,2,4,8)")
     args = ap.parse_args()
@@ -57,6 +104,10 @@ def main() -> None:
     results = {"commit": commit_id(), "date": datetime.date.today().isoformat(), "device": torch.cuda.get_device_name(),
                "copy_rate_GBps": bw / 1e9, "reps_per_graph": REPS, "rows": []}
     log(f"# copy rate {bw / 1e9:.0f} GB/s")
+    if args.experts:
+        experts(bw, results)
+        log(f"# wrote {save_results('bench_gemv_experts.json', results)}")
+        return
     log("| shape | (N, K) | M | floor us | cuBLAS us | cuBLASLt us | ours (default) us | best swept us (config) | lib / ours | ours / floor |")
     log("|---|---|---|---|---|---|---|---|---|---|")
     names = [s for s in args.shapes.split(",") if s] or list(SHAPES)

@@ -424,16 +424,18 @@ def _one_token_want(x, w1, w2, w3, weights, ids, act, beta, linear_beta):
     return want, 2 * ulp * (want.abs() + scale)
 
 
+@pytest.mark.parametrize("unroll", [False, True], ids=["loops", "unrolled"])
 @pytest.mark.parametrize("act", ["silu", "situ"])
 @pytest.mark.parametrize("dtype", [BF16, torch.float16])
 @pytest.mark.parametrize("L,I,k,halves", [(64, 96, 5, True), (200, 24, 3, False), (512, 64, 8, True)],
                          ids=["ragged_w13", "tails", "even_w13"])
-def test_one_token_experts_match_float64(L, I, k, halves, dtype, act):
+def test_one_token_experts_match_float64(L, I, k, halves, dtype, act, unroll):
     """One token's experts on the streaming kernels (gate/up with the activation, then each program's
     columns of the k down-projections combined with the fp32 routing weights) against the math in float64;
     w1 / w3 as the halves of one [E, 2I, L] tensor (the model's ``Experts.w13``) or apart; widths across
-    and at the kernels' blocks; an expert chosen twice counts twice."""
+    and at the kernels' blocks; an expert chosen twice counts twice; the K loops as loops or unrolled."""
     from kimik3.ops.triton import moe as kernels
+    from kimik3.ops.triton.gemv import GemvConfig, one_token_experts
     g = gen(L + I + k)
     E = 9
     if halves:
@@ -447,7 +449,11 @@ def test_one_token_experts_match_float64(L, I, k, halves, dtype, act):
     ids[0, -1] = ids[0, 0]                                                     # one expert twice
     weights = torch.rand(1, k, generator=g) * 2.446 / k
     beta, linear_beta = (4.0, 25.0) if act == "situ" else (1.0, None)
-    out = kernels.fused_moe_triton(x, w1, w2, w3, weights, ids, act == "situ", beta, linear_beta)
+    if unroll:
+        cfgs = (GemvConfig(bn=4, bk=64, unroll=True), GemvConfig(bn=8, bk=32, unroll=True))
+        out = one_token_experts(x, w1, w2, w3, weights, ids, act == "situ", beta, linear_beta, configs=cfgs)
+    else:
+        out = kernels.fused_moe_triton(x, w1, w2, w3, weights, ids, act == "situ", beta, linear_beta)
     want, bound = _one_token_want(x, w1, w2, w3, weights, ids, act, beta, linear_beta)
     assert out.shape == (1, L) and out.dtype == dtype
     assert ((out[0].double() - want).abs() <= bound).all()
@@ -918,8 +924,10 @@ def test_kernel_wrappers_refuse_mismatched_operands():
 
 # ---- decode-sized projections (gemv) -----------------------------------------------------------
 @pytest.mark.parametrize("M,N,K,cfg", [(1, 40, 96, None), (3, 33, 200, None), (4, 64, 512, (4, 64)),
-                                       (8, 16, 64, None), (2, 7, 1000, (16, 128))],
-                         ids=["one_row", "ragged", "even", "eight_rows", "tail_columns"])
+                                       (8, 16, 64, None), (2, 7, 1000, (16, 128)), (4, 64, 512, (4, 64, 4, 3, True)),
+                                       (2, 7, 1000, (16, 128, 4, 3, True))],
+                         ids=["one_row", "ragged", "even", "eight_rows", "tail_columns", "even_unrolled",
+                              "tail_columns_unrolled"])
 @pytest.mark.parametrize("dtype", [BF16, torch.float16])
 def test_gemv_kernel_matches_float64(M, N, K, cfg, dtype):
     """x @ w^T from the math in float64, within one rounding of the output plus the fp32 sums' error;

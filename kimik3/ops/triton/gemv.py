@@ -28,16 +28,35 @@ from kimik3.ops.triton.common import glu, pdl, pdl_entry, prefetch_l2
 
 
 @triton.jit
+def _gemv_step(x_rows, w_rows, up_rows, k0, K, kk, mm, mn, acc, acc_up, EVEN: tl.constexpr, GLU: tl.constexpr):
+    """One K step of ``_gemv_kernel``: the [BM, BN, BK] partial products of x's and w's (and w_up's) columns
+    k0 .. k0 + BK added in fp32."""
+    if EVEN:           # N % BN == 0 and K % BK == 0
+        xt = tl.load(x_rows + k0, mask=mm[:, None], other=0.0).to(tl.float32)[:, None, :]
+        acc += xt * tl.load(w_rows + k0).to(tl.float32)[None, :, :]
+        if GLU:
+            acc_up += xt * tl.load(up_rows + k0).to(tl.float32)[None, :, :]
+    else:
+        mk = (k0 + kk) < K
+        xt = tl.load(x_rows + k0, mask=mm[:, None] & mk[None, :], other=0.0).to(tl.float32)[:, None, :]
+        acc += xt * tl.load(w_rows + k0, mask=mn[:, None] & mk[None, :], other=0.0).to(tl.float32)[None, :, :]
+        if GLU:
+            acc_up += xt * tl.load(up_rows + k0, mask=mn[:, None] & mk[None, :], other=0.0).to(tl.float32)[None, :, :]
+    return acc, acc_up
+
+
+@triton.jit
 def _gemv_kernel(x, w, w_up, y, ids, M, N, K, stride_x, stride_w, stride_we, stride_y, beta, linear_beta,
                  BM: tl.constexpr, BN: tl.constexpr, BK: tl.constexpr, EVEN: tl.constexpr,
                  GLU: tl.constexpr, SITU: tl.constexpr, CLIP_UP: tl.constexpr, EXPERTS: tl.constexpr,
-                 STAGES: tl.constexpr, PREFETCH: tl.constexpr, PDL: tl.constexpr):
+                 STAGES: tl.constexpr, PREFETCH: tl.constexpr, PDL: tl.constexpr, UNROLL: tl.constexpr = False,
+                 KC: tl.constexpr = 0):
     """GLU: ``w`` holds the gate rows and ``w_up`` the up rows ([N, K] each, row stride ``stride_w``); the
     program's columns n of both give y = act(gate, up) [M, N], each product rounded to y's dtype before
     the activation (as the two-launch form rounds them). EXPERTS: program axis 1 is assignment j of one
     token (x row 0): w and w_up start ``ids[j]`` experts (``stride_we`` elements each) in, y at row j.
     PREFETCH (PDL, not EXPERTS; a power of two): the first PREFETCH 128-byte lines of each of the program's
-    weight rows asked of L2 before waiting for the previous kernel."""
+    weight rows asked of L2 before waiting for the previous kernel. UNROLL: the K loop unrolled (KC == K)."""
     if PREFETCH:
         rows = tl.minimum(tl.program_id(0) * BN + tl.arange(0, BN), N - 1).to(tl.int64) * stride_w
         lines = rows[:, None] + tl.arange(0, PREFETCH)[None, :] * (128 // (w.dtype.element_ty.primitive_bitwidth // 8))
@@ -60,18 +79,12 @@ def _gemv_kernel(x, w, w_up, y, ids, M, N, K, stride_x, stride_w, stride_we, str
     x_rows = x + m[:, None].to(tl.int64) * stride_x + kk[None, :]                     # [BM, BK]
     acc = tl.zeros([BM, BN, BK], tl.float32)
     acc_up = tl.zeros([BM, BN, BK] if GLU else [1, 1, 1], tl.float32)
-    for k0 in tl.range(0, K, BK, num_stages=STAGES):
-        if EVEN:       # N % BN == 0 and K % BK == 0
-            xt = tl.load(x_rows + k0, mask=mm[:, None], other=0.0).to(tl.float32)[:, None, :]
-            acc += xt * tl.load(w_rows + k0).to(tl.float32)[None, :, :]
-            if GLU:
-                acc_up += xt * tl.load(up_rows + k0).to(tl.float32)[None, :, :]
-        else:
-            mk = (k0 + kk) < K
-            xt = tl.load(x_rows + k0, mask=mm[:, None] & mk[None, :], other=0.0).to(tl.float32)[:, None, :]
-            acc += xt * tl.load(w_rows + k0, mask=mn[:, None] & mk[None, :], other=0.0).to(tl.float32)[None, :, :]
-            if GLU:
-                acc_up += xt * tl.load(up_rows + k0, mask=mn[:, None] & mk[None, :], other=0.0).to(tl.float32)[None, :, :]
+    if UNROLL:         # K == KC: straight-line code, every step's loads free to issue ahead
+        for k0 in tl.static_range(0, KC, BK):
+            acc, acc_up = _gemv_step(x_rows, w_rows, up_rows, k0, K, kk, mm, mn, acc, acc_up, EVEN, GLU)
+    else:
+        for k0 in tl.range(0, K, BK, num_stages=STAGES):
+            acc, acc_up = _gemv_step(x_rows, w_rows, up_rows, k0, K, kk, mm, mn, acc, acc_up, EVEN, GLU)
     out = tl.sum(acc, 2)                                                                 # [BM, BN]
     if GLU:
         g = out.to(y.dtype.element_ty).to(tl.float32)
@@ -83,41 +96,69 @@ def _gemv_kernel(x, w, w_up, y, ids, M, N, K, stride_x, stride_w, stride_we, str
 
 
 @triton.jit
+def _combine_step(h_row, w_rows, k0, K, kk, mn, acc, EVEN: tl.constexpr):
+    """One K step of an expert's down-projection in ``_gemv_combine_kernel``: [BN, BK] partial products."""
+    if EVEN:           # N % BN == 0 and K % BK == 0
+        acc += tl.load(h_row + k0).to(tl.float32)[None, :] * tl.load(w_rows + k0).to(tl.float32)
+    else:
+        mk = (k0 + kk) < K
+        ht = tl.load(h_row + k0, mask=mk, other=0.0).to(tl.float32)
+        acc += ht[None, :] * tl.load(w_rows + k0, mask=mn[:, None] & mk[None, :], other=0.0).to(tl.float32)
+    return acc
+
+
+@triton.jit
+def _combine_expert(h, w, ids, weights, j, n, mn, kk, K, stride_h, stride_w, stride_we, total, out_ty,
+                    BN: tl.constexpr, BK: tl.constexpr, EVEN: tl.constexpr, STAGES: tl.constexpr,
+                    UNROLL: tl.constexpr, KC: tl.constexpr):
+    """total + weights[j] round(h[j] . w[ids[j], n]) for the program's BN columns n."""
+    e = tl.load(ids + j).to(tl.int64)
+    w_rows = w + e * stride_we + n[:, None].to(tl.int64) * stride_w + kk[None, :]         # [BN, BK]
+    h_row = h + j * stride_h + kk
+    acc = tl.zeros([BN, BK], tl.float32)
+    if UNROLL:
+        for k0 in tl.static_range(0, KC, BK):
+            acc = _combine_step(h_row, w_rows, k0, K, kk, mn, acc, EVEN)
+    else:
+        for k0 in tl.range(0, K, BK, num_stages=STAGES):
+            acc = _combine_step(h_row, w_rows, k0, K, kk, mn, acc, EVEN)
+    out_j = tl.sum(acc, 1).to(out_ty).to(tl.float32)
+    return total + tl.load(weights + j).to(tl.float32) * out_j
+
+
+@triton.jit
 def _gemv_combine_kernel(h, w, ids, weights, y, N, K, stride_h, stride_w, stride_we,
                          TOP_K: tl.constexpr, BN: tl.constexpr, BK: tl.constexpr, EVEN: tl.constexpr,
-                         STAGES: tl.constexpr, PDL: tl.constexpr):
+                         STAGES: tl.constexpr, PDL: tl.constexpr, UNROLL: tl.constexpr = False, KC: tl.constexpr = 0):
     """One token's down-projections and combine: y[n] = sum_j weights[j] round(h[j] . w[ids[j], n]) for the
     program's BN columns n, the k products in fp32 (each rounded to y's dtype, as the expert outputs
-    are), summed in fp32 in expert order j, one rounding."""
+    are), summed in fp32 in expert order j, one rounding. UNROLL: the expert and K loops unrolled (KC == K),
+    so later experts' loads may issue before earlier experts' sums."""
     pdl_entry(PDL)
     n = tl.program_id(0) * BN + tl.arange(0, BN)
     mn = n < N
     kk = tl.arange(0, BK)
     total = tl.zeros([BN], tl.float32)
-    for j in range(TOP_K):
-        e = tl.load(ids + j).to(tl.int64)
-        w_rows = w + e * stride_we + n[:, None].to(tl.int64) * stride_w + kk[None, :]     # [BN, BK]
-        h_row = h + j * stride_h + kk
-        acc = tl.zeros([BN, BK], tl.float32)
-        for k0 in tl.range(0, K, BK, num_stages=STAGES):
-            if EVEN:   # N % BN == 0 and K % BK == 0
-                acc += tl.load(h_row + k0).to(tl.float32)[None, :] * tl.load(w_rows + k0).to(tl.float32)
-            else:
-                mk = (k0 + kk) < K
-                ht = tl.load(h_row + k0, mask=mk, other=0.0).to(tl.float32)
-                acc += ht[None, :] * tl.load(w_rows + k0, mask=mn[:, None] & mk[None, :], other=0.0).to(tl.float32)
-        out_j = tl.sum(acc, 1).to(y.dtype.element_ty).to(tl.float32)
-        total += tl.load(weights + j).to(tl.float32) * out_j
+    if UNROLL:
+        for j in tl.static_range(TOP_K):
+            total = _combine_expert(h, w, ids, weights, j, n, mn, kk, K, stride_h, stride_w, stride_we, total,
+                                    y.dtype.element_ty, BN, BK, EVEN, STAGES, UNROLL, KC)
+    else:
+        for j in range(TOP_K):
+            total = _combine_expert(h, w, ids, weights, j, n, mn, kk, K, stride_h, stride_w, stride_we, total,
+                                    y.dtype.element_ty, BN, BK, EVEN, STAGES, UNROLL, KC)
     tl.store(y + n, total.to(y.dtype.element_ty), mask=mn)
 
 
 @dataclass(frozen=True)
 class GemvConfig:
-    """Columns a program owns, K elements a loop step reads of each row, warps, pipeline stages."""
+    """Columns a program owns, K elements a loop step reads of each row, warps, pipeline stages; ``unroll``:
+    the K loop unrolled for the call's K (compiled per K; ``stages`` then unused)."""
     bn: int = 8
     bk: int = 512
     num_warps: int = 4
     stages: int = 3
+    unroll: bool = False
 
 
 def gemv_config(M: int, N: int, K: int, num_sms: int = 132, glu: bool = False) -> GemvConfig:
@@ -173,7 +214,8 @@ def gemv(x: torch.Tensor, w: torch.Tensor, config: GemvConfig | None = None,
             float(beta), float(linear_beta or 1.0), BM=BM, BN=cfg.bn, BK=cfg.bk,
             EVEN=N_out % cfg.bn == 0 and K % cfg.bk == 0, GLU=glu_act is not None, SITU=situ,
             CLIP_UP=situ and linear_beta is not None, EXPERTS=False, STAGES=cfg.stages,
-            PREFETCH=_prefetch_lines(w, cfg.bk, K) if pdl(x)["PDL"] else 0, num_warps=cfg.num_warps, **pdl(x))
+            PREFETCH=_prefetch_lines(w, cfg.bk, K) if pdl(x)["PDL"] else 0, num_warps=cfg.num_warps,
+            UNROLL=cfg.unroll, KC=K if cfg.unroll else 0, **pdl(x))
     return y.view(*x.shape[:-1], N_out)
 
 
@@ -217,10 +259,10 @@ def one_token_experts(x: torch.Tensor, w1: torch.Tensor, w2: torch.Tensor, w3: t
         x, w1, w3, h, ids, 1, I, L, x.stride(0), w1.stride(1), w1.stride(0), h.stride(0), float(beta),
         float(linear_beta or 1.0), BM=1, BN=up_cfg.bn, BK=up_cfg.bk, EVEN=I % up_cfg.bn == 0 and L % up_cfg.bk == 0,
         GLU=True, SITU=act_situ, CLIP_UP=act_situ and linear_beta is not None, EXPERTS=True, STAGES=up_cfg.stages,
-        PREFETCH=0, num_warps=up_cfg.num_warps, **pdl(x))
+        PREFETCH=0, num_warps=up_cfg.num_warps, UNROLL=up_cfg.unroll, KC=L if up_cfg.unroll else 0, **pdl(x))
     out = torch.empty(1, L, dtype=x.dtype, device=x.device)
     _gemv_combine_kernel[(triton.cdiv(L, down_cfg.bn),)](
         h, w2, ids, weights, out, L, I, h.stride(0), w2.stride(1), w2.stride(0), TOP_K=k, BN=down_cfg.bn,
         BK=down_cfg.bk, EVEN=L % down_cfg.bn == 0 and I % down_cfg.bk == 0, STAGES=down_cfg.stages,
-        num_warps=down_cfg.num_warps, **pdl(h))
+        num_warps=down_cfg.num_warps, UNROLL=down_cfg.unroll, KC=I if down_cfg.unroll else 0, **pdl(h))
     return out
