@@ -36,7 +36,7 @@ SHAPES = {
     "k3 mla in_proj": (14400, 7168), "k3 q_b": (18432, 1536),
 }
 ROWS = (1, 2, 4, 8)
-SWEEP = [GemvConfig(bn, bk, w, s) for bn in (4, 8, 16) for bk in (256, 512, 1024) for w in (4, 8) for s in (3,)
+SWEEP = [GemvConfig(bn, bk, w, 3, u) for bn in (4, 8, 16) for bk in (256, 512, 1024) for w in (4, 8) for u in (False, True)
          if bn * bk <= 8192 and bn * bk >= 2048]
 
 EXPERT_UP = [GemvConfig(bn, bk, w, 3, u) for bn in (4, 8) for bk in (128, 256, 512) for w in (4, 8) for u in (False, True)]
