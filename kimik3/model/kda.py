@@ -16,7 +16,7 @@ from kimik3.distributed import ParallelContext
 from kimik3.model.batch import ForwardBatch
 from kimik3.model.layers import MergedLinear, MergedWeight, linear, tp_shards
 from kimik3.ops.conv import causal_conv1d, causal_conv1d_in_pool, conv_windows_at
-from kimik3.ops.kda import OutputNorm, kda_attention, kda_attention_in_pool, kda_recurrent_in_pool
+from kimik3.ops.kda import LowRank, OutputNorm, dense, kda_attention, kda_attention_in_pool, kda_recurrent_in_pool
 
 logger = logging.getLogger(__name__)
 
@@ -76,17 +76,17 @@ class KimiDeltaAttention(nn.Module):
         H, K = self.num_heads, self.head_dim
         slots = batch.state_slots
         P = H * K
+        # the up-projections of the low-rank gate inputs (f = f_a f_b^T; Kimi-Linear's gate = g_a g_b^T) stay
+        # LowRank: a CUDA decode step computes them inside its KDA kernel, the other paths first (``ops.kda``)
         if hasattr(self, "f_b_proj"):                                           # K3: q|k|v, f_a, b, g
             raw, f_a, b, gate = self.in_proj(x).split([3 * P, K, H, P], dim=-1)   # raw: q|k|v [T, 3P]
-            f = self.f_b_proj(f_a)
+            f, gate = LowRank(f_a, self.f_b_proj.weight), gate.view(T, H, K)
         else:                                                                   # Kimi-Linear: q|k|v, f_a|g_a, b
             raw, fg_a, b = self.in_proj(x).split([3 * P, 2 * K, H], dim=-1)
-            # [2, T, K] @ [2, K, P] -> f = f_a f_b^T and gate = g_a g_b^T, one launch
-            w_b = self.fg_b_proj.weight.view(2, P, K).transpose(1, 2)
-            f, gate = torch.bmm(fg_a.view(T, 2, K).transpose(0, 1), w_b)
-        f = f.view(T, H, K)
+            f_b, g_b = self.fg_b_proj.weight.view(2, P, K)
+            f, gate = LowRank(fg_a[:, :K], f_b), LowRank(fg_a[:, K:], g_b)
         weight = self.conv1d.weight.squeeze(1)                                  # [3P, W]
-        out_norm = OutputNorm(self.o_norm.weight, gate.view(T, H, K), self.norm_eps, x.dtype)
+        out_norm = OutputNorm(self.o_norm.weight, gate, self.norm_eps, x.dtype)
         if batch.row_state_slots is not None:
             y = out_norm(self._attend_short(raw, weight, f, b, batch.context_lens > 0, batch, conv_pool, state_pool))
         elif batch.checkpoints:
@@ -110,6 +110,7 @@ class KimiDeltaAttention(nn.Module):
         but for the checkpoints the table cannot name, which only eager steps have."""
         T, H, K = raw.shape[0], self.num_heads, self.head_dim
         slots, lens, table = batch.state_slots, batch.query_lens_cpu, batch.row_state_slots
+        f = dense(f, H)
         windows = conv_pool[slots]                          # before the conv below writes the new ones
         q, k, v = (t.view(T, H, K) for t in causal_conv1d_in_pool(raw, weight, conv_pool, slots, has_state, lens,
                                                                    batch.cu_seqlens, 3))
@@ -132,6 +133,7 @@ class KimiDeltaAttention(nn.Module):
         round one varlen call whose initial states are the previous round's final states."""
         T, H, K = raw.shape[0], self.num_heads, self.head_dim
         slots = batch.state_slots
+        f = dense(f, H)
         conv0 = conv_pool[slots].masked_fill(~has_state.view(-1, 1, 1), 0)
         state0 = state_pool[slots].masked_fill(~has_state.view(-1, 1, 1, 1), 0)
         mixed, conv1 = causal_conv1d(raw, weight, conv0, batch.query_lens_cpu)

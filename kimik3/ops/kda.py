@@ -18,20 +18,40 @@ import torch.nn.functional as F
 
 from kimik3.ops.backend import import_fla_kda, use_fast_path
 from kimik3.ops.cuda.flash_kda import flash_kda_applies, flash_kda_varlen
+from kimik3.ops.linear import linear
 from kimik3.ops.norm import acc_dtype, gated_rms_norm
+
+
+@dataclass(frozen=True)
+class LowRank:
+    """A layer's up-projection of a low-rank input, not yet computed: a [T, R] (unit inner stride, any row
+    stride) times w [P, R]^T, rounded to a's dtype (the gate logits f from f_a and f_b, Kimi-Linear's output
+    gate from g_a and g_b). The CUDA decode step computes each head's part inside its kernel (one launch
+    fewer); every other path takes ``dense``."""
+    a: torch.Tensor
+    w: torch.Tensor
+
+    def dense(self, heads: int) -> torch.Tensor:
+        """[T, heads, P / heads]: ``ops.linear`` of a and w."""
+        return linear(self.a, self.w).view(self.a.shape[0], heads, -1)
+
+
+def dense(t: torch.Tensor | LowRank, heads: int) -> torch.Tensor:
+    """A per-head operand [T, H, D] as a tensor, computing a ``LowRank`` one."""
+    return t.dense(heads) if isinstance(t, LowRank) else t
 
 
 @dataclass(frozen=True)
 class OutputNorm:
     """A KDA layer's output norm: rmsnorm(o) * weight * sigmoid(gate) in fp32, rounded to ``dtype``
-    (``gated_rms_norm``). weight [V]; gate [T, H, V]."""
+    (``gated_rms_norm``). weight [V]; gate [T, H, V], or a ``LowRank`` one."""
     weight: torch.Tensor
-    gate: torch.Tensor
+    gate: torch.Tensor | LowRank
     eps: float
     dtype: torch.dtype
 
     def __call__(self, o: torch.Tensor) -> torch.Tensor:
-        return gated_rms_norm(o, self.weight, self.gate, self.eps, self.dtype)
+        return gated_rms_norm(o, self.weight, dense(self.gate, o.shape[-2]), self.eps, self.dtype)
 
 
 def kda_gate(f: torch.Tensor, A_log: torch.Tensor, dt_bias: torch.Tensor,
@@ -197,7 +217,7 @@ def kda_recurrent_in_pool(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, f: 
     return torch.cat(outs)
 
 
-def kda_attention_in_pool(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, f: torch.Tensor, b: torch.Tensor,
+def kda_attention_in_pool(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, f: torch.Tensor | LowRank, b: torch.Tensor,
                           A_log: torch.Tensor, dt_bias: torch.Tensor, lower_bound: float | None,
                           state_pool: torch.Tensor, slots: torch.Tensor, has_state: torch.Tensor | None,
                           query_lens: list[int], cu_seqlens: torch.Tensor, decode: bool,
@@ -207,14 +227,16 @@ def kda_attention_in_pool(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, f: 
     state_pool [num_slots, H, V, K] fp32 (V-first): rows ``slots`` [N] are the initial states
     (zeros where ``has_state`` [N] is False; None: every sequence has one) and receive the final
     states. ``decode``: every sequence has one token and a state (then CUDA updates the pool rows in
-    place with our one-kernel step, ``triton/kda.py``: no gather/scatter). Returns o [T, H, V], or
-    ``out_norm(o)`` (in its dtype) when given: on the CUDA decode step inside the same kernel, from
-    o rounded to the layer's dtype as every other path hands it to the norm.
+    place with our one-kernel step, ``triton/kda.py``: no gather/scatter; a ``LowRank`` f or output gate is
+    computed inside it). Returns o [T, H, V], or ``out_norm(o)`` (in its dtype) when given: on the CUDA
+    decode step inside the same kernel, from o rounded to the layer's dtype as every other path hands it
+    to the norm.
     """
     if use_fast_path(q) and decode:
         from kimik3.ops.triton.kda import kda_decode_triton
         norm = None if out_norm is None else (out_norm.weight, out_norm.gate, out_norm.eps, out_norm.dtype)
         return kda_decode_triton(q, k, v, f, b, A_log, dt_bias, lower_bound, state_pool, slots, norm=norm)
+    f = dense(f, q.shape[1])
     state0 = state_pool[slots] if has_state is None else state_pool[slots].masked_fill(~has_state.view(-1, 1, 1, 1), 0)
     if use_fast_path(q):
         o, state1 = _chunk_kda_cuda(q, k, v, f, b, A_log, dt_bias, lower_bound, state0, cu_seqlens)

@@ -23,7 +23,7 @@ from kimik3.ops.attn_res import attn_res_mix, attn_res_mix_norm
 from kimik3.ops.backend import reference_ops
 from kimik3.ops.conv import causal_conv1d_in_pool
 from kimik3.ops.cuda import flash_kda, flash_mla
-from kimik3.ops.kda import OutputNorm, kda_attention_in_pool, kda_recurrent_in_pool
+from kimik3.ops.kda import LowRank, OutputNorm, kda_attention_in_pool, kda_recurrent_in_pool
 from kimik3.ops.mla import cache_latent, mla_decode_attention, mla_prefill_attention
 from kimik3.ops.moe import fused_moe, fused_moe_mxfp4
 from kimik3.ops.norm import add_rms_norm, gated_rms_norm, rms_norm, rms_norm_fp32_weight
@@ -115,10 +115,11 @@ def check_kda(lens=(200, 1, 67, 130), ctx=(0, 12, 5, 0), H=96, K=128, lower_boun
     return out
 
 
-def check_kda_decode_conv(N=5, H=32, K=128, W=4, lower_bound=None, seed=26) -> dict:
+def check_kda_decode_conv(N=5, H=32, K=128, W=4, lower_bound=None, seed=26, low_rank=False) -> dict:
     """A KDA layer's decode step as the model runs it (the conv's decode kernel on raw q|k|v, a slice of the
     merged projection, then the step with the output norm; both pools at scattered slots) against the
-    reference ops in fp32 on the same inputs; the conv windows bit for bit."""
+    reference ops in fp32 on the same inputs; the conv windows bit for bit. ``low_rank``: f and the output gate
+    as Kimi-Linear's ``LowRank`` (f_a | g_a a slice of a wider row, f_b and g_b [H K, K]), computed in the step."""
     g = _gen(seed)
     S, P = 11, H * K
     raw = torch.randn(N, 3 * P + 200, generator=g, device="cuda").to(BF16)[:, 100:100 + 3 * P]
@@ -131,14 +132,19 @@ def check_kda_decode_conv(N=5, H=32, K=128, W=4, lower_bound=None, seed=26) -> d
     gate = torch.randn(N, H, K, generator=g, device="cuda").to(BF16)
     weight = 1 + 0.2 * torch.randn(K, generator=g, device="cuda")
     ref_windows, ref_pool = windows.float(), pool.clone()
+    ref_f, ref_gate = f.float(), gate.float()
+    if low_rank:
+        fg_a = torch.randn(N, 2 * K + 40, generator=g, device="cuda").to(BF16)[:, 40:]
+        f_b, g_b = ((torch.randn(P, K, generator=g, device="cuda") * K ** -0.5 * s).to(BF16) for s in (3, 1))
+        f, gate = LowRank(fg_a[:, :K], f_b), LowRank(fg_a[:, K:], g_b)
+        ref_f, ref_gate = LowRank(fg_a[:, :K].float(), f_b.float()), LowRank(fg_a[:, K:].float(), g_b.float())
 
     def step(raw, windows, f, b, pool, norm):
         q, k, v = (t.view(N, H, K) for t in causal_conv1d_in_pool(raw, conv_w, windows, slots, None, [1] * N, cu, 3))
         return kda_attention_in_pool(q, k, v, f, b, A_log, dt_bias, lower_bound, pool, slots, None, [1] * N, cu,
                                      decode=True, out_norm=norm)
     with reference_ops():
-        ref = step(raw.float(), ref_windows, f.float(), b.float(), ref_pool,
-                   OutputNorm(weight, gate.float(), 1e-5, torch.float32))
+        ref = step(raw.float(), ref_windows, ref_f, b.float(), ref_pool, OutputNorm(weight, ref_gate, 1e-5, torch.float32))
     poison_allocator()
     o = step(raw, windows, f, b, pool, OutputNorm(weight, gate, 1e-5, BF16))
     others = torch.ones(S, dtype=torch.bool, device="cuda")
@@ -463,6 +469,8 @@ CHECKS = {
     "cache_latent": check_cache_latent,
     "kda_decode_conv": check_kda_decode_conv,
     "kda_decode_conv_bounded_w2": lambda: check_kda_decode_conv(N=3, H=8, W=2, lower_bound=-5.0, seed=27),
+    "kda_decode_conv_low_rank": lambda: check_kda_decode_conv(low_rank=True, seed=28),
+    "kda_decode_conv_low_rank_bounded": lambda: check_kda_decode_conv(N=2, H=8, lower_bound=-5.0, seed=29, low_rank=True),
 }
 
 

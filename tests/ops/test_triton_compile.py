@@ -191,11 +191,22 @@ def compile_kda_decode():
     from kimik3.ops.triton import kda
     types = {"q": "*bf16", "k": "*bf16", "v": "*bf16", "f": "*bf16", "b": "*bf16", "A_log": "*fp32", "dt_bias": "*fp32",
              "pool": "*fp32", "slots": "*i64", "o": "*bf16", "lower_bound": "fp32", "scale": "fp32"}
-    types.update(norm_w="*fp32", gate="*bf16", eps="fp32")
+    types.update(norm_w="*fp32", gate="*bf16", eps="fp32", f_w="*bf16", gate_w="*bf16")
     for bounded, norm in ((True, False), (False, False), (True, True)):
         compile_for_hopper(kda._kda_decode_kernel, types, dict(H=32, K=128, V=128, BV=128 if norm else 32,
                                                                BOUNDED=bounded, NORM=norm, PREFETCH=False),
                            num_warps=8 if norm else 4)
+    # K3's f_b; Kimi-Linear's f_b and g_b, in the kernel (as launched: run-time alignment): no more local memory
+    # traffic than with f and gate read
+    local = {}
+    for f_lr, g_lr in ((False, False), (True, False), (True, True)):
+        sass = compile_for_hopper(kda._kda_decode_kernel, types, dict(H=32, K=128, V=128, BV=128, BOUNDED=True,
+                                                                      NORM=True, PREFETCH=False, F_LR=f_lr, G_LR=g_lr,
+                                                                      R=128), num_warps=8,
+                                  divisible={"stride_q", "stride_k", "stride_v", "stride_f", "stride_b", "stride_o",
+                                             "stride_slot", "stride_gate"}).asm["sass"]
+        local[f_lr, g_lr] = sass.count("STL") + sass.count("LDL")
+    assert local[True, False] <= local[False, False] and local[True, True] <= local[False, False], local
     for K in (128, 4):                  # under PDL: the state rows asked of L2 before the wait (none under 32 values)
         body = compile_for_hopper(kda._kda_decode_kernel, types, dict(H=2, K=K, V=K, BV=K, BOUNDED=True, NORM=True,
                                                                       PREFETCH=True, PDL=True), num_warps=8).asm["ptx"]

@@ -127,14 +127,18 @@ def test_conv_pool_kernel_names_a_kernel_size_it_does_not_take():
 
 
 # ---- KDA decode ----------------------------------------------------------------------------
+@pytest.mark.parametrize("low_rank", [False, True], ids=["dense", "low_rank"])
 @pytest.mark.parametrize("with_norm", [False, True], ids=["o", "normed"])
 @pytest.mark.parametrize("lower_bound", [-5.0, None], ids=["bounded", "softplus"])
-def test_kda_decode_kernel_matches_float64(lower_bound, with_norm):
+def test_kda_decode_kernel_matches_float64(lower_bound, with_norm, low_rank):
     """One decode step of three sequences in scattered pool slots against the equations in float64:
     gate (K3's bounded sigmoid or Kimi-Linear's softplus, with a logit past softplus's threshold),
     beta = sigmoid(b), q and k L2-normalised (q by K^-1/2), decay, delta rule, output. q and b are
     read with row strides (slices of a wider projection); value channels span two programs. With the
-    output norm: rmsnorm(o) * w * sigmoid(gate) of o rounded to bf16, the gate read with a row stride."""
+    output norm: rmsnorm(o) * w * sigmoid(gate) of o rounded to bf16, the gate read with a row stride.
+    Low rank: f and the output gate as ``LowRank`` (rows of a wider tensor times [H K, R] up-projections,
+    computed in the kernel), on values whose products sum exactly in fp32, so both round as float64's."""
+    from kimik3.ops.kda import LowRank
     from kimik3.ops.triton.kda import kda_decode_triton
     g = gen(5)
     N, H, K = 3, 2, 32
@@ -152,8 +156,16 @@ def test_kda_decode_kernel_matches_float64(lower_bound, with_norm):
     before = pool.clone()
     out_gate = torch.randn(N, H * V + 5, generator=g).to(BF16)[:, 5:].view(N, H, V)
     norm_w = torch.randn(V, generator=g) * 0.3 + 1
-    norm = (norm_w, out_gate, 1e-5, BF16) if with_norm else None
-    o = kda_decode_triton(q, k, v, f, b, A_log, dt_bias, lower_bound, pool, slots, block_v=16, norm=norm)
+    f_arg, gate_arg = f, out_gate
+    if low_rank:
+        R = 64
+        lr_a = (torch.randint(-4, 5, (N, 2 * R + 3), generator=g) * 0.25).to(BF16)[:, 3:]    # f_a | g_a, row stride
+        f_w, g_w = ((torch.randint(-3, 4, (H * K, R), generator=g) * 0.125).to(BF16) for _ in range(2))
+        f_arg, gate_arg = LowRank(lr_a[:, :R], f_w), LowRank(lr_a[:, R:], g_w)
+        f = (lr_a[:, :R].double() @ f_w.double().t()).to(BF16).view(N, H, K)                  # exact sums, rounded
+        out_gate = (lr_a[:, R:].double() @ g_w.double().t()).to(BF16).view(N, H, V)
+    norm = (norm_w, gate_arg, 1e-5, BF16) if with_norm else None
+    o = kda_decode_triton(q, k, v, f_arg, b, A_log, dt_bias, lower_bound, pool, slots, block_v=16, norm=norm)
 
     d = lambda t: t.double()                                             # noqa: E731
     z = d(f) + d(dt_bias).view(1, H, K)

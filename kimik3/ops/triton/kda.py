@@ -16,6 +16,11 @@ GATED form), stored once.
 
 Under PDL a program asks L2 for its state rows before it waits for the kernel before it: a state row is
 written only by this layer's step, so the read of the 64 KB of a head starts during that kernel's tail.
+
+Low-rank operands (``ops.kda.LowRank``: F_LR for the gate logits f = f_a f_b^T, G_LR for the output gate
+g_a g_b^T): the program computes its head's part from the sequence's low-rank row and the head's rows of
+the up-projection (R-wide chunks of 32, fp32 sums, rounded to the row's dtype as the projection's output
+is), so the step needs no launch for them.
 """
 
 from __future__ import annotations
@@ -29,10 +34,22 @@ from kimik3.ops.triton.common import pdl, pdl_entry, prefetch_l2
 
 
 @triton.jit
-def _kda_decode_kernel(q, k, v, f, b, A_log, dt_bias, pool, slots, o, norm_w, gate, lower_bound, scale, eps,
-                       stride_q, stride_k, stride_v, stride_f, stride_b, stride_o, stride_slot, stride_gate,
+def _up_projected(a_row, w, rows, R: tl.constexpr):
+    """sum_r a_row[r] w[rows, r] in fp32 over R in chunks of 32, rounded to a_row's dtype: [len(rows)] fp32."""
+    acc = tl.zeros(rows.shape, tl.float32)
+    for r0 in tl.static_range(0, R, 32):
+        cr = r0 + tl.arange(0, 32)
+        acc += tl.sum(tl.load(w + rows[:, None].to(tl.int64) * R + cr[None, :]).to(tl.float32)
+                      * tl.load(a_row + cr).to(tl.float32)[None, :], 1)
+    return acc.to(a_row.dtype.element_ty).to(tl.float32)
+
+
+@triton.jit
+def _kda_decode_kernel(q, k, v, f, b, A_log, dt_bias, pool, slots, o, norm_w, gate, f_w, gate_w, lower_bound, scale,
+                       eps, stride_q, stride_k, stride_v, stride_f, stride_b, stride_o, stride_slot, stride_gate,
                        H: tl.constexpr, K: tl.constexpr, V: tl.constexpr, BV: tl.constexpr,
-                       BOUNDED: tl.constexpr, NORM: tl.constexpr, PREFETCH: tl.constexpr, PDL: tl.constexpr):
+                       BOUNDED: tl.constexpr, NORM: tl.constexpr, PREFETCH: tl.constexpr, PDL: tl.constexpr,
+                       F_LR: tl.constexpr = False, G_LR: tl.constexpr = False, R: tl.constexpr = 32):
     n, h, iv = tl.program_id(0).to(tl.int64), tl.program_id(1), tl.program_id(2)
     ck = tl.arange(0, K)
     cv = iv * BV + tl.arange(0, BV)
@@ -45,7 +62,11 @@ def _kda_decode_kernel(q, k, v, f, b, A_log, dt_bias, pool, slots, o, norm_w, ga
     qv = tl.load(q + n * stride_q + h * K + ck).to(tl.float32)
     kv = tl.load(k + n * stride_k + h * K + ck).to(tl.float32)
     vv = tl.load(v + n * stride_v + h * V + cv).to(tl.float32)
-    z = tl.load(f + n * stride_f + h * K + ck).to(tl.float32) + tl.load(dt_bias + h * K + ck).to(tl.float32)
+    if F_LR:                                       # f's row holds f_a [R]; f_w = f_b [H K, R]
+        fz = _up_projected(f + n * stride_f, f_w, h * K + ck, R)
+    else:
+        fz = tl.load(f + n * stride_f + h * K + ck).to(tl.float32)
+    z = fz + tl.load(dt_bias + h * K + ck).to(tl.float32)
     a = tl.exp(tl.load(A_log + h).to(tl.float32))
     if BOUNDED:
         g = lower_bound * tl.sigmoid(a * z)
@@ -61,7 +82,11 @@ def _kda_decode_kernel(q, k, v, f, b, A_log, dt_bias, pool, slots, o, norm_w, ga
     if NORM:                                                               # BV == V: the head's whole row
         out = out.to(v.dtype.element_ty).to(tl.float32)                    # o as the unfused norm reads it
         out = out * (1.0 / tl.sqrt(tl.sum(out * out, 0) / V + eps)) * tl.load(norm_w + cv).to(tl.float32)
-        out = out * tl.sigmoid(tl.load(gate + n * stride_gate + h * V + cv).to(tl.float32))
+        if G_LR:                                   # gate's row holds g_a [R]; gate_w = g_b [H V, R]
+            gt = _up_projected(gate + n * stride_gate, gate_w, h * V + cv, R)
+        else:
+            gt = tl.load(gate + n * stride_gate + h * V + cv).to(tl.float32)
+        out = out * tl.sigmoid(gt)
     tl.store(o + n * stride_o + h * V + cv, out.to(o.dtype.element_ty))
     tl.store(rows, S)
 
@@ -71,15 +96,30 @@ def default_block_v(V: int) -> int:
     return min(32, V)
 
 
-def kda_decode_triton(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, f: torch.Tensor, b: torch.Tensor,
+def _low_rank(name: str, t, N: int, rows: int, dtype: torch.dtype) -> tuple[torch.Tensor, torch.Tensor | None, int]:
+    """(row operand, up-projection or None, its rank) of a per-head operand given as a tensor or ``LowRank``."""
+    from kimik3.ops.kda import LowRank
+    if not isinstance(t, LowRank):
+        return t, None, 0
+    a, w = t.a, t.w
+    R = a.shape[-1]
+    if (a.dim() != 2 or a.shape[0] != N or a.stride(-1) != 1 or tuple(w.shape) != (rows, R) or not w.is_contiguous()
+            or a.dtype != dtype or w.dtype != dtype or R < 32 or R & (R - 1)):
+        raise ValueError(f"kda_decode_triton: low-rank {name} needs a [{N}, R] (unit inner stride) and a contiguous "
+                         f"w [{rows}, R] of {dtype}, R a power of two from 32; got a {a.dtype} {tuple(a.shape)} "
+                         f"(strides {tuple(a.stride())}), w {w.dtype} {tuple(w.shape)}")
+    return a, w, R
+
+
+def kda_decode_triton(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, f, b: torch.Tensor,
                       A_log: torch.Tensor, dt_bias: torch.Tensor, lower_bound: float | None,
                       state_pool: torch.Tensor, slots: torch.Tensor, block_v: int | None = None,
-                      num_warps: int | None = None,
-                      norm: tuple[torch.Tensor, torch.Tensor, float, torch.dtype] | None = None) -> torch.Tensor:
-    """q, k, f [N, H, K]; v [N, H, V]; b [N, H] (each with unit stride inside a row, any row stride);
-    A_log [H], dt_bias [H*K]; state_pool [slots, H, V, K] fp32, rows ``slots`` [N] updated in place.
-    Returns o [N, H, V] in v's dtype; with ``norm`` = (weight [V], gate [N, H, V], eps, dtype) the
-    normed output rmsnorm(o) * weight * sigmoid(gate) in that dtype (one program a head: 8 warps)."""
+                      num_warps: int | None = None, norm: tuple | None = None) -> torch.Tensor:
+    """q, k [N, H, K]; v [N, H, V]; f [N, H, K] or ``ops.kda.LowRank`` (a [N, R], w [H K, R]); b [N, H] (each
+    with unit stride inside a row, any row stride); A_log [H], dt_bias [H*K]; state_pool [slots, H, V, K] fp32,
+    rows ``slots`` [N] updated in place. Returns o [N, H, V] in v's dtype; with ``norm`` = (weight [V],
+    gate [N, H, V] or ``LowRank`` (a [N, R], w [H V, R]), eps, dtype) the normed output
+    rmsnorm(o) * weight * sigmoid(gate) in that dtype (one program a head: 8 warps)."""
     N, H, K = q.shape
     V = v.shape[-1]
     BV = V if norm is not None else (block_v or default_block_v(V))
@@ -89,27 +129,33 @@ def kda_decode_triton(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, f: torc
     if K & (K - 1) or V % BV or BV & (BV - 1):
         raise ValueError(f"kda_decode_triton: head dims K={K}, V={V} need K a power of two and V a multiple of "
                          f"the power-of-two block {BV}")
-    for name, t in (("q", q), ("k", k), ("v", v), ("f", f)):
+    f, f_w, f_rank = _low_rank("f", f, N, H * K, q.dtype)
+    for name, t in (("q", q), ("k", k), ("v", v)) + ((("f", f),) if f_w is None else ()):
         if t.stride(-1) != 1 or t.stride(-2) != t.shape[-1]:
             raise ValueError(f"kda_decode_triton: {name} needs each row's heads packed ({tuple(t.stride())})")
     if b.stride(-1) != 1:
         raise ValueError("kda_decode_triton: b needs unit stride over heads")
+    gate_w, g_rank = None, 0
     if norm is not None:
         weight, gate, eps, dtype = norm
-        if tuple(weight.shape) != (V,) or tuple(gate.shape) != (N, H, V) or gate.stride(-1) != 1 \
-                or gate.stride(-2) != V:
+        gate, gate_w, g_rank = _low_rank("gate", gate, N, H * V, q.dtype)
+        if tuple(weight.shape) != (V,) or (gate_w is None and (tuple(gate.shape) != (N, H, V) or gate.stride(-1) != 1
+                                                              or gate.stride(-2) != V)):
             raise ValueError(f"kda_decode_triton: the output norm needs weight [{V}] and gate [{N}, {H}, {V}] with "
                              f"each row's heads packed, got {tuple(weight.shape)} and {tuple(gate.shape)} "
                              f"(strides {tuple(gate.stride())})")
     else:
         weight, gate, eps, dtype = A_log, A_log, 0.0, v.dtype                   # unused placeholders
+    if f_rank and g_rank and f_rank != g_rank:
+        raise ValueError(f"kda_decode_triton: low-rank f and gate of ranks {f_rank} and {g_rank} (one rank a step)")
     o = torch.empty(N, H, V, dtype=dtype, device=v.device)
     if N:
         _kda_decode_kernel[(N, H, V // BV)](
-            q, k, v, f, b, A_log, dt_bias, state_pool, slots, o, weight, gate, float(lower_bound or 0.0), K ** -0.5,
+            q, k, v, f, b, A_log, dt_bias, state_pool, slots, o, weight, gate, A_log if f_w is None else f_w,
+            A_log if gate_w is None else gate_w, float(lower_bound or 0.0), K ** -0.5,
             float(eps), q.stride(0), k.stride(0), v.stride(0), f.stride(0), b.stride(0), o.stride(0),
             state_pool.stride(0), gate.stride(0) if norm is not None else 0,
             H=H, K=K, V=V, BV=BV, BOUNDED=lower_bound is not None, NORM=norm is not None,
             PREFETCH=pdl(q)["PDL"] and common.PREFETCH_ENABLED, num_warps=num_warps or (8 if norm is not None else 4),
-            **pdl(q))
+            F_LR=f_w is not None, G_LR=gate_w is not None, R=max(f_rank, g_rank, 32), **pdl(q))
     return o
