@@ -25,6 +25,8 @@ FlashMLA (the slice's cache has 64-token blocks, so the main columns run FlashML
 FlashKDA (K3's bounded gate only; Kimi-Linear's KDA never takes FlashKDA).
 ``--router-split-ab``: every decode case also with the MoE routing on unsplit logits (``kimik3.ops.router``'s
 split-K path off: ROUTER_SPLIT_MIN_TOKENS past any batch).
+``--low-rank-ab``: every decode case also with the KDA layers' low-rank up-projections computed before the step's
+kernel (``kimik3.ops.kda.DECODE_LOW_RANK`` off), not inside it.
 """
 
 from __future__ import annotations
@@ -43,18 +45,27 @@ import torch
 ROOT = Path(__file__).resolve().parents[2]
 sys.path.insert(0, str(ROOT))
 
-from benchmarks.common import (capture_graph, commit_id, copy_rate, cuda_time, log, matmul_rate,  # noqa: E402
-                               named_or_not, save_results)
-from kimik3.config import parse_config                      # noqa: E402
-from kimik3.model.batch import ForwardBatch, HybridCache     # noqa: E402
-from kimik3.model.kimi_k3 import KimiForCausalLM             # noqa: E402
-from kimik3.model.moe import Experts                         # noqa: E402
-from kimik3.ops import ceil_div, mxfp4                       # noqa: E402
-from kimik3.ops import linear as ops_linear                   # noqa: E402
-from kimik3.ops import router as ops_router                   # noqa: E402
-from kimik3.ops.backend import reference_ops                 # noqa: E402
-from kimik3.ops.triton import common as triton_common        # noqa: E402
-from kimik3.ops.triton import moe as moe_kernels              # noqa: E402
+from benchmarks.common import (  # noqa: E402
+    capture_graph,
+    commit_id,
+    copy_rate,
+    cuda_time,
+    log,
+    matmul_rate,
+    named_or_not,
+    save_results,
+)
+from kimik3.config import parse_config  # noqa: E402
+from kimik3.model.batch import ForwardBatch, HybridCache  # noqa: E402
+from kimik3.model.kimi_k3 import KimiForCausalLM  # noqa: E402
+from kimik3.model.moe import Experts  # noqa: E402
+from kimik3.ops import ceil_div, mxfp4  # noqa: E402
+from kimik3.ops import kda as ops_kda  # noqa: E402
+from kimik3.ops import linear as ops_linear  # noqa: E402
+from kimik3.ops import router as ops_router  # noqa: E402
+from kimik3.ops.backend import reference_ops  # noqa: E402
+from kimik3.ops.triton import common as triton_common  # noqa: E402
+from kimik3.ops.triton import moe as moe_kernels  # noqa: E402
 
 CONFIG = Path(__file__).with_name("kimi-k3-slice4.config.json")
 KIMI_LINEAR_CONFIG = Path(__file__).with_name("kimi-linear-slice4.config.json")
@@ -355,6 +366,8 @@ def bench_model(bw, mm):
         t_graph_no_flash_mla = without_flash_mla(lambda: graph_time(fast))
         t_graph_unsplit_router = with_setting("--router-split-ab", ops_router, "ROUTER_SPLIT_MIN_TOKENS", 1 << 30,
                                               lambda: graph_time(fast))
+        t_graph_low_rank_apart = with_setting("--low-rank-ab", ops_kda, "DECODE_LOW_RANK", False,
+                                              lambda: graph_time(fast))
         model.use_side_stream(None)
         t_graph_no_side = graph_time(fast) if "--side-ab" in sys.argv else None
         t_ref = float("nan")
@@ -377,6 +390,7 @@ def bench_model(bw, mm):
                      "t_graph_no_prefetch_ms": None if t_graph_no_prefetch is None else t_graph_no_prefetch * 1e3,
                      "t_graph_no_flash_mla_ms": None if t_graph_no_flash_mla is None else t_graph_no_flash_mla * 1e3,
                      "t_graph_unsplit_router_ms": None if t_graph_unsplit_router is None else t_graph_unsplit_router * 1e3,
+                     "t_graph_low_rank_apart_ms": None if t_graph_low_rank_apart is None else t_graph_low_rank_apart * 1e3,
                      "bytes": byts, "flops": flops, "floor_ms": floor * 1e3, "time_over_floor": best / floor,
                      "speedup_vs_ref": t_ref / best, "ref_note": "same shapes"})
         log(rows[-1])
@@ -504,8 +518,8 @@ def main():
     save()
     log(f"\n| case | fast eager ms | fast graph ms | floor ms | time/floor | ref ms | speed-up | without PDL ms "
         f"| GEMV_MAX_ROWS {0 if ops_linear.GEMV_MAX_ROWS else 8} ms | no side stream ms | one token on block kernels ms | no weight prefetch ms | without FlashKDA (prefill) / FlashMLA (decode) ms "
-        f"| unsplit router logits ms |")
-    log("|---|---|---|---|---|---|---|---|---|---|---|---|---|---|")
+        f"| unsplit router logits ms | low rank apart ms |")
+    log("|---|---|---|---|---|---|---|---|---|---|---|---|---|---|---|")
     for r in rows:
         g = "-" if r["t_graph_ms"] is None else f"{r['t_graph_ms']:.3f}"
         off = r.get("t_graph_no_pdl_ms") or r.get("t_eager_no_pdl_ms")
@@ -525,8 +539,10 @@ def main():
         noflash = "-" if noflash is None else f"{noflash:.3f}"
         unsplit = r.get("t_graph_unsplit_router_ms")
         unsplit = "-" if unsplit is None else f"{unsplit:.3f}"
+        apart = r.get("t_graph_low_rank_apart_ms")
+        apart = "-" if apart is None else f"{apart:.3f}"
         log(f"| {r['case']} | {r['t_eager_ms']:.2f} | {g} | {r['floor_ms']:.3f} | {r['time_over_floor']:.2f}{extra} "
-            f"| {ref} | {sp} | {off} | {other} | {side} | {blocks} | {nopf} | {noflash} | {unsplit} |")
+            f"| {ref} | {sp} | {off} | {other} | {side} | {blocks} | {nopf} | {noflash} | {unsplit} | {apart} |")
     bad = [k for k, r in results.get("checks", {}).items() if not r["ok"]]
     log(f"checks: {len(results.get('checks', {})) - len(bad)} ok, bad: {bad}")
 

@@ -36,6 +36,11 @@ class LowRank:
         return linear(self.a, self.w).view(self.a.shape[0], heads, -1)
 
 
+# A CUDA decode step computes ``LowRank`` operands inside its kernel (one launch fewer a KDA layer). False: they
+# are computed first, as on every other path (``bench_slice.py --low-rank-ab``).
+DECODE_LOW_RANK = True
+
+
 def dense(t: torch.Tensor | LowRank, heads: int) -> torch.Tensor:
     """A per-head operand [T, H, D] as a tensor, computing a ``LowRank`` one."""
     return t.dense(heads) if isinstance(t, LowRank) else t
@@ -234,8 +239,11 @@ def kda_attention_in_pool(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, f: 
     """
     if use_fast_path(q) and decode:
         from kimik3.ops.triton.kda import kda_decode_triton
-        norm = None if out_norm is None else (out_norm.weight, out_norm.gate, out_norm.eps, out_norm.dtype)
-        return kda_decode_triton(q, k, v, f, b, A_log, dt_bias, lower_bound, state_pool, slots, norm=norm)
+        H = q.shape[1]
+        gate = None if out_norm is None else out_norm.gate if DECODE_LOW_RANK else dense(out_norm.gate, H)
+        norm = None if out_norm is None else (out_norm.weight, gate, out_norm.eps, out_norm.dtype)
+        return kda_decode_triton(q, k, v, f if DECODE_LOW_RANK else dense(f, H), b, A_log, dt_bias, lower_bound,
+                                 state_pool, slots, norm=norm)
     f = dense(f, q.shape[1])
     state0 = state_pool[slots] if has_state is None else state_pool[slots].masked_fill(~has_state.view(-1, 1, 1, 1), 0)
     if use_fast_path(q):
