@@ -45,27 +45,19 @@ import torch
 ROOT = Path(__file__).resolve().parents[2]
 sys.path.insert(0, str(ROOT))
 
-from benchmarks.common import (  # noqa: E402
-    capture_graph,
-    commit_id,
-    copy_rate,
-    cuda_time,
-    log,
-    matmul_rate,
-    named_or_not,
-    save_results,
-)
-from kimik3.config import parse_config  # noqa: E402
-from kimik3.model.batch import ForwardBatch, HybridCache  # noqa: E402
-from kimik3.model.kimi_k3 import KimiForCausalLM  # noqa: E402
-from kimik3.model.moe import Experts  # noqa: E402
-from kimik3.ops import ceil_div, mxfp4  # noqa: E402
-from kimik3.ops import kda as ops_kda  # noqa: E402
-from kimik3.ops import linear as ops_linear  # noqa: E402
-from kimik3.ops import router as ops_router  # noqa: E402
-from kimik3.ops.backend import reference_ops  # noqa: E402
-from kimik3.ops.triton import common as triton_common  # noqa: E402
-from kimik3.ops.triton import moe as moe_kernels  # noqa: E402
+from benchmarks.common import (capture_graph, commit_id, copy_rate, cuda_time, log, matmul_rate,  # noqa: E402
+                               named_or_not, save_results)
+from kimik3.config import parse_config                      # noqa: E402
+from kimik3.model.batch import ForwardBatch, HybridCache     # noqa: E402
+from kimik3.model.kimi_k3 import KimiForCausalLM             # noqa: E402
+from kimik3.model.moe import Experts                         # noqa: E402
+from kimik3.ops import ceil_div, mxfp4                       # noqa: E402
+from kimik3.ops import kda as ops_kda                         # noqa: E402
+from kimik3.ops import linear as ops_linear                   # noqa: E402
+from kimik3.ops import router as ops_router                   # noqa: E402
+from kimik3.ops.backend import reference_ops                 # noqa: E402
+from kimik3.ops.triton import common as triton_common        # noqa: E402
+from kimik3.ops.triton import moe as moe_kernels              # noqa: E402
 
 CONFIG = Path(__file__).with_name("kimi-k3-slice4.config.json")
 KIMI_LINEAR_CONFIG = Path(__file__).with_name("kimi-linear-slice4.config.json")
