@@ -150,6 +150,11 @@ def _gemv_combine_kernel(h, w, ids, weights, y, N, K, stride_h, stride_w, stride
     tl.store(y + n, total.to(y.dtype.element_ty), mask=mn)
 
 
+# The default launches' K loops: pipelined loops (False) or unrolled (``GemvConfig.unroll``;
+# ``bench_slice.py --unroll-ab`` times both).
+UNROLL = False
+
+
 @dataclass(frozen=True)
 class GemvConfig:
     """Columns a program owns, K elements a loop step reads of each row, warps, pipeline stages; ``unroll``:
@@ -179,7 +184,7 @@ def gemv_config(M: int, N: int, K: int, num_sms: int = 132, glu: bool = False) -
         bn = max(4, bn // 2)
     bk = max(64, min(4096 // bn if bn == 16 else 512, triton.next_power_of_2(K),
                      4096 // (bn * triton.next_power_of_2(M) * (2 if glu else 1))))
-    return GemvConfig(bn=bn, bk=bk)
+    return GemvConfig(bn=bn, bk=bk, unroll=UNROLL)
 
 
 def gemv(x: torch.Tensor, w: torch.Tensor, config: GemvConfig | None = None,
@@ -232,7 +237,7 @@ def combine_config(N: int, K: int, num_sms: int = 132) -> GemvConfig:
     programs are k times longer than a projection's; 8 columns a program where that gives four programs an
     SM, else 4 (fewer, longer programs leave SMs idle at the tail)."""
     bn = 8 if triton.cdiv(N, 8) >= 4 * num_sms else 4
-    return GemvConfig(bn=bn, bk=max(64, min(512, triton.next_power_of_2(K))))
+    return GemvConfig(bn=bn, bk=max(64, min(512, triton.next_power_of_2(K))), unroll=UNROLL)
 
 
 def one_token_experts(x: torch.Tensor, w1: torch.Tensor, w2: torch.Tensor, w3: torch.Tensor, weights: torch.Tensor,
