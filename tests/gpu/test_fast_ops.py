@@ -413,6 +413,16 @@ def check_glu(seed=18) -> dict:
     return out
 
 
+def with_unrolled_gemv(check) -> dict:
+    """``check()`` with the streaming kernels' default launches unrolled (``gemv.UNROLL``)."""
+    from kimik3.ops.triton import gemv
+    saved, gemv.UNROLL = gemv.UNROLL, True
+    try:
+        return check()
+    finally:
+        gemv.UNROLL = saved
+
+
 def check_linear(seed=30) -> dict:
     """ops.linear and linear_glu on the streaming kernel (GEMV_MAX_ROWS 8) at 1-8 rows against torch's
     linear (and the activation op), on a projection shape of each slice and ragged ones."""
@@ -438,6 +448,8 @@ def check_linear(seed=30) -> dict:
 
 CHECKS = {
     "linear": check_linear,
+    "linear_unrolled": lambda: with_unrolled_gemv(check_linear),
+    "moe_dense_decode_unrolled": lambda: with_unrolled_gemv(lambda: check_moe_dense(T=1, seed=31, w13=True)),
     "rms_norm": check_rms_norm, "glu": check_glu,
     "conv": check_conv, "kda": check_kda, "kda_snapshots": check_kda_snapshots,
     "kda_normed": lambda: check_kda(lens=(9, 1, 30), ctx=(0, 3, 7), seed=27, normed=True),
