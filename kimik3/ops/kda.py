@@ -239,11 +239,10 @@ def kda_attention_in_pool(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, f: 
     """
     if use_fast_path(q) and decode:
         from kimik3.ops.triton.kda import kda_decode_triton
-        H = q.shape[1]
-        gate = None if out_norm is None else out_norm.gate if DECODE_LOW_RANK else dense(out_norm.gate, H)
-        norm = None if out_norm is None else (out_norm.weight, gate, out_norm.eps, out_norm.dtype)
-        return kda_decode_triton(q, k, v, f if DECODE_LOW_RANK else dense(f, H), b, A_log, dt_bias, lower_bound,
-                                 state_pool, slots, norm=norm)
+        def operand(t):           # the kernel takes a low-rank operand as its pair (a, w)
+            return (t.a, t.w) if isinstance(t, LowRank) and DECODE_LOW_RANK else dense(t, q.shape[1])
+        norm = None if out_norm is None else (out_norm.weight, operand(out_norm.gate), out_norm.eps, out_norm.dtype)
+        return kda_decode_triton(q, k, v, operand(f), b, A_log, dt_bias, lower_bound, state_pool, slots, norm=norm)
     f = dense(f, q.shape[1])
     state0 = state_pool[slots] if has_state is None else state_pool[slots].masked_fill(~has_state.view(-1, 1, 1, 1), 0)
     if use_fast_path(q):

@@ -136,9 +136,8 @@ def test_kda_decode_kernel_matches_float64(lower_bound, with_norm, low_rank):
     beta = sigmoid(b), q and k L2-normalised (q by K^-1/2), decay, delta rule, output. q and b are
     read with row strides (slices of a wider projection); value channels span two programs. With the
     output norm: rmsnorm(o) * w * sigmoid(gate) of o rounded to bf16, the gate read with a row stride.
-    Low rank: f and the output gate as ``LowRank`` (rows of a wider tensor times [H K, R] up-projections,
+    Low rank: f and the output gate as low-rank pairs (rows of a wider tensor times [H K, R] up-projections,
     computed in the kernel), on values whose products sum exactly in fp32, so both round as float64's."""
-    from kimik3.ops.kda import LowRank
     from kimik3.ops.triton.kda import kda_decode_triton
     g = gen(5)
     N, H, K = 3, 2, 32
@@ -161,7 +160,7 @@ def test_kda_decode_kernel_matches_float64(lower_bound, with_norm, low_rank):
         R = 64
         lr_a = (torch.randint(-4, 5, (N, 2 * R + 3), generator=g) * 0.25).to(BF16)[:, 3:]    # f_a | g_a, row stride
         f_w, g_w = ((torch.randint(-3, 4, (H * K, R), generator=g) * 0.125).to(BF16) for _ in range(2))
-        f_arg, gate_arg = LowRank(lr_a[:, :R], f_w), LowRank(lr_a[:, R:], g_w)
+        f_arg, gate_arg = (lr_a[:, :R], f_w), (lr_a[:, R:], g_w)
         f = (lr_a[:, :R].double() @ f_w.double().t()).to(BF16).view(N, H, K)                  # exact sums, rounded
         out_gate = (lr_a[:, R:].double() @ g_w.double().t()).to(BF16).view(N, H, V)
     norm = (norm_w, gate_arg, 1e-5, BF16) if with_norm else None

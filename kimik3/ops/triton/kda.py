@@ -97,11 +97,11 @@ def default_block_v(V: int) -> int:
 
 
 def _low_rank(name: str, t, N: int, rows: int, dtype: torch.dtype) -> tuple[torch.Tensor, torch.Tensor | None, int]:
-    """(row operand, up-projection or None, its rank) of a per-head operand given as a tensor or ``LowRank``."""
-    from kimik3.ops.kda import LowRank
-    if not isinstance(t, LowRank):
+    """(row operand, up-projection or None, its rank) of a per-head operand given as a tensor or a low-rank
+    pair (a, w)."""
+    if not isinstance(t, tuple):
         return t, None, 0
-    a, w = t.a, t.w
+    a, w = t
     R = a.shape[-1]
     if (a.dim() != 2 or a.shape[0] != N or a.stride(-1) != 1 or tuple(w.shape) != (rows, R) or not w.is_contiguous()
             or a.dtype != dtype or w.dtype != dtype or R < 32 or R & (R - 1)):
@@ -115,10 +115,11 @@ def kda_decode_triton(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, f, b: t
                       A_log: torch.Tensor, dt_bias: torch.Tensor, lower_bound: float | None,
                       state_pool: torch.Tensor, slots: torch.Tensor, block_v: int | None = None,
                       num_warps: int | None = None, norm: tuple | None = None) -> torch.Tensor:
-    """q, k [N, H, K]; v [N, H, V]; f [N, H, K] or ``ops.kda.LowRank`` (a [N, R], w [H K, R]); b [N, H] (each
+    """q, k [N, H, K]; v [N, H, V]; f [N, H, K] or a low-rank pair (a [N, R], w [H K, R]: f = a w^T rounded to
+    a's dtype, ``ops.kda.LowRank``); b [N, H] (each
     with unit stride inside a row, any row stride); A_log [H], dt_bias [H*K]; state_pool [slots, H, V, K] fp32,
     rows ``slots`` [N] updated in place. Returns o [N, H, V] in v's dtype; with ``norm`` = (weight [V],
-    gate [N, H, V] or ``LowRank`` (a [N, R], w [H V, R]), eps, dtype) the normed output
+    gate [N, H, V] or a low-rank pair (a [N, R], w [H V, R]), eps, dtype) the normed output
     rmsnorm(o) * weight * sigmoid(gate) in that dtype (one program a head: 8 warps)."""
     N, H, K = q.shape
     V = v.shape[-1]
