@@ -4,8 +4,13 @@ module that launched it (Triton's kernels through Triton's launch hook: the prof
 CPU op). Beside it the step as a CUDA graph, its floor (bytes at the copy rate), and
 the kernel count, so the overhead of small launches can be read off (#13, #18).
 
-    PYTHONPATH=. python benchmarks/gpu/profile_step.py [--config=PATH] [--batches=1,32] [--prefill=8192]
+    PYTHONPATH=. python benchmarks/gpu/profile_step.py [--config=PATH] [--batches=1,32] [--prefill=8192] [--pdl]
     (writes $OUT/profile_step_<config>.json; --prefill adds one fresh prompt of that many tokens, eager)
+
+The profiled step launches our kernels without programmatic dependent launch unless ``--pdl``: under PDL a kernel
+starts before its predecessor ends and waits inside, so its measured duration holds part of the kernel before it
+(the seventeenth to nineteenth sessions' profiles, taken under PDL, summed to more than the graph's time). The
+step's graph time beside it is with PDL, as the engine runs.
 """
 
 from __future__ import annotations
@@ -23,6 +28,7 @@ sys.path.insert(0, str(ROOT))
 
 from benchmarks.common import commit_id, copy_rate, cuda_time, log, save_results  # noqa: E402
 from benchmarks.gpu import bench_slice  # noqa: E402
+from kimik3.ops.triton import common as triton_common  # noqa: E402
 
 
 def module_ranges(model, labels: list[str]):
@@ -126,11 +132,17 @@ def profiled(model, fn) -> tuple[list[dict], collections.Counter]:
     fn()
     torch.cuda.synchronize()
     launches, undo = record_triton_launches(labels)
+    pdl_saved = triton_common.PDL_ENABLED
+    triton_common.PDL_ENABLED = pdl_saved and "--pdl" in sys.argv
     try:
+        fn()                              # any kernel variant new without PDL compiles outside the profile
+        torch.cuda.synchronize()
+        launches.clear()
         with profile(activities=[ProfilerActivity.CPU, ProfilerActivity.CUDA]) as prof:
             fn()
             torch.cuda.synchronize()
     finally:
+        triton_common.PDL_ENABLED = pdl_saved
         undo()
         for h in handles:
             h.remove()
@@ -146,7 +158,8 @@ def main():
     batches = [int(b) for b in next((a.split("=", 1)[1] for a in sys.argv if a.startswith("--batches=")),
                                     "1,32").split(",")]
     results = {"gpu": torch.cuda.get_device_name(), "date": datetime.date.today().isoformat(),
-               "commit": commit_id(), "torch": torch.__version__, "config": cfg_path.name, "cases": []}
+               "commit": commit_id(), "torch": torch.__version__, "config": cfg_path.name,
+               "pdl_in_profile": triton_common.PDL_ENABLED and "--pdl" in sys.argv, "cases": []}
     name = f"profile_step_{cfg_path.stem.split('.')[0]}.json"
     bw = copy_rate()
     model = bench_slice.build_slice(__import__("json").loads(cfg_path.read_text()), str(cfg_path))
