@@ -13,7 +13,8 @@
 # bench_engine.py (host share); hostprof = cProfile of the constrained async step at batch 32.
 # FLASH=1: name the carried FlashMLA / FlashKDA libraries (.whl/libkimik3_flash_{mla,kda}.so, built here by
 # scripts/build_flash_{mla,kda}.sh) for every section; full = the whole Kimi-Linear-48B (bench_full_model.py, needs an
-# H200; FULL_ARGS: its flags); flashops = bench_flash_mla.py and bench_kda_prefill.py (FLASH=1).
+# H200; FULL_ARGS: its flags, e.g. --layers=14 on an 80 GB GPU); flashops = bench_flash_mla.py and bench_kda_prefill.py
+# (FLASH=1); gemv = bench_gemv.py --experts (one token's expert launches; GEMV_ARGS replaces the flags).
 # A fresh machine spends its first 90-110 s compiling kernels; the parallel tests pay that once each.
 set -u
 START=$(date +%s)
@@ -64,6 +65,11 @@ if [[ " $sections " == *" moe "* ]]; then             # expert kernels at decode
   run moe 300 python3 benchmarks/gpu/bench_moe.py --decode-only --no-model ${MOE_ARGS:-}
   cp bench_out/bench_moe.json "$L"/ 2>/dev/null
   grep -h "^T=\|^dense" "$L"/moe.log | sort -t' ' -k1,1 | head -120
+fi
+if [[ " $sections " == *" gemv "* ]]; then            # one token's expert launches swept (GEMV_ARGS: e.g. --sweep --rows=1 instead)
+  run gemv 200 python3 benchmarks/gpu/bench_gemv.py ${GEMV_ARGS:---experts}
+  cp bench_out/bench_gemv*.json "$L"/ 2>/dev/null
+  grep -h "^[|#]" "$L"/gemv.log | head -80
 fi
 if [[ " $sections " == *" moeprefill "* ]]; then      # MXFP4 experts at 512-8192 tokens: fused kernels vs dequantize + grouped GEMMs
   run moe_prefill 200 python3 benchmarks/gpu/bench_moe.py --prefill-only
