@@ -238,9 +238,12 @@ def kda_attention_in_pool(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, f: 
     to the norm.
     """
     if use_fast_path(q) and decode:
-        from kimik3.ops.triton.kda import kda_decode_triton
-        def operand(t):           # the kernel takes a low-rank operand as its pair (a, w)
-            return (t.a, t.w) if isinstance(t, LowRank) and DECODE_LOW_RANK else dense(t, q.shape[1])
+        from kimik3.ops.triton.kda import kda_decode_triton, low_rank_fits
+
+        def operand(t):           # the kernel takes a low-rank operand as its pair (a, w), of a rank it fits
+            if isinstance(t, LowRank) and DECODE_LOW_RANK and low_rank_fits(t.a.shape[-1]):
+                return t.a, t.w
+            return dense(t, q.shape[1])
         norm = None if out_norm is None else (out_norm.weight, operand(out_norm.gate), out_norm.eps, out_norm.dtype)
         return kda_decode_triton(q, k, v, operand(f), b, A_log, dt_bias, lower_bound, state_pool, slots, norm=norm)
     f = dense(f, q.shape[1])

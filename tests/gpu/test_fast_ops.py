@@ -483,6 +483,8 @@ CHECKS = {
     "kda_decode_conv_bounded_w2": lambda: check_kda_decode_conv(N=3, H=8, W=2, lower_bound=-5.0, seed=27),
     "kda_decode_conv_low_rank": lambda: check_kda_decode_conv(low_rank=True, seed=28),
     "kda_decode_conv_low_rank_bounded": lambda: check_kda_decode_conv(N=2, H=8, lower_bound=-5.0, seed=29, low_rank=True),
+    # the tiny test checkpoints' 16-wide heads: a rank below the kernel's 32-wide chunks
+    "kda_decode_conv_low_rank_narrow": lambda: check_kda_decode_conv(N=3, H=4, K=16, seed=30, low_rank=True),
 }
 
 

@@ -127,7 +127,7 @@ def test_conv_pool_kernel_names_a_kernel_size_it_does_not_take():
 
 
 # ---- KDA decode ----------------------------------------------------------------------------
-@pytest.mark.parametrize("low_rank", [False, True], ids=["dense", "low_rank"])
+@pytest.mark.parametrize("low_rank", [0, 64, 16], ids=["dense", "low_rank", "low_rank_narrow"])
 @pytest.mark.parametrize("with_norm", [False, True], ids=["o", "normed"])
 @pytest.mark.parametrize("lower_bound", [-5.0, None], ids=["bounded", "softplus"])
 def test_kda_decode_kernel_matches_float64(lower_bound, with_norm, low_rank):
@@ -137,7 +137,7 @@ def test_kda_decode_kernel_matches_float64(lower_bound, with_norm, low_rank):
     read with row strides (slices of a wider projection); value channels span two programs. With the
     output norm: rmsnorm(o) * w * sigmoid(gate) of o rounded to bf16, the gate read with a row stride.
     Low rank: f and the output gate as low-rank pairs (rows of a wider tensor times [H K, R] up-projections,
-    computed in the kernel), on values whose products sum exactly in fp32, so both round as float64's."""
+    R = 64 or 16, computed in the kernel), on values whose products sum exactly in fp32, so both round as float64's."""
     from kimik3.ops.triton.kda import kda_decode_triton
     g = gen(5)
     N, H, K = 3, 2, 32
@@ -157,7 +157,7 @@ def test_kda_decode_kernel_matches_float64(lower_bound, with_norm, low_rank):
     norm_w = torch.randn(V, generator=g) * 0.3 + 1
     f_arg, gate_arg = f, out_gate
     if low_rank:
-        R = 64
+        R = low_rank                                                     # chunks of 32, or one narrower chunk
         lr_a = (torch.randint(-4, 5, (N, 2 * R + 3), generator=g) * 0.25).to(BF16)[:, 3:]    # f_a | g_a, row stride
         f_w, g_w = ((torch.randint(-3, 4, (H * K, R), generator=g) * 0.125).to(BF16) for _ in range(2))
         f_arg, gate_arg = (lr_a[:, :R], f_w), (lr_a[:, R:], g_w)
@@ -891,6 +891,12 @@ def test_decode_kernels_refuse_operands_that_do_not_fit():
     with pytest.raises(ValueError, match=r"output norm needs weight \[16\] and gate \[2, 2, 16\]"):
         kda_decode_triton(q, k, v, f, b, A_log, dt_bias, None, torch.zeros(3, H, K, K), slots,
                           norm=(torch.ones(K), torch.zeros(N, K, H).transpose(1, 2), 1e-5, BF16))
+    with pytest.raises(ValueError, match=r"low-rank f needs a \[2, R\] .* w \[32, R\] of torch.bfloat16, R a power of two"):
+        kda_decode_triton(q, k, v, (torch.randn(N, 24).to(BF16), torch.randn(H * K, 24).to(BF16)), b, A_log, dt_bias,
+                          None, torch.zeros(3, H, K, K), slots)
+    with pytest.raises(ValueError, match=r"low-rank gate needs .* got a torch.float32"):
+        kda_decode_triton(q, k, v, f, b, A_log, dt_bias, None, torch.zeros(3, H, K, K), slots,
+                          norm=(torch.ones(K), (torch.randn(N, 16), torch.randn(H * K, 16).to(BF16)), 1e-5, BF16))
     with pytest.raises(ValueError, match=r"residual torch.float32 \(2, 8\) does not match x torch.bfloat16 \(2, 8\)"):
         rms_norm_triton(torch.randn(2, 8).to(BF16), torch.ones(8), 1e-6, KIMI, BF16, residual=torch.randn(2, 8))
 

@@ -19,8 +19,8 @@ written only by this layer's step, so the read of the 64 KB of a head starts dur
 
 Low-rank operands (``ops.kda.LowRank``: F_LR for the gate logits f = f_a f_b^T, G_LR for the output gate
 g_a g_b^T): the program computes its head's part from the sequence's low-rank row and the head's rows of
-the up-projection (R-wide chunks of 32, fp32 sums, rounded to the row's dtype as the projection's output
-is), so the step needs no launch for them.
+the up-projection (over the rank R in chunks of min(32, R), fp32 sums, rounded to the row's dtype as the
+projection's output is), so the step needs no launch for them.
 """
 
 from __future__ import annotations
@@ -34,11 +34,11 @@ from kimik3.ops.triton.common import pdl, pdl_entry, prefetch_l2
 
 
 @triton.jit
-def _up_projected(a_row, w, rows, R: tl.constexpr):
-    """sum_r a_row[r] w[rows, r] in fp32 over R in chunks of 32, rounded to a_row's dtype: [len(rows)] fp32."""
+def _up_projected(a_row, w, rows, R: tl.constexpr, RC: tl.constexpr):
+    """sum_r a_row[r] w[rows, r] in fp32 over R in chunks of RC, rounded to a_row's dtype: [len(rows)] fp32."""
     acc = tl.zeros(rows.shape, tl.float32)
-    for r0 in tl.static_range(0, R, 32):
-        cr = r0 + tl.arange(0, 32)
+    for r0 in tl.static_range(0, R, RC):
+        cr = r0 + tl.arange(0, RC)
         acc += tl.sum(tl.load(w + rows[:, None].to(tl.int64) * R + cr[None, :]).to(tl.float32)
                       * tl.load(a_row + cr).to(tl.float32)[None, :], 1)
     return acc.to(a_row.dtype.element_ty).to(tl.float32)
@@ -49,7 +49,8 @@ def _kda_decode_kernel(q, k, v, f, b, A_log, dt_bias, pool, slots, o, norm_w, ga
                        eps, stride_q, stride_k, stride_v, stride_f, stride_b, stride_o, stride_slot, stride_gate,
                        H: tl.constexpr, K: tl.constexpr, V: tl.constexpr, BV: tl.constexpr,
                        BOUNDED: tl.constexpr, NORM: tl.constexpr, PREFETCH: tl.constexpr, PDL: tl.constexpr,
-                       F_LR: tl.constexpr = False, G_LR: tl.constexpr = False, R: tl.constexpr = 32):
+                       F_LR: tl.constexpr = False, G_LR: tl.constexpr = False, R: tl.constexpr = 32,
+                       RC: tl.constexpr = 32):
     n, h, iv = tl.program_id(0).to(tl.int64), tl.program_id(1), tl.program_id(2)
     ck = tl.arange(0, K)
     cv = iv * BV + tl.arange(0, BV)
@@ -63,7 +64,7 @@ def _kda_decode_kernel(q, k, v, f, b, A_log, dt_bias, pool, slots, o, norm_w, ga
     kv = tl.load(k + n * stride_k + h * K + ck).to(tl.float32)
     vv = tl.load(v + n * stride_v + h * V + cv).to(tl.float32)
     if F_LR:                                       # f's row holds f_a [R]; f_w = f_b [H K, R]
-        fz = _up_projected(f + n * stride_f, f_w, h * K + ck, R)
+        fz = _up_projected(f + n * stride_f, f_w, h * K + ck, R, RC)
     else:
         fz = tl.load(f + n * stride_f + h * K + ck).to(tl.float32)
     z = fz + tl.load(dt_bias + h * K + ck).to(tl.float32)
@@ -83,7 +84,7 @@ def _kda_decode_kernel(q, k, v, f, b, A_log, dt_bias, pool, slots, o, norm_w, ga
         out = out.to(v.dtype.element_ty).to(tl.float32)                    # o as the unfused norm reads it
         out = out * (1.0 / tl.sqrt(tl.sum(out * out, 0) / V + eps)) * tl.load(norm_w + cv).to(tl.float32)
         if G_LR:                                   # gate's row holds g_a [R]; gate_w = g_b [H V, R]
-            gt = _up_projected(gate + n * stride_gate, gate_w, h * V + cv, R)
+            gt = _up_projected(gate + n * stride_gate, gate_w, h * V + cv, R, RC)
         else:
             gt = tl.load(gate + n * stride_gate + h * V + cv).to(tl.float32)
         out = out * tl.sigmoid(gt)
@@ -96,6 +97,14 @@ def default_block_v(V: int) -> int:
     return min(32, V)
 
 
+MAX_RANK = 512          # the widest low-rank row the kernel reads (chunks of 32 unrolled: Kimi's is 128)
+
+
+def low_rank_fits(R: int) -> bool:
+    """Whether the decode kernel computes an up-projection of rank R itself: a power of two up to MAX_RANK."""
+    return 0 < R <= MAX_RANK and not R & (R - 1)
+
+
 def _low_rank(name: str, t, N: int, rows: int, dtype: torch.dtype) -> tuple[torch.Tensor, torch.Tensor | None, int]:
     """(row operand, up-projection or None, its rank) of a per-head operand given as a tensor or a low-rank
     pair (a, w)."""
@@ -104,10 +113,10 @@ def _low_rank(name: str, t, N: int, rows: int, dtype: torch.dtype) -> tuple[torc
     a, w = t
     R = a.shape[-1]
     if (a.dim() != 2 or a.shape[0] != N or a.stride(-1) != 1 or tuple(w.shape) != (rows, R) or not w.is_contiguous()
-            or a.dtype != dtype or w.dtype != dtype or R < 32 or R & (R - 1)):
+            or a.dtype != dtype or w.dtype != dtype or not low_rank_fits(R)):
         raise ValueError(f"kda_decode_triton: low-rank {name} needs a [{N}, R] (unit inner stride) and a contiguous "
-                         f"w [{rows}, R] of {dtype}, R a power of two from 32; got a {a.dtype} {tuple(a.shape)} "
-                         f"(strides {tuple(a.stride())}), w {w.dtype} {tuple(w.shape)}")
+                         f"w [{rows}, R] of {dtype}, R a power of two up to {MAX_RANK}; got a {a.dtype} "
+                         f"{tuple(a.shape)} (strides {tuple(a.stride())}), w {w.dtype} {tuple(w.shape)}")
     return a, w, R
 
 
@@ -149,6 +158,7 @@ def kda_decode_triton(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, f, b: t
         weight, gate, eps, dtype = A_log, A_log, 0.0, v.dtype                   # unused placeholders
     if f_rank and g_rank and f_rank != g_rank:
         raise ValueError(f"kda_decode_triton: low-rank f and gate of ranks {f_rank} and {g_rank} (one rank a step)")
+    rank = max(f_rank, g_rank) or 32                                          # (unused without a low-rank operand)
     o = torch.empty(N, H, V, dtype=dtype, device=v.device)
     if N:
         _kda_decode_kernel[(N, H, V // BV)](
@@ -158,5 +168,5 @@ def kda_decode_triton(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, f, b: t
             state_pool.stride(0), gate.stride(0) if norm is not None else 0,
             H=H, K=K, V=V, BV=BV, BOUNDED=lower_bound is not None, NORM=norm is not None,
             PREFETCH=pdl(q)["PDL"] and common.PREFETCH_ENABLED, num_warps=num_warps or (8 if norm is not None else 4),
-            F_LR=f_w is not None, G_LR=gate_w is not None, R=max(f_rank, g_rank, 32), **pdl(q))
+            F_LR=f_w is not None, G_LR=gate_w is not None, R=rank, RC=min(32, rank), **pdl(q))
     return o
