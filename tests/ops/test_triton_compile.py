@@ -207,6 +207,9 @@ def compile_kda_decode():
                                              "stride_slot", "stride_gate"}).asm["sass"]
         local[f_lr, g_lr] = sass.count("STL") + sass.count("LDL")
     assert local[True, False] <= local[False, False] and local[True, True] <= local[False, False], local
+    compile_for_hopper(kda._kda_decode_kernel, types, dict(H=4, K=16, V=16, BV=16, BOUNDED=False, NORM=True,
+                                                           PREFETCH=False, F_LR=True, G_LR=True, R=16, RC=16),
+                       num_warps=8)                                  # the tiny checkpoints' 16-wide heads
     for K in (128, 4):                  # under PDL: the state rows asked of L2 before the wait (none under 32 values)
         body = compile_for_hopper(kda._kda_decode_kernel, types, dict(H=2, K=K, V=K, BV=K, BOUNDED=True, NORM=True,
                                                                       PREFETCH=True, PDL=True), num_warps=8).asm["ptx"]
