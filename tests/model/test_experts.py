@@ -48,3 +48,30 @@ def test_nan_scale_is_rejected_and_not_recorded():
     with pytest.raises(ValueError, match="e0.w1: weight_scale holds 255"):
         experts.load_expert_mxfp4(0, "w1", packed, scale, name="e0.w1")
     assert experts.scale_max is None
+
+
+def test_stored_experts_compute_what_the_checkpoint_holds():
+    """Experts placed from checkpoint pairs give, through ``fused_moe_mxfp4`` (the CPU reference path), the
+    float64 experts of the checkpoint's own dequantization."""
+    from kimik3.ops.moe import fused_moe_mxfp4
+    E, L, I, k, T = 3, 64, 32, 2, 5
+    experts = Experts(num_experts=E, width=L, intermediate=I)
+    experts.use_mxfp4_storage()
+    dense = {}
+    for e in range(E):
+        for which, (n, kk) in {"w1": (I, L), "w2": (L, I), "w3": (I, L)}.items():
+            packed, scale = _packed_pair(n, kk, 124, 10 * e + int(which[1]))
+            experts.load_expert_mxfp4(e, which, packed, scale, name=f"e{e}.{which}")
+            dense[e, which] = mxfp4.dequantize(packed, scale, torch.float64)
+    g = torch.Generator().manual_seed(3)
+    x = torch.randn(T, L, generator=g, dtype=torch.float64)
+    ids = torch.stack([torch.randperm(E, generator=g)[:k] for _ in range(T)])
+    weights = torch.rand(T, k, generator=g, dtype=torch.float64)
+    out = fused_moe_mxfp4(x, experts.packed("w1"), experts.packed("w2"), experts.packed("w3"), weights, ids, "silu",
+                          1.0, None, combine_fp32=True)
+    want = torch.zeros(T, L, dtype=torch.float64)
+    for t in range(T):
+        for j, e in enumerate(ids[t].tolist()):
+            gate, up = dense[e, "w1"] @ x[t], dense[e, "w3"] @ x[t]
+            want[t] += weights[t, j] * (dense[e, "w2"] @ (torch.nn.functional.silu(gate) * up))
+    assert torch.allclose(out, want, rtol=1e-12, atol=1e-12)
