@@ -68,7 +68,7 @@ def experts(bw: float, results: dict) -> None:
     ids0, wt0 = calls[0]
     ref = one_token_experts(x, w1, w2, w3, wt0, ids0, False, 1.0, None).double()
 
-    def time(cfgs) -> float:
+    def seconds(cfgs) -> float:
         out = one_token_experts(x, w1, w2, w3, wt0, ids0, False, 1.0, None, configs=cfgs).double()
         if not ((out - ref).abs() <= 2 ** -6 * ref.abs() + 1e-3).all():
             raise AssertionError(f"one_token_experts off with {cfgs}")
@@ -77,14 +77,13 @@ def experts(bw: float, results: dict) -> None:
         return cuda_time(graph.replay, warmup=3, iters=20) / REPS
 
     default = (gemv_config(1, 2 * I * k, L, glu=True), combine_config(L, I))
-    rows = [{"which": "default", "up": str(default[0]), "down": str(default[1]), "us": time(default) * 1e6}]
+    rows = [{"which": "default", "up": str(default[0]), "down": str(default[1]), "us": seconds(default) * 1e6}]
     log(f"# one token's experts (Kimi-Linear, top-{k}): floor {floor * 1e6:.1f} us, default {rows[0]['us']:.1f} us")
-    for cfg in EXPERT_UP:
-        rows.append({"which": "up", "up": str(cfg), "down": str(default[1]), "us": time((cfg, default[1])) * 1e6})
-    best_up = min((r for r in rows if r["which"] == "up"), key=lambda r: r["us"])
-    up = EXPERT_UP[[str(c) for c in EXPERT_UP].index(best_up["up"])]
+    up_us = {cfg: seconds((cfg, default[1])) * 1e6 for cfg in EXPERT_UP}
+    rows += [{"which": "up", "up": str(cfg), "down": str(default[1]), "us": us} for cfg, us in up_us.items()]
+    up = min(up_us, key=up_us.get)
     for cfg in EXPERT_DOWN:
-        rows.append({"which": "down", "up": str(up), "down": str(cfg), "us": time((up, cfg)) * 1e6})
+        rows.append({"which": "down", "up": str(up), "down": str(cfg), "us": seconds((up, cfg)) * 1e6})
     log("| which | gate/up launch | down launch | us | / floor | / default |")
     log("|---|---|---|---|---|---|")
     for r in sorted(rows, key=lambda r: (r["which"], r["us"])):

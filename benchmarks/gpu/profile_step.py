@@ -129,15 +129,13 @@ def profiled(model, fn) -> tuple[list[dict], collections.Counter]:
     from torch.profiler import ProfilerActivity, profile
     labels: list[str] = []
     handles = module_ranges(model, labels)
-    fn()
-    torch.cuda.synchronize()
-    launches, undo = record_triton_launches(labels)
     pdl_saved = triton_common.PDL_ENABLED
     triton_common.PDL_ENABLED = pdl_saved and "--pdl" in sys.argv
+    undo = lambda: None                                                      # noqa: E731
     try:
-        fn()                              # any kernel variant new without PDL compiles outside the profile
+        fn()                              # the kernel variants of this setting compile outside the profile
         torch.cuda.synchronize()
-        launches.clear()
+        launches, undo = record_triton_launches(labels)
         with profile(activities=[ProfilerActivity.CPU, ProfilerActivity.CUDA]) as prof:
             fn()
             torch.cuda.synchronize()

@@ -165,6 +165,10 @@ class GemvConfig:
     stages: int = 3
     unroll: bool = False
 
+    def loop(self, K: int) -> dict:
+        """The kernels' K-loop parameters for a K of this call: pipeline stages, or the loop unrolled for K."""
+        return dict(STAGES=self.stages, UNROLL=self.unroll, KC=K if self.unroll else 0)
+
 
 def gemv_config(M: int, N: int, K: int, num_sms: int = 132, glu: bool = False) -> GemvConfig:
     """The default launch by the output width N, as measured at M = 1 on the lent GPU (H100, both slices'
@@ -218,9 +222,9 @@ def gemv(x: torch.Tensor, w: torch.Tensor, config: GemvConfig | None = None,
             x2, w, w[N_out:] if glu_act is not None else w, y, y, M, N_out, K, x2.stride(0), w.stride(0), 0, y.stride(0),
             float(beta), float(linear_beta or 1.0), BM=BM, BN=cfg.bn, BK=cfg.bk,
             EVEN=N_out % cfg.bn == 0 and K % cfg.bk == 0, GLU=glu_act is not None, SITU=situ,
-            CLIP_UP=situ and linear_beta is not None, EXPERTS=False, STAGES=cfg.stages,
+            CLIP_UP=situ and linear_beta is not None, EXPERTS=False,
             PREFETCH=_prefetch_lines(w, cfg.bk, K) if pdl(x)["PDL"] else 0, num_warps=cfg.num_warps,
-            UNROLL=cfg.unroll, KC=K if cfg.unroll else 0, **pdl(x))
+            **cfg.loop(K), **pdl(x))
     return y.view(*x.shape[:-1], N_out)
 
 
@@ -263,11 +267,11 @@ def one_token_experts(x: torch.Tensor, w1: torch.Tensor, w2: torch.Tensor, w3: t
     _gemv_kernel[(triton.cdiv(I, up_cfg.bn), k)](
         x, w1, w3, h, ids, 1, I, L, x.stride(0), w1.stride(1), w1.stride(0), h.stride(0), float(beta),
         float(linear_beta or 1.0), BM=1, BN=up_cfg.bn, BK=up_cfg.bk, EVEN=I % up_cfg.bn == 0 and L % up_cfg.bk == 0,
-        GLU=True, SITU=act_situ, CLIP_UP=act_situ and linear_beta is not None, EXPERTS=True, STAGES=up_cfg.stages,
-        PREFETCH=0, num_warps=up_cfg.num_warps, UNROLL=up_cfg.unroll, KC=L if up_cfg.unroll else 0, **pdl(x))
+        GLU=True, SITU=act_situ, CLIP_UP=act_situ and linear_beta is not None, EXPERTS=True, PREFETCH=0,
+        num_warps=up_cfg.num_warps, **up_cfg.loop(L), **pdl(x))
     out = torch.empty(1, L, dtype=x.dtype, device=x.device)
     _gemv_combine_kernel[(triton.cdiv(L, down_cfg.bn),)](
         h, w2, ids, weights, out, L, I, h.stride(0), w2.stride(1), w2.stride(0), TOP_K=k, BN=down_cfg.bn,
-        BK=down_cfg.bk, EVEN=L % down_cfg.bn == 0 and I % down_cfg.bk == 0, STAGES=down_cfg.stages,
-        num_warps=down_cfg.num_warps, UNROLL=down_cfg.unroll, KC=I if down_cfg.unroll else 0, **pdl(h))
+        BK=down_cfg.bk, EVEN=L % down_cfg.bn == 0 and I % down_cfg.bk == 0, num_warps=down_cfg.num_warps,
+        **down_cfg.loop(I), **pdl(h))
     return out
