@@ -131,7 +131,7 @@ class Scheduler:
         if req.draft_pause:               # its recent drafts all failed (speculative.MAX_DRAFT_PAUSE)
             req.draft_pause -= 1
             return []
-        k = min(cfg.num_speculative_tokens, budget - 1, req.params.max_tokens - req.num_output_tokens - 1,
+        k = min(cfg.num_speculative_tokens, req.draft_limit, budget - 1, req.params.max_tokens - req.num_output_tokens - 1,
                 cfg.max_model_len - req.num_tokens - 1)
         boundary = self.kv.next_checkpoint(req.num_computed_tokens + 1)
         if boundary is not None:   # a checkpoint inside the drafts would need a hash of unconfirmed tokens

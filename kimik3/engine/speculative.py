@@ -212,11 +212,18 @@ EMPTY_DRAFT_PAUSE = 4
 def settle_drafts(kv, chunk, m: int) -> None:
     """A speculative chunk accepted ``m`` of its drafts: keep the snapshot after row m + 1 for the
     request's next step (unless every draft was accepted: then the live state is right) and give
-    the other snapshot slots back; a request that accepted none pauses drafting (``MAX_DRAFT_PAUSE``)."""
+    the other snapshot slots back; a request that accepted none pauses drafting (``MAX_DRAFT_PAUSE``), and
+    its next step carries at most m + 1 drafts (``draft_limit``)."""
     chunk.num_accepted = m
     req = chunk.req
     req.draft_misses = 0 if m else req.draft_misses + 1
     req.draft_pause = min(2 ** req.draft_misses, MAX_DRAFT_PAUSE) if req.draft_misses else 0
+    # A rejected draft limits the next step's drafts to m + 1 (a step that accepted all raises the limit by
+    # one; the scheduler caps it at ``num_speculative_tokens``): each row of a verify step costs (on MoE
+    # models a row touches its own top-k experts: a (1, 4)-row verify graph of the K3 slice reads up to four
+    # tokens' experts), so drafts that fail at the same place stop paying for the rows after it, and a
+    # request back from a pause probes with one draft.
+    req.draft_limit = m + 1 if m < len(chunk.draft) else max(req.draft_limit, m + 1)
     slots = chunk.spec_slots
     if m < len(chunk.draft):
         kv.keep_rollback(req, slots[m])

@@ -136,10 +136,37 @@ def test_drafts_that_keep_failing_pause_drafting(monkeypatch):
         engine = _engine(model, 3, max_model_len=320, max_num_seqs=1, enable_prefix_caching=False)
         results = run(engine, {"r": (prompt, SamplingParams(temperature=0, max_tokens=300, ignore_eos=True))})
         assert results["r"][0][0] == ref
-        if shift:     # verify steps before pauses of 2, 4, ..., 128, 128: 8 in the 299 decode steps
-            assert engine.num_accepted_tokens == 0 and engine.num_draft_tokens == 3 * 8
+        if shift:     # verify steps before pauses of 2, 4, ..., 128, 128: 8 in the 299 decode steps, the
+            # first with 3 drafts, the others probing with one (speculative.settle_drafts' draft limit)
+            assert engine.num_accepted_tokens == 0 and engine.num_draft_tokens == 3 + 7
         else:
             assert engine.num_accepted_tokens == engine.num_draft_tokens >= 3 * (300 // 4 - 1)
+
+
+@pytest.mark.parametrize("right,expected", [
+    (0, [3, 1, 2, 3, 3, 3]),     # a miss: a pause, then one draft, growing by one with each step accepting all
+    (1, [3, 2, 2, 2, 2, 2]),     # the first draft right, the rest wrong: two drafts a step
+    (2, [3, 3, 3, 3, 3, 3]),     # two right: the third row still pays off
+])
+def test_rejected_drafts_limit_the_next_drafts(monkeypatch, right, expected):
+    """A verify step that accepted m of its drafts lets the next carry at most m + 1 (one more after a step
+    that accepted all, up to num_speculative_tokens); the tokens stay plain greedy's."""
+    import kimik3.engine.scheduler as scheduler
+    model = FakeModel()
+    prompt = [3, 1, 4, 1, 5]
+    ref = reference_greedy(model, prompt, 40)
+    asked = []
+
+    def propose(token_ids, k, min_n, max_n, data=None):
+        asked.append(k)
+        done = len(token_ids) - len(prompt)
+        good = right if len(asked) == 1 or right else k          # right == 0: only the first draft is wrong
+        return [t if j < good else (t + 1) % 61 for j, t in enumerate(ref[done:done + k])]
+    monkeypatch.setattr(scheduler, "propose_ngram", propose)
+    engine = _engine(model, 3, max_model_len=64, max_num_seqs=1, enable_prefix_caching=False)
+    results = run(engine, {"r": (prompt, SamplingParams(temperature=0, max_tokens=40, ignore_eos=True))})
+    assert results["r"][0][0] == ref
+    assert asked[:len(expected)] == expected, asked
 
 
 def test_rejected_drafts_roll_the_state_back():
