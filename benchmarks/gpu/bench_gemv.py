@@ -7,7 +7,7 @@ the weight (> 2x the L2 cache) that every call reads its weight from memory, as 
 ``--sweep``: also every launch in SWEEP at M = 1 (and the best one at 2-8).
 ``--experts``: instead, one token's routed experts (``one_token_experts``, Kimi-Linear: 256 experts of
 1024 x 2304, top-8; random experts each call) over gate/up launches (EXPERT_UP) with the default
-down-and-combine, then down-and-combine launches (EXPERT_DOWN) with the best gate/up, loops and unrolled;
+down-and-combine, then down-and-combine launches (EXPERT_DOWN, loops and unrolled) with the best gate/up;
 floor = the 8 experts' weight bytes / copy rate. Writes ``bench_gemv.json`` (``bench_gemv_experts.json``).
 """
 
@@ -22,7 +22,8 @@ import torch
 
 sys.path.insert(0, str(Path(__file__).resolve().parents[2]))
 from benchmarks.common import capture_graph, commit_id, copy_rate, cuda_time, log, save_results  # noqa: E402
-from kimik3.ops.triton.gemv import GemvConfig, combine_config, gemv, gemv_config, one_token_experts  # noqa: E402
+from kimik3.ops.triton.gemv import (GemvConfig, combine_config, expert_up_config, gemv, gemv_config,  # noqa: E402
+                                    one_token_experts)
 
 REPS = 24
 # (N, K) of the dense projections (benchmarks/gpu/*-slice4.config.json), with the module they are
@@ -36,10 +37,10 @@ SHAPES = {
     "k3 mla in_proj": (14400, 7168), "k3 q_b": (18432, 1536),
 }
 ROWS = (1, 2, 4, 8)
-SWEEP = [GemvConfig(bn, bk, w, 3, u) for bn in (4, 8, 16) for bk in (256, 512, 1024) for w in (4, 8) for u in (False, True)
+SWEEP = [GemvConfig(bn, bk, w, 3) for bn in (4, 8, 16) for bk in (256, 512, 1024) for w in (4, 8)
          if bn * bk <= 8192 and bn * bk >= 2048]
 
-EXPERT_UP = [GemvConfig(bn, bk, w, 3, u) for bn in (4, 8) for bk in (128, 256, 512) for w in (4, 8) for u in (False, True)]
+EXPERT_UP = [GemvConfig(bn, bk, w, 3) for bn in (4, 8) for bk in (128, 256, 512) for w in (4, 8)]
 EXPERT_DOWN = [GemvConfig(bn, bk, w, 3, u) for bn in (4, 8, 16) for bk in (256, 512, 1024) for w in (4, 8)
                for u in (False, True) if bn * bk <= 8192]
 
@@ -76,7 +77,7 @@ def experts(bw: float, results: dict) -> None:
                                           for ids, wt in calls])
         return cuda_time(graph.replay, warmup=3, iters=20) / REPS
 
-    default = (gemv_config(1, 2 * I * k, L, glu=True), combine_config(L, I))
+    default = (expert_up_config(L, I, k), combine_config(L, I))
     rows = [{"which": "default", "up": str(default[0]), "down": str(default[1]), "us": seconds(default) * 1e6}]
     log(f"# one token's experts (Kimi-Linear, top-{k}): floor {floor * 1e6:.1f} us, default {rows[0]['us']:.1f} us")
     up_us = {cfg: seconds((cfg, default[1])) * 1e6 for cfg in EXPERT_UP}

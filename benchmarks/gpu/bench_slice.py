@@ -25,10 +25,9 @@ FlashMLA (the slice's cache has 64-token blocks, so the main columns run FlashML
 FlashKDA (K3's bounded gate only; Kimi-Linear's KDA never takes FlashKDA).
 ``--router-split-ab``: every decode case also with the MoE routing on unsplit logits (``kimik3.ops.router``'s
 split-K path off: ROUTER_SPLIT_MIN_TOKENS past any batch).
-``--low-rank-ab``: every decode case also with the KDA layers' low-rank up-projections computed before the step's
-kernel (``kimik3.ops.kda.DECODE_LOW_RANK`` off), not inside it.
-``--unroll-ab``: every decode case also with the streaming kernels' K loops flipped between pipelined loops and
-unrolled (``kimik3.ops.triton.gemv.UNROLL``).
+``--low-rank-ab``: every decode case also with the KDA layers' low-rank up-projections placed the other way: computed
+before the step's kernel where the default computes them inside it (batches up to
+``kimik3.ops.kda.DECODE_LOW_RANK_MAX_SEQS``), inside it where the default computes them first.
 """
 
 from __future__ import annotations
@@ -59,7 +58,6 @@ from kimik3.ops import linear as ops_linear                   # noqa: E402
 from kimik3.ops import router as ops_router                   # noqa: E402
 from kimik3.ops.backend import reference_ops                 # noqa: E402
 from kimik3.ops.triton import common as triton_common        # noqa: E402
-from kimik3.ops.triton import gemv as gemv_kernels            # noqa: E402
 from kimik3.ops.triton import moe as moe_kernels              # noqa: E402
 
 CONFIG = Path(__file__).with_name("kimi-k3-slice4.config.json")
@@ -361,10 +359,9 @@ def bench_model(bw, mm):
         t_graph_no_flash_mla = without_flash_mla(lambda: graph_time(fast))
         t_graph_unsplit_router = with_setting("--router-split-ab", ops_router, "ROUTER_SPLIT_MIN_TOKENS", 1 << 30,
                                               lambda: graph_time(fast))
-        t_graph_low_rank_apart = with_setting("--low-rank-ab", ops_kda, "DECODE_LOW_RANK", False,
-                                              lambda: graph_time(fast))
-        t_graph_other_unroll = with_setting("--unroll-ab", gemv_kernels, "UNROLL", not gemv_kernels.UNROLL,
-                                            lambda: graph_time(fast))
+        low_rank_inside = N <= ops_kda.DECODE_LOW_RANK_MAX_SEQS
+        t_graph_low_rank_other = with_setting("--low-rank-ab", ops_kda, "DECODE_LOW_RANK_MAX_SEQS",
+                                              0 if low_rank_inside else 1 << 30, lambda: graph_time(fast))
         model.use_side_stream(None)
         t_graph_no_side = graph_time(fast) if "--side-ab" in sys.argv else None
         t_ref = float("nan")
@@ -387,9 +384,8 @@ def bench_model(bw, mm):
                      "t_graph_no_prefetch_ms": None if t_graph_no_prefetch is None else t_graph_no_prefetch * 1e3,
                      "t_graph_no_flash_mla_ms": None if t_graph_no_flash_mla is None else t_graph_no_flash_mla * 1e3,
                      "t_graph_unsplit_router_ms": None if t_graph_unsplit_router is None else t_graph_unsplit_router * 1e3,
-                     "t_graph_low_rank_apart_ms": None if t_graph_low_rank_apart is None else t_graph_low_rank_apart * 1e3,
-                     "gemv_unroll": gemv_kernels.UNROLL,
-                     "t_graph_other_unroll_ms": None if t_graph_other_unroll is None else t_graph_other_unroll * 1e3,
+                     "low_rank_inside_kernel": low_rank_inside,
+                     "t_graph_low_rank_other_ms": None if t_graph_low_rank_other is None else t_graph_low_rank_other * 1e3,
                      "bytes": byts, "flops": flops, "floor_ms": floor * 1e3, "time_over_floor": best / floor,
                      "speedup_vs_ref": t_ref / best, "ref_note": "same shapes"})
         log(rows[-1])
@@ -517,8 +513,8 @@ def main():
     save()
     log(f"\n| case | fast eager ms | fast graph ms | floor ms | time/floor | ref ms | speed-up | without PDL ms "
         f"| GEMV_MAX_ROWS {0 if ops_linear.GEMV_MAX_ROWS else 8} ms | no side stream ms | one token on block kernels ms | no weight prefetch ms | without FlashKDA (prefill) / FlashMLA (decode) ms "
-        f"| unsplit router logits ms | low rank apart ms | gemv UNROLL {not gemv_kernels.UNROLL} ms |")
-    log("|---|---|---|---|---|---|---|---|---|---|---|---|---|---|---|---|")
+        f"| unsplit router logits ms | low rank placed the other way ms |")
+    log("|---|---|---|---|---|---|---|---|---|---|---|---|---|---|---|")
     for r in rows:
         g = "-" if r["t_graph_ms"] is None else f"{r['t_graph_ms']:.3f}"
         off = r.get("t_graph_no_pdl_ms") or r.get("t_eager_no_pdl_ms")
@@ -538,12 +534,10 @@ def main():
         noflash = "-" if noflash is None else f"{noflash:.3f}"
         unsplit = r.get("t_graph_unsplit_router_ms")
         unsplit = "-" if unsplit is None else f"{unsplit:.3f}"
-        apart = r.get("t_graph_low_rank_apart_ms")
-        apart = "-" if apart is None else f"{apart:.3f}"
-        unroll = r.get("t_graph_other_unroll_ms")
-        unroll = "-" if unroll is None else f"{unroll:.3f}"
+        apart = r.get("t_graph_low_rank_other_ms")
+        apart = "-" if apart is None else f"{apart:.3f}" + (" (first)" if r.get("low_rank_inside_kernel") else " (inside)")
         log(f"| {r['case']} | {r['t_eager_ms']:.2f} | {g} | {r['floor_ms']:.3f} | {r['time_over_floor']:.2f}{extra} "
-            f"| {ref} | {sp} | {off} | {other} | {side} | {blocks} | {nopf} | {noflash} | {unsplit} | {apart} | {unroll} |")
+            f"| {ref} | {sp} | {off} | {other} | {side} | {blocks} | {nopf} | {noflash} | {unsplit} | {apart} |")
     bad = [k for k, r in results.get("checks", {}).items() if not r["ok"]]
     log(f"checks: {len(results.get('checks', {})) - len(bad)} ok, bad: {bad}")
 

@@ -36,9 +36,13 @@ class LowRank:
         return linear(self.a, self.w).view(self.a.shape[0], heads, -1)
 
 
-# A CUDA decode step computes ``LowRank`` operands inside its kernel (one launch fewer a KDA layer). False: they
-# are computed first, as on every other path (``bench_slice.py --low-rank-ab``).
-DECODE_LOW_RANK = True
+# A CUDA decode step of at most this many sequences computes ``LowRank`` operands inside its kernel (one launch
+# fewer a KDA layer); larger ones compute them first, as every other path does (0: always first). Each
+# (sequence, head) program then reads its head's rows of the up-projection from L2, which pays at small batches and
+# costs at large ones: H200 at 092fe21 (``bench_slice.py --low-rank-ab``, in-kernel against computed first, ms):
+# Kimi-Linear slice 0.582 / 0.607 at batch 1, 0.852 / 0.863 at 8, 1.200 / 1.209 at 32, 2.054 / 2.027 at 128; K3
+# slice 2.491 / 2.513, 3.357 / 3.373, 4.287 / 4.258, 7.555 / 7.434.
+DECODE_LOW_RANK_MAX_SEQS = 16
 
 
 def dense(t: torch.Tensor | LowRank, heads: int) -> torch.Tensor:
@@ -233,7 +237,7 @@ def kda_attention_in_pool(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, f: 
     (zeros where ``has_state`` [N] is False; None: every sequence has one) and receive the final
     states. ``decode``: every sequence has one token and a state (then CUDA updates the pool rows in
     place with our one-kernel step, ``triton/kda.py``: no gather/scatter; a ``LowRank`` f or output gate is
-    computed inside it). Returns o [T, H, V], or ``out_norm(o)`` (in its dtype) when given: on the CUDA
+    computed inside it up to ``DECODE_LOW_RANK_MAX_SEQS`` sequences). Returns o [T, H, V], or ``out_norm(o)`` (in its dtype) when given: on the CUDA
     decode step inside the same kernel, from o rounded to the layer's dtype as every other path hands it
     to the norm.
     """
@@ -241,7 +245,7 @@ def kda_attention_in_pool(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, f: 
         from kimik3.ops.triton.kda import kda_decode_triton, low_rank_fits
 
         def operand(t):           # the kernel takes a low-rank operand as its pair (a, w), of a rank it fits
-            if isinstance(t, LowRank) and DECODE_LOW_RANK and low_rank_fits(t.a.shape[-1]):
+            if isinstance(t, LowRank) and q.shape[0] <= DECODE_LOW_RANK_MAX_SEQS and low_rank_fits(t.a.shape[-1]):
                 return t.a, t.w
             return dense(t, q.shape[1])
         norm = None if out_norm is None else (out_norm.weight, operand(out_norm.gate), out_norm.eps, out_norm.dtype)

@@ -413,16 +413,6 @@ def check_glu(seed=18) -> dict:
     return out
 
 
-def with_unrolled_gemv(check) -> dict:
-    """``check()`` with the streaming kernels' default launches unrolled (``gemv.UNROLL``)."""
-    from kimik3.ops.triton import gemv
-    saved, gemv.UNROLL = gemv.UNROLL, True
-    try:
-        return check()
-    finally:
-        gemv.UNROLL = saved
-
-
 def check_linear(seed=30) -> dict:
     """ops.linear and linear_glu on the streaming kernel (GEMV_MAX_ROWS 8) at 1-8 rows against torch's
     linear (and the activation op), on a projection shape of each slice and ragged ones."""
@@ -448,8 +438,6 @@ def check_linear(seed=30) -> dict:
 
 CHECKS = {
     "linear": check_linear,
-    "linear_unrolled": lambda: with_unrolled_gemv(check_linear),
-    "moe_dense_decode_unrolled": lambda: with_unrolled_gemv(lambda: check_moe_dense(T=1, seed=31, w13=True)),
     "rms_norm": check_rms_norm, "glu": check_glu,
     "conv": check_conv, "kda": check_kda, "kda_snapshots": check_kda_snapshots,
     "kda_normed": lambda: check_kda(lens=(9, 1, 30), ctx=(0, 3, 7), seed=27, normed=True),
@@ -485,6 +473,8 @@ CHECKS = {
     "kda_decode_conv_low_rank_bounded": lambda: check_kda_decode_conv(N=2, H=8, lower_bound=-5.0, seed=29, low_rank=True),
     # the tiny test checkpoints' 16-wide heads: a rank below the kernel's 32-wide chunks
     "kda_decode_conv_low_rank_narrow": lambda: check_kda_decode_conv(N=3, H=4, K=16, seed=30, low_rank=True),
+    # more sequences than ops.kda.DECODE_LOW_RANK_MAX_SEQS: the op computes the low-rank operands first
+    "kda_decode_conv_low_rank_large_batch": lambda: check_kda_decode_conv(N=20, H=8, seed=31, low_rank=True),
 }
 
 

@@ -347,17 +347,11 @@ def compile_gemv():
                                dict(TOP_K=8, BN=4, BK=512, EVEN=even, STAGES=3), divisible={"K", "stride_h", "stride_w",
                                                                                           "stride_we"})
         assert "cp.async" in k.asm["ptx"], f"even={even}: the down-projection loads are not pipelined"
-    # unrolled K loops (Kimi-Linear's one-token experts: K = 2304 in 5 masked steps, then 8 experts x 2 steps):
-    # straight-line loads, no loop left
-    k = compile_for_hopper(gemv._gemv_kernel, types, dict(BM=1, BN=4, BK=512, EVEN=False, GLU=True, SITU=False,
-                                                          CLIP_UP=False, EXPERTS=True, STAGES=3, PREFETCH=0,
-                                                          UNROLL=True, KC=2304),
-                           divisible={"K", "stride_x", "stride_w", "stride_we"})
-    body = k.asm["ptx"][k.asm["ptx"].index(".entry"):]
-    assert body.count("ld.global") >= 2 * 5 and "bra" not in body.replace("bra.uni", ""), "gate/up not unrolled"
+    # the default down-and-combine launch at Kimi-Linear's shapes (combine_config: 8 experts x 2 K steps unrolled,
+    # 8 warps): straight-line loads, no loop left
     k = compile_for_hopper(gemv._gemv_combine_kernel, {"h": "*bf16", "w": "*bf16", "ids": "*i64", "weights": "*fp32",
                                                        "y": "*bf16"},
-                           dict(TOP_K=8, BN=4, BK=512, EVEN=True, STAGES=3, UNROLL=True, KC=1024),
-                           divisible={"K", "stride_h", "stride_w", "stride_we"})
+                           dict(TOP_K=8, BN=4, BK=512, EVEN=True, **gemv.combine_config(2304, 1024).loop(1024)),
+                           divisible={"K", "stride_h", "stride_w", "stride_we"}, num_warps=8)
     body = k.asm["ptx"][k.asm["ptx"].index(".entry"):]
-    assert body.count("ld.global") >= 8 * 2, "down-and-combine not unrolled"
+    assert body.count("ld.global") >= 8 * 2 and "bra" not in body.replace("bra.uni", ""), "down-and-combine not unrolled"

@@ -435,16 +435,17 @@ def _one_token_want(x, w1, w2, w3, weights, ids, act, beta, linear_beta):
     return want, 2 * ulp * (want.abs() + scale)
 
 
-@pytest.mark.parametrize("unroll", [False, True], ids=["loops", "unrolled"])
+@pytest.mark.parametrize("down", ["default", "loops"])
 @pytest.mark.parametrize("act", ["silu", "situ"])
 @pytest.mark.parametrize("dtype", [BF16, torch.float16])
 @pytest.mark.parametrize("L,I,k,halves", [(64, 96, 5, True), (200, 24, 3, False), (512, 64, 8, True)],
                          ids=["ragged_w13", "tails", "even_w13"])
-def test_one_token_experts_match_float64(L, I, k, halves, dtype, act, unroll):
+def test_one_token_experts_match_float64(L, I, k, halves, dtype, act, down):
     """One token's experts on the streaming kernels (gate/up with the activation, then each program's
     columns of the k down-projections combined with the fp32 routing weights) against the math in float64;
     w1 / w3 as the halves of one [E, 2I, L] tensor (the model's ``Experts.w13``) or apart; widths across
-    and at the kernels' blocks; an expert chosen twice counts twice; the K loops as loops or unrolled."""
+    and at the kernels' blocks; an expert chosen twice counts twice; the down-and-combine launch unrolled (the
+    default) or looping."""
     from kimik3.ops.triton import moe as kernels
     from kimik3.ops.triton.gemv import GemvConfig, one_token_experts
     g = gen(L + I + k)
@@ -460,8 +461,8 @@ def test_one_token_experts_match_float64(L, I, k, halves, dtype, act, unroll):
     ids[0, -1] = ids[0, 0]                                                     # one expert twice
     weights = torch.rand(1, k, generator=g) * 2.446 / k
     beta, linear_beta = (4.0, 25.0) if act == "situ" else (1.0, None)
-    if unroll:
-        cfgs = (GemvConfig(bn=4, bk=64, unroll=True), GemvConfig(bn=8, bk=32, unroll=True))
+    if down == "loops":
+        cfgs = (GemvConfig(bn=4, bk=64), GemvConfig(bn=8, bk=32))
         out = one_token_experts(x, w1, w2, w3, weights, ids, act == "situ", beta, linear_beta, configs=cfgs)
     else:
         out = kernels.fused_moe_triton(x, w1, w2, w3, weights, ids, act == "situ", beta, linear_beta)
@@ -941,10 +942,8 @@ def test_kernel_wrappers_refuse_mismatched_operands():
 
 # ---- decode-sized projections (gemv) -----------------------------------------------------------
 @pytest.mark.parametrize("M,N,K,cfg", [(1, 40, 96, None), (3, 33, 200, None), (4, 64, 512, (4, 64)),
-                                       (8, 16, 64, None), (2, 7, 1000, (16, 128)), (4, 64, 512, (4, 64, 4, 3, True)),
-                                       (2, 7, 1000, (16, 128, 4, 3, True))],
-                         ids=["one_row", "ragged", "even", "eight_rows", "tail_columns", "even_unrolled",
-                              "tail_columns_unrolled"])
+                                       (8, 16, 64, None), (2, 7, 1000, (16, 128))],
+                         ids=["one_row", "ragged", "even", "eight_rows", "tail_columns"])
 @pytest.mark.parametrize("dtype", [BF16, torch.float16])
 def test_gemv_kernel_matches_float64(M, N, K, cfg, dtype):
     """x @ w^T from the math in float64, within one rounding of the output plus the fp32 sums' error;
@@ -988,6 +987,23 @@ def test_gemv_refuses_mismatched_operands():
         gemv(x.float(), torch.zeros(8, 64))
     with pytest.raises(ValueError, match="odd 7 rows"):
         gemv(x, torch.zeros(7, 64, dtype=BF16), glu_act=(False, 1.0, None))
+
+
+def test_only_the_down_and_combine_launch_unrolls():
+    """Unrolled projections and gate/up launches measured slower, so they always loop: a config asking them to
+    unroll is refused; the default down-and-combine launch unrolls; one token's gate/up K step divides L where a
+    power of two from 64 does (no masked tail step)."""
+    from kimik3.ops.triton.gemv import GemvConfig, combine_config, expert_up_config, gemv, one_token_experts
+    x = torch.zeros(1, 64, dtype=BF16)
+    with pytest.raises(ValueError, match="gemv: unroll applies to the down-and-combine launch only"):
+        gemv(x, torch.zeros(8, 64, dtype=BF16), GemvConfig(bn=4, bk=64, unroll=True))
+    w = torch.zeros(3, 4, 64, dtype=BF16)
+    with pytest.raises(ValueError, match="gate/up: unroll applies to the down-and-combine launch only"):
+        one_token_experts(x, w, torch.zeros(3, 64, 4, dtype=BF16), w, torch.ones(1, 2), torch.tensor([[0, 1]]),
+                          False, 1.0, None, configs=(GemvConfig(unroll=True), GemvConfig()))
+    assert combine_config(2304, 1024).unroll
+    # L = 200 has no power-of-two factor from 64: gemv_config's step (256, the next power of two of L)
+    assert [expert_up_config(L, 1024, 8).bk for L in (2304, 7168, 4096, 200)] == [256, 512, 512, 256]
 
 
 @pytest.mark.parametrize("act", ["silu", "situ", "situ_unclipped"])

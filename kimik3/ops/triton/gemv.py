@@ -49,14 +49,13 @@ def _gemv_step(x_rows, w_rows, up_rows, k0, K, kk, mm, mn, acc, acc_up, EVEN: tl
 def _gemv_kernel(x, w, w_up, y, ids, M, N, K, stride_x, stride_w, stride_we, stride_y, beta, linear_beta,
                  BM: tl.constexpr, BN: tl.constexpr, BK: tl.constexpr, EVEN: tl.constexpr,
                  GLU: tl.constexpr, SITU: tl.constexpr, CLIP_UP: tl.constexpr, EXPERTS: tl.constexpr,
-                 STAGES: tl.constexpr, PREFETCH: tl.constexpr, PDL: tl.constexpr, UNROLL: tl.constexpr = False,
-                 KC: tl.constexpr = 0):
+                 STAGES: tl.constexpr, PREFETCH: tl.constexpr, PDL: tl.constexpr):
     """GLU: ``w`` holds the gate rows and ``w_up`` the up rows ([N, K] each, row stride ``stride_w``); the
     program's columns n of both give y = act(gate, up) [M, N], each product rounded to y's dtype before
     the activation (as the two-launch form rounds them). EXPERTS: program axis 1 is assignment j of one
     token (x row 0): w and w_up start ``ids[j]`` experts (``stride_we`` elements each) in, y at row j.
     PREFETCH (PDL, not EXPERTS; a power of two): the first PREFETCH 128-byte lines of each of the program's
-    weight rows asked of L2 before waiting for the previous kernel. UNROLL: the K loop unrolled (KC == K)."""
+    weight rows asked of L2 before waiting for the previous kernel."""
     if PREFETCH:
         rows = tl.minimum(tl.program_id(0) * BN + tl.arange(0, BN), N - 1).to(tl.int64) * stride_w
         lines = rows[:, None] + tl.arange(0, PREFETCH)[None, :] * (128 // (w.dtype.element_ty.primitive_bitwidth // 8))
@@ -79,12 +78,8 @@ def _gemv_kernel(x, w, w_up, y, ids, M, N, K, stride_x, stride_w, stride_we, str
     x_rows = x + m[:, None].to(tl.int64) * stride_x + kk[None, :]                     # [BM, BK]
     acc = tl.zeros([BM, BN, BK], tl.float32)
     acc_up = tl.zeros([BM, BN, BK] if GLU else [1, 1, 1], tl.float32)
-    if UNROLL:         # K == KC: straight-line code, every step's loads free to issue ahead
-        for k0 in tl.static_range(0, KC, BK):
-            acc, acc_up = _gemv_step(x_rows, w_rows, up_rows, k0, K, kk, mm, mn, acc, acc_up, EVEN, GLU)
-    else:
-        for k0 in tl.range(0, K, BK, num_stages=STAGES):
-            acc, acc_up = _gemv_step(x_rows, w_rows, up_rows, k0, K, kk, mm, mn, acc, acc_up, EVEN, GLU)
+    for k0 in tl.range(0, K, BK, num_stages=STAGES):
+        acc, acc_up = _gemv_step(x_rows, w_rows, up_rows, k0, K, kk, mm, mn, acc, acc_up, EVEN, GLU)
     out = tl.sum(acc, 2)                                                                 # [BM, BN]
     if GLU:
         g = out.to(y.dtype.element_ty).to(tl.float32)
@@ -150,15 +145,12 @@ def _gemv_combine_kernel(h, w, ids, weights, y, N, K, stride_h, stride_w, stride
     tl.store(y + n, total.to(y.dtype.element_ty), mask=mn)
 
 
-# The default launches' K loops: pipelined loops (False) or unrolled (``GemvConfig.unroll``;
-# ``bench_slice.py --unroll-ab`` times both).
-UNROLL = False
-
-
 @dataclass(frozen=True)
 class GemvConfig:
-    """Columns a program owns, K elements a loop step reads of each row, warps, pipeline stages; ``unroll``:
-    the K loop unrolled for the call's K (compiled per K; ``stages`` then unused)."""
+    """Columns a program owns, K elements a loop step reads of each row, warps, pipeline stages; ``unroll``
+    (the down-and-combine launch only): its expert and K loops unrolled for the call's K (compiled per K;
+    ``stages`` then unused). Unrolled projections and gate/up launches measured slower (H200, ``092fe21``:
+    the Kimi-Linear slice's batch-1 step 0.695 against 0.582 ms), so they always loop."""
     bn: int = 8
     bk: int = 512
     num_warps: int = 4
@@ -166,8 +158,14 @@ class GemvConfig:
     unroll: bool = False
 
     def loop(self, K: int) -> dict:
-        """The kernels' K-loop parameters for a K of this call: pipeline stages, or the loop unrolled for K."""
+        """The down-and-combine kernel's loop parameters for a K of this call: pipeline stages, or unrolled for K."""
         return dict(STAGES=self.stages, UNROLL=self.unroll, KC=K if self.unroll else 0)
+
+    def looped(self, what: str) -> GemvConfig:
+        """This config, refused when it asks a launch that always loops to unroll."""
+        if self.unroll:
+            raise ValueError(f"{what}: unroll applies to the down-and-combine launch only, got {self}")
+        return self
 
 
 def gemv_config(M: int, N: int, K: int, num_sms: int = 132, glu: bool = False) -> GemvConfig:
@@ -188,7 +186,7 @@ def gemv_config(M: int, N: int, K: int, num_sms: int = 132, glu: bool = False) -
         bn = max(4, bn // 2)
     bk = max(64, min(4096 // bn if bn == 16 else 512, triton.next_power_of_2(K),
                      4096 // (bn * triton.next_power_of_2(M) * (2 if glu else 1))))
-    return GemvConfig(bn=bn, bk=bk, unroll=UNROLL)
+    return GemvConfig(bn=bn, bk=bk)
 
 
 def gemv(x: torch.Tensor, w: torch.Tensor, config: GemvConfig | None = None,
@@ -216,7 +214,7 @@ def gemv(x: torch.Tensor, w: torch.Tensor, config: GemvConfig | None = None,
     y = torch.empty(M, N_out, dtype=out_dtype or x.dtype, device=x.device)
     if M and N:
         situ, beta, linear_beta = glu_act or (False, 1.0, None)
-        cfg = config or gemv_config(M, N, K, glu=glu_act is not None)
+        cfg = (config or gemv_config(M, N, K, glu=glu_act is not None)).looped("gemv")
         BM = triton.next_power_of_2(M)
         _gemv_kernel[(triton.cdiv(N_out, cfg.bn),)](
             x2, w, w[N_out:] if glu_act is not None else w, y, y, M, N_out, K, x2.stride(0), w.stride(0), 0, y.stride(0),
@@ -224,7 +222,7 @@ def gemv(x: torch.Tensor, w: torch.Tensor, config: GemvConfig | None = None,
             EVEN=N_out % cfg.bn == 0 and K % cfg.bk == 0, GLU=glu_act is not None, SITU=situ,
             CLIP_UP=situ and linear_beta is not None, EXPERTS=False,
             PREFETCH=_prefetch_lines(w, cfg.bk, K) if pdl(x)["PDL"] else 0, num_warps=cfg.num_warps,
-            **cfg.loop(K), **pdl(x))
+            STAGES=cfg.stages, **pdl(x))
     return y.view(*x.shape[:-1], N_out)
 
 
@@ -236,12 +234,24 @@ def _prefetch_lines(w: torch.Tensor, bk: int, K: int) -> int:
     return triton.next_power_of_2(lines + 1) // 2 if common.PREFETCH_ENABLED and lines else 0
 
 
+def expert_up_config(L: int, I: int, k: int, num_sms: int = 132) -> GemvConfig:
+    """``one_token_experts``' gate/up launch: ``gemv_config``'s for the k experts' 2 I x L rows, its K step
+    the largest power of two (64 .. that config's) that divides L, so the loop has no masked tail step (at
+    Kimi-Linear's L = 2304: 9 steps of 256 where 512 gave 4.5; bench_gemv.py --experts, H200, 092fe21)."""
+    cfg = gemv_config(1, 2 * I * k, L, num_sms, glu=True)
+    bk = next((b for b in (cfg.bk >> i for i in range(8)) if b >= 64 and L % b == 0), cfg.bk)
+    return GemvConfig(bn=cfg.bn, bk=bk, num_warps=cfg.num_warps, stages=cfg.stages)
+
+
 def combine_config(N: int, K: int, num_sms: int = 132) -> GemvConfig:
     """``one_token_experts``' down-and-combine launch: each program reads its columns from all k experts, so
     programs are k times longer than a projection's; 8 columns a program where that gives four programs an
-    SM, else 4 (fewer, longer programs leave SMs idle at the tail)."""
+    SM, else 4 (fewer, longer programs leave SMs idle at the tail); 8 warps, the expert and K loops unrolled
+    (the later experts' loads issue before the earlier ones' sums). Kimi-Linear's shapes on the H200
+    (bench_gemv.py --experts, 092fe21): one token's experts 37.1 us with the gate/up of ``expert_up_config``,
+    against 40.8 looped with 4 warps."""
     bn = 8 if triton.cdiv(N, 8) >= 4 * num_sms else 4
-    return GemvConfig(bn=bn, bk=max(64, min(512, triton.next_power_of_2(K))), unroll=UNROLL)
+    return GemvConfig(bn=bn, bk=max(64, min(512, triton.next_power_of_2(K))), num_warps=8, unroll=True)
 
 
 def one_token_experts(x: torch.Tensor, w1: torch.Tensor, w2: torch.Tensor, w3: torch.Tensor, weights: torch.Tensor,
@@ -262,13 +272,14 @@ def one_token_experts(x: torch.Tensor, w1: torch.Tensor, w2: torch.Tensor, w3: t
                          f"{tuple(w2.shape)} (unit stride on the last axis) do not match x {x.dtype} [1, {L}]")
     x = x.contiguous()
     ids, weights = ids.reshape(k).contiguous(), weights.reshape(k).contiguous()
-    up_cfg, down_cfg = configs or (gemv_config(1, 2 * I * k, L, glu=True), combine_config(L, I))
+    up_cfg, down_cfg = configs or (expert_up_config(L, I, k), combine_config(L, I))
+    up_cfg = up_cfg.looped("one_token_experts' gate/up")
     h = torch.empty(k, I, dtype=x.dtype, device=x.device)
     _gemv_kernel[(triton.cdiv(I, up_cfg.bn), k)](
         x, w1, w3, h, ids, 1, I, L, x.stride(0), w1.stride(1), w1.stride(0), h.stride(0), float(beta),
         float(linear_beta or 1.0), BM=1, BN=up_cfg.bn, BK=up_cfg.bk, EVEN=I % up_cfg.bn == 0 and L % up_cfg.bk == 0,
         GLU=True, SITU=act_situ, CLIP_UP=act_situ and linear_beta is not None, EXPERTS=True, PREFETCH=0,
-        num_warps=up_cfg.num_warps, **up_cfg.loop(L), **pdl(x))
+        num_warps=up_cfg.num_warps, STAGES=up_cfg.stages, **pdl(x))
     out = torch.empty(1, L, dtype=x.dtype, device=x.device)
     _gemv_combine_kernel[(triton.cdiv(L, down_cfg.bn),)](
         h, w2, ids, weights, out, L, I, h.stride(0), w2.stride(1), w2.stride(0), TOP_K=k, BN=down_cfg.bn,
