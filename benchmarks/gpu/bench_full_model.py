@@ -10,8 +10,12 @@ weights built on the GPU, about 92 GiB) through ``LLMEngine`` with CUDA graphs o
   * prefill of one 8k-token prompt: tok/s and its floor (FLOPs / matmul rate);
   * peak GPU memory.
 
-    PYTHONPATH=. python benchmarks/gpu/bench_full_model.py [--async-scheduling] [--layers=N]
+    PYTHONPATH=. python benchmarks/gpu/bench_full_model.py [--async-scheduling] [--layers=N] [--trace]
                                                     (writes $OUT/bench_full_kimi_linear[_async][_Nlayers].json)
+
+``--trace``: TRACE_STEPS of batch 32's steady decode steps under torch.profiler (left out of the median): the
+device's busy time per step (the union of its kernels' intervals) against the steps' wall time, its idle gaps,
+and the kernels that take most of it, to find where a step's time above its graph's goes.
 
 ``--layers=N`` keeps the release config's first N layers (with their KDA / MLA kinds), so that an 80 GB GPU can
 run the same engine path; its ratios are to that model's own floor.
@@ -47,6 +51,8 @@ ASYNC = "--async-scheduling" in sys.argv
 LAYERS = next((int(a.split("=", 1)[1]) for a in sys.argv if a.startswith("--layers=")), None)
 OUT_NAME = ("bench_full_kimi_linear" + ("_async" if ASYNC else "") + (f"_{LAYERS}layers" if LAYERS else "")
             + ".json")
+TRACE = "--trace" in sys.argv
+TRACE_STEPS = (25, 31)      # the pure decode steps [first, last) traced at batch 32
 results: dict = {}
 
 
@@ -59,6 +65,7 @@ def run_batch(engine, model, batch: int, max_tokens: int, g) -> dict:
     t0 = time.perf_counter()
     ends, touched = [], None      # ends: when each step in which every request decodes returned
     first = last = None
+    prof, traced, trace = None, [], None
     while engine.has_unfinished_requests():
         sched = engine.scheduler
         pure = (not sched.waiting and len(sched.running) == batch
@@ -72,8 +79,21 @@ def run_batch(engine, model, batch: int, max_tokens: int, g) -> dict:
             continue
         if pure and first is None:     # the runner's host counters from the first timed step on
             first = runner_counters(engine.runner)
+        n_pure = sum(e is not None for e in ends)
+        tracing = TRACE and batch == 32 and pure and TRACE_STEPS[0] <= n_pure < TRACE_STEPS[1]
+        if tracing and prof is None:
+            prof = torch.profiler.profile(activities=[torch.profiler.ProfilerActivity.CPU,
+                                                      torch.profiler.ProfilerActivity.CUDA])
+            prof.start()
+        t_step = time.perf_counter()
         engine.step()
-        ends.append(time.perf_counter() if pure else None)
+        ends.append(time.perf_counter() if pure and not tracing else None)
+        if tracing:
+            traced.append(time.perf_counter() - t_step)
+            if n_pure + 1 == TRACE_STEPS[1]:
+                torch.cuda.synchronize()
+                prof.stop()
+                trace = trace_report(prof, traced)
         if pure:
             last = runner_counters(engine.runner)
     total = time.perf_counter() - t0
@@ -86,7 +106,36 @@ def run_batch(engine, model, batch: int, max_tokens: int, g) -> dict:
             "output_tok_s": batch / step, "tpot_ms": step * 1e3, "graph_replay_ms": replay * 1e3, "wall_s": total,
             # per timed step: batch building, the replay's launch, building + sampling's host work
             **{f"{k}_ms_per_step": (last[k] - first[k]) / max(last["steps"] - first["steps"], 1) * 1e3
-               for k in ("prepare", "launch", "host")}}
+               for k in ("prepare", "launch", "host")}, **({"trace": trace} if trace else {})}
+
+
+def trace_report(prof, walls: list[float]) -> dict:
+    """The traced steps: device busy time (union of kernel and copy intervals) per step against their wall
+    time, the idle gaps over 20 us, and the device ops by total time."""
+    spans = sorted((e.time_range.start, e.time_range.end) for e in prof.events()
+                   if e.device_type.name == "CUDA" and e.time_range.end > e.time_range.start)
+    busy, gaps, cur = 0.0, [], None
+    for a, b in spans:
+        if cur is None or a > cur[1]:
+            if cur is not None:
+                busy += cur[1] - cur[0]
+                if a - cur[1] > 20:
+                    gaps.append(round(a - cur[1], 1))
+            cur = [a, b]
+        else:
+            cur[1] = max(cur[1], b)
+    if cur is not None:
+        busy += cur[1] - cur[0]
+    n = len(walls)
+    ops = sorted((e for e in prof.key_averages() if e.device_type.name == "CUDA"), key=lambda e: -e.self_device_time_total)
+    report = {"steps": n, "wall_ms_per_step": sum(walls) / n * 1e3, "device_busy_ms_per_step": busy / 1e3 / n,
+              "idle_gaps_us": gaps, "top_ops": [{"op": e.key[:100], "ms_per_step": e.self_device_time_total / 1e3 / n,
+                                                 "per_step": e.count / n} for e in ops[:15]]}
+    log(f"# trace: {n} steps, wall {report['wall_ms_per_step']:.2f} ms/step, device busy "
+        f"{report['device_busy_ms_per_step']:.2f} ms/step, idle gaps (us) {gaps[:40]}")
+    for o in report["top_ops"]:
+        log(f"#   {o['ms_per_step']:7.3f} ms/step {o['per_step']:6.1f}/step  {o['op']}")
+    return report
 
 
 def runner_counters(runner) -> dict:
