@@ -57,13 +57,14 @@ class DecoderLayer(nn.Module):
             self.mlp_res_norm = RMSNorm(D, eps)
             self.mlp_res_proj = linear(D, 1)
 
-    def forward(self, stream: ResidualStream, batch: ForwardBatch, cache: HybridCache) -> None:
+    def forward(self, stream: ResidualStream, batch: ForwardBatch, cache: HybridCache, plans: dict) -> None:
+        """``plans``: work the forward step's attention layers share (``ops.mla.mla_decode_attention``)."""
         x = stream.attn_input(self.layer_id, self)
         row = cache.layer_index[self.layer_id]
         if self.is_kda:
             a = self.self_attn(x, batch, cache.kda_conv[row], cache.kda_state[row])
         else:
-            a = self.self_attn(x, batch, cache.mla_latent[row])
+            a = self.self_attn(x, batch, cache.mla_latent[row], plans)
         stream.add(a)
         x = stream.mlp_input(self)
         if hasattr(self, "block_sparse_moe"):
@@ -90,8 +91,9 @@ class KimiModel(nn.Module):
             h = h.index_copy(0, batch.embed_rows, batch.embeds.to(h.dtype))
         cfg = self.cfg
         stream = ResidualStream(h, cfg.attn_res_block_size, cfg.rms_norm_eps, cfg.numerics.attn_res_fused_norm)
+        plans: dict = {}            # this forward's alone: a graph capture after a warm-up run computes its own
         for layer in self.layers:
-            layer(stream, batch, cache)
+            layer(stream, batch, cache, plans)
         if cfg.attn_res_block_size is None:
             return stream.output(self.norm.weight)
         return stream.output(self.norm.weight, self.output_attn_res_norm.weight, self.output_attn_res_proj.weight)

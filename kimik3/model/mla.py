@@ -44,9 +44,10 @@ class MLAAttention(nn.Module):
         self.tp_shards = tp_shards(par, q_b_proj__weight=0, q_proj__weight=0, kv_b_proj__weight=0, g_proj__weight=0,
                                    o_proj__weight=1)
 
-    def forward(self, x: torch.Tensor, batch: ForwardBatch, cache: torch.Tensor) -> torch.Tensor:
+    def forward(self, x: torch.Tensor, batch: ForwardBatch, cache: torch.Tensor, plans: dict | None = None) -> torch.Tensor:
         """x [T, D] -> [T, D]; cache [num_blocks, block_size, kv_lora_rank + d_rope] of this layer:
-        the new tokens' latents are written at ``batch.slot_mapping`` before attending."""
+        the new tokens' latents are written at ``batch.slot_mapping`` before attending. ``plans``: the forward
+        step's decode plans, shared by its MLA layers (``ops.mla.mla_decode_attention``)."""
         T, H = x.shape[0], self.num_heads
         q, c, *gate = self.in_proj(x).split(list(self.in_proj.parts.values()), dim=-1)
         if hasattr(self, "q_b_proj"):
@@ -67,7 +68,7 @@ class MLAAttention(nn.Module):
             w_uk, w_uv = w[:, :self.d_nope], w[:, self.d_nope:]                 # [H, d_nope|d_v, r]
             q_latent = torch.einsum("nhd,hdr->nhr", q[..., :self.d_nope], w_uk)
             lat = mla_decode_attention(q_latent, q[..., self.d_nope:], cache, tables, seq_lens,
-                                       self.kv_lora_rank, self.scale, max_seq_len=max_len)
+                                       self.kv_lora_rank, self.scale, max_seq_len=max_len, plans=plans)
             o = torch.einsum("nhr,hvr->nhv", lat, w_uv)
         else:
             o = mla_prefill_attention(q, cache, batch.block_tables, self.kv_b_proj.weight, batch.query_lens_cpu,

@@ -233,23 +233,31 @@ def _attend_piece_reference(qa, qb, ka, kb, v, query_lens, q_pos0, k_lens, k_pos
 
 def mla_decode_attention(q_latent: torch.Tensor, q_pe: torch.Tensor, cache: torch.Tensor,
                          block_tables: torch.Tensor, seq_lens: list[int] | torch.Tensor, kv_lora_rank: int,
-                         scale: float, max_seq_len: int | None = None) -> torch.Tensor:
+                         scale: float, max_seq_len: int | None = None, plans: dict | None = None) -> torch.Tensor:
     """Absorbed decode: one query per sequence against its whole cached latent history.
 
     q_latent [N, H, kv_lora_rank] (= W_UK^T q_nope); q_pe [N, H, d_rope]; seq_lens [N] (host list
     or device tensor) include the new token; max_seq_len bounds them (CUDA sizes its splits with
     it; taken from seq_lens when None). Returns the latent output l [N, H, kv_lora_rank] in
     q_latent's dtype. CUDA: split-K Triton kernel over the paged blocks, or DeepSeek's FlashMLA (opt-in,
-    64-token blocks: ``cuda/flash_mla.py``).
+    64-token blocks: ``cuda/flash_mla.py``). ``plans``: a dict that lives for one forward step, whose MLA layers
+    all attend over the same sequence lengths: FlashMLA's split schedule of those lengths is computed by the first
+    layer and kept there for the others (one launch a step instead of one a layer).
     """
     if use_fast_path(q_latent):
-        from kimik3.ops.cuda.flash_mla import flash_mla_applies, flash_mla_decode
+        from kimik3.ops.cuda.flash_mla import flash_mla_applies, flash_mla_decode, flash_mla_schedule
         from kimik3.ops.triton.mla_decode import mla_decode_triton
         if not torch.is_tensor(seq_lens):
             max_seq_len = max(seq_lens) if max_seq_len is None else max_seq_len
             seq_lens = torch.tensor(seq_lens, dtype=torch.int32, device=q_latent.device)
         if flash_mla_applies(q_latent, q_pe, cache):
-            return flash_mla_decode(q_latent, q_pe, cache, block_tables, seq_lens, scale)
+            key = ("flash_mla_schedule", q_latent.shape[1])
+            schedule = None if plans is None else plans.get(key)
+            if schedule is None:
+                schedule = flash_mla_schedule(seq_lens, q_latent.shape[1])
+                if plans is not None:
+                    plans[key] = schedule
+            return flash_mla_decode(q_latent, q_pe, cache, block_tables, seq_lens, scale, schedule)
         if max_seq_len is None:
             max_seq_len = int(seq_lens.max())
         return mla_decode_triton(q_latent, q_pe, cache, block_tables, seq_lens, max_seq_len, scale)

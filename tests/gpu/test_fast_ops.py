@@ -540,6 +540,36 @@ def test_flash_mla_decode_replays_in_a_graph():
     assert worst_rel_err(out, ref) <= BF16_BOUND
 
 
+@pytest.mark.skipif(not os.environ.get(flash_mla.ENV), reason="KIMIK3_FLASH_MLA names no FlashMLA library")
+def test_flash_mla_layers_share_one_schedule():
+    """Two MLA layers of one step (their own caches and queries, the step's lengths) with one ``plans`` dict:
+    one schedule, computed by the first inside the capture, and both outputs the bits of separate eager calls
+    after a replay on new lengths and tables."""
+    g = _gen(44)
+    caches = [_paged([300, 5000, 1], 64, 576, g, num_blocks=200) for _ in range(2)]
+    tables = caches[0][1]
+    qs = [(torch.randn(3, 32, 512, generator=g, device="cuda").to(BF16),
+           torch.randn(3, 32, 64, generator=g, device="cuda").to(BF16)) for _ in range(2)]
+    lens = torch.tensor([300, 5000, 1], dtype=torch.int32, device="cuda")
+    plans_seen = []
+
+    def step():
+        plans = {}
+        outs = [mla_decode_attention(ql, qp, c, tables, lens, 512, 0.07, max_seq_len=8192, plans=plans)
+                for (ql, qp), (c, _) in zip(qs, caches)]
+        plans_seen.append(len(plans))
+        return outs
+    graph, outs = capture_graph(step)
+    assert plans_seen[-1] == 1
+    lens.copy_(torch.tensor([64, 4001, 129], dtype=torch.int32, device="cuda"))
+    tables[2, :3] = torch.tensor([190, 7, 150], dtype=torch.int32, device="cuda")
+    for ql, qp in qs:
+        ql.copy_(torch.randn(3, 32, 512, generator=g, device="cuda"))
+    graph.replay()
+    for out, (ql, qp), (c, _) in zip(outs, qs, caches):
+        assert torch.equal(out, mla_decode_attention(ql, qp, c, tables, lens, 512, 0.07, max_seq_len=8192))
+
+
 def test_softplus_gate_kda_prefill_and_decode():
     results = check_kda(lens=(70, 3), ctx=(0, 4), H=4, lower_bound=None, seed=7)
     bad = {k: v for k, v in results.items() if not v <= bound(k)}

@@ -46,6 +46,26 @@ def test_a_library_that_does_not_load_names_its_variable(name, monkeypatch, tmp_
         load()
 
 
+def test_a_flash_mla_library_without_its_schedule_entry_point_is_refused(monkeypatch, tmp_path):
+    """A library built from an older shim (the schedule inside the decode, no ``kimik3_flash_mla_schedule``) would
+    run decodes on a schedule nobody computed: loading it is an error that says to rebuild it."""
+    import shutil
+    import subprocess
+    cc = shutil.which("cc") or shutil.which("gcc")
+    if cc is None:
+        pytest.skip("no C compiler to build a stand-in library")
+    src = tmp_path / "old_shim.c"
+    src.write_text("int kimik3_flash_mla_sm_parts(int h, int s) { return 1; }\n"
+                   "int kimik3_flash_mla_meta_ints(void) { return 8; }\n"
+                   "int kimik3_flash_mla_decode(void) { return 0; }\n")
+    lib = tmp_path / "libold_flash_mla.so"
+    subprocess.run([cc, "-shared", "-fPIC", str(src), "-o", str(lib)], check=True)
+    monkeypatch.setenv(flash_mla.ENV, str(lib))
+    with pytest.raises(RuntimeError, match="built before its schedule had its own entry point: rebuild it with "
+                                           "scripts/build_flash_mla.sh"):
+        flash_mla.flash_mla_library()
+
+
 @pytest.mark.parametrize("name", sorted(LIBRARIES))
 def test_unset_means_our_kernels(name, monkeypatch):
     module, load, _, _ = LIBRARIES[name]

@@ -5,8 +5,9 @@ variable is set); otherwise decode runs our Triton split-K kernel (``ops/triton/
 
 It computes what ours computes: per sequence and head, softmax(scale q . c) over the sequence's cached
 latent rows c (576 = 512 latent + 64 rope columns), times their first 512 columns, in bf16 with fp32
-accumulation, splits merged by their log-sum-exp. Three launches (scheduler, split attention, combine),
-no host synchronisation, so decode steps still capture into CUDA graphs.
+accumulation, splits merged by their log-sum-exp. Two launches (split attention, combine) after the split
+schedule of the step's sequence lengths (``flash_mla_schedule``: one launch, which every MLA layer of a forward step
+shares), no host synchronisation, so decode steps still capture into CUDA graphs.
 """
 
 from __future__ import annotations
@@ -14,6 +15,7 @@ from __future__ import annotations
 import ctypes
 import functools
 import os
+from dataclasses import dataclass
 
 import torch
 
@@ -27,6 +29,11 @@ def _declare(lib: ctypes.CDLL) -> None:
     lib.kimik3_flash_mla_sm_parts.restype = ctypes.c_int
     lib.kimik3_flash_mla_sm_parts.argtypes = [ctypes.c_int, ctypes.c_int]
     lib.kimik3_flash_mla_meta_ints.restype = ctypes.c_int
+    if not hasattr(lib, "kimik3_flash_mla_schedule"):
+        raise RuntimeError(f"{ENV} names a library built before its schedule had its own entry point: rebuild it "
+                           "with scripts/build_flash_mla.sh")
+    lib.kimik3_flash_mla_schedule.restype = ctypes.c_int
+    lib.kimik3_flash_mla_schedule.argtypes = [ctypes.c_void_p] * 3 + [ctypes.c_int] * 3 + [ctypes.c_void_p]
     lib.kimik3_flash_mla_decode.restype = ctypes.c_int
     lib.kimik3_flash_mla_decode.argtypes = ([ctypes.c_void_p] * 3 + [ctypes.c_int64] + [ctypes.c_void_p] * 7
                                             + [ctypes.c_int] * 4 + [ctypes.c_float, ctypes.c_int, ctypes.c_void_p])
@@ -72,10 +79,42 @@ def flash_mla_applies(q_latent: torch.Tensor, q_pe: torch.Tensor, cache: torch.T
     return flash_mla_library() is not None
 
 
+@dataclass(frozen=True)
+class FlashMLASchedule:
+    """FlashMLA's split schedule of N sequence lengths for H heads: meta [parts, ...] and splits [N + 1] int32."""
+    lens: torch.Tensor          # [N] int32, the lengths it schedules (the decode reads them too)
+    meta: torch.Tensor
+    splits: torch.Tensor
+    heads: int
+    parts: int
+
+
+def _check(err: int, what: str) -> None:
+    if err:
+        raise RuntimeError(f"FlashMLA {what} failed ({'an exception in FlashMLA' if err < 0 else f'CUDA error {err}'})")
+
+
+def flash_mla_schedule(seq_lens: torch.Tensor, heads: int) -> FlashMLASchedule:
+    """The split schedule of a decode over ``seq_lens`` [N] (on the device, the new token included) with ``heads``
+    query heads: one launch, shared by every decode over the same lengths and heads (``ops.mla``'s ``plans``)."""
+    lib = flash_mla_library()
+    dev = seq_lens.device
+    N = seq_lens.shape[0]
+    lens = seq_lens.to(torch.int32).contiguous()
+    parts = lib.kimik3_flash_mla_sm_parts(heads, _num_sms(dev))
+    meta = torch.empty(parts, lib.kimik3_flash_mla_meta_ints(), dtype=torch.int32, device=dev)
+    splits = torch.empty(N + 1, dtype=torch.int32, device=dev)
+    _check(lib.kimik3_flash_mla_schedule(lens.data_ptr(), meta.data_ptr(), splits.data_ptr(), N, parts,
+                                         dev.index if dev.index is not None else torch.cuda.current_device(),
+                                         torch.cuda.current_stream(dev).cuda_stream), f"schedule (N={N}, H={heads})")
+    return FlashMLASchedule(lens, meta, splits, heads, parts)
+
+
 def flash_mla_decode(q_latent: torch.Tensor, q_pe: torch.Tensor, cache: torch.Tensor, block_tables: torch.Tensor,
-                     seq_lens: torch.Tensor, scale: float) -> torch.Tensor:
+                     seq_lens: torch.Tensor, scale: float, schedule: FlashMLASchedule | None = None) -> torch.Tensor:
     """q_latent [N, H, 512]; q_pe [N, H, 64]; cache [num_blocks, 64, 576]; block_tables [N, max_blocks];
-    seq_lens [N] on the device (the new token included). Returns the latent output [N, H, 512] bf16."""
+    seq_lens [N] on the device (the new token included); ``schedule``: ``flash_mla_schedule`` of these lengths
+    and heads (None: computed here). Returns the latent output [N, H, 512] bf16."""
     if not flash_mla_applies(q_latent, q_pe, cache):
         raise ValueError(f"flash_mla_decode: needs {ENV}, a Hopper GPU, bf16 q [N, H, {LATENT}] + [N, H, {ROPE}] and a "
                          f"cache [blocks, {PAGE}, {LATENT + ROPE}]; got {q_latent.dtype} {tuple(q_latent.shape)}, "
@@ -85,23 +124,23 @@ def flash_mla_decode(q_latent: torch.Tensor, q_pe: torch.Tensor, cache: torch.Te
     dev = q_latent.device
     if N == 0:
         return q_latent.new_empty(0, H, LATENT)
+    if schedule is None:
+        schedule = flash_mla_schedule(seq_lens, H)
+    elif schedule.heads != H or schedule.lens.shape[0] != N:
+        raise ValueError(f"flash_mla_decode: a schedule of {schedule.lens.shape[0]} sequences and {schedule.heads} "
+                         f"heads for a decode of {N} and {H}")
     q = torch.cat([q_latent, q_pe], dim=-1)                                         # [N, H, 576], packed
     tables = block_tables if block_tables.dtype == torch.int32 and block_tables.stride(-1) == 1 else \
         block_tables.to(torch.int32).contiguous()
-    lens = seq_lens.to(torch.int32).contiguous()
-    parts = lib.kimik3_flash_mla_sm_parts(H, _num_sms(dev))
+    parts = schedule.parts
     out = torch.empty(N, H, LATENT, dtype=torch.bfloat16, device=dev)
     lse = torch.empty(N, H, dtype=torch.float32, device=dev)
-    meta = torch.empty(parts, lib.kimik3_flash_mla_meta_ints(), dtype=torch.int32, device=dev)
-    splits = torch.empty(N + 1, dtype=torch.int32, device=dev)
     lse_acc = torch.empty(N + parts, H, dtype=torch.float32, device=dev)
     o_acc = torch.empty(N + parts, H, LATENT, dtype=torch.float32, device=dev)
-    err = lib.kimik3_flash_mla_decode(q.data_ptr(), cache.data_ptr(), tables.data_ptr(), tables.stride(0),
-                                      lens.data_ptr(), out.data_ptr(), lse.data_ptr(), meta.data_ptr(),
-                                      splits.data_ptr(), lse_acc.data_ptr(), o_acc.data_ptr(), N, H, cache.shape[0],
-                                      parts, float(scale), dev.index if dev.index is not None else torch.cuda.current_device(),
-                                      torch.cuda.current_stream(dev).cuda_stream)
-    if err:
-        raise RuntimeError(f"FlashMLA decode failed ({'an exception in FlashMLA' if err < 0 else f'CUDA error {err}'}; "
-                           f"N={N}, H={H})")
+    _check(lib.kimik3_flash_mla_decode(q.data_ptr(), cache.data_ptr(), tables.data_ptr(), tables.stride(0),
+                                       schedule.lens.data_ptr(), out.data_ptr(), lse.data_ptr(), schedule.meta.data_ptr(),
+                                       schedule.splits.data_ptr(), lse_acc.data_ptr(), o_acc.data_ptr(), N, H,
+                                       cache.shape[0], parts, float(scale),
+                                       dev.index if dev.index is not None else torch.cuda.current_device(),
+                                       torch.cuda.current_stream(dev).cuda_stream), f"decode (N={N}, H={H})")
     return out

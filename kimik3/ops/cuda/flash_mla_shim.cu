@@ -30,21 +30,14 @@ extern "C" int kimik3_flash_mla_sm_parts(int heads, int num_sms) {
 
 extern "C" int kimik3_flash_mla_meta_ints() { return static_cast<int>(sizeof(DecodingSchedMeta) / sizeof(int)); }
 
-// q [b, heads, 576] bf16 (contiguous); cache [num_blocks, 64, 576] bf16; block_table int32 rows of
-// `table_stride`; seqlens int32 [b] (the new token included); out [b, heads, 512] bf16; lse fp32 [b, heads];
-// meta int32 [parts, meta_ints]; splits int32 [b + 1]; lse_accum fp32 [b + parts, heads]; o_accum fp32
-// [b + parts, heads, 512]. Three launches on `stream` of GPU `device` (scheduler, split attention, combine);
-// returns 0, a CUDA error code, or -1 when FlashMLA raised. (This library links its own CUDA runtime, whose
-// current device is set here: the caller's runtime may be on another GPU of the process.)
-extern "C" int kimik3_flash_mla_decode(void* q, void* cache, int* block_table, int64_t table_stride, int* seqlens,
-                                       void* out, float* lse, void* meta, int* splits, float* lse_accum,
-                                       float* o_accum, int batch, int heads, int num_blocks, int parts, float scale,
-                                       int device, void* stream) {
+// The split schedule of one decode over sequence lengths `seqlens` int32 [b] (the new token included): meta int32
+// [parts, meta_ints], splits int32 [b + 1]. One launch on `stream` of GPU `device`; every decode over the same
+// lengths (each MLA layer of one forward step) can share it. Returns 0, a CUDA error code, or -1 when FlashMLA raised.
+extern "C" int kimik3_flash_mla_schedule(int* seqlens, void* meta, int* splits, int batch, int parts, int device,
+                                         void* stream) {
     try {
         cudaError_t set = cudaSetDevice(device);
         if (set != cudaSuccess) return static_cast<int>(set);
-        auto s = static_cast<cudaStream_t>(stream);
-        auto* sched = static_cast<DecodingSchedMeta*>(meta);
         // fields by name (not by position), so a FlashMLA that reorders them fails to compile instead of misreading
         GetDecodeSchedMetaParams m = {};
         m.b = batch;
@@ -56,11 +49,32 @@ extern "C" int kimik3_flash_mla_decode(void* q, void* cache, int* block_table, i
         m.topk_length = nullptr;
         m.extra_topk_length = nullptr;
         m.seqlens_k_ptr = seqlens;
-        m.tile_scheduler_metadata_ptr = sched;
+        m.tile_scheduler_metadata_ptr = static_cast<DecodingSchedMeta*>(meta);
         m.num_splits_ptr = splits;
         m.num_sm_parts = parts;
-        m.stream = s;
+        m.stream = static_cast<cudaStream_t>(stream);
         smxx::decode::run_get_decoding_sched_meta_kernel(m);
+        return static_cast<int>(cudaGetLastError());
+    } catch (const std::exception&) {
+        return -1;
+    }
+}
+
+// q [b, heads, 576] bf16 (contiguous); cache [num_blocks, 64, 576] bf16; block_table int32 rows of
+// `table_stride`; seqlens int32 [b] (the new token included); out [b, heads, 512] bf16; lse fp32 [b, heads];
+// meta, splits: the schedule of these lengths (kimik3_flash_mla_schedule); lse_accum fp32 [b + parts, heads];
+// o_accum fp32 [b + parts, heads, 512]. Two launches on `stream` of GPU `device` (split attention, combine);
+// returns 0, a CUDA error code, or -1 when FlashMLA raised. (This library links its own CUDA runtime, whose
+// current device is set here: the caller's runtime may be on another GPU of the process.)
+extern "C" int kimik3_flash_mla_decode(void* q, void* cache, int* block_table, int64_t table_stride, int* seqlens,
+                                       void* out, float* lse, void* meta, int* splits, float* lse_accum,
+                                       float* o_accum, int batch, int heads, int num_blocks, int parts, float scale,
+                                       int device, void* stream) {
+    try {
+        cudaError_t set = cudaSetDevice(device);
+        if (set != cudaSuccess) return static_cast<int>(set);
+        auto s = static_cast<cudaStream_t>(stream);
+        auto* sched = static_cast<DecodingSchedMeta*>(meta);
 
         DenseAttnDecodeParams p = {};
         p.b = batch;
