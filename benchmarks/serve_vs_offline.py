@@ -13,7 +13,9 @@ tok/s and time to first token (p50 / p99) per pass, and each pass's ratio to off
 
 ``--slice`` builds the K3-width 4-layer slice of ``benchmarks/gpu/bench_slice.py`` with the synthetic
 163,840-token tokenizer of ``structured.py``. The engine is warmed up first as ``build_engine`` does on
-a GPU (``--no-warmup``: not).
+a GPU (``--no-warmup``: not). ``--switch-interval S``: the interpreter's thread switch interval
+(``sys.setswitchinterval``; Python's default is 5 ms) for the whole run: how long the event loop's thread may hold
+the GIL while the engine thread waits to launch the next step.
 """
 
 from __future__ import annotations
@@ -145,9 +147,13 @@ def main() -> None:
     ap.add_argument("--passes", type=int, default=4)
     ap.add_argument("--warmup", action=argparse.BooleanOptionalAction, default=True)
     ap.add_argument("--async-scheduling", action="store_true", help="the engine's async scheduling")
+    ap.add_argument("--switch-interval", type=float, default=None, metavar="S",
+                    help="sys.setswitchinterval(S) for the run (Python's default: 0.005)")
     ap.add_argument("--sample-stacks", type=int, default=0, metavar="N",
                     help="sample this process's thread stacks every 20 ms; print each pass's N commonest")
     args = ap.parse_args()
+    if args.switch_interval is not None:
+        sys.setswitchinterval(args.switch_interval)
 
     import torch
     import uvicorn
@@ -203,7 +209,7 @@ def main() -> None:
 
     print(f"# served vs offline, model {name}, device {args.device}, {args.requests} requests x {args.prompt} prompt + "
           f"{args.output} output tokens, {args.concurrency} at a time, async scheduling {args.async_scheduling}, "
-          f"warm-up {'%.1f s' % warm if args.warmup else 'off'}, "
+          f"warm-up {'%.1f s' % warm if args.warmup else 'off'}, switch interval {sys.getswitchinterval() * 1e3:g} ms, "
           f"commit {commit_id()}, {datetime.date.today()}")
     print(f"offline (prefix cache emptied first): {off:.0f} output tok/s")
     print("| pass | output tok/s | / offline | TTFT p50 s | TTFT p99 s | TTFT max s |")
