@@ -534,10 +534,11 @@ def main():
         noflash = "-" if noflash is None else f"{noflash:.3f}"
         unsplit = r.get("t_graph_unsplit_router_ms")
         unsplit = "-" if unsplit is None else f"{unsplit:.3f}"
-        apart = r.get("t_graph_low_rank_other_ms")
-        apart = "-" if apart is None else f"{apart:.3f}" + (" (first)" if r.get("low_rank_inside_kernel") else " (inside)")
+        low_rank = r.get("t_graph_low_rank_other_ms")
+        low_rank = "-" if low_rank is None else f"{low_rank:.3f}" + (" (first)" if r.get("low_rank_inside_kernel")
+                                                                      else " (inside)")
         log(f"| {r['case']} | {r['t_eager_ms']:.2f} | {g} | {r['floor_ms']:.3f} | {r['time_over_floor']:.2f}{extra} "
-            f"| {ref} | {sp} | {off} | {other} | {side} | {blocks} | {nopf} | {noflash} | {unsplit} | {apart} |")
+            f"| {ref} | {sp} | {off} | {other} | {side} | {blocks} | {nopf} | {noflash} | {unsplit} | {low_rank} |")
     bad = [k for k, r in results.get("checks", {}).items() if not r["ok"]]
     log(f"checks: {len(results.get('checks', {})) - len(bad)} ok, bad: {bad}")
 

@@ -251,13 +251,11 @@ def mla_decode_attention(q_latent: torch.Tensor, q_pe: torch.Tensor, cache: torc
             max_seq_len = max(seq_lens) if max_seq_len is None else max_seq_len
             seq_lens = torch.tensor(seq_lens, dtype=torch.int32, device=q_latent.device)
         if flash_mla_applies(q_latent, q_pe, cache):
+            plans = {} if plans is None else plans
             key = ("flash_mla_schedule", q_latent.shape[1])
-            schedule = None if plans is None else plans.get(key)
-            if schedule is None:
-                schedule = flash_mla_schedule(seq_lens, q_latent.shape[1])
-                if plans is not None:
-                    plans[key] = schedule
-            return flash_mla_decode(q_latent, q_pe, cache, block_tables, seq_lens, scale, schedule)
+            if key not in plans:
+                plans[key] = flash_mla_schedule(seq_lens, q_latent.shape[1])
+            return flash_mla_decode(q_latent, q_pe, cache, block_tables, seq_lens, scale, plans[key])
         if max_seq_len is None:
             max_seq_len = int(seq_lens.max())
         return mla_decode_triton(q_latent, q_pe, cache, block_tables, seq_lens, max_seq_len, scale)

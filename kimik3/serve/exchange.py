@@ -207,9 +207,6 @@ class _JobStream(StreamingResponse):
             self._on_close()
 
 
-_GONE = object()         # _next_watched: the client disconnected
-
-
 class _Exchange:
     """One admitted job from submit to cleanup: event waiting, metrics, abort on early exit."""
 
@@ -234,19 +231,18 @@ class _Exchange:
             item = await self.job.queue.get()
         else:
             item = await self._next_watched(poll)
-            if item is _GONE:
-                return None
         if isinstance(item, list):
             self._observe(item)
         return item
 
     async def _next_watched(self, poll: float):
-        """The next event, checking every ``poll`` seconds whether the client is still there (``_GONE`` once not)."""
+        """The next event, checking every ``poll`` seconds whether the client is still there (None once not: the
+        engine loop posts lists, ``Done`` and ``Failed``, never None)."""
         while True:
             if self.watch_disconnect and time.monotonic() - self._checked >= poll:
                 self._checked = time.monotonic()
                 if await self.request.is_disconnected():
-                    return _GONE
+                    return None
             if self._getter is None:
                 self._getter = asyncio.ensure_future(self.job.queue.get())
             done, _ = await asyncio.wait({self._getter}, timeout=poll)

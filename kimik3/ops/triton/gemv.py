@@ -17,7 +17,7 @@ weights (the combine: one rounding, the expert order of the combine kernel). Ref
 
 from __future__ import annotations
 
-from dataclasses import dataclass
+from dataclasses import dataclass, replace
 
 import torch
 import triton
@@ -25,24 +25,6 @@ import triton.language as tl
 
 from kimik3.ops.triton import common
 from kimik3.ops.triton.common import glu, pdl, pdl_entry, prefetch_l2
-
-
-@triton.jit
-def _gemv_step(x_rows, w_rows, up_rows, k0, K, kk, mm, mn, acc, acc_up, EVEN: tl.constexpr, GLU: tl.constexpr):
-    """One K step of ``_gemv_kernel``: the [BM, BN, BK] partial products of x's and w's (and w_up's) columns
-    k0 .. k0 + BK added in fp32."""
-    if EVEN:           # N % BN == 0 and K % BK == 0
-        xt = tl.load(x_rows + k0, mask=mm[:, None], other=0.0).to(tl.float32)[:, None, :]
-        acc += xt * tl.load(w_rows + k0).to(tl.float32)[None, :, :]
-        if GLU:
-            acc_up += xt * tl.load(up_rows + k0).to(tl.float32)[None, :, :]
-    else:
-        mk = (k0 + kk) < K
-        xt = tl.load(x_rows + k0, mask=mm[:, None] & mk[None, :], other=0.0).to(tl.float32)[:, None, :]
-        acc += xt * tl.load(w_rows + k0, mask=mn[:, None] & mk[None, :], other=0.0).to(tl.float32)[None, :, :]
-        if GLU:
-            acc_up += xt * tl.load(up_rows + k0, mask=mn[:, None] & mk[None, :], other=0.0).to(tl.float32)[None, :, :]
-    return acc, acc_up
 
 
 @triton.jit
@@ -79,7 +61,17 @@ def _gemv_kernel(x, w, w_up, y, ids, M, N, K, stride_x, stride_w, stride_we, str
     acc = tl.zeros([BM, BN, BK], tl.float32)
     acc_up = tl.zeros([BM, BN, BK] if GLU else [1, 1, 1], tl.float32)
     for k0 in tl.range(0, K, BK, num_stages=STAGES):
-        acc, acc_up = _gemv_step(x_rows, w_rows, up_rows, k0, K, kk, mm, mn, acc, acc_up, EVEN, GLU)
+        if EVEN:       # N % BN == 0 and K % BK == 0
+            xt = tl.load(x_rows + k0, mask=mm[:, None], other=0.0).to(tl.float32)[:, None, :]
+            acc += xt * tl.load(w_rows + k0).to(tl.float32)[None, :, :]
+            if GLU:
+                acc_up += xt * tl.load(up_rows + k0).to(tl.float32)[None, :, :]
+        else:
+            mk = (k0 + kk) < K
+            xt = tl.load(x_rows + k0, mask=mm[:, None] & mk[None, :], other=0.0).to(tl.float32)[:, None, :]
+            acc += xt * tl.load(w_rows + k0, mask=mn[:, None] & mk[None, :], other=0.0).to(tl.float32)[None, :, :]
+            if GLU:
+                acc_up += xt * tl.load(up_rows + k0, mask=mn[:, None] & mk[None, :], other=0.0).to(tl.float32)[None, :, :]
     out = tl.sum(acc, 2)                                                                 # [BM, BN]
     if GLU:
         g = out.to(y.dtype.element_ty).to(tl.float32)
@@ -239,8 +231,7 @@ def expert_up_config(L: int, I: int, k: int, num_sms: int = 132) -> GemvConfig:
     the largest power of two (64 .. that config's) that divides L, so the loop has no masked tail step (at
     Kimi-Linear's L = 2304: 9 steps of 256 where 512 gave 4.5; bench_gemv.py --experts, H200, 092fe21)."""
     cfg = gemv_config(1, 2 * I * k, L, num_sms, glu=True)
-    bk = next((b for b in (cfg.bk >> i for i in range(8)) if b >= 64 and L % b == 0), cfg.bk)
-    return GemvConfig(bn=cfg.bn, bk=bk, num_warps=cfg.num_warps, stages=cfg.stages)
+    return replace(cfg, bk=next((b for b in (cfg.bk >> i for i in range(8)) if b >= 64 and L % b == 0), cfg.bk))
 
 
 def combine_config(N: int, K: int, num_sms: int = 132) -> GemvConfig:
