@@ -197,10 +197,12 @@ def _logprobs(chunks, spans, logits: torch.Tensor, result: SamplerOutput) -> Non
             result.logprobs[i] = d
 
 
-# A request whose verify steps accept nothing pauses drafting for 2, 4, 8 ... decode steps, at most
-# this many (reset by any accepted draft): a verify step costs more than a plain one (eager against a
-# CUDA graph: about 2.6x at batch 1 on the H200), so drafts that keep failing cost at most 1/128 of
-# that extra per token instead of all of it.
+# A request whose verify steps accept nothing pauses drafting for 4, 16, 64 ... decode steps, at most
+# MAX_DRAFT_PAUSE (reset by any accepted draft). A failed verify event costs about 0.4 of a plain step (the
+# K3 slice at batch 1 on the H200, async: 6 of them took 2% of 128 steps at `092fe21`; its extra row's experts,
+# and the pipeline drained before and after it), so drafts that keep failing cost at most 1/128 of that per
+# token instead of all of it. Base 4 (not 2) makes the ramp's events 4 in the first 128 tokens instead of 6.
+DRAFT_PAUSE_BASE = 4
 MAX_DRAFT_PAUSE = 128
 # Under async scheduling a request whose n-gram lookup found nothing skips this many decode steps' lookups:
 # a step that may draft waits for the previous step's token on the host, one that cannot runs ahead
@@ -217,7 +219,7 @@ def settle_drafts(kv, chunk, m: int) -> None:
     chunk.num_accepted = m
     req = chunk.req
     req.draft_misses = 0 if m else req.draft_misses + 1
-    req.draft_pause = min(2 ** req.draft_misses, MAX_DRAFT_PAUSE) if req.draft_misses else 0
+    req.draft_pause = min(DRAFT_PAUSE_BASE ** req.draft_misses, MAX_DRAFT_PAUSE) if req.draft_misses else 0
     # A rejected draft limits the next step's drafts to m + 1 (a step that accepted all raises the limit by
     # one; the scheduler caps it at ``num_speculative_tokens``): each row of a verify step costs (on MoE
     # models a row touches its own top-k experts: a (1, 4)-row verify graph of the K3 slice reads up to four

@@ -122,7 +122,7 @@ def test_cycling_outputs_accept_drafts_and_save_steps():
 
 def test_drafts_that_keep_failing_pause_drafting(monkeypatch):
     """Drafts that are always wrong: after each verify step that accepts nothing the request stops
-    drafting for 2, 4, ... 128 decode steps, so 300 tokens carry 9 verify steps, not 300; drafts that
+    drafting for 4, 16, 64, 128 decode steps, so 300 tokens carry 5 verify steps, not 300; drafts that
     are right keep coming (3 per step, 4 tokens a step). The tokens are plain greedy's either way."""
     import kimik3.engine.scheduler as scheduler
     model = FakeModel()
@@ -136,9 +136,9 @@ def test_drafts_that_keep_failing_pause_drafting(monkeypatch):
         engine = _engine(model, 3, max_model_len=320, max_num_seqs=1, enable_prefix_caching=False)
         results = run(engine, {"r": (prompt, SamplingParams(temperature=0, max_tokens=300, ignore_eos=True))})
         assert results["r"][0][0] == ref
-        if shift:     # verify steps before pauses of 2, 4, ..., 128, 128: 8 in the 299 decode steps, the
-            # first with 3 drafts, the others probing with one (speculative.settle_drafts' draft limit)
-            assert engine.num_accepted_tokens == 0 and engine.num_draft_tokens == 3 + 7
+        if shift:     # verify steps at decode steps 1, 6, 23, 88, 217 (each followed by a pause of 4, 16, 64, 128,
+            # 128), the first with 3 drafts, the others probing with one (speculative.settle_drafts' draft limit)
+            assert engine.num_accepted_tokens == 0 and engine.num_draft_tokens == 3 + 4
         else:
             assert engine.num_accepted_tokens == engine.num_draft_tokens >= 3 * (300 // 4 - 1)
 
