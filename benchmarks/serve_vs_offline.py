@@ -127,6 +127,11 @@ class StackSampler:
         self._thread.join()
 
 
+def thread_cpu(ident: int) -> float:
+    """CPU seconds a thread of this process has used so far (Linux)."""
+    return time.clock_gettime(time.pthread_getcpuclockid(ident))
+
+
 def offline(engine, prompts: list[list[int]], max_tokens: int) -> float:
     from benchmarks.common import drain
     from kimik3.engine import SamplingParams
@@ -194,10 +199,16 @@ def main() -> None:
     sampler = StackSampler() if args.sample_stacks else None
     if sampler is not None:
         sampler.start()
-    passes, stacks = [], []
+    engine_thread = next(t for t in threading.enumerate() if t.name == "kimik3-engine")
+    clocks = {"engine thread": engine_thread.ident, "event loop": thread.ident}
+    passes, stacks, cpu = [], [], []
+    before = (time.perf_counter(), engine.runner.num_steps, {k: thread_cpu(v) for k, v in clocks.items()})
     for _ in range(args.passes):
         passes.append(out.get())
         stacks.append(sampler.take() if sampler is not None else None)
+        now = (time.perf_counter(), engine.runner.num_steps, {k: thread_cpu(v) for k, v in clocks.items()})
+        cpu.append((now[0] - before[0], now[1] - before[1], {k: now[2][k] - before[2][k] for k in clocks}))
+        before = now
     if sampler is not None:
         sampler.stop()
     proc.join()
@@ -220,6 +231,14 @@ def main() -> None:
             continue
         print(f"| {i} | {p['output_tok_s']:.0f} | {p['output_tok_s'] / off:.2f} | {p['ttft_p50_s']:.3f} | "
               f"{p['ttft_p99_s']:.3f} | {p['ttft_max_s']:.3f} |")
+    print("# where each pass's wall time went: engine steps, and the CPU time of the engine thread and of the event "
+          "loop's thread (they share the GIL: their sum near the wall time means the host is the bound)")
+    print("| pass | steps | wall ms a step | engine thread CPU ms a step | event loop CPU ms a step | sum / wall |")
+    print("|---|---|---|---|---|---|")
+    for i, (wall, steps, used) in enumerate(cpu, 1):
+        n = max(steps, 1)
+        print(f"| {i} | {steps} | {wall / n * 1e3:.2f} | {used['engine thread'] / n * 1e3:.2f} | "
+              f"{used['event loop'] / n * 1e3:.2f} | {sum(used.values()) / wall:.2f} |")
     for i, counts in enumerate(stacks, 1):
         if counts:
             total = sum(counts.values())
