@@ -121,7 +121,7 @@ def check_kda_decode_conv(N=5, H=32, K=128, W=4, lower_bound=None, seed=26, low_
     reference ops in fp32 on the same inputs; the conv windows bit for bit. ``low_rank``: f and the output gate
     as Kimi-Linear's ``LowRank`` (f_a | g_a a slice of a wider row, f_b and g_b [H K, K]), computed in the step."""
     g = _gen(seed)
-    S, P = 11, H * K
+    S, P = max(11, N + 2), H * K          # slot 0 and at least one more stay untouched
     raw = torch.randn(N, 3 * P + 200, generator=g, device="cuda").to(BF16)[:, 100:100 + 3 * P]
     conv_w = 0.5 * torch.randn(3 * P, W, generator=g, device="cuda")
     windows = torch.randn(S, 3 * P, W - 1, generator=g, device="cuda").to(BF16)
