@@ -156,7 +156,18 @@ def main() -> None:
                     help="sys.setswitchinterval(S) for the run (Python's default: 0.005)")
     ap.add_argument("--sample-stacks", type=int, default=0, metavar="N",
                     help="sample this process's thread stacks every 20 ms; print each pass's N commonest")
+    ap.add_argument("--log-compiles", action="store_true",
+                    help="count the Triton kernels compiled in the warm-up, each pass and the offline run (and name them)")
     args = ap.parse_args()
+    compiles: list[tuple[str, str]] = []          # (phase, kernel), from Triton's pre-compile hook
+    phase = ["warm-up"]
+    if args.log_compiles:
+        import triton
+
+        def on_compile(*, key, repr, fn, compile, is_manual_warmup, already_compiled):  # noqa: A002
+            compiles.append((phase[0], repr))
+            return False                     # compile it (True would skip the compile)
+        triton.knobs.runtime.jit_cache_hook = on_compile
     if args.switch_interval is not None:
         sys.setswitchinterval(args.switch_interval)
 
@@ -203,7 +214,8 @@ def main() -> None:
     clocks = {"engine thread": engine_thread.ident, "event loop": thread.ident}
     passes, stacks, cpu = [], [], []
     before = (time.perf_counter(), engine.runner.num_steps, {k: thread_cpu(v) for k, v in clocks.items()})
-    for _ in range(args.passes):
+    for i in range(args.passes):
+        phase[0] = f"pass {i + 1}"
         passes.append(out.get())
         stacks.append(sampler.take() if sampler is not None else None)
         now = (time.perf_counter(), engine.runner.num_steps, {k: thread_cpu(v) for k, v in clocks.items()})
@@ -216,6 +228,7 @@ def main() -> None:
     thread.join(timeout=60)
     if not engine.kv.reset_prefix_cache():      # offline runs the pass-1 workload: no prefix hits from the passes
         raise RuntimeError("the server left cache blocks held; cannot empty the prefix cache for the offline run")
+    phase[0] = "offline"
     off = offline(engine, prompts, args.output)
 
     print(f"# served vs offline, model {name}, device {args.device}, {args.requests} requests x {args.prompt} prompt + "
@@ -245,6 +258,15 @@ def main() -> None:
             print(f"# pass {i}: {total} stack samples (20 ms apart, all threads); the commonest:")
             for (thread, inner, calls), n in counts.most_common(args.sample_stacks):
                 print(f"#   {n:5d} {100 * n / total:5.1f}% [{thread}] {inner}  ({calls})")
+    if args.log_compiles:
+        for name in ["warm-up"] + [f"pass {i}" for i in range(1, args.passes + 1)] + ["offline"]:
+            kernels = collections.Counter(r.split("[", 1)[0] for ph, r in compiles if ph == name)
+            print(f"# Triton compiles in {name}: {sum(kernels.values())}"
+                  + "".join(f"; {k} x{n}" for k, n in kernels.most_common()))
+            if name != "warm-up":
+                for ph, r in compiles:
+                    if ph == name:
+                        print(f"#   {r[:400]}")
     ok = [p for p in passes if "error" not in p]
     if ok:
         print(f"# steady (passes 2..): {statistics.mean(p['output_tok_s'] for p in ok[1:] or ok):.0f} tok/s")

@@ -4,12 +4,15 @@ On a GPU the first step of a new kind compiles Triton kernels (and autotunes fla
 length in a new class (Triton specialises integer arguments on == 1 and on divisibility by 16,
 and some tiles on the next power of two of the rows), a mixed step with decode rows beside a
 chunk, a longer context's split count. Without a warm-up those compiles (seconds each) land on
-the first requests' time to first token. ``warm_up`` runs three rounds of prompts of lengths 2^k - 1,
-2^k and 2^k + 1 up to one step's token budget, each decoding two tokens: (1) one prompt at a time, so a
+the first requests' time to first token. ``warm_up`` runs three rounds over step sizes 2^k - 1, 2^k and
+2^k + 1 up to one step's token budget, each prompt decoding two tokens: (1) one size at a time, so a
 step holds exactly each of those token counts (the step-size classes: serving's steps take any size,
-and the kernels specialise on the step's rows); (2) all at once, so prefill chunks share steps with
-decode rows; (3) the same prompts again, all at once, so they hit the prefix cache (chunks shortened
-by a hit, KDA states restored from checkpoints: what a repeated system prompt meets). Then it empties
+and the kernels specialise on the step's rows). A size above the longest prompt ``max_model_len``
+admits is a group of prompts that fill one step together (K3 slice on the H100 served with
+``max_model_len`` 400: its 8192-token steps, which take the MXFP4 experts' grouped-GEMM path, compiled
+while the first requests waited, the first pass at half the steady rate); (2) all at once, so prefill
+chunks share steps with decode rows; (3) the same prompts again, all at once, so they hit the prefix cache
+(chunks shortened by a hit, KDA states restored from checkpoints: what a repeated system prompt meets). Then it empties
 the prefix cache, so the warm-up leaves no blocks behind. The engine's counters (steps, graph steps,
 hit tokens) include its steps. Images are not warmed here: the vision tower's kernels compile when the
 runner captures its CUDA graphs (``model/encoder_graphs.py``, at engine start); under ``enforce_eager``
@@ -38,20 +41,33 @@ def warmup_lengths(limit: int) -> list[int]:
     return sorted(out)
 
 
+def step_groups(budget: int, longest: int, max_seqs: int) -> list[list[int]]:
+    """Prompt lengths of the warm-up's groups: one group per step size in ``warmup_lengths`` up to the step
+    budget (and to what ``max_seqs`` prompts of at most ``longest`` tokens can fill), each group's lengths
+    summing to its size, as few prompts as that takes."""
+    limit = max(1, min(budget, longest * max_seqs))
+    groups = []
+    for n in warmup_lengths(limit):
+        k = -(-n // longest)
+        groups.append([n // k + (i < n % k) for i in range(k)])
+    return groups
+
+
 def warm_up(engine: LLMEngine, seed: int = 0) -> float:
     """Run the warm-up requests to completion on an idle engine; returns the seconds it took."""
     if engine.has_unfinished_requests():
         raise RuntimeError("warm_up runs on an idle engine; it has unfinished requests")
     cfg = engine.config
-    limit = max(1, min(cfg.max_num_batched_tokens, cfg.max_model_len - 2))
+    longest = max(1, min(cfg.max_num_batched_tokens, cfg.max_model_len - 2))
     pad = engine.model.config.media_placeholder_token_id
     rng = random.Random(seed)
     ids = [t for t in range(engine.vocab_size) if t != pad]
     params = SamplingParams(temperature=0, max_tokens=2, ignore_eos=True, detokenize=False)
-    lengths = warmup_lengths(limit)
-    alone, together = ([rng.choices(ids, k=n) for n in lengths] for _ in range(2))   # (2) must not hit (1)
+    groups = step_groups(cfg.max_num_batched_tokens, longest, cfg.max_num_seqs)
+    alone = [[rng.choices(ids, k=n) for n in g] for g in groups]
+    together = [rng.choices(ids, k=n) for g in groups for n in g]        # (2) must not hit (1)
     t0 = time.perf_counter()
-    rounds = [[p] for p in alone] + [together, together]      # (1) each alone, (2) all at once, (3) again: hits
+    rounds = alone + [together, together]      # (1) each size alone, (2) all at once, (3) again: hits
     for r, group in enumerate(rounds):
         for i, p in enumerate(group):
             engine.add_request(f"warmup-{r}-{i}", {"prompt_token_ids": p}, params)
@@ -59,6 +75,6 @@ def warm_up(engine: LLMEngine, seed: int = 0) -> float:
             engine.step()
     engine.kv.reset_prefix_cache()
     seconds = time.perf_counter() - t0
-    logger.info("warm-up: %d prompts of 1..%d tokens, alone, together and again, in %.1f s", len(lengths), limit,
-                seconds)
+    logger.info("warm-up: steps of 1..%d tokens (%d prompts of 1..%d tokens), alone, together and again, in %.1f s",
+                sum(groups[-1]), len(together), longest, seconds)
     return seconds

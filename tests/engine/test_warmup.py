@@ -8,7 +8,7 @@ import torch
 
 import kimik3
 from kimik3.engine import SamplingParams
-from kimik3.engine.warmup import warm_up, warmup_lengths
+from kimik3.engine.warmup import step_groups, warm_up, warmup_lengths
 from tests.engine.fake_model import reference_greedy
 from tests.engine.helpers import make_engine, run
 
@@ -44,12 +44,23 @@ def test_warm_up_refuses_a_busy_engine(tiny_ckpt):
         warm_up(engine)
 
 
-def test_warm_up_steps_take_each_size_class_and_hit_the_prefix_cache(tiny_ckpt):
+def test_step_groups_fill_each_step_size_with_prompts_the_model_admits():
+    assert step_groups(17, 40, 4) == [[n] for n in warmup_lengths(17)]
+    groups = step_groups(17, 6, 4)
+    assert [sum(g) for g in groups] == warmup_lengths(17)
+    assert all(max(g) - min(g) <= 1 and max(g) <= 6 and len(g) == -(-sum(g) // 6) for g in groups)
+    assert [sum(g) for g in step_groups(100, 6, 2)] == warmup_lengths(12)     # two prompts fill 12 at most
+
+
+@pytest.mark.parametrize("max_model_len", [40, 12])
+def test_warm_up_steps_take_each_size_class_and_hit_the_prefix_cache(tiny_ckpt, max_model_len):
     """Kernels specialise on a step's token count, so the warm-up has a step of exactly each warm-up
-    length (one prompt alone), steps that mix prefill chunks with decode rows, and prefix hits."""
+    length up to the step budget (one prompt alone, or a group of prompts filling the step together
+    where the budget exceeds the longest prompt), steps that mix prefill chunks with decode rows, and
+    prefix hits."""
     model = kimik3.load_model(tiny_ckpt["kimi_k3"], device="cpu", dtype=torch.float32)
-    engine = make_engine(model, block_size=2, max_num_seqs=4, max_num_batched_tokens=17, max_model_len=40,
-                         enable_prefix_caching=True, extra_blocks=40)
+    engine = make_engine(model, block_size=2, max_num_seqs=4, max_num_batched_tokens=17, max_model_len=max_model_len,
+                         enable_prefix_caching=True, extra_blocks=80, kda_checkpoint_interval=2)
     steps = []
     schedule = engine.scheduler.schedule
 
@@ -59,8 +70,8 @@ def test_warm_up_steps_take_each_size_class_and_hit_the_prefix_cache(tiny_ckpt):
         return out
     engine.scheduler.schedule = record
     warm_up(engine)
-    alone = {chunks[0][0] for chunks in steps if len(chunks) == 1}
-    assert set(warmup_lengths(17)) <= alone
+    prefill_only = {sum(n for n, _ in chunks) for chunks in steps if chunks and all(n > 1 for n, _ in chunks)}
+    assert set(warmup_lengths(17)) - {1} <= prefill_only      # (a one-token prompt's step looks like a decode row)
     assert any(len(c) > 1 and any(n > 1 for n, _ in c) and any(n == 1 for n, _ in c) for c in steps)  # mixed
     assert engine.kv.num_hit_tokens > 0
     assert not engine.kv.blocks.cached and not engine.kv.checkpoints
