@@ -273,7 +273,7 @@ def main() -> None:
             if name != "warm-up":
                 for ph, r in compiles:
                     if ph == name:
-                        print(f"#   {r[:400]}")
+                        print(f"#   {r[:1500]}")
     ok = [p for p in passes if "error" not in p]
     if ok:
         print(f"# steady (passes 2..): {statistics.mean(p['output_tok_s'] for p in ok[1:] or ok):.0f} tok/s")
