@@ -10,7 +10,8 @@ step holds exactly each of those token counts (the step-size classes: serving's 
 and the kernels specialise on the step's rows). A size above the longest prompt ``max_model_len``
 admits is a group of prompts that fill one step together (K3 slice on the H100 served with
 ``max_model_len`` 400: its 8192-token steps, which take the MXFP4 experts' grouped-GEMM path, compiled
-while the first requests waited, the first pass at half the steady rate); (2) all at once, so prefill
+while the first requests waited, the first pass at half the steady rate), and last a group that overflows one
+step by a short tail (a chunked prompt's last tokens over its first part: MLA's split-K prefill); (2) all at once, so prefill
 chunks share steps with decode rows; (3) the same prompts again, all at once, so they hit the prefix cache
 (chunks shortened by a hit, KDA states restored from checkpoints: what a repeated system prompt meets). Then it empties
 the prefix cache, so the warm-up leaves no blocks behind. The engine's counters (steps, graph steps,
@@ -41,15 +42,26 @@ def warmup_lengths(limit: int) -> list[int]:
     return sorted(out)
 
 
+def _even(total: int, longest: int) -> list[int]:
+    """``total`` tokens as few prompts of at most ``longest`` tokens as it takes, their lengths within one."""
+    k = -(-total // longest)
+    return [total // k + (i < total % k) for i in range(k)]
+
+
 def step_groups(budget: int, longest: int, max_seqs: int) -> list[list[int]]:
     """Prompt lengths of the warm-up's groups: one group per step size in ``warmup_lengths`` up to the step
     budget (and to what ``max_seqs`` prompts of at most ``longest`` tokens can fill), each group's lengths
-    summing to its size, as few prompts as that takes."""
+    summing to its size, as few prompts as that takes; then one group whose last prompt overflows a full step
+    by a short tail, which the next step computes over that prompt's first part (a chunked prompt's tail: few
+    queries over a long context, MLA's split-K prefill; the served K3 slice compiled its merge kernel in the
+    first pass without it)."""
     limit = max(1, min(budget, longest * max_seqs))
-    groups = []
-    for n in warmup_lengths(limit):
-        k = -(-n // longest)
-        groups.append([n // k + (i < n % k) for i in range(k)])
+    groups = [_even(n, longest) for n in warmup_lengths(limit)]
+    tail = min(16, longest // 2)
+    context = min(longest - tail, budget)
+    fill = budget - context
+    if tail and fill >= 0 and (fill == 0 or -(-fill // longest) + 1 <= max_seqs):
+        groups.append((_even(fill, longest) if fill else []) + [context + tail])
     return groups
 
 
@@ -76,5 +88,5 @@ def warm_up(engine: LLMEngine, seed: int = 0) -> float:
     engine.kv.reset_prefix_cache()
     seconds = time.perf_counter() - t0
     logger.info("warm-up: steps of 1..%d tokens (%d prompts of 1..%d tokens), alone, together and again, in %.1f s",
-                sum(groups[-1]), len(together), longest, seconds)
+                min(cfg.max_num_batched_tokens, sum(groups[-1])), len(together), longest, seconds)
     return seconds

@@ -45,11 +45,15 @@ def test_warm_up_refuses_a_busy_engine(tiny_ckpt):
 
 
 def test_step_groups_fill_each_step_size_with_prompts_the_model_admits():
-    assert step_groups(17, 40, 4) == [[n] for n in warmup_lengths(17)]
+    # then a group overflowing the 17-token step by a tail: fillers, then a prompt whose last tokens come next step
+    assert step_groups(17, 40, 4) == [[n] for n in warmup_lengths(17)] + [[17 + 16]]
     groups = step_groups(17, 6, 4)
-    assert [sum(g) for g in groups] == warmup_lengths(17)
-    assert all(max(g) - min(g) <= 1 and max(g) <= 6 and len(g) == -(-sum(g) // 6) for g in groups)
-    assert [sum(g) for g in step_groups(100, 6, 2)] == warmup_lengths(12)     # two prompts fill 12 at most
+    assert [sum(g) for g in groups[:-1]] == warmup_lengths(17)
+    assert all(max(g) - min(g) <= 1 and max(g) <= 6 and len(g) == -(-sum(g) // 6) for g in groups[:-1])
+    assert groups[-1] == [5, 5, 4, 6]             # 14 + 3 = 17 tokens in one step, the last prompt's other 3 next
+    assert [sum(g) for g in step_groups(100, 6, 2)] == warmup_lengths(12)     # two prompts fill 12 at most: no tail
+    fillers, last = step_groups(8192, 398, 64)[-1][:-1], step_groups(8192, 398, 64)[-1][-1]
+    assert max(fillers) <= 398 and last == 398 and sum(fillers) + last - 16 == 8192
 
 
 @pytest.mark.parametrize("max_model_len", [40, 12])
@@ -66,12 +70,16 @@ def test_warm_up_steps_take_each_size_class_and_hit_the_prefix_cache(tiny_ckpt, 
 
     def record():
         out = schedule()
-        steps.append([(c.num_tokens, c.samples) for c in out.chunks])
+        steps.append([(c.num_tokens, c.samples, c.start, c.req.request_id) for c in out.chunks])
         return out
     engine.scheduler.schedule = record
     warm_up(engine)
-    prefill_only = {sum(n for n, _ in chunks) for chunks in steps if chunks and all(n > 1 for n, _ in chunks)}
+    prefill_only = {sum(c[0] for c in chunks) for chunks in steps if chunks and all(c[0] > 1 for c in chunks)}
     assert set(warmup_lengths(17)) - {1} <= prefill_only      # (a one-token prompt's step looks like a decode row)
-    assert any(len(c) > 1 and any(n > 1 for n, _ in c) and any(n == 1 for n, _ in c) for c in steps)  # mixed
+    # round (1)'s last group: a prompt's tail chunk over the part of it the step before computed
+    last = f"warmup-{len(step_groups(17, max_model_len - 2, 4)) - 1}-"
+    assert any(1 < n <= 16 and start >= 4 and samples and rid.startswith(last)
+               for chunks in steps for n, samples, start, rid in chunks)
+    assert any(len(c) > 1 and any(x[0] > 1 for x in c) and any(x[0] == 1 for x in c) for c in steps)  # mixed
     assert engine.kv.num_hit_tokens > 0
     assert not engine.kv.blocks.cached and not engine.kv.checkpoints
