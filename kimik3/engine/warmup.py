@@ -5,16 +5,18 @@ length in a new class (Triton specialises integer arguments on == 1 and on divis
 and some tiles on the next power of two of the rows), a mixed step with decode rows beside a
 chunk, a longer context's split count. Without a warm-up those compiles (seconds each) land on
 the first requests' time to first token. ``warm_up`` runs three rounds over step sizes 2^k - 1, 2^k and
-2^k + 1 up to one step's token budget, each prompt decoding two tokens: (1) one size at a time, so a
-step holds exactly each of those token counts (the step-size classes: serving's steps take any size,
-and the kernels specialise on the step's rows). A size above the longest prompt ``max_model_len``
-admits is a group of prompts that fill one step together (K3 slice on the H100 served with
-``max_model_len`` 400: its 8192-token steps, which take the MXFP4 experts' grouped-GEMM path, compiled
-while the first requests waited, the first pass at half the steady rate), and last a group that overflows one
-step by a short tail (a chunked prompt's last tokens over its first part: MLA's split-K prefill); (2) all at once, so prefill
-chunks share steps with decode rows; (3) the same prompts again, all at once, so they hit the prefix cache
-(chunks shortened by a hit, KDA states restored from checkpoints: what a repeated system prompt meets). Then it empties
-the prefix cache, so the warm-up leaves no blocks behind. The engine's counters (steps, graph steps,
+2^k + 1 up to one step's token budget, each prompt decoding two tokens:
+(1) one size at a time, so a step holds exactly each of those token counts (the step-size classes: serving's
+    steps take any size, and the kernels specialise on the step's rows). A size above the longest prompt
+    ``max_model_len`` admits is a group of prompts that fill one step together (the K3 slice served with
+    ``max_model_len`` 400 on an H100 compiled its 8192-token steps' kernels, the MXFP4 experts' grouped-GEMM
+    path among them, while the first requests waited: the first pass at half the steady rate). Last, a group
+    that overflows one step by a short tail (a chunked prompt's last tokens over its first part: MLA's split-K
+    prefill);
+(2) all at once, so prefill chunks share steps with decode rows;
+(3) the same prompts again, all at once, so they hit the prefix cache (chunks shortened by a hit, KDA states
+    restored from checkpoints: what a repeated system prompt meets).
+Then it empties the prefix cache, so the warm-up leaves no blocks behind. The engine's counters (steps, graph steps,
 hit tokens) include its steps. Images are not warmed here: the vision tower's kernels compile when the
 runner captures its CUDA graphs (``model/encoder_graphs.py``, at engine start); under ``enforce_eager``
 the first image compiles them.
