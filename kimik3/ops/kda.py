@@ -43,6 +43,13 @@ class LowRank:
 # Kimi-Linear slice 0.582 / 0.607 at batch 1, 0.852 / 0.863 at 8, 1.200 / 1.209 at 32, 2.054 / 2.027 at 128; K3
 # slice 2.491 / 2.513, 3.357 / 3.373, 4.287 / 4.258, 7.555 / 7.434.
 DECODE_LOW_RANK_MAX_SEQS = 16
+# A CUDA decode step of at most this many sequences applies the layer's gated output norm inside its kernel (one
+# launch fewer, but a program then holds a head's whole [V, K] state: 8 warps over 64 KB where the unfused kernel
+# runs 4 warps over 16 KB); larger ones run the step unfused and the norm as its own launch. Measured apart (not in
+# one run): the unfused kernel alone at 96 heads, batch 128, 452 us (H200, bench_decode_ops.py), the fused one
+# about 580 us a layer in the K3 slice's batch-128 profile (092fe21). Unset (every batch fused) until
+# ``bench_slice.py --fused-norm-ab`` decides it in one run.
+DECODE_FUSED_NORM_MAX_SEQS = 1 << 30
 
 
 def dense(t: torch.Tensor | LowRank, heads: int) -> torch.Tensor:
@@ -238,8 +245,8 @@ def kda_attention_in_pool(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, f: 
     states. ``decode``: every sequence has one token and a state (then CUDA updates the pool rows in
     place with our one-kernel step, ``triton/kda.py``: no gather/scatter; a ``LowRank`` f or output gate is
     computed inside it up to ``DECODE_LOW_RANK_MAX_SEQS`` sequences). Returns o [T, H, V], or ``out_norm(o)`` (in its dtype) when given: on the CUDA
-    decode step inside the same kernel, from o rounded to the layer's dtype as every other path hands it
-    to the norm.
+    decode step (up to ``DECODE_FUSED_NORM_MAX_SEQS`` sequences) inside the same kernel, from o rounded to the
+    layer's dtype as every other path hands it to the norm.
     """
     if use_fast_path(q) and decode:
         from kimik3.ops.triton.kda import kda_decode_triton, low_rank_fits
@@ -248,6 +255,9 @@ def kda_attention_in_pool(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, f: 
             if isinstance(t, LowRank) and q.shape[0] <= DECODE_LOW_RANK_MAX_SEQS and low_rank_fits(t.a.shape[-1]):
                 return t.a, t.w
             return dense(t, q.shape[1])
+        if out_norm is not None and q.shape[0] > DECODE_FUSED_NORM_MAX_SEQS:
+            o = kda_decode_triton(q, k, v, operand(f), b, A_log, dt_bias, lower_bound, state_pool, slots)
+            return out_norm(o)
         norm = None if out_norm is None else (out_norm.weight, operand(out_norm.gate), out_norm.eps, out_norm.dtype)
         return kda_decode_triton(q, k, v, operand(f), b, A_log, dt_bias, lower_bound, state_pool, slots, norm=norm)
     f = dense(f, q.shape[1])
