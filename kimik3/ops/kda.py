@@ -45,9 +45,11 @@ class LowRank:
 DECODE_LOW_RANK_MAX_SEQS = 16
 # A CUDA decode step of at most this many sequences applies the layer's gated output norm inside its kernel (one
 # launch fewer, but a program then holds a head's whole [V, K] state: 8 warps over 64 KB where the unfused kernel
-# runs 4 warps over 16 KB); larger ones run the step unfused and the norm as its own launch. Measured apart (not in
-# one run): the unfused kernel alone at 96 heads, batch 128, 452 us (H200, bench_decode_ops.py), the fused one
-# about 580 us a layer in the K3 slice's batch-128 profile (092fe21). Unset (every batch fused) until
+# runs 4 warps over 16 KB); larger ones run the step unfused and the norm as its own launch. Triton 3.6's Hopper
+# compile gives the fused program about 168 registers a thread (one program an SM: its load, update and store
+# phases do not overlap another's) and the unfused one about 93 (five an SM). Measured apart (not in one run): the
+# unfused kernel alone at 96 heads, batch 128, 452 us (H200, bench_decode_ops.py), the fused one about 580 us a
+# layer in the K3 slice's batch-128 profile (092fe21). Unset (every batch fused) until
 # ``bench_slice.py --fused-norm-ab`` decides it in one run.
 DECODE_FUSED_NORM_MAX_SEQS = 1 << 30
 
