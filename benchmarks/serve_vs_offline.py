@@ -213,13 +213,16 @@ def main() -> None:
         sampler.start()
     engine_thread = next(t for t in threading.enumerate() if t.name == "kimik3-engine")
     clocks = {"engine thread": engine_thread.ident, "event loop": thread.ident}
+
+    def sample():          # (wall s, engine steps, CPU s of each thread in clocks) so far
+        return time.perf_counter(), engine.runner.num_steps, {k: thread_cpu(v) for k, v in clocks.items()}
     passes, stacks, cpu = [], [], []
-    before = (time.perf_counter(), engine.runner.num_steps, {k: thread_cpu(v) for k, v in clocks.items()})
+    before = sample()
     for i in range(args.passes):
         phase[0] = f"pass {i + 1}"
         passes.append(out.get())
         stacks.append(sampler.take() if sampler is not None else None)
-        now = (time.perf_counter(), engine.runner.num_steps, {k: thread_cpu(v) for k, v in clocks.items()})
+        now = sample()
         cpu.append((now[0] - before[0], now[1] - before[1], {k: now[2][k] - before[2][k] for k in clocks}))
         before = now
     if sampler is not None:

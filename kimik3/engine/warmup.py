@@ -61,9 +61,9 @@ def step_groups(budget: int, longest: int, max_seqs: int) -> list[list[int]]:
     groups = [_even(n, longest) for n in warmup_lengths(limit)]
     tail = min(16, longest // 2)
     context = min(longest - tail, budget)
-    fill = budget - context
-    if tail and fill >= 0 and (fill == 0 or -(-fill // longest) + 1 <= max_seqs):
-        groups.append((_even(fill, longest) if fill else []) + [context + tail])
+    fillers = _even(budget - context, longest) if budget > context else []
+    if tail and len(fillers) < max_seqs:
+        groups.append(fillers + [context + tail])
     return groups
 
 

@@ -257,11 +257,10 @@ def kda_attention_in_pool(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, f: 
             if isinstance(t, LowRank) and q.shape[0] <= DECODE_LOW_RANK_MAX_SEQS and low_rank_fits(t.a.shape[-1]):
                 return t.a, t.w
             return dense(t, q.shape[1])
-        if out_norm is not None and q.shape[0] > DECODE_FUSED_NORM_MAX_SEQS:
-            o = kda_decode_triton(q, k, v, operand(f), b, A_log, dt_bias, lower_bound, state_pool, slots)
-            return out_norm(o)
-        norm = None if out_norm is None else (out_norm.weight, operand(out_norm.gate), out_norm.eps, out_norm.dtype)
-        return kda_decode_triton(q, k, v, operand(f), b, A_log, dt_bias, lower_bound, state_pool, slots, norm=norm)
+        fused = out_norm is not None and q.shape[0] <= DECODE_FUSED_NORM_MAX_SEQS
+        norm = (out_norm.weight, operand(out_norm.gate), out_norm.eps, out_norm.dtype) if fused else None
+        o = kda_decode_triton(q, k, v, operand(f), b, A_log, dt_bias, lower_bound, state_pool, slots, norm=norm)
+        return out_norm(o) if out_norm is not None and not fused else o
     f = dense(f, q.shape[1])
     state0 = state_pool[slots] if has_state is None else state_pool[slots].masked_fill(~has_state.view(-1, 1, 1, 1), 0)
     if use_fast_path(q):
