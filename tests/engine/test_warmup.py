@@ -52,7 +52,7 @@ def test_step_groups_fill_each_step_size_with_prompts_the_model_admits():
     assert all(max(g) - min(g) <= 1 and max(g) <= 6 and len(g) == -(-sum(g) // 6) for g in groups[:-1])
     assert groups[-1] == [5, 5, 4, 6]             # 14 + 3 = 17 tokens in one step, the last prompt's other 3 next
     assert [sum(g) for g in step_groups(100, 6, 2)] == warmup_lengths(12)     # two prompts fill 12 at most: no tail
-    fillers, last = step_groups(8192, 398, 64)[-1][:-1], step_groups(8192, 398, 64)[-1][-1]
+    *fillers, last = step_groups(8192, 398, 64)[-1]
     assert max(fillers) <= 398 and last == 398 and sum(fillers) + last - 16 == 8192
 
 
