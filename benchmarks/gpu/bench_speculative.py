@@ -7,7 +7,8 @@ hidden state, and the LM-head row of token ``next[x]`` is set to the embedding o
 greedy token after ``x`` is ``next[x]`` by a wide margin (every layer still runs its random weights,
 so a step costs what it always does). The real n-gram proposer and verifier then see three
 workloads, each one request of ``--output`` greedy tokens, plain and with ``num_speculative_tokens``
-3, timed as output tokens per second of the decode steps:
+3, timed as output tokens per second of the decode steps (each engine warmed by one pass, then
+``--repeats`` timed passes, plain and speculative alternating; the speed-up is the median ratio):
 - ``no_drafts``: a random prompt whose tokens have no ``next``: the continuation (random LM-head
   rows) seldom repeats an n-gram, so few drafts are proposed (the proposer's cost);
 - ``rejected``: triples ``c_i c_(i+1) w_i`` with ``next[c_i] = c_(i+1)``, ending in ``c_0``: each
@@ -47,35 +48,37 @@ from kimik3.engine import EngineConfig, LLMEngine, SamplingParams  # noqa: E402
 EMBED_SCALE = 64.0      # the embedding's share of the final hidden state (layer outputs are O(1) per element)
 
 
-def run(model, prompt: list[int], output: int, speculative: bool, eager: bool, profile: bool = False,
-        async_scheduling: bool = False) -> dict:
-    """One request through a fresh engine: its tokens and decode tokens/s (after the first token);
-    ``profile``: the host's cProfile of the timed pass, top functions by own time, logged."""
+def make_engine(model, prompt: list[int], output: int, speculative: bool, eager: bool,
+                async_scheduling: bool) -> LLMEngine:
     cfg = EngineConfig(max_num_seqs=1, max_num_batched_tokens=2048, max_model_len=len(prompt) + output + 16,
                        block_size=16, enable_prefix_caching=False, cache_memory_bytes=2 << 30,
                        enforce_eager=eager, num_speculative_tokens=3 if speculative else 0,
                        async_scheduling=async_scheduling)
-    engine = LLMEngine(model, cfg)
-    for warm in range(2):                        # the first pass compiles and captures what it meets
-        s0 = engine.stats()
-        engine.add_request(f"r{warm}", {"prompt_token_ids": prompt},
-                           SamplingParams(temperature=0, max_tokens=output, ignore_eos=True))
-        tokens, t_first, steps = [], None, 0
-        prof = cProfile.Profile() if profile and warm else None
-        if prof:
-            prof.enable()
-        while engine.has_unfinished_requests():
-            for d in engine.step():
-                tokens.extend(d.outputs[0].token_ids)
-            if t_first is None and tokens:
-                t_first, n_first = time.perf_counter(), len(tokens)
-            steps += 1
-        seconds = time.perf_counter() - t_first
-        if prof:
-            prof.disable()
-            text = io.StringIO()
-            pstats.Stats(prof, stream=text).sort_stats("tottime").print_stats(20)
-            log(text.getvalue())
+    return LLMEngine(model, cfg)
+
+
+def run(engine: LLMEngine, prompt: list[int], output: int, profile: bool = False) -> dict:
+    """One request through ``engine``: its tokens and decode tokens/s (after the first token);
+    ``profile``: the host's cProfile of the pass, top functions by own time, logged."""
+    s0 = engine.stats()
+    engine.add_request(f"r{time.perf_counter_ns()}", {"prompt_token_ids": prompt},
+                       SamplingParams(temperature=0, max_tokens=output, ignore_eos=True))
+    tokens, t_first, steps = [], None, 0
+    prof = cProfile.Profile() if profile else None
+    if prof:
+        prof.enable()
+    while engine.has_unfinished_requests():
+        for d in engine.step():
+            tokens.extend(d.outputs[0].token_ids)
+        if t_first is None and tokens:
+            t_first, n_first = time.perf_counter(), len(tokens)
+        steps += 1
+    seconds = time.perf_counter() - t_first
+    if prof:
+        prof.disable()
+        text = io.StringIO()
+        pstats.Stats(prof, stream=text).sort_stats("tottime").print_stats(20)
+        log(text.getvalue())
     s = engine.stats()
     return {"tokens": tokens, "decode_tok_s": (len(tokens) - n_first) / seconds, "steps": steps,
             "draft_tokens": s.num_draft_tokens - s0.num_draft_tokens,
@@ -113,7 +116,9 @@ def main() -> None:
     ap.add_argument("--cpu", action="store_true", help="the embedded tiny model on the CPU (a smoke run)")
     ap.add_argument("--prompt", type=int, default=512)
     ap.add_argument("--output", type=int, default=128)
-    ap.add_argument("--profile", action="store_true", help="log the host profile of each speculative run")
+    ap.add_argument("--repeats", type=int, default=5,
+                    help="timed passes of each engine, plain and speculative alternating (after one warm pass each)")
+    ap.add_argument("--profile", action="store_true", help="log the host profile of the first timed speculative pass")
     ap.add_argument("--async-scheduling", action="store_true",
                     help="both runs with async scheduling (speculative steps that may draft wait for the last token)")
     args = ap.parse_args()
@@ -128,24 +133,38 @@ def main() -> None:
     make_copying(model, successor)
     rows = []
     for wname, prompt in prompts.items():
-        plain = run(model, prompt, args.output, False, eager, async_scheduling=args.async_scheduling)
-        spec = run(model, prompt, args.output, True, eager, args.profile, args.async_scheduling)
-        rows.append({"workload": wname, "plain_tok_s": plain["decode_tok_s"], "spec_tok_s": spec["decode_tok_s"],
-                     "speedup": spec["decode_tok_s"] / plain["decode_tok_s"], "plain_steps": plain["steps"],
-                     "spec_steps": spec["steps"], "draft_tokens": spec["draft_tokens"],
-                     "accepted_tokens": spec["accepted_tokens"], "same_tokens": spec["tokens"] == plain["tokens"],
+        engines = {spec: make_engine(model, prompt, args.output, spec, eager, args.async_scheduling)
+                   for spec in (False, True)}
+        for engine in engines.values():
+            run(engine, prompt, args.output)            # the first pass compiles and captures what it meets
+        passes = {False: [], True: []}
+        for i in range(args.repeats):                   # alternating, so drifts of the machine hit both alike
+            for spec, engine in engines.items():
+                passes[spec].append(run(engine, prompt, args.output, args.profile and spec and i == 0))
+        plain, spec = passes[False], passes[True]
+        ratios = sorted(s["decode_tok_s"] / p["decode_tok_s"] for p, s in zip(plain, spec))
+        med = lambda xs: sorted(xs)[len(xs) // 2]       # noqa: E731
+        rows.append({"workload": wname, "plain_tok_s": med([p["decode_tok_s"] for p in plain]),
+                     "spec_tok_s": med([s["decode_tok_s"] for s in spec]),
+                     "speedup": med(ratios), "speedup_min": ratios[0], "speedup_max": ratios[-1],
+                     "plain_steps": plain[0]["steps"], "spec_steps": spec[0]["steps"],
+                     "draft_tokens": spec[0]["draft_tokens"], "accepted_tokens": spec[0]["accepted_tokens"],
+                     "same_tokens": all(r["tokens"] == plain[0]["tokens"] for r in plain + spec),
                      "follows_successor": sum(successor.get(a) == b for a, b in
-                                              zip([prompt[-1]] + plain["tokens"], plain["tokens"]))})
+                                              zip([prompt[-1]] + plain[0]["tokens"], plain[0]["tokens"]))})
         log(f"{wname}: {rows[-1]}")
+        del engines
     print(f"# n-gram speculation (3 drafts) vs plain decoding, batch 1, {args.prompt}-token prompt, {args.output} "
           f"output tokens, model {name} made to copy, graphs {'off' if eager else 'on'}, async scheduling "
           f"{args.async_scheduling}, commit {commit_id()}, "
           f"{datetime.date.today()}")
-    print("| workload | plain tok/s | speculative tok/s | speedup | steps plain / spec | drafts accepted / proposed "
-          "| same tokens | tokens = successor |")
+    print(f"# medians of {args.repeats} alternating passes; speed-up: the median of the passes' ratios (min / max)")
+    print("| workload | plain tok/s | speculative tok/s | speedup (min / max) | steps plain / spec "
+          "| drafts accepted / proposed | same tokens | tokens = successor |")
     print("|---|---|---|---|---|---|---|---|")
     for r in rows:
-        print(f"| {r['workload']} | {r['plain_tok_s']:.0f} | {r['spec_tok_s']:.0f} | {r['speedup']:.2f} | "
+        print(f"| {r['workload']} | {r['plain_tok_s']:.0f} | {r['spec_tok_s']:.0f} | {r['speedup']:.3f} "
+              f"({r['speedup_min']:.3f} / {r['speedup_max']:.3f}) | "
               f"{r['plain_steps']} / {r['spec_steps']} | {r['accepted_tokens']} / {r['draft_tokens']} | "
               f"{r['same_tokens']} | {r['follows_successor']} / {args.output} |")
     save_results("bench_speculative" + "_async" * args.async_scheduling,
