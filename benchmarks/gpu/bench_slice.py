@@ -374,8 +374,8 @@ def bench_model(bw, mm):
         if "--no-ref" not in sys.argv:
             with reference_ops(), swapped_experts(model, twins):
                 t_ref = cuda_time(fast, warmup=1, iters=3)
-        if N == 1 and "--profile" in sys.argv:
-            profile("decode b1", fast)
+        if "--profile" in sys.argv:
+            profile(f"decode b{N}", fast, row_limit=24)
         active = touched_experts(fast)
         byts, flops = counts(model, N, 0, "decode", active)
         floor = max(byts / bw, flops / mm)

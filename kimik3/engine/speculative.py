@@ -224,7 +224,8 @@ def settle_drafts(kv, chunk, m: int) -> None:
     # one; the scheduler caps it at ``num_speculative_tokens``): each row of a verify step costs (on MoE
     # models a row touches its own top-k experts: a (1, 4)-row verify graph of the K3 slice reads up to four
     # tokens' experts), so drafts that fail at the same place stop paying for the rows after it, and a
-    # request back from a pause probes with one draft.
+    # request back from a pause probes with one draft, as a new request does (``Request.draft_limit`` starts
+    # at 1: a request whose drafts are all wrong pays one extra row a verify step from the first one on).
     req.draft_limit = m + 1 if m < len(chunk.draft) else max(req.draft_limit, m + 1)
     slots = chunk.spec_slots
     if m < len(chunk.draft):

@@ -49,9 +49,10 @@ DECODE_LOW_RANK_MAX_SEQS = 16
 # compile gives the fused program about 168 registers a thread (one program an SM: its load, update and store
 # phases do not overlap another's) and the unfused one about 93 (five an SM). Measured apart (not in one run): the
 # unfused kernel alone at 96 heads, batch 128, 452 us (H200, bench_decode_ops.py), the fused one about 580 us a
-# layer in the K3 slice's batch-128 profile (092fe21). Unset (every batch fused) until
-# ``bench_slice.py --fused-norm-ab`` decides it in one run.
-DECODE_FUSED_NORM_MAX_SEQS = 1 << 30
+# layer in the K3 slice's batch-128 profile (092fe21). In one run (``bench_slice.py --fused-norm-ab``, K3 slice,
+# H100, b3f5786, graph ms fused / unfused): 3.213 / 3.219 at batch 1, 4.259 / 4.254 at 8, 5.110 / 5.097 at 32,
+# 8.435 / 8.322 at 128: fused while small, unfused from 32 on.
+DECODE_FUSED_NORM_MAX_SEQS = 16
 
 
 def dense(t: torch.Tensor | LowRank, heads: int) -> torch.Tensor:
