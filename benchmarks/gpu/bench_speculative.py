@@ -137,12 +137,17 @@ def main() -> None:
     log(f"two engines built in {time.perf_counter() - t0:.1f} s")
     rows = []
     for wname, prompt in prompts.items():
-        for engine in engines.values():
+        for spec, engine in engines.items():
+            t0 = time.perf_counter()
             run(engine, prompt, args.output)            # the first pass compiles and captures what it meets
+            log(f"{wname} {'speculative' if spec else 'plain'} warm pass: {time.perf_counter() - t0:.1f} s")
         passes = {False: [], True: []}
         for i in range(args.repeats):                   # alternating, so drifts of the machine hit both alike
             for spec, engine in engines.items():
                 passes[spec].append(run(engine, prompt, args.output, args.profile and spec and i == 0))
+                r = passes[spec][-1]
+                log(f"{wname} {'speculative' if spec else 'plain'} pass {i}: {r['decode_tok_s']:.0f} tok/s, "
+                    f"{r['steps']} steps, {r['accepted_tokens']} / {r['draft_tokens']} drafts accepted")
         plain, spec = passes[False], passes[True]
         ratios = sorted(s["decode_tok_s"] / p["decode_tok_s"] for p, s in zip(plain, spec))
         med = lambda xs: sorted(xs)[len(xs) // 2]       # noqa: E731
