@@ -24,6 +24,7 @@ from __future__ import annotations
 import argparse
 import collections
 import datetime
+import gc
 import http.client
 import json
 import multiprocessing
@@ -128,6 +129,24 @@ class StackSampler:
         self._thread.join()
 
 
+class GcClock:
+    """Wall time spent in the interpreter's garbage collections (any thread) and the number of full ones."""
+
+    def __init__(self):
+        self.seconds, self.full, self._t0 = 0.0, 0, 0.0
+        gc.callbacks.append(self._callback)
+
+    def _callback(self, phase: str, info: dict) -> None:
+        if phase == "start":
+            self._t0 = time.perf_counter()
+        else:
+            self.seconds += time.perf_counter() - self._t0
+            self.full += info["generation"] == 2
+
+    def stop(self) -> None:
+        gc.callbacks.remove(self._callback)
+
+
 def thread_cpu(ident: int) -> float:
     """CPU seconds a thread of this process has used so far (Linux)."""
     return time.clock_gettime(time.pthread_getcpuclockid(ident))
@@ -214,8 +233,11 @@ def main() -> None:
     engine_thread = next(t for t in threading.enumerate() if t.name == "kimik3-engine")
     clocks = {"engine thread": engine_thread.ident, "event loop": thread.ident}
 
-    def sample():          # (wall s, engine steps, CPU s of each thread in clocks) so far
-        return time.perf_counter(), engine.runner.num_steps, {k: thread_cpu(v) for k, v in clocks.items()}
+    gc_clock = GcClock()
+
+    def sample():          # (wall s, engine steps, CPU s of each thread in clocks, GC (s, full collections)) so far
+        return (time.perf_counter(), engine.runner.num_steps, {k: thread_cpu(v) for k, v in clocks.items()},
+                (gc_clock.seconds, gc_clock.full))
     passes, stacks, cpu = [], [], []
     before = sample()
     for i in range(args.passes):
@@ -223,10 +245,12 @@ def main() -> None:
         passes.append(out.get())
         stacks.append(sampler.take() if sampler is not None else None)
         now = sample()
-        cpu.append((now[0] - before[0], now[1] - before[1], {k: now[2][k] - before[2][k] for k in clocks}))
+        cpu.append((now[0] - before[0], now[1] - before[1], {k: now[2][k] - before[2][k] for k in clocks},
+                    (now[3][0] - before[3][0], now[3][1] - before[3][1])))
         before = now
     if sampler is not None:
         sampler.stop()
+    gc_clock.stop()
     proc.join()
     server.should_exit = True
     thread.join(timeout=60)
@@ -256,12 +280,13 @@ def main() -> None:
               f"{p['ttft_p99_s']:.3f} | {p['ttft_max_s']:.3f} |")
     print("# where each pass's wall time went: engine steps, and the CPU time of the engine thread and of the event "
           "loop's thread (they share the GIL: their sum near the wall time means the host is the bound)")
-    print("| pass | steps | wall ms a step | engine thread CPU ms a step | event loop CPU ms a step | sum / wall |")
-    print("|---|---|---|---|---|---|")
-    for i, (wall, steps, used) in enumerate(cpu, 1):
+    print("| pass | steps | wall ms a step | engine thread CPU ms a step | event loop CPU ms a step | sum / wall "
+          "| garbage collection ms in the pass (full collections) |")
+    print("|---|---|---|---|---|---|---|")
+    for i, (wall, steps, used, (gc_s, gc_full)) in enumerate(cpu, 1):
         n = max(steps, 1)
         print(f"| {i} | {steps} | {wall / n * 1e3:.2f} | {used['engine thread'] / n * 1e3:.2f} | "
-              f"{used['event loop'] / n * 1e3:.2f} | {sum(used.values()) / wall:.2f} |")
+              f"{used['event loop'] / n * 1e3:.2f} | {sum(used.values()) / wall:.2f} | {gc_s * 1e3:.1f} ({gc_full}) |")
     for i, counts in enumerate(stacks, 1):
         if counts:
             total = sum(counts.values())

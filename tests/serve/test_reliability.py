@@ -155,3 +155,17 @@ def test_500_bodies_echo_no_internal_text():
             assert leak not in err["message"], err
     finally:
         s.stop()
+
+
+def test_startup_objects_are_frozen_while_serving():
+    """The objects alive when the app starts (engine, tokenizer, modules) sit out the collector's full passes
+    while it serves, and are handed back to it at shutdown."""
+    import gc
+    s = start_fake_server()
+    try:
+        assert gc.get_freeze_count() > 10_000
+        with s.client() as c:
+            assert c.completions.create(model=MODEL, prompt="hi", max_tokens=2).choices
+    finally:
+        s.stop()
+    assert gc.get_freeze_count() == 0
