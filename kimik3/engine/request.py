@@ -77,8 +77,7 @@ class Request:
     matcher: object | None = None                   # logit controls: the structured-output grammar (structured.Matcher)
     draft_misses: int = 0           # speculative: verify steps in a row that accepted no draft
     draft_pause: int = 0            # decode steps left before this request drafts again
-    draft_limit: int = 1            # speculative: most drafts its next step carries (settle_drafts: a new request
-                                    # probes with one, and each step that accepts all its drafts allows one more)
+    draft_limit: int = 1 << 30      # speculative: most drafts its next step carries (settle_drafts)
     token_bytes: bytearray = field(default_factory=bytearray)   # speculative: token_ids as int64 (token_bytes)
     # Image embeddings [N_i, D] by item, held (the runner's tensors) from the first chunk that needs an
     # item until its last pad is computed, so a request encodes or fetches each image once per prefill.

@@ -201,7 +201,8 @@ def _logprobs(chunks, spans, logits: torch.Tensor, result: SamplerOutput) -> Non
 # MAX_DRAFT_PAUSE (reset by any accepted draft). A failed verify event costs about 0.4 of a plain step (the
 # K3 slice at batch 1 on the H200, async: 6 of them took 2% of 128 steps at `092fe21`; its extra row's experts,
 # and the pipeline drained before and after it), so drafts that keep failing cost at most 1/128 of that per
-# token instead of all of it. Base 4 (not 2) makes the ramp's events 4 in the first 128 tokens instead of 6.
+# token instead of all of it. The drains dominate: on the H100 (3dfc08e, 256 tokens, five events of one draft
+# each) rejected drafts cost 1.0%, about half a step an event, as events carrying three drafts did. Base 4 (not 2) makes the ramp's events 4 in the first 128 tokens instead of 6.
 DRAFT_PAUSE_BASE = 4
 MAX_DRAFT_PAUSE = 128
 # Under async scheduling a request whose n-gram lookup found nothing skips this many decode steps' lookups:
@@ -224,8 +225,7 @@ def settle_drafts(kv, chunk, m: int) -> None:
     # one; the scheduler caps it at ``num_speculative_tokens``): each row of a verify step costs (on MoE
     # models a row touches its own top-k experts: a (1, 4)-row verify graph of the K3 slice reads up to four
     # tokens' experts), so drafts that fail at the same place stop paying for the rows after it, and a
-    # request back from a pause probes with one draft, as a new request does (``Request.draft_limit`` starts
-    # at 1: a request whose drafts are all wrong pays one extra row a verify step from the first one on).
+    # request back from a pause probes with one draft.
     req.draft_limit = m + 1 if m < len(chunk.draft) else max(req.draft_limit, m + 1)
     slots = chunk.spec_slots
     if m < len(chunk.draft):

@@ -123,7 +123,7 @@ def test_cycling_outputs_accept_drafts_and_save_steps():
 def test_drafts_that_keep_failing_pause_drafting(monkeypatch):
     """Drafts that are always wrong: after each verify step that accepts nothing the request stops
     drafting for 4, 16, 64, 128 decode steps, so 300 tokens carry 5 verify steps, not 300; drafts that
-    are right keep coming (1, 2, then 3 per step, 4 tokens a step). The tokens are plain greedy's either way."""
+    are right keep coming (3 per step, 4 tokens a step). The tokens are plain greedy's either way."""
     import kimik3.engine.scheduler as scheduler
     model = FakeModel()
     prompt = [3, 1, 4, 1, 5]
@@ -137,16 +137,16 @@ def test_drafts_that_keep_failing_pause_drafting(monkeypatch):
         results = run(engine, {"r": (prompt, SamplingParams(temperature=0, max_tokens=300, ignore_eos=True))})
         assert results["r"][0][0] == ref
         if shift:     # verify steps at decode steps 1, 6, 23, 88, 217 (each followed by a pause of 4, 16, 64, 128,
-            # 128), each probing with one draft (a new request's draft limit, speculative.settle_drafts')
-            assert engine.num_accepted_tokens == 0 and engine.num_draft_tokens == 5
+            # 128), the first with 3 drafts, the others probing with one (speculative.settle_drafts' draft limit)
+            assert engine.num_accepted_tokens == 0 and engine.num_draft_tokens == 3 + 4
         else:
             assert engine.num_accepted_tokens == engine.num_draft_tokens >= 3 * (300 // 4 - 1)
 
 
 @pytest.mark.parametrize("right,expected", [
-    (0, [1, 1, 2, 3, 3, 3]),     # a new request probes with one; a miss: a pause, then one draft, growing by one
-    (1, [1, 2, 2, 2, 2, 2]),     # the first draft right, the rest wrong: two drafts a step
-    (2, [1, 2, 3, 3, 3, 3]),     # two right: the third row still pays off
+    (0, [3, 1, 2, 3, 3, 3]),     # a miss: a pause, then one draft, growing by one with each step accepting all
+    (1, [3, 2, 2, 2, 2, 2]),     # the first draft right, the rest wrong: two drafts a step
+    (2, [3, 3, 3, 3, 3, 3]),     # two right: the third row still pays off
 ])
 def test_rejected_drafts_limit_the_next_drafts(monkeypatch, right, expected):
     """A verify step that accepted m of its drafts lets the next carry at most m + 1 (one more after a step
