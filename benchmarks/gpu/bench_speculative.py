@@ -129,6 +129,9 @@ def main() -> None:
         from benchmarks.gpu.bench_slice import CONFIG, build_slice
         model, name = build_slice(json.loads(CONFIG.read_text())), "K3-width 4-layer slice"
     eager = args.cpu
+    if args.output > (args.prompt - 1) // 3:
+        ap.error(f"--output {args.output} reaches past the rejected workload's cycle of {(args.prompt - 1) // 3 + 1} "
+                 f"tokens (the output would repeat itself and its drafts come right): take --prompt >= 3 x --output + 1")
     prompts, successor = workloads(model.config.text.vocab_size, args.prompt)
     make_copying(model, successor)
     longest = max(prompts.values(), key=len)
