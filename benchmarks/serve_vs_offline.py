@@ -235,9 +235,9 @@ def main() -> None:
 
     gc_clock = GcClock()
 
-    def sample():          # (wall s, engine steps, CPU s of each thread in clocks, GC (s, full collections)) so far
-        return (time.perf_counter(), engine.runner.num_steps, {k: thread_cpu(v) for k, v in clocks.items()},
-                (gc_clock.seconds, gc_clock.full))
+    def sample() -> dict:  # wall s, engine steps, CPU s of each thread in clocks, GC s and full collections, so far
+        return {"wall": time.perf_counter(), "steps": engine.runner.num_steps,
+                **{k: thread_cpu(v) for k, v in clocks.items()}, "gc": gc_clock.seconds, "gc full": gc_clock.full}
     passes, stacks, cpu = [], [], []
     before = sample()
     for i in range(args.passes):
@@ -245,8 +245,7 @@ def main() -> None:
         passes.append(out.get())
         stacks.append(sampler.take() if sampler is not None else None)
         now = sample()
-        cpu.append((now[0] - before[0], now[1] - before[1], {k: now[2][k] - before[2][k] for k in clocks},
-                    (now[3][0] - before[3][0], now[3][1] - before[3][1])))
+        cpu.append({k: now[k] - before[k] for k in now})
         before = now
     if sampler is not None:
         sampler.stop()
@@ -283,10 +282,11 @@ def main() -> None:
     print("| pass | steps | wall ms a step | engine thread CPU ms a step | event loop CPU ms a step | sum / wall "
           "| garbage collection ms in the pass (full collections) |")
     print("|---|---|---|---|---|---|---|")
-    for i, (wall, steps, used, (gc_s, gc_full)) in enumerate(cpu, 1):
-        n = max(steps, 1)
-        print(f"| {i} | {steps} | {wall / n * 1e3:.2f} | {used['engine thread'] / n * 1e3:.2f} | "
-              f"{used['event loop'] / n * 1e3:.2f} | {sum(used.values()) / wall:.2f} | {gc_s * 1e3:.1f} ({gc_full}) |")
+    for i, d in enumerate(cpu, 1):
+        n = max(d["steps"], 1)
+        print(f"| {i} | {d['steps']} | {d['wall'] / n * 1e3:.2f} | {d['engine thread'] / n * 1e3:.2f} | "
+              f"{d['event loop'] / n * 1e3:.2f} | {sum(d[k] for k in clocks) / d['wall']:.2f} | "
+              f"{d['gc'] * 1e3:.1f} ({d['gc full']}) |")
     for i, counts in enumerate(stacks, 1):
         if counts:
             total = sum(counts.values())

@@ -33,6 +33,7 @@ import io
 import json
 import pstats
 import random
+import statistics
 import sys
 import time
 from pathlib import Path
@@ -129,6 +130,8 @@ def main() -> None:
         from benchmarks.gpu.bench_slice import CONFIG, build_slice
         model, name = build_slice(json.loads(CONFIG.read_text())), "K3-width 4-layer slice"
     eager = args.cpu
+    if args.repeats < 1:
+        ap.error(f"--repeats must be at least 1, got {args.repeats}")
     if args.output > (args.prompt - 1) // 3:
         ap.error(f"--output {args.output} reaches past the rejected workload's cycle of {(args.prompt - 1) // 3 + 1} "
                  f"tokens (the output would repeat itself and its drafts come right): take --prompt >= 3 x --output + 1")
@@ -152,11 +155,10 @@ def main() -> None:
                 log(f"{wname} {'speculative' if spec else 'plain'} pass {i}: {r['decode_tok_s']:.0f} tok/s, "
                     f"{r['steps']} steps, {r['accepted_tokens']} / {r['draft_tokens']} drafts accepted")
         plain, spec = passes[False], passes[True]
-        ratios = sorted(s["decode_tok_s"] / p["decode_tok_s"] for p, s in zip(plain, spec))
-        med = lambda xs: sorted(xs)[len(xs) // 2]       # noqa: E731
-        rows.append({"workload": wname, "plain_tok_s": med([p["decode_tok_s"] for p in plain]),
-                     "spec_tok_s": med([s["decode_tok_s"] for s in spec]),
-                     "speedup": med(ratios), "speedup_min": ratios[0], "speedup_max": ratios[-1],
+        ratios = [s["decode_tok_s"] / p["decode_tok_s"] for p, s in zip(plain, spec)]
+        rows.append({"workload": wname, "plain_tok_s": statistics.median(p["decode_tok_s"] for p in plain),
+                     "spec_tok_s": statistics.median(s["decode_tok_s"] for s in spec),
+                     "speedup": statistics.median(ratios), "speedup_min": min(ratios), "speedup_max": max(ratios),
                      "plain_steps": plain[0]["steps"], "spec_steps": spec[0]["steps"],
                      "draft_tokens": spec[0]["draft_tokens"], "accepted_tokens": spec[0]["accepted_tokens"],
                      "same_tokens": all(r["tokens"] == plain[0]["tokens"] for r in plain + spec),

@@ -202,7 +202,8 @@ def _logprobs(chunks, spans, logits: torch.Tensor, result: SamplerOutput) -> Non
 # K3 slice at batch 1 on the H200, async: 6 of them took 2% of 128 steps at `092fe21`; its extra row's experts,
 # and the pipeline drained before and after it), so drafts that keep failing cost at most 1/128 of that per
 # token instead of all of it. The drains dominate: on the H100 (3dfc08e, 256 tokens, five events of one draft
-# each) rejected drafts cost 1.0%, about half a step an event, as events carrying three drafts did. Base 4 (not 2) makes the ramp's events 4 in the first 128 tokens instead of 6.
+# each) rejected drafts cost 1.0%, about half a step an event, as events carrying three drafts did. Base 4 (not
+# 2) makes the ramp's events 4 in the first 128 tokens instead of 6.
 DRAFT_PAUSE_BASE = 4
 MAX_DRAFT_PAUSE = 128
 # Under async scheduling a request whose n-gram lookup found nothing skips this many decode steps' lookups:

@@ -51,7 +51,8 @@ DECODE_LOW_RANK_MAX_SEQS = 16
 # unfused kernel alone at 96 heads, batch 128, 452 us (H200, bench_decode_ops.py), the fused one about 580 us a
 # layer in the K3 slice's batch-128 profile (092fe21). In one run (``bench_slice.py --fused-norm-ab``, K3 slice,
 # H100, b3f5786, graph ms fused / unfused): 3.213 / 3.219 at batch 1, 4.259 / 4.254 at 8, 5.110 / 5.097 at 32,
-# 8.435 / 8.322 at 128: fused while small, unfused from 32 on.
+# 8.435 / 8.322 at 128; again at 841ba8e: 5.131 / 5.104 at 32, 8.398 / 8.276 at 128. Within 0.5% either way up
+# to 32, unfused 1.3-1.5% faster at 128.
 DECODE_FUSED_NORM_MAX_SEQS = 16
 
 
