@@ -64,7 +64,7 @@ def loop_body(sass: str) -> list[str]:
 
 def count(module, name: str, BM: int, BN: int, BKH: int, warps: int, stages: int) -> dict:
     common = dict(BM=BM, BN=BN, BKH=BKH, UPCAST=False, MXFP4=True, ASM=True, HIGH_SCALES=False, ONE_TOKEN=False,
-                  SWAP=False, PDL=False)
+                  PDL=False)
     if name == "gate_up":
         k = compile_kernel(module._gate_up_kernel, dict(common, TOP_K=16, ACT_SITU=True, CLIP_UP=True), warps, stages)
     else:

@@ -12,8 +12,6 @@ floor = bytes / measured copy rate.
     ... --tokens=32,128: only these decode sizes (with the tile sweep unless --decode-only)
     ... --prefill-only: 512-8192 tokens (128-2048 rows an expert), the fused kernels' default tiles against
         the dequantize + torch._grouped_mm path, each against the FLOPs at the measured matmul rate
-    ... --swap-sweep: per size the default tiles, the same with the operands swapped (weights x rows^T:
-        ``tiles["swap"]``) and swapped tiles over SWAP_CONFIGS (MXFP4 and Kimi-Linear's bf16 experts)
     ... --compare=OTHER_MOE_PY: beside each default-tile row, the kernels of another copy of
         ``kimik3/ops/triton/moe.py`` on the same weights, checked and timed the same way ("compared" rows)
 """
@@ -61,22 +59,6 @@ CONFIGS = [  # (BN1, BN2, BKH, warps, stages)
     (32, 64, 128, 4, 4), (64, 128, 128, 4, 3),
 ]
 
-# Swapped (weights on the left, block rows as wgmma's N): (BM, BN1, BN2, BKH, warps, stages); BN a multiple of 64
-SWAP_CONFIGS = {
-    "small": [(16, 64, 64, 64, 4, 3), (16, 64, 64, 128, 4, 3), (16, 128, 128, 64, 4, 3), (16, 128, 128, 64, 8, 3),
-              (16, 64, 128, 64, 4, 4), (16, 64, 64, 64, 4, 5)],
-    "mid": [(32, 64, 64, 64, 4, 3), (32, 64, 64, 128, 4, 3), (32, 128, 128, 64, 4, 3), (32, 128, 128, 64, 8, 3),
-            (32, 64, 128, 64, 4, 4), (64, 128, 128, 64, 8, 3), (64, 64, 64, 64, 4, 3), (16, 64, 64, 64, 4, 3)],
-    "large": [(64, 128, 128, 64, 8, 3), (128, 128, 128, 64, 8, 3), (128, 128, 128, 32, 8, 3), (64, 128, 128, 32, 4, 3)],
-}
-
-
-def swap_candidates(T: int, rows_per_expert: float, base: dict) -> list[dict]:
-    """The default tiles, them swapped, and the swapped sweep for this size (``--swap-sweep``)."""
-    group = "small" if rows_per_expert <= 16 else "mid" if rows_per_expert <= 64 else "large"
-    return [dict(base), dict(base, swap=True)] + [
-        dict(BM=bm, BN1=a, BN2=b, BKH=c, warps=w, stages=st, swap=True) for bm, a, b, c, w, st in SWAP_CONFIGS[group]]
-
 
 def check_and_time(fn, ref, label: str, rows: list, key: dict) -> tuple[float, float] | None:
     """(seconds of a CUDA-graph replay of ``fn``, its error against ``ref``), or None after logging and
@@ -106,19 +88,17 @@ def dense_kernels(bw):
         floor = torch.unique(ids).numel() * 3 * Ln * In * 2 / bw
         with reference_ops():
             ref = fused_moe(x, w1, w2, w3, weights, ids, "silu", 1.0, None, True)
-        base = _tiles(T * Kn / En)
-        cands = swap_candidates(T, T * Kn / En, base)[:4] if "--swap-sweep" in sys.argv else [base]
-        for cfg in cands:
-            timed = check_and_time(lambda: fused_moe_triton(x, w1, w2, w3, weights, ids, False, 1.0, None, tiles=cfg),
-                                   ref, f"dense T={T} {cfg}", rows, {"T": T, "cfg": cfg})
-            if timed is None:
-                continue
-            t, err = timed
-            rows.append({"T": T, "cfg": cfg, "ms": t * 1e3, "floor_ms": floor * 1e3, "over_floor": t / floor,
-                         "rel_err": err})
-            log(f"dense T={T:4d} {cfg} {t * 1e3:.3f} ms  x{t / floor:.2f}  err {err:.2e}")
-            results["dense_kernels"] = rows
-            save_results("bench_moe.json", results)
+        cfg = _tiles(T * Kn / En)
+        timed = check_and_time(lambda: fused_moe_triton(x, w1, w2, w3, weights, ids, False, 1.0, None, tiles=cfg),
+                               ref, f"dense T={T} {cfg}", rows, {"T": T, "cfg": cfg})
+        if timed is None:
+            continue
+        t, err = timed
+        rows.append({"T": T, "cfg": cfg, "ms": t * 1e3, "floor_ms": floor * 1e3, "over_floor": t / floor,
+                     "rel_err": err})
+        log(f"dense T={T:4d} {cfg} {t * 1e3:.3f} ms  x{t / floor:.2f}  err {err:.2e}")
+        results["dense_kernels"] = rows
+        save_results("bench_moe.json", results)
     return rows
 
 
@@ -167,8 +147,6 @@ def kernels(bw):
                       dict(BM=64, BN1=64, BN2=128, BKH=64, warps=4, stages=4)]
         if decode_only:
             cands = [dict(base)]
-        if "--swap-sweep" in sys.argv:
-            cands = swap_candidates(T, T * K / E, base)
         if compared is not None:
             cands += [dict(base, compared=True)]
         for cfg in cands:

@@ -67,19 +67,14 @@ def compile_moe(mxfp4, high_scales, dtype):
              "beta": "fp32", "linear_beta": "fp32", **{f"w{i}{k}": weight for i in (1, 2, 3) for k in "ps"}}
     sizes = {"I", "KH", "L", "stride_x", "stride_wp_e", "stride_wp_n", "stride_ws_e", "stride_ws_n", "stride_h",
              "stride_y"}
-    for divisible, one_token, swap in ((None, False, False), (sizes, False, False), (sizes, True, False),
-                                       (None, False, True), (sizes, False, True), (sizes, True, True)):
-        common = dict(BM=16, BKH=64, UPCAST=False, MXFP4=mxfp4, ASM=True, HIGH_SCALES=high_scales, ONE_TOKEN=one_token,
-                      SWAP=swap)
+    for divisible, one_token in ((None, False), (sizes, False), (sizes, True)):
+        common = dict(BM=16, BKH=64, UPCAST=False, MXFP4=mxfp4, ASM=True, HIGH_SCALES=high_scales, ONE_TOKEN=one_token)
         kernels = [compile_for_hopper(moe._gate_up_kernel, types, dict(common, BN=64, TOP_K=8, ACT_SITU=mxfp4,
                                                                        CLIP_UP=mxfp4), divisible=divisible),
                    compile_for_hopper(moe._down_kernel, types, dict(common, BN=128), num_warps=8, divisible=divisible)]
         ptx = [k.asm["ptx"] for k in kernels]
         if divisible:   # with the run time's alignment the K loops stream their tiles by cp.async
             assert all("cp.async.cg" in p or "cp.async.ca" in p for p in ptx)
-        if swap:        # weights on the left: 16-row blocks still run on wgmma (n = 16), the weights from registers
-            assert all("wgmma.mma_async.sync.aligned.m64n16k16" in p for p in ptx)
-            assert all("mma.sync" not in p for p in ptx)
     if mxfp4:
         compile_for_hopper(moe._dequant_kernel, {"packed": "*u8", "scale": "*u8", "out": "*bf16"},
                            dict(BN=32, BKH=64, ASM=True, HIGH_SCALES=high_scales))

@@ -625,31 +625,6 @@ def check_dense_experts(dtype, act, T, k, seed, E=24, L=64, I=32):
         assert rel_err(out[t], ref[t]) < 2e-2, t
 
 
-@pytest.mark.parametrize("swap", [False, True], ids=["rows_left", "weights_left"])
-@pytest.mark.parametrize("mxfp4", [False, True], ids=["dense", "mxfp4"])
-@pytest.mark.parametrize("BM", [16, 32])
-def test_moe_tile_orientations_match_float64(BM, mxfp4, swap):
-    """Both operand orders of the expert tiles (rows x weights^T, or weights x rows^T: ``tiles["swap"]``)
-    against float64 on a ragged routing, per token; blocks of 16 and 32 rows, a width past whole tiles."""
-    from kimik3.ops.triton.moe import fused_moe_triton
-    g = gen(40 + BM + mxfp4)
-    E, L, I, T, k = 12, 64, 160, 37, 4
-    if mxfp4:
-        (w1, d1), (w3, d3), (w2, d2) = (_packed_experts(E, n, m, g) for n, m in ((I, L), (I, L), (L, I)))
-    else:
-        w1, w3 = (torch.randn(E, I, L, generator=g).div(L ** 0.5).to(BF16) for _ in range(2))
-        w2 = torch.randn(E, L, I, generator=g).div(I ** 0.5).to(BF16)
-        d1, d2, d3 = w1, w2, w3
-    x = torch.randn(T, L, generator=g).to(BF16)
-    ids = ragged_ids(T, E, k, g)
-    weights = torch.rand(T, k, generator=g) * 2.4
-    tiles = dict(BM=BM, BN1=64, BN2=32, BKH=32, warps=4, stages=2, swap=swap)
-    out = fused_moe_triton(x, w1, w2, w3, weights, ids, True, 4.0, 25.0, tiles=tiles)
-    ref = moe_float64(x, d1, d2, d3, weights, ids, situ64)
-    for t in range(T):
-        assert rel_err(out[t], ref[t]) < 2e-2, t
-
-
 @pytest.mark.parametrize("act", ["silu", "situ"])
 def test_moe_dense_grouped_mm_path_matches_float64(act, monkeypatch):
     """At GROUPED_MM_ROWS_PER_EXPERT rows per expert and more, dense bf16 experts take torch._grouped_mm

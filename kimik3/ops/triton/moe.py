@@ -177,55 +177,12 @@ def _block(sorted_rows, num_rows, pid_m, pid_n, N, BM: tl.constexpr, BN: tl.cons
 
 
 @triton.jit
-def _zero_acc(BM: tl.constexpr, BN: tl.constexpr, SWAP: tl.constexpr):
-    """The fp32 accumulator: [BM rows, BN columns], or its transpose [BN, BM] when SWAP."""
-    if SWAP:
-        acc = tl.zeros([BN, BM], dtype=tl.float32)
-    else:
-        acc = tl.zeros([BM, BN], dtype=tl.float32)
-    return acc
-
-
-@triton.jit
-def _act_tile(src, row, stride, valid, kh, KH, BKH: tl.constexpr, SWAP: tl.constexpr):
-    """Activations of K positions 2 kh .. 2 (kh + BKH) of the rows ``row`` (int64 [BM], zero where not
-    ``valid``): [BM, 2 BKH], or its transpose [2 BKH, BM] when SWAP."""
-    kx = 2 * kh + tl.arange(0, 2 * BKH)
-    if SWAP:
-        a = tl.load(src + row[None, :] * stride + kx[:, None], mask=valid[None, :] & (kx < 2 * KH)[:, None], other=0.0)
-    else:
-        a = tl.load(src + row[:, None] * stride + kx[None, :], mask=valid[:, None] & (kx < 2 * KH)[None, :], other=0.0)
-    return a
-
-
-@triton.jit
-def _mma(a, w, acc, UPCAST: tl.constexpr, SWAP: tl.constexpr):
-    """acc + a w^T (a [BM, K], w [BN, K]); SWAP: acc^T + w a^T with a given as a^T [K, BM]. Swapped, the
-    weight tile (dequantized in registers) is the left operand, which Hopper's wgmma reads from registers,
-    and the rows of the block are its N dimension (16, 32 or 64: the tokens an expert has, not a 64-row
-    minimum, as the left operand's M of wgmma would be)."""
-    if SWAP:
-        acc = dot(w, a, acc, UPCAST)
-    else:
-        acc = dot(a, tl.trans(w), acc, UPCAST)
-    return acc
-
-
-@triton.jit
-def _rows_first(acc, SWAP: tl.constexpr):
-    """The accumulator as [BM rows, BN columns] for the epilogue."""
-    if SWAP:
-        acc = tl.trans(acc)
-    return acc
-
-
-@triton.jit
 def _gate_up_kernel(x, w1p, w1s, w3p, w3s, h, sorted_rows, block_expert, num_rows, I, KH,
                     stride_x, stride_wp_e, stride_wp_n, stride_ws_e, stride_ws_n, stride_h,
                     beta, linear_beta, TOP_K: tl.constexpr, ACT_SITU: tl.constexpr, CLIP_UP: tl.constexpr,
                     BM: tl.constexpr, BN: tl.constexpr, BKH: tl.constexpr, UPCAST: tl.constexpr,
                     MXFP4: tl.constexpr, ASM: tl.constexpr, HIGH_SCALES: tl.constexpr, ONE_TOKEN: tl.constexpr,
-                    SWAP: tl.constexpr, PDL: tl.constexpr):
+                    PDL: tl.constexpr):
     pdl_entry(PDL)
     pid_m, pid_n = tl.program_id(0), tl.program_id(1)
     e = tl.load(block_expert + pid_m).to(tl.int64)
@@ -233,24 +190,25 @@ def _gate_up_kernel(x, w1p, w1s, w3p, w3s, h, sorted_rows, block_expert, num_row
         return
     offs_m, rows, valid, n, mn = _block(sorted_rows, num_rows, pid_m, pid_n, I, BM, BN, ONE_TOKEN)
     tok = (rows // TOP_K).to(tl.int64)
+    kcol = tl.arange(0, 2 * BKH)
     col1 = w1p + e * stride_wp_e + n[:, None].to(tl.int64) * stride_wp_n
     col3 = w3p + e * stride_wp_e + n[:, None].to(tl.int64) * stride_wp_n
     scl1 = w1s + e * stride_ws_e + n[:, None].to(tl.int64) * stride_ws_n
     scl3 = w3s + e * stride_ws_e + n[:, None].to(tl.int64) * stride_ws_n
-    acc1 = _zero_acc(BM, BN, SWAP)
-    acc3 = _zero_acc(BM, BN, SWAP)
+    acc1 = tl.zeros([BM, BN], dtype=tl.float32)
+    acc3 = tl.zeros([BM, BN], dtype=tl.float32)
     G: tl.constexpr = BKH // 16
     sc1 = _next_scales(scl1, 0, KH, mn, G, MXFP4, tl.zeros([BN, G], tl.int32))
     sc3 = _next_scales(scl3, 0, KH, mn, G, MXFP4, tl.zeros([BN, G], tl.int32))
     for kh in range(0, KH, BKH):
         next1 = _next_scales(scl1, kh + BKH, KH, mn, G, MXFP4, sc1)
         next3 = _next_scales(scl3, kh + BKH, KH, mn, G, MXFP4, sc3)
-        a = _act_tile(x, tok, stride_x, valid, kh, KH, BKH, SWAP)
-        acc1 = _mma(a, _weight_tile(col1, sc1, kh, KH, mn, BN, BKH, MXFP4, ASM, HIGH_SCALES), acc1, UPCAST, SWAP)
-        acc3 = _mma(a, _weight_tile(col3, sc3, kh, KH, mn, BN, BKH, MXFP4, ASM, HIGH_SCALES), acc3, UPCAST, SWAP)
+        kx = 2 * kh + kcol
+        a = tl.load(x + tok[:, None] * stride_x + kx[None, :], mask=valid[:, None] & (kx < 2 * KH)[None, :],
+                    other=0.0)
+        acc1 = dot(a, tl.trans(_weight_tile(col1, sc1, kh, KH, mn, BN, BKH, MXFP4, ASM, HIGH_SCALES)), acc1, UPCAST)
+        acc3 = dot(a, tl.trans(_weight_tile(col3, sc3, kh, KH, mn, BN, BKH, MXFP4, ASM, HIGH_SCALES)), acc3, UPCAST)
         sc1, sc3 = next1, next3
-    acc1 = _rows_first(acc1, SWAP)
-    acc3 = _rows_first(acc3, SWAP)
     # the reference rounds both projections to the activation dtype before the activation
     g = acc1.to(h.dtype.element_ty).to(tl.float32)
     u = acc3.to(h.dtype.element_ty).to(tl.float32)
@@ -263,24 +221,25 @@ def _down_kernel(h, w2p, w2s, y, sorted_rows, block_expert, num_rows, L, KH,
                  stride_h, stride_wp_e, stride_wp_n, stride_ws_e, stride_ws_n, stride_y,
                  BM: tl.constexpr, BN: tl.constexpr, BKH: tl.constexpr, UPCAST: tl.constexpr,
                  MXFP4: tl.constexpr, ASM: tl.constexpr, HIGH_SCALES: tl.constexpr, ONE_TOKEN: tl.constexpr,
-                 SWAP: tl.constexpr, PDL: tl.constexpr):
+                 PDL: tl.constexpr):
     pdl_entry(PDL)
     pid_m, pid_n = tl.program_id(0), tl.program_id(1)
     e = tl.load(block_expert + pid_m).to(tl.int64)
     if e < 0:
         return
     offs_m, rows, valid, n, mn = _block(sorted_rows, num_rows, pid_m, pid_n, L, BM, BN, ONE_TOKEN)
+    kcol = tl.arange(0, 2 * BKH)
     col = w2p + e * stride_wp_e + n[:, None].to(tl.int64) * stride_wp_n
     scl = w2s + e * stride_ws_e + n[:, None].to(tl.int64) * stride_ws_n
-    acc = _zero_acc(BM, BN, SWAP)
+    acc = tl.zeros([BM, BN], dtype=tl.float32)
     G: tl.constexpr = BKH // 16
     sc = _next_scales(scl, 0, KH, mn, G, MXFP4, tl.zeros([BN, G], tl.int32))
     for kh in range(0, KH, BKH):
         following = _next_scales(scl, kh + BKH, KH, mn, G, MXFP4, sc)
-        a = _act_tile(h, offs_m.to(tl.int64), stride_h, offs_m >= 0, kh, KH, BKH, SWAP)    # h has every padded row
-        acc = _mma(a, _weight_tile(col, sc, kh, KH, mn, BN, BKH, MXFP4, ASM, HIGH_SCALES), acc, UPCAST, SWAP)
+        kx = 2 * kh + kcol
+        a = tl.load(h + offs_m[:, None].to(tl.int64) * stride_h + kx[None, :], mask=(kx < 2 * KH)[None, :], other=0.0)
+        acc = dot(a, tl.trans(_weight_tile(col, sc, kh, KH, mn, BN, BKH, MXFP4, ASM, HIGH_SCALES)), acc, UPCAST)
         sc = following
-    acc = _rows_first(acc, SWAP)
     tl.store(y + rows[:, None].to(tl.int64) * stride_y + n[None, :], acc.to(y.dtype.element_ty),
              mask=valid[:, None] & mn[None, :])
 
@@ -562,8 +521,7 @@ def fused_moe_triton(x: torch.Tensor, w1, w2, w3, weights: torch.Tensor, ids: to
         nb = block_expert.shape[0]
     h = torch.empty(nb * BM, I, dtype=x.dtype, device=x.device)
     common = dict(BM=BM, BKH=cfg["BKH"], UPCAST=INTERPRETING, MXFP4=packed, ASM=cfg.get("asm", not INTERPRETING),
-                  HIGH_SCALES=high_scales, ONE_TOKEN=one_token, SWAP=cfg.get("swap", False), num_warps=cfg["warps"],
-                  num_stages=cfg["stages"])
+                  HIGH_SCALES=high_scales, ONE_TOKEN=one_token, num_warps=cfg["warps"], num_stages=cfg["stages"])
     _gate_up_kernel[(nb, triton.cdiv(I, cfg["BN1"]))](
         x, w1p, w1s, w3p, w3s, h, sorted_rows, block_expert, R, I, L // 2,
         x.stride(0), w1p.stride(0), w1p.stride(1), w1s.stride(0), w1s.stride(1), h.stride(0),
