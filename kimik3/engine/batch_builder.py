@@ -41,6 +41,11 @@ def prompt_logprob_positions(c) -> range:
     return range(lo, min(c.start + c.num_tokens, req.num_prompt_tokens - 1))
 
 
+def chunk_state_slot(c) -> int:
+    """The KDA state slot chunk ``c`` reads and writes: its own (``ScheduledChunk.state_slot``) or its request's."""
+    return c.req.cache.state_slot if c.state_slot is None else c.state_slot
+
+
 class BatchBuilder:
     def __init__(self, block_size: int, device: torch.device, images: ImageEncoder):
         self.block_size = block_size
@@ -60,7 +65,7 @@ class BatchBuilder:
                 rows.extend(range(len(ids) - 1 - len(c.draft), len(ids)))
         batch = ForwardBatch.build(
             query_lens=[c.num_tokens for c in out.chunks], context_lens=[c.start for c in out.chunks],
-            state_slots=[c.req.cache.state_slot for c in out.chunks],
+            state_slots=[chunk_state_slot(c) for c in out.chunks],
             block_tables=[c.req.cache.block_ids for c in out.chunks],
             block_size=self.block_size, device=self.device, checkpoints=tuple(out.checkpoints))
         if any(c.req.mm is not None for c in out.chunks):
@@ -90,7 +95,7 @@ class BatchBuilder:
         chunks = out.chunks
         L = chunks[0].num_tokens
         first = [0 if c.input_pending else c.req.token_ids[c.start] for c in chunks]
-        slots = [c.req.cache.state_slot for c in chunks]
+        slots = [chunk_state_slot(c) for c in chunks]
         meta, tables = pack_decode_inputs(
             first if L == 1 else [[t, *c.draft] for t, c in zip(first, chunks)], [c.start for c in chunks], slots,
             [c.req.cache.block_ids for c in chunks], self.block_size, size,

@@ -21,11 +21,12 @@ from kimik3.engine.input_processor import InputProcessor
 from kimik3.engine.kv_cache import KVCacheManager
 from kimik3.engine.output import EngineStats, RequestGroup, RequestOutput, append_output, deltas
 from kimik3.engine.request import RequestStatus
+from kimik3.engine.sampler import PendingOutput, SamplerOutput
 from kimik3.engine.runner import ModelRunner
 from kimik3.engine.sampling_params import SamplingParams
 from kimik3.engine.scheduler import Scheduler
 from kimik3.engine.scheduler_output import ScheduledChunk
-from kimik3.engine.speculative import settle_drafts
+from kimik3.engine.speculative import row_spans, settle_drafts
 from kimik3.engine.transfer import on_device
 from kimik3.vision.preprocess import VisionInputs
 
@@ -144,8 +145,40 @@ class LLMEngine:
             self._in_flight = (out, self._guarded(out, lambda: self.runner.sample(out, self.runner.launch(out))))
             self.scheduler.update(out)      # the computed counts need no sampled token
             return self._deltas(touched)
+        after = self.scheduler.schedule_past_rejection(out) if self.config.async_scheduling else None
+        if after is not None:
+            self._verify_past_rejection(out, after, touched)
+            return self._deltas(touched)
         self._commit(out, self._guarded(out, lambda: self.runner.execute(out)), touched)
         return self._deltas(touched)
+
+    def _verify_past_rejection(self, verify, after, touched: dict[str, RequestGroup]) -> None:
+        """Launch a verify step, then at once ``after`` (``Scheduler.schedule_past_rejection``: the next step as
+        if every draft fails, fed the verify's first-row tokens on the device), then settle the drafts (the
+        rows' argmax was copied out before ``after`` was queued, so this waits for the verify alone). The
+        chunks of requests whose drafts were all rejected and that go on are kept (all of them: ``after``
+        stays in flight as an async step; some: their tokens are taken now); the others' rows are dropped
+        (their snapshot slot goes back to the pool, and the latent it wrote is the accepted draft's own)."""
+        logits = self._guarded(verify, lambda: self.runner.launch(verify))
+        greedy = logits.argmax(-1)
+        first = greedy[on_device([a for a, _ in row_spans(verify.chunks)], torch.int64, self.device)]
+        host = PendingOutput(greedy, [None] * greedy.shape[0])       # its copy queued before ``after``
+        logits_after = self._try(after, lambda: self.runner.launch(after, first))
+        pending = None if logits_after is None else self._try(after, lambda: self.runner.sample(after, logits_after))
+        greedy_rows = host.result().token_ids
+        self._commit(verify, self._guarded(verify, lambda: self.runner.sample(verify, logits, greedy_rows)), touched)
+        if pending is None:
+            return
+        keep = [i for i, (c, v) in enumerate(zip(after.chunks, verify.chunks))
+                if v.num_accepted == 0 and not c.req.is_finished]
+        if len(keep) == len(after.chunks):
+            self.scheduler.update(after)
+            self._in_flight = (after, pending)
+        elif keep:
+            result = pending.result()
+            after.chunks = [after.chunks[i] for i in keep]
+            self._commit(after, SamplerOutput([result.token_ids[i] for i in keep], [result.logprobs[i] for i in keep]),
+                         touched)
 
     def _guarded(self, out, run):
         """``run()``; if it raises, the step's reserved slots go back and a StepError names its requests."""

@@ -70,9 +70,10 @@ class ModelRunner:
         return logits[on_device(rows, torch.int64, self.device)] if rows else None
 
     @torch.inference_mode()
-    def sample(self, out, logits: torch.Tensor | None) -> SamplerOutput | PendingOutput:
+    def sample(self, out, logits: torch.Tensor | None, greedy: list[int] | None = None) -> SamplerOutput | PendingOutput:
         """One token per sampling chunk, in chunk order (after its accepted drafts, if it has any):
-        logit controls first (``logit_controls.py``), then the sampler or the draft verifier."""
+        logit controls first (``logit_controls.py``), then the sampler or the draft verifier (``greedy``:
+        the rows' argmax on the host, for a verify step of plain greedy chunks, ``speculative.verify``)."""
         t0 = time.perf_counter()
         chunks = [c for c in out.chunks if c.samples]
         raw = logits
@@ -82,7 +83,7 @@ class ModelRunner:
             if any(c.req.params.has_controls for c in chunks):
                 logits = controlled_logits(chunks, row_spans(chunks), logits)
             if any(c.draft for c in chunks):
-                result = verify(self.sampler, chunks, logits, raw)
+                result = verify(self.sampler, chunks, logits, raw, greedy)
             else:
                 result = self.sampler.sample_rows([c.req for c in chunks], logits, raw)
         self.host_seconds += time.perf_counter() - t0

@@ -16,6 +16,9 @@ Per step (budget = ``max_num_batched_tokens``):
    draft needs prev's token: under async a request whose lookup found nothing pauses for a few steps) or
    impossible whatever prev's token is (``speculative.may_propose_after``);
    a request that prev's token finishes is left out or dropped.
+6. Async scheduling with speculation: a verify step of requests whose last drafts all failed is followed at
+   once by the step that assumes they fail again (``schedule_past_rejection``), so the device does not wait
+   for the verify's tokens; the engine drops it for any request whose drafts were accepted.
 """
 
 from __future__ import annotations
@@ -26,6 +29,7 @@ from collections import deque
 from kimik3.engine.config import EngineConfig
 from kimik3.engine.kv_cache import KVCacheManager
 from kimik3.engine.request import Request, RequestStatus
+from kimik3.engine.sampler import is_plain_greedy
 from kimik3.engine.scheduler_output import ScheduledChunk, SchedulerOutput
 from kimik3.engine.speculative import EMPTY_DRAFT_PAUSE, can_speculate, may_propose_after, propose_ngram, token_bytes
 from kimik3.model.batch import StateCheckpoint
@@ -111,7 +115,31 @@ class Scheduler:
             out.chunks.append(ScheduledChunk(req, 1, start, input_pending=True))
         for req in (c.req for c in out.chunks if self._may_draft(c.req) and c.req.draft_pause):
             req.draft_pause -= 1                       # a decode step without drafts, as ``_draft`` counts them
+        for c in out.chunks:     # prev ran on a verify step's snapshot (``schedule_past_rejection``): copy it back
+            self.kv.take_rollback(c.req, out.state_copies)
         return out if out.chunks else None
+
+    def schedule_past_rejection(self, verify: SchedulerOutput) -> SchedulerOutput | None:
+        """Async scheduling with speculation (rule 6): the decode step after ``verify`` (a step with drafts)
+        launched before its drafts are settled, as if every draft is rejected: each request's next position,
+        its input the verify's first-row token (on the device), run on the verify's snapshot after that row
+        (``ScheduledChunk.state_slot``), so the live state and the other snapshots stay for any other outcome.
+        Only where rejection is expected and the step is what ``schedule`` would then decide: every running
+        request is in ``verify`` with drafts, its last verify accepted none (``draft_misses``), it samples plain
+        greedy without controls and the verify's token does not end it; no request waits; no prefix
+        checkpoint at the new position. Else None. The engine keeps the chunks whose drafts were all rejected."""
+        if self.waiting or len(verify.chunks) != len(self.running):
+            return None
+        out = SchedulerOutput()
+        for c in verify.chunks:
+            req, start = c.req, c.start + 1
+            p = req.params
+            if (not c.draft or not c.samples or not req.draft_misses or not is_plain_greedy(p) or p.has_controls
+                    or req.matcher is not None or req.num_output_tokens + 1 >= p.max_tokens
+                    or start + 1 >= self.config.max_model_len or self.kv.checkpoint_boundaries(start, start + 1)):
+                return None
+            out.chunks.append(ScheduledChunk(req, 1, start, input_pending=True, state_slot=c.spec_slots[0]))
+        return out
 
     def _may_draft(self, req: Request) -> bool:
         return bool(self.config.num_speculative_tokens) and can_speculate(req.params)

@@ -19,6 +19,8 @@ class ScheduledChunk:
     spec_slots: list[int] = field(default_factory=list)  # snapshot slot after row j + 1, per draft token j
     num_accepted: int = 0    # drafts the step accepted (set by the engine before ``Scheduler.update``)
     input_pending: bool = False   # async: the input token is the previous step's sample, not yet on the host
+    state_slot: int | None = None  # KDA state slot it runs on when not the request's live one (a step launched
+    #                                before its verify step's drafts are settled runs on the verify's first snapshot)
     samples: bool = field(init=False)   # reaches the request's last token (as scheduled): its last row samples
 
     def __post_init__(self) -> None:

@@ -107,14 +107,17 @@ def accept_greedy(draft: list[int], targets: list[int]) -> int:
     return m
 
 
-def verify(sampler: Sampler, chunks, logits: torch.Tensor, raw: torch.Tensor) -> SamplerOutput:
+def verify(sampler: Sampler, chunks, logits: torch.Tensor, raw: torch.Tensor,
+           greedy: list[int] | None = None) -> SamplerOutput:
     """The tokens of a step with speculative chunks: per chunk, its accepted drafts
     (``SamplerOutput.accepted``) and the token after them. A chunk brings one logits row per draft
     plus one (row j verifies draft j + 1); a chunk without drafts samples from its one row.
-    ``logits``: with the logit controls applied; ``raw``: without (for logprobs)."""
+    ``logits``: with the logit controls applied; ``raw``: without (for logprobs). ``greedy``: every
+    row's argmax already on the host (plain greedy chunks only; the engine copies them out before it
+    launches the next step, so reading them waits for this step alone)."""
     spans = row_spans(chunks)
     if all(is_plain_greedy(c.req.params) for c in chunks):
-        targets = logits.argmax(-1).tolist()                   # one device sync for every row
+        targets = logits.argmax(-1).tolist() if greedy is None else greedy    # one device sync for every row
         result = SamplerOutput([targets[b - 1] for _, b in spans], [None] * len(chunks))
     else:
         last = torch.tensor([b - 1 for _, b in spans], device=logits.device)

@@ -284,3 +284,56 @@ def test_async_scheduling_is_on_by_default_where_it_works(flags, device, expecte
     args = EngineArgs(**{k: v for k, v in vars(ns).items() if k in EngineArgs.__dataclass_fields__})
     assert args.resolve_async_scheduling(torch.device(device)) is expected
     assert args.engine_config(64, torch.device(device)).async_scheduling is expected
+
+
+@pytest.mark.parametrize("n", [1, 3], ids=["one_request", "three_requests"])
+def test_steps_launched_past_an_expected_rejection_keep_the_models_tokens(model, monkeypatch, n):
+    """A verify step of requests whose last drafts failed is followed at once by the step that assumes they
+    fail again (``Scheduler.schedule_past_rejection``). Drafts come from a proposer that knows each request's
+    continuation and corrupts it on a pattern: such steps meet
+    rejections (the step kept), accepted drafts (dropped) and, with three requests, both at once (partly
+    kept). Every token equals the model's own greedy decoding; every snapshot slot and block goes back."""
+    import kimik3.engine.scheduler as scheduler
+    from kimik3.engine import speculative
+    # one request: misses pause drafting (1, 2, 4 .. steps), so plain steps run ahead after a kept one, from its
+    # snapshot; three: no pauses, so the requests draft in step
+    monkeypatch.setattr(speculative, "DRAFT_PAUSE_BASE", 2 if n == 1 else 0)
+    monkeypatch.setattr(scheduler, "may_propose_after", lambda *a: True)
+    vocab = model.config.text.vocab_size
+    rng = random.Random(7)
+    reqs = {f"r{i}": ([rng.randrange(5, vocab) for _ in range(6 + i)],
+                      SamplingParams(temperature=0, max_tokens=30, ignore_eos=True)) for i in range(n)}
+    futures = {tuple(p): reference_greedy(model, p, 30) for p, _ in reqs.values()}
+    calls: dict[tuple[int, ...], int] = {}
+    # per lookup: W all wrong, R all right, M right for the second request only. The verify after a W runs
+    # past rejection: R after W is dropped, W after W kept, M after W partly kept
+    pattern = "WRWWWM"
+
+    def propose(token_ids, k, min_n, max_n, data=None):
+        prompt = next(p for p in futures if tuple(token_ids[:len(p)]) == p)
+        done = len(token_ids) - len(prompt)
+        i = calls[prompt] = calls.get(prompt, -1) + 1
+        draft = list(futures[prompt][done:done + k])
+        kind = pattern[i % len(pattern)]
+        if draft and not (kind == "R" or (kind == "M" and list(futures).index(prompt) == 1)):
+            draft[0] = (draft[0] + 1) % vocab
+        return draft
+    monkeypatch.setattr(scheduler, "propose_ngram", propose)
+    kw = dict(block_size=4, max_num_seqs=4, max_num_batched_tokens=64, max_model_len=48, extra_blocks=40,
+              num_speculative_tokens=2, async_scheduling=True, enable_prefix_caching=False)   # (no draft cut at a checkpoint)
+    engine = make_engine(model, **kw)
+    outcomes = []
+    verify_past = engine._verify_past_rejection
+
+    def record(verify, after, touched):
+        verify_past(verify, after, touched)
+        accepted = [c.num_accepted > 0 for c in verify.chunks]
+        outcomes.append("kept" if not any(accepted) else "dropped" if all(accepted) else "partly")
+        assert (engine._in_flight is not None) == (outcomes[-1] == "kept")
+    monkeypatch.setattr(engine, "_verify_past_rejection", record)
+    out = run(engine, reqs)
+    for rid, (p, params) in reqs.items():
+        assert out[rid][0][0] == futures[tuple(p)], rid
+    assert {"kept", "dropped"} | ({"partly"} if n > 1 else set()) <= set(outcomes), outcomes
+    assert not engine.has_unfinished_requests() and engine.kv.blocks.num_free == engine.plan.num_usable_blocks
+    assert len(engine.kv.free_spec_slots) == engine.plan.num_spec_slots
