@@ -8,8 +8,8 @@ pads gets those pads' embedding rows (``encoder_cache.ImageEncoder``).
 Decode steps and speculative verify steps whose chunks all carry the same number of drafts (``graph_size``
 says which) can replay a CUDA graph instead, their inputs packed padded to the graph's size
 (``cuda_graphs.pack_decode_inputs``, which copies each request's int32 ``BlockTable``).
-An async-scheduled chunk's input token (``input_pending``: still on the device) is a 0 here; the runner
-passes the device tokens in its place.
+An async-scheduled chunk's input token (``input_pending``: still on the device) is a 0 here (its drafts, if
+any, follow it); the runner puts the device tokens in its place.
 """
 
 from __future__ import annotations
@@ -29,6 +29,7 @@ class StepInputs:
     batch: ForwardBatch
     rows: list[int]             # packed rows that need logits: sampling rows, then prompt-scoring rows
     prompt_rows: list[tuple]    # (request, position) of each prompt-scoring row (the last rows of ``rows``)
+    pending_rows: list[int]     # packed rows of the ``input_pending`` chunks' first tokens, in chunk order
 
 
 def prompt_logprob_positions(c) -> range:
@@ -54,11 +55,13 @@ class BatchBuilder:
 
     def build(self, out) -> StepInputs:
         """The eager step's inputs."""
-        ids, rows, scored, scored_rows = [], [], [], []     # scored: (request, position) per prompt-scoring row
+        ids, rows, scored, scored_rows, pending = [], [], [], [], []  # scored: (request, position) per prompt-scoring row
         for c in out.chunks:
             for p in prompt_logprob_positions(c):
                 scored.append((c.req, p))
                 scored_rows.append(len(ids) + p - c.start)
+            if c.input_pending:
+                pending.append(len(ids))
             ids.extend([0] if c.input_pending else c.req.token_ids[c.start:c.start + c.num_tokens - len(c.draft)])
             ids.extend(c.draft)
             if c.samples:
@@ -70,7 +73,8 @@ class BatchBuilder:
             block_size=self.block_size, device=self.device, checkpoints=tuple(out.checkpoints))
         if any(c.req.mm is not None for c in out.chunks):
             batch.embed_rows, batch.embeds = self.images.rows(out.chunks)
-        return StepInputs(torch.tensor(ids, dtype=torch.int64, device=self.device), batch, rows + scored_rows, scored)
+        return StepInputs(torch.tensor(ids, dtype=torch.int64, device=self.device), batch, rows + scored_rows, scored,
+                          pending)
 
     @staticmethod
     def graph_size(out, graphs: DecodeGraphs | None) -> int | None:

@@ -152,14 +152,17 @@ class LLMEngine:
         self._commit(out, self._guarded(out, lambda: self.runner.execute(out)), touched)
         return self._deltas(touched)
 
-    def _verify_past_rejection(self, verify, after, touched: dict[str, RequestGroup]) -> None:
+    def _verify_past_rejection(self, verify, after, touched: dict[str, RequestGroup],
+                               logits: torch.Tensor | None = None) -> None:
         """Launch a verify step, then at once ``after`` (``Scheduler.schedule_past_rejection``: the next step as
         if every draft fails, fed the verify's first-row tokens on the device), then settle the drafts (the
         rows' argmax was copied out before ``after`` was queued, so this waits for the verify alone). The
         chunks of requests whose drafts were all rejected and that go on are kept (all of them: ``after``
         stays in flight as an async step; some: their tokens are taken now); the others' rows are dropped
-        (their snapshot slot goes back to the pool, and the latent it wrote is the accepted draft's own)."""
-        logits = self._guarded(verify, lambda: self.runner.launch(verify))
+        (their snapshot slot goes back to the pool, and the latent it wrote is the accepted draft's own).
+        ``logits``: the verify step's, when it was launched already (drafted ahead)."""
+        if logits is None:
+            logits = self._guarded(verify, lambda: self.runner.launch(verify))
         greedy = logits.argmax(-1)
         first = greedy[on_device([a for a, _ in row_spans(verify.chunks)], torch.int64, self.device)]
         host = PendingOutput(greedy, [None] * greedy.shape[0])       # its copy queued before ``after``
@@ -211,10 +214,22 @@ class LLMEngine:
             return
         keep = [i for i, c in enumerate(ahead.chunks) if not c.req.is_finished]   # prev's token ended the others
         if not keep:
+            self.kv.return_spec_slots(slot for c in ahead.chunks for slot in c.spec_slots)
             return
         if len(keep) < len(ahead.chunks):
+            spans = row_spans(ahead.chunks)
+            self.kv.return_spec_slots(slot for c in ahead.chunks if c.req.is_finished for slot in c.spec_slots)
             ahead.chunks = [ahead.chunks[i] for i in keep]
-            logits = logits[on_device(keep, torch.int64, self.device)]
+            logits = logits[on_device([r for i in keep for r in range(*spans[i])], torch.int64, self.device)]
+        if any(c.draft for c in ahead.chunks):          # drafted ahead (``Scheduler._draft_ahead``)
+            after = self.scheduler.schedule_past_rejection(ahead)
+            if after is not None:
+                self._verify_past_rejection(ahead, after, touched, logits)
+            else:
+                result = self._try(ahead, lambda: self.runner.sample(ahead, logits).result())
+                if result is not None:
+                    self._commit(ahead, result, touched)
+            return
         result = self._try(ahead, lambda: self.runner.sample(ahead, logits))
         if result is not None:
             self._in_flight = (ahead, result)

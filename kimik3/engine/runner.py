@@ -104,7 +104,10 @@ class ModelRunner:
         if size is None:
             step = self.batches.build(out)
             t1 = time.perf_counter()
-            logits = self.run(step.input_ids if input_ids is None else input_ids, step.batch, step.rows)
+            ids = step.input_ids
+            if input_ids is not None:       # the pending chunks' first rows (a drafting chunk has more rows)
+                ids = ids.index_copy(0, on_device(step.pending_rows, torch.int64, self.device), input_ids)
+            logits = self.run(ids, step.batch, step.rows)
             if step.prompt_rows:      # the prompt-scoring rows come last
                 n = len(step.prompt_rows)
                 record_prompt_logprobs(step.prompt_rows, logits[-n:])

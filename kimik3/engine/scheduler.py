@@ -12,9 +12,9 @@ Per step (budget = ``max_num_batched_tokens``):
    its snapshot back (``CacheHoldings.rollback_slot``); one whose drafts keep failing pauses drafting.
 5. Async scheduling: while a step's tokens are still on the device, the next decode step of the same requests
    is scheduled ahead (``schedule_ahead``) when nothing else could change it: no waiting request, no
-   preemption, no checkpoint to take, no drafts, and with speculation every request's drafting paused (a
-   draft needs prev's token: under async a request whose lookup found nothing pauses for a few steps) or
-   impossible whatever prev's token is (``speculative.may_propose_after``);
+   preemption, no checkpoint to take, prev without drafts. A request due to draft looks up the n-gram before
+   prev's token and drafts what followed its successor there (``_draft_ahead``); one with a grammar waits
+   for prev's token unless no draft can follow any token (``speculative.may_propose_after``);
    a request that prev's token finishes is left out or dropped.
 6. Async scheduling with speculation: a verify step of requests whose last drafts all failed is followed at
    once by the step that assumes they fail again (``schedule_past_rejection``), so the device does not wait
@@ -95,29 +95,59 @@ class Scheduler:
 
     def schedule_ahead(self, prev: SchedulerOutput) -> SchedulerOutput | None:
         """Async scheduling (rule 5): the decode step after ``prev`` while prev's tokens are still on
-        the device, or None when it could differ from what ``schedule`` will decide once they arrive."""
+        the device, or None when it could differ from what ``schedule`` will decide once they arrive.
+        A request due to draft drafts ahead (``_draft_ahead``): its chunk verifies prev's token and drafts."""
         if (self.waiting or len(prev.chunks) != len(self.running)
                 or len(prev.chunks) > self.config.max_num_batched_tokens
                 or any(not c.samples or c.draft or c.req.is_finished for c in prev.chunks)):
             return None
-        drafting = [c.req for c in prev.chunks if self._may_draft(c.req) and not c.req.draft_pause]
-        if any(may_propose_after(r.token_ids, self.config.speculative_ngram_min, token_bytes(r)) for r in drafting):
-            return None
-        for req in drafting:            # no draft can exist: as after a lookup that found nothing (``_draft``)
-            req.draft_pause = EMPTY_DRAFT_PAUSE + 1
-        out = SchedulerOutput()
+        budget = self.config.max_num_batched_tokens - len(prev.chunks)
+        planned = []
         for c in prev.chunks:
             req, start = c.req, c.req.num_computed_tokens
             if req.num_output_tokens + 1 >= req.params.max_tokens or start + 1 >= self.config.max_model_len:
                 continue                               # prev's token ends it
-            if self.kv.checkpoint_boundaries(start, start + 1) or not self.kv.allocate(req, 1):
-                return None                            # a checkpoint needs its block's hash; or preemption
-            out.chunks.append(ScheduledChunk(req, 1, start, input_pending=True))
+            if self.kv.checkpoint_boundaries(start, start + 1):
+                return None                            # a checkpoint needs its block's hash
+            draft = self._draft_ahead(req, budget) if self._may_draft(req) and not req.draft_pause else []
+            if draft is None or not self.kv.allocate(req, 1 + len(draft)):
+                return None                            # a draft needs prev's token; or preemption
+            budget -= len(draft)
+            planned.append((req, draft))
+        out = SchedulerOutput()
+        for req, draft in planned:
+            slots = self.kv.take_spec_slots(len(draft))
+            self._add_chunk(out, req, 1 + len(slots), draft[:len(slots)], slots, input_pending=True)
         for req in (c.req for c in out.chunks if self._may_draft(c.req) and c.req.draft_pause):
             req.draft_pause -= 1                       # a decode step without drafts, as ``_draft`` counts them
         for c in out.chunks:     # prev ran on a verify step's snapshot (``schedule_past_rejection``): copy it back
             self.kv.take_rollback(c.req, out.state_copies)
         return out if out.chunks else None
+
+    def _draft_ahead(self, req: Request, budget: int) -> list[int] | None:
+        """Drafts for the step after ``req``'s pending token t, before t reaches the host: the n-gram lookup on
+        the tokens before t proposes t's successor g and the tokens after it; the drafts are those after g
+        (verified against the real t's continuation, so a wrong g only costs their rows). Nothing found: a
+        pause, as after ``_draft``'s empty lookup. None (wait for t): a request whose grammar must accept the
+        drafts (its matcher has not seen t), unless no draft can follow any t (``may_propose_after``)."""
+        cfg = self.config
+        if req.matcher is not None:
+            if may_propose_after(req.token_ids, cfg.speculative_ngram_min, token_bytes(req)):
+                return None
+            req.draft_pause = EMPTY_DRAFT_PAUSE + 1
+            return []
+        start = req.num_computed_tokens                 # t's position; the drafts follow it
+        k = min(cfg.num_speculative_tokens, req.draft_limit, budget, req.params.max_tokens - req.num_output_tokens - 2,
+                cfg.max_model_len - req.num_tokens - 2)
+        boundary = self.kv.next_checkpoint(start + 1)
+        if boundary is not None:   # a checkpoint inside the drafts would need a hash of unconfirmed tokens
+            k = min(k, boundary - start - 2)
+        guess = propose_ngram(req.token_ids, k + 1, cfg.speculative_ngram_min, cfg.speculative_ngram_max,
+                              data=token_bytes(req), follow=2) if k >= 1 else []
+        if len(guess) < 2:
+            req.draft_pause = EMPTY_DRAFT_PAUSE + 1
+            return []
+        return guess[1:]
 
     def schedule_past_rejection(self, verify: SchedulerOutput) -> SchedulerOutput | None:
         """Async scheduling with speculation (rule 6): the decode step after ``verify`` (a step with drafts)
@@ -173,10 +203,10 @@ class Scheduler:
         return draft
 
     def _add_chunk(self, out: SchedulerOutput, req: Request, n: int, draft: list[int] | None = None,
-                   spec_slots: list[int] | None = None) -> None:
+                   spec_slots: list[int] | None = None, input_pending: bool = False) -> None:
         start = req.num_computed_tokens
         seq = len(out.chunks)
-        out.chunks.append(ScheduledChunk(req, n, start, draft or [], spec_slots or []))
+        out.chunks.append(ScheduledChunk(req, n, start, draft or [], spec_slots or [], input_pending=input_pending))
         for j in self.kv.checkpoint_boundaries(start, start + n):
             h = req.block_hashes[j - 1]
             slot = self.kv.take_checkpoint_slot(h)

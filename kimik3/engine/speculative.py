@@ -55,16 +55,17 @@ def _rfind_tokens(data: bytes, n: int, end: int) -> int:
         end = pos + len(suffix) - 1
 
 
-def propose_ngram(token_ids: list[int], k: int, min_n: int, max_n: int, data: bytes | None = None) -> list[int]:
+def propose_ngram(token_ids: list[int], k: int, min_n: int, max_n: int, data: bytes | None = None,
+                  follow: int = 1) -> list[int]:
     """Up to ``k`` tokens that followed the latest earlier occurrence of the longest suffix n-gram
-    (``max_n`` >= n >= ``min_n``) of ``token_ids``; [] when none recurs. ``data``: the same tokens
-    as int64 bytes (``token_bytes``), else converted here."""
-    if k < 1 or len(token_ids) < min_n + 1:
+    (``max_n`` >= n >= ``min_n``) of ``token_ids`` that ``follow`` tokens or more follow; [] when none
+    recurs. ``data``: the same tokens as int64 bytes (``token_bytes``), else converted here."""
+    if k < 1 or len(token_ids) < min_n + follow:
         return []
     data = array("q", token_ids).tobytes() if data is None else data
     width = array("q").itemsize
-    for n in range(min(max_n, len(token_ids) - 1), min_n - 1, -1):
-        pos = _rfind_tokens(data, n, len(data) - width)    # an occurrence must end before the last token
+    for n in range(min(max_n, len(token_ids) - follow), min_n - 1, -1):
+        pos = _rfind_tokens(data, n, len(data) - follow * width)    # it ends ``follow`` tokens before the end
         if pos >= 0:
             return token_ids[pos + n:pos + n + k]
     return []

@@ -123,7 +123,7 @@ def oracle_proposer(futures: dict[tuple[int, ...], list[int]], vocab: int):
     """A stand-in for ``propose_ngram`` whose drafts are a request's known continuation (``futures``:
     prompt -> its plain-decoding tokens), every other step with the second draft corrupted, so
     verify steps see accepted runs, bonus tokens and rejections."""
-    def propose(token_ids, k, min_n, max_n, data=None):
+    def propose(token_ids, k, min_n, max_n, data=None, follow=1):
         for prompt, tokens in futures.items():
             if tuple(token_ids[:len(prompt)]) == prompt:
                 done = len(token_ids) - len(prompt)

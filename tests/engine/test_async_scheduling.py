@@ -16,7 +16,7 @@ from kimik3.engine import SamplingParams
 from kimik3.engine.llm_engine import StepError
 from kimik3.engine.sampling_params import StructuredOutputsParams
 from tests.engine.fake_model import reference_greedy
-from tests.engine.helpers import count_calls, make_engine, run
+from tests.engine.helpers import count_calls, make_engine, oracle_proposer, run
 
 
 @pytest.fixture(scope="module", params=["kimi_k3", "kimi_linear"])
@@ -216,20 +216,23 @@ def test_a_failed_step_ahead_is_raised_after_the_step_before_it(model, monkeypat
         assert len(got[rid]) == at_failure[rid] + 1 and got[rid] == reference_greedy(model, p, len(got[rid])), rid
 
 
-def test_speculation_with_async_scheduling_gives_the_synchronous_tokens(model):
-    """n-gram speculation under async scheduling: drafts are proposed and verified in synchronous steps;
-    a request whose lookup found nothing (or whose drafts kept failing) pauses drafting, and while every
-    request's drafting is paused steps run ahead. Greedy (drafting) tokens equal the model's own decoding;
-    seeded requests with penalties (which never draft) in the same batches the synchronous engine's."""
+def test_speculation_with_async_scheduling_gives_the_synchronous_tokens(model, monkeypatch):
+    """n-gram speculation under async scheduling: drafts are verified in synchronous steps and in steps run
+    ahead; a request whose drafts keep failing pauses drafting. Drafts come from a proposer that knows the
+    greedy requests' continuations and corrupts every other one (``helpers.oracle_proposer``). Greedy
+    (drafting) tokens equal the model's own decoding; seeded requests with penalties (which never draft) in
+    the same batches the synchronous engine's."""
+    import kimik3.engine.scheduler as scheduler
     vocab = model.config.text.vocab_size
     rng = random.Random(5)
     reqs = {}
     for i in range(2):
-        base = [rng.randrange(5, vocab) for _ in range(6)]
-        p = base + reference_greedy(model, base, 8) + base         # repeats: the n-gram proposer drafts
+        p = [rng.randrange(5, vocab) for _ in range(6 + 8 * i)]
         reqs[f"g{i}"] = (p, SamplingParams(temperature=0, max_tokens=24, ignore_eos=True))
         reqs[f"s{i}"] = (p, SamplingParams(temperature=0.9, seed=i, presence_penalty=0.3, max_tokens=24,
                                            ignore_eos=True))     # penalties: no drafts, samples fixed by seed
+    futures = {tuple(p): reference_greedy(model, p, 24) for rid, (p, _) in reqs.items() if rid.startswith("g")}
+    monkeypatch.setattr(scheduler, "propose_ngram", oracle_proposer(futures, vocab))
     kw = dict(block_size=4, max_num_seqs=4, max_num_batched_tokens=64, max_model_len=48, extra_blocks=40,
               num_speculative_tokens=3, speculative_ngram_min=1, speculative_ngram_max=2)
     sync, asyn = make_engine(model, **kw), make_engine(model, async_scheduling=True, **kw)
@@ -243,25 +246,75 @@ def test_speculation_with_async_scheduling_gives_the_synchronous_tokens(model):
     assert not asyn.has_unfinished_requests() and asyn.kv.blocks.num_free == asyn.plan.num_usable_blocks
 
 
-def test_speculating_steps_run_ahead_when_no_draft_can_exist(model, monkeypatch):
-    """n-gram speculation (n >= 2) under async scheduling on prompts of distinct tokens: where the last
-    token never occurred before no draft can exist, so the step runs ahead without first waiting for a
-    lookup to fail. More steps run ahead than with that check off, and the tokens are the model's."""
-    from kimik3.engine import scheduler
+def test_drafts_proposed_ahead_of_the_previous_token_keep_the_models_tokens(model, monkeypatch):
+    """Under async scheduling a request due to draft drafts before its previous token reaches the host: the
+    lookup on the tokens before it proposes its successor and the drafts after that (``Scheduler._draft_ahead``),
+    and the step runs ahead verifying them. A proposer that knows each request's continuation gives right and
+    wrong drafts in turn (misses pause drafting, so steps run ahead and then draft ahead); a stop token ends
+    one request. Tokens equal the model's greedy decoding; drafts made ahead were accepted and rejected;
+    every snapshot slot and block goes back."""
+    import kimik3.engine.scheduler as scheduler
+    from kimik3.engine import speculative
+    monkeypatch.setattr(speculative, "DRAFT_PAUSE_BASE", 2)
     vocab = model.config.text.vocab_size
-    reqs = {f"g{i}": (random.Random(i).sample(range(5, vocab), 10),
-                      SamplingParams(temperature=0, max_tokens=16, ignore_eos=True)) for i in range(2)}
-    kw = dict(block_size=4, max_num_seqs=4, max_num_batched_tokens=64, max_model_len=40, extra_blocks=30,
-              num_speculative_tokens=2, speculative_ngram_min=2, speculative_ngram_max=3, async_scheduling=True)
+    rng = random.Random(11)
+    reqs = {}
+    for i in range(3):
+        p = [rng.randrange(5, vocab) for _ in range(5 + i)]
+        ref = reference_greedy(model, p, 24)
+        stop = [ref[17]] if i == 1 and ref[17] not in ref[:17] else []
+        reqs[f"g{i}"] = (p, SamplingParams(temperature=0, max_tokens=24, ignore_eos=True, stop_token_ids=stop))
+    futures = {tuple(p): reference_greedy(model, p, 24) for p, _ in reqs.values()}
+    calls: dict[tuple[int, ...], int] = {}
+
+    def propose(token_ids, k, min_n, max_n, data=None, follow=1):
+        prompt = next(p for p in futures if tuple(token_ids[:len(p)]) == p)
+        done = len(token_ids) - len(prompt)
+        i = calls[prompt] = calls.get(prompt, -1) + 1
+        right = i % 2 == 1                                  # wrong, right, wrong, ... per request
+        return [t if right else (t + 1) % vocab for t in futures[prompt][done:done + k]]
+    monkeypatch.setattr(scheduler, "propose_ngram", propose)
+    kw = dict(block_size=4, max_num_seqs=4, max_num_batched_tokens=64, max_model_len=64, extra_blocks=40,
+              num_speculative_tokens=3, async_scheduling=True, enable_prefix_caching=False)
+    engine = make_engine(model, **kw)
+    drafted_ahead = []
+    schedule_ahead = engine.scheduler.schedule_ahead
+
+    def record(prev):
+        out = schedule_ahead(prev)
+        drafted_ahead.extend(c for c in (out.chunks if out else []) if c.draft)
+        return out
+    engine.scheduler.schedule_ahead = record
+    out = run(engine, reqs)
+    for rid, (p, params) in reqs.items():
+        ref = futures[tuple(p)]
+        stop = params.stop_token_ids
+        assert out[rid][0][0] == (ref[:ref.index(stop[0]) + 1] if stop else ref), rid
+    accepted = [c.num_accepted for c in drafted_ahead]
+    assert any(accepted) and not all(accepted), accepted
+    assert not engine.has_unfinished_requests() and engine.kv.blocks.num_free == engine.plan.num_usable_blocks
+    assert len(engine.kv.free_spec_slots) == engine.plan.num_spec_slots
+
+
+def test_constrained_requests_wait_for_the_previous_token_only_where_a_draft_could_follow(monkeypatch):
+    """A request with a grammar cannot draft ahead (its matcher has not seen the previous token): its step
+    waits for that token, unless no draft can follow whatever it is (``speculative.may_propose_after``), when
+    the step runs ahead. More steps run ahead than with that check off; the tokens are the synchronous ones."""
+    from kimik3.engine import scheduler
+    schema = {"type": "object", "properties": {"n": {"type": "integer"}, "w": {"enum": ["a", "bb"]}},
+              "required": ["n", "w"], "additionalProperties": False}
+    params = [SamplingParams(temperature=0, max_tokens=60, structured_outputs=StructuredOutputsParams(json=schema))
+              for _ in range(4)]
+    prompts_ = [f"give {i}" for i in range(4)]
+    llm = kimik3.LLM(kimik3.DEFAULT_MODEL, max_num_seqs=8, max_model_len=256, num_speculative_tokens=2)
+    sync = [o.outputs[0].token_ids for o in llm.generate(prompts_, params, use_tqdm=False)]
+    llm.engine.config.async_scheduling = True
     hits = []
     for check in (True, False):
         if not check:
             monkeypatch.setattr(scheduler, "may_propose_after", lambda *a: True)
-        engine = make_engine(model, **kw)
-        ahead = count_calls(engine.scheduler, "schedule_ahead")
-        out = run(engine, reqs)
-        for rid, (p, params) in reqs.items():
-            assert out[rid][0][0] == reference_greedy(model, p, params.max_tokens), (check, rid)
+        ahead = count_calls(llm.engine.scheduler, "schedule_ahead")
+        assert [o.outputs[0].token_ids for o in llm.generate(prompts_, params, use_tqdm=False)] == sync, check
         hits.append(ahead.hits)
     assert hits[0] > hits[1], hits
 
@@ -309,15 +362,13 @@ def test_steps_launched_past_an_expected_rejection_keep_the_models_tokens(model,
     # past rejection: R after W is dropped, W after W kept, M after W partly kept
     pattern = "WRWWWM"
 
-    def propose(token_ids, k, min_n, max_n, data=None):
+    def propose(token_ids, k, min_n, max_n, data=None, follow=1):
         prompt = next(p for p in futures if tuple(token_ids[:len(p)]) == p)
         done = len(token_ids) - len(prompt)
         i = calls[prompt] = calls.get(prompt, -1) + 1
-        draft = list(futures[prompt][done:done + k])
         kind = pattern[i % len(pattern)]
-        if draft and not (kind == "R" or (kind == "M" and list(futures).index(prompt) == 1)):
-            draft[0] = (draft[0] + 1) % vocab
-        return draft
+        right = kind == "R" or (kind == "M" and list(futures).index(prompt) == 1)
+        return [t if right else (t + 1) % vocab for t in futures[prompt][done:done + k]]
     monkeypatch.setattr(scheduler, "propose_ngram", propose)
     kw = dict(block_size=4, max_num_seqs=4, max_num_batched_tokens=64, max_model_len=48, extra_blocks=40,
               num_speculative_tokens=2, async_scheduling=True, enable_prefix_caching=False)   # (no draft cut at a checkpoint)
@@ -325,8 +376,8 @@ def test_steps_launched_past_an_expected_rejection_keep_the_models_tokens(model,
     outcomes = []
     verify_past = engine._verify_past_rejection
 
-    def record(verify, after, touched):
-        verify_past(verify, after, touched)
+    def record(verify, after, touched, logits=None):
+        verify_past(verify, after, touched, logits)
         accepted = [c.num_accepted > 0 for c in verify.chunks]
         outcomes.append("kept" if not any(accepted) else "dropped" if all(accepted) else "partly")
         assert (engine._in_flight is not None) == (outcomes[-1] == "kept")

@@ -19,12 +19,12 @@ from tests.engine.fake_model import FakeModel, fake_config, reference_greedy
 from tests.engine.helpers import check_invariants, make_engine, oracle_requests, run
 
 
-def brute_force_ngram(tokens: list[int], k: int, min_n: int, max_n: int) -> list[int]:
+def brute_force_ngram(tokens: list[int], k: int, min_n: int, max_n: int, follow: int = 1) -> list[int]:
     for n in range(max_n, min_n - 1, -1):
-        if n >= len(tokens):
+        if n + follow > len(tokens):
             continue
         suffix = tokens[-n:]
-        for start in range(len(tokens) - n - 1, -1, -1):      # latest occurrence ending before the last token
+        for start in range(len(tokens) - n - follow, -1, -1):  # latest occurrence with ``follow`` tokens after it
             if tokens[start:start + n] == suffix:
                 return tokens[start + n:start + n + k]
     return []
@@ -32,10 +32,12 @@ def brute_force_ngram(tokens: list[int], k: int, min_n: int, max_n: int) -> list
 
 @settings(max_examples=300, deadline=None)
 @given(st.lists(st.sampled_from([0, 1, 2, 255, 256, 65536, 2**40]), max_size=40), st.integers(0, 5),
-       st.integers(1, 3), st.integers(0, 3))
-def test_propose_ngram_matches_brute_force(tokens, k, min_n, extra):
-    # values whose byte patterns overlap (255/256, 2**16, 2**40) catch matches off token boundaries
-    assert propose_ngram(tokens, k, min_n, min_n + extra) == brute_force_ngram(tokens, k, min_n, min_n + extra)
+       st.integers(1, 3), st.integers(0, 3), st.integers(1, 3))
+def test_propose_ngram_matches_brute_force(tokens, k, min_n, extra, follow):
+    # values whose byte patterns overlap (255/256, 2**16, 2**40) catch matches off token boundaries;
+    # follow = 2 is the lookup of a draft made ahead of the previous token (``Scheduler._draft_ahead``)
+    assert (propose_ngram(tokens, k, min_n, min_n + extra, follow=follow)
+            == brute_force_ngram(tokens, k, min_n, min_n + extra, follow))
 
 
 @settings(max_examples=300, deadline=None)
@@ -129,7 +131,7 @@ def test_drafts_that_keep_failing_pause_drafting(monkeypatch):
     prompt = [3, 1, 4, 1, 5]
     ref = reference_greedy(model, prompt, 300)
     for shift in (1, 0):
-        def propose(token_ids, k, min_n, max_n, data=None, shift=shift):
+        def propose(token_ids, k, min_n, max_n, data=None, follow=1, shift=shift):
             done = len(token_ids) - len(prompt)
             return [(t + shift) % 61 for t in ref[done:done + k]]
         monkeypatch.setattr(scheduler, "propose_ngram", propose)
@@ -157,7 +159,7 @@ def test_rejected_drafts_limit_the_next_drafts(monkeypatch, right, expected):
     ref = reference_greedy(model, prompt, 40)
     asked = []
 
-    def propose(token_ids, k, min_n, max_n, data=None):
+    def propose(token_ids, k, min_n, max_n, data=None, follow=1):
         asked.append(k)
         done = len(token_ids) - len(prompt)
         good = right if len(asked) == 1 or right else k          # right == 0: only the first draft is wrong
