@@ -109,15 +109,17 @@ class Scheduler:
                 continue                               # prev's token ends it
             if self.kv.checkpoint_boundaries(start, start + 1):
                 return None                            # a checkpoint needs its block's hash
-            draft = self._draft_ahead(req, budget) if self._may_draft(req) and not req.draft_pause else []
-            if draft is None or not self.kv.allocate(req, 1 + len(draft)):
+            guess = self._draft_ahead(req, budget) if self._may_draft(req) and not req.draft_pause else []
+            if guess is None or not self.kv.allocate(req, len(guess) or 1):
                 return None                            # a draft needs prev's token; or preemption
-            budget -= len(draft)
-            planned.append((req, draft))
+            budget -= max(len(guess) - 1, 0)
+            planned.append((req, guess))
         out = SchedulerOutput()
-        for req, draft in planned:
-            slots = self.kv.take_spec_slots(len(draft))
-            self._add_chunk(out, req, 1 + len(slots), draft[:len(slots)], slots, input_pending=True)
+        for req, guess in planned:
+            slots = self.kv.take_spec_slots(len(guess) - 1) if guess else []
+            self._add_chunk(out, req, 1 + len(slots), guess[1:1 + len(slots)], slots, input_pending=True)
+            if slots:
+                out.chunks[-1].guess = guess[0]
         for req in (c.req for c in out.chunks if self._may_draft(c.req) and c.req.draft_pause):
             req.draft_pause -= 1                       # a decode step without drafts, as ``_draft`` counts them
         for c in out.chunks:     # prev ran on a verify step's snapshot (``schedule_past_rejection``): copy it back
@@ -125,11 +127,12 @@ class Scheduler:
         return out if out.chunks else None
 
     def _draft_ahead(self, req: Request, budget: int) -> list[int] | None:
-        """Drafts for the step after ``req``'s pending token t, before t reaches the host: the n-gram lookup on
-        the tokens before t proposes t's successor g and the tokens after it; the drafts are those after g
-        (verified against the real t's continuation, so a wrong g only costs their rows). Nothing found: a
-        pause, as after ``_draft``'s empty lookup. None (wait for t): a request whose grammar must accept the
-        drafts (its matcher has not seen t), unless no draft can follow any t (``may_propose_after``)."""
+        """[g, drafts..] for the step after ``req``'s pending token t, before t reaches the host: the n-gram
+        lookup on the tokens before t proposes t's successor g and the tokens after it; the drafts are those
+        after g (verified against the real t's continuation, so a wrong g only costs their rows; and it tells
+        the engine to expect their rejection, ``schedule_past_rejection``). Nothing found ([]): a pause, as
+        after ``_draft``'s empty lookup. None (wait for t): a request whose grammar must accept the drafts
+        (its matcher has not seen t), unless no draft can follow any t (``may_propose_after``)."""
         cfg = self.config
         if req.matcher is not None:
             if may_propose_after(req.token_ids, cfg.speculative_ngram_min, token_bytes(req)):
@@ -147,7 +150,7 @@ class Scheduler:
         if len(guess) < 2:
             req.draft_pause = EMPTY_DRAFT_PAUSE + 1
             return []
-        return guess[1:]
+        return guess
 
     def schedule_past_rejection(self, verify: SchedulerOutput) -> SchedulerOutput | None:
         """Async scheduling with speculation (rule 6): the decode step after ``verify`` (a step with drafts)
@@ -155,16 +158,19 @@ class Scheduler:
         its input the verify's first-row token (on the device), run on the verify's snapshot after that row
         (``ScheduledChunk.state_slot``), so the live state and the other snapshots stay for any other outcome.
         Only where rejection is expected and the step is what ``schedule`` would then decide: every running
-        request is in ``verify`` with drafts, its last verify accepted none (``draft_misses``), it samples plain
+        request is in ``verify`` with drafts that are expected to fail (drafted ahead on a successor guess the
+        real input token proved wrong; else its last verify accepted none, ``draft_misses``), it samples plain
         greedy without controls and the verify's token does not end it; no request waits; no prefix
-        checkpoint at the new position. Else None. The engine keeps the chunks whose drafts were all rejected."""
+        checkpoint at the new position. Else None. The engine keeps the chunks whose drafts were all rejected.
+        (Called once the verify's input tokens are on the host.)"""
         if self.waiting or len(verify.chunks) != len(self.running):
             return None
         out = SchedulerOutput()
         for c in verify.chunks:
             req, start = c.req, c.start + 1
             p = req.params
-            if (not c.draft or not c.samples or not req.draft_misses or not is_plain_greedy(p) or p.has_controls
+            expect_rejection = req.draft_misses if c.guess is None else c.guess != req.token_ids[c.start]
+            if (not c.draft or not c.samples or not expect_rejection or not is_plain_greedy(p) or p.has_controls
                     or req.matcher is not None or req.num_output_tokens + 1 >= p.max_tokens
                     or start + 1 >= self.config.max_model_len or self.kv.checkpoint_boundaries(start, start + 1)):
                 return None

@@ -21,6 +21,7 @@ class ScheduledChunk:
     input_pending: bool = False   # async: the input token is the previous step's sample, not yet on the host
     state_slot: int | None = None  # KDA state slot it runs on when not the request's live one (a step launched
     #                                before its verify step's drafts are settled runs on the verify's first snapshot)
+    guess: int | None = None      # drafted ahead: the input token its drafts assume (the real one is pending)
     samples: bool = field(init=False)   # reaches the request's last token (as scheduled): its last row samples
 
     def __post_init__(self) -> None:

@@ -341,36 +341,42 @@ def test_async_scheduling_is_on_by_default_where_it_works(flags, device, expecte
 
 @pytest.mark.parametrize("n", [1, 3], ids=["one_request", "three_requests"])
 def test_steps_launched_past_an_expected_rejection_keep_the_models_tokens(model, monkeypatch, n):
-    """A verify step of requests whose last drafts failed is followed at once by the step that assumes they
-    fail again (``Scheduler.schedule_past_rejection``). Drafts come from a proposer that knows each request's
-    continuation and corrupts it on a pattern: such steps meet
-    rejections (the step kept), accepted drafts (dropped) and, with three requests, both at once (partly
-    kept). Every token equals the model's own greedy decoding; every snapshot slot and block goes back."""
+    """A verify step whose drafts are expected to fail is followed at once by the step that assumes they fail
+    (``Scheduler.schedule_past_rejection``): drafted ahead on a successor guess that proved wrong, or drafted
+    after a miss. Drafts come from a proposer that knows each request's continuation and corrupts it on a
+    pattern, the guess apart from the drafts: such steps meet rejections (the step kept), accepted drafts
+    (dropped) and, with three requests, both at once (partly kept), after drafting ahead and after drafting
+    on the host. Every token equals the model's own greedy decoding; every snapshot slot and block goes back."""
     import kimik3.engine.scheduler as scheduler
     from kimik3.engine import speculative
     # one request: misses pause drafting (1, 2, 4 .. steps), so plain steps run ahead after a kept one, from its
-    # snapshot; three: no pauses, so the requests draft in step
+    # snapshot; three: no pauses, so the requests draft in step, and on the host right after a miss
     monkeypatch.setattr(speculative, "DRAFT_PAUSE_BASE", 2 if n == 1 else 0)
-    monkeypatch.setattr(scheduler, "may_propose_after", lambda *a: True)
     vocab = model.config.text.vocab_size
     rng = random.Random(7)
     reqs = {f"r{i}": ([rng.randrange(5, vocab) for _ in range(6 + i)],
-                      SamplingParams(temperature=0, max_tokens=30, ignore_eos=True)) for i in range(n)}
-    futures = {tuple(p): reference_greedy(model, p, 30) for p, _ in reqs.values()}
+                      SamplingParams(temperature=0, max_tokens=40, ignore_eos=True)) for i in range(n)}
+    futures = {tuple(p): reference_greedy(model, p, 40) for p, _ in reqs.values()}
     calls: dict[tuple[int, ...], int] = {}
-    # per lookup: W all wrong, R all right, M right for the second request only. The verify after a W runs
-    # past rejection: R after W is dropped, W after W kept, M after W partly kept
-    pattern = "WRWWWM"
+    # per lookup: W all wrong; R all right; G the guess of a lookup ahead wrong, the drafts right; D the guess
+    # right, the drafts wrong (no step past it; the next lookup, on the host after a miss, has one); M: G for
+    # the second request, W for the others
+    pattern = "WGWDWMWDR"
 
     def propose(token_ids, k, min_n, max_n, data=None, follow=1):
         prompt = next(p for p in futures if tuple(token_ids[:len(p)]) == p)
         done = len(token_ids) - len(prompt)
         i = calls[prompt] = calls.get(prompt, -1) + 1
         kind = pattern[i % len(pattern)]
-        right = kind == "R" or (kind == "M" and list(futures).index(prompt) == 1)
-        return [t if right else (t + 1) % vocab for t in futures[prompt][done:done + k]]
+        if kind == "M":
+            kind = "G" if list(futures).index(prompt) == 1 else "W"
+        tokens = futures[prompt][done:done + k]
+        right = [kind in "RG"] * len(tokens)
+        if follow == 2 and kind in "GD":         # tokens[0] is the guess
+            right[0] = kind == "D"
+        return [t if ok else (t + 1) % vocab for t, ok in zip(tokens, right)]
     monkeypatch.setattr(scheduler, "propose_ngram", propose)
-    kw = dict(block_size=4, max_num_seqs=4, max_num_batched_tokens=64, max_model_len=48, extra_blocks=40,
+    kw = dict(block_size=4, max_num_seqs=4, max_num_batched_tokens=64, max_model_len=64, extra_blocks=40,
               num_speculative_tokens=2, async_scheduling=True, enable_prefix_caching=False)   # (no draft cut at a checkpoint)
     engine = make_engine(model, **kw)
     outcomes = []
@@ -379,12 +385,59 @@ def test_steps_launched_past_an_expected_rejection_keep_the_models_tokens(model,
     def record(verify, after, touched, logits=None):
         verify_past(verify, after, touched, logits)
         accepted = [c.num_accepted > 0 for c in verify.chunks]
-        outcomes.append("kept" if not any(accepted) else "dropped" if all(accepted) else "partly")
-        assert (engine._in_flight is not None) == (outcomes[-1] == "kept")
+        outcome = "kept" if not any(accepted) else "dropped" if all(accepted) else "partly"
+        outcomes.append((outcome, "ahead" if logits is not None else "host"))
+        assert (engine._in_flight is not None) == (outcome == "kept")
     monkeypatch.setattr(engine, "_verify_past_rejection", record)
     out = run(engine, reqs)
     for rid, (p, params) in reqs.items():
         assert out[rid][0][0] == futures[tuple(p)], rid
-    assert {"kept", "dropped"} | ({"partly"} if n > 1 else set()) <= set(outcomes), outcomes
+    want = {("kept", "ahead"), ("dropped", "ahead")} | ({("partly", "ahead"), ("kept", "host")} if n > 1 else set())
+    assert want <= set(outcomes), outcomes
     assert not engine.has_unfinished_requests() and engine.kv.blocks.num_free == engine.plan.num_usable_blocks
     assert len(engine.kv.free_spec_slots) == engine.plan.num_spec_slots
+
+
+def test_requests_ended_by_the_token_in_flight_give_back_their_drafted_ahead_slots(model, monkeypatch):
+    """A step drafted ahead for a request that the in-flight step's token then ends (a stop token) is dropped
+    for it; its snapshot slots go back (with other requests kept in the step, or none). Stop tokens swept
+    over positions of one request among three, drafting every step (no pauses, drafts always wrong, so steps
+    past each rejection run and the next lookups are made ahead)."""
+    import kimik3.engine.scheduler as scheduler
+    from kimik3.engine import speculative
+    monkeypatch.setattr(speculative, "DRAFT_PAUSE_BASE", 0)
+    vocab = model.config.text.vocab_size
+    rng = random.Random(3)
+    prompts_ = [[rng.randrange(5, vocab) for _ in range(6 + i)] for i in range(3)]
+    futures = {tuple(p): reference_greedy(model, p, 24) for p in prompts_}
+
+    def propose(token_ids, k, min_n, max_n, data=None, follow=1):
+        prompt = next(p for p in futures if tuple(token_ids[:len(p)]) == p)
+        done = len(token_ids) - len(prompt)
+        return [(t + 1) % vocab for t in futures[prompt][done:done + k]]
+    monkeypatch.setattr(scheduler, "propose_ngram", propose)
+    kw = dict(block_size=4, max_num_seqs=4, max_num_batched_tokens=64, max_model_len=64, extra_blocks=40,
+              num_speculative_tokens=2, async_scheduling=True, enable_prefix_caching=False)
+    hits = 0
+    first = futures[tuple(prompts_[0])]
+    for pos in [i for i in range(4, 20) if first[i] not in first[:i]]:
+        reqs = {f"r{i}": (p, SamplingParams(temperature=0, max_tokens=24, ignore_eos=True,
+                                            stop_token_ids=[first[pos]] if i == 0 else []))
+                for i, p in enumerate(prompts_)}
+        engine = make_engine(model, **kw)
+        drafted = []
+        schedule_ahead = engine.scheduler.schedule_ahead
+
+        def record(prev, schedule_ahead=schedule_ahead, drafted=drafted):
+            out = schedule_ahead(prev)
+            drafted.extend(c for c in (out.chunks if out else []) if c.draft)
+            return out
+        engine.scheduler.schedule_ahead = record
+        out = run(engine, reqs)
+        for rid, (p, params) in reqs.items():
+            want = futures[tuple(p)]
+            assert out[rid][0][0] == (want[:pos + 1] if rid == "r0" else want), (pos, rid)
+        hits += any(c.req.request_id == "r0" and c.start == len(prompts_[0]) + pos for c in drafted)
+        assert not engine.has_unfinished_requests() and engine.kv.blocks.num_free == engine.plan.num_usable_blocks
+        assert len(engine.kv.free_spec_slots) == engine.plan.num_spec_slots, pos
+    assert hits, "no step was drafted ahead for a request its in-flight token ended"
