@@ -232,24 +232,32 @@ def test_speculation_under_async_scheduling_matches_the_model(model, monkeypatch
     """Async scheduling with n-gram speculation on the GPU path: drafts made ahead of the previous token
     (``Scheduler._draft_ahead``: verify graphs fed that token on the device), steps launched past an expected
     rejection (``Scheduler.schedule_past_rejection``: decode graphs on a snapshot slot), verify steps on the
-    host's tokens, and decode graph steps run ahead while drafting is paused. Of three lookups the oracle
-    drafts the plain run's continuation at one, every token wrong at one and nothing at the third; tokens
-    are checked against the model called directly, as in ``test_speculative_greedy_matches_plain``."""
-    import itertools
-
+    host's tokens, and decode graph steps run ahead while drafting is paused. Two plain greedy requests
+    (a step past a rejection reads no logprobs) with no pauses after misses, so they draft in step; per
+    request the oracle drafts the plain run's continuation, all wrong, or with only the guessed successor
+    wrong, in turn. Tokens are checked against the model called directly, as in
+    ``test_speculative_greedy_matches_plain`` (near-ties and flips judged by the model's logits alone)."""
     import kimik3.engine.scheduler as scheduler
+    from kimik3.engine import speculative
     from tests.engine.helpers import count_calls
+    monkeypatch.setattr(speculative, "DRAFT_PAUSE_BASE", 0)
     vocab = model.config.text.vocab_size
-    # without logprobs: a step past a rejection needs plain greedy requests (the verify's logits are not
-    # read after the next graph's replay); near-ties and flips are then judged by the model's logits alone
-    reqs = {rid: (prompt, dataclasses.replace(sp, logprobs=None)) for rid, (prompt, sp) in requests(vocab).items()}
+    reqs = {rid: (prompt, dataclasses.replace(sp, logprobs=None, max_tokens=24))
+            for rid, (prompt, sp) in list(requests(vocab).items())[1:3]}
     plain = generate(make(model, enforce_eager=False), reqs)
-    oracle = oracle_proposer({tuple(prompt): plain[rid][0] for rid, (prompt, _) in reqs.items()}, vocab)
-    lookups = itertools.count()
+    futures = {tuple(prompt): plain[rid][0] for rid, (prompt, _) in reqs.items()}
+    calls: dict[tuple[int, ...], int] = {}
 
-    def propose(*a, **k):
-        i = next(lookups) % 3
-        return [] if i == 0 else oracle(*a, **k) if i == 1 else [(t + 1) % vocab for t in oracle(*a, **k)]
+    def propose(token_ids, k, min_n, max_n, data=None, follow=1):
+        prompt = next(p for p in futures if tuple(token_ids[:len(p)]) == p)
+        done = len(token_ids) - len(prompt)
+        i = calls[prompt] = calls.get(prompt, -1) + 1
+        kind = "WWGWR"[i % 5]            # all wrong; the guess ahead wrong, the drafts right; all right
+        tokens = futures[prompt][done:done + k]
+        right = [kind in "RG"] * len(tokens)
+        if follow == 2 and kind == "G":
+            right[0] = False
+        return [t if ok else (t + 1) % vocab for t, ok in zip(tokens, right)]
     monkeypatch.setattr(scheduler, "propose_ngram", propose)
     monkeypatch.setattr(scheduler, "may_propose_after", lambda *a: True)    # the oracle drafts what n-grams cannot
     engine = make(model, enforce_eager=False, num_speculative_tokens=3, async_scheduling=True)
