@@ -184,8 +184,9 @@ class EngineArgs:
     speculative_ngram_max: int = _opt("longest n-gram looked up for drafts (default: 4)", default=4, type=positive_int)
     async_scheduling: bool | None = _opt(
         "schedule and launch each decode step before the previous step's tokens reach the host, so host work "
-        "overlaps the GPU; with speculation only while every request's drafting is paused (default: on for "
-        "one CUDA device without speculation, as in vLLM; else off)", default=None)
+        "overlaps the GPU; with speculation, drafts are looked up ahead of the previous token and a step "
+        "expected to reject its drafts is followed at once by the next (default: on for one CUDA device, "
+        "as in vLLM; else off)", default=None)
     use_tqdm_on_load: bool = _opt("show a progress bar while the weights load (default: on)", default=True)
 
     def __post_init__(self) -> None:
@@ -250,16 +251,14 @@ class EngineArgs:
         return read_generation_config(path, self.generation_config)
 
     def resolve_async_scheduling(self, device: torch.device) -> bool:
-        """The flag if given; else on for one CUDA device without speculation (a draft needs the previous
-        token on the host, so with speculation only paused requests run ahead; on the H200 at 8e0e2ef that ran
-        0.98-0.99x plain async decoding without accepted drafts and 2.78x with them, but against synchronous
-        speculation it has not been measured in one run, so speculation keeps it opt-in; on a CPU there is
-        nothing to overlap). Under tensor / expert parallelism it is
-        opt-in: tested with gloo on CPU ranks, not yet run on several GPUs."""
+        """The flag if given; else on for one CUDA device, with speculation too: on one H100 at 856b609 (the K3
+        slice at batch 1, 1024 + 256 tokens, benchmarks/gpu/bench_speculative.py) speculation ran 310 / 309 /
+        875 tok/s async against 282 / 284 / 888 synchronous (no drafts / rejected / repetitive), plain
+        decoding 311 against 290 (on a CPU there is nothing to overlap). Under tensor / expert parallelism it
+        is opt-in: tested with gloo on CPU ranks, not yet run on several GPUs."""
         if self.async_scheduling is not None:
             return self.async_scheduling
-        return (device.type == "cuda" and not self.num_speculative_tokens and self.tensor_parallel_size == 1
-                and not self.enable_expert_parallel)
+        return device.type == "cuda" and self.tensor_parallel_size == 1 and not self.enable_expert_parallel
 
     def resolve_block_size(self, device: torch.device) -> int:
         """The flag if given; else 64 on CUDA when ``KIMIK3_FLASH_MLA`` names FlashMLA's library (its decode

@@ -202,18 +202,16 @@ def _logprobs(chunks, spans, logits: torch.Tensor, result: SamplerOutput) -> Non
 
 
 # A request whose verify steps accept nothing pauses drafting for 4, 16, 64 ... decode steps, at most
-# MAX_DRAFT_PAUSE (reset by any accepted draft). A failed verify event costs about 0.4 of a plain step (the
-# K3 slice at batch 1 on the H200, async: 6 of them took 2% of 128 steps at `092fe21`; its extra row's experts,
-# and the pipeline drained before and after it), so drafts that keep failing cost at most 1/128 of that per
-# token instead of all of it. The drains dominate: on the H100 (3dfc08e, 256 tokens, five events of one draft
-# each) rejected drafts cost 1.0%, about half a step an event, as events carrying three drafts did. Base 4 (not
-# 2) makes the ramp's events 4 in the first 128 tokens instead of 6.
+# MAX_DRAFT_PAUSE (reset by any accepted draft), so drafts that keep failing cost at most 1/128 of a failed
+# verify per token. A failed verify once cost about half a plain step (H100, 3dfc08e: the pipeline drained
+# before and after it); under async scheduling drafts are now looked up ahead of the previous token and a
+# verify expected to fail is followed at once by the next step (``Scheduler._draft_ahead``,
+# ``schedule_past_rejection``): rejected drafts cost 0.5-0.6% of the first 256 tokens (bc5eefd, 856b609).
+# Base 4 (not 2) makes the ramp's events 4 in the first 128 tokens instead of 6.
 DRAFT_PAUSE_BASE = 4
 MAX_DRAFT_PAUSE = 128
-# Under async scheduling a request whose n-gram lookup found nothing skips this many decode steps' lookups:
-# a step that may draft waits for the previous step's token on the host, one that cannot runs ahead
-# (as does one whose lookup cannot find anything whatever that token is, ``may_propose_after``, which then
-# pauses as a failed lookup does: on a long context each check scans its whole history).
+# Under async scheduling a request whose n-gram lookup found nothing skips this many decode steps' lookups
+# (on a long context each lookup scans its whole history).
 EMPTY_DRAFT_PAUSE = 4
 
 

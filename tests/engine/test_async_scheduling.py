@@ -322,7 +322,7 @@ def test_constrained_requests_wait_for_the_previous_token_only_where_a_draft_cou
 @pytest.mark.parametrize("flags, device, expected", [
     ([], "cuda", True),                                     # vLLM's default: on where it works
     ([], "cpu", False),                                     # nothing to overlap on a CPU
-    (["--num-speculative-tokens", "2"], "cuda", False),     # auto leaves it off where it does not work
+    (["--num-speculative-tokens", "2"], "cuda", True),      # speculation runs async too
     (["-tp", "2"], "cuda", False),
     (["--enable-expert-parallel"], "cuda", False),
     (["--no-async-scheduling"], "cuda", False),
