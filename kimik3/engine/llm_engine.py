@@ -169,7 +169,10 @@ class LLMEngine:
         logits_after = self._try(after, lambda: self.runner.launch(after, first))
         pending = None if logits_after is None else self._try(after, lambda: self.runner.sample(after, logits_after))
         greedy_rows = host.result().token_ids
-        self._commit(verify, self._guarded(verify, lambda: self.runner.sample(verify, logits, greedy_rows)), touched)
+        result = self._try(verify, lambda: self.runner.sample(verify, logits, greedy_rows))
+        if result is None:               # raised by the next ``step`` (after this one's deltas, as ``_step_ahead``)
+            return
+        self._commit(verify, result, touched)
         if pending is None:
             return
         keep = [i for i, (c, v) in enumerate(zip(after.chunks, verify.chunks))

@@ -441,3 +441,53 @@ def test_requests_ended_by_the_token_in_flight_give_back_their_drafted_ahead_slo
         assert not engine.has_unfinished_requests() and engine.kv.blocks.num_free == engine.plan.num_usable_blocks
         assert len(engine.kv.free_spec_slots) == engine.plan.num_spec_slots, pos
     assert hits, "no step was drafted ahead for a request its in-flight token ended"
+
+
+@pytest.mark.parametrize("fail", ["after", "verify_sample"])
+def test_a_failure_around_a_step_past_rejection_is_raised_next_and_frees_its_slots(model, monkeypatch, fail):
+    """The step launched past an expected rejection, or the sampling of the verify step before it (drafted
+    ahead), fails: the tokens committed in that call are delivered first, the StepError comes from the next
+    ``step`` naming the request, and once it is aborted every snapshot slot and block is back."""
+    import kimik3.engine.scheduler as scheduler
+    from kimik3.engine import speculative
+    monkeypatch.setattr(speculative, "DRAFT_PAUSE_BASE", 2)
+    vocab = model.config.text.vocab_size
+    p = random.Random(9).sample(range(5, vocab), 8)
+    future = reference_greedy(model, p, 40)
+
+    def propose(token_ids, k, min_n, max_n, data=None, follow=1):      # every token wrong, the guess too
+        return [(t + 1) % vocab for t in future[len(token_ids) - len(p):len(token_ids) - len(p) + k]]
+    monkeypatch.setattr(scheduler, "propose_ngram", propose)
+    engine = make_engine(model, block_size=4, max_num_seqs=2, max_num_batched_tokens=64, max_model_len=64,
+                         extra_blocks=40, num_speculative_tokens=2, async_scheduling=True, enable_prefix_caching=False)
+    failed = []
+    if fail == "after":
+        launch = engine.runner.launch
+
+        def failing(out, input_ids=None):
+            if not failed and any(c.state_slot is not None for c in out.chunks):
+                failed.append(True)
+                raise RuntimeError("boom")
+            return launch(out, input_ids)
+        monkeypatch.setattr(engine.runner, "launch", failing)
+    else:
+        sample = engine.runner.sample
+
+        def failing(out, logits, greedy=None):
+            if not failed and greedy is not None:
+                failed.append(True)
+                raise RuntimeError("boom")
+            return sample(out, logits, greedy)
+        monkeypatch.setattr(engine.runner, "sample", failing)
+    engine.add_request("r0", {"prompt_token_ids": p}, SamplingParams(temperature=0, max_tokens=40, ignore_eos=True))
+    got = []
+    with pytest.raises(StepError, match="boom") as err:
+        for _ in range(100):
+            for d in engine.step():
+                got.extend(d.outputs[0].token_ids)
+    assert failed and err.value.request_ids == ["r0"]
+    assert got and got == future[:len(got)]                     # what came before the failure is right
+    engine.abort_request("r0")
+    assert [d.outputs[0].finish_reason for d in engine.step()] == ["abort"]
+    assert not engine.has_unfinished_requests() and engine.kv.blocks.num_free == engine.plan.num_usable_blocks
+    assert len(engine.kv.free_spec_slots) == engine.plan.num_spec_slots
