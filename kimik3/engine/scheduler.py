@@ -139,12 +139,7 @@ class Scheduler:
                 return None
             req.draft_pause = EMPTY_DRAFT_PAUSE + 1
             return []
-        start = req.num_computed_tokens                 # t's position; the drafts follow it
-        k = min(cfg.num_speculative_tokens, req.draft_limit, budget, req.params.max_tokens - req.num_output_tokens - 2,
-                cfg.max_model_len - req.num_tokens - 2)
-        boundary = self.kv.next_checkpoint(start + 1)
-        if boundary is not None:   # a checkpoint inside the drafts would need a hash of unconfirmed tokens
-            k = min(k, boundary - start - 2)
+        k = self._draft_room(req, budget + 1, 1)
         guess = propose_ngram(req.token_ids, k + 1, cfg.speculative_ngram_min, cfg.speculative_ngram_max,
                               data=token_bytes(req), follow=2) if k >= 1 else []
         if len(guess) < 2:
@@ -187,26 +182,32 @@ class Scheduler:
         return first is not None and not first.is_finished and first.num_computed_tokens < first.num_prompt_tokens
 
     def _draft(self, req: Request, budget: int) -> list[int]:
-        """N-gram draft tokens for a decode step of ``req``, within the budget, max_tokens, max_model_len and
-        short of the next checkpoint boundary (``schedule`` trims them to the free snapshot slots)."""
+        """N-gram draft tokens for a decode step of ``req`` (``_draft_room``; ``schedule`` trims them to the
+        free snapshot slots)."""
         cfg = self.config
         if not self._may_draft(req):
             return []
         if req.draft_pause:               # its recent drafts all failed (speculative.MAX_DRAFT_PAUSE)
             req.draft_pause -= 1
             return []
-        k = min(cfg.num_speculative_tokens, req.draft_limit, budget - 1, req.params.max_tokens - req.num_output_tokens - 1,
-                cfg.max_model_len - req.num_tokens - 1)
-        boundary = self.kv.next_checkpoint(req.num_computed_tokens + 1)
-        if boundary is not None:   # a checkpoint inside the drafts would need a hash of unconfirmed tokens
-            k = min(k, boundary - req.num_computed_tokens - 2)
-        draft = propose_ngram(req.token_ids, k, cfg.speculative_ngram_min, cfg.speculative_ngram_max,
-                              data=token_bytes(req))
+        draft = propose_ngram(req.token_ids, self._draft_room(req, budget, 0), cfg.speculative_ngram_min,
+                              cfg.speculative_ngram_max, data=token_bytes(req))
         if draft and req.matcher is not None:   # only drafts the grammar accepts (the rest would be rejected)
             draft = draft[:req.matcher.valid_prefix(draft)]
         if not draft and cfg.async_scheduling:
             req.draft_pause = EMPTY_DRAFT_PAUSE
         return draft
+
+    def _draft_room(self, req: Request, budget: int, pending: int) -> int:
+        """Most drafts ``req``'s next decode chunk may carry: within ``budget`` tokens (its input included),
+        max_tokens, max_model_len and short of the next checkpoint boundary (a checkpoint inside the drafts
+        would need a hash of unconfirmed tokens). ``pending``: tokens sampled but not yet on the host (1 when
+        drafting ahead of the previous token; the chunk's input is at num_computed_tokens either way)."""
+        cfg = self.config
+        k = min(cfg.num_speculative_tokens, req.draft_limit, budget - 1,
+                req.params.max_tokens - req.num_output_tokens - 1 - pending, cfg.max_model_len - req.num_tokens - 1 - pending)
+        boundary = self.kv.next_checkpoint(req.num_computed_tokens + 1)
+        return k if boundary is None else min(k, boundary - req.num_computed_tokens - 2)
 
     def _add_chunk(self, out: SchedulerOutput, req: Request, n: int, draft: list[int] | None = None,
                    spec_slots: list[int] | None = None, input_pending: bool = False) -> None:

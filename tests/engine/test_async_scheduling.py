@@ -246,6 +246,19 @@ def test_speculation_with_async_scheduling_gives_the_synchronous_tokens(model, m
     assert not asyn.has_unfinished_requests() and asyn.kv.blocks.num_free == asyn.plan.num_usable_blocks
 
 
+def record_drafted_ahead(engine) -> list:
+    """Wraps ``engine.scheduler.schedule_ahead``; returns the list it fills with every chunk scheduled ahead
+    with drafts (``Scheduler._draft_ahead``)."""
+    drafted, schedule_ahead = [], engine.scheduler.schedule_ahead
+
+    def record(prev):
+        out = schedule_ahead(prev)
+        drafted.extend(c for c in (out.chunks if out else []) if c.draft)
+        return out
+    engine.scheduler.schedule_ahead = record
+    return drafted
+
+
 def test_drafts_proposed_ahead_of_the_previous_token_keep_the_models_tokens(model, monkeypatch):
     """Under async scheduling a request due to draft drafts before its previous token reaches the host: the
     lookup on the tokens before it proposes its successor and the drafts after that (``Scheduler._draft_ahead``),
@@ -277,14 +290,7 @@ def test_drafts_proposed_ahead_of_the_previous_token_keep_the_models_tokens(mode
     kw = dict(block_size=4, max_num_seqs=4, max_num_batched_tokens=64, max_model_len=64, extra_blocks=40,
               num_speculative_tokens=3, async_scheduling=True, enable_prefix_caching=False)
     engine = make_engine(model, **kw)
-    drafted_ahead = []
-    schedule_ahead = engine.scheduler.schedule_ahead
-
-    def record(prev):
-        out = schedule_ahead(prev)
-        drafted_ahead.extend(c for c in (out.chunks if out else []) if c.draft)
-        return out
-    engine.scheduler.schedule_ahead = record
+    drafted_ahead = record_drafted_ahead(engine)
     out = run(engine, reqs)
     for rid, (p, params) in reqs.items():
         ref = futures[tuple(p)]
@@ -425,14 +431,7 @@ def test_requests_ended_by_the_token_in_flight_give_back_their_drafted_ahead_slo
                                             stop_token_ids=[first[pos]] if i == 0 else []))
                 for i, p in enumerate(prompts_)}
         engine = make_engine(model, **kw)
-        drafted = []
-        schedule_ahead = engine.scheduler.schedule_ahead
-
-        def record(prev, schedule_ahead=schedule_ahead, drafted=drafted):
-            out = schedule_ahead(prev)
-            drafted.extend(c for c in (out.chunks if out else []) if c.draft)
-            return out
-        engine.scheduler.schedule_ahead = record
+        drafted = record_drafted_ahead(engine)
         out = run(engine, reqs)
         for rid, (p, params) in reqs.items():
             want = futures[tuple(p)]
