@@ -13,8 +13,8 @@ workloads, each one request of ``--output`` greedy tokens, plain and with ``num_
   rows) seldom repeats an n-gram, so few drafts are proposed (the proposer's cost);
 - ``rejected``: triples ``c_i c_(i+1) w_i`` with ``next[c_i] = c_(i+1)``, ending in ``c_0``: each
   output bigram ``c_i c_(i+1)`` occurs in the prompt, so the proposer drafts ``w_i ..`` at every
-  step, which the model never emits (the pause after failed verify steps keeps this close to plain
-  decoding);
+  step, which the model never emits (after the first failed verify step the request only watches its
+  predictions, which never come true, so this stays close to plain decoding);
 - ``repetitive``: ``next`` follows the prompt's own order (the model copies its prompt, as in
   editing code): every draft is right after the first token.
 Plain and speculative tokens must agree (the margins leave no near-ties).

@@ -9,7 +9,8 @@ Per step (budget = ``max_num_batched_tokens``):
 3. Chunks that cross a KDA checkpoint boundary ask the model for a state snapshot there.
 4. Speculative decoding: a decode step without penalties carries n-gram drafts (``_draft``) and a snapshot
    after each but the last (``speculative.py``); a request whose drafts were partly rejected first copies
-   its snapshot back (``CacheHoldings.rollback_slot``); one whose drafts keep failing pauses drafting.
+   its snapshot back (``CacheHoldings.rollback_slot``); one whose drafts all failed watches instead: it
+   drafts again once its n-gram predictions came true twice in a row (``_watching``).
 5. Async scheduling: while a step's tokens are still on the device, the next decode step of the same requests
    is scheduled ahead (``schedule_ahead``) when nothing else could change it: no waiting request, no
    preemption, no checkpoint to take, prev without drafts. A request due to draft looks up the n-gram before
@@ -31,6 +32,7 @@ from kimik3.engine.kv_cache import KVCacheManager
 from kimik3.engine.request import Request, RequestStatus
 from kimik3.engine.sampler import is_plain_greedy
 from kimik3.engine.scheduler_output import ScheduledChunk, SchedulerOutput
+from kimik3.engine import speculative
 from kimik3.engine.speculative import EMPTY_DRAFT_PAUSE, can_speculate, may_propose_after, propose_ngram, token_bytes
 from kimik3.model.batch import StateCheckpoint
 
@@ -134,14 +136,18 @@ class Scheduler:
         after ``_draft``'s empty lookup. None (wait for t): a request whose grammar must accept the drafts
         (its matcher has not seen t), unless no draft can follow any t (``may_propose_after``)."""
         cfg = self.config
+        k = self._draft_room(req, budget + 1, 1)
+        guess = propose_ngram(req.token_ids, k + 1, cfg.speculative_ngram_min, cfg.speculative_ngram_max,
+                              data=token_bytes(req), follow=2) if k >= 1 else []
+        if self._watching(req, guess[0] if guess else None):
+            if not guess:
+                req.draft_pause = EMPTY_DRAFT_PAUSE + 1
+            return []
         if req.matcher is not None:
             if may_propose_after(req.token_ids, cfg.speculative_ngram_min, token_bytes(req)):
                 return None
             req.draft_pause = EMPTY_DRAFT_PAUSE + 1
             return []
-        k = self._draft_room(req, budget + 1, 1)
-        guess = propose_ngram(req.token_ids, k + 1, cfg.speculative_ngram_min, cfg.speculative_ngram_max,
-                              data=token_bytes(req), follow=2) if k >= 1 else []
         if len(guess) < 2:
             req.draft_pause = EMPTY_DRAFT_PAUSE + 1
             return []
@@ -187,16 +193,33 @@ class Scheduler:
         cfg = self.config
         if not self._may_draft(req):
             return []
-        if req.draft_pause:               # its recent drafts all failed (speculative.MAX_DRAFT_PAUSE)
+        if req.draft_pause:               # its last lookup found nothing (speculative.EMPTY_DRAFT_PAUSE)
             req.draft_pause -= 1
             return []
         draft = propose_ngram(req.token_ids, self._draft_room(req, budget, 0), cfg.speculative_ngram_min,
                               cfg.speculative_ngram_max, data=token_bytes(req))
-        if draft and req.matcher is not None:   # only drafts the grammar accepts (the rest would be rejected)
-            draft = draft[:req.matcher.valid_prefix(draft)]
+        watching = self._watching(req, draft[0] if draft else None)
+        if draft and req.matcher is not None and not watching:   # only drafts the grammar accepts (the rest
+            draft = draft[:req.matcher.valid_prefix(draft)]       # would be rejected)
         if not draft and cfg.async_scheduling:
             req.draft_pause = EMPTY_DRAFT_PAUSE
-        return draft
+        return [] if watching else draft
+
+    @staticmethod
+    def _watching(req: Request, prediction: int | None) -> bool:
+        """True while ``req`` watches instead of drafting (its last verify accepted no draft;
+        ``speculative.WATCH_HITS``). Scores its last watched prediction against the token that came, then
+        watches ``prediction`` (the lookup's first token: its guess of token ``num_tokens``); WATCH_HITS right
+        predictions in a row end the watch, and this lookup's drafts go to the device."""
+        if not req.draft_misses or not speculative.WATCH_HITS:
+            return False
+        hit = req.draft_watch == (req.num_tokens - 1, req.token_ids[-1])
+        req.draft_streak = req.draft_streak + 1 if hit else 0
+        req.draft_watch = None if prediction is None else (req.num_tokens, prediction)
+        if req.draft_streak < speculative.WATCH_HITS:
+            return True
+        req.draft_misses, req.draft_streak, req.draft_watch = 0, 0, None
+        return False
 
     def _draft_room(self, req: Request, budget: int, pending: int) -> int:
         """Most drafts ``req``'s next decode chunk may carry: within ``budget`` tokens (its input included),

@@ -201,15 +201,15 @@ def _logprobs(chunks, spans, logits: torch.Tensor, result: SamplerOutput) -> Non
             result.logprobs[i] = d
 
 
-# A request whose verify steps accept nothing pauses drafting for 4, 16, 64 ... decode steps, at most
-# MAX_DRAFT_PAUSE (reset by any accepted draft), so drafts that keep failing cost at most 1/128 of a failed
-# verify per token. A failed verify once cost about half a plain step (H100, 3dfc08e: the pipeline drained
-# before and after it); under async scheduling drafts are now looked up ahead of the previous token and a
-# verify expected to fail is followed at once by the next step (``Scheduler._draft_ahead``,
-# ``schedule_past_rejection``): rejected drafts cost 0.5-0.6% of the first 256 tokens (bc5eefd, 856b609).
-# Base 4 (not 2) makes the ramp's events 4 in the first 128 tokens instead of 6.
-DRAFT_PAUSE_BASE = 4
-MAX_DRAFT_PAUSE = 128
+# A request whose verify step accepted no draft stops drafting and watches instead: each decode step still
+# looks up its n-gram prediction of the next token (on the host, no rows on the device), and it drafts again
+# once WATCH_HITS predictions in a row came true (``Scheduler._watching``). A prediction that comes true is
+# exactly a first draft that would have been accepted (greedy; sampled: with the probability the verify
+# accepts it), so drafts that keep failing cost one failed verify and nothing more, where a fixed pause
+# probed again after 4, 16, 64 .. 128 steps (each probe about 0.2 of a plain step on the K3 slice: rejected
+# drafts cost 0.5-0.6% of the first 256 tokens at 856b609). Two hits in a row, not one: where predictions
+# come true at random with probability p, a probe follows p^2 of the steps, not p.
+WATCH_HITS = 2
 # Under async scheduling a request whose n-gram lookup found nothing skips this many decode steps' lookups
 # (on a long context each lookup scans its whole history).
 EMPTY_DRAFT_PAUSE = 4
@@ -218,17 +218,17 @@ EMPTY_DRAFT_PAUSE = 4
 def settle_drafts(kv, chunk, m: int) -> None:
     """A speculative chunk accepted ``m`` of its drafts: keep the snapshot after row m + 1 for the
     request's next step (unless every draft was accepted: then the live state is right) and give
-    the other snapshot slots back; a request that accepted none pauses drafting (``MAX_DRAFT_PAUSE``), and
-    its next step carries at most m + 1 drafts (``draft_limit``)."""
+    the other snapshot slots back; a request that accepted none watches instead of drafting (``WATCH_HITS``),
+    and its next step carries at most m + 1 drafts (``draft_limit``)."""
     chunk.num_accepted = m
     req = chunk.req
     req.draft_misses = 0 if m else req.draft_misses + 1
-    req.draft_pause = min(DRAFT_PAUSE_BASE ** req.draft_misses, MAX_DRAFT_PAUSE) if req.draft_misses else 0
+    req.draft_streak, req.draft_watch = 0, None
     # A rejected draft limits the next step's drafts to m + 1 (a step that accepted all raises the limit by
     # one; the scheduler caps it at ``num_speculative_tokens``): each row of a verify step costs (on MoE
     # models a row touches its own top-k experts: a (1, 4)-row verify graph of the K3 slice reads up to four
     # tokens' experts), so drafts that fail at the same place stop paying for the rows after it, and a
-    # request back from a pause probes with one draft.
+    # request back from watching probes with one draft.
     req.draft_limit = m + 1 if m < len(chunk.draft) else max(req.draft_limit, m + 1)
     slots = chunk.spec_slots
     if m < len(chunk.draft):

@@ -263,12 +263,11 @@ def test_drafts_proposed_ahead_of_the_previous_token_keep_the_models_tokens(mode
     """Under async scheduling a request due to draft drafts before its previous token reaches the host: the
     lookup on the tokens before it proposes its successor and the drafts after that (``Scheduler._draft_ahead``),
     and the step runs ahead verifying them. A proposer that knows each request's continuation gives right and
-    wrong drafts in turn (misses pause drafting, so steps run ahead and then draft ahead); a stop token ends
+    wrong drafts, one wrong lookup in four (a miss makes the request watch its next predictions, so steps run
+    ahead, and after two right ones it drafts ahead again); a stop token ends
     one request. Tokens equal the model's greedy decoding; drafts made ahead were accepted and rejected;
     every snapshot slot and block goes back."""
     import kimik3.engine.scheduler as scheduler
-    from kimik3.engine import speculative
-    monkeypatch.setattr(speculative, "DRAFT_PAUSE_BASE", 2)
     vocab = model.config.text.vocab_size
     rng = random.Random(11)
     reqs = {}
@@ -284,7 +283,7 @@ def test_drafts_proposed_ahead_of_the_previous_token_keep_the_models_tokens(mode
         prompt = next(p for p in futures if tuple(token_ids[:len(p)]) == p)
         done = len(token_ids) - len(prompt)
         i = calls[prompt] = calls.get(prompt, -1) + 1
-        right = i % 2 == 1                                  # wrong, right, wrong, ... per request
+        right = i % 4 != 0                                  # wrong, right, right, right, wrong .. per request
         return [t if right else (t + 1) % vocab for t in futures[prompt][done:done + k]]
     monkeypatch.setattr(scheduler, "propose_ngram", propose)
     kw = dict(block_size=4, max_num_seqs=4, max_num_batched_tokens=64, max_model_len=64, extra_blocks=40,
@@ -355,9 +354,10 @@ def test_steps_launched_past_an_expected_rejection_keep_the_models_tokens(model,
     on the host. Every token equals the model's own greedy decoding; every snapshot slot and block goes back."""
     import kimik3.engine.scheduler as scheduler
     from kimik3.engine import speculative
-    # one request: misses pause drafting (1, 2, 4 .. steps), so plain steps run ahead after a kept one, from its
-    # snapshot; three: no pauses, so the requests draft in step, and on the host right after a miss
-    monkeypatch.setattr(speculative, "DRAFT_PAUSE_BASE", 2 if n == 1 else 0)
+    # one request: after a miss it watches until one prediction comes true, so plain steps run ahead after a
+    # kept one, from its snapshot; three: no watching, so the requests draft in step, and on the host right
+    # after a miss
+    monkeypatch.setattr(speculative, "WATCH_HITS", 1 if n == 1 else 0)
     vocab = model.config.text.vocab_size
     rng = random.Random(7)
     reqs = {f"r{i}": ([rng.randrange(5, vocab) for _ in range(6 + i)],
@@ -366,8 +366,8 @@ def test_steps_launched_past_an_expected_rejection_keep_the_models_tokens(model,
     calls: dict[tuple[int, ...], int] = {}
     # per lookup: W all wrong; R all right; G the guess of a lookup ahead wrong, the drafts right; D the guess
     # right, the drafts wrong (no step past it; the next lookup, on the host after a miss, has one); M: G for
-    # the second request, W for the others
-    pattern = "WGWDWMWDR"
+    # the second request, W for the others. One request: a lookup right after a right prediction (D, R) drafts
+    pattern = "WGWDWMWDR" if n > 1 else "WDGWDWR"
 
     def propose(token_ids, k, min_n, max_n, data=None, follow=1):
         prompt = next(p for p in futures if tuple(token_ids[:len(p)]) == p)
@@ -407,11 +407,11 @@ def test_steps_launched_past_an_expected_rejection_keep_the_models_tokens(model,
 def test_requests_ended_by_the_token_in_flight_give_back_their_drafted_ahead_slots(model, monkeypatch):
     """A step drafted ahead for a request that the in-flight step's token then ends (a stop token) is dropped
     for it; its snapshot slots go back (with other requests kept in the step, or none). Stop tokens swept
-    over positions of one request among three, drafting every step (no pauses, drafts always wrong, so steps
+    over positions of one request among three, drafting every step (no watching, drafts always wrong, so steps
     past each rejection run and the next lookups are made ahead)."""
     import kimik3.engine.scheduler as scheduler
     from kimik3.engine import speculative
-    monkeypatch.setattr(speculative, "DRAFT_PAUSE_BASE", 0)
+    monkeypatch.setattr(speculative, "WATCH_HITS", 0)
     vocab = model.config.text.vocab_size
     rng = random.Random(3)
     prompts_ = [[rng.randrange(5, vocab) for _ in range(6 + i)] for i in range(3)]
@@ -448,8 +448,6 @@ def test_a_failure_around_a_step_past_rejection_is_raised_next_and_frees_its_slo
     ahead), fails: the tokens committed in that call are delivered first, the StepError comes from the next
     ``step`` naming the request, and once it is aborted every snapshot slot and block is back."""
     import kimik3.engine.scheduler as scheduler
-    from kimik3.engine import speculative
-    monkeypatch.setattr(speculative, "DRAFT_PAUSE_BASE", 2)
     vocab = model.config.text.vocab_size
     p = random.Random(9).sample(range(5, vocab), 8)
     future = reference_greedy(model, p, 40)

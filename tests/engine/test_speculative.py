@@ -122,31 +122,51 @@ def test_cycling_outputs_accept_drafts_and_save_steps():
     assert steps[3] < 0.6 * steps[0], steps
 
 
-def test_drafts_that_keep_failing_pause_drafting(monkeypatch):
-    """Drafts that are always wrong: after each verify step that accepts nothing the request stops
-    drafting for 4, 16, 64, 128 decode steps, so 300 tokens carry 5 verify steps, not 300; drafts that
-    are right keep coming (3 per step, 4 tokens a step). The tokens are plain greedy's either way."""
+@pytest.mark.parametrize("async_scheduling", [False, True], ids=["sync", "async"])
+def test_drafts_that_fail_wait_until_predictions_come_true(monkeypatch, async_scheduling):
+    """After a verify step that accepts nothing the request watches instead of drafting: its n-gram
+    predictions are checked against the tokens that come, and it drafts again only after WATCH_HITS (2) right
+    predictions in a row, with no verify step between. Predictions that stay wrong: 300 tokens carry one
+    verify step (its 3 drafts), not 300; wrong up to output token 50, then right: drafting resumes with the
+    lookup that follows the second right prediction (a probe of one draft, then more); always right: 3 drafts
+    per step from the start. The tokens are plain greedy's in every case."""
     import kimik3.engine.scheduler as scheduler
     model = FakeModel()
     prompt = [3, 1, 4, 1, 5]
     ref = reference_greedy(model, prompt, 300)
-    for shift in (1, 0):
-        def propose(token_ids, k, min_n, max_n, data=None, follow=1, shift=shift):
-            done = len(token_ids) - len(prompt)
-            return [(t + shift) % 61 for t in ref[done:done + k]]
+    for wrong_until in (300, 50, 0):
+        def propose(token_ids, k, min_n, max_n, data=None, follow=1, wrong_until=wrong_until):
+            done = len(token_ids) - len(prompt)       # ref[done]: the next token (ahead: the one in flight)
+            return [(t + (done < wrong_until)) % 61 for t in ref[done:done + k]]
         monkeypatch.setattr(scheduler, "propose_ngram", propose)
-        engine = _engine(model, 3, max_model_len=320, max_num_seqs=1, enable_prefix_caching=False)
+        engine = _engine(model, 3, max_model_len=320, max_num_seqs=1, enable_prefix_caching=False,
+                         async_scheduling=async_scheduling)
+        verified = []                                  # (output index of the first draft, number of drafts)
+        update = engine.scheduler.update
+
+        def record(out, update=update):
+            verified.extend((c.start + 1 - len(prompt), len(c.draft)) for c in out.chunks if c.draft)
+            update(out)
+        engine.scheduler.update = record
         results = run(engine, {"r": (prompt, SamplingParams(temperature=0, max_tokens=300, ignore_eos=True))})
         assert results["r"][0][0] == ref
-        if shift:     # verify steps at decode steps 1, 6, 23, 88, 217 (each followed by a pause of 4, 16, 64, 128,
-            # 128), the first with 3 drafts, the others probing with one (speculative.settle_drafts' draft limit)
-            assert engine.num_accepted_tokens == 0 and engine.num_draft_tokens == 3 + 4
+        assert verified[0] == (1, 3), verified        # the first decode step drafts (the prompt's lookup)
+        if wrong_until == 300:
+            assert engine.num_accepted_tokens == 0 and engine.num_draft_tokens == 3, verified
+        elif wrong_until == 50:
+            # the lookup before output token i predicts it; right from token 50 on: hits at 50 and 51, so the
+            # lookup before token 52 drafts (ahead: made while token 52 is in flight, it guesses 52 and drafts
+            # from 53)
+            first = 52 + async_scheduling
+            assert verified[1] == (first, 1), verified
+            assert [n for _, n in verified[1:4]] == [1, 2, 3] and all(n == 3 for _, n in verified[3:-1])   # (the last:
+            assert engine.num_accepted_tokens == engine.num_draft_tokens - 3 >= 3 * (250 // 4 - 2)   # max_tokens)
         else:
             assert engine.num_accepted_tokens == engine.num_draft_tokens >= 3 * (300 // 4 - 1)
 
 
 @pytest.mark.parametrize("right,expected", [
-    (0, [3, 1, 2, 3, 3, 3]),     # a miss: a pause, then one draft, growing by one with each step accepting all
+    (0, [3, 1, 1, 1, 2, 3]),     # a miss: two lookups watched, the third drafts one, growing by one a step
     (1, [3, 2, 2, 2, 2, 2]),     # the first draft right, the rest wrong: two drafts a step
     (2, [3, 3, 3, 3, 3, 3]),     # two right: the third row still pays off
 ])

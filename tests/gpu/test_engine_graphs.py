@@ -232,15 +232,15 @@ def test_speculation_under_async_scheduling_matches_the_model(model, monkeypatch
     """Async scheduling with n-gram speculation on the GPU path: drafts made ahead of the previous token
     (``Scheduler._draft_ahead``: verify graphs fed that token on the device), steps launched past an expected
     rejection (``Scheduler.schedule_past_rejection``: decode graphs on a snapshot slot), verify steps on the
-    host's tokens, and decode graph steps run ahead while drafting is paused. Two plain greedy requests
-    (a step past a rejection reads no logprobs) with no pauses after misses, so they draft in step; per
+    host's tokens, and decode graph steps run ahead between them. Two plain greedy requests
+    (a step past a rejection reads no logprobs) with no watching after misses, so they draft in step; per
     request the oracle drafts the plain run's continuation, all wrong, or with only the guessed successor
     wrong, in turn. Tokens are checked against the model called directly, as in
     ``test_speculative_greedy_matches_plain`` (near-ties and flips judged by the model's logits alone)."""
     import kimik3.engine.scheduler as scheduler
     from kimik3.engine import speculative
     from tests.engine.helpers import count_calls
-    monkeypatch.setattr(speculative, "DRAFT_PAUSE_BASE", 0)
+    monkeypatch.setattr(speculative, "WATCH_HITS", 0)
     vocab = model.config.text.vocab_size
     reqs = {rid: (prompt, dataclasses.replace(sp, logprobs=None, max_tokens=24))
             for rid, (prompt, sp) in list(requests(vocab).items())[1:3]}
