@@ -17,9 +17,10 @@ Per step (budget = ``max_num_batched_tokens``):
    prev's token and drafts what followed its successor there (``_draft_ahead``); one with a grammar waits
    for prev's token unless no draft can follow any token (``speculative.may_propose_after``);
    a request that prev's token finishes is left out or dropped.
-6. Async scheduling with speculation: a verify step of requests whose last drafts all failed is followed at
-   once by the step that assumes they fail again (``schedule_past_rejection``), so the device does not wait
-   for the verify's tokens; the engine drops it for any request whose drafts were accepted.
+6. Async scheduling with speculation: a verify step whose drafts are expected to fail (drafted ahead on a
+   guess the real token proved wrong) is followed at once by the step that assumes they fail
+   (``schedule_past_rejection``), so the device does not wait for the verify's tokens; the engine drops it
+   for any request whose drafts were accepted.
 """
 
 from __future__ import annotations
@@ -160,7 +161,8 @@ class Scheduler:
         (``ScheduledChunk.state_slot``), so the live state and the other snapshots stay for any other outcome.
         Only where rejection is expected and the step is what ``schedule`` would then decide: every running
         request is in ``verify`` with drafts that are expected to fail (drafted ahead on a successor guess the
-        real input token proved wrong; else its last verify accepted none, ``draft_misses``), it samples plain
+        real input token proved wrong; else its last verify accepted none, ``draft_misses``: only with watching
+        off, ``speculative.WATCH_HITS`` = 0, as a watching request drafts after right predictions), it samples plain
         greedy without controls and the verify's token does not end it; no request waits; no prefix
         checkpoint at the new position. Else None. The engine keeps the chunks whose drafts were all rejected.
         (Called once the verify's input tokens are on the host.)"""
