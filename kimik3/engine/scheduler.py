@@ -134,9 +134,16 @@ class Scheduler:
         lookup on the tokens before t proposes t's successor g and the tokens after it; the drafts are those
         after g (verified against the real t's continuation, so a wrong g only costs their rows; and it tells
         the engine to expect their rejection, ``schedule_past_rejection``). Nothing found ([]): a pause, as
-        after ``_draft``'s empty lookup. None (wait for t): a request whose grammar must accept the drafts
-        (its matcher has not seen t), unless no draft can follow any t (``may_propose_after``)."""
+        after ``_draft``'s empty lookup. A watching request (``_watching``) only records the guess as its
+        prediction of t. None (wait for t): a request whose grammar must accept the drafts (its matcher has not
+        seen t), unless no draft can follow any t (``may_propose_after``)."""
         cfg = self.config
+        watched = req.draft_misses and speculative.WATCH_HITS
+        if req.matcher is not None and not watched:
+            if may_propose_after(req.token_ids, cfg.speculative_ngram_min, token_bytes(req)):
+                return None
+            req.draft_pause = EMPTY_DRAFT_PAUSE + 1
+            return []
         k = self._draft_room(req, budget + 1, 1)
         guess = propose_ngram(req.token_ids, k + 1, cfg.speculative_ngram_min, cfg.speculative_ngram_max,
                               data=token_bytes(req), follow=2) if k >= 1 else []
@@ -144,11 +151,8 @@ class Scheduler:
             if not guess:
                 req.draft_pause = EMPTY_DRAFT_PAUSE + 1
             return []
-        if req.matcher is not None:
-            if may_propose_after(req.token_ids, cfg.speculative_ngram_min, token_bytes(req)):
-                return None
-            req.draft_pause = EMPTY_DRAFT_PAUSE + 1
-            return []
+        if req.matcher is not None:      # its watch just ended: the grammar must see t before drafts
+            return None
         if len(guess) < 2:
             req.draft_pause = EMPTY_DRAFT_PAUSE + 1
             return []

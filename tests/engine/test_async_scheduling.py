@@ -324,6 +324,28 @@ def test_constrained_requests_wait_for_the_previous_token_only_where_a_draft_cou
     assert hits[0] > hits[1], hits
 
 
+def test_a_watching_request_with_a_grammar_does_not_wait_for_the_previous_token(model, monkeypatch):
+    """Drafting ahead, a request with a grammar waits for its previous token t (its matcher must see t before
+    drafts); watching after a failed verify it drafts nothing, so it only records the lookup's guess of t as its
+    prediction and its step runs ahead. Two right predictions end the watch: the next lookup waits for t again."""
+    import kimik3.engine.scheduler as scheduler
+    from kimik3.engine.request import Request
+    engine = make_engine(model, block_size=4, max_num_seqs=2, max_num_batched_tokens=64, max_model_len=64,
+                         extra_blocks=8, num_speculative_tokens=2, async_scheduling=True)
+    req = Request("r", [5, 6, 7, 5, 6], SamplingParams(temperature=0, max_tokens=20), arrival=0.0)
+    req.matcher = object()                             # any grammar: only its presence matters here
+    guesses = iter([9, 11, 12, 13])
+    monkeypatch.setattr(scheduler, "propose_ngram", lambda *a, **k: [next(guesses), 1, 2])
+    draft_ahead = engine.scheduler._draft_ahead
+    assert draft_ahead(req, 64) is None                # drafting: wait for t (min_n 1: a draft may follow)
+    req.draft_misses = 1                               # its last verify accepted nothing: watching
+    assert draft_ahead(req, 64) == [] and req.draft_watch == (5, 9)
+    req.append_token(9)                                # t came as predicted: one hit
+    assert draft_ahead(req, 64) == [] and req.draft_watch == (6, 11) and req.draft_streak == 1
+    req.append_token(11)                               # a second hit ends the watch
+    assert draft_ahead(req, 64) is None and req.draft_misses == 0
+
+
 @pytest.mark.parametrize("flags, device, expected", [
     ([], "cuda", True),                                     # vLLM's default: on where it works
     ([], "cpu", False),                                     # nothing to overlap on a CPU
