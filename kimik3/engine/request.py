@@ -75,10 +75,10 @@ class Request:
     bad_words: object | None = None  # logit controls: params.bad_words as token ids (logit_controls.BadWords)
     device_controls: object | None = None   # logit controls: ids and biases on the device (first use)
     matcher: object | None = None                   # logit controls: the structured-output grammar (structured.Matcher)
-    draft_misses: int = 0           # speculative: verify steps in a row that accepted no draft (> 0: watching)
+    draft_misses: int = 0           # speculative: failed verify step + wrong predictions since (> 0: watching)
     draft_watch: tuple[int, int] | None = None   # speculative, watching: (position, its predicted token)
     draft_streak: int = 0           # speculative, watching: predictions in a row that came true
-    draft_pause: int = 0            # decode steps left before this request looks up drafts again (none found)
+    draft_pause: int = 0            # decode steps left before this request's next n-gram lookup
     draft_limit: int = 1 << 30      # speculative: most drafts its next step carries (settle_drafts)
     token_bytes: bytearray = field(default_factory=bytearray)   # speculative: token_ids as int64 (token_bytes)
     # Image embeddings [N_i, D] by item, held (the runner's tensors) from the first chunk that needs an

@@ -10,7 +10,8 @@ Per step (budget = ``max_num_batched_tokens``):
 4. Speculative decoding: a decode step without penalties carries n-gram drafts (``_draft``) and a snapshot
    after each but the last (``speculative.py``); a request whose drafts were partly rejected first copies
    its snapshot back (``CacheHoldings.rollback_slot``); one whose drafts all failed watches instead: it
-   drafts again once its n-gram predictions came true twice in a row (``_watching``).
+   drafts again once its n-gram predictions came true twice in a row, and a wrong one pauses its lookups
+   (``_watching``).
 5. Async scheduling: while a step's tokens are still on the device, the next decode step of the same requests
    is scheduled ahead (``schedule_ahead``) when nothing else could change it: no waiting request, no
    preemption, no checkpoint to take, prev without drafts. A request due to draft looks up the n-gram before
@@ -149,7 +150,9 @@ class Scheduler:
                               data=token_bytes(req), follow=2) if k >= 1 else []
         if self._watching(req, guess[0] if guess else None):
             if not guess:
-                req.draft_pause = EMPTY_DRAFT_PAUSE + 1
+                req.draft_pause = max(req.draft_pause, EMPTY_DRAFT_PAUSE)
+            if req.draft_pause:
+                req.draft_pause += 1                   # schedule_ahead counts this step too
             return []
         if req.matcher is not None:      # its watch just ended: the grammar must see t before drafts
             return None
@@ -208,24 +211,34 @@ class Scheduler:
         if draft and req.matcher is not None and not watching:   # only drafts the grammar accepts (the rest
             draft = draft[:req.matcher.valid_prefix(draft)]       # would be rejected)
         if not draft and cfg.async_scheduling:
-            req.draft_pause = EMPTY_DRAFT_PAUSE
+            req.draft_pause = max(req.draft_pause, EMPTY_DRAFT_PAUSE)
         return [] if watching else draft
 
     @staticmethod
     def _watching(req: Request, prediction: int | None) -> bool:
         """True while ``req`` watches instead of drafting (its last verify accepted no draft;
-        ``speculative.WATCH_HITS``). Scores its last watched prediction against the token that came, then
-        watches ``prediction`` (the lookup's first token: its guess of token ``num_tokens``); WATCH_HITS right
-        predictions in a row end the watch, and this lookup's drafts go to the device."""
+        ``speculative.WATCH_HITS``). Scores its last watched prediction if the token it predicted is the one
+        that just came: a miss pauses its lookups (``speculative.watch_pause``: a request whose predictions
+        keep failing looks up as seldom as the old probes did, and its host work stays bounded on long
+        contexts); otherwise it watches ``prediction`` (the lookup's first token: its guess of token
+        ``num_tokens``). WATCH_HITS right predictions in a row end the watch, and this lookup's drafts go to
+        the device."""
         if not req.draft_misses or not speculative.WATCH_HITS:
             return False
-        hit = req.draft_watch == (req.num_tokens - 1, req.token_ids[-1])
-        req.draft_streak = req.draft_streak + 1 if hit else 0
-        req.draft_watch = None if prediction is None else (req.num_tokens, prediction)
-        if req.draft_streak < speculative.WATCH_HITS:
-            return True
-        req.draft_misses, req.draft_streak, req.draft_watch = 0, 0, None
-        return False
+        last, req.draft_watch = req.draft_watch, None
+        if last is not None and last[0] == req.num_tokens - 1:      # the token it predicted has come
+            if last[1] != req.token_ids[-1]:
+                req.draft_streak = 0
+                req.draft_misses += 1
+                req.draft_pause = speculative.watch_pause(req.draft_misses)
+                return True
+            req.draft_streak += 1
+        if req.draft_streak >= speculative.WATCH_HITS:
+            req.draft_misses = req.draft_streak = 0
+            return False
+        if prediction is not None:
+            req.draft_watch = (req.num_tokens, prediction)
+        return True
 
     def _draft_room(self, req: Request, budget: int, pending: int) -> int:
         """Most drafts ``req``'s next decode chunk may carry: within ``budget`` tokens (its input included),

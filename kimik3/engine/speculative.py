@@ -205,11 +205,22 @@ def _logprobs(chunks, spans, logits: torch.Tensor, result: SamplerOutput) -> Non
 # looks up its n-gram prediction of the next token (on the host, no rows on the device), and it drafts again
 # once WATCH_HITS predictions in a row came true (``Scheduler._watching``). A prediction that comes true is
 # exactly a first draft that would have been accepted (greedy; sampled: with the probability the verify
-# accepts it), so drafts that keep failing cost one failed verify and nothing more, where a fixed pause
+# accepts it), so drafts that keep failing cost one failed verify on the device, where a fixed pause
 # probed again after 4, 16, 64 .. 128 steps (each probe about 0.2 of a plain step on the K3 slice: rejected
 # drafts cost 0.5-0.6% of the first 256 tokens at 856b609). Two hits in a row, not one: where predictions
 # come true at random with probability p, a probe follows p^2 of the steps, not p.
 WATCH_HITS = 2
+# Each n-gram lookup scans the request's history (about 3 us per 1k tokens here: 0.1 ms at 32k, which a batch of
+# 128 pays per step), so a watching request whose prediction failed skips its next lookups: 4, 16, 64, then
+# MAX_WATCH_PAUSE decode steps as its misses grow (the schedule the device probes once had, now host work only).
+WATCH_PAUSE_BASE = 4
+MAX_WATCH_PAUSE = 128
+
+
+def watch_pause(misses: int) -> int:
+    """Decode steps a watching request skips lookups after a wrong prediction; ``misses`` counts its failed
+    verify step and wrong predictions since (2 at the first wrong prediction)."""
+    return min(WATCH_PAUSE_BASE ** (misses - 1), MAX_WATCH_PAUSE)
 # Under async scheduling a request whose n-gram lookup found nothing skips this many decode steps' lookups
 # (on a long context each lookup scans its whole history).
 EMPTY_DRAFT_PAUSE = 4

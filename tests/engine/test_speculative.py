@@ -122,21 +122,38 @@ def test_cycling_outputs_accept_drafts_and_save_steps():
     assert steps[3] < 0.6 * steps[0], steps
 
 
+def watch_schedule(first: int, end: int) -> list[int]:
+    """The output positions a watching request looks up, by the documented rule: from ``first`` (the token after
+    its failed verify step) a lookup records its prediction, the next one scores it; a wrong one skips the next
+    4, 16, 64, then 128 lookups (``speculative.watch_pause``), each pair found wrong."""
+    from kimik3.engine import speculative
+    looks, p, misses = [], first, 1
+    while p < end:
+        looks += [p, p + 1]
+        misses += 1
+        p += 2 + min(speculative.WATCH_PAUSE_BASE ** (misses - 1), speculative.MAX_WATCH_PAUSE)
+    return [q for q in looks if q < end]
+
+
 @pytest.mark.parametrize("async_scheduling", [False, True], ids=["sync", "async"])
 def test_drafts_that_fail_wait_until_predictions_come_true(monkeypatch, async_scheduling):
     """After a verify step that accepts nothing the request watches instead of drafting: its n-gram
-    predictions are checked against the tokens that come, and it drafts again only after WATCH_HITS (2) right
-    predictions in a row, with no verify step between. Predictions that stay wrong: 300 tokens carry one
-    verify step (its 3 drafts), not 300; wrong up to output token 50, then right: drafting resumes with the
-    lookup that follows the second right prediction (a probe of one draft, then more); always right: 3 drafts
-    per step from the start. The tokens are plain greedy's in every case."""
+    predictions are checked against the tokens that come (no verify steps), a wrong one pausing its lookups for
+    4, 16, 64, then 128 steps, and it drafts again only after WATCH_HITS (2) right predictions in a row.
+    Predictions that stay wrong: 300 tokens carry one verify step (its 3 drafts) and 11 lookups, not 300; wrong
+    up to output token 50, then right: the first pair of lookups past 50 is right and the lookup after it
+    drafts (a probe of one draft, then more); always right: 3 drafts per step from the start. The tokens are
+    plain greedy's in every case."""
     import kimik3.engine.scheduler as scheduler
     model = FakeModel()
     prompt = [3, 1, 4, 1, 5]
     ref = reference_greedy(model, prompt, 300)
     for wrong_until in (300, 50, 0):
-        def propose(token_ids, k, min_n, max_n, data=None, follow=1, wrong_until=wrong_until):
+        looked = []                                    # output index each lookup predicts
+
+        def propose(token_ids, k, min_n, max_n, data=None, follow=1, wrong_until=wrong_until, looked=looked):
             done = len(token_ids) - len(prompt)       # ref[done]: the next token (ahead: the one in flight)
+            looked.append(done)
             return [(t + (done < wrong_until)) % 61 for t in ref[done:done + k]]
         monkeypatch.setattr(scheduler, "propose_ngram", propose)
         engine = _engine(model, 3, max_model_len=320, max_num_seqs=1, enable_prefix_caching=False,
@@ -150,17 +167,19 @@ def test_drafts_that_fail_wait_until_predictions_come_true(monkeypatch, async_sc
         engine.scheduler.update = record
         results = run(engine, {"r": (prompt, SamplingParams(temperature=0, max_tokens=300, ignore_eos=True))})
         assert results["r"][0][0] == ref
-        assert verified[0] == (1, 3), verified        # the first decode step drafts (the prompt's lookup)
+        assert verified[0] == (1, 3), verified        # the first decode step drafts (ahead: guessing token 0)
+        watched = watch_schedule(2, 300)              # [2, 3, 8, 9, 26, 27, 92, 93, 222, 223]
         if wrong_until == 300:
             assert engine.num_accepted_tokens == 0 and engine.num_draft_tokens == 3, verified
+            assert looked[1:] == watched, looked
         elif wrong_until == 50:
-            # the lookup before output token i predicts it; right from token 50 on: hits at 50 and 51, so the
-            # lookup before token 52 drafts (ahead: made while token 52 is in flight, it guesses 52 and drafts
-            # from 53)
-            first = 52 + async_scheduling
-            assert verified[1] == (first, 1), verified
+            resume = next(p for p in watched[::2] if p >= 50)      # its pair's two predictions are right
+            assert looked[1:looked.index(resume) + 2] == watched[:watched.index(resume) + 2], looked
+            # the lookup before token resume + 2 drafts (ahead: made while that token is in flight, it guesses
+            # it and drafts from the next)
+            assert verified[1] == (resume + 2 + async_scheduling, 1), verified
             assert [n for _, n in verified[1:4]] == [1, 2, 3] and all(n == 3 for _, n in verified[3:-1])   # (the last:
-            assert engine.num_accepted_tokens == engine.num_draft_tokens - 3 >= 3 * (250 // 4 - 2)   # max_tokens)
+            assert engine.num_accepted_tokens == engine.num_draft_tokens - 3 >= 3 * ((300 - resume) // 4 - 2)   # max_tokens)
         else:
             assert engine.num_accepted_tokens == engine.num_draft_tokens >= 3 * (300 // 4 - 1)
 
