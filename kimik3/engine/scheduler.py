@@ -29,12 +29,12 @@ from __future__ import annotations
 import time
 from collections import deque
 
+from kimik3.engine import speculative
 from kimik3.engine.config import EngineConfig
 from kimik3.engine.kv_cache import KVCacheManager
 from kimik3.engine.request import Request, RequestStatus
 from kimik3.engine.sampler import is_plain_greedy
 from kimik3.engine.scheduler_output import ScheduledChunk, SchedulerOutput
-from kimik3.engine import speculative
 from kimik3.engine.speculative import EMPTY_DRAFT_PAUSE, can_speculate, may_propose_after, propose_ngram, token_bytes
 from kimik3.model.batch import StateCheckpoint
 
@@ -202,7 +202,7 @@ class Scheduler:
         cfg = self.config
         if not self._may_draft(req):
             return []
-        if req.draft_pause:               # its last lookup found nothing (speculative.EMPTY_DRAFT_PAUSE)
+        if req.draft_pause:               # after an empty lookup, or a wrong watched prediction (``_watching``)
             req.draft_pause -= 1
             return []
         draft = propose_ngram(req.token_ids, self._draft_room(req, budget, 0), cfg.speculative_ngram_min,

@@ -215,15 +215,15 @@ WATCH_HITS = 2
 # MAX_WATCH_PAUSE decode steps as its misses grow (the schedule the device probes once had, now host work only).
 WATCH_PAUSE_BASE = 4
 MAX_WATCH_PAUSE = 128
+# Under async scheduling a request whose n-gram lookup found nothing skips this many decode steps' lookups
+# (on a long context each lookup scans its whole history).
+EMPTY_DRAFT_PAUSE = 4
 
 
 def watch_pause(misses: int) -> int:
     """Decode steps a watching request skips lookups after a wrong prediction; ``misses`` counts its failed
     verify step and wrong predictions since (2 at the first wrong prediction)."""
     return min(WATCH_PAUSE_BASE ** (misses - 1), MAX_WATCH_PAUSE)
-# Under async scheduling a request whose n-gram lookup found nothing skips this many decode steps' lookups
-# (on a long context each lookup scans its whole history).
-EMPTY_DRAFT_PAUSE = 4
 
 
 def settle_drafts(kv, chunk, m: int) -> None:
