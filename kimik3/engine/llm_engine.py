@@ -21,8 +21,8 @@ from kimik3.engine.input_processor import InputProcessor
 from kimik3.engine.kv_cache import KVCacheManager
 from kimik3.engine.output import EngineStats, RequestGroup, RequestOutput, append_output, deltas
 from kimik3.engine.request import RequestStatus
-from kimik3.engine.sampler import PendingOutput, SamplerOutput
 from kimik3.engine.runner import ModelRunner
+from kimik3.engine.sampler import PendingOutput, SamplerOutput
 from kimik3.engine.sampling_params import SamplingParams
 from kimik3.engine.scheduler import Scheduler
 from kimik3.engine.scheduler_output import ScheduledChunk

@@ -139,8 +139,7 @@ class Scheduler:
         prediction of t. None (wait for t): a request whose grammar must accept the drafts (its matcher has not
         seen t), unless no draft can follow any t (``may_propose_after``)."""
         cfg = self.config
-        watched = req.draft_misses and speculative.WATCH_HITS
-        if req.matcher is not None and not watched:
+        if req.matcher is not None and not speculative.is_watching(req):
             if may_propose_after(req.token_ids, cfg.speculative_ngram_min, token_bytes(req)):
                 return None
             req.draft_pause = EMPTY_DRAFT_PAUSE + 1
@@ -223,7 +222,7 @@ class Scheduler:
         contexts); otherwise it watches ``prediction`` (the lookup's first token: its guess of token
         ``num_tokens``). WATCH_HITS right predictions in a row end the watch, and this lookup's drafts go to
         the device."""
-        if not req.draft_misses or not speculative.WATCH_HITS:
+        if not speculative.is_watching(req):
             return False
         last, req.draft_watch = req.draft_watch, None
         if last is not None and last[0] == req.num_tokens - 1:      # the token it predicted has come

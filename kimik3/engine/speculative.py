@@ -220,6 +220,11 @@ MAX_WATCH_PAUSE = 128
 EMPTY_DRAFT_PAUSE = 4
 
 
+def is_watching(req) -> bool:
+    """Whether ``req`` watches its predictions instead of drafting (a failed verify step, watching on)."""
+    return bool(req.draft_misses) and WATCH_HITS > 0
+
+
 def watch_pause(misses: int) -> int:
     """Decode steps a watching request skips lookups after a wrong prediction; ``misses`` counts its failed
     verify step and wrong predictions since (2 at the first wrong prediction)."""
