@@ -12,6 +12,7 @@ floor = bytes / measured copy rate.
     ... --tokens=32,128: only these decode sizes (with the tile sweep unless --decode-only)
     ... --prefill-only: 512-8192 tokens (128-2048 rows an expert), the fused kernels' default tiles against
         the dequantize + torch._grouped_mm path, each against the FLOPs at the measured matmul rate
+    ... --wgmma: beside the block kernels, ``moe_wgmma``'s register-operand kernels at each BT x warps
     ... --compare=OTHER_MOE_PY: beside each default-tile row, the kernels of another copy of
         ``kimik3/ops/triton/moe.py`` on the same weights, checked and timed the same way ("compared" rows)
 """
@@ -147,6 +148,9 @@ def kernels(bw):
                       dict(BM=64, BN1=64, BN2=128, BKH=64, warps=4, stages=4)]
         if decode_only:
             cands = [dict(base)]
+        if "--wgmma" in sys.argv:         # the register-operand kernels (moe_wgmma): rows a block x warps
+            cands += [dict(BT=bt, warps=w) for bt in (8, 16, 32, 64) for w in (4, 8)
+                      if bt <= 4 * max(8, T * K // E)]
         if compared is not None:
             cands += [dict(base, compared=True)]
         for cfg in cands:

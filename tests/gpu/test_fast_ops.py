@@ -251,9 +251,10 @@ def _packed(E, N, K, g, shift=0):
     return (packed.view(E, N, K // 2), scale.view(E, N, K // 32)), dense
 
 
-def check_moe(T=37, E=16, L=512, I=384, k=4, seed=4, shift=0, tell_scale_max=False) -> dict:
+def check_moe(T=37, E=16, L=512, I=384, k=4, seed=4, shift=0, tell_scale_max=False, tiles=None) -> dict:
     """shift: scales 2**shift larger (shift 20 puts them above 128: the two-multiply dequantization);
-    tell_scale_max: pass the largest scale code (<= 128 takes the one-multiply dequantization)."""
+    tell_scale_max: pass the largest scale code (<= 128 takes the one-multiply dequantization);
+    tiles: ``fused_moe_triton``'s tiles (e.g. the wgmma kernels' {"BT", "warps"}) instead of the dispatch."""
     g = _gen(seed)
     w1, d1 = _packed(E, I, L, g, shift)
     w3, d3 = _packed(E, I, L, g, shift)
@@ -265,8 +266,12 @@ def check_moe(T=37, E=16, L=512, I=384, k=4, seed=4, shift=0, tell_scale_max=Fal
     with reference_ops():   # the same bf16 roundings (projections, activation output) on the dense weights
         ref = fused_moe(x, d1.to(BF16), d2.to(BF16), d3.to(BF16), weights, ids, "situ", 4.0, 25.0, True)
     poison_allocator()
-    out = fused_moe_mxfp4(x, w1, w2, w3, weights, ids, "situ", 4.0, 25.0, True, scale_max)
-    return {f"moe.T{T}.shift{shift}.scale_max_{scale_max}": worst_rel_err(out, ref)}   # per token
+    if tiles is None:
+        out = fused_moe_mxfp4(x, w1, w2, w3, weights, ids, "situ", 4.0, 25.0, True, scale_max)
+    else:
+        from kimik3.ops.triton.moe import fused_moe_triton
+        out = fused_moe_triton(x, w1, w2, w3, weights, ids, True, 4.0, 25.0, high_scales=shift > 0, tiles=tiles)
+    return {f"moe.T{T}.shift{shift}.scale_max_{scale_max}.{tiles}": worst_rel_err(out, ref)}   # per token
 
 
 def _grouped_tokens(E: int, k: int) -> int:
@@ -464,6 +469,13 @@ CHECKS = {
     "moe_high_scales": lambda: check_moe(T=5, shift=20, seed=10),
     "moe_high_scales_told": lambda: check_moe(T=5, shift=20, tell_scale_max=True, seed=11),
     "moe_large": lambda: check_moe(T=700, E=8, L=1024, I=512, k=4), "attn_res": check_attn_res,
+    # the register-operand kernels (moe_wgmma, sm_90): each block size and warp count; 37 tokens top-4 of 16 give
+    # 2-17 rows an expert (ragged blocks), 128 tokens 32 (several blocks an expert below BT 32)
+    **{f"moe_wgmma_bt{bt}_w{w}": (lambda bt=bt, w=w: check_moe(T=37, seed=40 + bt + w, tiles=dict(BT=bt, warps=w)))
+       for bt in (8, 16, 32, 64) for w in (4, 8)},
+    "moe_wgmma_many_blocks": lambda: check_moe(T=128, E=16, L=1024, I=512, k=4, seed=41, tiles=dict(BT=16, warps=8)),
+    "moe_wgmma_high_scales": lambda: check_moe(T=37, shift=20, seed=42, tiles=dict(BT=16, warps=4)),
+    "moe_wgmma_one_token": lambda: check_moe(T=1, seed=43, tiles=dict(BT=8, warps=8)),
     "moe_64_row_tiles": lambda: check_moe(T=128, E=16, L=1024, I=512, k=4, seed=26),   # 32 rows an expert: BM 64
     # past MXFP4_GROUPED_MM_ROWS_PER_EXPERT rows per expert: dequantized chunks through torch._grouped_mm
     "moe_grouped": lambda: check_moe(T=_grouped_tokens(16, 4), E=16, L=1024, I=512, k=4, seed=24),

@@ -365,6 +365,12 @@ def _tiles(rows_per_expert: float, mxfp4: bool = False) -> dict:
     return dict(BM=128, BN1=128, BN2=128, BKH=32, warps=8, stages=3)
 
 
+def _wgmma_tiles(rows_per_expert: float) -> dict | None:
+    """MXFP4 experts through ``moe_wgmma`` (weights as the register operand; on an sm_90 GPU, widths that
+    fit): BT rows a block and 16 x warps features a program, or None for the block kernels here."""
+    return None
+
+
 # From this many rows per expert, dense bf16 experts run as torch._grouped_mm (CUTLASS grouped GEMMs) beside
 # our sort, gating and combine: measured on the H200 at the Kimi-Linear width (bench_slice.py, 6344050, the
 # library on pre-sorted tokens) it was 0.94x our tiles' time at 32 rows per expert, 0.71x at 64 (2048 tokens,
@@ -510,6 +516,15 @@ def fused_moe_triton(x: torch.Tensor, w1, w2, w3, weights: torch.Tensor, ids: to
     if (packed and tiles is None and T * top_k >= MXFP4_GROUPED_MM_ROWS_PER_EXPERT * E
             and not (x.is_cuda and torch.cuda.is_current_stream_capturing())):
         return _grouped_mm_mxfp4_experts(x, w1, w2, w3, weights, ids, act_situ, beta, linear_beta, high_scales)
+    wg = tiles if tiles is not None and "BT" in tiles else None if tiles is not None else (
+        _wgmma_tiles(T * top_k / E) if packed else None)
+    if packed and wg is not None:
+        from kimik3.ops.triton import moe_wgmma
+        if moe_wgmma.wgmma_fits(x, w1, w2, w3):
+            return moe_wgmma.wgmma_experts(x, w1, w2, w3, weights, ids, act_situ, beta, linear_beta, high_scales,
+                                           wg["BT"], wg["warps"])
+        if tiles is not None:
+            raise ValueError(f"the wgmma expert kernels cannot take these experts (tiles {tiles})")
     cfg = tiles or _tiles(T * top_k / E, packed)
     BM = cfg["BM"]
     R = T * top_k

@@ -1,0 +1,264 @@
+"""MXFP4 routed experts at decode sizes on Hopper: weights as wgmma's register operand (Gluon).
+
+``kimik3.ops.triton.moe``'s block kernels put the tokens on the left of the product: each dequantized bf16
+weight tile is written to shared memory and read back by the tensor cores, and an expert's 8-40 rows are
+padded to a 16- or 64-row tile. Here the product is transposed, out^T = W_e x^T: a program owns BN output
+features (64 per warpgroup, wgmma's M) of one expert and BT of its sorted rows (wgmma's N: 8-64, no padding
+beyond it). Each thread loads the packed bytes of exactly the weights its A fragment holds (16 contiguous
+bytes of a row per 128 K positions, one load) and expands them in registers (the integer placement of
+``moe._ASM_E2M1``) straight into the fragment: the weights never touch shared memory. Only the activations
+go through shared memory, as wgmma's B operand.
+
+The fragment and the bytes do not agree on K order. A thread of lane quad q holds, for 128 K positions,
+fragment slots s = j0 + 2q + 8 n + 16 j1 + 32 j2 + 64 j3 (the register pair j0, the quad, then registers),
+and expands its bytes 16q + j (j = j0 + 2 j1 + 4 j2 + 8 j3), low nibble n = 0, high n = 1, i.e. natural K
+position k = 32 q + 2 j + n. The product sums over K, so it is the same for any order applied to both
+operands: the activations are stored to shared memory in slot order (slot s holds position k(s)), a
+relabelling of the loaded tile (reshape and permute, no data movement), which the stores absorb.
+
+Reference: ``kimik3.ops.moe.fused_moe_mxfp4``; the sort, the combine and the dispatch live in ``moe``.
+"""
+
+from __future__ import annotations
+
+import torch
+import triton
+from triton.experimental import gluon
+from triton.experimental.gluon import language as ttgl
+from triton.experimental.gluon.language.nvidia.hopper import fence_async_shared, warpgroup_mma
+
+from kimik3.ops.triton.common import glu, pdl, pdl_entry
+from kimik3.ops.triton.moe import _ASM_E2M1
+
+# ``moe``'s expansion with its operands renumbered: four copies of one word ($4-$7; $4 read), then the
+# bf16x2 factors ($8, $9; g: $10, $11)
+_WORDS = _ASM_E2M1.replace("$5", "$8").replace("$6", "$9")
+ASM_LOW_WORDS = ttgl.constexpr(_WORDS + "}")
+ASM_HIGH_WORDS = ttgl.constexpr(_WORDS + """
+    fma.rn.bf16x2 $0, $0, $10, nz;  fma.rn.bf16x2 $1, $1, $11, nz;
+    fma.rn.bf16x2 $2, $2, $10, nz;  fma.rn.bf16x2 $3, $3, $11, nz;
+}""")
+
+BK = ttgl.constexpr(128)      # K positions per step: 64 packed bytes of a row, 16 a thread
+_glu = gluon.jit(glu.fn)
+_pdl_entry = gluon.jit(pdl_entry.fn)
+
+
+@gluon.constexpr_function
+def _warp_rows(warps, rank):
+    return [[16 << i] + [0] * (rank - 1) for i in range(warps.bit_length() - 1)]
+
+
+@gluon.constexpr_function
+def byte_layout(warps):
+    """Packed bytes [BN, 4, 4, 4] (row, quad q, word w, byte b) of 128 K positions: the thread of lane
+    (r = lane / 4, q = lane % 4) of warp w' holds bytes 16 q .. 16 q + 15 of rows 16 w' + r and 16 w' + r + 8
+    (registers: b, w, then the row's +8). Its slice over b is the layout of the words the threads load."""
+    return ttgl.DistributedLinearLayout(
+        reg_bases=[[0, 0, 0, 1], [0, 0, 0, 2], [0, 0, 1, 0], [0, 0, 2, 0], [8, 0, 0, 0]],
+        lane_bases=[[0, 1, 0, 0], [0, 2, 0, 0], [1, 0, 0, 0], [2, 0, 0, 0], [4, 0, 0, 0]],
+        warp_bases=_warp_rows(warps, 4), block_bases=[], shape=[16 * warps, 4, 4, 4])
+
+
+@gluon.constexpr_function
+def mma_layout(warps, BT):
+    return ttgl.NVMMADistributedLayout(version=[3, 0], warps_per_cta=[warps, 1], instr_shape=[16, BT, 16])
+
+
+@gluon.jit
+def _fragment(words, sc, A: ttgl.constexpr, HIGH_SCALES: ttgl.constexpr):
+    """Packed words [BN, 4, 4] (four bytes each; the slice of ``byte_layout``), scale codes sc [BN, 4] (int32)
+    -> the A fragment [BN, BK] bf16 in slot order (module docstring), exact (``moe._ASM_E2M1``). Each asm
+    instance takes four elements of the byte view, all the same word (a broadcast: no instructions), and
+    expands its four bytes; the words, not bytes, cross the loop (bytes would be unpacked and repacked)."""
+    BN: ttgl.constexpr = words.shape[0]
+    b = ttgl.expand_dims(words, 3)
+    b = ttgl.broadcast(b, ttgl.full([BN, 4, 4, 4], 0, ttgl.int32, b.type.layout))[0]
+    sc = ttgl.expand_dims(ttgl.expand_dims(sc, 2), 3)
+    if HIGH_SCALES:
+        f = ttgl.broadcast(((ttgl.minimum(sc, 128) + 126) << 7).to(ttgl.int16).to(ttgl.bfloat16, bitcast=True), b)[0]
+        g = ttgl.broadcast(((ttgl.maximum(sc, 128) - 1) << 7).to(ttgl.int16).to(ttgl.bfloat16, bitcast=True), b)[0]
+        lo, hi = ttgl.inline_asm_elementwise(ASM_HIGH_WORDS, "=r,=r,=r,=r,r,r,r,r,r,r,r,r", [b, f, g],
+                                             dtype=(ttgl.bfloat16, ttgl.bfloat16), is_pure=True, pack=4)
+    else:
+        f = ttgl.broadcast(((sc + 126) << 7).to(ttgl.int16).to(ttgl.bfloat16, bitcast=True), b)[0]
+        lo, hi = ttgl.inline_asm_elementwise(ASM_LOW_WORDS, "=r,=r,=r,=r,r,r,r,r,r,r", [b, f],
+                                             dtype=(ttgl.bfloat16, ttgl.bfloat16), is_pure=True, pack=4)
+    w = ttgl.reshape(ttgl.join(lo, hi), [BN, 4, 2, 2, 2, 2, 2])        # (row, q, j3, j2, j1, j0, n)
+    w = ttgl.permute(w, [0, 2, 3, 4, 6, 1, 5])                          # (row, j3, j2, j1, n, q, j0)
+    return ttgl.convert_layout(ttgl.reshape(w, [BN, BK]), A, assert_trivial=True)
+
+
+@gluon.jit
+def _slot_order(x, BT: ttgl.constexpr):
+    """Activations [BT, BK] in K order -> [BT, BK] in slot order (slot s holds position k(s))."""
+    x = ttgl.reshape(x, [BT, 4, 2, 2, 2, 2, 2])                         # (t, q, j3, j2, j1, j0, n)
+    return ttgl.reshape(ttgl.permute(x, [0, 2, 3, 4, 6, 1, 5]), [BT, BK])
+
+
+@gluon.jit
+def _weights(wp, ws, e, n0, stride_wp_e, stride_wp_n, stride_ws_e, stride_ws_n, BN: ttgl.constexpr,
+             WORDS: ttgl.constexpr):
+    """Pointers of expert e's rows n0 .. n0 + BN: packed words [BN, 4, 4] of the first step (``wp`` int32 words,
+    quad q's four at 4 q ..) and scale codes [BN, 4] (group q at q)."""
+    n = n0 + ttgl.arange(0, BN, layout=ttgl.SliceLayout(1, ttgl.SliceLayout(2, WORDS)))
+    q = ttgl.arange(0, 4, layout=ttgl.SliceLayout(0, ttgl.SliceLayout(2, WORDS)))
+    w = ttgl.arange(0, 4, layout=ttgl.SliceLayout(0, ttgl.SliceLayout(1, WORDS)))
+    word = ttgl.expand_dims(ttgl.expand_dims(q * 4, 0), 2) + ttgl.expand_dims(ttgl.expand_dims(w, 0), 1)
+    pw = wp + ttgl.expand_dims(ttgl.expand_dims(n.to(ttgl.int64) * stride_wp_n + e * stride_wp_e, 1), 2) + word
+    SCALES: ttgl.constexpr = ttgl.SliceLayout(2, WORDS)
+    ns = n0 + ttgl.arange(0, BN, layout=ttgl.SliceLayout(1, SCALES))
+    qs = ttgl.arange(0, 4, layout=ttgl.SliceLayout(0, SCALES))
+    ps = ws + ttgl.expand_dims(ns.to(ttgl.int64) * stride_ws_n + e * stride_ws_e, 1) + ttgl.expand_dims(qs, 0)
+    return pw, ps
+
+
+@gluon.jit
+def _stage(buf, xr, BT: ttgl.constexpr):
+    """Activations [BT, BK] (K order) into shared memory in slot order, visible to the tensor cores."""
+    buf.store(_slot_order(xr, BT))
+    fence_async_shared()
+    ttgl.thread_barrier()
+
+
+@gluon.jit
+def _gate_up_wgmma_kernel(x, w1p, w1s, w3p, w3s, h, sorted_rows, block_expert, num_rows, K,
+                          stride_x, stride_wp_e, stride_wp_n, stride_ws_e, stride_ws_n, stride_h,
+                          beta, linear_beta, TOP_K: ttgl.constexpr, ACT_SITU: ttgl.constexpr,
+                          CLIP_UP: ttgl.constexpr, BT: ttgl.constexpr, HIGH_SCALES: ttgl.constexpr,
+                          WARPS: ttgl.constexpr, PDL: ttgl.constexpr):
+    """Program (block pid_m of BT sorted rows, all of one expert; features pid_n BN .. + BN, BN = 16 WARPS):
+    h[rows] = act(x W1^T, x W3^T) for the rows' tokens. Packed weights as int32 words (strides in words)."""
+    BN: ttgl.constexpr = 16 * WARPS
+    MMA: ttgl.constexpr = mma_layout(WARPS, BT)
+    A: ttgl.constexpr = ttgl.DotOperandLayout(operand_index=0, parent=MMA, k_width=2)
+    WORDS: ttgl.constexpr = ttgl.SliceLayout(3, byte_layout(WARPS))
+    XL: ttgl.constexpr = ttgl.BlockedLayout([1, 8], [4, 8], [WARPS, 1], [1, 0])
+    SMEM: ttgl.constexpr = ttgl.NVMMASharedLayout.get_default_for([BT, BK], ttgl.bfloat16)
+    _pdl_entry(PDL)
+    pid_m = ttgl.program_id(0)
+    pid_n = ttgl.program_id(1)
+    e = ttgl.load(block_expert + pid_m).to(ttgl.int64)
+    if e >= 0:
+        p1, s1 = _weights(w1p, w1s, e, pid_n * BN, stride_wp_e, stride_wp_n, stride_ws_e, stride_ws_n, BN, WORDS)
+        p3, s3 = _weights(w3p, w3s, e, pid_n * BN, stride_wp_e, stride_wp_n, stride_ws_e, stride_ws_n, BN, WORDS)
+        m = pid_m * BT + ttgl.arange(0, BT, layout=ttgl.SliceLayout(1, XL))
+        rows = ttgl.load(sorted_rows + m)
+        kx = ttgl.arange(0, BK, layout=ttgl.SliceLayout(0, XL))
+        px = x + ttgl.expand_dims((rows // TOP_K).to(ttgl.int64) * stride_x, 1) + ttgl.expand_dims(kx, 0)
+        mx = ttgl.expand_dims(rows < num_rows, 1) & ttgl.expand_dims(kx < BK, 0)
+        xs = ttgl.allocate_shared_memory(ttgl.bfloat16, [2, BT, BK], SMEM)
+        acc1 = ttgl.zeros([BN, BT], ttgl.float32, MMA)
+        acc3 = ttgl.zeros([BN, BT], ttgl.float32, MMA)
+        b1 = ttgl.load(p1)
+        b3 = ttgl.load(p3)
+        c1 = ttgl.load(s1).to(ttgl.int32)
+        c3 = ttgl.load(s3).to(ttgl.int32)
+        xr = ttgl.load(px, mask=mx, other=0.0)
+        STEPS = K // BK
+        for i in range(STEPS):          # loads of step i + 1 in flight while step i expands and multiplies
+            more = i + 1 < STEPS
+            nb1 = ttgl.load(p1 + (i + 1) * (BK // 8), mask=more)
+            nb3 = ttgl.load(p3 + (i + 1) * (BK // 8), mask=more)
+            nc1 = ttgl.load(s1 + (i + 1) * 4, mask=more)
+            nc3 = ttgl.load(s3 + (i + 1) * 4, mask=more)
+            nxr = ttgl.load(px + (i + 1) * BK, mask=mx & more, other=0.0)
+            buf = xs.index(i % 2)
+            _stage(buf, xr, BT)
+            acc1 = warpgroup_mma(_fragment(b1, c1, A, HIGH_SCALES), buf.permute((1, 0)), acc1)
+            acc3 = warpgroup_mma(_fragment(b3, c3, A, HIGH_SCALES), buf.permute((1, 0)), acc3)
+            b1, b3, c1, c3, xr = nb1, nb3, nc1.to(ttgl.int32), nc3.to(ttgl.int32), nxr
+        # the reference rounds both projections to the activation dtype before the activation
+        g = acc1.to(ttgl.bfloat16).to(ttgl.float32)
+        u = acc3.to(ttgl.bfloat16).to(ttgl.float32)
+        out = _glu(g, u, beta, linear_beta, ACT_SITU, CLIP_UP).to(ttgl.bfloat16)
+        no = pid_n * BN + ttgl.arange(0, BN, layout=ttgl.SliceLayout(1, MMA))
+        mo = pid_m * BT + ttgl.arange(0, BT, layout=ttgl.SliceLayout(0, MMA))
+        ttgl.store(h + ttgl.expand_dims(mo.to(ttgl.int64) * stride_h, 0) + ttgl.expand_dims(no, 1), out)
+
+
+@gluon.jit
+def _down_wgmma_kernel(h, w2p, w2s, y, sorted_rows, block_expert, num_rows, K,
+                       stride_h, stride_wp_e, stride_wp_n, stride_ws_e, stride_ws_n, stride_y,
+                       BT: ttgl.constexpr, HIGH_SCALES: ttgl.constexpr, WARPS: ttgl.constexpr,
+                       PDL: ttgl.constexpr):
+    """Program (block pid_m of BT sorted rows of one expert, features pid_n BN ..): y[assignment] = h W2^T for
+    the block's rows of h (sorted order); padding rows are not written."""
+    BN: ttgl.constexpr = 16 * WARPS
+    MMA: ttgl.constexpr = mma_layout(WARPS, BT)
+    A: ttgl.constexpr = ttgl.DotOperandLayout(operand_index=0, parent=MMA, k_width=2)
+    WORDS: ttgl.constexpr = ttgl.SliceLayout(3, byte_layout(WARPS))
+    XL: ttgl.constexpr = ttgl.BlockedLayout([1, 8], [4, 8], [WARPS, 1], [1, 0])
+    SMEM: ttgl.constexpr = ttgl.NVMMASharedLayout.get_default_for([BT, BK], ttgl.bfloat16)
+    _pdl_entry(PDL)
+    pid_m = ttgl.program_id(0)
+    pid_n = ttgl.program_id(1)
+    e = ttgl.load(block_expert + pid_m).to(ttgl.int64)
+    if e >= 0:
+        pw, sw = _weights(w2p, w2s, e, pid_n * BN, stride_wp_e, stride_wp_n, stride_ws_e, stride_ws_n, BN, WORDS)
+        m = pid_m * BT + ttgl.arange(0, BT, layout=ttgl.SliceLayout(1, XL))
+        kx = ttgl.arange(0, BK, layout=ttgl.SliceLayout(0, XL))
+        px = h + ttgl.expand_dims(m.to(ttgl.int64) * stride_h, 1) + ttgl.expand_dims(kx, 0)
+        xs = ttgl.allocate_shared_memory(ttgl.bfloat16, [2, BT, BK], SMEM)
+        acc = ttgl.zeros([BN, BT], ttgl.float32, MMA)
+        b = ttgl.load(pw)
+        c = ttgl.load(sw).to(ttgl.int32)
+        xr = ttgl.load(px)
+        STEPS = K // BK
+        for i in range(STEPS):
+            more = i + 1 < STEPS
+            nb = ttgl.load(pw + (i + 1) * (BK // 8), mask=more)
+            nc = ttgl.load(sw + (i + 1) * 4, mask=more)
+            nxr = ttgl.load(px + (i + 1) * BK, mask=ttgl.full([BT, BK], 0, ttgl.int1, XL) | more, other=0.0)
+            buf = xs.index(i % 2)
+            _stage(buf, xr, BT)
+            acc = warpgroup_mma(_fragment(b, c, A, HIGH_SCALES), buf.permute((1, 0)), acc)
+            b, c, xr = nb, nc.to(ttgl.int32), nxr
+        no = pid_n * BN + ttgl.arange(0, BN, layout=ttgl.SliceLayout(1, MMA))
+        mo = pid_m * BT + ttgl.arange(0, BT, layout=ttgl.SliceLayout(0, MMA))
+        rows = ttgl.load(sorted_rows + mo)
+        ttgl.store(y + ttgl.expand_dims(rows * stride_y, 0) + ttgl.expand_dims(no, 1), acc.to(ttgl.bfloat16),
+                   mask=ttgl.expand_dims(rows < num_rows, 0) & ttgl.expand_dims(no >= 0, 1))
+
+
+def wgmma_fits(x: torch.Tensor, w1, w2, w3) -> bool:
+    """These kernels take the experts: a Hopper GPU (sm_90: wgmma), latent and expert widths multiples of 128
+    (whole steps and 128-feature programs), packed rows of whole 16-byte words."""
+    if not (x.is_cuda and torch.cuda.get_device_capability(x.device) == (9, 0)):
+        return False
+    L, I = x.shape[1], w1[0].shape[1]
+    packed_ok = all(p.stride(2) == 1 and p.stride(0) % 16 == 0 and p.stride(1) % 16 == 0 and p.data_ptr() % 16 == 0
+                    and s.stride(2) == 1 for p, s in (w1, w2, w3))
+    return L % 128 == 0 and I % 128 == 0 and packed_ok
+
+
+def wgmma_experts(x: torch.Tensor, w1, w2, w3, weights: torch.Tensor, ids: torch.Tensor, act_situ: bool, beta: float,
+                  linear_beta: float | None, high_scales: bool, BT: int, warps: int) -> torch.Tensor:
+    """``moe.fused_moe_triton`` for MXFP4 experts through the kernels above (``wgmma_fits`` holds): the
+    assignments sorted by expert in blocks of BT, gate/up, down, then ``moe``'s fp32 combine."""
+    from kimik3.ops.triton.moe import _combine_kernel, _sort_by_expert
+    (w1p, w1s), (w2p, w2s), (w3p, w3s) = w1, w2, w3
+    T, L = x.shape
+    E, I = w1p.shape[0], w1p.shape[1]
+    top_k = ids.shape[1]
+    R = T * top_k
+    BN = 16 * warps
+    sorted_rows, block_expert = _sort_by_expert(ids, E, BT)
+    nb = block_expert.shape[0]
+    w1v, w2v, w3v = (p.view(torch.int32) for p in (w1p, w2p, w3p))
+    h = torch.empty(nb * BT, I, dtype=x.dtype, device=x.device)
+    _gate_up_wgmma_kernel[(nb, I // BN)](
+        x, w1v, w1s, w3v, w3s, h, sorted_rows, block_expert, R, L,
+        x.stride(0), w1v.stride(0), w1v.stride(1), w1s.stride(0), w1s.stride(1), h.stride(0),
+        float(beta), float(linear_beta or 1.0), TOP_K=top_k, ACT_SITU=act_situ, CLIP_UP=linear_beta is not None,
+        BT=BT, HIGH_SCALES=high_scales, WARPS=warps, num_warps=warps, **pdl(x))
+    y = torch.empty(R, L, dtype=x.dtype, device=x.device)
+    _down_wgmma_kernel[(nb, L // BN)](
+        h, w2v, w2s, y, sorted_rows, block_expert, R, I,
+        h.stride(0), w2v.stride(0), w2v.stride(1), w2s.stride(0), w2s.stride(1), y.stride(0),
+        BT=BT, HIGH_SCALES=high_scales, WARPS=warps, num_warps=warps, **pdl(h))
+    out = torch.empty(T, L, dtype=x.dtype, device=x.device)
+    BL = min(1024, triton.next_power_of_2(L))
+    _combine_kernel[(T, triton.cdiv(L, BL))](y, weights.contiguous(), y, out, L, TOP_K=top_k, BL=BL, HAS_POS=False,
+                                             **pdl(y))
+    return out
