@@ -25,7 +25,7 @@ import torch
 import triton
 from triton.experimental import gluon
 from triton.experimental.gluon import language as ttgl
-from triton.experimental.gluon.language.nvidia.hopper import fence_async_shared, warpgroup_mma
+from triton.experimental.gluon.language.nvidia.hopper import async_copy, fence_async_shared, warpgroup_mma
 
 from kimik3.ops.triton.common import glu, pdl, pdl_entry
 from kimik3.ops.triton.moe import _ASM_E2M1
@@ -98,27 +98,51 @@ def _slot_order(x, BT: ttgl.constexpr):
 
 @gluon.jit
 def _weights(wp, ws, e, n0, stride_wp_e, stride_wp_n, stride_ws_e, stride_ws_n, BN: ttgl.constexpr,
-             WORDS: ttgl.constexpr):
-    """Pointers of expert e's rows n0 .. n0 + BN: packed words [BN, 4, 4] of the first step (``wp`` int32 words,
-    quad q's four at 4 q ..) and scale codes [BN, 4] (group q at q)."""
+             WORDS: ttgl.constexpr, SWORDS: ttgl.constexpr):
+    """Pointers of expert e's rows n0 .. n0 + BN at the first step: packed words [BN, 4, 4] (``wp`` int32,
+    quad q's four at 4 q ..) and scale words [BN] (``ws`` int32: the four groups of a step in one word)."""
     n = n0 + ttgl.arange(0, BN, layout=ttgl.SliceLayout(1, ttgl.SliceLayout(2, WORDS)))
     q = ttgl.arange(0, 4, layout=ttgl.SliceLayout(0, ttgl.SliceLayout(2, WORDS)))
     w = ttgl.arange(0, 4, layout=ttgl.SliceLayout(0, ttgl.SliceLayout(1, WORDS)))
     word = ttgl.expand_dims(ttgl.expand_dims(q * 4, 0), 2) + ttgl.expand_dims(ttgl.expand_dims(w, 0), 1)
     pw = wp + ttgl.expand_dims(ttgl.expand_dims(n.to(ttgl.int64) * stride_wp_n + e * stride_wp_e, 1), 2) + word
-    SCALES: ttgl.constexpr = ttgl.SliceLayout(2, WORDS)
-    ns = n0 + ttgl.arange(0, BN, layout=ttgl.SliceLayout(1, SCALES))
-    qs = ttgl.arange(0, 4, layout=ttgl.SliceLayout(0, SCALES))
-    ps = ws + ttgl.expand_dims(ns.to(ttgl.int64) * stride_ws_n + e * stride_ws_e, 1) + ttgl.expand_dims(qs, 0)
+    ns = n0 + ttgl.arange(0, BN, layout=SWORDS)
+    ps = ws + ns.to(ttgl.int64) * stride_ws_n + e * stride_ws_e
     return pw, ps
 
 
 @gluon.jit
+def _fetch(ring, sring, pw, ps, i, STEPS, STAGES: ttgl.constexpr):
+    """Start copying step i's packed words and scale words into ring slot i % STAGES (one commit group,
+    empty past the last step)."""
+    more = i < STEPS
+    async_copy.async_copy_global_to_shared(ring.index(i % STAGES), pw + i * (BK // 8), mask=more)
+    async_copy.async_copy_global_to_shared(sring.index(i % STAGES), ps + i, mask=more)
+
+
+@gluon.jit
+def _step_fragment(ring, sring, i, STAGES: ttgl.constexpr, WORDS: ttgl.constexpr, A: ttgl.constexpr,
+                   HIGH_SCALES: ttgl.constexpr):
+    """Step i's A fragment from ring slot i % STAGES (its copies complete and visible)."""
+    SCALES: ttgl.constexpr = ttgl.SliceLayout(2, WORDS)
+    words = ring.index(i % STAGES).load(WORDS)
+    sw = sring.index(i % STAGES).load(ttgl.SliceLayout(1, SCALES))
+    q = ttgl.arange(0, 4, layout=ttgl.SliceLayout(0, SCALES))
+    sc = (ttgl.expand_dims(sw, 1) >> ttgl.expand_dims(q * 8, 0)) & 0xFF
+    return _fragment(words, sc, A, HIGH_SCALES)
+
+
+@gluon.jit
 def _stage(buf, xr, BT: ttgl.constexpr):
-    """Activations [BT, BK] (K order) into shared memory in slot order, visible to the tensor cores."""
+    """Activations [BT, BK] (K order) into shared memory in slot order, for the tensor cores."""
     buf.store(_slot_order(xr, BT))
     fence_async_shared()
-    ttgl.thread_barrier()
+
+
+# the rings in shared memory: plain row-major (a warp reads 512 contiguous bytes of packed words, no bank
+# conflicts); scale words are copied one per thread
+RING = ttgl.constexpr(ttgl.SwizzledSharedLayout(vec=1, per_phase=1, max_phase=1, order=[2, 1, 0]))
+SRING = ttgl.constexpr(ttgl.SwizzledSharedLayout(vec=1, per_phase=1, max_phase=1, order=[0]))
 
 
 @gluon.jit
@@ -126,22 +150,36 @@ def _gate_up_wgmma_kernel(x, w1p, w1s, w3p, w3s, h, sorted_rows, block_expert, n
                           stride_x, stride_wp_e, stride_wp_n, stride_ws_e, stride_ws_n, stride_h,
                           beta, linear_beta, TOP_K: ttgl.constexpr, ACT_SITU: ttgl.constexpr,
                           CLIP_UP: ttgl.constexpr, BT: ttgl.constexpr, HIGH_SCALES: ttgl.constexpr,
-                          WARPS: ttgl.constexpr, PDL: ttgl.constexpr):
+                          WARPS: ttgl.constexpr, STAGES: ttgl.constexpr, PDL: ttgl.constexpr):
     """Program (block pid_m of BT sorted rows, all of one expert; features pid_n BN .. + BN, BN = 16 WARPS):
-    h[rows] = act(x W1^T, x W3^T) for the rows' tokens. Packed weights as int32 words (strides in words)."""
+    h[rows] = act(x W1^T, x W3^T) for the rows' tokens. Packed weights and scales as int32 words (strides in
+    words). The weights stream through a ring of STAGES steps (cp.async); the activations are loaded a step
+    ahead into registers and staged in slot order."""
+    _pdl_entry(PDL)
     BN: ttgl.constexpr = 16 * WARPS
     MMA: ttgl.constexpr = mma_layout(WARPS, BT)
     A: ttgl.constexpr = ttgl.DotOperandLayout(operand_index=0, parent=MMA, k_width=2)
     WORDS: ttgl.constexpr = ttgl.SliceLayout(3, byte_layout(WARPS))
+    SWORDS: ttgl.constexpr = ttgl.BlockedLayout([1], [32], [WARPS], [0])
     XL: ttgl.constexpr = ttgl.BlockedLayout([1, 8], [4, 8], [WARPS, 1], [1, 0])
     SMEM: ttgl.constexpr = ttgl.NVMMASharedLayout.get_default_for([BT, BK], ttgl.bfloat16)
-    _pdl_entry(PDL)
     pid_m = ttgl.program_id(0)
     pid_n = ttgl.program_id(1)
     e = ttgl.load(block_expert + pid_m).to(ttgl.int64)
     if e >= 0:
-        p1, s1 = _weights(w1p, w1s, e, pid_n * BN, stride_wp_e, stride_wp_n, stride_ws_e, stride_ws_n, BN, WORDS)
-        p3, s3 = _weights(w3p, w3s, e, pid_n * BN, stride_wp_e, stride_wp_n, stride_ws_e, stride_ws_n, BN, WORDS)
+        p1, s1 = _weights(w1p, w1s, e, pid_n * BN, stride_wp_e, stride_wp_n, stride_ws_e, stride_ws_n, BN, WORDS,
+                          SWORDS)
+        p3, s3 = _weights(w3p, w3s, e, pid_n * BN, stride_wp_e, stride_wp_n, stride_ws_e, stride_ws_n, BN, WORDS,
+                          SWORDS)
+        r1 = ttgl.allocate_shared_memory(ttgl.int32, [STAGES, BN, 4, 4], RING)
+        r3 = ttgl.allocate_shared_memory(ttgl.int32, [STAGES, BN, 4, 4], RING)
+        q1 = ttgl.allocate_shared_memory(ttgl.int32, [STAGES, BN], SRING)
+        q3 = ttgl.allocate_shared_memory(ttgl.int32, [STAGES, BN], SRING)
+        STEPS = K // BK
+        for i in ttgl.static_range(STAGES - 1):
+            _fetch(r1, q1, p1, s1, i, STEPS, STAGES)
+            _fetch(r3, q3, p3, s3, i, STEPS, STAGES)
+            async_copy.commit_group()
         m = pid_m * BT + ttgl.arange(0, BT, layout=ttgl.SliceLayout(1, XL))
         rows = ttgl.load(sorted_rows + m)
         kx = ttgl.arange(0, BK, layout=ttgl.SliceLayout(0, XL))
@@ -150,24 +188,20 @@ def _gate_up_wgmma_kernel(x, w1p, w1s, w3p, w3s, h, sorted_rows, block_expert, n
         xs = ttgl.allocate_shared_memory(ttgl.bfloat16, [2, BT, BK], SMEM)
         acc1 = ttgl.zeros([BN, BT], ttgl.float32, MMA)
         acc3 = ttgl.zeros([BN, BT], ttgl.float32, MMA)
-        b1 = ttgl.load(p1)
-        b3 = ttgl.load(p3)
-        c1 = ttgl.load(s1).to(ttgl.int32)
-        c3 = ttgl.load(s3).to(ttgl.int32)
         xr = ttgl.load(px, mask=mx, other=0.0)
-        STEPS = K // BK
-        for i in range(STEPS):          # loads of step i + 1 in flight while step i expands and multiplies
-            more = i + 1 < STEPS
-            nb1 = ttgl.load(p1 + (i + 1) * (BK // 8), mask=more)
-            nb3 = ttgl.load(p3 + (i + 1) * (BK // 8), mask=more)
-            nc1 = ttgl.load(s1 + (i + 1) * 4, mask=more)
-            nc3 = ttgl.load(s3 + (i + 1) * 4, mask=more)
-            nxr = ttgl.load(px + (i + 1) * BK, mask=mx & more, other=0.0)
+        for i in range(STEPS):
+            nxr = ttgl.load(px + (i + 1) * BK, mask=mx & (i + 1 < STEPS), other=0.0)
             buf = xs.index(i % 2)
             _stage(buf, xr, BT)
-            acc1 = warpgroup_mma(_fragment(b1, c1, A, HIGH_SCALES), buf.permute((1, 0)), acc1)
-            acc3 = warpgroup_mma(_fragment(b3, c3, A, HIGH_SCALES), buf.permute((1, 0)), acc3)
-            b1, b3, c1, c3, xr = nb1, nb3, nc1.to(ttgl.int32), nc3.to(ttgl.int32), nxr
+            async_copy.wait_group(STAGES - 2)       # step i's copies have landed (this thread's)
+            ttgl.thread_barrier()                   # ... everyone's; slot (i - 1) % STAGES is free
+            _fetch(r1, q1, p1, s1, i + STAGES - 1, STEPS, STAGES)
+            _fetch(r3, q3, p3, s3, i + STAGES - 1, STEPS, STAGES)
+            async_copy.commit_group()
+            acc1 = warpgroup_mma(_step_fragment(r1, q1, i, STAGES, WORDS, A, HIGH_SCALES), buf.permute((1, 0)), acc1)
+            acc3 = warpgroup_mma(_step_fragment(r3, q3, i, STAGES, WORDS, A, HIGH_SCALES), buf.permute((1, 0)), acc3)
+            xr = nxr
+        async_copy.wait_group(0)
         # the reference rounds both projections to the activation dtype before the activation
         g = acc1.to(ttgl.bfloat16).to(ttgl.float32)
         u = acc3.to(ttgl.bfloat16).to(ttgl.float32)
@@ -181,39 +215,46 @@ def _gate_up_wgmma_kernel(x, w1p, w1s, w3p, w3s, h, sorted_rows, block_expert, n
 def _down_wgmma_kernel(h, w2p, w2s, y, sorted_rows, block_expert, num_rows, K,
                        stride_h, stride_wp_e, stride_wp_n, stride_ws_e, stride_ws_n, stride_y,
                        BT: ttgl.constexpr, HIGH_SCALES: ttgl.constexpr, WARPS: ttgl.constexpr,
-                       PDL: ttgl.constexpr):
+                       STAGES: ttgl.constexpr, PDL: ttgl.constexpr):
     """Program (block pid_m of BT sorted rows of one expert, features pid_n BN ..): y[assignment] = h W2^T for
-    the block's rows of h (sorted order); padding rows are not written."""
+    the block's rows of h (sorted order); padding rows are not written. Pipelined as the gate/up kernel."""
+    _pdl_entry(PDL)
     BN: ttgl.constexpr = 16 * WARPS
     MMA: ttgl.constexpr = mma_layout(WARPS, BT)
     A: ttgl.constexpr = ttgl.DotOperandLayout(operand_index=0, parent=MMA, k_width=2)
     WORDS: ttgl.constexpr = ttgl.SliceLayout(3, byte_layout(WARPS))
+    SWORDS: ttgl.constexpr = ttgl.BlockedLayout([1], [32], [WARPS], [0])
     XL: ttgl.constexpr = ttgl.BlockedLayout([1, 8], [4, 8], [WARPS, 1], [1, 0])
     SMEM: ttgl.constexpr = ttgl.NVMMASharedLayout.get_default_for([BT, BK], ttgl.bfloat16)
-    _pdl_entry(PDL)
     pid_m = ttgl.program_id(0)
     pid_n = ttgl.program_id(1)
     e = ttgl.load(block_expert + pid_m).to(ttgl.int64)
     if e >= 0:
-        pw, sw = _weights(w2p, w2s, e, pid_n * BN, stride_wp_e, stride_wp_n, stride_ws_e, stride_ws_n, BN, WORDS)
+        pw, sw = _weights(w2p, w2s, e, pid_n * BN, stride_wp_e, stride_wp_n, stride_ws_e, stride_ws_n, BN, WORDS,
+                          SWORDS)
+        r = ttgl.allocate_shared_memory(ttgl.int32, [STAGES, BN, 4, 4], RING)
+        qs = ttgl.allocate_shared_memory(ttgl.int32, [STAGES, BN], SRING)
+        STEPS = K // BK
+        for i in ttgl.static_range(STAGES - 1):
+            _fetch(r, qs, pw, sw, i, STEPS, STAGES)
+            async_copy.commit_group()
         m = pid_m * BT + ttgl.arange(0, BT, layout=ttgl.SliceLayout(1, XL))
         kx = ttgl.arange(0, BK, layout=ttgl.SliceLayout(0, XL))
         px = h + ttgl.expand_dims(m.to(ttgl.int64) * stride_h, 1) + ttgl.expand_dims(kx, 0)
         xs = ttgl.allocate_shared_memory(ttgl.bfloat16, [2, BT, BK], SMEM)
         acc = ttgl.zeros([BN, BT], ttgl.float32, MMA)
-        b = ttgl.load(pw)
-        c = ttgl.load(sw).to(ttgl.int32)
         xr = ttgl.load(px)
-        STEPS = K // BK
         for i in range(STEPS):
-            more = i + 1 < STEPS
-            nb = ttgl.load(pw + (i + 1) * (BK // 8), mask=more)
-            nc = ttgl.load(sw + (i + 1) * 4, mask=more)
-            nxr = ttgl.load(px + (i + 1) * BK, mask=ttgl.full([BT, BK], 0, ttgl.int1, XL) | more, other=0.0)
+            nxr = ttgl.load(px + (i + 1) * BK, mask=ttgl.full([BT, BK], 0, ttgl.int1, XL) | (i + 1 < STEPS), other=0.0)
             buf = xs.index(i % 2)
             _stage(buf, xr, BT)
-            acc = warpgroup_mma(_fragment(b, c, A, HIGH_SCALES), buf.permute((1, 0)), acc)
-            b, c, xr = nb, nc.to(ttgl.int32), nxr
+            async_copy.wait_group(STAGES - 2)
+            ttgl.thread_barrier()
+            _fetch(r, qs, pw, sw, i + STAGES - 1, STEPS, STAGES)
+            async_copy.commit_group()
+            acc = warpgroup_mma(_step_fragment(r, qs, i, STAGES, WORDS, A, HIGH_SCALES), buf.permute((1, 0)), acc)
+            xr = nxr
+        async_copy.wait_group(0)
         no = pid_n * BN + ttgl.arange(0, BN, layout=ttgl.SliceLayout(1, MMA))
         mo = pid_m * BT + ttgl.arange(0, BT, layout=ttgl.SliceLayout(0, MMA))
         rows = ttgl.load(sorted_rows + mo)
@@ -228,12 +269,13 @@ def wgmma_fits(x: torch.Tensor, w1, w2, w3) -> bool:
         return False
     L, I = x.shape[1], w1[0].shape[1]
     packed_ok = all(p.stride(2) == 1 and p.stride(0) % 16 == 0 and p.stride(1) % 16 == 0 and p.data_ptr() % 16 == 0
-                    and s.stride(2) == 1 for p, s in (w1, w2, w3))
+                    and s.stride(2) == 1 and s.stride(0) % 4 == 0 and s.stride(1) % 4 == 0 and s.data_ptr() % 4 == 0
+                    for p, s in (w1, w2, w3))
     return L % 128 == 0 and I % 128 == 0 and packed_ok
 
 
 def wgmma_experts(x: torch.Tensor, w1, w2, w3, weights: torch.Tensor, ids: torch.Tensor, act_situ: bool, beta: float,
-                  linear_beta: float | None, high_scales: bool, BT: int, warps: int) -> torch.Tensor:
+                  linear_beta: float | None, high_scales: bool, BT: int, warps: int, stages: int = 4) -> torch.Tensor:
     """``moe.fused_moe_triton`` for MXFP4 experts through the kernels above (``wgmma_fits`` holds): the
     assignments sorted by expert in blocks of BT, gate/up, down, then ``moe``'s fp32 combine."""
     from kimik3.ops.triton.moe import _combine_kernel, _sort_by_expert
@@ -245,18 +287,18 @@ def wgmma_experts(x: torch.Tensor, w1, w2, w3, weights: torch.Tensor, ids: torch
     BN = 16 * warps
     sorted_rows, block_expert = _sort_by_expert(ids, E, BT)
     nb = block_expert.shape[0]
-    w1v, w2v, w3v = (p.view(torch.int32) for p in (w1p, w2p, w3p))
+    w1v, w2v, w3v, s1v, s2v, s3v = (t.view(torch.int32) for t in (w1p, w2p, w3p, w1s, w2s, w3s))
     h = torch.empty(nb * BT, I, dtype=x.dtype, device=x.device)
     _gate_up_wgmma_kernel[(nb, I // BN)](
-        x, w1v, w1s, w3v, w3s, h, sorted_rows, block_expert, R, L,
-        x.stride(0), w1v.stride(0), w1v.stride(1), w1s.stride(0), w1s.stride(1), h.stride(0),
+        x, w1v, s1v, w3v, s3v, h, sorted_rows, block_expert, R, L,
+        x.stride(0), w1v.stride(0), w1v.stride(1), s1v.stride(0), s1v.stride(1), h.stride(0),
         float(beta), float(linear_beta or 1.0), TOP_K=top_k, ACT_SITU=act_situ, CLIP_UP=linear_beta is not None,
-        BT=BT, HIGH_SCALES=high_scales, WARPS=warps, num_warps=warps, **pdl(x))
+        BT=BT, HIGH_SCALES=high_scales, WARPS=warps, STAGES=stages, num_warps=warps, **pdl(x))
     y = torch.empty(R, L, dtype=x.dtype, device=x.device)
     _down_wgmma_kernel[(nb, L // BN)](
-        h, w2v, w2s, y, sorted_rows, block_expert, R, I,
-        h.stride(0), w2v.stride(0), w2v.stride(1), w2s.stride(0), w2s.stride(1), y.stride(0),
-        BT=BT, HIGH_SCALES=high_scales, WARPS=warps, num_warps=warps, **pdl(h))
+        h, w2v, s2v, y, sorted_rows, block_expert, R, I,
+        h.stride(0), w2v.stride(0), w2v.stride(1), s2v.stride(0), s2v.stride(1), y.stride(0),
+        BT=BT, HIGH_SCALES=high_scales, WARPS=warps, STAGES=stages, num_warps=warps, **pdl(h))
     out = torch.empty(T, L, dtype=x.dtype, device=x.device)
     BL = min(1024, triton.next_power_of_2(L))
     _combine_kernel[(T, triton.cdiv(L, BL))](y, weights.contiguous(), y, out, L, TOP_K=top_k, BL=BL, HAS_POS=False,
