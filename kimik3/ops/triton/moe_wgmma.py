@@ -97,17 +97,20 @@ def _slot_order(x, BT: ttgl.constexpr):
 
 
 @gluon.jit
-def _weights(wp, ws, e, n0, stride_wp_e, stride_wp_n, stride_ws_e, stride_ws_n, BN: ttgl.constexpr,
-             WORDS: ttgl.constexpr, SWORDS: ttgl.constexpr):
-    """Pointers of expert e's rows n0 .. n0 + BN at the first step: packed words [BN, 4, 4] (``wp`` int32,
-    quad q's four at 4 q ..) and scale words [BN] (``ws`` int32: the four groups of a step in one word)."""
-    n = n0 + ttgl.arange(0, BN, layout=ttgl.SliceLayout(1, ttgl.SliceLayout(2, WORDS)))
+def _weights(wa, sa, wb, sb, e, n0, stride_wp_e, stride_wp_n, stride_ws_e, stride_ws_n, BN: ttgl.constexpr,
+             SPLIT: ttgl.constexpr, WORDS: ttgl.constexpr, SWORDS: ttgl.constexpr):
+    """Pointers of a program's BN weight rows at the first step: tile row r < SPLIT is row n0 + r of expert e in
+    (wa, sa), a row past it row n0 + r - SPLIT in (wb, sb) (same strides). Packed words [BN, 4, 4] (int32,
+    quad q's four at 4 q ..) and scale words [BN] (int32: the four groups of a step in one word)."""
+    r = ttgl.arange(0, BN, layout=ttgl.SliceLayout(1, ttgl.SliceLayout(2, WORDS)))
     q = ttgl.arange(0, 4, layout=ttgl.SliceLayout(0, ttgl.SliceLayout(2, WORDS)))
     w = ttgl.arange(0, 4, layout=ttgl.SliceLayout(0, ttgl.SliceLayout(1, WORDS)))
     word = ttgl.expand_dims(ttgl.expand_dims(q * 4, 0), 2) + ttgl.expand_dims(ttgl.expand_dims(w, 0), 1)
-    pw = wp + ttgl.expand_dims(ttgl.expand_dims(n.to(ttgl.int64) * stride_wp_n + e * stride_wp_e, 1), 2) + word
-    ns = n0 + ttgl.arange(0, BN, layout=SWORDS)
-    ps = ws + ns.to(ttgl.int64) * stride_ws_n + e * stride_ws_e
+    off = ttgl.expand_dims(ttgl.expand_dims((n0 + r % SPLIT).to(ttgl.int64) * stride_wp_n + e * stride_wp_e, 1), 2)
+    first = ttgl.expand_dims(ttgl.expand_dims(r < SPLIT, 1), 2)
+    pw = ttgl.where(first, wa, wb) + off + word
+    rs = ttgl.arange(0, BN, layout=SWORDS)
+    ps = ttgl.where(rs < SPLIT, sa, sb) + (n0 + rs % SPLIT).to(ttgl.int64) * stride_ws_n + e * stride_ws_e
     return pw, ps
 
 
@@ -143,6 +146,7 @@ def _stage(buf, xr, BT: ttgl.constexpr):
 # conflicts); scale words are copied one per thread
 RING = ttgl.constexpr(ttgl.SwizzledSharedLayout(vec=1, per_phase=1, max_phase=1, order=[2, 1, 0]))
 SRING = ttgl.constexpr(ttgl.SwizzledSharedLayout(vec=1, per_phase=1, max_phase=1, order=[0]))
+SRING2 = ttgl.constexpr(ttgl.SwizzledSharedLayout(vec=1, per_phase=1, max_phase=1, order=[0, 1]))
 
 
 @gluon.jit
@@ -151,34 +155,32 @@ def _gate_up_wgmma_kernel(x, w1p, w1s, w3p, w3s, h, sorted_rows, block_expert, n
                           beta, linear_beta, TOP_K: ttgl.constexpr, ACT_SITU: ttgl.constexpr,
                           CLIP_UP: ttgl.constexpr, BT: ttgl.constexpr, HIGH_SCALES: ttgl.constexpr,
                           WARPS: ttgl.constexpr, STAGES: ttgl.constexpr, PDL: ttgl.constexpr):
-    """Program (block pid_m of BT sorted rows, all of one expert; features pid_n BN .. + BN, BN = 16 WARPS):
-    h[rows] = act(x W1^T, x W3^T) for the rows' tokens. Packed weights and scales as int32 words (strides in
-    words). The weights stream through a ring of STAGES steps (cp.async); the activations are loaded a step
-    ahead into registers and staged in slot order."""
+    """Program (block pid_m of BT sorted rows, all of one expert; features pid_n F .. + F, F = 8 WARPS):
+    h[rows] = act(x W1^T, x W3^T) for the rows' tokens. One product of 2F weight rows, W1's F rows then W3's,
+    so each thread holds one accumulator. Packed weights and scales as int32 words (strides in words). The
+    weights stream through a ring of STAGES steps (cp.async); the activations are loaded a step ahead into
+    registers and staged in slot order; the gate and up halves meet in shared memory for the activation."""
     _pdl_entry(PDL)
     BN: ttgl.constexpr = 16 * WARPS
+    F: ttgl.constexpr = 8 * WARPS
     MMA: ttgl.constexpr = mma_layout(WARPS, BT)
     A: ttgl.constexpr = ttgl.DotOperandLayout(operand_index=0, parent=MMA, k_width=2)
     WORDS: ttgl.constexpr = ttgl.SliceLayout(3, byte_layout(WARPS))
     SWORDS: ttgl.constexpr = ttgl.BlockedLayout([1], [32], [WARPS], [0])
     XL: ttgl.constexpr = ttgl.BlockedLayout([1, 8], [4, 8], [WARPS, 1], [1, 0])
+    EPI: ttgl.constexpr = ttgl.BlockedLayout([1, 8], [4, 8], [WARPS, 1], [0, 1])
     SMEM: ttgl.constexpr = ttgl.NVMMASharedLayout.get_default_for([BT, BK], ttgl.bfloat16)
     pid_m = ttgl.program_id(0)
     pid_n = ttgl.program_id(1)
     e = ttgl.load(block_expert + pid_m).to(ttgl.int64)
     if e >= 0:
-        p1, s1 = _weights(w1p, w1s, e, pid_n * BN, stride_wp_e, stride_wp_n, stride_ws_e, stride_ws_n, BN, WORDS,
-                          SWORDS)
-        p3, s3 = _weights(w3p, w3s, e, pid_n * BN, stride_wp_e, stride_wp_n, stride_ws_e, stride_ws_n, BN, WORDS,
-                          SWORDS)
-        r1 = ttgl.allocate_shared_memory(ttgl.int32, [STAGES, BN, 4, 4], RING)
-        r3 = ttgl.allocate_shared_memory(ttgl.int32, [STAGES, BN, 4, 4], RING)
-        q1 = ttgl.allocate_shared_memory(ttgl.int32, [STAGES, BN], SRING)
-        q3 = ttgl.allocate_shared_memory(ttgl.int32, [STAGES, BN], SRING)
+        pw, ps = _weights(w1p, w1s, w3p, w3s, e, pid_n * F, stride_wp_e, stride_wp_n, stride_ws_e, stride_ws_n, BN, F,
+                          WORDS, SWORDS)
+        ring = ttgl.allocate_shared_memory(ttgl.int32, [STAGES, BN, 4, 4], RING)
+        sring = ttgl.allocate_shared_memory(ttgl.int32, [STAGES, BN], SRING)
         STEPS = K // BK
         for i in ttgl.static_range(STAGES - 1):
-            _fetch(r1, q1, p1, s1, i, STEPS, STAGES)
-            _fetch(r3, q3, p3, s3, i, STEPS, STAGES)
+            _fetch(ring, sring, pw, ps, i, STEPS, STAGES)
             async_copy.commit_group()
         m = pid_m * BT + ttgl.arange(0, BT, layout=ttgl.SliceLayout(1, XL))
         rows = ttgl.load(sorted_rows + m)
@@ -186,8 +188,7 @@ def _gate_up_wgmma_kernel(x, w1p, w1s, w3p, w3s, h, sorted_rows, block_expert, n
         px = x + ttgl.expand_dims((rows // TOP_K).to(ttgl.int64) * stride_x, 1) + ttgl.expand_dims(kx, 0)
         mx = ttgl.expand_dims(rows < num_rows, 1) & ttgl.expand_dims(kx < BK, 0)
         xs = ttgl.allocate_shared_memory(ttgl.bfloat16, [2, BT, BK], SMEM)
-        acc1 = ttgl.zeros([BN, BT], ttgl.float32, MMA)
-        acc3 = ttgl.zeros([BN, BT], ttgl.float32, MMA)
+        acc = ttgl.zeros([BN, BT], ttgl.float32, MMA)
         xr = ttgl.load(px, mask=mx, other=0.0)
         for i in range(STEPS):
             nxr = ttgl.load(px + (i + 1) * BK, mask=mx & (i + 1 < STEPS), other=0.0)
@@ -195,19 +196,20 @@ def _gate_up_wgmma_kernel(x, w1p, w1s, w3p, w3s, h, sorted_rows, block_expert, n
             _stage(buf, xr, BT)
             async_copy.wait_group(STAGES - 2)       # step i's copies have landed (this thread's)
             ttgl.thread_barrier()                   # ... everyone's; slot (i - 1) % STAGES is free
-            _fetch(r1, q1, p1, s1, i + STAGES - 1, STEPS, STAGES)
-            _fetch(r3, q3, p3, s3, i + STAGES - 1, STEPS, STAGES)
+            _fetch(ring, sring, pw, ps, i + STAGES - 1, STEPS, STAGES)
             async_copy.commit_group()
-            acc1 = warpgroup_mma(_step_fragment(r1, q1, i, STAGES, WORDS, A, HIGH_SCALES), buf.permute((1, 0)), acc1)
-            acc3 = warpgroup_mma(_step_fragment(r3, q3, i, STAGES, WORDS, A, HIGH_SCALES), buf.permute((1, 0)), acc3)
+            acc = warpgroup_mma(_step_fragment(ring, sring, i, STAGES, WORDS, A, HIGH_SCALES), buf.permute((1, 0)), acc)
             xr = nxr
         async_copy.wait_group(0)
         # the reference rounds both projections to the activation dtype before the activation
-        g = acc1.to(ttgl.bfloat16).to(ttgl.float32)
-        u = acc3.to(ttgl.bfloat16).to(ttgl.float32)
+        gu = ttgl.allocate_shared_memory(ttgl.bfloat16, [BN, BT], SRING2)
+        gu.store(acc.to(ttgl.bfloat16))
+        ttgl.thread_barrier()
+        g = gu.slice(0, F).load(EPI).to(ttgl.float32)
+        u = gu.slice(F, F).load(EPI).to(ttgl.float32)
         out = _glu(g, u, beta, linear_beta, ACT_SITU, CLIP_UP).to(ttgl.bfloat16)
-        no = pid_n * BN + ttgl.arange(0, BN, layout=ttgl.SliceLayout(1, MMA))
-        mo = pid_m * BT + ttgl.arange(0, BT, layout=ttgl.SliceLayout(0, MMA))
+        no = pid_n * F + ttgl.arange(0, F, layout=ttgl.SliceLayout(1, EPI))
+        mo = pid_m * BT + ttgl.arange(0, BT, layout=ttgl.SliceLayout(0, EPI))
         ttgl.store(h + ttgl.expand_dims(mo.to(ttgl.int64) * stride_h, 0) + ttgl.expand_dims(no, 1), out)
 
 
@@ -230,8 +232,8 @@ def _down_wgmma_kernel(h, w2p, w2s, y, sorted_rows, block_expert, num_rows, K,
     pid_n = ttgl.program_id(1)
     e = ttgl.load(block_expert + pid_m).to(ttgl.int64)
     if e >= 0:
-        pw, sw = _weights(w2p, w2s, e, pid_n * BN, stride_wp_e, stride_wp_n, stride_ws_e, stride_ws_n, BN, WORDS,
-                          SWORDS)
+        pw, sw = _weights(w2p, w2s, w2p, w2s, e, pid_n * BN, stride_wp_e, stride_wp_n, stride_ws_e, stride_ws_n, BN,
+                          BN, WORDS, SWORDS)
         r = ttgl.allocate_shared_memory(ttgl.int32, [STAGES, BN, 4, 4], RING)
         qs = ttgl.allocate_shared_memory(ttgl.int32, [STAGES, BN], SRING)
         STEPS = K // BK
@@ -289,7 +291,7 @@ def wgmma_experts(x: torch.Tensor, w1, w2, w3, weights: torch.Tensor, ids: torch
     nb = block_expert.shape[0]
     w1v, w2v, w3v, s1v, s2v, s3v = (t.view(torch.int32) for t in (w1p, w2p, w3p, w1s, w2s, w3s))
     h = torch.empty(nb * BT, I, dtype=x.dtype, device=x.device)
-    _gate_up_wgmma_kernel[(nb, I // BN)](
+    _gate_up_wgmma_kernel[(nb, I // (BN // 2))](
         x, w1v, s1v, w3v, s3v, h, sorted_rows, block_expert, R, L,
         x.stride(0), w1v.stride(0), w1v.stride(1), s1v.stride(0), s1v.stride(1), h.stride(0),
         float(beta), float(linear_beta or 1.0), TOP_K=top_k, ACT_SITU=act_situ, CLIP_UP=linear_beta is not None,
