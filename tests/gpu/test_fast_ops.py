@@ -476,6 +476,10 @@ CHECKS = {
     "moe_wgmma_many_blocks": lambda: check_moe(T=128, E=16, L=1024, I=512, k=4, seed=41, tiles=dict(BT=16, warps=8)),
     "moe_wgmma_high_scales": lambda: check_moe(T=37, shift=20, seed=42, tiles=dict(BT=16, warps=4)),
     "moe_wgmma_one_token": lambda: check_moe(T=1, seed=43, tiles=dict(BT=8, warps=8)),
+    # two tiles a program (the activations staged once for both), 2-4 ring stages
+    **{f"moe_wgmma_two_bt{bt}_w{w}_s{st}": (lambda bt=bt, w=w, st=st: check_moe(
+        T=70, L=512, I=512, seed=44 + bt + w + st, tiles=dict(BT=bt, warps=w, stages=st, two=True)))
+       for bt, w, st in ((16, 4, 2), (32, 8, 3), (64, 8, 4), (64, 4, 3))},
     "moe_64_row_tiles": lambda: check_moe(T=128, E=16, L=1024, I=512, k=4, seed=26),   # 32 rows an expert: BM 64
     # past MXFP4_GROUPED_MM_ROWS_PER_EXPERT rows per expert: dequantized chunks through torch._grouped_mm
     "moe_grouped": lambda: check_moe(T=_grouped_tokens(16, 4), E=16, L=1024, I=512, k=4, seed=24),

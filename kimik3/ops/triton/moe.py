@@ -367,8 +367,8 @@ def _tiles(rows_per_expert: float, mxfp4: bool = False) -> dict:
 
 def _wgmma_tiles(rows_per_expert: float) -> dict | None:
     """MXFP4 experts through ``moe_wgmma`` (weights as the register operand; on an sm_90 GPU, widths that
-    fit): BT rows a block, 16 x warps features a program, "stages" steps of weights in flight (default 4), or
-    None for the block kernels here."""
+    fit): BT rows a block, 16 x warps weight rows a tile (gate/up: half of each), "stages" steps of weights in
+    flight (default 3), "two" tiles a program (default False), or None for the block kernels here."""
     return None
 
 
@@ -521,9 +521,9 @@ def fused_moe_triton(x: torch.Tensor, w1, w2, w3, weights: torch.Tensor, ids: to
         _wgmma_tiles(T * top_k / E) if packed else None)
     if packed and wg is not None:
         from kimik3.ops.triton import moe_wgmma
-        if moe_wgmma.wgmma_fits(x, w1, w2, w3):
+        if moe_wgmma.wgmma_fits(x, w1, w2, w3, wg["warps"], wg.get("two", False)):
             return moe_wgmma.wgmma_experts(x, w1, w2, w3, weights, ids, act_situ, beta, linear_beta, high_scales,
-                                           wg["BT"], wg["warps"], wg.get("stages", 4))
+                                           wg["BT"], wg["warps"], wg.get("stages", 3), wg.get("two", False))
         if tiles is not None:
             raise ValueError(f"the wgmma expert kernels cannot take these experts (tiles {tiles})")
     cfg = tiles or _tiles(T * top_k / E, packed)

@@ -150,12 +150,28 @@ SRING2 = ttgl.constexpr(ttgl.SwizzledSharedLayout(vec=1, per_phase=1, max_phase=
 
 
 @gluon.jit
+def _gate_up_out(gu, acc, h, n0, pid_m, stride_h, beta, linear_beta, ACT_SITU: ttgl.constexpr, CLIP_UP: ttgl.constexpr,
+                 BT: ttgl.constexpr, F: ttgl.constexpr, EPI: ttgl.constexpr):
+    """h[block rows, n0 .. n0 + F] = act(gate, up) from the accumulator [2F, BT] (gate rows, then up rows),
+    both rounded to bf16 first, through shared memory ``gu``."""
+    gu.store(acc.to(ttgl.bfloat16))
+    ttgl.thread_barrier()
+    g = gu.slice(0, F).load(EPI).to(ttgl.float32)
+    u = gu.slice(F, F).load(EPI).to(ttgl.float32)
+    out = _glu(g, u, beta, linear_beta, ACT_SITU, CLIP_UP).to(ttgl.bfloat16)
+    no = n0 + ttgl.arange(0, F, layout=ttgl.SliceLayout(1, EPI))
+    mo = pid_m * BT + ttgl.arange(0, BT, layout=ttgl.SliceLayout(0, EPI))
+    ttgl.store(h + ttgl.expand_dims(mo.to(ttgl.int64) * stride_h, 0) + ttgl.expand_dims(no, 1), out)
+
+
+@gluon.jit
 def _gate_up_wgmma_kernel(x, w1p, w1s, w3p, w3s, h, sorted_rows, block_expert, num_rows, K,
                           stride_x, stride_wp_e, stride_wp_n, stride_ws_e, stride_ws_n, stride_h,
                           beta, linear_beta, TOP_K: ttgl.constexpr, ACT_SITU: ttgl.constexpr,
                           CLIP_UP: ttgl.constexpr, BT: ttgl.constexpr, HIGH_SCALES: ttgl.constexpr,
-                          WARPS: ttgl.constexpr, STAGES: ttgl.constexpr, PDL: ttgl.constexpr):
-    """Program (block pid_m of BT sorted rows, all of one expert; features pid_n F .. + F, F = 8 WARPS):
+                          WARPS: ttgl.constexpr, STAGES: ttgl.constexpr, TWO: ttgl.constexpr, PDL: ttgl.constexpr):
+    """Program (block pid_m of BT sorted rows, all of one expert; features pid_n F .. + F, F = 8 WARPS, or two
+    such tiles side by side when TWO, which stage each step's activations once for both):
     h[rows] = act(x W1^T, x W3^T) for the rows' tokens. One product of 2F weight rows, W1's F rows then W3's,
     so each thread holds one accumulator. Packed weights and scales as int32 words (strides in words). The
     weights stream through a ring of STAGES steps (cp.async); the activations are loaded a step ahead into
@@ -174,13 +190,22 @@ def _gate_up_wgmma_kernel(x, w1p, w1s, w3p, w3s, h, sorted_rows, block_expert, n
     pid_n = ttgl.program_id(1)
     e = ttgl.load(block_expert + pid_m).to(ttgl.int64)
     if e >= 0:
-        pw, ps = _weights(w1p, w1s, w3p, w3s, e, pid_n * F, stride_wp_e, stride_wp_n, stride_ws_e, stride_ws_n, BN, F,
+        NT: ttgl.constexpr = 2 if TWO else 1
+        n0 = pid_n * (NT * F)
+        pw, ps = _weights(w1p, w1s, w3p, w3s, e, n0, stride_wp_e, stride_wp_n, stride_ws_e, stride_ws_n, BN, F,
                           WORDS, SWORDS)
         ring = ttgl.allocate_shared_memory(ttgl.int32, [STAGES, BN, 4, 4], RING)
         sring = ttgl.allocate_shared_memory(ttgl.int32, [STAGES, BN], SRING)
+        if TWO:
+            pw2, ps2 = _weights(w1p, w1s, w3p, w3s, e, n0 + F, stride_wp_e, stride_wp_n, stride_ws_e, stride_ws_n,
+                                BN, F, WORDS, SWORDS)
+            ring2 = ttgl.allocate_shared_memory(ttgl.int32, [STAGES, BN, 4, 4], RING)
+            sring2 = ttgl.allocate_shared_memory(ttgl.int32, [STAGES, BN], SRING)
         STEPS = K // BK
         for i in ttgl.static_range(STAGES - 1):
             _fetch(ring, sring, pw, ps, i, STEPS, STAGES)
+            if TWO:
+                _fetch(ring2, sring2, pw2, ps2, i, STEPS, STAGES)
             async_copy.commit_group()
         m = pid_m * BT + ttgl.arange(0, BT, layout=ttgl.SliceLayout(1, XL))
         rows = ttgl.load(sorted_rows + m)
@@ -189,6 +214,7 @@ def _gate_up_wgmma_kernel(x, w1p, w1s, w3p, w3s, h, sorted_rows, block_expert, n
         mx = ttgl.expand_dims(rows < num_rows, 1) & ttgl.expand_dims(kx < BK, 0)
         xs = ttgl.allocate_shared_memory(ttgl.bfloat16, [2, BT, BK], SMEM)
         acc = ttgl.zeros([BN, BT], ttgl.float32, MMA)
+        acc2 = ttgl.zeros([BN, BT], ttgl.float32, MMA)
         xr = ttgl.load(px, mask=mx, other=0.0)
         for i in range(STEPS):
             nxr = ttgl.load(px + (i + 1) * BK, mask=mx & (i + 1 < STEPS), other=0.0)
@@ -197,27 +223,36 @@ def _gate_up_wgmma_kernel(x, w1p, w1s, w3p, w3s, h, sorted_rows, block_expert, n
             async_copy.wait_group(STAGES - 2)       # step i's copies have landed (this thread's)
             ttgl.thread_barrier()                   # ... everyone's; slot (i - 1) % STAGES is free
             _fetch(ring, sring, pw, ps, i + STAGES - 1, STEPS, STAGES)
+            if TWO:
+                _fetch(ring2, sring2, pw2, ps2, i + STAGES - 1, STEPS, STAGES)
             async_copy.commit_group()
             acc = warpgroup_mma(_step_fragment(ring, sring, i, STAGES, WORDS, A, HIGH_SCALES), buf.permute((1, 0)), acc)
+            if TWO:
+                acc2 = warpgroup_mma(_step_fragment(ring2, sring2, i, STAGES, WORDS, A, HIGH_SCALES),
+                                     buf.permute((1, 0)), acc2)
             xr = nxr
         async_copy.wait_group(0)
         # the reference rounds both projections to the activation dtype before the activation
         gu = ttgl.allocate_shared_memory(ttgl.bfloat16, [BN, BT], SRING2)
-        gu.store(acc.to(ttgl.bfloat16))
-        ttgl.thread_barrier()
-        g = gu.slice(0, F).load(EPI).to(ttgl.float32)
-        u = gu.slice(F, F).load(EPI).to(ttgl.float32)
-        out = _glu(g, u, beta, linear_beta, ACT_SITU, CLIP_UP).to(ttgl.bfloat16)
-        no = pid_n * F + ttgl.arange(0, F, layout=ttgl.SliceLayout(1, EPI))
-        mo = pid_m * BT + ttgl.arange(0, BT, layout=ttgl.SliceLayout(0, EPI))
-        ttgl.store(h + ttgl.expand_dims(mo.to(ttgl.int64) * stride_h, 0) + ttgl.expand_dims(no, 1), out)
+        _gate_up_out(gu, acc, h, n0, pid_m, stride_h, beta, linear_beta, ACT_SITU, CLIP_UP, BT, F, EPI)
+        if TWO:
+            ttgl.thread_barrier()
+            _gate_up_out(gu, acc2, h, n0 + F, pid_m, stride_h, beta, linear_beta, ACT_SITU, CLIP_UP, BT, F, EPI)
+
+
+@gluon.jit
+def _down_out(acc, y, rows, num_rows, n0, stride_y, BN: ttgl.constexpr, MMA: ttgl.constexpr):
+    """y[rows, n0 .. n0 + BN] = the accumulator [BN, BT] (bf16), padding rows (>= num_rows) left alone."""
+    no = n0 + ttgl.arange(0, BN, layout=ttgl.SliceLayout(1, MMA))
+    ttgl.store(y + ttgl.expand_dims(rows * stride_y, 0) + ttgl.expand_dims(no, 1), acc.to(ttgl.bfloat16),
+               mask=ttgl.expand_dims(rows < num_rows, 0) & ttgl.expand_dims(no >= 0, 1))
 
 
 @gluon.jit
 def _down_wgmma_kernel(h, w2p, w2s, y, sorted_rows, block_expert, num_rows, K,
                        stride_h, stride_wp_e, stride_wp_n, stride_ws_e, stride_ws_n, stride_y,
                        BT: ttgl.constexpr, HIGH_SCALES: ttgl.constexpr, WARPS: ttgl.constexpr,
-                       STAGES: ttgl.constexpr, PDL: ttgl.constexpr):
+                       STAGES: ttgl.constexpr, TWO: ttgl.constexpr, PDL: ttgl.constexpr):
     """Program (block pid_m of BT sorted rows of one expert, features pid_n BN ..): y[assignment] = h W2^T for
     the block's rows of h (sorted order); padding rows are not written. Pipelined as the gate/up kernel."""
     _pdl_entry(PDL)
@@ -232,19 +267,29 @@ def _down_wgmma_kernel(h, w2p, w2s, y, sorted_rows, block_expert, num_rows, K,
     pid_n = ttgl.program_id(1)
     e = ttgl.load(block_expert + pid_m).to(ttgl.int64)
     if e >= 0:
-        pw, sw = _weights(w2p, w2s, w2p, w2s, e, pid_n * BN, stride_wp_e, stride_wp_n, stride_ws_e, stride_ws_n, BN,
+        NT: ttgl.constexpr = 2 if TWO else 1
+        n0 = pid_n * (NT * BN)
+        pw, sw = _weights(w2p, w2s, w2p, w2s, e, n0, stride_wp_e, stride_wp_n, stride_ws_e, stride_ws_n, BN,
                           BN, WORDS, SWORDS)
         r = ttgl.allocate_shared_memory(ttgl.int32, [STAGES, BN, 4, 4], RING)
         qs = ttgl.allocate_shared_memory(ttgl.int32, [STAGES, BN], SRING)
+        if TWO:
+            pw2, sw2 = _weights(w2p, w2s, w2p, w2s, e, n0 + BN, stride_wp_e, stride_wp_n, stride_ws_e, stride_ws_n, BN,
+                                BN, WORDS, SWORDS)
+            r2 = ttgl.allocate_shared_memory(ttgl.int32, [STAGES, BN, 4, 4], RING)
+            qs2 = ttgl.allocate_shared_memory(ttgl.int32, [STAGES, BN], SRING)
         STEPS = K // BK
         for i in ttgl.static_range(STAGES - 1):
             _fetch(r, qs, pw, sw, i, STEPS, STAGES)
+            if TWO:
+                _fetch(r2, qs2, pw2, sw2, i, STEPS, STAGES)
             async_copy.commit_group()
         m = pid_m * BT + ttgl.arange(0, BT, layout=ttgl.SliceLayout(1, XL))
         kx = ttgl.arange(0, BK, layout=ttgl.SliceLayout(0, XL))
         px = h + ttgl.expand_dims(m.to(ttgl.int64) * stride_h, 1) + ttgl.expand_dims(kx, 0)
         xs = ttgl.allocate_shared_memory(ttgl.bfloat16, [2, BT, BK], SMEM)
         acc = ttgl.zeros([BN, BT], ttgl.float32, MMA)
+        acc2 = ttgl.zeros([BN, BT], ttgl.float32, MMA)
         xr = ttgl.load(px)
         for i in range(STEPS):
             nxr = ttgl.load(px + (i + 1) * BK, mask=ttgl.full([BT, BK], 0, ttgl.int1, XL) | (i + 1 < STEPS), other=0.0)
@@ -253,31 +298,39 @@ def _down_wgmma_kernel(h, w2p, w2s, y, sorted_rows, block_expert, num_rows, K,
             async_copy.wait_group(STAGES - 2)
             ttgl.thread_barrier()
             _fetch(r, qs, pw, sw, i + STAGES - 1, STEPS, STAGES)
+            if TWO:
+                _fetch(r2, qs2, pw2, sw2, i + STAGES - 1, STEPS, STAGES)
             async_copy.commit_group()
             acc = warpgroup_mma(_step_fragment(r, qs, i, STAGES, WORDS, A, HIGH_SCALES), buf.permute((1, 0)), acc)
+            if TWO:
+                acc2 = warpgroup_mma(_step_fragment(r2, qs2, i, STAGES, WORDS, A, HIGH_SCALES), buf.permute((1, 0)),
+                                     acc2)
             xr = nxr
         async_copy.wait_group(0)
-        no = pid_n * BN + ttgl.arange(0, BN, layout=ttgl.SliceLayout(1, MMA))
         mo = pid_m * BT + ttgl.arange(0, BT, layout=ttgl.SliceLayout(0, MMA))
         rows = ttgl.load(sorted_rows + mo)
-        ttgl.store(y + ttgl.expand_dims(rows * stride_y, 0) + ttgl.expand_dims(no, 1), acc.to(ttgl.bfloat16),
-                   mask=ttgl.expand_dims(rows < num_rows, 0) & ttgl.expand_dims(no >= 0, 1))
+        _down_out(acc, y, rows, num_rows, n0, stride_y, BN, MMA)
+        if TWO:
+            _down_out(acc2, y, rows, num_rows, n0 + BN, stride_y, BN, MMA)
 
 
-def wgmma_fits(x: torch.Tensor, w1, w2, w3) -> bool:
-    """These kernels take the experts: a Hopper GPU (sm_90: wgmma), latent and expert widths multiples of 128
-    (whole steps and 128-feature programs), packed rows of whole 16-byte words."""
+def wgmma_fits(x: torch.Tensor, w1, w2, w3, warps: int, two: bool) -> bool:
+    """These kernels take the experts with ``warps`` warps (and ``two`` tiles) a program: a Hopper GPU (sm_90:
+    wgmma), latent and expert widths of whole 128-position steps and whole programs, packed rows of whole
+    16-byte words, scale rows of whole 4-byte words."""
     if not (x.is_cuda and torch.cuda.get_device_capability(x.device) == (9, 0)):
         return False
     L, I = x.shape[1], w1[0].shape[1]
+    rows = 16 * warps * (2 if two else 1)            # down: weight rows (features) a program; gate/up: half
     packed_ok = all(p.stride(2) == 1 and p.stride(0) % 16 == 0 and p.stride(1) % 16 == 0 and p.data_ptr() % 16 == 0
                     and s.stride(2) == 1 and s.stride(0) % 4 == 0 and s.stride(1) % 4 == 0 and s.data_ptr() % 4 == 0
                     for p, s in (w1, w2, w3))
-    return L % 128 == 0 and I % 128 == 0 and packed_ok
+    return L % 128 == 0 and I % 128 == 0 and L % rows == 0 and I % (rows // 2) == 0 and packed_ok
 
 
 def wgmma_experts(x: torch.Tensor, w1, w2, w3, weights: torch.Tensor, ids: torch.Tensor, act_situ: bool, beta: float,
-                  linear_beta: float | None, high_scales: bool, BT: int, warps: int, stages: int = 4) -> torch.Tensor:
+                  linear_beta: float | None, high_scales: bool, BT: int, warps: int, stages: int = 3,
+                  two: bool = False) -> torch.Tensor:
     """``moe.fused_moe_triton`` for MXFP4 experts through the kernels above (``wgmma_fits`` holds): the
     assignments sorted by expert in blocks of BT, gate/up, down, then ``moe``'s fp32 combine."""
     from kimik3.ops.triton.moe import _combine_kernel, _sort_by_expert
@@ -291,16 +344,17 @@ def wgmma_experts(x: torch.Tensor, w1, w2, w3, weights: torch.Tensor, ids: torch
     nb = block_expert.shape[0]
     w1v, w2v, w3v, s1v, s2v, s3v = (t.view(torch.int32) for t in (w1p, w2p, w3p, w1s, w2s, w3s))
     h = torch.empty(nb * BT, I, dtype=x.dtype, device=x.device)
-    _gate_up_wgmma_kernel[(nb, I // (BN // 2))](
+    nt = 2 if two else 1
+    _gate_up_wgmma_kernel[(nb, I // (nt * BN // 2))](
         x, w1v, s1v, w3v, s3v, h, sorted_rows, block_expert, R, L,
         x.stride(0), w1v.stride(0), w1v.stride(1), s1v.stride(0), s1v.stride(1), h.stride(0),
         float(beta), float(linear_beta or 1.0), TOP_K=top_k, ACT_SITU=act_situ, CLIP_UP=linear_beta is not None,
-        BT=BT, HIGH_SCALES=high_scales, WARPS=warps, STAGES=stages, num_warps=warps, **pdl(x))
+        BT=BT, HIGH_SCALES=high_scales, WARPS=warps, STAGES=stages, TWO=two, num_warps=warps, **pdl(x))
     y = torch.empty(R, L, dtype=x.dtype, device=x.device)
-    _down_wgmma_kernel[(nb, L // BN)](
+    _down_wgmma_kernel[(nb, L // (nt * BN))](
         h, w2v, s2v, y, sorted_rows, block_expert, R, I,
         h.stride(0), w2v.stride(0), w2v.stride(1), s2v.stride(0), s2v.stride(1), y.stride(0),
-        BT=BT, HIGH_SCALES=high_scales, WARPS=warps, STAGES=stages, num_warps=warps, **pdl(h))
+        BT=BT, HIGH_SCALES=high_scales, WARPS=warps, STAGES=stages, TWO=two, num_warps=warps, **pdl(h))
     out = torch.empty(T, L, dtype=x.dtype, device=x.device)
     BL = min(1024, triton.next_power_of_2(L))
     _combine_kernel[(T, triton.cdiv(L, BL))](y, weights.contiguous(), y, out, L, TOP_K=top_k, BL=BL, HAS_POS=False,
