@@ -151,7 +151,7 @@ def kernels(bw):
         if "--wgmma" in sys.argv:         # the register-operand kernels (moe_wgmma): rows a block x warps
             cands += [dict(BT=bt, warps=w) for bt in (8, 16, 32, 64) for w in (4, 8)
                       if bt <= 4 * max(8, T * K // E)]
-            cands += [dict(BT=bt, warps=w, stages=st, two=True) for bt in (16, 32, 64) for w in (4, 8) for st in (2, 3)
+            cands += [dict(BT=bt, warps=w, two=True) for bt in (16, 32, 64) for w in (4, 8)
                       if bt <= 4 * max(8, T * K // E) and bt >= min(64, T * K // E)]
         if compared is not None:
             cands += [dict(base, compared=True)]

@@ -469,17 +469,19 @@ CHECKS = {
     "moe_high_scales": lambda: check_moe(T=5, shift=20, seed=10),
     "moe_high_scales_told": lambda: check_moe(T=5, shift=20, tell_scale_max=True, seed=11),
     "moe_large": lambda: check_moe(T=700, E=8, L=1024, I=512, k=4), "attn_res": check_attn_res,
-    # the register-operand kernels (moe_wgmma, sm_90): each block size and warp count; 37 tokens top-4 of 16 give
-    # 2-17 rows an expert (ragged blocks), 128 tokens 32 (several blocks an expert below BT 32)
-    **{f"moe_wgmma_bt{bt}_w{w}": (lambda bt=bt, w=w: check_moe(T=37, seed=40 + bt + w, tiles=dict(BT=bt, warps=w)))
+    # the register-operand kernels (moe_wgmma, sm_90; widths of whole 256-position macro steps): each block size
+    # and warp count; 37 tokens top-4 of 16 give 2-17 rows an expert (ragged blocks), 128 tokens 32 (several
+    # blocks an expert below BT 32); an odd number of macro steps (L 768)
+    **{f"moe_wgmma_bt{bt}_w{w}": (lambda bt=bt, w=w: check_moe(T=37, I=512, seed=40 + bt + w, tiles=dict(BT=bt, warps=w)))
        for bt in (8, 16, 32, 64) for w in (4, 8)},
     "moe_wgmma_many_blocks": lambda: check_moe(T=128, E=16, L=1024, I=512, k=4, seed=41, tiles=dict(BT=16, warps=8)),
-    "moe_wgmma_high_scales": lambda: check_moe(T=37, shift=20, seed=42, tiles=dict(BT=16, warps=4)),
-    "moe_wgmma_one_token": lambda: check_moe(T=1, seed=43, tiles=dict(BT=8, warps=8)),
-    # two tiles a program (the activations staged once for both), 2-4 ring stages
-    **{f"moe_wgmma_two_bt{bt}_w{w}_s{st}": (lambda bt=bt, w=w, st=st: check_moe(
-        T=70, L=512, I=512, seed=44 + bt + w + st, tiles=dict(BT=bt, warps=w, stages=st, two=True)))
-       for bt, w, st in ((16, 4, 2), (32, 8, 3), (64, 8, 4), (64, 4, 3))},
+    "moe_wgmma_odd_macro_steps": lambda: check_moe(T=20, L=768, I=768, seed=45, tiles=dict(BT=16, warps=4)),
+    "moe_wgmma_high_scales": lambda: check_moe(T=37, I=512, shift=20, seed=42, tiles=dict(BT=16, warps=4)),
+    "moe_wgmma_one_token": lambda: check_moe(T=1, I=512, seed=43, tiles=dict(BT=8, warps=8)),
+    # two tiles a program (the activations staged once for both)
+    **{f"moe_wgmma_two_bt{bt}_w{w}": (lambda bt=bt, w=w: check_moe(
+        T=70, L=512, I=512, seed=44 + bt + w, tiles=dict(BT=bt, warps=w, two=True)))
+       for bt, w in ((16, 4), (32, 8), (64, 4))},
     "moe_64_row_tiles": lambda: check_moe(T=128, E=16, L=1024, I=512, k=4, seed=26),   # 32 rows an expert: BM 64
     # past MXFP4_GROUPED_MM_ROWS_PER_EXPERT rows per expert: dequantized chunks through torch._grouped_mm
     "moe_grouped": lambda: check_moe(T=_grouped_tokens(16, 4), E=16, L=1024, I=512, k=4, seed=24),

@@ -367,8 +367,8 @@ def _tiles(rows_per_expert: float, mxfp4: bool = False) -> dict:
 
 def _wgmma_tiles(rows_per_expert: float) -> dict | None:
     """MXFP4 experts through ``moe_wgmma`` (weights as the register operand; on an sm_90 GPU, widths that
-    fit): BT rows a block, 16 x warps weight rows a tile (gate/up: half of each), "stages" steps of weights in
-    flight (default 3), "two" tiles a program (default False), or None for the block kernels here."""
+    fit): BT rows a block, 16 x warps weight rows a tile (gate/up: half of each), "two" tiles a program
+    (default False), or None for the block kernels here."""
     return None
 
 
@@ -523,7 +523,7 @@ def fused_moe_triton(x: torch.Tensor, w1, w2, w3, weights: torch.Tensor, ids: to
         from kimik3.ops.triton import moe_wgmma
         if moe_wgmma.wgmma_fits(x, w1, w2, w3, wg["warps"], wg.get("two", False)):
             return moe_wgmma.wgmma_experts(x, w1, w2, w3, weights, ids, act_situ, beta, linear_beta, high_scales,
-                                           wg["BT"], wg["warps"], wg.get("stages", 3), wg.get("two", False))
+                                           wg["BT"], wg["warps"], wg.get("two", False))
         if tiles is not None:
             raise ValueError(f"the wgmma expert kernels cannot take these experts (tiles {tiles})")
     cfg = tiles or _tiles(T * top_k / E, packed)

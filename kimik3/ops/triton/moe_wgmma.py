@@ -115,31 +115,104 @@ def _weights(wa, sa, wb, sb, e, n0, stride_wp_e, stride_wp_n, stride_ws_e, strid
 
 
 @gluon.jit
-def _fetch(ring, sring, pw, ps, i, STEPS, STAGES: ttgl.constexpr):
-    """Start copying step i's packed words and scale words into ring slot i % STAGES (one commit group,
-    empty past the last step)."""
-    more = i < STEPS
-    async_copy.async_copy_global_to_shared(ring.index(i % STAGES), pw + i * (BK // 8), mask=more)
-    async_copy.async_copy_global_to_shared(sring.index(i % STAGES), ps + i, mask=more)
+def _fetch(slot, sslot, pw, ps, j, more):
+    """Start copying macro step j's packed words ([2, BN, 4, 4]: its two steps) and scale words ([2, BN]) into a
+    slot (nothing past the last macro step)."""
+    for u in ttgl.static_range(2):
+        async_copy.async_copy_global_to_shared(slot.index(u), pw + (2 * j + u) * (BK // 8), mask=more)
+        async_copy.async_copy_global_to_shared(sslot.index(u), ps + 2 * j + u, mask=more)
 
 
 @gluon.jit
-def _step_fragment(ring, sring, i, STAGES: ttgl.constexpr, WORDS: ttgl.constexpr, A: ttgl.constexpr,
+def _slot_fragment(slot, sslot, u: ttgl.constexpr, WORDS: ttgl.constexpr, A: ttgl.constexpr,
                    HIGH_SCALES: ttgl.constexpr):
-    """Step i's A fragment from ring slot i % STAGES (its copies complete and visible)."""
+    """The A fragment of step u of the macro step in a slot (its copies complete and visible)."""
     SCALES: ttgl.constexpr = ttgl.SliceLayout(2, WORDS)
-    words = ring.index(i % STAGES).load(WORDS)
-    sw = sring.index(i % STAGES).load(ttgl.SliceLayout(1, SCALES))
+    words = slot.index(u).load(WORDS)
+    sw = sslot.index(u).load(ttgl.SliceLayout(1, SCALES))
     q = ttgl.arange(0, 4, layout=ttgl.SliceLayout(0, SCALES))
     sc = (ttgl.expand_dims(sw, 1) >> ttgl.expand_dims(q * 8, 0)) & 0xFF
     return _fragment(words, sc, A, HIGH_SCALES)
 
 
 @gluon.jit
-def _stage(buf, xr, BT: ttgl.constexpr):
-    """Activations [BT, BK] (K order) into shared memory in slot order, for the tensor cores."""
-    buf.store(_slot_order(xr, BT))
+def _stage(buf, x0, x1, BT: ttgl.constexpr):
+    """A macro step's activations (two [BT, BK] steps, K order) into shared memory in slot order, for the
+    tensor cores."""
+    buf.index(0).store(_slot_order(x0, BT))
+    buf.index(1).store(_slot_order(x1, BT))
     fence_async_shared()
+
+
+@gluon.jit
+def _macro_step(j, NM, cur, scur, nxt, snxt, cur2, scur2, nxt2, snxt2, xcur, xnxt, pw, ps, pw2, ps2, px, mx,
+                acc, acc2, BT: ttgl.constexpr, WORDS: ttgl.constexpr, A: ttgl.constexpr, HIGH_SCALES: ttgl.constexpr,
+                TWO: ttgl.constexpr):
+    """Macro step j (2 BK positions) of one or two tiles. On entry its weights are in flight into (cur, scur)
+    (and the second tile's) and its activations staged in ``xcur``. One barrier: after it the slots and
+    buffers of macro step j - 1 are free, so the next macro step's copies start into (nxt, snxt) and its
+    activations are staged into ``xnxt`` while this one multiplies. The slots and buffers alternate between
+    two allocations (the caller unrolls by two), so no other barrier is needed."""
+    more = j + 1 < NM
+    x0 = ttgl.load(px + (2 * j + 2) * BK, mask=mx & more, other=0.0)
+    x1 = ttgl.load(px + (2 * j + 3) * BK, mask=mx & more, other=0.0)
+    async_copy.wait_group(0)                 # macro step j's copies have landed (this thread's) ...
+    ttgl.thread_barrier()                    # ... everyone's; everyone is done with macro step j - 1
+    _fetch(nxt, snxt, pw, ps, j + 1, more)
+    if TWO:
+        _fetch(nxt2, snxt2, pw2, ps2, j + 1, more)
+    async_copy.commit_group()
+    a0 = _slot_fragment(cur, scur, 0, WORDS, A, HIGH_SCALES)
+    a1 = _slot_fragment(cur, scur, 1, WORDS, A, HIGH_SCALES)
+    _stage(xnxt, x0, x1, BT)
+    acc = warpgroup_mma(a0, xcur.index(0).permute((1, 0)), acc)
+    acc = warpgroup_mma(a1, xcur.index(1).permute((1, 0)), acc)
+    if TWO:
+        b0 = _slot_fragment(cur2, scur2, 0, WORDS, A, HIGH_SCALES)
+        b1 = _slot_fragment(cur2, scur2, 1, WORDS, A, HIGH_SCALES)
+        acc2 = warpgroup_mma(b0, xcur.index(0).permute((1, 0)), acc2)
+        acc2 = warpgroup_mma(b1, xcur.index(1).permute((1, 0)), acc2)
+    return acc, acc2
+
+
+@gluon.jit
+def _main_loop(pw, ps, pw2, ps2, px, mx, K, BN: ttgl.constexpr, BT: ttgl.constexpr, WORDS: ttgl.constexpr,
+               MMA: ttgl.constexpr, HIGH_SCALES: ttgl.constexpr, TWO: ttgl.constexpr):
+    """acc [BN, BT] (and acc2 for the second tile) = W x^T over K: macro steps of 2 BK positions, the weights of
+    the next one in flight (cp.async) and its activations staged while this one expands and multiplies."""
+    A: ttgl.constexpr = ttgl.DotOperandLayout(operand_index=0, parent=MMA, k_width=2)
+    SMEM: ttgl.constexpr = ttgl.NVMMASharedLayout.get_default_for([BT, BK], ttgl.bfloat16)
+    ra = ttgl.allocate_shared_memory(ttgl.int32, [2, BN, 4, 4], RING)
+    rb = ttgl.allocate_shared_memory(ttgl.int32, [2, BN, 4, 4], RING)
+    sa = ttgl.allocate_shared_memory(ttgl.int32, [2, BN], SRING)
+    sb = ttgl.allocate_shared_memory(ttgl.int32, [2, BN], SRING)
+    ra2 = ra
+    rb2 = rb
+    sa2 = sa
+    sb2 = sb
+    if TWO:
+        ra2 = ttgl.allocate_shared_memory(ttgl.int32, [2, BN, 4, 4], RING)
+        rb2 = ttgl.allocate_shared_memory(ttgl.int32, [2, BN, 4, 4], RING)
+        sa2 = ttgl.allocate_shared_memory(ttgl.int32, [2, BN], SRING)
+        sb2 = ttgl.allocate_shared_memory(ttgl.int32, [2, BN], SRING)
+    xa = ttgl.allocate_shared_memory(ttgl.bfloat16, [2, BT, BK], SMEM)
+    xb = ttgl.allocate_shared_memory(ttgl.bfloat16, [2, BT, BK], SMEM)
+    NM = K // (2 * BK)
+    _fetch(ra, sa, pw, ps, 0, NM > 0)
+    if TWO:
+        _fetch(ra2, sa2, pw2, ps2, 0, NM > 0)
+    async_copy.commit_group()
+    _stage(xa, ttgl.load(px, mask=mx, other=0.0), ttgl.load(px + BK, mask=mx, other=0.0), BT)
+    acc = ttgl.zeros([BN, BT], ttgl.float32, MMA)
+    acc2 = ttgl.zeros([BN, BT], ttgl.float32, MMA)
+    for j in range(0, NM, 2):
+        acc, acc2 = _macro_step(j, NM, ra, sa, rb, sb, ra2, sa2, rb2, sb2, xa, xb, pw, ps, pw2, ps2, px, mx,
+                                acc, acc2, BT, WORDS, A, HIGH_SCALES, TWO)
+        if j + 1 < NM:
+            acc, acc2 = _macro_step(j + 1, NM, rb, sb, ra, sa, rb2, sb2, ra2, sa2, xb, xa, pw, ps, pw2, ps2, px, mx,
+                                    acc, acc2, BT, WORDS, A, HIGH_SCALES, TWO)
+    async_copy.wait_group(0)
+    return acc, acc2
 
 
 # the rings in shared memory: plain row-major (a warp reads 512 contiguous bytes of packed words, no bank
@@ -169,23 +242,21 @@ def _gate_up_wgmma_kernel(x, w1p, w1s, w3p, w3s, h, sorted_rows, block_expert, n
                           stride_x, stride_wp_e, stride_wp_n, stride_ws_e, stride_ws_n, stride_h,
                           beta, linear_beta, TOP_K: ttgl.constexpr, ACT_SITU: ttgl.constexpr,
                           CLIP_UP: ttgl.constexpr, BT: ttgl.constexpr, HIGH_SCALES: ttgl.constexpr,
-                          WARPS: ttgl.constexpr, STAGES: ttgl.constexpr, TWO: ttgl.constexpr, PDL: ttgl.constexpr):
+                          WARPS: ttgl.constexpr, TWO: ttgl.constexpr, PDL: ttgl.constexpr):
     """Program (block pid_m of BT sorted rows, all of one expert; features pid_n F .. + F, F = 8 WARPS, or two
     such tiles side by side when TWO, which stage each step's activations once for both):
     h[rows] = act(x W1^T, x W3^T) for the rows' tokens. One product of 2F weight rows, W1's F rows then W3's,
     so each thread holds one accumulator. Packed weights and scales as int32 words (strides in words). The
-    weights stream through a ring of STAGES steps (cp.async); the activations are loaded a step ahead into
-    registers and staged in slot order; the gate and up halves meet in shared memory for the activation."""
+    weights and activations stream as ``_main_loop`` says; the gate and up halves meet in shared memory for the
+    activation."""
     _pdl_entry(PDL)
     BN: ttgl.constexpr = 16 * WARPS
     F: ttgl.constexpr = 8 * WARPS
     MMA: ttgl.constexpr = mma_layout(WARPS, BT)
-    A: ttgl.constexpr = ttgl.DotOperandLayout(operand_index=0, parent=MMA, k_width=2)
     WORDS: ttgl.constexpr = ttgl.SliceLayout(3, byte_layout(WARPS))
     SWORDS: ttgl.constexpr = ttgl.BlockedLayout([1], [32], [WARPS], [0])
     XL: ttgl.constexpr = ttgl.BlockedLayout([1, 8], [4, 8], [WARPS, 1], [1, 0])
     EPI: ttgl.constexpr = ttgl.BlockedLayout([1, 8], [4, 8], [WARPS, 1], [0, 1])
-    SMEM: ttgl.constexpr = ttgl.NVMMASharedLayout.get_default_for([BT, BK], ttgl.bfloat16)
     pid_m = ttgl.program_id(0)
     pid_n = ttgl.program_id(1)
     e = ttgl.load(block_expert + pid_m).to(ttgl.int64)
@@ -194,44 +265,14 @@ def _gate_up_wgmma_kernel(x, w1p, w1s, w3p, w3s, h, sorted_rows, block_expert, n
         n0 = pid_n * (NT * F)
         pw, ps = _weights(w1p, w1s, w3p, w3s, e, n0, stride_wp_e, stride_wp_n, stride_ws_e, stride_ws_n, BN, F,
                           WORDS, SWORDS)
-        ring = ttgl.allocate_shared_memory(ttgl.int32, [STAGES, BN, 4, 4], RING)
-        sring = ttgl.allocate_shared_memory(ttgl.int32, [STAGES, BN], SRING)
-        if TWO:
-            pw2, ps2 = _weights(w1p, w1s, w3p, w3s, e, n0 + F, stride_wp_e, stride_wp_n, stride_ws_e, stride_ws_n,
-                                BN, F, WORDS, SWORDS)
-            ring2 = ttgl.allocate_shared_memory(ttgl.int32, [STAGES, BN, 4, 4], RING)
-            sring2 = ttgl.allocate_shared_memory(ttgl.int32, [STAGES, BN], SRING)
-        STEPS = K // BK
-        for i in ttgl.static_range(STAGES - 1):
-            _fetch(ring, sring, pw, ps, i, STEPS, STAGES)
-            if TWO:
-                _fetch(ring2, sring2, pw2, ps2, i, STEPS, STAGES)
-            async_copy.commit_group()
+        pw2, ps2 = _weights(w1p, w1s, w3p, w3s, e, n0 + F, stride_wp_e, stride_wp_n, stride_ws_e, stride_ws_n,
+                            BN, F, WORDS, SWORDS)
         m = pid_m * BT + ttgl.arange(0, BT, layout=ttgl.SliceLayout(1, XL))
         rows = ttgl.load(sorted_rows + m)
         kx = ttgl.arange(0, BK, layout=ttgl.SliceLayout(0, XL))
         px = x + ttgl.expand_dims((rows // TOP_K).to(ttgl.int64) * stride_x, 1) + ttgl.expand_dims(kx, 0)
         mx = ttgl.expand_dims(rows < num_rows, 1) & ttgl.expand_dims(kx < BK, 0)
-        xs = ttgl.allocate_shared_memory(ttgl.bfloat16, [2, BT, BK], SMEM)
-        acc = ttgl.zeros([BN, BT], ttgl.float32, MMA)
-        acc2 = ttgl.zeros([BN, BT], ttgl.float32, MMA)
-        xr = ttgl.load(px, mask=mx, other=0.0)
-        for i in range(STEPS):
-            nxr = ttgl.load(px + (i + 1) * BK, mask=mx & (i + 1 < STEPS), other=0.0)
-            buf = xs.index(i % 2)
-            _stage(buf, xr, BT)
-            async_copy.wait_group(STAGES - 2)       # step i's copies have landed (this thread's)
-            ttgl.thread_barrier()                   # ... everyone's; slot (i - 1) % STAGES is free
-            _fetch(ring, sring, pw, ps, i + STAGES - 1, STEPS, STAGES)
-            if TWO:
-                _fetch(ring2, sring2, pw2, ps2, i + STAGES - 1, STEPS, STAGES)
-            async_copy.commit_group()
-            acc = warpgroup_mma(_step_fragment(ring, sring, i, STAGES, WORDS, A, HIGH_SCALES), buf.permute((1, 0)), acc)
-            if TWO:
-                acc2 = warpgroup_mma(_step_fragment(ring2, sring2, i, STAGES, WORDS, A, HIGH_SCALES),
-                                     buf.permute((1, 0)), acc2)
-            xr = nxr
-        async_copy.wait_group(0)
+        acc, acc2 = _main_loop(pw, ps, pw2, ps2, px, mx, K, BN, BT, WORDS, MMA, HIGH_SCALES, TWO)
         # the reference rounds both projections to the activation dtype before the activation
         gu = ttgl.allocate_shared_memory(ttgl.bfloat16, [BN, BT], SRING2)
         _gate_up_out(gu, acc, h, n0, pid_m, stride_h, beta, linear_beta, ACT_SITU, CLIP_UP, BT, F, EPI)
@@ -252,17 +293,15 @@ def _down_out(acc, y, rows, num_rows, n0, stride_y, BN: ttgl.constexpr, MMA: ttg
 def _down_wgmma_kernel(h, w2p, w2s, y, sorted_rows, block_expert, num_rows, K,
                        stride_h, stride_wp_e, stride_wp_n, stride_ws_e, stride_ws_n, stride_y,
                        BT: ttgl.constexpr, HIGH_SCALES: ttgl.constexpr, WARPS: ttgl.constexpr,
-                       STAGES: ttgl.constexpr, TWO: ttgl.constexpr, PDL: ttgl.constexpr):
+                       TWO: ttgl.constexpr, PDL: ttgl.constexpr):
     """Program (block pid_m of BT sorted rows of one expert, features pid_n BN ..): y[assignment] = h W2^T for
     the block's rows of h (sorted order); padding rows are not written. Pipelined as the gate/up kernel."""
     _pdl_entry(PDL)
     BN: ttgl.constexpr = 16 * WARPS
     MMA: ttgl.constexpr = mma_layout(WARPS, BT)
-    A: ttgl.constexpr = ttgl.DotOperandLayout(operand_index=0, parent=MMA, k_width=2)
     WORDS: ttgl.constexpr = ttgl.SliceLayout(3, byte_layout(WARPS))
     SWORDS: ttgl.constexpr = ttgl.BlockedLayout([1], [32], [WARPS], [0])
     XL: ttgl.constexpr = ttgl.BlockedLayout([1, 8], [4, 8], [WARPS, 1], [1, 0])
-    SMEM: ttgl.constexpr = ttgl.NVMMASharedLayout.get_default_for([BT, BK], ttgl.bfloat16)
     pid_m = ttgl.program_id(0)
     pid_n = ttgl.program_id(1)
     e = ttgl.load(block_expert + pid_m).to(ttgl.int64)
@@ -271,42 +310,13 @@ def _down_wgmma_kernel(h, w2p, w2s, y, sorted_rows, block_expert, num_rows, K,
         n0 = pid_n * (NT * BN)
         pw, sw = _weights(w2p, w2s, w2p, w2s, e, n0, stride_wp_e, stride_wp_n, stride_ws_e, stride_ws_n, BN,
                           BN, WORDS, SWORDS)
-        r = ttgl.allocate_shared_memory(ttgl.int32, [STAGES, BN, 4, 4], RING)
-        qs = ttgl.allocate_shared_memory(ttgl.int32, [STAGES, BN], SRING)
-        if TWO:
-            pw2, sw2 = _weights(w2p, w2s, w2p, w2s, e, n0 + BN, stride_wp_e, stride_wp_n, stride_ws_e, stride_ws_n, BN,
-                                BN, WORDS, SWORDS)
-            r2 = ttgl.allocate_shared_memory(ttgl.int32, [STAGES, BN, 4, 4], RING)
-            qs2 = ttgl.allocate_shared_memory(ttgl.int32, [STAGES, BN], SRING)
-        STEPS = K // BK
-        for i in ttgl.static_range(STAGES - 1):
-            _fetch(r, qs, pw, sw, i, STEPS, STAGES)
-            if TWO:
-                _fetch(r2, qs2, pw2, sw2, i, STEPS, STAGES)
-            async_copy.commit_group()
+        pw2, sw2 = _weights(w2p, w2s, w2p, w2s, e, n0 + BN, stride_wp_e, stride_wp_n, stride_ws_e, stride_ws_n, BN,
+                            BN, WORDS, SWORDS)
         m = pid_m * BT + ttgl.arange(0, BT, layout=ttgl.SliceLayout(1, XL))
         kx = ttgl.arange(0, BK, layout=ttgl.SliceLayout(0, XL))
         px = h + ttgl.expand_dims(m.to(ttgl.int64) * stride_h, 1) + ttgl.expand_dims(kx, 0)
-        xs = ttgl.allocate_shared_memory(ttgl.bfloat16, [2, BT, BK], SMEM)
-        acc = ttgl.zeros([BN, BT], ttgl.float32, MMA)
-        acc2 = ttgl.zeros([BN, BT], ttgl.float32, MMA)
-        xr = ttgl.load(px)
-        for i in range(STEPS):
-            nxr = ttgl.load(px + (i + 1) * BK, mask=ttgl.full([BT, BK], 0, ttgl.int1, XL) | (i + 1 < STEPS), other=0.0)
-            buf = xs.index(i % 2)
-            _stage(buf, xr, BT)
-            async_copy.wait_group(STAGES - 2)
-            ttgl.thread_barrier()
-            _fetch(r, qs, pw, sw, i + STAGES - 1, STEPS, STAGES)
-            if TWO:
-                _fetch(r2, qs2, pw2, sw2, i + STAGES - 1, STEPS, STAGES)
-            async_copy.commit_group()
-            acc = warpgroup_mma(_step_fragment(r, qs, i, STAGES, WORDS, A, HIGH_SCALES), buf.permute((1, 0)), acc)
-            if TWO:
-                acc2 = warpgroup_mma(_step_fragment(r2, qs2, i, STAGES, WORDS, A, HIGH_SCALES), buf.permute((1, 0)),
-                                     acc2)
-            xr = nxr
-        async_copy.wait_group(0)
+        mx = ttgl.expand_dims(m >= 0, 1) & ttgl.expand_dims(kx < BK, 0)
+        acc, acc2 = _main_loop(pw, sw, pw2, sw2, px, mx, K, BN, BT, WORDS, MMA, HIGH_SCALES, TWO)
         mo = pid_m * BT + ttgl.arange(0, BT, layout=ttgl.SliceLayout(0, MMA))
         rows = ttgl.load(sorted_rows + mo)
         _down_out(acc, y, rows, num_rows, n0, stride_y, BN, MMA)
@@ -316,7 +326,7 @@ def _down_wgmma_kernel(h, w2p, w2s, y, sorted_rows, block_expert, num_rows, K,
 
 def wgmma_fits(x: torch.Tensor, w1, w2, w3, warps: int, two: bool) -> bool:
     """These kernels take the experts with ``warps`` warps (and ``two`` tiles) a program: a Hopper GPU (sm_90:
-    wgmma), latent and expert widths of whole 128-position steps and whole programs, packed rows of whole
+    wgmma), latent and expert widths of whole 256-position macro steps and whole programs, packed rows of whole
     16-byte words, scale rows of whole 4-byte words."""
     if not (x.is_cuda and torch.cuda.get_device_capability(x.device) == (9, 0)):
         return False
@@ -325,12 +335,11 @@ def wgmma_fits(x: torch.Tensor, w1, w2, w3, warps: int, two: bool) -> bool:
     packed_ok = all(p.stride(2) == 1 and p.stride(0) % 16 == 0 and p.stride(1) % 16 == 0 and p.data_ptr() % 16 == 0
                     and s.stride(2) == 1 and s.stride(0) % 4 == 0 and s.stride(1) % 4 == 0 and s.data_ptr() % 4 == 0
                     for p, s in (w1, w2, w3))
-    return L % 128 == 0 and I % 128 == 0 and L % rows == 0 and I % (rows // 2) == 0 and packed_ok
+    return L % 256 == 0 and I % 256 == 0 and L % rows == 0 and I % (rows // 2) == 0 and packed_ok
 
 
 def wgmma_experts(x: torch.Tensor, w1, w2, w3, weights: torch.Tensor, ids: torch.Tensor, act_situ: bool, beta: float,
-                  linear_beta: float | None, high_scales: bool, BT: int, warps: int, stages: int = 3,
-                  two: bool = False) -> torch.Tensor:
+                  linear_beta: float | None, high_scales: bool, BT: int, warps: int, two: bool = False) -> torch.Tensor:
     """``moe.fused_moe_triton`` for MXFP4 experts through the kernels above (``wgmma_fits`` holds): the
     assignments sorted by expert in blocks of BT, gate/up, down, then ``moe``'s fp32 combine."""
     from kimik3.ops.triton.moe import _combine_kernel, _sort_by_expert
@@ -349,12 +358,12 @@ def wgmma_experts(x: torch.Tensor, w1, w2, w3, weights: torch.Tensor, ids: torch
         x, w1v, s1v, w3v, s3v, h, sorted_rows, block_expert, R, L,
         x.stride(0), w1v.stride(0), w1v.stride(1), s1v.stride(0), s1v.stride(1), h.stride(0),
         float(beta), float(linear_beta or 1.0), TOP_K=top_k, ACT_SITU=act_situ, CLIP_UP=linear_beta is not None,
-        BT=BT, HIGH_SCALES=high_scales, WARPS=warps, STAGES=stages, TWO=two, num_warps=warps, **pdl(x))
+        BT=BT, HIGH_SCALES=high_scales, WARPS=warps, TWO=two, num_warps=warps, **pdl(x))
     y = torch.empty(R, L, dtype=x.dtype, device=x.device)
     _down_wgmma_kernel[(nb, L // (nt * BN))](
         h, w2v, s2v, y, sorted_rows, block_expert, R, I,
         h.stride(0), w2v.stride(0), w2v.stride(1), s2v.stride(0), s2v.stride(1), y.stride(0),
-        BT=BT, HIGH_SCALES=high_scales, WARPS=warps, STAGES=stages, TWO=two, num_warps=warps, **pdl(h))
+        BT=BT, HIGH_SCALES=high_scales, WARPS=warps, TWO=two, num_warps=warps, **pdl(h))
     out = torch.empty(T, L, dtype=x.dtype, device=x.device)
     BL = min(1024, triton.next_power_of_2(L))
     _combine_kernel[(T, triton.cdiv(L, BL))](y, weights.contiguous(), y, out, L, TOP_K=top_k, BL=BL, HAS_POS=False,
