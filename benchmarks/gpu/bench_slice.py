@@ -23,6 +23,8 @@ weight rows, the KDA step's state rows: ``kimik3.ops.triton.common.PREFETCH_ENAB
 FlashMLA (the slice's cache has 64-token blocks, so the main columns run FlashMLA).
 ``--flash-kda-ab`` (with ``KIMIK3_FLASH_KDA`` set): the prefill cases also with fla-core's chunk_kda in place of
 FlashKDA (K3's bounded gate only; Kimi-Linear's KDA never takes FlashKDA).
+``--wgmma-ab``: every decode case also with the MXFP4 experts on the block kernels (``kimik3.ops.triton.moe.WGMMA_EXPERTS``
+off, where the default takes ``moe_wgmma``'s register-operand kernels).
 ``--router-split-ab``: every decode case also with the MoE routing on unsplit logits (``kimik3.ops.router``'s
 split-K path off: ROUTER_SPLIT_MIN_TOKENS past any batch).
 ``--low-rank-ab``: every decode case also with the KDA layers' low-rank up-projections placed the other way: computed
@@ -360,6 +362,7 @@ def bench_model(bw, mm):
         t_graph_no_prefetch = with_setting("--prefetch-ab", triton_common, "PREFETCH_ENABLED", False,
                                            lambda: graph_time(fast)) if N == 1 else None
         t_graph_no_flash_mla = without_flash_mla(lambda: graph_time(fast))
+        t_graph_block_moe = with_setting("--wgmma-ab", moe_kernels, "WGMMA_EXPERTS", False, lambda: graph_time(fast))
         t_graph_unsplit_router = with_setting("--router-split-ab", ops_router, "ROUTER_SPLIT_MIN_TOKENS", 1 << 30,
                                               lambda: graph_time(fast))
         low_rank_inside = N <= ops_kda.DECODE_LOW_RANK_MAX_SEQS
@@ -390,6 +393,7 @@ def bench_model(bw, mm):
                      "t_graph_no_prefetch_ms": None if t_graph_no_prefetch is None else t_graph_no_prefetch * 1e3,
                      "t_graph_no_flash_mla_ms": None if t_graph_no_flash_mla is None else t_graph_no_flash_mla * 1e3,
                      "t_graph_unsplit_router_ms": None if t_graph_unsplit_router is None else t_graph_unsplit_router * 1e3,
+                     "t_graph_block_moe_ms": None if t_graph_block_moe is None else t_graph_block_moe * 1e3,
                      "low_rank_inside_kernel": low_rank_inside,
                      "t_graph_low_rank_other_ms": None if t_graph_low_rank_other is None else t_graph_low_rank_other * 1e3,
                      "kda_norm_fused": norm_fused,
@@ -521,8 +525,9 @@ def main():
     save()
     log(f"\n| case | fast eager ms | fast graph ms | floor ms | time/floor | ref ms | speed-up | without PDL ms "
         f"| GEMV_MAX_ROWS {0 if ops_linear.GEMV_MAX_ROWS else 8} ms | no side stream ms | one token on block kernels ms | no weight prefetch ms | without FlashKDA (prefill) / FlashMLA (decode) ms "
-        f"| unsplit router logits ms | low rank placed the other way ms | KDA output norm placed the other way ms |")
-    log("|---|---|---|---|---|---|---|---|---|---|---|---|---|---|---|---|")
+        f"| unsplit router logits ms | low rank placed the other way ms | KDA output norm placed the other way ms "
+        f"| MXFP4 experts on the block kernels ms |")
+    log("|---|---|---|---|---|---|---|---|---|---|---|---|---|---|---|---|---|")
     for r in rows:
         g = "-" if r["t_graph_ms"] is None else f"{r['t_graph_ms']:.3f}"
         off = r.get("t_graph_no_pdl_ms") or r.get("t_eager_no_pdl_ms")
@@ -547,9 +552,11 @@ def main():
                                                                       else " (inside)")
         norm = r.get("t_graph_norm_other_ms")
         norm = "-" if norm is None else f"{norm:.3f}" + (" (own launch)" if r.get("kda_norm_fused") else " (fused)")
+        block_moe = r.get("t_graph_block_moe_ms")
+        block_moe = "-" if block_moe is None else f"{block_moe:.3f}"
         log(f"| {r['case']} | {r['t_eager_ms']:.2f} | {g} | {r['floor_ms']:.3f} | {r['time_over_floor']:.2f}{extra} "
             f"| {ref} | {sp} | {off} | {other} | {side} | {blocks} | {nopf} | {noflash} | {unsplit} | {low_rank} "
-            f"| {norm} |")
+            f"| {norm} | {block_moe} |")
     bad = [k for k, r in results.get("checks", {}).items() if not r["ok"]]
     log(f"checks: {len(results.get('checks', {})) - len(bad)} ok, bad: {bad}")
 

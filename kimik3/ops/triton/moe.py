@@ -368,8 +368,22 @@ def _tiles(rows_per_expert: float, mxfp4: bool = False) -> dict:
 def _wgmma_tiles(rows_per_expert: float) -> dict | None:
     """MXFP4 experts through ``moe_wgmma`` (weights as the register operand; on an sm_90 GPU, widths that
     fit): BT rows a block, 16 x warps weight rows a tile (gate/up: half of each), "two" tiles a program
-    (default False), or None for the block kernels here."""
-    return None
+    (default False), or None for the block kernels here (``WGMMA_EXPERTS`` off, or prefill sizes).
+    H100, K3 slice shapes (64 experts, 3584 -> 3072, top-16; bench_moe.py --wgmma, 82d62a3), against the
+    block kernels: 1 token 0.137 against 0.185 ms (BT 8), 8 tokens 0.446 / 0.595 (BT 8), 32 tokens 0.505 /
+    0.639 (BT 16), 128 tokens 0.927 / 1.017 (BT 64, two tiles)."""
+    if not WGMMA_EXPERTS or rows_per_expert > 48:
+        return None
+    if rows_per_expert <= 3:
+        return dict(BT=8, warps=4)
+    if rows_per_expert <= 10:
+        return dict(BT=16, warps=4)
+    return dict(BT=64, warps=4, two=True)
+
+
+# MXFP4 experts at decode sizes through ``moe_wgmma`` where it fits (``_wgmma_tiles``); False: the block
+# kernels here (benchmarks: bench_slice.py --wgmma-ab)
+WGMMA_EXPERTS = True
 
 
 # From this many rows per expert, dense bf16 experts run as torch._grouped_mm (CUTLASS grouped GEMMs) beside

@@ -41,6 +41,10 @@ ASM_HIGH_WORDS = ttgl.constexpr(_WORDS + """
 
 BK = ttgl.constexpr(128)      # K positions per step: 64 packed bytes of a row, 16 a thread
 _glu = gluon.jit(glu.fn)
+# Gluon is experimental and its API moves between Triton releases: these kernels are written against Triton
+# 3.6's (the GPU machines' version); where it is missing (e.g. 3.9 renamed the barrier and the async copy)
+# ``wgmma_fits`` says no and the block kernels of ``moe`` run instead.
+GLUON_API = hasattr(ttgl, "thread_barrier") and hasattr(async_copy, "async_copy_global_to_shared")
 _pdl_entry = gluon.jit(pdl_entry.fn)
 
 
@@ -84,16 +88,18 @@ def _fragment(words, sc, A: ttgl.constexpr, HIGH_SCALES: ttgl.constexpr):
         f = ttgl.broadcast(((sc + 126) << 7).to(ttgl.int16).to(ttgl.bfloat16, bitcast=True), b)[0]
         lo, hi = ttgl.inline_asm_elementwise(ASM_LOW_WORDS, "=r,=r,=r,=r,r,r,r,r,r,r", [b, f],
                                              dtype=(ttgl.bfloat16, ttgl.bfloat16), is_pure=True, pack=4)
-    w = ttgl.reshape(ttgl.join(lo, hi), [BN, 4, 2, 2, 2, 2, 2])        # (row, q, j3, j2, j1, j0, n)
-    w = ttgl.permute(w, [0, 2, 3, 4, 6, 1, 5])                          # (row, j3, j2, j1, n, q, j0)
-    return ttgl.convert_layout(ttgl.reshape(w, [BN, BK]), A, assert_trivial=True)
+    w = ttgl.reshape(ttgl.join(lo, hi), [BN, BK])                       # K order: 2 x byte + nibble
+    return ttgl.convert_layout(_slot_order(w), A, assert_trivial=True)
 
 
 @gluon.jit
-def _slot_order(x, BT: ttgl.constexpr):
-    """Activations [BT, BK] in K order -> [BT, BK] in slot order (slot s holds position k(s))."""
-    x = ttgl.reshape(x, [BT, 4, 2, 2, 2, 2, 2])                         # (t, q, j3, j2, j1, j0, n)
-    return ttgl.reshape(ttgl.permute(x, [0, 2, 3, 4, 6, 1, 5]), [BT, BK])
+def _slot_order(t):
+    """[R, BK] in K order -> [R, BK] in slot order (slot s holds position k(s), module docstring): a relabelling
+    of the elements, the same for the weights and the activations."""
+    R: ttgl.constexpr = t.shape[0]
+    t = ttgl.reshape(t, [R, 4, 2, 2, 2, 2, 2])                          # (r, q, j3, j2, j1, j0, n)
+    t = ttgl.permute(t, [0, 2, 3, 4, 6, 1, 5])                          # (r, j3, j2, j1, n, q, j0)
+    return ttgl.reshape(t, [R, BK])
 
 
 @gluon.jit
@@ -139,8 +145,8 @@ def _slot_fragment(slot, sslot, u: ttgl.constexpr, WORDS: ttgl.constexpr, A: ttg
 def _stage(buf, x0, x1, BT: ttgl.constexpr):
     """A macro step's activations (two [BT, BK] steps, K order) into shared memory in slot order, for the
     tensor cores."""
-    buf.index(0).store(_slot_order(x0, BT))
-    buf.index(1).store(_slot_order(x1, BT))
+    buf.index(0).store(_slot_order(x0))
+    buf.index(1).store(_slot_order(x1))
     fence_async_shared()
 
 
@@ -237,7 +243,7 @@ def _gate_up_out(gu, acc, h, n0, pid_m, stride_h, beta, linear_beta, ACT_SITU: t
     ttgl.store(h + ttgl.expand_dims(mo.to(ttgl.int64) * stride_h, 0) + ttgl.expand_dims(no, 1), out)
 
 
-@gluon.jit
+@gluon.jit(do_not_specialize=["num_rows"])
 def _gate_up_wgmma_kernel(x, w1p, w1s, w3p, w3s, h, sorted_rows, block_expert, num_rows, K,
                           stride_x, stride_wp_e, stride_wp_n, stride_ws_e, stride_ws_n, stride_h,
                           beta, linear_beta, TOP_K: ttgl.constexpr, ACT_SITU: ttgl.constexpr,
@@ -289,7 +295,7 @@ def _down_out(acc, y, rows, num_rows, n0, stride_y, BN: ttgl.constexpr, MMA: ttg
                mask=ttgl.expand_dims(rows < num_rows, 0) & ttgl.expand_dims(no >= 0, 1))
 
 
-@gluon.jit
+@gluon.jit(do_not_specialize=["num_rows"])
 def _down_wgmma_kernel(h, w2p, w2s, y, sorted_rows, block_expert, num_rows, K,
                        stride_h, stride_wp_e, stride_wp_n, stride_ws_e, stride_ws_n, stride_y,
                        BT: ttgl.constexpr, HIGH_SCALES: ttgl.constexpr, WARPS: ttgl.constexpr,
@@ -325,10 +331,10 @@ def _down_wgmma_kernel(h, w2p, w2s, y, sorted_rows, block_expert, num_rows, K,
 
 
 def wgmma_fits(x: torch.Tensor, w1, w2, w3, warps: int, two: bool) -> bool:
-    """These kernels take the experts with ``warps`` warps (and ``two`` tiles) a program: a Hopper GPU (sm_90:
-    wgmma), latent and expert widths of whole 256-position macro steps and whole programs, packed rows of whole
-    16-byte words, scale rows of whole 4-byte words."""
-    if not (x.is_cuda and torch.cuda.get_device_capability(x.device) == (9, 0)):
+    """These kernels take the experts with ``warps`` warps (and ``two`` tiles) a program: Triton 3.6's Gluon
+    (``GLUON_API``), a Hopper GPU (sm_90: wgmma), latent and expert widths of whole 256-position macro steps
+    and whole programs, packed rows of whole 16-byte words, scale rows of whole 4-byte words."""
+    if not (GLUON_API and x.is_cuda and torch.cuda.get_device_capability(x.device) == (9, 0)):
         return False
     L, I = x.shape[1], w1[0].shape[1]
     rows = 16 * warps * (2 if two else 1)            # down: weight rows (features) a program; gate/up: half
