@@ -38,7 +38,7 @@ def prompts():
 
 
 @pytest.mark.parametrize("mode", ["eager", "graphs", "chunked_prefix_graphs", "speculative", "async_chunked_prefix"])
-def test_engine_greedy_equals_the_model_called_directly_on_cuda(model, prompts, mode):
+def test_engine_greedy_equals_the_model_called_directly_on_cuda(model, prompts, mode, monkeypatch):
     params = SamplingParams(temperature=0, max_tokens=MAX_TOKENS, ignore_eos=True, logprobs=1)
     kw = dict(block_size=16, max_num_seqs=8, max_num_batched_tokens=256, max_model_len=192, extra_blocks=64,
               enforce_eager=mode == "eager")
@@ -48,6 +48,11 @@ def test_engine_greedy_equals_the_model_called_directly_on_cuda(model, prompts, 
         arrivals = {0: ["a"], 8: ["b", "d"], 10: ["c", "e", "f"]}
     elif mode == "speculative":       # graphs on; steps that carry drafts (here: nearly all) run eagerly
         kw.update(num_speculative_tokens=3, speculative_ngram_min=1, speculative_ngram_max=3)
+        # requests keep drafting after a failed verify: the small default model seldom repeats itself, and
+        # watching its predictions (the default, with 8b22186's lookup pauses) proposes 13 drafts here and
+        # accepts none (CPU, fp32: 6 of 29 accepted without watching), so no accepted draft would be checked
+        from kimik3.engine import speculative
+        monkeypatch.setattr(speculative, "WATCH_HITS", 0)
     engine = make_engine(model, **kw)
     ahead = count_calls(engine.scheduler, "schedule_ahead")
     results = run(engine, {k: (p, params) for k, p in prompts.items()}, arrivals)
