@@ -2,20 +2,28 @@
 
 ``kimik3.ops.triton.moe``'s block kernels put the tokens on the left of the product: each dequantized bf16
 weight tile is written to shared memory and read back by the tensor cores, and an expert's 8-40 rows are
-padded to a 16- or 64-row tile. Here the product is transposed, out^T = W_e x^T: a program owns BN output
-features (64 per warpgroup, wgmma's M) of one expert and BT of its sorted rows (wgmma's N: 8-64, no padding
-beyond it). Each thread loads the packed bytes of exactly the weights its A fragment holds (16 contiguous
-bytes of a row per 128 K positions, one load) and expands them in registers (the integer placement of
-``moe._ASM_E2M1``) straight into the fragment: the weights never touch shared memory. Only the activations
-go through shared memory, as wgmma's B operand.
+padded to a 16- or 64-row tile. Here the product is transposed, out^T = W_e x^T: a program owns 16 x warps
+weight rows of one expert (wgmma's M: 64 a warpgroup; gate/up: F = 8 x warps features, W1's rows then W3's,
+so each thread holds one accumulator) and BT of its sorted rows (wgmma's N: 8-64, no padding beyond it).
+Each thread expands the packed bytes of exactly the weights its A fragment holds (16 contiguous bytes of a
+row per 128 K positions) in registers, with the integer placement of ``moe._ASM_E2M1``, straight into the
+fragment: the weights never pass through shared memory as bf16. The packed words reach shared memory by
+cp.async and each thread reads back the words it copied; the activations are loaded into registers and
+stored to shared memory as wgmma's B operand.
 
 The fragment and the bytes do not agree on K order. A thread of lane quad q holds, for 128 K positions,
 fragment slots s = j0 + 2q + 8 n + 16 j1 + 32 j2 + 64 j3 (the register pair j0, the quad, then registers),
 and expands its bytes 16q + j (j = j0 + 2 j1 + 4 j2 + 8 j3), low nibble n = 0, high n = 1, i.e. natural K
 position k = 32 q + 2 j + n. The product sums over K, so it is the same for any order applied to both
-operands: the activations are stored to shared memory in slot order (slot s holds position k(s)), a
-relabelling of the loaded tile (reshape and permute, no data movement), which the stores absorb.
+operands: ``_slot_order`` relabels the expanded weights (checked at compile time to be wgmma's operand
+layout with no data movement) and the activations alike (the shared-memory stores absorb it).
 
+The K loop runs in macro steps of 256 positions: one barrier each, after which the next macro step's copies
+start and its activations are staged while this one expands and multiplies. Slots and buffers alternate
+between two allocations (the loop is unrolled by two), because Triton's barrier insertion cannot tell the
+slots of one dynamically indexed ring apart (such a ring cost three barriers a step).
+
+Gluon's API moves between Triton releases; these kernels are written against 3.6 (``GLUON_API``).
 Reference: ``kimik3.ops.moe.fused_moe_mxfp4``; the sort, the combine and the dispatch live in ``moe``.
 """
 
