@@ -22,36 +22,14 @@ import triton
 import triton.language as tl
 
 from kimik3.ops.triton.common import INTERPRETING, dot, glu, pdl, pdl_entry
+from kimik3.ops.triton.e2m1 import e2m1_asm
 from kimik3.ops.triton.gemv import one_token_experts
 
 
-# E2M1 -> bf16 on the integer units, four packed bytes (eight elements) per asm instance.
-# A nibble's magnitude bits (e1 e0 m) placed at bf16 bits 8..6 and its sign at bit 15 read as
-# the E2M1 value times 2**-126 (codes 0/1 land on bf16 subnormals). One multiply of the masked
-# nibble by 2**6 + 2**12 (low nibble) or 2**2 + 2**8 (high nibble) lands both at once (the two
-# copies do not overlap); a bf16x2 multiply by f = 2**(scale - 1) then applies 2**126 and the
-# E8M0 scale 2**(scale - 127) exactly (at most two significant bits times a power of two).
-# f is a bf16 normal for scale <= 128 (|w| <= 12); larger scales (HIGH_SCALES) multiply by
-# f = 2**(min(scale, 128) - 1) and then by g = 2**(max(scale, 128) - 128).
-# Operands: $4 = four packed bytes b0..b3; $5, $6 = bf16x2 factors of bytes (0, 1) and (2, 3)
-# ($7, $8 the same for g); outputs $0, $1 = low nibbles (elements 2i) of bytes (0, 1), (2, 3);
-# $2, $3 = high nibbles (elements 2i + 1). Each value depends only on its own byte and factor,
-# so the result does not depend on which four elements Triton hands to one instance.
-_ASM_E2M1 = """{
-    .reg .b32 t0, t1, a, nz;
-    mov.b32 nz, 0x80008000;
-    prmt.b32 t0, $4, $4, 0x1100;
-    prmt.b32 t1, $4, $4, 0x3322;
-    and.b32 a, t0, 0x000F000F;  mul.lo.u32 a, a, 0x1040;  and.b32 a, a, 0x81C081C0;  fma.rn.bf16x2 $0, a, $5, nz;
-    and.b32 a, t1, 0x000F000F;  mul.lo.u32 a, a, 0x1040;  and.b32 a, a, 0x81C081C0;  fma.rn.bf16x2 $1, a, $6, nz;
-    and.b32 a, t0, 0x00F000F0;  mul.lo.u32 a, a, 0x0104;  and.b32 a, a, 0x81C081C0;  fma.rn.bf16x2 $2, a, $5, nz;
-    and.b32 a, t1, 0x00F000F0;  mul.lo.u32 a, a, 0x0104;  and.b32 a, a, 0x81C081C0;  fma.rn.bf16x2 $3, a, $6, nz;
-"""
-ASM_LOW = tl.constexpr(_ASM_E2M1 + "}")
-ASM_HIGH = tl.constexpr(_ASM_E2M1 + """
-    fma.rn.bf16x2 $0, $0, $7, nz;  fma.rn.bf16x2 $1, $1, $8, nz;
-    fma.rn.bf16x2 $2, $2, $7, nz;  fma.rn.bf16x2 $3, $3, $8, nz;
-}""")
+# E2M1 -> bf16 (``kimik3.ops.triton.e2m1``): operand $4 = four packed bytes, $5, $6 = the bf16x2 factors f of
+# bytes (0, 1) and (2, 3), $7, $8 the same for g (HIGH_SCALES)
+ASM_LOW = tl.constexpr(e2m1_asm("$4", "$5", "$6"))
+ASM_HIGH = tl.constexpr(e2m1_asm("$4", "$5", "$6", "$7", "$8"))
 
 
 @triton.jit
@@ -496,6 +474,39 @@ def _grouped_mm_mxfp4_experts(x, w1, w2, w3, weights, ids, act_situ, beta, linea
     return _combine_expert_order(y, order, weights)
 
 
+def _wgmma_experts(x: torch.Tensor, w1, w2, w3, weights: torch.Tensor, ids: torch.Tensor, act_situ: bool, beta: float,
+                  linear_beta: float | None, high_scales: bool, BT: int, warps: int, two: bool = False) -> torch.Tensor:
+    """``fused_moe_triton`` for MXFP4 experts through ``moe_wgmma``'s kernels (``wgmma_fits`` holds): the
+    assignments sorted by expert in blocks of BT, gate/up, down, then the fp32 combine."""
+    from kimik3.ops.triton.moe_wgmma import _down_wgmma_kernel, _gate_up_wgmma_kernel
+    (w1p, w1s), (w2p, w2s), (w3p, w3s) = w1, w2, w3
+    T, L = x.shape
+    E, I = w1p.shape[0], w1p.shape[1]
+    top_k = ids.shape[1]
+    R = T * top_k
+    BN = 16 * warps
+    sorted_rows, block_expert = _sort_by_expert(ids, E, BT)
+    nb = block_expert.shape[0]
+    w1v, w2v, w3v, s1v, s2v, s3v = (t.view(torch.int32) for t in (w1p, w2p, w3p, w1s, w2s, w3s))
+    h = torch.empty(nb * BT, I, dtype=x.dtype, device=x.device)
+    nt = 2 if two else 1
+    _gate_up_wgmma_kernel[(nb, I // (nt * BN // 2))](
+        x, w1v, s1v, w3v, s3v, h, sorted_rows, block_expert, R, L,
+        x.stride(0), w1v.stride(0), w1v.stride(1), s1v.stride(0), s1v.stride(1), h.stride(0),
+        float(beta), float(linear_beta or 1.0), TOP_K=top_k, ACT_SITU=act_situ, CLIP_UP=linear_beta is not None,
+        BT=BT, HIGH_SCALES=high_scales, WARPS=warps, TWO=two, num_warps=warps, **pdl(x))
+    y = torch.empty(R, L, dtype=x.dtype, device=x.device)
+    _down_wgmma_kernel[(nb, L // (nt * BN))](
+        h, w2v, s2v, y, sorted_rows, block_expert, R, I,
+        h.stride(0), w2v.stride(0), w2v.stride(1), s2v.stride(0), s2v.stride(1), y.stride(0),
+        BT=BT, HIGH_SCALES=high_scales, WARPS=warps, TWO=two, num_warps=warps, **pdl(h))
+    out = torch.empty(T, L, dtype=x.dtype, device=x.device)
+    BL = min(1024, triton.next_power_of_2(L))
+    _combine_kernel[(T, triton.cdiv(L, BL))](y, weights.contiguous(), y, out, L, TOP_K=top_k, BL=BL, HAS_POS=False,
+                                             **pdl(y))
+    return out
+
+
 def fused_moe_triton(x: torch.Tensor, w1, w2, w3, weights: torch.Tensor, ids: torch.Tensor, act_situ: bool,
                      beta: float, linear_beta: float | None, high_scales: bool = True,
                      tiles: dict | None = None) -> torch.Tensor:
@@ -536,8 +547,8 @@ def fused_moe_triton(x: torch.Tensor, w1, w2, w3, weights: torch.Tensor, ids: to
     if packed and wg is not None:
         from kimik3.ops.triton import moe_wgmma
         if moe_wgmma.wgmma_fits(x, w1, w2, w3, wg["warps"], wg.get("two", False)):
-            return moe_wgmma.wgmma_experts(x, w1, w2, w3, weights, ids, act_situ, beta, linear_beta, high_scales,
-                                           wg["BT"], wg["warps"], wg.get("two", False))
+            return _wgmma_experts(x, w1, w2, w3, weights, ids, act_situ, beta, linear_beta, high_scales,
+                                  wg["BT"], wg["warps"], wg.get("two", False))
         if tiles is not None:
             raise ValueError(f"the wgmma expert kernels cannot take these experts (tiles {tiles})")
     cfg = tiles or _tiles(T * top_k / E, packed)

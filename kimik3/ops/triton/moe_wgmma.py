@@ -6,7 +6,7 @@ padded to a 16- or 64-row tile. Here the product is transposed, out^T = W_e x^T:
 weight rows of one expert (wgmma's M: 64 a warpgroup; gate/up: F = 8 x warps features, W1's rows then W3's,
 so each thread holds one accumulator) and BT of its sorted rows (wgmma's N: 8-64, no padding beyond it).
 Each thread expands the packed bytes of exactly the weights its A fragment holds (16 contiguous bytes of a
-row per 128 K positions) in registers, with the integer placement of ``moe._ASM_E2M1``, straight into the
+row per 128 K positions) in registers, with the integer placement of ``e2m1``, straight into the
 fragment: the weights never pass through shared memory as bf16. The packed words reach shared memory by
 cp.async and each thread reads back the words it copied; the activations are loaded into registers and
 stored to shared memory as wgmma's B operand.
@@ -24,28 +24,23 @@ between two allocations (the loop is unrolled by two), because Triton's barrier 
 slots of one dynamically indexed ring apart (such a ring cost three barriers a step).
 
 Gluon's API moves between Triton releases; these kernels are written against 3.6 (``GLUON_API``).
-Reference: ``kimik3.ops.moe.fused_moe_mxfp4``; the sort, the combine and the dispatch live in ``moe``.
+Reference: ``kimik3.ops.moe.fused_moe_mxfp4``; the host side (sort, launches, combine) is ``moe._wgmma_experts``.
 """
 
 from __future__ import annotations
 
 import torch
-import triton
 from triton.experimental import gluon
 from triton.experimental.gluon import language as ttgl
 from triton.experimental.gluon.language.nvidia.hopper import async_copy, fence_async_shared, warpgroup_mma
 
-from kimik3.ops.triton.common import glu, pdl, pdl_entry
-from kimik3.ops.triton.moe import _ASM_E2M1
+from kimik3.ops.triton.common import glu, pdl_entry
+from kimik3.ops.triton.e2m1 import e2m1_asm
 
-# ``moe``'s expansion with its operands renumbered: four copies of one word ($4-$7; $4 read), then the
-# bf16x2 factors ($8, $9; g: $10, $11)
-_WORDS = _ASM_E2M1.replace("$5", "$8").replace("$6", "$9")
-ASM_LOW_WORDS = ttgl.constexpr(_WORDS + "}")
-ASM_HIGH_WORDS = ttgl.constexpr(_WORDS + """
-    fma.rn.bf16x2 $0, $0, $10, nz;  fma.rn.bf16x2 $1, $1, $11, nz;
-    fma.rn.bf16x2 $2, $2, $10, nz;  fma.rn.bf16x2 $3, $3, $11, nz;
-}""")
+# the expansion's operands here: four copies of one word ($4-$7; $4 read), then the bf16x2 factors f ($8, $9)
+# and g ($10, $11)
+ASM_LOW_WORDS = ttgl.constexpr(e2m1_asm("$4", "$8", "$9"))
+ASM_HIGH_WORDS = ttgl.constexpr(e2m1_asm("$4", "$8", "$9", "$10", "$11"))
 
 BK = ttgl.constexpr(128)      # K positions per step: 64 packed bytes of a row, 16 a thread
 _glu = gluon.jit(glu.fn)
@@ -80,7 +75,7 @@ def mma_layout(warps, BT):
 @gluon.jit
 def _fragment(words, sc, A: ttgl.constexpr, HIGH_SCALES: ttgl.constexpr):
     """Packed words [BN, 4, 4] (four bytes each; the slice of ``byte_layout``), scale codes sc [BN, 4] (int32)
-    -> the A fragment [BN, BK] bf16 in slot order (module docstring), exact (``moe._ASM_E2M1``). Each asm
+    -> the A fragment [BN, BK] bf16 in slot order (module docstring), exact (``e2m1``). Each asm
     instance takes four elements of the byte view, all the same word (a broadcast: no instructions), and
     expands its four bytes; the words, not bytes, cross the loop (bytes would be unpacked and repacked)."""
     BN: ttgl.constexpr = words.shape[0]
@@ -350,36 +345,3 @@ def wgmma_fits(x: torch.Tensor, w1, w2, w3, warps: int, two: bool) -> bool:
                     and s.stride(2) == 1 and s.stride(0) % 4 == 0 and s.stride(1) % 4 == 0 and s.data_ptr() % 4 == 0
                     for p, s in (w1, w2, w3))
     return L % 256 == 0 and I % 256 == 0 and L % rows == 0 and I % (rows // 2) == 0 and packed_ok
-
-
-def wgmma_experts(x: torch.Tensor, w1, w2, w3, weights: torch.Tensor, ids: torch.Tensor, act_situ: bool, beta: float,
-                  linear_beta: float | None, high_scales: bool, BT: int, warps: int, two: bool = False) -> torch.Tensor:
-    """``moe.fused_moe_triton`` for MXFP4 experts through the kernels above (``wgmma_fits`` holds): the
-    assignments sorted by expert in blocks of BT, gate/up, down, then ``moe``'s fp32 combine."""
-    from kimik3.ops.triton.moe import _combine_kernel, _sort_by_expert
-    (w1p, w1s), (w2p, w2s), (w3p, w3s) = w1, w2, w3
-    T, L = x.shape
-    E, I = w1p.shape[0], w1p.shape[1]
-    top_k = ids.shape[1]
-    R = T * top_k
-    BN = 16 * warps
-    sorted_rows, block_expert = _sort_by_expert(ids, E, BT)
-    nb = block_expert.shape[0]
-    w1v, w2v, w3v, s1v, s2v, s3v = (t.view(torch.int32) for t in (w1p, w2p, w3p, w1s, w2s, w3s))
-    h = torch.empty(nb * BT, I, dtype=x.dtype, device=x.device)
-    nt = 2 if two else 1
-    _gate_up_wgmma_kernel[(nb, I // (nt * BN // 2))](
-        x, w1v, s1v, w3v, s3v, h, sorted_rows, block_expert, R, L,
-        x.stride(0), w1v.stride(0), w1v.stride(1), s1v.stride(0), s1v.stride(1), h.stride(0),
-        float(beta), float(linear_beta or 1.0), TOP_K=top_k, ACT_SITU=act_situ, CLIP_UP=linear_beta is not None,
-        BT=BT, HIGH_SCALES=high_scales, WARPS=warps, TWO=two, num_warps=warps, **pdl(x))
-    y = torch.empty(R, L, dtype=x.dtype, device=x.device)
-    _down_wgmma_kernel[(nb, L // (nt * BN))](
-        h, w2v, s2v, y, sorted_rows, block_expert, R, I,
-        h.stride(0), w2v.stride(0), w2v.stride(1), s2v.stride(0), s2v.stride(1), y.stride(0),
-        BT=BT, HIGH_SCALES=high_scales, WARPS=warps, TWO=two, num_warps=warps, **pdl(h))
-    out = torch.empty(T, L, dtype=x.dtype, device=x.device)
-    BL = min(1024, triton.next_power_of_2(L))
-    _combine_kernel[(T, triton.cdiv(L, BL))](y, weights.contiguous(), y, out, L, TOP_K=top_k, BL=BL, HAS_POS=False,
-                                             **pdl(y))
-    return out
