@@ -417,16 +417,22 @@ def _expert_order(ids: torch.Tensor, num_experts: int) -> tuple[torch.Tensor, to
     return torch.argsort(flat, stable=True), counts
 
 
+def _combine(y: torch.Tensor, weights: torch.Tensor, pos: torch.Tensor | None = None) -> torch.Tensor:
+    """out [T, L] in y's dtype: the fp32 combine (``_combine_kernel``) of expert rows y [R, L] with weights [T, k];
+    row t k + j of y holds (token t, slot j), or row pos[t k + j] when ``pos`` is given."""
+    L, (T, top_k) = y.shape[1], weights.shape
+    out = torch.empty(T, L, dtype=y.dtype, device=y.device)
+    BL = min(1024, triton.next_power_of_2(L))
+    _combine_kernel[(T, triton.cdiv(L, BL))](y, weights.contiguous(), y if pos is None else pos, out, L, TOP_K=top_k,
+                                             BL=BL, HAS_POS=pos is not None, **pdl(y))
+    return out
+
+
 def _combine_expert_order(y: torch.Tensor, order: torch.Tensor, weights: torch.Tensor) -> torch.Tensor:
     """The fp32 combine of expert rows y [R, L] held in expert order (``order`` from ``_expert_order``)
     with weights [T, k]: the kernel reads each (token, slot)'s row where the sort put it -> [T, L] in y's dtype."""
-    (R, L), (T, top_k) = y.shape, weights.shape
-    pos = torch.empty_like(order).scatter_(0, order, torch.arange(R, device=y.device))
-    out = torch.empty(T, L, dtype=y.dtype, device=y.device)
-    BL = min(1024, triton.next_power_of_2(L))
-    _combine_kernel[(T, triton.cdiv(L, BL))](y, weights.contiguous(), pos, out, L, TOP_K=top_k, BL=BL, HAS_POS=True,
-                                             **pdl(y))
-    return out
+    pos = torch.empty_like(order).scatter_(0, order, torch.arange(y.shape[0], device=y.device))
+    return _combine(y, weights, pos)
 
 
 # From this many rows per expert (prefill), MXFP4 experts are dequantized to bf16 a chunk of experts at a
@@ -500,11 +506,7 @@ def _wgmma_experts(x: torch.Tensor, w1, w2, w3, weights: torch.Tensor, ids: torc
         h, w2v, s2v, y, sorted_rows, block_expert, R, I,
         h.stride(0), w2v.stride(0), w2v.stride(1), s2v.stride(0), s2v.stride(1), y.stride(0),
         BT=BT, HIGH_SCALES=high_scales, WARPS=warps, TWO=two, num_warps=warps, **pdl(h))
-    out = torch.empty(T, L, dtype=x.dtype, device=x.device)
-    BL = min(1024, triton.next_power_of_2(L))
-    _combine_kernel[(T, triton.cdiv(L, BL))](y, weights.contiguous(), y, out, L, TOP_K=top_k, BL=BL, HAS_POS=False,
-                                             **pdl(y))
-    return out
+    return _combine(y, weights)
 
 
 def fused_moe_triton(x: torch.Tensor, w1, w2, w3, weights: torch.Tensor, ids: torch.Tensor, act_situ: bool,
@@ -542,8 +544,10 @@ def fused_moe_triton(x: torch.Tensor, w1, w2, w3, weights: torch.Tensor, ids: to
     if (packed and tiles is None and T * top_k >= MXFP4_GROUPED_MM_ROWS_PER_EXPERT * E
             and not (x.is_cuda and torch.cuda.is_current_stream_capturing())):
         return _grouped_mm_mxfp4_experts(x, w1, w2, w3, weights, ids, act_situ, beta, linear_beta, high_scales)
-    wg = tiles if tiles is not None and "BT" in tiles else None if tiles is not None else (
-        _wgmma_tiles(T * top_k / E) if packed else None)
+    if tiles is None:
+        wg = _wgmma_tiles(T * top_k / E) if packed else None
+    else:
+        wg = tiles if "BT" in tiles else None
     if packed and wg is not None:
         from kimik3.ops.triton import moe_wgmma
         if moe_wgmma.wgmma_fits(x, w1, w2, w3, wg["warps"], wg.get("two", False)):
@@ -573,8 +577,4 @@ def fused_moe_triton(x: torch.Tensor, w1, w2, w3, weights: torch.Tensor, ids: to
         h, w2p, w2s, y, sorted_rows, block_expert, R, L, I // 2,
         h.stride(0), w2p.stride(0), w2p.stride(1), w2s.stride(0), w2s.stride(1), y.stride(0),
         BN=cfg["BN2"], **common, **pdl(h))
-    out = torch.empty(T, L, dtype=x.dtype, device=x.device)
-    BL = min(1024, triton.next_power_of_2(L))
-    _combine_kernel[(T, triton.cdiv(L, BL))](y, weights.contiguous(), y, out, L, TOP_K=top_k, BL=BL, HAS_POS=False,
-                                             **pdl(y))
-    return out
+    return _combine(y, weights)
