@@ -578,6 +578,19 @@ def test_moe_mxfp4_kernel_silu_without_up_clip():
     assert rel_err(out, ref) < 1e-2
 
 
+def test_moe_wgmma_tiles_for_experts_the_kernels_cannot_take_are_an_error():
+    """Asking for the register-operand kernels (``moe_wgmma``: tiles with BT) where they cannot run (here: no
+    sm_90 GPU; likewise widths that are not whole macro steps) names the tiles instead of running others."""
+    from kimik3.ops.triton.moe import fused_moe_triton
+    g = gen(4)
+    w1, _ = _packed_experts(2, 256, 256, g)
+    w2, _ = _packed_experts(2, 256, 256, g)
+    x = torch.randn(3, 256, generator=g).to(BF16)
+    ids = torch.zeros(3, 1, dtype=torch.long)
+    with pytest.raises(ValueError, match="wgmma expert kernels cannot take these experts.*'BT': 16"):
+        fused_moe_triton(x, w1, w2, w1, torch.ones(3, 1), ids, True, 4.0, 25.0, tiles=dict(BT=16, warps=4))
+
+
 # ---- MoE, dense bf16 / fp16 experts -------------------------------------------------------
 def moe_float64(x, w1, w2, w3, weights, ids, act):
     """Straight from the math in float64: out_t = sum_j w_tj * (act(x W1_e^T, x W3_e^T) W2_e^T)."""
