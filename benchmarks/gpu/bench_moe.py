@@ -15,10 +15,13 @@ floor = bytes / measured copy rate.
     ... --wgmma: beside the block kernels, ``moe_wgmma``'s register-operand kernels at each BT x warps
     ... --compare=OTHER_MOE_PY: beside each default-tile row, the kernels of another copy of
         ``kimik3/ops/triton/moe.py`` on the same weights, checked and timed the same way ("compared" rows)
+    ... --compare-wgmma=OTHER_MOE_WGMMA_PY (with --wgmma): beside each register-operand row, the same tiles on
+        the kernels of another copy of ``kimik3/ops/triton/moe_wgmma.py`` ("old_wgmma" rows)
 """
 
 from __future__ import annotations
 
+import contextlib
 import datetime
 import json
 import math
@@ -109,8 +112,23 @@ def compared_module():
     return None if path is None else load_module(path, "moe_compared")
 
 
+@contextlib.contextmanager
+def wgmma_module(module):
+    """``moe``'s register-operand kernels taken from ``module`` (another moe_wgmma.py) inside the block."""
+    import kimik3.ops.triton as package
+    name = "kimik3.ops.triton.moe_wgmma"
+    saved = sys.modules[name]
+    sys.modules[name] = package.moe_wgmma = module
+    try:
+        yield
+    finally:
+        sys.modules[name] = package.moe_wgmma = saved
+
+
 def kernels(bw):
     compared = compared_module()
+    old_path = next((a.split("=", 1)[1] for a in sys.argv if a.startswith("--compare-wgmma=")), None)
+    old_wgmma = None if old_path is None else load_module(old_path, "moe_wgmma_compared")
     g = torch.Generator(device="cuda").manual_seed(0)
     w1, w3, w2 = packed(I, L, g), packed(I, L, g), packed(L, I, g)
     scale_max = max(int(w[1].max()) for w in (w1, w2, w3))
@@ -153,10 +171,17 @@ def kernels(bw):
                       if bt <= 4 * max(8, T * K // E)]
             cands += [dict(BT=bt, warps=w, two=True) for bt in (16, 32, 64) for w in (4, 8)
                       if bt <= 4 * max(8, T * K // E) and bt >= min(64, T * K // E)]
+            if old_wgmma is not None:
+                cands += [dict(c, old_wgmma=True) for c in cands if "BT" in c]
         if compared is not None:
             cands += [dict(base, compared=True)]
         for cfg in cands:
             def fn(cfg=cfg):
+                if cfg.get("old_wgmma"):
+                    with wgmma_module(old_wgmma):
+                        return fused_moe_triton(x, w1, w2, w3, weights, ids, True, 4.0, 25.0,
+                                                high_scales=scale_max > 128,
+                                                tiles={k: v for k, v in cfg.items() if k != "old_wgmma"})
                 if cfg.get("compared"):
                     return compared.fused_moe_triton(x, w1, w2, w3, weights, ids, True, 4.0, 25.0,
                                                      high_scales=scale_max > 128, tiles=dict(base))

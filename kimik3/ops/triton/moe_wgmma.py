@@ -32,7 +32,8 @@ from __future__ import annotations
 import torch
 from triton.experimental import gluon
 from triton.experimental.gluon import language as ttgl
-from triton.experimental.gluon.language.nvidia.hopper import async_copy, fence_async_shared, warpgroup_mma
+from triton.experimental.gluon.language.nvidia.hopper import async_copy, fence_async_shared, warpgroup_mma, \
+    warpgroup_mma_wait
 
 from kimik3.ops.triton.common import glu, pdl_entry
 from kimik3.ops.triton.e2m1 import e2m1_asm
@@ -172,15 +173,20 @@ def _macro_step(j, NM, cur, scur, nxt, snxt, cur2, scur2, nxt2, snxt2, xcur, xnx
         _fetch(nxt2, snxt2, pw2, ps2, j + 1, more)
     async_copy.commit_group()
     a0 = _slot_fragment(cur, scur, 0, WORDS, A, HIGH_SCALES)
-    a1 = _slot_fragment(cur, scur, 1, WORDS, A, HIGH_SCALES)
+    t = warpgroup_mma(a0, xcur.index(0).permute((1, 0)), acc, is_async=True)
     _stage(xnxt, x0, x1, BT)
-    acc = warpgroup_mma(a0, xcur.index(0).permute((1, 0)), acc)
-    acc = warpgroup_mma(a1, xcur.index(1).permute((1, 0)), acc)
+    a1 = _slot_fragment(cur, scur, 1, WORDS, A, HIGH_SCALES)
+    t = warpgroup_mma(a1, xcur.index(1).permute((1, 0)), t, is_async=True)
     if TWO:
+        t = warpgroup_mma_wait(1, deps=[t])
         b0 = _slot_fragment(cur2, scur2, 0, WORDS, A, HIGH_SCALES)
+        t2 = warpgroup_mma(b0, xcur.index(0).permute((1, 0)), acc2, is_async=True)
+        t, t2 = warpgroup_mma_wait(1, deps=[t, t2])
         b1 = _slot_fragment(cur2, scur2, 1, WORDS, A, HIGH_SCALES)
-        acc2 = warpgroup_mma(b0, xcur.index(0).permute((1, 0)), acc2)
-        acc2 = warpgroup_mma(b1, xcur.index(1).permute((1, 0)), acc2)
+        t2 = warpgroup_mma(b1, xcur.index(1).permute((1, 0)), t2, is_async=True)
+        acc, acc2 = warpgroup_mma_wait(0, deps=[t, t2])
+    else:
+        acc = warpgroup_mma_wait(0, deps=[t])
     return acc, acc2
 
 
