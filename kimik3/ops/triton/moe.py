@@ -362,6 +362,9 @@ def _wgmma_tiles(rows_per_expert: float) -> dict | None:
 # MXFP4 experts at decode sizes through ``moe_wgmma`` where it fits (``_wgmma_tiles``); False: the block
 # kernels here (benchmarks: bench_slice.py --wgmma-ab)
 WGMMA_EXPERTS = True
+# macro steps (256 positions) past the one in flight by cp.async whose weight lines each program asks L2 for, so
+# more bytes are in flight than the two shared-memory slots hold (tiles key "ahead"; 0: none)
+WGMMA_AHEAD = 2
 
 
 # From this many rows per expert, dense bf16 experts run as torch._grouped_mm (CUTLASS grouped GEMMs) beside
@@ -481,7 +484,8 @@ def _grouped_mm_mxfp4_experts(x, w1, w2, w3, weights, ids, act_situ, beta, linea
 
 
 def _wgmma_experts(x: torch.Tensor, w1, w2, w3, weights: torch.Tensor, ids: torch.Tensor, act_situ: bool, beta: float,
-                  linear_beta: float | None, high_scales: bool, BT: int, warps: int, two: bool = False) -> torch.Tensor:
+                  linear_beta: float | None, high_scales: bool, BT: int, warps: int, two: bool = False,
+                  ahead: int = WGMMA_AHEAD) -> torch.Tensor:
     """``fused_moe_triton`` for MXFP4 experts through ``moe_wgmma``'s kernels (``wgmma_fits`` holds): the
     assignments sorted by expert in blocks of BT, gate/up, down, then the fp32 combine."""
     from kimik3.ops.triton.moe_wgmma import _down_wgmma_kernel, _gate_up_wgmma_kernel
@@ -500,12 +504,12 @@ def _wgmma_experts(x: torch.Tensor, w1, w2, w3, weights: torch.Tensor, ids: torc
         x, w1v, s1v, w3v, s3v, h, sorted_rows, block_expert, R, L,
         x.stride(0), w1v.stride(0), w1v.stride(1), s1v.stride(0), s1v.stride(1), h.stride(0),
         float(beta), float(linear_beta or 1.0), TOP_K=top_k, ACT_SITU=act_situ, CLIP_UP=linear_beta is not None,
-        BT=BT, HIGH_SCALES=high_scales, WARPS=warps, TWO=two, num_warps=warps, **pdl(x))
+        BT=BT, HIGH_SCALES=high_scales, WARPS=warps, TWO=two, AHEAD=ahead, num_warps=warps, **pdl(x))
     y = torch.empty(R, L, dtype=x.dtype, device=x.device)
     _down_wgmma_kernel[(nb, L // (nt * BN))](
         h, w2v, s2v, y, sorted_rows, block_expert, R, I,
         h.stride(0), w2v.stride(0), w2v.stride(1), s2v.stride(0), s2v.stride(1), y.stride(0),
-        BT=BT, HIGH_SCALES=high_scales, WARPS=warps, TWO=two, num_warps=warps, **pdl(h))
+        BT=BT, HIGH_SCALES=high_scales, WARPS=warps, TWO=two, AHEAD=ahead, num_warps=warps, **pdl(h))
     return _combine(y, weights)
 
 
@@ -552,7 +556,7 @@ def fused_moe_triton(x: torch.Tensor, w1, w2, w3, weights: torch.Tensor, ids: to
         from kimik3.ops.triton import moe_wgmma
         if moe_wgmma.wgmma_fits(x, w1, w2, w3, wg["warps"], wg.get("two", False)):
             return _wgmma_experts(x, w1, w2, w3, weights, ids, act_situ, beta, linear_beta, high_scales,
-                                  wg["BT"], wg["warps"], wg.get("two", False))
+                                  wg["BT"], wg["warps"], wg.get("two", False), wg.get("ahead", WGMMA_AHEAD))
         if tiles is not None:
             raise ValueError(f"the wgmma expert kernels cannot take these experts (tiles {tiles})")
     cfg = tiles or _tiles(T * top_k / E, packed)
