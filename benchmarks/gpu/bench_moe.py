@@ -16,8 +16,8 @@ floor = bytes / measured copy rate.
         default tile with other L2 prefetch distances ("ahead")
     ... --compare=OTHER_MOE_PY: beside each default-tile row, the kernels of another copy of
         ``kimik3/ops/triton/moe.py`` on the same weights, checked and timed the same way ("compared" rows)
-    ... --compare-wgmma=OTHER_MOE_WGMMA_PY (with --wgmma): the default register-operand tile on the kernels of
-        another copy of ``kimik3/ops/triton/moe_wgmma.py`` ("old_wgmma" rows; its kernels take the AHEAD argument)
+    ... --compare-wgmma=PY[,PY..] (with --wgmma): the default register-operand tile on the kernels of other copies
+        of ``kimik3/ops/triton/moe_wgmma.py`` ("old_wgmma": i rows; each with an ``expert_products`` as this one)
 """
 
 from __future__ import annotations
@@ -128,8 +128,8 @@ def wgmma_module(module):
 
 def kernels(bw):
     compared = compared_module()
-    old_path = next((a.split("=", 1)[1] for a in sys.argv if a.startswith("--compare-wgmma=")), None)
-    old_wgmma = None if old_path is None else load_module(old_path, "moe_wgmma_compared")
+    old_paths = next((a.split("=", 1)[1] for a in sys.argv if a.startswith("--compare-wgmma=")), "")
+    old_wgmma = [load_module(path, f"moe_wgmma_compared{i}") for i, path in enumerate(old_paths.split(",")) if path]
     g = torch.Generator(device="cuda").manual_seed(0)
     w1, w3, w2 = packed(I, L, g), packed(I, L, g), packed(L, I, g)
     scale_max = max(int(w[1].max()) for w in (w1, w2, w3))
@@ -175,14 +175,14 @@ def kernels(bw):
             wg = moe_kernels._wgmma_tiles(T * K / E)
             if wg is not None:            # the default tile asking L2 for 0 / 1 / 4 macro steps on (default WGMMA_AHEAD)
                 cands += [dict(wg, ahead=a) for a in (0, 1, 4)]
-            if old_wgmma is not None and wg is not None:
-                cands += [dict(wg, old_wgmma=True)]
+            if wg is not None:
+                cands += [dict(wg, old_wgmma=i) for i in range(len(old_wgmma))]
         if compared is not None:
             cands += [dict(base, compared=True)]
         for cfg in cands:
             def fn(cfg=cfg):
-                if cfg.get("old_wgmma"):
-                    with wgmma_module(old_wgmma):
+                if "old_wgmma" in cfg:
+                    with wgmma_module(old_wgmma[cfg["old_wgmma"]]):
                         return fused_moe_triton(x, w1, w2, w3, weights, ids, True, 4.0, 25.0,
                                                 high_scales=scale_max > 128,
                                                 tiles={k: v for k, v in cfg.items() if k != "old_wgmma"})

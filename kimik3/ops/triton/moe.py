@@ -487,29 +487,12 @@ def _wgmma_experts(x: torch.Tensor, w1, w2, w3, weights: torch.Tensor, ids: torc
                   linear_beta: float | None, high_scales: bool, BT: int, warps: int, two: bool = False,
                   ahead: int = WGMMA_AHEAD) -> torch.Tensor:
     """``fused_moe_triton`` for MXFP4 experts through ``moe_wgmma``'s kernels (``wgmma_fits`` holds): the
-    assignments sorted by expert in blocks of BT, gate/up, down, then the fp32 combine."""
-    from kimik3.ops.triton.moe_wgmma import _down_wgmma_kernel, _gate_up_wgmma_kernel
-    (w1p, w1s), (w2p, w2s), (w3p, w3s) = w1, w2, w3
-    T, L = x.shape
-    E, I = w1p.shape[0], w1p.shape[1]
-    top_k = ids.shape[1]
-    R = T * top_k
-    BN = 16 * warps
-    sorted_rows, block_expert = _sort_by_expert(ids, E, BT)
-    nb = block_expert.shape[0]
-    w1v, w2v, w3v, s1v, s2v, s3v = (t.view(torch.int32) for t in (w1p, w2p, w3p, w1s, w2s, w3s))
-    h = torch.empty(nb * BT, I, dtype=x.dtype, device=x.device)
-    nt = 2 if two else 1
-    _gate_up_wgmma_kernel[(nb, I // (nt * BN // 2))](
-        x, w1v, s1v, w3v, s3v, h, sorted_rows, block_expert, R, L,
-        x.stride(0), w1v.stride(0), w1v.stride(1), s1v.stride(0), s1v.stride(1), h.stride(0),
-        float(beta), float(linear_beta or 1.0), TOP_K=top_k, ACT_SITU=act_situ, CLIP_UP=linear_beta is not None,
-        BT=BT, HIGH_SCALES=high_scales, WARPS=warps, TWO=two, AHEAD=ahead, num_warps=warps, **pdl(x))
-    y = torch.empty(R, L, dtype=x.dtype, device=x.device)
-    _down_wgmma_kernel[(nb, L // (nt * BN))](
-        h, w2v, s2v, y, sorted_rows, block_expert, R, I,
-        h.stride(0), w2v.stride(0), w2v.stride(1), s2v.stride(0), s2v.stride(1), y.stride(0),
-        BT=BT, HIGH_SCALES=high_scales, WARPS=warps, TWO=two, AHEAD=ahead, num_warps=warps, **pdl(h))
+    assignments sorted by expert in blocks of BT, the products (``moe_wgmma.expert_products``), then the fp32
+    combine."""
+    from kimik3.ops.triton.moe_wgmma import expert_products
+    sorted_rows, block_expert = _sort_by_expert(ids, w1[0].shape[0], BT)
+    y = expert_products(x, w1, w2, w3, sorted_rows, block_expert, ids.shape[1], act_situ, beta, linear_beta,
+                        high_scales, BT, warps, two, ahead)
     return _combine(y, weights)
 
 

@@ -8,23 +8,28 @@ so each thread holds one accumulator) and BT of its sorted rows (wgmma's N: 8-64
 Each thread expands the packed bytes of exactly the weights its A fragment holds (16 contiguous bytes of a
 row per 128 K positions) in registers, with the integer placement of ``e2m1``, straight into the
 fragment: the weights never pass through shared memory as bf16. The packed words reach shared memory by
-cp.async and each thread reads back the words it copied; the activations are loaded into registers and
-stored to shared memory as wgmma's B operand.
+cp.async and each thread reads back the words it copied; the activations, wgmma's B operand, reach shared
+memory by cp.async too.
 
 The fragment and the bytes do not agree on K order. A thread of lane quad q holds, for 128 K positions,
 fragment slots s = j0 + 2q + 8 n + 16 j1 + 32 j2 + 64 j3 (the register pair j0, the quad, then registers),
 and expands its bytes 16q + j (j = j0 + 2 j1 + 4 j2 + 8 j3), low nibble n = 0, high n = 1, i.e. natural K
 position k = 32 q + 2 j + n. The product sums over K, so it is the same for any order applied to both
 operands: ``_slot_order`` relabels the expanded weights (checked at compile time to be wgmma's operand
-layout with no data movement) and the activations alike (the shared-memory stores absorb it).
+layout with no data movement), and the activations come in slot order (``slot_ordered``: the host permutes x
+for gate/up, and gate/up writes h so for down), so they are copied as they lie.
 
 The K loop runs in macro steps of 256 positions: one barrier each, after which the next macro step's copies
-start and its activations are staged while this one expands and multiplies. Slots and buffers alternate
+start while this one expands and multiplies; each product is asynchronous, so the tensor cores work while the
+next fragment expands. Every program also asks L2 for its weight rows ``AHEAD`` macro steps further on (bytes
+in flight beyond the two slots: on an H100 or H200 one slot of each resident program is not enough to cover
+the memory latency at the copy rate). Slots and buffers alternate
 between two allocations (the loop is unrolled by two), because Triton's barrier insertion cannot tell the
 slots of one dynamically indexed ring apart (such a ring cost three barriers a step).
 
 Gluon's API moves between Triton releases; these kernels are written against 3.6 (``GLUON_API``).
-Reference: ``kimik3.ops.moe.fused_moe_mxfp4``; the host side (sort, launches, combine) is ``moe._wgmma_experts``.
+Reference: ``kimik3.ops.moe.fused_moe_mxfp4``; the launches are ``expert_products``, the sort and the combine
+around them ``moe._wgmma_experts``.
 """
 
 from __future__ import annotations
@@ -35,7 +40,7 @@ from triton.experimental.gluon import language as ttgl
 from triton.experimental.gluon.language.nvidia.hopper import async_copy, fence_async_shared, warpgroup_mma, \
     warpgroup_mma_wait
 
-from kimik3.ops.triton.common import glu, pdl_entry, prefetch_l2
+from kimik3.ops.triton.common import glu, pdl, pdl_entry, prefetch_l2
 from kimik3.ops.triton.e2m1 import e2m1_asm
 
 # the expansion's operands here: four copies of one word ($4-$7; $4 read), then the bf16x2 factors f ($8, $9)
@@ -108,6 +113,20 @@ def _slot_order(t):
 
 
 @gluon.jit
+def _slot_position(k):
+    """Where K position k sits in slot order (``_slot_order`` moves the element at k there)."""
+    kb = k % BK
+    j = (kb >> 1) & 15
+    return k - kb + (j & 1) + 2 * (kb >> 5) + 8 * (kb & 1) + 16 * (j >> 1)
+
+
+def slot_ordered(x: torch.Tensor) -> torch.Tensor:
+    """x [T, L] (L a multiple of BK) with each row's K positions in slot order, as the kernels read activations."""
+    T, L = x.shape
+    return x.view(T, L // BK, 4, 2, 2, 2, 2, 2).permute(0, 1, 3, 4, 5, 7, 2, 6).reshape(T, L)
+
+
+@gluon.jit
 def _weights(wa, sa, wb, sb, e, n0, stride_wp_e, stride_wp_n, stride_ws_e, stride_ws_n, BN: ttgl.constexpr,
              SPLIT: ttgl.constexpr, WORDS: ttgl.constexpr, SWORDS: ttgl.constexpr):
     """Pointers of a program's BN weight rows at the first step: tile row r < SPLIT is row n0 + r of expert e in
@@ -149,31 +168,30 @@ def _slot_fragment(slot, sslot, u: ttgl.constexpr, WORDS: ttgl.constexpr, A: ttg
 
 
 @gluon.jit
-def _stage(buf, x0, x1, BT: ttgl.constexpr):
-    """A macro step's activations (two [BT, BK] steps, K order) into shared memory in slot order, for the
-    tensor cores."""
-    buf.index(0).store(_slot_order(x0))
-    buf.index(1).store(_slot_order(x1))
-    fence_async_shared()
+def _fetch_x(buf, px, mx, j, more):
+    """Start copying macro step j's activations (two [BT, BK] steps, in slot order) into ``buf``, for the tensor
+    cores (padding rows and past the last macro step: zeros)."""
+    for u in ttgl.static_range(2):
+        async_copy.async_copy_global_to_shared(buf.index(u), px + (2 * j + u) * BK, mask=mx & more)
 
 
 @gluon.jit
 def _macro_step(j, NM, cur, scur, nxt, snxt, cur2, scur2, nxt2, snxt2, xcur, xnxt, pw, ps, pw2, ps2, pr, pr2, px, mx,
                 acc, acc2, BT: ttgl.constexpr, WORDS: ttgl.constexpr, A: ttgl.constexpr, HIGH_SCALES: ttgl.constexpr,
                 TWO: ttgl.constexpr, AHEAD: ttgl.constexpr):
-    """Macro step j (2 BK positions) of one or two tiles. On entry its weights are in flight into (cur, scur)
-    (and the second tile's) and its activations staged in ``xcur``. One barrier: after it the slots and
-    buffers of macro step j - 1 are free, so the next macro step's copies start into (nxt, snxt) and its
-    activations are staged into ``xnxt`` while this one multiplies. The slots and buffers alternate between
-    two allocations (the caller unrolls by two), so no other barrier is needed."""
+    """Macro step j (2 BK positions) of one or two tiles. On entry its weights and activations are in flight into
+    (cur, scur) (and the second tile's) and ``xcur``. One barrier: after it they have landed and the slots and
+    buffers of macro step j - 1 are free, so the next macro step's copies start into (nxt, snxt) and ``xnxt``
+    while this one expands and multiplies. The slots and buffers alternate between two allocations (the caller
+    unrolls by two), so no other barrier is needed."""
     more = j + 1 < NM
-    x0 = ttgl.load(px + (2 * j + 2) * BK, mask=mx & more, other=0.0)
-    x1 = ttgl.load(px + (2 * j + 3) * BK, mask=mx & more, other=0.0)
     async_copy.wait_group(0)                 # macro step j's copies have landed (this thread's) ...
+    fence_async_shared()                     # ... where the tensor cores read them ...
     ttgl.thread_barrier()                    # ... everyone's; everyone is done with macro step j - 1
     _fetch(nxt, snxt, pw, ps, j + 1, more)
     if TWO:
         _fetch(nxt2, snxt2, pw2, ps2, j + 1, more)
+    _fetch_x(xnxt, px, mx, j + 1, more)
     async_copy.commit_group()
     if AHEAD > 0:                            # L2, please: the rows' 128-byte line of macro step j + 1 + AHEAD
         ahead = ttgl.minimum(j + 1 + AHEAD, NM - 1) * (2 * BK // 8)
@@ -182,7 +200,6 @@ def _macro_step(j, NM, cur, scur, nxt, snxt, cur2, scur2, nxt2, snxt2, xcur, xnx
             _prefetch_l2(pr2 + ahead)
     a0 = _slot_fragment(cur, scur, 0, WORDS, A, HIGH_SCALES)
     t = warpgroup_mma(a0, xcur.index(0).permute((1, 0)), acc, is_async=True)
-    _stage(xnxt, x0, x1, BT)
     a1 = _slot_fragment(cur, scur, 1, WORDS, A, HIGH_SCALES)
     t = warpgroup_mma(a1, xcur.index(1).permute((1, 0)), t, is_async=True)
     if TWO:
@@ -224,8 +241,8 @@ def _main_loop(pw, ps, pw2, ps2, pr, pr2, px, mx, K, BN: ttgl.constexpr, BT: ttg
     _fetch(ra, sa, pw, ps, 0, NM > 0)
     if TWO:
         _fetch(ra2, sa2, pw2, ps2, 0, NM > 0)
+    _fetch_x(xa, px, mx, 0, NM > 0)
     async_copy.commit_group()
-    _stage(xa, ttgl.load(px, mask=mx, other=0.0), ttgl.load(px + BK, mask=mx, other=0.0), BT)
     acc = ttgl.zeros([BN, BT], ttgl.float32, MMA)
     acc2 = ttgl.zeros([BN, BT], ttgl.float32, MMA)
     for j in range(0, NM, 2):
@@ -255,7 +272,7 @@ def _gate_up_out(gu, acc, h, n0, pid_m, stride_h, beta, linear_beta, ACT_SITU: t
     g = gu.slice(0, F).load(EPI).to(ttgl.float32)
     u = gu.slice(F, F).load(EPI).to(ttgl.float32)
     out = _glu(g, u, beta, linear_beta, ACT_SITU, CLIP_UP).to(ttgl.bfloat16)
-    no = n0 + ttgl.arange(0, F, layout=ttgl.SliceLayout(1, EPI))
+    no = _slot_position(n0 + ttgl.arange(0, F, layout=ttgl.SliceLayout(1, EPI)))    # h in slot order, for down
     mo = pid_m * BT + ttgl.arange(0, BT, layout=ttgl.SliceLayout(0, EPI))
     ttgl.store(h + ttgl.expand_dims(mo.to(ttgl.int64) * stride_h, 0) + ttgl.expand_dims(no, 1), out)
 
@@ -348,6 +365,35 @@ def _down_wgmma_kernel(h, w2p, w2s, y, sorted_rows, block_expert, num_rows, K,
         _down_out(acc, y, rows, num_rows, n0, stride_y, BN, MMA)
         if TWO:
             _down_out(acc2, y, rows, num_rows, n0 + BN, stride_y, BN, MMA)
+
+
+def expert_products(x: torch.Tensor, w1, w2, w3, sorted_rows: torch.Tensor, block_expert: torch.Tensor, top_k: int,
+                    act_situ: bool, beta: float, linear_beta: float | None, high_scales: bool, BT: int, warps: int,
+                    two: bool, ahead: int) -> torch.Tensor:
+    """y [T top_k, L]: each assignment's expert output h W2^T, h = act(x W1^T, x W3^T), for the assignments
+    sorted by expert in blocks of BT (``moe._sort_by_expert``); x [T, L] bf16, packed experts as in
+    ``moe.fused_moe_triton`` (``wgmma_fits`` holds). x goes to the kernels in slot order, and h comes out so."""
+    (w1p, w1s), (w2p, w2s), (w3p, w3s) = w1, w2, w3
+    T, L = x.shape
+    I = w1p.shape[1]
+    R = T * top_k
+    BN = 16 * warps
+    nb = block_expert.shape[0]
+    w1v, w2v, w3v, s1v, s2v, s3v = (t.view(torch.int32) for t in (w1p, w2p, w3p, w1s, w2s, w3s))
+    xs = slot_ordered(x)
+    h = torch.empty(nb * BT, I, dtype=x.dtype, device=x.device)
+    nt = 2 if two else 1
+    _gate_up_wgmma_kernel[(nb, I // (nt * BN // 2))](
+        xs, w1v, s1v, w3v, s3v, h, sorted_rows, block_expert, R, L,
+        xs.stride(0), w1v.stride(0), w1v.stride(1), s1v.stride(0), s1v.stride(1), h.stride(0),
+        float(beta), float(linear_beta or 1.0), TOP_K=top_k, ACT_SITU=act_situ, CLIP_UP=linear_beta is not None,
+        BT=BT, HIGH_SCALES=high_scales, WARPS=warps, TWO=two, AHEAD=ahead, num_warps=warps, **pdl(x))
+    y = torch.empty(R, L, dtype=x.dtype, device=x.device)
+    _down_wgmma_kernel[(nb, L // (nt * BN))](
+        h, w2v, s2v, y, sorted_rows, block_expert, R, I,
+        h.stride(0), w2v.stride(0), w2v.stride(1), s2v.stride(0), s2v.stride(1), y.stride(0),
+        BT=BT, HIGH_SCALES=high_scales, WARPS=warps, TWO=two, AHEAD=ahead, num_warps=warps, **pdl(h))
+    return y
 
 
 def wgmma_fits(x: torch.Tensor, w1, w2, w3, warps: int, two: bool) -> bool:
