@@ -591,6 +591,19 @@ def test_moe_wgmma_tiles_for_experts_the_kernels_cannot_take_are_an_error():
         fused_moe_triton(x, w1, w2, w1, torch.ones(3, 1), ids, True, 4.0, 25.0, tiles=dict(BT=16, warps=4))
 
 
+def test_moe_wgmma_activations_in_slot_order():
+    """``moe_wgmma.slot_ordered`` puts each row's natural K position k = 32 q + 2 j + n (of every 128) at the
+    fragment slot s = j0 + 2 q + 8 n + 16 j1 + 32 j2 + 64 j3 (j = j0 + 2 j1 + 4 j2 + 8 j3): the order the
+    expanded weights take, so the product over K is unchanged (the GPU tests check the products)."""
+    from kimik3.ops.triton.moe_wgmma import slot_ordered
+    x = torch.arange(3 * 256).view(3, 256)
+    out = slot_ordered(x)
+    for k in range(256):
+        q, j, n = (k % 128) // 32, (k % 32) // 2, k % 2
+        s = (j & 1) + 2 * q + 8 * n + 16 * ((j >> 1) & 1) + 32 * ((j >> 2) & 1) + 64 * (j >> 3) + 128 * (k // 128)
+        assert torch.equal(out[:, s], x[:, k]), k
+
+
 # ---- MoE, dense bf16 / fp16 experts -------------------------------------------------------
 def moe_float64(x, w1, w2, w3, weights, ids, act):
     """Straight from the math in float64: out_t = sum_j w_tj * (act(x W1_e^T, x W3_e^T) W2_e^T)."""
