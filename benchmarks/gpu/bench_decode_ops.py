@@ -2,8 +2,7 @@
 the measured copy rate) and the alternatives: our one-kernel KDA step (``ops/triton/kda.py``) over
 value-block widths and warp counts beside fla-core's ``fused_recurrent_kda_fwd`` (the kernel it
 replaces), and the one-pass conv decode kernel beside the general varlen pair (conv + window
-update); the fused step with each program asking L2 for the state rows of 0 / 1 / 4 programs an SM ahead (the
-default: 2). Shapes: Kimi-Linear (32 heads) and K3 (96 heads) x 128, batch 1/32/128, scattered slots.
+update). Shapes: Kimi-Linear (32 heads) and K3 (96 heads) x 128, batch 1/32/128, scattered slots.
 Then the prefill conv over 8192 tokens across tile shapes (``conv_prefill_sweep``).
 
     PYTHONPATH=. python benchmarks/gpu/bench_decode_ops.py     (writes $OUT/bench_decode_ops.json)
@@ -89,11 +88,6 @@ def main():
                           q, k, v, f, b, A_log, dt_bias, lower_bound, pool, slots), norm_w, out_gate, 1e-5, torch.bfloat16),
                       "ours, norm fused": lambda: kda_decode_triton(q, k, v, f, b, A_log, dt_bias, lower_bound, pool, slots,
                                                                     norm=(norm_w, out_gate, 1e-5, torch.bfloat16))}
-            sms = torch.cuda.get_device_properties(0).multi_processor_count
-            for per_sm in (0, 1, 4):      # programs ahead whose state rows each program asks L2 for (default 2 an SM)
-                normed[f"ours, norm fused, L2 ahead {per_sm * sms}"] = (lambda a=per_sm * sms: kda_decode_triton(
-                    q, k, v, f, b, A_log, dt_bias, lower_bound, pool, slots, norm=(norm_w, out_gate, 1e-5, torch.bfloat16),
-                    ahead=a))
             for name, fn in normed.items():
                 pool.copy_(saved)
                 err = rel_err(fn().double(), normed_ref)

@@ -44,13 +44,13 @@ def _up_projected(a_row, w, rows, R: tl.constexpr, RC: tl.constexpr):
     return acc.to(a_row.dtype.element_ty).to(tl.float32)
 
 
-@triton.jit(do_not_specialize=["ahead"])
+@triton.jit
 def _kda_decode_kernel(q, k, v, f, b, A_log, dt_bias, pool, slots, o, norm_w, gate, f_w, gate_w, lower_bound, scale,
-                       eps, stride_q, stride_k, stride_v, stride_f, stride_b, stride_o, stride_slot, stride_gate, ahead,
+                       eps, stride_q, stride_k, stride_v, stride_f, stride_b, stride_o, stride_slot, stride_gate,
                        H: tl.constexpr, K: tl.constexpr, V: tl.constexpr, BV: tl.constexpr,
                        BOUNDED: tl.constexpr, NORM: tl.constexpr, PREFETCH: tl.constexpr, PDL: tl.constexpr,
                        F_LR: tl.constexpr = False, G_LR: tl.constexpr = False, R: tl.constexpr = 32,
-                       RC: tl.constexpr = 32, AHEAD: tl.constexpr = False):
+                       RC: tl.constexpr = 32):
     n, h, iv = tl.program_id(0).to(tl.int64), tl.program_id(1), tl.program_id(2)
     ck = tl.arange(0, K)
     cv = iv * BV + tl.arange(0, BV)
@@ -59,15 +59,6 @@ def _kda_decode_kernel(q, k, v, f, b, A_log, dt_bias, pool, slots, o, norm_w, ga
     if PREFETCH and BV * K >= 32:                  # (under PDL) the rows' 128-byte lines (32 fp32 each), before the wait
         prefetch_l2(pool + slot * stride_slot + h * V * K + iv * BV * K + tl.arange(0, BV * K // 32) * 32)
     pdl_entry(PDL)
-    if AHEAD and BV * K >= 32:                     # L2, please: the rows of the program `ahead` program ids on
-        N = tl.num_programs(0)
-        lin = n + N * (h + H * iv) + ahead
-        if lin < N * H * (V // BV):
-            n2 = lin % N
-            rest = lin // N
-            slot2 = tl.load(slots + n2).to(tl.int64)
-            prefetch_l2(pool + slot2 * stride_slot + (rest % H) * V * K + (rest // H) * BV * K
-                        + tl.arange(0, BV * K // 32) * 32)
     S = tl.load(rows)                                                      # [BV, K] fp32
     qv = tl.load(q + n * stride_q + h * K + ck).to(tl.float32)
     kv = tl.load(k + n * stride_k + h * K + ck).to(tl.float32)
@@ -106,14 +97,6 @@ def default_block_v(V: int) -> int:
     return min(32, V)
 
 
-def default_ahead(device: torch.device) -> int:
-    """How many launches ahead a program asks L2 for state rows: two per SM (about the programs resident at once,
-    so a program's rows are in L2 when it starts), none in the interpreter or with prefetching off."""
-    if common.INTERPRETING or not common.PREFETCH_ENABLED or device.type != "cuda":
-        return 0
-    return 2 * torch.cuda.get_device_properties(device).multi_processor_count
-
-
 MAX_RANK = 512          # the widest low-rank row the kernel reads (chunks of 32 unrolled: Kimi's is 128)
 
 
@@ -140,14 +123,13 @@ def _low_rank(name: str, t, N: int, rows: int, dtype: torch.dtype) -> tuple[torc
 def kda_decode_triton(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, f, b: torch.Tensor,
                       A_log: torch.Tensor, dt_bias: torch.Tensor, lower_bound: float | None,
                       state_pool: torch.Tensor, slots: torch.Tensor, block_v: int | None = None,
-                      num_warps: int | None = None, norm: tuple | None = None, ahead: int | None = None) -> torch.Tensor:
+                      num_warps: int | None = None, norm: tuple | None = None) -> torch.Tensor:
     """q, k [N, H, K]; v [N, H, V]; f [N, H, K] or a low-rank pair (a [N, R], w [H K, R]: f = a w^T rounded to
     a's dtype, ``ops.kda.LowRank``); b [N, H] (each
     with unit stride inside a row, any row stride); A_log [H], dt_bias [H*K]; state_pool [slots, H, V, K] fp32,
     rows ``slots`` [N] updated in place. Returns o [N, H, V] in v's dtype; with ``norm`` = (weight [V],
     gate [N, H, V] or a low-rank pair (a [N, R], w [H V, R]), eps, dtype) the normed output
-    rmsnorm(o) * weight * sigmoid(gate) in that dtype (one program a head: 8 warps). ``ahead``: each program asks
-    L2 for the state rows of the program that many launches after it (``default_ahead``; 0: none)."""
+    rmsnorm(o) * weight * sigmoid(gate) in that dtype (one program a head: 8 warps)."""
     N, H, K = q.shape
     V = v.shape[-1]
     BV = V if norm is not None else (block_v or default_block_v(V))
@@ -177,15 +159,14 @@ def kda_decode_triton(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, f, b: t
     if f_rank and g_rank and f_rank != g_rank:
         raise ValueError(f"kda_decode_triton: low-rank f and gate of ranks {f_rank} and {g_rank} (one rank a step)")
     rank = max(f_rank, g_rank) or 32                                          # (unused without a low-rank operand)
-    ahead = default_ahead(q.device) if ahead is None else ahead
     o = torch.empty(N, H, V, dtype=dtype, device=v.device)
     if N:
         _kda_decode_kernel[(N, H, V // BV)](
             q, k, v, f, b, A_log, dt_bias, state_pool, slots, o, weight, gate, A_log if f_w is None else f_w,
             A_log if gate_w is None else gate_w, float(lower_bound or 0.0), K ** -0.5,
             float(eps), q.stride(0), k.stride(0), v.stride(0), f.stride(0), b.stride(0), o.stride(0),
-            state_pool.stride(0), gate.stride(0) if norm is not None else 0, ahead,
+            state_pool.stride(0), gate.stride(0) if norm is not None else 0,
             H=H, K=K, V=V, BV=BV, BOUNDED=lower_bound is not None, NORM=norm is not None,
             PREFETCH=pdl(q)["PDL"] and common.PREFETCH_ENABLED, num_warps=num_warps or (8 if norm is not None else 4),
-            F_LR=f_w is not None, G_LR=gate_w is not None, R=rank, RC=min(32, rank), AHEAD=ahead > 0, **pdl(q))
+            F_LR=f_w is not None, G_LR=gate_w is not None, R=rank, RC=min(32, rank), **pdl(q))
     return o
