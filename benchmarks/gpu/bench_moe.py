@@ -12,8 +12,7 @@ floor = bytes / measured copy rate.
     ... --tokens=32,128: only these decode sizes (with the tile sweep unless --decode-only)
     ... --prefill-only: 512-8192 tokens (128-2048 rows an expert), the fused kernels' default tiles against
         the dequantize + torch._grouped_mm path, each against the FLOPs at the measured matmul rate
-    ... --wgmma: beside the block kernels, ``moe_wgmma``'s register-operand kernels at each BT x warps, and the
-        default tile with other L2 prefetch distances ("ahead")
+    ... --wgmma: beside the block kernels, ``moe_wgmma``'s register-operand kernels at each BT x warps
     ... --compare=OTHER_MOE_PY: beside each default-tile row, the kernels of another copy of
         ``kimik3/ops/triton/moe.py`` on the same weights, checked and timed the same way ("compared" rows)
     ... --compare-wgmma=PY[,PY..] (with --wgmma): the default register-operand tile on the kernels of other copies
@@ -173,8 +172,6 @@ def kernels(bw):
             cands += [dict(BT=bt, warps=w, two=True) for bt in (16, 32, 64) for w in (4, 8)
                       if bt <= 4 * max(8, T * K // E) and bt >= min(64, T * K // E)]
             wg = moe_kernels._wgmma_tiles(T * K / E)
-            if wg is not None:            # the default tile asking L2 for 0 / 1 / 4 macro steps on (default WGMMA_AHEAD)
-                cands += [dict(wg, ahead=a) for a in (0, 1, 4)]
             if wg is not None:
                 cands += [dict(wg, old_wgmma=i) for i in range(len(old_wgmma))]
         if compared is not None:

@@ -117,7 +117,7 @@ def compile_wgmma_experts():
              "linear_beta": "fp32", **{f"w{i}{k}": "*i32" for i in (1, 2, 3) for k in "ps"}}
     tiles = {(t["BT"], t["warps"], t.get("two", False)) for t in map(moe._wgmma_tiles, (0.25, 2, 8, 32))}
     for (bt, warps, two), high in [(t, h) for t in sorted(tiles) for h in (False, True)]:
-        common = dict(BT=bt, HIGH_SCALES=high, WARPS=warps, TWO=two, PDL=True, AHEAD=moe.WGMMA_AHEAD)
+        common = dict(BT=bt, HIGH_SCALES=high, WARPS=warps, TWO=two, PDL=True)
         build(moe_wgmma._gate_up_wgmma_kernel, types, dict(common, TOP_K=16, ACT_SITU=True, CLIP_UP=True), warps)
         build(moe_wgmma._down_wgmma_kernel, types, common, warps)
 

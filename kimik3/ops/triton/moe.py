@@ -362,9 +362,6 @@ def _wgmma_tiles(rows_per_expert: float) -> dict | None:
 # MXFP4 experts at decode sizes through ``moe_wgmma`` where it fits (``_wgmma_tiles``); False: the block
 # kernels here (benchmarks: bench_slice.py --wgmma-ab)
 WGMMA_EXPERTS = True
-# macro steps (256 positions) past the one in flight by cp.async whose weight lines each program asks L2 for, so
-# more bytes are in flight than the two shared-memory slots hold (tiles key "ahead"; 0: none)
-WGMMA_AHEAD = 2
 
 
 # From this many rows per expert, dense bf16 experts run as torch._grouped_mm (CUTLASS grouped GEMMs) beside
@@ -484,15 +481,14 @@ def _grouped_mm_mxfp4_experts(x, w1, w2, w3, weights, ids, act_situ, beta, linea
 
 
 def _wgmma_experts(x: torch.Tensor, w1, w2, w3, weights: torch.Tensor, ids: torch.Tensor, act_situ: bool, beta: float,
-                  linear_beta: float | None, high_scales: bool, BT: int, warps: int, two: bool = False,
-                  ahead: int = WGMMA_AHEAD) -> torch.Tensor:
+                  linear_beta: float | None, high_scales: bool, BT: int, warps: int, two: bool = False) -> torch.Tensor:
     """``fused_moe_triton`` for MXFP4 experts through ``moe_wgmma``'s kernels (``wgmma_fits`` holds): the
     assignments sorted by expert in blocks of BT, the products (``moe_wgmma.expert_products``), then the fp32
     combine."""
     from kimik3.ops.triton.moe_wgmma import expert_products
     sorted_rows, block_expert = _sort_by_expert(ids, w1[0].shape[0], BT)
     y = expert_products(x, w1, w2, w3, sorted_rows, block_expert, ids.shape[1], act_situ, beta, linear_beta,
-                        high_scales, BT, warps, two, ahead)
+                        high_scales, BT, warps, two)
     return _combine(y, weights)
 
 
@@ -539,7 +535,7 @@ def fused_moe_triton(x: torch.Tensor, w1, w2, w3, weights: torch.Tensor, ids: to
         from kimik3.ops.triton import moe_wgmma
         if moe_wgmma.wgmma_fits(x, w1, w2, w3, wg["warps"], wg.get("two", False)):
             return _wgmma_experts(x, w1, w2, w3, weights, ids, act_situ, beta, linear_beta, high_scales,
-                                  wg["BT"], wg["warps"], wg.get("two", False), wg.get("ahead", WGMMA_AHEAD))
+                                  wg["BT"], wg["warps"], wg.get("two", False))
         if tiles is not None:
             raise ValueError(f"the wgmma expert kernels cannot take these experts (tiles {tiles})")
     cfg = tiles or _tiles(T * top_k / E, packed)

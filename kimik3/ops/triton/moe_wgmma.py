@@ -21,9 +21,7 @@ for gate/up, and gate/up writes h so for down), so they are copied as they lie.
 
 The K loop runs in macro steps of 256 positions: one barrier each, after which the next macro step's copies
 start while this one expands and multiplies; each product is asynchronous, so the tensor cores work while the
-next fragment expands. Every program also asks L2 for its weight rows ``AHEAD`` macro steps further on (bytes
-in flight beyond the two slots: on an H100 or H200 one slot of each resident program is not enough to cover
-the memory latency at the copy rate). Slots and buffers alternate
+next fragment expands. Slots and buffers alternate
 between two allocations (the loop is unrolled by two), because Triton's barrier insertion cannot tell the
 slots of one dynamically indexed ring apart (such a ring cost three barriers a step).
 
@@ -40,7 +38,7 @@ from triton.experimental.gluon import language as ttgl
 from triton.experimental.gluon.language.nvidia.hopper import async_copy, fence_async_shared, warpgroup_mma, \
     warpgroup_mma_wait
 
-from kimik3.ops.triton.common import glu, pdl, pdl_entry, prefetch_l2
+from kimik3.ops.triton.common import glu, pdl, pdl_entry
 from kimik3.ops.triton.e2m1 import e2m1_asm
 
 # the expansion's operands here: four copies of one word ($4-$7; $4 read), then the bf16x2 factors f ($8, $9)
@@ -55,7 +53,6 @@ _glu = gluon.jit(glu.fn)
 # ``wgmma_fits`` says no and the block kernels of ``moe`` run instead.
 GLUON_API = hasattr(ttgl, "thread_barrier") and hasattr(async_copy, "async_copy_global_to_shared")
 _pdl_entry = gluon.jit(pdl_entry.fn)
-_prefetch_l2 = gluon.jit(prefetch_l2.fn)
 
 
 @gluon.constexpr_function
@@ -131,8 +128,7 @@ def _weights(wa, sa, wb, sb, e, n0, stride_wp_e, stride_wp_n, stride_ws_e, strid
              SPLIT: ttgl.constexpr, WORDS: ttgl.constexpr, SWORDS: ttgl.constexpr):
     """Pointers of a program's BN weight rows at the first step: tile row r < SPLIT is row n0 + r of expert e in
     (wa, sa), a row past it row n0 + r - SPLIT in (wb, sb) (same strides). Packed words [BN, 4, 4] (int32,
-    quad q's four at 4 q ..), scale words [BN] (int32: the four groups of a step in one word) and the rows'
-    first packed words [BN] (for L2 prefetches)."""
+    quad q's four at 4 q ..), and scale words [BN] (int32: the four groups of a step in one word)."""
     r = ttgl.arange(0, BN, layout=ttgl.SliceLayout(1, ttgl.SliceLayout(2, WORDS)))
     q = ttgl.arange(0, 4, layout=ttgl.SliceLayout(0, ttgl.SliceLayout(2, WORDS)))
     w = ttgl.arange(0, 4, layout=ttgl.SliceLayout(0, ttgl.SliceLayout(1, WORDS)))
@@ -142,8 +138,7 @@ def _weights(wa, sa, wb, sb, e, n0, stride_wp_e, stride_wp_n, stride_ws_e, strid
     pw = ttgl.where(first, wa, wb) + off + word
     rs = ttgl.arange(0, BN, layout=SWORDS)
     ps = ttgl.where(rs < SPLIT, sa, sb) + (n0 + rs % SPLIT).to(ttgl.int64) * stride_ws_n + e * stride_ws_e
-    pr = ttgl.where(rs < SPLIT, wa, wb) + (n0 + rs % SPLIT).to(ttgl.int64) * stride_wp_n + e * stride_wp_e
-    return pw, ps, pr
+    return pw, ps
 
 
 @gluon.jit
@@ -176,9 +171,9 @@ def _fetch_x(buf, px, mx, j, more):
 
 
 @gluon.jit
-def _macro_step(j, NM, cur, scur, nxt, snxt, cur2, scur2, nxt2, snxt2, xcur, xnxt, pw, ps, pw2, ps2, pr, pr2, px, mx,
+def _macro_step(j, NM, cur, scur, nxt, snxt, cur2, scur2, nxt2, snxt2, xcur, xnxt, pw, ps, pw2, ps2, px, mx,
                 acc, acc2, BT: ttgl.constexpr, WORDS: ttgl.constexpr, A: ttgl.constexpr, HIGH_SCALES: ttgl.constexpr,
-                TWO: ttgl.constexpr, AHEAD: ttgl.constexpr):
+                TWO: ttgl.constexpr):
     """Macro step j (2 BK positions) of one or two tiles. On entry its weights and activations are in flight into
     (cur, scur) (and the second tile's) and ``xcur``. One barrier: after it they have landed and the slots and
     buffers of macro step j - 1 are free, so the next macro step's copies start into (nxt, snxt) and ``xnxt``
@@ -193,11 +188,6 @@ def _macro_step(j, NM, cur, scur, nxt, snxt, cur2, scur2, nxt2, snxt2, xcur, xnx
         _fetch(nxt2, snxt2, pw2, ps2, j + 1, more)
     _fetch_x(xnxt, px, mx, j + 1, more)
     async_copy.commit_group()
-    if AHEAD > 0:                            # L2, please: the rows' 128-byte line of macro step j + 1 + AHEAD
-        ahead = ttgl.minimum(j + 1 + AHEAD, NM - 1) * (2 * BK // 8)
-        _prefetch_l2(pr + ahead)
-        if TWO:
-            _prefetch_l2(pr2 + ahead)
     a0 = _slot_fragment(cur, scur, 0, WORDS, A, HIGH_SCALES)
     t = warpgroup_mma(a0, xcur.index(0).permute((1, 0)), acc, is_async=True)
     a1 = _slot_fragment(cur, scur, 1, WORDS, A, HIGH_SCALES)
@@ -216,8 +206,8 @@ def _macro_step(j, NM, cur, scur, nxt, snxt, cur2, scur2, nxt2, snxt2, xcur, xnx
 
 
 @gluon.jit
-def _main_loop(pw, ps, pw2, ps2, pr, pr2, px, mx, K, BN: ttgl.constexpr, BT: ttgl.constexpr, WORDS: ttgl.constexpr,
-               MMA: ttgl.constexpr, HIGH_SCALES: ttgl.constexpr, TWO: ttgl.constexpr, AHEAD: ttgl.constexpr):
+def _main_loop(pw, ps, pw2, ps2, px, mx, K, BN: ttgl.constexpr, BT: ttgl.constexpr, WORDS: ttgl.constexpr,
+               MMA: ttgl.constexpr, HIGH_SCALES: ttgl.constexpr, TWO: ttgl.constexpr):
     """acc [BN, BT] (and acc2 for the second tile) = W x^T over K: macro steps of 2 BK positions, the weights of
     the next one in flight (cp.async) and its activations staged while this one expands and multiplies."""
     A: ttgl.constexpr = ttgl.DotOperandLayout(operand_index=0, parent=MMA, k_width=2)
@@ -246,11 +236,11 @@ def _main_loop(pw, ps, pw2, ps2, pr, pr2, px, mx, K, BN: ttgl.constexpr, BT: ttg
     acc = ttgl.zeros([BN, BT], ttgl.float32, MMA)
     acc2 = ttgl.zeros([BN, BT], ttgl.float32, MMA)
     for j in range(0, NM, 2):
-        acc, acc2 = _macro_step(j, NM, ra, sa, rb, sb, ra2, sa2, rb2, sb2, xa, xb, pw, ps, pw2, ps2, pr, pr2, px, mx,
-                                acc, acc2, BT, WORDS, A, HIGH_SCALES, TWO, AHEAD)
+        acc, acc2 = _macro_step(j, NM, ra, sa, rb, sb, ra2, sa2, rb2, sb2, xa, xb, pw, ps, pw2, ps2, px, mx,
+                                acc, acc2, BT, WORDS, A, HIGH_SCALES, TWO)
         if j + 1 < NM:
-            acc, acc2 = _macro_step(j + 1, NM, rb, sb, ra, sa, rb2, sb2, ra2, sa2, xb, xa, pw, ps, pw2, ps2, pr, pr2, px, mx,
-                                    acc, acc2, BT, WORDS, A, HIGH_SCALES, TWO, AHEAD)
+            acc, acc2 = _macro_step(j + 1, NM, rb, sb, ra, sa, rb2, sb2, ra2, sa2, xb, xa, pw, ps, pw2, ps2, px, mx,
+                                    acc, acc2, BT, WORDS, A, HIGH_SCALES, TWO)
     async_copy.wait_group(0)
     return acc, acc2
 
@@ -282,8 +272,7 @@ def _gate_up_wgmma_kernel(x, w1p, w1s, w3p, w3s, h, sorted_rows, block_expert, n
                           stride_x, stride_wp_e, stride_wp_n, stride_ws_e, stride_ws_n, stride_h,
                           beta, linear_beta, TOP_K: ttgl.constexpr, ACT_SITU: ttgl.constexpr,
                           CLIP_UP: ttgl.constexpr, BT: ttgl.constexpr, HIGH_SCALES: ttgl.constexpr,
-                          WARPS: ttgl.constexpr, TWO: ttgl.constexpr, PDL: ttgl.constexpr,
-                          AHEAD: ttgl.constexpr = 0):
+                          WARPS: ttgl.constexpr, TWO: ttgl.constexpr, PDL: ttgl.constexpr):
     """Program (block pid_m of BT sorted rows, all of one expert; features pid_n F .. + F, F = 8 WARPS, or two
     such tiles side by side when TWO, which stage each step's activations once for both):
     h[rows] = act(x W1^T, x W3^T) for the rows' tokens. One product of 2F weight rows, W1's F rows then W3's,
@@ -304,17 +293,16 @@ def _gate_up_wgmma_kernel(x, w1p, w1s, w3p, w3s, h, sorted_rows, block_expert, n
     if e >= 0:
         NT: ttgl.constexpr = 2 if TWO else 1
         n0 = pid_n * (NT * F)
-        pw, ps, pr = _weights(w1p, w1s, w3p, w3s, e, n0, stride_wp_e, stride_wp_n, stride_ws_e, stride_ws_n, BN, F,
+        pw, ps = _weights(w1p, w1s, w3p, w3s, e, n0, stride_wp_e, stride_wp_n, stride_ws_e, stride_ws_n, BN, F,
                           WORDS, SWORDS)
-        pw2, ps2, pr2 = _weights(w1p, w1s, w3p, w3s, e, n0 + F, stride_wp_e, stride_wp_n, stride_ws_e, stride_ws_n,
+        pw2, ps2 = _weights(w1p, w1s, w3p, w3s, e, n0 + F, stride_wp_e, stride_wp_n, stride_ws_e, stride_ws_n,
                             BN, F, WORDS, SWORDS)
         m = pid_m * BT + ttgl.arange(0, BT, layout=ttgl.SliceLayout(1, XL))
         rows = ttgl.load(sorted_rows + m)
         kx = ttgl.arange(0, BK, layout=ttgl.SliceLayout(0, XL))
         px = x + ttgl.expand_dims((rows // TOP_K).to(ttgl.int64) * stride_x, 1) + ttgl.expand_dims(kx, 0)
         mx = ttgl.expand_dims(rows < num_rows, 1) & ttgl.expand_dims(kx < BK, 0)
-        acc, acc2 = _main_loop(pw, ps, pw2, ps2, pr, pr2, px, mx, K, BN, BT, WORDS, MMA, HIGH_SCALES, TWO,
-                               AHEAD)
+        acc, acc2 = _main_loop(pw, ps, pw2, ps2, px, mx, K, BN, BT, WORDS, MMA, HIGH_SCALES, TWO)
         # the reference rounds both projections to the activation dtype before the activation
         gu = ttgl.allocate_shared_memory(ttgl.bfloat16, [BN, BT], SRING2)
         _gate_up_out(gu, acc, h, n0, pid_m, stride_h, beta, linear_beta, ACT_SITU, CLIP_UP, BT, F, EPI)
@@ -335,7 +323,7 @@ def _down_out(acc, y, rows, num_rows, n0, stride_y, BN: ttgl.constexpr, MMA: ttg
 def _down_wgmma_kernel(h, w2p, w2s, y, sorted_rows, block_expert, num_rows, K,
                        stride_h, stride_wp_e, stride_wp_n, stride_ws_e, stride_ws_n, stride_y,
                        BT: ttgl.constexpr, HIGH_SCALES: ttgl.constexpr, WARPS: ttgl.constexpr,
-                       TWO: ttgl.constexpr, PDL: ttgl.constexpr, AHEAD: ttgl.constexpr = 0):
+                       TWO: ttgl.constexpr, PDL: ttgl.constexpr):
     """Program (block pid_m of BT sorted rows of one expert, features pid_n BN ..): y[assignment] = h W2^T for
     the block's rows of h (sorted order); padding rows are not written. Pipelined as the gate/up kernel."""
     _pdl_entry(PDL)
@@ -350,16 +338,15 @@ def _down_wgmma_kernel(h, w2p, w2s, y, sorted_rows, block_expert, num_rows, K,
     if e >= 0:
         NT: ttgl.constexpr = 2 if TWO else 1
         n0 = pid_n * (NT * BN)
-        pw, sw, pr = _weights(w2p, w2s, w2p, w2s, e, n0, stride_wp_e, stride_wp_n, stride_ws_e, stride_ws_n, BN,
+        pw, sw = _weights(w2p, w2s, w2p, w2s, e, n0, stride_wp_e, stride_wp_n, stride_ws_e, stride_ws_n, BN,
                           BN, WORDS, SWORDS)
-        pw2, sw2, pr2 = _weights(w2p, w2s, w2p, w2s, e, n0 + BN, stride_wp_e, stride_wp_n, stride_ws_e, stride_ws_n, BN,
+        pw2, sw2 = _weights(w2p, w2s, w2p, w2s, e, n0 + BN, stride_wp_e, stride_wp_n, stride_ws_e, stride_ws_n, BN,
                             BN, WORDS, SWORDS)
         m = pid_m * BT + ttgl.arange(0, BT, layout=ttgl.SliceLayout(1, XL))
         kx = ttgl.arange(0, BK, layout=ttgl.SliceLayout(0, XL))
         px = h + ttgl.expand_dims(m.to(ttgl.int64) * stride_h, 1) + ttgl.expand_dims(kx, 0)
         mx = ttgl.expand_dims(m >= 0, 1) & ttgl.expand_dims(kx < BK, 0)
-        acc, acc2 = _main_loop(pw, sw, pw2, sw2, pr, pr2, px, mx, K, BN, BT, WORDS, MMA, HIGH_SCALES, TWO,
-                               AHEAD)
+        acc, acc2 = _main_loop(pw, sw, pw2, sw2, px, mx, K, BN, BT, WORDS, MMA, HIGH_SCALES, TWO)
         mo = pid_m * BT + ttgl.arange(0, BT, layout=ttgl.SliceLayout(0, MMA))
         rows = ttgl.load(sorted_rows + mo)
         _down_out(acc, y, rows, num_rows, n0, stride_y, BN, MMA)
@@ -369,7 +356,7 @@ def _down_wgmma_kernel(h, w2p, w2s, y, sorted_rows, block_expert, num_rows, K,
 
 def expert_products(x: torch.Tensor, w1, w2, w3, sorted_rows: torch.Tensor, block_expert: torch.Tensor, top_k: int,
                     act_situ: bool, beta: float, linear_beta: float | None, high_scales: bool, BT: int, warps: int,
-                    two: bool, ahead: int) -> torch.Tensor:
+                    two: bool) -> torch.Tensor:
     """y [T top_k, L]: each assignment's expert output h W2^T, h = act(x W1^T, x W3^T), for the assignments
     sorted by expert in blocks of BT (``moe._sort_by_expert``); x [T, L] bf16, packed experts as in
     ``moe.fused_moe_triton`` (``wgmma_fits`` holds). x goes to the kernels in slot order, and h comes out so."""
@@ -387,12 +374,12 @@ def expert_products(x: torch.Tensor, w1, w2, w3, sorted_rows: torch.Tensor, bloc
         xs, w1v, s1v, w3v, s3v, h, sorted_rows, block_expert, R, L,
         xs.stride(0), w1v.stride(0), w1v.stride(1), s1v.stride(0), s1v.stride(1), h.stride(0),
         float(beta), float(linear_beta or 1.0), TOP_K=top_k, ACT_SITU=act_situ, CLIP_UP=linear_beta is not None,
-        BT=BT, HIGH_SCALES=high_scales, WARPS=warps, TWO=two, AHEAD=ahead, num_warps=warps, **pdl(x))
+        BT=BT, HIGH_SCALES=high_scales, WARPS=warps, TWO=two, num_warps=warps, **pdl(x))
     y = torch.empty(R, L, dtype=x.dtype, device=x.device)
     _down_wgmma_kernel[(nb, L // (nt * BN))](
         h, w2v, s2v, y, sorted_rows, block_expert, R, I,
         h.stride(0), w2v.stride(0), w2v.stride(1), s2v.stride(0), s2v.stride(1), y.stride(0),
-        BT=BT, HIGH_SCALES=high_scales, WARPS=warps, TWO=two, AHEAD=ahead, num_warps=warps, **pdl(h))
+        BT=BT, HIGH_SCALES=high_scales, WARPS=warps, TWO=two, num_warps=warps, **pdl(h))
     return y
 
 
