@@ -146,8 +146,8 @@ def _fetch(slot, sslot, pw, ps, j, more):
     """Start copying macro step j's packed words ([2, BN, 4, 4]: its two steps) and scale words ([2, BN]) into a
     slot (nothing past the last macro step)."""
     for u in ttgl.static_range(2):
-        async_copy.async_copy_global_to_shared(slot.index(u), pw + (2 * j + u) * (BK // 8), mask=more)
-        async_copy.async_copy_global_to_shared(sslot.index(u), ps + 2 * j + u, mask=more)
+        async_copy.async_copy_global_to_shared(slot[u], pw + (2 * j + u) * (BK // 8), mask=more)
+        async_copy.async_copy_global_to_shared(sslot[u], ps + 2 * j + u, mask=more)
 
 
 @gluon.jit
@@ -155,8 +155,8 @@ def _slot_fragment(slot, sslot, u: ttgl.constexpr, WORDS: ttgl.constexpr, A: ttg
                    HIGH_SCALES: ttgl.constexpr):
     """The A fragment of step u of the macro step in a slot (its copies complete and visible)."""
     SCALES: ttgl.constexpr = ttgl.SliceLayout(2, WORDS)
-    words = slot.index(u).load(WORDS)
-    sw = sslot.index(u).load(ttgl.SliceLayout(1, SCALES))
+    words = slot[u].load(WORDS)
+    sw = sslot[u].load(ttgl.SliceLayout(1, SCALES))
     q = ttgl.arange(0, 4, layout=ttgl.SliceLayout(0, SCALES))
     sc = (ttgl.expand_dims(sw, 1) >> ttgl.expand_dims(q * 8, 0)) & 0xFF
     return _fragment(words, sc, A, HIGH_SCALES)
@@ -167,7 +167,7 @@ def _fetch_x(buf, px, mx, j, more):
     """Start copying macro step j's activations (two [BT, BK] steps, in slot order) into ``buf``, for the tensor
     cores (padding rows and past the last macro step: zeros)."""
     for u in ttgl.static_range(2):
-        async_copy.async_copy_global_to_shared(buf.index(u), px + (2 * j + u) * BK, mask=mx & more)
+        async_copy.async_copy_global_to_shared(buf[u], px + (2 * j + u) * BK, mask=mx & more)
 
 
 @gluon.jit
@@ -189,20 +189,27 @@ def _macro_step(j, NM, cur, scur, nxt, snxt, cur2, scur2, nxt2, snxt2, xcur, xnx
     _fetch_x(xnxt, px, mx, j + 1, more)
     async_copy.commit_group()
     a0 = _slot_fragment(cur, scur, 0, WORDS, A, HIGH_SCALES)
-    t = warpgroup_mma(a0, xcur.index(0).permute((1, 0)), acc, is_async=True)
+    t = warpgroup_mma(a0, xcur[0].permute((1, 0)), acc, is_async=True)
     a1 = _slot_fragment(cur, scur, 1, WORDS, A, HIGH_SCALES)
-    t = warpgroup_mma(a1, xcur.index(1).permute((1, 0)), t, is_async=True)
+    t = warpgroup_mma(a1, xcur[1].permute((1, 0)), t, is_async=True)
     if TWO:
         t = warpgroup_mma_wait(1, deps=[t])
         b0 = _slot_fragment(cur2, scur2, 0, WORDS, A, HIGH_SCALES)
-        t2 = warpgroup_mma(b0, xcur.index(0).permute((1, 0)), acc2, is_async=True)
+        t2 = warpgroup_mma(b0, xcur[0].permute((1, 0)), acc2, is_async=True)
         t, t2 = warpgroup_mma_wait(1, deps=[t, t2])
         b1 = _slot_fragment(cur2, scur2, 1, WORDS, A, HIGH_SCALES)
-        t2 = warpgroup_mma(b1, xcur.index(1).permute((1, 0)), t2, is_async=True)
+        t2 = warpgroup_mma(b1, xcur[1].permute((1, 0)), t2, is_async=True)
         acc, acc2 = warpgroup_mma_wait(0, deps=[t, t2])
     else:
         acc = warpgroup_mma_wait(0, deps=[t])
     return acc, acc2
+
+
+@gluon.jit
+def _pair(dtype: ttgl.constexpr, shape: ttgl.constexpr, layout: ttgl.constexpr):
+    """Two buffers of one slot (the two steps of a macro step), separate allocations: Triton's barrier insertion
+    puts a barrier between two copies into one allocation whatever parts they write."""
+    return (ttgl.allocate_shared_memory(dtype, shape, layout), ttgl.allocate_shared_memory(dtype, shape, layout))
 
 
 @gluon.jit
@@ -212,21 +219,21 @@ def _main_loop(pw, ps, pw2, ps2, px, mx, K, BN: ttgl.constexpr, BT: ttgl.constex
     the next one in flight (cp.async) and its activations staged while this one expands and multiplies."""
     A: ttgl.constexpr = ttgl.DotOperandLayout(operand_index=0, parent=MMA, k_width=2)
     SMEM: ttgl.constexpr = ttgl.NVMMASharedLayout.get_default_for([BT, BK], ttgl.bfloat16)
-    ra = ttgl.allocate_shared_memory(ttgl.int32, [2, BN, 4, 4], RING)
-    rb = ttgl.allocate_shared_memory(ttgl.int32, [2, BN, 4, 4], RING)
-    sa = ttgl.allocate_shared_memory(ttgl.int32, [2, BN], SRING)
-    sb = ttgl.allocate_shared_memory(ttgl.int32, [2, BN], SRING)
+    ra = _pair(ttgl.int32, [BN, 4, 4], RING)
+    rb = _pair(ttgl.int32, [BN, 4, 4], RING)
+    sa = _pair(ttgl.int32, [BN], SRING)
+    sb = _pair(ttgl.int32, [BN], SRING)
     ra2 = ra
     rb2 = rb
     sa2 = sa
     sb2 = sb
     if TWO:
-        ra2 = ttgl.allocate_shared_memory(ttgl.int32, [2, BN, 4, 4], RING)
-        rb2 = ttgl.allocate_shared_memory(ttgl.int32, [2, BN, 4, 4], RING)
-        sa2 = ttgl.allocate_shared_memory(ttgl.int32, [2, BN], SRING)
-        sb2 = ttgl.allocate_shared_memory(ttgl.int32, [2, BN], SRING)
-    xa = ttgl.allocate_shared_memory(ttgl.bfloat16, [2, BT, BK], SMEM)
-    xb = ttgl.allocate_shared_memory(ttgl.bfloat16, [2, BT, BK], SMEM)
+        ra2 = _pair(ttgl.int32, [BN, 4, 4], RING)
+        rb2 = _pair(ttgl.int32, [BN, 4, 4], RING)
+        sa2 = _pair(ttgl.int32, [BN], SRING)
+        sb2 = _pair(ttgl.int32, [BN], SRING)
+    xa = _pair(ttgl.bfloat16, [BT, BK], SMEM)
+    xb = _pair(ttgl.bfloat16, [BT, BK], SMEM)
     NM = K // (2 * BK)
     _fetch(ra, sa, pw, ps, 0, NM > 0)
     if TWO:
