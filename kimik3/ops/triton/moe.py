@@ -347,9 +347,9 @@ def _wgmma_tiles(rows_per_expert: float) -> dict | None:
     """MXFP4 experts through ``moe_wgmma`` (weights as the register operand; on an sm_90 GPU, widths that
     fit): BT rows a block, 16 x warps weight rows a tile (gate/up: half of each), "two" tiles a program
     (default False), or None for the block kernels here (``WGMMA_EXPERTS`` off, or prefill sizes).
-    H100, K3 slice shapes (64 experts, 3584 -> 3072, top-16; bench_moe.py --wgmma, 82d62a3), against the
-    block kernels: 1 token 0.137 against 0.185 ms (BT 8), 8 tokens 0.446 / 0.595 (BT 8), 32 tokens 0.505 /
-    0.639 (BT 16), 128 tokens 0.927 / 1.017 (BT 64, two tiles)."""
+    H100, K3 slice shapes (64 experts, 3584 -> 3072, top-16; bench_moe.py --wgmma, ff201cc), against the
+    block kernels: 1 token 0.132 against 0.186 ms (BT 8), 8 tokens 0.436 / 0.595 (BT 8), 32 tokens 0.490 /
+    0.651 (BT 16), 128 tokens 0.732 / 1.011 (BT 64, two tiles)."""
     if not WGMMA_EXPERTS or rows_per_expert > 48:
         return None
     if rows_per_expert <= 3:
