@@ -143,8 +143,8 @@ def _weights(wa, sa, wb, sb, e, n0, stride_wp_e, stride_wp_n, stride_ws_e, strid
 
 @gluon.jit
 def _fetch(slot, sslot, pw, ps, j, more):
-    """Start copying macro step j's packed words ([2, BN, 4, 4]: its two steps) and scale words ([2, BN]) into a
-    slot (nothing past the last macro step)."""
+    """Start copying macro step j's packed words ([BN, 4, 4] a step) and scale words ([BN] a step) into a slot (a
+    pair of buffers, one for each of its two steps; nothing past the last macro step)."""
     for u in ttgl.static_range(2):
         async_copy.async_copy_global_to_shared(slot[u], pw + (2 * j + u) * (BK // 8), mask=more)
         async_copy.async_copy_global_to_shared(sslot[u], ps + 2 * j + u, mask=more)
@@ -164,21 +164,20 @@ def _slot_fragment(slot, sslot, u: ttgl.constexpr, WORDS: ttgl.constexpr, A: ttg
 
 @gluon.jit
 def _fetch_x(buf, px, mx, j, more):
-    """Start copying macro step j's activations (two [BT, BK] steps, in slot order) into ``buf``, for the tensor
-    cores (padding rows and past the last macro step: zeros)."""
+    """Start copying macro step j's activations ([BT, BK] a step, in slot order) into the pair ``buf``, for the
+    tensor cores (padding rows and past the last macro step: zeros)."""
     for u in ttgl.static_range(2):
         async_copy.async_copy_global_to_shared(buf[u], px + (2 * j + u) * BK, mask=mx & more)
 
 
 @gluon.jit
 def _macro_step(j, NM, cur, scur, nxt, snxt, cur2, scur2, nxt2, snxt2, xcur, xnxt, pw, ps, pw2, ps2, px, mx,
-                acc, acc2, BT: ttgl.constexpr, WORDS: ttgl.constexpr, A: ttgl.constexpr, HIGH_SCALES: ttgl.constexpr,
-                TWO: ttgl.constexpr):
+                acc, acc2, WORDS: ttgl.constexpr, A: ttgl.constexpr, HIGH_SCALES: ttgl.constexpr, TWO: ttgl.constexpr):
     """Macro step j (2 BK positions) of one or two tiles. On entry its weights and activations are in flight into
     (cur, scur) (and the second tile's) and ``xcur``. One barrier: after it they have landed and the slots and
     buffers of macro step j - 1 are free, so the next macro step's copies start into (nxt, snxt) and ``xnxt``
     while this one expands and multiplies. The slots and buffers alternate between two allocations (the caller
-    unrolls by two), so no other barrier is needed."""
+    unrolls by two), so no other barrier is needed (Triton adds one after the wait: two a macro step in all)."""
     more = j + 1 < NM
     async_copy.wait_group(0)                 # macro step j's copies have landed (this thread's) ...
     fence_async_shared()                     # ... where the tensor cores read them ...
@@ -216,7 +215,7 @@ def _pair(dtype: ttgl.constexpr, shape: ttgl.constexpr, layout: ttgl.constexpr):
 def _main_loop(pw, ps, pw2, ps2, px, mx, K, BN: ttgl.constexpr, BT: ttgl.constexpr, WORDS: ttgl.constexpr,
                MMA: ttgl.constexpr, HIGH_SCALES: ttgl.constexpr, TWO: ttgl.constexpr):
     """acc [BN, BT] (and acc2 for the second tile) = W x^T over K: macro steps of 2 BK positions, the weights of
-    the next one in flight (cp.async) and its activations staged while this one expands and multiplies."""
+    the next one and its activations in flight (cp.async) while this one expands and multiplies."""
     A: ttgl.constexpr = ttgl.DotOperandLayout(operand_index=0, parent=MMA, k_width=2)
     SMEM: ttgl.constexpr = ttgl.NVMMASharedLayout.get_default_for([BT, BK], ttgl.bfloat16)
     ra = _pair(ttgl.int32, [BN, 4, 4], RING)
@@ -244,10 +243,10 @@ def _main_loop(pw, ps, pw2, ps2, px, mx, K, BN: ttgl.constexpr, BT: ttgl.constex
     acc2 = ttgl.zeros([BN, BT], ttgl.float32, MMA)
     for j in range(0, NM, 2):
         acc, acc2 = _macro_step(j, NM, ra, sa, rb, sb, ra2, sa2, rb2, sb2, xa, xb, pw, ps, pw2, ps2, px, mx,
-                                acc, acc2, BT, WORDS, A, HIGH_SCALES, TWO)
+                                acc, acc2, WORDS, A, HIGH_SCALES, TWO)
         if j + 1 < NM:
             acc, acc2 = _macro_step(j + 1, NM, rb, sb, ra, sa, rb2, sb2, ra2, sa2, xb, xa, pw, ps, pw2, ps2, px, mx,
-                                    acc, acc2, BT, WORDS, A, HIGH_SCALES, TWO)
+                                    acc, acc2, WORDS, A, HIGH_SCALES, TWO)
     async_copy.wait_group(0)
     return acc, acc2
 
