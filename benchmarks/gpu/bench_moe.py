@@ -12,8 +12,7 @@ floor = bytes / measured copy rate.
     ... --tokens=32,128: only these decode sizes (with the tile sweep unless --decode-only)
     ... --prefill-only: 512-8192 tokens (128-2048 rows an expert), the fused kernels' default tiles against
         the dequantize + torch._grouped_mm path, each against the FLOPs at the measured matmul rate
-    ... --wgmma: beside the block kernels, ``moe_wgmma``'s register-operand kernels at each BT x warps, and the
-        default tile with the down kernel on other warps / tiles
+    ... --wgmma: beside the block kernels, ``moe_wgmma``'s register-operand kernels at each BT x warps
     ... --compare=OTHER_MOE_PY: beside each default-tile row, the kernels of another copy of
         ``kimik3/ops/triton/moe.py`` on the same weights, checked and timed the same way ("compared" rows)
     ... --compare-wgmma=PY[,PY..] (with --wgmma): the default register-operand tile on the kernels of other copies
@@ -175,9 +174,6 @@ def kernels(bw):
             wg = moe_kernels._wgmma_tiles(T * K / E)
             if wg is not None:
                 cands += [dict(wg, old_wgmma=i) for i in range(len(old_wgmma))]
-                # the down kernel on other warps / tiles than gate/up (tiles key "down")
-                cands += [dict(wg, down=dict(warps=w, two=t)) for w, t in ((4, False), (8, False), (4, True), (8, True))
-                          if (w, t) != (wg["warps"], wg.get("two", False))]
         if compared is not None:
             cands += [dict(base, compared=True)]
         for cfg in cands:

@@ -482,9 +482,6 @@ CHECKS = {
     **{f"moe_wgmma_two_bt{bt}_w{w}": (lambda bt=bt, w=w: check_moe(
         T=70, L=512, I=512, seed=44 + bt + w, tiles=dict(BT=bt, warps=w, two=True)))
        for bt, w in ((16, 4), (32, 8), (64, 4))},
-    # the down kernel on other warps and tiles than gate/up (tiles key "down")
-    "moe_wgmma_down_other_tile": lambda: check_moe(T=70, L=512, I=512, seed=49,
-                                                   tiles=dict(BT=16, warps=4, down=dict(warps=8, two=True))),
     "moe_64_row_tiles": lambda: check_moe(T=128, E=16, L=1024, I=512, k=4, seed=26),   # 32 rows an expert: BM 64
     # past MXFP4_GROUPED_MM_ROWS_PER_EXPERT rows per expert: dequantized chunks through torch._grouped_mm
     "moe_grouped": lambda: check_moe(T=_grouped_tokens(16, 4), E=16, L=1024, I=512, k=4, seed=24),

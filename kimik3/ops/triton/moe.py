@@ -481,15 +481,14 @@ def _grouped_mm_mxfp4_experts(x, w1, w2, w3, weights, ids, act_situ, beta, linea
 
 
 def _wgmma_experts(x: torch.Tensor, w1, w2, w3, weights: torch.Tensor, ids: torch.Tensor, act_situ: bool, beta: float,
-                  linear_beta: float | None, high_scales: bool, BT: int, warps: int, two: bool = False,
-                  down: dict | None = None) -> torch.Tensor:
+                  linear_beta: float | None, high_scales: bool, BT: int, warps: int, two: bool = False) -> torch.Tensor:
     """``fused_moe_triton`` for MXFP4 experts through ``moe_wgmma``'s kernels (``wgmma_fits`` holds): the
-    assignments sorted by expert in blocks of BT, the products (``moe_wgmma.expert_products``; ``down``: the
-    down kernel's {"warps", "two"} where they differ from gate/up's), then the fp32 combine."""
+    assignments sorted by expert in blocks of BT, the products (``moe_wgmma.expert_products``), then the fp32
+    combine."""
     from kimik3.ops.triton.moe_wgmma import expert_products
     sorted_rows, block_expert = _sort_by_expert(ids, w1[0].shape[0], BT)
     y = expert_products(x, w1, w2, w3, sorted_rows, block_expert, ids.shape[1], act_situ, beta, linear_beta,
-                        high_scales, BT, warps, two, down)
+                        high_scales, BT, warps, two)
     return _combine(y, weights)
 
 
@@ -534,11 +533,9 @@ def fused_moe_triton(x: torch.Tensor, w1, w2, w3, weights: torch.Tensor, ids: to
         wg = tiles if "BT" in tiles else None
     if packed and wg is not None:
         from kimik3.ops.triton import moe_wgmma
-        down = wg.get("down")
-        if moe_wgmma.wgmma_fits(x, w1, w2, w3, wg["warps"], wg.get("two", False)) and (
-                down is None or moe_wgmma.wgmma_fits(x, w1, w2, w3, down["warps"], down.get("two", False))):
+        if moe_wgmma.wgmma_fits(x, w1, w2, w3, wg["warps"], wg.get("two", False)):
             return _wgmma_experts(x, w1, w2, w3, weights, ids, act_situ, beta, linear_beta, high_scales,
-                                  wg["BT"], wg["warps"], wg.get("two", False), down)
+                                  wg["BT"], wg["warps"], wg.get("two", False))
         if tiles is not None:
             raise ValueError(f"the wgmma expert kernels cannot take these experts (tiles {tiles})")
     cfg = tiles or _tiles(T * top_k / E, packed)

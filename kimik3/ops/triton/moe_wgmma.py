@@ -362,11 +362,10 @@ def _down_wgmma_kernel(h, w2p, w2s, y, sorted_rows, block_expert, num_rows, K,
 
 def expert_products(x: torch.Tensor, w1, w2, w3, sorted_rows: torch.Tensor, block_expert: torch.Tensor, top_k: int,
                     act_situ: bool, beta: float, linear_beta: float | None, high_scales: bool, BT: int, warps: int,
-                    two: bool, down: dict | None = None) -> torch.Tensor:
+                    two: bool) -> torch.Tensor:
     """y [T top_k, L]: each assignment's expert output h W2^T, h = act(x W1^T, x W3^T), for the assignments
     sorted by expert in blocks of BT (``moe._sort_by_expert``); x [T, L] bf16, packed experts as in
-    ``moe.fused_moe_triton`` (``wgmma_fits`` holds for both kernels' warps and tiles; ``down``: the down kernel's
-    {"warps", "two"} where they differ). x goes to the kernels in slot order, and h comes out so."""
+    ``moe.fused_moe_triton`` (``wgmma_fits`` holds). x goes to the kernels in slot order, and h comes out so."""
     (w1p, w1s), (w2p, w2s), (w3p, w3s) = w1, w2, w3
     T, L = x.shape
     I = w1p.shape[1]
@@ -383,9 +382,6 @@ def expert_products(x: torch.Tensor, w1, w2, w3, sorted_rows: torch.Tensor, bloc
         float(beta), float(linear_beta or 1.0), TOP_K=top_k, ACT_SITU=act_situ, CLIP_UP=linear_beta is not None,
         BT=BT, HIGH_SCALES=high_scales, WARPS=warps, TWO=two, num_warps=warps, **pdl(x))
     y = torch.empty(R, L, dtype=x.dtype, device=x.device)
-    if down is not None:
-        warps, nt = down["warps"], 2 if down.get("two", False) else 1
-        BN, two = 16 * warps, nt == 2
     _down_wgmma_kernel[(nb, L // (nt * BN))](
         h, w2v, s2v, y, sorted_rows, block_expert, R, I,
         h.stride(0), w2v.stride(0), w2v.stride(1), s2v.stride(0), s2v.stride(1), y.stride(0),
