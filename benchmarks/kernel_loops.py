@@ -10,6 +10,8 @@ for the before / after columns. Run with the Triton the GPU has (3.6: ``pip inst
 triton==3.6.0`` and ``PYTHONPATH=DIR:.``); other versions compile other loops.
 
     PYTHONPATH=. python benchmarks/kernel_loops.py [--compare OLD_MOE_PY]   (writes $OUT/kernel_loops.json)
+    ... --wgmma [--compare OLD_MOE_WGMMA_PY]: ``moe_wgmma``'s kernels at ``moe._wgmma_tiles``'s default tiles
+        instead: instructions and barriers of two macro steps, registers (kernel_loops_wgmma.json)
 """
 
 from __future__ import annotations
@@ -17,8 +19,11 @@ from __future__ import annotations
 import argparse
 import collections
 import datetime
+import inspect
 import re
+import subprocess
 import sys
+import tempfile
 from pathlib import Path
 
 ROOT = Path(__file__).resolve().parents[1]
@@ -75,10 +80,69 @@ def count(module, name: str, BM: int, BN: int, BKH: int, warps: int, stages: int
             "convert_layouts": k.asm["ttgir"].count("ttg.convert_layout")}
 
 
+def count_wgmma(module, name: str, BT: int, warps: int, two: bool = False) -> dict:
+    """The K loop (two macro steps: the loop is unrolled by two) of ``moe_wgmma``'s kernels (Gluon)."""
+    from triton.experimental.gluon._runtime import GluonASTSource
+    kernel = module._gate_up_wgmma_kernel if name == "gate_up" else module._down_wgmma_kernel
+    constexprs = dict(BT=BT, HIGH_SCALES=False, WARPS=warps, TWO=two, PDL=True)
+    if name == "gate_up":
+        constexprs.update(TOP_K=16, ACT_SITU=True, CLIP_UP=True)
+    params = list(inspect.signature(kernel.fn).parameters)
+    sig = {p: "constexpr" if p in constexprs else dict(TYPES, **{f"w{i}{k}": "*i32" for i in (1, 2, 3) for k in "ps"})
+           .get(p, "i32") for p in params}
+    attrs = {(i,): [["tt.divisibility", 16]] for i, p in enumerate(params)
+             if sig[p].startswith("*") or p == "K" or p.startswith("stride")}
+    src = GluonASTSource(fn=kernel, signature=sig, attrs=attrs,
+                         constexprs={(params.index(k),): v for k, v in constexprs.items()})
+    k = triton.compile(src, target=GPUTarget("cuda", 90, 32), options={"num_warps": warps})
+    sass = get_sass(k.asm["cubin"])
+    body = loop_body(sass)
+    ops = collections.Counter(re.sub(r"^@!?U?P\w+ ", "", b).split()[0].rstrip(";").split(".")[0] for b in body)
+    return {"instructions": len(body), "barriers": ops.get("BAR", 0), "by_opcode": dict(ops.most_common()),
+            "shared_bytes": k.metadata.shared, "registers": registers(k.asm["ptx"]),
+            "local_memory": bool(re.search(r"\b(LDL|STL)\b", sass))}
+
+
+def registers(ptx: str) -> int:
+    """Registers a thread of the kernel takes (ptxas -v of Triton's own ptxas, sm_90a)."""
+    from triton.backends.nvidia.compiler import get_ptxas
+    with tempfile.TemporaryDirectory() as d:
+        Path(d, "k.ptx").write_text(ptx)
+        out = subprocess.run([get_ptxas(90).path, "-v", "--gpu-name", "sm_90a", str(Path(d, "k.ptx")), "-o",
+                              str(Path(d, "k.o"))], capture_output=True, text=True, check=True).stderr
+    return int(re.search(r"Used (\d+) registers", out).group(1))
+
+
+def main_wgmma(args) -> None:
+    from kimik3.ops.triton import moe, moe_wgmma
+    if not moe_wgmma.GLUON_API:
+        raise SystemExit(f"the wgmma kernels are written against Triton 3.6's Gluon; this is {triton.__version__}")
+    modules = {"this": moe_wgmma, **({"compared": load_module(args.compare)} if args.compare else {})}
+    results = {"commit": commit_id(), "date": datetime.date.today().isoformat(), "triton": triton.__version__,
+               "target": "sm_90", "rows": []}
+    log("| rows an expert | kernel | BT, warps, two | "
+        + " | ".join(f"{m}: instructions / barriers, two macro steps" for m in modules) + " |")
+    log("|---|---|---|" + "---|" * len(modules))
+    for rows in (0.25, 2, 8, 32):                       # K3 slice decode at 1 / 8 / 32 / 128 tokens
+        t = moe._wgmma_tiles(rows)
+        cfg = (t["BT"], t["warps"], t.get("two", False))
+        for name in ("gate_up", "down"):
+            row = {"rows_per_expert": rows, "kernel": name, "tiles": cfg,
+                   **{m: count_wgmma(mod, name, *cfg) for m, mod in modules.items()}}
+            results["rows"].append(row)
+            log(f"| {rows} | {name} | {', '.join(map(str, cfg))} | "
+                + " | ".join(f"{row[m]['instructions']} / {row[m]['barriers']} ({row[m]['registers']} registers)"
+                             for m in modules) + " |")
+    log(f"# wrote {save_results('kernel_loops_wgmma.json', results)}")
+
+
 def main() -> None:
     ap = argparse.ArgumentParser(description=__doc__.split("\n")[0])
-    ap.add_argument("--compare", help="another moe.py whose kernels to count beside")
+    ap.add_argument("--compare", help="another moe.py (with --wgmma: moe_wgmma.py) whose kernels to count beside")
+    ap.add_argument("--wgmma", action="store_true", help="moe_wgmma's kernels at their default tiles instead")
     args = ap.parse_args()
+    if args.wgmma:
+        return main_wgmma(args)
     from kimik3.ops.triton import moe
     modules = {"this": moe, **({"compared": load_module(args.compare)} if args.compare else {})}
     results = {"commit": commit_id(), "date": datetime.date.today().isoformat(), "triton": triton.__version__,
