@@ -67,6 +67,11 @@ def loop_body(sass: str) -> list[str]:
     return [line.split("\t", 1)[1].strip() for line in lines[start + 1:end + 1] if "\t" in line]
 
 
+def opcodes(body: list[str]) -> collections.Counter:
+    """Instructions of a loop body by opcode (predicate and modifiers dropped)."""
+    return collections.Counter(re.sub(r"^@!?U?P\w+ ", "", b).split()[0].rstrip(";").split(".")[0] for b in body)
+
+
 def count(module, name: str, BM: int, BN: int, BKH: int, warps: int, stages: int) -> dict:
     common = dict(BM=BM, BN=BN, BKH=BKH, UPCAST=False, MXFP4=True, ASM=True, HIGH_SCALES=False, ONE_TOKEN=False,
                   PDL=False)
@@ -75,8 +80,7 @@ def count(module, name: str, BM: int, BN: int, BKH: int, warps: int, stages: int
     else:
         k = compile_kernel(module._down_kernel, common, warps, stages)
     body = loop_body(get_sass(k.asm["cubin"]))
-    ops = collections.Counter(re.sub(r"^@!?U?P\w+ ", "", b).split()[0].rstrip(";").split(".")[0] for b in body)
-    return {"instructions": len(body), "by_opcode": dict(ops.most_common()),
+    return {"instructions": len(body), "by_opcode": dict(opcodes(body).most_common()),
             "convert_layouts": k.asm["ttgir"].count("ttg.convert_layout")}
 
 
@@ -97,7 +101,7 @@ def count_wgmma(module, name: str, BT: int, warps: int, two: bool = False) -> di
     k = triton.compile(src, target=GPUTarget("cuda", 90, 32), options={"num_warps": warps})
     sass = get_sass(k.asm["cubin"])
     body = loop_body(sass)
-    ops = collections.Counter(re.sub(r"^@!?U?P\w+ ", "", b).split()[0].rstrip(";").split(".")[0] for b in body)
+    ops = opcodes(body)
     return {"instructions": len(body), "barriers": ops.get("BAR", 0), "by_opcode": dict(ops.most_common()),
             "shared_bytes": k.metadata.shared, "registers": registers(k.asm["ptx"]),
             "local_memory": bool(re.search(r"\b(LDL|STL)\b", sass))}
@@ -113,53 +117,44 @@ def registers(ptx: str) -> int:
     return int(re.search(r"Used (\d+) registers", out).group(1))
 
 
-def main_wgmma(args) -> None:
-    from kimik3.ops.triton import moe, moe_wgmma
-    if not moe_wgmma.GLUON_API:
-        raise SystemExit(f"the wgmma kernels are written against Triton 3.6's Gluon; this is {triton.__version__}")
-    modules = {"this": moe_wgmma, **({"compared": load_module(args.compare)} if args.compare else {})}
-    results = {"commit": commit_id(), "date": datetime.date.today().isoformat(), "triton": triton.__version__,
-               "target": "sm_90", "rows": []}
-    log("| rows an expert | kernel | BT, warps, two | "
-        + " | ".join(f"{m}: instructions / barriers, two macro steps" for m in modules) + " |")
-    log("|---|---|---|" + "---|" * len(modules))
-    for rows in (0.25, 2, 8, 32):                       # K3 slice decode at 1 / 8 / 32 / 128 tokens
-        t = moe._wgmma_tiles(rows)
-        cfg = (t["BT"], t["warps"], t.get("two", False))
-        for name in ("gate_up", "down"):
-            row = {"rows_per_expert": rows, "kernel": name, "tiles": cfg,
-                   **{m: count_wgmma(mod, name, *cfg) for m, mod in modules.items()}}
-            results["rows"].append(row)
-            log(f"| {rows} | {name} | {', '.join(map(str, cfg))} | "
-                + " | ".join(f"{row[m]['instructions']} / {row[m]['barriers']} ({row[m]['registers']} registers)"
-                             for m in modules) + " |")
-    log(f"# wrote {save_results('kernel_loops_wgmma.json', results)}")
-
-
 def main() -> None:
     ap = argparse.ArgumentParser(description=__doc__.split("\n")[0])
     ap.add_argument("--compare", help="another moe.py (with --wgmma: moe_wgmma.py) whose kernels to count beside")
     ap.add_argument("--wgmma", action="store_true", help="moe_wgmma's kernels at their default tiles instead")
     args = ap.parse_args()
-    if args.wgmma:
-        return main_wgmma(args)
     from kimik3.ops.triton import moe
-    modules = {"this": moe, **({"compared": load_module(args.compare)} if args.compare else {})}
+    if args.wgmma:
+        from kimik3.ops.triton import moe_wgmma as module
+        if not module.GLUON_API:
+            raise SystemExit(f"the wgmma kernels are written against Triton 3.6's Gluon; this is {triton.__version__}")
+        counter, out = count_wgmma, "kernel_loops_wgmma.json"
+        tiles_header, cell_header = "BT, warps, two", "instructions / barriers, two macro steps"
+        cases = [(rows, name, (t["BT"], t["warps"], t.get("two", False)))
+                 for rows, t in ((r, moe._wgmma_tiles(r)) for r in (0.25, 2, 8, 32))   # 1 / 8 / 32 / 128 tokens
+                 for name in ("gate_up", "down")]
+
+        def cell(c):
+            return f"{c['instructions']} / {c['barriers']} ({c['registers']} registers)"
+    else:
+        module, counter, out = moe, count, "kernel_loops.json"
+        tiles_header, cell_header = "BM, BN, BKH, warps, stages", "instructions a K step"
+        cases = [(rows, name, (t["BM"], BN, t["BKH"], t["warps"], t["stages"]))
+                 for rows, t in ((r, moe._tiles(r, True)) for r in ROWS_PER_EXPERT)
+                 for name, BN in (("gate_up", t["BN1"]), ("down", t["BN2"]))]
+
+        def cell(c):
+            return str(c["instructions"])
+    modules = {"this": module, **({"compared": load_module(args.compare)} if args.compare else {})}
     results = {"commit": commit_id(), "date": datetime.date.today().isoformat(), "triton": triton.__version__,
                "target": "sm_90", "rows": []}
-    log("| rows an expert | kernel | BM, BN, BKH, warps, stages | "
-        + " | ".join(f"{m}: instructions a K step" for m in modules) + " |")
+    log(f"| rows an expert | kernel | {tiles_header} | " + " | ".join(f"{m}: {cell_header}" for m in modules) + " |")
     log("|---|---|---|" + "---|" * len(modules))
-    for rows in ROWS_PER_EXPERT:
-        t = moe._tiles(rows, True)
-        for name, BN in (("gate_up", t["BN1"]), ("down", t["BN2"])):
-            cfg = (t["BM"], BN, t["BKH"], t["warps"], t["stages"])
-            row = {"rows_per_expert": rows, "kernel": name, "tiles": cfg,
-                   **{m: count(mod, name, *cfg) for m, mod in modules.items()}}
-            results["rows"].append(row)
-            log(f"| {rows} | {name} | {', '.join(map(str, cfg))} | "
-                + " | ".join(str(row[m]["instructions"]) for m in modules) + " |")
-    log(f"# wrote {save_results('kernel_loops.json', results)}")
+    for rows, name, cfg in cases:
+        row = {"rows_per_expert": rows, "kernel": name, "tiles": cfg,
+               **{m: counter(mod, name, *cfg) for m, mod in modules.items()}}
+        results["rows"].append(row)
+        log(f"| {rows} | {name} | {', '.join(map(str, cfg))} | " + " | ".join(cell(row[m]) for m in modules) + " |")
+    log(f"# wrote {save_results(out, results)}")
 
 
 if __name__ == "__main__":
