@@ -84,11 +84,12 @@ def count(module, name: str, BM: int, BN: int, BKH: int, warps: int, stages: int
             "convert_layouts": k.asm["ttgir"].count("ttg.convert_layout")}
 
 
-def count_wgmma(module, name: str, BT: int, warps: int, two: bool = False) -> dict:
-    """The K loop (two macro steps: the loop is unrolled by two) of ``moe_wgmma``'s kernels (Gluon)."""
+def compile_wgmma(module, name: str, BT: int, warps: int, two: bool = False, high_scales: bool = False):
+    """``moe_wgmma``'s gate/up or down kernel compiled for sm_90 (Gluon; K3's widths and strides as multiples of 16,
+    as the run time specialises them)."""
     from triton.experimental.gluon._runtime import GluonASTSource
     kernel = module._gate_up_wgmma_kernel if name == "gate_up" else module._down_wgmma_kernel
-    constexprs = dict(BT=BT, HIGH_SCALES=False, WARPS=warps, TWO=two, PDL=True)
+    constexprs = dict(BT=BT, HIGH_SCALES=high_scales, WARPS=warps, TWO=two, PDL=True)
     if name == "gate_up":
         constexprs.update(TOP_K=16, ACT_SITU=True, CLIP_UP=True)
     params = list(inspect.signature(kernel.fn).parameters)
@@ -98,7 +99,12 @@ def count_wgmma(module, name: str, BT: int, warps: int, two: bool = False) -> di
              if sig[p].startswith("*") or p == "K" or p.startswith("stride")}
     src = GluonASTSource(fn=kernel, signature=sig, attrs=attrs,
                          constexprs={(params.index(k),): v for k, v in constexprs.items()})
-    k = triton.compile(src, target=GPUTarget("cuda", 90, 32), options={"num_warps": warps})
+    return triton.compile(src, target=GPUTarget("cuda", 90, 32), options={"num_warps": warps})
+
+
+def count_wgmma(module, name: str, BT: int, warps: int, two: bool = False) -> dict:
+    """The K loop (two macro steps: the loop is unrolled by two) of ``moe_wgmma``'s kernels (Gluon)."""
+    k = compile_wgmma(module, name, BT, warps, two)
     sass = get_sass(k.asm["cubin"])
     body = loop_body(sass)
     ops = opcodes(body)

@@ -98,28 +98,13 @@ def test_wgmma_expert_kernels_compile_for_hopper():
 
 
 def compile_wgmma_experts():
-    from triton.backends.compiler import GPUTarget
-    from triton.experimental.gluon._runtime import GluonASTSource
-
+    from benchmarks.kernel_loops import compile_wgmma
     from kimik3.ops.triton import moe, moe_wgmma
-
-    def build(kernel, types, constexprs, warps):
-        params = list(inspect.signature(kernel.fn).parameters)
-        sig = {p: "constexpr" if p in constexprs else types.get(p, "i32") for p in params}
-        attrs = {(i,): [["tt.divisibility", 16]] for i, p in enumerate(params)   # K3's widths and strides
-                 if sig[p].startswith("*") or p == "K" or p.startswith("stride")}
-        src = GluonASTSource(fn=kernel, signature=sig, attrs=attrs,
-                             constexprs={(params.index(k),): v for k, v in constexprs.items()})
-        ptx = triton.compile(src, target=GPUTarget("cuda", 90, 32), options={"num_warps": warps}).asm["ptx"]
-        assert "wgmma.mma_async" in ptx and "cp.async.cg.shared.global" in ptx, kernel.fn.__name__
-
-    types = {"x": "*bf16", "h": "*bf16", "y": "*bf16", "sorted_rows": "*i64", "block_expert": "*i64", "beta": "fp32",
-             "linear_beta": "fp32", **{f"w{i}{k}": "*i32" for i in (1, 2, 3) for k in "ps"}}
     tiles = {(t["BT"], t["warps"], t.get("two", False)) for t in map(moe._wgmma_tiles, (0.25, 2, 8, 32))}
     for (bt, warps, two), high in [(t, h) for t in sorted(tiles) for h in (False, True)]:
-        common = dict(BT=bt, HIGH_SCALES=high, WARPS=warps, TWO=two, PDL=True)
-        build(moe_wgmma._gate_up_wgmma_kernel, types, dict(common, TOP_K=16, ACT_SITU=True, CLIP_UP=True), warps)
-        build(moe_wgmma._down_wgmma_kernel, types, common, warps)
+        for name in ("gate_up", "down"):
+            ptx = compile_wgmma(moe_wgmma, name, bt, warps, two, high).asm["ptx"]
+            assert "wgmma.mma_async" in ptx and "cp.async.cg.shared.global" in ptx, name
 
 
 def test_mla_prefill_kernels_compile_for_hopper():
