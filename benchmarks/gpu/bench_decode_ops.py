@@ -27,6 +27,10 @@ from kimik3.ops.triton.kda import kda_decode_triton  # noqa: E402
 
 K = 128
 W = 4
+# the fused step+norm's (value rows a step of its walk over the head, warps, register cap): the default, then
+# each program holding the head's whole row (one program a streaming multiprocessor at 8 warps), then smaller steps
+NORM_TILES = ((None, None, None), (128, 8, None), (128, 8, 128), (64, 8, None), (32, 4, None), (32, 8, None),
+              (16, 4, None), (16, 8, None))
 
 
 def graph_us(fn) -> float:
@@ -85,9 +89,13 @@ def main():
             pool.copy_(saved)
             normed_ref = gated_rms_norm(ref, norm_w, out_gate, 1e-5, torch.float64)
             normed = {"ours + separate norm": lambda: gated_rms_norm(kda_decode_triton(
-                          q, k, v, f, b, A_log, dt_bias, lower_bound, pool, slots), norm_w, out_gate, 1e-5, torch.bfloat16),
-                      "ours, norm fused": lambda: kda_decode_triton(q, k, v, f, b, A_log, dt_bias, lower_bound, pool, slots,
-                                                                    norm=(norm_w, out_gate, 1e-5, torch.bfloat16))}
+                          q, k, v, f, b, A_log, dt_bias, lower_bound, pool, slots), norm_w, out_gate, 1e-5, torch.bfloat16)}
+            for bv, warps, regs in NORM_TILES:             # the default first
+                normed["ours, norm fused" + (f", BV={bv} warps={warps}" if bv else "")
+                       + (f" maxnreg={regs}" if regs else "")] = (
+                    lambda bv=bv, warps=warps, regs=regs: kda_decode_triton(
+                        q, k, v, f, b, A_log, dt_bias, lower_bound, pool, slots, block_v=bv, num_warps=warps,
+                        norm=(norm_w, out_gate, 1e-5, torch.bfloat16), max_registers=regs))
             for name, fn in normed.items():
                 pool.copy_(saved)
                 err = rel_err(fn().double(), normed_ref)

@@ -52,17 +52,15 @@ def _kda_decode_kernel(q, k, v, f, b, A_log, dt_bias, pool, slots, o, norm_w, ga
                        F_LR: tl.constexpr = False, G_LR: tl.constexpr = False, R: tl.constexpr = 32,
                        RC: tl.constexpr = 32):
     n, h, iv = tl.program_id(0).to(tl.int64), tl.program_id(1), tl.program_id(2)
+    ROWS: tl.constexpr = V if NORM else BV         # the program's value rows, BV at a time
     ck = tl.arange(0, K)
-    cv = iv * BV + tl.arange(0, BV)
     slot = tl.load(slots + n).to(tl.int64)        # a step's input, written before its first kernel
-    rows = pool + slot * stride_slot + h * V * K + cv[:, None] * K + ck[None, :]
-    if PREFETCH and BV * K >= 32:                  # (under PDL) the rows' 128-byte lines (32 fp32 each), before the wait
-        prefetch_l2(pool + slot * stride_slot + h * V * K + iv * BV * K + tl.arange(0, BV * K // 32) * 32)
+    head = pool + slot * stride_slot + h * V * K + iv * ROWS * K
+    if PREFETCH and ROWS * K >= 32:                # (under PDL) the rows' 128-byte lines (32 fp32 each), before the wait
+        prefetch_l2(head + tl.arange(0, ROWS * K // 32) * 32)
     pdl_entry(PDL)
-    S = tl.load(rows)                                                      # [BV, K] fp32
     qv = tl.load(q + n * stride_q + h * K + ck).to(tl.float32)
     kv = tl.load(k + n * stride_k + h * K + ck).to(tl.float32)
-    vv = tl.load(v + n * stride_v + h * V + cv).to(tl.float32)
     if F_LR:                                       # f's row holds f_a [R]; f_w = f_b [H K, R]
         fz = _up_projected(f + n * stride_f, f_w, h * K + ck, R, RC)
     else:
@@ -73,28 +71,52 @@ def _kda_decode_kernel(q, k, v, f, b, A_log, dt_bias, pool, slots, o, norm_w, ga
         g = lower_bound * tl.sigmoid(a * z)
     else:
         g = -a * tl.where(z > 20.0, z, tl.log(1.0 + tl.exp(z)))            # softplus, threshold 20
+    decay = tl.exp(g)
     beta = tl.sigmoid(tl.load(b + n * stride_b + h).to(tl.float32))
     qv = qv * (1.0 / tl.sqrt(tl.sum(qv * qv, 0) + 1e-6)) * scale
     kv = kv * (1.0 / tl.sqrt(tl.sum(kv * kv, 0) + 1e-6))
-    S = S * tl.exp(g)[None, :]
-    delta = beta * (vv - tl.sum(S * kv[None, :], 1))
-    S = S + delta[:, None] * kv[None, :]
-    out = tl.sum(S * qv[None, :], 1)                                       # [BV] fp32
-    if NORM:                                                               # BV == V: the head's whole row
-        out = out.to(v.dtype.element_ty).to(tl.float32)                    # o as the unfused norm reads it
-        out = out * (1.0 / tl.sqrt(tl.sum(out * out, 0) / V + eps)) * tl.load(norm_w + cv).to(tl.float32)
+    o_row = o + n * stride_o + h * V
+    squares = 0.0
+    for r0 in tl.range(0, ROWS, BV):
+        cv = iv * ROWS + r0 + tl.arange(0, BV)
+        rows = head + (r0 + tl.arange(0, BV))[:, None] * K + ck[None, :]
+        S = tl.load(rows) * decay[None, :]                                 # [BV, K] fp32
+        vv = tl.load(v + n * stride_v + h * V + cv).to(tl.float32)
+        delta = beta * (vv - tl.sum(S * kv[None, :], 1))
+        S = S + delta[:, None] * kv[None, :]
+        tl.store(rows, S)
+        out = tl.sum(S * qv[None, :], 1)                                   # [BV] fp32
+        if NORM:                                   # o as the unfused norm reads it, kept in o until the row is done
+            out = out.to(v.dtype.element_ty)
+            squares += tl.sum(out.to(tl.float32) * out.to(tl.float32), 0)
+        tl.store(o_row + cv, out.to(o.dtype.element_ty))
+    if NORM:                                       # the head's whole row: o <- rmsnorm(o) * w * sigmoid(gate)
+        tl.debug_barrier()                         # (the row's values were stored by other threads of the program)
+        cv = tl.arange(0, V)
+        out = tl.load(o_row + cv).to(tl.float32)
+        out = out * (1.0 / tl.sqrt(squares / V + eps)) * tl.load(norm_w + cv).to(tl.float32)
         if G_LR:                                   # gate's row holds g_a [R]; gate_w = g_b [H V, R]
             gt = _up_projected(gate + n * stride_gate, gate_w, h * V + cv, R, RC)
         else:
             gt = tl.load(gate + n * stride_gate + h * V + cv).to(tl.float32)
-        out = out * tl.sigmoid(gt)
-    tl.store(o + n * stride_o + h * V + cv, out.to(o.dtype.element_ty))
-    tl.store(rows, S)
+        tl.store(o_row + cv, (out * tl.sigmoid(gt)).to(o.dtype.element_ty))
 
 
-def default_block_v(V: int) -> int:
-    """Value channels a program updates (its state slice: block x K x 4 bytes)."""
-    return min(32, V)
+def default_block_v(V: int, norm: bool, programs: int) -> int:
+    """Value rows a program updates at a time (block x K x 4 bytes of state). With the output norm a program
+    walks its head's V rows in such blocks: in one when the step has few (sequence, head) programs (each then
+    waits for one load, not V / 32), in blocks of 32 otherwise, so that a program's registers leave room for
+    several on a multiprocessor (the whole row at 8 warps takes ~140 registers a thread: one program a
+    multiprocessor, whose loads stop while it computes and stores)."""
+    return V if norm and programs <= WHOLE_ROW_PROGRAMS else min(32, V)
+
+
+WHOLE_ROW_PROGRAMS = 1024
+
+
+def default_warps(BV: int, K: int) -> int:
+    """Warps of a program updating BV x K of state: 64 of its values a thread at most, 4 warps at least."""
+    return max(4, BV * K // 2048)
 
 
 MAX_RANK = 512          # the widest low-rank row the kernel reads (chunks of 32 unrolled: Kimi's is 128)
@@ -123,7 +145,8 @@ def _low_rank(name: str, t, N: int, rows: int, dtype: torch.dtype) -> tuple[torc
 def kda_decode_triton(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, f, b: torch.Tensor,
                       A_log: torch.Tensor, dt_bias: torch.Tensor, lower_bound: float | None,
                       state_pool: torch.Tensor, slots: torch.Tensor, block_v: int | None = None,
-                      num_warps: int | None = None, norm: tuple | None = None) -> torch.Tensor:
+                      num_warps: int | None = None, norm: tuple | None = None,
+                      max_registers: int | None = None) -> torch.Tensor:
     """q, k [N, H, K]; v [N, H, V]; f [N, H, K] or a low-rank pair (a [N, R], w [H K, R]: f = a w^T rounded to
     a's dtype, ``ops.kda.LowRank``); b [N, H] (each
     with unit stride inside a row, any row stride); A_log [H], dt_bias [H*K]; state_pool [slots, H, V, K] fp32,
@@ -132,7 +155,7 @@ def kda_decode_triton(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, f, b: t
     rmsnorm(o) * weight * sigmoid(gate) in that dtype (one program a head: 8 warps)."""
     N, H, K = q.shape
     V = v.shape[-1]
-    BV = V if norm is not None else (block_v or default_block_v(V))
+    BV = block_v or default_block_v(V, norm is not None, N * H)
     if state_pool.dtype != torch.float32 or tuple(state_pool.shape[1:]) != (H, V, K) or not state_pool[0].is_contiguous():
         raise ValueError(f"kda_decode_triton: the state pool must be fp32 [slots, {H}, {V}, {K}] with contiguous "
                          f"rows, got {state_pool.dtype} {tuple(state_pool.shape)}")
@@ -148,6 +171,9 @@ def kda_decode_triton(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, f, b: t
     gate_w, g_rank = None, 0
     if norm is not None:
         weight, gate, eps, dtype = norm
+        if dtype not in (v.dtype, torch.float32):           # the raw row waits in o for its norm (the docstring)
+            raise ValueError(f"kda_decode_triton: the normed output's dtype must be v's ({v.dtype}) or float32, got "
+                             f"{dtype}")
         gate, gate_w, g_rank = _low_rank("gate", gate, N, H * V, q.dtype)
         if tuple(weight.shape) != (V,) or (gate_w is None and (tuple(gate.shape) != (N, H, V) or gate.stride(-1) != 1
                                                               or gate.stride(-2) != V)):
@@ -161,12 +187,12 @@ def kda_decode_triton(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, f, b: t
     rank = max(f_rank, g_rank) or 32                                          # (unused without a low-rank operand)
     o = torch.empty(N, H, V, dtype=dtype, device=v.device)
     if N:
-        _kda_decode_kernel[(N, H, V // BV)](
+        _kda_decode_kernel[(N, H, 1 if norm is not None else V // BV)](
             q, k, v, f, b, A_log, dt_bias, state_pool, slots, o, weight, gate, A_log if f_w is None else f_w,
             A_log if gate_w is None else gate_w, float(lower_bound or 0.0), K ** -0.5,
             float(eps), q.stride(0), k.stride(0), v.stride(0), f.stride(0), b.stride(0), o.stride(0),
             state_pool.stride(0), gate.stride(0) if norm is not None else 0,
             H=H, K=K, V=V, BV=BV, BOUNDED=lower_bound is not None, NORM=norm is not None,
-            PREFETCH=pdl(q)["PDL"] and common.PREFETCH_ENABLED, num_warps=num_warps or (8 if norm is not None else 4),
-            F_LR=f_w is not None, G_LR=gate_w is not None, R=rank, RC=min(32, rank), **pdl(q))
+            PREFETCH=pdl(q)["PDL"] and common.PREFETCH_ENABLED, num_warps=num_warps or default_warps(BV, K),
+            F_LR=f_w is not None, G_LR=gate_w is not None, R=rank, RC=min(32, rank), maxnreg=max_registers, **pdl(q))
     return o
