@@ -2,7 +2,7 @@
 the measured copy rate) and the alternatives: our one-kernel KDA step (``ops/triton/kda.py``) over
 value-block widths and warp counts beside fla-core's ``fused_recurrent_kda_fwd`` (the kernel it
 replaces), and the one-pass conv decode kernel beside the general varlen pair (conv + window
-update). Shapes: Kimi-Linear (32 heads) and K3 (96 heads) x 128, batch 1/32/128, scattered slots.
+update). Shapes: Kimi-Linear (32 heads) and K3 (96 heads) x 128, batch 1/8/32/128, scattered slots.
 Then the prefill conv over 8192 tokens across tile shapes (``conv_prefill_sweep``).
 
     PYTHONPATH=. python benchmarks/gpu/bench_decode_ops.py     (writes $OUT/bench_decode_ops.json)
@@ -56,7 +56,7 @@ def main():
     _, fla_recurrent = import_fla_kda()
     rows = []
     for H, lower_bound in ((32, None), (96, -5.0)):
-        for N in (1, 32, 128):
+        for N in (1, 8, 32, 128):
             wide, q, k, v, b, f, A_log, dt_bias, slots = inputs(N, H, g)
             pool = 0.1 * torch.randn(2 * N + 2, H, K, K, device="cuda", generator=g)
             floor = (2 * N * H * K * K * 4 + 4 * N * H * K * 2) / bw * 1e6          # state read + write, q k v o
