@@ -30,9 +30,6 @@ split-K path off: ROUTER_SPLIT_MIN_TOKENS past any batch).
 ``--low-rank-ab``: every decode case also with the KDA layers' low-rank up-projections placed the other way: computed
 before the step's kernel where the default computes them inside it (batches up to
 ``kimik3.ops.kda.DECODE_LOW_RANK_MAX_SEQS``), inside it where the default computes them first.
-``--fused-norm-ab``: every decode case also with the KDA layers' gated output norm placed the other way: its own
-launch where the default fuses it into the step's kernel (batches up to ``kimik3.ops.kda.DECODE_FUSED_NORM_MAX_SEQS``),
-fused where the default launches it apart.
 """
 
 from __future__ import annotations
@@ -368,9 +365,6 @@ def bench_model(bw, mm):
         low_rank_inside = N <= ops_kda.DECODE_LOW_RANK_MAX_SEQS
         t_graph_low_rank_other = with_setting("--low-rank-ab", ops_kda, "DECODE_LOW_RANK_MAX_SEQS",
                                               0 if low_rank_inside else 1 << 30, lambda: graph_time(fast))
-        norm_fused = N <= ops_kda.DECODE_FUSED_NORM_MAX_SEQS
-        t_graph_norm_other = with_setting("--fused-norm-ab", ops_kda, "DECODE_FUSED_NORM_MAX_SEQS",
-                                          0 if norm_fused else 1 << 30, lambda: graph_time(fast))
         model.use_side_stream(None)
         t_graph_no_side = graph_time(fast) if "--side-ab" in sys.argv else None
         t_ref = float("nan")
@@ -396,8 +390,6 @@ def bench_model(bw, mm):
                      "t_graph_block_moe_ms": None if t_graph_block_moe is None else t_graph_block_moe * 1e3,
                      "low_rank_inside_kernel": low_rank_inside,
                      "t_graph_low_rank_other_ms": None if t_graph_low_rank_other is None else t_graph_low_rank_other * 1e3,
-                     "kda_norm_fused": norm_fused,
-                     "t_graph_norm_other_ms": None if t_graph_norm_other is None else t_graph_norm_other * 1e3,
                      "bytes": byts, "flops": flops, "floor_ms": floor * 1e3, "time_over_floor": best / floor,
                      "speedup_vs_ref": t_ref / best, "ref_note": "same shapes"})
         log(rows[-1])
@@ -525,9 +517,9 @@ def main():
     save()
     log(f"\n| case | fast eager ms | fast graph ms | floor ms | time/floor | ref ms | speed-up | without PDL ms "
         f"| GEMV_MAX_ROWS {0 if ops_linear.GEMV_MAX_ROWS else 8} ms | no side stream ms | one token on block kernels ms | no weight prefetch ms | without FlashKDA (prefill) / FlashMLA (decode) ms "
-        f"| unsplit router logits ms | low rank placed the other way ms | KDA output norm placed the other way ms "
+        f"| unsplit router logits ms | low rank placed the other way ms "
         f"| MXFP4 experts on the block kernels ms |")
-    log("|---|---|---|---|---|---|---|---|---|---|---|---|---|---|---|---|---|")
+    log("|---|---|---|---|---|---|---|---|---|---|---|---|---|---|---|---|")
     for r in rows:
         g = "-" if r["t_graph_ms"] is None else f"{r['t_graph_ms']:.3f}"
         off = r.get("t_graph_no_pdl_ms") or r.get("t_eager_no_pdl_ms")
@@ -550,13 +542,11 @@ def main():
         low_rank = r.get("t_graph_low_rank_other_ms")
         low_rank = "-" if low_rank is None else f"{low_rank:.3f}" + (" (first)" if r.get("low_rank_inside_kernel")
                                                                       else " (inside)")
-        norm = r.get("t_graph_norm_other_ms")
-        norm = "-" if norm is None else f"{norm:.3f}" + (" (own launch)" if r.get("kda_norm_fused") else " (fused)")
         block_moe = r.get("t_graph_block_moe_ms")
         block_moe = "-" if block_moe is None else f"{block_moe:.3f}"
         log(f"| {r['case']} | {r['t_eager_ms']:.2f} | {g} | {r['floor_ms']:.3f} | {r['time_over_floor']:.2f}{extra} "
             f"| {ref} | {sp} | {off} | {other} | {side} | {blocks} | {nopf} | {noflash} | {unsplit} | {low_rank} "
-            f"| {norm} | {block_moe} |")
+            f"| {block_moe} |")
     bad = [k for k, r in results.get("checks", {}).items() if not r["ok"]]
     log(f"checks: {len(results.get('checks', {})) - len(bad)} ok, bad: {bad}")
 

@@ -43,17 +43,10 @@ class LowRank:
 # Kimi-Linear slice 0.582 / 0.607 at batch 1, 0.852 / 0.863 at 8, 1.200 / 1.209 at 32, 2.054 / 2.027 at 128; K3
 # slice 2.491 / 2.513, 3.357 / 3.373, 4.287 / 4.258, 7.555 / 7.434.
 DECODE_LOW_RANK_MAX_SEQS = 16
-# A CUDA decode step of at most this many sequences applies the layer's gated output norm inside its kernel (one
-# launch fewer, but a program then holds a head's whole [V, K] state: 8 warps over 64 KB where the unfused kernel
-# runs 4 warps over 16 KB); larger ones run the step unfused and the norm as its own launch. Triton 3.6's Hopper
-# compile gives the fused program about 168 registers a thread (one program an SM: its load, update and store
-# phases do not overlap another's) and the unfused one about 93 (five an SM). Measured apart (not in one run): the
-# unfused kernel alone at 96 heads, batch 128, 452 us (H200, bench_decode_ops.py), the fused one about 580 us a
-# layer in the K3 slice's batch-128 profile (092fe21). In one run (``bench_slice.py --fused-norm-ab``, K3 slice,
-# H100, b3f5786, graph ms fused / unfused): 3.213 / 3.219 at batch 1, 4.259 / 4.254 at 8, 5.110 / 5.097 at 32,
-# 8.435 / 8.322 at 128; again at 841ba8e: 5.131 / 5.104 at 32, 8.398 / 8.276 at 128. Within 0.5% either way up
-# to 32, unfused 1.3-1.5% faster at 128.
-DECODE_FUSED_NORM_MAX_SEQS = 16
+# A CUDA decode step applies the layer's gated output norm inside its kernel at every batch size: a program then
+# walks its head's [V, K] state 64 rows at a time (``triton/kda.py``), at or under the unfused step and the norm's
+# own launch (H100, 96 heads, batch 1 / 8 / 32 / 128, bench_decode_ops.py at fc693bd: 9.6 / 44.6 / 156.4 / 598.4
+# against 10.2 / 43.6 / 160.4 / 619.6 us; 32 heads: 9.8 / 12.9 / 59.5 / 224.4 against 10.1 / 16.4 / 58.2 / 218.7).
 
 
 def dense(t: torch.Tensor | LowRank, heads: int) -> torch.Tensor:
@@ -249,7 +242,7 @@ def kda_attention_in_pool(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, f: 
     states. ``decode``: every sequence has one token and a state (then CUDA updates the pool rows in
     place with our one-kernel step, ``triton/kda.py``: no gather/scatter; a ``LowRank`` f or output gate is
     computed inside it up to ``DECODE_LOW_RANK_MAX_SEQS`` sequences). Returns o [T, H, V], or ``out_norm(o)`` (in its dtype) when given: on the CUDA
-    decode step (up to ``DECODE_FUSED_NORM_MAX_SEQS`` sequences) inside the same kernel, from o rounded to the
+    decode step inside the same kernel, from o rounded to the
     layer's dtype as every other path hands it to the norm.
     """
     if use_fast_path(q) and decode:
@@ -259,10 +252,8 @@ def kda_attention_in_pool(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, f: 
             if isinstance(t, LowRank) and q.shape[0] <= DECODE_LOW_RANK_MAX_SEQS and low_rank_fits(t.a.shape[-1]):
                 return t.a, t.w
             return dense(t, q.shape[1])
-        fused = out_norm is not None and q.shape[0] <= DECODE_FUSED_NORM_MAX_SEQS
-        norm = (out_norm.weight, operand(out_norm.gate), out_norm.eps, out_norm.dtype) if fused else None
-        o = kda_decode_triton(q, k, v, operand(f), b, A_log, dt_bias, lower_bound, state_pool, slots, norm=norm)
-        return out_norm(o) if out_norm is not None and not fused else o
+        norm = None if out_norm is None else (out_norm.weight, operand(out_norm.gate), out_norm.eps, out_norm.dtype)
+        return kda_decode_triton(q, k, v, operand(f), b, A_log, dt_bias, lower_bound, state_pool, slots, norm=norm)
     f = dense(f, q.shape[1])
     state0 = state_pool[slots] if has_state is None else state_pool[slots].masked_fill(~has_state.view(-1, 1, 1, 1), 0)
     if use_fast_path(q):

@@ -17,7 +17,6 @@ import os
 import pytest
 import torch
 
-from kimik3.ops import kda as ops_kda
 from kimik3.ops import mxfp4
 from kimik3.ops.activation import situ_and_mul, silu_and_mul
 from kimik3.ops.attn_res import attn_res_mix, attn_res_mix_norm
@@ -154,17 +153,6 @@ def check_kda_decode_conv(N=5, H=32, K=128, W=4, lower_bound=None, seed=26, low_
             "kda_conv.decode.state": worst_rel_err(pool[slots], ref_pool[slots]),
             "kda_conv.windows_exact": float(not torch.equal(windows.float(), ref_windows)),
             "kda_conv.others_exact": float(not torch.equal(pool[others], ref_pool[others]))}
-
-
-def _norm_unfused(check):
-    """``check`` with every decode step's output norm as its own launch (``ops.kda.DECODE_FUSED_NORM_MAX_SEQS`` 0)."""
-    def run():
-        saved, ops_kda.DECODE_FUSED_NORM_MAX_SEQS = ops_kda.DECODE_FUSED_NORM_MAX_SEQS, 0
-        try:
-            return check()
-        finally:
-            ops_kda.DECODE_FUSED_NORM_MAX_SEQS = saved
-    return run
 
 
 def check_kda_snapshots(lens=(4, 1, 3, 4), H=96, K=128, lower_bound=-5.0, seed=15) -> dict:
@@ -459,9 +447,6 @@ CHECKS = {
     "conv": check_conv, "kda": check_kda, "kda_snapshots": check_kda_snapshots,
     "kda_normed": lambda: check_kda(lens=(9, 1, 30), ctx=(0, 3, 7), seed=27, normed=True),
     "kda_normed_softplus": lambda: check_kda(lens=(5, 2), ctx=(2, 0), H=32, lower_bound=None, seed=28, normed=True),
-    # the decode step with its output norm as a separate launch (batches above ops.kda.DECODE_FUSED_NORM_MAX_SEQS)
-    "kda_normed_unfused": _norm_unfused(lambda: check_kda(lens=(9, 1, 30), ctx=(0, 3, 7), seed=32, normed=True)),
-    "kda_decode_conv_low_rank_unfused_norm": _norm_unfused(lambda: check_kda_decode_conv(low_rank=True, seed=33)),
     "kda_snapshots_softplus": lambda: check_kda_snapshots(lens=(2, 4, 1), H=4, lower_bound=None, seed=16), "mla_decode": check_mla_decode, "mla_prefill": check_mla_prefill,
     "moe_small": lambda: check_moe(T=3), "moe_mid": lambda: check_moe(T=37),
     "moe_one_token": lambda: check_moe(T=1, seed=29),     # k distinct experts, a block each, no alignment

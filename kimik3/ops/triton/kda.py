@@ -9,10 +9,11 @@ that each read and write their own slice once:
 q, k, v, f and b are read through their row strides (slices of the step's merged projection, as
 they come), so no operand is copied first.
 
-With the output norm (NORM: one program holds a head's whole value row, BV == V), the program
+With the output norm (NORM: one program a head, walking its V rows BV at a time), the program
 finishes the layer's KDA output as well: o <- rmsnorm(o) * w * sigmoid(gate), from o rounded to the
-layer's dtype as the separate norm launch reads it (the same arithmetic as ``triton/norm.py``'s
-GATED form), stored once.
+layer's dtype as an unfused norm would read it (the same arithmetic as ``triton/norm.py``'s GATED
+form). The rounded row waits in o while the walk sums its squares, then is read back (after a barrier:
+other threads stored it) and normed in place.
 
 Under PDL a program asks L2 for its state rows before it waits for the kernel before it: a state row is
 written only by this layer's step, so the read of the 64 KB of a head starts during that kernel's tail.
@@ -102,21 +103,19 @@ def _kda_decode_kernel(q, k, v, f, b, A_log, dt_bias, pool, slots, o, norm_w, ga
         tl.store(o_row + cv, (out * tl.sigmoid(gt)).to(o.dtype.element_ty))
 
 
-def default_block_v(V: int, norm: bool, programs: int) -> int:
+def default_block_v(V: int, norm: bool) -> int:
     """Value rows a program updates at a time (block x K x 4 bytes of state). With the output norm a program
-    walks its head's V rows in such blocks: in one when the step has few (sequence, head) programs (each then
-    waits for one load, not V / 32), in blocks of 32 otherwise, so that a program's registers leave room for
-    several on a multiprocessor (the whole row at 8 warps takes ~140 registers a thread: one program a
-    multiprocessor, whose loads stop while it computes and stores)."""
-    return V if norm and programs <= WHOLE_ROW_PROGRAMS else min(32, V)
-
-
-WHOLE_ROW_PROGRAMS = 1024
+    walks its head's V rows in such blocks. H100, 96 heads x 128, batch 1/8/32/128 (bench_decode_ops.py,
+    fc693bd, us): the walk in blocks of 64 on 8 warps 9.6 / 44.6 / 156.4 / 598.4, the whole row at once (8
+    warps, ~140 registers a thread: one program a multiprocessor, whose loads stop while it computes and
+    stores) 10.6 / 53.8 / 194.9 / 745.4, blocks of 32 on 4 warps 11.8 / 44.6 / 188.5 / 781.6; the step in
+    blocks of 32 without the norm, then the norm's own launch, 10.2 / 43.6 / 160.4 / 619.6."""
+    return min(64 if norm else 32, V)
 
 
 def default_warps(BV: int, K: int) -> int:
-    """Warps of a program updating BV x K of state: 64 of its values a thread at most, 4 warps at least."""
-    return max(4, BV * K // 2048)
+    """Warps of a program updating BV x K of state: 32 of its values a thread up to 4096 values, then 8 warps."""
+    return 4 if BV * K <= 4096 else 8
 
 
 MAX_RANK = 512          # the widest low-rank row the kernel reads (chunks of 32 unrolled: Kimi's is 128)
@@ -145,17 +144,16 @@ def _low_rank(name: str, t, N: int, rows: int, dtype: torch.dtype) -> tuple[torc
 def kda_decode_triton(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, f, b: torch.Tensor,
                       A_log: torch.Tensor, dt_bias: torch.Tensor, lower_bound: float | None,
                       state_pool: torch.Tensor, slots: torch.Tensor, block_v: int | None = None,
-                      num_warps: int | None = None, norm: tuple | None = None,
-                      max_registers: int | None = None) -> torch.Tensor:
+                      num_warps: int | None = None, norm: tuple | None = None) -> torch.Tensor:
     """q, k [N, H, K]; v [N, H, V]; f [N, H, K] or a low-rank pair (a [N, R], w [H K, R]: f = a w^T rounded to
     a's dtype, ``ops.kda.LowRank``); b [N, H] (each
     with unit stride inside a row, any row stride); A_log [H], dt_bias [H*K]; state_pool [slots, H, V, K] fp32,
     rows ``slots`` [N] updated in place. Returns o [N, H, V] in v's dtype; with ``norm`` = (weight [V],
     gate [N, H, V] or a low-rank pair (a [N, R], w [H V, R]), eps, dtype) the normed output
-    rmsnorm(o) * weight * sigmoid(gate) in that dtype (one program a head: 8 warps)."""
+    rmsnorm(o) * weight * sigmoid(gate) in that dtype (one program a head, walking its rows block_v at a time)."""
     N, H, K = q.shape
     V = v.shape[-1]
-    BV = block_v or default_block_v(V, norm is not None, N * H)
+    BV = block_v or default_block_v(V, norm is not None)
     if state_pool.dtype != torch.float32 or tuple(state_pool.shape[1:]) != (H, V, K) or not state_pool[0].is_contiguous():
         raise ValueError(f"kda_decode_triton: the state pool must be fp32 [slots, {H}, {V}, {K}] with contiguous "
                          f"rows, got {state_pool.dtype} {tuple(state_pool.shape)}")
@@ -194,5 +192,5 @@ def kda_decode_triton(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, f, b: t
             state_pool.stride(0), gate.stride(0) if norm is not None else 0,
             H=H, K=K, V=V, BV=BV, BOUNDED=lower_bound is not None, NORM=norm is not None,
             PREFETCH=pdl(q)["PDL"] and common.PREFETCH_ENABLED, num_warps=num_warps or default_warps(BV, K),
-            F_LR=f_w is not None, G_LR=gate_w is not None, R=rank, RC=min(32, rank), maxnreg=max_registers, **pdl(q))
+            F_LR=f_w is not None, G_LR=gate_w is not None, R=rank, RC=min(32, rank), **pdl(q))
     return o
