@@ -912,6 +912,9 @@ def test_decode_kernels_refuse_operands_that_do_not_fit():
         kda_decode_triton(q, k, v, f, b, A_log, dt_bias, None, torch.zeros(3, H, K, 2 * K), slots)
     with pytest.raises(ValueError, match="K=16, V=16 need K a power of two and V a multiple of the power-of-two block 12"):
         kda_decode_triton(q, k, v, f, b, A_log, dt_bias, None, torch.zeros(3, H, K, K), slots, block_v=12)
+    with pytest.raises(ValueError, match=r"normed output's dtype must be v's \(torch.bfloat16\) or float32, got torch.float16"):
+        kda_decode_triton(q, k, v, f, b, A_log, dt_bias, None, torch.zeros(3, H, K, K), slots,
+                          norm=(torch.ones(K), torch.randn(N, H, K).to(BF16), 1e-5, torch.float16))
     with pytest.raises(ValueError, match="k needs each row's heads packed"):
         kda_decode_triton(q, torch.randn(N, K, H).to(BF16).transpose(1, 2), v, f, b, A_log, dt_bias, None,
                           torch.zeros(3, H, K, K), slots)
