@@ -214,10 +214,10 @@ def compile_kda_decode():
     types = {"q": "*bf16", "k": "*bf16", "v": "*bf16", "f": "*bf16", "b": "*bf16", "A_log": "*fp32", "dt_bias": "*fp32",
              "pool": "*fp32", "slots": "*i64", "o": "*bf16", "lower_bound": "fp32", "scale": "fp32"}
     types.update(norm_w="*fp32", gate="*bf16", eps="fp32", f_w="*bf16", gate_w="*bf16")
-    for bounded, norm in ((True, False), (False, False), (True, True)):
-        compile_for_hopper(kda._kda_decode_kernel, types, dict(H=32, K=128, V=128, BV=128 if norm else 32,
-                                                               BOUNDED=bounded, NORM=norm, PREFETCH=False),
-                           num_warps=8 if norm else 4)
+    for bounded, norm in ((True, False), (False, False), (True, True)):          # the blocks and warps as launched
+        BV = kda.default_block_v(128, norm)
+        compile_for_hopper(kda._kda_decode_kernel, types, dict(H=32, K=128, V=128, BV=BV, BOUNDED=bounded, NORM=norm,
+                                                               PREFETCH=False), num_warps=kda.default_warps(BV, 128))
     # the fused program at its default block and warps, with f and gate read, K3's f_b, Kimi-Linear's f_b and g_b
     # in the kernel (as launched: run-time alignment): no local memory, and at most 128 registers a thread, so
     # two programs share a multiprocessor (one program's loads run while the other computes and stores)
@@ -231,9 +231,10 @@ def compile_kda_decode():
                                           "stride_slot", "stride_gate"})
         assert k.asm["sass"].count("STL") + k.asm["sass"].count("LDL") == 0, (f_lr, g_lr)
         assert registers(k.asm["ptx"]) <= 128, (f_lr, g_lr, registers(k.asm["ptx"]))
-    compile_for_hopper(kda._kda_decode_kernel, types, dict(H=4, K=16, V=16, BV=16, BOUNDED=False, NORM=True,
+    BV = kda.default_block_v(16, True)                                  # the tiny checkpoints' 16-wide heads
+    compile_for_hopper(kda._kda_decode_kernel, types, dict(H=4, K=16, V=16, BV=BV, BOUNDED=False, NORM=True,
                                                            PREFETCH=False, F_LR=True, G_LR=True, R=16, RC=16),
-                       num_warps=8)                                  # the tiny checkpoints' 16-wide heads
+                       num_warps=kda.default_warps(BV, 16))
     for K in (128, 4):                  # under PDL: the state rows asked of L2 before the wait (none under 32 values)
         body = compile_for_hopper(kda._kda_decode_kernel, types, dict(H=2, K=K, V=K, BV=K, BOUNDED=True, NORM=True,
                                                                       PREFETCH=True, PDL=True), num_warps=8).asm["ptx"]
