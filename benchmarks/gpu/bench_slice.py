@@ -501,7 +501,15 @@ def bench_experts(model, bw, mm):
     return rows
 
 
+FLAGS = ("--checks=", "--config=", "--flash-kda-ab", "--flash-mla-ab", "--gemv-ab", "--low-rank-ab", "--no-experts",
+         "--no-ref", "--one-token-ab", "--pdl-ab", "--prefetch-ab", "--profile", "--router-split-ab", "--side-ab",
+         "--skip-checks", "--sweep", "--wgmma-ab")
+
+
 def main():
+    unknown = [a for a in sys.argv[1:] if not any(a == f or (f.endswith("=") and a.startswith(f)) for f in FLAGS)]
+    if unknown:                                    # (a flag this script does not read is an error, not a no-op)
+        raise SystemExit(f"bench_slice.py: unknown arguments {unknown}; known: {' '.join(FLAGS)}")
     torch.backends.cuda.matmul.allow_tf32 = False
     results["gpu"] = torch.cuda.get_device_name()
     results["date"] = datetime.date.today().isoformat()
