@@ -4,12 +4,18 @@ uvicorn alone cancels the request tasks at ``timeout_graceful_shutdown`` before 
 shutdown (lifespan runs last), so streams lost their terminator and the exit status was the signal's.
 ``Server.shutdown`` first lets the app drain (``ServerState.drain``: queued requests 503 at once, running
 ones until ``--shutdown-timeout`` and then a 503 error event + ``[DONE]``), then closes the connections;
-a captured SIGINT/SIGTERM is not re-raised afterwards, so a clean shutdown exits 0.
+a SIGINT/SIGTERM is handled here (``handle_exit``), not recorded for uvicorn to re-raise after the
+shutdown, so a clean shutdown exits 0.
+
+uvicorn is used through its documented surface: ``Config``, ``Server.serve/run/shutdown``,
+``Server.handle_exit`` (the signal handler, overridden) and ``should_exit``/``force_exit``. The one
+internal piece, the h11 protocol that ``limits.LimitedH11Protocol`` extends, is why pyproject pins
+uvicorn to the versions tested (tests/serve/test_uvicorn_contract.py fails on an incompatible one).
 """
 
 from __future__ import annotations
 
-import contextlib
+import signal
 
 import uvicorn
 
@@ -33,13 +39,13 @@ class Server(uvicorn.Server):
             await state.drain()
         await super().shutdown(sockets)
 
-    @contextlib.contextmanager
-    def capture_signals(self):
-        with super().capture_signals():
-            try:
-                yield
-            finally:
-                getattr(self, "_captured_signals", []).clear()   # drained: exit 0, not the signal's status
+    def handle_exit(self, sig: int, frame) -> None:
+        """SIGINT/SIGTERM: start the drain (a second SIGINT forces the exit). Unlike uvicorn's own handler it
+        does not record the signal to re-raise after the shutdown: drained, the process exits 0."""
+        if self.should_exit and sig == signal.SIGINT:
+            self.force_exit = True
+        else:
+            self.should_exit = True
 
 
 def _find_state(app):
