@@ -158,7 +158,13 @@ def free(llm) -> None:
         torch.cuda.empty_cache()
 
 
+FLAGS = ("--config=", "--batches=", "--no-prefill-ab", "--no-profile", "--cpu-smoke")
+
+
 def main():
+    unknown = [a for a in sys.argv[1:] if not any(a == f or (f.endswith("=") and a.startswith(f)) for f in FLAGS)]
+    if unknown:
+        raise SystemExit(f"bench_user_path.py: unknown arguments {unknown}; known: {' '.join(FLAGS)}")
     from kimik3 import LLM
     results: dict = {"commit": commit_id(), "date": datetime.date.today().isoformat()}
     rng = random.Random(0)
