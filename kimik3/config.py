@@ -345,6 +345,9 @@ def parse_text_config(data: dict, source: str, *, where: str = "",
             raise r._fail("num_expert_group", f"must divide num_experts={num_experts}")
         if not 1 <= moe_keys["num_experts_per_token"] <= num_experts:
             raise r._fail("num_experts_per_token", f"must lie in 1..{num_experts}")
+        if moe_keys["latent_moe_use_norm"] and moe_keys["routed_expert_hidden_size"] is None:
+            raise r._fail("latent_moe_use_norm", "is true but routed_expert_hidden_size is null: the latent norm "
+                          "acts on the latent sum, and without a latent width there is none (spec §3.5)")
     else:
         moe_keys = dict(num_experts_per_token=0, moe_intermediate_size=0, num_shared_experts=0,
                         moe_renormalize=True, moe_router_activation_func="sigmoid",

@@ -168,7 +168,7 @@ class LoadBalancer:
         self.rate, self.loads = rate, {}
         self.moes = [m for m in model.modules() if isinstance(m, MoE)]
         for m in self.moes:
-            route = m._route
+            route = m.route
 
             def counted(x, route=route, m=m):
                 weights, ids = route(x)
@@ -176,7 +176,7 @@ class LoadBalancer:
                     n = torch.bincount(ids.reshape(-1), minlength=m.cfg.num_experts)
                     self.loads[m] = self.loads.get(m, 0) + n
                 return weights, ids
-            m._route = counted
+            m.route = counted
 
     @torch.no_grad()
     def update(self) -> float:

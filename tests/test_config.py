@@ -78,6 +78,10 @@ def test_bad_values_are_rejected(release):
         parse_config(data, "c")
     with pytest.raises(ConfigError, match="model_type"):
         parse_config({"model_type": "llama"}, "c")
+    data = copy.deepcopy(release)
+    data["text_config"]["routed_expert_hidden_size"] = None        # a latent norm with no latent width
+    with pytest.raises(ConfigError, match="latent_moe_use_norm.*routed_expert_hidden_size is null"):
+        parse_config(data, "c")
 
 
 @pytest.mark.parametrize("where", ["top", "text_config"])

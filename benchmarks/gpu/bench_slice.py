@@ -278,18 +278,18 @@ def touched_experts(fn) -> float:
     """Mean number of distinct experts the MoE layers route to in one eager run of ``fn`` (the
     random router does not spread tokens evenly, so the floor counts what is really read)."""
     from kimik3.model.moe import MoE
-    seen, route = [], MoE._route
+    seen, route = [], MoE.route
 
     def recording(self, x):
         weights, ids = route(self, x)
         seen.append(torch.unique(ids).numel())
         return weights, ids
-    MoE._route = recording
+    MoE.route = recording
     try:
         fn()
         torch.cuda.synchronize()
     finally:
-        MoE._route = route
+        MoE.route = route
     return sum(seen) / max(len(seen), 1)
 
 

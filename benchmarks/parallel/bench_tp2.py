@@ -251,11 +251,11 @@ def tail_sweep(model, sizes: list[int]):
         row = {}
         for tail in ("concat", "sliced"):
             model.parallel.moe_tail = tail
-            row[tail] = round(timed(lambda: moe._tail(u.clone(), s.clone()), warmup=3, iters=20), 4)
+            row[tail] = round(timed(lambda: moe.reduce(u.clone(), s.clone()), warmup=3, iters=20), 4)
         model.parallel.moe_tail = "concat"
-        ref = moe._tail(u.clone(), s.clone())
+        ref = moe.reduce(u.clone(), s.clone())
         model.parallel.moe_tail = "sliced"
-        alt = moe._tail(u.clone(), s.clone())
+        alt = moe.reduce(u.clone(), s.clone())
         row["rel_diff"] = float((alt.float() - ref.float()).norm() / ref.float().norm()) if ref is not None else None
         rows[T] = row
         log(f"tail T={T}: concat {row['concat']} ms, sliced {row['sliced']} ms, rel diff {row['rel_diff']:.1e}")

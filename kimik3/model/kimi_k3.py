@@ -19,7 +19,7 @@ from kimik3.model.batch import ForwardBatch, HybridCache
 from kimik3.model.kda import KimiDeltaAttention
 from kimik3.model.layers import MLP, Embedding, GLUActivation, MergedWeight, RMSNorm, linear
 from kimik3.model.mla import MLAAttention
-from kimik3.model.moe import MoE
+from kimik3.model.moe import MoE, build_moe
 from kimik3.model.vision import KimiVisionModel
 from kimik3.ops.linear import linear as ops_linear
 
@@ -46,7 +46,7 @@ class DecoderLayer(nn.Module):
                                           cfg.qk_nope_head_dim, cfg.qk_rope_head_dim, cfg.v_head_dim,
                                           cfg.mla_use_output_gate, cfg.numerics.mla_latent_norm_eps, parallel)
         if cfg.is_moe_layer(layer_id):
-            self.block_sparse_moe = MoE(cfg, act, parallel)
+            self.block_sparse_moe = build_moe(cfg, act, parallel)
         else:
             self.mlp = MLP(D, cfg.intermediate_size, act, parallel)
         self.input_layernorm = RMSNorm(D, eps)

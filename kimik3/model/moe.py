@@ -1,18 +1,25 @@
 """Mixture of experts (spec text-backbone §3): fp32 router with bias-corrected grouped top-k,
-routed experts (on a latent width for K3), shared experts on the original input.
+routed experts, shared experts on the original input. Two variants, chosen once from the config
+by ``build_moe``:
+
+- ``MoE`` (plain, Kimi-Linear): the routed experts act on x itself, y = u + y_shared (§3.5 last
+  paragraph);
+- ``LatentMoE`` (K3): z = x W_down^T, the routed experts act on z, y = RMSNorm(u) W_up^T + y_shared
+  (§3.5; the norm when ``latent_moe_use_norm``).
 
 Under tensor/expert parallelism (spec parallelism §1.7, §2, §3) the router and the latent
 down/up projections and norm are replicated; each rank runs its experts (its expert slice, and
-its share of their intermediate) and the shared experts' intermediate share, then the MoE tail
-completes both partial sums: technique (a) one all-reduce over [latent | shared], or (b) the
-latent all-reduce, then each rank adds its column slice of the up-projection into its shared
-partial and one more all-reduce stitches the slices. Token-sharded modes ("a2a", "agrs") run
-the MoE on 1/t of the tokens per rank with replicated shared experts and all-gather the result.
+its share of their intermediate) and the shared experts' intermediate share, then the block's
+``reduce`` completes both partial sums (the latent variant's tail: technique (a) one all-reduce
+over [latent | shared], or (b) the latent all-reduce, then each rank adds its column slice of the
+up-projection into its shared partial and one more all-reduce stitches the slices). Token-sharded
+modes ("a2a", "agrs") hand the whole layer to an ``ExpertExchange`` (``moe_exchange.py``).
 """
 
 from __future__ import annotations
 
 import contextlib
+from dataclasses import dataclass
 
 import torch
 from torch import nn
@@ -20,7 +27,8 @@ from torch import nn
 from kimik3.config import TextConfig
 from kimik3.distributed import ParallelContext
 from kimik3.model.layers import MLP, GLUActivation, RMSNorm, linear
-from kimik3.ops import ceil_div, mxfp4
+from kimik3.model.moe_exchange import ExpertExchange, make_exchange
+from kimik3.ops import mxfp4
 from kimik3.ops.moe import fused_moe, fused_moe_mxfp4
 from kimik3.ops.norm import acc_dtype
 from kimik3.ops.router import route_tokens
@@ -128,43 +136,99 @@ class Experts(nn.Module):
         getattr(self, f"{which}_scale")[expert - self.first_expert].copy_(scale)
 
 
+@dataclass(frozen=True)
+class MoEConfig:
+    """What one MoE block needs of the text config (spec text-backbone §1.2, §3)."""
+
+    hidden_size: int                 # D
+    num_experts: int                 # E
+    top_k: int                       # num_experts_per_token
+    intermediate_size: int           # I_e, one expert's intermediate (and a shared expert's)
+    num_shared_experts: int          # 0: no shared experts
+    latent_size: int | None          # routed_expert_hidden_size: None -> plain variant (experts on D)
+    latent_norm: bool                # latent_moe_use_norm (latent variant only)
+    rms_norm_eps: float
+    router_activation: str           # "sigmoid" or "softmax"
+    num_expert_group: int
+    topk_group: int
+    renormalize: bool
+    routed_scaling_factor: float
+    router_renorm_eps: float
+    combine_fp32: bool               # numerics D6: fp32 sum of the weighted expert outputs
+
+    @classmethod
+    def from_text(cls, cfg: TextConfig) -> MoEConfig:
+        if cfg.num_experts is None:
+            raise ValueError("MoEConfig.from_text: the text config has no experts (num_experts is None)")
+        return cls(cfg.hidden_size, cfg.num_experts, cfg.num_experts_per_token, cfg.moe_intermediate_size,
+                   cfg.num_shared_experts, cfg.routed_expert_hidden_size, cfg.latent_moe_use_norm, cfg.rms_norm_eps,
+                   cfg.moe_router_activation_func, cfg.num_expert_group, cfg.topk_group, cfg.moe_renormalize,
+                   cfg.routed_scaling_factor, cfg.numerics.router_renorm_eps, cfg.numerics.moe_combine_fp32)
+
+    @property
+    def variant(self) -> str:
+        return "plain" if self.latent_size is None else "latent"
+
+
+def build_moe(cfg: TextConfig, act: GLUActivation, parallel: ParallelContext | None = None) -> MoE:
+    """The MoE block of a text config: ``LatentMoE`` when it names a latent width, else ``MoE``."""
+    moe = MoEConfig.from_text(cfg)
+    return (MoE if moe.variant == "plain" else LatentMoE)(moe, act, parallel)
+
+
 class MoE(nn.Module):
-    def __init__(self, cfg: TextConfig, act: GLUActivation, parallel: ParallelContext | None = None):
+    """The plain variant: routed experts on x, y = u + y_shared (spec text-backbone §3). ``LatentMoE``
+    changes ``to_latent`` (the routed experts' input) and ``from_latent`` (their sum -> the routed
+    output) and the parallel ``reduce``; the rest is shared."""
+
+    def __init__(self, cfg: MoEConfig, act: GLUActivation, parallel: ParallelContext | None = None):
         super().__init__()
         self.par = par = parallel or ParallelContext()
-        D = cfg.hidden_size
-        width = cfg.routed_expert_hidden_size or D
-        self.cfg = cfg
-        self.act = act
-        first, num_local, inter = 0, cfg.num_experts, cfg.moe_intermediate_size
+        self.cfg, self.act = cfg, act
+        first, num_local, inter = 0, cfg.num_experts, cfg.intermediate_size
         if par.enabled:
             first, num_local = par.split(cfg.num_experts, "routed experts", par.ep_size, par.ep_rank)
             _, inter = par.split(inter, "expert intermediate size", par.expert_tp_size, par.expert_tp_rank)
-        self.gate = Router(D, cfg.num_experts, with_bias=True)
-        self.experts = Experts(num_local, width, inter, first, (par.expert_tp_rank, par.expert_tp_size))
-        if cfg.routed_expert_hidden_size is not None:
-            self.routed_expert_down_proj = linear(D, width)
-            self.routed_expert_up_proj = linear(width, D)
-        if cfg.latent_moe_use_norm:
-            self.routed_expert_norm = RMSNorm(width, cfg.rms_norm_eps)
+        self.gate = Router(cfg.hidden_size, cfg.num_experts, with_bias=True)
+        self.experts = Experts(num_local, cfg.latent_size or cfg.hidden_size, inter, first,
+                               (par.expert_tp_rank, par.expert_tp_size))
+        self.shared_experts: MLP | None = None
         if cfg.num_shared_experts:
             # token-sharded modes run the shared experts on the rank's own tokens: replicated weights
-            shared_par = None if par.tokens_sharded else par
-            self.shared_experts = MLP(D, cfg.moe_intermediate_size * cfg.num_shared_experts, act, shared_par,
-                                      reduce=False)
-        self.can_slice_up = par.enabled and hasattr(self, "routed_expert_up_proj") and D % par.tp_size == 0
+            self.shared_experts = MLP(cfg.hidden_size, cfg.intermediate_size * cfg.num_shared_experts, act,
+                                      None if par.tokens_sharded else par, reduce=False)
+        self.exchange: ExpertExchange | None = make_exchange(par)     # token-sharded modes only
         self.side_stream: torch.cuda.Stream | None = None      # set by KimiForCausalLM.use_side_stream
 
+    # ---- the variant's parts (the plain variant's: identity, sum, one all-reduce) ---------------
+    def to_latent(self, x: torch.Tensor) -> torch.Tensor:
+        """The routed experts' input: x itself."""
+        return x
+
+    def from_latent(self, u: torch.Tensor, s: torch.Tensor | None) -> torch.Tensor:
+        """Complete routed sum u and shared output s -> the layer output y = u + s (§3.7)."""
+        return u if s is None else u + s
+
+    def reduce(self, u: torch.Tensor, s: torch.Tensor | None) -> torch.Tensor:
+        """This rank's partials u and s (tokens replicated) -> the replicated layer output: linear in
+        both, so sum first and reduce once."""
+        return self.par.all_reduce(u if s is None else u + s)
+
+    def output_parts(self, u: torch.Tensor, s: torch.Tensor | None) -> tuple[torch.Tensor, torch.Tensor | None]:
+        """One process: (routed, shared) apart, so the residual stream adds both in the norm that reads them."""
+        return u, s
+
+    # ---- forward --------------------------------------------------------------------------------
     def forward(self, x: torch.Tensor) -> torch.Tensor:
         y, s = self.forward_parts(x)
         return y if s is None else y + s
 
     def forward_parts(self, x: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor | None]:
-        """The layer's output as (routed, shared) when it is their plain sum (one process, no routed
-        up-projection: Kimi-Linear), so the residual stream adds both in the norm that reads them
+        """The layer's output as (routed, shared) when it is their plain sum (one process, plain
+        variant: Kimi-Linear), so the residual stream adds both in the norm that reads them
         (``ResidualStream.add``); else (output, None)."""
-        if self.par.tokens_sharded:
-            return self._forward_token_sharded(x), None
+        if self.exchange is not None:
+            return self.exchange.forward(self, x), None
         # Small batches leave the GPU half idle in each GEMV, so with a side stream two run at once:
         # the router (GEMM + top-k) beside the routed down-projection, then the shared experts
         # beside the routed experts. Same kernels and results as one stream. Memory: ``side``
@@ -177,158 +241,98 @@ class MoE(nn.Module):
             main = torch.cuda.current_stream()
             side.wait_stream(main)
         with on_side():
-            weights, ids = self._route(x)
-        z = self.routed_expert_down_proj(x) if hasattr(self, "routed_expert_down_proj") else x
+            weights, ids = self.route(x)
+        z = self.to_latent(x)
         if side is not None:
             main.wait_stream(side)
         with on_side():
-            s = self.shared_experts(x) if hasattr(self, "shared_experts") else None
-        u = self._local_experts(z, weights, ids)
+            s = self.shared(x)
+        u = self.local_experts(z, weights, ids)
         if side is not None:
             main.wait_stream(side)
         if self.par.enabled:
-            return self._tail(u, s), None
-        if hasattr(self, "routed_expert_norm") or hasattr(self, "routed_expert_up_proj"):
-            return self._finish(u, s), None
-        return u, s
+            return self.reduce(u, s), None
+        return self.output_parts(u, s)
 
-    def _route(self, x: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
-        cfg = self.cfg
-        # logits of both operands upcast, fp32 (spec §3.1)
-        return route_tokens(x, self.gate.weight, self.gate.e_score_correction_bias, cfg.num_experts_per_token,
-                            cfg.moe_router_activation_func, cfg.num_expert_group, cfg.topk_group,
-                            cfg.moe_renormalize, cfg.routed_scaling_factor, cfg.numerics.router_renorm_eps)
+    def route(self, x: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
+        """x [T, D] -> fp32 weights and expert ids [T, k] (§3.1-3.4; logits of both operands upcast)."""
+        c = self.cfg
+        return route_tokens(x, self.gate.weight, self.gate.e_score_correction_bias, c.top_k, c.router_activation,
+                            c.num_expert_group, c.topk_group, c.renormalize, c.routed_scaling_factor,
+                            c.router_renorm_eps)
 
-    def _run_experts(self, z: torch.Tensor, weights: torch.Tensor, ids: torch.Tensor) -> torch.Tensor:
+    def shared(self, x: torch.Tensor) -> torch.Tensor | None:
+        """y_shared (§3.6; this rank's partial under TP), None without shared experts."""
+        return None if self.shared_experts is None else self.shared_experts(x)
+
+    def run_experts(self, z: torch.Tensor, weights: torch.Tensor, ids: torch.Tensor) -> torch.Tensor:
         """z [T, L], weights/ids [T, k] (local expert ids) -> weighted sum [T, L] in z's dtype."""
-        cfg, e = self.cfg, self.experts
+        e, a = self.experts, self.act
         if z.shape[0] == 0:
             return z.new_zeros(z.shape)
         if e.mxfp4:
-            return fused_moe_mxfp4(z, e.packed("w1"), e.packed("w2"), e.packed("w3"), weights, ids, self.act.hidden_act,
-                                   self.act.beta, self.act.linear_beta, cfg.numerics.moe_combine_fp32, e.scale_max)
-        return fused_moe(z, e.w1, e.w2, e.w3, weights, ids, self.act.hidden_act, self.act.beta, self.act.linear_beta,
-                         cfg.numerics.moe_combine_fp32)
+            return fused_moe_mxfp4(z, e.packed("w1"), e.packed("w2"), e.packed("w3"), weights, ids, a.hidden_act,
+                                   a.beta, a.linear_beta, self.cfg.combine_fp32, e.scale_max)
+        return fused_moe(z, e.w1, e.w2, e.w3, weights, ids, a.hidden_act, a.beta, a.linear_beta,
+                         self.cfg.combine_fp32)
 
-    def _local_experts(self, z: torch.Tensor, weights: torch.Tensor, ids: torch.Tensor) -> torch.Tensor:
+    def local_experts(self, z: torch.Tensor, weights: torch.Tensor, ids: torch.Tensor) -> torch.Tensor:
         """This rank's share of the routed sum over all tokens ([T, L]; the whole sum in one process).
         Under EP only (token, slot) pairs routed to local experts run, one row per pair."""
         if self.par.ep_size == 1:
-            return self._run_experts(z, weights, ids)
+            return self.run_experts(z, weights, ids)
         local = ids - self.experts.first_expert
         tok, slot = ((local >= 0) & (local < self.experts.w1.shape[0])).nonzero(as_tuple=True)
-        out = self._run_experts(z[tok], weights[tok, slot].unsqueeze(-1), local[tok, slot].unsqueeze(-1))
-        return self._combine(z.shape[0], tok, out)
+        out = self.run_experts(z[tok], weights[tok, slot].unsqueeze(-1), local[tok, slot].unsqueeze(-1))
+        return self.combine(z.shape[0], tok, out)
 
-    def _combine(self, num_tokens: int, tok: torch.Tensor, rows: torch.Tensor) -> torch.Tensor:
+    def combine(self, num_tokens: int, tok: torch.Tensor, rows: torch.Tensor) -> torch.Tensor:
         """Sum per-pair expert rows [n, L] into their tokens -> [num_tokens, L] (fp32 sum if official)."""
-        acc = acc_dtype(rows.dtype) if self.cfg.numerics.moe_combine_fp32 else rows.dtype
+        acc = acc_dtype(rows.dtype) if self.cfg.combine_fp32 else rows.dtype
         u = torch.zeros(num_tokens, rows.shape[-1], dtype=acc, device=rows.device)
         return u.index_add_(0, tok, rows.to(acc)).to(rows.dtype)
 
-    def _finish(self, u: torch.Tensor, s: torch.Tensor | None) -> torch.Tensor:
-        """Complete latent sum u [T, L] and shared output s -> layer output [T, D]."""
-        if hasattr(self, "routed_expert_norm"):
-            u = self.routed_expert_norm(u)
-        y = self.routed_expert_up_proj(u) if hasattr(self, "routed_expert_up_proj") else u
+
+class LatentMoE(MoE):
+    """The latent variant (K3, spec text-backbone §3.5): z = x W_down^T [T, L]; the routed experts
+    act on z; y_routed = RMSNorm(u) W_up^T (the norm when ``latent_norm``); y = y_routed + y_shared."""
+
+    def __init__(self, cfg: MoEConfig, act: GLUActivation, parallel: ParallelContext | None = None):
+        super().__init__(cfg, act, parallel)
+        D, L, par = cfg.hidden_size, cfg.latent_size, self.par
+        self.routed_expert_down_proj = linear(D, L)
+        self.routed_expert_up_proj = linear(L, D)
+        self.routed_expert_norm = RMSNorm(L, cfg.rms_norm_eps) if cfg.latent_norm else None
+        self.can_slice_up = par.enabled and D % par.tp_size == 0
+
+    def to_latent(self, x: torch.Tensor) -> torch.Tensor:
+        return self.routed_expert_down_proj(x)
+
+    def norm(self, u: torch.Tensor) -> torch.Tensor:
+        return u if self.routed_expert_norm is None else self.routed_expert_norm(u)
+
+    def from_latent(self, u: torch.Tensor, s: torch.Tensor | None) -> torch.Tensor:
+        y = self.routed_expert_up_proj(self.norm(u))
         return y if s is None else y + s
 
-    def _tail(self, u: torch.Tensor, s: torch.Tensor | None) -> torch.Tensor:
-        """Partials u [T, L] and s [T, D] of this rank -> the replicated layer output [T, D]."""
+    def output_parts(self, u: torch.Tensor, s: torch.Tensor | None) -> tuple[torch.Tensor, torch.Tensor | None]:
+        return self.from_latent(u, s), None
+
+    def reduce(self, u: torch.Tensor, s: torch.Tensor | None) -> torch.Tensor:
+        """Partials u [T, L] and s [T, D] of this rank -> the replicated layer output [T, D]. The norm
+        is not linear: the latent sum is complete (reduced) before it (§3.7)."""
         par = self.par
-        if s is None or not hasattr(self, "routed_expert_up_proj"):
-            if not hasattr(self, "routed_expert_norm"):       # linear in u: sum first, reduce once
-                return par.all_reduce(u if s is None else u + s)
-            return self._finish(par.all_reduce(u), None if s is None else par.all_reduce(s))
+        if s is None:
+            return self.from_latent(par.all_reduce(u), None)
         w_up = self.routed_expert_up_proj.weight                  # [D, L], replicated
-        norm = self.routed_expert_norm if hasattr(self, "routed_expert_norm") else (lambda v: v)
         if self.can_slice_up and par.use_sliced_tail(u.shape[0]):
             # (b): rank r adds rows R_r of the up-projection into its own shared partial's columns
             # R_r; the reduce of s then sums the shared partials and stitches the routed slices.
-            n = norm(par.all_reduce(u))
+            n = self.norm(par.all_reduce(u))
             lo, width = par.split(w_up.shape[0], "hidden size")
             s[:, lo:lo + width] = torch.addmm(s[:, lo:lo + width], n, w_up[lo:lo + width].t())
             return par.all_reduce(s)
         # (a): one all-reduce over [latent | shared], then the full up-projection onto the shared sum
         L = u.shape[-1]
         buf = par.all_reduce(torch.cat([u, s], dim=-1))
-        return torch.addmm(buf[:, L:], norm(buf[:, :L]), w_up.t())
-
-    def _forward_token_sharded(self, x: torch.Tensor) -> torch.Tensor:
-        """Rank r takes tokens [r n, (r+1) n) (n = ceil(T/t)), runs router, down-projection, expert
-        exchange, latent tail and replicated shared experts on them, then all-gathers [T, D]."""
-        par = self.par
-        T = x.shape[0]
-        n = ceil_div(T, par.tp_size)
-        lo = min(par.tp_rank * n, T)
-        own = x[lo:min(lo + n, T)]
-        weights, ids = self._route(own)
-        z = self.routed_expert_down_proj(own) if hasattr(self, "routed_expert_down_proj") else own
-        if par.moe_mode == "a2a":
-            u, s = self._all_to_all_experts(own, z, weights, ids)
-        else:
-            u, s = self._gathered_experts(own, z, weights, ids, n)
-        y = self._finish(u, s)
-        if y.shape[0] < n:
-            y = torch.cat([y, y.new_zeros(n - y.shape[0], y.shape[1])])
-        return par.all_gather_rows(y)[:T]
-
-    def _shared(self, own: torch.Tensor) -> torch.Tensor | None:
-        return self.shared_experts(own) if hasattr(self, "shared_experts") else None
-
-    def _all_to_all_experts(self, own, z, weights, ids):
-        """Spec §2.2 protocol with deduplication: one latent row per (token, destination rank),
-        whatever the number of that token's experts there. Exchange row and pair counts, send the
-        rows and, per (token, expert) pair, (row within the sender's block, local expert id,
-        weight); the destination runs each pair, sums a row's pairs (fp32 when the combine is) and
-        sends one row back per (token, destination); the owner adds them per token. The shared
-        experts run while the rows travel."""
-        par = self.par
-        n, k = ids.shape
-        ranks = par.tp_size
-        per_rank = self.experts.w1.shape[0]
-        dest = ids // per_rank                                              # [n, k] destination rank
-        token = torch.arange(n, device=z.device).unsqueeze(1).expand(n, k)
-        keys, pair_row = torch.unique((token * ranks + dest).reshape(-1), return_inverse=True)
-        row_dest = keys % ranks
-        order = torch.argsort(row_dest, stable=True)                        # send buffer: rows by rank
-        position = torch.empty_like(order)
-        position[order] = torch.arange(order.numel(), device=z.device)
-        row_counts = torch.bincount(row_dest, minlength=ranks)
-        row_start = torch.cumsum(row_counts, 0) - row_counts
-        pair_dest = dest.reshape(-1)
-        # row of each pair within its destination's block (< 2**24 rows: exact in fp32 metadata)
-        local_row = position[pair_row] - row_start[pair_dest]
-        pair_order = torch.argsort(pair_dest, stable=True)
-        meta = torch.stack([local_row.to(weights.dtype), (ids.reshape(-1) % per_rank).to(weights.dtype),
-                            weights.reshape(-1)], -1)[pair_order]
-        pair_counts = torch.bincount(pair_dest, minlength=ranks)
-        recv_rows = par.exchange_counts(row_counts)
-        recv_pairs = par.exchange_counts(pair_counts)
-        send_rows = row_counts.tolist()
-        rows, rows_sent = par.all_to_all(z[(keys // ranks)[order]], send_rows, recv_rows, async_op=True)
-        recv_meta = par.all_to_all(meta, pair_counts.tolist(), recv_pairs)
-        s = self._shared(own)
-        rows_sent.wait()
-        recv_start = torch.cumsum(torch.tensor(recv_rows, device=z.device), 0) - torch.tensor(recv_rows, device=z.device)
-        source = torch.repeat_interleave(torch.arange(ranks, device=z.device),
-                                         torch.tensor(recv_pairs, device=z.device))
-        row_of_pair = recv_start[source] + recv_meta[:, 0].long()
-        out = self._run_experts(rows[row_of_pair], recv_meta[:, 2:], recv_meta[:, 1:2].long())
-        back = par.all_to_all(self._combine(rows.shape[0], row_of_pair, out), recv_rows, send_rows)
-        return self._combine(n, (keys // ranks)[order], back), s
-
-    def _gathered_experts(self, own, z, weights, ids, n):
-        """All-gather the shards' latents and routes (padded to n rows, pad ids -1), run the local
-        experts for every token, reduce-scatter the partials back to their owners."""
-        par = self.par
-        pad = n - z.shape[0]
-        if pad:
-            z = torch.cat([z, z.new_zeros(pad, z.shape[1])])
-            weights = torch.cat([weights, weights.new_zeros(pad, weights.shape[1])])
-            ids = torch.cat([ids, ids.new_full((pad, ids.shape[1]), -1)])
-        z_all = par.all_gather_rows(z)
-        w_all, ids_all = par.all_gather_rows(weights), par.all_gather_rows(ids)
-        s = self._shared(own)
-        u = par.reduce_scatter_rows(self._local_experts(z_all, w_all, ids_all))
-        return u[:own.shape[0]], s
+        return torch.addmm(buf[:, L:], self.norm(buf[:, :L]), w_up.t())

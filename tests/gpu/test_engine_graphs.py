@@ -371,13 +371,13 @@ def test_moe_side_stream_graph_matches_serial(model, monkeypatch):
     from benchmarks.gpu.bench_slice import decode_setup, step_fn
     from kimik3.model.moe import MoE
     route_streams: list = []
-    route = MoE._route
+    route = MoE.route
 
     def spying_route(self, x):
         route_streams.append(torch.cuda.current_stream())
         return route(self, x)
 
-    monkeypatch.setattr(MoE, "_route", spying_route)
+    monkeypatch.setattr(MoE, "route", spying_route)
     num_moe = sum(isinstance(m, MoE) for m in model.modules())
     assert num_moe > 0
     cache, batch, ids = decode_setup(model, 3)
