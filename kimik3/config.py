@@ -187,6 +187,7 @@ class TextConfig:
     eos_token_id: int | None = None
     pad_token_id: int | None = None
     max_position_embeddings: int | None = None   # the longest sequence the model was built for
+    num_nextn_predict_layers: int = 0      # MTP layers stored after the model's (a draft: loader/drafts.py)
     numerics: Numerics = field(default_factory=Numerics)
 
     # ---- derived schedule -------------------------------------------------------------
@@ -384,6 +385,7 @@ def parse_text_config(data: dict, source: str, *, where: str = "",
         eos_token_id=r.get("eos_token_id", int, required=False, nullable=True),
         pad_token_id=r.get("pad_token_id", int, required=False, nullable=True),
         max_position_embeddings=r.get("max_position_embeddings", int, required=False, nullable=True),
+        num_nextn_predict_layers=r.get("num_nextn_predict_layers", int, required=False, nullable=True) or 0,
         **moe_keys,
     )
     r.warn_unknown(_TEXT_INFORMATIONAL_KEYS)

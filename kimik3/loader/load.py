@@ -81,7 +81,7 @@ def load_model(path: str | Path, device: str | torch.device = "cpu", dtype: torc
     shards = model.shard_table()
     loaded: set[str] = set()
     pending: dict[str, dict[str, torch.Tensor]] = {}   # MXFP4 halves waiting for their partner
-    skipped = other_ranks = 0
+    skipped = other_ranks = mtp = 0
     bar = tqdm(total=sum(f.stat().st_size for f in files), desc=f"loading {path.name}", unit="B", unit_scale=True,
                unit_divisor=1024, disable=not progress or parallel.tp_rank != 0)
     for file in files:
@@ -89,6 +89,9 @@ def load_model(path: str | Path, device: str | torch.device = "cpu", dtype: torc
             name = _text_name(raw_name, config.architecture, config.vision is not None)
             if name is None:
                 skipped += 1
+                continue
+            if _is_mtp_layer(name, config.text):
+                mtp += 1              # a draft's (loader/drafts.py, load_mtp), as vLLM's main model skips them
                 continue
             m = _PACKED.match(name)
             e = EXPERT_WEIGHT.match(m[1] + ".weight" if m else name)
@@ -138,11 +141,23 @@ def load_model(path: str | Path, device: str | torch.device = "cpu", dtype: torc
         raise CheckpointError(f"checkpoint {path} is missing {len(missing)} tensor(s): {', '.join(missing[:5])}{more}")
     if skipped:
         logger.info("skipped %d vision/projector tensors (no vision tower: language_model_only or no vision_config)", skipped)
+    if mtp:
+        logger.info("left %d tensors of the %d MTP layer(s) to the MTP draft (--speculative-config method 'mtp')",
+                    mtp, config.text.num_nextn_predict_layers)
     if other_ranks:
         logger.info("rank %d of %d: left %d routed-expert tensors to the other expert-parallel ranks",
                     parallel.tp_rank, parallel.tp_size, other_ranks)
     model.eval()
     return model
+
+
+_LAYER = re.compile(r"^model\.layers\.(\d+)\.")
+
+
+def _is_mtp_layer(name: str, text) -> bool:
+    """A tensor of the MTP layers L .. L + n - 1 (``num_nextn_predict_layers`` n) stored after the model's L layers."""
+    m = _LAYER.match(name)
+    return bool(m) and text.num_hidden_layers <= int(m[1]) < text.num_hidden_layers + text.num_nextn_predict_layers
 
 
 def _experts_of(model: KimiForCausalLM, layer: str, name: str) -> Experts:

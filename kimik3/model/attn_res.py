@@ -65,6 +65,22 @@ class ResidualStream:
         else:
             self.partial = out if self.partial is None else self.partial + out
 
+    def state(self) -> torch.Tensor:
+        """The stream at the entry of the next layer, as a draft model reads it (Eagle3's auxiliary
+        states): the residual (the pending output added as the next norm will add it) or, with attention
+        residuals, the running block sum P including the last sub-layer output (before any block boundary
+        the next layer may open). Reads only: the stream continues unchanged."""
+        if self.pending is None:
+            return self.partial
+        out, part = self.pending
+        return self.partial + (out if part is None else out + part)
+
+    def final(self, res_norm_weight=None, res_proj_weight=None) -> torch.Tensor:
+        """h_final before the final norm (what an MTP layer reads): the residual, or the output mix."""
+        if self.block_size is None:
+            return self.state()
+        return attn_res_mix(self.blocks + [self.partial], res_norm_weight, res_proj_weight, self.eps).to(self.dtype)
+
     def output(self, norm_weight, res_norm_weight=None, res_proj_weight=None) -> torch.Tensor:
         """The final norm (``norm_weight``) of h_final: the residual, the last layer's pending add fused into
         the norm, or (AttnRes) the output mix over [b_0 .. b_last, P] with ``res_norm_weight`` and

@@ -22,6 +22,7 @@ from kimik3.model.mla import MLAAttention
 from kimik3.model.moe import MoE, build_moe
 from kimik3.model.vision import KimiVisionModel
 from kimik3.ops.linear import linear as ops_linear
+from kimik3.ops.norm import rms_norm
 
 # Parameters kept in fp32 (or wider) whatever the model dtype (spec D4, text-backbone 5.1).
 _ALWAYS_FP32 = re.compile(r"\.(A_log|dt_bias)$")
@@ -85,18 +86,29 @@ class KimiModel(nn.Module):
             self.output_attn_res_norm = RMSNorm(cfg.hidden_size, cfg.rms_norm_eps)
             self.output_attn_res_proj = linear(cfg.hidden_size, 1)
 
-    def forward(self, input_ids: torch.Tensor, batch: ForwardBatch, cache: HybridCache) -> torch.Tensor:
+    def forward(self, input_ids: torch.Tensor, batch: ForwardBatch, cache: HybridCache,
+                aux_layers: tuple[int, ...] = ()) -> torch.Tensor | tuple[torch.Tensor, list[torch.Tensor]]:
+        """-> final-normed hidden [T, D]; with ``aux_layers`` also the stream at the entry of each
+        listed layer (``ResidualStream.state``; layer id ``num_hidden_layers``: h_final before the final
+        norm), in the listed order: what a draft model reads. Nothing is kept when none is asked for."""
         h = self.embed_tokens(input_ids)
         if batch.embed_rows is not None:
             h = h.index_copy(0, batch.embed_rows, batch.embeds.to(h.dtype))
         cfg = self.cfg
         stream = ResidualStream(h, cfg.attn_res_block_size, cfg.rms_norm_eps, cfg.numerics.attn_res_fused_norm)
         plans: dict = {}            # this forward's alone: a graph capture after a warm-up run computes its own
+        taken: dict[int, torch.Tensor] = {}
         for layer in self.layers:
+            if aux_layers and layer.layer_id in aux_layers:
+                taken[layer.layer_id] = stream.state()
             layer(stream, batch, cache, plans)
-        if cfg.attn_res_block_size is None:
-            return stream.output(self.norm.weight)
-        return stream.output(self.norm.weight, self.output_attn_res_norm.weight, self.output_attn_res_proj.weight)
+        res = () if cfg.attn_res_block_size is None else (self.output_attn_res_norm.weight,
+                                                         self.output_attn_res_proj.weight)
+        if not aux_layers:
+            return stream.output(self.norm.weight, *res)
+        final = stream.final(*res)
+        taken[cfg.num_hidden_layers] = final
+        return rms_norm(final, self.norm.weight, cfg.rms_norm_eps), [taken[i] for i in aux_layers]
 
 
 class KimiForCausalLM(nn.Module):
@@ -234,11 +246,17 @@ class KimiForCausalLM(nn.Module):
                 yield name, p.data
 
     @torch.inference_mode()
-    def forward_step(self, input_ids: torch.Tensor, batch: ForwardBatch, cache: HybridCache) -> torch.Tensor:
-        """input_ids [T] -> final-normed hidden states [T, D]; advances ``cache`` in place."""
+    def forward_step(self, input_ids: torch.Tensor, batch: ForwardBatch, cache: HybridCache,
+                     aux_layers: tuple[int, ...] = ()) -> torch.Tensor | tuple[torch.Tensor, list[torch.Tensor]]:
+        """input_ids [T] -> final-normed hidden states [T, D]; advances ``cache`` in place. ``aux_layers``:
+        also return the hidden states a draft model reads (``KimiModel.forward``)."""
         if input_ids.dim() != 1 or input_ids.shape[0] != batch.num_tokens:
             raise ValueError(f"input_ids must be 1-D with {batch.num_tokens} tokens, got shape {tuple(input_ids.shape)}")
-        return self.model(input_ids, batch, cache)
+        bad = [i for i in aux_layers if not 0 <= i <= self.config.text.num_hidden_layers]
+        if bad:
+            raise ValueError(f"aux layer ids {bad} outside [0, {self.config.text.num_hidden_layers}] "
+                             f"(the model has {self.config.text.num_hidden_layers} layers)")
+        return self.model(input_ids, batch, cache, tuple(aux_layers))
 
     @torch.inference_mode()
     def compute_logits(self, hidden: torch.Tensor) -> torch.Tensor | None:

@@ -1,0 +1,315 @@
+"""Load speculative-decoding draft models in the layouts they are published in, checked against the target.
+
+* Eagle3 (``load_eagle3``): a speculators checkpoint (``config.json`` with ``speculators_model_type: "eagle3"``
+  and ``transformer_layer_config``) or EAGLE's own export (Llama keys at the top level, ``midlayer.*``).
+* MTP (``load_mtp``): the MTP layers ``model.layers.{L + j}.*`` of a K3 checkpoint (``num_nextn_predict_layers``).
+* DFlash (``load_dflash``): a speculators checkpoint with ``speculators_model_type: "dflash"``.
+
+A draft whose config or tensors do not fit the target (hidden size, vocabulary, layer ids, a tensor's shape, a
+missing or unexpected tensor) is a ``DraftError`` naming the mismatch. Tensors the draft shares with the target
+(its embedding; DFlash's full-vocabulary LM head) are taken from the target when the checkpoint has none.
+``DEFAULT_DRAFT``: the Eagle3 draft trained for the embedded default model (``scripts/train_default_draft.py``).
+"""
+
+from __future__ import annotations
+
+import json
+import re
+from pathlib import Path
+
+import torch
+from torch import nn
+
+from kimik3.loader.safetensors_files import CheckpointError, checkpoint_files, iter_slices
+from kimik3.model.dflash import DFlashConfig, DFlashDraft
+from kimik3.model.eagle3 import Eagle3Config, Eagle3Draft
+from kimik3.model.layers import MergedWeight
+from kimik3.model.mtp import MTPDraft
+from kimik3.ops import mxfp4
+
+DEFAULT_DRAFT = Path(__file__).resolve().parent.parent / "default_model" / "eagle3"
+
+
+class DraftError(CheckpointError):
+    """A draft checkpoint that is malformed or does not fit its target."""
+
+
+def _read_config(path: Path) -> dict:
+    file = path / "config.json"
+    if not file.is_file():
+        raise DraftError(f"no config.json in draft directory {path}")
+    try:
+        return json.loads(file.read_text())
+    except json.JSONDecodeError as e:
+        raise DraftError(f"{file}: not valid JSON ({e})") from None
+
+
+def _get(d: dict, key: str, kind, where: str, default=None):
+    if key not in d:
+        if default is not None:
+            return default
+        raise DraftError(f"{where}: missing '{key}'")
+    v = d[key]
+    if not isinstance(v, kind) or isinstance(v, bool) and kind is not bool:
+        raise DraftError(f"{where}: '{key}' must be {getattr(kind, '__name__', kind)}, got {v!r}")
+    return v
+
+
+def _layer_config(data: dict, where: str) -> dict:
+    """The decoder-layer keys: speculators' ``transformer_layer_config`` or, EAGLE's export, the top level."""
+    layer = data.get("transformer_layer_config", data)
+    if not isinstance(layer, dict):
+        raise DraftError(f"{where}: 'transformer_layer_config' must be an object")
+    return layer
+
+
+def _rope_theta(layer: dict, where: str) -> float:
+    params = layer.get("rope_parameters") or layer.get("rope_scaling")
+    if isinstance(params, dict) and params.get("rope_type", params.get("type", "default")) != "default":
+        raise DraftError(f"{where}: rope scaling {params.get('rope_type', params.get('type'))!r} is not supported "
+                         "(plain RoPE only)")
+    theta = layer.get("rope_theta", params.get("rope_theta") if isinstance(params, dict) else None)
+    return float(theta if theta is not None else 10000.0)
+
+
+def _check_fits(where: str, target, hidden: int, vocab: int, aux: tuple[int, ...]) -> None:
+    text = target.config.text
+    if hidden != text.hidden_size:
+        raise DraftError(f"{where}: the draft reads target states of width {hidden}, the target's hidden_size "
+                         f"is {text.hidden_size}")
+    if vocab != text.vocab_size:
+        raise DraftError(f"{where}: the draft's vocab_size {vocab} differs from the target's {text.vocab_size}")
+    bad = [i for i in aux if not 0 <= i <= text.num_hidden_layers]
+    if not aux or bad:
+        raise DraftError(f"{where}: auxiliary layer ids {list(aux)} must be non-empty and in "
+                         f"[0, {text.num_hidden_layers}] (the target has {text.num_hidden_layers} layers)")
+
+
+def _attention_dims(layer: dict, where: str) -> dict:
+    D = _get(layer, "hidden_size", int, where)
+    H = _get(layer, "num_attention_heads", int, where)
+    return dict(hidden_size=D, num_attention_heads=H,
+                num_key_value_heads=_get(layer, "num_key_value_heads", int, where, H),
+                head_dim=layer.get("head_dim") or D // H,
+                intermediate_size=_get(layer, "intermediate_size", int, where),
+                rms_norm_eps=float(layer.get("rms_norm_eps", 1e-6)), rope_theta=_rope_theta(layer, where))
+
+
+def eagle3_config(data: dict, target, where: str) -> Eagle3Config:
+    layer = _layer_config(data, where)
+    if layer.get("hidden_act", "silu") != "silu":
+        raise DraftError(f"{where}: hidden_act {layer.get('hidden_act')!r} is not supported (silu)")
+    if layer.get("num_hidden_layers", 1) != 1:
+        raise DraftError(f"{where}: an Eagle3 draft has one decoder layer, config says {layer['num_hidden_layers']}")
+    text = target.config.text
+    L = text.num_hidden_layers
+    aux = data.get("eagle_aux_hidden_state_layer_ids") or (data.get("eagle_config") or {}).get(
+        "eagle_aux_hidden_state_layer_ids") or [2, L // 2, L - 3]        # vLLM's default
+    dims = _attention_dims(layer, where)
+    vocab = _get(layer, "vocab_size", int, where)
+    target_hidden = data.get("target_hidden_size") or dims["hidden_size"]
+    _check_fits(where, target, target_hidden, vocab, tuple(aux))
+    return Eagle3Config(**dims, vocab_size=vocab, draft_vocab_size=int(data.get("draft_vocab_size") or vocab),
+                        target_hidden_size=target_hidden, aux_layer_ids=tuple(int(i) for i in aux),
+                        norm_before_residual=bool(data.get("norm_before_residual", False)))
+
+
+def dflash_config(data: dict, target, where: str) -> DFlashConfig:
+    layer = _layer_config(data, where)
+    dims = _attention_dims(layer, where)
+    vocab = _get(layer, "vocab_size", int, where)
+    aux = tuple(int(i) for i in _get(data, "aux_hidden_state_layer_ids", list, where))
+    target_hidden = data.get("target_hidden_size") or dims["hidden_size"]
+    _check_fits(where, target, target_hidden, vocab, aux)
+    if data.get("sample_from_anchor"):
+        raise DraftError(f"{where}: sample_from_anchor drafts are not supported (the anchor is the target's token)")
+    block = _get(data, "block_size", int, where)
+    if block < 2:
+        raise DraftError(f"{where}: block_size must be >= 2 (it drafts block_size - 1 tokens), got {block}")
+    mask = _get(data, "mask_token_id", int, where)
+    if not 0 <= mask < vocab:
+        raise DraftError(f"{where}: mask_token_id {mask} outside the vocabulary [0, {vocab})")
+    return DFlashConfig(**dims, num_hidden_layers=_get(layer, "num_hidden_layers", int, where), vocab_size=vocab,
+                        draft_vocab_size=int(data.get("draft_vocab_size") or vocab), target_hidden_size=target_hidden,
+                        aux_layer_ids=aux, block_size=block, mask_token_id=mask)
+
+
+def _param(root: nn.Module, name: str) -> torch.Tensor | None:
+    """The parameter/buffer (or merged-weight rows) checkpoint name ``name`` fills in ``root``."""
+    owner, _, leaf = name.rpartition(".")
+    try:
+        module = root.get_submodule(owner) if owner else root
+    except AttributeError:
+        parent, _, part = owner.rpartition(".")
+        try:
+            merged = [c for c in root.get_submodule(parent).children() if isinstance(c, MergedWeight) and part in c.parts]
+        except AttributeError:
+            return None
+        return merged[0].part(part) if merged and leaf == "weight" else None
+    t = getattr(module, leaf, None)
+    return t if isinstance(t, torch.Tensor) else None
+
+
+def _expected(root: nn.Module) -> set[str]:
+    names = set()
+    for prefix, module in root.named_modules():
+        for leaf, t in list(module.named_parameters(recurse=False)) + list(module.named_buffers(recurse=False)):
+            if isinstance(module, MergedWeight):
+                names.update(f"{prefix.rpartition('.')[0]}.{p}.weight" for p in module.parts)
+            elif hasattr(module, "load_expert") and leaf in ("w13", "w2"):
+                continue                      # routed experts: one tensor per expert, checked by the module
+            else:
+                names.add(f"{prefix}.{leaf}" if prefix else leaf)
+    return names
+
+
+def _copy(param: torch.Tensor, tensor: torch.Tensor, name: str, where: str) -> None:
+    if tuple(tensor.shape) != tuple(param.shape):
+        raise DraftError(f"{where}: tensor '{name}' has shape {tuple(tensor.shape)}, the draft expects "
+                         f"{tuple(param.shape)}")
+    param.data.copy_(tensor)
+
+
+def _load_tensors(root: nn.Module, tensors: dict[str, torch.Tensor], where: str, shared: dict[str, torch.Tensor]) -> None:
+    """Fill ``root`` from checkpoint-named ``tensors``; names in ``shared`` missing from the checkpoint are
+    copied from the target. Unexpected, mis-shaped and missing tensors are errors."""
+    expected = _expected(root)
+    for name, t in tensors.items():
+        param = _param(root, name)
+        if param is None:
+            raise DraftError(f"{where}: unexpected tensor '{name}': the draft has no such parameter")
+        _copy(param, t, name, where)
+    for name, t in shared.items():
+        if name not in tensors:
+            _copy(_param(root, name), t, name, where + " (shared from the target)")
+    missing = sorted(expected - set(tensors) - set(shared))
+    if missing:
+        raise DraftError(f"{where}: missing tensor(s) {', '.join(missing[:5])}" + (" ..." if len(missing) > 5 else ""))
+
+
+def _read_all(path: Path, rename=lambda n: n) -> dict[str, torch.Tensor]:
+    out = {}
+    for file in checkpoint_files(path):
+        for raw, read in iter_slices(file):
+            name = rename(raw)
+            if name is not None:
+                out[name] = read(None)
+    return out
+
+
+def _eagle3_name(name: str) -> str:
+    name = name[len("model."):] if name.startswith("model.") else name
+    return "layers.0." + name[len("midlayer."):] if name.startswith("midlayer.") else name
+
+
+def _check_vocab_map(model, where: str) -> None:
+    d2t = model.d2t
+    target = torch.arange(d2t.numel(), device=d2t.device) + d2t
+    if d2t.numel() and (target.min() < 0 or target.max() >= model.cfg.vocab_size):
+        raise DraftError(f"{where}: d2t maps draft ids outside the target vocabulary [0, {model.cfg.vocab_size})")
+
+
+def load_eagle3(path: str | Path, target, device=None, dtype: torch.dtype | None = None) -> Eagle3Draft:
+    path = Path(path)
+    where = f"Eagle3 draft {path}"
+    data = _read_config(path)
+    kind = data.get("speculators_model_type", "eagle3")
+    if kind != "eagle3":
+        raise DraftError(f"{where}: speculators_model_type is {kind!r}, not 'eagle3' (use method {kind!r})")
+    cfg = eagle3_config(data, target, where)
+    with torch.device("meta"):
+        model = Eagle3Draft(cfg)
+    model.to_empty(device=device or target.device)
+    tensors = _read_all(path, _eagle3_name)
+    shared = {"embed_tokens.weight": target.model.embed_tokens.weight.data}
+    if cfg.hidden_size != target.config.text.hidden_size and "embed_tokens.weight" not in tensors:
+        raise DraftError(f"{where}: no embed_tokens and the draft width {cfg.hidden_size} differs from the "
+                         f"target's {target.config.text.hidden_size}: the embedding cannot be shared")
+    if cfg.draft_vocab_size == cfg.vocab_size:      # full vocabulary: identity maps unless stored
+        model.d2t.zero_()
+        model.t2d.fill_(True)
+        shared |= {"d2t": model.d2t.clone(), "t2d": model.t2d.clone()}
+    _load_tensors(model, tensors, where, shared)
+    _check_vocab_map(model, where)
+    return model.to(dtype or target.dtype).eval()
+
+
+def load_dflash(path: str | Path, target, device=None, dtype: torch.dtype | None = None) -> DFlashDraft:
+    path = Path(path)
+    where = f"DFlash draft {path}"
+    data = _read_config(path)
+    if data.get("speculators_model_type") != "dflash":
+        raise DraftError(f"{where}: speculators_model_type is {data.get('speculators_model_type')!r}, not 'dflash'")
+    cfg = dflash_config(data, target, where)
+    with torch.device("meta"):
+        model = DFlashDraft(cfg)
+    model.to_empty(device=device or target.device)
+    tensors = _read_all(path, lambda n: n[len("model."):] if n.startswith("model.") else n)
+    tensors.pop("t2d", None)                 # the target-side mask is not needed to draft
+    shared = {"embed_tokens.weight": target.model.embed_tokens.weight.data}
+    if cfg.draft_vocab_size == cfg.vocab_size:
+        shared |= {"lm_head.weight": target.lm_head.weight.data, "d2t": torch.zeros_like(model.d2t)}
+    _load_tensors(model, tensors, where, shared)
+    _check_vocab_map(model, where)
+    return model.to(dtype or target.dtype).eval()
+
+
+_MTP_LAYER = re.compile(r"^(?:language_model\.)?model\.layers\.(\d+)\.(.*)$")
+_EXPERT = re.compile(r"^block_sparse_moe\.experts\.(\d+)\.(w[123])\.weight(_packed|_scale)?$")
+
+
+def load_mtp(path: str | Path, target, device=None, dtype: torch.dtype | None = None) -> MTPDraft:
+    """The MTP layers of the checkpoint at ``path`` (normally the target's own directory)."""
+    path = Path(path)
+    where = f"MTP layers of {path}"
+    data = _read_config(path)
+    text_data = data.get("text_config", data)
+    n = int(text_data.get("num_nextn_predict_layers") or 0)
+    if n < 1:
+        raise DraftError(f"{where}: num_nextn_predict_layers is {n}: the checkpoint has no MTP layers "
+                         "(the K3 release ships none; use an Eagle3 or DFlash draft)")
+    text = target.config.text
+    with torch.device("meta"):
+        model = MTPDraft(text, n)
+    model.to_empty(device=device or target.device)
+    L = text.num_hidden_layers
+    tensors, experts = {}, {}
+    for file in checkpoint_files(path):
+        for raw, read in iter_slices(file):
+            m = _MTP_LAYER.match(raw)
+            if not m or int(m[1]) < L:
+                continue
+            if int(m[1]) >= L + n:
+                raise DraftError(f"{where}: tensor '{raw}' belongs to layer {m[1]}, past the {n} MTP layer(s) "
+                                 f"{L}..{L + n - 1} of num_nextn_predict_layers")
+            e = _EXPERT.match(m[2])
+            if e:
+                experts.setdefault((int(m[1]), int(e[1]), e[2]), {})[e[3] or ""] = read(None)
+            else:
+                tensors[f"model.layers.{m[1]}.{m[2]}"] = read(None)
+    _load_tensors(model, tensors, where, {})
+    for (layer, expert, which), parts in experts.items():
+        w = parts.get("")
+        if w is None:
+            if set(parts) != {"_packed", "_scale"}:
+                raise DraftError(f"{where}: layer {layer} expert {expert} {which} lacks its MXFP4 packed/scale pair")
+            w = mxfp4.dequantize(parts["_packed"], parts["_scale"], torch.float32)
+        mtp_layer = model.model.layers[str(layer)]
+        if not hasattr(mtp_layer, "block_sparse_moe"):
+            raise DraftError(f"{where}: layer {layer} is dense but the checkpoint has routed experts")
+        mtp_layer.block_sparse_moe.experts.load_expert(expert, which, w.to(mtp_layer.eh_proj.weight.device),
+                                                       f"layer {layer} expert {expert} {which}")
+    expected = {(int(k), e, w) for k, layer in model.model.layers.items() if hasattr(layer, "block_sparse_moe")
+                for e in range(text.num_experts) for w in ("w1", "w2", "w3")}
+    missing = sorted(expected - set(experts))
+    if missing:
+        raise DraftError(f"{where}: missing routed expert tensors, e.g. layer {missing[0][0]} expert {missing[0][1]} "
+                         f"{missing[0][2]}")
+    model = model.to(dtype or target.dtype)
+    for name, p in model.named_parameters():        # the fp32 tensors K3 keeps wide (text-backbone 5.1)
+        if name.endswith("e_score_correction_bias"):
+            p.data = p.data.float()
+    return model.eval()
+
+
+LOADERS = {"eagle3": load_eagle3, "mtp": load_mtp, "dflash": load_dflash}
