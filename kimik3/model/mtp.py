@@ -24,7 +24,7 @@ from kimik3.config import TextConfig
 from kimik3.model.batch import ForwardBatch
 from kimik3.model.layers import MLP, Embedding, GLUActivation, RMSNorm, linear
 from kimik3.model.mla import MLAAttention
-from kimik3.model.moe import MoE
+from kimik3.model.moe import build_moe
 
 
 class SharedHead(nn.Module):
@@ -52,7 +52,7 @@ class MTPLayer(nn.Module):
                                       cfg.mla_use_output_gate, cfg.numerics.mla_latent_norm_eps)
         self.post_attention_layernorm = RMSNorm(D, eps)
         if cfg.is_moe_layer(layer_id):
-            self.block_sparse_moe = MoE(cfg, act)
+            self.block_sparse_moe = build_moe(cfg, act)
         else:
             self.mlp = MLP(D, cfg.intermediate_size, act)
         self.shared_head = SharedHead(D, cfg.vocab_size, eps)
