@@ -197,6 +197,10 @@ class ChoiceParse:
     content: list[str] = field(default_factory=list)
     tool_calls: list[dict] = field(default_factory=list)
     role_sent: bool = False
+    reasoning_tokens: int = 0        # tokens fed while the parser was in the think channel
+
+    def in_thinking(self) -> bool:
+        return self.parser is not None and self.parser.state.startswith("think")
 
     def feed(self, text: str, final: bool) -> ParseDelta:
         if self.parser is None:

@@ -110,6 +110,8 @@ class ChatFormatter(_Formatter):
         chunks = []
         for d in deltas:
             parse = self.parses[d.index]
+            if parse.in_thinking():
+                parse.reasoning_tokens += len(d.token_ids)
             pd = parse.feed(d.text, final=d.finish_reason is not None)
             calls = parse.calls_json(pd, streaming)
             lps = self._logprob_entries(d) if self.top_logprobs is not None else None

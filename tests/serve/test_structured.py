@@ -127,6 +127,24 @@ def test_chat_streamed_matches_plain_under_a_schema(real):
     assert "".join(parts) == plain and _valid(plain)
 
 
+def test_responses_text_format_is_enforced(real):
+    for seed in range(2):
+        r = real.client().responses.create(model=M, input="Answer in JSON.", max_output_tokens=300, temperature=1.0,
+                                           reasoning={"effort": "none"}, extra_body={"seed": seed},
+                                           text={"format": {"type": "json_schema", "name": "x", "schema": SCHEMA}})
+        assert r.status == "completed" and _valid(r.output_text)
+
+
+def test_responses_named_tool_choice_is_enforced(real):
+    fn = TOOLS[0]["function"]
+    flat = [{"type": "function", "name": fn["name"], "parameters": fn["parameters"]}]
+    r = real.client().responses.create(model=M, input="Weather?", max_output_tokens=300, temperature=1.0, tools=flat,
+                                       tool_choice={"type": "function", "name": "get_weather"},
+                                       reasoning={"effort": "none"})
+    (call,) = [i for i in r.output if i.type == "function_call"]
+    assert call.name == "get_weather" and _valid(call.arguments, fn["parameters"])
+
+
 def test_other_modes_on_both_routes(real):
     c = real.client()
     tok = real.state.tokenizer
