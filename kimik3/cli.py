@@ -82,6 +82,7 @@ def build_parser() -> argparse.ArgumentParser:
                    help="ranks to size the model for (default: 1)")
     i.add_argument("--expert-parallel-size", type=positive_int, default=1,
                    help="expert-parallel ranks to size the model for (default: 1)")
+    _plan_args(i)
     _log_args(i)
 
     s = sub.add_parser("serve", help="OpenAI-compatible HTTP server")
@@ -96,6 +97,27 @@ def build_parser() -> argparse.ArgumentParser:
 
 
 # ---- helpers ------------------------------------------------------------------------------
+def _plan_args(p) -> None:
+    """``kimik3 inspect``'s deployment options: the engine's flags (same names and choices) and the rates."""
+    from kimik3.sizing import GPUS, KV_CACHE_DTYPES, Rates
+
+    p.add_argument("--gpu", choices=list(GPUS), default="H200", help="the GPU to plan for (default: H200)")
+    from kimik3.engine.args import non_negative_gib
+    p.add_argument("--cpu-offload-gb", type=non_negative_gib, default=0,
+                   help="GiB of routed experts per GPU kept in pinned host memory (default: 0)")
+    p.add_argument("--kv-cache-dtype", choices=list(KV_CACHE_DTYPES), default="auto",
+                   help="MLA latent cache dtype: auto (the model dtype) or fp8 / fp8_e4m3 (default: auto)")
+    p.add_argument("--quantization", choices=["fp8"], default=None,
+                   help="fp8: projection weights in e4m3 with 128x128 block scales (default: as stored)")
+    r = Rates()
+    p.add_argument("--pcie-gbps", type=float, default=r.pcie / 1e9,
+                   help=f"pinned host-to-GPU copy rate per GPU, GB/s (default: {r.pcie / 1e9:g}, assumed)")
+    p.add_argument("--host-memory-gbps", type=float, default=r.host_memory / 1e9,
+                   help=f"host DRAM read rate of the node, GB/s (default: {r.host_memory / 1e9:g}, assumed)")
+    p.add_argument("--host-tflops", type=float, default=r.host_flops / 1e12,
+                   help=f"host matmul rate of the node, TFLOP/s (default: {r.host_flops / 1e12:g}, assumed)")
+
+
 def _engine_args(args):
     from kimik3.engine.args import EngineArgs
 
@@ -321,10 +343,18 @@ def cmd_inspect(args) -> int:
     if not path.exists():
         raise CLIError(f"model path {path} does not exist")
     print(format_summary(summarize(path)))
-    if args.tensor_parallel_size > 1 or args.expert_parallel_size > 1:
-        from kimik3.sizing import format_sizing
+    planning = (args.cpu_offload_gb, args.kv_cache_dtype, args.quantization, args.gpu) != (0, "auto", None, "H200")
+    if args.tensor_parallel_size > 1 or args.expert_parallel_size > 1 or planning:
+        from kimik3.sizing import PlanOptions, Rates, format_sizing
 
-        print(format_sizing(path, args.tensor_parallel_size, args.expert_parallel_size))
+        rates = Rates(pcie=args.pcie_gbps * 1e9, host_memory=args.host_memory_gbps * 1e9,
+                      host_flops=args.host_tflops * 1e12)
+        options = PlanOptions(args.tensor_parallel_size, args.expert_parallel_size, args.gpu, args.cpu_offload_gb,
+                              args.kv_cache_dtype, args.quantization, rates)
+        try:
+            print(format_sizing(path, args.tensor_parallel_size, args.expert_parallel_size, options))
+        except ValueError as e:
+            raise CLIError(str(e)) from None
     return 0
 
 

@@ -1,15 +1,37 @@
-"""Bytes per GPU under tensor (t) and expert (e) parallelism (spec parallelism.md §6).
+"""Bytes per GPU under tensor (t) and expert (e) parallelism (spec parallelism.md §6), and the deployment
+planner of ``kimik3 inspect``: what a layout keeps on its GPUs, what it offloads to host memory, how many
+sequences its cache holds and what decode rate the bytes predict.
 
 Each parameter is classified by how it scales: split across the TP ranks (heads, columns or rows,
 vocab), split across the EP ranks (routed experts; across TP ranks when e = 1), or replicated
 (latent MoE projections, router, MLA down-projections, KDA f_a / o_norm, norms, AttnRes vectors).
 Stored bytes follow the release dtypes (MXFP4 experts, F32 conv/A_log/dt_bias/o_norm/router bias).
+
+Options the engine takes change the bytes:
+
+* ``--quantization fp8``: every projection weight (``*_proj``, the dense and shared MLPs; bf16 routed
+  experts too, as Kimi-Linear's) becomes 1 byte an element plus one float32 scale per 128 x 128 block;
+  the embedding, LM head, router, norms, convolutions and the vision tower stay as stored.
+* ``--kv-cache-dtype fp8`` (``fp8_e4m3``): MLA latent rows in e4m3, 1 byte an element plus one float32
+  scale per token row (``kimik3.ops.fp8``); KDA states stay float32 (conv windows in the model dtype).
+* ``--cpu-offload-gb G`` (per GPU, vLLM's meaning): G GiB of each GPU's routed experts live in pinned host
+  memory; each MoE layer keeps the rest as a cache of hot experts in fixed GPU slots, and a decode step
+  copies the experts it routes to but misses over PCIe (``kimik3.model.expert_offload``).
+
+The decode estimate (``predict_decode``) is a byte count over stated rates (``Rates``, printed with every
+answer; a GPU's measured rates replace them): a step reads the weights it touches and its cache from HBM,
+copies its missed experts over PCIe, and pays a fixed time per layer. Routing is taken as uniform (each
+of a layer's E experts equally likely): a batch of B tokens then touches E (1 - (1 - k/E)^B) distinct
+experts a layer, and a cache of S of a layer's E experts serves S/E of them. Skewed (real) routing
+with the hot-expert cache misses less, so the offloaded figures are a floor.
 """
 
 from __future__ import annotations
 
+import functools
+import math
 import re
-from dataclasses import dataclass
+from dataclasses import dataclass, field
 from pathlib import Path
 
 import torch
@@ -21,11 +43,43 @@ from kimik3.model.batch import HybridCache
 H200_BYTES = SINGLE_GPUS["H200"]        # 140.4 GiB per GPU, as nvidia-smi reports
 MEMORY_FRACTION = 0.92                  # u: share of GPU memory the engine may take
 OVERHEAD_BYTES = 6 << 30                # O: CUDA context, NCCL buffers, activations, graphs (assumed)
+GIB = 1 << 30
 
 _REPLICATED = re.compile(
     r"routed_expert_(down_proj|up_proj|norm)|\.gate\.(weight|e_score_correction_bias)$|"
     r"self_attn\.(q_a_proj|kv_a_proj_with_mqa|q_a_layernorm|kv_a_layernorm|f_a_proj|o_norm)\.|"
     r"layernorm\.weight$|_res_(norm|proj)\.|^model\.norm\.|^vision\.")
+# weights ``--quantization fp8`` stores in e4m3 (with 128 x 128 block scales): the projections
+_FP8_WEIGHT = re.compile(r"^model\.layers\.\d+\..*(?<!_res)_proj(_with_mqa)?\.weight$")
+FP8_BLOCK = 128
+KV_CACHE_DTYPES = ("auto", "fp8", "fp8_e4m3")
+QUANTIZATIONS = (None, "fp8")
+
+
+@dataclass(frozen=True)
+class GPU:
+    name: str
+    memory: int             # bytes, as nvidia-smi reports
+    hbm_rate: float         # bytes/s a streaming read reaches (the copy rate our benchmarks measure)
+
+
+GPUS = {"H200": GPU("H200", SINGLE_GPUS["H200"], 4.25e12),       # bench_slice.py copy rate, H200
+        "H100": GPU("H100", SINGLE_GPUS["H100"], 3.0e12)}        # bench_slice.py copy rate, H100
+
+
+@dataclass(frozen=True)
+class Rates:
+    """The rates the decode estimate assumes (printed with it); measured ones replace them."""
+    pcie: float = 50e9                # pinned host -> GPU copy, per GPU (PCIe 5.0 x16: 64 GB/s raw)
+    host_memory: float = 400e9        # host DRAM read rate of the whole node (two sockets)
+    host_flops: float = 4e12          # host matmul rate of the whole node, for experts computed on the CPU
+    layer_overhead: float = 10e-6     # fixed seconds a layer of a decode step (launch gaps, TP all-reduces)
+    context: int = 4096               # history tokens of each sequence in a decode step
+
+    def describe(self) -> str:
+        return (f"assumed rates: PCIe {self.pcie / 1e9:.0f} GB/s per GPU (pinned copy), host memory "
+                f"{self.host_memory / 1e9:.0f} GB/s and host matmul {self.host_flops / 1e12:.0f} TFLOP/s per node, "
+                f"{self.layer_overhead * 1e6:.0f} us fixed per layer, {self.context} history tokens per sequence")
 
 
 @dataclass(frozen=True)
@@ -37,16 +91,35 @@ class Sizing:
     weights_replicated: int
     kv_bytes_per_token: int   # MLA latent, per GPU (TP replicates it)
     state_bytes_per_seq: int  # KDA conv + recurrent state, per GPU
+    gpu: GPU = GPUS["H200"]
+    offload_bytes: int = 0    # routed-expert bytes per GPU kept in host memory (--cpu-offload-gb)
+    embedding_bytes: int = 0  # of weights_sharded: the embedding table (a decode step reads B of its rows)
+
+    @property
+    def expert_ranks(self) -> int:
+        return self.ep if self.ep > 1 else self.tp
+
+    @property
+    def experts_per_gpu(self) -> float:
+        return self.weights_experts / self.expert_ranks
 
     @property
     def weights_per_gpu(self) -> float:
-        return (self.weights_sharded / self.tp + self.weights_experts / (self.ep if self.ep > 1 else self.tp)
-                + self.weights_replicated)
+        """Every weight byte of one GPU's share, offloaded experts included."""
+        return self.weights_sharded / self.tp + self.experts_per_gpu + self.weights_replicated
+
+    @property
+    def resident_per_gpu(self) -> float:
+        return self.weights_per_gpu - self.offload_bytes
+
+    @property
+    def resident_expert_fraction(self) -> float:
+        return 1.0 - self.offload_bytes / self.experts_per_gpu if self.weights_experts else 1.0
 
     @property
     def cache_budget(self) -> float:
-        """B = u * GPU memory - weights - overhead (negative: does not fit)."""
-        return MEMORY_FRACTION * H200_BYTES - self.weights_per_gpu - OVERHEAD_BYTES
+        """B = u * GPU memory - resident weights - overhead (negative: does not fit)."""
+        return MEMORY_FRACTION * self.gpu.memory - self.resident_per_gpu - OVERHEAD_BYTES
 
     @property
     def fits(self) -> bool:
@@ -69,36 +142,185 @@ def check_degrees(config: ModelConfig, tp: int, ep: int) -> None:
         raise ValueError(f"expert parallel size {ep} and tensor parallel size {tp} must nest (one divides the other)")
 
 
-def compute_sizing(config: ModelConfig, tp: int, ep: int, dtype: torch.dtype = torch.bfloat16) -> Sizing:
+def fp8_bytes(shape: tuple[int, ...]) -> int:
+    """One e4m3 byte an element plus a float32 scale per 128 x 128 block of the last two dims."""
+    *lead, n, k = shape
+    return math.prod(lead) * (n * k + 4 * math.ceil(n / FP8_BLOCK) * math.ceil(k / FP8_BLOCK))
+
+
+def latent_bytes_per_token(text_config, dtype: torch.dtype, kv_cache_dtype: str = "auto") -> int:
+    """MLA latent bytes of one token over every MLA layer: the model dtype (auto), or e4m3 with one
+    float32 scale per row (fp8, fp8_e4m3)."""
+    if kv_cache_dtype not in KV_CACHE_DTYPES:
+        raise ValueError(f"--kv-cache-dtype must be one of {list(KV_CACHE_DTYPES)}, got {kv_cache_dtype!r}")
+    if kv_cache_dtype == "auto":
+        return HybridCache.bytes_per_block(text_config, 1, dtype)
+    return len(text_config.mla_layer_ids) * (text_config.mla_cache_dim + 4)
+
+
+def compute_sizing(config: ModelConfig, tp: int, ep: int, dtype: torch.dtype = torch.bfloat16, *,
+                   gpu: str = "H200", cpu_offload_gb: float = 0, kv_cache_dtype: str = "auto",
+                   quantization: str | None = None) -> Sizing:
     check_degrees(config, tp, ep)
+    if gpu not in GPUS:
+        raise ValueError(f"--gpu must be one of {list(GPUS)}, got {gpu!r}")
+    if quantization not in QUANTIZATIONS:
+        raise ValueError(f"--quantization must be fp8 or left out, got {quantization!r}")
+    sharded, experts, replicated, embedding = weight_bytes(config, quantization)
+    t = config.text
+    ranks = ep if ep > 1 else tp
+    offload = check_offload(cpu_offload_gb, experts / ranks)
+    return Sizing(tp, ep, sharded, experts, replicated,
+                  kv_bytes_per_token=latent_bytes_per_token(t, dtype, kv_cache_dtype),
+                  state_bytes_per_seq=HybridCache.bytes_per_slot(t, dtype) // tp,
+                  gpu=GPUS[gpu], offload_bytes=offload, embedding_bytes=embedding)
+
+
+@functools.lru_cache(maxsize=8)
+def weight_bytes(config: ModelConfig, quantization: str | None) -> tuple[int, int, int, int]:
+    """(TP-split, routed-expert, replicated, embedding) stored bytes of the whole model (the embedding is
+    also counted in the TP-split bytes). Cached: K3 has 250k checkpoint tensors, a few seconds to walk."""
     mxfp4 = config.text.expert_quantization == "mxfp4"
-    sharded = experts = replicated = 0
+    sharded = experts = replicated = embedding = 0
     for name, p in meta_model(config).checkpoint_weights():
         _, nbytes = stored_bytes(name, p.numel(), mxfp4)
-        if ".experts." in name:
+        expert = ".experts." in name
+        if quantization == "fp8" and ((expert and not mxfp4) or (not expert and _FP8_WEIGHT.search(name))):
+            nbytes = fp8_bytes(tuple(p.shape))
+        if expert:
             experts += nbytes
         elif _REPLICATED.search(name):
             replicated += nbytes
         else:
             sharded += nbytes
+            embedding += nbytes if "embed_tokens" in name else 0
+    return sharded, experts, replicated, embedding
+
+
+def check_offload(cpu_offload_gb: float, experts_per_gpu: float) -> int:
+    """``--cpu-offload-gb`` in bytes, or ValueError naming the valid range (0 .. the GPU's expert bytes)."""
+    if isinstance(cpu_offload_gb, bool) or not isinstance(cpu_offload_gb, (int, float)) or not math.isfinite(cpu_offload_gb):
+        raise ValueError(f"--cpu-offload-gb must be a number of GiB, got {cpu_offload_gb!r}")
+    if cpu_offload_gb < 0:
+        raise ValueError(f"--cpu-offload-gb must be >= 0 (GiB of routed experts per GPU kept in host memory), "
+                         f"got {cpu_offload_gb}")
+    offload = int(cpu_offload_gb * GIB)
+    if offload > experts_per_gpu:
+        raise ValueError(f"--cpu-offload-gb {cpu_offload_gb} is more than the {experts_per_gpu / GIB:.1f} GiB of "
+                         f"routed experts each GPU holds; give at most that")
+    return offload
+
+
+# ---- the decode estimate -------------------------------------------------------------------------------
+def distinct_experts(num_experts: int, top_k: int, tokens: int) -> float:
+    """Expected distinct experts a batch of ``tokens`` routes to in one layer, routing uniform."""
+    return num_experts * (1.0 - (1.0 - top_k / num_experts) ** tokens) if num_experts else 0.0
+
+
+@dataclass(frozen=True)
+class DecodeEstimate:
+    batch: int
+    gpu_seconds: float          # HBM reads + fixed per-layer time
+    copy_seconds: float         # missed experts over PCIe (the engine's policy)
+    host_seconds: float         # the same misses computed on the host instead (for comparison)
+    missed_bytes: float         # per GPU per step
+
+    @property
+    def step_seconds(self) -> float:
+        return self.gpu_seconds + self.copy_seconds
+
+    @property
+    def tokens_per_second(self) -> float:
+        return self.batch / self.step_seconds
+
+
+def predict_decode(config: ModelConfig, s: Sizing, batch: int, rates: Rates = Rates()) -> DecodeEstimate:
+    """One decode step of ``batch`` sequences (``rates.context`` tokens of history each) on every GPU at once."""
     t = config.text
-    return Sizing(tp, ep, sharded, experts, replicated,
-                  kv_bytes_per_token=HybridCache.bytes_per_block(t, 1, dtype),
-                  state_bytes_per_seq=HybridCache.bytes_per_slot(t, dtype) // tp)
+    moe_layers = sum(t.is_moe_layer(i) for i in range(t.num_hidden_layers))
+    E, k = t.num_experts, t.num_experts_per_token
+    expert_bytes = s.experts_per_gpu / (moe_layers * E) if moe_layers and E else 0.0      # one expert's share
+    touched = distinct_experts(E, k, batch) * moe_layers                                  # experts a step reads
+    resident = s.resident_expert_fraction
+    other = s.weights_sharded / s.tp + s.weights_replicated - s.embedding_bytes / s.tp   # dense weights read
+    cache = batch * (rates.context * s.kv_bytes_per_token + s.state_bytes_per_seq)
+    gpu_bytes = other + touched * resident * expert_bytes + cache
+    gpu_seconds = gpu_bytes / s.gpu.hbm_rate + t.num_hidden_layers * rates.layer_overhead
+    missed = touched * (1.0 - resident) * expert_bytes
+    gpus = s.tp * max(1, s.ep // s.tp)
+    copy_rate = min(rates.pcie, rates.host_memory / gpus)          # every GPU copies at once
+    # on the host: the node reads each missed expert whole once and runs the missed (token, expert) pairs
+    pairs_missed = batch * k * moe_layers * (1.0 - resident)
+    width = t.routed_expert_hidden_size or t.hidden_size
+    host_seconds = max(missed * gpus / rates.host_memory, pairs_missed * 6 * width * t.moe_intermediate_size / rates.host_flops)
+    return DecodeEstimate(batch, gpu_seconds, missed / copy_rate, host_seconds, missed)
 
 
-def format_sizing(path: str | Path, tp: int, ep: int) -> str:
-    s = compute_sizing(load_config(path), tp, ep)
-    gib = 1 << 30
+# ---- the answer ----------------------------------------------------------------------------------------
+CONTEXTS = (4096, 131072, 1 << 20)
+BATCHES = (1, 8, 32)
+
+
+@dataclass
+class PlanOptions:
+    tp: int = 1
+    ep: int = 1
+    gpu: str = "H200"
+    cpu_offload_gb: float = 0
+    kv_cache_dtype: str = "auto"
+    quantization: str | None = None
+    rates: Rates = field(default_factory=Rates)
+
+
+def min_offload_gb(s: Sizing, headroom: float) -> float:
+    """The smallest --cpu-offload-gb that leaves ``headroom`` bytes of cache per GPU (inf: not enough experts)."""
+    need = s.resident_per_gpu + s.offload_bytes - (MEMORY_FRACTION * s.gpu.memory - OVERHEAD_BYTES - headroom)
+    if need <= 0:
+        return 0.0
+    return math.ceil(need / GIB) if need <= s.experts_per_gpu else math.inf
+
+
+def format_sizing(path: str | Path, tp: int, ep: int, options: PlanOptions | None = None) -> str:
+    o = options or PlanOptions(tp, ep)
+    config = load_config(path)
+    s = compute_sizing(config, tp, ep, gpu=o.gpu, cpu_offload_gb=o.cpu_offload_gb, kv_cache_dtype=o.kv_cache_dtype,
+                       quantization=o.quantization)
+    gpus = tp * max(1, ep // tp)
     layout = f"TP{tp}" + (f"/EP{ep}" if ep > 1 else "")
-    lines = [f"layout {layout} on H200 ({H200_BYTES / gib:.1f} GiB each, {tp * max(1, ep // tp)} GPUs):",
-             f"  weights per GPU: {s.weights_per_gpu / gib:.1f} GiB (experts {s.weights_experts / (ep if ep > 1 else tp) / gib:.1f}, "
-             f"TP-split {s.weights_sharded / tp / gib:.1f}, replicated {s.weights_replicated / gib:.1f})",
-             f"  cache per GPU: MLA latent {s.kv_bytes_per_token:,} B/token, KDA state {s.state_bytes_per_seq / (1 << 20):.1f} MiB/sequence"]
+    settings = (f"weights {'fp8 (projections) + ' if o.quantization else ''}as stored, kv cache "
+                f"{o.kv_cache_dtype}, --cpu-offload-gb {o.cpu_offload_gb:g}")
+    total = s.weights_sharded + s.weights_experts + s.weights_replicated
+    lines = [f"layout {layout} on {gpus} x {s.gpu.name} ({s.gpu.memory / GIB:.1f} GiB each, {gpus * s.gpu.memory / GIB:,.1f} "
+             f"GiB in all; the model's weights {total / GIB:,.1f} GiB; {settings}):",
+             f"  weights per GPU: {s.weights_per_gpu / GIB:.1f} GiB (experts {s.experts_per_gpu / GIB:.1f}, "
+             f"TP-split {s.weights_sharded / tp / GIB:.1f}, replicated {s.weights_replicated / GIB:.1f})"]
+    if s.offload_bytes:
+        lines.append(f"  resident per GPU: {s.resident_per_gpu / GIB:.1f} GiB, of which routed experts "
+                     f"{(s.experts_per_gpu - s.offload_bytes) / GIB:.1f} GiB ({100 * s.resident_expert_fraction:.1f}% "
+                     f"of them, the hot-expert cache); offloaded to pinned host memory {s.offload_bytes / GIB:.1f} "
+                     f"GiB per GPU, {s.offload_bytes * gpus / GIB:.1f} GiB for the node")
+    lines.append(f"  cache per GPU: MLA latent {s.kv_bytes_per_token:,} B/token, KDA state "
+                 f"{s.state_bytes_per_seq / (1 << 20):.1f} MiB/sequence")
     if s.fits:
-        lines.append(f"  fits: yes; cache budget {s.cache_budget / gib:.1f} GiB (u = {MEMORY_FRACTION}, "
-                     f"{OVERHEAD_BYTES / gib:.0f} GiB overhead) -> sequences at 32K / 128K / 1M tokens: "
-                     f"{s.sequences(32768)} / {s.sequences(131072)} / {s.sequences(1 << 20)}")
+        lines.append(f"  fits: yes; cache budget {s.cache_budget / GIB:.1f} GiB (u = {MEMORY_FRACTION}, "
+                     f"{OVERHEAD_BYTES / GIB:.0f} GiB overhead) -> sequences at 4K / 128K / 1M tokens: "
+                     + " / ".join(str(s.sequences(n)) for n in CONTEXTS))
+        lines.extend(format_decode(config, s, o.rates))
     else:
-        lines.append(f"  fits: no; {-s.cache_budget / gib:.1f} GiB short per GPU before any cache")
+        lines.append(f"  fits: no; {-s.cache_budget / GIB:.1f} GiB short per GPU before any cache")
+    room = s.state_bytes_per_seq + CONTEXTS[1] * s.kv_bytes_per_token
+    need = min_offload_gb(s, 8 * room)
+    if need and math.isfinite(need) and not s.fits:
+        lines.append(f"  fits with --cpu-offload-gb {need:g} or more (room for 8 sequences of 128K)")
     return "\n".join(lines)
+
+
+def format_decode(config: ModelConfig, s: Sizing, rates: Rates) -> list[str]:
+    lines = ["  predicted decode (uniform routing; " + rates.describe() + f"; HBM {s.gpu.hbm_rate / 1e12:.2f} TB/s):"]
+    for b in BATCHES:
+        d = predict_decode(config, s, b, rates)
+        miss = (f", experts copied in {d.missed_bytes / GIB:.2f} GiB/GPU = {1e3 * d.copy_seconds:.1f} ms "
+                f"(host compute instead: {1e3 * d.host_seconds:.1f} ms)" if d.missed_bytes else "")
+        lines.append(f"    batch {b:>2}: {d.tokens_per_second:8.1f} tok/s (step {1e3 * d.step_seconds:.1f} ms: "
+                     f"GPU {1e3 * d.gpu_seconds:.1f} ms{miss})")
+    return lines

@@ -56,3 +56,98 @@ def test_rank_cache_is_planned_with_local_kda_heads(text_only):
     dt = torch.bfloat16
     assert HybridCache.bytes_per_slot(local, dt) * 16 == HybridCache.bytes_per_slot(text_only.text, dt)
     assert HybridCache.bytes_per_block(local, 16, dt) == HybridCache.bytes_per_block(text_only.text, 16, dt)
+
+
+# ---- the deployment planner: --cpu-offload-gb, --kv-cache-dtype, --quantization, decode estimate --------
+# K3's routed expert, hand-computed: gate, up and down, each 3072 x 3584 MXFP4 (half a byte an element and
+# one scale byte per 32): 3 x 3072 x 3584 x (1/2 + 1/32) B; 896 experts in each of 92 MoE layers.
+K3_EXPERT = 3 * 3072 * 3584 * 17 // 32          # 17,547,264 B
+K3_EXPERTS = 896 * 92 * K3_EXPERT               # 1,446.5 GB = 1,347.1 GiB
+
+
+def test_fp8_bytes_and_latent_bytes_by_hand(text_only):
+    from kimik3.sizing import fp8_bytes, latent_bytes_per_token
+    assert fp8_bytes((256, 300)) == 256 * 300 + 4 * 2 * 3          # 2 x 3 blocks of 128 x 128, fp32 scales
+    assert fp8_bytes((2, 128, 128)) == 2 * (128 * 128 + 4)
+    t = text_only.text
+    import torch
+    assert latent_bytes_per_token(t, torch.bfloat16) == 24 * 576 * 2 == 27_648
+    assert latent_bytes_per_token(t, torch.bfloat16, "fp8") == 24 * (576 + 4) == 13_920   # 0.503 of bf16
+    with pytest.raises(ValueError, match="kv-cache-dtype"):
+        latent_bytes_per_token(t, torch.bfloat16, "int8")
+
+
+def test_offload_moves_expert_bytes_off_the_gpu(text_only):
+    s0 = compute_sizing(text_only, 8, 1)
+    assert s0.weights_experts == K3_EXPERTS and s0.experts_per_gpu == K3_EXPERTS / 8
+    s = compute_sizing(text_only, 8, 1, cpu_offload_gb=80)
+    assert s.weights_per_gpu == s0.weights_per_gpu                       # same model, fewer bytes resident
+    assert s.resident_per_gpu == s0.weights_per_gpu - 80 * GIB
+    assert s.resident_expert_fraction == pytest.approx(1 - 80 * GIB / (K3_EXPERTS / 8))
+    u_mem = 0.92 * (143771 << 20)                                        # H200 as nvidia-smi reports it
+    assert s.cache_budget == pytest.approx(u_mem - (s0.weights_per_gpu - 80 * GIB) - 6 * GIB)
+    assert not s0.fits and s.fits
+    h100 = compute_sizing(text_only, 8, 1, gpu="H100", cpu_offload_gb=80)
+    assert h100.cache_budget == pytest.approx(0.92 * (81559 << 20) - (s0.weights_per_gpu - 80 * GIB) - 6 * GIB)
+
+
+def test_fp8_weights_and_cache_change_the_fit(text_only):
+    s0 = compute_sizing(text_only, 8, 1)
+    q = compute_sizing(text_only, 8, 1, quantization="fp8", kv_cache_dtype="fp8")
+    assert q.weights_experts == s0.weights_experts                       # MXFP4 experts stay as stored
+    # one MLA layer's q_b_proj (18432 x 1536) alone: bf16 2 B/element -> 1 B + 144 x 12 block scales
+    assert s0.weights_sharded - q.weights_sharded > 0
+    # the dense MLP of layer 0 (3 x 33792 x 7168 bf16) is TP-split: it shrinks by (2 - 1) B/element less scales
+    mlp_saving = 3 * (2 * 33792 * 7168 - (33792 * 7168 + 4 * 264 * 56))
+    assert s0.weights_sharded - q.weights_sharded > mlp_saving
+    assert q.kv_bytes_per_token == 13_920
+    # with the cache budget B, a 128K sequence costs 131072 x 13,920 B + the KDA state share
+    s = compute_sizing(text_only, 8, 1, quantization="fp8", kv_cache_dtype="fp8", cpu_offload_gb=80)
+    per_seq = 131072 * 13_920 + s.state_bytes_per_seq
+    assert s.sequences(131072) == int(s.cache_budget // per_seq) > 0
+
+
+@pytest.mark.parametrize("bad,match", [(-1, "must be >= 0"), (169, "more than the 168.4 GiB"),
+                                       (float("nan"), "number of GiB")])
+def test_bad_offload_budgets_are_clear_errors(text_only, bad, match):
+    with pytest.raises(ValueError, match=match):
+        compute_sizing(text_only, 8, 1, cpu_offload_gb=bad)
+
+
+def test_distinct_experts_by_hand():
+    from kimik3.sizing import distinct_experts
+    assert distinct_experts(4, 2, 1) == pytest.approx(2.0)             # one token: its k experts
+    assert distinct_experts(4, 2, 2) == pytest.approx(3.0)             # 4 (1 - (1/2)^2)
+    assert distinct_experts(896, 16, 10**6) == pytest.approx(896.0)
+
+
+def test_decode_estimate_by_hand(text_only):
+    """TP8, 80 GiB offloaded, batch 1: the token touches 16 experts in each of 92 MoE layers; each GPU
+    holds 1/8 of each expert; a (1 - resident) share of them crosses PCIe at 50 GB/s."""
+    from kimik3.sizing import Rates, predict_decode
+    s = compute_sizing(text_only, 8, 1, cpu_offload_gb=80)
+    rates = Rates(pcie=50e9, host_memory=400e9, host_flops=4e12, layer_overhead=10e-6, context=4096)
+    d = predict_decode(text_only, s, 1, rates)
+    offloaded = 80 * GIB / (K3_EXPERTS / 8)
+    missed = 16 * 92 * offloaded * K3_EXPERT / 8
+    assert d.missed_bytes == pytest.approx(missed)
+    assert d.copy_seconds == pytest.approx(missed / 50e9)               # min(50, 400 / 8 GPUs) GB/s
+    dense = s.weights_sharded / 8 + s.weights_replicated - s.embedding_bytes / 8
+    gpu = (dense + 16 * 92 * (1 - offloaded) * K3_EXPERT / 8 + 4096 * 27_648 + s.state_bytes_per_seq) / 4.25e12
+    assert d.gpu_seconds == pytest.approx(gpu + 93 * 10e-6)
+    assert d.tokens_per_second == pytest.approx(1 / (gpu + 93 * 10e-6 + missed / 50e9))
+    # host compute instead: the node reads the 8 shares of each missed expert, or runs its pairs' FLOPs
+    pairs = 16 * 92 * offloaded
+    assert d.host_seconds == pytest.approx(max(missed * 8 / 400e9, pairs * 6 * 3584 * 3072 / 4e12))
+    resident = predict_decode(text_only, compute_sizing(text_only, 8, 1), 1, rates)
+    assert resident.missed_bytes == 0 and resident.copy_seconds == 0
+
+
+def test_k3_on_one_node_of_eight_h200s_with_offload_fits(text_only):
+    from kimik3.sizing import PlanOptions, format_sizing
+    out = format_sizing(RELEASE, 8, 1, PlanOptions(8, 1, "H200", 80, "fp8", "fp8"))
+    assert "fits: yes" in out and "offloaded to pinned host memory 80.0 GiB per GPU" in out
+    assert "batch 32" in out and "assumed rates: PCIe 50 GB/s" in out
+    assert "1,123.2 GiB in all" in out and "the model's weights 1,403.6 GiB" in out      # fp8 projections
+    assert "the model's weights 1,453.7 GiB" in format_sizing(RELEASE, 8, 1)
+    assert "fits with --cpu-offload-gb" in format_sizing(RELEASE, 8, 1)

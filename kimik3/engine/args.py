@@ -87,6 +87,7 @@ def positive_size(text: str) -> int:
 positive_int = number(int, lambda v: v >= 1, "a positive integer")
 non_negative_int = number(int, lambda v: v >= 0, "an integer >= 0")
 _fraction = number(float, lambda v: 0.0 < v <= 1.0, "a number in (0, 1]")
+non_negative_gib = number(float, lambda v: 0.0 <= v < float("inf"), "a number of GiB >= 0")
 
 
 def _mm_limits(text: str) -> dict[str, int]:

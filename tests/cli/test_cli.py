@@ -103,6 +103,18 @@ def test_inspect_parallel_sizing_of_the_release():
     assert r.returncode == 2 and "must divide the KDA heads" in r.stderr
 
 
+def test_inspect_plans_offload_fp8_and_rejects_bad_budgets():
+    r = run("inspect", "--model", str(RELEASE), "-tp", "8", "--cpu-offload-gb", "80", "--kv-cache-dtype", "fp8",
+            "--quantization", "fp8", "--pcie-gbps", "25")
+    assert r.returncode == 0, r.stderr
+    assert "fits: yes" in r.stdout and "offloaded to pinned host memory 80.0 GiB per GPU" in r.stdout
+    assert "PCIe 25 GB/s per GPU" in r.stdout and "batch 32" in r.stdout
+    r = run("inspect", "--model", str(RELEASE), "-tp", "8", "--cpu-offload-gb", "-1")
+    assert r.returncode == 2 and "expected a number of GiB >= 0" in r.stderr and "Traceback" not in r.stderr
+    r = run("inspect", "--model", str(RELEASE), "-tp", "8", "--cpu-offload-gb", "200")
+    assert r.returncode == 2 and "more than the 168.4 GiB of routed experts each GPU holds" in r.stderr
+
+
 def test_bench_reports_throughput_and_batching_gain():
     r = run("bench", "--arch", "kimi_linear", "--num-requests", "4", "--input-len", "4", "8", "--output-len",
             "2", "4", "--baseline-requests", "2", "--threads", "1")
