@@ -93,7 +93,25 @@ def build_parser() -> argparse.ArgumentParser:
     _log_args(b)
     from kimik3.bench import add_bench_arguments
     add_bench_arguments(b)
+    _build_kernels_parser(sub)
     return parser
+
+
+def _build_kernels_parser(sub) -> None:
+    from kimik3.kernels import LIBRARIES
+
+    k = sub.add_parser("build-kernels", help="build the optional Hopper libraries (FlashMLA decode, FlashKDA prefill) "
+                       "into kimik3's cache, where the engine finds them (needs nvcc 12.9+ and git)")
+    k.add_argument("libraries", nargs="*", metavar="LIBRARY",
+                   help=f"which to build: {', '.join(LIBRARIES)} (default: all)")
+    for name in LIBRARIES:
+        k.add_argument(f"--{name.replace('_', '-')}-source", default=None, metavar="DIR",
+                       help=f"an existing {LIBRARIES[name].repo} checkout at {LIBRARIES[name].commit[:12]} with its "
+                            "submodule (default: clone the pinned sources into the cache)")
+    k.add_argument("--cache-dir", default=None, help="where the libraries go (default: $KIMIK3_CACHE_DIR/kernels, "
+                   "else $XDG_CACHE_HOME/kimik3/kernels, else ~/.cache/kimik3/kernels)")
+    k.add_argument("--nvcc", default="nvcc", help="CUDA's compiler (default: nvcc on the PATH)")
+    _log_args(k)
 
 
 # ---- helpers ------------------------------------------------------------------------------
@@ -370,8 +388,20 @@ def cmd_bench(args) -> int:
     return bench_main(args)
 
 
+def cmd_build_kernels(args) -> int:
+    from kimik3.kernels import LIBRARIES, build
+
+    unknown = [n for n in args.libraries if n not in LIBRARIES]
+    if unknown:
+        raise CLIError(f"unknown kernel librar{'y' if len(unknown) == 1 else 'ies'} {', '.join(unknown)}; "
+                       f"known: {', '.join(LIBRARIES)}")
+    for name in args.libraries or list(LIBRARIES):
+        print(build(name, source=getattr(args, f"{name}_source"), cache=args.cache_dir, nvcc=args.nvcc))
+    return 0
+
+
 COMMANDS = {"generate": cmd_generate, "chat": cmd_chat, "inspect": cmd_inspect, "serve": cmd_serve,
-            "bench": cmd_bench}
+            "bench": cmd_bench, "build-kernels": cmd_build_kernels}
 
 
 def setup_logging(level: str) -> None:

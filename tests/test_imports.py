@@ -19,7 +19,7 @@ ROOT = Path(__file__).resolve().parents[1] / "kimik3"
 
 # Lowest first. A unit may import units of its own layer or below, never above.
 LAYERS: list[tuple[str, ...]] = [
-    ("config", "distributed"),            # config.json parsing; the collectives context the model takes
+    ("config", "distributed", "kernels"),  # config.json parsing; the collectives context; built CUDA libraries
     ("ops", "chat", "vision"),            # numerics; prompt formats (text only); image preprocessing
     ("tokenizer", "tokenizer_build"),     # the tiktoken tokenizer (renders chats through chat/)
     ("model",),
