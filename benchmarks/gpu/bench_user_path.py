@@ -13,7 +13,8 @@ default. Through ``LLM``:
 - prefill of ``PREFILL`` tokens (``max_tokens=1``), prefix caching on (the default) and off (a second ``LLM``).
 
     PYTHONPATH=. python benchmarks/gpu/bench_user_path.py [--config=PATH] [--batches=1,32,128]
-        [--no-prefill-ab] [--no-profile]          (writes $OUT/bench_user_path[_NAME].json)
+        [--no-prefill-ab] [--no-profile] [--prefill-profile]    (writes $OUT/bench_user_path[_NAME].json)
+``--prefill-profile``: the prefill's kernels (torch.profiler, by device time) with and without prefix caching.
     PYTHONPATH=. python benchmarks/gpu/bench_user_path.py --cpu-smoke    # tiny model on the CPU: the flow only
 """
 
@@ -145,9 +146,17 @@ def host_profile(llm, vocab: int, N: int, steps: int, context: int, rng: random.
     return s.getvalue()
 
 
-def prefill_time(llm, vocab: int, length: int, rng: random.Random) -> float:
+def prefill_time(llm, vocab: int, length: int, rng: random.Random, tag: str, results: dict) -> float:
     timed_generate(llm, prompts(vocab, 1, length, rng), 1)                           # warm-up at this length
-    return min(timed_generate(llm, prompts(vocab, 1, length, rng), 1) for _ in range(3))
+    best = min(timed_generate(llm, prompts(vocab, 1, length, rng), 1) for _ in range(3))
+    if "--prefill-profile" in sys.argv and torch.cuda.is_available():
+        from torch.profiler import ProfilerActivity, profile
+        with profile(activities=[ProfilerActivity.CPU, ProfilerActivity.CUDA]) as prof:
+            timed_generate(llm, prompts(vocab, 1, length, rng), 1)
+        table = prof.key_averages().table(sort_by="cuda_time_total", row_limit=18, max_name_column_width=60)
+        results[f"prefill_profile_{tag}"] = table
+        log(f"prefill {length} ({tag}) kernels:\n{table}")
+    return best
 
 
 def free(llm) -> None:
@@ -158,7 +167,7 @@ def free(llm) -> None:
         torch.cuda.empty_cache()
 
 
-FLAGS = ("--config=", "--batches=", "--no-prefill-ab", "--no-profile", "--cpu-smoke")
+FLAGS = ("--config=", "--batches=", "--no-prefill-ab", "--no-profile", "--prefill-profile", "--cpu-smoke")
 
 
 def main():
@@ -213,13 +222,13 @@ def main():
         results["host_profile"] = host_profile(llm, vocab, max(batches), steps, context, rng)
         log(results["host_profile"][:6000])
         save_results(name + ".json", results)
-    results["prefill_prefix_caching_s"] = prefill_time(llm, vocab, prefill, rng)
+    results["prefill_prefix_caching_s"] = prefill_time(llm, vocab, prefill, rng, "prefix_caching", results)
     log(f"prefill {prefill} with prefix caching: {results['prefill_prefix_caching_s'] * 1e3:.1f} ms")
     free(llm)
     save_results(name + ".json", results)
     if "--no-prefill-ab" not in sys.argv:
         llm = LLM(model=str(path), tokenizer=tok, enable_prefix_caching=False)
-        results["prefill_no_prefix_caching_s"] = prefill_time(llm, vocab, prefill, rng)
+        results["prefill_no_prefix_caching_s"] = prefill_time(llm, vocab, prefill, rng, "no_prefix_caching", results)
         log(f"prefill {prefill} without prefix caching: {results['prefill_no_prefix_caching_s'] * 1e3:.1f} ms "
             f"(with / without: {results['prefill_prefix_caching_s'] / results['prefill_no_prefix_caching_s']:.3f})")
         free(llm)
