@@ -17,6 +17,7 @@ training tokens, mapped by d2t / t2d). Output: a speculators-layout checkpoint (
 from __future__ import annotations
 
 import argparse
+import contextlib
 import json
 import logging
 import math
@@ -35,6 +36,7 @@ from kimik3.model.batch import ForwardBatch, HybridCache
 from kimik3.model.draft_attention import rope
 from kimik3.model.eagle3 import Eagle3Config, Eagle3Draft
 from kimik3.ops.activation import silu_and_mul
+from kimik3.ops.backend import reference_ops
 
 logger = logging.getLogger("train_default_draft")
 ROOT = Path(__file__).resolve().parents[1]
@@ -148,8 +150,8 @@ def main() -> None:
     ap.add_argument("--minutes", type=float, default=15.0, help="training budget (wall clock)")
     ap.add_argument("--corpus", type=Path, default=ROOT / ".corpus")
     ap.add_argument("--out", type=Path, default=DEFAULT_DRAFT)
-    ap.add_argument("--batch", type=int, default=8)
-    ap.add_argument("--seq-len", type=int, default=128)
+    ap.add_argument("--batch", type=int, default=4)
+    ap.add_argument("--seq-len", type=int, default=96)
     ap.add_argument("--ttt", type=int, default=3, help="chained steps trained (training-time test)")
     ap.add_argument("--draft-vocab", type=int, default=2048)
     ap.add_argument("--lr", type=float, default=2e-3)
@@ -187,6 +189,8 @@ def main() -> None:
     gen = torch.Generator().manual_seed(args.seed)
     t0, step, history = time.time(), 0, []
     budget = args.minutes * 60
+    ops = reference_ops() if device.type == "cuda" else contextlib.nullcontext()   # the fast kernels have no backward
+    ops.__enter__()
     while (progress := (time.time() - t0) / budget) < 1.0:
         lr = args.lr * min(1.0, progress / 0.03 + 1e-3) * (0.1 + 0.9 * 0.5 * (1 + math.cos(math.pi * progress)))
         for g in opt.param_groups:

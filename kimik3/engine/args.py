@@ -99,6 +99,47 @@ def _mm_limits(text: str) -> dict[str, int]:
     return check_mm_limits(value)
 
 
+SPEC_METHODS = ("ngram", "eagle3", "mtp", "dflash", "dspark")
+_SPEC_KEYS = {"method", "model", "num_speculative_tokens", "prompt_lookup_min", "prompt_lookup_max"}
+
+
+def _speculative_config(text: str) -> dict[str, Any]:
+    try:
+        value = json.loads(text)
+    except json.JSONDecodeError:
+        raise argparse.ArgumentTypeError(f"expected JSON such as '{{\"method\": \"eagle3\", \"model\": \"default\", "
+                                         f"\"num_speculative_tokens\": 4}}', got {text!r}") from None
+    return check_speculative_config(value)
+
+
+def check_speculative_config(value: Any) -> dict[str, Any]:
+    """vLLM's ``speculative_config``: method, model (a draft directory; "default": the default model's shipped
+    Eagle3 draft; MTP: the target's own directory when absent), num_speculative_tokens (required), and for
+    n-gram prompt_lookup_min / prompt_lookup_max. Any other key is an error naming it."""
+    if not isinstance(value, dict):
+        raise ValueError(f"speculative_config must be a JSON object, got {value!r}")
+    unknown = sorted(set(value) - _SPEC_KEYS)
+    if unknown:
+        raise ValueError(f"speculative_config: unknown key(s) {unknown}; kimik3 takes {sorted(_SPEC_KEYS)}")
+    method = value.get("method", "ngram" if "model" not in value else None)
+    if method not in SPEC_METHODS:
+        raise ValueError(f"speculative_config: method must be one of {list(SPEC_METHODS)}, got {method!r}")
+    k = value.get("num_speculative_tokens")
+    if not isinstance(k, int) or isinstance(k, bool) or k < 1:
+        raise ValueError(f"speculative_config: num_speculative_tokens must be a positive integer, got {k!r}")
+    model = value.get("model")
+    if method == "ngram" and model is not None:
+        raise ValueError("speculative_config: method 'ngram' takes no model")
+    if method in ("eagle3", "dflash", "dspark") and not isinstance(model, str):
+        hint = ', or "default" for the default model' if method == "eagle3" else ""
+        raise ValueError(f"speculative_config: method {method!r} needs 'model' (the draft's directory{hint})")
+    for key in ("prompt_lookup_min", "prompt_lookup_max"):
+        if key in value and (method != "ngram" or not isinstance(value[key], int) or value[key] < 1):
+            raise ValueError(f"speculative_config: {key} is a positive integer of method 'ngram', got {value[key]!r} "
+                             f"with method {method!r}")
+    return dict(value, method=method)
+
+
 def check_mm_limits(value: Any) -> dict[str, int]:
     if not isinstance(value, dict):
         raise ValueError(f"limit_mm_per_prompt must map 'image'/'video' to counts, got {value!r}")
@@ -181,6 +222,11 @@ class EngineArgs:
                                      default="tep", choices=["tep", "a2a", "agrs"])
     num_speculative_tokens: int = _opt("n-gram draft tokens verified per step (default: 0, off)", default=0,
                                        type=non_negative_int)
+    speculative_config: dict[str, Any] | None = _opt(
+        "speculative decoding, vLLM's JSON: '{\"method\": \"eagle3\" | \"mtp\" | \"dflash\" | \"dspark\" | \"ngram\", "
+        "\"model\": DRAFT_DIR, \"num_speculative_tokens\": K}'; \"model\": \"default\" is the Eagle3 draft shipped "
+        "with the default model (default: none; --num-speculative-tokens alone means n-gram)", default=None,
+        type=_speculative_config)
     speculative_ngram_min: int = _opt("shortest n-gram looked up for drafts (default: 2)", default=2, type=positive_int)
     speculative_ngram_max: int = _opt("longest n-gram looked up for drafts (default: 4)", default=4, type=positive_int)
     async_scheduling: bool | None = _opt(
@@ -206,6 +252,12 @@ class EngineArgs:
             self.max_model_len = human_readable_int(self.max_model_len)
         if self.limit_mm_per_prompt is not None:
             self.limit_mm_per_prompt = check_mm_limits(self.limit_mm_per_prompt)
+        if self.speculative_config is not None:
+            if isinstance(self.speculative_config, str):
+                self.speculative_config = json.loads(self.speculative_config)
+            self.speculative_config = check_speculative_config(self.speculative_config)
+            if self.num_speculative_tokens:
+                raise ValueError("give speculative_config or num_speculative_tokens (n-gram), not both")
         if self.expert_parallel_mode not in MOE_MODES:
             raise ValueError(f"expert_parallel_mode must be one of {MOE_MODES}, got {self.expert_parallel_mode!r}")
 
@@ -283,10 +335,21 @@ class EngineArgs:
                             cache_memory_bytes=self.kv_cache_memory_bytes,
                             gpu_memory_utilization=float(self.gpu_memory_utilization), seed=self.seed,
                             enforce_eager=self.resolve_enforce_eager(), max_logprobs=self.max_logprobs,
-                            num_speculative_tokens=self.num_speculative_tokens,
-                            speculative_ngram_min=self.speculative_ngram_min,
-                            speculative_ngram_max=self.speculative_ngram_max,
+                            **self.speculative_settings(),
                             async_scheduling=self.resolve_async_scheduling(device))
+
+    def speculative_settings(self) -> dict[str, Any]:
+        """The EngineConfig speculation fields from ``speculative_config`` or the n-gram flags."""
+        sc = self.speculative_config
+        if sc is None:
+            return dict(num_speculative_tokens=self.num_speculative_tokens, speculative_ngram_min=self.speculative_ngram_min,
+                        speculative_ngram_max=self.speculative_ngram_max)
+        model = sc.get("model")
+        if sc["method"] == "mtp" and model is None:
+            model = str(self.model_path())        # K3's MTP layers live in the target's checkpoint
+        return dict(num_speculative_tokens=sc["num_speculative_tokens"], speculative_method=sc["method"],
+                    speculative_model=model, speculative_ngram_min=sc.get("prompt_lookup_min", self.speculative_ngram_min),
+                    speculative_ngram_max=sc.get("prompt_lookup_max", self.speculative_ngram_max))
 
 
 def read_generation_config(path: Path, setting: str) -> dict[str, Any]:

@@ -19,7 +19,9 @@ class EngineConfig:
     seed: int = 0                           # engine RNG (requests without their own seed)
     encoder_cache_tokens: int = 16384       # image embedding rows kept by content hash (one max-size K3 image)
     enforce_eager: bool = False             # True: no CUDA graphs (decode steps run eagerly too)
-    num_speculative_tokens: int = 0         # n-gram draft tokens verified per step (0 = off; speculative.py)
+    num_speculative_tokens: int = 0         # draft tokens verified per step (0 = off; speculative.py)
+    speculative_method: str = "ngram"       # "ngram" or a draft model: "eagle3", "mtp", "dflash"/"dspark"
+    speculative_model: str | None = None    # the draft model's directory ("default": the default model's)
     speculative_ngram_min: int = 2          # shortest suffix n-gram looked up for a draft
     speculative_ngram_max: int = 4          # longest suffix n-gram looked up for a draft
     async_scheduling: bool = False          # schedule and launch decode step N + 1 before step N's tokens reach the host
@@ -37,6 +39,12 @@ class EngineConfig:
                              f"got {self.kda_checkpoint_interval!r}")
         if not isinstance(self.num_speculative_tokens, int) or self.num_speculative_tokens < 0:
             raise ValueError(f"num_speculative_tokens must be a non-negative integer, got {self.num_speculative_tokens!r}")
+        methods = ("ngram", "eagle3", "mtp", "dflash", "dspark")
+        if self.speculative_method not in methods:
+            raise ValueError(f"speculative method {self.speculative_method!r} is not one of {methods}")
+        if self.speculative_method in ("eagle3", "dflash", "dspark") and not self.speculative_model:
+            raise ValueError(f"speculative method {self.speculative_method!r} needs the draft's directory "
+                             "('model' in the speculative config)")
         if not (isinstance(self.speculative_ngram_min, int) and isinstance(self.speculative_ngram_max, int)
                 and 1 <= self.speculative_ngram_min <= self.speculative_ngram_max):
             raise ValueError(f"speculative n-gram sizes need 1 <= speculative_ngram_min <= speculative_ngram_max, "
@@ -47,3 +55,8 @@ class EngineConfig:
             raise ValueError(f"max_logprobs must be an integer >= 0, got {self.max_logprobs!r}")
         if self.cache_memory_bytes is not None and self.cache_memory_bytes <= 0:
             raise ValueError(f"cache_memory_bytes must be positive or None (auto), got {self.cache_memory_bytes!r}")
+
+    @property
+    def uses_draft_model(self) -> bool:
+        """Drafts come from a draft model (``draft_model.py``), not n-gram lookups."""
+        return self.speculative_method != "ngram" and self.num_speculative_tokens > 0

@@ -10,6 +10,7 @@ aborts there.
 
 from __future__ import annotations
 
+import dataclasses
 import logging
 import time
 
@@ -44,10 +45,13 @@ class StepError(RuntimeError):
 
 class LLMEngine:
     def __init__(self, model, config: EngineConfig | None = None, tokenizer=None,
-                 tokenizer_path: str | None = None, runner_factory=None):
+                 tokenizer_path: str | None = None, runner_factory=None, draft=None):
         """``model``: ``forward_step``, ``compute_logits``, ``allocate_cache`` and ``cache_text_config`` (this
         rank's cache sizes) as ``KimiForCausalLM`` has them. ``runner_factory``: builds the runner like
-        ``ModelRunner(model, cache, config)`` (tensor parallelism passes ``parallel_runner.ParallelRunner``)."""
+        ``ModelRunner(model, cache, config)`` (tensor parallelism passes ``parallel_runner.ParallelRunner``).
+        ``draft``: the draft model (``model/eagle3.py``, ``mtp.py``, ``dflash.py``) of a draft-model
+        ``speculative_method``; None loads it from ``speculative_model`` (MTP: the target's own directory,
+        ``tokenizer_path``, when None)."""
         self.model = model
         self.config = config = config or EngineConfig()
         self.vocab_size = model.config.text.vocab_size
@@ -56,11 +60,31 @@ class LLMEngine:
         self.cache = model.allocate_cache(self.plan.num_slots, self.plan.num_blocks, config.block_size)
         self.kv = KVCacheManager(self.plan, config.enable_prefix_caching)
         self.scheduler = Scheduler(self.kv, config)
-        self.runner = (runner_factory or ModelRunner)(model, self.cache, config)
+        drafter = None
+        if config.uses_draft_model:
+            from kimik3.engine.draft_model import ModelDrafter, load_draft
+            if draft is None:
+                draft = load_draft(config.speculative_method, config.speculative_model or tokenizer_path, model)
+            drafter = ModelDrafter(draft, config.num_speculative_tokens, self.plan.num_blocks, config.block_size,
+                                   config.max_num_seqs)
+        elif draft is not None:
+            raise ValueError("a draft model was given but speculative_method is 'ngram' (or no speculative tokens)")
+        self.drafter = drafter
+        if drafter is not None:
+            if runner_factory is not None:
+                raise ValueError("speculative draft models run in one process for now; use tensor_parallel_size 1 "
+                                 "or n-gram speculation")
+            # eager steps keep the states the draft reads (CUDA graphs of draft/verify steps: not yet)
+            self.runner = ModelRunner(model, self.cache, dataclasses.replace(config, enforce_eager=True))
+            self.runner.aux_layers = drafter.aux_layers
+        else:
+            self.runner = (runner_factory or ModelRunner)(model, self.cache, config)
         self.inputs = InputProcessor(model.config, config, self.device, tokenizer, tokenizer_path)
         self.groups: dict[str, RequestGroup] = {}
         self._aborted: list[RequestGroup] = []
         self.num_draft_tokens = self.num_accepted_tokens = 0     # speculative decoding: drafts verified / accepted
+        self.num_drafts = 0                                       # verify chunks (vLLM's spec_decode_num_drafts)
+        self.accepted_per_position: list[int] = []                # drafts accepted at draft position j
         self._in_flight = None        # async scheduling: (step on the device, its PendingOutput)
         self._error: StepError | None = None      # a step scheduled ahead failed: raised by the next step()
 
@@ -118,7 +142,8 @@ class LLMEngine:
             num_usable_blocks=self.plan.num_usable_blocks, num_free_blocks=kv.blocks.num_free,
             num_queried_tokens=kv.num_queried_tokens, num_hit_tokens=kv.num_hit_tokens,
             num_preemptions=self.scheduler.num_preemptions, num_draft_tokens=self.num_draft_tokens,
-            num_accepted_tokens=self.num_accepted_tokens, num_steps=runner.num_steps,
+            num_accepted_tokens=self.num_accepted_tokens, num_drafts=self.num_drafts,
+            accepted_per_position=tuple(self.accepted_per_position), num_steps=runner.num_steps,
             num_graph_steps=runner.num_graph_steps, num_encoded_images=runner.images.num_encoded_images,
             host_seconds=runner.host_seconds, prepare_seconds=runner.prepare_seconds,
             model_seconds=runner.model_seconds)
@@ -254,6 +279,13 @@ class LLMEngine:
                 settle_drafts(self.kv, c, len(drafts))
                 self.num_draft_tokens += len(c.draft)
                 self.num_accepted_tokens += len(drafts)
+                self.num_drafts += 1
+                if len(self.accepted_per_position) < len(c.draft):
+                    self.accepted_per_position += [0] * (len(c.draft) - len(self.accepted_per_position))
+                for j in range(len(drafts)):
+                    self.accepted_per_position[j] += 1
+                if self.drafter is not None:
+                    self.drafter.settled(c)
         if not updated:
             self.scheduler.update(out)
         draft_lps = result.accepted_logprobs or [[None] * len(d) for d in accepted]
@@ -269,6 +301,8 @@ class LLMEngine:
                     self.scheduler.finish(c.req, "abort")
                 continue
             touched[group.request_id] = group
+        if self.drafter is not None:
+            self.drafter.after_step(out, out.draft_states)
 
     def _append(self, c: ScheduledChunk, tokens: tuple[int, ...], logprobs: tuple, now: float) -> None:
         """Give a request its new tokens until one of them finishes it."""

@@ -62,6 +62,8 @@ class EngineStats:
     host_seconds: float             # batch building + sampling's host work (not the wait for the device)
     prepare_seconds: float          # batch building alone
     model_seconds: float            # the forward launches and image encoding
+    num_drafts: int = 0             # verify chunks (requests that carried drafts, counted per step)
+    accepted_per_position: tuple[int, ...] = ()   # drafts accepted at draft position 0, 1, ...
 
     @property
     def cache_usage(self) -> float:

@@ -80,6 +80,7 @@ class Request:
     draft_streak: int = 0           # speculative, watching: predictions in a row that came true
     draft_pause: int = 0            # decode steps left before this request's next n-gram lookup
     draft_limit: int = 1 << 30      # speculative: most drafts its next step carries (settle_drafts)
+    spec_proposal: list[int] = field(default_factory=list)   # a draft model's drafts for its next step (draft_model.py)
     token_bytes: bytearray = field(default_factory=bytearray)   # speculative: token_ids as int64 (token_bytes)
     # Image embeddings [N_i, D] by item, held (the runner's tensors) from the first chunk that needs an
     # item until its last pad is computed, so a request encodes or fetches each image once per prefill.

@@ -46,6 +46,8 @@ class ModelRunner:
         self.prepare_seconds = 0.0  # batch building alone
         self.model_seconds = 0.0    # the step's launch and any image encoding
         self.num_steps = self.num_graph_steps = 0
+        self.aux_layers: tuple[int, ...] = ()   # a draft model's layers: each eager step keeps their states
+        self.last_states: torch.Tensor | None = None
         self.graphs: DecodeGraphs | None = None
         if graphs:
             self.graphs = self.capture_graphs(DecodeGraphs(model, cache, config.max_num_seqs, config.max_model_len,
@@ -57,7 +59,11 @@ class ModelRunner:
 
     def run(self, input_ids: torch.Tensor, batch: ForwardBatch, rows: list[int]) -> torch.Tensor | None:
         """The eager step: one packed forward, then the logits of ``rows``."""
-        hidden = self.model.forward_step(input_ids, batch, self.cache)
+        if self.aux_layers:
+            hidden, aux = self.model.forward_step(input_ids, batch, self.cache, self.aux_layers)
+            self.last_states = torch.cat(aux, dim=-1)
+        else:
+            hidden = self.model.forward_step(input_ids, batch, self.cache)
         return self.model.compute_logits(hidden[on_device(rows, torch.int64, self.device)]) if rows else None
 
     def run_graph(self, meta: torch.Tensor, tables: torch.Tensor, rows: list[int], num_seqs: int,
@@ -108,6 +114,7 @@ class ModelRunner:
             if input_ids is not None:       # the pending chunks' first rows (a drafting chunk has more rows)
                 ids = ids.index_copy(0, on_device(step.pending_rows, torch.int64, self.device), input_ids)
             logits = self.run(ids, step.batch, step.rows)
+            out.draft_states, self.last_states = self.last_states, None
             if step.prompt_rows:      # the prompt-scoring rows come last
                 n = len(step.prompt_rows)
                 record_prompt_logprobs(step.prompt_rows, logits[-n:])

@@ -101,6 +101,8 @@ class Scheduler:
         """Async scheduling (rule 5): the decode step after ``prev`` while prev's tokens are still on
         the device, or None when it could differ from what ``schedule`` will decide once they arrive.
         A request due to draft drafts ahead (``_draft_ahead``): its chunk verifies prev's token and drafts."""
+        if self.config.uses_draft_model and any(self._may_draft(c.req) for c in prev.chunks):
+            return None                                # a draft model drafts from prev's committed tokens
         if (self.waiting or len(prev.chunks) != len(self.running)
                 or len(prev.chunks) > self.config.max_num_batched_tokens
                 or any(not c.samples or c.draft or c.req.is_finished for c in prev.chunks)):
@@ -171,8 +173,9 @@ class Scheduler:
         off, ``speculative.WATCH_HITS`` = 0, as a watching request drafts after right predictions), it samples plain
         greedy without controls and the verify's token does not end it; no request waits; no prefix
         checkpoint at the new position. Else None. The engine keeps the chunks whose drafts were all rejected.
-        (Called once the verify's input tokens are on the host.)"""
-        if self.waiting or len(verify.chunks) != len(self.running):
+        (Called once the verify's input tokens are on the host.) Never with a draft model: its drafts follow the
+        verify's committed tokens."""
+        if self.waiting or len(verify.chunks) != len(self.running) or self.config.uses_draft_model:
             return None
         out = SchedulerOutput()
         for c in verify.chunks:
@@ -204,6 +207,9 @@ class Scheduler:
         if req.draft_pause:               # after an empty lookup, or a wrong watched prediction (``_watching``)
             req.draft_pause -= 1
             return []
+        if cfg.uses_draft_model:          # the draft model's proposal from the last step (``draft_model.py``)
+            draft, req.spec_proposal = req.spec_proposal[:self._draft_room(req, budget, 0)], []
+            return draft[:req.matcher.valid_prefix(draft)] if draft and req.matcher is not None else draft
         draft = propose_ngram(req.token_ids, self._draft_room(req, budget, 0), cfg.speculative_ngram_min,
                               cfg.speculative_ngram_max, data=token_bytes(req))
         watching = self._watching(req, draft[0] if draft else None)

@@ -38,6 +38,7 @@ class SchedulerOutput:
     checkpoints: list[StateCheckpoint] = field(default_factory=list)    # seq = index into chunks
     checkpoint_hashes: list[bytes | None] = field(default_factory=list)  # block hash per checkpoint; None: speculative
     preempted: list[Request] = field(default_factory=list)
+    draft_states: object = None        # the target's states a draft model reads, [T, n * D] (runner)
 
     @property
     def num_tokens(self) -> int:

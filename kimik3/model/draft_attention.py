@@ -42,20 +42,12 @@ class DraftBatch:
 
     @staticmethod
     def build(query_lens: list[int], context_lens: list[int], block_tables: list[list[int]], block_size: int,
-              scratch: list[int] | None = None, device="cpu", causal: bool = True, write: bool = True) -> DraftBatch:
-        """From host lists. A position whose block the table lacks takes the next of ``scratch`` (blocks
-        of the draft cache past the target's, this step's alone); none given: an error naming the row."""
-        free = list(scratch or [])
-        tables, slots, positions, cu = [], [], [], [0]
-        for n, (q, c, table) in enumerate(zip(query_lens, context_lens, block_tables)):
-            table = [b for b in table if b >= 0]
-            need = -(-(c + q) // block_size)
-            while len(table) < need:
-                if not free:
-                    raise ValueError(f"draft rows of sequence {n} reach position {c + q - 1}, past its "
-                                     f"{len(table)} block(s) of {block_size}, and no scratch block is left")
-                table.append(free.pop(0))
-            tables.append(table)
+              scratch: list[list[int]] | None = None, device="cpu", causal: bool = True, write: bool = True) -> DraftBatch:
+        """From host lists. A position whose block sequence n's table lacks takes the next of ``scratch[n]``
+        (blocks of the draft cache past the target's, this step's alone); none left: an error naming the row."""
+        tables = extend_tables(query_lens, context_lens, block_tables, block_size, scratch)
+        slots, positions, cu = [], [], [0]
+        for q, c, table in zip(query_lens, context_lens, tables):
             for p in range(c, c + q):
                 positions.append(p)
                 slots.append(table[p // block_size] * block_size + p % block_size)
@@ -65,6 +57,23 @@ class DraftBatch:
         as_long = dict(dtype=torch.int64, device=device)
         return DraftBatch(torch.tensor(positions, **as_long), cu, list(context_lens), torch.tensor(padded, **as_long),
                           torch.tensor(slots, **as_long) if write else None, block_size, causal)
+
+
+def extend_tables(query_lens: list[int], context_lens: list[int], block_tables, block_size: int,
+                  scratch: list[list[int]] | None = None) -> list[list[int]]:
+    """Each sequence's blocks for positions < context + query: its table, then its scratch blocks."""
+    out = []
+    for n, (q, c, table) in enumerate(zip(query_lens, context_lens, block_tables)):
+        table = [b for b in table if b >= 0]
+        free = list(scratch[n]) if scratch else []
+        need = -(-(c + q) // block_size)
+        while len(table) < need:
+            if not free:
+                raise ValueError(f"draft rows of sequence {n} reach position {c + q - 1}, past its "
+                                 f"{len(table)} block(s) of {block_size}, and no scratch block is left")
+            table.append(free.pop(0))
+        out.append(table[:max(need, 1)])
+    return out
 
 
 def rope(x: torch.Tensor, positions: torch.Tensor, theta: float) -> torch.Tensor:

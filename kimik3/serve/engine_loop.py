@@ -383,6 +383,8 @@ class EngineLoop:
             "preemptions": float(s.num_preemptions),
             "draft_tokens": float(s.num_draft_tokens),
             "accepted_tokens": float(s.num_accepted_tokens),
+            "drafts": float(s.num_drafts),
+            "accepted_per_position": tuple(float(a) for a in s.accepted_per_position),
             "step_failures": float(self.num_step_failures),
             "time": time.monotonic(),
         }

@@ -53,6 +53,14 @@ class _EngineCollector:
         yield counter("vllm:spec_decode_num_draft_tokens", "Speculative draft tokens verified.", s["draft_tokens"])
         yield counter("vllm:spec_decode_num_accepted_tokens", "Speculative draft tokens accepted.",
                       s["accepted_tokens"])
+        yield counter("vllm:spec_decode_num_drafts", "Speculative verify chunks (one per request and step with "
+                      "drafts).", s.get("drafts", 0.0))
+        per_pos = CounterMetricFamily("vllm:spec_decode_num_accepted_tokens_per_pos",
+                                      "Speculative draft tokens accepted at each draft position.",
+                                      labels=labels + ["position"])
+        for j, n in enumerate(s.get("accepted_per_position", ())):
+            per_pos.add_metric([self.model_name, str(j)], n)
+        yield per_pos
         yield counter("kimik3:engine_step_failures", "Engine steps that raised.", s["step_failures"])
 
 

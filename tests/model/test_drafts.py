@@ -97,7 +97,7 @@ def test_eagle3_forward_matches_float64_reference_in_chunks(norm_before_residual
     table = [5, 2, 7]                       # blocks out of order; rows past them go to a scratch block
     outs = []
     for a, b in ((0, 6), (6, 7), (7, 11)):
-        batch = DraftBatch.build([b - a], [a], [table[:2]], bs, scratch=[6])
+        batch = DraftBatch.build([b - a], [a], [table[:2]], bs, scratch=[[6]])
         outs.append(m(ids[a:b], feat[a:b], batch, cache))
     logits, r = torch.cat([o[0] for o in outs]), torch.cat([o[1] for o in outs])
     assert rel_err(logits, ref_logits) < 1e-12 and rel_err(r, ref_r) < 1e-12
@@ -146,7 +146,7 @@ def test_dflash_block_matches_float64_reference():
     for a, b in ((0, 5), (5, 7)):                 # the context arrives in two target steps
         ctx = DraftBatch.build([b - a], [a], [table], bs)
         m.write_context([x[a:b] for x in aux], ctx.positions, ctx.slot_mapping, caches)
-    block = DraftBatch.build([B], [P], [table], bs, scratch=[4], causal=False, write=False)
+    block = DraftBatch.build([B], [P], [table], bs, scratch=[[4]], causal=False, write=False)
     out = m(anchor, block, caches)[0]
     # reference: context c, block x; every block row sees all context and all block rows
     c = norm(torch.cat(aux, -1) @ m.fc.weight.T, m.hidden_norm.weight, cfg.rms_norm_eps)
