@@ -189,6 +189,10 @@ class TextConfig:
     max_position_embeddings: int | None = None   # the longest sequence the model was built for
     num_nextn_predict_layers: int = 0      # MTP layers stored after the model's (a draft: loader/drafts.py)
     numerics: Numerics = field(default_factory=Numerics)
+    # Ranks the MLA latent cache's token positions are striped over (decode context parallelism): set by the
+    # model in the config that sizes one rank's cache (``KimiForCausalLM.cache_text_config``), never read
+    # from config.json. Each rank then holds 1/stripes of every cache block.
+    mla_cache_stripes: int = 1
 
     # ---- derived schedule -------------------------------------------------------------
     def is_kda_layer(self, i: int) -> bool:

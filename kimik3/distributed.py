@@ -4,7 +4,8 @@ the single-process code path: no collective is ever issued. This module sits bel
 imports only torch); starting the processes of a group is ``kimik3.parallel``'s job.
 
 Layout (no PP/DP yet): the world is one TP group of t ranks; expert parallelism reuses it with
-degree e | t. Experts are cut into e contiguous slices (rank r owns slice r // (t/e)), and each
+degree e | t; decode context parallelism (DCP, spec §4.4) stripes the MLA latent cache's token
+positions over groups of c | t consecutive TP ranks (``dcp_size``, ``dcp_group``). Experts are cut into e contiguous slices (rank r owns slice r // (t/e)), and each
 slice's intermediate is split over the t/e ranks that share it (e = 1: TP-split experts; e = t:
 whole experts, "TEP"). Token-sharded MoE modes ("a2a", "agrs") need e = t.
 """
@@ -44,6 +45,8 @@ class ParallelContext:
     moe_tail: str = "auto"
     sliced_tail_min_tokens: int = SLICED_TAIL_MIN_TOKENS
     trace: list | None = field(default=None, repr=False)   # (op, bytes) of each collective, when a list
+    dcp_size: int = 1                  # decode context parallel degree c (c | t): latent positions striped c ways
+    dcp_group: object = None           # torch.distributed group of this rank's c DCP ranks (None: the TP group)
 
     def __post_init__(self) -> None:
         if not 0 <= self.tp_rank < self.tp_size:
@@ -57,6 +60,9 @@ class ParallelContext:
             raise ValueError(f"moe_mode {self.moe_mode!r} shards tokens over the EP ranks and needs expert "
                              f"parallel size = tensor parallel size (--enable-expert-parallel), got {self.ep_size} "
                              f"and {self.tp_size}")
+        if not isinstance(self.dcp_size, int) or self.dcp_size < 1 or self.tp_size % self.dcp_size:
+            raise ValueError(f"decode context parallel size {self.dcp_size} must divide the tensor parallel size "
+                             f"{self.tp_size} (the latent cache is striped over TP ranks)")
         if self.moe_tail not in MOE_TAILS:
             raise ValueError(f"moe_tail must be one of {MOE_TAILS}, got {self.moe_tail!r}")
 
@@ -77,6 +83,11 @@ class ParallelContext:
     @property
     def expert_tp_rank(self) -> int:
         return self.tp_rank % self.expert_tp_size
+
+    @property
+    def dcp_rank(self) -> int:
+        """This rank's stripe of the latent cache: it holds the token positions p with p % dcp_size == dcp_rank."""
+        return self.tp_rank % self.dcp_size
 
     @property
     def tokens_sharded(self) -> bool:
@@ -146,11 +157,56 @@ class ParallelContext:
                                       async_op=async_op)
         return (out, work) if async_op else out
 
+    # ---- decode context parallelism (spec §4.4) -------------------------------------------------
+    def _dcp(self):
+        return self.dcp_group if self.dcp_group is not None or self.dcp_size == self.tp_size else _missing_dcp_group()
+
+    def dcp_gather_heads(self, x: torch.Tensor) -> torch.Tensor:
+        """[T, h, D] (this rank's heads) -> [T, c*h, D]: the heads of the c DCP ranks, in rank order."""
+        if self.dcp_size == 1:
+            return x
+        self._log("dcp_all_gather", x)
+        out = x.new_empty((self.dcp_size * x.shape[1], x.shape[0], *x.shape[2:]))
+        _ALL_GATHER(out, x.transpose(0, 1).contiguous(), group=self._dcp())
+        return out.transpose(0, 1)
+
+    def dcp_scatter_heads(self, x: torch.Tensor) -> torch.Tensor:
+        """[T, c*h, D] partials of every DCP rank's heads -> [c, T, h, D]: the partials of this rank's
+        heads from each of the c ranks (one all-to-all)."""
+        c = self.dcp_size
+        if c == 1:
+            return x.unsqueeze(0)
+        T, ch = x.shape[:2]
+        send = x.reshape(T, c, ch // c, *x.shape[2:]).transpose(0, 1).contiguous()      # [c (dest), T, h, D]
+        self._log("dcp_all_to_all", send)
+        out = torch.empty_like(send)
+        dist.all_to_all_single(out, send, group=self._dcp())
+        return out
+
     def exchange_counts(self, send_counts: torch.Tensor) -> list[int]:
         """Each rank's int64 count per destination -> the counts this rank receives from each."""
         recv = torch.empty_like(send_counts)
         dist.all_to_all_single(recv, send_counts, group=self.group)
         return recv.tolist()
+
+
+def _missing_dcp_group():
+    raise RuntimeError("decode context parallel size < tensor parallel size needs its DCP group: build the "
+                       "context with make_dcp_group")
+
+
+def make_dcp_group(tp_ranks: list[int], dcp_size: int, rank: int):
+    """The group of ``rank``'s c consecutive TP ranks (spec §4.4), None when c is 1 or the whole TP group.
+    Every rank of the world calls it with the same arguments (``new_group`` is collective)."""
+    if dcp_size in (1, len(tp_ranks)):
+        return None
+    mine = None
+    for g in range(0, len(tp_ranks), dcp_size):
+        ranks = tp_ranks[g:g + dcp_size]
+        group = dist.new_group(ranks)
+        if rank in ranks:
+            mine = group
+    return mine
 
 
 # torch 2.13 renamed the tensor collectives (the old names warn); the GPU machines run 2.11

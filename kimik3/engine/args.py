@@ -220,6 +220,11 @@ class EngineArgs:
     expert_parallel_mode: str = _opt("with expert parallelism: tokens replicated (tep), or token-sharded MoE with "
                                      "all-to-all (a2a) or all-gather/reduce-scatter (agrs) (default: tep)",
                                      default="tep", choices=["tep", "a2a", "agrs"])
+    decode_context_parallel_size: int = _opt(
+        "decode context parallelism: the MLA latent cache's token positions striped over this many tensor-parallel "
+        "ranks (position p on rank p mod N of its group), each attending over its stripe, the partials merged by "
+        "their log-sum-exps: N times the context per rank; must divide --tensor-parallel-size and "
+        "--block-size (default: 1, off)", default=1, type=positive_size, aliases=("-dcp",))
     num_speculative_tokens: int = _opt("n-gram draft tokens verified per step (default: 0, off)", default=0,
                                        type=non_negative_int)
     speculative_config: dict[str, Any] | None = _opt(
@@ -258,6 +263,10 @@ class EngineArgs:
             self.speculative_config = check_speculative_config(self.speculative_config)
             if self.num_speculative_tokens:
                 raise ValueError("give speculative_config or num_speculative_tokens (n-gram), not both")
+        if self.tensor_parallel_size % self.decode_context_parallel_size:
+            raise ValueError(f"decode_context_parallel_size {self.decode_context_parallel_size} must divide "
+                             f"tensor_parallel_size {self.tensor_parallel_size} (the latent cache is striped over "
+                             f"tensor-parallel ranks)")
         if self.expert_parallel_mode not in MOE_MODES:
             raise ValueError(f"expert_parallel_mode must be one of {MOE_MODES}, got {self.expert_parallel_mode!r}")
 

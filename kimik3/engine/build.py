@@ -31,14 +31,13 @@ def build_engine(args: EngineArgs, tokenizer=None):
     args.generation_defaults(path)          # a bad generation config fails before the load
     logger.info("loading %s (%s on %s)", path, str(dtype).removeprefix("torch."), device)
     if args.tensor_parallel_size > 1 or args.enable_expert_parallel:
-        if args.language_model_only:
-            raise ValueError("language_model_only is not supported with tensor or expert parallelism yet; "
-                             "leave it off (images are then accepted)")
         from kimik3.engine.parallel_runner import ParallelRunner
         from kimik3.parallel.launch import ParallelConfig, start_group
         layout = ParallelConfig(args.tensor_parallel_size, args.enable_expert_parallel,
-                                args.expert_parallel_mode if args.enable_expert_parallel else "tep")
-        model, group = start_group(str(path), layout, dtype, device.type)   # ranks > 0 never return
+                                args.expert_parallel_mode if args.enable_expert_parallel else "tep",
+                                decode_context_parallel_size=args.decode_context_parallel_size)
+        model, group = start_group(str(path), layout, dtype, device.type,     # ranks > 0 never return
+                                   language_model_only=args.language_model_only)
         engine = LLMEngine(model, config, tokenizer=tokenizer, tokenizer_path=str(path),
                            runner_factory=functools.partial(ParallelRunner, control=group.control,
                                                             on_failure=group.fail))

@@ -55,6 +55,9 @@ class ImageEncoder:
         self.encode = encode            # the tower's per-patch part (``EncoderGraphs.encode``), None: eager
         self.device = torch.device(model.device)
         self.cache = EncoderCache(max_tokens)
+        # items' pixels (host, one tensor each) and grids -> their embeddings, in order; the parallel runner
+        # replaces it with the ranks' shared encode (``kimik3.parallel.encoder_dp``)
+        self.encode_items = self._encode_here
         self.num_encoded_images = 0     # images run through the vision tower (cache misses)
         self.seconds = 0.0              # time in the vision tower
 
@@ -92,9 +95,8 @@ class ImageEncoder:
             return
         t0 = time.perf_counter()
         items = list(missing.values())
-        pixels = torch.cat([req.mm.pixels(i) for req, i in items])
         grids = torch.stack([req.mm.grid_thws[i] for req, i in items])
-        encoded = self.model.encode_images(pixels.to(self.device), grids, self.encode)
+        encoded = self.encode_items([req.mm.pixels(i) for req, i in items], grids)
         sizes = [req.mm.row_offsets[i + 1] - req.mm.row_offsets[i] for req, i in items]
         by_hash = dict(zip(missing, encoded.split(sizes)))
         for h, embeds in by_hash.items():
@@ -103,6 +105,9 @@ class ImageEncoder:
             req.image_embeds.setdefault(i, by_hash.get(req.mm.hashes[i]))
         self.num_encoded_images += len(items)
         self.seconds += time.perf_counter() - t0
+
+    def _encode_here(self, pixels: list[torch.Tensor], grids: torch.Tensor) -> torch.Tensor:
+        return self.model.encode_images(torch.cat(pixels).to(self.device), grids, self.encode)
 
     @staticmethod
     def release(chunks) -> None:

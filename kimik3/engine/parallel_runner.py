@@ -1,5 +1,5 @@
 """Rank 0's runner under tensor/expert parallelism: the plain ``ModelRunner`` plus one broadcast
-of each step before its forward or graph replay (the workers' side and the step protocol:
+of each step before its forward or graph replay, and the images encoded by all ranks (the workers' side and the step protocol:
 ``kimik3.parallel.worker``)."""
 
 from __future__ import annotations
@@ -12,6 +12,7 @@ from kimik3.engine.config import EngineConfig
 from kimik3.engine.runner import ModelRunner
 from kimik3.model.batch import ForwardBatch
 from kimik3.model.cuda_graphs import DecodeGraphs, capture_or_none
+from kimik3.parallel.encoder_dp import EncodeImages, encode_share
 from kimik3.parallel.worker import CaptureGraphs, agree, broadcast, send_geometry, send_graph_step, send_step
 
 logger = logging.getLogger(__name__)
@@ -29,6 +30,13 @@ class ParallelRunner(ModelRunner):
         self._ids_on_device = False
         send_geometry(cache, control)              # before the base class captures graphs (with the workers)
         super().__init__(model, cache, config)
+        self.images.encode_items = self.encode_images
+
+    def encode_images(self, pixels: list[torch.Tensor], grids: torch.Tensor) -> torch.Tensor:
+        """Encoder data parallelism: every rank encodes its share of the step's new images, one all-gather
+        (``kimik3.parallel.encoder_dp``)."""
+        broadcast(EncodeImages([p.cpu() for p in pixels], grids.cpu()), self.control)
+        return encode_share(self.model, pixels, grids, self.images.encode)
 
     def capture_graphs(self, graphs: DecodeGraphs) -> DecodeGraphs | None:
         """Every rank captures at once (the graphs hold the step's collectives); all keep them only

@@ -140,7 +140,10 @@ class HybridCache:
     kda_conv[l]  [num_slots, 3*P, W-1]  last W-1 raw (pre-conv) q|k|v projections, oldest first
     kda_state[l] [num_slots, H, V, K]   fp32 recurrent state (fp64 for a float64 model), V-first
                                         (fla ``state_v_first=True``)
-    mla_latent[l] [num_blocks, block_size, D_c]  normalised c_kv (kv_lora_rank) | k_pe (rope dim)
+    mla_latent[l] [num_blocks, block_size / c, D_c]  normalised c_kv (kv_lora_rank) | k_pe (rope dim); under
+                                        decode context parallelism (c = ``mla_cache_stripes`` ranks) this rank's
+                                        positions p % c == its DCP rank of each block, at row (p % block_size) // c
+    ``block_size`` is the engine's (positions per block table entry), whatever the stripes.
     """
 
     kda_conv: torch.Tensor
@@ -158,7 +161,12 @@ class HybridCache:
                            dtype=dtype, device=device)
         state = torch.zeros(len(kda), num_slots, k.num_heads, k.head_dim, k.head_dim,
                             dtype=torch.promote_types(dtype, torch.float32), device=device)
-        latent = torch.zeros(len(mla), num_blocks, block_size, text_cfg.mla_cache_dim, dtype=dtype, device=device)
+        stripes = text_cfg.mla_cache_stripes
+        if block_size % stripes:
+            raise ValueError(f"block size {block_size} must be a multiple of the decode context parallel size "
+                             f"{stripes} (each rank holds block_size / {stripes} positions of every block)")
+        latent = torch.zeros(len(mla), num_blocks, block_size // stripes, text_cfg.mla_cache_dim, dtype=dtype,
+                             device=device)
         index = {lid: i for i, lid in enumerate(kda)} | {lid: i for i, lid in enumerate(mla)}
         return HybridCache(conv, state, latent, block_size, index)
 
@@ -188,4 +196,5 @@ class HybridCache:
 
     @staticmethod
     def bytes_per_block(text_cfg, block_size: int, dtype: torch.dtype) -> int:
-        return len(text_cfg.mla_layer_ids) * block_size * text_cfg.mla_cache_dim * torch.finfo(dtype).bits // 8
+        per_rank = block_size // text_cfg.mla_cache_stripes       # decode context parallelism: this rank's stripe
+        return len(text_cfg.mla_layer_ids) * per_rank * text_cfg.mla_cache_dim * torch.finfo(dtype).bits // 8

@@ -268,16 +268,19 @@ class KimiForCausalLM(nn.Module):
 
     @property
     def cache_text_config(self) -> TextConfig:
-        """The text config that sizes this rank's cache: its local KDA heads (the MLA latent is
-        replicated, so whole). Used for both memory planning and allocation."""
+        """The text config that sizes this rank's cache: its local KDA heads; the MLA latent is
+        replicated, so whole, or striped over the decode context parallel ranks (``mla_cache_stripes``).
+        Used for both memory planning and allocation."""
         text = self.config.text
         if self.parallel.enabled:
             text = dataclasses.replace(text, kda=dataclasses.replace(text.kda, num_heads=text.kda.num_heads
-                                                                    // self.parallel.tp_size))
+                                                                    // self.parallel.tp_size),
+                                       mla_cache_stripes=self.parallel.dcp_size)
         return text
 
     def allocate_cache(self, num_slots: int, num_blocks: int, block_size: int) -> HybridCache:
-        """The cache of this rank: KDA state of its local heads, the whole (replicated) MLA latent."""
+        """The cache of this rank: KDA state of its local heads, the whole (replicated) MLA latent, or its
+        stripe under decode context parallelism (``block_size``: the engine's, positions per block)."""
         return HybridCache.allocate(self.cache_text_config, num_slots, num_blocks, block_size, self.dtype, self.device)
 
     @torch.inference_mode()

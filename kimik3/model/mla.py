@@ -6,19 +6,22 @@ Kimi-Linear: plain q_proj, no output gate. Neither applies any rotary embedding.
 
 from __future__ import annotations
 
+from dataclasses import dataclass
+
 import torch
 from torch import nn
 
 from kimik3.distributed import ParallelContext
 from kimik3.model.batch import ForwardBatch
 from kimik3.model.layers import MergedLinear, RMSNorm, linear, tp_shards
-from kimik3.ops.mla import cache_latent, mla_decode_attention, mla_prefill_attention
+from kimik3.ops.mla import cache_latent, merge_attention, mla_decode_attention, mla_prefill_attention
 
 
 class MLAAttention(nn.Module):
     """Under TP (spec parallelism §1.5) the module holds H/t heads: q_b (or q_proj), kv_b, g split
     by heads, o_proj row-parallel (partial all-reduced); q_a, kv_a and their norms replicated, so
-    every rank computes and caches the same latent (the latent cache is replicated per rank)."""
+    every rank computes and caches the same latent (the latent cache is replicated per rank), or, under
+    decode context parallelism, each rank of a DCP group caches its stripe of the positions."""
 
     def __init__(self, hidden_size: int, num_heads: int, q_lora_rank: int | None, kv_lora_rank: int,
                  qk_nope_head_dim: int, qk_rope_head_dim: int, v_head_dim: int,
@@ -53,6 +56,22 @@ class MLAAttention(nn.Module):
         if hasattr(self, "q_b_proj"):
             q = self.q_b_proj(self.q_a_layernorm(q))
         q = q.view(T, H, self.d_nope + self.d_rope)
+        if self.par.dcp_size > 1:
+            o = self._context_parallel(q, c, batch, cache, plans)
+        else:
+            o = self._attend(q, c, batch, cache, plans)
+        o = o.reshape(T, H * self.d_v)
+        if gate:
+            o = o * torch.sigmoid(gate[0])
+        return self.par.all_reduce(self.o_proj(o))
+
+    def _absorbed(self) -> tuple[torch.Tensor, torch.Tensor]:
+        w = self.kv_b_proj.weight.view(self.num_heads, self.d_nope + self.d_v, self.kv_lora_rank)
+        return w[:, :self.d_nope], w[:, self.d_nope:]                       # W_UK, W_UV [H, d_nope|d_v, r]
+
+    def _attend(self, q, c, batch: ForwardBatch, cache: torch.Tensor, plans: dict | None) -> torch.Tensor:
+        """Attention of q [T, H, d_qk] over the whole latent cache (written first) -> [T, H, d_v]."""
+        H = self.num_heads
         cache_latent(c, self.kv_a_layernorm.weight, self.kv_a_layernorm.eps, cache, batch.slot_mapping)   # [norm(c_kv) | k_pe]
         if batch.is_decode or batch.row_state_slots is not None:
             # decode rows (device ops, no host sync); a short step's row j of a chunk attends like a
@@ -64,16 +83,67 @@ class MLAAttention(nn.Module):
                 tables, seq_lens = batch.block_tables[seq], batch.context_lens[seq] + offset + 1
             max_len = batch.max_seq_len if batch.max_seq_len is not None else \
                 max(c + q for c, q in zip(batch.context_lens_cpu, batch.query_lens_cpu))
-            w = self.kv_b_proj.weight.view(H, self.d_nope + self.d_v, self.kv_lora_rank)
-            w_uk, w_uv = w[:, :self.d_nope], w[:, self.d_nope:]                 # [H, d_nope|d_v, r]
+            w_uk, w_uv = self._absorbed()
             q_latent = torch.einsum("nhd,hdr->nhr", q[..., :self.d_nope], w_uk)
             lat = mla_decode_attention(q_latent, q[..., self.d_nope:], cache, tables, seq_lens,
                                        self.kv_lora_rank, self.scale, max_seq_len=max_len, plans=plans)
-            o = torch.einsum("nhr,hvr->nhv", lat, w_uv)
-        else:
-            o = mla_prefill_attention(q, cache, batch.block_tables, self.kv_b_proj.weight, batch.query_lens_cpu,
-                                      batch.context_lens_cpu, self.kv_lora_rank, self.d_v, self.scale)
-        o = o.reshape(T, H * self.d_v)
-        if gate:
-            o = o * torch.sigmoid(gate[0])
-        return self.par.all_reduce(self.o_proj(o))
+            return torch.einsum("nhr,hvr->nhv", lat, w_uv)
+        return mla_prefill_attention(q, cache, batch.block_tables, self.kv_b_proj.weight, batch.query_lens_cpu,
+                                     batch.context_lens_cpu, self.kv_lora_rank, self.d_v, self.scale)
+
+    def _context_parallel(self, q, c, batch: ForwardBatch, cache: torch.Tensor, plans: dict | None) -> torch.Tensor:
+        """Decode context parallelism (spec parallelism §4.4): this rank's cache holds the positions p with
+        p % dcp == its DCP rank (``dcp_stripe``); it writes only its new tokens' latents, attends the absorbed
+        queries of all the DCP group's heads over its positions (every row as a decode row whose keys are
+        its positions <= the row's own), and the group merges each head's partials by their log-sum-exps
+        (``merge_attention``, the split-KV merge). -> [T, H, d_v]"""
+        par = self.par
+        stripe = dcp_stripe(batch, cache.shape[1], par.dcp_size, par.dcp_rank, plans)
+        cache_latent(c, self.kv_a_layernorm.weight, self.kv_a_layernorm.eps, cache, stripe.slots)
+        w_uk, w_uv = self._absorbed()
+        R = self.kv_lora_rank
+        q_latent = torch.einsum("nhd,hdr->nhr", q[..., :self.d_nope], w_uk)
+        qs = par.dcp_gather_heads(torch.cat([q_latent, q[..., self.d_nope:]], dim=-1))     # [T, c*H, R + P]
+        lat, lse = mla_decode_attention(qs[..., :R], qs[..., R:], cache, stripe.tables, stripe.lens, R,
+                                        self.scale, max_seq_len=stripe.max_len, return_lse=True)
+        acc = lse.dtype
+        parts = par.dcp_scatter_heads(torch.cat([lat.to(acc), lse.unsqueeze(-1)], dim=-1))  # [c, T, H, R + 1]
+        o, m = parts[0, ..., :R], parts[0, ..., R]
+        for part in parts[1:]:
+            o, m = merge_attention(o, m, part[..., :R], part[..., R])
+        return torch.einsum("nhr,hvr->nhv", o.to(q.dtype), w_uv)
+
+
+@dataclass
+class DCPStripe:
+    """One forward step's view of this rank's latent stripe, shared by its MLA layers: the cache row of each
+    new token this rank owns (the null row 0 for the others), and per packed row its sequence's block
+    table, its keys here (positions <= the row's own on this rank) and their bound."""
+
+    slots: torch.Tensor          # [T] int64
+    tables: torch.Tensor         # [T, max_blocks]
+    lens: torch.Tensor           # [T] int64
+    max_len: int
+
+
+def dcp_stripe(batch: ForwardBatch, rows_per_block: int, c: int, r: int, plans: dict | None) -> DCPStripe:
+    """Position p of a sequence lives on DCP rank p % c, in block p // (c * rows_per_block) of its table (the
+    engine's block of c * rows_per_block positions) at row (p % block) // c; the rank's keys up to p are the
+    first (p + c - r) // c of its positions (device ops: a CUDA graph can hold them)."""
+    key = ("dcp_stripe", c, r)
+    if plans is not None and key in plans:
+        return plans[key]
+    seq, offset = batch.row_positions()
+    pos = batch.context_lens[seq] + offset
+    block = c * rows_per_block
+    # a pure decode step's rows are its sequences; else each row copies its table (O(T x max_blocks): a long
+    # prefill chunk under DCP would rather pass the row -> sequence index to the kernel)
+    tables = batch.block_tables if batch.is_decode else batch.block_tables[seq]
+    local = tables.gather(1, (pos // block).unsqueeze(1)).squeeze(1).long() * rows_per_block + (pos % block) // c
+    bound = batch.max_seq_len if batch.max_seq_len is not None else \
+        max((ctx + ql for ctx, ql in zip(batch.context_lens_cpu, batch.query_lens_cpu)), default=0)
+    stripe = DCPStripe(torch.where(pos % c == r, local, torch.zeros_like(local)), tables, (pos + c - r) // c,
+                       -(-bound // c))
+    if plans is not None:
+        plans[key] = stripe
+    return stripe

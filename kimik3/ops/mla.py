@@ -233,7 +233,8 @@ def _attend_piece_reference(qa, qb, ka, kb, v, query_lens, q_pos0, k_lens, k_pos
 
 def mla_decode_attention(q_latent: torch.Tensor, q_pe: torch.Tensor, cache: torch.Tensor,
                          block_tables: torch.Tensor, seq_lens: list[int] | torch.Tensor, kv_lora_rank: int,
-                         scale: float, max_seq_len: int | None = None, plans: dict | None = None) -> torch.Tensor:
+                         scale: float, max_seq_len: int | None = None, plans: dict | None = None,
+                         return_lse: bool = False):
     """Absorbed decode: one query per sequence against its whole cached latent history.
 
     q_latent [N, H, kv_lora_rank] (= W_UK^T q_nope); q_pe [N, H, d_rope]; seq_lens [N] (host list
@@ -243,6 +244,9 @@ def mla_decode_attention(q_latent: torch.Tensor, q_pe: torch.Tensor, cache: torc
     64-token blocks: ``cuda/flash_mla.py``). ``plans``: a dict that lives for one forward step, whose MLA layers
     all attend over the same sequence lengths: FlashMLA's split schedule of those lengths is computed by the first
     layer and kept there for the others (one launch a step instead of one a layer).
+    ``return_lse``: also return each (sequence, head)'s natural-log log-sum-exp of its scaled scores [N, H]
+    (float32; float64 for a float64 model), to merge partial results over disjoint keys (``merge_attention``:
+    decode context parallelism); a sequence of length 0 gives output 0 and lse -inf. FlashMLA is not used then.
     """
     if use_fast_path(q_latent):
         from kimik3.ops.cuda.flash_mla import flash_mla_applies, flash_mla_decode, flash_mla_schedule
@@ -250,7 +254,7 @@ def mla_decode_attention(q_latent: torch.Tensor, q_pe: torch.Tensor, cache: torc
         if not torch.is_tensor(seq_lens):
             max_seq_len = max(seq_lens) if max_seq_len is None else max_seq_len
             seq_lens = torch.tensor(seq_lens, dtype=torch.int32, device=q_latent.device)
-        if flash_mla_applies(q_latent, q_pe, cache):
+        if not return_lse and flash_mla_applies(q_latent, q_pe, cache):
             plans = {} if plans is None else plans
             key = ("flash_mla_schedule", q_latent.shape[1])
             if key not in plans:
@@ -258,14 +262,19 @@ def mla_decode_attention(q_latent: torch.Tensor, q_pe: torch.Tensor, cache: torc
             return flash_mla_decode(q_latent, q_pe, cache, block_tables, seq_lens, scale, plans[key])
         if max_seq_len is None:
             max_seq_len = int(seq_lens.max())
-        return mla_decode_triton(q_latent, q_pe, cache, block_tables, seq_lens, max_seq_len, scale)
+        return mla_decode_triton(q_latent, q_pe, cache, block_tables, seq_lens, max_seq_len, scale,
+                                 return_lse=return_lse)
     if torch.is_tensor(seq_lens):
         seq_lens = seq_lens.tolist()
     acc = acc_dtype(q_latent.dtype)
     mqa_q = torch.cat([q_latent, q_pe], dim=-1).to(acc)                      # [N, H, D_c]
-    outs = []
+    N, H = q_latent.shape[:2]
+    out = q_latent.new_zeros(N, H, kv_lora_rank, dtype=acc)
+    lse = q_latent.new_full((N, H), float("-inf"), dtype=acc)
     for n, length in enumerate(seq_lens):
-        e = gather_latents(cache, block_tables[n], length).to(acc)          # [S, D_c]
-        p = torch.softmax((mqa_q[n] @ e.t()) * scale, dim=-1)               # [H, S]
-        outs.append(p @ e[:, :kv_lora_rank])
-    return torch.stack(outs).to(q_latent.dtype)
+        if length > 0:
+            e = gather_latents(cache, block_tables[n], length).to(acc)      # [S, D_c]
+            s = (mqa_q[n] @ e.t()) * scale                                   # [H, S]
+            lse[n] = torch.logsumexp(s, dim=-1)
+            out[n] = torch.exp(s - lse[n].unsqueeze(-1)) @ e[:, :kv_lora_rank]
+    return (out.to(q_latent.dtype), lse) if return_lse else out.to(q_latent.dtype)

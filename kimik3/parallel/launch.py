@@ -32,7 +32,7 @@ import torch
 import torch.distributed as dist
 import torch.multiprocessing as mp
 
-from kimik3.distributed import ParallelContext
+from kimik3.distributed import ParallelContext, make_dcp_group
 from kimik3.loader.load import load_model
 from kimik3.parallel.worker import stop_workers, worker_loop
 
@@ -58,6 +58,7 @@ class ParallelConfig:
     enable_expert_parallel: bool = False
     moe_mode: str = "tep"          # with EP: "tep", "a2a" (all-to-all) or "agrs"
     moe_tail: str = "auto"         # "auto", "concat" (a) or "sliced" (b)
+    decode_context_parallel_size: int = 1   # c | t: the MLA latent cache striped over c TP ranks
 
     def __post_init__(self) -> None:
         t = self.tensor_parallel_size
@@ -65,9 +66,16 @@ class ParallelConfig:
             raise ValueError(f"tensor_parallel_size must be a positive integer, got {t!r}")
         self.context(0)              # the MoE mode and tail are checked where they are used
 
-    def context(self, rank: int, group=None) -> ParallelContext:
+    def context(self, rank: int, group=None, dcp_group=None) -> ParallelContext:
         t = self.tensor_parallel_size
-        return ParallelContext(rank, t, group, t if self.enable_expert_parallel else 1, self.moe_mode, self.moe_tail)
+        return ParallelContext(rank, t, group, t if self.enable_expert_parallel else 1, self.moe_mode, self.moe_tail,
+                               dcp_size=self.decode_context_parallel_size, dcp_group=dcp_group)
+
+    def join(self, rank: int) -> ParallelContext:
+        """This rank's context once its process group is up: makes the sub-groups every rank makes
+        (the DCP groups when c < t; ``new_group`` is collective)."""
+        t = self.tensor_parallel_size
+        return self.context(rank, dcp_group=make_dcp_group(list(range(t)), self.decode_context_parallel_size, rank))
 
 
 def set_safe_nvls_env() -> list[str]:
@@ -122,7 +130,7 @@ def run_worker(rank: int, spec: WorkerSpec) -> None:
     try:
         device, control = init_rank(rank, spec.parallel.tensor_parallel_size, spec.init_method, spec.device_type)
         model = load_model(spec.model_path, device=device, dtype=spec.dtype,
-                           parallel=spec.parallel.context(rank), **spec.load_kwargs)
+                           parallel=spec.parallel.join(rank), **spec.load_kwargs)
         steps = worker_loop(model, control)
         logger.info("worker rank %d: stopped after %d steps", rank, steps)
         dist.destroy_process_group()
@@ -270,7 +278,7 @@ def start_group(model_path: str, parallel: ParallelConfig, dtype: torch.dtype, d
         else:
             device, control = init_rank(0, world, spec.init_method, device_type)
         group = ParallelGroup(control, processes, device)
-        model = load_model(model_path, device=device, dtype=dtype, parallel=parallel.context(0), **load_kwargs)
+        model = load_model(model_path, device=device, dtype=dtype, parallel=parallel.join(0), **load_kwargs)
     except BaseException:
         for p in processes:
             p.kill()

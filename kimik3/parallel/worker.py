@@ -4,7 +4,9 @@ each step's forward on its shards. This is the workers' side (the model only); r
 
 Per step rank 0 broadcasts one ``StepDescriptor`` (the packed input ids, the ``ForwardBatch``,
 the rows to sample, the KDA state copies/resets of the step) on the gloo control group; each
-worker applies the cache ops, runs ``forward_step`` and joins the LM-head gather. Under async
+worker applies the cache ops, runs ``forward_step`` and joins the LM-head gather. A step's image
+embeddings follow the descriptor as one broadcast on the model's group; the images themselves are
+encoded by all ranks before it (``EncodeImages``: ``encoder_dp.py``). Under async
 scheduling a step's input ids are the previous step's samples, still on rank 0's device: the
 descriptor then carries their count, and the ids follow as a broadcast on the model's own group
 (NCCL on GPUs: from device to device, without a wait on rank 0's host). The cache
@@ -27,6 +29,7 @@ import torch.distributed as dist
 
 from kimik3.model.batch import ForwardBatch
 from kimik3.model.cuda_graphs import DecodeGraphs, capture_or_none
+from kimik3.parallel.encoder_dp import EncodeImages, encode_share
 
 logger = logging.getLogger(__name__)
 
@@ -45,6 +48,7 @@ class StepDescriptor:
     rows: list[int]                          # packed rows whose logits are gathered
     state_copies: list[tuple[int, int]]      # applied before the forward, in order
     state_resets: list[int]
+    embeds: tuple | None = None              # ((M, D), dtype) of image embedding rows that follow on the model's group
 
 
 @dataclass
@@ -89,10 +93,15 @@ def send_step(control, input_ids: torch.Tensor, batch: ForwardBatch, rows: list[
     """Rank 0, before each forward: the step every worker runs with it. ``ids_on_device``: the ids
     are a device tensor still being computed (async scheduling); they go on ``model_group``."""
     ids = input_ids.numel() if ids_on_device else input_ids.cpu()
+    embeds = batch.embeds
+    if embeds is not None:                     # image embeddings go device to device, not pickled
+        batch = dataclasses.replace(batch, embeds=None)
     broadcast(StepDescriptor(ids, _moved(batch, torch.device("cpu")), list(rows), list(state_copies),
-                             list(state_resets)), control)
+                             list(state_resets), None if embeds is None else (tuple(embeds.shape), embeds.dtype)), control)
     if ids_on_device:
         _send_ids(input_ids, model_group)
+    if embeds is not None:
+        dist.broadcast(embeds.contiguous(), src=_first_rank(model_group), group=model_group)
 
 
 def send_graph_step(control, meta: torch.Tensor, block_tables: torch.Tensor, num_seqs: int,
@@ -146,6 +155,9 @@ def worker_loop(model, control, graphs_class=DecodeGraphs) -> int:
         step = broadcast(None, control)
         if step is None:
             return steps
+        if isinstance(step, EncodeImages):            # encoder data parallelism: this rank's share
+            encode_share(model, step.pixels, step.grid_thws)
+            continue
         if isinstance(step, CaptureGraphs):
             graphs = capture_or_none(graphs_class(model, cache, step.max_num_seqs, step.max_model_len,
                                                   step.max_query_len), decode_only_retry=False)
@@ -161,7 +173,12 @@ def worker_loop(model, control, graphs_class=DecodeGraphs) -> int:
                 ids = _recv_ids(step.input_ids, device, model.parallel.group)
             else:
                 ids = step.input_ids.to(device)
-            hidden = model.forward_step(ids, _moved(step.batch, device), cache)
+            batch = _moved(step.batch, device)
+            if step.embeds is not None:
+                shape, dtype = step.embeds
+                batch.embeds = torch.empty(shape, dtype=dtype, device=device)
+                dist.broadcast(batch.embeds, src=_first_rank(model.parallel.group), group=model.parallel.group)
+            hidden = model.forward_step(ids, batch, cache)
             if step.rows:
                 model.compute_logits(hidden[torch.tensor(step.rows, device=device)])
         steps += 1

@@ -140,8 +140,9 @@ def compile_mla_decode():
         compile_for_hopper(m._mla_decode_split_kernel, types, dict(common, BN=tile, BV=cfg.bv or 512, TRANS=cfg.trans,
                                                                    PAGED=cfg.form == "paged"), cfg.num_warps, cfg.num_stages)
     from triton.tools.disasm import get_sass
-    merge = compile_for_hopper(m._mla_decode_merge_kernel, {"part_o": "*fp32", "part_lse": "*fp32", "out": "*bf16"},
-                               dict(BR=512, BS=m.MERGE_SPLITS), num_warps=4, num_stages=1)
+    merge = compile_for_hopper(m._mla_decode_merge_kernel, {"part_o": "*fp32", "part_lse": "*fp32", "out": "*bf16",
+                                                                  "out_lse": "*fp32"},
+                               dict(BR=512, BS=m.MERGE_SPLITS, LSE=False), num_warps=4, num_stages=1)
     sass = get_sass(merge.asm["cubin"])
     assert " STL" not in sass and " LDL" not in sass         # the merge's tile stays in registers (no spills)
 

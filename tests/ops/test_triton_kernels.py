@@ -247,10 +247,36 @@ def test_mla_decode_merge_matches_float64(S):
     w = torch.exp2(lse.double() - lse.double().max(-1, keepdim=True).values)
     want = (w[..., None] * part_o.double().nan_to_num()).sum(1) / w.sum(1, keepdim=True)
     out = torch.empty(N, H, R, dtype=BF16)
-    _mla_decode_merge_kernel[(N, H)](part_o.reshape(-1, BR), lse.reshape(-1), out, H, R, out.stride(0), out.stride(1),
-                                     S, BR=BR, BS=min(MERGE_SPLITS, triton.next_power_of_2(S)), PDL=False)
+    out_lse = torch.empty(N, H)
+    _mla_decode_merge_kernel[(N, H)](part_o.reshape(-1, BR), lse.reshape(-1), out, out_lse, H, R, out.stride(0),
+                                     out.stride(1), S, BR=BR, BS=min(MERGE_SPLITS, triton.next_power_of_2(S)),
+                                     LSE=True, PDL=False)
     assert S <= MERGE_SPLITS or S > 2 * MERGE_SPLITS                   # the chunks the ids name
     assert rel_err(out.reshape(N * H, R), want[:, :R]) < 8e-3           # one bf16 rounding
+    want_lse = torch.logsumexp(lse.double() * math.log(2), dim=-1)      # log2 units in, natural log out
+    assert torch.allclose(out_lse.reshape(-1).double(), want_lse, rtol=1e-5, atol=1e-5)
+
+
+def test_mla_decode_kernel_returns_the_log_sum_exp():
+    """``return_lse`` (decode context parallelism merges ranks' partials with it): each row's natural-log
+    log-sum-exp as the float64 reference gives it; a sequence without keys gives output 0 and lse -inf
+    (not NaN), as ``merge_attention`` needs."""
+    from kimik3.ops.triton.mla_decode import mla_decode_triton
+    g = gen(3)
+    N, H, R, P, bs = 3, 4, 32, 8, 4
+    lens = [5, 0, 11]
+    cache = torch.randn(12, bs, R + P, generator=g).to(BF16)
+    tables = torch.tensor([[1, 2, 0], [3, 0, 0], [4, 5, 6]], dtype=torch.int32)
+    q_lat, q_pe = torch.randn(N, H, R, generator=g).to(BF16), torch.randn(N, H, P, generator=g).to(BF16)
+    ref, ref_lse = mla_decode_attention(q_lat.double(), q_pe.double(), cache.double(), tables, lens, R, 0.2,
+                                        return_lse=True)
+    out, lse = mla_decode_triton(q_lat, q_pe, cache, tables, torch.tensor(lens, dtype=torch.int32), 11, 0.2,
+                                 return_lse=True)
+    assert torch.equal(out[1].float(), torch.zeros(H, R)) and torch.isneginf(lse[1]).all()
+    assert torch.isneginf(ref_lse[1]).all() and not ref[1].any()
+    for n in (0, 2):
+        assert rel_err(out[n], ref[n]) < 1e-2
+        assert torch.allclose(lse[n].double(), ref_lse[n], atol=2e-2)
 
 
 @pytest.mark.parametrize("W", [4, 2])

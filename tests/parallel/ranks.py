@@ -11,7 +11,7 @@ import torch
 import torch.distributed as dist
 import torch.multiprocessing as mp
 
-from kimik3.distributed import ParallelContext
+from kimik3.distributed import ParallelContext, make_dcp_group
 from kimik3.engine import EngineConfig, LLMEngine, SamplingParams
 from kimik3.engine.parallel_runner import ParallelRunner
 from kimik3.loader.load import load_model
@@ -83,8 +83,10 @@ def run_steps(model, seed: int = 0):
 def logits_rank(rank, world, control, ckpts: dict, layouts: dict, out_path: str):
     results = {}
     for arch, path in ckpts.items():
-        for name, (ep, mode, tail) in layouts.items():
-            par = ParallelContext(rank, world, None, ep, mode, tail)
+        for name, (ep, mode, tail, *dcp) in layouts.items():
+            dcp = dcp[0] if dcp else 1
+            par = ParallelContext(rank, world, None, ep, mode, tail, dcp_size=dcp,
+                                  dcp_group=make_dcp_group(list(range(world)), dcp, rank))
             model = load_model(path, dtype=torch.float64, parallel=par)
             logits, emb, cache = run_steps(model)
             results[arch, name] = (logits, emb, cache.kda_state, cache.kda_conv, cache.mla_latent)
@@ -104,7 +106,7 @@ def run_engine(engine: LLMEngine, prompts: list[list[int]], max_tokens: int = 6)
     """Greedy outputs of the prompts and the prompt tokens served from the prefix cache."""
     params = SamplingParams(temperature=0.0, max_tokens=max_tokens, ignore_eos=True)
     for i, p in enumerate(prompts):
-        engine.add_request(str(i), {"prompt_token_ids": p}, params)
+        engine.add_request(str(i), p if isinstance(p, dict) else {"prompt_token_ids": p}, params)
     done: dict[str, list[int]] = {}
     hits = 0
     while engine.has_unfinished_requests():
@@ -119,14 +121,17 @@ ENGINE_CONFIG = dict(max_num_seqs=4, max_num_batched_tokens=8, max_model_len=64,
 
 
 def engine_rank(rank, world, control, path: str, ep: int, mode: str, out_path: str, async_scheduling: bool = False,
-                graphs: str | None = None):
+                graphs: str | None = None, dcp: int = 1, image_prompts: list | None = None):
     """The engine on rank 0, workers elsewhere: (greedy outputs, prefix-hit tokens, steps launched
-    ahead, graph steps). ``graphs``: decode "graphs" as eager stand-ins on every rank ("all"), or
-    with rank 1's capture failing ("rank1-fails")."""
-    par = ParallelContext(rank, world, None, ep, mode)
+    ahead, graph steps, cache plan, images each rank encoded). ``graphs``: decode "graphs" as eager stand-ins on
+    every rank ("all"), or with rank 1's capture failing ("rank1-fails"). ``dcp``: decode context parallel size.
+    ``image_prompts``: run after the text rounds (their outputs appended)."""
+    par = ParallelContext(rank, world, None, ep, mode, dcp_size=dcp)
     model = load_model(path, dtype=torch.float64, parallel=par)
+    encoded = count_images(model)
     if rank != 0:
         worker_loop(model, control, FailingGraphs if graphs == "rank1-fails" and rank == 1 else EagerReplayGraphs)
+        torch.save(encoded, f"{out_path}.rank{rank}")
         return
     engine = LLMEngine(model, EngineConfig(**ENGINE_CONFIG, async_scheduling=async_scheduling),
                        runner_factory=functools.partial(ParallelRunner, control=control))
@@ -137,8 +142,22 @@ def engine_rank(rank, world, control, path: str, ep: int, mode: str, out_path: s
     ahead = count_calls(engine.scheduler, "schedule_ahead")
     first, second = engine_prompts(model.config.text.vocab_size)
     (a, _), (b, hits) = run_engine(engine, first), run_engine(engine, second)
+    images = run_engine(engine, image_prompts)[0] if image_prompts else []
     stop_workers(control)
-    torch.save((a + b, hits, ahead.hits, engine.runner.num_graph_steps), out_path)
+    torch.save((a + b + images, hits, ahead.hits, engine.runner.num_graph_steps, engine.plan, encoded), out_path)
+
+
+def count_images(model) -> list[int]:
+    """A one-item list counting the images this rank's vision tower encodes."""
+    box = [0]
+    if hasattr(model, "vision"):
+        fn = model.encode_images
+
+        def counting(pixels, grids, *a, **k):
+            box[0] += grids.shape[0]
+            return fn(pixels, grids, *a, **k)
+        model.encode_images = counting
+    return box
 
 
 SPEC_ENGINE_CONFIG = dict(max_num_seqs=3, max_num_batched_tokens=64, block_size=16, kda_checkpoint_interval=2,

@@ -16,8 +16,9 @@ SCRIPT = textwrap.dedent("""
     import json, os, sys, torch
     from kimik3.engine import LLM, SamplingParams
     llm = LLM(sys.argv[1], tensor_parallel_size=2, enable_expert_parallel=sys.argv[2] == "ep",
-              dtype=torch.float64, device="cpu", max_model_len=64, max_num_batched_tokens=8, block_size=4,
-              kv_cache_memory_bytes=1 << 22)
+              decode_context_parallel_size=2 if sys.argv[2] == "dcp" else 1, language_model_only=sys.argv[2] == "dcp",
+              dtype=torch.float64, device="cpu",
+              max_model_len=64, max_num_batched_tokens=8, block_size=4, kv_cache_memory_bytes=1 << 22)
     params = SamplingParams(temperature=0.0, max_tokens=5, ignore_eos=True)
     if sys.argv[3] == "kill":
         llm.parallel_group.processes[0].kill()
@@ -37,7 +38,7 @@ def _run(ckpt, layout, action, timeout=120):
                           text=True, timeout=timeout)
 
 
-@pytest.mark.parametrize("layout", ["tp", "ep"])
+@pytest.mark.parametrize("layout", ["tp", "ep", "dcp"])
 def test_llm_with_tensor_parallel_matches_one_process(ckpt, layout):
     from kimik3.engine import LLM, SamplingParams
     llm = LLM(str(ckpt), dtype=torch.float64, device="cpu", max_model_len=64, max_num_batched_tokens=8,

@@ -22,6 +22,7 @@ import triton.language as tl
 from kimik3.ops.triton.common import INTERPRETING, dot, pdl, pdl_entry
 
 _LOG2E = 1.4426950408889634
+_LN2 = 0.6931471805599453
 
 
 @triton.jit
@@ -137,12 +138,13 @@ def _mla_decode_split_kernel(q_lat, q_pe, cache, block_tables, seq_lens, part_o,
 
 
 @triton.jit
-def _mla_decode_merge_kernel(part_o, part_lse, out, H, R, stride_on, stride_oh, NUM_SPLITS,
-                             BR: tl.constexpr, BS: tl.constexpr, PDL: tl.constexpr):
+def _mla_decode_merge_kernel(part_o, part_lse, out, out_lse, H, R, stride_on, stride_oh, NUM_SPLITS,
+                             BR: tl.constexpr, BS: tl.constexpr, LSE: tl.constexpr, PDL: tl.constexpr):
     """Pass 2. Program (n, head) combines the splits BS at a time with a running log-sum-exp (a
     [BS, BR] fp32 tile stays in registers; all splits of a long launch at once spilled from 65
     splits on: 1,900 local loads and stores at 128, Triton 3.6); empty splits (lse -inf) are
-    neither read nor counted."""
+    neither read nor counted. ``LSE``: also store the row's natural-log log-sum-exp at out_lse[n, h]
+    (-inf, and output 0, for a sequence without keys)."""
     pdl_entry(PDL)
     n, h = tl.program_id(0), tl.program_id(1)
     r = tl.arange(0, BR)
@@ -161,7 +163,10 @@ def _mla_decode_merge_kernel(part_o, part_lse, out, H, R, stride_on, stride_oh, 
         acc = acc * alpha + tl.sum(o * w[:, None], 0)
         den = den * alpha + tl.sum(w, 0)
         m = m_new
-    tl.store(out + n * stride_on + h * stride_oh + r, (acc / den).to(out.dtype.element_ty), mask=r < R)
+    res = acc / tl.where(den > 0, den, 1.0)
+    tl.store(out + n * stride_on + h * stride_oh + r, res.to(out.dtype.element_ty), mask=r < R)
+    if LSE:
+        tl.store(out_lse + n * H + h, (m + tl.log2(den)) * _LN2)
 
 
 # Splits the merge combines at a time: its [MERGE_SPLITS, BR] fp32 tile stays in registers (the compile test checks)
@@ -213,10 +218,11 @@ def config_for(H: int, block_size: int, max_seq_len: int = 0, batch: int = 1) ->
 
 def mla_decode_triton(q_latent: torch.Tensor, q_pe: torch.Tensor, cache: torch.Tensor, block_tables: torch.Tensor,
                       seq_lens: torch.Tensor, max_seq_len: int, scale: float, num_sms: int = 132,
-                      config: DecodeConfig | None = None) -> torch.Tensor:
+                      config: DecodeConfig | None = None, return_lse: bool = False):
     """q_latent [N, H, R]; q_pe [N, H, P]; cache [num_blocks, block_size, R + P]; block_tables
     [N, max_blocks]; seq_lens [N] (device); max_seq_len bounds seq_lens (sizes the splits).
-    Returns the latent output [N, H, R] in q_latent's dtype."""
+    Returns the latent output [N, H, R] in q_latent's dtype; ``return_lse``: and the natural-log
+    log-sum-exp [N, H] float32 (-inf for a sequence of length 0, whose output is 0)."""
     N, H, R = q_latent.shape
     P = q_pe.shape[-1]
     block_size = cache.shape[1]
@@ -243,6 +249,8 @@ def mla_decode_triton(q_latent: torch.Tensor, q_pe: torch.Tensor, cache: torch.T
         *args, BLOCK_SIZE=block_size, BH=BH, BR=BR, BP=BP, BN=tile, BV=BV, NUM_SPLITS=splits, PAGED=cfg.form == "paged", TRANS=cfg.trans,
         UPCAST=INTERPRETING, num_warps=cfg.num_warps, num_stages=cfg.num_stages, **pdl(q_latent))
     out = torch.empty(N, H, R, dtype=q_latent.dtype, device=q_latent.device)
-    _mla_decode_merge_kernel[(N, H)](part_o, part_lse, out, H, R, out.stride(0), out.stride(1), splits,
-                                     BR=BR, BS=min(MERGE_SPLITS, triton.next_power_of_2(splits)), **pdl(part_o))
-    return out
+    lse = torch.empty(N, H, dtype=torch.float32, device=q_latent.device) if return_lse else part_lse
+    _mla_decode_merge_kernel[(N, H)](part_o, part_lse, out, lse, H, R, out.stride(0), out.stride(1), splits,
+                                     BR=BR, BS=min(MERGE_SPLITS, triton.next_power_of_2(splits)), LSE=return_lse,
+                                     **pdl(part_o))
+    return (out, lse) if return_lse else out

@@ -1,0 +1,71 @@
+"""``kimik3 serve`` under torchrun (every rank started by the agent, rank 0 serves) with the multi-GPU
+layouts on CPU ranks (gloo, float64): the served greedy completion equals the one-process one."""
+
+from __future__ import annotations
+
+import os
+import shutil
+import socket
+import subprocess
+import sys
+import time
+
+import httpx
+import pytest
+import torch
+
+PROMPT = "The capital of France is"
+
+
+def _free_port() -> int:
+    with socket.socket() as s:
+        s.bind(("127.0.0.1", 0))
+        return s.getsockname()[1]
+
+
+@pytest.fixture(scope="module")
+def want():
+    from kimik3.engine import LLM, SamplingParams
+    llm = LLM(None, dtype=torch.float64, device="cpu", max_model_len=128, block_size=4, max_num_seqs=2,
+              kv_cache_memory_bytes=1 << 23)
+    out = llm.generate([PROMPT], SamplingParams(temperature=0.0, max_tokens=8, ignore_eos=True), use_tqdm=False)
+    return out[0].outputs[0].text
+
+
+@pytest.mark.parametrize("flags", [["--tensor-parallel-size", "2", "--decode-context-parallel-size", "2"]],
+                         ids=["tp2-dcp2"])
+def test_served_completion_under_torchrun_matches_one_process(want, tmp_path, flags):
+    torchrun = shutil.which("torchrun")
+    if torchrun is None:
+        pytest.skip("torchrun is not on PATH")
+    port = _free_port()
+    url = f"http://127.0.0.1:{port}"
+    env = {**os.environ, "PYTHONPATH": os.getcwd(), "OMP_NUM_THREADS": "1"}
+    log = open(tmp_path / "serve.log", "w+")
+    proc = subprocess.Popen([torchrun, "--standalone", "--nproc-per-node", "2", "-m", "kimik3.cli", "serve",
+                             "--port", str(port), "--dtype", "float64", "--device", "cpu", "--max-model-len", "128",
+                             "--block-size", "4", "--max-num-seqs", "2", "--kv-cache-memory-bytes", str(1 << 23), "--served-model-name", "m",
+                             *flags], stdout=log, stderr=subprocess.STDOUT, env=env, start_new_session=True)
+    try:
+        deadline = time.monotonic() + 240
+        while True:
+            if proc.poll() is not None or time.monotonic() > deadline:
+                log.seek(0)
+                pytest.fail(f"server did not start:\n{log.read()[-4000:]}")
+            try:
+                if httpx.get(url + "/health", timeout=1).status_code == 200:
+                    break
+            except httpx.HTTPError:
+                time.sleep(0.3)
+        r = httpx.post(url + "/v1/completions", timeout=120, json={
+            "model": "m", "prompt": PROMPT, "max_tokens": 8, "temperature": 0.0, "ignore_eos": True})
+        assert r.status_code == 200, r.text
+        assert r.json()["choices"][0]["text"] == want
+    finally:
+        if proc.poll() is None:
+            os.killpg(proc.pid, 15)
+            try:
+                proc.wait(60)
+            except subprocess.TimeoutExpired:
+                os.killpg(proc.pid, 9)
+                proc.wait(10)
