@@ -15,11 +15,16 @@ content / tool calls that became certain; ``finish()`` flushes; ``parse_k3_outpu
 so streamed and one-shot parses agree for any chunking. Text that could still turn into a marker is held
 back. A tool call is emitted whole when its ``<|close|>call<|sep|>`` arrives.
 
-Malformed output never raises. Choices (the official release ships no parser): an unterminated think
-channel stays reasoning (as vLLM does); a call with a bad argument (unparseable JSON, type mismatch,
-unknown type, a ``json`` block that is not a JSON object), no tool name, or a name outside the given
-``tools``, and any text that breaks the structure after the response channel, are returned verbatim as
-content, with a logged warning.
+Malformed output never raises, and no control token (``<|open|>``, ``<|close|>``, ``<|sep|>``,
+``<|end_of_msg|>``) ever reaches the reasoning or the content. Choices (the official release ships no
+parser): an unterminated think channel stays reasoning (as vLLM does); a call with a bad argument
+(unparseable JSON, type mismatch, unknown type, a ``json`` block that is not a JSON object), no tool
+name, or a name outside the given ``tools`` (``tools=[]``: every call) is dropped with a logged warning;
+text that breaks the structure after the response channel is returned as content, with a warning.
+Stray markup inside text (``MarkupFilter``): each XTML element (``<|open|>NAME ATTRS<|sep|>``,
+``<|close|>NAME<|sep|>``) and each lone control token is replaced by one space. A control token has no
+space, so no deletion can join two pieces into one; the serving layer also masks the tool-section
+opener in the logits when no tools are declared (serve/chat.py), so such a call cannot start.
 
 Tool-call arguments are always RFC 8259 JSON objects: non-string values keep their generated literal
 text (the inverse of the renderer's one-level split), a ``json`` block its raw text, except that a value
@@ -215,6 +220,59 @@ def _earliest(buf: str, markers: tuple[str, ...]) -> tuple[int, str] | None:
     return best
 
 
+_TAG_LIMIT = 256       # the longest element head (``<|open|>call tool="..." index=".."<|sep|>``) dropped whole
+
+
+class MarkupFilter:
+    """A streaming filter over one channel's text: each XTML element and each lone control token becomes
+    one space (see the module docstring). Its decisions depend only on the text, not on how it is cut:
+    text that could still be (the start of) an element is held until it is decided or ``final``."""
+
+    def __init__(self):
+        self.buf = ""
+
+    def push(self, text: str, final: bool = False) -> str:
+        self.buf += text
+        out: list[str] = []
+        while True:
+            i = self.buf.find("<|")
+            if i < 0:
+                keep = 1 if self.buf.endswith("<") and not final else 0
+                out.append(self.buf[:len(self.buf) - keep])
+                self.buf = self.buf[len(self.buf) - keep:]
+                break
+            out.append(self.buf[:i])
+            self.buf = self.buf[i:]
+            n = self._markup_length(final)
+            if n is None:                    # undecided: wait for more text
+                break
+            if n == 0:                       # "<|" that starts no control token: text
+                out.append("<|")
+                self.buf = self.buf[2:]
+            else:
+                out.append(" ")
+                self.buf = self.buf[n:]
+        return "".join(out)
+
+    def _markup_length(self, final: bool) -> int | None:
+        """Length of the markup at the start of ``buf`` (which starts with "<|"), 0 if none, None if undecided."""
+        b = self.buf
+        for token in (OPEN, CLOSE, SEP, END_OF_MSG):
+            if b.startswith(token):
+                if token in (SEP, END_OF_MSG):
+                    return len(token)
+                sep = b.find(SEP, len(token))
+                nxt = b.find("<|", len(token))
+                if sep >= 0 and (nxt < 0 or nxt >= sep) and sep <= _TAG_LIMIT:
+                    return sep + len(SEP)    # the whole element
+                if (nxt >= 0 and (sep < 0 or nxt < sep)) or len(b) > _TAG_LIMIT or final:
+                    return len(token)        # a lone control token
+                return None
+            if token.startswith(b) and not final:
+                return None
+        return 0
+
+
 _THINK_ENDS = (THINK_CLOSE, RESPONSE_OPEN, RESPONSE_CLOSE, TOOLS_OPEN)
 _RESPONSE_ENDS = (RESPONSE_CLOSE, TOOLS_OPEN, MESSAGE_CLOSE, END_OF_MSG)
 
@@ -230,6 +288,7 @@ class K3OutputParser:
         self.num_calls = 0
         self.finished = False
         self.think_text = ""   # the think channel so far (returned as content too if a response close ends it)
+        self.filters = {"reasoning": MarkupFilter(), "content": MarkupFilter()}
 
     def feed(self, text: str) -> ParseDelta:
         if not isinstance(text, str):
@@ -239,7 +298,7 @@ class K3OutputParser:
         self.buf += text
         out = ParseDelta()
         self._run(out, final=False)
-        return out
+        return self._filtered(out, final=False)
 
     def finish(self) -> ParseDelta:
         if self.finished:
@@ -247,7 +306,11 @@ class K3OutputParser:
         self.finished = True
         out = ParseDelta()
         self._run(out, final=True)
-        return out
+        return self._filtered(out, final=True)
+
+    def _filtered(self, out: ParseDelta, final: bool) -> ParseDelta:
+        return ParseDelta(self.filters["reasoning"].push(out.reasoning, final),
+                          self.filters["content"].push(out.content, final), out.tool_calls)
 
     # Each state handler consumes from self.buf and returns False when it needs more text.
     def _run(self, out: ParseDelta, final: bool) -> None:
@@ -391,8 +454,7 @@ class K3OutputParser:
             block = s[: close + len(CALL_CLOSE)]
             parsed = parse_call_block(block, self.tool_names)
             if isinstance(parsed, str):
-                logger.warning("K3 output: %s; returning the call as plain content", parsed)
-                out.content += block
+                logger.warning("K3 output: %s; the call is dropped: %r", parsed, block[:120])
             else:
                 out.tool_calls.append(ToolCall(parsed[0], parsed[1], self.num_calls))
                 self.num_calls += 1

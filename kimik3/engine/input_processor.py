@@ -134,6 +134,8 @@ class InputProcessor:
         self._check_ids("allowed_token_ids: token ids", params.allowed_token_ids or [], "; remove them")
         if params.bad_words:
             self.get_tokenizer(required=True)
+        self._check_ids("bad_token_sequences: token ids", [t for w in params.bad_token_sequences or () for t in w],
+                        "; remove them")
         if params.structured_outputs is not None:
             self.grammar_compiler().check(params.structured_outputs)
 
@@ -174,12 +176,13 @@ class InputProcessor:
         return children
 
     def _bad_words(self, params: SamplingParams) -> BadWords | None:
-        """Token sequences of each bad word, as written and after a space (vLLM's rule), deduplicated."""
-        if not params.bad_words:
+        """Token sequences of each bad word, as written and after a space (vLLM's rule), and the given
+        ``bad_token_sequences``, deduplicated."""
+        if not params.bad_words and not params.bad_token_sequences:
             return None
-        tok = self.get_tokenizer(required=True)
-        seqs: dict[tuple[int, ...], None] = {}
-        for w in params.bad_words:
+        seqs: dict[tuple[int, ...], None] = {tuple(w): None for w in params.bad_token_sequences or ()}
+        tok = self.get_tokenizer(required=True) if params.bad_words else None
+        for w in params.bad_words or ():
             for text in (w, " " + w.lstrip()):
                 ids = tuple(tok.encode(text))
                 if ids:

@@ -83,6 +83,7 @@ class SamplingParams:
     logit_bias: dict[int, float] | None = None     # added to the token's logit, each in [-100, 100]
     allowed_token_ids: list[int] | None = None     # only these tokens may be generated
     bad_words: list[str] | None = None             # never generate these words (last token banned after the rest)
+    bad_token_sequences: list[list[int]] | None = None   # the same, as token ids (the server's tool-section guard)
     min_tokens: int = 0                 # stop tokens, EOS and stop strings are off until this many tokens
     include_stop_str_in_output: bool = False      # keep the stop string that ended the text
     prompt_logprobs: int | None = None  # top-n logprobs of every prompt token after the first (no prefix-cache hit)
@@ -145,6 +146,12 @@ class SamplingParams:
                                                                    for w in self.bad_words),
                  f"bad_words must be a list of non-blank strings, got {self.bad_words!r}", "drop blank words")
             self.bad_words = list(self.bad_words)
+        if self.bad_token_sequences is not None:
+            need(isinstance(self.bad_token_sequences, (list, tuple)) and all(
+                     isinstance(w, (list, tuple)) and len(w) > 0 and token_ids(w) for w in self.bad_token_sequences),
+                 f"bad_token_sequences must be a list of non-empty token id lists, got {self.bad_token_sequences!r}",
+                 "drop empty sequences")
+            self.bad_token_sequences = [list(w) for w in self.bad_token_sequences]
         need(isinstance(self.min_tokens, int) and not isinstance(self.min_tokens, bool)
              and 0 <= self.min_tokens <= self.max_tokens,
              f"min_tokens must be an integer in [0, max_tokens={self.max_tokens}], got {self.min_tokens!r}",
@@ -173,6 +180,7 @@ class SamplingParams:
     def has_controls(self) -> bool:
         """Logit controls or a constraint: the row needs its own processing before sampling."""
         return (self.logit_bias is not None or self.allowed_token_ids is not None or self.bad_words is not None
+                or self.bad_token_sequences is not None
                 or self.min_tokens > 0 or self.structured_outputs is not None)
 
     @property

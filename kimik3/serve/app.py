@@ -168,7 +168,7 @@ def create_app(engine: LLMEngine, options: ServeOptions) -> FastAPI:
             raise bad_request("top_logprobs needs logprobs=true", "top_logprobs")
         logprobs = (req.top_logprobs or 0) if req.logprobs else None
         params = sampling_params(req, max_tokens, logprobs, tok.stop_token_ids, options.generation_defaults,
-                                  prompt.constraint, state.max_logprobs)
+                                  prompt.constraint, state.max_logprobs, prompt.bad_token_sequences)
         include_usage = bool(req.stream_options and req.stream_options.include_usage)
         fmt = ChatFormatter(f"chatcmpl-{uuid.uuid4().hex}", name, prompt, req.n, logprobs, tok,
                             include_usage and req.stream)

@@ -9,6 +9,7 @@ the streamed text deltas, so streamed and non-streamed answers agree.
 
 from __future__ import annotations
 
+import functools
 import uuid
 from dataclasses import dataclass, field
 from typing import Any
@@ -28,6 +29,22 @@ class ChatPrompt:
     thinking: bool
     parse_tools: list[dict] | None   # tools whose calls become tool_calls ([] = none; calls stay content)
     constraint: StructuredOutputsParams | None = None   # what decoding is held to (serve/structured.py)
+    bad_token_sequences: list[list[int]] | None = None  # never generated: the tool-section guard
+
+
+@functools.lru_cache(maxsize=8)
+def tool_section_guard(tokenizer) -> tuple[tuple[int, int], ...]:
+    """The token pairs that every spelling of the K3 tools-section opener ``<|open|>tools<|sep|>`` begins with:
+    the ``<|open|>`` token, then a token whose bytes start the word ``tools`` (``t``, ``to``, ..., ``tools``,
+    ``tools...``). Banning the second after the first (a bad word of two tokens) leaves no way to open the
+    section, whatever the tokenization, and costs one lookup a step; ``<|open|>`` is not otherwise followed
+    by ``t`` in an answer (``response``, and ``tools`` only when calls may be made). An opener spelt with
+    plain characters is not masked; the parser drops its calls (``tools=[]``)."""
+    open_id = tokenizer.convert_tokens_to_ids("<|open|>")
+    word = b"tools"
+    seconds = [t for t in range(tokenizer.num_base_tokens)
+               if (b := tokenizer.token_bytes(t)) and (word.startswith(b) or b.startswith(word))]
+    return tuple((open_id, t) for t in seconds)
 
 
 def _thinking_options(req: ChatCompletionRequest) -> tuple[bool, str | None]:
@@ -185,7 +202,8 @@ def build_chat_prompt(req: ChatCompletionRequest, tokenizer, processor_cfg, has_
     constraint = _constraint(req, k3, thinking, tool_mode, constrained_tools)
     if not k3:
         thinking, parse_tools = False, None
-    return ChatPrompt(ids, vision, thinking, parse_tools, constraint)
+    guard = [list(p) for p in tool_section_guard(tokenizer)] if k3 and not parse_tools else None
+    return ChatPrompt(ids, vision, thinking, parse_tools, constraint, guard)
 
 
 @dataclass

@@ -142,7 +142,8 @@ def _logit_bias(bias: dict[str, float] | None) -> dict[int, float] | None:
 
 
 def sampling_params(req, max_tokens: int, logprobs: int | None, stop_token_ids: list[int],
-                     defaults: dict | None = None, constraint=None, max_logprobs: int = 20) -> SamplingParams:
+                     defaults: dict | None = None, constraint=None, max_logprobs: int = 20,
+                     bad_token_sequences: list[list[int]] | None = None) -> SamplingParams:
     if req.prompt_logprobs is not None and not (0 <= req.prompt_logprobs <= max_logprobs):
         raise bad_request(f"prompt_logprobs must lie in [0, {max_logprobs}] (--max-logprobs), got "
                           f"{req.prompt_logprobs}", "prompt_logprobs")
@@ -155,7 +156,7 @@ def sampling_params(req, max_tokens: int, logprobs: int | None, stop_token_ids: 
           "logit_bias": _logit_bias(req.logit_bias), "allowed_token_ids": req.allowed_token_ids,
           "bad_words": req.bad_words, "min_tokens": req.min_tokens,
           "include_stop_str_in_output": req.include_stop_str_in_output, "prompt_logprobs": req.prompt_logprobs,
-          "structured_outputs": constraint}
+          "structured_outputs": constraint, "bad_token_sequences": bad_token_sequences}
     for name in ("temperature", "top_p", "top_k", "min_p", "presence_penalty", "frequency_penalty",
                  "repetition_penalty"):
         value = getattr(req, name)

@@ -456,7 +456,7 @@ def add_responses_route(app: FastAPI, state) -> None:
                                  max_image_tokens=state.max_model_len - 1)
         max_tokens = max_tokens_for(state, chat.max_tokens, "max_output_tokens", len(prompt.token_ids), "input")
         params = sampling_params(chat, max_tokens, None, tok.stop_token_ids, state.options.generation_defaults,
-                                 prompt.constraint, state.max_logprobs)
+                                 prompt.constraint, state.max_logprobs, prompt.bad_token_sequences)
         fmt = ResponsesFormatter(f"resp_{uuid.uuid4().hex}", name, prompt, tok, req, prefix_cache_unit(state.engine))
         return await run_job(state, request, [PromptInput(prompt.token_ids, prompt.images)], params, fmt, req.stream,
                           True)

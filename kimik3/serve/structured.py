@@ -129,6 +129,39 @@ def _argument_form(schema: dict, name: str) -> tuple[str, list[str]] | None:
     return " ".join(items), rules
 
 
+_SUBSCHEMA_MAPS = ("properties", "patternProperties", "$defs", "definitions", "dependentSchemas")
+_SUBSCHEMA_LISTS = ("anyOf", "oneOf", "prefixItems")     # not allOf: closed branches of one object clash
+_COMPOSED = ("allOf", "anyOf", "oneOf", "$ref", "if", "dependentSchemas")   # keys an object may take from
+_SUBSCHEMA_ONE = ("items", "additionalItems", "not", "if", "then", "else", "contains", "propertyNames")
+
+
+def closed_schema(schema: Any) -> Any:
+    """A tool's parameter schema with every object closed: ``additionalProperties: false`` wherever an
+    object schema that lists ``properties`` does not say otherwise, at every depth (vLLM's
+    rule for tool schemas); an object that takes keys from ``allOf``/``anyOf``/``oneOf``/``$ref``/``if`` is
+    left as it is (closing it would refuse those keys). An open object lets a constrained call wander into extra keys until
+    ``max_tokens`` and never finish."""
+    if not isinstance(schema, dict):
+        return schema
+    out = dict(schema)
+    for key in _SUBSCHEMA_MAPS:
+        if isinstance(out.get(key), dict):
+            out[key] = {k: closed_schema(v) for k, v in out[key].items()}
+    for key in _SUBSCHEMA_LISTS:
+        if isinstance(out.get(key), list):
+            out[key] = [closed_schema(v) for v in out[key]]
+    for key in _SUBSCHEMA_ONE:
+        if isinstance(out.get(key), dict):
+            out[key] = closed_schema(out[key])
+    is_object = isinstance(out.get("properties"), dict)   # a bare {"type": "object"} is a free-form map: open
+    open_keys = ("additionalProperties", "unevaluatedProperties", "patternProperties", *_COMPOSED)
+    if is_object and not any(k in out for k in open_keys):
+        out["additionalProperties"] = False
+    elif isinstance(out.get("additionalProperties"), dict):
+        out["additionalProperties"] = closed_schema(out["additionalProperties"])
+    return out
+
+
 def _call_rule(tools: list[dict], index: int) -> tuple[str, list[str]]:
     """The rule of call number ``index`` (1-based) to any of ``tools``, and its argument rules."""
     alts, rules = [], []
@@ -137,7 +170,7 @@ def _call_rule(tools: list[dict], index: int) -> tuple[str, list[str]]:
         fn = t["function"]
         call_text = f'call tool="{escape_attr(fn["name"])}" index="{index}"'
         head = f"<|open|> {_lit(call_text)} <|sep|>"
-        schema = fn.get("parameters") or {"type": "object"}
+        schema = closed_schema(fn.get("parameters") or {"type": "object", "properties": {}})
         name = f"args_{index}_{k}"
         rules.append(f"{name}: {lark_json(schema)}")
         body = f'<|open|> {json_head} <|sep|> {name} <|close|> "json" <|sep|>'

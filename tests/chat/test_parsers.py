@@ -67,14 +67,14 @@ def test_streaming_deltas():
     assert d.reasoning == " think" and not d.content  # "<|clo" held back: it may be a marker
     d = p.feed("se|>think<|sep|><|open|>resp")
     assert not d
-    d = p.feed("onse<|sep|>Answer <|open|>x")  # "<|open|>x" cannot end the response: emitted
-    assert d.content == "Answer <|open|>x"
+    d = p.feed("onse<|sep|>Answer <|open|>x")  # "<|open|>x" cannot end the response, but may be an element
+    assert d.content == "Answer "
     d = p.feed('<|close|>response<|sep|><|open|>tools<|sep|><|open|>call tool="f" index="1"<|sep|>')
     assert not d.tool_calls and not d.content
     d = p.feed("<|close|>call<|sep|>")
     assert d.tool_calls == [ToolCall("f", "{}", 0)]
     assert not p.feed("<|close|>tools<|sep|><|close|>message<|sep|><|end_of_msg|>")
-    assert not p.finish()
+    assert p.finish().content == " x"      # the lone control token is a space, never text
 
 
 BAD_JSON_CALL = (
@@ -90,28 +90,27 @@ MISMATCH_CALL = (
 @pytest.mark.parametrize(
     "text, content, calls",
     [
-        # bad JSON in a typed argument: the call comes back as text
-        (BAD_JSON_CALL, BAD_JSON_CALL, []),
+        # bad JSON in a typed argument: the call is dropped
+        (BAD_JSON_CALL, "", []),
         # declared type does not match the value
-        (MISMATCH_CALL, MISMATCH_CALL, []),
+        (MISMATCH_CALL, "", []),
         # unknown tool
         ('<|open|>call tool="nope"<|sep|><|close|>call<|sep|><|open|>call tool="f"<|sep|><|close|>call<|sep|>',
-         '<|open|>call tool="nope"<|sep|><|close|>call<|sep|>', [ToolCall("f", "{}", 0)]),
+         "", [ToolCall("f", "{}", 0)]),
         # a json block that is not JSON, or not an object
         ('<|open|>call tool="f"<|sep|><|open|>json type="object"<|sep|>not json {<|close|>json<|sep|><|close|>call<|sep|>',
-         '<|open|>call tool="f"<|sep|><|open|>json type="object"<|sep|>not json {<|close|>json<|sep|><|close|>call<|sep|>',
-         []),
+         "", []),
         ('<|open|>call tool="f"<|sep|><|open|>json type="object"<|sep|>[1]<|close|>json<|sep|><|close|>call<|sep|>',
-         '<|open|>call tool="f"<|sep|><|open|>json type="object"<|sep|>[1]<|close|>json<|sep|><|close|>call<|sep|>', []),
-        # garbage inside the tools section
-        ("oops<|close|>tools<|sep|>", "oops<|close|>tools<|sep|>", []),
+         "", []),
+        # garbage inside the tools section: text, its markup a space
+        ("oops<|close|>tools<|sep|>", "oops ", []),
         # call without a name
-        ('<|open|>call index="1"<|sep|><|close|>call<|sep|>', '<|open|>call index="1"<|sep|><|close|>call<|sep|>', []),
+        ('<|open|>call index="1"<|sep|><|close|>call<|sep|>', "", []),
     ],
     ids=["bad-json", "type-mismatch", "unknown-tool", "json-block-not-json", "json-block-not-object", "garbage",
          "no-name"],
 )
-def test_malformed_calls_become_content(caplog, text, content, calls):
+def test_malformed_calls_are_dropped(caplog, text, content, calls):
     prefix = "<|open|>response<|sep|><|close|>response<|sep|><|open|>tools<|sep|>"
     with caplog.at_level(logging.WARNING, logger="kimik3.chat.parsers"):
         out = parse_k3_output(prefix + text, thinking=False, tools=["f"])
@@ -291,3 +290,38 @@ def test_render_then_parse_roundtrip(reasoning, content, calls, cuts):
     r, c, got = _parse_chunked(generated, cuts, True)
     assert (r, c) == (reasoning, content)
     assert [(t.name, json.loads(t.arguments)) for t in got] == [(n, a) for n, a in calls]
+
+
+CONTROL_TOKENS = ("<|open|>", "<|close|>", "<|sep|>", "<|end_of_msg|>")
+CALL = ('<|open|>call tool="{name}" index="1"<|sep|><|open|>argument key="k" type="string"<|sep|>v'
+        '<|close|>argument<|sep|><|close|>call<|sep|>')
+MESSAGES = st.builds(
+    lambda think, answer, names, tail: (f"{think}<|close|>think<|sep|><|open|>response<|sep|>{answer}"
+                                        f"<|close|>response<|sep|><|open|>tools<|sep|>"
+                                        + "".join(CALL.format(name=n) for n in names)
+                                        + f"<|close|>tools<|sep|><|close|>message<|sep|>{tail}"),
+    st.text(max_size=10), st.text(max_size=10), st.lists(st.sampled_from(["f", "g", "nope"]), max_size=3),
+    st.sampled_from(["", "<|end_of_msg|>", "junk<|open|>x<|sep|>"]))
+FUZZED_OUTPUTS = st.one_of(MARKUPISH, MESSAGES, MESSAGES.flatmap(lambda m: st.integers(0, len(m)).map(lambda n: m[:n])),
+                           st.tuples(MESSAGES, MARKUPISH).map("".join))
+
+
+@settings(max_examples=800, deadline=None, suppress_health_check=[HealthCheck.too_slow])
+@given(FUZZED_OUTPUTS, st.lists(st.integers(0, 200), max_size=6), st.booleans(),
+       st.sampled_from([None, [], ["f"], ["f", "g"]]))
+def test_fuzz_no_control_token_reaches_reasoning_or_content(text, cuts, thinking, tools):
+    """0 raw XTML in what a user sees, with and without tools (``tools=[]``: none declared or
+    tool_choice "none"), one-shot and streamed in pieces."""
+    out = parse_k3_output(text, thinking=thinking, tools=tools)
+    p = K3OutputParser(thinking=thinking, tools=tools)
+    streamed, pos = [], 0
+    for c in sorted(set(cuts)) + [len(text)]:
+        streamed.append(p.feed(text[pos:max(pos, c)]))
+        pos = max(pos, c)
+    streamed.append(p.finish())
+    for piece in [out.content, out.reasoning_content or ""] + [d.content + d.reasoning for d in streamed]:
+        assert not any(t in piece for t in CONTROL_TOKENS), piece
+    names = {t if isinstance(t, str) else t for t in tools} if tools is not None else None
+    assert all(names is None or c.name in names for c in out.tool_calls)
+    if tools == []:
+        assert out.tool_calls == []

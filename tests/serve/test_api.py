@@ -111,14 +111,42 @@ def test_tool_calls_end_to_end(server):
 
 
 def test_tool_calls_need_tools(server):
-    """Without tools (or with tool_choice none) a generated call stays content."""
+    """Without tools (or with tool_choice none) a call the model writes anyway (forced here by the script,
+    past the logits mask) is dropped: no tool_calls, no markup in the content."""
     c = server.client()
-    r = c.chat.completions.create(model=MODEL, messages=user("SCRIPT_TOOL no tools"))
-    assert not r.choices[0].message.tool_calls
-    assert '<|open|>call tool="get_weather"' in r.choices[0].message.content
-    assert r.choices[0].finish_reason == "stop"
-    r = c.chat.completions.create(model=MODEL, messages=user("SCRIPT_TOOL none"), tools=TOOLS, tool_choice="none")
-    assert not r.choices[0].message.tool_calls
+    for kw in ({}, {"tools": TOOLS, "tool_choice": "none"}):
+        r = c.chat.completions.create(model=MODEL, messages=user("SCRIPT_TOOL no tools"), **kw)
+        m = r.choices[0].message
+        assert not m.tool_calls and m.content == "Checking." and r.choices[0].finish_reason == "stop"
+        chunks = list(c.chat.completions.create(model=MODEL, messages=user("SCRIPT_TOOL no tools"), stream=True, **kw))
+        assert "".join(ch.choices[0].delta.content or "" for ch in chunks if ch.choices) == "Checking."
+
+
+def _opener_pairs(server, chat: bool = True, **kw) -> int:
+    """Times the sampled tokens hold ``<|open|>`` then a token that starts ``tools``, over a few sampled
+    answers restricted to those tokens and two others."""
+    ids = {s: TOK.encode(s, allow_special=True) for s in ("<|open|>", "t", "to", "x", "y")}
+    assert all(len(v) == 1 for v in ids.values())
+    extra = {"allowed_token_ids": [v[0] for v in ids.values()], "ignore_eos": True}
+    pairs = 0
+    for seed in range(4):
+        c = server.client()
+        if chat:
+            r = c.chat.completions.create(model=MODEL, messages=user("hi"), max_tokens=48, temperature=1.0, seed=seed,
+                                          logprobs=True, extra_body=extra, **kw)
+            toks = [e.token for e in r.choices[0].logprobs.content]
+        else:
+            r = c.completions.create(model=MODEL, prompt="hi", max_tokens=48, temperature=1.0, seed=seed, logprobs=0,
+                                     extra_body={**extra, "skip_special_tokens": False})
+            toks = r.choices[0].logprobs.tokens
+        pairs += sum(a == "<|open|>" and b in ("t", "to") for a, b in zip(toks, toks[1:]))
+    return pairs
+
+
+def test_no_tools_masks_the_tool_section_opener(server):
+    assert _opener_pairs(server) == 0
+    assert _opener_pairs(server, tools=TOOLS, tool_choice="none") == 0
+    assert _opener_pairs(server, chat=False) > 0     # unguarded (a plain completion), the same tokens pair up
 
 
 def test_thinking_off(server):

@@ -16,7 +16,7 @@ import kimik3
 from kimik3.engine.sampling_params import StructuredOutputsParams as SO
 from kimik3.engine.structured import GrammarCompiler
 from kimik3.serve import add_serve_arguments, build_app
-from kimik3.serve.structured import k3_answer_grammar
+from kimik3.serve.structured import closed_schema, k3_answer_grammar
 from tests.serve.conftest import LiveServer
 
 M = "tiny-k3"
@@ -177,6 +177,40 @@ def test_named_and_required_tool_choice(real):
         assert r.choices[0].finish_reason == "tool_calls" and len(calls) == 1
         _valid(calls[0].function.arguments, by_name[calls[0].function.name])
         assert not r.choices[0].message.content
+
+
+def test_forced_calls_with_open_schemas_finish(real):
+    """A named tool_choice whose schema does not say additionalProperties (nested objects too): the
+    objects are closed, so the call ends with the declared keys only."""
+    params = {"type": "object", "properties": {"city": {"type": "string", "maxLength": 8},
+                                                "opts": {"type": "object", "properties": {"n": {"type": "integer",
+                                                                                                 "minimum": 0,
+                                                                                                 "maximum": 9}}}},
+              "required": ["city"]}
+    tools = [{"type": "function", "function": {"name": "lookup", "parameters": params}}]
+    closed = closed_schema(params)
+    for seed in range(3):
+        r = _chat(real, seed=seed, tools=tools, tool_choice={"type": "function", "function": {"name": "lookup"}},
+                  extra_body=OFF)
+        (call,) = r.choices[0].message.tool_calls
+        assert r.choices[0].finish_reason == "tool_calls" and _valid(call.function.arguments, closed)
+
+
+def test_closed_schema():
+    open_ = {"type": "object", "properties": {"a": {"type": "object", "properties": {"b": {}}},
+                                              "free": {"type": "object"}, "keep": {"type": "object", "properties": {},
+                                                                                   "additionalProperties": True},
+                                              "arr": {"type": "array", "items": {"properties": {"c": {}}}},
+                                              "alt": {"anyOf": [{"properties": {"d": {}}}, {"type": "null"}]},
+                                              "both": {"allOf": [{"properties": {"e": {}}}]}}}
+    want = {"type": "object", "additionalProperties": False, "properties": {
+        "a": {"type": "object", "properties": {"b": {}}, "additionalProperties": False},
+        "free": {"type": "object"}, "keep": {"type": "object", "properties": {}, "additionalProperties": True},
+        "arr": {"type": "array", "items": {"properties": {"c": {}}, "additionalProperties": False}},
+        "alt": {"anyOf": [{"properties": {"d": {}}, "additionalProperties": False}, {"type": "null"}]},
+        "both": {"allOf": [{"properties": {"e": {}}}]}}}
+    assert closed_schema(open_) == want
+    assert open_["properties"]["a"] == {"type": "object", "properties": {"b": {}}}     # the input is not changed
 
 
 def test_logit_bias_and_controls_on_the_routes(real):
