@@ -239,6 +239,11 @@ class EngineArgs:
         "overlaps the GPU; with speculation, drafts are looked up ahead of the previous token and a step "
         "expected to reject its drafts is followed at once by the next (default: on for one CUDA device, "
         "as in vLLM; else off)", default=None)
+    cpu_offload_gb: float = _opt(
+        "GiB of routed experts kept in host memory (pinned) instead of on the GPU, as vLLM's flag (one "
+        "process: the whole model's experts); each MoE layer caches its hot experts on the GPU and copies "
+        "the ones it misses in as it runs them, with the same tokens as fully resident (default: 0)",
+        default=0.0, type=non_negative_gib)
     use_tqdm_on_load: bool = _opt("show a progress bar while the weights load (default: on)", default=True)
 
     def __post_init__(self) -> None:
@@ -267,6 +272,9 @@ class EngineArgs:
             raise ValueError(f"decode_context_parallel_size {self.decode_context_parallel_size} must divide "
                              f"tensor_parallel_size {self.tensor_parallel_size} (the latent cache is striped over "
                              f"tensor-parallel ranks)")
+        if isinstance(self.cpu_offload_gb, bool) or not isinstance(self.cpu_offload_gb, (int, float)) \
+                or not 0 <= self.cpu_offload_gb < float("inf"):
+            raise ValueError(f"cpu_offload_gb must be a number of GiB >= 0, got {self.cpu_offload_gb!r}")
         if self.expert_parallel_mode not in MOE_MODES:
             raise ValueError(f"expert_parallel_mode must be one of {MOE_MODES}, got {self.expert_parallel_mode!r}")
 
@@ -335,6 +343,16 @@ class EngineArgs:
         if self.enforce_eager is not None:
             return self.enforce_eager
         return self.tensor_parallel_size > 1 or self.enable_expert_parallel
+
+    def expert_offload_config(self):
+        """The model's expert-offload settings (``--cpu-offload-gb``), or None when nothing is offloaded."""
+        if not self.cpu_offload_gb:
+            return None
+        if self.tensor_parallel_size > 1 or self.enable_expert_parallel:
+            raise ValueError("cpu_offload_gb is not supported with tensor or expert parallelism yet; "
+                             "use one GPU (or leave cpu_offload_gb at 0)")
+        from kimik3.model.expert_offload import ExpertOffloadConfig
+        return ExpertOffloadConfig.from_gib(self.cpu_offload_gb)
 
     def engine_config(self, max_model_len: int, device: torch.device):
         from kimik3.engine.config import EngineConfig

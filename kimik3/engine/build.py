@@ -29,6 +29,7 @@ def build_engine(args: EngineArgs, tokenizer=None):
     if config.async_scheduling and args.async_scheduling is None:
         logger.info("async scheduling on (the default on one CUDA device; --no-async-scheduling turns it off)")
     args.generation_defaults(path)          # a bad generation config fails before the load
+    offload = args.expert_offload_config()
     logger.info("loading %s (%s on %s)", path, str(dtype).removeprefix("torch."), device)
     if args.tensor_parallel_size > 1 or args.enable_expert_parallel:
         from kimik3.engine.parallel_runner import ParallelRunner
@@ -43,7 +44,7 @@ def build_engine(args: EngineArgs, tokenizer=None):
                                                             on_failure=group.fail))
     else:
         model = load_model(path, device=device, dtype=dtype, language_model_only=args.language_model_only,
-                           progress=args.use_tqdm_on_load)
+                           progress=args.use_tqdm_on_load, expert_offload=offload)
         engine, group = LLMEngine(model, config, tokenizer=tokenizer, tokenizer_path=str(path)), None
     if device.type == "cuda":
         warm_up(engine)

@@ -105,6 +105,9 @@ class ModelRunner:
         device tensor of an async-scheduled step's input tokens (each chunk's ``input_pending`` token,
         the previous step's sample, in chunk order)."""
         t0, enc0 = time.perf_counter(), self.images.seconds
+        offload = getattr(self.model, "expert_offload", None)
+        if offload is not None:         # cache the hot experts of the routing so far (between steps)
+            offload.refresh()
         self.cache.apply_state_ops(out.state_copies, out.state_resets)
         size = self.batches.graph_size(out, self.graphs)
         if size is None:

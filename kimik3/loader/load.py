@@ -39,7 +39,8 @@ def _text_name(name: str, architecture: str, has_vision: bool) -> str | None:
 
 def load_model(path: str | Path, device: str | torch.device = "cpu", dtype: torch.dtype = torch.float32,
                packed_experts: bool | None = None, parallel: ParallelContext | None = None,
-               language_model_only: bool = False, progress: bool = False, **switches) -> KimiForCausalLM:
+               language_model_only: bool = False, progress: bool = False, expert_offload=None,
+               **switches) -> KimiForCausalLM:
     """Load a Kimi-K3 or Kimi-Linear checkpoint directory.
 
     ``dtype``: float64, float32, bfloat16 (float16 also works). ``switches`` set the numeric
@@ -50,6 +51,8 @@ def load_model(path: str | Path, device: str | torch.device = "cpu", dtype: torc
     TP-split tensor through a safetensors slice, other ranks' experts not at all).
     ``language_model_only``: skip the vision tower (its tensors are not read; the model takes no images).
     ``progress``: a progress bar (bytes read, on stderr) while the files load.
+    ``expert_offload``: an ``ExpertOffloadConfig`` (``--cpu-offload-gb``): the routed experts load into host
+    memory (pinned on CUDA) and the GPU keeps a cache of them (``kimik3.model.expert_offload``).
     Returns the text model; ``model(ids)`` gives logits [T, vocab] (float32).
     """
     parallel = parallel or ParallelContext()
@@ -76,7 +79,12 @@ def load_model(path: str | Path, device: str | torch.device = "cpu", dtype: torc
             if isinstance(module, Experts):
                 module.use_mxfp4_storage()
         logger.info("routed experts kept in MXFP4 (packed uint8 + E8M0 scales)")
-    model.to_empty(device=device)
+    offload = expert_offload is not None and expert_offload.cpu_offload_bytes > 0
+    if offload:
+        model.moe_blocks(expert_offload)              # a bad budget fails before anything is read
+        _materialize_with_host_experts(model, device)
+    else:
+        model.to_empty(device=device)
     expected = model.expected_weights()
     shards = model.shard_table()
     loaded: set[str] = set()
@@ -115,7 +123,8 @@ def load_model(path: str | Path, device: str | torch.device = "cpu", dtype: torc
                 if packed_experts and e:
                     if name in loaded:
                         raise CheckpointError(f"tensor '{raw_name}' appears twice (second time in {file})")
-                    experts.load_expert_mxfp4(int(e[2]), e[3], halves["packed"].to(device), halves["scale"].to(device),
+                    where = experts.w13.device
+                    experts.load_expert_mxfp4(int(e[2]), e[3], halves["packed"].to(where), halves["scale"].to(where),
                                               f"{raw_name} in {file.name}")
                     loaded.add(name)
                     continue
@@ -126,7 +135,7 @@ def load_model(path: str | Path, device: str | torch.device = "cpu", dtype: torc
                 tensor = tensor.narrow(dim, rank * n, n)
             if name in loaded:
                 raise CheckpointError(f"tensor '{raw_name}' appears twice (second time in {file})")
-            model.load_weight(name, tensor.to(device), source=str(file))
+            model.load_weight(name, tensor.to(experts.w13.device if e else device), source=str(file))
             loaded.add(name)
         bar.update(file.stat().st_size)
     bar.close()
@@ -147,8 +156,28 @@ def load_model(path: str | Path, device: str | torch.device = "cpu", dtype: torc
     if other_ranks:
         logger.info("rank %d of %d: left %d routed-expert tensors to the other expert-parallel ranks",
                     parallel.tp_rank, parallel.tp_size, other_ranks)
+    if offload:
+        model.offload_experts(expert_offload)
     model.eval()
     return model
+
+
+def _materialize_with_host_experts(model: KimiForCausalLM, device) -> None:
+    """``model.to_empty(device)`` but the routed experts in host memory (pinned when ``device`` is CUDA)."""
+    detached = [(parent, name, child) for parent in model.modules() for name, child in parent.named_children()
+                if isinstance(child, Experts)]
+    for parent, name, _ in detached:
+        parent._modules[name] = None
+    model.to_empty(device=device)
+    pin = torch.device(device).type == "cuda"
+    for parent, name, child in detached:
+        child.to_empty(device="cpu")
+        if pin:
+            for p in child.parameters():
+                p.data = torch.empty(p.shape, dtype=p.dtype, pin_memory=True)
+            for key, b in child._buffers.items():
+                child._buffers[key] = torch.empty(b.shape, dtype=b.dtype, pin_memory=True)
+        parent._modules[name] = child
 
 
 _LAYER = re.compile(r"^model\.layers\.(\d+)\.")

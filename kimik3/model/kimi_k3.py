@@ -129,6 +129,7 @@ class KimiForCausalLM(nn.Module):
         _, vocab = par.split(config.text.vocab_size, "vocab size") if par.enabled else (0, config.text.vocab_size)
         self.lm_head = linear(config.text.hidden_size, vocab)
         self.tp_shards = {"lm_head.weight": (0, par.tp_rank, par.tp_size)} if par.enabled else {}
+        self.expert_offload = None          # an ExpertOffload when routed experts live in host memory
         if config.vision is not None:
             # checkpoint names ``vision_tower.*`` / ``mm_projector.*`` live under ``vision.``
             self.vision = KimiVisionModel(config.vision)
@@ -150,6 +151,23 @@ class KimiForCausalLM(nn.Module):
             keep = _ALWAYS_FP32.search(name) or (policy == "checkpoint" and _CHECKPOINT_FP32.search(name))
             p.data = p.data.to(wide if keep else dtype)
         return self
+
+    def offload_experts(self, config) -> None:
+        """Keep ``config.cpu_offload_bytes`` of the routed experts in host memory (``expert_offload.py``): the
+        ``Experts`` modules must already live there (the loader places them); the GPU pool is built here."""
+        from kimik3.model.expert_offload import ExpertOffload
+        self.expert_offload = ExpertOffload(self.moe_blocks(config), config, self.device)
+
+    def moe_blocks(self, offload_config=None) -> list:
+        """The MoE blocks, first to last; with ``offload_config``, checked to be offloadable (bytes, one process)."""
+        moes = [layer.block_sparse_moe for layer in self.model.layers if hasattr(layer, "block_sparse_moe")]
+        if offload_config is not None:
+            from kimik3.model.expert_offload import check_budget
+            if self.parallel.enabled:
+                raise ValueError("cpu_offload_gb is not supported with tensor or expert parallelism yet; "
+                                 "use one GPU (or leave cpu_offload_gb at 0)")
+            check_budget(moes, offload_config)
+        return moes
 
     def use_side_stream(self, stream: torch.cuda.Stream | None) -> None:
         """Give every MoE layer a second CUDA stream for its small-batch overlap (None: serial)."""

@@ -26,6 +26,7 @@ from torch import nn
 
 from kimik3.config import TextConfig
 from kimik3.distributed import ParallelContext
+from kimik3.model.expert_offload import LayerOffload
 from kimik3.model.layers import MLP, GLUActivation, RMSNorm, linear
 from kimik3.model.moe_exchange import ExpertExchange, make_exchange
 from kimik3.ops import mxfp4
@@ -199,6 +200,7 @@ class MoE(nn.Module):
                                       None if par.tokens_sharded else par, reduce=False)
         self.exchange: ExpertExchange | None = make_exchange(par)     # token-sharded modes only
         self.side_stream: torch.cuda.Stream | None = None      # set by KimiForCausalLM.use_side_stream
+        self.offload: LayerOffload | None = None                # set by ExpertOffload (expert_offload.py)
 
     # ---- the variant's parts (the plain variant's: identity, sum, one all-reduce) ---------------
     def to_latent(self, x: torch.Tensor) -> torch.Tensor:
@@ -242,6 +244,8 @@ class MoE(nn.Module):
             side.wait_stream(main)
         with on_side():
             weights, ids = self.route(x)
+            if self.offload is not None:     # copy in the routed experts the GPU does not cache
+                self.offload.stage(ids)
         z = self.to_latent(x)
         if side is not None:
             main.wait_stream(side)
@@ -270,6 +274,13 @@ class MoE(nn.Module):
         e, a = self.experts, self.act
         if z.shape[0] == 0:
             return z.new_zeros(z.shape)
+        if self.offload is not None:         # the pool of cached and staged experts, rows by ``slots``
+            w1, w2, w3, slots = self.offload.weights()
+            if e.mxfp4:
+                return fused_moe_mxfp4(z, w1, w2, w3, weights, ids, a.hidden_act, a.beta, a.linear_beta,
+                                       self.cfg.combine_fp32, e.scale_max, slots=slots)
+            return fused_moe(z, w1, w2, w3, weights, ids, a.hidden_act, a.beta, a.linear_beta, self.cfg.combine_fp32,
+                             slots=slots)
         if e.mxfp4:
             return fused_moe_mxfp4(z, e.packed("w1"), e.packed("w2"), e.packed("w3"), weights, ids, a.hidden_act,
                                    a.beta, a.linear_beta, self.cfg.combine_fp32, e.scale_max)

@@ -387,6 +387,24 @@ def _halves_of_one(w1: torch.Tensor, w3: torch.Tensor) -> torch.Tensor | None:
     return torch.as_strided(w1, (E, 2 * I, L), w1.stride())
 
 
+def pool_rows(block_expert: torch.Tensor, slots: torch.Tensor | None) -> torch.Tensor:
+    """Blocks' expert ids -> their weight rows in an expert cache's pool (-1, a block past the end, stays)."""
+    if slots is None:
+        return block_expert
+    return torch.where(block_expert >= 0, slots[block_expert.clamp_min(0)], block_expert)
+
+
+def _gathered_dense(w1, w2, w3, slots):
+    """Dense experts of a pool gathered into id order (prefill's library path reads whole experts); gate and
+    up stay the halves of one tensor when they were, so the same gate | up GEMM runs."""
+    w13 = _halves_of_one(w1, w3)
+    if w13 is None:
+        return w1[slots], w2[slots], w3[slots]
+    w13 = w13[slots]
+    I = w1.shape[1]
+    return w13[:, :I], w2[slots], w13[:, I:]
+
+
 def _grouped_mm_experts(x, w1, w2, w3, weights, ids, act_situ, beta, linear_beta) -> torch.Tensor:
     """Dense bf16 experts through ``torch._grouped_mm``: assignments sorted by expert (stable; group
     ends counted on the device, no host sync), gate and up GEMMs, our gating kernel, the down GEMM,
@@ -446,7 +464,8 @@ MXFP4_GROUPED_MM_ROWS_PER_EXPERT = 1024
 MXFP4_DEQUANT_CHUNK_BYTES = 256 << 20
 
 
-def _grouped_mm_mxfp4_experts(x, w1, w2, w3, weights, ids, act_situ, beta, linear_beta, high_scales) -> torch.Tensor:
+def _grouped_mm_mxfp4_experts(x, w1, w2, w3, weights, ids, act_situ, beta, linear_beta, high_scales,
+                              slots: torch.Tensor | None = None) -> torch.Tensor:
     """MXFP4 experts (packed, scale pairs) through ``torch._grouped_mm``: assignments sorted by expert, then
     per chunk of experts (at most ``MXFP4_DEQUANT_CHUNK_BYTES`` of bf16 gate | up weights) the chunk's
     weights dequantized exactly into scratch, gate | up as one grouped GEMM over the chunk's rows, our
@@ -455,7 +474,7 @@ def _grouped_mm_mxfp4_experts(x, w1, w2, w3, weights, ids, act_situ, beta, linea
     from kimik3.ops.triton.activation import glu_triton
     (w1p, w1s), (w2p, w2s), (w3p, w3s) = w1, w2, w3
     L = x.shape[1]
-    E, I = w1p.shape[0], w1p.shape[1]
+    E, I = (w1p.shape[0] if slots is None else slots.shape[0]), w1p.shape[1]
     top_k = ids.shape[1]
     order, counts = _expert_order(ids, E)
     ends = [0] + counts.cumsum(0).tolist()
@@ -469,9 +488,10 @@ def _grouped_mm_mxfp4_experts(x, w1, w2, w3, weights, ids, act_situ, beta, linea
         if r0 == r1:
             continue
         n = e1 - e0
-        dequantize_mxfp4(w1p[e0:e1], w1s[e0:e1], w13[:n, :I], high_scales)
-        dequantize_mxfp4(w3p[e0:e1], w3s[e0:e1], w13[:n, I:], high_scales)
-        dequantize_mxfp4(w2p[e0:e1], w2s[e0:e1], wd[:n], high_scales)
+        rows = slice(e0, e1) if slots is None else slots[e0:e1]        # an expert cache: its pool rows
+        dequantize_mxfp4(w1p[rows], w1s[rows], w13[:n, :I], high_scales)
+        dequantize_mxfp4(w3p[rows], w3s[rows], w13[:n, I:], high_scales)
+        dequantize_mxfp4(w2p[rows], w2s[rows], wd[:n], high_scales)
         offs = (counts[e0:e1].cumsum(0)).to(torch.int32)
         xs = x[order[r0:r1] // top_k]
         gate_up = torch._grouped_mm(xs, w13[:n].transpose(1, 2), offs=offs)                  # [r, 2I]
@@ -481,12 +501,14 @@ def _grouped_mm_mxfp4_experts(x, w1, w2, w3, weights, ids, act_situ, beta, linea
 
 
 def _wgmma_experts(x: torch.Tensor, w1, w2, w3, weights: torch.Tensor, ids: torch.Tensor, act_situ: bool, beta: float,
-                  linear_beta: float | None, high_scales: bool, BT: int, warps: int, two: bool = False) -> torch.Tensor:
+                  linear_beta: float | None, high_scales: bool, BT: int, warps: int, two: bool = False,
+                  slots: torch.Tensor | None = None) -> torch.Tensor:
     """``fused_moe_triton`` for MXFP4 experts through ``moe_wgmma``'s kernels (``wgmma_fits`` holds): the
     assignments sorted by expert in blocks of BT, the products (``moe_wgmma.expert_products``), then the fp32
     combine."""
     from kimik3.ops.triton.moe_wgmma import expert_products
-    sorted_rows, block_expert = _sort_by_expert(ids, w1[0].shape[0], BT)
+    sorted_rows, block_expert = _sort_by_expert(ids, w1[0].shape[0] if slots is None else slots.shape[0], BT)
+    block_expert = pool_rows(block_expert, slots)
     y = expert_products(x, w1, w2, w3, sorted_rows, block_expert, ids.shape[1], act_situ, beta, linear_beta,
                         high_scales, BT, warps, two)
     return _combine(y, weights)
@@ -494,8 +516,12 @@ def _wgmma_experts(x: torch.Tensor, w1, w2, w3, weights: torch.Tensor, ids: torc
 
 def fused_moe_triton(x: torch.Tensor, w1, w2, w3, weights: torch.Tensor, ids: torch.Tensor, act_situ: bool,
                      beta: float, linear_beta: float | None, high_scales: bool = True,
-                     tiles: dict | None = None) -> torch.Tensor:
+                     tiles: dict | None = None, slots: torch.Tensor | None = None) -> torch.Tensor:
     """x [T, L] bf16 or fp16; weights [T, k] fp32; ids [T, k]. Returns [T, L] in x's dtype.
+    slots [E] (an expert cache's pool, ``kimik3.model.expert_offload``): expert e's weights are row slots[e]
+    of w1/w2/w3, which may hold more rows than E. The assignments are sorted by expert id as without it
+    (same blocks, same tiles) and only the blocks' weight rows are looked up, so the result is the stacked
+    experts' bit for bit; the library paths (prefill) gather the rows they read.
     Dense experts: w1, w3 [E, I, L], w2 [E, L, I] in x's dtype. MXFP4 experts (bf16 x): each of
     w1, w3 = (packed [E, I, L/2], scale [E, I, L/32]), w2 = (packed [E, L, I/2], scale [E, L, I/32]).
     high_scales: some E8M0 scale may exceed 128 (the dequantization takes two multiplies; False is
@@ -510,7 +536,7 @@ def fused_moe_triton(x: torch.Tensor, w1, w2, w3, weights: torch.Tensor, ids: to
     packed = isinstance(w1, tuple)
     (w1p, w1s), (w2p, w2s), (w3p, w3s) = (w if packed else (w, w) for w in (w1, w2, w3))
     T, L = x.shape
-    E, I = w1p.shape[0], w1p.shape[1]
+    E, I = (w1p.shape[0] if slots is None else slots.shape[0]), w1p.shape[1]
     top_k = ids.shape[1]
     if packed and x.dtype != torch.bfloat16:
         raise ValueError(f"the MXFP4 expert kernels take bf16 activations, got {x.dtype}")
@@ -521,12 +547,16 @@ def fused_moe_triton(x: torch.Tensor, w1, w2, w3, weights: torch.Tensor, ids: to
                          f"got {x.dtype} activations and {w1p.dtype} weights")
     x = x.contiguous()
     if not packed and tiles is None and T == 1 and ONE_TOKEN_GEMV and w1p.stride(2) == 1 and w2p.stride(2) == 1:
-        return one_token_experts(x, w1p, w2p, w3p, weights, ids, act_situ, beta, linear_beta)
+        rows = ids if slots is None else slots[ids]           # one token: its k experts, each on its own
+        return one_token_experts(x, w1p, w2p, w3p, weights, rows, act_situ, beta, linear_beta)
     if not packed and tiles is None and x.dtype == torch.bfloat16 and T * top_k >= GROUPED_MM_ROWS_PER_EXPERT * E:
+        if slots is not None:
+            w1p, w2p, w3p = _gathered_dense(w1p, w2p, w3p, slots)
         return _grouped_mm_experts(x, w1p, w2p, w3p, weights, ids, act_situ, beta, linear_beta)
     if (packed and tiles is None and T * top_k >= MXFP4_GROUPED_MM_ROWS_PER_EXPERT * E
             and not (x.is_cuda and torch.cuda.is_current_stream_capturing())):
-        return _grouped_mm_mxfp4_experts(x, w1, w2, w3, weights, ids, act_situ, beta, linear_beta, high_scales)
+        return _grouped_mm_mxfp4_experts(x, w1, w2, w3, weights, ids, act_situ, beta, linear_beta, high_scales,
+                                         slots)
     if tiles is None:
         wg = _wgmma_tiles(T * top_k / E) if packed else None
     else:
@@ -535,7 +565,7 @@ def fused_moe_triton(x: torch.Tensor, w1, w2, w3, weights: torch.Tensor, ids: to
         from kimik3.ops.triton import moe_wgmma
         if moe_wgmma.wgmma_fits(x, w1, w2, w3, wg["warps"], wg.get("two", False)):
             return _wgmma_experts(x, w1, w2, w3, weights, ids, act_situ, beta, linear_beta, high_scales,
-                                  wg["BT"], wg["warps"], wg.get("two", False))
+                                  wg["BT"], wg["warps"], wg.get("two", False), slots)
         if tiles is not None:
             raise ValueError(f"the wgmma expert kernels cannot take these experts (tiles {tiles})")
     cfg = tiles or _tiles(T * top_k / E, packed)
@@ -547,6 +577,7 @@ def fused_moe_triton(x: torch.Tensor, w1, w2, w3, weights: torch.Tensor, ids: to
     else:
         sorted_rows, block_expert = _sort_by_expert(ids, E, BM)
         nb = block_expert.shape[0]
+    block_expert = pool_rows(block_expert, slots)
     h = torch.empty(nb * BM, I, dtype=x.dtype, device=x.device)
     common = dict(BM=BM, BKH=cfg["BKH"], UPCAST=INTERPRETING, MXFP4=packed, ASM=cfg.get("asm", not INTERPRETING),
                   HIGH_SCALES=high_scales, ONE_TOKEN=one_token, num_warps=cfg["warps"], num_stages=cfg["stages"])

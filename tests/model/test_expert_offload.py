@@ -1,0 +1,86 @@
+"""Expert offload on the CPU path (a "host" pool and a "device" pool, both CPU memory): logits equal the
+fully resident model's bit for bit (MXFP4 and dense experts, K3 and Kimi-Linear, little to everything
+offloaded, before and after the hot set moves), the hot set follows the router's counts, bad budgets are
+clear errors."""
+
+from __future__ import annotations
+
+import pytest
+import torch
+
+from kimik3.loader import load_model
+from kimik3.model.expert_offload import ExpertOffloadConfig, expert_bytes
+
+CASES = [("kimi_k3", True, torch.float32), ("kimi_k3", False, torch.float32), ("kimi_linear", False, torch.bfloat16)]
+IDS = ["k3-mxfp4", "k3-dense", "kimi-linear-bf16"]
+
+
+def _per_layer_bytes(model) -> int:
+    moes = model.moe_blocks()
+    return len(moes) * expert_bytes(moes[0].experts)
+
+
+@pytest.fixture(scope="module", params=CASES, ids=IDS)
+def resident(request, tiny_ckpt):
+    arch, packed, dtype = request.param
+    path = tiny_ckpt[arch]
+    return path, packed, dtype, load_model(path, dtype=dtype, packed_experts=packed)
+
+
+@pytest.mark.parametrize("experts_offloaded", [1, 3, 8])
+def test_offloaded_logits_equal_resident(resident, experts_offloaded):
+    path, packed, dtype, model = resident
+    cfg = ExpertOffloadConfig(experts_offloaded * _per_layer_bytes(model))
+    off = load_model(path, dtype=dtype, packed_experts=packed, expert_offload=cfg)
+    o = off.expert_offload
+    assert (o.cache_size, o.staging_size) == (8 - experts_offloaded, experts_offloaded)
+    assert all(m.experts.w13.device.type == "cpu" for m in off.moe_blocks())
+    ids = torch.randint(5, 200, (19,), generator=torch.Generator().manual_seed(experts_offloaded))
+    want = model(ids)
+    assert torch.equal(off(ids), want)
+    assert int(o.copies.sum()) > 0                          # misses were staged from the host pool
+    for _ in range(2):                                      # the hot set moves; still the same bits
+        o.refresh()
+        assert torch.equal(off(ids), want)
+    if 0 < o.cache_size:
+        assert o.swapped > 0
+
+
+def test_hot_set_follows_the_router_counts(resident):
+    path, packed, dtype, model = resident
+    off = load_model(path, dtype=dtype, packed_experts=packed,
+                     expert_offload=ExpertOffloadConfig(5 * _per_layer_bytes(model), decay=0.5))
+    o = off.expert_offload
+    assert o.cached[0] == [0, 1, 2]                         # before any routing: experts 0..S-1
+    o.counts.zero_()
+    o.counts[0, [7, 4, 1]] = torch.tensor([9.0, 5.0, 3.0])  # layer 0 routes to 7, 4, 1; layer 1 to 6, 5, 0
+    o.counts[1, [6, 5, 0]] = torch.tensor([1.0, 2.0, 1.0])
+    o.refresh()
+    assert set(o.cached[0]) == {7, 4, 1} and set(o.cached[1]) == {6, 5, 0}
+    assert o.cached[0][1] == 1                              # a cached expert that stays keeps its row
+    o.counts[0, 2] = 12.0                                   # traffic shifts: 2 beats 1 (3 x 0.5 decayed)
+    o.refresh()
+    assert set(o.cached[0]) == {7, 4, 2}
+    for i, m in enumerate(off.moe_blocks()):                # the pool rows and tables agree with the host
+        slots = o.slots[i].tolist()
+        for e in range(8):
+            for k in o.kinds:
+                if e in o.cached[i]:
+                    assert slots[e] == i * 3 + o.cached[i].index(e)
+                    assert torch.equal(o.pool[k][slots[e]], getattr(m.experts, k)[e])
+                else:
+                    assert slots[e] == o.num_layers * 3 + o.staged_host[i].index(e)
+        assert o.staged[i].tolist() == o.staged_host[i]
+
+
+def test_bad_budgets_are_clear_errors(tiny_ckpt):
+    from kimik3.engine.args import EngineArgs
+    with pytest.raises(ValueError, match="cpu_offload_gb must be a number of GiB >= 0"):
+        ExpertOffloadConfig.from_gib(-1)
+    with pytest.raises(ValueError, match="cpu_offload_gb must be a number of GiB >= 0"):
+        EngineArgs(cpu_offload_gb=-0.5)
+    with pytest.raises(ValueError, match="more than the model's routed experts here"):
+        load_model(tiny_ckpt["kimi_k3"], expert_offload=ExpertOffloadConfig.from_gib(1.0))
+    with pytest.raises(ValueError, match="not supported with tensor or expert parallelism"):
+        EngineArgs(cpu_offload_gb=1, tensor_parallel_size=2).expert_offload_config()
+    assert EngineArgs(cpu_offload_gb=0).expert_offload_config() is None
