@@ -156,6 +156,7 @@ def main() -> None:
     ap.add_argument("--draft-vocab", type=int, default=2048)
     ap.add_argument("--lr", type=float, default=2e-3)
     ap.add_argument("--seed", type=int, default=0)
+    ap.add_argument("--eval-windows", type=int, default=16, help="held-out windows scored at the end")
     args = ap.parse_args()
     logging.basicConfig(level=logging.INFO, format="%(asctime)s %(message)s", datefmt="%H:%M:%S")
     if args.threads:
@@ -211,7 +212,7 @@ def main() -> None:
     draft.eval()
     with torch.no_grad():
         n = (val.numel() - 1) // (T + 1)
-        windows = torch.stack([val[i * (T + 1):(i + 1) * (T + 1)] for i in range(min(n, 64))])
+        windows = torch.stack([val[i * (T + 1):(i + 1) * (T + 1)] for i in range(min(n, args.eval_windows))])
         agree = np.mean([losses(draft, target, windows[i:i + B], args.ttt)[1] for i in range(0, len(windows), B)], 0)
     logger.info("held-out top-1 agreement per chained step (teacher-forced): %s", np.round(agree, 3).tolist())
     args.out.mkdir(parents=True, exist_ok=True)

@@ -3,7 +3,8 @@
 * Eagle3 (``load_eagle3``): a speculators checkpoint (``config.json`` with ``speculators_model_type: "eagle3"``
   and ``transformer_layer_config``) or EAGLE's own export (Llama keys at the top level, ``midlayer.*``).
 * MTP (``load_mtp``): the MTP layers ``model.layers.{L + j}.*`` of a K3 checkpoint (``num_nextn_predict_layers``).
-* DFlash (``load_dflash``): a speculators checkpoint with ``speculators_model_type: "dflash"``.
+* DFlash (``load_dflash``): a speculators checkpoint with ``speculators_model_type: "dflash"`` (or "dspark" without
+  its Markov and confidence heads, which are refused by name).
 
 A draft whose config or tensors do not fit the target (hidden size, vocabulary, layer ids, a tensor's shape, a
 missing or unexpected tensor) is a ``DraftError`` naming the mismatch. Tensors the draft shares with the target
@@ -238,8 +239,12 @@ def load_dflash(path: str | Path, target, device=None, dtype: torch.dtype | None
     path = Path(path)
     where = f"DFlash draft {path}"
     data = _read_config(path)
-    if data.get("speculators_model_type") != "dflash":
-        raise DraftError(f"{where}: speculators_model_type is {data.get('speculators_model_type')!r}, not 'dflash'")
+    kind = data.get("speculators_model_type")
+    if kind not in ("dflash", "dspark"):
+        raise DraftError(f"{where}: speculators_model_type is {kind!r}, not 'dflash' or 'dspark'")
+    if kind == "dspark" and (data.get("markov_rank") or data.get("enable_confidence_head")):
+        raise DraftError(f"{where}: DSpark's Markov head (markov_rank {data.get('markov_rank')}) and confidence head "
+                         "are not supported; only the DFlash-shaped block drafter (markov_rank 0, no confidence head)")
     cfg = dflash_config(data, target, where)
     with torch.device("meta"):
         model = DFlashDraft(cfg)

@@ -133,6 +133,57 @@ def test_proposals_equal_the_draft_run_from_scratch(target, monkeypatch):
         assert proposal == want, (P, proposal, want)
 
 
+def random_module(m, seed: int):
+    g = torch.Generator().manual_seed(seed)
+    for p in m.parameters():
+        if p.dtype.is_floating_point:
+            p.data.copy_(torch.randn(p.shape, generator=g) / math.sqrt(p.shape[-1]) if p.dim() > 1 else torch.ones(p.shape))
+    return m.eval()
+
+
+@pytest.mark.parametrize("method", ["mtp", "dflash"])
+def test_mtp_and_dflash_drafts_through_the_engine(target, monkeypatch, method):
+    """K3's MTP layer (chained, its own MLA latent cache) and a DFlash block drafter (one forward per block) in the
+    engine: greedy output plain decoding's, with their own drafts and with oracle drafts (accepted runs)."""
+    from kimik3.model.dflash import DFlashConfig, DFlashDraft
+    from kimik3.model.mtp import MTPDraft
+    text = target.config.text
+    if method == "mtp":
+        draft = random_module(MTPDraft(text, 1), 1)
+    else:
+        draft = random_module(DFlashDraft(DFlashConfig(
+            hidden_size=text.hidden_size, num_hidden_layers=2, num_attention_heads=2, num_key_value_heads=1, head_dim=16,
+            intermediate_size=48, rms_norm_eps=1e-6, rope_theta=1000.0, vocab_size=text.vocab_size,
+            draft_vocab_size=text.vocab_size, target_hidden_size=text.hidden_size, aux_layer_ids=(2, 4),
+            block_size=4, mask_token_id=3)), 2)
+    reqs = requests(target, seed=11, n=2, max_tokens=10)
+    futures = {tuple(p): reference_greedy(target, p, sp.max_tokens) for p, sp in reqs.values()}
+    proposals = []
+    if method == "dflash":
+        block = ModelDrafter._dflash
+
+        def oracle_block(self, feats, pos, starts, lens, tables, seqs, drafting):
+            block(self, feats, pos, starts, lens, tables, seqs, drafting)
+            for i in drafting:
+                req = seqs[i][0].req
+                proposals.append(len(req.spec_proposal))
+                prompt = next(p for p in futures if tuple(req.token_ids[:len(p)]) == p)
+                done = req.num_tokens - len(prompt)
+                req.spec_proposal = list(futures[prompt][done:done + len(req.spec_proposal)])
+        monkeypatch.setattr(ModelDrafter, "_dflash", oracle_block)
+    else:
+        oracle(monkeypatch, futures, text.vocab_size)
+    cfg = EngineConfig(num_speculative_tokens=3, speculative_method=method, speculative_model="test", block_size=4,
+                       max_num_seqs=2, max_num_batched_tokens=9, max_model_len=40, kda_checkpoint_interval=1)
+    cfg.cache_memory_bytes = budget_for(target, 4, 2, 18, 1, 3)
+    engine = LLMEngine(target, cfg, draft=draft)
+    results = run(engine, reqs, check=lambda e: check_invariants(e.kv, e.scheduler.running))
+    for rid, (prompt, _) in reqs.items():
+        assert results[rid][0][0] == futures[tuple(prompt)], rid
+    assert engine.num_accepted_tokens > 0
+    assert method == "mtp" or max(proposals) == 3
+
+
 def test_failing_drafts_pause_and_probe(target):
     """A random draft (drafts rejected): each verify that accepts none pauses drafting for longer (1, 4, 16
     decode steps ...), so most steps run plain; output still plain decoding's."""

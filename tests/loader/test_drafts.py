@@ -106,6 +106,11 @@ def test_dflash_shares_the_targets_embedding_and_head(tmp_path, target):
     with pytest.raises(DraftError, match="mask_token_id 99999"):
         dflash_files(tmp_path / "bad", target, mask_token_id=99999)
         load_dflash(tmp_path / "bad", target)
+    dflash_files(tmp_path / "dspark", target, speculators_model_type="dspark")     # DFlash-shaped: loads
+    assert isinstance(load_dflash(tmp_path / "dspark", target), DFlashDraft)
+    with pytest.raises(DraftError, match="Markov head"):
+        dflash_files(tmp_path / "markov", target, speculators_model_type="dspark", markov_rank=8)
+        load_dflash(tmp_path / "markov", target)
 
 
 def test_mtp_layers_load_from_a_k3_checkpoint(tmp_path):

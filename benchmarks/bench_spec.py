@@ -1,0 +1,121 @@
+"""Speculative decoding with a draft model against plain decoding: decode tokens/s and acceptance.
+
+For each batch size (``--batches``) and prompt kind -- ``heldout`` (windows of the default model's held-out text:
+``.corpus/val.txt`` when prepared, else ``tests/data/default_model_heldout.txt``) and ``random`` (uniform random
+token ids: the adversarial case, where drafts fail) -- it runs the same greedy requests through a plain engine and
+one with ``--speculative-config`` (default: the Eagle3 draft shipped with the default model, k = 4), checks that
+both produce the same tokens, and reports generated tokens per second of the whole ``generate`` call (prefill
+included, the same for both), the ratio draft/plain, and the draft's mean accepted length (1 + accepted drafts per
+verify step, vLLM's definition) with the acceptance rate at each draft position.
+
+    python benchmarks/bench_spec.py                                   # CPU, default model + shipped draft
+    python benchmarks/bench_spec.py --device cuda --dtype bfloat16 --out bench_out/spec.json
+"""
+
+from __future__ import annotations
+
+import argparse
+import datetime
+import json
+import logging
+import random
+import subprocess
+import sys
+import time
+from pathlib import Path
+
+import torch
+
+ROOT = Path(__file__).resolve().parents[1]
+sys.path.insert(0, str(ROOT))
+
+from kimik3 import LLM, SamplingParams  # noqa: E402
+from kimik3.loader import DEFAULT_MODEL  # noqa: E402
+
+HELDOUT = [ROOT / ".corpus" / "val.txt", ROOT / "tests" / "data" / "default_model_heldout.txt"]
+
+
+def prompts(kind: str, tok, n: int, length: int, vocab: int, seed: int) -> list[list[int]]:
+    rng = random.Random(seed)
+    if kind == "random":
+        return [[rng.randrange(vocab - 256) for _ in range(length)] for _ in range(n)]
+    text = next(p for p in HELDOUT if p.is_file()).read_text()
+    ids = tok.encode(text)
+    stride = max(1, (len(ids) - length) // max(n, 1))
+    return [ids[i * stride:i * stride + length] for i in range(n)]
+
+
+def run(llm: LLM, batch: list[list[int]], max_tokens: int) -> tuple[list[list[int]], float]:
+    params = SamplingParams(temperature=0, max_tokens=max_tokens, ignore_eos=True)
+    t0 = time.perf_counter()
+    outs = llm.generate([{"prompt_token_ids": p} for p in batch], params, use_tqdm=False)
+    if torch.cuda.is_available():
+        torch.cuda.synchronize()
+    return [list(o.outputs[0].token_ids) for o in outs], time.perf_counter() - t0
+
+
+def main() -> None:
+    ap = argparse.ArgumentParser(description=__doc__.split("\n")[0])
+    ap.add_argument("--model", default=str(DEFAULT_MODEL))
+    ap.add_argument("--speculative-config", default='{"method": "eagle3", "model": "default", "num_speculative_tokens": 4}')
+    ap.add_argument("--batches", default="1,32")
+    ap.add_argument("--kinds", default="heldout,random")
+    ap.add_argument("--prompt-tokens", type=int, default=48)
+    ap.add_argument("--max-tokens", type=int, default=64)
+    ap.add_argument("--device", default=None)
+    ap.add_argument("--dtype", default="auto")
+    ap.add_argument("--repeat", type=int, default=1, help="timed runs of each case (the best is kept)")
+    ap.add_argument("--out", type=Path, default=None, help="write the results as JSON")
+    args = ap.parse_args()
+    logging.basicConfig(level=logging.WARNING)
+    common = dict(dtype=args.dtype, max_model_len=args.prompt_tokens + args.max_tokens + 16, max_num_seqs=32,
+                  enable_prefix_caching=False, **({"device": args.device} if args.device else {}))
+    spec = json.loads(args.speculative_config)
+    plain = LLM(args.model, **common)
+    drafted = LLM(args.model, speculative_config=spec, **common)
+    tok = plain.get_tokenizer()
+    vocab = plain.engine.vocab_size
+    rows = []
+    for kind in args.kinds.split(","):
+        for b in (int(x) for x in args.batches.split(",")):
+            batch = prompts(kind, tok, b, args.prompt_tokens, vocab, seed=b)
+            run(plain, batch[:1], 4)                      # warm both engines
+            run(drafted, batch[:1], 4)
+            e = drafted.engine
+            before = (e.num_drafts, e.num_accepted_tokens, list(e.accepted_per_position))
+            t_plain = t_spec = float("inf")
+            for _ in range(args.repeat):
+                out_plain, t = run(plain, batch, args.max_tokens)
+                t_plain = min(t_plain, t)
+                out_spec, t = run(drafted, batch, args.max_tokens)
+                t_spec = min(t_spec, t)
+            drafts = (e.num_drafts - before[0]) / args.repeat
+            accepted = (e.num_accepted_tokens - before[1]) / args.repeat
+            per_pos = [(a - (before[2][j] if j < len(before[2]) else 0)) / args.repeat / max(drafts, 1)
+                       for j, a in enumerate(e.accepted_per_position)]
+            n_tok = sum(len(o) for o in out_plain)
+            rows.append({"kind": kind, "batch": b, "identical": out_plain == out_spec,
+                         "plain_tok_s": round(n_tok / t_plain, 1), "spec_tok_s": round(n_tok / t_spec, 1),
+                         "ratio": round(t_plain / t_spec, 3), "verify_steps": drafts,
+                         "mean_accepted_length": round(1 + accepted / drafts, 3) if drafts else None,
+                         "acceptance_per_position": [round(x, 3) for x in per_pos]})
+            print(json.dumps(rows[-1]), flush=True)
+    commit = subprocess.run(["git", "rev-parse", "--short", "HEAD"], cwd=ROOT, capture_output=True, text=True).stdout.strip()
+    device = torch.cuda.get_device_name() if torch.cuda.is_available() and args.device != "cpu" else "cpu"
+    report = {"device": device, "commit": commit, "date": datetime.date.today().isoformat(), "model": args.model,
+              "speculative_config": spec, "prompt_tokens": args.prompt_tokens, "max_tokens": args.max_tokens,
+              "torch_threads": torch.get_num_threads(), "rows": rows}
+    print(f"\n{device}, commit {commit}, {report['date']}; {spec}")
+    print(f"{'prompts':>8} {'batch':>5} {'plain tok/s':>11} {'draft tok/s':>11} {'ratio':>6} {'accepted len':>12}  same")
+    for r in rows:
+        print(f"{r['kind']:>8} {r['batch']:>5} {r['plain_tok_s']:>11} {r['spec_tok_s']:>11} {r['ratio']:>6} "
+              f"{str(r['mean_accepted_length']):>12}  {r['identical']}")
+    if args.out:
+        args.out.parent.mkdir(parents=True, exist_ok=True)
+        args.out.write_text(json.dumps(report, indent=2) + "\n")
+    if not all(r["identical"] for r in rows):
+        sys.exit("speculative output differs from plain decoding")
+
+
+if __name__ == "__main__":
+    main()
