@@ -156,6 +156,7 @@ def main() -> None:
     ap.add_argument("--draft-vocab", type=int, default=2048)
     ap.add_argument("--lr", type=float, default=2e-3)
     ap.add_argument("--seed", type=int, default=0)
+    ap.add_argument("--init", type=Path, default=None, help="continue from this draft checkpoint (its config)")
     ap.add_argument("--eval-windows", type=int, default=16, help="held-out windows scored at the end")
     args = ap.parse_args()
     logging.basicConfig(level=logging.INFO, format="%(asctime)s %(message)s", datefmt="%H:%M:%S")
@@ -183,6 +184,10 @@ def main() -> None:
                 p.normal_(0, p.shape[1] ** -0.5)
                 if name.endswith(("o_proj.weight", "down_proj.weight")):
                     p.mul_(0.5)
+    if args.init is not None:                  # continue an earlier run (same widths and vocabulary map)
+        from kimik3.loader.drafts import load_eagle3
+        draft = load_eagle3(args.init, target, device=device, dtype=torch.float32).train()
+        logger.info("continuing from %s", args.init)
     draft.embed_tokens.weight.requires_grad_(False)
     trainable = [p for p in draft.parameters() if p.requires_grad]
     opt = torch.optim.AdamW(trainable, lr=args.lr, betas=(0.9, 0.95), weight_decay=0.01)
