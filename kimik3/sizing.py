@@ -94,6 +94,7 @@ class Sizing:
     gpu: GPU = GPUS["H200"]
     offload_bytes: int = 0    # routed-expert bytes per GPU kept in host memory (--cpu-offload-gb)
     embedding_bytes: int = 0  # of weights_sharded: the embedding table (a decode step reads B of its rows)
+    vision_bytes: int = 0     # of weights_replicated: the vision tower (a decode step reads none of it)
 
     @property
     def expert_ranks(self) -> int:
@@ -166,22 +167,23 @@ def compute_sizing(config: ModelConfig, tp: int, ep: int, dtype: torch.dtype = t
         raise ValueError(f"--gpu must be one of {list(GPUS)}, got {gpu!r}")
     if quantization not in QUANTIZATIONS:
         raise ValueError(f"--quantization must be fp8 or left out, got {quantization!r}")
-    sharded, experts, replicated, embedding = weight_bytes(config, quantization)
+    sharded, experts, replicated, embedding, vision = weight_bytes(config, quantization)
     t = config.text
     ranks = ep if ep > 1 else tp
     offload = check_offload(cpu_offload_gb, experts / ranks)
     return Sizing(tp, ep, sharded, experts, replicated,
                   kv_bytes_per_token=latent_bytes_per_token(t, dtype, kv_cache_dtype),
                   state_bytes_per_seq=HybridCache.bytes_per_slot(t, dtype) // tp,
-                  gpu=GPUS[gpu], offload_bytes=offload, embedding_bytes=embedding)
+                  gpu=GPUS[gpu], offload_bytes=offload, embedding_bytes=embedding, vision_bytes=vision)
 
 
 @functools.lru_cache(maxsize=8)
-def weight_bytes(config: ModelConfig, quantization: str | None) -> tuple[int, int, int, int]:
-    """(TP-split, routed-expert, replicated, embedding) stored bytes of the whole model (the embedding is
-    also counted in the TP-split bytes). Cached: K3 has 250k checkpoint tensors, a few seconds to walk."""
+def weight_bytes(config: ModelConfig, quantization: str | None) -> tuple[int, int, int, int, int]:
+    """(TP-split, routed-expert, replicated, embedding, vision) stored bytes of the whole model (the embedding
+    is also counted in the TP-split bytes, the vision tower in the replicated ones). Cached: K3 has 250k
+    checkpoint tensors, a few seconds to walk."""
     mxfp4 = config.text.expert_quantization == "mxfp4"
-    sharded = experts = replicated = embedding = 0
+    sharded = experts = replicated = embedding = vision = 0
     for name, p in meta_model(config).checkpoint_weights():
         _, nbytes = stored_bytes(name, p.numel(), mxfp4)
         expert = ".experts." in name
@@ -191,10 +193,11 @@ def weight_bytes(config: ModelConfig, quantization: str | None) -> tuple[int, in
             experts += nbytes
         elif _REPLICATED.search(name):
             replicated += nbytes
+            vision += nbytes if name.startswith("vision.") else 0
         else:
             sharded += nbytes
             embedding += nbytes if "embed_tokens" in name else 0
-    return sharded, experts, replicated, embedding
+    return sharded, experts, replicated, embedding, vision
 
 
 def check_offload(cpu_offload_gb: float, experts_per_gpu: float) -> int:
@@ -242,7 +245,7 @@ def predict_decode(config: ModelConfig, s: Sizing, batch: int, rates: Rates = Ra
     expert_bytes = s.experts_per_gpu / (moe_layers * E) if moe_layers and E else 0.0      # one expert's share
     touched = distinct_experts(E, k, batch) * moe_layers                                  # experts a step reads
     resident = s.resident_expert_fraction
-    other = s.weights_sharded / s.tp + s.weights_replicated - s.embedding_bytes / s.tp   # dense weights read
+    other = (s.weights_sharded - s.embedding_bytes) / s.tp + s.weights_replicated - s.vision_bytes   # dense weights read
     cache = batch * (rates.context * s.kv_bytes_per_token + s.state_bytes_per_seq)
     gpu_bytes = other + touched * resident * expert_bytes + cache
     gpu_seconds = gpu_bytes / s.gpu.hbm_rate + t.num_hidden_layers * rates.layer_overhead

@@ -132,6 +132,7 @@ def test_decode_estimate_by_hand(text_only):
     missed = 16 * 92 * offloaded * K3_EXPERT / 8
     assert d.missed_bytes == pytest.approx(missed)
     assert d.copy_seconds == pytest.approx(missed / 50e9)               # min(50, 400 / 8 GPUs) GB/s
+    assert s.vision_bytes == 0                                          # text only
     dense = s.weights_sharded / 8 + s.weights_replicated - s.embedding_bytes / 8
     gpu = (dense + 16 * 92 * (1 - offloaded) * K3_EXPERT / 8 + 4096 * 27_648 + s.state_bytes_per_seq) / 4.25e12
     assert d.gpu_seconds == pytest.approx(gpu + 93 * 10e-6)

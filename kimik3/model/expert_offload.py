@@ -90,6 +90,16 @@ def check_budget(moes: list, config: ExpertOffloadConfig) -> int:
     return total
 
 
+def move_to_host(experts) -> None:
+    """Put an ``Experts`` module's tensors in pinned host memory (no-op when they are in host memory)."""
+    if experts.w13.device.type == "cpu":
+        return
+    for p in experts.parameters():
+        p.data = torch.empty(p.shape, dtype=p.dtype, pin_memory=True).copy_(p.data)
+    for key, b in experts._buffers.items():
+        experts._buffers[key] = torch.empty(b.shape, dtype=b.dtype, pin_memory=True).copy_(b)
+
+
 def _half(t: torch.Tensor, i: int) -> torch.Tensor:
     n = t.shape[1] // 2
     return t[:, i * n:(i + 1) * n]
@@ -101,6 +111,8 @@ class ExpertOffload:
     def __init__(self, moes: list, config: ExpertOffloadConfig, device: torch.device):
         self.config, self.device = config, torch.device(device)
         self.moes = moes
+        for m in moes:          # a model built on the GPU (benchmarks): its experts move to pinned host memory
+            move_to_host(m.experts)
         first = moes[0].experts
         self.kinds = _kinds(first)
         for m in moes:

@@ -1,0 +1,94 @@
+"""Expert offload on the GPU (``--cpu-offload-gb``): the staging kernel reading pinned host memory, inside a
+CUDA graph too; the engine with decode graphs on the K3-width slice (MXFP4 experts) and the Kimi-Linear-width
+slice (bf16 experts) with 30% / 60% of the experts in host memory gives the resident engine's tokens and
+logprobs bit for bit (the same kernels on the same shapes, only the weight rows looked up); a tiny checkpoint
+loaded with offload (pinned experts from the loader) gives the resident model's logits."""
+
+from __future__ import annotations
+
+import json
+
+import pytest
+import torch
+
+from kimik3.engine import EngineConfig, LLMEngine
+from kimik3.model.expert_offload import ExpertOffloadConfig, expert_bytes
+from tests.gpu.test_engine_graphs import CONFIG, KIMI_LINEAR_CONFIG, generate, make, requests
+
+pytestmark = [pytest.mark.gpu, pytest.mark.skipif(not torch.cuda.is_available(), reason="needs CUDA")]
+
+
+def test_staging_kernel_reads_pinned_rows_in_a_graph():
+    from kimik3.ops.expert_copy import byte_rows, copy_experts
+    E, R, n = 10, 12, 5000                          # 20000 bytes a row: several programs a row
+    g = torch.Generator().manual_seed(0)
+    host = torch.randint(0, 256, (E, 4 * n), generator=g, dtype=torch.uint8).pin_memory()
+    dev = torch.zeros(R, 4 * n, dtype=torch.uint8, device="cuda")
+    experts = torch.tensor([9, 2, 4, 7], device="cuda")
+    rows = torch.tensor([11, 3, 0, 6], device="cuda")
+    used = torch.zeros(E, dtype=torch.bool, device="cuda")
+    src, dst = byte_rows(host), byte_rows(dev)
+    copy_experts(src, dst, experts, rows, used)               # warm-up (compiles), nothing used
+    graph = torch.cuda.CUDAGraph()
+    with torch.cuda.graph(graph):
+        copy_experts(src, dst, experts, rows, used)
+    for pick in ([9, 4], [2, 7, 1], []):
+        dev.zero_()
+        used.zero_()
+        used[pick] = True
+        graph.replay()
+        torch.cuda.synchronize()
+        want = torch.zeros(R, 4 * n, dtype=torch.uint8)
+        for e, r in zip(experts.tolist(), rows.tolist()):
+            if e in pick:
+                want[r] = host[e]
+        assert torch.equal(dev.cpu(), want), pick
+
+
+def _offload(model, fraction: float) -> None:
+    moes = model.moe_blocks()
+    total = len(moes) * moes[0].experts.w13.shape[0] * expert_bytes(moes[0].experts)
+    model.offload_experts(ExpertOffloadConfig(int(fraction * total)))
+
+
+@pytest.mark.parametrize("config", [CONFIG, KIMI_LINEAR_CONFIG], ids=["k3-slice-mxfp4", "kimi-linear-slice-bf16"])
+def test_offloaded_engine_graphs_equal_resident(config):
+    from benchmarks.gpu.bench_slice import build_slice
+    model = build_slice(json.loads(config.read_text()), str(config))
+    reqs = requests(model.config.text.vocab_size)
+    resident = generate(make(model, enforce_eager=False), reqs)
+    again = generate(make(model, enforce_eager=False), reqs)
+    assert again == resident, "the resident engine is not repeatable on this GPU: exactness cannot be judged"
+    for fraction in (0.3, 0.6):
+        _offload(model, fraction)
+        o = model.expert_offload
+        assert all(m.experts.w13.device.type == "cpu" and m.experts.w13.is_pinned() for m in model.moe_blocks())
+        engine = make(model, enforce_eager=False)
+        assert engine.runner.graphs is not None, "capture fell back to eager"
+        offloaded = generate(engine, reqs)
+        assert 0 < engine.runner.num_graph_steps < engine.runner.num_steps
+        assert offloaded == resident, f"{fraction:.0%} offloaded: tokens or logprobs differ from resident"
+        assert int(o.copies.sum()) > 0 and o.refreshes > 0
+        print(f"{config.name} {fraction:.0%}: {o.staging_size} of {o.num_experts} experts a layer in host memory, "
+              f"{o.stats()}")
+        del engine
+        torch.cuda.empty_cache()
+
+
+@pytest.mark.parametrize("arch", ["kimi_k3", "kimi_linear"])
+def test_tiny_checkpoint_loaded_with_offload_equals_resident(arch, tmp_path):
+    import kimik3
+    from kimik3.testing import make_tiny_checkpoint
+    path = make_tiny_checkpoint(tmp_path / arch, arch, seed=1)
+    resident = kimik3.load_model(path, device="cuda", dtype=torch.bfloat16)
+    moes = resident.moe_blocks()
+    cfg = ExpertOffloadConfig(3 * len(moes) * expert_bytes(moes[0].experts))
+    model = kimik3.load_model(path, device="cuda", dtype=torch.bfloat16, expert_offload=cfg)
+    assert model.moe_blocks()[0].experts.w13.is_pinned()
+    ids = torch.randint(5, 200, (37,), generator=torch.Generator().manual_seed(0))
+    assert torch.equal(model(ids), resident(ids))
+    reqs = requests(model.config.text.vocab_size)
+    kw = dict(max_num_seqs=8, max_num_batched_tokens=256, max_model_len=512, block_size=16,
+              enable_prefix_caching=True, kda_checkpoint_interval=2, cache_memory_bytes=1 << 30, enforce_eager=False)
+    want = generate(LLMEngine(resident, EngineConfig(**kw)), reqs)
+    assert generate(LLMEngine(model, EngineConfig(**kw)), reqs) == want
