@@ -90,7 +90,7 @@ def bench_llguidance(vocab: list[bytes], batch: int, steps: int, rng: random.Ran
 
     import llguidance
     from llguidance.tiktoken import lltokenizer_from_encoding
-    from kimik3.engine.structured import json_schema_for_llguidance
+    from kimik3.engine.sample.structured import json_schema_for_llguidance
     n = len(vocab)
     specials = {f"<|reserved_{i}|>": n + i for i in range(256)}
     enc = tiktoken.Encoding(name="synthetic", pat_str=r"\S+|\s+", mergeable_ranks={b: i for i, b in enumerate(vocab)},
@@ -140,7 +140,7 @@ def bench_xgrammar(vocab: list[bytes], batch: int, steps: int, rng: random.Rando
 
 def bench_apply(batch: int, vocab: int, device: str, reps: int = 20) -> float:
     """The device side: unpack a bitmask and mask the logits (``structured.unpack_bitmask`` + masked_fill)."""
-    from kimik3.engine.structured import unpack_bitmask
+    from kimik3.engine.sample.structured import unpack_bitmask
     logits = torch.randn(batch, vocab, device=device)
     mask = torch.randint(-2**31, 2**31 - 1, (batch, (vocab + 31) // 32), dtype=torch.int32)
     times = []
@@ -175,7 +175,7 @@ def cmd_mask(args) -> None:
 def _profile(clock: dict[str, float]) -> None:
     """Host seconds per engine part, summed into ``clock`` (wrappers on the classes and modules the
     engine calls through; the device step shows as device_wait, PendingOutput.result)."""
-    from kimik3.engine import llm_engine, logit_controls, runner, sampler, scheduler, structured
+    from kimik3.engine.core import llm_engine, logit_controls, runner, sampler, scheduler, structured
 
     def timed(owner, name, label):
         fn = getattr(owner, name)
@@ -221,7 +221,7 @@ def _trace_report(prof, steps: int, label: str) -> None:
 def cmd_engine(args) -> None:
     import kimik3
     from kimik3.engine import EngineConfig, LLMEngine, SamplingParams
-    from kimik3.engine.sampling_params import StructuredOutputsParams
+    from kimik3.engine.sample.sampling_params import StructuredOutputsParams
     if args.slice:
         from benchmarks.gpu.bench_slice import CONFIG, build_slice
         model, tok, name = build_slice(json.loads(CONFIG.read_text())), synthetic_tokenizer(), "K3-width 4-layer slice"

@@ -143,7 +143,7 @@ def format_summary(s: Summary, dtype: torch.dtype = torch.bfloat16, block_size: 
 
 
 # What one GPU holds, as nvidia-smi reports it (MiB), and the engine's default cache rule
-# (kimik3.engine.cache_budget.gpu_cache_budget: gpu_memory_utilization of the whole GPU, minus the weights).
+# (kimik3.engine.core.cache_budget.gpu_cache_budget: gpu_memory_utilization of the whole GPU, minus the weights).
 SINGLE_GPUS = {"H200": 143771 << 20, "H100": 81559 << 20}
 CUDA_CONTEXT_BYTES = 1 << 30        # CUDA context, kernels and workspaces: about 1 GiB, an estimate
 

@@ -40,7 +40,7 @@ def module_name(path: Path, root: Path = ROOT) -> str:
 
 
 def unit(module: str) -> str:
-    """``kimik3.engine.runner`` -> ``engine``; ``kimik3`` -> ``""``."""
+    """``kimik3.engine.run.runner`` -> ``engine``; ``kimik3`` -> ``""``."""
     parts = module.split(".")
     return parts[1] if len(parts) > 1 else ""
 

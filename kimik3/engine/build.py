@@ -14,7 +14,7 @@ import logging
 
 from kimik3.config import load_config
 from kimik3.engine.args import EngineArgs
-from kimik3.engine.llm_engine import LLMEngine
+from kimik3.engine.core.llm_engine import LLMEngine
 from kimik3.engine.warmup import warm_up
 from kimik3.loader import load_model
 
@@ -32,7 +32,7 @@ def build_engine(args: EngineArgs, tokenizer=None):
     offload = args.expert_offload_config()
     logger.info("loading %s (%s on %s)", path, str(dtype).removeprefix("torch."), device)
     if args.tensor_parallel_size > 1 or args.enable_expert_parallel:
-        from kimik3.engine.parallel_runner import ParallelRunner
+        from kimik3.engine.run.parallel_runner import ParallelRunner
         from kimik3.parallel.launch import ParallelConfig, start_group
         layout = ParallelConfig(args.tensor_parallel_size, args.enable_expert_parallel,
                                 args.expert_parallel_mode if args.enable_expert_parallel else "tep",

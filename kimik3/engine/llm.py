@@ -11,8 +11,8 @@ from tqdm import tqdm
 
 from kimik3.engine.args import EngineArgs
 from kimik3.engine.build import build_engine
-from kimik3.engine.output import CompletionOutput, RequestOutput
-from kimik3.engine.sampling_params import SamplingParams
+from kimik3.engine.core.output import CompletionOutput, RequestOutput
+from kimik3.engine.sample.sampling_params import SamplingParams
 from kimik3.vision.preprocess import VisionInputs
 
 _ENGINE_ARGS = tuple(f.name for f in dataclasses.fields(EngineArgs) if f.name != "model")
@@ -31,7 +31,7 @@ class LLM:
         ``tensor_parallel_size`` N > 1: this process becomes rank 0 and spawns N-1 workers, one per GPU
         (``kimik3.parallel``); ``enable_expert_parallel`` splits whole experts over them.
         ``num_speculative_tokens`` k > 0: each step, requests without penalties (greedy or sampled) verify
-        up to k n-gram draft tokens (``kimik3.engine.speculative``)."""
+        up to k n-gram draft tokens (``kimik3.engine.spec.speculative``)."""
         unknown = sorted(set(engine_args) - set(_ENGINE_ARGS))
         if unknown:
             raise TypeError(f"LLM() got unknown argument(s) {unknown}; it takes model, tokenizer and "
@@ -202,7 +202,7 @@ class LLM:
         if not isinstance(mm, dict) or not mm or set(mm) - _MM_KEYS:
             raise ValueError(f"multi_modal_data must be {{'image': PIL image or list, 'video': list of frames}} "
                              f"(or a kimik3 VisionInputs), got {mm if not isinstance(mm, dict) else sorted(mm)!r}")
-        from kimik3.engine.multimodal import expand_media_pads
+        from kimik3.engine.images.multimodal import expand_media_pads
         from kimik3.vision.preprocess import concat_vision_inputs, preprocess_images, preprocess_video
         cfg = self._processor_config()
         parts = []

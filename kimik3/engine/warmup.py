@@ -28,8 +28,8 @@ import logging
 import random
 import time
 
-from kimik3.engine.llm_engine import LLMEngine
-from kimik3.engine.sampling_params import SamplingParams
+from kimik3.engine.core.llm_engine import LLMEngine
+from kimik3.engine.sample.sampling_params import SamplingParams
 
 logger = logging.getLogger(__name__)
 

@@ -157,7 +157,7 @@ def _spawned_worker(index: int, spec: WorkerSpec, parent_pid: int, log_level: in
 
 class ParallelGroup:
     """Rank 0's handle on the group: the control group (rank 0's runner broadcasts each step on
-    it: ``kimik3.engine.parallel_runner``), the workers it spawned (watched by a thread), and a
+    it: ``kimik3.engine.run.parallel_runner``), the workers it spawned (watched by a thread), and a
     clean shutdown."""
 
     def __init__(self, control, processes: list, device: torch.device):

@@ -1,6 +1,6 @@
 """Lock-step execution (spec parallelism §7.3): rank 0 schedules and samples, every rank runs
 each step's forward on its shards. This is the workers' side (the model only); rank 0's side is
-``kimik3.engine.parallel_runner.ParallelRunner``.
+``kimik3.engine.run.parallel_runner.ParallelRunner``.
 
 Per step rank 0 broadcasts one ``StepDescriptor`` (the packed input ids, the ``ForwardBatch``,
 the rows to sample, the KDA state copies/resets of the step) on the gloo control group; each

@@ -15,7 +15,7 @@ from dataclasses import dataclass, field
 from typing import Any
 
 from kimik3.chat import ImagePrompt, K3OutputParser, ParseDelta
-from kimik3.engine.sampling_params import StructuredOutputsParams
+from kimik3.engine.sample.sampling_params import StructuredOutputsParams
 from kimik3.serve.protocol import ChatCompletionRequest, bad_request
 from kimik3.serve.structured import MAX_PARALLEL_CALLS, k3_answer_grammar, request_constraint, response_format_constraint
 

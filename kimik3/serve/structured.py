@@ -20,8 +20,8 @@ import json
 from typing import Any
 
 from kimik3.chat.k3 import escape_attr
-from kimik3.engine.sampling_params import StructuredOutputsParams
-from kimik3.engine.structured import grammar_parts, lark_json
+from kimik3.engine.sample.sampling_params import StructuredOutputsParams
+from kimik3.engine.sample.structured import grammar_parts, lark_json
 from kimik3.serve.protocol import bad_request
 
 MAX_PARALLEL_CALLS = 8          # tool calls one answer may hold under a tool constraint

@@ -101,7 +101,7 @@ def test_the_k3_recipe_command_line_serves():
             proc.kill()
             _, err = proc.communicate()
     assert "loading default_model" in err                     # the load's progress bar, on by default
-    assert "INFO kimik3.engine.cache_budget: cache plan:" in err  # the cache plan at INFO
+    assert "INFO kimik3.engine.core.cache_budget: cache plan:" in err  # the cache plan at INFO
     assert "request chatcmpl-" not in err                      # --disable-log-requests
     assert proc.returncode == 0 and "Traceback" not in err, err       # Ctrl-C: drained, then a clean exit 0 (issue 15)
 
@@ -114,7 +114,7 @@ def test_log_level_covers_kimik3_logs():
     loud = run("generate", "Hi", "--max-tokens", "2", "--max-model-len", "1k", "--dtype", "bfloat16",
                "--no-enable-prefix-caching", "--enforce-eager")
     assert loud.returncode == 0, loud.stderr
-    assert "INFO kimik3.engine.cache_budget: cache plan:" in loud.stderr and "loading default_model" in loud.stderr
+    assert "INFO kimik3.engine.core.cache_budget: cache plan:" in loud.stderr and "loading default_model" in loud.stderr
     assert "no KDA checkpoints (prefix caching off)" in loud.stderr
 
 

@@ -7,10 +7,10 @@ from collections import Counter
 import torch
 
 from kimik3.engine import EngineConfig, LLMEngine, SamplingParams
-from kimik3.model.cuda_graphs import DecodeGraphs
-from kimik3.engine.kv_cache import KVCacheManager
-from kimik3.engine.request import Request
+from kimik3.engine.core.kv_cache import KVCacheManager
+from kimik3.engine.core.request import Request
 from kimik3.model.batch import HybridCache
+from kimik3.model.cuda_graphs import DecodeGraphs
 
 
 def budget_for(model, block_size: int, max_num_seqs: int, num_blocks: int, interval: int | None,
@@ -108,7 +108,7 @@ def oracle_requests(model, monkeypatch, seed: int) -> tuple[dict, dict[tuple[int
     directly): (requests, continuation by prompt)."""
     import random
 
-    import kimik3.engine.scheduler as scheduler
+    import kimik3.engine.core.scheduler as scheduler
     from tests.engine.fake_model import reference_greedy
     rng = random.Random(seed)
     vocab = model.config.text.vocab_size

@@ -206,7 +206,7 @@ def test_speculative_greedy_matches_plain(model, monkeypatch):
     called directly (``assert_model_greedy``), ``flips_allowed`` flipped positions per request (r5's token 1,
     0.517 / 0.564 nats at 3dd9428 / cf42f4f once its verify row ran the decode kernels; the plain
     run's r4 token 21 at c32086b)."""
-    import kimik3.engine.scheduler as scheduler
+    import kimik3.engine.core.scheduler as scheduler
     reqs = requests(model.config.text.vocab_size)
     plain = generate(make(model, enforce_eager=False), reqs)
     futures = {tuple(prompt): plain[rid][0] for rid, (prompt, _) in reqs.items()}
@@ -237,8 +237,8 @@ def test_speculation_under_async_scheduling_matches_the_model(model, monkeypatch
     request the oracle drafts the plain run's continuation, all wrong, or with only the guessed successor
     wrong, in turn. Tokens are checked against the model called directly, as in
     ``test_speculative_greedy_matches_plain`` (near-ties and flips judged by the model's logits alone)."""
-    import kimik3.engine.scheduler as scheduler
-    from kimik3.engine import speculative
+    import kimik3.engine.core.scheduler as scheduler
+    from kimik3.engine.spec import speculative
     from tests.engine.helpers import count_calls
     monkeypatch.setattr(speculative, "WATCH_HITS", 0)
     vocab = model.config.text.vocab_size
@@ -463,7 +463,7 @@ def test_constrained_decode_steps_stay_graphs(model):
     import re
 
     from benchmarks.structured import synthetic_tokenizer
-    from kimik3.engine.sampling_params import StructuredOutputsParams as SO
+    from kimik3.engine.sample.sampling_params import StructuredOutputsParams as SO
     tok = synthetic_tokenizer()
     schema = {"type": "object", "properties": {"n": {"type": "integer", "minimum": 0, "maximum": 999},
                                                "tag": {"enum": ["a", "b", "c"]}},

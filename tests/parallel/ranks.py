@@ -13,7 +13,7 @@ import torch.multiprocessing as mp
 
 from kimik3.distributed import ParallelContext, make_dcp_group
 from kimik3.engine import EngineConfig, LLMEngine, SamplingParams
-from kimik3.engine.parallel_runner import ParallelRunner
+from kimik3.engine.run.parallel_runner import ParallelRunner
 from kimik3.loader.load import load_model
 from kimik3.model import ForwardBatch, StateCheckpoint
 from kimik3.parallel.launch import init_rank

@@ -13,8 +13,8 @@ import openai
 import pytest
 
 import kimik3
-from kimik3.engine.sampling_params import StructuredOutputsParams as SO
-from kimik3.engine.structured import GrammarCompiler
+from kimik3.engine.sample.sampling_params import StructuredOutputsParams as SO
+from kimik3.engine.sample.structured import GrammarCompiler
 from kimik3.serve import add_serve_arguments, build_app
 from kimik3.serve.structured import closed_schema, k3_answer_grammar
 from tests.serve.conftest import LiveServer

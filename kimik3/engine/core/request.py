@@ -1,0 +1,118 @@
+"""A request as the engine sees it: its tokens and settings, plus one small record per other owner.
+
+The scheduling idea (vLLM's): a request holds ``num_tokens`` tokens (prompt + generated) of which
+``num_computed_tokens`` are in the cache. Each step hands it some of the difference; when the two
+meet, the last row's logits give the next token. Prefill, chunked prefill, prefix hits, decode and
+recompute after preemption are all this one rule.
+
+Owners: ``Request`` itself (tokens, settings, status) is the scheduler's; ``Request.cache`` is the
+cache manager's (``kv_cache.py``); ``Request.out`` is what the engine hands back (``output.py``).
+"""
+
+from __future__ import annotations
+
+import enum
+from dataclasses import dataclass, field
+
+import torch
+
+from kimik3.engine.core.block_hash import extend_block_hashes
+from kimik3.engine.core.block_pool import BlockTable
+from kimik3.engine.images.multimodal import MultiModalInput
+from kimik3.engine.sample.sampling_params import SamplingParams
+
+
+class RequestStatus(enum.Enum):
+    WAITING = "waiting"
+    RUNNING = "running"
+    FINISHED = "finished"
+
+
+@dataclass
+class CacheHoldings:
+    """What the cache manager gave the request; only ``KVCacheManager`` writes it."""
+
+    block_ids: BlockTable = field(default_factory=BlockTable)   # MLA latent blocks, in position order
+    state_slot: int = 0                 # live KDA state slot; 0 = none (slot 0 is the null slot)
+    num_cached_blocks: int = 0          # leading blocks registered in the prefix cache
+    rollback_slot: int | None = None    # speculative: snapshot of the last accepted draft's state, copied in next step
+
+
+@dataclass
+class OutputState:
+    """Results and metrics on their way to the caller (``output.py``)."""
+
+    logprobs: list[dict[int, float]] = field(default_factory=list)
+    prompt_logprobs: list[dict[int, float] | None] = field(default_factory=list)  # one per prompt token
+    stop_reason: int | str | None = None    # the stop token id or stop string that ended it
+    detok: object | None = None             # detokenizer.OutputText, or None (token ids only)
+    num_sent_tokens: int = 0                # tokens already returned as deltas
+    scheduled_time: float | None = None     # first admitted to run (queue time ends)
+    first_token_time: float | None = None
+    finish_time: float | None = None
+    num_preemptions: int = 0
+    num_prefix_hit_tokens: int = 0
+
+
+@dataclass
+class Request:
+    request_id: str
+    prompt_token_ids: list[int]
+    params: SamplingParams
+    arrival: float
+    seed: int | None = None                   # seeded sampling (sampler.seeded_uniform); None = engine RNG
+    eos_token_id: int | None = None
+    block_size: int = 16
+    extra_keys: list[bytes | None] | None = None   # per-block extra hash key (image content), or None
+    mm: MultiModalInput | None = None               # the prompt's images (shared by n > 1 siblings)
+    group_id: str = ""              # the user's request id (children of an n > 1 request share it)
+    wait_for: Request | None = None  # sibling whose prompt this one reuses from the prefix cache
+    status: RequestStatus = RequestStatus.WAITING
+    finish_reason: str | None = None
+    token_ids: list[int] = field(default_factory=list)        # prompt + output
+    num_computed_tokens: int = 0
+    block_hashes: list[bytes] = field(default_factory=list)     # one per full block of token_ids (block_hash.py)
+    bad_words: object | None = None  # logit controls: params.bad_words as token ids (logit_controls.BadWords)
+    device_controls: object | None = None   # logit controls: ids and biases on the device (first use)
+    matcher: object | None = None                   # logit controls: the structured-output grammar (structured.Matcher)
+    draft_misses: int = 0           # speculative: failed verify step + wrong predictions since (> 0: watching)
+    draft_watch: tuple[int, int] | None = None   # speculative, watching: (position, its predicted token)
+    draft_streak: int = 0           # speculative, watching: predictions in a row that came true
+    draft_pause: int = 0            # decode steps left before this request's next n-gram lookup
+    draft_limit: int = 1 << 30      # speculative: most drafts its next step carries (settle_drafts)
+    spec_proposal: list[int] = field(default_factory=list)   # a draft model's drafts for its next step (draft_model.py)
+    token_bytes: bytearray = field(default_factory=bytearray)   # speculative: token_ids as int64 (token_bytes)
+    # Image embeddings [N_i, D] by item, held (the runner's tensors) from the first chunk that needs an
+    # item until its last pad is computed, so a request encodes or fetches each image once per prefill.
+    image_embeds: dict[int, torch.Tensor] = field(default_factory=dict)
+    cache: CacheHoldings = field(default_factory=CacheHoldings)
+    out: OutputState = field(default_factory=OutputState)
+
+    def __post_init__(self) -> None:
+        self.token_ids = list(self.prompt_token_ids)
+        extend_block_hashes(self.block_hashes, self.token_ids, self.block_size, self.extra_keys)
+
+    @property
+    def num_prompt_tokens(self) -> int:
+        return len(self.prompt_token_ids)
+
+    @property
+    def num_tokens(self) -> int:
+        return len(self.token_ids)
+
+    @property
+    def output_token_ids(self) -> list[int]:
+        return self.token_ids[self.num_prompt_tokens:]
+
+    @property
+    def num_output_tokens(self) -> int:
+        return len(self.token_ids) - len(self.prompt_token_ids)
+
+    @property
+    def is_finished(self) -> bool:
+        return self.status is RequestStatus.FINISHED
+
+    def append_token(self, token_id: int) -> None:
+        self.token_ids.append(token_id)
+        if len(self.token_ids) % self.block_size == 0:
+            extend_block_hashes(self.block_hashes, self.token_ids, self.block_size, self.extra_keys)

@@ -1,0 +1,73 @@
+"""Rank 0's runner under tensor/expert parallelism: the plain ``ModelRunner`` plus one broadcast
+of each step before its forward or graph replay, and the images encoded by all ranks (the workers' side and the step protocol:
+``kimik3.parallel.worker``)."""
+
+from __future__ import annotations
+
+import logging
+
+import torch
+
+from kimik3.engine.config import EngineConfig
+from kimik3.engine.run.runner import ModelRunner
+from kimik3.model.batch import ForwardBatch
+from kimik3.model.cuda_graphs import DecodeGraphs, capture_or_none
+from kimik3.parallel.encoder_dp import EncodeImages, encode_share
+from kimik3.parallel.worker import CaptureGraphs, agree, broadcast, send_geometry, send_graph_step, send_step
+
+logger = logging.getLogger(__name__)
+
+
+class ParallelRunner(ModelRunner):
+    """``control``: the group's gloo control group; ``on_failure(why)``: called when a step raises
+    (the group is then lost: ``ParallelGroup.fail``). Decode CUDA graphs: every rank captures its
+    own (``CaptureGraphs``), and a graph step is broadcast before each rank replays it."""
+
+    def __init__(self, model, cache, config: EngineConfig, *, control, on_failure=None):
+        self.control = control
+        self.on_failure = on_failure
+        self._ops: tuple[list, list] = ([], [])
+        self._ids_on_device = False
+        send_geometry(cache, control)              # before the base class captures graphs (with the workers)
+        super().__init__(model, cache, config)
+        self.images.encode_items = self.encode_images
+
+    def encode_images(self, pixels: list[torch.Tensor], grids: torch.Tensor) -> torch.Tensor:
+        """Encoder data parallelism: every rank encodes its share of the step's new images, one all-gather
+        (``kimik3.parallel.encoder_dp``)."""
+        broadcast(EncodeImages([p.cpu() for p in pixels], grids.cpu()), self.control)
+        return encode_share(self.model, pixels, grids, self.images.encode)
+
+    def capture_graphs(self, graphs: DecodeGraphs) -> DecodeGraphs | None:
+        """Every rank captures at once (the graphs hold the step's collectives); all keep them only
+        if all succeeded, else every rank runs eagerly."""
+        broadcast(CaptureGraphs(graphs.sizes[-1], graphs.max_model_len, graphs.max_query_len), self.control)
+        captured = capture_or_none(graphs, decode_only_retry=False)
+        if not agree(captured is not None, self.control):
+            if captured is not None:
+                logger.warning("another rank could not capture its decode graphs; every rank runs eagerly")
+            return None
+        return captured
+
+    def launch(self, out, input_ids: torch.Tensor | None = None):
+        """The step's forward on every rank (sampling, after it, is rank 0's alone). ``input_ids``:
+        async scheduling's device tokens, which reach the workers on the model's group."""
+        self._ops = (list(out.state_copies), list(out.state_resets))
+        self._ids_on_device = input_ids is not None
+        try:
+            return super().launch(out, input_ids)
+        except BaseException as e:
+            # a half-run step leaves the workers inside (or before) a collective: the group is lost
+            if self.on_failure is not None:
+                self.on_failure(f"rank 0 failed during a tensor-parallel step: {e!r}")
+            raise
+
+    def run(self, input_ids: torch.Tensor, batch: ForwardBatch, rows: list[int]):
+        send_step(self.control, input_ids, batch, rows, *self._ops, model_group=self.model.parallel.group,
+                  ids_on_device=self._ids_on_device)
+        return super().run(input_ids, batch, rows)
+
+    def run_graph(self, meta: torch.Tensor, tables: torch.Tensor, rows: list[int], num_seqs: int,
+                  input_ids: torch.Tensor | None = None):
+        send_graph_step(self.control, meta, tables, num_seqs, *self._ops, input_ids, self.model.parallel.group)
+        return super().run_graph(meta, tables, rows, num_seqs, input_ids)

@@ -1,0 +1,189 @@
+"""Drafts from a draft model (Eagle3, K3's MTP, a DFlash block drafter) for speculative decoding.
+
+The target's forward keeps the hidden states the draft reads (``aux_layers``: Eagle3's / DFlash's auxiliary
+layers, MTP's pre-norm h_final) for every row of the step (``ModelRunner``). After the step is committed
+(drafts settled, tokens appended), ``after_step``:
+
+1. catches the draft's cache up with the positions the target computed and kept: every prompt row and, in a
+   verify chunk, the input row and the accepted drafts. The draft's row at position p reads the target's states
+   at p and the token p + 1 (Eagle3, MTP: known once the step sampled it; DFlash writes the states at p as its
+   context). Rows of rejected drafts are rewritten by the next catch-up, as the target's MLA latents are: the
+   draft cache shares the target's block tables (``model/draft_attention.py``), so prefix hits, preemption and
+   freeing need nothing of their own; the draft has no recurrent state to roll back.
+2. drafts for each request that decodes next: Eagle3 / MTP chain their own features, one forward per draft
+   token (positions past the request's blocks go to scratch blocks after the target's); DFlash drafts a block
+   in one forward. Drafts are the draft's greedy tokens (a one-token draft distribution): ``speculative.verify``
+   accepts exactly as the target's sampler would, greedy and sampled alike.
+
+The number of drafts adapts per request: ``draft_limit`` (m + 1 after m accepted of a rejected draft, one
+more after a fully accepted one, ``settle_drafts``), and a verify step that accepts none pauses drafting for
+1, 4, 16, 64, then 128 decode steps (``speculative.watch_pause``), after which one draft probes again: on text
+the draft cannot predict (adversarial, very long context) the steps run plain. While paused the draft's cache
+is still caught up (one draft row per decoded token).
+"""
+
+from __future__ import annotations
+
+import logging
+
+import torch
+
+from kimik3.engine.spec.speculative import can_speculate, watch_pause
+from kimik3.model.batch import ForwardBatch
+from kimik3.model.dflash import DFlashDraft
+from kimik3.model.draft_attention import DraftBatch, extend_tables
+from kimik3.model.eagle3 import Eagle3Draft
+from kimik3.model.mtp import MTPDraft
+
+logger = logging.getLogger(__name__)
+
+METHODS = ("eagle3", "mtp", "dflash", "dspark")
+
+
+class ModelDrafter:
+    def __init__(self, draft, num_speculative_tokens: int, num_blocks: int, block_size: int, max_num_seqs: int):
+        self.draft = draft
+        self.k = num_speculative_tokens
+        if isinstance(draft, DFlashDraft) and num_speculative_tokens > draft.cfg.block_size - 1:
+            raise ValueError(f"num_speculative_tokens {num_speculative_tokens} exceeds what the DFlash draft's blocks "
+                             f"give (block_size - 1 = {draft.cfg.block_size - 1}); lower it")
+        self.block_size = block_size
+        self.aux_layers = tuple(draft.aux_layer_ids)
+        self.scratch_per_seq = -(-(num_speculative_tokens + 1) // block_size) + 1
+        self.first_scratch = num_blocks
+        total = num_blocks + max_num_seqs * self.scratch_per_seq
+        p = next(draft.parameters())
+        if isinstance(draft, MTPDraft):
+            shape = (draft.num_layers, total, block_size, draft.cfg.mla_cache_dim)
+        elif isinstance(draft, DFlashDraft):
+            shape = (draft.cfg.num_hidden_layers, total, block_size, *draft.cfg.cache_shape)
+        else:
+            shape = (total, block_size, *draft.cfg.cache_shape)
+        self.cache = torch.zeros(shape, dtype=p.dtype, device=p.device)
+        self.device = p.device
+
+    @property
+    def cache_bytes(self) -> int:
+        return self.cache.numel() * self.cache.element_size()
+
+    def _scratch(self, n: int) -> list[list[int]]:
+        return [list(range(self.first_scratch + i * self.scratch_per_seq,
+                           self.first_scratch + (i + 1) * self.scratch_per_seq)) for i in range(n)]
+
+    def wants(self, req) -> bool:
+        """Whether ``req``'s rows feed the draft at all (requests that can never speculate are skipped)."""
+        return can_speculate(req.params)
+
+    @torch.inference_mode()
+    def after_step(self, out, states: torch.Tensor | None) -> None:
+        """Catch up with a committed step and set ``req.spec_proposal`` of each request that drafts next.
+        ``states``: the target's aux states of the step's packed rows [T, n * D] (None: nothing to read)."""
+        if states is None:
+            return
+        rows, pos, nxt, seqs = [], [], [], []          # catch-up: packed rows, positions, next tokens; per chunk
+        offset = 0
+        for c in out.chunks:
+            req, n_real = c.req, c.num_tokens - len(c.draft) + c.num_accepted
+            if self.wants(req) and not req.is_finished and req.num_tokens > c.start + n_real:
+                rows.extend(range(offset, offset + n_real))
+                pos.extend(range(c.start, c.start + n_real))
+                nxt.extend(req.token_ids[c.start + 1:c.start + n_real + 1])
+                seqs.append((c, n_real))
+            offset += c.num_tokens
+        if not seqs:
+            return
+        dev = self.device
+        feats = states[torch.tensor(rows, device=states.device)]
+        tables = [c.req.cache.block_ids for c, _ in seqs]
+        starts, lens = [c.start for c, _ in seqs], [n for _, n in seqs]
+        drafting = [i for i, (c, n) in enumerate(seqs) if c.samples and self._room(c.req) > 0]
+        if isinstance(self.draft, DFlashDraft):
+            self._dflash(feats, pos, starts, lens, tables, seqs, drafting)
+            return
+        ids = torch.tensor(nxt, dtype=torch.int64, device=dev)
+        positions = torch.tensor(pos, dtype=torch.int64, device=dev)
+        logits, hidden = self._run(0, ids, feats, positions, lens, starts, tables, None, first=True)
+        if not drafting:
+            return
+        last = torch.tensor([sum(lens[:i + 1]) - 1 for i in drafting], device=dev)
+        self._chain([seqs[i][0].req for i in drafting], logits[last], hidden[last],
+                    [starts[i] + lens[i] for i in drafting], [tables[i] for i in drafting])
+
+    def _room(self, req) -> int:
+        """Drafts ``req`` takes next (0 while paused; the scheduler trims them to its budget too)."""
+        if req.draft_pause or req.is_finished:
+            return 0
+        return max(0, min(self.k, req.draft_limit, req.params.max_tokens - req.num_output_tokens - 1))
+
+    def _run(self, step: int, ids, feats, positions, lens, starts, tables, scratch, first: bool = False):
+        """One draft forward over rows (``lens`` per sequence from ``starts``): (logits, features)."""
+        if isinstance(self.draft, MTPDraft):
+            full = extend_tables(lens, starts, tables, self.block_size, scratch)
+            batch = ForwardBatch.build(lens, starts, [0] * len(lens), full, self.block_size, self.device)
+            return self.draft(step, ids, feats, positions, batch, self.cache)
+        batch = DraftBatch.build(lens, starts, tables, self.block_size, scratch, self.device)
+        if first:
+            feats = self.draft.combine([feats])
+        return self.draft(ids, feats, batch, self.cache)
+
+    def _to_target(self, logits: torch.Tensor) -> torch.Tensor:
+        ids = logits.argmax(-1)
+        return self.draft.to_target(ids) if hasattr(self.draft, "to_target") else ids
+
+    def _chain(self, reqs, logits, hidden, next_pos: list[int], tables) -> None:
+        """Drafts 1..k of each request: draft 1 from its last caught-up row, draft j + 1 from a row at position
+        P + j - 1 (P = ``next_pos``) that reads draft j and the draft's own feature of the row before."""
+        room = [self._room(r) for r in reqs]
+        scratch = self._scratch(len(reqs))
+        tokens = [self._to_target(logits)]
+        for j in range(1, max(room)):
+            live = [i for i, r in enumerate(room) if r > j]
+            sel = torch.tensor(live, device=self.device)
+            pos = [next_pos[i] + j - 1 for i in live]
+            logits, h = self._run(j, tokens[-1][sel], hidden[sel], torch.tensor(pos, device=self.device),
+                                  [1] * len(live), pos, [tables[i] for i in live], [scratch[i] for i in live])
+            t = torch.zeros_like(tokens[-1])
+            t[sel] = self._to_target(logits)
+            hidden = hidden.clone()
+            hidden[sel] = h
+            tokens.append(t)
+        drafts = torch.stack(tokens, 1).tolist()
+        for req, r, d in zip(reqs, room, drafts):
+            req.spec_proposal = d[:r]
+
+    def _dflash(self, feats, pos, starts, lens, tables, seqs, drafting) -> None:
+        ctx = DraftBatch.build(lens, starts, tables, self.block_size, None, self.device)
+        self.draft.write_context([feats], ctx.positions, ctx.slot_mapping, self.cache)
+        if not drafting:
+            return
+        reqs = [seqs[i][0].req for i in drafting]
+        P = [starts[i] + lens[i] for i in drafting]
+        B = self.draft.cfg.block_size
+        block = DraftBatch.build([B] * len(reqs), P, [tables[i] for i in drafting], self.block_size,
+                                 self._scratch(len(reqs)), self.device, causal=False, write=False)
+        anchors = torch.tensor([r.token_ids[p] for r, p in zip(reqs, P)], device=self.device)
+        drafts = self._to_target(self.draft(anchors, block, self.cache)).tolist()
+        for req, d in zip(reqs, drafts):
+            req.spec_proposal = d[:self._room(req)]
+
+    @staticmethod
+    def settled(chunk) -> None:
+        """A verify chunk that accepted none pauses its drafts (``watch_pause`` of its misses in a row)."""
+        if chunk.draft and chunk.num_accepted == 0:
+            chunk.req.draft_pause = watch_pause(chunk.req.draft_misses)
+
+
+def load_draft(method: str, path: str, target):
+    """The draft model of ``method`` at ``path`` ("default": the draft shipped for the embedded default model),
+    checked against ``target``."""
+    from kimik3.loader.drafts import DEFAULT_DRAFT, load_dflash, load_eagle3, load_mtp
+    if method not in METHODS:
+        raise ValueError(f"speculative method {method!r} is not one of {METHODS + ('ngram',)}")
+    if path == "default":
+        if method != "eagle3":
+            raise ValueError(f"the shipped default draft is an Eagle3 draft; use method 'eagle3', not {method!r}")
+        path = DEFAULT_DRAFT
+    loader = {"eagle3": load_eagle3, "mtp": load_mtp, "dflash": load_dflash, "dspark": load_dflash}[method]
+    draft = loader(path, target)
+    logger.info("%s draft from %s (auxiliary layers %s)", method, path, list(draft.aux_layer_ids))
+    return draft

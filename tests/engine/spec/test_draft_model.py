@@ -1,0 +1,217 @@
+"""Speculative decoding with a draft model (``engine/spec/draft_model.py``): greedy output identical to plain decoding in
+every engine mode (chunked prefill, prefix hits, preemption, async scheduling), drafts accepted and rejected, the
+per-request controller, the per-position counters, and the user-facing configuration."""
+
+from __future__ import annotations
+
+import math
+import random
+
+import pytest
+import torch
+
+import kimik3
+from kimik3.engine import EngineArgs, EngineConfig, SamplingParams
+from kimik3.engine.core.llm_engine import LLMEngine
+from kimik3.engine.spec.draft_model import ModelDrafter
+from kimik3.model.eagle3 import Eagle3Config, Eagle3Draft
+from tests.engine.fake_model import reference_greedy
+from tests.engine.helpers import budget_for, check_invariants, run
+
+
+@pytest.fixture(scope="module")
+def target(tiny_ckpt):
+    return kimik3.load_model(tiny_ckpt["kimi_k3"], dtype=torch.float32, language_model_only=True)
+
+
+def random_eagle3(target, seed: int = 0) -> Eagle3Draft:
+    text = target.config.text
+    cfg = Eagle3Config(hidden_size=text.hidden_size, num_attention_heads=2, num_key_value_heads=1, head_dim=16,
+                       intermediate_size=48, rms_norm_eps=1e-6, rope_theta=1000.0, vocab_size=text.vocab_size,
+                       draft_vocab_size=text.vocab_size, target_hidden_size=text.hidden_size, aux_layer_ids=(1, 3, 6))
+    m = Eagle3Draft(cfg)
+    g = torch.Generator().manual_seed(seed)
+    for p in m.parameters():
+        p.data.copy_(torch.randn(p.shape, generator=g) / math.sqrt(p.shape[-1]) if p.dim() > 1 else torch.ones(p.shape))
+    return m.eval()
+
+
+def engine_with(target, k: int = 3, blocks: int | None = None, **kw) -> LLMEngine:
+    kw.setdefault("kda_checkpoint_interval", 1)
+    cfg = EngineConfig(num_speculative_tokens=k, speculative_method="eagle3", speculative_model="test", **kw)
+    need = -(-cfg.max_model_len // cfg.block_size) + (blocks if blocks is not None else 8)
+    interval = cfg.kda_checkpoint_interval if cfg.enable_prefix_caching else None
+    cfg.cache_memory_bytes = budget_for(target, cfg.block_size, cfg.max_num_seqs, need, interval, k)
+    return LLMEngine(target, cfg, draft=random_eagle3(target))
+
+
+def oracle(monkeypatch, futures: dict[tuple[int, ...], list[int]], vocab: int) -> None:
+    """Drafts replaced (after the draft model ran) by each request's known continuation, the second one corrupted
+    every other step: verify steps see accepted runs, bonus tokens and rejections."""
+    chain = ModelDrafter._chain
+
+    def patched(self, reqs, logits, hidden, next_pos, tables):
+        chain(self, reqs, logits, hidden, next_pos, tables)
+        for req in reqs:
+            prompt = next(p for p in futures if tuple(req.token_ids[:len(p)]) == p)
+            done = req.num_tokens - len(prompt)
+            d = list(futures[prompt][done:done + len(req.spec_proposal)])
+            if done % 2 and len(d) > 1:
+                d[1] = (d[1] + 1) % vocab
+            req.spec_proposal = d
+    monkeypatch.setattr(ModelDrafter, "_chain", patched)
+
+
+def requests(target, seed: int, n: int = 3, shared: int = 0, max_tokens: int = 12):
+    rng = random.Random(seed)
+    vocab = target.config.text.vocab_size
+    head = [rng.randrange(5, vocab) for _ in range(shared)]
+    return {f"r{i}": (head + [rng.randrange(5, vocab) for _ in range(5 + 4 * i)],
+                      SamplingParams(temperature=0, max_tokens=max_tokens, ignore_eos=True)) for i in range(n)}
+
+
+MODES = {
+    "plain": dict(block_size=4, max_num_seqs=3, max_num_batched_tokens=64, max_model_len=48),
+    "chunked": dict(block_size=4, max_num_seqs=3, max_num_batched_tokens=6, max_model_len=48),
+    "prefix": dict(block_size=4, max_num_seqs=2, max_num_batched_tokens=64, max_model_len=48),
+    "preempt": dict(block_size=4, max_num_seqs=3, max_num_batched_tokens=64, max_model_len=40, blocks=2),
+    "async": dict(block_size=4, max_num_seqs=3, max_num_batched_tokens=64, max_model_len=48, async_scheduling=True),
+}
+
+
+@pytest.mark.parametrize("mode, drafts", [("plain", "model")] + [(m, "oracle") for m in MODES])
+def test_greedy_output_is_plain_decodings(target, monkeypatch, mode, drafts):
+    reqs = requests(target, seed=len(mode), shared=8 if mode == "prefix" else 0)
+    futures = {tuple(p): reference_greedy(target, p, sp.max_tokens) for p, sp in reqs.values()}
+    if drafts == "oracle":
+        oracle(monkeypatch, futures, target.config.text.vocab_size)
+    kw = dict(MODES[mode])
+    engine = engine_with(target, **kw)
+    arrivals = {0: ["r0"], 3: ["r1", "r2"]} if mode == "prefix" else None
+    results = run(engine, reqs, arrivals=arrivals, check=lambda e: check_invariants(e.kv, e.scheduler.running))
+    for rid, (prompt, _) in reqs.items():
+        assert results[rid][0][0] == futures[tuple(prompt)], (rid, mode)
+    assert engine.num_draft_tokens > 0
+    if drafts == "oracle":
+        assert engine.num_accepted_tokens > 0 and engine.num_draft_tokens > engine.num_accepted_tokens
+    assert sum(engine.accepted_per_position) == engine.num_accepted_tokens
+    if mode == "prefix":
+        assert engine.stats().num_hit_tokens > 0
+    if mode == "preempt":
+        assert engine.scheduler.num_preemptions > 0
+    check_invariants(engine.kv, [])
+
+
+def test_proposals_equal_the_draft_run_from_scratch(target, monkeypatch):
+    """Every proposal the engine's drafter makes (catch-up over chunked prefill and verify steps, then the chain)
+    equals the draft run once over the whole history: the target's states of positions < P, the tokens after them,
+    draft 1 from row P - 1, draft j + 1 from a row at P + j - 1 fed draft j and the feature before it."""
+    from kimik3.model.batch import ForwardBatch
+    from kimik3.model.draft_attention import DraftBatch
+    seen = []
+    chain = ModelDrafter._chain
+
+    def record(self, reqs, logits, hidden, next_pos, tables):
+        chain(self, reqs, logits, hidden, next_pos, tables)
+        seen.extend((list(r.token_ids), list(r.spec_proposal), self.draft) for r in reqs)
+    monkeypatch.setattr(ModelDrafter, "_chain", record)
+    reqs = requests(target, seed=4, n=2, max_tokens=12)
+    engine = engine_with(target, k=3, block_size=4, max_num_seqs=2, max_num_batched_tokens=7, max_model_len=40)
+    run(engine, reqs)
+    assert len(seen) >= 3
+    for tokens, proposal, draft in seen:
+        P = len(tokens) - 1
+        cache = target.allocate_cache(2, 2, P)
+        _, aux = target.forward_step(torch.tensor(tokens[:P]), ForwardBatch.build([P], [0], [1], [[1]], P), cache,
+                                     draft.aux_layer_ids)
+        kv = torch.zeros(4, 64, *draft.cfg.cache_shape)
+        logits, r = draft(torch.tensor(tokens[1:P + 1]), draft.combine(aux), DraftBatch.build([P], [0], [[0, 1]], 64), kv)
+        want, h = [int(draft.to_target(logits[-1].argmax()))], r[-1:]
+        while len(want) < len(proposal):
+            logits, h = draft(torch.tensor(want[-1:]), h, DraftBatch.build([1], [P + len(want) - 1], [[0, 1]], 64), kv)
+            want.append(int(draft.to_target(logits[-1].argmax())))
+        assert proposal == want, (P, proposal, want)
+
+
+def random_module(m, seed: int):
+    g = torch.Generator().manual_seed(seed)
+    for p in m.parameters():
+        if p.dtype.is_floating_point:
+            p.data.copy_(torch.randn(p.shape, generator=g) / math.sqrt(p.shape[-1]) if p.dim() > 1 else torch.ones(p.shape))
+    return m.eval()
+
+
+@pytest.mark.parametrize("method", ["mtp", "dflash"])
+def test_mtp_and_dflash_drafts_through_the_engine(target, monkeypatch, method):
+    """K3's MTP layer (chained, its own MLA latent cache) and a DFlash block drafter (one forward per block) in the
+    engine: greedy output plain decoding's, with their own drafts and with oracle drafts (accepted runs)."""
+    from kimik3.model.dflash import DFlashConfig, DFlashDraft
+    from kimik3.model.mtp import MTPDraft
+    text = target.config.text
+    if method == "mtp":
+        draft = random_module(MTPDraft(text, 1), 1)
+    else:
+        draft = random_module(DFlashDraft(DFlashConfig(
+            hidden_size=text.hidden_size, num_hidden_layers=2, num_attention_heads=2, num_key_value_heads=1, head_dim=16,
+            intermediate_size=48, rms_norm_eps=1e-6, rope_theta=1000.0, vocab_size=text.vocab_size,
+            draft_vocab_size=text.vocab_size, target_hidden_size=text.hidden_size, aux_layer_ids=(2, 4),
+            block_size=4, mask_token_id=3)), 2)
+    reqs = requests(target, seed=11, n=2, max_tokens=10)
+    futures = {tuple(p): reference_greedy(target, p, sp.max_tokens) for p, sp in reqs.values()}
+    proposals = []
+    if method == "dflash":
+        block = ModelDrafter._dflash
+
+        def oracle_block(self, feats, pos, starts, lens, tables, seqs, drafting):
+            block(self, feats, pos, starts, lens, tables, seqs, drafting)
+            for i in drafting:
+                req = seqs[i][0].req
+                proposals.append(len(req.spec_proposal))
+                prompt = next(p for p in futures if tuple(req.token_ids[:len(p)]) == p)
+                done = req.num_tokens - len(prompt)
+                req.spec_proposal = list(futures[prompt][done:done + len(req.spec_proposal)])
+        monkeypatch.setattr(ModelDrafter, "_dflash", oracle_block)
+    else:
+        oracle(monkeypatch, futures, text.vocab_size)
+    cfg = EngineConfig(num_speculative_tokens=3, speculative_method=method, speculative_model="test", block_size=4,
+                       max_num_seqs=2, max_num_batched_tokens=9, max_model_len=40, kda_checkpoint_interval=1)
+    cfg.cache_memory_bytes = budget_for(target, 4, 2, 18, 1, 3)
+    engine = LLMEngine(target, cfg, draft=draft)
+    results = run(engine, reqs, check=lambda e: check_invariants(e.kv, e.scheduler.running))
+    for rid, (prompt, _) in reqs.items():
+        assert results[rid][0][0] == futures[tuple(prompt)], rid
+    assert engine.num_accepted_tokens > 0
+    assert method == "mtp" or max(proposals) == 3
+
+
+def test_failing_drafts_pause_and_probe(target):
+    """A random draft (drafts rejected): each verify that accepts none pauses drafting for longer (1, 4, 16
+    decode steps ...), so most steps run plain; output still plain decoding's."""
+    reqs = requests(target, seed=9, n=1, max_tokens=36)
+    engine = engine_with(target, k=4, block_size=4, max_num_seqs=1, max_model_len=64)
+    results = run(engine, reqs)
+    prompt = reqs["r0"][0]
+    assert results["r0"][0][0] == reference_greedy(target, prompt, 36)
+    assert 0 < engine.num_drafts <= 8, engine.num_drafts        # far fewer than the 36 decode steps
+
+
+def test_sampled_requests_run_and_keep_lengths(target):
+    reqs = {"s": ([7, 8, 9, 10, 11], SamplingParams(temperature=0.8, max_tokens=12, ignore_eos=True, seed=5))}
+    engine = engine_with(target, block_size=4, max_num_seqs=1, max_model_len=40)
+    out = run(engine, reqs)["s"][0][0]
+    assert len(out) == 12
+
+
+def test_speculative_config_is_checked():
+    with pytest.raises(ValueError, match="unknown key"):
+        EngineArgs(speculative_config={"method": "eagle3", "model": "x", "num_speculative_tokens": 2, "draft_tp": 1})
+    with pytest.raises(ValueError, match="needs 'model'"):
+        EngineArgs(speculative_config={"method": "eagle3", "num_speculative_tokens": 2})
+    with pytest.raises(ValueError, match="method must be one of"):
+        EngineArgs(speculative_config={"method": "medusa", "model": "x", "num_speculative_tokens": 2})
+    with pytest.raises(ValueError, match="not both"):
+        EngineArgs(num_speculative_tokens=2, speculative_config={"method": "ngram", "num_speculative_tokens": 2})
+    args = EngineArgs(speculative_config='{"method": "ngram", "num_speculative_tokens": 3, "prompt_lookup_max": 5}')
+    assert args.speculative_settings()["speculative_ngram_max"] == 5
+    with pytest.raises(ValueError, match="speculative method"):
+        EngineConfig(speculative_method="medusa")
