@@ -42,3 +42,21 @@ def test_offload_engine_tokens_equal_resident(models, block_size, budget_tokens,
     assert outputs[1] == outputs[0]
     o = offloaded.expert_offload
     assert o.refreshes > 0 and o.swapped > 0 and int(o.copies.sum()) > 0
+
+
+def test_llm_takes_cpu_offload_gb(tiny_ckpt):
+    """``LLM(cpu_offload_gb=...)`` (``--cpu-offload-gb``) reaches the loader: the same tokens as without, the
+    experts in host memory with a GPU-side cache; a budget larger than the model's experts is an error
+    naming the most it can be."""
+    from kimik3.engine import LLM, SamplingParams
+    path = str(tiny_ckpt["kimi_k3"])
+    kw = dict(device="cpu", dtype=torch.float32, block_size=4, max_num_seqs=4, max_model_len=32, seed=0)
+    prompts = [{"prompt_token_ids": [11, 12, 13, 14, 15]}, {"prompt_token_ids": [20, 21, 22]}]
+    params = SamplingParams(temperature=0, max_tokens=5, ignore_eos=True)
+    want = [o.outputs[0].token_ids for o in LLM(path, **kw).generate(prompts, params)]
+    llm = LLM(path, cpu_offload_gb=1e-4, **kw)               # ~105 KB: a few experts of each layer
+    o = llm.engine.model.expert_offload
+    assert o is not None and 0 < o.staging_size < o.num_experts
+    assert [o.outputs[0].token_ids for o in llm.generate(prompts, params)] == want
+    with pytest.raises(ValueError, match="more than the model's routed experts here"):
+        LLM(path, cpu_offload_gb=1.0, **kw)
