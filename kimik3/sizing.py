@@ -38,7 +38,7 @@ import torch
 
 from kimik3.config import ModelConfig, load_config
 from kimik3.inspect import SINGLE_GPUS, meta_model, stored_bytes
-from kimik3.model.batch import HybridCache
+from kimik3.model.batch import KV_CACHE_DTYPES, HybridCache, latent_cache_dtype
 
 H200_BYTES = SINGLE_GPUS["H200"]        # 140.4 GiB per GPU, as nvidia-smi reports
 MEMORY_FRACTION = 0.92                  # u: share of GPU memory the engine may take
@@ -52,7 +52,6 @@ _REPLICATED = re.compile(
 # weights ``--quantization fp8`` stores in e4m3 (with 128 x 128 block scales): the projections
 _FP8_WEIGHT = re.compile(r"^model\.layers\.\d+\..*(?<!_res)_proj(_with_mqa)?\.weight$")
 FP8_BLOCK = 128
-KV_CACHE_DTYPES = ("auto", "fp8", "fp8_e4m3")
 QUANTIZATIONS = (None, "fp8")
 
 
@@ -154,9 +153,7 @@ def latent_bytes_per_token(text_config, dtype: torch.dtype, kv_cache_dtype: str 
     float32 scale per row (fp8, fp8_e4m3)."""
     if kv_cache_dtype not in KV_CACHE_DTYPES:
         raise ValueError(f"--kv-cache-dtype must be one of {list(KV_CACHE_DTYPES)}, got {kv_cache_dtype!r}")
-    if kv_cache_dtype == "auto":
-        return HybridCache.bytes_per_block(text_config, 1, dtype)
-    return len(text_config.mla_layer_ids) * (text_config.mla_cache_dim + 4)
+    return HybridCache.bytes_per_block(text_config, 1, dtype, latent_cache_dtype(kv_cache_dtype, dtype))
 
 
 def compute_sizing(config: ModelConfig, tp: int, ep: int, dtype: torch.dtype = torch.bfloat16, *,

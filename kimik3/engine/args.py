@@ -25,6 +25,7 @@ from typing import Any
 import torch
 
 from kimik3.distributed import MOE_MODES
+from kimik3.model.batch import KV_CACHE_DTYPES
 from kimik3.ops.cuda.flash_mla import ENV as FLASH_MLA_ENV
 from kimik3.ops.cuda.flash_mla import PAGE as FLASH_MLA_BLOCK
 
@@ -189,8 +190,9 @@ class EngineArgs:
         "bytes for the cache pools, overriding --gpu-memory-utilization (default: sized automatically; "
         "on CPU what max-num-seqs full sequences need, at most 4 GiB)", default=None,
         type=positive_size)
-    kv_cache_dtype: str = _opt("cache dtype; only auto (the model dtype; KDA states in float32) (default: auto)",
-                               default="auto", choices=["auto"])
+    kv_cache_dtype: str = _opt("MLA latent cache dtype: auto (the model dtype), fp8 / fp8_e4m3 (float8_e4m3fn with "
+                               "one float32 scale per token: half the bytes); KDA states stay float32 "
+                               "(default: auto)", default="auto", choices=list(KV_CACHE_DTYPES))
     kda_checkpoint_interval: int | None = _opt(
         "cache blocks between saved KDA states for prefix caching (default: auto)", default=None,
         type=positive_size)
@@ -251,9 +253,8 @@ class EngineArgs:
             raise ValueError(f"dtype must be one of {list(DTYPES)} (or a torch.dtype), got {self.dtype!r}")
         if not isinstance(self.dtype, (str, torch.dtype)):
             raise ValueError(f"dtype must be a string such as 'bfloat16' or a torch.dtype, got {self.dtype!r}")
-        if self.kv_cache_dtype != "auto":
-            raise ValueError(f"kv_cache_dtype {self.kv_cache_dtype!r} is not supported: the cache is kept in the "
-                             f"model dtype (KDA states in float32); use 'auto'")
+        if self.kv_cache_dtype not in KV_CACHE_DTYPES:
+            raise ValueError(f"kv_cache_dtype must be one of {list(KV_CACHE_DTYPES)}, got {self.kv_cache_dtype!r}")
         if not (isinstance(self.gpu_memory_utilization, (int, float)) and 0.0 < self.gpu_memory_utilization <= 1.0):
             raise ValueError(f"gpu_memory_utilization must lie in (0, 1], got {self.gpu_memory_utilization!r}")
         if not isinstance(self.max_logprobs, int) or self.max_logprobs < 0:
@@ -358,6 +359,7 @@ class EngineArgs:
         from kimik3.engine.config import EngineConfig
         return EngineConfig(max_num_seqs=self.max_num_seqs, max_num_batched_tokens=self.max_num_batched_tokens,
                             max_model_len=max_model_len, enable_prefix_caching=self.enable_prefix_caching,
+                            kv_cache_dtype=self.kv_cache_dtype,
                             block_size=self.resolve_block_size(device), kda_checkpoint_interval=self.kda_checkpoint_interval,
                             cache_memory_bytes=self.kv_cache_memory_bytes,
                             gpu_memory_utilization=float(self.gpu_memory_utilization), seed=self.seed,

@@ -14,6 +14,7 @@ class EngineConfig:
     block_size: int = 16                    # tokens per MLA latent-cache block (and prefix-cache hash unit)
     kda_checkpoint_interval: int | None = None  # blocks between KDA state checkpoints; None = auto (memory.py)
     cache_memory_bytes: int | None = None   # both cache pools; None = from gpu_memory_utilization / enough on CPU
+    kv_cache_dtype: str = "auto"            # MLA latents: auto (model dtype) or fp8 / fp8_e4m3 (E4M3, per-token scales)
     gpu_memory_utilization: float = 0.9     # fraction of the GPU's memory the whole process may use (vLLM's meaning)
     max_logprobs: int = 20                  # most logprobs one request may ask for per token
     seed: int = 0                           # engine RNG (requests without their own seed)
@@ -53,6 +54,9 @@ class EngineConfig:
             raise ValueError(f"gpu_memory_utilization must lie in (0, 1], got {self.gpu_memory_utilization!r}")
         if not isinstance(self.max_logprobs, int) or self.max_logprobs < 0:
             raise ValueError(f"max_logprobs must be an integer >= 0, got {self.max_logprobs!r}")
+        from kimik3.model.batch import KV_CACHE_DTYPES
+        if self.kv_cache_dtype not in KV_CACHE_DTYPES:
+            raise ValueError(f"kv_cache_dtype must be one of {list(KV_CACHE_DTYPES)}, got {self.kv_cache_dtype!r}")
         if self.cache_memory_bytes is not None and self.cache_memory_bytes <= 0:
             raise ValueError(f"cache_memory_bytes must be positive or None (auto), got {self.cache_memory_bytes!r}")
 

@@ -12,6 +12,7 @@ import numpy as np
 import torch
 
 from kimik3.ops import ceil_div
+from kimik3.ops.fp8 import FP8
 
 SHORT_CHUNK_MAX = 16    # new tokens per sequence up to which a step with history runs as a short step
 
@@ -144,6 +145,15 @@ class HybridCache:
                                         decode context parallelism (c = ``mla_cache_stripes`` ranks) this rank's
                                         positions p % c == its DCP rank of each block, at row (p % block_size) // c
     ``block_size`` is the engine's (positions per block table entry), whatever the stripes.
+    mla_latent rows are in the model dtype, or FP8 (``--kv-cache-dtype fp8``) with
+    mla_scale[l]  [num_blocks, block_size / c]   one float32 scale per token row (``kimik3.ops.fp8``);
+                                        None for a cache in the model dtype
+
+    FP8 latents take one scale per token (row), not per block: a token's row is written once, by the step
+    that computes it (decode appends one row at a time), so a per-token scale needs no read-modify-write of
+    a shared block scale and a row's bytes never depend on which tokens share its block (prefix-cache blocks
+    stay bit-identical whoever fills them). The scale costs 4 B per 576 B row (0.7%); the dequantisation is
+    one multiply per score and per probability in the decode kernel.
     """
 
     kda_conv: torch.Tensor
@@ -151,10 +161,13 @@ class HybridCache:
     mla_latent: torch.Tensor
     block_size: int
     layer_index: dict[int, int] = field(default_factory=dict)  # model layer id -> row in its stack
+    mla_scale: torch.Tensor | None = None
 
     @staticmethod
     def allocate(text_cfg, num_slots: int, num_blocks: int, block_size: int,
-                 dtype: torch.dtype, device: torch.device | str = "cpu") -> HybridCache:
+                 dtype: torch.dtype, device: torch.device | str = "cpu",
+                 latent_dtype: torch.dtype | None = None) -> HybridCache:
+        """``latent_dtype``: the MLA latent rows' dtype (None: ``dtype``; float8_e4m3fn adds ``mla_scale``)."""
         kda, mla = text_cfg.kda_layer_ids, text_cfg.mla_layer_ids
         k = text_cfg.kda
         conv = torch.zeros(len(kda), num_slots, 3 * k.num_heads * k.head_dim, k.conv_size - 1,
@@ -165,10 +178,18 @@ class HybridCache:
         if block_size % stripes:
             raise ValueError(f"block size {block_size} must be a multiple of the decode context parallel size "
                              f"{stripes} (each rank holds block_size / {stripes} positions of every block)")
-        latent = torch.zeros(len(mla), num_blocks, block_size // stripes, text_cfg.mla_cache_dim, dtype=dtype,
+        latent_dtype = check_latent_dtype(latent_dtype or dtype)
+        latent = torch.zeros(len(mla), num_blocks, block_size // stripes, text_cfg.mla_cache_dim, dtype=latent_dtype,
                              device=device)
+        scale = None
+        if latent_dtype == FP8:
+            scale = torch.ones(len(mla), num_blocks, block_size // stripes, dtype=torch.float32, device=device)
         index = {lid: i for i, lid in enumerate(kda)} | {lid: i for i, lid in enumerate(mla)}
-        return HybridCache(conv, state, latent, block_size, index)
+        return HybridCache(conv, state, latent, block_size, index, scale)
+
+    def latent_scale(self, row: int) -> torch.Tensor | None:
+        """MLA layer ``row``'s per-token scales [num_blocks, block_size] (None: latents in the model dtype)."""
+        return None if self.mla_scale is None else self.mla_scale[row]
 
     def copy_state(self, src_slot: int, dst_slot: int) -> None:
         """Copy one sequence's KDA state (all layers) between pool slots."""
@@ -195,6 +216,28 @@ class HybridCache:
         return n * (conv + state)
 
     @staticmethod
-    def bytes_per_block(text_cfg, block_size: int, dtype: torch.dtype) -> int:
+    def bytes_per_block(text_cfg, block_size: int, dtype: torch.dtype, latent_dtype: torch.dtype | None = None) -> int:
+        """MLA latent bytes of one block over every MLA layer (``latent_dtype`` None: ``dtype``; an FP8 row
+        carries its float32 scale); under decode context parallelism this rank's stripe."""
+        latent_dtype = check_latent_dtype(latent_dtype or dtype)
         per_rank = block_size // text_cfg.mla_cache_stripes       # decode context parallelism: this rank's stripe
-        return len(text_cfg.mla_layer_ids) * per_rank * text_cfg.mla_cache_dim * torch.finfo(dtype).bits // 8
+        row = text_cfg.mla_cache_dim * torch.finfo(latent_dtype).bits // 8 + (4 if latent_dtype == FP8 else 0)
+        return len(text_cfg.mla_layer_ids) * per_rank * row
+
+
+# --kv-cache-dtype: the MLA latent rows' dtype (vLLM's names); KDA states stay float32 (conv windows in the
+# model dtype) whatever it says.
+KV_CACHE_DTYPES: dict[str, torch.dtype | None] = {"auto": None, "fp8": FP8, "fp8_e4m3": FP8}
+
+
+def latent_cache_dtype(kv_cache_dtype: str, dtype: torch.dtype) -> torch.dtype:
+    """The latent cache's dtype for a ``--kv-cache-dtype`` name and the model dtype."""
+    if kv_cache_dtype not in KV_CACHE_DTYPES:
+        raise ValueError(f"kv_cache_dtype must be one of {list(KV_CACHE_DTYPES)}, got {kv_cache_dtype!r}")
+    return KV_CACHE_DTYPES[kv_cache_dtype] or dtype
+
+
+def check_latent_dtype(latent_dtype: torch.dtype) -> torch.dtype:
+    if latent_dtype.is_floating_point and latent_dtype.itemsize == 1 and latent_dtype != FP8:
+        raise ValueError(f"an FP8 latent cache is float8_e4m3fn (kv_cache_dtype fp8 / fp8_e4m3), got {latent_dtype}")
+    return latent_dtype

@@ -65,7 +65,7 @@ class DecoderLayer(nn.Module):
         if self.is_kda:
             a = self.self_attn(x, batch, cache.kda_conv[row], cache.kda_state[row])
         else:
-            a = self.self_attn(x, batch, cache.mla_latent[row], plans)
+            a = self.self_attn(x, batch, cache.mla_latent[row], plans, cache.latent_scale(row))
         stream.add(a)
         x = stream.mlp_input(self)
         if hasattr(self, "block_sparse_moe"):
@@ -296,10 +296,13 @@ class KimiForCausalLM(nn.Module):
                                        mla_cache_stripes=self.parallel.dcp_size)
         return text
 
-    def allocate_cache(self, num_slots: int, num_blocks: int, block_size: int) -> HybridCache:
+    def allocate_cache(self, num_slots: int, num_blocks: int, block_size: int,
+                       latent_dtype: torch.dtype | None = None) -> HybridCache:
         """The cache of this rank: KDA state of its local heads, the whole (replicated) MLA latent, or its
-        stripe under decode context parallelism (``block_size``: the engine's, positions per block)."""
-        return HybridCache.allocate(self.cache_text_config, num_slots, num_blocks, block_size, self.dtype, self.device)
+        stripe under decode context parallelism (``block_size``: the engine's, positions per block); the latent
+        in ``latent_dtype`` (None: the model dtype; float8_e4m3fn stores FP8 rows with scales)."""
+        return HybridCache.allocate(self.cache_text_config, num_slots, num_blocks, block_size, self.dtype, self.device,
+                                    latent_dtype)
 
     @torch.inference_mode()
     def encode_images(self, pixel_values: torch.Tensor, grid_thws: torch.Tensor, encode=None) -> torch.Tensor:

@@ -47,19 +47,21 @@ class MLAAttention(nn.Module):
         self.tp_shards = tp_shards(par, q_b_proj__weight=0, q_proj__weight=0, kv_b_proj__weight=0, g_proj__weight=0,
                                    o_proj__weight=1)
 
-    def forward(self, x: torch.Tensor, batch: ForwardBatch, cache: torch.Tensor, plans: dict | None = None) -> torch.Tensor:
+    def forward(self, x: torch.Tensor, batch: ForwardBatch, cache: torch.Tensor, plans: dict | None = None,
+                cache_scale: torch.Tensor | None = None) -> torch.Tensor:
         """x [T, D] -> [T, D]; cache [num_blocks, block_size, kv_lora_rank + d_rope] of this layer:
         the new tokens' latents are written at ``batch.slot_mapping`` before attending. ``plans``: the forward
-        step's decode plans, shared by its MLA layers (``ops.mla.mla_decode_attention``)."""
+        step's decode plans, shared by its MLA layers (``ops.mla.mla_decode_attention``). ``cache_scale``
+        [num_blocks, block_size]: an FP8 cache's per-token scales (``HybridCache.mla_scale``)."""
         T, H = x.shape[0], self.num_heads
         q, c, *gate = self.in_proj(x).split(list(self.in_proj.parts.values()), dim=-1)
         if hasattr(self, "q_b_proj"):
             q = self.q_b_proj(self.q_a_layernorm(q))
         q = q.view(T, H, self.d_nope + self.d_rope)
         if self.par.dcp_size > 1:
-            o = self._context_parallel(q, c, batch, cache, plans)
+            o = self._context_parallel(q, c, batch, cache, plans, cache_scale)
         else:
-            o = self._attend(q, c, batch, cache, plans)
+            o = self._attend(q, c, batch, cache, plans, cache_scale)
         o = o.reshape(T, H * self.d_v)
         if gate:
             o = o * torch.sigmoid(gate[0])
@@ -69,10 +71,11 @@ class MLAAttention(nn.Module):
         w = self.kv_b_proj.weight.view(self.num_heads, self.d_nope + self.d_v, self.kv_lora_rank)
         return w[:, :self.d_nope], w[:, self.d_nope:]                       # W_UK, W_UV [H, d_nope|d_v, r]
 
-    def _attend(self, q, c, batch: ForwardBatch, cache: torch.Tensor, plans: dict | None) -> torch.Tensor:
+    def _attend(self, q, c, batch: ForwardBatch, cache: torch.Tensor, plans: dict | None,
+                cache_scale: torch.Tensor | None) -> torch.Tensor:
         """Attention of q [T, H, d_qk] over the whole latent cache (written first) -> [T, H, d_v]."""
-        H = self.num_heads
-        cache_latent(c, self.kv_a_layernorm.weight, self.kv_a_layernorm.eps, cache, batch.slot_mapping)   # [norm(c_kv) | k_pe]
+        cache_latent(c, self.kv_a_layernorm.weight, self.kv_a_layernorm.eps, cache, batch.slot_mapping,
+                     cache_scale)                                                   # [norm(c_kv) | k_pe]
         if batch.is_decode or batch.row_state_slots is not None:
             # decode rows (device ops, no host sync); a short step's row j of a chunk attends like a
             # decode row over its context + j + 1 keys
@@ -86,12 +89,15 @@ class MLAAttention(nn.Module):
             w_uk, w_uv = self._absorbed()
             q_latent = torch.einsum("nhd,hdr->nhr", q[..., :self.d_nope], w_uk)
             lat = mla_decode_attention(q_latent, q[..., self.d_nope:], cache, tables, seq_lens,
-                                       self.kv_lora_rank, self.scale, max_seq_len=max_len, plans=plans)
+                                       self.kv_lora_rank, self.scale, max_seq_len=max_len, plans=plans,
+                                       cache_scale=cache_scale)
             return torch.einsum("nhr,hvr->nhv", lat, w_uv)
         return mla_prefill_attention(q, cache, batch.block_tables, self.kv_b_proj.weight, batch.query_lens_cpu,
-                                     batch.context_lens_cpu, self.kv_lora_rank, self.d_v, self.scale)
+                                     batch.context_lens_cpu, self.kv_lora_rank, self.d_v, self.scale,
+                                     cache_scale=cache_scale)
 
-    def _context_parallel(self, q, c, batch: ForwardBatch, cache: torch.Tensor, plans: dict | None) -> torch.Tensor:
+    def _context_parallel(self, q, c, batch: ForwardBatch, cache: torch.Tensor, plans: dict | None,
+                          cache_scale: torch.Tensor | None) -> torch.Tensor:
         """Decode context parallelism (spec parallelism §4.4): this rank's cache holds the positions p with
         p % dcp == its DCP rank (``dcp_stripe``); it writes only its new tokens' latents, attends the absorbed
         queries of all the DCP group's heads over its positions (every row as a decode row whose keys are
@@ -99,13 +105,14 @@ class MLAAttention(nn.Module):
         (``merge_attention``, the split-KV merge). -> [T, H, d_v]"""
         par = self.par
         stripe = dcp_stripe(batch, cache.shape[1], par.dcp_size, par.dcp_rank, plans)
-        cache_latent(c, self.kv_a_layernorm.weight, self.kv_a_layernorm.eps, cache, stripe.slots)
+        cache_latent(c, self.kv_a_layernorm.weight, self.kv_a_layernorm.eps, cache, stripe.slots, cache_scale)
         w_uk, w_uv = self._absorbed()
         R = self.kv_lora_rank
         q_latent = torch.einsum("nhd,hdr->nhr", q[..., :self.d_nope], w_uk)
         qs = par.dcp_gather_heads(torch.cat([q_latent, q[..., self.d_nope:]], dim=-1))     # [T, c*H, R + P]
         lat, lse = mla_decode_attention(qs[..., :R], qs[..., R:], cache, stripe.tables, stripe.lens, R,
-                                        self.scale, max_seq_len=stripe.max_len, return_lse=True)
+                                        self.scale, max_seq_len=stripe.max_len, return_lse=True,
+                                        cache_scale=cache_scale)
         acc = lse.dtype
         parts = par.dcp_scatter_heads(torch.cat([lat.to(acc), lse.unsqueeze(-1)], dim=-1))  # [c, T, H, R + 1]
         o, m = parts[0, ..., :R], parts[0, ..., R]

@@ -8,6 +8,12 @@ all heads. Two forms compute the same function:
     directly, latent output l = sum p c_hat, head output W_UV l.
 Prefill walks the keys in pieces of at most PREFILL_BLOCK positions and merges the pieces'
 softmax results by their log-sum-exps (``merge_attention``).
+
+FP8 cache (``--kv-cache-dtype fp8``): rows are float8_e4m3fn codes with one float32 scale per token
+(``cache_scale`` [num_blocks, block_size], ``kimik3.ops.fp8.quantize_rows``), written by
+``cache_latent`` from the row in the model dtype. Decode's Triton kernel loads the codes and the
+scales and applies them to the scores and probabilities; prefill dequantises while it gathers a
+piece's rows (the kernel reads that packed copy, not the paged cache); the references dequantise.
 """
 
 from __future__ import annotations
@@ -19,27 +25,51 @@ import torch.nn.functional as F
 
 from kimik3.ops import ceil_div
 from kimik3.ops.backend import use_fast_kernel, use_fast_path
+from kimik3.ops.fp8 import dequantize_rows, quantize_rows
 from kimik3.ops.norm import acc_dtype, rms_norm
 
 
 def cache_latent(c: torch.Tensor, norm_weight: torch.Tensor, eps: float, cache: torch.Tensor,
-                 slots: torch.Tensor) -> None:
+                 slots: torch.Tensor, cache_scale: torch.Tensor | None = None) -> None:
     """New cache rows: c [T, R + P] (kv_a_proj_with_mqa's output) -> row slots[t] of the flattened cache
     [..., R + P] = [rms_norm(c[t, :R]) (kv_a_layernorm: ``kimik3.ops.norm.rms_norm``) | c[t, R:]], in the
-    cache's dtype. CUDA (c in the cache's dtype): one Triton kernel (the norm, the copy and the scatter)."""
+    cache's dtype; with ``cache_scale`` (an FP8 cache) the row in c's dtype quantised, its scale at
+    slots[t] of the flattened scales. CUDA (c in the cache's dtype, or any kernel dtype for an FP8 cache):
+    one Triton kernel (the norm, the copy, the quantisation and the scatter)."""
     R = norm_weight.shape[0]
-    if use_fast_kernel(c, norm_weight, cache) and c.dtype == cache.dtype and c.stride(-1) == 1 and cache.is_contiguous():
+    same = c.dtype == cache.dtype if cache_scale is None else cache.dtype == torch.float8_e4m3fn
+    if use_fast_kernel(c, norm_weight) and same and c.stride(-1) == 1 and cache.is_contiguous() and \
+            (cache_scale is None or cache_scale.is_contiguous()):
         from kimik3.ops.triton.norm import cache_latent_triton
-        return cache_latent_triton(c, norm_weight, eps, cache, slots)
+        return cache_latent_triton(c, norm_weight, eps, cache, slots, cache_scale)
     latent = torch.cat([rms_norm(c[:, :R], norm_weight, eps), c[:, R:]], dim=-1)
-    cache.view(-1, cache.shape[-1])[slots] = latent.to(cache.dtype)
+    if cache_scale is None:
+        cache.view(-1, cache.shape[-1])[slots] = latent.to(cache.dtype)
+        return
+    codes, scale = quantize_rows(latent)
+    cache.view(-1, cache.shape[-1])[slots] = codes
+    cache_scale.view(-1)[slots] = scale
 
 
-def gather_latents(cache: torch.Tensor, block_table: torch.Tensor, length: int) -> torch.Tensor:
-    """Rows 0..length-1 of one sequence from the paged cache [num_blocks, block_size, D_c]."""
+def cache_rows(cache: torch.Tensor, cache_scale: torch.Tensor | None, rows: torch.Tensor,
+               dtype: torch.dtype) -> torch.Tensor:
+    """Rows ``rows`` of the flattened cache in ``dtype``: as stored, or an FP8 row times its scale."""
+    e = cache.view(-1, cache.shape[-1])[rows]
+    return e.to(dtype) if cache_scale is None else dequantize_rows(e, cache_scale.reshape(-1)[rows], dtype)
+
+
+def gather_latents(cache: torch.Tensor, block_table: torch.Tensor, length: int,
+                   cache_scale: torch.Tensor | None = None, dtype: torch.dtype | None = None) -> torch.Tensor:
+    """Rows 0..length-1 of one sequence from the paged cache [num_blocks, block_size, D_c], in ``dtype``
+    (None: as stored; an FP8 cache needs a dtype and its ``cache_scale``)."""
     bs = cache.shape[1]
-    n_blocks = ceil_div(length, bs)
-    return cache[block_table[:n_blocks].long()].reshape(-1, cache.shape[-1])[:length]
+    pos = torch.arange(length, device=cache.device)
+    rows = block_table[pos // bs].long() * bs + pos % bs
+    if dtype is None:
+        if cache_scale is not None:
+            raise ValueError("gather_latents: an FP8 cache's rows are read in a dtype (dtype=...)")
+        return cache.view(-1, cache.shape[-1])[rows]
+    return cache_rows(cache, cache_scale, rows, dtype)
 
 
 # Context positions per prefill attention piece: a piece's keys, over all sequences of the step,
@@ -100,12 +130,14 @@ def prefill_pieces(query_lens: list[int], context_lens: list[int], block: int) -
 
 def mla_prefill_attention(q: torch.Tensor, cache: torch.Tensor, block_tables: torch.Tensor,
                           kv_b_weight: torch.Tensor, query_lens: list[int], context_lens: list[int],
-                          kv_lora_rank: int, v_head_dim: int, scale: float, form: str | None = None) -> torch.Tensor:
+                          kv_lora_rank: int, v_head_dim: int, scale: float, form: str | None = None,
+                          cache_scale: torch.Tensor | None = None) -> torch.Tensor:
     """Causal attention of packed queries over their sequences' cached latents (new tokens
     included: write them to the cache first).
 
     q [T, H, d_nope + d_rope]; cache [num_blocks, block_size, D_c]; block_tables [N, max_blocks];
     kv_b_weight [H * (d_nope + d_v), kv_lora_rank]. Returns o [T, H, d_v] in q's dtype.
+    cache_scale [num_blocks, block_size]: an FP8 cache's per-token scales (rows dequantised as gathered).
     form: "naive" (per-head K/V up-projected from each piece's latents), "absorbed" (attention in
     the latent space: q_lat = W_UK^T q_nope, output W_UV l) for every sequence, or None: each
     sequence by ``prefill_form`` (a step mixing long chunks and decode-like rows runs both,
@@ -126,7 +158,7 @@ def mla_prefill_attention(q: torch.Tensor, cache: torch.Tensor, block_tables: to
     forms = [form or prefill_form(ql, cl) for ql, cl in zip(query_lens, context_lens)]
     if len(set(forms)) <= 1:
         return _prefill(q, cache, block_tables, kv_b_weight, query_lens, context_lens, kv_lora_rank, v_head_dim,
-                        scale, forms[0] if forms else "naive")
+                        scale, forms[0] if forms else "naive", cache_scale)
     out = q.new_empty(T, H, v_head_dim)
     starts = [0, *itertools.accumulate(query_lens)]
     for f in FORMS:
@@ -134,11 +166,12 @@ def mla_prefill_attention(q: torch.Tensor, cache: torch.Tensor, block_tables: to
         rows = torch.tensor([t for n in seqs for t in range(starts[n], starts[n + 1])], device=q.device)
         out[rows] = _prefill(q[rows], cache, block_tables[torch.tensor(seqs, device=q.device)], kv_b_weight,
                              [query_lens[n] for n in seqs], [context_lens[n] for n in seqs], kv_lora_rank,
-                             v_head_dim, scale, f)
+                             v_head_dim, scale, f, cache_scale)
     return out
 
 
-def _prefill(q, cache, block_tables, kv_b_weight, query_lens, context_lens, kv_lora_rank, v_head_dim, scale, form):
+def _prefill(q, cache, block_tables, kv_b_weight, query_lens, context_lens, kv_lora_rank, v_head_dim, scale, form,
+             cache_scale=None):
     """``mla_prefill_attention`` with one form for every sequence."""
     T, H, _ = q.shape
     R, dv = kv_lora_rank, v_head_dim
@@ -161,7 +194,7 @@ def _prefill(q, cache, block_tables, kv_b_weight, query_lens, context_lens, kv_l
     o = lse = None
     for k_lens, k_pos0 in pieces:
         cu_k, k_start = _device_ints([0, *itertools.accumulate(k_lens)], k_pos0, q.device)
-        e = _gather_piece(cache, block_tables, cu_k, k_start, sum(k_lens)).to(dt)   # [S, D_c]
+        e = _gather_piece(cache, cache_scale, block_tables, cu_k, k_start, sum(k_lens), dt)   # [S, D_c]
         if form == "naive":
             kv = F.linear(e[:, :R], kv_b).view(-1, H, d_nope + dv)
             ka, v = kv[..., :d_nope], kv[..., d_nope:]
@@ -191,15 +224,15 @@ def _device_ints(a: list[int], b: list[int], device: torch.device) -> tuple[torc
     return both[:len(a)], both[off:]
 
 
-def _gather_piece(cache: torch.Tensor, block_tables: torch.Tensor, cu_k: torch.Tensor, k_pos0: torch.Tensor,
-                  S: int) -> torch.Tensor:
-    """Cache rows of one piece, packed: sequence n's positions k_pos0[n] .. k_pos0[n] + k_len - 1
+def _gather_piece(cache: torch.Tensor, cache_scale: torch.Tensor | None, block_tables: torch.Tensor,
+                  cu_k: torch.Tensor, k_pos0: torch.Tensor, S: int, dtype: torch.dtype) -> torch.Tensor:
+    """Cache rows of one piece in ``dtype``, packed: sequence n's positions k_pos0[n] .. k_pos0[n] + k_len - 1
     at rows cu_k[n] .. cu_k[n + 1] - 1 (cu_k [N + 1], k_pos0 [N] on the cache's device)."""
     bs, N = cache.shape[1], k_pos0.numel()
     seq = torch.repeat_interleave(torch.arange(N, device=cache.device), cu_k[1:] - cu_k[:-1], output_size=S)
     pos = torch.arange(S, device=cache.device) - cu_k[seq] + k_pos0[seq]
     slot = block_tables[seq, pos // bs].long() * bs + pos % bs
-    return cache.view(-1, cache.shape[-1])[slot]
+    return cache_rows(cache, cache_scale, slot, dtype)
 
 
 def _heads(x: torch.Tensor, H: int) -> torch.Tensor:
@@ -234,7 +267,7 @@ def _attend_piece_reference(qa, qb, ka, kb, v, query_lens, q_pos0, k_lens, k_pos
 def mla_decode_attention(q_latent: torch.Tensor, q_pe: torch.Tensor, cache: torch.Tensor,
                          block_tables: torch.Tensor, seq_lens: list[int] | torch.Tensor, kv_lora_rank: int,
                          scale: float, max_seq_len: int | None = None, plans: dict | None = None,
-                         return_lse: bool = False):
+                         return_lse: bool = False, cache_scale: torch.Tensor | None = None):
     """Absorbed decode: one query per sequence against its whole cached latent history.
 
     q_latent [N, H, kv_lora_rank] (= W_UK^T q_nope); q_pe [N, H, d_rope]; seq_lens [N] (host list
@@ -247,6 +280,8 @@ def mla_decode_attention(q_latent: torch.Tensor, q_pe: torch.Tensor, cache: torc
     ``return_lse``: also return each (sequence, head)'s natural-log log-sum-exp of its scaled scores [N, H]
     (float32; float64 for a float64 model), to merge partial results over disjoint keys (``merge_attention``:
     decode context parallelism); a sequence of length 0 gives output 0 and lse -inf. FlashMLA is not used then.
+    cache_scale [num_blocks, block_size]: an FP8 cache's per-token scales (FlashMLA's dense decode reads
+    bf16 rows only: an FP8 cache runs our kernel, which says so once).
     """
     if use_fast_path(q_latent):
         from kimik3.ops.cuda.flash_mla import flash_mla_applies, flash_mla_decode, flash_mla_schedule
@@ -254,7 +289,7 @@ def mla_decode_attention(q_latent: torch.Tensor, q_pe: torch.Tensor, cache: torc
         if not torch.is_tensor(seq_lens):
             max_seq_len = max(seq_lens) if max_seq_len is None else max_seq_len
             seq_lens = torch.tensor(seq_lens, dtype=torch.int32, device=q_latent.device)
-        if not return_lse and flash_mla_applies(q_latent, q_pe, cache):
+        if not return_lse and flash_mla_applies(q_latent, q_pe, cache, scaled=cache_scale is not None):
             plans = {} if plans is None else plans
             key = ("flash_mla_schedule", q_latent.shape[1])
             if key not in plans:
@@ -263,7 +298,7 @@ def mla_decode_attention(q_latent: torch.Tensor, q_pe: torch.Tensor, cache: torc
         if max_seq_len is None:
             max_seq_len = int(seq_lens.max())
         return mla_decode_triton(q_latent, q_pe, cache, block_tables, seq_lens, max_seq_len, scale,
-                                 return_lse=return_lse)
+                                 return_lse=return_lse, cache_scale=cache_scale)
     if torch.is_tensor(seq_lens):
         seq_lens = seq_lens.tolist()
     acc = acc_dtype(q_latent.dtype)
@@ -273,7 +308,7 @@ def mla_decode_attention(q_latent: torch.Tensor, q_pe: torch.Tensor, cache: torc
     lse = q_latent.new_full((N, H), float("-inf"), dtype=acc)
     for n, length in enumerate(seq_lens):
         if length > 0:
-            e = gather_latents(cache, block_tables[n], length).to(acc)      # [S, D_c]
+            e = gather_latents(cache, block_tables[n], length, cache_scale, acc)   # [S, D_c]
             s = (mqa_q[n] @ e.t()) * scale                                   # [H, S]
             lse[n] = torch.logsumexp(s, dim=-1)
             out[n] = torch.exp(s - lse[n].unsqueeze(-1)) @ e[:, :kv_lora_rank]

@@ -39,6 +39,7 @@ class CacheGeometry:
     num_slots: int
     num_blocks: int
     block_size: int
+    latent_dtype: torch.dtype | None = None      # the MLA latent rows' dtype (None: the model's)
 
 
 @dataclass
@@ -84,7 +85,8 @@ def broadcast(obj, group) -> object:
 
 def send_geometry(cache, control) -> None:
     """Rank 0, once: the cache shape the workers allocate."""
-    broadcast(CacheGeometry(cache.kda_state.shape[1], cache.mla_latent.shape[1], cache.block_size), control)
+    broadcast(CacheGeometry(cache.kda_state.shape[1], cache.mla_latent.shape[1], cache.block_size,
+                            cache.mla_latent.dtype), control)
 
 
 def send_step(control, input_ids: torch.Tensor, batch: ForwardBatch, rows: list[int],
@@ -148,7 +150,7 @@ def worker_loop(model, control, graphs_class=DecodeGraphs) -> int:
     geometry: CacheGeometry | None = broadcast(None, control)
     if geometry is None:                 # rank 0 stopped before its engine was built
         return 0
-    cache = model.allocate_cache(geometry.num_slots, geometry.num_blocks, geometry.block_size)
+    cache = model.allocate_cache(geometry.num_slots, geometry.num_blocks, geometry.block_size, geometry.latent_dtype)
     graphs = None
     steps = 0
     while True:

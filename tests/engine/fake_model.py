@@ -44,8 +44,9 @@ class FakeModel:
     def cache_text_config(self) -> SimpleNamespace:
         return self.config.text
 
-    def allocate_cache(self, num_slots: int, num_blocks: int, block_size: int) -> HybridCache:
-        return HybridCache.allocate(self.config.text, num_slots, num_blocks, block_size, self.dtype, self.device)
+    def allocate_cache(self, num_slots: int, num_blocks: int, block_size: int, latent_dtype=None) -> HybridCache:
+        return HybridCache.allocate(self.config.text, num_slots, num_blocks, block_size, self.dtype, self.device,
+                                    latent_dtype)
 
     @staticmethod
     def _next(s: int, latent_sum: int, vocab: int) -> int:

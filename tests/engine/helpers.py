@@ -9,16 +9,16 @@ import torch
 from kimik3.engine import EngineConfig, LLMEngine, SamplingParams
 from kimik3.engine.core.kv_cache import KVCacheManager
 from kimik3.engine.core.request import Request
-from kimik3.model.batch import HybridCache
+from kimik3.model.batch import HybridCache, latent_cache_dtype
 from kimik3.model.cuda_graphs import DecodeGraphs
 
 
 def budget_for(model, block_size: int, max_num_seqs: int, num_blocks: int, interval: int | None,
-               num_speculative_tokens: int = 0) -> int:
+               num_speculative_tokens: int = 0, kv_cache_dtype: str = "auto") -> int:
     """Bytes for which the planner gives at least ``num_blocks`` usable blocks (and their checkpoints)."""
     text, dtype = model.config.text, model.dtype
     slot = HybridCache.bytes_per_slot(text, dtype)
-    block = HybridCache.bytes_per_block(text, block_size, dtype)
+    block = HybridCache.bytes_per_block(text, block_size, dtype, latent_cache_dtype(kv_cache_dtype, dtype))
     checkpoints = -(-num_blocks // interval) if interval else 0
     spec = max_num_seqs * num_speculative_tokens
     return (1 + max_num_seqs + spec + checkpoints) * slot + (1 + num_blocks) * block
@@ -34,7 +34,7 @@ def make_engine(model, **kw) -> LLMEngine:
         need = -(-cfg.max_model_len // cfg.block_size)
         interval = cfg.kda_checkpoint_interval if cfg.enable_prefix_caching else None
         cfg.cache_memory_bytes = budget_for(model, cfg.block_size, cfg.max_num_seqs, need + extra_blocks, interval,
-                                            cfg.num_speculative_tokens)
+                                            cfg.num_speculative_tokens, cfg.kv_cache_dtype)
     return LLMEngine(model, cfg, tokenizer=tokenizer)
 
 

@@ -74,8 +74,11 @@ def test_dtype_strings_resolve_like_vllm():
     assert EngineArgs(dtype=torch.bfloat16, device="cpu").resolve_device_dtype()[1] is torch.bfloat16
     with pytest.raises(ValueError, match="dtype must be one of"):
         EngineArgs(dtype="fp8")
-    with pytest.raises(ValueError, match="kv_cache_dtype 'fp8' is not supported"):
-        EngineArgs(kv_cache_dtype="fp8")
+    with pytest.raises(ValueError, match=r"kv_cache_dtype must be one of \['auto', 'fp8', 'fp8_e4m3'\], got 'fp8_e5m2'"):
+        EngineArgs(kv_cache_dtype="fp8_e5m2")
+    for name in ("fp8", "fp8_e4m3"):
+        cfg = EngineArgs(kv_cache_dtype=name, device="cpu").engine_config(64, torch.device("cpu"))
+        assert cfg.kv_cache_dtype == name
     with pytest.raises(ValueError, match="device must be 'cpu' or 'cuda"):
         EngineArgs(device="tpu").resolve_device_dtype()
 

@@ -130,15 +130,19 @@ def test_mla_decode_kernels_compile_for_hopper():
 
 def compile_mla_decode():
     from kimik3.ops.triton import mla_decode as m
-    types = {"q_lat": "*bf16", "q_pe": "*bf16", "cache": "*bf16", "block_tables": "*i32", "seq_lens": "*i32",
-             "part_o": "*fp32", "part_lse": "*fp32", "sm_scale_log2": "fp32"}
+    types = {"q_lat": "*bf16", "q_pe": "*bf16", "cache": "*bf16", "cache_scale": "*fp32", "block_tables": "*i32",
+             "seq_lens": "*i32", "part_o": "*fp32", "part_lse": "*fp32", "sm_scale_log2": "fp32"}
     cases = {(m.config_for(H, block_size, max_len, batch), block_size) for block_size in (16, 4) for H in (96, 32, 8)
              for batch in (1, 8, 32) for max_len in (4096, 1 << 20)}          # every launch the defaults pick
-    for cfg, block_size in cases:
-        common = dict(BLOCK_SIZE=block_size, BH=cfg.bh, BR=512, BP=64, UPCAST=False)
+    # an FP8 cache: the transposed and plain gathered launches, and the paged form
+    fp8_cases = {(m.config_for(96, 16, 4096, 1), 16), (m.config_for(32, 16, 4096, 32), 16),
+                 (m.DecodeConfig(form="paged", bh=16), 16)}
+    for (cfg, block_size), fp8 in [(c, False) for c in cases] + [(c, True) for c in fp8_cases]:
+        common = dict(BLOCK_SIZE=block_size, BH=cfg.bh, BR=512, BP=64, UPCAST=False, SCALED=fp8)
         tile = block_size if cfg.form == "paged" else cfg.bn
-        compile_for_hopper(m._mla_decode_split_kernel, types, dict(common, BN=tile, BV=cfg.bv or 512, TRANS=cfg.trans,
-                                                                   PAGED=cfg.form == "paged"), cfg.num_warps, cfg.num_stages)
+        compile_for_hopper(m._mla_decode_split_kernel, dict(types, cache="*fp8e4nv" if fp8 else "*bf16"),
+                           dict(common, BN=tile, BV=cfg.bv or 512, TRANS=cfg.trans, PAGED=cfg.form == "paged"),
+                           cfg.num_warps, cfg.num_stages)
     from triton.tools.disasm import get_sass
     merge = compile_for_hopper(m._mla_decode_merge_kernel, {"part_o": "*fp32", "part_lse": "*fp32", "out": "*bf16",
                                                                   "out_lse": "*fp32"},
@@ -175,9 +179,10 @@ def compile_rms_norm():
                                                        "s": f"*{x}", "y": f"*{y}", "eps": "fp32"},
                                dict(FORM=form, HAS_RES=res, HAS_RES2=res2, BR=BR, BD=BD), num_warps=8 if BD >= 4096 else 4,
                                num_stages=1)
-    for w in ("bf16", "fp32"):                    # MLA's cache rows: the latent's norm, the rope part, at the slot
-        compile_for_hopper(norm._cache_latent_kernel, {"x": "*bf16", "w": f"*{w}", "slots": "*i64", "cache": "*bf16",
-                                                       "eps": "fp32"}, dict(BD=512, BP=64), num_stages=1)
+    for w, fp8 in (("bf16", False), ("fp32", False), ("bf16", True)):   # MLA's cache rows (FP8: with their scales)
+        compile_for_hopper(norm._cache_latent_kernel, {"x": "*bf16", "w": f"*{w}", "slots": "*i64",
+                                                       "cache": "*fp8e4nv" if fp8 else "*bf16", "cache_scale": "*fp32",
+                                                       "eps": "fp32"}, dict(BD=512, BP=64, FP8=fp8), num_stages=1)
 
 
 def test_glu_kernel_compiles_for_hopper():

@@ -9,34 +9,38 @@ import torch
 
 from kimik3.engine.config import EngineConfig
 from kimik3.engine.core.memory import MemoryPlan, max_blocks_per_seq, plan_memory
-from kimik3.model.batch import HybridCache
+from kimik3.model.batch import HybridCache, latent_cache_dtype
 
 logger = logging.getLogger(__name__)
 
 
-def default_checkpoint_interval(text_config, block_size: int, dtype: torch.dtype) -> int:
+def default_checkpoint_interval(text_config, block_size: int, dtype: torch.dtype,
+                                latent_dtype: torch.dtype | None = None) -> int:
     """Blocks per KDA checkpoint such that checkpoints take about as much memory as the latents they cover."""
-    per_block = max(HybridCache.bytes_per_block(text_config, block_size, dtype), 1)
+    per_block = max(HybridCache.bytes_per_block(text_config, block_size, dtype, latent_dtype), 1)
     return max(1, round(HybridCache.bytes_per_slot(text_config, dtype) / per_block))
 
 
 def plan_cache(config: EngineConfig, text_config, dtype: torch.dtype, device: torch.device) -> MemoryPlan:
     """The memory plan of an engine whose cache is sized by ``text_config`` (this rank's share under
-    tensor parallelism); ValueError when the budget cannot hold one max_model_len sequence."""
+    tensor parallelism); ValueError when the budget cannot hold one max_model_len sequence. The latent rows
+    are counted in ``config.kv_cache_dtype`` (FP8: one byte a value plus a float32 scale a token)."""
+    latent = latent_cache_dtype(config.kv_cache_dtype, dtype)
     interval = None
     if config.enable_prefix_caching:
-        interval = config.kda_checkpoint_interval or default_checkpoint_interval(text_config, config.block_size, dtype)
+        interval = config.kda_checkpoint_interval or default_checkpoint_interval(text_config, config.block_size, dtype,
+                                                                                 latent)
     per_seq = max_blocks_per_seq(config.max_model_len, config.block_size)
     budget = config.cache_memory_bytes
     if budget is None:   # enough for max_num_seqs full-length sequences and their checkpoints
         slot = HybridCache.bytes_per_slot(text_config, dtype)
-        block = HybridCache.bytes_per_block(text_config, config.block_size, dtype)
+        block = HybridCache.bytes_per_block(text_config, config.block_size, dtype, latent)
         n = config.max_num_seqs
         wanted = ((1 + n + n * config.num_speculative_tokens) * slot + (1 + n * per_seq) * block
                   + (n * per_seq // interval if interval else 0) * slot)
         budget = default_cache_bytes(device, wanted, config.gpu_memory_utilization)
     plan = plan_memory(text_config, budget, config.block_size, config.max_num_seqs, interval, dtype,
-                       num_spec_slots=config.max_num_seqs * config.num_speculative_tokens)
+                       num_spec_slots=config.max_num_seqs * config.num_speculative_tokens, latent_dtype=latent)
     if per_seq > plan.num_usable_blocks:
         raise ValueError(
             f"max_model_len={config.max_model_len} needs {per_seq} cache blocks of {config.block_size} tokens, but "

@@ -29,6 +29,7 @@ from kimik3.engine.sample.sampler import PendingOutput, SamplerOutput
 from kimik3.engine.sample.sampling_params import SamplingParams
 from kimik3.engine.spec.speculative import row_spans, settle_drafts
 from kimik3.engine.transfer import on_device
+from kimik3.model.batch import latent_cache_dtype
 from kimik3.vision.preprocess import VisionInputs
 
 logger = logging.getLogger(__name__)
@@ -57,7 +58,8 @@ class LLMEngine:
         self.vocab_size = model.config.text.vocab_size
         self.device = torch.device(model.device)
         self.plan = plan_cache(config, model.cache_text_config, model.dtype, self.device)
-        self.cache = model.allocate_cache(self.plan.num_slots, self.plan.num_blocks, config.block_size)
+        self.cache = model.allocate_cache(self.plan.num_slots, self.plan.num_blocks, config.block_size,
+                                          latent_cache_dtype(config.kv_cache_dtype, model.dtype))
         self.kv = KVCacheManager(self.plan, config.enable_prefix_caching)
         self.scheduler = Scheduler(self.kv, config)
         drafter = None

@@ -61,8 +61,10 @@ class MemoryPlan:
 
 
 def plan_memory(text_config, budget_bytes: int, block_size: int, max_num_seqs: int,
-                checkpoint_interval: int | None, dtype: torch.dtype, num_spec_slots: int = 0) -> MemoryPlan:
-    """Size both pools from ``budget_bytes``; ``checkpoint_interval=None`` plans no checkpoint slots.
+                checkpoint_interval: int | None, dtype: torch.dtype, num_spec_slots: int = 0,
+                latent_dtype: torch.dtype | None = None) -> MemoryPlan:
+    """Size both pools from ``budget_bytes``; ``checkpoint_interval=None`` plans no checkpoint slots;
+    ``latent_dtype``: the MLA latent rows' dtype (None: ``dtype``; FP8 rows carry a float32 scale).
     Raises ValueError when the budget cannot hold the live states plus one usable block."""
     if block_size < 1:
         raise ValueError(f"block_size must be >= 1, got {block_size}")
@@ -72,7 +74,7 @@ def plan_memory(text_config, budget_bytes: int, block_size: int, max_num_seqs: i
         raise ValueError(f"kda_checkpoint_interval must be >= 1 (or None to plan no checkpoints), "
                          f"got {checkpoint_interval}")
     per_slot = HybridCache.bytes_per_slot(text_config, dtype)
-    per_block = HybridCache.bytes_per_block(text_config, block_size, dtype)
+    per_block = HybridCache.bytes_per_block(text_config, block_size, dtype, latent_dtype)
     interval, per_ckpt = (checkpoint_interval, per_slot) if checkpoint_interval else (1, 0)
     fixed = (1 + max_num_seqs + num_spec_slots) * per_slot + per_block   # null, live and snapshot slots, null block
     left = max(budget_bytes - fixed, 0)

@@ -50,9 +50,13 @@ def _num_sms(device: torch.device) -> int:
 
 
 def refusal(q_latent: torch.Tensor, q_pe: torch.Tensor, cache: torch.Tensor,
-            capability: tuple[int, int]) -> str | None:
+            capability: tuple[int, int], scaled: bool = False) -> str | None:
     """Why FlashMLA cannot take this decode, or None when it can: bf16 on Hopper (``capability`` (9, 0)),
-    512 + 64 latent columns, a cache of 64-token blocks with packed rows."""
+    512 + 64 latent columns, a cache of 64-token blocks with packed rows. ``scaled``: an FP8 cache with
+    per-token scales (``--kv-cache-dtype fp8``), which FlashMLA's dense decode does not read (its FP8 cache
+    is the sparse decode's own 656-byte row: 512 FP8 values with four scales, and a bf16 rope part)."""
+    if scaled or cache.dtype == torch.float8_e4m3fn:
+        return "the latent cache is FP8 with per-token scales (FlashMLA's dense decode reads bf16 rows)"
     if not q_latent.dtype == q_pe.dtype == cache.dtype == torch.bfloat16:
         return f"the model runs in {q_latent.dtype} (FlashMLA takes bf16)"
     if q_latent.shape[-1] != LATENT or q_pe.shape[-1] != ROPE:
@@ -67,12 +71,12 @@ def refusal(q_latent: torch.Tensor, q_pe: torch.Tensor, cache: torch.Tensor,
     return None
 
 
-def flash_mla_applies(q_latent: torch.Tensor, q_pe: torch.Tensor, cache: torch.Tensor) -> bool:
+def flash_mla_applies(q_latent: torch.Tensor, q_pe: torch.Tensor, cache: torch.Tensor, scaled: bool = False) -> bool:
     """Whether this decode goes to FlashMLA: the library is named, the call is on CUDA and ``refusal`` finds
     nothing (what it finds is logged once)."""
     if not q_latent.is_cuda or not os.environ.get(ENV):
         return False
-    reason = refusal(q_latent, q_pe, cache, torch.cuda.get_device_capability(q_latent.device))
+    reason = refusal(q_latent, q_pe, cache, torch.cuda.get_device_capability(q_latent.device), scaled)
     if reason is not None:
         passed_over(ENV, reason, "MLA decode runs our Triton kernel")
         return False

@@ -111,33 +111,47 @@ def rms_norm_triton(x: torch.Tensor, weight: torch.Tensor, eps: float, form: int
 
 
 @triton.jit(do_not_specialize=["sx"])
-def _cache_latent_kernel(x, w, slots, cache, D, P, sx, stride_row, eps, BD: tl.constexpr, BP: tl.constexpr,
-                         PDL: tl.constexpr):
-    """Token t: cache row slots[t] = [KIMI norm of x[t, :D] with w | x[t, D:D + P]]."""
+def _cache_latent_kernel(x, w, slots, cache, cache_scale, D, P, sx, stride_row, eps, BD: tl.constexpr,
+                         BP: tl.constexpr, FP8: tl.constexpr, PDL: tl.constexpr):
+    """Token t: cache row slots[t] = [KIMI norm of x[t, :D] with w | x[t, D:D + P]]; FP8: that row in
+    x's dtype divided by its scale amax / 448 (1 for a zero row), stored at cache_scale[slots[t]]."""
     pdl_entry(PDL)
     t = tl.program_id(0).to(tl.int64)
     cols = tl.arange(0, BD)
     m = cols < D
     v = tl.load(x + t * sx + cols, mask=m, other=0.0).to(tl.float32)[None, :]
-    out = _kimi_norm(v, tl.load(w + cols, mask=m, other=0.0), D, eps, cache.dtype.element_ty)        # [1, BD]
-    row = cache + tl.load(slots + t).to(tl.int64) * stride_row
-    tl.store(row + cols[None, :], out.to(cache.dtype.element_ty), mask=m[None, :])
+    out = _kimi_norm(v, tl.load(w + cols, mask=m, other=0.0), D, eps, x.dtype.element_ty)            # [1, BD]
+    slot = tl.load(slots + t).to(tl.int64)
+    row = cache + slot * stride_row
     pc = tl.arange(0, BP)
     pe = tl.load(x + t * sx + D + pc, mask=pc < P, other=0.0)
+    if FP8:
+        out = out.to(x.dtype.element_ty).to(tl.float32)
+        pe = pe.to(tl.float32)
+        amax = tl.maximum(tl.max(tl.max(tl.abs(out), 1), 0), tl.max(tl.abs(pe), 0))
+        scale = tl.where(amax > 0, amax / 448.0, 1.0)
+        tl.store(cache_scale + slot, scale)
+        out = out / scale
+        pe = pe / scale
+    tl.store(row + cols[None, :], out.to(cache.dtype.element_ty), mask=m[None, :])
     tl.store(row + D + pc, pe.to(cache.dtype.element_ty), mask=pc < P)
 
 
 def cache_latent_triton(c: torch.Tensor, weight: torch.Tensor, eps: float, cache: torch.Tensor,
-                        slots: torch.Tensor) -> None:
+                        slots: torch.Tensor, cache_scale: torch.Tensor | None = None) -> None:
     """c [T, D + P] (c's dtype = the cache's; unit feature stride), weight [D], cache [..., D + P] with
-    contiguous rows, slots [T] (row indices of the flattened cache)."""
+    contiguous rows, slots [T] (row indices of the flattened cache). ``cache_scale`` (contiguous float32, one
+    per cache row): the cache is float8_e4m3fn, each row stored as codes with its scale."""
     T, C = c.shape
     D = weight.shape[0]
-    if C <= D or cache.shape[-1] != C or c.dtype != cache.dtype or c.stride(-1) != 1 or slots.shape != (T,):
+    fp8 = cache_scale is not None
+    same = (cache.dtype == torch.float8_e4m3fn and cache_scale.dtype == torch.float32 and cache_scale.is_contiguous()
+            and cache_scale.numel() * C == cache.numel()) if fp8 else c.dtype == cache.dtype
+    if C <= D or cache.shape[-1] != C or not same or c.stride(-1) != 1 or slots.shape != (T,):
         raise ValueError(f"cache_latent_triton: c {c.dtype} {tuple(c.shape)}, weight {tuple(weight.shape)}, cache "
                          f"{cache.dtype} {tuple(cache.shape)} and slots {tuple(slots.shape)} do not match")
     rows = cache.view(-1, C)
     if T:
-        _cache_latent_kernel[(T,)](c, weight.contiguous(), slots, rows, D, C - D, c.stride(0), rows.stride(0),
-                                   float(eps), BD=triton.next_power_of_2(D), BP=triton.next_power_of_2(C - D),
-                                   num_warps=4, **pdl(c))
+        _cache_latent_kernel[(T,)](c, weight.contiguous(), slots, rows, cache_scale if fp8 else rows, D, C - D,
+                                   c.stride(0), rows.stride(0), float(eps), BD=triton.next_power_of_2(D),
+                                   BP=triton.next_power_of_2(C - D), FP8=fp8, num_warps=4, **pdl(c))

@@ -1,0 +1,76 @@
+"""FP8 (OCP E4M3, ``torch.float8_e4m3fn``) numbers with float32 scales: value = code * scale.
+
+One format, two granularities:
+  * rows (the MLA latent cache): one scale per row of the last axis, ``amax(|row|) / 448`` (a zero
+    row gets scale 1), so every row uses the whole E4M3 range;
+  * weights: per output channel (one scale per row of W [N, K]) or per 128 x 128 block (DeepSeek's /
+    Kimi's ``weight_scale_inv`` [ceil(N / 128), ceil(K / 128)] layout, the checkpoints' own).
+
+E4M3 keeps 3 mantissa bits: a value in the normal range rounds (to nearest even) within 2**-4 of
+itself, relative; below 2**-6 (the smallest normal, relative to the scale) the error is at most half
+the subnormal step, 2**-10 times the scale. With the scale at amax / 448, a value x of a row errs by
+at most ``max(2**-4 |x|, 2**-10 scale)`` = ``max(2**-4 |x|, 2**-10 amax / 448)`` (``ROUNDING_BOUND``).
+"""
+
+from __future__ import annotations
+
+import torch
+
+FP8 = torch.float8_e4m3fn
+FP8_MAX = 448.0                   # largest finite E4M3 value
+WEIGHT_BLOCK = 128                # the block-FP8 checkpoints' weight_block_size
+ROUNDING_BOUND = 2.0 ** -4        # relative rounding error of a normal E4M3 value (half its 3-bit ulp)
+SUBNORMAL_STEP = 2.0 ** -9        # the E4M3 subnormal spacing, in units of the scale
+
+
+def _scale_of(amax: torch.Tensor) -> torch.Tensor:
+    """float32 scale amax / 448; 1 where amax is 0 (an all-zero row or block quantises to zeros)."""
+    amax = amax.float()
+    return torch.where(amax > 0, amax / FP8_MAX, torch.ones_like(amax))
+
+
+def quantize_rows(x: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
+    """x [..., D] -> (codes [..., D] float8_e4m3fn, scale [...] float32): one scale per row."""
+    scale = _scale_of(x.abs().amax(dim=-1))
+    return (x.float() / scale.unsqueeze(-1)).to(FP8), scale
+
+
+def dequantize_rows(codes: torch.Tensor, scale: torch.Tensor, dtype: torch.dtype) -> torch.Tensor:
+    """codes [..., D] * scale [...] in ``dtype`` (float32 arithmetic, or float64 for a float64 dtype)."""
+    acc = torch.promote_types(dtype, torch.float32)
+    return (codes.to(acc) * scale.to(acc).unsqueeze(-1)).to(dtype)
+
+
+def quantize_weight(w: torch.Tensor, block: int | None = WEIGHT_BLOCK) -> tuple[torch.Tensor, torch.Tensor]:
+    """W [N, K] -> (codes [N, K] float8_e4m3fn, scale float32): ``block`` x ``block`` tiles, scale
+    [ceil(N / block), ceil(K / block)] (the checkpoints' ``weight_scale_inv``), or per output channel
+    (``block`` None), scale [N, 1]."""
+    N, K = w.shape
+    if block is None:
+        scale = _scale_of(w.abs().amax(dim=1, keepdim=True))
+        return (w.float() / scale).to(FP8), scale
+    nb, kb = -(-N // block), -(-K // block)
+    padded = w.new_zeros(nb * block, kb * block)
+    padded[:N, :K] = w
+    tiles = padded.view(nb, block, kb, block)
+    scale = _scale_of(tiles.abs().amax(dim=(1, 3)))
+    codes = (tiles.float() / scale[:, None, :, None]).to(FP8).view(nb * block, kb * block)[:N, :K]
+    return codes.contiguous(), scale
+
+
+def expand_weight_scale(scale: torch.Tensor, N: int, K: int, block: int = WEIGHT_BLOCK) -> torch.Tensor:
+    """A weight scale as one value per element [N, K]: per channel [N, 1], or ``block`` x ``block``
+    tiles [ceil(N / block), ceil(K / block)] (the two agree where both shapes fit: N <= block, K <= block)."""
+    if scale.shape == (N, 1):
+        return scale.expand(N, K)
+    if scale.shape != (-(-N // block), -(-K // block)):
+        raise ValueError(f"an FP8 weight [{N}, {K}] takes a scale [{N}, 1] (per channel) or "
+                         f"[{-(-N // block)}, {-(-K // block)}] ({block} x {block} blocks), got {tuple(scale.shape)}")
+    return scale.repeat_interleave(block, 0)[:N].repeat_interleave(block, 1)[:, :K]
+
+
+def dequantize_weight(codes: torch.Tensor, scale: torch.Tensor, dtype: torch.dtype,
+                      block: int = WEIGHT_BLOCK) -> torch.Tensor:
+    """codes [N, K] times their scale (``quantize_weight``'s layouts) in ``dtype``."""
+    acc = torch.promote_types(dtype, torch.float32)
+    return (codes.to(acc) * expand_weight_scale(scale, *codes.shape, block).to(acc)).to(dtype)
