@@ -156,7 +156,7 @@ def test_mixed_forms_in_one_step_match_the_math(monkeypatch):
     scale = (dn + P) ** -0.5
     calls = []
     inner = mla._prefill
-    monkeypatch.setattr(mla, "_prefill", lambda *a: calls.append(a[-1]) or inner(*a))
+    monkeypatch.setattr(mla, "_prefill", lambda *a: calls.append(a[9]) or inner(*a))          # a[9]: the form
     out = mla_prefill_attention(q, cache, tables, kv_b, query_lens, context_lens, R, dv, scale)
     assert sorted(calls) == ["absorbed", "naive"]
     ref = mla_from_math(q, cache, tables, kv_b, query_lens, context_lens, R, dv, scale)
