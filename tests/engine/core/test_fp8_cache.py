@@ -8,7 +8,7 @@ import torch
 import kimik3
 from kimik3.config import load_config
 from kimik3.engine import EngineConfig, SamplingParams
-from kimik3.engine.cache_budget import plan_cache
+from kimik3.engine.core.cache_budget import plan_cache
 from kimik3.model.batch import ForwardBatch, HybridCache
 from kimik3.ops.fp8 import FP8
 from tests.engine.helpers import make_engine, run
