@@ -29,7 +29,7 @@ MEDIA_BEGIN, MEDIA_CONTENT, MEDIA_END, MEDIA_PAD = "<|media_begin|>", "<|media_c
 IMAGE_PLACEHOLDER = "<|kimi_image_placeholder|>"
 STOP_TOKEN = END_OF_MSG
 
-THINKING_EFFORTS = ("low", "high", "max")
+THINKING_EFFORTS = ("low", "medium", "high", "max")   # as the effort message lists them (D27: rendered)
 ROLES = ("system", "user", "assistant", "tool")
 FENCE = "`" * 3
 
@@ -276,7 +276,6 @@ def _check_options(thinking: Any, thinking_effort: Any, tool_choice: Any, respon
     if thinking and thinking_effort is not None and thinking_effort not in THINKING_EFFORTS:
         raise ValueError(
             f"thinking_effort must be one of {', '.join(THINKING_EFFORTS)} or None, got {thinking_effort!r}"
-            + (" (K3 advertises 'medium' but does not support it)" if thinking_effort == "medium" else "")
         )
     if isinstance(tool_choice, dict):
         fn = tool_choice.get("function")
@@ -408,7 +407,7 @@ def render_k3(
     ``{"type": "text", "text": ...}`` / image parts; optional ``name``; assistant ``reasoning_content``
     (or ``reasoning``) and ``tool_calls`` (``{"id", "function": {"name", "arguments"}}``); tool
     ``tool_call_id`` and optionally ``tool``/``name``; a system message with a ``tools`` list declares
-    more tools mid-conversation. ``thinking_effort`` in low/high/max (None: no effort message);
+    more tools mid-conversation. ``thinking_effort`` in low/medium/high/max (None: no effort message);
     ``tool_choice`` None/"auto"/"required"/"none"/named (named adds no message);
     ``response_format`` ``{"type": "text"|"json_object"|"json_schema", "json_schema": {"schema": ...}}``.
     ``images``: see the module docstring. Raises ValueError/TypeError on invalid input.

@@ -115,7 +115,8 @@ class LLM:
         """Generate replies to one conversation (a list of ``{"role", "content"}`` messages) or a list of
         them, rendered in the checkpoint's chat format. Content parts may be text, ``{"type": "image_pil",
         "image_pil": PIL}`` / ``{"type": "image", "image": PIL}``, or ``{"type": "image_url", "image_url":
-        {"url": "data:..."}}``. ``chat_template_kwargs``: ``thinking`` (bool), ``thinking_effort``. The text
+        {"url": "data:..."}}``. ``chat_template_kwargs``: ``thinking`` / ``enable_thinking`` (bool),
+        ``thinking_effort``, ``preserve_thinking`` (``kimik3.chat.options``; the server's reading). The text
         comes back raw (thinking included); ``kimik3.chat.parse_k3_output`` splits it."""
         if not isinstance(messages, list) or not messages:
             raise ValueError("messages must be a non-empty list of messages (or of conversations)")
@@ -134,10 +135,8 @@ class LLM:
     def _chat_prompt(self, conversation: list, template_kwargs: dict, add_generation_prompt: bool, tools):
         from kimik3.chat import ImagePrompt
         from kimik3.vision.preprocess import preprocess_images
-        unknown = sorted(set(template_kwargs) - {"thinking", "thinking_effort"})
-        if unknown:
-            raise ValueError(f"chat_template_kwargs {unknown} are not supported; kimik3 takes thinking and "
-                             f"thinking_effort")
+        from kimik3.chat.options import drop_past_reasoning, thinking_options
+        opts = thinking_options(template_kwargs)        # ValueError naming a bad or unknown key
         images, rendered = [], []
         for i, m in enumerate(conversation):
             content = m.get("content") if isinstance(m, dict) else None
@@ -162,9 +161,10 @@ class LLM:
             rendered.append(m)
         tok = self.get_tokenizer()
         kw: dict[str, Any] = {"tools": tools, "tokenize": True, "add_generation_prompt": add_generation_prompt}
+        if not opts.preserve:
+            rendered = drop_past_reasoning(rendered)
         if tok.chat_format == "k3":
-            kw.update(thinking=template_kwargs.get("thinking", True),
-                      thinking_effort=template_kwargs.get("thinking_effort", "max"))
+            kw.update(thinking=opts.thinking, thinking_effort=opts.effort if opts.thinking else None)
         elif template_kwargs:
             raise ValueError(f"chat_template_kwargs {sorted(template_kwargs)} need the K3 chat format; this "
                              f"tokenizer renders {tok.chat_format!r}")
@@ -191,18 +191,30 @@ class LLM:
         if not isinstance(prompt, dict):
             return prompt
         mm = prompt.get("multi_modal_data")
+        vision = self._vision(mm) if mm is not None and not isinstance(mm, VisionInputs) else mm
         if "prompt_token_ids" not in prompt and "prompt" in prompt:
             text = prompt["prompt"]
             if not isinstance(text, str) or not text:
                 raise ValueError("a prompt's 'prompt' must be a non-empty string")
+            if vision is not None:
+                text = self._fill_image_placeholders(text, vision)
             ids = self.get_tokenizer().encode(text, allow_special=mm is not None)
             prompt = {**prompt, "prompt_token_ids": ids}
         if mm is None or isinstance(mm, VisionInputs):
             return prompt
+        from kimik3.engine.images.multimodal import expand_media_pads
+        pad = self.engine.model.config.media_placeholder_token_id
+        ids = list(prompt["prompt_token_ids"])
+        n_pads = sum(1 for t in ids if t == pad) if pad is not None else 0
+        if pad is not None and n_pads == len(vision) and n_pads != sum(vision.num_tokens):
+            ids = expand_media_pads(ids, vision.num_tokens, pad)
+        return {**{k: v for k, v in prompt.items() if k != "multi_modal_data"}, "prompt_token_ids": ids,
+                "multi_modal_data": vision}
+
+    def _vision(self, mm) -> VisionInputs:
         if not isinstance(mm, dict) or not mm or set(mm) - _MM_KEYS:
             raise ValueError(f"multi_modal_data must be {{'image': PIL image or list, 'video': list of frames}} "
                              f"(or a kimik3 VisionInputs), got {mm if not isinstance(mm, dict) else sorted(mm)!r}")
-        from kimik3.engine.images.multimodal import expand_media_pads
         from kimik3.vision.preprocess import concat_vision_inputs, preprocess_images, preprocess_video
         cfg = self._processor_config()
         parts = []
@@ -223,14 +235,25 @@ class LLM:
                 parts += [preprocess_video(frames[i:i + chunk], cfg) for i in range(0, len(frames), chunk)]
         if not parts:
             raise ValueError("multi_modal_data holds no images or video frames; leave it out for a text prompt")
-        vision = concat_vision_inputs(parts)
-        pad = self.engine.model.config.media_placeholder_token_id
-        ids = list(prompt["prompt_token_ids"])
-        n_pads = sum(1 for t in ids if t == pad) if pad is not None else 0
-        if pad is not None and n_pads == len(vision) and n_pads != sum(vision.num_tokens):
-            ids = expand_media_pads(ids, vision.num_tokens, pad)
-        return {**{k: v for k, v in prompt.items() if k != "multi_modal_data"}, "prompt_token_ids": ids,
-                "multi_modal_data": vision}
+        return concat_vision_inputs(parts)
+
+    @staticmethod
+    def _fill_image_placeholders(text: str, vision: VisionInputs) -> str:
+        """vLLM's and TensorRT-LLM's raw K3 prompt form: each ``<|kimi_image_placeholder|>`` becomes the K3
+        image prompt of the next image (its size header and one pad, expanded later), as the official
+        encoder does (spec D25; only here, where the caller wrote the prompt, never in chat text)."""
+        from kimik3.chat.k3 import IMAGE_PLACEHOLDER, MEDIA_BEGIN, MEDIA_CONTENT, MEDIA_END, MEDIA_PAD
+        n = text.count(IMAGE_PLACEHOLDER)
+        if n == 0:
+            return text
+        if n != len(vision):
+            raise ValueError(f"the prompt holds {n} {IMAGE_PLACEHOLDER} but multi_modal_data gives {len(vision)} "
+                             f"image(s) / video chunk(s); give one placeholder per item")
+        pieces = text.split(IMAGE_PLACEHOLDER)
+        out = [pieces[0]]
+        for (w, h), rest in zip(vision.sizes, pieces[1:]):
+            out.append(f"{MEDIA_BEGIN}image {w}x{h}{MEDIA_CONTENT}{MEDIA_PAD}{MEDIA_END}" + rest)
+        return "".join(out)
 
 
 def _merge(acc: RequestOutput, delta: RequestOutput) -> None:

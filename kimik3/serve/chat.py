@@ -15,11 +15,11 @@ from dataclasses import dataclass, field
 from typing import Any
 
 from kimik3.chat import ImagePrompt, K3OutputParser, ParseDelta
+from kimik3.chat.options import ChatOptionError, ThinkingOptions, drop_past_reasoning, thinking_options
 from kimik3.engine.sample.sampling_params import StructuredOutputsParams
 from kimik3.serve.protocol import ChatCompletionRequest, bad_request
 from kimik3.serve.structured import MAX_PARALLEL_CALLS, k3_answer_grammar, request_constraint, response_format_constraint
 
-REASONING_EFFORTS = ("low", "high", "max")
 
 
 @dataclass
@@ -47,27 +47,20 @@ def tool_section_guard(tokenizer) -> tuple[tuple[int, int], ...]:
     return tuple((open_id, t) for t in seconds)
 
 
-def _thinking_options(req: ChatCompletionRequest) -> tuple[bool, str | None]:
-    kwargs = req.chat_template_kwargs or {}
-    thinking = True
-    for key in ("thinking", "enable_thinking"):
-        if key in kwargs:
-            if not isinstance(kwargs[key], bool):
-                raise bad_request(f"chat_template_kwargs.{key} must be a bool, got {kwargs[key]!r}",
-                                  f"chat_template_kwargs.{key}")
-            thinking = kwargs[key]
-    effort = kwargs.get("thinking_effort", "max")
-    if req.reasoning_effort is not None:
-        if req.reasoning_effort == "none":
-            thinking = False
-        elif req.reasoning_effort in REASONING_EFFORTS:
-            effort = req.reasoning_effort
-        else:
-            raise bad_request(f"reasoning_effort must be one of none, {', '.join(REASONING_EFFORTS)}, got "
-                              f"{req.reasoning_effort!r}" + (" (K3 does not support 'medium')"
-                                                             if req.reasoning_effort == "medium" else ""),
-                              "reasoning_effort")
-    return thinking, effort
+def _thinking_options(req: ChatCompletionRequest) -> ThinkingOptions:
+    try:
+        return thinking_options(req.chat_template_kwargs, req.thinking, req.reasoning_effort)
+    except ChatOptionError as e:
+        raise bad_request(str(e), e.param) from None
+
+
+def _messages(req: ChatCompletionRequest, preserve: bool) -> list[dict]:
+    """The conversation to render: OpenAI's ``developer`` role is a system message (K3's format has no
+    developer role; OpenAI's own models read it as the system prompt), and without ``preserve`` the
+    reasoning of earlier turns is dropped."""
+    msgs = [{**m, "role": "system"} if isinstance(m, dict) and m.get("role") == "developer" else m
+            for m in req.messages]
+    return msgs if preserve else drop_past_reasoning(msgs)
 
 
 def _tool_options(req: ChatCompletionRequest) -> tuple[Any, list[dict] | None, str | None, list[dict]]:
@@ -158,7 +151,8 @@ def build_chat_prompt(req: ChatCompletionRequest, tokenizer, processor_cfg, has_
                       max_image_tokens: int | None = None) -> ChatPrompt:
     """``max_image_tokens``: the most image tokens a prompt can hold (checked from the image headers,
     before any image is decoded)."""
-    thinking, effort = _thinking_options(req)
+    opts = _thinking_options(req)
+    thinking, effort = opts.thinking, opts.effort
     if not req.add_generation_prompt:
         raise bad_request("add_generation_prompt=false is not supported: the answer always starts a new assistant "
                           "message", "add_generation_prompt", "unsupported_field")
@@ -195,7 +189,7 @@ def build_chat_prompt(req: ChatCompletionRequest, tokenizer, processor_cfg, has_
     if tokenizer.chat_format != "k3":   # Kimi-Linear: no thinking channel, tool choice or response format notes
         kwargs.update(thinking_effort=None, tool_choice=None, response_format=None)
     try:
-        ids = tokenizer.apply_chat_template(req.messages, **kwargs)
+        ids = tokenizer.apply_chat_template(_messages(req, opts.preserve), **kwargs)
     except (ValueError, TypeError, KeyError) as e:
         raise bad_request(f"cannot render the conversation: {e}", "messages") from None
     k3 = tokenizer.chat_format == "k3"

@@ -136,6 +136,7 @@ class ChatCompletionRequest(_SamplingFields):
     tool_choice: str | dict[str, Any] | None = None
     parallel_tool_calls: bool | None = None
     reasoning_effort: str | None = None
+    thinking: dict[str, Any] | None = None       # Moonshot's {"type", "keep", "effort"} (kimik3.chat.options)
     chat_template_kwargs: dict[str, Any] | None = None
     add_generation_prompt: bool = True      # only true: the answer always starts a new assistant message
     continue_final_message: bool = False    # only false

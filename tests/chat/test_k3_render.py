@@ -285,8 +285,8 @@ def test_image_without_sizes_renders_placeholder_text():
         ([{"role": "assistant", "tool_calls": [{"function": {}}]}], {}, ValueError, r"tool_calls\[0\] needs a function name"),
         ([{"role": "assistant", "tool_calls": [{"function": {"name": "f", "arguments": 3}}]}], {}, TypeError,
          "arguments must be a JSON object string or a dict"),
-        ([], {"thinking_effort": "medium"}, ValueError, "got 'medium'.*does not support"),
-        ([], {"thinking_effort": "none"}, ValueError, "thinking_effort must be one of low, high, max or None"),
+        ([], {"thinking_effort": "minimal"}, ValueError, "got 'minimal'"),
+        ([], {"thinking_effort": "none"}, ValueError, "thinking_effort must be one of low, medium, high, max or None"),
         ([], {"thinking_effort": 3}, TypeError, "thinking_effort must be a str"),
         ([], {"thinking": "yes"}, TypeError, "thinking must be a bool"),
         ([], {"tool_choice": "sometimes"}, ValueError, "tool_choice must be"),
@@ -300,7 +300,7 @@ def test_image_without_sizes_renders_placeholder_text():
         ([], {"images": [(1, 1, 1)]}, TypeError, "images must be ImagePrompt"),
     ],
     ids=["role", "not-list", "not-dict", "content-type", "part-type", "part-text", "tool-name", "call-name",
-         "args-type", "effort-medium", "effort-none", "effort-type", "thinking-type", "tool-choice",
+         "args-type", "effort-minimal", "effort-none", "effort-type", "thinking-type", "tool-choice",
          "tool-choice-named", "rf-type", "rf-not-dict", "rf-schema", "tools-type", "too-many-images", "image-type"],
 )
 def test_invalid(conv, kw, exc, match):

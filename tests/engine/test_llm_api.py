@@ -62,8 +62,20 @@ def test_chat_renders_the_checkpoint_chat_format(llm):
     off = tok.apply_chat_template(msgs, tokenize=True, thinking=False)
     both = llm.chat([msgs, msgs], GREEDY, use_tqdm=False, chat_template_kwargs={"thinking": False})
     assert [o.prompt_token_ids for o in both] == [off, off]
-    with pytest.raises(ValueError, match="chat_template_kwargs"):
+    with pytest.raises(ValueError, match="chat_template_kwargs.enable_magic"):
         llm.chat(msgs, GREEDY, chat_template_kwargs={"enable_magic": True})
+    # the server's keys: enable_thinking, preserve_thinking, thinking_effort (medium as the prompt lists it)
+    got = llm.chat(msgs, GREEDY, use_tqdm=False, chat_template_kwargs={"enable_thinking": False})[0]
+    assert got.prompt_token_ids == off
+    medium = llm.chat(msgs, GREEDY, use_tqdm=False, chat_template_kwargs={"thinking_effort": "medium"})[0]
+    assert medium.prompt_token_ids == tok.apply_chat_template(msgs, tokenize=True, thinking_effort="medium")
+    history = [{"role": "user", "content": "a"}, {"role": "assistant", "reasoning_content": "old thought",
+                                                  "content": "b"}, {"role": "user", "content": "c"}]
+    dropped = [history[0], {"role": "assistant", "content": "b"}, history[2]]
+    kept = llm.chat(history, GREEDY, use_tqdm=False, chat_template_kwargs={"preserve_thinking": True})[0]
+    lost = llm.chat(history, GREEDY, use_tqdm=False, chat_template_kwargs={"preserve_thinking": False})[0]
+    assert kept.prompt_token_ids == tok.apply_chat_template(history, tokenize=True)
+    assert lost.prompt_token_ids == tok.apply_chat_template(dropped, tokenize=True) != kept.prompt_token_ids
 
 
 def test_chat_with_a_pil_image(llm):
@@ -104,6 +116,16 @@ def test_vllm_multi_modal_data_with_one_pad_per_image(llm):
     text = tok.apply_chat_template(msgs, tokenize=False, images=[ImagePrompt(*im.size, 1) for im in imgs])
     got = llm.generate({"prompt": text, "multi_modal_data": {"image": imgs}}, GREEDY, use_tqdm=False)[0]
     assert got.prompt_token_ids == expanded
+    # vLLM's / TensorRT-LLM's raw form: <|kimi_image_placeholder|> where each image goes
+    raw = text.replace(f"<|media_begin|>image {imgs[0].size[0]}x{imgs[0].size[1]}<|media_content|><|media_pad|>"
+                       f"<|media_end|>", "<|kimi_image_placeholder|>", 1)
+    raw = raw.replace(f"<|media_begin|>image {imgs[1].size[0]}x{imgs[1].size[1]}<|media_content|><|media_pad|>"
+                      f"<|media_end|>", "<|kimi_image_placeholder|>", 1)
+    assert raw.count("<|kimi_image_placeholder|>") == 2 and "<|media_pad|>" not in raw
+    got = llm.generate({"prompt": raw, "multi_modal_data": {"image": imgs}}, GREEDY, use_tqdm=False)[0]
+    assert got.prompt_token_ids == expanded and got.outputs[0].token_ids == want.outputs[0].token_ids
+    with pytest.raises(ValueError, match="holds 2 <\\|kimi_image_placeholder\\|> but multi_modal_data gives 1"):
+        llm.generate({"prompt": raw, "multi_modal_data": {"image": imgs[:1]}}, GREEDY)
     with pytest.raises(ValueError, match="more than limit_mm_per_prompt\\['image'\\]=2"):
         llm.generate({"prompt_token_ids": one_pad, "multi_modal_data": {"image": imgs * 2}}, GREEDY)
     with pytest.raises(ValueError, match="media pad"):

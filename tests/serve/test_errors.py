@@ -69,7 +69,7 @@ CASES = {
     "oversized-prompt": ("/v1/chat/completions", chat(messages=[{"role": "user", "content": "word " * 2000}]),
                          400, "messages", "max_model_len"),
     "unknown-model": ("/v1/chat/completions", chat(model="gpt-9"), 404, "model", "does not exist"),
-    "medium-effort": ("/v1/chat/completions", chat(reasoning_effort="medium"), 400, "reasoning_effort", "medium"),
+    "minimal-effort": ("/v1/chat/completions", chat(reasoning_effort="minimal"), 400, "reasoning_effort", "minimal"),
     "named-tool-choice-unknown": ("/v1/chat/completions",
                                   chat(tools=[{"type": "function", "function": {"name": "f"}}],
                                        tool_choice={"type": "function", "function": {"name": "g"}}), 400,
