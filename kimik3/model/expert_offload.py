@@ -19,8 +19,9 @@ CUDA graphs; a refresh only rewrites pool rows and ``slots`` in place.
 
 Which experts a layer caches follows its router: ``stage`` counts each layer's routed (token, expert)
 pairs on the device; before every ``refresh_interval``-th engine step (``refresh``) the counts join a
-decayed score and each layer caches its S highest-scoring experts, copying the newcomers in over the
-ones they replace. The first cache holds experts 0..S-1 of each layer.
+decayed score and each layer moves toward caching its S highest-scoring experts: the hottest newcomer
+replaces the coldest cached expert while it beats it by ``swap_margin`` (a swap costs one expert's copy,
+so near-ties do not churn). The first cache holds experts 0..S-1 of each layer.
 
 Policy: misses are copied to the GPU and computed there. Computing them on the host instead would read
 the same bytes from host memory, cannot run inside a CUDA graph, and its float sums would differ from the
@@ -47,8 +48,9 @@ GIB = 1 << 30
 @dataclass(frozen=True)
 class ExpertOffloadConfig:
     cpu_offload_bytes: int                  # routed-expert bytes of this process kept in host memory
-    refresh_interval: int = 1               # engine steps between hot-set refreshes
-    decay: float = 0.5                      # weight of the older routing counts at a refresh
+    refresh_interval: int = 4               # engine steps between hot-set refreshes
+    decay: float = 0.9                      # weight of the older routing counts at a refresh
+    swap_margin: float = 0.25               # an expert replaces a cached one whose score it beats by this share
 
     def __post_init__(self) -> None:
         if not isinstance(self.cpu_offload_bytes, int) or isinstance(self.cpu_offload_bytes, bool) \
@@ -59,6 +61,8 @@ class ExpertOffloadConfig:
             raise ValueError(f"refresh_interval must be a positive integer, got {self.refresh_interval!r}")
         if not 0.0 <= self.decay <= 1.0:
             raise ValueError(f"decay must lie in [0, 1], got {self.decay!r}")
+        if not self.swap_margin >= 0.0:
+            raise ValueError(f"swap_margin must be >= 0, got {self.swap_margin!r}")
 
     @classmethod
     def from_gib(cls, cpu_offload_gb: float, **kw) -> ExpertOffloadConfig:
@@ -210,14 +214,20 @@ class ExpertOffload:
         order = torch.tensor(cached + self.staged_host[i])
         rank = torch.argsort(self.score[i][order], descending=True, stable=True)
         want = set(order[rank[:S]].tolist())
-        leaving = [c for c, e in enumerate(cached) if e not in want]
-        entering = sorted(want.difference(cached))
+        score = self.score[i].tolist()
+        # the hottest newcomers against the coldest leavers; a swap costs a copy, so only a clear win swaps
+        leaving = sorted((c for c, e in enumerate(cached) if e not in want), key=lambda c: score[cached[c]])
+        entering = sorted(want.difference(cached), key=lambda e: -score[e])
+        swaps = 0
         for c, e in zip(leaving, entering):
             out = cached[c]
+            if score[e] <= score[out] * (1 + self.config.swap_margin):
+                break
             r = self.staged_host[i].index(e)
             self._fill(i, e, i * S + c)
             cached[c], self.staged_host[i][r] = e, out
-        return len(entering)
+            swaps += 1
+        return swaps
 
     def stats(self) -> dict:
         return {"cache_experts_per_layer": self.cache_size, "host_experts_per_layer": self.staging_size,

@@ -20,7 +20,7 @@ def models(request, tiny_ckpt):
     arch, packed, dtype = request.param
     resident = load_model(tiny_ckpt[arch], dtype=dtype, packed_experts=packed)
     moes = resident.moe_blocks()
-    cfg = ExpertOffloadConfig(5 * len(moes) * expert_bytes(moes[0].experts))      # 5 of 8 experts a layer
+    cfg = ExpertOffloadConfig(5 * len(moes) * expert_bytes(moes[0].experts), refresh_interval=1)   # 5 of 8 a layer
     return resident, load_model(tiny_ckpt[arch], dtype=dtype, packed_experts=packed, expert_offload=cfg)
 
 

@@ -30,7 +30,7 @@ def resident(request, tiny_ckpt):
 @pytest.mark.parametrize("experts_offloaded", [1, 3, 8])
 def test_offloaded_logits_equal_resident(resident, experts_offloaded):
     path, packed, dtype, model = resident
-    cfg = ExpertOffloadConfig(experts_offloaded * _per_layer_bytes(model))
+    cfg = ExpertOffloadConfig(experts_offloaded * _per_layer_bytes(model), refresh_interval=1)
     off = load_model(path, dtype=dtype, packed_experts=packed, expert_offload=cfg)
     o = off.expert_offload
     assert (o.cache_size, o.staging_size) == (8 - experts_offloaded, experts_offloaded)
@@ -49,7 +49,7 @@ def test_offloaded_logits_equal_resident(resident, experts_offloaded):
 def test_hot_set_follows_the_router_counts(resident):
     path, packed, dtype, model = resident
     off = load_model(path, dtype=dtype, packed_experts=packed,
-                     expert_offload=ExpertOffloadConfig(5 * _per_layer_bytes(model), decay=0.5))
+                     expert_offload=ExpertOffloadConfig(5 * _per_layer_bytes(model), refresh_interval=1, decay=0.5))
     o = off.expert_offload
     assert o.cached[0] == [0, 1, 2]                         # before any routing: experts 0..S-1
     o.counts.zero_()
@@ -58,7 +58,10 @@ def test_hot_set_follows_the_router_counts(resident):
     o.refresh()
     assert set(o.cached[0]) == {7, 4, 1} and set(o.cached[1]) == {6, 5, 0}
     assert o.cached[0][1] == 1                              # a cached expert that stays keeps its row
-    o.counts[0, 2] = 12.0                                   # traffic shifts: 2 beats 1 (3 x 0.5 decayed)
+    o.counts[0, 2] = 1.8                                    # 2 against 1 (3 x 0.5 decayed): within the margin
+    o.refresh()
+    assert set(o.cached[0]) == {7, 4, 1}
+    o.counts[0, 2] = 12.0                                   # traffic shifts: 2 (12.9) beats 1 (0.75)
     o.refresh()
     assert set(o.cached[0]) == {7, 4, 2}
     for i, m in enumerate(off.moe_blocks()):                # the pool rows and tables agree with the host
