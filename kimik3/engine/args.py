@@ -89,6 +89,7 @@ positive_int = number(int, lambda v: v >= 1, "a positive integer")
 non_negative_int = number(int, lambda v: v >= 0, "an integer >= 0")
 _fraction = number(float, lambda v: 0.0 < v <= 1.0, "a number in (0, 1]")
 non_negative_gib = number(float, lambda v: 0.0 <= v < float("inf"), "a number of GiB >= 0")
+_positive_seconds = number(float, lambda v: v > 0, "a number of seconds > 0")
 
 
 def _mm_limits(text: str) -> dict[str, int]:
@@ -203,6 +204,12 @@ class EngineArgs:
     seed: int = _opt("engine RNG seed for requests without their own seed (default: 0)", default=0, type=int)
     max_logprobs: int = _opt("most logprobs a request may ask for per token (default: 20)", default=20,
                              type=non_negative_int)
+    grammar_compile_timeout: float = _opt(
+        "seconds a structured-outputs constraint may take to compile (in a separate worker process); a slower "
+        "one is refused with a 400 (default: 5)", default=5.0, type=_positive_seconds)
+    grammar_compile_memory: int = _opt(
+        "bytes a structured-outputs constraint's compiler process may grow by (2G = 2 GiB); beyond it the "
+        "constraint is refused with a 400 (default: 2G)", default=2 << 30, type=positive_size)
     language_model_only: bool = _opt("load the text model only: skip the vision tower, refuse images "
                                      "(default: off)", default=False)
     generation_config: str = _opt(
@@ -365,6 +372,8 @@ class EngineArgs:
                             gpu_memory_utilization=float(self.gpu_memory_utilization), seed=self.seed,
                             enforce_eager=self.resolve_enforce_eager(), max_logprobs=self.max_logprobs,
                             **self.speculative_settings(),
+                            grammar_compile_timeout=float(self.grammar_compile_timeout),
+                            grammar_compile_memory=self.grammar_compile_memory,
                             async_scheduling=self.resolve_async_scheduling(device))
 
     def speculative_settings(self) -> dict[str, Any]:

@@ -25,6 +25,8 @@ class EngineConfig:
     speculative_model: str | None = None    # the draft model's directory ("default": the default model's)
     speculative_ngram_min: int = 2          # shortest suffix n-gram looked up for a draft
     speculative_ngram_max: int = 4          # longest suffix n-gram looked up for a draft
+    grammar_compile_timeout: float = 5.0    # seconds a constraint may take to compile (worker process; structured.py)
+    grammar_compile_memory: int = 2 << 30   # bytes its compiler process may grow by
     async_scheduling: bool = False          # schedule and launch decode step N + 1 before step N's tokens reach the host
 
     def __post_init__(self) -> None:
@@ -57,6 +59,11 @@ class EngineConfig:
         from kimik3.model.batch import KV_CACHE_DTYPES
         if self.kv_cache_dtype not in KV_CACHE_DTYPES:
             raise ValueError(f"kv_cache_dtype must be one of {list(KV_CACHE_DTYPES)}, got {self.kv_cache_dtype!r}")
+        if not (isinstance(self.grammar_compile_timeout, (int, float)) and self.grammar_compile_timeout > 0):
+            raise ValueError(f"grammar_compile_timeout must be > 0 seconds, got {self.grammar_compile_timeout!r}")
+        if not isinstance(self.grammar_compile_memory, int) or self.grammar_compile_memory < 1:
+            raise ValueError(f"grammar_compile_memory must be a positive number of bytes, "
+                             f"got {self.grammar_compile_memory!r}")
         if self.cache_memory_bytes is not None and self.cache_memory_bytes <= 0:
             raise ValueError(f"cache_memory_bytes must be positive or None (auto), got {self.cache_memory_bytes!r}")
 

@@ -103,6 +103,7 @@ def create_app(engine: LLMEngine, options: ServeOptions) -> FastAPI:
             await state.drain()
             await asyncio.get_running_loop().run_in_executor(None, state.loop.stop)
             state.pool.shutdown(wait=False, cancel_futures=True)
+            state.grammar_pool.shutdown(wait=False, cancel_futures=True)
             gc.unfreeze()           # a process that builds apps one after another (tests) collects them again
 
     app = FastAPI(title="kimik3", lifespan=lifespan, docs_url=None, redoc_url=None, openapi_url=None)

@@ -109,8 +109,12 @@ def _constraint(req: ChatCompletionRequest, k3: bool, thinking: bool, tool_mode:
     if content is None and tool_mode is None:
         return None
     calls = 1 if req.parallel_tool_calls is False or isinstance(req.tool_choice, dict) else MAX_PARALLEL_CALLS
-    return StructuredOutputsParams(grammar=k3_answer_grammar(thinking=thinking, content=content, tools=tools,
-                                                             tool_mode=tool_mode, max_calls=calls))
+    try:
+        grammar = k3_answer_grammar(thinking=thinking, content=content, tools=tools, tool_mode=tool_mode,
+                                    max_calls=calls)
+    except ValueError as e:         # a schema nested too deeply, a malformed JSON grammar
+        raise bad_request(str(e), "tools" if content is None else None, "invalid_constraint") from None
+    return StructuredOutputsParams(grammar=grammar)
 
 
 def collect_images(messages: list[dict]) -> list[tuple[str, str]]:

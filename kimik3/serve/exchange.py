@@ -66,11 +66,21 @@ class ServerState:
         self.drained: asyncio.Event | None = None
         self.created = int(time.time())
         self.pool = ThreadPoolExecutor(options.limits.cpu_workers, thread_name_prefix="kimik3-cpu")
+        self.grammar_pool = ThreadPoolExecutor(2, thread_name_prefix="kimik3-grammar")
 
     async def cpu(self, fn, *args, **kwargs):
         """Run CPU-heavy request work (parsing, tokenising, rendering, image decoding) on the bounded pool,
         never on the event loop."""
         return await asyncio.get_running_loop().run_in_executor(self.pool, functools.partial(fn, *args, **kwargs))
+
+    async def prepare_constraint(self, params: SamplingParams, copies: int) -> None:
+        """Compile the request's constraint on the grammar threads (never the event loop, the engine thread or
+        the CPU pool that tokenises other requests); a constraint that does not compile is a 400."""
+        try:
+            await asyncio.get_running_loop().run_in_executor(
+                self.grammar_pool, self.engine.prepare_constraint, params, copies)
+        except ValueError as e:
+            raise bad_request(str(e), "structured_outputs", "invalid_constraint") from None
 
     def admit(self, num_seqs: int) -> None:
         self.check_admission(num_seqs)
@@ -295,6 +305,8 @@ async def run_job(state: ServerState, request: Request, prompts: list[PromptInpu
     state.metrics.prompt_tokens.inc(prompt_tokens)
     handed_off = False
     try:
+        if params.structured_outputs is not None:       # compiled off the engine thread, in a worker first
+            await state.prepare_constraint(params, len(prompts) * params.n)
         state.loop.submit(job)
         first = await ex.next_event()
         if first is None:

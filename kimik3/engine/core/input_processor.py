@@ -10,6 +10,7 @@ structured outputs) are loaded on first use.
 from __future__ import annotations
 
 import logging
+import threading
 from dataclasses import dataclass
 
 import torch
@@ -48,6 +49,7 @@ class InputProcessor:
         self._tokenizer_path = tokenizer_path
         self._tokenizer_error: Exception | None = None
         self._grammar = None    # structured.GrammarCompiler, built on the first constrained request
+        self._grammar_lock = threading.Lock()
 
     def get_tokenizer(self, required: bool = False):
         if self._tokenizer is None:
@@ -68,13 +70,17 @@ class InputProcessor:
         return self._tokenizer
 
     def grammar_compiler(self):
-        """The llguidance compiler over the tokenizer (built on first use; needs a tokenizer)."""
-        if self._grammar is None:
-            from kimik3.engine.sample.structured import GrammarCompiler
-            tok = self.get_tokenizer(required=True)
-            ends = [self.eos_token_id, *getattr(tok, "stop_token_ids", [])]
-            self._grammar = GrammarCompiler(tok, self.vocab_size, [t for t in ends if t is not None])
-        return self._grammar
+        """The llguidance compiler over the tokenizer (built on first use; needs a tokenizer). Thread-safe, as
+        the compiler is: the server prepares constraints off the engine thread."""
+        with self._grammar_lock:
+            if self._grammar is None:
+                from kimik3.engine.sample.structured import GrammarCompiler
+                tok = self.get_tokenizer(required=True)
+                ends = [self.eos_token_id, *getattr(tok, "stop_token_ids", [])]
+                self._grammar = GrammarCompiler(tok, self.vocab_size, [t for t in ends if t is not None],
+                                                timeout=self.config.grammar_compile_timeout,
+                                                memory_bytes=self.config.grammar_compile_memory)
+            return self._grammar
 
     # ---- checks ------------------------------------------------------------------------------
     def check(self, prompt, params: SamplingParams, multi_modal_data: VisionInputs | None = None) -> CheckedPrompt:

@@ -114,6 +114,13 @@ class LLMEngine:
         for req in children:
             self.scheduler.add(req)
 
+    def prepare_constraint(self, params: SamplingParams, copies: int = 1) -> None:
+        """Thread-safe, for callers off the engine's thread: compile ``params.structured_outputs`` (checked in
+        a worker process under the grammar budget; ValueError if it does not compile) and make ``copies``
+        matchers ahead, so that ``add_request`` only hands them out. A no-op without a constraint."""
+        if params.structured_outputs is not None:
+            self.inputs.grammar_compiler().prepare(params.structured_outputs, copies)
+
     def check_request(self, prompt, params: SamplingParams, multi_modal_data: VisionInputs | None = None):
         """Validate a request without queueing it: its ``CheckedPrompt``, or ValueError."""
         return self.inputs.check(prompt, params, multi_modal_data)

@@ -22,8 +22,12 @@ model wrote U+116D3 and U+1CCF9, Unicode 16 digits that Python 3.11's ``re`` doe
 
 from __future__ import annotations
 
+import hashlib
 import json
 import logging
+import threading
+import time
+from collections import OrderedDict
 from dataclasses import dataclass
 
 import torch
@@ -91,7 +95,10 @@ def json_schema_for_llguidance(schema: dict | str) -> dict:
 
 def lark_json(schema: dict | str) -> str:
     """A Lark ``%json`` item for ``schema`` (to embed JSON in a larger grammar)."""
-    return "%json " + json.dumps(json_schema_for_llguidance(schema), ensure_ascii=False)
+    try:
+        return "%json " + json.dumps(json_schema_for_llguidance(schema), ensure_ascii=False)
+    except RecursionError:
+        raise ValueError("a JSON schema is nested too deeply; flatten it") from None
 
 
 def grammar_text(so: StructuredOutputsParams) -> str:
@@ -117,50 +124,154 @@ def grammar_text(so: StructuredOutputsParams) -> str:
     return M.grammar_from_lark(text)
 
 
+def constraint_text(so: StructuredOutputsParams | str) -> str:
+    """``grammar_text`` (a text is taken as it is), with a schema nested too deeply for Python's recursion a
+    ValueError too."""
+    if isinstance(so, str):
+        return so
+    try:
+        return grammar_text(so)
+    except RecursionError:
+        raise ValueError("structured_outputs: the constraint is nested too deeply; flatten it") from None
+
+
 def grammar_parts(so: StructuredOutputsParams) -> list[dict]:
     """The constraint as llguidance's top-level grammar list (the first one is the start), so that a
     larger grammar can embed it as ``@name``."""
-    text = grammar_text(so)
+    text = constraint_text(so)
     if text.lstrip().startswith("{"):
-        return json.loads(text)["grammars"]
+        try:
+            parts = json.loads(text)["grammars"]
+        except RecursionError:
+            raise ValueError("structured_outputs: the constraint is nested too deeply; flatten it") from None
+        except (KeyError, TypeError):
+            parts = None
+        if not isinstance(parts, list) or not parts or not all(isinstance(p, dict) for p in parts):
+            raise ValueError('structured_outputs: a JSON grammar must be {"grammars": [{...}, ...]}')
+        return parts
     return [{"lark_grammar": text}]
 
 
 class GrammarCompiler:
-    """The llguidance tokenizer of one engine (built on first use) and matchers over it."""
+    """The llguidance tokenizer of one engine (built on first use) and matchers over it; thread-safe.
 
-    def __init__(self, tokenizer, vocab_size: int, end_token_ids: list[int]):
+    A constraint compiles once per distinct grammar, not once per sample: ``prepare`` checks it in a worker
+    process (``grammar_worker``: time and memory budget, a crash there is this request's ValueError), then
+    builds a template matcher here with its first mask computed (its lexer states are then shared by every
+    copy) and keeps it by the grammar's hash (``cache_size`` most recent). The server calls ``prepare`` off the
+    engine thread with the number of samples; ``matcher`` on the engine thread then only hands out the copies
+    made ahead (``so._kimik3_copies``), or copies the cached template.
+
+    Token masks are computed on the engine thread before each step, so their cost is every stream's: a
+    request whose samples' first masks together take more than ``step_mask_budget`` seconds is refused (the
+    regex ``x{1000000}`` takes ~50 ms a mask on a dev CPU, so n=64 of it would hold each step ~3 s)."""
+
+    def __init__(self, tokenizer, vocab_size: int, end_token_ids: list[int], *, timeout: float = 5.0,
+                 memory_bytes: int = 2 << 30, num_workers: int = 2, cache_size: int = 64,
+                 step_mask_budget: float = 0.1):
         self.tokenizer = tokenizer
         self.vocab_size = vocab_size
         self.end_token_ids = sorted(set(end_token_ids))
         self._ll_tokenizer = None
         self._executor = None
         self.words = (vocab_size + 31) // 32
+        self.timeout, self.memory_bytes, self.num_workers = timeout, memory_bytes, num_workers
+        self.cache_size = cache_size
+        self.step_mask_budget = step_mask_budget
+        self._workers = None
+        self._lock = threading.Lock()
+        self._templates: OrderedDict[bytes, object] = OrderedDict()
+        self._building: dict[bytes, threading.Event] = {}
+
+    def _encoding(self):
+        enc = getattr(self.tokenizer, "_encoding", None)
+        if enc is None:
+            raise ValueError("structured outputs need the checkpoint's tiktoken tokenizer")
+        return enc
 
     @property
     def ll_tokenizer(self):
-        if self._ll_tokenizer is None:
-            llg = _llg()
-            from llguidance.tiktoken import lltokenizer_from_encoding
-            enc = getattr(self.tokenizer, "_encoding", None)
-            if enc is None:
-                raise ValueError("structured outputs need the checkpoint's tiktoken tokenizer")
-            self._ll_tokenizer = lltokenizer_from_encoding(enc, n_vocab=self.vocab_size,
-                                                           eos_token=self.end_token_ids)
-            self._executor = llg.LLExecutor()       # llguidance's default: 80% of the CPUs, up to 32 threads
-        return self._ll_tokenizer
+        with self._lock:
+            if self._ll_tokenizer is None:
+                llg = _llg()
+                from llguidance.tiktoken import lltokenizer_from_encoding
+                self._ll_tokenizer = lltokenizer_from_encoding(self._encoding(), n_vocab=self.vocab_size,
+                                                               eos_token=self.end_token_ids)
+                self._executor = llg.LLExecutor()       # llguidance's default: 80% of the CPUs, up to 32 threads
+            return self._ll_tokenizer
+
+    @property
+    def workers(self):
+        from kimik3.engine.sample.grammar_worker import GrammarWorkers
+        with self._lock:
+            if self._workers is None:
+                self._workers = GrammarWorkers(self._encoding(), self.vocab_size, self.end_token_ids,
+                                               timeout=self.timeout, memory_bytes=self.memory_bytes,
+                                               limits={}, num_workers=self.num_workers)
+            return self._workers
+
+    def prepare(self, so: StructuredOutputsParams | str, copies: int = 0) -> None:
+        """Compile ``so`` (checked in a worker first; cached by grammar) and, for a StructuredOutputsParams, make
+        ``copies`` fresh matchers that ``matcher`` hands out later. ValueError naming what is wrong."""
+        template, mask_s = self._template(constraint_text(so))
+        if copies * mask_s > self.step_mask_budget:
+            raise ValueError(f"structured_outputs: one token mask of this constraint took {mask_s * 1e3:.1f} ms; "
+                             f"{copies} sample(s) would hold every step of the engine for about "
+                             f"{copies * mask_s * 1e3:.0f} ms, over the {self.step_mask_budget * 1e3:.0f} ms budget; "
+                             f"ask for fewer samples (n) or simplify the constraint")
+        if copies and isinstance(so, StructuredOutputsParams):
+            made = [template.deep_copy() for _ in range(copies)]
+            with self._lock:
+                so.__dict__.setdefault("_kimik3_copies", []).extend(made)
+
+    def _template(self, text: str):
+        key = hashlib.sha256(text.encode("utf-8", "surrogatepass")).digest()
+        while True:
+            with self._lock:
+                if key in self._templates:
+                    self._templates.move_to_end(key)
+                    return self._templates[key]
+                event = self._building.get(key)
+                if event is None:
+                    event = self._building[key] = threading.Event()
+                    break
+            event.wait()        # another thread compiles the same grammar: take its result (or retry its error)
+        try:
+            self.workers.validate(text)
+            m = _llg().LLMatcher(self.ll_tokenizer, text, log_level=0)
+            if m.is_error():
+                raise ValueError(f"structured_outputs: the constraint does not compile: {m.get_error()}")
+            m.compute_bitmask()     # builds the lexer states every copy shares
+            start = time.perf_counter()
+            m.deep_copy().compute_bitmask()     # what each sample costs a step (its first step)
+            entry = (m, time.perf_counter() - start)
+            with self._lock:
+                self._templates[key] = entry
+                while len(self._templates) > self.cache_size:
+                    self._templates.popitem(last=False)
+            return entry
+        finally:
+            with self._lock:
+                del self._building[key]
+            event.set()
 
     def matcher(self, so: StructuredOutputsParams | str) -> Matcher:
         """A fresh matcher for a constraint (or an llguidance grammar text); ValueError naming what is wrong."""
-        llg = _llg()
-        grammar = grammar_text(so) if isinstance(so, StructuredOutputsParams) else so
-        m = llg.LLMatcher(self.ll_tokenizer, grammar, log_level=0)
-        if m.is_error():
-            raise ValueError(f"structured_outputs: the constraint does not compile: {m.get_error()}")
-        return Matcher(m, self)
+        if isinstance(so, StructuredOutputsParams):
+            with self._lock:
+                made = so.__dict__.get("_kimik3_copies")
+                if made:
+                    return Matcher(made.pop(), self)
+        return Matcher(self._template(constraint_text(so))[0].deep_copy(), self)
 
     def check(self, so: StructuredOutputsParams | str) -> None:
-        self.matcher(so)
+        if isinstance(so, StructuredOutputsParams) and so.__dict__.get("_kimik3_copies"):
+            return
+        self._template(constraint_text(so))
+
+    def close(self) -> None:
+        if self._workers is not None:
+            self._workers.close()
 
     def fill_bitmasks(self, rows: list[tuple[Matcher | None, list[int]]]) -> torch.Tensor:
         """int32 bitmask [len(rows), words] (host): row i allows the tokens its matcher allows after

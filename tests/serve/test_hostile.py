@@ -1,0 +1,107 @@
+"""While one hostile request runs, the server stays responsive: ``/health`` answers within a bound and an
+innocent stream keeps flowing, and the hostile request gets its 4xx (never a crash, never a 5xx).
+
+Bounds: the targets are 100 ms (health) and 250 ms (stream gaps) on 2 CPU cores; the asserts allow 2.5x /
+2x for a CI machine shared by other jobs. Before the grammar worker, the first hostile grammar below killed
+the test process with signal 11, and the others held the engine thread for seconds."""
+
+from __future__ import annotations
+
+import json
+import threading
+import time
+
+import httpx
+
+from tests.engine.sample.test_grammar_worker import object_chain, rule_chain
+from tests.serve.conftest import MODEL, start_fake_server
+from tests.serve.test_errors import assert_error
+
+HEALTH_BOUND = 0.25
+GAP_BOUND = 0.5
+
+
+class Watch:
+    """An innocent stream and a /health poller, beside whatever the test does."""
+
+    def __init__(self, url: str):
+        self.url = url
+        self.gaps: list[float] = []
+        self.health: list[float] = []
+        self.stop = threading.Event()
+        self.tokens = 0
+        self.threads = [threading.Thread(target=self._stream), threading.Thread(target=self._poll)]
+        for t in self.threads:
+            t.start()
+        deadline = time.monotonic() + 30
+        while self.tokens < 5:
+            assert time.monotonic() < deadline, "the innocent stream did not start"
+            time.sleep(0.01)
+
+    def _stream(self):
+        body = {"model": MODEL, "prompt": "innocent", "max_tokens": 1000, "ignore_eos": True, "stream": True}
+        with httpx.stream("POST", self.url + "/v1/completions", json=body, timeout=60) as r:
+            last = None
+            for line in r.iter_lines():
+                if not line.startswith("data: {"):
+                    continue
+                now = time.monotonic()
+                if last is not None:
+                    self.gaps.append(now - last)
+                last = now
+                self.tokens += 1
+                if self.stop.is_set():
+                    return
+
+    def _poll(self):
+        with httpx.Client(timeout=10) as c:
+            while not self.stop.is_set():
+                start = time.monotonic()
+                status = c.get(self.url + "/health").status_code
+                self.health.append(time.monotonic() - start if status == 200 else float("inf"))
+                time.sleep(0.02)
+
+    def finish(self):
+        self.stop.set()
+        for t in self.threads:
+            t.join(60)
+        assert self.health and self.gaps
+        print(f"health max {max(self.health) * 1e3:.0f} ms, stream gap max {max(self.gaps) * 1e3:.0f} ms")
+        assert max(self.health) < HEALTH_BOUND, sorted(self.health)[-5:]
+        assert max(self.gaps) < GAP_BOUND, sorted(self.gaps)[-5:]
+
+
+def _completion(**kw) -> dict:
+    return {"model": MODEL, "prompt": "x", "max_tokens": 4, **kw}
+
+
+HOSTILE_GRAMMARS = [
+    ("/v1/completions", _completion(response_format={"type": "json_schema",
+                                                     "json_schema": {"name": "c", "schema": object_chain(1000)}}),
+     "the grammar compiler failed"),
+    ("/v1/completions", _completion(guided_grammar=rule_chain(3000)), "the grammar compiler failed"),
+    ("/v1/completions", _completion(n=64, guided_regex="x{1000000}"), ""),   # n x mask cost, or a slow CI: time
+    ("/v1/completions", _completion(guided_json={"type": "string", "allOf": [
+        {"pattern": f"^(.*a.*){{{i}}}$"} for i in range(1, 23)]}), "within the 2 s budget"),
+    ("/v1/completions", _completion(guided_json='{"type":"object","properties":{"a":' * 600 + "{}" + "}}" * 600),
+     "nested too deeply"),
+]
+
+
+def test_hostile_grammars_are_400s_and_stall_nobody():
+    s = start_fake_server(step_delay=0.01, engine_kw={"grammar_compile_timeout": 2.0, "max_model_len": 2048})
+    watch = None
+    try:
+        with httpx.Client(timeout=60) as c:       # the compiler's worker and tokenizer are up before timing
+            assert c.post(s.url + "/v1/completions", json=_completion(guided_choice=["a", "b"])).status_code == 200
+            watch = Watch(s.url)
+            for route, body, message in HOSTILE_GRAMMARS:
+                assert_error(c.post(s.url + route, content=json.dumps(body),
+                                    headers={"content-type": "application/json"}), 400, contains=message)
+            watch.finish()
+            ok = c.post(s.url + "/v1/completions", json=_completion(guided_regex="[0-9]{3}", n=4))
+            assert ok.status_code == 200 and all(ch["text"].isdigit() for ch in ok.json()["choices"])
+    finally:
+        if watch is not None:
+            watch.stop.set()
+        s.stop()
