@@ -50,15 +50,26 @@ _ROUTES = ("/v1/chat/completions", "/v1/completions", "/v1/responses", "/v1/mode
 
 # ---- the app --------------------------------------------------------------------------------------------------
 
+_OPEN_ROUTES = ("/health", "/ping", "/version", "/metrics")     # answered without the API key
+
+
+def _bearer_token(headers) -> bytes:
+    """The credentials of an ``Authorization: Bearer <token>`` header (the scheme in any case, RFC 7235)."""
+    value = dict(headers or []).get(b"authorization", b"").strip()
+    scheme, _, token = value.partition(b" ")
+    return token.strip() if scheme.lower() == b"bearer" else b""
+
+
 class _Guard:
-    """Pure ASGI: API-key check on the /v1 routes (as vLLM: /health, /metrics, /ping, /version, /tokenize and
-    /detokenize stay open; CORS preflights are answered outside this), and request counts by route and status."""
+    """Pure ASGI: the API-key check on every route but /health, /ping, /version and /metrics (vLLM leaves
+    /tokenize and /detokenize open too; they do real work, so here they need the key; CORS preflights are
+    answered outside this), and request counts by route and status."""
 
     def __init__(self, app, state: ServerState):
         self.app = app
         self.state = state
         key = state.options.api_key
-        self.expected = f"Bearer {key}".encode() if key else None
+        self.expected = key.encode() if key else None
 
     async def __call__(self, scope, receive, send):
         if scope["type"] != "http":
@@ -73,9 +84,8 @@ class _Guard:
             await send(message)
 
         try:
-            if self.expected is not None and path.startswith("/v1") and scope.get("method") != "OPTIONS":
-                got = dict(scope.get("headers") or []).get(b"authorization", b"")
-                if not hmac.compare_digest(got, self.expected):
+            if self.expected is not None and path not in _OPEN_ROUTES and scope.get("method") != "OPTIONS":
+                if not hmac.compare_digest(_bearer_token(scope.get("headers")), self.expected):
                     body = error_body(401, "invalid or missing API key; send 'Authorization: Bearer <key>'",
                                       code="invalid_api_key")
                     await JSONResponse(body, status_code=401)(scope, receive, send_wrapper)

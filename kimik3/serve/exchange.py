@@ -145,7 +145,7 @@ def _logit_bias(bias: dict[str, float] | None) -> dict[int, float] | None:
         return None
     out = {}
     for key, value in bias.items():
-        if not key.isdigit():
+        if not (key.isascii() and key.isdigit()):      # "²".isdigit() and int("٣") == 3: ASCII digits only
             raise bad_request(f"logit_bias keys must be token ids, got {key!r}", "logit_bias")
         out[int(key)] = value
     return out

@@ -24,6 +24,7 @@ import asyncio
 import json
 import logging
 import resource
+import socket
 from dataclasses import dataclass
 
 from uvicorn.protocols.http.h11_impl import H11Protocol
@@ -225,6 +226,17 @@ def _raw_response(status: int, reason: str, message: str, code: str) -> bytes:
             f"connection: close\r\n\r\n").encode() + body
 
 
+def _no_delay(transport) -> None:
+    """TCP_NODELAY on the connection: responses go out when written, not after the peer's delayed ACK (~40 ms
+    a response with Nagle's algorithm on; asyncio sets it only for listeners made with IPPROTO_TCP)."""
+    sock = transport.get_extra_info("socket")
+    if sock is not None and sock.family in (socket.AF_INET, socket.AF_INET6):
+        try:
+            sock.setsockopt(socket.IPPROTO_TCP, socket.TCP_NODELAY, 1)
+        except OSError:         # the peer is already gone
+            pass
+
+
 class LimitedH11Protocol(H11Protocol):
     """uvicorn's h11 protocol with a request-head deadline and a connection cap (``limits`` is set on the
     subclass that ``protocol_class`` makes)."""
@@ -233,6 +245,7 @@ class LimitedH11Protocol(H11Protocol):
 
     def connection_made(self, transport) -> None:
         super().connection_made(transport)
+        _no_delay(transport)
         self._head_timer = None
         self._head_started = False        # bytes of the next request head have arrived
         if len(self.connections) > self.limits.max_connections:

@@ -78,7 +78,11 @@ def _content(parts: Any, where: str) -> Any:
     for k, part in enumerate(parts):
         kind = part.get("type") if isinstance(part, dict) else None
         if kind in ("input_text", "output_text", "text"):
-            out.append({"type": "text", "text": part.get("text", "")})
+            text = part.get("text", "")
+            if not isinstance(text, str):
+                raise bad_request(f"{where}.content[{k}].text must be a string, got {type(text).__name__}",
+                                  f"{where}.content[{k}].text")
+            out.append({"type": "text", "text": text})
         elif kind == "input_image":
             url = part.get("image_url")
             out.append({"type": "image_url", "image_url": {"url": url}})
@@ -138,6 +142,8 @@ def to_messages(req: ResponsesRequest) -> list[dict[str, Any]]:
             messages.append({"role": "tool", "tool_call_id": item.get("call_id"), "content": output})
         elif kind == "reasoning":
             texts = [c.get("text", "") for c in item.get("content") or [] if isinstance(c, dict)]
+            if not all(isinstance(t, str) for t in texts):
+                raise bad_request(f"{where}.content: reasoning text must be a string", f"{where}.content")
             pending_reasoning = "".join(texts)
         else:
             raise bad_request(f"{where}: unsupported input item type {kind!r} (kimik3 takes message, "

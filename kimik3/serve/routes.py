@@ -8,11 +8,11 @@ from typing import Any
 
 from fastapi import FastAPI, Request
 from fastapi.responses import JSONResponse, Response
-from pydantic import Field
+from pydantic import Field, ValidationError
 
-from kimik3.serve.chat import build_chat_prompt
+from kimik3.serve.chat import build_chat_prompt, collect_images
 from kimik3.serve.exchange import check_model, parse_body
-from kimik3.serve.protocol import APIError, ChatCompletionRequest, _Body, bad_request
+from kimik3.serve.protocol import APIError, ChatCompletionRequest, _Body, bad_request, validation_error
 from kimik3.serve.responses_api import add_responses_route
 
 
@@ -41,6 +41,11 @@ def _version() -> str:
         return "unknown (not installed)"
 
 
+def _token_strs(tok, ids: list[int]) -> list[str]:
+    return [tok.convert_ids_to_tokens(t) if tok.is_special_id(t) else tok.token_bytes(t).decode("utf-8", errors="replace")
+            for t in ids]
+
+
 def add_routes(app: FastAPI, state) -> None:
 
     def tokenizer():
@@ -67,17 +72,25 @@ def add_routes(app: FastAPI, state) -> None:
             raise bad_request("give exactly one of prompt (a string) or messages (a chat)", "prompt")
         if req.prompt is not None:
             # add_special_tokens: kimik3's tokenizer adds none to a raw prompt (the engine does not either)
-            ids = tok.encode(req.prompt)
+            ids = await state.cpu(tok.encode, req.prompt)
         else:
-            chat = ChatCompletionRequest.model_validate(
-                {"messages": req.messages, "tools": req.tools, "chat_template_kwargs": req.chat_template_kwargs})
-            prompt = await state.cpu(build_chat_prompt, chat, tok, state.options.processor_config,
-                                             state.has_vision)
+            if not req.messages:
+                raise bad_request("messages is empty; give at least one message", "messages")
+            try:
+                chat = ChatCompletionRequest.model_validate(
+                    {"messages": req.messages, "tools": req.tools, "chat_template_kwargs": req.chat_template_kwargs})
+            except ValidationError as e:
+                raise validation_error(e) from None
+            images = len(collect_images(chat.messages))
+            limit = (state.options.limit_mm_per_prompt or {}).get("image")
+            if limit is not None and images > limit:
+                raise bad_request(f"the messages hold {images} images, more than this server's "
+                                  f"--limit-mm-per-prompt image={limit}", "messages", "too_many_images")
+            prompt = await state.cpu(build_chat_prompt, chat, tok, state.options.processor_config, state.has_vision,
+                                     max_image_tokens=state.max_model_len - 1)
             ids = prompt.token_ids
         body: dict[str, Any] = {"count": len(ids), "max_model_len": state.max_model_len, "tokens": ids}
-        body["token_strs"] = [tok.convert_ids_to_tokens(t) if tok.is_special_id(t)
-                              else tok.token_bytes(t).decode("utf-8", errors="replace")
-                              for t in ids] if req.return_token_strs else None
+        body["token_strs"] = await state.cpu(_token_strs, tok, ids) if req.return_token_strs else None
         return body
 
     @app.post("/detokenize")
@@ -89,6 +102,6 @@ def add_routes(app: FastAPI, state) -> None:
         bad = [t for t in req.tokens if not 0 <= t < vocab]
         if bad:
             raise bad_request(f"token ids {bad[:5]} lie outside the vocabulary [0, {vocab})", "tokens")
-        return {"prompt": tok.decode(req.tokens, skip_special_tokens=False)}
+        return {"prompt": await state.cpu(tok.decode, req.tokens, skip_special_tokens=False)}
 
     add_responses_route(app, state)

@@ -34,20 +34,24 @@ def auth() -> dict:
 
 
 def test_tokenize_detokenize_version_ping(server):
-    r = httpx.post(server.url + "/tokenize", json={"model": MODEL, "prompt": "Hello world"})
+    r = httpx.post(server.url + "/tokenize", json={"model": MODEL, "prompt": "Hello world"}, headers=auth())
     assert r.status_code == 200
     body = r.json()
     assert body["tokens"] == TOK.encode("Hello world") and body["count"] == len(body["tokens"])
     assert body["max_model_len"] == server.engine.config.max_model_len and body["token_strs"] is None
     msgs = [{"role": "user", "content": "Hi"}]
-    r = httpx.post(server.url + "/tokenize", json={"messages": msgs, "return_token_strs": True}).json()
+    r = httpx.post(server.url + "/tokenize", json={"messages": msgs, "return_token_strs": True}, headers=auth()).json()
     assert r["tokens"] == TOK.apply_chat_template(msgs, tokenize=True)
     assert "".join(r["token_strs"]) == TOK.decode(r["tokens"])
-    d = httpx.post(server.url + "/detokenize", json={"tokens": body["tokens"]})
+    d = httpx.post(server.url + "/detokenize", json={"tokens": body["tokens"]}, headers=auth())
     assert d.status_code == 200 and d.json() == {"prompt": "Hello world"}
-    bad = httpx.post(server.url + "/detokenize", json={"tokens": [10**9]})
+    bad = httpx.post(server.url + "/detokenize", json={"tokens": [10**9]}, headers=auth())
     assert bad.status_code == 400 and bad.json()["error"]["param"] == "tokens"
-    assert httpx.post(server.url + "/tokenize", json={}).status_code == 400
+    assert httpx.post(server.url + "/tokenize", json={}, headers=auth()).status_code == 400
+    for route in ("/tokenize", "/detokenize"):        # they do real work: behind the key (vLLM leaves them open)
+        assert httpx.post(server.url + route, json={"prompt": "x", "tokens": [1]}).status_code == 401
+    assert httpx.post(server.url + "/tokenize", json={"prompt": "x"},
+                      headers={"Authorization": "bearer sk-1"}).status_code == 200     # the scheme in any case
     assert httpx.get(server.url + "/version").json() == {"version": importlib.metadata.version("kimik3")}
     assert httpx.get(server.url + "/ping").status_code == 200 and httpx.post(server.url + "/ping").status_code == 200
 

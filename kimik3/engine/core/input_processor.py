@@ -142,8 +142,27 @@ class InputProcessor:
             self.get_tokenizer(required=True)
         self._check_ids("bad_token_sequences: token ids", [t for w in params.bad_token_sequences or () for t in w],
                         "; remove them")
+        self._check_allowed_ids(params)
         if params.structured_outputs is not None:
             self.grammar_compiler().check(params.structured_outputs)
+
+    def _check_allowed_ids(self, params: SamplingParams) -> None:
+        """ValueError when ``allowed_token_ids`` leaves nothing to sample: every allowed id is a one-token bad
+        word, or (before ``min_tokens``) an end token that min_tokens holds back."""
+        allowed = set(params.allowed_token_ids or ())
+        if not allowed:
+            return
+        bad = self._bad_words(params)
+        banned = {w[0] for w in bad.seqs if len(w) == 1} if bad is not None else set()
+        if params.min_tokens:
+            held = {self.eos_token_id, *params.stop_token_ids} - {None}
+            if allowed <= banned | held:
+                raise ValueError(f"allowed_token_ids {sorted(allowed)[:8]} are all end tokens or bad words, which "
+                                 f"min_tokens={params.min_tokens} holds back: nothing could be sampled; allow more "
+                                 f"tokens or drop min_tokens")
+        if allowed <= banned:
+            raise ValueError(f"allowed_token_ids {sorted(allowed)[:8]} are all banned by bad_words: nothing could be "
+                             f"sampled; allow other tokens or drop those bad words")
 
     def _check_images(self, ids: list[int], vision) -> list[int] | None:
         """Pad positions of a prompt's images (checked against the model), or None without images."""
