@@ -216,8 +216,10 @@ def create_app(engine: LLMEngine, options: ServeOptions) -> FastAPI:
     # last added runs first: CORS (preflights answered), then the API key, then the body limits
     app.add_middleware(BodyLimits, limits=options.limits, require_json=options.api_key is None)
     app.add_middleware(_Guard, state=state)
-    app.add_middleware(CORSMiddleware, allow_origins=options.allowed_origins, allow_methods=options.allowed_methods,
-                       allow_headers=options.allowed_headers, allow_credentials=options.allow_credentials)
+    if options.allowed_origins:     # off by default: a web page may not read a local server's answers
+        app.add_middleware(CORSMiddleware, allow_origins=options.allowed_origins,
+                           allow_methods=options.allowed_methods, allow_headers=options.allowed_headers,
+                           allow_credentials=options.allow_credentials)
     return app
 
 

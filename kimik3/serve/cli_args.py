@@ -57,8 +57,9 @@ def add_serve_arguments(parser: argparse.ArgumentParser) -> argparse.ArgumentPar
                    help="model name clients send (default: the checkpoint directory's name)")
     g.add_argument("--api-key", default=None,
                    help="require 'Authorization: Bearer KEY' on the /v1 routes (default: none, open)")
-    g.add_argument("--allowed-origins", type=_json_list, default=["*"],
-                   help="CORS: origins browsers may call from, as a JSON list (default: [\"*\"])")
+    g.add_argument("--allowed-origins", type=_json_list, default=[],
+                   help="CORS: origins browsers may call from, as a JSON list such as '[\"https://ui.example\"]' "
+                        "(default: none, CORS off: no web page can read this server's answers; vLLM's is [\"*\"])")
     g.add_argument("--allowed-methods", type=_json_list, default=["*"],
                    help="CORS: allowed methods, as a JSON list (default: [\"*\"])")
     g.add_argument("--allowed-headers", type=_json_list, default=["*"],

@@ -35,7 +35,7 @@ class ServeOptions:
     shutdown_timeout: float = 30.0      # seconds in-flight requests get to finish at shutdown
     processor_config: object | None = None   # MediaProcessorConfig for images (None: defaults)
     limits: Limits = field(default_factory=Limits)
-    allowed_origins: list[str] = field(default_factory=lambda: ["*"])   # CORS (vLLM's defaults)
+    allowed_origins: list[str] = field(default_factory=list)   # CORS: none unless given (vLLM: ["*"])
     allowed_methods: list[str] = field(default_factory=lambda: ["*"])
     allowed_headers: list[str] = field(default_factory=lambda: ["*"])
     allow_credentials: bool = False

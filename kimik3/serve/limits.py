@@ -73,15 +73,50 @@ def add_limit_arguments(parser: argparse.ArgumentParser) -> None:
                         help=f"open connections served at once; more are answered 503 (default: {d.max_connections})")
     parser.add_argument("--max-n", type=int, default=d.max_n, help=f"largest n (samples per prompt) accepted (default: {d.max_n})")
     parser.add_argument("--allowed-hosts", default=None,
-                        help="comma-separated Host header values accepted (e.g. localhost:8000); others get 421. "
-                             "Without --api-key this stops DNS-rebinding pages; default: any")
+                        help="comma-separated Host header names accepted (e.g. llm.example,10.0.0.5:8000; a name "
+                             "without a port takes any port; '*' takes any host); others get 421, which stops "
+                             "DNS-rebinding pages. Default: the bound interface (localhost, 127.0.0.1 and [::1] on "
+                             "loopback); any host when bound to every interface (0.0.0.0 or ::)")
+
+
+LOOPBACK_NAMES = ("localhost", "127.0.0.1", "[::1]")
+
+
+def default_allowed_hosts(bind_host: str) -> tuple[str, ...] | None:
+    """Host names a server bound to ``bind_host`` answers to: the loopback names on loopback, the address itself
+    on one interface, None (any) on every interface (the names it is reached by are not known)."""
+    import ipaddress
+    host = bind_host.strip().lower().strip("[]")
+    if host in ("", "0.0.0.0", "::"):
+        return None
+    if host == "localhost":
+        return LOOPBACK_NAMES
+    try:
+        ip = ipaddress.ip_address(host)
+    except ValueError:                    # a name: the name itself
+        return (host,)
+    if ip.is_loopback:
+        return LOOPBACK_NAMES
+    return (f"[{ip}]" if ip.version == 6 else str(ip),)
+
+
+def host_allowed(header: str, hosts: tuple[str, ...]) -> bool:
+    """Whether a ``Host`` header (``name``, ``name:port``, ``[v6]:port``) is one of ``hosts`` (an entry without a
+    port matches every port)."""
+    header = header.strip().lower()
+    if header in hosts or "*" in hosts:
+        return True
+    name = header[:header.index("]") + 1] if header.startswith("[") and "]" in header else header.rsplit(":", 1)[0]
+    return name in hosts
 
 
 def limits_from_args(args: argparse.Namespace) -> Limits:
-    hosts = getattr(args, "allowed_hosts", None)
+    given = getattr(args, "allowed_hosts", None)
+    hosts = (tuple(h.strip().lower() for h in given.split(",") if h.strip()) if given is not None
+             else default_allowed_hosts(getattr(args, "host", "") or ""))
     return Limits(max_body_bytes=args.max_body_bytes, header_timeout=args.header_timeout,
                   body_timeout=args.body_timeout, max_connections=args.max_connections, max_n=args.max_n,
-                  allowed_hosts=tuple(h.strip().lower() for h in hosts.split(",") if h.strip()) if hosts else None)
+                  allowed_hosts=None if hosts is None or "*" in hosts else hosts)
 
 
 def raise_fd_limit(max_connections: int) -> int:
@@ -162,9 +197,10 @@ class BodyLimits:
             return await self.app(scope, receive, send)
         headers = dict(scope.get("headers") or [])
         hosts = self.limits.allowed_hosts
-        if hosts is not None and headers.get(b"host", b"").decode("latin-1").lower() not in hosts:
-            return await _send_error(send, 421, f"the Host header must be one of {', '.join(hosts)} "
-                                                "(--allowed-hosts)", "host_not_allowed")
+        if hosts is not None and not host_allowed(headers.get(b"host", b"").decode("latin-1"), hosts):
+            return await _send_error(send, 421, f"the Host header must name one of {', '.join(hosts)} "
+                                                "(--allowed-hosts; by default the interface the server is bound to)",
+                                     "host_not_allowed")
         if scope["method"] != "POST":
             return await self.app(scope, receive, send)
         limit = self.limits.max_body_bytes

@@ -300,3 +300,71 @@ def test_the_listening_socket_is_tcp():
         assert sock.proto == socket.IPPROTO_TCP
     finally:
         sock.close()
+
+
+# ---- browsers: CORS and the Host header -------------------------------------------------------------------------
+
+def test_cors_is_off_by_default(server):
+    """No --allowed-origins: no CORS header, so no web page can read the answers (vLLM's default is '*')."""
+    r = httpx.get(server.url + "/v1/models", headers={"Origin": "https://evil.example"}, timeout=30)
+    assert r.status_code == 200 and "access-control-allow-origin" not in r.headers
+    r = httpx.options(server.url + "/v1/chat/completions", timeout=30,
+                      headers={"Origin": "https://evil.example", "Access-Control-Request-Method": "POST"})
+    assert "access-control-allow-origin" not in r.headers
+
+
+def test_cors_flag_default_is_none():
+    import argparse
+
+    from kimik3.serve import add_serve_arguments
+    args = add_serve_arguments(argparse.ArgumentParser()).parse_args([])
+    assert args.allowed_origins == []
+
+
+@pytest.mark.parametrize("bind,allowed,refused", [
+    ("127.0.0.1", ["127.0.0.1:8000", "localhost:9", "LOCALHOST", "[::1]:8000"], ["evil.example:8000", "evil.example",
+                                                                                 "127.0.0.1.evil.example", ""]),
+    ("::1", ["[::1]:8000", "localhost:8000"], ["evil.example"]),
+    ("10.1.2.3", ["10.1.2.3:8000", "10.1.2.3"], ["localhost:8000", "evil.example"]),
+    ("0.0.0.0", ["anything.example:1", "10.1.2.3"], []),
+])
+def test_host_header_defaults_to_the_bound_interface(bind, allowed, refused):
+    import argparse
+
+    from kimik3.serve import add_serve_arguments
+    from kimik3.serve.limits import host_allowed, limits_from_args
+    limits = limits_from_args(add_serve_arguments(argparse.ArgumentParser()).parse_args(["--host", bind]))
+    hosts = limits.allowed_hosts
+    assert all(hosts is None or host_allowed(h, hosts) for h in allowed)
+    assert all(not host_allowed(h, hosts) for h in refused)
+
+
+def test_allowed_hosts_flag_overrides_the_default():
+    import argparse
+
+    from kimik3.serve import add_serve_arguments
+    from kimik3.serve.limits import host_allowed, limits_from_args
+    parse = add_serve_arguments(argparse.ArgumentParser()).parse_args
+    hosts = limits_from_args(parse(["--allowed-hosts", "llm.example,10.0.0.5:8000"])).allowed_hosts
+    assert host_allowed("llm.example:443", hosts) and host_allowed("10.0.0.5:8000", hosts)
+    assert not host_allowed("10.0.0.5:9000", hosts) and not host_allowed("localhost:8000", hosts)
+    assert limits_from_args(parse(["--allowed-hosts", "*"])).allowed_hosts is None
+
+
+def test_a_rebinding_page_is_refused_by_a_cli_built_server():
+    """A server built from the command line (bound to loopback by default) refuses a foreign Host (a DNS-rebinding
+    page reaches 127.0.0.1 under its own name) and answers its own names."""
+    import argparse
+
+    from kimik3.serve import add_serve_arguments, build_app
+    from tests.serve.conftest import LiveServer
+    args = add_serve_arguments(argparse.ArgumentParser()).parse_args(["--max-model-len", "64",
+                                                                      "--served-model-name", MODEL])
+    s = LiveServer(build_app(args))
+    try:
+        r = httpx.get(s.url + "/v1/models", headers={"host": f"evil.example:{s.port}"}, timeout=30)
+        assert_error(r, 421, None, "--allowed-hosts")
+        for host in (f"127.0.0.1:{s.port}", f"localhost:{s.port}"):
+            assert httpx.get(s.url + "/v1/models", headers={"host": host}, timeout=30).status_code == 200
+    finally:
+        s.stop()
