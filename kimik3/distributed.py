@@ -47,6 +47,8 @@ class ParallelContext:
     trace: list | None = field(default=None, repr=False)   # (op, bytes) of each collective, when a list
     dcp_size: int = 1                  # decode context parallel degree c (c | t): latent positions striped c ways
     dcp_group: object = None           # torch.distributed group of this rank's c DCP ranks (None: the TP group)
+    eplb: bool = False                 # expert slots placed by load, logical -> physical routing (model/eplb.py)
+    num_redundant_experts: int = 0     # R extra expert slots (EPLB): E + R slots, (E + R) / e per EP rank
 
     def __post_init__(self) -> None:
         if not 0 <= self.tp_rank < self.tp_size:
@@ -63,6 +65,13 @@ class ParallelContext:
         if not isinstance(self.dcp_size, int) or self.dcp_size < 1 or self.tp_size % self.dcp_size:
             raise ValueError(f"decode context parallel size {self.dcp_size} must divide the tensor parallel size "
                              f"{self.tp_size} (the latent cache is striped over TP ranks)")
+        if self.eplb and self.ep_size == 1:
+            raise ValueError("expert load balancing (--enable-eplb) places experts over expert-parallel ranks: "
+                             "add --enable-expert-parallel with a tensor parallel size > 1")
+        if self.num_redundant_experts and not self.eplb:
+            raise ValueError("num_redundant_experts needs --enable-eplb")
+        if self.num_redundant_experts < 0:
+            raise ValueError(f"num_redundant_experts must be >= 0, got {self.num_redundant_experts}")
         if self.moe_tail not in MOE_TAILS:
             raise ValueError(f"moe_tail must be one of {MOE_TAILS}, got {self.moe_tail!r}")
 

@@ -234,6 +234,13 @@ class EngineArgs:
         "ranks (position p on rank p mod N of its group), each attending over its stripe, the partials merged by "
         "their log-sum-exps: N times the context per rank; must divide --tensor-parallel-size and "
         "--block-size (default: 1, off)", default=1, type=positive_size, aliases=("-dcp",))
+    enable_eplb: bool = _opt("expert-parallel load balancing: each MoE layer's experts placed in E + R slots over the "
+                             "expert-parallel ranks by their recorded load (hot experts copied, tokens spread over "
+                             "the copies); needs --enable-expert-parallel (default: off)", default=False)
+    num_redundant_experts: int = _opt("EPLB: extra expert slots per MoE layer (E + R must divide over the "
+                                      "expert-parallel ranks) (default: 0)", default=0, type=non_negative_int)
+    eplb_load_file: str | None = _opt("EPLB: a recorded expert load file (JSON, as LLM.save_expert_loads writes it) "
+                                      "that places the experts at start-up (default: even placement)", default=None)
     num_speculative_tokens: int = _opt("n-gram draft tokens verified per step (default: 0, off)", default=0,
                                        type=non_negative_int)
     speculative_config: dict[str, Any] | None = _opt(
@@ -276,6 +283,10 @@ class EngineArgs:
             self.speculative_config = check_speculative_config(self.speculative_config)
             if self.num_speculative_tokens:
                 raise ValueError("give speculative_config or num_speculative_tokens (n-gram), not both")
+        if (self.num_redundant_experts or self.eplb_load_file) and not self.enable_eplb:
+            raise ValueError("num_redundant_experts and eplb_load_file need enable_eplb")
+        if self.enable_eplb and not self.enable_expert_parallel:
+            raise ValueError("enable_eplb places experts over expert-parallel ranks: add enable_expert_parallel")
         if self.tensor_parallel_size % self.decode_context_parallel_size:
             raise ValueError(f"decode_context_parallel_size {self.decode_context_parallel_size} must divide "
                              f"tensor_parallel_size {self.tensor_parallel_size} (the latent cache is striped over "

@@ -36,9 +36,17 @@ def build_engine(args: EngineArgs, tokenizer=None):
         from kimik3.parallel.launch import ParallelConfig, start_group
         layout = ParallelConfig(args.tensor_parallel_size, args.enable_expert_parallel,
                                 args.expert_parallel_mode if args.enable_expert_parallel else "tep",
-                                decode_context_parallel_size=args.decode_context_parallel_size)
+                                decode_context_parallel_size=args.decode_context_parallel_size,
+                                enable_eplb=args.enable_eplb, num_redundant_experts=args.num_redundant_experts)
+        loads = {}
+        if args.eplb_load_file:
+            from kimik3.model.eplb import read_loads
+            text = load_config(path).text
+            loads = read_loads(args.eplb_load_file, text.num_experts,
+                               [i for i in range(text.num_hidden_layers) if text.is_moe_layer(i)])
         model, group = start_group(str(path), layout, dtype, device.type,     # ranks > 0 never return
-                                   language_model_only=args.language_model_only)
+                                   language_model_only=args.language_model_only,
+                                   **({"expert_loads": loads} if args.enable_eplb else {}))
         engine = LLMEngine(model, config, tokenizer=tokenizer, tokenizer_path=str(path),
                            runner_factory=functools.partial(ParallelRunner, control=group.control,
                                                             on_failure=group.fail))

@@ -29,7 +29,9 @@ class LLM:
         settings as the ``kimik3`` flags, with the same defaults.
 
         ``tensor_parallel_size`` N > 1: this process becomes rank 0 and spawns N-1 workers, one per GPU
-        (``kimik3.parallel``); ``enable_expert_parallel`` splits whole experts over them.
+        (``kimik3.parallel``); ``enable_expert_parallel`` splits whole experts over them;
+        ``decode_context_parallel_size`` stripes the MLA latent cache over them; ``enable_eplb`` places the experts
+        by load (``save_expert_loads`` records one, ``eplb_load_file`` reads it).
         ``num_speculative_tokens`` k > 0: each step, requests without penalties (greedy or sampled) verify
         up to k n-gram draft tokens (``kimik3.engine.spec.speculative``)."""
         unknown = sorted(set(engine_args) - set(_ENGINE_ARGS))
@@ -56,6 +58,23 @@ class LLM:
 
     def __exit__(self, *exc) -> None:
         self.shutdown()
+
+    def save_expert_loads(self, path: str) -> dict[int, tuple[float, float]]:
+        """EPLB (``enable_eplb``): write the tokens each MoE layer routed to each expert since start-up (a load file
+        ``eplb_load_file`` takes at the next start, which places the experts by it). Returns per layer the
+        max/mean of the EP ranks' loads under the present placement and under the one the file would give.
+        Under a token-sharded MoE mode (a2a/agrs) the counts are rank 0's tokens only."""
+        from kimik3.model.eplb import imbalance, plan_slots, save_loads
+        model = self.engine.model
+        loads = model.expert_loads()
+        if not loads:
+            raise ValueError("no expert loads are recorded: start with enable_eplb=True (and expert parallelism)")
+        save_loads(path, loads, model.config.text.num_experts)
+        ranks, out = model.parallel.ep_size, {}
+        for i, moe in model.moe_layers().items():
+            now = imbalance(loads[i], moe.placement.slots, ranks)
+            out[i] = (now, imbalance(loads[i], plan_slots(loads[i], moe.num_slots, ranks), ranks))
+        return out
 
     def get_tokenizer(self):
         return self.engine.get_tokenizer(required=True)

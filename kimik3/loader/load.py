@@ -40,7 +40,7 @@ def _text_name(name: str, architecture: str, has_vision: bool) -> str | None:
 def load_model(path: str | Path, device: str | torch.device = "cpu", dtype: torch.dtype = torch.float32,
                packed_experts: bool | None = None, parallel: ParallelContext | None = None,
                language_model_only: bool = False, progress: bool = False, expert_offload=None,
-               **switches) -> KimiForCausalLM:
+               expert_loads: dict[int, list[float]] | None = None, **switches) -> KimiForCausalLM:
     """Load a Kimi-K3 or Kimi-Linear checkpoint directory.
 
     ``dtype``: float64, float32, bfloat16 (float16 also works). ``switches`` set the numeric
@@ -53,6 +53,8 @@ def load_model(path: str | Path, device: str | torch.device = "cpu", dtype: torc
     ``progress``: a progress bar (bytes read, on stderr) while the files load.
     ``expert_offload``: an ``ExpertOffloadConfig`` (``--cpu-offload-gb``): the routed experts load into host
     memory (pinned on CUDA) and the GPU keeps a cache of them (``kimik3.model.expert_offload``).
+    ``expert_loads``: under EPLB (``parallel.eplb``), each MoE layer's recorded expert loads, which place its
+    redundant slots (``model/eplb.py``); layers without one are placed evenly.
     Returns the text model; ``model(ids)`` gives logits [T, vocab] (float32).
     """
     parallel = parallel or ParallelContext()
@@ -85,6 +87,8 @@ def load_model(path: str | Path, device: str | torch.device = "cpu", dtype: torc
         _materialize_with_host_experts(model, device)
     else:
         model.to_empty(device=device)
+    if parallel.eplb:
+        model.place_experts(expert_loads)
     expected = model.expected_weights()
     shards = model.shard_table()
     loaded: set[str] = set()

@@ -19,6 +19,7 @@ from kimik3.model.batch import ForwardBatch, HybridCache
 from kimik3.model.kda import KimiDeltaAttention
 from kimik3.model.layers import MLP, Embedding, GLUActivation, MergedWeight, RMSNorm, linear
 from kimik3.model.mla import MLAAttention
+from kimik3.model.eplb import identity_slots, plan_slots
 from kimik3.model.moe import MoE, build_moe
 from kimik3.model.vision import KimiVisionModel
 from kimik3.ops.linear import linear as ops_linear
@@ -254,7 +255,7 @@ class KimiForCausalLM(nn.Module):
                 parts = {"w1": owner.w1, "w3": owner.w3} if m[2] == "w13" else {"w2": p}
                 for e in range(p.shape[0]):
                     for which, t in parts.items():
-                        yield (f"model.layers.{m[1]}.block_sparse_moe.experts.{owner.first_expert + e}.{which}.weight",
+                        yield (f"model.layers.{m[1]}.block_sparse_moe.experts.{owner.slot_experts[e]}.{which}.weight",
                                t.data[e])
             elif isinstance(owner, MergedWeight):
                 parent = name.rsplit(".", 2)[0]
@@ -262,6 +263,28 @@ class KimiForCausalLM(nn.Module):
                     yield f"{parent}.{part}.weight", owner.part(part)
             else:
                 yield name, p.data
+
+    # ---- expert load balancing (EPLB, model/eplb.py) -------------------------------------------
+    def moe_layers(self) -> dict[int, MoE]:
+        return {i: layer.block_sparse_moe for i, layer in enumerate(self.model.layers)
+                if hasattr(layer, "block_sparse_moe")}
+
+    def place_experts(self, loads: dict[int, list[float]] | None = None) -> dict[int, list[int]]:
+        """EPLB: every MoE layer's slots from its recorded load (``loads``; a layer without one: even), before
+        the routed experts' weights are (re)loaded. Returns the slots' logical experts per layer."""
+        par, out = self.parallel, {}
+        for i, moe in self.moe_layers().items():
+            load = (loads or {}).get(i)
+            slots = plan_slots(load, moe.num_slots, par.ep_size) if load is not None else \
+                identity_slots(self.config.text.num_experts, moe.num_slots, par.ep_size)
+            moe.set_placement(slots)
+            out[i] = slots
+        return out
+
+    def expert_loads(self) -> dict[int, list[int]]:
+        """EPLB: tokens routed to each logical expert per MoE layer since the placement (this rank's tokens:
+        all of them unless the MoE runs token-sharded)."""
+        return {i: moe.expert_load.tolist() for i, moe in self.moe_layers().items() if moe.expert_load is not None}
 
     @torch.inference_mode()
     def forward_step(self, input_ids: torch.Tensor, batch: ForwardBatch, cache: HybridCache,

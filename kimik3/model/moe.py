@@ -26,6 +26,7 @@ from torch import nn
 
 from kimik3.config import TextConfig
 from kimik3.distributed import ParallelContext
+from kimik3.model.eplb import Placement
 from kimik3.model.expert_offload import LayerOffload
 from kimik3.model.layers import MLP, GLUActivation, RMSNorm, linear
 from kimik3.model.moe_exchange import ExpertExchange, make_exchange
@@ -72,6 +73,8 @@ class Experts(nn.Module):
         # this module holds global experts [first_expert, first_expert + num_experts), and of each
         # the intermediate slice ``intermediate_shard`` = (index, count) (the loader narrows to it)
         self.first_expert, self.intermediate_shard = first_expert, intermediate_shard
+        # the logical expert of each local slot (EPLB: ``set_slots``); plain: first_expert + j
+        self.slot_experts = list(range(first_expert, first_expert + num_experts))
         self.w13 = nn.Parameter(torch.zeros(num_experts, 2 * intermediate, width))
         self.w2 = nn.Parameter(torch.zeros(num_experts, width, intermediate))
         self.mxfp4 = False
@@ -99,13 +102,22 @@ class Experts(nn.Module):
         return getattr(self, which), getattr(self, f"{which}_scale")
 
     def holds(self, expert: int) -> bool:
-        return self.first_expert <= expert < self.first_expert + self.w1.shape[0]
+        return expert in self.slot_experts
+
+    def set_slots(self, slot_experts: list[int]) -> None:
+        """EPLB: the logical expert of each local slot (``first_expert`` is then the first slot's id); before
+        the weights are loaded."""
+        if len(slot_experts) != self.w1.shape[0]:
+            raise ValueError(f"{len(slot_experts)} slot experts for {self.w1.shape[0]} local slots")
+        self.slot_experts = list(slot_experts)
+
+    def _slots_of(self, expert: int) -> list[int]:
+        return [j for j, x in enumerate(self.slot_experts) if x == expert]
 
     def _check(self, expert: int, which: str, shape: tuple, name: str) -> None:
-        E = self.w1.shape[0]
         if not self.holds(expert):
             raise ValueError(f"{name}: expert {expert} out of range (this module holds experts "
-                             f"{self.first_expert}..{self.first_expert + E - 1})")
+                             f"{sorted(set(self.slot_experts))})")
         E, a, b = self.w1.shape if which != "w2" else self.w2.shape
         want = (a, b * 2) if self.mxfp4 else (a, b)
         if tuple(shape) != want:
@@ -117,7 +129,8 @@ class Experts(nn.Module):
         if self.mxfp4:
             packed, scale = mxfp4.quantize(tensor.float().cpu())
             return self.load_expert_mxfp4(expert, which, packed, scale, name)
-        getattr(self, which).data[expert - self.first_expert].copy_(tensor)
+        for j in self._slots_of(expert):
+            getattr(self, which).data[j].copy_(tensor)
 
     def load_expert_mxfp4(self, expert: int, which: str, packed: torch.Tensor, scale: torch.Tensor,
                           name: str) -> None:
@@ -133,8 +146,9 @@ class Experts(nn.Module):
         if top == 255:
             raise ValueError(f"{name}: weight_scale holds 255, the E8M0 NaN encoding")
         self.scale_max = max(self.scale_max or 0, top)
-        getattr(self, which).data[expert - self.first_expert].copy_(packed)
-        getattr(self, f"{which}_scale")[expert - self.first_expert].copy_(scale)
+        for j in self._slots_of(expert):
+            getattr(self, which).data[j].copy_(packed)
+            getattr(self, f"{which}_scale")[j].copy_(scale)
 
 
 @dataclass(frozen=True)
@@ -187,8 +201,9 @@ class MoE(nn.Module):
         self.par = par = parallel or ParallelContext()
         self.cfg, self.act = cfg, act
         first, num_local, inter = 0, cfg.num_experts, cfg.intermediate_size
+        self.num_slots = cfg.num_experts + par.num_redundant_experts         # EPLB: physical slots
         if par.enabled:
-            first, num_local = par.split(cfg.num_experts, "routed experts", par.ep_size, par.ep_rank)
+            first, num_local = par.split(self.num_slots, "routed expert slots", par.ep_size, par.ep_rank)
             _, inter = par.split(inter, "expert intermediate size", par.expert_tp_size, par.expert_tp_rank)
         self.gate = Router(cfg.hidden_size, cfg.num_experts, with_bias=True)
         self.experts = Experts(num_local, cfg.latent_size or cfg.hidden_size, inter, first,
@@ -201,6 +216,19 @@ class MoE(nn.Module):
         self.exchange: ExpertExchange | None = make_exchange(par)     # token-sharded modes only
         self.side_stream: torch.cuda.Stream | None = None      # set by KimiForCausalLM.use_side_stream
         self.offload: LayerOffload | None = None                # set by ExpertOffload (expert_offload.py)
+        # EPLB (``set_placement`` once loaded): logical -> physical routing and the logical experts' loads
+        self.placement: Placement | None = None
+        self.expert_load: torch.Tensor | None = None
+
+    def set_placement(self, slots: list[int]) -> None:
+        """EPLB: the logical expert of every physical slot (all ranks'); this rank's slots take theirs. Resets
+        the recorded loads. Call before loading the weights (or reload them after)."""
+        par = self.par
+        first, n = par.split(self.num_slots, "routed expert slots", par.ep_size, par.ep_rank)
+        self.experts.set_slots(slots[first:first + n])
+        device = self.gate.weight.device
+        self.placement = Placement.build(slots, self.cfg.num_experts, device)
+        self.expert_load = torch.zeros(self.cfg.num_experts, dtype=torch.int64, device=device)
 
     # ---- the variant's parts (the plain variant's: identity, sum, one all-reduce) ---------------
     def to_latent(self, x: torch.Tensor) -> torch.Tensor:
@@ -259,11 +287,17 @@ class MoE(nn.Module):
         return self.output_parts(u, s)
 
     def route(self, x: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
-        """x [T, D] -> fp32 weights and expert ids [T, k] (§3.1-3.4; logits of both operands upcast)."""
+        """x [T, D] -> fp32 weights and expert ids [T, k] (§3.1-3.4; logits of both operands upcast); under
+        EPLB the ids are physical slots (``eplb.Placement``)."""
         c = self.cfg
-        return route_tokens(x, self.gate.weight, self.gate.e_score_correction_bias, c.top_k, c.router_activation,
-                            c.num_expert_group, c.topk_group, c.renormalize, c.routed_scaling_factor,
-                            c.router_renorm_eps)
+        weights, ids = route_tokens(x, self.gate.weight, self.gate.e_score_correction_bias, c.top_k,
+                                    c.router_activation, c.num_expert_group, c.topk_group, c.renormalize,
+                                    c.routed_scaling_factor, c.router_renorm_eps)
+        if self.placement is None:
+            return weights, ids
+        # EPLB: count the logical experts' tokens (a graph's padding rows too), then route to physical slots
+        self.expert_load.index_add_(0, ids.reshape(-1), torch.ones_like(ids.reshape(-1)))
+        return weights, self.placement.physical(ids)
 
     def shared(self, x: torch.Tensor) -> torch.Tensor | None:
         """y_shared (§3.6; this rank's partial under TP), None without shared experts."""

@@ -59,6 +59,8 @@ class ParallelConfig:
     moe_mode: str = "tep"          # with EP: "tep", "a2a" (all-to-all) or "agrs"
     moe_tail: str = "auto"         # "auto", "concat" (a) or "sliced" (b)
     decode_context_parallel_size: int = 1   # c | t: the MLA latent cache striped over c TP ranks
+    enable_eplb: bool = False               # expert slots placed by load (needs expert parallelism)
+    num_redundant_experts: int = 0          # EPLB's extra slots per MoE layer
 
     def __post_init__(self) -> None:
         t = self.tensor_parallel_size
@@ -69,7 +71,8 @@ class ParallelConfig:
     def context(self, rank: int, group=None, dcp_group=None) -> ParallelContext:
         t = self.tensor_parallel_size
         return ParallelContext(rank, t, group, t if self.enable_expert_parallel else 1, self.moe_mode, self.moe_tail,
-                               dcp_size=self.decode_context_parallel_size, dcp_group=dcp_group)
+                               dcp_size=self.decode_context_parallel_size, dcp_group=dcp_group,
+                               eplb=self.enable_eplb, num_redundant_experts=self.num_redundant_experts)
 
     def join(self, rank: int) -> ParallelContext:
         """This rank's context once its process group is up: makes the sub-groups every rank makes

@@ -83,11 +83,13 @@ def run_steps(model, seed: int = 0):
 def logits_rank(rank, world, control, ckpts: dict, layouts: dict, out_path: str):
     results = {}
     for arch, path in ckpts.items():
-        for name, (ep, mode, tail, *dcp) in layouts.items():
-            dcp = dcp[0] if dcp else 1
+        for name, (ep, mode, tail, *extra) in layouts.items():
+            dcp, redundant = (extra[0] if extra else 1), (extra[1] if len(extra) > 1 else None)
             par = ParallelContext(rank, world, None, ep, mode, tail, dcp_size=dcp,
-                                  dcp_group=make_dcp_group(list(range(world)), dcp, rank))
-            model = load_model(path, dtype=torch.float64, parallel=par)
+                                  dcp_group=make_dcp_group(list(range(world)), dcp, rank),
+                                  eplb=redundant is not None, num_redundant_experts=redundant or 0)
+            loads = skewed_loads(load_model(path, dtype=torch.float64).config.text) if redundant is not None else None
+            model = load_model(path, dtype=torch.float64, parallel=par, expert_loads=loads)
             logits, emb, cache = run_steps(model)
             results[arch, name] = (logits, emb, cache.kda_state, cache.kda_conv, cache.mla_latent)
     if rank == 0:
@@ -120,14 +122,25 @@ ENGINE_CONFIG = dict(max_num_seqs=4, max_num_batched_tokens=8, max_model_len=64,
                      kda_checkpoint_interval=1, cache_memory_bytes=1 << 22)
 
 
+def skewed_loads(text) -> dict[int, list[float]]:
+    """A recorded load where, in every MoE layer, the first two experts take most tokens."""
+    E = text.num_experts
+    return {i: [1000.0, 600.0] + [10.0 * (j + 1) for j in range(E - 2)]
+            for i in range(text.num_hidden_layers) if text.is_moe_layer(i)}
+
+
 def engine_rank(rank, world, control, path: str, ep: int, mode: str, out_path: str, async_scheduling: bool = False,
-                graphs: str | None = None, dcp: int = 1, image_prompts: list | None = None):
+                graphs: str | None = None, dcp: int = 1, image_prompts: list | None = None,
+                redundant: int | None = None):
     """The engine on rank 0, workers elsewhere: (greedy outputs, prefix-hit tokens, steps launched
     ahead, graph steps, cache plan, images each rank encoded). ``graphs``: decode "graphs" as eager stand-ins on
     every rank ("all"), or with rank 1's capture failing ("rank1-fails"). ``dcp``: decode context parallel size.
-    ``image_prompts``: run after the text rounds (their outputs appended)."""
-    par = ParallelContext(rank, world, None, ep, mode, dcp_size=dcp)
-    model = load_model(path, dtype=torch.float64, parallel=par)
+    ``image_prompts``: run after the text rounds (their outputs appended). ``redundant``: EPLB with that many
+    redundant slots, placed by ``skewed_loads`` (the result then ends with rank 0's recorded expert loads)."""
+    par = ParallelContext(rank, world, None, ep, mode, dcp_size=dcp, eplb=redundant is not None,
+                          num_redundant_experts=redundant or 0)
+    loads = skewed_loads(load_model(path, dtype=torch.float64).config.text) if redundant is not None else None
+    model = load_model(path, dtype=torch.float64, parallel=par, expert_loads=loads)
     encoded = count_images(model)
     if rank != 0:
         worker_loop(model, control, FailingGraphs if graphs == "rank1-fails" and rank == 1 else EagerReplayGraphs)
@@ -144,7 +157,8 @@ def engine_rank(rank, world, control, path: str, ep: int, mode: str, out_path: s
     (a, _), (b, hits) = run_engine(engine, first), run_engine(engine, second)
     images = run_engine(engine, image_prompts)[0] if image_prompts else []
     stop_workers(control)
-    torch.save((a + b + images, hits, ahead.hits, engine.runner.num_graph_steps, engine.plan, encoded), out_path)
+    torch.save((a + b + images, hits, ahead.hits, engine.runner.num_graph_steps, engine.plan, encoded,
+                model.expert_loads() if redundant is not None else None), out_path)
 
 
 def count_images(model) -> list[int]:

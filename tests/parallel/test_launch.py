@@ -15,7 +15,8 @@ from kimik3.testing import make_tiny_checkpoint
 SCRIPT = textwrap.dedent("""
     import json, os, sys, torch
     from kimik3.engine import LLM, SamplingParams
-    llm = LLM(sys.argv[1], tensor_parallel_size=2, enable_expert_parallel=sys.argv[2] == "ep",
+    eplb = dict(enable_eplb=True, num_redundant_experts=2) if sys.argv[2] == "ep" else {}
+    llm = LLM(sys.argv[1], tensor_parallel_size=2, enable_expert_parallel=sys.argv[2] == "ep", **eplb,
               decode_context_parallel_size=2 if sys.argv[2] == "dcp" else 1, language_model_only=sys.argv[2] == "dcp",
               dtype=torch.float64, device="cpu",
               max_model_len=64, max_num_batched_tokens=8, block_size=4, kv_cache_memory_bytes=1 << 22)
@@ -24,6 +25,9 @@ SCRIPT = textwrap.dedent("""
         llm.parallel_group.processes[0].kill()
     outs = llm.generate([{"prompt_token_ids": [5, 6, 7, 8, 9, 10, 11, 12, 13, 14, 15]}], params)
     print("TOKENS", json.dumps(outs[0].outputs[0].token_ids), flush=True)
+    if eplb:
+        report = llm.save_expert_loads(os.path.join(os.path.dirname(sys.argv[1]), "loads.json"))
+        print("EPLB", json.dumps({k: list(v) for k, v in report.items()}), flush=True)
     llm.close()
 """)
 
@@ -38,7 +42,7 @@ def _run(ckpt, layout, action, timeout=120):
                           text=True, timeout=timeout)
 
 
-@pytest.mark.parametrize("layout", ["tp", "ep", "dcp"])
+@pytest.mark.parametrize("layout", ["tp", "ep", "dcp"], ids=["tp2", "ep2-eplb", "tp2-dcp2"])
 def test_llm_with_tensor_parallel_matches_one_process(ckpt, layout):
     from kimik3.engine import LLM, SamplingParams
     llm = LLM(str(ckpt), dtype=torch.float64, device="cpu", max_model_len=64, max_num_batched_tokens=8,
@@ -49,6 +53,15 @@ def test_llm_with_tensor_parallel_matches_one_process(ckpt, layout):
     assert res.returncode == 0, res.stderr[-3000:]
     line = next(ln for ln in res.stdout.splitlines() if ln.startswith("TOKENS"))
     assert json.loads(line.split(" ", 1)[1]) == want
+    if layout == "ep":          # with EPLB: the recorded loads of every MoE layer, and the balance they give
+        from kimik3.model.eplb import read_loads
+        report = json.loads(next(ln for ln in res.stdout.splitlines() if ln.startswith("EPLB")).split(" ", 1)[1])
+        text = llm.engine.model.config.text
+        layers = [i for i in range(text.num_hidden_layers) if text.is_moe_layer(i)]
+        loads = read_loads(ckpt.parent / "loads.json", text.num_experts, layers)
+        assert sorted(loads) == layers and all(sum(v) > 0 for v in loads.values())
+        # the placement planned from the recorded loads evens the ranks out (the greedy plan, on average)
+        assert sum(a for _, a in report.values()) < sum(n for n, _ in report.values()), report
 
 
 def test_dead_worker_takes_the_group_down_with_a_clear_error(ckpt):

@@ -15,11 +15,12 @@ from tests.parallel.ranks import (ENGINE_CONFIG, SPEC_ENGINE_CONFIG, engine_prom
                                   run_steps, spawn, spec_engine_rank, spec_prompts)
 
 ARCHS = ("kimi_k3", "kimi_linear")
-# name: (expert parallel size, MoE mode, tail[, decode context parallel size]); world = TP size
+# name: (expert parallel size, MoE mode, tail[, decode context parallel size[, EPLB redundant slots]]);
+# world = TP size. EPLB layouts place their slots by tests.parallel.ranks.skewed_loads.
 LAYOUTS = {
     2: {"tp2": (1, "tep", "concat"), "tp2-sliced": (1, "tep", "sliced"), "ep2": (2, "tep", "concat"),
         "ep2-sliced": (2, "tep", "sliced"), "ep2-a2a": (2, "a2a", "auto"), "ep2-agrs": (2, "agrs", "auto"),
-        "tp2-dcp2": (1, "tep", "auto", 2)},
+        "tp2-dcp2": (1, "tep", "auto", 2), "ep2-eplb": (2, "tep", "auto", 1, 2), "ep2-a2a-eplb": (2, "a2a", "auto", 1, 4)},
     4: {"tp4": (1, "tep", "auto"), "tp4xep2": (2, "tep", "sliced"), "ep4-a2a": (4, "a2a", "auto"),
         "ep4": (4, "tep", "concat"), "tp4-dcp2": (1, "tep", "auto", 2)},
 }
@@ -59,7 +60,7 @@ def test_layouts_match_one_process(ckpts, reference, tmp_path, world):
             channels = kda_conv.shape[2] // 3
             ref_conv = torch.cat([c[:, :, :channels] for c in ref_cache.kda_conv.chunk(3, dim=2)], dim=2)
             assert rel_err(kda_conv, ref_conv) <= 1e-12, f"{arch} {name}: KDA conv window"
-            dcp = LAYOUTS[world][name][3] if len(LAYOUTS[world][name]) > 3 else 1
+            dcp = (*LAYOUTS[world][name][3:], 1)[0]
             # under DCP rank 0 holds positions p % dcp == 0 of each block, in order (null block 0 skipped)
             want = ref_cache.mla_latent[:, 1:, ::dcp]
             assert latent.shape[2] * dcp == ref_cache.mla_latent.shape[2], f"{arch} {name}: stripe rows per block"
@@ -87,12 +88,14 @@ def image_prompts(model) -> list[dict]:
     return out
 
 
-@pytest.mark.parametrize("ep,mode,dcp", [(1, "tep", 1), (2, "a2a", 1), (1, "tep", 2)], ids=["tp2-images", "ep2-a2a",
-                                                                                          "tp2-dcp2"])
-def test_engine_greedy_outputs_match_one_process(ckpts, tmp_path, ep, mode, dcp):
+@pytest.mark.parametrize("ep,mode,dcp,eplb", [(1, "tep", 1, None), (2, "a2a", 1, None), (1, "tep", 2, None),
+                                              (2, "tep", 1, 2)],
+                         ids=["tp2-images", "ep2-a2a", "tp2-dcp2", "ep2-eplb"])
+def test_engine_greedy_outputs_match_one_process(ckpts, tmp_path, ep, mode, dcp, eplb):
     """Chunked prefill (8-token budget), prefix-cache hits with KDA checkpoints, decode. With decode
     context parallelism the plan's latent bytes per block (and so per rank) are the one-process ones / dcp.
-    TP2 also serves image prompts: both ranks run the vision tower on their share of the images."""
+    TP2 also serves image prompts: both ranks run the vision tower on their share of the images. EP2 with
+    EPLB (2 redundant slots placed by a skewed load) records every routed (token, expert) pair."""
     path = ckpts["kimi_k3"]
     engine = LLMEngine(load_model(path, dtype=torch.float64), EngineConfig(**ENGINE_CONFIG))
     first, second = engine_prompts(engine.vocab_size)
@@ -100,12 +103,18 @@ def test_engine_greedy_outputs_match_one_process(ckpts, tmp_path, ep, mode, dcp)
     images = image_prompts(engine.model) if dcp == 1 and ep == 1 else None
     c = run_engine(engine, images)[0] if images else []
     assert hits > 0
-    spawn(engine_rank, 2, str(path), ep, mode, str(tmp_path / "out.pt"), False, None, dcp, images)
-    outs, par_hits, _, _, plan, encoded = torch.load(tmp_path / "out.pt", weights_only=False)
+    spawn(engine_rank, 2, str(path), ep, mode, str(tmp_path / "out.pt"), False, None, dcp, images, eplb)
+    outs, par_hits, _, _, plan, encoded, loads = torch.load(tmp_path / "out.pt", weights_only=False)
     assert outs == a + b + c
     assert par_hits == hits
     assert plan.bytes_per_block * dcp == engine.plan.bytes_per_block
     assert plan.num_blocks >= engine.plan.num_blocks
+    if eplb:
+        text = engine.model.config.text
+        routed = sum(len(p) for p in first + second) + 2 * 3 * 6      # prompt tokens + decode steps, upper bound
+        assert sorted(loads) == [i for i in range(text.num_hidden_layers) if text.is_moe_layer(i)]
+        assert all(0 < sum(v) <= routed * text.num_experts_per_token for v in loads.values())
+        assert len({sum(v) for v in loads.values()}) == 1            # every layer saw the same tokens
     if images:
         worker = torch.load(tmp_path / "out.pt.rank1", weights_only=False)
         assert encoded[0] > 0 and worker[0] > 0 and encoded[0] + worker[0] == 4, (encoded, worker)
@@ -119,7 +128,7 @@ def test_async_scheduling_under_tensor_parallel(ckpts, tmp_path):
     first, second = engine_prompts(engine.vocab_size)
     (a, _), (b, hits) = run_engine(engine, first), run_engine(engine, second)
     spawn(engine_rank, 2, str(path), 1, "tep", str(tmp_path / "out.pt"), True)
-    outs, par_hits, ahead, _, _, _ = torch.load(tmp_path / "out.pt", weights_only=False)
+    outs, par_hits, ahead, _, _, _, _ = torch.load(tmp_path / "out.pt", weights_only=False)
     assert ahead > 5, "no step was launched ahead"
     assert outs == a + b and par_hits == hits
 
@@ -135,7 +144,7 @@ def test_decode_graphs_under_tensor_parallel(ckpts, tmp_path, graphs, async_sche
     first, second = engine_prompts(engine.vocab_size)
     (a, _), (b, hits) = run_engine(engine, first), run_engine(engine, second)
     spawn(engine_rank, 2, str(path), 1, "tep", str(tmp_path / "out.pt"), async_scheduling, graphs)
-    outs, par_hits, ahead, graph_steps, _, _ = torch.load(tmp_path / "out.pt", weights_only=False)
+    outs, par_hits, ahead, graph_steps, _, _, _ = torch.load(tmp_path / "out.pt", weights_only=False)
     assert outs == a + b and par_hits == hits
     assert (graph_steps > 0) == (graphs == "all"), graph_steps
     assert (ahead > 0) == async_scheduling
