@@ -81,12 +81,7 @@ def load_model(path: str | Path, device: str | torch.device = "cpu", dtype: torc
             if isinstance(module, Experts):
                 module.use_mxfp4_storage()
         logger.info("routed experts kept in MXFP4 (packed uint8 + E8M0 scales)")
-    offload = expert_offload is not None and expert_offload.cpu_offload_bytes > 0
-    if offload:
-        model.moe_blocks(expert_offload)              # a bad budget fails before anything is read
-        _materialize_with_host_experts(model, device)
-    else:
-        model.to_empty(device=device)
+    offload = _materialize(model, device, expert_offload)
     if parallel.eplb:
         model.place_experts(expert_loads)
     expected = model.expected_weights()
@@ -113,10 +108,10 @@ def load_model(path: str | Path, device: str | torch.device = "cpu", dtype: torc
                     other_ranks += 1          # another EP rank's expert: never read
                     continue
                 rule, narrow_after = _expert_rule(experts, e[3], m[2] if m else None, packed_experts, raw_name)
-                tensor = read(rule)
+                tensor, dest = read(rule), experts.w13.device          # host memory when offloaded
             else:
                 narrow_after = None
-                tensor = read(shards.get(name))
+                tensor, dest = read(shards.get(name)), device
             if m:
                 halves = pending.setdefault(m[1], {})
                 halves[m[2]] = tensor
@@ -127,8 +122,7 @@ def load_model(path: str | Path, device: str | torch.device = "cpu", dtype: torc
                 if packed_experts and e:
                     if name in loaded:
                         raise CheckpointError(f"tensor '{raw_name}' appears twice (second time in {file})")
-                    where = experts.w13.device
-                    experts.load_expert_mxfp4(int(e[2]), e[3], halves["packed"].to(where), halves["scale"].to(where),
+                    experts.load_expert_mxfp4(int(e[2]), e[3], halves["packed"].to(dest), halves["scale"].to(dest),
                                               f"{raw_name} in {file.name}")
                     loaded.add(name)
                     continue
@@ -139,7 +133,7 @@ def load_model(path: str | Path, device: str | torch.device = "cpu", dtype: torc
                 tensor = tensor.narrow(dim, rank * n, n)
             if name in loaded:
                 raise CheckpointError(f"tensor '{raw_name}' appears twice (second time in {file})")
-            model.load_weight(name, tensor.to(experts.w13.device if e else device), source=str(file))
+            model.load_weight(name, tensor.to(dest), source=str(file))
             loaded.add(name)
         bar.update(file.stat().st_size)
     bar.close()
@@ -152,6 +146,15 @@ def load_model(path: str | Path, device: str | torch.device = "cpu", dtype: torc
     if missing:
         more = f" (+{len(missing) - 5} more)" if len(missing) > 5 else ""
         raise CheckpointError(f"checkpoint {path} is missing {len(missing)} tensor(s): {', '.join(missing[:5])}{more}")
+    _log_left_out(skipped, mtp, other_ranks, config, parallel)
+    if offload:
+        model.offload_experts(expert_offload)
+    model.eval()
+    return model
+
+
+def _log_left_out(skipped: int, mtp: int, other_ranks: int, config, parallel: ParallelContext) -> None:
+    """Say which tensors the load left to others (no vision tower, the MTP draft, other EP ranks)."""
     if skipped:
         logger.info("skipped %d vision/projector tensors (no vision tower: language_model_only or no vision_config)", skipped)
     if mtp:
@@ -160,10 +163,17 @@ def load_model(path: str | Path, device: str | torch.device = "cpu", dtype: torc
     if other_ranks:
         logger.info("rank %d of %d: left %d routed-expert tensors to the other expert-parallel ranks",
                     parallel.tp_rank, parallel.tp_size, other_ranks)
-    if offload:
-        model.offload_experts(expert_offload)
-    model.eval()
-    return model
+
+
+def _materialize(model: KimiForCausalLM, device, expert_offload) -> bool:
+    """Allocate the meta model's tensors on ``device``, the routed experts in host memory when some are
+    offloaded (``expert_offload``, whose budget is checked first); True when they are."""
+    if expert_offload is None or expert_offload.cpu_offload_bytes == 0:
+        model.to_empty(device=device)
+        return False
+    model.moe_blocks(expert_offload)              # a bad budget fails before anything is read
+    _materialize_with_host_experts(model, device)
+    return True
 
 
 def _materialize_with_host_experts(model: KimiForCausalLM, device) -> None:

@@ -115,6 +115,7 @@ class ExpertOffload:
     def __init__(self, moes: list, config: ExpertOffloadConfig, device: torch.device):
         self.config, self.device = config, torch.device(device)
         self.moes = moes
+        total = check_budget(moes, config)
         for m in moes:          # a model built on the GPU (benchmarks): its experts move to pinned host memory
             move_to_host(m.experts)
         first = moes[0].experts
@@ -123,7 +124,6 @@ class ExpertOffload:
             if [getattr(m.experts, k).shape for k in self.kinds] != [getattr(first, k).shape for k in self.kinds]:
                 raise ValueError("expert offload needs every MoE layer's experts to have one shape")
         n, E, per = len(moes), first.w13.shape[0], expert_bytes(first)
-        total = check_budget(moes, config)
         M = -(-config.cpu_offload_bytes // (n * per))          # experts a layer leaves in host memory
         S = E - M
         self.num_layers, self.num_experts, self.cache_size, self.staging_size = n, E, S, M
