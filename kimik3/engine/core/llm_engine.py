@@ -29,7 +29,7 @@ from kimik3.engine.sample.sampler import PendingOutput, SamplerOutput
 from kimik3.engine.sample.sampling_params import SamplingParams
 from kimik3.engine.spec.speculative import row_spans, settle_drafts
 from kimik3.engine.transfer import on_device
-from kimik3.model.batch import latent_cache_dtype
+from kimik3.model.batch import HybridCache, latent_cache_dtype
 from kimik3.vision.preprocess import VisionInputs
 
 logger = logging.getLogger(__name__)
@@ -57,21 +57,32 @@ class LLMEngine:
         self.config = config = config or EngineConfig()
         self.vocab_size = model.config.text.vocab_size
         self.device = torch.device(model.device)
+        if config.uses_draft_model and draft is None:       # loaded first: a GPU budget counts its weights
+            from kimik3.engine.spec.draft_model import load_draft
+            draft = load_draft(config.speculative_method, config.speculative_model or tokenizer_path, model)
         self.plan = plan_cache(config, model.cache_text_config, model.dtype, self.device)
-        self.cache = model.allocate_cache(self.plan.num_slots, self.plan.num_blocks, config.block_size,
-                                          latent_cache_dtype(config.kv_cache_dtype, model.dtype))
-        self.kv = KVCacheManager(self.plan, config.enable_prefix_caching)
-        self.scheduler = Scheduler(self.kv, config)
         drafter = None
         if config.uses_draft_model:
-            from kimik3.engine.spec.draft_model import ModelDrafter, load_draft
-            if draft is None:
-                draft = load_draft(config.speculative_method, config.speculative_model or tokenizer_path, model)
+            from kimik3.engine.spec.draft_model import ModelDrafter
+            per_block = ModelDrafter.bytes_per_block(draft, config.block_size)
+            if per_block and (config.cache_memory_bytes is not None or self.device.type == "cuda"):
+                # the budget covers the draft's cache too: the blocks it leaves after the states, shared by both
+                target_block = HybridCache.bytes_per_block(model.cache_text_config, config.block_size, model.dtype,
+                                                           latent_cache_dtype(config.kv_cache_dtype, model.dtype))
+                fixed = self.plan.total_bytes - self.plan.num_blocks * target_block
+                blocks = (self.plan.budget_bytes - fixed) // (target_block + per_block)
+                share = fixed + blocks * target_block
+                self.plan = plan_cache(dataclasses.replace(config, cache_memory_bytes=share), model.cache_text_config,
+                                       model.dtype, self.device)
             drafter = ModelDrafter(draft, config.num_speculative_tokens, self.plan.num_blocks, config.block_size,
                                    config.max_num_seqs)
         elif draft is not None:
             raise ValueError("a draft model was given but speculative_method is 'ngram' (or no speculative tokens)")
         self.drafter = drafter
+        self.cache = model.allocate_cache(self.plan.num_slots, self.plan.num_blocks, config.block_size,
+                                          latent_cache_dtype(config.kv_cache_dtype, model.dtype))
+        self.kv = KVCacheManager(self.plan, config.enable_prefix_caching)
+        self.scheduler = Scheduler(self.kv, config)
         if drafter is not None:
             if runner_factory is not None:
                 raise ValueError("speculative draft models run in one process for now; use tensor_parallel_size 1 "

@@ -62,6 +62,18 @@ class ModelDrafter:
         self.cache = torch.zeros(shape, dtype=p.dtype, device=p.device)
         self.device = p.device
 
+    @staticmethod
+    def bytes_per_block(draft, block_size: int) -> int:
+        """Bytes of the draft's cache per block of ``block_size`` tokens (all its layers)."""
+        p = next(draft.parameters())
+        if isinstance(draft, MTPDraft):
+            per_token = draft.num_layers * draft.cfg.mla_cache_dim
+        elif isinstance(draft, DFlashDraft):
+            per_token = draft.cfg.num_hidden_layers * 2 * draft.cfg.num_key_value_heads * draft.cfg.head_dim
+        else:
+            per_token = 2 * draft.cfg.num_key_value_heads * draft.cfg.head_dim
+        return per_token * block_size * p.element_size()
+
     @property
     def cache_bytes(self) -> int:
         return self.cache.numel() * self.cache.element_size()

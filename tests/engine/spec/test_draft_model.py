@@ -41,8 +41,10 @@ def engine_with(target, k: int = 3, blocks: int | None = None, **kw) -> LLMEngin
     cfg = EngineConfig(num_speculative_tokens=k, speculative_method="eagle3", speculative_model="test", **kw)
     need = -(-cfg.max_model_len // cfg.block_size) + (blocks if blocks is not None else 8)
     interval = cfg.kda_checkpoint_interval if cfg.enable_prefix_caching else None
-    cfg.cache_memory_bytes = budget_for(target, cfg.block_size, cfg.max_num_seqs, need, interval, k)
-    return LLMEngine(target, cfg, draft=random_eagle3(target))
+    draft = random_eagle3(target)
+    cfg.cache_memory_bytes = budget_for(target, cfg.block_size, cfg.max_num_seqs, need, interval, k) + \
+        (need + 2) * ModelDrafter.bytes_per_block(draft, cfg.block_size)     # the budget holds the draft's cache too
+    return LLMEngine(target, cfg, draft=draft)
 
 
 def oracle(monkeypatch, futures: dict[tuple[int, ...], list[int]], vocab: int) -> None:
@@ -175,8 +177,10 @@ def test_mtp_and_dflash_drafts_through_the_engine(target, monkeypatch, method):
         oracle(monkeypatch, futures, text.vocab_size)
     cfg = EngineConfig(num_speculative_tokens=3, speculative_method=method, speculative_model="test", block_size=4,
                        max_num_seqs=2, max_num_batched_tokens=9, max_model_len=40, kda_checkpoint_interval=1)
-    cfg.cache_memory_bytes = budget_for(target, 4, 2, 18, 1, 3)
+    cfg.cache_memory_bytes = budget_for(target, 4, 2, 18, 1, 3) + 20 * ModelDrafter.bytes_per_block(draft, 4)
     engine = LLMEngine(target, cfg, draft=draft)
+    per_block = ModelDrafter.bytes_per_block(draft, 4)
+    assert engine.plan.total_bytes + engine.plan.num_blocks * per_block <= cfg.cache_memory_bytes   # budget shared
     results = run(engine, reqs, check=lambda e: check_invariants(e.kv, e.scheduler.running))
     for rid, (prompt, _) in reqs.items():
         assert results[rid][0][0] == futures[tuple(prompt)], rid
