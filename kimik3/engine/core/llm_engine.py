@@ -29,7 +29,7 @@ from kimik3.engine.sample.sampler import PendingOutput, SamplerOutput
 from kimik3.engine.sample.sampling_params import SamplingParams
 from kimik3.engine.spec.speculative import row_spans, settle_drafts
 from kimik3.engine.transfer import on_device
-from kimik3.model.batch import HybridCache, latent_cache_dtype
+from kimik3.model.batch import latent_cache_dtype
 from kimik3.vision.preprocess import VisionInputs
 
 logger = logging.getLogger(__name__)
@@ -66,14 +66,7 @@ class LLMEngine:
             from kimik3.engine.spec.draft_model import ModelDrafter
             per_block = ModelDrafter.bytes_per_block(draft, config.block_size)
             if per_block and (config.cache_memory_bytes is not None or self.device.type == "cuda"):
-                # the budget covers the draft's cache too: the blocks it leaves after the states, shared by both
-                target_block = HybridCache.bytes_per_block(model.cache_text_config, config.block_size, model.dtype,
-                                                           latent_cache_dtype(config.kv_cache_dtype, model.dtype))
-                fixed = self.plan.total_bytes - self.plan.num_blocks * target_block
-                blocks = (self.plan.budget_bytes - fixed) // (target_block + per_block)
-                share = fixed + blocks * target_block
-                self.plan = plan_cache(dataclasses.replace(config, cache_memory_bytes=share), model.cache_text_config,
-                                       model.dtype, self.device)
+                self.plan = self._plan_beside_draft(config, model, per_block)
             drafter = ModelDrafter(draft, config.num_speculative_tokens, self.plan.num_blocks, config.block_size,
                                    config.max_num_seqs)
         elif draft is not None:
@@ -100,6 +93,21 @@ class LLMEngine:
         self.accepted_per_position: list[int] = []                # drafts accepted at draft position j
         self._in_flight = None        # async scheduling: (step on the device, its PendingOutput)
         self._error: StepError | None = None      # a step scheduled ahead failed: raised by the next step()
+
+    def _plan_beside_draft(self, config: EngineConfig, model, per_block: int):
+        """The target's plan within the budget less the draft's cache (``per_block`` bytes per block), found by
+        shrinking the target's budget by what the last try overshot (KDA checkpoints scale with the blocks too)."""
+        budget, plan = self.plan.budget_bytes, self.plan
+        share = budget
+        for _ in range(16):
+            over = plan.total_bytes + plan.num_blocks * per_block - budget
+            if over <= 0:
+                return plan
+            share -= -(-over // (plan.bytes_per_block + per_block)) * plan.bytes_per_block   # a block less saves both
+            plan = plan_cache(dataclasses.replace(config, cache_memory_bytes=max(share, 1)), model.cache_text_config,
+                              model.dtype, self.device)
+        raise ValueError(f"cannot fit the draft's cache ({per_block} B per block) beside the target's in "
+                         f"{budget} B; raise cache_memory_bytes / gpu_memory_utilization")
 
     def get_tokenizer(self, required: bool = False):
         """The checkpoint's tokenizer (loaded on first use); None, or ValueError if ``required``, without one."""

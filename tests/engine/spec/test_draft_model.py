@@ -76,7 +76,8 @@ MODES = {
     "plain": dict(block_size=4, max_num_seqs=3, max_num_batched_tokens=64, max_model_len=48),
     "chunked": dict(block_size=4, max_num_seqs=3, max_num_batched_tokens=6, max_model_len=48),
     "prefix": dict(block_size=4, max_num_seqs=2, max_num_batched_tokens=64, max_model_len=48),
-    "preempt": dict(block_size=4, max_num_seqs=3, max_num_batched_tokens=64, max_model_len=40, blocks=2),
+    "preempt": dict(block_size=4, max_num_seqs=3, max_num_batched_tokens=64, max_model_len=40, blocks=2,
+                    enable_prefix_caching=False),
     "async": dict(block_size=4, max_num_seqs=3, max_num_batched_tokens=64, max_model_len=48, async_scheduling=True),
 }
 
