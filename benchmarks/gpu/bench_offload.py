@@ -13,6 +13,10 @@
    one refresh has cached the experts that step routes to (a bound: real decoding moves its routing).
 
     PYTHONPATH=. python benchmarks/gpu/bench_offload.py          (writes $OUT/bench_offload.json)
+
+``--config=benchmarks/gpu/kimi-linear-slice4.config.json``: the Kimi-Linear-48B-width slice (256 bf16 experts,
+top-8) instead (``$OUT/bench_offload_kimi-linear-slice4.json``). ``--batches=1,8,32`` and ``--fractions=0.3,0.6``
+name other cases.
 """
 
 from __future__ import annotations
@@ -30,6 +34,7 @@ sys.path.insert(0, str(ROOT))
 
 from benchmarks.common import capture_graph, commit_id, copy_rate, cuda_time, log, save_results  # noqa: E402
 from benchmarks.gpu.bench_slice import CONFIG, CONTEXT, build_slice, decode_setup, step_fn  # noqa: E402
+from kimik3.model.expert_offload import _kinds                          # noqa: E402
 from kimik3.config import parse_config                                  # noqa: E402
 from kimik3.model.expert_offload import ExpertOffloadConfig, expert_bytes  # noqa: E402
 from kimik3.ops.expert_copy import byte_rows                            # noqa: E402
@@ -38,20 +43,22 @@ from kimik3.sizing import Rates, compute_sizing, predict_decode          # noqa:
 BATCHES = (1, 8, 32)
 FRACTIONS = (0.3, 0.6)
 results: dict = {}
-KNOWN = {"--batches", "--fractions"}
+KNOWN = {"--batches", "--fractions", "--config"}
 
 
-def args() -> tuple[tuple[int, ...], tuple[float, ...]]:
-    batches, fractions = BATCHES, FRACTIONS
+def args() -> tuple[tuple[int, ...], tuple[float, ...], Path]:
+    batches, fractions, config = BATCHES, FRACTIONS, CONFIG
     for a in sys.argv[1:]:
         key, _, value = a.partition("=")
-        if key not in KNOWN:
-            raise SystemExit(f"bench_offload.py: unknown argument {a!r}; known: {sorted(KNOWN)} (as --name=v1,v2)")
+        if key not in KNOWN or not value:
+            raise SystemExit(f"bench_offload.py: unknown argument {a!r}; known: {sorted(KNOWN)} (as --name=value)")
         if key == "--batches":
             batches = tuple(int(v) for v in value.split(","))
-        else:
+        elif key == "--fractions":
             fractions = tuple(float(v) for v in value.split(","))
-    return batches, fractions
+        else:
+            config = Path(value)
+    return batches, fractions, config
 
 
 def pinned_rates(model) -> dict:
@@ -63,7 +70,7 @@ def pinned_rates(model) -> dict:
     experts = model.moe_blocks()[0].experts
     n = min(48, experts.w13.shape[0])
     src = {k: byte_rows(torch.empty(getattr(experts, k).shape, dtype=getattr(experts, k).dtype, pin_memory=True))
-           for k in ("w13", "w2", "w13_scale", "w2_scale")}
+           for k in _kinds(experts)}
     dst = {k: torch.empty(n, v.shape[1], dtype=v.dtype, device="cuda") for k, v in src.items()}
     ids = torch.arange(n, device="cuda")
     used = torch.ones(experts.w13.shape[0], dtype=torch.bool, device="cuda")
@@ -77,15 +84,19 @@ def pinned_rates(model) -> dict:
 
 
 def host_expert_seconds(model) -> float:
-    """One MXFP4 expert for one token on the host (the torch reference: dequantize, three products)."""
-    from kimik3.ops.moe import fused_moe_mxfp4
-    e = model.moe_blocks()[0].experts
-    w = {k: getattr(e, k)[:1].cpu() for k in ("w13", "w2", "w13_scale", "w2_scale")}
+    """One expert for one token on the host (the torch reference; MXFP4: dequantize, then three products)."""
+    from kimik3.ops.moe import fused_moe, fused_moe_mxfp4
+    e, act = model.moe_blocks()[0].experts, model.moe_blocks()[0].act
+    w = {k: getattr(e, k)[:1].cpu() for k in _kinds(e)}
     half = lambda t, i: t[:, i * (t.shape[1] // 2):(i + 1) * (t.shape[1] // 2)]  # noqa: E731
-    w1, w3 = (half(w["w13"], 0), half(w["w13_scale"], 0)), (half(w["w13"], 1), half(w["w13_scale"], 1))
-    x = torch.randn(1, e.w13.shape[2] * 2, dtype=torch.bfloat16)
     ids, weights = torch.zeros(1, 1, dtype=torch.long), torch.ones(1, 1)
-    run = lambda: fused_moe_mxfp4(x, w1, (w["w2"], w["w2_scale"]), w3, weights, ids, "situ", 4.0, 25.0, True)  # noqa: E731
+    x = torch.randn(1, e.w2.shape[1], dtype=torch.bfloat16)
+    common = (weights, ids, act.hidden_act, act.beta, act.linear_beta, True)
+    if e.mxfp4:
+        w1, w3 = (half(w["w13"], 0), half(w["w13_scale"], 0)), (half(w["w13"], 1), half(w["w13_scale"], 1))
+        run = lambda: fused_moe_mxfp4(x, w1, (w["w2"], w["w2_scale"]), w3, *common)  # noqa: E731
+    else:
+        run = lambda: fused_moe(x, half(w["w13"], 0), w["w2"], half(w["w13"], 1), *common)  # noqa: E731
     run()
     t = time.perf_counter()
     for _ in range(3):
@@ -117,12 +128,12 @@ def prediction(cfg, offloaded_bytes: int, N: int, rates: Rates) -> dict:
 
 
 def main() -> None:
-    batches, fractions = args()
+    batches, fractions, config = args()
     results.update(commit=commit_id(), date=datetime.datetime.now(datetime.timezone.utc).isoformat(timespec="seconds"),
-                   device=torch.cuda.get_device_name(), context=CONTEXT)
-    raw = json.loads(CONFIG.read_text())
-    cfg = parse_config(raw, str(CONFIG))
-    model = build_slice(raw)
+                   device=torch.cuda.get_device_name(), context=CONTEXT, config=config.name)
+    raw = json.loads(config.read_text())
+    cfg = parse_config(raw, str(config))
+    model = build_slice(raw, str(config))
     model.use_side_stream(torch.cuda.Stream())            # as the engine's decode graphs run
     hbm = copy_rate()
     rates = pinned_rates(model)
@@ -170,7 +181,8 @@ def main() -> None:
             del keep
         torch.cuda.empty_cache()
     results["cases"] = rows
-    log(f"wrote {save_results('bench_offload.json', results)}")
+    name = "bench_offload.json" if config == CONFIG else f"bench_offload_{config.name.split('.')[0]}.json"
+    log(f"wrote {save_results(name, results)}")
 
 
 if __name__ == "__main__":
