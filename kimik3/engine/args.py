@@ -194,6 +194,10 @@ class EngineArgs:
     kv_cache_dtype: str = _opt("MLA latent cache dtype: auto (the model dtype), fp8 / fp8_e4m3 (float8_e4m3fn with "
                                "one float32 scale per token: half the bytes); KDA states stay float32 "
                                "(default: auto)", default="auto", choices=list(KV_CACHE_DTYPES))
+    quantization: str | None = _opt(
+        "fp8: the dense bf16 projections quantised to FP8 (E4M3, one scale per output channel) at load; decode "
+        "reads them by an FP8 GEMV, prefill runs FP8 GEMMs (default: none, the checkpoint's own formats)",
+        default=None, choices=["fp8"], aliases=("-q",))
     kda_checkpoint_interval: int | None = _opt(
         "cache blocks between saved KDA states for prefix caching (default: auto)", default=None,
         type=positive_size)
@@ -267,6 +271,9 @@ class EngineArgs:
             raise ValueError(f"dtype must be one of {list(DTYPES)} (or a torch.dtype), got {self.dtype!r}")
         if not isinstance(self.dtype, (str, torch.dtype)):
             raise ValueError(f"dtype must be a string such as 'bfloat16' or a torch.dtype, got {self.dtype!r}")
+        if self.quantization is not None and self.quantization not in ("fp8",):
+            raise ValueError(f"quantization {self.quantization!r} is not supported; kimik3 takes ['fp8'] (or none: "
+                             f"the checkpoint's own formats)")
         if self.kv_cache_dtype not in KV_CACHE_DTYPES:
             raise ValueError(f"kv_cache_dtype must be one of {list(KV_CACHE_DTYPES)}, got {self.kv_cache_dtype!r}")
         if not (isinstance(self.gpu_memory_utilization, (int, float)) and 0.0 < self.gpu_memory_utilization <= 1.0):

@@ -45,14 +45,14 @@ def build_engine(args: EngineArgs, tokenizer=None):
             loads = read_loads(args.eplb_load_file, text.num_experts,
                                [i for i in range(text.num_hidden_layers) if text.is_moe_layer(i)])
         model, group = start_group(str(path), layout, dtype, device.type,     # ranks > 0 never return
-                                   language_model_only=args.language_model_only,
+                                   language_model_only=args.language_model_only, quantization=args.quantization,
                                    **({"expert_loads": loads} if args.enable_eplb else {}))
         engine = LLMEngine(model, config, tokenizer=tokenizer, tokenizer_path=str(path),
                            runner_factory=functools.partial(ParallelRunner, control=group.control,
                                                             on_failure=group.fail))
     else:
         model = load_model(path, device=device, dtype=dtype, language_model_only=args.language_model_only,
-                           progress=args.use_tqdm_on_load, expert_offload=offload)
+                           progress=args.use_tqdm_on_load, expert_offload=offload, quantization=args.quantization)
         engine, group = LLMEngine(model, config, tokenizer=tokenizer, tokenizer_path=str(path)), None
     if device.type == "cuda":
         warm_up(engine)

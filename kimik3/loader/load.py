@@ -12,6 +12,7 @@ from tqdm import tqdm
 
 from kimik3.config import load_config
 from kimik3.distributed import ParallelContext
+from kimik3.loader.fp8 import check_quantization, quantize_fp8
 from kimik3.loader.safetensors_files import CheckpointError, checkpoint_files, file_size_ok, iter_slices
 from kimik3.model.kimi_k3 import EXPERT_WEIGHT, KimiForCausalLM
 from kimik3.model.moe import Experts
@@ -40,7 +41,8 @@ def _text_name(name: str, architecture: str, has_vision: bool) -> str | None:
 def load_model(path: str | Path, device: str | torch.device = "cpu", dtype: torch.dtype = torch.float32,
                packed_experts: bool | None = None, parallel: ParallelContext | None = None,
                language_model_only: bool = False, progress: bool = False, expert_offload=None,
-               expert_loads: dict[int, list[float]] | None = None, **switches) -> KimiForCausalLM:
+               expert_loads: dict[int, list[float]] | None = None, quantization: str | None = None,
+               **switches) -> KimiForCausalLM:
     """Load a Kimi-K3 or Kimi-Linear checkpoint directory.
 
     ``dtype``: float64, float32, bfloat16 (float16 also works). ``switches`` set the numeric
@@ -149,6 +151,8 @@ def load_model(path: str | Path, device: str | torch.device = "cpu", dtype: torc
     _log_left_out(skipped, mtp, other_ranks, config, parallel)
     if offload:
         model.offload_experts(expert_offload)
+    if check_quantization(quantization) == "fp8":
+        quantize_fp8(model)
     model.eval()
     return model
 

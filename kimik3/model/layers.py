@@ -13,10 +13,15 @@ from kimik3.ops.norm import rms_norm
 
 
 class Linear(nn.Linear):
-    """A bias-free projection (every projection in Kimi models) through ``kimik3.ops.linear``."""
+    """A bias-free projection (every projection in Kimi models) through ``kimik3.ops.linear``. With FP8
+    weights (``kimik3.loader.fp8``) ``weight`` holds E4M3 codes and the buffer ``weight_scale`` their scales."""
+
+    def __init__(self, in_features: int, out_features: int, bias: bool = False):
+        super().__init__(in_features, out_features, bias=bias)
+        self.register_buffer("weight_scale", None)
 
     def forward(self, x: torch.Tensor) -> torch.Tensor:
-        return ops_linear(x, self.weight)
+        return ops_linear(x, self.weight, weight_scale=self.weight_scale)
 
 
 def linear(in_features: int, out_features: int) -> Linear:
@@ -50,10 +55,11 @@ class MergedLinear(MergedWeight):
 
     def __init__(self, in_features: int, parts: dict[str, int]):
         super().__init__((in_features,), parts)
+        self.register_buffer("weight_scale", None)              # FP8 weights: their scales (as ``Linear``)
 
     def forward(self, x: torch.Tensor) -> torch.Tensor:
         """x [..., in] -> [..., sum of outs]: the projections side by side, in ``parts`` order."""
-        return ops_linear(x, self.weight)
+        return ops_linear(x, self.weight, weight_scale=self.weight_scale)
 
 
 def tp_shards(par: ParallelContext, **dims: int) -> dict[str, tuple[int, int, int]]:
@@ -126,5 +132,6 @@ class MLP(nn.Module):
 
     def forward(self, x: torch.Tensor) -> torch.Tensor:
         a = self.act
-        y = self.down_proj(linear_glu(x, self.gate_up_proj.weight, a.hidden_act, a.beta, a.linear_beta))
+        y = self.down_proj(linear_glu(x, self.gate_up_proj.weight, a.hidden_act, a.beta, a.linear_beta,
+                                      self.gate_up_proj.weight_scale))
         return self.par.all_reduce(y) if self.reduce else y

@@ -74,3 +74,27 @@ def dequantize_weight(codes: torch.Tensor, scale: torch.Tensor, dtype: torch.dty
     """codes [N, K] times their scale (``quantize_weight``'s layouts) in ``dtype``."""
     acc = torch.promote_types(dtype, torch.float32)
     return (codes.to(acc) * expand_weight_scale(scale, *codes.shape, block).to(acc)).to(dtype)
+
+
+def quantize_activations(x: torch.Tensor, group: int | None = None) -> tuple[torch.Tensor, torch.Tensor]:
+    """x [M, K] -> (codes [M, K], scale float32): per token [M, 1] (``group`` None), or per token and
+    ``group`` consecutive columns [M, ceil(K / group)] (the block-FP8 GEMM's activations)."""
+    M, K = x.shape
+    if group is None:
+        scale = _scale_of(x.abs().amax(dim=1, keepdim=True))
+        return (x.float() / scale).to(FP8), scale
+    kb = -(-K // group)
+    padded = x.new_zeros(M, kb * group)
+    padded[:, :K] = x
+    tiles = padded.view(M, kb, group)
+    scale = _scale_of(tiles.abs().amax(dim=2))
+    return (tiles.float() / scale.unsqueeze(-1)).to(FP8).view(M, kb * group)[:, :K].contiguous(), scale
+
+
+def dequantize_activations(codes: torch.Tensor, scale: torch.Tensor, dtype: torch.dtype,
+                           group: int = WEIGHT_BLOCK) -> torch.Tensor:
+    """``quantize_activations``' codes times their scales (per token [M, 1], or per ``group`` columns), in ``dtype``."""
+    acc = torch.promote_types(dtype, torch.float32)
+    K = codes.shape[1]
+    per_col = scale if scale.shape[1] == 1 else scale.repeat_interleave(group, 1)[:, :K]
+    return (codes.to(acc) * per_col.to(acc)).to(dtype)

@@ -389,3 +389,20 @@ def compile_gemv():
                            divisible={"K", "stride_h", "stride_w", "stride_we"}, num_warps=8)
     body = k.asm["ptx"][k.asm["ptx"].index(".entry"):]
     assert body.count("ld.global") >= 8 * 2 and "bra" not in body.replace("bra.uni", ""), "down-and-combine not unrolled"
+
+def test_fp8_matmul_kernel_compiles_for_hopper():
+    in_compiler_process("t.compile_fp8_matmul()")
+
+
+def compile_fp8_matmul():
+    """FP8 weights: the decode form (bf16 activations, the weight widened) and the prefill form (E4M3 x E4M3 on
+    the FP8 tensor cores), per-channel and 128 x 128 block scales, at their default tiles."""
+    from kimik3.ops.triton import fp8_linear as m
+    for quant_a, blocked in ((False, False), (False, True), (True, True), (True, False)):
+        t = m.tiles_for(1 if not quant_a else 4096, quant_a)
+        k = compile_for_hopper(m._fp8_matmul_kernel, {"a": "*fp8e4nv" if quant_a else "*bf16", "sa": "*fp32",
+                                                      "b": "*fp8e4nv", "sb": "*fp32", "c": "*bf16"},
+                               dict(BM=t.bm, BN=t.bn, BK=t.bk, QUANT_A=quant_a, BLOCKED=blocked, UPCAST=False),
+                               t.num_warps, t.num_stages, divisible={"K", "stride_am", "stride_bn", "stride_cm"})
+        if quant_a:                      # both operands E4M3 on the tensor cores
+            assert "wgmma" in k.asm["ptx"] and "e4m3" in k.asm["ptx"]
