@@ -63,6 +63,7 @@ def load_model(path: str | Path, device: str | torch.device = "cpu", dtype: torc
     path = Path(path)
     if not path.is_dir():
         raise CheckpointError(f"checkpoint directory {path} does not exist")
+    check_quantization(quantization)                  # an unknown method fails before anything is read
     if dtype not in _DTYPES:
         raise ValueError(f"dtype must be one of {sorted(str(d) for d in _DTYPES)}, got {dtype}")
     config = load_config(path, **switches)
@@ -151,7 +152,7 @@ def load_model(path: str | Path, device: str | torch.device = "cpu", dtype: torc
     _log_left_out(skipped, mtp, other_ranks, config, parallel)
     if offload:
         model.offload_experts(expert_offload)
-    if check_quantization(quantization) == "fp8":
+    if quantization == "fp8":
         quantize_fp8(model)
     model.eval()
     return model
