@@ -286,6 +286,11 @@ def _parse_quantization(qc: dict | None, source: str) -> str | None:
     if qc is None:
         return None
     fmt = qc.get("format")
+    if qc.get("quant_method") == "fp8":
+        raise ConfigError(
+            f"{source}: block-FP8 checkpoints (quant_method 'fp8', weight_block_size "
+            f"{qc.get('weight_block_size')}, weight_scale_inv tensors) are not read yet; load the bf16 checkpoint "
+            f"with --quantization fp8 (FP8 weights quantised at load, per output channel)")
     if qc.get("quant_method") != "compressed-tensors" or fmt != "mxfp4-pack-quantized":
         raise ConfigError(
             f"{source}: unsupported quantization_config (quant_method={qc.get('quant_method')!r}, "

@@ -50,3 +50,14 @@ def test_engine_option_and_unknown_methods():
     out = llm.generate([{"prompt_token_ids": [5, 6, 7, 8]}], SamplingParams(temperature=0, max_tokens=4, ignore_eos=True))
     assert len(out[0].outputs[0].token_ids) == 4
     assert llm.engine.cache.mla_latent.dtype == torch.float8_e4m3fn
+
+
+def test_block_fp8_checkpoints_are_refused_by_name():
+    from kimik3.config import ConfigError, parse_config
+    from kimik3.testing import tiny_kimi_linear_config
+    cfg = tiny_kimi_linear_config()
+    cfg["quantization_config"] = {"quant_method": "fp8", "fmt": "e4m3", "activation_scheme": "dynamic",
+                                  "weight_block_size": [128, 128]}
+    with pytest.raises(ConfigError, match=r"block-FP8 checkpoints .* not read yet; load the bf16 checkpoint with "
+                                          r"--quantization fp8"):
+        parse_config(cfg, "block-fp8")
