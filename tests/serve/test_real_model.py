@@ -60,5 +60,11 @@ def test_speculative_server_matches_plain(real):
         metrics = httpx.get(spec.url + "/metrics").text
         assert "vllm:spec_decode_num_draft_tokens_total" in metrics
         assert "vllm:spec_decode_num_accepted_tokens_total" in metrics
+        assert "vllm:spec_decode_num_drafts_total" in metrics
+        per_pos = [line for line in metrics.splitlines() if line.startswith("vllm:spec_decode_num_accepted_tokens_per_pos")]
+        engine = spec.state.engine
+        assert len(per_pos) == len(engine.accepted_per_position)
+        if per_pos:
+            assert 'position="0"' in per_pos[0] and float(per_pos[0].split()[-1]) == engine.accepted_per_position[0]
     finally:
         spec.stop()
