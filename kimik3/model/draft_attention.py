@@ -90,25 +90,35 @@ def rope(x: torch.Tensor, positions: torch.Tensor, theta: float) -> torch.Tensor
 def paged_attention(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, batch: DraftBatch, cache: torch.Tensor,
                     scale: float) -> torch.Tensor:
     """q [T, H, hd], the rows' own k, v [T, KVH, hd] -> [T, H, hd]: each row over its sequence's cached
-    context and the batch's rows of its sequence (causally unless ``batch.causal``); softmax in fp32."""
-    H, KVH = q.shape[1], k.shape[1]
+    context and the batch's rows of its sequence (causally unless ``batch.causal``); softmax in fp32. All
+    sequences at once, padded to the longest: keys [N, context + rows] gathered from the cache by position."""
+    H, KVH, hd = q.shape[1], k.shape[1], q.shape[2]
+    N, dev, bs = batch.num_seqs, q.device, batch.block_size
     acc = torch.promote_types(q.dtype, torch.float32)
-    out = torch.empty_like(q)
-    bs = batch.block_size
-    for n in range(batch.num_seqs):
-        a, b, c = batch.cu_seqlens[n], batch.cu_seqlens[n + 1], batch.context_lens[n]
-        if a == b:
-            continue
-        blocks = batch.block_tables[n, :-(-c // bs)]
-        ctx = cache[blocks].reshape(-1, *cache.shape[2:])[:c]                       # [c, 2, KVH, hd]
-        keys = torch.cat([ctx[:, 0], k[a:b]]).to(acc).repeat_interleave(H // KVH, dim=1)
-        vals = torch.cat([ctx[:, 1], v[a:b]]).to(acc).repeat_interleave(H // KVH, dim=1)
-        s = torch.einsum("qhd,khd->hqk", q[a:b].to(acc), keys) * scale
-        if batch.causal:
-            rows, cols = torch.arange(b - a, device=q.device), torch.arange(c + b - a, device=q.device)
-            s = s.masked_fill(cols[None, :] > c + rows[:, None], float("-inf"))
-        out[a:b] = torch.einsum("hqk,khd->qhd", s.softmax(-1), vals).to(q.dtype)
-    return out
+    qlens = [batch.cu_seqlens[n + 1] - batch.cu_seqlens[n] for n in range(N)]
+    Q, C = max(qlens), max(batch.context_lens)
+    row_seq = torch.repeat_interleave(torch.arange(N, device=dev), torch.tensor(qlens, device=dev), output_size=q.shape[0])
+    row_off = torch.arange(q.shape[0], device=dev) - torch.tensor(batch.cu_seqlens[:-1], device=dev)[row_seq]
+    ctx = torch.tensor(batch.context_lens, device=dev)
+    pos = torch.arange(C, device=dev)
+    rows = batch.block_tables.gather(1, (pos // bs).clamp(max=batch.block_tables.shape[1] - 1)[None].expand(N, -1))
+    keys_ctx = cache.view(-1, *cache.shape[2:])[rows * bs + pos % bs]                   # [N, C, 2, KVH, hd]
+    new_k = q.new_zeros(N, Q, KVH, hd, dtype=k.dtype)
+    new_v = q.new_zeros(N, Q, KVH, hd, dtype=v.dtype)
+    new_k[row_seq, row_off], new_v[row_seq, row_off] = k, v
+    keys = torch.cat([keys_ctx[:, :, 0].to(acc), new_k.to(acc)], 1).repeat_interleave(H // KVH, dim=2)
+    vals = torch.cat([keys_ctx[:, :, 1].to(acc), new_v.to(acc)], 1).repeat_interleave(H // KVH, dim=2)
+    qp = q.new_zeros(N, Q, H, hd, dtype=acc)
+    qp[row_seq, row_off] = q.to(acc)
+    s = torch.einsum("nqhd,nkhd->nhqk", qp, keys) * scale                                 # [N, H, Q, C + Q]
+    kpos = torch.arange(C + Q, device=dev)
+    visible = torch.where(kpos[None, :] < C, kpos[None, :] < ctx[:, None], kpos[None, :] - C < torch.tensor(qlens, device=dev)[:, None])
+    visible = visible[:, None, :].expand(N, Q, C + Q)
+    if batch.causal:
+        visible = visible & ((kpos[None, None, :] - C) <= torch.arange(Q, device=dev)[None, :, None])
+    s = s.masked_fill(~visible[:, None], float("-inf"))
+    o = torch.einsum("nhqk,nkhd->nqhd", s.softmax(-1), vals)
+    return o[row_seq, row_off].to(q.dtype)
 
 
 class DraftAttention(nn.Module):
