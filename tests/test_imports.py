@@ -120,6 +120,46 @@ def unit_graph(graph: dict[str, set[str]]) -> dict[str, set[str]]:
     return units
 
 
+def part_graphs(graph: dict[str, set[str]]) -> dict[str, dict[str, set[str]]]:
+    """For every package P, the graph between its parts (its direct submodules and subpackages, each
+    subpackage standing for everything below it): ``{P: {part: parts it imports}}``."""
+    packages = {m for m in graph if any(o.startswith(m + ".") for o in graph)}
+    out: dict[str, dict[str, set[str]]] = {}
+    for pkg in packages:
+        prefix = pkg + "."
+
+        def part(m: str) -> str:
+            return prefix + m[len(prefix):].split(".")[0]
+
+        parts = out.setdefault(pkg, {})
+        for a, targets in graph.items():
+            if a.startswith(prefix):
+                parts.setdefault(part(a), set()).update(
+                    part(b) for b in targets if b.startswith(prefix) and part(b) != part(a))
+    return out
+
+
+def imports_from_own_init(path: Path, modules: set[str], root: Path = ROOT) -> list[str]:
+    """The names ``path`` imports from the ``__init__`` of a package it lies in (``from kimik3.engine import
+    LLM`` inside kimik3/engine/...), rather than from the submodule that defines them; submodules are fine."""
+    here = module_name(path, root)
+    if path.name == "__init__.py":
+        return []
+    package = here.rpartition(".")[0]
+    found = []
+    for node in ast.walk(ast.parse(path.read_text(encoding="utf-8"), str(path))):
+        if isinstance(node, ast.ImportFrom):
+            if node.level:
+                base = package.split(".")[:len(package.split(".")) - (node.level - 1)]
+                target = ".".join(base + ([node.module] if node.module else []))
+            else:
+                target = node.module or ""
+            if target == package or package.startswith(target + "."):
+                found += [f"{here} imports {a.name} from {target}" for a in node.names
+                          if f"{target}.{a.name}" not in modules]
+    return found
+
+
 def upward_imports(graph: dict[str, set[str]]) -> list[str]:
     return [f"{a} ({unit(a) or 'kimik3'}, layer {LAYER_OF[unit(a)]}) imports {b} "
             f"({unit(b) or 'kimik3'}, layer {LAYER_OF[unit(b)]})"
@@ -145,6 +185,12 @@ def test_no_package_import_cycle(graph):
     assert cycles(unit_graph(graph)) == []
 
 
+def test_no_import_cycle_between_the_parts_of_any_package(graph):
+    """Inside every package too (kimik3.engine: core, spec, sample, run, images, ...), the parts import one way."""
+    found = {pkg: c for pkg, parts in part_graphs(graph).items() if (c := cycles(parts))}
+    assert found == {}
+
+
 def test_no_lower_layer_imports_a_higher_one(graph):
     assert upward_imports(graph) == []
 
@@ -164,3 +210,24 @@ def test_the_checks_see_cycles_and_upward_imports(tmp_path):
     assert cycles(g) == [["kimik3.config", "kimik3.model.layers"]]
     assert cycles(unit_graph(g)) == [["config", "model"]]
     assert upward_imports(g) == ["kimik3.config (config, layer 0) imports kimik3.model.layers (model, layer 3)"]
+
+
+def test_the_checks_see_cycles_inside_a_package_and_imports_from_its_init(tmp_path):
+    """Two subpackages of one package that import each other form a cycle of its parts; a module taking a
+    name from its own package's __init__ is found, a sibling submodule is not."""
+    pkg = tmp_path / "kimik3"
+    for d in ("engine/core", "engine/spec"):
+        (pkg / d).mkdir(parents=True)
+    (pkg / "__init__.py").write_text("")
+    (pkg / "engine" / "__init__.py").write_text("from kimik3.engine.core.a import A\n")
+    (pkg / "engine" / "core" / "__init__.py").write_text("")
+    (pkg / "engine" / "spec" / "__init__.py").write_text("")
+    (pkg / "engine" / "core" / "a.py").write_text("from kimik3.engine.spec.b import B\nA = 1\n")
+    (pkg / "engine" / "spec" / "b.py").write_text("from kimik3.engine.core import a\nfrom kimik3.engine import A\nB = 2\n")
+    g = import_graph(pkg)
+    assert cycles(g) == [["kimik3.engine", "kimik3.engine.core.a", "kimik3.engine.spec.b"]]
+    assert cycles(part_graphs(g)["kimik3.engine"]) == [["kimik3.engine.core", "kimik3.engine.spec"]]
+    modules = set(g)
+    assert imports_from_own_init(pkg / "engine" / "spec" / "b.py", modules, pkg) == [
+        "kimik3.engine.spec.b imports A from kimik3.engine"]
+    assert imports_from_own_init(pkg / "engine" / "core" / "a.py", modules, pkg) == []

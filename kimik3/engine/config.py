@@ -20,7 +20,7 @@ class EngineConfig:
     seed: int = 0                           # engine RNG (requests without their own seed)
     encoder_cache_tokens: int = 16384       # image embedding rows kept by content hash (one max-size K3 image)
     enforce_eager: bool = False             # True: no CUDA graphs (decode steps run eagerly too)
-    num_speculative_tokens: int = 0         # draft tokens verified per step (0 = off; speculative.py)
+    num_speculative_tokens: int = 0         # draft tokens verified per step (0 = off; engine/spec/)
     speculative_method: str = "ngram"       # "ngram" or a draft model: "eagle3", "mtp", "dflash"/"dspark"
     speculative_model: str | None = None    # the draft model's directory ("default": the default model's)
     speculative_ngram_min: int = 2          # shortest suffix n-gram looked up for a draft
@@ -40,18 +40,7 @@ class EngineConfig:
                 not isinstance(self.kda_checkpoint_interval, int) or self.kda_checkpoint_interval < 1):
             raise ValueError(f"kda_checkpoint_interval must be a positive integer or None (auto), "
                              f"got {self.kda_checkpoint_interval!r}")
-        if not isinstance(self.num_speculative_tokens, int) or self.num_speculative_tokens < 0:
-            raise ValueError(f"num_speculative_tokens must be a non-negative integer, got {self.num_speculative_tokens!r}")
-        methods = ("ngram", "eagle3", "mtp", "dflash", "dspark")
-        if self.speculative_method not in methods:
-            raise ValueError(f"speculative method {self.speculative_method!r} is not one of {methods}")
-        if self.speculative_method in ("eagle3", "dflash", "dspark") and not self.speculative_model:
-            raise ValueError(f"speculative method {self.speculative_method!r} needs the draft's directory "
-                             "('model' in the speculative config)")
-        if not (isinstance(self.speculative_ngram_min, int) and isinstance(self.speculative_ngram_max, int)
-                and 1 <= self.speculative_ngram_min <= self.speculative_ngram_max):
-            raise ValueError(f"speculative n-gram sizes need 1 <= speculative_ngram_min <= speculative_ngram_max, "
-                             f"got {self.speculative_ngram_min!r} and {self.speculative_ngram_max!r}")
+        self._check_speculation()
         if not 0.0 < self.gpu_memory_utilization <= 1.0:
             raise ValueError(f"gpu_memory_utilization must lie in (0, 1], got {self.gpu_memory_utilization!r}")
         if not isinstance(self.max_logprobs, int) or self.max_logprobs < 0:
@@ -66,6 +55,21 @@ class EngineConfig:
                              f"got {self.grammar_compile_memory!r}")
         if self.cache_memory_bytes is not None and self.cache_memory_bytes <= 0:
             raise ValueError(f"cache_memory_bytes must be positive or None (auto), got {self.cache_memory_bytes!r}")
+
+    def _check_speculation(self) -> None:
+        """The speculative-decoding settings (draft count, method, draft model, n-gram sizes)."""
+        if not isinstance(self.num_speculative_tokens, int) or self.num_speculative_tokens < 0:
+            raise ValueError(f"num_speculative_tokens must be a non-negative integer, got {self.num_speculative_tokens!r}")
+        methods = ("ngram", "eagle3", "mtp", "dflash", "dspark")
+        if self.speculative_method not in methods:
+            raise ValueError(f"speculative method {self.speculative_method!r} is not one of {methods}")
+        if self.speculative_method in ("eagle3", "dflash", "dspark") and not self.speculative_model:
+            raise ValueError(f"speculative method {self.speculative_method!r} needs the draft's directory "
+                             "('model' in the speculative config)")
+        if not (isinstance(self.speculative_ngram_min, int) and isinstance(self.speculative_ngram_max, int)
+                and 1 <= self.speculative_ngram_min <= self.speculative_ngram_max):
+            raise ValueError(f"speculative n-gram sizes need 1 <= speculative_ngram_min <= speculative_ngram_max, "
+                             f"got {self.speculative_ngram_min!r} and {self.speculative_ngram_max!r}")
 
     @property
     def uses_draft_model(self) -> bool:

@@ -108,15 +108,23 @@ def oracle_requests(model, monkeypatch, seed: int) -> tuple[dict, dict[tuple[int
     directly): (requests, continuation by prompt)."""
     import random
 
-    import kimik3.engine.core.scheduler as scheduler
+    import kimik3.engine.spec.ngram as ngram
     from tests.engine.fake_model import reference_greedy
     rng = random.Random(seed)
     vocab = model.config.text.vocab_size
     reqs = {f"r{i}": ([rng.randrange(5, vocab) for _ in range(5 + 4 * i)],
                       SamplingParams(temperature=0, max_tokens=12, ignore_eos=True)) for i in range(3)}
     futures = {tuple(p): reference_greedy(model, p, sp.max_tokens) for p, sp in reqs.values()}
-    monkeypatch.setattr(scheduler, "propose_ngram", oracle_proposer(futures, vocab))
+    monkeypatch.setattr(ngram, "propose_ngram", oracle_proposer(futures, vocab))
     return reqs, futures
+
+
+def turn_async(engine) -> None:
+    """Switch an idle engine to async scheduling (a test compares one engine's sync and async runs)."""
+    from kimik3.engine.core.async_pipeline import AsyncPipeline
+    assert not engine.has_unfinished_requests()
+    engine.config.async_scheduling = True
+    engine.pipeline = AsyncPipeline(engine)
 
 
 def oracle_proposer(futures: dict[tuple[int, ...], list[int]], vocab: int):

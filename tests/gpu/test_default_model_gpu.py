@@ -51,8 +51,8 @@ def test_engine_greedy_equals_the_model_called_directly_on_cuda(model, prompts, 
         # requests keep drafting after a failed verify: the small default model seldom repeats itself, and
         # watching its predictions (the default, with 8b22186's lookup pauses) proposes 13 drafts here and
         # accepts none (CPU, fp32: 6 of 29 accepted without watching), so no accepted draft would be checked
-        from kimik3.engine.spec import speculative
-        monkeypatch.setattr(speculative, "WATCH_HITS", 0)
+        from kimik3.engine.spec import ngram
+        monkeypatch.setattr(ngram, "WATCH_HITS", 0)
     engine = make_engine(model, **kw)
     ahead = count_calls(engine.scheduler, "schedule_ahead")
     results = run(engine, {k: (p, params) for k, p in prompts.items()}, arrivals)

@@ -206,11 +206,11 @@ def test_speculative_greedy_matches_plain(model, monkeypatch):
     called directly (``assert_model_greedy``), ``flips_allowed`` flipped positions per request (r5's token 1,
     0.517 / 0.564 nats at 3dd9428 / cf42f4f once its verify row ran the decode kernels; the plain
     run's r4 token 21 at c32086b)."""
-    import kimik3.engine.core.scheduler as scheduler
+    import kimik3.engine.spec.ngram as ngram
     reqs = requests(model.config.text.vocab_size)
     plain = generate(make(model, enforce_eager=False), reqs)
     futures = {tuple(prompt): plain[rid][0] for rid, (prompt, _) in reqs.items()}
-    monkeypatch.setattr(scheduler, "propose_ngram", oracle_proposer(futures, model.config.text.vocab_size))
+    monkeypatch.setattr(ngram, "propose_ngram", oracle_proposer(futures, model.config.text.vocab_size))
     engine = make(model, enforce_eager=False, num_speculative_tokens=3)
     graphs, verify_replays = engine.runner.graphs, []
     run = graphs.run
@@ -237,10 +237,9 @@ def test_speculation_under_async_scheduling_matches_the_model(model, monkeypatch
     request the oracle drafts the plain run's continuation, all wrong, or with only the guessed successor
     wrong, in turn. Tokens are checked against the model called directly, as in
     ``test_speculative_greedy_matches_plain`` (near-ties and flips judged by the model's logits alone)."""
-    import kimik3.engine.core.scheduler as scheduler
-    from kimik3.engine.spec import speculative
+    import kimik3.engine.spec.ngram as ngram
     from tests.engine.helpers import count_calls
-    monkeypatch.setattr(speculative, "WATCH_HITS", 0)
+    monkeypatch.setattr(ngram, "WATCH_HITS", 0)
     vocab = model.config.text.vocab_size
     reqs = {rid: (prompt, dataclasses.replace(sp, logprobs=None, max_tokens=24))
             for rid, (prompt, sp) in list(requests(vocab).items())[1:3]}
@@ -258,8 +257,8 @@ def test_speculation_under_async_scheduling_matches_the_model(model, monkeypatch
         if follow == 2 and kind == "G":
             right[0] = False
         return [t if ok else (t + 1) % vocab for t, ok in zip(tokens, right)]
-    monkeypatch.setattr(scheduler, "propose_ngram", propose)
-    monkeypatch.setattr(scheduler, "may_propose_after", lambda *a: True)    # the oracle drafts what n-grams cannot
+    monkeypatch.setattr(ngram, "propose_ngram", propose)
+    monkeypatch.setattr(ngram, "may_propose_after", lambda *a: True)    # the oracle drafts what n-grams cannot
     engine = make(model, enforce_eager=False, num_speculative_tokens=3, async_scheduling=True)
     past = count_calls(engine.scheduler, "schedule_past_rejection")
     schedule_ahead, ahead = engine.scheduler.schedule_ahead, []

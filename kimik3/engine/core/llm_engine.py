@@ -2,8 +2,9 @@
 
 One loop (nano-vllm's): ``Scheduler.schedule`` decides -> ``ModelRunner.execute`` builds the batch, runs the
 model and samples -> ``Scheduler.update`` advances the requests -> the engine appends the tokens, checks
-stops and emits deltas (``output.py``). With ``async_scheduling`` a decode step's tokens stay on the device
-while the next step is scheduled and launched (``step``). Requests come in through ``InputProcessor``;
+stops and emits deltas (``output.py``). With ``async_scheduling`` the ``AsyncPipeline`` (``async_pipeline.py``)
+drives these same parts: a decode step's tokens stay on the device while the next step is scheduled and
+launched, and steps it cannot overlap run as the sync step (``run_step``). Requests come in through ``InputProcessor``;
 ``stats()`` is the engine's one read-out. Not thread-safe: a server drives it from one loop and forwards
 aborts there.
 """
@@ -17,31 +18,21 @@ import time
 import torch
 
 from kimik3.engine.config import EngineConfig
+from kimik3.engine.core.async_pipeline import AsyncPipeline
 from kimik3.engine.core.cache_budget import plan_cache
 from kimik3.engine.core.input_processor import InputProcessor
 from kimik3.engine.core.kv_cache import KVCacheManager
-from kimik3.engine.core.output import EngineStats, RequestGroup, RequestOutput, append_output, deltas
+from kimik3.engine.core.output import EngineStats, RequestGroup, RequestOutput, append_output, deltas, record_scheduling
 from kimik3.engine.core.request import RequestStatus
 from kimik3.engine.core.scheduler import Scheduler
-from kimik3.engine.core.scheduler_output import ScheduledChunk
+from kimik3.engine.core.scheduler_output import ScheduledChunk, SchedulerOutput, StepError
 from kimik3.engine.run.runner import ModelRunner
-from kimik3.engine.sample.sampler import PendingOutput, SamplerOutput
 from kimik3.engine.sample.sampling_params import SamplingParams
-from kimik3.engine.spec.speculative import row_spans, settle_drafts
-from kimik3.engine.transfer import on_device
+from kimik3.engine.spec.drafters import make_drafter
 from kimik3.model.batch import latent_cache_dtype
 from kimik3.vision.preprocess import VisionInputs
 
 logger = logging.getLogger(__name__)
-
-
-class StepError(RuntimeError):
-    """A step's forward raised. ``request_ids``: the requests (their user ids) in that step's batch,
-    the only ones whose data can have caused it; the engine itself is consistent afterwards."""
-
-    def __init__(self, request_ids: list[str], cause: BaseException):
-        super().__init__(f"engine step over request(s) {request_ids} failed: {type(cause).__name__}: {cause}")
-        self.request_ids = request_ids
 
 
 class LLMEngine:
@@ -61,22 +52,17 @@ class LLMEngine:
             from kimik3.engine.spec.draft_model import load_draft
             draft = load_draft(config.speculative_method, config.speculative_model or tokenizer_path, model)
         self.plan = plan_cache(config, model.cache_text_config, model.dtype, self.device)
-        drafter = None
-        if config.uses_draft_model:
+        if config.uses_draft_model:          # the draft's cache shares the target's blocks: plan them together
             from kimik3.engine.spec.draft_model import ModelDrafter
             per_block = ModelDrafter.bytes_per_block(draft, config.block_size)
             if per_block and (config.cache_memory_bytes is not None or self.device.type == "cuda"):
                 self.plan = self._plan_beside_draft(config, model, per_block)
-            drafter = ModelDrafter(draft, config.num_speculative_tokens, self.plan.num_blocks, config.block_size,
-                                   config.max_num_seqs)
-        elif draft is not None:
-            raise ValueError("a draft model was given but speculative_method is 'ngram' (or no speculative tokens)")
-        self.drafter = drafter
         self.cache = model.allocate_cache(self.plan.num_slots, self.plan.num_blocks, config.block_size,
                                           latent_cache_dtype(config.kv_cache_dtype, model.dtype))
         self.kv = KVCacheManager(self.plan, config.enable_prefix_caching)
-        self.scheduler = Scheduler(self.kv, config)
-        if drafter is not None:
+        drafter = make_drafter(config, model, self.plan.num_blocks, draft, tokenizer_path)
+        self.scheduler = Scheduler(self.kv, config, drafter)
+        if drafter is not None and drafter.aux_layers:
             if runner_factory is not None:
                 raise ValueError("speculative draft models run in one process for now; use tensor_parallel_size 1 "
                                  "or n-gram speculation")
@@ -91,8 +77,7 @@ class LLMEngine:
         self.num_draft_tokens = self.num_accepted_tokens = 0     # speculative decoding: drafts verified / accepted
         self.num_drafts = 0                                       # verify chunks (vLLM's spec_decode_num_drafts)
         self.accepted_per_position: list[int] = []                # drafts accepted at draft position j
-        self._in_flight = None        # async scheduling: (step on the device, its PendingOutput)
-        self._error: StepError | None = None      # a step scheduled ahead failed: raised by the next step()
+        self.pipeline = AsyncPipeline(self) if config.async_scheduling else None
 
     def _plan_beside_draft(self, config: EngineConfig, model, per_block: int):
         """The target's plan within the budget less the draft's cache (``per_block`` bytes per block), found by
@@ -155,7 +140,8 @@ class LLMEngine:
         self._aborted.append(group)
 
     def has_unfinished_requests(self) -> bool:
-        return self.scheduler.has_unfinished() or bool(self._aborted) or self._in_flight is not None
+        return (self.scheduler.has_unfinished() or bool(self._aborted)
+                or (self.pipeline is not None and self.pipeline.in_flight is not None))
 
     def request_started(self, request_id: str) -> bool:
         """Whether any sample of the request has been scheduled (or it is gone already)."""
@@ -178,68 +164,38 @@ class LLMEngine:
 
     def step(self) -> list[RequestOutput]:
         """Run one forward step; returns a delta for every request that produced tokens or finished. With
-        async scheduling a pure decode step's tokens come in the next call (which first launches the step
-        after it, ``Scheduler.schedule_ahead``), so the host's work overlaps the device's."""
-        if self._error is not None:      # before the aborted groups are taken: their deltas come next call
-            error, self._error = self._error, None
-            raise error
-        touched: dict[str, RequestGroup] = {g.request_id: g for g in self._aborted}
+        async scheduling the pipeline (``async_pipeline.py``) drives it: a decode step's tokens come in the next
+        call, so the host's work overlaps the device's."""
+        if self.pipeline is not None:
+            return self.pipeline.step()
+        touched = self.take_aborted()
+        out = self.schedule()
+        if out is not None:
+            self.run_step(out, touched)
+        return self.emit(touched)
+
+    def take_aborted(self) -> dict[str, RequestGroup]:
+        """The groups to report this step, starting with those aborted since the last one."""
+        touched = {g.request_id: g for g in self._aborted}
         self._aborted = []
-        if self._in_flight is not None:
-            self._step_ahead(touched)
-            return self._deltas(touched)
+        return touched
+
+    def schedule(self) -> SchedulerOutput | None:
+        """The scheduler's next step; None when nothing is left to run."""
         out = self.scheduler.schedule()
-        if out.is_empty:
-            if self.scheduler.has_unfinished():
-                raise RuntimeError(f"scheduler found nothing to run with {len(self.scheduler.waiting)} waiting "
-                                   f"requests; the cache plan cannot hold one chunk ({self.plan.describe()})")
-            return self._deltas(touched)
-        if self.config.async_scheduling and all(c.samples and not c.draft for c in out.chunks):
-            self._in_flight = (out, self._guarded(out, lambda: self.runner.sample(out, self.runner.launch(out))))
-            self.scheduler.update(out)      # the computed counts need no sampled token
-            return self._deltas(touched)
-        after = self.scheduler.schedule_past_rejection(out) if self.config.async_scheduling else None
-        if after is not None:
-            self._verify_past_rejection(out, after, touched)
-            return self._deltas(touched)
-        self._commit(out, self._guarded(out, lambda: self.runner.execute(out)), touched)
-        return self._deltas(touched)
+        record_scheduling(out, time.monotonic())
+        if not out.is_empty:
+            return out
+        if self.scheduler.has_unfinished():
+            raise RuntimeError(f"scheduler found nothing to run with {len(self.scheduler.waiting)} waiting "
+                               f"requests; the cache plan cannot hold one chunk ({self.plan.describe()})")
+        return None
 
-    def _verify_past_rejection(self, verify, after, touched: dict[str, RequestGroup],
-                               logits: torch.Tensor | None = None) -> None:
-        """Launch a verify step, then at once ``after`` (``Scheduler.schedule_past_rejection``: the next step as
-        if every draft fails, fed the verify's first-row tokens on the device), then settle the drafts (the
-        rows' argmax was copied out before ``after`` was queued, so this waits for the verify alone). The
-        chunks of requests whose drafts were all rejected and that go on are kept (all of them: ``after``
-        stays in flight as an async step; some: their tokens are taken now); the others' rows are dropped
-        (their snapshot slot goes back to the pool, and the latent it wrote is the accepted draft's own).
-        ``logits``: the verify step's, when it was launched already (drafted ahead)."""
-        if logits is None:
-            logits = self._guarded(verify, lambda: self.runner.launch(verify))
-        greedy = logits.argmax(-1)
-        first = greedy[on_device([a for a, _ in row_spans(verify.chunks)], torch.int64, self.device)]
-        host = PendingOutput(greedy, [None] * greedy.shape[0])       # its copy queued before ``after``
-        logits_after = self._try(after, lambda: self.runner.launch(after, first))
-        pending = None if logits_after is None else self._try(after, lambda: self.runner.sample(after, logits_after))
-        greedy_rows = host.result().token_ids
-        result = self._try(verify, lambda: self.runner.sample(verify, logits, greedy_rows))
-        if result is None:               # raised by the next ``step`` (after this one's deltas, as ``_step_ahead``)
-            return
-        self._commit(verify, result, touched)
-        if pending is None:
-            return
-        keep = [i for i, (c, v) in enumerate(zip(after.chunks, verify.chunks))
-                if v.num_accepted == 0 and not c.req.is_finished]
-        if len(keep) == len(after.chunks):
-            self.scheduler.update(after)
-            self._in_flight = (after, pending)
-        elif keep:
-            result = pending.result()
-            after.chunks = [after.chunks[i] for i in keep]
-            self._commit(after, SamplerOutput([result.token_ids[i] for i in keep], [result.logprobs[i] for i in keep]),
-                         touched)
+    def run_step(self, out: SchedulerOutput, touched: dict[str, RequestGroup]) -> None:
+        """The sync step: run ``out`` (forward and sampling) and commit its tokens."""
+        self.commit(out, self.guarded(out, lambda: self.runner.execute(out)), touched)
 
-    def _guarded(self, out, run):
+    def guarded(self, out, run):
         """``run()``; if it raises, the step's reserved slots go back and a StepError names its requests."""
         try:
             return run()
@@ -251,69 +207,14 @@ class LLMEngine:
                 raise StepError(list(dict.fromkeys(c.req.group_id for c in out.chunks)), e) from e
             raise
 
-    def _step_ahead(self, touched: dict[str, RequestGroup]) -> None:
-        """Launch the step after the one in flight, then take the in-flight step's tokens, then sample the
-        new step (its logit controls see those tokens). A failure of the new step is raised by the next
-        ``step`` call, after this one has delivered the in-flight step's tokens."""
-        prev, pending = self._in_flight
-        self._in_flight = None
-        ahead = self.scheduler.schedule_ahead(prev)
-        logits = None
-        if ahead is not None:
-            inputs = pending.tokens               # row i: prev.chunks[i]'s token; ahead keeps prev's order
-            if len(ahead.chunks) < len(prev.chunks):
-                row = {id(c.req): i for i, c in enumerate(prev.chunks)}
-                inputs = inputs[on_device([row[id(c.req)] for c in ahead.chunks], torch.int64, self.device)]
-            logits = self._try(ahead, lambda: self.runner.launch(ahead, inputs))
-        self._commit(prev, pending.result(), touched, updated=True)
-        if logits is None:
-            return
-        keep = [i for i, c in enumerate(ahead.chunks) if not c.req.is_finished]   # prev's token ended the others
-        if not keep:
-            self.kv.return_spec_slots(slot for c in ahead.chunks for slot in c.spec_slots)
-            return
-        if len(keep) < len(ahead.chunks):
-            spans = row_spans(ahead.chunks)
-            self.kv.return_spec_slots(slot for c in ahead.chunks if c.req.is_finished for slot in c.spec_slots)
-            ahead.chunks = [ahead.chunks[i] for i in keep]
-            logits = logits[on_device([r for i in keep for r in range(*spans[i])], torch.int64, self.device)]
-        if any(c.draft for c in ahead.chunks):          # drafted ahead (``Scheduler._draft_ahead``)
-            after = self.scheduler.schedule_past_rejection(ahead)
-            if after is not None:
-                self._verify_past_rejection(ahead, after, touched, logits)
-            else:
-                result = self._try(ahead, lambda: self.runner.sample(ahead, logits).result())
-                if result is not None:
-                    self._commit(ahead, result, touched)
-            return
-        result = self._try(ahead, lambda: self.runner.sample(ahead, logits))
-        if result is not None:
-            self._in_flight = (ahead, result)
-            self.scheduler.update(ahead)
-
-    def _try(self, out, run):
-        try:
-            return self._guarded(out, run)
-        except StepError as e:
-            self._error = e
-            return None
-
-    def _commit(self, out, result, touched: dict[str, RequestGroup], updated: bool = False) -> None:
+    def commit(self, out, result, touched: dict[str, RequestGroup], updated: bool = False) -> None:
         """Settle a step's drafts, advance the requests (unless ``updated`` already) and append its tokens."""
         sampling = [c for c in out.chunks if c.samples]
         accepted = result.accepted or [[] for _ in sampling]
         for c, drafts in zip(sampling, accepted):
             if c.draft:
-                settle_drafts(self.kv, c, len(drafts))
-                self.num_draft_tokens += len(c.draft)
-                self.num_accepted_tokens += len(drafts)
-                self.num_drafts += 1
-                if len(self.accepted_per_position) < len(c.draft):
-                    self.accepted_per_position += [0] * (len(c.draft) - len(self.accepted_per_position))
-                for j in range(len(drafts)):
-                    self.accepted_per_position[j] += 1
-                if self.drafter is not None:
-                    self.drafter.settled(c)
+                self.scheduler.settle_drafts(c, len(drafts))
+                self._count_drafts(len(c.draft), len(drafts))
         if not updated:
             self.scheduler.update(out)
         draft_lps = result.accepted_logprobs or [[None] * len(d) for d in accepted]
@@ -329,8 +230,18 @@ class LLMEngine:
                     self.scheduler.finish(c.req, "abort")
                 continue
             touched[group.request_id] = group
-        if self.drafter is not None:
-            self.drafter.after_step(out, out.draft_states)
+        if self.scheduler.drafter is not None:
+            self.scheduler.drafter.observe(out, out.draft_states)
+
+    def _count_drafts(self, n: int, accepted: int) -> None:
+        """A verify chunk of ``n`` drafts accepted its first ``accepted`` (the stats' speculative counters)."""
+        self.num_draft_tokens += n
+        self.num_accepted_tokens += accepted
+        self.num_drafts += 1
+        if len(self.accepted_per_position) < n:
+            self.accepted_per_position += [0] * (n - len(self.accepted_per_position))
+        for j in range(accepted):
+            self.accepted_per_position[j] += 1
 
     def _append(self, c: ScheduledChunk, tokens: tuple[int, ...], logprobs: tuple, now: float) -> None:
         """Give a request its new tokens until one of them finishes it."""
@@ -344,7 +255,7 @@ class LLMEngine:
                 out.finish_time = now
                 return
 
-    def _deltas(self, touched: dict[str, RequestGroup]) -> list[RequestOutput]:
+    def emit(self, touched: dict[str, RequestGroup]) -> list[RequestOutput]:
         outs = deltas(list(touched.values()))
         for o in outs:
             if o.finished:

@@ -85,6 +85,17 @@ class RequestGroup:
     sent_prompt_logprobs: bool = False
 
 
+def record_scheduling(out, now: float) -> None:
+    """A scheduled step's admissions and preemptions (``SchedulerOutput.admitted``, ``preempted``) in the
+    requests' metrics: first scheduled time, prefix-hit tokens, preemption count."""
+    for req, hits in out.admitted:
+        if req.out.scheduled_time is None:
+            req.out.scheduled_time = now
+        req.out.num_prefix_hit_tokens = max(req.out.num_prefix_hit_tokens, hits)
+    for req in out.preempted:
+        req.out.num_preemptions += 1
+
+
 def append_output(req: Request, token: int, logprob: dict[int, float] | None, max_model_len: int) -> str | None:
     """Append a generated token (its logprob, its grammar step) and check the stops: the finish reason
     it gives, "stop" or "length", or None."""
@@ -112,7 +123,7 @@ def check_stop(req: Request, token: int, max_model_len: int) -> str | None:
         if hit is not None:
             out.stop_reason = hit
             return "stop"
-    if req.num_output_tokens >= p.max_tokens or req.num_tokens >= max_model_len:
+    if req.reaches_length(max_model_len):
         return "length"
     return None
 

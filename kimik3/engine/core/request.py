@@ -6,7 +6,8 @@ meet, the last row's logits give the next token. Prefill, chunked prefill, prefi
 recompute after preemption are all this one rule.
 
 Owners: ``Request`` itself (tokens, settings, status) is the scheduler's; ``Request.cache`` is the
-cache manager's (``kv_cache.py``); ``Request.out`` is what the engine hands back (``output.py``).
+cache manager's (``kv_cache.py``); ``Request.spec`` is the drafter's (``engine/spec/``); ``Request.out`` is
+what the engine hands back (``output.py``).
 """
 
 from __future__ import annotations
@@ -75,13 +76,7 @@ class Request:
     bad_words: object | None = None  # logit controls: params.bad_words as token ids (logit_controls.BadWords)
     device_controls: object | None = None   # logit controls: ids and biases on the device (first use)
     matcher: object | None = None                   # logit controls: the structured-output grammar (structured.Matcher)
-    draft_misses: int = 0           # speculative: failed verify step + wrong predictions since (> 0: watching)
-    draft_watch: tuple[int, int] | None = None   # speculative, watching: (position, its predicted token)
-    draft_streak: int = 0           # speculative, watching: predictions in a row that came true
-    draft_pause: int = 0            # decode steps left before this request's next n-gram lookup
-    draft_limit: int = 1 << 30      # speculative: most drafts its next step carries (settle_drafts)
-    spec_proposal: list[int] = field(default_factory=list)   # a draft model's drafts for its next step (draft_model.py)
-    token_bytes: bytearray = field(default_factory=bytearray)   # speculative: token_ids as int64 (token_bytes)
+    spec: object | None = None      # the drafter's state for this request (engine/spec/; only the drafter writes it)
     # Image embeddings [N_i, D] by item, held (the runner's tensors) from the first chunk that needs an
     # item until its last pad is computed, so a request encodes or fetches each image once per prefill.
     image_embeds: dict[int, torch.Tensor] = field(default_factory=dict)
@@ -111,6 +106,12 @@ class Request:
     @property
     def is_finished(self) -> bool:
         return self.status is RequestStatus.FINISHED
+
+    def reaches_length(self, max_model_len: int, pending: int = 0) -> bool:
+        """Whether the request is at its length limit (``max_tokens`` outputs or ``max_model_len`` tokens) once
+        ``pending`` more tokens (sampled, not yet appended) are appended: the one "finished by length" rule."""
+        return (self.num_output_tokens + pending >= self.params.max_tokens
+                or self.num_tokens + pending >= max_model_len)
 
     def append_token(self, token_id: int) -> None:
         self.token_ids.append(token_id)

@@ -1,6 +1,8 @@
 """What the scheduler hands the runner each step (the scheduler -> runner contract): the chunks to
-compute, the KDA state copies, resets and checkpoints to take, the requests preempted. The engine writes
-back each chunk's accepted drafts (``num_accepted``) before ``Scheduler.update`` reads them."""
+compute, the KDA state copies, resets and checkpoints to take, the requests admitted and preempted (their
+metrics are the output path's to write, ``output.record_scheduling``). The engine writes back each chunk's
+accepted drafts (``Scheduler.settle_drafts``: ``num_accepted``) before ``Scheduler.update`` reads them. And
+``StepError``: what a step whose forward raised turns into."""
 
 from __future__ import annotations
 
@@ -39,6 +41,7 @@ class SchedulerOutput:
     checkpoint_hashes: list[bytes | None] = field(default_factory=list)  # block hash per checkpoint; None: speculative
     preempted: list[Request] = field(default_factory=list)
     draft_states: object = None        # the target's states a draft model reads, [T, n * D] (runner)
+    admitted: list[tuple[Request, int]] = field(default_factory=list)  # (request, its prefix-hit tokens)
 
     @property
     def num_tokens(self) -> int:
@@ -47,3 +50,12 @@ class SchedulerOutput:
     @property
     def is_empty(self) -> bool:
         return not self.chunks
+
+
+class StepError(RuntimeError):
+    """A step's forward raised. ``request_ids``: the requests (their user ids) in that step's batch,
+    the only ones whose data can have caused it; the engine itself is consistent afterwards."""
+
+    def __init__(self, request_ids: list[str], cause: BaseException):
+        super().__init__(f"engine step over request(s) {request_ids} failed: {type(cause).__name__}: {cause}")
+        self.request_ids = request_ids

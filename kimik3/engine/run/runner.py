@@ -3,7 +3,7 @@
 ``execute`` = ``launch``: the step's KDA state copies and resets, its inputs (``batch_builder.py``; images
 through the vision tower's graphs, ``encoder_graphs.py``), one forward (a ``cuda_graphs.DecodeGraphs``
 replay for a decode or verify step that fits one, else one packed varlen ``forward_step``), the logits
-rows; then ``sample``: the sampler or, for drafts, the verifier (``speculative.py``). Async scheduling
+rows; then ``sample``: the sampler or, for drafts, the verifier (``spec/verify.py``). Async scheduling
 calls the two apart, with the previous step's commit between.
 """
 
@@ -20,7 +20,7 @@ from kimik3.engine.run.batch_builder import BatchBuilder
 from kimik3.engine.sample.logit_controls import controlled_logits
 from kimik3.engine.sample.logprobs import record_prompt_logprobs
 from kimik3.engine.sample.sampler import PendingOutput, Sampler, SamplerOutput
-from kimik3.engine.spec.speculative import row_spans, verify
+from kimik3.engine.spec.verify import row_spans, verify
 from kimik3.engine.transfer import on_device
 from kimik3.model.batch import ForwardBatch, HybridCache
 from kimik3.model.cuda_graphs import DecodeGraphs, capture_or_none
@@ -79,7 +79,7 @@ class ModelRunner:
     def sample(self, out, logits: torch.Tensor | None, greedy: list[int] | None = None) -> SamplerOutput | PendingOutput:
         """One token per sampling chunk, in chunk order (after its accepted drafts, if it has any):
         logit controls first (``logit_controls.py``), then the sampler or the draft verifier (``greedy``:
-        the rows' argmax on the host, for a verify step of plain greedy chunks, ``speculative.verify``)."""
+        the rows' argmax on the host, for a verify step of plain greedy chunks, ``spec/verify.py``)."""
         t0 = time.perf_counter()
         chunks = [c for c in out.chunks if c.samples]
         raw = logits

@@ -7,7 +7,7 @@ CDF at a uniform fixed by (seed, position of the token in the sequence) (``seede
 tokens depend on neither its batch, its step nor the device, a request resumed from its own output
 continues as it would have, and a step of many seeded rows costs the same few tensor ops as one. Plain
 greedy rows take the argmax. Speculative chunks (several rows each) are verified by
-``speculative.verify``, which uses these pieces. Logprobs come from ``logprobs.py``.
+``spec/verify.py``, which uses these pieces. Logprobs come from ``logprobs.py``.
 """
 
 from __future__ import annotations

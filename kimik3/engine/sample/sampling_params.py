@@ -125,6 +125,29 @@ class SamplingParams:
         self._check_controls(need)
 
     def _check_controls(self, need) -> None:
+        self._check_token_controls(need)
+        need(isinstance(self.min_tokens, int) and not isinstance(self.min_tokens, bool)
+             and 0 <= self.min_tokens <= self.max_tokens,
+             f"min_tokens must be an integer in [0, max_tokens={self.max_tokens}], got {self.min_tokens!r}",
+             "lower min_tokens or raise max_tokens")
+        need(isinstance(self.include_stop_str_in_output, bool),
+             f"include_stop_str_in_output must be a bool, got {self.include_stop_str_in_output!r}", "pass true/false")
+        need(self.prompt_logprobs is None or (isinstance(self.prompt_logprobs, int)
+                                              and not isinstance(self.prompt_logprobs, bool)
+                                              and self.prompt_logprobs >= 0),
+             f"prompt_logprobs must be None or an integer >= 0, got {self.prompt_logprobs!r}",
+             "pass the number of top tokens wanted")
+        if self.structured_outputs is not None:
+            need(isinstance(self.structured_outputs, StructuredOutputsParams),
+                 f"structured_outputs must be a StructuredOutputsParams, got {type(self.structured_outputs).__name__}",
+                 "wrap the constraint in StructuredOutputsParams(...)")
+            need(not self.ignore_eos, "ignore_eos cannot be combined with structured_outputs",
+                 "the constraint ends the text when its grammar is complete; drop ignore_eos")
+            need(self.min_tokens == 0, "min_tokens cannot be combined with structured_outputs",
+                 "the grammar decides where the text ends; drop min_tokens")
+
+    def _check_token_controls(self, need) -> None:
+        """The controls that name tokens: logit_bias, allowed_token_ids, bad_words, bad_token_sequences."""
         def token_ids(v) -> bool:
             return all(isinstance(t, int) and not isinstance(t, bool) and t >= 0 for t in v)
 
@@ -152,25 +175,6 @@ class SamplingParams:
                  f"bad_token_sequences must be a list of non-empty token id lists, got {self.bad_token_sequences!r}",
                  "drop empty sequences")
             self.bad_token_sequences = [list(w) for w in self.bad_token_sequences]
-        need(isinstance(self.min_tokens, int) and not isinstance(self.min_tokens, bool)
-             and 0 <= self.min_tokens <= self.max_tokens,
-             f"min_tokens must be an integer in [0, max_tokens={self.max_tokens}], got {self.min_tokens!r}",
-             "lower min_tokens or raise max_tokens")
-        need(isinstance(self.include_stop_str_in_output, bool),
-             f"include_stop_str_in_output must be a bool, got {self.include_stop_str_in_output!r}", "pass true/false")
-        need(self.prompt_logprobs is None or (isinstance(self.prompt_logprobs, int)
-                                              and not isinstance(self.prompt_logprobs, bool)
-                                              and self.prompt_logprobs >= 0),
-             f"prompt_logprobs must be None or an integer >= 0, got {self.prompt_logprobs!r}",
-             "pass the number of top tokens wanted")
-        if self.structured_outputs is not None:
-            need(isinstance(self.structured_outputs, StructuredOutputsParams),
-                 f"structured_outputs must be a StructuredOutputsParams, got {type(self.structured_outputs).__name__}",
-                 "wrap the constraint in StructuredOutputsParams(...)")
-            need(not self.ignore_eos, "ignore_eos cannot be combined with structured_outputs",
-                 "the constraint ends the text when its grammar is complete; drop ignore_eos")
-            need(self.min_tokens == 0, "min_tokens cannot be combined with structured_outputs",
-                 "the grammar decides where the text ends; drop min_tokens")
 
     @property
     def greedy(self) -> bool:

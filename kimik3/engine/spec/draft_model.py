@@ -2,7 +2,7 @@
 
 The target's forward keeps the hidden states the draft reads (``aux_layers``: Eagle3's / DFlash's auxiliary
 layers, MTP's pre-norm h_final) for every row of the step (``ModelRunner``). After the step is committed
-(drafts settled, tokens appended), ``after_step``:
+(drafts settled, tokens appended), ``observe``:
 
 1. catches the draft's cache up with the positions the target computed and kept: every prompt row and, in a
    verify chunk, the input row and the accepted drafts. The draft's row at position p reads the target's states
@@ -12,23 +12,26 @@ layers, MTP's pre-norm h_final) for every row of the step (``ModelRunner``). Aft
    freeing need nothing of their own; the draft has no recurrent state to roll back.
 2. drafts for each request that decodes next: Eagle3 / MTP chain their own features, one forward per draft
    token (positions past the request's blocks go to scratch blocks after the target's); DFlash drafts a block
-   in one forward. Drafts are the draft's greedy tokens (a one-token draft distribution): ``speculative.verify``
+   in one forward. Drafts are the draft's greedy tokens (a one-token draft distribution): ``verify.verify``
    accepts exactly as the target's sampler would, greedy and sampled alike.
 
-The number of drafts adapts per request: ``draft_limit`` (m + 1 after m accepted of a rejected draft, one
-more after a fully accepted one, ``settle_drafts``), and a verify step that accepts none pauses drafting for
-1, 4, 16, 64, then 128 decode steps (``speculative.watch_pause``), after which one draft probes again: on text
-the draft cannot predict (adversarial, very long context) the steps run plain. While paused the draft's cache
-is still caught up (one draft row per decoded token).
+The number of drafts adapts per request (``ModelState``, the request's ``Request.spec``): ``limit`` (m + 1
+after m accepted of a rejected draft, one more after a fully accepted one, ``settle``), and a verify step that
+accepts none pauses drafting for 1, 4, 16, 64, then 128 decode steps (``drafter.watch_pause``), after which one
+draft probes again: on text the draft cannot predict (adversarial, very long context) the steps run plain.
+While paused the draft's cache is still caught up (one draft row per decoded token). Its drafts need the
+previous step's committed tokens, so its requests' steps are never scheduled ahead (``drafts_ahead`` False).
 """
 
 from __future__ import annotations
 
 import logging
+from dataclasses import dataclass, field
 
 import torch
 
-from kimik3.engine.spec.speculative import can_speculate, watch_pause
+from kimik3.engine.config import EngineConfig
+from kimik3.engine.spec.drafter import Drafter, watch_pause
 from kimik3.model.batch import ForwardBatch
 from kimik3.model.dflash import DFlashDraft
 from kimik3.model.draft_attention import DraftBatch, extend_tables
@@ -40,8 +43,25 @@ logger = logging.getLogger(__name__)
 METHODS = ("eagle3", "mtp", "dflash", "dspark")
 
 
-class ModelDrafter:
-    def __init__(self, draft, num_speculative_tokens: int, num_blocks: int, block_size: int, max_num_seqs: int):
+@dataclass
+class ModelState:
+    """One request's draft-model drafting state (``Request.spec``)."""
+
+    misses: int = 0                 # verify steps in a row that accepted no draft
+    pause: int = 0                  # decode steps left without drafts
+    limit: int = 1 << 30            # most drafts its next step carries (``settle``)
+    proposal: list[int] = field(default_factory=list)   # the draft's drafts for its next step (``observe``)
+
+
+class ModelDrafter(Drafter):
+    """Drafts from a draft model (module docstring); ``observe`` runs it after each committed step."""
+
+    drafts_ahead = False
+
+    def __init__(self, config: EngineConfig, draft, num_blocks: int):
+        super().__init__(config)
+        num_speculative_tokens, block_size, max_num_seqs = config.num_speculative_tokens, config.block_size, \
+            config.max_num_seqs
         self.draft = draft
         self.k = num_speculative_tokens
         if isinstance(draft, DFlashDraft) and num_speculative_tokens > draft.cfg.block_size - 1:
@@ -82,13 +102,33 @@ class ModelDrafter:
         return [list(range(self.first_scratch + i * self.scratch_per_seq,
                            self.first_scratch + (i + 1) * self.scratch_per_seq)) for i in range(n)]
 
-    def wants(self, req) -> bool:
-        """Whether ``req``'s rows feed the draft at all (requests that can never speculate are skipped)."""
-        return can_speculate(req.params)
+    @staticmethod
+    def state(req) -> ModelState:
+        if req.spec is None:
+            req.spec = ModelState()
+        return req.spec
+
+    def propose(self, req, room: int) -> list[int]:
+        """The draft's proposal from the last step (``observe``), within ``room`` and the grammar."""
+        s = self.state(req)
+        if s.pause:
+            s.pause -= 1
+            return []
+        draft, s.proposal = s.proposal[:min(room, s.limit)], []
+        return draft[:req.matcher.valid_prefix(draft)] if draft and req.matcher is not None else draft
+
+    def settle(self, req, draft: list[int], num_accepted: int) -> None:
+        """The next step carries at most m + 1 drafts after m accepted of a rejected draft (one more after all
+        were accepted); a verify that accepted none pauses its drafts (``watch_pause`` of its misses in a row)."""
+        s, m = self.state(req), num_accepted
+        s.misses = 0 if m else s.misses + 1
+        s.limit = m + 1 if m < len(draft) else max(s.limit, m + 1)
+        if m == 0:
+            s.pause = watch_pause(s.misses)
 
     @torch.inference_mode()
-    def after_step(self, out, states: torch.Tensor | None) -> None:
-        """Catch up with a committed step and set ``req.spec_proposal`` of each request that drafts next.
+    def observe(self, out, states: torch.Tensor | None) -> None:
+        """Catch up with a committed step and set the proposal of each request that drafts next.
         ``states``: the target's aux states of the step's packed rows [T, n * D] (None: nothing to read)."""
         if states is None:
             return
@@ -96,7 +136,7 @@ class ModelDrafter:
         offset = 0
         for c in out.chunks:
             req, n_real = c.req, c.num_tokens - len(c.draft) + c.num_accepted
-            if self.wants(req) and not req.is_finished and req.num_tokens > c.start + n_real:
+            if self.may_draft(req) and not req.is_finished and req.num_tokens > c.start + n_real:
                 rows.extend(range(offset, offset + n_real))
                 pos.extend(range(c.start, c.start + n_real))
                 nxt.extend(req.token_ids[c.start + 1:c.start + n_real + 1])
@@ -123,9 +163,10 @@ class ModelDrafter:
 
     def _room(self, req) -> int:
         """Drafts ``req`` takes next (0 while paused; the scheduler trims them to its budget too)."""
-        if req.draft_pause or req.is_finished:
+        s = self.state(req)
+        if s.pause or req.is_finished:
             return 0
-        return max(0, min(self.k, req.draft_limit, req.params.max_tokens - req.num_output_tokens - 1))
+        return max(0, min(self.k, s.limit, req.params.max_tokens - req.num_output_tokens - 1))
 
     def _run(self, step: int, ids, feats, positions, lens, starts, tables, scratch, first: bool = False):
         """One draft forward over rows (``lens`` per sequence from ``starts``): (logits, features)."""
@@ -161,7 +202,7 @@ class ModelDrafter:
             tokens.append(t)
         drafts = torch.stack(tokens, 1).tolist()
         for req, r, d in zip(reqs, room, drafts):
-            req.spec_proposal = d[:r]
+            self.state(req).proposal = d[:r]
 
     def _dflash(self, feats, pos, starts, lens, tables, seqs, drafting) -> None:
         ctx = DraftBatch.build(lens, starts, tables, self.block_size, None, self.device)
@@ -176,13 +217,7 @@ class ModelDrafter:
         anchors = torch.tensor([r.token_ids[p] for r, p in zip(reqs, P)], device=self.device)
         drafts = self._to_target(self.draft(anchors, block, self.cache)).tolist()
         for req, d in zip(reqs, drafts):
-            req.spec_proposal = d[:self._room(req)]
-
-    @staticmethod
-    def settled(chunk) -> None:
-        """A verify chunk that accepted none pauses its drafts (``watch_pause`` of its misses in a row)."""
-        if chunk.draft and chunk.num_accepted == 0:
-            chunk.req.draft_pause = watch_pause(chunk.req.draft_misses)
+            self.state(req).proposal = d[:self._room(req)]
 
 
 def load_draft(method: str, path: str, target):

@@ -16,7 +16,7 @@ from kimik3.engine import SamplingParams
 from kimik3.engine.core.llm_engine import StepError
 from kimik3.engine.sample.sampling_params import StructuredOutputsParams
 from tests.engine.fake_model import reference_greedy
-from tests.engine.helpers import count_calls, make_engine, oracle_proposer, run
+from tests.engine.helpers import count_calls, make_engine, oracle_proposer, run, turn_async
 
 
 @pytest.fixture(scope="module", params=["kimi_k3", "kimi_linear"])
@@ -95,7 +95,7 @@ def test_abort_while_in_flight(model):
         for d in engine.step():
             got.setdefault(d.request_id, []).extend(d.outputs[0].token_ids)
             reasons[d.request_id] = d.outputs[0].finish_reason
-    while len(got.get("r1", [])) < 3 or engine._in_flight is None:
+    while len(got.get("r1", [])) < 3 or engine.pipeline.in_flight is None:
         step()
     before = len(got["r1"])
     engine.abort_request("r1")
@@ -117,7 +117,7 @@ def test_constrained_requests_give_the_synchronous_tokens(tiny_ckpt):
                              structured_outputs=StructuredOutputsParams(json=schema)) for i in range(6)]
     prompts_ = [f"give {i}" for i in range(6)]
     sync = [o.outputs[0] for o in llm.generate(prompts_, params, use_tqdm=False)]
-    llm.engine.config.async_scheduling = True
+    turn_async(llm.engine)
     ahead = count_calls(llm.engine.scheduler, "schedule_ahead")
     asyn = [o.outputs[0] for o in llm.generate(prompts_, params, use_tqdm=False)]
     assert ahead.hits > 5
@@ -166,7 +166,7 @@ def test_every_request_option_gives_the_synchronous_outputs():
             step += 1
         return got
     sync = outputs()
-    llm.engine.config.async_scheduling = True
+    turn_async(llm.engine)
     ahead = count_calls(llm.engine.scheduler, "schedule_ahead")
     asyn = outputs()
     assert ahead.hits > 5 and set(asyn) == set(sync) and len(sync) == len(options) + 1
@@ -222,7 +222,7 @@ def test_speculation_with_async_scheduling_gives_the_synchronous_tokens(model, m
     greedy requests' continuations and corrupts every other one (``helpers.oracle_proposer``). Greedy
     (drafting) tokens equal the model's own decoding; seeded requests with penalties (which never draft) in
     the same batches the synchronous engine's."""
-    import kimik3.engine.core.scheduler as scheduler
+    import kimik3.engine.spec.ngram as ngram
     vocab = model.config.text.vocab_size
     rng = random.Random(5)
     reqs = {}
@@ -232,7 +232,7 @@ def test_speculation_with_async_scheduling_gives_the_synchronous_tokens(model, m
         reqs[f"s{i}"] = (p, SamplingParams(temperature=0.9, seed=i, presence_penalty=0.3, max_tokens=24,
                                            ignore_eos=True))     # penalties: no drafts, samples fixed by seed
     futures = {tuple(p): reference_greedy(model, p, 24) for rid, (p, _) in reqs.items() if rid.startswith("g")}
-    monkeypatch.setattr(scheduler, "propose_ngram", oracle_proposer(futures, vocab))
+    monkeypatch.setattr(ngram, "propose_ngram", oracle_proposer(futures, vocab))
     kw = dict(block_size=4, max_num_seqs=4, max_num_batched_tokens=64, max_model_len=48, extra_blocks=40,
               num_speculative_tokens=3, speculative_ngram_min=1, speculative_ngram_max=2)
     sync, asyn = make_engine(model, **kw), make_engine(model, async_scheduling=True, **kw)
@@ -267,7 +267,7 @@ def test_drafts_proposed_ahead_of_the_previous_token_keep_the_models_tokens(mode
     ahead, and after two right ones it drafts ahead again); a stop token ends
     one request. Tokens equal the model's greedy decoding; drafts made ahead were accepted and rejected;
     every snapshot slot and block goes back."""
-    import kimik3.engine.core.scheduler as scheduler
+    import kimik3.engine.spec.ngram as ngram
     vocab = model.config.text.vocab_size
     rng = random.Random(11)
     reqs = {}
@@ -285,7 +285,7 @@ def test_drafts_proposed_ahead_of_the_previous_token_keep_the_models_tokens(mode
         i = calls[prompt] = calls.get(prompt, -1) + 1
         right = i % 4 != 0                                  # wrong, right, right, right, wrong .. per request
         return [t if right else (t + 1) % vocab for t in futures[prompt][done:done + k]]
-    monkeypatch.setattr(scheduler, "propose_ngram", propose)
+    monkeypatch.setattr(ngram, "propose_ngram", propose)
     kw = dict(block_size=4, max_num_seqs=4, max_num_batched_tokens=64, max_model_len=64, extra_blocks=40,
               num_speculative_tokens=3, async_scheduling=True, enable_prefix_caching=False)
     engine = make_engine(model, **kw)
@@ -303,9 +303,9 @@ def test_drafts_proposed_ahead_of_the_previous_token_keep_the_models_tokens(mode
 
 def test_constrained_requests_wait_for_the_previous_token_only_where_a_draft_could_follow(monkeypatch):
     """A request with a grammar cannot draft ahead (its matcher has not seen the previous token): its step
-    waits for that token, unless no draft can follow whatever it is (``speculative.may_propose_after``), when
+    waits for that token, unless no draft can follow whatever it is (``ngram.may_propose_after``), when
     the step runs ahead. More steps run ahead than with that check off; the tokens are the synchronous ones."""
-    from kimik3.engine.core import scheduler
+    from kimik3.engine.spec import ngram
     schema = {"type": "object", "properties": {"n": {"type": "integer"}, "w": {"enum": ["a", "bb"]}},
               "required": ["n", "w"], "additionalProperties": False}
     params = [SamplingParams(temperature=0, max_tokens=60, structured_outputs=StructuredOutputsParams(json=schema))
@@ -313,11 +313,11 @@ def test_constrained_requests_wait_for_the_previous_token_only_where_a_draft_cou
     prompts_ = [f"give {i}" for i in range(4)]
     llm = kimik3.LLM(kimik3.DEFAULT_MODEL, max_num_seqs=8, max_model_len=256, num_speculative_tokens=2)
     sync = [o.outputs[0].token_ids for o in llm.generate(prompts_, params, use_tqdm=False)]
-    llm.engine.config.async_scheduling = True
+    turn_async(llm.engine)
     hits = []
     for check in (True, False):
         if not check:
-            monkeypatch.setattr(scheduler, "may_propose_after", lambda *a: True)
+            monkeypatch.setattr(ngram, "may_propose_after", lambda *a: True)
         ahead = count_calls(llm.engine.scheduler, "schedule_ahead")
         assert [o.outputs[0].token_ids for o in llm.generate(prompts_, params, use_tqdm=False)] == sync, check
         hits.append(ahead.hits)
@@ -328,22 +328,23 @@ def test_a_watching_request_with_a_grammar_does_not_wait_for_the_previous_token(
     """Drafting ahead, a request with a grammar waits for its previous token t (its matcher must see t before
     drafts); watching after a failed verify it drafts nothing, so it only records the lookup's guess of t as its
     prediction and its step runs ahead. Two right predictions end the watch: the next lookup waits for t again."""
-    import kimik3.engine.core.scheduler as scheduler
+    import kimik3.engine.spec.ngram as ngram
     from kimik3.engine.core.request import Request
     engine = make_engine(model, block_size=4, max_num_seqs=2, max_num_batched_tokens=64, max_model_len=64,
                          extra_blocks=8, num_speculative_tokens=2, async_scheduling=True)
     req = Request("r", [5, 6, 7, 5, 6], SamplingParams(temperature=0, max_tokens=20), arrival=0.0)
     req.matcher = object()                             # any grammar: only its presence matters here
     guesses = iter([9, 11, 12, 13])
-    monkeypatch.setattr(scheduler, "propose_ngram", lambda *a, **k: [next(guesses), 1, 2])
+    monkeypatch.setattr(ngram, "propose_ngram", lambda *a, **k: [next(guesses), 1, 2])
     draft_ahead = engine.scheduler._draft_ahead
     assert draft_ahead(req, 64) is None                # drafting: wait for t (min_n 1: a draft may follow)
-    req.draft_misses = 1                               # its last verify accepted nothing: watching
-    assert draft_ahead(req, 64) == [] and req.draft_watch == (5, 9)
+    state = req.spec                                   # the n-gram drafter's state of the request
+    state.misses = 1                                   # its last verify accepted nothing: watching
+    assert draft_ahead(req, 64) == [] and state.watch == (5, 9)
     req.append_token(9)                                # t came as predicted: one hit
-    assert draft_ahead(req, 64) == [] and req.draft_watch == (6, 11) and req.draft_streak == 1
+    assert draft_ahead(req, 64) == [] and state.watch == (6, 11) and state.streak == 1
     req.append_token(11)                               # a second hit ends the watch
-    assert draft_ahead(req, 64) is None and req.draft_misses == 0
+    assert draft_ahead(req, 64) is None and state.misses == 0
 
 
 @pytest.mark.parametrize("flags, device, expected", [
@@ -374,12 +375,11 @@ def test_steps_launched_past_an_expected_rejection_keep_the_models_tokens(model,
     pattern, the guess apart from the drafts: such steps meet rejections (the step kept), accepted drafts
     (dropped) and, with three requests, both at once (partly kept), after drafting ahead and after drafting
     on the host. Every token equals the model's own greedy decoding; every snapshot slot and block goes back."""
-    import kimik3.engine.core.scheduler as scheduler
-    from kimik3.engine.spec import speculative
+    import kimik3.engine.spec.ngram as ngram
     # one request: after a miss it watches until one prediction comes true, so plain steps run ahead after a
     # kept one, from its snapshot; three: no watching, so the requests draft in step, and on the host right
     # after a miss
-    monkeypatch.setattr(speculative, "WATCH_HITS", 1 if n == 1 else 0)
+    monkeypatch.setattr(ngram, "WATCH_HITS", 1 if n == 1 else 0)
     vocab = model.config.text.vocab_size
     rng = random.Random(7)
     reqs = {f"r{i}": ([rng.randrange(5, vocab) for _ in range(6 + i)],
@@ -403,20 +403,20 @@ def test_steps_launched_past_an_expected_rejection_keep_the_models_tokens(model,
         if follow == 2 and kind in "GD":         # tokens[0] is the guess
             right[0] = kind == "D"
         return [t if ok else (t + 1) % vocab for t, ok in zip(tokens, right)]
-    monkeypatch.setattr(scheduler, "propose_ngram", propose)
+    monkeypatch.setattr(ngram, "propose_ngram", propose)
     kw = dict(block_size=4, max_num_seqs=4, max_num_batched_tokens=64, max_model_len=64, extra_blocks=40,
               num_speculative_tokens=2, async_scheduling=True, enable_prefix_caching=False)   # (no draft cut at a checkpoint)
     engine = make_engine(model, **kw)
     outcomes = []
-    verify_past = engine._verify_past_rejection
+    verify_past = engine.pipeline._verify_past_rejection
 
     def record(verify, after, touched, logits=None):
         verify_past(verify, after, touched, logits)
         accepted = [c.num_accepted > 0 for c in verify.chunks]
         outcome = "kept" if not any(accepted) else "dropped" if all(accepted) else "partly"
         outcomes.append((outcome, "ahead" if logits is not None else "host"))
-        assert (engine._in_flight is not None) == (outcome == "kept")
-    monkeypatch.setattr(engine, "_verify_past_rejection", record)
+        assert (engine.pipeline.in_flight is not None) == (outcome == "kept")
+    monkeypatch.setattr(engine.pipeline, "_verify_past_rejection", record)
     out = run(engine, reqs)
     for rid, (p, params) in reqs.items():
         assert out[rid][0][0] == futures[tuple(p)], rid
@@ -431,9 +431,8 @@ def test_requests_ended_by_the_token_in_flight_give_back_their_drafted_ahead_slo
     for it; its snapshot slots go back (with other requests kept in the step, or none). Stop tokens swept
     over positions of one request among three, drafting every step (no watching, drafts always wrong, so steps
     past each rejection run and the next lookups are made ahead)."""
-    import kimik3.engine.core.scheduler as scheduler
-    from kimik3.engine.spec import speculative
-    monkeypatch.setattr(speculative, "WATCH_HITS", 0)
+    import kimik3.engine.spec.ngram as ngram
+    monkeypatch.setattr(ngram, "WATCH_HITS", 0)
     vocab = model.config.text.vocab_size
     rng = random.Random(3)
     prompts_ = [[rng.randrange(5, vocab) for _ in range(6 + i)] for i in range(3)]
@@ -443,7 +442,7 @@ def test_requests_ended_by_the_token_in_flight_give_back_their_drafted_ahead_slo
         prompt = next(p for p in futures if tuple(token_ids[:len(p)]) == p)
         done = len(token_ids) - len(prompt)
         return [(t + 1) % vocab for t in futures[prompt][done:done + k]]
-    monkeypatch.setattr(scheduler, "propose_ngram", propose)
+    monkeypatch.setattr(ngram, "propose_ngram", propose)
     kw = dict(block_size=4, max_num_seqs=4, max_num_batched_tokens=64, max_model_len=64, extra_blocks=40,
               num_speculative_tokens=2, async_scheduling=True, enable_prefix_caching=False)
     hits = 0
@@ -469,14 +468,14 @@ def test_a_failure_around_a_step_past_rejection_is_raised_next_and_frees_its_slo
     """The step launched past an expected rejection, or the sampling of the verify step before it (drafted
     ahead), fails: the tokens committed in that call are delivered first, the StepError comes from the next
     ``step`` naming the request, and once it is aborted every snapshot slot and block is back."""
-    import kimik3.engine.core.scheduler as scheduler
+    import kimik3.engine.spec.ngram as ngram
     vocab = model.config.text.vocab_size
     p = random.Random(9).sample(range(5, vocab), 8)
     future = reference_greedy(model, p, 40)
 
     def propose(token_ids, k, min_n, max_n, data=None, follow=1):      # every token wrong, the guess too
         return [(t + 1) % vocab for t in future[len(token_ids) - len(p):len(token_ids) - len(p) + k]]
-    monkeypatch.setattr(scheduler, "propose_ngram", propose)
+    monkeypatch.setattr(ngram, "propose_ngram", propose)
     engine = make_engine(model, block_size=4, max_num_seqs=2, max_num_batched_tokens=64, max_model_len=64,
                          extra_blocks=40, num_speculative_tokens=2, async_scheduling=True, enable_prefix_caching=False)
     failed = []

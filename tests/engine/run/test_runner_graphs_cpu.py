@@ -209,14 +209,14 @@ def test_verify_capture_failure_keeps_the_decode_graphs(model, caplog):
 def test_verify_graphs_keep_sampled_and_logprob_requests_exact(model, monkeypatch):
     """Seeded sampled requests with logprobs and n-gram drafts (every other one corrupted): verify
     steps as graph replays give the eager engine's tokens and logprobs."""
-    import kimik3.engine.core.scheduler as scheduler
+    import kimik3.engine.spec.ngram as ngram
     from tests.engine.helpers import oracle_proposer
     vocab = model.config.text.vocab_size
     rng = random.Random(6)
     prompts = [[rng.randrange(5, vocab) for _ in range(6 + 3 * i)] for i in range(3)]
     greedy = run(make_engine(model, block_size=4, max_num_seqs=3, max_model_len=40, extra_blocks=12),
                  {str(i): (p, SamplingParams(temperature=0, max_tokens=10, ignore_eos=True)) for i, p in enumerate(prompts)})
-    monkeypatch.setattr(scheduler, "propose_ngram", oracle_proposer(
+    monkeypatch.setattr(ngram, "propose_ngram", oracle_proposer(
         {tuple(p): greedy[str(i)][0][0] for i, p in enumerate(prompts)}, vocab))
     reqs = {str(i): (p, SamplingParams(temperature=0.8, top_p=0.9, seed=10 + i, max_tokens=10, ignore_eos=True,
                                        logprobs=3)) for i, p in enumerate(prompts)}

@@ -135,7 +135,7 @@ def test_bad_words_and_min_tokens_read_the_output_and_drafts_only():
     from kimik3.engine.core.request import Request
     from kimik3.engine.core.scheduler_output import ScheduledChunk
     from kimik3.engine.sample.logit_controls import controlled_logits
-    from kimik3.engine.spec.speculative import row_spans
+    from kimik3.engine.spec.verify import row_spans
     params = SamplingParams(min_tokens=502, max_tokens=1000, bad_words=["unused"])
     chunks = []
     for outputs, draft in (([9] + [1] * 497 + [5, 6], [2, 5, 6]), ([9], [])):

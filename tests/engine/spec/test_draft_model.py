@@ -57,10 +57,10 @@ def oracle(monkeypatch, futures: dict[tuple[int, ...], list[int]], vocab: int) -
         for req in reqs:
             prompt = next(p for p in futures if tuple(req.token_ids[:len(p)]) == p)
             done = req.num_tokens - len(prompt)
-            d = list(futures[prompt][done:done + len(req.spec_proposal)])
+            d = list(futures[prompt][done:done + len(req.spec.proposal)])
             if done % 2 and len(d) > 1:
                 d[1] = (d[1] + 1) % vocab
-            req.spec_proposal = d
+            req.spec.proposal = d
     monkeypatch.setattr(ModelDrafter, "_chain", patched)
 
 
@@ -116,7 +116,7 @@ def test_proposals_equal_the_draft_run_from_scratch(target, monkeypatch):
 
     def record(self, reqs, logits, hidden, next_pos, tables):
         chain(self, reqs, logits, hidden, next_pos, tables)
-        seen.extend((list(r.token_ids), list(r.spec_proposal), self.draft) for r in reqs)
+        seen.extend((list(r.token_ids), list(r.spec.proposal), self.draft) for r in reqs)
     monkeypatch.setattr(ModelDrafter, "_chain", record)
     reqs = requests(target, seed=4, n=2, max_tokens=12)
     engine = engine_with(target, k=3, block_size=4, max_num_seqs=2, max_num_batched_tokens=7, max_model_len=40)
@@ -169,10 +169,10 @@ def test_mtp_and_dflash_drafts_through_the_engine(target, monkeypatch, method):
             block(self, feats, pos, starts, lens, tables, seqs, drafting)
             for i in drafting:
                 req = seqs[i][0].req
-                proposals.append(len(req.spec_proposal))
+                proposals.append(len(req.spec.proposal))
                 prompt = next(p for p in futures if tuple(req.token_ids[:len(p)]) == p)
                 done = req.num_tokens - len(prompt)
-                req.spec_proposal = list(futures[prompt][done:done + len(req.spec_proposal)])
+                req.spec.proposal = list(futures[prompt][done:done + len(req.spec.proposal)])
         monkeypatch.setattr(ModelDrafter, "_dflash", oracle_block)
     else:
         oracle(monkeypatch, futures, text.vocab_size)

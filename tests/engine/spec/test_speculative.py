@@ -14,7 +14,8 @@ from hypothesis import strategies as st
 import kimik3
 from kimik3.engine import EngineConfig, SamplingParams
 from kimik3.engine.core.memory import plan_memory
-from kimik3.engine.spec.speculative import accept_greedy, may_propose_after, propose_ngram, token_bytes
+from kimik3.engine.spec.ngram import may_propose_after, propose_ngram, token_bytes
+from kimik3.engine.spec.verify import accept_greedy
 from tests.engine.fake_model import FakeModel, fake_config, reference_greedy
 from tests.engine.helpers import check_invariants, make_engine, oracle_requests, run
 
@@ -71,10 +72,12 @@ def test_token_bytes_follow_the_request_as_it_grows():
 
     from kimik3.engine.core.request import Request
     req = Request("r", [5, 2**40, 255], SamplingParams(), 0.0, block_size=4)
+    buf = bytearray()
     for step in ([256, 5], [], [2**40, 255, 256], [7]):
         for t in step:
             req.append_token(t)
-        data = token_bytes(req)
+        data = token_bytes(req.token_ids, buf)
+        assert data is buf
         assert bytes(data) == array("q", req.token_ids).tobytes()
         assert propose_ngram(req.token_ids, 2, 1, 3, data=data) == propose_ngram(req.token_ids, 2, 1, 3)
 
@@ -125,13 +128,13 @@ def test_cycling_outputs_accept_drafts_and_save_steps():
 def watch_schedule(first: int, end: int) -> list[int]:
     """The output positions a watching request looks up, by the documented rule: from ``first`` (the token after
     its failed verify step) a lookup records its prediction, the next one scores it; a wrong one skips the next
-    4, 16, 64, then 128 lookups (``speculative.watch_pause``), each pair found wrong."""
-    from kimik3.engine.spec import speculative
+    4, 16, 64, then 128 lookups (``drafter.watch_pause``), each pair found wrong."""
+    from kimik3.engine.spec import drafter
     looks, p, misses = [], first, 1
     while p < end:
         looks += [p, p + 1]
         misses += 1
-        p += 2 + min(speculative.WATCH_PAUSE_BASE ** (misses - 1), speculative.MAX_WATCH_PAUSE)
+        p += 2 + min(drafter.WATCH_PAUSE_BASE ** (misses - 1), drafter.MAX_WATCH_PAUSE)
     return [q for q in looks if q < end]
 
 
@@ -144,7 +147,7 @@ def test_drafts_that_fail_wait_until_predictions_come_true(monkeypatch, async_sc
     up to output token 50, then right: the first pair of lookups past 50 is right and the lookup after it
     drafts (a probe of one draft, then more); always right: 3 drafts per step from the start. The tokens are
     plain greedy's in every case."""
-    import kimik3.engine.core.scheduler as scheduler
+    import kimik3.engine.spec.ngram as ngram
     model = FakeModel()
     prompt = [3, 1, 4, 1, 5]
     ref = reference_greedy(model, prompt, 300)
@@ -155,7 +158,7 @@ def test_drafts_that_fail_wait_until_predictions_come_true(monkeypatch, async_sc
             done = len(token_ids) - len(prompt)       # ref[done]: the next token (ahead: the one in flight)
             looked.append(done)
             return [(t + (done < wrong_until)) % 61 for t in ref[done:done + k]]
-        monkeypatch.setattr(scheduler, "propose_ngram", propose)
+        monkeypatch.setattr(ngram, "propose_ngram", propose)
         engine = _engine(model, 3, max_model_len=320, max_num_seqs=1, enable_prefix_caching=False,
                          async_scheduling=async_scheduling)
         verified = []                                  # (output index of the first draft, number of drafts)
@@ -192,7 +195,7 @@ def test_drafts_that_fail_wait_until_predictions_come_true(monkeypatch, async_sc
 def test_rejected_drafts_limit_the_next_drafts(monkeypatch, right, expected):
     """A verify step that accepted m of its drafts lets the next carry at most m + 1 (one more after a step
     that accepted all, up to num_speculative_tokens); the tokens stay plain greedy's."""
-    import kimik3.engine.core.scheduler as scheduler
+    import kimik3.engine.spec.ngram as ngram
     model = FakeModel()
     prompt = [3, 1, 4, 1, 5]
     ref = reference_greedy(model, prompt, 40)
@@ -203,7 +206,7 @@ def test_rejected_drafts_limit_the_next_drafts(monkeypatch, right, expected):
         done = len(token_ids) - len(prompt)
         good = right if len(asked) == 1 or right else k          # right == 0: only the first draft is wrong
         return [t if j < good else (t + 1) % 61 for j, t in enumerate(ref[done:done + k])]
-    monkeypatch.setattr(scheduler, "propose_ngram", propose)
+    monkeypatch.setattr(ngram, "propose_ngram", propose)
     engine = _engine(model, 3, max_model_len=64, max_num_seqs=1, enable_prefix_caching=False)
     results = run(engine, {"r": (prompt, SamplingParams(temperature=0, max_tokens=40, ignore_eos=True))})
     assert results["r"][0][0] == ref
