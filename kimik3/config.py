@@ -193,6 +193,8 @@ class TextConfig:
     # model in the config that sizes one rank's cache (``KimiForCausalLM.cache_text_config``), never read
     # from config.json. Each rank then holds 1/stripes of every cache block.
     mla_cache_stripes: int = 1
+    # Checkpoint storage of the weights: "fp8-block" (E4M3 with 128 x 128 ``weight_scale_inv``; kimik3.loader.fp8)
+    weight_quantization: str | None = None
 
     # ---- derived schedule -------------------------------------------------------------
     def is_kda_layer(self, i: int) -> bool:
@@ -286,11 +288,14 @@ def _parse_quantization(qc: dict | None, source: str) -> str | None:
     if qc is None:
         return None
     fmt = qc.get("format")
-    if qc.get("quant_method") == "fp8":
-        raise ConfigError(
-            f"{source}: block-FP8 checkpoints (quant_method 'fp8', weight_block_size "
-            f"{qc.get('weight_block_size')}, weight_scale_inv tensors) are not read yet; load the bf16 checkpoint "
-            f"with --quantization fp8 (FP8 weights quantised at load, per output channel)")
+    if qc.get("quant_method") == "fp8":               # DeepSeek / Kimi block FP8: E4M3 weights, weight_scale_inv
+        if qc.get("weight_block_size") != [128, 128] or qc.get("fmt", "e4m3") != "e4m3" or \
+                qc.get("activation_scheme", "dynamic") != "dynamic":
+            raise ConfigError(
+                f"{source}: FP8 checkpoints are read with weight_block_size [128, 128], fmt e4m3 and dynamic "
+                f"activations; this one has weight_block_size {qc.get('weight_block_size')}, fmt {qc.get('fmt')!r}, "
+                f"activation_scheme {qc.get('activation_scheme')!r}")
+        return "fp8-block"
     if qc.get("quant_method") != "compressed-tensors" or fmt != "mxfp4-pack-quantized":
         raise ConfigError(
             f"{source}: unsupported quantization_config (quant_method={qc.get('quant_method')!r}, "
@@ -369,6 +374,7 @@ def parse_text_config(data: dict, source: str, *, where: str = "",
     if attn_res is not None and attn_res <= 0:
         raise r._fail("attn_res_block_size", f"must be positive, got {attn_res}")
     qc = r.get("quantization_config", dict, required=False, nullable=True) or quantization
+    storage = _parse_quantization(qc, source)          # "mxfp4" experts, "fp8-block" weights, or None
 
     cfg = TextConfig(
         vocab_size=r.get("vocab_size", int),
@@ -389,7 +395,8 @@ def parse_text_config(data: dict, source: str, *, where: str = "",
         kda=kda,
         num_experts=num_experts,
         attn_res_block_size=attn_res,
-        expert_quantization=_parse_quantization(qc, source),
+        expert_quantization=storage if storage == "mxfp4" else None,
+        weight_quantization=storage if storage == "fp8-block" else None,
         bos_token_id=r.get("bos_token_id", int, required=False, nullable=True),
         eos_token_id=r.get("eos_token_id", int, required=False, nullable=True),
         pad_token_id=r.get("pad_token_id", int, required=False, nullable=True),

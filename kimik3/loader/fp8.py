@@ -23,7 +23,7 @@ import torch
 from torch import nn
 
 from kimik3.model.layers import Linear, MergedLinear
-from kimik3.ops.fp8 import quantize_weight
+from kimik3.ops.fp8 import dequantize_weight, quantize_weight
 
 logger = logging.getLogger(__name__)
 
@@ -58,3 +58,73 @@ def quantize_fp8(model: nn.Module) -> int:
     logger.info("FP8 weights: %d dense projections quantised per output channel (%.1f -> %.1f MiB)", count,
                 before / 2 ** 20, after / 2 ** 20)
     return count
+
+
+class BlockFp8Checkpoint:
+    """Reading a block-FP8 checkpoint (DeepSeek's / Kimi's ``quantization_config: {quant_method: fp8,
+    weight_block_size: [128, 128]}``): each E4M3 ``X.weight`` is paired with its float32 ``X.weight_scale_inv``
+    [ceil(N / 128), ceil(K / 128)] (the factor that multiplies the codes back). Every pair is dequantised (in
+    float64, exactly) for the parameter it fills; the dense projections' codes and scales are kept and, once
+    the load is done, installed as stored (``install``): a module whose checkpoint tensors all came FP8 and
+    whose merged parts start on 128-row boundaries (so their block scales stack) keeps the checkpoint's bytes;
+    any other stays in the model dtype (logged)."""
+
+    def __init__(self):
+        self.pending: dict[str, dict[str, torch.Tensor]] = {}
+        self.stored: dict[str, tuple[torch.Tensor, torch.Tensor]] = {}
+
+    @staticmethod
+    def holds(name: str, tensor: torch.Tensor) -> bool:
+        return name.endswith(".weight_scale_inv") or tensor.dtype == torch.float8_e4m3fn
+
+    def take(self, name: str, tensor: torch.Tensor, where: str) -> tuple[str, torch.Tensor] | None:
+        """One half of a pair; when both are in, (the weight's name, its dequantised float64 values)."""
+        from kimik3.loader.safetensors_files import CheckpointError
+        scale = name.endswith(".weight_scale_inv")
+        base = name.removesuffix("_scale_inv")
+        if not scale and not name.endswith(".weight"):
+            raise CheckpointError(f"{where}: an E4M3 tensor that is not a weight ('{name}')")
+        halves = self.pending.setdefault(base, {})
+        halves["scale" if scale else "codes"] = tensor
+        if len(halves) < 2:
+            return None
+        del self.pending[base]
+        codes, inv = halves["codes"], halves["scale"].float()
+        N, K = codes.shape[-2:] if codes.dim() >= 2 else (0, 0)
+        if codes.dim() != 2 or codes.dtype != torch.float8_e4m3fn or inv.shape != (-(-N // 128), -(-K // 128)):
+            raise CheckpointError(f"{where}: '{base}' ({codes.dtype} {tuple(codes.shape)}) and its weight_scale_inv "
+                                  f"{tuple(inv.shape)} are not an E4M3 matrix with 128 x 128 block scales")
+        if ".experts." not in base:        # routed experts are dequantised (our expert kernels read no FP8)
+            self.stored[base] = (codes, inv)
+        return base, dequantize_weight(codes, inv, torch.float64)
+
+    def check_complete(self) -> None:
+        from kimik3.loader.safetensors_files import CheckpointError
+        if self.pending:
+            base, halves = next(iter(self.pending.items()))
+            have = "weight_scale_inv" if "scale" in halves else "weight"
+            raise CheckpointError(f"block-FP8 checkpoint: '{base}' has its {have} but not its "
+                                  f"{'weight' if have != 'weight' else 'weight_scale_inv'}")
+
+    @torch.no_grad()
+    def install(self, model: nn.Module) -> int:
+        """Put the stored codes and block scales into the dense projections they fit; returns how many."""
+        count = 0
+        for name, module in model.named_modules():
+            if not (isinstance(module, (Linear, MergedLinear)) and FP8_PROJECTIONS.match(name)):
+                continue
+            parent = name.rsplit(".", 1)[0]
+            parts = [(f"{parent}.{p}.weight", rows) for p, rows in module.parts.items()] \
+                if isinstance(module, MergedLinear) else [(f"{name}.weight", module.weight.shape[0])]
+            stacked = all(rows % 128 == 0 for _, rows in parts[:-1])
+            if not all(p in self.stored for p, _ in parts) or not stacked:
+                logger.info("block-FP8 checkpoint: %s stays in the model dtype (%s)", name,
+                            "its parts do not start on 128-row boundaries" if stacked is False else "not all FP8")
+                continue
+            device = module.weight.device
+            module.weight = nn.Parameter(torch.cat([self.stored[p][0] for p, _ in parts]).to(device), requires_grad=False)
+            module.weight_scale = torch.cat([self.stored[p][1] for p, _ in parts]).to(device)
+            count += 1
+        self.stored.clear()
+        logger.info("block-FP8 checkpoint: %d dense projections kept as stored (E4M3, 128 x 128 scales)", count)
+        return count

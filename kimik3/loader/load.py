@@ -12,7 +12,7 @@ from tqdm import tqdm
 
 from kimik3.config import load_config
 from kimik3.distributed import ParallelContext
-from kimik3.loader.fp8 import check_quantization, quantize_fp8
+from kimik3.loader.fp8 import BlockFp8Checkpoint, check_quantization, quantize_fp8
 from kimik3.loader.safetensors_files import CheckpointError, checkpoint_files, file_size_ok, iter_slices
 from kimik3.model.kimi_k3 import EXPERT_WEIGHT, KimiForCausalLM
 from kimik3.model.moe import Experts
@@ -70,6 +70,7 @@ def load_model(path: str | Path, device: str | torch.device = "cpu", dtype: torc
     if language_model_only and config.vision is not None:
         config = dataclasses.replace(config, vision=None)
         logger.info("language_model_only: the vision tower is not loaded")
+    block_fp8 = _block_fp8(config, parallel)
     files = checkpoint_files(path)
     for f in files:
         file_size_ok(f)
@@ -115,6 +116,11 @@ def load_model(path: str | Path, device: str | torch.device = "cpu", dtype: torc
             else:
                 narrow_after = None
                 tensor, dest = read(shards.get(name)), device
+            if block_fp8 is not None and block_fp8.holds(name, tensor):
+                done = block_fp8.take(name, tensor, f"{raw_name} in {file.name}")   # a pair dequantised, or None
+                if done is None:
+                    continue
+                name, tensor = done
             if m:
                 halves = pending.setdefault(m[1], {})
                 halves[m[2]] = tensor
@@ -150,12 +156,25 @@ def load_model(path: str | Path, device: str | torch.device = "cpu", dtype: torc
         more = f" (+{len(missing) - 5} more)" if len(missing) > 5 else ""
         raise CheckpointError(f"checkpoint {path} is missing {len(missing)} tensor(s): {', '.join(missing[:5])}{more}")
     _log_left_out(skipped, mtp, other_ranks, config, parallel)
+    if block_fp8 is not None:
+        block_fp8.check_complete()
+        block_fp8.install(model)
     if offload:
         model.offload_experts(expert_offload)
     if quantization == "fp8":
         quantize_fp8(model)
     model.eval()
     return model
+
+
+def _block_fp8(config, parallel: ParallelContext) -> BlockFp8Checkpoint | None:
+    """The pairing of a block-FP8 checkpoint's weights and scales (None for other checkpoints)."""
+    if config.text.weight_quantization != "fp8-block":
+        return None
+    if parallel.enabled:
+        raise ValueError("block-FP8 checkpoints load in one process for now (their 128 x 128 scales are not cut "
+                         "into tensor-parallel shards yet); use tensor_parallel_size 1")
+    return BlockFp8Checkpoint()
 
 
 def _log_left_out(skipped: int, mtp: int, other_ranks: int, config, parallel: ParallelContext) -> None:

@@ -1,6 +1,8 @@
 """``--quantization fp8`` at load (``kimik3.loader.fp8``): which projections turn FP8, what stays, the engine
 option, and an unknown method's error."""
 
+import re
+
 import pytest
 import torch
 
@@ -52,12 +54,74 @@ def test_engine_option_and_unknown_methods():
     assert llm.engine.cache.mla_latent.dtype == torch.float8_e4m3fn
 
 
-def test_block_fp8_checkpoints_are_refused_by_name():
+def _to_block_fp8(path):
+    """Rewrite a checkpoint folder as block FP8 (the DeepSeek / Kimi layout): every projection and routed-expert
+    matrix E4M3 with a float32 weight_scale_inv per 128 x 128 block; returns {name: (codes, scale_inv)}."""
+    import json
+
+    from safetensors.torch import load_file, save_file
+    from kimik3.ops import fp8
+    stored = {}
+    for f in sorted(path.glob("*.safetensors")):
+        tensors = load_file(str(f))
+        out = {}
+        for name, t in tensors.items():
+            if t.dim() == 2 and re.search(r"(_proj|_proj_with_mqa|\.w[123])\.weight$", name):
+                codes, inv = fp8.quantize_weight(t.float(), 128)
+                out[name], out[name + "_scale_inv"] = codes, inv
+                stored[name] = (codes, inv)
+            else:
+                out[name] = t
+        save_file(out, str(f))
+    index = path / "model.safetensors.index.json"
+    if index.exists():
+        data = json.loads(index.read_text())
+        data["weight_map"].update({k + "_scale_inv": v for k, v in data["weight_map"].items() if k in stored})
+        index.write_text(json.dumps(data))
+    cfg = json.loads((path / "config.json").read_text())
+    cfg["quantization_config"] = {"quant_method": "fp8", "fmt": "e4m3", "activation_scheme": "dynamic",
+                                  "weight_block_size": [128, 128]}
+    (path / "config.json").write_text(json.dumps(cfg))
+    return stored
+
+
+def test_block_fp8_checkpoint_loads_as_stored(tmp_path):
+    """Every E4M3 matrix dequantised exactly (code x scale_inv) where the model keeps its dtype; the dense
+    projections whose parts are all FP8 and start on 128-row boundaries keep the file's codes and block scales,
+    bit for bit, and run through fp8_linear."""
+    from kimik3.ops import fp8
+    from kimik3.testing import make_tiny_checkpoint
+    path = make_tiny_checkpoint(tmp_path / "kl", arch="kimi_linear", dtype=torch.float32, hidden=128,
+                                max_shard_bytes=1 << 30)
+    plain = kimik3.load_model(path, dtype=torch.float32)
+    stored = _to_block_fp8(path)
+    model = kimik3.load_model(path, dtype=torch.float32)
+    kept = {n: m for n, m in model.named_modules() if getattr(m, "weight_scale", None) is not None}
+    assert "model.layers.0.mlp.down_proj" in kept and any(n.endswith("o_proj") for n in kept)
+    for name, m in kept.items():
+        assert m.weight.dtype == torch.float8_e4m3fn and m.weight_scale.dim() == 2
+        if isinstance(m, Linear):
+            codes, inv = stored[name + ".weight"]
+            assert torch.equal(m.weight.view(torch.uint8), codes.view(torch.uint8)) and torch.equal(m.weight_scale, inv)
+    checked = 0
+    for name, p in model.checkpoint_weights():
+        if name in stored and p.dtype != torch.float8_e4m3fn:
+            codes, inv = stored[name]
+            assert torch.equal(p.float(), fp8.dequantize_weight(codes, inv, torch.float64).float()), name
+            checked += 1
+    assert checked > 0
+    for name, (codes, inv) in stored.items():          # the plain model with the checkpoint's values
+        plain.load_weight(name, fp8.dequantize_weight(codes, inv, torch.float64))
+    ids = torch.arange(12) * 7 % 200                    # up to FP8_GEMV_MAX_ROWS rows: x as it is
+    a, b = plain(ids).double(), model(ids).double()
+    assert torch.isfinite(b).all() and (a - b).norm() / a.norm() < 1e-5
+
+
+def test_block_fp8_checkpoints_of_other_layouts_are_refused_by_name():
     from kimik3.config import ConfigError, parse_config
     from kimik3.testing import tiny_kimi_linear_config
     cfg = tiny_kimi_linear_config()
     cfg["quantization_config"] = {"quant_method": "fp8", "fmt": "e4m3", "activation_scheme": "dynamic",
-                                  "weight_block_size": [128, 128]}
-    with pytest.raises(ConfigError, match=r"block-FP8 checkpoints .* not read yet; load the bf16 checkpoint with "
-                                          r"--quantization fp8"):
+                                  "weight_block_size": [64, 64]}
+    with pytest.raises(ConfigError, match=r"FP8 checkpoints are read with weight_block_size \[128, 128\]"):
         parse_config(cfg, "block-fp8")
