@@ -13,7 +13,7 @@ import sys
 import time
 from pathlib import Path
 
-from kimik3.engine.args import positive_int
+from kimik3.engine.arg_types import positive_int
 
 DIM, RESET = "\x1b[2m", "\x1b[0m"
 
@@ -120,7 +120,7 @@ def _plan_args(p) -> None:
     from kimik3.sizing import GPUS, KV_CACHE_DTYPES, Rates
 
     p.add_argument("--gpu", choices=list(GPUS), default="H200", help="the GPU to plan for (default: H200)")
-    from kimik3.engine.args import non_negative_gib
+    from kimik3.engine.arg_types import non_negative_gib
     p.add_argument("--cpu-offload-gb", type=non_negative_gib, default=0,
                    help="GiB of routed experts per GPU kept in pinned host memory (default: 0)")
     p.add_argument("--kv-cache-dtype", choices=list(KV_CACHE_DTYPES), default="auto",

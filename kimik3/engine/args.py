@@ -25,6 +25,9 @@ from typing import Any
 import torch
 
 from kimik3.distributed import MOE_MODES
+from kimik3.engine.arg_types import check_mm_limits, check_speculative_config, fraction, human_readable_int, \
+    mm_limits_arg, non_negative_gib, non_negative_int, positive_int, positive_seconds, positive_size, \
+    read_generation_config, speculative_config_arg
 from kimik3.model.batch import KV_CACHE_DTYPES
 from kimik3.ops.cuda.flash_mla import ENV as FLASH_MLA_ENV
 from kimik3.ops.cuda.flash_mla import PAGE as FLASH_MLA_BLOCK
@@ -35,124 +38,6 @@ logger = logging.getLogger(__name__)
 DTYPES: dict[str, torch.dtype | None] = {"auto": None, "half": torch.float16, "float16": torch.float16,
                                         "bfloat16": torch.bfloat16, "float": torch.float32,
                                         "float32": torch.float32, "float64": torch.float64}
-# generation_config.json keys used as default sampling settings, and their SamplingParams names (vLLM's map).
-GENERATION_KEYS = {"temperature": "temperature", "top_p": "top_p", "top_k": "top_k", "min_p": "min_p",
-                   "repetition_penalty": "repetition_penalty", "max_new_tokens": "max_tokens"}
-MM_KINDS = ("image", "video")
-
-_DECIMAL = {"k": 10**3, "m": 10**6, "g": 10**9, "t": 10**12}
-_BINARY = {"K": 2**10, "M": 2**20, "G": 2**30, "T": 2**40}
-
-
-def human_readable_int(text: str) -> int:
-    """``'32k'`` -> 32000, ``'32K'`` -> 32768, ``'25.6k'`` -> 25600, ``'4096'`` -> 4096 (vLLM's rule)."""
-    value = str(text).strip()
-    m = re.fullmatch(r"(\d+(?:\.\d+)?)([kKmMgGtT])", value)
-    if m:
-        number, suffix = m.groups()
-        if suffix in _DECIMAL:
-            return int(float(number) * _DECIMAL[suffix])
-        if "." in number:
-            raise argparse.ArgumentTypeError(f"decimals are not allowed with the binary suffix {suffix} in {text!r}; "
-                                             f"did you mean {number}{suffix.lower()}?")
-        return int(number) * _BINARY[suffix]
-    try:
-        return int(value)
-    except ValueError:
-        raise argparse.ArgumentTypeError(f"expected an integer such as 8192, 32k (32000) or 32K (32768), "
-                                         f"got {text!r}") from None
-
-
-def number(parse, ok, what: str):
-    """An argparse type: ``parse`` the text, then require ``ok(value)``; errors say ``expected {what}``."""
-    def check(text: str):
-        try:
-            value = parse(text)
-        except (ValueError, argparse.ArgumentTypeError):
-            raise argparse.ArgumentTypeError(f"expected {what}, got {text!r}") from None
-        if not ok(value):
-            raise argparse.ArgumentTypeError(f"expected {what}, got {text!r}")
-        return value
-    check.__name__ = what                 # argparse names the type in its messages
-    return check
-
-
-def positive_size(text: str) -> int:
-    """A positive ``human_readable_int`` (whose own messages explain malformed suffixes and decimals)."""
-    value = human_readable_int(text)
-    if value < 1:
-        raise argparse.ArgumentTypeError(f"expected a positive integer, got {text!r}")
-    return value
-
-
-positive_int = number(int, lambda v: v >= 1, "a positive integer")
-non_negative_int = number(int, lambda v: v >= 0, "an integer >= 0")
-_fraction = number(float, lambda v: 0.0 < v <= 1.0, "a number in (0, 1]")
-non_negative_gib = number(float, lambda v: 0.0 <= v < float("inf"), "a number of GiB >= 0")
-_positive_seconds = number(float, lambda v: v > 0, "a number of seconds > 0")
-
-
-def _mm_limits(text: str) -> dict[str, int]:
-    try:
-        value = json.loads(text)
-    except json.JSONDecodeError:
-        raise argparse.ArgumentTypeError(f"expected JSON such as '{{\"image\": 4, \"video\": 1}}', "
-                                         f"got {text!r}") from None
-    return check_mm_limits(value)
-
-
-SPEC_METHODS = ("ngram", "eagle3", "mtp", "dflash", "dspark")
-_SPEC_KEYS = {"method", "model", "num_speculative_tokens", "prompt_lookup_min", "prompt_lookup_max"}
-
-
-def _speculative_config(text: str) -> dict[str, Any]:
-    try:
-        value = json.loads(text)
-    except json.JSONDecodeError:
-        raise argparse.ArgumentTypeError(f"expected JSON such as '{{\"method\": \"eagle3\", \"model\": \"default\", "
-                                         f"\"num_speculative_tokens\": 4}}', got {text!r}") from None
-    return check_speculative_config(value)
-
-
-def check_speculative_config(value: Any) -> dict[str, Any]:
-    """vLLM's ``speculative_config``: method, model (a draft directory; "default": the default model's shipped
-    Eagle3 draft; MTP: the target's own directory when absent), num_speculative_tokens (required), and for
-    n-gram prompt_lookup_min / prompt_lookup_max. Any other key is an error naming it."""
-    if not isinstance(value, dict):
-        raise ValueError(f"speculative_config must be a JSON object, got {value!r}")
-    unknown = sorted(set(value) - _SPEC_KEYS)
-    if unknown:
-        raise ValueError(f"speculative_config: unknown key(s) {unknown}; kimik3 takes {sorted(_SPEC_KEYS)}")
-    method = value.get("method", "ngram" if "model" not in value else None)
-    if method not in SPEC_METHODS:
-        raise ValueError(f"speculative_config: method must be one of {list(SPEC_METHODS)}, got {method!r}")
-    k = value.get("num_speculative_tokens")
-    if not isinstance(k, int) or isinstance(k, bool) or k < 1:
-        raise ValueError(f"speculative_config: num_speculative_tokens must be a positive integer, got {k!r}")
-    model = value.get("model")
-    if method == "ngram" and model is not None:
-        raise ValueError("speculative_config: method 'ngram' takes no model")
-    if method in ("eagle3", "dflash", "dspark") and not isinstance(model, str):
-        hint = ', or "default" for the default model' if method == "eagle3" else ""
-        raise ValueError(f"speculative_config: method {method!r} needs 'model' (the draft's directory{hint})")
-    for key in ("prompt_lookup_min", "prompt_lookup_max"):
-        if key in value and (method != "ngram" or not isinstance(value[key], int) or value[key] < 1):
-            raise ValueError(f"speculative_config: {key} is a positive integer of method 'ngram', got {value[key]!r} "
-                             f"with method {method!r}")
-    return dict(value, method=method)
-
-
-def check_mm_limits(value: Any) -> dict[str, int]:
-    if not isinstance(value, dict):
-        raise ValueError(f"limit_mm_per_prompt must map 'image'/'video' to counts, got {value!r}")
-    for k, v in value.items():
-        if k not in MM_KINDS:
-            raise ValueError(f"limit_mm_per_prompt: unknown modality {k!r}; kimik3 takes {list(MM_KINDS)}")
-        if not isinstance(v, int) or isinstance(v, bool) or v < 0:
-            raise ValueError(f"limit_mm_per_prompt[{k!r}] must be an integer >= 0, got {v!r}")
-    return dict(value)
-
-
 def _opt(help: str, **kw) -> Any:
     """A dataclass field that carries its flag's help text (and argparse options)."""
     default = kw.pop("default")
@@ -186,7 +71,7 @@ class EngineArgs:
     enable_prefix_caching: bool = _opt("reuse the cache of shared prompt prefixes (default: on)", default=True)
     gpu_memory_utilization: float = _opt(
         "fraction of the GPU's memory this whole process may use (weights, cache, activations); the cache gets "
-        "what the loaded weights leave of it. Ignored on CPU (default: 0.9)", default=0.9, type=_fraction)
+        "what the loaded weights leave of it. Ignored on CPU (default: 0.9)", default=0.9, type=fraction)
     kv_cache_memory_bytes: int | None = _opt(
         "bytes for the cache pools, overriding --gpu-memory-utilization (default: sized automatically; "
         "on CPU what max-num-seqs full sequences need, at most 4 GiB)", default=None,
@@ -210,7 +95,7 @@ class EngineArgs:
                              type=non_negative_int)
     grammar_compile_timeout: float = _opt(
         "seconds a structured-outputs constraint may take to compile (in a separate worker process); a slower "
-        "one is refused with a 400 (default: 5)", default=5.0, type=_positive_seconds)
+        "one is refused with a 400 (default: 5)", default=5.0, type=positive_seconds)
     grammar_compile_memory: int = _opt(
         "bytes a structured-outputs constraint's compiler process may grow by (2G = 2 GiB); beyond it the "
         "constraint is refused with a 400 (default: 2G)", default=2 << 30, type=positive_size)
@@ -221,7 +106,7 @@ class EngineArgs:
         "defaults, or a folder holding a generation_config.json (default: auto)", default="auto")
     limit_mm_per_prompt: dict[str, int] | None = _opt(
         "most images/videos per prompt, as JSON: '{\"image\": 4, \"video\": 1}' (default: no limit)",
-        default=None, type=_mm_limits)
+        default=None, type=mm_limits_arg)
     trust_remote_code: bool = _opt(
         "accepted for the K3 recipe; a no-op: kimik3 implements K3 itself and never runs checkpoint code "
         "(default: off)", default=False)
@@ -251,7 +136,7 @@ class EngineArgs:
         "speculative decoding, vLLM's JSON: '{\"method\": \"eagle3\" | \"mtp\" | \"dflash\" | \"dspark\" | \"ngram\", "
         "\"model\": DRAFT_DIR, \"num_speculative_tokens\": K}'; \"model\": \"default\" is the Eagle3 draft shipped "
         "with the default model (default: none; --num-speculative-tokens alone means n-gram)", default=None,
-        type=_speculative_config)
+        type=speculative_config_arg)
     speculative_ngram_min: int = _opt("shortest n-gram looked up for drafts (default: 2)", default=2, type=positive_int)
     speculative_ngram_max: int = _opt("longest n-gram looked up for drafts (default: 4)", default=4, type=positive_int)
     async_scheduling: bool | None = _opt(
@@ -290,6 +175,15 @@ class EngineArgs:
             self.speculative_config = check_speculative_config(self.speculative_config)
             if self.num_speculative_tokens:
                 raise ValueError("give speculative_config or num_speculative_tokens (n-gram), not both")
+        self._check_parallel()
+        if isinstance(self.cpu_offload_gb, bool) or not isinstance(self.cpu_offload_gb, (int, float)) \
+                or not 0 <= self.cpu_offload_gb < float("inf"):
+            raise ValueError(f"cpu_offload_gb must be a number of GiB >= 0, got {self.cpu_offload_gb!r}")
+        if self.expert_parallel_mode not in MOE_MODES:
+            raise ValueError(f"expert_parallel_mode must be one of {MOE_MODES}, got {self.expert_parallel_mode!r}")
+
+    def _check_parallel(self) -> None:
+        """The parallel layout's settings (expert placement, decode context parallelism)."""
         if (self.num_redundant_experts or self.eplb_load_file) and not self.enable_eplb:
             raise ValueError("num_redundant_experts and eplb_load_file need enable_eplb")
         if self.enable_eplb and not self.enable_expert_parallel:
@@ -298,11 +192,6 @@ class EngineArgs:
             raise ValueError(f"decode_context_parallel_size {self.decode_context_parallel_size} must divide "
                              f"tensor_parallel_size {self.tensor_parallel_size} (the latent cache is striped over "
                              f"tensor-parallel ranks)")
-        if isinstance(self.cpu_offload_gb, bool) or not isinstance(self.cpu_offload_gb, (int, float)) \
-                or not 0 <= self.cpu_offload_gb < float("inf"):
-            raise ValueError(f"cpu_offload_gb must be a number of GiB >= 0, got {self.cpu_offload_gb!r}")
-        if self.expert_parallel_mode not in MOE_MODES:
-            raise ValueError(f"expert_parallel_mode must be one of {MOE_MODES}, got {self.expert_parallel_mode!r}")
 
     # ---- the command line ------------------------------------------------------------------------
     @classmethod
@@ -406,35 +295,6 @@ class EngineArgs:
         return dict(num_speculative_tokens=sc["num_speculative_tokens"], speculative_method=sc["method"],
                     speculative_model=model, speculative_ngram_min=sc.get("prompt_lookup_min", self.speculative_ngram_min),
                     speculative_ngram_max=sc.get("prompt_lookup_max", self.speculative_ngram_max))
-
-
-def read_generation_config(path: Path, setting: str) -> dict[str, Any]:
-    """``setting``: 'auto' (the model folder's file, if any), 'vllm' (none), or a folder holding the file."""
-    if setting == "vllm":
-        return {}
-    folder = Path(path) if setting == "auto" else Path(setting)
-    file = folder / "generation_config.json"
-    if setting != "auto" and not file.is_file():
-        raise ValueError(f"generation_config {setting}: no generation_config.json there")
-    if not file.is_file():
-        return {}
-    try:
-        data = json.loads(file.read_text(encoding="utf-8"))
-    except json.JSONDecodeError as e:
-        raise ValueError(f"{file}: not valid JSON ({e})") from None
-    if not isinstance(data, dict):
-        raise ValueError(f"{file}: must hold a JSON object")
-    out = {}
-    for key, name in GENERATION_KEYS.items():
-        value = data.get(key)
-        if value is None:
-            continue
-        if isinstance(value, bool) or not isinstance(value, (int, float)):
-            raise ValueError(f"{file}: {key} must be a number, got {value!r}")
-        out[name] = int(value) if name in ("top_k", "max_tokens") else float(value)
-    if out:
-        logger.info("default sampling settings from %s: %s", file, out)
-    return out
 
 
 def add_engine_args(parser: argparse.ArgumentParser, *, positional_model: bool = False,

@@ -6,7 +6,8 @@ from __future__ import annotations
 import argparse
 import json
 
-from kimik3.engine.args import non_negative_int, add_engine_args
+from kimik3.engine.arg_types import non_negative_int
+from kimik3.engine.args import add_engine_args
 
 # The K3 recipe's parser names. kimik3 always parses K3 output with its own parser (kimik3.chat), so
 # these flags name what is always on; any other parser name is refused.

@@ -12,7 +12,8 @@ import torch
 import kimik3
 from kimik3.cli import build_parser
 from kimik3.config import load_config
-from kimik3.engine.args import EngineArgs, human_readable_int, read_generation_config
+from kimik3.engine.arg_types import human_readable_int, read_generation_config
+from kimik3.engine.args import EngineArgs
 from kimik3.engine.core.cache_budget import gpu_cache_budget
 
 ENGINE_COMMANDS = ("generate", "chat", "serve", "bench")
