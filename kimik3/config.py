@@ -195,6 +195,9 @@ class TextConfig:
     mla_cache_stripes: int = 1
     # Checkpoint storage of the weights: "fp8-block" (E4M3 with 128 x 128 ``weight_scale_inv``; kimik3.loader.fp8)
     weight_quantization: str | None = None
+    # The layer ids whose state one rank caches (pipeline parallelism: its stage's); None: all. Set by the
+    # model like ``mla_cache_stripes``.
+    cache_layers: tuple[int, ...] | None = None
 
     # ---- derived schedule -------------------------------------------------------------
     def is_kda_layer(self, i: int) -> bool:
@@ -216,6 +219,11 @@ class TextConfig:
     @property
     def mla_layer_ids(self) -> tuple[int, ...]:
         return tuple(i for i in range(self.num_hidden_layers) if not self.is_kda_layer(i))
+
+    def cached_layer_ids(self, kind: str) -> tuple[int, ...]:
+        """The "kda" or "mla" layers whose state this config's cache holds (``cache_layers``)."""
+        ids = self.kda_layer_ids if kind == "kda" else self.mla_layer_ids
+        return ids if self.cache_layers is None else tuple(i for i in ids if i in self.cache_layers)
 
     @property
     def num_attn_res_blocks(self) -> int:

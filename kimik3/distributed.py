@@ -168,7 +168,9 @@ class ParallelContext:
 
     # ---- decode context parallelism (spec §4.4) -------------------------------------------------
     def _dcp(self):
-        return self.dcp_group if self.dcp_group is not None or self.dcp_size == self.tp_size else _missing_dcp_group()
+        if self.dcp_group is not None:
+            return self.dcp_group
+        return self.group if self.dcp_size == self.tp_size else _missing_dcp_group()
 
     def dcp_gather_heads(self, x: torch.Tensor) -> torch.Tensor:
         """[T, h, D] (this rank's heads) -> [T, c*h, D]: the heads of the c DCP ranks, in rank order."""
@@ -216,6 +218,94 @@ def make_dcp_group(tp_ranks: list[int], dcp_size: int, rank: int):
         if rank in ranks:
             mine = group
     return mine
+
+
+@dataclass(frozen=True)
+class PipelineContext:
+    """This rank's pipeline stage (spec parallelism §4.3): stage s holds decoder layers ``ranges[s]`` =
+    [start, end); the world's rank of (stage s, TP rank r) is s * tp_size + r. One stage: no transfer ever."""
+
+    stage: int = 0
+    ranges: tuple[tuple[int, int], ...] = ()
+    tp_rank: int = 0
+    tp_size: int = 1
+
+    @property
+    def num_stages(self) -> int:
+        return max(len(self.ranges), 1)
+
+    @property
+    def enabled(self) -> bool:
+        return self.num_stages > 1
+
+    @property
+    def is_first(self) -> bool:
+        return self.stage == 0
+
+    @property
+    def is_last(self) -> bool:
+        return self.stage == self.num_stages - 1
+
+    def holds(self, layer: int) -> bool:
+        return not self.enabled or self.ranges[self.stage][0] <= layer < self.ranges[self.stage][1]
+
+    def peer(self, stage: int) -> int:
+        """The world rank with this rank's TP rank in ``stage``."""
+        return stage * self.tp_size + self.tp_rank
+
+    def send(self, tensors: list[torch.Tensor]) -> None:
+        """To the next stage's rank of the same TP rank: a count, then each tensor (shapes known there)."""
+        dst = self.peer(self.stage + 1)
+        dist.send(torch.tensor([len(tensors)], dtype=torch.int64, device=tensors[0].device), dst)
+        for t in tensors:
+            dist.send(t.contiguous(), dst)
+
+    def recv(self, shape: tuple, dtype: torch.dtype, device) -> list[torch.Tensor]:
+        """From the previous stage: the tensors ``send`` sent, each of ``shape``."""
+        src = self.peer(self.stage - 1)
+        n = torch.empty(1, dtype=torch.int64, device=device)
+        dist.recv(n, src)
+        out = [torch.empty(shape, dtype=dtype, device=device) for _ in range(int(n.item()))]
+        for t in out:
+            dist.recv(t, src)
+        return out
+
+    def send_logits(self, logits: torch.Tensor) -> None:
+        """Last stage's TP rank 0: the step's logits to world rank 0, which samples."""
+        dist.send(logits.contiguous(), 0)
+
+    def recv_logits(self, rows: int, vocab: int, dtype: torch.dtype, device) -> torch.Tensor:
+        out = torch.empty(rows, vocab, dtype=dtype, device=device)
+        dist.recv(out, (self.num_stages - 1) * self.tp_size)
+        return out
+
+
+def plan_stages(layer_bytes: list[int], stages: int, block_size: int | None = None) -> tuple[tuple[int, int], ...]:
+    """Contiguous layer ranges, one per stage, balancing the layers' weight bytes; with attention residuals
+    (``block_size``) a cut may move by up to two layers, within one layer's bytes of the balance, to send
+    fewer block vectors: a cut before layer c sends ceil(c / block_size) blocks and the partial, the same
+    count for every cut inside a block (spec §4.3), so it moves back to a block's end when that is near."""
+    L = len(layer_bytes)
+    if not 1 <= stages <= L:
+        raise ValueError(f"pipeline parallel size {stages} must lie in [1, {L}] (the decoder layers)")
+    total, cuts, start = sum(layer_bytes), [], 0
+    for s in range(1, stages):
+        target, acc, cut = total * s / stages, 0, start + 1
+        for i in range(L):
+            acc += layer_bytes[i]
+            if acc >= target:
+                cut = i + 1 if acc - target < target - (acc - layer_bytes[i]) else i
+                break
+        cut = min(max(cut, start + 1), L - (stages - s))
+        if block_size:      # a cut before layer c sends ceil(c / block_size) blocks and the partial
+            off = abs(sum(layer_bytes[:cut]) - target) + max(layer_bytes)
+            near = [c for c in range(cut - 2, cut + 3) if start < c <= L - (stages - s)
+                    and abs(sum(layer_bytes[:c]) - target) <= off]
+            cut = min(near, key=lambda c: (-(-c // block_size), abs(sum(layer_bytes[:c]) - target), c))
+        cuts.append(cut)
+        start = cut
+    bounds = [0, *cuts, L]
+    return tuple((bounds[i], bounds[i + 1]) for i in range(stages))
 
 
 # torch 2.13 renamed the tensor collectives (the old names warn); the GPU machines run 2.11

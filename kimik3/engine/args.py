@@ -123,6 +123,12 @@ class EngineArgs:
         "ranks (position p on rank p mod N of its group), each attending over its stripe, the partials merged by "
         "their log-sum-exps: N times the context per rank; must divide --tensor-parallel-size and "
         "--block-size (default: 1, off)", default=1, type=positive_size, aliases=("-dcp",))
+    pipeline_parallel_size: int = _opt(
+        "pipeline stages: the decoder layers split into this many contiguous stages (balanced by weight bytes and "
+        "the attention-residual blocks), each stage tensor-parallel over --tensor-parallel-size ranks; the stream "
+        "crosses stages by send/recv (default: 1)", default=1, type=positive_size, aliases=("-pp",))
+    pp_layer_partition: str | None = _opt("decoder layers per pipeline stage, comma-separated (e.g. 47,46) "
+                                          "(default: planned)", default=None)
     enable_eplb: bool = _opt("expert-parallel load balancing: each MoE layer's experts placed in E + R slots over the "
                              "expert-parallel ranks by their recorded load (hot experts copied, tokens spread over "
                              "the copies); needs --enable-expert-parallel (default: off)", default=False)
@@ -188,6 +194,14 @@ class EngineArgs:
             raise ValueError("num_redundant_experts and eplb_load_file need enable_eplb")
         if self.enable_eplb and not self.enable_expert_parallel:
             raise ValueError("enable_eplb places experts over expert-parallel ranks: add enable_expert_parallel")
+        if self.pipeline_parallel_size > 1:
+            if self.async_scheduling:
+                raise ValueError("async_scheduling is not supported with pipeline parallelism yet; leave it off")
+            if self.enforce_eager is False:
+                raise ValueError("decode CUDA graphs are not supported with pipeline parallelism yet; leave "
+                                 "enforce_eager on")
+        if self.pp_layer_partition is not None and self.pipeline_parallel_size == 1:
+            raise ValueError("pp_layer_partition needs pipeline_parallel_size > 1")
         if self.tensor_parallel_size % self.decode_context_parallel_size:
             raise ValueError(f"decode_context_parallel_size {self.decode_context_parallel_size} must divide "
                              f"tensor_parallel_size {self.tensor_parallel_size} (the latent cache is striped over "
@@ -243,7 +257,7 @@ class EngineArgs:
         is opt-in: tested with gloo on CPU ranks, not yet run on several GPUs."""
         if self.async_scheduling is not None:
             return self.async_scheduling
-        return device.type == "cuda" and self.tensor_parallel_size == 1 and not self.enable_expert_parallel
+        return device.type == "cuda" and not self.is_parallel
 
     def resolve_block_size(self, device: torch.device) -> int:
         """The flag if given; else 64 on CUDA when ``KIMIK3_FLASH_MLA`` names FlashMLA's library (its decode
@@ -257,7 +271,21 @@ class EngineArgs:
         """The flag if given; else eager under tensor / expert parallelism only."""
         if self.enforce_eager is not None:
             return self.enforce_eager
-        return self.tensor_parallel_size > 1 or self.enable_expert_parallel
+        return self.is_parallel
+
+    @property
+    def is_parallel(self) -> bool:
+        """Several ranks (tensor, expert or pipeline parallelism)."""
+        return self.tensor_parallel_size > 1 or self.enable_expert_parallel or self.pipeline_parallel_size > 1
+
+    def pp_partition(self) -> tuple[int, ...] | None:
+        if self.pp_layer_partition is None:
+            return None
+        try:
+            return tuple(int(x) for x in str(self.pp_layer_partition).split(","))
+        except ValueError:
+            raise ValueError(f"pp_layer_partition must be comma-separated layer counts, got "
+                             f"{self.pp_layer_partition!r}") from None
 
     def expert_offload_config(self):
         """The model's expert-offload settings (``--cpu-offload-gb``), or None when nothing is offloaded."""

@@ -31,13 +31,15 @@ def build_engine(args: EngineArgs, tokenizer=None):
     args.generation_defaults(path)          # a bad generation config fails before the load
     offload = args.expert_offload_config()
     logger.info("loading %s (%s on %s)", path, str(dtype).removeprefix("torch."), device)
-    if args.tensor_parallel_size > 1 or args.enable_expert_parallel:
+    if args.is_parallel:
         from kimik3.engine.run.parallel_runner import ParallelRunner
         from kimik3.parallel.launch import ParallelConfig, start_group
         layout = ParallelConfig(args.tensor_parallel_size, args.enable_expert_parallel,
                                 args.expert_parallel_mode if args.enable_expert_parallel else "tep",
                                 decode_context_parallel_size=args.decode_context_parallel_size,
-                                enable_eplb=args.enable_eplb, num_redundant_experts=args.num_redundant_experts)
+                                enable_eplb=args.enable_eplb, num_redundant_experts=args.num_redundant_experts,
+                                pipeline_parallel_size=args.pipeline_parallel_size,
+                                pp_layer_partition=args.pp_partition())
         loads = {}
         if args.eplb_load_file:
             from kimik3.model.eplb import read_loads

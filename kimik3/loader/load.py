@@ -11,7 +11,7 @@ import torch
 from tqdm import tqdm
 
 from kimik3.config import load_config
-from kimik3.distributed import ParallelContext
+from kimik3.distributed import ParallelContext, PipelineContext
 from kimik3.loader.fp8 import BlockFp8Checkpoint, check_quantization, quantize_fp8
 from kimik3.loader.safetensors_files import CheckpointError, checkpoint_files, file_size_ok, iter_slices
 from kimik3.model.kimi_k3 import EXPERT_WEIGHT, KimiForCausalLM
@@ -42,6 +42,7 @@ def load_model(path: str | Path, device: str | torch.device = "cpu", dtype: torc
                packed_experts: bool | None = None, parallel: ParallelContext | None = None,
                language_model_only: bool = False, progress: bool = False, expert_offload=None,
                expert_loads: dict[int, list[float]] | None = None, quantization: str | None = None,
+               pipeline: PipelineContext | None = None,
                **switches) -> KimiForCausalLM:
     """Load a Kimi-K3 or Kimi-Linear checkpoint directory.
 
@@ -55,6 +56,7 @@ def load_model(path: str | Path, device: str | torch.device = "cpu", dtype: torc
     ``progress``: a progress bar (bytes read, on stderr) while the files load.
     ``expert_offload``: an ``ExpertOffloadConfig`` (``--cpu-offload-gb``): the routed experts load into host
     memory (pinned on CUDA) and the GPU keeps a cache of them (``kimik3.model.expert_offload``).
+    ``pipeline``: this rank's pipeline stage; other stages' decoder layers are not read.
     ``expert_loads``: under EPLB (``parallel.eplb``), each MoE layer's recorded expert loads, which place its
     redundant slots (``model/eplb.py``); layers without one are placed evenly.
     Returns the text model; ``model(ids)`` gives logits [T, vocab] (float32).
@@ -75,7 +77,7 @@ def load_model(path: str | Path, device: str | torch.device = "cpu", dtype: torc
     for f in files:
         file_size_ok(f)
     with torch.device("meta"):
-        model = KimiForCausalLM(config, parallel)
+        model = KimiForCausalLM(config, parallel, pipeline)
     model.cast(dtype)
     if packed_experts is None:
         packed_experts = (torch.device(device).type == "cuda" and dtype == torch.bfloat16
@@ -103,6 +105,9 @@ def load_model(path: str | Path, device: str | torch.device = "cpu", dtype: torc
                 continue
             if _is_mtp_layer(name, config.text):
                 mtp += 1              # a draft's (loader/drafts.py, load_mtp), as vLLM's main model skips them
+                continue
+            if (layer := _LAYER.match(name)) and not model.pipeline.holds(int(layer[1])):
+                other_ranks += 1      # another pipeline stage's layer: never read
                 continue
             m = _PACKED.match(name)
             e = EXPERT_WEIGHT.match(m[1] + ".weight" if m else name)
@@ -185,7 +190,7 @@ def _log_left_out(skipped: int, mtp: int, other_ranks: int, config, parallel: Pa
         logger.info("left %d tensors of the %d MTP layer(s) to the MTP draft (--speculative-config method 'mtp')",
                     mtp, config.text.num_nextn_predict_layers)
     if other_ranks:
-        logger.info("rank %d of %d: left %d routed-expert tensors to the other expert-parallel ranks",
+        logger.info("rank %d of %d: left %d tensors to the other expert-parallel ranks or pipeline stages",
                     parallel.tp_rank, parallel.tp_size, other_ranks)
 
 

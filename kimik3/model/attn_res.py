@@ -81,6 +81,26 @@ class ResidualStream:
             return self.state()
         return attn_res_mix(self.blocks + [self.partial], res_norm_weight, res_proj_weight, self.eps).to(self.dtype)
 
+    # ---- pipeline parallelism: the stream's state crosses a stage boundary as is ------------------------
+    def export(self) -> list[torch.Tensor]:
+        """The state after a layer, [T, D] each (spec parallelism §4.3): AttnRes, the completed blocks b_0 ..
+        and the running partial; the plain stream, the residual and its pending (not yet added) output parts,
+        so the next stage adds them in its first norm exactly as one process would."""
+        if self.block_size is not None:
+            return self.blocks + [self.partial]
+        out, part = self.pending
+        return [self.partial, out] + ([part] if part is not None else [])
+
+    @staticmethod
+    def restore(state: list[torch.Tensor], block_size: int | None, eps: float, fused_norm: bool) -> ResidualStream:
+        """The stream ``export`` gave, on the next stage."""
+        stream = ResidualStream(state[-1] if block_size is not None else state[0], block_size, eps, fused_norm)
+        if block_size is not None:
+            stream.blocks = list(state[:-1])
+        else:
+            stream.pending = (state[1], state[2] if len(state) > 2 else None)
+        return stream
+
     def output(self, norm_weight, res_norm_weight=None, res_proj_weight=None) -> torch.Tensor:
         """The final norm (``norm_weight``) of h_final: the residual, the last layer's pending add fused into
         the norm, or (AttnRes) the output mix over [b_0 .. b_last, P] with ``res_norm_weight`` and

@@ -168,7 +168,7 @@ class HybridCache:
                  dtype: torch.dtype, device: torch.device | str = "cpu",
                  latent_dtype: torch.dtype | None = None) -> HybridCache:
         """``latent_dtype``: the MLA latent rows' dtype (None: ``dtype``; float8_e4m3fn adds ``mla_scale``)."""
-        kda, mla = text_cfg.kda_layer_ids, text_cfg.mla_layer_ids
+        kda, mla = text_cfg.cached_layer_ids("kda"), text_cfg.cached_layer_ids("mla")
         k = text_cfg.kda
         conv = torch.zeros(len(kda), num_slots, 3 * k.num_heads * k.head_dim, k.conv_size - 1,
                            dtype=dtype, device=device)
@@ -210,7 +210,7 @@ class HybridCache:
     @staticmethod
     def bytes_per_slot(text_cfg, dtype: torch.dtype) -> int:
         k = text_cfg.kda
-        n = len(text_cfg.kda_layer_ids)
+        n = len(text_cfg.cached_layer_ids("kda"))
         conv = 3 * k.num_heads * k.head_dim * (k.conv_size - 1) * torch.finfo(dtype).bits // 8
         state = k.num_heads * k.head_dim * k.head_dim * torch.finfo(torch.promote_types(dtype, torch.float32)).bits // 8
         return n * (conv + state)
@@ -222,7 +222,7 @@ class HybridCache:
         latent_dtype = check_latent_dtype(latent_dtype or dtype)
         per_rank = block_size // text_cfg.mla_cache_stripes       # decode context parallelism: this rank's stripe
         row = text_cfg.mla_cache_dim * torch.finfo(latent_dtype).bits // 8 + (4 if latent_dtype == FP8 else 0)
-        return len(text_cfg.mla_layer_ids) * per_rank * row
+        return len(text_cfg.cached_layer_ids("mla")) * per_rank * row
 
 
 # --kv-cache-dtype: the MLA latent rows' dtype (vLLM's names); KDA states stay float32 (conv windows in the

@@ -13,7 +13,7 @@ import torch
 from torch import nn
 
 from kimik3.config import ModelConfig, TextConfig
-from kimik3.distributed import ParallelContext
+from kimik3.distributed import ParallelContext, PipelineContext
 from kimik3.model.attn_res import ResidualStream
 from kimik3.model.batch import ForwardBatch, HybridCache
 from kimik3.model.kda import KimiDeltaAttention
@@ -75,13 +75,19 @@ class DecoderLayer(nn.Module):
             stream.add(self.mlp(x))
 
 
+class PipelineHole(nn.Module):
+    """Stands for a decoder layer another pipeline stage holds (keeps the layers' indices and names)."""
+
+
 class KimiModel(nn.Module):
-    def __init__(self, cfg: TextConfig, parallel: ParallelContext):
+    def __init__(self, cfg: TextConfig, parallel: ParallelContext, pipeline: PipelineContext | None = None):
         super().__init__()
         self.cfg = cfg
+        self.pipeline = pipe = pipeline or PipelineContext()
         act = GLUActivation(cfg.hidden_act, cfg.situ_beta, cfg.situ_linear_beta)
         self.embed_tokens = Embedding(cfg.vocab_size, cfg.hidden_size, parallel)
-        self.layers = nn.ModuleList(DecoderLayer(cfg, i, act, parallel) for i in range(cfg.num_hidden_layers))
+        self.layers = nn.ModuleList(DecoderLayer(cfg, i, act, parallel) if pipe.holds(i) else PipelineHole()
+                                    for i in range(cfg.num_hidden_layers))
         self.norm = RMSNorm(cfg.hidden_size, cfg.rms_norm_eps)
         if cfg.attn_res_block_size is not None:
             self.output_attn_res_norm = RMSNorm(cfg.hidden_size, cfg.rms_norm_eps)
@@ -92,17 +98,28 @@ class KimiModel(nn.Module):
         """-> final-normed hidden [T, D]; with ``aux_layers`` also the stream at the entry of each
         listed layer (``ResidualStream.state``; layer id ``num_hidden_layers``: h_final before the final
         norm), in the listed order: what a draft model reads. Nothing is kept when none is asked for."""
-        h = self.embed_tokens(input_ids)
-        if batch.embed_rows is not None:
-            h = h.index_copy(0, batch.embed_rows, batch.embeds.to(h.dtype))
-        cfg = self.cfg
-        stream = ResidualStream(h, cfg.attn_res_block_size, cfg.rms_norm_eps, cfg.numerics.attn_res_fused_norm)
+        cfg, pipe = self.cfg, self.pipeline
+        if pipe.is_first:
+            h = self.embed_tokens(input_ids)
+            if batch.embed_rows is not None:
+                h = h.index_copy(0, batch.embed_rows, batch.embeds.to(h.dtype))
+            stream = ResidualStream(h, cfg.attn_res_block_size, cfg.rms_norm_eps, cfg.numerics.attn_res_fused_norm)
+        else:                        # pipeline: the previous stage's stream (spec parallelism §4.3)
+            state = pipe.recv((batch.num_tokens, cfg.hidden_size), self.embed_tokens.weight.dtype,
+                              self.embed_tokens.weight.device)
+            stream = ResidualStream.restore(state, cfg.attn_res_block_size, cfg.rms_norm_eps,
+                                            cfg.numerics.attn_res_fused_norm)
         plans: dict = {}            # this forward's alone: a graph capture after a warm-up run computes its own
         taken: dict[int, torch.Tensor] = {}
         for layer in self.layers:
+            if isinstance(layer, PipelineHole):
+                continue
             if aux_layers and layer.layer_id in aux_layers:
                 taken[layer.layer_id] = stream.state()
             layer(stream, batch, cache, plans)
+        if not pipe.is_last:
+            pipe.send(stream.export())
+            return None
         res = () if cfg.attn_res_block_size is None else (self.output_attn_res_norm.weight,
                                                          self.output_attn_res_proj.weight)
         if not aux_layers:
@@ -120,13 +137,15 @@ class KimiForCausalLM(nn.Module):
     module then holds only its shards, and ``compute_logits`` gathers the vocab-parallel LM head
     to TP rank 0 (None on the other ranks)."""
 
-    def __init__(self, config: ModelConfig, parallel: ParallelContext | None = None):
+    def __init__(self, config: ModelConfig, parallel: ParallelContext | None = None,
+                 pipeline: PipelineContext | None = None):
         super().__init__()
         self.config = config
         self.parallel = par = parallel or ParallelContext()
+        self.pipeline = pipeline or PipelineContext()
         if par.enabled:
             check_parallel_degrees(config, par)
-        self.model = KimiModel(config.text, par)
+        self.model = KimiModel(config.text, par, self.pipeline)
         _, vocab = par.split(config.text.vocab_size, "vocab size") if par.enabled else (0, config.text.vocab_size)
         self.lm_head = linear(config.text.hidden_size, vocab)
         self.tp_shards = {"lm_head.weight": (0, par.tp_rank, par.tp_size)} if par.enabled else {}
@@ -290,9 +309,12 @@ class KimiForCausalLM(nn.Module):
     def forward_step(self, input_ids: torch.Tensor, batch: ForwardBatch, cache: HybridCache,
                      aux_layers: tuple[int, ...] = ()) -> torch.Tensor | tuple[torch.Tensor, list[torch.Tensor]]:
         """input_ids [T] -> final-normed hidden states [T, D]; advances ``cache`` in place. ``aux_layers``:
-        also return the hidden states a draft model reads (``KimiModel.forward``)."""
+        also return the hidden states a draft model reads (``KimiModel.forward``). Pipeline parallelism: a
+        stage takes the previous stage's stream and sends its own on; only the last returns (None elsewhere)."""
         if input_ids.dim() != 1 or input_ids.shape[0] != batch.num_tokens:
             raise ValueError(f"input_ids must be 1-D with {batch.num_tokens} tokens, got shape {tuple(input_ids.shape)}")
+        if aux_layers and self.pipeline.enabled:
+            raise ValueError("draft models' aux layers are not supported with pipeline parallelism")
         bad = [i for i in aux_layers if not 0 <= i <= self.config.text.num_hidden_layers]
         if bad:
             raise ValueError(f"aux layer ids {bad} outside [0, {self.config.text.num_hidden_layers}] "
@@ -317,7 +339,23 @@ class KimiForCausalLM(nn.Module):
             text = dataclasses.replace(text, kda=dataclasses.replace(text.kda, num_heads=text.kda.num_heads
                                                                     // self.parallel.tp_size),
                                        mla_cache_stripes=self.parallel.dcp_size)
+        if self.pipeline.enabled:        # this stage's layers only
+            text = dataclasses.replace(text, cache_layers=tuple(range(*self.pipeline.ranges[self.pipeline.stage])))
         return text
+
+    @property
+    def cache_plan_text_config(self) -> TextConfig:
+        """The text config rank 0 plans every rank's cache with: ``cache_text_config``, except that under
+        pipeline parallelism it holds as many KDA and MLA layers as the stages holding the most of each (the
+        other ranks allocate the same slot and block counts for their own layers)."""
+        text = self.cache_text_config
+        if not self.pipeline.enabled:
+            return text
+        stages = [set(range(lo, hi)) for lo, hi in self.pipeline.ranges]
+        most = {kind: max(stages, key=lambda s: len([i for i in ids if i in s]))
+                for kind, ids in (("kda", text.kda_layer_ids), ("mla", text.mla_layer_ids))}
+        layers = {i for i in text.kda_layer_ids if i in most["kda"]} | {i for i in text.mla_layer_ids if i in most["mla"]}
+        return dataclasses.replace(text, cache_layers=tuple(sorted(layers)))
 
     def allocate_cache(self, num_slots: int, num_blocks: int, block_size: int,
                        latent_dtype: torch.dtype | None = None) -> HybridCache:
@@ -357,6 +395,18 @@ class KimiForCausalLM(nn.Module):
             batch.embeds = self.encode_images(pixel_values, grid_thws)
             batch.embed_rows = self.image_rows(input_ids, batch.embeds)
         return self.compute_logits(self.forward_step(input_ids, batch, cache))
+
+
+def layer_weight_bytes(text: TextConfig) -> list[int]:
+    """Weight bytes of each decoder layer as the model builds it (one process, on the meta device): what the
+    pipeline planner balances (``distributed.plan_stages``)."""
+    act = GLUActivation(text.hidden_act, text.situ_beta, text.situ_linear_beta)
+    out = []
+    with torch.device("meta"):
+        for i in range(text.num_hidden_layers):
+            layer = DecoderLayer(text, i, act, ParallelContext())
+            out.append(sum(p.numel() * p.element_size() for p in layer.parameters()))
+    return out
 
 
 def check_parallel_degrees(config: ModelConfig, par: ParallelContext) -> None:

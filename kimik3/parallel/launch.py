@@ -19,6 +19,7 @@ so the next ``start_group`` can make another.
 from __future__ import annotations
 
 import atexit
+import itertools
 import logging
 import os
 import socket
@@ -32,8 +33,10 @@ import torch
 import torch.distributed as dist
 import torch.multiprocessing as mp
 
-from kimik3.distributed import ParallelContext, make_dcp_group
+from kimik3.config import load_config
+from kimik3.distributed import ParallelContext, PipelineContext, make_dcp_group, plan_stages
 from kimik3.loader.load import load_model
+from kimik3.model.kimi_k3 import layer_weight_bytes
 from kimik3.parallel.worker import stop_workers, worker_loop
 
 logger = logging.getLogger(__name__)
@@ -61,12 +64,35 @@ class ParallelConfig:
     decode_context_parallel_size: int = 1   # c | t: the MLA latent cache striped over c TP ranks
     enable_eplb: bool = False               # expert slots placed by load (needs expert parallelism)
     num_redundant_experts: int = 0          # EPLB's extra slots per MoE layer
+    pipeline_parallel_size: int = 1         # p stages of t ranks each: world = p * t
+    pp_layer_partition: tuple[int, ...] | None = None   # decoder layers per stage (None: planned by bytes)
 
     def __post_init__(self) -> None:
-        t = self.tensor_parallel_size
-        if not isinstance(t, int) or isinstance(t, bool) or t < 1:
-            raise ValueError(f"tensor_parallel_size must be a positive integer, got {t!r}")
+        t, p = self.tensor_parallel_size, self.pipeline_parallel_size
+        for name, v in (("tensor_parallel_size", t), ("pipeline_parallel_size", p)):
+            if not isinstance(v, int) or isinstance(v, bool) or v < 1:
+                raise ValueError(f"{name} must be a positive integer, got {v!r}")
+        if self.pp_layer_partition is not None and len(self.pp_layer_partition) != p:
+            raise ValueError(f"pp_layer_partition {list(self.pp_layer_partition)} needs one layer count per "
+                             f"pipeline stage ({p})")
         self.context(0)              # the MoE mode and tail are checked where they are used
+
+    @property
+    def world_size(self) -> int:
+        return self.tensor_parallel_size * self.pipeline_parallel_size
+
+    def stage_ranges(self, text) -> tuple[tuple[int, int], ...]:
+        """Each stage's decoder layers [start, end): ``pp_layer_partition``, else planned by weight bytes and
+        the attention-residual blocks (``distributed.plan_stages``)."""
+        L, p = text.num_hidden_layers, self.pipeline_parallel_size
+        if self.pp_layer_partition is None:
+            return plan_stages(layer_weight_bytes(text), p, text.attn_res_block_size)
+        counts = list(self.pp_layer_partition)
+        if sum(counts) != L or min(counts) < 1:
+            raise ValueError(f"pp_layer_partition {counts} must give every stage at least one layer and sum to the "
+                             f"model's {L} decoder layers")
+        bounds = [0, *itertools.accumulate(counts)]
+        return tuple((bounds[i], bounds[i + 1]) for i in range(p))
 
     def context(self, rank: int, group=None, dcp_group=None) -> ParallelContext:
         t = self.tensor_parallel_size
@@ -74,11 +100,22 @@ class ParallelConfig:
                                dcp_size=self.decode_context_parallel_size, dcp_group=dcp_group,
                                eplb=self.enable_eplb, num_redundant_experts=self.num_redundant_experts)
 
-    def join(self, rank: int) -> ParallelContext:
-        """This rank's context once its process group is up: makes the sub-groups every rank makes
-        (the DCP groups when c < t; ``new_group`` is collective)."""
-        t = self.tensor_parallel_size
-        return self.context(rank, dcp_group=make_dcp_group(list(range(t)), self.decode_context_parallel_size, rank))
+    def join(self, rank: int, model_path: str) -> dict:
+        """This world rank's ``parallel`` and ``pipeline`` contexts (``load_model``'s arguments) once the process
+        group is up: makes the sub-groups every rank makes (``new_group`` is collective): with pipeline stages
+        one TP group per stage (ranks s*t .. s*t + t - 1), the DCP groups when c < t."""
+        t, p = self.tensor_parallel_size, self.pipeline_parallel_size
+        stage, group, dcp_group = rank // t, None, None
+        for s in range(p):
+            ranks = list(range(s * t, (s + 1) * t))
+            g = dist.new_group(ranks) if p > 1 else None
+            d = make_dcp_group(ranks, self.decode_context_parallel_size, rank)
+            if s == stage:
+                group, dcp_group = g, d
+        pipeline = PipelineContext()
+        if p > 1:
+            pipeline = PipelineContext(stage, self.stage_ranges(load_config(model_path).text), rank % t, t)
+        return {"parallel": self.context(rank % t, group, dcp_group), "pipeline": pipeline}
 
 
 def set_safe_nvls_env() -> list[str]:
@@ -131,9 +168,9 @@ class WorkerSpec:
 def run_worker(rank: int, spec: WorkerSpec) -> None:
     """A rank > 0: join, load the shard, run steps until rank 0 stops; exit 1 on any error."""
     try:
-        device, control = init_rank(rank, spec.parallel.tensor_parallel_size, spec.init_method, spec.device_type)
+        device, control = init_rank(rank, spec.parallel.world_size, spec.init_method, spec.device_type)
         model = load_model(spec.model_path, device=device, dtype=spec.dtype,
-                           parallel=spec.parallel.join(rank), **spec.load_kwargs)
+                           **spec.parallel.join(rank, spec.model_path), **spec.load_kwargs)
         steps = worker_loop(model, control)
         logger.info("worker rank %d: stopped after %d steps", rank, steps)
         dist.destroy_process_group()
@@ -145,7 +182,7 @@ def run_worker(rank: int, spec: WorkerSpec) -> None:
 
 def _spawned_worker(index: int, spec: WorkerSpec, parent_pid: int, log_level: int) -> None:
     logging.basicConfig(level=log_level, format=f"%(asctime)s %(levelname)s [rank {index + 1}] %(name)s: %(message)s")
-    torch.set_num_threads(max(1, torch.get_num_threads() // spec.parallel.tensor_parallel_size))
+    torch.set_num_threads(max(1, torch.get_num_threads() // spec.parallel.world_size))
 
     def watch_parent():
         while True:
@@ -246,7 +283,7 @@ def start_group(model_path: str, parallel: ParallelConfig, dtype: torch.dtype, d
     """Become rank 0 of a new group (spawning the workers, or as torchrun's rank 0) and load
     rank 0's shard: returns (model, ParallelGroup). Under torchrun a rank > 0 runs its worker
     loop here and exits the process when rank 0 stops."""
-    world = parallel.tensor_parallel_size
+    world = parallel.world_size
     if dist.is_initialized():
         raise RuntimeError("this process already runs a tensor-parallel group (an earlier LLM or engine that was "
                            "not shut down); call its shutdown() first, or use `with LLM(...) as llm:`")
@@ -255,8 +292,9 @@ def start_group(model_path: str, parallel: ParallelConfig, dtype: torch.dtype, d
     if torchrun:
         rank, size = int(os.environ["RANK"]), int(os.environ["WORLD_SIZE"])
         if size != world:
-            raise ValueError(f"torchrun started {size} processes but --tensor-parallel-size is {world}; "
-                             f"they must be equal (pipeline/data parallel are not supported yet)")
+            raise ValueError(f"torchrun started {size} processes but --tensor-parallel-size x "
+                             f"--pipeline-parallel-size is {world}; they must be equal (data parallel is not "
+                             f"supported yet)")
         spec = WorkerSpec(str(model_path), dtype, device_type, parallel, "env://", load_kwargs)
         if rank != 0:
             run_worker(rank, spec)
@@ -264,7 +302,7 @@ def start_group(model_path: str, parallel: ParallelConfig, dtype: torch.dtype, d
         logger.info("rank 0 of %d on %s (torchrun)", world, socket.gethostname())
     else:
         if device_type == "cuda" and torch.cuda.device_count() < world:
-            raise ValueError(f"--tensor-parallel-size {world} needs {world} GPUs on this node, found "
+            raise ValueError(f"--tensor-parallel-size x --pipeline-parallel-size = {world} needs {world} GPUs on this node, found "
                              f"{torch.cuda.device_count()}; use torchrun for several nodes")
         set_safe_nvls_env()       # the children inherit it
         spec = WorkerSpec(str(model_path), dtype, device_type, parallel, f"tcp://127.0.0.1:{free_port()}", load_kwargs)
@@ -281,7 +319,7 @@ def start_group(model_path: str, parallel: ParallelConfig, dtype: torch.dtype, d
         else:
             device, control = init_rank(0, world, spec.init_method, device_type)
         group = ParallelGroup(control, processes, device)
-        model = load_model(model_path, device=device, dtype=dtype, parallel=parallel.join(0), **load_kwargs)
+        model = load_model(model_path, device=device, dtype=dtype, **parallel.join(0, str(model_path)), **load_kwargs)
     except BaseException:
         for p in processes:
             p.kill()

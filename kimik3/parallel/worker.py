@@ -6,7 +6,10 @@ Per step rank 0 broadcasts one ``StepDescriptor`` (the packed input ids, the ``F
 the rows to sample, the KDA state copies/resets of the step) on the gloo control group; each
 worker applies the cache ops, runs ``forward_step`` and joins the LM-head gather. A step's image
 embeddings follow the descriptor as one broadcast on the model's group; the images themselves are
-encoded by all ranks before it (``EncodeImages``: ``encoder_dp.py``). Under async
+encoded by all ranks before it (``EncodeImages``: ``encoder_dp.py``). Pipeline parallelism: every rank
+gets each step; a stage's forward takes the previous stage's stream and sends its own on
+(``PipelineContext``), the last stage's TP rank 0 sends the logits to rank 0; one step is in the
+pipe at a time. Under async
 scheduling a step's input ids are the previous step's samples, still on rank 0's device: the
 descriptor then carries their count, and the ids follow as a broadcast on the model's own group
 (NCCL on GPUs: from device to device, without a wait on rank 0's host). The cache
@@ -157,8 +160,10 @@ def worker_loop(model, control, graphs_class=DecodeGraphs) -> int:
         step = broadcast(None, control)
         if step is None:
             return steps
+        first = model.pipeline.is_first              # pipeline: only the first stage takes ids and images
         if isinstance(step, EncodeImages):            # encoder data parallelism: this rank's share
-            encode_share(model, step.pixels, step.grid_thws)
+            if first:
+                encode_share(model, step.pixels, step.grid_thws)
             continue
         if isinstance(step, CaptureGraphs):
             graphs = capture_or_none(graphs_class(model, cache, step.max_num_seqs, step.max_model_len,
@@ -176,11 +181,13 @@ def worker_loop(model, control, graphs_class=DecodeGraphs) -> int:
             else:
                 ids = step.input_ids.to(device)
             batch = _moved(step.batch, device)
-            if step.embeds is not None:
+            if step.embeds is not None and first:
                 shape, dtype = step.embeds
                 batch.embeds = torch.empty(shape, dtype=dtype, device=device)
                 dist.broadcast(batch.embeds, src=_first_rank(model.parallel.group), group=model.parallel.group)
-            hidden = model.forward_step(ids, batch, cache)
-            if step.rows:
-                model.compute_logits(hidden[torch.tensor(step.rows, device=device)])
+            hidden = model.forward_step(ids, batch, cache)        # None before the last pipeline stage
+            if step.rows and hidden is not None:
+                logits = model.compute_logits(hidden[torch.tensor(step.rows, device=device)])
+                if logits is not None and model.pipeline.enabled:
+                    model.pipeline.send_logits(logits)    # to rank 0, which samples
         steps += 1

@@ -72,7 +72,8 @@ def run_steps(model, seed: int = 0):
         batch = ForwardBatch.build([len(chunks[s]) for s in seqs], [done[s] for s in seqs], [slots[s] for s in seqs],
                                    [tables[s] for s in seqs], BLOCK, checkpoints=checkpoints)
         ids = torch.tensor([t for s in seqs for t in chunks[s]])
-        out.append(model.compute_logits(model.forward_step(ids, batch, cache)))
+        hidden = model.forward_step(ids, batch, cache)          # None before the last pipeline stage
+        out.append(None if hidden is None else model.compute_logits(hidden))
         for s in seqs:
             done[s] += len(chunks[s])
     with torch.inference_mode():
@@ -94,6 +95,28 @@ def logits_rank(rank, world, control, ckpts: dict, layouts: dict, out_path: str)
             results[arch, name] = (logits, emb, cache.kda_state, cache.kda_conv, cache.mla_latent)
     if rank == 0:
         torch.save(results, out_path)
+
+
+def pipeline_rank(rank, world, control, ckpts: dict, layouts: dict, out_path: str):
+    """Pipeline layouts: name -> (stages, EP on/off, two stages' cut layer or None: planned); TP = world / stages. The last
+    stage's TP rank 0 saves (``out_path.rank<r>``) the logits of ``run_steps`` and every rank's cached layer ids
+    and stage ranges."""
+    from kimik3.parallel.launch import ParallelConfig
+    results = {}
+    for arch, path in ckpts.items():
+        for name, (pp, ep, cut) in layouts.items():
+            L = load_model(path, dtype=torch.float64).config.text.num_hidden_layers
+            cfg = ParallelConfig(world // pp, ep, pipeline_parallel_size=pp,
+                                 pp_layer_partition=None if cut is None else (cut, L - cut))
+            model = load_model(path, dtype=torch.float64, **cfg.join(rank, path))
+            logits, _, cache = run_steps(model)
+            layers = sorted(cache.layer_index)
+            gathered = [None] * world
+            dist.all_gather_object(gathered, (layers, model.pipeline.ranges), group=control)
+            if rank == world - world // pp:
+                results[arch, name] = (logits, gathered)
+    if results:
+        torch.save(results, f"{out_path}.rank{rank}")
 
 
 def engine_prompts(vocab: int) -> tuple[list[list[int]], list[list[int]]]:

@@ -16,7 +16,9 @@ SCRIPT = textwrap.dedent("""
     import json, os, sys, torch
     from kimik3.engine import LLM, SamplingParams
     eplb = dict(enable_eplb=True, num_redundant_experts=2) if sys.argv[2] == "ep" else {}
-    llm = LLM(sys.argv[1], tensor_parallel_size=2, enable_expert_parallel=sys.argv[2] == "ep", **eplb,
+    layout = dict(tensor_parallel_size=1, pipeline_parallel_size=2) if sys.argv[2] == "pp" else \
+        dict(tensor_parallel_size=2)
+    llm = LLM(sys.argv[1], **layout, enable_expert_parallel=sys.argv[2] == "ep", **eplb,
               decode_context_parallel_size=2 if sys.argv[2] == "dcp" else 1, language_model_only=sys.argv[2] == "dcp",
               dtype=torch.float64, device="cpu",
               max_model_len=64, max_num_batched_tokens=8, block_size=4, kv_cache_memory_bytes=1 << 22)
@@ -42,7 +44,7 @@ def _run(ckpt, layout, action, timeout=120):
                           text=True, timeout=timeout)
 
 
-@pytest.mark.parametrize("layout", ["tp", "ep", "dcp"], ids=["tp2", "ep2-eplb", "tp2-dcp2"])
+@pytest.mark.parametrize("layout", ["tp", "ep", "dcp", "pp"], ids=["tp2", "ep2-eplb", "tp2-dcp2", "pp2"])
 def test_llm_with_tensor_parallel_matches_one_process(ckpt, layout):
     from kimik3.engine import LLM, SamplingParams
     llm = LLM(str(ckpt), dtype=torch.float64, device="cpu", max_model_len=64, max_num_batched_tokens=8,

@@ -32,9 +32,11 @@ def want():
     return out[0].outputs[0].text
 
 
-@pytest.mark.parametrize("flags", [["--tensor-parallel-size", "2", "--decode-context-parallel-size", "2"]],
-                         ids=["tp2-dcp2"])
-def test_served_completion_under_torchrun_matches_one_process(want, tmp_path, flags):
+@pytest.mark.parametrize("nproc,flags", [
+    (2, ["--tensor-parallel-size", "2", "--decode-context-parallel-size", "2"]),
+    (4, ["--tensor-parallel-size", "2", "--pipeline-parallel-size", "2", "--enable-expert-parallel"]),
+], ids=["tp2-dcp2", "pp2xtp2-ep"])
+def test_served_completion_under_torchrun_matches_one_process(want, tmp_path, nproc, flags):
     torchrun = shutil.which("torchrun")
     if torchrun is None:
         pytest.skip("torchrun is not on PATH")
@@ -42,7 +44,7 @@ def test_served_completion_under_torchrun_matches_one_process(want, tmp_path, fl
     url = f"http://127.0.0.1:{port}"
     env = {**os.environ, "PYTHONPATH": os.getcwd(), "OMP_NUM_THREADS": "1"}
     log = open(tmp_path / "serve.log", "w+")
-    proc = subprocess.Popen([torchrun, "--standalone", "--nproc-per-node", "2", "-m", "kimik3.cli", "serve",
+    proc = subprocess.Popen([torchrun, "--standalone", "--nproc-per-node", str(nproc), "-m", "kimik3.cli", "serve",
                              "--port", str(port), "--dtype", "float64", "--device", "cpu", "--max-model-len", "128",
                              "--block-size", "4", "--max-num-seqs", "2", "--kv-cache-memory-bytes", str(1 << 23), "--served-model-name", "m",
                              *flags], stdout=log, stderr=subprocess.STDOUT, env=env, start_new_session=True)

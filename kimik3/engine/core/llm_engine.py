@@ -51,7 +51,9 @@ class LLMEngine:
         if config.uses_draft_model and draft is None:       # loaded first: a GPU budget counts its weights
             from kimik3.engine.spec.draft_model import load_draft
             draft = load_draft(config.speculative_method, config.speculative_model or tokenizer_path, model)
-        self.plan = plan_cache(config, model.cache_text_config, model.dtype, self.device)
+        # pipeline stages: the plan every rank allocates covers the stage with the most layers of each kind
+        plan_text = getattr(model, "cache_plan_text_config", model.cache_text_config)
+        self.plan = plan_cache(config, plan_text, model.dtype, self.device)
         if config.uses_draft_model:          # the draft's cache shares the target's blocks: plan them together
             from kimik3.engine.spec.draft_model import ModelDrafter
             per_block = ModelDrafter.bytes_per_block(draft, config.block_size)

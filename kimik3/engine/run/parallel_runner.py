@@ -65,7 +65,15 @@ class ParallelRunner(ModelRunner):
     def run(self, input_ids: torch.Tensor, batch: ForwardBatch, rows: list[int]):
         send_step(self.control, input_ids, batch, rows, *self._ops, model_group=self.model.parallel.group,
                   ids_on_device=self._ids_on_device)
-        return super().run(input_ids, batch, rows)
+        pipe = self.model.pipeline
+        if not pipe.enabled:
+            return super().run(input_ids, batch, rows)
+        # pipeline: this first stage's layers, then the last stage's logits of ``rows``
+        self.model.forward_step(input_ids, batch, self.cache)
+        if not rows:
+            return None
+        dtype = torch.promote_types(self.model.dtype, torch.float32)
+        return pipe.recv_logits(len(rows), self.model.config.text.vocab_size, dtype, self.device)
 
     def run_graph(self, meta: torch.Tensor, tables: torch.Tensor, rows: list[int], num_seqs: int,
                   input_ids: torch.Tensor | None = None):
