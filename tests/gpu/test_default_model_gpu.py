@@ -37,15 +37,18 @@ def prompts():
             "e": words[70:130], "f": tok.encode("Once upon a time")}
 
 
-@pytest.mark.parametrize("mode", ["eager", "graphs", "chunked_prefix_graphs", "speculative", "async_chunked_prefix"])
+@pytest.mark.parametrize("mode", ["eager", "graphs", "chunked_prefix_graphs", "speculative", "async_chunked_prefix",
+                                  "eagle3_async_chunked_prefix"])
 def test_engine_greedy_equals_the_model_called_directly_on_cuda(model, prompts, mode, monkeypatch):
     params = SamplingParams(temperature=0, max_tokens=MAX_TOKENS, ignore_eos=True, logprobs=1)
     kw = dict(block_size=16, max_num_seqs=8, max_num_batched_tokens=256, max_model_len=192, extra_blocks=64,
               enforce_eager=mode == "eager")
     arrivals = {0: list(prompts)}
-    if mode in ("chunked_prefix_graphs", "async_chunked_prefix"):   # async: the default on one GPU
-        kw.update(max_num_batched_tokens=24, kda_checkpoint_interval=1, async_scheduling=mode.startswith("async"))
+    if mode in ("chunked_prefix_graphs", "async_chunked_prefix", "eagle3_async_chunked_prefix"):  # async: GPU default
+        kw.update(max_num_batched_tokens=24, kda_checkpoint_interval=1, async_scheduling="async" in mode)
         arrivals = {0: ["a"], 8: ["b", "d"], 10: ["c", "e", "f"]}
+    if mode.startswith("eagle3"):     # the default model's shipped draft (engine/spec/draft_model.py): eager steps
+        kw.update(num_speculative_tokens=4, speculative_method="eagle3", speculative_model="default")
     elif mode == "speculative":       # graphs on; steps that carry drafts (here: nearly all) run eagerly
         kw.update(num_speculative_tokens=3, speculative_ngram_min=1, speculative_ngram_max=3)
         # requests keep drafting after a failed verify: the small default model seldom repeats itself, and
@@ -60,12 +63,12 @@ def test_engine_greedy_equals_the_model_called_directly_on_cuda(model, prompts, 
         tokens, _, logprobs = results[rid][0]
         assert len(tokens) == len(logprobs) == MAX_TOKENS, rid
         assert_model_greedy(model, rid, prompt, tokens, logprobs, LOGPROB_BOUND)
-    if mode != "eager":
+    if mode not in ("eager", "eagle3_async_chunked_prefix"):
         assert engine.runner.graphs is not None, "capture fell back to eager"
     if mode in ("graphs", "chunked_prefix_graphs", "async_chunked_prefix"):
         assert engine.runner.num_graph_steps > 0
     if mode in ("chunked_prefix_graphs", "async_chunked_prefix"):
         assert engine.kv.num_hit_tokens > 0
-    if mode == "speculative":
+    if mode in ("speculative", "eagle3_async_chunked_prefix"):
         assert engine.num_accepted_tokens > 0
     assert (ahead.hits > 0) == (mode == "async_chunked_prefix"), ahead.hits     # steps were launched ahead
