@@ -35,7 +35,7 @@ def run(llm: LLM, prompts: list[list[int]], params: list[SamplingParams]) -> tup
 
 
 def add_bench_arguments(ap: argparse.ArgumentParser) -> None:
-    from kimik3.engine.args import add_engine_args
+    from kimik3.engine.flags import add_engine_args
 
     ap.add_argument("--model", help="checkpoint directory (default: a tiny random checkpoint written to a temp dir)")
     ap.add_argument("--arch", default="kimi_k3", choices=["kimi_k3", "kimi_linear"],

@@ -52,7 +52,7 @@ def _sampling_args(p: argparse.ArgumentParser, max_tokens: int) -> None:
 
 
 def build_parser() -> argparse.ArgumentParser:
-    from kimik3.engine.args import add_engine_args
+    from kimik3.engine.flags import add_engine_args
 
     parser = _Parser(prog="kimik3", description="Inference engine for Kimi-K3 and Kimi-Linear.")
     parser.add_argument("-v", "--verbose", action="store_true", help="same as --log-level info (default: off)")
@@ -418,7 +418,7 @@ def main(argv: list[str] | None = None) -> int:
     args = parser.parse_args(argv)
     setup_logging("info" if args.verbose and args.log_level not in ("debug", "info") else args.log_level)
     try:
-        from kimik3.engine.args import merge_model_tag
+        from kimik3.engine.flags import merge_model_tag
         merge_model_tag(args)
         return COMMANDS[args.command](args)
     except KeyboardInterrupt:

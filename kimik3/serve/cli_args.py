@@ -7,7 +7,7 @@ import argparse
 import json
 
 from kimik3.engine.arg_types import non_negative_int
-from kimik3.engine.args import add_engine_args
+from kimik3.engine.flags import add_engine_args
 
 # The K3 recipe's parser names. kimik3 always parses K3 output with its own parser (kimik3.chat), so
 # these flags name what is always on; any other parser name is refused.

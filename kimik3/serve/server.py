@@ -13,7 +13,8 @@ import os
 import socket
 from pathlib import Path
 
-from kimik3.engine.args import EngineArgs, merge_model_tag
+from kimik3.engine.args import EngineArgs
+from kimik3.engine.flags import merge_model_tag
 from kimik3.engine.build import build_engine
 from kimik3.serve.app import ServeOptions, create_app
 from kimik3.serve.cli_args import add_serve_arguments

@@ -135,7 +135,7 @@ def test_limit_mm_per_prompt_is_checked():
     (["-tp", "2", "--no-enforce-eager"], False), (["--enforce-eager"], True),
 ])
 def test_enforce_eager_defaults_to_graphs_on_one_gpu_only(flags, expected):
-    from kimik3.engine.args import add_engine_args
+    from kimik3.engine.flags import add_engine_args
     ns = add_engine_args(argparse.ArgumentParser()).parse_args(flags)
     args = EngineArgs(**{k: v for k, v in vars(ns).items() if k in EngineArgs.__dataclass_fields__})
     assert args.engine_config(64, torch.device("cuda")).enforce_eager is expected
@@ -147,7 +147,7 @@ def test_enforce_eager_defaults_to_graphs_on_one_gpu_only(flags, expected):
     (["--block-size", "32"], "cuda", True, 32), (["--block-size", "32"], "cuda", False, 32),
 ])
 def test_block_size_follows_flash_mla_unless_given(flags, device, flash, expected, monkeypatch):
-    from kimik3.engine.args import add_engine_args
+    from kimik3.engine.flags import add_engine_args
     from kimik3.ops.cuda import flash_mla
     if flash:
         monkeypatch.setenv(flash_mla.ENV, "/nowhere/libkimik3_flash_mla.so")   # only named: never loaded here

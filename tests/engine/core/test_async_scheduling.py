@@ -360,7 +360,8 @@ def test_async_scheduling_is_on_by_default_where_it_works(flags, device, expecte
     """The flag's default (None) resolves per device and setting; a given flag always wins."""
     import argparse
 
-    from kimik3.engine.args import EngineArgs, add_engine_args
+    from kimik3.engine.args import EngineArgs
+    from kimik3.engine.flags import add_engine_args
     ns = add_engine_args(argparse.ArgumentParser()).parse_args(flags)
     args = EngineArgs(**{k: v for k, v in vars(ns).items() if k in EngineArgs.__dataclass_fields__})
     assert args.resolve_async_scheduling(torch.device(device)) is expected
