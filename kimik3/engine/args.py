@@ -291,8 +291,8 @@ class EngineArgs:
         """The model's expert-offload settings (``--cpu-offload-gb``), or None when nothing is offloaded."""
         if not self.cpu_offload_gb:
             return None
-        if self.tensor_parallel_size > 1 or self.enable_expert_parallel:
-            raise ValueError("cpu_offload_gb is not supported with tensor or expert parallelism yet; "
+        if self.is_parallel:
+            raise ValueError("cpu_offload_gb is not supported with tensor, expert or pipeline parallelism yet; "
                              "use one GPU (or leave cpu_offload_gb at 0)")
         from kimik3.model.expert_offload import ExpertOffloadConfig
         return ExpertOffloadConfig.from_gib(self.cpu_offload_gb)

@@ -184,7 +184,7 @@ class KimiForCausalLM(nn.Module):
         if offload_config is not None:
             from kimik3.model.expert_offload import check_budget
             if self.parallel.enabled:
-                raise ValueError("cpu_offload_gb is not supported with tensor or expert parallelism yet; "
+                raise ValueError("cpu_offload_gb is not supported with tensor, expert or pipeline parallelism yet; "
                                  "use one GPU (or leave cpu_offload_gb at 0)")
             check_budget(moes, offload_config)
         return moes

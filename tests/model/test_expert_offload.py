@@ -84,6 +84,7 @@ def test_bad_budgets_are_clear_errors(tiny_ckpt):
         EngineArgs(cpu_offload_gb=-0.5)
     with pytest.raises(ValueError, match="more than the model's routed experts here"):
         load_model(tiny_ckpt["kimi_k3"], expert_offload=ExpertOffloadConfig.from_gib(1.0))
-    with pytest.raises(ValueError, match="not supported with tensor or expert parallelism"):
-        EngineArgs(cpu_offload_gb=1, tensor_parallel_size=2).expert_offload_config()
+    for layout in ({"tensor_parallel_size": 2}, {"pipeline_parallel_size": 2}, {"enable_expert_parallel": True}):
+        with pytest.raises(ValueError, match="not supported with tensor, expert or pipeline parallelism"):
+            EngineArgs(cpu_offload_gb=1, **layout).expert_offload_config()
     assert EngineArgs(cpu_offload_gb=0).expert_offload_config() is None
