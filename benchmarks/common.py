@@ -91,16 +91,25 @@ def library_path(env: str, script: str) -> str:
 
 
 def named_or_not(env: str, path: str, named: bool, fn):
-    """``fn()`` with ``env`` set to ``path`` (named) or unset, then set again: an op that reads the variable
-    when called takes the library or our kernels (a CUDA graph keeps what ran at its capture)."""
-    if named:
-        os.environ[env] = path
-    else:
-        os.environ.pop(env, None)
-    try:
+    """``fn()`` with the library option of ``env`` (KIMIK3_FLASH_MLA / KIMIK3_FLASH_KDA) set to ``path`` (named)
+    or unset: the ops take the library or our kernels (a CUDA graph keeps what ran at its capture)."""
+    import dataclasses
+
+    from kimik3.ops.options import kernel_options, use_kernel_options
+    field = {"KIMIK3_FLASH_MLA": "flash_mla", "KIMIK3_FLASH_KDA": "flash_kda"}[env]
+    with use_kernel_options(dataclasses.replace(kernel_options(), **{field: path if named else None})):
         return fn()
-    finally:
-        os.environ[env] = path
+
+
+def install_environment_kernel_options() -> None:
+    """The benchmarks run their ops under the kernel options a default ``EngineArgs`` resolves: the device
+    call's KIMIK3_FLASH_MLA / KIMIK3_FLASH_KDA / KIMIK3_PDL / KIMIK3_PREFETCH decide, as for ``kimik3``."""
+    from kimik3.engine.args import EngineArgs
+    from kimik3.ops.options import install_kernel_options
+    install_kernel_options(EngineArgs().kernel_options())
+
+
+install_environment_kernel_options()
 
 
 def rel_err(a: torch.Tensor, b: torch.Tensor) -> float:

@@ -47,3 +47,21 @@ def pytest_runtest_logreport(report):
     happens, so a run cut off by its time limit still leaves it in the log."""
     if report.failed and os.environ.get("KIMIK3_INSTAFAIL"):
         print(f"\nFAILED {report.nodeid} ({report.when})\n{report.longreprtext}\n", file=sys.__stderr__, flush=True)
+
+
+@pytest.fixture
+def kernel_options():
+    """``kernel_options(KernelOptions(...))`` and/or ``kernel_options(field=value, ...)`` (``KernelTuning``
+    fields, on top of the options in force): the rest of the test runs under options it constructed
+    (``kimik3.ops.options.use_kernel_options``), restored when it ends."""
+    import contextlib
+
+    from kimik3.ops.options import kernel_options as current
+    from kimik3.ops.options import use_kernel_options
+    stack = contextlib.ExitStack()
+
+    def use(options=None, **tuning):
+        opts = options or current()
+        return stack.enter_context(use_kernel_options(opts.tuned(**tuning) if tuning else opts))
+    yield use
+    stack.close()

@@ -6,7 +6,7 @@ For H = 96 (K3 slice) and H = 32 (Kimi-Linear), d_qk 192 (128 nope + 64 rope), d
       FLOPs stay affordable, and the replaced path (per-sequence SDPA with a boolean
       [chunk, context] mask over the whole up-projected history) where it fits memory;
   (b) short query runs (16, 128 and 512 queries per sequence, 4 sequences) over 32k and 1M
-      contexts in both forms: where the absorbed form wins (``kimik3.ops.mla.ABSORBED_MAX_QUERY_LEN``);
+      contexts in both forms: where the absorbed form wins (``KernelTuning.mla_absorbed_max_query_len``);
   (c) a sweep of fixed kernel configs (BLOCK_M, BLOCK_N, num_warps, num_stages) on one piece:
       naive at H = 96, absorbed at H = 32 (``kimik3.ops.triton.mla_prefill.CONFIGS``).
   (d) decode (``mla_decode_triton``, split-K over the paged blocks, in CUDA graphs; H = 96, 32 and
@@ -46,8 +46,9 @@ from benchmarks.common import capture_graph, commit_id, copy_rate, cuda_time, ma
 from kimik3.ops.triton import mla_decode                           # noqa: E402
 from kimik3.ops.triton.mla_decode import DecodeConfig              # noqa: E402
 
-from kimik3.ops import ceil_div, mla                               # noqa: E402
+from kimik3.ops import ceil_div                                    # noqa: E402
 from kimik3.ops.mla import gather_latents, mla_prefill_attention   # noqa: E402
+from kimik3.ops.options import tuning                              # noqa: E402
 from kimik3.ops.triton import mla_prefill                          # noqa: E402
 
 R, P, DN, DV, BS = 512, 64, 128, 128, 64
@@ -155,7 +156,7 @@ def sweep(rows, mm, H, form, configs):
     """One piece: 8192 queries at positions 16384.. over 16384 keys, all visible (the common piece
     of a long context), then the causal piece of a fresh 8192 prompt."""
     g = torch.Generator(device=DEVICE).manual_seed(1)
-    T, S = CHUNK, max(mla.PREFILL_BLOCK, CHUNK)
+    T, S = CHUNK, max(tuning().mla_prefill_block, CHUNK)
     DA, Hk, DVk = (DN, H, DV) if form == "naive" else (R, 1, R)
     bf = torch.bfloat16
     qa, qb = (torch.randn(T, H, d, generator=g, device=DEVICE).to(bf) for d in (DA, P))
@@ -310,7 +311,7 @@ def main():
     t_start = time.perf_counter()
     res = {"commit": commit_id(), "gpu": torch.cuda.get_device_name(), "date": datetime.datetime.now(
         datetime.timezone.utc).isoformat(timespec="seconds"), "torch": torch.__version__,
-        "prefill_block": mla.PREFILL_BLOCK, "absorbed_max_query_len": mla.ABSORBED_MAX_QUERY_LEN,
+        "prefill_block": tuning().mla_prefill_block, "absorbed_max_query_len": tuning().mla_absorbed_max_query_len,
         "configs": {f"{k[0]}/{k[1]}": vars(c) for k, c in mla_prefill.CONFIGS.items()}}
     out = Path(args.out)
     out.parent.mkdir(parents=True, exist_ok=True)

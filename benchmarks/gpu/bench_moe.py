@@ -199,10 +199,10 @@ def kernels(bw):
             results["kernels"] = rows
             save_results("bench_moe.json", results)
         if T <= 128:      # the sort/alignment step alone: one Triton program vs the torch ops
-            for name, limit in (("kernel", moe_kernels.ALIGN_KERNEL_MAX_ROWS), ("torch", -1)):
-                saved, moe_kernels.ALIGN_KERNEL_MAX_ROWS = moe_kernels.ALIGN_KERNEL_MAX_ROWS, limit
-                gs, _ = capture_graph(lambda: _sort_by_expert(ids, E, base["BM"]))
-                moe_kernels.ALIGN_KERNEL_MAX_ROWS = saved
+            from kimik3.ops.options import kernel_options, use_kernel_options
+            for name, limit in (("kernel", kernel_options().tuning.align_kernel_max_rows), ("torch", -1)):
+                with use_kernel_options(kernel_options().tuned(align_kernel_max_rows=limit)):
+                    gs, _ = capture_graph(lambda: _sort_by_expert(ids, E, base["BM"]))
                 results.setdefault("sort_ms", {}).setdefault(name, {})[T] = cuda_time(gs.replay, warmup=3, iters=20) * 1e3
                 log(f"T={T} sort alone ({name}) {results['sort_ms'][name][T]:.4f} ms")
     return rows

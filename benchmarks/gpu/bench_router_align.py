@@ -15,7 +15,7 @@
 (c) ``--split``: the MoE layer's routing (logits + routing kernel) with the checkpoint's bf16 gate weight at
     T = 1 .. 256 for the three (D, E): ``route_tokens`` (split-K partials summed by the routing kernel, from
     ROUTER_SPLIT_MIN_TOKENS) against the unsplit logits (``router_logits``) + ``route``, and the split
-    parameters SPLIT_MIN_STEPS x SPLIT_TARGET_PROGRAMS in SPLIT_SWEEP; floor: the weight's bytes. Every
+    parameters router_split_min_steps x router_split_target_programs (``KernelTuning``) in SPLIT_SWEEP; floor: the weight's bytes. Every
     variant's experts must be a top-k of the float64 routing (``tests/gpu/test_router_align_gpu._routing_ok``).
 Each time is one call's share of a CUDA graph of REPS calls back to back (as in a decode graph).
 
@@ -55,7 +55,7 @@ BF16_GEMM_SWEEP = ((32, 32, 64, 4), (64, 32, 64, 4), (64, 64, 64, 4), (64, 16, 1
 ALIGN_SHAPES = {"kimi_linear": (256, 8), "k3_release": (896, 16)}      # experts, top-k
 ALIGN_ROWS = (8, 256, 1024, 2048, 4096)
 SPLIT_SHAPES = {"kimi_linear": (2304, 256, 8, 2.446), "k3_slice": (7168, 64, 16, 1.0), "k3_release": (7168, 896, 16, 1.0)}
-SPLIT_SWEEP = ((2, 128), (4, 64), (4, 128), (4, 256), (8, 128))      # (SPLIT_MIN_STEPS, SPLIT_TARGET_PROGRAMS)
+SPLIT_SWEEP = ((2, 128), (4, 64), (4, 128), (4, 256), (8, 128))      # (router_split_min_steps, router_split_target_programs)
 
 
 @triton.jit(do_not_specialize=["R", "cap"])
@@ -209,7 +209,7 @@ def split_routing(results: dict, bw: float) -> None:
     log("\n| (D, E) | T | unsplit logits + route us | route_tokens us (splits) | speed-up | floor us | "
         "sweep (min steps, programs): us |")
     log("|---|---|---|---|---|---|---|")
-    saved = kernel.SPLIT_MIN_STEPS, kernel.SPLIT_TARGET_PROGRAMS
+    from kimik3.ops.options import kernel_options, use_kernel_options
     for name, (D, E, k, scale) in SPLIT_SHAPES.items():
         g = torch.Generator(device="cuda").manual_seed(D + E)
         w = (torch.randn(E, D, generator=g, device="cuda") * D ** -0.5).to(torch.bfloat16)
@@ -226,14 +226,12 @@ def split_routing(results: dict, bw: float) -> None:
                 if not _routing_ok(*fn(), x, w, bias, k, scale):
                     raise AssertionError(f"routing off at {name} T={T}")
             if router.splits_logits(T):
-                try:
-                    for steps, programs in SPLIT_SWEEP:
-                        kernel.SPLIT_MIN_STEPS, kernel.SPLIT_TARGET_PROGRAMS = steps, programs
+                for steps, programs in SPLIT_SWEEP:
+                    with use_kernel_options(kernel_options().tuned(router_split_min_steps=steps,
+                                                                   router_split_target_programs=programs)):
                         if not _routing_ok(*split(), x, w, bias, k, scale):
                             raise AssertionError(f"split routing off at {name} T={T} {steps, programs}")
                         row["sweep"][f"{steps},{programs}"] = graph_time(split) * 1e6
-                finally:
-                    kernel.SPLIT_MIN_STEPS, kernel.SPLIT_TARGET_PROGRAMS = saved
             results.setdefault("split_routing", []).append(row)
             log(f"| ({D}, {E}) | {T} | {row['unsplit_us']:.2f} | {row['route_tokens_us']:.2f} ({row['splits']}) | "
                 f"{row['unsplit_us'] / row['route_tokens_us']:.2f}x | {row['floor_us']:.2f} | "
@@ -263,9 +261,8 @@ def align(results: dict, sweep: bool) -> None:
             R = T * k
             ids = torch.stack([torch.randperm(E, generator=g, device="cuda")[:k] for _ in range(T)])
             BM = moe_kernels._tiles(R / E)["BM"]
-            saved, moe_kernels.ALIGN_KERNEL_MAX_ROWS = moe_kernels.ALIGN_KERNEL_MAX_ROWS, -1
-            want = moe_kernels._sort_by_expert(ids, E, BM)
-            moe_kernels.ALIGN_KERNEL_MAX_ROWS = saved
+            with use_kernel_options(kernel_options().tuned(align_kernel_max_rows=-1)):
+                want = moe_kernels._sort_by_expert(ids, E, BM)
             row = {"experts": E, "top_k": k, "R": R, "BM": BM, "new_warps": real_warps(R), "sort": {}, "new": {}}
             runs = [("sort", w) for w in ((4, 16) if sweep else (4,))]
             runs += [("new", w) for w in sorted({real_warps(R), *((1, 2, 4, 8) if sweep else ())})]

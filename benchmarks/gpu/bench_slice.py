@@ -9,35 +9,35 @@ Slices: ``kimi-k3-slice4.config.json`` (K3 width, 64 MXFP4 experts top-16, the d
 
     PYTHONPATH=. python benchmarks/gpu/bench_slice.py [--config=PATH]   (writes $OUT/bench_slice[_NAME].json)
 
-``--pdl-ab``: every case also without programmatic dependent launch (``kimik3.ops.triton.common.PDL_ENABLED``
+``--pdl-ab``: every case also without programmatic dependent launch (``KernelOptions.pdl``
 off: our kernels launched the ordinary way), in the same process, so the two columns compare directly.
 ``--gemv-ab``: every decode case also with the projections of up to 8 rows on the streaming kernel
-(``kimik3.ops.linear.GEMV_MAX_ROWS`` flipped: 0 when the model ships with it on, else 8).
+(``KernelTuning.gemv_max_rows`` flipped: 0 when the model ships with it on, else 8).
 ``--side-ab``: every decode case also captured without the MoE side stream (router and shared experts on
 the main stream, as eager steps run).
 ``--one-token-ab``: the batch-1 decode case also with a single token's dense experts on the block kernels
-(``kimik3.ops.triton.moe.ONE_TOKEN_GEMV`` off).
+(``KernelTuning.one_token_gemv`` off).
 ``--prefetch-ab``: the batch-1 decode case also without the L2 requests before the PDL wait (the projections'
-weight rows, the KDA step's state rows: ``kimik3.ops.triton.common.PREFETCH_ENABLED`` off).
+weight rows, the KDA step's state rows: ``KernelOptions.prefetch`` off).
 ``--flash-mla-ab`` (with ``KIMIK3_FLASH_MLA`` set): every decode case also with our Triton MLA decode in place of
 FlashMLA (the slice's cache has 64-token blocks, so the main columns run FlashMLA).
 ``--flash-kda-ab`` (with ``KIMIK3_FLASH_KDA`` set): the prefill cases also with fla-core's chunk_kda in place of
 FlashKDA (K3's bounded gate only; Kimi-Linear's KDA never takes FlashKDA).
-``--wgmma-ab``: every decode case also with the MXFP4 experts on the block kernels (``kimik3.ops.triton.moe.WGMMA_EXPERTS``
+``--wgmma-ab``: every decode case also with the MXFP4 experts on the block kernels (``KernelTuning.wgmma_experts``
 off, where the default takes ``moe_wgmma``'s register-operand kernels).
 ``--router-split-ab``: every decode case also with the MoE routing on unsplit logits (``kimik3.ops.router``'s
-split-K path off: ROUTER_SPLIT_MIN_TOKENS past any batch).
+split-K path off: router_split_min_tokens past any batch).
 ``--low-rank-ab``: every decode case also with the KDA layers' low-rank up-projections placed the other way: computed
 before the step's kernel where the default computes them inside it (batches up to
-``kimik3.ops.kda.DECODE_LOW_RANK_MAX_SEQS``), inside it where the default computes them first.
+``KernelTuning.decode_low_rank_max_seqs``), inside it where the default computes them first.
 """
 
 from __future__ import annotations
 
+import dataclasses
 import datetime
 import json
 import math
-import os
 import sys
 import time
 import traceback
@@ -55,12 +55,8 @@ from kimik3.model.batch import ForwardBatch, HybridCache     # noqa: E402
 from kimik3.model.kimi_k3 import KimiForCausalLM             # noqa: E402
 from kimik3.model.moe import Experts                         # noqa: E402
 from kimik3.ops import ceil_div, mxfp4                       # noqa: E402
-from kimik3.ops import kda as ops_kda                         # noqa: E402
-from kimik3.ops import linear as ops_linear                   # noqa: E402
-from kimik3.ops import router as ops_router                   # noqa: E402
 from kimik3.ops.backend import reference_ops                 # noqa: E402
-from kimik3.ops.triton import common as triton_common        # noqa: E402
-from kimik3.ops.triton import moe as moe_kernels              # noqa: E402
+from kimik3.ops.options import KernelOptions, kernel_options, tuning, use_kernel_options  # noqa: E402
 
 CONFIG = Path(__file__).with_name("kimi-k3-slice4.config.json")
 KIMI_LINEAR_CONFIG = Path(__file__).with_name("kimi-linear-slice4.config.json")
@@ -216,35 +212,37 @@ def graph_time(fn) -> float | None:
         return None
 
 
-def with_setting(flag: str, module, name: str, value, measure):
-    """``measure()`` with ``module.name`` set to ``value`` for its duration, when ``flag`` is on the command
-    line (else None): the second column of ``--pdl-ab`` and ``--gemv-ab``."""
+def with_setting(flag: str, measure, **changes):
+    """``measure()`` under the kernel options in force with ``changes`` (``KernelOptions`` fields, or
+    ``KernelTuning`` ones) for its duration, when ``flag`` is on the command line (else None): the second
+    column of ``--pdl-ab``, ``--gemv-ab`` ..."""
     if flag not in sys.argv:
         return None
-    saved = getattr(module, name)
-    setattr(module, name, value)
-    try:
+    options = kernel_options()
+    fields = {f.name for f in dataclasses.fields(KernelOptions)}
+    options = dataclasses.replace(options, **{k: v for k, v in changes.items() if k in fields})
+    options = options.tuned(**{k: v for k, v in changes.items() if k not in fields})
+    with use_kernel_options(options):
         return measure()
-    finally:
-        setattr(module, name, saved)
 
 
 def without_pdl(measure):
     """``measure()`` with our kernels launched without PDL (``--pdl-ab`` only; else None)."""
-    return with_setting("--pdl-ab", triton_common, "PDL_ENABLED", False, measure)
+    return with_setting("--pdl-ab", measure, pdl=False)
 
 
 def other_gemv(measure):
-    """``measure()`` with ``GEMV_MAX_ROWS`` flipped between 0 and 8 (``--gemv-ab`` only; else None)."""
-    return with_setting("--gemv-ab", ops_linear, "GEMV_MAX_ROWS", 0 if ops_linear.GEMV_MAX_ROWS else 8, measure)
+    """``measure()`` with ``gemv_max_rows`` flipped between 0 and 8 (``--gemv-ab`` only; else None)."""
+    return with_setting("--gemv-ab", measure, gemv_max_rows=0 if tuning().gemv_max_rows else 8)
 
 
 def without_library(flag: str, env: str, measure):
     """``measure()`` with the library ``env`` names unnamed (``flag`` on the command line and ``env`` set: the
     main columns then run that library, this one our default kernels; else None)."""
-    if flag not in sys.argv or not os.environ.get(env):
+    field = {"KIMIK3_FLASH_MLA": "flash_mla", "KIMIK3_FLASH_KDA": "flash_kda"}[env]
+    if flag not in sys.argv or not getattr(kernel_options(), field):
         return None
-    return named_or_not(env, os.environ[env], False, measure)
+    return named_or_not(env, getattr(kernel_options(), field), False, measure)
 
 
 def without_flash_kda(measure):
@@ -354,17 +352,16 @@ def bench_model(bw, mm):
         t_graph = graph_time(fast)
         t_graph_no_pdl = without_pdl(lambda: graph_time(fast))
         t_graph_other_gemv = other_gemv(lambda: graph_time(fast))
-        t_graph_block_experts = with_setting("--one-token-ab", moe_kernels, "ONE_TOKEN_GEMV", False,
-                                             lambda: graph_time(fast)) if N == 1 else None
-        t_graph_no_prefetch = with_setting("--prefetch-ab", triton_common, "PREFETCH_ENABLED", False,
-                                           lambda: graph_time(fast)) if N == 1 else None
+        t_graph_block_experts = with_setting("--one-token-ab", lambda: graph_time(fast),
+                                             one_token_gemv=False) if N == 1 else None
+        t_graph_no_prefetch = with_setting("--prefetch-ab", lambda: graph_time(fast), prefetch=False) if N == 1 else None
         t_graph_no_flash_mla = without_flash_mla(lambda: graph_time(fast))
-        t_graph_block_moe = with_setting("--wgmma-ab", moe_kernels, "WGMMA_EXPERTS", False, lambda: graph_time(fast))
-        t_graph_unsplit_router = with_setting("--router-split-ab", ops_router, "ROUTER_SPLIT_MIN_TOKENS", 1 << 30,
-                                              lambda: graph_time(fast))
-        low_rank_inside = N <= ops_kda.DECODE_LOW_RANK_MAX_SEQS
-        t_graph_low_rank_other = with_setting("--low-rank-ab", ops_kda, "DECODE_LOW_RANK_MAX_SEQS",
-                                              0 if low_rank_inside else 1 << 30, lambda: graph_time(fast))
+        t_graph_block_moe = with_setting("--wgmma-ab", lambda: graph_time(fast), wgmma_experts=False)
+        t_graph_unsplit_router = with_setting("--router-split-ab", lambda: graph_time(fast),
+                                              router_split_min_tokens=1 << 30)
+        low_rank_inside = N <= tuning().decode_low_rank_max_seqs
+        t_graph_low_rank_other = with_setting("--low-rank-ab", lambda: graph_time(fast),
+                                              decode_low_rank_max_seqs=0 if low_rank_inside else 1 << 30)
         model.use_side_stream(None)
         t_graph_no_side = graph_time(fast) if "--side-ab" in sys.argv else None
         t_ref = float("nan")
@@ -380,7 +377,7 @@ def bench_model(bw, mm):
         rows.append({"case": f"decode b{N} ctx{CONTEXT}", "experts_touched_per_layer": active, "t_eager_ms": t_eager * 1e3,
                      "t_graph_ms": None if t_graph is None else t_graph * 1e3, "t_ref_ms": t_ref * 1e3,
                      "t_graph_no_pdl_ms": None if t_graph_no_pdl is None else t_graph_no_pdl * 1e3,
-                     "gemv_max_rows": ops_linear.GEMV_MAX_ROWS,
+                     "gemv_max_rows": tuning().gemv_max_rows,
                      "t_graph_other_gemv_ms": None if t_graph_other_gemv is None else t_graph_other_gemv * 1e3,
                      "t_graph_no_side_stream_ms": None if t_graph_no_side is None else t_graph_no_side * 1e3,
                      "t_graph_one_token_block_kernels_ms": None if t_graph_block_experts is None else t_graph_block_experts * 1e3,
@@ -524,7 +521,7 @@ def main():
     rows = bench_model(bw, mm)
     save()
     log(f"\n| case | fast eager ms | fast graph ms | floor ms | time/floor | ref ms | speed-up | without PDL ms "
-        f"| GEMV_MAX_ROWS {0 if ops_linear.GEMV_MAX_ROWS else 8} ms | no side stream ms | one token on block kernels ms | no weight prefetch ms | without FlashKDA (prefill) / FlashMLA (decode) ms "
+        f"| GEMV_MAX_ROWS {0 if tuning().gemv_max_rows else 8} ms | no side stream ms | one token on block kernels ms | no weight prefetch ms | without FlashKDA (prefill) / FlashMLA (decode) ms "
         f"| unsplit router logits ms | low rank placed the other way ms "
         f"| MXFP4 experts on the block kernels ms |")
     log("|---|---|---|---|---|---|---|---|---|---|---|---|---|---|---|---|")

@@ -28,7 +28,6 @@ sys.path.insert(0, str(ROOT))
 
 from benchmarks.common import commit_id, copy_rate, cuda_time, log, save_results  # noqa: E402
 from benchmarks.gpu import bench_slice  # noqa: E402
-from kimik3.ops.triton import common as triton_common  # noqa: E402
 
 
 def module_ranges(model, labels: list[str]):
@@ -129,8 +128,11 @@ def profiled(model, fn) -> tuple[list[dict], collections.Counter]:
     from torch.profiler import ProfilerActivity, profile
     labels: list[str] = []
     handles = module_ranges(model, labels)
-    pdl_saved = triton_common.PDL_ENABLED
-    triton_common.PDL_ENABLED = pdl_saved and "--pdl" in sys.argv
+    import dataclasses
+
+    from kimik3.ops.options import kernel_options, use_kernel_options
+    scope = use_kernel_options(dataclasses.replace(kernel_options(), pdl=kernel_options().pdl and "--pdl" in sys.argv))
+    scope.__enter__()
     undo = lambda: None                                                      # noqa: E731
     try:
         fn()                              # the kernel variants of this setting compile outside the profile
@@ -140,7 +142,7 @@ def profiled(model, fn) -> tuple[list[dict], collections.Counter]:
             fn()
             torch.cuda.synchronize()
     finally:
-        triton_common.PDL_ENABLED = pdl_saved
+        scope.__exit__(None, None, None)
         undo()
         for h in handles:
             h.remove()
@@ -157,7 +159,7 @@ def main():
                                     "1,32").split(",")]
     results = {"gpu": torch.cuda.get_device_name(), "date": datetime.date.today().isoformat(),
                "commit": commit_id(), "torch": torch.__version__, "config": cfg_path.name,
-               "pdl_in_profile": triton_common.PDL_ENABLED and "--pdl" in sys.argv, "cases": []}
+               "pdl_in_profile": kernel_options().pdl and "--pdl" in sys.argv, "cases": []}
     name = f"profile_step_{cfg_path.stem.split('.')[0]}.json"
     bw = copy_rate()
     model = bench_slice.build_slice(__import__("json").loads(cfg_path.read_text()), str(cfg_path))

@@ -29,8 +29,10 @@ from kimik3.engine.arg_types import check_mm_limits, check_speculative_config, f
     mm_limits_arg, non_negative_gib, non_negative_int, positive_int, positive_seconds, positive_size, \
     read_generation_config, speculative_config_arg
 from kimik3.model.batch import KV_CACHE_DTYPES
+from kimik3.ops.cuda.flash_kda import ENV as FLASH_KDA_ENV
 from kimik3.ops.cuda.flash_mla import ENV as FLASH_MLA_ENV
 from kimik3.ops.cuda.flash_mla import PAGE as FLASH_MLA_BLOCK
+from kimik3.ops.options import KernelOptions
 
 logger = logging.getLogger(__name__)
 
@@ -65,7 +67,7 @@ class EngineArgs:
     max_num_batched_tokens: int = _opt("token budget of one engine step; longer prompts are chunked, which bounds a "
                                        "step's memory (default: 8192)", default=8192,
                                        type=positive_size)
-    block_size: int | None = _opt("tokens per cache block (default: 16; 64 on CUDA when KIMIK3_FLASH_MLA names "
+    block_size: int | None = _opt("tokens per cache block (default: 16; 64 on CUDA when --flash-mla names "
                                   "FlashMLA's library, whose decode takes 64-token blocks)", default=None,
                                   type=positive_size)
     enable_prefix_caching: bool = _opt("reuse the cache of shared prompt prefixes (default: on)", default=True)
@@ -156,6 +158,16 @@ class EngineArgs:
         "the ones it misses in as it runs them, with the same tokens as fully resident (default: 0)",
         default=0.0, type=non_negative_gib)
     use_tqdm_on_load: bool = _opt("show a progress bar while the weights load (default: on)", default=True)
+    # the ops' options (``kimik3.ops.options.KernelOptions``); each falls back to its environment variable
+    flash_mla: str | None = _opt("path of libkimik3_flash_mla.so (scripts/build_flash_mla.sh): MLA decode on FlashMLA "
+                                 "(Hopper, bf16, 64-token blocks) (default: $KIMIK3_FLASH_MLA, else our Triton "
+                                 "decode)", default=None)
+    flash_kda: str | None = _opt("path of libkimik3_flash_kda.so (scripts/build_flash_kda.sh): K3's KDA prefill on "
+                                 "FlashKDA (Hopper, bf16) (default: $KIMIK3_FLASH_KDA, else fla-core)", default=None)
+    pdl: bool | None = _opt("programmatic dependent launch of our Triton kernels on Hopper and later (default: on, "
+                            "unless KIMIK3_PDL=0)", default=None)
+    prefetch: bool | None = _opt("L2 prefetch of weight / state rows ahead of the PDL wait (default: on, unless "
+                                 "KIMIK3_PREFETCH=0)", default=None)
 
     def __post_init__(self) -> None:
         if isinstance(self.dtype, str) and self.dtype not in DTYPES:
@@ -259,13 +271,26 @@ class EngineArgs:
             return self.async_scheduling
         return device.type == "cuda" and not self.is_parallel
 
+    def kernel_options(self) -> KernelOptions:
+        """The ops' options: each flag, or where it is not given its environment variable (the one place
+        kimik3 reads them: ``KIMIK3_FLASH_MLA``, ``KIMIK3_FLASH_KDA`` paths; ``KIMIK3_PDL``,
+        ``KIMIK3_PREFETCH`` = 0 for off)."""
+        env = os.environ
+
+        def pick(flag, name: str, default: str):
+            return flag if flag is not None else env.get(name, default)
+        return KernelOptions(flash_mla=pick(self.flash_mla, FLASH_MLA_ENV, "") or None,
+                             flash_kda=pick(self.flash_kda, FLASH_KDA_ENV, "") or None,
+                             pdl=self.pdl if self.pdl is not None else env.get("KIMIK3_PDL", "1") != "0",
+                             prefetch=self.prefetch if self.prefetch is not None else env.get("KIMIK3_PREFETCH", "1") != "0")
+
     def resolve_block_size(self, device: torch.device) -> int:
-        """The flag if given; else 64 on CUDA when ``KIMIK3_FLASH_MLA`` names FlashMLA's library (its decode
+        """The flag if given; else 64 on CUDA when ``--flash-mla`` names FlashMLA's library (its decode
         reads 64-token blocks: ``kimik3/ops/cuda/flash_mla.py``, which says once in the log when a given other
         size keeps our Triton decode), else 16."""
         if self.block_size is not None:
             return self.block_size
-        return FLASH_MLA_BLOCK if device.type == "cuda" and os.environ.get(FLASH_MLA_ENV) else 16
+        return FLASH_MLA_BLOCK if device.type == "cuda" and self.kernel_options().flash_mla else 16
 
     def resolve_enforce_eager(self) -> bool:
         """The flag if given; else eager under tensor / expert parallelism only."""

@@ -17,6 +17,7 @@ from kimik3.engine.args import EngineArgs
 from kimik3.engine.core.llm_engine import LLMEngine
 from kimik3.engine.warmup import warm_up
 from kimik3.loader import load_model
+from kimik3.ops.options import install_kernel_options
 
 logger = logging.getLogger(__name__)
 
@@ -31,6 +32,8 @@ def build_engine(args: EngineArgs, tokenizer=None):
     args.generation_defaults(path)          # a bad generation config fails before the load
     offload = args.expert_offload_config()
     logger.info("loading %s (%s on %s)", path, str(dtype).removeprefix("torch."), device)
+    kernels = args.kernel_options()
+    install_kernel_options(kernels)         # the ops' options, resolved once (one engine's per process)
     if args.is_parallel:
         from kimik3.engine.run.parallel_runner import ParallelRunner
         from kimik3.parallel.launch import ParallelConfig, start_group
@@ -47,7 +50,8 @@ def build_engine(args: EngineArgs, tokenizer=None):
             loads = read_loads(args.eplb_load_file, text.num_experts,
                                [i for i in range(text.num_hidden_layers) if text.is_moe_layer(i)])
         model, group = start_group(str(path), layout, dtype, device.type,     # ranks > 0 never return
-                                   language_model_only=args.language_model_only, quantization=args.quantization,
+                                   kernel_options=kernels, language_model_only=args.language_model_only,
+                                   quantization=args.quantization,
                                    **({"expert_loads": loads} if args.enable_eplb else {}))
         engine = LLMEngine(model, config, tokenizer=tokenizer, tokenizer_path=str(path),
                            runner_factory=functools.partial(ParallelRunner, control=group.control,

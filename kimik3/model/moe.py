@@ -33,11 +33,9 @@ from kimik3.model.moe_exchange import ExpertExchange, make_exchange
 from kimik3.ops import mxfp4
 from kimik3.ops.moe import fused_moe, fused_moe_mxfp4
 from kimik3.ops.norm import acc_dtype
+from kimik3.ops.options import tuning
 from kimik3.ops.router import route_tokens
 
-# Batches up to this many tokens run the router and the shared experts on a side CUDA stream
-# (when the model was given one), beside the routed down-projection and the routed experts.
-SIDE_STREAM_MAX_TOKENS = 256
 
 
 class Router(nn.Module):
@@ -265,7 +263,8 @@ class MoE(nn.Module):
         # starts after everything queued so far (x is ready) and the main stream waits for it
         # before using its outputs and before returning, so no block the caching allocator hands
         # out here is reused while the other stream may still read it.
-        side = self.side_stream if x.shape[0] <= SIDE_STREAM_MAX_TOKENS else None
+        # (batches up to ``KernelTuning.side_stream_max_tokens`` tokens, when the model was given a side stream)
+        side = self.side_stream if x.shape[0] <= tuning().side_stream_max_tokens else None
         on_side = (lambda: torch.cuda.stream(side)) if side is not None else contextlib.nullcontext
         if side is not None:
             main = torch.cuda.current_stream()

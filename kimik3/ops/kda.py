@@ -20,6 +20,7 @@ from kimik3.ops.backend import import_fla_kda, use_fast_path
 from kimik3.ops.cuda.flash_kda import flash_kda_applies, flash_kda_varlen
 from kimik3.ops.linear import linear
 from kimik3.ops.norm import acc_dtype, gated_rms_norm
+from kimik3.ops.options import tuning
 
 
 @dataclass(frozen=True)
@@ -36,13 +37,8 @@ class LowRank:
         return linear(self.a, self.w).view(self.a.shape[0], heads, -1)
 
 
-# A CUDA decode step of at most this many sequences computes ``LowRank`` operands inside its kernel (one launch
-# fewer a KDA layer); larger ones compute them first, as every other path does (0: always first). Each
-# (sequence, head) program then reads its head's rows of the up-projection from L2, which pays at small batches and
-# costs at large ones: H200 at 092fe21 (``bench_slice.py --low-rank-ab``, in-kernel against computed first, ms):
-# Kimi-Linear slice 0.582 / 0.607 at batch 1, 0.852 / 0.863 at 8, 1.200 / 1.209 at 32, 2.054 / 2.027 at 128; K3
-# slice 2.491 / 2.513, 3.357 / 3.373, 4.287 / 4.258, 7.555 / 7.434.
-DECODE_LOW_RANK_MAX_SEQS = 16
+# A CUDA decode step of at most ``KernelTuning.decode_low_rank_max_seqs`` sequences computes ``LowRank`` operands
+# inside its kernel (one launch fewer a KDA layer); larger ones compute them first (the measurement: ``options.py``).
 # A CUDA decode step applies the layer's gated output norm inside its kernel at every batch size: a program then
 # walks its head's [V, K] state 64 rows at a time (``triton/kda.py``), at or under the unfused step and the norm's
 # own launch (H100, 96 heads, batch 1 / 8 / 32 / 128, bench_decode_ops.py at fc693bd: 9.6 / 44.6 / 156.4 / 598.4
@@ -241,7 +237,7 @@ def kda_attention_in_pool(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, f: 
     (zeros where ``has_state`` [N] is False; None: every sequence has one) and receive the final
     states. ``decode``: every sequence has one token and a state (then CUDA updates the pool rows in
     place with our one-kernel step, ``triton/kda.py``: no gather/scatter; a ``LowRank`` f or output gate is
-    computed inside it up to ``DECODE_LOW_RANK_MAX_SEQS`` sequences). Returns o [T, H, V], or ``out_norm(o)`` (in its dtype) when given: on the CUDA
+    computed inside it up to ``KernelTuning.decode_low_rank_max_seqs`` sequences). Returns o [T, H, V], or ``out_norm(o)`` (in its dtype) when given: on the CUDA
     decode step inside the same kernel, from o rounded to the
     layer's dtype as every other path hands it to the norm.
     """
@@ -249,7 +245,7 @@ def kda_attention_in_pool(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, f: 
         from kimik3.ops.triton.kda import kda_decode_triton, low_rank_fits
 
         def operand(t):           # the kernel takes a low-rank operand as its pair (a, w), of a rank it fits
-            if isinstance(t, LowRank) and q.shape[0] <= DECODE_LOW_RANK_MAX_SEQS and low_rank_fits(t.a.shape[-1]):
+            if isinstance(t, LowRank) and q.shape[0] <= tuning().decode_low_rank_max_seqs and low_rank_fits(t.a.shape[-1]):
                 return t.a, t.w
             return dense(t, q.shape[1])
         norm = None if out_norm is None else (out_norm.weight, operand(out_norm.gate), out_norm.eps, out_norm.dtype)

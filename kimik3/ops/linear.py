@@ -1,6 +1,6 @@
 """Bias-free dense projections y = x W^T (every projection of the Kimi models), and an MLP's gate/up
 projection with its GLU activation. Reference: torch's linear (cuBLAS on CUDA), then the activation
-op. CUDA, bf16/fp16, at most ``GEMV_MAX_ROWS`` rows: the streaming kernel of
+op. CUDA, bf16/fp16, at most ``KernelTuning.gemv_max_rows`` rows: the streaming kernel of
 ``kimik3.ops.triton.gemv`` (the activation in its epilogue), where measurement chose it (on an H100:
 ``benchmarks/gpu/bench_gemv.py``, ``bench_slice.py --gemv-ab``)."""
 
@@ -11,19 +11,14 @@ import torch
 from kimik3.ops.activation import glu_activation
 from kimik3.ops.backend import use_fast_path
 from kimik3.ops.fp8 import WEIGHT_BLOCK, dequantize_activations, dequantize_weight, quantize_activations
-
-# Rows (tokens) up to which a projection takes the streaming kernel on CUDA (0: never). One row: on the
-# lent GPU (H100, e9088c3 / 12cf350) it beat cuBLAS at M = 1 on 14 of the 19 slice shapes (up to 1.4x)
-# and made the slices' batch-1 step 0.8-2.6% faster; from 4 rows it lost on most shapes (bench_gemv.py).
-GEMV_MAX_ROWS = 1
-# Below this reduction length cuBLAS stays faster (K3's f_b, K = 128: 4.1 against 4.3-4.6 us).
-GEMV_MIN_K = 512
+from kimik3.ops.options import tuning
 
 
 def _streams(x: torch.Tensor, weight: torch.Tensor) -> bool:
-    K = x.shape[-1]
-    return bool(GEMV_MAX_ROWS and use_fast_path(x) and x.dtype in (torch.bfloat16, torch.float16) and K >= GEMV_MIN_K
-                and weight.dtype == x.dtype and weight.is_contiguous() and 0 < x.numel() <= GEMV_MAX_ROWS * K)
+    K, tune = x.shape[-1], tuning()
+    return bool(tune.gemv_max_rows and use_fast_path(x) and x.dtype in (torch.bfloat16, torch.float16)
+                and K >= tune.gemv_min_k and weight.dtype == x.dtype and weight.is_contiguous()
+                and 0 < x.numel() <= tune.gemv_max_rows * K)
 
 
 def linear(x: torch.Tensor, weight: torch.Tensor, out_dtype: torch.dtype | None = None,

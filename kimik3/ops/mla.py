@@ -6,7 +6,7 @@ all heads. Two forms compute the same function:
     keys [k_nope | k_pe] (k_pe shared, never rotated), causal with the sequence's context offset;
   * absorbed (decode; prefill of short query runs): q_lat = W_UK^T q_nope, scores against e
     directly, latent output l = sum p c_hat, head output W_UV l.
-Prefill walks the keys in pieces of at most PREFILL_BLOCK positions and merges the pieces'
+Prefill walks the keys in pieces of at most ``KernelTuning.mla_prefill_block`` positions and merges the pieces'
 softmax results by their log-sum-exps (``merge_attention``).
 
 FP8 cache (``--kv-cache-dtype fp8``): rows are float8_e4m3fn codes with one float32 scale per token
@@ -27,6 +27,7 @@ from kimik3.ops import ceil_div
 from kimik3.ops.backend import use_fast_kernel, use_fast_path
 from kimik3.ops.fp8 import dequantize_rows, quantize_rows
 from kimik3.ops.norm import acc_dtype, rms_norm
+from kimik3.ops.options import tuning
 
 
 def cache_latent(c: torch.Tensor, norm_weight: torch.Tensor, eps: float, cache: torch.Tensor,
@@ -72,26 +73,15 @@ def gather_latents(cache: torch.Tensor, block_table: torch.Tensor, length: int,
     return cache_rows(cache, cache_scale, rows, dtype)
 
 
-# Context positions per prefill attention piece: a piece's keys, over all sequences of the step,
-# are at most this many, so the naive form's up-projected per-head K/V buffer stays at
-# PREFILL_BLOCK x H x (d_nope + d_v) x 2 bytes (16384 x 96 x 256 x 2 = 0.8 GB for K3).
-PREFILL_BLOCK = 16384
-
-# prefill_form picks the absorbed form for a sequence with cached context and fewer new tokens
-# than this. FLOPs per key and head, for q new tokens: naive q x 2 x (192 + 128) plus the
-# up-projection 2 x 512 x 256 (every step re-expands the history), absorbed q x 2 x (576 + 512):
-# naive wins by FLOPs from ~170 tokens; the absorbed kernel's wider tiles run slower, so the cut
-# sits below that. Measured on the H200 (bench_mla_prefill.py "short" rows, 4 sequences, commit
-# c5d62e8): 16 tokens over 32k / 1M at H=96, absorbed 6.3 / 223 ms vs naive 11.0 / 331 ms; 128
-# tokens, absorbed 28.7 / 889 ms vs naive 11.2 / 350 ms (at H=32 the two are within 15% at 128).
-ABSORBED_MAX_QUERY_LEN = 64
+# The prefill piece (``KernelTuning.mla_prefill_block``) and the absorbed form's reach
+# (``KernelTuning.mla_absorbed_max_query_len``): ``options.py``, with their reasons.
 
 FORMS = ("naive", "absorbed")
 
 
 def prefill_form(query_len: int, context_len: int) -> str:
     """The form ``mla_prefill_attention`` gives one sequence when the caller names none."""
-    return "absorbed" if context_len > 0 and query_len < ABSORBED_MAX_QUERY_LEN else "naive"
+    return "absorbed" if context_len > 0 and query_len < tuning().mla_absorbed_max_query_len else "naive"
 
 
 def merge_attention(o1: torch.Tensor, lse1: torch.Tensor, o2: torch.Tensor,
@@ -143,9 +133,9 @@ def mla_prefill_attention(q: torch.Tensor, cache: torch.Tensor, block_tables: to
     sequence by ``prefill_form`` (a step mixing long chunks and decode-like rows runs both,
     so the decode rows never re-expand their whole history).
 
-    The keys are processed in pieces of at most PREFILL_BLOCK positions over all sequences
+    The keys are processed in pieces of at most ``KernelTuning.mla_prefill_block`` positions over all sequences
     (``prefill_pieces``), each attended with the causal bound as numbers and merged into a running
-    (o, lse) exactly; memory O(T x H x d + PREFILL_BLOCK x H x d), never O(T x context x H).
+    (o, lse) exactly; memory O(T x H x d + ``KernelTuning.mla_prefill_block`` x H x d), never O(T x context x H).
     CUDA: one varlen Triton launch per piece (split-K over the keys when the queries are too few
     to fill the GPU; head dims that are powers of two >= 16); otherwise a per-sequence torch loop per piece.
     """
@@ -186,7 +176,7 @@ def _prefill(q, cache, block_tables, kv_b_weight, query_lens, context_lens, kv_l
     w = kv_b.view(H, d_nope + dv, R)
     qa = torch.einsum("thd,hdr->thr", q[..., :d_nope].to(dt), w[:, :d_nope]) if form == "absorbed" else q[..., :d_nope]
     qa, qb = qa.to(dt), q[..., d_nope:].to(dt)
-    pieces = prefill_pieces(query_lens, context_lens, PREFILL_BLOCK)
+    pieces = prefill_pieces(query_lens, context_lens, tuning().mla_prefill_block)
     if fast:
         cu_q, q_pos0 = _device_ints([0, *itertools.accumulate(query_lens)], context_lens, q.device)
         # a single piece is the answer: no merge, straight to the output dtype

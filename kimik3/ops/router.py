@@ -6,35 +6,10 @@ import torch
 
 from kimik3.ops.backend import use_fast_path
 from kimik3.ops.norm import acc_dtype
+from kimik3.ops.options import tuning
 
 # The router logits run as our Triton kernels on CUDA (bf16/fp16 x; the gate weight in x's dtype, as the
-# checkpoints store it, or fp32).
-# 16-bit weight: the SIMT kernel up to ROUTER_LOGITS_SIMT_MAX_LOGITS logits (tokens x experts), then the
-# tensor-core GEMM kernel (exact 16-bit products). The SIMT kernel's time grows with T x E x D, the GEMM
-# kernel's at decode sizes with D alone (a latency-bound walk over the width), so they cross at a fixed
-# T x E. H200 (bench_router_align.py, bf16 weight, 2d76027): SIMT 4.4 / 6.2 / 10.3 us against the GEMM's
-# 5.4 at 8 / 16 / 32 tokens x 256 experts (D 2304); 9.7 / 14.0 against 13.8 at 32 / 64 x 64 (D 7168);
-# 5.4 / 19.1 against 13.9 at 1 / 8 x 896 (D 7168). Both replace the cast of x and of the weight to fp32
-# and cuBLAS's fp32 GEMM (8.7-24.9 us at one token, 19-83 at 8-16: every checkpoint's path before).
-ROUTER_LOGITS_SIMT_MAX_LOGITS = 4096
-# fp32 weight: the SIMT kernel up to this many tokens (ROUTER_LOGITS_MAX_TOKENS_LARGE for weights over 2**20
-# elements); beyond, cuBLAS's fp32 GEMM on the upcast x, and from ROUTER_LOGITS_GEMM_MIN_LOGITS logits
-# (prefill chunks) the tensor-core kernel with TF32 x3 products. H200 (6e3384c): Kimi-Linear's 256 x 2304
-# weight 2.0x / 1.2x faster than the cast + GEMM at 32 / 64 tokens, 1.05x at 128; K3 release's 896 x 7168
-# 2.3x at 16 tokens but 0.66x at 32; the TF32 x3 kernel 167 / 450 us against 262 / 570 us at (8192
-# tokens, 256 experts) / (2048, 896), slower below (123 against 87 us at (2048, 256)).
-ROUTER_LOGITS_MAX_TOKENS = 64
-# ``route_tokens`` with a 16-bit weight from ROUTER_SPLIT_MIN_TOKENS to ROUTER_SPLIT_MAX_TOKENS tokens: split-K
-# partial logits (``triton/router.py: router_logit_partials``) that the routing kernel sums, in place of the
-# SIMT kernel (4.4-8.0 us at 8-16 tokens x 64-256 experts, 19-25 at 896) or the unsplit GEMM (13.8 / 5.4 us at
-# D = 7168 / 2304, a latency-bound walk over the width). The bounds sit just past / at powers of two, so a step and
-# the CUDA graph it is padded to (``cuda_graphs.graph_batch_sizes``: 1, 2, 4, 8, ...) take the same path and
-# the same bits (an eager step of 5-7 tokens and its 8-row graph both split; otherwise a greedy token could
-# differ between the two at an expert near-tie: seen on the H100 at 7f26387).
-ROUTER_SPLIT_MIN_TOKENS = 5
-ROUTER_SPLIT_MAX_TOKENS = 256
-ROUTER_LOGITS_MAX_TOKENS_LARGE = 16
-ROUTER_LOGITS_GEMM_MIN_LOGITS = 1 << 20
+# checkpoints store it, or fp32); the thresholds and their measurements: ``options.KernelTuning`` (router_*).
 
 
 def router_logits(x: torch.Tensor, weight: torch.Tensor) -> torch.Tensor:
@@ -42,19 +17,21 @@ def router_logits(x: torch.Tensor, weight: torch.Tensor) -> torch.Tensor:
     for bf16/fp16/fp32 x, fp64 for fp64; spec §3.1). CUDA (bf16/fp16 x, weight fp32 or x's dtype):
     Triton kernels that read both in their own dtypes, fp32 accumulation (error at fp32's level):
     a SIMT kernel for few logits, a tensor-core GEMM for more (exact 16-bit products, or TF32 x3 for
-    an fp32 weight); the thresholds above."""
+    an fp32 weight); the thresholds: ``KernelTuning``."""
     if (use_fast_path(x) and x.dtype in (torch.bfloat16, torch.float16) and weight.dtype in (torch.float32, x.dtype)
             and x.dim() == 2):
         T, E = x.shape[0], weight.shape[0]
         wide = weight.dtype == torch.float32
+        tune = tuning()
         if wide:
-            simt = T <= (ROUTER_LOGITS_MAX_TOKENS if weight.numel() <= 1 << 20 else ROUTER_LOGITS_MAX_TOKENS_LARGE)
+            simt = T <= (tune.router_logits_max_tokens if weight.numel() <= 1 << 20
+                         else tune.router_logits_max_tokens_large)
         else:
-            simt = T * E <= ROUTER_LOGITS_SIMT_MAX_LOGITS
+            simt = T * E <= tune.router_logits_simt_max_logits
         if simt:
             from kimik3.ops.triton.router import router_logits_triton
             return router_logits_triton(x, weight)
-        if (not wide or T * E >= ROUTER_LOGITS_GEMM_MIN_LOGITS) and x.stride(1) == 1 and weight.stride(1) == 1:
+        if (not wide or T * E >= tune.router_logits_gemm_min_logits) and x.stride(1) == 1 and weight.stride(1) == 1:
             from kimik3.ops.triton.router import router_logits_gemm_triton
             return router_logits_gemm_triton(x, weight)
     acc = acc_dtype(x.dtype)
@@ -63,14 +40,15 @@ def router_logits(x: torch.Tensor, weight: torch.Tensor) -> torch.Tensor:
 
 def splits_logits(num_tokens: int) -> bool:
     """Whether ``route_tokens`` takes split-K logits for a step of this many tokens (on the fast path)."""
-    return ROUTER_SPLIT_MIN_TOKENS <= num_tokens <= ROUTER_SPLIT_MAX_TOKENS
+    tune = tuning()
+    return tune.router_split_min_tokens <= num_tokens <= tune.router_split_max_tokens
 
 
 def route_tokens(x: torch.Tensor, weight: torch.Tensor, bias: torch.Tensor | None, top_k: int, activation: str,
                  num_expert_group: int, topk_group: int, renormalize: bool, scaling_factor: float,
                  renorm_eps: float) -> tuple[torch.Tensor, torch.Tensor]:
     """``route(router_logits(x, weight), ...)``: the MoE layer's routing of x [T, D] by the gate weight
-    [E, D]. CUDA, decode-sized steps (``ROUTER_SPLIT_MIN_TOKENS``..``ROUTER_SPLIT_MAX_TOKENS`` tokens, a weight
+    [E, D]. CUDA, decode-sized steps (``router_split_min_tokens``..``router_split_max_tokens`` tokens, a weight
     of x's 16-bit dtype): split-K partial logits, summed by the routing kernel (two launches, the same fp32
     accuracy; the logits are never stored whole)."""
     T, E = x.shape[0], weight.shape[0]

@@ -37,6 +37,7 @@ from kimik3.config import load_config
 from kimik3.distributed import ParallelContext, PipelineContext, make_dcp_group, plan_stages
 from kimik3.loader.load import load_model
 from kimik3.model.kimi_k3 import layer_weight_bytes
+from kimik3.ops.options import KernelOptions, install_kernel_options
 from kimik3.parallel.worker import stop_workers, worker_loop
 
 logger = logging.getLogger(__name__)
@@ -163,11 +164,13 @@ class WorkerSpec:
     parallel: ParallelConfig
     init_method: str
     load_kwargs: dict = field(default_factory=dict)
+    kernel_options: KernelOptions = field(default_factory=KernelOptions)     # rank 0's, installed on every rank
 
 
 def run_worker(rank: int, spec: WorkerSpec) -> None:
     """A rank > 0: join, load the shard, run steps until rank 0 stops; exit 1 on any error."""
     try:
+        install_kernel_options(spec.kernel_options)
         device, control = init_rank(rank, spec.parallel.world_size, spec.init_method, spec.device_type)
         model = load_model(spec.model_path, device=device, dtype=spec.dtype,
                            **spec.parallel.join(rank, spec.model_path), **spec.load_kwargs)
@@ -279,7 +282,7 @@ def _join_watching(processes: list, device_type: str, init_method: str, world: i
 
 
 def start_group(model_path: str, parallel: ParallelConfig, dtype: torch.dtype, device_type: str,
-                **load_kwargs):
+                kernel_options: KernelOptions | None = None, **load_kwargs):
     """Become rank 0 of a new group (spawning the workers, or as torchrun's rank 0) and load
     rank 0's shard: returns (model, ParallelGroup). Under torchrun a rank > 0 runs its worker
     loop here and exits the process when rank 0 stops."""
@@ -295,7 +298,8 @@ def start_group(model_path: str, parallel: ParallelConfig, dtype: torch.dtype, d
             raise ValueError(f"torchrun started {size} processes but --tensor-parallel-size x "
                              f"--pipeline-parallel-size is {world}; they must be equal (data parallel is not "
                              f"supported yet)")
-        spec = WorkerSpec(str(model_path), dtype, device_type, parallel, "env://", load_kwargs)
+        spec = WorkerSpec(str(model_path), dtype, device_type, parallel, "env://", load_kwargs,
+                          kernel_options or KernelOptions())
         if rank != 0:
             run_worker(rank, spec)
             sys.exit(0)
@@ -305,7 +309,8 @@ def start_group(model_path: str, parallel: ParallelConfig, dtype: torch.dtype, d
             raise ValueError(f"--tensor-parallel-size x --pipeline-parallel-size = {world} needs {world} GPUs on this node, found "
                              f"{torch.cuda.device_count()}; use torchrun for several nodes")
         set_safe_nvls_env()       # the children inherit it
-        spec = WorkerSpec(str(model_path), dtype, device_type, parallel, f"tcp://127.0.0.1:{free_port()}", load_kwargs)
+        spec = WorkerSpec(str(model_path), dtype, device_type, parallel, f"tcp://127.0.0.1:{free_port()}", load_kwargs,
+                          kernel_options or KernelOptions())
         ctx = mp.get_context("spawn")
         for i in range(world - 1):
             p = ctx.Process(target=_spawned_worker, args=(i, spec, os.getpid(), logging.getLogger().level),

@@ -146,13 +146,29 @@ def test_enforce_eager_defaults_to_graphs_on_one_gpu_only(flags, expected):
     ([], "cuda", True, 64),                                  # FlashMLA named on CUDA: its 64-token blocks
     (["--block-size", "32"], "cuda", True, 32), (["--block-size", "32"], "cuda", False, 32),
 ])
-def test_block_size_follows_flash_mla_unless_given(flags, device, flash, expected, monkeypatch):
+def test_block_size_follows_flash_mla_unless_given(flags, device, flash, expected):
     from kimik3.engine.flags import add_engine_args
-    from kimik3.ops.cuda import flash_mla
-    if flash:
-        monkeypatch.setenv(flash_mla.ENV, "/nowhere/libkimik3_flash_mla.so")   # only named: never loaded here
-    else:
-        monkeypatch.delenv(flash_mla.ENV, raising=False)
+    flags = flags + (["--flash-mla", "/nowhere/libkimik3_flash_mla.so"] if flash else [])  # only named: never loaded
     ns = add_engine_args(argparse.ArgumentParser()).parse_args(flags)
     args = EngineArgs(**{k: v for k, v in vars(ns).items() if k in EngineArgs.__dataclass_fields__})
     assert args.engine_config(64, torch.device(device)).block_size == expected
+
+
+def test_kernel_options_from_flags_else_their_variables(monkeypatch):
+    """Each kernel flag resolves into ``KernelOptions``; where a flag is not given its environment variable
+    (read in EngineArgs alone) is the fallback, and a given flag wins over it."""
+    from kimik3.engine.flags import add_engine_args
+    from kimik3.ops.options import KernelOptions
+
+    def options(flags):
+        ns = add_engine_args(argparse.ArgumentParser()).parse_args(flags)
+        return EngineArgs(**{k: v for k, v in vars(ns).items() if k in EngineArgs.__dataclass_fields__}).kernel_options()
+    for name in ("KIMIK3_FLASH_MLA", "KIMIK3_FLASH_KDA", "KIMIK3_PDL", "KIMIK3_PREFETCH"):
+        monkeypatch.delenv(name, raising=False)
+    assert options([]) == KernelOptions()
+    assert options(["--flash-mla", "/a.so", "--flash-kda", "/b.so", "--no-pdl", "--no-prefetch"]) == \
+        KernelOptions(flash_mla="/a.so", flash_kda="/b.so", pdl=False, prefetch=False)
+    monkeypatch.setenv("KIMIK3_FLASH_MLA", "/env.so")
+    monkeypatch.setenv("KIMIK3_PDL", "0")
+    assert options([]) == KernelOptions(flash_mla="/env.so", pdl=False)
+    assert options(["--flash-mla", "/flag.so", "--pdl"]) == KernelOptions(flash_mla="/flag.so", pdl=True)

@@ -264,8 +264,8 @@ def check_moe(T=37, E=16, L=512, I=384, k=4, seed=4, shift=0, tell_scale_max=Fal
 
 def _grouped_tokens(E: int, k: int) -> int:
     """Tokens that give E experts (top-k) the rows per expert of the MXFP4 grouped-GEMM path, and some."""
-    from kimik3.ops.triton.moe import MXFP4_GROUPED_MM_ROWS_PER_EXPERT
-    return MXFP4_GROUPED_MM_ROWS_PER_EXPERT * E // k + 37
+    from kimik3.ops.options import tuning
+    return tuning().mxfp4_grouped_mm_rows_per_expert * E // k + 37
 
 
 def check_dequantize_mxfp4(shift=0, seed=30) -> dict:
@@ -419,25 +419,23 @@ def check_glu(seed=18) -> dict:
 
 
 def check_linear(seed=30) -> dict:
-    """ops.linear and linear_glu on the streaming kernel (GEMV_MAX_ROWS 8) at 1-8 rows against torch's
+    """ops.linear and linear_glu on the streaming kernel (gemv_max_rows 8) at 1-8 rows against torch's
     linear (and the activation op), on a projection shape of each slice and ragged ones."""
     from kimik3.ops import linear as ops_linear
+    from kimik3.ops.options import kernel_options, use_kernel_options
     g = _gen(seed)
     out = {}
-    saved = ops_linear.GEMV_MAX_ROWS
-    try:
-        for N, K in ((2304, 4096), (6720, 2304), (1000, 333)):
-            w = (torch.randn(N, K, generator=g, device="cuda") * K ** -0.5).to(BF16)
-            for M in (1, 3, 8):
-                x = torch.randn(M, K, generator=g, device="cuda").to(BF16)
-                ops_linear.GEMV_MAX_ROWS = 0
+    cublas, streaming = kernel_options().tuned(gemv_max_rows=0), kernel_options().tuned(gemv_max_rows=8)
+    for N, K in ((2304, 4096), (6720, 2304), (1000, 333)):
+        w = (torch.randn(N, K, generator=g, device="cuda") * K ** -0.5).to(BF16)
+        for M in (1, 3, 8):
+            x = torch.randn(M, K, generator=g, device="cuda").to(BF16)
+            with use_kernel_options(cublas):
                 ref, ref_glu = ops_linear.linear(x, w), ops_linear.linear_glu(x, w, "situ", 4.0, 25.0)
-                ops_linear.GEMV_MAX_ROWS = 8
+            with use_kernel_options(streaming):
                 poison_allocator()
                 out[f"linear.{N}x{K}.M{M}"] = worst_rel_err(ops_linear.linear(x, w), ref)
                 out[f"linear_glu.{N}x{K}.M{M}"] = worst_rel_err(ops_linear.linear_glu(x, w, "situ", 4.0, 25.0), ref_glu)
-    finally:
-        ops_linear.GEMV_MAX_ROWS = saved
     return out
 
 

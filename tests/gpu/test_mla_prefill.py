@@ -17,6 +17,7 @@ import torch
 from kimik3.ops import mla
 from kimik3.ops.backend import reference_ops
 from kimik3.ops.mla import mla_prefill_attention
+from kimik3.ops.options import KernelTuning, kernel_options, use_kernel_options
 from tests.gpu.test_fast_ops import BF16_BOUND, _paged, poison_allocator
 from tests.helpers import rel_errs
 
@@ -32,16 +33,12 @@ def run_case(H, query_lens, context_lens, form, block, seed=0, bs=64):
     q = torch.randn(sum(query_lens), H, DN + P, generator=g, device="cuda").to(BF16)
     kv_b = (torch.randn(H * (DN + DV), R, generator=g, device="cuda") / math.sqrt(R)).to(BF16)
     scale = (DN + P) ** -0.5
-    with reference_ops():                     # default PREFILL_BLOCK: one piece for these contexts
+    with reference_ops():                     # default mla_prefill_block: one piece for these contexts
         ref = mla_prefill_attention(q.float(), cache.float(), tables, kv_b.float(), query_lens, context_lens,
                                     R, DV, scale, form="naive")
-    old = mla.PREFILL_BLOCK
-    mla.PREFILL_BLOCK = block
-    try:
+    with use_kernel_options(kernel_options().tuned(mla_prefill_block=block)):
         poison_allocator()
         out = mla_prefill_attention(q, cache, tables, kv_b, query_lens, context_lens, R, DV, scale, form=form)
-    finally:
-        mla.PREFILL_BLOCK = old
     assert out.dtype == BF16 and out.shape == (sum(query_lens), H, DV)
     return rel_errs(out, ref, query_lens)
 
@@ -64,8 +61,8 @@ def test_prefill_matches_reference(case, H, form):
 
 
 def test_single_piece_matches_reference():
-    """The default PREFILL_BLOCK (no merge: the kernel writes bf16 directly)."""
-    errs = run_case(96, [700, 5], [0, 900], "naive", block=mla.PREFILL_BLOCK, seed=1)
+    """The default mla_prefill_block (no merge: the kernel writes bf16 directly)."""
+    errs = run_case(96, [700, 5], [0, 900], "naive", block=KernelTuning().mla_prefill_block, seed=1)
     assert max(errs) < BF16_BOUND, errs
 
 
@@ -86,7 +83,7 @@ def greedy(model, budget, reqs):
     return generate(engine, reqs), engine.runner.num_steps
 
 
-def test_many_chunks_give_the_greedy_tokens_of_one_chunk(model, monkeypatch):
+def test_many_chunks_give_the_greedy_tokens_of_one_chunk(model, monkeypatch, kernel_options):
     """One chunk per prompt (budget 2048: naive form, one piece) against 48-token chunks with
     128-position pieces (continuations of <= 48 queries take the absorbed form by prefill_form,
     decode rows beside a chunk too). Both runs' tokens are checked against the model called directly
@@ -101,7 +98,7 @@ def test_many_chunks_give_the_greedy_tokens_of_one_chunk(model, monkeypatch):
                       SamplingParams(temperature=0, max_tokens=8, ignore_eos=True, logprobs=5))
             for i, n in enumerate((700, 301, 45))}
     one, one_steps = greedy(model, 2048, reqs)
-    monkeypatch.setattr(mla, "PREFILL_BLOCK", 128)
+    kernel_options(mla_prefill_block=128)
     many, many_steps = greedy(model, 48, reqs)
     assert many_steps >= one_steps + 10, (one_steps, many_steps)       # 1046 prompt tokens / 48 per step
     for name, run in (("one chunk", one), ("48-token chunks", many)):

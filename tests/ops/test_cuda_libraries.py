@@ -1,6 +1,6 @@
 """The opt-in CUDA libraries (``kimik3/ops/cuda``: FlashMLA decode, FlashKDA prefill) on a machine without
-them: a CPU call never takes one, a library that does not load is an error naming its variable and build
-script, an unset variable means our kernels, and each entry point refuses what it cannot run. (Their
+them: a CPU call never takes one, a library that does not load is an error naming its option and build
+script, an unset option means our kernels, and each entry point refuses what it cannot run. (Their
 numerics and graph capture are checked on a GPU: tests/gpu/test_fast_ops.py::test_flash_*.)"""
 
 from __future__ import annotations
@@ -11,6 +11,7 @@ import pytest
 import torch
 
 from kimik3.ops.cuda import flash_kda, flash_mla
+from kimik3.ops.options import KernelOptions
 
 BF16 = torch.bfloat16
 
@@ -30,23 +31,23 @@ LIBRARIES = {
 
 
 @pytest.mark.parametrize("name", sorted(LIBRARIES))
-def test_cpu_tensors_never_take_the_library(name, monkeypatch, tmp_path):
-    module, _, _, applies = LIBRARIES[name]
-    monkeypatch.setenv(module.ENV, str(tmp_path / "absent.so"))
+def test_cpu_tensors_never_take_the_library(name, kernel_options, tmp_path):
+    kernel_options(KernelOptions(**{name: str(tmp_path / "absent.so")}))
+    _, _, _, applies = LIBRARIES[name]
     assert not applies()                                     # decided before the library is touched
 
 
 @pytest.mark.parametrize("name", sorted(LIBRARIES))
-def test_a_library_that_does_not_load_names_its_variable(name, monkeypatch, tmp_path):
+def test_a_library_that_does_not_load_names_its_option(name, kernel_options, tmp_path):
     module, load, script, _ = LIBRARIES[name]
     bad = tmp_path / f"{name}_not_a_library.so"
     bad.write_text("not an ELF file")
-    monkeypatch.setenv(module.ENV, str(bad))
-    with pytest.raises(RuntimeError, match=f"{module.ENV}=.*not_a_library.so.*{script}"):
+    kernel_options(KernelOptions(**{name: str(bad)}))
+    with pytest.raises(RuntimeError, match=f"--{name.replace('_', '-')} / {module.ENV} = .*not_a_library.so.*{script}"):
         load()
 
 
-def test_a_flash_mla_library_without_its_schedule_entry_point_is_refused(monkeypatch, tmp_path):
+def test_a_flash_mla_library_without_its_schedule_entry_point_is_refused(kernel_options, tmp_path):
     """A library built from an older shim (the schedule inside the decode, no ``kimik3_flash_mla_schedule``) would
     run decodes on a schedule nobody computed: loading it is an error that says to rebuild it."""
     import shutil
@@ -60,29 +61,29 @@ def test_a_flash_mla_library_without_its_schedule_entry_point_is_refused(monkeyp
                    "int kimik3_flash_mla_decode(void) { return 0; }\n")
     lib = tmp_path / "libold_flash_mla.so"
     subprocess.run([cc, "-shared", "-fPIC", str(src), "-o", str(lib)], check=True)
-    monkeypatch.setenv(flash_mla.ENV, str(lib))
+    kernel_options(KernelOptions(flash_mla=str(lib)))
     with pytest.raises(RuntimeError, match="built before its schedule had its own entry point: rebuild it with "
                                            "scripts/build_flash_mla.sh"):
         flash_mla.flash_mla_library()
 
 
 @pytest.mark.parametrize("name", sorted(LIBRARIES))
-def test_unset_means_our_kernels(name, monkeypatch):
-    module, load, _, _ = LIBRARIES[name]
-    monkeypatch.delenv(module.ENV, raising=False)
+def test_unset_means_our_kernels(name, kernel_options):
+    _, load, _, _ = LIBRARIES[name]
+    kernel_options(KernelOptions())
     assert load() is None
 
 
-def test_flash_mla_refuses_a_cache_of_other_blocks(monkeypatch):
-    monkeypatch.delenv(flash_mla.ENV, raising=False)
+def test_flash_mla_refuses_a_cache_of_other_blocks(kernel_options):
+    kernel_options(KernelOptions())
     q_lat, q_pe, cache = _mla_operands(block=16)
     with pytest.raises(ValueError, match="KIMIK3_FLASH_MLA.*cache \\[blocks, 64, 576\\]"):
         flash_mla.flash_mla_decode(q_lat, q_pe, cache, torch.zeros(2, 1, dtype=torch.int32),
                                    torch.ones(2, dtype=torch.int32), 0.1)
 
 
-def test_flash_kda_refuses_what_it_cannot_run(monkeypatch):
-    monkeypatch.delenv(flash_kda.ENV, raising=False)
+def test_flash_kda_refuses_what_it_cannot_run(kernel_options):
+    kernel_options(KernelOptions())
     q = torch.zeros(4, 2, 128, dtype=BF16)
     with pytest.raises(ValueError, match="KIMIK3_FLASH_KDA"):
         flash_kda.flash_kda_varlen(q, q, q, q, q[..., 0], torch.zeros(2), torch.zeros(256), -5.0,

@@ -2,7 +2,7 @@
 against float64 attention computed straight from the math (spec token-mixers §4.2-4.3).
 
 The Triton kernel runs on CPU through TRITON_INTERPRET=1 (tests/ops/conftest.py) at tiny sizes;
-PREFILL_BLOCK is shrunk so contexts span several pieces. Errors are bounded per sequence.
+``KernelTuning.mla_prefill_block`` is shrunk so contexts span several pieces. Errors are bounded per sequence.
 """
 
 import math
@@ -122,8 +122,8 @@ def _inputs(query_lens, context_lens, H, R, P, dn, dv, g, dtype=F64, bs=4):
 
 @pytest.mark.parametrize("form", ["naive", "absorbed"])
 @pytest.mark.parametrize("case", sorted(CASES))
-def test_reference_path_in_pieces_matches_the_math(case, form, monkeypatch):
-    monkeypatch.setattr(mla, "PREFILL_BLOCK", 8)
+def test_reference_path_in_pieces_matches_the_math(case, form, monkeypatch, kernel_options):
+    kernel_options(mla_prefill_block=8)
     query_lens, context_lens = CASES[case]
     H, R, P, dn, dv = 3, 16, 8, 8, 8
     q, cache, tables, kv_b = _inputs(query_lens, context_lens, H, R, P, dn, dv, gen(1))
@@ -144,10 +144,10 @@ def test_form_rule_and_bad_form():
         mla_prefill_attention(q, cache, tables, kv_b, [3], [3], 16, 8, 0.3)
 
 
-def test_mixed_forms_in_one_step_match_the_math(monkeypatch):
+def test_mixed_forms_in_one_step_match_the_math(monkeypatch, kernel_options):
     """form=None: long chunks naive, decode-like rows over a context absorbed, in one call."""
-    monkeypatch.setattr(mla, "PREFILL_BLOCK", 8)
-    monkeypatch.setattr(mla, "ABSORBED_MAX_QUERY_LEN", 4)
+    kernel_options(mla_prefill_block=8)
+    kernel_options(mla_absorbed_max_query_len=4)
     query_lens, context_lens = [5, 1, 7, 3, 2], [0, 19, 3, 30, 0]
     assert [prefill_form(a, b) for a, b in zip(query_lens, context_lens)] == \
         ["naive", "absorbed", "naive", "absorbed", "naive"]
@@ -228,15 +228,15 @@ def test_prefill_kernel_matches_the_math(form, splits):
 
 @pytest.mark.parametrize("sms", [4, 64], ids=["no_split", "split_k"])
 @triton_cases
-def test_prefill_op_on_the_kernel_path_matches_the_math(form, sms, monkeypatch):
+def test_prefill_op_on_the_kernel_path_matches_the_math(form, sms, monkeypatch, kernel_options):
     """The CUDA branch of the op (pieces, varlen gather, kernel, merge) run on CPU tensors; with
     64 "SMs" the kernel splits each piece's keys (3 tiles of 16) over programs."""
-    monkeypatch.setattr(mla, "PREFILL_BLOCK", 48)
+    kernel_options(mla_prefill_block=48)
     monkeypatch.setattr(mla, "use_fast_path", lambda t: True)
     from kimik3.ops.triton import mla_prefill
     monkeypatch.setattr(mla_prefill, "config_for", lambda da, dv: mla_prefill.PrefillConfig(16, 16, 4, 2))
     monkeypatch.setattr(mla_prefill, "_num_sms", lambda device: sms)
-    monkeypatch.setattr(mla_prefill, "SPLIT_MIN_TILES", 1)
+    kernel_options(mla_prefill_split_min_tiles=1)
     launches = []
     kernel = mla_prefill._merge_splits_kernel
     monkeypatch.setattr(mla_prefill, "_merge_splits_kernel", LaunchRecorder(kernel, launches))

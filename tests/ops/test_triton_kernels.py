@@ -17,6 +17,7 @@ from kimik3.ops.attn_res import attn_res_mix                            # noqa: 
 from kimik3.ops.conv import causal_conv1d                               # noqa: E402
 from kimik3.ops.mla import mla_decode_attention                         # noqa: E402
 from kimik3.ops.moe import fused_moe                                    # noqa: E402
+from kimik3.ops.options import KernelTuning                             # noqa: E402
 from tests.helpers import rel_err
 
 BF16 = torch.bfloat16
@@ -513,12 +514,12 @@ def test_one_token_experts_refuse_mismatched_operands():
 
 @pytest.mark.parametrize("kernel", [True, False], ids=["one_program", "torch_ops"])
 @pytest.mark.parametrize("T,E,k,BM", [(1, 64, 16, 16), (40, 6, 3, 16), (9, 8, 8, 4), (33, 5, 2, 8)])
-def test_sort_by_expert_layout(T, E, k, BM, kernel, monkeypatch):
+def test_sort_by_expert_layout(T, E, k, BM, kernel, monkeypatch, kernel_options):
     """Every assignment once, inside a block of its own expert, in row order; each expert gets
     ceil(count / BM) blocks; -1 only for the blocks past the end."""
     from kimik3.ops.triton import moe as moe_kernels
     if not kernel:
-        monkeypatch.setattr(moe_kernels, "ALIGN_KERNEL_MAX_ROWS", -1)
+        kernel_options(align_kernel_max_rows=-1)
     g = gen(7)
     ids = torch.stack([torch.randperm(E, generator=g)[:k] for _ in range(T)])
     rows, block_expert = moe_kernels._sort_by_expert(ids, E, BM)
@@ -558,17 +559,17 @@ def test_dequantize_mxfp4_kernel_is_exact(high):
 
 
 @pytest.mark.parametrize("act", ["silu", "situ"])
-def test_moe_mxfp4_grouped_mm_path_matches_float64(act, monkeypatch):
-    """At MXFP4_GROUPED_MM_ROWS_PER_EXPERT rows per expert and more (prefill), MXFP4 experts are dequantized
+def test_moe_mxfp4_grouped_mm_path_matches_float64(act, monkeypatch, kernel_options):
+    """At ``KernelTuning.mxfp4_grouped_mm_rows_per_expert`` rows per expert and more (prefill), MXFP4 experts are dequantized
     a chunk of experts at a time and run through torch._grouped_mm (the CPU build runs it): against the
     float64 math on the dequantized weights, per token, with chunks of 5 experts (so the last is
     partial) on a ragged routing (expert 0 in every token, expert 1 in one, four experts with none:
     a chunk with no rows is skipped); the fused tile kernels are not called."""
     from kimik3.ops.triton import moe as kernels
     monkeypatch.setattr(kernels, "_gate_up_kernel", None)                # the tiles must not run
-    monkeypatch.setattr(kernels, "MXFP4_GROUPED_MM_ROWS_PER_EXPERT", 4)
+    kernel_options(mxfp4_grouped_mm_rows_per_expert=4)
     E, L, I, k = 24, 64, 32, 4
-    monkeypatch.setattr(kernels, "MXFP4_DEQUANT_CHUNK_BYTES", 5 * 2 * I * L * 2)
+    kernel_options(mxfp4_dequant_chunk_bytes=5 * 2 * I * L * 2)
     g = gen(41)
     w13, d13 = _packed_experts(E, 2 * I, L, g)
     w2, d2 = _packed_experts(E, L, I, g)
@@ -679,11 +680,11 @@ def check_dense_experts(dtype, act, T, k, seed, E=24, L=64, I=32):
 
 @pytest.mark.parametrize("act", ["silu", "situ"])
 def test_moe_dense_grouped_mm_path_matches_float64(act, monkeypatch):
-    """At GROUPED_MM_ROWS_PER_EXPERT rows per expert and more, dense bf16 experts take torch._grouped_mm
+    """At ``KernelTuning.grouped_mm_rows_per_expert`` rows per expert and more, dense bf16 experts take torch._grouped_mm
     (the CPU build runs it too) between our sort, gating and combine; the tile kernels are not called."""
     from kimik3.ops.triton import moe as kernels
     monkeypatch.setattr(kernels, "_gate_up_kernel", None)                # the tiles must not run
-    check_dense_experts(BF16, act, kernels.GROUPED_MM_ROWS_PER_EXPERT * 24 // 8 + 3, 8, seed=12)
+    check_dense_experts(BF16, act, KernelTuning().grouped_mm_rows_per_expert * 24 // 8 + 3, 8, seed=12)
 
 
 @pytest.mark.parametrize("merged", [False, True], ids=["separate", "w13_halves"])
@@ -695,7 +696,7 @@ def test_moe_dense_grouped_mm_runs_gate_and_up_as_one_gemm_for_halves_of_one_wei
     real = torch._grouped_mm
     monkeypatch.setattr(torch, "_grouped_mm", lambda *a, **k: calls.append(a[1].shape) or real(*a, **k))
     g = gen(21)
-    E, L, I, T, k = 24, 64, 32, kernels.GROUPED_MM_ROWS_PER_EXPERT * 3 + 5, 8
+    E, L, I, T, k = 24, 64, 32, KernelTuning().grouped_mm_rows_per_expert * 3 + 5, 8
     w13 = torch.randn(E, 2 * I, L, generator=g) / L ** 0.5
     w2 = torch.randn(E, L, I, generator=g) / I ** 0.5
     x = torch.randn(T, L, generator=g)
@@ -958,9 +959,10 @@ def test_decode_kernels_refuse_operands_that_do_not_fit():
 
 
 # ---- programmatic dependent launch --------------------------------------------------------
-def test_pdl_launch_options(monkeypatch):
-    """PDL only for CUDA tensors on a capable device, outside the interpreter, unless KIMIK3_PDL=0 turned it
-    off; the kernels then get PDL=True and the launch option, else PDL=False alone."""
+def test_pdl_launch_options(monkeypatch, kernel_options):
+    """PDL only for CUDA tensors on a capable device, outside the interpreter, unless ``KernelOptions.pdl``
+    turned it off; the kernels then get PDL=True and the launch option, else PDL=False alone."""
+    from kimik3.ops.options import KernelOptions
     from kimik3.ops.triton import common
 
     class FakeCuda:
@@ -974,9 +976,10 @@ def test_pdl_launch_options(monkeypatch):
     monkeypatch.setattr(common, "_pdl_capable", lambda index: False)          # pre-Hopper, or not NVIDIA
     assert common.pdl(FakeCuda()) == {"PDL": False}
     monkeypatch.setattr(common, "_pdl_capable", lambda index: True)
-    monkeypatch.setattr(common, "PDL_ENABLED", False)
+    kernel_options(KernelOptions(pdl=False))
     assert common.pdl(FakeCuda()) == {"PDL": False}
-    monkeypatch.setattr(common, "PDL_ENABLED", True)
+    kernel_options(KernelOptions(pdl=True))
+    assert common.pdl(FakeCuda()) == {"PDL": True, "launch_pdl": True}
     monkeypatch.setattr(common, "INTERPRETING", True)
     assert common.pdl(FakeCuda()) == {"PDL": False}
 

@@ -5,6 +5,7 @@ import torch
 
 pytest.importorskip("triton")
 
+from kimik3.ops.options import KernelTuning                             # noqa: E402
 from kimik3.ops.router import route                                     # noqa: E402
 
 
@@ -103,7 +104,7 @@ def test_router_logits_kernels_refuse_mixed_16_bit_operands():
             fn(x.float(), torch.randn(8, 64))
 
 
-def test_router_logits_takes_the_gemm_kernel_for_long_steps(monkeypatch):
+def test_router_logits_takes_the_gemm_kernel_for_long_steps(monkeypatch, kernel_options):
     """Past the SIMT kernel's limits: a weight of x's dtype always takes the GEMM kernel; an fp32 one
     from ROUTER_LOGITS_GEMM_MIN_LOGITS logits (the cast + fp32 GEMM before); no unit feature stride
     keeps the torch math."""
@@ -112,9 +113,9 @@ def test_router_logits_takes_the_gemm_kernel_for_long_steps(monkeypatch):
     calls = []
     real = kernel.router_logits_gemm_triton
     monkeypatch.setattr(router, "use_fast_path", lambda t: True)
-    monkeypatch.setattr(router, "ROUTER_LOGITS_MAX_TOKENS", 2)
-    monkeypatch.setattr(router, "ROUTER_LOGITS_SIMT_MAX_LOGITS", 2 * 16)
-    monkeypatch.setattr(router, "ROUTER_LOGITS_GEMM_MIN_LOGITS", 9 * 16)       # 16 experts: from 9 tokens
+    kernel_options(router_logits_max_tokens=2)
+    kernel_options(router_logits_simt_max_logits=2 * 16)
+    kernel_options(router_logits_gemm_min_logits=9 * 16)       # 16 experts: from 9 tokens
     monkeypatch.setattr(kernel, "router_logits_gemm_triton",
                         lambda x, w: calls.append((x.shape[0], w.dtype)) or real(x, w))
     w = torch.randn(16, 96) * 96 ** -0.5
@@ -131,7 +132,7 @@ def test_router_logits_takes_the_gemm_kernel_for_long_steps(monkeypatch):
     assert calls == [(9, torch.float32), (40, torch.float32), (8, bf16), (9, bf16), (40, bf16)]
 
 
-def test_router_logits_takes_the_kernel_on_the_fast_path(monkeypatch):
+def test_router_logits_takes_the_kernel_on_the_fast_path(monkeypatch, kernel_options):
     """``router_logits`` (what ``route_tokens`` calls outside its split-K range) sends bf16/fp16 x to the SIMT kernel with an
     fp32 weight up to ROUTER_LOGITS_MAX_TOKENS tokens (ROUTER_LOGITS_MAX_TOKENS_LARGE for weights over
     2**20 elements) and with one of x's dtype (the checkpoint's bf16) up to ROUTER_LOGITS_SIMT_MAX_LOGITS
@@ -143,9 +144,9 @@ def test_router_logits_takes_the_kernel_on_the_fast_path(monkeypatch):
     calls = []
     real = kernel.router_logits_triton
     monkeypatch.setattr(router, "use_fast_path", lambda t: True)
-    monkeypatch.setattr(router, "ROUTER_LOGITS_MAX_TOKENS", 8)
-    monkeypatch.setattr(router, "ROUTER_LOGITS_MAX_TOKENS_LARGE", 2)
-    monkeypatch.setattr(router, "ROUTER_LOGITS_SIMT_MAX_LOGITS", 8 * 16)
+    kernel_options(router_logits_max_tokens=8)
+    kernel_options(router_logits_max_tokens_large=2)
+    kernel_options(router_logits_simt_max_logits=8 * 16)
     monkeypatch.setattr(kernel, "router_logits_triton", lambda x, w: calls.append((x.shape, w.dtype)) or real(x, w))
     small, large = torch.randn(16, 64), torch.randn(2, (1 << 19) + 64) * 2 ** -9      # 2**20 + 128 elements
     bf16, fp16, fp32 = torch.bfloat16, torch.float16, torch.float32
@@ -206,12 +207,12 @@ ALIGN_CASES = {   # name: (E, BM, ids as a function of a generator)
 
 @pytest.mark.parametrize("kernel", [True, False], ids=["kernel", "torch_ops"])
 @pytest.mark.parametrize("case", list(ALIGN_CASES))
-def test_sort_by_expert_matches_plain_lists(case, kernel, monkeypatch):
+def test_sort_by_expert_matches_plain_lists(case, kernel, monkeypatch, kernel_options):
     """The alignment's exact outputs (sorted rows, block experts) against ``expected_alignment``,
     outputs poisoned first; rows 1 .. 400 and experts with 0, 1 and many rows."""
     from kimik3.ops.triton import moe as moe_kernels
     if not kernel:
-        monkeypatch.setattr(moe_kernels, "ALIGN_KERNEL_MAX_ROWS", -1)
+        kernel_options(align_kernel_max_rows=-1)
     E, BM, make = ALIGN_CASES[case]
     ids = make(torch.Generator().manual_seed(len(case)))
     want_rows, want_blocks = expected_alignment(ids.reshape(-1).tolist(), E, BM)
@@ -270,7 +271,8 @@ def test_split_tiles_cover_the_width_with_enough_programs():
     for the three router shapes at decode sizes."""
     import triton as tr
 
-    from kimik3.ops.triton.router import SPLIT_MIN_STEPS, split_tiles
+    from kimik3.ops.triton.router import split_tiles
+    SPLIT_MIN_STEPS = KernelTuning().router_split_min_steps
     for D, E in ((7168, 64), (7168, 896), (2304, 256)):
         for T in (8, 32, 128, 256):
             BM, BN, BK, _, S = split_tiles(T, E, D)
@@ -302,7 +304,7 @@ def test_a_step_and_its_padded_graph_route_alike():
 def test_route_tokens_matches_float64_routing(E, k, groups, topk_group, D, monkeypatch):
     """``route_tokens`` on the split-K path (the fast path pretended on, as on CUDA) against the routing
     math in float64 from the float64 logits: the same experts in the same order, weights within fp32
-    rounding; below ROUTER_SPLIT_MIN_TOKENS it takes the unsplit logits, with the same result."""
+    rounding; below ``KernelTuning.router_split_min_tokens`` it takes the unsplit logits, with the same result."""
     from kimik3.ops import router
     from kimik3.ops.triton import router as kernel
     calls = []
@@ -312,7 +314,7 @@ def test_route_tokens_matches_float64_routing(E, k, groups, topk_group, D, monke
     g = torch.Generator().manual_seed(E + D)
     w = (torch.randn(E, D, generator=g) * D ** -0.5).to(torch.bfloat16)
     bias = torch.randn(E, generator=g) * 0.1
-    for T in (router.ROUTER_SPLIT_MIN_TOKENS - 1, 9, 40):
+    for T in (KernelTuning().router_split_min_tokens - 1, 9, 40):
         x = (torch.randn(T, D, generator=g) * 2).to(torch.bfloat16)
         logits = x.double() @ w.double().t()
         s = torch.sigmoid(logits)

@@ -1,37 +1,36 @@
 """Fast paths from CUDA C++ libraries built outside the package (opt-in, loaded through ctypes): each
-library is named by an environment variable and built by a script in ``scripts/``."""
+library is named by a ``KernelOptions`` path (an engine flag, its environment variable the fallback) and
+built by a script in ``scripts/``."""
 
 from __future__ import annotations
 
 import ctypes
 import functools
 import logging
-import os
 from collections.abc import Callable
 
 logger = logging.getLogger(__name__)
 
 
 @functools.cache
-def _load(env: str, path: str, declare: Callable[[ctypes.CDLL], None], build: str) -> ctypes.CDLL:
+def _load(name: str, path: str, declare: Callable[[ctypes.CDLL], None], build: str) -> ctypes.CDLL:
     try:
         lib = ctypes.CDLL(path)
     except OSError as exc:
-        raise RuntimeError(f"{env}={path}: cannot load the library ({exc}); build it with {build}, or unset the "
-                           "variable to run the default kernels") from exc
+        raise RuntimeError(f"{name} = {path}: cannot load the library ({exc}); build it with {build}, or leave the "
+                           "option unset to run the default kernels") from exc
     declare(lib)
     return lib
 
 
-def library(env: str, declare: Callable[[ctypes.CDLL], None], build: str) -> ctypes.CDLL | None:
-    """The library the variable ``env`` names (loaded once per path, its functions typed by ``declare``),
-    or None when the variable is unset."""
-    path = os.environ.get(env, "")
-    return _load(env, path, declare, build) if path else None
+def library(name: str, path: str | None, declare: Callable[[ctypes.CDLL], None], build: str) -> ctypes.CDLL | None:
+    """The library at ``path`` (the option ``name``; loaded once per path, its functions typed by ``declare``),
+    or None when no path is given."""
+    return _load(name, path, declare, build) if path else None
 
 
 @functools.cache
-def passed_over(env: str, reason: str, fallback: str) -> None:
-    """Say once per (variable, reason) that the library ``env`` names does not take some calls, and what runs
-    them instead: a named library is never silently ignored."""
-    logger.warning("%s names a library, but %s: %s", env, reason, fallback)
+def passed_over(name: str, reason: str, fallback: str) -> None:
+    """Say once per (option, reason) that the library the option ``name`` names does not take some calls, and
+    what runs them instead: a named library is never silently ignored."""
+    logger.warning("%s names a library, but %s: %s", name, reason, fallback)

@@ -1,6 +1,6 @@
 """MoonshotAI's FlashKDA (CUTLASS, Hopper and newer) for the chunked KDA of a prefill step, through the
 C entry point of ``flash_kda_shim.cu`` (built by ``scripts/build_flash_kda.sh``; no Python or torch ABI
-in the library). Opt-in: ``KIMIK3_FLASH_KDA=<path to libkimik3_flash_kda.so>``; without it the
+in the library). Opt-in: ``--flash-kda <path to libkimik3_flash_kda.so>``; without it the
 prefill runs fla-core's ``chunk_kda``.
 
 It takes what FlashKDA takes: bf16 operands, K = V = 128, the bounded gate (K3's ``lower_bound``;
@@ -13,13 +13,14 @@ README "Decisions" says why we accept that (opt-in) and what the GPU test bounds
 from __future__ import annotations
 
 import ctypes
-import os
 
 import torch
 
 from kimik3.ops.cuda import library, passed_over
+from kimik3.ops.options import kernel_options
 
-ENV = "KIMIK3_FLASH_KDA"
+ENV = "KIMIK3_FLASH_KDA"        # the fallback of --flash-kda, read by engine/args.py alone
+NAME = "--flash-kda / KIMIK3_FLASH_KDA"
 HEAD_DIM = 128
 
 
@@ -34,8 +35,8 @@ def _declare(lib: ctypes.CDLL) -> None:
 
 
 def flash_kda_library() -> ctypes.CDLL | None:
-    """The library ``KIMIK3_FLASH_KDA`` names (loaded once per path), or None when unset."""
-    return library(ENV, _declare, "scripts/build_flash_kda.sh")
+    """The library ``KernelOptions.flash_kda`` names (loaded once per path), or None when unset."""
+    return library(NAME, kernel_options().flash_kda, _declare, "scripts/build_flash_kda.sh")
 
 
 def refusal(q: torch.Tensor, v: torch.Tensor, lower_bound: float | None) -> str | None:
@@ -52,11 +53,11 @@ def refusal(q: torch.Tensor, v: torch.Tensor, lower_bound: float | None) -> str 
 def flash_kda_applies(q: torch.Tensor, v: torch.Tensor, lower_bound: float | None) -> bool:
     """Whether this call goes to FlashKDA: the library is named, the call is on CUDA and ``refusal`` finds
     nothing (what it finds is logged once)."""
-    if not q.is_cuda or not os.environ.get(ENV):
+    if not q.is_cuda or not kernel_options().flash_kda:
         return False
     reason = refusal(q, v, lower_bound)
     if reason is not None:
-        passed_over(ENV, reason, "KDA prefill runs fla-core's chunk_kda")
+        passed_over(NAME, reason, "KDA prefill runs fla-core's chunk_kda")
         return False
     return flash_kda_library() is not None
 
@@ -72,7 +73,7 @@ def flash_kda_varlen(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, f: torch
     T, H, K = q.shape
     N = cu_seqlens.numel() - 1
     if lib is None or not flash_kda_applies(q, v, lower_bound):
-        raise ValueError(f"flash_kda_varlen: needs {ENV}, bf16 q/v with K = V = {HEAD_DIM} and a bounded gate; got "
+        raise ValueError(f"flash_kda_varlen: needs {NAME}, bf16 q/v with K = V = {HEAD_DIM} and a bounded gate; got "
                          f"{q.dtype} q {tuple(q.shape)}, v {tuple(v.shape)}, lower_bound {lower_bound}")
     if (k.shape != q.shape or v.shape[:2] != (T, H) or f.shape != q.shape or b.shape != (T, H)
             or tuple(initial_state.shape) != (N, H, K, K) or initial_state.dtype != torch.float32):

@@ -1,5 +1,5 @@
 """DeepSeek's FlashMLA dense decode (Hopper) for the absorbed MLA decode, through the C entry point of
-``flash_mla_shim.cu`` (built by ``scripts/build_flash_mla.sh``). Opt-in: ``KIMIK3_FLASH_MLA=<path to
+``flash_mla_shim.cu`` (built by ``scripts/build_flash_mla.sh``). Opt-in: ``--flash-mla <path to
 libkimik3_flash_mla.so>`` and a latent cache in blocks of 64 tokens (``--block-size``'s default once the
 variable is set); otherwise decode runs our Triton split-K kernel (``ops/triton/mla_decode.py``).
 
@@ -14,14 +14,15 @@ from __future__ import annotations
 
 import ctypes
 import functools
-import os
 from dataclasses import dataclass
 
 import torch
 
 from kimik3.ops.cuda import library, passed_over
+from kimik3.ops.options import kernel_options
 
-ENV = "KIMIK3_FLASH_MLA"
+ENV = "KIMIK3_FLASH_MLA"        # the fallback of --flash-mla, read by engine/args.py alone
+NAME = "--flash-mla / KIMIK3_FLASH_MLA"
 LATENT, ROPE, PAGE = 512, 64, 64
 
 
@@ -30,7 +31,7 @@ def _declare(lib: ctypes.CDLL) -> None:
     lib.kimik3_flash_mla_sm_parts.argtypes = [ctypes.c_int, ctypes.c_int]
     lib.kimik3_flash_mla_meta_ints.restype = ctypes.c_int
     if not hasattr(lib, "kimik3_flash_mla_schedule"):
-        raise RuntimeError(f"{ENV} names a library built before its schedule had its own entry point: rebuild it "
+        raise RuntimeError(f"{NAME} names a library built before its schedule had its own entry point: rebuild it "
                            "with scripts/build_flash_mla.sh")
     lib.kimik3_flash_mla_schedule.restype = ctypes.c_int
     lib.kimik3_flash_mla_schedule.argtypes = [ctypes.c_void_p] * 3 + [ctypes.c_int] * 3 + [ctypes.c_void_p]
@@ -40,8 +41,8 @@ def _declare(lib: ctypes.CDLL) -> None:
 
 
 def flash_mla_library() -> ctypes.CDLL | None:
-    """The library ``KIMIK3_FLASH_MLA`` names (loaded once per path), or None when unset."""
-    return library(ENV, _declare, "scripts/build_flash_mla.sh")
+    """The library ``KernelOptions.flash_mla`` names (loaded once per path), or None when unset."""
+    return library(NAME, kernel_options().flash_mla, _declare, "scripts/build_flash_mla.sh")
 
 
 @functools.cache
@@ -74,11 +75,11 @@ def refusal(q_latent: torch.Tensor, q_pe: torch.Tensor, cache: torch.Tensor,
 def flash_mla_applies(q_latent: torch.Tensor, q_pe: torch.Tensor, cache: torch.Tensor, scaled: bool = False) -> bool:
     """Whether this decode goes to FlashMLA: the library is named, the call is on CUDA and ``refusal`` finds
     nothing (what it finds is logged once)."""
-    if not q_latent.is_cuda or not os.environ.get(ENV):
+    if not q_latent.is_cuda or not kernel_options().flash_mla:
         return False
     reason = refusal(q_latent, q_pe, cache, torch.cuda.get_device_capability(q_latent.device), scaled)
     if reason is not None:
-        passed_over(ENV, reason, "MLA decode runs our Triton kernel")
+        passed_over(NAME, reason, "MLA decode runs our Triton kernel")
         return False
     return flash_mla_library() is not None
 
@@ -120,7 +121,7 @@ def flash_mla_decode(q_latent: torch.Tensor, q_pe: torch.Tensor, cache: torch.Te
     seq_lens [N] on the device (the new token included); ``schedule``: ``flash_mla_schedule`` of these lengths
     and heads (None: computed here). Returns the latent output [N, H, 512] bf16."""
     if not flash_mla_applies(q_latent, q_pe, cache):
-        raise ValueError(f"flash_mla_decode: needs {ENV}, a Hopper GPU, bf16 q [N, H, {LATENT}] + [N, H, {ROPE}] and a "
+        raise ValueError(f"flash_mla_decode: needs {NAME}, a Hopper GPU, bf16 q [N, H, {LATENT}] + [N, H, {ROPE}] and a "
                          f"cache [blocks, {PAGE}, {LATENT + ROPE}]; got {q_latent.dtype} {tuple(q_latent.shape)}, "
                          f"{tuple(q_pe.shape)}, cache {cache.dtype} {tuple(cache.shape)}")
     lib = flash_mla_library()

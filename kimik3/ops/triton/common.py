@@ -3,15 +3,13 @@
 from __future__ import annotations
 
 import functools
-import os
 
 import torch
 import triton
 import triton.language as tl
+from triton.runtime.interpreter import InterpretedFunction
 
-# Triton's CPU interpreter (TRITON_INTERPRET=1, used by the CPU tests) multiplies bf16 dot
-# operands as raw bits; there the kernels upcast dot operands to fp32 first.
-INTERPRETING = os.environ.get("TRITON_INTERPRET", "0") == "1"
+from kimik3.ops.options import kernel_options
 
 # Programmatic dependent launch (Hopper and later; CUDA's PDL): every kernel of ours calls ``pdl_entry``
 # and is launched with ``**pdl(tensor)``. Such a kernel may be launched while the kernel before it in the
@@ -19,13 +17,11 @@ INTERPRETING = os.environ.get("TRITON_INTERPRET", "0") == "1"
 # (griddepcontrol.wait), then lets the kernel after it launch in turn. Each of our kernels waits before it
 # loads anything it computes with, so a kernel can never run ahead of its predecessor's results, and the
 # stream's order holds transitively. What it buys is the launch latency between dependent kernels (a CUDA
-# graph of a decode step is a chain of ~60-100 small kernels). KIMIK3_PDL=0 launches them the ordinary way.
-# Before the wait a kernel only asks L2 for lines it will read (``prefetch_l2``): the one-row projections
-# their weight rows, the KDA decode step its state rows (located by the step's slot ids, an input written
-# before the step's first kernel). On an H100 (0a2ea22) that made the batch-1 steps 1.3% (Kimi-Linear slice)
-# and 0.6% (K3 slice) faster; KIMIK3_PREFETCH=0 turns it off.
-PDL_ENABLED = os.environ.get("KIMIK3_PDL", "1") != "0"
-PREFETCH_ENABLED = os.environ.get("KIMIK3_PREFETCH", "1") != "0"
+# graph of a decode step is a chain of ~60-100 small kernels). ``KernelOptions.pdl`` off (--no-pdl) launches them
+# the ordinary way. Before the wait a kernel only asks L2 for lines it will read (``prefetch_l2``): the one-row
+# projections their weight rows, the KDA decode step its state rows (located by the step's slot ids, an input
+# written before the step's first kernel). On an H100 (0a2ea22) that made the batch-1 steps 1.3% (Kimi-Linear
+# slice) and 0.6% (K3 slice) faster; ``KernelOptions.prefetch`` off (--no-prefetch) turns it off.
 
 
 @functools.cache
@@ -37,8 +33,8 @@ def _pdl_capable(index: int) -> bool:
 def pdl(t: torch.Tensor) -> dict:
     """Launch options of a kernel taking ``PDL`` for an operand ``t``: PDL on a CUDA device of compute
     capability 9.0 or later (never in the interpreter)."""
-    on = PDL_ENABLED and not INTERPRETING and t.is_cuda and _pdl_capable(t.device.index if t.device.index is not None
-                                                                         else torch.cuda.current_device())
+    on = (kernel_options().pdl and not INTERPRETING and t.is_cuda
+          and _pdl_capable(t.device.index if t.device.index is not None else torch.cuda.current_device()))
     return {"PDL": True, "launch_pdl": True} if on else {"PDL": False}
 
 
@@ -49,6 +45,17 @@ def pdl_entry(PDL: tl.constexpr):
     if PDL:
         tl.extra.cuda.gdc_wait()
         tl.extra.cuda.gdc_launch_dependents()
+
+
+# Whether Triton runs our kernels in its CPU interpreter (TRITON_INTERPRET=1, read by Triton itself when it
+# built them; the CPU tests): it multiplies bf16 dot operands as raw bits, so there the kernels upcast dot
+# operands to fp32 first.
+INTERPRETING = isinstance(pdl_entry, InterpretedFunction)
+
+
+def prefetch_on(pdl_on: bool) -> bool:
+    """Whether a kernel launched with PDL (``pdl_on``) prefetches its rows before the wait."""
+    return pdl_on and kernel_options().prefetch
 
 
 @triton.jit

@@ -221,9 +221,9 @@ def gemv(x: torch.Tensor, w: torch.Tensor, config: GemvConfig | None = None,
 def _prefetch_lines(w: torch.Tensor, bk: int, K: int) -> int:
     """128-byte lines of each weight row a program asks of L2 before its PDL wait (the kernel before it
     writes x, never the weight, so the first weight reads overlap that kernel's tail): those of its first K
-    step (a power of two, none past the row), 0 for none (``common.PREFETCH_ENABLED`` off)."""
+    step (a power of two, none past the row), 0 for none (``KernelOptions.prefetch`` off)."""
     lines = min(bk, K) * w.element_size() // 128
-    return triton.next_power_of_2(lines + 1) // 2 if common.PREFETCH_ENABLED and lines else 0
+    return triton.next_power_of_2(lines + 1) // 2 if common.prefetch_on(True) and lines else 0
 
 
 def expert_up_config(L: int, I: int, k: int, num_sms: int = 132) -> GemvConfig:

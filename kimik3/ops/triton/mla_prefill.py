@@ -29,6 +29,7 @@ import torch
 import triton
 import triton.language as tl
 
+from kimik3.ops.options import tuning
 from kimik3.ops.triton.common import INTERPRETING, dot, pdl, pdl_entry
 
 _LOG2E = 1.4426950408889634
@@ -257,10 +258,9 @@ def mla_prefill_triton(qa: torch.Tensor, qb: torch.Tensor, ka: torch.Tensor, kb:
     return o, lse
 
 
-# Split-K limits: at most this many splits, each at least SPLIT_MIN_TILES key tiles, and the fp32
-# partials at most SPLIT_MAX_BYTES.
+# Split-K limits: at most this many splits, each at least ``KernelTuning.mla_prefill_split_min_tiles`` key
+# tiles, and the fp32 partials at most SPLIT_MAX_BYTES.
 MAX_SPLITS = 16
-SPLIT_MIN_TILES = 4
 SPLIT_MAX_BYTES = 256 << 20
 
 
@@ -268,7 +268,7 @@ def split_count(programs: int, max_key_len: int, out_elems: int, block_n: int, n
     """Splits per key run so that about two waves of programs fill the GPU."""
     if programs >= 2 * num_sms:
         return 1
-    return max(1, min(triton.cdiv(2 * num_sms, programs), max_key_len // (SPLIT_MIN_TILES * block_n), MAX_SPLITS,
+    return max(1, min(triton.cdiv(2 * num_sms, programs), max_key_len // (tuning().mla_prefill_split_min_tiles * block_n), MAX_SPLITS,
                       SPLIT_MAX_BYTES // (4 * out_elems)))
 
 

@@ -21,6 +21,7 @@ import torch
 import triton
 import triton.language as tl
 
+from kimik3.ops.options import tuning
 from kimik3.ops.triton.common import INTERPRETING, dot, glu, pdl, pdl_entry
 from kimik3.ops.triton.e2m1 import e2m1_asm
 from kimik3.ops.triton.gemv import one_token_experts
@@ -243,7 +244,7 @@ def _sort_by_expert(ids: torch.Tensor, num_experts: int, BM: int):
     """Assignment rows grouped by expert, each group padded to a multiple of BM (no host sync).
     Returns sorted_rows [cap] (pad entries hold R = number of assignments) and block_expert
     [cap / BM] (-1 for blocks past the end); within an expert rows keep their order.
-    Up to ALIGN_KERNEL_MAX_ROWS assignments (decode) one Triton launch does it all; beyond, torch ops."""
+    Up to ``KernelTuning.align_kernel_max_rows`` assignments (decode) one Triton launch does it all; beyond, torch ops."""
     flat = ids.reshape(-1)
     R = flat.numel()
     dev = flat.device
@@ -251,7 +252,7 @@ def _sort_by_expert(ids: torch.Tensor, num_experts: int, BM: int):
     cap = (cap + BM - 1) // BM * BM
     sorted_rows = torch.empty(cap, dtype=torch.int64, device=dev)
     block_expert = torch.empty(cap // BM, dtype=torch.int64, device=dev)
-    if 0 < R <= ALIGN_KERNEL_MAX_ROWS:
+    if 0 < R <= tuning().align_kernel_max_rows:
         BR = triton.next_power_of_2(R)
         _align_kernel[(min(BR, ALIGN_BLOCKS.value),)](
             flat, sorted_rows, block_expert, R, num_experts, cap, BM=BM, BR=BR,
@@ -272,7 +273,6 @@ def _sort_by_expert(ids: torch.Tensor, num_experts: int, BM: int):
     return sorted_rows, block_expert
 
 
-ALIGN_KERNEL_MAX_ROWS = 4096
 ALIGN_BLOCKS = tl.constexpr(64)       # the alignment kernel's programs: min(next_power_of_2(R), this)
 
 
@@ -346,11 +346,11 @@ def _tiles(rows_per_expert: float, mxfp4: bool = False) -> dict:
 def _wgmma_tiles(rows_per_expert: float) -> dict | None:
     """MXFP4 experts through ``moe_wgmma`` (weights as the register operand; on an sm_90 GPU, widths that
     fit): BT rows a block, 16 x warps weight rows a tile (gate/up: half of each), "two" tiles a program
-    (default False), or None for the block kernels here (``WGMMA_EXPERTS`` off, or prefill sizes).
+    (default False), or None for the block kernels here (``KernelTuning.wgmma_experts`` off, or prefill sizes).
     H100, K3 slice shapes (64 experts, 3584 -> 3072, top-16; bench_moe.py --wgmma, ff201cc), against the
     block kernels: 1 token 0.132 against 0.186 ms (BT 8), 8 tokens 0.436 / 0.595 (BT 8), 32 tokens 0.490 /
     0.651 (BT 16), 128 tokens 0.732 / 1.011 (BT 64, two tiles)."""
-    if not WGMMA_EXPERTS or rows_per_expert > 48:
+    if not tuning().wgmma_experts or rows_per_expert > 48:
         return None
     if rows_per_expert <= 3:
         return dict(BT=8, warps=4)
@@ -359,22 +359,6 @@ def _wgmma_tiles(rows_per_expert: float) -> dict | None:
     return dict(BT=64, warps=4, two=True)
 
 
-# MXFP4 experts at decode sizes through ``moe_wgmma`` where it fits (``_wgmma_tiles``); False: the block
-# kernels here (benchmarks: bench_slice.py --wgmma-ab)
-WGMMA_EXPERTS = True
-
-
-# From this many rows per expert, dense bf16 experts run as torch._grouped_mm (CUTLASS grouped GEMMs) beside
-# our sort, gating and combine: measured on the H200 at the Kimi-Linear width (bench_slice.py, 6344050, the
-# library on pre-sorted tokens) it was 0.94x our tiles' time at 32 rows per expert, 0.71x at 64 (2048 tokens,
-# top-8 of 256); the gather and combine around it add ~2 x T x k x L x 2 bytes, so the switch is at 64.
-GROUPED_MM_ROWS_PER_EXPERT = 64
-
-# One token with dense experts: its k experts' gate/up and down read as streaming products, the combine in
-# the down launch (``kimik3.ops.triton.gemv.one_token_experts``: two launches where the block kernels take
-# three, and no tensor-core tile of which one row is used). H100 (bench_slice.py --one-token-ab): the
-# Kimi-Linear slice's batch-1 step 2.3% (04c7b10) and 1.6% (0a2ea22) faster. False: the block kernels.
-ONE_TOKEN_GEMV = True
 
 
 def _halves_of_one(w1: torch.Tensor, w3: torch.Tensor) -> torch.Tensor | None:
@@ -453,21 +437,12 @@ def _combine_expert_order(y: torch.Tensor, order: torch.Tensor, weights: torch.T
     return _combine(y, weights, pos)
 
 
-# From this many rows per expert (prefill), MXFP4 experts are dequantized to bf16 a chunk of experts at a
-# time and run as torch._grouped_mm, as dense experts are: where the products dominate, the library's bf16
-# tiles beat our fused dequantizing kernels, and the dequantization (4 bytes written and reread per weight
-# element) is repaid. H200, K3 slice shapes (64 experts, 3584 -> 3072, top-16; bench_moe.py --prefill-only,
-# results/moe_prefill_65bef5e.json), fused / grouped time: 0.40x at 128 rows an expert, 0.64x at 256,
-# 0.99x at 512, 1.29x at 1024, 1.45x at 2048 (17.3 against 25.1 ms a layer: 502 TFLOP/s).
-MXFP4_GROUPED_MM_ROWS_PER_EXPERT = 1024
-# bf16 scratch of one chunk's gate | up weights (the down weights take half of it again)
-MXFP4_DEQUANT_CHUNK_BYTES = 256 << 20
 
 
 def _grouped_mm_mxfp4_experts(x, w1, w2, w3, weights, ids, act_situ, beta, linear_beta, high_scales,
                               slots: torch.Tensor | None = None) -> torch.Tensor:
     """MXFP4 experts (packed, scale pairs) through ``torch._grouped_mm``: assignments sorted by expert, then
-    per chunk of experts (at most ``MXFP4_DEQUANT_CHUNK_BYTES`` of bf16 gate | up weights) the chunk's
+    per chunk of experts (at most ``KernelTuning.mxfp4_dequant_chunk_bytes`` of bf16 gate | up weights) the chunk's
     weights dequantized exactly into scratch, gate | up as one grouped GEMM over the chunk's rows, our
     gating kernel, the down GEMM; then the fp32 combine as in ``_grouped_mm_experts``. The chunks' row
     ranges come to the host once (one synchronisation a call: eager prefill only, never in a graph)."""
@@ -479,7 +454,7 @@ def _grouped_mm_mxfp4_experts(x, w1, w2, w3, weights, ids, act_situ, beta, linea
     order, counts = _expert_order(ids, E)
     ends = [0] + counts.cumsum(0).tolist()
     y = torch.empty(order.shape[0], L, dtype=x.dtype, device=x.device)     # rows in expert order
-    per_chunk = max(1, MXFP4_DEQUANT_CHUNK_BYTES // (2 * I * L * 2))
+    per_chunk = max(1, tuning().mxfp4_dequant_chunk_bytes // (2 * I * L * 2))
     w13 = torch.empty(min(per_chunk, E), 2 * I, L, dtype=torch.bfloat16, device=x.device)
     wd = torch.empty(min(per_chunk, E), L, I, dtype=torch.bfloat16, device=x.device)
     for e0 in range(0, E, per_chunk):
@@ -525,19 +500,41 @@ def fused_moe_triton(x: torch.Tensor, w1, w2, w3, weights: torch.Tensor, ids: to
     Dense experts: w1, w3 [E, I, L], w2 [E, L, I] in x's dtype. MXFP4 experts (bf16 x): each of
     w1, w3 = (packed [E, I, L/2], scale [E, I, L/32]), w2 = (packed [E, L, I/2], scale [E, L, I/32]).
     high_scales: some E8M0 scale may exceed 128 (the dequantization takes two multiplies; False is
-    only valid when every scale is <= 128). One token with dense experts (``ONE_TOKEN_GEMV``): two streaming
+    only valid when every scale is <= 128). One token with dense experts (``KernelTuning.one_token_gemv``): two streaming
     launches (``kimik3.ops.triton.gemv.one_token_experts``). tiles: override the tile choice (benchmarks; with
     "asm": False the fp16-placement dequantization runs on CUDA too, for comparison; "one_token": False
     aligns a single token's rows as any batch's, where by default its k distinct experts take a block
     each with no alignment launch); without it, dense
-    bf16 experts with ``GROUPED_MM_ROWS_PER_EXPERT`` rows per expert or more run as library grouped GEMMs, and
-    MXFP4 ones with ``MXFP4_GROUPED_MM_ROWS_PER_EXPERT`` or more too, dequantized a chunk at a time (outside
+    bf16 experts with ``KernelTuning.grouped_mm_rows_per_expert`` rows per expert or more run as library grouped GEMMs, and
+    MXFP4 ones with ``mxfp4_grouped_mm_rows_per_expert`` or more too, dequantized a chunk at a time (outside
     CUDA-graph capture: the chunks' rows come to the host)."""
     packed = isinstance(w1, tuple)
     (w1p, w1s), (w2p, w2s), (w3p, w3s) = (w if packed else (w, w) for w in (w1, w2, w3))
-    T, L = x.shape
-    E, I = (w1p.shape[0] if slots is None else slots.shape[0]), w1p.shape[1]
-    top_k = ids.shape[1]
+    _check_expert_operands(x, w1p, packed)
+    x = x.contiguous()
+    E = w1p.shape[0] if slots is None else slots.shape[0]
+    library = None if tiles is not None else _library_path(x, w1p, w2p, ids, E, packed)
+    if library == "one_token_gemv":
+        rows = ids if slots is None else slots[ids]           # one token: its k experts, each on its own
+        return one_token_experts(x, w1p, w2p, w3p, weights, rows, act_situ, beta, linear_beta)
+    if library == "grouped_mm":
+        if slots is not None:
+            w1p, w2p, w3p = _gathered_dense(w1p, w2p, w3p, slots)
+        return _grouped_mm_experts(x, w1p, w2p, w3p, weights, ids, act_situ, beta, linear_beta)
+    if library == "grouped_mm_mxfp4":
+        return _grouped_mm_mxfp4_experts(x, w1, w2, w3, weights, ids, act_situ, beta, linear_beta, high_scales,
+                                         slots)
+    wg = _wgmma_choice(x, w1, w2, w3, ids.numel() / E, tiles) if packed else None
+    if wg is not None:
+        return _wgmma_experts(x, w1, w2, w3, weights, ids, act_situ, beta, linear_beta, high_scales,
+                              wg["BT"], wg["warps"], wg.get("two", False), slots)
+    return _block_experts(x, (w1p, w1s), (w2p, w2s), (w3p, w3s), weights, ids, act_situ, beta, linear_beta,
+                          high_scales, packed, tiles or _tiles(ids.numel() / E, packed), E, slots)
+
+
+def _check_expert_operands(x: torch.Tensor, w1p: torch.Tensor, packed: bool) -> None:
+    """The dtypes and widths the expert kernels take (an error naming what they got)."""
+    L, I = x.shape[1], w1p.shape[1]
     if packed and x.dtype != torch.bfloat16:
         raise ValueError(f"the MXFP4 expert kernels take bf16 activations, got {x.dtype}")
     if not packed and (L % 2 or I % 2):
@@ -545,30 +542,53 @@ def fused_moe_triton(x: torch.Tensor, w1, w2, w3, weights: torch.Tensor, ids: to
     if not packed and (x.dtype not in (torch.bfloat16, torch.float16) or w1p.dtype != x.dtype):
         raise ValueError(f"the dense expert kernels take bf16/fp16 activations and weights of the same dtype, "
                          f"got {x.dtype} activations and {w1p.dtype} weights")
-    x = x.contiguous()
-    if not packed and tiles is None and T == 1 and ONE_TOKEN_GEMV and w1p.stride(2) == 1 and w2p.stride(2) == 1:
-        rows = ids if slots is None else slots[ids]           # one token: its k experts, each on its own
-        return one_token_experts(x, w1p, w2p, w3p, weights, rows, act_situ, beta, linear_beta)
-    if not packed and tiles is None and x.dtype == torch.bfloat16 and T * top_k >= GROUPED_MM_ROWS_PER_EXPERT * E:
-        if slots is not None:
-            w1p, w2p, w3p = _gathered_dense(w1p, w2p, w3p, slots)
-        return _grouped_mm_experts(x, w1p, w2p, w3p, weights, ids, act_situ, beta, linear_beta)
-    if (packed and tiles is None and T * top_k >= MXFP4_GROUPED_MM_ROWS_PER_EXPERT * E
-            and not (x.is_cuda and torch.cuda.is_current_stream_capturing())):
-        return _grouped_mm_mxfp4_experts(x, w1, w2, w3, weights, ids, act_situ, beta, linear_beta, high_scales,
-                                         slots)
+
+
+def _library_path(x: torch.Tensor, w1p: torch.Tensor, w2p: torch.Tensor, ids: torch.Tensor, E: int,
+                  packed: bool) -> str | None:
+    """Which path outside the block kernels takes these E experts by ``KernelTuning``'s measured
+    thresholds: "one_token_gemv" (one token, dense), "grouped_mm" (dense bf16, many rows an expert),
+    "grouped_mm_mxfp4" (MXFP4, prefill sizes, not while capturing a graph), or None (the kernels here)."""
+    tune = tuning()
+    T, top_k = ids.shape
+    if packed:
+        if (T * top_k >= tune.mxfp4_grouped_mm_rows_per_expert * E
+                and not (x.is_cuda and torch.cuda.is_current_stream_capturing())):
+            return "grouped_mm_mxfp4"
+        return None
+    if T == 1 and tune.one_token_gemv and w1p.stride(2) == 1 and w2p.stride(2) == 1:
+        return "one_token_gemv"
+    if x.dtype == torch.bfloat16 and T * top_k >= tune.grouped_mm_rows_per_expert * E:
+        return "grouped_mm"
+    return None
+
+
+def _wgmma_choice(x: torch.Tensor, w1, w2, w3, rows_per_expert: float, tiles: dict | None) -> dict | None:
+    """The ``moe_wgmma`` tiles MXFP4 experts run with, or None for the block kernels: the tiles
+    ``_wgmma_tiles`` picks (or a benchmark's ``tiles`` naming BT) where ``wgmma_fits`` holds."""
     if tiles is None:
-        wg = _wgmma_tiles(T * top_k / E) if packed else None
+        wg = _wgmma_tiles(rows_per_expert)
     else:
         wg = tiles if "BT" in tiles else None
-    if packed and wg is not None:
-        from kimik3.ops.triton import moe_wgmma
-        if moe_wgmma.wgmma_fits(x, w1, w2, w3, wg["warps"], wg.get("two", False)):
-            return _wgmma_experts(x, w1, w2, w3, weights, ids, act_situ, beta, linear_beta, high_scales,
-                                  wg["BT"], wg["warps"], wg.get("two", False), slots)
-        if tiles is not None:
-            raise ValueError(f"the wgmma expert kernels cannot take these experts (tiles {tiles})")
-    cfg = tiles or _tiles(T * top_k / E, packed)
+    if wg is None:
+        return None
+    from kimik3.ops.triton import moe_wgmma
+    if moe_wgmma.wgmma_fits(x, w1, w2, w3, wg["warps"], wg.get("two", False)):
+        return wg
+    if tiles is not None:
+        raise ValueError(f"the wgmma expert kernels cannot take these experts (tiles {tiles})")
+    return None
+
+
+def _block_experts(x: torch.Tensor, w1, w2, w3, weights: torch.Tensor, ids: torch.Tensor, act_situ: bool,
+                   beta: float, linear_beta: float | None, high_scales: bool, packed: bool, cfg: dict, E: int,
+                   slots: torch.Tensor | None) -> torch.Tensor:
+    """The block kernels here (gate/up, down, combine) at tiles ``cfg`` for E experts (rows ``slots`` of the
+    weights when given); w1, w2, w3 (packed, scale) pairs (a dense weight twice)."""
+    (w1p, w1s), (w2p, w2s), (w3p, w3s) = w1, w2, w3
+    T, L = x.shape
+    I = w1p.shape[1]
+    top_k = ids.shape[1]
     BM = cfg["BM"]
     R = T * top_k
     one_token = T == 1 and cfg.get("one_token", True)          # one token: its top-k experts are distinct

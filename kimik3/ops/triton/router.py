@@ -21,6 +21,7 @@ import torch
 import triton
 import triton.language as tl
 
+from kimik3.ops.options import tuning
 from kimik3.ops.triton.common import INTERPRETING, dot, pdl, pdl_entry
 
 
@@ -239,11 +240,10 @@ def router_logits_gemm_triton(x: torch.Tensor, weight: torch.Tensor, tiles: tupl
 
 # Split-K logits (``router_logit_partials``) for decode-sized steps: the unsplit GEMM's time at up to 256 tokens
 # is its walk over the width (13.8 us at D = 7168 whatever T and E on the H200, 5.4 at 2304: a handful of
-# programs, 56 / 18 dependent K steps each), so the width is cut into splits of at least SPLIT_MIN_STEPS K
-# steps until about SPLIT_TARGET_PROGRAMS programs run; the routing kernel sums the partials. A fixed program
-# target (not the device's SM count): the partials, and so the logits' last bits, depend on T alone.
-SPLIT_MIN_STEPS = 4
-SPLIT_TARGET_PROGRAMS = 128
+# programs, 56 / 18 dependent K steps each), so the width is cut into splits of at least
+# ``KernelTuning.router_split_min_steps`` K steps until about ``router_split_target_programs`` programs run; the
+# routing kernel sums the partials. A fixed program target (not the device's SM count): the partials, and so the
+# logits' last bits, depend on T alone.
 
 
 def split_tiles(T: int, E: int, D: int) -> tuple[int, int, int, int, int]:
@@ -255,7 +255,8 @@ def split_tiles(T: int, E: int, D: int) -> tuple[int, int, int, int, int]:
     BK = 128
     steps = triton.cdiv(D, BK)
     blocks = triton.cdiv(T, BM) * triton.cdiv(E, BN)
-    S = max(1, min(steps // SPLIT_MIN_STEPS, triton.cdiv(SPLIT_TARGET_PROGRAMS, blocks)))
+    tune = tuning()
+    S = max(1, min(steps // tune.router_split_min_steps, triton.cdiv(tune.router_split_target_programs, blocks)))
     S = triton.cdiv(steps, triton.cdiv(steps, S))       # no empty split
     return BM, BN, BK, 4, S
 
