@@ -427,6 +427,20 @@ def render_k3(
     if thinking and thinking_effort is not None:
         w.system_note("thinking-effort", _EFFORT_BODY.format(effort=thinking_effort))
 
+    _render_messages(w, messages, thinking)
+    _render_request_notes(w, tool_choice, response_format)
+
+    if add_generation_prompt:
+        w.open("message", ("role", "assistant"))
+        w.open("think" if thinking else "response")
+    if images is not None and w.next_image != len(images):
+        raise ValueError(f"{len(images)} images given but the conversation has {w.next_image} image parts")
+    return w.segments
+
+
+def _render_messages(w: _Writer, messages: list[dict], thinking: bool) -> None:
+    """Each message in order: a system message with ``tools`` declares them; a tool result names its tool
+    (given, or the assistant call it answers, by position) and its index."""
     last_calls: list = []
     tool_index = 0
     for i, m in enumerate(messages):
@@ -437,15 +451,8 @@ def render_k3(
         attrs = [("role", role), ("name", m["name"])] if m.get("name") else [("role", role)]
         if role == "tool":
             tool_index += 1
-            tool_name = m.get("tool", m.get("name"))
-            if tool_name is None and tool_index <= len(last_calls):
-                tool_name = last_calls[tool_index - 1].get("function", last_calls[tool_index - 1])["name"]
-            if tool_name is None:
-                raise ValueError(
-                    f"{where}: cannot tell which tool this result is for: give it 'tool' or 'name', or put it "
-                    "after the assistant message whose tool_calls it answers"
-                )
-            attrs = [("role", "tool"), ("tool", tool_name), ("index", tool_index)]
+            attrs = [("role", "tool"), ("tool", _result_tool_name(m, where, tool_index, last_calls)),
+                     ("index", tool_index)]
         elif role == "assistant":
             last_calls = m.get("tool_calls") or []
             tool_index = 0
@@ -456,6 +463,21 @@ def render_k3(
             w.content(m.get("content"), where)
         w.end_message()
 
+
+def _result_tool_name(m: dict, where: str, tool_index: int, last_calls: list) -> str:
+    tool_name = m.get("tool", m.get("name"))
+    if tool_name is None and tool_index <= len(last_calls):
+        tool_name = last_calls[tool_index - 1].get("function", last_calls[tool_index - 1])["name"]
+    if tool_name is None:
+        raise ValueError(
+            f"{where}: cannot tell which tool this result is for: give it 'tool' or 'name', or put it "
+            "after the assistant message whose tool_calls it answers"
+        )
+    return tool_name
+
+
+def _render_request_notes(w: _Writer, tool_choice: Any, response_format: dict | None) -> None:
+    """The system notes after the conversation: the tool choice, the response format."""
     if isinstance(tool_choice, str) and tool_choice in _TOOL_CHOICE_BODY:
         w.system_note("tool-choice", _TOOL_CHOICE_BODY[tool_choice])
     if response_format is not None and response_format["type"] == "json_object":
@@ -463,10 +485,3 @@ def render_k3(
     elif response_format is not None and response_format["type"] == "json_schema":
         schema = compact_json(sort_keys_deep(_response_schema(response_format)))
         w.system_note("response-format", _JSON_SCHEMA_BODY.format(schema=schema))
-
-    if add_generation_prompt:
-        w.open("message", ("role", "assistant"))
-        w.open("think" if thinking else "response")
-    if images is not None and w.next_image != len(images):
-        raise ValueError(f"{len(images)} images given but the conversation has {w.next_image} image parts")
-    return w.segments

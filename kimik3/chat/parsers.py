@@ -165,40 +165,57 @@ def parse_call_block(block: str, tool_names: set[str] | None = None) -> tuple[st
         if raw_json is not None:
             return "text after a json argument block"
         if block.startswith(ARG_OPEN, i):
-            head = _attrs(block, i + len(ARG_OPEN))
-            close = block.find(ARG_CLOSE, head[1]) if head else -1
-            if head is None or close < 0 or close > end:
-                return "bad argument element"
-            a, start = head
-            key, kind, value = a.get("key"), a.get("type"), block[start:close]
-            if key is None or kind is None:
-                return "argument without key or type"
-            if kind == "string":
-                literal = json.dumps(value, ensure_ascii=False)
-            else:
-                try:
-                    decoded, literal = _rfc8259(value)
-                except ValueError:
-                    return f"argument {key!r} is not valid JSON"
-                if json_type(decoded) != kind:
-                    return f"argument {key!r} declared {kind!r} but holds {json_type(decoded)!r}"
-            pieces.append(json.dumps(key, ensure_ascii=False) + ": " + literal)
-            i = close + len(ARG_CLOSE)
+            got = _argument_element(block, i, end)
+            if isinstance(got, str):
+                return got
+            piece, i = got
+            pieces.append(piece)
         elif block.startswith(JSON_OPEN, i) and not pieces:
-            head = _attrs(block, i + len(JSON_OPEN))
-            close = block.find(JSON_CLOSE, head[1]) if head else -1
-            if head is None or close < 0 or close > end:
-                return "bad json element"
-            try:
-                decoded, raw_json = _rfc8259(block[head[1] : close])
-            except ValueError:
-                return "the json block is not valid JSON"
-            if not isinstance(decoded, dict):
-                return "the json block is not a JSON object"
-            i = close + len(JSON_CLOSE)
+            got = _json_element(block, i, end)
+            if isinstance(got, str):
+                return got
+            raw_json, i = got
         else:
             return "unexpected text inside a call"
     return name, raw_json if raw_json is not None else "{" + ", ".join(pieces) + "}"
+
+
+def _argument_element(block: str, i: int, end: int) -> tuple[str, int] | str:
+    """The argument element at ``i`` as ('"key": literal', index after it), or a reason it is malformed: a
+    string argument is quoted, any other kind must be RFC 8259 JSON of its declared type."""
+    head = _attrs(block, i + len(ARG_OPEN))
+    close = block.find(ARG_CLOSE, head[1]) if head else -1
+    if head is None or close < 0 or close > end:
+        return "bad argument element"
+    a, start = head
+    key, kind, value = a.get("key"), a.get("type"), block[start:close]
+    if key is None or kind is None:
+        return "argument without key or type"
+    if kind == "string":
+        literal = json.dumps(value, ensure_ascii=False)
+    else:
+        try:
+            decoded, literal = _rfc8259(value)
+        except ValueError:
+            return f"argument {key!r} is not valid JSON"
+        if json_type(decoded) != kind:
+            return f"argument {key!r} declared {kind!r} but holds {json_type(decoded)!r}"
+    return json.dumps(key, ensure_ascii=False) + ": " + literal, close + len(ARG_CLOSE)
+
+
+def _json_element(block: str, i: int, end: int) -> tuple[str, int] | str:
+    """The json block at ``i`` as (its JSON object text, index after it), or a reason it is malformed."""
+    head = _attrs(block, i + len(JSON_OPEN))
+    close = block.find(JSON_CLOSE, head[1]) if head else -1
+    if head is None or close < 0 or close > end:
+        return "bad json element"
+    try:
+        decoded, raw_json = _rfc8259(block[head[1] : close])
+    except ValueError:
+        return "the json block is not valid JSON"
+    if not isinstance(decoded, dict):
+        return "the json block is not a JSON object"
+    return raw_json, close + len(JSON_CLOSE)
 
 
 def _held_back(buf: str, markers: tuple[str, ...]) -> int:

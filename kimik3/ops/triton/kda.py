@@ -154,32 +154,12 @@ def kda_decode_triton(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, f, b: t
     N, H, K = q.shape
     V = v.shape[-1]
     BV = block_v or default_block_v(V, norm is not None)
-    if state_pool.dtype != torch.float32 or tuple(state_pool.shape[1:]) != (H, V, K) or not state_pool[0].is_contiguous():
-        raise ValueError(f"kda_decode_triton: the state pool must be fp32 [slots, {H}, {V}, {K}] with contiguous "
-                         f"rows, got {state_pool.dtype} {tuple(state_pool.shape)}")
-    if K & (K - 1) or V % BV or BV & (BV - 1):
-        raise ValueError(f"kda_decode_triton: head dims K={K}, V={V} need K a power of two and V a multiple of "
-                         f"the power-of-two block {BV}")
     f, f_w, f_rank = _low_rank("f", f, N, H * K, q.dtype)
-    for name, t in (("q", q), ("k", k), ("v", v)) + ((("f", f),) if f_w is None else ()):
-        if t.stride(-1) != 1 or t.stride(-2) != t.shape[-1]:
-            raise ValueError(f"kda_decode_triton: {name} needs each row's heads packed ({tuple(t.stride())})")
-    if b.stride(-1) != 1:
-        raise ValueError("kda_decode_triton: b needs unit stride over heads")
-    gate_w, g_rank = None, 0
+    _check_step_operands(q, k, v, f if f_w is None else None, b, state_pool, BV)
     if norm is not None:
-        weight, gate, eps, dtype = norm
-        if dtype not in (v.dtype, torch.float32):           # the raw row waits in o for its norm (the docstring)
-            raise ValueError(f"kda_decode_triton: the normed output's dtype must be v's ({v.dtype}) or float32, got "
-                             f"{dtype}")
-        gate, gate_w, g_rank = _low_rank("gate", gate, N, H * V, q.dtype)
-        if tuple(weight.shape) != (V,) or (gate_w is None and (tuple(gate.shape) != (N, H, V) or gate.stride(-1) != 1
-                                                              or gate.stride(-2) != V)):
-            raise ValueError(f"kda_decode_triton: the output norm needs weight [{V}] and gate [{N}, {H}, {V}] with "
-                             f"each row's heads packed, got {tuple(weight.shape)} and {tuple(gate.shape)} "
-                             f"(strides {tuple(gate.stride())})")
+        weight, gate, gate_w, g_rank, eps, dtype = _output_norm_operands(norm, N, H, V, q.dtype, v.dtype)
     else:
-        weight, gate, eps, dtype = A_log, A_log, 0.0, v.dtype                   # unused placeholders
+        weight, gate, gate_w, g_rank, eps, dtype = A_log, A_log, None, 0, 0.0, v.dtype    # unused placeholders
     if f_rank and g_rank and f_rank != g_rank:
         raise ValueError(f"kda_decode_triton: low-rank f and gate of ranks {f_rank} and {g_rank} (one rank a step)")
     rank = max(f_rank, g_rank) or 32                                          # (unused without a low-rank operand)
@@ -194,3 +174,37 @@ def kda_decode_triton(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, f, b: t
             PREFETCH=common.prefetch_on(pdl(q)["PDL"]), num_warps=num_warps or default_warps(BV, K),
             F_LR=f_w is not None, G_LR=gate_w is not None, R=rank, RC=min(32, rank), **pdl(q))
     return o
+
+
+def _check_step_operands(q, k, v, f, b, state_pool, BV: int) -> None:
+    """The layouts the decode kernel reads: an fp32 state pool [slots, H, V, K] with contiguous rows, K a
+    power of two and V a multiple of the block, each row's heads packed in q, k, v (and f when dense)."""
+    N, H, K = q.shape
+    V = v.shape[-1]
+    if state_pool.dtype != torch.float32 or tuple(state_pool.shape[1:]) != (H, V, K) or not state_pool[0].is_contiguous():
+        raise ValueError(f"kda_decode_triton: the state pool must be fp32 [slots, {H}, {V}, {K}] with contiguous "
+                         f"rows, got {state_pool.dtype} {tuple(state_pool.shape)}")
+    if K & (K - 1) or V % BV or BV & (BV - 1):
+        raise ValueError(f"kda_decode_triton: head dims K={K}, V={V} need K a power of two and V a multiple of "
+                         f"the power-of-two block {BV}")
+    for name, t in (("q", q), ("k", k), ("v", v)) + ((("f", f),) if f is not None else ()):
+        if t.stride(-1) != 1 or t.stride(-2) != t.shape[-1]:
+            raise ValueError(f"kda_decode_triton: {name} needs each row's heads packed ({tuple(t.stride())})")
+    if b.stride(-1) != 1:
+        raise ValueError("kda_decode_triton: b needs unit stride over heads")
+
+
+def _output_norm_operands(norm: tuple, N: int, H: int, V: int, act_dtype: torch.dtype, v_dtype: torch.dtype):
+    """(weight, gate, gate up-projection or None, its rank, eps, output dtype) of the fused output norm
+    ``norm`` = (weight [V], gate [N, H, V] or a low-rank pair, eps, dtype), checked."""
+    weight, gate, eps, dtype = norm
+    if dtype not in (v_dtype, torch.float32):           # the raw row waits in o for its norm (the docstring)
+        raise ValueError(f"kda_decode_triton: the normed output's dtype must be v's ({v_dtype}) or float32, got "
+                         f"{dtype}")
+    gate, gate_w, g_rank = _low_rank("gate", gate, N, H * V, act_dtype)
+    if tuple(weight.shape) != (V,) or (gate_w is None and (tuple(gate.shape) != (N, H, V) or gate.stride(-1) != 1
+                                                          or gate.stride(-2) != V)):
+        raise ValueError(f"kda_decode_triton: the output norm needs weight [{V}] and gate [{N}, {H}, {V}] with "
+                         f"each row's heads packed, got {tuple(weight.shape)} and {tuple(gate.shape)} "
+                         f"(strides {tuple(gate.stride())})")
+    return weight, gate, gate_w, g_rank, eps, dtype

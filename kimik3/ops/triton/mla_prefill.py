@@ -206,26 +206,11 @@ def mla_prefill_triton(qa: torch.Tensor, qb: torch.Tensor, ka: torch.Tensor, kb:
     DB = qb.shape[-1]
     Hk = ka.shape[1]
     DV = DA if v is None else v.shape[-1]
-    if Hq % Hk or kb.shape[1] not in (1, Hk) or (v is not None and v.shape[1] != Hk):
-        raise ValueError(f"mla_prefill_triton: {Hq} query heads need a kv head count dividing them "
-                         f"(ka {Hk}, kb {kb.shape[1]}, v {None if v is None else v.shape[1]})")
-    for name, t in (("qa", qa), ("qb", qb), ("ka", ka), ("kb", kb), ("v", v)):
-        if t is not None and t.stride(-1) != 1:
-            raise ValueError(f"mla_prefill_triton needs unit stride on the feature axis of {name}")
-    if not takes_head_dims(DA, DB, DV):
-        raise ValueError(f"mla_prefill_triton: head dims must be powers of two >= 16, got {DA}/{DB}/{DV}")
+    _check_prefill_operands(qa, qb, ka, kb, v)
     cfg = config or config_for(DA, DV)
     group = Hq // Hk
     N = cu_q.numel() - 1
-    if out is None:
-        o = torch.empty(T, Hq, DV, dtype=out_dtype, device=qa.device)
-        lse = torch.empty(T, Hq, dtype=torch.float32, device=qa.device)
-    else:
-        o, lse = out
-        if (o.shape != (T, Hq, DV) or o.dtype != out_dtype or lse.shape != (T, Hq) or lse.dtype != torch.float32
-                or not (o.is_contiguous() and lse.is_contiguous())):
-            raise ValueError(f"mla_prefill_triton: out must be contiguous ({T}, {Hq}, {DV}) {out_dtype} and "
-                             f"({T}, {Hq}) float32, got {tuple(o.shape)} {o.dtype} and {tuple(lse.shape)} {lse.dtype}")
+    o, lse = _prefill_outputs(out, T, Hq, DV, out_dtype, qa.device)
     if T == 0 or N == 0:
         return o, lse
     vv = ka if v is None else v
@@ -258,6 +243,35 @@ def mla_prefill_triton(qa: torch.Tensor, qb: torch.Tensor, ka: torch.Tensor, kb:
     return o, lse
 
 
+def _check_prefill_operands(qa, qb, ka, kb, v) -> None:
+    """Head counts that group (kb and v per kv head, or kb shared), unit feature strides, head dims the
+    kernel takes."""
+    Hq, Hk = qa.shape[1], ka.shape[1]
+    DA, DB = qa.shape[-1], qb.shape[-1]
+    DV = DA if v is None else v.shape[-1]
+    if Hq % Hk or kb.shape[1] not in (1, Hk) or (v is not None and v.shape[1] != Hk):
+        raise ValueError(f"mla_prefill_triton: {Hq} query heads need a kv head count dividing them "
+                         f"(ka {Hk}, kb {kb.shape[1]}, v {None if v is None else v.shape[1]})")
+    for name, t in (("qa", qa), ("qb", qb), ("ka", ka), ("kb", kb), ("v", v)):
+        if t is not None and t.stride(-1) != 1:
+            raise ValueError(f"mla_prefill_triton needs unit stride on the feature axis of {name}")
+    if not takes_head_dims(DA, DB, DV):
+        raise ValueError(f"mla_prefill_triton: head dims must be powers of two >= 16, got {DA}/{DB}/{DV}")
+
+
+def _prefill_outputs(out, T: int, Hq: int, DV: int, out_dtype: torch.dtype, device) -> tuple[torch.Tensor, torch.Tensor]:
+    """(o [T, Hq, DV] out_dtype, lse [T, Hq] fp32): new, or the caller's ``out`` checked."""
+    if out is None:
+        return (torch.empty(T, Hq, DV, dtype=out_dtype, device=device),
+                torch.empty(T, Hq, dtype=torch.float32, device=device))
+    o, lse = out
+    if (o.shape != (T, Hq, DV) or o.dtype != out_dtype or lse.shape != (T, Hq) or lse.dtype != torch.float32
+            or not (o.is_contiguous() and lse.is_contiguous())):
+        raise ValueError(f"mla_prefill_triton: out must be contiguous ({T}, {Hq}, {DV}) {out_dtype} and "
+                         f"({T}, {Hq}) float32, got {tuple(o.shape)} {o.dtype} and {tuple(lse.shape)} {lse.dtype}")
+    return o, lse
+
+
 # Split-K limits: at most this many splits, each at least ``KernelTuning.mla_prefill_split_min_tiles`` key
 # tiles, and the fp32 partials at most SPLIT_MAX_BYTES.
 MAX_SPLITS = 16
@@ -268,7 +282,8 @@ def split_count(programs: int, max_key_len: int, out_elems: int, block_n: int, n
     """Splits per key run so that about two waves of programs fill the GPU."""
     if programs >= 2 * num_sms:
         return 1
-    return max(1, min(triton.cdiv(2 * num_sms, programs), max_key_len // (tuning().mla_prefill_split_min_tiles * block_n), MAX_SPLITS,
+    min_tiles = tuning().mla_prefill_split_min_tiles
+    return max(1, min(triton.cdiv(2 * num_sms, programs), max_key_len // (min_tiles * block_n), MAX_SPLITS,
                       SPLIT_MAX_BYTES // (4 * out_elems)))
 
 
