@@ -13,9 +13,9 @@ import kimik3
 
 LIMIT = 25
 ROOT = Path(kimik3.__file__).resolve().parent
-# Functions over the limit that another change is splitting (the engine/ restructure); the list may only shrink.
-KNOWN = {"engine/scheduler.py::Scheduler.schedule_ahead", "engine/llm.py::LLM._engine_prompt",
-         "engine/sampling_params.py::SamplingParams._check_controls"}
+# Functions under engine/ over the limit that the engine restructure is splitting (named by qualified name, wherever
+# engine/ moves them); the list may only shrink.
+KNOWN = {"Scheduler.schedule_ahead", "SamplingParams._check_controls"}
 
 
 def _decisions(node: ast.AST) -> int:
@@ -82,6 +82,6 @@ def test_no_function_over_the_limit():
         rel = path.relative_to(ROOT).as_posix()
         for name, fn in functions(ast.parse(path.read_text(encoding="utf-8"))):
             c = complexity(fn)
-            if c > LIMIT and f"{rel}::{name}" not in KNOWN:
+            if c > LIMIT and not (rel.startswith("engine/") and name in KNOWN):
                 over[f"{rel}::{name}"] = c
     assert not over, f"functions over complexity {LIMIT} (split them into parts named by the decision they make): {over}"

@@ -58,11 +58,10 @@ def _packed(E, N, K, g):
 
 @pytest.mark.parametrize("T", [1, 5, 40], ids=["one-token", "blocks", "grouped"])
 @pytest.mark.parametrize("packed", [False, True], ids=["bf16", "mxfp4"])
-def test_moe_kernels_through_slots_equal_stacked_experts(T, packed, monkeypatch):
+def test_moe_kernels_through_slots_equal_stacked_experts(T, packed, monkeypatch, kernel_options):
     from kimik3.ops.triton import moe as kernels
     if T == 40:                                     # the library paths (prefill) at a small size
-        monkeypatch.setattr(kernels, "GROUPED_MM_ROWS_PER_EXPERT", 4)
-        monkeypatch.setattr(kernels, "MXFP4_GROUPED_MM_ROWS_PER_EXPERT", 4)
+        kernel_options(grouped_mm_rows_per_expert=4, mxfp4_grouped_mm_rows_per_expert=4)
         monkeypatch.setattr(kernels, "_gate_up_kernel", None)            # must not run
     g = gen(7 + T)
     E, L, I, k, R = 8, 64, 32, 3, 13
