@@ -14,7 +14,7 @@
     ``--sweep`` times the sort at 4 and 16 warps and ``_align_kernel`` at 1, 2, 4 and 8. Every variant's outputs must equal the torch path's.
 (c) ``--split``: the MoE layer's routing (logits + routing kernel) with the checkpoint's bf16 gate weight at
     T = 1 .. 256 for the three (D, E): ``route_tokens`` (split-K partials summed by the routing kernel, from
-    ROUTER_SPLIT_MIN_TOKENS) against the unsplit logits (``router_logits``) + ``route``, and the split
+    KernelTuning.router_split_min_tokens) against the unsplit logits (``router_logits``) + ``route``, and the split
     parameters router_split_min_steps x router_split_target_programs (``KernelTuning``) in SPLIT_SWEEP; floor: the weight's bytes. Every
     variant's experts must be a top-k of the float64 routing (``tests/gpu/test_router_align_gpu._routing_ok``).
 Each time is one call's share of a CUDA graph of REPS calls back to back (as in a decode graph).

@@ -6,7 +6,7 @@ the weight format a compile-time parameter, the activation fused into the first 
 combine; no host synchronisation, so decode steps capture into CUDA graphs. MXFP4 experts at decode sizes on
 Hopper take ``kimik3.ops.triton.moe_wgmma`` (the weights as the tensor cores' register operand). Dense bf16 experts with
 many rows per expert (prefill) run as ``torch._grouped_mm`` between the same sort, gating and combine
-(``GROUPED_MM_ROWS_PER_EXPERT``), where the library's tiles are faster. Reference (CPU, and
+(``KernelTuning.grouped_mm_rows_per_expert``), where the library's tiles are faster. Reference (CPU, and
 fp32/fp64 anywhere): a loop over the experts that received tokens (MXFP4: each used expert
 dequantized first).
 
