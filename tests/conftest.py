@@ -51,17 +51,22 @@ def pytest_runtest_logreport(report):
 
 @pytest.fixture
 def kernel_options():
-    """``kernel_options(KernelOptions(...))`` and/or ``kernel_options(field=value, ...)`` (``KernelTuning``
-    fields, on top of the options in force): the rest of the test runs under options it constructed
-    (``kimik3.ops.options.use_kernel_options``), restored when it ends."""
+    """``kernel_options(KernelOptions(...))`` and/or ``kernel_options(field=value, ...)`` (``KernelOptions`` or
+    ``KernelTuning`` fields, on top of the options in force): the rest of the test runs under options it
+    constructed (``kimik3.ops.options.use_kernel_options``), restored when it ends."""
     import contextlib
+    import dataclasses
 
+    from kimik3.ops.options import KernelOptions, use_kernel_options
     from kimik3.ops.options import kernel_options as current
-    from kimik3.ops.options import use_kernel_options
     stack = contextlib.ExitStack()
+    top_fields = {f.name for f in dataclasses.fields(KernelOptions)} - {"tuning"}
 
-    def use(options=None, **tuning):
+    def use(options=None, **changes):
         opts = options or current()
-        return stack.enter_context(use_kernel_options(opts.tuned(**tuning) if tuning else opts))
+        top = {k: v for k, v in changes.items() if k in top_fields}
+        tuning = {k: v for k, v in changes.items() if k not in top_fields}
+        opts = dataclasses.replace(opts, **top).tuned(**tuning)
+        return stack.enter_context(use_kernel_options(opts))
     yield use
     stack.close()

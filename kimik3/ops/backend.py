@@ -11,6 +11,8 @@ import logging
 
 import torch
 
+from kimik3.ops.options import kernel_options
+
 logger = logging.getLogger(__name__)
 
 # Scoped to the current thread/context: a benchmark forcing the reference in one thread does not
@@ -24,8 +26,9 @@ def _announce() -> None:
 
 
 def use_fast_path(t: torch.Tensor) -> bool:
-    """True when ``t`` lives on a CUDA device and the reference is not forced."""
-    fast = t.is_cuda and not _force_reference.get()
+    """True when ``t`` lives on a CUDA device (or on the CPU with ``KernelOptions.cpu_kernels``) and the
+    reference is not forced."""
+    fast = (t.is_cuda or kernel_options().cpu_kernels) and not _force_reference.get()
     if fast:
         _announce()
     return fast

@@ -133,12 +133,15 @@ class KernelOptions:
     ``scripts/build_flash_mla.sh`` / ``build_flash_kda.sh`` (None: our Triton MLA decode / fla-core's KDA
     prefill). ``pdl``: launch our Triton kernels with programmatic dependent launch on Hopper and later
     (``triton/common.py``); ``prefetch``: the L2 prefetch ahead of the PDL wait (H100, 0a2ea22: the batch-1
-    steps 1.3% (Kimi-Linear slice) and 0.6% (K3 slice) faster)."""
+    steps 1.3% (Kimi-Linear slice) and 0.6% (K3 slice) faster). ``cpu_kernels``: the fast paths take CPU
+    tensors too, their Triton kernels running in Triton's interpreter (``TRITON_INTERPRET=1`` before the kernels
+    are built): how the CPU tests run the kernels and their dispatch; never the default."""
 
     flash_mla: str | None = None
     flash_kda: str | None = None
     pdl: bool = True
     prefetch: bool = True
+    cpu_kernels: bool = False
     tuning: KernelTuning = field(default_factory=KernelTuning)
 
     def tuned(self, **changes) -> KernelOptions:

@@ -232,7 +232,7 @@ def test_prefill_op_on_the_kernel_path_matches_the_math(form, sms, monkeypatch, 
     """The CUDA branch of the op (pieces, varlen gather, kernel, merge) run on CPU tensors; with
     64 "SMs" the kernel splits each piece's keys (3 tiles of 16) over programs."""
     kernel_options(mla_prefill_block=48)
-    monkeypatch.setattr(mla, "use_fast_path", lambda t: True)
+    kernel_options(cpu_kernels=True)                                     # the kernels on CPU tensors
     from kimik3.ops.triton import mla_prefill
     monkeypatch.setattr(mla_prefill, "config_for", lambda da, dv: mla_prefill.PrefillConfig(16, 16, 4, 2))
     monkeypatch.setattr(mla_prefill, "_num_sms", lambda device: sms)

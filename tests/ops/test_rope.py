@@ -7,7 +7,7 @@ import math
 import pytest
 import torch
 
-from kimik3.ops import rope
+from kimik3.ops.backend import reference_ops
 from kimik3.ops.rope import rotate_pairs
 
 F64 = torch.float64
@@ -40,8 +40,8 @@ def test_reference_in_float64_matches_the_math():
 
 @pytest.mark.parametrize("dtype", [torch.bfloat16, torch.float32], ids=["bf16", "fp32"])
 @pytest.mark.parametrize("L,H,dh", [(1, 2, 8), (37, 3, 24), (9, 2, 128)])
-def test_kernel_matches_the_math(L, H, dh, dtype, monkeypatch):
-    monkeypatch.setattr(rope, "use_fast_kernel", lambda *a: True)
+def test_kernel_matches_the_math(L, H, dh, dtype, kernel_options):
+    kernel_options(cpu_kernels=True)                                     # the kernel on CPU tensors
     x, angles = _qkv(L, H, dh, dtype, L + dh)
     cos, sin = angles.cos().float(), angles.sin().float()
     out = rotate_pairs(x, cos, sin)
@@ -52,8 +52,8 @@ def test_kernel_matches_the_math(L, H, dh, dtype, monkeypatch):
     tol = 2 ** -7 if dtype == torch.bfloat16 else 1e-6
     assert (_pair_err(out, ref) / _pair_len(x)).max() < tol
     # the reference path, also in float32: the two differ by at most one rounding of the output
-    monkeypatch.setattr(rope, "use_fast_kernel", lambda *a: False)
-    assert (_pair_err(out, rotate_pairs(x, cos, sin)) / _pair_len(x)).max() < tol
+    with reference_ops():
+        assert (_pair_err(out, rotate_pairs(x, cos, sin)) / _pair_len(x)).max() < tol
 
 
 def _pair_len(x):

@@ -747,14 +747,12 @@ def _mix_norm_float64(sources, gamma, proj, eps, consumer, fp32_weight):
 
 @pytest.mark.parametrize("fp32_weight", [True, False], ids=["vllm_fused", "official"])
 @pytest.mark.parametrize("n", [1, 2, 5, 9])
-def test_attn_res_mix_norm_kernel_path_matches_float64(n, fp32_weight, monkeypatch):
+def test_attn_res_mix_norm_kernel_path_matches_float64(n, fp32_weight, monkeypatch, kernel_options):
     """The sub-layer input in one kernel (the norm in the mix's epilogue) on CPU tensors, against the math;
     one source takes the plain norm; the kernel must be the one that ran."""
     from kimik3.ops import attn_res
-    from kimik3.ops import norm as norm_ops
     from kimik3.ops.triton import attn_res as kernel
-    monkeypatch.setattr(attn_res, "use_fast_path", lambda t: True)
-    monkeypatch.setattr(norm_ops, "use_fast_kernel", lambda *a: True)
+    kernel_options(cpu_kernels=True)                                     # the kernels on CPU tensors
     calls = []
     real = kernel.attn_res_mix_triton
     monkeypatch.setattr(kernel, "attn_res_mix_triton", lambda *a, **k: calls.append(a[4]) or real(*a, **k))
@@ -850,14 +848,14 @@ def test_rms_norm_kernel_adds_two_residuals(rows, D):
         rms_norm_triton(x, w, 1e-5, KIMI, BF16, residual2=r2)
 
 
-def test_rms_norm_ops_take_the_kernel_on_the_fast_path(monkeypatch):
+def test_rms_norm_ops_take_the_kernel_on_the_fast_path(monkeypatch, kernel_options):
     """rms_norm / rms_norm_fp32_weight / gated_rms_norm route CUDA-class tensors to the kernel (the
     dispatch is checked here by pretending the fast path is on; float64 stays on the reference)."""
-    from kimik3.ops import backend, norm
+    from kimik3.ops import norm
     from kimik3.ops.triton import norm as kernel
     calls = []
     real = kernel.rms_norm_triton
-    monkeypatch.setattr(backend, "use_fast_path", lambda t: True)
+    kernel_options(cpu_kernels=True)                                     # the kernels on CPU tensors
     monkeypatch.setattr(kernel, "rms_norm_triton", lambda *a, **k: calls.append(a[3]) or real(*a, **k))
     g = gen(11)                          # seeded: the global RNG's state depends on which tests ran before
     x, w, gate = (torch.randn(4, 64, generator=g).to(BF16), torch.randn(64, generator=g),
@@ -896,12 +894,12 @@ def test_glu_kernel_matches_float64(act, rows, I):
     assert ((got.double() - want).abs() <= 2 ** -7 * want.abs() + 1e-6).all()
 
 
-def test_glu_ops_take_the_kernel_on_the_fast_path(monkeypatch):
-    from kimik3.ops import activation, backend
+def test_glu_ops_take_the_kernel_on_the_fast_path(monkeypatch, kernel_options):
+    from kimik3.ops import activation
     from kimik3.ops.triton import activation as kernel
     calls = []
     real = kernel.glu_triton
-    monkeypatch.setattr(backend, "use_fast_path", lambda t: True)
+    kernel_options(cpu_kernels=True)                                     # the kernels on CPU tensors
     monkeypatch.setattr(kernel, "glu_triton", lambda *a, **k: calls.append(a[2]) or real(*a, **k))
     gate, up = torch.randn(3, 40).to(BF16), torch.randn(3, 40).to(BF16)
     ref = activation.situ_and_mul(gate.double(), up.double(), 2.0, 3.0)

@@ -112,7 +112,7 @@ def test_router_logits_takes_the_gemm_kernel_for_long_steps(monkeypatch, kernel_
     from kimik3.ops.triton import router as kernel
     calls = []
     real = kernel.router_logits_gemm_triton
-    monkeypatch.setattr(router, "use_fast_path", lambda t: True)
+    kernel_options(cpu_kernels=True)                                 # the kernels on CPU tensors
     kernel_options(router_logits_max_tokens=2)
     kernel_options(router_logits_simt_max_logits=2 * 16)
     kernel_options(router_logits_gemm_min_logits=9 * 16)       # 16 experts: from 9 tokens
@@ -143,7 +143,7 @@ def test_router_logits_takes_the_kernel_on_the_fast_path(monkeypatch, kernel_opt
     from kimik3.ops.triton import router as kernel
     calls = []
     real = kernel.router_logits_triton
-    monkeypatch.setattr(router, "use_fast_path", lambda t: True)
+    kernel_options(cpu_kernels=True)                                 # the kernels on CPU tensors
     kernel_options(router_logits_max_tokens=8)
     kernel_options(router_logits_max_tokens_large=2)
     kernel_options(router_logits_simt_max_logits=8 * 16)
@@ -301,7 +301,7 @@ def test_a_step_and_its_padded_graph_route_alike():
 
 @pytest.mark.parametrize("E,k,groups,topk_group,D", [(64, 16, 1, 1, 1032), (256, 8, 1, 1, 1160),
                                                      (32, 4, 4, 2, 1032)], ids=["k3_like", "kimi_linear", "grouped"])
-def test_route_tokens_matches_float64_routing(E, k, groups, topk_group, D, monkeypatch):
+def test_route_tokens_matches_float64_routing(E, k, groups, topk_group, D, monkeypatch, kernel_options):
     """``route_tokens`` on the split-K path (the fast path pretended on, as on CUDA) against the routing
     math in float64 from the float64 logits: the same experts in the same order, weights within fp32
     rounding; below ``KernelTuning.router_split_min_tokens`` it takes the unsplit logits, with the same result."""
@@ -310,7 +310,7 @@ def test_route_tokens_matches_float64_routing(E, k, groups, topk_group, D, monke
     calls = []
     real = kernel.router_logit_partials
     monkeypatch.setattr(kernel, "router_logit_partials", lambda x, w: calls.append(x.shape[0]) or real(x, w))
-    monkeypatch.setattr(router, "use_fast_path", lambda t: True)
+    kernel_options(cpu_kernels=True)                                 # the kernels on CPU tensors
     g = torch.Generator().manual_seed(E + D)
     w = (torch.randn(E, D, generator=g) * D ** -0.5).to(torch.bfloat16)
     bias = torch.randn(E, generator=g) * 0.1
