@@ -10,7 +10,7 @@ from pathlib import Path
 import torch
 from tqdm import tqdm
 
-from kimik3.config import load_config
+from kimik3.config import ModelConfig, load_config
 from kimik3.distributed import ParallelContext, PipelineContext
 from kimik3.loader.fp8 import BlockFp8Checkpoint, check_quantization, quantize_fp8
 from kimik3.loader.safetensors_files import CheckpointError, checkpoint_files, file_size_ok, iter_slices
@@ -63,104 +63,27 @@ def load_model(path: str | Path, device: str | torch.device = "cpu", dtype: torc
     """
     parallel = parallel or ParallelContext()
     path = Path(path)
-    if not path.is_dir():
-        raise CheckpointError(f"checkpoint directory {path} does not exist")
-    check_quantization(quantization)                  # an unknown method fails before anything is read
-    if dtype not in _DTYPES:
-        raise ValueError(f"dtype must be one of {sorted(str(d) for d in _DTYPES)}, got {dtype}")
-    config = load_config(path, **switches)
-    if language_model_only and config.vision is not None:
-        config = dataclasses.replace(config, vision=None)
-        logger.info("language_model_only: the vision tower is not loaded")
+    config = _checked_config(path, dtype, quantization, language_model_only, switches)
     block_fp8 = _block_fp8(config, parallel)
     files = checkpoint_files(path)
     for f in files:
         file_size_ok(f)
-    with torch.device("meta"):
-        model = KimiForCausalLM(config, parallel, pipeline)
-    model.cast(dtype)
     if packed_experts is None:
-        packed_experts = (torch.device(device).type == "cuda" and dtype == torch.bfloat16
-                          and config.text.expert_quantization == "mxfp4")
-    if packed_experts:
-        for module in model.modules():
-            if isinstance(module, Experts):
-                module.use_mxfp4_storage()
-        logger.info("routed experts kept in MXFP4 (packed uint8 + E8M0 scales)")
+        packed_experts = _packs_experts_by_default(config, device, dtype)
+    model = _meta_model(config, parallel, pipeline, dtype, packed_experts)
     offload = _materialize(model, device, expert_offload)
     if parallel.eplb:
         model.place_experts(expert_loads)
-    expected = model.expected_weights()
-    shards = model.shard_table()
-    loaded: set[str] = set()
-    pending: dict[str, dict[str, torch.Tensor]] = {}   # MXFP4 halves waiting for their partner
-    skipped = other_ranks = mtp = 0
+    placer = _Placer(model, config, torch.device(device), packed_experts, model.shard_table(), block_fp8)
     bar = tqdm(total=sum(f.stat().st_size for f in files), desc=f"loading {path.name}", unit="B", unit_scale=True,
                unit_divisor=1024, disable=not progress or parallel.tp_rank != 0)
     for file in files:
         for raw_name, read in iter_slices(file):
-            name = _text_name(raw_name, config.architecture, config.vision is not None)
-            if name is None:
-                skipped += 1
-                continue
-            if _is_mtp_layer(name, config.text):
-                mtp += 1              # a draft's (loader/drafts.py, load_mtp), as vLLM's main model skips them
-                continue
-            if (layer := _LAYER.match(name)) and not model.pipeline.holds(int(layer[1])):
-                other_ranks += 1      # another pipeline stage's layer: never read
-                continue
-            m = _PACKED.match(name)
-            e = EXPERT_WEIGHT.match(m[1] + ".weight" if m else name)
-            if e:
-                experts = _experts_of(model, e[1], name)
-                if not experts.holds(int(e[2])):
-                    other_ranks += 1          # another EP rank's expert: never read
-                    continue
-                rule, narrow_after = _expert_rule(experts, e[3], m[2] if m else None, packed_experts, raw_name)
-                tensor, dest = read(rule), experts.w13.device          # host memory when offloaded
-            else:
-                narrow_after = None
-                tensor, dest = read(shards.get(name)), device
-            if block_fp8 is not None and block_fp8.holds(name, tensor):
-                done = block_fp8.take(name, tensor, f"{raw_name} in {file.name}")   # a pair dequantised, or None
-                if done is None:
-                    continue
-                name, tensor = done
-            if m:
-                halves = pending.setdefault(m[1], {})
-                halves[m[2]] = tensor
-                if len(halves) < 2:
-                    continue
-                del pending[m[1]]
-                name = m[1] + ".weight"
-                if packed_experts and e:
-                    if name in loaded:
-                        raise CheckpointError(f"tensor '{raw_name}' appears twice (second time in {file})")
-                    experts.load_expert_mxfp4(int(e[2]), e[3], halves["packed"].to(dest), halves["scale"].to(dest),
-                                              f"{raw_name} in {file.name}")
-                    loaded.add(name)
-                    continue
-                tensor = mxfp4.dequantize(halves["packed"], halves["scale"], torch.float32, name=f"{raw_name} in {file.name}")
-            if narrow_after is not None:
-                dim, rank, size = narrow_after
-                n = tensor.shape[dim] // size
-                tensor = tensor.narrow(dim, rank * n, n)
-            if name in loaded:
-                raise CheckpointError(f"tensor '{raw_name}' appears twice (second time in {file})")
-            model.load_weight(name, tensor.to(dest), source=str(file))
-            loaded.add(name)
+            placer.take(raw_name, read, file)
         bar.update(file.stat().st_size)
     bar.close()
-    if pending:
-        base = next(iter(pending))
-        have = next(iter(pending[base]))
-        raise CheckpointError(f"MXFP4 tensor '{base}.weight_{have}' has no matching "
-                              f"'{base}.weight_{'scale' if have == 'packed' else 'packed'}' in {path}")
-    missing = sorted(expected - loaded)
-    if missing:
-        more = f" (+{len(missing) - 5} more)" if len(missing) > 5 else ""
-        raise CheckpointError(f"checkpoint {path} is missing {len(missing)} tensor(s): {', '.join(missing[:5])}{more}")
-    _log_left_out(skipped, mtp, other_ranks, config, parallel)
+    placer.check_complete(path, model.expected_weights())
+    _log_left_out(placer.skipped, placer.mtp, placer.other_ranks, config, parallel)
     if block_fp8 is not None:
         block_fp8.check_complete()
         block_fp8.install(model)
@@ -170,6 +93,136 @@ def load_model(path: str | Path, device: str | torch.device = "cpu", dtype: torc
         quantize_fp8(model)
     model.eval()
     return model
+
+
+def _checked_config(path: Path, dtype: torch.dtype, quantization: str | None, language_model_only: bool,
+                    switches: dict) -> ModelConfig:
+    """The checkpoint's config (with the numeric ``switches``; without the vision tower when
+    ``language_model_only``), after the directory, quantization and dtype are checked (before anything is read)."""
+    if not path.is_dir():
+        raise CheckpointError(f"checkpoint directory {path} does not exist")
+    check_quantization(quantization)                  # an unknown method fails before anything is read
+    if dtype not in _DTYPES:
+        raise ValueError(f"dtype must be one of {sorted(str(d) for d in _DTYPES)}, got {dtype}")
+    config = load_config(path, **switches)
+    if language_model_only and config.vision is not None:
+        config = dataclasses.replace(config, vision=None)
+        logger.info("language_model_only: the vision tower is not loaded")
+    return config
+
+
+def _packs_experts_by_default(config: ModelConfig, device: str | torch.device, dtype: torch.dtype) -> bool:
+    """MXFP4 routed experts stay packed for a bfloat16 model on CUDA (the kernels dequantize on the fly)."""
+    return (torch.device(device).type == "cuda" and dtype == torch.bfloat16
+            and config.text.expert_quantization == "mxfp4")
+
+
+def _meta_model(config: ModelConfig, parallel: ParallelContext, pipeline, dtype: torch.dtype, packed_experts: bool
+                ) -> KimiForCausalLM:
+    """The model built on the meta device and cast, its experts switched to packed storage when asked."""
+    with torch.device("meta"):
+        model = KimiForCausalLM(config, parallel, pipeline)
+    model.cast(dtype)
+    if packed_experts:
+        for module in model.modules():
+            if isinstance(module, Experts):
+                module.use_mxfp4_storage()
+        logger.info("routed experts kept in MXFP4 (packed uint8 + E8M0 scales)")
+    return model
+
+
+class _Placer:
+    """Places a checkpoint's tensors into the model one by one: renames them, leaves out what this model, stage
+    or rank does not hold (counted), reads each TP / EP shard alone, pairs MXFP4 halves (kept packed or
+    dequantized) and block-FP8 weights with their scales, puts routed experts where their storage lives (host
+    memory when offloaded), and refuses a tensor named twice."""
+
+    def __init__(self, model: KimiForCausalLM, config: ModelConfig, device: torch.device, packed_experts: bool,
+                 shards: dict, block_fp8):
+        self.model, self.config, self.device = model, config, device
+        self.packed_experts, self.shards, self.block_fp8 = packed_experts, shards, block_fp8
+        self.loaded: set[str] = set()
+        self.pending: dict[str, dict[str, torch.Tensor]] = {}   # MXFP4 halves waiting for their partner
+        self.skipped = self.other_ranks = self.mtp = 0
+
+    def _left_out(self, name: str | None) -> bool:
+        """Count and skip a tensor this model does not hold: vision without a tower, the MTP layers (a draft's,
+        loader/drafts.py, as vLLM's main model skips them), another pipeline stage's layer."""
+        if name is None:
+            self.skipped += 1
+        elif _is_mtp_layer(name, self.config.text):
+            self.mtp += 1
+        elif (layer := _LAYER.match(name)) and not self.model.pipeline.holds(int(layer[1])):
+            self.other_ranks += 1
+        else:
+            return False
+        return True
+
+    def take(self, raw_name: str, read, file: Path) -> None:
+        name = _text_name(raw_name, self.config.architecture, self.config.vision is not None)
+        if self._left_out(name):
+            return
+        m = _PACKED.match(name)
+        e = EXPERT_WEIGHT.match(m[1] + ".weight" if m else name)
+        narrow_after, dest = None, self.device
+        if e:
+            experts = _experts_of(self.model, e[1], name)
+            if not experts.holds(int(e[2])):
+                self.other_ranks += 1          # another EP rank's expert: never read
+                return
+            rule, narrow_after = _expert_rule(experts, e[3], m[2] if m else None, self.packed_experts, raw_name)
+            tensor, dest = read(rule), experts.w13.device          # host memory when offloaded
+        else:
+            tensor = read(self.shards.get(name))
+        if self.block_fp8 is not None and self.block_fp8.holds(name, tensor):
+            done = self.block_fp8.take(name, tensor, f"{raw_name} in {file.name}")   # a pair dequantised, or None
+            if done is None:
+                return
+            name, tensor = done
+        if m:
+            halves = self._pair(m[1], m[2], tensor)
+            if halves is None:
+                return
+            name = m[1] + ".weight"
+            if self.packed_experts and e:
+                self._claim(name, raw_name, file)
+                experts.load_expert_mxfp4(int(e[2]), e[3], halves["packed"].to(dest), halves["scale"].to(dest),
+                                          f"{raw_name} in {file.name}")
+                return
+            tensor = mxfp4.dequantize(halves["packed"], halves["scale"], torch.float32, name=f"{raw_name} in {file.name}")
+        if narrow_after is not None:
+            dim, rank, size = narrow_after
+            n = tensor.shape[dim] // size
+            tensor = tensor.narrow(dim, rank * n, n)
+        self._claim(name, raw_name, file)
+        self.model.load_weight(name, tensor.to(dest), source=str(file))
+
+    def _pair(self, base: str, half: str, tensor: torch.Tensor) -> dict[str, torch.Tensor] | None:
+        """Both MXFP4 halves of ``base`` once the second arrives, else None (kept waiting)."""
+        halves = self.pending.setdefault(base, {})
+        halves[half] = tensor
+        if len(halves) < 2:
+            return None
+        del self.pending[base]
+        return halves
+
+    def _claim(self, name: str, raw_name: str, file: Path) -> None:
+        if name in self.loaded:
+            raise CheckpointError(f"tensor '{raw_name}' appears twice (second time in {file})")
+        self.loaded.add(name)
+
+    def check_complete(self, path: Path, expected: set[str]) -> None:
+        """Every MXFP4 half found its partner and every tensor the model expects was placed."""
+        if self.pending:
+            base = next(iter(self.pending))
+            have = next(iter(self.pending[base]))
+            raise CheckpointError(f"MXFP4 tensor '{base}.weight_{have}' has no matching "
+                                  f"'{base}.weight_{'scale' if have == 'packed' else 'packed'}' in {path}")
+        missing = sorted(expected - self.loaded)
+        if missing:
+            more = f" (+{len(missing) - 5} more)" if len(missing) > 5 else ""
+            raise CheckpointError(f"checkpoint {path} is missing {len(missing)} tensor(s): "
+                                  f"{', '.join(missing[:5])}{more}")
 
 
 def _block_fp8(config, parallel: ParallelContext) -> BlockFp8Checkpoint | None:
