@@ -8,6 +8,9 @@ one tensor per stored weight: w13, w2 and, MXFP4, their scales):
 * rows ``[n S, n S + M)``: a staging area shared by the n MoE layers, M = E - S rows: one for each expert
   layer l does not cache (layers run one after another, so they can share it).
 
+M = ceil(cpu_offload_bytes / (n x one expert's bytes)): the budget is rounded up to whole experts a layer, and
+the GPU holds (n S + M) experts, the staging area included.
+
 ``slots`` [n, E] maps each layer's expert ids to pool rows (cached: its cache row; else: its staging
 row), so a layer's experts run through the usual kernels with ``slots`` (``kimik3.ops.moe``): the
 assignments are sorted by expert id as always and only the weight rows are looked up, hence the same
