@@ -21,7 +21,7 @@ MOE_MODES = ("tep", "a2a", "agrs")
 MOE_TAILS = ("auto", "concat", "sliced")
 # Token count above which the latent-MoE tail switches from (a) one all-reduce over
 # [latent | shared] to (b) the column-sliced up-projection folded into the shared reduce.
-# 2xH200, K3 widths, eager (benchmarks/RESULTS.md "Multi-GPU"): (a) faster up to 1024 tokens
+# 2xH200, K3 widths, eager (benchmarks/history/01-2026-11-30.md "Multi-GPU"): (a) faster up to 1024 tokens
 # (0.43 vs 0.46 ms), (b) from 2048 on (0.53 vs 0.58 ms; 1.58 vs 1.88 ms at 8192).
 SLICED_TAIL_MIN_TOKENS = 1024
 

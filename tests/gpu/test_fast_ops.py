@@ -627,7 +627,7 @@ def test_mla_decode_compiles_few_variants_as_contexts_grow():
 
 def test_kernels_behind_served_compile_stalls_compile_once_per_tile_shape():
     """A served step can have any size, and the kernels whose compiles stalled served passes
-    (benchmarks/RESULTS.md, sixth session) now compile once per tile shape, exact each time: the
+    (benchmarks/history/07-2026-12-01.md, sixth session) now compile once per tile shape, exact each time: the
     KDA q/k L2 norm for every row count; the expert alignment for every row count whose tile
     bounds (next powers of two of the rows and the padded capacity) agree; the split-K merge of
     MLA prefill for every split count."""
