@@ -191,6 +191,14 @@ def test_no_import_cycle_between_the_parts_of_any_package(graph):
     assert found == {}
 
 
+def test_no_module_imports_from_its_own_package_init():
+    """A module takes a name from the submodule that defines it, never from the __init__ of a package it lies in
+    (whose imports it would run first, the start of a cycle)."""
+    files = sorted(ROOT.rglob("*.py"))
+    modules = {module_name(p) for p in files}
+    assert [line for p in files for line in imports_from_own_init(p, modules)] == []
+
+
 def test_no_lower_layer_imports_a_higher_one(graph):
     assert upward_imports(graph) == []
 

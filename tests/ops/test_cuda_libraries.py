@@ -119,7 +119,7 @@ def test_flash_kda_says_why_it_passes_a_call_over(lower_bound, dtype, dim, reaso
 
 
 def test_a_named_library_passed_over_is_said_once(caplog):
-    from kimik3.ops.cuda import passed_over
+    from kimik3.ops.cuda.loading import passed_over
     with caplog.at_level("WARNING"):
         for _ in range(3):
             passed_over("KIMIK3_TEST_LIBRARY", "a reason only this test gives", "our kernels run")

@@ -16,7 +16,7 @@ import ctypes
 
 import torch
 
-from kimik3.ops.cuda import library, passed_over
+from kimik3.ops.cuda.loading import library, passed_over
 from kimik3.ops.options import kernel_options
 
 ENV = "KIMIK3_FLASH_KDA"        # the fallback of --flash-kda, read by engine/args.py alone

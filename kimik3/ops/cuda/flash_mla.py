@@ -18,7 +18,7 @@ from dataclasses import dataclass
 
 import torch
 
-from kimik3.ops.cuda import library, passed_over
+from kimik3.ops.cuda.loading import library, passed_over
 from kimik3.ops.options import kernel_options
 
 ENV = "KIMIK3_FLASH_MLA"        # the fallback of --flash-mla, read by engine/args.py alone
