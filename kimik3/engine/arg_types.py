@@ -10,7 +10,14 @@ import re
 from pathlib import Path
 from typing import Any
 
+import torch
+
 logger = logging.getLogger(__name__)
+
+# vLLM's --dtype names (plus float64, kimik3's exact-reference dtype).
+DTYPES: dict[str, torch.dtype | None] = {"auto": None, "half": torch.float16, "float16": torch.float16,
+                                        "bfloat16": torch.bfloat16, "float": torch.float32,
+                                        "float32": torch.float32, "float64": torch.float64}
 
 # generation_config.json keys used as default sampling settings, and their SamplingParams names (vLLM's map).
 GENERATION_KEYS = {"temperature": "temperature", "top_p": "top_p", "top_k": "top_k", "min_p": "min_p",

@@ -25,7 +25,7 @@ from typing import Any
 import torch
 
 from kimik3.distributed import MOE_MODES
-from kimik3.engine.arg_types import check_mm_limits, check_speculative_config, fraction, human_readable_int, \
+from kimik3.engine.arg_types import DTYPES, check_mm_limits, check_speculative_config, fraction, human_readable_int, \
     mm_limits_arg, non_negative_gib, non_negative_int, positive_int, positive_seconds, positive_size, \
     read_generation_config, speculative_config_arg
 from kimik3.model.batch import KV_CACHE_DTYPES
@@ -36,10 +36,7 @@ from kimik3.ops.options import KernelOptions
 
 logger = logging.getLogger(__name__)
 
-# vLLM's --dtype names (plus float64, kimik3's exact-reference dtype).
-DTYPES: dict[str, torch.dtype | None] = {"auto": None, "half": torch.float16, "float16": torch.float16,
-                                        "bfloat16": torch.bfloat16, "float": torch.float32,
-                                        "float32": torch.float32, "float64": torch.float64}
+
 def _opt(help: str, **kw) -> Any:
     """A dataclass field that carries its flag's help text (and argparse options)."""
     default = kw.pop("default")
