@@ -23,6 +23,10 @@ class CLIError(Exception):
 
 
 class _Parser(argparse.ArgumentParser):
+    def __init__(self, *args, **kwargs):
+        kwargs.setdefault("allow_abbrev", False)      # --max-token is not --max-tokens
+        super().__init__(*args, **kwargs)
+
     def error(self, message: str) -> None:          # one line instead of usage + message
         self.exit(2, f"kimik3: error: {message} (see 'kimik3 {self.prog.split()[-1]} --help')\n"
                   if " " in self.prog else f"kimik3: error: {message}\n")

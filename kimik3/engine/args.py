@@ -36,6 +36,9 @@ from kimik3.ops.options import KernelOptions
 
 logger = logging.getLogger(__name__)
 
+LOAD_FORMATS = ("auto", "safetensors", "fastsafetensors")
+MOE_BACKENDS = ("auto", "triton")
+
 
 def _opt(help: str, **kw) -> Any:
     """A dataclass field that carries its flag's help text (and argparse options)."""
@@ -165,6 +168,23 @@ class EngineArgs:
                             "unless KIMIK3_PDL=0)", default=None)
     prefetch: bool | None = _opt("L2 prefetch of weight / state rows ahead of the PDL wait (default: on, unless "
                                  "KIMIK3_PREFETCH=0)", default=None)
+    # vLLM's flags that name what kimik3 always does (accepted no-ops, with the reason) or a limit it applies
+    load_format: str = _opt(
+        "weights format: auto, safetensors or fastsafetensors; all three read the checkpoint's safetensors with "
+        "kimik3's loader (fastsafetensors is vLLM's faster reader of the same files: the same weights), other "
+        "formats are refused (default: auto)", default="auto", choices=list(LOAD_FORMATS))
+    moe_backend: str = _opt(
+        "routed-expert kernels: auto or triton, kimik3's own Triton/Gluon expert kernels (the only backend it "
+        "has); vLLM's other backends are refused (default: auto)", default="auto", choices=list(MOE_BACKENDS))
+    max_cudagraph_capture_size: int | None = _opt(
+        "largest decode batch captured in a CUDA graph; larger batches run eagerly (default: --max-num-seqs)",
+        default=None, type=positive_size)
+    disable_custom_all_reduce: bool = _opt(
+        "accepted for the K3 recipe; a no-op: kimik3's tensor parallelism always reduces through NCCL (it has no "
+        "custom all-reduce) (default: off)", default=False)
+    enable_chunked_prefill: bool | None = _opt(
+        "accepted; prefill is always chunked by --max-num-batched-tokens, so --no-enable-chunked-prefill is "
+        "refused (default: on)", default=None)
 
     def __post_init__(self) -> None:
         if isinstance(self.dtype, str) and self.dtype not in DTYPES:
@@ -194,6 +214,19 @@ class EngineArgs:
         if isinstance(self.cpu_offload_gb, bool) or not isinstance(self.cpu_offload_gb, (int, float)) \
                 or not 0 <= self.cpu_offload_gb < float("inf"):
             raise ValueError(f"cpu_offload_gb must be a number of GiB >= 0, got {self.cpu_offload_gb!r}")
+        if self.load_format not in LOAD_FORMATS:
+            raise ValueError(f"load_format {self.load_format!r} is not supported: kimik3 reads safetensors "
+                             f"checkpoints; use one of {list(LOAD_FORMATS)}")
+        if self.moe_backend not in MOE_BACKENDS:
+            raise ValueError(f"moe_backend {self.moe_backend!r} is not available: kimik3 runs its own Triton expert "
+                             f"kernels; use one of {list(MOE_BACKENDS)}")
+        if self.enable_chunked_prefill is False:
+            raise ValueError("enable_chunked_prefill=False is not supported: kimik3 always chunks long prompts by "
+                             "max_num_batched_tokens (raise that to prefill a prompt in one step)")
+        if self.max_cudagraph_capture_size is not None and (
+                not isinstance(self.max_cudagraph_capture_size, int) or self.max_cudagraph_capture_size < 1):
+            raise ValueError(f"max_cudagraph_capture_size must be a positive integer, got "
+                             f"{self.max_cudagraph_capture_size!r}")
         if self.expert_parallel_mode not in MOE_MODES:
             raise ValueError(f"expert_parallel_mode must be one of {MOE_MODES}, got {self.expert_parallel_mode!r}")
 
@@ -328,6 +361,7 @@ class EngineArgs:
                             cache_memory_bytes=self.kv_cache_memory_bytes,
                             gpu_memory_utilization=float(self.gpu_memory_utilization), seed=self.seed,
                             enforce_eager=self.resolve_enforce_eager(), max_logprobs=self.max_logprobs,
+                            max_cudagraph_capture_size=self.max_cudagraph_capture_size,
                             **self.speculative_settings(),
                             grammar_compile_timeout=float(self.grammar_compile_timeout),
                             grammar_compile_memory=self.grammar_compile_memory,

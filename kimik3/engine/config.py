@@ -28,6 +28,13 @@ class EngineConfig:
     grammar_compile_timeout: float = 5.0    # seconds a constraint may take to compile (worker process; structured.py)
     grammar_compile_memory: int = 2 << 30   # bytes its compiler process may grow by
     async_scheduling: bool = False          # schedule and launch decode step N + 1 before step N's tokens reach the host
+    max_cudagraph_capture_size: int | None = None   # largest decode batch captured (None: max_num_seqs)
+
+    @property
+    def graph_max_seqs(self) -> int:
+        """The largest batch the decode graphs hold (larger batches run eagerly)."""
+        cap = self.max_cudagraph_capture_size
+        return self.max_num_seqs if cap is None else min(cap, self.max_num_seqs)
 
     def __post_init__(self) -> None:
         for name in ("max_num_seqs", "max_num_batched_tokens", "max_model_len", "block_size"):

@@ -40,6 +40,7 @@ from kimik3.serve.limits import BodyLimits, check_request_limits
 from kimik3.serve.protocol import APIError, ChatCompletionRequest, CompletionRequest, bad_request, error_body
 from kimik3.serve.responses import ChatFormatter, CompletionFormatter
 from kimik3.serve.routes import add_routes
+from kimik3.serve.stats_log import log_stats
 from kimik3.serve.structured import request_constraint
 
 logger = logging.getLogger(__name__)
@@ -95,6 +96,13 @@ class _Guard:
             self.state.metrics.request(route, str(status["code"]))
 
 
+def _continuous_usage(req) -> bool:
+    so = req.stream_options
+    if so is not None and so.continuous_usage_stats and not req.stream:
+        raise bad_request("stream_options.continuous_usage_stats needs stream=true", "stream_options")
+    return bool(so and so.continuous_usage_stats)
+
+
 def create_app(engine: LLMEngine, options: ServeOptions) -> FastAPI:
     """The FastAPI app serving ``engine``. The engine loop starts with the app's lifespan."""
     state = ServerState(engine, options)
@@ -107,9 +115,14 @@ def create_app(engine: LLMEngine, options: ServeOptions) -> FastAPI:
         gc.collect()
         gc.freeze()
         state.loop.start(asyncio.get_running_loop())
+        stats = None
+        if options.log_stats_interval is not None:
+            stats = asyncio.create_task(log_stats(state.loop, options.log_stats_interval))
         try:
             yield
         finally:
+            if stats is not None:
+                stats.cancel()
             await state.drain()
             await asyncio.get_running_loop().run_in_executor(None, state.loop.stop)
             state.pool.shutdown(wait=False, cancel_futures=True)
@@ -183,8 +196,9 @@ def create_app(engine: LLMEngine, options: ServeOptions) -> FastAPI:
         include_usage = bool(req.stream_options and req.stream_options.include_usage)
         fmt = ChatFormatter(f"chatcmpl-{uuid.uuid4().hex}", name, prompt, req.n, logprobs, tok,
                             include_usage and req.stream)
+        fmt.service_tier = req.service_tier
         return await run_job(state, request, [PromptInput(prompt.token_ids, prompt.images)], params, fmt, req.stream,
-                          include_usage)
+                          include_usage, _continuous_usage(req))
 
     @app.post("/v1/completions")
     async def completions(request: Request):
@@ -209,8 +223,9 @@ def create_app(engine: LLMEngine, options: ServeOptions) -> FastAPI:
         fmt = CompletionFormatter(f"cmpl-{uuid.uuid4().hex}", name, n_choices, req.logprobs, state.tokenizer,
                                   include_usage and req.stream,
                                   [e for e in echo for _ in range(req.n)] if req.echo else None)
+        fmt.service_tier = req.service_tier
         return await run_job(state, request, [PromptInput(ids) for ids in prompts_ids], params, fmt, req.stream,
-                          include_usage)
+                          include_usage, _continuous_usage(req))
 
     add_routes(app, state)       # /tokenize, /detokenize, /version, /ping, /v1/responses
     # last added runs first: CORS (preflights answered), then the API key, then the body limits

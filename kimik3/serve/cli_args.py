@@ -72,6 +72,9 @@ def add_serve_arguments(parser: argparse.ArgumentParser) -> argparse.ArgumentPar
                    help="log one line per request (id, prompt tokens, sampling settings) (default: off)")
     g.add_argument("--disable-log-requests", dest="enable_log_requests", action="store_false",
                    help="do not log requests (vLLM's older flag; the default)")
+    g.add_argument("--disable-log-stats", action="store_true",
+                   help="no periodic stats line (throughput, running/waiting, cache use, prefix hit rate every "
+                        "10 s) (default: logged)")
     g.add_argument("--tool-call-parser", type=_parser_name("tool-call"), default=K3_PARSER,
                    help=f"tool-call parser; only {K3_PARSER}, which kimik3 always uses (default: {K3_PARSER})")
     g.add_argument("--enable-auto-tool-choice", action="store_true",

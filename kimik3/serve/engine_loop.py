@@ -104,6 +104,9 @@ class EngineLoop:
         self._ids = itertools.count()
         self._outbox: list[tuple[Job, Any]] = []
         self.num_step_failures = 0
+        self.num_prompt_tokens = 0          # prompt tokens of requests whose first token came (their prefill done)
+        self.num_generation_tokens = 0      # tokens delivered
+        self._started: set[str] = set()     # engine requests that delivered a token
         self.snapshot: dict[str, float] = {}
         self.on_finished = None   # (engine metrics, prompt tokens, SamplingParams) of each finished engine request
         self._publish()
@@ -274,6 +277,7 @@ class EngineLoop:
 
     def _abort_engine(self, engine_id: str) -> None:
         del self._routes[engine_id]
+        self._started.discard(engine_id)
         try:
             self.engine.abort_request(engine_id)
         except Exception:
@@ -298,6 +302,10 @@ class EngineLoop:
             if route is None:        # aborted by us; its memory is already free
                 continue
             job = route.job
+            if out.request_id not in self._started:
+                self._started.add(out.request_id)
+                self.num_prompt_tokens += len(out.prompt_token_ids)
+            self.num_generation_tokens += sum(len(o.token_ids) for o in out.outputs)
             if out.prompt_logprobs is not None:
                 job.prompt_logprobs[job.choices[route.indices[0]].prompt] = out.prompt_logprobs
             for o in out.outputs:
@@ -311,6 +319,7 @@ class EngineLoop:
                                                                  o.finish_reason, o.stop_reason))
             if out.finished:
                 del self._routes[out.request_id]
+                self._started.discard(out.request_id)
                 job.cached_tokens += int(out.metrics.get("num_prefix_hit_tokens", 0))
                 if self.on_finished is not None:
                     self.on_finished(out.metrics, len(out.prompt_token_ids), job.params)
@@ -386,6 +395,8 @@ class EngineLoop:
             "drafts": float(s.num_drafts),
             "accepted_per_position": tuple(float(a) for a in s.accepted_per_position),
             "step_failures": float(self.num_step_failures),
+            "prompt_tokens": float(self.num_prompt_tokens),
+            "generation_tokens": float(self.num_generation_tokens),
             "time": time.monotonic(),
         }
 

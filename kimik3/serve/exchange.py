@@ -42,12 +42,15 @@ class ServeOptions:
     log_requests: bool = False          # one INFO line per request
     generation_defaults: dict = field(default_factory=dict)   # SamplingParams defaults (generation_config.json)
     limit_mm_per_prompt: dict | None = None   # {"image": N}: most images per request
+    log_stats_interval: float | None = 10.0   # seconds between stats lines (None: off, --disable-log-stats)
 
     def __post_init__(self) -> None:
         if not isinstance(self.max_queue_len, int) or self.max_queue_len < 0:
             raise ValueError(f"max_queue_len must be an integer >= 0, got {self.max_queue_len!r}")
         if not self.served_model_name:
             raise ValueError("served_model_name must be a non-empty string")
+        if self.log_stats_interval is not None and not self.log_stats_interval > 0:
+            raise ValueError(f"log_stats_interval must be positive seconds or None, got {self.log_stats_interval!r}")
 
 
 class ServerState:
@@ -294,7 +297,7 @@ class _Exchange:
 
 
 async def run_job(state: ServerState, request: Request, prompts: list[PromptInput], params: SamplingParams, fmt,
-               stream: bool, include_usage: bool) -> Response:
+               stream: bool, include_usage: bool, continuous_usage: bool = False) -> Response:
     state.admit(len(prompts) * params.n)
     job = Job(fmt.id, prompts, params)
     prompt_tokens = sum(len(p.token_ids) for p in prompts)
@@ -316,7 +319,7 @@ async def run_job(state: ServerState, request: Request, prompts: list[PromptInpu
         if stream:
             handed_off = True
             ex.watch_disconnect = False
-            return _JobStream(_stream(ex, first, include_usage), ex.close)
+            return _JobStream(_stream(ex, first, include_usage, continuous_usage), ex.close)
         item = first
         while not isinstance(item, Done):
             if item is None:
@@ -334,12 +337,17 @@ async def run_job(state: ServerState, request: Request, prompts: list[PromptInpu
             ex.close()
 
 
-async def _stream(ex: _Exchange, first, include_usage: bool):
+async def _stream(ex: _Exchange, first, include_usage: bool, continuous_usage: bool = False):
+    """The SSE body. ``continuous_usage`` (vLLM's ``stream_options.continuous_usage_stats``): every chunk also
+    carries the usage so far (prompt tokens, tokens generated up to and including it)."""
     encode = getattr(ex.fmt, "sse", _sse)        # a formatter may frame its own events (/v1/responses)
     item = first
     while True:
         if isinstance(item, list):
             for chunk in ex.fmt.feed(item, streaming=True):
+                if continuous_usage:
+                    chunk["usage"] = {"prompt_tokens": ex.prompt_tokens, "completion_tokens": ex.completion_tokens,
+                                      "total_tokens": ex.prompt_tokens + ex.completion_tokens}
                 yield encode(chunk)
         elif isinstance(item, Done):
             if include_usage:

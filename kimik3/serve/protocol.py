@@ -11,7 +11,10 @@ Bodies are parsed with ``model_validate_json`` in strict mode, so ``"max_tokens"
 monitoring; kimik3 keeps no per-user state), ``add_generation_prompt: true`` and
 ``continue_final_message: false`` (what kimik3 always does; the other values are a 400), ``best_of``
 equal to ``n`` (the n samples are the best_of), ``response_format.json_schema.strict`` (the schema is
-always enforced).
+always enforced), ``n: null`` (1), ``store: false`` (nothing is stored; true is a 400), ``metadata`` (it
+tags stored completions; none are), ``prompt_cache_key`` (the prefix cache is keyed by the prompt's
+content and shared by every request), ``service_tier`` ``auto``/``default`` (echoed; one local tier,
+others a 400). ``stream_options.continuous_usage_stats`` puts the usage so far on every chunk.
 """
 
 from __future__ import annotations
@@ -82,6 +85,16 @@ UNSUPPORTED = {
 }
 
 
+def unsupported_store() -> APIError:
+    return bad_request("store=true: this server stores no completions; send store=false (or leave it out)", "store",
+                       "unsupported_field")
+
+
+def service_tier_error(tier: str) -> APIError:
+    return bad_request(f"service_tier {tier!r}: this server has one tier; send 'auto' or 'default' (or leave it out)",
+                       "service_tier")
+
+
 def unsupported_field(name: str) -> APIError:
     reason = UNSUPPORTED.get(name)
     return bad_request(f"{name}: kimik3 does not support this field" + (f" ({reason})" if reason else "")
@@ -90,11 +103,12 @@ def unsupported_field(name: str) -> APIError:
 
 class StreamOptions(_Body):
     include_usage: bool = False
+    continuous_usage_stats: bool = False    # vLLM's: every chunk carries the usage so far
 
 
 class _SamplingFields(_Body):
     model: str | None = None
-    n: int = 1
+    n: int | None = 1                   # null = 1 (vLLM and OpenAI's default)
     temperature: float | None = None
     top_p: float | None = None
     top_k: int | None = None
@@ -110,6 +124,18 @@ class _SamplingFields(_Body):
     stream: bool = False
     stream_options: StreamOptions | None = None
     user: str | None = None             # accepted no-op (see the module docstring)
+    store: bool | None = None           # only false: nothing is stored
+    metadata: dict[str, str] | None = None      # accepted no-op: it tags stored completions, and none are stored
+    service_tier: str | None = None     # auto / default, echoed: one local tier
+    prompt_cache_key: str | None = None  # accepted no-op: the prefix cache is keyed by content, shared by all
+
+    def model_post_init(self, _context) -> None:
+        if self.n is None:
+            self.n = 1
+        if self.store:
+            raise unsupported_store()
+        if self.service_tier is not None and self.service_tier not in ("auto", "default"):
+            raise service_tier_error(self.service_tier)
     # logit controls (vLLM's names)
     logit_bias: dict[str, float] | None = None
     allowed_token_ids: list[int] | None = None

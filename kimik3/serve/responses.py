@@ -51,6 +51,7 @@ class _Formatter:
     """What the chat and completion formatters share: ids and the streamed chunk envelope."""
 
     chunk_object: str
+    service_tier: str | None = None     # the request's, echoed on every body
 
     def __init__(self, request_id: str, model: str, tokenizer, include_usage: bool):
         self.id = request_id
@@ -62,12 +63,19 @@ class _Formatter:
     def _chunk(self, choices: list[dict], usage: dict | None = None) -> dict:
         body = {"id": self.id, "object": self.chunk_object, "created": self.created, "model": self.model,
                 "choices": choices}
+        if self.service_tier is not None:
+            body["service_tier"] = self.service_tier
         if self.include_usage:
             body["usage"] = usage
         return body
 
     def usage_chunk(self, usage: dict) -> dict:
         return self._chunk([], usage)
+
+    def _tier(self, body: dict) -> dict:
+        if self.service_tier is not None:
+            body["service_tier"] = self.service_tier
+        return body
 
     def prompt_logprobs(self, lps: list[dict[int, float] | None]) -> list[dict | None]:
         """vLLM's prompt_logprobs: None for the first token, then {token id: {logprob, decoded_token}}."""
@@ -149,8 +157,8 @@ class ChatFormatter(_Formatter):
             choices.append({"index": i, "message": msg,
                             "logprobs": {"content": self.logprobs[i]} if self.top_logprobs is not None else None,
                             "finish_reason": self.finish[i]})
-        return {"id": self.id, "object": "chat.completion", "created": self.created, "model": self.model,
-                "choices": choices, "usage": usage}
+        return self._tier({"id": self.id, "object": "chat.completion", "created": self.created, "model": self.model,
+                           "choices": choices, "usage": usage})
 
 
 class CompletionFormatter(_Formatter):
@@ -202,5 +210,5 @@ class CompletionFormatter(_Formatter):
     def final(self, usage: dict) -> dict:
         choices = [{"index": i, "text": "".join(t), "logprobs": self.lp[i] if self.num_logprobs is not None else None,
                     "finish_reason": self.finish[i]} for i, t in enumerate(self.texts)]
-        return {"id": self.id, "object": "text_completion", "created": self.created, "model": self.model,
-                "choices": choices, "usage": usage}
+        return self._tier({"id": self.id, "object": "text_completion", "created": self.created, "model": self.model,
+                           "choices": choices, "usage": usage})

@@ -38,6 +38,7 @@ def serve_options(args: argparse.Namespace, engine_args: EngineArgs | None = Non
                         allowed_origins=args.allowed_origins, allowed_methods=args.allowed_methods,
                         allowed_headers=args.allowed_headers, allow_credentials=args.allow_credentials,
                         log_requests=args.enable_log_requests,
+                        log_stats_interval=None if args.disable_log_stats else 10.0,
                         generation_defaults=ea.generation_defaults(path),
                         limit_mm_per_prompt=ea.limit_mm_per_prompt, limits=limits_from_args(args))
 

@@ -88,8 +88,8 @@ def test_accepted_no_ops_and_nested_unknowns(real):
                                          "user": "u1"})
     assert ok.status_code == 200 and len(ok.json()["choices"]) == 2
     r = _post(real, "/v1/chat/completions", {"model": M, "messages": MSGS, "max_tokens": 2,
-                                             "stream": True, "stream_options": {"continuous_usage_stats": True}})
-    assert r.status_code == 400 and r.json()["error"]["param"] == "stream_options.continuous_usage_stats"
+                                             "stream": True, "stream_options": {"include_obfuscation": True}})
+    assert r.status_code == 400 and r.json()["error"]["param"] == "stream_options.include_obfuscation"
     r = _post(real, "/v1/chat/completions", {"model": M, "messages": MSGS, "guided_regex": "a+",
                                              "guided_choice": ["x"]})
     assert r.status_code == 400 and r.json()["error"]["code"] == "conflicting_constraints"

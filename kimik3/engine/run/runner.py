@@ -50,7 +50,7 @@ class ModelRunner:
         self.last_states: torch.Tensor | None = None
         self.graphs: DecodeGraphs | None = None
         if graphs:
-            self.graphs = self.capture_graphs(DecodeGraphs(model, cache, config.max_num_seqs, config.max_model_len,
+            self.graphs = self.capture_graphs(DecodeGraphs(model, cache, config.graph_max_seqs, config.max_model_len,
                                                            1 + config.num_speculative_tokens))
 
     def capture_graphs(self, graphs: DecodeGraphs) -> DecodeGraphs | None:
