@@ -4,6 +4,7 @@ from __future__ import annotations
 
 import dataclasses
 import itertools
+import os
 import time
 from typing import Any
 
@@ -11,7 +12,7 @@ from tqdm import tqdm
 
 from kimik3.engine.args import EngineArgs
 from kimik3.engine.build import build_engine
-from kimik3.engine.core.output import CompletionOutput, RequestOutput
+from kimik3.engine.core.output import CompletionOutput, Logprob, RequestOutput
 from kimik3.engine.sample.sampling_params import SamplingParams
 from kimik3.vision.preprocess import VisionInputs
 
@@ -40,6 +41,9 @@ class LLM:
                             f"{', '.join(_ENGINE_ARGS)}")
         self.args = EngineArgs(model=model, **engine_args)
         self.model_path = self.args.model_path()
+        if isinstance(tokenizer, (str, os.PathLike)):      # vLLM's tokenizer=PATH: a tokenizer directory
+            from kimik3.tokenizer import load_tokenizer
+            tokenizer = load_tokenizer(tokenizer)
         self.engine, self.parallel_group = build_engine(self.args, tokenizer)
         self.generation_defaults = self.args.generation_defaults(self.model_path)   # SamplingParams names
         self._processor = None
@@ -126,7 +130,35 @@ class LLM:
                     bar.update(1)
                     bar.set_postfix(tok_s=f"{n_out / (time.perf_counter() - start):.0f}")
         bar.close()
+        tok = self.engine.get_tokenizer()
+        for rid, p in zip(ids, params):
+            for c in results[rid].outputs:
+                _vllm_logprobs(c, p.logprobs, tok)
         return [results[rid] for rid in ids]
+
+    # ---- what vLLM's LLM has and kimik3 does not -------------------------------------------------------
+    def _unsupported(self, name: str):
+        raise NotImplementedError(f"LLM.{name} is not supported: kimik3 runs Kimi-K3 / Kimi-Linear as generative "
+                                  f"models only (no pooling, embedding, scoring or beam search); use LLM.generate "
+                                  f"or LLM.chat")
+
+    def encode(self, *args, **kwargs):
+        self._unsupported("encode")
+
+    def embed(self, *args, **kwargs):
+        self._unsupported("embed")
+
+    def classify(self, *args, **kwargs):
+        self._unsupported("classify")
+
+    def score(self, *args, **kwargs):
+        self._unsupported("score")
+
+    def reward(self, *args, **kwargs):
+        self._unsupported("reward")
+
+    def beam_search(self, *args, **kwargs):
+        self._unsupported("beam_search")
 
     def chat(self, messages, sampling_params: SamplingParams | list[SamplingParams] | None = None,
              use_tqdm: bool = True, chat_template_kwargs: dict | None = None, add_generation_prompt: bool = True,
@@ -273,6 +305,21 @@ class LLM:
         for (w, h), rest in zip(vision.sizes, pieces[1:]):
             out.append(f"{MEDIA_BEGIN}image {w}x{h}{MEDIA_CONTENT}{MEDIA_PAD}{MEDIA_END}" + rest)
         return "".join(out)
+
+
+def _vllm_logprobs(c, num_logprobs: int | None, tokenizer) -> None:
+    """The sample's logprobs as vLLM's ``Logprob`` values (rank, decoded token) and its cumulative_logprob."""
+    if c.logprobs is None:
+        return
+    out, total = [], 0.0
+    for tid, lp in zip(c.token_ids, c.logprobs):
+        ranked = sorted(lp.items(), key=lambda kv: -kv[1])
+        top = {t for t, _ in ranked[:num_logprobs or 0]}
+        out.append({t: Logprob(v, k + 1 if t in top or t != tid else None,
+                               tokenizer.decode([t]) if tokenizer is not None else None)
+                    for k, (t, v) in enumerate(ranked)})
+        total += lp.get(tid, float("-inf"))
+    c.logprobs, c.cumulative_logprob = out, total
 
 
 def _merge(acc: RequestOutput, delta: RequestOutput) -> None:

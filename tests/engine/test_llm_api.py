@@ -187,3 +187,34 @@ def test_k3_text_only_checkpoint_chats_in_k3_format(tmp_path):
     out = llm.chat([{"role": "user", "content": "hi"}], GREEDY, use_tqdm=False)[0]
     text = tok.decode(out.prompt_token_ids)
     assert "<|open|>" in text and "<|im_user|>" not in text
+
+
+def test_vllm_logprob_shape_and_cumulative_logprob(llm):
+    import math
+
+    from kimik3.engine.core.output import Logprob
+    tok = llm.get_tokenizer()
+    out = llm.generate("Hi", SamplingParams(max_tokens=4, logprobs=3, temperature=0), use_tqdm=False)[0].outputs[0]
+    total = []
+    for tid, lp in zip(out.token_ids, out.logprobs):
+        assert all(isinstance(v, Logprob) for v in lp.values())
+        ranked = sorted(lp, key=lambda t: -lp[t].logprob)
+        assert [lp[t].rank for t in ranked[:3]] == [1, 2, 3]
+        assert lp[tid].rank == 1                                   # greedy: the sampled token is the most likely
+        assert all(lp[t].decoded_token == tok.decode([t]) for t in lp)
+        total.append(lp[tid].logprob)
+    assert out.cumulative_logprob == pytest.approx(math.fsum(total), abs=1e-9)
+    sampled = llm.generate("Hi", SamplingParams(max_tokens=6, logprobs=0, temperature=1.0, seed=3),
+                           use_tqdm=False)[0].outputs[0]
+    assert all(set(lp) == {t} and lp[t].rank is None for t, lp in zip(sampled.token_ids, sampled.logprobs))
+    plain = llm.generate("Hi", SamplingParams(max_tokens=2), use_tqdm=False)[0].outputs[0]
+    assert plain.logprobs is None and plain.cumulative_logprob is None
+
+
+def test_tokenizer_path_and_the_apis_kimik3_does_not_provide(llm):
+    other = LLM(str(kimik3.DEFAULT_MODEL), tokenizer=str(kimik3.DEFAULT_MODEL), dtype="float32", max_model_len=256,
+                max_num_seqs=2, enforce_eager=True, use_tqdm_on_load=False)
+    assert other.get_tokenizer().encode("Hello world") == llm.get_tokenizer().encode("Hello world")
+    for name in ("encode", "embed", "classify", "score", "reward", "beam_search"):
+        with pytest.raises(NotImplementedError, match=f"LLM.{name} is not supported.*LLM.generate"):
+            getattr(llm, name)("x")

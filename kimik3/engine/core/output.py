@@ -9,6 +9,29 @@ from dataclasses import dataclass, field
 from kimik3.engine.core.request import Request
 
 
+class Logprob(float):
+    """vLLM's ``Logprob(logprob, rank, decoded_token)``, as a float (the log-probability itself), so code that
+    reads the values as floats keeps working. ``rank``: 1-based place among the returned candidates by
+    log-probability, exact for the top ``logprobs`` entries; None for a sampled token outside them (its
+    place in the whole vocabulary is not computed). ``decoded_token``: the token's text (None without a
+    tokenizer)."""
+
+    __slots__ = ("rank", "decoded_token")
+
+    def __new__(cls, logprob: float, rank: int | None = None, decoded_token: str | None = None):
+        obj = super().__new__(cls, logprob)
+        obj.rank = rank
+        obj.decoded_token = decoded_token
+        return obj
+
+    @property
+    def logprob(self) -> float:
+        return float(self)
+
+    def __repr__(self) -> str:
+        return f"Logprob(logprob={float(self)!r}, rank={self.rank!r}, decoded_token={self.decoded_token!r})"
+
+
 @dataclass(slots=True)
 class CompletionOutput:
     """One of the ``n`` samples of a request (vLLM's shape)."""
@@ -16,9 +39,10 @@ class CompletionOutput:
     index: int
     text: str
     token_ids: list[int]
-    logprobs: list[dict[int, float]] | None     # per generated token: {token id: logprob}
+    logprobs: list[dict[int, float]] | None     # per generated token: {token id: logprob} (LLM: Logprob values)
     finish_reason: str | None = None            # "stop", "length", "abort" or None while running
     stop_reason: int | str | None = None        # the stop token id or stop string that ended it
+    cumulative_logprob: float | None = None     # LLM: the sum of the sampled tokens' logprobs (with logprobs)
 
     @property
     def finished(self) -> bool:
