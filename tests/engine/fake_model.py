@@ -21,7 +21,8 @@ MOD = 10007
 def fake_config(vocab_size: int = 61, eos_token_id: int | None = None) -> SimpleNamespace:
     text = SimpleNamespace(
         vocab_size=vocab_size, eos_token_id=eos_token_id, kda_layer_ids=(0,), mla_layer_ids=(1,),
-        kda=SimpleNamespace(num_heads=1, head_dim=2, conv_size=2), mla_cache_dim=2, mla_cache_stripes=1)
+        kda=SimpleNamespace(num_heads=1, head_dim=2, conv_size=2), mla_cache_dim=2, mla_cache_stripes=1,
+        cached_layer_ids=lambda kind: (0,) if kind == "kda" else (1,))
     return SimpleNamespace(text=text, architecture="fake", vision=None, media_placeholder_token_id=None)
 
 
