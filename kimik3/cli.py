@@ -86,6 +86,9 @@ def build_parser() -> argparse.ArgumentParser:
                    help="ranks to size the model for (default: 1)")
     i.add_argument("--expert-parallel-size", type=positive_int, default=1,
                    help="expert-parallel ranks to size the model for (default: 1)")
+    i.add_argument("--layouts", action="store_true",
+                   help="propose TP / PP / EP / DCP layouts for 16 x H200, 32 x H100 and 8 x B300 with 1M-token "
+                        "sequences (default: off)")
     _plan_args(i)
     _log_args(i)
 
@@ -365,6 +368,10 @@ def cmd_inspect(args) -> int:
     if not path.exists():
         raise CLIError(f"model path {path} does not exist")
     print(format_summary(summarize(path)))
+    if args.layouts:
+        from kimik3.config import load_config
+        from kimik3.layouts import format_layouts
+        print(format_layouts(load_config(path)))
     planning = (args.cpu_offload_gb, args.kv_cache_dtype, args.quantization, args.gpu) != (0, "auto", None, "H200")
     if args.tensor_parallel_size > 1 or args.expert_parallel_size > 1 or planning:
         from kimik3.sizing import PlanOptions, Rates, format_sizing

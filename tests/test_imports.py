@@ -26,7 +26,7 @@ LAYERS: list[tuple[str, ...]] = [
     ("loader", "testing"),                # checkpoints; tiny checkpoints for tests and benchmarks
     ("parallel",),                        # starting a TP/EP group, the workers' loop (loader + model)
     ("engine",),                          # scheduler, cache, runners (rank 0's ParallelRunner), LLM
-    ("inspect", "sizing"),                # checkpoint summaries and per-GPU sizing (read engine defaults)
+    ("inspect", "sizing", "layouts"),     # checkpoint summaries, per-GPU sizing (read engine defaults), layouts
     ("serve", "bench"),
     ("cli",),
     ("",),                                # kimik3/__init__.py: the public names
