@@ -214,19 +214,7 @@ class EngineArgs:
         if isinstance(self.cpu_offload_gb, bool) or not isinstance(self.cpu_offload_gb, (int, float)) \
                 or not 0 <= self.cpu_offload_gb < float("inf"):
             raise ValueError(f"cpu_offload_gb must be a number of GiB >= 0, got {self.cpu_offload_gb!r}")
-        if self.load_format not in LOAD_FORMATS:
-            raise ValueError(f"load_format {self.load_format!r} is not supported: kimik3 reads safetensors "
-                             f"checkpoints; use one of {list(LOAD_FORMATS)}")
-        if self.moe_backend not in MOE_BACKENDS:
-            raise ValueError(f"moe_backend {self.moe_backend!r} is not available: kimik3 runs its own Triton expert "
-                             f"kernels; use one of {list(MOE_BACKENDS)}")
-        if self.enable_chunked_prefill is False:
-            raise ValueError("enable_chunked_prefill=False is not supported: kimik3 always chunks long prompts by "
-                             "max_num_batched_tokens (raise that to prefill a prompt in one step)")
-        if self.max_cudagraph_capture_size is not None and (
-                not isinstance(self.max_cudagraph_capture_size, int) or self.max_cudagraph_capture_size < 1):
-            raise ValueError(f"max_cudagraph_capture_size must be a positive integer, got "
-                             f"{self.max_cudagraph_capture_size!r}")
+        self._check_vllm_flags()
         if self.expert_parallel_mode not in MOE_MODES:
             raise ValueError(f"expert_parallel_mode must be one of {MOE_MODES}, got {self.expert_parallel_mode!r}")
 
@@ -248,6 +236,22 @@ class EngineArgs:
             raise ValueError(f"decode_context_parallel_size {self.decode_context_parallel_size} must divide "
                              f"tensor_parallel_size {self.tensor_parallel_size} (the latent cache is striped over "
                              f"tensor-parallel ranks)")
+
+    def _check_vllm_flags(self) -> None:
+        """vLLM's flags kimik3 takes as no-ops or limits: refuse the values it cannot honour."""
+        if self.load_format not in LOAD_FORMATS:
+            raise ValueError(f"load_format {self.load_format!r} is not supported: kimik3 reads safetensors "
+                             f"checkpoints; use one of {list(LOAD_FORMATS)}")
+        if self.moe_backend not in MOE_BACKENDS:
+            raise ValueError(f"moe_backend {self.moe_backend!r} is not available: kimik3 runs its own Triton expert "
+                             f"kernels; use one of {list(MOE_BACKENDS)}")
+        if self.enable_chunked_prefill is False:
+            raise ValueError("enable_chunked_prefill=False is not supported: kimik3 always chunks long prompts by "
+                             "max_num_batched_tokens (raise that to prefill a prompt in one step)")
+        if self.max_cudagraph_capture_size is not None and (
+                not isinstance(self.max_cudagraph_capture_size, int) or self.max_cudagraph_capture_size < 1):
+            raise ValueError(f"max_cudagraph_capture_size must be a positive integer, got "
+                             f"{self.max_cudagraph_capture_size!r}")
 
     # ---- the command line ------------------------------------------------------------------------
     @classmethod
