@@ -13,6 +13,8 @@ import kimik3
 
 LIMIT = 25
 ROOT = Path(kimik3.__file__).resolve().parent
+
+
 def _decisions(node: ast.AST) -> int:
     if isinstance(node, ast.Try) or type(node).__name__ == "TryStar":
         return len(node.handlers) + bool(node.orelse)
