@@ -154,3 +154,16 @@ def build(name: str, *, source: str | os.PathLike | None = None, cache: str | os
         os.replace(out, final)                    # atomic: a half-written library is never found
     logger.info("built %s", final)
     return final
+
+
+def describe_kernels(flash_mla: str | None, flash_kda: str | None) -> list[str]:
+    """One line per op with a choice of library: what runs it and why (logged when a CUDA engine is built)."""
+    def line(lib: KernelLibrary, path: str | None, ours: str, gain: str) -> str:
+        if path:
+            return f"{lib.op}: {lib.repo.rsplit('/', 1)[1]} ({path}; where a call does not fit it, {ours})"
+        return (f"{lib.op}: {ours}; {lib.repo.rsplit('/', 1)[1]} is faster on Hopper ({gain}): `{BUILD_COMMAND} "
+                f"{lib.name}` builds it into {cache_dir()}, where the next start finds it")
+    return [line(LIBRARIES["flash_mla"], flash_mla, "kimik3's Triton split-K decode",
+                 "1.07-1.10x of the bytes floor at 8k-1M tokens against 1.40-1.67x, H100"),
+            line(LIBRARIES["flash_kda"], flash_kda, "fla-core's chunk_kda",
+                 "K3's KDA prefill 2.0-3.1x fla-core's chunk_kda, H100")]

@@ -108,3 +108,33 @@ def test_shims_ship_with_the_package():
     assert '"ops/cuda/*.cu"' in text
     for lib in kernels.LIBRARIES.values():
         assert lib.shim.is_file()
+
+
+def test_the_engine_finds_a_built_library_with_no_variable_and_none_turns_it_off(tmp_path, monkeypatch):
+    from kimik3.engine.args import EngineArgs
+    monkeypatch.setenv("KIMIK3_CACHE_DIR", str(tmp_path))
+    for v in ("KIMIK3_FLASH_MLA", "KIMIK3_FLASH_KDA"):
+        monkeypatch.delenv(v, raising=False)
+    assert EngineArgs().kernel_options().flash_mla is None                     # nothing built
+    nvcc, _ = fake_nvcc(tmp_path)
+    built = kernels.build("flash_mla", source=fake_checkout(tmp_path, "flash_mla"), nvcc=str(nvcc))
+    assert built.parent == tmp_path / "kernels"
+    opts = EngineArgs().kernel_options()
+    assert opts.flash_mla == str(built) and opts.flash_kda is None
+    assert EngineArgs(flash_mla="none").kernel_options().flash_mla is None
+    assert EngineArgs(flash_mla="/elsewhere/lib.so").kernel_options().flash_mla == "/elsewhere/lib.so"
+    monkeypatch.setenv("KIMIK3_FLASH_MLA", "none")
+    assert EngineArgs().kernel_options().flash_mla is None
+    import torch
+    assert EngineArgs(flash_mla="none").resolve_block_size(torch.device("cuda")) == 16
+    assert EngineArgs(flash_mla=str(built)).resolve_block_size(torch.device("cuda")) == 64
+
+
+def test_start_up_lines_name_what_runs_each_op_and_how_to_get_the_faster_one(tmp_path, monkeypatch):
+    monkeypatch.setenv("KIMIK3_CACHE_DIR", str(tmp_path))
+    mla, kda = kernels.describe_kernels(None, None)
+    assert mla.startswith("MLA decode: kimik3's Triton split-K decode; FlashMLA is faster")
+    assert f"`kimik3 build-kernels flash_mla` builds it into {tmp_path / 'kernels'}" in mla
+    assert kda.startswith("KDA prefill: fla-core's chunk_kda; FlashKDA is faster")
+    mla, kda = kernels.describe_kernels("/x/libkimik3_flash_mla.so", "/x/kda.so")
+    assert mla.startswith("MLA decode: FlashMLA (/x/libkimik3_flash_mla.so;") and "kda.so" in kda

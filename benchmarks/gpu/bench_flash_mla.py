@@ -52,7 +52,7 @@ def op(args, max_len: int, flash: bool, lib: str):
 
 
 def main():
-    lib = library_path(ENV, "scripts/build_flash_mla.sh")
+    lib = library_path(ENV, "kimik3 build-kernels")
     bw, mm = copy_rate(), matmul_rate()
     g = torch.Generator(device="cuda").manual_seed(0)
     rows = []

@@ -46,7 +46,7 @@ def run(args, flash: bool, lib: str):
 
 
 def main():
-    lib = library_path(ENV, "scripts/build_flash_kda.sh")
+    lib = library_path(ENV, "kimik3 build-kernels")
     bw = copy_rate()
     g = torch.Generator(device="cuda").manual_seed(0)
     rows = []

@@ -12,7 +12,7 @@
 # for one, SLICE_ARGS=--pdl-ab adds each case without programmatic dependent launch); profile = one decode step's kernels by module (profile_step.py; PROFILE_PREFILL=8192 adds a prefill); mladecode = the MLA decode config sweep (first, alone on the GPU; MLA_SWEEP= for the defaults only); decodeops = bench_decode_ops.py (KDA step, conv decode); vision = bench_vision.py (the tower eager vs graphs); moe = bench_moe.py --decode-only (expert kernels at 1-128 tokens; MOE_ARGS=--compare=FILE adds another moe.py's kernels); moeprefill = bench_moe.py --prefill-only; router = bench_router_align.py (ROUTER_ARGS=--split-only: the split-K routing alone); long = the decode graph replayed at 8k-1M contexts; stacks = the same, with stack samples per pass; spec = n-gram speculation vs plain at batch 1 (SPEC_ASYNC=1: also both async; =only: async alone); engine =
 # bench_engine.py (host share); hostprof = cProfile of the constrained async step at batch 32.
 # FLASH=1: name the carried FlashMLA / FlashKDA libraries (.whl/libkimik3_flash_{mla,kda}.so, built here by
-# scripts/build_flash_{mla,kda}.sh) for every section; full = the whole Kimi-Linear-48B (bench_full_model.py, needs an
+# kimik3 build-kernels) for every section; full = the whole Kimi-Linear-48B (bench_full_model.py, needs an
 # H200; FULL_ARGS: its flags, e.g. --layers=14 on an 80 GB GPU); flashops = bench_flash_mla.py and bench_kda_prefill.py
 # (FLASH=1); gemv = bench_gemv.py --experts (one token's expert launches; GEMV_ARGS replaces the flags).
 # A fresh machine spends its first 90-110 s compiling kernels; the parallel tests pay that once each.

@@ -29,6 +29,7 @@ from kimik3.engine.arg_types import DTYPES, check_mm_limits, check_speculative_c
     mm_limits_arg, non_negative_gib, non_negative_int, positive_int, positive_seconds, positive_size, \
     read_generation_config, speculative_config_arg
 from kimik3.model.batch import KV_CACHE_DTYPES
+from kimik3.kernels import installed
 from kimik3.ops.cuda.flash_kda import ENV as FLASH_KDA_ENV
 from kimik3.ops.cuda.flash_mla import ENV as FLASH_MLA_ENV
 from kimik3.ops.cuda.flash_mla import PAGE as FLASH_MLA_BLOCK
@@ -159,11 +160,13 @@ class EngineArgs:
         default=0.0, type=non_negative_gib)
     use_tqdm_on_load: bool = _opt("show a progress bar while the weights load (default: on)", default=True)
     # the ops' options (``kimik3.ops.options.KernelOptions``); each falls back to its environment variable
-    flash_mla: str | None = _opt("path of libkimik3_flash_mla.so (scripts/build_flash_mla.sh): MLA decode on FlashMLA "
-                                 "(Hopper, bf16, 64-token blocks) (default: $KIMIK3_FLASH_MLA, else our Triton "
-                                 "decode)", default=None)
-    flash_kda: str | None = _opt("path of libkimik3_flash_kda.so (scripts/build_flash_kda.sh): K3's KDA prefill on "
-                                 "FlashKDA (Hopper, bf16) (default: $KIMIK3_FLASH_KDA, else fla-core)", default=None)
+    flash_mla: str | None = _opt("path of libkimik3_flash_mla.so: MLA decode on FlashMLA (Hopper, bf16, 64-token "
+                                 "blocks); 'none': our Triton decode (default: $KIMIK3_FLASH_MLA, else the library "
+                                 "`kimik3 build-kernels` built into kimik3's cache, else our Triton decode)",
+                                 default=None)
+    flash_kda: str | None = _opt("path of libkimik3_flash_kda.so: K3's KDA prefill on FlashKDA (Hopper, bf16); "
+                                 "'none': fla-core (default: $KIMIK3_FLASH_KDA, else the library `kimik3 "
+                                 "build-kernels` built into kimik3's cache, else fla-core)", default=None)
     pdl: bool | None = _opt("programmatic dependent launch of our Triton kernels on Hopper and later (default: on, "
                             "unless KIMIK3_PDL=0)", default=None)
     prefetch: bool | None = _opt("L2 prefetch of weight / state rows ahead of the PDL wait (default: on, unless "
@@ -308,13 +311,21 @@ class EngineArgs:
     def kernel_options(self) -> KernelOptions:
         """The ops' options: each flag, or where it is not given its environment variable (the one place
         kimik3 reads them: ``KIMIK3_FLASH_MLA``, ``KIMIK3_FLASH_KDA`` paths; ``KIMIK3_PDL``,
-        ``KIMIK3_PREFETCH`` = 0 for off)."""
+        ``KIMIK3_PREFETCH`` = 0 for off). A library named by neither is the one ``kimik3 build-kernels``
+        built into kimik3's cache, if any (``kimik3.kernels.installed``); "none" (flag or variable) turns it off."""
         env = os.environ
 
         def pick(flag, name: str, default: str):
             return flag if flag is not None else env.get(name, default)
-        return KernelOptions(flash_mla=pick(self.flash_mla, FLASH_MLA_ENV, "") or None,
-                             flash_kda=pick(self.flash_kda, FLASH_KDA_ENV, "") or None,
+
+        def library(flag, variable: str, name: str) -> str | None:
+            given = pick(flag, variable, "")
+            if given.lower() == "none":
+                return None
+            found = None if given else installed(name)
+            return given or (str(found) if found else None)
+        return KernelOptions(flash_mla=library(self.flash_mla, FLASH_MLA_ENV, "flash_mla"),
+                             flash_kda=library(self.flash_kda, FLASH_KDA_ENV, "flash_kda"),
                              pdl=self.pdl if self.pdl is not None else env.get("KIMIK3_PDL", "1") != "0",
                              prefetch=self.prefetch if self.prefetch is not None else env.get("KIMIK3_PREFETCH", "1") != "0")
 

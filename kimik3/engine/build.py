@@ -17,6 +17,7 @@ from kimik3.engine.args import EngineArgs
 from kimik3.engine.core.llm_engine import LLMEngine
 from kimik3.engine.warmup import warm_up
 from kimik3.loader import load_model
+from kimik3.kernels import describe_kernels
 from kimik3.ops.options import install_kernel_options
 
 logger = logging.getLogger(__name__)
@@ -34,6 +35,9 @@ def build_engine(args: EngineArgs, tokenizer=None):
     logger.info("loading %s (%s on %s)", path, str(dtype).removeprefix("torch."), device)
     kernels = args.kernel_options()
     install_kernel_options(kernels)         # the ops' options, resolved once (one engine's per process)
+    if device.type == "cuda":
+        for line in describe_kernels(kernels.flash_mla, kernels.flash_kda):
+            logger.info("%s", line)
     if args.is_parallel:
         from kimik3.engine.run.parallel_runner import ParallelRunner
         from kimik3.parallel.launch import ParallelConfig, start_group

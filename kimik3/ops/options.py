@@ -130,7 +130,7 @@ class KernelTuning:
 @dataclass(frozen=True)
 class KernelOptions:
     """The ops' options. ``flash_mla`` / ``flash_kda``: the path of the library built by
-    ``scripts/build_flash_mla.sh`` / ``build_flash_kda.sh`` (None: our Triton MLA decode / fla-core's KDA
+    ``kimik3 build-kernels`` (``kimik3/kernels.py``) (None: our Triton MLA decode / fla-core's KDA
     prefill). ``pdl``: launch our Triton kernels with programmatic dependent launch on Hopper and later
     (``triton/common.py``); ``prefetch``: the L2 prefetch ahead of the PDL wait (H100, 0a2ea22: the batch-1
     steps 1.3% (Kimi-Linear slice) and 0.6% (K3 slice) faster). ``cpu_kernels``: the fast paths take CPU

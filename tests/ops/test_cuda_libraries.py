@@ -22,9 +22,9 @@ def _mla_operands(block: int = 64):
 
 
 LIBRARIES = {
-    "flash_mla": (flash_mla, flash_mla.flash_mla_library, "build_flash_mla.sh",
+    "flash_mla": (flash_mla, flash_mla.flash_mla_library, "kimik3 build-kernels",
                   lambda: flash_mla.flash_mla_applies(*_mla_operands())),
-    "flash_kda": (flash_kda, flash_kda.flash_kda_library, "build_flash_kda.sh",
+    "flash_kda": (flash_kda, flash_kda.flash_kda_library, "kimik3 build-kernels",
                   lambda: flash_kda.flash_kda_applies(torch.zeros(3, 2, 128, dtype=BF16),
                                                       torch.zeros(3, 2, 128, dtype=BF16), -5.0)),
 }
@@ -63,7 +63,7 @@ def test_a_flash_mla_library_without_its_schedule_entry_point_is_refused(kernel_
     subprocess.run([cc, "-shared", "-fPIC", str(src), "-o", str(lib)], check=True)
     kernel_options(KernelOptions(flash_mla=str(lib)))
     with pytest.raises(RuntimeError, match="built before its schedule had its own entry point: rebuild it with "
-                                           "scripts/build_flash_mla.sh"):
+                                           "kimik3 build-kernels"):
         flash_mla.flash_mla_library()
 
 

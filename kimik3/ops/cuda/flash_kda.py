@@ -1,5 +1,5 @@
 """MoonshotAI's FlashKDA (CUTLASS, Hopper and newer) for the chunked KDA of a prefill step, through the
-C entry point of ``flash_kda_shim.cu`` (built by ``scripts/build_flash_kda.sh``; no Python or torch ABI
+C entry point of ``flash_kda_shim.cu`` (built by ``kimik3 build-kernels``; no Python or torch ABI
 in the library). Opt-in: ``--flash-kda <path to libkimik3_flash_kda.so>``; without it the
 prefill runs fla-core's ``chunk_kda``.
 
@@ -36,7 +36,7 @@ def _declare(lib: ctypes.CDLL) -> None:
 
 def flash_kda_library() -> ctypes.CDLL | None:
     """The library ``KernelOptions.flash_kda`` names (loaded once per path), or None when unset."""
-    return library(NAME, kernel_options().flash_kda, _declare, "scripts/build_flash_kda.sh")
+    return library(NAME, kernel_options().flash_kda, _declare, "kimik3 build-kernels")
 
 
 def refusal(q: torch.Tensor, v: torch.Tensor, lower_bound: float | None) -> str | None:

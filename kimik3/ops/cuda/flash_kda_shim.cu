@@ -1,6 +1,6 @@
 // A C entry point to MoonshotAI's FlashKDA forward (https://github.com/MoonshotAI/FlashKDA), for
 // kimik3.ops.flash_kda through ctypes: no Python or PyTorch ABI in the library, so one build serves
-// any interpreter and torch on the machine. Built by scripts/build_flash_kda.sh beside FlashKDA's
+// any interpreter and torch on the machine. Built by `kimik3 build-kernels` (kimik3/kernels.py) beside FlashKDA's
 // csrc/smxx/fwd_launch.cu; only the variant kimik3 runs is called: K = V = 128, varlen (cu_seqlens),
 // fp32 initial and final states, V-first [N, H, V, K].
 #include <cstdint>

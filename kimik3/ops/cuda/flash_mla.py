@@ -1,5 +1,5 @@
 """DeepSeek's FlashMLA dense decode (Hopper) for the absorbed MLA decode, through the C entry point of
-``flash_mla_shim.cu`` (built by ``scripts/build_flash_mla.sh``). Opt-in: ``--flash-mla <path to
+``flash_mla_shim.cu`` (built by ``kimik3 build-kernels``). Opt-in: ``--flash-mla <path to
 libkimik3_flash_mla.so>`` and a latent cache in blocks of 64 tokens (``--block-size``'s default once the
 variable is set); otherwise decode runs our Triton split-K kernel (``ops/triton/mla_decode.py``).
 
@@ -32,7 +32,7 @@ def _declare(lib: ctypes.CDLL) -> None:
     lib.kimik3_flash_mla_meta_ints.restype = ctypes.c_int
     if not hasattr(lib, "kimik3_flash_mla_schedule"):
         raise RuntimeError(f"{NAME} names a library built before its schedule had its own entry point: rebuild it "
-                           "with scripts/build_flash_mla.sh")
+                           "with kimik3 build-kernels")
     lib.kimik3_flash_mla_schedule.restype = ctypes.c_int
     lib.kimik3_flash_mla_schedule.argtypes = [ctypes.c_void_p] * 3 + [ctypes.c_int] * 3 + [ctypes.c_void_p]
     lib.kimik3_flash_mla_decode.restype = ctypes.c_int
@@ -42,7 +42,7 @@ def _declare(lib: ctypes.CDLL) -> None:
 
 def flash_mla_library() -> ctypes.CDLL | None:
     """The library ``KernelOptions.flash_mla`` names (loaded once per path), or None when unset."""
-    return library(NAME, kernel_options().flash_mla, _declare, "scripts/build_flash_mla.sh")
+    return library(NAME, kernel_options().flash_mla, _declare, "kimik3 build-kernels")
 
 
 @functools.cache

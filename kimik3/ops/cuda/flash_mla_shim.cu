@@ -1,6 +1,6 @@
 // A C entry point to DeepSeek's FlashMLA dense decode for Hopper (https://github.com/deepseek-ai/FlashMLA),
 // for kimik3.ops.cuda.flash_mla through ctypes: no Python or PyTorch ABI in the library. Built by
-// scripts/build_flash_mla.sh beside FlashMLA's sm90 dense decode, scheduler and combine kernels.
+// `kimik3 build-kernels` (kimik3/kernels.py) beside FlashMLA's sm90 dense decode, scheduler and combine kernels.
 // kimik3's MLA decode is one query token per sequence over one shared latent "head" (h_k = 1) of
 // 576 = 512 latent + 64 rope columns, the output the first 512: FlashMLA's dense decode shape, with
 // the latent cache in pages of 64 tokens.
