@@ -39,6 +39,7 @@ sys.path.insert(0, str(ROOT))
 
 from benchmarks.common import capture_graph, commit_id, copy_rate, cuda_time, log, save_results  # noqa: E402
 from kimik3.ops.backend import reference_ops                           # noqa: E402
+from kimik3.ops.options import kernel_options, use_kernel_options     # noqa: E402
 
 from kimik3.ops.triton import moe as moe_kernels                       # noqa: E402
 from kimik3.ops.triton.router import logits_config, router_logits_triton  # noqa: E402
@@ -209,7 +210,6 @@ def split_routing(results: dict, bw: float) -> None:
     log("\n| (D, E) | T | unsplit logits + route us | route_tokens us (splits) | speed-up | floor us | "
         "sweep (min steps, programs): us |")
     log("|---|---|---|---|---|---|---|")
-    from kimik3.ops.options import kernel_options, use_kernel_options
     for name, (D, E, k, scale) in SPLIT_SHAPES.items():
         g = torch.Generator(device="cuda").manual_seed(D + E)
         w = (torch.randn(E, D, generator=g, device="cuda") * D ** -0.5).to(torch.bfloat16)

@@ -16,6 +16,7 @@ step's graph time beside it is with PDL, as the engine runs.
 from __future__ import annotations
 
 import collections
+import dataclasses
 import datetime
 import re
 import sys
@@ -28,6 +29,7 @@ sys.path.insert(0, str(ROOT))
 
 from benchmarks.common import commit_id, copy_rate, cuda_time, log, save_results  # noqa: E402
 from benchmarks.gpu import bench_slice  # noqa: E402
+from kimik3.ops.options import kernel_options, use_kernel_options  # noqa: E402
 
 
 def module_ranges(model, labels: list[str]):
@@ -128,9 +130,6 @@ def profiled(model, fn) -> tuple[list[dict], collections.Counter]:
     from torch.profiler import ProfilerActivity, profile
     labels: list[str] = []
     handles = module_ranges(model, labels)
-    import dataclasses
-
-    from kimik3.ops.options import kernel_options, use_kernel_options
     scope = use_kernel_options(dataclasses.replace(kernel_options(), pdl=kernel_options().pdl and "--pdl" in sys.argv))
     scope.__enter__()
     undo = lambda: None                                                      # noqa: E731

@@ -14,7 +14,6 @@ import random
 import pytest
 import torch
 
-from kimik3.ops import mla
 from kimik3.ops.backend import reference_ops
 from kimik3.ops.mla import mla_prefill_attention
 from kimik3.ops.options import KernelTuning, kernel_options, use_kernel_options
