@@ -75,7 +75,7 @@ def fp8_linear(x: torch.Tensor, codes: torch.Tensor, scale: torch.Tensor) -> tor
             y = fp8_matmul(x2.contiguous(), codes, scale, x.dtype)
         else:
             xq, sx = quantize_activations(x2, group)
-            if not blocked and K % 16 == 0 and codes.shape[0] % 16 == 0:
+            if not blocked and x.dtype == torch.bfloat16 and K % 16 == 0 and codes.shape[0] % 16 == 0:   # row-wise: bf16 out
                 y = torch._scaled_mm(xq, codes.t(), scale_a=sx, scale_b=scale.view(1, -1), out_dtype=x.dtype)
             else:
                 y = fp8_matmul(xq, codes, scale, x.dtype, x_scale=sx)
