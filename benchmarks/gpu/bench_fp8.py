@@ -136,6 +136,17 @@ def bench_slice_modes(bw, mm) -> None:
         torch.cuda.empty_cache()
 
 
+def decode_times(q, qp, tables, lens, ctx: int, per_seq: int, g) -> tuple[float, float]:
+    """Seconds of one MLA decode over a bf16 latent cache, then over the same rows in FP8 with their scales."""
+    R, P = q.shape[-1], qp.shape[-1]
+    cache = torch.randn(1 + q.shape[0] * per_seq, BLOCK, R + P, device="cuda", generator=g, dtype=torch.bfloat16)
+    t16 = cuda_time(lambda: mla_decode_attention(q, qp, cache, tables, lens, R, 0.07, max_seq_len=ctx + 1))
+    codes, scale = fp8.quantize_rows(cache)
+    t8 = cuda_time(lambda: mla_decode_attention(q, qp, codes, tables, lens, R, 0.07, max_seq_len=ctx + 1,
+                                                cache_scale=scale))
+    return t16, t8
+
+
 def bench_cache(bw) -> None:
     rows = []
     R, P = 512, 64
@@ -150,18 +161,12 @@ def bench_cache(bw) -> None:
                 lens = torch.full((N,), ctx + 1, device="cuda", dtype=torch.int32)
                 q = torch.randn(N, H, R, device="cuda", generator=g, dtype=torch.bfloat16) * 0.05
                 qp = torch.randn(N, H, P, device="cuda", generator=g, dtype=torch.bfloat16) * 0.05
-                bf16 = torch.randn(1 + N * per_seq, BLOCK, R + P, device="cuda", generator=g, dtype=torch.bfloat16)
-                t16 = cuda_time(lambda: mla_decode_attention(q, qp, bf16, tables, lens, R, 0.07, max_seq_len=ctx + 1))
-                codes, scale = fp8.quantize_rows(bf16)
-                del bf16
-                t8 = cuda_time(lambda: mla_decode_attention(q, qp, codes, tables, lens, R, 0.07, max_seq_len=ctx + 1,
-                                                            cache_scale=scale))
+                t16, t8 = decode_times(q, qp, tables, lens, ctx, per_seq, g)
                 tokens = N * (ctx + 1)
                 f16, f8 = tokens * (R + P) * 2 / bw, tokens * (R + P + 4) / bw
                 rows.append({"H": H, "context": ctx, "batch": N, "bf16_us": t16 * 1e6, "fp8_us": t8 * 1e6,
                              "bf16_over_floor": t16 / f16, "fp8_over_floor": t8 / f8, "fp8_speedup": t16 / t8})
                 log(rows[-1])
-                del codes, scale
                 torch.cuda.empty_cache()
     results["latent_cache_decode"] = rows
     save()

@@ -23,7 +23,6 @@ import itertools
 import torch
 import torch.nn.functional as F
 
-from kimik3.ops.arith import ceil_div
 from kimik3.ops.backend import use_fast_kernel, use_fast_path
 from kimik3.ops.fp8 import dequantize_rows, quantize_rows
 from kimik3.ops.norm import acc_dtype, rms_norm
