@@ -282,6 +282,8 @@ class MarkupFilter:
                 nxt = b.find("<|", len(token))
                 if sep >= 0 and (nxt < 0 or nxt >= sep) and sep <= _TAG_LIMIT:
                     return sep + len(SEP)    # the whole element
+                if sep < 0 and nxt >= 0 and not final and SEP.startswith(b[nxt:]) and len(b) <= _TAG_LIMIT:
+                    return None              # the "<|" may still become the element's <|sep|>
                 if (nxt >= 0 and (sep < 0 or nxt < sep)) or len(b) > _TAG_LIMIT or final:
                     return len(token)        # a lone control token
                 return None
