@@ -36,7 +36,7 @@ from kimik3.serve.exchange import (
     run_job,
     sampling_params,
 )
-from kimik3.serve.limits import BodyLimits, check_request_limits
+from kimik3.serve.limits import BodyLimits, RepeatedErrors, check_request_limits
 from kimik3.serve.protocol import APIError, ChatCompletionRequest, CompletionRequest, bad_request, error_body
 from kimik3.serve.responses import ChatFormatter, CompletionFormatter
 from kimik3.serve.routes import add_routes
@@ -114,6 +114,7 @@ def create_app(engine: LLMEngine, options: ServeOptions) -> FastAPI:
         # garbage triggers skip it (one took 90 ms on a dev CPU, holding the GIL from the engine thread).
         gc.collect()
         gc.freeze()
+        asyncio.get_running_loop().set_exception_handler(RepeatedErrors())    # e.g. EMFILE: one line + a count
         state.loop.start(asyncio.get_running_loop())
         stats = None
         if options.log_stats_interval is not None:

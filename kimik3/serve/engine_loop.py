@@ -80,6 +80,9 @@ class Job:
         self.cached_tokens = 0
         self.prompt_logprobs: dict[int, list] = {}     # by prompt index (SamplingParams.prompt_logprobs)
         self.done = False
+        self.posted = 0             # delta lists the engine thread sent
+        self.taken = 0              # ... and the exchange read (the rest waits for a slow client)
+        self.paused = False         # its engine requests are paused (EngineLoop._backpressure)
 
 
 @dataclass
@@ -92,8 +95,9 @@ class _Route:
 
 
 class EngineLoop:
-    def __init__(self, engine: LLMEngine):
+    def __init__(self, engine: LLMEngine, buffer_steps: int = 64):
         self.engine = engine
+        self.buffer_steps = buffer_steps      # a job more steps ahead of its reader pauses (backpressure)
         self._ops: deque = deque()
         self._wake = threading.Event()
         self._thread: threading.Thread | None = None
@@ -140,6 +144,13 @@ class EngineLoop:
     def alive(self) -> bool:
         return self._thread is not None and self._thread.is_alive()
 
+    def taken(self, job: Job) -> None:
+        """The exchange read one of the job's delta lists (event loop); a paused job is woken once its reader
+        has caught up to half the buffer."""
+        job.taken += 1
+        if job.paused and job.posted - job.taken <= self.buffer_steps // 2:
+            self._wake.set()
+
     def _push(self, op) -> None:
         self._ops.append(op)
         self._wake.set()
@@ -155,6 +166,7 @@ class EngineLoop:
                 if not self._apply_ops():
                     break
                 self._feed_engine()
+                self._backpressure()
                 if self.engine.has_unfinished_requests():
                     self._step()
             except Exception:   # a bug in this loop: keep serving, but say so
@@ -204,6 +216,21 @@ class EngineLoop:
             self._fail(job, error)
         self._probation = deque((j, i) for j, i in self._probation if not j.done)
         self._backlog = deque(j for j in self._backlog if not j.done)
+
+    def _backpressure(self) -> None:
+        """Pause the engine requests of a job whose client has left ``buffer_steps`` delta lists unread (a
+        stream whose reader stopped: its memory stays bounded, and the server drops the connection after
+        ``--stall-timeout``); resume them once half of that is read."""
+        jobs: dict[str, tuple[Job, list[str]]] = {}
+        for eid, route in self._routes.items():
+            jobs.setdefault(route.job.id, (route.job, []))[1].append(eid)
+        for job, eids in jobs.values():
+            behind = job.posted - job.taken
+            pause = behind >= self.buffer_steps if not job.paused else behind > self.buffer_steps // 2
+            if pause != job.paused:
+                job.paused = pause
+                for eid in eids:
+                    self.engine.pause_request(eid, pause)
 
     def _probation_running(self) -> bool:
         return any(r.probation for r in self._routes.values())
@@ -366,6 +393,8 @@ class EngineLoop:
 
     # ---- delivery -----------------------------------------------------------------------------------
     def _emit(self, job: Job, item) -> None:
+        if isinstance(item, list):
+            job.posted += 1
         self._outbox.append((job, item))
 
     def _flush(self) -> None:

@@ -19,7 +19,7 @@ from pydantic import ValidationError
 
 from kimik3.engine import LLMEngine, SamplingParams
 from kimik3.serve.engine_loop import ChoiceDelta, Done, EngineLoop, Failed, Job, PromptInput
-from kimik3.serve.limits import Limits
+from kimik3.serve.limits import Limits, check_response_logprobs
 from kimik3.serve.metrics import ServerMetrics
 from kimik3.serve.protocol import APIError, bad_request, error_body, validation_error
 from kimik3.serve.responses import usage_body
@@ -57,7 +57,7 @@ class ServerState:
     def __init__(self, engine: LLMEngine, options: ServeOptions):
         self.engine = engine
         self.options = options
-        self.loop = EngineLoop(engine)
+        self.loop = EngineLoop(engine, options.limits.stream_buffer_steps)
         self.tokenizer = engine.get_tokenizer()
         self.metrics = ServerMetrics(self.loop, options.served_model_name)
         self.max_model_len = engine.config.max_model_len
@@ -246,6 +246,7 @@ class _Exchange:
         else:
             item = await self._next_watched(poll)
         if isinstance(item, list):
+            self.state.loop.taken(self.job)
             self._observe(item)
         return item
 
@@ -298,6 +299,7 @@ class _Exchange:
 
 async def run_job(state: ServerState, request: Request, prompts: list[PromptInput], params: SamplingParams, fmt,
                stream: bool, include_usage: bool, continuous_usage: bool = False) -> Response:
+    check_response_logprobs(state.options.limits, [len(p.token_ids) for p in prompts], params, stream)
     state.admit(len(prompts) * params.n)
     job = Job(fmt.id, prompts, params)
     prompt_tokens = sum(len(p.token_ids) for p in prompts)

@@ -42,6 +42,9 @@ class Limits:
     header_timeout: float = 10.0        # seconds for a complete request head
     body_timeout: float = 60.0          # seconds for the whole body
     max_connections: int = 1024
+    stall_timeout: float = 60.0         # seconds a client may leave a response unread before it is dropped
+    stream_buffer_steps: int = 64       # engine steps a stream may have unread before its generation pauses
+    max_response_logprobs: int = 1 << 18   # logprob entries (tokens x (1 + top)) one JSON response may carry
     max_n: int = 64
     max_prompts: int = 1024             # prompts in one /v1/completions request
     max_stop_strings: int = 64
@@ -52,11 +55,12 @@ class Limits:
 
     def __post_init__(self) -> None:
         for name in ("max_body_bytes", "max_connections", "max_n", "max_prompts", "max_stop_strings",
-                     "max_stop_chars", "max_stop_token_ids", "cpu_workers"):
+                     "max_stop_chars", "max_stop_token_ids", "cpu_workers", "stream_buffer_steps",
+                     "max_response_logprobs"):
             v = getattr(self, name)
             if not isinstance(v, int) or isinstance(v, bool) or v < 1:
                 raise ValueError(f"{name} must be a positive integer, got {v!r}")
-        for name in ("header_timeout", "body_timeout"):
+        for name in ("header_timeout", "body_timeout", "stall_timeout"):
             if not getattr(self, name) > 0:
                 raise ValueError(f"{name} must be > 0 seconds, got {getattr(self, name)!r}")
 
@@ -72,6 +76,16 @@ def add_limit_arguments(parser: argparse.ArgumentParser) -> None:
     parser.add_argument("--max-connections", type=int, default=d.max_connections,
                         help=f"open connections served at once; more are answered 503 (default: {d.max_connections})")
     parser.add_argument("--max-n", type=int, default=d.max_n, help=f"largest n (samples per prompt) accepted (default: {d.max_n})")
+    parser.add_argument("--stall-timeout", type=float, default=d.stall_timeout,
+                        help="seconds a client may leave a response unread (its connection's send buffer full) "
+                             f"before the connection is dropped and its request aborted (default: {d.stall_timeout:g})")
+    parser.add_argument("--stream-buffer-steps", type=int, default=d.stream_buffer_steps,
+                        help="engine steps a stream may have produced beyond what its client has read before its "
+                             f"generation pauses (it resumes as the client reads; default: {d.stream_buffer_steps})")
+    parser.add_argument("--max-response-logprobs", type=int, default=d.max_response_logprobs,
+                        help="most logprob entries one non-streamed response may carry: prompt tokens x (1 + "
+                             "prompt_logprobs) plus n x prompts x max_tokens x (1 + logprobs); beyond it a 400 "
+                             f"(default: {d.max_response_logprobs})")
     parser.add_argument("--allowed-hosts", default=None,
                         help="comma-separated Host header names accepted (e.g. llm.example,10.0.0.5:8000; a name "
                              "without a port takes any port; '*' takes any host); others get 421, which stops "
@@ -116,7 +130,34 @@ def limits_from_args(args: argparse.Namespace) -> Limits:
              else default_allowed_hosts(getattr(args, "host", "") or ""))
     return Limits(max_body_bytes=args.max_body_bytes, header_timeout=args.header_timeout,
                   body_timeout=args.body_timeout, max_connections=args.max_connections, max_n=args.max_n,
+                  stall_timeout=args.stall_timeout, stream_buffer_steps=args.stream_buffer_steps,
+                  max_response_logprobs=args.max_response_logprobs,
                   allowed_hosts=None if hosts is None or "*" in hosts else hosts)
+
+
+class RepeatedErrors:
+    """An asyncio exception handler that logs an error once and then, while it repeats, one line a ``window``
+    with its count (an accept loop out of file descriptors reports EMFILE for every attempt: 45,055 identical
+    tracebacks filled a log)."""
+
+    def __init__(self, window: float = 60.0, clock=None):
+        import time
+        self.window = window
+        self.clock = clock or time.monotonic
+        self.seen: dict[tuple, list] = {}      # key -> [first time of this window, repeats since logged]
+
+    def __call__(self, loop, context: dict) -> None:
+        exc = context.get("exception")
+        key = (context.get("message"), type(exc).__name__, getattr(exc, "errno", None))
+        now = self.clock()
+        entry = self.seen.get(key)
+        if entry is None or now - entry[0] >= self.window:
+            if entry is not None and entry[1]:
+                logger.error("%s (%s) repeated %d more time(s) in %.0f s", key[0], key[1], entry[1], now - entry[0])
+            self.seen[key] = [now, 0]
+            loop.default_exception_handler(context)
+        else:
+            entry[1] += 1
 
 
 def raise_fd_limit(max_connections: int) -> int:
@@ -157,6 +198,22 @@ def check_request_limits(limits: Limits, n: int, num_prompts: int, stop, stop_to
     if stop_token_ids is not None and len(stop_token_ids) > limits.max_stop_token_ids:
         raise bad_request(f"stop_token_ids holds at most {limits.max_stop_token_ids} ids, got "
                           f"{len(stop_token_ids)}", "stop_token_ids")
+
+
+def check_response_logprobs(limits: Limits, prompt_lens: list[int], params, stream: bool) -> None:
+    """400 naming ``--max-response-logprobs`` when a response would carry more logprob entries than the
+    budget: ``prompt_logprobs`` (they come in the final body, stream or not) and, for a JSON body, the output
+    logprobs of every sample. A stream sends output logprobs as they come (its buffer is bounded)."""
+    entries = 0
+    if params.prompt_logprobs is not None:
+        entries += sum(prompt_lens) * (1 + params.prompt_logprobs)
+    if params.logprobs is not None and not stream:
+        entries += len(prompt_lens) * params.n * params.max_tokens * (1 + params.logprobs)
+    if entries > limits.max_response_logprobs:
+        raise bad_request(f"this request would return {entries} logprob entries (prompt tokens x (1 + "
+                          f"prompt_logprobs) + n x prompts x max_tokens x (1 + logprobs)), more than this server's "
+                          f"--max-response-logprobs {limits.max_response_logprobs}; ask for fewer logprobs, a lower "
+                          f"max_tokens or n, or stream the output", "logprobs", "response_too_large")
 
 
 # ---- bodies (ASGI) ------------------------------------------------------------------------------------------
@@ -283,10 +340,46 @@ class LimitedH11Protocol(H11Protocol):
         super().connection_made(transport)
         _no_delay(transport)
         self._head_timer = None
+        self._stall_timer = None
         self._head_started = False        # bytes of the next request head have arrived
-        if len(self.connections) > self.limits.max_connections:
-            self.app = _busy_app          # this connection only: its request is answered 503
+        self._opened = self.loop.time()
+        if len(self.connections) > self.limits.max_connections and not self._evict_idle():
+            self.app = _busy_app          # every other connection is busy: this one's request is answered 503
         self._arm_head_timer()
+
+    def _idle(self) -> bool:
+        """No request in progress: between requests, or (part of) a head not yet complete."""
+        return self.cycle is None or self.cycle.response_complete
+
+    def _evict_idle(self) -> bool:
+        """At the cap, close the connection idle longest (fully idle before half-sent heads), so idle connections
+        can never lock new clients out; False if every other connection has a request in progress."""
+        idle = [c for c in self.connections if c is not self and isinstance(c, LimitedH11Protocol) and c._idle()
+                and not c.transport.is_closing()]
+        if not idle:
+            return False
+        victim = min(idle, key=lambda c: (c._head_started, c._opened))
+        victim.transport.abort()
+        return True
+
+    def pause_writing(self) -> None:
+        """The client stopped reading (our send buffer is full): drop the connection if it stays so for
+        ``stall_timeout`` seconds (its request is then aborted, as for any disconnect)."""
+        super().pause_writing()
+        if self._stall_timer is None:
+            self._stall_timer = self.loop.call_later(self.limits.stall_timeout, self._stalled)
+
+    def resume_writing(self) -> None:
+        super().resume_writing()
+        if self._stall_timer is not None:
+            self._stall_timer.cancel()
+            self._stall_timer = None
+
+    def _stalled(self) -> None:
+        self._stall_timer = None
+        logger.info("dropping a connection whose client read nothing for %g s (--stall-timeout)",
+                    self.limits.stall_timeout)
+        self.transport.abort()
 
     def _arm_head_timer(self) -> None:
         if self._head_timer is None:
@@ -322,6 +415,9 @@ class LimitedH11Protocol(H11Protocol):
 
     def connection_lost(self, exc) -> None:
         self._disarm_head_timer()
+        if self._stall_timer is not None:
+            self._stall_timer.cancel()
+            self._stall_timer = None
         super().connection_lost(exc)
 
 

@@ -103,20 +103,53 @@ def test_slow_header_is_closed_after_the_timeout(server):
     assert time.monotonic() - start < 5
 
 
-def test_connections_beyond_the_cap_get_503_and_the_server_recovers(server):
-    held = [_connect(server) for _ in range(40)]       # idle: the head deadline closes them later
+def test_idle_connections_cannot_lock_new_clients_out(server):
+    """40 idle connections (some with half a request head) against a cap of 32: a new client is served at once, the
+    idle connections longest idle closed to make room (before, each 10 s head window locked everyone out)."""
+    held = [_connect(server) for _ in range(40)]
+    for s in held[::4]:
+        s.sendall(b"GET /health HTTP/1.1\r\n")          # a head begun, never finished
     try:
         time.sleep(0.1)
+        start = time.monotonic()
         r = httpx.post(server.url + "/v1/chat/completions", json=chat(), timeout=30)
-        err = assert_error(r, 503, None, "--max-connections")
-        assert err["code"] == "too_many_connections"
+        assert r.status_code == 200 and time.monotonic() - start < 5
+        assert len(server.server.server_state.connections) <= 32
+        assert sum(_closed(s) for s in held[:8]) >= 8 - 2       # the oldest were closed
     finally:
         for s in held:
             s.close()
-    deadline = time.monotonic() + 10
-    while httpx.post(server.url + "/v1/chat/completions", json=chat(), timeout=30).status_code != 200:
-        assert time.monotonic() < deadline
-        time.sleep(0.05)
+
+
+def test_busy_connections_beyond_the_cap_get_503_and_the_server_recovers():
+    """Only when every connection has a request in progress is a new one answered 503."""
+    s = start_fake_server(step_delay=0.02, limits=Limits(max_connections=4))
+    try:
+        streams = [httpx.stream("POST", s.url + "/v1/completions", timeout=60,
+                                json={"model": MODEL, "prompt": "x", "max_tokens": 400, "ignore_eos": True,
+                                      "stream": True}) for _ in range(4)]
+        responses = [st.__enter__() for st in streams]
+        try:
+            _wait_for(lambda: s.state.in_flight == 4)
+            r = httpx.post(s.url + "/v1/chat/completions", json=chat(), timeout=30)
+            err = assert_error(r, 503, None, "--max-connections")
+            assert err["code"] == "too_many_connections"
+        finally:
+            for st, resp in zip(streams, responses):
+                st.__exit__(None, None, None)
+        deadline = time.monotonic() + 10
+        while httpx.post(s.url + "/v1/chat/completions", json=chat(), timeout=30).status_code != 200:
+            assert time.monotonic() < deadline
+            time.sleep(0.05)
+    finally:
+        s.stop()
+
+
+def _wait_for(cond, timeout: float = 30.0) -> None:
+    deadline = time.monotonic() + timeout
+    while not cond():
+        assert time.monotonic() < deadline, "timed out"
+        time.sleep(0.01)
 
 
 def test_post_without_json_content_type_is_415(server):
@@ -366,5 +399,53 @@ def test_a_rebinding_page_is_refused_by_a_cli_built_server():
         assert_error(r, 421, None, "--allowed-hosts")
         for host in (f"127.0.0.1:{s.port}", f"localhost:{s.port}"):
             assert httpx.get(s.url + "/v1/models", headers={"host": host}, timeout=30).status_code == 200
+    finally:
+        s.stop()
+
+
+def test_repeated_loop_errors_are_one_line_with_a_count(caplog):
+    """An accept loop out of file descriptors reports EMFILE on every attempt: logged once, then one line a window
+    with the count (45,055 identical tracebacks filled a log before)."""
+    import errno
+    import logging
+
+    from kimik3.serve.limits import RepeatedErrors
+    now = [0.0]
+    handler = RepeatedErrors(window=60.0, clock=lambda: now[0])
+
+    class Loop:
+        calls = 0
+
+        def default_exception_handler(self, context):
+            Loop.calls += 1
+    loop = Loop()
+    emfile = {"message": "socket.accept() out of system resource", "exception": OSError(errno.EMFILE, "Too many")}
+    with caplog.at_level(logging.ERROR, logger="kimik3.serve.limits"):
+        for i in range(45055):
+            now[0] = i * 0.001
+            handler(loop, emfile)
+        assert Loop.calls == 1
+        now[0] = 100.0
+        handler(loop, emfile)
+        handler(loop, {"message": "another", "exception": ValueError("x")})
+    assert Loop.calls == 3
+    assert [r.getMessage() for r in caplog.records] == [
+        "socket.accept() out of system resource (OSError) repeated 45054 more time(s) in 100 s"]
+
+
+def test_response_logprobs_are_bounded():
+    """prompt_logprobs and n x logprobs are held to --max-response-logprobs (an 8k prompt with prompt_logprobs=20
+    made a 9.3 MB body); a stream sends output logprobs as they come."""
+    s = start_fake_server(engine_kw={"max_model_len": 1024}, limits=Limits(max_response_logprobs=2000))
+    try:
+        url = s.url + "/v1/completions"
+        base = {"model": MODEL, "prompt": list(range(1, 201)), "max_tokens": 4}
+        err = assert_error(httpx.post(url, json={**base, "prompt_logprobs": 20}, timeout=30), 400, "logprobs",
+                           "--max-response-logprobs 2000")
+        assert err["code"] == "response_too_large" and "4200 logprob entries" in err["message"]
+        assert httpx.post(url, json={**base, "prompt_logprobs": 5}, timeout=30).status_code == 200
+        many = {**base, "n": 4, "max_tokens": 100, "logprobs": 5}
+        assert_error(httpx.post(url, json=many, timeout=30), 400, "logprobs", "stream the output")
+        assert httpx.post(url, json={**many, "stream": True}, timeout=30).status_code == 200
     finally:
         s.stop()

@@ -141,6 +141,13 @@ class LLMEngine:
                 self.scheduler.finish(req, "abort")
         self._aborted.append(group)
 
+    def pause_request(self, request_id: str, paused: bool = True) -> None:
+        """Stop (or resume) scheduling a request's samples; they keep their cache. A server pauses a stream
+        whose client has stopped reading."""
+        group = self.groups.get(request_id)
+        for req in group.children if group is not None else ():
+            req.paused = paused
+
     def has_unfinished_requests(self) -> bool:
         return (self.scheduler.has_unfinished() or bool(self._aborted)
                 or (self.pipeline is not None and self.pipeline.in_flight is not None))

@@ -77,6 +77,7 @@ class Request:
     device_controls: object | None = None   # logit controls: ids and biases on the device (first use)
     matcher: object | None = None                   # logit controls: the structured-output grammar (structured.Matcher)
     spec: object | None = None      # the drafter's state for this request (engine/spec/; only the drafter writes it)
+    paused: bool = False            # not scheduled until resumed (its reader is behind: LLMEngine.pause_request)
     # Image embeddings [N_i, D] by item, held (the runner's tensors) from the first chunk that needs an
     # item until its last pad is computed, so a request encodes or fetches each image once per prefill.
     image_embeds: dict[int, torch.Tensor] = field(default_factory=dict)

@@ -48,7 +48,8 @@ class Scheduler:
         self.waiting.append(req)
 
     def has_unfinished(self) -> bool:
-        return bool(self.waiting or self.running)
+        """Requests to schedule (a paused one waits for ``LLMEngine.pause_request(..., False)``)."""
+        return bool(self.waiting) or any(not r.paused for r in self.running)
 
     def schedule(self) -> SchedulerOutput:
         out = SchedulerOutput()
@@ -56,6 +57,9 @@ class Scheduler:
         i = 0
         while i < len(self.running) and budget > 0:
             req = self.running[i]
+            if req.paused:                  # keeps its cache and slot; not stepped
+                i += 1
+                continue
             self.kv.take_rollback(req, out.state_copies)     # roll back to the last accepted draft first
             n = min(req.num_tokens - req.num_computed_tokens, budget)
             draft = self._draft(req, budget) if n == 1 else []
@@ -100,7 +104,7 @@ class Scheduler:
             return None                                # its drafter drafts from prev's committed tokens
         if (self.waiting or len(prev.chunks) != len(self.running)
                 or len(prev.chunks) > self.config.max_num_batched_tokens
-                or any(not c.samples or c.draft or c.req.is_finished for c in prev.chunks)):
+                or any(not c.samples or c.draft or c.req.is_finished or c.req.paused for c in prev.chunks)):
             return None
         budget = self.config.max_num_batched_tokens - len(prev.chunks)
         planned = []
@@ -151,7 +155,8 @@ class Scheduler:
         checkpoint at the new position. Else None. The engine keeps the chunks whose drafts were all rejected.
         (Called once the verify's input tokens are on the host.) Never with a drafter that does not draft ahead
         (``Drafter.drafts_ahead``: a draft model's drafts follow the verify's committed tokens)."""
-        if self.waiting or len(verify.chunks) != len(self.running) or not self._drafts_ahead:
+        if (self.waiting or len(verify.chunks) != len(self.running) or not self._drafts_ahead
+                or any(c.req.paused for c in verify.chunks)):
             return None
         out = SchedulerOutput()
         for c in verify.chunks:
