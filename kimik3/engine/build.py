@@ -27,7 +27,7 @@ def build_engine(args: EngineArgs, tokenizer=None):
     """Load the model and build the engine: ``(LLMEngine, parallel group or None)``."""
     path = args.model_path()
     device, dtype = args.resolve_device_dtype()
-    config = args.engine_config(args.resolve_max_model_len(load_config(path)), device)
+    config = args.engine_config(args.resolve_max_model_len(load_config(path), device), device)
     if config.async_scheduling and args.async_scheduling is None:
         logger.info("async scheduling on (the default on one CUDA device; --no-async-scheduling turns it off)")
     args.generation_defaults(path)          # a bad generation config fails before the load

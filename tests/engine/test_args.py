@@ -93,6 +93,19 @@ def test_max_model_len_defaults_to_the_model_config():
         EngineArgs(max_model_len=raw + 1).resolve_max_model_len(cfg)
 
 
+def test_a_cpu_default_context_a_cpu_can_serve():
+    """On a CPU the default context is 8192 tokens, not the model's 1,048,576 (a chat without max_tokens could
+    generate a million tokens; a 1M-id prompt grew a CPU server by 6.3 GB); a given length still wins."""
+    from kimik3.engine.args import CPU_DEFAULT_MAX_MODEL_LEN
+    cfg = load_config(kimik3.DEFAULT_MODEL)
+    assert cfg.text.max_position_embeddings == 1048576 and CPU_DEFAULT_MAX_MODEL_LEN == 8192
+    assert EngineArgs().resolve_max_model_len(cfg, torch.device("cpu")) == 8192
+    assert EngineArgs(max_model_len="1M").resolve_max_model_len(cfg, torch.device("cpu")) == 1048576
+    assert EngineArgs().resolve_max_model_len(cfg, torch.device("cuda")) == 1048576
+    llm = kimik3.LLM(kimik3.DEFAULT_MODEL, device="cpu", max_num_seqs=2)
+    assert llm.engine.config.max_model_len == 8192
+
+
 def test_gpu_memory_utilization_is_a_fraction_of_the_whole_gpu():
     gib = 1 << 30
     # 80 GiB GPU, weights hold 30 GiB, nobody else: 0.9 * 80 - 30 = 42 GiB of cache
