@@ -5,6 +5,7 @@ from __future__ import annotations
 import argparse
 import dataclasses
 import json
+from pathlib import Path
 
 import pytest
 import torch
@@ -185,3 +186,27 @@ def test_kernel_options_from_flags_else_their_variables(monkeypatch):
     monkeypatch.setenv("KIMIK3_PDL", "0")
     assert options([]) == KernelOptions(flash_mla="/env.so", pdl=False)
     assert options(["--flash-mla", "/flag.so", "--pdl"]) == KernelOptions(flash_mla="/flag.so", pdl=True)
+
+
+def test_the_gpu_cache_budget_leaves_a_steps_workspace():
+    """The cache is sized after the worst step's workspace is set aside (a K3 slice with max_model_len 1M at
+    gpu_memory_utilization 0.9 ran out of memory prefilling 131,072 tokens: the plan had left only the 10 %)."""
+    from kimik3.config import load_config
+    from kimik3.engine.config import EngineConfig
+    from kimik3.engine.core.cache_budget import GRAPH_RESERVE, step_workspace
+    from kimik3.engine.core.scheduler import PROMPT_LOGPROB_ROWS
+    gib = 1 << 30
+    text = load_config(Path(__file__).parents[1] / "data/kimi-k3-release.config.json").text
+    ws = step_workspace(text, EngineConfig(max_model_len=1048576), torch.bfloat16)
+    assert set(ws.parts) == {"residual", "mla", "kda", "mlp", "logits", "graphs"} and ws.parts["graphs"] == GRAPH_RESERVE
+    # the logits part from the vocabulary: 64 samples + 1024 scored prompt positions, float32, logits + log-softmax
+    assert ws.parts["logits"] == (64 + PROMPT_LOGPROB_ROWS) * text.vocab_size * 4 * 2
+    # every part is O(chunk): the context length does not grow it (the MLA prefill walks the context in pieces)
+    assert step_workspace(text, EngineConfig(max_model_len=131072), torch.bfloat16).total == ws.total
+    half = step_workspace(text, EngineConfig(max_model_len=1048576, max_num_batched_tokens=4096), torch.bfloat16)
+    assert half.total < ws.total and half.parts["kda"] * 2 == ws.parts["kda"]
+    assert step_workspace(text, EngineConfig(enforce_eager=True), torch.bfloat16).parts["graphs"] == 0
+    budget = gpu_cache_budget(80 * gib, 78 * gib, 30 * gib, 0.9, ws.total)
+    assert budget == int(0.9 * 80 * gib) - 30 * gib - ws.total
+    with pytest.raises(ValueError, match="workspace .* lower max_num_batched_tokens"):
+        gpu_cache_budget(80 * gib, 78 * gib, 60 * gib, 0.9, ws.total)

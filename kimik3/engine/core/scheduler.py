@@ -35,6 +35,22 @@ from kimik3.engine.spec.drafter import Drafter
 from kimik3.model.batch import StateCheckpoint
 
 
+PROMPT_LOGPROB_ROWS = 1024     # prompt positions one step scores for prompt_logprobs (their float32 logits rows)
+
+
+def _cap_prompt_rows(req: Request, start: int, n: int, left: int) -> tuple[int, int]:
+    """A chunk of ``n`` tokens from ``start`` shortened so it scores at most ``left`` prompt positions for
+    ``prompt_logprobs`` (each a [vocab] float32 logits row: 8,192 of them took 5.4 GB at K3's vocabulary);
+    (tokens, rows scored). 0 tokens: it waits for the next step."""
+    if req.params.prompt_logprobs is None:
+        return n, 0
+    lo = max(start, len(req.out.prompt_logprobs) - 1)
+    rows = max(0, min(start + n, req.num_prompt_tokens - 1) - lo)
+    if rows <= left:
+        return n, rows
+    return max(0, lo - start) + left, left
+
+
 class Scheduler:
     def __init__(self, kv: KVCacheManager, config: EngineConfig, drafter: Drafter | None = None):
         self.kv = kv
@@ -54,6 +70,7 @@ class Scheduler:
     def schedule(self) -> SchedulerOutput:
         out = SchedulerOutput()
         budget = self.config.max_num_batched_tokens
+        rows_left = PROMPT_LOGPROB_ROWS
         i = 0
         while i < len(self.running) and budget > 0:
             req = self.running[i]
@@ -61,7 +78,12 @@ class Scheduler:
                 i += 1
                 continue
             self.kv.take_rollback(req, out.state_copies)     # roll back to the last accepted draft first
-            n = min(req.num_tokens - req.num_computed_tokens, budget)
+            n, rows = _cap_prompt_rows(req, req.num_computed_tokens,
+                                       min(req.num_tokens - req.num_computed_tokens, budget), rows_left)
+            if n == 0:
+                i += 1
+                continue
+            rows_left -= rows
             draft = self._draft(req, budget) if n == 1 else []
             while not self.kv.allocate(req, n + len(draft)):
                 victim = self.running.pop()
@@ -91,8 +113,11 @@ class Scheduler:
                 out.state_resets.append(req.cache.state_slot)
             else:
                 out.state_copies.append((admission.restore_from, req.cache.state_slot))
-            n = min(n, req.num_tokens - req.num_computed_tokens)
-            self._add_chunk(out, req, n)
+            n, rows = _cap_prompt_rows(req, req.num_computed_tokens, min(n, req.num_tokens - req.num_computed_tokens),
+                                       rows_left)
+            rows_left -= rows
+            if n:
+                self._add_chunk(out, req, n)
             budget -= n
         return out
 

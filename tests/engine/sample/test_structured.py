@@ -184,7 +184,12 @@ def test_include_stop_str_in_output(llm, tok):
     assert cut.text == plain[:i] and kept.text == plain[:i + len(stop)] and kept.stop_reason == stop
 
 
-def test_prompt_logprobs_match_a_full_forward():
+@pytest.mark.parametrize("rows", [None, 4])
+def test_prompt_logprobs_match_a_full_forward(rows, monkeypatch):
+    """Also with at most 4 prompt positions scored a step (``scheduler.PROMPT_LOGPROB_ROWS``, 1024: it bounds the
+    logits rows, as the cache plan's workspace counts them): the chunks shrink, the numbers stay."""
+    if rows is not None:
+        monkeypatch.setattr("kimik3.engine.core.scheduler.PROMPT_LOGPROB_ROWS", rows)
     llm = kimik3.LLM(kimik3.DEFAULT_MODEL, max_num_seqs=4, max_model_len=256, max_num_batched_tokens=7,
                      enable_prefix_caching=True, dtype=torch.float64)
     ids = list(range(40, 70))
@@ -198,6 +203,8 @@ def test_prompt_logprobs_match_a_full_forward():
         assert abs(d[ids[p]] - ref[p - 1, ids[p]].item()) < 1e-9
         top = ref[p - 1].topk(3)
         assert set(top.indices.tolist()) <= set(d)
+    if rows is not None:
+        assert llm.engine.runner.num_steps >= (len(ids) - 1) // rows
 
 
 def _fake_engine_llm(tok):
