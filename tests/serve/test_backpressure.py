@@ -69,12 +69,30 @@ def test_a_stalled_connection_is_dropped_and_its_request_aborted():
         start = time.monotonic()
         _wait(lambda: s.state.in_flight == 0, timeout=60)         # dropped: the request is aborted
         assert time.monotonic() - start < 30
-        assert s.engine.stats().num_running == 0
+        _wait(lambda: s.engine.stats().num_running == 0)
         _wait(lambda: s.engine.kv.blocks.num_free == s.engine.kv.plan.num_usable_blocks)
         with pytest.raises((ConnectionResetError, BrokenPipeError, OSError)):
             while c.recv(1 << 16):       # what was buffered, then the reset
                 pass
             raise ConnectionResetError
         c.close()
+    finally:
+        s.stop()
+
+
+def test_an_abort_reaches_a_long_prefill_within_one_chunk():
+    """A client that leaves during a long prefill: its request stops at the next chunk boundary (a 1M-token prompt
+    took 20.6 s to go idle on a CPU server)."""
+    s = start_fake_server(step_delay=0.05, engine_kw={"max_model_len": 2048, "max_num_batched_tokens": 64})
+    try:
+        job = Job("long", [PromptInput(list(range(5, 1805)))], SamplingParams(max_tokens=4))
+        s.state.loop.submit(job)
+        _wait(lambda: s.engine.runner.num_steps >= 3)
+        steps = s.engine.runner.num_steps
+        s.state.loop.abort(job)
+        _wait(lambda: job.done and not s.engine.has_unfinished_requests())
+        assert s.engine.runner.num_steps - steps <= 2          # the chunk in flight and at most one more
+        assert steps * 64 < 1800
+        _wait(lambda: s.engine.kv.blocks.num_free == s.engine.kv.plan.num_usable_blocks)
     finally:
         s.stop()
