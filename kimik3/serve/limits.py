@@ -89,8 +89,8 @@ def add_limit_arguments(parser: argparse.ArgumentParser) -> None:
     parser.add_argument("--allowed-hosts", default=None,
                         help="comma-separated Host header names accepted (e.g. llm.example,10.0.0.5:8000; a name "
                              "without a port takes any port; '*' takes any host); others get 421, which stops "
-                             "DNS-rebinding pages (default: the bound interface, with localhost, 127.0.0.1 and [::1] "
-                             "on loopback; any host when bound to every interface, 0.0.0.0 or ::)")
+                             "DNS-rebinding pages (default: the bound interface: localhost, 127.0.0.1 and [::1] on "
+                             "loopback; any host when bound to every interface, 0.0.0.0 or ::)")
 
 
 LOOPBACK_NAMES = ("localhost", "127.0.0.1", "[::1]")
