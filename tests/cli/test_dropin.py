@@ -30,7 +30,7 @@ def one_error_line(r, message: str) -> None:
     (["serve", str(kimik3.DEFAULT_MODEL), "--model", "/elsewhere"], "the model is given twice"),
     (["serve", "--tool-call-parser", "hermes"], "unknown tool-call parser 'hermes'"),
     (["serve", "--reasoning-parser", "deepseek_r1"], "unknown reasoning parser 'deepseek_r1'"),
-    (["serve", "--kv-cache-dtype", "fp8"], "argument --kv-cache-dtype: invalid choice: 'fp8'"),
+    (["serve", "--kv-cache-dtype", "int4"], "argument --kv-cache-dtype: invalid choice: 'int4'"),
     (["serve", "--dtype", "fp8"], "argument --dtype: invalid choice: 'fp8'"),
     (["serve", "--max-model-len", "1.5K"], "decimals are not allowed with the binary suffix K"),
     (["serve", "--gpu-memory-utilization", "1.2"], "expected a number in (0, 1]"),
