@@ -82,3 +82,32 @@ def test_no_function_over_the_limit():
             if c > LIMIT:
                 over[f"{rel}::{name}"] = c
     assert not over, f"functions over complexity {LIMIT} (split them into parts named by the decision they make): {over}"
+
+
+ENGINE_FILE_LINES = 350
+
+
+def test_no_engine_file_is_over_350_lines():
+    """A file of ``kimik3/engine/`` that grows past 350 lines holds two concerns: split it by concern."""
+    long = {str(p.relative_to(ROOT)): n for p in sorted((ROOT / "engine").rglob("*.py"))
+            if (n := len(p.read_text().splitlines())) > ENGINE_FILE_LINES}
+    assert not long, f"engine files over {ENGINE_FILE_LINES} lines: {long}"
+
+
+def _reads_environment(tree: ast.AST) -> bool:
+    for node in ast.walk(tree):
+        if isinstance(node, ast.Attribute) and node.attr in ("environ", "getenv", "environb") \
+                and isinstance(node.value, ast.Name) and node.value.id == "os":
+            return True
+        if isinstance(node, ast.ImportFrom) and node.module == "os" \
+                and any(a.name in ("environ", "getenv", "environb") for a in node.names):
+            return True
+    return False
+
+
+def test_the_ops_and_the_model_read_no_environment_variable():
+    """Options reach the ops and the model through KernelOptions / the configs (engine/args.py reads the
+    environment, once); an op that reads ``os.environ`` hides an option from the config and the tests."""
+    readers = [str(p.relative_to(ROOT)) for d in ("ops", "model") for p in sorted((ROOT / d).rglob("*.py"))
+               if _reads_environment(ast.parse(p.read_text()))]
+    assert not readers, f"environment read in {readers}: pass the option through kimik3/ops/options.py"

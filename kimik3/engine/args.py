@@ -14,7 +14,6 @@ from __future__ import annotations
 
 import argparse
 import dataclasses
-import json
 import logging
 import os
 import re
@@ -24,10 +23,9 @@ from typing import Any
 
 import torch
 
-from kimik3.distributed import MOE_MODES
-from kimik3.engine.arg_types import DTYPES, check_mm_limits, check_speculative_config, fraction, human_readable_int, \
-    mm_limits_arg, non_negative_gib, non_negative_int, positive_int, positive_seconds, positive_size, \
-    read_generation_config, speculative_config_arg
+from kimik3.engine.arg_checks import LOAD_FORMATS, MOE_BACKENDS, check_engine_args
+from kimik3.engine.arg_types import DTYPES, fraction, mm_limits_arg, non_negative_gib, non_negative_int, positive_int, \
+    positive_seconds, positive_size, read_generation_config, speculative_config_arg
 from kimik3.model.batch import KV_CACHE_DTYPES
 from kimik3.kernels import installed
 from kimik3.ops.cuda.flash_kda import ENV as FLASH_KDA_ENV
@@ -37,8 +35,6 @@ from kimik3.ops.options import KernelOptions
 
 logger = logging.getLogger(__name__)
 
-LOAD_FORMATS = ("auto", "safetensors", "fastsafetensors")
-MOE_BACKENDS = ("auto", "triton")
 CPU_DEFAULT_MAX_MODEL_LEN = 8192     # the default context on a CPU (a chat without max_tokens ends within it)
 
 
@@ -191,71 +187,7 @@ class EngineArgs:
         "refused (default: on)", default=None)
 
     def __post_init__(self) -> None:
-        if isinstance(self.dtype, str) and self.dtype not in DTYPES:
-            raise ValueError(f"dtype must be one of {list(DTYPES)} (or a torch.dtype), got {self.dtype!r}")
-        if not isinstance(self.dtype, (str, torch.dtype)):
-            raise ValueError(f"dtype must be a string such as 'bfloat16' or a torch.dtype, got {self.dtype!r}")
-        if self.quantization is not None and self.quantization not in ("fp8",):
-            raise ValueError(f"quantization {self.quantization!r} is not supported; kimik3 takes ['fp8'] (or none: "
-                             f"the checkpoint's own formats)")
-        if self.kv_cache_dtype not in KV_CACHE_DTYPES:
-            raise ValueError(f"kv_cache_dtype must be one of {list(KV_CACHE_DTYPES)}, got {self.kv_cache_dtype!r}")
-        if not (isinstance(self.gpu_memory_utilization, (int, float)) and 0.0 < self.gpu_memory_utilization <= 1.0):
-            raise ValueError(f"gpu_memory_utilization must lie in (0, 1], got {self.gpu_memory_utilization!r}")
-        if not isinstance(self.max_logprobs, int) or self.max_logprobs < 0:
-            raise ValueError(f"max_logprobs must be an integer >= 0, got {self.max_logprobs!r}")
-        if self.max_model_len is not None and isinstance(self.max_model_len, str):
-            self.max_model_len = human_readable_int(self.max_model_len)
-        if self.limit_mm_per_prompt is not None:
-            self.limit_mm_per_prompt = check_mm_limits(self.limit_mm_per_prompt)
-        if self.speculative_config is not None:
-            if isinstance(self.speculative_config, str):
-                self.speculative_config = json.loads(self.speculative_config)
-            self.speculative_config = check_speculative_config(self.speculative_config)
-            if self.num_speculative_tokens:
-                raise ValueError("give speculative_config or num_speculative_tokens (n-gram), not both")
-        self._check_parallel()
-        if isinstance(self.cpu_offload_gb, bool) or not isinstance(self.cpu_offload_gb, (int, float)) \
-                or not 0 <= self.cpu_offload_gb < float("inf"):
-            raise ValueError(f"cpu_offload_gb must be a number of GiB >= 0, got {self.cpu_offload_gb!r}")
-        self._check_vllm_flags()
-        if self.expert_parallel_mode not in MOE_MODES:
-            raise ValueError(f"expert_parallel_mode must be one of {MOE_MODES}, got {self.expert_parallel_mode!r}")
-
-    def _check_parallel(self) -> None:
-        """The parallel layout's settings (expert placement, decode context parallelism)."""
-        if (self.num_redundant_experts or self.eplb_load_file) and not self.enable_eplb:
-            raise ValueError("num_redundant_experts and eplb_load_file need enable_eplb")
-        if self.enable_eplb and not self.enable_expert_parallel:
-            raise ValueError("enable_eplb places experts over expert-parallel ranks: add enable_expert_parallel")
-        if self.pipeline_parallel_size > 1:
-            if self.async_scheduling:
-                raise ValueError("async_scheduling is not supported with pipeline parallelism yet; leave it off")
-            if self.enforce_eager is False:
-                raise ValueError("decode CUDA graphs are not supported with pipeline parallelism yet; leave "
-                                 "enforce_eager on")
-        if self.pp_layer_partition is not None and self.pipeline_parallel_size == 1:
-            raise ValueError("pp_layer_partition needs pipeline_parallel_size > 1")
-        if self.tensor_parallel_size % self.decode_context_parallel_size:
-            raise ValueError(f"decode_context_parallel_size {self.decode_context_parallel_size} must divide "
-                             f"tensor_parallel_size {self.tensor_parallel_size} (the latent cache is striped over "
-                             f"tensor-parallel ranks)")
-
-    def _check_vllm_flags(self) -> None:
-        """vLLM's flags kimik3 takes as no-ops or limits: refuse the values it cannot honour."""
-        if self.load_format not in LOAD_FORMATS:
-            raise ValueError(f"load_format {self.load_format!r} is not supported: kimik3 reads safetensors "
-                             f"checkpoints; use one of {list(LOAD_FORMATS)}")
-        if self.moe_backend not in MOE_BACKENDS:
-            raise ValueError(f"moe_backend {self.moe_backend!r} is not available: kimik3 runs its own Triton expert "
-                             f"kernels; use one of {list(MOE_BACKENDS)}")
-        if self.enable_chunked_prefill is False:
-            raise ValueError("enable_chunked_prefill=False is not supported: kimik3 always chunks long prompts by "
-                             "max_num_batched_tokens (raise that to prefill a prompt in one step)")
-        if self.max_cudagraph_capture_size is not None and (
-                not isinstance(self.max_cudagraph_capture_size, int) or self.max_cudagraph_capture_size < 1):
-            raise ValueError(f"max_cudagraph_capture_size must be a positive integer, got "
-                             f"{self.max_cudagraph_capture_size!r}")
+        check_engine_args(self)
 
     # ---- the command line ------------------------------------------------------------------------
     @classmethod
