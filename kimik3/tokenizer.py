@@ -389,13 +389,15 @@ class KimiTokenizer:
         tool_choice: Any = None,
         response_format: Any = None,
         images: Sequence[Any] | None = None,
+        videos: Sequence[Any] | None = None,
     ) -> str | list[int]:
         """Render a conversation in the checkpoint's chat format.
 
         Returns the prompt text (special tokens as literal strings) or, with ``tokenize=True``, the
         ids encoded segment by segment, so text from messages never becomes special ids.
         ``images``: one ``kimik3.chat.ImagePrompt`` (original width, height, number of
-        ``<|media_pad|>`` ids) per image content part, in order (K3 only); see ``kimik3.chat.k3``.
+        ``<|media_pad|>`` ids) per image content part, in order (K3 only); ``videos``: one
+        ``kimik3.chat.VideoPrompt`` per video part; see ``kimik3.chat.k3``.
         Invalid conversations raise ValueError/TypeError.
         """
         if not isinstance(tokenize, bool):
@@ -409,6 +411,7 @@ class KimiTokenizer:
             tool_choice=tool_choice,
             response_format=response_format,
             images=images,
+            videos=videos,
         )
         if tokenize:
             return self.encode_segments(segments)

@@ -10,7 +10,7 @@ from kimik3.chat.parsers import (
     ToolCall,
     parse_k3_output,
 )
-from kimik3.chat.segments import ImagePrompt, Segment
+from kimik3.chat.segments import ImagePrompt, Segment, VideoPrompt
 
 __all__ = [
     "ImagePrompt",
@@ -19,6 +19,7 @@ __all__ = [
     "ParsedOutput",
     "Segment",
     "ToolCall",
+    "VideoPrompt",
     "parse_k3_output",
     "render_k3",
     "render_kimi_linear",

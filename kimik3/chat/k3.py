@@ -14,6 +14,11 @@ Images: an image content part (``{"type": "image"}`` / ``{"type": "image_url", .
 part's position, with no separators (official positional layout, D11). Without ``images`` it renders
 the plain-text placeholder ``IMAGE_PLACEHOLDER``, for display only. A literal placeholder typed in any
 text stays plain text and is never replaced by an image (our deviation from the official encoder, D25).
+
+Videos: a video part (``{"type": "video_url", ...}`` / ``{"type": "video"}``) takes the next of
+``videos=[VideoPrompt(chunks), ...]`` and becomes, per chunk, the control segment
+``{timestamp}<|media_begin|>video<|media_content|>`` + n x ``<|media_pad|>`` + ``<|media_end|>``, the chunks
+back to back (Moonshot's Kimi-K2.5 video prompt, which vLLM's K3 video branch keeps; ``kimik3.vision.video``).
 """
 
 from __future__ import annotations
@@ -22,7 +27,7 @@ import json
 from collections.abc import Sequence
 from typing import Any
 
-from kimik3.chat.segments import ImagePrompt, Segment
+from kimik3.chat.segments import ImagePrompt, Segment, VideoPrompt
 
 OPEN, CLOSE, SEP, END_OF_MSG = "<|open|>", "<|close|>", "<|sep|>", "<|end_of_msg|>"
 MEDIA_BEGIN, MEDIA_CONTENT, MEDIA_END, MEDIA_PAD = "<|media_begin|>", "<|media_content|>", "<|media_end|>", "<|media_pad|>"
@@ -168,10 +173,12 @@ def normalize_arguments(arguments: Any) -> tuple[list[tuple[str, str, str]], str
 
 
 class _Writer:
-    def __init__(self, images: Sequence[ImagePrompt] | None):
+    def __init__(self, images: Sequence[ImagePrompt] | None, videos: Sequence[VideoPrompt] | None = None):
         self.segments: list[Segment] = []
         self.images = images
         self.next_image = 0
+        self.videos = videos
+        self.next_video = 0
 
     def control(self, text: str) -> None:
         self.segments.append(Segment(text, special=True))
@@ -216,6 +223,13 @@ class _Writer:
             f"{MEDIA_BEGIN}image {img.width}x{img.height}{MEDIA_CONTENT}" + MEDIA_PAD * img.num_pad_tokens + MEDIA_END
         )
 
+    def video(self) -> None:
+        if self.videos is None or self.next_video >= len(self.videos):
+            raise ValueError(f"the conversation has more video parts than the {len(self.videos or [])} videos given")
+        for stamp, pads in self.videos[self.next_video].chunks:
+            self.control(f"{stamp}{MEDIA_BEGIN}video{MEDIA_CONTENT}" + MEDIA_PAD * pads + MEDIA_END)
+        self.next_video += 1
+
     def content(self, content: Any, where: str) -> None:
         if content is None:
             return
@@ -230,13 +244,15 @@ class _Writer:
             kind = part.get("type")
             if kind in ("image", "image_url"):
                 self.image()
+            elif kind in ("video", "video_url"):
+                self.video()
             elif kind == "text":
                 text = part.get("text")
                 if not isinstance(text, str):
                     raise TypeError(f"{where}: text part {k} needs a str 'text', got {type(text).__name__}")
                 self.text(text)
             else:
-                raise ValueError(f"{where}: content part {k} has unknown type {kind!r} (expected text, image, image_url)")
+                raise ValueError(f"{where}: content part {k} has unknown type {kind!r} (expected text, image, image_url, video_url)")
 
 
 # ---- validation ------------------------------------------------------------------------------------
@@ -400,6 +416,7 @@ def render_k3(
     tool_choice: Any = None,
     response_format: dict | None = None,
     images: Sequence[ImagePrompt] | None = None,
+    videos: Sequence[VideoPrompt] | None = None,
 ) -> list[Segment]:
     """Render an OpenAI-style conversation as K3 XTML segments.
 
@@ -410,17 +427,14 @@ def render_k3(
     more tools mid-conversation. ``thinking_effort`` in low/medium/high/max (None: no effort message);
     ``tool_choice`` None/"auto"/"required"/"none"/named (named adds no message);
     ``response_format`` ``{"type": "text"|"json_object"|"json_schema", "json_schema": {"schema": ...}}``.
-    ``images``: see the module docstring. Raises ValueError/TypeError on invalid input.
+    ``images``, ``videos``: see the module docstring. Raises ValueError/TypeError on invalid input.
     """
     messages = check_conversation(conversation)
     _check_options(thinking, thinking_effort, tool_choice, response_format, tools)
-    if images is not None:
-        images = list(images)
-        for img in images:
-            if not isinstance(img, ImagePrompt):
-                raise TypeError(f"images must be ImagePrompt objects, got {type(img).__name__}")
+    images = _checked(images, ImagePrompt, "images")
+    videos = _checked(videos, VideoPrompt, "videos")
     messages = order_tool_results(messages)
-    w = _Writer(images)
+    w = _Writer(images, videos)
 
     if tools:
         _render_tools_declare(w, tools, dynamic=False)
@@ -435,7 +449,19 @@ def render_k3(
         w.open("think" if thinking else "response")
     if images is not None and w.next_image != len(images):
         raise ValueError(f"{len(images)} images given but the conversation has {w.next_image} image parts")
+    if videos is not None and w.next_video != len(videos):
+        raise ValueError(f"{len(videos)} videos given but the conversation has {w.next_video} video parts")
     return w.segments
+
+
+def _checked(items, kind: type, name: str) -> list | None:
+    if items is None:
+        return None
+    items = list(items)
+    for item in items:
+        if not isinstance(item, kind):
+            raise TypeError(f"{name} must be {kind.__name__} objects, got {type(item).__name__}")
+    return items
 
 
 def _render_messages(w: _Writer, messages: list[dict], thinking: bool) -> None:

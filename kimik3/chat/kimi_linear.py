@@ -60,6 +60,7 @@ def render_kimi_linear(
     tool_choice: Any = None,
     response_format: dict | None = None,
     images: Sequence[Any] | None = None,
+    videos: Sequence[Any] | None = None,
 ) -> list[Segment]:
     """Render an OpenAI-style conversation in Kimi-Linear's format (see the module docstring)."""
     conversation = check_conversation(conversation)
@@ -69,8 +70,8 @@ def render_kimi_linear(
         raise ValueError(f"Kimi-Linear's chat format has no tool_choice instruction; got {tool_choice!r}")
     if response_format is not None and (not isinstance(response_format, dict) or response_format.get("type") != "text"):
         raise ValueError(f"Kimi-Linear's chat format has no response_format instruction; got {response_format!r}")
-    if images:
-        raise ValueError("Kimi-Linear is a text-only model; images cannot be rendered")
+    if images or videos:
+        raise ValueError("Kimi-Linear is a text-only model; images and videos cannot be rendered")
     if tools is not None and not isinstance(tools, list):
         raise TypeError(f"tools must be a list of tool dicts, got {type(tools).__name__}")
 

@@ -38,3 +38,21 @@ class ImagePrompt:
             value = getattr(self, key)
             if not isinstance(value, int) or isinstance(value, bool) or value < 1:
                 raise ValueError(f"ImagePrompt.{key} must be a positive int, got {value!r}")
+
+
+@dataclass(frozen=True)
+class VideoPrompt:
+    """What the renderer needs to know about one video part: per chunk (``temporal_merge_kernel_size``
+    sampled frames, one tower item), its timestamp text and how many ``<|media_pad|>`` ids to emit
+    (``kimik3.vision.video``)."""
+
+    chunks: tuple[tuple[str, int], ...]
+
+    def __post_init__(self) -> None:
+        if not self.chunks:
+            raise ValueError("VideoPrompt needs at least one chunk")
+        for stamp, pads in self.chunks:
+            if not isinstance(stamp, str) or "<|" in stamp:
+                raise ValueError(f"VideoPrompt timestamps are plain text, got {stamp!r}")
+            if not isinstance(pads, int) or isinstance(pads, bool) or pads < 1:
+                raise ValueError(f"VideoPrompt pad counts must be positive ints, got {pads!r}")

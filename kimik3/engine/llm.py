@@ -18,7 +18,6 @@ from kimik3.vision.preprocess import VisionInputs
 
 _ENGINE_ARGS = tuple(f.name for f in dataclasses.fields(EngineArgs) if f.name != "model")
 _MM_KEYS = {"image", "video"}
-_IMAGE_PARTS = ("image", "image_pil", "image_url")
 
 
 class LLM:
@@ -162,17 +161,18 @@ class LLM:
 
     def chat(self, messages, sampling_params: SamplingParams | list[SamplingParams] | None = None,
              use_tqdm: bool = True, chat_template_kwargs: dict | None = None, add_generation_prompt: bool = True,
-             tools: list[dict] | None = None) -> list[RequestOutput]:
+             tools: list[dict] | None = None, media_io_kwargs: dict | None = None) -> list[RequestOutput]:
         """Generate replies to one conversation (a list of ``{"role", "content"}`` messages) or a list of
-        them, rendered in the checkpoint's chat format. Content parts may be text, ``{"type": "image_pil",
-        "image_pil": PIL}`` / ``{"type": "image", "image": PIL}``, or ``{"type": "image_url", "image_url":
-        {"url": "data:..."}}``. ``chat_template_kwargs``: ``thinking`` / ``enable_thinking`` (bool),
-        ``thinking_effort``, ``preserve_thinking`` (``kimik3.chat.options``; the server's reading). The text
+        them, rendered in the checkpoint's chat format. Content parts may be text, images (PIL or a data:
+        URL) and videos (a data: URL, bytes or a file path), sampled per ``media_io_kwargs={"video": {"fps":
+        F, "num_frames": N}}`` (``kimik3.engine.images.chat_media``). ``chat_template_kwargs``: ``thinking`` /
+        ``enable_thinking`` (bool), ``thinking_effort``, ``preserve_thinking`` (``kimik3.chat.options``; the
+        server's reading). The text
         comes back raw (thinking included); ``kimik3.chat.parse_k3_output`` splits it."""
         if not isinstance(messages, list) or not messages:
             raise ValueError("messages must be a non-empty list of messages (or of conversations)")
         conversations = messages if isinstance(messages[0], list) else [messages]
-        prompts = [self._chat_prompt(c, chat_template_kwargs or {}, add_generation_prompt, tools)
+        prompts = [self._chat_prompt(c, chat_template_kwargs or {}, add_generation_prompt, tools, media_io_kwargs)
                    for c in conversations]
         return self.generate(prompts, sampling_params, use_tqdm)
 
@@ -183,35 +183,16 @@ class LLM:
             self._processor = load_media_processor_config(self.model_path)
         return self._processor
 
-    def _chat_prompt(self, conversation: list, template_kwargs: dict, add_generation_prompt: bool, tools):
-        from kimik3.chat import ImagePrompt
-        from kimik3.vision.preprocess import preprocess_images
+    def _chat_prompt(self, conversation: list, template_kwargs: dict, add_generation_prompt: bool, tools,
+                     media_io_kwargs=None):
         from kimik3.chat.options import drop_past_reasoning, thinking_options
+        from kimik3.engine.images.chat_media import chat_media
         opts = thinking_options(template_kwargs)        # ValueError naming a bad or unknown key
-        images, rendered = [], []
-        for i, m in enumerate(conversation):
-            content = m.get("content") if isinstance(m, dict) else None
-            if isinstance(content, list):
-                parts = []
-                for k, part in enumerate(content):
-                    kind = part.get("type") if isinstance(part, dict) else None
-                    if kind in _IMAGE_PARTS:
-                        source = part.get(kind)
-                        if kind == "image_url":
-                            source = source.get("url") if isinstance(source, dict) else source
-                            if not isinstance(source, str) or not source.startswith("data:"):
-                                raise ValueError(f"messages[{i}].content[{k}]: image_url must be a data: URL "
-                                                 f"(or pass a PIL image as an image_pil part)")
-                        if source is None:
-                            raise ValueError(f"messages[{i}].content[{k}]: a {kind} part needs its image under "
-                                             f"{kind!r}")
-                        images.append(source)
-                        part = {"type": "image"}
-                    parts.append(part)
-                m = {**m, "content": parts}
-            rendered.append(m)
+        media = chat_media(conversation, self._processor_config(), media_io_kwargs, self._check_mm_limit)
+        rendered = media.messages
         tok = self.get_tokenizer()
-        kw: dict[str, Any] = {"tools": tools, "tokenize": True, "add_generation_prompt": add_generation_prompt}
+        kw: dict[str, Any] = {"tools": tools, "tokenize": True, "add_generation_prompt": add_generation_prompt,
+                              "images": media.images, "videos": media.videos}
         if not opts.preserve:
             rendered = drop_past_reasoning(rendered)
         if tok.chat_format == "k3":
@@ -221,15 +202,10 @@ class LLM:
                              f"tokenizer renders {tok.chat_format!r}")
         else:
             kw.update(thinking_effort=None)
-        vision = None
-        if images:
-            self._check_mm_limit("image", len(images))
-            vision = preprocess_images(images, self._processor_config(), allow_paths=False)
-            kw["images"] = [ImagePrompt(w, h, n) for (w, h), n in zip(vision.sizes, vision.num_tokens)]
         ids = tok.apply_chat_template(rendered, **kw)
-        if vision is None:
+        if media.vision is None:
             return {"prompt_token_ids": ids}
-        return {"prompt_token_ids": ids, "multi_modal_data": vision}
+        return {"prompt_token_ids": ids, "multi_modal_data": media.vision}
 
     def _check_mm_limit(self, kind: str, count: int) -> None:
         limits = self.args.limit_mm_per_prompt

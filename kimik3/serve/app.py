@@ -25,7 +25,7 @@ from fastapi.responses import JSONResponse, Response
 from starlette.exceptions import HTTPException as StarletteHTTPException
 
 from kimik3.engine import LLMEngine
-from kimik3.serve.chat import build_chat_prompt, collect_images
+from kimik3.serve.chat import chat_prompt
 from kimik3.serve.engine_loop import PromptInput
 from kimik3.serve.exchange import (
     ServeOptions,
@@ -177,12 +177,7 @@ def create_app(engine: LLMEngine, options: ServeOptions) -> FastAPI:
         tok = state.tokenizer
         if tok is None:
             raise APIError(500, "this server has no tokenizer, so it cannot render chats", code="no_tokenizer")
-        limit = (options.limit_mm_per_prompt or {}).get("image")
-        if limit is not None and len(collect_images(req.messages)) > limit:
-            raise bad_request(f"the messages hold {len(collect_images(req.messages))} images, more than this server's "
-                              f"--limit-mm-per-prompt image={limit}", "messages", "too_many_images")
-        prompt = await state.cpu(build_chat_prompt, req, tok, options.processor_config, state.has_vision,
-                                 max_image_tokens=state.max_model_len - 1)
+        prompt = await chat_prompt(state, req)
         requested = req.max_completion_tokens if req.max_completion_tokens is not None else req.max_tokens
         param = "max_completion_tokens" if req.max_completion_tokens is not None else "max_tokens"
         max_tokens = max_tokens_for(state, requested, param, len(prompt.token_ids), "messages")

@@ -1,9 +1,9 @@
 """Chat requests -> prompt ids (+ images), and generated text -> reasoning, content and tool calls.
 
 Prompts are rendered with the checkpoint tokenizer's chat template and tokenised segment by segment,
-so message text never becomes special ids. Images arrive as ``data:`` URLs only (the server has no
-network and never reads local files); each is preprocessed here and rendered as its K3 image prompt
-with one ``<|media_pad|>`` per encoder row. Output is parsed by ``K3OutputParser`` per choice, fed
+so message text never becomes special ids. Images and videos (``serve/media.py``) are preprocessed here
+and rendered as their K3 prompts (an image's, each video chunk's with its timestamp) with one
+``<|media_pad|>`` per encoder row. Output is parsed by ``K3OutputParser`` per choice, fed
 the streamed text deltas, so streamed and non-streamed answers agree.
 """
 
@@ -14,9 +14,10 @@ import uuid
 from dataclasses import dataclass, field
 from typing import Any
 
-from kimik3.chat import ImagePrompt, K3OutputParser, ParseDelta
+from kimik3.chat import K3OutputParser, ParseDelta
 from kimik3.chat.options import ChatOptionError, ThinkingOptions, drop_past_reasoning, thinking_options
 from kimik3.engine.sample.sampling_params import StructuredOutputsParams
+from kimik3.serve.media import MediaOptions, check_media_counts, collect_media, load_media, media_io_sampling
 from kimik3.serve.protocol import ChatCompletionRequest, bad_request
 from kimik3.serve.structured import MAX_PARALLEL_CALLS, k3_answer_grammar, request_constraint, response_format_constraint
 
@@ -117,44 +118,12 @@ def _constraint(req: ChatCompletionRequest, k3: bool, thinking: bool, tool_mode:
     return StructuredOutputsParams(grammar=grammar)
 
 
-def collect_images(messages: list[dict]) -> list[tuple[str, str]]:
-    """(data URL, param path) of every image part, in order; refuses remote URLs and file paths."""
-    found = []
-    for i, m in enumerate(messages):
-        content = m.get("content") if isinstance(m, dict) else None
-        if not isinstance(content, list):
-            continue
-        for k, part in enumerate(content):
-            if not isinstance(part, dict) or part.get("type") not in ("image_url", "image"):
-                continue
-            where = f"messages[{i}].content[{k}]"
-            url = part.get("image_url", part.get("image"))
-            if isinstance(url, dict):
-                url = url.get("url")
-            if not isinstance(url, str) or not url:
-                raise bad_request(f"{where}: an image part needs image_url.url as a string", where)
-            low = url[:16].lower()
-            if low.startswith(("http://", "https://")):
-                raise bad_request(f"{where}: remote image URLs are not supported (this server has no network "
-                                  f"access); send the image inline as a data: URL (data:image/png;base64,...)",
-                                  where, "unsupported_image_url")
-            if not low.startswith("data:"):
-                raise bad_request(f"{where}: images must be data: URLs (data:image/png;base64,...); file paths and "
-                                  f"file:// URLs are refused", where, "unsupported_image_url")
-            found.append((url, where))
-    return found
-
-
-def _image_error(images: list[tuple[str, str]], e: ValueError):
-    msg = str(e)
-    idx = int(msg.split(":")[0].split()[1]) if msg.startswith("image ") and msg.split(":")[0][6:].isdigit() else 0
-    return bad_request(f"{images[idx][1]}: bad image: {msg}", images[idx][1], "invalid_image")
-
-
 def build_chat_prompt(req: ChatCompletionRequest, tokenizer, processor_cfg, has_vision: bool,
-                      max_image_tokens: int | None = None) -> ChatPrompt:
-    """``max_image_tokens``: the most image tokens a prompt can hold (checked from the image headers,
-    before any image is decoded)."""
+                      max_image_tokens: int | None = None, media: MediaOptions | None = None,
+                      limit_mm_per_prompt: dict | None = None, param: str = "messages") -> ChatPrompt:
+    """``max_image_tokens``: the most image and video tokens a prompt can hold (checked from the headers,
+    before any image or video is decoded); ``media``: where media may come from and what a video may cost
+    (``serve/media.py``); ``limit_mm_per_prompt``: the most images / videos a request may hold."""
     opts = _thinking_options(req)
     thinking, effort = opts.thinking, opts.effort
     if not req.add_generation_prompt:
@@ -165,31 +134,17 @@ def build_chat_prompt(req: ChatCompletionRequest, tokenizer, processor_cfg, has_
                           "message", "continue_final_message", "unsupported_field")
     tool_choice, parse_tools, tool_mode, constrained_tools = _tool_options(req)
     response_format = _response_format(req)
-    images = collect_images(req.messages)
-    vision = None
-    prompts = None
-    if images:
-        from kimik3.vision.preprocess import image_token_counts, preprocess_images
-        urls = [u for u, _ in images]
-        try:
-            cost = image_token_counts(urls, processor_cfg, allow_paths=False)   # headers only
-        except ValueError as e:
-            raise _image_error(images, e) from None
-        if not has_vision:
-            raise bad_request("this model has no vision tower; remove the image parts", images[0][1],
-                              "images_unsupported")
-        if max_image_tokens is not None and sum(cost) > max_image_tokens:
-            raise bad_request(f"the images need {sum(cost)} tokens ({cost} per image), more than this model's "
-                              f"context (max_model_len) leaves for them ({max_image_tokens}); send fewer or "
-                              f"smaller images", "messages", "context_length_exceeded")
-        try:
-            vision = preprocess_images(urls, processor_cfg, allow_paths=False)
-        except ValueError as e:
-            raise _image_error(images, e) from None
-        prompts = [ImagePrompt(w, h, n) for (w, h), n in zip(vision.sizes, vision.num_tokens)]
+    try:
+        sampling = media_io_sampling(req.media_io_kwargs)
+    except ValueError as e:
+        raise bad_request(str(e), "media_io_kwargs") from None
+    refs = collect_media(req.messages, media)
+    check_media_counts(refs, limit_mm_per_prompt, param)
+    loaded = load_media(refs, processor_cfg, media, sampling, max_image_tokens, has_vision) if refs else None
     kwargs = {"tools": req.tools, "tokenize": True, "add_generation_prompt": True, "thinking": thinking,
               "thinking_effort": effort if thinking else None, "tool_choice": tool_choice,
-              "response_format": response_format, "images": prompts}
+              "response_format": response_format, "images": loaded and loaded.images,
+              "videos": loaded and loaded.videos}
     if tokenizer.chat_format != "k3":   # Kimi-Linear: no thinking channel, tool choice or response format notes
         kwargs.update(thinking_effort=None, tool_choice=None, response_format=None)
     try:
@@ -201,7 +156,15 @@ def build_chat_prompt(req: ChatCompletionRequest, tokenizer, processor_cfg, has_
     if not k3:
         thinking, parse_tools = False, None
     guard = [list(p) for p in tool_section_guard(tokenizer)] if k3 and not parse_tools else None
-    return ChatPrompt(ids, vision, thinking, parse_tools, constraint, guard)
+    return ChatPrompt(ids, loaded and loaded.vision, thinking, parse_tools, constraint, guard)
+
+
+async def chat_prompt(state, req: ChatCompletionRequest, param: str = "messages") -> ChatPrompt:
+    """``build_chat_prompt`` with the server's options, on its CPU pool."""
+    o = state.options
+    return await state.cpu(build_chat_prompt, req, state.tokenizer, o.processor_config, state.has_vision,
+                           max_image_tokens=state.max_model_len - 1, media=o.media,
+                           limit_mm_per_prompt=o.limit_mm_per_prompt, param=param)
 
 
 @dataclass

@@ -88,7 +88,9 @@ def add_serve_arguments(parser: argparse.ArgumentParser) -> argparse.ArgumentPar
     g.add_argument("--shutdown-timeout", type=float, default=30.0,
                    help="seconds in-flight requests get to finish on shutdown before they are aborted (default: 30)")
     from kimik3.serve.limits import add_limit_arguments
+    from kimik3.serve.media import add_media_arguments
     add_limit_arguments(g)
+    add_media_arguments(g)
     if not any(a.dest == "log_level" for a in parser._actions):
         parser.add_argument("--log-level", choices=["debug", "info", "warning", "error"], default="info",
                             help="level of kimik3's own log messages (default: info)")

@@ -20,6 +20,7 @@ from pydantic import ValidationError
 from kimik3.engine import LLMEngine, SamplingParams
 from kimik3.serve.engine_loop import ChoiceDelta, Done, EngineLoop, Failed, Job, PromptInput
 from kimik3.serve.limits import Limits, check_response_logprobs
+from kimik3.serve.media import MediaOptions
 from kimik3.serve.metrics import ServerMetrics
 from kimik3.serve.protocol import APIError, bad_request, error_body, validation_error
 from kimik3.serve.responses import usage_body
@@ -41,7 +42,8 @@ class ServeOptions:
     allow_credentials: bool = False
     log_requests: bool = False          # one INFO line per request
     generation_defaults: dict = field(default_factory=dict)   # SamplingParams defaults (generation_config.json)
-    limit_mm_per_prompt: dict | None = None   # {"image": N}: most images per request
+    limit_mm_per_prompt: dict | None = None   # {"image": N, "video": M}: most images / videos per request
+    media: MediaOptions = field(default_factory=MediaOptions)   # local files, video sampling and limits
     log_stats_interval: float | None = 10.0   # seconds between stats lines (None: off, --disable-log-stats)
 
     def __post_init__(self) -> None:

@@ -6,7 +6,7 @@ Bodies are parsed with ``model_validate_json`` in strict mode, so ``"max_tokens"
 ``UNSUPPORTED``). vLLM's extra sampling fields (``top_k``, ``min_p``, ``repetition_penalty``,
 ``ignore_eos``, ``stop_token_ids``, ``skip_special_tokens``, ``min_tokens``, ``bad_words``,
 ``allowed_token_ids``, ``include_stop_str_in_output``, ``prompt_logprobs``, ``guided_*``,
-``structured_outputs``, ``chat_template_kwargs``) are accepted, so ``extra_body`` works from the
+``structured_outputs``, ``chat_template_kwargs``, ``media_io_kwargs``) are accepted, so ``extra_body`` works from the
 ``openai`` client. Accepted no-ops, with their reason: ``user`` (OpenAI's end-user id for abuse
 monitoring; kimik3 keeps no per-user state), ``add_generation_prompt: true`` and
 ``continue_final_message: false`` (what kimik3 always does; the other values are a 400), ``best_of``
@@ -73,7 +73,8 @@ UNSUPPORTED = {
     "spaces_between_special_tokens": "detokenization is the tokenizer's own",
     "return_tokens_as_token_ids": "token ids come back in the logprobs' bytes only",
     "documents": "retrieval documents are not part of the K3 chat format",
-    "mm_processor_kwargs": "image preprocessing follows the checkpoint's preprocessor_config.json",
+    "mm_processor_kwargs": "preprocessing follows the checkpoint's preprocessor_config.json; video sampling is "
+                           "media_io_kwargs.video (fps, num_frames)",
     "cache_salt": "the prefix cache is shared by all requests",
     "kv_transfer_params": "disaggregated prefill is not supported",
     "functions": "legacy function calling is not supported; use tools", "function_call": "use tool_choice",
@@ -164,6 +165,7 @@ class ChatCompletionRequest(_SamplingFields):
     reasoning_effort: str | None = None
     thinking: dict[str, Any] | None = None       # Moonshot's {"type", "keep", "effort"} (kimik3.chat.options)
     chat_template_kwargs: dict[str, Any] | None = None
+    media_io_kwargs: dict[str, Any] | None = None   # vLLM's: {"video": {"fps", "num_frames"}} (serve/media.py)
     add_generation_prompt: bool = True      # only true: the answer always starts a new assistant message
     continue_final_message: bool = False    # only false
 

@@ -29,7 +29,7 @@ from typing import Any
 from fastapi import FastAPI, Request
 from pydantic import ValidationError
 
-from kimik3.serve.chat import build_chat_prompt, collect_images
+from kimik3.serve.chat import chat_prompt
 from kimik3.serve.engine_loop import ChoiceDelta, PromptInput
 from kimik3.serve.exchange import check_model, max_tokens_for, parse_body, run_job, sampling_params
 from kimik3.serve.protocol import ChatCompletionRequest, _Body, bad_request, validation_error
@@ -454,12 +454,7 @@ def add_responses_route(app: FastAPI, state) -> None:
         tok = state.tokenizer
         if tok is None:
             raise bad_request("this server has no tokenizer, so it cannot render conversations")
-        limit = (state.options.limit_mm_per_prompt or {}).get("image")
-        if limit is not None and len(collect_images(chat.messages)) > limit:
-            raise bad_request(f"the input holds {len(collect_images(chat.messages))} images, more than this server's "
-                              f"--limit-mm-per-prompt image={limit}", "input", "too_many_images")
-        prompt = await state.cpu(build_chat_prompt, chat, tok, state.options.processor_config, state.has_vision,
-                                 max_image_tokens=state.max_model_len - 1)
+        prompt = await chat_prompt(state, chat, "input")
         max_tokens = max_tokens_for(state, chat.max_tokens, "max_output_tokens", len(prompt.token_ids), "input")
         params = sampling_params(chat, max_tokens, None, tok.stop_token_ids, state.options.generation_defaults,
                                  prompt.constraint, state.max_logprobs, prompt.bad_token_sequences)

@@ -10,7 +10,7 @@ from fastapi import FastAPI, Request
 from fastapi.responses import JSONResponse, Response
 from pydantic import Field, ValidationError
 
-from kimik3.serve.chat import build_chat_prompt, collect_images
+from kimik3.serve.chat import chat_prompt
 from kimik3.serve.exchange import check_model, parse_body
 from kimik3.serve.protocol import APIError, ChatCompletionRequest, _Body, bad_request, validation_error
 from kimik3.serve.responses_api import add_responses_route
@@ -81,13 +81,7 @@ def add_routes(app: FastAPI, state) -> None:
                     {"messages": req.messages, "tools": req.tools, "chat_template_kwargs": req.chat_template_kwargs})
             except ValidationError as e:
                 raise validation_error(e) from None
-            images = len(collect_images(chat.messages))
-            limit = (state.options.limit_mm_per_prompt or {}).get("image")
-            if limit is not None and images > limit:
-                raise bad_request(f"the messages hold {images} images, more than this server's "
-                                  f"--limit-mm-per-prompt image={limit}", "messages", "too_many_images")
-            prompt = await state.cpu(build_chat_prompt, chat, tok, state.options.processor_config, state.has_vision,
-                                     max_image_tokens=state.max_model_len - 1)
+            prompt = await chat_prompt(state, chat)
             ids = prompt.token_ids
         body: dict[str, Any] = {"count": len(ids), "max_model_len": state.max_model_len, "tokens": ids}
         body["token_strs"] = await state.cpu(_token_strs, tok, ids) if req.return_token_strs else None

@@ -19,6 +19,7 @@ from kimik3.engine.build import build_engine
 from kimik3.serve.app import ServeOptions, create_app
 from kimik3.serve.cli_args import add_serve_arguments
 from kimik3.serve.limits import limits_from_args
+from kimik3.serve.media import media_options_from_args
 
 __all__ = ["add_serve_arguments", "bind_socket", "build_app", "run_server", "serve_main", "serve_options"]
 
@@ -40,7 +41,8 @@ def serve_options(args: argparse.Namespace, engine_args: EngineArgs | None = Non
                         log_requests=args.enable_log_requests,
                         log_stats_interval=None if args.disable_log_stats else 10.0,
                         generation_defaults=ea.generation_defaults(path),
-                        limit_mm_per_prompt=ea.limit_mm_per_prompt, limits=limits_from_args(args))
+                        limit_mm_per_prompt=ea.limit_mm_per_prompt, limits=limits_from_args(args),
+                        media=media_options_from_args(args))
 
 
 def build_app(args: argparse.Namespace):

@@ -39,6 +39,7 @@ _ACCEPTED_FORMATS = {"PNG": "PNG", "JPEG": "JPEG", "MPO": "JPEG", "WEBP": "WebP"
 _EXIF_ORIENTATION = 0x0112
 _BG_PATTERNS = ("chessboard", "white", "black", "gray")
 _FILL_STAGES = ("before_resize", "after_resize")
+_TIMESTAMP_MODES = ("hh:mm:ss.fff", "mm:ss.fff", "mm:ss")    # the video prompt's time formats (vision/video.py)
 # Largest image decoded (width x height of its first frame): its pixels are held in memory, in the
 # file's mode, before the resize. 50 MP covers 8K photos; larger files are refused from the header.
 MAX_DECODE_PIXELS = 50_000_000
@@ -81,7 +82,7 @@ class MediaProcessorConfig:
     image_std: tuple[float, float, float] = (0.5, 0.5, 0.5)
     transparent_bg_config: TransparentBgConfig | None = field(default_factory=TransparentBgConfig)
     transparent_bg_fill_stage: str = "after_resize"
-    # video keys (D16); only the per-frame limit and the chunk length are used here
+    # video keys (D16): sampling, chunks, budgets and timestamps of kimik3/vision/video.py
     in_patch_limit_each_frame: int = 16384
     sample_fps: float = 8.0
     temporal_merge_kernel_size: int = 4      # frames per video chunk (one tower item)
@@ -106,6 +107,15 @@ class MediaProcessorConfig:
                 raise ConfigError(f"media_proc_cfg.{name} needs 3 values (R, G, B), got {list(value)}")
         if any(s == 0 for s in self.image_std):
             raise ConfigError(f"media_proc_cfg.image_std must be non-zero, got {list(self.image_std)}")
+        if self.timestamp_mode not in _TIMESTAMP_MODES:
+            raise ConfigError(f"media_proc_cfg.timestamp_mode must be one of {_TIMESTAMP_MODES}, "
+                              f"got {self.timestamp_mode!r}")
+        if isinstance(self.sample_fps, bool) or not isinstance(self.sample_fps, (int, float)) or not self.sample_fps > 0:
+            raise ConfigError(f"media_proc_cfg.sample_fps must be a positive number, got {self.sample_fps!r}")
+        frames = self.max_num_frames_each_video
+        if frames is not None and (isinstance(frames, bool) or not isinstance(frames, int) or frames < 1):
+            raise ConfigError(f"media_proc_cfg.max_num_frames_each_video must be null or a positive integer, "
+                              f"got {frames!r}")
         if self.transparent_bg_fill_stage not in _FILL_STAGES:
             raise ConfigError(f"media_proc_cfg.transparent_bg_fill_stage must be one of {_FILL_STAGES}, "
                               f"got {self.transparent_bg_fill_stage!r}")

@@ -90,6 +90,39 @@ def test_chat_with_a_pil_image(llm):
     assert out.prompt_token_ids == want
 
 
+def test_chat_with_an_image_and_a_video(llm):
+    pytest.importorskip("av")
+    from kimik3.chat import VideoPrompt
+    from kimik3.vision.preprocess import concat_vision_inputs
+    from kimik3.vision.video import VideoSampling, load_video
+    from tests.vision.videos import data_url, make_video
+    img, video = pictures()[0], make_video(n=16, fps=4)
+    content = [{"type": "image_pil", "image_pil": img}, {"type": "video_url", "video_url": {"url": data_url(video)}},
+               {"type": "text", "text": "Hi"}]
+    out = llm.chat([{"role": "user", "content": content}], GREEDY, use_tqdm=False,
+                   media_io_kwargs={"video": {"fps": 2}})[0]
+    # 16 frames at 4 fps sampled at 2: 8 frames, indices 0 2 4 6 | 9 11 13 15 -> chunks at 0 s and 9/4 = 2.25 s;
+    # a 64x48 frame is 2x3 tokens
+    cfg = load_media_processor_config(kimik3.DEFAULT_MODEL)
+    want = llm.get_tokenizer().apply_chat_template(
+        [{"role": "user", "content": [{"type": "image"}, {"type": "video"}, {"type": "text", "text": "Hi"}]}],
+        tokenize=True, images=[ImagePrompt(60, 40, count_image_tokens(60, 40, cfg))],
+        videos=[VideoPrompt((("00:00:00.000", 6), ("00:00:02.250", 6)))])
+    assert out.prompt_token_ids == want
+    vision = concat_vision_inputs([preprocess_images([img], cfg), load_video(video, cfg, VideoSampling(fps=2)).vision])
+    ref = llm.generate({"prompt_token_ids": want, "multi_modal_data": vision}, GREEDY, use_tqdm=False)[0]
+    assert out.outputs[0].token_ids == ref.outputs[0].token_ids
+    as_bytes = [{"type": "video", "video": video}, {"type": "text", "text": "Hi"}]
+    one = llm.chat([{"role": "user", "content": as_bytes}], GREEDY, use_tqdm=False)[0]    # default: 8 fps -> all 16
+    assert one.prompt_token_ids.count(llm.engine.model.config.media_placeholder_token_id) == 4 * 6
+    with pytest.raises(ValueError, match=r"more than limit_mm_per_prompt\['video'\]=1"):
+        llm.chat([{"role": "user", "content": as_bytes * 2}], GREEDY)
+    with pytest.raises(ValueError, match=r"messages\[0\]\.content\[0\]: video_url must be a data: URL"):
+        llm.chat([{"role": "user", "content": [{"type": "video_url", "video_url": {"url": "/tmp/x.mp4"}}]}], GREEDY)
+    with pytest.raises(ValueError, match=r"media_io_kwargs.video: unsupported key\(s\) \['frames'\]"):
+        llm.chat([{"role": "user", "content": as_bytes}], GREEDY, media_io_kwargs={"video": {"frames": 2}})
+
+
 def test_vllm_multi_modal_data_with_one_pad_per_image(llm):
     imgs = pictures()
     tok = llm.get_tokenizer()
