@@ -141,6 +141,12 @@ def _plan_args(p) -> None:
                    help=f"host DRAM read rate of the node, GB/s (default: {r.host_memory / 1e9:g}, assumed)")
     p.add_argument("--host-tflops", type=float, default=r.host_flops / 1e12,
                    help=f"host matmul rate of the node, TFLOP/s (default: {r.host_flops / 1e12:g}, assumed)")
+    from kimik3.model.offload_policy import POLICIES
+    p.add_argument("--expert-offload-policy", choices=list(POLICIES), default="auto",
+                   help="how decode steps serve offloaded experts they miss, as the engine's flag (default: auto)")
+    p.add_argument("--prefetch-accuracy", type=float, default=r.prefetch_accuracy,
+                   help=f"share of a layer's misses a prefetch predicts (default: {r.prefetch_accuracy:g}, assumed; "
+                        "benchmarks/gpu/bench_offload.py measures it)")
 
 
 def _engine_args(args):
@@ -372,15 +378,16 @@ def cmd_inspect(args) -> int:
         from kimik3.config import load_config
         from kimik3.layouts import format_layouts
         print(format_layouts(load_config(path)))
-    planning = (args.cpu_offload_gb, args.kv_cache_dtype, args.quantization, args.gpu) != (0, "auto", None, "H200")
+    planning = (args.cpu_offload_gb, args.kv_cache_dtype, args.quantization, args.gpu, args.expert_offload_policy) != \
+        (0, "auto", None, "H200", "auto")
     if args.tensor_parallel_size > 1 or args.expert_parallel_size > 1 or planning:
         from kimik3.sizing import PlanOptions, Rates, format_sizing
 
-        rates = Rates(pcie=args.pcie_gbps * 1e9, host_memory=args.host_memory_gbps * 1e9,
-                      host_flops=args.host_tflops * 1e12)
-        options = PlanOptions(args.tensor_parallel_size, args.expert_parallel_size, args.gpu, args.cpu_offload_gb,
-                              args.kv_cache_dtype, args.quantization, rates)
         try:
+            rates = Rates(pcie=args.pcie_gbps * 1e9, host_memory=args.host_memory_gbps * 1e9,
+                          host_flops=args.host_tflops * 1e12, prefetch_accuracy=args.prefetch_accuracy)
+            options = PlanOptions(args.tensor_parallel_size, args.expert_parallel_size, args.gpu, args.cpu_offload_gb,
+                                  args.kv_cache_dtype, args.quantization, rates, args.expert_offload_policy)
             print(format_sizing(path, args.tensor_parallel_size, args.expert_parallel_size, options))
         except ValueError as e:
             raise CLIError(str(e)) from None

@@ -15,14 +15,18 @@ Options the engine takes change the bytes:
 * ``--kv-cache-dtype fp8`` (``fp8_e4m3``): MLA latent rows in e4m3, 1 byte an element plus one float32
   scale per token row (``kimik3.ops.fp8``); KDA states stay float32 (conv windows in the model dtype).
 * ``--cpu-offload-gb G`` (per GPU, vLLM's meaning): G GiB of each GPU's routed experts live in pinned host
-  memory; each MoE layer keeps the rest as a cache of hot experts in fixed GPU slots, and a decode step
-  copies the experts it routes to but misses over PCIe (``kimik3.model.expert_offload``).
+  memory; each MoE layer keeps the rest as a cache of hot experts in fixed GPU slots, plus one staging area
+  (one layer's offloaded experts) the layers share, and a decode step serves the experts it routes to but
+  misses by the miss policy (``--expert-offload-policy``, ``kimik3.model.offload_policy``): copied over PCIe
+  after routing, or prefetched while the previous layer runs (host compute is shown beside, eager steps only).
 
 The decode estimate (``predict_decode``) is a byte count over stated rates (``Rates``, printed with every
-answer; a GPU's measured rates replace them): a step reads the weights it touches and its cache from HBM,
-copies its missed experts over PCIe, and pays a fixed time per layer. Routing is taken as uniform (each
-of a layer's E experts equally likely): a batch of B tokens then touches E (1 - (1 - k/E)^B) distinct
-experts a layer, and a cache of S of a layer's E experts serves S/E of them. Skewed (real) routing
+answer; a GPU's measured rates replace them): a step (a CUDA graph) reads the weights it touches and its cache
+from HBM, pays a fixed time per layer, and serves its missed experts with the strategy the engine's policy
+picks for its batch size from the same costs (``offload_policy.miss_costs``: copies over PCIe after routing,
+or prefetched with an assumed prediction accuracy, overlapping one layer's GPU time). Routing is taken as
+uniform (each of a layer's E experts equally likely): a batch of B tokens then touches E (1 - (1 - k/E)^B)
+distinct experts a layer, and a cache of S of a layer's E experts serves S/E of them. Skewed (real) routing
 with the hot-expert cache misses less, so the offloaded figures are a floor.
 """
 
@@ -39,6 +43,7 @@ import torch
 from kimik3.config import ModelConfig, load_config
 from kimik3.inspect import SINGLE_GPUS, meta_model, stored_bytes
 from kimik3.model.batch import KV_CACHE_DTYPES, HybridCache, latent_cache_dtype
+from kimik3.model.offload_policy import LayerShape, MissPolicy, MissRates, miss_costs
 
 H200_BYTES = SINGLE_GPUS["H200"]        # 140.4 GiB per GPU, as nvidia-smi reports
 MEMORY_FRACTION = 0.92                  # u: share of GPU memory the engine may take
@@ -74,11 +79,22 @@ class Rates:
     host_flops: float = 4e12          # host matmul rate of the whole node, for experts computed on the CPU
     layer_overhead: float = 10e-6     # fixed seconds a layer of a decode step (launch gaps, TP all-reduces)
     context: int = 4096               # history tokens of each sequence in a decode step
+    host_sync: float = 50e-6          # a layer's round trip to the host, when the host computes misses
+    prefetch_accuracy: float = 0.5    # share of a layer's misses a prefetch predicts
+
+    def __post_init__(self) -> None:
+        for name, flag in (("pcie", "--pcie-gbps"), ("host_memory", "--host-memory-gbps"), ("host_flops", "--host-tflops")):
+            v = getattr(self, name)
+            if not (isinstance(v, (int, float)) and math.isfinite(v) and v > 0):
+                raise ValueError(f"{flag} must be a positive rate, got {v!r}")
+        if not 0.0 <= self.prefetch_accuracy <= 1.0:
+            raise ValueError(f"--prefetch-accuracy must lie in [0, 1], got {self.prefetch_accuracy!r}")
 
     def describe(self) -> str:
         return (f"assumed rates: PCIe {self.pcie / 1e9:.0f} GB/s per GPU (pinned copy), host memory "
                 f"{self.host_memory / 1e9:.0f} GB/s and host matmul {self.host_flops / 1e12:.0f} TFLOP/s per node, "
-                f"{self.layer_overhead * 1e6:.0f} us fixed per layer, {self.context} history tokens per sequence")
+                f"{self.layer_overhead * 1e6:.0f} us fixed per layer, {self.context} history tokens per sequence, "
+                f"prefetch accuracy {self.prefetch_accuracy:.0%}, host round trip {self.host_sync * 1e6:.0f} us a layer")
 
 
 @dataclass(frozen=True)
@@ -94,6 +110,8 @@ class Sizing:
     offload_bytes: int = 0    # routed-expert bytes per GPU kept in host memory (--cpu-offload-gb)
     embedding_bytes: int = 0  # of weights_sharded: the embedding table (a decode step reads B of its rows)
     vision_bytes: int = 0     # of weights_replicated: the vision tower (a decode step reads none of it)
+    moe_layers: int = 0
+    num_experts: int = 0      # routed experts a MoE layer (E)
 
     @property
     def expert_ranks(self) -> int:
@@ -109,12 +127,30 @@ class Sizing:
         return self.weights_sharded / self.tp + self.experts_per_gpu + self.weights_replicated
 
     @property
+    def expert_share(self) -> float:
+        """One routed expert's bytes on one GPU."""
+        return self.experts_per_gpu / (self.moe_layers * self.num_experts) if self.moe_layers * self.num_experts else 0.0
+
+    @property
+    def uncached_per_layer(self) -> int:
+        """M: experts a MoE layer leaves in host memory (the engine's rounding: the budget up to whole experts)."""
+        if not self.offload_bytes:
+            return 0
+        return min(self.num_experts, math.ceil(self.offload_bytes / (self.moe_layers * self.expert_share) - 1e-9))
+
+    @property
+    def staging_bytes(self) -> float:
+        """The GPU's staging area for the uncached experts: M experts, shared by the MoE layers."""
+        return self.uncached_per_layer * self.expert_share
+
+    @property
     def resident_per_gpu(self) -> float:
-        return self.weights_per_gpu - self.offload_bytes
+        return self.weights_per_gpu - self.offload_bytes + self.staging_bytes
 
     @property
     def resident_expert_fraction(self) -> float:
-        return 1.0 - self.offload_bytes / self.experts_per_gpu if self.weights_experts else 1.0
+        """The share of a layer's experts the GPU caches (1 - M / E)."""
+        return 1.0 - self.uncached_per_layer / self.num_experts if self.num_experts else 1.0
 
     @property
     def cache_budget(self) -> float:
@@ -171,7 +207,8 @@ def compute_sizing(config: ModelConfig, tp: int, ep: int, dtype: torch.dtype = t
     return Sizing(tp, ep, sharded, experts, replicated,
                   kv_bytes_per_token=latent_bytes_per_token(t, dtype, kv_cache_dtype),
                   state_bytes_per_seq=HybridCache.bytes_per_slot(t, dtype) // tp,
-                  gpu=GPUS[gpu], offload_bytes=offload, embedding_bytes=embedding, vision_bytes=vision)
+                  gpu=GPUS[gpu], offload_bytes=offload, embedding_bytes=embedding, vision_bytes=vision,
+                  moe_layers=sum(t.is_moe_layer(i) for i in range(t.num_hidden_layers)), num_experts=t.num_experts or 0)
 
 
 @functools.lru_cache(maxsize=8)
@@ -221,39 +258,52 @@ def distinct_experts(num_experts: int, top_k: int, tokens: int) -> float:
 class DecodeEstimate:
     batch: int
     gpu_seconds: float          # HBM reads + fixed per-layer time
-    copy_seconds: float         # missed experts over PCIe (the engine's policy)
-    host_seconds: float         # the same misses computed on the host instead (for comparison)
+    copy_seconds: float         # missed experts copied over PCIe after routing
+    prefetch_seconds: float     # ... prefetched (the part a layer's GPU time does not hide, and the mispredicted)
+    host_seconds: float         # the same misses computed on the host instead (eager steps only)
     missed_bytes: float         # per GPU per step
+    strategy: str = "none"      # how the policy serves the misses in a decode graph ("none": no misses)
+
+    @property
+    def miss_seconds(self) -> float:
+        return {"copy": self.copy_seconds, "prefetch": self.prefetch_seconds, "host": self.host_seconds}.get(
+            self.strategy, 0.0)
 
     @property
     def step_seconds(self) -> float:
-        return self.gpu_seconds + self.copy_seconds
+        return self.gpu_seconds + self.miss_seconds
 
     @property
     def tokens_per_second(self) -> float:
         return self.batch / self.step_seconds
 
 
-def predict_decode(config: ModelConfig, s: Sizing, batch: int, rates: Rates = Rates()) -> DecodeEstimate:
-    """One decode step of ``batch`` sequences (``rates.context`` tokens of history each) on every GPU at once."""
+def predict_decode(config: ModelConfig, s: Sizing, batch: int, rates: Rates = Rates(),
+                   policy: str = "auto") -> DecodeEstimate:
+    """One decode step of ``batch`` sequences (``rates.context`` tokens of history each) on every GPU at once,
+    as a CUDA graph; its misses served as the engine's ``policy`` picks for the batch size."""
     t = config.text
-    moe_layers = sum(t.is_moe_layer(i) for i in range(t.num_hidden_layers))
-    E, k = t.num_experts, t.num_experts_per_token
-    expert_bytes = s.experts_per_gpu / (moe_layers * E) if moe_layers and E else 0.0      # one expert's share
-    touched = distinct_experts(E, k, batch) * moe_layers                                  # experts a step reads
-    resident = s.resident_expert_fraction
+    n, E, k = s.moe_layers, s.num_experts, t.num_experts_per_token
+    per, M = s.expert_share, s.uncached_per_layer
+    touched = distinct_experts(E, k, batch) * n                                           # experts a step reads
     other = (s.weights_sharded - s.embedding_bytes) / s.tp + s.weights_replicated - s.vision_bytes   # dense weights read
     cache = batch * (rates.context * s.kv_bytes_per_token + s.state_bytes_per_seq)
-    gpu_bytes = other + touched * resident * expert_bytes + cache
+    gpu_bytes = other + touched * s.resident_expert_fraction * per + cache
     gpu_seconds = gpu_bytes / s.gpu.hbm_rate + t.num_hidden_layers * rates.layer_overhead
-    missed = touched * (1.0 - resident) * expert_bytes
+    missed = touched * (1.0 - s.resident_expert_fraction) * per
+    if not M:
+        return DecodeEstimate(batch, gpu_seconds, 0.0, 0.0, 0.0, 0.0)
     gpus = s.tp * max(1, s.ep // s.tp)
-    copy_rate = min(rates.pcie, rates.host_memory / gpus)          # every GPU copies at once
-    # on the host: the node reads each missed expert whole once and runs the missed (token, expert) pairs
-    pairs_missed = batch * k * moe_layers * (1.0 - resident)
+    # every GPU copies (and its host share computes) at once: the node's host rates split over the GPUs
+    miss_rates = MissRates(copy=min(rates.pcie, rates.host_memory / gpus), host_bytes=rates.host_memory / gpus,
+                           host_flops=rates.host_flops / gpus, host_sync=rates.host_sync,
+                           layer_seconds=gpu_seconds / t.num_hidden_layers, prefetch_accuracy=rates.prefetch_accuracy)
     width = t.routed_expert_hidden_size or t.hidden_size
-    host_seconds = max(missed * gpus / rates.host_memory, pairs_missed * 6 * width * t.moe_intermediate_size / rates.host_flops)
-    return DecodeEstimate(batch, gpu_seconds, missed / copy_rate, host_seconds, missed)
+    shape = LayerShape(E, k, M, per, 6.0 * width * t.moe_intermediate_size / s.expert_ranks)
+    costs = miss_costs(shape, miss_rates, batch)
+    strategy = MissPolicy(policy, shape, miss_rates, host_exact=False).choose(batch, graph=True)
+    return DecodeEstimate(batch, gpu_seconds, n * costs["copy"], n * costs["prefetch"], n * costs["host"], missed,
+                          strategy)
 
 
 # ---- the answer ----------------------------------------------------------------------------------------
@@ -270,6 +320,7 @@ class PlanOptions:
     kv_cache_dtype: str = "auto"
     quantization: str | None = None
     rates: Rates = field(default_factory=Rates)
+    expert_offload_policy: str = "auto"
 
 
 def min_offload_gb(s: Sizing, headroom: float) -> float:
@@ -295,17 +346,20 @@ def format_sizing(path: str | Path, tp: int, ep: int, options: PlanOptions | Non
              f"  weights per GPU: {s.weights_per_gpu / GIB:.1f} GiB (experts {s.experts_per_gpu / GIB:.1f}, "
              f"TP-split {s.weights_sharded / tp / GIB:.1f}, replicated {s.weights_replicated / GIB:.1f})"]
     if s.offload_bytes:
+        M = s.uncached_per_layer
+        cached = (s.num_experts - M) * s.moe_layers * s.expert_share
         lines.append(f"  resident per GPU: {s.resident_per_gpu / GIB:.1f} GiB, of which routed experts "
-                     f"{(s.experts_per_gpu - s.offload_bytes) / GIB:.1f} GiB ({100 * s.resident_expert_fraction:.1f}% "
-                     f"of them, the hot-expert cache); offloaded to pinned host memory {s.offload_bytes / GIB:.1f} "
-                     f"GiB per GPU, {s.offload_bytes * gpus / GIB:.1f} GiB for the node")
+                     f"{cached / GIB:.1f} GiB (the hot-expert cache: {s.num_experts - M} of {s.num_experts} a layer, "
+                     f"{100 * s.resident_expert_fraction:.1f}%) and their staging area {s.staging_bytes / GIB:.2f} GiB "
+                     f"({M} experts, shared by the layers); offloaded to pinned host memory "
+                     f"{s.offload_bytes / GIB:.1f} GiB per GPU, {s.offload_bytes * gpus / GIB:.1f} GiB for the node")
     lines.append(f"  cache per GPU: MLA latent {s.kv_bytes_per_token:,} B/token, KDA state "
                  f"{s.state_bytes_per_seq / (1 << 20):.1f} MiB/sequence")
     if s.fits:
         lines.append(f"  fits: yes; cache budget {s.cache_budget / GIB:.1f} GiB (u = {MEMORY_FRACTION}, "
                      f"{OVERHEAD_BYTES / GIB:.0f} GiB overhead) -> sequences at 4K / 128K / 1M tokens: "
                      + " / ".join(str(s.sequences(n)) for n in CONTEXTS))
-        lines.extend(format_decode(config, s, o.rates))
+        lines.extend(format_decode(config, s, o.rates, o.expert_offload_policy))
     else:
         lines.append(f"  fits: no; {-s.cache_budget / GIB:.1f} GiB short per GPU before any cache")
     room = s.state_bytes_per_seq + CONTEXTS[1] * s.kv_bytes_per_token
@@ -315,12 +369,19 @@ def format_sizing(path: str | Path, tp: int, ep: int, options: PlanOptions | Non
     return "\n".join(lines)
 
 
-def format_decode(config: ModelConfig, s: Sizing, rates: Rates) -> list[str]:
-    lines = ["  predicted decode (uniform routing; " + rates.describe() + f"; HBM {s.gpu.hbm_rate / 1e12:.2f} TB/s):"]
+def format_decode(config: ModelConfig, s: Sizing, rates: Rates, policy: str = "auto") -> list[str]:
+    head = (f"  predicted decode (steps as CUDA graphs, uniform routing; {rates.describe()}; HBM "
+            f"{s.gpu.hbm_rate / 1e12:.2f} TB/s")
+    if s.offload_bytes:
+        head += (f"; misses by --expert-offload-policy {policy}: "
+                 + {"auto": "the cheaper of copy and prefetch per batch", "host": "the cheaper of copy and prefetch "
+                    "in graphs (host compute: eager steps)"}.get(policy, policy))
+    lines = [head + "):"]
     for b in BATCHES:
-        d = predict_decode(config, s, b, rates)
-        miss = (f", experts copied in {d.missed_bytes / GIB:.2f} GiB/GPU = {1e3 * d.copy_seconds:.1f} ms "
-                f"(host compute instead: {1e3 * d.host_seconds:.1f} ms)" if d.missed_bytes else "")
+        d = predict_decode(config, s, b, rates, policy)
+        miss = (f", misses {d.missed_bytes / GIB:.2f} GiB/GPU by {d.strategy} {1e3 * d.miss_seconds:.1f} ms "
+                f"(copy {1e3 * d.copy_seconds:.1f}, prefetch {1e3 * d.prefetch_seconds:.1f}, host compute "
+                f"{1e3 * d.host_seconds:.1f})" if d.missed_bytes else "")
         lines.append(f"    batch {b:>2}: {d.tokens_per_second:8.1f} tok/s (step {1e3 * d.step_seconds:.1f} ms: "
                      f"GPU {1e3 * d.gpu_seconds:.1f} ms{miss})")
     return lines

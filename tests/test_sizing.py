@@ -82,13 +82,18 @@ def test_offload_moves_expert_bytes_off_the_gpu(text_only):
     assert s0.weights_experts == K3_EXPERTS and s0.experts_per_gpu == K3_EXPERTS / 8
     s = compute_sizing(text_only, 8, 1, cpu_offload_gb=80)
     assert s.weights_per_gpu == s0.weights_per_gpu                       # same model, fewer bytes resident
-    assert s.resident_per_gpu == s0.weights_per_gpu - 80 * GIB
-    assert s.resident_expert_fraction == pytest.approx(1 - 80 * GIB / (K3_EXPERTS / 8))
+    # each GPU holds 1/8 of each expert (2,193,408 B); 80 GiB over 92 layers is 425.7 experts a layer: 426 in
+    # host memory (whole experts), and the GPU keeps a staging area of 426 expert shares for them
+    assert (s.moe_layers, s.num_experts, s.expert_share) == (92, 896, K3_EXPERT / 8)
+    assert s.uncached_per_layer == 426 and s.staging_bytes == 426 * K3_EXPERT / 8
+    assert s.resident_per_gpu == pytest.approx(s0.weights_per_gpu - 80 * GIB + 426 * K3_EXPERT / 8)
+    assert s.resident_expert_fraction == pytest.approx(1 - 426 / 896)
     u_mem = 0.92 * (143771 << 20)                                        # H200 as nvidia-smi reports it
-    assert s.cache_budget == pytest.approx(u_mem - (s0.weights_per_gpu - 80 * GIB) - 6 * GIB)
+    resident = s0.weights_per_gpu - 80 * GIB + 426 * K3_EXPERT / 8
+    assert s.cache_budget == pytest.approx(u_mem - resident - 6 * GIB)
     assert not s0.fits and s.fits
     h100 = compute_sizing(text_only, 8, 1, gpu="H100", cpu_offload_gb=80)
-    assert h100.cache_budget == pytest.approx(0.92 * (81559 << 20) - (s0.weights_per_gpu - 80 * GIB) - 6 * GIB)
+    assert h100.cache_budget == pytest.approx(0.92 * (81559 << 20) - resident - 6 * GIB)
 
 
 def test_fp8_weights_and_cache_change_the_fit(text_only):
@@ -122,33 +127,49 @@ def test_distinct_experts_by_hand():
 
 
 def test_decode_estimate_by_hand(text_only):
-    """TP8, 80 GiB offloaded, batch 1: the token touches 16 experts in each of 92 MoE layers; each GPU
-    holds 1/8 of each expert; a (1 - resident) share of them crosses PCIe at 50 GB/s."""
+    """TP8, 80 GiB offloaded (426 of 896 experts a layer in host memory), batch 1: the token touches 16 experts in
+    each of 92 MoE layers; each GPU holds 1/8 of each expert; a 426/896 share of them are misses, served (in a
+    CUDA graph) by the cheaper of copying after routing (at min(50, 400 / 8 GPUs) GB/s) and prefetching (the
+    layer's GPU time hides part of the copies, the mispredicted half is copied after routing)."""
     from kimik3.sizing import Rates, predict_decode
     s = compute_sizing(text_only, 8, 1, cpu_offload_gb=80)
-    rates = Rates(pcie=50e9, host_memory=400e9, host_flops=4e12, layer_overhead=10e-6, context=4096)
+    rates = Rates(pcie=50e9, host_memory=400e9, host_flops=4e12, layer_overhead=10e-6, context=4096,
+                  host_sync=50e-6, prefetch_accuracy=0.5)
     d = predict_decode(text_only, s, 1, rates)
-    offloaded = 80 * GIB / (K3_EXPERTS / 8)
-    missed = 16 * 92 * offloaded * K3_EXPERT / 8
+    share, per = 426 / 896, K3_EXPERT / 8
+    missed = 16 * 92 * share * per
     assert d.missed_bytes == pytest.approx(missed)
-    assert d.copy_seconds == pytest.approx(missed / 50e9)               # min(50, 400 / 8 GPUs) GB/s
+    assert d.copy_seconds == pytest.approx(missed / 50e9)
     assert s.vision_bytes == 0                                          # text only
     dense = s.weights_sharded / 8 + s.weights_replicated - s.embedding_bytes / 8
-    gpu = (dense + 16 * 92 * (1 - offloaded) * K3_EXPERT / 8 + 4096 * 27_648 + s.state_bytes_per_seq) / 4.25e12
+    gpu = (dense + 16 * 92 * (1 - share) * per + 4096 * 27_648 + s.state_bytes_per_seq) / 4.25e12
     assert d.gpu_seconds == pytest.approx(gpu + 93 * 10e-6)
+    m, c, W = 426 * 16 / 896, per / 50e9, (gpu + 93 * 10e-6) / 93          # a layer: misses, copy, GPU time
+    assert d.prefetch_seconds == pytest.approx(92 * (max(0.0, m * c - W) + 0.5 * m * c))
+    # host compute instead: per layer a round trip, the node reads the 8 shares of each missed expert at 400 GB/s
+    # and runs the missed pairs' FLOPs at 4 TFLOP/s
+    pairs = 16 * 426 / 896
+    assert d.host_seconds == pytest.approx(92 * (50e-6 + m * per * 8 / 400e9 + pairs * 6 * 3584 * 3072 / 4e12))
+    assert d.strategy == "copy" and d.copy_seconds < d.prefetch_seconds
     assert d.tokens_per_second == pytest.approx(1 / (gpu + 93 * 10e-6 + missed / 50e9))
-    # host compute instead: the node reads the 8 shares of each missed expert, or runs its pairs' FLOPs
-    pairs = 16 * 92 * offloaded
-    assert d.host_seconds == pytest.approx(max(missed * 8 / 400e9, pairs * 6 * 3584 * 3072 / 4e12))
+    # a prefetch that predicts every miss hides a layer's GPU time of copies: the policy takes it
+    sure = predict_decode(text_only, s, 1, Rates(prefetch_accuracy=1.0))
+    assert sure.strategy == "prefetch" and sure.prefetch_seconds == pytest.approx(92 * (m * c - W))
+    assert predict_decode(text_only, s, 1, rates, policy="prefetch").step_seconds == pytest.approx(
+        d.gpu_seconds + d.prefetch_seconds)
     resident = predict_decode(text_only, compute_sizing(text_only, 8, 1), 1, rates)
-    assert resident.missed_bytes == 0 and resident.copy_seconds == 0
+    assert resident.missed_bytes == 0 and resident.copy_seconds == 0 and resident.strategy == "none"
 
 
 def test_k3_on_one_node_of_eight_h200s_with_offload_fits(text_only):
-    from kimik3.sizing import PlanOptions, format_sizing
+    from kimik3.sizing import PlanOptions, Rates, format_sizing
     out = format_sizing(RELEASE, 8, 1, PlanOptions(8, 1, "H200", 80, "fp8", "fp8"))
     assert "fits: yes" in out and "offloaded to pinned host memory 80.0 GiB per GPU" in out
     assert "batch 32" in out and "assumed rates: PCIe 50 GB/s" in out
+    assert "prefetch accuracy 50%" in out and "misses by --expert-offload-policy auto" in out
+    assert "by copy" in out and "staging area 0.87 GiB (426 experts" in out
+    sure = format_sizing(RELEASE, 8, 1, PlanOptions(8, 1, "H200", 80, "fp8", "fp8", Rates(prefetch_accuracy=1.0)))
+    assert "by prefetch" in sure
     assert "1,123.2 GiB in all" in out and "the model's weights 1,403.6 GiB" in out      # fp8 projections
     assert "the model's weights 1,453.7 GiB" in format_sizing(RELEASE, 8, 1)
     assert "fits with --cpu-offload-gb" in format_sizing(RELEASE, 8, 1)

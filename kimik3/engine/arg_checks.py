@@ -11,6 +11,7 @@ import torch
 from kimik3.distributed import MOE_MODES
 from kimik3.engine.arg_types import DTYPES, check_mm_limits, check_speculative_config, human_readable_int
 from kimik3.model.batch import KV_CACHE_DTYPES
+from kimik3.model.offload_policy import POLICIES as OFFLOAD_POLICIES
 
 LOAD_FORMATS = ("auto", "safetensors", "fastsafetensors")
 MOE_BACKENDS = ("auto", "triton")
@@ -42,12 +43,22 @@ def check_engine_args(args: Any) -> None:
         if args.num_speculative_tokens:
             raise ValueError("give speculative_config or num_speculative_tokens (n-gram), not both")
     _check_parallel(args)
-    if isinstance(args.cpu_offload_gb, bool) or not isinstance(args.cpu_offload_gb, (int, float)) \
-            or not 0 <= args.cpu_offload_gb < float("inf"):
-        raise ValueError(f"cpu_offload_gb must be a number of GiB >= 0, got {args.cpu_offload_gb!r}")
+    _check_offload(args)
     _check_vllm_flags(args)
     if args.expert_parallel_mode not in MOE_MODES:
         raise ValueError(f"expert_parallel_mode must be one of {MOE_MODES}, got {args.expert_parallel_mode!r}")
+
+def _check_offload(args: Any) -> None:
+    """--cpu-offload-gb and --expert-offload-policy."""
+    if isinstance(args.cpu_offload_gb, bool) or not isinstance(args.cpu_offload_gb, (int, float)) \
+            or not 0 <= args.cpu_offload_gb < float("inf"):
+        raise ValueError(f"cpu_offload_gb must be a number of GiB >= 0, got {args.cpu_offload_gb!r}")
+    if args.expert_offload_policy not in OFFLOAD_POLICIES:
+        raise ValueError(f"expert_offload_policy must be one of {OFFLOAD_POLICIES}, got {args.expert_offload_policy!r}")
+    if args.expert_offload_policy != "auto" and not args.cpu_offload_gb:
+        raise ValueError(f"expert_offload_policy={args.expert_offload_policy!r} needs cpu_offload_gb > 0 (it says how "
+                         "offloaded experts are served)")
+
 
 def _check_parallel(args: Any) -> None:
     """The parallel layout's settings (expert placement, decode context parallelism)."""

@@ -27,6 +27,7 @@ from kimik3.engine.arg_checks import LOAD_FORMATS, MOE_BACKENDS, check_engine_ar
 from kimik3.engine.arg_types import DTYPES, fraction, mm_limits_arg, non_negative_gib, non_negative_int, positive_int, \
     positive_seconds, positive_size, read_generation_config, speculative_config_arg
 from kimik3.model.batch import KV_CACHE_DTYPES
+from kimik3.model.offload_policy import POLICIES as OFFLOAD_POLICIES
 from kimik3.kernels import installed
 from kimik3.ops.cuda.flash_kda import ENV as FLASH_KDA_ENV
 from kimik3.ops.cuda.flash_mla import ENV as FLASH_MLA_ENV
@@ -155,6 +156,13 @@ class EngineArgs:
         "process: the whole model's experts); each MoE layer caches its hot experts on the GPU and copies "
         "the ones it misses in as it runs them, with the same tokens as fully resident (default: 0)",
         default=0.0, type=non_negative_gib)
+    expert_offload_policy: str = _opt(
+        "with --cpu-offload-gb, how a step serves the experts it routes to but the GPU does not cache: copy (in "
+        "after routing), prefetch (predicted while the previous layer runs, copied on a side stream; the rest "
+        "after routing), auto (the faster of the two per batch size, from rates measured at start-up; the "
+        "choices are logged), host (as auto, and eager steps may compute them on the host where that is "
+        "faster; its sums round differently from the GPU kernels') (default: auto)",
+        default="auto", choices=list(OFFLOAD_POLICIES))
     use_tqdm_on_load: bool = _opt("show a progress bar while the weights load (default: on)", default=True)
     # the ops' options (``kimik3.ops.options.KernelOptions``); each falls back to its environment variable
     flash_mla: str | None = _opt("path of libkimik3_flash_mla.so: MLA decode on FlashMLA (Hopper, bf16, 64-token "
@@ -305,7 +313,7 @@ class EngineArgs:
             raise ValueError("cpu_offload_gb is not supported with tensor, expert or pipeline parallelism yet; "
                              "use one GPU (or leave cpu_offload_gb at 0)")
         from kimik3.model.expert_offload import ExpertOffloadConfig
-        return ExpertOffloadConfig.from_gib(self.cpu_offload_gb)
+        return ExpertOffloadConfig.from_gib(self.cpu_offload_gb, policy=self.expert_offload_policy)
 
     def engine_config(self, max_model_len: int, device: torch.device):
         from kimik3.engine.config import EngineConfig

@@ -26,9 +26,13 @@ decayed score and each layer moves toward caching its S highest-scoring experts:
 replaces the coldest cached expert while it beats it by ``swap_margin`` (a swap costs one expert's copy,
 so near-ties do not churn). The first cache holds experts 0..S-1 of each layer.
 
-Policy: misses are copied to the GPU and computed there. Computing them on the host instead would read
-the same bytes from host memory, cannot run inside a CUDA graph, and its float sums would differ from the
-GPU kernel's (not exact); ``kimik3 inspect`` prints both predictions.
+Misses (``offload_policy.py``, ``--expert-offload-policy``): per batch size, from measured rates, either
+copied in after routing (``copy``), or predicted while the previous MoE layer runs and copied on a side
+stream (``copy_stream``, joined by an event before the layer's kernels; the first MoE layer's prediction
+starts the step) with the unpredicted rest copied after routing (``prefetch``), or computed on the host
+from the pinned weights (``host``: eager steps only). A prefetch writes only staging rows after the previous
+layer's kernels have read theirs, and a layer reads what arrived only when the prefetch was made for it in
+this step (``_pending``), so every strategy runs the same weights: the same tokens as resident.
 
 The CPU path (tests): the pool is a CPU tensor too, so the whole mechanism (host pool -> "device" pool,
 staging, refresh, exactness) runs in every engine mode without a GPU.
@@ -36,13 +40,17 @@ staging, refresh, exactness) runs in every engine mode without a GPU.
 
 from __future__ import annotations
 
+import contextlib
 import logging
 import math
 from dataclasses import dataclass
 
 import torch
 
+from kimik3.model.offload_policy import POLICIES, PREDICTORS, LayerShape, MissPolicy, MissRates, measure_rates, \
+    predicts_all
 from kimik3.ops.expert_copy import byte_rows, copy_experts
+from kimik3.ops.moe_host import fused_moe_host_misses
 
 logger = logging.getLogger(__name__)
 GIB = 1 << 30
@@ -54,6 +62,9 @@ class ExpertOffloadConfig:
     refresh_interval: int = 4               # engine steps between hot-set refreshes
     decay: float = 0.9                      # weight of the older routing counts at a refresh
     swap_margin: float = 0.25               # an expert replaces a cached one whose score it beats by this share
+    policy: str = "auto"                    # how misses are served (``offload_policy.POLICIES``)
+    prefetch_from: str = "router"           # what predicts a layer's experts (``offload_policy.PREDICTORS``)
+    rates: MissRates | None = None          # the policy's rates; None: measured on CUDA, assumed on the CPU
 
     def __post_init__(self) -> None:
         if not isinstance(self.cpu_offload_bytes, int) or isinstance(self.cpu_offload_bytes, bool) \
@@ -66,6 +77,12 @@ class ExpertOffloadConfig:
             raise ValueError(f"decay must lie in [0, 1], got {self.decay!r}")
         if not self.swap_margin >= 0.0:
             raise ValueError(f"swap_margin must be >= 0, got {self.swap_margin!r}")
+        if self.policy not in POLICIES:
+            raise ValueError(f"expert_offload_policy must be one of {POLICIES}, got {self.policy!r}")
+        if self.prefetch_from not in PREDICTORS:
+            raise ValueError(f"prefetch_from must be one of {PREDICTORS}, got {self.prefetch_from!r}")
+        if self.rates is not None and not isinstance(self.rates, MissRates):
+            raise ValueError(f"rates must be a MissRates, got {type(self.rates).__name__}")
 
     @classmethod
     def from_gib(cls, cpu_offload_gb: float, **kw) -> ExpertOffloadConfig:
@@ -115,8 +132,11 @@ def _half(t: torch.Tensor, i: int) -> torch.Tensor:
 class ExpertOffload:
     """The GPU pool, the slot tables and the routing statistics of every offloaded MoE layer."""
 
-    def __init__(self, moes: list, config: ExpertOffloadConfig, device: torch.device):
-        self.config, self.device = config, torch.device(device)
+    def __init__(self, moes: list, config: ExpertOffloadConfig, device: torch.device,
+                 dtype: torch.dtype = torch.bfloat16, layer_bytes: float = 0.0):
+        """``dtype``: the experts' activations; ``layer_bytes``: the weight bytes a decoder layer reads besides its
+        routed experts (the GPU time a prefetch overlaps, for the measured miss policy)."""
+        self.config, self.device, self.compute_dtype = config, torch.device(device), dtype
         self.moes = moes
         total = check_budget(moes, config)
         for m in moes:          # a model built on the GPU (benchmarks): its experts move to pinned host memory
@@ -142,7 +162,18 @@ class ExpertOffload:
         self.counts = torch.zeros(n, E, dtype=torch.float32, device=self.device)      # routed pairs since refresh
         self.copies = torch.zeros(n, dtype=torch.int64, device=self.device)           # experts staged, per layer
         self.score = torch.zeros(n, E, dtype=torch.float64)
-        self.steps = self.refreshes = self.swapped = 0
+        self.steps = self.refreshes = self.swapped = self.host_pairs = 0
+        # prefetch: the experts each layer used last (a predictor), the current prediction, and counts
+        self.last_used = torch.zeros(n, E, dtype=torch.bool, device=self.device)
+        self.predicted = torch.zeros(E, dtype=torch.bool, device=self.device)
+        self.prefetched = torch.zeros(n, dtype=torch.int64, device=self.device)       # experts copied ahead
+        self.prefetch_used = torch.zeros(n, dtype=torch.int64, device=self.device)    # ... that routing then used
+        cuda = self.device.type == "cuda"
+        self.copy_stream = torch.cuda.Stream(self.device) if cuda else None
+        self._prefetch_done = torch.cuda.Event() if cuda else None
+        self._pending: int | None = None                # the layer the prediction in flight is for
+        self._pending_input: torch.Tensor | None = None     # its input, kept until the main stream is past it
+        self.mode = "copy"
         self._snapshot: torch.Tensor | None = None
         self._snapshot_done: torch.cuda.Event | None = None
         for i in range(n):
@@ -151,6 +182,12 @@ class ExpertOffload:
         self._write_tables()
         for i, m in enumerate(moes):
             m.offload = LayerOffload(self, i)
+        self.expert_bytes = per
+        self.pair_flops = 6.0 * first.w2.shape[1] * (first.w13.shape[1] // 2)
+        rates = config.rates or (measure_rates(self, layer_bytes) if cuda and M else MissRates())
+        shape = LayerShape(E, moes[0].cfg.top_k, M, per, self.pair_flops)
+        self.policy = MissPolicy(config.policy, shape, rates, host_exact=not cuda)
+        logger.info("%s", self.policy.describe())
         logger.info("expert offload: %d of %d experts a layer cached on the GPU (%d layers, %.2f GiB with a "
                     "staging area of %d experts), %d a layer in host memory (%.2f GiB of %.2f)", S, E, n,
                     self.pool_bytes / GIB, M, M, n * M * per / GIB, total / GIB)
@@ -232,9 +269,69 @@ class ExpertOffload:
             swaps += 1
         return swaps
 
+    # ---- within a step ------------------------------------------------------------------------------
+    def begin_step(self, tokens: int) -> None:
+        """Before a forward of ``tokens`` tokens: pick how its misses are served (a CUDA graph being captured
+        cannot compute on the host) and, to prefetch, start predicting and copying the first MoE layer's."""
+        graph = self.device.type == "cuda" and torch.cuda.is_current_stream_capturing()
+        mode = self.policy.choose(tokens, graph) if self.staging_size else "copy"
+        if mode != self.mode:
+            logger.debug("expert offload: %d tokens%s -> %s", tokens, " (graph)" if graph else "", mode)
+        self.mode, self._pending, self._pending_input = mode, None, None
+        if mode == "prefetch":
+            self.prefetch(0, None, tokens)
+
+    def prefetch(self, i: int, x: torch.Tensor | None, tokens: int) -> None:
+        """Predict layer i's experts (its router on ``x``, the previous MoE layer's input, and/or what layer i
+        used in the previous step) and copy the predicted uncached ones into their staging rows: on the copy
+        stream, after everything queued so far (the previous layer's kernels have read the staging rows)."""
+        stream = self.copy_stream
+        if stream is not None:
+            stream.wait_stream(torch.cuda.current_stream())
+        with torch.cuda.stream(stream) if stream is not None else contextlib.nullcontext():
+            self._predict(i, x, tokens)
+            self.prefetched[i] += self.predicted[self.staged[i]].sum()
+            for k in self.kinds:
+                copy_experts(byte_rows(self._host(i, k)), byte_rows(self.pool[k]), self.staged[i],
+                             self.staging_rows, self.predicted)
+            if stream is not None:
+                self._prefetch_done.record(stream)
+        self._pending, self._pending_input = i, x
+
+    def _predict(self, i: int, x: torch.Tensor | None, tokens: int) -> None:
+        if predicts_all(self.policy.shape, tokens):
+            self.predicted.fill_(True)
+            return
+        source = self.config.prefetch_from
+        if x is None or source != "router":
+            self.predicted.copy_(self.last_used[i])
+        else:
+            self.predicted.zero_()
+        if x is not None and source != "previous_step":
+            _, ids = self.moes[i].route(x)
+            self.predicted.index_fill_(0, ids.reshape(-1), True)
+
+    def take_prefetch(self, i: int) -> torch.Tensor | None:
+        """For layer i's staging: the experts prefetched for it in this step ([E] bool; None: none), once
+        they have arrived (the current stream waits for the copy stream)."""
+        if self._pending != i:
+            return None
+        if self._prefetch_done is not None:
+            torch.cuda.current_stream().wait_event(self._prefetch_done)
+        self._pending = None
+        return self.predicted
+
+    def missed(self, i: int) -> torch.Tensor:
+        """[E] bool on the host: layer i's experts the GPU does not cache."""
+        out = torch.ones(self.num_experts, dtype=torch.bool)
+        out[self.cached[i]] = False
+        return out
+
     def stats(self) -> dict:
         return {"cache_experts_per_layer": self.cache_size, "host_experts_per_layer": self.staging_size,
-                "staged_experts": int(self.copies.sum()), "refreshes": self.refreshes, "swapped": self.swapped}
+                "staged_experts": int(self.copies.sum()), "prefetched_experts": int(self.prefetched.sum()),
+                "prefetched_used": int(self.prefetch_used.sum()), "host_pairs": self.host_pairs,
+                "refreshes": self.refreshes, "swapped": self.swapped, "policy": self.policy.name}
 
 
 class LayerOffload:
@@ -244,16 +341,51 @@ class LayerOffload:
         self.owner, self.index = owner, index
 
     def stage(self, ids: torch.Tensor) -> None:
-        """Count the batch's routed pairs; copy its uncached experts into their staging rows."""
+        """Count the batch's routed pairs; copy its uncached experts into their staging rows (those a prefetch
+        brought in this step excepted; none when the host computes them)."""
         o, i = self.owner, self.index
         flat = ids.reshape(-1)
         o.counts[i].index_add_(0, flat, torch.ones(flat.shape, dtype=torch.float32, device=flat.device))
         if not o.staging_size:
             return
         used = torch.zeros(o.num_experts, dtype=torch.bool, device=flat.device).index_fill_(0, flat, True)
+        have = o.take_prefetch(i)
+        o.last_used[i].copy_(used)
+        if o.mode == "host":
+            return
+        if have is not None:
+            o.prefetch_used[i] += (used & have)[o.staged[i]].sum()
+            used &= ~have
         o.copies[i] += used[o.staged[i]].sum()
         for k in o.kinds:
             copy_experts(byte_rows(o._host(i, k)), byte_rows(o.pool[k]), o.staged[i], o.staging_rows, used)
+
+    def after_experts(self, x: torch.Tensor) -> None:
+        """Once this layer's expert kernels are queued: prefetch the next MoE layer's experts, predicted from
+        ``x`` (this layer's MoE input)."""
+        o = self.owner
+        if o.mode == "prefetch" and self.index + 1 < o.num_layers:
+            o.prefetch(self.index + 1, x, x.shape[0])
+
+    @property
+    def on_host(self) -> bool:
+        return self.owner.mode == "host"
+
+    def host_weights(self) -> tuple:
+        """(w1, w2, w3) of the host pool (this layer's ``Experts``) in ``fused_moe``'s formats."""
+        e = self.owner.moes[self.index].experts
+        return (e.packed("w1"), e.packed("w2"), e.packed("w3")) if e.mxfp4 else (e.w1, e.w2, e.w3)
+
+    def run_host(self, z: torch.Tensor, weights: torch.Tensor, ids: torch.Tensor) -> torch.Tensor:
+        """The routed sum with the uncached experts computed on the host (``ops.moe_host``)."""
+        o, moe = self.owner, self.owner.moes[self.index]
+        missed = o.missed(self.index)
+        *pool, slots = self.weights()
+        a = moe.act
+        out = fused_moe_host_misses(z, tuple(pool), self.host_weights(), weights, ids, missed, a.hidden_act, a.beta,
+                                    a.linear_beta, moe.cfg.combine_fp32, slots, moe.experts.scale_max)
+        o.host_pairs += int(missed[ids.cpu()].sum())
+        return out
 
     def weights(self):
         """(w1, w2, w3) over the whole pool in the ``Experts`` formats, and this layer's ``slots`` [E]."""

@@ -176,7 +176,11 @@ class KimiForCausalLM(nn.Module):
         """Keep ``config.cpu_offload_bytes`` of the routed experts in host memory (``expert_offload.py``): the
         ``Experts`` modules must already live there (the loader places them); the GPU pool is built here."""
         from kimik3.model.expert_offload import ExpertOffload
-        self.expert_offload = ExpertOffload(self.moe_blocks(config), config, self.device)
+        moes = self.moe_blocks(config)
+        routed = {id(p) for m in moes for p in m.experts.parameters()}
+        dense = sum(p.numel() * p.element_size() for p in self.model.layers.parameters() if id(p) not in routed)
+        self.expert_offload = ExpertOffload(moes, config, self.device, self.dtype,
+                                            dense / self.config.text.num_hidden_layers)
 
     def moe_blocks(self, offload_config=None) -> list:
         """The MoE blocks, first to last; with ``offload_config``, checked to be offloadable (bytes, one process)."""
@@ -319,6 +323,8 @@ class KimiForCausalLM(nn.Module):
         if bad:
             raise ValueError(f"aux layer ids {bad} outside [0, {self.config.text.num_hidden_layers}] "
                              f"(the model has {self.config.text.num_hidden_layers} layers)")
+        if self.expert_offload is not None:      # how this step serves its uncached experts (may prefetch)
+            self.expert_offload.begin_step(batch.num_tokens)
         return self.model(input_ids, batch, cache, tuple(aux_layers))
 
     @torch.inference_mode()

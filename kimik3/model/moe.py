@@ -279,6 +279,8 @@ class MoE(nn.Module):
         with on_side():
             s = self.shared(x)
         u = self.local_experts(z, weights, ids)
+        if self.offload is not None:        # prefetch the next MoE layer's experts beside what follows
+            self.offload.after_experts(x)
         if side is not None:
             main.wait_stream(side)
         if self.par.enabled:
@@ -307,6 +309,8 @@ class MoE(nn.Module):
         e, a = self.experts, self.act
         if z.shape[0] == 0:
             return z.new_zeros(z.shape)
+        if self.offload is not None and self.offload.on_host:     # the host computes the uncached experts
+            return self.offload.run_host(z, weights, ids)
         if self.offload is not None:         # the pool of cached and staged experts, rows by ``slots``
             w1, w2, w3, slots = self.offload.weights()
             if e.mxfp4:

@@ -109,6 +109,13 @@ def test_inspect_plans_offload_fp8_and_rejects_bad_budgets():
     assert r.returncode == 0, r.stderr
     assert "fits: yes" in r.stdout and "offloaded to pinned host memory 80.0 GiB per GPU" in r.stdout
     assert "PCIe 25 GB/s per GPU" in r.stdout and "batch 32" in r.stdout
+    r = run("inspect", "--model", str(RELEASE), "-tp", "8", "--cpu-offload-gb", "80", "--expert-offload-policy",
+            "prefetch", "--prefetch-accuracy", "0.8")
+    assert r.returncode == 0, r.stderr
+    assert "prefetch accuracy 80%" in r.stdout and "misses by --expert-offload-policy prefetch" in r.stdout
+    assert r.stdout.count("by prefetch") == 3
+    r = run("inspect", "--model", str(RELEASE), "-tp", "8", "--cpu-offload-gb", "80", "--prefetch-accuracy", "2")
+    assert r.returncode == 2 and "--prefetch-accuracy must lie in [0, 1]" in r.stderr
     r = run("inspect", "--model", str(RELEASE), "-tp", "8", "--cpu-offload-gb", "-1")
     assert r.returncode == 2 and "expected a number of GiB >= 0" in r.stderr and "Traceback" not in r.stderr
     r = run("inspect", "--model", str(RELEASE), "-tp", "8", "--cpu-offload-gb", "200")

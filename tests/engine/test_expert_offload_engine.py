@@ -1,7 +1,8 @@
 """The engine with routed experts offloaded (the CPU path: host pool -> "device" pool, both CPU memory)
 produces the tokens of the same engine with every expert resident, in every engine mode: chunked prefill,
-preemption from a tiny cache, prefix hits, an abort, for K3's MXFP4 experts and Kimi-Linear's bf16 ones;
-the hot set moves between steps (``refresh``) while it runs."""
+preemption from a tiny cache, prefix hits, an abort, for K3's MXFP4 experts and Kimi-Linear's bf16 ones, with
+each miss strategy (copy after routing, prefetch, host compute, and the policy mixing host compute for one
+token with prefetch for more); the hot set moves between steps (``refresh``) while it runs."""
 
 from __future__ import annotations
 
@@ -10,24 +11,47 @@ import torch
 
 from kimik3.loader import load_model
 from kimik3.model.expert_offload import ExpertOffloadConfig, expert_bytes
+from kimik3.model.offload_policy import MissRates
 from tests.engine.helpers import make_engine, run
 from tests.engine.test_real_model import _requests
 
 
-@pytest.fixture(scope="module", params=[("kimi_k3", True, torch.float32), ("kimi_linear", False, torch.bfloat16)],
-                ids=["k3-mxfp4", "kimi-linear-bf16"])
+def mixed_rates(experts) -> MissRates:
+    """Rates under which (5 of 8 experts offloaded, top-2) one token's misses are computed on the host and two or
+    more tokens' prefetched: a pair on the host costs 0.8 of an expert's copy, a prefetch hides 10% of its copies."""
+    c = expert_bytes(experts) / 1e9
+    pair_flops = 6 * experts.w2.shape[1] * (experts.w13.shape[1] // 2)
+    return MissRates(copy=1e9, host_bytes=1e18, host_flops=pair_flops / (0.8 * c), host_sync=0.0, layer_seconds=1.0,
+                     prefetch_accuracy=0.1)
+
+
+POLICIES = {"copy": {"policy": "copy"}, "prefetch": {"policy": "prefetch", "prefetch_from": "both"},
+            "host": {"policy": "host", "rates": MissRates(copy=1e3, host_sync=0.0)}, "auto-mixed": {"policy": "auto"}}
+
+
+@pytest.fixture(scope="module", params=[(a, p) for a in ("k3-mxfp4", "kimi-linear-bf16") for p in POLICIES],
+                ids=lambda v: f"{v[0]}-{v[1]}")
 def models(request, tiny_ckpt):
-    arch, packed, dtype = request.param
+    name, policy = request.param
+    arch, packed, dtype = {"k3-mxfp4": ("kimi_k3", True, torch.float32),
+                           "kimi-linear-bf16": ("kimi_linear", False, torch.bfloat16)}[name]
     resident = load_model(tiny_ckpt[arch], dtype=dtype, packed_experts=packed)
     moes = resident.moe_blocks()
-    cfg = ExpertOffloadConfig(5 * len(moes) * expert_bytes(moes[0].experts), refresh_interval=1)   # 5 of 8 a layer
-    return resident, load_model(tiny_ckpt[arch], dtype=dtype, packed_experts=packed, expert_offload=cfg)
+    kw = dict(POLICIES[policy])
+    if policy == "auto-mixed":
+        kw["rates"] = mixed_rates(moes[0].experts)
+    cfg = ExpertOffloadConfig(5 * len(moes) * expert_bytes(moes[0].experts), refresh_interval=1, **kw)  # 5 of 8 a layer
+    offloaded = load_model(tiny_ckpt[arch], dtype=dtype, packed_experts=packed, expert_offload=cfg)
+    if policy == "auto-mixed":
+        p = offloaded.expert_offload.policy
+        assert [p.choose(t) for t in (1, 2, 6)] == ["host", "prefetch", "prefetch"]
+    return resident, offloaded, policy
 
 
 @pytest.mark.parametrize("block_size,budget_tokens,extra_blocks", [(2, 6, 0), (3, 5, 30)],
                          ids=["B2-chunk6-preempt", "B3-chunk5-prefix"])
 def test_offload_engine_tokens_equal_resident(models, block_size, budget_tokens, extra_blocks):
-    resident, offloaded = models
+    resident, offloaded, policy = models
     reqs = _requests(resident.config.text.vocab_size, seed=block_size)
     outputs = []
     for model in (resident, offloaded):
@@ -41,7 +65,11 @@ def test_offload_engine_tokens_equal_resident(models, block_size, budget_tokens,
             assert engine.kv.num_hit_tokens > 0
     assert outputs[1] == outputs[0]
     o = offloaded.expert_offload
-    assert o.refreshes > 0 and o.swapped > 0 and int(o.copies.sum()) > 0
+    s = o.stats()
+    assert o.refreshes > 0 and o.swapped > 0
+    assert (s["staged_experts"] > 0) == (policy != "host")        # copied after routing: all but host compute
+    assert (s["prefetched_used"] > 0) == (policy in ("prefetch", "auto-mixed"))
+    assert (s["host_pairs"] > 0) == (policy in ("host", "auto-mixed"))
 
 
 def test_llm_takes_cpu_offload_gb(tiny_ckpt):
@@ -58,5 +86,10 @@ def test_llm_takes_cpu_offload_gb(tiny_ckpt):
     o = llm.engine.model.expert_offload
     assert o is not None and 0 < o.staging_size < o.num_experts
     assert [o.outputs[0].token_ids for o in llm.generate(prompts, params)] == want
+    llm = LLM(path, cpu_offload_gb=1e-4, expert_offload_policy="prefetch", **kw)
+    o = llm.engine.model.expert_offload
+    assert o.policy.name == "prefetch"
+    assert [o.outputs[0].token_ids for o in llm.generate(prompts, params)] == want
+    assert llm.engine.model.expert_offload.stats()["prefetched_experts"] > 0
     with pytest.raises(ValueError, match="more than the model's routed experts here"):
         LLM(path, cpu_offload_gb=1.0, **kw)

@@ -10,6 +10,7 @@ import torch
 
 from kimik3.loader import load_model
 from kimik3.model.expert_offload import ExpertOffloadConfig, expert_bytes
+from kimik3.model.offload_policy import MissRates
 
 CASES = [("kimi_k3", True, torch.float32), ("kimi_k3", False, torch.float32), ("kimi_linear", False, torch.bfloat16)]
 IDS = ["k3-mxfp4", "k3-dense", "kimi-linear-bf16"]
@@ -88,3 +89,67 @@ def test_bad_budgets_are_clear_errors(tiny_ckpt):
         with pytest.raises(ValueError, match="not supported with tensor, expert or pipeline parallelism"):
             EngineArgs(cpu_offload_gb=1, **layout).expert_offload_config()
     assert EngineArgs(cpu_offload_gb=0).expert_offload_config() is None
+    assert EngineArgs(cpu_offload_gb=1, expert_offload_policy="host").expert_offload_config().policy == "host"
+    with pytest.raises(ValueError, match="expert_offload_policy must be one of"):
+        EngineArgs(cpu_offload_gb=1, expert_offload_policy="fastest")
+    with pytest.raises(ValueError, match="needs cpu_offload_gb > 0"):
+        EngineArgs(expert_offload_policy="prefetch")
+
+
+@pytest.mark.parametrize("policy,source", [("prefetch", "router"), ("prefetch", "previous_step"),
+                                           ("prefetch", "both"), ("host", "router")])
+def test_prefetch_and_host_compute_equal_resident(resident, policy, source):
+    """Prefetch (predicted experts copied before routing, the rest after) and host compute (the uncached
+    experts' rows computed from the host pool) give the resident logits bit for bit, at batch sizes whose
+    prediction is partial (1-3 tokens of top-2 of 8) and complete (19 tokens: every uncached expert)."""
+    path, packed, dtype, model = resident
+    slow_copy = MissRates(copy=1e3, host_sync=0.0)      # rates under which the host wins at every batch size
+    cfg = ExpertOffloadConfig(5 * _per_layer_bytes(model), refresh_interval=1, policy=policy, prefetch_from=source,
+                              rates=slow_copy if policy == "host" else None)
+    off = load_model(path, dtype=dtype, packed_experts=packed, expert_offload=cfg)
+    o = off.expert_offload
+    g = torch.Generator().manual_seed(3)
+    for T in (1, 3, 2, 19, 1):
+        ids = torch.randint(5, 200, (T,), generator=g)
+        assert torch.equal(off(ids), model(ids)), T
+        assert o.mode == policy
+        o.refresh()
+    s = o.stats()
+    if policy == "prefetch":
+        assert s["prefetched_experts"] > 0 and 0 < s["prefetched_used"] <= s["prefetched_experts"]
+        assert s["host_pairs"] == 0
+        if source == "previous_step":      # the first step had nothing to predict from: all copied after routing
+            assert s["staged_experts"] > 0
+    else:
+        assert s["host_pairs"] > 0 and s["staged_experts"] == 0 and s["prefetched_experts"] == 0
+
+
+def test_prefetch_copies_the_predicted_experts_of_its_layer(resident):
+    """A prefetch for layer i copies layer i's predicted uncached experts (host rows) into their staging rows
+    and leaves the others alone; only layer i's staging reads it, once."""
+    path, packed, dtype, model = resident
+    cfg = ExpertOffloadConfig(5 * _per_layer_bytes(model), policy="prefetch", prefetch_from="previous_step")
+    off = load_model(path, dtype=dtype, packed_experts=packed, expert_offload=cfg)
+    o, i = off.expert_offload, 1
+    for k in o.kinds:
+        o.pool[k][o.num_layers * o.cache_size:].zero_()
+    o.last_used[i, [0, 3, 6]] = True              # 0 is cached (experts 0..2), 3 and 6 are not
+    o.prefetch(i, None, tokens=1)
+    assert o.take_prefetch(0) is None             # another layer's staging does not read it
+    host = off.moe_blocks()[i].experts
+    for e in range(8):
+        row = o.num_layers * o.cache_size + o.staged_host[i].index(e) if e >= 3 else None
+        for k in o.kinds:
+            if row is not None:
+                want = getattr(host, k)[e] if e in (3, 6) else torch.zeros_like(getattr(host, k)[e])
+                assert torch.equal(o.pool[k][row], want), (e, k)
+    assert o.take_prefetch(i).tolist() == [e in (0, 3, 6) for e in range(8)]
+    assert o.take_prefetch(i) is None             # read once
+    assert int(o.prefetched[i]) == 2
+
+
+def test_policy_and_predictor_names_are_checked():
+    with pytest.raises(ValueError, match="expert_offload_policy must be one of"):
+        ExpertOffloadConfig(0, policy="fastest")
+    with pytest.raises(ValueError, match="prefetch_from must be one of"):
+        ExpertOffloadConfig(0, prefetch_from="oracle")
