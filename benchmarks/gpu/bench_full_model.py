@@ -19,6 +19,15 @@ and the kernels that take most of it, to find where a step's time above its grap
 
 ``--layers=N`` keeps the release config's first N layers (with their KDA / MLA kinds), so that an 80 GB GPU can
 run the same engine path; its ratios are to that model's own floor.
+
+``--cpu-offload-gb=G [--expert-offload-policy=P]``: the whole model on one 80 GB H100 with expert offload: the
+routed experts are built in pinned host memory (about 88 GiB of the host's memory) and G GiB of them stay there
+(``kimik3/model/expert_offload.py``; the GPU caches the rest); the engine as with ``--cpu-offload-gb G``. Its
+decode tok/s compare with this script's fully resident run on an H200 (writes
+``$OUT/bench_full_kimi_linear_offload{G}[_P].json``; its floors are the resident model's, so step/floor is the
+offload's cost). On an H100, ``--cpu-offload-gb=40`` leaves about 14 GiB for the cache (batch 128 of 4k
+prompts needs 9.4 GiB; ``kimik3 inspect --model tests/data/kimi-linear-48b-a3b.config.json --gpu H100
+--cpu-offload-gb 40`` plans it).
 """
 
 from __future__ import annotations
@@ -49,8 +58,10 @@ PROMPT = 4096
 PREFILL = 8192          # the one-prompt prefill measured last: max_model_len must admit it
 ASYNC = "--async-scheduling" in sys.argv
 LAYERS = next((int(a.split("=", 1)[1]) for a in sys.argv if a.startswith("--layers=")), None)
+OFFLOAD_GB = next((float(a.split("=", 1)[1]) for a in sys.argv if a.startswith("--cpu-offload-gb=")), 0.0)
+POLICY = next((a.split("=", 1)[1] for a in sys.argv if a.startswith("--expert-offload-policy=")), "auto")
 OUT_NAME = ("bench_full_kimi_linear" + ("_async" if ASYNC else "") + (f"_{LAYERS}layers" if LAYERS else "")
-            + ".json")
+            + (f"_offload{OFFLOAD_GB:g}" + ("" if POLICY == "auto" else f"_{POLICY}") if OFFLOAD_GB else "") + ".json")
 TRACE = "--trace" in sys.argv
 TRACE_STEPS = (25, 31)      # the pure decode steps [first, last) traced at batch 32
 results: dict = {}
@@ -163,7 +174,15 @@ def main():
     bw, mm = ceilings()
     results["ceilings"] = {"copy_bytes_per_s": bw, "bf16_matmul_flops": mm}
     t0 = time.time()
-    model = build_slice(release_config(LAYERS), str(CONFIG))
+    model = build_slice(release_config(LAYERS), str(CONFIG), experts_on_host=bool(OFFLOAD_GB))
+    if OFFLOAD_GB:
+        from kimik3.model.expert_offload import ExpertOffloadConfig
+        model.offload_experts(ExpertOffloadConfig.from_gib(OFFLOAD_GB, policy=POLICY))
+        o = model.expert_offload
+        results["offload"] = {"cpu_offload_gb": OFFLOAD_GB, "policy": POLICY, "rates": o.policy.rates.describe(),
+                              "decisions": o.policy.describe(), "cached_per_layer": o.cache_size,
+                              "host_per_layer": o.staging_size}
+        log(o.policy.describe())
     weights = torch.cuda.memory_allocated()
     results["weights_bytes"] = weights
     results["build_s"] = time.time() - t0
@@ -193,6 +212,8 @@ def main():
         floor = max(byts / bw, flops / mm)
         row.update(floor_ms=floor * 1e3, step_over_floor=row["step_ms"] / 1e3 / floor, floor_tok_s=batch / floor,
                    replay_over_floor=row["graph_replay_ms"] / 1e3 / floor)
+        if OFFLOAD_GB:
+            row["offload"] = model.expert_offload.stats()
         rows.append(row)
         log(row)
         results["decode"] = rows

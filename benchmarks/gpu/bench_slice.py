@@ -103,9 +103,40 @@ def ceilings():
 
 
 # ---- (c) the slice model ---------------------------------------------------------------------
-def build_slice(cfg: dict, source: str = str(CONFIG)) -> KimiForCausalLM:
+def _random_(name: str, p: torch.Tensor, g: torch.Generator) -> None:
+    """Fill parameter ``p`` (on the GPU) with build_slice's random values for ``name``."""
+    if p.dtype == torch.uint8:                                     # packed expert codes
+        p.copy_(torch.randint(0, 256, p.shape, generator=g, device="cuda", dtype=torch.uint8))
+    elif name.endswith("A_log"):
+        p.copy_(torch.log(torch.empty(p.shape, device="cuda").uniform_(1, 16, generator=g)))
+    elif name.endswith(("dt_bias", "e_score_correction_bias")):
+        p.normal_(0, 0.3, generator=g)
+    elif "conv1d" in name:
+        p.normal_(0, 0.5, generator=g)
+    elif p.dim() == 1:
+        p.normal_(1.0, 0.1, generator=g)
+    elif name.endswith("embed_tokens.weight"):
+        p.normal_(0, 1.0, generator=g)
+    else:
+        p.normal_(0, 1 / math.sqrt(p.shape[-1]), generator=g)
+
+
+def _pinned_experts(model) -> None:
+    """Every ``Experts`` module's tensors in pinned host memory (expert offload's host pool), the rest left."""
+    for m in model.modules():
+        if isinstance(m, Experts):
+            for key, t in list(m._parameters.items()):
+                m._parameters[key] = torch.nn.Parameter(torch.empty(t.shape, dtype=t.dtype, pin_memory=True),
+                                                        requires_grad=False)
+            for key, t in list(m._buffers.items()):
+                m._buffers[key] = torch.empty(t.shape, dtype=t.dtype, pin_memory=True)
+
+
+def build_slice(cfg: dict, source: str = str(CONFIG), experts_on_host: bool = False) -> KimiForCausalLM:
     """The model of ``cfg`` on the GPU with random bf16 weights (MXFP4 experts when the config
-    quantizes them, else dense bf16 experts)."""
+    quantizes them, else dense bf16 experts). ``experts_on_host``: the routed experts in pinned host memory
+    (filled from the GPU, the same values), for a model whose experts do not fit the GPU; then
+    ``model.offload_experts`` builds its GPU expert cache."""
     parsed = parse_config(cfg, source)
     with torch.device("meta"):
         model = KimiForCausalLM(parsed)
@@ -113,24 +144,19 @@ def build_slice(cfg: dict, source: str = str(CONFIG)) -> KimiForCausalLM:
     for m in model.modules():
         if isinstance(m, Experts) and parsed.text.expert_quantization == "mxfp4":
             m.use_mxfp4_storage()
-    model.to_empty(device="cuda")
+    if experts_on_host:
+        _pinned_experts(model)
+    for m in model.modules():
+        if not (experts_on_host and isinstance(m, Experts)):
+            m.to_empty(device="cuda", recurse=False)
     g = torch.Generator(device="cuda").manual_seed(0)
     with torch.no_grad():
         for name, p in model.named_parameters():
-            if p.dtype == torch.uint8:                                     # packed expert codes
-                p.copy_(torch.randint(0, 256, p.shape, generator=g, device="cuda", dtype=torch.uint8))
-            elif name.endswith("A_log"):
-                p.copy_(torch.log(torch.empty(p.shape, device="cuda").uniform_(1, 16, generator=g)))
-            elif name.endswith(("dt_bias", "e_score_correction_bias")):
-                p.normal_(0, 0.3, generator=g)
-            elif "conv1d" in name:
-                p.normal_(0, 0.5, generator=g)
-            elif p.dim() == 1:
-                p.normal_(1.0, 0.1, generator=g)
-            elif name.endswith("embed_tokens.weight"):
-                p.normal_(0, 1.0, generator=g)
-            else:
-                p.normal_(0, 1 / math.sqrt(p.shape[-1]), generator=g)
+            dst = p if p.is_cuda else torch.empty(p.shape, dtype=p.dtype, device="cuda")
+            _random_(name, dst, g)
+            if dst is not p:
+                p.copy_(dst)
+                del dst
         for m in model.modules():
             if isinstance(m, Experts) and m.mxfp4:
                 for which in ("w1", "w2", "w3"):

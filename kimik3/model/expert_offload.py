@@ -170,7 +170,7 @@ class ExpertOffload:
         self.prefetch_used = torch.zeros(n, dtype=torch.int64, device=self.device)    # ... that routing then used
         cuda = self.device.type == "cuda"
         self.copy_stream = torch.cuda.Stream(self.device) if cuda else None
-        self._prefetch_done = torch.cuda.Event() if cuda else None
+        self._prefetch_done: torch.cuda.Event | None = None
         self._pending: int | None = None                # the layer the prediction in flight is for
         self._pending_input: torch.Tensor | None = None     # its input, kept until the main stream is past it
         self.mode = "copy"
@@ -294,7 +294,8 @@ class ExpertOffload:
             for k in self.kinds:
                 copy_experts(byte_rows(self._host(i, k)), byte_rows(self.pool[k]), self.staged[i],
                              self.staging_rows, self.predicted)
-            if stream is not None:
+            if stream is not None:             # a fresh event each time: a captured graph keeps every edge
+                self._prefetch_done = torch.cuda.Event()
                 self._prefetch_done.record(stream)
         self._pending, self._pending_input = i, x
 
@@ -316,7 +317,7 @@ class ExpertOffload:
         they have arrived (the current stream waits for the copy stream)."""
         if self._pending != i:
             return None
-        if self._prefetch_done is not None:
+        if self.copy_stream is not None:
             torch.cuda.current_stream().wait_event(self._prefetch_done)
         self._pending = None
         return self.predicted

@@ -1,7 +1,9 @@
 """Expert offload on the GPU (``--cpu-offload-gb``): the staging kernel reading pinned host memory, inside a
 CUDA graph too; the engine with decode graphs on the K3-width slice (MXFP4 experts) and the Kimi-Linear-width
-slice (bf16 experts) with 30% / 60% of the experts in host memory gives the resident engine's tokens and
-logprobs bit for bit (the same kernels on the same shapes, only the weight rows looked up); a tiny checkpoint
+slice (bf16 experts) with 30% / 60% of the experts in host memory, misses copied after routing or prefetched on
+the copy stream (captured in the graphs), gives the resident engine's tokens and logprobs bit for bit (the same
+kernels on the same shapes, only the weight rows looked up); misses computed on the host (eager) stay within
+the bf16 rounding of resident; the policy's start-up measurement gives plausible rates; a tiny checkpoint
 loaded with offload (pinned experts from the loader) gives the resident model's logits."""
 
 from __future__ import annotations
@@ -45,10 +47,10 @@ def test_staging_kernel_reads_pinned_rows_in_a_graph():
         assert torch.equal(dev.cpu(), want), pick
 
 
-def _offload(model, fraction: float) -> None:
+def _offload(model, fraction: float, **kw) -> None:
     moes = model.moe_blocks()
     total = len(moes) * moes[0].experts.w13.shape[0] * expert_bytes(moes[0].experts)
-    model.offload_experts(ExpertOffloadConfig(int(fraction * total)))
+    model.offload_experts(ExpertOffloadConfig(int(fraction * total), **kw))
 
 
 @pytest.mark.parametrize("config", [CONFIG, KIMI_LINEAR_CONFIG], ids=["k3-slice-mxfp4", "kimi-linear-slice-bf16"])
@@ -59,17 +61,18 @@ def test_offloaded_engine_graphs_equal_resident(config):
     resident = generate(make(model, enforce_eager=False), reqs)
     again = generate(make(model, enforce_eager=False), reqs)
     assert again == resident, "the resident engine is not repeatable on this GPU: exactness cannot be judged"
-    for fraction in (0.3, 0.6):
-        _offload(model, fraction)
+    for fraction, policy in ((0.3, "copy"), (0.6, "copy"), (0.3, "prefetch"), (0.6, "prefetch")):
+        _offload(model, fraction, policy=policy, prefetch_from="both")
         o = model.expert_offload
         assert all(m.experts.w13.device.type == "cpu" and m.experts.w13.is_pinned() for m in model.moe_blocks())
         engine = make(model, enforce_eager=False)
         assert engine.runner.graphs is not None, "capture fell back to eager"
         offloaded = generate(engine, reqs)
         assert 0 < engine.runner.num_graph_steps < engine.runner.num_steps
-        assert offloaded == resident, f"{fraction:.0%} offloaded: tokens or logprobs differ from resident"
+        assert offloaded == resident, f"{fraction:.0%} offloaded, {policy}: tokens or logprobs differ from resident"
         assert int(o.copies.sum()) > 0 and o.refreshes > 0
-        print(f"{config.name} {fraction:.0%}: {o.staging_size} of {o.num_experts} experts a layer in host memory, "
+        assert (int(o.prefetch_used.sum()) > 0) == (policy == "prefetch")
+        print(f"{config.name} {fraction:.0%} {policy}: {o.staging_size} of {o.num_experts} experts a layer in host memory, "
               f"{o.stats()}")
         del engine
         torch.cuda.empty_cache()
@@ -92,3 +95,33 @@ def test_tiny_checkpoint_loaded_with_offload_equals_resident(arch, tmp_path):
               enable_prefix_caching=True, kda_checkpoint_interval=2, cache_memory_bytes=1 << 30, enforce_eager=False)
     want = generate(LLMEngine(resident, EngineConfig(**kw)), reqs)
     assert generate(LLMEngine(model, EngineConfig(**kw)), reqs) == want
+
+
+@pytest.mark.parametrize("config", [CONFIG, KIMI_LINEAR_CONFIG], ids=["k3-slice-mxfp4", "kimi-linear-slice-bf16"])
+def test_host_compute_is_within_rounding_of_resident(config):
+    """Misses computed on the host (eager; the policy forced to it): the pinned weights' rows come back and
+    the logits stay within the bf16 rounding of resident (the host's sums round differently from the kernels')."""
+    from benchmarks.gpu.bench_slice import build_slice
+    from kimik3.model.offload_policy import MissRates
+    model = build_slice(json.loads(config.read_text()), str(config))
+    ids = torch.randint(1000, model.config.text.vocab_size, (24,), generator=torch.Generator().manual_seed(0))
+    want = model(ids[:1]), model(ids)
+    _offload(model, 0.6, policy="host", rates=MissRates(copy=1e3, host_sync=0.0))
+    o = model.expert_offload
+    for w, got in zip(want, (model(ids[:1]), model(ids))):
+        assert o.mode == "host"
+        scale = w.abs().max().item()
+        assert (got - w).abs().max().item() <= 0.02 * scale
+        assert (got.argmax(-1) == w.argmax(-1)).float().mean().item() >= 0.9
+    assert o.host_pairs > 0 and int(o.copies.sum()) == 0
+
+
+def test_the_policy_measures_its_rates():
+    from benchmarks.gpu.bench_slice import build_slice
+    model = build_slice(json.loads(CONFIG.read_text()), str(CONFIG))
+    _offload(model, 0.3, policy="auto")
+    r = model.expert_offload.policy.rates
+    assert r.source == "measured"
+    assert 1e9 < r.copy < 1e12 and r.host_bytes > 1e6 and r.host_flops > 1e6 and 0 < r.host_sync < 0.1
+    assert 0 < r.layer_seconds < 0.1
+    print(model.expert_offload.policy.describe())
