@@ -454,6 +454,24 @@ def render_k3(
     return w.segments
 
 
+def fill_image_placeholders(text: str, sizes: Sequence[tuple[int, int]], source: str = "multi_modal_data") -> str:
+    """vLLM's and TensorRT-LLM's raw K3 prompt form: each ``<|kimi_image_placeholder|>`` becomes the K3 image
+    prompt of the next image (its original size and one pad, expanded later), as the official encoder does
+    (spec D25; only where the caller wrote the whole prompt, never in chat text). ``source`` names where the
+    images came from, for the count error."""
+    n = text.count(IMAGE_PLACEHOLDER)
+    if n == 0:
+        return text
+    if n != len(sizes):
+        raise ValueError(f"the prompt holds {n} {IMAGE_PLACEHOLDER} but {source} gives {len(sizes)} image(s) / video "
+                         f"chunk(s); give one placeholder per item")
+    pieces = text.split(IMAGE_PLACEHOLDER)
+    out = [pieces[0]]
+    for (w, h), rest in zip(sizes, pieces[1:]):
+        out.append(f"{MEDIA_BEGIN}image {w}x{h}{MEDIA_CONTENT}{MEDIA_PAD}{MEDIA_END}" + rest)
+    return "".join(out)
+
+
 def _checked(items, kind: type, name: str) -> list | None:
     if items is None:
         return None

@@ -13,6 +13,7 @@ from tqdm import tqdm
 from kimik3.engine.args import EngineArgs
 from kimik3.engine.build import build_engine
 from kimik3.engine.core.output import CompletionOutput, Logprob, RequestOutput
+from kimik3.engine.core.stats import StatsLog
 from kimik3.engine.sample.sampling_params import SamplingParams
 from kimik3.vision.preprocess import VisionInputs
 
@@ -21,7 +22,8 @@ _MM_KEYS = {"image", "video"}
 
 
 class LLM:
-    def __init__(self, model: str | None = None, *, tokenizer=None, **engine_args: Any):
+    def __init__(self, model: str | None = None, *, tokenizer=None, disable_log_stats: bool = True,
+                 **engine_args: Any):
         """``model``: a checkpoint directory (None: the embedded tiny K3). ``engine_args``: the fields of
         ``kimik3.engine.EngineArgs``, named as vLLM names them (``dtype="bfloat16"``, ``max_model_len``,
         ``gpu_memory_utilization``, ``enforce_eager``, ``kv_cache_dtype``, ``max_logprobs``,
@@ -33,7 +35,8 @@ class LLM:
         ``decode_context_parallel_size`` stripes the MLA latent cache over them; ``enable_eplb`` places the experts
         by load (``save_expert_loads`` records one, ``eplb_load_file`` reads it).
         ``num_speculative_tokens`` k > 0: each step, requests without penalties (greedy or sampled) verify
-        up to k n-gram draft tokens (``kimik3.engine.spec.speculative``)."""
+        up to k n-gram draft tokens (``kimik3.engine.spec.speculative``). ``disable_log_stats`` (vLLM's; True
+        by default, as vLLM's LLM): False logs ``serve``'s stats line every 10 s while ``generate`` runs."""
         unknown = sorted(set(engine_args) - set(_ENGINE_ARGS))
         if unknown:
             raise TypeError(f"LLM() got unknown argument(s) {unknown}; it takes model, tokenizer and "
@@ -44,6 +47,7 @@ class LLM:
             from kimik3.tokenizer import load_tokenizer
             tokenizer = load_tokenizer(tokenizer)
         self.engine, self.parallel_group = build_engine(self.args, tokenizer)
+        self.log_stats = not disable_log_stats
         self.generation_defaults = self.args.generation_defaults(self.model_path)   # SamplingParams names
         self._processor = None
         self._ids = itertools.count()
@@ -114,7 +118,8 @@ class LLM:
         wanted = set(ids)
         results: dict[str, RequestOutput] = {}
         bar = tqdm(total=len(ids), desc="generate", disable=not use_tqdm)
-        start, n_out = time.perf_counter(), 0
+        start, n_out, n_prompt = time.perf_counter(), 0, 0
+        stats = StatsLog(self.engine) if self.log_stats else None
         while self.engine.has_unfinished_requests():
             for delta in self.engine.step():
                 if delta.request_id not in wanted:
@@ -123,11 +128,16 @@ class LLM:
                 if acc is None:
                     acc = results[delta.request_id] = RequestOutput(
                         delta.request_id, delta.prompt, delta.prompt_token_ids, [], False)
+                    n_prompt += len(delta.prompt_token_ids)
                 _merge(acc, delta)
                 n_out += sum(len(c.token_ids) for c in delta.outputs)
                 if delta.finished:
                     bar.update(1)
                     bar.set_postfix(tok_s=f"{n_out / (time.perf_counter() - start):.0f}")
+            if stats is not None:
+                stats.tick(n_prompt, n_out)
+        if stats is not None:
+            stats.tick(n_prompt, n_out, force=True)
         bar.close()
         tok = self.engine.get_tokenizer()
         for rid, p in zip(ids, params):
@@ -224,7 +234,8 @@ class LLM:
             if not isinstance(text, str) or not text:
                 raise ValueError("a prompt's 'prompt' must be a non-empty string")
             if vision is not None:
-                text = self._fill_image_placeholders(text, vision)
+                from kimik3.chat.k3 import fill_image_placeholders
+                text = fill_image_placeholders(text, vision.sizes)
             ids = self.get_tokenizer().encode(text, allow_special=mm is not None)
             prompt = {**prompt, "prompt_token_ids": ids}
         if mm is None or isinstance(mm, VisionInputs):
@@ -263,24 +274,6 @@ class LLM:
         if not parts:
             raise ValueError("multi_modal_data holds no images or video frames; leave it out for a text prompt")
         return concat_vision_inputs(parts)
-
-    @staticmethod
-    def _fill_image_placeholders(text: str, vision: VisionInputs) -> str:
-        """vLLM's and TensorRT-LLM's raw K3 prompt form: each ``<|kimi_image_placeholder|>`` becomes the K3
-        image prompt of the next image (its size header and one pad, expanded later), as the official
-        encoder does (spec D25; only here, where the caller wrote the prompt, never in chat text)."""
-        from kimik3.chat.k3 import IMAGE_PLACEHOLDER, MEDIA_BEGIN, MEDIA_CONTENT, MEDIA_END, MEDIA_PAD
-        n = text.count(IMAGE_PLACEHOLDER)
-        if n == 0:
-            return text
-        if n != len(vision):
-            raise ValueError(f"the prompt holds {n} {IMAGE_PLACEHOLDER} but multi_modal_data gives {len(vision)} "
-                             f"image(s) / video chunk(s); give one placeholder per item")
-        pieces = text.split(IMAGE_PLACEHOLDER)
-        out = [pieces[0]]
-        for (w, h), rest in zip(vision.sizes, pieces[1:]):
-            out.append(f"{MEDIA_BEGIN}image {w}x{h}{MEDIA_CONTENT}{MEDIA_PAD}{MEDIA_END}" + rest)
-        return "".join(out)
 
 
 def _vllm_logprobs(c, num_logprobs: int | None, tokenizer) -> None:

@@ -25,6 +25,7 @@ from fastapi.responses import JSONResponse, Response
 from starlette.exceptions import HTTPException as StarletteHTTPException
 
 from kimik3.engine import LLMEngine
+from kimik3.chat.k3 import IMAGE_PLACEHOLDER
 from kimik3.serve.chat import chat_prompt
 from kimik3.serve.engine_loop import PromptInput
 from kimik3.serve.exchange import (
@@ -36,6 +37,7 @@ from kimik3.serve.exchange import (
     run_job,
     sampling_params,
 )
+from kimik3.serve.media import completion_images
 from kimik3.serve.limits import BodyLimits, RepeatedErrors, check_request_limits
 from kimik3.serve.protocol import APIError, ChatCompletionRequest, CompletionRequest, bad_request, error_body
 from kimik3.serve.responses import ChatFormatter, CompletionFormatter
@@ -209,7 +211,12 @@ def create_app(engine: LLMEngine, options: ServeOptions) -> FastAPI:
         num_prompts = len(_prompt_items(req.prompt))
         check_request_limits(options.limits, req.n, num_prompts, req.stop, req.stop_token_ids)
         state.check_admission(num_prompts * req.n)
-        prompts_ids, echo = await state.cpu(_completion_prompts, state, req)
+        if req.media_urls is not None:
+            ids, text, vision = await state.cpu(_image_completion_prompt, state, req)
+            prompts_ids, echo, visions = [ids], [text], [vision]
+        else:
+            prompts_ids, echo = await state.cpu(_completion_prompts, state, req)
+            visions = [None] * len(prompts_ids)
         requested = req.max_tokens
         max_tokens = min(max_tokens_for(state, requested, "max_tokens", len(ids), "prompt") for ids in prompts_ids)
         params = sampling_params(req, max_tokens, req.logprobs, [], options.generation_defaults,
@@ -220,7 +227,8 @@ def create_app(engine: LLMEngine, options: ServeOptions) -> FastAPI:
                                   include_usage and req.stream,
                                   [e for e in echo for _ in range(req.n)] if req.echo else None)
         fmt.service_tier = req.service_tier
-        return await run_job(state, request, [PromptInput(ids) for ids in prompts_ids], params, fmt, req.stream,
+        return await run_job(state, request, [PromptInput(ids, v) for ids, v in zip(prompts_ids, visions)], params,
+                             fmt, req.stream,
                           include_usage, _continuous_usage(req))
 
     add_routes(app, state)       # /tokenize, /detokenize, /version, /ping, /v1/responses
@@ -244,6 +252,16 @@ def _prompt_items(p) -> list:
     return [p] if isinstance(p, str) or (isinstance(p, list) and p and isinstance(p[0], int)) else list(p)
 
 
+def _image_completion_prompt(state: ServerState, req: CompletionRequest):
+    tok = state.tokenizer
+    if tok is None:
+        raise bad_request("this server has no tokenizer; images need a prompt it can read", "prompt")
+    o = state.options
+    pad = getattr(getattr(state.engine.model, "config", None), "media_placeholder_token_id", None)
+    return completion_images(req.prompt, req.media_urls, tok, pad, o.processor_config, o.media, state.has_vision,
+                             o.limit_mm_per_prompt, state.max_model_len - 1)
+
+
 def _completion_prompts(state: ServerState, req: CompletionRequest) -> tuple[list[list[int]], list[str]]:
     """(token ids, text for echo) per prompt."""
     items = _prompt_items(req.prompt)
@@ -257,6 +275,10 @@ def _completion_prompts(state: ServerState, req: CompletionRequest) -> tuple[lis
         if isinstance(item, str):
             if tok is None:
                 raise bad_request("this server has no tokenizer; send token ids", where)
+            if IMAGE_PLACEHOLDER in item:
+                raise bad_request(f"{where} holds {IMAGE_PLACEHOLDER} but the request has no images: send them as "
+                                  f"media_urls={{\"image\": [\"data:image/png;base64,...\"]}} (one per placeholder), "
+                                  f"or use /v1/chat/completions with image parts", where, "missing_images")
             ids = tok.encode(item)
             text = item
         else:

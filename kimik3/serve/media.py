@@ -243,3 +243,56 @@ def load_media(refs: list[MediaRef], cfg, options: MediaOptions | None, request_
             raise _media_error(ref, e) from None
         parts.append(v)
     return LoadedMedia(concat_vision_inputs(parts), images if images else None, videos if videos else None)
+
+
+# ---- raw completion prompts with images ---------------------------------------------------------------
+
+def completion_images(prompt: Any, media_urls: Any, tokenizer, pad_id: int, cfg, options: MediaOptions | None,
+                      has_vision: bool, limit_mm_per_prompt: dict | None, max_tokens: int | None):
+    """A ``/v1/completions`` prompt with images, the raw K3 form ``LLM.generate`` takes: a string holding one
+    ``<|kimi_image_placeholder|>`` per image (each becomes the image's K3 prompt; the rest of the string is
+    read with its special-token names as tokens, as in ``LLM.generate``), or token ids holding one
+    ``<|media_pad|>`` per image (the HF processor's form). The images come in ``media_urls: {"image": [url,
+    ...]}`` (data: or allowed file:// URLs), the shape proposed to vLLM (PR #50648; vLLM's own /v1/completions
+    takes no media). Returns (token ids with one pad per embedding row, the text to echo, VisionInputs)."""
+    from kimik3.chat.k3 import IMAGE_PLACEHOLDER, fill_image_placeholders
+    from kimik3.engine.images.multimodal import expand_media_pads
+    if not isinstance(media_urls, dict) or not media_urls:
+        raise bad_request("media_urls must be an object such as {\"image\": [\"data:image/png;base64,...\"]}",
+                          "media_urls")
+    if "video" in media_urls:
+        raise bad_request("media_urls.video: K3 has no raw-prompt placeholder for video; send videos as video_url "
+                          "parts to /v1/chat/completions", "media_urls.video", "unsupported_field")
+    unknown = sorted(set(media_urls) - {"image"})
+    if unknown:
+        raise bad_request(f"media_urls: unsupported key(s) {unknown}; kimik3 takes 'image'", "media_urls",
+                          "unsupported_field")
+    urls = media_urls["image"]
+    if not isinstance(urls, list) or not urls:
+        raise bad_request("media_urls.image must be a non-empty list of URLs", "media_urls.image")
+    if not isinstance(prompt, str) and not (isinstance(prompt, list) and prompt and
+                                            all(isinstance(t, int) for t in prompt)):
+        raise bad_request("media_urls goes with one prompt (a string or a list of token ids), not a batch", "prompt")
+    root = options.allowed_local_media_path if options is not None else None
+    refs = [MediaRef("image", _source({"type": "image_url", "image_url": u}, "image", f"media_urls.image[{k}]", root),
+                     f"media_urls.image[{k}]") for k, u in enumerate(urls)]
+    check_media_counts(refs, limit_mm_per_prompt, "media_urls")
+    loaded = load_media(refs, cfg, options, VideoSampling(), max_tokens, has_vision)
+    if isinstance(prompt, str):
+        try:
+            ids = tokenizer.encode(fill_image_placeholders(prompt, [(p.width, p.height) for p in loaded.images],
+                                                           "media_urls.image"), allow_special=True)
+        except ValueError as e:
+            raise bad_request(str(e), "prompt") from None
+        if prompt.count(IMAGE_PLACEHOLDER) == 0 and ids.count(pad_id) == 0:
+            raise bad_request(f"the prompt holds no {IMAGE_PLACEHOLDER} for the {len(urls)} image(s) in media_urls; "
+                              f"put one where each image goes", "prompt")
+        text = prompt
+    else:
+        ids, text = list(prompt), tokenizer.decode(prompt)
+    if ids.count(pad_id) != sum(loaded.vision.num_tokens):
+        try:
+            ids = expand_media_pads(ids, loaded.vision.num_tokens, pad_id)
+        except ValueError as e:
+            raise bad_request(f"{e} (media_urls.image)", "prompt") from None
+    return ids, text, loaded.vision

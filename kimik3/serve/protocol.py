@@ -176,6 +176,7 @@ class CompletionRequest(_SamplingFields):
     logprobs: int | None = None
     echo: bool = False
     best_of: int | None = None              # only equal to n
+    media_urls: dict[str, Any] | None = None   # {"image": [url, ...]} for <|kimi_image_placeholder|> (serve/media.py)
 
 
 _TYPE_TAGS = {"str", "int", "float", "bool", "list", "dict", "none"}

@@ -251,3 +251,17 @@ def test_tokenizer_path_and_the_apis_kimik3_does_not_provide(llm):
     for name in ("encode", "embed", "classify", "score", "reward", "beam_search"):
         with pytest.raises(NotImplementedError, match=f"LLM.{name} is not supported.*LLM.generate"):
             getattr(llm, name)("x")
+
+
+def test_disable_log_stats_as_vllm(llm, caplog):
+    """vLLM's LLM keyword: True by default (nothing logged); False logs serve's stats line while generate runs."""
+    import logging
+    noisy = LLM(str(kimik3.DEFAULT_MODEL), max_model_len=256, max_num_seqs=2, use_tqdm_on_load=False,
+                disable_log_stats=False)
+    with caplog.at_level(logging.INFO, logger="kimik3.engine.core.stats"):
+        llm.generate(["Hi there"], GREEDY, use_tqdm=False)
+        assert not [r for r in caplog.records if "throughput" in r.message]
+        noisy.generate(["Hi there", "Hello"], GREEDY, use_tqdm=False)
+    lines = [r.message for r in caplog.records if "Avg prompt throughput" in r.message]
+    assert len(lines) == 1 and "Avg generation throughput" in lines[0] and "KV cache usage" in lines[0]
+    assert float(lines[0].split("Avg prompt throughput: ")[1].split()[0]) > 0

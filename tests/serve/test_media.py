@@ -1,17 +1,21 @@
-"""Video through ``kimik3 serve`` (issue #54 item 4) on the embedded tiny K3, through the official ``openai``
-client: ``video_url`` parts as data: URLs and as file:// URLs under ``--allowed-local-media-path``, frame
-sampling at the request's fps (``media_io_kwargs``) with the chunk timestamps in the prompt, and every
-limit a clear 400 before anything costly."""
+"""Media through ``kimik3 serve`` (issue #54) on the embedded tiny K3, through the official ``openai`` client:
+``video_url`` parts as data: URLs and as file:// URLs under ``--allowed-local-media-path``, frame sampling at
+the request's fps (``media_io_kwargs``) with the chunk timestamps in the prompt, every limit a clear 400
+before anything costly; and the raw ``<|kimi_image_placeholder|>`` prompt on /v1/completions."""
 
 from __future__ import annotations
 
 import argparse
+import base64
+import io
 import json
 import sys
 
 import httpx
+import numpy as np
 import openai
 import pytest
+from PIL import Image
 
 import kimik3
 from kimik3.chat import ImagePrompt, VideoPrompt
@@ -187,5 +191,48 @@ def test_text_only_model_and_no_local_files():
                "--allowed-local-media-path")
         img = [{"role": "user", "content": [{"type": "image_url", "image_url": {"url": "file:///etc/passwd"}}]}]
         _error(_post(s, {"messages": img}), "unsupported_image_url", "local files are not served")
+    finally:
+        s.stop()
+
+
+# ---------------------------------------------------------------------------------------
+# the raw <|kimi_image_placeholder|> prompt on /v1/completions
+
+def test_raw_placeholder_prompt_with_media_urls(real):
+    c = real.client()
+    img = Image.fromarray(np.random.default_rng(1).integers(0, 256, (40, 60, 3), dtype=np.uint8))
+    buf = io.BytesIO()
+    img.save(buf, format="PNG")
+    url = "data:image/png;base64," + base64.b64encode(buf.getvalue()).decode()
+    msgs = [{"role": "user", "content": [{"type": "image"}, {"type": "text", "text": "Describe it."}]}]
+    one_pad = TOK.apply_chat_template(msgs, tokenize=False, images=[ImagePrompt(60, 40, 1)], thinking=False)
+    raw = one_pad.replace("<|media_begin|>image 60x40<|media_content|><|media_pad|><|media_end|>",
+                          "<|kimi_image_placeholder|>")
+    assert raw.count("<|kimi_image_placeholder|>") == 1 and "<|media_pad|>" not in raw
+    expanded = TOK.apply_chat_template(msgs, tokenize=True, images=[ImagePrompt(60, 40, 6)], thinking=False)
+    greedy = {"max_tokens": 4, "temperature": 0, "extra_body": {"media_urls": {"image": [url]}}}
+    a = c.completions.create(model=MODEL, prompt=raw, **greedy)
+    b = c.completions.create(model=MODEL, prompt=TOK.encode(one_pad, allow_special=True), **greedy)  # HF form
+    d = c.completions.create(model=MODEL, prompt=expanded, **greedy)                                   # expanded
+    assert a.usage.prompt_tokens == b.usage.prompt_tokens == d.usage.prompt_tokens == len(expanded)
+    assert a.choices[0].text == b.choices[0].text == d.choices[0].text
+    echo = c.completions.create(model=MODEL, prompt=raw, echo=True, **greedy)
+    assert echo.choices[0].text == raw + a.choices[0].text
+    # refusals, each naming the fix
+    cases = [({"prompt": raw}, "missing_images", "media_urls"),
+             ({"prompt": raw + raw, "media_urls": {"image": [url]}}, None, "holds 2 <|kimi_image_placeholder|>"),
+             ({"prompt": "no placeholder", "media_urls": {"image": [url]}}, None, "holds no <|kimi_image_placeholder|>"),
+             ({"prompt": [raw, raw], "media_urls": {"image": [url]}}, None, "not a batch"),
+             ({"prompt": raw, "media_urls": {"video": [url]}}, "unsupported_field", "/v1/chat/completions"),
+             ({"prompt": raw, "media_urls": {"image": ["https://x.example/a.png"]}}, "unsupported_image_url",
+              "no network"),
+             ({"prompt": raw, "media_urls": {"image": [url] * 3}}, "too_many_images", "image=2")]
+    for body, code, contains in cases:
+        r = httpx.post(real.url + "/v1/completions", json={"model": MODEL, "max_tokens": 1, **body}, timeout=60)
+        _error(r, code, contains)
+    s = start_fake_server()
+    try:
+        r = httpx.post(s.url + "/v1/completions", json={"model": MODEL, "prompt": raw, "media_urls": {"image": [url]}})
+        _error(r, "images_unsupported", "no vision tower")
     finally:
         s.stop()
