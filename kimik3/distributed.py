@@ -223,12 +223,17 @@ def make_dcp_group(tp_ranks: list[int], dcp_size: int, rank: int):
 @dataclass(frozen=True)
 class PipelineContext:
     """This rank's pipeline stage (spec parallelism §4.3): stage s holds decoder layers ``ranges[s]`` =
-    [start, end); the world's rank of (stage s, TP rank r) is s * tp_size + r. One stage: no transfer ever."""
+    [start, end); the world's rank of (stage s, TP rank r) is s * tp_size + r. One stage: no transfer ever.
+    The transfers of a step (``kimik3.parallel.pipeline``): each micro-batch's stream to the next stage's rank of
+    the same TP rank, the last stage's logits to world rank 0; sends are not waited for (``wait_sent``).
+    ``timeline``: when a list, each step appends the (micro-batch, start, end) of the work this stage did on its
+    micro-batches, ``time.monotonic`` seconds (what the overlap test reads)."""
 
     stage: int = 0
     ranges: tuple[tuple[int, int], ...] = ()
     tp_rank: int = 0
     tp_size: int = 1
+    timeline: list | None = field(default=None, compare=False, repr=False)
 
     @property
     def num_stages(self) -> int:
@@ -253,15 +258,20 @@ class PipelineContext:
         """The world rank with this rank's TP rank in ``stage``."""
         return stage * self.tp_size + self.tp_rank
 
-    def send(self, tensors: list[torch.Tensor]) -> None:
-        """To the next stage's rank of the same TP rank: a count, then each tensor (shapes known there)."""
+    @property
+    def logits_source(self) -> int:
+        """The world rank that sends rank 0 the logits: TP rank 0 of the last stage."""
+        return (self.num_stages - 1) * self.tp_size
+
+    def send(self, tensors: list[torch.Tensor]) -> list:
+        """To the next stage's rank of the same TP rank, not waited for: a count, then each tensor (shapes
+        known there). Returns the pending sends for ``wait_sent`` (each holds its tensor until it is sent)."""
         dst = self.peer(self.stage + 1)
-        dist.send(torch.tensor([len(tensors)], dtype=torch.int64, device=tensors[0].device), dst)
-        for t in tensors:
-            dist.send(t.contiguous(), dst)
+        count = torch.tensor([len(tensors)], dtype=torch.int64, device=tensors[0].device)
+        return [(dist.isend(t, dst), t) for t in (count, *(t.contiguous() for t in tensors))]
 
     def recv(self, shape: tuple, dtype: torch.dtype, device) -> list[torch.Tensor]:
-        """From the previous stage: the tensors ``send`` sent, each of ``shape``."""
+        """From the previous stage (waits for them): the tensors ``send`` sent, each of ``shape``."""
         src = self.peer(self.stage - 1)
         n = torch.empty(1, dtype=torch.int64, device=device)
         dist.recv(n, src)
@@ -270,14 +280,21 @@ class PipelineContext:
             dist.recv(t, src)
         return out
 
-    def send_logits(self, logits: torch.Tensor) -> None:
-        """Last stage's TP rank 0: the step's logits to world rank 0, which samples."""
-        dist.send(logits.contiguous(), 0)
+    def send_logits(self, logits: torch.Tensor) -> list:
+        """Last stage's TP rank 0: logits rows to world rank 0, which samples (not waited for: ``wait_sent``)."""
+        logits = logits.contiguous()
+        return [(dist.isend(logits, 0), logits)]
 
     def recv_logits(self, rows: int, vocab: int, dtype: torch.dtype, device) -> torch.Tensor:
         out = torch.empty(rows, vocab, dtype=dtype, device=device)
-        dist.recv(out, (self.num_stages - 1) * self.tp_size)
+        dist.recv(out, self.logits_source)
         return out
+
+    @staticmethod
+    def wait_sent(pending: list) -> None:
+        """Wait for the sends ``send`` / ``send_logits`` returned."""
+        for work, _ in pending:
+            work.wait()
 
 
 def plan_stages(layer_bytes: list[int], stages: int, block_size: int | None = None) -> tuple[tuple[int, int], ...]:

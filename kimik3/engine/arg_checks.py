@@ -72,8 +72,9 @@ def _check_parallel(args: Any) -> None:
         if args.enforce_eager is False:
             raise ValueError("decode CUDA graphs are not supported with pipeline parallelism yet; leave "
                              "enforce_eager on")
-    if args.pp_layer_partition is not None and args.pipeline_parallel_size == 1:
-        raise ValueError("pp_layer_partition needs pipeline_parallel_size > 1")
+    if (args.pp_layer_partition is not None or args.pp_micro_batches is not None) \
+            and args.pipeline_parallel_size == 1:
+        raise ValueError("pp_layer_partition and pp_micro_batches need pipeline_parallel_size > 1")
     if args.tensor_parallel_size % args.decode_context_parallel_size:
         raise ValueError(f"decode_context_parallel_size {args.decode_context_parallel_size} must divide "
                          f"tensor_parallel_size {args.tensor_parallel_size} (the latent cache is striped over "

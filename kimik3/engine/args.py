@@ -130,6 +130,9 @@ class EngineArgs:
         "crosses stages by send/recv (default: 1)", default=1, type=positive_size, aliases=("-pp",))
     pp_layer_partition: str | None = _opt("decoder layers per pipeline stage, comma-separated (e.g. 47,46) "
                                           "(default: planned)", default=None)
+    pp_micro_batches: int | None = _opt(
+        "pipeline parallelism: micro-batches each step is cut into, so stage s works on micro-batch k + 1 while stage "
+        "s + 1 works on k; 1 runs each step whole (default: one per stage)", default=None, type=positive_int)
     enable_eplb: bool = _opt("expert-parallel load balancing: each MoE layer's experts placed in E + R slots over the "
                              "expert-parallel ranks by their recorded load (hot experts copied, tokens spread over "
                              "the copies); needs --enable-expert-parallel (default: off)", default=False)
@@ -325,6 +328,7 @@ class EngineArgs:
                             gpu_memory_utilization=float(self.gpu_memory_utilization), seed=self.seed,
                             enforce_eager=self.resolve_enforce_eager(), max_logprobs=self.max_logprobs,
                             max_cudagraph_capture_size=self.max_cudagraph_capture_size,
+                            pp_micro_batches=self.pp_micro_batches,
                             **self.speculative_settings(),
                             grammar_compile_timeout=float(self.grammar_compile_timeout),
                             grammar_compile_memory=self.grammar_compile_memory,

@@ -29,6 +29,7 @@ class EngineConfig:
     grammar_compile_memory: int = 2 << 30   # bytes its compiler process may grow by
     async_scheduling: bool = False          # schedule and launch decode step N + 1 before step N's tokens reach the host
     max_cudagraph_capture_size: int | None = None   # largest decode batch captured (None: max_num_seqs)
+    pp_micro_batches: int | None = None     # pipeline parallelism: micro-batches per step (None: one per stage)
 
     @property
     def graph_max_seqs(self) -> int:
@@ -60,6 +61,10 @@ class EngineConfig:
         if not isinstance(self.grammar_compile_memory, int) or self.grammar_compile_memory < 1:
             raise ValueError(f"grammar_compile_memory must be a positive number of bytes, "
                              f"got {self.grammar_compile_memory!r}")
+        if self.pp_micro_batches is not None and (not isinstance(self.pp_micro_batches, int)
+                                                  or isinstance(self.pp_micro_batches, bool) or self.pp_micro_batches < 1):
+            raise ValueError(f"pp_micro_batches must be a positive integer or None (one per stage), "
+                             f"got {self.pp_micro_batches!r}")
         if self.cache_memory_bytes is not None and self.cache_memory_bytes <= 0:
             raise ValueError(f"cache_memory_bytes must be positive or None (auto), got {self.cache_memory_bytes!r}")
 

@@ -33,7 +33,8 @@ class LLM:
         ``tensor_parallel_size`` N > 1: this process becomes rank 0 and spawns N-1 workers, one per GPU
         (``kimik3.parallel``); ``enable_expert_parallel`` splits whole experts over them;
         ``decode_context_parallel_size`` stripes the MLA latent cache over them; ``enable_eplb`` places the experts
-        by load (``save_expert_loads`` records one, ``eplb_load_file`` reads it).
+        by load (``save_expert_loads`` records one, ``eplb_load_file`` reads it); ``pipeline_parallel_size`` splits
+        the layers into stages (``pp_micro_batches`` per step).
         ``num_speculative_tokens`` k > 0: each step, requests without penalties (greedy or sampled) verify
         up to k n-gram draft tokens (``kimik3.engine.spec.speculative``). ``disable_log_stats`` (vLLM's; True
         by default, as vLLM's LLM): False logs ``serve``'s stats line every 10 s while ``generate`` runs."""

@@ -152,7 +152,7 @@ class _Placer:
             self.skipped += 1
         elif _is_mtp_layer(name, self.config.text):
             self.mtp += 1
-        elif (layer := _LAYER.match(name)) and not self.model.pipeline.holds(int(layer[1])):
+        elif not self.model.holds_weight(name):        # another pipeline stage's layer, embedding, head, tower
             self.other_ranks += 1
         else:
             return False

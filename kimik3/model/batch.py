@@ -6,6 +6,7 @@ P = H*K KDA channels, W conv width, L_kda / L_mla cached layers, D_c = kv_lora_r
 
 from __future__ import annotations
 
+import dataclasses
 from dataclasses import dataclass, field
 
 import numpy as np
@@ -76,6 +77,43 @@ class ForwardBatch:
     def is_decode(self) -> bool:
         """Every sequence has exactly one new token and some history (pure decode step)."""
         return all(q == 1 for q in self.query_lens_cpu) and all(c > 0 for c in self.context_lens_cpu)
+
+    def slice_rows(self, lo: int, hi: int) -> ForwardBatch:
+        """Packed rows [lo, hi) as a batch of their own (a pipeline micro-batch, ``kimik3.parallel.pipeline``): the
+        sequences they touch, a sequence cut at ``lo`` starting later in its chunk (its earlier rows are then
+        history, written by the micro-batch before), checkpoints renumbered; in a short step a sequence cut before
+        its end keeps its state in its live slot at its last row here. The device tensors are views of this
+        batch's, but for the offsets and a short step's slot table."""
+        if not 0 <= lo < hi <= self.num_tokens:
+            raise ValueError(f"rows [{lo}, {hi}) outside the batch's {self.num_tokens} rows")
+        starts = np.cumsum([0, *self.query_lens_cpu]).tolist()
+        s0 = int(np.searchsorted(starts, lo, side="right")) - 1
+        s1 = int(np.searchsorted(starts, hi, side="left"))
+        skip = [max(lo - starts[n], 0) for n in range(s0, s1)]          # each sequence's rows before ``lo``
+        q = [min(hi, starts[n + 1]) - starts[n] - k for n, k in zip(range(s0, s1), skip)]
+        c = [self.context_lens_cpu[n] + k for n, k in zip(range(s0, s1), skip)]
+        checkpoints = tuple(dataclasses.replace(ck, seq=ck.seq - s0, num_tokens=ck.num_tokens - skip[ck.seq - s0])
+                            for ck in self.checkpoints if s0 <= ck.seq < s1
+                            and 0 < ck.num_tokens - skip[ck.seq - s0] <= q[ck.seq - s0])
+        device = self.cu_seqlens.device
+        as_long = dict(dtype=torch.int64, device=device)
+        rows = None
+        if self.row_state_slots is not None and max(q) > 1:      # a short step's per-row slots, shifted for a cut
+            rows = self.row_state_slots[s0:s1].clone()
+            rows[0, :q[0]] = self.row_state_slots[s0, skip[0]:skip[0] + q[0]]
+            rows[0, q[0]:] = 0
+            if skip[-1] + q[-1] < self.query_lens_cpu[s1 - 1]:     # cut before its end: its last row keeps the state
+                rows[-1, q[-1] - 1] = self.state_slots[s1 - 1]
+            rows = rows[:, :max(q)]
+        out = ForwardBatch(cu_seqlens=torch.tensor(np.cumsum([0, *q]).tolist(), **as_long),
+                           context_lens=torch.tensor(c, **as_long), state_slots=self.state_slots[s0:s1],
+                           block_tables=self.block_tables[s0:s1], slot_mapping=self.slot_mapping[lo:hi],
+                           query_lens_cpu=q, context_lens_cpu=c, checkpoints=checkpoints, row_state_slots=rows,
+                           max_seq_len=max(a + b for a, b in zip(q, c)))
+        if self.embed_rows is not None:
+            keep = (self.embed_rows >= lo) & (self.embed_rows < hi)
+            out.embed_rows, out.embeds = self.embed_rows[keep] - lo, self.embeds[keep]
+        return out
 
     @staticmethod
     def build(query_lens: list[int], context_lens: list[int], state_slots: list[int],

@@ -80,34 +80,51 @@ class PipelineHole(nn.Module):
 
 
 class KimiModel(nn.Module):
+    """Under pipeline parallelism (spec parallelism §4.3) a stage builds only what it runs: its decoder layers;
+    the embedding on the first stage; the final norm and the output AttnRes mixer on the last."""
+
     def __init__(self, cfg: TextConfig, parallel: ParallelContext, pipeline: PipelineContext | None = None):
         super().__init__()
         self.cfg = cfg
         self.pipeline = pipe = pipeline or PipelineContext()
         act = GLUActivation(cfg.hidden_act, cfg.situ_beta, cfg.situ_linear_beta)
-        self.embed_tokens = Embedding(cfg.vocab_size, cfg.hidden_size, parallel)
+        if pipe.is_first:
+            self.embed_tokens = Embedding(cfg.vocab_size, cfg.hidden_size, parallel)
         self.layers = nn.ModuleList(DecoderLayer(cfg, i, act, parallel) if pipe.holds(i) else PipelineHole()
                                     for i in range(cfg.num_hidden_layers))
-        self.norm = RMSNorm(cfg.hidden_size, cfg.rms_norm_eps)
-        if cfg.attn_res_block_size is not None:
-            self.output_attn_res_norm = RMSNorm(cfg.hidden_size, cfg.rms_norm_eps)
-            self.output_attn_res_proj = linear(cfg.hidden_size, 1)
+        if pipe.is_last:
+            self.norm = RMSNorm(cfg.hidden_size, cfg.rms_norm_eps)
+            if cfg.attn_res_block_size is not None:
+                self.output_attn_res_norm = RMSNorm(cfg.hidden_size, cfg.rms_norm_eps)
+                self.output_attn_res_proj = linear(cfg.hidden_size, 1)
+
+    @property
+    def anchor(self) -> torch.Tensor:
+        """A parameter in the model dtype, on the model's device, that every stage holds: the embedding, or on a
+        later pipeline stage its first decoder layer's input norm."""
+        if hasattr(self, "embed_tokens"):
+            return self.embed_tokens.weight
+        return self.layers[self.pipeline.ranges[self.pipeline.stage][0]].input_layernorm.weight
 
     def forward(self, input_ids: torch.Tensor, batch: ForwardBatch, cache: HybridCache,
-                aux_layers: tuple[int, ...] = ()) -> torch.Tensor | tuple[torch.Tensor, list[torch.Tensor]]:
+                aux_layers: tuple[int, ...] = (), stream_in: list[torch.Tensor] | None = None
+                ) -> torch.Tensor | list[torch.Tensor] | tuple[torch.Tensor, list[torch.Tensor]]:
         """-> final-normed hidden [T, D]; with ``aux_layers`` also the stream at the entry of each
         listed layer (``ResidualStream.state``; layer id ``num_hidden_layers``: h_final before the final
-        norm), in the listed order: what a draft model reads. Nothing is kept when none is asked for."""
+        norm), in the listed order: what a draft model reads. Nothing is kept when none is asked for.
+        Pipeline stage: ``stream_in`` is the previous stage's exported stream (every stage but the first), and a
+        stage before the last returns its own export (``ResidualStream.export``) for the next."""
         cfg, pipe = self.cfg, self.pipeline
         if pipe.is_first:
             h = self.embed_tokens(input_ids)
             if batch.embed_rows is not None:
                 h = h.index_copy(0, batch.embed_rows, batch.embeds.to(h.dtype))
             stream = ResidualStream(h, cfg.attn_res_block_size, cfg.rms_norm_eps, cfg.numerics.attn_res_fused_norm)
+        elif stream_in is None:
+            raise ValueError(f"pipeline stage {pipe.stage} starts from the previous stage's stream: pass stream_in "
+                             f"(kimik3.parallel.pipeline.run_stage receives it)")
         else:                        # pipeline: the previous stage's stream (spec parallelism §4.3)
-            state = pipe.recv((batch.num_tokens, cfg.hidden_size), self.embed_tokens.weight.dtype,
-                              self.embed_tokens.weight.device)
-            stream = ResidualStream.restore(state, cfg.attn_res_block_size, cfg.rms_norm_eps,
+            stream = ResidualStream.restore(stream_in, cfg.attn_res_block_size, cfg.rms_norm_eps,
                                             cfg.numerics.attn_res_fused_norm)
         plans: dict = {}            # this forward's alone: a graph capture after a warm-up run computes its own
         taken: dict[int, torch.Tensor] = {}
@@ -118,8 +135,7 @@ class KimiModel(nn.Module):
                 taken[layer.layer_id] = stream.state()
             layer(stream, batch, cache, plans)
         if not pipe.is_last:
-            pipe.send(stream.export())
-            return None
+            return stream.export()
         res = () if cfg.attn_res_block_size is None else (self.output_attn_res_norm.weight,
                                                          self.output_attn_res_proj.weight)
         if not aux_layers:
@@ -147,20 +163,38 @@ class KimiForCausalLM(nn.Module):
             check_parallel_degrees(config, par)
         self.model = KimiModel(config.text, par, self.pipeline)
         _, vocab = par.split(config.text.vocab_size, "vocab size") if par.enabled else (0, config.text.vocab_size)
-        self.lm_head = linear(config.text.hidden_size, vocab)
-        self.tp_shards = {"lm_head.weight": (0, par.tp_rank, par.tp_size)} if par.enabled else {}
+        self.tp_shards = {}
+        if self.pipeline.is_last:           # pipeline: the LM head on the last stage only
+            self.lm_head = linear(config.text.hidden_size, vocab)
+            self.tp_shards = {"lm_head.weight": (0, par.tp_rank, par.tp_size)} if par.enabled else {}
         self.expert_offload = None          # an ExpertOffload when routed experts live in host memory
-        if config.vision is not None:
-            # checkpoint names ``vision_tower.*`` / ``mm_projector.*`` live under ``vision.``
+        if config.vision is not None and self.pipeline.is_first:
+            # checkpoint names ``vision_tower.*`` / ``mm_projector.*`` live under ``vision.`` (first stage only)
             self.vision = KimiVisionModel(config.vision)
 
     @property
     def dtype(self) -> torch.dtype:
-        return self.model.embed_tokens.weight.dtype
+        return self.model.anchor.dtype
 
     @property
     def device(self) -> torch.device:
-        return self.model.embed_tokens.weight.device
+        return self.model.anchor.device
+
+    def holds_weight(self, name: str) -> bool:
+        """Whether this pipeline stage holds checkpoint tensor ``name`` (text-model name, vision under ``vision.``):
+        a stage holds its decoder layers, the first also the embedding and vision tower, the last the final norm,
+        output AttnRes mixer and LM head (spec parallelism §4.3). Everything, without pipeline stages."""
+        pipe = self.pipeline
+        if not pipe.enabled:
+            return True
+        layer = re.match(r"^model\.layers\.(\d+)\.", name)
+        if layer:
+            return pipe.holds(int(layer[1]))
+        if name.startswith(("model.embed_tokens.", "vision.")):
+            return pipe.is_first
+        if name.startswith(("lm_head.", "model.norm.", "model.output_attn_res_")):
+            return pipe.is_last
+        return True
 
     def cast(self, dtype: torch.dtype) -> KimiForCausalLM:
         """Move every parameter to ``dtype``, keeping the fp32 ones (per ``f32_param_policy``) at
@@ -311,10 +345,12 @@ class KimiForCausalLM(nn.Module):
 
     @torch.inference_mode()
     def forward_step(self, input_ids: torch.Tensor, batch: ForwardBatch, cache: HybridCache,
-                     aux_layers: tuple[int, ...] = ()) -> torch.Tensor | tuple[torch.Tensor, list[torch.Tensor]]:
+                     aux_layers: tuple[int, ...] = (), stream: list[torch.Tensor] | None = None
+                     ) -> torch.Tensor | list[torch.Tensor] | tuple[torch.Tensor, list[torch.Tensor]]:
         """input_ids [T] -> final-normed hidden states [T, D]; advances ``cache`` in place. ``aux_layers``:
-        also return the hidden states a draft model reads (``KimiModel.forward``). Pipeline parallelism: a
-        stage takes the previous stage's stream and sends its own on; only the last returns (None elsewhere)."""
+        also return the hidden states a draft model reads (``KimiModel.forward``). Pipeline parallelism (the
+        transfers: ``kimik3.parallel.pipeline``): a stage after the first starts from ``stream``, the previous
+        stage's; a stage before the last returns its own stream (a list of tensors), not hidden states."""
         if input_ids.dim() != 1 or input_ids.shape[0] != batch.num_tokens:
             raise ValueError(f"input_ids must be 1-D with {batch.num_tokens} tokens, got shape {tuple(input_ids.shape)}")
         if aux_layers and self.pipeline.enabled:
@@ -325,13 +361,15 @@ class KimiForCausalLM(nn.Module):
                              f"(the model has {self.config.text.num_hidden_layers} layers)")
         if self.expert_offload is not None:      # how this step serves its uncached experts (may prefetch)
             self.expert_offload.begin_step(batch.num_tokens)
-        return self.model(input_ids, batch, cache, tuple(aux_layers))
+        return self.model(input_ids, batch, cache, tuple(aux_layers), stream)
 
     @torch.inference_mode()
     def compute_logits(self, hidden: torch.Tensor) -> torch.Tensor | None:
         """hidden [n, D] -> logits [n, vocab] in float32 (float64 for a float64 model). Under TP
         each rank computes its vocabulary slice; the full rows exist on TP rank 0 only (None
         is returned elsewhere)."""
+        if not self.pipeline.is_last:
+            raise ValueError(f"pipeline stage {self.pipeline.stage} holds no LM head: the last stage computes logits")
         logits = ops_linear(hidden, self.lm_head.weight, out_dtype=torch.promote_types(self.dtype, torch.float32))
         return self.parallel.gather_columns_to_first(logits)
 

@@ -7,9 +7,9 @@ the rows to sample, the KDA state copies/resets of the step) on the gloo control
 worker applies the cache ops, runs ``forward_step`` and joins the LM-head gather. A step's image
 embeddings follow the descriptor as one broadcast on the model's group; the images themselves are
 encoded by all ranks before it (``EncodeImages``: ``encoder_dp.py``). Pipeline parallelism: every rank
-gets each step; a stage's forward takes the previous stage's stream and sends its own on
-(``PipelineContext``), the last stage's TP rank 0 sends the logits to rank 0; one step is in the
-pipe at a time. Under async
+gets each step and runs its stage's part of it (``pipeline.run_stage``): the step's micro-batches, each from
+the previous stage's stream to the next stage (the last stage's TP rank 0 sends the logits to rank 0), so
+stages overlap on consecutive micro-batches; one engine step is in the pipe at a time. Under async
 scheduling a step's input ids are the previous step's samples, still on rank 0's device: the
 descriptor then carries their count, and the ids follow as a broadcast on the model's own group
 (NCCL on GPUs: from device to device, without a wait on rank 0's host). The cache
@@ -33,6 +33,7 @@ import torch.distributed as dist
 from kimik3.model.batch import ForwardBatch
 from kimik3.model.cuda_graphs import DecodeGraphs, capture_or_none
 from kimik3.parallel.encoder_dp import EncodeImages, encode_share
+from kimik3.parallel.pipeline import run_stage
 
 logger = logging.getLogger(__name__)
 
@@ -53,6 +54,7 @@ class StepDescriptor:
     state_copies: list[tuple[int, int]]      # applied before the forward, in order
     state_resets: list[int]
     embeds: tuple | None = None              # ((M, D), dtype) of image embedding rows that follow on the model's group
+    bounds: list[int] | None = None          # pipeline: the micro-batches' packed-row bounds (``pipeline.py``)
 
 
 @dataclass
@@ -94,15 +96,17 @@ def send_geometry(cache, control) -> None:
 
 def send_step(control, input_ids: torch.Tensor, batch: ForwardBatch, rows: list[int],
               state_copies: list[tuple[int, int]], state_resets: list[int], model_group=None,
-              ids_on_device: bool = False) -> None:
+              ids_on_device: bool = False, bounds: list[int] | None = None) -> None:
     """Rank 0, before each forward: the step every worker runs with it. ``ids_on_device``: the ids
-    are a device tensor still being computed (async scheduling); they go on ``model_group``."""
+    are a device tensor still being computed (async scheduling); they go on ``model_group``. ``bounds``: the
+    pipeline micro-batches (``pipeline.micro_batch_bounds``)."""
     ids = input_ids.numel() if ids_on_device else input_ids.cpu()
     embeds = batch.embeds
     if embeds is not None:                     # image embeddings go device to device, not pickled
         batch = dataclasses.replace(batch, embeds=None)
     broadcast(StepDescriptor(ids, _moved(batch, torch.device("cpu")), list(rows), list(state_copies),
-                             list(state_resets), None if embeds is None else (tuple(embeds.shape), embeds.dtype)), control)
+                             list(state_resets), None if embeds is None else (tuple(embeds.shape), embeds.dtype),
+                             bounds), control)
     if ids_on_device:
         _send_ids(input_ids, model_group)
     if embeds is not None:
@@ -185,9 +189,10 @@ def worker_loop(model, control, graphs_class=DecodeGraphs) -> int:
                 shape, dtype = step.embeds
                 batch.embeds = torch.empty(shape, dtype=dtype, device=device)
                 dist.broadcast(batch.embeds, src=_first_rank(model.parallel.group), group=model.parallel.group)
-            hidden = model.forward_step(ids, batch, cache)        # None before the last pipeline stage
-            if step.rows and hidden is not None:
-                logits = model.compute_logits(hidden[torch.tensor(step.rows, device=device)])
-                if logits is not None and model.pipeline.enabled:
-                    model.pipeline.send_logits(logits)    # to rank 0, which samples
+            if model.pipeline.enabled:                    # this stage's part; the logits go to rank 0
+                run_stage(model, ids, batch, cache, step.rows, step.bounds)
+            else:
+                hidden = model.forward_step(ids, batch, cache)
+                if step.rows:
+                    model.compute_logits(hidden[torch.tensor(step.rows, device=device)])   # the vocab gather
         steps += 1

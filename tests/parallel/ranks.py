@@ -17,6 +17,7 @@ from kimik3.engine.run.parallel_runner import ParallelRunner
 from kimik3.loader.load import load_model
 from kimik3.model import ForwardBatch, StateCheckpoint
 from kimik3.parallel.launch import init_rank
+from kimik3.parallel.pipeline import micro_batch_bounds, run_stage
 from kimik3.parallel.worker import stop_workers, worker_loop
 from tests.engine.helpers import EagerReplayGraphs, FailingGraphs, count_calls
 
@@ -46,10 +47,12 @@ def _entry(rank, fn, world, init, args):
 BLOCK = 2
 
 
-def run_steps(model, seed: int = 0):
+def run_steps(model, seed: int = 0, micro_batches: int = 1):
     """Chunked prefill of two sequences (a KDA checkpoint after 2 tokens of A), two decode steps,
     then a third sequence resuming from A's checkpoint and first block (a prefix hit).
-    Returns (logits of every step, on TP rank 0: else None; the embedding of A's prompt; cache)."""
+    Returns (logits of every step, on TP rank 0: else None; the embedding of A's prompt (None off the first
+    pipeline stage); cache). Each step runs as ``micro_batches`` micro-batches: through the pipeline stages
+    (``run_stage``; the logits then come to world rank 0), or in one process one after the other."""
     g = torch.Generator().manual_seed(seed)
     V = model.config.text.vocab_size
     a, b = torch.randint(5, V, (9,), generator=g).tolist(), torch.randint(5, V, (7,), generator=g).tolist()
@@ -72,12 +75,17 @@ def run_steps(model, seed: int = 0):
         batch = ForwardBatch.build([len(chunks[s]) for s in seqs], [done[s] for s in seqs], [slots[s] for s in seqs],
                                    [tables[s] for s in seqs], BLOCK, checkpoints=checkpoints)
         ids = torch.tensor([t for s in seqs for t in chunks[s]])
-        hidden = model.forward_step(ids, batch, cache)          # None before the last pipeline stage
-        out.append(None if hidden is None else model.compute_logits(hidden))
+        bounds = micro_batch_bounds(batch, micro_batches)
+        if model.pipeline.enabled:
+            out.append(run_stage(model, ids, batch, cache, list(range(len(ids))), bounds))
+        else:                 # one process: the micro-batches one after the other
+            parts = [batch.slice_rows(lo, hi) if len(bounds) > 2 else batch for lo, hi in zip(bounds, bounds[1:])]
+            hidden = [model.forward_step(ids[lo:hi], part, cache) for (lo, hi), part in zip(zip(bounds, bounds[1:]), parts)]
+            out.append(model.compute_logits(torch.cat(hidden)))
         for s in seqs:
             done[s] += len(chunks[s])
     with torch.inference_mode():
-        emb = model.model.embed_tokens(torch.tensor(a))
+        emb = model.model.embed_tokens(torch.tensor(a)) if model.pipeline.is_first else None
     return out, emb, cache
 
 
@@ -98,25 +106,25 @@ def logits_rank(rank, world, control, ckpts: dict, layouts: dict, out_path: str)
 
 
 def pipeline_rank(rank, world, control, ckpts: dict, layouts: dict, out_path: str):
-    """Pipeline layouts: name -> (stages, EP on/off, two stages' cut layer or None: planned); TP = world / stages. The last
-    stage's TP rank 0 saves (``out_path.rank<r>``) the logits of ``run_steps`` and every rank's cached layer ids
-    and stage ranges."""
+    """Pipeline layouts: name -> (stages, EP on/off, two stages' cut layer or None: planned, micro-batches per
+    step); TP = world / stages. Rank 0 saves the logits of ``run_steps`` and every rank's cached layer ids, stage
+    ranges and parameter names and bytes."""
     from kimik3.parallel.launch import ParallelConfig
     results = {}
     for arch, path in ckpts.items():
-        for name, (pp, ep, cut) in layouts.items():
+        for name, (pp, ep, cut, micro) in layouts.items():
             L = load_model(path, dtype=torch.float64).config.text.num_hidden_layers
             cfg = ParallelConfig(world // pp, ep, pipeline_parallel_size=pp,
                                  pp_layer_partition=None if cut is None else (cut, L - cut))
             model = load_model(path, dtype=torch.float64, **cfg.join(rank, path))
-            logits, _, cache = run_steps(model)
+            logits, _, cache = run_steps(model, micro_batches=micro)
             layers = sorted(cache.layer_index)
+            params = {n: p.numel() * p.element_size() for n, p in model.named_parameters()}
             gathered = [None] * world
-            dist.all_gather_object(gathered, (layers, model.pipeline.ranges), group=control)
-            if rank == world - world // pp:
-                results[arch, name] = (logits, gathered)
-    if results:
-        torch.save(results, f"{out_path}.rank{rank}")
+            dist.all_gather_object(gathered, (layers, model.pipeline.ranges, params), group=control)
+            results[arch, name] = (logits, gathered)
+    if rank == 0:
+        torch.save(results, out_path)
 
 
 def engine_prompts(vocab: int) -> tuple[list[list[int]], list[list[int]]]:
@@ -225,3 +233,45 @@ def spec_engine_rank(rank, world, control, path: str, out_path: str, graphs: boo
     stop_workers(control)
     verify = sum(L > 1 for _, L in engine.runner.graphs.replayed) if graphs else 0
     torch.save((outs, engine.num_draft_tokens, engine.num_accepted_tokens, verify), out_path)
+
+
+def slow_layers(model, seconds_per_token: float) -> None:
+    """Make each held decoder layer sleep so that a micro-batch of n tokens takes ``n * seconds_per_token`` more on
+    every stage (the overlap test's stand-in for a stage whose time grows with its tokens)."""
+    from kimik3.model.kimi_k3 import DecoderLayer
+    held = [m for m in model.model.layers if isinstance(m, DecoderLayer)]
+
+    def slow(forward, stream, batch, *a):
+        time.sleep(seconds_per_token * batch.num_tokens / len(held))
+        return forward(stream, batch, *a)
+    for layer in held:
+        layer.forward = functools.partial(slow, layer.forward)
+
+
+def pipeline_engine_rank(rank, world, control, path: str, micro: list[int], delay: float, out_path: str):
+    """PP2 (TP = world / 2) through the engine, once per micro-batch count in ``micro``, each decoder layer slowed
+    so a stage takes ``delay`` s more per token: rank 0 saves, per count, the greedy outputs and every rank's
+    timeline (``PipelineContext.timeline``: per step, (micro-batch, start, end) of each stage's work)."""
+    import dataclasses
+
+    from kimik3.parallel.launch import ParallelConfig
+    joined = ParallelConfig(world // 2, pipeline_parallel_size=2).join(rank, path)
+    model = load_model(path, dtype=torch.float64, parallel=joined["parallel"],
+                       pipeline=dataclasses.replace(joined["pipeline"], timeline=[]))
+    slow_layers(model, delay)
+    results = {}
+    for m in micro:
+        model.pipeline.timeline.clear()
+        outs = None
+        if rank == 0:
+            engine = LLMEngine(model, EngineConfig(**ENGINE_CONFIG, pp_micro_batches=m),
+                               runner_factory=functools.partial(ParallelRunner, control=control))
+            outs = run_engine(engine, engine_prompts(model.config.text.vocab_size)[0], max_tokens=4)[0]
+            stop_workers(control)
+        else:
+            worker_loop(model, control)
+        gathered = [None] * world
+        dist.all_gather_object(gathered, (model.pipeline.stage, list(model.pipeline.timeline)), group=control)
+        results[m] = (outs, gathered)
+    if rank == 0:
+        torch.save(results, out_path)

@@ -13,6 +13,7 @@ from kimik3.engine.run.runner import ModelRunner
 from kimik3.model.batch import ForwardBatch
 from kimik3.model.cuda_graphs import DecodeGraphs, capture_or_none
 from kimik3.parallel.encoder_dp import EncodeImages, encode_share
+from kimik3.parallel.pipeline import micro_batch_bounds, run_stage
 from kimik3.parallel.worker import CaptureGraphs, agree, broadcast, send_geometry, send_graph_step, send_step
 
 logger = logging.getLogger(__name__)
@@ -28,6 +29,8 @@ class ParallelRunner(ModelRunner):
         self.on_failure = on_failure
         self._ops: tuple[list, list] = ([], [])
         self._ids_on_device = False
+        # pipeline parallelism: micro-batches per step (``kimik3.parallel.pipeline``), by default one per stage
+        self.micro_batches = config.pp_micro_batches or model.pipeline.num_stages
         send_geometry(cache, control)              # before the base class captures graphs (with the workers)
         super().__init__(model, cache, config)
         self.images.encode_items = self.encode_images
@@ -63,17 +66,14 @@ class ParallelRunner(ModelRunner):
             raise
 
     def run(self, input_ids: torch.Tensor, batch: ForwardBatch, rows: list[int]):
-        send_step(self.control, input_ids, batch, rows, *self._ops, model_group=self.model.parallel.group,
-                  ids_on_device=self._ids_on_device)
         pipe = self.model.pipeline
+        bounds = micro_batch_bounds(batch, self.micro_batches) if pipe.enabled else None
+        send_step(self.control, input_ids, batch, rows, *self._ops, model_group=self.model.parallel.group,
+                  ids_on_device=self._ids_on_device, bounds=bounds)
         if not pipe.enabled:
             return super().run(input_ids, batch, rows)
-        # pipeline: this first stage's layers, then the last stage's logits of ``rows``
-        self.model.forward_step(input_ids, batch, self.cache)
-        if not rows:
-            return None
-        dtype = torch.promote_types(self.model.dtype, torch.float32)
-        return pipe.recv_logits(len(rows), self.model.config.text.vocab_size, dtype, self.device)
+        # pipeline: the first stage's part of each micro-batch, then the last stage's logits of ``rows``
+        return run_stage(self.model, input_ids, batch, self.cache, rows, bounds)
 
     def run_graph(self, meta: torch.Tensor, tables: torch.Tensor, rows: list[int], num_seqs: int,
                   input_ids: torch.Tensor | None = None):
