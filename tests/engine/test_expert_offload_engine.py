@@ -1,6 +1,6 @@
 """The engine with routed experts offloaded (the CPU path: host pool -> "device" pool, both CPU memory)
 produces the tokens of the same engine with every expert resident, in every engine mode: chunked prefill,
-preemption from a tiny cache, prefix hits, an abort, for K3's MXFP4 experts and Kimi-Linear's bf16 ones, with
+preemption from a tiny cache, prefix hits, an abort, n-gram speculation, for K3's MXFP4 experts and Kimi-Linear's bf16 ones, with
 each miss strategy (copy after routing, prefetch, host compute, and the policy mixing host compute for one
 token with prefetch for more); the hot set moves between steps (``refresh``) while it runs."""
 
@@ -12,6 +12,7 @@ import torch
 from kimik3.loader import load_model
 from kimik3.model.expert_offload import ExpertOffloadConfig, expert_bytes
 from kimik3.model.offload_policy import MissRates
+from kimik3.engine import SamplingParams
 from tests.engine.helpers import make_engine, run
 from tests.engine.test_real_model import _requests
 
@@ -48,17 +49,26 @@ def models(request, tiny_ckpt):
     return resident, offloaded, policy
 
 
-@pytest.mark.parametrize("block_size,budget_tokens,extra_blocks", [(2, 6, 0), (3, 5, 30)],
-                         ids=["B2-chunk6-preempt", "B3-chunk5-prefix"])
-def test_offload_engine_tokens_equal_resident(models, block_size, budget_tokens, extra_blocks):
+@pytest.mark.parametrize("block_size,budget_tokens,extra_blocks,spec", [(2, 6, 0, 0), (3, 5, 30, 0), (2, 12, 30, 2)],
+                         ids=["B2-chunk6-preempt", "B3-chunk5-prefix", "B2-ngram-spec2"])
+def test_offload_engine_tokens_equal_resident(models, block_size, budget_tokens, extra_blocks, spec):
     resident, offloaded, policy = models
     reqs = _requests(resident.config.text.vocab_size, seed=block_size)
+    kw = dict(max_model_len=20, kda_checkpoint_interval=1)
+    if spec:                           # prompts of repeated n-grams, checkpoints far apart: decode steps draft
+        reqs = {r: ((p * 3)[:14], SamplingParams(temperature=0, max_tokens=16, ignore_eos=True))
+                for r, (p, _) in reqs.items()}
+        kw = dict(max_model_len=48, kda_checkpoint_interval=8, num_speculative_tokens=spec, speculative_ngram_min=1,
+                  speculative_ngram_max=3)
     outputs = []
     for model in (resident, offloaded):
         engine = make_engine(model, block_size=block_size, max_num_seqs=4, max_num_batched_tokens=budget_tokens,
-                             max_model_len=20, kda_checkpoint_interval=1, extra_blocks=extra_blocks)
+                             extra_blocks=extra_blocks, **kw)
         arrivals = {0: ["r0"], 8: ["r1", "r2", "r3", "r4"], 9: ["r5"]}
         outputs.append(run(engine, reqs, arrivals, aborts={12: ["r4"]}))
+        if spec:                       # verify steps: several tokens a sequence
+            assert engine.num_drafts > 0
+            continue
         if extra_blocks == 0:
             assert engine.scheduler.num_preemptions > 0
         else:
