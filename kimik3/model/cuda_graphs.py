@@ -12,6 +12,10 @@ context lens, state slots, slot mapping, the [B, L] row state slots), block tabl
 int32, and cu_seqlens (fixed: 0, L, 2L, ..). MLA decode sizes its splits from ``max_seq_len``,
 pinned to max_model_len so a replay attends over any context length.
 
+With a draft model (``aux_layers``: the target layers whose input states the draft reads) every graph also
+writes those states of its rows into one fixed buffer (``aux_states``, outside the graphs' pool), read after
+the replay as the eager step's ``forward_step(aux_layers=...)`` output is.
+
 While capturing, the MoE layers get a second stream (``KimiForCausalLM.use_side_stream``): the
 graphs run the router and the shared experts beside the routed path (measured faster at every
 captured size, benchmarks/RESULTS.md); eager steps stay on one stream, where the extra stream
@@ -122,8 +126,10 @@ class DecodeGraphs:
     """Captured decode steps (query length 1) and verify steps (2 .. ``max_query_len``) of one model
     over one cache, keyed by (padded batch size, query length)."""
 
-    def __init__(self, model, cache: HybridCache, max_num_seqs: int, max_model_len: int, max_query_len: int = 1):
+    def __init__(self, model, cache: HybridCache, max_num_seqs: int, max_model_len: int, max_query_len: int = 1,
+                 aux_layers: tuple[int, ...] = ()):
         self.model, self.cache = model, cache
+        self.aux_layers = tuple(aux_layers)
         self.sizes = graph_batch_sizes(max_num_seqs)
         self.max_model_len, self.max_query_len = max_model_len, max_query_len
         device = torch.device(model.device)
@@ -141,6 +147,11 @@ class DecodeGraphs:
         self.graphs: dict[tuple[int, int], tuple[torch.cuda.CUDAGraph, torch.Tensor]] = {}
         self.batches = {(size, L): self.batch(size, L) for size in self.sizes for L in range(1, max_query_len + 1)
                         if L == 1 or size <= VERIFY_GRAPH_MAX_SEQS}
+        # a draft model's states (``aux_layers``): every graph writes its rows' states here, [rows, n * D]
+        self.aux_states: torch.Tensor | None = None
+        if self.aux_layers:
+            width = len(self.aux_layers) * model.config.text.hidden_size
+            self.aux_states = torch.zeros(max(s * L for s, L in self.batches), width, dtype=model.dtype, device=device)
 
     def size_for(self, n: int) -> int | None:
         return padded_batch_size(n, self.sizes)
@@ -156,8 +167,16 @@ class DecodeGraphs:
                             row_state_slots=self.meta[4, :T].view(size, L) if L > 1 else None)
 
     def step(self, size: int, L: int = 1) -> torch.Tensor:
-        """One step over the static inputs of ``size`` sequences of L tokens: logits [size * L, vocab]."""
-        hidden = self.model.forward_step(self.meta[0, :size * L], self.batches[size, L], self.cache)
+        """One step over the static inputs of ``size`` sequences of L tokens: logits [size * L, vocab]. With
+        ``aux_layers`` the states the draft reads are written to rows 0 .. size * L of ``aux_states``, a fixed
+        buffer outside the graphs' pool."""
+        T = size * L
+        if not self.aux_layers:
+            return self.model.compute_logits(self.model.forward_step(self.meta[0, :T], self.batches[size, L], self.cache))
+        hidden, aux = self.model.forward_step(self.meta[0, :T], self.batches[size, L], self.cache, self.aux_layers)
+        D = aux[0].shape[-1]
+        for i, a in enumerate(aux):
+            self.aux_states[:T, i * D:(i + 1) * D].copy_(a)
         return self.model.compute_logits(hidden)
 
     @torch.inference_mode()
@@ -192,7 +211,7 @@ class DecodeGraphs:
     def run(self, meta: torch.Tensor, block_tables: torch.Tensor, num_seqs: int,
             input_ids: torch.Tensor | None = None) -> torch.Tensor:
         """Copy the host inputs (from ``pack_decode_inputs``) in and replay: logits [num_seqs * L, vocab]
-        (a view of the graph's output, valid until the next replay). ``input_ids``: [num_seqs] device
+        (a view of the graph's output, valid until the next replay; so are ``states``). ``input_ids``: [num_seqs] device
         tokens that replace the host ones at each sequence's first row (async scheduling: the previous
         step's samples)."""
         (size, width), cols = block_tables.shape, meta.shape[1]
@@ -210,6 +229,11 @@ class DecodeGraphs:
         graph, logits = self.graphs[size, L]
         graph.replay()
         return None if logits is None else logits[:num_seqs * L]      # None: a tensor-parallel worker
+
+    def states(self, num_seqs: int, L: int) -> torch.Tensor | None:
+        """The last replay's draft-model states of its ``num_seqs`` sequences of L rows, [num_seqs * L, n * D]
+        (a view of the fixed buffer, valid until the next replay); None without ``aux_layers``."""
+        return None if self.aux_states is None else self.aux_states[:num_seqs * L]
 
 
 def capture_or_none(graphs: DecodeGraphs, decode_only_retry: bool = True) -> DecodeGraphs | None:
@@ -230,6 +254,6 @@ def capture_or_none(graphs: DecodeGraphs, decode_only_retry: bool = True) -> Dec
             torch.cuda.synchronize()
             torch.cuda.empty_cache()
         if retry:
-            return capture_or_none(type(graphs)(graphs.model, graphs.cache, graphs.sizes[-1], graphs.max_model_len),
-                                   decode_only_retry=False)
+            return capture_or_none(type(graphs)(graphs.model, graphs.cache, graphs.sizes[-1], graphs.max_model_len,
+                                                aux_layers=graphs.aux_layers), decode_only_retry=False)
         return None

@@ -47,7 +47,7 @@ def test_engine_greedy_equals_the_model_called_directly_on_cuda(model, prompts, 
     if mode in ("chunked_prefix_graphs", "async_chunked_prefix", "eagle3_async_chunked_prefix"):  # async: GPU default
         kw.update(max_num_batched_tokens=24, kda_checkpoint_interval=1, async_scheduling="async" in mode)
         arrivals = {0: ["a"], 8: ["b", "d"], 10: ["c", "e", "f"]}
-    if mode.startswith("eagle3"):     # the default model's shipped draft (engine/spec/draft_model.py): eager steps
+    if mode.startswith("eagle3"):     # the default model's shipped draft (engine/spec/draft_model.py): graph steps
         kw.update(num_speculative_tokens=4, speculative_method="eagle3", speculative_model="default")
     elif mode == "speculative":       # graphs on; steps that carry drafts (here: nearly all) run eagerly
         kw.update(num_speculative_tokens=3, speculative_ngram_min=1, speculative_ngram_max=3)

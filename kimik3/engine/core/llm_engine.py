@@ -68,9 +68,8 @@ class LLMEngine:
             if runner_factory is not None:
                 raise ValueError("speculative draft models run in one process for now; use tensor_parallel_size 1 "
                                  "or n-gram speculation")
-            # eager steps keep the states the draft reads (CUDA graphs of draft/verify steps: not yet)
-            self.runner = ModelRunner(model, self.cache, dataclasses.replace(config, enforce_eager=True))
-            self.runner.aux_layers = drafter.aux_layers
+            # every step (eager or a decode / verify graph) keeps the states the draft reads
+            self.runner = ModelRunner(model, self.cache, config, aux_layers=drafter.aux_layers)
         else:
             self.runner = (runner_factory or ModelRunner)(model, self.cache, config)
         self.inputs = InputProcessor(model.config, config, self.device, tokenizer, tokenizer_path)

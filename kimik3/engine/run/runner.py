@@ -30,7 +30,9 @@ logger = logging.getLogger(__name__)
 
 
 class ModelRunner:
-    def __init__(self, model, cache: HybridCache, config: EngineConfig):
+    def __init__(self, model, cache: HybridCache, config: EngineConfig, aux_layers: tuple[int, ...] = ()):
+        """``aux_layers``: a draft model's target layers, whose input states every step keeps (eager and graph
+        steps alike) for the drafter (``SchedulerOutput.draft_states``)."""
         self.model = model
         self.cache = cache
         self.device = torch.device(model.device)
@@ -46,12 +48,12 @@ class ModelRunner:
         self.prepare_seconds = 0.0  # batch building alone
         self.model_seconds = 0.0    # the step's launch and any image encoding
         self.num_steps = self.num_graph_steps = 0
-        self.aux_layers: tuple[int, ...] = ()   # a draft model's layers: each eager step keeps their states
+        self.aux_layers = tuple(aux_layers)     # a draft model's layers: each step keeps their states
         self.last_states: torch.Tensor | None = None
         self.graphs: DecodeGraphs | None = None
         if graphs:
             self.graphs = self.capture_graphs(DecodeGraphs(model, cache, config.graph_max_seqs, config.max_model_len,
-                                                           1 + config.num_speculative_tokens))
+                                                           1 + config.num_speculative_tokens, self.aux_layers))
 
     def capture_graphs(self, graphs: DecodeGraphs) -> DecodeGraphs | None:
         """Capture the decode graphs, or None (eager) when the model cannot be captured."""
@@ -70,6 +72,7 @@ class ModelRunner:
                   input_ids: torch.Tensor | None = None) -> torch.Tensor | None:
         """The graph step: replay, then the logits of the chunks that sample."""
         logits = self.graphs.run(meta, tables, num_seqs, input_ids)
+        self.last_states = self.graphs.states(num_seqs, meta.shape[1] // tables.shape[0])
         self.num_graph_steps += 1
         if len(rows) == logits.shape[0]:
             return logits
@@ -117,7 +120,6 @@ class ModelRunner:
             if input_ids is not None:       # the pending chunks' first rows (a drafting chunk has more rows)
                 ids = ids.index_copy(0, on_device(step.pending_rows, torch.int64, self.device), input_ids)
             logits = self.run(ids, step.batch, step.rows)
-            out.draft_states, self.last_states = self.last_states, None
             if step.prompt_rows:      # the prompt-scoring rows come last
                 n = len(step.prompt_rows)
                 record_prompt_logprobs(step.prompt_rows, logits[-n:])
@@ -126,6 +128,7 @@ class ModelRunner:
             meta, tables, rows = self.batches.build_decode(out, size)
             t1 = time.perf_counter()
             logits = self.run_graph(meta, tables, rows, len(out.chunks), input_ids)
+        out.draft_states, self.last_states = self.last_states, None   # a graph's: valid until the next replay
         self.images.release(out.chunks)
         encode = self.images.seconds - enc0         # images encoded while building the batch count as model time
         prepare, launch = t1 - t0 - encode, time.perf_counter() - t1 + encode

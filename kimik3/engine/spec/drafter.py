@@ -27,13 +27,13 @@ The calls, in the order a request meets them:
   (before the step's tokens are appended): the drafter rolls its own state back to the accepted prefix.
 - ``observe(out, states)``: a step is committed (drafts settled, tokens appended): ``states`` are the
   target's hidden states at the entry of the ``aux_layers`` of every packed row of ``out`` ([T, n * D],
-  ``KimiForCausalLM.forward_step(aux_layers=...)``), None when ``aux_layers`` is empty or the step ran as a
-  CUDA graph. A draft model catches its cache up and prepares the next step's drafts here.
+  ``KimiForCausalLM.forward_step(aux_layers=...)``; a CUDA graph step's: a view of the graphs' fixed buffer, valid
+  until the next step launches), None when ``aux_layers`` is empty. A draft model catches its cache up and prepares the next step's drafts here.
 - ``release(req)``: ``req`` leaves the running set (finished, aborted or preempted and later recomputed):
   give back what the drafter holds for it. Default: nothing held.
 
-A drafter with ``aux_layers`` runs its engine's steps eagerly (the runner keeps those states; CUDA graphs of
-draft/verify steps: not yet) and in one process. A new drafter is a subclass in engine/spec/ plus a branch in
+A drafter with ``aux_layers`` runs in one process; the runner keeps those states of every target step, eager or
+a decode / verify CUDA graph (``cuda_graphs.DecodeGraphs.aux_states``). A new drafter is a subclass in engine/spec/ plus a branch in
 ``drafters.make_drafter``: n-gram (``ngram.py``) and the draft models (``draft_model.py``: Eagle3, MTP,
 DFlash/DSpark) are the two there now.
 """

@@ -1,0 +1,97 @@
+"""Draft-model speculation on the CUDA-graph branch, without CUDA (the emulation of
+``test_runner_graphs_cpu.py``: each "graph" an eager step over the same static buffers): decode and
+verify steps of an Eagle3-drafting engine replay graphs that also write the states the draft reads into
+the fixed ``aux_states`` buffer; the drafter reads them from there, they equal the eager engine's, and
+greedy output is plain decoding's."""
+
+from __future__ import annotations
+
+import pytest
+import torch
+
+from kimik3.model.batch import ForwardBatch, StateCheckpoint
+from kimik3.model.cuda_graphs import DecodeGraphs, pack_decode_inputs
+from tests.engine.fake_model import reference_greedy
+from tests.engine.helpers import EagerReplayGraphs, check_invariants, run
+from tests.engine.spec.test_draft_model import engine_with, oracle, requests, target  # noqa: F401 (fixture)
+
+
+def record_observed(engine) -> list:
+    """Wrap the engine's drafter's ``observe`` to keep a copy of the states of every step (None kept)."""
+    drafter, seen = engine.scheduler.drafter, []
+    observe = drafter.observe
+
+    def wrapped(out, states):
+        seen.append(None if states is None else (states.clone(), states.data_ptr()))
+        return observe(out, states)
+    drafter.observe = wrapped
+    return seen
+
+
+def graphed(engine, k: int):
+    """Give ``engine`` emulated decode / verify graphs that keep its drafter's states."""
+    cfg, runner = engine.config, engine.runner
+    runner.graphs = EagerReplayGraphs(engine.model, engine.cache, cfg.max_num_seqs, cfg.max_model_len, k + 1,
+                                      aux_layers=runner.aux_layers)
+    runner.graphs.capture()
+    return runner.graphs
+
+
+@pytest.mark.parametrize("max_num_seqs, async_scheduling", [(1, False), (3, False), (3, True)])
+def test_draft_model_graph_steps_keep_states_and_greedy_output(target, monkeypatch, max_num_seqs,  # noqa: F811
+                                                               async_scheduling):
+    reqs = requests(target, seed=7, n=3, max_tokens=14)
+    futures = {tuple(p): reference_greedy(target, p, sp.max_tokens) for p, sp in reqs.values()}
+    oracle(monkeypatch, futures, target.config.text.vocab_size)
+    kw = dict(block_size=4, max_num_seqs=max_num_seqs, max_num_batched_tokens=64, max_model_len=48,
+              enable_prefix_caching=False, async_scheduling=async_scheduling)
+    eager = engine_with(target, **kw)
+    assert eager.runner.aux_layers == eager.scheduler.drafter.aux_layers and eager.runner.graphs is None
+    want_states = record_observed(eager)
+    want = run(eager, reqs)
+    engine = engine_with(target, **kw)
+    graphs = graphed(engine, k=3)
+    got_states = record_observed(engine)
+    got = run(engine, reqs, check=lambda e: check_invariants(e.kv, e.scheduler.running))
+    for rid, (prompt, _) in reqs.items():
+        assert got[rid][0][0] == futures[tuple(prompt)] == want[rid][0][0], rid
+    assert engine.num_accepted_tokens == eager.num_accepted_tokens > 0
+    assert engine.accepted_per_position == eager.accepted_per_position
+    replayed = graphs.replayed
+    assert any(L == 1 for _, L in replayed) and any(L > 1 for _, L in replayed), replayed
+    assert engine.runner.num_graph_steps == len(replayed) < engine.runner.num_steps   # prefills ran eagerly
+    # every step's states reached the drafter, the graph steps' from the fixed buffer, equal to the eager steps'
+    assert len(got_states) == len(want_states) and None not in got_states and None not in want_states
+    from_buffer = sum(ptr == graphs.aux_states.data_ptr() for _, ptr in got_states)
+    assert from_buffer == len(replayed), (from_buffer, len(replayed))
+    for i, ((g, _), (w, _)) in enumerate(zip(got_states, want_states)):
+        assert g.shape == w.shape, i
+        torch.testing.assert_close(g, w, rtol=1e-5, atol=1e-5, msg=f"step {i}")
+
+
+def test_graph_states_are_the_eager_forward_states(target):  # noqa: F811
+    """One padded verify graph step (2 sequences padded to 4, L = 3): the fixed buffer's rows equal
+    ``forward_step(aux_layers=...)`` on the same tokens (the graph step is what the eager step computes)."""
+    aux = (1, 3, target.config.text.num_hidden_layers)
+    cache = target.allocate_cache(8, 12, 4)
+    graphs = EagerReplayGraphs(target, cache, 4, 24, 3, aux_layers=aux)
+    graphs.capture()
+    assert graphs.aux_states.shape == (12, 3 * target.config.text.hidden_size)
+    prompts = [[5, 6, 7, 8, 9], [10, 11, 12]]
+    ref_cache = target.allocate_cache(8, 12, 4)
+    tables = [[1, 2, 3], [4, 5, 6]]
+    for c in (cache, ref_cache):        # the prompts' own prefill, eager, into both caches
+        target.forward_step(torch.tensor(prompts[0] + prompts[1]),
+                            ForwardBatch.build([5, 3], [0, 0], [1, 2], tables, 4), c)
+    rows = [[20, 21, 22], [23, 24, 25]]
+    meta, tbl = pack_decode_inputs(rows, [5, 3], [1, 2], tables, 4, 4, row_state_slots=[[3, 4, 1], [5, 6, 2]])
+    logits = graphs.run(meta, tbl, 2)
+    got = graphs.states(2, 3)
+    snapshots = tuple(StateCheckpoint(seq, j + 1, slot) for seq, slots in enumerate([[3, 4], [5, 6]])
+                      for j, slot in enumerate(slots))
+    batch = ForwardBatch.build([3, 3], [5, 3], [1, 2], tables, 4, checkpoints=snapshots)
+    assert batch.row_state_slots.tolist() == [[3, 4, 1], [5, 6, 2]]
+    hidden, want = target.forward_step(torch.tensor(rows[0] + rows[1]), batch, ref_cache, aux)
+    torch.testing.assert_close(got, torch.cat(want, -1), rtol=1e-5, atol=1e-5)
+    torch.testing.assert_close(logits, target.compute_logits(hidden), rtol=1e-5, atol=1e-5)
+    assert DecodeGraphs(target, cache, 4, 24, 3).aux_states is None

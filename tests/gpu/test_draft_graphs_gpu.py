@@ -1,0 +1,87 @@
+"""Draft-model speculation with CUDA graphs (#55 item 5) on the trained default model and its shipped Eagle3
+draft (bf16): the target's decode and verify steps replay graphs that also write the states the draft reads
+into one fixed buffer (``DecodeGraphs.aux_states``).
+
+1. One padded verify graph step (2 sequences in the 4-row graph, 3 tokens each): its logits and its states
+   against the eager ``forward_step(aux_layers=...)`` of the same tokens from the same cache.
+2. Greedy generation, graphs on vs eager (sync and async scheduling): the same tokens up to bf16 near-ties
+   (``assert_same_greedy``), verify graphs replayed, drafts accepted. The drafts themselves may differ where
+   the draft's states differ by rounding, so the runs may verify different drafts with different kernels: the
+   cross-kernel bound ``SLICE_CROSS_NOISE`` applies.
+"""
+
+from __future__ import annotations
+
+from pathlib import Path
+
+import pytest
+import torch
+
+import kimik3
+from kimik3.engine import EngineConfig, LLMEngine, SamplingParams
+from kimik3.model.batch import ForwardBatch, StateCheckpoint
+from kimik3.model.cuda_graphs import DecodeGraphs, pack_decode_inputs
+from tests.gpu.test_engine_graphs import LOGIT_BOUND, SLICE_CROSS_NOISE, TOP_K, assert_same_greedy, generate
+from tests.helpers import worst_rel_err
+
+pytestmark = [pytest.mark.gpu, pytest.mark.skipif(not torch.cuda.is_available(), reason="needs CUDA")]
+
+HELD_OUT = (Path(__file__).resolve().parents[1] / "data" / "default_model_heldout.txt").read_text(encoding="utf-8")
+
+
+@pytest.fixture(scope="module")
+def model():
+    return kimik3.load_model(kimik3.DEFAULT_MODEL, device="cuda", dtype=torch.bfloat16)
+
+
+def test_padded_verify_graph_states_match_eager(model):
+    from kimik3.engine.spec.draft_model import load_draft
+    aux = tuple(load_draft("eagle3", "default", model).aux_layer_ids)
+    block = 16
+    cache, ref = model.allocate_cache(8, 12, block), model.allocate_cache(8, 12, block)
+    graphs = DecodeGraphs(model, cache, 4, 96, 3, aux_layers=aux)
+    graphs.capture()
+    prompts, tables = [list(range(100, 120)), list(range(300, 309))], [[1, 2, 3], [4, 5, 6]]
+    for c in (cache, ref):                         # the prompts' prefill, eager, into both caches
+        model.forward_step(torch.tensor(prompts[0] + prompts[1], device="cuda"),
+                           ForwardBatch.build([20, 9], [0, 0], [1, 2], tables, block, "cuda"), c)
+    rows = [[500, 501, 502], [600, 601, 602]]
+    meta, tbl = pack_decode_inputs(rows, [20, 9], [1, 2], tables, block, 4, row_state_slots=[[3, 4, 1], [5, 6, 2]])
+    logits = graphs.run(meta, tbl, 2).clone()
+    states = graphs.states(2, 3).clone()
+    snapshots = tuple(StateCheckpoint(s, j + 1, slot) for s, slots in enumerate([[3, 4], [5, 6]])
+                      for j, slot in enumerate(slots))
+    batch = ForwardBatch.build([3, 3], [20, 9], [1, 2], tables, block, "cuda", checkpoints=snapshots)
+    hidden, want = model.forward_step(torch.tensor(rows[0] + rows[1], device="cuda"), batch, ref, aux)
+    assert worst_rel_err(states, torch.cat(want, -1)) < LOGIT_BOUND
+    assert worst_rel_err(logits, model.compute_logits(hidden)) < LOGIT_BOUND
+
+
+@pytest.mark.parametrize("n, async_scheduling", [(1, False), (6, False), (6, True)])
+def test_eagle3_graphs_match_eager(model, n, async_scheduling):
+    """(Verify steps whose requests carry different numbers of drafts run eagerly: with one request every
+    verify step is a graph.)"""
+    tok = kimik3.load_tokenizer(kimik3.DEFAULT_MODEL)
+    ids = tok.encode(HELD_OUT)
+    reqs = {f"p{i}": (ids[40 * i:40 * i + 32], SamplingParams(temperature=0, max_tokens=24, ignore_eos=True,
+                                                               logprobs=TOP_K)) for i in range(n)}
+    kw = dict(block_size=16, max_num_seqs=8, max_num_batched_tokens=256, max_model_len=192, enable_prefix_caching=False,
+              cache_memory_bytes=1 << 30, num_speculative_tokens=4, speculative_method="eagle3",
+              speculative_model="default", async_scheduling=async_scheduling)
+    eager = generate(LLMEngine(model, EngineConfig(enforce_eager=True, **kw)), reqs)
+    engine = LLMEngine(model, EngineConfig(enforce_eager=False, **kw))
+    graphs = engine.runner.graphs
+    assert graphs is not None and graphs.max_query_len == 5 and graphs.aux_states is not None
+    replayed = []
+    run = graphs.run
+
+    def counting(meta, tables, num_seqs, input_ids=None):
+        replayed.append(meta.shape[1] // tables.shape[0])
+        return run(meta, tables, num_seqs, input_ids)
+    graphs.run = counting
+    graphed = generate(engine, reqs)
+    assert 1 in replayed and (n > 1 or any(L > 1 for L in replayed)), replayed
+    assert engine.num_accepted_tokens > 0
+    print(f"graph steps {engine.runner.num_graph_steps} of {engine.runner.num_steps}, verify graphs "
+          f"{sum(L > 1 for L in replayed)}, accepted {engine.num_accepted_tokens} of {engine.num_draft_tokens}")
+    assert_same_greedy(eager, graphed, reqs, noise=SLICE_CROSS_NOISE)
