@@ -43,6 +43,7 @@ from kimik3.serve.protocol import APIError, ChatCompletionRequest, CompletionReq
 from kimik3.serve.responses import ChatFormatter, CompletionFormatter
 from kimik3.serve.routes import add_routes
 from kimik3.serve.stats_log import log_stats
+from kimik3.serve.unserved import unserved_message
 from kimik3.serve.structured import request_constraint
 
 logger = logging.getLogger(__name__)
@@ -141,7 +142,9 @@ def create_app(engine: LLMEngine, options: ServeOptions) -> FastAPI:
 
     @app.exception_handler(StarletteHTTPException)
     async def _http_error(request: Request, e: StarletteHTTPException):
-        return JSONResponse(error_body(e.status_code, str(e.detail)), status_code=e.status_code)
+        message = unserved_message(e.status_code, request.method, request.url.path)
+        return JSONResponse(error_body(e.status_code, message or str(e.detail), code="not_served" if message else None),
+                            status_code=e.status_code)
 
     @app.exception_handler(Exception)
     async def _internal(request: Request, e: Exception):
@@ -219,17 +222,24 @@ def create_app(engine: LLMEngine, options: ServeOptions) -> FastAPI:
             visions = [None] * len(prompts_ids)
         requested = req.max_tokens
         max_tokens = min(max_tokens_for(state, requested, "max_tokens", len(ids), "prompt") for ids in prompts_ids)
+        echo_logprobs = req.echo and req.logprobs is not None     # the prompt's tokens get logprobs too
+        if echo_logprobs and req.stream:
+            raise bad_request("echo with logprobs needs stream=false: the prompt's logprobs come with the full "
+                              "response", "echo")
+        asked = req.prompt_logprobs
+        if echo_logprobs and asked is None:
+            req = req.model_copy(update={"prompt_logprobs": req.logprobs})
         params = sampling_params(req, max_tokens, req.logprobs, [], options.generation_defaults,
                                   request_constraint(req), state.max_logprobs)
         include_usage = bool(req.stream_options and req.stream_options.include_usage)
         n_choices = len(prompts_ids) * req.n
         fmt = CompletionFormatter(f"cmpl-{uuid.uuid4().hex}", name, n_choices, req.logprobs, state.tokenizer,
                                   include_usage and req.stream,
-                                  [e for e in echo for _ in range(req.n)] if req.echo else None)
+                                  [e for e in echo for _ in range(req.n)] if req.echo else None,
+                                  echo_ids=prompts_ids if echo_logprobs else None, prompt_logprobs_field=asked is not None)
         fmt.service_tier = req.service_tier
         return await run_job(state, request, [PromptInput(ids, v) for ids, v in zip(prompts_ids, visions)], params,
-                             fmt, req.stream,
-                          include_usage, _continuous_usage(req))
+                             fmt, req.stream, include_usage, _continuous_usage(req))
 
     add_routes(app, state)       # /tokenize, /detokenize, /version, /ping, /v1/responses
     # last added runs first: CORS (preflights answered), then the API key, then the body limits

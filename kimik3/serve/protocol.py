@@ -8,12 +8,14 @@ Bodies are parsed with ``model_validate_json`` in strict mode, so ``"max_tokens"
 ``allowed_token_ids``, ``include_stop_str_in_output``, ``prompt_logprobs``, ``guided_*``,
 ``structured_outputs``, ``chat_template_kwargs``, ``media_io_kwargs``) are accepted, so ``extra_body`` works from the
 ``openai`` client. Accepted no-ops, with their reason: ``user`` (OpenAI's end-user id for abuse
-monitoring; kimik3 keeps no per-user state), ``add_generation_prompt: true`` and
+monitoring; kimik3 keeps no per-user state) and ``safety_identifier`` (its newer name),
+``add_generation_prompt: true`` and
 ``continue_final_message: false`` (what kimik3 always does; the other values are a 400), ``best_of``
 equal to ``n`` (the n samples are the best_of), ``response_format.json_schema.strict`` (the schema is
 always enforced), ``n: null`` (1), ``store: false`` (nothing is stored; true is a 400), ``metadata`` (it
 tags stored completions; none are), ``prompt_cache_key`` (the prefix cache is keyed by the prompt's
-content and shared by every request), ``service_tier`` ``auto``/``default`` (echoed; one local tier,
+content and shared by every request), ``modalities: ["text"]`` and ``prompt_cache_retention: "in_memory"``
+(what kimik3 does; other values are a 400), ``service_tier`` ``auto``/``default`` (echoed; one local tier,
 others a 400). ``stream_options.continuous_usage_stats`` puts the usage so far on every chunk.
 """
 
@@ -83,6 +85,11 @@ UNSUPPORTED = {
     "prediction": "predicted outputs are not supported (see --num-speculative-tokens)",
     "web_search_options": "the server has no network access",
     "suffix": "K3 has no fill-in-the-middle format",
+    "moderation": "no moderation model is served",
+    "prompt_cache_options": "the prefix cache keeps blocks while memory allows and is shared by all requests; it "
+                            "has no per-request options",
+    "prompt_cache_retention": "the prefix cache keeps blocks in memory while room allows; it has no longer retention",
+    "verbosity": "K3 has no verbosity control; use max_tokens, reasoning_effort or the prompt",
 }
 
 
@@ -125,6 +132,7 @@ class _SamplingFields(_Body):
     stream: bool = False
     stream_options: StreamOptions | None = None
     user: str | None = None             # accepted no-op (see the module docstring)
+    safety_identifier: str | None = None    # accepted no-op, as user (OpenAI's newer name for it)
     store: bool | None = None           # only false: nothing is stored
     metadata: dict[str, str] | None = None      # accepted no-op: it tags stored completions, and none are stored
     service_tier: str | None = None     # auto / default, echoed: one local tier
@@ -168,6 +176,18 @@ class ChatCompletionRequest(_SamplingFields):
     media_io_kwargs: dict[str, Any] | None = None   # vLLM's: {"video": {"fps", "num_frames"}} (serve/media.py)
     add_generation_prompt: bool = True      # only true: the answer always starts a new assistant message
     continue_final_message: bool = False    # only false
+    modalities: list[str] | None = None     # only ["text"] (what K3 answers in)
+    prompt_cache_retention: str | None = None   # only "in_memory" (what the prefix cache is)
+
+    def model_post_init(self, context) -> None:
+        super().model_post_init(context)
+        if self.modalities is not None and self.modalities != ["text"]:
+            raise bad_request(f"modalities {self.modalities}: K3 answers in text only; send [\"text\"] or leave it out",
+                              "modalities", "unsupported_field")
+        if self.prompt_cache_retention not in (None, "in_memory"):
+            raise bad_request(f"prompt_cache_retention {self.prompt_cache_retention!r}: "
+                              f"{UNSUPPORTED['prompt_cache_retention']}; send 'in_memory' or leave it out",
+                              "prompt_cache_retention", "unsupported_field")
 
 
 class CompletionRequest(_SamplingFields):

@@ -44,7 +44,13 @@ class _Tokens:
 
 def _ranked(lp: dict[int, float], k: int) -> list[tuple[int, float]]:
     """The k most likely entries (the engine adds the sampled token when it is not among them)."""
-    return sorted(lp.items(), key=lambda kv: -kv[1])[:k]
+    return [(t, json_logprob(v)) for t, v in sorted(lp.items(), key=lambda kv: -kv[1])[:k]]
+
+
+def json_logprob(value: float) -> float:
+    """A logprob JSON can carry: -inf (a token the model gives no chance, forced by a constraint or a test
+    script) becomes -9999.0, as vLLM sends it."""
+    return max(value, -9999.0)
 
 
 class _Formatter:
@@ -79,7 +85,7 @@ class _Formatter:
 
     def prompt_logprobs(self, lps: list[dict[int, float] | None]) -> list[dict | None]:
         """vLLM's prompt_logprobs: None for the first token, then {token id: {logprob, decoded_token}}."""
-        return [None if d is None else {str(t): {"logprob": v, "decoded_token": self.tokens(t)[0]}
+        return [None if d is None else {str(t): {"logprob": json_logprob(v), "decoded_token": self.tokens(t)[0]}
                                         for t, v in d.items()} for d in lps]
 
     def add_prompt_logprobs(self, body: dict, by_prompt: dict[int, list], n: int) -> dict:
@@ -111,7 +117,8 @@ class ChatFormatter(_Formatter):
             for t, v in _ranked(lp, self.top_logprobs or 0):
                 tt, tb = self.tokens(t)
                 top.append({"token": tt, "logprob": v, "bytes": tb})
-            out.append({"token": text, "logprob": lp.get(tid, float("-inf")), "bytes": raw, "top_logprobs": top})
+            out.append({"token": text, "logprob": json_logprob(lp.get(tid, float("-inf"))), "bytes": raw,
+                        "top_logprobs": top})
         return out
 
     def feed(self, deltas: list[ChoiceDelta], streaming: bool) -> list[dict]:
@@ -165,8 +172,14 @@ class CompletionFormatter(_Formatter):
     chunk_object = "text_completion"
 
     def __init__(self, request_id: str, model: str, num_choices: int, logprobs: int | None, tokenizer,
-                 include_usage: bool, echo_texts: list[str] | None):
+                 include_usage: bool, echo_texts: list[str] | None, echo_ids: list[list[int]] | None = None,
+                 prompt_logprobs_field: bool = True):
+        """``echo_ids`` (echo with logprobs): each prompt's ids, whose logprobs open the choice's logprobs (the
+        first token's are null), as OpenAI's and vLLM's echo gives them; ``prompt_logprobs_field``: vLLM's
+        separate ``prompt_logprobs`` too (when the request asked for it)."""
         super().__init__(request_id, model, tokenizer, include_usage)
+        self.echo_ids = echo_ids
+        self.prompt_logprobs_field = prompt_logprobs_field
         self.texts = [[] for _ in range(num_choices)]
         self.finish: list[str | None] = [None] * num_choices
         self.num_logprobs = logprobs
@@ -182,7 +195,7 @@ class CompletionFormatter(_Formatter):
         for tid, lp in zip(d.token_ids, d.logprobs or []):
             text, _ = self.tokens(tid)
             part["tokens"].append(text)
-            part["token_logprobs"].append(lp.get(tid, float("-inf")))
+            part["token_logprobs"].append(json_logprob(lp.get(tid, float("-inf"))))
             part["top_logprobs"].append({self.tokens(t)[0]: v for t, v in _ranked(lp, self.num_logprobs)})
             part["text_offset"].append(self.offsets[d.index])
             self.offsets[d.index] += len(text)
@@ -206,6 +219,27 @@ class CompletionFormatter(_Formatter):
                 chunks.append(self._chunk([{"index": d.index, "text": text, "logprobs": lp,
                                             "finish_reason": d.finish_reason}]))
         return chunks
+
+    def add_prompt_logprobs(self, body: dict, by_prompt: dict[int, list], n: int) -> dict:
+        if self.echo_ids is not None:
+            for i, choice in enumerate(body["choices"]):
+                self._echo_logprobs(choice["logprobs"], self.echo_ids[i // n], by_prompt.get(i // n, []))
+        return super().add_prompt_logprobs(body, by_prompt, n) if self.prompt_logprobs_field else body
+
+    def _echo_logprobs(self, lp: dict, ids: list[int], rows: list) -> None:
+        part = {"tokens": [], "token_logprobs": [], "top_logprobs": [], "text_offset": []}
+        offset = 0
+        for k, tid in enumerate(ids):
+            row = rows[k] if k < len(rows) else None
+            text = self.tokens(tid)[0]
+            part["tokens"].append(text)
+            part["token_logprobs"].append(None if row is None else json_logprob(row.get(tid, float("-inf"))))
+            part["top_logprobs"].append(None if row is None else {self.tokens(t)[0]: v
+                                                                  for t, v in _ranked(row, self.num_logprobs)})
+            part["text_offset"].append(offset)
+            offset += len(text)
+        for key, values in part.items():
+            lp[key][:0] = values
 
     def final(self, usage: dict) -> dict:
         choices = [{"index": i, "text": "".join(t), "logprobs": self.lp[i] if self.num_logprobs is not None else None,

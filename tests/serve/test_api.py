@@ -213,7 +213,9 @@ def test_completions(server):
                                  temperature=0, logprobs=1, echo=True, extra_body={"ignore_eos": True})
     assert [ch.index for ch in batch.choices] == [0, 1, 2, 3]
     assert batch.choices[0].text.startswith("Once upon a time") and batch.choices[2].text.startswith("Hello")
-    assert len(batch.choices[3].logprobs.tokens) == 3
+    # echo with logprobs: the prompt's tokens first (the first one's logprob null), then the 3 generated
+    lp = batch.choices[3].logprobs
+    assert len(lp.tokens) == len(TOK.encode("Hello")) + 3 and lp.token_logprobs[0] is None
 
 
 def test_models_health_metrics(server):
