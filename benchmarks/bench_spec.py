@@ -6,10 +6,13 @@ token ids: the adversarial case, where drafts fail) -- it runs the same greedy r
 one with ``--speculative-config`` (default: the Eagle3 draft shipped with the default model, k = 4), checks that
 both produce the same tokens, and reports generated tokens per second of the whole ``generate`` call (prefill
 included, the same for both), the ratio draft/plain, and the draft's mean accepted length (1 + accepted drafts per
-verify step, vLLM's definition) with the acceptance rate at each draft position.
+verify step, vLLM's definition) with the acceptance rate at each draft position. ``--eager-draft-engine`` also times
+the draft engine with ``enforce_eager`` (on a GPU: what the CUDA graphs of its decode and verify steps give, the
+ratio graphs/eager of one run, and the share of the draft engine's steps that replayed a graph).
 
     python benchmarks/bench_spec.py                                   # CPU, default model + shipped draft
     python benchmarks/bench_spec.py --device cuda --dtype bfloat16 --out bench_out/spec.json
+    python benchmarks/bench_spec.py --device cuda --dtype bfloat16 --eager-draft-engine --out bench_out/spec_graphs.json
 """
 
 from __future__ import annotations
@@ -66,6 +69,8 @@ def main() -> None:
     ap.add_argument("--dtype", default="auto")
     ap.add_argument("--repeat", type=int, default=1, help="timed runs of each case (the best is kept)")
     ap.add_argument("--out", type=Path, default=None, help="write the results as JSON")
+    ap.add_argument("--eager-draft-engine", action="store_true",
+                    help="also time the draft engine with enforce_eager (graphs vs eager on a GPU)")
     args = ap.parse_args()
     logging.basicConfig(level=logging.WARNING)
     common = dict(dtype=args.dtype, max_model_len=args.prompt_tokens + args.max_tokens + 16, max_num_seqs=32,
@@ -73,6 +78,7 @@ def main() -> None:
     spec = json.loads(args.speculative_config)
     plain = LLM(args.model, **common)
     drafted = LLM(args.model, speculative_config=spec, **common)
+    eager = LLM(args.model, speculative_config=spec, enforce_eager=True, **common) if args.eager_draft_engine else None
     tok = plain.get_tokenizer()
     vocab = plain.engine.vocab_size
     rows = []
@@ -83,12 +89,19 @@ def main() -> None:
             run(drafted, batch[:1], 4)
             e = drafted.engine
             before = (e.num_drafts, e.num_accepted_tokens, list(e.accepted_per_position))
-            t_plain = t_spec = float("inf")
+            steps0 = (e.runner.num_steps, e.runner.num_graph_steps)
+            t_plain = t_spec = t_eager = float("inf")
             for _ in range(args.repeat):
                 out_plain, t = run(plain, batch, args.max_tokens)
                 t_plain = min(t_plain, t)
                 out_spec, t = run(drafted, batch, args.max_tokens)
                 t_spec = min(t_spec, t)
+            steps = (e.runner.num_steps - steps0[0], e.runner.num_graph_steps - steps0[1])
+            if eager is not None:
+                run(eager, batch[:1], 4)
+                for _ in range(args.repeat):
+                    out_eager, t = run(eager, batch, args.max_tokens)
+                    t_eager = min(t_eager, t)
             drafts = (e.num_drafts - before[0]) / args.repeat
             accepted = (e.num_accepted_tokens - before[1]) / args.repeat
             per_pos = [(a - (before[2][j] if j < len(before[2]) else 0)) / args.repeat / max(drafts, 1)
@@ -98,7 +111,11 @@ def main() -> None:
                          "plain_tok_s": round(n_tok / t_plain, 1), "spec_tok_s": round(n_tok / t_spec, 1),
                          "ratio": round(t_plain / t_spec, 3), "verify_steps": drafts,
                          "mean_accepted_length": round(1 + accepted / drafts, 3) if drafts else None,
-                         "acceptance_per_position": [round(x, 3) for x in per_pos]})
+                         "acceptance_per_position": [round(x, 3) for x in per_pos],
+                         "graph_step_share": round(steps[1] / max(steps[0], 1), 3)})
+            if eager is not None:
+                rows[-1].update(eager_spec_tok_s=round(n_tok / t_eager, 1), graphs_vs_eager=round(t_eager / t_spec, 3),
+                                eager_identical=out_eager == out_spec)
             print(json.dumps(rows[-1]), flush=True)
     commit = subprocess.run(["git", "rev-parse", "--short", "HEAD"], cwd=ROOT, capture_output=True, text=True).stdout.strip()
     device = torch.cuda.get_device_name() if torch.cuda.is_available() and args.device != "cpu" else "cpu"
