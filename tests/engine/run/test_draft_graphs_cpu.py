@@ -95,3 +95,16 @@ def test_graph_states_are_the_eager_forward_states(target):  # noqa: F811
     torch.testing.assert_close(got, torch.cat(want, -1), rtol=1e-5, atol=1e-5)
     torch.testing.assert_close(logits, target.compute_logits(hidden), rtol=1e-5, atol=1e-5)
     assert DecodeGraphs(target, cache, 4, 24, 3).aux_states is None
+
+
+def test_decode_only_retry_keeps_the_draft_states(target, caplog):  # noqa: F811
+    """Verify graphs that cannot be captured fall back to decode graphs alone, which still write the states
+    the draft reads."""
+    from kimik3.model.cuda_graphs import capture_or_none
+    from tests.engine.helpers import VerifyFailingGraphs
+    aux = (1, 3)
+    cache = target.allocate_cache(4, 8, 4)
+    with caplog.at_level("WARNING", logger="kimik3.model.cuda_graphs"):
+        graphs = capture_or_none(VerifyFailingGraphs(target, cache, 2, 16, 3, aux_layers=aux))
+    assert graphs is not None and graphs.max_query_len == 1 and graphs.aux_layers == aux
+    assert graphs.aux_states is not None and graphs.aux_states.shape == (2, 2 * target.config.text.hidden_size)
