@@ -10,8 +10,9 @@ Stored bytes follow the release dtypes (MXFP4 experts, F32 conv/A_log/dt_bias/o_
 Options the engine takes change the bytes:
 
 * ``--quantization fp8``: every projection weight (``*_proj``, the dense and shared MLPs; bf16 routed
-  experts too, as Kimi-Linear's) becomes 1 byte an element plus one float32 scale per 128 x 128 block;
-  the embedding, LM head, router, norms, convolutions and the vision tower stay as stored.
+  experts too, as Kimi-Linear's, unless offloaded: ``--cpu-offload-gb`` keeps them bf16) becomes 1 byte an
+  element plus one float32 scale per output channel (``kimik3.loader.fp8``); the embedding, LM head, router,
+  norms, convolutions and the vision tower stay as stored, and K3's MXFP4 experts stay MXFP4.
 * ``--kv-cache-dtype fp8`` (``fp8_e4m3``): MLA latent rows in e4m3, 1 byte an element plus one float32
   scale per token row (``kimik3.ops.fp8``); KDA states stay float32 (conv windows in the model dtype).
 * ``--cpu-offload-gb G`` (per GPU, vLLM's meaning): G GiB of each GPU's routed experts live in pinned host
@@ -54,9 +55,8 @@ _REPLICATED = re.compile(
     r"routed_expert_(down_proj|up_proj|norm)|\.gate\.(weight|e_score_correction_bias)$|"
     r"self_attn\.(q_a_proj|kv_a_proj_with_mqa|q_a_layernorm|kv_a_layernorm|f_a_proj|o_norm)\.|"
     r"layernorm\.weight$|_res_(norm|proj)\.|^model\.norm\.|^vision\.")
-# weights ``--quantization fp8`` stores in e4m3 (with 128 x 128 block scales): the projections
+# weights ``--quantization fp8`` stores in e4m3 (with one float32 scale per output channel): the projections
 _FP8_WEIGHT = re.compile(r"^model\.layers\.\d+\..*(?<!_res)_proj(_with_mqa)?\.weight$")
-FP8_BLOCK = 128
 QUANTIZATIONS = (None, "fp8")
 
 
@@ -179,9 +179,9 @@ def check_degrees(config: ModelConfig, tp: int, ep: int) -> None:
 
 
 def fp8_bytes(shape: tuple[int, ...]) -> int:
-    """One e4m3 byte an element plus a float32 scale per 128 x 128 block of the last two dims."""
+    """One e4m3 byte an element plus a float32 scale per output channel (row) of the last two dims [N, K]."""
     *lead, n, k = shape
-    return math.prod(lead) * (n * k + 4 * math.ceil(n / FP8_BLOCK) * math.ceil(k / FP8_BLOCK))
+    return math.prod(lead) * (n * k + 4 * n)
 
 
 def latent_bytes_per_token(text_config, dtype: torch.dtype, kv_cache_dtype: str = "auto") -> int:
@@ -200,7 +200,7 @@ def compute_sizing(config: ModelConfig, tp: int, ep: int, dtype: torch.dtype = t
         raise ValueError(f"--gpu must be one of {list(GPUS)}, got {gpu!r}")
     if quantization not in QUANTIZATIONS:
         raise ValueError(f"--quantization must be fp8 or left out, got {quantization!r}")
-    sharded, experts, replicated, embedding, vision = weight_bytes(config, quantization)
+    sharded, experts, replicated, embedding, vision = weight_bytes(config, quantization, fp8_experts=not cpu_offload_gb)
     t = config.text
     ranks = ep if ep > 1 else tp
     offload = check_offload(cpu_offload_gb, experts / ranks)
@@ -212,16 +212,18 @@ def compute_sizing(config: ModelConfig, tp: int, ep: int, dtype: torch.dtype = t
 
 
 @functools.lru_cache(maxsize=8)
-def weight_bytes(config: ModelConfig, quantization: str | None) -> tuple[int, int, int, int, int]:
+def weight_bytes(config: ModelConfig, quantization: str | None, fp8_experts: bool = True
+                 ) -> tuple[int, int, int, int, int]:
     """(TP-split, routed-expert, replicated, embedding, vision) stored bytes of the whole model (the embedding
-    is also counted in the TP-split bytes, the vision tower in the replicated ones). Cached: K3 has 250k
-    checkpoint tensors, a few seconds to walk."""
+    is also counted in the TP-split bytes, the vision tower in the replicated ones); ``fp8_experts`` False: bf16
+    routed experts stay bf16 under ``quantization`` fp8 (offloaded ones do). Cached: K3 has 250k checkpoint
+    tensors, a few seconds to walk."""
     mxfp4 = config.text.expert_quantization == "mxfp4"
     sharded = experts = replicated = embedding = vision = 0
     for name, p in meta_model(config).checkpoint_weights():
         _, nbytes = stored_bytes(name, p.numel(), mxfp4)
         expert = ".experts." in name
-        if quantization == "fp8" and ((expert and not mxfp4) or (not expert and _FP8_WEIGHT.search(name))):
+        if quantization == "fp8" and ((expert and fp8_experts and not mxfp4) or (not expert and _FP8_WEIGHT.search(name))):
             nbytes = fp8_bytes(tuple(p.shape))
         if expert:
             experts += nbytes
@@ -338,7 +340,9 @@ def format_sizing(path: str | Path, tp: int, ep: int, options: PlanOptions | Non
                        quantization=o.quantization)
     gpus = tp * max(1, ep // tp)
     layout = f"TP{tp}" + (f"/EP{ep}" if ep > 1 else "")
-    settings = (f"weights {'fp8 (projections) + ' if o.quantization else ''}as stored, kv cache "
+    fp8_what = "projections" if config.text.expert_quantization == "mxfp4" or o.cpu_offload_gb else \
+        "projections and routed experts"
+    settings = (f"weights {f'fp8 ({fp8_what}) + ' if o.quantization else ''}as stored, kv cache "
                 f"{o.kv_cache_dtype}, --cpu-offload-gb {o.cpu_offload_gb:g}")
     total = s.weights_sharded + s.weights_experts + s.weights_replicated
     lines = [f"layout {layout} on {gpus} x {s.gpu.name} ({s.gpu.memory / GIB:.1f} GiB each, {gpus * s.gpu.memory / GIB:,.1f} "

@@ -5,7 +5,7 @@ from pathlib import Path
 
 import pytest
 
-from kimik3.config import parse_config
+from kimik3.config import load_config, parse_config
 from kimik3.sizing import compute_sizing
 
 RELEASE = Path(__file__).resolve().parent / "data" / "kimi-k3-release.config.json"
@@ -67,8 +67,8 @@ K3_EXPERTS = 896 * 92 * K3_EXPERT               # 1,446.5 GB = 1,347.1 GiB
 
 def test_fp8_bytes_and_latent_bytes_by_hand(text_only):
     from kimik3.sizing import fp8_bytes, latent_bytes_per_token
-    assert fp8_bytes((256, 300)) == 256 * 300 + 4 * 2 * 3          # 2 x 3 blocks of 128 x 128, fp32 scales
-    assert fp8_bytes((2, 128, 128)) == 2 * (128 * 128 + 4)
+    assert fp8_bytes((256, 300)) == 256 * 300 + 4 * 256            # one fp32 scale per output channel (row)
+    assert fp8_bytes((2, 128, 128)) == 2 * (128 * 128 + 4 * 128)
     t = text_only.text
     import torch
     assert latent_bytes_per_token(t, torch.bfloat16) == 24 * 576 * 2 == 27_648
@@ -100,16 +100,31 @@ def test_fp8_weights_and_cache_change_the_fit(text_only):
     s0 = compute_sizing(text_only, 8, 1)
     q = compute_sizing(text_only, 8, 1, quantization="fp8", kv_cache_dtype="fp8")
     assert q.weights_experts == s0.weights_experts                       # MXFP4 experts stay as stored
-    # one MLA layer's q_b_proj (18432 x 1536) alone: bf16 2 B/element -> 1 B + 144 x 12 block scales
+    # one MLA layer's q_b_proj (18432 x 1536) alone: bf16 2 B/element -> 1 B + 18432 channel scales
     assert s0.weights_sharded - q.weights_sharded > 0
-    # the dense MLP of layer 0 (3 x 33792 x 7168 bf16) is TP-split: it shrinks by (2 - 1) B/element less scales
-    mlp_saving = 3 * (2 * 33792 * 7168 - (33792 * 7168 + 4 * 264 * 56))
+    # the dense MLP of layer 0 (gate, up 33792 x 7168; down 7168 x 33792; bf16) is TP-split: it shrinks by
+    # (2 - 1) B/element less one 4-byte scale per output channel
+    mlp_saving = 3 * 33792 * 7168 - 4 * (2 * 33792 + 7168)
     assert s0.weights_sharded - q.weights_sharded > mlp_saving
     assert q.kv_bytes_per_token == 13_920
     # with the cache budget B, a 128K sequence costs 131072 x 13,920 B + the KDA state share
     s = compute_sizing(text_only, 8, 1, quantization="fp8", kv_cache_dtype="fp8", cpu_offload_gb=80)
     per_seq = 131072 * 13_920 + s.state_bytes_per_seq
     assert s.sequences(131072) == int(s.cache_budget // per_seq) > 0
+
+
+def test_fp8_quantises_kimi_linears_bf16_experts_unless_offloaded():
+    """Kimi-Linear-48B: 26 MoE layers x 256 experts of gate, up (1024 x 2304) and down (2304 x 1024), bf16 as
+    stored; ``--quantization fp8`` stores them at 1 B an element plus a float32 scale per output channel, so
+    the whole model fits one 80 GB GPU; offloaded (``--cpu-offload-gb``) they stay bf16."""
+    kl = load_config(Path(__file__).resolve().parent / "data" / "kimi-linear-48b-a3b.config.json")
+    n = 26 * 256
+    bf16 = n * 3 * 1024 * 2304 * 2
+    fp8 = n * (2 * (1024 * 2304 + 4 * 1024) + (2304 * 1024 + 4 * 2304))
+    assert compute_sizing(kl, 1, 1).weights_experts == bf16
+    q = compute_sizing(kl, 1, 1, gpu="H100", quantization="fp8")
+    assert q.weights_experts == fp8 and q.fits and not compute_sizing(kl, 1, 1, gpu="H100").fits
+    assert compute_sizing(kl, 1, 1, gpu="H100", quantization="fp8", cpu_offload_gb=10).weights_experts == bf16
 
 
 @pytest.mark.parametrize("bad,match", [(-1, "must be >= 0"), (169, "more than the 168.4 GiB"),

@@ -179,6 +179,12 @@ class EngineArgs:
                             "unless KIMIK3_PDL=0)", default=None)
     prefetch: bool | None = _opt("L2 prefetch of weight / state rows ahead of the PDL wait (default: on, unless "
                                  "KIMIK3_PREFETCH=0)", default=None)
+    enable_w4a8_moe: bool | None = _opt(
+        "W4A8 experts: K3's MXFP4 routed experts at prefill and batched-decode sizes take their activations "
+        "quantised to MXFP8 on the fly (E4M3, one power-of-two scale per 32 values) and multiply on Hopper's FP8 "
+        "tensor cores (the CPU reference rounds the same way); --no-enable-w4a8-moe keeps bf16 activations. bf16 "
+        "experts (Kimi-Linear) have no MXFP4 weights: a no-op there (default: off until measured a win on a GPU, "
+        "docs/fp8.md)", default=None)
     # vLLM's flags that name what kimik3 always does (accepted no-ops, with the reason) or a limit it applies
     load_format: str = _opt(
         "weights format: auto, safetensors or fastsafetensors; all three read the checkpoint's safetensors with "
@@ -278,7 +284,8 @@ class EngineArgs:
         return KernelOptions(flash_mla=library(self.flash_mla, FLASH_MLA_ENV, "flash_mla"),
                              flash_kda=library(self.flash_kda, FLASH_KDA_ENV, "flash_kda"),
                              pdl=self.pdl if self.pdl is not None else env.get("KIMIK3_PDL", "1") != "0",
-                             prefetch=self.prefetch if self.prefetch is not None else env.get("KIMIK3_PREFETCH", "1") != "0")
+                             prefetch=self.prefetch if self.prefetch is not None else env.get("KIMIK3_PREFETCH", "1") != "0",
+                             w4a8_moe=bool(self.enable_w4a8_moe))
 
     def resolve_block_size(self, device: torch.device) -> int:
         """The flag if given; else 64 on CUDA when ``--flash-mla`` names FlashMLA's library (its decode

@@ -6,8 +6,10 @@ Quantised: every projection of the decoder layers the model reads through its mo
 and both blocks' o_proj, the dense and shared-expert MLPs, the latent MoE's down projection. Kept in the
 model dtype: those the model reads as matrices in other products (MLA's kv_b, absorbed into the attention;
 KDA's low-rank gate up-projections; the latent MoE's up projection, fused with the expert combine), the
-attention-residual and router vectors, the embedding and the LM head (as vLLM keeps them), and the routed
-experts (MXFP4 in K3; bf16 experts stay bf16: the expert kernels do not read FP8).
+attention-residual and router vectors, the embedding and the LM head (as vLLM keeps them). Routed experts the
+checkpoint stores in bf16 (Kimi-Linear's) are quantised too, per output channel, as they load
+(``Experts.use_fp8_storage``, chosen by ``loader/load.py``), and run through ``kimik3.ops.moe.fused_moe_fp8``;
+K3's MXFP4 experts stay MXFP4 (their FP8 path is W4A8: ``KernelOptions.w4a8_moe``).
 
 Per output channel, not 128 x 128 blocks: the scale then commutes with the merged projections' row
 stacking (quantising [q | kv | g] at once equals quantising each), and the prefill GEMM is cuBLAS's FP8
@@ -40,8 +42,15 @@ def check_quantization(quantization: str | None) -> str | None:
 
 
 @torch.no_grad()
-def quantize_fp8(model: nn.Module) -> int:
-    """Quantise the model's dense projections (``FP8_PROJECTIONS``) in place; returns how many."""
+def quantize_fp8(model: nn.Module, experts: bool = False) -> int:
+    """Quantise the model's dense projections (``FP8_PROJECTIONS``) in place; returns how many. ``experts``: its
+    dense routed experts too (``Experts.to_fp8``; the loader quantises them as they load instead)."""
+    if experts:
+        from kimik3.model.moe import Experts
+        moved = [m for m in model.modules() if isinstance(m, Experts) and not (m.mxfp4 or m.fp8)]
+        for m in moved:
+            m.to_fp8()
+        logger.info("FP8 weights: %d routed-expert modules quantised per output channel", len(moved))
     count = before = after = 0
     for name, module in model.named_modules():
         if not (isinstance(module, (Linear, MergedLinear)) and FP8_PROJECTIONS.match(name)):
@@ -94,7 +103,8 @@ class BlockFp8Checkpoint:
         if codes.dim() != 2 or codes.dtype != torch.float8_e4m3fn or inv.shape != (-(-N // 128), -(-K // 128)):
             raise CheckpointError(f"{where}: '{base}' ({codes.dtype} {tuple(codes.shape)}) and its weight_scale_inv "
                                   f"{tuple(inv.shape)} are not an E4M3 matrix with 128 x 128 block scales")
-        if ".experts." not in base:        # routed experts are dequantised (our expert kernels read no FP8)
+        if ".experts." not in base:        # routed experts are dequantised (and re-quantised per channel under
+            # --quantization fp8: the expert kernels take channel scales, not 128 x 128 blocks)
             self.stored[base] = (codes, inv)
         return base, dequantize_weight(codes, inv, torch.float64)
 

@@ -17,6 +17,7 @@ from kimik3.loader.safetensors_files import CheckpointError, checkpoint_files, f
 from kimik3.model.kimi_k3 import EXPERT_WEIGHT, KimiForCausalLM
 from kimik3.model.moe import Experts
 from kimik3.ops import mxfp4
+from kimik3.ops.options import kernel_options
 
 logger = logging.getLogger(__name__)
 
@@ -70,7 +71,8 @@ def load_model(path: str | Path, device: str | torch.device = "cpu", dtype: torc
         file_size_ok(f)
     if packed_experts is None:
         packed_experts = _packs_experts_by_default(config, device, dtype)
-    model = _meta_model(config, parallel, pipeline, dtype, packed_experts)
+    model = _meta_model(config, parallel, pipeline, dtype, packed_experts,
+                        _fp8_experts(config, quantization, expert_offload, packed_experts))
     offload = _materialize(model, device, expert_offload)
     if parallel.eplb:
         model.place_experts(expert_loads)
@@ -112,22 +114,43 @@ def _checked_config(path: Path, dtype: torch.dtype, quantization: str | None, la
 
 
 def _packs_experts_by_default(config: ModelConfig, device: str | torch.device, dtype: torch.dtype) -> bool:
-    """MXFP4 routed experts stay packed for a bfloat16 model on CUDA (the kernels dequantize on the fly)."""
-    return (torch.device(device).type == "cuda" and dtype == torch.bfloat16
-            and config.text.expert_quantization == "mxfp4")
+    """MXFP4 routed experts stay packed for a bfloat16 model on CUDA (the kernels dequantize on the fly), and on
+    any device under W4A8 (``KernelOptions.w4a8_moe``: the CPU reference then rounds as the kernels do)."""
+    if config.text.expert_quantization != "mxfp4":
+        return False
+    return (torch.device(device).type == "cuda" and dtype == torch.bfloat16) or kernel_options().w4a8_moe
 
 
-def _meta_model(config: ModelConfig, parallel: ParallelContext, pipeline, dtype: torch.dtype, packed_experts: bool
-                ) -> KimiForCausalLM:
-    """The model built on the meta device and cast, its experts switched to packed storage when asked."""
+def _fp8_experts(config: ModelConfig, quantization: str | None, expert_offload, packed_experts: bool) -> bool:
+    """``--quantization fp8`` stores routed experts the checkpoint holds in bf16 (Kimi-Linear's) as E4M3 with
+    channel scales, quantised as they load; MXFP4 experts stay MXFP4. Offloaded experts (``--cpu-offload-gb``)
+    stay in the model dtype: the offload pool (``model/expert_offload.py``) carries no FP8 scales yet (logged)."""
+    if quantization != "fp8" or config.text.num_experts is None or packed_experts \
+            or config.text.expert_quantization == "mxfp4":
+        return False
+    if expert_offload is not None and expert_offload.cpu_offload_bytes:
+        logger.warning("--quantization fp8 with --cpu-offload-gb: the routed experts stay in the model dtype (the "
+                       "expert offload does not carry FP8 experts yet); the dense projections are FP8")
+        return False
+    return True
+
+
+def _meta_model(config: ModelConfig, parallel: ParallelContext, pipeline, dtype: torch.dtype, packed_experts: bool,
+                fp8_experts: bool = False) -> KimiForCausalLM:
+    """The model built on the meta device and cast, its experts switched to packed (MXFP4) or FP8 storage when
+    asked."""
     with torch.device("meta"):
         model = KimiForCausalLM(config, parallel, pipeline)
     model.cast(dtype)
-    if packed_experts:
+    if packed_experts or fp8_experts:
         for module in model.modules():
             if isinstance(module, Experts):
-                module.use_mxfp4_storage()
-        logger.info("routed experts kept in MXFP4 (packed uint8 + E8M0 scales)")
+                if packed_experts:
+                    module.use_mxfp4_storage()
+                else:
+                    module.use_fp8_storage()
+        logger.info("routed experts kept in MXFP4 (packed uint8 + E8M0 scales)" if packed_experts else
+                    "routed experts quantised to FP8 as they load (E4M3, one float32 scale per output channel)")
     return model
 
 

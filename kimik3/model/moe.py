@@ -31,7 +31,8 @@ from kimik3.model.expert_offload import LayerOffload
 from kimik3.model.layers import MLP, GLUActivation, RMSNorm, linear
 from kimik3.model.moe_exchange import ExpertExchange, make_exchange
 from kimik3.ops import mxfp4
-from kimik3.ops.moe import fused_moe, fused_moe_mxfp4
+from kimik3.ops.fp8 import FP8, quantize_weight
+from kimik3.ops.moe import fused_moe, fused_moe_fp8, fused_moe_mxfp4
 from kimik3.ops.norm import acc_dtype
 from kimik3.ops.options import tuning
 from kimik3.ops.router import route_tokens
@@ -63,7 +64,12 @@ class Experts(nn.Module):
     MXFP4 storage (``use_mxfp4_storage``, chosen by the loader on CUDA): w13/w2 hold the packed
     uint8 codes [E, N, K/2] and ``w13_scale`` / ``w2_scale`` the E8M0 scales [E, N, K/32]; the kernels
     dequantize on the fly (a quarter of the bytes of bf16). ``scale_max`` is the largest scale
-    code placed so far (None: unknown, e.g. buffers written directly; the kernels then assume any)."""
+    code placed so far (None: unknown, e.g. buffers written directly; the kernels then assume any).
+
+    FP8 storage (``use_fp8_storage``, ``--quantization fp8`` of bf16 experts, Kimi-Linear's): w13/w2 hold
+    E4M3 codes [E, N, K] and ``w13_scale`` / ``w2_scale`` one float32 scale per output channel [E, N]
+    (``kimik3.ops.fp8.quantize_weight``); each expert tensor is quantised as it is placed, so the model
+    dtype's copy of the experts never exists whole."""
 
     def __init__(self, num_experts: int, width: int, intermediate: int, first_expert: int = 0,
                  intermediate_shard: tuple[int, int] = (0, 1)):
@@ -76,6 +82,7 @@ class Experts(nn.Module):
         self.w13 = nn.Parameter(torch.zeros(num_experts, 2 * intermediate, width))
         self.w2 = nn.Parameter(torch.zeros(num_experts, width, intermediate))
         self.mxfp4 = False
+        self.fp8 = False
         self.scale_max: int | None = None
 
     # w1 / w3 (and their MXFP4 scales): the first and second halves of w13 (of w13_scale)
@@ -95,6 +102,29 @@ class Experts(nn.Module):
                                  persistent=False)
         self.mxfp4 = True
         self.scale_max = None
+
+    def use_fp8_storage(self) -> None:
+        """Switch to E4M3 codes with per-output-channel float32 scales (before the weights are loaded)."""
+        for which in ("w13", "w2"):
+            w = getattr(self, which)
+            setattr(self, which, nn.Parameter(torch.zeros(w.shape, dtype=FP8, device=w.device), requires_grad=False))
+            self.register_buffer(f"{which}_scale", torch.zeros(w.shape[:2], dtype=torch.float32, device=w.device),
+                                 persistent=False)
+        self.fp8 = True
+
+    @torch.no_grad()
+    def to_fp8(self) -> None:
+        """Quantise dense experts already placed into FP8 storage, expert by expert (what ``use_fp8_storage``
+        before the load gives; for models built or loaded without it)."""
+        if self.mxfp4 or self.fp8:
+            raise ValueError("to_fp8 takes dense experts (these are MXFP4 or already FP8)")
+        dense = {which: getattr(self, which).data for which in ("w13", "w2")}
+        self.use_fp8_storage()
+        for which, w in dense.items():
+            for j in range(w.shape[0]):
+                codes, scale = quantize_weight(w[j], block=None)
+                getattr(self, which).data[j].copy_(codes)
+                getattr(self, f"{which}_scale")[j].copy_(scale.view(-1))
 
     def packed(self, which: str) -> tuple[torch.Tensor, torch.Tensor]:
         return getattr(self, which), getattr(self, f"{which}_scale")
@@ -127,6 +157,12 @@ class Experts(nn.Module):
         if self.mxfp4:
             packed, scale = mxfp4.quantize(tensor.float().cpu())
             return self.load_expert_mxfp4(expert, which, packed, scale, name)
+        if self.fp8:
+            codes, scale = quantize_weight(tensor, block=None)
+            for j in self._slots_of(expert):
+                getattr(self, which).data[j].copy_(codes)
+                getattr(self, f"{which}_scale")[j].copy_(scale.view(-1))
+            return
         for j in self._slots_of(expert):
             getattr(self, which).data[j].copy_(tensor)
 
@@ -311,6 +347,9 @@ class MoE(nn.Module):
             return z.new_zeros(z.shape)
         if self.offload is not None and self.offload.on_host:     # the host computes the uncached experts
             return self.offload.run_host(z, weights, ids)
+        if e.fp8:
+            return fused_moe_fp8(z, e.packed("w1"), e.packed("w2"), e.packed("w3"), weights, ids, a.hidden_act,
+                                 a.beta, a.linear_beta, self.cfg.combine_fp32)
         if self.offload is not None:         # the pool of cached and staged experts, rows by ``slots``
             w1, w2, w3, slots = self.offload.weights()
             if e.mxfp4:

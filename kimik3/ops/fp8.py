@@ -98,3 +98,61 @@ def dequantize_activations(codes: torch.Tensor, scale: torch.Tensor, dtype: torc
     K = codes.shape[1]
     per_col = scale if scale.shape[1] == 1 else scale.repeat_interleave(group, 1)[:, :K]
     return (codes.to(acc) * per_col.to(acc)).to(dtype)
+
+
+# ---- power-of-two group scales (the expert kernels' activations) ----------------------------------------
+# The routed-expert kernels quantise their activations on the fly, per row and ``group`` consecutive columns,
+# with a power-of-two scale 2**s (an E8M0 code s + 127): s is the smallest exponent with amax / 2**s <= 448,
+# found from amax's bits alone (amax = m 2**e, 1 <= m < 2: s = e - 8, or e - 7 when m > 1.75 = 448 / 2**8), so
+# the kernels and this reference agree bit for bit (no division, and x / 2**s is exact). Group 32 is OCP's
+# MXFP8 (E4M3 codes, one E8M0 scale per 32 values; the W4A8 experts of K3); the FP8 experts of
+# ``--quantization fp8`` take group 128. Each code is x / 2**s rounded to nearest even E4M3, so a value errs by
+# at most max(2**-4 |x|, 2**-10 2**s) with 2**s < amax / 224: ``group_rounding_bound``.
+MX_GROUP = 32                     # OCP MX block size: MXFP8 activations
+SCALE_EXP_MIN = -126              # the exponents kept normal float32 factors (2**-127, E8M0 code 0, is not taken)
+
+
+def pow2_scale_exponent(amax: torch.Tensor) -> torch.Tensor:
+    """int32 s = ceil(log2(amax / 448)) exactly, at least -126 (an all-zero group gets -126)."""
+    bits = amax.float().view(torch.int32)
+    e = ((bits >> 23) & 0xFF) - 127
+    s = e - 8 + ((bits & 0x7FFFFF) > 0x600000).int()
+    return s.clamp_min(SCALE_EXP_MIN).int()
+
+
+def quantize_groups(x: torch.Tensor, group: int) -> tuple[torch.Tensor, torch.Tensor]:
+    """x [M, K] -> (codes [M, K] float8_e4m3fn, exponents int32 [M, ceil(K / group)]): value = code * 2**exponent."""
+    M, K = x.shape
+    kb = -(-K // group)
+    padded = x.new_zeros(M, kb * group)
+    padded[:, :K] = x
+    tiles = padded.float().view(M, kb, group)
+    s = pow2_scale_exponent(tiles.abs().amax(dim=2))
+    codes = torch.ldexp(tiles, (-s).unsqueeze(-1).float()).to(FP8)
+    return codes.view(M, kb * group)[:, :K].contiguous(), s
+
+
+def dequantize_groups(codes: torch.Tensor, exponents: torch.Tensor, dtype: torch.dtype, group: int) -> torch.Tensor:
+    """``quantize_groups``' codes times 2**exponents, in ``dtype`` (exact in float32 / float64)."""
+    acc = torch.promote_types(dtype, torch.float32)
+    K = codes.shape[1]
+    per_col = exponents.repeat_interleave(group, 1)[:, :K]
+    return torch.ldexp(codes.to(acc), per_col.to(acc)).to(dtype)
+
+
+def round_trip_groups(x: torch.Tensor, group: int) -> torch.Tensor:
+    """x [..., K] as the expert kernels read it: quantised per row and ``group`` columns and back, in x's dtype."""
+    K = x.shape[-1]
+    x2 = x.reshape(-1, K)
+    return dequantize_groups(*quantize_groups(x2, group), x.dtype, group).view(x.shape)
+
+
+def group_rounding_bound(x: torch.Tensor, group: int) -> torch.Tensor:
+    """The largest error ``round_trip_groups`` may make on each element of x [M, K] (float64)."""
+    M, K = x.shape
+    kb = -(-K // group)
+    padded = x.new_zeros(M, kb * group, dtype=torch.float64)
+    padded[:, :K] = x.double()
+    s = pow2_scale_exponent(padded.view(M, kb, group).abs().amax(dim=2).float())
+    step = torch.exp2(s.double() - 10).repeat_interleave(group, 1)[:, :K]
+    return torch.maximum(ROUNDING_BOUND * x.double().abs(), step)

@@ -95,6 +95,18 @@ class KernelTuning:
     # bf16 scratch of one chunk's gate | up weights (the down weights take half of it again): a memory
     # bound, not a speed choice.
     mxfp4_dequant_chunk_bytes: int = 256 << 20
+    # FP8 experts (``--quantization fp8`` of bf16 experts, Kimi-Linear's): from this many rows per expert on
+    # average the activations are quantised on the fly (per row and 128 columns, power-of-two scales) and the
+    # products run on the FP8 tensor cores; below it (decode) the E4M3 weights are widened to the activations'
+    # dtype in the kernel (a one-byte weight stream, the activations as they are). Not measured yet (no GPU
+    # while it was written): where compute starts to matter on an H100 at Kimi-Linear widths by the
+    # arithmetic (~32 rows an expert for bf16 tiles); ``benchmarks/gpu/bench_fp8.py --experts`` sweeps it.
+    fp8_experts_quant_rows_per_expert: int = 32
+    # W4A8 (``KernelOptions.w4a8_moe``): from this many rows per expert, MXFP4 experts take the MXFP8 x
+    # MXFP4 kernels in place of the bf16 block kernels and the dequantise-then-grouped-GEMM path; below it the
+    # decode kernels (``moe_wgmma``, memory bound) keep bf16 activations: the top of ``_wgmma_tiles``' range.
+    # Not measured yet (``benchmarks/gpu/bench_fp8.py --w4a8`` sweeps it).
+    w4a8_rows_per_expert: int = 48
 
     # ---- KDA (ops/kda.py) ----
     # A CUDA decode step of at most this many sequences computes ``LowRank`` operands inside its kernel (one
@@ -135,13 +147,19 @@ class KernelOptions:
     (``triton/common.py``); ``prefetch``: the L2 prefetch ahead of the PDL wait (H100, 0a2ea22: the batch-1
     steps 1.3% (Kimi-Linear slice) and 0.6% (K3 slice) faster). ``cpu_kernels``: the fast paths take CPU
     tensors too, their Triton kernels running in Triton's interpreter (``TRITON_INTERPRET=1`` before the kernels
-    are built): how the CPU tests run the kernels and their dispatch; never the default."""
+    are built): how the CPU tests run the kernels and their dispatch; never the default. ``w4a8_moe``: MXFP4
+    routed experts (K3) at ``KernelTuning.w4a8_rows_per_expert`` rows per expert and more compute with their
+    activations quantised to MXFP8 on the fly (E4M3, one power-of-two scale per 32 values, as K3's experts
+    are reported to have been trained) on the FP8 tensor cores (``ops/triton/moe.py``, W4A8); the CPU
+    reference rounds the same way. Off by default: not yet measured a win on a GPU (EngineArgs
+    ``enable_w4a8_moe``, docs/fp8.md)."""
 
     flash_mla: str | None = None
     flash_kda: str | None = None
     pdl: bool = True
     prefetch: bool = True
     cpu_kernels: bool = False
+    w4a8_moe: bool = False
     tuning: KernelTuning = field(default_factory=KernelTuning)
 
     def tuned(self, **changes) -> KernelOptions:

@@ -125,3 +125,70 @@ def test_block_fp8_checkpoints_of_other_layouts_are_refused_by_name():
                                   "weight_block_size": [64, 64]}
     with pytest.raises(ConfigError, match=r"FP8 checkpoints are read with weight_block_size \[128, 128\]"):
         parse_config(cfg, "block-fp8")
+
+
+# ---- routed experts: Kimi-Linear's bf16 experts turn FP8; K3's MXFP4 ones stay (W4A8 keeps them packed) ------
+@pytest.fixture(scope="module")
+def kimi_linear_dir(tmp_path_factory):
+    from kimik3.testing import make_tiny_checkpoint
+    path = tmp_path_factory.mktemp("kl")
+    make_tiny_checkpoint(path, "kimi_linear", hidden=64)
+    return path
+
+
+def test_bf16_experts_load_as_e4m3_with_channel_scales(kimi_linear_dir):
+    """Each expert matrix E4M3 with one scale per output row, within E4M3's bound of the bf16 weights; the MoE
+    blocks' routed experts near the plain ones; the forward runs on the FP8 experts."""
+    from kimik3.model.moe import Experts
+    plain = kimik3.load_model(kimi_linear_dir, dtype=torch.float32)
+    fp8 = kimik3.load_model(kimi_linear_dir, dtype=torch.float32, quantization="fp8")
+    pairs = [(p, q) for p, q in zip(plain.modules(), fp8.modules()) if isinstance(q, Experts)]
+    assert len(pairs) == plain.config.text.num_hidden_layers - 1
+    for p, q in pairs:
+        assert q.fp8 and not p.fp8
+        for which in ("w13", "w2"):
+            codes, scale, ref = getattr(q, which), getattr(q, f"{which}_scale"), getattr(p, which).double()
+            assert codes.dtype == torch.float8_e4m3fn and scale.shape == ref.shape[:2]
+            back = codes.double() * scale.double().unsqueeze(-1)
+            assert ((back - ref).abs() <= 2 ** -4 * ref.abs() + 2 ** -10 * scale.double().unsqueeze(-1) * (1 + 1e-6)).all()
+            assert torch.equal(scale, ref.abs().amax(-1).float() / 448)            # amax / 448 in float32
+    moe_p, moe_q = plain.model.layers[1].block_sparse_moe, fp8.model.layers[1].block_sparse_moe
+    x = torch.randn(40, plain.config.text.hidden_size, generator=torch.Generator().manual_seed(0))
+    weights, ids = moe_p.route(x)
+    u_p, u_q = moe_p.run_experts(x, weights, ids), moe_q.run_experts(x, weights, ids)
+    assert 1e-4 < ((u_p - u_q).norm() / u_p.norm()).item() < 0.05
+    assert torch.isfinite(fp8(torch.arange(20) * 7 % 250)).all()
+
+
+def test_offloaded_bf16_experts_stay_in_the_model_dtype(kimi_linear_dir, caplog):
+    from kimik3.model.expert_offload import ExpertOffloadConfig
+    from kimik3.model.moe import Experts
+    model = kimik3.load_model(kimi_linear_dir, dtype=torch.float32, quantization="fp8",
+                              expert_offload=ExpertOffloadConfig.from_gib(0.0001))
+    assert not any(m.fp8 for m in model.modules() if isinstance(m, Experts))
+    assert "the routed experts stay in the model dtype" in caplog.text
+    assert any(getattr(m, "weight_scale", None) is not None for m in model.modules())       # projections FP8
+
+
+def test_mxfp4_experts_stay_mxfp4_and_w4a8_keeps_them_packed_on_the_cpu():
+    from kimik3.model.moe import Experts
+    from kimik3.ops.options import KernelOptions, use_kernel_options
+    fp8 = kimik3.load_model(kimik3.DEFAULT_MODEL, dtype=torch.float32, quantization="fp8")
+    assert not any(m.fp8 or m.mxfp4 for m in fp8.modules() if isinstance(m, Experts))       # dense (dequantised)
+    with use_kernel_options(KernelOptions(w4a8_moe=True)):
+        packed = kimik3.load_model(kimik3.DEFAULT_MODEL, dtype=torch.float32)
+        assert all(m.mxfp4 for m in packed.modules() if isinstance(m, Experts))
+        ids = torch.arange(64) * 37 % 4000
+        a, b = fp8(ids).double(), packed(ids).double()
+    assert torch.isfinite(b).all() and not torch.equal(a, b)
+    assert EngineArgs(enable_w4a8_moe=True).kernel_options().w4a8_moe
+    assert not EngineArgs().kernel_options().w4a8_moe and not EngineArgs(enable_w4a8_moe=False).kernel_options().w4a8_moe
+
+
+def test_llm_serves_a_kimi_linear_checkpoint_with_fp8_experts(kimi_linear_dir):
+    from kimik3.model.moe import Experts
+    llm = kimik3.LLM(model=str(kimi_linear_dir), quantization="fp8", max_model_len=64, max_num_seqs=2, device="cpu",
+                     use_tqdm_on_load=False, tokenizer=str(kimik3.DEFAULT_MODEL))
+    out = llm.generate([{"prompt_token_ids": [5, 6, 7, 8]}], SamplingParams(temperature=0, max_tokens=4, ignore_eos=True))
+    assert len(out[0].outputs[0].token_ids) == 4
+    assert all(m.fp8 for m in llm.engine.model.modules() if isinstance(m, Experts))

@@ -68,7 +68,8 @@ def compile_moe(mxfp4, high_scales, dtype):
     sizes = {"I", "KH", "L", "stride_x", "stride_wp_e", "stride_wp_n", "stride_ws_e", "stride_ws_n", "stride_h",
              "stride_y"}
     for divisible, one_token in ((None, False), (sizes, False), (sizes, True)):
-        common = dict(BM=16, BKH=64, UPCAST=False, MXFP4=mxfp4, ASM=True, HIGH_SCALES=high_scales, ONE_TOKEN=one_token)
+        common = dict(BM=16, BKH=64, UPCAST=False, FMT=int(mxfp4), ASM=True, HIGH_SCALES=high_scales,
+                      ONE_TOKEN=one_token)
         kernels = [compile_for_hopper(moe._gate_up_kernel, types, dict(common, BN=64, TOP_K=8, ACT_SITU=mxfp4,
                                                                        CLIP_UP=mxfp4), divisible=divisible),
                    compile_for_hopper(moe._down_kernel, types, dict(common, BN=128), num_warps=8, divisible=divisible)]
@@ -83,6 +84,44 @@ def compile_moe(mxfp4, high_scales, dtype):
     for has_pos in (False, True):
         compile_for_hopper(moe._combine_kernel, {"y": f"*{dtype}", "weights": "*fp32", "pos": "*i64", "out": f"*{dtype}"},
                            dict(TOP_K=8, BL=1024, HAS_POS=has_pos))
+
+
+@pytest.mark.parametrize("fmt", ["fp8", "w4a8"])
+def test_fp8_expert_kernels_compile_for_hopper(fmt):
+    in_compiler_process(f"t.compile_fp8_experts({fmt!r})")
+
+
+def compile_fp8_experts(fmt):
+    """The expert kernels with FP8 products: FP8 experts (E4M3 weights with channel scales) widened for bf16 / fp16
+    activations (decode) and, with the activations quantised per 128 columns, on the FP8 tensor cores
+    (prefill); MXFP4 experts expanded to E4M3 under MXFP8 activations (W4A8, 32 a K step). At the tiles
+    ``moe._fp8_tile_choice`` picks: the quantised forms multiply E4M3 by E4M3 on wgmma (64 / 128-row tiles)
+    and stream the weights by cp.async."""
+    from kimik3.ops.triton import moe
+    weight = "*fp8e4nv" if fmt == "fp8" else "*u8"
+    scale = "*fp32" if fmt == "fp8" else "*u8"
+    sizes = {"I", "KH", "L", "stride_x", "stride_wp_e", "stride_wp_n", "stride_ws_e", "stride_ws_n", "stride_h",
+             "stride_y"}
+    cases = [(dtype, None) for dtype in ("bf16", "fp16")] if fmt == "fp8" else []
+    cases += [("bf16", moe.FP8_ACT_GROUP if fmt == "fp8" else moe.MX_ACT_GROUP)]
+    for dtype, group in cases:
+        types = {"x": f"*{dtype}", "h": f"*{dtype}", "y": f"*{dtype}", "sorted_rows": "*i64", "block_expert": "*i64",
+                 "beta": "fp32", "linear_beta": "fp32", **{f"w{i}p": weight for i in (1, 2, 3)},
+                 **{f"w{i}s": scale for i in (1, 2, 3)}}
+        fmt_code = moe.FP8.value if fmt == "fp8" else moe.MXFP4_FP8.value
+        for rows in ((2, 200) if group else (2,)):
+            cfg = moe._fp8_tile_choice(rows, fmt_code, group, None)
+            common = dict(BM=cfg["BM"], BKH=cfg["BKH"], UPCAST=False, FMT=fmt_code, ASM=True, HIGH_SCALES=True,
+                          ONE_TOKEN=False, ACT_Q=group is not None, EMULATE=False)
+            ptx = [compile_for_hopper(moe._gate_up_kernel, types, dict(common, BN=cfg["BN1"], TOP_K=8, ACT_SITU=True,
+                                                                       CLIP_UP=True), cfg["warps"], cfg["stages"],
+                                      divisible=sizes).asm["ptx"],
+                   compile_for_hopper(moe._down_kernel, types, dict(common, BN=cfg["BN2"]), cfg["warps"], cfg["stages"],
+                                      divisible=sizes).asm["ptx"]]
+            for p in ptx:
+                assert "cp.async" in p, (fmt, dtype, group, rows)
+                if group:                    # E4M3 x E4M3 on the tensor cores
+                    assert "wgmma" in p and "e4m3" in p, (fmt, dtype, group, rows)
 
 
 def test_wgmma_expert_kernels_compile_for_hopper():

@@ -25,6 +25,7 @@ from kimik3.ops.options import tuning
 from kimik3.ops.triton.common import INTERPRETING, dot, glu, pdl, pdl_entry
 from kimik3.ops.triton.e2m1 import e2m1_asm
 from kimik3.ops.triton.gemv import one_token_experts
+from kimik3.ops.triton.moe_fp8 import act_tile, e2m1_e4m3_tile, e8m0_factor, fp8_weight_tile
 
 
 # E2M1 -> bf16 (``kimik3.ops.triton.e2m1``): operand $4 = four packed bytes, $5, $6 = the bf16x2 factors f of
@@ -155,13 +156,51 @@ def _block(sorted_rows, num_rows, pid_m, pid_n, N, BM: tl.constexpr, BN: tl.cons
     return offs_m, rows, rows < num_rows, n, n < N
 
 
+# The weight formats (FMT, compile time): dense tiles; MXFP4 dequantized to bf16; E4M3 codes with per-output-
+# channel scales (FP8 experts: widened to the activations' dtype, or with ACT_Q on the FP8 tensor cores);
+# MXFP4 expanded to E4M3 for the FP8 tensor cores (W4A8: ACT_Q, a K step of one 32-value group).
+DENSE, MXFP4, FP8, MXFP4_FP8 = tl.constexpr(0), tl.constexpr(1), tl.constexpr(2), tl.constexpr(3)
+
+
+@triton.jit
+def _step(a, fa, wrow, sc, srow, kh, KH, mn, acc, BN: tl.constexpr, BKH: tl.constexpr, FMT: tl.constexpr,
+          ACT_Q: tl.constexpr, ASM: tl.constexpr, HIGH_SCALES: tl.constexpr, UPCAST: tl.constexpr,
+          EMULATE: tl.constexpr):
+    """``acc`` plus one K step's product: activation tile ``a`` [BM, 2 BKH] (``moe_fp8.act_tile``: its rows'
+    factors ``fa``) by the weight tile of rows ``wrow`` ([BN, 1] pointers) at packed byte kh (element 2 kh);
+    ``sc``: the step's MXFP4 scale codes (FMT MXFP4); ``srow`` [BN]: the weight rows' scale pointers (FP8: the
+    channel scales, applied after the loop; MXFP4_FP8: the E8M0 group scales, one a step)."""
+    if FMT == MXFP4_FP8:
+        w = e2m1_e4m3_tile(wrow, kh, KH, mn, BN, BKH, EMULATE)
+        fw = e8m0_factor(tl.load(srow + kh // 16, mask=mn, other=127).to(tl.int32))
+        acc += dot(a, tl.trans(w), tl.zeros_like(acc), UPCAST) * (fa[:, None] * fw[None, :])
+    elif FMT == FP8:
+        w = fp8_weight_tile(wrow, 2 * kh, 2 * KH, mn, 2 * BKH, ACT_Q, EMULATE, a.dtype)
+        if ACT_Q:
+            acc += dot(a, tl.trans(w), tl.zeros_like(acc), UPCAST) * fa[:, None]
+        else:
+            acc = dot(a, tl.trans(w), acc, UPCAST)
+    else:
+        acc = dot(a, tl.trans(_weight_tile(wrow, sc, kh, KH, mn, BN, BKH, FMT == MXFP4, ASM, HIGH_SCALES)), acc,
+                  UPCAST)
+    return acc
+
+
+@triton.jit
+def _channel_scaled(acc, srow, mn, FMT: tl.constexpr):
+    """FP8 weights: the sum times each column's channel scale (other formats: as it is)."""
+    if FMT == FP8:
+        acc = acc * tl.load(srow, mask=mn, other=0.0)[None, :]
+    return acc
+
+
 @triton.jit
 def _gate_up_kernel(x, w1p, w1s, w3p, w3s, h, sorted_rows, block_expert, num_rows, I, KH,
                     stride_x, stride_wp_e, stride_wp_n, stride_ws_e, stride_ws_n, stride_h,
                     beta, linear_beta, TOP_K: tl.constexpr, ACT_SITU: tl.constexpr, CLIP_UP: tl.constexpr,
                     BM: tl.constexpr, BN: tl.constexpr, BKH: tl.constexpr, UPCAST: tl.constexpr,
-                    MXFP4: tl.constexpr, ASM: tl.constexpr, HIGH_SCALES: tl.constexpr, ONE_TOKEN: tl.constexpr,
-                    PDL: tl.constexpr):
+                    FMT: tl.constexpr, ASM: tl.constexpr, HIGH_SCALES: tl.constexpr, ONE_TOKEN: tl.constexpr,
+                    PDL: tl.constexpr, ACT_Q: tl.constexpr = False, EMULATE: tl.constexpr = False):
     pdl_entry(PDL)
     pid_m, pid_n = tl.program_id(0), tl.program_id(1)
     e = tl.load(block_expert + pid_m).to(tl.int64)
@@ -174,20 +213,24 @@ def _gate_up_kernel(x, w1p, w1s, w3p, w3s, h, sorted_rows, block_expert, num_row
     col3 = w3p + e * stride_wp_e + n[:, None].to(tl.int64) * stride_wp_n
     scl1 = w1s + e * stride_ws_e + n[:, None].to(tl.int64) * stride_ws_n
     scl3 = w3s + e * stride_ws_e + n[:, None].to(tl.int64) * stride_ws_n
+    srow1 = w1s + e * stride_ws_e + n.to(tl.int64) * stride_ws_n
+    srow3 = w3s + e * stride_ws_e + n.to(tl.int64) * stride_ws_n
     acc1 = tl.zeros([BM, BN], dtype=tl.float32)
     acc3 = tl.zeros([BM, BN], dtype=tl.float32)
     G: tl.constexpr = BKH // 16
-    sc1 = _next_scales(scl1, 0, KH, mn, G, MXFP4, tl.zeros([BN, G], tl.int32))
-    sc3 = _next_scales(scl3, 0, KH, mn, G, MXFP4, tl.zeros([BN, G], tl.int32))
+    sc1 = _next_scales(scl1, 0, KH, mn, G, FMT == MXFP4, tl.zeros([BN, G], tl.int32))
+    sc3 = _next_scales(scl3, 0, KH, mn, G, FMT == MXFP4, tl.zeros([BN, G], tl.int32))
     for kh in range(0, KH, BKH):
-        next1 = _next_scales(scl1, kh + BKH, KH, mn, G, MXFP4, sc1)
-        next3 = _next_scales(scl3, kh + BKH, KH, mn, G, MXFP4, sc3)
+        next1 = _next_scales(scl1, kh + BKH, KH, mn, G, FMT == MXFP4, sc1)
+        next3 = _next_scales(scl3, kh + BKH, KH, mn, G, FMT == MXFP4, sc3)
         kx = 2 * kh + kcol
-        a = tl.load(x + tok[:, None] * stride_x + kx[None, :], mask=valid[:, None] & (kx < 2 * KH)[None, :],
-                    other=0.0)
-        acc1 = dot(a, tl.trans(_weight_tile(col1, sc1, kh, KH, mn, BN, BKH, MXFP4, ASM, HIGH_SCALES)), acc1, UPCAST)
-        acc3 = dot(a, tl.trans(_weight_tile(col3, sc3, kh, KH, mn, BN, BKH, MXFP4, ASM, HIGH_SCALES)), acc3, UPCAST)
+        a, fa = act_tile(x + tok[:, None] * stride_x + kx[None, :], valid[:, None] & (kx < 2 * KH)[None, :], ACT_Q,
+                         EMULATE)
+        acc1 = _step(a, fa, col1, sc1, srow1, kh, KH, mn, acc1, BN, BKH, FMT, ACT_Q, ASM, HIGH_SCALES, UPCAST, EMULATE)
+        acc3 = _step(a, fa, col3, sc3, srow3, kh, KH, mn, acc3, BN, BKH, FMT, ACT_Q, ASM, HIGH_SCALES, UPCAST, EMULATE)
         sc1, sc3 = next1, next3
+    acc1 = _channel_scaled(acc1, srow1, mn, FMT)
+    acc3 = _channel_scaled(acc3, srow3, mn, FMT)
     # the reference rounds both projections to the activation dtype before the activation
     g = acc1.to(h.dtype.element_ty).to(tl.float32)
     u = acc3.to(h.dtype.element_ty).to(tl.float32)
@@ -199,8 +242,8 @@ def _gate_up_kernel(x, w1p, w1s, w3p, w3s, h, sorted_rows, block_expert, num_row
 def _down_kernel(h, w2p, w2s, y, sorted_rows, block_expert, num_rows, L, KH,
                  stride_h, stride_wp_e, stride_wp_n, stride_ws_e, stride_ws_n, stride_y,
                  BM: tl.constexpr, BN: tl.constexpr, BKH: tl.constexpr, UPCAST: tl.constexpr,
-                 MXFP4: tl.constexpr, ASM: tl.constexpr, HIGH_SCALES: tl.constexpr, ONE_TOKEN: tl.constexpr,
-                 PDL: tl.constexpr):
+                 FMT: tl.constexpr, ASM: tl.constexpr, HIGH_SCALES: tl.constexpr, ONE_TOKEN: tl.constexpr,
+                 PDL: tl.constexpr, ACT_Q: tl.constexpr = False, EMULATE: tl.constexpr = False):
     pdl_entry(PDL)
     pid_m, pid_n = tl.program_id(0), tl.program_id(1)
     e = tl.load(block_expert + pid_m).to(tl.int64)
@@ -210,15 +253,18 @@ def _down_kernel(h, w2p, w2s, y, sorted_rows, block_expert, num_rows, L, KH,
     kcol = tl.arange(0, 2 * BKH)
     col = w2p + e * stride_wp_e + n[:, None].to(tl.int64) * stride_wp_n
     scl = w2s + e * stride_ws_e + n[:, None].to(tl.int64) * stride_ws_n
+    srow = w2s + e * stride_ws_e + n.to(tl.int64) * stride_ws_n
     acc = tl.zeros([BM, BN], dtype=tl.float32)
     G: tl.constexpr = BKH // 16
-    sc = _next_scales(scl, 0, KH, mn, G, MXFP4, tl.zeros([BN, G], tl.int32))
+    sc = _next_scales(scl, 0, KH, mn, G, FMT == MXFP4, tl.zeros([BN, G], tl.int32))
     for kh in range(0, KH, BKH):
-        following = _next_scales(scl, kh + BKH, KH, mn, G, MXFP4, sc)
+        following = _next_scales(scl, kh + BKH, KH, mn, G, FMT == MXFP4, sc)
         kx = 2 * kh + kcol
-        a = tl.load(h + offs_m[:, None].to(tl.int64) * stride_h + kx[None, :], mask=(kx < 2 * KH)[None, :], other=0.0)
-        acc = dot(a, tl.trans(_weight_tile(col, sc, kh, KH, mn, BN, BKH, MXFP4, ASM, HIGH_SCALES)), acc, UPCAST)
+        a, fa = act_tile(h + offs_m[:, None].to(tl.int64) * stride_h + kx[None, :], (kx < 2 * KH)[None, :], ACT_Q,
+                         EMULATE)
+        acc = _step(a, fa, col, sc, srow, kh, KH, mn, acc, BN, BKH, FMT, ACT_Q, ASM, HIGH_SCALES, UPCAST, EMULATE)
         sc = following
+    acc = _channel_scaled(acc, srow, mn, FMT)
     tl.store(y + rows[:, None].to(tl.int64) * stride_y + n[None, :], acc.to(y.dtype.element_ty),
              mask=valid[:, None] & mn[None, :])
 
@@ -491,7 +537,8 @@ def _wgmma_experts(x: torch.Tensor, w1, w2, w3, weights: torch.Tensor, ids: torc
 
 def fused_moe_triton(x: torch.Tensor, w1, w2, w3, weights: torch.Tensor, ids: torch.Tensor, act_situ: bool,
                      beta: float, linear_beta: float | None, high_scales: bool = True,
-                     tiles: dict | None = None, slots: torch.Tensor | None = None) -> torch.Tensor:
+                     tiles: dict | None = None, slots: torch.Tensor | None = None,
+                     act_group: int | None = None) -> torch.Tensor:
     """x [T, L] bf16 or fp16; weights [T, k] fp32; ids [T, k]. Returns [T, L] in x's dtype.
     slots [E] (an expert cache's pool, ``kimik3.model.expert_offload``): expert e's weights are row slots[e]
     of w1/w2/w3, which may hold more rows than E. The assignments are sorted by expert id as without it
@@ -499,6 +546,12 @@ def fused_moe_triton(x: torch.Tensor, w1, w2, w3, weights: torch.Tensor, ids: to
     experts' bit for bit; the library paths (prefill) gather the rows they read.
     Dense experts: w1, w3 [E, I, L], w2 [E, L, I] in x's dtype. MXFP4 experts (bf16 x): each of
     w1, w3 = (packed [E, I, L/2], scale [E, I, L/32]), w2 = (packed [E, L, I/2], scale [E, L, I/32]).
+    FP8 experts (bf16 / fp16 x): w1, w3 = (E4M3 codes [E, I, L], float32 channel scales [E, I]), w2 =
+    (codes [E, L, I], scales [E, L]).
+    act_group: the activations quantised on the fly to E4M3 per row and this many columns with power-of-two
+    scales, the products on the FP8 tensor cores (``moe_fp8``): 128 with FP8 experts (None: their weights
+    widened to x's dtype), 32 (MXFP8) with MXFP4 experts (W4A8: the weights expanded to E4M3); None with
+    MXFP4 experts: bf16 products.
     high_scales: some E8M0 scale may exceed 128 (the dequantization takes two multiplies; False is
     only valid when every scale is <= 128). One token with dense experts (``KernelTuning.one_token_gemv``): two streaming
     launches (``kimik3.ops.triton.gemv.one_token_experts``). tiles: override the tile choice (benchmarks; with
@@ -506,13 +559,17 @@ def fused_moe_triton(x: torch.Tensor, w1, w2, w3, weights: torch.Tensor, ids: to
     aligns a single token's rows as any batch's, where by default its k distinct experts take a block
     each with no alignment launch); without it, dense
     bf16 experts with ``KernelTuning.grouped_mm_rows_per_expert`` rows per expert or more run as library grouped GEMMs, and
-    MXFP4 ones with ``mxfp4_grouped_mm_rows_per_expert`` or more too, dequantized a chunk at a time (outside
-    CUDA-graph capture: the chunks' rows come to the host)."""
+    MXFP4 ones (bf16 products) with ``mxfp4_grouped_mm_rows_per_expert`` or more too, dequantized a chunk at a
+    time (outside CUDA-graph capture: the chunks' rows come to the host)."""
     packed = isinstance(w1, tuple)
     (w1p, w1s), (w2p, w2s), (w3p, w3s) = (w if packed else (w, w) for w in (w1, w2, w3))
-    _check_expert_operands(x, w1p, packed)
+    fmt = _check_expert_operands(x, w1p, w1s, packed, act_group)
     x = x.contiguous()
     E = w1p.shape[0] if slots is None else slots.shape[0]
+    if fmt in (FP8.value, MXFP4_FP8.value):
+        return _block_experts(x, (w1p, w1s), (w2p, w2s), (w3p, w3s), weights, ids, act_situ, beta, linear_beta,
+                              high_scales, fmt, _fp8_tile_choice(ids.numel() / E, fmt, act_group, tiles), E, slots,
+                              act_group is not None)
     library = None if tiles is not None else _library_path(x, w1p, w2p, ids, E, packed)
     if library == "one_token_gemv":
         rows = ids if slots is None else slots[ids]           # one token: its k experts, each on its own
@@ -529,19 +586,59 @@ def fused_moe_triton(x: torch.Tensor, w1, w2, w3, weights: torch.Tensor, ids: to
         return _wgmma_experts(x, w1, w2, w3, weights, ids, act_situ, beta, linear_beta, high_scales,
                               wg["BT"], wg["warps"], wg.get("two", False), slots)
     return _block_experts(x, (w1p, w1s), (w2p, w2s), (w3p, w3s), weights, ids, act_situ, beta, linear_beta,
-                          high_scales, packed, tiles or _tiles(ids.numel() / E, packed), E, slots)
+                          high_scales, fmt, tiles or _tiles(ids.numel() / E, packed), E, slots)
 
 
-def _check_expert_operands(x: torch.Tensor, w1p: torch.Tensor, packed: bool) -> None:
-    """The dtypes and widths the expert kernels take (an error naming what they got)."""
+def _check_expert_operands(x: torch.Tensor, w1p: torch.Tensor, w1s: torch.Tensor, packed: bool,
+                           act_group: int | None) -> int:
+    """The dtypes, widths and activation groups the expert kernels take (an error naming what they got);
+    returns the weight format (``DENSE`` ... ``MXFP4_FP8``)."""
     L, I = x.shape[1], w1p.shape[1]
-    if packed and x.dtype != torch.bfloat16:
-        raise ValueError(f"the MXFP4 expert kernels take bf16 activations, got {x.dtype}")
-    if not packed and (L % 2 or I % 2):
-        raise ValueError(f"the dense expert kernels need even widths, got L={L}, I={I}")
+    fp8 = packed and w1p.dtype == torch.float8_e4m3fn
+    if fp8:
+        if x.dtype not in (torch.bfloat16, torch.float16) or w1s.dtype != torch.float32 or w1s.dim() != 2:
+            raise ValueError(f"the FP8 expert kernels take bf16/fp16 activations and float32 channel scales [E, N], "
+                             f"got {x.dtype} activations and {w1s.dtype} {tuple(w1s.shape)} scales")
+        if act_group not in (None, FP8_ACT_GROUP):
+            raise ValueError(f"FP8 experts quantise their activations per {FP8_ACT_GROUP} columns (or not), "
+                             f"got act_group={act_group}")
+    elif packed:
+        if x.dtype != torch.bfloat16:
+            raise ValueError(f"the MXFP4 expert kernels take bf16 activations, got {x.dtype}")
+        if act_group not in (None, MX_ACT_GROUP):
+            raise ValueError(f"MXFP4 experts take MXFP8 activations (act_group={MX_ACT_GROUP}) or bf16 ones (None), "
+                             f"got act_group={act_group}")
+        return MXFP4.value if act_group is None else MXFP4_FP8.value
+    elif act_group is not None:
+        raise ValueError("dense experts take their activations as they are (act_group must be None)")
+    if L % 2 or I % 2:
+        raise ValueError(f"the dense and FP8 expert kernels need even widths, got L={L}, I={I}")
     if not packed and (x.dtype not in (torch.bfloat16, torch.float16) or w1p.dtype != x.dtype):
         raise ValueError(f"the dense expert kernels take bf16/fp16 activations and weights of the same dtype, "
                          f"got {x.dtype} activations and {w1p.dtype} weights")
+    return FP8.value if fp8 else DENSE.value
+
+
+FP8_ACT_GROUP = 128       # FP8 experts' activations: one power-of-two scale per row and 128 columns (a K step)
+MX_ACT_GROUP = 32         # W4A8: MXFP8 activations, one E8M0 scale per 32 (a K step: one MXFP4 scale group)
+
+
+def _fp8_tile_choice(rows_per_expert: float, fmt: int, act_group: int | None, tiles: dict | None) -> dict:
+    """Tiles of the FP8 kernels (a benchmark's ``tiles`` checked): with quantised activations a K step is one
+    activation group (BKH = group / 2) and a tile at least 16 rows (the FP8 tensor cores' M); the FP8 experts'
+    decode (weights widened) takes the dense tiles."""
+    if act_group is None:
+        cfg = tiles or _tiles(rows_per_expert)
+    elif tiles is not None:
+        cfg = tiles
+    elif rows_per_expert <= 64:
+        cfg = dict(BM=64, BN1=64, BN2=128, BKH=act_group // 2, warps=4, stages=4)
+    else:
+        cfg = dict(BM=128, BN1=128, BN2=128, BKH=act_group // 2, warps=8, stages=4 if fmt == MXFP4_FP8.value else 3)
+    if act_group is not None and (cfg["BKH"] != act_group // 2 or cfg["BM"] < 16):
+        raise ValueError(f"tiles {cfg}: activations quantised per {act_group} columns need BKH = {act_group // 2} "
+                         f"(one group a K step) and BM >= 16")
+    return cfg
 
 
 def _library_path(x: torch.Tensor, w1p: torch.Tensor, w2p: torch.Tensor, ids: torch.Tensor, E: int,
@@ -581,10 +678,11 @@ def _wgmma_choice(x: torch.Tensor, w1, w2, w3, rows_per_expert: float, tiles: di
 
 
 def _block_experts(x: torch.Tensor, w1, w2, w3, weights: torch.Tensor, ids: torch.Tensor, act_situ: bool,
-                   beta: float, linear_beta: float | None, high_scales: bool, packed: bool, cfg: dict, E: int,
-                   slots: torch.Tensor | None) -> torch.Tensor:
+                   beta: float, linear_beta: float | None, high_scales: bool, fmt: int, cfg: dict, E: int,
+                   slots: torch.Tensor | None, act_q: bool = False) -> torch.Tensor:
     """The block kernels here (gate/up, down, combine) at tiles ``cfg`` for E experts (rows ``slots`` of the
-    weights when given); w1, w2, w3 (packed, scale) pairs (a dense weight twice)."""
+    weights when given); w1, w2, w3 (packed or codes, scale) pairs (a dense weight twice); ``fmt`` the weight
+    format; ``act_q``: the activations quantised per K step (``moe_fp8.act_tile``)."""
     (w1p, w1s), (w2p, w2s), (w3p, w3s) = w1, w2, w3
     T, L = x.shape
     I = w1p.shape[1]
@@ -599,8 +697,9 @@ def _block_experts(x: torch.Tensor, w1, w2, w3, weights: torch.Tensor, ids: torc
         nb = block_expert.shape[0]
     block_expert = pool_rows(block_expert, slots)
     h = torch.empty(nb * BM, I, dtype=x.dtype, device=x.device)
-    common = dict(BM=BM, BKH=cfg["BKH"], UPCAST=INTERPRETING, MXFP4=packed, ASM=cfg.get("asm", not INTERPRETING),
-                  HIGH_SCALES=high_scales, ONE_TOKEN=one_token, num_warps=cfg["warps"], num_stages=cfg["stages"])
+    common = dict(BM=BM, BKH=cfg["BKH"], UPCAST=INTERPRETING, FMT=fmt, ASM=cfg.get("asm", not INTERPRETING),
+                  HIGH_SCALES=high_scales, ONE_TOKEN=one_token, ACT_Q=act_q, EMULATE=INTERPRETING,
+                  num_warps=cfg["warps"], num_stages=cfg["stages"])
     _gate_up_kernel[(nb, triton.cdiv(I, cfg["BN1"]))](
         x, w1p, w1s, w3p, w3s, h, sorted_rows, block_expert, R, I, L // 2,
         x.stride(0), w1p.stride(0), w1p.stride(1), w1s.stride(0), w1s.stride(1), h.stride(0),
