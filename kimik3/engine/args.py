@@ -81,8 +81,9 @@ class EngineArgs:
                                "one float32 scale per token: half the bytes); KDA states stay float32 "
                                "(default: auto)", default="auto", choices=list(KV_CACHE_DTYPES))
     quantization: str | None = _opt(
-        "fp8: the dense bf16 projections quantised to FP8 (E4M3, one scale per output channel) at load; decode "
-        "reads them by an FP8 GEMV, prefill runs FP8 GEMMs (default: none, the checkpoint's own formats)",
+        "fp8: the dense bf16 projections and bf16 routed experts (Kimi-Linear's; not offloaded ones) quantised to "
+        "FP8 (E4M3, one scale per output channel) at load; decode reads them by FP8 GEMVs / widening expert "
+        "kernels, prefill runs FP8 GEMMs (default: none, the checkpoint's own formats)",
         default=None, choices=["fp8"], aliases=("-q",))
     kda_checkpoint_interval: int | None = _opt(
         "cache blocks between saved KDA states for prefix caching (default: auto)", default=None,
@@ -184,7 +185,7 @@ class EngineArgs:
         "quantised to MXFP8 on the fly (E4M3, one power-of-two scale per 32 values) and multiply on Hopper's FP8 "
         "tensor cores (the CPU reference rounds the same way); --no-enable-w4a8-moe keeps bf16 activations. bf16 "
         "experts (Kimi-Linear) have no MXFP4 weights: a no-op there (default: off until measured a win on a GPU, "
-        "docs/fp8.md)", default=None)
+        "docs/gpu.md)", default=None)
     # vLLM's flags that name what kimik3 always does (accepted no-ops, with the reason) or a limit it applies
     load_format: str = _opt(
         "weights format: auto, safetensors or fastsafetensors; all three read the checkpoint's safetensors with "

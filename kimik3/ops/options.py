@@ -152,7 +152,7 @@ class KernelOptions:
     activations quantised to MXFP8 on the fly (E4M3, one power-of-two scale per 32 values, as K3's experts
     are reported to have been trained) on the FP8 tensor cores (``ops/triton/moe.py``, W4A8); the CPU
     reference rounds the same way. Off by default: not yet measured a win on a GPU (EngineArgs
-    ``enable_w4a8_moe``, docs/fp8.md)."""
+    ``enable_w4a8_moe``, docs/gpu.md)."""
 
     flash_mla: str | None = None
     flash_kda: str | None = None

@@ -75,7 +75,8 @@ def act_tile(ptrs, mask, ACT_Q: tl.constexpr, EMULATE: tl.constexpr):
 
 
 @triton.jit
-def fp8_weight_tile(row_ptrs, k0, K, mn, BK: tl.constexpr, ACT_Q: tl.constexpr, EMULATE: tl.constexpr, dtype):
+def fp8_weight_tile(row_ptrs, k0, K, mn, BK: tl.constexpr, ACT_Q: tl.constexpr, EMULATE: tl.constexpr,
+                    dtype: tl.constexpr):
     """E4M3 weight codes of K positions k0..k0 + BK of BN rows (``row_ptrs`` [BN, 1]): as E4M3 for the FP8
     tensor cores (ACT_Q; float32 when EMULATE), else widened to ``dtype`` (exact)."""
     kk = k0 + tl.arange(0, BK)
