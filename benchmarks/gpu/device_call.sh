@@ -9,7 +9,7 @@
 # files / node ids in TESTS; PER_TEST: pytest's per-test limit; FILE_CAP: each file's); benches = the constrained decode step
 # (#19) sync and async; trace = its device time per step at batch 32 (torch.profiler); serve = served vs
 # offline (#18 item 5) sync and async; slice = bench_slice.py on both slices (no reference, no checks; SLICES=kl or k3
-# for one, SLICE_ARGS=--pdl-ab adds each case without programmatic dependent launch); profile = one decode step's kernels by module (profile_step.py; PROFILE_PREFILL=8192 adds a prefill); mladecode = the MLA decode config sweep (first, alone on the GPU; MLA_SWEEP= for the defaults only); decodeops = bench_decode_ops.py (KDA step, conv decode); vision = bench_vision.py (the tower eager vs graphs); moe = bench_moe.py --decode-only (expert kernels at 1-128 tokens; MOE_ARGS=--compare=FILE adds another moe.py's kernels); moeprefill = bench_moe.py --prefill-only; router = bench_router_align.py (ROUTER_ARGS=--split-only: the split-K routing alone); long = the decode graph replayed at 8k-1M contexts; stacks = the same, with stack samples per pass; spec = n-gram speculation vs plain at batch 1 (SPEC_ASYNC=1: also both async; =only: async alone); engine =
+# for one, SLICE_ARGS=--pdl-ab adds each case without programmatic dependent launch); profile = one decode step's kernels by module (profile_step.py; PROFILE_PREFILL=8192 adds a prefill); mladecode = the MLA decode config sweep (first, alone on the GPU; MLA_SWEEP= for the defaults only); decodeops = bench_decode_ops.py (KDA step, conv decode); vision = bench_vision.py (the tower eager vs graphs); moe = bench_moe.py --decode-only (expert kernels at 1-128 tokens; MOE_ARGS=--compare=FILE adds another moe.py's kernels); moeprefill = bench_moe.py --prefill-only; moefp8 = bench_moe_fp8.py (FP8 experts and W4A8 against the bf16 paths; MOE_FP8_ARGS=--skip-k3 / --skip-kimi-linear); router = bench_router_align.py (ROUTER_ARGS=--split-only: the split-K routing alone); long = the decode graph replayed at 8k-1M contexts; stacks = the same, with stack samples per pass; spec = n-gram speculation vs plain at batch 1 (SPEC_ASYNC=1: also both async; =only: async alone); engine =
 # bench_engine.py (host share); hostprof = cProfile of the constrained async step at batch 32.
 # FLASH=1: name the carried FlashMLA / FlashKDA libraries (.whl/libkimik3_flash_{mla,kda}.so, built here by
 # kimik3 build-kernels) for every section; full = the whole Kimi-Linear-48B (bench_full_model.py, needs an
@@ -74,6 +74,11 @@ fi
 if [[ " $sections " == *" moeprefill "* ]]; then      # MXFP4 experts at 512-8192 tokens: fused kernels vs dequantize + grouped GEMMs
   run moe_prefill 200 python3 benchmarks/gpu/bench_moe.py --prefill-only
   grep -h "^|" "$L"/moe_prefill.log
+fi
+if [[ " $sections " == *" moefp8 "* ]]; then          # FP8 experts (Kimi-Linear, -q fp8) and W4A8 (K3) vs the bf16 paths
+  run moe_fp8 400 python3 benchmarks/gpu/bench_moe_fp8.py ${MOE_FP8_ARGS:-}
+  cp bench_out/bench_moe_fp8.json "$L"/ 2>/dev/null
+  grep -h "case" "$L"/moe_fp8.log | head -60
 fi
 if [[ " $sections " == *" router "* ]]; then          # router logits (decode kernel, prefill TF32x3 GEMM) and the align
   run router 150 python3 benchmarks/gpu/bench_router_align.py ${ROUTER_ARGS:-}

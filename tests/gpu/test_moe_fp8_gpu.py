@@ -157,11 +157,16 @@ def test_engine_with_fp8_kimi_linear_experts_in_graphs(tmp_path):
 def test_engine_with_w4a8_experts_in_graphs():
     """The default model (K3-shaped, MXFP4 experts) with ``enable_w4a8_moe``: graphs give the eager tokens."""
     import kimik3
+    from kimik3.engine.args import EngineArgs
+    from kimik3.ops.options import install_kernel_options
     prompts = [{"prompt_token_ids": list(range(5 + i, 300 + 3 * i))} for i in range(4)]
     outs = []
-    for eager in (False, True):
-        with kimik3.LLM(enable_w4a8_moe=True, max_model_len=512, max_num_seqs=4, enforce_eager=eager,
-                        use_tqdm_on_load=False) as llm:
-            assert kernel_options().w4a8_moe
-            outs.append(_greedy(llm, prompts))
+    try:
+        for eager in (False, True):
+            with kimik3.LLM(enable_w4a8_moe=True, max_model_len=512, max_num_seqs=4, enforce_eager=eager,
+                            use_tqdm_on_load=False) as llm:
+                assert kernel_options().w4a8_moe
+                outs.append(_greedy(llm, prompts))
+    finally:                    # the engine installed its options process-wide: the suite's again
+        install_kernel_options(EngineArgs().kernel_options())
     assert outs[0] == outs[1]
