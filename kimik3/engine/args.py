@@ -81,9 +81,8 @@ class EngineArgs:
                                "one float32 scale per token: half the bytes); KDA states stay float32 "
                                "(default: auto)", default="auto", choices=list(KV_CACHE_DTYPES))
     quantization: str | None = _opt(
-        "fp8: the dense bf16 projections and bf16 routed experts (Kimi-Linear's; not offloaded ones) quantised to "
-        "FP8 (E4M3, one scale per output channel) at load; decode reads them by FP8 GEMVs / widening expert "
-        "kernels, prefill runs FP8 GEMMs (default: none, the checkpoint's own formats)",
+        "fp8: the dense bf16 projections and bf16 routed experts (not offloaded ones) quantised to FP8 (E4M3, a scale "
+        "per output channel) at load; FP8 GEMVs at decode, FP8 GEMMs at prefill (default: none, the checkpoint's own)",
         default=None, choices=["fp8"], aliases=("-q",))
     kda_checkpoint_interval: int | None = _opt(
         "cache blocks between saved KDA states for prefix caching (default: auto)", default=None,
@@ -180,12 +179,8 @@ class EngineArgs:
                             "unless KIMIK3_PDL=0)", default=None)
     prefetch: bool | None = _opt("L2 prefetch of weight / state rows ahead of the PDL wait (default: on, unless "
                                  "KIMIK3_PREFETCH=0)", default=None)
-    enable_w4a8_moe: bool | None = _opt(
-        "W4A8 experts: K3's MXFP4 routed experts at prefill and batched-decode sizes take their activations "
-        "quantised to MXFP8 on the fly (E4M3, one power-of-two scale per 32 values) and multiply on Hopper's FP8 "
-        "tensor cores (the CPU reference rounds the same way); --no-enable-w4a8-moe keeps bf16 activations. bf16 "
-        "experts (Kimi-Linear) have no MXFP4 weights: a no-op there (default: off until measured a win on a GPU, "
-        "docs/gpu.md)", default=None)
+    enable_w4a8_moe: bool | None = _opt("W4A8: MXFP4 experts (K3's) at prefill sizes with MXFP8 activations on the FP8 "
+                                        "tensor cores; no-op for bf16 experts (default: off, not yet measured a win)", default=None)
     # vLLM's flags that name what kimik3 always does (accepted no-ops, with the reason) or a limit it applies
     load_format: str = _opt(
         "weights format: auto, safetensors or fastsafetensors; all three read the checkpoint's safetensors with "
@@ -283,10 +278,9 @@ class EngineArgs:
             found = None if given else installed(name)
             return given or (str(found) if found else None)
         return KernelOptions(flash_mla=library(self.flash_mla, FLASH_MLA_ENV, "flash_mla"),
-                             flash_kda=library(self.flash_kda, FLASH_KDA_ENV, "flash_kda"),
+                             flash_kda=library(self.flash_kda, FLASH_KDA_ENV, "flash_kda"), w4a8_moe=bool(self.enable_w4a8_moe),
                              pdl=self.pdl if self.pdl is not None else env.get("KIMIK3_PDL", "1") != "0",
-                             prefetch=self.prefetch if self.prefetch is not None else env.get("KIMIK3_PREFETCH", "1") != "0",
-                             w4a8_moe=bool(self.enable_w4a8_moe))
+                             prefetch=self.prefetch if self.prefetch is not None else env.get("KIMIK3_PREFETCH", "1") != "0")
 
     def resolve_block_size(self, device: torch.device) -> int:
         """The flag if given; else 64 on CUDA when ``--flash-mla`` names FlashMLA's library (its decode
