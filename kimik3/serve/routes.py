@@ -27,6 +27,7 @@ class TokenizeRequest(_Body):
     return_token_strs: bool = False
     tools: list[dict[str, Any]] | None = None
     chat_template_kwargs: dict[str, Any] | None = None
+    media_io_kwargs: dict[str, Any] | None = None      # video sampling, as the chat request would give it
 
 
 class DetokenizeRequest(_Body):
@@ -78,7 +79,8 @@ def add_routes(app: FastAPI, state) -> None:
                 raise bad_request("messages is empty; give at least one message", "messages")
             try:
                 chat = ChatCompletionRequest.model_validate(
-                    {"messages": req.messages, "tools": req.tools, "chat_template_kwargs": req.chat_template_kwargs})
+                    {"messages": req.messages, "tools": req.tools, "chat_template_kwargs": req.chat_template_kwargs,
+                     "media_io_kwargs": req.media_io_kwargs})
             except ValidationError as e:
                 raise validation_error(e) from None
             prompt = await chat_prompt(state, chat)

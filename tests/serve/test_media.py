@@ -99,6 +99,9 @@ def test_video_url_through_the_openai_client(real):
     assert chunks[-1].usage.prompt_tokens == len(want_ids([VideoPrompt(tuple((t, 6) for t in stamps))]))
     tok = httpx.post(real.url + "/tokenize", json={"model": MODEL, "messages": msgs}).json()
     assert tok["tokens"] == want_ids([VideoPrompt(tuple((t, 6) for t in stamps))])
+    tok = httpx.post(real.url + "/tokenize", json={"model": MODEL, "messages": msgs,
+                                                    "media_io_kwargs": {"video": {"fps": 2}}}).json()
+    assert tok["tokens"] == ids and tok["count"] == r.usage.prompt_tokens
 
 
 def test_video_and_images_keep_their_order(real):
