@@ -194,6 +194,21 @@ class ParallelContext:
         dist.all_to_all_single(out, send, group=self._dcp())
         return out
 
+    # ---- expert moves (EPLB's live rebalance) -------------------------------------------------------
+    def ep_peer(self, ep_rank: int) -> int:
+        """The world rank of EP rank ``ep_rank``'s member that holds this rank's share of an expert's intermediate."""
+        r = ep_rank * self.expert_tp_size + self.expert_tp_rank
+        return r if self.group is None else dist.get_global_rank(self.group, r)
+
+    def send_to_ep_rank(self, tensors: list[torch.Tensor], ep_rank: int, tag: int) -> list:
+        """Each tensor to EP rank ``ep_rank`` (tags ``tag * 16 + i``), not waited for: the pending sends."""
+        self._log("send", tensors[0])
+        return [dist.isend(t.contiguous(), self.ep_peer(ep_rank), tag=tag * 16 + i) for i, t in enumerate(tensors)]
+
+    def recv_from_ep_rank(self, tensors: list[torch.Tensor], ep_rank: int, tag: int) -> list:
+        """Into each (contiguous) tensor, what ``send_to_ep_rank`` sent with ``tag``: the pending receives."""
+        return [dist.irecv(t, self.ep_peer(ep_rank), tag=tag * 16 + i) for i, t in enumerate(tensors)]
+
     def exchange_counts(self, send_counts: torch.Tensor) -> list[int]:
         """Each rank's int64 count per destination -> the counts this rank receives from each."""
         recv = torch.empty_like(send_counts)

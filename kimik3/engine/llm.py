@@ -33,8 +33,8 @@ class LLM:
         ``tensor_parallel_size`` N > 1: this process becomes rank 0 and spawns N-1 workers, one per GPU
         (``kimik3.parallel``); ``enable_expert_parallel`` splits whole experts over them;
         ``decode_context_parallel_size`` stripes the MLA latent cache over them; ``enable_eplb`` places the experts
-        by load (``save_expert_loads`` records one, ``eplb_load_file`` reads it); ``pipeline_parallel_size`` splits
-        the layers into stages (``pp_micro_batches`` per step).
+        by load (``save_expert_loads`` records one, ``eplb_load_file`` reads it, ``rebalance_experts`` re-places them
+        live); ``pipeline_parallel_size`` splits the layers into stages (``pp_micro_batches`` per step).
         ``num_speculative_tokens`` k > 0: each step, requests without penalties (greedy or sampled) verify
         up to k n-gram draft tokens (``kimik3.engine.spec.speculative``). ``disable_log_stats`` (vLLM's; True
         by default, as vLLM's LLM): False logs ``serve``'s stats line every 10 s while ``generate`` runs."""
@@ -68,21 +68,30 @@ class LLM:
         self.shutdown()
 
     def save_expert_loads(self, path: str) -> dict[int, tuple[float, float]]:
-        """EPLB (``enable_eplb``): write the tokens each MoE layer routed to each expert since start-up (a load file
-        ``eplb_load_file`` takes at the next start, which places the experts by it). Returns per layer the
-        max/mean of the EP ranks' loads under the present placement and under the one the file would give.
-        Under a token-sharded MoE mode (a2a/agrs) the counts are rank 0's tokens only."""
+        """EPLB (``enable_eplb``): write the tokens each MoE layer (of every pipeline stage) routed to each expert
+        since its last placement (start-up or ``rebalance_experts``): a load file ``eplb_load_file`` takes at the
+        next start, which places the experts by it. Returns per layer the max/mean of the EP ranks' loads under the
+        present placement and under the one the file would give."""
         from kimik3.model.eplb import imbalance, plan_slots, save_loads
         model = self.engine.model
-        loads = model.expert_loads()
-        if not loads:
+        if not model.parallel.eplb:
             raise ValueError("no expert loads are recorded: start with enable_eplb=True (and expert parallelism)")
-        save_loads(path, loads, model.config.text.num_experts)
+        layers = self.engine.runner.expert_loads()
+        save_loads(path, {i: load for i, (load, _) in layers.items()}, model.config.text.num_experts)
         ranks, out = model.parallel.ep_size, {}
-        for i, moe in model.moe_layers().items():
-            now = imbalance(loads[i], moe.placement.slots, ranks)
-            out[i] = (now, imbalance(loads[i], plan_slots(loads[i], moe.num_slots, ranks), ranks))
+        for i, (load, slots) in layers.items():
+            out[i] = (imbalance(load, slots, ranks), imbalance(load, plan_slots(load, len(slots), ranks), ranks))
         return out
+
+    def rebalance_experts(self) -> dict[int, tuple[float, float]]:
+        """EPLB (``enable_eplb``), live: re-place every MoE layer's experts now from the tokens each expert took since
+        the last placement, moving their weights between the expert-parallel ranks (point-to-point, between two
+        steps) and switching the routing tables with them; the recorded loads then start again. The routing math
+        is unchanged, so outputs are too. Returns per layer the max/mean of the EP ranks' loads as measured since
+        the last placement and as the same loads fall under the new one (a layer that took no token is left)."""
+        if not self.engine.model.parallel.eplb:
+            raise ValueError("rebalance_experts needs enable_eplb=True (with enable_expert_parallel)")
+        return self.engine.runner.rebalance_experts()
 
     def get_tokenizer(self):
         return self.engine.get_tokenizer(required=True)

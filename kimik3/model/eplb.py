@@ -8,6 +8,8 @@ hot experts get redundant copies, and the copies are packed onto ranks to even o
   two copies of one expert on different ranks where possible.
 * ``Placement``: the device tables the router's logical ids go through: a token's pair (t, expert x)
   goes to x's replica number t mod copies(x) (the routing math is unchanged; only where it runs).
+* ``plan_moves``: a live rebalance (``LLM.rebalance_experts``): the expert copies from one placement to the next,
+  run as point-to-point transfers between EP ranks (``moe.MoE.move_experts``) between two steps.
 * Load files (``save_loads`` / ``read_loads``): JSON ``{"num_experts": E, "layers": {"3": [counts], ...}}``,
   as the engine records them (``KimiForCausalLM.expert_loads``).
 """
@@ -65,8 +67,8 @@ def imbalance(load: list[float], slots: list[int], ranks: int) -> float:
 
 @dataclass
 class Placement:
-    """Device tables of one layer's placement: replicas [E, max copies] (slot ids, padded with the first
-    copy) and their count [E]."""
+    """Device tables of one layer's placement: replicas [E, P - E + 1] (slot ids, padded with the first
+    copy: as wide as one expert's most copies, so a new placement fits the same tables) and their count [E]."""
 
     slots: list[int]
     replicas: torch.Tensor
@@ -77,14 +79,56 @@ class Placement:
         where = [[s for s, x in enumerate(slots) if x == e] for e in range(num_experts)]
         if any(not w for w in where):
             raise ValueError(f"the placement leaves expert(s) {[e for e, w in enumerate(where) if not w]} without a slot")
-        width = max(len(w) for w in where)
+        width = len(slots) - num_experts + 1
         table = torch.tensor([w + [w[0]] * (width - len(w)) for w in where], dtype=torch.int64, device=device)
         return Placement(list(slots), table, torch.tensor([len(w) for w in where], dtype=torch.int64, device=device))
+
+    def update(self, slots: list[int]) -> None:
+        """Switch to placement ``slots`` in place (same tables: a CUDA graph that reads them stays valid)."""
+        new = Placement.build(slots, self.copies.shape[0], self.replicas.device)
+        self.replicas.copy_(new.replicas)
+        self.copies.copy_(new.copies)
+        self.slots = list(slots)
 
     def physical(self, ids: torch.Tensor) -> torch.Tensor:
         """Logical ids [T, k] -> slot ids [T, k]: pair (t, x) takes x's copy t mod copies(x)."""
         tok = torch.arange(ids.shape[0], device=ids.device).unsqueeze(1)
         return self.replicas[ids, tok % self.copies[ids]]
+
+
+@dataclass(frozen=True)
+class Move:
+    """One expert copy a live rebalance makes: the weights in ``src_rank``'s local slot ``src`` go to ``dst_rank``'s
+    local slot ``dst`` (ranks are EP ranks; the same rank: a copy within it)."""
+
+    src_rank: int
+    src: int
+    dst_rank: int
+    dst: int
+
+
+def plan_moves(old: list[int], new: list[int], ranks: int) -> list[Move]:
+    """The copies that take the slots from placement ``old`` to ``new`` (logical expert per slot, rank r holding
+    slots r*P/e ..): a slot whose expert stays needs none; one whose expert its rank already holds copies it
+    locally; otherwise a rank holding the expert under ``old`` sends it, the one with the fewest sends so far."""
+    per = len(old) // ranks
+    if len(new) != len(old) or sorted(set(new)) != sorted(set(old)):
+        raise ValueError(f"the new placement must have the {len(old)} slots and the experts of the old one")
+    sends = [0] * ranks
+    moves = []
+    for s, x in enumerate(new):
+        if old[s] == x:
+            continue
+        dst_rank = s // per
+        here = [j for j in range(per) if old[dst_rank * per + j] == x]
+        if here:
+            moves.append(Move(dst_rank, here[0], dst_rank, s % per))
+            continue
+        holders = sorted({t // per for t, y in enumerate(old) if y == x}, key=lambda r: (sends[r], r))
+        src_rank = holders[0]
+        sends[src_rank] += 1
+        moves.append(Move(src_rank, old.index(x, src_rank * per) - src_rank * per, dst_rank, s % per))
+    return moves
 
 
 def save_loads(path: str | Path, loads: dict[int, list[int]], num_experts: int) -> None:

@@ -19,7 +19,7 @@ from kimik3.model.batch import ForwardBatch, HybridCache
 from kimik3.model.kda import KimiDeltaAttention
 from kimik3.model.layers import MLP, Embedding, GLUActivation, MergedWeight, RMSNorm, linear
 from kimik3.model.mla import MLAAttention
-from kimik3.model.eplb import identity_slots, plan_slots
+from kimik3.model.eplb import identity_slots, imbalance, plan_slots
 from kimik3.model.moe import MoE, build_moe
 from kimik3.model.vision import KimiVisionModel
 from kimik3.ops.linear import linear as ops_linear
@@ -337,6 +337,26 @@ class KimiForCausalLM(nn.Module):
             moe.set_placement(slots)
             out[i] = slots
         return out
+
+    def rebalance_experts(self) -> tuple[dict[int, tuple[float, float]], bool]:
+        """EPLB, live (every rank of the group at once, between two steps): each MoE layer re-placed from the
+        logical loads recorded since its last placement (summed over the TP group when the MoE runs token-sharded)
+        and its experts moved (``MoE.move_experts``). Returns per layer the max/mean of the EP ranks' measured
+        loads since the last placement and the max/mean those loads give under the new placement, and whether a
+        layer's MXFP4 scale range changed. A layer that recorded no token keeps its placement."""
+        par, report, flipped = self.parallel, {}, False
+        for i, moe in self.moe_layers().items():
+            load, ran = moe.expert_load.clone(), moe.slot_load.clone()
+            if par.tokens_sharded:                   # each rank routed its own tokens
+                par.all_reduce(load)
+                par.all_reduce(ran)
+            if int(load.sum()) == 0:
+                continue
+            slots = plan_slots(load.tolist(), moe.num_slots, par.ep_size)
+            per_rank = ran.view(par.ep_size, -1).sum(dim=1).tolist()
+            report[i] = (max(per_rank) * par.ep_size / sum(per_rank), imbalance(load.tolist(), slots, par.ep_size))
+            flipped |= moe.move_experts(slots)
+        return report, flipped
 
     def expert_loads(self) -> dict[int, list[int]]:
         """EPLB: tokens routed to each logical expert per MoE layer since the placement (this rank's tokens:

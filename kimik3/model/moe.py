@@ -26,7 +26,7 @@ from torch import nn
 
 from kimik3.config import TextConfig
 from kimik3.distributed import ParallelContext
-from kimik3.model.eplb import Placement
+from kimik3.model.eplb import Placement, plan_moves
 from kimik3.model.expert_offload import LayerOffload
 from kimik3.model.layers import MLP, GLUActivation, RMSNorm, linear
 from kimik3.model.moe_exchange import ExpertExchange, make_exchange
@@ -128,6 +128,11 @@ class Experts(nn.Module):
 
     def packed(self, which: str) -> tuple[torch.Tensor, torch.Tensor]:
         return getattr(self, which), getattr(self, f"{which}_scale")
+
+    def slot_tensors(self) -> list[torch.Tensor]:
+        """Every tensor with one row per local slot (what an expert move copies): w13, w2 and, packed, their scales."""
+        out = [self.w13.data, self.w2.data]
+        return out + [self.w13_scale, self.w2_scale] if self.mxfp4 else out
 
     def holds(self, expert: int) -> bool:
         return expert in self.slot_experts
@@ -252,7 +257,8 @@ class MoE(nn.Module):
         self.offload: LayerOffload | None = None                # set by ExpertOffload (expert_offload.py)
         # EPLB (``set_placement`` once loaded): logical -> physical routing and the logical experts' loads
         self.placement: Placement | None = None
-        self.expert_load: torch.Tensor | None = None
+        self.expert_load: torch.Tensor | None = None         # [E] tokens routed to each logical expert
+        self.slot_load: torch.Tensor | None = None           # [E + R] tokens each physical slot ran
 
     def set_placement(self, slots: list[int]) -> None:
         """EPLB: the logical expert of every physical slot (all ranks'); this rank's slots take theirs. Resets
@@ -263,6 +269,40 @@ class MoE(nn.Module):
         device = self.gate.weight.device
         self.placement = Placement.build(slots, self.cfg.num_experts, device)
         self.expert_load = torch.zeros(self.cfg.num_experts, dtype=torch.int64, device=device)
+        self.slot_load = torch.zeros(self.num_slots, dtype=torch.int64, device=device)
+
+    def move_experts(self, slots: list[int]) -> bool:
+        """EPLB, live: take placement ``slots`` (all ranks' slots), on every rank of the TP group at once, between
+        two steps: the experts a rank lacks come from a rank that holds them (point-to-point, ``eplb.plan_moves``),
+        the rest are copied within it; the weights and routing tables change in place (CUDA graphs stay valid) and
+        the recorded loads start again. Returns whether the MXFP4 kernels' scale range changed (a decode graph
+        captured before must not be replayed)."""
+        par, e = self.par, self.experts
+        per = self.num_slots // par.ep_size
+        tensors = e.slot_tensors()
+        new = [t.clone() for t in tensors]
+        pending = []
+        for tag, m in enumerate(plan_moves(self.placement.slots, slots, par.ep_size)):
+            if m.src_rank == m.dst_rank == par.ep_rank:
+                for t, n in zip(tensors, new):
+                    n[m.dst].copy_(t[m.src])
+            elif m.src_rank == par.ep_rank:
+                pending += par.send_to_ep_rank([t[m.src] for t in tensors], m.dst_rank, tag)
+            elif m.dst_rank == par.ep_rank:
+                pending += par.recv_from_ep_rank([n[m.dst] for n in new], m.src_rank, tag)
+        for work in pending:
+            work.wait()
+        for t, n in zip(tensors, new):
+            t.copy_(n)
+        e.set_slots(slots[par.ep_rank * per:(par.ep_rank + 1) * per])
+        flipped = False
+        if e.mxfp4 and e.scale_max is not None:
+            top = max(int(e.w13_scale.max()), int(e.w2_scale.max()))
+            flipped, e.scale_max = (top > 128) != (e.scale_max > 128), top
+        self.placement.update(slots)
+        self.expert_load.zero_()
+        self.slot_load.zero_()
+        return flipped
 
     # ---- the variant's parts (the plain variant's: identity, sum, one all-reduce) ---------------
     def to_latent(self, x: torch.Tensor) -> torch.Tensor:
@@ -334,7 +374,9 @@ class MoE(nn.Module):
             return weights, ids
         # EPLB: count the logical experts' tokens (a graph's padding rows too), then route to physical slots
         self.expert_load.index_add_(0, ids.reshape(-1), torch.ones_like(ids.reshape(-1)))
-        return weights, self.placement.physical(ids)
+        slots = self.placement.physical(ids)
+        self.slot_load.index_add_(0, slots.reshape(-1), torch.ones_like(slots.reshape(-1)))
+        return weights, slots
 
     def shared(self, x: torch.Tensor) -> torch.Tensor | None:
         """y_shared (§3.6; this rank's partial under TP), None without shared experts."""

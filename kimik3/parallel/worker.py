@@ -16,6 +16,9 @@ descriptor then carries their count, and the ids follow as a broadcast on the mo
 geometry goes once at start (``CacheGeometry``); ``None`` ends the loop. Workers decide nothing:
 the prefix registry, block and slot choices live on rank 0 only.
 
+EPLB: ``RebalanceExperts`` has every rank move its experts to a placement planned from the loads recorded so
+far, between two steps (``rebalance``); ``ExpertLoads`` gathers every stage's recorded loads to rank 0.
+
 Decode CUDA graphs: ``CaptureGraphs`` has every rank capture its own graphs (their collectives
 inside) at the same time, and all keep them only if every rank succeeded (``agree``); a pure decode
 step is then a ``GraphStep`` (the packed decode inputs), which each rank replays.
@@ -65,6 +68,53 @@ class GraphStep:
     ids_on_device: bool                      # async scheduling: the ids follow on the model's group
     state_copies: list[tuple[int, int]]
     state_resets: list[int]
+
+
+@dataclass(frozen=True)
+class RebalanceExperts:
+    """EPLB, live: every rank re-places its MoE layers' experts between two steps (``rebalance``)."""
+
+
+def rebalance(model, control) -> tuple[dict[int, tuple[float, float]], bool] | None:
+    """Every rank, on ``RebalanceExperts``: this rank's ``KimiForCausalLM.rebalance_experts``, the reports gathered
+    to rank 0 over ``control``: (per layer (max/mean measured, planned), whether a scale range changed anywhere)
+    on rank 0, None elsewhere."""
+    mine = model.rebalance_experts()
+    rank = dist.get_rank()
+    box = [None] * dist.get_world_size() if rank == 0 else None
+    dist.gather_object(mine, box, dst=0, group=control)
+    if box is None:
+        return None
+    report = {}
+    for layers, _ in box:                 # TP ranks of a stage report the same layers; stages differ
+        for i, v in layers.items():
+            report.setdefault(i, v)
+    return dict(sorted(report.items())), any(flipped for _, flipped in box)
+
+
+@dataclass(frozen=True)
+class ExpertLoads:
+    """EPLB: every rank reports its MoE layers' recorded loads and placements (``gather_loads``)."""
+
+
+def gather_loads(model, control) -> dict[int, tuple[list[int], list[int]]] | None:
+    """Every rank, on ``ExpertLoads``: on rank 0, per MoE layer of every pipeline stage (tokens routed to each
+    logical expert since its last placement, summed over the TP ranks when the MoE runs token-sharded; the
+    placement's slots), gathered over ``control``; None elsewhere."""
+    mine = {i: (moe.expert_load.tolist(), moe.placement.slots) for i, moe in model.moe_layers().items()
+            if moe.expert_load is not None}
+    box = [None] * dist.get_world_size() if dist.get_rank() == 0 else None
+    dist.gather_object(mine, box, dst=0, group=control)
+    if box is None:
+        return None
+    t, out = model.parallel.tp_size, {}
+    for r, layers in enumerate(box):
+        for i, (load, slots) in layers.items():
+            if i not in out:
+                out[i] = (load, slots)
+            elif model.parallel.tokens_sharded and r % t:       # another TP rank's own tokens
+                out[i] = ([a + b for a, b in zip(out[i][0], load)], slots)
+    return dict(sorted(out.items()))
 
 
 @dataclass(frozen=True)
@@ -168,6 +218,12 @@ def worker_loop(model, control, graphs_class=DecodeGraphs) -> int:
         if isinstance(step, EncodeImages):            # encoder data parallelism: this rank's share
             if first:
                 encode_share(model, step.pixels, step.grid_thws)
+            continue
+        if isinstance(step, RebalanceExperts):
+            rebalance(model, control)
+            continue
+        if isinstance(step, ExpertLoads):
+            gather_loads(model, control)
             continue
         if isinstance(step, CaptureGraphs):
             graphs = capture_or_none(graphs_class(model, cache, step.max_num_seqs, step.max_model_len,

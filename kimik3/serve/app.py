@@ -49,7 +49,7 @@ from kimik3.serve.structured import request_constraint
 logger = logging.getLogger(__name__)
 
 _ROUTES = ("/v1/chat/completions", "/v1/completions", "/v1/responses", "/v1/models", "/health", "/metrics",
-           "/tokenize", "/detokenize", "/version", "/ping")
+           "/tokenize", "/detokenize", "/version", "/ping", "/rebalance_experts")
 
 
 # ---- the app --------------------------------------------------------------------------------------------------

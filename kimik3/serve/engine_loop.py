@@ -127,6 +127,13 @@ class EngineLoop:
     def abort(self, job: Job) -> None:
         self._push(("abort", job))
 
+    def call(self, fn) -> asyncio.Future:
+        """Run ``fn()`` on the engine thread between two steps (an engine operation such as EPLB's live rebalance);
+        its result or exception comes in the returned future (event loop)."""
+        future = self._loop.create_future()
+        self._push(("call", (fn, future)))
+        return future
+
     def refuse_queued(self) -> None:
         """Shutting down: fail (503) every job that has not started running yet."""
         self._push(("refuse_queued", None))
@@ -193,6 +200,8 @@ class EngineLoop:
                 self._drop_job(job)
             elif op == "refuse_queued":
                 self._refuse_queued()
+            elif op == "call":
+                self._call(*job)
             elif op == "stop":
                 jobs = {r.job.id: r.job for r in self._routes.values()}
                 jobs.update({j.id: j for j, _ in self._probation})
@@ -200,12 +209,22 @@ class EngineLoop:
                 for job in jobs.values():
                     self._fail(job, APIError(503, "the server is shutting down; the request was aborted",
                                              code="shutting_down"))
-                while self._ops:     # late adds: refuse them too
+                while self._ops:     # late adds and calls: refuse them too
                     op, job = self._ops.popleft()
                     if op == "add":
                         self._fail(job, APIError(503, "the server is shutting down", code="shutting_down"))
+                    elif op == "call":
+                        self._loop.call_soon_threadsafe(_settle, job[1], None, APIError(
+                            503, "the server is shutting down", code="shutting_down"))
                 return False
         return True
+
+    def _call(self, fn, future) -> None:
+        try:
+            result, error = fn(), None
+        except Exception as e:  # noqa: BLE001 - handed to the caller
+            result, error = None, e
+        self._loop.call_soon_threadsafe(_settle, future, result, error)
 
     def _refuse_queued(self) -> None:
         error = APIError(503, "the server is shutting down; the request was not started, retry on another instance",
@@ -428,6 +447,11 @@ class EngineLoop:
             "generation_tokens": float(self.num_generation_tokens),
             "time": time.monotonic(),
         }
+
+
+def _settle(future: asyncio.Future, result, error: BaseException | None) -> None:
+    if not future.done():
+        future.set_exception(error) if error is not None else future.set_result(result)
 
 
 def _deliver(batch: list[tuple[Job, Any]]) -> None:

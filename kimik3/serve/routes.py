@@ -1,5 +1,5 @@
 """vLLM's utility routes beside the OpenAI ones: ``/tokenize``, ``/detokenize``, ``/version``, ``/ping``, and
-OpenAI's ``/v1/responses`` (``kimik3.serve.responses_api``)."""
+OpenAI's ``/v1/responses`` (``kimik3.serve.responses_api``); kimik3's ``/rebalance_experts`` (EPLB, live)."""
 
 from __future__ import annotations
 
@@ -99,5 +99,16 @@ def add_routes(app: FastAPI, state) -> None:
         if bad:
             raise bad_request(f"token ids {bad[:5]} lie outside the vocabulary [0, {vocab})", "tokens")
         return {"prompt": await state.cpu(tok.decode, req.tokens, skip_special_tokens=False)}
+
+    @app.post("/rebalance_experts")
+    async def rebalance_experts():
+        """EPLB, live (behind the API key): every MoE layer's experts re-placed from the loads recorded since the last
+        placement, moved between the expert-parallel ranks between two steps (``LLM.rebalance_experts``)."""
+        if not getattr(getattr(state.engine.model, "parallel", None), "eplb", False):
+            raise APIError(400, "this server runs without expert load balancing: start it with --enable-eplb "
+                                "(and --enable-expert-parallel)", code="eplb_disabled")
+        report = await state.loop.call(state.engine.runner.rebalance_experts)
+        return {"layers": {str(i): {"max_over_mean_measured": now, "max_over_mean_planned": planned}
+                           for i, (now, planned) in report.items()}}
 
     add_responses_route(app, state)

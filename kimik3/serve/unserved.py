@@ -5,7 +5,7 @@ that says why instead of a bare "Not Found"."""
 from __future__ import annotations
 
 SERVED = ("POST /v1/chat/completions, POST /v1/completions, POST /v1/responses, GET /v1/models, POST /tokenize, "
-          "POST /detokenize, GET /version, GET /health, /ping, GET /metrics")
+          "POST /detokenize, GET /version, GET /health, /ping, GET /metrics, POST /rebalance_experts (EPLB)")
 _GENERATIVE = "kimik3 serves Kimi-K3 / Kimi-Linear as generative models only (no pooling, embedding or scoring)"
 _NOT_STORED = "nothing is stored here (store=true is refused)"
 

@@ -6,7 +6,8 @@ import json
 import pytest
 import torch
 
-from kimik3.model.eplb import Placement, identity_slots, imbalance, plan_slots, rank_loads, read_loads, save_loads
+from kimik3.model.eplb import (Placement, identity_slots, imbalance, plan_moves, plan_slots, rank_loads, read_loads,
+                              save_loads)
 
 SKEWED = [5000.0, 3000.0, 800.0, 400.0, 200.0, 100.0, 50.0, 50.0, 40.0, 30.0, 20.0, 10.0, 10.0, 10.0, 5.0, 5.0]
 
@@ -71,3 +72,46 @@ def test_load_files_round_trip_and_bad_files_fail_clearly(tmp_path):
     f.write_text("{")
     with pytest.raises(ValueError, match="cannot read it as JSON"):
         read_loads(f, 4, [1])
+
+
+def _apply(moves, old: list[int], ranks: int) -> list[int]:
+    """The slots after ``moves``, every copy reading the old placement (as the ranks do: they move into clones)."""
+    per = len(old) // ranks
+    new = list(old)
+    for m in moves:
+        new[m.dst_rank * per + m.dst] = old[m.src_rank * per + m.src]
+    return new
+
+
+def test_moves_take_the_ranks_from_one_placement_to_the_next():
+    load = [10.0, 20.0, 900.0, 30.0, 700.0, 40.0, 50.0, 60.0]            # experts 2 and 4 hot
+    old = identity_slots(8, 10, 2)
+    new = plan_slots(load, 10, 2)
+    moves = plan_moves(old, new, 2)
+    assert _apply(moves, old, 2) == new
+    per = 5
+    assert all(old[m.dst_rank * per + m.dst] != new[m.dst_rank * per + m.dst] for m in moves)    # kept slots untouched
+    for m in moves:                   # a copy within the rank whenever the rank already held the expert
+        held = old[m.dst_rank * per:(m.dst_rank + 1) * per]
+        assert (m.src_rank == m.dst_rank) == (new[m.dst_rank * per + m.dst] in held)
+    assert imbalance(load, new, 2) < imbalance(load, old, 2)
+    assert plan_moves(new, new, 2) == []
+    # experts two ranks hold: the ranks share the sends
+    old4, new4 = [0, 1, 0, 1, 2, 3, 4, 5], [2, 3, 4, 5, 0, 1, 0, 1]
+    moves = plan_moves(old4, new4, 4)
+    assert _apply(moves, old4, 4) == new4
+    assert sorted(m.src_rank for m in moves if old4[m.src_rank * 2 + m.src] in (0, 1)) == [0, 0, 1, 1]
+    with pytest.raises(ValueError, match="experts of the old one"):
+        plan_moves([0, 1, 2, 3], [0, 1, 2, 2], 2)
+
+
+def test_a_placement_changes_in_place():
+    p = Placement.build(identity_slots(4, 6, 2), 4)
+    replicas, copies = p.replicas, p.copies
+    slots = [2, 2, 0, 1, 2, 3]
+    p.update(slots)
+    assert p.replicas is replicas and p.copies is copies and p.slots == slots     # a captured graph reads these
+    ids = torch.tensor([[2, 0], [2, 1], [2, 3]])
+    phys = p.physical(ids)
+    assert all(slots[s] == x for s, x in zip(phys.reshape(-1).tolist(), ids.reshape(-1).tolist()))
+    assert phys[:, 0].tolist() == [0, 1, 4]                 # expert 2's three copies, token t takes copy t mod 3

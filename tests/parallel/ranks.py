@@ -6,6 +6,7 @@ from __future__ import annotations
 import functools
 import tempfile
 import time
+from pathlib import Path
 
 import torch
 import torch.distributed as dist
@@ -275,3 +276,61 @@ def pipeline_engine_rank(rank, world, control, path: str, micro: list[int], dela
         results[m] = (outs, gathered)
     if rank == 0:
         torch.save(results, out_path)
+
+
+def skew_router(path, hot: tuple[int, ...] = (2, 4), boost: float = 0.2) -> None:
+    """Rewrite a tiny checkpoint so every MoE layer's router prefers experts ``hot`` (their score-correction bias
+    raised by ``boost``): a skewed expert load that the even placement leaves on one EP rank."""
+    from safetensors.torch import load_file, save_file
+    for f in sorted(Path(path).glob("*.safetensors")):
+        tensors = load_file(f)
+        for name, t in tensors.items():
+            if name.endswith("gate.e_score_correction_bias"):
+                t[list(hot)] += boost
+        save_file(tensors, f, metadata={"format": "pt"})
+
+
+def rebalance_rank(rank, world, control, ckpts: dict, layouts: dict, out_path: str):
+    """EP over the world with EPLB, evenly placed at start: ``run_steps``, a live rebalance on every rank
+    (``rebalance_experts``), ``run_steps`` again on a fresh cache. Layouts: name -> (MoE mode, redundant slots).
+    Rank 0 saves per (arch, layout): logits before and after, the rebalance report, the per-rank loads measured in
+    the second run, and every rank's slots (logical expert, w13, w2 of each)."""
+    results = {}
+    for arch, path in ckpts.items():
+        for name, (mode, redundant) in layouts.items():
+            par = ParallelContext(rank, world, None, world, mode, eplb=True, num_redundant_experts=redundant)
+            model = load_model(path, dtype=torch.float64, parallel=par)
+            before = run_steps(model)[0]
+            report, _ = model.rebalance_experts()
+            after = run_steps(model)[0]
+            measured = {}
+            for i, moe in model.moe_layers().items():
+                ran = par.all_reduce(moe.slot_load.clone()) if par.tokens_sharded else moe.slot_load
+                measured[i] = ran.view(world, -1).sum(dim=1).tolist()
+            slots = {i: (moe.experts.slot_experts, moe.experts.w13.detach().clone(), moe.experts.w2.detach().clone())
+                     for i, moe in model.moe_layers().items()}
+            gathered = [None] * world
+            dist.all_gather_object(gathered, slots, group=control)
+            results[arch, name] = (before, after, report, measured, gathered)
+    if rank == 0:
+        torch.save(results, out_path)
+
+
+def pipeline_eplb_rank(rank, world, control, path: str, out_path: str):
+    """PP2 x TP2 with EP and EPLB (2 redundant slots) through the engine: the prompts, every stage's recorded loads
+    gathered to rank 0 (``ParallelRunner.expert_loads``), a live rebalance, the prompts again. Rank 0 saves (outputs
+    before, loads, report, outputs after)."""
+    from kimik3.parallel.launch import ParallelConfig
+    cfg = ParallelConfig(world // 2, True, pipeline_parallel_size=2, enable_eplb=True, num_redundant_experts=2)
+    model = load_model(path, dtype=torch.float64, **cfg.join(rank, path))
+    if rank != 0:
+        worker_loop(model, control)
+        return
+    engine = LLMEngine(model, EngineConfig(**ENGINE_CONFIG), runner_factory=functools.partial(ParallelRunner, control=control))
+    prompts = engine_prompts(model.config.text.vocab_size)[0]
+    before = run_engine(engine, prompts)[0]
+    loads = engine.runner.expert_loads()
+    report = engine.runner.rebalance_experts()
+    after = run_engine(engine, prompts)[0]
+    stop_workers(control)
+    torch.save((before, loads, report, after), out_path)

@@ -30,6 +30,10 @@ SCRIPT = textwrap.dedent("""
     if eplb:
         report = llm.save_expert_loads(os.path.join(os.path.dirname(sys.argv[1]), "loads.json"))
         print("EPLB", json.dumps({k: list(v) for k, v in report.items()}), flush=True)
+        moved = llm.rebalance_experts()
+        print("MOVED", json.dumps({k: list(v) for k, v in moved.items()}), flush=True)
+        outs = llm.generate([{"prompt_token_ids": [5, 6, 7, 8, 9, 10, 11, 12, 13, 14, 15]}], params)
+        print("AGAIN", json.dumps(outs[0].outputs[0].token_ids), flush=True)
     llm.close()
 """)
 
@@ -64,6 +68,12 @@ def test_llm_with_tensor_parallel_matches_one_process(ckpt, layout):
         assert sorted(loads) == layers and all(sum(v) > 0 for v in loads.values())
         # the placement planned from the recorded loads evens the ranks out (the greedy plan, on average)
         assert sum(a for _, a in report.values()) < sum(n for n, _ in report.values()), report
+        # a live rebalance to that placement: the loads measured so far fall as planned, the tokens stay
+        moved = json.loads(next(ln for ln in res.stdout.splitlines() if ln.startswith("MOVED")).split(" ", 1)[1])
+        assert sorted(int(i) for i in moved) == layers
+        assert [v[1] for v in moved.values()] == pytest.approx([v[1] for v in report.values()])
+        again = next(ln for ln in res.stdout.splitlines() if ln.startswith("AGAIN"))
+        assert json.loads(again.split(" ", 1)[1]) == want
 
 
 def test_dead_worker_takes_the_group_down_with_a_clear_error(ckpt):

@@ -153,3 +153,15 @@ def test_stages_overlap_on_consecutive_micro_batches(ckpts, tmp_path):
             assert overlaps and sum(o > 0.5 for o in overlaps) >= 0.8 * len(overlaps), overlaps
     # median step span over stage 0's work: ~2 with one micro-batch, ~1.5 with two
     assert spans[2] < 0.9 * spans[1], spans
+
+
+def test_stage_planner_balances_bytes_and_prefers_block_starts():
+    assert plan_stages([10] * 8, 2) == ((0, 4), (4, 8))
+    assert plan_stages([30, 10, 10, 10, 10, 10, 10, 10], 2) == ((0, 3), (3, 8))
+    # block size 3: the even cut (before layer 4) sends 2 blocks + the partial; before layer 3, one layer's
+    # bytes off balance, 1 block + the partial. Block size 4: both send 1 block, the balanced cut stays
+    assert plan_stages([10] * 8, 2, block_size=3) == ((0, 3), (3, 8))
+    assert plan_stages([10] * 8, 2, block_size=4) == ((0, 4), (4, 8))
+    assert plan_stages([10] * 9, 3) == ((0, 3), (3, 6), (6, 9))
+    with pytest.raises(ValueError, match="pipeline parallel size 9"):
+        plan_stages([10] * 8, 9)

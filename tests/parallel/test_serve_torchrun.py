@@ -1,5 +1,6 @@
 """``kimik3 serve`` under torchrun (every rank started by the agent, rank 0 serves) with the multi-GPU
-layouts on CPU ranks (gloo, float64): the served greedy completion equals the one-process one."""
+layouts on CPU ranks (gloo, float64): the served greedy completion equals the one-process one (two prompts in one
+request: a PP2 step runs them as two micro-batches); with EPLB, again after a live ``/rebalance_experts``."""
 
 from __future__ import annotations
 
@@ -34,8 +35,9 @@ def want():
 
 @pytest.mark.parametrize("nproc,flags", [
     (2, ["--tensor-parallel-size", "2", "--decode-context-parallel-size", "2"]),
-    (4, ["--tensor-parallel-size", "2", "--pipeline-parallel-size", "2", "--enable-expert-parallel"]),
-], ids=["tp2-dcp2", "pp2xtp2-ep"])
+    (4, ["--tensor-parallel-size", "2", "--pipeline-parallel-size", "2", "--enable-expert-parallel", "--enable-eplb",
+         "--num-redundant-experts", "2"]),
+], ids=["tp2-dcp2", "pp2xtp2-ep-eplb"])
 def test_served_completion_under_torchrun_matches_one_process(want, tmp_path, nproc, flags):
     torchrun = shutil.which("torchrun")
     if torchrun is None:
@@ -60,9 +62,17 @@ def test_served_completion_under_torchrun_matches_one_process(want, tmp_path, np
             except httpx.HTTPError:
                 time.sleep(0.3)
         r = httpx.post(url + "/v1/completions", timeout=120, json={
-            "model": "m", "prompt": PROMPT, "max_tokens": 8, "temperature": 0.0, "ignore_eos": True})
+            "model": "m", "prompt": [PROMPT, PROMPT + " Paris"], "max_tokens": 8, "temperature": 0.0,
+            "ignore_eos": True})
         assert r.status_code == 200, r.text
         assert r.json()["choices"][0]["text"] == want
+        if "--enable-eplb" in flags:      # a live rebalance on every rank of both stages, then the same completion
+            r = httpx.post(url + "/rebalance_experts", json={}, timeout=120)
+            assert r.status_code == 200, r.text
+            assert sorted(int(i) for i in r.json()["layers"]) == [1, 2, 3, 4, 5]
+            r = httpx.post(url + "/v1/completions", timeout=120, json={
+                "model": "m", "prompt": PROMPT, "max_tokens": 8, "temperature": 0.0, "ignore_eos": True})
+            assert r.status_code == 200 and r.json()["choices"][0]["text"] == want, r.text
     finally:
         if proc.poll() is None:
             os.killpg(proc.pid, 15)

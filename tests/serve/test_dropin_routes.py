@@ -56,6 +56,15 @@ def test_tokenize_detokenize_version_ping(server):
     assert httpx.get(server.url + "/ping").status_code == 200 and httpx.post(server.url + "/ping").status_code == 200
 
 
+def test_rebalance_experts_needs_the_key_and_eplb(server):
+    """kimik3's EPLB route: behind the API key, a 400 naming the flag on a server without EPLB (the live move itself:
+    tests/parallel/test_serve_torchrun.py)."""
+    assert httpx.post(server.url + "/rebalance_experts").status_code == 401
+    r = httpx.post(server.url + "/rebalance_experts", headers=auth())
+    assert r.status_code == 400 and r.json()["error"]["code"] == "eplb_disabled"
+    assert "--enable-eplb" in r.json()["error"]["message"]
+
+
 def test_reasoning_beside_reasoning_content(server):
     c = server.client(api_key="sk-1")
     msgs = [{"role": "user", "content": "SCRIPT_ANSWER 2+2?"}]

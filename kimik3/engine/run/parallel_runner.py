@@ -14,7 +14,8 @@ from kimik3.model.batch import ForwardBatch
 from kimik3.model.cuda_graphs import DecodeGraphs, capture_or_none
 from kimik3.parallel.encoder_dp import EncodeImages, encode_share
 from kimik3.parallel.pipeline import micro_batch_bounds, run_stage
-from kimik3.parallel.worker import CaptureGraphs, agree, broadcast, send_geometry, send_graph_step, send_step
+from kimik3.parallel.worker import (CaptureGraphs, ExpertLoads, RebalanceExperts, agree, broadcast, gather_loads,
+                                    rebalance, send_geometry, send_graph_step, send_step)
 
 logger = logging.getLogger(__name__)
 
@@ -51,6 +52,33 @@ class ParallelRunner(ModelRunner):
                 logger.warning("another rank could not capture its decode graphs; every rank runs eagerly")
             return None
         return captured
+
+    def expert_loads(self) -> dict[int, tuple[list[int], list[int]]]:
+        """EPLB: per MoE layer of every stage, its recorded logical loads and its placement (``worker.gather_loads``)."""
+        if not self.model.parallel.eplb:
+            raise ValueError("no expert loads are recorded: start with enable_eplb=True (and expert parallelism)")
+        broadcast(ExpertLoads(), self.control)
+        return gather_loads(self.model, self.control)
+
+    def rebalance_experts(self) -> dict[int, tuple[float, float]]:
+        """EPLB, live: every rank re-places its experts from the loads recorded so far (``worker.rebalance``),
+        between two steps. Returns per MoE layer the max/mean of the EP ranks' measured loads and the max/mean the
+        same loads give under the new placement. Decode graphs are dropped (eager from then on) when a move
+        changed the MXFP4 kernels' scale range they were captured with."""
+        if not self.model.parallel.eplb:
+            raise ValueError("rebalance_experts needs enable_eplb=True (with enable_expert_parallel)")
+        broadcast(RebalanceExperts(), self.control)
+        try:
+            report, flipped = rebalance(self.model, self.control)
+        except BaseException as e:
+            if self.on_failure is not None:
+                self.on_failure(f"rank 0 failed while the experts were moved: {e!r}")
+            raise
+        if flipped and self.graphs is not None:
+            logger.warning("a rebalance moved MXFP4 experts whose scale range differs from the decode graphs' "
+                           "capture; decode steps run eagerly from now on")
+            self.graphs = None
+        return report
 
     def launch(self, out, input_ids: torch.Tensor | None = None):
         """The step's forward on every rank (sampling, after it, is rank 0's alone). ``input_ids``:
