@@ -29,3 +29,9 @@ def test_fp8_mode_agrees_with_bf16(scores, mode):
     assert r["agreement"] >= module.TARGET_AGREEMENT, r
     assert r["mean_kl_nats"] <= module.TARGET_KL, r
     assert r["mean_kl_nats"] > 0          # the mode changed the numbers: it ran
+
+
+def test_fp8_experts_forms_differ(scores):
+    """One pass over the text is a prefill: the activations are quantised (the weight-only decode form differs)."""
+    result, _ = scores
+    assert result["fp8_experts"] != result["fp8_experts_weight_only"]

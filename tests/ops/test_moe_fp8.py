@@ -399,12 +399,16 @@ def _round_kernel(x, y, N: tl.constexpr):
 @pytest.mark.parametrize("group", [32, 128])
 def test_activation_tiles_quantise_as_the_reference(group, dtype):
     """``moe_fp8.act_tile`` (the interpreter's float32 rounding) against ``fp8.round_trip_groups`` bit for bit:
-    rows over 2**-40 .. 2**40, a zero row, a quiet group, a ragged last group."""
+    rows over 2**-40 .. 2**40, a zero row, a quiet group, groups whose amax is 448 times a power of two, a ragged
+    last group."""
     g = gen(group)
     BM, K = 16, 300
     x = torch.randn(BM, K, generator=g) * torch.exp2(torch.randint(-40, 40, (BM, 1), generator=g).float())
     x[1] = 0
     x[4, 40:90] *= 1e-3
+    x[6] = torch.randn(K, generator=g) * 0.1
+    x[6, ::7] = 448 * 2.0 ** 3                       # amax exactly 448 * 2**3 (significand 1.75): s = 3, not 4,
+    x[6, 1::7] = 3 * 2.0 ** -6                       # which this value (code 3 * 2**-9 at s = 3, a tie at 4) shows
     x = x.to(dtype)
     out = torch.empty(BM, K)
     _act_tiles_kernel[(1,)](x, out, K, BM=BM, BK=group)
