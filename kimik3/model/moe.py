@@ -130,9 +130,12 @@ class Experts(nn.Module):
         return getattr(self, which), getattr(self, f"{which}_scale")
 
     def slot_tensors(self) -> list[torch.Tensor]:
-        """Every tensor with one row per local slot (what an expert move copies): w13, w2 and, packed, their scales."""
+        """Every tensor with one row per local slot (what an expert move copies): w13, w2 and, packed (MXFP4) or
+        FP8, their scales; FP8 codes as bytes (views: every process-group backend sends bytes)."""
         out = [self.w13.data, self.w2.data]
-        return out + [self.w13_scale, self.w2_scale] if self.mxfp4 else out
+        if self.fp8:
+            out = [t.view(torch.uint8) for t in out]
+        return out + [self.w13_scale, self.w2_scale] if (self.mxfp4 or self.fp8) else out
 
     def holds(self, expert: int) -> bool:
         return expert in self.slot_experts

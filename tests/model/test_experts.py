@@ -75,3 +75,30 @@ def test_stored_experts_compute_what_the_checkpoint_holds():
             gate, up = dense[e, "w1"] @ x[t], dense[e, "w3"] @ x[t]
             want[t] += weights[t, j] * (dense[e, "w2"] @ (torch.nn.functional.silu(gate) * up))
     assert torch.allclose(out, want, rtol=1e-12, atol=1e-12)
+
+
+def test_fp8_storage_quantises_each_placed_expert_and_moves_with_its_scales():
+    """FP8 storage: each placed matrix E4M3 with its rows' scales (amax / 448); ``to_fp8`` on dense experts gives
+    the same bytes; an EPLB move (``slot_tensors``, row by row) carries codes and scales together."""
+    from kimik3.ops import fp8
+    g = torch.Generator().manual_seed(4)
+    E, L, I = 3, 64, 32
+    ws = {(e, w): torch.randn(*((I, L) if w != "w2" else (L, I)), generator=g) for e in range(E) for w in ("w1", "w2", "w3")}
+    q, dense = Experts(E, L, I), Experts(E, L, I)
+    q.use_fp8_storage()
+    for (e, w), t in ws.items():
+        q.load_expert(e, w, t, name=f"e{e}.{w}")
+        dense.load_expert(e, w, t, name=f"e{e}.{w}")
+    dense.to_fp8()
+    for which in ("w13", "w2"):
+        assert torch.equal(getattr(q, which).view(torch.uint8), getattr(dense, which).view(torch.uint8))
+        assert torch.equal(getattr(q, f"{which}_scale"), getattr(dense, f"{which}_scale"))
+    codes, scale = fp8.quantize_weight(ws[(2, "w3")], block=None)
+    assert torch.equal(q.w3[2].view(torch.uint8), codes.view(torch.uint8)) and torch.equal(q.w3_scale[2], scale.view(-1))
+    tensors = q.slot_tensors()
+    assert len(tensors) == 4 and all(t.shape[0] == E for t in tensors)
+    for t in tensors:                                        # move expert 2 into slot 0, as a local EPLB copy
+        t[0].copy_(t[2])
+    assert torch.equal(q.w3[0].view(torch.uint8), codes.view(torch.uint8)) and torch.equal(q.w3_scale[0], scale.view(-1))
+    with pytest.raises(ValueError, match="to_fp8 takes dense experts"):
+        q.to_fp8()
