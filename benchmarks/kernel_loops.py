@@ -73,8 +73,10 @@ def opcodes(body: list[str]) -> collections.Counter:
 
 
 def count(module, name: str, BM: int, BN: int, BKH: int, warps: int, stages: int) -> dict:
-    common = dict(BM=BM, BN=BN, BKH=BKH, UPCAST=False, MXFP4=True, ASM=True, HIGH_SCALES=False, ONE_TOKEN=False,
-                  PDL=False)
+    # the MXFP4 format: FMT 1 (moe.py since the FP8 formats), or an older moe.py's MXFP4 flag (--compare)
+    fmt = dict(FMT=1, ACT_Q=False, EMULATE=False) if "FMT" in inspect.signature(module._gate_up_kernel.fn).parameters \
+        else {"MXFP4": True}
+    common = dict(BM=BM, BN=BN, BKH=BKH, UPCAST=False, ASM=True, HIGH_SCALES=False, ONE_TOKEN=False, PDL=False, **fmt)
     if name == "gate_up":
         k = compile_kernel(module._gate_up_kernel, dict(common, TOP_K=16, ACT_SITU=True, CLIP_UP=True), warps, stages)
     else:
