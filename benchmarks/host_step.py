@@ -1,15 +1,23 @@
 """The engine's host work per decode step (#57 item 0: at batch 128 a user's step spent ~2.4 ms outside the
 decode graph): ``LLM.generate`` over a model whose forward costs nothing (``NullModel``: zero hidden states,
 logits that put the next token at (last + 1) mod V), so the whole step time is the engine's own Python work:
-scheduling, batch building, sampling's host side, token commits (stop checks, detokenising), outputs.
+scheduling, batch building, sampling's host side, token commits (stop checks, detokenising), outputs, and
+``LLM.generate``'s merging of the deltas.
 
-    python benchmarks/host_step.py [--batches=1,32,128] [--steps=64] [--prompt=256] [--profile] [--eager]
+    python benchmarks/host_step.py [--batches=1,32,128] [--steps=64] [--prompt=256] [--repeats=3] [--profile]
+        [--eager] [--sync] [--no-tokenizer]
 
-Decode steps take the CUDA-graph path's host work, as on a GPU (``HostGraphs`` stands in for the captured
-graphs); ``--eager``: the eager path's (``ForwardBatch.build``), as ``enforce_eager`` runs.
+As on one GPU by default: async scheduling, the decode steps on the CUDA-graph path's host work (``HostGraphs``
+stands in for the captured graphs), outputs detokenised (the embedded default model's tokenizer; the null model's
+tokens are its byte tokens). ``--sync``: the synchronous step; ``--eager``: the eager path's host work
+(``ForwardBatch.build``), as ``enforce_eager`` runs; ``--no-tokenizer``: token ids only.
 
 Prints per batch: host ms per decode step = (generate 1 + STEPS tokens - generate 1 token) / STEPS on fresh
-prompts; ``--profile``: the top functions by own time at the largest batch (cProfile).
+prompts (the best of two each), the median (min-max) of REPEATS such figures; ``--profile``: the top functions by
+own time over the decode steps alone at the largest batch (cProfile; its own overhead inflates small calls).
+Process CPU time per step (the same difference of ``time.process_time``) is printed beside the wall time: on a
+loaded box it leaves out the time spent waiting for a core. Torch runs on one thread here, as nothing is computed.
+The box these run on is shared: the figures are noisy; compare runs made together.
 """
 
 from __future__ import annotations
@@ -18,6 +26,7 @@ import cProfile
 import io
 import pstats
 import random
+import statistics
 import sys
 import time
 from pathlib import Path
@@ -29,7 +38,7 @@ sys.path.insert(0, str(Path(__file__).resolve().parents[1]))
 
 from kimik3.model.batch import ForwardBatch, HybridCache  # noqa: E402
 
-FLAGS = ("--batches=", "--steps=", "--profile", "--prompt=", "--eager")
+FLAGS = ("--batches=", "--steps=", "--profile", "--prompt=", "--eager", "--sync", "--no-tokenizer", "--repeats=")
 
 
 class NullModel:
@@ -40,7 +49,8 @@ class NullModel:
     def __init__(self, vocab_size: int = 256):
         text = SimpleNamespace(vocab_size=vocab_size, eos_token_id=None, kda_layer_ids=(0,), mla_layer_ids=(1,),
                                kda=SimpleNamespace(num_heads=1, head_dim=2, conv_size=2), mla_cache_dim=2,
-                               mla_cache_stripes=1)
+                               mla_cache_stripes=1,
+                               cached_layer_ids=lambda kind: (0,) if kind == "kda" else (1,))
         self.config = SimpleNamespace(text=text, architecture="null", vision=None, media_placeholder_token_id=None)
         self.vocab_size = vocab_size
         self._eye = None
@@ -89,48 +99,87 @@ def arg(name: str, default: str) -> str:
     return next((a.split("=", 1)[1] for a in sys.argv if a.startswith(f"--{name}=")), default)
 
 
+def make_llm(batch: int, prompt: int, eager: bool, sync: bool, tokenizer: bool):
+    """An ``LLM`` over the null model with the engine a GPU would build (async scheduling, graph path)."""
+    import itertools
+
+    from kimik3.engine.config import EngineConfig
+    from kimik3.engine.core.llm_engine import LLMEngine
+    from kimik3.engine.llm import LLM
+    model = NullModel()
+    tok = None
+    if tokenizer:
+        from kimik3.tokenizer import load_tokenizer
+        tok = load_tokenizer(Path(__file__).resolve().parents[1] / "kimik3" / "default_model")
+    engine = LLMEngine(model, EngineConfig(max_num_seqs=batch, max_model_len=4096, max_num_batched_tokens=batch * prompt,
+                                           cache_memory_bytes=64 << 20, async_scheduling=not sync), tokenizer=tok)
+    if not eager:
+        engine.runner.graphs = HostGraphs(model, batch)
+    llm = LLM.__new__(LLM)          # LLM.generate's loop over this engine (no checkpoint to load)
+    llm.engine, llm.parallel_group, llm.generation_defaults, llm._processor = engine, None, {}, None
+    llm._ids = itertools.count()
+    return llm
+
+
 def main() -> None:
     unknown = [a for a in sys.argv[1:] if not any(a == f or (f.endswith("=") and a.startswith(f)) for f in FLAGS)]
     if unknown:
         raise SystemExit(f"host_step.py: unknown arguments {unknown}; known: {' '.join(FLAGS)}")
-    from kimik3.engine.config import EngineConfig
-    from kimik3.engine.core.llm_engine import LLMEngine
     from kimik3.engine.sample.sampling_params import SamplingParams
 
     batches = [int(b) for b in arg("batches", "1,32,128").split(",")]
-    steps, prompt = int(arg("steps", "64")), int(arg("prompt", "256"))
+    steps, prompt, repeats = int(arg("steps", "64")), int(arg("prompt", "256")), int(arg("repeats", "3"))
+    sync = "--sync" in sys.argv
+    torch.set_num_threads(1)
+    llm = make_llm(max(batches), prompt, "--eager" in sys.argv, sync, "--no-tokenizer" not in sys.argv)
+    vocab = llm.engine.vocab_size
     rng = random.Random(0)
-    model = NullModel()
-    engine = LLMEngine(model, EngineConfig(max_num_seqs=max(batches), max_model_len=4096,
-                                           max_num_batched_tokens=max(batches) * prompt,
-                                           cache_memory_bytes=64 << 20))
-    if "--eager" not in sys.argv:
-        engine.runner.graphs = HostGraphs(model, max(batches))
 
-    def run(n: int, tokens: int) -> float:
-        for i in range(n):
-            ids = [rng.randrange(10, model.vocab_size) for _ in range(prompt)]
-            engine.add_request(f"r{rng.random()}", {"prompt_token_ids": ids},
-                               SamplingParams(max_tokens=tokens, temperature=0.0, ignore_eos=True))
-        t0 = time.perf_counter()
-        while engine.has_unfinished_requests():
-            engine.step()
-        return time.perf_counter() - t0
+    def prompts(n: int) -> list[dict]:
+        return [{"prompt_token_ids": [rng.randrange(10, vocab) for _ in range(prompt)]} for _ in range(n)]
 
+    def run(n: int, tokens: int) -> tuple[float, float]:
+        ps = prompts(n)
+        t0, c0 = time.perf_counter(), time.process_time()
+        outs = llm.generate(ps, SamplingParams(max_tokens=tokens, temperature=0.0, ignore_eos=True), use_tqdm=False)
+        dt, dc = time.perf_counter() - t0, time.process_time() - c0
+        assert all(len(o.outputs[0].token_ids) == tokens for o in outs)
+        return dt, dc
+
+    print(f"host_step.py: {'sync' if sync else 'async'} scheduling, {'eager' if '--eager' in sys.argv else 'graph'} "
+          f"path, {'no tokenizer' if '--no-tokenizer' in sys.argv else 'detokenised'}, prompt {prompt}, {steps} steps, "
+          f"{repeats} repeats", flush=True)
     run(max(batches), 8)                                                  # warm-up
     for n in batches:
-        t1 = min(run(n, 1) for _ in range(2))
-        tn = min(run(n, steps + 1) for _ in range(2))
-        print(f"batch {n:4d}: host {(tn - t1) / steps * 1e3:7.3f} ms per decode step "
-              f"({(tn - t1) / steps / n * 1e6:6.1f} us per sequence)", flush=True)
+        per_step, cpu = [], []
+        for _ in range(repeats):
+            (t1, c1), (tn, cn) = (min(run(n, k) for _ in range(2)) for k in (1, steps + 1))
+            per_step.append((tn - t1) / steps)
+            cpu.append((cn - c1) / steps)
+        med = statistics.median(per_step)
+        print(f"batch {n:4d}: host {med * 1e3:7.3f} ms per decode step ({min(per_step) * 1e3:.3f}-"
+              f"{max(per_step) * 1e3:.3f}; {med / n * 1e6:6.1f} us per sequence; process CPU time "
+              f"{statistics.median(cpu) * 1e3:.3f} ms)", flush=True)
     if "--profile" in sys.argv:
-        prof = cProfile.Profile()
-        prof.enable()
-        run(max(batches), steps + 1)
-        prof.disable()
-        s = io.StringIO()
-        pstats.Stats(prof, stream=s).sort_stats("tottime").print_stats(35)
-        print(s.getvalue())
+        profile(llm, max(batches), steps, prompts)
+
+
+def profile(llm, n: int, steps: int, prompts) -> None:
+    """cProfile of the decode steps of one batch of ``n`` requests (their prefill step excluded)."""
+    from kimik3.engine.sample.sampling_params import SamplingParams
+    engine = llm.engine
+    for i, p in enumerate(prompts(n)):
+        engine.add_request(f"p{i}", p, SamplingParams(max_tokens=steps + 1, temperature=0.0, ignore_eos=True))
+    while engine.scheduler.waiting or any(r.num_output_tokens == 0 for r in engine.scheduler.running):
+        engine.step()
+    prof = cProfile.Profile()
+    prof.enable()
+    while engine.has_unfinished_requests():
+        engine.step()
+    prof.disable()
+    s = io.StringIO()
+    pstats.Stats(prof, stream=s).sort_stats("tottime").print_stats(30)
+    print(s.getvalue())
 
 
 if __name__ == "__main__":
