@@ -455,16 +455,19 @@ class IncrementalDetokenizer:
         self._decoder = codecs.getincrementaldecoder("utf-8")(errors="replace")
 
     def feed(self, ids: int | Sequence[int]) -> str:
+        """The text the ids complete (their bytes in one call to the encoding, then the UTF-8 decoder)."""
         if isinstance(ids, int):
             ids = [ids]
         tok = self.tokenizer
-        out = []
-        for i in ids:
-            if self.skip_special_tokens and tok._special_flag.get(i, False):
+        if not ids:
+            return ""
+        top = max(ids) if set(map(type, ids)) == {int} else None
+        if top is None or top >= tok.vocab_size or min(ids) < 0:
+            for i in ids:       # the error naming the first bad id
                 tok._check_id(i)
-                continue
-            out.append(self._decoder.decode(tok.token_bytes(i)))
-        return "".join(out)
+        if self.skip_special_tokens and top >= tok.num_base_tokens:      # special ids follow the base tokens
+            ids = [i for i in ids if not tok._special_flag.get(i, False)]
+        return self._decoder.decode(tok._encoding.decode_bytes(ids))
 
     def finish(self) -> str:
         """Flush: an incomplete trailing character becomes U+FFFD."""

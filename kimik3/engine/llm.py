@@ -124,7 +124,7 @@ class LLM:
             self.engine.check_request(prompt, p)
         ids = [f"gen-{next(self._ids)}" for _ in prompts]
         for rid, prompt, p in zip(ids, prompts, params):
-            self.engine.add_request(rid, prompt, p)
+            self.engine.add_request(rid, prompt, p, final_only=True)
         wanted = set(ids)
         results: dict[str, RequestOutput] = {}
         bar = tqdm(total=len(ids), desc="generate", disable=not use_tqdm)

@@ -25,7 +25,7 @@ from kimik3.engine.core.kv_cache import KVCacheManager
 from kimik3.engine.core.output import EngineStats, RequestGroup, RequestOutput, append_output, deltas, record_scheduling
 from kimik3.engine.core.request import RequestStatus
 from kimik3.engine.core.scheduler import Scheduler
-from kimik3.engine.core.scheduler_output import ScheduledChunk, SchedulerOutput, StepError
+from kimik3.engine.core.scheduler_output import SchedulerOutput, StepError
 from kimik3.engine.run.runner import ModelRunner
 from kimik3.engine.sample.sampling_params import SamplingParams
 from kimik3.engine.spec.drafters import make_drafter
@@ -100,7 +100,8 @@ class LLMEngine:
         return self.inputs.get_tokenizer(required)
 
     def add_request(self, request_id: str, prompt, params: SamplingParams | None = None,
-                    arrival_time: float | None = None, *, multi_modal_data: VisionInputs | None = None) -> None:
+                    arrival_time: float | None = None, *, multi_modal_data: VisionInputs | None = None,
+                    final_only: bool = False) -> None:
         """Queue a request; raises ValueError (and changes nothing) if it can never run.
 
         ``prompt`` is a string or ``{"prompt_token_ids": [...], "multi_modal_data": VisionInputs, "prompt":
@@ -108,6 +109,8 @@ class LLMEngine:
         ``apply_chat_template(..., images=[ImagePrompt(W, H, N), ...])`` renders them; they may also come as the
         ``multi_modal_data`` argument (the server passes them so). Atomic: every sample is built and checked
         before any is queued and the group registered, so a failure leaves no trace of the request.
+        ``final_only``: no deltas while it runs, one with all its samples' tokens and text when the last one
+        finishes (vLLM's ``FINAL_ONLY`` output kind, as ``LLM.generate`` asks: it saves a delta per step).
         """
         params = params or SamplingParams()
         if request_id in self.groups:
@@ -115,7 +118,8 @@ class LLMEngine:
         checked = self.inputs.check(prompt, params, multi_modal_data)
         arrival = time.monotonic() if arrival_time is None else arrival_time
         children = self.inputs.make_requests(request_id, checked, params, arrival, self.kv.enable_prefix_caching)
-        self.groups[request_id] = RequestGroup(request_id, checked.text, children)   # nothing below can fail
+        self.groups[request_id] = RequestGroup(request_id, checked.text, children,   # nothing below can fail
+                                               final_only=final_only)
         for req in children:
             self.scheduler.add(req)
 
@@ -218,26 +222,25 @@ class LLMEngine:
     def commit(self, out, result, touched: dict[str, RequestGroup], updated: bool = False) -> None:
         """Settle a step's drafts, advance the requests (unless ``updated`` already) and append its tokens."""
         sampling = [c for c in out.chunks if c.samples]
-        accepted = result.accepted or [[] for _ in sampling]
-        for c, drafts in zip(sampling, accepted):
-            if c.draft:
-                self.scheduler.settle_drafts(c, len(drafts))
-                self._count_drafts(len(c.draft), len(drafts))
+        if result.accepted is not None:
+            for c, drafts in zip(sampling, result.accepted):
+                if c.draft:
+                    self.scheduler.settle_drafts(c, len(drafts))
+                    self._count_drafts(len(c.draft), len(drafts))
         if not updated:
             self.scheduler.update(out)
-        draft_lps = result.accepted_logprobs or [[None] * len(d) for d in accepted]
         now = time.monotonic()
-        for c, token, lp, drafts, lps in zip(sampling, result.token_ids, result.logprobs, accepted, draft_lps):
-            if c.req.is_finished:       # aborted while its step was in flight
-                continue
-            self._append(c, (*drafts, token), (*lps, lp), now)
-            group = self.groups.get(c.req.group_id)
-            if group is None:    # cannot happen (add_request is atomic); never let it fail a step
-                logger.error("request %s has no group; finishing it", c.req.request_id)
-                if not c.req.is_finished:
-                    self.scheduler.finish(c.req, "abort")
-                continue
-            touched[group.request_id] = group
+        if result.accepted is None:         # one token a chunk (no drafts verified)
+            for c, token, lp in zip(sampling, result.token_ids, result.logprobs):
+                if c.req.status is not RequestStatus.FINISHED:      # else aborted while its step was in flight
+                    self._append(c.req, token, lp, now, touched)
+        else:
+            draft_lps = result.accepted_logprobs or [[None] * len(d) for d in result.accepted]
+            for c, token, lp, drafts, lps in zip(sampling, result.token_ids, result.logprobs, result.accepted,
+                                                 draft_lps):
+                for t, t_lp in zip((*drafts, token), (*lps, lp)):
+                    if c.req.status is RequestStatus.FINISHED or not self._append(c.req, t, t_lp, now, touched):
+                        break
         if self.scheduler.drafter is not None:
             self.scheduler.drafter.observe(out, out.draft_states)
 
@@ -251,17 +254,25 @@ class LLMEngine:
         for j in range(accepted):
             self.accepted_per_position[j] += 1
 
-    def _append(self, c: ScheduledChunk, tokens: tuple[int, ...], logprobs: tuple, now: float) -> None:
-        """Give a request its new tokens until one of them finishes it."""
-        req, out = c.req, c.req.out
+    def _append(self, req, token: int, logprob, now: float, touched: dict[str, RequestGroup]) -> bool:
+        """Give a request a new token (its group reported this step, a ``final_only`` one when it finishes);
+        False when the token finishes it."""
+        out = req.out
         if out.first_token_time is None:
             out.first_token_time = now
-        for t, t_lp in zip(tokens, logprobs):
-            reason = append_output(req, t, t_lp, self.config.max_model_len)
-            if reason is not None:
-                self.scheduler.finish(req, reason)
-                out.finish_time = now
-                return
+        reason = append_output(req, token, logprob, self.config.max_model_len)
+        if reason is not None:
+            self.scheduler.finish(req, reason)
+            out.finish_time = now
+        group = self.groups.get(req.group_id)
+        if group is None:    # cannot happen (add_request is atomic); never let it fail a step
+            logger.error("request %s has no group; finishing it", req.request_id)
+            if req.status is not RequestStatus.FINISHED:
+                self.scheduler.finish(req, "abort")
+            return False
+        if reason is not None or not group.final_only:
+            touched[group.request_id] = group
+        return reason is None
 
     def emit(self, touched: dict[str, RequestGroup]) -> list[RequestOutput]:
         outs = deltas(list(touched.values()))

@@ -6,6 +6,7 @@ from __future__ import annotations
 import time
 from dataclasses import dataclass, field
 
+from kimik3.engine.core.block_hash import extend_block_hashes
 from kimik3.engine.core.request import Request
 
 
@@ -107,6 +108,7 @@ class RequestGroup:
     children: list[Request]
     sent_final: set[int] = field(default_factory=set)
     sent_prompt_logprobs: bool = False
+    final_only: bool = False        # one delta, when every sample has finished (``LLMEngine.add_request``)
 
 
 def record_scheduling(out, now: float) -> None:
@@ -122,40 +124,37 @@ def record_scheduling(out, now: float) -> None:
 
 def append_output(req: Request, token: int, logprob: dict[int, float] | None, max_model_len: int) -> str | None:
     """Append a generated token (its logprob, its grammar step) and check the stops: the finish reason
-    it gives, "stop" or "length", or None."""
-    req.append_token(token)
-    if req.params.logprobs is not None:
-        req.out.logprobs.append(logprob)
-    reason = check_stop(req, token, max_model_len)
+    it gives, "stop" or "length", or None. (``Request.append_token`` and ``reaches_length`` written out: this
+    runs once a token a request, the hot path of a large batch's step.)"""
+    ids, p, out = req.token_ids, req.params, req.out
+    ids.append(token)
+    n = len(ids)
+    if n % req.block_size == 0:
+        extend_block_hashes(req.block_hashes, ids, req.block_size, req.extra_keys)
+    if p.logprobs is not None:
+        out.logprobs.append(logprob)
+    reason = None
+    if token in p.stop_token_ids or (token == req.eos_token_id and not p.ignore_eos):
+        out.stop_reason, reason = token, "stop"
+    elif out.detok is not None and (hit := out.detok.add(token, n - len(req.prompt_token_ids) >= p.min_tokens)):
+        out.stop_reason, reason = hit, "stop"
+    elif n - len(req.prompt_token_ids) >= p.max_tokens or n >= max_model_len:     # ``Request.reaches_length``
+        reason = "length"
     if req.matcher is not None:
         req.matcher.consume(token)
         if reason is None and req.matcher.stopped:      # the grammar is complete
-            req.out.stop_reason, reason = token, "stop"
-    if reason is not None and req.out.detok is not None and not isinstance(req.out.stop_reason, str):
-        req.out.detok.finish()
+            out.stop_reason, reason = token, "stop"
+    if reason is not None and out.detok is not None and not isinstance(out.stop_reason, str):
+        out.detok.finish()
     return reason
-
-
-def check_stop(req: Request, token: int, max_model_len: int) -> str | None:
-    """The finish reason ``token`` (just appended) gives ``req``: "stop", "length" or None."""
-    p, out = req.params, req.out
-    if token in p.stop_token_ids or (token == req.eos_token_id and not p.ignore_eos):
-        out.stop_reason = token
-        return "stop"
-    if out.detok is not None:
-        hit = out.detok.add(token, check_stop=req.num_output_tokens >= p.min_tokens)
-        if hit is not None:
-            out.stop_reason = hit
-            return "stop"
-    if req.reaches_length(max_model_len):
-        return "length"
-    return None
 
 
 def deltas(groups: list[RequestGroup]) -> list[RequestOutput]:
     """One delta per group with new tokens or a final state; marks what it sends."""
     outs = []
     for g in groups:
+        if g.final_only and not all(r.is_finished for r in g.children):
+            continue
         completions = []
         for i, req in enumerate(g.children):
             out, done = req.out, req.is_finished

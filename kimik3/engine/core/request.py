@@ -83,9 +83,13 @@ class Request:
     image_embeds: dict[int, torch.Tensor] = field(default_factory=dict)
     cache: CacheHoldings = field(default_factory=CacheHoldings)
     out: OutputState = field(default_factory=OutputState)
+    # ``params`` read once when the request is made (each step checks these over the whole batch)
+    plain_greedy: bool = field(init=False)  # its token is the argmax of its row (``SamplingParams.plain_greedy``)
+    has_controls: bool = field(init=False)  # logit controls or a constraint (``SamplingParams.has_controls``)
 
     def __post_init__(self) -> None:
         self.token_ids = list(self.prompt_token_ids)
+        self.plain_greedy, self.has_controls = self.params.plain_greedy, self.params.has_controls
         extend_block_hashes(self.block_hashes, self.token_ids, self.block_size, self.extra_keys)
 
     @property

@@ -127,10 +127,13 @@ class Scheduler:
         A request due to draft drafts ahead (``_draft_ahead``): its chunk verifies prev's token and drafts."""
         if not self._drafts_ahead and any(self._may_draft(c.req) for c in prev.chunks):
             return None                                # its drafter drafts from prev's committed tokens
-        if (self.waiting or len(prev.chunks) != len(self.running)
-                or len(prev.chunks) > self.config.max_num_batched_tokens
-                or any(not c.samples or c.draft or c.req.is_finished or c.req.paused for c in prev.chunks)):
+        if self.waiting or len(prev.chunks) != len(self.running) or len(prev.chunks) > self.config.max_num_batched_tokens:
             return None
+        for c in prev.chunks:
+            if not c.samples or c.draft or c.req.status is RequestStatus.FINISHED or c.req.paused:
+                return None
+        if self.drafter is None:
+            return self._decode_ahead(prev)
         budget = self.config.max_num_batched_tokens - len(prev.chunks)
         planned = []
         for c in prev.chunks:
@@ -145,6 +148,27 @@ class Scheduler:
             budget -= max(len(guess) - 1, 0)
             planned.append((req, guess))
         return self._plan_ahead(planned)
+
+    def _decode_ahead(self, prev: SchedulerOutput) -> SchedulerOutput | None:
+        """``schedule_ahead`` without a drafter: one token for each request of ``prev`` that its pending token
+        does not end (the loop above written out for the batch: the step's host work)."""
+        kv, max_len = self.kv, self.config.max_model_len
+        bs = kv.block_size
+        every = kv.interval * bs if kv.enable_prefix_caching else 0      # tokens between checkpoints
+        out = SchedulerOutput(plain_decode=True)
+        chunks = out.chunks
+        for c in prev.chunks:
+            req = c.req
+            n = len(req.token_ids) + 1                 # with the pending token
+            if n - len(req.prompt_token_ids) >= req.params.max_tokens or n >= max_len:
+                continue                               # prev's token ends it (``Request.reaches_length``)
+            start = req.num_computed_tokens
+            if every and (start + 1) % every == 0:
+                return None                            # a checkpoint needs its block's hash
+            if start >= len(req.cache.block_ids) * bs and not kv.allocate(req, 1):
+                return None                            # preemption
+            chunks.append(ScheduledChunk.decode(req, start))
+        return out if chunks else None
 
     def _plan_ahead(self, planned: list[tuple[Request, list[int]]]) -> SchedulerOutput | None:
         """``schedule_ahead``'s step from its planned requests and their guesses ([g, drafts..] or [])."""
@@ -272,9 +296,13 @@ class Scheduler:
 
     def update(self, out: SchedulerOutput) -> None:
         """After the step ran: advance computed counts, register cached blocks and checkpoints."""
+        kv = self.kv
+        bs = kv.block_size if kv.enable_prefix_caching else 0
         for chunk in out.chunks:
-            chunk.req.num_computed_tokens = chunk.start + chunk.num_tokens - len(chunk.draft) + chunk.num_accepted
-            self.kv.cache_blocks(chunk.req)
+            req = chunk.req
+            req.num_computed_tokens = n = chunk.start + chunk.num_tokens - len(chunk.draft) + chunk.num_accepted
+            if bs and n // bs > req.cache.num_cached_blocks:     # a block filled up
+                kv.cache_blocks(req)
         for ck, h in zip(out.checkpoints, out.checkpoint_hashes):
             if h is not None:                           # None: a speculative snapshot (spec/verify.py)
                 self.kv.commit_checkpoint(h, ck.slot)

@@ -12,7 +12,7 @@ from kimik3.engine.core.request import Request
 from kimik3.model.batch import StateCheckpoint
 
 
-@dataclass
+@dataclass(slots=True)
 class ScheduledChunk:
     req: Request
     num_tokens: int          # new tokens computed this step, starting at req.num_computed_tokens (drafts included)
@@ -29,6 +29,17 @@ class ScheduledChunk:
     def __post_init__(self) -> None:
         self.samples = self.start + self.num_tokens - len(self.draft) == self.req.num_tokens + self.input_pending
 
+    @classmethod
+    def decode(cls, req: Request, start: int) -> ScheduledChunk:
+        """An async-scheduled decode chunk: one token at ``start``, the previous step's pending sample (what
+        ``ScheduledChunk(req, 1, start, input_pending=True)`` gives, built field by field: a large batch's
+        step makes one a request)."""
+        c = cls.__new__(cls)
+        c.req, c.num_tokens, c.start, c.draft, c.spec_slots, c.num_accepted = req, 1, start, [], [], 0
+        c.input_pending, c.state_slot, c.guess = True, None, None
+        c.samples = start == len(req.token_ids)
+        return c
+
 
 @dataclass
 class SchedulerOutput:
@@ -42,6 +53,9 @@ class SchedulerOutput:
     preempted: list[Request] = field(default_factory=list)
     draft_states: object = None        # the target's states a draft model reads, [T, n * D] (runner)
     admitted: list[tuple[Request, int]] = field(default_factory=list)  # (request, its prefix-hit tokens)
+    # every chunk a ``ScheduledChunk.decode`` (one pending token each, past its prompt) and no checkpoint or state
+    # op: the batch builder and sampler need not check the chunks one by one (``Scheduler.schedule_ahead``)
+    plain_decode: bool = False
 
     @property
     def num_tokens(self) -> int:

@@ -15,6 +15,7 @@ any, follow it); the runner puts the device tokens in its place.
 from __future__ import annotations
 
 from dataclasses import dataclass
+from operator import attrgetter
 
 import torch
 
@@ -40,6 +41,9 @@ def prompt_logprob_positions(c) -> range:
         return range(0)
     lo = max(c.start, len(req.out.prompt_logprobs) - 1)
     return range(lo, min(c.start + c.num_tokens, req.num_prompt_tokens - 1))
+
+
+_LIVE_SLOT, _BLOCK_IDS = attrgetter("req.cache.state_slot"), attrgetter("req.cache.block_ids")
 
 
 def chunk_state_slot(c) -> int:
@@ -84,12 +88,19 @@ class BatchBuilder:
         and no media pad or prompt scoring."""
         if graphs is None or not out.chunks:
             return None
+        if out.plain_decode:            # one token each, with history, past the prompt; no checkpoint
+            size = graphs.size_for(len(out.chunks))
+            return size if (size, 1) in graphs.batches else None
         L = out.chunks[0].num_tokens
         prefix_checkpoints = any(h is not None for h in out.checkpoint_hashes)
-        if L > graphs.max_query_len or (out.checkpoints and L == 1) or prefix_checkpoints or any(
-                c.num_tokens != L or len(c.draft) != L - 1 or c.start == 0 or prompt_logprob_positions(c)
-                or (c.req.mm is not None and c.req.mm.items_in(c.start, c.start + L)) for c in out.chunks):
+        if L > graphs.max_query_len or (out.checkpoints and L == 1) or prefix_checkpoints:
             return None
+        for c in out.chunks:
+            req = c.req
+            if (c.num_tokens != L or len(c.draft) != L - 1 or c.start == 0
+                    or (req.params.prompt_logprobs is not None and prompt_logprob_positions(c))
+                    or (req.mm is not None and req.mm.items_in(c.start, c.start + L))):
+                return None
         size = graphs.size_for(len(out.chunks))
         return size if (size, L) in graphs.batches else None
 
@@ -97,6 +108,11 @@ class BatchBuilder:
         """A graph step's host inputs padded to ``size`` sequences, and the rows that sample (each
         sampling chunk's L rows)."""
         chunks = out.chunks
+        if out.plain_decode:        # pending tokens (the runner puts them in), the requests' own slots
+            starts = list(map(attrgetter("start"), chunks))
+            meta, tables = pack_decode_inputs([0] * len(chunks), starts, list(map(_LIVE_SLOT, chunks)),
+                                              list(map(_BLOCK_IDS, chunks)), self.block_size, size)
+            return meta, tables, list(range(len(chunks)))
         L = chunks[0].num_tokens
         first = [0 if c.input_pending else c.req.token_ids[c.start] for c in chunks]
         slots = [chunk_state_slot(c) for c in chunks]

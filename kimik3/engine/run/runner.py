@@ -11,6 +11,7 @@ from __future__ import annotations
 
 import logging
 import time
+from operator import attrgetter
 
 import torch
 
@@ -84,17 +85,18 @@ class ModelRunner:
         logit controls first (``logit_controls.py``), then the sampler or the draft verifier (``greedy``:
         the rows' argmax on the host, for a verify step of plain greedy chunks, ``spec/verify.py``)."""
         t0 = time.perf_counter()
-        chunks = [c for c in out.chunks if c.samples]
+        chunks = out.chunks if out.plain_decode else [c for c in out.chunks if c.samples]
         raw = logits
         if logits is None:
             result = SamplerOutput([], [])
         else:
-            if any(c.req.params.has_controls for c in chunks):
+            reqs = list(map(attrgetter("req"), chunks))
+            if any(map(attrgetter("has_controls"), reqs)):
                 logits = controlled_logits(chunks, row_spans(chunks), logits)
-            if any(c.draft for c in chunks):
+            if not out.plain_decode and any(c.draft for c in chunks):
                 result = verify(self.sampler, chunks, logits, raw, greedy)
             else:
-                result = self.sampler.sample_rows([c.req for c in chunks], logits, raw)
+                result = self.sampler.sample_rows(reqs, logits, raw)
         self.host_seconds += time.perf_counter() - t0
         return result
 
@@ -136,7 +138,8 @@ class ModelRunner:
         self.host_seconds += prepare
         self.model_seconds += launch
         self.num_steps += 1
-        logger.debug("step %d: %d seqs, %d tokens, %s, prepare %.2f ms, launch %.2f ms", self.num_steps,
-                     len(out.chunks), out.num_tokens, "eager" if size is None else f"graph {size}",
-                     prepare * 1e3, launch * 1e3)
+        if logger.isEnabledFor(logging.DEBUG):
+            logger.debug("step %d: %d seqs, %d tokens, %s, prepare %.2f ms, launch %.2f ms", self.num_steps,
+                         len(out.chunks), out.num_tokens, "eager" if size is None else f"graph {size}",
+                         prepare * 1e3, launch * 1e3)
         return logits

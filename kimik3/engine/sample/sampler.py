@@ -14,6 +14,7 @@ from __future__ import annotations
 
 import hashlib
 from dataclasses import dataclass
+from operator import attrgetter
 
 import torch
 
@@ -25,7 +26,8 @@ from kimik3.engine.transfer import on_device
 
 def is_plain_greedy(params: SamplingParams) -> bool:
     """Greedy with nothing else to compute: the token is the argmax of its row."""
-    return params.greedy and not params.has_penalties and params.logprobs is None
+    return params.plain_greedy
+
 
 
 class Sampler:
@@ -38,7 +40,7 @@ class Sampler:
 
     def sample_rows(self, reqs, logits: torch.Tensor, raw: torch.Tensor) -> PendingOutput:
         """One token per request from its (controlled) row; logprobs from ``raw``."""
-        if all(is_plain_greedy(r.params) for r in reqs):        # plain greedy: the argmax
+        if all(map(attrgetter("plain_greedy"), reqs)):        # plain greedy: the argmax
             return PendingOutput(logits.argmax(-1), [None] * len(reqs))
         uniforms = [None if r.seed is None else seeded_uniform(r.seed, r.num_tokens) for r in reqs]
         history = None

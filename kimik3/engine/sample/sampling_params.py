@@ -188,6 +188,11 @@ class SamplingParams:
                 or self.min_tokens > 0 or self.structured_outputs is not None)
 
     @property
+    def plain_greedy(self) -> bool:
+        """Greedy with nothing else to compute: the token is the argmax of its row."""
+        return self.greedy and not self.has_penalties and self.logprobs is None
+
+    @property
     def has_penalties(self) -> bool:
         return (self.presence_penalty != 0.0 or self.frequency_penalty != 0.0
                 or self.repetition_penalty != 1.0)
