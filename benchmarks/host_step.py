@@ -10,7 +10,9 @@ scheduling, batch building, sampling's host side, token commits (stop checks, de
 As on one GPU by default: async scheduling, the decode steps on the CUDA-graph path's host work (``HostGraphs``
 stands in for the captured graphs), outputs detokenised (the embedded default model's tokenizer; the null model's
 tokens are its byte tokens). ``--sync``: the synchronous step; ``--eager``: the eager path's host work
-(``ForwardBatch.build``), as ``enforce_eager`` runs; ``--no-tokenizer``: token ids only.
+(``ForwardBatch.build``), as ``enforce_eager`` runs; ``--no-tokenizer``: token ids only; ``--stream``: the engine
+driven as the server drives it (``LLMEngine.step`` with a delta a request a step, each delta's text read) instead
+of ``LLM.generate`` (one output a request, when it finishes).
 
 Prints per batch: host ms per decode step = (generate 1 + STEPS tokens - generate 1 token) / STEPS on fresh
 prompts (the best of two each), the median (min-max) of REPEATS such figures; ``--profile``: the top functions by
@@ -38,7 +40,8 @@ sys.path.insert(0, str(Path(__file__).resolve().parents[1]))
 
 from kimik3.model.batch import ForwardBatch, HybridCache  # noqa: E402
 
-FLAGS = ("--batches=", "--steps=", "--profile", "--prompt=", "--eager", "--sync", "--no-tokenizer", "--repeats=")
+FLAGS = ("--batches=", "--steps=", "--profile", "--prompt=", "--eager", "--sync", "--no-tokenizer", "--repeats=",
+         "--stream")
 
 
 class NullModel:
@@ -111,8 +114,11 @@ def make_llm(batch: int, prompt: int, eager: bool, sync: bool, tokenizer: bool):
     if tokenizer:
         from kimik3.tokenizer import load_tokenizer
         tok = load_tokenizer(Path(__file__).resolve().parents[1] / "kimik3" / "default_model")
-    engine = LLMEngine(model, EngineConfig(max_num_seqs=batch, max_model_len=4096, max_num_batched_tokens=batch * prompt,
-                                           cache_memory_bytes=64 << 20, async_scheduling=not sync), tokenizer=tok)
+    # KDA checkpoints as far apart as the Kimi-Linear slice's default (353 blocks; the K3 slice's: 1,060): the null
+    # model's tiny state would give one a block, and a step that takes one runs eagerly
+    engine = LLMEngine(model, EngineConfig(max_num_seqs=batch, max_model_len=8192, max_num_batched_tokens=batch * prompt,
+                                           cache_memory_bytes=64 << 20, async_scheduling=not sync,
+                                           kda_checkpoint_interval=353), tokenizer=tok)
     if not eager:
         engine.runner.graphs = HostGraphs(model, batch)
     llm = LLM.__new__(LLM)          # LLM.generate's loop over this engine (no checkpoint to load)
@@ -138,16 +144,23 @@ def main() -> None:
     def prompts(n: int) -> list[dict]:
         return [{"prompt_token_ids": [rng.randrange(10, vocab) for _ in range(prompt)]} for _ in range(n)]
 
+    stream = "--stream" in sys.argv
+
     def run(n: int, tokens: int) -> tuple[float, float]:
         ps = prompts(n)
+        params = SamplingParams(max_tokens=tokens, temperature=0.0, ignore_eos=True)
         t0, c0 = time.perf_counter(), time.process_time()
-        outs = llm.generate(ps, SamplingParams(max_tokens=tokens, temperature=0.0, ignore_eos=True), use_tqdm=False)
+        if stream:
+            got = streamed(llm.engine, ps, params)
+        else:
+            got = [len(o.outputs[0].token_ids) for o in llm.generate(ps, params, use_tqdm=False)]
         dt, dc = time.perf_counter() - t0, time.process_time() - c0
-        assert all(len(o.outputs[0].token_ids) == tokens for o in outs)
+        assert got == [tokens] * n, got
         return dt, dc
 
     print(f"host_step.py: {'sync' if sync else 'async'} scheduling, {'eager' if '--eager' in sys.argv else 'graph'} "
-          f"path, {'no tokenizer' if '--no-tokenizer' in sys.argv else 'detokenised'}, prompt {prompt}, {steps} steps, "
+          f"path, {'no tokenizer' if '--no-tokenizer' in sys.argv else 'detokenised'}, "
+          f"{'streamed deltas' if stream else 'LLM.generate'}, prompt {prompt}, {steps} steps, "
           f"{repeats} repeats", flush=True)
     run(max(batches), 8)                                                  # warm-up
     for n in batches:
@@ -164,12 +177,33 @@ def main() -> None:
         profile(llm, max(batches), steps, prompts)
 
 
+_ids = iter(range(1 << 62))
+
+
+def streamed(engine, prompts: list[dict], params) -> list[int]:
+    """The requests through ``LLMEngine.step`` as a server takes them: a delta a step, its text read; the
+    tokens each got."""
+    ids = [f"s{next(_ids)}" for _ in prompts]
+    for rid, p in zip(ids, prompts):
+        engine.add_request(rid, p, params)
+    got = dict.fromkeys(ids, 0)
+    text = 0
+    while engine.has_unfinished_requests():
+        for delta in engine.step():
+            for c in delta.outputs:
+                got[delta.request_id] += len(c.token_ids)
+                text += len(c.text)
+    return list(got.values())
+
+
 def profile(llm, n: int, steps: int, prompts) -> None:
-    """cProfile of the decode steps of one batch of ``n`` requests (their prefill step excluded)."""
+    """cProfile of the decode steps of one batch of ``n`` requests (their prefill step excluded), added as
+    ``LLM.generate`` adds them (``--stream``: as the server does)."""
     from kimik3.engine.sample.sampling_params import SamplingParams
     engine = llm.engine
     for i, p in enumerate(prompts(n)):
-        engine.add_request(f"p{i}", p, SamplingParams(max_tokens=steps + 1, temperature=0.0, ignore_eos=True))
+        engine.add_request(f"p{i}", p, SamplingParams(max_tokens=steps + 1, temperature=0.0, ignore_eos=True),
+                           **({} if "--stream" in sys.argv else {"final_only": True}))
     while engine.scheduler.waiting or any(r.num_output_tokens == 0 for r in engine.scheduler.running):
         engine.step()
     prof = cProfile.Profile()

@@ -452,10 +452,11 @@ class IncrementalDetokenizer:
     def __init__(self, tokenizer: KimiTokenizer, skip_special_tokens: bool = False):
         self.tokenizer = tokenizer
         self.skip_special_tokens = skip_special_tokens
-        self._decoder = codecs.getincrementaldecoder("utf-8")(errors="replace")
+        self._held = b""       # the bytes of a character not complete yet
 
     def feed(self, ids: int | Sequence[int]) -> str:
-        """The text the ids complete (their bytes in one call to the encoding, then the UTF-8 decoder)."""
+        """The text the ids complete (their bytes in one call to the encoding, then UTF-8 decoding that keeps
+        an incomplete last character for the next call, as an incremental decoder does)."""
         if isinstance(ids, int):
             ids = [ids]
         tok = self.tokenizer
@@ -467,11 +468,15 @@ class IncrementalDetokenizer:
                 tok._check_id(i)
         if self.skip_special_tokens and top >= tok.num_base_tokens:      # special ids follow the base tokens
             ids = [i for i in ids if not tok._special_flag.get(i, False)]
-        return self._decoder.decode(tok._encoding.decode_bytes(ids))
+        data = self._held + tok._encoding.decode_bytes(ids)
+        text, used = codecs.utf_8_decode(data, "replace", False)
+        self._held = data[used:]
+        return text
 
     def finish(self) -> str:
         """Flush: an incomplete trailing character becomes U+FFFD."""
-        return self._decoder.decode(b"", final=True)
+        text, self._held = codecs.utf_8_decode(self._held, "replace", True)[0], b""
+        return text
 
 
 def load_tokenizer(path: str | Path) -> KimiTokenizer:

@@ -15,7 +15,7 @@ from torch import nn
 from kimik3.distributed import ParallelContext
 from kimik3.model.batch import ForwardBatch
 from kimik3.model.layers import MergedLinear, MergedWeight, linear, tp_shards
-from kimik3.ops.conv import causal_conv1d, causal_conv1d_in_pool, conv_windows_at
+from kimik3.ops.conv import causal_conv1d_in_pool, conv_windows_at
 from kimik3.ops.kda import LowRank, OutputNorm, dense, kda_attention, kda_attention_in_pool, kda_recurrent_in_pool
 
 logger = logging.getLogger(__name__)
@@ -129,42 +129,64 @@ class KimiDeltaAttention(nn.Module):
         return o
 
     def _attend_with_checkpoints(self, raw, weight, f, b, has_state, batch: ForwardBatch, conv_pool, state_pool):
-        """Split sequences at their checkpoint offsets and run the segments in rounds, each
-        round one varlen call whose initial states are the previous round's final states."""
+        """An eager step with state checkpoints (prefix caching). The conv runs as in a plain step (in the
+        pool: one kernel on CUDA), each checkpoint's window is gathered from the raw inputs. Checkpoints at
+        the end of their chunk are the final states, copied once the plain chunked pass wrote them; the
+        others cut their sequences into segments run in rounds, each round one varlen call whose initial
+        states are the previous round's final states (a round of one sequence reads its rows in place)."""
         T, H, K = raw.shape[0], self.num_heads, self.head_dim
-        slots = batch.state_slots
-        f = dense(f, H)
-        conv0 = conv_pool[slots].masked_fill(~has_state.view(-1, 1, 1), 0)
-        state0 = state_pool[slots].masked_fill(~has_state.view(-1, 1, 1, 1), 0)
-        mixed, conv1 = causal_conv1d(raw, weight, conv0, batch.query_lens_cpu)
-        q, k, v = (t.view(T, H, K) for t in mixed.chunk(3, dim=-1))
-        starts = [0, *itertools.accumulate(batch.query_lens_cpu)]
-        cuts: dict[int, dict[int, list[int]]] = {}
-        for c in batch.checkpoints:
-            cuts.setdefault(c.seq, {}).setdefault(c.num_tokens, []).append(c.slot)
-        # the conv window only depends on raw inputs: written straight away
+        slots, lens, cu = batch.state_slots, batch.query_lens_cpu, batch.cu_seqlens
+        windows = conv_pool[slots].masked_fill(~has_state.view(-1, 1, 1), 0)   # before the conv writes the new
+        q, k, v = (t.view(T, H, K) for t in causal_conv1d_in_pool(raw, weight, conv_pool, slots, has_state, lens,
+                                                                   cu, 3))
         seq, rows, dst = (torch.tensor(v, device=raw.device) for v in zip(*[(c.seq, c.num_tokens, c.slot)
                                                                              for c in batch.checkpoints]))
-        conv_pool[dst] = conv_windows_at(raw, conv0, batch.cu_seqlens, seq, rows)
+        conv_pool[dst] = conv_windows_at(raw, windows, cu, seq, rows)   # the window only depends on raw inputs
+        cuts: dict[int, dict[int, list[int]]] = {}        # seq -> offset inside its chunk -> checkpoint slots
+        at_end = []                                       # (live slot index, checkpoint slot) at a chunk's end
+        for c in batch.checkpoints:
+            if c.num_tokens == lens[c.seq]:
+                at_end.append((c.seq, c.slot))
+            else:
+                cuts.setdefault(c.seq, {}).setdefault(c.num_tokens, []).append(c.slot)
+        if cuts:
+            o = self._segments(q, k, v, dense(f, H), b, has_state, batch, state_pool, cuts)
+        else:
+            o = kda_attention_in_pool(q, k, v, f, b, self.A_log, self.dt_bias, self.lower_bound, state_pool, slots,
+                                      has_state, lens, cu, decode=False)
+        if at_end:
+            n, dst = (torch.tensor(v, device=raw.device) for v in zip(*at_end))
+            state_pool[dst] = state_pool[slots[n]]
+        return o
+
+    def _segments(self, q, k, v, f, b, has_state, batch: ForwardBatch, state_pool, cuts) -> torch.Tensor:
+        """KDA over the step's sequences cut at ``cuts`` (seq -> offset -> checkpoint slots), in rounds: round
+        r runs every sequence's r-th segment from the state the previous round left, and writes the states at
+        the cuts it ends on. Returns o [T, H, V]; the final states go to the live slots."""
+        slots, lens = batch.state_slots, batch.query_lens_cpu
+        starts = [0, *itertools.accumulate(lens)]
+        state = state_pool[slots].masked_fill(~has_state.view(-1, 1, 1, 1), 0)
         bounds = []
-        for n, ql in enumerate(batch.query_lens_cpu):
-            edges = sorted({0, ql, *(o for o in cuts.get(n, {}) if 0 < o <= ql)})
+        for n, ql in enumerate(lens):
+            edges = sorted({0, ql, *(off for off in cuts.get(n, {}) if 0 < off < ql)})
             bounds.append(list(zip(edges[:-1], edges[1:])))
-        state = state0.clone()
-        o = q.new_empty(q.shape[0], self.num_heads, self.head_dim, dtype=torch.promote_types(q.dtype, torch.float32))
+        o = None
         for r in range(max(len(s) for s in bounds)):
             seqs = [n for n in range(len(bounds)) if r < len(bounds[n])]
-            rows = torch.cat([torch.arange(starts[n] + bounds[n][r][0], starts[n] + bounds[n][r][1], device=raw.device)
-                              for n in seqs])
-            lens = [bounds[n][r][1] - bounds[n][r][0] for n in seqs]
+            spans = [(starts[n] + bounds[n][r][0], starts[n] + bounds[n][r][1]) for n in seqs]
+            if len(seqs) == 1:                # one sequence: its rows in place
+                rows = slice(*spans[0])
+            else:
+                rows = torch.cat([torch.arange(a, z, device=q.device) for a, z in spans])
             out, fin = kda_attention(q[rows], k[rows], v[rows], f[rows], b[rows], self.A_log, self.dt_bias,
-                                     self.lower_bound, state[seqs], lens)
-            o[rows] = out.to(o.dtype)
+                                     self.lower_bound, state[seqs], [z - a for a, z in spans])
+            if o is None:                     # the op's output dtype (q's on CUDA, fp32 or wider on the CPU)
+                o = out.new_empty(q.shape[0], *out.shape[1:])
+            o[rows] = out
             state[seqs] = fin
             for j, n in enumerate(seqs):
                 for slot in cuts.get(n, {}).get(bounds[n][r][1], []):
                     state_pool[slot] = fin[j]
-        conv_pool[slots] = conv1
         state_pool[slots] = state
         return o
 

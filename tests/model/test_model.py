@@ -145,6 +145,31 @@ def test_checkpoints_in_a_short_step_with_history_restore_each_prefix(tiny_ckpt,
 
 
 @pytest.mark.parametrize("arch", ARCHS)
+def test_checkpoints_in_a_varlen_prefill_step_restore_each_prefix(tiny_ckpt, arch):
+    """An eager step of three sequences (fresh with checkpoints mid-chunk, two at one row and one at its last
+    row; one with history and a checkpoint; fresh without any): each output row equals the whole-sequence
+    forward, and each snapshot, copied into a spare sequence's slot with its prefix's latents, continues
+    exactly like the whole sequence (the rounds, the in-place single-sequence round and the end-of-chunk copy)."""
+    model = load_model(tiny_ckpt[arch], dtype=torch.float64)
+    g = torch.Generator().manual_seed(8)
+    seqs = [torch.randint(0, 256, (n,), generator=g).tolist() for n in (12, 15, 6)]
+    full = [model(torch.tensor(s)) for s in seqs]
+    st = Stepper(model, 4, 15, block_size=3)
+    st.step({1: seqs[1][:5]})                                       # history for sequence 1
+    cks = (StateCheckpoint(0, 3, 5), StateCheckpoint(0, 7, 6), StateCheckpoint(0, 7, 7), StateCheckpoint(0, 10, 8),
+           StateCheckpoint(1, 4, 9), StateCheckpoint(1, 8, 10))     # seq 0: 10 new tokens; seq 1: 8
+    out = st.step({0: seqs[0][:10], 1: seqs[1][5:13], 2: seqs[2]}, checkpoints=cks)
+    assert rel_err(out[0], full[0][:10]) <= 1e-10 and rel_err(out[1], full[1][5:13]) <= 1e-10
+    assert rel_err(out[2], full[2]) <= 1e-10
+    for c in cks:
+        done = c.num_tokens + (5 if c.seq == 1 else 0)
+        st.tables[3] = list(st.tables[c.seq])          # the latents of rows past ``done`` are rewritten below
+        st.cache.copy_state(c.slot, 4)
+        st.done[3] = done
+        assert rel_err(st.step({3: seqs[c.seq][done:]})[3], full[c.seq][done:]) <= 1e-10, c
+
+
+@pytest.mark.parametrize("arch", ARCHS)
 def test_bfloat16_token_mixers_are_within_the_bf16_band(tiny_ckpt, arch):
     """Each token mixer and the dense MLP in bf16 stay within ~1% of float32 on the same input
     (whole-model errors of a random tiny model are amplified by expert-choice flips)."""

@@ -178,6 +178,26 @@ def test_streaming_arbitrary_ids_equals_decode(tok, ids):
     assert out == tok.decode(ids)
 
 
+@settings(max_examples=300, deadline=None)
+@given(st.lists(st.integers(0, BASE + 255), max_size=40), st.lists(st.integers(0, 5), max_size=12), st.booleans())
+def test_streaming_arbitrary_ids_in_chunks_equals_decode(tok, ids, chunks, skip):
+    # ids fed a list at a time (the engine decodes a delta's tokens in one call), special ids skipped or not
+    det = IncrementalDetokenizer(tok, skip_special_tokens=skip)
+    k, out = 0, []
+    for n in chunks:
+        out.append(det.feed(ids[k:k + n]))
+        k += n
+    out += [det.feed(ids[k:]), det.finish()]
+    assert "".join(out) == tok.decode(ids, skip_special_tokens=skip)
+
+
+def test_streaming_rejects_bad_ids(tok):
+    det = tok.detokenizer()
+    for bad, err in (([1, BASE + 256], ValueError), ([1, -1], ValueError), ([True], TypeError), ([1.0], TypeError)):
+        with pytest.raises(err):
+            det.feed(bad)
+
+
 def test_streaming_skip_special(tok):
     ids = tok.encode("[BOS]<|open|>a", allow_special=True)
     det = tok.detokenizer(skip_special_tokens=True)

@@ -104,19 +104,14 @@ class AsyncPipeline:
                 row = {id(c.req): i for i, c in enumerate(prev.chunks)}
                 inputs = inputs[on_device([row[id(c.req)] for c in ahead.chunks], torch.int64, engine.device)]
             logits = self._try(ahead, lambda: engine.runner.launch(ahead, inputs))
-        engine.commit(prev, pending.result(), touched, updated=True)
+        finished = engine.commit(prev, pending.result(), touched, updated=True)
         if logits is None:
             return
-        keep = [i for i, c in enumerate(ahead.chunks) if not c.req.is_finished]   # prev's token ended the others
-        if not keep:
-            engine.kv.return_spec_slots(slot for c in ahead.chunks for slot in c.spec_slots)
-            return
-        if len(keep) < len(ahead.chunks):
-            spans = row_spans(ahead.chunks)
-            engine.kv.return_spec_slots(slot for c in ahead.chunks if c.req.is_finished for slot in c.spec_slots)
-            ahead.chunks = [ahead.chunks[i] for i in keep]
-            logits = logits[on_device([r for i in keep for r in range(*spans[i])], torch.int64, engine.device)]
-        if any(c.draft for c in ahead.chunks):          # drafted ahead (``Scheduler._draft_ahead``)
+        if finished:        # prev's token ended some: ahead's chunks of them go
+            logits = self._drop_finished(ahead, logits)
+            if logits is None:
+                return
+        if not ahead.plain_decode and any(c.draft for c in ahead.chunks):   # drafted ahead (``Scheduler._draft_ahead``)
             after = engine.scheduler.schedule_past_rejection(ahead)
             if after is not None:
                 self._verify_past_rejection(ahead, after, touched, logits)
@@ -129,6 +124,21 @@ class AsyncPipeline:
         if result is not None:
             self.in_flight = (ahead, result)
             engine.scheduler.update(ahead)
+
+    def _drop_finished(self, ahead: SchedulerOutput, logits: torch.Tensor) -> torch.Tensor | None:
+        """Take the finished requests' chunks out of ``ahead`` (their snapshot slots back to the pool); the
+        logits rows of the others, or None when none is left."""
+        engine = self.engine
+        keep = [i for i, c in enumerate(ahead.chunks) if not c.req.is_finished]
+        if not keep:
+            engine.kv.return_spec_slots(slot for c in ahead.chunks for slot in c.spec_slots)
+            return None
+        if len(keep) < len(ahead.chunks):
+            spans = row_spans(ahead.chunks)
+            engine.kv.return_spec_slots(slot for c in ahead.chunks if c.req.is_finished for slot in c.spec_slots)
+            ahead.chunks = [ahead.chunks[i] for i in keep]
+            logits = logits[on_device([r for i in keep for r in range(*spans[i])], torch.int64, engine.device)]
+        return logits
 
     def _try(self, out, run):
         """``engine.guarded(out, run)``, its StepError kept for the next ``step`` call (None returned)."""

@@ -219,9 +219,11 @@ class LLMEngine:
                 raise StepError(list(dict.fromkeys(c.req.group_id for c in out.chunks)), e) from e
             raise
 
-    def commit(self, out, result, touched: dict[str, RequestGroup], updated: bool = False) -> None:
-        """Settle a step's drafts, advance the requests (unless ``updated`` already) and append its tokens."""
-        sampling = [c for c in out.chunks if c.samples]
+    def commit(self, out, result, touched: dict[str, RequestGroup], updated: bool = False) -> int:
+        """Settle a step's drafts, advance the requests (unless ``updated`` already) and append its tokens;
+        returns how many requests its tokens finished."""
+        sampling = out.chunks if out.plain_decode else [c for c in out.chunks if c.samples]
+        finished = 0
         if result.accepted is not None:
             for c, drafts in zip(sampling, result.accepted):
                 if c.draft:
@@ -233,16 +235,20 @@ class LLMEngine:
         if result.accepted is None:         # one token a chunk (no drafts verified)
             for c, token, lp in zip(sampling, result.token_ids, result.logprobs):
                 if c.req.status is not RequestStatus.FINISHED:      # else aborted while its step was in flight
-                    self._append(c.req, token, lp, now, touched)
+                    finished += not self._append(c.req, token, lp, now, touched)
         else:
             draft_lps = result.accepted_logprobs or [[None] * len(d) for d in result.accepted]
             for c, token, lp, drafts, lps in zip(sampling, result.token_ids, result.logprobs, result.accepted,
                                                  draft_lps):
                 for t, t_lp in zip((*drafts, token), (*lps, lp)):
-                    if c.req.status is RequestStatus.FINISHED or not self._append(c.req, t, t_lp, now, touched):
+                    if c.req.status is RequestStatus.FINISHED:
+                        break
+                    if not self._append(c.req, t, t_lp, now, touched):
+                        finished += 1
                         break
         if self.scheduler.drafter is not None:
             self.scheduler.drafter.observe(out, out.draft_states)
+        return finished
 
     def _count_drafts(self, n: int, accepted: int) -> None:
         """A verify chunk of ``n`` drafts accepted its first ``accepted`` (the stats' speculative counters)."""

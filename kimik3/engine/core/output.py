@@ -7,7 +7,9 @@ import time
 from dataclasses import dataclass, field
 
 from kimik3.engine.core.block_hash import extend_block_hashes
-from kimik3.engine.core.request import Request
+from kimik3.engine.core.request import Request, RequestStatus
+
+FINISHED = RequestStatus.FINISHED
 
 
 class Logprob(float):
@@ -153,19 +155,21 @@ def deltas(groups: list[RequestGroup]) -> list[RequestOutput]:
     """One delta per group with new tokens or a final state; marks what it sends."""
     outs = []
     for g in groups:
-        if g.final_only and not all(r.is_finished for r in g.children):
+        if g.final_only and not all(r.status is FINISHED for r in g.children):
             continue
         completions = []
         for i, req in enumerate(g.children):
-            out, done = req.out, req.is_finished
-            if i in g.sent_final or (req.num_output_tokens == out.num_sent_tokens and not done):
+            if i in g.sent_final:
+                continue
+            out, done = req.out, req.status is FINISHED
+            prompt_len, sent = len(req.prompt_token_ids), out.num_sent_tokens
+            n_out = len(req.token_ids) - prompt_len
+            if n_out == sent and not done:
                 continue
             completions.append(CompletionOutput(
-                index=i, text=out.detok.take(done) if out.detok is not None else "",
-                token_ids=req.token_ids[req.num_prompt_tokens + out.num_sent_tokens:],
-                logprobs=out.logprobs[out.num_sent_tokens:] if req.params.logprobs is not None else None,
-                finish_reason=req.finish_reason, stop_reason=out.stop_reason))
-            out.num_sent_tokens = req.num_output_tokens
+                i, out.detok.take(done) if out.detok is not None else "", req.token_ids[prompt_len + sent:],
+                out.logprobs[sent:] if req.params.logprobs is not None else None, req.finish_reason, out.stop_reason))
+            out.num_sent_tokens = n_out
             if done:
                 g.sent_final.add(i)
         finished = len(g.sent_final) == len(g.children)
