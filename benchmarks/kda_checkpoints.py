@@ -17,9 +17,10 @@ token and the output scattered back, ~10% of the kernel's own bytes), and the st
 the checkpoint's slot (H V K fp32). The kernel's work is the same (its chunks, the same tokens); a round costs
 its launches, and a segment that ends mid-64-token chunk one partial chunk. A checkpoint at a chunk's last row
 is the final state, copied after the plain pass. (Until this change the checkpoint step ran the torch
-reference conv: on CUDA [T, 3P, W] windows in fp32, ~1.6 GB a layer at Kimi-Linear's width and 8k tokens.)
+reference conv: on CUDA [T, 3P, W] windows in fp32, ~1.6 GB a layer at Kimi-Linear's width and 8k tokens;
+``--legacy`` times that step instead.)
 
-    python benchmarks/kda_checkpoints.py [--tokens=2048] [--heads=8] [--every=1024] [--seqs=1] [--repeats=5]
+    python benchmarks/kda_checkpoints.py [--tokens=2048] [--heads=8] [--every=1024] [--seqs=1] [--repeats=5] [--legacy]
         [--config=benchmarks/gpu/kimi-linear-slice4.config.json] [--device=cpu|cuda] [--dtype=float32|bfloat16]
     python benchmarks/kda_checkpoints.py --engine [--tokens=4096] [--every=1024]
     PYTHONPATH=. python benchmarks/kda_checkpoints.py --device=cuda --dtype=bfloat16 --heads=32 --tokens=8192 \\
@@ -42,7 +43,8 @@ sys.path.insert(0, str(ROOT))
 
 from benchmarks.common import commit_id  # noqa: E402
 
-FLAGS = ("--tokens=", "--heads=", "--every=", "--seqs=", "--repeats=", "--config=", "--device=", "--dtype=", "--engine")
+FLAGS = ("--tokens=", "--heads=", "--every=", "--seqs=", "--repeats=", "--config=", "--device=", "--dtype=", "--engine",
+         "--legacy")
 BLOCK = 16
 
 
@@ -53,6 +55,50 @@ def arg(name: str, default: str) -> str:
 def sync(device: torch.device) -> None:
     if device.type == "cuda":
         torch.cuda.synchronize()
+
+
+def legacy_attend_with_checkpoints(self, raw, weight, f, b, has_state, batch, conv_pool, state_pool):
+    """The checkpoint step before ``b843e82`` (reference conv, every sequence's segments gathered, fp32 output),
+    kept here to time the change in the same run (``--legacy``)."""
+    import itertools
+
+    from kimik3.ops.conv import causal_conv1d, conv_windows_at
+    from kimik3.ops.kda import dense, kda_attention
+    T, H, K = raw.shape[0], self.num_heads, self.head_dim
+    slots = batch.state_slots
+    f = dense(f, H)
+    conv0 = conv_pool[slots].masked_fill(~has_state.view(-1, 1, 1), 0)
+    state0 = state_pool[slots].masked_fill(~has_state.view(-1, 1, 1, 1), 0)
+    mixed, conv1 = causal_conv1d(raw, weight, conv0, batch.query_lens_cpu)
+    q, k, v = (t.view(T, H, K) for t in mixed.chunk(3, dim=-1))
+    starts = [0, *itertools.accumulate(batch.query_lens_cpu)]
+    cuts: dict[int, dict[int, list[int]]] = {}
+    for c in batch.checkpoints:
+        cuts.setdefault(c.seq, {}).setdefault(c.num_tokens, []).append(c.slot)
+    seq, rows, dst = (torch.tensor(v, device=raw.device) for v in zip(*[(c.seq, c.num_tokens, c.slot)
+                                                                         for c in batch.checkpoints]))
+    conv_pool[dst] = conv_windows_at(raw, conv0, batch.cu_seqlens, seq, rows)
+    bounds = []
+    for n, ql in enumerate(batch.query_lens_cpu):
+        edges = sorted({0, ql, *(o for o in cuts.get(n, {}) if 0 < o <= ql)})
+        bounds.append(list(zip(edges[:-1], edges[1:])))
+    state = state0.clone()
+    o = q.new_empty(q.shape[0], H, K, dtype=torch.promote_types(q.dtype, torch.float32))
+    for r in range(max(len(s) for s in bounds)):
+        seqs = [n for n in range(len(bounds)) if r < len(bounds[n])]
+        rows = torch.cat([torch.arange(starts[n] + bounds[n][r][0], starts[n] + bounds[n][r][1], device=raw.device)
+                          for n in seqs])
+        lens = [bounds[n][r][1] - bounds[n][r][0] for n in seqs]
+        out, fin = kda_attention(q[rows], k[rows], v[rows], f[rows], b[rows], self.A_log, self.dt_bias,
+                                 self.lower_bound, state[seqs], lens)
+        o[rows] = out.to(o.dtype)
+        state[seqs] = fin
+        for j, n in enumerate(seqs):
+            for slot in cuts.get(n, {}).get(bounds[n][r][1], []):
+                state_pool[slot] = fin[j]
+    conv_pool[slots] = conv1
+    state_pool[slots] = state
+    return o
 
 
 def layer_times(device: torch.device, dtype: torch.dtype, tokens: int, every: int, seqs: int,
@@ -73,6 +119,9 @@ def layer_times(device: torch.device, dtype: torch.dtype, tokens: int, every: in
             p.copy_(torch.randn(p.shape, generator=g) * p.shape[-1] ** -0.5)
         layer.A_log.uniform_(0, 1.5, generator=g)
     layer = layer.to(device)
+    if "--legacy" in sys.argv:
+        import types
+        layer._attend_with_checkpoints = types.MethodType(legacy_attend_with_checkpoints, layer)
     for name, p in layer.named_parameters():        # fp32 A_log, dt_bias, conv, o_norm (as the model keeps them)
         if not any(s in name for s in ("A_log", "dt_bias", "conv1d", "o_norm")):
             p.data = p.data.to(dtype)
@@ -147,7 +196,7 @@ def main() -> None:
         tokens, every, seqs = int(arg("tokens", "2048")), int(arg("every", "1024")), int(arg("seqs", "1"))
         plain, ckpt, n, heads = layer_times(device, dtype, tokens, every, seqs, repeats)
         what = (f"KDA layer step, {seqs} x {tokens} tokens, {heads} heads, {dtype}, "
-                f"without / with {n} checkpoints")
+                f"without / with {n} checkpoints{' (the checkpoint step before b843e82)' if '--legacy' in sys.argv else ''}")
     name = torch.cuda.get_device_name() if device.type == "cuda" else "CPU"
     print(f"{what}: {plain * 1e3:.1f} / {ckpt * 1e3:.1f} ms, ratio {ckpt / plain:.3f} "
           f"({name}, {commit_id()}, {datetime.date.today().isoformat()}, medians of {repeats})", flush=True)

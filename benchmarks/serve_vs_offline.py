@@ -11,10 +11,14 @@ tok/s and time to first token (p50 / p99) per pass, and each pass's ratio to off
 
     python benchmarks/serve_vs_offline.py                              # the embedded tiny model, CPU
     python benchmarks/serve_vs_offline.py --slice --device cuda        # the K3-width GPU slice, graphs
+    python benchmarks/serve_vs_offline.py --null --async-scheduling    # a model that costs nothing: host work only
 
 ``--slice`` builds the K3-width 4-layer slice of ``benchmarks/gpu/bench_slice.py`` with the synthetic
 163,840-token tokenizer of ``structured.py``. The engine is warmed up first as ``build_engine`` does on
-a GPU (``--no-warmup``: not). ``--switch-interval S``: the interpreter's thread switch interval
+a GPU (``--no-warmup``: not). ``--null``: ``host_step.py``'s model whose forward costs nothing (its decode steps
+on the CUDA-graph path's host work), with the embedded model's tokenizer: the figures are then the server's and
+the engine's host work alone (the CPU time a step of each thread is the measure; on a 2-core box the client
+competes for the cores, so the output rates understate both). ``--switch-interval S``: the interpreter's thread switch interval
 (``sys.setswitchinterval``; Python's default is 5 ms) for the whole run: how long the event loop's thread may hold
 the GIL while the engine thread waits to launch the next step.
 """
@@ -164,6 +168,7 @@ def offline(engine, prompts: list[list[int]], max_tokens: int) -> float:
 def main() -> None:
     ap = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
     ap.add_argument("--slice", action="store_true", help="the K3-width GPU slice (else the embedded tiny model)")
+    ap.add_argument("--null", action="store_true", help="host_step.py's null model (host work alone)")
     ap.add_argument("--device", default="cpu")
     ap.add_argument("--requests", type=int, default=128)
     ap.add_argument("--prompt", type=int, default=256)
@@ -199,7 +204,10 @@ def main() -> None:
     from kimik3.engine import EngineConfig, LLMEngine
     from kimik3.engine.warmup import warm_up
     from kimik3.serve.app import ServeOptions, create_app
-    if args.slice:
+    if args.null:
+        from benchmarks.host_step import HostGraphs, NullModel
+        model, tok, name = NullModel(), kimik3.load_tokenizer(kimik3.DEFAULT_MODEL), "null (host work only)"
+    elif args.slice:
         from benchmarks.gpu.bench_slice import CONFIG, build_slice
         from benchmarks.structured import synthetic_tokenizer
         model, tok, name = build_slice(json.loads(CONFIG.read_text())), synthetic_tokenizer(), "K3-width 4-layer slice"
@@ -207,13 +215,17 @@ def main() -> None:
         dtype = torch.bfloat16 if args.device.startswith("cuda") else torch.float32
         model = kimik3.load_model(kimik3.DEFAULT_MODEL, device=args.device, dtype=dtype)
         tok, name = kimik3.load_tokenizer(kimik3.DEFAULT_MODEL), "embedded tiny K3"
+    extra = {"cache_memory_bytes": 64 << 20, "kda_checkpoint_interval": 353} if args.null else {}
     engine = LLMEngine(model, EngineConfig(max_num_seqs=args.concurrency, max_model_len=args.prompt + args.output + 16,
-                                           async_scheduling=args.async_scheduling), tokenizer=tok)
-    warm = warm_up(engine) if args.warmup else 0.0
+                                           async_scheduling=args.async_scheduling, **extra), tokenizer=tok)
+    if args.null:
+        engine.runner.graphs = HostGraphs(model, args.concurrency)
+        torch.set_num_threads(1)
+    warm = warm_up(engine) if args.warmup and not args.null else 0.0
     rng = random.Random(0)
     vocab = model.config.text.vocab_size
     pad = model.config.media_placeholder_token_id
-    ids = [t for t in range(vocab) if t != pad]
+    ids = [t for t in range(10 if args.null else 0, vocab) if t != pad]
     prompts = [rng.choices(ids, k=args.prompt) for _ in range(args.requests)]
 
     app = create_app(engine, ServeOptions(served_model_name="bench", max_queue_len=4 * args.requests))

@@ -5,7 +5,9 @@ A slice (``kimi-k3-slice4.config.json`` or ``--config=``) is built with random w
 timed at batch 1 / 32 / 128 over ``CONTEXT``-token histories (bench_slice's floor: bytes over the measured
 copy rate), then written in the release layout (MXFP4 experts as ``weight_packed`` + ``weight_scale``) and
 loaded with ``LLM(model=dir, tokenizer=<synthetic 163,840-token tokenizer>)``, every engine argument at its
-default. Through ``LLM``:
+default but ``max_num_seqs``, set to the largest batch (``--max-num-seqs=N`` to choose; the default, 64, runs a
+batch of 128 prompts as two waves of 64, so its "batch-128 step" is two batch-64 steps: the first
+measurement through ``LLM``, at ``a0e7607``, took that for 1.80x of the batch-128 floor). Through ``LLM``:
 
 - decode step = (generate with 1 + STEPS tokens - generate with 1 token) / STEPS, on fresh random
   ``CONTEXT``-token prompts (no prefix hits), greedy, ``ignore_eos``;
@@ -13,8 +15,11 @@ default. Through ``LLM``:
 - prefill of ``PREFILL`` tokens (``max_tokens=1``), prefix caching on (the default) and off (a second ``LLM``).
 
     PYTHONPATH=. python benchmarks/gpu/bench_user_path.py [--config=PATH] [--batches=1,32,128]
-        [--no-prefill-ab] [--no-profile] [--prefill-profile]    (writes $OUT/bench_user_path[_NAME].json)
+        [--no-prefill-ab] [--no-profile] [--prefill-profile] [--prefill-only] [--max-num-seqs=N]
+                                                                (writes $OUT/bench_user_path[_NAME].json)
 ``--prefill-profile``: the prefill's kernels (torch.profiler, by device time) with and without prefix caching.
+``--prefill-only``: the prefill A/B alone (no decode graphs, no decode through ``LLM``). The A/B reports
+``prefix_caching_over_plain`` (the target: at most 1.05) and the KDA checkpoints one such prefill takes.
     PYTHONPATH=. python benchmarks/gpu/bench_user_path.py --cpu-smoke    # tiny model on the CPU: the flow only
 """
 
@@ -167,7 +172,8 @@ def free(llm) -> None:
         torch.cuda.empty_cache()
 
 
-FLAGS = ("--config=", "--batches=", "--no-prefill-ab", "--no-profile", "--prefill-profile", "--cpu-smoke")
+FLAGS = ("--config=", "--batches=", "--no-prefill-ab", "--no-profile", "--prefill-profile", "--cpu-smoke",
+         "--prefill-only", "--max-num-seqs=")
 
 
 def main():
@@ -197,7 +203,8 @@ def main():
         bw, mm = copy_rate(), matmul_rate()
         results["ceilings"] = {"copy_bytes_per_s": bw, "bf16_matmul_flops": mm}
         model = build_slice(cfg, str(cfg_path))
-        results["graph"] = graph_figures(model, batches, bw, mm)
+        if "--prefill-only" not in sys.argv:
+            results["graph"] = graph_figures(model, batches, bw, mm)
         path = write_release(model, cfg, tmp / "model")
         vocab = model.config.text.vocab_size
         del model
@@ -206,10 +213,15 @@ def main():
         tok = synthetic_tokenizer()
     name = "bench_user_path" + ("" if smoke or cfg_path == CONFIG else f"_{cfg_path.stem.split('.')[0]}")
     t0 = time.time()
-    llm = LLM(model=str(path), tokenizer=tok)
+    max_seqs = int(arg("max-num-seqs", str(max(batches))))
+    results["max_num_seqs"] = max_seqs
+    llm = LLM(model=str(path), tokenizer=tok, max_num_seqs=max_seqs)
     results["llm_ready_s"] = time.time() - t0
     results["engine_config"] = {k: str(v) for k, v in vars(llm.engine.config).items()} if hasattr(llm.engine, "config") else {}
-    results["user"] = user_decode(llm, vocab, batches, steps, context, rng)
+    plan = llm.engine.plan
+    results["kda_checkpoints_per_prefill"] = (prefill // (plan.checkpoint_interval * plan.block_size)
+                                              if plan.checkpoint_interval else 0)
+    results["user"] = {} if "--prefill-only" in sys.argv else user_decode(llm, vocab, batches, steps, context, rng)
     for N, row in results["user"].items():
         g = results.get("graph", {}).get(N)
         if g:
@@ -218,7 +230,7 @@ def main():
             log(f"b{N}: user {row['step_ms']:.3f} ms = {row['user_over_floor']:.2f}x floor; graph "
                 f"{g['graph_ms']:.3f} ms = {g['graph_over_floor']:.2f}x; outside the graph {row['user_minus_graph_ms']:.3f} ms")
     save_results(name + ".json", results)
-    if "--no-profile" not in sys.argv:
+    if "--no-profile" not in sys.argv and "--prefill-only" not in sys.argv:
         results["host_profile"] = host_profile(llm, vocab, max(batches), steps, context, rng)
         log(results["host_profile"][:6000])
         save_results(name + ".json", results)
@@ -227,10 +239,12 @@ def main():
     free(llm)
     save_results(name + ".json", results)
     if "--no-prefill-ab" not in sys.argv:
-        llm = LLM(model=str(path), tokenizer=tok, enable_prefix_caching=False)
+        llm = LLM(model=str(path), tokenizer=tok, enable_prefix_caching=False, max_num_seqs=max_seqs)
         results["prefill_no_prefix_caching_s"] = prefill_time(llm, vocab, prefill, rng, "no_prefix_caching", results)
+        ratio = results["prefill_prefix_caching_s"] / results["prefill_no_prefix_caching_s"]
+        results["prefix_caching_over_plain"] = ratio
         log(f"prefill {prefill} without prefix caching: {results['prefill_no_prefix_caching_s'] * 1e3:.1f} ms "
-            f"(with / without: {results['prefill_prefix_caching_s'] / results['prefill_no_prefix_caching_s']:.3f})")
+            f"(with / without: {ratio:.3f}; {results['kda_checkpoints_per_prefill']} KDA checkpoints a prefill)")
         free(llm)
     save_results(name + ".json", results)
 
