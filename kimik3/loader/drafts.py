@@ -15,18 +15,22 @@ missing or unexpected tensor) is a ``DraftError`` naming the mismatch. Tensors t
 from __future__ import annotations
 
 import json
+import logging
 import re
 from pathlib import Path
 
 import torch
 from torch import nn
 
+from kimik3.distributed import ParallelContext
 from kimik3.loader.safetensors_files import CheckpointError, checkpoint_files, iter_slices
 from kimik3.model.dflash import DFlashConfig, DFlashDraft
 from kimik3.model.eagle3 import Eagle3Config, Eagle3Draft
 from kimik3.model.layers import MergedWeight
 from kimik3.model.mtp import MTPDraft
 from kimik3.ops import mxfp4
+
+logger = logging.getLogger(__name__)
 
 DEFAULT_DRAFT = Path(__file__).resolve().parent.parent / "default_model" / "eagle3"
 
@@ -164,6 +168,24 @@ def _expected(root: nn.Module) -> set[str]:
     return names
 
 
+def _tp_slice(root: nn.Module, name: str, tensor: torch.Tensor) -> torch.Tensor:
+    """This rank's share of checkpoint tensor ``name`` under tensor parallelism: the slice its owning module
+    names in ``tp_slices`` (dim, start, length), else the whole tensor (replicated)."""
+    parts = name.split(".")
+    for i in range(len(parts) - 1, -1, -1):
+        try:
+            module = root.get_submodule(".".join(parts[:i]))
+        except AttributeError:
+            continue
+        rule = getattr(module, "tp_slices", {}).get(".".join(parts[i:]))
+        if rule is not None:
+            dim, start, length = rule
+            if tensor.dim() <= dim or tensor.shape[dim] < start + length:
+                return tensor             # the shape check names the mismatch
+            return tensor.narrow(dim, start, length)
+    return tensor
+
+
 def _copy(param: torch.Tensor, tensor: torch.Tensor, name: str, where: str) -> None:
     if tuple(tensor.shape) != tuple(param.shape):
         raise DraftError(f"{where}: tensor '{name}' has shape {tuple(tensor.shape)}, the draft expects "
@@ -179,7 +201,7 @@ def _load_tensors(root: nn.Module, tensors: dict[str, torch.Tensor], where: str,
         param = _param(root, name)
         if param is None:
             raise DraftError(f"{where}: unexpected tensor '{name}': the draft has no such parameter")
-        _copy(param, t, name, where)
+        _copy(param, _tp_slice(root, name, t), name, where)
     for name, t in shared.items():
         if name not in tensors:
             _copy(_param(root, name), t, name, where + " (shared from the target)")
@@ -210,6 +232,24 @@ def _check_vocab_map(model, where: str) -> None:
         raise DraftError(f"{where}: d2t maps draft ids outside the target vocabulary [0, {model.cfg.vocab_size})")
 
 
+def _parallel(target) -> ParallelContext | None:
+    """The target's tensor-parallel context (the draft is split over the same ranks), or None."""
+    par = getattr(target, "parallel", None)
+    if par is not None and par.enabled and getattr(target, "pipeline", None) is not None and target.pipeline.enabled:
+        raise DraftError("draft models are not supported with pipeline parallelism (the draft reads states of "
+                         "layers on other stages)")
+    return par if par is not None and par.enabled else None
+
+
+def _share_embedding(model: nn.Module, target, tensors: dict) -> dict[str, torch.Tensor]:
+    """A draft without its own embedding reads the target's: the target's module itself (vocabulary-parallel
+    under tensor parallelism, where this rank holds a share of the rows). The loader's ``shared`` entry for it."""
+    if "embed_tokens.weight" in tensors:
+        return {}
+    model.embed_tokens = target.model.embed_tokens
+    return {"embed_tokens.weight": target.model.embed_tokens.weight.data}
+
+
 def load_eagle3(path: str | Path, target, device=None, dtype: torch.dtype | None = None) -> Eagle3Draft:
     path = Path(path)
     where = f"Eagle3 draft {path}"
@@ -219,13 +259,13 @@ def load_eagle3(path: str | Path, target, device=None, dtype: torch.dtype | None
         raise DraftError(f"{where}: speculators_model_type is {kind!r}, not 'eagle3' (use method {kind!r})")
     cfg = eagle3_config(data, target, where)
     with torch.device("meta"):
-        model = Eagle3Draft(cfg)
+        model = Eagle3Draft(cfg, _parallel(target))
     model.to_empty(device=device or target.device)
     tensors = _read_all(path, _eagle3_name)
-    shared = {"embed_tokens.weight": target.model.embed_tokens.weight.data}
     if cfg.hidden_size != target.config.text.hidden_size and "embed_tokens.weight" not in tensors:
         raise DraftError(f"{where}: no embed_tokens and the draft width {cfg.hidden_size} differs from the "
                          f"target's {target.config.text.hidden_size}: the embedding cannot be shared")
+    shared = _share_embedding(model, target, tensors)
     if cfg.draft_vocab_size == cfg.vocab_size:      # full vocabulary: identity maps unless stored
         model.d2t.zero_()
         model.t2d.fill_(True)
@@ -247,11 +287,11 @@ def load_dflash(path: str | Path, target, device=None, dtype: torch.dtype | None
                          "are not supported; only the DFlash-shaped block drafter (markov_rank 0, no confidence head)")
     cfg = dflash_config(data, target, where)
     with torch.device("meta"):
-        model = DFlashDraft(cfg)
+        model = DFlashDraft(cfg, _parallel(target))
     model.to_empty(device=device or target.device)
     tensors = _read_all(path, lambda n: n[len("model."):] if n.startswith("model.") else n)
     tensors.pop("t2d", None)                 # the target-side mask is not needed to draft
-    shared = {"embed_tokens.weight": target.model.embed_tokens.weight.data}
+    shared = _share_embedding(model, target, tensors)
     if cfg.draft_vocab_size == cfg.vocab_size:
         shared |= {"lm_head.weight": target.lm_head.weight.data, "d2t": torch.zeros_like(model.d2t)}
     _load_tensors(model, tensors, where, shared)
@@ -273,6 +313,9 @@ def load_mtp(path: str | Path, target, device=None, dtype: torch.dtype | None = 
     if n < 1:
         raise DraftError(f"{where}: num_nextn_predict_layers is {n}: the checkpoint has no MTP layers "
                          "(the K3 release ships none; use an Eagle3 or DFlash draft)")
+    if _parallel(target) is not None:
+        raise DraftError(f"{where}: MTP drafts under tensor parallelism are not supported yet (their MLA and MoE "
+                         "blocks would need the target's sharding); use an Eagle3 or DFlash draft, or one GPU")
     text = target.config.text
     with torch.device("meta"):
         model = MTPDraft(text, n)
@@ -317,4 +360,25 @@ def load_mtp(path: str | Path, target, device=None, dtype: torch.dtype | None = 
     return model.eval()
 
 
-LOADERS = {"eagle3": load_eagle3, "mtp": load_mtp, "dflash": load_dflash}
+LOADERS = {"eagle3": load_eagle3, "mtp": load_mtp, "dflash": load_dflash, "dspark": load_dflash}
+METHODS = ("eagle3", "mtp", "dflash", "dspark")
+
+
+def resolve_draft_path(method: str, path: str | Path) -> Path:
+    """``path``, or for "default" the Eagle3 draft shipped with the embedded default model."""
+    if method not in METHODS:
+        raise ValueError(f"speculative method {method!r} is not one of {METHODS + ('ngram',)}")
+    if str(path) == "default":
+        if method != "eagle3":
+            raise ValueError(f"the shipped default draft is an Eagle3 draft; use method 'eagle3', not {method!r}")
+        return DEFAULT_DRAFT
+    return Path(path)
+
+
+def load_draft(method: str, path: str | Path, target):
+    """The draft model of ``method`` at ``path`` ("default": the draft shipped for the embedded default model),
+    checked against ``target`` (and split as the target is, under tensor parallelism)."""
+    where = resolve_draft_path(method, path)
+    draft = LOADERS[method](where, target)
+    logger.info("%s draft from %s (auxiliary layers %s)", method, path, list(draft.aux_layer_ids))
+    return draft

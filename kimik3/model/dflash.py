@@ -18,8 +18,9 @@ from dataclasses import dataclass
 import torch
 from torch import nn
 
+from kimik3.distributed import ParallelContext
 from kimik3.model.draft_attention import DraftAttention, DraftBatch
-from kimik3.model.eagle3 import GatedMLP
+from kimik3.model.eagle3 import GatedMLP, VocabHead
 from kimik3.model.layers import RMSNorm, linear
 
 
@@ -46,14 +47,14 @@ class DFlashConfig:
 
 
 class DFlashLayer(nn.Module):
-    def __init__(self, cfg: DFlashConfig):
+    def __init__(self, cfg: DFlashConfig, parallel: ParallelContext | None = None):
         super().__init__()
         D, eps = cfg.hidden_size, cfg.rms_norm_eps
         self.input_layernorm = RMSNorm(D, eps)
         self.self_attn = DraftAttention(D, D, cfg.num_attention_heads, cfg.num_key_value_heads, cfg.head_dim,
-                                        cfg.rope_theta, qk_norm_eps=eps)
+                                        cfg.rope_theta, qk_norm_eps=eps, parallel=parallel)
         self.post_attention_layernorm = RMSNorm(D, eps)
-        self.mlp = GatedMLP(D, cfg.intermediate_size)
+        self.mlp = GatedMLP(D, cfg.intermediate_size, parallel)
 
     def forward(self, x: torch.Tensor, batch: DraftBatch, cache: torch.Tensor) -> torch.Tensor:
         x = x + self.self_attn(self.input_layernorm(x), batch, cache)
@@ -61,15 +62,17 @@ class DFlashLayer(nn.Module):
 
 
 class DFlashDraft(nn.Module):
-    def __init__(self, cfg: DFlashConfig):
+    """Under tensor parallelism the layers and the LM head are split as Eagle3's are (``eagle3.py``)."""
+
+    def __init__(self, cfg: DFlashConfig, parallel: ParallelContext | None = None):
         super().__init__()
         self.cfg = cfg
         self.embed_tokens = nn.Embedding(cfg.vocab_size, cfg.hidden_size)
         self.fc = linear(len(cfg.aux_layer_ids) * cfg.target_hidden_size, cfg.hidden_size)
         self.hidden_norm = RMSNorm(cfg.hidden_size, cfg.rms_norm_eps)
-        self.layers = nn.ModuleList(DFlashLayer(cfg) for _ in range(cfg.num_hidden_layers))
+        self.layers = nn.ModuleList(DFlashLayer(cfg, parallel) for _ in range(cfg.num_hidden_layers))
         self.norm = RMSNorm(cfg.hidden_size, cfg.rms_norm_eps)
-        self.lm_head = linear(cfg.hidden_size, cfg.draft_vocab_size)
+        self.lm_head = VocabHead(cfg.hidden_size, cfg.draft_vocab_size, parallel)
         self.register_buffer("d2t", torch.zeros(cfg.draft_vocab_size, dtype=torch.int64))
 
     @property
@@ -98,3 +101,7 @@ class DFlashDraft(nn.Module):
 
     def to_target(self, draft_ids: torch.Tensor) -> torch.Tensor:
         return draft_ids + self.d2t[draft_ids]
+
+    def greedy(self, logits: torch.Tensor) -> torch.Tensor:
+        """The greedy tokens (the target's ids) of logits rows of this rank's vocabulary share."""
+        return self.to_target(self.lm_head.argmax(logits))

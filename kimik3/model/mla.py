@@ -67,6 +67,12 @@ class MLAAttention(nn.Module):
             o = o * torch.sigmoid(gate[0])
         return self.par.all_reduce(self.o_proj(o))
 
+    def write_latent(self, x: torch.Tensor, slots: torch.Tensor, cache: torch.Tensor) -> None:
+        """The latents of rows x [T, D] alone (what ``forward`` caches for them) into cache rows ``slots``:
+        a draft layer's catch-up with positions it does not attend from."""
+        c = self.in_proj(x).split(list(self.in_proj.parts.values()), dim=-1)[1]
+        cache_latent(c, self.kv_a_layernorm.weight, self.kv_a_layernorm.eps, cache, slots)
+
     def _absorbed(self) -> tuple[torch.Tensor, torch.Tensor]:
         w = self.kv_b_proj.weight.view(self.num_heads, self.d_nope + self.d_v, self.kv_lora_rank)
         return w[:, :self.d_nope], w[:, self.d_nope:]                       # W_UK, W_UV [H, d_nope|d_v, r]

@@ -57,12 +57,20 @@ class MTPLayer(nn.Module):
             self.mlp = MLP(D, cfg.intermediate_size, act)
         self.shared_head = SharedHead(D, cfg.vocab_size, eps)
 
+    def _fused(self, next_ids: torch.Tensor, hidden: torch.Tensor, positions: torch.Tensor) -> torch.Tensor:
+        e = self.embed_tokens(next_ids).masked_fill((positions == 0)[:, None], 0.0)
+        return self.eh_proj(torch.cat([self.enorm(e), self.hnorm(hidden.to(e.dtype))], dim=-1))
+
+    def write(self, next_ids: torch.Tensor, hidden: torch.Tensor, positions: torch.Tensor, slots: torch.Tensor,
+              cache: torch.Tensor) -> None:
+        """Catch-up: the rows' latents alone (what ``forward`` caches for them) into cache rows ``slots``."""
+        self.self_attn.write_latent(self.input_layernorm(self._fused(next_ids, hidden, positions)), slots, cache)
+
     def forward(self, next_ids: torch.Tensor, hidden: torch.Tensor, positions: torch.Tensor, batch: ForwardBatch,
                 cache: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
         """-> (logits [T, V] fp32 or wider, r [T, D]); writes the rows' latents to ``cache`` (this layer's
         [num_blocks, block_size, D_c])."""
-        e = self.embed_tokens(next_ids).masked_fill((positions == 0)[:, None], 0.0)
-        r = self.eh_proj(torch.cat([self.enorm(e), self.hnorm(hidden.to(e.dtype))], dim=-1))
+        r = self._fused(next_ids, hidden, positions)
         r = r + self.self_attn(self.input_layernorm(r), batch, cache)
         x = self.post_attention_layernorm(r)
         r = r + (self.block_sparse_moe(x) if hasattr(self, "block_sparse_moe") else self.mlp(x))

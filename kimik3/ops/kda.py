@@ -97,6 +97,50 @@ def naive_recurrent_kda(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, g: to
     return torch.stack(outs), S.transpose(-1, -2).contiguous()
 
 
+def recurrent_kda_rows(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, g: torch.Tensor, beta: torch.Tensor,
+                       state: torch.Tensor, rows: torch.Tensor, lens: list[int], after=None) -> torch.Tensor:
+    """``naive_recurrent_kda`` of N sequences at once (the CPU path of decode and verify steps): sequence n's
+    t-th token is packed row ``rows[n, t]`` (t < lens[n]; q, k, v, g, beta packed as there), ``state`` [N, H, V, K]
+    its initial state, left holding its final one. ``after(t, active, S)``: called with the states
+    [N, H, V, K] after step t (``active``: the sequences that have a token t, None when all do).
+    Returns o [T, H, V] in packed order. The states stay V-first (the pool's layout): per token one read for
+    S^T (decay * k), one pass for the decay and the rank-one update, one read for the output."""
+    N, H, V, K = state.shape
+    S = state.clone()
+    o = q.new_empty(q.shape[0], H, V)
+    lens_t = None
+    for t in range(max(lens, default=0)):
+        r = rows[:, t]
+        dec, kt = torch.exp(g[r]), k[r]                                          # [N, H, K]
+        sk = torch.bmm(S.view(N * H, V, K), (dec * kt).view(N * H, K, 1)).view(N, H, V)
+        delta = beta[r].unsqueeze(-1) * (v[r] - sk)                              # [N, H, V]
+        Sn = torch.baddbmm((S * dec.unsqueeze(-2)).view(N * H, V, K), delta.view(N * H, V, 1),
+                           kt.view(N * H, 1, K)).view(N, H, V, K)
+        active = None
+        if min(lens) <= t:
+            lens_t = torch.tensor(lens, device=q.device) if lens_t is None else lens_t
+            active = lens_t > t
+            Sn = torch.where(active.view(-1, 1, 1, 1), Sn, S)
+        out = torch.bmm(Sn.view(N * H, V, K), q[r].reshape(N * H, K, 1)).view(N, H, V)
+        if active is None:
+            o[r] = out
+        else:
+            o[r[active]] = out[active]
+        S = Sn
+        if after is not None:
+            after(t, active, S)
+    state.copy_(S)
+    return o
+
+
+def _row_table(query_lens: list[int], device) -> torch.Tensor:
+    """[N, max len] packed row of each sequence's t-th token (clamped to its last row past its length)."""
+    starts = torch.tensor([0, *query_lens[:-1]], device=device).cumsum(0)
+    t = torch.arange(max(query_lens, default=1), device=device)
+    last = torch.tensor(query_lens, device=device) - 1
+    return starts[:, None] + torch.minimum(t[None], last[:, None].clamp(min=0))
+
+
 def chunk_kda_ref(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, g: torch.Tensor,
                   beta: torch.Tensor, state: torch.Tensor, chunk_size: int = 64
                   ) -> tuple[torch.Tensor, torch.Tensor]:
@@ -156,6 +200,10 @@ def kda_attention(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, f: torch.Te
                                chunk_size)
     qn, kn, vf, g, beta = _reference_inputs(q, k, v, f, b, A_log, dt_bias, lower_bound, initial_state.dtype)
     acc = qn.dtype
+    if all(ql == 1 for ql in query_lens):          # a decode step: every sequence's one token at once
+        state = initial_state.to(acc, copy=True)
+        o = recurrent_kda_rows(qn, kn, vf, g, beta, state, torch.arange(T, device=q.device)[:, None], query_lens)
+        return o, state.to(initial_state.dtype)
     outs, finals = [], []
     start = 0
     for n, ql in enumerate(query_lens):
@@ -213,17 +261,21 @@ def kda_recurrent_in_pool(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, f: 
                                        lower_bound=lower_bound)
         return o.squeeze(0)
     qn, kn, vf, g, beta = _reference_inputs(q, k, v, f, b, A_log, dt_bias, lower_bound, state_pool.dtype)
-    acc = qn.dtype
-    slots = write_slots.tolist()
-    outs, start = [], 0
-    for n, ql in enumerate(query_lens):
-        S = state_pool[slots[n][ql - 1]].to(acc)
-        for t in range(start, start + ql):
-            o, S = naive_recurrent_kda(qn[t:t + 1], kn[t:t + 1], vf[t:t + 1], g[t:t + 1], beta[t:t + 1], S)
-            outs.append(o)
-            state_pool[slots[n][t - start]] = S.to(state_pool.dtype)
-        start += ql
-    return torch.cat(outs)
+    N = len(query_lens)
+    lens_t = torch.tensor(query_lens, device=q.device)
+    live = write_slots.gather(1, (lens_t - 1).clamp(min=0)[:, None])[:, 0]
+    state = state_pool[live].to(qn.dtype)             # a copy (advanced indexing)
+
+    def keep(t: int, active, S: torch.Tensor) -> None:          # the state after row t into its slot
+        dst = write_slots[:, t] if t < write_slots.shape[1] else live
+        if active is not None:
+            dst, S = dst[active], S[active]
+        state_pool[dst] = S.to(state_pool.dtype)
+
+    o = recurrent_kda_rows(qn, kn, vf, g, beta, state, _row_table(query_lens, q.device), query_lens, keep)
+    if N:
+        state_pool[live] = state.to(state_pool.dtype)
+    return o
 
 
 def kda_attention_in_pool(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, f: torch.Tensor | LowRank, b: torch.Tensor,

@@ -295,10 +295,42 @@ def mla_decode_attention(q_latent: torch.Tensor, q_pe: torch.Tensor, cache: torc
     N, H = q_latent.shape[:2]
     out = q_latent.new_zeros(N, H, kv_lora_rank, dtype=acc)
     lse = q_latent.new_full((N, H), float("-inf"), dtype=acc)
-    for n, length in enumerate(seq_lens):
-        if length > 0:
-            e = gather_latents(cache, block_tables[n], length, cache_scale, acc)   # [S, D_c]
-            s = (mqa_q[n] @ e.t()) * scale                                   # [H, S]
-            lse[n] = torch.logsumexp(s, dim=-1)
-            out[n] = torch.exp(s - lse[n].unsqueeze(-1)) @ e[:, :kv_lora_rank]
+    for group in _length_groups(seq_lens):
+        _decode_group(mqa_q, cache, block_tables, seq_lens, group, kv_lora_rank, scale, cache_scale, out, lse)
     return (out.to(q_latent.dtype), lse) if return_lse else out.to(q_latent.dtype)
+
+
+DECODE_GROUP_ROWS = 1 << 16     # the CPU decode path gathers at most this many latent rows at once
+
+
+def _length_groups(seq_lens: list[int]) -> list[list[int]]:
+    """Sequences of length > 0 in groups (by length, longest first) whose padded gathers stay within
+    ``DECODE_GROUP_ROWS`` rows (a long sequence alone when it needs more)."""
+    order = sorted((n for n, length in enumerate(seq_lens) if length > 0), key=lambda n: -seq_lens[n])
+    groups: list[list[int]] = []
+    for n in order:
+        if groups and (len(groups[-1]) + 1) * seq_lens[groups[-1][0]] <= DECODE_GROUP_ROWS:
+            groups[-1].append(n)
+        else:
+            groups.append([n])
+    return groups
+
+
+def _decode_group(mqa_q, cache, block_tables, seq_lens, group, R, scale, cache_scale, out, lse) -> None:
+    """``mla_decode_attention``'s CPU path for the sequences ``group``, padded to the longest of them."""
+    dev, bs = mqa_q.device, cache.shape[1]
+    idx = torch.tensor(group, device=dev)
+    lens = torch.tensor([seq_lens[n] for n in group], device=dev)
+    L = seq_lens[group[0]]
+    pos = torch.arange(L, device=dev)
+    tables = block_tables[idx].long()
+    blocks = tables.gather(1, (pos // bs).clamp(max=tables.shape[1] - 1)[None].expand(len(group), -1))
+    valid = pos[None] < lens[:, None]                                        # [G, L]
+    rows = (blocks.clamp(min=0) * bs + pos % bs).masked_fill(~valid, 0)
+    e = cache_rows(cache, cache_scale, rows.reshape(-1), mqa_q.dtype).view(len(group), L, -1)
+    e = e.masked_fill(~valid[..., None], 0.0)                               # rows past a sequence: not read
+    s = torch.einsum("ghd,gld->ghl", mqa_q[idx], e) * scale                  # [G, H, L]
+    s = s.masked_fill(~valid[:, None], float("-inf"))
+    m = torch.logsumexp(s, dim=-1)                                           # [G, H]
+    lse[idx] = m
+    out[idx] = torch.einsum("ghl,glr->ghr", torch.exp(s - m.unsqueeze(-1)), e[..., :R])

@@ -19,6 +19,11 @@ the prefix registry, block and slot choices live on rank 0 only.
 EPLB: ``RebalanceExperts`` has every rank move its experts to a placement planned from the loads recorded so
 far, between two steps (``rebalance``); ``ExpertLoads`` gathers every stage's recorded loads to rank 0.
 
+A draft model (speculative decoding) runs on every rank, split as the target is: ``DraftSetup`` (once, before the
+first step) has each worker load its share of the draft and its cache and keep the target's auxiliary-layer
+states of every step; after each step rank 0 broadcasts the step's ``DraftWork`` (``model/draft_step.py``) and every
+rank runs it (its collectives inside), rank 0 keeping the drafts.
+
 Decode CUDA graphs: ``CaptureGraphs`` has every rank capture its own graphs (their collectives
 inside) at the same time, and all keep them only if every rank succeeded (``agree``); a pure decode
 step is then a ``GraphStep`` (the packed decode inputs), which each rank replays.
@@ -35,6 +40,7 @@ import torch.distributed as dist
 
 from kimik3.model.batch import ForwardBatch
 from kimik3.model.cuda_graphs import DecodeGraphs, capture_or_none
+from kimik3.model.draft_step import DraftExecutor, DraftWork, draft_cache_shape
 from kimik3.parallel.encoder_dp import EncodeImages, encode_share
 from kimik3.parallel.pipeline import run_stage
 
@@ -124,6 +130,32 @@ class CaptureGraphs:
     max_query_len: int        # 1 + speculative tokens: verify steps are captured too
 
 
+@dataclass(frozen=True)
+class DraftSetup:
+    method: str                   # speculative method of the draft (``loader.drafts.LOADERS``)
+    path: str                     # its checkpoint (each rank loads its share)
+    num_blocks: int               # blocks of the draft's cache (the target's and the chains' scratch blocks)
+    block_size: int
+
+
+class DraftRunner:
+    """A worker's draft: its share of the draft model, its cache and the target states of the last step."""
+
+    def __init__(self, setup: DraftSetup, model):
+        from kimik3.loader.drafts import load_draft
+        draft = load_draft(setup.method, setup.path, model)
+        p = next(draft.parameters())
+        cache = torch.zeros(draft_cache_shape(draft, setup.num_blocks, setup.block_size), dtype=p.dtype, device=p.device)
+        self.executor = DraftExecutor(draft, cache, setup.block_size)
+        self.aux_layers = tuple(draft.aux_layer_ids)
+        self.states: torch.Tensor | None = None
+
+    def forward(self, model, ids, batch, cache):
+        hidden, aux = model.forward_step(ids, batch, cache, self.aux_layers)
+        self.states = torch.cat(aux, dim=-1)
+        return hidden
+
+
 def _moved(batch: ForwardBatch, device: torch.device) -> ForwardBatch:
     """The batch with every tensor field on ``device`` (fields added later travel too)."""
     changes = {f.name: getattr(batch, f.name).to(device) for f in dataclasses.fields(batch)
@@ -194,6 +226,11 @@ def _recv_ids(n: int, device: torch.device, group) -> torch.Tensor:
     return ids
 
 
+def send_draft_work(control, work: DraftWork) -> None:
+    """Rank 0, after each committed step whose states the draft reads: the draft work every rank runs."""
+    broadcast(work, control)
+
+
 def stop_workers(control) -> None:
     """Rank 0: tell the workers to leave their loop (before or after the cache geometry)."""
     broadcast(None, control)
@@ -208,7 +245,7 @@ def worker_loop(model, control, graphs_class=DecodeGraphs) -> int:
     if geometry is None:                 # rank 0 stopped before its engine was built
         return 0
     cache = model.allocate_cache(geometry.num_slots, geometry.num_blocks, geometry.block_size, geometry.latent_dtype)
-    graphs = None
+    graphs = draft = None
     steps = 0
     while True:
         step = broadcast(None, control)
@@ -224,6 +261,12 @@ def worker_loop(model, control, graphs_class=DecodeGraphs) -> int:
             continue
         if isinstance(step, ExpertLoads):
             gather_loads(model, control)
+            continue
+        if isinstance(step, DraftSetup):
+            draft = DraftRunner(step, model)
+            continue
+        if isinstance(step, DraftWork):
+            draft.executor.run(step, draft.states)
             continue
         if isinstance(step, CaptureGraphs):
             graphs = capture_or_none(graphs_class(model, cache, step.max_num_seqs, step.max_model_len,
@@ -248,7 +291,8 @@ def worker_loop(model, control, graphs_class=DecodeGraphs) -> int:
             if model.pipeline.enabled:                    # this stage's part; the logits go to rank 0
                 run_stage(model, ids, batch, cache, step.rows, step.bounds)
             else:
-                hidden = model.forward_step(ids, batch, cache)
+                hidden = model.forward_step(ids, batch, cache) if draft is None else \
+                    draft.forward(model, ids, batch, cache)
                 if step.rows:
                     model.compute_logits(hidden[torch.tensor(step.rows, device=device)])   # the vocab gather
         steps += 1

@@ -80,8 +80,14 @@ def eagle3_ref(m: Eagle3Draft, ids, hidden, pos):
     return norm(r, m.norm.weight, c.rms_norm_eps) @ m.lm_head.weight.T, r
 
 
-@pytest.mark.parametrize("norm_before_residual", [False, True])
-def test_eagle3_forward_matches_float64_reference_in_chunks(norm_before_residual):
+@pytest.mark.parametrize("norm_before_residual, inference", [(False, False), (True, False), (False, True)])
+def test_eagle3_forward_matches_float64_reference_in_chunks(norm_before_residual, inference):
+    """Also under inference mode, where the draft's q/k/v and gate/up projections run as one GEMM each."""
+    with torch.inference_mode(inference):
+        eagle3_forward_in_chunks(norm_before_residual)
+
+
+def eagle3_forward_in_chunks(norm_before_residual: bool) -> None:
     cfg = eagle3_cfg(norm_before_residual=norm_before_residual)
     m = Eagle3Draft(cfg).to(F64)
     randomize(m, 0)
@@ -133,7 +139,13 @@ def dflash_cfg() -> DFlashConfig:
                         target_hidden_size=32, aux_layer_ids=(1, 2), block_size=4, mask_token_id=49)
 
 
-def test_dflash_block_matches_float64_reference():
+@pytest.mark.parametrize("inference", [False, True])
+def test_dflash_block_matches_float64_reference(inference):
+    with torch.inference_mode(inference):
+        dflash_block()
+
+
+def dflash_block() -> None:
     cfg = dflash_cfg()
     m = DFlashDraft(cfg).to(F64)
     randomize(m, 5)

@@ -224,6 +224,21 @@ def test_kda_split_sequence_equals_whole_and_varlen_equals_alone():
     assert torch.allclose(both[:9], first, atol=1e-12) and torch.allclose(both[9:], alone, atol=1e-12)
 
 
+def test_kda_decode_step_of_many_sequences_is_each_alone():
+    """A decode step (one token per sequence) runs every sequence at once on the CPU: each output and final
+    state is the sequence's own recurrence, and the caller's initial states are left as they were."""
+    q, k, v, f, b, A, dt, _ = _kda_inputs(4, seed=30)
+    s0 = torch.randn(4, 3, 8, 8, dtype=F64, generator=gen(31))
+    before = s0.clone()
+    o, s = kda_attention(q, k, v, f, b, A, dt, -5.0, s0, [1, 1, 1, 1])
+    assert torch.equal(s0, before)
+    for n in range(4):
+        qn, kn = l2_normalize(q[n:n + 1]) * 8 ** -0.5, l2_normalize(k[n:n + 1])
+        o1, s1 = naive_recurrent_kda(qn, kn, v[n:n + 1], kda_gate(f[n:n + 1], A, dt, -5.0), torch.sigmoid(b[n:n + 1]),
+                                     s0[n])
+        assert torch.allclose(o[n], o1[0], rtol=0, atol=1e-12) and torch.allclose(s[n], s1, rtol=0, atol=1e-12), n
+
+
 def test_kda_recurrent_in_pool_keeps_the_state_after_each_listed_row():
     """Two short chunks with history: the outputs are the chunked op's over the whole chunk, each
     listed slot holds the chunked op's final state over that prefix, the live slot the final state,
@@ -280,6 +295,32 @@ def test_mla_prefill_matches_expanded_attention(form):
                 keys = torch.cat([kv[:pos + 1, h, :dn], lat[s][:pos + 1, r:]], -1)
                 p = torch.softmax(keys @ q[start + i, h] * 0.3, 0)
                 assert torch.allclose(out[start + i, h], p @ kv[:pos + 1, h, dn:], atol=1e-12)
+
+
+@pytest.mark.parametrize("group_rows", [1 << 16, 7])
+def test_mla_decode_of_ragged_sequences_in_groups_is_each_alone(monkeypatch, group_rows):
+    """The CPU decode path pads sequences to the longest of a group (groups bounded by DECODE_GROUP_ROWS):
+    every sequence's output and log-sum-exp are its own attention's (float64, one sequence at a time, from the
+    formula), a sequence of length 0 gives 0 and -inf, and cache rows past a sequence (NaN here) are not read."""
+    import kimik3.ops.mla as mla
+    monkeypatch.setattr(mla, "DECODE_GROUP_ROWS", group_rows)
+    g, bs, H, R, P = gen(40), 3, 2, 6, 2
+    lengths = [5, 0, 2, 7]
+    cache = torch.full((12, bs, R + P), float("nan"), dtype=F64)
+    tables = torch.tensor([[3, 1, -1], [0, 0, 0], [7, -1, -1], [2, 9, 4]])
+    for n, length in enumerate(lengths):
+        for p in range(length):
+            cache[tables[n, p // bs], p % bs] = torch.randn(R + P, dtype=F64, generator=g)
+    q_lat, q_pe = torch.randn(4, H, R, dtype=F64, generator=g), torch.randn(4, H, P, dtype=F64, generator=g)
+    out, lse = mla_decode_attention(q_lat, q_pe, cache, tables, lengths, R, 0.4, return_lse=True)
+    for n, length in enumerate(lengths):
+        if not length:
+            assert torch.equal(out[n], torch.zeros(H, R, dtype=F64)) and torch.isinf(lse[n]).all()
+            continue
+        e = torch.stack([cache[tables[n, p // bs], p % bs] for p in range(length)])     # [L, R + P]
+        s = torch.cat([q_lat[n], q_pe[n]], -1) @ e.T * 0.4                             # [H, L]
+        assert torch.allclose(lse[n], torch.log(torch.exp(s).sum(-1)), rtol=0, atol=1e-12)
+        assert torch.allclose(out[n], torch.softmax(s, -1) @ e[:, :R], rtol=0, atol=1e-12), n
 
 
 def test_mla_absorbed_decode_equals_naive():

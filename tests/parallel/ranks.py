@@ -334,3 +334,39 @@ def pipeline_eplb_rank(rank, world, control, path: str, out_path: str):
     after = run_engine(engine, prompts)[0]
     stop_workers(control)
     torch.save((before, loads, report, after), out_path)
+
+DRAFT_ENGINE_CONFIG = dict(max_num_seqs=3, max_num_batched_tokens=64, max_model_len=64, block_size=4,
+                           kda_checkpoint_interval=1, cache_memory_bytes=1 << 22, num_speculative_tokens=3,
+                           speculative_method="eagle3")
+
+
+def record_drafts(box: list) -> None:
+    """Every draft step's drafts this process computes, appended to ``box``; every request drafts all it may
+    (the controller's plan, which follows measured times, would differ between processes)."""
+    from kimik3.engine.spec.controller import DraftController
+    from kimik3.model.draft_step import DraftExecutor
+    run = DraftExecutor.run
+    DraftController.plan = lambda self, rates, rooms, batch, watching: [min(r, self.k) for r in rooms]
+
+    def recording(self, work, states):
+        out = run(self, work, states)
+        box.append(out)
+        return out
+    DraftExecutor.run = recording
+
+
+def draft_engine_rank(rank, world, control, path: str, draft_path: str, out_path: str, prompts: list):
+    """Speculative decoding with an Eagle3 draft split over the ranks: (greedy outputs, verify chunks, the
+    drafts of every draft step) from rank 0, the drafts each worker computed in ``out_path.rank<r>``."""
+    drafts: list = []
+    record_drafts(drafts)
+    model = load_model(path, dtype=torch.float64, parallel=ParallelContext(rank, world))
+    if rank != 0:
+        worker_loop(model, control)
+        torch.save(drafts, f"{out_path}.rank{rank}")
+        return
+    engine = LLMEngine(model, EngineConfig(**DRAFT_ENGINE_CONFIG, speculative_model=draft_path),
+                       runner_factory=functools.partial(ParallelRunner, control=control))
+    outs, _ = run_engine(engine, prompts)
+    stop_workers(control)
+    torch.save((outs, engine.num_drafts, drafts), out_path)

@@ -11,8 +11,9 @@ from kimik3.engine import EngineConfig, LLMEngine
 from kimik3.loader.load import load_model
 from kimik3.testing import make_tiny_checkpoint
 from tests.helpers import rel_err
-from tests.parallel.ranks import (ENGINE_CONFIG, SPEC_ENGINE_CONFIG, engine_prompts, engine_rank, logits_rank, run_engine,
-                                  run_steps, spawn, spec_engine_rank, spec_prompts)
+from tests.parallel.ranks import (DRAFT_ENGINE_CONFIG, ENGINE_CONFIG, SPEC_ENGINE_CONFIG, draft_engine_rank,
+                                  engine_prompts, engine_rank, logits_rank, record_drafts, run_engine, run_steps, spawn,
+                                  spec_engine_rank, spec_prompts)
 
 ARCHS = ("kimi_k3", "kimi_linear")
 # name: (expert parallel size, MoE mode, tail[, decode context parallel size[, EPLB redundant slots]]);
@@ -165,6 +166,36 @@ def test_speculative_decoding_under_tensor_parallel(ckpts, tmp_path, graphs):
     outs, drafts, accepted, verify_replays = torch.load(tmp_path / "out.pt", weights_only=False)
     assert outs == plain
     assert drafts > 0 and (verify_replays > 0) == graphs, verify_replays
+
+
+@pytest.mark.parametrize("world", [2, 4])
+def test_draft_model_runs_on_every_rank(ckpts, tmp_path, monkeypatch, world):
+    """Speculative decoding with an Eagle3 draft under TP (its heads, intermediate and vocabulary split over the
+    ranks; with 4 ranks its 2 key/value heads replicated): the greedy outputs are plain decoding's, every rank ran
+    every draft step, and the drafts are the one-process drafts of the same draft."""
+    from tests.loader.test_drafts import eagle3_files
+    path = ckpts["kimi_k3"]
+    model = load_model(path, dtype=torch.float64)
+    eagle3_files(tmp_path / "eagle3", model)
+    prompts = engine_prompts(model.config.text.vocab_size)[0]
+    plain, _ = run_engine(LLMEngine(model, EngineConfig(**{**DRAFT_ENGINE_CONFIG, "num_speculative_tokens": 0,
+                                                           "speculative_method": "ngram"})), prompts)
+    alone: list = []
+    with monkeypatch.context() as m:
+        from kimik3.engine.spec.controller import DraftController
+        from kimik3.model.draft_step import DraftExecutor
+        m.setattr(DraftExecutor, "run", DraftExecutor.run)         # restored after recording
+        m.setattr(DraftController, "plan", DraftController.plan)
+        record_drafts(alone)
+        one, _ = run_engine(LLMEngine(model, EngineConfig(**DRAFT_ENGINE_CONFIG,
+                                                          speculative_model=str(tmp_path / "eagle3"))), prompts)
+    assert one == plain
+    spawn(draft_engine_rank, world, str(path), str(tmp_path / "eagle3"), str(tmp_path / "out.pt"), prompts)
+    outs, verify_chunks, drafts = torch.load(tmp_path / "out.pt", weights_only=False)
+    assert outs == plain and verify_chunks > 0
+    for r in range(1, world):
+        assert torch.load(f"{tmp_path / 'out.pt'}.rank{r}", weights_only=False) == drafts, r
+    assert drafts == alone and any(drafts)
 
 
 # ---- bad degrees ---------------------------------------------------------------------------------

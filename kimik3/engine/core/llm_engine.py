@@ -48,6 +48,7 @@ class LLMEngine:
         self.config = config = config or EngineConfig()
         self.vocab_size = model.config.text.vocab_size
         self.device = torch.device(model.device)
+        from_source = draft is None
         if config.uses_draft_model and draft is None:       # loaded first: a GPU budget counts its weights
             from kimik3.engine.spec.draft_model import load_draft
             draft = load_draft(config.speculative_method, config.speculative_model or tokenizer_path, model)
@@ -62,14 +63,17 @@ class LLMEngine:
         self.cache = model.allocate_cache(self.plan.num_slots, self.plan.num_blocks, config.block_size,
                                           latent_cache_dtype(config.kv_cache_dtype, model.dtype))
         self.kv = KVCacheManager(self.plan, config.enable_prefix_caching)
-        drafter = make_drafter(config, model, self.plan.num_blocks, draft, tokenizer_path)
+        drafter = make_drafter(config, model, self.plan.num_blocks, draft, tokenizer_path, from_source)
         self.scheduler = Scheduler(self.kv, config, drafter)
         if drafter is not None and drafter.aux_layers:
-            if runner_factory is not None:
-                raise ValueError("speculative draft models run in one process for now; use tensor_parallel_size 1 "
-                                 "or n-gram speculation")
-            # every step (eager or a decode / verify graph) keeps the states the draft reads
-            self.runner = ModelRunner(model, self.cache, config, aux_layers=drafter.aux_layers)
+            # every step (eager or a decode / verify graph) keeps the states the draft reads; under tensor
+            # parallelism the draft runs on every rank (``ParallelRunner.attach_draft``), its steps eager
+            if runner_factory is None:
+                self.runner = ModelRunner(model, self.cache, config, aux_layers=drafter.aux_layers)
+            else:
+                self.runner = runner_factory(model, self.cache, dataclasses.replace(config, enforce_eager=True))
+                self.runner.aux_layers = drafter.aux_layers
+            self.runner.attach_draft(drafter)
         else:
             self.runner = (runner_factory or ModelRunner)(model, self.cache, config)
         self.inputs = InputProcessor(model.config, config, self.device, tokenizer, tokenizer_path)

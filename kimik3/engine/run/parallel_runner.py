@@ -14,8 +14,8 @@ from kimik3.model.batch import ForwardBatch
 from kimik3.model.cuda_graphs import DecodeGraphs, capture_or_none
 from kimik3.parallel.encoder_dp import EncodeImages, encode_share
 from kimik3.parallel.pipeline import micro_batch_bounds, run_stage
-from kimik3.parallel.worker import (CaptureGraphs, ExpertLoads, RebalanceExperts, agree, broadcast, gather_loads,
-                                    rebalance, send_geometry, send_graph_step, send_step)
+from kimik3.parallel.worker import (CaptureGraphs, DraftSetup, ExpertLoads, RebalanceExperts, agree, broadcast,
+                                    gather_loads, rebalance, send_draft_work, send_geometry, send_graph_step, send_step)
 
 logger = logging.getLogger(__name__)
 
@@ -79,6 +79,21 @@ class ParallelRunner(ModelRunner):
                            "capture; decode steps run eagerly from now on")
             self.graphs = None
         return report
+
+    def attach_draft(self, drafter) -> None:
+        """A draft model runs on every rank: the workers load their share of it (``DraftSetup``) and keep the
+        target's states the draft reads; each step's draft work reaches them before rank 0 runs it."""
+        if drafter.source is None:
+            raise ValueError("under tensor parallelism every rank loads the draft from its checkpoint: give "
+                             "speculative_config's 'model' (a draft passed as an object cannot reach the workers)")
+        broadcast(DraftSetup(drafter.method, str(drafter.source), drafter.num_cache_blocks, drafter.block_size),
+                  self.control)
+        run, control = drafter.executor.run, self.control
+
+        def run_on_every_rank(work, states):
+            send_draft_work(control, work)
+            return run(work, states)
+        drafter.executor.run = run_on_every_rank
 
     def launch(self, out, input_ids: torch.Tensor | None = None):
         """The step's forward on every rank (sampling, after it, is rank 0's alone). ``input_ids``:

@@ -56,6 +56,9 @@ class ModelRunner:
             self.graphs = self.capture_graphs(DecodeGraphs(model, cache, config.graph_max_seqs, config.max_model_len,
                                                            1 + config.num_speculative_tokens, self.aux_layers))
 
+    def attach_draft(self, drafter) -> None:
+        """A draft model's drafter (``engine/spec/draft_model.py``): one process has nothing to share."""
+
     def capture_graphs(self, graphs: DecodeGraphs) -> DecodeGraphs | None:
         """Capture the decode graphs, or None (eager) when the model cannot be captured."""
         return capture_or_none(graphs)

@@ -13,6 +13,7 @@ import torch
 import kimik3
 from kimik3.engine import EngineArgs, EngineConfig, SamplingParams
 from kimik3.engine.core.llm_engine import LLMEngine
+from kimik3.engine.spec.controller import DraftController
 from kimik3.engine.spec.draft_model import ModelDrafter
 from kimik3.model.eagle3 import Eagle3Config, Eagle3Draft
 from tests.engine.fake_model import reference_greedy
@@ -50,18 +51,20 @@ def engine_with(target, k: int = 3, blocks: int | None = None, **kw) -> LLMEngin
 def oracle(monkeypatch, futures: dict[tuple[int, ...], list[int]], vocab: int) -> None:
     """Drafts replaced (after the draft model ran) by each request's known continuation, the second one corrupted
     every other step: verify steps see accepted runs, bonus tokens and rejections."""
-    chain = ModelDrafter._chain
+    hand_out = ModelDrafter._hand_out
 
-    def patched(self, reqs, logits, hidden, next_pos, tables):
-        chain(self, reqs, logits, hidden, next_pos, tables)
+    def patched(self, reqs, counts, drafts):
+        hand_out(self, reqs, counts, drafts)
         for req in reqs:
+            if not req.spec.proposal:
+                continue
             prompt = next(p for p in futures if tuple(req.token_ids[:len(p)]) == p)
             done = req.num_tokens - len(prompt)
             d = list(futures[prompt][done:done + len(req.spec.proposal)])
             if done % 2 and len(d) > 1:
                 d[1] = (d[1] + 1) % vocab
             req.spec.proposal = d
-    monkeypatch.setattr(ModelDrafter, "_chain", patched)
+    monkeypatch.setattr(ModelDrafter, "_hand_out", patched)
 
 
 def requests(target, seed: int, n: int = 3, shared: int = 0, max_tokens: int = 12):
@@ -112,12 +115,12 @@ def test_proposals_equal_the_draft_run_from_scratch(target, monkeypatch):
     from kimik3.model.batch import ForwardBatch
     from kimik3.model.draft_attention import DraftBatch
     seen = []
-    chain = ModelDrafter._chain
+    hand_out = ModelDrafter._hand_out
 
-    def record(self, reqs, logits, hidden, next_pos, tables):
-        chain(self, reqs, logits, hidden, next_pos, tables)
-        seen.extend((list(r.token_ids), list(r.spec.proposal), self.draft) for r in reqs)
-    monkeypatch.setattr(ModelDrafter, "_chain", record)
+    def record(self, reqs, counts, drafts):
+        hand_out(self, reqs, counts, drafts)
+        seen.extend((list(r.token_ids), list(r.spec.proposal) or [r.spec.watch[1]], self.draft) for r in reqs)
+    monkeypatch.setattr(ModelDrafter, "_hand_out", record)
     reqs = requests(target, seed=4, n=2, max_tokens=12)
     engine = engine_with(target, k=3, block_size=4, max_num_seqs=2, max_num_batched_tokens=7, max_model_len=40)
     run(engine, reqs)
@@ -163,17 +166,16 @@ def test_mtp_and_dflash_drafts_through_the_engine(target, monkeypatch, method):
     futures = {tuple(p): reference_greedy(target, p, sp.max_tokens) for p, sp in reqs.values()}
     proposals = []
     if method == "dflash":
-        block = ModelDrafter._dflash
+        hand_out = ModelDrafter._hand_out
 
-        def oracle_block(self, feats, pos, starts, lens, tables, seqs, drafting):
-            block(self, feats, pos, starts, lens, tables, seqs, drafting)
-            for i in drafting:
-                req = seqs[i][0].req
-                proposals.append(len(req.spec.proposal))
+        def oracle_block(self, reqs, counts, drafts):
+            hand_out(self, reqs, counts, drafts)
+            for req, d in zip(reqs, drafts):
+                proposals.append(len(d))
                 prompt = next(p for p in futures if tuple(req.token_ids[:len(p)]) == p)
                 done = req.num_tokens - len(prompt)
                 req.spec.proposal = list(futures[prompt][done:done + len(req.spec.proposal)])
-        monkeypatch.setattr(ModelDrafter, "_dflash", oracle_block)
+        monkeypatch.setattr(ModelDrafter, "_hand_out", oracle_block)
     else:
         oracle(monkeypatch, futures, text.vocab_size)
     cfg = EngineConfig(num_speculative_tokens=3, speculative_method=method, speculative_model="test", block_size=4,
@@ -189,9 +191,10 @@ def test_mtp_and_dflash_drafts_through_the_engine(target, monkeypatch, method):
     assert method == "mtp" or max(proposals) == 3
 
 
-def test_failing_drafts_pause_and_probe(target):
-    """A random draft (drafts rejected): each verify that accepts none pauses drafting for longer (1, 4, 16
-    decode steps ...), so most steps run plain; output still plain decoding's."""
+def test_failing_drafts_stop_and_are_watched(target):
+    """A random draft (drafts rejected): the request's measured acceptance falls, the controller stops its drafts,
+    and it only watches its first draft now and then (``controller.py``), so most steps run plain; output still
+    plain decoding's."""
     reqs = requests(target, seed=9, n=1, max_tokens=36)
     engine = engine_with(target, k=4, block_size=4, max_num_seqs=1, max_model_len=64)
     results = run(engine, reqs)
@@ -220,3 +223,37 @@ def test_speculative_config_is_checked():
     assert args.speculative_settings()["speculative_ngram_max"] == 5
     with pytest.raises(ValueError, match="speculative method"):
         EngineConfig(speculative_method="medusa")
+
+
+def test_sampled_tokens_keep_the_targets_distribution(target, monkeypatch):
+    """Speculative sampling with a draft model: output positions 1 and 2 of sampled requests follow the target's
+    own distribution (exact, from its logits at temperature T), within 5 sigma per token, while the drafts (the
+    target's greedy continuation, put in place of the draft's proposals) are partly accepted and partly rejected."""
+    T, n = 0.25, 1200
+    prompt = [7, 3, 9, 12, 5, 8]
+    vocab = target.config.text.vocab_size
+    with torch.inference_mode():
+        p1 = torch.softmax(target(torch.tensor(prompt))[-1].double() / T, 0)
+        nxt = torch.stack([torch.softmax(target(torch.tensor(prompt + [a]))[-1].double() / T, 0) for a in range(vocab)])
+    p2 = p1 @ nxt
+    greedy = {(): reference_greedy(target, prompt, 2)}
+    greedy.update({(a,): reference_greedy(target, prompt + [a], 1) for a in range(vocab)})
+    hand_out = ModelDrafter._hand_out
+
+    def oracle_greedy(self, reqs, counts, drafts):
+        hand_out(self, reqs, counts, drafts)
+        for req in reqs:
+            if req.spec.proposal:
+                req.spec.proposal = greedy[tuple(req.output_token_ids)][:len(req.spec.proposal)]
+    monkeypatch.setattr(ModelDrafter, "_hand_out", oracle_greedy)
+    monkeypatch.setattr(DraftController, "plan", lambda self, rates, rooms, batch, watching: list(rooms))   # all draft
+    reqs = {f"s{i}": (prompt, SamplingParams(temperature=T, seed=i, max_tokens=3, ignore_eos=True)) for i in range(n)}
+    engine = engine_with(target, k=2, block_size=4, max_num_seqs=64, max_num_batched_tokens=512, max_model_len=16,
+                         blocks=64 * 4, enable_prefix_caching=False)
+    results = run(engine, reqs)
+    assert engine.num_drafts >= n and 0.2 * engine.num_draft_tokens < engine.num_accepted_tokens < 0.9 * engine.num_draft_tokens
+    for pos, dist in ((0, p1), (1, p2)):
+        counts = torch.bincount(torch.tensor([results[r][0][0][pos] for r in reqs]), minlength=vocab).double()
+        sigma = (n * dist * (1 - dist)).sqrt()
+        bad = ((counts - n * dist).abs() > 5 * sigma + 1).nonzero().flatten().tolist()
+        assert not bad, f"position {pos}: tokens {bad} off (counts {counts[bad].tolist()}, expected {(n * dist)[bad].tolist()})"

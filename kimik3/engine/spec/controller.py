@@ -1,0 +1,204 @@
+"""How many drafts each request of the next step carries: the measured acceptance against the measured cost.
+
+A draft model's step (``draft_model.py``) chooses, per request, the number of drafts k_r (0: a plain decode step)
+that maximises the step's expected goodput: emitted tokens per second of the whole step (target and draft),
+SmartSpec's criterion (Liu et al. 2024, "Optimizing speculative decoding for serving LLMs using goodput"), per
+request instead of one k for the batch.
+
+* Acceptance (``Acceptance``, per request, and the drafter's global one as its prior): the rate at which the first
+  draft is accepted, a, and the rate at which a later draft is accepted after the one before it was, c; the first j
+  drafts are all accepted with probability a * c^(j - 1). Verify steps update both (``settle``); a request that does
+  not draft still gets its first draft computed now and then and scored against the token that comes
+  (``watch``), so its rate follows the text and it drafts again once drafts would pay. Exponentially decayed
+  counts (recent text weighs most), pulled toward the global rates by ``PRIOR`` pseudo-observations.
+* Costs (``LinearFit``): the target's step time against [1, sequences, draft rows] and the draft's time against
+  [1, caught-up rows, forwards, forward rows], both fitted on the engine's own decode steps (decayed least squares
+  with a weak prior), so the controller learns what a draft row costs on this device at this batch size (on a
+  GPU at batch 1 nearly nothing; on a CPU at batch 32 a good part of a decode row).
+* Plan (``DraftController.plan``): from no drafts (B tokens in T seconds), draft position j = 1, 2, .. is added
+  for the requests whose gain a_r c_r^(j-1) per its cost (a verify row, a draft row, and the position's share of
+  one more draft forward) raises tokens/second, the best prefix of them by gain; it stops at the first position
+  that raises nothing. So drafts stop where they stop paying (adversarial text, a weak draft, a large batch), for
+  one request or for all, and the cost of one request's drafts is weighed against the whole step's.
+"""
+
+from __future__ import annotations
+
+import logging
+import random
+from dataclasses import dataclass, field
+
+import numpy as np
+
+logger = logging.getLogger(__name__)
+
+REQUEST_DECAY = 0.85     # a request's acceptance counts decay per observed draft (about 7 drafts of memory)
+GLOBAL_DECAY = 0.98      # the drafter's global counts (the prior of new and quiet requests)
+PRIOR = 2.0              # pseudo-observations of the global rates in a request's estimate
+COST_DECAY = 0.98        # the cost fits' memory (about 50 steps)
+MAX_WATCH_GAP = 16       # a request that does not draft computes its first draft at least every 16 decode steps
+PROBE_EVERY = 8          # one step in 8 (at random) runs a nearby plan, so the fits see the cost of drafts
+
+
+@dataclass
+class Rate:
+    """Decayed hit/try counts."""
+
+    hits: float = 0.0
+    tries: float = 0.0
+
+    def add(self, hits: float, tries: float, decay: float) -> None:
+        if tries:
+            w = decay ** tries
+            self.hits, self.tries = self.hits * w + hits, self.tries * w + tries
+
+    def estimate(self, prior: float, weight: float = PRIOR) -> float:
+        return (self.hits + weight * prior) / (self.tries + weight)
+
+
+@dataclass
+class Acceptance:
+    """One request's (or, with ``GLOBAL_DECAY``, the drafter's) first-draft and later-draft acceptance."""
+
+    first: Rate = field(default_factory=Rate)
+    later: Rate = field(default_factory=Rate)
+
+    def record(self, drafts: int, accepted: int, decay: float) -> None:
+        """A verify step of ``drafts`` drafts accepted the first ``accepted``."""
+        if drafts:
+            self.first.add(float(accepted > 0), 1.0, decay)
+            self.later.add(max(accepted - 1, 0), max(min(drafts, accepted + 1) - 1, 0), decay)
+
+    def record_watch(self, hit: bool, decay: float) -> None:
+        """A first draft computed without drafting came true (or not)."""
+        self.first.add(float(hit), 1.0, decay)
+
+
+class LinearFit:
+    """y ~ x . beta by least squares over exponentially decayed observations, with ``prior`` as ``weight``
+    pseudo-observations per coefficient (so coefficients that the data does not excite stay near it)."""
+
+    def __init__(self, prior: list[float], scale: list[float], weight: float = 1.0, decay: float = COST_DECAY):
+        n = len(prior)
+        s = np.asarray(scale, dtype=np.float64)
+        self.prior_a = np.diag(weight * s * s)
+        self.prior_b = self.prior_a @ np.asarray(prior, dtype=np.float64)
+        self.a, self.b = np.zeros((n, n)), np.zeros(n)
+        self.decay = decay
+        self.count = 0
+        self._beta: np.ndarray | None = None
+
+    def add(self, x: list[float], y: float) -> None:
+        v = np.asarray(x, dtype=np.float64)
+        if self.count >= 8:              # a step slowed by something else (another process, a page fault)
+            y = float(np.clip(y, 0.6 * self.predict(x), 1.7 * self.predict(x) + 1e-6))
+        self.a = self.a * self.decay + np.outer(v, v)
+        self.b = self.b * self.decay + v * y
+        self.count += 1
+        self._beta = None
+
+    @property
+    def beta(self) -> np.ndarray:
+        if self._beta is None:
+            self._beta = np.linalg.solve(self.a + self.prior_a, self.b + self.prior_b)
+        return self._beta
+
+    def predict(self, x: list[float]) -> float:
+        return float(np.dot(self.beta, np.asarray(x, dtype=np.float64)))
+
+
+class DraftController:
+    """The costs and the global acceptance of one drafter, and the per-step plan (module docstring)."""
+
+    def __init__(self, k: int):
+        self.k = k
+        self.accept = Acceptance(Rate(1.2, 2.0), Rate(1.2, 2.0))     # optimistic start (0.6): drafts get measured
+        self.steps: dict[int, LinearFit] = {}   # per batch-size octave: step seconds ~ [1, sequences, draft rows]
+        self.draft: LinearFit | None = None     # draft seconds ~ [1, caught-up rows, forwards, forward rows]
+        self.rng = random.Random(0)
+
+    def rates(self, acc: Acceptance) -> tuple[float, float]:
+        g = self.accept
+        return (acc.first.estimate(g.first.estimate(0.5, 0.0)), acc.later.estimate(g.later.estimate(0.5, 0.0)))
+
+    def settle(self, acc: Acceptance, drafts: int, accepted: int) -> None:
+        acc.record(drafts, accepted, REQUEST_DECAY)
+        self.accept.record(drafts, accepted, GLOBAL_DECAY)
+
+    def watched(self, acc: Acceptance, hit: bool) -> None:
+        acc.record_watch(hit, REQUEST_DECAY)
+        self.accept.record_watch(hit, GLOBAL_DECAY)
+
+    def step_fit(self, seqs: int) -> LinearFit | None:
+        """The step fit of ``seqs``' octave (1, 2-3, 4-7, ...: a draft row's cost changes with the batch size, a
+        GPU's from nearly nothing to a decode row's), else the nearest octave's (None before any step)."""
+        if not self.steps:
+            return None
+        b = seqs.bit_length()
+        return self.steps[min(self.steps, key=lambda o: (abs(o - b), -o))]
+
+    def record_step(self, seqs: int, drafts: int, seconds: float) -> None:
+        """A decode/verify step of the target (and the engine's work around it) took ``seconds``."""
+        b = seqs.bit_length()
+        if b not in self.steps:   # a new octave starts from the nearest one's costs, else a draft row ~ a decode row
+            near = self.step_fit(seqs)
+            per_row = 0.5 * seconds / max(seqs + drafts, 1)
+            prior = list(near.beta) if near is not None else [0.5 * seconds, per_row, per_row]
+            self.steps[b] = LinearFit(prior, [1.0, max(seqs, 1), max(seqs, 1)])
+        self.steps[b].add([1.0, seqs, drafts], seconds)
+
+    def record_draft(self, rows: int, forwards: int, forward_rows: int, seconds: float) -> None:
+        """The draft's work after a decode/verify step took ``seconds``: catching up ``rows`` and ``forwards``
+        attending forwards of ``forward_rows`` rows in all."""
+        if self.draft is None:
+            step = self.step_fit(rows)
+            scale = step.predict([1.0, max(rows, 1), 0]) if step is not None else seconds
+            self.draft = LinearFit([0.0, 0.01 * scale / max(rows, 1), 0.02 * scale, 0.01 * scale / max(rows, 1)],
+                                   [1.0, rows, 1.0, max(rows, 1)])
+        self.draft.add([1.0, rows, forwards, forward_rows], seconds)
+
+    def plan(self, rates: list[tuple[float, float]], rooms: list[int], batch: int, watching: int) -> list[int]:
+        """Drafts per candidate (``rates``: its (a, c); ``rooms``: most drafts it may take) for a step of
+        ``batch`` sequences in which ``watching`` other requests compute their first draft anyway."""
+        step = self.step_fit(batch)
+        if step is None or not rates:
+            return [min(r, self.k) for r in rooms]          # nothing measured yet: draft, and measure
+        beta, dbeta = step.beta, self.draft.beta if self.draft is not None else np.zeros(4)
+        tokens = float(batch)
+        time = max(step.predict([1.0, batch, 0]), 1e-9) + max(float(dbeta[0] + dbeta[1] * batch), 0.0)
+        row = max(float(beta[2]), 0.0)
+        fwd, fwd_row = max(float(dbeta[2]), 0.0), max(float(dbeta[3]), 0.0)
+        depth = [0] * len(rates)
+        for j in range(1, max(rooms, default=0) + 1):
+            gains = sorted(((a * c ** (j - 1), i) for i, ((a, c), room) in enumerate(zip(rates, rooms))
+                            if depth[i] == j - 1 and room >= j), reverse=True)
+            fixed = 0.0 if j == 1 and watching else fwd
+            best, take, total = tokens / time, 0, 0.0
+            for n, (g, _) in enumerate(gains, 1):
+                total += g
+                ratio = (tokens + total) / (time + fixed + n * (row + fwd_row))
+                if ratio > best:
+                    best, take = ratio, n
+            if not take:
+                break
+            tokens += sum(g for g, _ in gains[:take])
+            time += fixed + take * (row + fwd_row)
+            for _, i in gains[:take]:
+                depth[i] = j
+        logger.debug("plan: batch %d, step %.4f + %.5f/row, draft fwd %.4f + %.5f/row: %d drafts, depth %d",
+                     batch, time - sum(depth) * 0, row, fwd, fwd_row, sum(depth), max(depth, default=0))
+        return self._dither(depth, rates, rooms, step.count)
+
+    def _dither(self, depth: list[int], rates: list[tuple[float, float]], rooms: list[int], seen: int) -> list[int]:
+        """One step in ``PROBE_EVERY`` (at random) runs a nearby plan instead: every request one draft fewer, or,
+        where none drafts, one draft for the half of them most likely to be accepted. The number of draft
+        rows then varies by about one per drafting request, which is what lets the step fit tell a draft row's
+        cost from the rest of a step at this batch size (steps only as large as the plan's would not), and a
+        batch that stopped drafting measures again what a draft would cost now."""
+        if self.rng.random() >= (0.5 if seen < PROBE_EVERY else 1.0 / PROBE_EVERY):   # more often in a new octave
+            return depth
+        if any(depth):
+            return [max(d - 1, 0) for d in depth]
+        order = sorted((i for i, r in enumerate(rooms) if r), key=lambda i: -rates[i][0])
+        picked = set(order[:max(1, len(order) // 2)])
+        return [1 if i in picked else 0 for i in range(len(depth))]

@@ -1,0 +1,105 @@
+"""The draft-model controller (``engine/spec/controller.py``): acceptance counts, the cost fits, and a plan that
+maximises expected tokens per second (checked against brute force over every choice of drafts)."""
+
+from __future__ import annotations
+
+import itertools
+import random
+
+import numpy as np
+import pytest
+
+from kimik3.engine.spec.controller import Acceptance, DraftController, LinearFit, Rate
+
+
+class NoProbe:
+    def random(self) -> float:
+        return 1.0
+
+
+def controller(k: int, step: tuple[float, float, float], draft: tuple[float, float, float, float]) -> DraftController:
+    """A controller whose fits hold exactly these coefficients (no probes)."""
+    c = DraftController(k)
+    c.rng = NoProbe()
+    for b in range(1, 8):
+        c.steps[b] = LinearFit(list(step), [1.0, 1.0, 1.0], weight=1e9)
+    c.draft = LinearFit(list(draft), [1.0] * 4, weight=1e9)
+    return c
+
+
+def goodput(depth, rates, batch, watching, step, draft) -> float:
+    """Expected tokens per second of a step with these drafts (the controller's cost model, written out)."""
+    tokens = batch + sum(sum(a * c ** (j - 1) for j in range(1, d + 1)) for d, (a, c) in zip(depth, rates))
+    forwards = max(max(depth, default=0), 1 if watching else 0)
+    time = step[0] + step[1] * batch + step[2] * sum(depth) + draft[0] + draft[1] * batch
+    time += draft[2] * forwards + draft[3] * sum(depth)
+    return tokens / time
+
+
+@pytest.mark.parametrize("seed", range(12))
+def test_plan_is_near_the_best_choice_of_drafts(seed):
+    rng = random.Random(seed)
+    n, k = 3, 3
+    step = (rng.uniform(0.01, 0.1), rng.uniform(0.001, 0.01), rng.uniform(0.0, 0.01))
+    draft = (0.0, 0.0, rng.uniform(0.0, 0.02), rng.uniform(0.0, 0.003))
+    rates = [(rng.uniform(0.05, 0.95), rng.uniform(0.05, 0.95)) for _ in range(n)]
+    rooms = [rng.randint(0, k) for _ in range(n)]
+    watching = rng.randint(0, 1)
+    plan = controller(k, step, draft).plan(rates, rooms, n, watching)
+    assert all(0 <= d <= r for d, r in zip(plan, rooms))
+    best = max(goodput(d, rates, n, watching, step, draft)
+               for d in itertools.product(*[range(r + 1) for r in rooms]))
+    got = goodput(plan, rates, n, watching, step, draft)
+    assert got >= goodput([0] * n, rates, n, watching, step, draft) - 1e-12     # never worse than no drafts
+    assert got >= 0.97 * best, (plan, got, best)
+
+
+def test_drafts_stop_where_they_stop_paying():
+    """A draft row that costs a decode row's share (a large CPU batch) pays only above acceptance ~1: nothing
+    drafts; the same rates with nearly free rows (a GPU at batch 1) draft all they may."""
+    rates, rooms = [(0.6, 0.5)] * 4, [4] * 4
+    costly = controller(4, (0.0, 0.01, 0.01), (0.0, 0.0, 0.002, 0.001)).plan(rates, rooms, 4, 0)
+    assert costly == [0, 0, 0, 0]
+    cheap = controller(4, (0.02, 0.001, 0.00001), (0.0, 0.0, 0.0001, 0.00001)).plan(rates, rooms, 4, 0)
+    assert cheap == [4, 4, 4, 4]
+    mixed = controller(4, (0.0, 0.01, 0.004), (0.0, 0.0, 0.001, 0.0005)).plan([(0.95, 0.9), (0.2, 0.2)], [4, 4], 2, 0)
+    assert mixed[0] > 0 and mixed[1] == 0                      # one request's drafts pay, the other's do not
+
+
+def test_acceptance_counts_first_and_later_drafts():
+    acc = Acceptance()
+    acc.record(4, 2, decay=1.0)        # drafts 1, 2 accepted, 3 rejected, 4 not reached
+    assert (acc.first.hits, acc.first.tries) == (1.0, 1.0)
+    assert (acc.later.hits, acc.later.tries) == (1.0, 2.0)
+    acc.record(3, 0, decay=1.0)
+    assert (acc.first.hits, acc.first.tries, acc.later.tries) == (1.0, 2.0, 2.0)
+    acc.record(2, 2, decay=1.0)        # all accepted: position 2 tried and accepted
+    assert (acc.later.hits, acc.later.tries) == (2.0, 3.0)
+    acc.record_watch(True, decay=0.5)
+    assert acc.first.tries == pytest.approx(2.5) and acc.first.hits == pytest.approx(2.0)
+    assert Rate(0.0, 0.0).estimate(0.7) == pytest.approx(0.7)      # no observations: the prior
+
+
+def test_linear_fit_recovers_step_costs_and_keeps_unexcited_ones_at_the_prior():
+    rng = np.random.default_rng(0)
+    fit = LinearFit([0.05, 0.002, 0.002], [1.0, 32.0, 32.0], decay=0.99)
+    for _ in range(200):
+        seqs, drafts = int(rng.integers(1, 40)), int(rng.integers(0, 100))
+        fit.add([1.0, seqs, drafts], 0.1 + 0.01 * seqs + 0.004 * drafts + rng.normal(0, 0.002))
+    assert fit.beta[2] == pytest.approx(0.004, rel=0.05)          # a draft row's cost
+    for seqs, drafts in ((16, 0), (24, 40), (32, 96)):
+        assert fit.predict([1.0, seqs, drafts]) == pytest.approx(0.1 + 0.01 * seqs + 0.004 * drafts, rel=0.03)
+    quiet = LinearFit([0.0, 0.0, 0.003], [1.0, 8.0, 8.0])
+    for _ in range(50):
+        quiet.add([1.0, 8.0, 0.0], 0.2)              # never any drafts: their cost stays the prior's
+    assert quiet.beta[2] == pytest.approx(0.003, rel=1e-6)
+    assert quiet.predict([1.0, 8.0, 0.0]) == pytest.approx(0.2, rel=0.03)
+
+
+def test_a_new_batch_size_starts_from_the_nearest_measured_one():
+    c = DraftController(4)
+    for _ in range(20):
+        c.record_step(1, 2, 0.05)
+    assert c.step_fit(32) is c.steps[1]
+    c.record_step(32, 0, 0.4)
+    assert set(c.steps) == {1, 6} and c.step_fit(32) is c.steps[6] and c.step_fit(20) is c.steps[6]
