@@ -13,7 +13,7 @@ from kimik3.model.batch import ForwardBatch, StateCheckpoint
 from kimik3.model.cuda_graphs import DecodeGraphs, pack_decode_inputs
 from tests.engine.fake_model import reference_greedy
 from tests.engine.helpers import EagerReplayGraphs, check_invariants, run
-from tests.engine.spec.test_draft_model import engine_with, oracle, requests, target  # noqa: F401 (fixture)
+from tests.engine.spec.test_draft_model import engine_with, fixed_plan, oracle, requests, target  # noqa: F401 (fixture)
 
 
 def record_observed(engine) -> list:
@@ -43,6 +43,7 @@ def test_draft_model_graph_steps_keep_states_and_greedy_output(target, monkeypat
     reqs = requests(target, seed=7, n=3, max_tokens=14)
     futures = {tuple(p): reference_greedy(target, p, sp.max_tokens) for p, sp in reqs.values()}
     oracle(monkeypatch, futures, target.config.text.vocab_size)
+    fixed_plan(monkeypatch)                 # both engines draft alike (the controller's plan follows timings)
     kw = dict(block_size=4, max_num_seqs=max_num_seqs, max_num_batched_tokens=64, max_model_len=48,
               enable_prefix_caching=False, async_scheduling=async_scheduling)
     eager = engine_with(target, **kw)

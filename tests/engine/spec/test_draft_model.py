@@ -67,6 +67,12 @@ def oracle(monkeypatch, futures: dict[tuple[int, ...], list[int]], vocab: int) -
     monkeypatch.setattr(ModelDrafter, "_hand_out", patched)
 
 
+def fixed_plan(monkeypatch) -> None:
+    """Every request drafts all it may: the controller's plan follows measured step times, so two engines (or
+    two runs) would otherwise draft differently."""
+    monkeypatch.setattr(DraftController, "plan", lambda self, rates, rooms, batch, watching: list(rooms))
+
+
 def requests(target, seed: int, n: int = 3, shared: int = 0, max_tokens: int = 12):
     rng = random.Random(seed)
     vocab = target.config.text.vocab_size
@@ -246,7 +252,7 @@ def test_sampled_tokens_keep_the_targets_distribution(target, monkeypatch):
             if req.spec.proposal:
                 req.spec.proposal = greedy[tuple(req.output_token_ids)][:len(req.spec.proposal)]
     monkeypatch.setattr(ModelDrafter, "_hand_out", oracle_greedy)
-    monkeypatch.setattr(DraftController, "plan", lambda self, rates, rooms, batch, watching: list(rooms))   # all draft
+    fixed_plan(monkeypatch)
     reqs = {f"s{i}": (prompt, SamplingParams(temperature=T, seed=i, max_tokens=3, ignore_eos=True)) for i in range(n)}
     engine = engine_with(target, k=2, block_size=4, max_num_seqs=64, max_num_batched_tokens=512, max_model_len=16,
                          blocks=64 * 4, enable_prefix_caching=False)
