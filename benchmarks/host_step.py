@@ -91,6 +91,10 @@ class HostGraphs:
         from kimik3.model.cuda_graphs import padded_batch_size
         return padded_batch_size(n, self.sizes)
 
+    def states(self, num_seqs: int, L: int) -> None:
+        """The states a draft model reads (``DecodeGraphs.states``): none, no draft here."""
+        return None
+
     def run(self, meta: torch.Tensor, tables: torch.Tensor, num_seqs: int, input_ids=None) -> torch.Tensor:
         ids = meta[0, :meta.shape[1]].clone()
         if input_ids is not None:

@@ -58,7 +58,7 @@ def sync(device: torch.device) -> None:
 
 
 def legacy_attend_with_checkpoints(self, raw, weight, f, b, has_state, batch, conv_pool, state_pool):
-    """The checkpoint step before ``b843e82`` (reference conv, every sequence's segments gathered, fp32 output),
+    """The checkpoint step before ``d0fb3ef`` (reference conv, every sequence's segments gathered, fp32 output),
     kept here to time the change in the same run (``--legacy``)."""
     import itertools
 
@@ -196,7 +196,7 @@ def main() -> None:
         tokens, every, seqs = int(arg("tokens", "2048")), int(arg("every", "1024")), int(arg("seqs", "1"))
         plain, ckpt, n, heads = layer_times(device, dtype, tokens, every, seqs, repeats)
         what = (f"KDA layer step, {seqs} x {tokens} tokens, {heads} heads, {dtype}, "
-                f"without / with {n} checkpoints{' (the checkpoint step before b843e82)' if '--legacy' in sys.argv else ''}")
+                f"without / with {n} checkpoints{' (the checkpoint step before d0fb3ef)' if '--legacy' in sys.argv else ''}")
     name = torch.cuda.get_device_name() if device.type == "cuda" else "CPU"
     print(f"{what}: {plain * 1e3:.1f} / {ckpt * 1e3:.1f} ms, ratio {ckpt / plain:.3f} "
           f"({name}, {commit_id()}, {datetime.date.today().isoformat()}, medians of {repeats})", flush=True)

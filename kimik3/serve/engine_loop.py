@@ -240,16 +240,20 @@ class EngineLoop:
         """Pause the engine requests of a job whose client has left ``buffer_steps`` delta lists unread (a
         stream whose reader stopped: its memory stays bounded, and the server drops the connection after
         ``--stall-timeout``); resume them once half of that is read."""
-        jobs: dict[str, tuple[Job, list[str]]] = {}
-        for eid, route in self._routes.items():
-            jobs.setdefault(route.job.id, (route.job, []))[1].append(eid)
-        for job, eids in jobs.values():
+        flip: dict[str, Job] = {}       # jobs to pause or resume (found without a dict a step of every job)
+        limit, half = self.buffer_steps, self.buffer_steps // 2
+        for route in self._routes.values():
+            job = route.job
             behind = job.posted - job.taken
-            pause = behind >= self.buffer_steps if not job.paused else behind > self.buffer_steps // 2
-            if pause != job.paused:
-                job.paused = pause
-                for eid in eids:
-                    self.engine.pause_request(eid, pause)
+            if (behind > half if job.paused else behind >= limit) != job.paused:
+                flip[job.id] = job
+        if not flip:
+            return
+        for job in flip.values():
+            job.paused = not job.paused
+        for eid, route in self._routes.items():
+            if route.job.id in flip:
+                self.engine.pause_request(eid, route.job.paused)
 
     def _probation_running(self) -> bool:
         return any(r.probation for r in self._routes.values())
@@ -351,18 +355,21 @@ class EngineLoop:
             if out.request_id not in self._started:
                 self._started.add(out.request_id)
                 self.num_prompt_tokens += len(out.prompt_token_ids)
-            self.num_generation_tokens += sum(len(o.token_ids) for o in out.outputs)
             if out.prompt_logprobs is not None:
                 job.prompt_logprobs[job.choices[route.indices[0]].prompt] = out.prompt_logprobs
+            posted = deltas.get(job)
+            if posted is None:
+                posted = deltas[job] = []
             for o in out.outputs:
                 idx = route.indices[o.index]
                 c = job.choices[idx]
                 c.token_ids.extend(o.token_ids)
+                self.num_generation_tokens += len(o.token_ids)
                 c.text_len += len(o.text)
                 if o.finish_reason is not None:
                     c.finished = True
-                deltas.setdefault(job, []).append(ChoiceDelta(idx, o.text, list(o.token_ids), o.logprobs,
-                                                                 o.finish_reason, o.stop_reason))
+                # the engine's delta lists are its own copies, handed over (nothing else keeps them)
+                posted.append(ChoiceDelta(idx, o.text, o.token_ids, o.logprobs, o.finish_reason, o.stop_reason))
             if out.finished:
                 del self._routes[out.request_id]
                 self._started.discard(out.request_id)
@@ -370,6 +377,8 @@ class EngineLoop:
                 if self.on_finished is not None:
                     self.on_finished(out.metrics, len(out.prompt_token_ids), job.params)
         for job, ds in deltas.items():
+            if not ds:
+                continue
             self._emit(job, ds)
             if all(c.finished for c in job.choices) and not job.done:
                 job.done = True

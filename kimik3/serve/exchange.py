@@ -247,6 +247,17 @@ class _Exchange:
             item = await self.job.queue.get()
         else:
             item = await self._next_watched(poll)
+        return self._took(item)
+
+    def ready_event(self):
+        """A stream's next event if the engine thread has posted it already, else ``_EMPTY`` (no wait)."""
+        try:
+            item = self.job.queue.get_nowait()
+        except asyncio.QueueEmpty:
+            return _EMPTY
+        return self._took(item)
+
+    def _took(self, item):
         if isinstance(item, list):
             self.state.loop.taken(self.job)
             self._observe(item)
@@ -341,28 +352,45 @@ async def run_job(state: ServerState, request: Request, prompts: list[PromptInpu
             ex.close()
 
 
+_EMPTY = object()       # ``_Exchange.ready_event``: nothing posted yet
+
+
 async def _stream(ex: _Exchange, first, include_usage: bool, continuous_usage: bool = False):
     """The SSE body. ``continuous_usage`` (vLLM's ``stream_options.continuous_usage_stats``): every chunk also
-    carries the usage so far (prompt tokens, tokens generated up to and including it)."""
+    carries the usage so far (prompt tokens, tokens generated up to and including it). The events of everything
+    the engine thread has posted by the time the stream wakes go out as one body write (one send for the steps
+    a busy event loop fell behind on, and for a step's several choices, instead of one an event)."""
     encode = getattr(ex.fmt, "sse", _sse)        # a formatter may frame its own events (/v1/responses)
     item = first
     while True:
-        if isinstance(item, list):
-            for chunk in ex.fmt.feed(item, streaming=True):
-                if continuous_usage:
-                    chunk["usage"] = {"prompt_tokens": ex.prompt_tokens, "completion_tokens": ex.completion_tokens,
-                                      "total_tokens": ex.prompt_tokens + ex.completion_tokens}
-                yield encode(chunk)
-        elif isinstance(item, Done):
-            if include_usage:
-                yield encode(ex.fmt.usage_chunk(ex.usage(item.cached_tokens)))
+        out, end = [], False
+        while item is not _EMPTY and not end:
+            end = _encode_event(ex, item, encode, out, include_usage, continuous_usage)
+            if not end:
+                item = ex.ready_event()
+        if out:
+            yield b"".join(out)
+        if end:
             break
-        elif isinstance(item, Failed):
-            e = item.error
-            yield encode(error_body(e.status, e.message, e.param, e.code))
-            break
-        elif item is None:      # client gone: the cleanup aborts the job
-            return
         item = await ex.next_event()
-    if getattr(ex.fmt, "done_marker", True):
+    if item is not None and getattr(ex.fmt, "done_marker", True):
         yield b"data: [DONE]\n\n"
+
+
+def _encode_event(ex: _Exchange, item, encode, out: list[bytes], include_usage: bool, continuous_usage: bool) -> bool:
+    """Append the SSE events of one posted item to ``out``; True when it ends the stream (``Done``, ``Failed``, or
+    None: the client is gone, and the cleanup aborts the job)."""
+    if isinstance(item, list):
+        for chunk in ex.fmt.feed(item, streaming=True):
+            if continuous_usage:
+                chunk["usage"] = {"prompt_tokens": ex.prompt_tokens, "completion_tokens": ex.completion_tokens,
+                                  "total_tokens": ex.prompt_tokens + ex.completion_tokens}
+            out.append(encode(chunk))
+        return False
+    if isinstance(item, Done):
+        if include_usage:
+            out.append(encode(ex.fmt.usage_chunk(ex.usage(item.cached_tokens))))
+    elif isinstance(item, Failed):
+        e = item.error
+        out.append(encode(error_body(e.status, e.message, e.param, e.code)))
+    return True
