@@ -78,6 +78,14 @@ class TokenizerFileError(ValueError):
     """A tokenizer file is missing or unreadable; the message names the file."""
 
 
+class TooManyTokens(ValueError):
+    """``encode(text, limit=N)``: the text has more than N tokens (it was not encoded to the end)."""
+
+    def __init__(self, limit: int):
+        super().__init__(f"the text has more than {limit} tokens")
+        self.limit = limit
+
+
 @dataclass(frozen=True)
 class AddedToken:
     id: int
@@ -223,6 +231,8 @@ class KimiTokenizer:
             name=name, pat_str=PAT_STR, mergeable_ranks=mergeable_ranks, special_tokens=self.special_tokens
         )
         self._ranks = mergeable_ranks
+        # the most text one id stands for: a text of c characters has at least c / this many tokens
+        self.max_token_chars = max([len(b) for b in mergeable_ranks] + [len(n) for n in self.special_tokens])
         # longest name first, so a name that is a prefix of another never wins
         names = sorted(self.special_tokens, key=len, reverse=True)
         self._special_re = re.compile("|".join(re.escape(n) for n in names))
@@ -308,29 +318,38 @@ class KimiTokenizer:
 
     # ---- encode / decode -----------------------------------------------------------------------
 
-    def encode(self, text: str, allow_special: bool = False) -> list[int]:
+    def encode(self, text: str, allow_special: bool = False, limit: int | None = None) -> list[int]:
         """BPE-encode ``text``. Special-token strings in it are ordinary text unless
-        ``allow_special`` (then every special-token name becomes its id)."""
+        ``allow_special`` (then every special-token name becomes its id). With ``limit``, a text of more than
+        ``limit`` tokens raises ``TooManyTokens`` soon after the limit is passed, not at its end, so a huge
+        prompt that cannot fit a context costs little (one of more than ``limit * max_token_chars`` characters
+        is refused before any of it is encoded)."""
         if not isinstance(text, str):
             raise TypeError(f"encode() takes a str, got {type(text).__name__}")
+        if limit is not None and len(text) > limit * self.max_token_chars:
+            raise TooManyTokens(limit)
         if not allow_special:
-            return self._encode_plain(text)
+            return self._encode_plain(text, limit)
         # Cut at special-token names first so the length cuts below never split one (an image prompt
         # holds thousands of <|media_pad|> in one run); tiktoken splits there anyway.
         ids: list[int] = []
         pos = 0
         for m in self._special_re.finditer(text):
-            ids.extend(self._encode_plain(text[pos : m.start()]))
+            ids.extend(self._encode_plain(text[pos : m.start()], limit))
             ids.append(self.special_tokens[m.group()])
             pos = m.end()
-        ids.extend(self._encode_plain(text[pos:]))
+            if limit is not None and len(ids) > limit:
+                raise TooManyTokens(limit)
+        ids.extend(self._encode_plain(text[pos:], None if limit is None else limit - len(ids)))
         return ids
 
-    def _encode_plain(self, text: str) -> list[int]:
+    def _encode_plain(self, text: str, limit: int | None = None) -> list[int]:
         ids: list[int] = []
         for start in range(0, len(text), _MAX_ENCODE_CHARS):
             for piece in _split_long_runs(text[start : start + _MAX_ENCODE_CHARS], _MAX_RUN_CHARS):
                 ids.extend(self._encoding.encode(piece, allowed_special=set(), disallowed_special=()))
+            if limit is not None and len(ids) > limit:
+                raise TooManyTokens(limit)
         return ids
 
     def encode_segments(self, segments: Iterable[Any]) -> list[int]:

@@ -91,6 +91,9 @@ def _check_vllm_flags(args: Any) -> None:
     if args.enable_chunked_prefill is False:
         raise ValueError("enable_chunked_prefill=False is not supported: kimik3 always chunks long prompts by "
                          "max_num_batched_tokens (raise that to prefill a prompt in one step)")
+    if args.cpu_threads is not None and (isinstance(args.cpu_threads, bool) or not isinstance(args.cpu_threads, int)
+                                         or args.cpu_threads < 1):
+        raise ValueError(f"cpu_threads must be a positive integer (or None: torch's default), got {args.cpu_threads!r}")
     if args.max_cudagraph_capture_size is not None and (
             not isinstance(args.max_cudagraph_capture_size, int) or args.max_cudagraph_capture_size < 1):
         raise ValueError(f"max_cudagraph_capture_size must be a positive integer, got "

@@ -164,3 +164,17 @@ def read_generation_config(path: Path, setting: str) -> dict[str, Any]:
     if out:
         logger.info("default sampling settings from %s: %s", file, out)
     return out
+
+
+def speculative_settings(args) -> dict[str, Any]:
+    """The EngineConfig speculation fields from ``speculative_config`` or the n-gram flags."""
+    sc = args.speculative_config
+    if sc is None:
+        return dict(num_speculative_tokens=args.num_speculative_tokens, speculative_ngram_min=args.speculative_ngram_min,
+                    speculative_ngram_max=args.speculative_ngram_max)
+    model = sc.get("model")
+    if sc["method"] == "mtp" and model is None:
+        model = str(args.model_path())        # K3's MTP layers live in the target's checkpoint
+    return dict(num_speculative_tokens=sc["num_speculative_tokens"], speculative_method=sc["method"],
+                speculative_model=model, speculative_ngram_min=sc.get("prompt_lookup_min", args.speculative_ngram_min),
+                speculative_ngram_max=sc.get("prompt_lookup_max", args.speculative_ngram_max))

@@ -25,7 +25,7 @@ import torch
 
 from kimik3.engine.arg_checks import LOAD_FORMATS, MOE_BACKENDS, check_engine_args
 from kimik3.engine.arg_types import DTYPES, fraction, mm_limits_arg, non_negative_gib, non_negative_int, positive_int, \
-    positive_seconds, positive_size, read_generation_config, speculative_config_arg
+    positive_seconds, positive_size, read_generation_config, speculative_config_arg, speculative_settings
 from kimik3.model.batch import KV_CACHE_DTYPES
 from kimik3.model.offload_policy import POLICIES as OFFLOAD_POLICIES
 from kimik3.kernels import installed
@@ -66,6 +66,13 @@ class EngineArgs:
     max_num_batched_tokens: int = _opt("token budget of one engine step; longer prompts are chunked, which bounds a "
                                        "step's memory (default: 8192)", default=8192,
                                        type=positive_size)
+    long_prefill_token_threshold: int | None = _opt(
+        "the most tokens of one prompt prefilled in a step (vLLM's): a long prompt is chunked that fine, so the decode "
+        "steps it shares stay short; 0: --max-num-batched-tokens (default: 0; kimik3 serve on a CPU: 32)",
+        default=None, type=non_negative_int)
+    cpu_threads: int | None = _opt("torch threads on a CPU device (default: torch's, one per core; kimik3 serve "
+                                   "on a CPU: the cores less one, which it leaves to the HTTP side)",
+                                   default=None, type=positive_int)
     block_size: int | None = _opt("tokens per cache block (default: 16; 64 on CUDA when --flash-mla names "
                                   "FlashMLA's library, whose decode takes 64-token blocks)", default=None,
                                   type=positive_size)
@@ -323,6 +330,7 @@ class EngineArgs:
     def engine_config(self, max_model_len: int, device: torch.device):
         from kimik3.engine.config import EngineConfig
         return EngineConfig(max_num_seqs=self.max_num_seqs, max_num_batched_tokens=self.max_num_batched_tokens,
+                            long_prefill_token_threshold=self.long_prefill_token_threshold or 0,
                             max_model_len=max_model_len, enable_prefix_caching=self.enable_prefix_caching,
                             kv_cache_dtype=self.kv_cache_dtype,
                             block_size=self.resolve_block_size(device), kda_checkpoint_interval=self.kda_checkpoint_interval,
@@ -338,13 +346,4 @@ class EngineArgs:
 
     def speculative_settings(self) -> dict[str, Any]:
         """The EngineConfig speculation fields from ``speculative_config`` or the n-gram flags."""
-        sc = self.speculative_config
-        if sc is None:
-            return dict(num_speculative_tokens=self.num_speculative_tokens, speculative_ngram_min=self.speculative_ngram_min,
-                        speculative_ngram_max=self.speculative_ngram_max)
-        model = sc.get("model")
-        if sc["method"] == "mtp" and model is None:
-            model = str(self.model_path())        # K3's MTP layers live in the target's checkpoint
-        return dict(num_speculative_tokens=sc["num_speculative_tokens"], speculative_method=sc["method"],
-                    speculative_model=model, speculative_ngram_min=sc.get("prompt_lookup_min", self.speculative_ngram_min),
-                    speculative_ngram_max=sc.get("prompt_lookup_max", self.speculative_ngram_max))
+        return speculative_settings(self)

@@ -12,6 +12,8 @@ from __future__ import annotations
 import functools
 import logging
 
+import torch
+
 from kimik3.config import load_config
 from kimik3.engine.args import EngineArgs
 from kimik3.engine.core.llm_engine import LLMEngine
@@ -32,7 +34,10 @@ def build_engine(args: EngineArgs, tokenizer=None):
         logger.info("async scheduling on (the default on one CUDA device; --no-async-scheduling turns it off)")
     args.generation_defaults(path)          # a bad generation config fails before the load
     offload = args.expert_offload_config()
-    logger.info("loading %s (%s on %s)", path, str(dtype).removeprefix("torch."), device)
+    if device.type == "cpu" and args.cpu_threads is not None:
+        torch.set_num_threads(args.cpu_threads)       # process-wide: torch's intra-op threads
+    logger.info("loading %s (%s on %s, %d torch threads)", path, str(dtype).removeprefix("torch."), device,
+                torch.get_num_threads())
     kernels = args.kernel_options()
     install_kernel_options(kernels)         # the ops' options, resolved once (one engine's per process)
     if device.type == "cuda":

@@ -9,6 +9,7 @@ from dataclasses import dataclass
 class EngineConfig:
     max_num_seqs: int = 64                  # sequences in one step (= live KDA state slots)
     max_num_batched_tokens: int = 8192      # token budget of one step (long prompts are chunked; bounds a step's memory)
+    long_prefill_token_threshold: int = 0   # a request's prefill tokens per step at most (0: the budget; vLLM's)
     max_model_len: int = 8192               # prompt + output tokens of one sequence
     enable_prefix_caching: bool = True
     block_size: int = 16                    # tokens per MLA latent-cache block (and prefix-cache hash unit)
@@ -42,6 +43,9 @@ class EngineConfig:
             value = getattr(self, name)
             if not isinstance(value, int) or isinstance(value, bool) or value < 1:
                 raise ValueError(f"{name} must be a positive integer, got {value!r}")
+        if not isinstance(self.long_prefill_token_threshold, int) or self.long_prefill_token_threshold < 0:
+            raise ValueError(f"long_prefill_token_threshold must be an integer >= 0 (0: off), "
+                             f"got {self.long_prefill_token_threshold!r}")
         if not isinstance(self.encoder_cache_tokens, int) or self.encoder_cache_tokens < 0:
             raise ValueError(f"encoder_cache_tokens must be a non-negative integer, got {self.encoder_cache_tokens!r}")
         if self.kda_checkpoint_interval is not None and (

@@ -38,13 +38,14 @@ from kimik3.serve.exchange import (
     sampling_params,
 )
 from kimik3.serve.media import completion_images
-from kimik3.serve.limits import BodyLimits, RepeatedErrors, check_request_limits
+from kimik3.serve.limits import BodyLimits, RepeatedErrors, check_request_limits, context_exceeded
 from kimik3.serve.protocol import APIError, ChatCompletionRequest, CompletionRequest, bad_request, error_body
 from kimik3.serve.responses import ChatFormatter, CompletionFormatter
 from kimik3.serve.routes import add_routes
 from kimik3.serve.stats_log import log_stats
 from kimik3.serve.unserved import unserved_message
 from kimik3.serve.structured import request_constraint
+from kimik3.tokenizer import TooManyTokens
 
 logger = logging.getLogger(__name__)
 
@@ -289,7 +290,10 @@ def _completion_prompts(state: ServerState, req: CompletionRequest) -> tuple[lis
                 raise bad_request(f"{where} holds {IMAGE_PLACEHOLDER} but the request has no images: send them as "
                                   f"media_urls={{\"image\": [\"data:image/png;base64,...\"]}} (one per placeholder), "
                                   f"or use /v1/chat/completions with image parts", where, "missing_images")
-            ids = tok.encode(item)
+            try:
+                ids = tok.encode(item, limit=state.max_model_len)
+            except TooManyTokens:
+                raise context_exceeded(state.max_model_len, where) from None
             text = item
         else:
             ids = list(item)

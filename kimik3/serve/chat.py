@@ -17,6 +17,7 @@ from typing import Any
 from kimik3.chat import K3OutputParser, ParseDelta
 from kimik3.chat.options import ChatOptionError, ThinkingOptions, drop_past_reasoning, thinking_options
 from kimik3.engine.sample.sampling_params import StructuredOutputsParams
+from kimik3.serve.limits import check_text_fits, message_text_chars
 from kimik3.serve.media import MediaOptions, check_media_counts, collect_media, load_media, media_io_sampling
 from kimik3.serve.protocol import ChatCompletionRequest, bad_request
 from kimik3.serve.structured import MAX_PARALLEL_CALLS, k3_answer_grammar, request_constraint, response_format_constraint
@@ -160,8 +161,10 @@ def build_chat_prompt(req: ChatCompletionRequest, tokenizer, processor_cfg, has_
 
 
 async def chat_prompt(state, req: ChatCompletionRequest, param: str = "messages") -> ChatPrompt:
-    """``build_chat_prompt`` with the server's options, on its CPU pool."""
+    """``build_chat_prompt`` with the server's options, on its CPU pool (a text that cannot fit the context is
+    refused before)."""
     o = state.options
+    check_text_fits(state.tokenizer, message_text_chars(req.messages), state.max_model_len, param)
     return await state.cpu(build_chat_prompt, req, state.tokenizer, o.processor_config, state.has_vision,
                            max_image_tokens=state.max_model_len - 1, media=o.media,
                            limit_mm_per_prompt=o.limit_mm_per_prompt, param=param)

@@ -14,11 +14,12 @@ from concurrent.futures import ThreadPoolExecutor
 from dataclasses import dataclass, field
 
 from fastapi import Request
-from fastapi.responses import JSONResponse, Response, StreamingResponse
+from fastapi.responses import Response, StreamingResponse
 from pydantic import ValidationError
 
 from kimik3.engine import LLMEngine, SamplingParams
 from kimik3.serve.engine_loop import ChoiceDelta, Done, EngineLoop, Failed, Job, PromptInput
+from kimik3.serve.json_body import RenderedJSON, json_response, render
 from kimik3.serve.limits import Limits, check_response_logprobs
 from kimik3.serve.media import MediaOptions
 from kimik3.serve.metrics import ServerMetrics
@@ -205,6 +206,13 @@ def max_tokens_for(state: ServerState, requested: int | None, param: str, prompt
     return requested
 
 
+def _final_bytes(fmt, usage: dict, prompt_logprobs: dict[int, list], params: SamplingParams) -> bytes:
+    body = fmt.final(usage)
+    if params.prompt_logprobs is not None:
+        fmt.add_prompt_logprobs(body, prompt_logprobs, params.n)
+    return render(body)
+
+
 def _sse(body: dict) -> bytes:
     return b"data: " + json.dumps(body, ensure_ascii=False).encode() + b"\n\n"
 
@@ -312,7 +320,8 @@ class _Exchange:
 
 async def run_job(state: ServerState, request: Request, prompts: list[PromptInput], params: SamplingParams, fmt,
                stream: bool, include_usage: bool, continuous_usage: bool = False) -> Response:
-    check_response_logprobs(state.options.limits, [len(p.token_ids) for p in prompts], params, stream)
+    check_response_logprobs(state.options.limits, [len(p.token_ids) for p in prompts], params, stream,
+                            getattr(fmt, "prompt_logprobs_per_choice", False))
     state.admit(len(prompts) * params.n)
     job = Job(fmt.id, prompts, params)
     prompt_tokens = sum(len(p.token_ids) for p in prompts)
@@ -343,10 +352,11 @@ async def run_job(state: ServerState, request: Request, prompts: list[PromptInpu
                 raise item.error
             fmt.feed(item, streaming=False)
             item = await ex.next_event()
-        body = fmt.final(ex.usage(item.cached_tokens))
-        if params.prompt_logprobs is not None:
-            fmt.add_prompt_logprobs(body, job.prompt_logprobs, params.n)
-        return JSONResponse(body)
+        usage = ex.usage(item.cached_tokens)
+        if params.logprobs is None and params.prompt_logprobs is None:
+            return await json_response(state, fmt.final(usage))
+        # logprobs: up to --max-response-logprobs entries, formatted and rendered on the CPU pool in pieces
+        return RenderedJSON(await state.cpu(_final_bytes, fmt, usage, job.prompt_logprobs, params))
     finally:
         if not handed_off:
             ex.close()

@@ -200,20 +200,50 @@ def check_request_limits(limits: Limits, n: int, num_prompts: int, stop, stop_to
                           f"{len(stop_token_ids)}", "stop_token_ids")
 
 
-def check_response_logprobs(limits: Limits, prompt_lens: list[int], params, stream: bool) -> None:
+def context_exceeded(max_model_len: int, param: str) -> Exception:
+    """The 400 for a text that has more tokens than the context (found before it was all tokenised)."""
+    return bad_request(f"{param} has more than max_model_len={max_model_len} tokens, the most this server's context "
+                       f"holds (prompt and completion together); shorten it", param, "context_length_exceeded")
+
+
+def check_text_fits(tokenizer, chars: int, max_model_len: int, param: str) -> None:
+    """400 before any tokenising when ``chars`` characters of text cannot fit the context: no token stands for
+    more than ``tokenizer.max_token_chars`` characters (a 57 MiB prompt held a server 127 s before this)."""
+    if tokenizer is not None and chars > max_model_len * tokenizer.max_token_chars:
+        raise context_exceeded(max_model_len, param)
+
+
+def message_text_chars(messages) -> int:
+    """Characters of the text in chat messages (string contents and text parts; images and the rest are not
+    counted, so this never overstates what the rendered prompt holds)."""
+    total = 0
+    for m in messages if isinstance(messages, list) else []:
+        content = m.get("content") if isinstance(m, dict) else None
+        if isinstance(content, str):
+            total += len(content)
+        elif isinstance(content, list):
+            total += sum(len(p["text"]) for p in content if isinstance(p, dict) and isinstance(p.get("text"), str))
+    return total
+
+
+def check_response_logprobs(limits: Limits, prompt_lens: list[int], params, stream: bool,
+                            prompt_logprobs_per_choice: bool = False) -> None:
     """400 naming ``--max-response-logprobs`` when a response would carry more logprob entries than the
-    budget: ``prompt_logprobs`` (they come in the final body, stream or not) and, for a JSON body, the output
-    logprobs of every sample. A stream sends output logprobs as they come (its buffer is bounded)."""
+    budget: ``prompt_logprobs`` (they come in the final body, stream or not; on /v1/completions every choice
+    carries its prompt's, so n copies) and, for a JSON body, the output logprobs of every sample. A stream
+    sends output logprobs as they come (its buffer is bounded)."""
     entries = 0
     if params.prompt_logprobs is not None:
-        entries += sum(prompt_lens) * (1 + params.prompt_logprobs)
+        copies = params.n if prompt_logprobs_per_choice else 1
+        entries += copies * sum(prompt_lens) * (1 + params.prompt_logprobs)
     if params.logprobs is not None and not stream:
         entries += len(prompt_lens) * params.n * params.max_tokens * (1 + params.logprobs)
     if entries > limits.max_response_logprobs:
         raise bad_request(f"this request would return {entries} logprob entries (prompt tokens x (1 + "
-                          f"prompt_logprobs) + n x prompts x max_tokens x (1 + logprobs)), more than this server's "
-                          f"--max-response-logprobs {limits.max_response_logprobs}; ask for fewer logprobs, a lower "
-                          f"max_tokens or n, or stream the output", "logprobs", "response_too_large")
+                          f"prompt_logprobs), n times on /v1/completions, + n x prompts x max_tokens x (1 + "
+                          f"logprobs)), more than this server's --max-response-logprobs "
+                          f"{limits.max_response_logprobs}; ask for fewer logprobs, a lower max_tokens or n, or "
+                          f"stream the output", "logprobs", "response_too_large")
 
 
 # ---- bodies (ASGI) ------------------------------------------------------------------------------------------

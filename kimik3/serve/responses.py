@@ -93,8 +93,9 @@ class _Formatter:
         if self.chunk_object == "chat.completion.chunk":
             body["prompt_logprobs"] = self.prompt_logprobs(by_prompt.get(0, []))
         else:
+            formatted = {k: self.prompt_logprobs(v) for k, v in by_prompt.items()}     # once per prompt, not choice
             for i, choice in enumerate(body["choices"]):
-                choice["prompt_logprobs"] = self.prompt_logprobs(by_prompt.get(i // n, []))
+                choice["prompt_logprobs"] = formatted.get(i // n, [])
         return body
 
 
@@ -170,6 +171,7 @@ class ChatFormatter(_Formatter):
 
 class CompletionFormatter(_Formatter):
     chunk_object = "text_completion"
+    prompt_logprobs_per_choice = True      # each choice carries its prompt's prompt_logprobs
 
     def __init__(self, request_id: str, model: str, num_choices: int, logprobs: int | None, tokenizer,
                  include_usage: bool, echo_texts: list[str] | None, echo_ids: list[list[int]] | None = None,

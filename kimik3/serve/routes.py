@@ -12,8 +12,11 @@ from pydantic import Field, ValidationError
 
 from kimik3.serve.chat import chat_prompt
 from kimik3.serve.exchange import check_model, parse_body
+from kimik3.serve.json_body import json_response
+from kimik3.serve.limits import context_exceeded
 from kimik3.serve.protocol import APIError, ChatCompletionRequest, _Body, bad_request, validation_error
 from kimik3.serve.responses_api import add_responses_route
+from kimik3.tokenizer import TooManyTokens
 
 
 class TokenizeRequest(_Body):
@@ -73,7 +76,10 @@ def add_routes(app: FastAPI, state) -> None:
             raise bad_request("give exactly one of prompt (a string) or messages (a chat)", "prompt")
         if req.prompt is not None:
             # add_special_tokens: kimik3's tokenizer adds none to a raw prompt (the engine does not either)
-            ids = await state.cpu(tok.encode, req.prompt)
+            try:        # a prompt longer than the context is refused (its count would serve no request)
+                ids = await state.cpu(tok.encode, req.prompt, limit=state.max_model_len)
+            except TooManyTokens:
+                raise context_exceeded(state.max_model_len, "prompt") from None
         else:
             if not req.messages:
                 raise bad_request("messages is empty; give at least one message", "messages")
@@ -87,7 +93,7 @@ def add_routes(app: FastAPI, state) -> None:
             ids = prompt.token_ids
         body: dict[str, Any] = {"count": len(ids), "max_model_len": state.max_model_len, "tokens": ids}
         body["token_strs"] = await state.cpu(_token_strs, tok, ids) if req.return_token_strs else None
-        return body
+        return await json_response(state, body)
 
     @app.post("/detokenize")
     async def detokenize(request: Request):
@@ -95,6 +101,9 @@ def add_routes(app: FastAPI, state) -> None:
         check_model(state, req.model)
         tok = tokenizer()
         vocab = state.engine.vocab_size
+        if len(req.tokens) > state.max_model_len:
+            raise bad_request(f"tokens holds {len(req.tokens)} ids, more than max_model_len={state.max_model_len}, "
+                              f"the longest sequence this server makes", "tokens", "context_length_exceeded")
         bad = [t for t in req.tokens if not 0 <= t < vocab]
         if bad:
             raise bad_request(f"token ids {bad[:5]} lie outside the vocabulary [0, {vocab})", "tokens")

@@ -8,6 +8,7 @@ checkpoint); every start-up error propagates to the ``kimik3`` command, which pr
 from __future__ import annotations
 
 import argparse
+import dataclasses
 import logging
 import os
 import socket
@@ -45,9 +46,27 @@ def serve_options(args: argparse.Namespace, engine_args: EngineArgs | None = Non
                         media=media_options_from_args(args))
 
 
+CPU_PREFILL_CHUNK = 32      # tokens of a prompt one step prefills, serving on a CPU (~100-150 ms of one core)
+
+
+def serving_defaults(ea: EngineArgs) -> EngineArgs:
+    """A server on a CPU keeps each engine step short and a core for its HTTP side, unless told otherwise: a long
+    prompt is prefilled ``CPU_PREFILL_CHUNK`` tokens a step (an 8k prompt in one step held every stream beside it
+    ~20 s), and torch computes on the cores less one (with every core, its threads and the event loop's fought
+    over two cores: a 1-token step took 5-10x its CPU time on a loaded box)."""
+    device, _ = ea.resolve_device_dtype()
+    if device.type != "cpu" or ea.is_parallel:
+        return ea
+    cores = len(os.sched_getaffinity(0)) if hasattr(os, "sched_getaffinity") else (os.cpu_count() or 1)
+    return dataclasses.replace(
+        ea, long_prefill_token_threshold=(CPU_PREFILL_CHUNK if ea.long_prefill_token_threshold is None
+                                          else ea.long_prefill_token_threshold),
+        cpu_threads=max(1, cores - 1) if ea.cpu_threads is None else ea.cpu_threads)
+
+
 def build_app(args: argparse.Namespace):
     merge_model_tag(args)
-    ea = EngineArgs.from_cli(args)
+    ea = serving_defaults(EngineArgs.from_cli(args))
     options = serve_options(args, ea)       # bad options fail before the load
     engine, _ = build_engine(ea)
     return create_app(engine, options)

@@ -210,3 +210,21 @@ def test_the_gpu_cache_budget_leaves_a_steps_workspace():
     assert budget == int(0.9 * 80 * gib) - 30 * gib - ws.total
     with pytest.raises(ValueError, match="workspace .* lower max_num_batched_tokens"):
         gpu_cache_budget(80 * gib, 78 * gib, 60 * gib, 0.9, ws.total)
+
+
+def test_long_prefill_threshold_and_cpu_threads():
+    """--long-prefill-token-threshold (vLLM's; off by default) reaches the engine config; --cpu-threads sets torch's
+    threads on a CPU device (None leaves torch's default); bad values are refused naming the argument."""
+    assert EngineArgs().engine_config(1024, torch.device("cpu")).long_prefill_token_threshold == 0
+    assert EngineArgs(long_prefill_token_threshold=32).engine_config(
+        1024, torch.device("cpu")).long_prefill_token_threshold == 32
+    with pytest.raises(ValueError, match="cpu_threads must be a positive integer"):
+        EngineArgs(cpu_threads=0)
+    with pytest.raises(ValueError, match="long_prefill_token_threshold must be an integer >= 0"):
+        EngineArgs(long_prefill_token_threshold=-1).engine_config(1024, torch.device("cpu"))
+    before = torch.get_num_threads()
+    try:
+        llm = kimik3.LLM(kimik3.DEFAULT_MODEL, device="cpu", max_num_seqs=2, cpu_threads=1)
+        assert torch.get_num_threads() == 1 and llm.engine.config.long_prefill_token_threshold == 0
+    finally:
+        torch.set_num_threads(before)

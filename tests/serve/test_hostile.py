@@ -105,3 +105,70 @@ def test_hostile_grammars_are_400s_and_stall_nobody():
         if watch is not None:
             watch.stop.set()
         s.stop()
+
+
+def test_prompts_too_long_for_the_context_are_refused_before_tokenising():
+    """A 20 MiB prompt is a 400 at once on every route that tokenises (/tokenize, /v1/completions, /v1/chat, a
+    /v1/responses input), and /detokenize takes no more ids than the context: a 57 MiB /tokenize prompt held a
+    server ~2 minutes tokenising (and its innocent stream 100 s), its answer 21M ids. /health and a stream beside
+    them stay responsive."""
+    s = start_fake_server(step_delay=0.01, engine_kw={"max_model_len": 2048})
+    text = "The quick brown fox jumps over the lazy dog. " * (20 * 2**20 // 45)
+    cases = [("/tokenize", {"model": MODEL, "prompt": text}, "prompt"),
+             ("/tokenize", {"model": MODEL, "messages": [{"role": "user", "content": text}]}, "messages"),
+             ("/v1/completions", {"model": MODEL, "prompt": text, "max_tokens": 1}, "prompt"),
+             ("/v1/completions", {"model": MODEL, "prompt": ["x", text], "max_tokens": 1}, "prompt[1]"),
+             ("/v1/chat/completions", {"model": MODEL, "max_tokens": 1,
+                                       "messages": [{"role": "user", "content": [{"type": "text", "text": text}]}]},
+              "messages"),
+             ("/v1/responses", {"model": MODEL, "input": text}, "input"),
+             ("/detokenize", {"model": MODEL, "tokens": [5] * 2049}, "tokens")]
+    watch = None
+    try:
+        with httpx.Client(timeout=60) as c:
+            watch = Watch(s.url)
+            for route, body, param in cases:
+                raw = json.dumps(body).encode()
+                start = time.monotonic()
+                err = assert_error(c.post(s.url + route, content=raw, headers={"content-type": "application/json"}),
+                                   400, param, "max_model_len=2048")
+                assert err["code"] == "context_length_exceeded" and time.monotonic() - start < 5, (route, param)
+            just = "word " * 400                  # fits: counted exactly as before
+            ok = c.post(s.url + "/tokenize", json={"model": MODEL, "prompt": just}).json()
+            assert ok["tokens"] == s.engine.get_tokenizer().encode(just) and ok["count"] == len(ok["tokens"])
+            watch.finish()
+    finally:
+        if watch is not None:
+            watch.stop.set()
+        s.stop()
+
+
+def test_large_logprob_bodies_leave_the_event_loop_free():
+    """n=8 x logprobs=200 x 160 tokens (about the most --max-response-logprobs admits, ~15 MB of JSON) and prompt_logprobs
+    are formatted and rendered on the CPU pool in pieces: /health and a stream keep answering meanwhile (the body
+    rendered on the event loop held it for seconds). The bodies are the ones expected (parsed once the watch ends:
+    this test's client shares the server's process and GIL). Prompts are prefilled 32 tokens a step, as a CPU server
+    does (kimik3.serve.server.serving_defaults)."""
+    s = start_fake_server(step_delay=0.005, engine_kw={"max_model_len": 2048, "long_prefill_token_threshold": 32,
+                                                       "max_logprobs": 200})
+    watch = None
+    prompt = list(range(5, 1805))
+    try:
+        with httpx.Client(timeout=120) as c:
+            watch = Watch(s.url)
+            r = c.post(s.url + "/v1/completions", json=_completion(n=8, logprobs=200, max_tokens=160, ignore_eos=True))
+            p = c.post(s.url + "/v1/completions", json={"model": MODEL, "prompt": prompt, "max_tokens": 1,
+                                                         "prompt_logprobs": 20, "n": 2})
+            watch.finish()
+        assert r.status_code == 200 and p.status_code == 200, (r.text[:300], p.text[:300])
+        choices = r.json()["choices"]
+        assert len(choices) == 8 and all(len(ch["logprobs"]["top_logprobs"]) == 160 for ch in choices)
+        sizes = sorted({len(top) for ch in choices for top in ch["logprobs"]["top_logprobs"]})
+        assert 100 < sizes[-1] <= 201, sizes     # (keyed by token text: tokens that decode alike share a key)
+        first, second = (ch["prompt_logprobs"] for ch in p.json()["choices"])
+        assert first == second and first[0] is None and len(first) == len(prompt)
+        assert all(str(t) in entry for t, entry in zip(prompt[1:], first[1:]))
+    finally:
+        if watch is not None:
+            watch.stop.set()
+        s.stop()

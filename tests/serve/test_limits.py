@@ -444,8 +444,32 @@ def test_response_logprobs_are_bounded():
                            "--max-response-logprobs 2000")
         assert err["code"] == "response_too_large" and "4200 logprob entries" in err["message"]
         assert httpx.post(url, json={**base, "prompt_logprobs": 5}, timeout=30).status_code == 200
+        # every choice of /v1/completions carries its prompt's prompt_logprobs: n copies count
+        err = assert_error(httpx.post(url, json={**base, "prompt_logprobs": 5, "n": 2}, timeout=30), 400, "logprobs")
+        assert "2400 logprob entries" in err["message"]
         many = {**base, "n": 4, "max_tokens": 100, "logprobs": 5}
         assert_error(httpx.post(url, json=many, timeout=30), 400, "logprobs", "stream the output")
         assert httpx.post(url, json={**many, "stream": True}, timeout=30).status_code == 200
     finally:
         s.stop()
+
+
+def test_a_cpu_server_keeps_steps_short_and_a_core_free():
+    """kimik3 serve on a CPU prefills 32 prompt tokens a step (an 8k prompt's one step held every stream beside it
+    ~20 s) and computes on the cores less one (torch's threads and the event loop fought over two cores); a value
+    given wins, and LLM keeps vLLM's defaults (no threshold, torch's threads)."""
+    import argparse
+    import os
+
+    from kimik3.engine.args import EngineArgs
+    from kimik3.serve import add_serve_arguments
+    from kimik3.serve.server import CPU_PREFILL_CHUNK, serving_defaults
+    cores = len(os.sched_getaffinity(0))
+    ea = serving_defaults(EngineArgs(device="cpu"))
+    assert (ea.long_prefill_token_threshold, ea.cpu_threads) == (CPU_PREFILL_CHUNK, max(1, cores - 1))
+    assert CPU_PREFILL_CHUNK == 32
+    given = add_serve_arguments(argparse.ArgumentParser()).parse_args(
+        ["--device", "cpu", "--long-prefill-token-threshold", "0", "--cpu-threads", "3"])
+    ea = serving_defaults(EngineArgs.from_cli(given))
+    assert (ea.long_prefill_token_threshold, ea.cpu_threads) == (0, 3)
+    assert (EngineArgs(device="cpu").long_prefill_token_threshold, EngineArgs(device="cpu").cpu_threads) == (None, None)

@@ -11,6 +11,7 @@ from kimik3.tokenizer import (
     IncrementalDetokenizer,
     KimiTokenizer,
     TokenizerFileError,
+    TooManyTokens,
     _split_long_runs,
     detect_chat_format,
     load_tokenizer,
@@ -318,3 +319,44 @@ def test_config_unknown_bos(ckpt):
                 max_size=30).map("".join))
 def test_allow_special_matches_tiktoken(tok, text):
     assert tok.encode(text, allow_special=True) == tok._encoding.encode(text, allowed_special="all")
+
+
+# ---- a limit: a text too long for a context costs little ----------------------------------------------
+
+
+def test_max_token_chars_bounds_every_token(tok):
+    longest = max(len(tok._encoding.decode_single_token_bytes(i)) for i in range(tok.num_base_tokens))
+    assert tok.max_token_chars >= longest
+    assert tok.max_token_chars >= max(len(name) for name in tok.special_tokens)
+
+
+@settings(max_examples=200, deadline=None)
+@given(st.lists(st.sampled_from(["<|open|>", "<|sep|>", "ab", "abc ", " ", "é", "\n", "x" * 40]), max_size=40).map("".join),
+       st.booleans(), st.integers(0, 60))
+def test_encode_with_a_limit(tok, text, special, limit):
+    """Within the limit: the same ids as without one; beyond it: TooManyTokens, never a shortened list."""
+    full = tok.encode(text, allow_special=special)
+    if len(full) <= limit:
+        assert tok.encode(text, allow_special=special, limit=limit) == full
+    else:
+        with pytest.raises(TooManyTokens):
+            tok.encode(text, allow_special=special, limit=limit)
+
+
+def test_a_huge_text_is_refused_early(tok, monkeypatch):
+    """A text that cannot fit is refused before it is encoded to its end: by its length alone when it is longer
+    than limit x the longest token, else after the first piece past the limit (a 57 MiB prompt took a server's
+    tokenizer ~2 minutes)."""
+    import kimik3.tokenizer as T
+    calls = []
+    encode = tok._encoding.encode
+    monkeypatch.setattr(tok._encoding, "encode", lambda piece, **kw: calls.append(len(piece)) or encode(piece, **kw))
+    with pytest.raises(TooManyTokens, match="more than 100 tokens"):
+        tok.encode("ab" * (100 * tok.max_token_chars), limit=100)
+    assert calls == []
+    monkeypatch.setattr(T, "_MAX_ENCODE_CHARS", 1000)
+    text = "ab " * 30_000                            # 90 pieces of 1000 characters
+    assert len(text) <= 20_000 * tok.max_token_chars    # within the length bound: encoded until past the limit
+    with pytest.raises(TooManyTokens):
+        tok.encode(text, limit=20_000)
+    assert 1 < len(calls) < 90                       # stopped before its end

@@ -1,7 +1,8 @@
 """Scheduler: each step, hand out a token budget so every request's computed tokens catch up.
 
 Per step (budget = ``max_num_batched_tokens``):
-1. Running requests, oldest first, take what they still lack (1 for a decode, a chunk for a prefill); while
+1. Running requests, oldest first, take what they still lack (1 for a decode, a chunk for a prefill: at most
+   ``long_prefill_token_threshold`` tokens when that is set); while
    the cache cannot grow, the newest running request is preempted (freed, recomputed later, first in line).
 2. Waiting requests, first come first served, are admitted while budget, ``max_num_seqs`` and cache allow
    (a long prompt gets a chunk, a prefix hit skips the cached part), but not in a step that preempted (the
@@ -60,6 +61,12 @@ class Scheduler:
         self.running: list[Request] = []
         self.num_preemptions = 0
 
+    @property
+    def _chunk_cap(self) -> int:
+        """The most tokens one request computes in a step: ``long_prefill_token_threshold`` (vLLM's: a long prompt
+        is prefilled in chunks that short, so the decode steps it shares stay short), else the step's budget."""
+        return self.config.long_prefill_token_threshold or self.config.max_num_batched_tokens
+
     def add(self, req: Request) -> None:
         self.waiting.append(req)
 
@@ -79,12 +86,14 @@ class Scheduler:
                 continue
             self.kv.take_rollback(req, out.state_copies)     # roll back to the last accepted draft first
             n, rows = _cap_prompt_rows(req, req.num_computed_tokens,
-                                       min(req.num_tokens - req.num_computed_tokens, budget), rows_left)
+                                       min(req.num_tokens - req.num_computed_tokens, budget, self._chunk_cap),
+                                       rows_left)
             if n == 0:
                 i += 1
                 continue
             rows_left -= rows
-            draft = self._draft(req, budget) if n == 1 else []
+            # drafts follow a decode token only (a 1-token chunk inside a prompt, under a threshold of 1, has none)
+            draft = self._draft(req, budget) if n == 1 == req.num_tokens - req.num_computed_tokens else []
             while not self.kv.allocate(req, n + len(draft)):
                 victim = self.running.pop()
                 self._preempt(victim)
@@ -101,7 +110,7 @@ class Scheduler:
             req = self.waiting[0]
             if self._blocked(req):
                 break
-            n = min(req.num_tokens, budget)
+            n = min(req.num_tokens, budget, self._chunk_cap)
             admission = self.kv.admit(req, n)
             if admission is None:
                 break

@@ -43,6 +43,7 @@ scenario = st.fixed_dictionaries({
     "cycling": st.booleans(),                        # outputs cycle, so drafts are often accepted
     "sampled": st.integers(0, 2),                    # extra seeded temperature-0.8 requests (plumbing only)
     "async": st.booleans(),                          # async scheduling (with speculation: while drafts pause)
+    "long_prefill": st.sampled_from([0, 0, 1, 3]),   # long_prefill_token_threshold (0 = the step's budget)
 })
 
 
@@ -66,7 +67,7 @@ def test_greedy_matches_reference(sc):
                          enable_prefix_caching=sc["prefix"], kda_checkpoint_interval=sc["interval"],
                          extra_blocks=sc["extra_blocks"], num_speculative_tokens=sc["speculative"],
                          speculative_ngram_min=1, speculative_ngram_max=3,
-                         async_scheduling=sc["async"])
+                         async_scheduling=sc["async"], long_prefill_token_threshold=sc["long_prefill"])
     ahead = count_calls(engine.scheduler, "schedule_ahead")
     arrivals: dict[int, list[str]] = {}
     for rid in reqs:
@@ -218,6 +219,29 @@ def test_decodes_and_chunked_prefill_share_steps(budget):
     engine.add_request("long", {"prompt_token_ids": list(range(30))}, SamplingParams(temperature=0, max_tokens=1))
     out = engine.scheduler.schedule()
     assert [(c.req.request_id, c.num_tokens) for c in out.chunks] == [("short", 1), ("long", budget)]
+
+
+def test_long_prefill_token_threshold_caps_a_prompts_chunk():
+    """vLLM's long_prefill_token_threshold: a prompt (just admitted or running) computes at most that many tokens a
+    step however much budget is left, so the decodes beside it keep short steps; the tokens are unchanged."""
+    model = FakeModel()
+    engine = make_engine(model, block_size=4, max_num_batched_tokens=64, max_model_len=64, extra_blocks=10,
+                         long_prefill_token_threshold=5)
+    chunks = []
+    schedule = engine.scheduler.schedule
+
+    def recorded():
+        out = schedule()
+        chunks.append({c.req.request_id: c.num_tokens for c in out.chunks})
+        return out
+    engine.scheduler.schedule = recorded
+    long = list(range(3, 33))
+    out = run(engine, {"short": ([4], SamplingParams(temperature=0, max_tokens=20)),
+                       "long": (long, SamplingParams(temperature=0, max_tokens=3))}, arrivals={0: ["short"], 1: ["long"]})
+    assert out["long"][0][0] == reference_greedy(model, long, 3)
+    assert out["short"][0][0] == reference_greedy(model, [4], 20)
+    prefill = [c["long"] for c in chunks if "long" in c]
+    assert prefill[:6] == [5, 5, 5, 5, 5, 5] and all(c.get("short") == 1 for c in chunks[1:7])
 
 
 def test_offline_api_is_exported_at_the_top_level():
