@@ -60,6 +60,10 @@ class EngineConfig:
         from kimik3.model.batch import KV_CACHE_DTYPES
         if self.kv_cache_dtype not in KV_CACHE_DTYPES:
             raise ValueError(f"kv_cache_dtype must be one of {list(KV_CACHE_DTYPES)}, got {self.kv_cache_dtype!r}")
+        self._check_budgets()
+
+    def _check_budgets(self) -> None:
+        """The grammar compiler's budgets, the pipeline's micro-batches and the cache's bytes."""
         if not (isinstance(self.grammar_compile_timeout, (int, float)) and self.grammar_compile_timeout > 0):
             raise ValueError(f"grammar_compile_timeout must be > 0 seconds, got {self.grammar_compile_timeout!r}")
         if not isinstance(self.grammar_compile_memory, int) or self.grammar_compile_memory < 1:
