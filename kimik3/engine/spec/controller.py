@@ -35,9 +35,10 @@ logger = logging.getLogger(__name__)
 REQUEST_DECAY = 0.85     # a request's acceptance counts decay per observed draft (about 7 drafts of memory)
 GLOBAL_DECAY = 0.98      # the drafter's global counts (the prior of new and quiet requests)
 PRIOR = 2.0              # pseudo-observations of the global rates in a request's estimate
-COST_DECAY = 0.98        # the cost fits' memory (about 50 steps)
+COST_DECAY = 0.99        # the cost fits' memory (about 100 steps)
 MAX_WATCH_GAP = 16       # a request that does not draft computes its first draft at least every 16 decode steps
-PROBE_EVERY = 8          # one step in 8 (at random) runs a nearby plan, so the fits see the cost of drafts
+PROBE_EVERY = 12         # steps between probes of each kind (at random; see ``DraftController._dither``)
+EXPLORE = 4              # a batch size's first steps alternate one draft each and none
 
 
 @dataclass
@@ -144,7 +145,8 @@ class DraftController:
             near = self.step_fit(seqs)
             per_row = 0.5 * seconds / max(seqs + drafts, 1)
             prior = list(near.beta) if near is not None else [0.5 * seconds, per_row, per_row]
-            self.steps[b] = LinearFit(prior, [1.0, max(seqs, 1), max(seqs, 1)])
+            # a weak prior: a draft row's cost at another batch size says little about this one's
+            self.steps[b] = LinearFit(prior, [1.0, max(seqs, 1), 0.25 * max(seqs, 1)])
         self.steps[b].add([1.0, seqs, drafts], seconds)
 
     def record_draft(self, rows: int, forwards: int, forward_rows: int, seconds: float) -> None:
@@ -185,20 +187,21 @@ class DraftController:
             time += fixed + take * (row + fwd_row)
             for _, i in gains[:take]:
                 depth[i] = j
-        logger.debug("plan: batch %d, step %.4f + %.5f/row, draft fwd %.4f + %.5f/row: %d drafts, depth %d",
-                     batch, time - sum(depth) * 0, row, fwd, fwd_row, sum(depth), max(depth, default=0))
-        return self._dither(depth, rates, rooms, step.count)
+        logger.debug("plan: batch %d, step %s, draft %s: %d drafts, depth %d", batch, np.round(beta, 5),
+                     np.round(dbeta, 5), sum(depth), max(depth, default=0))
+        return self._dither(depth, rooms, step.count)
 
-    def _dither(self, depth: list[int], rates: list[tuple[float, float]], rooms: list[int], seen: int) -> list[int]:
-        """One step in ``PROBE_EVERY`` (at random) runs a nearby plan instead: every request one draft fewer, or,
-        where none drafts, one draft for the half of them most likely to be accepted. The number of draft
-        rows then varies by about one per drafting request, which is what lets the step fit tell a draft row's
-        cost from the rest of a step at this batch size (steps only as large as the plan's would not), and a
-        batch that stopped drafting measures again what a draft would cost now."""
-        if self.rng.random() >= (0.5 if seen < PROBE_EVERY else 1.0 / PROBE_EVERY):   # more often in a new octave
-            return depth
+    def _dither(self, depth: list[int], rooms: list[int], seen: int) -> list[int]:
+        """Now and then a step runs a nearby plan instead, so the step fit sees what drafts cost at this batch
+        size (steps only as large as the plan's would not tell a draft row from the rest of a step). A batch
+        size's first ``EXPLORE`` steps alternate one draft each and none; after that, at random, while drafting
+        one step in ``PROBE_EVERY`` runs without drafts (the plain step's own time) and one with a draft fewer
+        each, and while not drafting one in ``PROBE_EVERY`` with one draft each (what a draft would cost now)."""
+        if seen < EXPLORE:
+            return [1 if r and seen % 2 == 0 else 0 for r in rooms]
+        u = self.rng.random()
         if any(depth):
-            return [max(d - 1, 0) for d in depth]
-        order = sorted((i for i, r in enumerate(rooms) if r), key=lambda i: -rates[i][0])
-        picked = set(order[:max(1, len(order) // 2)])
-        return [1 if i in picked else 0 for i in range(len(depth))]
+            if u < 1.0 / PROBE_EVERY:
+                return [0] * len(depth)
+            return [max(d - 1, 0) for d in depth] if u < 2.0 / PROBE_EVERY else depth
+        return [1 if r else 0 for r in rooms] if u < 1.0 / PROBE_EVERY else depth

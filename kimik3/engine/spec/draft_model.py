@@ -75,6 +75,9 @@ class ModelDrafter(Drafter):
         self.cache = torch.zeros(draft_cache_shape(draft, total, block_size), dtype=p.dtype, device=p.device)
         self.executor = executor_factory(draft, self.cache, block_size)
         self.controller = DraftController(k)
+        # the controller's clock: wall time where a device runs the steps; on a CPU this process's CPU time (on a
+        # machine shared with other processes their load would stretch the measured costs at random)
+        self.clock = time.process_time if p.device.type == "cpu" else time.perf_counter
         self._step_end: float | None = None      # when the last ``observe`` returned (the target step's start)
 
     @staticmethod
@@ -107,7 +110,7 @@ class ModelDrafter(Drafter):
     def observe(self, out, states: torch.Tensor | None) -> None:
         """Catch up with a committed step and set the proposal of each request that drafts next.
         ``states``: the target's aux states of the step's packed rows [T, n * D] (None: nothing to read)."""
-        now = time.perf_counter()
+        now = self.clock()
         decode = bool(out.chunks) and all(c.samples and c.num_tokens - len(c.draft) == 1 for c in out.chunks)
         if decode and self._step_end is not None:
             self.controller.record_step(len(out.chunks), sum(len(c.draft) for c in out.chunks), now - self._step_end)
@@ -117,9 +120,9 @@ class ModelDrafter(Drafter):
                 drafts = self.executor.run(work, states)
                 if decode:
                     self.controller.record_draft(len(work.rows), work.num_forwards, work.forward_rows,
-                                                 time.perf_counter() - now)
+                                                 self.clock() - now)
                 self._hand_out(reqs, counts, drafts)
-        self._step_end = time.perf_counter()
+        self._step_end = self.clock()
 
     def _plan(self, out) -> tuple[DraftWork, list, list[int]]:
         """The step's catch-up rows and, for the requests that sample next, their drafts (``controller.plan``):

@@ -9,7 +9,7 @@ import random
 import numpy as np
 import pytest
 
-from kimik3.engine.spec.controller import Acceptance, DraftController, LinearFit, Rate
+from kimik3.engine.spec.controller import EXPLORE, PROBE_EVERY, Acceptance, DraftController, LinearFit, Rate
 
 
 class NoProbe:
@@ -18,11 +18,12 @@ class NoProbe:
 
 
 def controller(k: int, step: tuple[float, float, float], draft: tuple[float, float, float, float]) -> DraftController:
-    """A controller whose fits hold exactly these coefficients (no probes)."""
+    """A controller whose fits hold exactly these coefficients (no probes, past the first steps' exploration)."""
     c = DraftController(k)
     c.rng = NoProbe()
     for b in range(1, 8):
         c.steps[b] = LinearFit(list(step), [1.0, 1.0, 1.0], weight=1e9)
+        c.steps[b].count = EXPLORE
     c.draft = LinearFit(list(draft), [1.0] * 4, weight=1e9)
     return c
 
@@ -103,3 +104,16 @@ def test_a_new_batch_size_starts_from_the_nearest_measured_one():
     assert c.step_fit(32) is c.steps[1]
     c.record_step(32, 0, 0.4)
     assert set(c.steps) == {1, 6} and c.step_fit(32) is c.steps[6] and c.step_fit(20) is c.steps[6]
+
+
+def test_probes_vary_the_drafts_around_the_plan():
+    """A new batch size alternates one draft each and none; later, now and then a step without drafts and one
+    with a draft fewer each (drafting), or one draft each (not drafting); most steps run the plan."""
+    c = DraftController(4)
+    assert [c._dither([3, 0, 2], [4, 4, 0], seen) for seen in range(EXPLORE)] == [[1, 1, 0], [0, 0, 0]] * (EXPLORE // 2)
+    runs = [tuple(c._dither([3, 1, 2], [4, 4, 4], EXPLORE)) for _ in range(600)]
+    share = {d: runs.count(d) / len(runs) for d in set(runs)}
+    assert set(share) == {(3, 1, 2), (0, 0, 0), (2, 0, 1)}
+    assert abs(share[(0, 0, 0)] - 1 / PROBE_EVERY) < 0.04 and abs(share[(2, 0, 1)] - 1 / PROBE_EVERY) < 0.04
+    idle = {tuple(c._dither([0, 0], [2, 0], EXPLORE)) for _ in range(200)}
+    assert idle == {(0, 0), (1, 0)}

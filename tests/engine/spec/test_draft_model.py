@@ -97,6 +97,7 @@ def test_greedy_output_is_plain_decodings(target, monkeypatch, mode, drafts):
     futures = {tuple(p): reference_greedy(target, p, sp.max_tokens) for p, sp in reqs.values()}
     if drafts == "oracle":
         oracle(monkeypatch, futures, target.config.text.vocab_size)
+        fixed_plan(monkeypatch)         # long drafts every step: accepted runs, rejections and rollbacks
     kw = dict(MODES[mode])
     engine = engine_with(target, **kw)
     arrivals = {0: ["r0"], 3: ["r1", "r2"]} if mode == "prefix" else None
@@ -184,6 +185,7 @@ def test_mtp_and_dflash_drafts_through_the_engine(target, monkeypatch, method):
         monkeypatch.setattr(ModelDrafter, "_hand_out", oracle_block)
     else:
         oracle(monkeypatch, futures, text.vocab_size)
+    fixed_plan(monkeypatch)
     cfg = EngineConfig(num_speculative_tokens=3, speculative_method=method, speculative_model="test", block_size=4,
                        max_num_seqs=2, max_num_batched_tokens=9, max_model_len=40, kda_checkpoint_interval=1)
     cfg.cache_memory_bytes = budget_for(target, 4, 2, 18, 1, 3) + 20 * ModelDrafter.bytes_per_block(draft, 4)
