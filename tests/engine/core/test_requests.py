@@ -254,3 +254,45 @@ def test_a_failed_step_names_the_requests_of_its_batch():
     engine.runner.execute = real
     while engine.has_unfinished_requests():
         engine.step()
+
+
+@pytest.mark.parametrize("stop", [None, ["vD"]], ids=["no-stop-string", "stop-string"])
+@pytest.mark.parametrize("async_scheduling", [False, True], ids=["sync", "async"])
+def test_final_only_gives_one_delta_equal_to_the_streamed_ones(stop, async_scheduling):
+    """A ``final_only`` request (as LLM.generate adds them) gets no delta until it finishes, then one holding
+    every sample's tokens, text, finish and stop reasons: what the deltas of the same request streamed add up to
+    (n = 2 samples, a stop token for one, a stop string or the length limit)."""
+    from tests.engine.helpers import turn_async
+    prompt = [3, 4, 5, 6, 7]
+    # sampled, seeded: sample 0 "ZbUvDlUSl" (ends on the stop string, or its length), sample 1 "[nhy{J..." (stop id 9)
+    params = SamplingParams(temperature=1.0, max_tokens=9, n=2, seed=1, stop=stop, stop_token_ids=[9])
+    got = {}
+    for final_only in (False, True):
+        engine = make_engine(FakeModel(), max_model_len=32, extra_blocks=8, tokenizer=CharTokenizer())
+        if async_scheduling:
+            turn_async(engine)
+        engine.add_request("r", {"prompt_token_ids": prompt}, params, final_only=final_only)
+        deltas = []
+        while engine.has_unfinished_requests():
+            deltas += engine.step()
+        got[final_only] = deltas
+    streamed, final = got[False], got[True]
+    assert len(final) == 1 and final[0].finished and len(streamed) > 1
+    for i in range(2):
+        pieces = [c for d in streamed for c in d.outputs if c.index == i]
+        (one,) = [c for c in final[0].outputs if c.index == i]
+        assert one.token_ids == [t for c in pieces for t in c.token_ids]
+        assert one.text == "".join(c.text for c in pieces)
+        assert (one.finish_reason, one.stop_reason) == (pieces[-1].finish_reason, pieces[-1].stop_reason)
+    ends = {c.index: (c.finish_reason, c.stop_reason, c.text) for c in final[0].outputs}
+    assert ends == {0: ("stop", "vD", "ZbU") if stop else ("length", None, "ZbUvDlUSl"), 1: ("stop", 9, "[nhy{")}
+    assert final[0].metrics.keys() == streamed[-1].metrics.keys()
+
+
+def test_decode_chunk_is_the_dataclass_chunk():
+    """``ScheduledChunk.decode`` (built field by field for speed) equals the dataclass's own construction."""
+    from kimik3.engine.core.request import Request
+    from kimik3.engine.core.scheduler_output import ScheduledChunk
+    req = Request("r", [1, 2, 3], SamplingParams(), 0.0)
+    for start in (3, 2):         # its pending token (samples) / a chunk short of it (does not)
+        assert ScheduledChunk.decode(req, start) == ScheduledChunk(req, 1, start, input_pending=True)
