@@ -108,8 +108,6 @@ def arg(name: str, default: str) -> str:
 
 def make_llm(batch: int, prompt: int, eager: bool, sync: bool, tokenizer: bool):
     """An ``LLM`` over the null model with the engine a GPU would build (async scheduling, graph path)."""
-    import itertools
-
     from kimik3.engine.config import EngineConfig
     from kimik3.engine.core.llm_engine import LLMEngine
     from kimik3.engine.llm import LLM
@@ -125,10 +123,13 @@ def make_llm(batch: int, prompt: int, eager: bool, sync: bool, tokenizer: bool):
                                            kda_checkpoint_interval=353), tokenizer=tok)
     if not eager:
         engine.runner.graphs = HostGraphs(model, batch)
-    llm = LLM.__new__(LLM)          # LLM.generate's loop over this engine (no checkpoint to load)
-    llm.engine, llm.parallel_group, llm.generation_defaults, llm._processor = engine, None, {}, None
-    llm._ids = itertools.count()
-    return llm
+    import kimik3.engine.llm as llm_module
+    build = llm_module.build_engine     # an LLM (the embedded model's settings) around this engine: no weights loaded
+    llm_module.build_engine = lambda args, tokenizer=None: (engine, None)
+    try:
+        return LLM()
+    finally:
+        llm_module.build_engine = build
 
 
 def main() -> None:

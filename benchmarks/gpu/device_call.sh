@@ -10,7 +10,9 @@
 # (#19) sync and async; trace = its device time per step at batch 32 (torch.profiler); serve = served vs
 # offline (#18 item 5) sync and async; slice = bench_slice.py on both slices (no reference, no checks; SLICES=kl or k3
 # for one, SLICE_ARGS=--pdl-ab adds each case without programmatic dependent launch); profile = one decode step's kernels by module (profile_step.py; PROFILE_PREFILL=8192 adds a prefill); mladecode = the MLA decode config sweep (first, alone on the GPU; MLA_SWEEP= for the defaults only); decodeops = bench_decode_ops.py (KDA step, conv decode); vision = bench_vision.py (the tower eager vs graphs); moe = bench_moe.py --decode-only (expert kernels at 1-128 tokens; MOE_ARGS=--compare=FILE adds another moe.py's kernels); moeprefill = bench_moe.py --prefill-only; moefp8 = bench_moe_fp8.py (FP8 experts and W4A8 against the bf16 paths; MOE_FP8_ARGS=--skip-k3 / --skip-kimi-linear); router = bench_router_align.py (ROUTER_ARGS=--split-only: the split-K routing alone); long = the decode graph replayed at 8k-1M contexts; stacks = the same, with stack samples per pass; spec = n-gram speculation vs plain at batch 1 (SPEC_ASYNC=1: also both async; =only: async alone); engine =
-# bench_engine.py (host share); hostprof = cProfile of the constrained async step at batch 32.
+# bench_engine.py (host share); hostprof = cProfile of the constrained async step at batch 32; userpath = #57's
+# checks: the KDA checkpoint GPU test, kda_checkpoints.py before/after (--legacy), bench_user_path.py's Kimi-Linear
+# prefill A/B and the K3 slice's decode through LLM at batch 1 / 32 / 64 / 128 (max_num_seqs 128).
 # FLASH=1: name the carried FlashMLA / FlashKDA libraries (.whl/libkimik3_flash_{mla,kda}.so, built here by
 # kimik3 build-kernels) for every section; full = the whole Kimi-Linear-48B (bench_full_model.py, needs an
 # H200; FULL_ARGS: its flags, e.g. --layers=14 on an 80 GB GPU); flashops = bench_flash_mla.py and bench_kda_prefill.py
@@ -153,5 +155,16 @@ fi
 if [[ " $sections " == *" hostprof "* ]]; then        # where the constrained async step's host time goes
   run structured_hostprof 120 python3 benchmarks/structured.py engine --slice --device cuda --no-enforce-eager \
       --async-scheduling --host-profile 32
+fi
+if [[ " $sections " == *" userpath "* ]]; then        # #57: LLM's decode (K3) and prefix caching's prefill cost (KL, KDA layer)
+  run kda_ckpt_test 150 python3 -m pytest -q -p no:cacheprovider tests/gpu/test_kda_checkpoints_gpu.py
+  for e in 5648 1024; do for v in --legacy ""; do
+    run "kda_ckpt_${e}${v}" 60 python3 benchmarks/kda_checkpoints.py --device=cuda --dtype=bfloat16 --tokens=8192 --every=$e $v
+  done; done
+  run user_path_kl 240 python3 benchmarks/gpu/bench_user_path.py --config=benchmarks/gpu/kimi-linear-slice4.config.json \
+      --prefill-only --prefill-profile
+  run user_path_k3 300 python3 benchmarks/gpu/bench_user_path.py --batches=1,32,64,128
+  cp bench_out/bench_user_path*.json "$L"/ 2>/dev/null
+  grep -hE "passed|failed|ratio|LLM b|^b[0-9]|prefill" "$L"/kda_ckpt*.log "$L"/user_path_*.log | cut -c1-220
 fi
 cd /tmp && tar czf "${OUT:-/tmp}/logs.tgz" logs && echo "done at $(( $(date +%s) - START )) s"
