@@ -39,15 +39,7 @@ class EngineConfig:
         return self.max_num_seqs if cap is None else min(cap, self.max_num_seqs)
 
     def __post_init__(self) -> None:
-        for name in ("max_num_seqs", "max_num_batched_tokens", "max_model_len", "block_size"):
-            value = getattr(self, name)
-            if not isinstance(value, int) or isinstance(value, bool) or value < 1:
-                raise ValueError(f"{name} must be a positive integer, got {value!r}")
-        if not isinstance(self.long_prefill_token_threshold, int) or self.long_prefill_token_threshold < 0:
-            raise ValueError(f"long_prefill_token_threshold must be an integer >= 0 (0: off), "
-                             f"got {self.long_prefill_token_threshold!r}")
-        if not isinstance(self.encoder_cache_tokens, int) or self.encoder_cache_tokens < 0:
-            raise ValueError(f"encoder_cache_tokens must be a non-negative integer, got {self.encoder_cache_tokens!r}")
+        self._check_counts()
         if self.kda_checkpoint_interval is not None and (
                 not isinstance(self.kda_checkpoint_interval, int) or self.kda_checkpoint_interval < 1):
             raise ValueError(f"kda_checkpoint_interval must be a positive integer or None (auto), "
@@ -75,6 +67,16 @@ class EngineConfig:
                              f"got {self.pp_micro_batches!r}")
         if self.cache_memory_bytes is not None and self.cache_memory_bytes <= 0:
             raise ValueError(f"cache_memory_bytes must be positive or None (auto), got {self.cache_memory_bytes!r}")
+
+    def _check_counts(self) -> None:
+        for name in ("max_num_seqs", "max_num_batched_tokens", "max_model_len", "block_size"):
+            value = getattr(self, name)
+            if not isinstance(value, int) or isinstance(value, bool) or value < 1:
+                raise ValueError(f"{name} must be a positive integer, got {value!r}")
+        for name in ("encoder_cache_tokens", "long_prefill_token_threshold"):
+            value = getattr(self, name)
+            if not isinstance(value, int) or isinstance(value, bool) or value < 0:
+                raise ValueError(f"{name} must be a non-negative integer, got {value!r}")
 
     def _check_speculation(self) -> None:
         """The speculative-decoding settings (draft count, method, draft model, n-gram sizes)."""

@@ -220,7 +220,7 @@ def test_long_prefill_threshold_and_cpu_threads():
         1024, torch.device("cpu")).long_prefill_token_threshold == 32
     with pytest.raises(ValueError, match="cpu_threads must be a positive integer"):
         EngineArgs(cpu_threads=0)
-    with pytest.raises(ValueError, match="long_prefill_token_threshold must be an integer >= 0"):
+    with pytest.raises(ValueError, match="long_prefill_token_threshold must be a non-negative integer"):
         EngineArgs(long_prefill_token_threshold=-1).engine_config(1024, torch.device("cpu"))
     before = torch.get_num_threads()
     try:

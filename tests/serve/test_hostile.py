@@ -108,12 +108,12 @@ def test_hostile_grammars_are_400s_and_stall_nobody():
 
 
 def test_prompts_too_long_for_the_context_are_refused_before_tokenising():
-    """A 20 MiB prompt is a 400 at once on every route that tokenises (/tokenize, /v1/completions, /v1/chat, a
+    """An 8 MiB prompt is a 400 at once on every route that tokenises (/tokenize, /v1/completions, /v1/chat, a
     /v1/responses input), and /detokenize takes no more ids than the context: a 57 MiB /tokenize prompt held a
     server ~2 minutes tokenising (and its innocent stream 100 s), its answer 21M ids. /health and a stream beside
     them stay responsive."""
     s = start_fake_server(step_delay=0.01, engine_kw={"max_model_len": 2048})
-    text = "The quick brown fox jumps over the lazy dog. " * (20 * 2**20 // 45)
+    text = "The quick brown fox jumps over the lazy dog. " * (8 * 2**20 // 45)
     cases = [("/tokenize", {"model": MODEL, "prompt": text}, "prompt"),
              ("/tokenize", {"model": MODEL, "messages": [{"role": "user", "content": text}]}, "messages"),
              ("/v1/completions", {"model": MODEL, "prompt": text, "max_tokens": 1}, "prompt"),
@@ -123,12 +123,12 @@ def test_prompts_too_long_for_the_context_are_refused_before_tokenising():
               "messages"),
              ("/v1/responses", {"model": MODEL, "input": text}, "input"),
              ("/detokenize", {"model": MODEL, "tokens": [5] * 2049}, "tokens")]
+    cases = [(route, json.dumps(body).encode(), param) for route, body, param in cases]   # (this process's GIL)
     watch = None
     try:
         with httpx.Client(timeout=60) as c:
             watch = Watch(s.url)
-            for route, body, param in cases:
-                raw = json.dumps(body).encode()
+            for route, raw, param in cases:
                 start = time.monotonic()
                 err = assert_error(c.post(s.url + route, content=raw, headers={"content-type": "application/json"}),
                                    400, param, "max_model_len=2048")
