@@ -95,6 +95,7 @@ class Watch:
         self.port = port
         self.health: list[float] = []
         self.gaps: list[float] = []
+        self.gap_times: list[float] = []     # when each gap ended
         self.tokens = 0
         self.stop = threading.Event()
         self.errors: list[str] = []
@@ -107,6 +108,7 @@ class Watch:
             time.sleep(0.01)
         self.health.clear()
         self.gaps.clear()
+        self.gap_times.clear()
 
     def _stream(self) -> None:
         body = json.dumps({"model": MODEL, "prompt": "An innocent stream", "max_tokens": 4000, "ignore_eos": True,
@@ -126,6 +128,7 @@ class Watch:
                     now = time.perf_counter()
                     if last is not None:
                         self.gaps.append(now - last)
+                        self.gap_times.append(now)
                     last = now
                     self.tokens += 1
                 if self.stop.is_set():
@@ -149,14 +152,19 @@ class Watch:
         finally:
             c.close()
 
-    def finish(self) -> dict:
+    def finish(self, start: float = 0.0, answered: float = 0.0) -> dict:
+        """The watchers' figures; ``start``/``answered``: when the hostile requests were sent and the last answered
+        (perf_counter), to place the longest gap."""
         self.stop.set()
         for t in self.threads:
             t.join(30)
+        worst = max(range(len(self.gaps)), key=self.gaps.__getitem__, default=None)
         h, g = sorted(self.health) or [float("nan")], sorted(self.gaps) or [float("nan")]
         return {"health_max": h[-1], "health_p99": h[int(0.99 * (len(h) - 1))], "health_n": len(self.health),
                 "gap_max": g[-1], "gap_p99": g[int(0.99 * (len(g) - 1))], "gap_median": statistics.median(g),
-                "tokens": len(self.gaps), "watch_errors": self.errors}
+                "tokens": len(self.gaps), "watch_errors": self.errors,
+                "gap_max_ended_after_start": None if worst is None else self.gap_times[worst] - start,
+                "answered_after_start": answered - start}
 
 
 # ---- the hostile cases -------------------------------------------------------------------------------------------
@@ -359,11 +367,12 @@ def main() -> int:
                 answers = []
             else:
                 answers = run_requests(port, every[name])
-                time.sleep(0.3)
+            answered = time.perf_counter()
+            time.sleep(0.3)
             row = {"case": name, "seconds": time.perf_counter() - t, "statuses": sorted({a[0] for a in answers}),
                    "request_seconds_max": max((a[1] for a in answers), default=0.0),
                    "rss_peak_over_start": rss(proc.pid, "VmHWM") - start_rss, "load": os.getloadavg()[0],
-                   **watch.finish()}
+                   **watch.finish(t, answered)}
             if proc.poll() is not None:
                 row["crashed"] = proc.returncode
             results["rows"].append(row)
@@ -371,7 +380,9 @@ def main() -> int:
             log(f"{name:20s} statuses {row['statuses']} in {row['request_seconds_max']:.2f} s | /health max "
                 f"{row['health_max'] * 1e3:6.1f} ms | gap max {row['gap_max'] * 1e3:6.1f} ms (p99 "
                 f"{row['gap_p99'] * 1e3:.0f}, median {row['gap_median'] * 1e3:.0f}, {row['tokens']} tokens) | rss +"
-                f"{row['rss_peak_over_start'] / 2**20:.0f} MiB | load {row['load']:.1f} {'' if ok else '  MISSED'}")
+                f"{row['rss_peak_over_start'] / 2**20:.0f} MiB | load {row['load']:.1f} | longest gap ended "
+                f"{row['gap_max_ended_after_start'] or 0:.1f} s in, answered {row['answered_after_start']:.1f} s"
+                f"{'' if ok else '  MISSED'}")
             if "crashed" in row:
                 raise SystemExit(f"the server died (status {proc.returncode}) during {name}")
             save_results("serve_hostile.json", results)

@@ -352,12 +352,17 @@ class KimiTokenizer:
                 raise TooManyTokens(limit)
         return ids
 
-    def encode_segments(self, segments: Iterable[Any]) -> list[int]:
+    def encode_segments(self, segments: Iterable[Any], limit: int | None = None) -> list[int]:
         """Encode chat segments (objects with ``text`` and ``special``) one at a time: only segments
-        flagged ``special`` may yield special ids, and BPE never merges across a segment boundary."""
+        flagged ``special`` may yield special ids, and BPE never merges across a segment boundary.
+        ``limit``: as ``encode``'s, over all the segments."""
         ids: list[int] = []
         for seg in segments:
-            ids.extend(self.encode(seg.text, allow_special=seg.special))
+            try:
+                ids.extend(self.encode(seg.text, allow_special=seg.special,
+                                       limit=None if limit is None else limit - len(ids)))
+            except TooManyTokens:
+                raise TooManyTokens(limit) from None
         return ids
 
     def decode(self, ids: int | Sequence[int], skip_special_tokens: bool = False) -> str:
@@ -409,6 +414,7 @@ class KimiTokenizer:
         response_format: Any = None,
         images: Sequence[Any] | None = None,
         videos: Sequence[Any] | None = None,
+        limit: int | None = None,
     ) -> str | list[int]:
         """Render a conversation in the checkpoint's chat format.
 
@@ -416,7 +422,8 @@ class KimiTokenizer:
         ids encoded segment by segment, so text from messages never becomes special ids.
         ``images``: one ``kimik3.chat.ImagePrompt`` (original width, height, number of
         ``<|media_pad|>`` ids) per image content part, in order (K3 only); ``videos``: one
-        ``kimik3.chat.VideoPrompt`` per video part; see ``kimik3.chat.k3``.
+        ``kimik3.chat.VideoPrompt`` per video part; see ``kimik3.chat.k3``. ``limit`` (with ``tokenize``): a
+        prompt of more ids raises ``TooManyTokens`` soon after the limit (``encode``).
         Invalid conversations raise ValueError/TypeError.
         """
         if not isinstance(tokenize, bool):
@@ -433,7 +440,7 @@ class KimiTokenizer:
             videos=videos,
         )
         if tokenize:
-            return self.encode_segments(segments)
+            return self.encode_segments(segments, limit)
         return "".join(seg.text for seg in segments)
 
 

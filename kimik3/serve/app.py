@@ -16,6 +16,7 @@ import asyncio
 import gc
 import hmac
 import logging
+import sys
 import uuid
 from contextlib import asynccontextmanager
 
@@ -56,6 +57,7 @@ _ROUTES = ("/v1/chat/completions", "/v1/completions", "/v1/responses", "/v1/mode
 # ---- the app --------------------------------------------------------------------------------------------------
 
 _OPEN_ROUTES = ("/health", "/ping", "/version", "/metrics")     # answered without the API key
+SWITCH_INTERVAL = 0.0005        # seconds, sys.setswitchinterval while serving (Python's default: 0.005)
 
 
 def _bearer_token(headers) -> bytes:
@@ -118,6 +120,11 @@ def create_app(engine: LLMEngine, options: ServeOptions) -> FastAPI:
         # garbage triggers skip it (one took 90 ms on a dev CPU, holding the GIL from the engine thread).
         gc.collect()
         gc.freeze()
+        # A thread waiting for the GIL gets it after this long, not 5 ms: the engine thread takes the GIL back after
+        # every torch op, and while a request's Python work (formatting 170k prompt logprobs) ran beside a step,
+        # each op waited the whole interval: an innocent stream's gap grew from ~0.2 s to ~1.1 s (0.34 s at 0.5 ms)
+        switch_interval = sys.getswitchinterval()
+        sys.setswitchinterval(SWITCH_INTERVAL)
         asyncio.get_running_loop().set_exception_handler(RepeatedErrors())    # e.g. EMFILE: one line + a count
         state.loop.start(asyncio.get_running_loop())
         stats = None
@@ -133,6 +140,7 @@ def create_app(engine: LLMEngine, options: ServeOptions) -> FastAPI:
             state.pool.shutdown(wait=False, cancel_futures=True)
             state.grammar_pool.shutdown(wait=False, cancel_futures=True)
             gc.unfreeze()           # a process that builds apps one after another (tests) collects them again
+            sys.setswitchinterval(switch_interval)
 
     app = FastAPI(title="kimik3", lifespan=lifespan, docs_url=None, redoc_url=None, openapi_url=None)
     app.state.kimik3 = state

@@ -17,10 +17,11 @@ from typing import Any
 from kimik3.chat import K3OutputParser, ParseDelta
 from kimik3.chat.options import ChatOptionError, ThinkingOptions, drop_past_reasoning, thinking_options
 from kimik3.engine.sample.sampling_params import StructuredOutputsParams
-from kimik3.serve.limits import check_text_fits, message_text_chars
+from kimik3.serve.limits import check_text_fits, context_exceeded, message_text_chars
 from kimik3.serve.media import MediaOptions, check_media_counts, collect_media, load_media, media_io_sampling
 from kimik3.serve.protocol import ChatCompletionRequest, bad_request
 from kimik3.serve.structured import MAX_PARALLEL_CALLS, k3_answer_grammar, request_constraint, response_format_constraint
+from kimik3.tokenizer import TooManyTokens
 
 
 
@@ -121,10 +122,12 @@ def _constraint(req: ChatCompletionRequest, k3: bool, thinking: bool, tool_mode:
 
 def build_chat_prompt(req: ChatCompletionRequest, tokenizer, processor_cfg, has_vision: bool,
                       max_image_tokens: int | None = None, media: MediaOptions | None = None,
-                      limit_mm_per_prompt: dict | None = None, param: str = "messages") -> ChatPrompt:
+                      limit_mm_per_prompt: dict | None = None, param: str = "messages",
+                      max_prompt_tokens: int | None = None) -> ChatPrompt:
     """``max_image_tokens``: the most image and video tokens a prompt can hold (checked from the headers,
     before any image or video is decoded); ``media``: where media may come from and what a video may cost
-    (``serve/media.py``); ``limit_mm_per_prompt``: the most images / videos a request may hold."""
+    (``serve/media.py``); ``limit_mm_per_prompt``: the most images / videos a request may hold;
+    ``max_prompt_tokens``: a longer prompt is refused as soon as its tokens pass it (the context)."""
     opts = _thinking_options(req)
     thinking, effort = opts.thinking, opts.effort
     if not req.add_generation_prompt:
@@ -149,7 +152,9 @@ def build_chat_prompt(req: ChatCompletionRequest, tokenizer, processor_cfg, has_
     if tokenizer.chat_format != "k3":   # Kimi-Linear: no thinking channel, tool choice or response format notes
         kwargs.update(thinking_effort=None, tool_choice=None, response_format=None)
     try:
-        ids = tokenizer.apply_chat_template(_messages(req, opts.preserve), **kwargs)
+        ids = tokenizer.apply_chat_template(_messages(req, opts.preserve), **kwargs, limit=max_prompt_tokens)
+    except TooManyTokens:
+        raise context_exceeded(max_prompt_tokens, param) from None
     except (ValueError, TypeError, KeyError) as e:
         raise bad_request(f"cannot render the conversation: {e}", "messages") from None
     k3 = tokenizer.chat_format == "k3"
@@ -167,7 +172,8 @@ async def chat_prompt(state, req: ChatCompletionRequest, param: str = "messages"
     check_text_fits(state.tokenizer, message_text_chars(req.messages), state.max_model_len, param)
     return await state.cpu(build_chat_prompt, req, state.tokenizer, o.processor_config, state.has_vision,
                            max_image_tokens=state.max_model_len - 1, media=o.media,
-                           limit_mm_per_prompt=o.limit_mm_per_prompt, param=param)
+                           limit_mm_per_prompt=o.limit_mm_per_prompt, param=param,
+                           max_prompt_tokens=state.max_model_len)
 
 
 @dataclass

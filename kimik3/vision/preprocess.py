@@ -278,12 +278,37 @@ def probe_image(source: ImageSource, *, allow_paths: bool = True) -> tuple[int, 
             raise ValueError("image file paths are not accepted here; send the bytes or a data: URL")
         data, what = _read_file(source), f"image file {source}"
     elif isinstance(source, str):
+        head = _header_of_data_url(source)
+        if head is not None:
+            return head
         data, what = _bytes_from_string(source, allow_paths)
     else:
         raise TypeError(f"image must be a PIL image, bytes, a data: URL, base64 text or a file path, "
                         f"got {type(source).__name__}")
     img = _open(data, what)
     return img.width, img.height, getattr(img, "n_frames", 1)
+
+
+_PROBE_CHARS = 1 << 16      # base64 characters decoded to read a large data: URL's PNG or JPEG header
+
+
+def _header_of_data_url(text: str) -> tuple[int, int, int] | None:
+    """(width, height, frames) of a large base64 PNG or JPEG ``data:`` URL from its first ``_PROBE_CHARS``
+    characters alone (the header; the 900 KB of a 50-megapixel PNG took ~5 ms of held interpreter to decode and
+    split, ten of them a request); None when that does not tell (another format, a header further in, a size
+    over the limit: the whole is then decoded and checked as before)."""
+    comma = text.find(",", 0, 256) if len(text) > 4 * _PROBE_CHARS and text.startswith("data:") else -1
+    if comma < 0 or not text[:comma].endswith(";base64"):
+        return None
+    head = "".join(text[comma + 1:comma + 1 + _PROBE_CHARS].split())
+    try:
+        data = base64.b64decode(head[:len(head) // 4 * 4], validate=True)
+        if not data.startswith((b"\x89PNG\r\n\x1a\n", b"\xff\xd8")):
+            return None
+        img = _open(data, "data: URL image")
+        return img.width, img.height, getattr(img, "n_frames", 1)
+    except (binascii.Error, ValueError, OSError, EOFError):
+        return None
 
 
 def image_token_counts(images: Sequence[ImageSource], cfg: MediaProcessorConfig | None = None, *,

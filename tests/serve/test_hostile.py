@@ -172,3 +172,18 @@ def test_large_logprob_bodies_leave_the_event_loop_free():
         if watch is not None:
             watch.stop.set()
         s.stop()
+
+
+def test_a_thread_waiting_for_the_gil_gets_it_within_half_a_millisecond():
+    """While serving, the switch interval is 0.5 ms (the engine thread takes the GIL back after every torch op;
+    at Python's 5 ms an innocent stream's gap grew ~5x while another request's Python work ran); restored after."""
+    import sys
+
+    from kimik3.serve.app import SWITCH_INTERVAL
+    before = sys.getswitchinterval()
+    s = start_fake_server()
+    try:
+        assert sys.getswitchinterval() == SWITCH_INTERVAL == 0.0005 and before == 0.005
+    finally:
+        s.stop()
+    assert sys.getswitchinterval() == before

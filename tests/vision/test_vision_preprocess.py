@@ -402,3 +402,35 @@ def test_extreme_aspect_ratio_is_refused(w, h):
     with pytest.raises(ValueError, match=rf"image {w}x{h} has an extreme aspect ratio"):
         count_image_tokens(w, h)
     assert count_image_tokens(10000, 100) == 768
+
+
+def test_a_large_data_url_is_costed_from_its_first_bytes(monkeypatch):
+    """A large base64 PNG or JPEG data: URL is probed from its first 64 KB of base64 (its header), not decoded whole
+    (ten 900 KB PNGs held a server's interpreter ~50 ms a request); the answer is the full probe's; other formats,
+    and a header that is not there, take the whole data as before."""
+    import base64
+    import io
+
+    from PIL import Image
+
+    import kimik3.vision.preprocess as pre
+
+    def url(fmt: str, size) -> str:
+        buf = io.BytesIO()
+        Image.effect_noise(size, 64).convert("RGB").save(buf, format=fmt)
+        return f"data:image/{fmt.lower()};base64," + base64.b64encode(buf.getvalue()).decode()
+
+    png, jpeg, gif = url("PNG", (1500, 1100)), url("JPEG", (2400, 1800)), url("GIF", (1200, 900))
+    full = {u: pre.probe_image(u, allow_paths=False) for u in (png, jpeg, gif)}
+    assert full[png] == (1500, 1100, 1) and full[jpeg] == (2400, 1800, 1) and full[gif] == (1200, 900, 1)
+    decoded = []
+    whole = pre._bytes_from_string
+    monkeypatch.setattr(pre, "_bytes_from_string", lambda *a: decoded.append(1) or whole(*a))
+    assert pre.probe_image(png, allow_paths=False) == full[png]
+    assert pre.probe_image(jpeg, allow_paths=False) == full[jpeg]
+    assert decoded == []
+    assert pre.probe_image(gif, allow_paths=False) == full[gif] and decoded == [1]
+    cut = png[:png.index(",") + 1] + "iVBORw0KGgo" + "A" * 300_000          # a PNG signature, then no header
+    with pytest.raises(ValueError):
+        pre.probe_image(cut, allow_paths=False)
+    assert decoded == [1, 1]
