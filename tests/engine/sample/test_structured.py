@@ -207,24 +207,25 @@ def test_prompt_logprobs_match_a_full_forward(rows, monkeypatch):
         assert llm.engine.runner.num_steps >= (len(ids) - 1) // rows
 
 
-def _fake_engine_llm(tok):
-    """An LLM-like driver over the fake model (exact, row-independent logits) with the real tokenizer."""
+def _fake_engine_llm(tok, monkeypatch):
+    """An ``LLM`` over the fake model (exact, row-independent logits) with the real tokenizer: built through
+    ``LLM()`` with its engine builder swapped, so every attribute ``LLM`` sets stays set."""
+    import kimik3.engine.llm as llm_module
     from kimik3.engine import EngineConfig, LLMEngine
     engine = LLMEngine(FakeModel(vocab_size=tok.vocab_size, eos_token_id=tok.stop_token_ids[0]),
                        EngineConfig(max_num_seqs=16, max_model_len=256, block_size=16), tokenizer=tok)
-    llm = kimik3.LLM.__new__(kimik3.LLM)
-    llm.engine, llm._ids = engine, iter(range(10**9))
-    return llm
+    monkeypatch.setattr(llm_module, "build_engine", lambda args, tokenizer=None: (engine, None))
+    return kimik3.LLM()
 
 
 @pytest.mark.parametrize("model", ["fake", "tiny-k3"])
-def test_controlled_rows_leave_plain_rows_bit_identical(llm, tok, model):
+def test_controlled_rows_leave_plain_rows_bit_identical(llm, tok, model, monkeypatch):
     """The same batch with and without controls on three of its rows: the two plain rows get the same
     tokens and, on the fake model (whose rows do not depend on each other), bit-identical logprobs.
     (On the tiny K3 the MoE groups tokens by expert, so other rows' tokens move a row's float sums in
     the last bits: there the logprobs agree to 1e-5.) Every row runs all 16 steps."""
     if model == "fake":
-        llm = _fake_engine_llm(tok)
+        llm = _fake_engine_llm(tok, monkeypatch)
     plain = [SamplingParams(max_tokens=16, temperature=0, logprobs=2, ignore_eos=True),
              SamplingParams(max_tokens=16, temperature=1.0, seed=5, logprobs=1, ignore_eos=True)]
     prompts = ["Hello there", "Once upon", "x", "y", "z"]
