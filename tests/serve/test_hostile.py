@@ -12,6 +12,7 @@ import threading
 import time
 
 import httpx
+import pytest
 
 from tests.engine.sample.test_grammar_worker import object_chain, rule_chain
 from tests.serve.conftest import MODEL, start_fake_server
@@ -187,3 +188,48 @@ def test_a_thread_waiting_for_the_gil_gets_it_within_half_a_millisecond():
     finally:
         s.stop()
     assert sys.getswitchinterval() == before
+
+
+def test_a_chat_prompt_is_tokenised_only_until_it_passes_the_context(monkeypatch):
+    """Text the message count misses (a tool's 3 MB description) is tokenised with the context as a limit: the
+    request is a 400 soon after its tokens pass max_model_len, not once all of it is tokenised."""
+    import kimik3
+    import kimik3.tokenizer as T
+    from kimik3.serve.chat import build_chat_prompt
+    from kimik3.serve.protocol import APIError, ChatCompletionRequest
+    tok = kimik3.load_tokenizer(kimik3.DEFAULT_MODEL)
+    tools = [{"type": "function", "function": {"name": "f", "description": "ab " * 1_000_000,
+                                                "parameters": {"type": "object", "properties": {}}}}]
+    req = ChatCompletionRequest.model_validate({"messages": [{"role": "user", "content": "hi"}], "tools": tools})
+    pieces = []
+    encode = tok._encoding.encode
+    monkeypatch.setattr(tok._encoding, "encode", lambda piece, **kw: pieces.append(len(piece)) or encode(piece, **kw))
+    monkeypatch.setattr(T, "_MAX_ENCODE_CHARS", 10_000)
+    with pytest.raises(APIError) as e:
+        build_chat_prompt(req, tok, None, False, max_prompt_tokens=2048)
+    assert e.value.status == 400 and e.value.code == "context_length_exceeded" and "max_model_len=2048" in e.value.message
+    assert sum(pieces) < 100_000            # of 3,000,000 characters
+
+
+def test_a_chat_whose_text_cannot_fit_is_refused_before_its_media_load(monkeypatch):
+    """Message text of more characters than the context times the longest token cannot fit: refused before its
+    images are loaded or anything is rendered."""
+    import asyncio
+    from types import SimpleNamespace
+
+    import kimik3
+    import kimik3.serve.chat as chat
+    from kimik3.serve.protocol import APIError, ChatCompletionRequest
+    tok = kimik3.load_tokenizer(kimik3.DEFAULT_MODEL)
+    monkeypatch.setattr(chat, "load_media", lambda *a, **k: pytest.fail("loaded the media of a chat that cannot fit"))
+
+    async def cpu(fn, *a, **k):
+        return fn(*a, **k)
+    state = SimpleNamespace(tokenizer=tok, max_model_len=2048, has_vision=True, cpu=cpu, options=SimpleNamespace(
+        processor_config=None, media=None, limit_mm_per_prompt=None))
+    text = "x" * (2048 * tok.max_token_chars + 1)
+    req = ChatCompletionRequest.model_validate({"messages": [{"role": "user", "content": [
+        {"type": "image_url", "image_url": {"url": "data:image/png;base64,AAAA"}}, {"type": "text", "text": text}]}]})
+    with pytest.raises(APIError) as e:
+        asyncio.run(chat.chat_prompt(state, req))
+    assert e.value.code == "context_length_exceeded" and e.value.param == "messages"
