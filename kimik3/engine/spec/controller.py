@@ -6,20 +6,26 @@ SmartSpec's criterion (Liu et al. 2024, "Optimizing speculative decoding for ser
 request instead of one k for the batch.
 
 * Acceptance (``Acceptance``, per request, and the drafter's global one as its prior): the rate at which the first
-  draft is accepted, a, and the rate at which a later draft is accepted after the one before it was, c; the first j
-  drafts are all accepted with probability a * c^(j - 1). Verify steps update both (``settle``); a request that does
-  not draft still gets its first draft computed now and then and scored against the token that comes
-  (``watch``), so its rate follows the text and it drafts again once drafts would pay. Exponentially decayed
-  counts (recent text weighs most), pulled toward the global rates by ``PRIOR`` pseudo-observations.
-* Costs (``LinearFit``): the target's step time against [1, sequences, draft rows] and the draft's time against
-  [1, caught-up rows, forwards, forward rows], both fitted on the engine's own decode steps (decayed least squares
-  with a weak prior), so the controller learns what a draft row costs on this device at this batch size (on a
-  GPU at batch 1 nearly nothing; on a CPU at batch 32 a good part of a decode row).
+  draft is accepted, a, and the rate at which a later draft is accepted after the one before it was. The first j
+  drafts are all accepted with probability a * c_2 * .. * c_j, c_i the global acceptance of position i after
+  i - 1 (measured per position: later drafts fail more often) scaled by how the request's later drafts fare
+  against everyone's. Verify steps update them (``settle``); a request that does not draft still gets its first
+  draft computed now and then and scored against the token that comes (``watched``), so its rate follows the
+  text and it drafts again once drafts would pay. Exponentially decayed counts (recent text weighs most), pulled
+  toward the global rates by ``PRIOR`` pseudo-observations.
+* Costs (``LinearFit``): the target's step time against [1, sequences, draft rows], one fit per batch-size octave
+  (a draft row's cost changes with the batch: on a GPU at batch 1 nearly nothing, on a CPU at batch 32 a good
+  part of a decode row), and the draft's time against [1, caught-up rows, forwards, forward rows]; decayed least
+  squares with a weak prior, on the engine's own decode steps (``ModelDrafter.clock``: wall time on a GPU, the
+  process's CPU time on a CPU). Steps sized only by the plan would not tell a draft row's cost from the rest of a
+  step, so some steps probe (``_dither``): a new batch size's first steps run one draft each, then none; later one
+  step in ``PROBE_EVERY`` runs without drafts and one with a draft fewer each (one draft each while not drafting).
 * Plan (``DraftController.plan``): from no drafts (B tokens in T seconds), draft position j = 1, 2, .. is added
-  for the requests whose gain a_r c_r^(j-1) per its cost (a verify row, a draft row, and the position's share of
-  one more draft forward) raises tokens/second, the best prefix of them by gain; it stops at the first position
-  that raises nothing. So drafts stop where they stop paying (adversarial text, a weak draft, a large batch), for
-  one request or for all, and the cost of one request's drafts is weighed against the whole step's.
+  for the requests whose gain (the probability above) per its cost (a verify row, a draft row, and the position's
+  share of one more draft forward) raises tokens/second by ``FIRST_MARGIN`` (``DEEPER_MARGIN`` for later
+  positions), the best prefix of them by gain; it stops at the first position that raises nothing. So drafts stop
+  where they stop paying (adversarial text, a weak draft, a large batch), for one request or for all, and the cost
+  of one request's drafts is weighed against the whole step's.
 """
 
 from __future__ import annotations
@@ -38,7 +44,9 @@ PRIOR = 2.0              # pseudo-observations of the global rates in a request'
 COST_DECAY = 0.99        # the cost fits' memory (about 100 steps)
 MAX_WATCH_GAP = 16       # a request that does not draft computes its first draft at least every 16 decode steps
 PROBE_EVERY = 12         # steps between probes of each kind (at random; see ``DraftController._dither``)
-EXPLORE = 4              # a batch size's first steps alternate one draft each and none
+EXPLORE = 2              # a batch size's first steps: one draft each, then none
+FIRST_MARGIN = 1.02      # drafting must raise the expected goodput by 2% (the estimates err; a wash is not worth
+DEEPER_MARGIN = 1.05     # the probes and watching), a second or later draft position by 5%
 
 
 @dataclass
@@ -108,23 +116,43 @@ class LinearFit:
         return float(np.dot(self.beta, np.asarray(x, dtype=np.float64)))
 
 
+def _reach(a: float, c, n: int) -> list[float]:
+    """P(the first j drafts are all accepted), j = 1..n: a * c_2 * .. * c_j (``c``: one rate for every later
+    position, or one per position)."""
+    out, p = [], a
+    for j in range(n):
+        if j:
+            p *= c if isinstance(c, (int, float)) else c[min(j - 1, len(c) - 1)]
+        out.append(p)
+    return out
+
+
 class DraftController:
     """The costs and the global acceptance of one drafter, and the per-step plan (module docstring)."""
 
     def __init__(self, k: int):
         self.k = k
         self.accept = Acceptance(Rate(1.2, 2.0), Rate(1.2, 2.0))     # optimistic start (0.6): drafts get measured
+        self.positions = [Rate(1.2, 2.0) for _ in range(max(k - 1, 0))]   # global: draft j + 2 after j + 1 accepted
         self.steps: dict[int, LinearFit] = {}   # per batch-size octave: step seconds ~ [1, sequences, draft rows]
         self.draft: LinearFit | None = None     # draft seconds ~ [1, caught-up rows, forwards, forward rows]
         self.rng = random.Random(0)
 
-    def rates(self, acc: Acceptance) -> tuple[float, float]:
+    def rates(self, acc: Acceptance) -> tuple[float, list[float]]:
+        """A request's first-draft acceptance and its acceptance at draft positions 2..k after the one before:
+        the global rate of each position (later drafts fail more often), scaled by how the request's later drafts
+        fare against everyone's."""
         g = self.accept
-        return (acc.first.estimate(g.first.estimate(0.5, 0.0)), acc.later.estimate(g.later.estimate(0.5, 0.0)))
+        later = g.later.estimate(0.5, 0.0)
+        scale = acc.later.estimate(later) / max(later, 1e-6)
+        return (acc.first.estimate(g.first.estimate(0.5, 0.0)),
+                [min(1.0, p.estimate(0.5, 0.0) * scale) for p in self.positions])
 
     def settle(self, acc: Acceptance, drafts: int, accepted: int) -> None:
         acc.record(drafts, accepted, REQUEST_DECAY)
         self.accept.record(drafts, accepted, GLOBAL_DECAY)
+        for j in range(1, min(drafts, accepted + 1)):          # draft j + 1 was verified (draft j accepted)
+            self.positions[j - 1].add(float(j < accepted), 1.0, GLOBAL_DECAY)
 
     def watched(self, acc: Acceptance, hit: bool) -> None:
         acc.record_watch(hit, REQUEST_DECAY)
@@ -171,11 +199,12 @@ class DraftController:
         row = max(float(beta[2]), 0.0)
         fwd, fwd_row = max(float(dbeta[2]), 0.0), max(float(dbeta[3]), 0.0)
         depth = [0] * len(rates)
+        reach = [_reach(a, c, min(room, self.k)) for (a, c), room in zip(rates, rooms)]
         for j in range(1, max(rooms, default=0) + 1):
-            gains = sorted(((a * c ** (j - 1), i) for i, ((a, c), room) in enumerate(zip(rates, rooms))
-                            if depth[i] == j - 1 and room >= j), reverse=True)
+            gains = sorted(((reach[i][j - 1], i) for i, room in enumerate(rooms) if depth[i] == j - 1 and room >= j),
+                           reverse=True)
             fixed = 0.0 if j == 1 and watching else fwd
-            best, take, total = tokens / time, 0, 0.0
+            best, take, total = tokens / time * (FIRST_MARGIN if j == 1 else DEEPER_MARGIN), 0, 0.0
             for n, (g, _) in enumerate(gains, 1):
                 total += g
                 ratio = (tokens + total) / (time + fixed + n * (row + fwd_row))
@@ -189,7 +218,8 @@ class DraftController:
                 depth[i] = j
         logger.debug("plan: batch %d, step %s, draft %s: %d drafts, depth %d", batch, np.round(beta, 5),
                      np.round(dbeta, 5), sum(depth), max(depth, default=0))
-        return self._dither(depth, rooms, step.count)
+        own = self.steps.get(batch.bit_length())
+        return self._dither(depth, rooms, own.count if own is not None else 0)
 
     def _dither(self, depth: list[int], rooms: list[int], seen: int) -> list[int]:
         """Now and then a step runs a nearby plan instead, so the step fit sees what drafts cost at this batch

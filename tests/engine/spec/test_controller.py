@@ -57,11 +57,11 @@ def test_plan_is_near_the_best_choice_of_drafts(seed):
 
 def test_drafts_stop_where_they_stop_paying():
     """A draft row that costs a decode row's share (a large CPU batch) pays only above acceptance ~1: nothing
-    drafts; the same rates with nearly free rows (a GPU at batch 1) draft all they may."""
+    drafts; with nearly free rows (a GPU at batch 1) good drafts go as deep as they may."""
     rates, rooms = [(0.6, 0.5)] * 4, [4] * 4
     costly = controller(4, (0.0, 0.01, 0.01), (0.0, 0.0, 0.002, 0.001)).plan(rates, rooms, 4, 0)
     assert costly == [0, 0, 0, 0]
-    cheap = controller(4, (0.02, 0.001, 0.00001), (0.0, 0.0, 0.0001, 0.00001)).plan(rates, rooms, 4, 0)
+    cheap = controller(4, (0.02, 0.001, 0.00001), (0.0, 0.0, 0.0001, 0.00001)).plan([(0.8, 0.8)] * 4, rooms, 4, 0)
     assert cheap == [4, 4, 4, 4]
     mixed = controller(4, (0.0, 0.01, 0.004), (0.0, 0.0, 0.001, 0.0005)).plan([(0.95, 0.9), (0.2, 0.2)], [4, 4], 2, 0)
     assert mixed[0] > 0 and mixed[1] == 0                      # one request's drafts pay, the other's do not
@@ -117,3 +117,17 @@ def test_probes_vary_the_drafts_around_the_plan():
     assert abs(share[(0, 0, 0)] - 1 / PROBE_EVERY) < 0.04 and abs(share[(2, 0, 1)] - 1 / PROBE_EVERY) < 0.04
     idle = {tuple(c._dither([0, 0], [2, 0], EXPLORE)) for _ in range(200)}
     assert idle == {(0, 0), (1, 0)}
+
+
+def test_later_positions_follow_the_measured_profile():
+    """Rates per draft position: the global acceptance of draft j after j - 1 (falling with depth here), scaled by
+    how the request's later drafts fare against everyone's."""
+    c = DraftController(3)
+    for _ in range(200):
+        c.settle(Acceptance(), 3, 3)            # position 2 accepted, position 3 ...
+        c.settle(Acceptance(), 3, 2)            # ... rejected half the time
+    a, cond = c.rates(Acceptance())
+    assert cond[0] > 0.95 and abs(cond[1] - 0.5) < 0.05
+    good = Acceptance()
+    good.record(3, 3, 1.0)
+    assert c.rates(good)[1][1] >= cond[1]
