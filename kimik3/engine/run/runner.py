@@ -57,7 +57,9 @@ class ModelRunner:
                                                            1 + config.num_speculative_tokens, self.aux_layers))
 
     def attach_draft(self, drafter) -> None:
-        """A draft model's drafter (``engine/spec/draft_model.py``): one process has nothing to share."""
+        """A draft model's drafter (``engine/spec/draft_model.py``): with decode / verify graphs, whose verify steps
+        replay only where every request carries as many drafts, its controller plans one depth per step."""
+        drafter.controller.uniform = self.graphs is not None
 
     def capture_graphs(self, graphs: DecodeGraphs) -> DecodeGraphs | None:
         """Capture the decode graphs, or None (eager) when the model cannot be captured."""

@@ -127,6 +127,50 @@ def _reach(a: float, c, n: int) -> list[float]:
     return out
 
 
+@dataclass(frozen=True)
+class _Costs:
+    base: float          # seconds of the step without drafts (target and draft)
+    row: float           # a draft: its verify row and its draft row
+    forward: float       # one more attending draft forward
+    watching: int        # requests that compute their first draft anyway (the first forward runs)
+
+    def fixed(self, j: int) -> float:
+        return 0.0 if j == 1 and self.watching else self.forward
+
+
+def _greedy_depths(reach: list[list[float]], rooms: list[int], tokens: float, costs: _Costs) -> list[int]:
+    """Position by position, the best prefix (by gain) of the requests that reach it, while it raises goodput."""
+    time, depth = costs.base, [0] * len(reach)
+    for j in range(1, max(rooms, default=0) + 1):
+        gains = sorted(((reach[i][j - 1], i) for i, room in enumerate(rooms) if depth[i] == j - 1 and room >= j),
+                       reverse=True)
+        best, take, total = tokens / time * (FIRST_MARGIN if j == 1 else DEEPER_MARGIN), 0, 0.0
+        for n, (g, _) in enumerate(gains, 1):
+            total += g
+            ratio = (tokens + total) / (time + costs.fixed(j) + n * costs.row)
+            if ratio > best:
+                best, take = ratio, n
+        if not take:
+            break
+        tokens += sum(g for g, _ in gains[:take])
+        time += costs.fixed(j) + take * costs.row
+        for _, i in gains[:take]:
+            depth[i] = j
+    return depth
+
+
+def _uniform_depths(reach: list[list[float]], rooms: list[int], tokens: float, costs: _Costs) -> list[int]:
+    """The one depth d (each request min(d, its room)) of the best expected goodput."""
+    best, choice = tokens / costs.base, 0
+    for d in range(1, max(rooms, default=0) + 1):
+        depth = [min(d, r) for r in rooms]
+        gain = sum(sum(reach[i][:n]) for i, n in enumerate(depth))
+        time = costs.base + sum(costs.fixed(j) for j in range(1, d + 1)) + sum(depth) * costs.row
+        if (tokens + gain) / time > best * (FIRST_MARGIN if choice == 0 else DEEPER_MARGIN):
+            best, choice = (tokens + gain) / time, d
+    return [min(choice, r) for r in rooms]
+
+
 class DraftController:
     """The costs and the global acceptance of one drafter, and the per-step plan (module docstring)."""
 
@@ -137,6 +181,7 @@ class DraftController:
         self.steps: dict[int, LinearFit] = {}   # per batch-size octave: step seconds ~ [1, sequences, draft rows]
         self.draft: LinearFit | None = None     # draft seconds ~ [1, caught-up rows, forwards, forward rows]
         self.rng = random.Random(0)
+        self.uniform = False        # one number of drafts for every request of a step (CUDA graphs replay them)
 
     def rates(self, acc: Acceptance) -> tuple[float, list[float]]:
         """A request's first-draft acceptance and its acceptance at draft positions 2..k after the one before:
@@ -189,49 +234,36 @@ class DraftController:
 
     def plan(self, rates: list[tuple[float, float]], rooms: list[int], batch: int, watching: int) -> list[int]:
         """Drafts per candidate (``rates``: its (a, c); ``rooms``: most drafts it may take) for a step of
-        ``batch`` sequences in which ``watching`` other requests compute their first draft anyway."""
+        ``batch`` sequences in which ``watching`` other requests compute their first draft anyway. With
+        ``uniform`` (the target replays CUDA graphs, whose verify steps need one number of drafts for all) one
+        depth for every candidate, the best one."""
         step = self.step_fit(batch)
         if step is None or not rates:
             return [min(r, self.k) for r in rooms]          # nothing measured yet: draft, and measure
         beta, dbeta = step.beta, self.draft.beta if self.draft is not None else np.zeros(4)
-        tokens = float(batch)
-        time = max(step.predict([1.0, batch, 0]), 1e-9) + max(float(dbeta[0] + dbeta[1] * batch), 0.0)
-        row = max(float(beta[2]), 0.0)
-        fwd, fwd_row = max(float(dbeta[2]), 0.0), max(float(dbeta[3]), 0.0)
-        depth = [0] * len(rates)
+        costs = _Costs(max(step.predict([1.0, batch, 0]), 1e-9) + max(float(dbeta[0] + dbeta[1] * batch), 0.0),
+                       max(float(beta[2]), 0.0) + max(float(dbeta[3]), 0.0), max(float(dbeta[2]), 0.0), watching)
         reach = [_reach(a, c, min(room, self.k)) for (a, c), room in zip(rates, rooms)]
-        for j in range(1, max(rooms, default=0) + 1):
-            gains = sorted(((reach[i][j - 1], i) for i, room in enumerate(rooms) if depth[i] == j - 1 and room >= j),
-                           reverse=True)
-            fixed = 0.0 if j == 1 and watching else fwd
-            best, take, total = tokens / time * (FIRST_MARGIN if j == 1 else DEEPER_MARGIN), 0, 0.0
-            for n, (g, _) in enumerate(gains, 1):
-                total += g
-                ratio = (tokens + total) / (time + fixed + n * (row + fwd_row))
-                if ratio > best:
-                    best, take = ratio, n
-            if not take:
-                break
-            tokens += sum(g for g, _ in gains[:take])
-            time += fixed + take * (row + fwd_row)
-            for _, i in gains[:take]:
-                depth[i] = j
+        depth = (_uniform_depths if self.uniform else _greedy_depths)(reach, rooms, float(batch), costs)
         logger.debug("plan: batch %d, step %s, draft %s: %d drafts, depth %d", batch, np.round(beta, 5),
                      np.round(dbeta, 5), sum(depth), max(depth, default=0))
         own = self.steps.get(batch.bit_length())
         return self._dither(depth, rooms, own.count if own is not None else 0)
 
     def _dither(self, depth: list[int], rooms: list[int], seen: int) -> list[int]:
-        """Now and then a step runs a nearby plan instead, so the step fit sees what drafts cost at this batch
-        size (steps only as large as the plan's would not tell a draft row from the rest of a step). A batch
-        size's first ``EXPLORE`` steps alternate one draft each and none; after that, at random, while drafting
-        one step in ``PROBE_EVERY`` runs without drafts (the plain step's own time) and one with a draft fewer
-        each, and while not drafting one in ``PROBE_EVERY`` with one draft each (what a draft would cost now)."""
+        """Now and then a step runs a nearby plan instead, so the fits see what drafts cost and how deeper drafts
+        fare at this batch size (steps only as large as the plan's would not tell a draft row from the rest of a
+        step, and positions never drafted would keep their prior). A batch size's first ``EXPLORE`` steps run one
+        draft each, then none; after that, at random, while drafting one step in ``PROBE_EVERY`` runs without
+        drafts (the plain step's own time), one with a draft fewer each and one with a draft more each; while not
+        drafting one in ``PROBE_EVERY`` with one draft each (what a draft would cost now)."""
         if seen < EXPLORE:
             return [1 if r and seen % 2 == 0 else 0 for r in rooms]
-        u = self.rng.random()
+        u = self.rng.random() * PROBE_EVERY
         if any(depth):
-            if u < 1.0 / PROBE_EVERY:
+            if u < 1.0:
                 return [0] * len(depth)
-            return [max(d - 1, 0) for d in depth] if u < 2.0 / PROBE_EVERY else depth
-        return [1 if r else 0 for r in rooms] if u < 1.0 / PROBE_EVERY else depth
+            if u < 2.0:
+                return [max(d - 1, 0) for d in depth]
+            return [min(d + 1, r, self.k) for d, r in zip(depth, rooms)] if u < 3.0 else depth
+        return [1 if r else 0 for r in rooms] if u < 1.0 else depth
