@@ -65,6 +65,7 @@ class DraftExecutor:
     def __init__(self, draft, cache: torch.Tensor, block_size: int):
         self.draft, self.cache, self.block_size = draft, cache, block_size
         self.device = cache.device
+        self.graphs = None          # ``draft_graphs.DraftGraphs``: its steps replay where one fits, else eager
 
     def _long(self, values: list[int]) -> torch.Tensor:
         return torch.tensor(values, dtype=torch.int64, device=self.device)
@@ -73,6 +74,10 @@ class DraftExecutor:
     def run(self, work: DraftWork, states: torch.Tensor) -> list[list[int]]:
         """The drafts of each head (``work.depths[i]`` tokens each); ``states``: the target step's auxiliary
         states of every packed row [T, n * D]."""
+        if self.graphs is not None:
+            drafts = self.graphs.run(work, states)
+            if drafts is not None:
+                return drafts
         feats = states[self._long(work.rows).to(states.device)]
         positions = self._long(work.positions)
         max_pos = max(work.positions, default=0)

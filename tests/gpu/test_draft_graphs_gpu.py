@@ -5,9 +5,13 @@ into one fixed buffer (``DecodeGraphs.aux_states``).
 1. One padded verify graph step (2 sequences in the 4-row graph, 3 tokens each): its logits and its states
    against the eager ``forward_step(aux_layers=...)`` of the same tokens from the same cache.
 2. Greedy generation, graphs on vs eager (sync and async scheduling): the same tokens up to bf16 near-ties
-   (``assert_same_greedy``), verify graphs replayed, drafts accepted. The drafts themselves may differ where
+   (``assert_same_greedy``), verify graphs and the draft's own graphs (``model/draft_graphs.py``) replayed,
+   drafts accepted. The drafts themselves may differ where
    the draft's states differ by rounding, so the runs may verify different drafts with different kernels: the
    cross-kernel bound ``SLICE_CROSS_NOISE`` applies.
+3. The draft's own steps captured for real (a small float32 Eagle3 draft): steps of mixed depths, padded rows
+   and heads and several key spans give the eager executor's drafts and cache rows (``tests/model/
+   test_draft_graphs.py``'s steps, there on emulated graphs).
 """
 
 from __future__ import annotations
@@ -72,6 +76,8 @@ def test_eagle3_graphs_match_eager(model, n, async_scheduling):
     engine = LLMEngine(model, EngineConfig(enforce_eager=False, **kw))
     graphs = engine.runner.graphs
     assert graphs is not None and graphs.max_query_len == 5 and graphs.aux_states is not None
+    draft_graphs = engine.scheduler.drafter.executor.graphs
+    assert draft_graphs is not None and draft_graphs.graphs
     replayed = []
     run = graphs.run
 
@@ -81,7 +87,17 @@ def test_eagle3_graphs_match_eager(model, n, async_scheduling):
     graphs.run = counting
     graphed = generate(engine, reqs)
     assert 1 in replayed and (n > 1 or any(L > 1 for L in replayed)), replayed
-    assert engine.num_accepted_tokens > 0
-    print(f"graph steps {engine.runner.num_graph_steps} of {engine.runner.num_steps}, verify graphs "
+    assert engine.num_accepted_tokens > 0 and draft_graphs.num_replays > 0
+    print(f"draft graph steps {draft_graphs.num_replays}; graph steps {engine.runner.num_graph_steps} of {engine.runner.num_steps}, verify graphs "
           f"{sum(L > 1 for L in replayed)}, accepted {engine.num_accepted_tokens} of {engine.num_draft_tokens}")
     assert_same_greedy(eager, graphed, reqs, noise=SLICE_CROSS_NOISE)
+
+
+def test_captured_draft_steps_match_the_eager_executor():
+    from kimik3.model.draft_graphs import capture_draft_or_none
+    from tests.model.test_draft_graphs import STEPS, check_steps, executors, small_draft
+    draft = small_draft().cuda()
+    eager, graphed, num_blocks = executors(draft, capture=capture_draft_or_none)
+    assert graphed.graphs is not None and graphed.graphs.graphs
+    check_steps(draft, eager, graphed, num_blocks, rtol=1e-4, atol=1e-4)
+    assert graphed.graphs.num_replays == len(STEPS)

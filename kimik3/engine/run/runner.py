@@ -25,6 +25,7 @@ from kimik3.engine.spec.verify import row_spans, verify
 from kimik3.engine.transfer import on_device
 from kimik3.model.batch import ForwardBatch, HybridCache
 from kimik3.model.cuda_graphs import DecodeGraphs, capture_or_none
+from kimik3.model.draft_graphs import DraftGraphs, capture_draft_or_none
 from kimik3.model.encoder_graphs import EncoderGraphs, capture_encoder_or_none
 
 logger = logging.getLogger(__name__)
@@ -52,14 +53,24 @@ class ModelRunner:
         self.aux_layers = tuple(aux_layers)     # a draft model's layers: each step keeps their states
         self.last_states: torch.Tensor | None = None
         self.graphs: DecodeGraphs | None = None
+        self.graph_limits = (config.graph_max_seqs, config.max_model_len)     # the draft's graphs' too
         if graphs:
             self.graphs = self.capture_graphs(DecodeGraphs(model, cache, config.graph_max_seqs, config.max_model_len,
                                                            1 + config.num_speculative_tokens, self.aux_layers))
 
     def attach_draft(self, drafter) -> None:
         """A draft model's drafter (``engine/spec/draft_model.py``): with decode / verify graphs, whose verify steps
-        replay only where every request carries as many drafts, its controller plans one depth per step."""
+        replay only where every request carries as many drafts, its controller plans one depth per step, and the
+        draft's own steps replay graphs too where it can be captured (``model/draft_graphs.py``)."""
         drafter.controller.uniform = self.graphs is not None
+        if self.graphs is not None and DraftGraphs.can_capture(drafter.draft):
+            seqs, max_len = self.graph_limits
+            drafter.executor.graphs = self.capture_draft_graphs(DraftGraphs(
+                drafter.draft, drafter.cache, drafter.block_size, seqs, max_len, drafter.k, self.model.dtype))
+
+    def capture_draft_graphs(self, graphs: DraftGraphs) -> DraftGraphs | None:
+        """Capture the draft's graphs, or None (its steps eager) when it cannot be captured."""
+        return capture_draft_or_none(graphs)
 
     def capture_graphs(self, graphs: DecodeGraphs) -> DecodeGraphs | None:
         """Capture the decode graphs, or None (eager) when the model cannot be captured."""

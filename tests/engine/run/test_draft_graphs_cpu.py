@@ -109,3 +109,43 @@ def test_decode_only_retry_keeps_the_draft_states(target, caplog):  # noqa: F811
         graphs = capture_or_none(VerifyFailingGraphs(target, cache, 2, 16, 3, aux_layers=aux))
     assert graphs is not None and graphs.max_query_len == 1 and graphs.aux_layers == aux
     assert graphs.aux_states is not None and graphs.aux_states.shape == (2, 2 * target.config.text.hidden_size)
+
+
+def record_drafts(engine) -> list:
+    """Wrap the engine's drafter's ``_hand_out`` to keep every step's drafts (request id, drafts)."""
+    drafter, seen = engine.scheduler.drafter, []
+    hand_out = drafter._hand_out
+
+    def wrapped(reqs, counts, drafts):
+        seen.append([(r.request_id, k, list(d)) for r, k, d in zip(reqs, counts, drafts)])
+        return hand_out(reqs, counts, drafts)
+    drafter._hand_out = wrapped
+    return seen
+
+
+def test_draft_steps_replay_graphs_with_the_eager_drafts(target, monkeypatch):  # noqa: F811
+    """The draft's own steps on emulated draft graphs (``tests/model/test_draft_graphs.py``), attached as the
+    runner attaches them where the target replays graphs: every step's drafts equal the eager engine's, catch-up
+    and position graphs replayed (a prompt's many rows ran eagerly), greedy output plain decoding's."""
+    from tests.model.test_draft_graphs import emulate
+    reqs = requests(target, seed=11, n=2, max_tokens=8)
+    futures = {tuple(p): reference_greedy(target, p, sp.max_tokens) for p, sp in reqs.values()}
+    fixed_plan(monkeypatch)
+    kw = dict(block_size=4, max_num_seqs=2, max_num_batched_tokens=64, max_model_len=32, enable_prefix_caching=False)
+    eager = engine_with(target, **kw)
+    want_drafts = record_drafts(eager)
+    want = run(eager, reqs)
+    engine = engine_with(target, **kw)
+    graphed(engine, k=3)
+    monkeypatch.setattr(engine.runner, "capture_draft_graphs", emulate)
+    engine.runner.attach_draft(engine.scheduler.drafter)
+    draft_graphs = engine.scheduler.drafter.executor.graphs
+    assert draft_graphs is not None and engine.scheduler.drafter.controller.uniform
+    got_drafts = record_drafts(engine)
+    got = run(engine, reqs, check=lambda e: check_invariants(e.kv, e.scheduler.running))
+    for rid, (prompt, _) in reqs.items():
+        assert got[rid][0][0] == futures[tuple(prompt)] == want[rid][0][0], rid
+    assert got_drafts == want_drafts and any(any(d for _, k, d in s if k > 1) for s in got_drafts)
+    steps = [key for key in draft_graphs.replayed if key[0] == "step"]
+    assert len(steps) > 0 and 0 < draft_graphs.num_replays < len(got_drafts), (draft_graphs.num_replays, len(got_drafts))
+    assert engine.num_draft_tokens == eager.num_draft_tokens > 0

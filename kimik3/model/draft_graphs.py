@@ -1,0 +1,227 @@
+"""CUDA graphs of an Eagle3 draft's steps (``draft_step.DraftWork``): the catch-up and each draft position.
+
+A draft step is many small kernels (fc, norms, projections, rotary, the cache writes, attention, the MLP, the
+LM head, the greedy pick) per forward; eagerly their launches cost more than the work at small batches. Two
+kinds of graph replay them:
+
+1. Catch-up, one graph per padded row count R (a ladder up to ``max_num_seqs * (k + 1)``: every row of a
+   decode or verify step): the rows' features (``fc`` over the target's states, gathered by the graph from a
+   fixed buffer), their keys/values written to the draft cache, and each drafting head's first inputs (its
+   row's feature, next token and position) copied to the step buffers. Padding rows write the null cache row
+   (block 0, never a request's).
+2. One draft position, one graph per (padded head count N, key span S): the heads' forward at their
+   positions, attending over key positions 0 .. S - 1 of their block tables (masked past each head's own
+   position: what the eager forward attends to, padded), the greedy tokens, and the next position's inputs
+   written back into the step buffers (token, feature, position + 1). A chain of depth d replays it d times,
+   each time with the head count of the heads that draft that far (heads are sorted by depth), so mixed
+   depths in one step replay too. Padding heads have all-zero block tables: their rows go to the null block.
+
+Key spans S are a ladder of block multiples up to ``max_model_len + k``; a span's graphs exist only for the head
+counts whose gathered keys stay within ``MAX_KEY_BYTES`` (the attention gathers [N, S] keys in fp32: a long
+span at a large batch would hold gigabytes in the graphs' pool). A step that fits no captured graph (more
+rows, more heads, a longer span) runs eagerly (``DraftExecutor``); so does any draft but a one-process
+Eagle3 one (DFlash, MTP, tensor parallelism: ``can_capture``).
+
+Inputs reach the graphs through fixed buffers filled before the replays (one host-to-device copy each); the
+drafts come back in one device-to-host copy, as the eager executor's do. ``record`` captures one function
+on CUDA; a subclass records the function itself (tests replay it eagerly over the same buffers on a CPU).
+"""
+
+from __future__ import annotations
+
+import logging
+
+import numpy as np
+import torch
+
+from kimik3.model.cuda_graphs import garbage_collection_paused, graph_batch_sizes, padded_batch_size
+from kimik3.model.draft_attention import DraftBatch
+from kimik3.model.eagle3 import Eagle3Draft, Eagle3Layer
+
+logger = logging.getLogger(__name__)
+
+DRAFT_GRAPH_MAX_SEQS = 32          # drafting heads per graph (as the target's verify graphs: VERIFY_GRAPH_MAX_SEQS)
+MAX_KEY_BYTES = 256 << 20          # a step graph's gathered keys and values (fp32) at most
+MIN_SPAN = 256                     # the shortest key span (positions), before rounding to whole blocks
+
+
+def span_ladder(max_len: int, block_size: int, min_span: int = MIN_SPAN) -> list[int]:
+    """Key spans (multiples of ``block_size``): ``min_span`` doubling while below ``max_len``, then ``max_len``
+    rounded up to a whole block."""
+    top = -(-max_len // block_size) * block_size
+    spans, s = [], -(-min(min_span, top) // block_size) * block_size
+    while s < top:
+        spans.append(s)
+        s *= 2
+    return spans + [top]
+
+
+class DraftGraphs:
+    """Captured draft steps of one Eagle3 ``draft`` over its paged ``cache`` (module docstring)."""
+
+    def __init__(self, draft, cache: torch.Tensor, block_size: int, max_num_seqs: int, max_model_len: int, k: int,
+                 states_dtype: torch.dtype, min_span: int = MIN_SPAN):
+        if not self.can_capture(draft):
+            raise ValueError(f"draft graphs hold one-process Eagle3 drafts, not {type(draft).__name__}")
+        self.draft, self.cache, self.block_size, self.k = draft, cache, block_size, k
+        self.device = cache.device
+        self.sizes = graph_batch_sizes(min(max_num_seqs, DRAFT_GRAPH_MAX_SEQS))
+        self.row_sizes = graph_batch_sizes(max_num_seqs * (k + 1))
+        self.spans = span_ladder(max_model_len + k, block_size, min_span)
+        attn = draft.layers[0].self_attn
+        key_bytes = 2 * attn.num_kv_heads * attn.head_dim * 4
+        self.steps_keys = [(n, s) for s in self.spans for n in self.sizes if n * s * key_bytes <= MAX_KEY_BYTES]
+        R, N, W = self.row_sizes[-1], self.sizes[-1], self.spans[-1] // block_size
+        self.max_position = self.spans[-1]          # the rotary tables cover it: no graph regrows them
+        as_long = dict(dtype=torch.int64, device=self.device)
+        self.rows = torch.zeros(4, R, **as_long)    # next ids, positions, cache slots, the target step's row
+        self.heads = torch.zeros(2, N, **as_long)   # each head's catch-up row and position
+        self.tables = torch.zeros(N, W, **as_long)
+        self.span_index = torch.arange(self.spans[-1], **as_long)
+        width = len(draft.aux_layer_ids) * draft.cfg.target_hidden_size
+        self.states = torch.zeros(R, width, dtype=states_dtype, device=self.device)
+        self.step_ids = torch.zeros(N, **as_long)
+        self.step_pos = torch.zeros(N, **as_long)
+        self.step_hidden = torch.zeros(N, draft.cfg.hidden_size, dtype=draft.fc.weight.dtype, device=self.device)
+        self.tokens = torch.zeros(max(k, 1), N, **as_long)
+        pinned = self.device.type == "cuda"
+        self.rows_host = torch.zeros(self.rows.shape, dtype=torch.int64, pin_memory=pinned)
+        self.heads_host = torch.zeros(self.heads.shape, dtype=torch.int64, pin_memory=pinned)
+        self.tables_host = torch.zeros(self.tables.shape, dtype=torch.int64, pin_memory=pinned)
+        self.graphs: dict[tuple, object] = {}
+        self.num_replays = 0
+        self._keep: tuple = ()
+
+    @staticmethod
+    def can_capture(draft) -> bool:
+        """A one-process Eagle3 draft (its layer the plain decoder layer) runs from fixed buffers."""
+        return type(draft) is Eagle3Draft and all(type(m) is Eagle3Layer for m in draft.layers) \
+            and not draft.lm_head.par.enabled
+
+    # ---- the captured functions --------------------------------------------------------------------------
+    def catch_up(self, R: int) -> None:
+        """R catch-up rows (padded: the null row) and every head's first inputs."""
+        ids, pos, slots = self.rows[0, :R], self.rows[1, :R], self.rows[2, :R]
+        feats = self.draft.combine([self.states[:R]])
+        self.draft.write(ids, feats, pos, slots, self.cache, self.max_position)
+        rows = self.heads[0]
+        self.step_ids.copy_(ids[rows.clamp(max=R - 1)])
+        self.step_hidden.copy_(feats[rows.clamp(max=R - 1)])
+        self.step_pos.copy_(self.heads[1])
+
+    def step(self, N: int, span: int) -> None:
+        """One draft position of heads 0 .. N - 1 over key positions < ``span``; inputs of the next one."""
+        pos, tables, bs = self.step_pos[:N], self.tables[:N, :span // self.block_size], self.block_size
+        keys = self.span_index[:span]
+        key_rows = tables.gather(1, (keys // bs)[None].expand(N, -1)) * bs + keys % bs
+        slots = tables.gather(1, (pos // bs)[:, None])[:, 0] * bs + pos % bs
+        batch = DraftBatch(pos, list(range(N + 1)), [0] * N, tables, slots, bs, key_rows=key_rows,
+                           visible=(keys[None] <= pos[:, None])[:, None], max_position=self.max_position)
+        logits, hidden = self.draft(self.step_ids[:N], self.step_hidden[:N], batch, self.cache)
+        self.step_ids[:N].copy_(self.draft.greedy(logits))
+        self.step_hidden[:N].copy_(hidden)
+        self.step_pos[:N].add_(1)
+
+    # ---- capture -----------------------------------------------------------------------------------------
+    def record(self, fn):
+        """Capture ``fn`` (after a warm-up run off the capture) into the graphs' pool: an object with ``replay``."""
+        warm = torch.cuda.Stream()
+        warm.wait_stream(torch.cuda.current_stream())
+        with torch.cuda.stream(warm):
+            fn()
+        torch.cuda.current_stream().wait_stream(warm)
+        graph = torch.cuda.CUDAGraph()
+        with torch.cuda.graph(graph, pool=self._pool):
+            fn()
+        self._pool = graph.pool()
+        return graph
+
+    @torch.inference_mode()
+    @garbage_collection_paused()
+    def capture(self) -> None:
+        """Every catch-up row count and every (head count, span), largest first, in one pool. The buffers hold
+        zeros (the null block) while capturing."""
+        for t in (self.rows, self.heads, self.tables):
+            t.zero_()
+        self._pool = None
+        rotary = self.draft.layers[0].self_attn.rotary
+        rotary(self.step_hidden.new_zeros(1, 1, rotary.head_dim), self.step_pos[:1], self.max_position)
+        self._keep = (rotary.cos, rotary.sin)        # the tables the graphs read stay alive if an eager step regrows
+        for R in sorted(self.row_sizes, reverse=True):
+            self.graphs["rows", R] = self.record(lambda R=R: self.catch_up(R))
+        for N, S in sorted(self.steps_keys, key=lambda key: -key[0] * key[1]):
+            self.graphs["step", N, S] = self.record(lambda N=N, S=S: self.step(N, S))
+        if self.device.type == "cuda":
+            torch.cuda.synchronize()
+        logger.info("captured CUDA graphs of the draft's steps: catch-up rows %s, heads x key spans %s",
+                    self.row_sizes, self.steps_keys)
+
+    # ---- replay ------------------------------------------------------------------------------------------
+    def plan(self, work) -> tuple[int, list[tuple[int, int]]] | None:
+        """(padded rows, the (heads, span) graph of each draft position) for ``work``, or None (eager)."""
+        R = padded_batch_size(len(work.rows), self.row_sizes)
+        if R is None or len(work.heads) > self.sizes[-1] or max(work.depths, default=0) > self.k:
+            return None
+        if not work.heads:
+            return R, []
+        reach = max(work.positions[h] + d for h, d in zip(work.heads, work.depths))   # the last key position + 1
+        span = next((s for s in self.spans if s >= reach), None)
+        if span is None:
+            return None
+        chain = []
+        for j in range(work.depths[0]):
+            N = padded_batch_size(sum(d > j for d in work.depths), self.sizes)
+            if ("step", N, span) not in self.graphs:
+                return None
+            chain.append((N, span))
+        return R, chain
+
+    @torch.inference_mode()
+    def run(self, work, states: torch.Tensor) -> list[list[int]] | None:
+        """The drafts of each head of ``work`` (as ``DraftExecutor.run``), or None where no graph fits."""
+        plan = self.plan(work) if states.dtype == self.states.dtype else None
+        if plan is None:
+            return None
+        R, chain = plan
+        T, n = len(work.rows), len(work.heads)
+        rows = self.rows_host[:, :R]
+        rows.zero_()
+        rows[:, :T] = torch.tensor([work.next_ids, work.positions, work.slots, work.rows], dtype=torch.int64)
+        heads = self.heads_host
+        heads.zero_()
+        if n:
+            heads[:, :n] = torch.tensor([work.heads, [work.positions[h] for h in work.heads]], dtype=torch.int64)
+        self.rows[:, :R].copy_(rows, non_blocking=True)
+        self.heads.copy_(heads, non_blocking=True)
+        torch.index_select(states, 0, self.rows[3, :T], out=self.states[:T])    # the caught-up rows' states
+        if chain:
+            W = chain[0][1] // self.block_size
+            tables = np.zeros((chain[0][0], W), dtype=np.int64)
+            for i, t in enumerate(work.tables):          # blocks past the span hold no position it reads
+                tables[i, :min(len(t), W)] = t[:W]
+            self.tables_host[:tables.shape[0], :W] = torch.from_numpy(tables)
+            self.tables[:tables.shape[0], :W].copy_(self.tables_host[:tables.shape[0], :W], non_blocking=True)
+        self.graphs["rows", R].replay()
+        for j, (N, span) in enumerate(chain):
+            self.graphs["step", N, span].replay()
+            self.tokens[j, :N].copy_(self.step_ids[:N])
+        self.num_replays += 1
+        if not chain:
+            return []
+        flat = self.tokens[:len(chain), :n].tolist()
+        return [[flat[j][i] for j in range(d)] for i, d in enumerate(work.depths)]
+
+
+def capture_draft_or_none(graphs: DraftGraphs) -> DraftGraphs | None:
+    """Capture the draft's graphs; a draft that cannot be captured drafts eagerly (one warning)."""
+    try:
+        graphs.capture()
+        return graphs
+    except Exception as exc:        # capture errors come as RuntimeError or torch.AcceleratorError
+        logger.warning("CUDA graph capture of the draft's steps failed (%s: %s); the draft runs eagerly",
+                       type(exc).__name__, str(exc).splitlines()[0] if str(exc) else "")
+        graphs.graphs.clear()
+        if torch.cuda.is_available():
+            torch.cuda.synchronize()
+            torch.cuda.empty_cache()
+        return None
