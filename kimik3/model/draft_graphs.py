@@ -31,7 +31,6 @@ from __future__ import annotations
 
 import logging
 
-import numpy as np
 import torch
 
 from kimik3.model.cuda_graphs import garbage_collection_paused, graph_batch_sizes, padded_batch_size
@@ -76,7 +75,7 @@ class DraftGraphs:
         as_long = dict(dtype=torch.int64, device=self.device)
         self.rows = torch.zeros(4, R, **as_long)    # next ids, positions, cache slots, the target step's row
         self.heads = torch.zeros(2, N, **as_long)   # each head's catch-up row and position
-        self.tables = torch.zeros(N, W, **as_long)
+        self.tables = torch.zeros(N * W, **as_long)  # a step of N heads over span S reads [:N * S / bs] as [N, S / bs]
         self.span_index = torch.arange(self.spans[-1], **as_long)
         width = len(draft.aux_layer_ids) * draft.cfg.target_hidden_size
         self.states = torch.zeros(R, width, dtype=states_dtype, device=self.device)
@@ -88,6 +87,7 @@ class DraftGraphs:
         self.rows_host = torch.zeros(self.rows.shape, dtype=torch.int64, pin_memory=pinned)
         self.heads_host = torch.zeros(self.heads.shape, dtype=torch.int64, pin_memory=pinned)
         self.tables_host = torch.zeros(self.tables.shape, dtype=torch.int64, pin_memory=pinned)
+        self.staged = torch.cuda.Event() if pinned else None     # when the last copies out of them were made
         self.graphs: dict[tuple, object] = {}
         self.num_replays = 0
         self._keep: tuple = ()
@@ -111,7 +111,8 @@ class DraftGraphs:
 
     def step(self, N: int, span: int) -> None:
         """One draft position of heads 0 .. N - 1 over key positions < ``span``; inputs of the next one."""
-        pos, tables, bs = self.step_pos[:N], self.tables[:N, :span // self.block_size], self.block_size
+        bs, W = self.block_size, span // self.block_size
+        pos, tables = self.step_pos[:N], self.tables[:N * W].view(N, W)
         keys = self.span_index[:span]
         key_rows = tables.gather(1, (keys // bs)[None].expand(N, -1)) * bs + keys % bs
         slots = tables.gather(1, (pos // bs)[:, None])[:, 0] * bs + pos % bs
@@ -184,23 +185,26 @@ class DraftGraphs:
             return None
         R, chain = plan
         T, n = len(work.rows), len(work.heads)
-        rows = self.rows_host[:, :R]
+        if self.staged is not None:
+            self.staged.synchronize()           # the last step's copies out of the staging buffers are done
+        rows, heads = self.rows_host, self.heads_host           # whole (small) buffers: contiguous copies
         rows.zero_()
         rows[:, :T] = torch.tensor([work.next_ids, work.positions, work.slots, work.rows], dtype=torch.int64)
-        heads = self.heads_host
         heads.zero_()
         if n:
             heads[:, :n] = torch.tensor([work.heads, [work.positions[h] for h in work.heads]], dtype=torch.int64)
-        self.rows[:, :R].copy_(rows, non_blocking=True)
+        self.rows.copy_(rows, non_blocking=True)
         self.heads.copy_(heads, non_blocking=True)
-        torch.index_select(states, 0, self.rows[3, :T], out=self.states[:T])    # the caught-up rows' states
-        if chain:
-            W = chain[0][1] // self.block_size
-            tables = np.zeros((chain[0][0], W), dtype=np.int64)
+        if chain:                                       # [N, W] tables, padding heads all zeros
+            (N, span), W = chain[0], chain[0][1] // self.block_size
+            tables = self.tables_host[:N * W].view(N, W).numpy()
+            tables.fill(0)
             for i, t in enumerate(work.tables):          # blocks past the span hold no position it reads
                 tables[i, :min(len(t), W)] = t[:W]
-            self.tables_host[:tables.shape[0], :W] = torch.from_numpy(tables)
-            self.tables[:tables.shape[0], :W].copy_(self.tables_host[:tables.shape[0], :W], non_blocking=True)
+            self.tables[:N * W].copy_(self.tables_host[:N * W], non_blocking=True)
+        if self.staged is not None:
+            self.staged.record()
+        torch.index_select(states, 0, self.rows[3, :T], out=self.states[:T])    # the caught-up rows' states
         self.graphs["rows", R].replay()
         for j, (N, span) in enumerate(chain):
             self.graphs["step", N, span].replay()

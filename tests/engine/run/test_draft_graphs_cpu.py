@@ -29,11 +29,16 @@ def record_observed(engine) -> list:
 
 
 def graphed(engine, k: int):
-    """Give ``engine`` emulated decode / verify graphs that keep its drafter's states."""
+    """Give ``engine`` emulated decode / verify graphs that keep its drafter's states, and emulated graphs of the
+    draft's own steps, attached as the runner attaches them (``tests/model/test_draft_graphs.py``)."""
+    from tests.model.test_draft_graphs import emulate
     cfg, runner = engine.config, engine.runner
     runner.graphs = EagerReplayGraphs(engine.model, engine.cache, cfg.max_num_seqs, cfg.max_model_len, k + 1,
                                       aux_layers=runner.aux_layers)
     runner.graphs.capture()
+    runner.capture_draft_graphs = emulate
+    runner.attach_draft(engine.scheduler.drafter)
+    assert engine.scheduler.drafter.executor.graphs is not None and engine.scheduler.drafter.controller.uniform
     return runner.graphs
 
 
@@ -61,6 +66,7 @@ def test_draft_model_graph_steps_keep_states_and_greedy_output(target, monkeypat
     replayed = graphs.replayed
     assert any(L == 1 for _, L in replayed) and any(L > 1 for _, L in replayed), replayed
     assert engine.runner.num_graph_steps == len(replayed) < engine.runner.num_steps   # prefills ran eagerly
+    assert engine.scheduler.drafter.executor.graphs.num_replays > 0     # and so did the draft's own steps
     # every step's states reached the drafter, the graph steps' from the fixed buffer, equal to the eager steps'
     assert len(got_states) == len(want_states) and None not in got_states and None not in want_states
     from_buffer = sum(ptr == graphs.aux_states.data_ptr() for _, ptr in got_states)
@@ -127,7 +133,6 @@ def test_draft_steps_replay_graphs_with_the_eager_drafts(target, monkeypatch):  
     """The draft's own steps on emulated draft graphs (``tests/model/test_draft_graphs.py``), attached as the
     runner attaches them where the target replays graphs: every step's drafts equal the eager engine's, catch-up
     and position graphs replayed (a prompt's many rows ran eagerly), greedy output plain decoding's."""
-    from tests.model.test_draft_graphs import emulate
     reqs = requests(target, seed=11, n=2, max_tokens=8)
     futures = {tuple(p): reference_greedy(target, p, sp.max_tokens) for p, sp in reqs.values()}
     fixed_plan(monkeypatch)
@@ -137,10 +142,7 @@ def test_draft_steps_replay_graphs_with_the_eager_drafts(target, monkeypatch):  
     want = run(eager, reqs)
     engine = engine_with(target, **kw)
     graphed(engine, k=3)
-    monkeypatch.setattr(engine.runner, "capture_draft_graphs", emulate)
-    engine.runner.attach_draft(engine.scheduler.drafter)
     draft_graphs = engine.scheduler.drafter.executor.graphs
-    assert draft_graphs is not None and engine.scheduler.drafter.controller.uniform
     got_drafts = record_drafts(engine)
     got = run(engine, reqs, check=lambda e: check_invariants(e.kv, e.scheduler.running))
     for rid, (prompt, _) in reqs.items():
