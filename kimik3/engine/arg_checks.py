@@ -66,12 +66,20 @@ def _check_parallel(args: Any) -> None:
         raise ValueError("num_redundant_experts and eplb_load_file need enable_eplb")
     if args.enable_eplb and not args.enable_expert_parallel:
         raise ValueError("enable_eplb places experts over expert-parallel ranks: add enable_expert_parallel")
+    if args.enable_eplb and args.tensor_parallel_size == 1:
+        raise ValueError("enable_eplb places experts over the expert-parallel ranks, which are the tensor-parallel "
+                         "ranks (of each pipeline stage): set tensor_parallel_size > 1")
     if args.pipeline_parallel_size > 1:
         if args.async_scheduling:
             raise ValueError("async_scheduling is not supported with pipeline parallelism yet; leave it off")
         if args.enforce_eager is False:
             raise ValueError("decode CUDA graphs are not supported with pipeline parallelism yet; leave "
                              "enforce_eager on")
+        method = (args.speculative_config or {}).get("method", "ngram")
+        if method != "ngram":
+            raise ValueError(f"speculative method {method!r} (a draft model) is not supported with pipeline "
+                             f"parallelism yet: the draft reads the target's hidden states, which live on other "
+                             f"stages; use n-gram drafts (num_speculative_tokens) or pipeline_parallel_size 1")
     if (args.pp_layer_partition is not None or args.pp_micro_batches is not None) \
             and args.pipeline_parallel_size == 1:
         raise ValueError("pp_layer_partition and pp_micro_batches need pipeline_parallel_size > 1")

@@ -228,3 +228,28 @@ def test_long_prefill_threshold_and_cpu_threads():
         assert torch.get_num_threads() == 1 and llm.engine.config.long_prefill_token_threshold == 0
     finally:
         torch.set_num_threads(before)
+
+
+EAGLE3 = {"method": "eagle3", "model": "default", "num_speculative_tokens": 2}
+
+
+@pytest.mark.parametrize("kwargs,match", [
+    (dict(tensor_parallel_size=2, enable_eplb=True), "add enable_expert_parallel"),
+    (dict(tensor_parallel_size=2, num_redundant_experts=2), "need enable_eplb"),
+    (dict(enable_expert_parallel=True, enable_eplb=True), "set tensor_parallel_size > 1"),
+    (dict(pipeline_parallel_size=2, enable_expert_parallel=True, enable_eplb=True), "set tensor_parallel_size > 1"),
+    (dict(pipeline_parallel_size=2, async_scheduling=True), "async_scheduling is not supported with pipeline"),
+    (dict(pipeline_parallel_size=2, enforce_eager=False), "leave enforce_eager on"),
+    (dict(pipeline_parallel_size=2, speculative_config=EAGLE3), "'eagle3' .* use n-gram drafts"),
+    (dict(pipeline_parallel_size=2, speculative_config={"method": "mtp", "num_speculative_tokens": 1}), "'mtp'"),
+    (dict(pp_micro_batches=2), "need pipeline_parallel_size > 1"),
+    (dict(tensor_parallel_size=2, decode_context_parallel_size=4), "must divide tensor_parallel_size 2"),
+])
+def test_layouts_the_engine_cannot_run_are_refused_naming_the_fix(kwargs, match):
+    """Combinations of the parallel flags that kimik3 does not run are refused when the arguments are built (before
+    any rank starts), each naming what to change; n-gram speculation under pipeline parallelism is taken."""
+    with pytest.raises(ValueError, match=match):
+        EngineArgs(**kwargs)
+    EngineArgs(pipeline_parallel_size=2, num_speculative_tokens=2)
+    EngineArgs(pipeline_parallel_size=2, tensor_parallel_size=2, enable_expert_parallel=True, enable_eplb=True,
+               speculative_config={"method": "ngram", "num_speculative_tokens": 2})
