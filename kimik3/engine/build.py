@@ -58,8 +58,7 @@ def build_engine(args: EngineArgs, tokenizer=None):
             text = load_config(path).text
             loads = read_loads(args.eplb_load_file, text.num_experts,
                                [i for i in range(text.num_hidden_layers) if text.is_moe_layer(i)])
-        from kimik3.model.kimi_k3 import check_parallel_degrees
-        check_parallel_degrees(load_config(path), layout.context(0))     # before any worker is spawned
+        layout.check_model(load_config(path), config.block_size)     # before any worker is spawned
         model, group = start_group(str(path), layout, dtype, device.type,     # ranks > 0 never return
                                    kernel_options=kernels, language_model_only=args.language_model_only,
                                    quantization=args.quantization,

@@ -36,7 +36,7 @@ import torch.multiprocessing as mp
 from kimik3.config import load_config
 from kimik3.distributed import ParallelContext, PipelineContext, make_dcp_group, plan_stages
 from kimik3.loader.load import load_model
-from kimik3.model.kimi_k3 import layer_weight_bytes
+from kimik3.model.kimi_k3 import check_parallel_degrees, layer_weight_bytes
 from kimik3.ops.options import KernelOptions, install_kernel_options
 from kimik3.parallel.worker import stop_workers, worker_loop
 
@@ -94,6 +94,25 @@ class ParallelConfig:
                              f"model's {L} decoder layers")
         bounds = [0, *itertools.accumulate(counts)]
         return tuple((bounds[i], bounds[i + 1]) for i in range(p))
+
+    def check_model(self, config, block_size: int) -> None:
+        """What the layout needs of the model and the cache, checked before any worker starts (each refusal names
+        the fix): the TP / EP cut (``check_parallel_degrees``), the pipeline stages, EPLB's expert slots over the EP
+        ranks, DCP's stripes of a cache block."""
+        text = config.text
+        check_parallel_degrees(config, self.context(0))
+        if self.pipeline_parallel_size > 1:
+            self.stage_ranges(text)
+        E, R = text.num_experts, self.num_redundant_experts
+        e = self.tensor_parallel_size if self.enable_expert_parallel else 1
+        if self.enable_eplb and (E + R) % e:
+            fit = R + (-(E + R)) % e
+            raise ValueError(f"num_redundant_experts {R}: the {E} routed experts and {R} redundant slots ({E + R}) must "
+                             f"divide over the {e} expert-parallel ranks; use num_redundant_experts {fit}")
+        c = self.decode_context_parallel_size
+        if block_size % c:
+            raise ValueError(f"block_size {block_size} must be a multiple of decode_context_parallel_size {c} (each rank "
+                             f"holds block_size / {c} positions of every block)")
 
     def context(self, rank: int, group=None, dcp_group=None) -> ParallelContext:
         t = self.tensor_parallel_size

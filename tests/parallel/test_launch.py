@@ -148,3 +148,23 @@ def test_two_tensor_parallel_llms_one_after_the_other(ckpt, tmp_path):
     assert "SECOND" in res.stdout and "shut down" in res.stdout
     line = next(ln for ln in res.stdout.splitlines() if ln.startswith("TOKENS"))
     assert json.loads(line.split(" ", 1)[1]) == [want, want]
+
+
+@pytest.mark.parametrize("kwargs,match", [
+    (dict(pipeline_parallel_size=7), r"pipeline parallel size 7 must lie in \[1, 6\]"),
+    (dict(pipeline_parallel_size=2, pp_layer_partition="2,3"), "sum to the model's 6 decoder layers"),
+    (dict(tensor_parallel_size=2, enable_expert_parallel=True, enable_eplb=True, num_redundant_experts=1),
+     "use num_redundant_experts 2"),
+    (dict(tensor_parallel_size=4, enable_expert_parallel=True, enable_eplb=True, num_redundant_experts=1),
+     "use num_redundant_experts 4"),
+    (dict(tensor_parallel_size=2, decode_context_parallel_size=2, block_size=5), "block_size 5 must be a multiple"),
+    (dict(tensor_parallel_size=3), "must divide the KDA heads"),
+])
+def test_a_layout_the_model_cannot_take_is_refused_before_any_rank_starts(ckpt, monkeypatch, kwargs, match):
+    """The stages, EPLB's slots and DCP's stripes are checked against the checkpoint's config before a worker is
+    spawned (they were refused after every rank had loaded its weights: 60 s for PP 9 on this box)."""
+    from kimik3.engine import LLM
+    from kimik3.parallel import launch
+    monkeypatch.setattr(launch, "start_group", lambda *a, **k: pytest.fail("a worker was started"))
+    with pytest.raises(ValueError, match=match):
+        LLM(str(ckpt), dtype=torch.float64, device="cpu", max_model_len=64, kv_cache_memory_bytes=1 << 22, **kwargs)
