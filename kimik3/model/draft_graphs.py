@@ -151,6 +151,8 @@ class DraftGraphs:
         for R in sorted(self.row_sizes, reverse=True):
             self.graphs["rows", R] = self.record(lambda R=R: self.catch_up(R))
         for N, S in sorted(self.steps_keys, key=lambda key: -key[0] * key[1]):
+            for t in (self.step_ids, self.step_pos, self.step_hidden):     # a warm-up advances them: no run while
+                t.zero_()                                                  # capturing reads past its span
             self.graphs["step", N, S] = self.record(lambda N=N, S=S: self.step(N, S))
         if self.device.type == "cuda":
             torch.cuda.synchronize()

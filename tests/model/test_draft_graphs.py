@@ -30,9 +30,11 @@ class _Replay:
 
 
 class EagerDraftGraphs(DraftGraphs):
-    """DraftGraphs whose capture records each function itself (CPU): a replay runs it eagerly."""
+    """DraftGraphs whose capture runs each function once (the warm-up) and records it (CPU): a replay runs it
+    eagerly."""
 
     def record(self, fn):
+        fn()                # the warm-up run before a capture, as on CUDA (it must stay within the buffers)
         return _Replay(self, None, fn)
 
     def capture(self) -> None:
