@@ -80,12 +80,13 @@ class DFlashDraft(nn.Module):
         return self.cfg.aux_layer_ids
 
     def write_context(self, aux: list[torch.Tensor], positions: torch.Tensor, slot_mapping: torch.Tensor,
-                      caches: torch.Tensor) -> None:
+                      caches: torch.Tensor, max_position: int | None = None) -> None:
         """The target's states at rows (``positions``) -> every layer's cached keys/values at ``slot_mapping``;
-        caches [num_layers, num_blocks, bs, 2, KVH, hd]."""
+        caches [num_layers, num_blocks, bs, 2, KVH, hd]. ``max_position``: a host bound of ``positions`` (else read
+        from the device)."""
         c = self.hidden_norm(self.fc(torch.cat(aux, dim=-1).to(self.fc.weight.dtype)))
         for i, layer in enumerate(self.layers):
-            layer.self_attn.write(c, positions, slot_mapping, caches[i])
+            layer.self_attn.write(c, positions, slot_mapping, caches[i], max_position)
 
     def forward(self, anchor_ids: torch.Tensor, batch: DraftBatch, caches: torch.Tensor) -> torch.Tensor:
         """anchor_ids [N] (each sequence's x_P), ``batch``: B rows per sequence at P .. P + B - 1, non-causal,

@@ -1,4 +1,5 @@
-"""CUDA graphs of an Eagle3 draft's steps (``draft_step.DraftWork``): the catch-up and each draft position.
+"""CUDA graphs of a draft's steps (``draft_step.DraftWork``): the catch-up and each draft position (Eagle3) or
+the block (DFlash).
 
 A draft step is many small kernels (fc, norms, projections, rotary, the cache writes, attention, the MLP, the
 LM head, the greedy pick) per forward; eagerly their launches cost more than the work at small batches. Two
@@ -15,12 +16,15 @@ kinds of graph replay them:
    written back into the step buffers (token, feature, position + 1). A chain of depth d replays it d times,
    each time with the head count of the heads that draft that far (heads are sorted by depth), so mixed
    depths in one step replay too. Padding heads have all-zero block tables: their rows go to the null block.
+   A DFlash draft's block is one such graph replayed once: each head's B rows at P .. P + B - 1 (its anchor
+   token, then mask tokens) over its context (key positions < P, the span padding masked) and, non-causally,
+   the block's own keys (not written); its B - 1 greedy tokens. Its catch-up writes every layer's context keys.
 
 Key spans S are a ladder of block multiples up to ``max_model_len + k``; a span's graphs exist only for the head
 counts whose gathered keys stay within ``MAX_KEY_BYTES`` (the attention gathers [N, S] keys in fp32: a long
 span at a large batch would hold gigabytes in the graphs' pool). A step that fits no captured graph (more
-rows, more heads, a longer span) runs eagerly (``DraftExecutor``); so does any draft but a one-process
-Eagle3 one (DFlash, MTP, tensor parallelism: ``can_capture``).
+rows, more heads, a longer span) runs eagerly (``DraftExecutor``); so do MTP drafts and drafts under tensor
+parallelism (``can_capture``).
 
 Inputs reach the graphs through fixed buffers filled before the replays (one host-to-device copy each); the
 drafts come back in one device-to-host copy, as the eager executor's do. ``record`` captures one function
@@ -34,6 +38,7 @@ import logging
 import torch
 
 from kimik3.model.cuda_graphs import garbage_collection_paused, graph_batch_sizes, padded_batch_size
+from kimik3.model.dflash import DFlashDraft, DFlashLayer
 from kimik3.model.draft_attention import DraftBatch
 from kimik3.model.eagle3 import Eagle3Draft, Eagle3Layer
 
@@ -56,33 +61,37 @@ def span_ladder(max_len: int, block_size: int, min_span: int = MIN_SPAN) -> list
 
 
 class DraftGraphs:
-    """Captured draft steps of one Eagle3 ``draft`` over its paged ``cache`` (module docstring)."""
+    """Captured draft steps of one Eagle3 or DFlash ``draft`` over its paged ``cache`` (module docstring)."""
 
     def __init__(self, draft, cache: torch.Tensor, block_size: int, max_num_seqs: int, max_model_len: int, k: int,
                  states_dtype: torch.dtype, min_span: int = MIN_SPAN):
         if not self.can_capture(draft):
-            raise ValueError(f"draft graphs hold one-process Eagle3 drafts, not {type(draft).__name__}")
+            raise ValueError(f"draft graphs hold one-process Eagle3 and DFlash drafts, not {type(draft).__name__}")
         self.draft, self.cache, self.block_size, self.k = draft, cache, block_size, k
         self.device = cache.device
+        # DFlash: B rows a head (keys of its context alone); Eagle3: one, whose keys reach k - 1 past the context
+        self.dflash_rows = draft.cfg.block_size if isinstance(draft, DFlashDraft) else 0
         self.sizes = graph_batch_sizes(min(max_num_seqs, DRAFT_GRAPH_MAX_SEQS))
         self.row_sizes = graph_batch_sizes(max_num_seqs * (k + 1))
-        self.spans = span_ladder(max_model_len + k, block_size, min_span)
+        self.spans = span_ladder(max_model_len + (0 if self.dflash_rows else k), block_size, min_span)
         attn = draft.layers[0].self_attn
-        key_bytes = 2 * attn.num_kv_heads * attn.head_dim * 4
-        self.steps_keys = [(n, s) for s in self.spans for n in self.sizes if n * s * key_bytes <= MAX_KEY_BYTES]
+        # fp32 bytes a key position costs a step graph: its key and value, and the scores of its query rows
+        per_key = 4 * (2 * attn.num_kv_heads * attn.head_dim + attn.num_heads * max(self.dflash_rows, 1))
+        self.steps_keys = [(n, s) for s in self.spans for n in self.sizes if n * s * per_key <= MAX_KEY_BYTES]
         R, N, W = self.row_sizes[-1], self.sizes[-1], self.spans[-1] // block_size
-        self.max_position = self.spans[-1]          # the rotary tables cover it: no graph regrows them
+        self.max_position = self.spans[-1] + self.dflash_rows   # the rotary tables cover it: no graph regrows them
         as_long = dict(dtype=torch.int64, device=self.device)
         self.rows = torch.zeros(4, R, **as_long)    # next ids, positions, cache slots, the target step's row
         self.heads = torch.zeros(2, N, **as_long)   # each head's catch-up row and position
         self.tables = torch.zeros(N * W, **as_long)  # a step of N heads over span S reads [:N * S / bs] as [N, S / bs]
-        self.span_index = torch.arange(self.spans[-1], **as_long)
+        self.span_index = torch.arange(max(self.spans[-1], self.dflash_rows), **as_long)
         width = len(draft.aux_layer_ids) * draft.cfg.target_hidden_size
         self.states = torch.zeros(R, width, dtype=states_dtype, device=self.device)
         self.step_ids = torch.zeros(N, **as_long)
         self.step_pos = torch.zeros(N, **as_long)
         self.step_hidden = torch.zeros(N, draft.cfg.hidden_size, dtype=draft.fc.weight.dtype, device=self.device)
-        self.tokens = torch.zeros(max(k, 1), N, **as_long)
+        self.tokens = torch.zeros(max(k, self.dflash_rows - 1, 1), N, **as_long)
+        self.own_keys = torch.ones(N, self.dflash_rows, self.dflash_rows, dtype=torch.bool, device=self.device)
         pinned = self.device.type == "cuda"
         self.rows_host = torch.zeros(self.rows.shape, dtype=torch.int64, pin_memory=pinned)
         self.heads_host = torch.zeros(self.heads.shape, dtype=torch.int64, pin_memory=pinned)
@@ -94,14 +103,20 @@ class DraftGraphs:
 
     @staticmethod
     def can_capture(draft) -> bool:
-        """A one-process Eagle3 draft (its layer the plain decoder layer) runs from fixed buffers."""
-        return type(draft) is Eagle3Draft and all(type(m) is Eagle3Layer for m in draft.layers) \
-            and not draft.lm_head.par.enabled
+        """A one-process Eagle3 or DFlash draft (its layers the plain ones) runs from fixed buffers."""
+        layer = {Eagle3Draft: Eagle3Layer, DFlashDraft: DFlashLayer}.get(type(draft))
+        return layer is not None and all(type(m) is layer for m in draft.layers) and not draft.lm_head.par.enabled
 
     # ---- the captured functions --------------------------------------------------------------------------
     def catch_up(self, R: int) -> None:
-        """R catch-up rows (padded: the null row) and every head's first inputs."""
+        """R catch-up rows (padded: the null row) and every head's first inputs (DFlash: its anchor token and
+        the block's first position)."""
         ids, pos, slots = self.rows[0, :R], self.rows[1, :R], self.rows[2, :R]
+        if self.dflash_rows:
+            self.draft.write_context([self.states[:R]], pos, slots, self.cache, self.max_position)
+            self.step_ids.copy_(ids[self.heads[0].clamp(max=R - 1)])
+            self.step_pos.copy_(self.heads[1] + 1)
+            return
         feats = self.draft.combine([self.states[:R]])
         self.draft.write(ids, feats, pos, slots, self.cache, self.max_position)
         rows = self.heads[0]
@@ -110,11 +125,20 @@ class DraftGraphs:
         self.step_pos.copy_(self.heads[1])
 
     def step(self, N: int, span: int) -> None:
-        """One draft position of heads 0 .. N - 1 over key positions < ``span``; inputs of the next one."""
+        """One draft position of heads 0 .. N - 1 over key positions < ``span``; inputs of the next one (DFlash:
+        the block, its drafts into ``tokens``)."""
         bs, W = self.block_size, span // self.block_size
         pos, tables = self.step_pos[:N], self.tables[:N * W].view(N, W)
         keys = self.span_index[:span]
         key_rows = tables.gather(1, (keys // bs)[None].expand(N, -1)) * bs + keys % bs
+        if self.dflash_rows:
+            B = self.dflash_rows
+            in_ctx = (keys[None] < pos[:, None])[:, None].expand(N, B, span)
+            batch = DraftBatch((pos[:, None] + self.span_index[:B]).view(-1), list(range(0, N * B + 1, B)), [0] * N,
+                               tables, None, bs, causal=False, key_rows=key_rows,
+                               visible=torch.cat([in_ctx, self.own_keys[:N]], dim=-1), max_position=self.max_position)
+            self.tokens[:B - 1, :N].copy_(self.draft.greedy(self.draft(self.step_ids[:N], batch, self.cache)).T)
+            return
         slots = tables.gather(1, (pos // bs)[:, None])[:, 0] * bs + pos % bs
         batch = DraftBatch(pos, list(range(N + 1)), [0] * N, tables, slots, bs, key_rows=key_rows,
                            visible=(keys[None] <= pos[:, None])[:, None], max_position=self.max_position)
@@ -145,9 +169,12 @@ class DraftGraphs:
         for t in (self.rows, self.heads, self.tables):
             t.zero_()
         self._pool = None
-        rotary = self.draft.layers[0].self_attn.rotary
-        rotary(self.step_hidden.new_zeros(1, 1, rotary.head_dim), self.step_pos[:1], self.max_position)
-        self._keep = (rotary.cos, rotary.sin)        # the tables the graphs read stay alive if an eager step regrows
+        keep = []
+        for layer in self.draft.layers:
+            rotary = layer.self_attn.rotary
+            rotary(self.step_hidden.new_zeros(1, 1, rotary.head_dim), self.step_pos[:1], self.max_position)
+            keep += [rotary.cos, rotary.sin]
+        self._keep = tuple(keep)        # the tables the graphs read stay alive if an eager step regrows them
         for R in sorted(self.row_sizes, reverse=True):
             self.graphs["rows", R] = self.record(lambda R=R: self.catch_up(R))
         for N, S in sorted(self.steps_keys, key=lambda key: -key[0] * key[1]):
@@ -167,10 +194,14 @@ class DraftGraphs:
             return None
         if not work.heads:
             return R, []
-        reach = max(work.positions[h] + d for h, d in zip(work.heads, work.depths))   # the last key position + 1
+        # the last key position + 1: Eagle3's last draft row; DFlash's context (its block's keys are its own)
+        reach = max(work.positions[h] + (1 if self.dflash_rows else d) for h, d in zip(work.heads, work.depths))
         span = next((s for s in self.spans if s >= reach), None)
         if span is None:
             return None
+        if self.dflash_rows:
+            N = padded_batch_size(len(work.heads), self.sizes)
+            return (R, [(N, span)]) if ("step", N, span) in self.graphs else None
         chain = []
         for j in range(work.depths[0]):
             N = padded_batch_size(sum(d > j for d in work.depths), self.sizes)
@@ -210,11 +241,12 @@ class DraftGraphs:
         self.graphs["rows", R].replay()
         for j, (N, span) in enumerate(chain):
             self.graphs["step", N, span].replay()
-            self.tokens[j, :N].copy_(self.step_ids[:N])
+            if not self.dflash_rows:
+                self.tokens[j, :N].copy_(self.step_ids[:N])
         self.num_replays += 1
         if not chain:
             return []
-        flat = self.tokens[:len(chain), :n].tolist()
+        flat = self.tokens[:max(work.depths), :n].tolist()
         return [[flat[j][i] for j in range(d)] for i, d in enumerate(work.depths)]
 
 

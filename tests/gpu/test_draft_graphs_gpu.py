@@ -9,8 +9,8 @@ into one fixed buffer (``DecodeGraphs.aux_states``).
    drafts accepted. The drafts themselves may differ where
    the draft's states differ by rounding, so the runs may verify different drafts with different kernels: the
    cross-kernel bound ``SLICE_CROSS_NOISE`` applies.
-3. The draft's own steps captured for real (a small float32 Eagle3 draft): steps of mixed depths, padded rows
-   and heads and several key spans give the eager executor's drafts and cache rows (``tests/model/
+3. The draft's own steps captured for real (small float32 Eagle3 and DFlash drafts): steps of mixed depths,
+   padded rows and heads and several key spans give the eager executor's drafts and cache rows (``tests/model/
    test_draft_graphs.py``'s steps, there on emulated graphs).
 """
 
@@ -88,15 +88,17 @@ def test_eagle3_graphs_match_eager(model, n, async_scheduling):
     graphed = generate(engine, reqs)
     assert 1 in replayed and (n > 1 or any(L > 1 for L in replayed)), replayed
     assert engine.num_accepted_tokens > 0 and draft_graphs.num_replays > 0
-    print(f"draft graph steps {draft_graphs.num_replays}; graph steps {engine.runner.num_graph_steps} of {engine.runner.num_steps}, verify graphs "
+    print(f"draft graph steps {draft_graphs.num_replays}; "
+          f"graph steps {engine.runner.num_graph_steps} of {engine.runner.num_steps}, verify graphs "
           f"{sum(L > 1 for L in replayed)}, accepted {engine.num_accepted_tokens} of {engine.num_draft_tokens}")
     assert_same_greedy(eager, graphed, reqs, noise=SLICE_CROSS_NOISE)
 
 
-def test_captured_draft_steps_match_the_eager_executor():
+@pytest.mark.parametrize("method", ["eagle3", "dflash"])
+def test_captured_draft_steps_match_the_eager_executor(method):
     from kimik3.model.draft_graphs import capture_draft_or_none
-    from tests.model.test_draft_graphs import STEPS, check_steps, executors, small_draft
-    draft = small_draft().cuda()
+    from tests.model.test_draft_graphs import STEPS, check_steps, executors, small_dflash, small_draft
+    draft = (small_draft() if method == "eagle3" else small_dflash()).cuda()
     eager, graphed, num_blocks = executors(draft, capture=capture_draft_or_none)
     assert graphed.graphs is not None and graphed.graphs.graphs
     check_steps(draft, eager, graphed, num_blocks, rtol=1e-4, atol=1e-4)

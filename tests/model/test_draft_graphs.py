@@ -12,6 +12,7 @@ import random
 import pytest
 import torch
 
+from kimik3.model.dflash import DFlashConfig, DFlashDraft
 from kimik3.model.draft_attention import extend_tables
 from kimik3.model.draft_graphs import DraftGraphs, span_ladder
 from kimik3.model.draft_step import DraftExecutor, DraftWork, draft_cache_shape
@@ -63,9 +64,10 @@ def small_draft(seed: int = 0, vocab: int = 96, target_hidden: int = 24) -> Eagl
 
 
 def random_work(rng: random.Random, num_blocks: int, scratch_from: int, seqs: list[tuple[int, int, int | None]],
-                vocab: int) -> tuple[DraftWork, int]:
+                vocab: int, reach: int | None = None) -> tuple[DraftWork, int]:
     """A step of sequences (caught-up position start, rows, depth or None: not drafting), each owning its own
-    blocks; -> (work, packed rows of the target's step (a few more than caught up))."""
+    blocks, its table extended for its depth (``reach``: a DFlash block's rows); -> (work, packed rows of the
+    target's step (a few more than caught up))."""
     rows, ids, pos, slots, heads, depths, tables, offset = [], [], [], [], [], [], [], 0
     free = list(range(1, num_blocks))
     rng.shuffle(free)
@@ -81,10 +83,23 @@ def random_work(rng: random.Random, num_blocks: int, scratch_from: int, seqs: li
         offset += n
     heads.sort(key=lambda h: -h[0])
     scratch = [[scratch_from + 3 * i + j for j in range(3)] for i in range(len(heads))]
-    tables = extend_tables([d for d, _, _ in heads], [pos[r] + 1 for _, r, _ in heads], [t for _, _, t in heads], BS,
+    tables = extend_tables([reach or d for d, _, _ in heads], [pos[r] + 1 for _, r, _ in heads],
+                           [t for _, _, t in heads], BS,
                            scratch)
     work = DraftWork(rows, ids, pos, slots, [r for _, r, _ in heads], [d for d, _, _ in heads], tables)
     return work, offset + 2
+
+
+def small_dflash(seed: int = 0, vocab: int = 96, target_hidden: int = 24) -> DFlashDraft:
+    cfg = DFlashConfig(hidden_size=32, num_hidden_layers=2, num_attention_heads=4, num_key_value_heads=2, head_dim=8,
+                       intermediate_size=40, rms_norm_eps=1e-6, rope_theta=500.0, vocab_size=vocab, draft_vocab_size=64,
+                       target_hidden_size=target_hidden, aux_layer_ids=(1, 2), block_size=4, mask_token_id=vocab - 1)
+    m = DFlashDraft(cfg)
+    g = torch.Generator().manual_seed(seed)
+    for p in m.parameters():
+        p.data.copy_(torch.randn(p.shape, generator=g) / math.sqrt(p.shape[-1]) if p.dim() > 1 else torch.ones(p.shape))
+    m.d2t.copy_(torch.randint(0, vocab - 64, (64,), generator=g))
+    return m.eval()
 
 
 @pytest.fixture(scope="module")
@@ -117,12 +132,21 @@ STEPS = [[(30, 1, 2), (12, 2, 2), (6, 1, 1), (18, 2, 1)],        # 4 heads
          [(4, 5, None)]]                                         # catch-up alone
 
 
+def by_row(cache: torch.Tensor) -> torch.Tensor:
+    """The cache by row (block * BS + offset): [rows, (layers,) 2, KVH, hd]."""
+    if cache.dim() == 5:
+        return cache.view(-1, *cache.shape[2:])
+    return cache.view(cache.shape[0], -1, *cache.shape[3:]).transpose(0, 1)
+
+
 def check_steps(draft, eager: DraftExecutor, graphed: DraftExecutor, num_blocks: int, rtol: float = 1e-5,
                 atol: float = 1e-5) -> None:
     """``STEPS`` one after another on both executors: the same drafts, the same rows written."""
     rng = random.Random(3)
+    dflash = isinstance(draft, DFlashDraft)
     for i, seqs in enumerate(STEPS):
-        work, T = random_work(rng, num_blocks, num_blocks, seqs, draft.cfg.vocab_size)
+        work, T = random_work(rng, num_blocks, num_blocks, seqs, draft.cfg.vocab_size,
+                              draft.cfg.block_size if dflash else None)
         states = torch.randn(T, 2 * draft.cfg.target_hidden_size, generator=torch.Generator().manual_seed(i))
         states = states.to(eager.cache.device)
         assert graphed.graphs.plan(work) is not None, i
@@ -131,13 +155,14 @@ def check_steps(draft, eager: DraftExecutor, graphed: DraftExecutor, num_blocks:
         assert len(got) == len(work.heads) and [len(d) for d in got] == work.depths
         # every row the eager step wrote holds the same keys/values; the graphs' other writes went to the null
         # block or to rows past a shallower head's drafts (rewritten when caught up, as a rejected draft's are)
-        written = set(work.slots)
+        written = set(work.slots)             # (a DFlash block's keys are not kept)
         for h, d, t in zip(work.heads, work.depths, work.tables):
-            written |= {t[p // BS] * BS + p % BS for p in range(work.positions[h], work.positions[h] + d)}
-        flat_e, flat_g = eager.cache.view(-1, *eager.cache.shape[2:]), graphed.cache.view(-1, *graphed.cache.shape[2:])
+            written |= set() if dflash else {t[p // BS] * BS + p % BS for p in range(work.positions[h],
+                                                                                     work.positions[h] + d)}
+        flat_e, flat_g = by_row(eager.cache), by_row(graphed.cache)
         idx = torch.tensor(sorted(written), device=flat_e.device)
         torch.testing.assert_close(flat_g[idx], flat_e[idx], rtol=rtol, atol=atol)
-        deeper = max(work.depths, default=0)
+        deeper = 0 if dflash else max(work.depths, default=0)
         spare = set()
         for h, d, t in zip(work.heads, work.depths, work.tables):
             spare |= {t[p // BS] * BS + p % BS for p in range(work.positions[h] + d, work.positions[h] + deeper)
@@ -181,9 +206,25 @@ def test_steps_no_graph_fits_run_eagerly(draft):
     assert g.replayed == []
 
 
-def test_only_eagle3_drafts_capture(draft):
-    from kimik3.model.dflash import DFlashDraft
-    assert DraftGraphs.can_capture(draft)
-    assert not DraftGraphs.can_capture(object.__new__(DFlashDraft))
-    with pytest.raises(ValueError, match="Eagle3"):
-        DraftGraphs(object.__new__(DFlashDraft), torch.zeros(1), BS, 2, 16, 2, torch.float32)
+def test_dflash_blocks_equal_the_eager_executor():
+    """A DFlash draft: one block graph a step (padded heads, several context spans), its context written by the
+    catch-up graph: the eager executor's drafts and cache rows."""
+    dflash = small_dflash()
+    eager, graphed, num_blocks = executors(dflash)
+    g = graphed.graphs
+    assert g.spans == [8, 16, 32, 40] and g.tokens.shape[0] == 3
+    check_steps(dflash, eager, graphed, num_blocks)
+    assert len(g.replayed) == len(STEPS) + sum(any(d for _, _, d in seqs) for seqs in STEPS)
+    assert {key[2] for key in g.replayed if key[0] == "step"} == {8, 16, 32}, g.replayed
+
+
+def test_only_one_process_eagle3_and_dflash_drafts_capture(draft):
+    from kimik3.distributed import ParallelContext
+    from kimik3.model.mtp import MTPDraft
+    assert DraftGraphs.can_capture(draft) and DraftGraphs.can_capture(small_dflash())
+    assert not DraftGraphs.can_capture(object.__new__(MTPDraft))
+    split = small_draft()
+    split.lm_head.par = ParallelContext(tp_rank=0, tp_size=2)
+    assert split.lm_head.par.enabled and not DraftGraphs.can_capture(split)
+    with pytest.raises(ValueError, match="Eagle3 and DFlash"):
+        DraftGraphs(object.__new__(MTPDraft), torch.zeros(1), BS, 2, 16, 2, torch.float32)

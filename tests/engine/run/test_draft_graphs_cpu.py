@@ -9,6 +9,7 @@ from __future__ import annotations
 import pytest
 import torch
 
+from kimik3.engine import EngineConfig
 from kimik3.model.batch import ForwardBatch, StateCheckpoint
 from kimik3.model.cuda_graphs import DecodeGraphs, pack_decode_inputs
 from tests.engine.fake_model import reference_greedy
@@ -129,18 +130,41 @@ def record_drafts(engine) -> list:
     return seen
 
 
-def test_draft_steps_replay_graphs_with_the_eager_drafts(target, monkeypatch):  # noqa: F811
+def dflash_engine(target, **kw):
+    """An engine drafting with a random DFlash draft (blocks of 4: 3 drafts)."""
+    from kimik3.engine.core.llm_engine import LLMEngine
+    from kimik3.engine.spec.draft_model import ModelDrafter
+    from kimik3.model.dflash import DFlashConfig, DFlashDraft
+    from tests.engine.helpers import budget_for
+    from tests.engine.spec.test_draft_model import random_module
+    text = target.config.text
+    draft = random_module(DFlashDraft(DFlashConfig(
+        hidden_size=text.hidden_size, num_hidden_layers=2, num_attention_heads=2, num_key_value_heads=1, head_dim=16,
+        intermediate_size=48, rms_norm_eps=1e-6, rope_theta=1000.0, vocab_size=text.vocab_size,
+        draft_vocab_size=text.vocab_size, target_hidden_size=text.hidden_size, aux_layer_ids=(2, 4),
+        block_size=4, mask_token_id=3)), 2)
+    cfg = EngineConfig(num_speculative_tokens=3, speculative_method="dflash", speculative_model="test",
+                       kda_checkpoint_interval=1, **kw)
+    need = -(-cfg.max_model_len // cfg.block_size) + 8
+    cfg.cache_memory_bytes = budget_for(target, cfg.block_size, cfg.max_num_seqs, need, None, 3) + \
+        (need + 2) * ModelDrafter.bytes_per_block(draft, cfg.block_size)
+    return LLMEngine(target, cfg, draft=draft)
+
+
+@pytest.mark.parametrize("method", ["eagle3", "dflash"])
+def test_draft_steps_replay_graphs_with_the_eager_drafts(target, monkeypatch, method):  # noqa: F811
     """The draft's own steps on emulated draft graphs (``tests/model/test_draft_graphs.py``), attached as the
     runner attaches them where the target replays graphs: every step's drafts equal the eager engine's, catch-up
-    and position graphs replayed (a prompt's many rows ran eagerly), greedy output plain decoding's."""
+    and position (or block) graphs replayed (a prompt's many rows ran eagerly), greedy output plain decoding's."""
     reqs = requests(target, seed=11, n=2, max_tokens=8)
     futures = {tuple(p): reference_greedy(target, p, sp.max_tokens) for p, sp in reqs.values()}
     fixed_plan(monkeypatch)
     kw = dict(block_size=4, max_num_seqs=2, max_num_batched_tokens=64, max_model_len=32, enable_prefix_caching=False)
-    eager = engine_with(target, **kw)
+    build = engine_with if method == "eagle3" else dflash_engine
+    eager = build(target, **kw)
     want_drafts = record_drafts(eager)
     want = run(eager, reqs)
-    engine = engine_with(target, **kw)
+    engine = build(target, **kw)
     graphed(engine, k=3)
     draft_graphs = engine.scheduler.drafter.executor.graphs
     got_drafts = record_drafts(engine)
@@ -149,5 +173,6 @@ def test_draft_steps_replay_graphs_with_the_eager_drafts(target, monkeypatch):  
         assert got[rid][0][0] == futures[tuple(prompt)] == want[rid][0][0], rid
     assert got_drafts == want_drafts and any(any(d for _, k, d in s if k > 1) for s in got_drafts)
     steps = [key for key in draft_graphs.replayed if key[0] == "step"]
-    assert len(steps) > 0 and 0 < draft_graphs.num_replays < len(got_drafts), (draft_graphs.num_replays, len(got_drafts))
+    assert len(steps) > 0 and 0 < draft_graphs.num_replays < len(got_drafts), (draft_graphs.num_replays,
+                                                                               len(got_drafts))
     assert engine.num_draft_tokens == eager.num_draft_tokens > 0
