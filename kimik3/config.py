@@ -331,9 +331,12 @@ def parse_text_config(data: dict, source: str, *, where: str = "",
     lin = r.child("linear_attn_config")
     kda = _parse_kda(lin)
     n_layers = r.get("num_hidden_layers", int)
-    bad = [i for i in kda.kda_layers if not 1 <= i <= n_layers]
+    # the MTP layers (indices n_layers .. n_layers + nextn - 1) are KDA blocks where listed (``model/mtp.py``)
+    n_mtp = r.get("num_nextn_predict_layers", int, required=False, nullable=True) or 0
+    bad = [i for i in kda.kda_layers if not 1 <= i <= n_layers + n_mtp]
     if bad:
-        raise lin._fail("kda_layers", f"holds layers outside 1..{n_layers}: {bad}")
+        raise lin._fail("kda_layers", f"holds layers outside 1..{n_layers + n_mtp} (num_hidden_layers "
+                        f"{n_layers} + num_nextn_predict_layers {n_mtp}): {bad}")
 
     hidden_act = r.get("hidden_act", str)
     if hidden_act not in ("situ", "silu"):

@@ -12,7 +12,12 @@ For the row at position p (the target's pre-final-norm h_final at p, the token x
     logits = shared_head.head(RMSNorm(r; shared_head.norm))
 
 r is the next chained step's h. The block is K3's decoder layer at index L + j without attention
-residuals (ordinary pre-norm residual); layer L + j must be an MLA layer of the schedule.
+residuals (ordinary pre-norm residual): an MLA block, or, where L + j is in ``linear_attn_config.kda_layers``, a
+KDA block (K3's own KimiDeltaAttention) whose recurrent state lives in the draft's state pool.
+
+The draft's cache is a ``HybridCache`` of its own (``MTPDraft.allocate_cache``): an MLA layer's latents by the
+target's block tables, a KDA layer's conv window and state per state slot (the target's slot numbers: the
+engine mirrors the target's state copies, resets and prefix checkpoints on it, ``model/draft_step.py``).
 """
 
 from __future__ import annotations
@@ -21,7 +26,8 @@ import torch
 from torch import nn
 
 from kimik3.config import TextConfig
-from kimik3.model.batch import ForwardBatch
+from kimik3.model.batch import ForwardBatch, HybridCache
+from kimik3.model.kda import KimiDeltaAttention
 from kimik3.model.layers import MLP, Embedding, GLUActivation, RMSNorm, linear
 from kimik3.model.mla import MLAAttention
 from kimik3.model.moe import build_moe
@@ -37,19 +43,23 @@ class SharedHead(nn.Module):
 class MTPLayer(nn.Module):
     def __init__(self, cfg: TextConfig, layer_id: int):
         super().__init__()
-        if cfg.is_kda_layer(layer_id):
-            raise ValueError(f"MTP layer {layer_id} is a KDA layer in kda_layers; MTP layers are MLA blocks "
-                             f"(remove {layer_id + 1} from linear_attn_config.kda_layers)")
         D, eps = cfg.hidden_size, cfg.rms_norm_eps
+        self.layer_id = layer_id
+        self.is_kda = cfg.is_kda_layer(layer_id)
         act = GLUActivation(cfg.hidden_act, cfg.situ_beta, cfg.situ_linear_beta)
         self.embed_tokens = Embedding(cfg.vocab_size, D)
         self.enorm = RMSNorm(D, eps)
         self.hnorm = RMSNorm(D, eps)
         self.eh_proj = linear(2 * D, D)
         self.input_layernorm = RMSNorm(D, eps)
-        self.self_attn = MLAAttention(D, cfg.num_attention_heads, cfg.q_lora_rank, cfg.kv_lora_rank,
-                                      cfg.qk_nope_head_dim, cfg.qk_rope_head_dim, cfg.v_head_dim,
-                                      cfg.mla_use_output_gate, cfg.numerics.mla_latent_norm_eps)
+        if self.is_kda:
+            k = cfg.kda
+            self.self_attn = KimiDeltaAttention(D, k.num_heads, k.head_dim, k.conv_size, k.use_full_rank_gate,
+                                                k.gate_lower_bound, eps)
+        else:
+            self.self_attn = MLAAttention(D, cfg.num_attention_heads, cfg.q_lora_rank, cfg.kv_lora_rank,
+                                          cfg.qk_nope_head_dim, cfg.qk_rope_head_dim, cfg.v_head_dim,
+                                          cfg.mla_use_output_gate, cfg.numerics.mla_latent_norm_eps)
         self.post_attention_layernorm = RMSNorm(D, eps)
         if cfg.is_moe_layer(layer_id):
             self.block_sparse_moe = build_moe(cfg, act)
@@ -62,16 +72,29 @@ class MTPLayer(nn.Module):
         return self.eh_proj(torch.cat([self.enorm(e), self.hnorm(hidden.to(e.dtype))], dim=-1))
 
     def write(self, next_ids: torch.Tensor, hidden: torch.Tensor, positions: torch.Tensor, slots: torch.Tensor,
-              cache: torch.Tensor) -> None:
-        """Catch-up: the rows' latents alone (what ``forward`` caches for them) into cache rows ``slots``."""
-        self.self_attn.write_latent(self.input_layernorm(self._fused(next_ids, hidden, positions)), slots, cache)
+              batch: ForwardBatch | None, cache: HybridCache) -> None:
+        """Catch-up: what ``forward`` leaves in the cache for the rows, alone: an MLA layer's latents (into cache
+        rows ``slots``); a KDA layer's state advanced over the rows of ``batch`` (its output, the MoE and the
+        head are not needed)."""
+        x = self.input_layernorm(self._fused(next_ids, hidden, positions))
+        row = cache.layer_index[self.layer_id]
+        if self.is_kda:
+            self.self_attn(x, batch, cache.kda_conv[row], cache.kda_state[row])
+        else:
+            self.self_attn.write_latent(x, slots, cache.mla_latent[row])
+
+    def mix(self, x: torch.Tensor, batch: ForwardBatch, cache: HybridCache) -> torch.Tensor:
+        """The token mixer over rows x (MLA over the latent cache, or KDA from and into the state slots)."""
+        row = cache.layer_index[self.layer_id]
+        if self.is_kda:
+            return self.self_attn(x, batch, cache.kda_conv[row], cache.kda_state[row])
+        return self.self_attn(x, batch, cache.mla_latent[row])
 
     def forward(self, next_ids: torch.Tensor, hidden: torch.Tensor, positions: torch.Tensor, batch: ForwardBatch,
-                cache: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
-        """-> (logits [T, V] fp32 or wider, r [T, D]); writes the rows' latents to ``cache`` (this layer's
-        [num_blocks, block_size, D_c])."""
+                cache: HybridCache) -> tuple[torch.Tensor, torch.Tensor]:
+        """-> (logits [T, V] fp32 or wider, r [T, D]); leaves the rows in ``cache`` (``MTPDraft.allocate_cache``)."""
         r = self._fused(next_ids, hidden, positions)
-        r = r + self.self_attn(self.input_layernorm(r), batch, cache)
+        r = r + self.mix(self.input_layernorm(r), batch, cache)
         x = self.post_attention_layernorm(r)
         r = r + (self.block_sparse_moe(x) if hasattr(self, "block_sparse_moe") else self.mlp(x))
         logits = self.shared_head.head(self.shared_head.norm(r))
@@ -102,7 +125,27 @@ class MTPDraft(nn.Module):
     def layer(self, step: int) -> MTPLayer:
         return self.model.layers[str(self.first_layer + step % self.num_layers)]
 
+    @property
+    def kda_layer_ids(self) -> list[int]:
+        return [int(i) for i, layer in self.model.layers.items() if layer.is_kda]
+
+    def allocate_cache(self, num_slots: int, num_blocks: int, block_size: int, dtype: torch.dtype,
+                       device=None) -> HybridCache:
+        """The draft's own cache: latents [n_mla, num_blocks, block_size, D_c] and KDA conv / state pools
+        [n_kda, num_slots, ...] (shapes as the target's ``HybridCache``)."""
+        cfg, layers = self.cfg, self.model.layers
+        kda = [int(i) for i, lay in layers.items() if lay.is_kda]
+        mla = [int(i) for i, lay in layers.items() if not lay.is_kda]
+        k = cfg.kda
+        as_dtype = dict(dtype=dtype, device=device)
+        conv = torch.zeros(len(kda), num_slots, 3 * k.num_heads * k.head_dim, k.conv_size - 1, **as_dtype)
+        state = torch.zeros(len(kda), num_slots, k.num_heads, k.head_dim, k.head_dim, device=device,
+                            dtype=torch.promote_types(dtype, torch.float32))
+        latent = torch.zeros(len(mla), num_blocks, block_size, cfg.mla_cache_dim, **as_dtype)
+        index = {lid: i for i, lid in enumerate(kda)} | {lid: i for i, lid in enumerate(mla)}
+        return HybridCache(conv, state, latent, block_size, index)
+
     def forward(self, step: int, next_ids: torch.Tensor, hidden: torch.Tensor, positions: torch.Tensor,
-                batch: ForwardBatch, caches: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
-        """Chain step ``step`` (its layer) over rows (``MTPLayer.forward``); ``caches`` [n, num_blocks, bs, D_c]."""
-        return self.layer(step)(next_ids, hidden, positions, batch, caches[step % self.num_layers])
+                batch: ForwardBatch, cache: HybridCache) -> tuple[torch.Tensor, torch.Tensor]:
+        """Chain step ``step`` (its layer) over rows (``MTPLayer.forward``)."""
+        return self.layer(step)(next_ids, hidden, positions, batch, cache)

@@ -40,7 +40,7 @@ import torch.distributed as dist
 
 from kimik3.model.batch import ForwardBatch
 from kimik3.model.cuda_graphs import DecodeGraphs, capture_or_none
-from kimik3.model.draft_step import DraftExecutor, DraftWork, draft_cache_shape
+from kimik3.model.draft_step import DraftExecutor, DraftWork, allocate_draft_cache
 from kimik3.parallel.encoder_dp import EncodeImages, encode_share
 from kimik3.parallel.pipeline import run_stage
 
@@ -136,6 +136,7 @@ class DraftSetup:
     path: str                     # its checkpoint (each rank loads its share)
     num_blocks: int               # blocks of the draft's cache (the target's and the chains' scratch blocks)
     block_size: int
+    num_slots: int = 1            # state slots of a recurrent draft layer (the target's and scratch ones)
 
 
 class DraftRunner:
@@ -144,8 +145,7 @@ class DraftRunner:
     def __init__(self, setup: DraftSetup, model):
         from kimik3.loader.drafts import load_draft
         draft = load_draft(setup.method, setup.path, model)
-        p = next(draft.parameters())
-        cache = torch.zeros(draft_cache_shape(draft, setup.num_blocks, setup.block_size), dtype=p.dtype, device=p.device)
+        cache = allocate_draft_cache(draft, setup.num_blocks, setup.block_size, setup.num_slots)
         self.executor = DraftExecutor(draft, cache, setup.block_size)
         self.aux_layers = tuple(draft.aux_layer_ids)
         self.states: torch.Tensor | None = None

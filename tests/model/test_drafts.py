@@ -178,19 +178,24 @@ def dflash_block() -> None:
     assert rel_err(out, ref) < 1e-12
 
 
-def test_mtp_layer_matches_k3_decoder_block_without_attn_res():
+@pytest.mark.parametrize("kda", [False, True], ids=["mla", "kda"])
+def test_mtp_layer_matches_k3_decoder_block_without_attn_res(kda):
     """An MTP step = eh_proj of the normed inputs, then K3's own decoder layer (run here through the target's
-    ``DecoderLayer`` with a plain residual stream) and the shared head; latents cached over two chunks."""
+    ``DecoderLayer`` with a plain residual stream) and the shared head; over two chunks through the draft's own
+    cache: MLA latents by block, or (layer L in kda_layers) the KDA state and conv window by slot."""
     from kimik3.model.attn_res import ResidualStream
     from kimik3.model.kimi_k3 import DecoderLayer
     from kimik3.model.layers import GLUActivation
 
     cfg = parse_config(tiny_k3_config(vocab_size=64, vision=False)).text
+    L, T, bs = cfg.num_hidden_layers, 6, 4
+    if kda:
+        cfg = dataclasses.replace(cfg, kda=dataclasses.replace(cfg.kda, kda_layers=cfg.kda.kda_layers + (L + 1,)))
     mtp = MTPDraft(cfg, 1).to(F64)
     randomize(mtp, 7)
-    L, T, bs = cfg.num_hidden_layers, 6, 4
     lay = mtp.layer(0)
-    plain = dataclasses.replace(cfg, attn_res_block_size=None, kda=dataclasses.replace(cfg.kda, kda_layers=()))
+    assert lay.is_kda == kda
+    plain = dataclasses.replace(cfg, attn_res_block_size=None)
     block = DecoderLayer(plain, L, GLUActivation(cfg.hidden_act, cfg.situ_beta, cfg.situ_linear_beta), None).to(F64)
     block.load_state_dict({k: v for k, v in lay.state_dict().items() if not k.startswith(
         ("embed_tokens", "enorm", "hnorm", "eh_proj", "shared_head"))})
@@ -201,26 +206,40 @@ def test_mtp_layer_matches_k3_decoder_block_without_attn_res():
     u = torch.cat([norm(e, lay.enorm.weight, cfg.rms_norm_eps), norm(h, lay.hnorm.weight, cfg.rms_norm_eps)], -1)
     u = u @ lay.eh_proj.weight.T
     one = ForwardBatch.build([T], [0], [1], [[1, 2]], bs)
-    cache = HybridCache.allocate(plain, 2, 3, bs, F64)
-    cache.layer_index = {L: 0}
+    ref_cache = mtp.allocate_cache(3, 3, bs, F64)
     stream = ResidualStream(u, None, cfg.rms_norm_eps, False)
-    block(stream, one, cache, {})
+    block(stream, one, ref_cache, {})
     r_ref = stream.state()
     ref = norm(r_ref, lay.shared_head.norm.weight, cfg.rms_norm_eps) @ lay.shared_head.head.weight.T
-    caches = torch.zeros(1, 4, bs, cfg.mla_cache_dim, dtype=F64)
+    cache = mtp.allocate_cache(3, 4, bs, F64)
     outs = []
     for a, b in ((0, 4), (4, 6)):
-        batch = ForwardBatch.build([b - a], [a], [0], [[2, 3]], bs)
-        outs.append(mtp(0, ids[a:b], h[a:b], pos[a:b], batch, caches))
+        batch = ForwardBatch.build([b - a], [a], [2], [[2, 3]], bs)
+        outs.append(mtp(0, ids[a:b], h[a:b], pos[a:b], batch, cache))
     assert rel_err(torch.cat([o[0] for o in outs]), ref) < 1e-10
     assert rel_err(torch.cat([o[1] for o in outs]), r_ref) < 1e-10
+    if kda:                       # the state after the six rows, in slot 2 (the reference's in slot 1)
+        assert rel_err(cache.kda_state[0, 2], ref_cache.kda_state[0, 1]) < 1e-10
+        assert rel_err(cache.kda_conv[0, 2], ref_cache.kda_conv[0, 1]) < 1e-10
 
 
-def test_mtp_rejects_a_kda_layer():
-    cfg = parse_config(tiny_k3_config(vocab_size=64, vision=False)).text
-    cfg = dataclasses.replace(cfg, kda=dataclasses.replace(cfg.kda, kda_layers=cfg.kda.kda_layers + (7,)))
-    with pytest.raises(ValueError, match="KDA layer"):
-        MTPDraft(cfg, 1)
+def test_mtp_write_leaves_what_forward_leaves():
+    """The catch-up's ``write`` (no head, no MoE) leaves the cache as ``forward`` over the same rows: latents of an
+    MLA layer, the state and conv window of a KDA layer."""
+    base = parse_config(tiny_k3_config(vocab_size=64, vision=False)).text
+    L = base.num_hidden_layers
+    for cfg in (base, dataclasses.replace(base, kda=dataclasses.replace(base.kda, kda_layers=base.kda.kda_layers + (L + 1,)))):
+        mtp = MTPDraft(cfg, 1).to(F64)
+        randomize(mtp, 9)
+        g = torch.Generator().manual_seed(10)
+        ids, h = torch.randint(0, 64, (5,), generator=g), torch.randn(5, cfg.hidden_size, generator=g, dtype=F64)
+        caches = [mtp.allocate_cache(2, 3, 4, F64) for _ in range(2)]
+        batch = ForwardBatch.build([5], [0], [1], [[1, 2]], 4)
+        mtp(0, ids, h, torch.arange(5), batch, caches[0])
+        mtp.layer(0).write(ids, h, torch.arange(5), batch.slot_mapping, batch, caches[1])
+        for x, y in zip((caches[0].kda_state, caches[0].kda_conv, caches[0].mla_latent),
+                        (caches[1].kda_state, caches[1].kda_conv, caches[1].mla_latent)):
+            assert torch.equal(x, y)
 
 
 def _model(config: dict, seed: int) -> KimiForCausalLM:

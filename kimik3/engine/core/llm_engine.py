@@ -58,12 +58,15 @@ class LLMEngine:
         if config.uses_draft_model:          # the draft's cache shares the target's blocks: plan them together
             from kimik3.engine.spec.draft_model import ModelDrafter
             per_block = ModelDrafter.bytes_per_block(draft, config.block_size)
-            if per_block and (config.cache_memory_bytes is not None or self.device.type == "cuda"):
-                self.plan = self._plan_beside_draft(config, model, per_block)
+            per_slot = ModelDrafter.bytes_per_slot(draft)
+            if (per_block or per_slot) and (config.cache_memory_bytes is not None or self.device.type == "cuda"):
+                self.plan = self._plan_beside_draft(config, model, per_block, per_slot)
         self.cache = model.allocate_cache(self.plan.num_slots, self.plan.num_blocks, config.block_size,
                                           latent_cache_dtype(config.kv_cache_dtype, model.dtype))
         self.kv = KVCacheManager(self.plan, config.enable_prefix_caching)
-        drafter = make_drafter(config, model, self.plan.num_blocks, draft, tokenizer_path, from_source)
+        first_spec = 1 + self.plan.num_live_slots          # the plan's slot layout (``KVCacheManager``)
+        drafter = make_drafter(config, model, self.plan.num_blocks, draft, tokenizer_path, from_source,
+                               self.plan.num_slots, range(first_spec, first_spec + self.plan.num_spec_slots))
         self.scheduler = Scheduler(self.kv, config, drafter)
         if drafter is not None and drafter.aux_layers:
             # every step (eager or a decode / verify graph) keeps the states the draft reads; under tensor
@@ -84,20 +87,23 @@ class LLMEngine:
         self.accepted_per_position: list[int] = []                # drafts accepted at draft position j
         self.pipeline = AsyncPipeline(self) if config.async_scheduling else None
 
-    def _plan_beside_draft(self, config: EngineConfig, model, per_block: int):
-        """The target's plan within the budget less the draft's cache (``per_block`` bytes per block), found by
-        shrinking the target's budget by what the last try overshot (KDA checkpoints scale with the blocks too)."""
+    def _plan_beside_draft(self, config: EngineConfig, model, per_block: int, per_slot: int = 0):
+        """The target's plan within the budget less the draft's cache (``per_block`` bytes per block, ``per_slot``
+        per state slot: the target's but its snapshot slots, and a scratch slot per sequence), found by shrinking
+        the target's budget by what the last try overshot (KDA checkpoints scale with the blocks too)."""
         budget, plan = self.plan.budget_bytes, self.plan
         share = budget
         for _ in range(16):
-            over = plan.total_bytes + plan.num_blocks * per_block - budget
+            draft_slots = plan.num_slots - plan.num_spec_slots + config.max_num_seqs
+            over = plan.total_bytes + plan.num_blocks * per_block + draft_slots * per_slot - budget
             if over <= 0:
                 return plan
-            share -= -(-over // (plan.bytes_per_block + per_block)) * plan.bytes_per_block   # a block less saves both
+            unit = plan.bytes_per_block + per_block             # a block less saves both
+            share -= -(-over // unit) * plan.bytes_per_block if plan.bytes_per_block else over
             plan = plan_cache(dataclasses.replace(config, cache_memory_bytes=max(share, 1)), model.cache_text_config,
                               model.dtype, self.device)
-        raise ValueError(f"cannot fit the draft's cache ({per_block} B per block) beside the target's in "
-                         f"{budget} B; raise cache_memory_bytes / gpu_memory_utilization")
+        raise ValueError(f"cannot fit the draft's cache ({per_block} B per block, {per_slot} B per state) beside the "
+                         f"target's in {budget} B; raise cache_memory_bytes / gpu_memory_utilization")
 
     def get_tokenizer(self, required: bool = False):
         """The checkpoint's tokenizer (loaded on first use); None, or ValueError if ``required``, without one."""

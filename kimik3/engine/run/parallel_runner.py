@@ -86,8 +86,8 @@ class ParallelRunner(ModelRunner):
         if drafter.source is None:
             raise ValueError("under tensor parallelism every rank loads the draft from its checkpoint: give "
                              "speculative_config's 'model' (a draft passed as an object cannot reach the workers)")
-        broadcast(DraftSetup(drafter.method, str(drafter.source), drafter.num_cache_blocks, drafter.block_size),
-                  self.control)
+        broadcast(DraftSetup(drafter.method, str(drafter.source), drafter.num_cache_blocks, drafter.block_size,
+                             drafter.num_cache_slots), self.control)
         run, control = drafter.executor.run, self.control
 
         def run_on_every_rank(work, states):

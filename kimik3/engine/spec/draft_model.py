@@ -6,7 +6,11 @@ layers, MTP's pre-norm h_final) for every row of the step (``ModelRunner``). Aft
 
 1. the draft's cache catches up with the positions the target computed and kept (the rows of rejected drafts
    are rewritten later, as the target's MLA latents are: the draft cache shares the target's block tables,
-   ``model/draft_attention.py``, so prefix hits, preemption and freeing need nothing of their own);
+   ``model/draft_attention.py``, so prefix hits, preemption and freeing need nothing of their own; a cached
+   block's last row read the token after the block of the request that computed it). An MTP draft whose first
+   layer is KDA keeps that layer's states in slots of its own numbered as the target's (``_slot``): they advance
+   over committed rows only (the target's rollbacks to its draft snapshots are its own), and mirror the target
+   step's restores, resets and prefix checkpoints (exactly: ``DraftExecutor._recurrent_catch_up``);
 2. the controller (``controller.py``) chooses each request's number of drafts k_r for the next step from its
    measured acceptance and the measured costs (0: a plain decode step), and the draft computes them (Eagle3 /
    MTP: one forward per draft position; DFlash: a block). A request that does not draft computes its first
@@ -28,11 +32,13 @@ import torch
 
 from kimik3.engine.config import EngineConfig
 from kimik3.engine.spec.controller import MAX_WATCH_GAP, Acceptance, DraftController
-from kimik3.model.draft_step import DraftExecutor, DraftWork, draft_cache_shape
+from kimik3.model.draft_step import (DraftExecutor, DraftWork, allocate_draft_cache, cache_nbytes, draft_cache_shape,
+                                     draft_state_bytes)
 from kimik3.engine.spec.drafter import Drafter
 from kimik3.loader.drafts import load_draft
 from kimik3.model.dflash import DFlashDraft
 from kimik3.model.draft_attention import extend_tables
+from kimik3.model.mtp import MTPDraft
 
 logger = logging.getLogger(__name__)
 
@@ -55,7 +61,12 @@ class ModelDrafter(Drafter):
 
     drafts_ahead = False
 
-    def __init__(self, config: EngineConfig, draft, num_blocks: int, executor_factory=DraftExecutor):
+    def __init__(self, config: EngineConfig, draft, num_blocks: int, executor_factory=DraftExecutor,
+                 num_slots: int = 1, spec_slots: range = range(0)):
+        """``num_slots``: the target's state slots; ``spec_slots``: its draft snapshot slots among them. A recurrent
+        (KDA) draft layer keeps its states under the target's slot numbers, but for the snapshot slots (the target's
+        rollback copies from them are its own: the draft's states only ever see committed rows), then one
+        scratch slot per sequence for the drafts' rows (``_slot``)."""
         super().__init__(config)
         k, block_size = config.num_speculative_tokens, config.block_size
         self.draft = draft
@@ -71,8 +82,12 @@ class ModelDrafter(Drafter):
         self.first_scratch = num_blocks
         total = num_blocks + config.max_num_seqs * self.scratch_per_seq
         p = next(draft.parameters())
-        self.num_cache_blocks = total
-        self.cache = torch.zeros(draft_cache_shape(draft, total, block_size), dtype=p.dtype, device=p.device)
+        self.num_cache_blocks, self.spec_slots = total, spec_slots
+        self.first_scratch_slot = num_slots - len(spec_slots)
+        self.num_cache_slots = self.first_scratch_slot + config.max_num_seqs
+        self.cache = allocate_draft_cache(draft, total, block_size, self.num_cache_slots)
+        # MTP whose first layer is KDA: its states follow the target's committed rows, state ops and checkpoints
+        self.recurrent = isinstance(draft, MTPDraft) and draft.layer(0).is_kda
         self.executor = executor_factory(draft, self.cache, block_size)
         self.controller = DraftController(k)
         # the controller's clock: wall time where a device runs the steps; on a CPU this process's CPU time (on a
@@ -82,14 +97,24 @@ class ModelDrafter(Drafter):
 
     @staticmethod
     def bytes_per_block(draft, block_size: int) -> int:
-        """Bytes of the draft's cache per block of ``block_size`` tokens (all its layers)."""
+        """Bytes of the draft's cache per block of ``block_size`` tokens (all its attention layers)."""
         p = next(draft.parameters())
         shape = draft_cache_shape(draft, 1, block_size)
         return int(torch.Size(shape).numel()) * p.element_size()
 
+    @staticmethod
+    def bytes_per_slot(draft) -> int:
+        """Bytes of the draft's recurrent state per state slot (its KDA layers; 0 without)."""
+        return draft_state_bytes(draft)
+
     @property
     def cache_bytes(self) -> int:
-        return self.cache.numel() * self.cache.element_size()
+        return cache_nbytes(self.cache)
+
+    def _slot(self, slot: int) -> int:
+        """The draft's state slot of the target's ``slot`` (not a snapshot slot): the slots after the target's
+        snapshot slots move down over them."""
+        return slot - len(self.spec_slots) if slot >= self.spec_slots.stop else slot
 
     @staticmethod
     def state(req) -> ModelState:
@@ -116,9 +141,9 @@ class ModelDrafter(Drafter):
             self.controller.record_step(len(out.chunks), sum(len(c.draft) for c in out.chunks), now - self._step_end)
         if states is not None:
             work, reqs, counts = self._plan(out)
-            if work.rows:
+            if work.rows or work.state_copies or work.state_resets:
                 drafts = self.executor.run(work, states)
-                if decode:
+                if decode and work.rows:
                     self.controller.record_draft(len(work.rows), work.num_forwards, work.forward_rows,
                                                  self.clock() - now)
                 self._hand_out(reqs, counts, drafts)
@@ -127,42 +152,65 @@ class ModelDrafter(Drafter):
     def _plan(self, out) -> tuple[DraftWork, list, list[int]]:
         """The step's catch-up rows and, for the requests that sample next, their drafts (``controller.plan``):
         (work, the heads' requests, drafts each proposes: 0 for a watching head)."""
-        rows, ids, pos, slots, cands = self._catch_up(out)
-        rooms = [self._room(req) for req, _ in cands]
-        rates = [self.controller.rates(self.state(req).accept) for req, _ in cands]
-        watchers = {i for i, (req, _) in enumerate(cands) if rooms[i] and self.state(req).wait == 0}
+        work, cands = self._catch_up(out)
+        rooms = [self._room(req) for req, _, _ in cands]
+        rates = [self.controller.rates(self.state(req).accept) for req, _, _ in cands]
+        watchers = {i for i, (req, _, _) in enumerate(cands) if rooms[i] and self.state(req).wait == 0}
         depths = self.controller.plan(rates, rooms, len(cands), len(watchers))
         heads = sorted((i for i in range(len(cands)) if depths[i] or i in watchers), key=lambda i: -max(depths[i], 1))
         for i in set(range(len(cands))) - set(heads):
             s = self.state(cands[i][0])
             s.wait = max(s.wait - 1, 0)
         reach = self.draft.cfg.block_size if isinstance(self.draft, DFlashDraft) else None
-        tables = extend_tables([reach or max(depths[i], 1) for i in heads], [pos[cands[i][1]] + 1 for i in heads],
-                               [cands[i][0].cache.block_ids for i in heads], self.block_size, self._scratch(len(heads)))
-        work = DraftWork(rows, ids, pos, slots, [cands[i][1] for i in heads], [max(depths[i], 1) for i in heads], tables)
+        work.tables = extend_tables([reach or max(depths[i], 1) for i in heads],
+                                    [work.positions[cands[i][1]] + 1 for i in heads],
+                                    [cands[i][0].cache.block_ids for i in heads], self.block_size,
+                                    self._scratch(len(heads)))
+        work.heads, work.depths = [cands[i][1] for i in heads], [max(depths[i], 1) for i in heads]
+        work.head_seqs = [cands[i][2] for i in heads]
+        work.scratch_slots = list(range(self.first_scratch_slot, self.first_scratch_slot + len(heads)))
         return work, [cands[i][0] for i in heads], [depths[i] for i in heads]
 
-    def _catch_up(self, out):
-        """The rows of ``out`` the draft's cache catches up with (packed row, the next token, position, cache row)
-        and the requests that sample next with their last row; scores the first drafts watched for them."""
-        rows, ids, pos, slots, cands = [], [], [], [], []
-        offset, bs = 0, self.block_size
-        for c in out.chunks:
+    def _catch_up(self, out) -> tuple[DraftWork, list]:
+        """The rows of ``out`` the draft's cache catches up with (packed row, the next token, position, cache row;
+        per request its rows, block table and state slot) with the step's state restores, resets and prefix
+        checkpoints, and the requests that sample next (request, its last row, its sequence); scores the first
+        drafts watched for them."""
+        w = DraftWork([], [], [], [], [], [], [])
+        cands, seq_of, offset, bs = [], {}, 0, self.block_size
+        for i, c in enumerate(out.chunks):
             req, n_real = c.req, c.num_tokens - len(c.draft) + c.num_accepted
             if self.may_draft(req) and not req.is_finished and req.num_tokens > c.start + n_real:
-                s = self.state(req)
-                if s.watch is not None and s.watch[0] < req.num_tokens:
-                    self.controller.watched(s.accept, req.token_ids[s.watch[0]] == s.watch[1])
-                    s.watch = None
+                self._score_watch(req)
                 table = req.cache.block_ids
-                rows.extend(range(offset, offset + n_real))
-                pos.extend(range(c.start, c.start + n_real))
-                slots.extend(table[p // bs] * bs + p % bs for p in range(c.start, c.start + n_real))
-                ids.extend(req.token_ids[c.start + 1:c.start + n_real + 1])
+                w.rows.extend(range(offset, offset + n_real))
+                w.positions.extend(range(c.start, c.start + n_real))
+                w.slots.extend(table[p // bs] * bs + p % bs for p in range(c.start, c.start + n_real))
+                w.next_ids.extend(req.token_ids[c.start + 1:c.start + n_real + 1])
+                seq_of[i] = len(w.seq_lens)
+                w.seq_lens.append(n_real)
+                if self.recurrent:
+                    w.seq_tables.append(list(table))
+                    w.seq_slots.append(self._slot(req.cache.state_slot))
                 if c.samples:
-                    cands.append((req, len(rows) - 1))
+                    cands.append((req, len(w.rows) - 1, seq_of[i]))
             offset += c.num_tokens
-        return rows, ids, pos, slots, cands
+        if not self.recurrent:
+            return w, cands
+        w.state_copies = [(self._slot(a), self._slot(b)) for a, b in out.state_copies if a not in self.spec_slots]
+        w.state_resets = [self._slot(a) for a in out.state_resets]
+        w.checkpoints = [(seq_of[ck.seq], ck.num_tokens, self._slot(ck.slot))
+                         for ck, h in zip(out.checkpoints, out.checkpoint_hashes) if h is not None and ck.seq in seq_of]
+        restored = {b for _, b in w.state_copies}         # live slots restored from a prefix checkpoint
+        w.resumed = [(s, out.chunks[i].req.token_ids[out.chunks[i].start]) for i, s in seq_of.items()
+                     if w.seq_slots[s] in restored]
+        return w, cands
+
+    def _score_watch(self, req) -> None:
+        s = self.state(req)
+        if s.watch is not None and s.watch[0] < req.num_tokens:
+            self.controller.watched(s.accept, req.token_ids[s.watch[0]] == s.watch[1])
+            s.watch = None
 
     def _hand_out(self, reqs, counts: list[int], drafts: list[list[int]]) -> None:
         """Proposals for the drafting heads; a watching head keeps its first draft to score, and watches again
