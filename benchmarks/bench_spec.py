@@ -8,7 +8,8 @@ both produce the same tokens, and reports generated tokens per second of the who
 included, the same for both), the ratio draft/plain, and the draft's mean accepted length (1 + accepted drafts per
 verify step, vLLM's definition) with the acceptance rate at each draft position. ``--eager-draft-engine`` also times
 the draft engine with ``enforce_eager`` (on a GPU: what the CUDA graphs of its decode and verify steps give, the
-ratio graphs/eager of one run, and the share of the draft engine's steps that replayed a graph).
+ratio graphs/eager of one run, and the share of the draft engine's steps that replayed a graph; ``draft_graph_steps``:
+the draft's own steps that replayed its graphs, ``model/draft_graphs.py``).
 ``cpu_time_ratio``: the same ratio by this process's CPU seconds (on a shared CPU machine, where other processes
 stretch wall time, the steadier of the two; on a GPU the host's time only). ``--repeat``: alternating runs of the
 two engines, the best of each kept.
@@ -113,6 +114,8 @@ def main() -> None:
             e = drafted.engine
             before = (e.num_drafts, e.num_accepted_tokens, list(e.accepted_per_position))
             steps0 = (e.runner.num_steps, e.runner.num_graph_steps)
+            draft_graphs = getattr(getattr(e.scheduler.drafter, "executor", None), "graphs", None)
+            replays0 = draft_graphs.num_replays if draft_graphs is not None else 0
             t_eager = float("inf")
             out_plain, out_spec, (t_plain, c_plain), (t_spec, c_spec) = timed_pair(plain, drafted, batch,
                                                                                    args.max_tokens, args.repeat)
@@ -133,7 +136,9 @@ def main() -> None:
                          "verify_steps": drafts,
                          "mean_accepted_length": round(1 + accepted / drafts, 3) if drafts else None,
                          "acceptance_per_position": [round(x, 3) for x in per_pos],
-                         "graph_step_share": round(steps[1] / max(steps[0], 1), 3)})
+                         "graph_step_share": round(steps[1] / max(steps[0], 1), 3),
+                         "draft_graph_steps": (draft_graphs.num_replays - replays0) / args.repeat
+                         if draft_graphs is not None else None})
             if eager is not None:
                 rows[-1].update(eager_spec_tok_s=round(n_tok / t_eager, 1), graphs_vs_eager=round(t_eager / t_spec, 3),
                                 eager_identical=out_eager == out_spec)

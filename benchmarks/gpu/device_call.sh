@@ -16,7 +16,8 @@
 # FLASH=1: name the carried FlashMLA / FlashKDA libraries (.whl/libkimik3_flash_{mla,kda}.so, built here by
 # kimik3 build-kernels) for every section; full = the whole Kimi-Linear-48B (bench_full_model.py, needs an
 # H200; FULL_ARGS: its flags, e.g. --layers=14 on an 80 GB GPU); flashops = bench_flash_mla.py and bench_kda_prefill.py
-# (FLASH=1); gemv = bench_gemv.py --experts (one token's expert launches; GEMV_ARGS replaces the flags).
+# (FLASH=1); gemv = bench_gemv.py --experts (one token's expert launches; GEMV_ARGS replaces the flags);
+# draftgraphs = the draft-graph GPU tests, bench_draft_graphs.py and bench_spec.py --eager-draft-engine (#55).
 # A fresh machine spends its first 90-110 s compiling kernels; the parallel tests pay that once each.
 set -u
 START=$(date +%s)
@@ -147,6 +148,14 @@ if [[ " $sections " == *" spec "* ]]; then            # n-gram speculation vs pl
   [ "${SPEC_ASYNC:-}" != only ] && run bench_speculative 240 python3 benchmarks/gpu/bench_speculative.py --profile
   [ -n "${SPEC_ASYNC:-}" ] && run bench_speculative_async 240 python3 benchmarks/gpu/bench_speculative.py --async-scheduling
   grep -h "^|" "$L"/bench_speculative*.log
+fi
+if [[ " $sections " == *" draftgraphs "* ]]; then     # #55 item 5: the draft's own steps as CUDA graphs
+  run draft_graphs_test 200 python3 -m pytest -q -p no:cacheprovider -rA tests/gpu/test_draft_graphs_gpu.py
+  run bench_draft_graphs 120 python3 benchmarks/gpu/bench_draft_graphs.py
+  run bench_spec_graphs 200 python3 benchmarks/bench_spec.py --device cuda --dtype bfloat16 --eager-draft-engine \
+      --out "$L"/bench_spec_graphs.json
+  grep -hE "passed|failed|eager_us|graphs_vs_eager|^ +(heldout|random)" "$L"/draft_graphs_test.log \
+      "$L"/bench_draft_graphs.log "$L"/bench_spec_graphs.log | cut -c1-260
 fi
 if [[ " $sections " == *" engine "* ]]; then          # host share of a step, sync / graphs / async (#18)
   run bench_engine 300 python3 benchmarks/gpu/bench_engine.py

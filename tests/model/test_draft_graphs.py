@@ -68,7 +68,7 @@ def random_work(rng: random.Random, num_blocks: int, scratch_from: int, seqs: li
     """A step of sequences (caught-up position start, rows, depth or None: not drafting), each owning its own
     blocks, its table extended for its depth (``reach``: a DFlash block's rows); -> (work, packed rows of the
     target's step (a few more than caught up))."""
-    rows, ids, pos, slots, heads, depths, tables, offset = [], [], [], [], [], [], [], 0
+    rows, ids, pos, slots, heads, offset = [], [], [], [], [], 0
     free = list(range(1, num_blocks))
     rng.shuffle(free)
     for i, (start, n, depth) in enumerate(seqs):
