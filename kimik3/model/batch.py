@@ -110,9 +110,10 @@ class ForwardBatch:
                            block_tables=self.block_tables[s0:s1], slot_mapping=self.slot_mapping[lo:hi],
                            query_lens_cpu=q, context_lens_cpu=c, checkpoints=checkpoints, row_state_slots=rows,
                            max_seq_len=max(a + b for a, b in zip(q, c)))
-        if self.embed_rows is not None:
+        if self.embed_rows is not None:     # a later pipeline stage has the rows but not the embeddings
             keep = (self.embed_rows >= lo) & (self.embed_rows < hi)
-            out.embed_rows, out.embeds = self.embed_rows[keep] - lo, self.embeds[keep]
+            out.embed_rows = self.embed_rows[keep] - lo
+            out.embeds = None if self.embeds is None else self.embeds[keep]
         return out
 
     @staticmethod

@@ -154,6 +154,27 @@ ENGINE_CONFIG = dict(max_num_seqs=4, max_num_batched_tokens=8, max_model_len=64,
                      kda_checkpoint_interval=1, cache_memory_bytes=1 << 22)
 
 
+def image_prompts(model) -> list[dict]:
+    """Three image prompts (four images) that fit ENGINE_CONFIG's 64 tokens; the first prompt's two small
+    images fall in its first 8-token chunk, so one step encodes two images (one on each rank)."""
+    import numpy as np
+    from PIL import Image
+
+    from kimik3.vision.preprocess import preprocess_images
+
+    def picture(w, h, seed):
+        return Image.fromarray(np.random.default_rng(seed).integers(0, 256, (h, w, 3), dtype=np.uint8))
+    pad = model.config.media_placeholder_token_id
+    out = []
+    for k, pics in enumerate([[picture(16, 30, 2), picture(20, 30, 5)], [picture(90, 60, 3)], [picture(50, 40, 4)]]):
+        vis = preprocess_images(pics)
+        ids = [7 + k, 8]
+        for n in vis.num_tokens:
+            ids += [pad] * n + [9 + k]
+        out.append({"prompt_token_ids": ids, "multi_modal_data": vis})
+    return out
+
+
 def skewed_loads(text) -> dict[int, list[float]]:
     """A recorded load where, in every MoE layer, the first two experts take most tokens."""
     E = text.num_experts
@@ -370,3 +391,22 @@ def draft_engine_rank(rank, world, control, path: str, draft_path: str, out_path
     outs, _ = run_engine(engine, prompts)
     stop_workers(control)
     torch.save((outs, engine.num_drafts, drafts), out_path)
+
+
+def pipeline_images_rank(rank, world, control, path: str, out_path: str):
+    """PP2 (TP = world / 2) through the engine with the default micro-batches (one per stage) on ``image_prompts``.
+    Rank 0 saves (greedy outputs, images each rank of the world encoded)."""
+    from kimik3.parallel.launch import ParallelConfig
+    model = load_model(path, dtype=torch.float64, **ParallelConfig(world // 2, pipeline_parallel_size=2).join(rank, path))
+    encoded = count_images(model)
+    if rank != 0:
+        worker_loop(model, control)
+    else:
+        engine = LLMEngine(model, EngineConfig(**ENGINE_CONFIG),
+                           runner_factory=functools.partial(ParallelRunner, control=control))
+        outs = run_engine(engine, image_prompts(model))[0]
+        stop_workers(control)
+    gathered = [None] * world
+    dist.all_gather_object(gathered, encoded[0], group=control)
+    if rank == 0:
+        torch.save((outs, gathered), out_path)

@@ -17,7 +17,8 @@ from kimik3.model import ForwardBatch, StateCheckpoint
 from kimik3.parallel.pipeline import micro_batch_bounds
 from kimik3.testing import make_tiny_checkpoint
 from tests.helpers import rel_err
-from tests.parallel.ranks import ENGINE_CONFIG, engine_prompts, pipeline_engine_rank, pipeline_rank, run_engine, run_steps, spawn
+from tests.parallel.ranks import (ENGINE_CONFIG, engine_prompts, image_prompts, pipeline_engine_rank, pipeline_images_rank,
+                                  pipeline_rank, run_engine, run_steps, spawn)
 
 ARCHS = ("kimi_k3", "kimi_linear")
 # name: (stages, expert parallel, the cut layer of two stages or None = planned, micro-batches per step);
@@ -122,6 +123,32 @@ def test_a_cut_short_step_keeps_each_rows_state_slot():
     assert tail.row_state_slots.tolist() == [[8, 1, 0], [0, 0, 2]] and tail.checkpoints == (StateCheckpoint(0, 1, 8),)
     assert tail.context_lens_cpu == [7, 5] and tail.query_lens_cpu == [2, 3] and tail.cu_seqlens.tolist() == [0, 2, 5]
     assert verify.slice_rows(3, 4).row_state_slots is None and verify.slice_rows(3, 4).is_decode
+
+
+def test_a_micro_batch_keeps_its_image_rows_with_or_without_the_embeddings():
+    """A micro-batch takes the image rows inside it, renumbered, and their embeddings where the batch has them (the
+    first stage); a later stage's batch has the rows but not the embeddings."""
+    batch = ForwardBatch.build([6, 4], [0, 0], [1, 2], [[1, 2], [3]], 4)
+    batch.embed_rows, batch.embeds = torch.tensor([1, 2, 7]), torch.arange(6.0).view(3, 2)
+    head, tail = batch.slice_rows(0, 5), batch.slice_rows(5, 10)
+    assert head.embed_rows.tolist() == [1, 2] and head.embeds.tolist() == [[0, 1], [2, 3]]
+    assert tail.embed_rows.tolist() == [2] and tail.embeds.tolist() == [[4, 5]]
+    batch.embeds = None
+    later = batch.slice_rows(5, 10)
+    assert later.embed_rows.tolist() == [2] and later.embeds is None
+
+
+def test_image_prompts_through_the_pipeline(tmp_path):
+    """PP2 through the engine (two micro-batches a step) with image prompts: the first stage encodes the images, the
+    second runs micro-batches whose image rows it has no embeddings for (it failed there); the greedy outputs equal
+    the one-process engine's."""
+    path = make_tiny_checkpoint(tmp_path / "k3", "kimi_k3", seed=1, num_heads=4)
+    model = load_model(path, dtype=torch.float64)
+    want = run_engine(LLMEngine(model, EngineConfig(**ENGINE_CONFIG)), image_prompts(model))[0]
+    spawn(pipeline_images_rank, 2, str(path), str(tmp_path / "out.pt"), timeout=300)
+    outs, encoded = torch.load(tmp_path / "out.pt", weights_only=False)
+    assert outs == want
+    assert encoded == [4, 0], encoded                    # the vision tower runs on the first stage only
 
 
 def test_stages_overlap_on_consecutive_micro_batches(ckpts, tmp_path):

@@ -12,7 +12,7 @@ from kimik3.loader.load import load_model
 from kimik3.testing import make_tiny_checkpoint
 from tests.helpers import rel_err
 from tests.parallel.ranks import (DRAFT_ENGINE_CONFIG, ENGINE_CONFIG, SPEC_ENGINE_CONFIG, draft_engine_rank,
-                                  engine_prompts, engine_rank, logits_rank, record_drafts, run_engine, run_steps, spawn,
+                                  engine_prompts, engine_rank, image_prompts, logits_rank, record_drafts, run_engine, run_steps, spawn,
                                   spec_engine_rank, spec_prompts)
 
 ARCHS = ("kimi_k3", "kimi_linear")
@@ -66,27 +66,6 @@ def test_layouts_match_one_process(ckpts, reference, tmp_path, world):
             want = ref_cache.mla_latent[:, 1:, ::dcp]
             assert latent.shape[2] * dcp == ref_cache.mla_latent.shape[2], f"{arch} {name}: stripe rows per block"
             assert rel_err(latent[:, 1:], want) <= 1e-12, f"{arch} {name}: MLA latent cache"
-
-
-def image_prompts(model) -> list[dict]:
-    """Three image prompts (four images) that fit ENGINE_CONFIG's 64 tokens; the first prompt's two small
-    images fall in its first 8-token chunk, so one step encodes two images (one on each rank)."""
-    import numpy as np
-    from PIL import Image
-
-    from kimik3.vision.preprocess import preprocess_images
-
-    def picture(w, h, seed):
-        return Image.fromarray(np.random.default_rng(seed).integers(0, 256, (h, w, 3), dtype=np.uint8))
-    pad = model.config.media_placeholder_token_id
-    out = []
-    for k, pics in enumerate([[picture(16, 30, 2), picture(20, 30, 5)], [picture(90, 60, 3)], [picture(50, 40, 4)]]):
-        vis = preprocess_images(pics)
-        ids = [7 + k, 8]
-        for n in vis.num_tokens:
-            ids += [pad] * n + [9 + k]
-        out.append({"prompt_token_ids": ids, "multi_modal_data": vis})
-    return out
 
 
 @pytest.mark.parametrize("ep,mode,dcp,eplb", [(1, "tep", 1, None), (2, "a2a", 1, None), (1, "tep", 2, None),
