@@ -3,7 +3,8 @@
 the single-process code path: no collective is ever issued. This module sits below the model (it
 imports only torch); starting the processes of a group is ``kimik3.parallel``'s job.
 
-Layout (no PP/DP yet): the world is one TP group of t ranks; expert parallelism reuses it with
+Layout: the world is p pipeline stages (``PipelineContext``) of one TP group of t ranks each (p = 1: one TP group;
+no data parallelism); expert parallelism reuses a stage's TP group with
 degree e | t; decode context parallelism (DCP, spec §4.4) stripes the MLA latent cache's token
 positions over groups of c | t consecutive TP ranks (``dcp_size``, ``dcp_group``). Experts are cut into e contiguous slices (rank r owns slice r // (t/e)), and each
 slice's intermediate is split over the t/e ranks that share it (e = 1: TP-split experts; e = t:
