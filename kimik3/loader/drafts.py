@@ -27,6 +27,7 @@ from kimik3.loader.safetensors_files import CheckpointError, checkpoint_files, i
 from kimik3.model.dflash import DFlashConfig, DFlashDraft
 from kimik3.model.eagle3 import Eagle3Config, Eagle3Draft
 from kimik3.model.layers import MergedWeight
+from kimik3.model.kimi_k3 import keeps_fp32
 from kimik3.model.mtp import MTPDraft
 from kimik3.ops import mxfp4
 
@@ -335,6 +336,8 @@ def load_mtp(path: str | Path, target, device=None, dtype: torch.dtype | None = 
                 experts.setdefault((int(m[1]), int(e[1]), e[2]), {})[e[3] or ""] = read(None)
             else:
                 tensors[f"model.layers.{m[1]}.{m[2]}"] = read(None)
+    _check_mixers(model, tensors, where)
+    _kda_shapes(model, tensors, where)
     _load_tensors(model, tensors, where, {})
     for (layer, expert, which), parts in experts.items():
         w = parts.get("")
@@ -353,11 +356,49 @@ def load_mtp(path: str | Path, target, device=None, dtype: torch.dtype | None = 
     if missing:
         raise DraftError(f"{where}: missing routed expert tensors, e.g. layer {missing[0][0]} expert {missing[0][1]} "
                          f"{missing[0][2]}")
-    model = model.to(dtype or target.dtype)
-    for name, p in model.named_parameters():        # the fp32 tensors K3 keeps wide (text-backbone 5.1)
-        if name.endswith("e_score_correction_bias"):
-            p.data = p.data.float()
+    dtype = dtype or target.dtype
+    wide, policy = torch.promote_types(dtype, torch.float32), text.numerics.f32_param_policy
+    for name, p in model.named_parameters():        # the fp32 tensors K3 keeps wide (text-backbone 5.1), as the target
+        keep = keeps_fp32(name, policy) or name.endswith("e_score_correction_bias")
+        p.data = p.data.to(wide if keep else dtype)
     return model.eval()
+
+
+_KDA_ONLY = ("A_log", "dt_bias", "f_a_proj", "f_b_proj", "q_conv1d", "k_conv1d", "v_conv1d")
+_MLA_ONLY = ("kv_a_proj_with_mqa", "kv_b_proj", "kv_a_layernorm", "q_a_proj", "q_b_proj", "q_a_layernorm")
+_CONV = re.compile(r"[qkv]_conv1d\.weight$")
+
+
+def _kda_shapes(model: MTPDraft, tensors: dict[str, torch.Tensor], where: str) -> None:
+    """A KDA layer's tensors in the shapes the target's loader accepts too: A_log [H], [1, 1, H, 1] or longer
+    (``KimiDeltaAttention.load_A_log``), the short convs [P, W] for [P, 1, W]."""
+    for name in [n for n in tensors if n.endswith(".self_attn.A_log")]:
+        attn = model.get_submodule(name.rpartition(".")[0])
+        try:
+            attn.load_A_log(tensors[name], f"{where}: {name}")
+        except ValueError as e:
+            raise DraftError(str(e)) from None
+        tensors[name] = attn.A_log.data.clone()
+    for name in [n for n in tensors if _CONV.search(n) and tensors[n].dim() == 2]:
+        tensors[name] = tensors[name].unsqueeze(1)
+
+
+def _check_mixers(model: MTPDraft, tensors: dict[str, torch.Tensor], where: str) -> None:
+    """Each MTP layer's token mixer in the checkpoint is the one the config makes it (KDA where
+    ``linear_attn_config.kda_layers`` lists it, else MLA): a mismatch names the layer and the fix."""
+    for lid, layer in model.model.layers.items():
+        prefix = f"model.layers.{lid}.self_attn."
+        leaves = {n[len(prefix):].split(".")[0] for n in tensors if n.startswith(prefix)}
+        kda, mla = sorted(leaves.intersection(_KDA_ONLY)), sorted(leaves.intersection(_MLA_ONLY))
+        n = int(lid) + 1
+        if layer.is_kda and mla and not kda:
+            raise DraftError(f"{where}: MTP layer {lid} is a KDA layer ({n} is in linear_attn_config.kda_layers) but "
+                             f"the checkpoint holds MLA attention tensors for it ({', '.join(mla[:3])}); remove {n} "
+                             "from kda_layers")
+        if not layer.is_kda and kda and not mla:
+            raise DraftError(f"{where}: MTP layer {lid} is an MLA layer ({n} is not in linear_attn_config.kda_layers) "
+                             f"but the checkpoint holds KDA tensors for it ({', '.join(kda[:3])}); add {n} to "
+                             "kda_layers")
 
 
 LOADERS = {"eagle3": load_eagle3, "mtp": load_mtp, "dflash": load_dflash, "dspark": load_dflash}

@@ -28,6 +28,11 @@ from kimik3.ops.norm import rms_norm
 # Parameters kept in fp32 (or wider) whatever the model dtype (spec D4, text-backbone 5.1).
 _ALWAYS_FP32 = re.compile(r"\.(A_log|dt_bias)$")
 _CHECKPOINT_FP32 = re.compile(r"\.(conv1d\.weight|o_norm\.weight|gate\.e_score_correction_bias)$")
+
+
+def keeps_fp32(name: str, policy: str) -> bool:
+    """Whether parameter ``name`` stays fp32 (or wider) in a narrower model dtype (``f32_param_policy``)."""
+    return bool(_ALWAYS_FP32.search(name) or (policy == "checkpoint" and _CHECKPOINT_FP32.search(name)))
 # one routed expert's matrix as the checkpoint names it: (layer, expert, w1|w2|w3); the loader reads it too
 EXPERT_WEIGHT = re.compile(r"^model\.layers\.(\d+)\.block_sparse_moe\.experts\.(\d+)\.(w[123])\.weight$")
 _STACKED = re.compile(r"^model\.layers\.(\d+)\.block_sparse_moe\.experts\.(w13|w2)$")
@@ -202,8 +207,7 @@ class KimiForCausalLM(nn.Module):
         policy = self.config.text.numerics.f32_param_policy
         wide = torch.promote_types(dtype, torch.float32)
         for name, p in self.named_parameters():
-            keep = _ALWAYS_FP32.search(name) or (policy == "checkpoint" and _CHECKPOINT_FP32.search(name))
-            p.data = p.data.to(wide if keep else dtype)
+            p.data = p.data.to(wide if keeps_fp32(name, policy) else dtype)
         return self
 
     def offload_experts(self, config) -> None:

@@ -160,3 +160,53 @@ def random_weights_like(module):
 def test_mtp_without_layers_says_so(tiny_ckpt, target):
     with pytest.raises(DraftError, match="num_nextn_predict_layers is 0"):
         load_mtp(tiny_ckpt["kimi_k3"], target)
+
+
+def _mtp_checkpoint(path, config: dict, mtp: MTPDraft, model: KimiForCausalLM) -> None:
+    """The target's tensors and the MTP layers' in the K3 layout (A_log as Kimi-Linear's [1, 1, H, 1], the short
+    convs as [P, W]: the shapes the target's loader accepts too)."""
+    names = list(checkpoint_names(model))
+    for n, t in KimiForCausalLM.checkpoint_weights(mtp):
+        t = t.reshape(1, 1, -1, 1) if n.endswith("A_log") else t.squeeze(1) if "_conv1d." in n else t
+        names.append((f"language_model.{n}", t))
+    save_checkpoint(path, config, names, mxfp4_experts=True)
+
+
+def test_mtp_kda_layer_loads_and_a_mixer_mismatch_is_named(tmp_path):
+    """An MTP layer listed in kda_layers (L + 1) is a KDA block: it loads from the K3 layout, its A_log / dt_bias
+    kept fp32 in a bf16 draft as the target keeps them; a checkpoint whose layer holds the other mixer's tensors
+    is refused naming the layer and the kda_layers entry; kda_layers past the MTP layers stays refused."""
+    config = tiny_k3_config(vocab_size=64, vision=False)
+    text_cfg = config["text_config"]
+    L = text_cfg["num_hidden_layers"]
+    text_cfg["num_nextn_predict_layers"] = 1
+    plain_layers = list(text_cfg["linear_attn_config"]["kda_layers"])
+    text_cfg["linear_attn_config"]["kda_layers"] = plain_layers + [L + 1]
+    model = KimiForCausalLM(parse_config(config))
+    random_weights(model, 0)
+    mtp = MTPDraft(model.config.text, 1)
+    random_weights_like(mtp)
+    assert mtp.layer(0).is_kda
+    _mtp_checkpoint(tmp_path / "kda", config, mtp, model)
+    target = kimik3.load_model(tmp_path / "kda", dtype=torch.float32)
+    loaded = load_mtp(tmp_path / "kda", target).layer(0)
+    want = mtp.layer(0).self_attn
+    for name in ("A_log", "dt_bias", "conv1d.weight", "in_proj.weight", "f_b_proj.weight"):
+        assert torch.equal(loaded.self_attn.get_parameter(name), want.get_parameter(name)), name
+    narrow = load_mtp(tmp_path / "kda", target, dtype=torch.bfloat16).layer(0)
+    assert narrow.self_attn.A_log.dtype == torch.float32 and narrow.self_attn.dt_bias.dtype == torch.float32
+    assert narrow.eh_proj.weight.dtype == torch.bfloat16
+
+    as_mla = json.loads(json.dumps(config))          # the same KDA tensors, the config makes the layer MLA
+    as_mla["text_config"]["linear_attn_config"]["kda_layers"] = plain_layers
+    _mtp_checkpoint(tmp_path / "mla_cfg", as_mla, mtp, model)
+    with pytest.raises(DraftError, match=rf"MTP layer {L} is an MLA layer .*KDA tensors .*add {L + 1} to kda_layers"):
+        load_mtp(tmp_path / "mla_cfg", kimik3.load_model(tmp_path / "mla_cfg", dtype=torch.float32))
+    mla = MTPDraft(parse_config(as_mla).text, 1)     # MLA tensors, the config makes the layer KDA
+    random_weights_like(mla)
+    _mtp_checkpoint(tmp_path / "kda_cfg", config, mla, model)
+    with pytest.raises(DraftError, match=rf"MTP layer {L} is a KDA layer .*MLA attention tensors .*remove {L + 1}"):
+        load_mtp(tmp_path / "kda_cfg", target)
+    text_cfg["linear_attn_config"]["kda_layers"] = plain_layers + [L + 2]
+    with pytest.raises(ValueError, match=rf"outside 1..{L + 1}"):
+        parse_config(config)
