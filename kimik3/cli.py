@@ -129,7 +129,8 @@ def _plan_args(p) -> None:
     p.add_argument("--gpu", choices=list(GPUS), default="H200", help="the GPU to plan for (default: H200)")
     from kimik3.engine.arg_types import non_negative_gib
     p.add_argument("--cpu-offload-gb", type=non_negative_gib, default=0,
-                   help="GiB of routed experts per GPU kept in pinned host memory (default: 0)")
+                   help="GiB of routed experts per GPU kept in pinned host memory, as vLLM's flag (each GPU offloads "
+                        "from the experts or expert slices it holds) (default: 0)")
     p.add_argument("--kv-cache-dtype", choices=list(KV_CACHE_DTYPES), default="auto",
                    help="MLA latent cache dtype: auto (the model dtype) or fp8 / fp8_e4m3 (default: auto)")
     p.add_argument("--quantization", choices=["fp8"], default=None,

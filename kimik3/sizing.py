@@ -10,13 +10,14 @@ Stored bytes follow the release dtypes (MXFP4 experts, F32 conv/A_log/dt_bias/o_
 Options the engine takes change the bytes:
 
 * ``--quantization fp8``: every projection weight (``*_proj``, the dense and shared MLPs; bf16 routed
-  experts too, as Kimi-Linear's, unless offloaded: ``--cpu-offload-gb`` keeps them bf16) becomes 1 byte an
+  experts too, as Kimi-Linear's, offloaded or not) becomes 1 byte an
   element plus one float32 scale per output channel (``kimik3.loader.fp8``); the embedding, LM head, router,
   norms, convolutions and the vision tower stay as stored, and K3's MXFP4 experts stay MXFP4.
 * ``--kv-cache-dtype fp8`` (``fp8_e4m3``): MLA latent rows in e4m3, 1 byte an element plus one float32
   scale per token row (``kimik3.ops.fp8``); KDA states stay float32 (conv windows in the model dtype).
-* ``--cpu-offload-gb G`` (per GPU, vLLM's meaning): G GiB of each GPU's routed experts live in pinned host
-  memory; each MoE layer keeps the rest as a cache of hot experts in fixed GPU slots, plus one staging area
+* ``--cpu-offload-gb G`` (per GPU, vLLM's meaning): G GiB of each GPU's routed experts (those it holds: E / e
+  whole experts a layer under expert parallelism, slices of all E under tensor parallelism), rounded up to whole
+  experts a layer as the engine does, live in pinned host memory; each MoE layer keeps the rest as a cache of hot experts in fixed GPU slots, plus one staging area
   (one layer's offloaded experts) the layers share, and a decode step serves the experts it routes to but
   misses by the miss policy (``--expert-offload-policy``, ``kimik3.model.offload_policy``): copied over PCIe
   after routing, or prefetched while the previous layer runs (host compute is shown beside, eager steps only).
@@ -112,14 +113,24 @@ class Sizing:
     vision_bytes: int = 0     # of weights_replicated: the vision tower (a decode step reads none of it)
     moe_layers: int = 0
     num_experts: int = 0      # routed experts a MoE layer (E)
+    expert_replicated: int = 0  # of weights_experts: FP8 w2 channel scales, whole on every rank sharing an expert
 
     @property
     def expert_ranks(self) -> int:
-        return self.ep if self.ep > 1 else self.tp
+        """GPUs the routed experts are split over: e ranks each hold E / e experts, and with t > e each expert's
+        intermediate is split over the t / e ranks sharing it (the engine's ``ParallelContext.expert_tp_size``)."""
+        return max(self.ep, self.tp)
+
+    @property
+    def local_experts(self) -> int:
+        """Experts a MoE layer holds on one GPU: E / e under expert parallelism, else all E (as slices)."""
+        return self.num_experts // self.ep if self.ep > 1 else self.num_experts
 
     @property
     def experts_per_gpu(self) -> float:
-        return self.weights_experts / self.expert_ranks
+        """Routed-expert bytes on one GPU: its share, and whole the FP8 w2 channel scales of its experts."""
+        split = self.weights_experts - self.expert_replicated
+        return split / self.expert_ranks + self.expert_replicated / max(1, self.ep)
 
     @property
     def weights_per_gpu(self) -> float:
@@ -128,15 +139,21 @@ class Sizing:
 
     @property
     def expert_share(self) -> float:
-        """One routed expert's bytes on one GPU."""
-        return self.experts_per_gpu / (self.moe_layers * self.num_experts) if self.moe_layers * self.num_experts else 0.0
+        """One routed expert's bytes on one GPU (its slice under tensor parallelism; whole under EP = TP)."""
+        return self.experts_per_gpu / (self.moe_layers * self.local_experts) if self.moe_layers * self.num_experts else 0.0
 
     @property
     def uncached_per_layer(self) -> int:
-        """M: experts a MoE layer leaves in host memory (the engine's rounding: the budget up to whole experts)."""
+        """M: experts a MoE layer leaves in host memory on each GPU (the engine's rounding: the budget up to whole
+        experts of those the GPU holds, ``ExpertOffload``)."""
         if not self.offload_bytes:
             return 0
-        return min(self.num_experts, math.ceil(self.offload_bytes / (self.moe_layers * self.expert_share) - 1e-9))
+        return min(self.local_experts, math.ceil(self.offload_bytes / (self.moe_layers * self.expert_share) - 1e-9))
+
+    @property
+    def offloaded_bytes(self) -> float:
+        """Routed-expert bytes each GPU keeps in host memory: M experts a layer (the budget rounded up)."""
+        return self.moe_layers * self.uncached_per_layer * self.expert_share
 
     @property
     def staging_bytes(self) -> float:
@@ -145,12 +162,12 @@ class Sizing:
 
     @property
     def resident_per_gpu(self) -> float:
-        return self.weights_per_gpu - self.offload_bytes + self.staging_bytes
+        return self.weights_per_gpu - self.offloaded_bytes + self.staging_bytes
 
     @property
     def resident_expert_fraction(self) -> float:
-        """The share of a layer's experts the GPU caches (1 - M / E)."""
-        return 1.0 - self.uncached_per_layer / self.num_experts if self.num_experts else 1.0
+        """The share of a layer's experts the GPU caches (1 - M / its E / e)."""
+        return 1.0 - self.uncached_per_layer / self.local_experts if self.num_experts else 1.0
 
     @property
     def cache_budget(self) -> float:
@@ -200,31 +217,33 @@ def compute_sizing(config: ModelConfig, tp: int, ep: int, dtype: torch.dtype = t
         raise ValueError(f"--gpu must be one of {list(GPUS)}, got {gpu!r}")
     if quantization not in QUANTIZATIONS:
         raise ValueError(f"--quantization must be fp8 or left out, got {quantization!r}")
-    sharded, experts, replicated, embedding, vision = weight_bytes(config, quantization, fp8_experts=not cpu_offload_gb)
+    sharded, experts, replicated, embedding, vision, w2_scales = weight_bytes(config, quantization)
     t = config.text
-    ranks = ep if ep > 1 else tp
+    ranks = max(ep, tp)
     offload = check_offload(cpu_offload_gb, experts / ranks)
     return Sizing(tp, ep, sharded, experts, replicated,
                   kv_bytes_per_token=latent_bytes_per_token(t, dtype, kv_cache_dtype),
                   state_bytes_per_seq=HybridCache.bytes_per_slot(t, dtype) // tp,
                   gpu=GPUS[gpu], offload_bytes=offload, embedding_bytes=embedding, vision_bytes=vision,
-                  moe_layers=sum(t.is_moe_layer(i) for i in range(t.num_hidden_layers)), num_experts=t.num_experts or 0)
+                  moe_layers=sum(t.is_moe_layer(i) for i in range(t.num_hidden_layers)), num_experts=t.num_experts or 0,
+                  expert_replicated=w2_scales)
 
 
 @functools.lru_cache(maxsize=8)
-def weight_bytes(config: ModelConfig, quantization: str | None, fp8_experts: bool = True
-                 ) -> tuple[int, int, int, int, int]:
-    """(TP-split, routed-expert, replicated, embedding, vision) stored bytes of the whole model (the embedding
-    is also counted in the TP-split bytes, the vision tower in the replicated ones); ``fp8_experts`` False: bf16
-    routed experts stay bf16 under ``quantization`` fp8 (offloaded ones do). Cached: K3 has 250k checkpoint
-    tensors, a few seconds to walk."""
+def weight_bytes(config: ModelConfig, quantization: str | None) -> tuple[int, int, int, int, int, int]:
+    """(TP-split, routed-expert, replicated, embedding, vision, FP8 expert w2 scales) stored bytes of the whole
+    model (the embedding is also counted in the TP-split bytes, the vision tower in the replicated ones, the w2
+    scales in the routed experts'); under ``quantization`` fp8 bf16 routed experts are FP8 too, offloaded or not:
+    a down-projection's channel scales are not split with its intermediate (each rank sharing an expert holds
+    them whole). Cached: K3 has 250k checkpoint tensors, a few seconds to walk."""
     mxfp4 = config.text.expert_quantization == "mxfp4"
-    sharded = experts = replicated = embedding = vision = 0
+    sharded = experts = replicated = embedding = vision = w2_scales = 0
     for name, p in meta_model(config).checkpoint_weights():
         _, nbytes = stored_bytes(name, p.numel(), mxfp4)
         expert = ".experts." in name
-        if quantization == "fp8" and ((expert and fp8_experts and not mxfp4) or (not expert and _FP8_WEIGHT.search(name))):
+        if quantization == "fp8" and ((expert and not mxfp4) or (not expert and _FP8_WEIGHT.search(name))):
             nbytes = fp8_bytes(tuple(p.shape))
+            w2_scales += 4 * p.shape[0] if expert and name.endswith(".w2.weight") else 0
         if expert:
             experts += nbytes
         elif _REPLICATED.search(name):
@@ -233,7 +252,7 @@ def weight_bytes(config: ModelConfig, quantization: str | None, fp8_experts: boo
         else:
             sharded += nbytes
             embedding += nbytes if "embed_tokens" in name else 0
-    return sharded, experts, replicated, embedding, vision
+    return sharded, experts, replicated, embedding, vision, w2_scales
 
 
 def check_offload(cpu_offload_gb: float, experts_per_gpu: float) -> int:
@@ -287,7 +306,7 @@ def predict_decode(config: ModelConfig, s: Sizing, batch: int, rates: Rates = Ra
     t = config.text
     n, E, k = s.moe_layers, s.num_experts, t.num_experts_per_token
     per, M = s.expert_share, s.uncached_per_layer
-    touched = distinct_experts(E, k, batch) * n                                           # experts a step reads
+    touched = distinct_experts(E, k, batch) * n * s.local_experts / E if E else 0.0      # of this GPU's, a step reads
     other = (s.weights_sharded - s.embedding_bytes) / s.tp + s.weights_replicated - s.vision_bytes   # dense weights read
     cache = batch * (rates.context * s.kv_bytes_per_token + s.state_bytes_per_seq)
     gpu_bytes = other + touched * s.resident_expert_fraction * per + cache
@@ -301,7 +320,7 @@ def predict_decode(config: ModelConfig, s: Sizing, batch: int, rates: Rates = Ra
                            host_flops=rates.host_flops / gpus, host_sync=rates.host_sync,
                            layer_seconds=gpu_seconds / t.num_hidden_layers, prefetch_accuracy=rates.prefetch_accuracy)
     width = t.routed_expert_hidden_size or t.hidden_size
-    shape = LayerShape(E, k, M, per, 6.0 * width * t.moe_intermediate_size / s.expert_ranks)
+    shape = LayerShape(E, k, M, per, 6.0 * width * t.moe_intermediate_size / max(1, s.tp // s.ep))     # E: all of them
     costs = miss_costs(shape, miss_rates, batch)
     strategy = MissPolicy(policy, shape, miss_rates, host_exact=False).choose(batch, graph=True)
     return DecodeEstimate(batch, gpu_seconds, n * costs["copy"], n * costs["prefetch"], n * costs["host"], missed,
@@ -327,7 +346,7 @@ class PlanOptions:
 
 def min_offload_gb(s: Sizing, headroom: float) -> float:
     """The smallest --cpu-offload-gb that leaves ``headroom`` bytes of cache per GPU (inf: not enough experts)."""
-    need = s.resident_per_gpu + s.offload_bytes - (MEMORY_FRACTION * s.gpu.memory - OVERHEAD_BYTES - headroom)
+    need = s.resident_per_gpu + s.offloaded_bytes - (MEMORY_FRACTION * s.gpu.memory - OVERHEAD_BYTES - headroom)
     if need <= 0:
         return 0.0
     return math.ceil(need / GIB) if need <= s.experts_per_gpu else math.inf
@@ -340,8 +359,7 @@ def format_sizing(path: str | Path, tp: int, ep: int, options: PlanOptions | Non
                        quantization=o.quantization)
     gpus = tp * max(1, ep // tp)
     layout = f"TP{tp}" + (f"/EP{ep}" if ep > 1 else "")
-    fp8_what = "projections" if config.text.expert_quantization == "mxfp4" or o.cpu_offload_gb else \
-        "projections and routed experts"
+    fp8_what = "projections" if config.text.expert_quantization == "mxfp4" else "projections and routed experts"
     settings = (f"weights {f'fp8 ({fp8_what}) + ' if o.quantization else ''}as stored, kv cache "
                 f"{o.kv_cache_dtype}, --cpu-offload-gb {o.cpu_offload_gb:g}")
     total = s.weights_sharded + s.weights_experts + s.weights_replicated
@@ -351,12 +369,13 @@ def format_sizing(path: str | Path, tp: int, ep: int, options: PlanOptions | Non
              f"TP-split {s.weights_sharded / tp / GIB:.1f}, replicated {s.weights_replicated / GIB:.1f})"]
     if s.offload_bytes:
         M = s.uncached_per_layer
-        cached = (s.num_experts - M) * s.moe_layers * s.expert_share
+        E = s.local_experts
+        cached = (E - M) * s.moe_layers * s.expert_share
         lines.append(f"  resident per GPU: {s.resident_per_gpu / GIB:.1f} GiB, of which routed experts "
-                     f"{cached / GIB:.1f} GiB (the hot-expert cache: {s.num_experts - M} of {s.num_experts} a layer, "
+                     f"{cached / GIB:.1f} GiB (the hot-expert cache: {E - M} of the {E} experts a layer it holds, "
                      f"{100 * s.resident_expert_fraction:.1f}%) and their staging area {s.staging_bytes / GIB:.2f} GiB "
                      f"({M} experts, shared by the layers); offloaded to pinned host memory "
-                     f"{s.offload_bytes / GIB:.1f} GiB per GPU, {s.offload_bytes * gpus / GIB:.1f} GiB for the node")
+                     f"{s.offloaded_bytes / GIB:.1f} GiB per GPU, {s.offloaded_bytes * gpus / GIB:.1f} GiB for the node")
     lines.append(f"  cache per GPU: MLA latent {s.kv_bytes_per_token:,} B/token, KDA state "
                  f"{s.state_bytes_per_seq / (1 << 20):.1f} MiB/sequence")
     if s.fits:

@@ -86,14 +86,31 @@ def test_offload_moves_expert_bytes_off_the_gpu(text_only):
     # host memory (whole experts), and the GPU keeps a staging area of 426 expert shares for them
     assert (s.moe_layers, s.num_experts, s.expert_share) == (92, 896, K3_EXPERT / 8)
     assert s.uncached_per_layer == 426 and s.staging_bytes == 426 * K3_EXPERT / 8
-    assert s.resident_per_gpu == pytest.approx(s0.weights_per_gpu - 80 * GIB + 426 * K3_EXPERT / 8)
+    # host memory holds what the engine moves there: 426 whole expert shares a layer (80.07 GiB, not 80)
+    assert s.offloaded_bytes == 92 * 426 * K3_EXPERT / 8
+    resident = s0.weights_per_gpu - 92 * 426 * K3_EXPERT / 8 + 426 * K3_EXPERT / 8
+    assert s.resident_per_gpu == pytest.approx(resident)
     assert s.resident_expert_fraction == pytest.approx(1 - 426 / 896)
     u_mem = 0.92 * (143771 << 20)                                        # H200 as nvidia-smi reports it
-    resident = s0.weights_per_gpu - 80 * GIB + 426 * K3_EXPERT / 8
     assert s.cache_budget == pytest.approx(u_mem - resident - 6 * GIB)
     assert not s0.fits and s.fits
     h100 = compute_sizing(text_only, 8, 1, gpu="H100", cpu_offload_gb=80)
     assert h100.cache_budget == pytest.approx(0.92 * (81559 << 20) - resident - 6 * GIB)
+
+
+def test_offload_under_expert_parallelism_counts_whole_local_experts(text_only):
+    """EP8: each GPU holds 112 whole experts a layer (17,547,264 B each); 80 GiB over 92 layers is 53.2 of them:
+    54 a layer in host memory, a staging area of 54 whole experts; TP8 x EP4 (two ranks share each expert's
+    intermediate): 224 experts a layer of half an expert each, 107 of them offloaded."""
+    s = compute_sizing(text_only, 8, 8, cpu_offload_gb=80)
+    assert (s.local_experts, s.expert_share, s.experts_per_gpu) == (112, K3_EXPERT, K3_EXPERTS / 8)
+    assert s.uncached_per_layer == 54 and s.staging_bytes == 54 * K3_EXPERT
+    assert s.offloaded_bytes == 92 * 54 * K3_EXPERT
+    assert s.resident_expert_fraction == pytest.approx(1 - 54 / 112)
+    assert s.resident_per_gpu == pytest.approx(s.weights_per_gpu - 92 * 54 * K3_EXPERT + 54 * K3_EXPERT)
+    half = compute_sizing(text_only, 8, 4, cpu_offload_gb=80)
+    assert (half.local_experts, half.expert_share, half.experts_per_gpu) == (224, K3_EXPERT / 2, K3_EXPERTS / 8)
+    assert half.uncached_per_layer == 107
 
 
 def test_fp8_weights_and_cache_change_the_fit(text_only):
@@ -113,10 +130,11 @@ def test_fp8_weights_and_cache_change_the_fit(text_only):
     assert s.sequences(131072) == int(s.cache_budget // per_seq) > 0
 
 
-def test_fp8_quantises_kimi_linears_bf16_experts_unless_offloaded():
+def test_fp8_quantises_kimi_linears_bf16_experts_offloaded_or_not():
     """Kimi-Linear-48B: 26 MoE layers x 256 experts of gate, up (1024 x 2304) and down (2304 x 1024), bf16 as
     stored; ``--quantization fp8`` stores them at 1 B an element plus a float32 scale per output channel, so
-    the whole model fits one 80 GB GPU; offloaded (``--cpu-offload-gb``) they stay bf16."""
+    the whole model fits one 80 GB GPU; offloaded (``--cpu-offload-gb``) they are FP8 too (the pool carries
+    the scales): 10 GiB is 58.2 such experts a layer, 59 offloaded."""
     kl = load_config(Path(__file__).resolve().parent / "data" / "kimi-linear-48b-a3b.config.json")
     n = 26 * 256
     bf16 = n * 3 * 1024 * 2304 * 2
@@ -124,7 +142,8 @@ def test_fp8_quantises_kimi_linears_bf16_experts_unless_offloaded():
     assert compute_sizing(kl, 1, 1).weights_experts == bf16
     q = compute_sizing(kl, 1, 1, gpu="H100", quantization="fp8")
     assert q.weights_experts == fp8 and q.fits and not compute_sizing(kl, 1, 1, gpu="H100").fits
-    assert compute_sizing(kl, 1, 1, gpu="H100", quantization="fp8", cpu_offload_gb=10).weights_experts == bf16
+    off = compute_sizing(kl, 1, 1, gpu="H100", quantization="fp8", cpu_offload_gb=10)
+    assert off.weights_experts == fp8 and off.expert_share == fp8 / n and off.uncached_per_layer == 59
 
 
 @pytest.mark.parametrize("bad,match", [(-1, "must be >= 0"), (169, "more than the 168.4 GiB"),
@@ -179,7 +198,7 @@ def test_decode_estimate_by_hand(text_only):
 def test_k3_on_one_node_of_eight_h200s_with_offload_fits(text_only):
     from kimik3.sizing import PlanOptions, Rates, format_sizing
     out = format_sizing(RELEASE, 8, 1, PlanOptions(8, 1, "H200", 80, "fp8", "fp8"))
-    assert "fits: yes" in out and "offloaded to pinned host memory 80.0 GiB per GPU" in out
+    assert "fits: yes" in out and "offloaded to pinned host memory 80.1 GiB per GPU" in out
     assert "batch 32" in out and "assumed rates: PCIe 50 GB/s" in out
     assert "prefetch accuracy 50%" in out and "misses by --expert-offload-policy auto" in out
     assert "by copy" in out and "staging area 0.87 GiB (426 experts" in out

@@ -88,7 +88,7 @@ class EngineArgs:
                                "one float32 scale per token: half the bytes); KDA states stay float32 "
                                "(default: auto)", default="auto", choices=list(KV_CACHE_DTYPES))
     quantization: str | None = _opt(
-        "fp8: the dense bf16 projections and bf16 routed experts (not offloaded ones) quantised to FP8 (E4M3, a scale "
+        "fp8: the dense bf16 projections and bf16 routed experts (offloaded ones too) quantised to FP8 (E4M3, a scale "
         "per output channel) at load; FP8 GEMVs at decode, FP8 GEMMs at prefill (default: none, the checkpoint's own)",
         default=None, choices=["fp8"], aliases=("-q",))
     kda_checkpoint_interval: int | None = _opt(
@@ -162,9 +162,10 @@ class EngineArgs:
         "expected to reject its drafts is followed at once by the next (default: on for one CUDA device, "
         "as in vLLM; else off)", default=None)
     cpu_offload_gb: float = _opt(
-        "GiB of routed experts kept in host memory (pinned) instead of on the GPU, as vLLM's flag (one "
-        "process: the whole model's experts); each MoE layer caches its hot experts on the GPU and copies "
-        "the ones it misses in as it runs them, with the same tokens as fully resident (default: 0)",
+        "GiB of routed experts kept in host memory (pinned) instead of on the GPU, per GPU as vLLM's flag: "
+        "under tensor / expert / pipeline parallelism each rank offloads this much of the experts (or expert "
+        "slices) it holds; each MoE layer caches its hot experts on the GPU and copies the ones it misses in "
+        "as it runs them, with the same tokens as fully resident (default: 0)",
         default=0.0, type=non_negative_gib)
     expert_offload_policy: str = _opt(
         "with --cpu-offload-gb, how a step serves the experts it routes to but the GPU does not cache: copy (in "
@@ -321,9 +322,9 @@ class EngineArgs:
         """The model's expert-offload settings (``--cpu-offload-gb``), or None when nothing is offloaded."""
         if not self.cpu_offload_gb:
             return None
-        if self.is_parallel:
-            raise ValueError("cpu_offload_gb is not supported with tensor, expert or pipeline parallelism yet; "
-                             "use one GPU (or leave cpu_offload_gb at 0)")
+        if self.enable_eplb:
+            raise ValueError("cpu_offload_gb with --enable-eplb is not supported yet (EPLB moves experts between the "
+                             "ranks' GPUs, offloaded ones live in host memory); leave one of them off")
         from kimik3.model.expert_offload import ExpertOffloadConfig
         return ExpertOffloadConfig.from_gib(self.cpu_offload_gb, policy=self.expert_offload_policy)
 

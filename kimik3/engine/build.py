@@ -61,7 +61,7 @@ def build_engine(args: EngineArgs, tokenizer=None):
         layout.check_model(load_config(path), config.block_size)     # before any worker is spawned
         model, group = start_group(str(path), layout, dtype, device.type,     # ranks > 0 never return
                                    kernel_options=kernels, language_model_only=args.language_model_only,
-                                   quantization=args.quantization,
+                                   quantization=args.quantization, expert_offload=offload,
                                    **({"expert_loads": loads} if args.enable_eplb else {}))
         engine = LLMEngine(model, config, tokenizer=tokenizer, tokenizer_path=str(path),
                            runner_factory=functools.partial(ParallelRunner, control=group.control,

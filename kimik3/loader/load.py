@@ -72,7 +72,7 @@ def load_model(path: str | Path, device: str | torch.device = "cpu", dtype: torc
     if packed_experts is None:
         packed_experts = _packs_experts_by_default(config, device, dtype)
     model = _meta_model(config, parallel, pipeline, dtype, packed_experts,
-                        _fp8_experts(config, quantization, expert_offload, packed_experts))
+                        _fp8_experts(config, quantization, packed_experts))
     offload = _materialize(model, device, expert_offload)
     if parallel.eplb:
         model.place_experts(expert_loads)
@@ -89,10 +89,10 @@ def load_model(path: str | Path, device: str | torch.device = "cpu", dtype: torc
     if block_fp8 is not None:
         block_fp8.check_complete()
         block_fp8.install(model)
-    if offload:
-        model.offload_experts(expert_offload)
     if quantization == "fp8":
         quantize_fp8(model)
+    if offload:                # after the FP8 projections: the miss policy weighs the bytes a layer reads
+        model.offload_experts(expert_offload)
     model.eval()
     return model
 
@@ -121,18 +121,12 @@ def _packs_experts_by_default(config: ModelConfig, device: str | torch.device, d
     return (torch.device(device).type == "cuda" and dtype == torch.bfloat16) or kernel_options().w4a8_moe
 
 
-def _fp8_experts(config: ModelConfig, quantization: str | None, expert_offload, packed_experts: bool) -> bool:
+def _fp8_experts(config: ModelConfig, quantization: str | None, packed_experts: bool) -> bool:
     """``--quantization fp8`` stores routed experts the checkpoint holds in bf16 (Kimi-Linear's) as E4M3 with
-    channel scales, quantised as they load; MXFP4 experts stay MXFP4. Offloaded experts (``--cpu-offload-gb``)
-    stay in the model dtype: the offload pool (``model/expert_offload.py``) carries no FP8 scales yet (logged)."""
-    if quantization != "fp8" or config.text.num_experts is None or packed_experts \
-            or config.text.expert_quantization == "mxfp4":
-        return False
-    if expert_offload is not None and expert_offload.cpu_offload_bytes:
-        logger.warning("--quantization fp8 with --cpu-offload-gb: the routed experts stay in the model dtype (the "
-                       "expert offload does not carry FP8 experts yet); the dense projections are FP8")
-        return False
-    return True
+    channel scales, quantised as they load (offloaded ones too: the offload pool carries the codes and their
+    scales); MXFP4 experts stay MXFP4."""
+    return quantization == "fp8" and config.text.num_experts is not None and not packed_experts \
+        and config.text.expert_quantization != "mxfp4"
 
 
 def _meta_model(config: ModelConfig, parallel: ParallelContext, pipeline, dtype: torch.dtype, packed_experts: bool,

@@ -34,6 +34,17 @@ from the pinned weights (``host``: eager steps only). A prefetch writes only sta
 layer's kernels have read theirs, and a layer reads what arrived only when the prefetch was made for it in
 this step (``_pending``), so every strategy runs the same weights: the same tokens as resident.
 
+Storage: bf16 (or the model dtype) experts, MXFP4 (packed codes and E8M0 scales) or FP8 (``--quantization fp8``:
+E4M3 codes and one float32 scale per output channel): every tensor with one row per expert has its pool, and the
+copies move codes and scales together, so a pool row is the host row bit for bit.
+
+Parallelism (``cpu_offload_gb`` is a budget per GPU, as vLLM's flag): each rank offloads from what it holds: under
+tensor parallelism its slices of all E experts, under expert parallelism its E / e experts (the router's global
+ids are mapped to the rank's and other ranks' pairs left out, on the device: ``ExpertOffload.used``), under
+pipeline parallelism its stage's MoE layers. A token-sharded exchange (``moe_exchange.py``) stages the pairs a
+rank receives. Every rank refreshes its own hot set between steps (``parallel/worker.py`` as the runner does) from
+its own counts; nothing is exchanged, and each rank's partial sum is the resident one, hence the same tokens.
+
 The CPU path (tests): the pool is a CPU tensor too, so the whole mechanism (host pool -> "device" pool,
 staging, refresh, exactness) runs in every engine mode without a GPU.
 """
@@ -93,7 +104,8 @@ class ExpertOffloadConfig:
 
 
 def _kinds(experts) -> list[str]:
-    return ["w13", "w2"] + (["w13_scale", "w2_scale"] if experts.mxfp4 else [])
+    """The tensors with one row per expert: w13, w2 and, MXFP4 or FP8, their scales."""
+    return ["w13", "w2"] + (["w13_scale", "w2_scale"] if experts.mxfp4 or experts.fp8 else [])
 
 
 def expert_bytes(experts) -> int:
@@ -102,16 +114,20 @@ def expert_bytes(experts) -> int:
 
 
 def check_budget(moes: list, config: ExpertOffloadConfig) -> int:
-    """The routed-expert bytes of ``moes`` (meta modules will do); ValueError when the offload asks for more."""
+    """The routed-expert bytes of ``moes`` (meta modules will do): this rank's, the experts or expert slices it
+    holds under tensor / expert / pipeline parallelism (``cpu_offload_gb`` is a budget per GPU, as vLLM's flag);
+    ValueError when the offload asks for more."""
     if not moes:
-        raise ValueError("cpu_offload_gb: the model has no routed experts to offload")
+        raise ValueError("cpu_offload_gb: the model (or this pipeline stage) has no routed experts to offload")
     n, E, per = len(moes), moes[0].experts.w13.shape[0], expert_bytes(moes[0].experts)
     total = n * E * per
     if config.cpu_offload_bytes > total:
-        raise ValueError(f"cpu_offload_gb={config.cpu_offload_bytes / GIB:.4g} is more than the model's routed "
-                         f"experts here ({total / GIB:.4g} GiB: {n} layers x {E} experts x {per:,} B); "
+        what = "the routed experts this rank holds" if moes[0].par.enabled else "the model's routed experts here"
+        raise ValueError(f"cpu_offload_gb={config.cpu_offload_bytes / GIB:.4g} (per GPU) is more than {what} "
+                         f"({total / GIB:.4g} GiB: {n} layers x {E} experts x {per:,} B); "
                          f"give at most {math.floor(total / GIB * 1e4) / 1e4:g}")
     return total
+
 
 
 def move_to_host(experts) -> None:
@@ -150,6 +166,8 @@ class ExpertOffload:
         M = -(-config.cpu_offload_bytes // (n * per))          # experts a layer leaves in host memory
         S = E - M
         self.num_layers, self.num_experts, self.cache_size, self.staging_size = n, E, S, M
+        # expert parallelism: the router's ids are global, this rank holds experts [first_expert, first_expert + E)
+        self.expert_parallel, self.first_expert = moes[0].par.ep_size > 1, first.first_expert
         self.pool = {k: torch.empty((n * S + M, *getattr(first, k).shape[1:]), dtype=getattr(first, k).dtype,
                                     device=self.device) for k in self.kinds}
         self.pool_bytes = (n * S + M) * per
@@ -185,7 +203,9 @@ class ExpertOffload:
         self.expert_bytes = per
         self.pair_flops = 6.0 * first.w2.shape[1] * (first.w13.shape[1] // 2)
         rates = config.rates or (measure_rates(self, layer_bytes) if cuda and M else MissRates())
-        shape = LayerShape(E, moes[0].cfg.top_k, M, per, self.pair_flops)
+        # the policy's chance that an expert is used follows the routing over all E experts of the model (under
+        # expert parallelism this rank holds E / e of them: ``num_experts`` here)
+        shape = LayerShape(moes[0].cfg.num_experts, moes[0].cfg.top_k, M, per, self.pair_flops)
         self.policy = MissPolicy(config.policy, shape, rates, host_exact=not cuda)
         logger.info("%s", self.policy.describe())
         logger.info("expert offload: %d of %d experts a layer cached on the GPU (%d layers, %.2f GiB with a "
@@ -310,7 +330,7 @@ class ExpertOffload:
             self.predicted.zero_()
         if x is not None and source != "previous_step":
             _, ids = self.moes[i].route(x)
-            self.predicted.index_fill_(0, ids.reshape(-1), True)
+            self.predicted.logical_or_(self.used(ids))
 
     def take_prefetch(self, i: int) -> torch.Tensor | None:
         """For layer i's staging: the experts prefetched for it in this step ([E] bool; None: none), once
@@ -321,6 +341,28 @@ class ExpertOffload:
             torch.cuda.current_stream().wait_event(self._prefetch_done)
         self._pending = None
         return self.predicted
+
+    def _local(self, ids: torch.Tensor, local: bool) -> tuple[torch.Tensor, torch.Tensor | None]:
+        """Routed ids (flattened) as this rank's expert indices, and which of them it holds (None: all). Under
+        expert parallelism another rank's id maps to 0 with valid False. Device work: no host synchronisation."""
+        flat = ids.reshape(-1)
+        if local or not self.expert_parallel:
+            return flat, None
+        flat = flat - self.first_expert
+        valid = (flat >= 0) & (flat < self.num_experts)
+        return torch.where(valid, flat, 0), valid
+
+    def used(self, ids: torch.Tensor, local: bool = False) -> torch.Tensor:
+        """[E] bool on the device: this rank's experts that ``ids`` route to (``local``: ids already local)."""
+        flat, valid = self._local(ids, local)
+        out = torch.zeros(self.num_experts + 1, dtype=torch.bool, device=flat.device)
+        return out.index_fill_(0, flat if valid is None else flat.masked_fill(~valid, self.num_experts), True)[:-1]
+
+    def count(self, i: int, ids: torch.Tensor, local: bool = False) -> None:
+        """Add ``ids``' (token, expert) pairs on this rank's experts to layer i's routing counts."""
+        flat, valid = self._local(ids, local)
+        ones = torch.ones(flat.shape, dtype=torch.float32, device=flat.device) if valid is None else valid.float()
+        self.counts[i].index_add_(0, flat, ones)
 
     def missed(self, i: int) -> torch.Tensor:
         """[E] bool on the host: layer i's experts the GPU does not cache."""
@@ -341,15 +383,16 @@ class LayerOffload:
     def __init__(self, owner: ExpertOffload, index: int):
         self.owner, self.index = owner, index
 
-    def stage(self, ids: torch.Tensor) -> None:
+    def stage(self, ids: torch.Tensor, local: bool = False) -> None:
         """Count the batch's routed pairs; copy its uncached experts into their staging rows (those a prefetch
-        brought in this step excepted; none when the host computes them)."""
+        brought in this step excepted; none when the host computes them). ``ids``: the router's (global; under
+        expert parallelism the pairs on other ranks' experts are left out), or this rank's expert indices
+        (``local``: a token-sharded exchange's received pairs)."""
         o, i = self.owner, self.index
-        flat = ids.reshape(-1)
-        o.counts[i].index_add_(0, flat, torch.ones(flat.shape, dtype=torch.float32, device=flat.device))
+        o.count(i, ids, local)
         if not o.staging_size:
             return
-        used = torch.zeros(o.num_experts, dtype=torch.bool, device=flat.device).index_fill_(0, flat, True)
+        used = o.used(ids, local)
         have = o.take_prefetch(i)
         o.last_used[i].copy_(used)
         if o.mode == "host":
@@ -375,7 +418,7 @@ class LayerOffload:
     def host_weights(self) -> tuple:
         """(w1, w2, w3) of the host pool (this layer's ``Experts``) in ``fused_moe``'s formats."""
         e = self.owner.moes[self.index].experts
-        return (e.packed("w1"), e.packed("w2"), e.packed("w3")) if e.mxfp4 else (e.w1, e.w2, e.w3)
+        return (e.packed("w1"), e.packed("w2"), e.packed("w3")) if e.mxfp4 or e.fp8 else (e.w1, e.w2, e.w3)
 
     def run_host(self, z: torch.Tensor, weights: torch.Tensor, ids: torch.Tensor) -> torch.Tensor:
         """The routed sum with the uncached experts computed on the host (``ops.moe_host``)."""
@@ -384,12 +427,14 @@ class LayerOffload:
         *pool, slots = self.weights()
         a = moe.act
         out = fused_moe_host_misses(z, tuple(pool), self.host_weights(), weights, ids, missed, a.hidden_act, a.beta,
-                                    a.linear_beta, moe.cfg.combine_fp32, slots, moe.experts.scale_max)
+                                    a.linear_beta, moe.cfg.combine_fp32, slots, moe.experts.scale_max,
+                                    fp8=moe.experts.fp8)
         o.host_pairs += int(missed[ids.cpu()].sum())
         return out
 
     def weights(self):
-        """(w1, w2, w3) over the whole pool in the ``Experts`` formats, and this layer's ``slots`` [E]."""
+        """(w1, w2, w3) over the whole pool in the ``Experts`` formats (MXFP4 or FP8: (codes, scales) pairs), and
+        this layer's ``slots`` [E]."""
         o = self.owner
         if "w13_scale" in o.kinds:
             w13, s13 = o.pool["w13"], o.pool["w13_scale"]

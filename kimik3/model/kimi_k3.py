@@ -217,17 +217,20 @@ class KimiForCausalLM(nn.Module):
         moes = self.moe_blocks(config)
         routed = {id(p) for m in moes for p in m.experts.parameters()}
         dense = sum(p.numel() * p.element_size() for p in self.model.layers.parameters() if id(p) not in routed)
-        self.expert_offload = ExpertOffload(moes, config, self.device, self.dtype,
-                                            dense / self.config.text.num_hidden_layers)
+        held = sum(not isinstance(layer, PipelineHole) for layer in self.model.layers)
+        self.expert_offload = ExpertOffload(moes, config, self.device, self.dtype, dense / held)
 
     def moe_blocks(self, offload_config=None) -> list:
-        """The MoE blocks, first to last; with ``offload_config``, checked to be offloadable (bytes, one process)."""
+        """This rank's MoE blocks (its pipeline stage's), first to last; with ``offload_config``, checked to be
+        offloadable: the budget is per rank (per GPU, as vLLM's ``--cpu-offload-gb``), taken from the experts or
+        expert slices this rank holds under tensor / expert parallelism."""
         moes = [layer.block_sparse_moe for layer in self.model.layers if hasattr(layer, "block_sparse_moe")]
         if offload_config is not None:
             from kimik3.model.expert_offload import check_budget
-            if self.parallel.enabled:
-                raise ValueError("cpu_offload_gb is not supported with tensor, expert or pipeline parallelism yet; "
-                                 "use one GPU (or leave cpu_offload_gb at 0)")
+            if self.parallel.eplb:
+                raise ValueError("cpu_offload_gb with expert load balancing (--enable-eplb) is not supported yet: "
+                                 "EPLB moves experts between ranks' GPUs, offloaded ones live in host memory; "
+                                 "leave one of them off")
             check_budget(moes, offload_config)
         return moes
 

@@ -392,16 +392,19 @@ class MoE(nn.Module):
             return z.new_zeros(z.shape)
         if self.offload is not None and self.offload.on_host:     # the host computes the uncached experts
             return self.offload.run_host(z, weights, ids)
-        if e.fp8:
-            return fused_moe_fp8(z, e.packed("w1"), e.packed("w2"), e.packed("w3"), weights, ids, a.hidden_act,
-                                 a.beta, a.linear_beta, self.cfg.combine_fp32)
         if self.offload is not None:         # the pool of cached and staged experts, rows by ``slots``
             w1, w2, w3, slots = self.offload.weights()
+            if e.fp8:
+                return fused_moe_fp8(z, w1, w2, w3, weights, ids, a.hidden_act, a.beta, a.linear_beta,
+                                     self.cfg.combine_fp32, slots=slots)
             if e.mxfp4:
                 return fused_moe_mxfp4(z, w1, w2, w3, weights, ids, a.hidden_act, a.beta, a.linear_beta,
                                        self.cfg.combine_fp32, e.scale_max, slots=slots)
             return fused_moe(z, w1, w2, w3, weights, ids, a.hidden_act, a.beta, a.linear_beta, self.cfg.combine_fp32,
                              slots=slots)
+        if e.fp8:
+            return fused_moe_fp8(z, e.packed("w1"), e.packed("w2"), e.packed("w3"), weights, ids, a.hidden_act,
+                                 a.beta, a.linear_beta, self.cfg.combine_fp32)
         if e.mxfp4:
             return fused_moe_mxfp4(z, e.packed("w1"), e.packed("w2"), e.packed("w3"), weights, ids, a.hidden_act,
                                    a.beta, a.linear_beta, self.cfg.combine_fp32, e.scale_max)

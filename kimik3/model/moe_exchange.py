@@ -80,7 +80,10 @@ class AllToAllExchange(ExpertExchange):
         source = torch.repeat_interleave(torch.arange(ranks, device=z.device),
                                          torch.tensor(recv_pairs, device=z.device))
         row_of_pair = recv_start[source] + recv_meta[:, 0].long()
-        out = moe.run_experts(rows[row_of_pair], recv_meta[:, 2:], recv_meta[:, 1:2].long())
+        local = recv_meta[:, 1:2].long()
+        if moe.offload is not None:          # expert offload: copy in the received pairs' uncached experts
+            moe.offload.stage(local, local=True)
+        out = moe.run_experts(rows[row_of_pair], recv_meta[:, 2:], local)
         back = par.all_to_all(moe.combine(rows.shape[0], row_of_pair, out), recv_rows, send_rows)
         return moe.combine(n, (keys // ranks)[order], back), s
 
@@ -98,6 +101,8 @@ class GatherScatterExchange(ExpertExchange):
         z_all = par.all_gather_rows(z)
         w_all, ids_all = par.all_gather_rows(weights), par.all_gather_rows(ids)
         s = moe.shared(own)
+        if moe.offload is not None:          # expert offload: copy in the uncached experts every shard routed to
+            moe.offload.stage(ids_all)
         u = par.reduce_scatter_rows(moe.local_experts(z_all, w_all, ids_all))
         return u[:own.shape[0]], s
 

@@ -274,6 +274,8 @@ def worker_loop(model, control, graphs_class=DecodeGraphs) -> int:
             if not agree(graphs is not None, control):
                 graphs = None
             continue
+        if model.expert_offload is not None:     # this rank's hot experts, between steps as on rank 0 (runner.py)
+            model.expert_offload.refresh()
         cache.apply_state_ops(step.state_copies, step.state_resets)
         if isinstance(step, GraphStep):
             ids = _recv_ids(step.num_seqs, device, model.parallel.group) if step.ids_on_device else None

@@ -107,7 +107,7 @@ def test_inspect_plans_offload_fp8_and_rejects_bad_budgets():
     r = run("inspect", "--model", str(RELEASE), "-tp", "8", "--cpu-offload-gb", "80", "--kv-cache-dtype", "fp8",
             "--quantization", "fp8", "--pcie-gbps", "25")
     assert r.returncode == 0, r.stderr
-    assert "fits: yes" in r.stdout and "offloaded to pinned host memory 80.0 GiB per GPU" in r.stdout
+    assert "fits: yes" in r.stdout and "offloaded to pinned host memory 80.1 GiB per GPU" in r.stdout
     assert "PCIe 25 GB/s per GPU" in r.stdout and "batch 32" in r.stdout
     r = run("inspect", "--model", str(RELEASE), "-tp", "8", "--cpu-offload-gb", "80", "--expert-offload-policy",
             "prefetch", "--prefetch-accuracy", "0.8")

@@ -4,7 +4,8 @@ slice (bf16 experts) with 30% / 60% of the experts in host memory, misses copied
 the copy stream (captured in the graphs), gives the resident engine's tokens and logprobs bit for bit (the same
 kernels on the same shapes, only the weight rows looked up); misses computed on the host (eager) stay within
 the bf16 rounding of resident; the policy's start-up measurement gives plausible rates; a tiny checkpoint
-loaded with offload (pinned experts from the loader) gives the resident model's logits."""
+loaded with offload (pinned experts from the loader) gives the resident model's logits; FP8 experts (codes and
+scales in the pool) offload exactly too."""
 
 from __future__ import annotations
 
@@ -78,16 +79,42 @@ def test_offloaded_engine_graphs_equal_resident(config):
         torch.cuda.empty_cache()
 
 
-@pytest.mark.parametrize("arch", ["kimi_k3", "kimi_linear"])
-def test_tiny_checkpoint_loaded_with_offload_equals_resident(arch, tmp_path):
+def test_offloaded_fp8_experts_graphs_equal_resident():
+    """FP8 routed experts (E4M3 codes + channel scales, Kimi-Linear-width slice): 30% / 60% of them in pinned host
+    memory, misses copied or prefetched inside the decode graphs, give the resident FP8 engine's tokens and
+    logprobs bit for bit (the pool rows carry the codes and scales; the same FP8 kernels with ``slots``)."""
+    from benchmarks.gpu.bench_slice import build_slice
+    from kimik3.loader.fp8 import quantize_fp8
+    model = build_slice(json.loads(KIMI_LINEAR_CONFIG.read_text()), str(KIMI_LINEAR_CONFIG))
+    quantize_fp8(model, experts=True)
+    assert all(m.experts.fp8 for m in model.moe_blocks())
+    reqs = requests(model.config.text.vocab_size)
+    resident = generate(make(model, enforce_eager=False), reqs)
+    assert generate(make(model, enforce_eager=False), reqs) == resident, "resident FP8 engine not repeatable"
+    for fraction, policy in ((0.3, "copy"), (0.6, "prefetch")):
+        _offload(model, fraction, policy=policy, prefetch_from="both")
+        o = model.expert_offload
+        assert o.kinds == ["w13", "w2", "w13_scale", "w2_scale"] and o.pool["w13"].dtype == torch.float8_e4m3fn
+        assert all(m.experts.w13_scale.is_pinned() for m in model.moe_blocks())
+        engine = make(model, enforce_eager=False)
+        assert engine.runner.graphs is not None, "capture fell back to eager"
+        assert generate(engine, reqs) == resident, f"FP8 {fraction:.0%} offloaded, {policy}: differs from resident"
+        assert 0 < engine.runner.num_graph_steps and int(o.copies.sum()) > 0
+        del engine
+        torch.cuda.empty_cache()
+
+
+@pytest.mark.parametrize("arch,quantization", [("kimi_k3", None), ("kimi_linear", None), ("kimi_linear", "fp8")])
+def test_tiny_checkpoint_loaded_with_offload_equals_resident(arch, quantization, tmp_path):
     import kimik3
     from kimik3.testing import make_tiny_checkpoint
     path = make_tiny_checkpoint(tmp_path / arch, arch, seed=1)
-    resident = kimik3.load_model(path, device="cuda", dtype=torch.bfloat16)
+    resident = kimik3.load_model(path, device="cuda", dtype=torch.bfloat16, quantization=quantization)
     moes = resident.moe_blocks()
     cfg = ExpertOffloadConfig(3 * len(moes) * expert_bytes(moes[0].experts))
-    model = kimik3.load_model(path, device="cuda", dtype=torch.bfloat16, expert_offload=cfg)
+    model = kimik3.load_model(path, device="cuda", dtype=torch.bfloat16, expert_offload=cfg, quantization=quantization)
     assert model.moe_blocks()[0].experts.w13.is_pinned()
+    assert model.moe_blocks()[0].experts.fp8 == (quantization == "fp8")
     ids = torch.randint(5, 200, (37,), generator=torch.Generator().manual_seed(0))
     assert torch.equal(model(ids), resident(ids))
     reqs = requests(model.config.text.vocab_size)

@@ -160,14 +160,24 @@ def test_bf16_experts_load_as_e4m3_with_channel_scales(kimi_linear_dir):
     assert torch.isfinite(fp8(torch.arange(20) * 7 % 250)).all()
 
 
-def test_offloaded_bf16_experts_stay_in_the_model_dtype(kimi_linear_dir, caplog):
+def test_offloaded_experts_are_fp8_too(kimi_linear_dir, caplog):
+    """``--quantization fp8`` with ``--cpu-offload-gb``: the host pool holds the E4M3 codes and their channel scales,
+    the GPU pool (its rows) the same, and the logits are the resident FP8 model's bit for bit."""
     from kimik3.model.expert_offload import ExpertOffloadConfig
     from kimik3.model.moe import Experts
+    resident = kimik3.load_model(kimi_linear_dir, dtype=torch.float32, quantization="fp8")
     model = kimik3.load_model(kimi_linear_dir, dtype=torch.float32, quantization="fp8",
                               expert_offload=ExpertOffloadConfig.from_gib(0.0001))
-    assert not any(m.fp8 for m in model.modules() if isinstance(m, Experts))
-    assert "the routed experts stay in the model dtype" in caplog.text
+    assert all(m.fp8 for m in model.modules() if isinstance(m, Experts))
+    o = model.expert_offload
+    assert o.staging_size > 0 and o.kinds == ["w13", "w2", "w13_scale", "w2_scale"]
+    assert o.pool["w13"].dtype == torch.float8_e4m3fn and o.pool["w13_scale"].dtype == torch.float32
+    host = model.moe_blocks()[0].experts
+    assert torch.equal(o.pool["w2_scale"][:o.cache_size], host.w2_scale[o.cached[0]])
+    assert "stay in the model dtype" not in caplog.text
     assert any(getattr(m, "weight_scale", None) is not None for m in model.modules())       # projections FP8
+    ids = torch.arange(20) * 7 % 250
+    assert torch.equal(model(ids), resident(ids))
 
 
 def test_mxfp4_experts_stay_mxfp4_and_w4a8_keeps_them_packed_on_the_cpu():

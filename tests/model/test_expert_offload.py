@@ -1,5 +1,5 @@
 """Expert offload on the CPU path (a "host" pool and a "device" pool, both CPU memory): logits equal the
-fully resident model's bit for bit (MXFP4 and dense experts, K3 and Kimi-Linear, little to everything
+fully resident model's bit for bit (MXFP4, dense and FP8 experts, K3 and Kimi-Linear, little to everything
 offloaded, before and after the hot set moves), the hot set follows the router's counts, bad budgets are
 clear errors."""
 
@@ -12,8 +12,9 @@ from kimik3.loader import load_model
 from kimik3.model.expert_offload import ExpertOffloadConfig, expert_bytes
 from kimik3.model.offload_policy import MissRates
 
-CASES = [("kimi_k3", True, torch.float32), ("kimi_k3", False, torch.float32), ("kimi_linear", False, torch.bfloat16)]
-IDS = ["k3-mxfp4", "k3-dense", "kimi-linear-bf16"]
+CASES = [("kimi_k3", True, torch.float32, None), ("kimi_k3", False, torch.float32, None),
+         ("kimi_linear", False, torch.bfloat16, None), ("kimi_linear", False, torch.bfloat16, "fp8")]
+IDS = ["k3-mxfp4", "k3-dense", "kimi-linear-bf16", "kimi-linear-fp8"]
 
 
 def _per_layer_bytes(model) -> int:
@@ -23,16 +24,18 @@ def _per_layer_bytes(model) -> int:
 
 @pytest.fixture(scope="module", params=CASES, ids=IDS)
 def resident(request, tiny_ckpt):
-    arch, packed, dtype = request.param
-    path = tiny_ckpt[arch]
-    return path, packed, dtype, load_model(path, dtype=dtype, packed_experts=packed)
+    arch, packed, dtype, quantization = request.param
+    path, kw = tiny_ckpt[arch], {"packed_experts": packed, "quantization": quantization}
+    model = load_model(path, dtype=dtype, **kw)
+    assert all(m.experts.fp8 == (quantization == "fp8") for m in model.moe_blocks())   # FP8 experts: E4M3 + scales
+    return path, kw, dtype, model
 
 
 @pytest.mark.parametrize("experts_offloaded", [1, 3, 8])
 def test_offloaded_logits_equal_resident(resident, experts_offloaded):
-    path, packed, dtype, model = resident
+    path, kw, dtype, model = resident
     cfg = ExpertOffloadConfig(experts_offloaded * _per_layer_bytes(model), refresh_interval=1)
-    off = load_model(path, dtype=dtype, packed_experts=packed, expert_offload=cfg)
+    off = load_model(path, dtype=dtype, **kw, expert_offload=cfg)
     o = off.expert_offload
     assert (o.cache_size, o.staging_size) == (8 - experts_offloaded, experts_offloaded)
     assert all(m.experts.w13.device.type == "cpu" for m in off.moe_blocks())
@@ -48,8 +51,8 @@ def test_offloaded_logits_equal_resident(resident, experts_offloaded):
 
 
 def test_hot_set_follows_the_router_counts(resident):
-    path, packed, dtype, model = resident
-    off = load_model(path, dtype=dtype, packed_experts=packed,
+    path, kw, dtype, model = resident
+    off = load_model(path, dtype=dtype, **kw,
                      expert_offload=ExpertOffloadConfig(5 * _per_layer_bytes(model), refresh_interval=1, decay=0.5))
     o = off.expert_offload
     assert o.cached[0] == [0, 1, 2]                         # before any routing: experts 0..S-1
@@ -86,8 +89,10 @@ def test_bad_budgets_are_clear_errors(tiny_ckpt):
     with pytest.raises(ValueError, match="more than the model's routed experts here"):
         load_model(tiny_ckpt["kimi_k3"], expert_offload=ExpertOffloadConfig.from_gib(1.0))
     for layout in ({"tensor_parallel_size": 2}, {"pipeline_parallel_size": 2}, {"enable_expert_parallel": True}):
-        with pytest.raises(ValueError, match="not supported with tensor, expert or pipeline parallelism"):
-            EngineArgs(cpu_offload_gb=1, **layout).expert_offload_config()
+        assert EngineArgs(cpu_offload_gb=1, **layout).expert_offload_config().cpu_offload_bytes == 1 << 30   # per GPU
+    with pytest.raises(ValueError, match="cpu_offload_gb with --enable-eplb is not supported"):
+        EngineArgs(cpu_offload_gb=1, tensor_parallel_size=2, enable_expert_parallel=True,
+                   enable_eplb=True).expert_offload_config()
     assert EngineArgs(cpu_offload_gb=0).expert_offload_config() is None
     assert EngineArgs(cpu_offload_gb=1, expert_offload_policy="host").expert_offload_config().policy == "host"
     with pytest.raises(ValueError, match="expert_offload_policy must be one of"):
@@ -102,11 +107,11 @@ def test_prefetch_and_host_compute_equal_resident(resident, policy, source):
     """Prefetch (predicted experts copied before routing, the rest after) and host compute (the uncached
     experts' rows computed from the host pool) give the resident logits bit for bit, at batch sizes whose
     prediction is partial (1-3 tokens of top-2 of 8) and complete (19 tokens: every uncached expert)."""
-    path, packed, dtype, model = resident
+    path, kw, dtype, model = resident
     slow_copy = MissRates(copy=1e3, host_sync=0.0)      # rates under which the host wins at every batch size
     cfg = ExpertOffloadConfig(5 * _per_layer_bytes(model), refresh_interval=1, policy=policy, prefetch_from=source,
                               rates=slow_copy if policy == "host" else None)
-    off = load_model(path, dtype=dtype, packed_experts=packed, expert_offload=cfg)
+    off = load_model(path, dtype=dtype, **kw, expert_offload=cfg)
     o = off.expert_offload
     g = torch.Generator().manual_seed(3)
     for T in (1, 3, 2, 19, 1):
@@ -127,9 +132,9 @@ def test_prefetch_and_host_compute_equal_resident(resident, policy, source):
 def test_prefetch_copies_the_predicted_experts_of_its_layer(resident):
     """A prefetch for layer i copies layer i's predicted uncached experts (host rows) into their staging rows
     and leaves the others alone; only layer i's staging reads it, once."""
-    path, packed, dtype, model = resident
+    path, kw, dtype, model = resident
     cfg = ExpertOffloadConfig(5 * _per_layer_bytes(model), policy="prefetch", prefetch_from="previous_step")
-    off = load_model(path, dtype=dtype, packed_experts=packed, expert_offload=cfg)
+    off = load_model(path, dtype=dtype, **kw, expert_offload=cfg)
     o, i = off.expert_offload, 1
     for k in o.kinds:
         o.pool[k][o.num_layers * o.cache_size:].zero_()
