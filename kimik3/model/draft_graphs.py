@@ -97,6 +97,8 @@ class DraftGraphs:
         self.heads_host = torch.zeros(self.heads.shape, dtype=torch.int64, pin_memory=pinned)
         self.tables_host = torch.zeros(self.tables.shape, dtype=torch.int64, pin_memory=pinned)
         self.staged = torch.cuda.Event() if pinned else None     # when the last copies out of them were made
+        self.tokens_host = torch.zeros(self.tokens.shape, dtype=torch.int64, pin_memory=pinned)
+        self.copied = torch.cuda.Event() if pinned else None     # when the drafts reached ``tokens_host``
         self.graphs: dict[tuple, object] = {}
         self.num_replays = 0
         self._keep: tuple = ()
@@ -190,7 +192,7 @@ class DraftGraphs:
     def plan(self, work) -> tuple[int, list[tuple[int, int]]] | None:
         """(padded rows, the (heads, span) graph of each draft position) for ``work``, or None (eager)."""
         R = padded_batch_size(len(work.rows), self.row_sizes)
-        if R is None or len(work.heads) > self.sizes[-1] or max(work.depths, default=0) > self.k:
+        if R is None or not work.rows or len(work.heads) > self.sizes[-1] or max(work.depths, default=0) > self.k:
             return None
         if not work.heads:
             return R, []
@@ -210,9 +212,16 @@ class DraftGraphs:
             chain.append((N, span))
         return R, chain
 
-    @torch.inference_mode()
     def run(self, work, states: torch.Tensor) -> list[list[int]] | None:
         """The drafts of each head of ``work`` (as ``DraftExecutor.run``), or None where no graph fits."""
+        collect = self.launch(work, states)
+        return None if collect is None else collect()
+
+    @torch.inference_mode()
+    def launch(self, work, states: torch.Tensor):
+        """Queue ``work``'s replays and the copy of its drafts to the host; a function that waits for them and returns
+        the drafts of each head, or None where no graph fits (nothing queued). Call it before the next launch (the
+        buffers are reused)."""
         plan = self.plan(work) if states.dtype == self.states.dtype else None
         if plan is None:
             return None
@@ -245,9 +254,19 @@ class DraftGraphs:
                 self.tokens[j, :N].copy_(self.step_ids[:N])
         self.num_replays += 1
         if not chain:
-            return []
-        flat = self.tokens[:max(work.depths), :n].tolist()
-        return [[flat[j][i] for j in range(d)] for i, d in enumerate(work.depths)]
+            return list
+        depths = list(work.depths)
+        out = self.tokens_host[:depths[0]]                    # whole rows: a contiguous copy
+        out.copy_(self.tokens[:depths[0]], non_blocking=True)
+        if self.copied is not None:
+            self.copied.record()
+
+        def collect() -> list[list[int]]:
+            if self.copied is not None:
+                self.copied.synchronize()
+            flat = out[:, :n].tolist()
+            return [[flat[j][i] for j in range(d)] for i, d in enumerate(depths)]
+        return collect
 
 
 def capture_draft_or_none(graphs: DraftGraphs) -> DraftGraphs | None:

@@ -115,6 +115,16 @@ class DraftExecutor:
     def _long(self, values: list[int]) -> torch.Tensor:
         return torch.tensor(values, dtype=torch.int64, device=self.device)
 
+    def launch(self, work: DraftWork, states: torch.Tensor):
+        """``run`` begun: a function that returns its drafts. The draft's graphs queue their replays and the drafts'
+        copy to the host and return at once (the host goes on while the device drafts); else ``run`` drafts now."""
+        if self.graphs is not None:
+            collect = self.graphs.launch(work, states)
+            if collect is not None:
+                return collect
+        drafts = self.run(work, states)          # (an instance's ``run`` may be wrapped: tensor parallelism)
+        return lambda: drafts
+
     @torch.inference_mode()
     def run(self, work: DraftWork, states: torch.Tensor) -> list[list[int]]:
         """The drafts of each head (``work.depths[i]`` tokens each); ``states``: the target step's auxiliary

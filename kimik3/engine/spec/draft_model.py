@@ -94,6 +94,7 @@ class ModelDrafter(Drafter):
         # machine shared with other processes their load would stretch the measured costs at random)
         self.clock = time.process_time if p.device.type == "cpu" else time.perf_counter
         self._step_end: float | None = None      # when the last ``observe`` returned (the target step's start)
+        self._pending: tuple | None = None       # the last ``observe``'s launched draft work, not yet handed out
 
     @staticmethod
     def bytes_per_block(draft, block_size: int) -> int:
@@ -124,6 +125,7 @@ class ModelDrafter(Drafter):
 
     def propose(self, req, room: int) -> list[int]:
         """The draft's proposal from the last step (``observe``), within ``room`` and the grammar."""
+        self._collect()
         s = self.state(req)
         draft, s.proposal = s.proposal[:room], []
         return draft[:req.matcher.valid_prefix(draft)] if draft and req.matcher is not None else draft
@@ -134,7 +136,10 @@ class ModelDrafter(Drafter):
 
     def observe(self, out, states: torch.Tensor | None) -> None:
         """Catch up with a committed step and set the proposal of each request that drafts next.
-        ``states``: the target's aux states of the step's packed rows [T, n * D] (None: nothing to read)."""
+        ``states``: the target's aux states of the step's packed rows [T, n * D] (None: nothing to read). The draft's
+        device work is only launched here (``DraftExecutor.launch``): the host emits the step's outputs while it
+        runs, and the next ``propose`` hands its drafts out (``_collect``)."""
+        self._collect()
         now = self.clock()
         decode = bool(out.chunks) and all(c.samples and c.num_tokens - len(c.draft) == 1 for c in out.chunks)
         if decode and self._step_end is not None:
@@ -142,12 +147,26 @@ class ModelDrafter(Drafter):
         if states is not None:
             work, reqs, counts = self._plan(out)
             if work.rows or work.state_copies or work.state_resets:
-                drafts = self.executor.run(work, states)
-                if decode and work.rows:
-                    self.controller.record_draft(len(work.rows), work.num_forwards, work.forward_rows,
-                                                 self.clock() - now)
-                self._hand_out(reqs, counts, drafts)
+                collect = self.executor.launch(work, states)
+                sizes = (len(work.rows), work.num_forwards, work.forward_rows) if decode and work.rows else None
+                self._pending = (collect, reqs, counts, sizes, self.clock() - now)
         self._step_end = self.clock()
+
+    def _collect(self) -> None:
+        """Hand out the last ``observe``'s drafts, waiting for the device if it still drafts: the wait is the draft's
+        time (``record_draft``), not the next target step's."""
+        if self._pending is None:
+            return
+        collect, reqs, counts, sizes, launched = self._pending
+        self._pending = None
+        t0 = self.clock()
+        drafts = collect()
+        waited = self.clock() - t0
+        if sizes is not None:
+            self.controller.record_draft(*sizes, launched + waited)
+        if self._step_end is not None:
+            self._step_end += waited
+        self._hand_out(reqs, counts, drafts)
 
     def _plan(self, out) -> tuple[DraftWork, list, list[int]]:
         """The step's catch-up rows and, for the requests that sample next, their drafts (``controller.plan``):

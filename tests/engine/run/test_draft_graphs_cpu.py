@@ -168,7 +168,26 @@ def test_draft_steps_replay_graphs_with_the_eager_drafts(target, monkeypatch, me
     graphed(engine, k=3)
     draft_graphs = engine.scheduler.drafter.executor.graphs
     got_drafts = record_drafts(engine)
-    got = run(engine, reqs, check=lambda e: check_invariants(e.kv, e.scheduler.running))
+    launched, collected, in_flight = [], [], []
+    launch = draft_graphs.launch
+
+    def tracking(work, states):
+        collect = launch(work, states)
+        if collect is None:
+            return None
+        launched.append(len(launched))
+
+        def counted():
+            collected.append(len(collected))
+            return collect()
+        return counted
+    draft_graphs.launch = tracking
+
+    def check(e):
+        check_invariants(e.kv, e.scheduler.running)
+        assert len(launched) - len(collected) in (0, 1)
+        in_flight.append(len(launched) - len(collected))    # 1: the step returned with the draft's work queued
+    got = run(engine, reqs, check=check)
     for rid, (prompt, _) in reqs.items():
         assert got[rid][0][0] == futures[tuple(prompt)] == want[rid][0][0], rid
     assert got_drafts == want_drafts and any(any(d for _, k, d in s if k > 1) for s in got_drafts)
@@ -176,3 +195,4 @@ def test_draft_steps_replay_graphs_with_the_eager_drafts(target, monkeypatch, me
     assert len(steps) > 0 and 0 < draft_graphs.num_replays < len(got_drafts), (draft_graphs.num_replays,
                                                                                len(got_drafts))
     assert engine.num_draft_tokens == eager.num_draft_tokens > 0
+    assert launched and sum(in_flight) > len(in_flight) // 2, in_flight     # the host emits while the draft runs
