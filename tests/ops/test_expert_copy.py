@@ -87,3 +87,33 @@ def test_moe_kernels_through_slots_equal_stacked_experts(T, packed, monkeypatch,
     got = kernels.fused_moe_triton(x, *pooled, weights, ids, True, 4.0, 25.0, slots=slots)
     assert not want.isnan().any()
     assert torch.equal(got, want)
+
+
+@pytest.mark.parametrize("T", [3, 12], ids=["decode", "prefill"])
+def test_fp8_moe_kernels_through_slots_equal_stacked_experts(T, kernel_options):
+    """FP8 experts (E4M3 codes, float32 channel scales) in a pool whose other rows are poisoned (NaN scales): the
+    kernels with ``slots`` equal them stacked in id order, bit for bit, at decode (weights widened) and prefill
+    (activations quantised per 128 columns) sizes: what offloaded FP8 experts run."""
+    from kimik3.ops.moe import fp8_act_group
+    from kimik3.ops.triton import moe as kernels
+    from tests.ops.test_moe_fp8 import fp8_experts, ragged_ids
+    g = torch.Generator().manual_seed(11 + T)
+    E, L, I, k, R = 6, 128, 64, 2, 9
+    if T > 3:
+        kernel_options(fp8_experts_quant_rows_per_expert=T * k // E)
+    slots = torch.randperm(R, generator=g)[:E]
+    _, q13 = fp8_experts(E, 2 * I, L, g)
+    _, q2 = fp8_experts(E, L, I, g)
+    p13 = (_pool(q13[0], slots, R, 0.0), _pool(q13[1], slots, R, float("nan")))
+    p2 = (_pool(q2[0], slots, R, 0.0), _pool(q2[1], slots, R, float("nan")))
+    half = lambda w, h: (w[0][:, h * I:(h + 1) * I], w[1][:, h * I:(h + 1) * I])  # noqa: E731
+    x = torch.randn(T, L, generator=g).to(torch.float16)
+    ids = ragged_ids(T, E, k, g)
+    weights = torch.rand(T, k, generator=g)
+    group = fp8_act_group(ids, E)
+    assert group == (128 if T > 3 else None)
+    want = kernels.fused_moe_triton(x, half(q13, 0), q2, half(q13, 1), weights, ids, True, 4.0, 25.0, act_group=group)
+    got = kernels.fused_moe_triton(x, half(p13, 0), p2, half(p13, 1), weights, ids, True, 4.0, 25.0, act_group=group,
+                                   slots=slots)
+    assert not want.isnan().any()
+    assert torch.equal(got, want)
