@@ -124,13 +124,18 @@ def test_tiny_checkpoint_loaded_with_offload_equals_resident(arch, quantization,
     assert generate(LLMEngine(model, EngineConfig(**kw)), reqs) == want
 
 
-@pytest.mark.parametrize("config", [CONFIG, KIMI_LINEAR_CONFIG], ids=["k3-slice-mxfp4", "kimi-linear-slice-bf16"])
-def test_host_compute_is_within_rounding_of_resident(config):
-    """Misses computed on the host (eager; the policy forced to it): the pinned weights' rows come back and
-    the logits stay within the bf16 rounding of resident (the host's sums round differently from the kernels')."""
+@pytest.mark.parametrize("config,fp8", [(CONFIG, False), (KIMI_LINEAR_CONFIG, False), (KIMI_LINEAR_CONFIG, True)],
+                         ids=["k3-slice-mxfp4", "kimi-linear-slice-bf16", "kimi-linear-slice-fp8"])
+def test_host_compute_is_within_rounding_of_resident(config, fp8):
+    """Misses computed on the host (eager; the policy forced to it): the pinned weights' rows come back (FP8: codes
+    times their scales) and the logits stay within the bf16 rounding of resident (the host's sums round differently
+    from the kernels')."""
     from benchmarks.gpu.bench_slice import build_slice
+    from kimik3.loader.fp8 import quantize_fp8
     from kimik3.model.offload_policy import MissRates
     model = build_slice(json.loads(config.read_text()), str(config))
+    if fp8:
+        quantize_fp8(model, experts=True)
     ids = torch.randint(1000, model.config.text.vocab_size, (24,), generator=torch.Generator().manual_seed(0))
     want = model(ids[:1]), model(ids)
     _offload(model, 0.6, policy="host", rates=MissRates(copy=1e3, host_sync=0.0))

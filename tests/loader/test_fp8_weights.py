@@ -196,9 +196,19 @@ def test_mxfp4_experts_stay_mxfp4_and_w4a8_keeps_them_packed_on_the_cpu():
 
 
 def test_llm_serves_a_kimi_linear_checkpoint_with_fp8_experts(kimi_linear_dir):
+    """``LLM(quantization="fp8")`` serves FP8 experts; with ``cpu_offload_gb`` too (part of them in host memory, codes
+    and scales), the same greedy tokens."""
     from kimik3.model.moe import Experts
-    llm = kimik3.LLM(model=str(kimi_linear_dir), quantization="fp8", max_model_len=64, max_num_seqs=2, device="cpu",
-                     use_tqdm_on_load=False, tokenizer=str(kimik3.DEFAULT_MODEL))
-    out = llm.generate([{"prompt_token_ids": [5, 6, 7, 8]}], SamplingParams(temperature=0, max_tokens=4, ignore_eos=True))
-    assert len(out[0].outputs[0].token_ids) == 4
+    kw = dict(model=str(kimi_linear_dir), quantization="fp8", max_model_len=64, max_num_seqs=2, device="cpu",
+              use_tqdm_on_load=False, tokenizer=str(kimik3.DEFAULT_MODEL))
+    prompts = [{"prompt_token_ids": [5, 6, 7, 8]}, {"prompt_token_ids": [9, 3, 11]}]
+    params = SamplingParams(temperature=0, max_tokens=4, ignore_eos=True)
+    llm = kimik3.LLM(**kw)
+    out = [o.outputs[0].token_ids for o in llm.generate(prompts, params)]
+    assert [len(t) for t in out] == [4, 4]
     assert all(m.fp8 for m in llm.engine.model.modules() if isinstance(m, Experts))
+    offloaded = kimik3.LLM(cpu_offload_gb=0.00005, **kw)
+    o = offloaded.engine.model.expert_offload
+    assert 0 < o.staging_size < o.num_experts and o.pool["w13"].dtype == torch.float8_e4m3fn
+    assert [r.outputs[0].token_ids for r in offloaded.generate(prompts, params)] == out
+    assert o.stats()["staged_experts"] + o.stats()["host_pairs"] > 0
