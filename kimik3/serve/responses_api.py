@@ -117,7 +117,7 @@ def to_messages(req: ResponsesRequest) -> list[dict[str, Any]]:
         where = f"input[{i}]"
         kind = item.get("type", "message")
         if kind == "message":
-            role = _ROLES.get(item.get("role"))
+            role = _ROLES.get(item.get("role")) if isinstance(item.get("role"), str) else None
             if role is None:
                 raise bad_request(f"{where}.role must be user, assistant, system or developer, got "
                                   f"{item.get('role')!r}", f"{where}.role")
@@ -141,7 +141,11 @@ def to_messages(req: ResponsesRequest) -> list[dict[str, Any]]:
                 messages[-1]["_closed"] = True
             messages.append({"role": "tool", "tool_call_id": item.get("call_id"), "content": output})
         elif kind == "reasoning":
-            texts = [c.get("text", "") for c in item.get("content") or [] if isinstance(c, dict)]
+            parts = item.get("content") or []
+            if not isinstance(parts, list):
+                raise bad_request(f"{where}.content: a reasoning item's content is a list of reasoning_text parts",
+                                  f"{where}.content")
+            texts = [c.get("text", "") for c in parts if isinstance(c, dict)]
             if not all(isinstance(t, str) for t in texts):
                 raise bad_request(f"{where}.content: reasoning text must be a string", f"{where}.content")
             pending_reasoning = "".join(texts)
@@ -247,6 +251,8 @@ def to_chat_request(req: ResponsesRequest) -> ChatCompletionRequest:
     effort = None
     if req.reasoning is not None:
         raw = req.reasoning.get("effort")
+        if raw is not None and not isinstance(raw, str):
+            raise bad_request(f"reasoning.effort must be a string, got {type(raw).__name__}", "reasoning.effort")
         if raw is not None:
             effort = _EFFORTS.get(raw, raw)
     body = {"model": req.model, "messages": to_messages(req), "max_tokens": req.max_output_tokens,

@@ -108,12 +108,13 @@ def _argument_form(schema: dict, name: str) -> tuple[str, list[str]] | None:
     if set(schema) - _OBJECT_KEYS or schema.get("type", "object") != "object":
         return None
     props = schema.get("properties") or {}
-    required = set(schema.get("required") or [])
-    if not isinstance(props, dict) or required - set(props):
-        return None
+    required = schema.get("required") or []
+    if (not isinstance(props, dict) or not isinstance(required, list)
+            or not all(isinstance(r, str) for r in required) or set(required) - set(props)):
+        return None             # not plain (a malformed one is refused when its JSON form is compiled)
     items, rules = [], []
     for j, (key, sub) in enumerate(props.items()):
-        kind = _XTML_TYPES.get(sub.get("type")) if isinstance(sub, dict) else None
+        kind = _XTML_TYPES.get(sub.get("type")) if isinstance(sub, dict) and isinstance(sub.get("type"), str) else None
         if kind is None:
             return None
         if kind == "string":

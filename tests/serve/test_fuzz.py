@@ -1,6 +1,7 @@
 """Malformed input is a 4xx, never a 5xx: the classes the outside fuzz rounds found (each was a 500), then
-seeded random mutations of a valid body for every route (fields replaced by values of every JSON type, deep
-nesting, Unicode digits, removed or unknown fields, truncated bytes)."""
+seeded random mutations of a valid body for every route (fields, and nodes at any depth such as a tool schema's
+``required``, replaced by values of every JSON type, deep nesting, Unicode digits, removed or unknown fields,
+truncated bytes)."""
 
 from __future__ import annotations
 
@@ -25,6 +26,11 @@ def _completion(**kw):
     return {"model": MODEL, "prompt": "x", "max_tokens": 2, **kw}
 
 
+def _tool_chat(parameters: dict) -> dict:
+    tools = [{"type": "function", "function": {"name": "get", "parameters": parameters}}]
+    return _chat(tools=tools, tool_choice={"type": "function", "function": {"name": "get"}})
+
+
 def _responses_part(part):
     return {"model": MODEL, "max_output_tokens": 2, "input": [{"role": "user", "content": [part]}]}
 
@@ -47,6 +53,15 @@ KNOWN = [
     ("/v1/chat/completions", _chat(guided_grammar='{"grammars": ' + DEEP_LIST + "}"), None),
     ("/v1/chat/completions", _chat(allowed_token_ids=[65], bad_words=["A"]), None),      # emitted token 0
     ("/v1/completions", _completion(allowed_token_ids=[65], bad_words=["A"]), None),
+    # found by the deep fuzz below (a node anywhere in the body replaced): tool schemas read for K3's argument form
+    ("/v1/chat/completions", _tool_chat({"type": "object", "properties": {"a": {"type": "string"}}, "required": 1}),
+     None),
+    ("/v1/chat/completions", _tool_chat({"type": "object", "properties": {"a": {}}, "required": [{"a": 1}]}), None),
+    ("/v1/chat/completions", _tool_chat({"type": "object", "properties": {"a": {"type": {"x": 1}}}}), None),
+    ("/v1/chat/completions", _tool_chat({"type": "object", "properties": {"a": {"type": ["string", {}]}}}), None),
+    ("/v1/responses", {"model": MODEL, "input": [{"role": ["user"], "content": "hi"}]}, "input[0].role"),
+    ("/v1/responses", {"model": MODEL, "input": "hi", "reasoning": {"effort": {"x": 1}}}, "reasoning.effort"),
+    ("/v1/responses", {"model": MODEL, "input": [{"type": "reasoning", "content": 5}]}, "input[0].content"),
 ]
 
 VALID = {
@@ -58,6 +73,12 @@ VALID = {
                       "max_output_tokens": 2, "instructions": "be brief", "text": {"format": {"type": "text"}}},
     "/tokenize": {"model": MODEL, "messages": MSGS, "return_token_strs": True},
     "/detokenize": {"model": MODEL, "tokens": [1, 2, 3]},
+    "/v1/chat/completions tools": _chat(
+        tools=[{"type": "function", "function": {"name": "get", "description": "d", "parameters": {
+            "type": "object", "properties": {"a": {"type": "string"}, "b": {"type": "integer"}}, "required": ["a"]}}}],
+        tool_choice={"type": "function", "function": {"name": "get"}}, parallel_tool_calls=False,
+        messages=[{"role": "system", "content": "s"}, {"role": "user", "content": [{"type": "text", "text": "hi"}]}],
+        thinking={"type": "enabled", "keep": "all", "effort": "high"}),
 }
 
 
@@ -87,12 +108,37 @@ def _value(rng: random.Random, depth: int = 0):
     return json.loads("[" * 300 + "]" * 300) if rng.random() < 0.5 else {"a": [[[[[{"b": [[[]]]}]]]]]}
 
 
+def _nodes(value, path=()) -> list[tuple]:
+    """The path of every node under the top level of a JSON value."""
+    children = value.items() if isinstance(value, dict) else enumerate(value) if isinstance(value, list) else ()
+    out = [path] if path else []
+    for key, child in children:
+        out += _nodes(child, path + (key,))
+    return out
+
+
+def _replace_deep(rng: random.Random, body: dict) -> None:
+    """A node anywhere in the body (a tool schema's ``required``, a message part's ``type``) replaced or removed."""
+    path = rng.choice([p for p in _nodes(body) if len(p) > 1] or [None])
+    if path is None:
+        return
+    parent = body
+    for key in path[:-1]:
+        parent = parent[key]
+    if isinstance(parent, dict) and rng.random() < 0.2:
+        del parent[path[-1]]
+    else:
+        parent[path[-1]] = _value(rng)
+
+
 def _mutate(rng: random.Random, body: dict) -> bytes:
     body = json.loads(json.dumps(body))
     for _ in range(rng.randint(1, 3)):
         op = rng.random()
         keys = list(body)
-        if op < 0.55 and keys:
+        if op < 0.3:
+            _replace_deep(rng, body)
+        elif op < 0.55 and keys:
             body[rng.choice(keys)] = _value(rng)
         elif op < 0.7 and keys:
             del body[rng.choice(keys)]
@@ -130,13 +176,14 @@ def test_known_500s_are_400s(server):
                 assert r.json()["error"]["param"] == param, r.text
 
 
-@pytest.mark.parametrize("route", list(VALID))
-def test_random_malformed_bodies_are_never_5xx(server, route):
-    rng = random.Random(f"kimik3-fuzz-{route}")
+@pytest.mark.parametrize("name", list(VALID))
+def test_random_malformed_bodies_are_never_5xx(server, name):
+    rng = random.Random(f"kimik3-fuzz-{name}")
+    route = name.split()[0]
     with httpx.Client(timeout=60) as c:
-        assert _post(c, server, route, json.dumps(VALID[route]).encode()).status_code == 200
+        assert _post(c, server, route, json.dumps(VALID[name]).encode()).status_code == 200
         for i in range(60):
-            raw = _mutate(rng, VALID[route])
+            raw = _mutate(rng, VALID[name])
             r = _post(c, server, route, raw)
             assert r.status_code < 500, (i, raw[:400], r.text[:400])
     assert server.state.loop.alive
