@@ -27,6 +27,7 @@ SCRIPT = textwrap.dedent("""
         llm.parallel_group.processes[0].kill()
     outs = llm.generate([{"prompt_token_ids": [5, 6, 7, 8, 9, 10, 11, 12, 13, 14, 15]}], params)
     print("TOKENS", json.dumps(outs[0].outputs[0].token_ids), flush=True)
+    print("VISION", hasattr(llm.engine.model, "vision"), flush=True)
     if eplb:
         report = llm.save_expert_loads(os.path.join(os.path.dirname(sys.argv[1]), "loads.json"))
         print("EPLB", json.dumps({k: list(v) for k, v in report.items()}), flush=True)
@@ -40,7 +41,7 @@ SCRIPT = textwrap.dedent("""
 
 @pytest.fixture(scope="module")
 def ckpt(tmp_path_factory):
-    return make_tiny_checkpoint(tmp_path_factory.mktemp("launch"), "kimi_k3", seed=2, num_heads=4, vision=False)
+    return make_tiny_checkpoint(tmp_path_factory.mktemp("launch"), "kimi_k3", seed=2, num_heads=4)
 
 
 def _run(ckpt, layout, action, timeout=120):
@@ -59,6 +60,8 @@ def test_llm_with_tensor_parallel_matches_one_process(ckpt, layout):
     assert res.returncode == 0, res.stderr[-3000:]
     line = next(ln for ln in res.stdout.splitlines() if ln.startswith("TOKENS"))
     assert json.loads(line.split(" ", 1)[1]) == want
+    # the checkpoint has a vision tower: rank 0 (stage 0) holds it, but for language_model_only (with DCP)
+    assert f"VISION {layout != 'dcp'}" in res.stdout
     if layout == "ep":          # with EPLB: the recorded loads of every MoE layer, and the balance they give
         from kimik3.model.eplb import read_loads
         report = json.loads(next(ln for ln in res.stdout.splitlines() if ln.startswith("EPLB")).split(" ", 1)[1])
