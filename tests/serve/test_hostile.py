@@ -62,14 +62,15 @@ class Watch:
                 self.health.append(time.monotonic() - start if status == 200 else float("inf"))
                 time.sleep(0.02)
 
-    def finish(self):
+    def finish(self, health_bound: float = HEALTH_BOUND, gap_bound: float = GAP_BOUND):
         self.stop.set()
         for t in self.threads:
             t.join(60)
         assert self.health and self.gaps
-        print(f"health max {max(self.health) * 1e3:.0f} ms, stream gap max {max(self.gaps) * 1e3:.0f} ms")
-        assert max(self.health) < HEALTH_BOUND, sorted(self.health)[-5:]
-        assert max(self.gaps) < GAP_BOUND, sorted(self.gaps)[-5:]
+        print(f"health max {max(self.health) * 1e3:.0f} ms (bound {health_bound * 1e3:.0f}), stream gap max "
+              f"{max(self.gaps) * 1e3:.0f} ms (bound {gap_bound * 1e3:.0f})")
+        assert max(self.health) < health_bound, sorted(self.health)[-5:]
+        assert max(self.gaps) < gap_bound, sorted(self.gaps)[-5:]
 
 
 def _completion(**kw) -> dict:
@@ -108,11 +109,26 @@ def test_hostile_grammars_are_400s_and_stall_nobody():
         s.stop()
 
 
-def test_prompts_too_long_for_the_context_are_refused_before_tokenising():
+def _tokenising_seconds(tok, text: str) -> float:
+    """What tokenising ``text`` whole takes in this process now (an eighth of it timed, x 8: tokenising is linear),
+    under whatever load the box has at the moment."""
+    part = text[: len(text) // 8]
+    start = time.perf_counter()
+    tok.encode(part)
+    return 8 * (time.perf_counter() - start)
+
+
+def test_prompts_too_long_for_the_context_are_refused_before_tokenising(monkeypatch):
     """An 8 MiB prompt is a 400 at once on every route that tokenises (/tokenize, /v1/completions, /v1/chat, a
     /v1/responses input), and /detokenize takes no more ids than the context: a 57 MiB /tokenize prompt held a
     server ~2 minutes tokenising (and its innocent stream 100 s), its answer 21M ids. /health and a stream beside
-    them stay responsive."""
+    them stay responsive.
+
+    What is bounded: the characters the server's tokenizer is handed while the refusals are made (exact: none of the
+    8 MiB texts); each refusal's time, /health's worst answer and the stream's worst gap against what tokenising one
+    text would take, measured here under the box's load of the moment (the absolute 250 / 500 ms bounds, which a
+    loaded 2-core box missed with nothing tokenised, stay the floor). A text tokenised on the event loop holds /health
+    and the stream that long; one tokenised anywhere shows in the count."""
     s = start_fake_server(step_delay=0.01, engine_kw={"max_model_len": 2048})
     text = "The quick brown fox jumps over the lazy dog. " * (8 * 2**20 // 45)
     cases = [("/tokenize", {"model": MODEL, "prompt": text}, "prompt"),
@@ -125,19 +141,30 @@ def test_prompts_too_long_for_the_context_are_refused_before_tokenising():
              ("/v1/responses", {"model": MODEL, "input": text}, "input"),
              ("/detokenize", {"model": MODEL, "tokens": [5] * 2049}, "tokens")]
     cases = [(route, json.dumps(body).encode(), param) for route, body, param in cases]   # (this process's GIL)
+    tok = s.engine.get_tokenizer()
+    encoded = []
+    encode = tok._encoding.encode
     watch = None
     try:
         with httpx.Client(timeout=60) as c:
             watch = Watch(s.url)
+            cost = _tokenising_seconds(tok, text)
+            monkeypatch.setattr(tok._encoding, "encode",
+                                lambda piece, **kw: encoded.append(len(piece)) or encode(piece, **kw))
             for route, raw, param in cases:
                 start = time.monotonic()
                 err = assert_error(c.post(s.url + route, content=raw, headers={"content-type": "application/json"}),
                                    400, param, "max_model_len=2048")
-                assert err["code"] == "context_length_exceeded" and time.monotonic() - start < 5, (route, param)
+                took = time.monotonic() - start
+                assert err["code"] == "context_length_exceeded", (route, param)
+                assert took < max(1.0, cost / 2), (route, param, took, cost)
+            assert sum(encoded) < 10_000, encoded            # of 6 x 8 MiB
+            monkeypatch.undo()
             just = "word " * 400                  # fits: counted exactly as before
             ok = c.post(s.url + "/tokenize", json={"model": MODEL, "prompt": just}).json()
-            assert ok["tokens"] == s.engine.get_tokenizer().encode(just) and ok["count"] == len(ok["tokens"])
-            watch.finish()
+            assert ok["tokens"] == tok.encode(just) and ok["count"] == len(ok["tokens"])
+            print(f"tokenising one text: {cost:.2f} s")
+            watch.finish(max(HEALTH_BOUND, cost / 4), max(GAP_BOUND, cost / 4))
     finally:
         if watch is not None:
             watch.stop.set()
