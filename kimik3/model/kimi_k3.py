@@ -215,6 +215,8 @@ class KimiForCausalLM(nn.Module):
         ``Experts`` modules must already live there (the loader places them); the GPU pool is built here."""
         from kimik3.model.expert_offload import ExpertOffload
         moes = self.moe_blocks(config)
+        if not moes:                # a pipeline stage without MoE layers: nothing to offload here
+            return
         routed = {id(p) for m in moes for p in m.experts.parameters()}
         dense = sum(p.numel() * p.element_size() for p in self.model.layers.parameters() if id(p) not in routed)
         held = sum(not isinstance(layer, PipelineHole) for layer in self.model.layers)
@@ -225,7 +227,7 @@ class KimiForCausalLM(nn.Module):
         offloadable: the budget is per rank (per GPU, as vLLM's ``--cpu-offload-gb``), taken from the experts or
         expert slices this rank holds under tensor / expert parallelism."""
         moes = [layer.block_sparse_moe for layer in self.model.layers if hasattr(layer, "block_sparse_moe")]
-        if offload_config is not None:
+        if offload_config is not None and (moes or not self.pipeline.enabled):   # a stage may hold no MoE layer
             from kimik3.model.expert_offload import check_budget
             if self.parallel.eplb:
                 raise ValueError("cpu_offload_gb with expert load balancing (--enable-eplb) is not supported yet: "

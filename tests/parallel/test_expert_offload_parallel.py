@@ -88,3 +88,17 @@ def test_planner_per_gpu_figures_are_what_each_rank_offloads(ckpts, tp, ep):
     with pytest.raises(ValueError, match="more than the routed experts this rank holds"):
         load_model(ckpts["kimi_linear"], dtype=torch.bfloat16, parallel=ParallelContext(0, tp, None, ep),
                    quantization="fp8", expert_offload=ExpertOffloadConfig.from_gib(1.01 * s0.experts_per_gpu / (1 << 30)))
+
+
+def test_a_pipeline_stage_without_moe_layers_offloads_nothing(ckpts):
+    """PP with the first stage holding only K3's dense layer 0: that stage builds no pool (the budget is what the
+    other stage offloads), the next one offloads from its MoE layers."""
+    from kimik3.distributed import PipelineContext
+    path = ckpts["kimi_k3"]
+    L = load_config(path).text.num_hidden_layers
+    ranges = ((0, 1), (1, L))
+    cfg = ExpertOffloadConfig(3 * 1024)
+    first = load_model(path, dtype=torch.float64, pipeline=PipelineContext(0, ranges), expert_offload=cfg)
+    assert first.moe_blocks() == [] and first.expert_offload is None
+    second = load_model(path, dtype=torch.float64, pipeline=PipelineContext(1, ranges), expert_offload=cfg)
+    assert second.expert_offload is not None and second.expert_offload.num_layers == len(second.moe_blocks()) > 0
