@@ -13,7 +13,8 @@ import torch
 
 import kimik3
 from tests.engine.spec.test_draft_model import MODES, fixed_plan, oracle, requests
-from tests.engine.spec.test_recurrent_draft import LAYOUTS, engine_for, from_scratch, mtp_draft, plain_greedy, rel
+from tests.engine.spec.test_recurrent_draft import (LAYOUTS, engine_for, from_scratch, mtp_draft, plain_greedy,
+                                                   record_drafts, rel)
 from tests.engine.helpers import check_invariants, run
 
 pytestmark = [pytest.mark.gpu, pytest.mark.skipif(not torch.cuda.is_available(), reason="needs CUDA")]
@@ -22,7 +23,6 @@ STATE_BOUND = 2e-3      # fp32 CUDA kernels (chunked, short-round and decode KDA
 
 
 def recurrent_draft_case(tiny_ckpt, monkeypatch, mode: str, device: str) -> None:
-    from kimik3.engine.spec.draft_model import ModelDrafter
     cpu_target = kimik3.load_model(tiny_ckpt["kimi_k3"], dtype=torch.float32, language_model_only=True)
     target = kimik3.load_model(tiny_ckpt["kimi_k3"], dtype=torch.float32, language_model_only=True, device=device)
     kinds, k, compared = LAYOUTS["kda"]
@@ -30,16 +30,7 @@ def recurrent_draft_case(tiny_ckpt, monkeypatch, mode: str, device: str) -> None
     draft = copy.deepcopy(ref_draft).float().to(device)
     reqs = requests(cpu_target, seed=len(mode), shared=8 if mode == "prefix" else 0, max_tokens=10)
     futures = {tuple(p): plain_greedy(cpu_target, p, sp.max_tokens) for p, sp in reqs.values()}
-    seen = []
-    hand_out = ModelDrafter._hand_out
-
-    def record(self, reqs_, counts, drafts):
-        for req, d in zip(reqs_, drafts):
-            slot = self._slot(req.cache.state_slot)
-            seen.append((list(req.token_ids), list(d), self.cache.kda_state[:, slot].double().cpu(),
-                         self.cache.kda_conv[:, slot].double().cpu()))
-        hand_out(self, reqs_, counts, drafts)
-    monkeypatch.setattr(ModelDrafter, "_hand_out", record)
+    seen = record_drafts(monkeypatch)
     oracle(monkeypatch, futures, cpu_target.config.text.vocab_size)
     fixed_plan(monkeypatch)
     engine = engine_for(target, draft, k, **MODES[mode])

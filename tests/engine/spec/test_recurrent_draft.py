@@ -88,15 +88,15 @@ def from_scratch(target, draft, tokens: list[int], n: int):
 
 def record_drafts(monkeypatch) -> list:
     """Each drafting request's history, its drafts (the draft model's own) and the draft's live KDA state and conv
-    window for it, as ``_hand_out`` gets them."""
+    window for it (float64 on the CPU), as ``_hand_out`` gets them."""
     seen = []
     hand_out = ModelDrafter._hand_out
 
     def record(self, reqs, counts, drafts):
         for req, d in zip(reqs, drafts):
             slot = self._slot(req.cache.state_slot)
-            seen.append((list(req.token_ids), list(d), self.cache.kda_state[:, slot].clone(),
-                         self.cache.kda_conv[:, slot].clone()))
+            seen.append((list(req.token_ids), list(d), self.cache.kda_state[:, slot].to("cpu", F64, copy=True),
+                         self.cache.kda_conv[:, slot].to("cpu", F64, copy=True)))
         hand_out(self, reqs, counts, drafts)
     monkeypatch.setattr(ModelDrafter, "_hand_out", record)
     return seen
