@@ -36,6 +36,14 @@ SCRIPT = textwrap.dedent("""
         outs = llm.generate([{"prompt_token_ids": [5, 6, 7, 8, 9, 10, 11, 12, 13, 14, 15]}], params)
         print("AGAIN", json.dumps(outs[0].outputs[0].token_ids), flush=True)
     llm.close()
+    if eplb:                # a new group placed at start-up from the recorded load file
+        llm = LLM(sys.argv[1], **layout, enable_expert_parallel=True, **eplb, dtype=torch.float64, device="cpu",
+                  eplb_load_file=os.path.join(os.path.dirname(sys.argv[1]), "loads.json"),
+                  max_model_len=64, max_num_batched_tokens=8, block_size=4, kv_cache_memory_bytes=1 << 22)
+        outs = llm.generate([{"prompt_token_ids": [5, 6, 7, 8, 9, 10, 11, 12, 13, 14, 15]}], params)
+        print("FILE", json.dumps(outs[0].outputs[0].token_ids), flush=True)
+        print("SLOTS", json.dumps({i: m.placement.slots for i, m in llm.engine.model.moe_layers().items()}), flush=True)
+        llm.close()
 """)
 
 
@@ -44,14 +52,22 @@ def ckpt(tmp_path_factory):
     return make_tiny_checkpoint(tmp_path_factory.mktemp("launch"), "kimi_k3", seed=2, num_heads=4)
 
 
+@pytest.fixture(scope="module")
+def linear_ckpt(tmp_path_factory):
+    return make_tiny_checkpoint(tmp_path_factory.mktemp("launch-linear"), "kimi_linear", seed=2, num_heads=4)
+
+
 def _run(ckpt, layout, action, timeout=120):
     return subprocess.run([sys.executable, "-c", SCRIPT, str(ckpt), layout, action], capture_output=True,
                           text=True, timeout=timeout)
 
 
-@pytest.mark.parametrize("layout", ["tp", "ep", "dcp", "pp"], ids=["tp2", "ep2-eplb", "tp2-dcp2", "pp2"])
-def test_llm_with_tensor_parallel_matches_one_process(ckpt, layout):
+@pytest.mark.parametrize("layout,arch", [("tp", "kimi_k3"), ("ep", "kimi_k3"), ("dcp", "kimi_k3"), ("pp", "kimi_k3"),
+                                         ("pp", "kimi_linear")],
+                         ids=["tp2", "ep2-eplb", "tp2-dcp2", "pp2", "kimi-linear-pp2"])
+def test_llm_with_tensor_parallel_matches_one_process(ckpt, linear_ckpt, layout, arch):
     from kimik3.engine import LLM, SamplingParams
+    ckpt = linear_ckpt if arch == "kimi_linear" else ckpt
     llm = LLM(str(ckpt), dtype=torch.float64, device="cpu", max_model_len=64, max_num_batched_tokens=8,
               block_size=4, kv_cache_memory_bytes=1 << 22)
     want = llm.generate([{"prompt_token_ids": [5, 6, 7, 8, 9, 10, 11, 12, 13, 14, 15]}],
@@ -61,7 +77,7 @@ def test_llm_with_tensor_parallel_matches_one_process(ckpt, layout):
     line = next(ln for ln in res.stdout.splitlines() if ln.startswith("TOKENS"))
     assert json.loads(line.split(" ", 1)[1]) == want
     # the checkpoint has a vision tower: rank 0 (stage 0) holds it, but for language_model_only (with DCP)
-    assert f"VISION {layout != 'dcp'}" in res.stdout
+    assert f"VISION {layout != 'dcp' and arch == 'kimi_k3'}" in res.stdout
     if layout == "ep":          # with EPLB: the recorded loads of every MoE layer, and the balance they give
         from kimik3.model.eplb import read_loads
         report = json.loads(next(ln for ln in res.stdout.splitlines() if ln.startswith("EPLB")).split(" ", 1)[1])
@@ -77,6 +93,14 @@ def test_llm_with_tensor_parallel_matches_one_process(ckpt, layout):
         assert [v[1] for v in moved.values()] == pytest.approx([v[1] for v in report.values()])
         again = next(ln for ln in res.stdout.splitlines() if ln.startswith("AGAIN"))
         assert json.loads(again.split(" ", 1)[1]) == want
+        # --eplb-load-file: a new group places every layer's slots from the file at start-up, same tokens
+        from kimik3.model.eplb import identity_slots, plan_slots
+        line = next(ln for ln in res.stdout.splitlines() if ln.startswith("FILE"))
+        assert json.loads(line.split(" ", 1)[1]) == want
+        slots = json.loads(next(ln for ln in res.stdout.splitlines() if ln.startswith("SLOTS")).split(" ", 1)[1])
+        slots = {int(i): s for i, s in slots.items()}
+        assert slots == {i: plan_slots(loads[i], text.num_experts + 2, 2) for i in layers}
+        assert any(s != identity_slots(text.num_experts, text.num_experts + 2, 2) for s in slots.values())
 
 
 def test_dead_worker_takes_the_group_down_with_a_clear_error(ckpt):
