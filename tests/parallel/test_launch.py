@@ -13,12 +13,16 @@ import torch
 from kimik3.testing import make_tiny_checkpoint
 
 SCRIPT = textwrap.dedent("""
-    import json, os, sys, torch
+    import json, logging, os, sys, torch
     from kimik3.engine import LLM, SamplingParams
     eplb = dict(enable_eplb=True, num_redundant_experts=2) if sys.argv[2] == "ep" else {}
+    # --cpu-offload-gb per GPU: ~107 KB of each rank's expert slices (2 of 8 a layer); workers log their pools
+    offload = dict(cpu_offload_gb=1e-4, expert_offload_policy="copy") if sys.argv[2] == "offload" else {}
+    if offload:
+        logging.basicConfig(level=logging.INFO)
     layout = dict(tensor_parallel_size=1, pipeline_parallel_size=2) if sys.argv[2] == "pp" else \
         dict(tensor_parallel_size=2)
-    llm = LLM(sys.argv[1], **layout, enable_expert_parallel=sys.argv[2] == "ep", **eplb,
+    llm = LLM(sys.argv[1], **layout, enable_expert_parallel=sys.argv[2] == "ep", **eplb, **offload,
               decode_context_parallel_size=2 if sys.argv[2] == "dcp" else 1, language_model_only=sys.argv[2] == "dcp",
               dtype=torch.float64, device="cpu",
               max_model_len=64, max_num_batched_tokens=8, block_size=4, kv_cache_memory_bytes=1 << 22)
@@ -28,6 +32,8 @@ SCRIPT = textwrap.dedent("""
     outs = llm.generate([{"prompt_token_ids": [5, 6, 7, 8, 9, 10, 11, 12, 13, 14, 15]}], params)
     print("TOKENS", json.dumps(outs[0].outputs[0].token_ids), flush=True)
     print("VISION", hasattr(llm.engine.model, "vision"), flush=True)
+    if offload:
+        print("OFFLOAD", json.dumps(llm.engine.model.expert_offload.stats()), flush=True)
     if eplb:
         report = llm.save_expert_loads(os.path.join(os.path.dirname(sys.argv[1]), "loads.json"))
         print("EPLB", json.dumps({k: list(v) for k, v in report.items()}), flush=True)
@@ -63,8 +69,8 @@ def _run(ckpt, layout, action, timeout=120):
 
 
 @pytest.mark.parametrize("layout,arch", [("tp", "kimi_k3"), ("ep", "kimi_k3"), ("dcp", "kimi_k3"), ("pp", "kimi_k3"),
-                                         ("pp", "kimi_linear")],
-                         ids=["tp2", "ep2-eplb", "tp2-dcp2", "pp2", "kimi-linear-pp2"])
+                                         ("pp", "kimi_linear"), ("offload", "kimi_k3")],
+                         ids=["tp2", "ep2-eplb", "tp2-dcp2", "pp2", "kimi-linear-pp2", "tp2-cpu-offload"])
 def test_llm_with_tensor_parallel_matches_one_process(ckpt, linear_ckpt, layout, arch):
     from kimik3.engine import LLM, SamplingParams
     ckpt = linear_ckpt if arch == "kimi_linear" else ckpt
@@ -78,6 +84,10 @@ def test_llm_with_tensor_parallel_matches_one_process(ckpt, linear_ckpt, layout,
     assert json.loads(line.split(" ", 1)[1]) == want
     # the checkpoint has a vision tower: rank 0 (stage 0) holds it, but for language_model_only (with DCP)
     assert f"VISION {layout != 'dcp' and arch == 'kimi_k3'}" in res.stdout
+    if layout == "offload":     # LLM -> build_engine -> every rank's loader: each offloads 2 of its 8 slices a layer
+        stats = json.loads(next(ln for ln in res.stdout.splitlines() if ln.startswith("OFFLOAD")).split(" ", 1)[1])
+        assert stats["host_experts_per_layer"] == 2 and stats["staged_experts"] > 0 and stats["refreshes"] > 0
+        assert "[rank 1] kimik3.model.expert_offload: expert offload: 6 of 8 experts a layer cached" in res.stderr
     if layout == "ep":          # with EPLB: the recorded loads of every MoE layer, and the balance they give
         from kimik3.model.eplb import read_loads
         report = json.loads(next(ln for ln in res.stdout.splitlines() if ln.startswith("EPLB")).split(" ", 1)[1])
