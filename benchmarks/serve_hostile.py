@@ -23,7 +23,10 @@ prompt), ``n_logprobs`` (n=64 x ``logprobs=20`` x 195 tokens, the most ``--max-r
 CPU timings on a shared 2-core box are noisy (other sessions' load shows in the baseline row); the load average
 is printed beside the table.
 
-    python benchmarks/serve_hostile.py [--cases=a,b] [--port=18473] [--serve-args="--max-num-seqs 64"]
+    python benchmarks/serve_hostile.py [--cases=a,b] [--port=18473] [--serve-args="--max-num-seqs 64"] [--help]
+
+``--cases=`` with one cheap case (``--cases=rule_chain``) is the quick check that the script still runs: the
+latencies, the baseline row and that case.
 """
 
 from __future__ import annotations
@@ -334,6 +337,9 @@ def latencies(port: int, pid: int) -> dict:
 
 
 def main() -> int:
+    if any(a in ("-h", "--help") for a in sys.argv[1:]):
+        print(__doc__.strip())
+        return 0
     unknown = [a for a in sys.argv[1:] if not any(a.startswith(f) for f in FLAGS)]
     if unknown:
         raise SystemExit(f"serve_hostile.py: unknown arguments {unknown}; known: {' '.join(FLAGS)}")

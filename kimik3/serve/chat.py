@@ -144,7 +144,7 @@ def build_chat_prompt(req: ChatCompletionRequest, tokenizer, processor_cfg, has_
         raise bad_request(str(e), "media_io_kwargs") from None
     refs = collect_media(req.messages, media)
     check_media_counts(refs, limit_mm_per_prompt, param)
-    loaded = load_media(refs, processor_cfg, media, sampling, max_image_tokens, has_vision) if refs else None
+    loaded = load_media(refs, processor_cfg, media, sampling, max_image_tokens, has_vision, param) if refs else None
     kwargs = {"tools": req.tools, "tokenize": True, "add_generation_prompt": True, "thinking": thinking,
               "thinking_effort": effort if thinking else None, "tool_choice": tool_choice,
               "response_format": response_format, "images": loaded and loaded.images,

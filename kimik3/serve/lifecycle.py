@@ -10,7 +10,7 @@ shutdown, so a clean shutdown exits 0.
 uvicorn is used through its documented surface: ``Config``, ``Server.serve/run/shutdown``,
 ``Server.handle_exit`` (the signal handler, overridden) and ``should_exit``/``force_exit``. The one
 internal piece, the h11 protocol that ``limits.LimitedH11Protocol`` extends, is why pyproject pins
-uvicorn to the versions tested (tests/serve/test_uvicorn_contract.py fails on an incompatible one).
+uvicorn to the versions tested (tests/test_dependencies.py fails on an incompatible one).
 """
 
 from __future__ import annotations

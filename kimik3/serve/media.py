@@ -211,10 +211,10 @@ def _costs(refs: list[MediaRef], cfg, sampling: VideoSampling, limits: VideoLimi
 
 
 def load_media(refs: list[MediaRef], cfg, options: MediaOptions | None, request_sampling: VideoSampling,
-               max_tokens: int | None, has_vision: bool = True) -> LoadedMedia:
+               max_tokens: int | None, has_vision: bool = True, param: str = "messages") -> LoadedMedia:
     """Cost every item from its header (a bad one is named even on a model without vision), refuse what
     cannot fit ``max_tokens``, then decode and preprocess them in order. ``request_sampling``: the request's
-    ``media_io_kwargs.video`` (over the server's defaults)."""
+    ``media_io_kwargs.video`` (over the server's defaults); ``param``: the request field a refusal names."""
     from kimik3.vision.preprocess import MediaProcessorConfig, concat_vision_inputs, preprocess_images
     from kimik3.vision.video import load_video
     options = options or MediaOptions()
@@ -228,7 +228,7 @@ def load_media(refs: list[MediaRef], cfg, options: MediaOptions | None, request_
     if max_tokens is not None and sum(tokens) > max_tokens:
         raise bad_request(f"the images and videos need {sum(tokens)} tokens ({tokens} per item), more than this "
                           f"model's context (max_model_len) leaves for them ({max_tokens}); send fewer or smaller "
-                          f"ones, or sample videos at a lower fps", "messages", "context_length_exceeded")
+                          f"ones, or sample videos at a lower fps", param, "context_length_exceeded")
     parts, images, videos = [], [], []
     for n, ref in enumerate(refs):
         try:
@@ -277,7 +277,7 @@ def completion_images(prompt: Any, media_urls: Any, tokenizer, pad_id: int, cfg,
     refs = [MediaRef("image", _source({"type": "image_url", "image_url": u}, "image", f"media_urls.image[{k}]", root),
                      f"media_urls.image[{k}]") for k, u in enumerate(urls)]
     check_media_counts(refs, limit_mm_per_prompt, "media_urls")
-    loaded = load_media(refs, cfg, options, VideoSampling(), max_tokens, has_vision)
+    loaded = load_media(refs, cfg, options, VideoSampling(), max_tokens, has_vision, "media_urls")
     if isinstance(prompt, str):
         try:
             ids = tokenizer.encode(fill_image_placeholders(prompt, [(p.width, p.height) for p in loaded.images],

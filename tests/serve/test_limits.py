@@ -305,7 +305,9 @@ def test_image_bomb_is_refused_from_its_header(server, bomb):
 
 
 def test_images_too_many_tokens_for_the_context_are_refused_before_decoding(monkeypatch):
-    """The header gives the token count; an image that cannot fit is refused without decoding it."""
+    """The header gives the token count; an image that cannot fit is refused without decoding it, on every route
+    that takes images (/tokenize and /v1/responses decoded them before the token budget was checked), naming the
+    request's own field."""
     import argparse
 
     import kimik3.vision.preprocess as pre
@@ -318,8 +320,18 @@ def test_images_too_many_tokens_for_the_context_are_refused_before_decoding(monk
         monkeypatch.setattr(pre, "preprocess_images", lambda *a, **k: pytest.fail("decoded an image that cannot fit"))
         buf = io.BytesIO()
         Image.new("RGB", (1000, 1000)).save(buf, format="PNG")
-        r = httpx.post(s.url + "/v1/chat/completions", json=_image_chat(buf.getvalue()), timeout=30)
+        body = _image_chat(buf.getvalue())
+        r = httpx.post(s.url + "/v1/chat/completions", json=body, timeout=30)
         assert_error(r, 400, "messages", "max_model_len")
+        r = httpx.post(s.url + "/tokenize", json={"model": MODEL, "messages": body["messages"]}, timeout=30)
+        assert_error(r, 400, "messages", "max_model_len")
+        url = body["messages"][0]["content"][0]["image_url"]["url"]
+        r = httpx.post(s.url + "/v1/responses", timeout=30, json={"model": MODEL, "input": [
+            {"role": "user", "content": [{"type": "input_image", "image_url": url}]}]})
+        assert_error(r, 400, "input", "max_model_len")
+        r = httpx.post(s.url + "/v1/completions", timeout=30, json={
+            "model": MODEL, "prompt": "<|kimi_image_placeholder|>", "media_urls": {"image": [url]}, "max_tokens": 1})
+        assert_error(r, 400, "media_urls", "max_model_len")
     finally:
         s.stop()
 
