@@ -414,15 +414,16 @@ def pipeline_images_rank(rank, world, control, path: str, out_path: str):
 
 def offload_engine_rank(rank, world, control, path: str, layouts: dict, budgets: dict, out_path: str):
     """Expert offload on every rank (``budgets[name]`` bytes per rank, refreshed every step): per layout name -> (TP
-    size, EP on/off, MoE mode, pipeline stages, miss policy, rounds), the engine on rank 0 (workers elsewhere)
-    serves the first ``rounds`` rounds of ``engine_prompts`` (the second: prefix hits); the host policy runs under
-    rates where the host wins. Rank 0 saves per layout (greedy outputs, prefix-hit tokens, every rank's offload
-    stats, cache / staging sizes, layers and offloaded bytes)."""
+    size, EP on/off, MoE mode, pipeline stages, miss policy, rounds, graphs), the engine on rank 0 (workers
+    elsewhere) serves the first ``rounds`` rounds of ``engine_prompts`` (the second: prefix hits), decode steps as
+    eager stand-in "graphs" on every rank when ``graphs``; the host policy runs under rates where the host wins.
+    Rank 0 saves per layout (greedy outputs, prefix-hit tokens, graph steps, every rank's offload stats, cache /
+    staging sizes, layers and offloaded bytes)."""
     from kimik3.model.expert_offload import ExpertOffloadConfig
     from kimik3.model.offload_policy import MissRates
     from kimik3.parallel.launch import ParallelConfig
     results = {}
-    for name, (tp, ep, mode, pp, policy, rounds) in layouts.items():
+    for name, (tp, ep, mode, pp, policy, rounds, graphs) in layouts.items():
         cfg = ParallelConfig(tp, ep, mode if ep else "tep", pipeline_parallel_size=pp)
         offload = ExpertOffloadConfig(budgets[name], refresh_interval=1, policy=policy,
                                       rates=MissRates(copy=1e3, host_sync=0.0) if policy == "host" else None)
@@ -431,13 +432,18 @@ def offload_engine_rank(rank, world, control, path: str, layouts: dict, budgets:
         if rank == 0:
             engine = LLMEngine(model, EngineConfig(**ENGINE_CONFIG),
                                runner_factory=functools.partial(ParallelRunner, control=control))
+            if graphs:                # on CPU the runner captures nothing by itself
+                cfg = engine.config
+                engine.runner.graphs = engine.runner.capture_graphs(
+                    EagerReplayGraphs(model, engine.cache, cfg.max_num_seqs, cfg.max_model_len))
             outs, hits = [], 0
             for prompts in engine_prompts(model.config.text.vocab_size)[:rounds]:
                 done, hits = run_engine(engine, prompts)
                 outs += done
+            hits = (hits, engine.runner.num_graph_steps)
             stop_workers(control)
         else:
-            worker_loop(model, control)
+            worker_loop(model, control, EagerReplayGraphs)
         o = model.expert_offload
         mine = (o.stats(), o.cache_size, o.staging_size, o.num_layers, o.num_layers * o.staging_size * o.expert_bytes)
         gathered = [None] * world

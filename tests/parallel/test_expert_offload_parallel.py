@@ -15,10 +15,10 @@ from kimik3.sizing import compute_sizing
 from kimik3.testing import make_tiny_checkpoint
 from tests.parallel.ranks import ENGINE_CONFIG, engine_prompts, offload_engine_rank, run_engine, spawn
 
-# name: (TP size, EP on/off, MoE mode, pipeline stages, miss policy, rounds of prompts); world 2 each
-LAYOUTS = {"tp2": (2, False, "tep", 1, "copy", 2), "ep2": (2, True, "tep", 1, "prefetch", 1),
-           "ep2-a2a": (2, True, "a2a", 1, "copy", 1), "ep2-agrs": (2, True, "agrs", 1, "copy", 1),
-           "pp2": (1, False, "tep", 2, "host", 1)}
+# name: (TP size, EP on/off, MoE mode, pipeline stages, miss policy, rounds of prompts, decode "graphs"); world 2
+LAYOUTS = {"tp2": (2, False, "tep", 1, "copy", 2, False), "ep2-graphs": (2, True, "tep", 1, "prefetch", 1, True),
+           "ep2-a2a": (2, True, "a2a", 1, "copy", 1, False), "ep2-agrs": (2, True, "agrs", 1, "copy", 1, False),
+           "pp2": (1, False, "tep", 2, "host", 1, False)}
 
 
 @pytest.fixture(scope="module")
@@ -30,7 +30,7 @@ def ckpts(tmp_path_factory):
 
 def test_offload_under_tp_ep_pp_gives_the_resident_tokens(ckpts, tmp_path):
     """TP2 (every rank offloads slices of the same experts), EP2 (each rank its own experts; prefetch predicts
-    from the router's global ids), EP2 all-to-all and all-gather (the exchanges stage what the rank runs) and PP2
+    from the router's global ids; decode steps through the workers' graph path, eager stand-ins), EP2 all-to-all and all-gather (the exchanges stage what the rank runs) and PP2
     (each stage its layers; host compute): the one-process resident outputs, with misses served on every rank."""
     ckpt = ckpts["kimi_k3"]
     resident = load_model(ckpt, dtype=torch.float64)
@@ -44,9 +44,10 @@ def test_offload_under_tp_ep_pp_gives_the_resident_tokens(ckpts, tmp_path):
     budgets = {name: whole if name == "pp2" else budget for name in LAYOUTS}      # PP2: 1 expert a stage's layer
     spawn(offload_engine_rank, 2, str(ckpt), LAYOUTS, budgets, str(tmp_path / "out.pt"), timeout=300)
     results = torch.load(tmp_path / "out.pt", weights_only=False)
-    want_staging = {"tp2": 3, "ep2": 2, "ep2-a2a": 2, "ep2-agrs": 2, "pp2": 1}
-    for name, (outs, par_hits, ranks) in results.items():
-        rounds = LAYOUTS[name][-1]
+    want_staging = {"tp2": 3, "ep2-graphs": 2, "ep2-a2a": 2, "ep2-agrs": 2, "pp2": 1}
+    for name, (outs, (par_hits, graph_steps), ranks) in results.items():
+        rounds, graphs = LAYOUTS[name][-2:]
+        assert (graph_steps > 0) == graphs, name
         assert outs == (a + b)[:len(outs)] and len(outs) == 3 * rounds, name
         assert par_hits == (hits if rounds == 2 else 0), name
         for rank, (stats, cache, staging, layers, offloaded) in enumerate(ranks):
