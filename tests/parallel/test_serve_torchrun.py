@@ -1,6 +1,7 @@
 """``kimik3 serve`` under torchrun (every rank started by the agent, rank 0 serves) with the multi-GPU
 layouts on CPU ranks (gloo, float64): the served greedy completion equals the one-process one (two prompts in one
-request: a PP2 step runs them as two micro-batches); with EPLB, again after a live ``/rebalance_experts``."""
+request: a PP2 step runs them as two micro-batches); with EPLB, again after a live ``/rebalance_experts``; under TP2
+a chat with an image (encoded by both ranks' vision towers) too."""
 
 from __future__ import annotations
 
@@ -18,6 +19,21 @@ import torch
 PROMPT = "The capital of France is"
 
 
+def _image_chat() -> list[dict]:
+    import base64
+    import io
+
+    import numpy as np
+    from PIL import Image
+    parts = []
+    for seed, (h, w) in enumerate([(40, 56), (30, 30)]):      # two images: one on each TP rank
+        buf = io.BytesIO()
+        Image.fromarray(np.random.default_rng(seed).integers(0, 256, (h, w, 3), dtype=np.uint8)).save(buf, "PNG")
+        parts.append({"type": "image_url", "image_url": {"url": "data:image/png;base64," +
+                                                                base64.b64encode(buf.getvalue()).decode()}})
+    return [{"role": "user", "content": [*parts, {"type": "text", "text": "What is in the pictures?"}]}]
+
+
 def _free_port() -> int:
     with socket.socket() as s:
         s.bind(("127.0.0.1", 0))
@@ -27,10 +43,13 @@ def _free_port() -> int:
 @pytest.fixture(scope="module")
 def want():
     from kimik3.engine import LLM, SamplingParams
-    llm = LLM(None, dtype=torch.float64, device="cpu", max_model_len=128, block_size=4, max_num_seqs=2,
+    llm = LLM(None, dtype=torch.float64, device="cpu", max_model_len=256, block_size=4, max_num_seqs=2,
               kv_cache_memory_bytes=1 << 23)
-    out = llm.generate([PROMPT], SamplingParams(temperature=0.0, max_tokens=8, ignore_eos=True), use_tqdm=False)
-    return out[0].outputs[0].text
+    params = SamplingParams(temperature=0.0, max_tokens=8, ignore_eos=True)
+    text = llm.generate([PROMPT], params, use_tqdm=False)[0].outputs[0].text
+    chat = llm.chat(_image_chat(), SamplingParams(temperature=0.0, max_tokens=8, ignore_eos=True, logprobs=0),
+                    use_tqdm=False)[0].outputs[0]
+    return text, chat.text, [lp[t].logprob for t, lp in zip(chat.token_ids, chat.logprobs)]
 
 
 @pytest.mark.parametrize("nproc,flags", [
@@ -47,7 +66,7 @@ def test_served_completion_under_torchrun_matches_one_process(want, tmp_path, np
     env = {**os.environ, "PYTHONPATH": os.getcwd(), "OMP_NUM_THREADS": "1"}
     log = open(tmp_path / "serve.log", "w+")
     proc = subprocess.Popen([torchrun, "--standalone", "--nproc-per-node", str(nproc), "-m", "kimik3.cli", "serve",
-                             "--port", str(port), "--dtype", "float64", "--device", "cpu", "--max-model-len", "128",
+                             "--port", str(port), "--dtype", "float64", "--device", "cpu", "--max-model-len", "256",
                              "--block-size", "4", "--max-num-seqs", "2", "--kv-cache-memory-bytes", str(1 << 23), "--served-model-name", "m",
                              *flags], stdout=log, stderr=subprocess.STDOUT, env=env, start_new_session=True)
     try:
@@ -65,14 +84,25 @@ def test_served_completion_under_torchrun_matches_one_process(want, tmp_path, np
             "model": "m", "prompt": [PROMPT, PROMPT + " Paris"], "max_tokens": 8, "temperature": 0.0,
             "ignore_eos": True})
         assert r.status_code == 200, r.text
-        assert r.json()["choices"][0]["text"] == want
+        assert r.json()["choices"][0]["text"] == want[0]
+        if "--pipeline-parallel-size" not in flags:      # an image chat: each TP rank encodes its share
+            r = httpx.post(url + "/v1/chat/completions", timeout=120, json={
+                "model": "m", "messages": _image_chat(), "max_tokens": 8, "temperature": 0.0, "ignore_eos": True,
+                "logprobs": True})
+            assert r.status_code == 200, r.text
+            choice = r.json()["choices"][0]
+            message = choice["message"]        # the default chat template thinks first
+            assert (message.get("reasoning") or "") + (message["content"] or "") == want[1], message
+            # the sampled tokens' logprobs (float64) see the images' embeddings: one rank's share wrong moves them
+            got = [c["logprob"] for c in choice["logprobs"]["content"]]
+            assert got == pytest.approx(want[2], rel=1e-9, abs=1e-9), (got, want[2])
         if "--enable-eplb" in flags:      # a live rebalance on every rank of both stages, then the same completion
             r = httpx.post(url + "/rebalance_experts", json={}, timeout=120)
             assert r.status_code == 200, r.text
             assert sorted(int(i) for i in r.json()["layers"]) == [1, 2, 3, 4, 5]
             r = httpx.post(url + "/v1/completions", timeout=120, json={
                 "model": "m", "prompt": PROMPT, "max_tokens": 8, "temperature": 0.0, "ignore_eos": True})
-            assert r.status_code == 200 and r.json()["choices"][0]["text"] == want, r.text
+            assert r.status_code == 200 and r.json()["choices"][0]["text"] == want[0], r.text
     finally:
         if proc.poll() is None:
             os.killpg(proc.pid, 15)
