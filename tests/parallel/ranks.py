@@ -238,10 +238,11 @@ def spec_prompts(vocab: int) -> list[list[int]]:
     return [torch.randperm(vocab, generator=g).tolist() for _ in range(2)]
 
 
-def spec_engine_rank(rank, world, control, path: str, out_path: str, graphs: bool = False):
+def spec_engine_rank(rank, world, control, path: str, out_path: str, graphs: bool = False, dcp: int = 1):
     """``graphs``: decode and verify "graphs" as eager stand-ins on every rank (prefix caching off, so
-    verify chunks carry no prefix checkpoint); also saves the verify replays of rank 0."""
-    model = load_model(path, dtype=torch.float64, parallel=ParallelContext(rank, world))
+    verify chunks carry no prefix checkpoint); also saves the verify replays of rank 0. ``dcp``: decode context
+    parallel size (the latent cache striped over the TP ranks)."""
+    model = load_model(path, dtype=torch.float64, parallel=ParallelContext(rank, world, dcp_size=dcp))
     if rank != 0:
         worker_loop(model, control, EagerReplayGraphs)
         return

@@ -130,10 +130,11 @@ def test_decode_graphs_under_tensor_parallel(ckpts, tmp_path, graphs, async_sche
     assert (ahead > 0) == async_scheduling
 
 
-@pytest.mark.parametrize("graphs", [False, True])
-def test_speculative_decoding_under_tensor_parallel(ckpts, tmp_path, graphs):
+@pytest.mark.parametrize("graphs,dcp", [(False, 2), (True, 1)], ids=["eager-dcp2", "graphs"])
+def test_speculative_decoding_under_tensor_parallel(ckpts, tmp_path, graphs, dcp):
     """The snapshot and rollback copies reach every rank: TP2 with n-gram drafts gives the
-    one-process outputs, which equal plain greedy decoding; with graphs, verify steps replay the
+    one-process outputs, which equal plain greedy decoding; eagerly with the latent cache striped over both ranks
+    (DCP2: verify chunks attend over both stripes); with graphs, verify steps replay the
     workers' verify graphs too (their (size, L) key travels in the replayed inputs' shape)."""
     path = ckpts["kimi_k3"]
     model = load_model(path, dtype=torch.float64)
@@ -141,7 +142,7 @@ def test_speculative_decoding_under_tensor_parallel(ckpts, tmp_path, graphs):
     prompts = spec_prompts(vocab)
     plain, _ = run_engine(LLMEngine(model, EngineConfig(max_model_len=vocab + 16, **{
         **SPEC_ENGINE_CONFIG, "num_speculative_tokens": 0})), prompts)
-    spawn(spec_engine_rank, 2, str(path), str(tmp_path / "out.pt"), graphs)
+    spawn(spec_engine_rank, 2, str(path), str(tmp_path / "out.pt"), graphs, dcp)
     outs, drafts, accepted, verify_replays = torch.load(tmp_path / "out.pt", weights_only=False)
     assert outs == plain
     assert drafts > 0 and (verify_replays > 0) == graphs, verify_replays
