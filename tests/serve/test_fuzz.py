@@ -53,6 +53,7 @@ KNOWN = [
     ("/v1/chat/completions", _chat(guided_grammar='{"grammars": ' + DEEP_LIST + "}"), None),
     ("/v1/chat/completions", _chat(allowed_token_ids=[65], bad_words=["A"]), None),      # emitted token 0
     ("/v1/completions", _completion(allowed_token_ids=[65], bad_words=["A"]), None),
+    ("/v1/completions", _completion(allowed_token_ids=[65], guided_regex="[0-9]+"), None),   # emitted digits
     # found by the deep fuzz below (a node anywhere in the body replaced): tool schemas read for K3's argument form
     ("/v1/chat/completions", _tool_chat({"type": "object", "properties": {"a": {"type": "string"}}, "required": 1}),
      None),

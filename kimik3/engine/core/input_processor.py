@@ -144,7 +144,13 @@ class InputProcessor:
                         "; remove them")
         self._check_allowed_ids(params)
         if params.structured_outputs is not None:
-            self.grammar_compiler().check(params.structured_outputs)
+            compiler = self.grammar_compiler()
+            compiler.check(params.structured_outputs)
+            if params.allowed_token_ids and not compiler.first_allows(params.structured_outputs,
+                                                                      params.allowed_token_ids):
+                raise ValueError(f"allowed_token_ids {params.allowed_token_ids[:8]} hold none of the tokens that the "
+                                 f"structured_outputs constraint lets the output start with: nothing could be sampled; "
+                                 f"allow such tokens or drop one of the two")
 
     def _check_allowed_ids(self, params: SamplingParams) -> None:
         """ValueError when ``allowed_token_ids`` leaves nothing to sample: every allowed id is a one-token bad

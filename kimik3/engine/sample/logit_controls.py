@@ -119,7 +119,9 @@ def apply_controls(logits: torch.Tensor, rows: list[int], controls: list[Control
                    bitmask: torch.Tensor | None) -> torch.Tensor:
     """Logits with the controls of ``rows`` applied (other rows unchanged): + logit_bias, -inf on banned
     ids, only allowed_token_ids and the grammar's tokens (``bitmask``: int32 [len(rows), words] host
-    tensor, or None) left. A row whose allowed set would be empty keeps the grammar's set alone."""
+    tensor, or None) left. A row whose allowed set would be empty keeps the grammar's set alone (a request
+    whose allowed ids hold none of the constraint's first tokens is refused at admission; a later step can still
+    find the two disjoint)."""
     dev = logits.device
     n_rows, vocab = len(rows), logits.shape[-1]
     every_row = rows == list(range(logits.shape[0]))       # (a batch of constrained requests): no gather

@@ -30,6 +30,7 @@ import time
 from collections import OrderedDict
 from dataclasses import dataclass
 
+import numpy as np
 import torch
 
 from kimik3.engine.sample.sampling_params import StructuredOutputsParams
@@ -213,7 +214,7 @@ class GrammarCompiler:
     def prepare(self, so: StructuredOutputsParams | str, copies: int = 0) -> None:
         """Compile ``so`` (checked in a worker first; cached by grammar) and, for a StructuredOutputsParams, make
         ``copies`` fresh matchers that ``matcher`` hands out later. ValueError naming what is wrong."""
-        template, mask_s = self._template(constraint_text(so))
+        template, mask_s, _ = self._template(constraint_text(so))
         if copies * mask_s > self.step_mask_budget:
             raise ValueError(f"structured_outputs: one token mask of this constraint took {mask_s * 1e3:.1f} ms; "
                              f"{copies} sample(s) would hold every step of the engine for about "
@@ -241,10 +242,10 @@ class GrammarCompiler:
             m = _llg().LLMatcher(self.ll_tokenizer, text, log_level=0)
             if m.is_error():
                 raise ValueError(f"structured_outputs: the constraint does not compile: {m.get_error()}")
-            m.compute_bitmask()     # builds the lexer states every copy shares
+            first = m.compute_bitmask()     # builds the lexer states every copy shares
             start = time.perf_counter()
             m.deep_copy().compute_bitmask()     # what each sample costs a step (its first step)
-            entry = (m, time.perf_counter() - start)
+            entry = (m, time.perf_counter() - start, first)
             with self._lock:
                 self._templates[key] = entry
                 while len(self._templates) > self.cache_size:
@@ -263,6 +264,14 @@ class GrammarCompiler:
                 if made:
                     return Matcher(made.pop(), self)
         return Matcher(self._template(constraint_text(so))[0].deep_copy(), self)
+
+    def first_allows(self, so: StructuredOutputsParams | str, token_ids: list[int]) -> bool:
+        """Whether the constraint lets its first token be one of ``token_ids`` (its first mask, kept with the
+        compiled template)."""
+        words = np.frombuffer(self._template(constraint_text(so))[2], dtype="<u4")
+        ids = np.asarray(token_ids, dtype=np.int64)
+        ids = ids[ids < 32 * len(words)]
+        return bool(((words[ids >> 5] >> (ids & 31).astype(np.uint32)) & 1).any())
 
     def check(self, so: StructuredOutputsParams | str) -> None:
         if isinstance(so, StructuredOutputsParams) and so.__dict__.get("_kimik3_copies"):

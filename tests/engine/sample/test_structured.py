@@ -484,6 +484,29 @@ def test_bitmask_unpacks_to_the_matchers_tokens(tok):
     assert bool(allowed[1].all())
 
 
+def test_allowed_ids_the_constraint_cannot_start_with_are_refused(llm, tok):
+    """allowed_token_ids that hold none of the tokens a constraint lets the output start with leave nothing to
+    sample: refused before queueing (the grammar's mask won silently, emitting ids allowed_token_ids excluded).
+    ``first_allows`` is checked against the first tokens read from the token texts."""
+    compiler = GrammarCompiler(tok, tok.vocab_size, tok.stop_token_ids)
+    so = SO(choice=["yes", "no"])
+    firsts = {t for t in range(tok.num_base_tokens) if (s := tok.decode([t])) and any(w.startswith(s) for w in
+                                                                                      ("yes", "no"))}
+    others = [t for t in range(tok.num_base_tokens) if t not in firsts]
+    assert firsts and all(compiler.first_allows(so, [t]) for t in firsts)
+    assert not compiler.first_allows(so, others) and compiler.first_allows(so, others + [max(firsts)])
+    for so, text in ((SO(regex="[0-9]+"), "A"), (SO(choice=["yes", "no"]), "maybe"), (SO(json_object=True), "x")):
+        with pytest.raises(ValueError, match="allowed_token_ids"):
+            llm.engine.add_request("bad", "Hi", SamplingParams(allowed_token_ids=tok.encode(text),
+                                                               structured_outputs=so))
+        assert not llm.engine.has_unfinished_requests()
+    digits = [t for t in range(tok.num_base_tokens) if tok.decode([t]).isascii() and tok.decode([t]).isdigit()]
+    params = SamplingParams(max_tokens=3, temperature=1.0, seed=0, structured_outputs=SO(regex="[0-9]+"),
+                            allowed_token_ids=tok.encode("A") + digits)
+    out = _gen(llm, ["Hi"], [params])
+    assert out[0].outputs[0].text.isdigit()
+
+
 def test_speculation_with_a_constraint_gives_the_same_greedy_tokens():
     schema = {"type": "array", "items": {"enum": ["ab", "ab", "cd"]}, "minItems": 8, "maxItems": 8}
     schema["items"] = {"enum": ["ab", "cd"]}
