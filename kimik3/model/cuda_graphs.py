@@ -231,11 +231,12 @@ class DecodeGraphs:
                     f" and of verify steps of 2..{self.max_query_len} tokens" if self.max_query_len > 1 else "")
 
     def run(self, meta: torch.Tensor, block_tables: torch.Tensor, num_seqs: int,
-            input_ids: torch.Tensor | None = None) -> torch.Tensor:
+            input_ids: torch.Tensor | None = None, drafts: tuple[torch.Tensor, torch.Tensor] | None = None) -> torch.Tensor:
         """Copy the host inputs (from ``pack_decode_inputs``) in and replay: logits [num_seqs * L, vocab]
         (a view of the graph's output, valid until the next replay; so are ``states``). ``input_ids``: [num_seqs] device
         tokens that replace the host ones at each sequence's first row (async scheduling: the previous
-        step's samples)."""
+        step's samples). ``drafts``: (input rows, tokens) on the device written over the host ones (a draft model's
+        drafts still on the device)."""
         (size, width), cols = block_tables.shape, meta.shape[1]
         L = cols // size
         if self.staged is not None:
@@ -246,6 +247,8 @@ class DecodeGraphs:
         self.block_tables[:size, :width].copy_(self.block_tables_host[:size, :width], non_blocking=True)
         if input_ids is not None:
             self.meta[0, :cols].view(size, L)[:num_seqs, 0].copy_(input_ids)
+        if drafts is not None:
+            self.meta[0].index_copy_(0, *drafts)
         if self.staged is not None:
             self.staged.record()
         graph, logits = self.graphs[size, L]

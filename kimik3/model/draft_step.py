@@ -116,14 +116,15 @@ class DraftExecutor:
         return torch.tensor(values, dtype=torch.int64, device=self.device)
 
     def launch(self, work: DraftWork, states: torch.Tensor):
-        """``run`` begun: a function that returns its drafts. The draft's graphs queue their replays and the drafts'
-        copy to the host and return at once (the host goes on while the device drafts); else ``run`` drafts now."""
+        """``run`` begun: (a function that returns its drafts, the device tensor that holds them [k, N] or None). The
+        draft's graphs queue their replays and the drafts' copy to the host and return at once (the host goes on
+        while the device drafts; draft j of head i at [j, i]); else ``run`` drafts now (None)."""
         if self.graphs is not None:
             collect = self.graphs.launch(work, states)
             if collect is not None:
-                return collect
+                return collect, self.graphs.tokens
         drafts = self.run(work, states)          # (an instance's ``run`` may be wrapped: tensor parallelism)
-        return lambda: drafts
+        return (lambda: drafts), None
 
     @torch.inference_mode()
     def run(self, work: DraftWork, states: torch.Tensor) -> list[list[int]]:

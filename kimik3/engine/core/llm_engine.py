@@ -205,6 +205,8 @@ class LLMEngine:
     def schedule(self) -> SchedulerOutput | None:
         """The scheduler's next step; None when nothing is left to run."""
         out = self.scheduler.schedule()
+        if self.scheduler.drafter is not None:
+            out.pending_drafts = self.scheduler.drafter.pending_drafts()
         record_scheduling(out, time.monotonic())
         if not out.is_empty:
             return out

@@ -52,6 +52,7 @@ class SchedulerOutput:
     checkpoint_hashes: list[bytes | None] = field(default_factory=list)  # block hash per checkpoint; None: speculative
     preempted: list[Request] = field(default_factory=list)
     draft_states: object = None        # the target's states a draft model reads, [T, n * D] (runner)
+    pending_drafts: object = None      # ``spec/device_drafts.DeviceDrafts``: drafts still on the device
     admitted: list[tuple[Request, int]] = field(default_factory=list)  # (request, its prefix-hit tokens)
     # every chunk a ``ScheduledChunk.decode`` (one pending token each, past its prompt) and no checkpoint or state
     # op: the batch builder and sampler need not check the chunks one by one (``Scheduler.schedule_ahead``)

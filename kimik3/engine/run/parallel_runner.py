@@ -119,6 +119,8 @@ class ParallelRunner(ModelRunner):
         return run_stage(self.model, input_ids, batch, self.cache, rows, bounds)
 
     def run_graph(self, meta: torch.Tensor, tables: torch.Tensor, rows: list[int], num_seqs: int,
-                  input_ids: torch.Tensor | None = None):
+                  input_ids: torch.Tensor | None = None, drafts=None):
+        if drafts is not None:      # a draft under tensor parallelism drafts eagerly: its drafts are on the host
+            raise RuntimeError("device drafts reached a tensor-parallel graph step")
         send_graph_step(self.control, meta, tables, num_seqs, *self._ops, input_ids, self.model.parallel.group)
         return super().run_graph(meta, tables, rows, num_seqs, input_ids)

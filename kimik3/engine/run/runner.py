@@ -86,9 +86,10 @@ class ModelRunner:
         return self.model.compute_logits(hidden[on_device(rows, torch.int64, self.device)]) if rows else None
 
     def run_graph(self, meta: torch.Tensor, tables: torch.Tensor, rows: list[int], num_seqs: int,
-                  input_ids: torch.Tensor | None = None) -> torch.Tensor | None:
-        """The graph step: replay, then the logits of the chunks that sample."""
-        logits = self.graphs.run(meta, tables, num_seqs, input_ids)
+                  input_ids: torch.Tensor | None = None, drafts=None) -> torch.Tensor | None:
+        """The graph step: replay, then the logits of the chunks that sample (``drafts``: device drafts' rows and
+        tokens, ``DeviceDrafts.gather``)."""
+        logits = self.graphs.run(meta, tables, num_seqs, input_ids, *([drafts] if drafts is not None else []))
         self.last_states = self.graphs.states(num_seqs, meta.shape[1] // tables.shape[0])
         self.num_graph_steps += 1
         if len(rows) == logits.shape[0]:
@@ -101,6 +102,8 @@ class ModelRunner:
         logit controls first (``logit_controls.py``), then the sampler or the draft verifier (``greedy``:
         the rows' argmax on the host, for a verify step of plain greedy chunks, ``spec/verify.py``)."""
         t0 = time.perf_counter()
+        if out.pending_drafts is not None:      # the drafts this step verified, on the host now
+            out.pending_drafts.resolve(out.chunks)
         chunks = out.chunks if out.plain_decode else [c for c in out.chunks if c.samples]
         raw = logits
         if logits is None:
@@ -137,6 +140,9 @@ class ModelRunner:
             ids = step.input_ids
             if input_ids is not None:       # the pending chunks' first rows (a drafting chunk has more rows)
                 ids = ids.index_copy(0, on_device(step.pending_rows, torch.int64, self.device), input_ids)
+            drafts = out.pending_drafts and out.pending_drafts.gather(out.chunks, _first_draft_rows(out.chunks))
+            if drafts:                      # drafts still on the device (``spec/device_drafts.py``)
+                ids = ids.index_copy(0, *drafts)
             logits = self.run(ids, step.batch, step.rows)
             if step.prompt_rows:      # the prompt-scoring rows come last
                 n = len(step.prompt_rows)
@@ -145,7 +151,9 @@ class ModelRunner:
         else:
             meta, tables, rows = self.batches.build_decode(out, size)
             t1 = time.perf_counter()
-            logits = self.run_graph(meta, tables, rows, len(out.chunks), input_ids)
+            L = meta.shape[1] // size
+            drafts = out.pending_drafts and out.pending_drafts.gather(out.chunks, [s * L + 1 for s in range(size)])
+            logits = self.run_graph(meta, tables, rows, len(out.chunks), input_ids, *([drafts] if drafts else []))
         out.draft_states, self.last_states = self.last_states, None   # a graph's: valid until the next replay
         self.images.release(out.chunks)
         encode = self.images.seconds - enc0         # images encoded while building the batch count as model time
@@ -159,3 +167,12 @@ class ModelRunner:
                          len(out.chunks), out.num_tokens, "eager" if size is None else f"graph {size}",
                          prepare * 1e3, launch * 1e3)
         return logits
+
+
+def _first_draft_rows(chunks) -> list[int]:
+    """The packed input row of each chunk's first draft (after its input rows)."""
+    rows, offset = [], 0
+    for c in chunks:
+        rows.append(offset + c.num_tokens - len(c.draft))
+        offset += c.num_tokens
+    return rows

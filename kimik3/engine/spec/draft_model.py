@@ -32,6 +32,7 @@ import torch
 
 from kimik3.engine.config import EngineConfig
 from kimik3.engine.spec.controller import MAX_WATCH_GAP, Acceptance, DraftController
+from kimik3.engine.spec.device_drafts import DeviceDrafts
 from kimik3.model.draft_step import (DraftExecutor, DraftWork, allocate_draft_cache, cache_nbytes, draft_cache_shape,
                                      draft_state_bytes)
 from kimik3.engine.spec.drafter import Drafter
@@ -95,6 +96,8 @@ class ModelDrafter(Drafter):
         self.clock = time.process_time if p.device.type == "cpu" else time.perf_counter
         self._step_end: float | None = None      # when the last ``observe`` returned (the target step's start)
         self._pending: tuple | None = None       # the last ``observe``'s launched draft work, not yet handed out
+        self._deferred = False                   # proposals are placeholders for drafts still on the device
+        self._tokens, self._heads, self._asked, self._handed, self._real = None, {}, set(), {}, {}
 
     @staticmethod
     def bytes_per_block(draft, block_size: int) -> int:
@@ -124,8 +127,16 @@ class ModelDrafter(Drafter):
         return req.spec
 
     def propose(self, req, room: int) -> list[int]:
-        """The draft's proposal from the last step (``observe``), within ``room`` and the grammar."""
-        self._collect()
+        """The draft's proposal from the last step (``observe``), within ``room`` and the grammar. While its drafts
+        are still on the device (``_deferred``), placeholders of their count (``pending_drafts``)."""
+        if self._deferred:
+            self._asked.add(id(req))
+            head = self._heads.get(id(req))
+            if head is not None and room:
+                self._handed[id(req)] = head[0]
+                return [0] * min(head[1], room)
+        else:
+            self._collect()
         s = self.state(req)
         draft, s.proposal = s.proposal[:room], []
         return draft[:req.matcher.valid_prefix(draft)] if draft and req.matcher is not None else draft
@@ -147,10 +158,29 @@ class ModelDrafter(Drafter):
         if states is not None:
             work, reqs, counts = self._plan(out)
             if work.rows or work.state_copies or work.state_resets:
-                collect = self.executor.launch(work, states)
+                collect, tokens = self.executor.launch(work, states)
                 sizes = (len(work.rows), work.num_forwards, work.forward_rows) if decode and work.rows else None
                 self._pending = (collect, reqs, counts, sizes, self.clock() - now)
+                # the next step may be scheduled before the drafts reach the host (none constrained by a grammar)
+                self._deferred = tokens is not None and self._may_defer(reqs, counts)
+                self._tokens, self._asked, self._handed = tokens, set(), {}
+                self._heads = {id(r): (i, k) for i, (r, k) in enumerate(zip(reqs, counts)) if k}
         self._step_end = self.clock()
+
+    @staticmethod
+    def _may_defer(reqs, counts: list[int]) -> bool:
+        """Whether the drafting heads' next step may be scheduled on placeholders: no grammar cuts their drafts."""
+        return all(r.matcher is None for r, k in zip(reqs, counts) if k)
+
+    def pending_drafts(self) -> DeviceDrafts | None:
+        """After a step is scheduled: its placeholder drafts' source (the runner reads the device's tokens, the
+        sampler resolves them), or None; the next step's proposals wait for the drafts."""
+        deferred, self._deferred = self._deferred, False
+        return DeviceDrafts(self._tokens, self._handed, self._take) if deferred and self._handed else None
+
+    def _take(self) -> dict[int, list[int]]:
+        self._collect()
+        return self._real
 
     def _collect(self) -> None:
         """Hand out the last ``observe``'s drafts, waiting for the device if it still drafts: the wait is the draft's
@@ -158,7 +188,7 @@ class ModelDrafter(Drafter):
         if self._pending is None:
             return
         collect, reqs, counts, sizes, launched = self._pending
-        self._pending = None
+        self._pending, self._deferred = None, False
         t0 = self.clock()
         drafts = collect()
         waited = self.clock() - t0
@@ -167,6 +197,11 @@ class ModelDrafter(Drafter):
         if self._step_end is not None:
             self._step_end += waited
         self._hand_out(reqs, counts, drafts)
+        self._real = {id(r): d for r, d in zip(reqs, drafts)}
+        for req in reqs:                     # proposed already (as placeholders, or none): not proposed again
+            if id(req) in self._asked:
+                self.state(req).proposal = []
+        self._asked = set()
 
     def _plan(self, out) -> tuple[DraftWork, list, list[int]]:
         """The step's catch-up rows and, for the requests that sample next, their drafts (``controller.plan``):

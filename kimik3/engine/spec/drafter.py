@@ -93,6 +93,11 @@ class Drafter:
     def observe(self, out, states) -> None:
         pass
 
+    def pending_drafts(self):
+        """After each step is scheduled: a ``device_drafts.DeviceDrafts`` where its drafts are placeholders for
+        tokens still on the device (``draft_model.py``), else None (the default)."""
+        return None
+
     def release(self, req) -> None:
         pass
 

@@ -6,6 +6,7 @@ greedy output is plain decoding's."""
 
 from __future__ import annotations
 
+import numpy as np
 import pytest
 import torch
 
@@ -155,7 +156,9 @@ def dflash_engine(target, **kw):
 def test_draft_steps_replay_graphs_with_the_eager_drafts(target, monkeypatch, method):  # noqa: F811
     """The draft's own steps on emulated draft graphs (``tests/model/test_draft_graphs.py``), attached as the
     runner attaches them where the target replays graphs: every step's drafts equal the eager engine's, catch-up
-    and position (or block) graphs replayed (a prompt's many rows ran eagerly), greedy output plain decoding's."""
+    and position (or block) graphs replayed (a prompt's many rows ran eagerly), each step returned with the
+    draft's work queued and the next scheduled on placeholders (``spec/device_drafts.py``), greedy output plain
+    decoding's and acceptance the eager engine's."""
     reqs = requests(target, seed=11, n=2, max_tokens=8)
     futures = {tuple(p): reference_greedy(target, p, sp.max_tokens) for p, sp in reqs.values()}
     fixed_plan(monkeypatch)
@@ -165,7 +168,7 @@ def test_draft_steps_replay_graphs_with_the_eager_drafts(target, monkeypatch, me
     want_drafts = record_drafts(eager)
     want = run(eager, reqs)
     engine = build(target, **kw)
-    graphed(engine, k=3)
+    graphed(engine, k=3 if method == "eagle3" else 2)      # DFlash's 3-draft verify steps run eagerly
     draft_graphs = engine.scheduler.drafter.executor.graphs
     got_drafts = record_drafts(engine)
     launched, collected, in_flight = [], [], []
@@ -183,6 +186,41 @@ def test_draft_steps_replay_graphs_with_the_eager_drafts(target, monkeypatch, me
         return counted
     draft_graphs.launch = tracking
 
+    drafter, on_device = engine.scheduler.drafter, []
+    pending_drafts = drafter.pending_drafts
+
+    def counting():
+        source = pending_drafts()
+        on_device.append(source is not None)
+        return source
+    drafter.pending_drafts = counting
+
+    fed, launch_step, run_eager, eager_ids = [], engine.runner.launch, engine.runner.run, []
+
+    def run_recorded(input_ids, batch, rows):
+        eager_ids.append(input_ids.clone())
+        return run_eager(input_ids, batch, rows)
+    engine.runner.run = run_recorded
+
+    def launch_checked(out, input_ids=None):
+        """A verify step on placeholders (a graph or eager): its draft rows held the real drafts."""
+        graph_steps, eager_steps = engine.runner.num_graph_steps, len(eager_ids)
+        logits = launch_step(out, input_ids)
+        if out.pending_drafts is not None:
+            out.pending_drafts.resolve(out.chunks)
+            if engine.runner.num_graph_steps > graph_steps:
+                size, L = engine.runner.graphs.replayed[-1]
+                ids = engine.runner.graphs.seen[-1][0][0].view(size, L)
+                got = [ids[s, 1:1 + len(c.draft)].tolist() for s, c in enumerate(out.chunks)]
+            else:
+                assert len(eager_ids) == eager_steps + 1
+                ids, ends = eager_ids[-1].tolist(), np.cumsum([c.num_tokens for c in out.chunks]).tolist()
+                got = [ids[end - len(c.draft):end] for end, c in zip(ends, out.chunks)]
+            assert got == [c.draft for c in out.chunks], (got, out.chunks)
+            fed.append(engine.runner.num_graph_steps > graph_steps)
+        return logits
+    engine.runner.launch = launch_checked
+
     def check(e):
         check_invariants(e.kv, e.scheduler.running)
         assert len(launched) - len(collected) in (0, 1)
@@ -196,3 +234,8 @@ def test_draft_steps_replay_graphs_with_the_eager_drafts(target, monkeypatch, me
                                                                                len(got_drafts))
     assert engine.num_draft_tokens == eager.num_draft_tokens > 0
     assert launched and sum(in_flight) > len(in_flight) // 2, in_flight     # the host emits while the draft runs
+    # verify steps scheduled and launched on placeholders, their rows given the device's drafts: the same
+    # acceptance at every position as the eager engine's host drafts
+    assert sum(on_device) > 2, on_device
+    assert engine.accepted_per_position == eager.accepted_per_position
+    assert (method == "eagle3") in fed, fed       # verify graphs (Eagle3) and eager verify steps (DFlash)

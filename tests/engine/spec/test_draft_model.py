@@ -50,7 +50,9 @@ def engine_with(target, k: int = 3, blocks: int | None = None, **kw) -> LLMEngin
 
 def oracle(monkeypatch, futures: dict[tuple[int, ...], list[int]], vocab: int) -> None:
     """Drafts replaced (after the draft model ran) by each request's known continuation, the second one corrupted
-    every other step: verify steps see accepted runs, bonus tokens and rejections."""
+    every other step: verify steps see accepted runs, bonus tokens and rejections. (Host drafts: the next step
+    waits for them, ``ModelDrafter._may_defer``.)"""
+    monkeypatch.setattr(ModelDrafter, "_may_defer", staticmethod(lambda reqs, counts: False))
     hand_out = ModelDrafter._hand_out
 
     def patched(self, reqs, counts, drafts):
