@@ -282,3 +282,19 @@ def capture_or_none(graphs: DecodeGraphs, decode_only_retry: bool = True) -> Dec
             return capture_or_none(type(graphs)(graphs.model, graphs.cache, graphs.sizes[-1], graphs.max_model_len,
                                                 aux_layers=graphs.aux_layers), decode_only_retry=False)
         return None
+
+
+def captured_or_none(graphs, what: str, fallback: str):
+    """``graphs.capture()`` and ``graphs``, or None after one warning (``what`` failed; ``fallback`` runs instead)
+    with the half-captured graphs dropped (capture errors come as RuntimeError or torch.AcceleratorError)."""
+    try:
+        graphs.capture()
+        return graphs
+    except Exception as exc:
+        logger.warning("CUDA graph capture of %s failed (%s: %s); %s", what, type(exc).__name__,
+                       str(exc).splitlines()[0] if str(exc) else "", fallback)
+        graphs.graphs.clear()
+        if torch.cuda.is_available():
+            torch.cuda.synchronize()
+            torch.cuda.empty_cache()
+        return None

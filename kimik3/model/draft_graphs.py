@@ -37,7 +37,7 @@ import logging
 
 import torch
 
-from kimik3.model.cuda_graphs import garbage_collection_paused, graph_batch_sizes, padded_batch_size
+from kimik3.model.cuda_graphs import captured_or_none, garbage_collection_paused, graph_batch_sizes, padded_batch_size
 from kimik3.model.dflash import DFlashDraft, DFlashLayer
 from kimik3.model.draft_attention import DraftBatch
 from kimik3.model.eagle3 import Eagle3Draft, Eagle3Layer
@@ -271,14 +271,4 @@ class DraftGraphs:
 
 def capture_draft_or_none(graphs: DraftGraphs) -> DraftGraphs | None:
     """Capture the draft's graphs; a draft that cannot be captured drafts eagerly (one warning)."""
-    try:
-        graphs.capture()
-        return graphs
-    except Exception as exc:        # capture errors come as RuntimeError or torch.AcceleratorError
-        logger.warning("CUDA graph capture of the draft's steps failed (%s: %s); the draft runs eagerly",
-                       type(exc).__name__, str(exc).splitlines()[0] if str(exc) else "")
-        graphs.graphs.clear()
-        if torch.cuda.is_available():
-            torch.cuda.synchronize()
-            torch.cuda.empty_cache()
-        return None
+    return captured_or_none(graphs, "the draft's steps", "the draft runs eagerly")

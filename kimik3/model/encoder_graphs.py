@@ -23,7 +23,7 @@ import logging
 
 import torch
 
-from kimik3.model.cuda_graphs import garbage_collection_paused
+from kimik3.model.cuda_graphs import captured_or_none, garbage_collection_paused
 from kimik3.model.vision import MoonViT, TowerInputs
 from kimik3.ops.attention import kernel_takes
 
@@ -124,13 +124,4 @@ class EncoderGraphs:
 
 def capture_encoder_or_none(graphs: EncoderGraphs) -> EncoderGraphs | None:
     """Capture the tower's graphs; a tower that cannot be captured runs eagerly (one warning)."""
-    try:
-        graphs.capture()
-        return graphs
-    except Exception as exc:        # capture errors come as RuntimeError or torch.AcceleratorError
-        logger.warning("CUDA graph capture of the vision tower failed (%s: %s); images are encoded eagerly",
-                       type(exc).__name__, str(exc).splitlines()[0] if str(exc) else "")
-        graphs.graphs.clear()
-        torch.cuda.synchronize()
-        torch.cuda.empty_cache()
-        return None
+    return captured_or_none(graphs, "the vision tower", "images are encoded eagerly")

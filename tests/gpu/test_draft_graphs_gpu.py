@@ -6,7 +6,7 @@ into one fixed buffer (``DecodeGraphs.aux_states``).
    against the eager ``forward_step(aux_layers=...)`` of the same tokens from the same cache.
 2. Greedy generation, graphs on vs eager (sync and async scheduling): the same tokens up to bf16 near-ties
    (``assert_same_greedy``), verify graphs and the draft's own graphs (``model/draft_graphs.py``) replayed,
-   drafts accepted. The drafts themselves may differ where
+   verify steps launched on drafts still on the device, drafts accepted. The drafts themselves may differ where
    the draft's states differ by rounding, so the runs may verify different drafts with different kernels: the
    cross-kernel bound ``SLICE_CROSS_NOISE`` applies.
 3. The draft's own steps captured for real (small float32 Eagle3 and DFlash drafts): steps of mixed depths,
@@ -78,6 +78,13 @@ def test_eagle3_graphs_match_eager(model, n, async_scheduling):
     assert graphs is not None and graphs.max_query_len == 5 and graphs.aux_states is not None
     draft_graphs = engine.scheduler.drafter.executor.graphs
     assert draft_graphs is not None and draft_graphs.graphs
+    on_device, pending_drafts = [], engine.scheduler.drafter.pending_drafts
+
+    def counting():                 # verify steps scheduled on drafts still on the device (spec/device_drafts.py)
+        source = pending_drafts()
+        on_device.append(source is not None)
+        return source
+    engine.scheduler.drafter.pending_drafts = counting
     replayed = []
     run = graphs.run
 
@@ -87,7 +94,7 @@ def test_eagle3_graphs_match_eager(model, n, async_scheduling):
     graphs.run = counting
     graphed = generate(engine, reqs)
     assert 1 in replayed and (n > 1 or any(L > 1 for L in replayed)), replayed
-    assert engine.num_accepted_tokens > 0 and draft_graphs.num_replays > 0
+    assert engine.num_accepted_tokens > 0 and draft_graphs.num_replays > 0 and any(on_device)
     print(f"draft graph steps {draft_graphs.num_replays}; "
           f"graph steps {engine.runner.num_graph_steps} of {engine.runner.num_steps}, verify graphs "
           f"{sum(L > 1 for L in replayed)}, accepted {engine.num_accepted_tokens} of {engine.num_draft_tokens}")

@@ -55,7 +55,11 @@ def small_draft(seed: int = 0, vocab: int = 96, target_hidden: int = 24) -> Eagl
     cfg = Eagle3Config(hidden_size=32, num_attention_heads=4, num_key_value_heads=2, head_dim=8, intermediate_size=40,
                        rms_norm_eps=1e-6, rope_theta=1000.0, vocab_size=vocab, draft_vocab_size=64,
                        target_hidden_size=target_hidden, aux_layer_ids=(1, 2))
-    m = Eagle3Draft(cfg)
+    return randomized(Eagle3Draft(cfg), seed, vocab)
+
+
+def randomized(m, seed: int, vocab: int):
+    """Random weights (norms 1) and a random map of the 64 draft tokens into the vocabulary."""
     g = torch.Generator().manual_seed(seed)
     for p in m.parameters():
         p.data.copy_(torch.randn(p.shape, generator=g) / math.sqrt(p.shape[-1]) if p.dim() > 1 else torch.ones(p.shape))
@@ -94,12 +98,7 @@ def small_dflash(seed: int = 0, vocab: int = 96, target_hidden: int = 24) -> DFl
     cfg = DFlashConfig(hidden_size=32, num_hidden_layers=2, num_attention_heads=4, num_key_value_heads=2, head_dim=8,
                        intermediate_size=40, rms_norm_eps=1e-6, rope_theta=500.0, vocab_size=vocab, draft_vocab_size=64,
                        target_hidden_size=target_hidden, aux_layer_ids=(1, 2), block_size=4, mask_token_id=vocab - 1)
-    m = DFlashDraft(cfg)
-    g = torch.Generator().manual_seed(seed)
-    for p in m.parameters():
-        p.data.copy_(torch.randn(p.shape, generator=g) / math.sqrt(p.shape[-1]) if p.dim() > 1 else torch.ones(p.shape))
-    m.d2t.copy_(torch.randint(0, vocab - 64, (64,), generator=g))
-    return m.eval()
+    return randomized(DFlashDraft(cfg), seed, vocab)
 
 
 @pytest.fixture(scope="module")
