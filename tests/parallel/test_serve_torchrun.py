@@ -17,6 +17,9 @@ import pytest
 import torch
 
 PROMPT = "The capital of France is"
+# a prompt the default model continues by repeating it: n-gram drafts are found and accepted
+AUSTEN = ("It is a truth universally acknowledged, that a single man in possession of a good fortune, must be in want "
+          "of a wife. It is a truth universally acknowledged, that a single man")
 
 
 def _image_chat() -> list[dict]:
@@ -49,14 +52,15 @@ def want():
     text = llm.generate([PROMPT], params, use_tqdm=False)[0].outputs[0].text
     chat = llm.chat(_image_chat(), SamplingParams(temperature=0.0, max_tokens=8, ignore_eos=True, logprobs=0),
                     use_tqdm=False)[0].outputs[0]
-    return text, chat.text, [lp[t].logprob for t, lp in zip(chat.token_ids, chat.logprobs)]
+    austen = llm.generate([AUSTEN], SamplingParams(temperature=0.0, max_tokens=24, ignore_eos=True), use_tqdm=False)
+    return text, chat.text, [lp[t].logprob for t, lp in zip(chat.token_ids, chat.logprobs)], austen[0].outputs[0].text
 
 
 @pytest.mark.parametrize("nproc,flags", [
     (2, ["--tensor-parallel-size", "2", "--decode-context-parallel-size", "2"]),
     (4, ["--tensor-parallel-size", "2", "--pipeline-parallel-size", "2", "--enable-expert-parallel", "--enable-eplb",
-         "--num-redundant-experts", "2"]),
-], ids=["tp2-dcp2", "pp2xtp2-ep-eplb"])
+         "--num-redundant-experts", "2", "--num-speculative-tokens", "2"]),
+], ids=["tp2-dcp2", "pp2xtp2-ep-eplb-ngram"])
 def test_served_completion_under_torchrun_matches_one_process(want, tmp_path, nproc, flags):
     torchrun = shutil.which("torchrun")
     if torchrun is None:
@@ -96,6 +100,13 @@ def test_served_completion_under_torchrun_matches_one_process(want, tmp_path, np
             # the sampled tokens' logprobs (float64) see the images' embeddings: one rank's share wrong moves them
             got = [c["logprob"] for c in choice["logprobs"]["content"]]
             assert got == pytest.approx(want[2], rel=1e-9, abs=1e-9), (got, want[2])
+        if "--num-speculative-tokens" in flags:      # n-gram drafts verified through the stages' micro-batches
+            r = httpx.post(url + "/v1/completions", timeout=120, json={
+                "model": "m", "prompt": AUSTEN, "max_tokens": 24, "temperature": 0.0, "ignore_eos": True})
+            assert r.status_code == 200 and r.json()["choices"][0]["text"] == want[3], r.text
+            metrics = httpx.get(url + "/metrics", timeout=30).text.splitlines()
+            accepted = [ln for ln in metrics if ln.startswith("vllm:spec_decode_num_accepted_tokens_total")]
+            assert accepted and float(accepted[0].split()[-1]) > 0, accepted
         if "--enable-eplb" in flags:      # a live rebalance on every rank of both stages, then the same completion
             r = httpx.post(url + "/rebalance_experts", json={}, timeout=120)
             assert r.status_code == 200, r.text
