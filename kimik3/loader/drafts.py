@@ -171,14 +171,20 @@ def _expected(root: nn.Module) -> set[str]:
 
 def _tp_slice(root: nn.Module, name: str, tensor: torch.Tensor) -> torch.Tensor:
     """This rank's share of checkpoint tensor ``name`` under tensor parallelism: the slice its owning module
-    names in ``tp_slices`` (dim, start, length), else the whole tensor (replicated)."""
+    names in ``tp_slices`` (dim, start, length: the draft's own modules), or in ``tp_shards`` (dim, rank, ranks: the
+    target's modules, which MTP layers are made of, as the target's loader reads them), else the whole tensor."""
     parts = name.split(".")
     for i in range(len(parts) - 1, -1, -1):
         try:
             module = root.get_submodule(".".join(parts[:i]))
         except AttributeError:
             continue
-        rule = getattr(module, "tp_slices", {}).get(".".join(parts[i:]))
+        leaf = ".".join(parts[i:])
+        rule = getattr(module, "tp_slices", {}).get(leaf)
+        shard = getattr(module, "tp_shards", {}).get(leaf)
+        if rule is None and shard is not None and tensor.dim() > shard[0]:
+            dim, rank, ranks = shard
+            rule = (dim, rank * (tensor.shape[dim] // ranks), tensor.shape[dim] // ranks)
         if rule is not None:
             dim, start, length = rule
             if tensor.dim() <= dim or tensor.shape[dim] < start + length:
@@ -242,6 +248,20 @@ def _parallel(target) -> ParallelContext | None:
     return par if par is not None and par.enabled else None
 
 
+def _build(where: str, make, target):
+    """The draft module ``make(parallel)`` on the meta device, split over the target's tensor-parallel ranks; a size
+    that the ranks do not divide is a ``DraftError`` naming it and the fix."""
+    par = _parallel(target)
+    try:
+        with torch.device("meta"):
+            return make(par)
+    except ValueError as e:
+        if par is None:
+            raise DraftError(f"{where}: {e}") from None
+        raise DraftError(f"{where}: {e}; under tensor parallelism the draft is split over the target's "
+                         f"{par.tp_size} ranks: use a tensor_parallel_size that divides it (1 runs it whole)") from None
+
+
 def _share_embedding(model: nn.Module, target, tensors: dict) -> dict[str, torch.Tensor]:
     """A draft without its own embedding reads the target's: the target's module itself (vocabulary-parallel
     under tensor parallelism, where this rank holds a share of the rows). The loader's ``shared`` entry for it."""
@@ -259,8 +279,7 @@ def load_eagle3(path: str | Path, target, device=None, dtype: torch.dtype | None
     if kind != "eagle3":
         raise DraftError(f"{where}: speculators_model_type is {kind!r}, not 'eagle3' (use method {kind!r})")
     cfg = eagle3_config(data, target, where)
-    with torch.device("meta"):
-        model = Eagle3Draft(cfg, _parallel(target))
+    model = _build(where, lambda par: Eagle3Draft(cfg, par), target)
     model.to_empty(device=device or target.device)
     tensors = _read_all(path, _eagle3_name)
     if cfg.hidden_size != target.config.text.hidden_size and "embed_tokens.weight" not in tensors:
@@ -287,8 +306,7 @@ def load_dflash(path: str | Path, target, device=None, dtype: torch.dtype | None
         raise DraftError(f"{where}: DSpark's Markov head (markov_rank {data.get('markov_rank')}) and confidence head "
                          "are not supported; only the DFlash-shaped block drafter (markov_rank 0, no confidence head)")
     cfg = dflash_config(data, target, where)
-    with torch.device("meta"):
-        model = DFlashDraft(cfg, _parallel(target))
+    model = _build(where, lambda par: DFlashDraft(cfg, par), target)
     model.to_empty(device=device or target.device)
     tensors = _read_all(path, lambda n: n[len("model."):] if n.startswith("model.") else n)
     tensors.pop("t2d", None)                 # the target-side mask is not needed to draft
@@ -314,12 +332,8 @@ def load_mtp(path: str | Path, target, device=None, dtype: torch.dtype | None = 
     if n < 1:
         raise DraftError(f"{where}: num_nextn_predict_layers is {n}: the checkpoint has no MTP layers "
                          "(the K3 release ships none; use an Eagle3 or DFlash draft)")
-    if _parallel(target) is not None:
-        raise DraftError(f"{where}: MTP drafts under tensor parallelism are not supported yet (their MLA and MoE "
-                         "blocks would need the target's sharding); use an Eagle3 or DFlash draft, or one GPU")
     text = target.config.text
-    with torch.device("meta"):
-        model = MTPDraft(text, n)
+    model = _build(where, lambda par: MTPDraft(text, n, par), target)    # under TP: split as the target's layers
     model.to_empty(device=device or target.device)
     L = text.num_hidden_layers
     tensors, experts = {}, {}
@@ -340,16 +354,7 @@ def load_mtp(path: str | Path, target, device=None, dtype: torch.dtype | None = 
     _kda_shapes(model, tensors, where)
     _load_tensors(model, tensors, where, {})
     for (layer, expert, which), parts in experts.items():
-        w = parts.get("")
-        if w is None:
-            if set(parts) != {"_packed", "_scale"}:
-                raise DraftError(f"{where}: layer {layer} expert {expert} {which} lacks its MXFP4 packed/scale pair")
-            w = mxfp4.dequantize(parts["_packed"], parts["_scale"], torch.float32)
-        mtp_layer = model.model.layers[str(layer)]
-        if not hasattr(mtp_layer, "block_sparse_moe"):
-            raise DraftError(f"{where}: layer {layer} is dense but the checkpoint has routed experts")
-        mtp_layer.block_sparse_moe.experts.load_expert(expert, which, w.to(mtp_layer.eh_proj.weight.device),
-                                                       f"layer {layer} expert {expert} {which}")
+        _load_expert(model, layer, expert, which, parts, where)
     expected = {(int(k), e, w) for k, layer in model.model.layers.items() if hasattr(layer, "block_sparse_moe")
                 for e in range(text.num_experts) for w in ("w1", "w2", "w3")}
     missing = sorted(expected - set(experts))
@@ -362,6 +367,30 @@ def load_mtp(path: str | Path, target, device=None, dtype: torch.dtype | None = 
         keep = keeps_fp32(name, policy) or name.endswith("e_score_correction_bias")
         p.data = p.data.to(wide if keep else dtype)
     return model.eval()
+
+
+def _load_expert(model: MTPDraft, layer: int, expert: int, which: str, parts: dict[str, torch.Tensor],
+                 where: str) -> None:
+    """One routed expert's matrix (dense, or an MXFP4 pair dequantized) into MTP layer ``layer``; under expert
+    parallelism only where this rank holds the expert, under expert-tensor parallelism its intermediate slice (w1 /
+    w3 rows, w2 columns), as the target's loader places the target's experts."""
+    w = parts.get("")
+    if w is None:
+        if set(parts) != {"_packed", "_scale"}:
+            raise DraftError(f"{where}: layer {layer} expert {expert} {which} lacks its MXFP4 packed/scale pair")
+        w = mxfp4.dequantize(parts["_packed"], parts["_scale"], torch.float32)
+    mtp_layer = model.model.layers[str(layer)]
+    if not hasattr(mtp_layer, "block_sparse_moe"):
+        raise DraftError(f"{where}: layer {layer} is dense but the checkpoint has routed experts")
+    experts = mtp_layer.block_sparse_moe.experts
+    if not experts.holds(expert):
+        return                                   # another expert-parallel rank's
+    index, count = experts.intermediate_shard
+    if count > 1:
+        dim = 1 if which == "w2" else 0
+        n = w.shape[dim] // count
+        w = w.narrow(dim, index * n, n)
+    experts.load_expert(expert, which, w.to(mtp_layer.eh_proj.weight.device), f"layer {layer} expert {expert} {which}")
 
 
 _KDA_ONLY = ("A_log", "dt_bias", "f_a_proj", "f_b_proj", "q_conv1d", "k_conv1d", "v_conv1d")

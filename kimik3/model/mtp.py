@@ -18,36 +18,56 @@ KDA block (K3's own KimiDeltaAttention) whose recurrent state lives in the draft
 The draft's cache is a ``HybridCache`` of its own (``MTPDraft.allocate_cache``): an MLA layer's latents by the
 target's block tables, a KDA layer's conv window and state per state slot (the target's slot numbers: the
 engine mirrors the target's state copies, resets and prefix checkpoints on it, ``model/draft_step.py``).
+
+Under tensor parallelism (``parallel``) every rank holds its share of each MTP layer, split as the target's decoder
+layers are, by the target's own modules: the MLA / KDA heads, the MoE's expert slices (or experts, under expert
+parallelism) and shared-expert intermediate, the dense MLP's intermediate, and the embedding and shared head by
+vocabulary (``VocabHead.argmax``: the greedy ids over all ranks); eh_proj and the norms are replicated. The draft's
+MLA latents are whole on every rank (no decode-context striping: ``draft_parallel``), its KDA states hold the rank's
+heads.
 """
 
 from __future__ import annotations
+
+import dataclasses
 
 import torch
 from torch import nn
 
 from kimik3.config import TextConfig
+from kimik3.distributed import ParallelContext
 from kimik3.model.batch import ForwardBatch, HybridCache
+from kimik3.model.eagle3 import VocabHead
 from kimik3.model.kda import KimiDeltaAttention
 from kimik3.model.layers import MLP, Embedding, GLUActivation, RMSNorm, linear
 from kimik3.model.mla import MLAAttention
 from kimik3.model.moe import build_moe
 
 
+def draft_parallel(parallel: ParallelContext | None) -> ParallelContext | None:
+    """The target's tensor-parallel context as the MTP layers use it: the same ranks, heads and expert placement,
+    but the latent cache whole on every rank (the draft's one or two MLA layers keep no decode-context stripes)
+    and the routed experts evenly placed (EPLB's redundant slots are the target's layers')."""
+    if parallel is None or not parallel.enabled:
+        return None
+    return dataclasses.replace(parallel, dcp_size=1, dcp_group=None, eplb=False, num_redundant_experts=0)
+
+
 class SharedHead(nn.Module):
-    def __init__(self, hidden_size: int, vocab_size: int, eps: float):
+    def __init__(self, hidden_size: int, vocab_size: int, eps: float, parallel: ParallelContext | None = None):
         super().__init__()
         self.norm = RMSNorm(hidden_size, eps)
-        self.head = linear(hidden_size, vocab_size)
+        self.head = VocabHead(hidden_size, vocab_size, parallel)
 
 
 class MTPLayer(nn.Module):
-    def __init__(self, cfg: TextConfig, layer_id: int):
+    def __init__(self, cfg: TextConfig, layer_id: int, parallel: ParallelContext | None = None):
         super().__init__()
         D, eps = cfg.hidden_size, cfg.rms_norm_eps
         self.layer_id = layer_id
         self.is_kda = cfg.is_kda_layer(layer_id)
         act = GLUActivation(cfg.hidden_act, cfg.situ_beta, cfg.situ_linear_beta)
-        self.embed_tokens = Embedding(cfg.vocab_size, D)
+        self.embed_tokens = Embedding(cfg.vocab_size, D, parallel)
         self.enorm = RMSNorm(D, eps)
         self.hnorm = RMSNorm(D, eps)
         self.eh_proj = linear(2 * D, D)
@@ -55,17 +75,17 @@ class MTPLayer(nn.Module):
         if self.is_kda:
             k = cfg.kda
             self.self_attn = KimiDeltaAttention(D, k.num_heads, k.head_dim, k.conv_size, k.use_full_rank_gate,
-                                                k.gate_lower_bound, eps)
+                                                k.gate_lower_bound, eps, parallel)
         else:
             self.self_attn = MLAAttention(D, cfg.num_attention_heads, cfg.q_lora_rank, cfg.kv_lora_rank,
                                           cfg.qk_nope_head_dim, cfg.qk_rope_head_dim, cfg.v_head_dim,
-                                          cfg.mla_use_output_gate, cfg.numerics.mla_latent_norm_eps)
+                                          cfg.mla_use_output_gate, cfg.numerics.mla_latent_norm_eps, parallel)
         self.post_attention_layernorm = RMSNorm(D, eps)
         if cfg.is_moe_layer(layer_id):
-            self.block_sparse_moe = build_moe(cfg, act)
+            self.block_sparse_moe = build_moe(cfg, act, parallel)
         else:
-            self.mlp = MLP(D, cfg.intermediate_size, act)
-        self.shared_head = SharedHead(D, cfg.vocab_size, eps)
+            self.mlp = MLP(D, cfg.intermediate_size, act, parallel)
+        self.shared_head = SharedHead(D, cfg.vocab_size, eps, parallel)
 
     def _fused(self, next_ids: torch.Tensor, hidden: torch.Tensor, positions: torch.Tensor) -> torch.Tensor:
         e = self.embed_tokens(next_ids).masked_fill((positions == 0)[:, None], 0.0)
@@ -103,16 +123,18 @@ class MTPLayer(nn.Module):
 
 class MTPDraft(nn.Module):
     """The MTP layers of a K3 checkpoint; ``model.layers[str(L + j)]`` so module names equal the
-    checkpoint's. A chain longer than the layers reuses them cyclically (step i runs layer i mod n)."""
+    checkpoint's. A chain longer than the layers reuses them cyclically (step i runs layer i mod n). ``parallel``:
+    the target's tensor-parallel context (module docstring; ``draft_parallel`` derives the draft's)."""
 
-    def __init__(self, cfg: TextConfig, num_layers: int):
+    def __init__(self, cfg: TextConfig, num_layers: int, parallel: ParallelContext | None = None):
         super().__init__()
         if num_layers < 1:
             raise ValueError("an MTP draft needs num_nextn_predict_layers >= 1")
         self.cfg = cfg
         self.first_layer = L = cfg.num_hidden_layers
+        par = draft_parallel(parallel)
         self.model = nn.Module()
-        self.model.layers = nn.ModuleDict({str(L + j): MTPLayer(cfg, L + j) for j in range(num_layers)})
+        self.model.layers = nn.ModuleDict({str(L + j): MTPLayer(cfg, L + j, par) for j in range(num_layers)})
 
     @property
     def num_layers(self) -> int:
@@ -137,9 +159,10 @@ class MTPDraft(nn.Module):
         kda = [int(i) for i, lay in layers.items() if lay.is_kda]
         mla = [int(i) for i, lay in layers.items() if not lay.is_kda]
         k = cfg.kda
+        H = layers[str(kda[0])].self_attn.num_heads if kda else k.num_heads      # this rank's heads
         as_dtype = dict(dtype=dtype, device=device)
-        conv = torch.zeros(len(kda), num_slots, 3 * k.num_heads * k.head_dim, k.conv_size - 1, **as_dtype)
-        state = torch.zeros(len(kda), num_slots, k.num_heads, k.head_dim, k.head_dim, device=device,
+        conv = torch.zeros(len(kda), num_slots, 3 * H * k.head_dim, k.conv_size - 1, **as_dtype)
+        state = torch.zeros(len(kda), num_slots, H, k.head_dim, k.head_dim, device=device,
                             dtype=torch.promote_types(dtype, torch.float32))
         latent = torch.zeros(len(mla), num_blocks, block_size, cfg.mla_cache_dim, **as_dtype)
         index = {lid: i for i, lid in enumerate(kda)} | {lid: i for i, lid in enumerate(mla)}
@@ -147,5 +170,9 @@ class MTPDraft(nn.Module):
 
     def forward(self, step: int, next_ids: torch.Tensor, hidden: torch.Tensor, positions: torch.Tensor,
                 batch: ForwardBatch, cache: HybridCache) -> tuple[torch.Tensor, torch.Tensor]:
-        """Chain step ``step`` (its layer) over rows (``MTPLayer.forward``)."""
+        """Chain step ``step`` (its layer) over rows (``MTPLayer.forward``); logits of this rank's vocabulary share."""
         return self.layer(step)(next_ids, hidden, positions, batch, cache)
+
+    def greedy(self, logits: torch.Tensor) -> torch.Tensor:
+        """The greedy tokens of logits rows of this rank's vocabulary share (every layer's head is split alike)."""
+        return self.layer(0).shared_head.head.argmax(logits)

@@ -113,6 +113,24 @@ def test_dflash_shares_the_targets_embedding_and_head(tmp_path, target):
         load_dflash(tmp_path / "markov", target)
 
 
+def test_a_draft_the_tensor_parallel_ranks_do_not_divide_is_refused_at_load(tmp_path, target, tiny_ckpt):
+    """Under TP2 a DFlash draft with 3 query heads (or an Eagle3 draft with an odd intermediate size) cannot be split
+    as its layers say: a DraftError at load naming the size and the fix, before any tensor is read."""
+    from kimik3.distributed import ParallelContext
+    with torch.device("meta"):
+        tp2 = KimiForCausalLM(target.config, ParallelContext(tp_rank=0, tp_size=2))
+    dflash_files(tmp_path / "dflash", target, transformer_layer_config={
+        "hidden_size": target.config.text.hidden_size, "num_attention_heads": 3, "num_key_value_heads": 1,
+        "head_dim": 16, "intermediate_size": 40, "num_hidden_layers": 1, "vocab_size": target.config.text.vocab_size})
+    load_dflash(tmp_path / "dflash", target)                   # one process: loads
+    with pytest.raises(DraftError, match=r"num_attention_heads \(3\) is not divisible .*2 ranks: use a "
+                                         r"tensor_parallel_size that divides it"):
+        load_dflash(tmp_path / "dflash", tp2)
+    eagle3_files(tmp_path / "eagle3", target, layer={"intermediate_size": 41})
+    with pytest.raises(DraftError, match=r"intermediate_size \(41\) is not divisible .*tensor_parallel_size"):
+        load_eagle3(tmp_path / "eagle3", tp2)
+
+
 def test_mtp_layers_load_from_a_k3_checkpoint(tmp_path):
     config = tiny_k3_config(vocab_size=64, vision=False)
     config["text_config"]["num_nextn_predict_layers"] = 1

@@ -362,9 +362,10 @@ DRAFT_ENGINE_CONFIG = dict(max_num_seqs=3, max_num_batched_tokens=64, max_model_
                            speculative_method="eagle3")
 
 
-def record_drafts(box: list) -> None:
+def record_drafts(box: list, held: dict | None = None) -> None:
     """Every draft step's drafts this process computes, appended to ``box``; every request drafts all it may
-    (the controller's plan, which follows measured times, would differ between processes)."""
+    (the controller's plan, which follows measured times, would differ between processes). ``held``: the parameter
+    elements of the draft that ran (this rank's share), under "elements"."""
     from kimik3.engine.spec.controller import DraftController
     from kimik3.model.draft_step import DraftExecutor
     run = DraftExecutor.run
@@ -373,25 +374,36 @@ def record_drafts(box: list) -> None:
     def recording(self, work, states):
         out = run(self, work, states)
         box.append(out)
+        if held is not None:
+            held["elements"] = sum(p.numel() for p in self.draft.parameters())
         return out
     DraftExecutor.run = recording
 
 
-def draft_engine_rank(rank, world, control, path: str, draft_path: str, out_path: str, prompts: list):
-    """Speculative decoding with an Eagle3 draft split over the ranks: (greedy outputs, verify chunks, the
-    drafts of every draft step) from rank 0, the drafts each worker computed in ``out_path.rank<r>``."""
+def draft_engine_rank(rank, world, control, cases: dict, out_path: str):
+    """Speculative decoding with draft models split over the ranks, one engine per case: ``cases`` name ->
+    (target checkpoint, method, draft checkpoint, rounds of prompts, run one after the other: later rounds hit the
+    prefix cache). Rank 0 saves per case (greedy outputs of every round, verify chunks, the drafts of every draft
+    step, the draft's parameter elements on the rank); each worker saves per case (the drafts it computed, its
+    draft's parameter elements) in ``out_path.rank<r>``."""
     drafts: list = []
-    record_drafts(drafts)
-    model = load_model(path, dtype=torch.float64, parallel=ParallelContext(rank, world))
-    if rank != 0:
-        worker_loop(model, control)
-        torch.save(drafts, f"{out_path}.rank{rank}")
-        return
-    engine = LLMEngine(model, EngineConfig(**DRAFT_ENGINE_CONFIG, speculative_model=draft_path),
-                       runner_factory=functools.partial(ParallelRunner, control=control))
-    outs, _ = run_engine(engine, prompts)
-    stop_workers(control)
-    torch.save((outs, engine.num_drafts, drafts), out_path)
+    held: dict = {}
+    record_drafts(drafts, held)
+    results = {}
+    for name, (path, method, draft_path, rounds) in cases.items():
+        drafts.clear()
+        held.clear()
+        model = load_model(path, dtype=torch.float64, parallel=ParallelContext(rank, world))
+        if rank != 0:
+            worker_loop(model, control)
+            results[name] = (list(drafts), held.get("elements"))
+            continue
+        cfg = EngineConfig(**{**DRAFT_ENGINE_CONFIG, "speculative_method": method}, speculative_model=draft_path)
+        engine = LLMEngine(model, cfg, runner_factory=functools.partial(ParallelRunner, control=control))
+        outs = [run_engine(engine, prompts)[0] for prompts in rounds]
+        stop_workers(control)
+        results[name] = (outs, engine.num_drafts, list(drafts), held.get("elements"))
+    torch.save(results, out_path if rank == 0 else f"{out_path}.rank{rank}")
 
 
 def pipeline_images_rank(rank, world, control, path: str, out_path: str):

@@ -148,6 +148,43 @@ def test_speculative_decoding_under_tensor_parallel(ckpts, tmp_path, graphs, dcp
     assert drafts > 0 and (verify_replays > 0) == graphs, verify_replays
 
 
+def _draft_engine(model, method: str, draft_path: str, rounds: list, monkeypatch) -> tuple[list, list, list, int]:
+    """One process: (plain greedy outputs of each round, the draft engine's, its drafts at every draft step with every
+    request drafting all it may, the draft's parameter elements)."""
+    plain_cfg = EngineConfig(**{**DRAFT_ENGINE_CONFIG, "num_speculative_tokens": 0, "speculative_method": "ngram"})
+    plain_engine = LLMEngine(model, plain_cfg)
+    plain = [run_engine(plain_engine, prompts)[0] for prompts in rounds]
+    alone: list = []
+    held: dict = {}
+    with monkeypatch.context() as m:
+        from kimik3.engine.spec.controller import DraftController
+        from kimik3.model.draft_step import DraftExecutor
+        m.setattr(DraftExecutor, "run", DraftExecutor.run)         # restored after recording
+        m.setattr(DraftController, "plan", DraftController.plan)
+        record_drafts(alone, held)
+        engine = LLMEngine(model, EngineConfig(**{**DRAFT_ENGINE_CONFIG, "speculative_method": method},
+                                               speculative_model=draft_path))
+        outs = [run_engine(engine, prompts)[0] for prompts in rounds]
+    return plain, outs, alone, held["elements"]
+
+
+def _check_draft_ranks(out_path, world: int, cases: dict, alone: dict) -> None:
+    """Each case under TP: plain decoding's outputs, verify steps ran, every worker computed rank 0's drafts, which
+    are the one-process drafts (``alone``: name -> (plain outputs, drafts, the whole draft's parameter elements)),
+    and each rank held a share of the draft (fewer parameter elements than the whole draft: not a replica)."""
+    results = torch.load(out_path, weights_only=False)
+    workers = [torch.load(f"{out_path}.rank{r}", weights_only=False) for r in range(1, world)]
+    for name in cases:
+        outs, verify_chunks, drafts, elements = results[name]
+        plain, want, whole = alone[name]
+        assert outs == plain and verify_chunks > 0, name
+        for r, worker in enumerate(workers, 1):
+            assert worker[name][0] == drafts, (name, r)
+        assert drafts == want and any(drafts), name
+        for r, held in enumerate([elements] + [w[name][1] for w in workers]):
+            assert held < whole, (name, r, held, whole)
+
+
 @pytest.mark.parametrize("world", [2, 4])
 def test_draft_model_runs_on_every_rank(ckpts, tmp_path, monkeypatch, world):
     """Speculative decoding with an Eagle3 draft under TP (its heads, intermediate and vocabulary split over the
@@ -157,25 +194,55 @@ def test_draft_model_runs_on_every_rank(ckpts, tmp_path, monkeypatch, world):
     path = ckpts["kimi_k3"]
     model = load_model(path, dtype=torch.float64)
     eagle3_files(tmp_path / "eagle3", model)
-    prompts = engine_prompts(model.config.text.vocab_size)[0]
-    plain, _ = run_engine(LLMEngine(model, EngineConfig(**{**DRAFT_ENGINE_CONFIG, "num_speculative_tokens": 0,
-                                                           "speculative_method": "ngram"})), prompts)
-    alone: list = []
-    with monkeypatch.context() as m:
-        from kimik3.engine.spec.controller import DraftController
-        from kimik3.model.draft_step import DraftExecutor
-        m.setattr(DraftExecutor, "run", DraftExecutor.run)         # restored after recording
-        m.setattr(DraftController, "plan", DraftController.plan)
-        record_drafts(alone)
-        one, _ = run_engine(LLMEngine(model, EngineConfig(**DRAFT_ENGINE_CONFIG,
-                                                          speculative_model=str(tmp_path / "eagle3"))), prompts)
+    rounds = [engine_prompts(model.config.text.vocab_size)[0]]
+    plain, one, alone, whole = _draft_engine(model, "eagle3", str(tmp_path / "eagle3"), rounds, monkeypatch)
     assert one == plain
-    spawn(draft_engine_rank, world, str(path), str(tmp_path / "eagle3"), str(tmp_path / "out.pt"), prompts)
-    outs, verify_chunks, drafts = torch.load(tmp_path / "out.pt", weights_only=False)
-    assert outs == plain and verify_chunks > 0
-    for r in range(1, world):
-        assert torch.load(f"{tmp_path / 'out.pt'}.rank{r}", weights_only=False) == drafts, r
-    assert drafts == alone and any(drafts)
+    cases = {"eagle3": (str(path), "eagle3", str(tmp_path / "eagle3"), rounds)}
+    spawn(draft_engine_rank, world, cases, str(tmp_path / "out.pt"))
+    _check_draft_ranks(tmp_path / "out.pt", world, cases, {"eagle3": (plain, alone, whole)})
+
+
+def mtp_checkpoint(path, kinds: tuple[bool, ...]) -> str:
+    """A tiny K3 checkpoint (4 heads) with MTP layers L + j, KDA where ``kinds[j]`` (MoE blocks, MXFP4 experts)."""
+    from kimik3.config import parse_config
+    from kimik3.model.kimi_k3 import KimiForCausalLM
+    from kimik3.model.mtp import MTPDraft
+    from kimik3.testing import random_weights, tiny_k3_config
+    from tests.loader.test_drafts import _mtp_checkpoint, random_weights_like
+    config = tiny_k3_config(vision=False, num_heads=4)
+    text = config["text_config"]
+    L = text["num_hidden_layers"]
+    text["num_nextn_predict_layers"] = len(kinds)
+    text["linear_attn_config"]["kda_layers"] += [L + 1 + j for j, kda in enumerate(kinds) if kda]
+    model = KimiForCausalLM(parse_config(config))
+    random_weights(model, 0)
+    mtp = MTPDraft(model.config.text, len(kinds))
+    random_weights_like(mtp)
+    _mtp_checkpoint(path, config, mtp, model)
+    return str(path)
+
+
+def test_mtp_and_dflash_drafts_run_on_every_rank(tmp_path, monkeypatch):
+    """K3's MTP layers (a KDA first layer then an MLA one, and the other way round; MoE blocks) and a DFlash block
+    drafter under TP2, in one spawn: each split as the target's layers are (MTP: by the target's own MLA / KDA / MoE
+    modules and a vocabulary-split head), two rounds of prompts (the second hits the prefix cache: a KDA draft layer's
+    checkpoints and restores on every rank); greedy outputs are plain decoding's, every rank computed every draft
+    step, and the drafts are the one-process drafts."""
+    from tests.loader.test_drafts import dflash_files
+    cases, alone = {}, {}
+    for name, kinds in (("mtp-kda+mla", (True, False)), ("mtp-mla+kda", (False, True))):
+        path = mtp_checkpoint(tmp_path / name, kinds)
+        model = load_model(path, dtype=torch.float64)
+        rounds = list(engine_prompts(model.config.text.vocab_size))
+        plain, one, *drafts = _draft_engine(model, "mtp", path, rounds, monkeypatch)
+        assert one == plain, name
+        cases[name], alone[name] = (path, "mtp", path, rounds), (plain, *drafts)
+    dflash_files(tmp_path / "dflash", model)
+    plain, one, *drafts = _draft_engine(model, "dflash", str(tmp_path / "dflash"), rounds[:1], monkeypatch)
+    assert one == plain
+    cases["dflash"], alone["dflash"] = (path, "dflash", str(tmp_path / "dflash"), rounds[:1]), (plain, *drafts)
+    spawn(draft_engine_rank, 2, cases, str(tmp_path / "out.pt"))
+    _check_draft_ranks(tmp_path / "out.pt", 2, cases, alone)
 
 
 # ---- bad degrees ---------------------------------------------------------------------------------
