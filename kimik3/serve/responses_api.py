@@ -22,6 +22,7 @@ from __future__ import annotations
 
 import copy
 import json
+import re
 import time
 import uuid
 from typing import Any
@@ -32,7 +33,7 @@ from pydantic import ValidationError
 from kimik3.serve.chat import chat_prompt
 from kimik3.serve.engine_loop import ChoiceDelta, PromptInput
 from kimik3.serve.exchange import check_model, max_tokens_for, parse_body, run_job, sampling_params
-from kimik3.serve.protocol import ChatCompletionRequest, _Body, bad_request, validation_error
+from kimik3.serve.protocol import APIError, ChatCompletionRequest, _Body, bad_request, validation_error
 from kimik3.serve.responses import ChatFormatter
 
 _ROLES = {"user": "user", "assistant": "assistant", "system": "system", "developer": "system"}
@@ -92,21 +93,22 @@ def _content(parts: Any, where: str) -> Any:
     return out
 
 
-def to_messages(req: ResponsesRequest) -> list[dict[str, Any]]:
-    """``instructions`` + ``input`` -> chat messages (function calls and their outputs included)."""
+def to_messages(req: ResponsesRequest, origins: list[str] | None = None) -> list[dict[str, Any]]:
+    """``instructions`` + ``input`` -> chat messages (function calls and their outputs included). ``origins``, if
+    given, gets the request field each message came from (``instructions``, ``input``, ``input[i]``)."""
     messages: list[dict[str, Any]] = []
     if req.instructions:
-        messages.append({"role": "system", "content": req.instructions})
+        messages.append({"role": "system", "content": req.instructions, "_from": "instructions"})
     if isinstance(req.input, str):
-        messages.append({"role": "user", "content": req.input})
-        return messages
+        messages.append({"role": "user", "content": req.input, "_from": "input"})
+        return _origins(messages, origins)
     pending_reasoning: str | None = None
 
     def assistant() -> dict[str, Any]:
         nonlocal pending_reasoning
         last = messages[-1] if messages else None
         if last is None or last.get("role") != "assistant" or last.get("_closed"):
-            last = {"role": "assistant", "content": ""}
+            last = {"role": "assistant", "content": "", "_from": where}
             messages.append(last)
         if pending_reasoning is not None:
             last["reasoning_content"] = pending_reasoning
@@ -127,7 +129,7 @@ def to_messages(req: ResponsesRequest) -> list[dict[str, Any]]:
                 text = content if isinstance(content, str) else "".join(p.get("text", "") for p in content)
                 msg["content"] = (msg.get("content") or "") + text
             else:
-                messages.append({"role": role, "content": content})
+                messages.append({"role": role, "content": content, "_from": where})
         elif kind == "function_call":
             msg = assistant()
             msg.setdefault("tool_calls", []).append(
@@ -139,7 +141,7 @@ def to_messages(req: ResponsesRequest) -> list[dict[str, Any]]:
                 output = json.dumps(output)
             if messages and messages[-1].get("role") == "assistant":
                 messages[-1]["_closed"] = True
-            messages.append({"role": "tool", "tool_call_id": item.get("call_id"), "content": output})
+            messages.append({"role": "tool", "tool_call_id": item.get("call_id"), "content": output, "_from": where})
         elif kind == "reasoning":
             parts = item.get("content") or []
             if not isinstance(parts, list):
@@ -154,7 +156,24 @@ def to_messages(req: ResponsesRequest) -> list[dict[str, Any]]:
                               f"function_call, function_call_output and reasoning)", f"{where}.type")
     for m in messages:
         m.pop("_closed", None)
+    return _origins(messages, origins)
+
+
+def _origins(messages: list[dict[str, Any]], origins: list[str] | None) -> list[dict[str, Any]]:
+    found = [m.pop("_from") for m in messages]
+    if origins is not None:
+        origins[:] = found
     return messages
+
+
+def renamed(e: APIError, origins: list[str]) -> APIError:
+    """An error of the chat path about ``messages[i]`` (a bad image part, ...) naming the request field that
+    message came from instead (``input[j]``, ``instructions``)."""
+    m = re.match(r"messages\[(\d+)\]", e.param or "")
+    if m is None or int(m[1]) >= len(origins):
+        return e
+    old, new = m[0], origins[int(m[1])]
+    return APIError(e.status, e.message.replace(old, new), new + e.param[len(old):], e.code, e.headers)
 
 
 SERVICE_TIERS = ("auto", "default")
@@ -232,7 +251,8 @@ def _refuse_unserved(req: ResponsesRequest) -> None:
     check_service_tier(req.service_tier)
 
 
-def to_chat_request(req: ResponsesRequest) -> ChatCompletionRequest:
+def to_chat_request(req: ResponsesRequest, origins: list[str] | None = None) -> ChatCompletionRequest:
+    """The chat request ``req`` means; ``origins``: as ``to_messages``'."""
     _refuse_unserved(req)
     tools = None
     if req.tools is not None:
@@ -255,7 +275,7 @@ def to_chat_request(req: ResponsesRequest) -> ChatCompletionRequest:
             raise bad_request(f"reasoning.effort must be a string, got {type(raw).__name__}", "reasoning.effort")
         if raw is not None:
             effort = _EFFORTS.get(raw, raw)
-    body = {"model": req.model, "messages": to_messages(req), "max_tokens": req.max_output_tokens,
+    body = {"model": req.model, "messages": to_messages(req, origins), "max_tokens": req.max_output_tokens,
             "temperature": req.temperature, "top_p": req.top_p, "top_k": req.top_k, "seed": req.seed,
             "stream": req.stream, "tools": tools, "tool_choice": tool_choice,
             "parallel_tool_calls": req.parallel_tool_calls, "reasoning_effort": effort,
@@ -456,11 +476,15 @@ def add_responses_route(app: FastAPI, state) -> None:
     async def responses(request: Request):
         req: ResponsesRequest = await parse_body(state, request, ResponsesRequest)
         name = check_model(state, req.model)
-        chat = to_chat_request(req)
+        origins: list[str] = []
+        chat = to_chat_request(req, origins)
         tok = state.tokenizer
         if tok is None:
             raise bad_request("this server has no tokenizer, so it cannot render conversations")
-        prompt = await chat_prompt(state, chat, "input")
+        try:
+            prompt = await chat_prompt(state, chat, "input")
+        except APIError as e:
+            raise renamed(e, origins) from None
         max_tokens = max_tokens_for(state, chat.max_tokens, "max_output_tokens", len(prompt.token_ids), "input")
         params = sampling_params(chat, max_tokens, None, tok.stop_token_ids, state.options.generation_defaults,
                                  prompt.constraint, state.max_logprobs, prompt.bad_token_sequences)

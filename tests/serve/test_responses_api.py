@@ -163,3 +163,17 @@ def test_what_kimik3_does_is_accepted(server):
         store=False, prompt_cache_key="k", safety_identifier="u1", service_tier="auto", metadata={"a": "b"},
         stream_options=None)
     assert r.service_tier == "auto" and r.metadata == {"a": "b"} and r.truncation == "disabled"
+
+
+def test_errors_name_the_input_item_not_the_chat_message(server):
+    """A bad part is named by where it is in the request (``input[1].content[0]``), not by the chat message it
+    became (``messages[2].content[1]``: the instructions are message 0)."""
+    for url, match in (("https://example.com/a.png", "remote image URLs"), ("data:image/png;base64,AAAA", "")):
+        r = httpx.post(server.url + "/v1/responses", timeout=60, json={
+            "model": MODEL, "instructions": "be brief", "input": [
+                {"role": "user", "content": [{"type": "input_text", "text": "hi"}]},
+                {"role": "user", "content": [{"type": "input_text", "text": "and"},
+                                             {"type": "input_image", "image_url": url}]}]})
+        err = r.json()["error"]
+        assert r.status_code == 400 and err["param"] == "input[1].content[1]", err
+        assert match in err["message"] and "messages[" not in err["message"], err
