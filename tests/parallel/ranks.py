@@ -383,17 +383,19 @@ def record_drafts(box: list, held: dict | None = None) -> None:
 def draft_engine_rank(rank, world, control, cases: dict, out_path: str):
     """Speculative decoding with draft models split over the ranks, one engine per case: ``cases`` name ->
     (target checkpoint, method, draft checkpoint, rounds of prompts, run one after the other: later rounds hit the
-    prefix cache). Rank 0 saves per case (greedy outputs of every round, verify chunks, the drafts of every draft
+    prefix cache[, (expert parallel size, MoE mode, decode context parallel size): TP alone when left out]). Rank 0 saves per case (greedy outputs of every round, verify chunks, the drafts of every draft
     step, the draft's parameter elements on the rank); each worker saves per case (the drafts it computed, its
     draft's parameter elements) in ``out_path.rank<r>``."""
     drafts: list = []
     held: dict = {}
     record_drafts(drafts, held)
     results = {}
-    for name, (path, method, draft_path, rounds) in cases.items():
+    for name, (path, method, draft_path, rounds, *layout) in cases.items():
         drafts.clear()
         held.clear()
-        model = load_model(path, dtype=torch.float64, parallel=ParallelContext(rank, world))
+        ep, mode, dcp = layout[0] if layout else (1, "tep", 1)
+        par = ParallelContext(rank, world, None, ep, mode, dcp_size=dcp)
+        model = load_model(path, dtype=torch.float64, parallel=par)
         if rank != 0:
             worker_loop(model, control)
             results[name] = (list(drafts), held.get("elements"))

@@ -223,8 +223,8 @@ def mtp_checkpoint(path, kinds: tuple[bool, ...]) -> str:
 
 
 def test_mtp_and_dflash_drafts_run_on_every_rank(tmp_path, monkeypatch):
-    """K3's MTP layers (a KDA first layer then an MLA one, and the other way round; MoE blocks) and a DFlash block
-    drafter under TP2, in one spawn: each split as the target's layers are (MTP: by the target's own MLA / KDA / MoE
+    """K3's MTP layers (a KDA first layer then an MLA one, and the other way round; MoE blocks; the latter also under
+    EP2 all-to-all with DCP2) and a DFlash block drafter under TP2, in one spawn: each split as the target's layers are (MTP: by the target's own MLA / KDA / MoE
     modules and a vocabulary-split head), two rounds of prompts (the second hits the prefix cache: a KDA draft layer's
     checkpoints and restores on every rank); greedy outputs are plain decoding's, every rank computed every draft
     step, and the drafts are the one-process drafts."""
@@ -237,6 +237,9 @@ def test_mtp_and_dflash_drafts_run_on_every_rank(tmp_path, monkeypatch):
         plain, one, *drafts = _draft_engine(model, "mtp", path, rounds, monkeypatch)
         assert one == plain, name
         cases[name], alone[name] = (path, "mtp", path, rounds), (plain, *drafts)
+    # the same draft with the target's experts over 2 EP ranks (all-to-all MoE: each rank routes half the rows, the
+    # draft's MoE too) and its latents striped (DCP2: the draft's own latents stay whole)
+    cases["mtp-ep2-a2a-dcp2"], alone["mtp-ep2-a2a-dcp2"] = (*cases[name], (2, "a2a", 2)), alone[name]
     dflash_files(tmp_path / "dflash", model)
     plain, one, *drafts = _draft_engine(model, "dflash", str(tmp_path / "dflash"), rounds[:1], monkeypatch)
     assert one == plain
