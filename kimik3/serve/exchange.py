@@ -81,10 +81,13 @@ class ServerState:
 
     async def prepare_constraint(self, params: SamplingParams, copies: int) -> None:
         """Compile the request's constraint on the grammar threads (never the event loop, the engine thread or
-        the CPU pool that tokenises other requests); a constraint that does not compile is a 400."""
+        the CPU pool that tokenises other requests); a constraint that does not compile is a 400. One compiled
+        already only needs its copies: made on the CPU pool, so it never waits behind other requests' compiles
+        (two hostile grammars held both grammar threads for their whole time budget)."""
+        loop = asyncio.get_running_loop()
         try:
-            await asyncio.get_running_loop().run_in_executor(
-                self.grammar_pool, self.engine.prepare_constraint, params, copies)
+            if not await loop.run_in_executor(self.pool, self.engine.prepare_constraint, params, copies, True):
+                await loop.run_in_executor(self.grammar_pool, self.engine.prepare_constraint, params, copies)
         except ValueError as e:
             raise bad_request(str(e), "structured_outputs", "invalid_constraint") from None
 

@@ -260,3 +260,29 @@ def test_a_chat_whose_text_cannot_fit_is_refused_before_its_media_load(monkeypat
     with pytest.raises(APIError) as e:
         asyncio.run(chat.chat_prompt(state, req))
     assert e.value.code == "context_length_exceeded" and e.value.param == "messages"
+
+
+def test_a_compiled_constraint_does_not_wait_behind_other_compiles():
+    """With both grammar threads held (as two hostile grammars hold them for their whole time budget), a request
+    whose constraint is compiled already is answered: it needs only copies, made on the CPU pool (it waited for a
+    grammar thread: 2.8 s behind two allOf-22 schemas). A new constraint still waits for a grammar thread."""
+    s = start_fake_server(engine_kw={"max_model_len": 1024})
+    held = threading.Event()
+    try:
+        with httpx.Client(timeout=60) as c:
+            assert c.post(s.url + "/v1/completions", json=_completion(guided_choice=["a", "b"])).status_code == 200
+            busy = [s.state.grammar_pool.submit(held.wait, 60) for _ in range(2)]
+            new = {}
+            waiting = threading.Thread(target=lambda: new.update(r=httpx.post(
+                s.url + "/v1/completions", json=_completion(guided_regex="[0-9]{2}"), timeout=60)))
+            waiting.start()
+            r = c.post(s.url + "/v1/completions", json=_completion(guided_choice=["a", "b"], n=3), timeout=10)
+            assert r.status_code == 200 and {ch["text"] for ch in r.json()["choices"]} <= {"a", "b"}
+            waiting.join(1.0)
+            assert "r" not in new          # a new constraint is compiled on a grammar thread, never elsewhere
+            held.set()
+            waiting.join(60)
+            assert new["r"].status_code == 200 and all(f.result() for f in busy)
+    finally:
+        held.set()
+        s.stop()

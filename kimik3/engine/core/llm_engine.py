@@ -133,12 +133,15 @@ class LLMEngine:
         for req in children:
             self.scheduler.add(req)
 
-    def prepare_constraint(self, params: SamplingParams, copies: int = 1) -> None:
+    def prepare_constraint(self, params: SamplingParams, copies: int = 1, cached_only: bool = False) -> bool:
         """Thread-safe, for callers off the engine's thread: compile ``params.structured_outputs`` (checked in
         a worker process under the grammar budget; ValueError if it does not compile) and make ``copies``
-        matchers ahead, so that ``add_request`` only hands them out. A no-op without a constraint."""
-        if params.structured_outputs is not None:
-            self.inputs.grammar_compiler().prepare(params.structured_outputs, copies)
+        matchers ahead, so that ``add_request`` only hands them out. A no-op without a constraint.
+        ``cached_only``: only if the constraint is compiled already (then it costs only the copies); returns
+        False, having done nothing, if it is not."""
+        if params.structured_outputs is None:
+            return True
+        return self.inputs.grammar_compiler().prepare(params.structured_outputs, copies, cached_only)
 
     def check_request(self, prompt, params: SamplingParams, multi_modal_data: VisionInputs | None = None):
         """Validate a request without queueing it: its ``CheckedPrompt``, or ValueError."""

@@ -211,10 +211,13 @@ class GrammarCompiler:
                                                limits={}, num_workers=self.num_workers)
             return self._workers
 
-    def prepare(self, so: StructuredOutputsParams | str, copies: int = 0) -> None:
+    def prepare(self, so: StructuredOutputsParams | str, copies: int = 0, cached_only: bool = False) -> bool:
         """Compile ``so`` (checked in a worker first; cached by grammar) and, for a StructuredOutputsParams, make
-        ``copies`` fresh matchers that ``matcher`` hands out later. ValueError naming what is wrong."""
-        template, mask_s, _ = self._template(constraint_text(so))
+        ``copies`` fresh matchers that ``matcher`` hands out later; ValueError naming what is wrong. ``cached_only``:
+        only if it is compiled already (False, nothing done, if not)."""
+        if (entry := self._template(constraint_text(so), cached_only)) is None:
+            return False
+        template, mask_s, _ = entry
         if copies * mask_s > self.step_mask_budget:
             raise ValueError(f"structured_outputs: one token mask of this constraint took {mask_s * 1e3:.1f} ms; "
                              f"{copies} sample(s) would hold every step of the engine for about "
@@ -224,14 +227,17 @@ class GrammarCompiler:
             made = [template.deep_copy() for _ in range(copies)]
             with self._lock:
                 so.__dict__.setdefault("_kimik3_copies", []).extend(made)
+        return True
 
-    def _template(self, text: str):
+    def _template(self, text: str, cached_only: bool = False):
         key = hashlib.sha256(text.encode("utf-8", "surrogatepass")).digest()
         while True:
             with self._lock:
                 if key in self._templates:
                     self._templates.move_to_end(key)
                     return self._templates[key]
+                if cached_only:
+                    return None
                 event = self._building.get(key)
                 if event is None:
                     event = self._building[key] = threading.Event()
@@ -269,8 +275,7 @@ class GrammarCompiler:
         """Whether the constraint lets its first token be one of ``token_ids`` (its first mask, kept with the
         compiled template)."""
         words = np.frombuffer(self._template(constraint_text(so))[2], dtype="<u4")
-        ids = np.asarray(token_ids, dtype=np.int64)
-        ids = ids[ids < 32 * len(words)]
+        ids = (ids := np.asarray(token_ids, dtype=np.int64))[ids < 32 * len(words)]
         return bool(((words[ids >> 5] >> (ids & 31).astype(np.uint32)) & 1).any())
 
     def check(self, so: StructuredOutputsParams | str) -> None:
