@@ -1,0 +1,49 @@
+"""Draft models under tensor parallelism on 2 GPUs (NCCL), bf16, tiny K3 with two MTP layers (a KDA then an MLA
+block, MoE): K3's MTP draft and a DFlash draft split over both ranks (``docs/speculative.md``) give plain one-GPU
+greedy decoding (up to near-ties: ``assert_same_greedy``) through ``LLM(tensor_parallel_size=2,
+speculative_config=...)``. Skipped with fewer than 2 GPUs; the same drafts run in float64 on CPU ranks in
+tests/parallel/test_tensor_parallel.py, where their drafts equal the one-process drafts exactly."""
+
+from __future__ import annotations
+
+import pytest
+import torch
+
+from kimik3.config import load_config
+from kimik3.engine import LLM
+from tests.gpu.test_engine_graphs import assert_same_greedy, generate, requests
+
+pytestmark = [pytest.mark.gpu, pytest.mark.skipif(not torch.cuda.is_available() or torch.cuda.device_count() < 2,
+                                                  reason="needs 2 GPUs")]
+KW = dict(dtype=torch.bfloat16, device="cuda", max_model_len=512, max_num_seqs=8, max_num_batched_tokens=256,
+          kv_cache_memory_bytes=1 << 28)
+
+
+@pytest.fixture(scope="module")
+def ckpt(tmp_path_factory):
+    from tests.parallel.test_tensor_parallel import mtp_checkpoint
+    return mtp_checkpoint(tmp_path_factory.mktemp("draft-tp") / "k3", (True, False))
+
+
+def plain_and_tp2_drafts(ckpt: str, tmp_path, method: str, kw: dict) -> tuple[dict, dict, dict, int]:
+    """(requests, one-device plain greedy outputs, TP2 outputs with the ``method`` draft, its draft tokens)."""
+    import kimik3
+    from tests.loader.test_drafts import dflash_files
+    reqs = requests(load_config(ckpt).text.vocab_size)
+    with LLM(ckpt, **kw) as llm:
+        want = generate(llm.engine, reqs)
+    spec = {"method": method, "num_speculative_tokens": 3}
+    if method == "dflash":
+        dflash_files(tmp_path / "dflash", kimik3.load_model(ckpt, dtype=torch.float32, language_model_only=True))
+        spec["model"] = str(tmp_path / "dflash")
+    with LLM(ckpt, tensor_parallel_size=2, speculative_config=spec, **kw) as llm:
+        got = generate(llm.engine, reqs)
+        drafts = llm.engine.num_draft_tokens
+    return reqs, want, got, drafts
+
+
+@pytest.mark.parametrize("method", ["mtp", "dflash"])
+def test_drafts_under_tp2_give_plain_greedy(ckpt, tmp_path, method):
+    reqs, want, got, drafts = plain_and_tp2_drafts(ckpt, tmp_path, method, KW)
+    assert drafts > 0
+    assert_same_greedy(want, got, reqs)
