@@ -12,11 +12,7 @@ import torch
 from kimik3.config import load_config
 from kimik3.engine import LLM
 from tests.gpu.test_engine_graphs import assert_same_greedy, generate, requests
-
-pytestmark = [pytest.mark.gpu, pytest.mark.skipif(not torch.cuda.is_available() or torch.cuda.device_count() < 2,
-                                                  reason="needs 2 GPUs")]
-KW = dict(dtype=torch.bfloat16, device="cuda", max_model_len=512, max_num_seqs=8, max_num_batched_tokens=256,
-          kv_cache_memory_bytes=1 << 28)
+from tests.gpu.test_layouts_multi_gpu import KW, pytestmark       # noqa: F401 (2 GPUs, bf16, the same engine sizes)
 
 
 @pytest.fixture(scope="module")
