@@ -20,8 +20,9 @@ SCRIPT = textwrap.dedent("""
     offload = dict(cpu_offload_gb=1e-4, expert_offload_policy="copy") if sys.argv[2] == "offload" else {}
     if offload:
         logging.basicConfig(level=logging.INFO)
-    layout = dict(tensor_parallel_size=1, pipeline_parallel_size=2) if sys.argv[2] == "pp" else \
-        dict(tensor_parallel_size=2)
+    layout = {"pp": dict(tensor_parallel_size=1, pipeline_parallel_size=2),
+              "pptp": dict(tensor_parallel_size=2, pipeline_parallel_size=2)}.get(sys.argv[2],
+                                                                                   dict(tensor_parallel_size=2))
     llm = LLM(sys.argv[1], **layout, enable_expert_parallel=sys.argv[2] == "ep", **eplb, **offload,
               decode_context_parallel_size=2 if sys.argv[2] == "dcp" else 1, language_model_only=sys.argv[2] == "dcp",
               dtype=torch.float64, device="cpu",
@@ -50,6 +51,13 @@ SCRIPT = textwrap.dedent("""
         print("FILE", json.dumps(outs[0].outputs[0].token_ids), flush=True)
         print("SLOTS", json.dumps({i: m.placement.slots for i, m in llm.engine.model.moe_layers().items()}), flush=True)
         llm.close()
+    if len(sys.argv) > 4:   # the same layout on the Kimi-Linear checkpoint in this spawn (KDA + MLA layers)
+        llm = LLM(sys.argv[4], **layout, enable_expert_parallel=sys.argv[2] == "ep", **eplb,
+                  decode_context_parallel_size=2 if sys.argv[2] == "dcp" else 1, dtype=torch.float64, device="cpu",
+                  max_model_len=64, max_num_batched_tokens=8, block_size=4, kv_cache_memory_bytes=1 << 22)
+        outs = llm.generate([{"prompt_token_ids": [5, 6, 7, 8, 9, 10, 11, 12, 13, 14, 15]}], params)
+        print("LINEAR", json.dumps(outs[0].outputs[0].token_ids), flush=True)
+        llm.close()
 """)
 
 
@@ -63,27 +71,39 @@ def linear_ckpt(tmp_path_factory):
     return make_tiny_checkpoint(tmp_path_factory.mktemp("launch-linear"), "kimi_linear", seed=2, num_heads=4)
 
 
-def _run(ckpt, layout, action, timeout=120):
-    return subprocess.run([sys.executable, "-c", SCRIPT, str(ckpt), layout, action], capture_output=True,
-                          text=True, timeout=timeout)
+def _run(ckpt, layout, action, timeout=120, linear=None):
+    return subprocess.run([sys.executable, "-c", SCRIPT, str(ckpt), layout, action, *([str(linear)] if linear else [])],
+                          capture_output=True, text=True, timeout=timeout)
 
 
-@pytest.mark.parametrize("layout,arch", [("tp", "kimi_k3"), ("ep", "kimi_k3"), ("dcp", "kimi_k3"), ("pp", "kimi_k3"),
-                                         ("pp", "kimi_linear"), ("offload", "kimi_k3")],
-                         ids=["tp2", "ep2-eplb", "tp2-dcp2", "pp2", "kimi-linear-pp2", "tp2-cpu-offload"])
-def test_llm_with_tensor_parallel_matches_one_process(ckpt, linear_ckpt, layout, arch):
+def _greedy(ckpt):
     from kimik3.engine import LLM, SamplingParams
-    ckpt = linear_ckpt if arch == "kimi_linear" else ckpt
     llm = LLM(str(ckpt), dtype=torch.float64, device="cpu", max_model_len=64, max_num_batched_tokens=8,
               block_size=4, kv_cache_memory_bytes=1 << 22)
-    want = llm.generate([{"prompt_token_ids": [5, 6, 7, 8, 9, 10, 11, 12, 13, 14, 15]}],
-                        SamplingParams(temperature=0.0, max_tokens=5, ignore_eos=True))[0].outputs[0].token_ids
-    res = _run(ckpt, layout, "run")
+    return llm, llm.generate([{"prompt_token_ids": [5, 6, 7, 8, 9, 10, 11, 12, 13, 14, 15]}],
+                             SamplingParams(temperature=0.0, max_tokens=5, ignore_eos=True))[0].outputs[0].token_ids
+
+
+# "+kimi-linear": the same layout on the Kimi-Linear checkpoint too, a second LLM in the same spawn. Plain TP2
+# through LLM: test_two_tensor_parallel_llms_one_after_the_other (its tokens) and tp2-cpu-offload (rank 0's vision)
+@pytest.mark.parametrize("layout,arch", [("ep", "kimi_k3+kimi_linear"), ("dcp", "kimi_k3+kimi_linear"),
+                                         ("pp", "kimi_k3"), ("pptp", "kimi_linear"), ("offload", "kimi_k3")],
+                         ids=["ep2-eplb+kimi-linear", "tp2-dcp2+kimi-linear", "pp2", "kimi-linear-pp2xtp2",
+                              "tp2-cpu-offload"])
+def test_llm_with_tensor_parallel_matches_one_process(ckpt, linear_ckpt, layout, arch):
+    if "+" in arch:
+        _, want_linear = _greedy(linear_ckpt)
+    ckpt = linear_ckpt if arch == "kimi_linear" else ckpt
+    llm, want = _greedy(ckpt)
+    res = _run(ckpt, layout, "run", timeout=240, linear=linear_ckpt if "+" in arch else None)
     assert res.returncode == 0, res.stderr[-3000:]
     line = next(ln for ln in res.stdout.splitlines() if ln.startswith("TOKENS"))
     assert json.loads(line.split(" ", 1)[1]) == want
+    if "+" in arch:     # the Kimi-Linear LLM of this layout: the one-process tokens of its checkpoint
+        line = next(ln for ln in res.stdout.splitlines() if ln.startswith("LINEAR"))
+        assert json.loads(line.split(" ", 1)[1]) == want_linear
     # the checkpoint has a vision tower: rank 0 (stage 0) holds it, but for language_model_only (with DCP)
-    assert f"VISION {layout != 'dcp' and arch == 'kimi_k3'}" in res.stdout
+    assert f"VISION {layout != 'dcp' and arch.startswith('kimi_k3')}" in res.stdout
     if layout == "offload":     # LLM -> build_engine -> every rank's loader: each offloads 2 of its 8 slices a layer
         stats = json.loads(next(ln for ln in res.stdout.splitlines() if ln.startswith("OFFLOAD")).split(" ", 1)[1])
         assert stats["host_experts_per_layer"] == 2 and stats["staged_experts"] > 0 and stats["refreshes"] > 0

@@ -1,7 +1,7 @@
 """``kimik3 serve`` under torchrun (every rank started by the agent, rank 0 serves) with the multi-GPU
-layouts on CPU ranks (gloo, float64): the served greedy completion equals the one-process one (two prompts in one
-request: a PP2 step runs them as two micro-batches); with EPLB, again after a live ``/rebalance_experts``; under TP2
-a chat with an image (encoded by both ranks' vision towers) too."""
+layouts on CPU ranks (gloo, float64), on the default model and a tiny Kimi-Linear: the served greedy completion
+equals the one-process one (two prompts in one request: a PP2 step runs them as two micro-batches); with EPLB, again
+after a live ``/rebalance_experts``; under TP2 a chat with an image (encoded by both ranks' vision towers) too."""
 
 from __future__ import annotations
 
@@ -56,15 +56,38 @@ def want():
     return text, chat.text, [lp[t].logprob for t, lp in zip(chat.token_ids, chat.logprobs)], austen[0].outputs[0].text
 
 
+@pytest.fixture(scope="module")
+def linear(tmp_path_factory):
+    """A tiny Kimi-Linear checkpoint (KDA + MLA layers, MoE) with the default model's tokenizer, and its
+    one-process greedy text."""
+    import kimik3
+    from kimik3.engine import LLM, SamplingParams
+    from kimik3.testing import make_tiny_checkpoint
+    path = make_tiny_checkpoint(tmp_path_factory.mktemp("serve-linear"), "kimi_linear", seed=3, num_heads=4,
+                                vocab_size=4352)
+    for name in ("tiktoken.model", "tokenizer_config.json"):
+        shutil.copy(os.path.join(kimik3.DEFAULT_MODEL, name), path / name)
+    llm = LLM(str(path), dtype=torch.float64, device="cpu", max_model_len=256, block_size=4, max_num_seqs=2,
+              kv_cache_memory_bytes=1 << 23)
+    params = SamplingParams(temperature=0.0, max_tokens=8, ignore_eos=True)
+    return path, llm.generate([PROMPT], params, use_tqdm=False)[0].outputs[0].text
+
+
 @pytest.mark.parametrize("nproc,flags", [
     (2, ["--tensor-parallel-size", "2", "--decode-context-parallel-size", "2"]),
     (4, ["--tensor-parallel-size", "2", "--pipeline-parallel-size", "2", "--enable-expert-parallel", "--enable-eplb",
          "--num-redundant-experts", "2", "--num-speculative-tokens", "2"]),
-], ids=["tp2-dcp2", "pp2xtp2-ep-eplb-ngram"])
-def test_served_completion_under_torchrun_matches_one_process(want, tmp_path, nproc, flags):
+    (2, ["kimi_linear", "--tensor-parallel-size", "2", "--decode-context-parallel-size", "2",
+         "--enable-expert-parallel", "--enable-eplb", "--num-redundant-experts", "2"]),
+], ids=["tp2-dcp2", "pp2xtp2-ep-eplb-ngram", "kimi-linear-tp2-dcp2-ep-eplb"])
+def test_served_completion_under_torchrun_matches_one_process(want, request, tmp_path, nproc, flags):
     torchrun = shutil.which("torchrun")
     if torchrun is None:
         pytest.skip("torchrun is not on PATH")
+    if flags[0] == "kimi_linear":     # a Kimi-Linear checkpoint served (no vision tower: completions only)
+        path, text = request.getfixturevalue("linear")
+        flags = ["--model", str(path), *flags[1:]]
+        want = (text, *want[1:])
     port = _free_port()
     url = f"http://127.0.0.1:{port}"
     env = {**os.environ, "PYTHONPATH": os.getcwd(), "OMP_NUM_THREADS": "1"}
@@ -89,7 +112,8 @@ def test_served_completion_under_torchrun_matches_one_process(want, tmp_path, np
             "ignore_eos": True})
         assert r.status_code == 200, r.text
         assert r.json()["choices"][0]["text"] == want[0]
-        if "--pipeline-parallel-size" not in flags:      # an image chat: each TP rank encodes its share
+        linear = "kimi-linear" in request.node.name
+        if "--pipeline-parallel-size" not in flags and not linear:      # an image chat: each TP rank encodes its share
             r = httpx.post(url + "/v1/chat/completions", timeout=120, json={
                 "model": "m", "messages": _image_chat(), "max_tokens": 8, "temperature": 0.0, "ignore_eos": True,
                 "logprobs": True})
@@ -110,7 +134,7 @@ def test_served_completion_under_torchrun_matches_one_process(want, tmp_path, np
         if "--enable-eplb" in flags:      # a live rebalance on every rank of both stages, then the same completion
             r = httpx.post(url + "/rebalance_experts", json={}, timeout=120)
             assert r.status_code == 200, r.text
-            assert sorted(int(i) for i in r.json()["layers"]) == [1, 2, 3, 4, 5]
+            assert sorted(int(i) for i in r.json()["layers"]) == ([1, 2, 3, 4] if linear else [1, 2, 3, 4, 5])
             r = httpx.post(url + "/v1/completions", timeout=120, json={
                 "model": "m", "prompt": PROMPT, "max_tokens": 8, "temperature": 0.0, "ignore_eos": True})
             assert r.status_code == 200 and r.json()["choices"][0]["text"] == want[0], r.text
