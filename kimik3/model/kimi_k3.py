@@ -38,20 +38,26 @@ EXPERT_WEIGHT = re.compile(r"^model\.layers\.(\d+)\.block_sparse_moe\.experts\.(
 _STACKED = re.compile(r"^model\.layers\.(\d+)\.block_sparse_moe\.experts\.(w13|w2)$")
 
 
+def token_mixer(cfg: TextConfig, is_kda: bool, parallel: ParallelContext) -> nn.Module:
+    """A layer's token mixer: Kimi Delta Attention where ``linear_attn_config.kda_layers`` lists the layer, else
+    gated NoPE MLA (the decoder layers' and the MTP layers' alike)."""
+    D, eps = cfg.hidden_size, cfg.rms_norm_eps
+    if is_kda:
+        k = cfg.kda
+        return KimiDeltaAttention(D, k.num_heads, k.head_dim, k.conv_size, k.use_full_rank_gate, k.gate_lower_bound,
+                                  eps, parallel)
+    return MLAAttention(D, cfg.num_attention_heads, cfg.q_lora_rank, cfg.kv_lora_rank, cfg.qk_nope_head_dim,
+                        cfg.qk_rope_head_dim, cfg.v_head_dim, cfg.mla_use_output_gate,
+                        cfg.numerics.mla_latent_norm_eps, parallel)
+
+
 class DecoderLayer(nn.Module):
     def __init__(self, cfg: TextConfig, layer_id: int, act: GLUActivation, parallel: ParallelContext):
         super().__init__()
         D, eps = cfg.hidden_size, cfg.rms_norm_eps
         self.layer_id = layer_id
         self.is_kda = cfg.is_kda_layer(layer_id)
-        if self.is_kda:
-            k = cfg.kda
-            self.self_attn = KimiDeltaAttention(D, k.num_heads, k.head_dim, k.conv_size, k.use_full_rank_gate,
-                                                k.gate_lower_bound, eps, parallel)
-        else:
-            self.self_attn = MLAAttention(D, cfg.num_attention_heads, cfg.q_lora_rank, cfg.kv_lora_rank,
-                                          cfg.qk_nope_head_dim, cfg.qk_rope_head_dim, cfg.v_head_dim,
-                                          cfg.mla_use_output_gate, cfg.numerics.mla_latent_norm_eps, parallel)
+        self.self_attn = token_mixer(cfg, self.is_kda, parallel)
         if cfg.is_moe_layer(layer_id):
             self.block_sparse_moe = build_moe(cfg, act, parallel)
         else:

@@ -38,9 +38,8 @@ from kimik3.config import TextConfig
 from kimik3.distributed import ParallelContext
 from kimik3.model.batch import ForwardBatch, HybridCache
 from kimik3.model.eagle3 import VocabHead
-from kimik3.model.kda import KimiDeltaAttention
+from kimik3.model.kimi_k3 import token_mixer
 from kimik3.model.layers import MLP, Embedding, GLUActivation, RMSNorm, linear
-from kimik3.model.mla import MLAAttention
 from kimik3.model.moe import build_moe
 
 
@@ -72,14 +71,7 @@ class MTPLayer(nn.Module):
         self.hnorm = RMSNorm(D, eps)
         self.eh_proj = linear(2 * D, D)
         self.input_layernorm = RMSNorm(D, eps)
-        if self.is_kda:
-            k = cfg.kda
-            self.self_attn = KimiDeltaAttention(D, k.num_heads, k.head_dim, k.conv_size, k.use_full_rank_gate,
-                                                k.gate_lower_bound, eps, parallel)
-        else:
-            self.self_attn = MLAAttention(D, cfg.num_attention_heads, cfg.q_lora_rank, cfg.kv_lora_rank,
-                                          cfg.qk_nope_head_dim, cfg.qk_rope_head_dim, cfg.v_head_dim,
-                                          cfg.mla_use_output_gate, cfg.numerics.mla_latent_norm_eps, parallel)
+        self.self_attn = token_mixer(cfg, self.is_kda, parallel)
         self.post_attention_layernorm = RMSNorm(D, eps)
         if cfg.is_moe_layer(layer_id):
             self.block_sparse_moe = build_moe(cfg, act, parallel)
