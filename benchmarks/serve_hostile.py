@@ -50,6 +50,7 @@ ROOT = Path(__file__).resolve().parents[1]
 sys.path.insert(0, str(ROOT))
 
 from benchmarks.common import commit_id, log, save_results  # noqa: E402
+from kimik3.testing import object_chain, rule_chain  # noqa: E402
 
 MODEL = "default_model"
 KEY = "hostile-bench-key"
@@ -171,16 +172,6 @@ class Watch:
 
 
 # ---- the hostile cases -------------------------------------------------------------------------------------------
-
-def object_chain(n: int) -> dict:
-    defs = {f"d{i}": {"type": "object", "properties": {"a": {"$ref": f"#/$defs/d{i + 1}"}}} for i in range(n)}
-    defs[f"d{n}"] = {"type": "string"}
-    return {"$ref": "#/$defs/d0", "$defs": defs}
-
-
-def rule_chain(n: int) -> str:
-    return "start: r0\n" + "".join(f"r{i}: r{i + 1}\n" for i in range(n)) + f'r{n}: "x"\n'
-
 
 def _completion(**kw) -> dict:
     return {"model": MODEL, "prompt": "x", "max_tokens": 4, **kw}

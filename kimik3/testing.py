@@ -1,5 +1,6 @@
 """Tiny checkpoints in the exact release layouts, with random weights (tests, the embedded
-default model, benchmarks). ``make_tiny_checkpoint`` writes what ``load_model`` reads."""
+default model, benchmarks). ``make_tiny_checkpoint`` writes what ``load_model`` reads. Also the deep grammars the
+grammar-worker tests and ``benchmarks/serve_hostile.py`` send (``object_chain``, ``rule_chain``)."""
 
 from __future__ import annotations
 
@@ -166,3 +167,15 @@ def make_tiny_checkpoint(path: str | Path, arch: str = "kimi_k3", seed: int = 0,
     model.cast(dtype)
     return save_checkpoint(path, config, checkpoint_names(model),
                            mxfp4_experts=parsed.text.expert_quantization == "mxfp4", max_shard_bytes=max_shard_bytes)
+
+
+def object_chain(n: int) -> dict:
+    """A JSON schema whose ``$defs`` chain ``n`` objects (d_i has one property referring to d_{i+1})."""
+    defs = {f"d{i}": {"type": "object", "properties": {"a": {"$ref": f"#/$defs/d{i + 1}"}}} for i in range(n)}
+    defs[f"d{n}"] = {"type": "string"}
+    return {"$ref": "#/$defs/d0", "$defs": defs}
+
+
+def rule_chain(n: int) -> str:
+    """A Lark grammar of ``n + 1`` rules, each naming the next."""
+    return "start: r0\n" + "".join(f"r{i}: r{i + 1}\n" for i in range(n)) + f'r{n}: "x"\n'

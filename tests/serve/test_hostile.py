@@ -14,7 +14,7 @@ import time
 import httpx
 import pytest
 
-from tests.engine.sample.test_grammar_worker import object_chain, rule_chain
+from kimik3.testing import object_chain, rule_chain
 from tests.serve.conftest import MODEL, start_fake_server
 from tests.serve.test_errors import assert_error
 

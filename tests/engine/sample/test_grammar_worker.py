@@ -12,6 +12,7 @@ import pytest
 import kimik3
 from kimik3.engine.sample.sampling_params import StructuredOutputsParams as SO
 from kimik3.engine.sample.structured import GrammarCompiler
+from kimik3.testing import object_chain, rule_chain
 
 
 @pytest.fixture(scope="module")
@@ -25,17 +26,6 @@ def compiler(tok):
     c.prepare(SO(choice=["warm"]))        # the worker and the tokenizer are up before any budget is timed
     yield c
     c.close()
-
-
-def object_chain(n: int) -> dict:
-    """A JSON schema whose ``$defs`` chain ``n`` objects (d_i has one property referring to d_{i+1})."""
-    defs = {f"d{i}": {"type": "object", "properties": {"a": {"$ref": f"#/$defs/d{i + 1}"}}} for i in range(n)}
-    defs[f"d{n}"] = {"type": "string"}
-    return {"$ref": "#/$defs/d0", "$defs": defs}
-
-
-def rule_chain(n: int) -> str:
-    return "start: r0\n" + "".join(f"r{i}: r{i + 1}\n" for i in range(n)) + f'r{n}: "x"\n'
 
 
 HOSTILE = {
