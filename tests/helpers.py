@@ -32,19 +32,6 @@ def worst_rel_err(out: torch.Tensor, ref: torch.Tensor, lens: Sequence[int] | No
     return max(rel_errs(out, ref, lens, dim))
 
 
-def capture_graph(fn):
-    """(CUDA) ``fn`` captured in a CUDA graph after a warm-up run on a side stream: (graph, its output)."""
-    stream = torch.cuda.Stream()
-    stream.wait_stream(torch.cuda.current_stream())
-    with torch.cuda.stream(stream):
-        fn()
-    torch.cuda.current_stream().wait_stream(stream)
-    graph = torch.cuda.CUDAGraph()
-    with torch.cuda.graph(graph):
-        out = fn()
-    return graph, out
-
-
 class LaunchRecorder:
     """Stands in for a Triton kernel (``kernel[grid](...)``): records each launch's grid, then runs it."""
 

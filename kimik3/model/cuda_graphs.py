@@ -214,14 +214,7 @@ class DecodeGraphs:
         self.model.use_side_stream(torch.cuda.Stream())
         try:
             for size, L in sorted(self.batches, key=lambda k: -k[0] * k[1]):
-                warm = torch.cuda.Stream()
-                warm.wait_stream(torch.cuda.current_stream())
-                with torch.cuda.stream(warm):          # warm-up off the capture: kernel compiles, autotuning
-                    self.step(size, L)
-                torch.cuda.current_stream().wait_stream(warm)
-                graph = torch.cuda.CUDAGraph()
-                with torch.cuda.graph(graph, pool=pool):
-                    logits = self.step(size, L)
+                graph, logits = capture_graph(lambda: self.step(size, L), pool)
                 pool = graph.pool()
                 self.graphs[size, L] = (graph, logits)
         finally:
@@ -282,6 +275,20 @@ def capture_or_none(graphs: DecodeGraphs, decode_only_retry: bool = True) -> Dec
             return capture_or_none(type(graphs)(graphs.model, graphs.cache, graphs.sizes[-1], graphs.max_model_len,
                                                 aux_layers=graphs.aux_layers), decode_only_retry=False)
         return None
+
+
+def capture_graph(fn, pool=None):
+    """``fn`` captured into a CUDA graph (in ``pool``: another graph's ``pool()``, or None for a new one) after one
+    warm-up run on a side stream, off the capture (kernel compiles, autotuning): (the graph, ``fn``'s output)."""
+    warm = torch.cuda.Stream()
+    warm.wait_stream(torch.cuda.current_stream())
+    with torch.cuda.stream(warm):
+        fn()
+    torch.cuda.current_stream().wait_stream(warm)
+    graph = torch.cuda.CUDAGraph()
+    with torch.cuda.graph(graph, pool=pool):
+        out = fn()
+    return graph, out
 
 
 def captured_or_none(graphs, what: str, fallback: str):

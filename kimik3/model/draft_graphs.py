@@ -37,7 +37,8 @@ import logging
 
 import torch
 
-from kimik3.model.cuda_graphs import captured_or_none, garbage_collection_paused, graph_batch_sizes, padded_batch_size
+from kimik3.model.cuda_graphs import (capture_graph, captured_or_none, garbage_collection_paused, graph_batch_sizes,
+                                     padded_batch_size)
 from kimik3.model.dflash import DFlashDraft, DFlashLayer
 from kimik3.model.draft_attention import DraftBatch
 from kimik3.model.eagle3 import Eagle3Draft, Eagle3Layer
@@ -152,14 +153,7 @@ class DraftGraphs:
     # ---- capture -----------------------------------------------------------------------------------------
     def record(self, fn):
         """Capture ``fn`` (after a warm-up run off the capture) into the graphs' pool: an object with ``replay``."""
-        warm = torch.cuda.Stream()
-        warm.wait_stream(torch.cuda.current_stream())
-        with torch.cuda.stream(warm):
-            fn()
-        torch.cuda.current_stream().wait_stream(warm)
-        graph = torch.cuda.CUDAGraph()
-        with torch.cuda.graph(graph, pool=self._pool):
-            fn()
+        graph, _ = capture_graph(fn, self._pool)
         self._pool = graph.pool()
         return graph
 

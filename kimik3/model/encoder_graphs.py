@@ -23,7 +23,7 @@ import logging
 
 import torch
 
-from kimik3.model.cuda_graphs import captured_or_none, garbage_collection_paused
+from kimik3.model.cuda_graphs import capture_graph, captured_or_none, garbage_collection_paused
 from kimik3.model.vision import MoonViT, TowerInputs
 from kimik3.ops.attention import kernel_takes
 
@@ -81,14 +81,7 @@ class EncoderGraphs:
         pool = None
         for B in sorted(self.budgets, reverse=True):
             self.cu_seqlens[1:] = B                      # one item of B rows while capturing
-            warm = torch.cuda.Stream()
-            warm.wait_stream(torch.cuda.current_stream())
-            with torch.cuda.stream(warm):
-                self.step(B)
-            torch.cuda.current_stream().wait_stream(warm)
-            graph = torch.cuda.CUDAGraph()
-            with torch.cuda.graph(graph, pool=pool):
-                out = self.step(B)
+            graph, out = capture_graph(lambda: self.step(B), pool)
             pool = graph.pool()
             self.graphs[B] = (graph, out)
         torch.cuda.synchronize()

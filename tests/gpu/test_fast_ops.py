@@ -28,7 +28,8 @@ from kimik3.ops.mla import cache_latent, mla_decode_attention, mla_prefill_atten
 from kimik3.ops.moe import fused_moe, fused_moe_mxfp4
 from kimik3.ops.norm import add_rms_norm, gated_rms_norm, rms_norm, rms_norm_fp32_weight
 from kimik3.ops.router import route
-from tests.helpers import capture_graph, worst_rel_err
+from kimik3.model.cuda_graphs import capture_graph
+from tests.helpers import worst_rel_err
 
 pytestmark = [pytest.mark.gpu, pytest.mark.skipif(not torch.cuda.is_available(), reason="needs CUDA")]
 

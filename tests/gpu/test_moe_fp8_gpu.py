@@ -117,7 +117,7 @@ def test_w4a8_experts_match_the_reference(E, L, I, k, T):
 def test_w4a8_in_a_cuda_graph_matches_eager():
     """Decode-size W4A8 launches (sort, kernels, combine) capture into a graph and replay to the eager bits."""
     from kimik3.ops.triton.moe import fused_moe_triton
-    from tests.helpers import capture_graph
+    from kimik3.model.cuda_graphs import capture_graph
     g = _gen(3)
     E, L, I, k, T = 10, 256, 128, 4, 32
     w1, w3, w2 = _mxfp4_experts(E, I, L, g), _mxfp4_experts(E, I, L, g), _mxfp4_experts(E, L, I, g)

@@ -12,7 +12,7 @@ from kimik3.ops.router import route_tokens, router_logits
 from kimik3.ops.triton import moe as moe_kernels
 from kimik3.ops.triton.router import router_logit_partials, router_logits_gemm_triton, router_logits_triton
 from tests.gpu.test_fast_ops import poison_allocator
-from tests.helpers import capture_graph
+from kimik3.model.cuda_graphs import capture_graph
 from tests.ops.test_triton_router import expected_alignment
 
 pytestmark = [pytest.mark.gpu, pytest.mark.skipif(not torch.cuda.is_available(), reason="needs CUDA")]
