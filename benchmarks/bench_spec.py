@@ -99,6 +99,8 @@ def main() -> None:
     logging.basicConfig(level=logging.WARNING)
     common = dict(dtype=args.dtype, max_model_len=args.prompt_tokens + args.max_tokens + 16, max_num_seqs=32,
                   enable_prefix_caching=False, **({"device": args.device} if args.device else {}))
+    if (args.device or ("cuda" if torch.cuda.is_available() else "cpu")).startswith("cuda"):
+        common["kv_cache_memory_bytes"] = 2 << 30   # two or three engines share one GPU: each gets a cache, not 0.9 of it
     spec = json.loads(args.speculative_config)
     plain = LLM(args.model, **common)
     drafted = LLM(args.model, speculative_config=spec, **common)

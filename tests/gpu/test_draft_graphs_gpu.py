@@ -88,9 +88,9 @@ def test_eagle3_graphs_match_eager(model, n, async_scheduling):
     replayed = []
     run = graphs.run
 
-    def counting(meta, tables, num_seqs, input_ids=None):
+    def counting(meta, tables, num_seqs, *args, **kwargs):
         replayed.append(meta.shape[1] // tables.shape[0])
-        return run(meta, tables, num_seqs, input_ids)
+        return run(meta, tables, num_seqs, *args, **kwargs)
     graphs.run = counting
     graphed = generate(engine, reqs)
     assert 1 in replayed and (n > 1 or any(L > 1 for L in replayed)), replayed
