@@ -323,17 +323,33 @@ class BodyLimits:
         except TimeoutError:
             return await _send_error(send, 408, f"the request body did not arrive within "
                                                 f"{self.limits.body_timeout:g} s (--body-timeout)", "body_timeout")
-        body = b"".join(chunks)
-        delivered = False
+        box = scope[BODY_KEY] = ReadBody(chunks, size)
 
         async def replay():
-            nonlocal delivered
-            if not delivered:
-                delivered = True
-                return {"type": "http.request", "body": body, "more_body": False}
+            if not box.taken:
+                return {"type": "http.request", "body": box.take(), "more_body": False}
             return await receive()
 
         await self.app(scope, replay, send)
+
+
+BODY_KEY = "kimik3.body"        # the ASGI scope key of the body BodyLimits read
+
+
+class ReadBody:
+    """The body BodyLimits read, as the chunks it arrived in. They are not joined on the event loop: one copy of
+    a 57 MiB body held the GIL ~120 ms there, and Starlette's ``request.body()`` made a second (``/health``
+    waited for both, #52); ``parse_body`` joins them on the CPU pool. ``take()`` hands the body over once."""
+
+    def __init__(self, chunks: list[bytes], size: int | None = None):
+        self.chunks, self.size = chunks, sum(map(len, chunks)) if size is None else size
+        self.taken = False
+
+    def take(self) -> bytes:
+        """The whole body as one ``bytes`` (a copy when it came in several chunks: call it off the event loop)."""
+        self.taken = True
+        chunks, self.chunks = self.chunks, []
+        return chunks[0] if len(chunks) == 1 else b"".join(chunks)
 
 
 # ---- connections (uvicorn protocol) -------------------------------------------------------------------------
