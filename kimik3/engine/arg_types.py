@@ -12,6 +12,8 @@ from typing import Any
 
 import torch
 
+from kimik3.engine.config import batch_size_table
+
 logger = logging.getLogger(__name__)
 
 # vLLM's --dtype names (plus float64, kimik3's exact-reference dtype).
@@ -86,7 +88,8 @@ def mm_limits_arg(text: str) -> dict[str, int]:
 
 
 SPEC_METHODS = ("ngram", "eagle3", "mtp", "dflash", "dspark")
-_SPEC_KEYS = {"method", "model", "num_speculative_tokens", "prompt_lookup_min", "prompt_lookup_max"}
+_SPEC_KEYS = {"method", "model", "num_speculative_tokens", "prompt_lookup_min", "prompt_lookup_max",
+              "num_speculative_tokens_per_batch_size"}
 
 
 def speculative_config_arg(text: str) -> dict[str, Any]:
@@ -119,6 +122,12 @@ def check_speculative_config(value: Any) -> dict[str, Any]:
     if method in ("eagle3", "dflash", "dspark") and not isinstance(model, str):
         hint = ', or "default" for the default model' if method == "eagle3" else ""
         raise ValueError(f"speculative_config: method {method!r} needs 'model' (the draft's directory{hint})")
+    table = value.get("num_speculative_tokens_per_batch_size")
+    if table is not None:
+        if method == "ngram":
+            raise ValueError("speculative_config: num_speculative_tokens_per_batch_size is implemented for draft "
+                             "models (eagle3, mtp, dflash, dspark), not for 'ngram'")
+        batch_size_table(table)
     for key in ("prompt_lookup_min", "prompt_lookup_max"):
         if key in value and (method != "ngram" or not isinstance(value[key], int) or value[key] < 1):
             raise ValueError(f"speculative_config: {key} is a positive integer of method 'ngram', got {value[key]!r} "
@@ -177,4 +186,5 @@ def speculative_settings(args) -> dict[str, Any]:
         model = str(args.model_path())        # K3's MTP layers live in the target's checkpoint
     return dict(num_speculative_tokens=sc["num_speculative_tokens"], speculative_method=sc["method"],
                 speculative_model=model, speculative_ngram_min=sc.get("prompt_lookup_min", args.speculative_ngram_min),
-                speculative_ngram_max=sc.get("prompt_lookup_max", args.speculative_ngram_max))
+                speculative_ngram_max=sc.get("prompt_lookup_max", args.speculative_ngram_max),
+                num_speculative_tokens_per_batch_size=sc.get("num_speculative_tokens_per_batch_size"))

@@ -5,6 +5,34 @@ from __future__ import annotations
 from dataclasses import dataclass
 
 
+def batch_size_table(value) -> tuple[tuple[int, int, int], ...]:
+    """vLLM's ``num_speculative_tokens_per_batch_size``: [first batch size, last batch size, drafts] entries, sorted,
+    not overlapping, the first starting at 1 (a batch size in a gap or past the last range takes the range before
+    it; drafts above ``num_speculative_tokens`` are cut to it). vLLM's five-item entries (context-length ranges) are
+    not implemented: an error names them."""
+    if not isinstance(value, (list, tuple)) or not value:
+        raise ValueError(f"num_speculative_tokens_per_batch_size must be a non-empty list of [first batch size, "
+                         f"last batch size, drafts] entries, got {value!r}")
+    table = []
+    for entry in value:
+        if isinstance(entry, (list, tuple)) and len(entry) == 5:
+            raise ValueError("num_speculative_tokens_per_batch_size: five-item entries (context-length ranges) are "
+                             "not implemented in kimik3; give [first batch size, last batch size, drafts]")
+        if (not isinstance(entry, (list, tuple)) or len(entry) != 3
+                or not all(isinstance(x, int) and not isinstance(x, bool) for x in entry)):
+            raise ValueError(f"num_speculative_tokens_per_batch_size: each entry is [first batch size, last batch "
+                             f"size, drafts] (integers), got {entry!r}")
+        lo, hi, k = entry
+        if lo < 1 or hi < lo or k < 0:
+            raise ValueError(f"num_speculative_tokens_per_batch_size: {list(entry)} needs 1 <= first <= last and "
+                             f"drafts >= 0")
+        table.append((lo, hi, k))
+    if table[0][0] != 1 or any(b[0] <= a[1] for a, b in zip(table, table[1:])):
+        raise ValueError(f"num_speculative_tokens_per_batch_size: the ranges must be sorted, not overlap, and the "
+                         f"first must start at batch size 1, got {[list(e) for e in table]}")
+    return tuple(table)
+
+
 @dataclass
 class EngineConfig:
     max_num_seqs: int = 64                  # sequences in one step (= live KDA state slots)
@@ -26,6 +54,9 @@ class EngineConfig:
     speculative_model: str | None = None    # the draft model's directory ("default": the default model's)
     speculative_ngram_min: int = 2          # shortest suffix n-gram looked up for a draft
     speculative_ngram_max: int = 4          # longest suffix n-gram looked up for a draft
+    # vLLM's dynamic speculative decoding table ((first batch, last batch, drafts), ...): a draft model drafts the
+    # table's number for the step's batch size instead of the controller's plan (None: the controller; spec/)
+    num_speculative_tokens_per_batch_size: tuple[tuple[int, int, int], ...] | None = None
     grammar_compile_timeout: float = 5.0    # seconds a constraint may take to compile (worker process; structured.py)
     grammar_compile_memory: int = 2 << 30   # bytes its compiler process may grow by
     async_scheduling: bool = False          # schedule and launch decode step N + 1 before step N's tokens reach the host
@@ -92,6 +123,11 @@ class EngineConfig:
                 and 1 <= self.speculative_ngram_min <= self.speculative_ngram_max):
             raise ValueError(f"speculative n-gram sizes need 1 <= speculative_ngram_min <= speculative_ngram_max, "
                              f"got {self.speculative_ngram_min!r} and {self.speculative_ngram_max!r}")
+        if self.num_speculative_tokens_per_batch_size is not None:
+            if self.speculative_method == "ngram":
+                raise ValueError("num_speculative_tokens_per_batch_size is implemented for draft models (eagle3, mtp, "
+                                 "dflash, dspark), not for 'ngram'")
+            self.num_speculative_tokens_per_batch_size = batch_size_table(self.num_speculative_tokens_per_batch_size)
 
     @property
     def uses_draft_model(self) -> bool:

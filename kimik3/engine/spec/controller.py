@@ -15,17 +15,23 @@ request instead of one k for the batch.
   toward the global rates by ``PRIOR`` pseudo-observations.
 * Costs (``LinearFit``): the target's step time against [1, sequences, draft rows], one fit per batch-size octave
   (a draft row's cost changes with the batch: on a GPU at batch 1 nearly nothing, on a CPU at batch 32 a good
-  part of a decode row), and the draft's time against [1, caught-up rows, forwards, forward rows]; decayed least
-  squares with a weak prior, on the engine's own decode steps (``ModelDrafter.clock``: wall time on a GPU, the
-  process's CPU time on a CPU). Steps sized only by the plan would not tell a draft row's cost from the rest of a
-  step, so some steps probe (``_dither``): a new batch size's first steps run one draft each, then none; later one
-  step in ``PROBE_EVERY`` runs without drafts and one with a draft fewer each (one draft each while not drafting).
+  part of a decode row), and the draft's time against [1, caught-up rows, forwards, forward rows], one fit per
+  octave too; decayed least squares with a weak prior taken from the octave's own first step (not another octave's
+  fit: extrapolated from batch 1 to 32 it made deep drafts look cheap, 0.84x plain on a CPU), on the engine's own
+  decode steps (``ModelDrafter.clock``: wall time on a GPU, the process's CPU time on a CPU). Steps sized only by the
+  plan would not tell a draft row's cost from the rest of a step, so some steps probe (``_dither``): a new batch
+  size's first steps run one draft each, then none; later one step in ``PROBE_EVERY`` runs without drafts and one
+  with a draft fewer each (one draft each while not drafting; one in ``IDLE_PROBE_EVERY`` where no draft could pay).
 * Plan (``DraftController.plan``): from no drafts (B tokens in T seconds), draft position j = 1, 2, .. is added
   for the requests whose gain (the probability above) per its cost (a verify row, a draft row, and the position's
   share of one more draft forward) raises tokens/second by ``FIRST_MARGIN`` (``DEEPER_MARGIN`` for later
   positions), the best prefix of them by gain; it stops at the first position that raises nothing. So drafts stop
   where they stop paying (adversarial text, a weak draft, a large batch), for one request or for all, and the cost
-  of one request's drafts is weighed against the whole step's.
+  of one request's drafts is weighed against the whole step's. Where even drafts that were always accepted would
+  not pay at this batch size (``watches``), nobody watches either: a plain step then costs only the draft's
+  catch-up of its rows (tests/engine/spec/test_controller.py: injected CPU and GPU timings).
+* A table (vLLM's ``num_speculative_tokens_per_batch_size``, ``scheduled``) replaces the plan: each request drafts
+  the table's number for the step's batch size, whatever the measurements (fixed-depth measurements).
 """
 
 from __future__ import annotations
@@ -44,6 +50,7 @@ PRIOR = 2.0              # pseudo-observations of the global rates in a request'
 COST_DECAY = 0.99        # the cost fits' memory (about 100 steps)
 MAX_WATCH_GAP = 16       # a request that does not draft computes its first draft at least every 16 decode steps
 PROBE_EVERY = 12         # steps between probes of each kind (at random; see ``DraftController._dither``)
+IDLE_PROBE_EVERY = 48    # the same where no draft could pay at this batch size (``DraftController.watches``)
 EXPLORE = 2              # a batch size's first steps: one draft each, then none
 FIRST_MARGIN = 1.02      # drafting must raise the expected goodput by 2% (the estimates err; a wash is not worth
 DEEPER_MARGIN = 1.05     # the probes and watching), a second or later draft position by 5%
@@ -174,12 +181,13 @@ def _uniform_depths(reach: list[list[float]], rooms: list[int], tokens: float, c
 class DraftController:
     """The costs and the global acceptance of one drafter, and the per-step plan (module docstring)."""
 
-    def __init__(self, k: int):
+    def __init__(self, k: int, schedule: tuple[tuple[int, int, int], ...] | None = None):
         self.k = k
+        self.schedule = schedule    # vLLM's num_speculative_tokens_per_batch_size: fixed drafts per batch size
         self.accept = Acceptance(Rate(1.2, 2.0), Rate(1.2, 2.0))     # optimistic start (0.6): drafts get measured
         self.positions = [Rate(1.2, 2.0) for _ in range(max(k - 1, 0))]   # global: draft j + 2 after j + 1 accepted
         self.steps: dict[int, LinearFit] = {}   # per batch-size octave: step seconds ~ [1, sequences, draft rows]
-        self.draft: LinearFit | None = None     # draft seconds ~ [1, caught-up rows, forwards, forward rows]
+        self.drafts: dict[int, LinearFit] = {}  # per octave: draft seconds ~ [1, caught-up rows, forwards, forward rows]
         self.rng = random.Random(0)
         self.uniform = False        # one number of drafts for every request of a step (CUDA graphs replay them)
 
@@ -203,63 +211,102 @@ class DraftController:
         acc.record_watch(hit, REQUEST_DECAY)
         self.accept.record_watch(hit, GLOBAL_DECAY)
 
-    def step_fit(self, seqs: int) -> LinearFit | None:
-        """The step fit of ``seqs``' octave (1, 2-3, 4-7, ...: a draft row's cost changes with the batch size, a
-        GPU's from nearly nothing to a decode row's), else the nearest octave's (None before any step)."""
-        if not self.steps:
+    def step_fit(self, seqs: int, fits: dict[int, LinearFit] | None = None) -> LinearFit | None:
+        """The step fit (or of ``fits``: the draft's) of ``seqs``' octave (1, 2-3, 4-7, ...: a draft row's cost
+        changes with the batch size, a GPU's from nearly nothing to a decode row's), else the nearest octave's (None
+        before any step)."""
+        fits = self.steps if fits is None else fits
+        if not fits:
             return None
         b = seqs.bit_length()
-        return self.steps[min(self.steps, key=lambda o: (abs(o - b), -o))]
+        return fits[min(fits, key=lambda o: (abs(o - b), -o))]
 
     def record_step(self, seqs: int, drafts: int, seconds: float) -> None:
         """A decode/verify step of the target (and the engine's work around it) took ``seconds``."""
         b = seqs.bit_length()
-        if b not in self.steps:   # a new octave starts from the nearest one's costs, else a draft row ~ a decode row
-            near = self.step_fit(seqs)
+        if b not in self.steps:
+            # A new octave's prior: this step's time, half fixed and half over its rows (a draft row ~ a decode row),
+            # weak, so the octave's first steps (one draft each, then none: ``_dither``) set both costs. Not the
+            # nearest octave's fit: at batch 1 the fixed part dominates, and extrapolated to batch 32 it passed for a
+            # base several times the real one, against which deep drafts looked cheap (0.84x plain on a CPU).
             per_row = 0.5 * seconds / max(seqs + drafts, 1)
-            prior = list(near.beta) if near is not None else [0.5 * seconds, per_row, per_row]
-            # a weak prior: a draft row's cost at another batch size says little about this one's
-            self.steps[b] = LinearFit(prior, [1.0, max(seqs, 1), 0.25 * max(seqs, 1)])
+            self.steps[b] = LinearFit([0.5 * seconds, per_row, per_row], [1.0, max(seqs, 1), 0.25 * max(seqs, 1)])
         self.steps[b].add([1.0, seqs, drafts], seconds)
 
-    def record_draft(self, rows: int, forwards: int, forward_rows: int, seconds: float) -> None:
-        """The draft's work after a decode/verify step took ``seconds``: catching up ``rows`` and ``forwards``
-        attending forwards of ``forward_rows`` rows in all."""
-        if self.draft is None:
-            step = self.step_fit(rows)
-            scale = step.predict([1.0, max(rows, 1), 0]) if step is not None else seconds
-            self.draft = LinearFit([0.0, 0.01 * scale / max(rows, 1), 0.02 * scale, 0.01 * scale / max(rows, 1)],
-                                   [1.0, rows, 1.0, max(rows, 1)])
-        self.draft.add([1.0, rows, forwards, forward_rows], seconds)
+    def record_draft(self, seqs: int, rows: int, forwards: int, forward_rows: int, seconds: float) -> None:
+        """The draft's work after a decode/verify step of ``seqs`` sequences took ``seconds``: catching up ``rows``
+        and ``forwards`` attending forwards of ``forward_rows`` rows in all. One fit per batch-size octave, as the
+        step's: one fit for all batch sizes (at batch 1 a forward's and a forward row's costs are one number) got
+        batch 32's forward rows wrong by a factor of 8, and its outlier clipping kept them wrong for many steps."""
+        b = seqs.bit_length()
+        if b not in self.drafts:     # a weak prior: the first time split evenly between its four parts
+            q = 0.25 * seconds
+            self.drafts[b] = LinearFit([q, q / max(rows, 1), q / max(forwards, 1), q / max(forward_rows, 1)],
+                                       [1.0, max(rows, 1), 1.0, max(forward_rows, 1)])
+        self.drafts[b].add([1.0, rows, forwards, forward_rows], seconds)
+
+    def scheduled(self, batch: int) -> int | None:
+        """Drafts per request at ``batch`` sequences by the table given (``num_speculative_tokens_per_batch_size``,
+        vLLM's: a batch size in a gap or past the last range takes the range before it; at most k), else None."""
+        if self.schedule is None:
+            return None
+        drafts = self.schedule[0][2]
+        for first, _, n in self.schedule:
+            if first > batch:
+                break
+            drafts = n
+        return min(drafts, self.k)
+
+    def _costs(self, batch: int, watching: int) -> _Costs | None:
+        """The step's costs at ``batch`` sequences from the fits (None before any step was measured)."""
+        step = self.step_fit(batch)
+        if step is None:
+            return None
+        draft = self.step_fit(batch, self.drafts)
+        beta, dbeta = step.beta, draft.beta if draft is not None else np.zeros(4)
+        return _Costs(max(step.predict([1.0, batch, 0]), 1e-9) + max(float(dbeta[0] + dbeta[1] * batch), 0.0),
+                      max(float(beta[2]), 0.0) + max(float(dbeta[3]), 0.0), max(float(dbeta[2]), 0.0), watching)
+
+    def watches(self, batch: int) -> bool:
+        """Whether requests that do not draft compute their first draft now and then (``watched``) at ``batch``
+        sequences: not with a table, nor where drafts would not pay even if every one were accepted (each of the
+        ``batch`` requests one draft: a token more each for a verify row and a draft row each and one forward),
+        so a step that drafts nothing costs no draft forward; the probes (``_dither``) still measure the costs."""
+        if self.schedule is not None:
+            return False
+        costs = self._costs(batch, 0)
+        if costs is None:
+            return True
+        return 2 * batch / (costs.base + costs.forward + batch * costs.row) > batch / costs.base * FIRST_MARGIN
 
     def plan(self, rates: list[tuple[float, float]], rooms: list[int], batch: int, watching: int) -> list[int]:
         """Drafts per candidate (``rates``: its (a, c); ``rooms``: most drafts it may take) for a step of
         ``batch`` sequences in which ``watching`` other requests compute their first draft anyway. With
         ``uniform`` (the target replays CUDA graphs, whose verify steps need one number of drafts for all) one
-        depth for every candidate, the best one."""
-        step = self.step_fit(batch)
-        if step is None or not rates:
+        depth for every candidate, the best one. With a table (``schedule``) the table's drafts for ``batch``."""
+        fixed = self.scheduled(batch)
+        if fixed is not None:
+            return [min(r, fixed) for r in rooms]
+        costs = self._costs(batch, watching)
+        if costs is None or not rates:
             return [min(r, self.k) for r in rooms]          # nothing measured yet: draft, and measure
-        beta, dbeta = step.beta, self.draft.beta if self.draft is not None else np.zeros(4)
-        costs = _Costs(max(step.predict([1.0, batch, 0]), 1e-9) + max(float(dbeta[0] + dbeta[1] * batch), 0.0),
-                       max(float(beta[2]), 0.0) + max(float(dbeta[3]), 0.0), max(float(dbeta[2]), 0.0), watching)
         reach = [_reach(a, c, min(room, self.k)) for (a, c), room in zip(rates, rooms)]
         depth = (_uniform_depths if self.uniform else _greedy_depths)(reach, rooms, float(batch), costs)
-        logger.debug("plan: batch %d, step %s, draft %s: %d drafts, depth %d", batch, np.round(beta, 5),
-                     np.round(dbeta, 5), sum(depth), max(depth, default=0))
+        logger.debug("plan: batch %d, costs %s: %d drafts, depth %d", batch, costs, sum(depth), max(depth, default=0))
         own = self.steps.get(batch.bit_length())
-        return self._dither(depth, rooms, own.count if own is not None else 0)
+        return self._dither(depth, rooms, own.count if own is not None else 0, idle=not self.watches(batch))
 
-    def _dither(self, depth: list[int], rooms: list[int], seen: int) -> list[int]:
+    def _dither(self, depth: list[int], rooms: list[int], seen: int, idle: bool = False) -> list[int]:
         """Now and then a step runs a nearby plan instead, so the fits see what drafts cost and how deeper drafts
         fare at this batch size (steps only as large as the plan's would not tell a draft row from the rest of a
         step, and positions never drafted would keep their prior). A batch size's first ``EXPLORE`` steps run one
         draft each, then none; after that, at random, while drafting one step in ``PROBE_EVERY`` runs without
         drafts (the plain step's own time), one with a draft fewer each and one with a draft more each; while not
-        drafting one in ``PROBE_EVERY`` with one draft each (what a draft would cost now)."""
+        drafting one in ``PROBE_EVERY`` with one draft each (what a draft would cost now), one in ``IDLE_PROBE_EVERY``
+        where no draft could pay (``idle``: ``watches`` is False; such a probe step costs a good part of a step)."""
         if seen < EXPLORE:
             return [1 if r and seen % 2 == 0 else 0 for r in rooms]
-        u = self.rng.random() * PROBE_EVERY
+        u = self.rng.random() * (IDLE_PROBE_EVERY if idle and not any(depth) else PROBE_EVERY)
         if any(depth):
             if u < 1.0:
                 return [0] * len(depth)

@@ -90,7 +90,7 @@ class ModelDrafter(Drafter):
         # MTP whose first layer is KDA: its states follow the target's committed rows, state ops and checkpoints
         self.recurrent = isinstance(draft, MTPDraft) and draft.layer(0).is_kda
         self.executor = executor_factory(draft, self.cache, block_size)
-        self.controller = DraftController(k)
+        self.controller = DraftController(k, config.num_speculative_tokens_per_batch_size)
         # the controller's clock: wall time where a device runs the steps; on a CPU this process's CPU time (on a
         # machine shared with other processes their load would stretch the measured costs at random)
         self.clock = time.process_time if p.device.type == "cpu" else time.perf_counter
@@ -159,7 +159,8 @@ class ModelDrafter(Drafter):
             work, reqs, counts = self._plan(out)
             if work.rows or work.state_copies or work.state_resets:
                 collect, tokens = self.executor.launch(work, states)
-                sizes = (len(work.rows), work.num_forwards, work.forward_rows) if decode and work.rows else None
+                sizes = (len(work.seq_lens), len(work.rows), work.num_forwards, work.forward_rows) \
+                    if decode and work.rows else None
                 self._pending = (collect, reqs, counts, sizes, self.clock() - now)
                 # the next step may be scheduled before the drafts reach the host (none constrained by a grammar)
                 self._deferred = tokens is not None and self._may_defer(reqs, counts)
@@ -209,7 +210,8 @@ class ModelDrafter(Drafter):
         work, cands = self._catch_up(out)
         rooms = [self._room(req) for req, _, _ in cands]
         rates = [self.controller.rates(self.state(req).accept) for req, _, _ in cands]
-        watchers = {i for i, (req, _, _) in enumerate(cands) if rooms[i] and self.state(req).wait == 0}
+        watch = self.controller.watches(len(cands))
+        watchers = {i for i, (req, _, _) in enumerate(cands) if watch and rooms[i] and self.state(req).wait == 0}
         depths = self.controller.plan(rates, rooms, len(cands), len(watchers))
         heads = sorted((i for i in range(len(cands)) if depths[i] or i in watchers), key=lambda i: -max(depths[i], 1))
         for i in set(range(len(cands))) - set(heads):

@@ -213,6 +213,19 @@ def test_failing_drafts_stop_and_are_watched(target):
     assert 0 < engine.num_drafts <= 8, engine.num_drafts        # far fewer than the 36 decode steps
 
 
+def test_a_batch_size_table_fixes_the_drafts(target):
+    """vLLM's num_speculative_tokens_per_batch_size: a lone request drafts the table's 3 at every decode step, though
+    a random draft's drafts all fail (the controller would stop them: the test above); output plain decoding's."""
+    reqs = requests(target, seed=9, n=1, max_tokens=16)
+    engine = engine_with(target, k=4, block_size=4, max_num_seqs=1, max_model_len=64, enable_prefix_caching=False,
+                         num_speculative_tokens_per_batch_size=[[1, 2, 3], [3, 8, 0]])   # no checkpoints cut the room
+    results = run(engine, reqs)
+    assert results["r0"][0][0] == reference_greedy(target, reqs["r0"][0], 16)
+    steps = 16 - 1 - engine.num_accepted_tokens               # decode steps (the first token came from the prefill)
+    assert engine.num_drafts >= steps - 2                     # all of them verified drafts but the last (room < 1)
+    assert 3 * engine.num_drafts - 3 <= engine.num_draft_tokens <= 3 * engine.num_drafts   # 3 each (the last: room)
+
+
 def test_sampled_requests_run_and_keep_lengths(target):
     reqs = {"s": ([7, 8, 9, 10, 11], SamplingParams(temperature=0.8, max_tokens=12, ignore_eos=True, seed=5))}
     engine = engine_with(target, block_size=4, max_num_seqs=1, max_model_len=40)
@@ -233,6 +246,20 @@ def test_speculative_config_is_checked():
     assert args.speculative_settings()["speculative_ngram_max"] == 5
     with pytest.raises(ValueError, match="speculative method"):
         EngineConfig(speculative_method="medusa")
+    table = {"method": "eagle3", "model": "x", "num_speculative_tokens": 4}
+    args = EngineArgs(speculative_config={**table, "num_speculative_tokens_per_batch_size": [[1, 8, 4], [9, 64, 1]]})
+    assert args.speculative_settings()["num_speculative_tokens_per_batch_size"] == [[1, 8, 4], [9, 64, 1]]
+    assert EngineConfig(num_speculative_tokens=4, speculative_method="eagle3", speculative_model="x",
+                        num_speculative_tokens_per_batch_size=[[1, 8, 4]]).num_speculative_tokens_per_batch_size == \
+        ((1, 8, 4),)
+    for bad, match in (([[2, 8, 4]], "start at batch size 1"), ([[1, 8, 4], [8, 9, 1]], "not overlap"),
+                       ([[1, 8, -1]], "drafts >= 0"), ([[1, 8, 1, 64, 4]], "five-item"), ([], "non-empty"),
+                       ([[1, 8, 2.5]], "integers")):
+        with pytest.raises(ValueError, match=match):
+            EngineArgs(speculative_config={**table, "num_speculative_tokens_per_batch_size": bad})
+    with pytest.raises(ValueError, match="not for 'ngram'"):
+        EngineArgs(speculative_config={"method": "ngram", "num_speculative_tokens": 2,
+                                       "num_speculative_tokens_per_batch_size": [[1, 8, 2]]})
 
 
 def test_sampled_tokens_keep_the_targets_distribution(target, monkeypatch):
