@@ -39,8 +39,15 @@ from kimik3.serve.exchange import (
     sampling_params,
 )
 from kimik3.serve.media import completion_images
-from kimik3.serve.limits import BodyLimits, RepeatedErrors, check_request_limits, context_exceeded
-from kimik3.serve.protocol import APIError, ChatCompletionRequest, CompletionRequest, bad_request, error_body
+from kimik3.serve.limits import BodyLimits, RepeatedErrors, check_request_limits
+from kimik3.serve.protocol import (
+    APIError,
+    ChatCompletionRequest,
+    CompletionRequest,
+    bad_request,
+    context_exceeded,
+    error_body,
+)
 from kimik3.serve.responses import ChatFormatter, CompletionFormatter
 from kimik3.serve.routes import add_routes
 from kimik3.serve.stats_log import log_stats
@@ -139,6 +146,7 @@ def create_app(engine: LLMEngine, options: ServeOptions) -> FastAPI:
             await asyncio.get_running_loop().run_in_executor(None, state.loop.stop)
             state.pool.shutdown(wait=False, cancel_futures=True)
             state.grammar_pool.shutdown(wait=False, cancel_futures=True)
+            state.body_workers.close()
             gc.unfreeze()           # a process that builds apps one after another (tests) collects them again
             sys.setswitchinterval(switch_interval)
 

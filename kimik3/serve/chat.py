@@ -17,9 +17,9 @@ from typing import Any
 from kimik3.chat import K3OutputParser, ParseDelta
 from kimik3.chat.options import ChatOptionError, ThinkingOptions, drop_past_reasoning, thinking_options
 from kimik3.engine.sample.sampling_params import StructuredOutputsParams
-from kimik3.serve.limits import check_text_fits, context_exceeded, message_text_chars
+from kimik3.serve.limits import check_text_fits, message_text_chars
 from kimik3.serve.media import MediaOptions, check_media_counts, collect_media, load_media, media_io_sampling
-from kimik3.serve.protocol import ChatCompletionRequest, bad_request
+from kimik3.serve.protocol import ChatCompletionRequest, bad_request, context_exceeded
 from kimik3.serve.structured import MAX_PARALLEL_CALLS, k3_answer_grammar, request_constraint, response_format_constraint
 from kimik3.tokenizer import TooManyTokens
 

@@ -19,11 +19,12 @@ from pydantic import ValidationError
 
 from kimik3.engine import LLMEngine, SamplingParams
 from kimik3.serve.engine_loop import ChoiceDelta, Done, EngineLoop, Failed, Job, PromptInput
+from kimik3.serve.body_worker import WORKER_BODY_BYTES, BodyWorkers, WorkerFault
 from kimik3.serve.json_body import RenderedJSON, json_response, render
 from kimik3.serve.limits import BODY_KEY, Limits, ReadBody, check_response_logprobs
 from kimik3.serve.media import MediaOptions
 from kimik3.serve.metrics import ServerMetrics
-from kimik3.serve.protocol import APIError, bad_request, error_body, validation_error
+from kimik3.serve.protocol import APIError, bad_request, error_body, model_not_found, validation_error
 from kimik3.serve.responses import usage_body
 
 logger = logging.getLogger(__name__)
@@ -75,6 +76,7 @@ class ServerState:
         self.created = int(time.time())
         self.pool = ThreadPoolExecutor(options.limits.cpu_workers, thread_name_prefix="kimik3-cpu")
         self.grammar_pool = ThreadPoolExecutor(2, thread_name_prefix="kimik3-grammar")
+        self.body_workers = BodyWorkers()
 
     async def cpu(self, fn, *args, **kwargs):
         """Run CPU-heavy request work (parsing, tokenising, rendering, image decoding) on the bounded pool,
@@ -133,27 +135,39 @@ class ServerState:
 
 # ---- helpers -----------------------------------------------------------------------------------------------
 
-async def parse_body(state: ServerState, request: Request, model):
-    """The request's body validated as ``model``: a body over ``INLINE_BODY_BYTES`` is joined from its chunks
-    (``limits.ReadBody``) and validated on the CPU pool, never on the event loop."""
+async def parse_body(state: ServerState, request: Request, model, checks=None):
+    """The request's body validated as ``model`` and passed through ``checks`` (the route's refusals that need only
+    the body, e.g. ``TokenizeChecks``). A body over ``INLINE_BODY_BYTES`` is joined from its chunks
+    (``limits.ReadBody``) and validated on the CPU pool, one over ``WORKER_BODY_BYTES`` (a model of protocol.py) in
+    a body worker process: never on the event loop, and the largest never under this process's GIL."""
     box = request.scope.get(BODY_KEY)
     if box is None or box.taken:        # an app without BodyLimits (tests that build one by hand)
         box = ReadBody([await request.body()])
     if not box.size:
         raise bad_request("request body is empty; send a JSON object", code="invalid_json")
     try:
+        if box.size > WORKER_BODY_BYTES and BodyWorkers.handles(model):
+            chunks = box.take_chunks()
+            try:
+                return await state.cpu(state.body_workers.validate, model, checks, chunks, box.size)
+            except WorkerFault as e:
+                logger.warning("the body worker failed (%s); validating a %d-byte body here", e, box.size)
+                box = ReadBody(chunks, box.size)
         if box.size > INLINE_BODY_BYTES:
-            return await state.cpu(lambda: model.model_validate_json(box.take()))
-        return model.model_validate_json(box.take())
+            req = await state.cpu(lambda: model.model_validate_json(box.take()))
+        else:
+            req = model.model_validate_json(box.take())
     except ValidationError as e:
         raise validation_error(e) from None
+    if checks is not None:
+        checks(req)
+    return req
 
 
 def check_model(state: ServerState, name: str | None) -> str:
     served = state.options.served_model_name
     if name is not None and name != served:
-        raise APIError(404, f"the model {name!r} does not exist; this server serves {served!r}", "model",
-                       "model_not_found")
+        raise model_not_found(name, served)
     return served
 
 

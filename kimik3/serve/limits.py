@@ -29,7 +29,7 @@ from dataclasses import dataclass
 
 from uvicorn.protocols.http.h11_impl import H11Protocol
 
-from kimik3.serve.protocol import bad_request, error_body
+from kimik3.serve.protocol import bad_request, context_exceeded, error_body
 
 logger = logging.getLogger(__name__)
 
@@ -200,12 +200,6 @@ def check_request_limits(limits: Limits, n: int, num_prompts: int, stop, stop_to
                           f"{len(stop_token_ids)}", "stop_token_ids")
 
 
-def context_exceeded(max_model_len: int, param: str) -> Exception:
-    """The 400 for a text that has more tokens than the context (found before it was all tokenised)."""
-    return bad_request(f"{param} has more than max_model_len={max_model_len} tokens, the most this server's context "
-                       f"holds (prompt and completion together); shorten it", param, "context_length_exceeded")
-
-
 def check_text_fits(tokenizer, chars: int, max_model_len: int, param: str) -> None:
     """400 before any tokenising when ``chars`` characters of text cannot fit the context: no token stands for
     more than ``tokenizer.max_token_chars`` characters (a 57 MiB prompt held a server 127 s before this)."""
@@ -347,9 +341,13 @@ class ReadBody:
 
     def take(self) -> bytes:
         """The whole body as one ``bytes`` (a copy when it came in several chunks: call it off the event loop)."""
+        chunks = self.take_chunks()
+        return chunks[0] if len(chunks) == 1 else b"".join(chunks)
+
+    def take_chunks(self) -> list[bytes]:
         self.taken = True
         chunks, self.chunks = self.chunks, []
-        return chunks[0] if len(chunks) == 1 else b"".join(chunks)
+        return chunks
 
 
 # ---- connections (uvicorn protocol) -------------------------------------------------------------------------

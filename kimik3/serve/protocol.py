@@ -21,6 +21,7 @@ others a 400). ``stream_options.continuous_usage_stats`` puts the usage so far o
 
 from __future__ import annotations
 
+from dataclasses import dataclass
 from typing import Any
 
 from pydantic import BaseModel, ConfigDict, Field, ValidationError
@@ -235,3 +236,59 @@ def validation_error(e: ValidationError) -> APIError:
     return bad_request(f"{loc}: {err['msg']}" + (f" (got {err['input']!r})" if "input" in err and
                                                   not isinstance(err["input"], (dict, list)) else ""),
                        param=loc, code="invalid_type" if err.get("type", "").endswith("_type") else None)
+
+
+# ---- /tokenize and /detokenize (here, with no import beyond pydantic, so a body worker can parse them) ---------
+
+class TokenizeRequest(_Body):
+    """vLLM's body: ``prompt`` (a string) or ``messages`` (a chat, rendered as /v1/chat/completions would)."""
+
+    model: str | None = None
+    prompt: str | None = None
+    messages: list[dict[str, Any]] | None = None
+    add_special_tokens: bool = True
+    add_generation_prompt: bool = True
+    return_token_strs: bool = False
+    tools: list[dict[str, Any]] | None = None
+    chat_template_kwargs: dict[str, Any] | None = None
+    media_io_kwargs: dict[str, Any] | None = None      # video sampling, as the chat request would give it
+
+
+class DetokenizeRequest(_Body):
+    model: str | None = None
+    tokens: list[int] = Field(min_length=0)
+
+
+def model_not_found(name: str, served: str) -> APIError:
+    return APIError(404, f"the model {name!r} does not exist; this server serves {served!r}", "model",
+                    "model_not_found")
+
+
+def context_exceeded(max_model_len: int, param: str) -> APIError:
+    """The 400 for a text that has more tokens than the context (found before it was all tokenised)."""
+    return bad_request(f"{param} has more than max_model_len={max_model_len} tokens, the most this server's context "
+                       f"holds (prompt and completion together); shorten it", param, "context_length_exceeded")
+
+
+@dataclass(frozen=True)
+class TokenizeChecks:
+    """/tokenize's refusals that need nothing but the body, in the route's order: the model's name, a tokenizer,
+    exactly one of prompt and messages, a prompt too long to fit the context whatever its tokens
+    (``max_prompt_chars``: max_model_len x the longest token's characters). Run where the body is validated:
+    for a large body that is a worker process (``body_worker``), so a 57 MiB prompt is refused without ever being
+    built in the server."""
+
+    served: str
+    has_tokenizer: bool
+    max_model_len: int
+    max_prompt_chars: int
+
+    def __call__(self, req: TokenizeRequest) -> None:
+        if req.model is not None and req.model != self.served:
+            raise model_not_found(req.model, self.served)
+        if not self.has_tokenizer:
+            raise APIError(500, "this server has no tokenizer", code="no_tokenizer")
+        if (req.prompt is None) == (req.messages is None):
+            raise bad_request("give exactly one of prompt (a string) or messages (a chat)", "prompt")
+        if req.prompt is not None and len(req.prompt) > self.max_prompt_chars:
+            raise context_exceeded(self.max_model_len, "prompt")

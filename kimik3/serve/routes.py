@@ -8,34 +8,23 @@ from typing import Any
 
 from fastapi import FastAPI, Request
 from fastapi.responses import JSONResponse, Response
-from pydantic import Field, ValidationError
+from pydantic import ValidationError
 
 from kimik3.serve.chat import chat_prompt
 from kimik3.serve.exchange import check_model, parse_body
 from kimik3.serve.json_body import json_response
-from kimik3.serve.limits import context_exceeded
-from kimik3.serve.protocol import APIError, ChatCompletionRequest, _Body, bad_request, validation_error
+from kimik3.serve.protocol import (
+    APIError,
+    ChatCompletionRequest,
+    DetokenizeRequest,
+    TokenizeChecks,
+    TokenizeRequest,
+    bad_request,
+    context_exceeded,
+    validation_error,
+)
 from kimik3.serve.responses_api import add_responses_route
 from kimik3.tokenizer import TooManyTokens
-
-
-class TokenizeRequest(_Body):
-    """vLLM's body: ``prompt`` (a string) or ``messages`` (a chat, rendered as /v1/chat/completions would)."""
-
-    model: str | None = None
-    prompt: str | None = None
-    messages: list[dict[str, Any]] | None = None
-    add_special_tokens: bool = True
-    add_generation_prompt: bool = True
-    return_token_strs: bool = False
-    tools: list[dict[str, Any]] | None = None
-    chat_template_kwargs: dict[str, Any] | None = None
-    media_io_kwargs: dict[str, Any] | None = None      # video sampling, as the chat request would give it
-
-
-class DetokenizeRequest(_Body):
-    model: str | None = None
-    tokens: list[int] = Field(min_length=0)
 
 
 def _version() -> str:
@@ -67,13 +56,14 @@ def add_routes(app: FastAPI, state) -> None:
             return JSONResponse({"error": {"message": "engine loop is not running"}}, status_code=503)
         return Response(status_code=200)
 
+    tok = state.tokenizer
+    tokenize_checks = TokenizeChecks(state.options.served_model_name, tok is not None, state.max_model_len,
+                                     state.max_model_len * tok.max_token_chars if tok is not None else 0)
+
     @app.post("/tokenize")
     async def tokenize(request: Request):
-        req: TokenizeRequest = await parse_body(state, request, TokenizeRequest)
-        check_model(state, req.model)
-        tok = tokenizer()
-        if (req.prompt is None) == (req.messages is None):
-            raise bad_request("give exactly one of prompt (a string) or messages (a chat)", "prompt")
+        # the model's name, a tokenizer, one of prompt and messages, a prompt that cannot fit: with the body
+        req: TokenizeRequest = await parse_body(state, request, TokenizeRequest, tokenize_checks)
         if req.prompt is not None:
             # add_special_tokens: kimik3's tokenizer adds none to a raw prompt (the engine does not either)
             try:        # a prompt longer than the context is refused (its count would serve no request)
