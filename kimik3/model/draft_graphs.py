@@ -23,8 +23,12 @@ kinds of graph replay them:
 Key spans S are a ladder of block multiples up to ``max_model_len + k``; a span's graphs exist only for the head
 counts whose gathered keys stay within ``MAX_KEY_BYTES`` (the attention gathers [N, S] keys in fp32: a long
 span at a large batch would hold gigabytes in the graphs' pool). A step that fits no captured graph (more
-rows, more heads, a longer span) runs eagerly (``DraftExecutor``); so do MTP drafts and drafts under tensor
-parallelism (``can_capture``).
+rows, more heads, a longer span) runs eagerly (``DraftExecutor``); so do MTP drafts (``can_capture``).
+
+Under tensor parallelism every rank captures its own graphs at once, their collectives inside (the attention's
+and MLP's all-reduces, the greedy pick's all-gather), and all keep them only if every rank succeeded
+(``parallel/worker.py``); a step's plan depends only on its ``DraftWork`` and the captured keys, the same on every
+rank, so every rank replays the same graphs in the same order (or all run the step eagerly).
 
 Inputs reach the graphs through fixed buffers filled before the replays (one host-to-device copy each); the
 drafts come back in one device-to-host copy, as the eager executor's do. ``record`` captures one function
@@ -67,8 +71,9 @@ class DraftGraphs:
     def __init__(self, draft, cache: torch.Tensor, block_size: int, max_num_seqs: int, max_model_len: int, k: int,
                  states_dtype: torch.dtype, min_span: int = MIN_SPAN):
         if not self.can_capture(draft):
-            raise ValueError(f"draft graphs hold one-process Eagle3 and DFlash drafts, not {type(draft).__name__}")
+            raise ValueError(f"draft graphs hold Eagle3 and DFlash drafts, not {type(draft).__name__}")
         self.draft, self.cache, self.block_size, self.k = draft, cache, block_size, k
+        self.max_num_seqs, self.max_model_len, self.min_span = max_num_seqs, max_model_len, min_span
         self.device = cache.device
         # DFlash: B rows a head (keys of its context alone); Eagle3: one, whose keys reach k - 1 past the context
         self.dflash_rows = draft.cfg.block_size if isinstance(draft, DFlashDraft) else 0
@@ -106,9 +111,10 @@ class DraftGraphs:
 
     @staticmethod
     def can_capture(draft) -> bool:
-        """A one-process Eagle3 or DFlash draft (its layers the plain ones) runs from fixed buffers."""
+        """An Eagle3 or DFlash draft (its layers the plain ones; whole or split over tensor-parallel ranks) runs from
+        fixed buffers."""
         layer = {Eagle3Draft: Eagle3Layer, DFlashDraft: DFlashLayer}.get(type(draft))
-        return layer is not None and all(type(m) is layer for m in draft.layers) and not draft.lm_head.par.enabled
+        return layer is not None and all(type(m) is layer for m in draft.layers)
 
     # ---- the captured functions --------------------------------------------------------------------------
     def catch_up(self, R: int) -> None:

@@ -26,7 +26,12 @@ rank runs it (its collectives inside), rank 0 keeping the drafts.
 
 Decode CUDA graphs: ``CaptureGraphs`` has every rank capture its own graphs (their collectives
 inside) at the same time, and all keep them only if every rank succeeded (``agree``); a pure decode
-step is then a ``GraphStep`` (the packed decode inputs), which each rank replays.
+step is then a ``GraphStep`` (the packed decode inputs), which each rank replays. With a draft model the graphs
+also keep the target's states the draft reads (``aux_layers``), and ``CaptureDraftGraphs`` has every rank capture
+the draft's own steps the same way (``model/draft_graphs.py``: Eagle3, DFlash); a draft step then replays them on
+every rank where they fit (the plan follows the ``DraftWork`` alone), else runs eagerly on every rank. Drafts still
+on rank 0's device when their verify step is launched (``spec/device_drafts.py``) reach the workers on the model's
+group: a graph step's (input row, token) pairs (``GraphStep.num_drafts``), an eager step's whole input ids.
 """
 
 from __future__ import annotations
@@ -40,6 +45,7 @@ import torch.distributed as dist
 
 from kimik3.model.batch import ForwardBatch
 from kimik3.model.cuda_graphs import DecodeGraphs, capture_or_none
+from kimik3.model.draft_graphs import DraftGraphs, capture_draft_or_none
 from kimik3.model.draft_step import DraftExecutor, DraftWork, allocate_draft_cache
 from kimik3.parallel.encoder_dp import EncodeImages, encode_share
 from kimik3.parallel.pipeline import run_stage
@@ -74,6 +80,7 @@ class GraphStep:
     ids_on_device: bool                      # async scheduling: the ids follow on the model's group
     state_copies: list[tuple[int, int]]
     state_resets: list[int]
+    num_drafts: int = 0                      # drafts still on rank 0's device: [2, n] (input rows, tokens) follow
 
 
 @dataclass(frozen=True)
@@ -128,6 +135,17 @@ class CaptureGraphs:
     max_num_seqs: int
     max_model_len: int
     max_query_len: int        # 1 + speculative tokens: verify steps are captured too
+    aux_layers: tuple[int, ...] = ()     # a draft model's target layers: the graphs keep their states
+
+
+@dataclass(frozen=True)
+class CaptureDraftGraphs:
+    """Every rank captures its draft's own steps (``DraftGraphs``, the arguments rank 0's runner gave its own)."""
+    max_num_seqs: int
+    max_model_len: int
+    k: int                    # drafts per request at most
+    states_dtype: torch.dtype
+    min_span: int             # the shortest key span
 
 
 @dataclass(frozen=True)
@@ -147,8 +165,16 @@ class DraftRunner:
         draft = load_draft(setup.method, setup.path, model)
         cache = allocate_draft_cache(draft, setup.num_blocks, setup.block_size, setup.num_slots)
         self.executor = DraftExecutor(draft, cache, setup.block_size)
+        self.block_size = setup.block_size
         self.aux_layers = tuple(draft.aux_layer_ids)
         self.states: torch.Tensor | None = None
+
+    def capture(self, step: CaptureDraftGraphs, graphs_class, control) -> None:
+        """Capture the draft's graphs as rank 0 does; all ranks keep them only if every rank captured."""
+        ex = self.executor
+        graphs = capture_draft_or_none(graphs_class(ex.draft, ex.cache, self.block_size, step.max_num_seqs,
+                                                    step.max_model_len, step.k, step.states_dtype, step.min_span))
+        ex.graphs = graphs if agree(graphs is not None, control) else None
 
     def forward(self, model, ids, batch, cache):
         hidden, aux = model.forward_step(ids, batch, cache, self.aux_layers)
@@ -197,12 +223,15 @@ def send_step(control, input_ids: torch.Tensor, batch: ForwardBatch, rows: list[
 
 def send_graph_step(control, meta: torch.Tensor, block_tables: torch.Tensor, num_seqs: int,
                     state_copies: list[tuple[int, int]], state_resets: list[int], input_ids: torch.Tensor | None,
-                    model_group=None) -> None:
-    """Rank 0, before each graph replay: the inputs every worker replays its graph of that size with."""
+                    model_group=None, drafts: tuple[torch.Tensor, torch.Tensor] | None = None) -> None:
+    """Rank 0, before each graph replay: the inputs every worker replays its graph of that size with. ``drafts``:
+    (input rows, tokens) of drafts still on the device (``DecodeGraphs.run``), sent device to device after the ids."""
     broadcast(GraphStep(meta.cpu(), block_tables.cpu(), num_seqs, input_ids is not None, list(state_copies),
-                        list(state_resets)), control)
+                        list(state_resets), 0 if drafts is None else drafts[0].numel()), control)
     if input_ids is not None:
         _send_ids(input_ids, model_group)
+    if drafts is not None:
+        _send_ids(torch.stack(drafts), model_group)
 
 
 def agree(ok: bool, control) -> bool:
@@ -220,8 +249,8 @@ def _send_ids(ids: torch.Tensor, group) -> None:
     dist.broadcast(ids, src=_first_rank(group), group=group)
 
 
-def _recv_ids(n: int, device: torch.device, group) -> torch.Tensor:
-    ids = torch.empty(n, dtype=torch.int64, device=device)
+def _recv_ids(shape: int | tuple[int, ...], device: torch.device, group) -> torch.Tensor:
+    ids = torch.empty(shape, dtype=torch.int64, device=device)
     dist.broadcast(ids, src=_first_rank(group), group=group)
     return ids
 
@@ -236,10 +265,23 @@ def stop_workers(control) -> None:
     broadcast(None, control)
 
 
+def _draft_message(draft: DraftRunner | None, step, model, control, graphs_class) -> DraftRunner | None:
+    """A worker's draft after ``step``, one of the draft's messages (``DraftSetup``, ``CaptureDraftGraphs``,
+    ``DraftWork``). The drafts of a step that replays graphs stay on the device: only rank 0 reads them."""
+    if isinstance(step, DraftSetup):
+        return DraftRunner(step, model)
+    if isinstance(step, CaptureDraftGraphs):
+        draft.capture(step, graphs_class, control)
+    else:
+        draft.executor.launch(step, draft.states)
+    return draft
+
+
 @torch.inference_mode()
-def worker_loop(model, control, graphs_class=DecodeGraphs) -> int:
+def worker_loop(model, control, graphs_class=DecodeGraphs, draft_graphs_class=DraftGraphs) -> int:
     """Run steps as rank 0 describes them until it says stop; returns the number of steps.
-    ``graphs_class``: what ``CaptureGraphs`` builds (tests pass a stand-in)."""
+    ``graphs_class`` / ``draft_graphs_class``: what ``CaptureGraphs`` / ``CaptureDraftGraphs`` build (tests pass
+    stand-ins)."""
     device = torch.device(model.device)
     geometry: CacheGeometry | None = broadcast(None, control)
     if geometry is None:                 # rank 0 stopped before its engine was built
@@ -262,15 +304,12 @@ def worker_loop(model, control, graphs_class=DecodeGraphs) -> int:
         if isinstance(step, ExpertLoads):
             gather_loads(model, control)
             continue
-        if isinstance(step, DraftSetup):
-            draft = DraftRunner(step, model)
-            continue
-        if isinstance(step, DraftWork):
-            draft.executor.run(step, draft.states)
+        if isinstance(step, (DraftSetup, CaptureDraftGraphs, DraftWork)):
+            draft = _draft_message(draft, step, model, control, draft_graphs_class)
             continue
         if isinstance(step, CaptureGraphs):
             graphs = capture_or_none(graphs_class(model, cache, step.max_num_seqs, step.max_model_len,
-                                                  step.max_query_len), decode_only_retry=False)
+                                                  step.max_query_len, step.aux_layers), decode_only_retry=False)
             if not agree(graphs is not None, control):
                 graphs = None
             continue
@@ -278,8 +317,12 @@ def worker_loop(model, control, graphs_class=DecodeGraphs) -> int:
             model.expert_offload.refresh()
         cache.apply_state_ops(step.state_copies, step.state_resets)
         if isinstance(step, GraphStep):
-            ids = _recv_ids(step.num_seqs, device, model.parallel.group) if step.ids_on_device else None
-            graphs.run(step.meta, step.block_tables, step.num_seqs, ids)
+            group = model.parallel.group
+            ids = _recv_ids(step.num_seqs, device, group) if step.ids_on_device else None
+            drafts = _recv_ids((2, step.num_drafts), device, group).unbind() if step.num_drafts else None
+            graphs.run(step.meta, step.block_tables, step.num_seqs, ids, drafts)
+            if draft is not None:             # the states the draft reads: the graphs' fixed buffer
+                draft.states = graphs.states(step.num_seqs, step.meta.shape[1] // step.block_tables.shape[0])
         else:
             if isinstance(step.input_ids, int):       # async scheduling: the ids come from rank 0's device
                 ids = _recv_ids(step.input_ids, device, model.parallel.group)

@@ -217,13 +217,15 @@ def test_dflash_blocks_equal_the_eager_executor():
     assert {key[2] for key in g.replayed if key[0] == "step"} == {8, 16, 32}, g.replayed
 
 
-def test_only_one_process_eagle3_and_dflash_drafts_capture(draft):
+def test_eagle3_and_dflash_drafts_capture_whole_or_split(draft):
+    """Eagle3 and DFlash drafts capture, also split over tensor-parallel ranks (every rank captures its own:
+    tests/parallel/test_tensor_parallel.py); MTP drafts do not."""
     from kimik3.distributed import ParallelContext
     from kimik3.model.mtp import MTPDraft
     assert DraftGraphs.can_capture(draft) and DraftGraphs.can_capture(small_dflash())
     assert not DraftGraphs.can_capture(object.__new__(MTPDraft))
     split = small_draft()
     split.lm_head.par = ParallelContext(tp_rank=0, tp_size=2)
-    assert split.lm_head.par.enabled and not DraftGraphs.can_capture(split)
+    assert split.lm_head.par.enabled and DraftGraphs.can_capture(split)
     with pytest.raises(ValueError, match="Eagle3 and DFlash"):
         DraftGraphs(object.__new__(MTPDraft), torch.zeros(1), BS, 2, 16, 2, torch.float32)

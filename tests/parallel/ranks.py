@@ -21,6 +21,7 @@ from kimik3.parallel.launch import init_rank
 from kimik3.parallel.pipeline import micro_batch_bounds, run_stage
 from kimik3.parallel.worker import stop_workers, worker_loop
 from tests.engine.helpers import EagerReplayGraphs, FailingGraphs, count_calls
+from tests.model.test_draft_graphs import EagerDraftGraphs
 
 
 def spawn(fn, world: int, *args, timeout: float = 120.0) -> None:
@@ -363,48 +364,113 @@ DRAFT_ENGINE_CONFIG = dict(max_num_seqs=3, max_num_batched_tokens=64, max_model_
 
 
 def record_drafts(box: list, held: dict | None = None) -> None:
-    """Every draft step's drafts this process computes, appended to ``box``; every request drafts all it may
-    (the controller's plan, which follows measured times, would differ between processes). ``held``: the parameter
-    elements of the draft that ran (this rank's share), under "elements"."""
+    """Every draft step's drafts this process computes (collected at once: a worker never collects its own),
+    appended to ``box``; every request drafts all it may (the controller's plan, which follows measured times,
+    would differ between processes). ``held``: the parameter elements of the draft that ran (this rank's share),
+    under "elements", and the draft steps that replayed the draft's graphs, under "replays"."""
     from kimik3.engine.spec.controller import DraftController
     from kimik3.model.draft_step import DraftExecutor
-    run = DraftExecutor.run
+    launch = DraftExecutor.launch
     DraftController.plan = lambda self, rates, rooms, batch, watching: [min(r, self.k) for r in rooms]
 
     def recording(self, work, states):
-        out = run(self, work, states)
+        collect, tokens = launch(self, work, states)
+        out = collect()
         box.append(out)
         if held is not None:
             held["elements"] = sum(p.numel() for p in self.draft.parameters())
-        return out
-    DraftExecutor.run = recording
+            held["replays"] = 0 if self.graphs is None else self.graphs.num_replays
+        return (lambda: out), tokens
+    DraftExecutor.launch = recording
+
+
+class KeptReplayGraphs(EagerReplayGraphs):
+    """Eager stand-ins that a worker keeps in ``made`` (its loop builds them)."""
+    made: list = []
+
+    def capture(self) -> None:
+        super().capture()
+        KeptReplayGraphs.made.append(self)
+
+
+def replayed_ids(graphs) -> list[list[int]]:
+    """The input ids of every replay of emulated decode / verify ``graphs`` (drafts from the device included)."""
+    return [] if graphs is None else [meta[0].tolist() for meta, _, _ in graphs.seen]
+
+
+class FailingDraftGraphs(EagerDraftGraphs):
+    """A draft whose steps fail to capture on one rank (every rank then drafts eagerly): after the warm-ups and
+    captures, whose collectives every rank must join."""
+
+    def capture(self) -> None:
+        super().capture()
+        raise RuntimeError("CUDA error: operation not permitted when stream is capturing")
+
+
+def emulated_graphs(engine) -> list[bool]:
+    """Rank 0 of a draft engine on emulated graphs, as ``ParallelRunner`` captures them on CUDA: decode / verify
+    graphs keeping the draft's states, then the draft's own (``attach_draft`` again), every rank capturing its own.
+    Returns a list that gets, per step with drafts still on the device (written into its rows), whether it
+    replayed a graph."""
+    runner, cfg = engine.runner, engine.config
+    runner.graphs = runner.capture_graphs(EagerReplayGraphs(engine.model, engine.cache, cfg.max_num_seqs,
+                                                            cfg.max_model_len, 1 + cfg.num_speculative_tokens,
+                                                            aux_layers=runner.aux_layers))
+    capture, launch, fed = runner.capture_draft_graphs, runner.launch, []
+
+    def emulating(graphs):
+        graphs.__class__ = EagerDraftGraphs
+        return capture(graphs)
+
+    def counting(out, input_ids=None):
+        graph_steps = runner.num_graph_steps
+        logits = launch(out, input_ids)
+        if out.pending_drafts is not None:
+            fed.append(runner.num_graph_steps > graph_steps)
+        return logits
+    runner.capture_draft_graphs, runner.launch = emulating, counting
+    runner.attach_draft(engine.scheduler.drafter)
+    return fed
 
 
 def draft_engine_rank(rank, world, control, cases: dict, out_path: str):
     """Speculative decoding with draft models split over the ranks, one engine per case: ``cases`` name ->
     (target checkpoint, method, draft checkpoint, rounds of prompts, run one after the other: later rounds hit the
-    prefix cache[, (expert parallel size, MoE mode, decode context parallel size): TP alone when left out]). Rank 0 saves per case (greedy outputs of every round, verify chunks, the drafts of every draft
-    step, the draft's parameter elements on the rank); each worker saves per case (the drafts it computed, its
-    draft's parameter elements) in ``out_path.rank<r>``."""
+    prefix cache[, (expert parallel size, MoE mode, decode context parallel size) or None: TP alone[, graphs]]).
+    ``graphs``: words: "sync" / "async" (scheduling): decode / verify graphs and the draft's own as eager stand-ins
+    on every rank (``emulated_graphs``); prefix caching off, so verify chunks carry no prefix checkpoint and replay
+    graphs, unless "prefix-caching"; "rank1-fails": rank 1 cannot capture the draft's. Rank 0 saves per case (greedy
+    outputs of every round, verify chunks, the drafts of every draft step, the draft's parameter elements on the
+    rank, draft steps on graphs, per step fed drafts still on the device whether it replayed a graph, target graph
+    steps, the input ids of every graph replay); each worker saves per case (the drafts it computed, its draft's
+    parameter elements, its draft steps on graphs, the input ids of its graph replays) in ``out_path.rank<r>``."""
     drafts: list = []
     held: dict = {}
     record_drafts(drafts, held)
     results = {}
-    for name, (path, method, draft_path, rounds, *layout) in cases.items():
+    for name, (path, method, draft_path, rounds, *extra) in cases.items():
         drafts.clear()
         held.clear()
-        ep, mode, dcp = layout[0] if layout else (1, "tep", 1)
+        ep, mode, dcp = extra[0] if extra and extra[0] else (1, "tep", 1)
+        graphs = extra[1] if len(extra) > 1 else None
         par = ParallelContext(rank, world, None, ep, mode, dcp_size=dcp)
         model = load_model(path, dtype=torch.float64, parallel=par)
         if rank != 0:
-            worker_loop(model, control)
-            results[name] = (list(drafts), held.get("elements"))
+            fails = "rank1-fails" in (graphs or "") and rank == 1
+            KeptReplayGraphs.made.clear()
+            worker_loop(model, control, KeptReplayGraphs, FailingDraftGraphs if fails else EagerDraftGraphs)
+            results[name] = (list(drafts), held.get("elements"), held.get("replays"),
+                             replayed_ids(KeptReplayGraphs.made[-1] if KeptReplayGraphs.made else None))
             continue
-        cfg = EngineConfig(**{**DRAFT_ENGINE_CONFIG, "speculative_method": method}, speculative_model=draft_path)
+        cfg = EngineConfig(**{**DRAFT_ENGINE_CONFIG, "speculative_method": method}, speculative_model=draft_path,
+                           async_scheduling="async" in (graphs or ""),
+                           enable_prefix_caching=graphs is None or "prefix-caching" in graphs)
         engine = LLMEngine(model, cfg, runner_factory=functools.partial(ParallelRunner, control=control))
+        fed = emulated_graphs(engine) if graphs else []
         outs = [run_engine(engine, prompts)[0] for prompts in rounds]
         stop_workers(control)
-        results[name] = (outs, engine.num_drafts, list(drafts), held.get("elements"))
+        results[name] = (outs, engine.num_drafts, list(drafts), held.get("elements"), held.get("replays"), fed,
+                         engine.runner.num_graph_steps, replayed_ids(engine.runner.graphs))
     torch.save(results, out_path if rank == 0 else f"{out_path}.rank{rank}")
 
 

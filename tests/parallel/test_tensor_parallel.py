@@ -159,7 +159,7 @@ def _draft_engine(model, method: str, draft_path: str, rounds: list, monkeypatch
     with monkeypatch.context() as m:
         from kimik3.engine.spec.controller import DraftController
         from kimik3.model.draft_step import DraftExecutor
-        m.setattr(DraftExecutor, "run", DraftExecutor.run)         # restored after recording
+        m.setattr(DraftExecutor, "launch", DraftExecutor.launch)   # restored after recording
         m.setattr(DraftController, "plan", DraftController.plan)
         record_drafts(alone, held)
         engine = LLMEngine(model, EngineConfig(**{**DRAFT_ENGINE_CONFIG, "speculative_method": method},
@@ -171,11 +171,15 @@ def _draft_engine(model, method: str, draft_path: str, rounds: list, monkeypatch
 def _check_draft_ranks(out_path, world: int, cases: dict, alone: dict) -> None:
     """Each case under TP: plain decoding's outputs, verify steps ran, every worker computed rank 0's drafts, which
     are the one-process drafts (``alone``: name -> (plain outputs, drafts, the whole draft's parameter elements)),
-    and each rank held a share of the draft (fewer parameter elements than the whole draft: not a replica)."""
+    and each rank held a share of the draft (fewer parameter elements than the whole draft: not a replica). A case
+    on graphs (``draft_engine_rank``): Eagle3 and DFlash drafts' own steps replayed graphs on every rank (all but the
+    draft step after a round's prefill: its many rows), and verify steps, graph and eager ones, were fed drafts still
+    on rank 0's device; MTP drafts eagerly as on one device, and so does every rank where rank 1 could not capture
+    the draft's graphs (drafts on the host)."""
     results = torch.load(out_path, weights_only=False)
     workers = [torch.load(f"{out_path}.rank{r}", weights_only=False) for r in range(1, world)]
-    for name in cases:
-        outs, verify_chunks, drafts, elements = results[name]
+    for name, case in cases.items():
+        outs, verify_chunks, drafts, elements, replays, fed, graph_steps, graph_ids = results[name]
         plain, want, whole = alone[name]
         assert outs == plain and verify_chunks > 0, name
         for r, worker in enumerate(workers, 1):
@@ -183,6 +187,17 @@ def _check_draft_ranks(out_path, world: int, cases: dict, alone: dict) -> None:
         assert drafts == want and any(drafts), name
         for r, held in enumerate([elements] + [w[name][1] for w in workers]):
             assert held < whole, (name, r, held, whole)
+        ranks_replays = [replays] + [w[name][2] for w in workers]
+        assert (graph_steps > 0) == (len(case) == 6) and len(graph_ids) == graph_steps, (name, graph_steps)
+        for r, worker in enumerate(workers, 1):      # the workers replayed the same inputs (device drafts too)
+            assert worker[name][3] == graph_ids, (name, r)
+        if len(case) < 6:
+            assert ranks_replays == [0] * world and fed == [], (name, ranks_replays, fed)
+        elif case[1] == "mtp" or "rank1-fails" in case[5]:
+            assert ranks_replays == [0] * world and fed == [], (name, ranks_replays, fed)
+        else:           # verify steps with a prefix checkpoint run eagerly
+            assert len(set(ranks_replays)) == 1 and len(drafts) - len(case[3]) == replays, (name, ranks_replays)
+            assert True in fed and (False in fed) == ("prefix-caching" in case[5]), (name, fed)
 
 
 @pytest.mark.parametrize("world", [2, 4])
@@ -198,8 +213,11 @@ def test_draft_model_runs_on_every_rank(ckpts, tmp_path, monkeypatch, world):
     plain, one, alone, whole = _draft_engine(model, "eagle3", str(tmp_path / "eagle3"), rounds, monkeypatch)
     assert one == plain
     cases = {"eagle3": (str(path), "eagle3", str(tmp_path / "eagle3"), rounds)}
+    if world == 2:          # on graphs (eager stand-ins) too, in the same spawn
+        for graphs in ("sync", "async", "rank1-fails"):
+            cases[f"eagle3-graphs-{graphs}"] = (*cases["eagle3"], None, graphs)
     spawn(draft_engine_rank, world, cases, str(tmp_path / "out.pt"))
-    _check_draft_ranks(tmp_path / "out.pt", world, cases, {"eagle3": (plain, alone, whole)})
+    _check_draft_ranks(tmp_path / "out.pt", world, cases, dict.fromkeys(cases, (plain, alone, whole)))
 
 
 def mtp_checkpoint(path, kinds: tuple[bool, ...]) -> str:
@@ -227,7 +245,7 @@ def test_mtp_and_dflash_drafts_run_on_every_rank(tmp_path, monkeypatch):
     EP2 all-to-all with DCP2) and a DFlash block drafter under TP2, in one spawn: each split as the target's layers are (MTP: by the target's own MLA / KDA / MoE
     modules and a vocabulary-split head), two rounds of prompts (the second hits the prefix cache: a KDA draft layer's
     checkpoints and restores on every rank); greedy outputs are plain decoding's, every rank computed every draft
-    step, and the drafts are the one-process drafts."""
+    step, and the drafts are the one-process drafts; also on graphs (``_check_draft_ranks``)."""
     from tests.loader.test_drafts import dflash_files
     cases, alone = {}, {}
     for name, kinds in (("mtp-kda+mla", (True, False)), ("mtp-mla+kda", (False, True))):
@@ -244,6 +262,11 @@ def test_mtp_and_dflash_drafts_run_on_every_rank(tmp_path, monkeypatch):
     plain, one, *drafts = _draft_engine(model, "dflash", str(tmp_path / "dflash"), rounds[:1], monkeypatch)
     assert one == plain
     cases["dflash"], alone["dflash"] = (path, "dflash", str(tmp_path / "dflash"), rounds[:1]), (plain, *drafts)
+    # on graphs (eager stand-ins): the target's on every rank keep the states the draft reads (MTP drafts eagerly, as
+    # on one device); DFlash's own steps replay graphs on every rank, here with the target under EP2 and DCP2
+    for name, base, layout, graphs in (("mtp-kda+mla-graphs", "mtp-kda+mla", None, "sync"),
+                                       ("dflash-graphs-ep2-dcp2", "dflash", (2, "tep", 2), "sync prefix-caching")):
+        cases[name], alone[name] = (*cases[base], layout, graphs), alone[base]
     spawn(draft_engine_rank, 2, cases, str(tmp_path / "out.pt"))
     _check_draft_ranks(tmp_path / "out.pt", 2, cases, alone)
 

@@ -70,12 +70,8 @@ class LLMEngine:
         self.scheduler = Scheduler(self.kv, config, drafter)
         if drafter is not None and drafter.aux_layers:
             # every step (eager or a decode / verify graph) keeps the states the draft reads; under tensor
-            # parallelism the draft runs on every rank (``ParallelRunner.attach_draft``), its steps eager
-            if runner_factory is None:
-                self.runner = ModelRunner(model, self.cache, config, aux_layers=drafter.aux_layers)
-            else:
-                self.runner = runner_factory(model, self.cache, dataclasses.replace(config, enforce_eager=True))
-                self.runner.aux_layers = drafter.aux_layers
+            # parallelism the draft runs on every rank (``ParallelRunner.attach_draft``), its graphs on every rank too
+            self.runner = (runner_factory or ModelRunner)(model, self.cache, config, aux_layers=drafter.aux_layers)
             self.runner.attach_draft(drafter)
         else:
             self.runner = (runner_factory or ModelRunner)(model, self.cache, config)
