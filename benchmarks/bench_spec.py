@@ -17,6 +17,9 @@ two engines, the best of each kept.
     python benchmarks/bench_spec.py                                   # CPU, default model + shipped draft
     python benchmarks/bench_spec.py --device cuda --dtype bfloat16 --out bench_out/spec.json
     python benchmarks/bench_spec.py --device cuda --dtype bfloat16 --eager-draft-engine --out bench_out/spec_graphs.json
+    python benchmarks/bench_spec.py --batches 1 --kinds heldout --windows 8 --speculative-config \
+        '{"method": "eagle3", "model": "default", "num_speculative_tokens": 4, "num_speculative_tokens_per_batch_size": [[1, 512, 4]]}'
+                                      # fixed depth 4 (vLLM's table; no controller): the draft's mean accepted length
 """
 
 from __future__ import annotations
@@ -67,12 +70,17 @@ def run_timed(llm: LLM, batch: list[list[int]], max_tokens: int) -> tuple[list[l
     return [list(o.outputs[0].token_ids) for o in outs], time.perf_counter() - t0, time.process_time() - c0
 
 
-def timed_pair(plain: LLM, drafted: LLM, batch: list[list[int]], max_tokens: int, repeat: int):
-    """Alternating runs of both engines: (plain outputs, draft outputs, best wall and CPU seconds of each)."""
+def timed_pair(plain: LLM, drafted: LLM, batch: list[list[int]], max_tokens: int, repeat: int, size: int = 0):
+    """Alternating runs of both engines: (plain outputs, draft outputs, best wall and CPU seconds of each).
+    ``size``: the prompts go ``size`` at a time (one ``generate`` call each, the seconds summed; 0: all at once)."""
     best = {"plain": [float("inf")] * 2, "spec": [float("inf")] * 2}
+    size = size or len(batch)
     for _ in range(repeat):
         for name, llm in (("plain", plain), ("spec", drafted)):
-            outs, wall, cpu = run_timed(llm, batch, max_tokens)
+            outs, wall, cpu = [], 0.0, 0.0
+            for i in range(0, len(batch), size):
+                o, w, c = run_timed(llm, batch[i:i + size], max_tokens)
+                outs, wall, cpu = outs + o, wall + w, cpu + c
             best[name] = [min(best[name][0], wall), min(best[name][1], cpu)]
             if name == "plain":
                 out_plain = outs
@@ -92,6 +100,8 @@ def main() -> None:
     ap.add_argument("--device", default=None)
     ap.add_argument("--dtype", default="auto")
     ap.add_argument("--repeat", type=int, default=1, help="timed runs of each case (the best is kept)")
+    ap.add_argument("--windows", type=int, default=1,
+                    help="batches per case: a batch-b case runs windows x b prompts, b at a time (more text measured)")
     ap.add_argument("--out", type=Path, default=None, help="write the results as JSON")
     ap.add_argument("--eager-draft-engine", action="store_true",
                     help="also time the draft engine with enforce_eager (graphs vs eager on a GPU)")
@@ -110,7 +120,7 @@ def main() -> None:
     rows = []
     for kind in args.kinds.split(","):
         for b in (int(x) for x in args.batches.split(",")):
-            batch = prompts(kind, tok, b, args.prompt_tokens, vocab, seed=b)
+            batch = prompts(kind, tok, b * args.windows, args.prompt_tokens, vocab, seed=b)
             run(plain, batch[:1], 4)                      # warm both engines
             run(drafted, batch[:1], 4)
             e = drafted.engine
@@ -120,13 +130,14 @@ def main() -> None:
             replays0 = draft_graphs.num_replays if draft_graphs is not None else 0
             t_eager = float("inf")
             out_plain, out_spec, (t_plain, c_plain), (t_spec, c_spec) = timed_pair(plain, drafted, batch,
-                                                                                   args.max_tokens, args.repeat)
+                                                                                   args.max_tokens, args.repeat, b)
             steps = (e.runner.num_steps - steps0[0], e.runner.num_graph_steps - steps0[1])
             if eager is not None:
                 run(eager, batch[:1], 4)
                 for _ in range(args.repeat):
-                    out_eager, t = run(eager, batch, args.max_tokens)
-                    t_eager = min(t_eager, t)
+                    parts = [run(eager, batch[i:i + b], args.max_tokens) for i in range(0, len(batch), b)]
+                    out_eager = [o for part, _ in parts for o in part]
+                    t_eager = min(t_eager, sum(t for _, t in parts))
             drafts = (e.num_drafts - before[0]) / args.repeat
             accepted = (e.num_accepted_tokens - before[1]) / args.repeat
             per_pos = [(a - (before[2][j] if j < len(before[2]) else 0)) / args.repeat / max(drafts, 1)
@@ -149,7 +160,7 @@ def main() -> None:
     device = torch.cuda.get_device_name() if torch.cuda.is_available() and args.device != "cpu" else "cpu"
     report = {"device": device, "commit": commit, "date": datetime.date.today().isoformat(), "model": args.model,
               "speculative_config": spec, "prompt_tokens": args.prompt_tokens, "max_tokens": args.max_tokens,
-              "torch_threads": torch.get_num_threads(), "rows": rows}
+              "windows": args.windows, "torch_threads": torch.get_num_threads(), "rows": rows}
     print(f"\n{device}, commit {commit}, {report['date']}; {spec}")
     print(f"{'prompts':>8} {'batch':>5} {'plain tok/s':>11} {'draft tok/s':>11} {'ratio':>6} {'cpu-s ratio':>11} "
           f"{'accepted len':>12}  same")
