@@ -1,8 +1,12 @@
 """Draft models under tensor parallelism on 2 GPUs (NCCL), bf16, tiny K3 with two MTP layers (a KDA then an MLA
 block, MoE): K3's MTP draft and a DFlash draft split over both ranks (``docs/speculative.md``) give plain one-GPU
 greedy decoding (up to near-ties: ``assert_same_greedy``) through ``LLM(tensor_parallel_size=2,
-speculative_config=...)``. Skipped with fewer than 2 GPUs; the same drafts run in float64 on CPU ranks in
-tests/parallel/test_tensor_parallel.py, where their drafts equal the one-process drafts exactly."""
+speculative_config=...)``; with CUDA graphs (``enforce_eager=False``) every rank captures the target's decode /
+verify graphs and the draft's own (Eagle3, DFlash; MTP drafts eagerly over the target's graphs), collectives inside,
+and rank 0's draft steps replay them (a worker that did not would leave rank 0 in a collective: the test would hang,
+not pass). Skipped with fewer than 2 GPUs; the same drafts run in float64 on CPU ranks in
+tests/parallel/test_tensor_parallel.py (the graphs as eager stand-ins), where their drafts equal the one-process
+drafts exactly."""
 
 from __future__ import annotations
 
@@ -21,25 +25,38 @@ def ckpt(tmp_path_factory):
     return mtp_checkpoint(tmp_path_factory.mktemp("draft-tp") / "k3", (True, False))
 
 
-def plain_and_tp2_drafts(ckpt: str, tmp_path, method: str, kw: dict) -> tuple[dict, dict, dict, int]:
-    """(requests, one-device plain greedy outputs, TP2 outputs with the ``method`` draft, its draft tokens)."""
+def plain_and_tp2_drafts(ckpt: str, tmp_path, method: str, kw: dict, **tp_kw) -> tuple[dict, dict, dict, int, tuple]:
+    """(requests, one-device plain greedy outputs, TP2 outputs with the ``method`` draft, its draft tokens, (target
+    graph steps, draft steps on the draft's graphs: None without them))."""
     import kimik3
-    from tests.loader.test_drafts import dflash_files
+    from tests.loader.test_drafts import dflash_files, eagle3_files
     reqs = requests(load_config(ckpt).text.vocab_size)
     with LLM(ckpt, **kw) as llm:
         want = generate(llm.engine, reqs)
     spec = {"method": method, "num_speculative_tokens": 3}
-    if method == "dflash":
-        dflash_files(tmp_path / "dflash", kimik3.load_model(ckpt, dtype=torch.float32, language_model_only=True))
-        spec["model"] = str(tmp_path / "dflash")
-    with LLM(ckpt, tensor_parallel_size=2, speculative_config=spec, **kw) as llm:
+    if method in ("dflash", "eagle3"):
+        files = {"dflash": dflash_files, "eagle3": eagle3_files}[method]
+        files(tmp_path / method, kimik3.load_model(ckpt, dtype=torch.float32, language_model_only=True))
+        spec["model"] = str(tmp_path / method)
+    with LLM(ckpt, tensor_parallel_size=2, speculative_config=spec, **kw, **tp_kw) as llm:
         got = generate(llm.engine, reqs)
         drafts = llm.engine.num_draft_tokens
-    return reqs, want, got, drafts
+        graphs = llm.engine.scheduler.drafter.executor.graphs
+        stats = (llm.engine.runner.num_graph_steps, None if graphs is None else graphs.num_replays)
+    return reqs, want, got, drafts, stats
 
 
 @pytest.mark.parametrize("method", ["mtp", "dflash"])
 def test_drafts_under_tp2_give_plain_greedy(ckpt, tmp_path, method):
-    reqs, want, got, drafts = plain_and_tp2_drafts(ckpt, tmp_path, method, KW)
+    reqs, want, got, drafts, _ = plain_and_tp2_drafts(ckpt, tmp_path, method, KW)
     assert drafts > 0
+    assert_same_greedy(want, got, reqs)
+
+
+@pytest.mark.parametrize("method", ["eagle3", "dflash", "mtp"])
+def test_draft_graphs_under_tp2_give_plain_greedy(ckpt, tmp_path, method):
+    reqs, want, got, drafts, (graph_steps, draft_replays) = plain_and_tp2_drafts(ckpt, tmp_path, method, KW,
+                                                                                enforce_eager=False)
+    assert drafts > 0 and graph_steps > 0, (drafts, graph_steps)
+    assert (draft_replays is None) == (method == "mtp") and (draft_replays is None or draft_replays > 0), draft_replays
     assert_same_greedy(want, got, reqs)
