@@ -34,12 +34,16 @@ from kimik3.model.draft_step import DraftExecutor, DraftWork, draft_cache_shape 
 BS = 16
 
 
-def work_of(batch: int, context: int, depth: int, blocks_each: int, scratch_from: int) -> tuple[DraftWork, int]:
+def work_of(batch: int, context: int, depth: int, blocks_each: int, scratch_from: int, block_size: int = BS,
+            rows_each: int = 3) -> tuple[DraftWork, int]:
+    """Each request's first 2 of its ``rows_each`` rows of the target's step caught up (at context - 2 and - 1), then
+    ``depth`` drafts from the second; (the work, the target step's rows)."""
+    BS = block_size
     rows, ids, pos, slots, heads, tables = [], [], [], [], [], []
     for i in range(batch):
         table = list(range(1 + i * blocks_each, 1 + (i + 1) * blocks_each))
         start = context - 2
-        rows.extend([3 * i, 3 * i + 1])                 # a rejected draft's row after them is not caught up
+        rows.extend([rows_each * i, rows_each * i + 1])  # a rejected draft's row after them is not caught up
         pos.extend([start, start + 1])
         slots.extend(table[p // BS] * BS + p % BS for p in (start, start + 1))
         ids.extend([100 + i, 200 + i])
@@ -47,7 +51,7 @@ def work_of(batch: int, context: int, depth: int, blocks_each: int, scratch_from
         tables.append(table)
     scratch = [[scratch_from + 2 * i, scratch_from + 2 * i + 1] for i in range(batch)]
     tables = extend_tables([depth] * batch, [context] * batch, tables, BS, scratch)
-    return DraftWork(rows, ids, pos, slots, heads, [depth] * batch, tables), 3 * batch
+    return DraftWork(rows, ids, pos, slots, heads, [depth] * batch, tables), rows_each * batch
 
 
 def host_us(fn, iters: int) -> float:

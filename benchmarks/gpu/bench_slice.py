@@ -206,15 +206,20 @@ class swapped_experts:
             self.model.get_submodule(name.rsplit(".", 1)[0]).experts = packed
 
 
+def fill_history(cache: HybridCache, seed: int) -> None:
+    """Random latents, states and windows in ``cache``: they stand for each sequence's prefilled history."""
+    g = torch.Generator(device=cache.mla_latent.device).manual_seed(seed)
+    cache.mla_latent.normal_(0, 1, generator=g)
+    cache.kda_state.normal_(0, 0.02, generator=g)
+    cache.kda_conv.normal_(0, 1, generator=g)
+
+
 def decode_setup(model, N: int):
     cfg = model.config.text
     per_seq = ceil_div(CONTEXT + 1, BLOCK)
     cache = HybridCache.allocate(cfg, num_slots=N + 1, num_blocks=N * per_seq + 1, block_size=BLOCK,
                                  dtype=torch.bfloat16, device="cuda")
-    g = torch.Generator(device="cuda").manual_seed(N)
-    cache.mla_latent.normal_(0, 1, generator=g)          # a 4k history per sequence (random latents,
-    cache.kda_state.normal_(0, 0.02, generator=g)         # states and windows stand for the prefill)
-    cache.kda_conv.normal_(0, 1, generator=g)
+    fill_history(cache, N)                                # a 4k history per sequence
     tables = [list(range(1 + n * per_seq, 1 + (n + 1) * per_seq)) for n in range(N)]
     batch = ForwardBatch.build([1] * N, [CONTEXT] * N, list(range(1, N + 1)), tables, BLOCK, device="cuda")
     ids = torch.randint(0, cfg.vocab_size, (N,), device="cuda")
@@ -311,14 +316,16 @@ def touched_experts(fn) -> float:
     MoE.route = recording
     try:
         fn()
-        torch.cuda.synchronize()
+        if torch.cuda.is_available():
+            torch.cuda.synchronize()
     finally:
         MoE.route = route
     return sum(seen) / max(len(seen), 1)
 
 
-def counts(model, N: int, T: int, mode: str, experts_active: float):
-    """(bytes, flops) of one step from the shapes. decode: N sequences x 1 token over CONTEXT;
+def counts(model, N: int, T: int, mode: str, experts_active: float, context: int = CONTEXT, rows: int = 1):
+    """(bytes, flops) of one step from the shapes. decode: N sequences x ``rows`` tokens (1; a verify step's
+    k + 1) over ``context`` (the cache read once a sequence, the KDA state read once and written after each row);
     prefill: T tokens of one fresh sequence, logits for its last token."""
     cfg = model.config.text
     D, V = cfg.hidden_size, cfg.vocab_size
@@ -346,10 +353,10 @@ def counts(model, N: int, T: int, mode: str, experts_active: float):
     k = cfg.num_experts_per_token
     state = H * K * K * 4 + 3 * H * K * (cfg.kda.conv_size - 1) * 2
     if mode == "decode":
-        tokens = N
-        byts = (dense_params * 2 + D * V * 2 + N * D * 2 + n_moe * experts_active * expert_bytes
-                + 2 * N * kda * state + N * (CONTEXT + 1) * cfg.mla_cache_dim * 2 * mla_layers)
-        attn = N * mla_layers * Hm * 2 * (CONTEXT + 1) * (cfg.mla_cache_dim + cfg.kv_lora_rank)
+        tokens = N * rows
+        byts = (dense_params * 2 + D * V * 2 + tokens * D * 2 + n_moe * experts_active * expert_bytes
+                + (1 + rows) * N * kda * state + N * (context + rows) * cfg.mla_cache_dim * 2 * mla_layers)
+        attn = tokens * mla_layers * Hm * 2 * (context + rows) * (cfg.mla_cache_dim + cfg.kv_lora_rank)
         flops = 2 * tokens * (dense_params + D * V) + 2 * tokens * k * expert_params * n_moe + attn \
             + 2 * tokens * kda * H * K * K * 4
     else:

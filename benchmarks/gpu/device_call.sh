@@ -17,7 +17,9 @@
 # kimik3 build-kernels) for every section; full = the whole Kimi-Linear-48B (bench_full_model.py, needs an
 # H200; FULL_ARGS: its flags, e.g. --layers=14 on an 80 GB GPU); flashops = bench_flash_mla.py and bench_kda_prefill.py
 # (FLASH=1); gemv = bench_gemv.py --experts (one token's expert launches; GEMV_ARGS replaces the flags);
-# draftgraphs = the draft-graph GPU tests, bench_draft_graphs.py and bench_spec.py --eager-draft-engine (#55).
+# draftgraphs = the draft-graph GPU tests, bench_draft_graphs.py and bench_spec.py --eager-draft-engine (#55);
+# spec_slice = bench_spec_slice.py: plain, draft (Eagle3; MTP on K3) and verify steps vs floor on both slices (#55;
+# SPEC_SLICE_ARGS: its flags, e.g. --k=3 or --no-mtp).
 # A fresh machine spends its first 90-110 s compiling kernels; the parallel tests pay that once each.
 set -u
 START=$(date +%s)
@@ -156,6 +158,11 @@ if [[ " $sections " == *" draftgraphs "* ]]; then     # #55 item 5: the draft's 
       --out "$L"/bench_spec_graphs.json
   grep -hE "passed|failed|eager_us|graphs_vs_eager|^ +(heldout|random)" "$L"/draft_graphs_test.log \
       "$L"/bench_draft_graphs.log "$L"/bench_spec_graphs.log | cut -c1-260
+fi
+if [[ " $sections " == *" spec_slice "* ]]; then     # #55: draft + verify steps against their floors, both slices
+  run spec_slice 240 python3 benchmarks/gpu/bench_spec_slice.py ${SPEC_SLICE_ARGS:-}
+  cp bench_out/bench_spec_slice.json "$L"/ 2>/dev/null
+  grep -hE "^(\||#)|built|captured|done in|Error" "$L"/spec_slice.log | cut -c1-260
 fi
 if [[ " $sections " == *" engine "* ]]; then          # host share of a step, sync / graphs / async (#18)
   run bench_engine 300 python3 benchmarks/gpu/bench_engine.py

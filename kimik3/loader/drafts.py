@@ -361,12 +361,17 @@ def load_mtp(path: str | Path, target, device=None, dtype: torch.dtype | None = 
     if missing:
         raise DraftError(f"{where}: missing routed expert tensors, e.g. layer {missing[0][0]} expert {missing[0][1]} "
                          f"{missing[0][2]}")
-    dtype = dtype or target.dtype
-    wide, policy = torch.promote_types(dtype, torch.float32), text.numerics.f32_param_policy
-    for name, p in model.named_parameters():        # the fp32 tensors K3 keeps wide (text-backbone 5.1), as the target
+    return cast_mtp(model, dtype or target.dtype).eval()
+
+
+def cast_mtp(model: MTPDraft, dtype: torch.dtype) -> MTPDraft:
+    """The MTP layers' parameters in ``dtype``, but the fp32 tensors K3 keeps wide (text-backbone 5.1), as the
+    target's."""
+    wide, policy = torch.promote_types(dtype, torch.float32), model.cfg.numerics.f32_param_policy
+    for name, p in model.named_parameters():
         keep = keeps_fp32(name, policy) or name.endswith("e_score_correction_bias")
         p.data = p.data.to(wide if keep else dtype)
-    return model.eval()
+    return model
 
 
 def _load_expert(model: MTPDraft, layer: int, expert: int, which: str, parts: dict[str, torch.Tensor],
