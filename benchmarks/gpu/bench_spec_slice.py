@@ -323,7 +323,9 @@ def case(target, drafts: dict, N: int, args, dev: Device, bw: float, mm: float) 
     return rows
 
 
-def run_slice(name: str, args, dev: Device, bw: float, mm: float) -> list[dict]:
+def run_slice(name: str, args, dev: Device, results: dict) -> None:
+    """Both drafts of slice ``name`` at every batch size, into ``results["rows"]`` (saved after each batch)."""
+    bw, mm = results["copy_bytes_per_s"], results["matmul_flops"]
     t0 = time.perf_counter()
     target = build_target(name, dev)
     shape = EAGLE3["cpu" if not dev.cuda else name]
@@ -346,13 +348,12 @@ def run_slice(name: str, args, dev: Device, bw: float, mm: float) -> list[dict]:
                 ex.graphs = capture_draft_or_none(graphs)
             executors[dname] = (draft, ex)
         log(f"{name}: draft graphs captured at {time.perf_counter() - t0:.1f} s")
-        rows = []
         for N in batches:
-            rows += [{"slice": name, **r} for r in case(target, executors, N, args, dev, bw, mm)]
+            results["rows"] += [{"slice": name, **r} for r in case(target, executors, N, args, dev, bw, mm)]
+            save_results("bench_spec_slice.json", results)
             if dev.cuda:
                 torch.cuda.empty_cache()
     log(f"{name}: done in {time.perf_counter() - t0:.1f} s")
-    return rows
 
 
 def table(rows: list[dict]) -> str:
@@ -402,8 +403,7 @@ def main() -> None:
                "copy_bytes_per_s": bw, "matmul_flops": mm, "draft_vocab": DRAFT_VOCAB, "catch_up_rows": CATCH_UP,
                "eagle3_shapes (heads, kv heads, head dim, intermediate)": EAGLE3, "rows": []}
     for name in args.slices.split(","):
-        results["rows"] += run_slice(name, args, dev, bw, mm)
-        save_results("bench_spec_slice.json", results)
+        run_slice(name, args, dev, results)
     print(f"# draft + verify vs floor, k = {args.k}, context {args.context}, {results['device']}, commit "
           f"{results['commit']}, {results['date']}; floors at {bw / 1e9:.0f} GB/s and {mm / 1e9:.0f} GFLOP/s")
     print(table(results["rows"]))
