@@ -35,7 +35,7 @@ class LLM:
         ``decode_context_parallel_size`` stripes the MLA latent cache over them; ``enable_eplb`` places the experts
         by load (``save_expert_loads`` records one, ``eplb_load_file`` reads it, ``rebalance_experts`` re-places them
         live); ``pipeline_parallel_size`` splits the layers into stages (``pp_micro_batches`` per step).
-        ``num_speculative_tokens`` k > 0: each step, requests without penalties (greedy or sampled) verify
+        ``num_speculative_tokens`` k > 0: each step, requests (greedy or sampled, penalties too) verify
         up to k n-gram draft tokens (``kimik3.engine.spec.speculative``). ``disable_log_stats`` (vLLM's; True
         by default, as vLLM's LLM): False logs ``serve``'s stats line every 10 s while ``generate`` runs."""
         unknown = sorted(set(engine_args) - set(_ENGINE_ARGS))

@@ -38,18 +38,26 @@ class Sampler:
         self.num_live_slots = num_live_slots
         self.history: PenaltyHistory | None = None      # built when the first request with penalties samples
 
-    def sample_rows(self, reqs, logits: torch.Tensor, raw: torch.Tensor) -> PendingOutput:
-        """One token per request from its (controlled) row; logprobs from ``raw``."""
-        if all(map(attrgetter("plain_greedy"), reqs)):        # plain greedy: the argmax
+    def sample_rows(self, reqs, logits: torch.Tensor, raw: torch.Tensor,
+                    params: list[SamplingParams] | None = None) -> PendingOutput:
+        """One token per request from its (controlled) row; logprobs from ``raw``. ``params``: the rows'
+        settings in place of the requests' own (``spec/verify.py``: penalties already applied)."""
+        if params is None:
+            if all(map(attrgetter("plain_greedy"), reqs)):        # plain greedy: the argmax
+                return PendingOutput(logits.argmax(-1), [None] * len(reqs))
+            params = [r.params for r in reqs]
+        elif all(p.plain_greedy for p in params):
             return PendingOutput(logits.argmax(-1), [None] * len(reqs))
         uniforms = [None if r.seed is None else seeded_uniform(r.seed, r.num_tokens) for r in reqs]
-        history = None
-        if any(r.params.has_penalties for r in reqs):
-            if self.history is None:
-                self.history = PenaltyHistory(1 + self.num_live_slots, self.vocab_size, self.device)
-            history = self.history.rows(reqs)
-        sb = SamplingBatch.build([r.params for r in reqs], uniforms, self.vocab_size, self.device, history)
+        history = self.penalty_rows(reqs) if any(p.has_penalties for p in params) else None
+        sb = SamplingBatch.build(params, uniforms, self.vocab_size, self.device, history)
         return sample(logits, sb, self.generator, raw)
+
+    def penalty_rows(self, reqs) -> tuple[torch.Tensor, torch.Tensor]:
+        """(seen, counts) of the requests' token histories (``PenaltyHistory.rows``), built at first use."""
+        if self.history is None:
+            self.history = PenaltyHistory(1 + self.num_live_slots, self.vocab_size, self.device)
+        return self.history.rows(reqs)
 
 
 @dataclass

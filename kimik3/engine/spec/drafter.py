@@ -9,8 +9,9 @@ chunk, and after verification (``verify.py``) keeps the snapshot of the last acc
 rollback). The drafter is told how many drafts were accepted (``settle``) and rolls back its own state.
 
 The calls, in the order a request meets them:
-- ``may_draft(req)``: whether ``req`` ever drafts (the default: not with penalties, whose rows would depend
-  on the drafts before them). Requests that may not decode one token per step.
+- ``may_draft(req)``: whether ``req`` ever drafts (the default: every request; a request with penalties too:
+  ``verify.penalised`` penalises each verify row over the drafts before it). Requests that may not decode one
+  token per step.
 - ``propose(req, room)``: the drafts for ``req``'s next decode step, after its last token (<= room; [] for a
   plain decode step). Called once per decode step of a request that may draft, with room >= 0.
 - ``propose_ahead(req, room)``: async scheduling (``Scheduler.schedule_ahead``), only where ``drafts_ahead``:
@@ -41,12 +42,6 @@ DFlash/DSpark) are the two there now.
 from __future__ import annotations
 
 from kimik3.engine.config import EngineConfig
-from kimik3.engine.sample.sampling_params import SamplingParams
-
-
-def can_speculate(params: SamplingParams) -> bool:
-    """Requests whose rows need no output history (no penalties)."""
-    return not params.has_penalties
 
 
 # A verify step that accepted none pauses the request's drafts (n-gram: its lookups while it watches; a draft
@@ -73,7 +68,7 @@ class Drafter:
         self.config = config
 
     def may_draft(self, req) -> bool:
-        return can_speculate(req.params)
+        return True
 
     def propose(self, req, room: int) -> list[int]:
         raise NotImplementedError(f"{type(self).__name__} must implement propose(req, room)")

@@ -137,9 +137,10 @@ class NgramDrafter(Drafter):
         it tells the engine to expect their rejection, ``Scheduler.schedule_past_rejection``). Nothing found
         ([]): a pause, as after ``propose``'s empty lookup. A watching request (``_watching``) only records
         the guess as its prediction of t. None (wait for t): a request whose grammar must accept the drafts
-        (its matcher has not seen t), unless no draft can follow any t (``may_propose_after``)."""
+        (its matcher has not seen t), unless no draft can follow any t (``may_propose_after``). A request with
+        penalties drafts only after t is on the host (``propose``; [] here): its rows' history must hold t."""
         s = self.state(req)
-        if s.pause:
+        if s.pause or req.params.has_penalties:
             return []
         if req.matcher is not None and not s.watching:
             if may_propose_after(req.token_ids, self.config.speculative_ngram_min,

@@ -8,6 +8,9 @@ d_j with probability p_j(d_j) (p_j: its processed distribution at row j - 1: tem
 top-k, top-p), and on a rejection draws from p_j without d_j, renormalised (speculative sampling
 with a one-token draft distribution): every emitted token has exactly the distribution plain
 sampling gives it (a seeded request's uniforms from ``seeded_uniform``, per position and use).
+Penalties (repetition, presence, frequency) apply to row j over the request's history and drafts 1..j
+(``penalised``), as plain decoding applies them to each token: greedy rows pick the same tokens, sampled
+rows accept and draw from the same penalised distributions.
 
 Rollback of the recurrent layers (spec token-mixers §3.4, multi-slot in spirit): the step snapshots
 the KDA state after each of the first k rows into spare slots; with m drafts accepted the request
@@ -18,11 +21,13 @@ rows are simply overwritten later. Logprobs of every emitted token come from its
 
 from __future__ import annotations
 
+import dataclasses
+
 import torch
 
+from kimik3.engine.sample.logit_controls import apply_penalties
 from kimik3.engine.sample.logprobs import logprob_dicts
-from kimik3.engine.sample.sampler import Sampler, SamplerOutput, SamplingBatch, draw, filter_logits, is_plain_greedy, \
-    seeded_uniform
+from kimik3.engine.sample.sampler import Sampler, SamplerOutput, SamplingBatch, draw, filter_logits, seeded_uniform
 
 
 def row_spans(chunks) -> list[tuple[int, int]]:
@@ -49,42 +54,79 @@ def verify(sampler: Sampler, chunks, logits: torch.Tensor, raw: torch.Tensor,
     plus one (row j verifies draft j + 1); a chunk without drafts samples from its one row.
     ``logits``: with the logit controls applied; ``raw``: without (for logprobs). ``greedy``: every
     row's argmax already on the host (plain greedy chunks only; the engine copies them out before it
-    launches the next step, so reading them waits for this step alone)."""
+    launches the next step, so reading them waits for this step alone). Requests with penalties get
+    their rows penalised first (``penalised``) and are verified on those rows like any other."""
     spans = row_spans(chunks)
-    if all(is_plain_greedy(c.req.params) for c in chunks):
+    params = [c.req.params for c in chunks]
+    if any(p.has_penalties for p in params):
+        logits, params = penalised(sampler, chunks, spans, logits)
+        greedy = None
+    if all(p.plain_greedy for p in params):
         targets = logits.argmax(-1).tolist() if greedy is None else greedy    # one device sync for every row
         result = SamplerOutput([targets[b - 1] for _, b in spans], [None] * len(chunks))
     else:
         last = torch.tensor([b - 1 for _, b in spans], device=logits.device)
-        result = sampler.sample_rows([c.req for c in chunks], logits[last], raw[last]).result()
+        result = sampler.sample_rows([c.req for c in chunks], logits[last], raw[last], params).result()
         targets = [0] * spans[-1][1]                           # greedy rows of speculative chunks only
-        greedy_rows = [j for c, (a, b) in zip(chunks, spans) if c.draft and c.req.params.greedy
-                       for j in range(a, b)]
+        greedy_rows = [j for c, p, (a, b) in zip(chunks, params, spans) if c.draft and p.greedy for j in range(a, b)]
         if greedy_rows:
             rows = logits[torch.tensor(greedy_rows, device=logits.device)].argmax(-1).tolist()
             for j, t in zip(greedy_rows, rows):
                 targets[j] = t
     result.accepted = [[] for _ in chunks]
     sampled = []
-    for i, (c, (a, _)) in enumerate(zip(chunks, spans)):
-        if c.draft and c.req.params.greedy:
+    for i, (c, p, (a, _)) in enumerate(zip(chunks, params, spans)):
+        if c.draft and p.greedy:
             m = accept_greedy(c.draft, targets[a:a + len(c.draft) + 1])
             result.accepted[i] = c.draft[:m]
             result.token_ids[i] = targets[a + m]
         elif c.draft:
             sampled.append(i)
     if sampled:
-        _verify_sampled(sampler, [chunks[i] for i in sampled], [spans[i] for i in sampled], logits, result, sampled)
+        _verify_sampled(sampler, [chunks[i] for i in sampled], [spans[i] for i in sampled], logits, result, sampled,
+                        [params[i] for i in sampled])
     _logprobs(chunks, spans, raw, result)
     return result
 
 
+def penalised(sampler: Sampler, chunks, spans, logits: torch.Tensor) -> tuple[torch.Tensor, list]:
+    """The rows of requests with penalties penalised as plain decoding penalises each of their tokens: row j of a
+    chunk over the request's history followed by its drafts 1..j (repetition: prompt and output ids; presence and
+    frequency: output ids, ``logit_controls.apply_penalties``), the other rows unchanged; and every chunk's
+    sampling settings, without the penalties where they were applied here (so nothing applies them twice)."""
+    pen = [i for i, c in enumerate(chunks) if c.req.params.has_penalties]
+    seen, counts = sampler.penalty_rows([chunks[i].req for i in pen])
+    rows, owner, bumps = [], [], ([], [])
+    for n, i in enumerate(pen):
+        (a, b), draft = spans[i], chunks[i].draft
+        for j in range(b - a):
+            bumps[0].extend([len(rows)] * j)
+            bumps[1].extend(draft[:j])
+            rows.append(a + j)
+            owner.append(n)
+    dev = logits.device
+    index = torch.tensor(owner, device=dev)
+    counts = counts.index_select(0, index)
+    if bumps[1]:
+        counts.index_put_((torch.tensor(bumps[0], device=dev), torch.tensor(bumps[1], device=dev)),
+                          torch.ones(len(bumps[1]), dtype=counts.dtype, device=dev), accumulate=True)
+    row_params = [chunks[pen[n]].req.params for n in owner]
+    sb = SamplingBatch.build(row_params, [None] * len(rows), sampler.vocab_size, dev,
+                             (seen.index_select(0, index) | (counts > 0), counts))
+    where = torch.tensor(rows, device=dev)
+    logits = logits.index_copy(0, where, apply_penalties(logits.index_select(0, where), sb))
+    params = [c.req.params for c in chunks]
+    for i in pen:
+        params[i] = dataclasses.replace(params[i], presence_penalty=0.0, frequency_penalty=0.0, repetition_penalty=1.0)
+    return logits, params
+
+
 def _verify_sampled(sampler: Sampler, chunks, spans, logits: torch.Tensor, result: SamplerOutput,
-                    index: list[int]) -> None:
+                    index: list[int], chunk_params: list) -> None:
     """Speculative sampling of sampled requests: accept draft j + 1 with probability p_j(d),
     else draw from p_j without d; all accepted: keep the token drawn from the last row."""
     rows = [j for a, b in spans for j in range(a, b)]
-    params = [c.req.params for c, (a, b) in zip(chunks, spans) for _ in range(a, b)]
+    params = [p for p, (a, b) in zip(chunk_params, spans) for _ in range(a, b)]
     sb = SamplingBatch.build(params, [None] * len(rows), sampler.vocab_size, sampler.device)
     probs = filter_logits(logits[torch.tensor(rows, device=logits.device)], sb).softmax(-1)
     starts, local = [], 0                          # each chunk's first row in ``probs``

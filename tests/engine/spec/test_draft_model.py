@@ -17,7 +17,7 @@ from kimik3.engine.spec.controller import DraftController
 from kimik3.engine.spec.draft_model import ModelDrafter
 from kimik3.model.eagle3 import Eagle3Config, Eagle3Draft
 from tests.engine.fake_model import reference_greedy
-from tests.engine.helpers import budget_for, check_invariants, run
+from tests.engine.helpers import budget_for, check_invariants, make_engine, run
 
 
 @pytest.fixture(scope="module")
@@ -115,6 +115,24 @@ def test_greedy_output_is_plain_decodings(target, monkeypatch, mode, drafts):
     if mode == "preempt":
         assert engine.scheduler.num_preemptions > 0
     check_invariants(engine.kv, [])
+
+
+def test_requests_with_penalties_draft_and_keep_plain_tokens(target, monkeypatch):
+    """Greedy requests with presence, frequency and repetition penalties draft (oracle drafts of their penalised
+    continuation, the second one corrupted every other step) and emit plain decoding's tokens: each verify row is
+    penalised over the drafts before it (``verify.penalised``; float64 references: test_speculative.py)."""
+    pen = SamplingParams(temperature=0, max_tokens=12, ignore_eos=True, presence_penalty=0.5, frequency_penalty=0.7,
+                         repetition_penalty=1.3)
+    reqs = {rid: (prompt, pen) for rid, (prompt, _) in requests(target, seed=4).items()}
+    plain = make_engine(target, **MODES["plain"], extra_blocks=8)
+    want = {rid: r[0][0] for rid, r in run(plain, reqs).items()}
+    assert any(want[rid] != reference_greedy(target, p, 12) for rid, (p, _) in reqs.items())   # penalties matter
+    oracle(monkeypatch, {tuple(p): want[rid] for rid, (p, _) in reqs.items()}, target.config.text.vocab_size)
+    fixed_plan(monkeypatch)
+    engine = engine_with(target, **MODES["plain"])
+    got = {rid: r[0][0] for rid, r in run(engine, reqs).items()}
+    assert got == want
+    assert 0 < engine.num_accepted_tokens < engine.num_draft_tokens
 
 
 def test_proposals_equal_the_draft_run_from_scratch(target, monkeypatch):

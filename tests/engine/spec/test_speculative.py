@@ -5,6 +5,7 @@ after rejected drafts, stops inside accepted drafts, mixed batches, prefix-cache
 from __future__ import annotations
 
 import random
+from types import SimpleNamespace
 
 import pytest
 import torch
@@ -230,8 +231,8 @@ def test_rejected_drafts_roll_the_state_back():
 
 def test_stop_inside_accepted_drafts_and_mixed_batches():
     """Stops and max_tokens cut at the same token as without speculation; a greedy request with
-    logprobs gets the same tokens and logprobs (each from its own row), and one that cannot
-    speculate (penalties) the same outputs in a speculating batch."""
+    logprobs gets the same tokens and logprobs (each from its own row), and one with penalties
+    the same outputs in a speculating batch."""
     model = FakeModel(next_from_last=True, sharpness=0.7)
     prompt = [3, 4]
     reqs = {
@@ -343,3 +344,109 @@ def test_real_model_accepts_oracle_drafts(arch, tiny_ckpt, monkeypatch):
         assert results[rid][0][0] == futures[tuple(prompt)], rid
     assert engine.num_accepted_tokens > 0 and engine.num_draft_tokens > engine.num_accepted_tokens
     check_invariants(engine.kv, [])
+
+
+PENALTIES = dict(presence_penalty=0.3, frequency_penalty=0.4, repetition_penalty=1.3)
+STRONG = dict(presence_penalty=1.0, frequency_penalty=1.5, repetition_penalty=2.0)    # far from the plain chain
+
+
+def penalised_logits(model: FakeModel, prompt: list[int], out: list[int], penalties: dict = PENALTIES) -> torch.Tensor:
+    """float64, from the definitions: the model's last-row logits, repetition (HF: divide positive, multiply
+    negative logits of prompt and output ids), then presence (once per output id) and frequency (per occurrence)."""
+    logits = model(torch.tensor(prompt + out))[-1].double()
+    seen = torch.zeros_like(logits, dtype=torch.bool)
+    seen[prompt + out] = True
+    rep = penalties["repetition_penalty"]
+    logits = torch.where(seen, torch.where(logits > 0, logits / rep, logits * rep), logits)
+    counts = torch.bincount(torch.tensor(out, dtype=torch.int64), minlength=logits.numel()).double()
+    return logits - penalties["frequency_penalty"] * counts - penalties["presence_penalty"] * (counts > 0).double()
+
+
+def test_requests_with_penalties_draft_and_keep_greedy_tokens():
+    """Penalised greedy requests carry n-gram drafts (the cycling model's drafts are accepted until the penalties
+    turn the output away from the cycle, then rejected) and emit exactly the float64 reference's tokens, each row
+    penalised over the history and the drafts before it, as without speculation."""
+    model = FakeModel(next_from_last=True, sharpness=0.7)
+    reqs = {f"p{i}": (prompt, SamplingParams(temperature=0, max_tokens=24, ignore_eos=True, **PENALTIES))
+            for i, prompt in enumerate(([10, 11, 12, 10, 11], [5, 6, 7], [12, 10, 11, 12]))}
+    outs = {}
+    for spec in (0, 3):
+        engine = _engine(model, spec)
+        outs[spec] = run(engine, reqs, check=lambda e: check_invariants(e.kv, e.scheduler.running))
+        if spec:
+            assert engine.num_accepted_tokens > 0 and engine.num_draft_tokens > engine.num_accepted_tokens
+    for rid, (prompt, _) in reqs.items():
+        want = []
+        for _ in range(24):
+            want.append(int(penalised_logits(model, prompt, want).argmax()))
+        assert outs[3][rid][0][0] == want == outs[0][rid][0][0], rid
+        assert len(set(want[:6])) > 1 and want[:3] != want[3:6]         # the penalties did turn the output
+
+
+def test_sampled_requests_with_penalties_keep_their_distribution():
+    """Speculative sampling over penalised rows: output positions 0..2 follow the exact distribution (float64,
+    summed over the earlier positions' paths, each step penalised over its own history) within 5 sigma per token,
+    while drafts are proposed and partly accepted."""
+    temperature, vocab, n = 0.9, 61, 1200
+    model = FakeModel(next_from_last=True, sharpness=0.7)
+    prompt = [10, 11, 12, 10, 11, 12, 10]
+    reqs = {f"s{i}": (prompt, SamplingParams(temperature=temperature, seed=i, max_tokens=3, ignore_eos=True,
+                                             **STRONG)) for i in range(n)}
+    engine = _engine(model, 2, max_num_seqs=64, max_num_batched_tokens=512, extra_blocks=64 * 4)
+    results = run(engine, reqs)
+    assert 0 < engine.num_accepted_tokens < engine.num_draft_tokens
+
+    def probs(out: list[int]) -> torch.Tensor:
+        return torch.softmax(penalised_logits(model, prompt, out, STRONG) / temperature, 0)
+    first = probs([])
+    paths = {(t,): first[t].item() for t in range(vocab) if first[t] > 1e-12}
+    marginals = [first]
+    for _ in range(2):
+        nxt, marginal = {}, torch.zeros(vocab, dtype=torch.float64)
+        for path, p in paths.items():
+            q = probs(list(path)) * p
+            marginal += q
+            for t in (q > 1e-9).nonzero().flatten().tolist():
+                nxt[path + (t,)] = q[t].item()
+        paths = nxt
+        marginals.append(marginal)
+    for pos, dist in enumerate(marginals):
+        counts = torch.bincount(torch.tensor([results[r][0][0][pos] for r in reqs]), minlength=vocab).double()
+        sigma = (n * dist * (1 - dist)).sqrt()
+        bad = ((counts - n * dist).abs() > 5 * sigma + 1).nonzero().flatten().tolist()
+        assert not bad, f"position {pos}: tokens {bad} off (counts {counts[bad].tolist()}, expected {(n * dist)[bad].tolist()})"
+
+
+class _Req:
+    """What verify reads of a request (a weak-referenceable stand-in: ``PenaltyHistory`` keeps weak owners)."""
+
+    def __init__(self, prompt: list[int], params: SamplingParams):
+        self.prompt_token_ids, self.token_ids, self.params = prompt, list(prompt), params
+        self.num_prompt_tokens = self.num_tokens = len(prompt)
+        self.num_output_tokens, self.seed = 0, params.seed
+        self.cache = SimpleNamespace(state_slot=1)
+        self.plain_greedy = params.plain_greedy
+
+
+def test_a_verify_row_is_penalised_over_the_drafts_before_it():
+    """Row 1 of a chunk [t, 3, 3] would pick token 3 again without its penalties for draft 1 (3); with them
+    (float64 reference: plain decoding, one token at a time) token 5: draft 1 is accepted, draft 2 rejected."""
+    from kimik3.engine.sample.sampler import Sampler
+    from kimik3.engine.spec.verify import verify
+    params = SamplingParams(temperature=0, max_tokens=8, **PENALTIES)
+    logits = torch.full((3, 8), -1.0)
+    logits[0, 3], logits[0, 5] = 1.0, 0.5
+    logits[1, 3], logits[1, 5] = 1.0, 0.9
+    logits[2, 3], logits[2, 5] = 1.0, 0.2
+    want, hist = [], [1]
+    for row in logits.double():                  # plain decoding from the definitions
+        rep = torch.zeros(8, dtype=torch.bool)
+        rep[hist] = True
+        x = torch.where(rep, torch.where(row > 0, row / 1.3, row * 1.3), row)
+        counts = torch.bincount(torch.tensor(hist[1:], dtype=torch.int64), minlength=8).double()
+        want.append(int((x - 0.4 * counts - 0.3 * (counts > 0).double()).argmax()))
+        hist.append(want[-1])
+    assert want[:2] == [3, 5]
+    chunk = SimpleNamespace(req=_Req([1], params), draft=[3, 3])
+    out = verify(Sampler(8, torch.device("cpu"), 0, 2), [chunk], logits, logits)
+    assert out.accepted == [[3]] and out.token_ids == [5]
