@@ -20,7 +20,7 @@ from pydantic import ValidationError
 from kimik3.engine import LLMEngine, SamplingParams
 from kimik3.serve.engine_loop import ChoiceDelta, Done, EngineLoop, Failed, Job, PromptInput
 from kimik3.serve.body_worker import WORKER_BODY_BYTES, BodyWorkers, WorkerFault
-from kimik3.serve.json_body import RenderedJSON, json_response, render
+from kimik3.serve.json_body import Pacer, RenderedJSON, json_response, render
 from kimik3.serve.limits import BODY_KEY, Limits, ReadBody, check_response_logprobs
 from kimik3.serve.media import MediaOptions
 from kimik3.serve.metrics import ServerMetrics
@@ -232,10 +232,12 @@ def max_tokens_for(state: ServerState, requested: int | None, param: str, prompt
 
 
 def _final_bytes(fmt, usage: dict, prompt_logprobs: dict[int, list], params: SamplingParams) -> bytes:
+    """The logprob response, formatted and rendered at a pace that leaves the engine thread room (``Pacer``)."""
+    pace = fmt.pace = Pacer()
     body = fmt.final(usage)
     if params.prompt_logprobs is not None:
         fmt.add_prompt_logprobs(body, prompt_logprobs, params.n)
-    return render(body)
+    return render(body, pace=pace)
 
 
 def _sse(body: dict) -> bytes:

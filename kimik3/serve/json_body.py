@@ -10,10 +10,13 @@ GIL to the event loop and the engine thread between pieces. The bytes are those 
 from __future__ import annotations
 
 import json
+import time
 
 from fastapi.responses import Response
 
 PIECE = 2048            # scalars a single json.dumps call renders at most (about 0.2-1 ms of CPU)
+BURST = 0.002           # seconds of rendering between two pauses
+PAUSE = 0.002           # seconds a renderer sleeps (the GIL free) after each burst
 _dumps = json.JSONEncoder(ensure_ascii=False, allow_nan=False, separators=(",", ":")).encode
 
 
@@ -32,14 +35,41 @@ def _item_weight(items) -> int:
     return max(weight(items[0]), weight(items[len(items) // 2]), weight(items[-1]))
 
 
-def _render(obj, out: list[str], piece: int) -> None:
+class Pacer:
+    """Sleeps ``pause`` seconds after every ``burst`` seconds of work (``__call__`` between pieces of it).
+
+    A CPU-bound Python thread beside the engine thread slows every step it overlaps: the engine thread drops the
+    GIL in each torch op and waits up to the switch interval to get it back, hundreds of times a step (the GIL
+    convoy). Formatting and rendering an 8k x 20 prompt-logprob body took ~1 s of Python, and the innocent stream's
+    step that overlapped it took 0.66 s (0.84 s for n=64 x 195 x 20 logprobs). Paced, the engine thread holds the
+    GIL undisturbed half the time; the large body takes about twice its CPU time to render."""
+
+    def __init__(self, burst: float = BURST, pause: float = PAUSE):
+        self.burst, self.pause = burst, pause
+        self.pauses = 0
+        self._since = time.perf_counter()
+
+    def __call__(self) -> None:
+        now = time.perf_counter()
+        if now - self._since >= self.burst:
+            time.sleep(self.pause)
+            self.pauses += 1
+            self._since = time.perf_counter()
+
+
+def _no_pace() -> None:
+    return None
+
+
+def _render(obj, out: list[str], piece: int, pace=_no_pace) -> None:
+    pace()
     if weight(obj) <= piece:
         out.append(_dumps(obj))
     elif isinstance(obj, dict):
         out.append("{")
         for i, (key, value) in enumerate(obj.items()):
             out.append(("," if i else "") + _dumps(str(key)) + ":")
-            _render(value, out, piece)
+            _render(value, out, piece, pace)
         out.append("}")
     else:
         out.append("[")
@@ -49,8 +79,9 @@ def _render(obj, out: list[str], piece: int) -> None:
                 out.append(",")
             first = False
             if len(group) == 1:
-                _render(group[0], out, piece)
+                _render(group[0], out, piece, pace)
             else:
+                pace()
                 out.append(_dumps(group)[1:-1])
         out.append("]")
 
@@ -75,10 +106,11 @@ def _groups(items, piece: int):
         yield group
 
 
-def render(obj, piece: int = PIECE) -> bytes:
-    """``obj`` as JSON bytes, rendered in pieces of about ``piece`` scalars."""
+def render(obj, piece: int = PIECE, pace=_no_pace) -> bytes:
+    """``obj`` as JSON bytes, rendered in pieces of about ``piece`` scalars; ``pace()`` is called between them
+    (a ``Pacer``: the CPU pool's renders leave the engine thread room)."""
     out: list[str] = []
-    _render(obj, out, piece)
+    _render(obj, out, piece, pace)
     return "".join(out).encode()
 
 
@@ -92,4 +124,4 @@ async def json_response(state, body, status_code: int = 200) -> Response:
     """``body`` as a JSON response: small bodies rendered at once, large ones on the CPU pool in pieces."""
     if weight(body) <= PIECE:
         return RenderedJSON(_dumps(body).encode(), status_code=status_code)
-    return RenderedJSON(await state.cpu(render, body), status_code=status_code)
+    return RenderedJSON(await state.cpu(lambda: render(body, pace=Pacer())), status_code=status_code)

@@ -85,8 +85,16 @@ class _Formatter:
 
     def prompt_logprobs(self, lps: list[dict[int, float] | None]) -> list[dict | None]:
         """vLLM's prompt_logprobs: None for the first token, then {token id: {logprob, decoded_token}}."""
-        return [None if d is None else {str(t): {"logprob": json_logprob(v), "decoded_token": self.tokens(t)[0]}
-                                        for t, v in d.items()} for d in lps]
+        out = []
+        for d in lps:
+            self.pace()         # between rows: set by the response's renderer (json_body.Pacer)
+            out.append(None if d is None else {str(t): {"logprob": json_logprob(v), "decoded_token": self.tokens(t)[0]}
+                                               for t, v in d.items()})
+        return out
+
+    @staticmethod
+    def pace() -> None:
+        return None
 
     def add_prompt_logprobs(self, body: dict, by_prompt: dict[int, list], n: int) -> dict:
         """Chat: one top-level ``prompt_logprobs``; completions: one per choice (choice i has prompt i // n)."""

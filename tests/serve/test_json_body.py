@@ -58,3 +58,33 @@ def test_no_call_renders_more_than_a_piece(monkeypatch):
 def test_nan_is_refused_as_jsonresponse_refuses_it():
     with pytest.raises(ValueError):
         json_body.render({"a": [math.nan] * 5000})
+
+
+def test_large_logprob_responses_are_paced(monkeypatch):
+    """Formatting and rendering 8,000 x 21 prompt logprobs (~1 s of Python on the dev box) beside the engine thread
+    slowed the innocent stream's overlapping step to 0.66 s (the GIL convoy: the engine thread re-takes the GIL
+    after every torch op). The work now sleeps (the GIL free) about as long as it runs: the pauses add up to at
+    least a quarter of the work's CPU time (about all of it on a quiet box; collections and the final join are not
+    paced), spread over it, and the bytes are unchanged."""
+    import time
+
+    from kimik3.serve import responses
+    from kimik3.serve.exchange import _final_bytes
+
+    class Formatter(responses._Formatter):
+        chunk_object = "text_completion"
+
+        def final(self, usage):
+            return {"id": self.id, "choices": [{"index": 0, "text": "x"}], "usage": usage}
+
+    slept = []
+    monkeypatch.setattr(json_body.time, "sleep", slept.append)
+    rows = [None] + [{1000 + j: -1.25 * j for j in range(21)} for _ in range(8000)]
+    params = type("P", (), {"prompt_logprobs": 20, "n": 1})()
+    start = time.thread_time()          # CPU time: the pacer counts wall time, which is never less
+    out = _final_bytes(Formatter("x", "m", None, False), {"prompt_tokens": 8001}, {0: rows}, params)
+    work = time.thread_time() - start
+    plain = Formatter("x", "m", None, False)
+    assert out == _reference(plain.add_prompt_logprobs(plain.final({"prompt_tokens": 8001}), {0: rows}, 1))
+    assert sum(slept) >= 0.25 * work, (sum(slept), work)
+    assert len(slept) >= work / (4 * json_body.BURST)
