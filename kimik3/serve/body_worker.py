@@ -28,7 +28,6 @@ import select
 import struct
 import subprocess
 import sys
-import threading
 import time
 import types
 
@@ -191,10 +190,8 @@ class BodyWorkers:
     the server's CPU pool."""
 
     def __init__(self, num_workers: int = 1):
-        self._idle: list[_Worker] = []
-        self._lock = threading.Lock()
-        self._slots = threading.BoundedSemaphore(num_workers)
-        self._closed = False
+        from kimik3.engine.sample.grammar_worker import IdlePool    # not at the top: the worker has no kimik3
+        self._pool = IdlePool(num_workers)
 
     @staticmethod
     def handles(model: type) -> bool:
@@ -205,23 +202,14 @@ class BodyWorkers:
         """``model`` validated from the body ``chunks`` (``size`` bytes) and passed through ``checks``; raises the
         ``APIError`` the server would (the refusal), or ``WorkerFault``."""
         from kimik3.serve.protocol import APIError
-        with self._slots:
-            with self._lock:
-                if self._closed:
-                    raise WorkerFault("the server is shutting down")
-                worker = self._idle.pop() if self._idle else None
-            if worker is None:
-                worker = _Worker()
-            try:
+        closed = WorkerFault("the server is shutting down")
+        try:
+            with self._pool.lease(_Worker, closed) as worker:
                 kind, value = worker.ask(model.__name__, checks, chunks, size)
-            except BaseException as e:
-                worker.kill()
-                raise WorkerFault(f"{type(e).__name__}: {e}") from None
-            with self._lock:
-                if self._closed:
-                    worker.kill()
-                else:
-                    self._idle.append(worker)
+        except WorkerFault:
+            raise
+        except Exception as e:      # the worker failed, overran or died: it was killed
+            raise WorkerFault(f"{type(e).__name__}: {e}") from None
         if kind == "ok":
             return value
         if kind == "refused":
@@ -229,11 +217,7 @@ class BodyWorkers:
         raise WorkerFault(value)
 
     def close(self) -> None:
-        with self._lock:
-            self._closed = True
-            idle, self._idle = self._idle, []
-        for w in idle:
-            w.kill()
+        self._pool.close()
 
 
 if __name__ == "__main__":

@@ -88,7 +88,7 @@ def test_a_prompt_that_cannot_fit_is_never_built_in_the_server(workers):
 
 def test_a_dead_worker_is_a_fault_and_is_replaced(workers):
     workers.validate(TokenizeRequest, None, [b'{"prompt": "a"}'], 15)
-    workers._idle[0].proc.kill()
+    workers._pool._idle[0].proc.kill()
     with pytest.raises(WorkerFault):
         workers.validate(TokenizeRequest, None, [b'{"prompt": "b"}'], 15)
     assert workers.validate(TokenizeRequest, None, [b'{"prompt": "c"}'], 15).prompt == "c"

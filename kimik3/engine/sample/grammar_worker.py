@@ -17,6 +17,7 @@ The first message is the tokenizer; each later one a grammar text, answered ``("
 
 from __future__ import annotations
 
+import contextlib
 import os
 import pickle
 import select
@@ -137,6 +138,46 @@ def _describe(status: int | None) -> str:
     return f"exit status {status}"
 
 
+class IdlePool:
+    """Worker processes kept for reuse (this file's and ``kimik3/serve/body_worker.py``'s): at most
+    ``num_workers`` leased at once, each started on first need; thread-safe. A worker whose lease ends in an
+    exception is killed (its process may be mid-message), the others wait idle for the next lease."""
+
+    def __init__(self, num_workers: int):
+        self._idle: list = []
+        self._lock = threading.Lock()
+        self._slots = threading.BoundedSemaphore(num_workers)
+        self._closed = False
+
+    @contextlib.contextmanager
+    def lease(self, start, closed_error: Exception):
+        """An idle worker, or ``start()``'s; ``closed_error`` is raised once ``close`` was called."""
+        with self._slots:
+            with self._lock:
+                if self._closed:
+                    raise closed_error
+                worker = self._idle.pop() if self._idle else None
+            if worker is None:
+                worker = start()
+            try:
+                yield worker
+            except BaseException:
+                worker.kill()
+                raise
+            with self._lock:
+                if self._closed:
+                    worker.kill()
+                else:
+                    self._idle.append(worker)
+
+    def close(self) -> None:
+        with self._lock:
+            self._closed = True
+            idle, self._idle = self._idle, []
+        for w in idle:
+            w.kill()
+
+
 class GrammarWorkers:
     """A small pool of compile workers (started on first use, at most ``num_workers``); thread-safe.
 
@@ -150,19 +191,11 @@ class GrammarWorkers:
                      "memory_bytes": memory_bytes}
         self.timeout = timeout
         self.memory_bytes = memory_bytes
-        self._idle: list[_Worker] = []
-        self._lock = threading.Lock()
-        self._slots = threading.BoundedSemaphore(num_workers)
-        self._closed = False
+        self._pool = IdlePool(num_workers)
 
     def validate(self, grammar: str) -> None:
-        with self._slots:
-            with self._lock:
-                if self._closed:
-                    raise ValueError("structured_outputs: the engine is shutting down")
-                worker = self._idle.pop() if self._idle else None
-            if worker is None:
-                worker = _Worker(self.spec)
+        closed = ValueError("structured_outputs: the engine is shutting down")
+        with self._pool.lease(lambda: _Worker(self.spec), closed) as worker:
             try:
                 kind, message = worker.ask(grammar, self.timeout)
             except TimeoutError:
@@ -175,23 +208,11 @@ class GrammarWorkers:
                                  f"({_describe(status)}: it crashed or needed more than its "
                                  f"{self.memory_bytes >> 20} MiB budget, --grammar-compile-memory); simplify "
                                  f"it") from None
-            except BaseException:
-                worker.kill()
-                raise
-            with self._lock:
-                if self._closed:
-                    worker.kill()
-                else:
-                    self._idle.append(worker)
         if kind != "ok":
             raise ValueError(f"structured_outputs: the constraint does not compile: {message}")
 
     def close(self) -> None:
-        with self._lock:
-            self._closed = True
-            idle, self._idle = self._idle, []
-        for w in idle:
-            w.kill()
+        self._pool.close()
 
     def __del__(self):
         try:
