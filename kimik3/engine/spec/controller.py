@@ -11,7 +11,8 @@ request instead of one k for the batch.
   i - 1 (measured per position: later drafts fail more often) scaled by how the request's later drafts fare
   against everyone's. Verify steps update them (``settle``); a request that does not draft still gets its first
   draft computed now and then and scored against the token that comes (``watched``), so its rate follows the
-  text and it drafts again once drafts would pay. Exponentially decayed counts (recent text weighs most), pulled
+  text and it drafts again once drafts would pay (only in steps where others draft: ``ModelDrafter._plan``;
+  else the probes below measure it). Exponentially decayed counts (recent text weighs most), pulled
   toward the global rates by ``PRIOR`` pseudo-observations.
 * Costs (``LinearFit``): the target's step time against [1, sequences, draft rows], one fit per batch-size octave
   (a draft row's cost changes with the batch: on a GPU at batch 1 nearly nothing, on a CPU at batch 32 a good
@@ -27,9 +28,9 @@ request instead of one k for the batch.
   share of one more draft forward) raises tokens/second by ``FIRST_MARGIN`` (``DEEPER_MARGIN`` for later
   positions), the best prefix of them by gain; it stops at the first position that raises nothing. So drafts stop
   where they stop paying (adversarial text, a weak draft, a large batch), for one request or for all, and the cost
-  of one request's drafts is weighed against the whole step's. Where even drafts that were always accepted would
-  not pay at this batch size (``watches``), nobody watches either: a plain step then costs only the draft's
-  catch-up of its rows (tests/engine/spec/test_controller.py: injected CPU and GPU timings).
+  of one request's drafts is weighed against the whole step's. Requests that do not draft watch only in steps
+  where others draft (their first drafts ride on a forward that runs anyway), so a step that drafts nothing
+  costs only the draft's catch-up of its rows (tests/engine/spec/test_controller.py: injected CPU and GPU timings).
 * A table (vLLM's ``num_speculative_tokens_per_batch_size``, ``scheduled``) replaces the plan: each request drafts
   the table's number for the step's batch size, whatever the measurements (fixed-depth measurements).
 """
@@ -50,10 +51,13 @@ PRIOR = 2.0              # pseudo-observations of the global rates in a request'
 COST_DECAY = 0.99        # the cost fits' memory (about 100 steps)
 MAX_WATCH_GAP = 16       # a request that does not draft computes its first draft at least every 16 decode steps
 PROBE_EVERY = 12         # steps between probes of each kind (at random; see ``DraftController._dither``)
-IDLE_PROBE_EVERY = 48    # the same where no draft could pay at this batch size (``DraftController.watches``)
+IDLE_PROBE_EVERY = 48    # the same where no draft could pay at this batch size (``DraftController.could_pay``)
 EXPLORE = 2              # a batch size's first steps: one draft each, then none
-FIRST_MARGIN = 1.02      # drafting must raise the expected goodput by 2% (the estimates err; a wash is not worth
-DEEPER_MARGIN = 1.05     # the probes and watching), a second or later draft position by 5%
+FIRST_MARGIN = 1.10      # drafting must raise the expected goodput by 10%: the step model leaves out what drafting
+                         # costs beside its steps (requests that draft finish unevenly, so a batch's last ones run
+                         # alone: 64-token requests at batch 32 on a CPU spent a fifth of their time so) and the fits
+                         # err; at a 2-9% gain (batch 32 on a CPU) the run was slower than plain decoding
+DEEPER_MARGIN = 1.05     # a second or later draft position: 5%
 
 
 @dataclass
@@ -267,11 +271,10 @@ class DraftController:
         return _Costs(max(step.predict([1.0, batch, 0]), 1e-9) + max(float(dbeta[0] + dbeta[1] * batch), 0.0),
                       max(float(beta[2]), 0.0) + max(float(dbeta[3]), 0.0), max(float(dbeta[2]), 0.0), watching)
 
-    def watches(self, batch: int) -> bool:
-        """Whether requests that do not draft compute their first draft now and then (``watched``) at ``batch``
-        sequences: not with a table, nor where drafts would not pay even if every one were accepted (each of the
-        ``batch`` requests one draft: a token more each for a verify row and a draft row each and one forward),
-        so a step that drafts nothing costs no draft forward; the probes (``_dither``) still measure the costs."""
+    def could_pay(self, batch: int) -> bool:
+        """Whether drafts could pay at ``batch`` sequences if every one were accepted (each of the ``batch`` requests
+        one draft: a token more each for a verify row and a draft row each and one forward); not with a table.
+        Where they could not, probes come seldom (``IDLE_PROBE_EVERY``)."""
         if self.schedule is not None:
             return False
         costs = self._costs(batch, 0)
@@ -294,7 +297,7 @@ class DraftController:
         depth = (_uniform_depths if self.uniform else _greedy_depths)(reach, rooms, float(batch), costs)
         logger.debug("plan: batch %d, costs %s: %d drafts, depth %d", batch, costs, sum(depth), max(depth, default=0))
         own = self.steps.get(batch.bit_length())
-        return self._dither(depth, rooms, own.count if own is not None else 0, idle=not self.watches(batch))
+        return self._dither(depth, rooms, own.count if own is not None else 0, idle=not self.could_pay(batch))
 
     def _dither(self, depth: list[int], rooms: list[int], seen: int, idle: bool = False) -> list[int]:
         """Now and then a step runs a nearby plan instead, so the fits see what drafts cost and how deeper drafts
@@ -303,7 +306,7 @@ class DraftController:
         draft each, then none; after that, at random, while drafting one step in ``PROBE_EVERY`` runs without
         drafts (the plain step's own time), one with a draft fewer each and one with a draft more each; while not
         drafting one in ``PROBE_EVERY`` with one draft each (what a draft would cost now), one in ``IDLE_PROBE_EVERY``
-        where no draft could pay (``idle``: ``watches`` is False; such a probe step costs a good part of a step)."""
+        where no draft could pay (``idle``: ``could_pay`` is False; such a probe step costs a good part of a step)."""
         if seen < EXPLORE:
             return [1 if r and seen % 2 == 0 else 0 for r in rooms]
         u = self.rng.random() * (IDLE_PROBE_EVERY if idle and not any(depth) else PROBE_EVERY)

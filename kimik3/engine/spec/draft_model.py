@@ -210,9 +210,11 @@ class ModelDrafter(Drafter):
         work, cands = self._catch_up(out)
         rooms = [self._room(req) for req, _, _ in cands]
         rates = [self.controller.rates(self.state(req).accept) for req, _, _ in cands]
-        watch = self.controller.watches(len(cands))
+        depths = self.controller.plan(rates, rooms, len(cands), 0)
+        # requests that do not draft watch (their first draft) only where a forward runs anyway: a step that
+        # drafts nothing runs no draft forward (the controller's probes measure acceptance there)
+        watch = any(depths) and self.controller.schedule is None
         watchers = {i for i, (req, _, _) in enumerate(cands) if watch and rooms[i] and self.state(req).wait == 0}
-        depths = self.controller.plan(rates, rooms, len(cands), len(watchers))
         heads = sorted((i for i in range(len(cands)) if depths[i] or i in watchers), key=lambda i: -max(depths[i], 1))
         for i in set(range(len(cands))) - set(heads):
             s = self.state(cands[i][0])

@@ -10,7 +10,7 @@ import random
 import numpy as np
 import pytest
 
-from kimik3.engine.spec.controller import EXPLORE, PROBE_EVERY, Acceptance, DraftController, LinearFit, Rate
+from kimik3.engine.spec.controller import EXPLORE, FIRST_MARGIN, PROBE_EVERY, Acceptance, DraftController, LinearFit, Rate
 
 
 class NoProbe:
@@ -52,8 +52,9 @@ def test_plan_is_near_the_best_choice_of_drafts(seed):
     best = max(goodput(d, rates, n, watching, step, draft)
                for d in itertools.product(*[range(r + 1) for r in rooms]))
     got = goodput(plan, rates, n, watching, step, draft)
-    assert got >= goodput([0] * n, rates, n, watching, step, draft) - 1e-12     # never worse than no drafts
-    assert got >= 0.97 * best, (plan, got, best)
+    none = goodput([0] * n, rates, n, watching, step, draft)
+    assert got >= none - 1e-12                                  # never worse than no drafts
+    assert got >= 0.97 * best or (plan == [0] * n and best < FIRST_MARGIN * none), (plan, got, best)   # or a wash
 
 
 @pytest.mark.parametrize("seed", range(6))
@@ -214,8 +215,8 @@ def test_batch_32_on_a_cpu_drafts_what_pays(seed):
 
 @pytest.mark.parametrize("seed", range(3))
 def test_batch_32_stops_drafting_where_drafts_cannot_pay(seed):
-    """Draft rows that cost a decode row: after the first steps the plan drafts nothing (probes aside), nobody
-    watches (no draft forwards on plain steps), and the goodput is plain decoding's less the draft's catch-up."""
+    """Draft rows that cost a decode row: after the first steps the plan drafts nothing (probes aside, and seldom:
+    ``could_pay`` is False), and the goodput is plain decoding's less the draft's catch-up."""
     c = DraftController(4)
     c.rng = random.Random(seed)
     simulate(c, COSTLY, 1, 60, seed)
@@ -223,7 +224,7 @@ def test_batch_32_stops_drafting_where_drafts_cannot_pay(seed):
     got, depths = simulate(c, COSTLY, 32, 150, seed)
     assert max(fixed_depth(COSTLY, 32, d) for d in range(1, 5)) < fixed_depth(COSTLY, 32, 0)
     assert sum(depths) / len(depths) < 0.05, depths          # probes only: one step in IDLE_PROBE_EVERY
-    assert not c.watches(32) and c.watches(1)
+    assert not c.could_pay(32) and c.could_pay(1)
     catch_up = 0.006 + 0.00002 * 32
     assert got >= 0.98 * 32 / (0.154 + catch_up), got / fixed_depth(COSTLY, 32, 0)
 
@@ -238,17 +239,17 @@ def test_batch_32_on_a_gpu_drafts_deep(seed):
     got, depths = simulate(c, GPU, 32, 60, seed)
     best = max(fixed_depth(GPU, 32, d) for d in range(5))
     assert got >= 0.85 * best and sorted(depths[-20:])[10] >= 2.0, depths      # the median step, probes aside
-    assert c.watches(32)
+    assert c.could_pay(32)
 
 
 def test_a_table_fixes_the_drafts_per_batch_size():
     """vLLM's num_speculative_tokens_per_batch_size: the table's drafts for the batch size (a gap or past the last
-    range: the range before it; at most k), whatever the rates and costs; nobody watches."""
+    range: the range before it; at most k), whatever the rates and costs."""
     c = DraftController(4, schedule=((1, 1, 4), (2, 8, 2), (16, 31, 9), (32, 64, 0)))
     assert [c.scheduled(b) for b in (1, 2, 8, 12, 16, 31, 32, 500)] == [4, 2, 2, 2, 4, 4, 0, 0]
     for _ in range(20):
         c.record_step(3, 0, 0.1)            # costs that would stop any plan
     assert c.plan([(0.01, 0.01)] * 3, [4, 1, 0], 3, 0) == [2, 1, 0]
     assert c.plan([(0.9, 0.9)] * 2, [4, 4], 40, 0) == [0, 0]
-    assert not c.watches(1) and DraftController(4).watches(1)
+    assert not c.could_pay(1) and DraftController(4).could_pay(1)
     assert DraftController(4).scheduled(1) is None

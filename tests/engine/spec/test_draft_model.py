@@ -225,10 +225,15 @@ def test_failing_drafts_stop_and_are_watched(target):
     plain decoding's."""
     reqs = requests(target, seed=9, n=1, max_tokens=36)
     engine = engine_with(target, k=4, block_size=4, max_num_seqs=1, max_model_len=64)
+    executor = engine.scheduler.drafter.executor
+    forwards, run_draft = [], executor.run
+    executor.run = lambda work, states: (forwards.append(len(work.heads)), run_draft(work, states))[1]
     results = run(engine, reqs)
     prompt = reqs["r0"][0]
     assert results["r0"][0][0] == reference_greedy(target, prompt, 36)
     assert 0 < engine.num_drafts <= 8, engine.num_drafts        # far fewer than the 36 decode steps
+    # no first draft computed to watch on a step that drafts nothing (it would need a forward of its own)
+    assert sum(1 for heads in forwards if heads) <= engine.num_drafts + 1, (forwards, engine.num_drafts)
 
 
 def test_a_batch_size_table_fixes_the_drafts(target):
