@@ -26,6 +26,11 @@ def causal_conv1d(x: torch.Tensor, weight: torch.Tensor, state: torch.Tensor,
     acc = acc_dtype(x.dtype)
     w = weight.to(acc)
     width = w.shape[1]
+    if len(query_lens) == T == state.shape[0] and all(q == 1 for q in query_lens):
+        # a decode step: one row per sequence, all at once (the loop below cost ~6 ops a sequence: a quarter of
+        # a 65-sequence step of the default model on a CPU)
+        seq = torch.cat([state.to(x.dtype), x.unsqueeze(-1)], dim=-1)                 # [N, C, W]
+        return F.silu((seq.to(acc) * w).sum(-1)).to(x.dtype), seq[..., 1:].to(state.dtype)
     outs, new_states = [], []
     start = 0
     for n, q in enumerate(query_lens):
