@@ -98,15 +98,22 @@ def naive_recurrent_kda(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, g: to
 
 
 def recurrent_kda_rows(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, g: torch.Tensor, beta: torch.Tensor,
-                       state: torch.Tensor, rows: torch.Tensor, lens: list[int], after=None) -> torch.Tensor:
+                       state: torch.Tensor, rows: torch.Tensor | None, lens: list[int], after=None) -> torch.Tensor:
     """``naive_recurrent_kda`` of N sequences at once (the CPU path of decode and verify steps): sequence n's
-    t-th token is packed row ``rows[n, t]`` (t < lens[n]; q, k, v, g, beta packed as there), ``state`` [N, H, V, K]
-    its initial state, left holding its final one. ``after(t, active, S)``: called with the states
-    [N, H, V, K] after step t (``active``: the sequences that have a token t, None when all do).
-    Returns o [T, H, V] in packed order. The states stay V-first (the pool's layout): per token one read for
-    S^T (decay * k), one pass for the decay and the rank-one update, one read for the output."""
+    t-th token is packed row ``rows[n, t]`` (t < lens[n]; q, k, v, g, beta packed as there; ``rows`` None: a
+    decode step, sequence n's one token is row n), ``state`` [N, H, V, K] its initial state, updated in place to
+    its final one (the caller passes a copy it owns). ``after(t, active, S)``: called with the states
+    [N, H, V, K] after step t (``active``: the sequences that have a token t, None when all do; S is updated in
+    place by later steps: copy what you keep). Returns o [T, H, V] in packed order. The states stay V-first (the
+    pool's layout): per token one read for S^T (decay * k), one pass each for the decay and the rank-one update
+    (in place while every sequence has a token t), one read for the output."""
     N, H, V, K = state.shape
-    S = state.clone()
+    if rows is None:
+        if lens != [1] * N or q.shape[0] != N:
+            raise ValueError(f"recurrent_kda_rows: rows=None takes one token per sequence, got lens {lens[:8]} "
+                             f"and {q.shape[0]} rows for {N} states")
+        return _decode_rows(q, k, v, g, beta, state, after)
+    S = state
     o = q.new_empty(q.shape[0], H, V)
     lens_t = None
     for t in range(max(lens, default=0)):
@@ -114,22 +121,37 @@ def recurrent_kda_rows(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, g: tor
         dec, kt = torch.exp(g[r]), k[r]                                          # [N, H, K]
         sk = torch.bmm(S.view(N * H, V, K), (dec * kt).view(N * H, K, 1)).view(N, H, V)
         delta = beta[r].unsqueeze(-1) * (v[r] - sk)                              # [N, H, V]
+        if min(lens) > t:                                                        # every sequence: in place
+            S.mul_(dec.unsqueeze(-2)).view(N * H, V, K).baddbmm_(delta.view(N * H, V, 1), kt.view(N * H, 1, K))
+            o[r] = torch.bmm(S.view(N * H, V, K), q[r].reshape(N * H, K, 1)).view(N, H, V)
+            if after is not None:
+                after(t, None, S)
+            continue
         Sn = torch.baddbmm((S * dec.unsqueeze(-2)).view(N * H, V, K), delta.view(N * H, V, 1),
                            kt.view(N * H, 1, K)).view(N, H, V, K)
-        active = None
-        if min(lens) <= t:
-            lens_t = torch.tensor(lens, device=q.device) if lens_t is None else lens_t
-            active = lens_t > t
-            Sn = torch.where(active.view(-1, 1, 1, 1), Sn, S)
-        out = torch.bmm(Sn.view(N * H, V, K), q[r].reshape(N * H, K, 1)).view(N, H, V)
-        if active is None:
-            o[r] = out
-        else:
-            o[r[active]] = out[active]
-        S = Sn
+        lens_t = torch.tensor(lens, device=q.device) if lens_t is None else lens_t
+        active = lens_t > t
+        S = torch.where(active.view(-1, 1, 1, 1), Sn, S)
+        out = torch.bmm(S.view(N * H, V, K), q[r].reshape(N * H, K, 1)).view(N, H, V)
+        o[r[active]] = out[active]
         if after is not None:
             after(t, active, S)
-    state.copy_(S)
+    if S is not state:
+        state.copy_(S)
+    return o
+
+
+def _decode_rows(q, k, v, g, beta, S, after) -> torch.Tensor:
+    """``recurrent_kda_rows`` of one token per sequence (row n), S [N, H, V, K] updated in place: the same
+    operations, on the operands themselves (no row gathers)."""
+    N, H, V, K = S.shape
+    dec = torch.exp(g)
+    sk = torch.bmm(S.view(N * H, V, K), (dec * k).view(N * H, K, 1)).view(N, H, V)
+    delta = beta.unsqueeze(-1) * (v - sk)
+    S.mul_(dec.unsqueeze(-2)).view(N * H, V, K).baddbmm_(delta.view(N * H, V, 1), k.reshape(N * H, 1, K))
+    o = torch.bmm(S.view(N * H, V, K), q.reshape(N * H, K, 1)).view(N, H, V)
+    if after is not None:
+        after(0, None, S)
     return o
 
 
@@ -202,7 +224,7 @@ def kda_attention(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, f: torch.Te
     acc = qn.dtype
     if all(ql == 1 for ql in query_lens):          # a decode step: every sequence's one token at once
         state = initial_state.to(acc, copy=True)
-        o = recurrent_kda_rows(qn, kn, vf, g, beta, state, torch.arange(T, device=q.device)[:, None], query_lens)
+        o = recurrent_kda_rows(qn, kn, vf, g, beta, state, None, query_lens)
         return o, state.to(initial_state.dtype)
     outs, finals = [], []
     start = 0
@@ -303,7 +325,15 @@ def kda_attention_in_pool(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, f: 
         norm = None if out_norm is None else (out_norm.weight, operand(out_norm.gate), out_norm.eps, out_norm.dtype)
         return kda_decode_triton(q, k, v, operand(f), b, A_log, dt_bias, lower_bound, state_pool, slots, norm=norm)
     f = dense(f, q.shape[1])
-    state0 = state_pool[slots] if has_state is None else state_pool[slots].masked_fill(~has_state.view(-1, 1, 1, 1), 0)
+    state0 = state_pool[slots]                         # a copy (advanced indexing), this call's to update
+    if has_state is not None:
+        state0.masked_fill_(~has_state.view(-1, 1, 1, 1), 0)
+    if not use_fast_path(q) and query_lens == [1] * len(query_lens):     # a CPU decode step: S in place
+        qn, kn, vf, g, beta = _reference_inputs(q, k, v, f, b, A_log, dt_bias, lower_bound, state_pool.dtype)
+        state = state0 if state0.dtype == qn.dtype else state0.to(qn.dtype)
+        o = recurrent_kda_rows(qn, kn, vf, g, beta, state, None, query_lens)
+        state_pool[slots] = state.to(state_pool.dtype)
+        return o if out_norm is None else out_norm(o)
     if use_fast_path(q):
         o, state1 = _chunk_kda_cuda(q, k, v, f, b, A_log, dt_bias, lower_bound, state0, cu_seqlens)
     else:

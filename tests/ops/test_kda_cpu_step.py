@@ -1,0 +1,116 @@
+"""The CPU KDA decode/verify path updates its states in place (#52: the 65-sequence step's copies of the states):
+bit-identical to the former out-of-place formula (kept here verbatim), equal to ``naive_recurrent_kda`` in float64,
+and the pool rows read/written as before (other rows untouched)."""
+
+from __future__ import annotations
+
+import pytest
+import torch
+
+from kimik3.ops.kda import _reference_inputs, kda_attention_in_pool, kda_recurrent_in_pool, naive_recurrent_kda
+
+
+def _old_rows(q, k, v, g, beta, state, rows, lens, after=None):
+    """``recurrent_kda_rows`` before the in-place change (clone, new S each step, copy back)."""
+    N, H, V, K = state.shape
+    S = state.clone()
+    o = q.new_empty(q.shape[0], H, V)
+    lens_t = None
+    for t in range(max(lens, default=0)):
+        r = rows[:, t]
+        dec, kt = torch.exp(g[r]), k[r]
+        sk = torch.bmm(S.view(N * H, V, K), (dec * kt).view(N * H, K, 1)).view(N, H, V)
+        delta = beta[r].unsqueeze(-1) * (v[r] - sk)
+        Sn = torch.baddbmm((S * dec.unsqueeze(-2)).view(N * H, V, K), delta.view(N * H, V, 1),
+                           kt.view(N * H, 1, K)).view(N, H, V, K)
+        active = None
+        if min(lens) <= t:
+            lens_t = torch.tensor(lens, device=q.device) if lens_t is None else lens_t
+            active = lens_t > t
+            Sn = torch.where(active.view(-1, 1, 1, 1), Sn, S)
+        out = torch.bmm(Sn.view(N * H, V, K), q[r].reshape(N * H, K, 1)).view(N, H, V)
+        if active is None:
+            o[r] = out
+        else:
+            o[r[active]] = out[active]
+        S = Sn
+        if after is not None:
+            after(t, active, S)
+    state.copy_(S)
+    return o
+
+
+def _inputs(T, H, K, dtype, seed):
+    gen = torch.Generator().manual_seed(seed)
+    r = lambda *s: torch.randn(*s, generator=gen, dtype=dtype)      # noqa: E731
+    return (r(T, H, K), r(T, H, K), r(T, H, K), r(T, H, K), r(T, H), r(H), r(H * K))
+
+
+def _old_decode_in_pool(q, k, v, f, b, A_log, dt_bias, lb, pool, slots, has_state):
+    """The former CPU decode step of ``kda_attention_in_pool``: gather, masked copy, ``to(copy=True)``, the
+    clone inside the rows function, scatter."""
+    state0 = pool[slots] if has_state is None else pool[slots].masked_fill(~has_state.view(-1, 1, 1, 1), 0)
+    qn, kn, vf, g, beta = _reference_inputs(q, k, v, f, b, A_log, dt_bias, lb, state0.dtype)
+    state = state0.to(qn.dtype, copy=True)
+    o = _old_rows(qn, kn, vf, g, beta, state, torch.arange(q.shape[0])[:, None], [1] * q.shape[0])
+    pool[slots] = state.to(pool.dtype)
+    return o
+
+
+@pytest.mark.parametrize("dtype", [torch.float32, torch.float64])
+@pytest.mark.parametrize("masked", [False, True])
+def test_decode_in_pool_matches_old_path_bitwise(dtype, masked):
+    N, H, K, slots_n = 5, 3, 8, 9
+    q, k, v, f, b, A_log, dt_bias = _inputs(N, H, K, dtype, seed=1)
+    pool = torch.randn(slots_n, H, K, K, generator=torch.Generator().manual_seed(2), dtype=dtype)
+    slots = torch.tensor([7, 2, 4, 1, 8])
+    has_state = torch.tensor([True, False, True, True, False]) if masked else None
+    ref_pool = pool.clone()
+    ref = _old_decode_in_pool(q, k, v, f, b, A_log, dt_bias, -5.0, ref_pool, slots, has_state)
+    for _ in range(3):             # three steps: the states chain through the pool
+        o = kda_attention_in_pool(q, k, v, f, b, A_log, dt_bias, -5.0, pool, slots, has_state, [1] * N,
+                                  torch.arange(N + 1), decode=True)
+        assert torch.equal(o, ref) and torch.equal(pool, ref_pool)          # other slots untouched as well
+        ref = _old_decode_in_pool(q, k, v, f, b, A_log, dt_bias, -5.0, ref_pool, slots, has_state)
+    # float64 against the reference recurrence, sequence by sequence, from the pool before the step
+    if dtype == torch.float64:
+        before = pool.clone()
+        o = kda_attention_in_pool(q, k, v, f, b, A_log, dt_bias, -5.0, pool, slots, has_state, [1] * N,
+                                  torch.arange(N + 1), decode=True)
+        qn, kn, vf, g, beta = _reference_inputs(q, k, v, f, b, A_log, dt_bias, -5.0, torch.float64)
+        for n in range(N):
+            s0 = before[slots[n]] if has_state is None or has_state[n] else torch.zeros_like(before[0])
+            on, sn = naive_recurrent_kda(qn[n:n + 1], kn[n:n + 1], vf[n:n + 1], g[n:n + 1], beta[n:n + 1], s0)
+            torch.testing.assert_close(o[n], on[0], rtol=1e-12, atol=1e-12)
+            torch.testing.assert_close(pool[slots[n]], sn, rtol=1e-12, atol=1e-12)
+        untouched = [i for i in range(slots_n) if i not in slots.tolist()]
+        assert torch.equal(pool[untouched], before[untouched])
+
+
+def test_verify_in_pool_matches_old_path_bitwise():
+    """Ragged short chunks (a verify step): the in-place steps while every sequence has a token, then the
+    masked ones; every row's state into its slot as before."""
+    lens, H, K = [3, 1, 2], 2, 8
+    T = sum(lens)
+    q, k, v, f, b, A_log, dt_bias = _inputs(T, H, K, torch.float32, seed=3)
+    pool = torch.randn(12, H, K, K, generator=torch.Generator().manual_seed(4))
+    table = torch.tensor([[5, 0, 6], [7, 7, 7], [0, 8, 8]])                # live slots 6, 7, 8; scratch 0
+    cu = torch.tensor([0, 3, 4, 6])
+    ref_pool = pool.clone()
+    o = kda_recurrent_in_pool(q, k, v, f, b, A_log, dt_bias, -5.0, pool, table, lens, cu)
+
+    qn, kn, vf, g, beta = _reference_inputs(q, k, v, f, b, A_log, dt_bias, -5.0, ref_pool.dtype)
+    live = torch.tensor([6, 7, 8])
+    state = ref_pool[live].to(qn.dtype)
+
+    def keep(t, active, S):
+        dst = table[:, t]
+        if active is not None:
+            dst, S = dst[active], S[active]
+        ref_pool[dst] = S
+
+    starts = torch.tensor([0, 3, 4])
+    rows = starts[:, None] + torch.minimum(torch.arange(3)[None], torch.tensor(lens)[:, None] - 1)
+    ref = _old_rows(qn, kn, vf, g, beta, state, rows, lens, keep)
+    ref_pool[live] = state
+    assert torch.equal(o, ref) and torch.equal(pool[1:], ref_pool[1:])     # slot 0: scratch, any write order
