@@ -1,9 +1,10 @@
 """The CPU engine step of the default model (#52: an n=64 hostile request's steps set the innocent stream's
 gaps; a 1-token completion is one prefill step): ``LLMEngine.step`` timed step by step on the embedded default
 model (``kimik3.loader.DEFAULT_MODEL``, CPU, the server's default settings) with BATCH sequences decoding
-(one request with n=BATCH, ``logprobs``: 20 as the hostile case asks, or none with ``--no-logprobs``).
+(one request with n=BATCH, ``logprobs``: 20 as the hostile case asks, or none with ``--no-logprobs``), on one torch
+thread by default as ``kimik3 serve`` runs on this 2-core box (the cores less one).
 
-    python benchmarks/cpu_decode_step.py [--batches=1,65] [--steps=40] [--threads=2] [--no-logprobs] [--profile]
+    python benchmarks/cpu_decode_step.py [--batches=1,65] [--steps=40] [--threads=1] [--no-logprobs] [--profile]
         [--torch-profile]
 
 Prints per batch: the median (p10-p90) wall ms and process-CPU ms (``time.process_time``) of the decode steps
@@ -72,7 +73,7 @@ def main() -> None:
     if bad or "--help" in sys.argv:
         print(__doc__)
         sys.exit(2 if bad else 0)
-    torch.set_num_threads(int(_flag("--threads=", "2")))
+    torch.set_num_threads(int(_flag("--threads=", "1")))
     batches = [int(b) for b in _flag("--batches=", "1,65").split(",")]
     steps = int(_flag("--steps=", "40"))
     logprobs = None if "--no-logprobs" in sys.argv else 20

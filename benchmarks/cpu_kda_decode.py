@@ -1,9 +1,11 @@
 """The CPU KDA decode step of one layer (#52): ``kda_attention_in_pool`` (states gathered once, updated in place,
 scattered once) against the former formula (gather, masked copy, ``to(copy=True)``, a clone, a new state tensor
 per operation, copy back, scatter; kept verbatim in ``tests/ops/test_kda_cpu_step.py``), interleaved in one
-process so that the box's load hits both alike. Default model's shapes: 4 heads of 64, fp32 states, bf16 inputs.
+process so that the box's load hits both alike. Default model's shapes: 4 heads of 64, fp32 states, bf16 inputs; one torch thread by default, as ``kimik3 serve``
+runs here (with 2 threads on this loaded box each parallel op waits for the second thread's turn on a core: the
+layer took ~47 ms at batch 1 against 0.3 ms on one thread).
 
-    python benchmarks/cpu_kda_decode.py [--batches=1,65] [--iters=200] [--threads=2]
+    python benchmarks/cpu_kda_decode.py [--batches=1,65] [--iters=200] [--threads=1]
 
 Prints per batch the median wall and process-CPU microseconds of each and their ratio, with the load average.
 CPU timings on a shared 2-core box are noisy; the interleaving keeps the ratio fair, not the absolute figures.
@@ -34,7 +36,7 @@ def main() -> None:
     if bad or "--help" in sys.argv:
         print(__doc__)
         sys.exit(2 if bad else 0)
-    torch.set_num_threads(int(_flag("--threads=", "2")))
+    torch.set_num_threads(int(_flag("--threads=", "1")))
     iters = int(_flag("--iters=", "200"))
     H, K = 4, 64
     print(f"load average {os.getloadavg()[0]:.2f}; torch {torch.__version__}, {torch.get_num_threads()} threads")
