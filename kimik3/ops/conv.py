@@ -70,7 +70,9 @@ def causal_conv1d_in_pool(x: torch.Tensor, weight: torch.Tensor, pool: torch.Ten
         from kimik3.ops.triton.conv import causal_conv1d_pool_triton
         x = x if x.stride(-1) == 1 else x.contiguous()
         return causal_conv1d_pool_triton(x, weight, pool, slots, has_state, cu_seqlens, groups).unbind(0)
-    state0 = pool[slots] if has_state is None else pool[slots].masked_fill(~has_state.view(-1, 1, 1), 0)
+    state0 = pool.index_select(0, slots)               # a copy (CPU: ~5x faster than pool[slots] at 65 rows)
+    if has_state is not None:
+        state0.masked_fill_(~has_state.view(-1, 1, 1), 0)
     y, state1 = causal_conv1d(x, weight, state0, query_lens)
     pool[slots] = state1
     return tuple(part.contiguous() for part in y.chunk(groups, dim=-1))

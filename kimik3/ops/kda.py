@@ -325,7 +325,7 @@ def kda_attention_in_pool(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, f: 
         norm = None if out_norm is None else (out_norm.weight, operand(out_norm.gate), out_norm.eps, out_norm.dtype)
         return kda_decode_triton(q, k, v, operand(f), b, A_log, dt_bias, lower_bound, state_pool, slots, norm=norm)
     f = dense(f, q.shape[1])
-    state0 = state_pool[slots]                         # a copy (advanced indexing), this call's to update
+    state0 = state_pool.index_select(0, slots)         # a copy, this call's to update (CPU: ~5x pool[slots])
     if has_state is not None:
         state0.masked_fill_(~has_state.view(-1, 1, 1, 1), 0)
     if not use_fast_path(q) and query_lens == [1] * len(query_lens):     # a CPU decode step: S in place
