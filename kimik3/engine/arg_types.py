@@ -78,13 +78,20 @@ non_negative_gib = number(float, lambda v: 0.0 <= v < float("inf"), "a number of
 positive_seconds = number(float, lambda v: v > 0, "a number of seconds > 0")
 
 
-def mm_limits_arg(text: str) -> dict[str, int]:
+def _json_arg(text: str, example: str, check):
+    """A command-line JSON value, parsed and given to ``check``: malformed JSON and ``check``'s ValueError both
+    reach the user as argparse errors with their own message (argparse hides a type function's ValueError
+    behind "invalid ... value")."""
     try:
-        value = json.loads(text)
+        return check(json.loads(text))
     except json.JSONDecodeError:
-        raise argparse.ArgumentTypeError(f"expected JSON such as '{{\"image\": 4, \"video\": 1}}', "
-                                         f"got {text!r}") from None
-    return check_mm_limits(value)
+        raise argparse.ArgumentTypeError(f"expected JSON such as '{example}', got {text!r}") from None
+    except ValueError as e:
+        raise argparse.ArgumentTypeError(str(e)) from None
+
+
+def mm_limits_arg(text: str) -> dict[str, int]:
+    return _json_arg(text, '{"image": 4, "video": 1}', check_mm_limits)
 
 
 SPEC_METHODS = ("ngram", "eagle3", "mtp", "dflash", "dspark")
@@ -93,12 +100,8 @@ _SPEC_KEYS = {"method", "model", "num_speculative_tokens", "prompt_lookup_min", 
 
 
 def speculative_config_arg(text: str) -> dict[str, Any]:
-    try:
-        value = json.loads(text)
-    except json.JSONDecodeError:
-        raise argparse.ArgumentTypeError(f"expected JSON such as '{{\"method\": \"eagle3\", \"model\": \"default\", "
-                                         f"\"num_speculative_tokens\": 4}}', got {text!r}") from None
-    return check_speculative_config(value)
+    return _json_arg(text, '{"method": "eagle3", "model": "default", "num_speculative_tokens": 4}',
+                     check_speculative_config)
 
 
 def check_speculative_config(value: Any) -> dict[str, Any]:

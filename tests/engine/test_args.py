@@ -253,3 +253,19 @@ def test_layouts_the_engine_cannot_run_are_refused_naming_the_fix(kwargs, match)
     EngineArgs(pipeline_parallel_size=2, num_speculative_tokens=2)
     EngineArgs(pipeline_parallel_size=2, tensor_parallel_size=2, enable_expert_parallel=True, enable_eplb=True,
                speculative_config={"method": "ngram", "num_speculative_tokens": 2})
+
+
+@pytest.mark.parametrize("flag,value,named", [
+    ("--speculative-config", '{"method": "eagle3", "model": "default", "num_speculative_tokens": 4, "bogus": 1}',
+     "unknown key(s) ['bogus']"),
+    ("--speculative-config", '{"method": "eagle3", "model": "default", "num_speculative_tokens": 4, '
+     '"num_speculative_tokens_per_batch_size": [[1, 512, 0, 100, 4]]}', "five-item entries"),
+    ("--speculative-config", '{"method": "eagle3"', "expected JSON such as"),
+    ("--limit-mm-per-prompt", '{"audio": 1}', "unknown modality 'audio'"),
+])
+def test_json_flags_name_what_is_wrong(flag, value, named, capsys):
+    """A JSON flag's own check reaches the command line's error (argparse would hide a ValueError behind
+    "invalid speculative_config_arg value")."""
+    with pytest.raises(SystemExit):
+        subparsers()["generate"].parse_args([flag, value])
+    assert named in capsys.readouterr().err
