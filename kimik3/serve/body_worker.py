@@ -47,13 +47,11 @@ def _write_all(fd: int, data) -> None:
 
 
 def _send(fd: int, parts: list) -> None:
-    """One message made of ``parts`` (bytes-like), written piece by piece: nothing is joined."""
-    _write_all(fd, _HEADER.pack(sum(len(p) for p in parts)))
-    for p in parts:
-        _write_all(fd, p)
+    """One message made of ``parts`` (bytes-like: a pickle, or a body's chunks); nothing is joined."""
+    _write_chunks(fd, [_HEADER.pack(sum(map(len, parts))), *parts])
 
 
-def _write_chunks(fd: int, chunks: list[bytes]) -> None:
+def _write_chunks(fd: int, chunks: list) -> None:
     """``chunks`` written ``PIPE_BYTES`` at a time: each call releases the GIL for its whole write (one call per
     64 KiB chunk re-took it 900 times for a 57 MiB body, each time waiting out the engine thread's slice)."""
     i = 0
@@ -159,14 +157,13 @@ class _Worker:
                 pass
         self.ready = False
 
-    def ask(self, name: str, checks, chunks: list[bytes], size: int) -> tuple:
+    def ask(self, name: str, checks, chunks: list[bytes]) -> tuple:
         deadline = time.monotonic() + TIMEOUT
         if not self.ready:
             pickle.loads(_receive(self.rfd, deadline))
             self.ready = True
         _send(self.wfd, [pickle.dumps((name, checks))])
-        _write_all(self.wfd, _HEADER.pack(size))
-        _write_chunks(self.wfd, chunks)
+        _send(self.wfd, chunks)
         reply = _receive(self.rfd, deadline)
         try:
             return pickle.loads(reply)
@@ -198,14 +195,14 @@ class BodyWorkers:
         """Whether a worker can validate ``model``: the models of protocol.py (the one file a worker loads)."""
         return model.__module__ == "kimik3.serve.protocol"
 
-    def validate(self, model: type, checks, chunks: list[bytes], size: int):
-        """``model`` validated from the body ``chunks`` (``size`` bytes) and passed through ``checks``; raises the
+    def validate(self, model: type, checks, chunks: list[bytes]):
+        """``model`` validated from the body ``chunks`` and passed through ``checks``; raises the
         ``APIError`` the server would (the refusal), or ``WorkerFault``."""
         from kimik3.serve.protocol import APIError
         closed = WorkerFault("the server is shutting down")
         try:
             with self._pool.lease(_Worker, closed) as worker:
-                kind, value = worker.ask(model.__name__, checks, chunks, size)
+                kind, value = worker.ask(model.__name__, checks, chunks)
         except WorkerFault:
             raise
         except Exception as e:      # the worker failed, overran or died: it was killed

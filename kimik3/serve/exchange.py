@@ -149,7 +149,7 @@ async def parse_body(state: ServerState, request: Request, model, checks=None):
         if box.size > WORKER_BODY_BYTES and BodyWorkers.handles(model):
             chunks = box.take_chunks()
             try:
-                return await state.cpu(state.body_workers.validate, model, checks, chunks, box.size)
+                return await state.cpu(state.body_workers.validate, model, checks, chunks)
             except WorkerFault as e:
                 logger.warning("the body worker failed (%s); validating a %d-byte body here", e, box.size)
                 box = ReadBody(chunks, box.size)

@@ -61,7 +61,7 @@ CHECKS = TokenizeChecks(MODEL, True, 64, 64 * 16)
 def test_the_worker_answers_as_the_server_would(workers, model, checks, body):
     raw = json.dumps(body).encode()
     try:
-        got = workers.validate(model, checks, _chunks(raw), len(raw))
+        got = workers.validate(model, checks, _chunks(raw))
     except APIError as e:
         got = e.status, e.message, e.param, e.code
     assert got == _here(model, checks, raw)
@@ -73,12 +73,12 @@ def test_a_prompt_that_cannot_fit_is_never_built_in_the_server(workers):
     validated here, the 8 MiB prompt alone is 8 MiB)."""
     raw = json.dumps({"model": MODEL, "prompt": "y" * (8 << 20)}).encode()
     chunks = _chunks(raw)
-    workers.validate(TokenizeRequest, None, [b'{"prompt": "warm"}'], 18)       # the worker's start is not counted
+    workers.validate(TokenizeRequest, None, [b'{"prompt": "warm"}'])       # the worker's start is not counted
     tracemalloc.start()
     try:
         base = tracemalloc.get_traced_memory()[0]
         with pytest.raises(APIError) as e:
-            workers.validate(TokenizeRequest, CHECKS, chunks, len(raw))
+            workers.validate(TokenizeRequest, CHECKS, chunks)
         peak = tracemalloc.get_traced_memory()[1] - base
     finally:
         tracemalloc.stop()
@@ -87,11 +87,11 @@ def test_a_prompt_that_cannot_fit_is_never_built_in_the_server(workers):
 
 
 def test_a_dead_worker_is_a_fault_and_is_replaced(workers):
-    workers.validate(TokenizeRequest, None, [b'{"prompt": "a"}'], 15)
+    workers.validate(TokenizeRequest, None, [b'{"prompt": "a"}'])
     workers._pool._idle[0].proc.kill()
     with pytest.raises(WorkerFault):
-        workers.validate(TokenizeRequest, None, [b'{"prompt": "b"}'], 15)
-    assert workers.validate(TokenizeRequest, None, [b'{"prompt": "c"}'], 15).prompt == "c"
+        workers.validate(TokenizeRequest, None, [b'{"prompt": "b"}'])
+    assert workers.validate(TokenizeRequest, None, [b'{"prompt": "c"}']).prompt == "c"
 
 
 def test_tokenize_refuses_a_large_body_as_a_small_one(monkeypatch):
