@@ -198,8 +198,7 @@ class GrammarWorkers:
         with self._pool.lease(lambda: _Worker(self.spec), closed) as worker:
             try:
                 kind, message = worker.ask(grammar, self.timeout)
-            except TimeoutError:
-                worker.kill()
+            except TimeoutError:        # the lease kills the worker (as every worker whose lease ends in an error)
                 raise ValueError(f"structured_outputs: the constraint did not compile within the {self.timeout:g} s "
                                  f"budget (--grammar-compile-timeout); simplify it") from None
             except (EOFError, OSError):
