@@ -34,6 +34,7 @@ import types
 _HEADER = struct.Struct(">I")
 WORKER_BODY_BYTES = 4 << 20     # bodies larger than this are validated in a worker (smaller ones: ~10 ms or less)
 PIPE_BYTES = 1 << 20           # the pipes' capacity asked for (Linux's default limit for an unprivileged process)
+IOV_MAX = os.sysconf("SC_IOV_MAX")   # buffers one writev takes (1024 on Linux; more is EINVAL)
 TIMEOUT = 60.0                  # seconds a worker gets to start and answer one body (64 MiB validate in ~0.5 s)
 _PROTOCOL = os.path.join(os.path.dirname(os.path.abspath(__file__)), "protocol.py")
 
@@ -57,7 +58,7 @@ def _write_chunks(fd: int, chunks: list) -> None:
     i = 0
     while i < len(chunks):
         group, size = [], 0
-        while i < len(chunks) and (not group or size + len(chunks[i]) <= PIPE_BYTES):
+        while i < len(chunks) and len(group) < IOV_MAX and (not group or size + len(chunks[i]) <= PIPE_BYTES):
             group.append(chunks[i])
             size += len(chunks[i])
             i += 1

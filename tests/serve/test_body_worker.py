@@ -86,6 +86,13 @@ def test_a_prompt_that_cannot_fit_is_never_built_in_the_server(workers):
     assert peak < 1 << 20, peak
 
 
+def test_a_body_in_many_tiny_chunks_reaches_the_worker(workers):
+    """A client may send its body in pieces of a few bytes: more buffers than one writev takes (IOV_MAX, 1024 on
+    Linux; more is EINVAL, which faulted the worker and put the body back on the server)."""
+    raw = json.dumps({"prompt": "z" * 5000}).encode()
+    assert workers.validate(TokenizeRequest, None, [raw[i:i + 2] for i in range(0, len(raw), 2)]).prompt == "z" * 5000
+
+
 def test_a_dead_worker_is_a_fault_and_is_replaced(workers):
     workers.validate(TokenizeRequest, None, [b'{"prompt": "a"}'])
     workers._pool._idle[0].proc.kill()
