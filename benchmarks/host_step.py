@@ -95,7 +95,8 @@ class HostGraphs:
         """The states a draft model reads (``DecodeGraphs.states``): none, no draft here."""
         return None
 
-    def run(self, meta: torch.Tensor, tables: torch.Tensor, num_seqs: int, input_ids=None) -> torch.Tensor:
+    def run(self, meta: torch.Tensor, tables: torch.Tensor, num_seqs: int, input_ids=None, drafts=None) -> torch.Tensor:
+        assert drafts is None, "no draft model here: no drafts on the device"
         ids = meta[0, :meta.shape[1]].clone()
         if input_ids is not None:
             ids[:input_ids.shape[0]] = input_ids

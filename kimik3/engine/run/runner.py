@@ -89,7 +89,7 @@ class ModelRunner:
                   input_ids: torch.Tensor | None = None, drafts=None) -> torch.Tensor | None:
         """The graph step: replay, then the logits of the chunks that sample (``drafts``: device drafts' rows and
         tokens, ``DeviceDrafts.gather``)."""
-        logits = self.graphs.run(meta, tables, num_seqs, input_ids, *([drafts] if drafts is not None else []))
+        logits = self.graphs.run(meta, tables, num_seqs, input_ids, drafts)
         self.last_states = self.graphs.states(num_seqs, meta.shape[1] // tables.shape[0])
         self.num_graph_steps += 1
         if len(rows) == logits.shape[0]:
@@ -153,7 +153,7 @@ class ModelRunner:
             t1 = time.perf_counter()
             L = meta.shape[1] // size
             drafts = out.pending_drafts and out.pending_drafts.gather(out.chunks, [s * L + 1 for s in range(size)])
-            logits = self.run_graph(meta, tables, rows, len(out.chunks), input_ids, *([drafts] if drafts else []))
+            logits = self.run_graph(meta, tables, rows, len(out.chunks), input_ids, drafts)
         out.draft_states, self.last_states = self.last_states, None   # a graph's: valid until the next replay
         self.images.release(out.chunks)
         encode = self.images.seconds - enc0         # images encoded while building the batch count as model time
