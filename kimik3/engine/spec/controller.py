@@ -149,6 +149,12 @@ class _Costs:
         return 0.0 if j == 1 and self.watching else self.forward
 
 
+def _pays(costs: _Costs, batch: int) -> bool:
+    """Whether one draft for each of ``batch`` requests, every one accepted, would raise the goodput by
+    ``FIRST_MARGIN`` at ``costs`` (``DraftController.could_pay``)."""
+    return 2 * batch / (costs.base + costs.forward + batch * costs.row) > batch / costs.base * FIRST_MARGIN
+
+
 def _greedy_depths(reach: list[list[float]], rooms: list[int], tokens: float, costs: _Costs) -> list[int]:
     """Position by position, the best prefix (by gain) of the requests that reach it, while it raises goodput."""
     time, depth = costs.base, [0] * len(reach)
@@ -278,9 +284,7 @@ class DraftController:
         if self.schedule is not None:
             return False
         costs = self._costs(batch, 0)
-        if costs is None:
-            return True
-        return 2 * batch / (costs.base + costs.forward + batch * costs.row) > batch / costs.base * FIRST_MARGIN
+        return costs is None or _pays(costs, batch)
 
     def plan(self, rates: list[tuple[float, float]], rooms: list[int], batch: int, watching: int) -> list[int]:
         """Drafts per candidate (``rates``: its (a, c); ``rooms``: most drafts it may take) for a step of
@@ -297,7 +301,7 @@ class DraftController:
         depth = (_uniform_depths if self.uniform else _greedy_depths)(reach, rooms, float(batch), costs)
         logger.debug("plan: batch %d, costs %s: %d drafts, depth %d", batch, costs, sum(depth), max(depth, default=0))
         own = self.steps.get(batch.bit_length())
-        return self._dither(depth, rooms, own.count if own is not None else 0, idle=not self.could_pay(batch))
+        return self._dither(depth, rooms, own.count if own is not None else 0, idle=not _pays(costs, batch))
 
     def _dither(self, depth: list[int], rooms: list[int], seen: int, idle: bool = False) -> list[int]:
         """Now and then a step runs a nearby plan instead, so the fits see what drafts cost and how deeper drafts
