@@ -368,6 +368,7 @@ def test_moe_side_stream_graph_matches_serial(model, monkeypatch):
     (same kernels, same inputs) from the same cache state; during the side capture every MoE layer
     issued its router on the side stream (else the two graphs would be equal trivially)."""
     from benchmarks.gpu.bench_slice import decode_setup, step_fn
+    from kimik3.model.cuda_graphs import capture_graph
     from kimik3.model.moe import MoE
     route_streams: list = []
     route = MoE.route
@@ -383,22 +384,20 @@ def test_moe_side_stream_graph_matches_serial(model, monkeypatch):
     pools = (cache.kda_conv, cache.kda_state, cache.mla_latent)
     saved = [t.clone() for t in pools]
     step = step_fn(model, ids, batch, cache)
+    run_streams: list = []
+
+    def recorded():          # each run records its own stream and its routers'; the last run is the capture
+        route_streams.clear()
+        run_streams.append(torch.cuda.current_stream())
+        return step()
     logits = {}
     for name, stream in (("serial", None), ("side", torch.cuda.Stream())):
         model.use_side_stream(stream)
         try:
-            warm = torch.cuda.Stream()
-            warm.wait_stream(torch.cuda.current_stream())
-            with torch.cuda.stream(warm):
-                step()
-            torch.cuda.current_stream().wait_stream(warm)
-            graph = torch.cuda.CUDAGraph()
-            route_streams.clear()
-            with torch.cuda.graph(graph):
-                capture_stream = torch.cuda.current_stream()
-                out = step()
+            graph, out = capture_graph(recorded)          # the engine's capture: a warm-up run, then the capture
         finally:
             model.use_side_stream(None)
+        capture_stream = run_streams[-1]
         assert len(route_streams) == num_moe
         want = capture_stream if stream is None else stream
         assert all(s == want for s in route_streams), f"{name}: the router ran on {route_streams}, not {want}"
