@@ -165,14 +165,13 @@ class DraftRunner:
         draft = load_draft(setup.method, setup.path, model)
         cache = allocate_draft_cache(draft, setup.num_blocks, setup.block_size, setup.num_slots)
         self.executor = DraftExecutor(draft, cache, setup.block_size)
-        self.block_size = setup.block_size
         self.aux_layers = tuple(draft.aux_layer_ids)
         self.states: torch.Tensor | None = None
 
     def capture(self, step: CaptureDraftGraphs, graphs_class, control) -> None:
         """Capture the draft's graphs as rank 0 does; all ranks keep them only if every rank captured."""
         ex = self.executor
-        graphs = capture_draft_or_none(graphs_class(ex.draft, ex.cache, self.block_size, step.max_num_seqs,
+        graphs = capture_draft_or_none(graphs_class(ex.draft, ex.cache, ex.block_size, step.max_num_seqs,
                                                     step.max_model_len, step.k, step.states_dtype, step.min_span))
         ex.graphs = graphs if agree(graphs is not None, control) else None
 
