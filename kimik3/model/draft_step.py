@@ -156,7 +156,7 @@ class DraftExecutor:
         start = [work.positions[h] for h in work.heads]
         live = [work.seq_slots[s] for s in work.head_seqs] if self.recurrent else None
         logits, hidden = self._forward(0, ids[heads], feats[heads], start, work.tables, live)
-        tokens = [self._greedy(logits)]
+        tokens = [self.draft.greedy(logits)]
         if work.depths[0] > 1 and isinstance(draft, MTPDraft) and draft.kda_layer_ids:
             for h, scratch in enumerate(work.scratch_slots[:sum(d > 1 for d in work.depths)]):
                 if live:            # the drafts' rows run on a copy of the live states
@@ -167,7 +167,7 @@ class DraftExecutor:
             n = sum(d > j for d in work.depths)                 # heads are sorted by depth: a prefix drafts on
             pos = [p + j for p in start[:n]]
             logits, hidden = self._forward(j, tokens[-1][:n], hidden[:n], pos, work.tables[:n], work.scratch_slots[:n])
-            tokens.append(self._greedy(logits))
+            tokens.append(self.draft.greedy(logits))
         flat = torch.cat(tokens).tolist()
         out, offsets = [[] for _ in work.heads], [0]
         for t in tokens:
@@ -233,9 +233,6 @@ class DraftExecutor:
         return self.draft(ids, hidden, DraftBatch.build([1] * n, pos, tables, self.block_size, None, self.device),
                           self.cache)
 
-    def _greedy(self, logits: torch.Tensor) -> torch.Tensor:
-        return self.draft.greedy(logits) if hasattr(self.draft, "greedy") else logits.argmax(-1)
-
     def _dflash(self, work: DraftWork) -> list[list[int]]:
         """One block forward per head: anchored at the token after its last caught-up row."""
         B = self.draft.cfg.block_size
@@ -243,5 +240,5 @@ class DraftExecutor:
         block = DraftBatch.build([B] * len(P), P, work.tables, self.block_size, None, self.device, causal=False,
                                  write=False)
         anchors = self._long([work.next_ids[h] for h in work.heads])
-        drafts = self._greedy(self.draft(anchors, block, self.cache)).tolist()
+        drafts = self.draft.greedy(self.draft(anchors, block, self.cache)).tolist()
         return [d[:n] for d, n in zip(drafts, work.depths)]
