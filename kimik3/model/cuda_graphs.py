@@ -258,23 +258,15 @@ def capture_or_none(graphs: DecodeGraphs, decode_only_retry: bool = True) -> Dec
     """Capture the graphs; a model that cannot be captured runs eagerly (one warning). When verify
     graphs were asked for, a failure retries with decode graphs alone (``decode_only_retry``; under
     tensor parallelism every rank must hold the same graphs, so the ranks agree on None instead)."""
-    try:
-        graphs.capture()
+    retry = decode_only_retry and graphs.max_query_len > 1
+    fallback = ("verify steps run eagerly, decode steps are captured again alone" if retry
+                else "decode steps run eagerly")
+    if captured_or_none(graphs, "the model's steps", f"{fallback}. Pass enforce_eager to skip the attempt") is not None:
         return graphs
-    except Exception as exc:        # capture errors come as RuntimeError or torch.AcceleratorError
-        retry = decode_only_retry and graphs.max_query_len > 1
-        logger.warning("CUDA graph capture failed (%s: %s); %s. Pass enforce_eager to skip the attempt",
-                       type(exc).__name__, str(exc).splitlines()[0] if str(exc) else "",
-                       "verify steps run eagerly, decode steps are captured again alone" if retry
-                       else "decode steps run eagerly")
-        graphs.graphs.clear()
-        if torch.cuda.is_available():
-            torch.cuda.synchronize()
-            torch.cuda.empty_cache()
-        if retry:
-            return capture_or_none(type(graphs)(graphs.model, graphs.cache, graphs.sizes[-1], graphs.max_model_len,
-                                                aux_layers=graphs.aux_layers), decode_only_retry=False)
-        return None
+    if retry:
+        return capture_or_none(type(graphs)(graphs.model, graphs.cache, graphs.sizes[-1], graphs.max_model_len,
+                                            aux_layers=graphs.aux_layers), decode_only_retry=False)
+    return None
 
 
 def capture_graph(fn, pool=None):
