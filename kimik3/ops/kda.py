@@ -98,35 +98,29 @@ def naive_recurrent_kda(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, g: to
 
 
 def recurrent_kda_rows(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, g: torch.Tensor, beta: torch.Tensor,
-                       state: torch.Tensor, rows: torch.Tensor | None, lens: list[int], after=None) -> torch.Tensor:
-    """``naive_recurrent_kda`` of N sequences at once (the CPU path of decode and verify steps): sequence n's
-    t-th token is packed row ``rows[n, t]`` (t < lens[n]; q, k, v, g, beta packed as there; ``rows`` None: a
-    decode step, sequence n's one token is row n), ``state`` [N, H, V, K] its initial state, updated in place to
-    its final one (the caller passes a copy it owns). ``after(t, active, S)``: called with the states
-    [N, H, V, K] after step t (``active``: the sequences that have a token t, None when all do; S is updated in
-    place by later steps: copy what you keep). Returns o [T, H, V] in packed order. The states stay V-first (the
-    pool's layout): per token one read for S^T (decay * k), one pass each for the decay and the rank-one update
-    (in place while every sequence has a token t), one read for the output."""
+                       state: torch.Tensor, rows: torch.Tensor, lens: list[int], after=None) -> torch.Tensor:
+    """``naive_recurrent_kda`` of N sequences at once (the CPU path of verify steps): sequence n's t-th token is
+    packed row ``rows[n, t]`` (t < lens[n]; q, k, v, g, beta packed as there), ``state`` [N, H, V, K] its initial
+    state, updated in place to its final one (the caller passes a copy it owns). ``after(t, active, S)``: called
+    with the states [N, H, V, K] after step t (``active``: the sequences that have a token t, None when all do; S
+    is updated in place by later steps: copy what you keep). Returns o [T, H, V] in packed order. The states stay
+    V-first (the pool's layout): per token one read for S^T (decay * k), one pass each for the decay and the
+    rank-one update (in place while every sequence has a token t: ``recurrent_kda_step``), one read for the
+    output."""
     N, H, V, K = state.shape
-    if rows is None:
-        if lens != [1] * N or q.shape[0] != N:
-            raise ValueError(f"recurrent_kda_rows: rows=None takes one token per sequence, got lens {lens[:8]} "
-                             f"and {q.shape[0]} rows for {N} states")
-        return _decode_rows(q, k, v, g, beta, state, after)
     S = state
     o = q.new_empty(q.shape[0], H, V)
     lens_t = None
     for t in range(max(lens, default=0)):
         r = rows[:, t]
-        dec, kt = torch.exp(g[r]), k[r]                                          # [N, H, K]
-        sk = torch.bmm(S.view(N * H, V, K), (dec * kt).view(N * H, K, 1)).view(N, H, V)
-        delta = beta[r].unsqueeze(-1) * (v[r] - sk)                              # [N, H, V]
         if min(lens) > t:                                                        # every sequence: in place
-            S.mul_(dec.unsqueeze(-2)).view(N * H, V, K).baddbmm_(delta.view(N * H, V, 1), kt.view(N * H, 1, K))
-            o[r] = torch.bmm(S.view(N * H, V, K), q[r].reshape(N * H, K, 1)).view(N, H, V)
+            o[r] = recurrent_kda_step(q[r], k[r], v[r], g[r], beta[r], S)
             if after is not None:
                 after(t, None, S)
             continue
+        dec, kt = torch.exp(g[r]), k[r]                                          # [N, H, K]
+        sk = torch.bmm(S.view(N * H, V, K), (dec * kt).view(N * H, K, 1)).view(N, H, V)
+        delta = beta[r].unsqueeze(-1) * (v[r] - sk)                              # [N, H, V]
         Sn = torch.baddbmm((S * dec.unsqueeze(-2)).view(N * H, V, K), delta.view(N * H, V, 1),
                            kt.view(N * H, 1, K)).view(N, H, V, K)
         lens_t = torch.tensor(lens, device=q.device) if lens_t is None else lens_t
@@ -141,18 +135,31 @@ def recurrent_kda_rows(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, g: tor
     return o
 
 
-def _decode_rows(q, k, v, g, beta, S, after) -> torch.Tensor:
-    """``recurrent_kda_rows`` of one token per sequence (row n), S [N, H, V, K] updated in place: the same
-    operations, on the operands themselves (no row gathers)."""
+def recurrent_kda_step(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, g: torch.Tensor, beta: torch.Tensor,
+                       S: torch.Tensor) -> torch.Tensor:
+    """One token of each of N sequences (row n of q, k, g [N, H, K], v [N, H, V], beta [N, H]; reference
+    operands as ``naive_recurrent_kda`` takes them), S [N, H, V, K] updated in place. Returns o [N, H, V]."""
     N, H, V, K = S.shape
     dec = torch.exp(g)
     sk = torch.bmm(S.view(N * H, V, K), (dec * k).view(N * H, K, 1)).view(N, H, V)
     delta = beta.unsqueeze(-1) * (v - sk)
     S.mul_(dec.unsqueeze(-2)).view(N * H, V, K).baddbmm_(delta.view(N * H, V, 1), k.reshape(N * H, 1, K))
-    o = torch.bmm(S.view(N * H, V, K), q.reshape(N * H, K, 1)).view(N, H, V)
-    if after is not None:
-        after(0, None, S)
-    return o
+    return torch.bmm(S.view(N * H, V, K), q.reshape(N * H, K, 1)).view(N, H, V)
+
+
+def _decode_step(q, k, v, f, b, A_log, dt_bias, lower_bound, state: torch.Tensor, query_lens: list[int],
+                 copy: bool) -> tuple[torch.Tensor, torch.Tensor]:
+    """The CPU decode step (one token a sequence: row n is sequence n's) from ``state`` [N, H, V, K]: the
+    reference operands, then ``recurrent_kda_step`` on ``state`` itself (``copy``: on a copy) in the
+    accumulation dtype. Returns o [N, H, V] and the final states in ``state``'s dtype."""
+    N = state.shape[0]
+    if query_lens != [1] * N or q.shape[0] != N:
+        raise ValueError(f"KDA decode step: one token per sequence, got lens {query_lens[:8]} and {q.shape[0]} "
+                         f"rows for {N} states")
+    qn, kn, vf, g, beta = _reference_inputs(q, k, v, f, b, A_log, dt_bias, lower_bound, state.dtype)
+    S = state.to(qn.dtype, copy=copy)
+    o = recurrent_kda_step(qn, kn, vf, g, beta, S)
+    return o, S.to(state.dtype)
 
 
 def _row_table(query_lens: list[int], device) -> torch.Tensor:
@@ -220,12 +227,10 @@ def kda_attention(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, f: torch.Te
         cu = torch.tensor([0, *query_lens], device=q.device).cumsum(0)
         return _chunk_kda_cuda(q, k, v, f, b, A_log, dt_bias, lower_bound, initial_state.contiguous(), cu,
                                chunk_size)
+    if all(ql == 1 for ql in query_lens):          # a decode step: every sequence's one token at once
+        return _decode_step(q, k, v, f, b, A_log, dt_bias, lower_bound, initial_state, query_lens, copy=True)
     qn, kn, vf, g, beta = _reference_inputs(q, k, v, f, b, A_log, dt_bias, lower_bound, initial_state.dtype)
     acc = qn.dtype
-    if all(ql == 1 for ql in query_lens):          # a decode step: every sequence's one token at once
-        state = initial_state.to(acc, copy=True)
-        o = recurrent_kda_rows(qn, kn, vf, g, beta, state, None, query_lens)
-        return o, state.to(initial_state.dtype)
     outs, finals = [], []
     start = 0
     for n, ql in enumerate(query_lens):
@@ -328,14 +333,10 @@ def kda_attention_in_pool(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, f: 
     state0 = state_pool.index_select(0, slots)         # a copy, this call's to update (CPU: ~5x pool[slots])
     if has_state is not None:
         state0.masked_fill_(~has_state.view(-1, 1, 1, 1), 0)
-    if not use_fast_path(q) and query_lens == [1] * len(query_lens):     # a CPU decode step: S in place
-        qn, kn, vf, g, beta = _reference_inputs(q, k, v, f, b, A_log, dt_bias, lower_bound, state_pool.dtype)
-        state = state0 if state0.dtype == qn.dtype else state0.to(qn.dtype)
-        o = recurrent_kda_rows(qn, kn, vf, g, beta, state, None, query_lens)
-        state_pool[slots] = state.to(state_pool.dtype)
-        return o if out_norm is None else out_norm(o)
     if use_fast_path(q):
         o, state1 = _chunk_kda_cuda(q, k, v, f, b, A_log, dt_bias, lower_bound, state0, cu_seqlens)
+    elif query_lens == [1] * len(query_lens):          # a CPU decode step: on state0 in place (this call's copy)
+        o, state1 = _decode_step(q, k, v, f, b, A_log, dt_bias, lower_bound, state0, query_lens, copy=False)
     else:
         o, state1 = kda_attention(q, k, v, f, b, A_log, dt_bias, lower_bound, state0, query_lens)
     state_pool[slots] = state1
