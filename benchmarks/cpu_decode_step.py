@@ -17,6 +17,7 @@ figures are noisy; compare runs made together, at similar load.
 from __future__ import annotations
 
 import cProfile
+import contextlib
 import io
 import os
 import pstats
@@ -38,29 +39,22 @@ def _flag(name: str, default: str) -> str:
     return next((a.split("=", 1)[1] for a in sys.argv[1:] if a.startswith(name)), default)
 
 
-def run_steps(llm: LLM, batch: int, steps: int, logprobs: int | None, tag: str, hook=None):
-    """Add one request of n=``batch`` and time each decode step; returns (wall ms, cpu ms) lists."""
+def run_steps(llm: LLM, batch: int, steps: int, logprobs: int | None, tag: str, around=None):
+    """Add one request of n=``batch`` and time each decode step (inside the context manager ``around``, e.g. a
+    profiler); returns (wall ms, cpu ms) lists."""
     eng = llm.engine
     params = SamplingParams(n=batch, temperature=1.0, seed=1, max_tokens=steps + 1, ignore_eos=True, logprobs=logprobs)
     eng.add_request(tag, "The quick brown fox", params)   # short: every sample's prefill fits one step
     eng.step()                                           # the prefill step (and the first token)
     eng.step()
     walls, cpus = [], []
-    with (hook() if hook else _Null()):
+    with around or contextlib.nullcontext():
         while eng.has_unfinished_requests():
             w, c = time.perf_counter(), time.process_time()
             eng.step()
             walls.append((time.perf_counter() - w) * 1e3)
             cpus.append((time.process_time() - c) * 1e3)
     return walls[:-1] or walls, cpus[:-1] or cpus        # the last step finishes the request: left out
-
-
-class _Null:
-    def __enter__(self):
-        return self
-
-    def __exit__(self, *exc):
-        return False
 
 
 def _q(xs, p):
@@ -87,32 +81,16 @@ def main() -> None:
     print(f"load average {load0:.2f} -> {os.getloadavg()[0]:.2f}; torch threads {torch.get_num_threads()}; "
           f"torch {torch.__version__}")
     if "--profile" in sys.argv:
-        prof = cProfile.Profile()
-        run_steps(llm, max(batches), min(steps, 10), logprobs, "prof", hook=lambda: _Prof(prof))
+        prof = cProfile.Profile()                          # a context manager: enabled inside
+        run_steps(llm, max(batches), min(steps, 10), logprobs, "prof", around=prof)
         out = io.StringIO()
         pstats.Stats(prof, stream=out).sort_stats("cumulative").print_stats(45)
         print(out.getvalue())
     if "--torch-profile" in sys.argv:
         from torch.profiler import ProfilerActivity, profile
-        box = {}
-
-        def hook():
-            box["p"] = profile(activities=[ProfilerActivity.CPU])
-            return box["p"]
-        run_steps(llm, max(batches), min(steps, 10), logprobs, "tprof", hook=hook)
-        print(box["p"].key_averages().table(sort_by="self_cpu_time_total", row_limit=30))
-
-
-class _Prof:
-    def __init__(self, prof):
-        self.prof = prof
-
-    def __enter__(self):
-        self.prof.enable()
-
-    def __exit__(self, *exc):
-        self.prof.disable()
-        return False
+        tprof = profile(activities=[ProfilerActivity.CPU])
+        run_steps(llm, max(batches), min(steps, 10), logprobs, "tprof", around=tprof)
+        print(tprof.key_averages().table(sort_by="self_cpu_time_total", row_limit=30))
 
 
 if __name__ == "__main__":
