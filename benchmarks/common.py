@@ -7,6 +7,7 @@ import json
 import os
 import statistics
 import subprocess
+import sys
 from pathlib import Path
 
 import torch
@@ -17,6 +18,11 @@ OUT = Path(os.environ.get("OUT", ROOT / "bench_out"))
 
 def log(*a) -> None:
     print(*a, flush=True)
+
+
+def arg(name: str, default: str | None = None) -> str | None:
+    """The value of ``--name=value`` on the command line (the scripts that take no argparse), else ``default``."""
+    return next((a.split("=", 1)[1] for a in sys.argv[1:] if a.startswith(f"--{name}=")), default)
 
 
 def save_results(name: str, results: dict) -> Path:

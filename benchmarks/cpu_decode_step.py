@@ -30,13 +30,10 @@ import torch
 
 sys.path.insert(0, str(Path(__file__).resolve().parents[1]))
 
+from benchmarks.common import arg  # noqa: E402
 from kimik3.engine import LLM, SamplingParams  # noqa: E402
 
 FLAGS = ("--batches=", "--steps=", "--threads=", "--no-logprobs", "--profile", "--torch-profile")
-
-
-def _flag(name: str, default: str) -> str:
-    return next((a.split("=", 1)[1] for a in sys.argv[1:] if a.startswith(name)), default)
 
 
 def run_steps(llm: LLM, batch: int, steps: int, logprobs: int | None, tag: str, around=None):
@@ -67,9 +64,9 @@ def main() -> None:
     if bad or "--help" in sys.argv:
         print(__doc__)
         sys.exit(2 if bad else 0)
-    torch.set_num_threads(int(_flag("--threads=", "1")))
-    batches = [int(b) for b in _flag("--batches=", "1,65").split(",")]
-    steps = int(_flag("--steps=", "40"))
+    torch.set_num_threads(int(arg("threads", "1")))
+    batches = [int(b) for b in arg("batches", "1,65").split(",")]
+    steps = int(arg("steps", "40"))
     logprobs = None if "--no-logprobs" in sys.argv else 20
     llm = LLM(max_num_seqs=max(batches) + 1, max_logprobs=20)
     run_steps(llm, max(batches), 3, logprobs, "warm")

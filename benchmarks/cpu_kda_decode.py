@@ -23,12 +23,9 @@ import torch
 
 sys.path.insert(0, str(Path(__file__).resolve().parents[1]))
 
+from benchmarks.common import arg  # noqa: E402
 from kimik3.ops.kda import kda_attention_in_pool  # noqa: E402
 from tests.ops.test_kda_cpu_step import _old_decode_in_pool  # noqa: E402
-
-
-def _flag(name: str, default: str) -> str:
-    return next((a.split("=", 1)[1] for a in sys.argv[1:] if a.startswith(name)), default)
 
 
 def main() -> None:
@@ -36,11 +33,11 @@ def main() -> None:
     if bad or "--help" in sys.argv:
         print(__doc__)
         sys.exit(2 if bad else 0)
-    torch.set_num_threads(int(_flag("--threads=", "1")))
-    iters = int(_flag("--iters=", "200"))
+    torch.set_num_threads(int(arg("threads", "1")))
+    iters = int(arg("iters", "200"))
     H, K = 4, 64
     print(f"load average {os.getloadavg()[0]:.2f}; torch {torch.__version__}, {torch.get_num_threads()} threads")
-    for N in (int(b) for b in _flag("--batches=", "1,65").split(",")):
+    for N in (int(b) for b in arg("batches", "1,65").split(",")):
         gen = torch.Generator().manual_seed(N)
         q, k, v, f = (torch.randn(N, H, K, generator=gen).bfloat16() for _ in range(4))
         b, A_log, dt_bias = torch.randn(N, H).bfloat16(), torch.randn(H), torch.randn(H * K)

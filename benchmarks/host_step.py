@@ -38,6 +38,7 @@ import torch
 
 sys.path.insert(0, str(Path(__file__).resolve().parents[1]))
 
+from benchmarks.common import arg  # noqa: E402
 from kimik3.model.batch import ForwardBatch, HybridCache  # noqa: E402
 
 FLAGS = ("--batches=", "--steps=", "--profile", "--prompt=", "--eager", "--sync", "--no-tokenizer", "--repeats=",
@@ -101,10 +102,6 @@ class HostGraphs:
         if input_ids is not None:
             ids[:input_ids.shape[0]] = input_ids
         return self.model.compute_logits(ids.to(torch.float32)[:, None])
-
-
-def arg(name: str, default: str) -> str:
-    return next((a.split("=", 1)[1] for a in sys.argv if a.startswith(f"--{name}=")), default)
 
 
 def make_llm(batch: int, prompt: int, eager: bool, sync: bool, tokenizer: bool):

@@ -41,15 +41,11 @@ import torch
 ROOT = Path(__file__).resolve().parents[1]
 sys.path.insert(0, str(ROOT))
 
-from benchmarks.common import commit_id  # noqa: E402
+from benchmarks.common import arg, commit_id  # noqa: E402
 
 FLAGS = ("--tokens=", "--heads=", "--every=", "--seqs=", "--repeats=", "--config=", "--device=", "--dtype=", "--engine",
          "--legacy")
 BLOCK = 16
-
-
-def arg(name: str, default: str) -> str:
-    return next((a.split("=", 1)[1] for a in sys.argv if a.startswith(f"--{name}=")), default)
 
 
 def sync(device: torch.device) -> None:

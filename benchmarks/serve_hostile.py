@@ -49,17 +49,13 @@ from pathlib import Path
 ROOT = Path(__file__).resolve().parents[1]
 sys.path.insert(0, str(ROOT))
 
-from benchmarks.common import commit_id, log, save_results  # noqa: E402
+from benchmarks.common import arg, commit_id, log, save_results  # noqa: E402
 from kimik3.testing import object_chain, rule_chain  # noqa: E402
 
 MODEL = "default_model"
 KEY = "hostile-bench-key"
 HEALTH_TARGET, GAP_TARGET, MODELS_TARGET, ONE_TOKEN_TARGET = 0.100, 0.250, 0.005, 0.040
 FLAGS = ("--cases=", "--port=", "--serve-args=")
-
-
-def arg(name: str, default: str | None = None) -> str | None:
-    return next((a.split("=", 1)[1] for a in sys.argv if a.startswith(f"--{name}=")), default)
 
 
 # ---- a client with as little overhead as the standard library allows --------------------------------------------

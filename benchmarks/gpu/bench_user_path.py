@@ -43,17 +43,13 @@ import torch
 ROOT = Path(__file__).resolve().parents[2]
 sys.path.insert(0, str(ROOT))
 
-from benchmarks.common import commit_id, log, save_results  # noqa: E402
+from benchmarks.common import arg, commit_id, log, save_results  # noqa: E402
 
 CONFIG = Path(__file__).with_name("kimi-k3-slice4.config.json")
 CONTEXT = 1024
 STEPS = 64
 PREFILL = 8192
 _EXPERT = re.compile(r"experts\.(\d+)\.(w[123])\.weight$")
-
-
-def arg(name: str, default: str | None = None) -> str | None:
-    return next((a.split("=", 1)[1] for a in sys.argv if a.startswith(f"--{name}=")), default)
 
 
 def release_tensors(model):

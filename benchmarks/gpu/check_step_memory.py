@@ -31,15 +31,11 @@ import torch
 ROOT = Path(__file__).resolve().parents[2]
 sys.path.insert(0, str(ROOT))
 
-from benchmarks.common import commit_id, log, save_results  # noqa: E402
+from benchmarks.common import arg, commit_id, log, save_results  # noqa: E402
 
 HERE = Path(__file__).parent
 CONFIGS = [HERE / "kimi-k3-slice4.config.json", HERE / "kimi-linear-slice4.config.json"]
 FLAGS = ("--config=", "--lengths=")
-
-
-def arg(name: str, default: str | None = None) -> str | None:
-    return next((a.split("=", 1)[1] for a in sys.argv if a.startswith(f"--{name}=")), default)
 
 
 def write_tokenizer(path: Path, chat_format: str) -> None:
