@@ -70,17 +70,24 @@ def run_timed(llm: LLM, batch: list[list[int]], max_tokens: int) -> tuple[list[l
     return [list(o.outputs[0].token_ids) for o in outs], time.perf_counter() - t0, time.process_time() - c0
 
 
+def run_windows(llm: LLM, batch: list[list[int]], max_tokens: int, size: int = 0):
+    """``run_timed`` of the prompts ``size`` at a time (one ``generate`` call each; 0: all at once): the outputs
+    in order, the wall and CPU seconds summed."""
+    size = size or len(batch)
+    outs, wall, cpu = [], 0.0, 0.0
+    for i in range(0, len(batch), size):
+        o, w, c = run_timed(llm, batch[i:i + size], max_tokens)
+        outs, wall, cpu = outs + o, wall + w, cpu + c
+    return outs, wall, cpu
+
+
 def timed_pair(plain: LLM, drafted: LLM, batch: list[list[int]], max_tokens: int, repeat: int, size: int = 0):
     """Alternating runs of both engines: (plain outputs, draft outputs, best wall and CPU seconds of each).
-    ``size``: the prompts go ``size`` at a time (one ``generate`` call each, the seconds summed; 0: all at once)."""
+    ``size``: the prompts go ``size`` at a time (``run_windows``)."""
     best = {"plain": [float("inf")] * 2, "spec": [float("inf")] * 2}
-    size = size or len(batch)
     for _ in range(repeat):
         for name, llm in (("plain", plain), ("spec", drafted)):
-            outs, wall, cpu = [], 0.0, 0.0
-            for i in range(0, len(batch), size):
-                o, w, c = run_timed(llm, batch[i:i + size], max_tokens)
-                outs, wall, cpu = outs + o, wall + w, cpu + c
+            outs, wall, cpu = run_windows(llm, batch, max_tokens, size)
             best[name] = [min(best[name][0], wall), min(best[name][1], cpu)]
             if name == "plain":
                 out_plain = outs
@@ -135,9 +142,8 @@ def main() -> None:
             if eager is not None:
                 run(eager, batch[:1], 4)
                 for _ in range(args.repeat):
-                    parts = [run(eager, batch[i:i + b], args.max_tokens) for i in range(0, len(batch), b)]
-                    out_eager = [o for part, _ in parts for o in part]
-                    t_eager = min(t_eager, sum(t for _, t in parts))
+                    out_eager, t, _ = run_windows(eager, batch, args.max_tokens, b)
+                    t_eager = min(t_eager, t)
             drafts = (e.num_drafts - before[0]) / args.repeat
             accepted = (e.num_accepted_tokens - before[1]) / args.repeat
             per_pos = [(a - (before[2][j] if j < len(before[2]) else 0)) / args.repeat / max(drafts, 1)
