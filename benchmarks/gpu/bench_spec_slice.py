@@ -7,14 +7,14 @@ built as ``bench_slice.build_slice`` builds them) and a draft of random weights 
   ``loader/drafts.load_eagle3`` shares it when the checkpoint has none). Heads, key/value heads and intermediate
   size are the Llama convention at that width (``EAGLE3``: assumed, written to the results);
 - K3 only: K3's own MTP layer (``model/mtp.MTPDraft``: layer L, MLA + MoE, its experts dense as ``load_mtp``
-  dequantizes them; embedding and head the target's tensors). MTP drafts run eagerly in the engine (no draft
-  graphs), so its draft step is timed eagerly.
+  dequantizes them; embedding and head the target's tensors), its steps on its own CUDA graphs too (``DraftGraphs``:
+  catch-up and each position a decode step of the MTP layer over a fixed ``ForwardBatch``).
 at batch 1 and 32 (``--batches``), k = 4 drafts (``--k``), each sequence with a ``--context`` (4096) history:
 (a) the plain decode step: the engine's decode graph (``DecodeGraphs``, query length 1);
 (b) the draft's own step: catch-up of 2 rows a request (its input and one accepted draft), then k positions:
     the draft's CUDA graphs (``DraftGraphs``) replayed alone (``draft_ms``), and the executor's call as the engine
     makes it, inputs staged and drafts back on the host (``draft_call_ms``); where no graph holds the step (a
-    batch whose gathered keys pass ``draft_graphs.MAX_KEY_BYTES``, an MTP draft) the eager call is both;
+    batch whose gathered keys pass ``draft_graphs.MAX_KEY_BYTES``) the eager call is both;
 (c) the verify step over k + 1 rows a sequence: the engine's verify graph, which also writes the draft's states.
 Each against its floor: the bytes that must move (weights once, the routed experts really touched in an eager
 run, the cache and states read: ``bench_slice.counts``; the draft's weights at each position and its keys) at the
@@ -249,17 +249,17 @@ def graphs_for(target, cache, N: int, L: int, max_len: int, dev: Device, aux=())
 
 def replays(graphs: DraftGraphs, work, states: torch.Tensor):
     """The draft's captured step alone: the states gathered, the catch-up and each position's graph (None when no
-    captured graph holds ``work``)."""
+    captured graph holds ``work``, or the draft's catch-up runs eagerly: an MTP draft whose first layer is KDA)."""
     plan = graphs.plan(work)
-    if plan is None:
+    if plan is None or graphs.recurrent:
         return None
     (R, chain), T = plan, len(work.rows)
 
     def replay():
         torch.index_select(states, 0, graphs.rows[3, :T], out=graphs.states[:T])
         graphs.graphs["rows", R].replay()
-        for N, span in chain:
-            graphs.graphs["step", N, span].replay()
+        for key in chain:
+            graphs.graphs[key].replay()
     return replay
 
 

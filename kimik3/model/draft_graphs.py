@@ -1,4 +1,4 @@
-"""CUDA graphs of a draft's steps (``draft_step.DraftWork``): the catch-up and each draft position (Eagle3) or
+"""CUDA graphs of a draft's steps (``draft_step.DraftWork``): the catch-up and each draft position (Eagle3, MTP) or
 the block (DFlash).
 
 A draft step is many small kernels (fc, norms, projections, rotary, the cache writes, attention, the MLP, the
@@ -23,10 +23,25 @@ kinds of graph replay them:
 Key spans S are a ladder of block multiples up to ``max_model_len + k``; a span's graphs exist only for the head
 counts whose gathered keys stay within ``MAX_KEY_BYTES`` (the attention gathers [N, S] keys in fp32: a long
 span at a large batch would hold gigabytes in the graphs' pool). A step that fits no captured graph (more
-rows, more heads, a longer span) runs eagerly (``DraftExecutor``); so do MTP drafts (``can_capture``).
+rows, more heads, a longer span) runs eagerly (``DraftExecutor``).
+
+K3's MTP layers (``model/mtp.py``) replay the same way, through the target's own modules as its decode graphs hold
+them (``cuda_graphs.DecodeGraphs``): a draft position of N heads is a decode step over a fixed ``ForwardBatch`` (one
+row a head, context its position, its block table [N, W] int32, ``max_seq_len`` the one span: the MLA decode kernel
+reads each head's own keys, so there is no span ladder), the MLA layer's latents written at the row (a padding head:
+block 0's null row), a KDA layer's state advanced in place at the row's state slot (a padding head: the null slot
+0), then the MoE or dense MLP, the shared head and the greedy pick. Catch-up writes the first layer's latents (an
+MLA first layer) and the heads' first inputs. The state slots follow the eager executor's: a KDA first layer's
+first position advances each head's live slot over the committed row it computes, and the drafts past it run on
+scratch slots made, in the second position's graph, as copies of the live ones (a KDA layer past the first: zeros),
+so a rejected draft never touches a live state. Hence up to three graphs per (layer, N): the first position, the
+second (which makes the scratch slots) and later ones (``mtp_phase``; one without KDA layers). A KDA first layer's
+catch-up (sequences' rows of varying lengths, the target's state copies and resets, prefix checkpoints) runs
+eagerly before the replays (``DraftExecutor._recurrent_catch_up``); so does a step with a head at position 0 (an
+eager prefill row).
 
 Under tensor parallelism every rank captures its own graphs at once, their collectives inside (the attention's
-and MLP's all-reduces, the greedy pick's all-gather), and all keep them only if every rank succeeded
+and MLP's / MoE's all-reduces, the greedy pick's all-gather), and all keep them only if every rank succeeded
 (``parallel/worker.py``); a step's plan depends only on its ``DraftWork`` and the captured keys, the same on every
 rank, so every rank replays the same graphs in the same order (or all run the step eagerly).
 
@@ -41,11 +56,13 @@ import logging
 
 import torch
 
+from kimik3.model.batch import ForwardBatch
 from kimik3.model.cuda_graphs import (capture_graph, captured_or_none, garbage_collection_paused, graph_batch_sizes,
                                      padded_batch_size)
 from kimik3.model.dflash import DFlashDraft, DFlashLayer
 from kimik3.model.draft_attention import DraftBatch
 from kimik3.model.eagle3 import Eagle3Draft, Eagle3Layer
+from kimik3.model.mtp import MTPDraft, MTPLayer
 
 logger = logging.getLogger(__name__)
 
@@ -66,42 +83,54 @@ def span_ladder(max_len: int, block_size: int, min_span: int = MIN_SPAN) -> list
 
 
 class DraftGraphs:
-    """Captured draft steps of one Eagle3 or DFlash ``draft`` over its paged ``cache`` (module docstring)."""
+    """Captured draft steps of one Eagle3, DFlash or MTP ``draft`` over its ``cache`` (a paged key/value tensor, or
+    MTP's ``HybridCache``; module docstring)."""
 
-    def __init__(self, draft, cache: torch.Tensor, block_size: int, max_num_seqs: int, max_model_len: int, k: int,
+    def __init__(self, draft, cache, block_size: int, max_num_seqs: int, max_model_len: int, k: int,
                  states_dtype: torch.dtype, min_span: int = MIN_SPAN):
         if not self.can_capture(draft):
-            raise ValueError(f"draft graphs hold Eagle3 and DFlash drafts, not {type(draft).__name__}")
+            raise ValueError(f"draft graphs hold Eagle3, DFlash and MTP drafts, not {type(draft).__name__}")
         self.draft, self.cache, self.block_size, self.k = draft, cache, block_size, k
         self.max_num_seqs, self.max_model_len, self.min_span = max_num_seqs, max_model_len, min_span
-        self.device = cache.device
+        self.device = next(draft.parameters()).device
         # DFlash: B rows a head (keys of its context alone); Eagle3: one, whose keys reach k - 1 past the context
         self.dflash_rows = draft.cfg.block_size if isinstance(draft, DFlashDraft) else 0
+        self.mtp = isinstance(draft, MTPDraft)
+        # MTP whose first layer is KDA: its catch-up runs eagerly, before the replays (``DraftExecutor``)
+        self.recurrent = self.mtp and draft.layer(0).is_kda
         self.sizes = graph_batch_sizes(min(max_num_seqs, DRAFT_GRAPH_MAX_SEQS))
         self.row_sizes = graph_batch_sizes(max_num_seqs * (k + 1))
-        self.spans = span_ladder(max_model_len + (0 if self.dflash_rows else k), block_size, min_span)
-        attn = draft.layers[0].self_attn
-        # fp32 bytes a key position costs a step graph: its key and value, and the scores of its query rows
-        per_key = 4 * (2 * attn.num_kv_heads * attn.head_dim + attn.num_heads * max(self.dflash_rows, 1))
-        self.steps_keys = [(n, s) for s in self.spans for n in self.sizes if n * s * per_key <= MAX_KEY_BYTES]
+        if self.mtp:        # the MLA decode kernel reads each head's own keys: one span, every position
+            top = max_model_len + k
+            self.spans = span_ladder(top, block_size, top)
+            self.steps_keys = [(n, self.spans[-1]) for n in self.sizes]
+            hidden, dtype = draft.cfg.hidden_size, draft.layer(0).eh_proj.weight.dtype
+        else:
+            self.spans = span_ladder(max_model_len + (0 if self.dflash_rows else k), block_size, min_span)
+            attn = draft.layers[0].self_attn
+            # fp32 bytes a key position costs a step graph: its key and value, and the scores of its query rows
+            per_key = 4 * (2 * attn.num_kv_heads * attn.head_dim + attn.num_heads * max(self.dflash_rows, 1))
+            self.steps_keys = [(n, s) for s in self.spans for n in self.sizes if n * s * per_key <= MAX_KEY_BYTES]
+            hidden, dtype = draft.cfg.target_hidden_size, draft.fc.weight.dtype
         R, N, W = self.row_sizes[-1], self.sizes[-1], self.spans[-1] // block_size
         self.max_position = self.spans[-1] + self.dflash_rows   # the rotary tables cover it: no graph regrows them
         as_long = dict(dtype=torch.int64, device=self.device)
         self.rows = torch.zeros(4, R, **as_long)    # next ids, positions, cache slots, the target step's row
-        self.heads = torch.zeros(2, N, **as_long)   # each head's catch-up row and position
-        self.tables = torch.zeros(N * W, **as_long)  # a step of N heads over span S reads [:N * S / bs] as [N, S / bs]
-        self.span_index = torch.arange(max(self.spans[-1], self.dflash_rows), **as_long)
-        width = len(draft.aux_layer_ids) * draft.cfg.target_hidden_size
-        self.states = torch.zeros(R, width, dtype=states_dtype, device=self.device)
+        self.heads = torch.zeros(4, N, **as_long)   # each head's catch-up row, position, MTP's live and scratch slot
+        # a step of N heads over span S reads [:N * S / bs] as [N, S / bs] (MTP: int32, the target's tables)
+        table_dtype = torch.int32 if self.mtp else torch.int64
+        self.tables = torch.zeros(N * W, dtype=table_dtype, device=self.device)
+        self.span_index = torch.arange(max(self.spans[-1], self.dflash_rows, N + 1), **as_long)
+        self.states = torch.zeros(R, len(draft.aux_layer_ids) * hidden, dtype=states_dtype, device=self.device)
         self.step_ids = torch.zeros(N, **as_long)
         self.step_pos = torch.zeros(N, **as_long)
-        self.step_hidden = torch.zeros(N, draft.cfg.hidden_size, dtype=draft.fc.weight.dtype, device=self.device)
+        self.step_hidden = torch.zeros(N, draft.cfg.hidden_size, dtype=dtype, device=self.device)
         self.tokens = torch.zeros(max(k, self.dflash_rows - 1, 1), N, **as_long)
         self.own_keys = torch.ones(N, self.dflash_rows, self.dflash_rows, dtype=torch.bool, device=self.device)
         pinned = self.device.type == "cuda"
         self.rows_host = torch.zeros(self.rows.shape, dtype=torch.int64, pin_memory=pinned)
         self.heads_host = torch.zeros(self.heads.shape, dtype=torch.int64, pin_memory=pinned)
-        self.tables_host = torch.zeros(self.tables.shape, dtype=torch.int64, pin_memory=pinned)
+        self.tables_host = torch.zeros(self.tables.shape, dtype=table_dtype, pin_memory=pinned)
         self.staged = torch.cuda.Event() if pinned else None     # when the last copies out of them were made
         self.tokens_host = torch.zeros(self.tokens.shape, dtype=torch.int64, pin_memory=pinned)
         self.copied = torch.cuda.Event() if pinned else None     # when the drafts reached ``tokens_host``
@@ -111,16 +140,38 @@ class DraftGraphs:
 
     @staticmethod
     def can_capture(draft) -> bool:
-        """An Eagle3 or DFlash draft (its layers the plain ones; whole or split over tensor-parallel ranks) runs from
-        fixed buffers."""
-        layer = {Eagle3Draft: Eagle3Layer, DFlashDraft: DFlashLayer}.get(type(draft))
-        return layer is not None and all(type(m) is layer for m in draft.layers)
+        """An Eagle3, DFlash or MTP draft (its layers the plain ones; whole or split over tensor-parallel ranks) runs
+        from fixed buffers."""
+        layer = {Eagle3Draft: Eagle3Layer, DFlashDraft: DFlashLayer, MTPDraft: MTPLayer}.get(type(draft))
+        layers = draft.model.layers.values() if type(draft) is MTPDraft else getattr(draft, "layers", ())
+        return layer is not None and all(type(m) is layer for m in layers)
+
+    def mtp_phase(self, j: int) -> int:
+        """Which graph of an MTP layer draft position j replays: 0 the first (a KDA layer 0 on the live slots), 1 the
+        second (its heads' scratch slots made first: copies of the live ones, or zeros), 2 later ones (on the scratch
+        slots). A draft without KDA layers has one kind."""
+        return min(j, 2) if self.draft.kda_layer_ids else 0
+
+    def step_key(self, N: int, span: int, j: int) -> tuple:
+        """The graph of draft position j of N heads over key positions < ``span``."""
+        if self.mtp:
+            return "step", N, span, j % self.draft.num_layers, self.mtp_phase(j)
+        return "step", N, span
 
     # ---- the captured functions --------------------------------------------------------------------------
     def catch_up(self, R: int) -> None:
         """R catch-up rows (padded: the null row) and every head's first inputs (DFlash: its anchor token and
         the block's first position)."""
         ids, pos, slots = self.rows[0, :R], self.rows[1, :R], self.rows[2, :R]
+        if self.mtp:        # the first layer's latents (a KDA first layer's catch-up ran eagerly, before)
+            feats = self.states[:R]
+            if not self.recurrent:
+                self.draft.layer(0).write(ids, feats, pos, slots, None, self.cache)
+            rows = self.heads[0].clamp(max=R - 1)
+            self.step_ids.copy_(ids[rows])
+            self.step_hidden.copy_(feats[rows])
+            self.step_pos.copy_(self.heads[1])
+            return
         if self.dflash_rows:
             self.draft.write_context([self.states[:R]], pos, slots, self.cache, self.max_position)
             self.step_ids.copy_(ids[self.heads[0].clamp(max=R - 1)])
@@ -156,6 +207,36 @@ class DraftGraphs:
         self.step_hidden[:N].copy_(hidden)
         self.step_pos[:N].add_(1)
 
+    def mtp_step(self, N: int, span: int, layer: int, phase: int) -> None:
+        """One draft position of heads 0 .. N - 1 through MTP layer ``layer`` (``mtp_phase``: which state slots its
+        KDA layers use), as a decode step over the heads' block tables; the next position's inputs."""
+        bs, W = self.block_size, span // self.block_size
+        pos, tables = self.step_pos[:N], self.tables[:N * W].view(N, W)
+        if phase == 1:
+            self.fork(N)
+        batch = ForwardBatch(cu_seqlens=self.span_index[:N + 1], context_lens=pos,
+                             state_slots=self.heads[2 if phase == 0 else 3, :N], block_tables=tables,
+                             slot_mapping=tables.gather(1, (pos // bs)[:, None])[:, 0].long() * bs + pos % bs,
+                             query_lens_cpu=[1] * N, context_lens_cpu=[1] * N, max_seq_len=span)
+        logits, hidden = self.draft(layer, self.step_ids[:N], self.step_hidden[:N], pos, batch, self.cache)
+        self.step_ids[:N].copy_(self.draft.greedy(logits))
+        self.step_hidden[:N].copy_(hidden)
+        self.step_pos[:N].add_(1)
+
+    def fork(self, N: int) -> None:
+        """The KDA states the drafts past the first run on (heads 0 .. N - 1's scratch slots; the null slot 0 for the
+        padding and shallower heads): copies of the live ones (a KDA first layer, whose first draft position
+        advanced them over the committed row), else zeros (a later KDA layer sees its chain's rows alone). The live
+        slots keep the committed rows alone, as the eager executor's."""
+        live, scratch = self.heads[2, :N], self.heads[3, :N]
+        conv, state = self.cache.kda_conv, self.cache.kda_state
+        if self.recurrent:
+            conv[:, scratch] = conv[:, live]
+            state[:, scratch] = state[:, live]
+        else:
+            conv[:, scratch] = 0
+            state[:, scratch] = 0
+
     # ---- capture -----------------------------------------------------------------------------------------
     def record(self, fn):
         """Capture ``fn`` (after a warm-up run off the capture) into the graphs' pool: an object with ``replay``."""
@@ -172,30 +253,40 @@ class DraftGraphs:
             t.zero_()
         self._pool = None
         keep = []
-        for layer in self.draft.layers:
+        for layer in () if self.mtp else self.draft.layers:        # (MTP's MLA has no rotary)
             rotary = layer.self_attn.rotary
             rotary(self.step_hidden.new_zeros(1, 1, rotary.head_dim), self.step_pos[:1], self.max_position)
             keep += [rotary.cos, rotary.sin]
         self._keep = tuple(keep)        # the tables the graphs read stay alive if an eager step regrows them
         for R in sorted(self.row_sizes, reverse=True):
             self.graphs["rows", R] = self.record(lambda R=R: self.catch_up(R))
+        kinds = sorted({self.step_key(1, 1, j)[3:] for j in range(max(self.k, 1))})   # MTP: (layer, phase) a position
         for N, S in sorted(self.steps_keys, key=lambda key: -key[0] * key[1]):
-            for t in (self.step_ids, self.step_pos, self.step_hidden):     # a warm-up advances them: no run while
-                t.zero_()                                                  # capturing reads past its span
-            self.graphs["step", N, S] = self.record(lambda N=N, S=S: self.step(N, S))
+            for kind in kinds:
+                for t in (self.step_ids, self.step_pos, self.step_hidden):     # a warm-up advances them: no run while
+                    t.zero_()                                                  # capturing reads past its span
+                fn = (lambda N=N, S=S, kind=kind: self.mtp_step(N, S, *kind)) if kind else \
+                    (lambda N=N, S=S: self.step(N, S))
+                self.graphs[("step", N, S, *kind)] = self.record(fn)
         if self.device.type == "cuda":
             torch.cuda.synchronize()
         logger.info("captured CUDA graphs of the draft's steps: catch-up rows %s, heads x key spans %s",
                     self.row_sizes, self.steps_keys)
 
     # ---- replay ------------------------------------------------------------------------------------------
-    def plan(self, work) -> tuple[int, list[tuple[int, int]]] | None:
-        """(padded rows, the (heads, span) graph of each draft position) for ``work``, or None (eager)."""
+    def fits(self, work, states: torch.Tensor) -> bool:
+        """Whether ``launch`` replays ``work`` (else it does nothing and the step runs eagerly)."""
+        return states.dtype == self.states.dtype and self.plan(work) is not None
+
+    def plan(self, work) -> tuple[int, list[tuple]] | None:
+        """(padded rows, the graph key of each draft position: ``step_key``) for ``work``, or None (eager)."""
         R = padded_batch_size(len(work.rows), self.row_sizes)
         if R is None or not work.rows or len(work.heads) > self.sizes[-1] or max(work.depths, default=0) > self.k:
             return None
         if not work.heads:
             return R, []
+        if self.mtp and min(work.positions[h] for h in work.heads) == 0:
+            return None         # a head at position 0 attends as a prefill row eagerly (no history, no state)
         # the last key position + 1: Eagle3's last draft row; DFlash's context (its block's keys are its own)
         reach = max(work.positions[h] + (1 if self.dflash_rows else d) for h, d in zip(work.heads, work.depths))
         span = next((s for s in self.spans if s >= reach), None)
@@ -203,13 +294,13 @@ class DraftGraphs:
             return None
         if self.dflash_rows:
             N = padded_batch_size(len(work.heads), self.sizes)
-            return (R, [(N, span)]) if ("step", N, span) in self.graphs else None
+            return (R, [("step", N, span)]) if ("step", N, span) in self.graphs else None
         chain = []
         for j in range(work.depths[0]):
-            N = padded_batch_size(sum(d > j for d in work.depths), self.sizes)
-            if ("step", N, span) not in self.graphs:
+            key = self.step_key(padded_batch_size(sum(d > j for d in work.depths), self.sizes), span, j)
+            if key not in self.graphs:
                 return None
-            chain.append((N, span))
+            chain.append(key)
         return R, chain
 
     def run(self, work, states: torch.Tensor) -> list[list[int]] | None:
@@ -220,8 +311,9 @@ class DraftGraphs:
     @torch.inference_mode()
     def launch(self, work, states: torch.Tensor):
         """Queue ``work``'s replays and the copy of its drafts to the host; a function that waits for them and returns
-        the drafts of each head, or None where no graph fits (nothing queued). Call it before the next launch (the
-        buffers are reused)."""
+        the drafts of each head, or None where no graph fits (nothing queued: ``fits``). Call it before the next
+        launch (the buffers are reused). An MTP draft with a KDA first layer: its catch-up ran before (eagerly,
+        ``DraftExecutor._recurrent_catch_up``)."""
         plan = self.plan(work) if states.dtype == self.states.dtype else None
         if plan is None:
             return None
@@ -234,11 +326,17 @@ class DraftGraphs:
         rows[:, :T] = torch.tensor([work.next_ids, work.positions, work.slots, work.rows], dtype=torch.int64)
         heads.zero_()
         if n:
-            heads[:, :n] = torch.tensor([work.heads, [work.positions[h] for h in work.heads]], dtype=torch.int64)
+            heads[:2, :n] = torch.tensor([work.heads, [work.positions[h] for h in work.heads]], dtype=torch.int64)
+        if n and self.mtp:          # MTP's state slots: live (a KDA first layer) and scratch (heads drafting past one)
+            if self.recurrent:
+                heads[2, :n] = torch.tensor([work.seq_slots[s] for s in work.head_seqs], dtype=torch.int64)
+            deeper = min(sum(d > 1 for d in work.depths), len(work.scratch_slots))
+            heads[3, :deeper] = torch.tensor(work.scratch_slots[:deeper], dtype=torch.int64)
         self.rows.copy_(rows, non_blocking=True)
         self.heads.copy_(heads, non_blocking=True)
         if chain:                                       # [N, W] tables, padding heads all zeros
-            (N, span), W = chain[0], chain[0][1] // self.block_size
+            N, span = chain[0][1:3]
+            W = span // self.block_size
             tables = self.tables_host[:N * W].view(N, W).numpy()
             tables.fill(0)
             for i, t in enumerate(work.tables):          # blocks past the span hold no position it reads
@@ -248,10 +346,10 @@ class DraftGraphs:
             self.staged.record()
         torch.index_select(states, 0, self.rows[3, :T], out=self.states[:T])    # the caught-up rows' states
         self.graphs["rows", R].replay()
-        for j, (N, span) in enumerate(chain):
-            self.graphs["step", N, span].replay()
+        for j, key in enumerate(chain):
+            self.graphs[key].replay()
             if not self.dflash_rows:
-                self.tokens[j, :N].copy_(self.step_ids[:N])
+                self.tokens[j, :key[1]].copy_(self.step_ids[:key[1]])
         self.num_replays += 1
         if not chain:
             return list

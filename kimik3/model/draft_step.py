@@ -119,10 +119,9 @@ class DraftExecutor:
         """``run`` begun: (a function that returns its drafts, the device tensor that holds them [k, N] or None). The
         draft's graphs queue their replays and the drafts' copy to the host and return at once (the host goes on
         while the device drafts; draft j of head i at [j, i]); else ``run`` drafts now (None)."""
-        if self.graphs is not None:
-            collect = self.graphs.launch(work, states)
-            if collect is not None:
-                return collect, self.graphs.tokens
+        collect = self._replayed(work, states)
+        if collect is not None:
+            return collect, self.graphs.tokens
         drafts = self.run(work, states)          # (an instance's ``run`` may be wrapped: tensor parallelism)
         return (lambda: drafts), None
 
@@ -130,10 +129,9 @@ class DraftExecutor:
     def run(self, work: DraftWork, states: torch.Tensor) -> list[list[int]]:
         """The drafts of each head (``work.depths[i]`` tokens each); ``states``: the target step's auxiliary
         states of every packed row [T, n * D]."""
-        if self.graphs is not None:
-            drafts = self.graphs.run(work, states)
-            if drafts is not None:
-                return drafts
+        collect = self._replayed(work, states)
+        if collect is not None:
+            return collect()
         feats = states[self._long(work.rows).to(states.device)]
         positions = self._long(work.positions)
         max_pos = max(work.positions, default=0)
@@ -176,6 +174,17 @@ class DraftExecutor:
             for i in range(offsets[j + 1] - offsets[j]):
                 out[i].append(flat[offsets[j] + i])
         return out
+
+    @torch.inference_mode()
+    def _replayed(self, work: DraftWork, states: torch.Tensor):
+        """``work`` queued on the draft's graphs (``DraftGraphs.launch``: a function that returns its drafts), or None
+        (nothing done) where none fits. A KDA first layer's catch-up runs eagerly first (its rows' lengths, the
+        target's state copies and the prefix checkpoints vary by step); the graphs draft from the states it left."""
+        if self.graphs is None or not self.graphs.fits(work, states):
+            return None
+        if self.recurrent:
+            self._recurrent_catch_up(work, states[self._long(work.rows).to(states.device)])
+        return self.graphs.launch(work, states)
 
     def _recurrent_catch_up(self, work: DraftWork, feats: torch.Tensor) -> None:
         """MTP whose layer 0 is KDA: its states follow the target's committed rows. The target step's restores and

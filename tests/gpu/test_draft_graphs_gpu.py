@@ -12,6 +12,9 @@ into one fixed buffer (``DecodeGraphs.aux_states``).
 3. The draft's own steps captured for real (small float32 Eagle3 and DFlash drafts): steps of mixed depths,
    padded rows and heads and several key spans give the eager executor's drafts and cache rows (``tests/model/
    test_draft_graphs.py``'s steps, there on emulated graphs).
+4. The same for K3's MTP layers (small float32 drafts of tiny K3 layers: MLA or KDA mixer, MoE or dense MLP, one
+   layer or two chained): the eager executor's drafts, latents and KDA states, live and scratch (``tests/model/
+   test_mtp_draft_graphs.py``'s steps, there on emulated graphs).
 """
 
 from __future__ import annotations
@@ -109,4 +112,15 @@ def test_captured_draft_steps_match_the_eager_executor(method):
     eager, graphed, num_blocks = executors(draft, capture=capture_draft_or_none)
     assert graphed.graphs is not None and graphed.graphs.graphs
     check_steps(draft, eager, graphed, num_blocks, rtol=1e-4, atol=1e-4)
+    assert graphed.graphs.num_replays == len(STEPS)
+
+
+@pytest.mark.parametrize("layout", ["mla-moe", "mla-dense", "kda-moe", "mla+kda"])
+def test_captured_mtp_steps_match_the_eager_executor(layout):
+    from kimik3.model.draft_graphs import capture_draft_or_none
+    from tests.model.test_mtp_draft_graphs import LAYOUTS, STEPS, check_mtp_steps, mtp_draft, mtp_executors
+    draft = mtp_draft(*LAYOUTS[layout]).cuda()
+    eager, graphed, num_blocks = mtp_executors(draft, capture=capture_draft_or_none)
+    assert graphed.graphs is not None and graphed.graphs.graphs, "the MTP draft's steps did not capture (log above)"
+    check_mtp_steps(draft, eager, graphed, num_blocks, rtol=1e-4, atol=1e-4)
     assert graphed.graphs.num_replays == len(STEPS)

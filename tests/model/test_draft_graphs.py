@@ -71,12 +71,13 @@ def random_work(rng: random.Random, num_blocks: int, scratch_from: int, seqs: li
                 vocab: int, reach: int | None = None) -> tuple[DraftWork, int]:
     """A step of sequences (caught-up position start, rows, depth or None: not drafting), each owning its own
     blocks, its table extended for its depth (``reach``: a DFlash block's rows); -> (work, packed rows of the
-    target's step (a few more than caught up))."""
-    rows, ids, pos, slots, heads, offset = [], [], [], [], [], 0
+    target's step (a few more than caught up)). Its sequences' rows and tables are ``seq_lens`` and ``seq_tables``."""
+    rows, ids, pos, slots, heads, offset, seq_tables = [], [], [], [], [], 0, []
     free = list(range(1, num_blocks))
     rng.shuffle(free)
     for i, (start, n, depth) in enumerate(seqs):
         table = [free.pop() for _ in range(-(-(start + n) // BS))]
+        seq_tables.append(table)
         offset += rng.randrange(0, 2)                   # a rejected draft's row, not caught up
         rows.extend(range(offset, offset + n))
         pos.extend(range(start, start + n))
@@ -90,7 +91,8 @@ def random_work(rng: random.Random, num_blocks: int, scratch_from: int, seqs: li
     tables = extend_tables([reach or d for d, _, _ in heads], [pos[r] + 1 for _, r, _ in heads],
                            [t for _, _, t in heads], BS,
                            scratch)
-    work = DraftWork(rows, ids, pos, slots, [r for _, r, _ in heads], [d for d, _, _ in heads], tables)
+    work = DraftWork(rows, ids, pos, slots, [r for _, r, _ in heads], [d for d, _, _ in heads], tables,
+                     seq_lens=[n for _, n, _ in seqs], seq_tables=seq_tables)
     return work, offset + 2
 
 
@@ -219,13 +221,16 @@ def test_dflash_blocks_equal_the_eager_executor():
 
 def test_eagle3_and_dflash_drafts_capture_whole_or_split(draft):
     """Eagle3 and DFlash drafts capture, also split over tensor-parallel ranks (every rank captures its own:
-    tests/parallel/test_tensor_parallel.py); MTP drafts do not."""
+    tests/parallel/test_tensor_parallel.py); a draft whose layers are not the plain ones does not (MTP drafts:
+    tests/model/test_mtp_draft_graphs.py)."""
     from kimik3.distributed import ParallelContext
-    from kimik3.model.mtp import MTPDraft
+    from kimik3.model.eagle3 import Eagle3Layer
     assert DraftGraphs.can_capture(draft) and DraftGraphs.can_capture(small_dflash())
-    assert not DraftGraphs.can_capture(object.__new__(MTPDraft))
     split = small_draft()
     split.lm_head.par = ParallelContext(tp_rank=0, tp_size=2)
     assert split.lm_head.par.enabled and DraftGraphs.can_capture(split)
-    with pytest.raises(ValueError, match="Eagle3 and DFlash"):
-        DraftGraphs(object.__new__(MTPDraft), torch.zeros(1), BS, 2, 16, 2, torch.float32)
+    other = small_draft()
+    other.layers[0].__class__ = type("OtherLayer", (Eagle3Layer,), {})
+    assert not DraftGraphs.can_capture(other) and not DraftGraphs.can_capture(torch.nn.Linear(2, 2))
+    with pytest.raises(ValueError, match="Eagle3, DFlash and MTP drafts, not Linear"):
+        DraftGraphs(torch.nn.Linear(2, 2), torch.zeros(1), BS, 2, 16, 2, torch.float32)

@@ -172,11 +172,11 @@ def _check_draft_ranks(out_path, world: int, cases: dict, alone: dict) -> None:
     """Each case under TP: plain decoding's outputs, verify steps ran, every worker computed rank 0's drafts, which
     are the one-process drafts (``alone``: name -> (plain outputs, drafts, the whole draft's parameter elements)),
     and each rank held a share of the draft (fewer parameter elements than the whole draft: not a replica). A case
-    on graphs (``draft_engine_rank``): Eagle3 and DFlash drafts' own steps replayed graphs on every rank (all but the
-    draft step after a round's prefill: its many rows), and verify steps were fed drafts still on rank 0's device
-    (graph steps; eager ones too where prefix checkpoints make them eager), every worker's graph replays had rank 0's
-    inputs; MTP drafts eagerly as on one device, and so does every rank where rank 1 could not capture the draft's
-    graphs (drafts on the host)."""
+    on graphs (``draft_engine_rank``): the drafts' own steps (Eagle3, DFlash, MTP) replayed graphs on every rank (all
+    but the draft step after a round's prefill: its many rows), and verify steps were fed drafts still on rank 0's
+    device (graph steps; eager ones too where prefix checkpoints make them eager), every worker's graph replays had
+    rank 0's inputs; every rank drafts eagerly where rank 1 could not capture the draft's graphs (drafts on the
+    host)."""
     results = torch.load(out_path, weights_only=False)
     workers = [torch.load(f"{out_path}.rank{r}", weights_only=False) for r in range(1, world)]
     for name, case in cases.items():
@@ -192,7 +192,7 @@ def _check_draft_ranks(out_path, world: int, cases: dict, alone: dict) -> None:
         assert (graph_steps > 0) == (len(case) == 6) and len(graph_ids) == graph_steps, (name, graph_steps)
         for r, worker in enumerate(workers, 1):      # the workers replayed the same inputs (device drafts too)
             assert worker[name][3] == graph_ids, (name, r)
-        if len(case) < 6 or case[1] == "mtp" or "rank1-fails" in case[5]:
+        if len(case) < 6 or "rank1-fails" in case[5]:
             assert ranks_replays == [0] * world and fed == [], (name, ranks_replays, fed)
         else:           # verify steps with a prefix checkpoint run eagerly
             assert len(set(ranks_replays)) == 1 and len(drafts) - len(case[3]) == replays, (name, ranks_replays)
@@ -261,8 +261,9 @@ def test_mtp_and_dflash_drafts_run_on_every_rank(tmp_path, monkeypatch):
     plain, one, *drafts = _draft_engine(model, "dflash", str(tmp_path / "dflash"), rounds[:1], monkeypatch)
     assert one == plain
     cases["dflash"], alone["dflash"] = (path, "dflash", str(tmp_path / "dflash"), rounds[:1]), (plain, *drafts)
-    # on graphs (eager stand-ins): the target's on every rank keep the states the draft reads (MTP drafts eagerly, as
-    # on one device); DFlash's own steps replay graphs on every rank, here with the target under EP2 and DCP2
+    # on graphs (eager stand-ins): the target's on every rank keep the states the draft reads; the draft's own steps
+    # replay graphs on every rank (MTP's KDA first layer: its catch-up eagerly), DFlash's with the target under EP2
+    # and DCP2
     for name, base, layout, graphs in (("mtp-kda+mla-graphs", "mtp-kda+mla", None, "sync"),
                                        ("dflash-graphs-ep2-dcp2", "dflash", (2, "tep", 2), "sync prefix-caching")):
         cases[name], alone[name] = (*cases[base], layout, graphs), alone[base]

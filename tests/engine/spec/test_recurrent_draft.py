@@ -120,6 +120,21 @@ def plain_greedy(target, prompt: list[int], n: int) -> list[int]:
 
 @pytest.mark.parametrize("layout, mode", CASES)
 def test_recurrent_draft_states_follow_committed_rows(target, monkeypatch, layout, mode):
+    check_recurrent_draft(target, monkeypatch, layout, mode)
+
+
+@pytest.mark.parametrize("layout, mode", [("kda", "prefix"), ("kda", "preempt"), ("mla+kda", "chunked"),
+                                          ("kda+mla", "prefix")])
+def test_recurrent_draft_on_graphs(target, monkeypatch, layout, mode):
+    """The same on the CUDA-graph branch, emulated (``tests/engine/run/test_draft_graphs_cpu.py``): the target's
+    decode / verify graphs and the draft's own (``model/draft_graphs.py``: a KDA first layer's catch-up eagerly,
+    then its positions' graphs on the live and scratch slots)."""
+    check_recurrent_draft(target, monkeypatch, layout, mode, graphs=True)
+
+
+def check_recurrent_draft(target, monkeypatch, layout: str, mode: str, graphs: bool = False) -> None:
+    """A request's drafts and the draft's live state at every drafting step against ``from_scratch``; greedy output
+    plain decoding's. ``graphs``: on emulated graphs, which replay draft steps."""
     kinds, k, compared = LAYOUTS[layout]
     draft = mtp_draft(target, kinds)
     reqs = requests(target, seed=len(mode), shared=8 if mode == "prefix" else 0, max_tokens=10)
@@ -129,6 +144,9 @@ def test_recurrent_draft_states_follow_committed_rows(target, monkeypatch, layou
     fixed_plan(monkeypatch)
     kw = dict(MODES[mode])
     engine = engine_for(target, draft, k, **kw)
+    if graphs:
+        from tests.engine.run.test_draft_graphs_cpu import graphed
+        graphed(engine, k)
     arrivals = {0: ["r0"], 3: ["r1", "r2"]} if mode == "prefix" else None
     results = run(engine, reqs, arrivals=arrivals, check=lambda e: check_invariants(e.kv, e.scheduler.running))
     for rid, (prompt, _) in reqs.items():
@@ -145,3 +163,7 @@ def test_recurrent_draft_states_follow_committed_rows(target, monkeypatch, layou
         assert drafts[:len(want)] == want, (len(tokens), drafts, want)
         worst = max(worst, rel(state, ref_state), rel(conv, ref_conv))
     assert worst < 1e-4, worst          # float32 target states; a missing, repeated or stale row is O(1)
+    if graphs:
+        draft_graphs = engine.scheduler.drafter.executor.graphs
+        steps = {key for key in draft_graphs.replayed if key[0] == "step"}
+        assert {key[4] for key in steps} == {0, 1, 2} if k > 2 else {0, 1}, steps   # the live slots, then scratch
