@@ -12,9 +12,10 @@ into one fixed buffer (``DecodeGraphs.aux_states``).
 3. The draft's own steps captured for real (small float32 Eagle3 and DFlash drafts): steps of mixed depths,
    padded rows and heads and several key spans give the eager executor's drafts and cache rows (``tests/model/
    test_draft_graphs.py``'s steps, there on emulated graphs).
-4. The same for K3's MTP layers (small float32 drafts of tiny K3 layers: MLA or KDA mixer, MoE or dense MLP, one
-   layer or two chained): the eager executor's drafts, latents and KDA states, live and scratch (``tests/model/
-   test_mtp_draft_graphs.py``'s steps, there on emulated graphs).
+4. The same for K3's MTP layers (small drafts of tiny K3 layers: MLA or KDA mixer, MoE or dense MLP, one layer or
+   two chained; ``tests/model/test_mtp_draft_graphs.py``'s steps, there on emulated graphs): dense ones in float32,
+   the eager executor's drafts, latents and KDA states, live and scratch; MoE ones in bf16 (float32 experts run the
+   reference expert loop, whose host syncs no graph holds), most drafts the eager executor's (near-ties aside).
 """
 
 from __future__ import annotations
@@ -115,12 +116,18 @@ def test_captured_draft_steps_match_the_eager_executor(method):
     assert graphed.graphs.num_replays == len(STEPS)
 
 
-@pytest.mark.parametrize("layout", ["mla-moe", "mla-dense", "kda-moe", "mla+kda"])
+@pytest.mark.parametrize("layout", ["mla-dense", "kda-dense", "mla-moe", "kda-moe", "mla+kda"])
 def test_captured_mtp_steps_match_the_eager_executor(layout):
     from kimik3.model.draft_graphs import capture_draft_or_none
     from tests.model.test_mtp_draft_graphs import LAYOUTS, STEPS, check_mtp_steps, mtp_draft, mtp_executors
-    draft = mtp_draft(*LAYOUTS[layout]).cuda()
+    kinds, dense = LAYOUTS[layout]
+    draft = mtp_draft(kinds, dense).cuda()
+    if not dense:                       # bf16 but the tensors K3 keeps fp32, as the loader casts it
+        from kimik3.loader.drafts import cast_mtp
+        draft = cast_mtp(draft, torch.bfloat16)
     eager, graphed, num_blocks = mtp_executors(draft, capture=capture_draft_or_none)
     assert graphed.graphs is not None and graphed.graphs.graphs, "the MTP draft's steps did not capture (log above)"
-    check_mtp_steps(draft, eager, graphed, num_blocks, rtol=1e-4, atol=1e-4)
+    agree = check_mtp_steps(draft, eager, graphed, num_blocks, rtol=1e-4, atol=1e-4, exact=dense)
+    print(f"{layout}: {agree:.0%} of the drafts the eager executor's")
+    assert agree >= (1.0 if dense else 0.75), agree
     assert graphed.graphs.num_replays == len(STEPS)

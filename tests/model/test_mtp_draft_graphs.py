@@ -105,20 +105,28 @@ STEPS = [[(30, 1, 2), (12, 2, 2), (6, 1, 1), (18, 2, 1)],        # 4 heads
 
 
 def check_mtp_steps(draft, eager: DraftExecutor, graphed: DraftExecutor, num_blocks: int, steps=STEPS,
-                    rtol: float = 1e-5, atol: float = 1e-5) -> None:
+                    rtol: float = 1e-5, atol: float = 1e-5, exact: bool = True) -> float:
     """``steps`` one after another on both executors: the same drafts; the same latents but where the graphs'
     shallower heads drafted on past their own depth (rows no one reads before they are caught up again) and in the
     null block; the same KDA states and conv windows but in the null slot and the scratch slots of heads shallower
-    than the deepest (which a graph of the deeper heads' count runs on)."""
+    than the deepest (which a graph of the deeper heads' count runs on). Not ``exact`` (bf16 on CUDA, where the
+    padded batches' kernels round differently and a near-tie may pick another draft, and every later one differs):
+    returns the share of drafts equal, caches unchecked."""
     rng = random.Random(3)
+    same = total = 0
     for i, seqs in enumerate(steps):
         work, T = mtp_work(rng, num_blocks, seqs, state_ops=i % 2 == 1)
         states = torch.randn(T, draft.cfg.hidden_size, generator=torch.Generator().manual_seed(i))
         states = states.to(eager.device)
         assert graphed.graphs.fits(work, states), i
         want, got = eager.run(work, states), graphed.run(work, states)
-        assert got == want, (i, got, want)
         assert [len(d) for d in got] == work.depths
+        same += sum(a == b for g, w in zip(got, want) for a, b in zip(g, w))
+        total += sum(work.depths)
+        if not exact:
+            sync(eager.cache, graphed.cache)
+            continue
+        assert got == want, (i, got, want)
         deeper = max(work.depths, default=0)
         spare = set()
         for h, d, t in zip(work.heads, work.depths, work.tables):
@@ -135,6 +143,7 @@ def check_mtp_steps(draft, eager: DraftExecutor, graphed: DraftExecutor, num_blo
             torch.testing.assert_close(getattr(c_g, name)[:, slots], getattr(c_e, name)[:, slots], rtol=rtol,
                                        atol=atol)
         sync(c_e, c_g)                  # the next step starts from the same cache in both
+    return same / max(total, 1)
 
 
 @pytest.mark.parametrize("layout", list(LAYOUTS))
