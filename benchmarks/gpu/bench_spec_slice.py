@@ -14,7 +14,8 @@ at batch 1 and 32 (``--batches``), k = 4 drafts (``--k``), each sequence with a 
 (b) the draft's own step: catch-up of 2 rows a request (its input and one accepted draft), then k positions:
     the draft's CUDA graphs (``DraftGraphs``) replayed alone (``draft_ms``), and the executor's call as the engine
     makes it, inputs staged and drafts back on the host (``draft_call_ms``); where no graph holds the step (a
-    batch whose gathered keys pass ``draft_graphs.MAX_KEY_BYTES``) the eager call is both;
+    batch whose gathered keys pass ``draft_graphs.MAX_KEY_BYTES``) the eager call is both; and the same call with
+    the graphs set aside (``draft_eager_ms``: what the graphs save);
 (c) the verify step over k + 1 rows a sequence: the engine's verify graph, which also writes the draft's states.
 Each against its floor: the bytes that must move (weights once, the routed experts really touched in an eager
 run, the cache and states read: ``bench_slice.counts``; the draft's weights at each position and its keys) at the
@@ -298,6 +299,9 @@ def case(target, drafts: dict, N: int, args, dev: Device, bw: float, mm: float) 
         drafts_out = call()
         assert len(drafts_out) == N and all(len(d) == k for d in drafts_out), drafts_out[:2]
         t_call = dev.time(call)
+        graphs, executor.graphs = executor.graphs, None
+        t_eager = dev.time(call)
+        executor.graphs = graphs
         alone = replays(executor.graphs, work, states) if executor.graphs is not None else None
         t_draft = dev.time(alone) if alone is not None else t_call
         if isinstance(draft, MTPDraft):
@@ -309,6 +313,7 @@ def case(target, drafts: dict, N: int, args, dev: Device, bw: float, mm: float) 
         row = {"draft": name, "batch": N, "k": k, "context": ctx, "plain_ms": t_plain * 1e3,
                "plain_floor_ms": floor_plain * 1e3, "plain_over_floor": t_plain / floor_plain,
                "experts_touched_plain": active, "draft_ms": t_draft * 1e3, "draft_call_ms": t_call * 1e3,
+               "draft_eager_ms": t_eager * 1e3,
                "draft_graphs": alone is not None, "draft_floor_ms": floor_draft * 1e3,
                "draft_over_floor": t_draft / floor_draft, "draft_bytes": db, "draft_flops": df,
                "verify_ms": t_verify * 1e3, "verify_floor_ms": floor_verify * 1e3,
@@ -357,14 +362,14 @@ def run_slice(name: str, args, dev: Device, results: dict) -> None:
 
 
 def table(rows: list[dict]) -> str:
-    out = ["| slice | draft | batch | plain ms (/floor) | draft k=%d ms (/floor) | draft call ms | verify ms (/floor) "
-           "| draft + verify ms (/floor) | break-even tokens/step (floors) |" % (rows[0]["k"] if rows else 0),
-           "|---|---|---|---|---|---|---|---|---|"]
+    out = ["| slice | draft | batch | plain ms (/floor) | draft k=%d ms (/floor) | draft call ms (eager) "
+           "| verify ms (/floor) | draft + verify ms (/floor) | break-even tokens/step (floors) |"
+           % (rows[0]["k"] if rows else 0), "|---|---|---|---|---|---|---|---|---|"]
     for r in rows:
         spec, floor = r["draft_ms"] + r["verify_ms"], r["draft_floor_ms"] + r["verify_floor_ms"]
         out.append(f"| {r['slice']} | {r['draft']}{'' if r['draft_graphs'] else ' (eager)'} | {r['batch']} "
                    f"| {r['plain_ms']:.3f} ({r['plain_over_floor']:.2f}) | {r['draft_ms']:.3f} "
-                   f"({r['draft_over_floor']:.2f}) | {r['draft_call_ms']:.3f} | {r['verify_ms']:.3f} "
+                   f"({r['draft_over_floor']:.2f}) | {r['draft_call_ms']:.3f} ({r['draft_eager_ms']:.3f}) | {r['verify_ms']:.3f} "
                    f"({r['verify_over_floor']:.2f}) | {spec:.3f} ({spec / floor:.2f}) "
                    f"| {r['breakeven']:.2f} ({r['floor_breakeven']:.2f}) |")
     return "\n".join(out)

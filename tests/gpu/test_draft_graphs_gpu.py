@@ -16,6 +16,9 @@ into one fixed buffer (``DecodeGraphs.aux_states``).
    two chained; ``tests/model/test_mtp_draft_graphs.py``'s steps, there on emulated graphs): dense ones in float32,
    the eager executor's drafts, latents and KDA states, live and scratch; MoE ones in bf16 (float32 experts run the
    reference expert loop, whose host syncs no graph holds), most drafts the eager executor's (near-ties aside).
+5. K3's MTP draft through the engine on one GPU (a tiny bf16 K3 checkpoint with two MTP layers, KDA then MLA and
+   MLA then KDA, MoE blocks): with CUDA graphs the draft's steps replay its own graphs and greedy output is plain
+   decoding's (up to near-ties: ``assert_same_greedy``).
 """
 
 from __future__ import annotations
@@ -131,3 +134,25 @@ def test_captured_mtp_steps_match_the_eager_executor(layout):
     print(f"{layout}: {agree:.0%} of the drafts the eager executor's")
     assert agree >= (1.0 if dense else 0.75), agree
     assert graphed.graphs.num_replays == len(STEPS)
+
+
+@pytest.mark.parametrize("kinds", [(True, False), (False, True)], ids=["kda+mla", "mla+kda"])
+def test_mtp_draft_engine_on_graphs_gives_plain_greedy(tmp_path, kinds):
+    from kimik3.config import load_config
+    from kimik3.engine import LLM
+    from tests.gpu.test_engine_graphs import requests
+    from tests.parallel.test_tensor_parallel import mtp_checkpoint
+    ckpt = mtp_checkpoint(tmp_path / "k3", kinds)
+    kw = dict(dtype=torch.bfloat16, device="cuda", max_model_len=512, max_num_seqs=8, max_num_batched_tokens=256,
+              kv_cache_memory_bytes=1 << 28)
+    reqs = requests(load_config(ckpt).text.vocab_size)
+    with LLM(ckpt, **kw) as llm:
+        want = generate(llm.engine, reqs)
+    with LLM(ckpt, speculative_config={"method": "mtp", "num_speculative_tokens": 3}, enforce_eager=False,
+             **kw) as llm:
+        got = generate(llm.engine, reqs)
+        graphs = llm.engine.scheduler.drafter.executor.graphs
+        drafts, accepted = llm.engine.num_draft_tokens, llm.engine.num_accepted_tokens
+    assert graphs is not None and graphs.num_replays > 0 and drafts > 0, (graphs, drafts)
+    print(f"MTP {kinds}: draft graph steps {graphs.num_replays}, accepted {accepted} of {drafts}")
+    assert_same_greedy(want, got, reqs)
