@@ -152,23 +152,40 @@ def dflash_engine(target, **kw):
     return LLMEngine(target, cfg, draft=draft)
 
 
-@pytest.mark.parametrize("method", ["eagle3", "dflash"])
+def mtp_engine(target, **kw):
+    """An engine drafting with a random K3 MTP layer (layer L: MLA, MoE) chained 3 drafts deep."""
+    from kimik3.engine.core.llm_engine import LLMEngine
+    from kimik3.engine.spec.draft_model import ModelDrafter
+    from kimik3.model.mtp import MTPDraft
+    from tests.engine.helpers import budget_for
+    from tests.engine.spec.test_draft_model import random_module
+    draft = random_module(MTPDraft(target.config.text, 1), 1)
+    assert not draft.layer(0).is_kda and hasattr(draft.layer(0), "block_sparse_moe")
+    cfg = EngineConfig(num_speculative_tokens=3, speculative_method="mtp", speculative_model="test",
+                       kda_checkpoint_interval=1, **kw)
+    need = -(-cfg.max_model_len // cfg.block_size) + 8
+    cfg.cache_memory_bytes = budget_for(target, cfg.block_size, cfg.max_num_seqs, need, None, 3) + \
+        (need + 2 + 3 * cfg.max_num_seqs) * ModelDrafter.bytes_per_block(draft, cfg.block_size)
+    return LLMEngine(target, cfg, draft=draft)
+
+
+@pytest.mark.parametrize("method", ["eagle3", "dflash", "mtp"])
 def test_draft_steps_replay_graphs_with_the_eager_drafts(target, monkeypatch, method):  # noqa: F811
-    """The draft's own steps on emulated draft graphs (``tests/model/test_draft_graphs.py``), attached as the
-    runner attaches them where the target replays graphs: every step's drafts equal the eager engine's, catch-up
-    and position (or block) graphs replayed (a prompt's many rows ran eagerly), each step returned with the
-    draft's work queued and the next scheduled on placeholders (``spec/device_drafts.py``), greedy output plain
-    decoding's and acceptance the eager engine's."""
+    """The draft's own steps (Eagle3, DFlash, K3's MTP layer) on emulated draft graphs (``tests/model/
+    test_draft_graphs.py``), attached as the runner attaches them where the target replays graphs: every step's
+    drafts equal the eager engine's, catch-up and position (or block) graphs replayed (a prompt's many rows ran
+    eagerly), each step returned with the draft's work queued and the next scheduled on placeholders
+    (``spec/device_drafts.py``), greedy output plain decoding's and acceptance the eager engine's."""
     reqs = requests(target, seed=11, n=2, max_tokens=8)
     futures = {tuple(p): reference_greedy(target, p, sp.max_tokens) for p, sp in reqs.values()}
     fixed_plan(monkeypatch)
     kw = dict(block_size=4, max_num_seqs=2, max_num_batched_tokens=64, max_model_len=32, enable_prefix_caching=False)
-    build = engine_with if method == "eagle3" else dflash_engine
+    build = {"eagle3": engine_with, "dflash": dflash_engine, "mtp": mtp_engine}[method]
     eager = build(target, **kw)
     want_drafts = record_drafts(eager)
     want = run(eager, reqs)
     engine = build(target, **kw)
-    graphed(engine, k=3 if method == "eagle3" else 2)      # DFlash's 3-draft verify steps run eagerly
+    graphed(engine, k=2 if method == "dflash" else 3)      # DFlash's 3-draft verify steps run eagerly
     draft_graphs = engine.scheduler.drafter.executor.graphs
     got_drafts = record_drafts(engine)
     launched, collected, in_flight = [], [], []
@@ -238,4 +255,4 @@ def test_draft_steps_replay_graphs_with_the_eager_drafts(target, monkeypatch, me
     # acceptance at every position as the eager engine's host drafts
     assert sum(on_device) > 2, on_device
     assert engine.accepted_per_position == eager.accepted_per_position
-    assert (method == "eagle3") in fed, fed       # verify graphs (Eagle3) and eager verify steps (DFlash)
+    assert (method != "dflash") in fed, fed       # verify graphs (Eagle3, MTP) and eager verify steps (DFlash)
