@@ -249,15 +249,18 @@ def graphs_for(target, cache, N: int, L: int, max_len: int, dev: Device, aux=())
 
 
 def replays(graphs: DraftGraphs, work, states: torch.Tensor):
-    """The draft's captured step alone: the states gathered, the catch-up and each position's graph (None when no
-    captured graph holds ``work``, or the draft's catch-up runs eagerly: an MTP draft whose first layer is KDA)."""
+    """The draft's captured step alone: the states gathered, the catch-up (a KDA first layer's rounds) and each
+    position's graph (None when no captured graph holds ``work``, or a KDA first layer's catch-up runs eagerly)."""
     plan = graphs.plan(work)
-    if plan is None or graphs.recurrent:
+    rounds = graphs.stage_rounds(work) if graphs.recurrent else None
+    if plan is None or (graphs.recurrent and rounds is None):
         return None
     (R, chain), T = plan, len(work.rows)
 
     def replay():
         torch.index_select(states, 0, graphs.rows[3, :T], out=graphs.states[:T])
+        if rounds is not None and rounds[1]:
+            graphs.graphs["rounds", *rounds].replay()
         graphs.graphs["rows", R].replay()
         for key in chain:
             graphs.graphs[key].replay()
@@ -369,7 +372,8 @@ def table(rows: list[dict]) -> str:
         spec, floor = r["draft_ms"] + r["verify_ms"], r["draft_floor_ms"] + r["verify_floor_ms"]
         out.append(f"| {r['slice']} | {r['draft']}{'' if r['draft_graphs'] else ' (eager)'} | {r['batch']} "
                    f"| {r['plain_ms']:.3f} ({r['plain_over_floor']:.2f}) | {r['draft_ms']:.3f} "
-                   f"({r['draft_over_floor']:.2f}) | {r['draft_call_ms']:.3f} ({r['draft_eager_ms']:.3f}) | {r['verify_ms']:.3f} "
+                   f"({r['draft_over_floor']:.2f}) | {r['draft_call_ms']:.3f} ({r['draft_eager_ms']:.3f}) "
+                   f"| {r['verify_ms']:.3f} "
                    f"({r['verify_over_floor']:.2f}) | {spec:.3f} ({spec / floor:.2f}) "
                    f"| {r['breakeven']:.2f} ({r['floor_breakeven']:.2f}) |")
     return "\n".join(out)

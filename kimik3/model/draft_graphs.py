@@ -36,9 +36,12 @@ first position advances each head's live slot over the committed row it computes
 scratch slots made, in the second position's graph, as copies of the live ones (a KDA layer past the first: zeros),
 so a rejected draft never touches a live state. Hence up to three graphs per (layer, N): the first position, the
 second (which makes the scratch slots) and later ones (``mtp_phase``; one without KDA layers). A KDA first layer's
-catch-up (sequences' rows of varying lengths, the target's state copies and resets, prefix checkpoints) runs
-eagerly before the replays (``DraftExecutor._recurrent_catch_up``); so does a step with a head at position 0 (an
-eager prefill row).
+catch-up advances each sequence's live state over its committed rows in order (but a head's last, its first
+position's): graphs of r rounds over S padded sequences (``catch_up_rounds``), round i a decode step of the layer
+over each sequence's i-th row (a sequence with fewer rows, and padding: the null slot), for up to k rows a sequence;
+a step with the target's state copies or resets, prefix checkpoints, a sequence without history or more rows (a
+prompt's) runs that catch-up eagerly before the replays (``DraftExecutor._recurrent_catch_up``: one chunked pass,
+equal up to rounding). A step with a head at position 0 (an eager prefill row) runs eagerly.
 
 Under tensor parallelism every rank captures its own graphs at once, their collectives inside (the attention's
 and MLP's / MoE's all-reduces, the greedy pick's all-gather), and all keep them only if every rank succeeded
@@ -96,7 +99,7 @@ class DraftGraphs:
         # DFlash: B rows a head (keys of its context alone); Eagle3: one, whose keys reach k - 1 past the context
         self.dflash_rows = draft.cfg.block_size if isinstance(draft, DFlashDraft) else 0
         self.mtp = isinstance(draft, MTPDraft)
-        # MTP whose first layer is KDA: its catch-up runs eagerly, before the replays (``DraftExecutor``)
+        # MTP whose first layer is KDA: its catch-up in rounds (``catch_up_rounds``) or eagerly (``rounds_for``)
         self.recurrent = self.mtp and draft.layer(0).is_kda
         self.sizes = graph_batch_sizes(min(max_num_seqs, DRAFT_GRAPH_MAX_SEQS))
         self.row_sizes = graph_batch_sizes(max_num_seqs * (k + 1))
@@ -127,7 +130,11 @@ class DraftGraphs:
         self.step_hidden = torch.zeros(N, draft.cfg.hidden_size, dtype=dtype, device=self.device)
         self.tokens = torch.zeros(max(k, self.dflash_rows - 1, 1), N, **as_long)
         self.own_keys = torch.ones(N, self.dflash_rows, self.dflash_rows, dtype=torch.bool, device=self.device)
+        # a KDA first layer's catch-up in rounds (``catch_up_rounds``): round i's row of each sequence (its row in
+        # ``states``, next id, position, state slot), up to k rounds of N sequences
+        self.rounds = torch.zeros(k if self.recurrent else 0, 4, N, **as_long)
         pinned = self.device.type == "cuda"
+        self.rounds_host = torch.zeros(self.rounds.shape, dtype=torch.int64, pin_memory=pinned)
         self.rows_host = torch.zeros(self.rows.shape, dtype=torch.int64, pin_memory=pinned)
         self.heads_host = torch.zeros(self.heads.shape, dtype=torch.int64, pin_memory=pinned)
         self.tables_host = torch.zeros(self.tables.shape, dtype=table_dtype, pin_memory=pinned)
@@ -163,7 +170,7 @@ class DraftGraphs:
         """R catch-up rows (padded: the null row) and every head's first inputs (DFlash: its anchor token and
         the block's first position)."""
         ids, pos, slots = self.rows[0, :R], self.rows[1, :R], self.rows[2, :R]
-        if self.mtp:        # the first layer's latents (a KDA first layer's catch-up ran eagerly, before)
+        if self.mtp:        # the first layer's latents (a KDA first layer's catch-up: rounds, or eagerly before)
             feats = self.states[:R]
             if not self.recurrent:
                 self.draft.layer(0).write(ids, feats, pos, slots, None, self.cache)
@@ -206,6 +213,16 @@ class DraftGraphs:
         self.step_ids[:N].copy_(self.draft.greedy(logits))
         self.step_hidden[:N].copy_(hidden)
         self.step_pos[:N].add_(1)
+
+    def catch_up_rounds(self, S: int, r: int) -> None:
+        """A KDA first layer's catch-up of S sequences (padded: the null slot 0) as r decode steps of the layer (its
+        state advanced in place, ``MTPLayer.write``): round i writes each sequence's i-th row (``rounds_for``)."""
+        for i in range(r):
+            rows, ids, pos, slots = self.rounds[i, :, :S]
+            batch = ForwardBatch(cu_seqlens=self.span_index[:S + 1], context_lens=pos, state_slots=slots,
+                                 block_tables=self.tables[:S].view(S, 1), slot_mapping=slots, query_lens_cpu=[1] * S,
+                                 context_lens_cpu=[1] * S, max_seq_len=self.spans[-1])
+            self.draft.layer(0).write(ids, self.states[rows], pos, None, batch, self.cache)
 
     def mtp_step(self, N: int, span: int, layer: int, phase: int) -> None:
         """One draft position of heads 0 .. N - 1 through MTP layer ``layer`` (``mtp_phase``: which state slots its
@@ -260,6 +277,9 @@ class DraftGraphs:
         self._keep = tuple(keep)        # the tables the graphs read stay alive if an eager step regrows them
         for R in sorted(self.row_sizes, reverse=True):
             self.graphs["rows", R] = self.record(lambda R=R: self.catch_up(R))
+        for S in sorted(self.sizes, reverse=True) if self.recurrent else ():
+            for r in range(self.k, 0, -1):
+                self.graphs["rounds", S, r] = self.record(lambda S=S, r=r: self.catch_up_rounds(S, r))
         kinds = sorted({self.step_key(1, 1, j)[3:] for j in range(max(self.k, 1))})   # MTP: (layer, phase) a position
         for N, S in sorted(self.steps_keys, key=lambda key: -key[0] * key[1]):
             for kind in kinds:
@@ -274,6 +294,27 @@ class DraftGraphs:
                     self.row_sizes, self.steps_keys)
 
     # ---- replay ------------------------------------------------------------------------------------------
+    def rounds_for(self, work) -> tuple[int, int] | None:
+        """(padded sequences, rounds) of a KDA first layer's catch-up in graphs (``catch_up_rounds``), or None: it
+        runs eagerly (the target step's state copies or resets, prefix checkpoints, a sequence restored from one, a
+        sequence without history, more rows than k or more sequences than the largest step graph). The rows of a
+        sequence are caught up one round each; a head's last row is its first draft position's."""
+        if not self.recurrent or work.state_copies or work.state_resets or work.checkpoints or work.resumed:
+            return None
+        heads, first, r = set(work.head_seqs), 0, 0
+        for s, n in enumerate(work.seq_lens):
+            m = n - (s in heads)
+            if m and work.positions[first] == 0:
+                return None
+            r, first = max(r, m), first + n
+        S = padded_batch_size(len(work.seq_lens), self.sizes)
+        return (S, r) if S is not None and r <= self.k else None
+
+    def catches_up(self, work) -> bool:
+        """Whether ``launch`` replays the catch-up of a draft whose first layer is KDA (else it ran eagerly, before:
+        ``DraftExecutor._recurrent_catch_up``)."""
+        return self.rounds_for(work) is not None
+
     def fits(self, work, states: torch.Tensor) -> bool:
         """Whether ``launch`` replays ``work`` (else it does nothing and the step runs eagerly)."""
         return states.dtype == self.states.dtype and self.plan(work) is not None
@@ -303,6 +344,22 @@ class DraftGraphs:
             chain.append(key)
         return R, chain
 
+    def stage_rounds(self, work) -> tuple[int, int] | None:
+        """A KDA first layer's catch-up rounds of ``work`` copied in (``rounds_for``); None where it ran eagerly."""
+        plan = self.rounds_for(work)
+        if plan is None or not plan[1]:
+            return plan
+        rounds = self.rounds_host
+        rounds.zero_()
+        heads, first = set(work.head_seqs), 0
+        for s, n in enumerate(work.seq_lens):
+            for i in range(n - (s in heads)):
+                row = first + i
+                rounds[i, :, s] = torch.tensor([row, work.next_ids[row], work.positions[row], work.seq_slots[s]])
+            first += n
+        self.rounds.copy_(rounds, non_blocking=True)
+        return plan
+
     def run(self, work, states: torch.Tensor) -> list[list[int]] | None:
         """The drafts of each head of ``work`` (as ``DraftExecutor.run``), or None where no graph fits."""
         collect = self.launch(work, states)
@@ -312,8 +369,8 @@ class DraftGraphs:
     def launch(self, work, states: torch.Tensor):
         """Queue ``work``'s replays and the copy of its drafts to the host; a function that waits for them and returns
         the drafts of each head, or None where no graph fits (nothing queued: ``fits``). Call it before the next
-        launch (the buffers are reused). An MTP draft with a KDA first layer: its catch-up ran before (eagerly,
-        ``DraftExecutor._recurrent_catch_up``)."""
+        launch (the buffers are reused). An MTP draft with a KDA first layer: its catch-up in rounds, or (where
+        ``catches_up`` is false) ran before, eagerly (``DraftExecutor._recurrent_catch_up``)."""
         plan = self.plan(work) if states.dtype == self.states.dtype else None
         if plan is None:
             return None
@@ -342,9 +399,12 @@ class DraftGraphs:
             for i, t in enumerate(work.tables):          # blocks past the span hold no position it reads
                 tables[i, :min(len(t), W)] = t[:W]
             self.tables[:N * W].copy_(self.tables_host[:N * W], non_blocking=True)
+        rounds = self.stage_rounds(work)
         if self.staged is not None:
             self.staged.record()
         torch.index_select(states, 0, self.rows[3, :T], out=self.states[:T])    # the caught-up rows' states
+        if rounds is not None and rounds[1]:
+            self.graphs["rounds", *rounds].replay()
         self.graphs["rows", R].replay()
         for j, key in enumerate(chain):
             self.graphs[key].replay()

@@ -178,11 +178,11 @@ class DraftExecutor:
     @torch.inference_mode()
     def _replayed(self, work: DraftWork, states: torch.Tensor):
         """``work`` queued on the draft's graphs (``DraftGraphs.launch``: a function that returns its drafts), or None
-        (nothing done) where none fits. A KDA first layer's catch-up runs eagerly first (its rows' lengths, the
-        target's state copies and the prefix checkpoints vary by step); the graphs draft from the states it left."""
+        (nothing done) where none fits. A KDA first layer's catch-up runs eagerly first where the graphs' rounds do not
+        hold it (the target's state copies, prefix checkpoints, prompt rows: ``DraftGraphs.rounds_for``)."""
         if self.graphs is None or not self.graphs.fits(work, states):
             return None
-        if self.recurrent:
+        if self.recurrent and not self.graphs.catches_up(work):
             self._recurrent_catch_up(work, states[self._long(work.rows).to(states.device)])
         return self.graphs.launch(work, states)
 

@@ -2,7 +2,7 @@
 block, MoE): K3's MTP draft and a DFlash draft split over both ranks (``docs/speculative.md``) give plain one-GPU
 greedy decoding (up to near-ties: ``assert_same_greedy``) through ``LLM(tensor_parallel_size=2,
 speculative_config=...)``; with CUDA graphs (``enforce_eager=False``) every rank captures the target's decode /
-verify graphs and the draft's own (Eagle3, DFlash, MTP: its KDA first layer's catch-up eagerly), collectives inside,
+verify graphs and the draft's own (Eagle3, DFlash, MTP), collectives inside,
 and rank 0's draft steps replay them (a worker that did not would leave rank 0 in a collective: the test would hang,
 not pass). Skipped with fewer than 2 GPUs; the same drafts run in float64 on CPU ranks in
 tests/parallel/test_tensor_parallel.py (the graphs as eager stand-ins), where their drafts equal the one-process

@@ -262,8 +262,8 @@ def test_mtp_and_dflash_drafts_run_on_every_rank(tmp_path, monkeypatch):
     assert one == plain
     cases["dflash"], alone["dflash"] = (path, "dflash", str(tmp_path / "dflash"), rounds[:1]), (plain, *drafts)
     # on graphs (eager stand-ins): the target's on every rank keep the states the draft reads; the draft's own steps
-    # replay graphs on every rank (MTP's KDA first layer: its catch-up eagerly), DFlash's with the target under EP2
-    # and DCP2
+    # replay graphs on every rank (MTP's KDA first layer: its catch-up in rounds or eagerly), DFlash's with the
+    # target under EP2 and DCP2
     for name, base, layout, graphs in (("mtp-kda+mla-graphs", "mtp-kda+mla", None, "sync"),
                                        ("dflash-graphs-ep2-dcp2", "dflash", (2, "tep", 2), "sync prefix-caching")):
         cases[name], alone[name] = (*cases[base], layout, graphs), alone[base]

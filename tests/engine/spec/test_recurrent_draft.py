@@ -127,8 +127,8 @@ def test_recurrent_draft_states_follow_committed_rows(target, monkeypatch, layou
                                           ("kda+mla", "prefix")])
 def test_recurrent_draft_on_graphs(target, monkeypatch, layout, mode):
     """The same on the CUDA-graph branch, emulated (``tests/engine/run/test_draft_graphs_cpu.py``): the target's
-    decode / verify graphs and the draft's own (``model/draft_graphs.py``: a KDA first layer's catch-up eagerly,
-    then its positions' graphs on the live and scratch slots)."""
+    decode / verify graphs and the draft's own (``model/draft_graphs.py``: a KDA first layer's catch-up in rounds
+    where the step allows, else eagerly, then its positions' graphs on the live and scratch slots)."""
     check_recurrent_draft(target, monkeypatch, layout, mode, graphs=True)
 
 
@@ -167,3 +167,5 @@ def check_recurrent_draft(target, monkeypatch, layout: str, mode: str, graphs: b
         draft_graphs = engine.scheduler.drafter.executor.graphs
         steps = {key for key in draft_graphs.replayed if key[0] == "step"}
         assert {key[4] for key in steps} == {0, 1, 2} if k > 2 else {0, 1}, steps   # the live slots, then scratch
+        rounds = [key for key in draft_graphs.replayed if key[0] == "rounds"]
+        assert bool(rounds) == kinds[0], rounds     # a KDA first layer's catch-up in graphs too (some steps)
