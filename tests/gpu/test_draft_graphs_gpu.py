@@ -15,7 +15,9 @@ into one fixed buffer (``DecodeGraphs.aux_states``).
 4. The same for K3's MTP layers (small drafts of tiny K3 layers: MLA or KDA mixer, MoE or dense MLP, one layer or
    two chained; ``tests/model/test_mtp_draft_graphs.py``'s steps, there on emulated graphs): dense ones in float32,
    the eager executor's drafts, latents and KDA states, live and scratch; MoE ones in bf16 (float32 experts run the
-   reference expert loop, whose host syncs no graph holds), most drafts the eager executor's (near-ties aside).
+   reference expert loop, whose host syncs no graph holds), and a KDA first layer (whose graphs catch up in decode
+   rounds, the eager executor in one chunked pass), most drafts the eager executor's (near-ties aside) and the
+   committed latents and live states within rounding.
 5. K3's MTP draft through the engine on one GPU (a tiny bf16 K3 checkpoint with two MTP layers, KDA then MLA and
    MLA then KDA, MoE blocks): with CUDA graphs the draft's steps replay its own graphs and greedy output is plain
    decoding's (up to near-ties: ``assert_same_greedy``).
@@ -130,9 +132,13 @@ def test_captured_mtp_steps_match_the_eager_executor(layout):
         draft = cast_mtp(draft, torch.bfloat16)
     eager, graphed, num_blocks = mtp_executors(draft, capture=capture_draft_or_none)
     assert graphed.graphs is not None and graphed.graphs.graphs, "the MTP draft's steps did not capture (log above)"
-    agree = check_mtp_steps(draft, eager, graphed, num_blocks, rtol=1e-4, atol=1e-4, exact=dense)
+    # a KDA first layer's catch-up: decode rounds in the graphs, one chunked pass eagerly (fla's chunk kernel takes
+    # its fp32 products as tf32): the committed states within 1e-2, the drafts mostly alike
+    exact = dense and not kinds[0]
+    tol = 1e-4 if exact else 1e-2 if dense else 5e-2
+    agree = check_mtp_steps(draft, eager, graphed, num_blocks, rtol=tol, atol=tol, exact=exact)
     print(f"{layout}: {agree:.0%} of the drafts the eager executor's")
-    assert agree >= (1.0 if dense else 0.75), agree
+    assert agree >= (1.0 if exact else 0.75), agree
     assert graphed.graphs.num_replays == len(STEPS)
 
 
