@@ -114,3 +114,30 @@ def test_verify_in_pool_matches_old_path_bitwise():
     ref = _old_rows(qn, kn, vf, g, beta, state, rows, lens, keep)
     ref_pool[live] = state
     assert torch.equal(o, ref) and torch.equal(pool[1:], ref_pool[1:])     # slot 0: scratch, any write order
+
+
+def test_verify_rows_of_equal_length_match_float64_recurrence():
+    """A verify step's usual shape, every sequence with the same rows (the pool written in one scatter): the
+    outputs and the state after each row, against ``naive_recurrent_kda`` in float64 sequence by sequence; the
+    scratch slot may repeat, slots not named are untouched, the live slot (the last column) ends with the final
+    state."""
+    N, L, H, K = 3, 4, 2, 8
+    q, k, v, f, b, A_log, dt_bias = _inputs(N * L, H, K, torch.float64, seed=5)
+    pool = torch.randn(16, H, K, K, generator=torch.Generator().manual_seed(6), dtype=torch.float64)
+    table = torch.tensor([[3, 0, 4, 9], [0, 0, 5, 10], [6, 7, 8, 11]])
+    live = table[:, -1]
+    before = pool.clone()
+    o = kda_recurrent_in_pool(q, k, v, f, b, A_log, dt_bias, -5.0, pool, table, [L] * N,
+                              torch.arange(0, N * L + 1, L))
+    qn, kn, vf, g, beta = _reference_inputs(q, k, v, f, b, A_log, dt_bias, -5.0, torch.float64)
+    for n in range(N):
+        rows = slice(n * L, (n + 1) * L)
+        on, _ = naive_recurrent_kda(qn[rows], kn[rows], vf[rows], g[rows], beta[rows], before[live[n]])
+        torch.testing.assert_close(o[rows], on, rtol=1e-12, atol=1e-12)
+        for t in range(L):
+            if table[n, t]:
+                r = slice(n * L, n * L + t + 1)
+                _, s_t = naive_recurrent_kda(qn[r], kn[r], vf[r], g[r], beta[r], before[live[n]])
+                torch.testing.assert_close(pool[table[n, t]], s_t, rtol=1e-12, atol=1e-12)
+    untouched = [i for i in range(16) if i not in set(table.reshape(-1).tolist())]
+    assert torch.equal(pool[untouched], before[untouched])

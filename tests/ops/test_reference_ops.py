@@ -365,3 +365,24 @@ def test_causal_conv1d_decode_step_at_once():
         return min(times)
     best(1), best(N)
     assert best(N) < 8 * best(1), (best(N), best(1))
+
+
+@pytest.mark.parametrize("dtype", [F64, torch.float32])
+def test_causal_conv1d_equal_chunks_at_once(dtype):
+    """A verify step (every sequence the same number of rows) is computed for all sequences at once: the float64
+    formula's values, and each sequence's rows what it gets alone (the per-sequence loop; float32: up to the
+    vectorized SiLU's rounding, which depends on where a row falls in the vector), its window bit for bit."""
+    g = gen(23)
+    N, q, C, W = 5, 3, 12, 4
+    x = torch.randn(N * q, C, dtype=F64, generator=g).to(dtype)
+    w = torch.randn(C, W, dtype=F64, generator=g).to(dtype)
+    state = torch.randn(N, C, W - 1, dtype=F64, generator=g).to(dtype)
+    y, new = causal_conv1d(x, w, state, [q] * N)
+    for n in range(N):
+        hist = torch.cat([state[n].t(), x[n * q:(n + 1) * q]]).double()        # oldest first
+        for t in range(q):
+            z = (hist[t:t + W] * w.double().t()).sum(0)
+            torch.testing.assert_close(y[n * q + t].double(), z * torch.sigmoid(z), rtol=1e-5, atol=1e-6)
+        y1, new1 = causal_conv1d(x[n * q:(n + 1) * q], w, state[n:n + 1], [q])
+        torch.testing.assert_close(y[n * q:(n + 1) * q], y1, rtol=0 if dtype == F64 else 1e-6, atol=0)
+        assert torch.equal(new[n], new1[0])
