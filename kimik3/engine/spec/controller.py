@@ -11,26 +11,38 @@ request instead of one k for the batch.
   i - 1 (measured per position: later drafts fail more often) scaled by how the request's later drafts fare
   against everyone's. Verify steps update them (``settle``); a request that does not draft still gets its first
   draft computed now and then and scored against the token that comes (``watched``), so its rate follows the
-  text and it drafts again once drafts would pay (only in steps where others draft: ``ModelDrafter._plan``;
-  else the probes below measure it). Exponentially decayed counts (recent text weighs most), pulled
-  toward the global rates by ``PRIOR`` pseudo-observations.
-* Costs (``LinearFit``): the target's step time against [1, sequences, draft rows], one fit per batch-size octave
-  (a draft row's cost changes with the batch: on a GPU at batch 1 nearly nothing, on a CPU at batch 32 a good
-  part of a decode row), and the draft's time against [1, caught-up rows, forwards, forward rows], one fit per
+  text and it drafts again once drafts would pay (only in steps where others draft: ``ModelDrafter._plan``).
+  Exponentially decayed counts (recent text weighs most), pulled toward the global rates by ``PRIOR``
+  pseudo-observations. The plan takes a draw of a from its Beta posterior (Thompson sampling, ``rates``), not its
+  mean: a request whose rate is little known (a new one, one whose first drafts failed, one that stopped drafting
+  where nobody watches: batch 1) drafts now and then while its rate might pay, and is measured so; one known well
+  drafts as its rate says. (With the mean, a warm-up's one rejected draft left a 0.4 prior that drafted nothing
+  for 35 of a CPU's 64 batch-1 steps: 0.95x plain where fixed depth 4 gave 1.55x.)
+* Costs (``LinearFit``, ``linear_fit.py``): the target's step time against [1, sequences, draft rows, verifies]
+  (verifies: 1 where the step verifies any draft: the target's verify path costs a third of a decode step on a CPU
+  at batch 1, then a tenth of that per row; a linear fit without it priced every draft at the first one's cost and
+  stopped at depth 2-3), one fit per batch-size octave (a draft row's cost changes with the batch: on a GPU at batch
+  1 nearly nothing, on a CPU at batch 32 a decode row's), and the draft's time against [1, caught-up rows, forwards,
+  forward rows, attends] (attends: 1 where any forward runs; the first costs more than a later one), one fit per
   octave too; decayed least squares with a weak prior taken from the octave's own first step (not another octave's
-  fit: extrapolated from batch 1 to 32 it made deep drafts look cheap, 0.84x plain on a CPU), on the engine's own
-  decode steps (``ModelDrafter.clock``: wall time on a GPU, the process's CPU time on a CPU). Steps sized only by the
-  plan would not tell a draft row's cost from the rest of a step, so some steps probe (``_dither``): a new batch
-  size's first steps run one draft each, then none; later one step in ``PROBE_EVERY`` runs without drafts and one
-  with a draft fewer each (one draft each while not drafting; one in ``IDLE_PROBE_EVERY`` where no draft could pay).
+  fit: extrapolated from batch 1 to 32 it made deep drafts look cheap, 0.84x plain on a CPU), clipped against
+  outliers from its second step on, on the engine's own decode steps (``ModelDrafter.clock``: wall time on a GPU,
+  the process's CPU time on a CPU). Steps sized only by the plan would not tell a draft row's cost from the rest of
+  a step, so some steps probe (``_dither``): a new batch size's first steps run one draft each, then none; later,
+  while drafting, one step in ``PROBE_EVERY`` runs without drafts, one with a draft fewer each and one with a draft
+  more each; while not drafting one in ``IDLE_PROBE_EVERY`` runs one draft for a random number of the requests.
 * Plan (``DraftController.plan``): from no drafts (B tokens in T seconds), draft position j = 1, 2, .. is added
-  for the requests whose gain (the probability above) per its cost (a verify row, a draft row, and the position's
-  share of one more draft forward) raises tokens/second by ``FIRST_MARGIN`` (``DEEPER_MARGIN`` for later
-  positions), the best prefix of them by gain; it stops at the first position that raises nothing. So drafts stop
-  where they stop paying (adversarial text, a weak draft, a large batch), for one request or for all, and the cost
-  of one request's drafts is weighed against the whole step's. Requests that do not draft watch only in steps
-  where others draft (their first drafts ride on a forward that runs anyway), so a step that drafts nothing
+  for the best prefix (by gain: the probability above) of the requests that reach it, each position's plan
+  costed whole (a verify row and a draft row per draft, one more draft forward per position, the verify step's and
+  the first forward's fixed costs at the first); of these ever deeper plans the deepest that beats the one before
+  it by ``DEEPER_MARGIN`` (no drafts: ``FIRST_MARGIN``) is the step's (``_best_level``: a whole plan judged by its
+  goodput, so a first position that alone barely pays its fixed costs does not stop the deeper ones that pay, and
+  a 5% margin per position no longer stops a CPU's batch 1 at depth 2-3 where depth 4 was 7% faster). So drafts
+  stop where they stop paying (adversarial text, a weak draft, a large batch), for one request or for all, and
+  the cost of one request's drafts is weighed against the whole step's. Requests that do not draft watch only in
+  steps where others draft (their first drafts ride on a forward that runs anyway), so a step that drafts nothing
   costs only the draft's catch-up of its rows (tests/engine/spec/test_controller.py: injected CPU and GPU timings).
+  With ``uniform`` (CUDA graphs) the plans are one depth for all requests, the same judgment picks.
 * A table (vLLM's ``num_speculative_tokens_per_batch_size``, ``scheduled``) replaces the plan: each request drafts
   the table's number for the step's batch size, whatever the measurements (fixed-depth measurements).
 """
@@ -43,21 +55,24 @@ from dataclasses import dataclass, field
 
 import numpy as np
 
+from kimik3.engine.spec.linear_fit import LinearFit
+
 logger = logging.getLogger(__name__)
 
 REQUEST_DECAY = 0.85     # a request's acceptance counts decay per observed draft (about 7 drafts of memory)
 GLOBAL_DECAY = 0.98      # the drafter's global counts (the prior of new and quiet requests)
 PRIOR = 2.0              # pseudo-observations of the global rates in a request's estimate
-COST_DECAY = 0.99        # the cost fits' memory (about 100 steps)
 MAX_WATCH_GAP = 16       # a request that does not draft computes its first draft at least every 16 decode steps
 PROBE_EVERY = 12         # steps between probes of each kind (at random; see ``DraftController._dither``)
-IDLE_PROBE_EVERY = 48    # the same where no draft could pay at this batch size (``DraftController.could_pay``)
+IDLE_PROBE_EVERY = 96    # while nothing drafts: a probe of one draft for a random number of the requests (acceptance
+                         # is explored by sampling, ``rates``; a probe of all 32 every 12 steps doubled a CPU step: 5%)
 EXPLORE = 2              # a batch size's first steps: one draft each, then none
 FIRST_MARGIN = 1.10      # drafting must raise the expected goodput by 10%: the step model leaves out what drafting
                          # costs beside its steps (requests that draft finish unevenly, so a batch's last ones run
                          # alone: 64-token requests at batch 32 on a CPU spent a fifth of their time so) and the fits
                          # err; at a 2-9% gain (batch 32 on a CPU) the run was slower than plain decoding
-DEEPER_MARGIN = 1.05     # a second or later draft position: 5%
+DEEPER_MARGIN = 1.02     # a deeper plan over the best shallower one: 2% (judged by the whole plan's goodput: 5% per
+                         # position stopped a CPU's batch 1 at depth 2-3, though depth 4 was 7% faster than 3)
 
 
 @dataclass
@@ -75,6 +90,12 @@ class Rate:
     def estimate(self, prior: float, weight: float = PRIOR) -> float:
         return (self.hits + weight * prior) / (self.tries + weight)
 
+    def sample(self, prior: float, rng, weight: float = PRIOR) -> float:
+        """A draw from the Beta posterior of the rate (``weight`` pseudo-observations of ``prior``): near
+        ``estimate`` where many observations agree, spread where few were made."""
+        hits = self.hits + weight * prior
+        return rng.betavariate(max(hits, 1e-3), max(self.tries + weight - hits, 1e-3))
+
 
 @dataclass
 class Acceptance:
@@ -82,49 +103,19 @@ class Acceptance:
 
     first: Rate = field(default_factory=Rate)
     later: Rate = field(default_factory=Rate)
+    seen: int = 0            # first drafts scored (verified or watched), not decayed: how young the estimate is
 
     def record(self, drafts: int, accepted: int, decay: float) -> None:
         """A verify step of ``drafts`` drafts accepted the first ``accepted``."""
         if drafts:
+            self.seen += 1
             self.first.add(float(accepted > 0), 1.0, decay)
             self.later.add(max(accepted - 1, 0), max(min(drafts, accepted + 1) - 1, 0), decay)
 
     def record_watch(self, hit: bool, decay: float) -> None:
         """A first draft computed without drafting came true (or not)."""
+        self.seen += 1
         self.first.add(float(hit), 1.0, decay)
-
-
-class LinearFit:
-    """y ~ x . beta by least squares over exponentially decayed observations, with ``prior`` as ``weight``
-    pseudo-observations per coefficient (so coefficients that the data does not excite stay near it)."""
-
-    def __init__(self, prior: list[float], scale: list[float], weight: float = 1.0, decay: float = COST_DECAY):
-        n = len(prior)
-        s = np.asarray(scale, dtype=np.float64)
-        self.prior_a = np.diag(weight * s * s)
-        self.prior_b = self.prior_a @ np.asarray(prior, dtype=np.float64)
-        self.a, self.b = np.zeros((n, n)), np.zeros(n)
-        self.decay = decay
-        self.count = 0
-        self._beta: np.ndarray | None = None
-
-    def add(self, x: list[float], y: float) -> None:
-        v = np.asarray(x, dtype=np.float64)
-        if self.count >= 8:              # a step slowed by something else (another process, a page fault)
-            y = float(np.clip(y, 0.6 * self.predict(x), 1.7 * self.predict(x) + 1e-6))
-        self.a = self.a * self.decay + np.outer(v, v)
-        self.b = self.b * self.decay + v * y
-        self.count += 1
-        self._beta = None
-
-    @property
-    def beta(self) -> np.ndarray:
-        if self._beta is None:
-            self._beta = np.linalg.solve(self.a + self.prior_a, self.b + self.prior_b)
-        return self._beta
-
-    def predict(self, x: list[float]) -> float:
-        return float(np.dot(self.beta, np.asarray(x, dtype=np.float64)))
 
 
 def _reach(a: float, c, n: int) -> list[float]:
@@ -143,25 +134,39 @@ class _Costs:
     base: float          # seconds of the step without drafts (target and draft)
     row: float           # a draft: its verify row and its draft row
     forward: float       # one more attending draft forward
-    watching: int        # requests that compute their first draft anyway (the first forward runs)
+    verify: float = 0.0  # a step that verifies drafts over one that does not (the target's verify path: on a CPU at
+                         # batch 1 a third of a decode step, then a tenth of that per row)
+    attend: float = 0.0  # the draft attending at all (its first forward over a later one's cost)
+    watching: int = 0    # requests that compute their first draft anyway (the first forward runs)
 
     def fixed(self, j: int) -> float:
-        return 0.0 if j == 1 and self.watching else self.forward
+        """What draft position ``j`` adds to the step beside its rows."""
+        if j > 1:
+            return self.forward
+        return self.verify + (0.0 if self.watching else self.attend + self.forward)
 
 
-def _pays(costs: _Costs, batch: int) -> bool:
-    """Whether one draft for each of ``batch`` requests, every one accepted, would raise the goodput by
-    ``FIRST_MARGIN`` at ``costs`` (``DraftController.could_pay``)."""
-    return 2 * batch / (costs.base + costs.forward + batch * costs.row) > batch / costs.base * FIRST_MARGIN
+def _best_level(levels: list[tuple[float, list[int]]]) -> list[int]:
+    """Of plans ever deeper ((goodput, depths), the first without drafts), the deepest that beats the one chosen
+    before it by ``FIRST_MARGIN`` (over no drafts) or ``DEEPER_MARGIN``: a whole plan judged by its goodput, not
+    position by position (a position that barely pays may lead to one that pays well: the verify step's fixed
+    cost is paid once)."""
+    best = 0
+    for j in range(1, len(levels)):
+        if levels[j][0] > levels[best][0] * (FIRST_MARGIN if best == 0 else DEEPER_MARGIN):
+            best = j
+    return levels[best][1]
 
 
 def _greedy_depths(reach: list[list[float]], rooms: list[int], tokens: float, costs: _Costs) -> list[int]:
-    """Position by position, the best prefix (by gain) of the requests that reach it, while it raises goodput."""
+    """Position by position, the best prefix (by gain per cost) of the requests that reach it: one plan per depth
+    (``_best_level`` picks)."""
     time, depth = costs.base, [0] * len(reach)
+    levels = [(tokens / time, list(depth))]
     for j in range(1, max(rooms, default=0) + 1):
         gains = sorted(((reach[i][j - 1], i) for i, room in enumerate(rooms) if depth[i] == j - 1 and room >= j),
                        reverse=True)
-        best, take, total = tokens / time * (FIRST_MARGIN if j == 1 else DEEPER_MARGIN), 0, 0.0
+        best, take, total = 0.0, 0, 0.0
         for n, (g, _) in enumerate(gains, 1):
             total += g
             ratio = (tokens + total) / (time + costs.fixed(j) + n * costs.row)
@@ -173,19 +178,19 @@ def _greedy_depths(reach: list[list[float]], rooms: list[int], tokens: float, co
         time += costs.fixed(j) + take * costs.row
         for _, i in gains[:take]:
             depth[i] = j
-    return depth
+        levels.append((tokens / time, list(depth)))
+    return _best_level(levels)
 
 
 def _uniform_depths(reach: list[list[float]], rooms: list[int], tokens: float, costs: _Costs) -> list[int]:
-    """The one depth d (each request min(d, its room)) of the best expected goodput."""
-    best, choice = tokens / costs.base, 0
+    """The one depth d (each request min(d, its room)) of the best expected goodput (``_best_level``)."""
+    levels = [(tokens / costs.base, [0] * len(rooms))]
     for d in range(1, max(rooms, default=0) + 1):
         depth = [min(d, r) for r in rooms]
         gain = sum(sum(reach[i][:n]) for i, n in enumerate(depth))
         time = costs.base + sum(costs.fixed(j) for j in range(1, d + 1)) + sum(depth) * costs.row
-        if (tokens + gain) / time > best * (FIRST_MARGIN if choice == 0 else DEEPER_MARGIN):
-            best, choice = (tokens + gain) / time, d
-    return [min(choice, r) for r in rooms]
+        levels.append(((tokens + gain) / time, depth))
+    return _best_level(levels)
 
 
 class DraftController:
@@ -196,20 +201,32 @@ class DraftController:
         self.schedule = schedule    # vLLM's num_speculative_tokens_per_batch_size: fixed drafts per batch size
         self.accept = Acceptance(Rate(1.2, 2.0), Rate(1.2, 2.0))     # optimistic start (0.6): drafts get measured
         self.positions = [Rate(1.2, 2.0) for _ in range(max(k - 1, 0))]   # global: draft j + 2 after j + 1 accepted
-        self.steps: dict[int, LinearFit] = {}   # per batch-size octave: step seconds ~ [1, sequences, draft rows]
-        self.drafts: dict[int, LinearFit] = {}  # per octave: draft seconds ~ [1, caught-up rows, forwards, forward rows]
+        # per batch-size octave: step seconds ~ [1, sequences, draft rows, verifies (1 where any)], and draft seconds
+        # ~ [1, caught-up rows, forwards, forward rows, attends (1 where any forward)]
+        self.steps: dict[int, LinearFit] = {}
+        self.drafts: dict[int, LinearFit] = {}
         self.rng = random.Random(0)
         self.uniform = False        # one number of drafts for every request of a step (CUDA graphs replay them)
 
-    def rates(self, acc: Acceptance) -> tuple[float, list[float]]:
+    def rates(self, acc: Acceptance, sample: bool = True) -> tuple[float, list[float]]:
         """A request's first-draft acceptance and its acceptance at draft positions 2..k after the one before:
         the global rate of each position (later drafts fail more often), scaled by how the request's later drafts
-        fare against everyone's."""
+        fare against everyone's. The first-draft rate is a draw from its posterior (Thompson sampling; ``sample``
+        False: its mean), and while the request is young not under its mean plus the standard deviation its
+        posterior would have after the drafts it has had scored (``seen``, undecayed): a request with few
+        observations (a new one, or one whose early drafts failed) drafts now and then while its rate might pay, and
+        so gets measured (Thompson alone left a quarter of simulated batch-1 runs stuck after an early rejection,
+        where the rest of the request would repay a few drafts many times over); one with many where its rate
+        says."""
         g = self.accept
         later = g.later.estimate(0.5, 0.0)
         scale = acc.later.estimate(later) / max(later, 1e-6)
-        return (acc.first.estimate(g.first.estimate(0.5, 0.0)),
-                [min(1.0, p.estimate(0.5, 0.0) * scale) for p in self.positions])
+        prior = g.first.estimate(0.5, 0.0)
+        first = acc.first.estimate(prior)
+        if sample:
+            young = first + (first * (1.0 - first) / (acc.seen + PRIOR + 1.0)) ** 0.5
+            first = max(acc.first.sample(prior, self.rng), min(young, 1.0))
+        return first, [min(1.0, p.estimate(0.5, 0.0) * scale) for p in self.positions]
 
     def settle(self, acc: Acceptance, drafts: int, accepted: int) -> None:
         acc.record(drafts, accepted, REQUEST_DECAY)
@@ -239,9 +256,11 @@ class DraftController:
             # weak, so the octave's first steps (one draft each, then none: ``_dither``) set both costs. Not the
             # nearest octave's fit: at batch 1 the fixed part dominates, and extrapolated to batch 32 it passed for a
             # base several times the real one, against which deep drafts looked cheap (0.84x plain on a CPU).
+            # No verify cost in the prior (a GPU's verify graphs cost a decode graph's), and weak: the data sets it.
             per_row = 0.5 * seconds / max(seqs + drafts, 1)
-            self.steps[b] = LinearFit([0.5 * seconds, per_row, per_row], [1.0, max(seqs, 1), 0.25 * max(seqs, 1)])
-        self.steps[b].add([1.0, seqs, drafts], seconds)
+            self.steps[b] = LinearFit([0.5 * seconds, per_row, per_row, 0.0],
+                                      [1.0, max(seqs, 1), 0.25 * max(seqs, 1), 0.25])
+        self.steps[b].add([1.0, seqs, drafts, float(drafts > 0)], seconds)
 
     def record_draft(self, seqs: int, rows: int, forwards: int, forward_rows: int, seconds: float) -> None:
         """The draft's work after a decode/verify step of ``seqs`` sequences took ``seconds``: catching up ``rows``
@@ -249,11 +268,11 @@ class DraftController:
         step's: one fit for all batch sizes (at batch 1 a forward's and a forward row's costs are one number) got
         batch 32's forward rows wrong by a factor of 8, and its outlier clipping kept them wrong for many steps."""
         b = seqs.bit_length()
-        if b not in self.drafts:     # a weak prior: the first time split evenly between its four parts
+        if b not in self.drafts:     # a weak prior: the first time split evenly between its parts, none to attending
             q = 0.25 * seconds
-            self.drafts[b] = LinearFit([q, q / max(rows, 1), q / max(forwards, 1), q / max(forward_rows, 1)],
-                                       [1.0, max(rows, 1), 1.0, max(forward_rows, 1)])
-        self.drafts[b].add([1.0, rows, forwards, forward_rows], seconds)
+            self.drafts[b] = LinearFit([q, q / max(rows, 1), q / max(forwards, 1), q / max(forward_rows, 1), 0.0],
+                                       [1.0, max(rows, 1), 1.0, max(forward_rows, 1), 0.25])
+        self.drafts[b].add([1.0, rows, forwards, forward_rows, float(forwards > 0)], seconds)
 
     def scheduled(self, batch: int) -> int | None:
         """Drafts per request at ``batch`` sequences by the table given (``num_speculative_tokens_per_batch_size``,
@@ -273,18 +292,10 @@ class DraftController:
         if step is None:
             return None
         draft = self.step_fit(batch, self.drafts)
-        beta, dbeta = step.beta, draft.beta if draft is not None else np.zeros(4)
-        return _Costs(max(step.predict([1.0, batch, 0]), 1e-9) + max(float(dbeta[0] + dbeta[1] * batch), 0.0),
-                      max(float(beta[2]), 0.0) + max(float(dbeta[3]), 0.0), max(float(dbeta[2]), 0.0), watching)
-
-    def could_pay(self, batch: int) -> bool:
-        """Whether drafts could pay at ``batch`` sequences if every one were accepted (each of the ``batch`` requests
-        one draft: a token more each for a verify row and a draft row each and one forward); not with a table.
-        Where they could not, probes come seldom (``IDLE_PROBE_EVERY``)."""
-        if self.schedule is not None:
-            return False
-        costs = self._costs(batch, 0)
-        return costs is None or _pays(costs, batch)
+        beta, dbeta = step.beta, draft.beta if draft is not None else np.zeros(5)
+        return _Costs(base=max(step.predict([1.0, batch, 0, 0]), 1e-9) + max(float(dbeta[0] + dbeta[1] * batch), 0.0),
+                      row=max(float(beta[2]), 0.0) + max(float(dbeta[3]), 0.0), forward=max(float(dbeta[2]), 0.0),
+                      verify=max(float(beta[3]), 0.0), attend=max(float(dbeta[4]), 0.0), watching=watching)
 
     def plan(self, rates: list[tuple[float, float]], rooms: list[int], batch: int, watching: int) -> list[int]:
         """Drafts per candidate (``rates``: its (a, c); ``rooms``: most drafts it may take) for a step of
@@ -301,23 +312,26 @@ class DraftController:
         depth = (_uniform_depths if self.uniform else _greedy_depths)(reach, rooms, float(batch), costs)
         logger.debug("plan: batch %d, costs %s: %d drafts, depth %d", batch, costs, sum(depth), max(depth, default=0))
         own = self.steps.get(batch.bit_length())
-        return self._dither(depth, rooms, own.count if own is not None else 0, idle=not _pays(costs, batch))
+        return self._dither(depth, rooms, own.count if own is not None else 0)
 
-    def _dither(self, depth: list[int], rooms: list[int], seen: int, idle: bool = False) -> list[int]:
+    def _dither(self, depth: list[int], rooms: list[int], seen: int) -> list[int]:
         """Now and then a step runs a nearby plan instead, so the fits see what drafts cost and how deeper drafts
         fare at this batch size (steps only as large as the plan's would not tell a draft row from the rest of a
         step, and positions never drafted would keep their prior). A batch size's first ``EXPLORE`` steps run one
         draft each, then none; after that, at random, while drafting one step in ``PROBE_EVERY`` runs without
         drafts (the plain step's own time), one with a draft fewer each and one with a draft more each; while not
-        drafting one in ``PROBE_EVERY`` with one draft each (what a draft would cost now), one in ``IDLE_PROBE_EVERY``
-        where no draft could pay (``idle``: ``could_pay`` is False; such a probe step costs a good part of a step)."""
+        drafting one in ``IDLE_PROBE_EVERY`` with one draft for a random number of the requests (what drafts would
+        cost now; of varying number, so the fits tell a draft row from the verify step's fixed cost)."""
         if seen < EXPLORE:
             return [1 if r and seen % 2 == 0 else 0 for r in rooms]
-        u = self.rng.random() * (IDLE_PROBE_EVERY if idle and not any(depth) else PROBE_EVERY)
+        u = self.rng.random() * (PROBE_EVERY if any(depth) else IDLE_PROBE_EVERY)
         if any(depth):
             if u < 1.0:
                 return [0] * len(depth)
             if u < 2.0:
                 return [max(d - 1, 0) for d in depth]
             return [min(d + 1, r, self.k) for d, r in zip(depth, rooms)] if u < 3.0 else depth
-        return [1 if r else 0 for r in rooms] if u < 1.0 else depth
+        if u >= 1.0:
+            return depth
+        n = self.rng.randint(1, len(rooms))
+        return [1 if r and i < n else 0 for i, r in enumerate(rooms)]

@@ -10,7 +10,9 @@ import random
 import numpy as np
 import pytest
 
-from kimik3.engine.spec.controller import EXPLORE, FIRST_MARGIN, PROBE_EVERY, Acceptance, DraftController, LinearFit, Rate
+from kimik3.engine.spec.controller import (EXPLORE, FIRST_MARGIN, IDLE_PROBE_EVERY, PROBE_EVERY, Acceptance,
+                                           DraftController, Rate)
+from kimik3.engine.spec.linear_fit import LinearFit
 
 
 class NoProbe:
@@ -18,23 +20,27 @@ class NoProbe:
         return 1.0
 
 
-def controller(k: int, step: tuple[float, float, float], draft: tuple[float, float, float, float]) -> DraftController:
-    """A controller whose fits hold exactly these coefficients (no probes, past the first steps' exploration)."""
+def controller(k: int, step: tuple, draft: tuple) -> DraftController:
+    """A controller whose fits hold exactly these coefficients (no probes, past the first steps' exploration):
+    ``step`` (fixed, per sequence, per draft row[, a verify step's fixed cost]), ``draft`` (fixed, per caught-up row,
+    per forward, per forward row[, attending at all])."""
     c = DraftController(k)
     c.rng = NoProbe()
+    step, draft = (list(step) + [0.0])[:4], (list(draft) + [0.0])[:5]
     for b in range(1, 8):
-        c.steps[b] = LinearFit(list(step), [1.0, 1.0, 1.0], weight=1e9)
+        c.steps[b] = LinearFit(step, [1.0] * 4, weight=1e9)
         c.steps[b].count = EXPLORE
-        c.drafts[b] = LinearFit(list(draft), [1.0] * 4, weight=1e9)
+        c.drafts[b] = LinearFit(draft, [1.0] * 5, weight=1e9)
     return c
 
 
 def goodput(depth, rates, batch, watching, step, draft) -> float:
     """Expected tokens per second of a step with these drafts (the controller's cost model, written out)."""
+    step, draft = (list(step) + [0.0])[:4], (list(draft) + [0.0])[:5]
     tokens = batch + sum(sum(a * c ** (j - 1) for j in range(1, d + 1)) for d, (a, c) in zip(depth, rates))
     forwards = max(max(depth, default=0), 1 if watching else 0)
-    time = step[0] + step[1] * batch + step[2] * sum(depth) + draft[0] + draft[1] * batch
-    time += draft[2] * forwards + draft[3] * sum(depth)
+    time = step[0] + step[1] * batch + step[2] * sum(depth) + step[3] * any(depth) + draft[0] + draft[1] * batch
+    time += draft[2] * forwards + draft[3] * sum(depth) + draft[4] * (forwards > 0)
     return tokens / time
 
 
@@ -42,8 +48,8 @@ def goodput(depth, rates, batch, watching, step, draft) -> float:
 def test_plan_is_near_the_best_choice_of_drafts(seed):
     rng = random.Random(seed)
     n, k = 3, 3
-    step = (rng.uniform(0.01, 0.1), rng.uniform(0.001, 0.01), rng.uniform(0.0, 0.01))
-    draft = (0.0, 0.0, rng.uniform(0.0, 0.02), rng.uniform(0.0, 0.003))
+    step = (rng.uniform(0.01, 0.1), rng.uniform(0.001, 0.01), rng.uniform(0.0, 0.01), rng.uniform(0.0, 0.02))
+    draft = (0.0, 0.0, rng.uniform(0.0, 0.02), rng.uniform(0.0, 0.003), rng.uniform(0.0, 0.01))
     rates = [(rng.uniform(0.05, 0.95), rng.uniform(0.05, 0.95)) for _ in range(n)]
     rooms = [rng.randint(0, k) for _ in range(n)]
     watching = rng.randint(0, 1)
@@ -62,15 +68,16 @@ def test_uniform_plan_is_the_best_single_depth(seed):
     """With CUDA graphs (one number of drafts per verify step) the plan is the best common depth."""
     rng = random.Random(100 + seed)
     n, k = 4, 4
-    step = (rng.uniform(0.01, 0.1), rng.uniform(0.001, 0.01), rng.uniform(0.0, 0.005))
-    draft = (0.0, 0.0, rng.uniform(0.0, 0.01), rng.uniform(0.0, 0.002))
+    step = (rng.uniform(0.01, 0.1), rng.uniform(0.001, 0.01), rng.uniform(0.0, 0.005), rng.uniform(0.0, 0.01))
+    draft = (0.0, 0.0, rng.uniform(0.0, 0.01), rng.uniform(0.0, 0.002), rng.uniform(0.0, 0.005))
     rates = [(rng.uniform(0.3, 0.95), rng.uniform(0.3, 0.95)) for _ in range(n)]
     c = controller(k, step, draft)
     c.uniform = True
     plan = c.plan(rates, [k] * n, n, 0)
     assert len(set(plan)) == 1
     options = {d: goodput([d] * n, rates, n, 0, step, draft) for d in range(k + 1)}
-    assert options[plan[0]] >= max(options.values()) / 1.05
+    best = max(options.values())
+    assert options[plan[0]] >= best / 1.03 or (plan[0] == 0 and best < FIRST_MARGIN * options[0]), (plan, options)
 
 
 def test_drafts_stop_where_they_stop_paying():
@@ -134,8 +141,9 @@ def test_probes_vary_the_drafts_around_the_plan():
     assert set(share) == {(3, 1, 2), (0, 0, 0), (2, 0, 1), (4, 2, 2)}
     for probe in ((0, 0, 0), (2, 0, 1), (4, 2, 2)):
         assert abs(share[probe] - 1 / PROBE_EVERY) < 0.04, probe
-    idle = {tuple(c._dither([0, 0], [2, 0], EXPLORE)) for _ in range(200)}
-    assert idle == {(0, 0), (1, 0)}
+    idle = [tuple(c._dither([0] * 4, [2, 0, 1, 1], EXPLORE)) for _ in range(20 * IDLE_PROBE_EVERY)]
+    assert set(idle) == {(0, 0, 0, 0), (1, 0, 0, 0), (1, 0, 1, 0), (1, 0, 1, 1)}     # one draft for some requests
+    assert abs(1 - idle.count((0, 0, 0, 0)) / len(idle) - 1 / IDLE_PROBE_EVERY) < 0.4 / IDLE_PROBE_EVERY
 
 
 def test_later_positions_follow_the_measured_profile():
@@ -152,10 +160,16 @@ def test_later_positions_follow_the_measured_profile():
     assert c.rates(good)[1][1] >= cond[1]
 
 
-# Measured on the 2-core CPU box (bench_spec's default model + Eagle3 draft, process CPU seconds): a step of one
-# sequence 46 ms plus 17 ms per draft row, of 32 sequences 154 ms plus 1.77 ms per draft row; the draft 6 ms a step
-# to catch up, 6 ms a forward plus 0.19 ms a row.
-CPU = {"step": {1: (0.046, 0.017), 32: (0.154, 0.00177)}, "draft": (0.006, 0.00002, 0.006, 0.00019)}
+# Costs as (step: per batch size (fixed, per draft row, a verify step's fixed cost), draft: (fixed, per caught-up row,
+# per forward, per forward row, attending at all)), seconds.
+# Measured on the 2-core CPU box (bench_spec's default model + Eagle3 draft, process CPU seconds), 2026-12-07: a step
+# of one sequence 22 ms, 8.5 ms more where it verifies drafts and 1.2 ms a draft row; of 32 sequences 72 ms plus
+# 1.5 ms a draft row (a decode row's share: drafts cannot pay); the draft's catch-up 0.8 ms, its first forward 4 ms
+# more than a later one (1.3 ms), 0.2 ms a forward row.
+CPU = {"step": {1: (0.022, 0.0012, 0.0085), 32: (0.072, 0.0015, 0.0)},
+       "draft": (0.00075, 0.00003, 0.0013, 0.0002, 0.004)}
+# An earlier measurement there (slower steps, cheaper draft rows at batch 32: drafts pay at 32)
+CPU_EARLIER = {"step": {1: (0.046, 0.017), 32: (0.154, 0.00177)}, "draft": (0.006, 0.00002, 0.006, 0.00019)}
 # the same draft rows cost about a decode row each and a forward costs a fifth of a step: drafts never pay at 32
 COSTLY = {"step": {1: (0.046, 0.003), 32: (0.154, 0.005)}, "draft": (0.006, 0.00002, 0.03, 0.0002)}
 # a GPU: a verify row nearly free at batch 32, a draft forward small against the step
@@ -163,24 +177,35 @@ GPU = {"step": {1: (0.010, 0.0001), 32: (0.012, 0.00002)}, "draft": (0.0002, 0.0
 ACCEPT = (0.8, 0.75, 0.6, 0.5)        # P(draft j accepted | draft j - 1 accepted), the held-out text's profile
 
 
-def simulate(c: DraftController, costs: dict, batch: int, steps: int, seed: int) -> tuple[float, list[float]]:
+def _costs(costs: dict, batch: int) -> tuple[tuple, tuple]:
+    return (tuple(costs["step"][batch]) + (0.0,))[:3], (tuple(costs["draft"]) + (0.0,))[:5]
+
+
+def step_seconds(costs: dict, batch: int, depth: list[int]) -> tuple[float, float]:
+    """(the target step's seconds, the draft's) of a step with these drafts at ``costs``."""
+    (s0, s1, sv), (d0, d1, d2, d3, d4) = _costs(costs, batch)
+    forwards = max(depth, default=0)
+    return (s0 + s1 * sum(depth) + sv * (sum(depth) > 0),
+            d0 + d1 * batch + d2 * forwards + d3 * sum(depth) + d4 * (forwards > 0))
+
+
+def simulate(c: DraftController, costs: dict, batch: int, steps: int, seed: int,
+             accept: tuple = ACCEPT) -> tuple[float, list[float]]:
     """Closed loop on injected timings (no clock): each step the plan's drafts cost ``costs``' step time and draft
-    time, are accepted at ``ACCEPT``'s rates (seeded), and are reported back as the engine does. Returns (tokens per
+    time, are accepted at ``accept``'s rates (seeded), and are reported back as the engine does. Returns (tokens per
     second over the steps, the mean drafts per request of each step)."""
     rng = random.Random(seed)
     accs = [Acceptance() for _ in range(batch)]
-    (s0, s1), (d0, d1, d2, d3) = costs["step"][batch], costs["draft"]
     tokens = seconds = 0.0
     depths = []
     for _ in range(steps):
         depth = c.plan([c.rates(a) for a in accs], [c.k] * batch, batch, 0)
-        step = s0 + s1 * sum(depth)
-        draft = d0 + d1 * batch + d2 * max(depth) + d3 * sum(depth)
+        step, draft = step_seconds(costs, batch, depth)
         c.record_step(batch, sum(depth), step)
         c.record_draft(batch, batch, max(depth), sum(depth), draft)
         for acc, d in zip(accs, depth):
             m = 0
-            while m < d and rng.random() < ACCEPT[m]:
+            while m < d and rng.random() < accept[m]:
                 m += 1
             c.settle(acc, d, m)
             tokens += 1 + m
@@ -191,11 +216,10 @@ def simulate(c: DraftController, costs: dict, batch: int, steps: int, seed: int)
 
 def fixed_depth(costs: dict, batch: int, d: int) -> float:
     """Expected tokens per second of every request drafting ``d`` (0: plain decoding, no draft work at all)."""
-    (s0, s1), (d0, d1, d2, d3) = costs["step"][batch], costs["draft"]
     if d == 0:
-        return batch / s0
+        return batch / costs["step"][batch][0]
     tokens = batch * (1 + sum(math.prod(ACCEPT[:j]) for j in range(1, d + 1)))
-    return tokens / (s0 + s1 * batch * d + d0 + d1 * batch + d2 * d + d3 * batch * d)
+    return tokens / sum(step_seconds(costs, batch, [d] * batch))
 
 
 @pytest.mark.parametrize("seed", range(3))
@@ -205,28 +229,29 @@ def test_batch_32_on_a_cpu_drafts_what_pays(seed):
     drafts earn near the best fixed depth's goodput, >= 1.15x plain decoding, exploration and probes included."""
     c = DraftController(4)
     c.rng = random.Random(seed)
-    simulate(c, CPU, 1, 60, seed)
-    got, depths = simulate(c, CPU, 32, 60, seed)
-    best = max(fixed_depth(CPU, 32, d) for d in range(5))
-    assert best / fixed_depth(CPU, 32, 0) > 1.2
-    assert got >= 0.93 * best and got >= 1.15 * fixed_depth(CPU, 32, 0), (got / fixed_depth(CPU, 32, 0), depths)
+    simulate(c, CPU_EARLIER, 1, 60, seed)
+    got, depths = simulate(c, CPU_EARLIER, 32, 60, seed)
+    best = max(fixed_depth(CPU_EARLIER, 32, d) for d in range(5))
+    assert best / fixed_depth(CPU_EARLIER, 32, 0) > 1.2
+    assert got >= 0.93 * best and got >= 1.15 * fixed_depth(CPU_EARLIER, 32, 0), \
+        (got / fixed_depth(CPU_EARLIER, 32, 0), depths)
     assert 0.8 <= sum(depths[-20:]) / 20 <= 2.5               # one or two deep, not the four that lose
 
 
 @pytest.mark.parametrize("seed", range(3))
-def test_batch_32_stops_drafting_where_drafts_cannot_pay(seed):
+@pytest.mark.parametrize("costs", [COSTLY, CPU], ids=["costly", "cpu"])
+def test_batch_32_stops_drafting_where_drafts_cannot_pay(seed, costs):
     """Draft rows that cost a decode row: after the first steps the plan drafts nothing (probes aside, and seldom:
-    ``could_pay`` is False), and the goodput is plain decoding's less the draft's catch-up."""
+    one step in ``IDLE_PROBE_EVERY``, for some of the requests), and the goodput is plain decoding's less the draft's
+    catch-up."""
     c = DraftController(4)
     c.rng = random.Random(seed)
-    simulate(c, COSTLY, 1, 60, seed)
-    simulate(c, COSTLY, 32, 30, seed)
-    got, depths = simulate(c, COSTLY, 32, 150, seed)
-    assert max(fixed_depth(COSTLY, 32, d) for d in range(1, 5)) < fixed_depth(COSTLY, 32, 0)
-    assert sum(depths) / len(depths) < 0.05, depths          # probes only: one step in IDLE_PROBE_EVERY
-    assert not c.could_pay(32) and c.could_pay(1)
-    catch_up = 0.006 + 0.00002 * 32
-    assert got >= 0.98 * 32 / (0.154 + catch_up), got / fixed_depth(COSTLY, 32, 0)
+    simulate(c, costs, 1, 60, seed)
+    simulate(c, costs, 32, 30, seed)
+    got, depths = simulate(c, costs, 32, 300, seed)
+    assert max(fixed_depth(costs, 32, d) for d in range(1, 5)) < fixed_depth(costs, 32, 0)
+    assert sum(depths) / len(depths) < 0.02, depths          # probes only: one step in IDLE_PROBE_EVERY
+    assert got >= 0.99 * 32 / sum(step_seconds(costs, 32, [0] * 32)), got / fixed_depth(costs, 32, 0)
 
 
 @pytest.mark.parametrize("seed", range(3))
@@ -239,7 +264,6 @@ def test_batch_32_on_a_gpu_drafts_deep(seed):
     got, depths = simulate(c, GPU, 32, 60, seed)
     best = max(fixed_depth(GPU, 32, d) for d in range(5))
     assert got >= 0.85 * best and sorted(depths[-20:])[10] >= 2.0, depths      # the median step, probes aside
-    assert c.could_pay(32)
 
 
 def test_a_table_fixes_the_drafts_per_batch_size():
@@ -251,5 +275,50 @@ def test_a_table_fixes_the_drafts_per_batch_size():
         c.record_step(3, 0, 0.1)            # costs that would stop any plan
     assert c.plan([(0.01, 0.01)] * 3, [4, 1, 0], 3, 0) == [2, 1, 0]
     assert c.plan([(0.9, 0.9)] * 2, [4, 4], 40, 0) == [0, 0]
-    assert not c.could_pay(1) and DraftController(4).could_pay(1)
     assert DraftController(4).scheduled(1) is None
+
+
+def test_a_whole_plan_is_judged_by_its_goodput():
+    """A verify step's fixed cost (a CPU's batch 1: a third of a decode step) makes one draft alone pay less than
+    ``FIRST_MARGIN``, while two or more pay well: the plan is the best depth, not nothing (stopping at the first
+    position that does not pay by the margin drafted nothing)."""
+    step, draft = (0.022, 0.0, 0.0012, 0.0085), (0.00075, 0.0, 0.0013, 0.0002, 0.004)
+    rates = [(0.8, [0.75, 0.6, 0.5])]
+    options = [goodput([d], [(0.8, 0.75)], 1, 0, step, draft) for d in range(2)]
+    assert options[1] < FIRST_MARGIN * options[0]
+    plan = controller(4, step, draft).plan(rates, [4], 1, 0)
+    reach = [0.8 * math.prod([0.75, 0.6, 0.5][:j]) for j in range(4)]
+    exact = [(1 + sum(reach[:d])) / (0.02275 + (d > 0) * (0.0125 + 0.0014 * d + 0.0013 * (d - 1))) for d in range(5)]
+    assert plan[0] >= 2 and exact[plan[0]] >= max(exact) / 1.03, (plan, exact)
+
+
+def test_batch_1_on_a_cpu_drafts_deep_after_a_pessimistic_start():
+    """The bench's warm-up: a rejected draft leaves the global first-draft rate at 0.4, under what pays. A young
+    request's rate is taken optimistically (a draw from its posterior, not under its mean plus a standard deviation),
+    so it drafts within its first steps, is measured, and drafts as deep as pays: over 8 seeded 64-step runs the
+    goodput near the best fixed depth's, few runs stuck (the verify step's fixed cost fitted apart from a draft
+    row's, which would else make every further draft look as dear as the first). Its mean rate alone (0.4) left
+    half the runs stuck near plain decoding (0.68x the best)."""
+    best = max(fixed_depth(CPU, 1, d) for d in range(5))
+    assert best / fixed_depth(CPU, 1, 0) > 1.4
+    runs, deep = [], []
+    for seed in range(8):
+        c = DraftController(4)
+        c.rng = random.Random(seed)
+        simulate(c, CPU, 1, 1, seed, accept=(0.0,) * 4)
+        assert c.rates(Acceptance(), sample=False)[0] < 0.45
+        got, depths = simulate(c, CPU, 1, 64, seed)
+        runs.append(got / best)
+        deep.append(sorted(depths[-32:])[16])
+    assert sum(runs) / len(runs) >= 0.9 and sum(r < 0.85 for r in runs) <= 1, runs
+    assert sorted(deep)[4] >= 3, deep
+
+
+def test_a_rare_coefficient_is_not_set_by_one_outlier():
+    """A step slowed by something else (another process) is clipped from the fit's second observation: a verify
+    step's fixed cost, seen once in a while, does not keep a 0.5 s outlier (nothing would draft again to correct it)."""
+    fit = LinearFit([0.01, 0.005, 0.0], [1.0, 1.0, 0.25])
+    fit.add([1.0, 0.0, 0.0], 0.02)
+    fit.add([1.0, 0.0, 0.0], 0.02)
+    fit.add([1.0, 1.0, 1.0], 0.5)                 # the first verify step: 0.03 s, on a loaded machine 0.5 s
+    assert fit.predict([1.0, 1.0, 1.0]) < 0.1
