@@ -5,19 +5,20 @@ that maximises the step's expected goodput: emitted tokens per second of the who
 SmartSpec's criterion (Liu et al. 2024, "Optimizing speculative decoding for serving LLMs using goodput"), per
 request instead of one k for the batch.
 
-* Acceptance (``Acceptance``, per request, and the drafter's global one as its prior): the rate at which the first
-  draft is accepted, a, and the rate at which a later draft is accepted after the one before it was. The first j
-  drafts are all accepted with probability a * c_2 * .. * c_j, c_i the global acceptance of position i after
-  i - 1 (measured per position: later drafts fail more often) scaled by how the request's later drafts fare
-  against everyone's. Verify steps update them (``settle``); a request that does not draft still gets its first
-  draft computed now and then and scored against the token that comes (``watched``), so its rate follows the
-  text and it drafts again once drafts would pay (only in steps where others draft: ``ModelDrafter._plan``).
+* Acceptance (``Acceptance``, ``acceptance.py``, per request, and the drafter's global one as its prior): the rate
+  at which the first draft is accepted, a, and the rate at which a later draft is accepted after the one before it
+  was. The first j drafts are all accepted with probability a * c_2 * .. * c_j, c_i the global acceptance of
+  position i after i - 1 (measured per position: later drafts fail more often) scaled by how the request's later
+  drafts fare against everyone's. Verify steps update them (``settle``); a request that does not draft still gets
+  its first draft computed now and then and scored against the token that comes (``watched``), so its rate follows
+  the text and it drafts again once drafts would pay (only in steps where others draft: ``ModelDrafter._plan``).
   Exponentially decayed counts (recent text weighs most), pulled toward the global rates by ``PRIOR``
-  pseudo-observations. The plan takes a draw of a from its Beta posterior (Thompson sampling, ``rates``), not its
-  mean: a request whose rate is little known (a new one, one whose first drafts failed, one that stopped drafting
-  where nobody watches: batch 1) drafts now and then while its rate might pay, and is measured so; one known well
-  drafts as its rate says. (With the mean, a warm-up's one rejected draft left a 0.4 prior that drafted nothing
-  for 35 of a CPU's 64 batch-1 steps: 0.95x plain where fixed depth 4 gave 1.55x.)
+  pseudo-observations. The plan takes a draw of a from its Beta posterior (Thompson sampling, ``rates``; while the
+  request is young not under its mean plus a standard deviation), not its mean: a request whose rate is little known
+  (a new one, one whose first drafts failed, one that stopped drafting where nobody watches: batch 1) drafts now and
+  then while its rate might pay, and is measured so; one known well drafts as its rate says. (With the mean, a
+  warm-up's one rejected draft left a 0.4 prior that drafted nothing for 35 of a CPU's 64 batch-1 steps: 0.95x plain
+  where fixed depth 4 gave 1.55x.)
 * Costs (``LinearFit``, ``linear_fit.py``): the target's step time against [1, sequences, draft rows, verifies]
   (verifies: 1 where the step verifies any draft: the target's verify path costs a third of a decode step on a CPU
   at batch 1, then a tenth of that per row; a linear fit without it priced every draft at the first one's cost and
@@ -31,18 +32,20 @@ request instead of one k for the batch.
   a step, so some steps probe (``_dither``): a new batch size's first steps run one draft each, then none; later,
   while drafting, one step in ``PROBE_EVERY`` runs without drafts, one with a draft fewer each and one with a draft
   more each; while not drafting one in ``IDLE_PROBE_EVERY`` runs one draft for a random number of the requests.
-* Plan (``DraftController.plan``): from no drafts (B tokens in T seconds), draft position j = 1, 2, .. is added
-  for the best prefix (by gain: the probability above) of the requests that reach it, each position's plan
-  costed whole (a verify row and a draft row per draft, one more draft forward per position, the verify step's and
-  the first forward's fixed costs at the first); of these ever deeper plans the deepest that beats the one before
-  it by ``DEEPER_MARGIN`` (no drafts: ``FIRST_MARGIN``) is the step's (``_best_level``: a whole plan judged by its
-  goodput, so a first position that alone barely pays its fixed costs does not stop the deeper ones that pay, and
-  a 5% margin per position no longer stops a CPU's batch 1 at depth 2-3 where depth 4 was 7% faster). So drafts
-  stop where they stop paying (adversarial text, a weak draft, a large batch), for one request or for all, and
-  the cost of one request's drafts is weighed against the whole step's. Requests that do not draft watch only in
-  steps where others draft (their first drafts ride on a forward that runs anyway), so a step that drafts nothing
-  costs only the draft's catch-up of its rows (tests/engine/spec/test_controller.py: injected CPU and GPU timings).
-  With ``uniform`` (CUDA graphs) the plans are one depth for all requests, the same judgment picks.
+* Plan (``DraftController.plan``): from no drafts (B tokens in T seconds), draft position j = 1, 2, .. is added for
+  the best prefix (by gain: the probability above) of the requests that reach it, each position's plan costed whole
+  (a verify row and a draft row per draft, one more draft forward per position, the verify step's and the first
+  forward's fixed costs at the first) and within ``TRUST`` times the draft rows the batch size's steps were measured
+  with (costs are not linear in them; probes and the plans' own steps extend it); of these ever deeper plans the
+  deepest that beats the one before it by ``DEEPER_MARGIN`` (no drafts: ``first_margin``, more at larger batches) is
+  the step's (``_best_level``: a whole plan judged by its goodput, so a first position that alone barely pays its
+  fixed costs does not stop the deeper ones that pay, and a 5% margin per position no longer stops a CPU's batch 1
+  at depth 2-3 where depth 4 was 7% faster). So drafts stop where they stop paying (adversarial text, a weak draft,
+  a large batch), for one request or for all, and the cost of one request's drafts is weighed against the whole
+  step's. Requests that do not draft watch only in steps where others draft (their first drafts ride on a forward
+  that runs anyway), so a step that drafts nothing costs only the draft's catch-up of its rows
+  (tests/engine/spec/test_controller.py: injected CPU and GPU timings). With ``uniform`` (CUDA graphs) the plans are
+  one depth for all requests, the same judgment picks.
 * A table (vLLM's ``num_speculative_tokens_per_batch_size``, ``scheduled``) replaces the plan: each request drafts
   the table's number for the step's batch size, whatever the measurements (fixed-depth measurements).
 """
@@ -50,18 +53,17 @@ request instead of one k for the batch.
 from __future__ import annotations
 
 import logging
+import math
 import random
-from dataclasses import dataclass, field
+from dataclasses import dataclass
 
 import numpy as np
 
-from kimik3.engine.spec.linear_fit import LinearFit
+from kimik3.engine.spec.acceptance import GLOBAL_DECAY, PRIOR, REQUEST_DECAY, Acceptance, Rate
+from kimik3.engine.spec.linear_fit import COST_DECAY, LinearFit
 
 logger = logging.getLogger(__name__)
 
-REQUEST_DECAY = 0.85     # a request's acceptance counts decay per observed draft (about 7 drafts of memory)
-GLOBAL_DECAY = 0.98      # the drafter's global counts (the prior of new and quiet requests)
-PRIOR = 2.0              # pseudo-observations of the global rates in a request's estimate
 MAX_WATCH_GAP = 16       # a request that does not draft computes its first draft at least every 16 decode steps
 PROBE_EVERY = 12         # steps between probes of each kind (at random; see ``DraftController._dither``)
 IDLE_PROBE_EVERY = 96    # while nothing drafts: a probe of one draft for a random number of the requests (acceptance
@@ -71,51 +73,14 @@ FIRST_MARGIN = 1.10      # drafting must raise the expected goodput by 10%: the 
                          # costs beside its steps (requests that draft finish unevenly, so a batch's last ones run
                          # alone: 64-token requests at batch 32 on a CPU spent a fifth of their time so) and the fits
                          # err; at a 2-9% gain (batch 32 on a CPU) the run was slower than plain decoding
+BATCH_MARGIN = 0.05      # ... and 5% more of it per doubling of the batch (``first_margin``), up to MAX_MARGIN: both
+MAX_MARGIN = 1.3         # grow with the batch (more rows priced from fewer probes, a longer tail); on a CPU at batch
+                         # 32 a modelled 1.2x ran 0.87x plain
+TRUST = 2.0              # a plan's draft rows stay within twice the most its batch size's steps were measured with:
+                         # the costs are not linear (a CPU's batch-32 verify step: a fixed cost, then cheaper rows),
+                         # and a fit from probes of few rows priced 96 rows at half their cost (0.88x plain)
 DEEPER_MARGIN = 1.02     # a deeper plan over the best shallower one: 2% (judged by the whole plan's goodput: 5% per
                          # position stopped a CPU's batch 1 at depth 2-3, though depth 4 was 7% faster than 3)
-
-
-@dataclass
-class Rate:
-    """Decayed hit/try counts."""
-
-    hits: float = 0.0
-    tries: float = 0.0
-
-    def add(self, hits: float, tries: float, decay: float) -> None:
-        if tries:
-            w = decay ** tries
-            self.hits, self.tries = self.hits * w + hits, self.tries * w + tries
-
-    def estimate(self, prior: float, weight: float = PRIOR) -> float:
-        return (self.hits + weight * prior) / (self.tries + weight)
-
-    def sample(self, prior: float, rng, weight: float = PRIOR) -> float:
-        """A draw from the Beta posterior of the rate (``weight`` pseudo-observations of ``prior``): near
-        ``estimate`` where many observations agree, spread where few were made."""
-        hits = self.hits + weight * prior
-        return rng.betavariate(max(hits, 1e-3), max(self.tries + weight - hits, 1e-3))
-
-
-@dataclass
-class Acceptance:
-    """One request's (or, with ``GLOBAL_DECAY``, the drafter's) first-draft and later-draft acceptance."""
-
-    first: Rate = field(default_factory=Rate)
-    later: Rate = field(default_factory=Rate)
-    seen: int = 0            # first drafts scored (verified or watched), not decayed: how young the estimate is
-
-    def record(self, drafts: int, accepted: int, decay: float) -> None:
-        """A verify step of ``drafts`` drafts accepted the first ``accepted``."""
-        if drafts:
-            self.seen += 1
-            self.first.add(float(accepted > 0), 1.0, decay)
-            self.later.add(max(accepted - 1, 0), max(min(drafts, accepted + 1) - 1, 0), decay)
-
-    def record_watch(self, hit: bool, decay: float) -> None:
-        """A first draft computed without drafting came true (or not)."""
-        self.seen += 1
-        self.first.add(float(hit), 1.0, decay)
 
 
 def _reach(a: float, c, n: int) -> list[float]:
@@ -138,6 +103,7 @@ class _Costs:
                          # batch 1 a third of a decode step, then a tenth of that per row)
     attend: float = 0.0  # the draft attending at all (its first forward over a later one's cost)
     watching: int = 0    # requests that compute their first draft anyway (the first forward runs)
+    rows: float = math.inf  # most draft rows a plan may have (``TRUST``)
 
     def fixed(self, j: int) -> float:
         """What draft position ``j`` adds to the step beside its rows."""
@@ -146,19 +112,26 @@ class _Costs:
         return self.verify + (0.0 if self.watching else self.attend + self.forward)
 
 
-def _best_level(levels: list[tuple[float, list[int]]]) -> list[int]:
+def first_margin(batch: int) -> float:
+    """How much drafting must raise a step's expected goodput at ``batch`` sequences (``FIRST_MARGIN``,
+    ``BATCH_MARGIN``)."""
+    return min(FIRST_MARGIN * (1.0 + BATCH_MARGIN * math.log2(max(batch, 1))), MAX_MARGIN)
+
+
+def _best_level(levels: list[tuple[float, list[int]]], margin: float) -> list[int]:
     """Of plans ever deeper ((goodput, depths), the first without drafts), the deepest that beats the one chosen
-    before it by ``FIRST_MARGIN`` (over no drafts) or ``DEEPER_MARGIN``: a whole plan judged by its goodput, not
-    position by position (a position that barely pays may lead to one that pays well: the verify step's fixed
-    cost is paid once)."""
+    before it by ``margin`` (over no drafts: ``first_margin``) or ``DEEPER_MARGIN``: a whole plan judged by its
+    goodput, not position by position (a position that barely pays may lead to one that pays well: the verify
+    step's fixed cost is paid once)."""
     best = 0
     for j in range(1, len(levels)):
-        if levels[j][0] > levels[best][0] * (FIRST_MARGIN if best == 0 else DEEPER_MARGIN):
+        if levels[j][0] > levels[best][0] * (margin if best == 0 else DEEPER_MARGIN):
             best = j
     return levels[best][1]
 
 
-def _greedy_depths(reach: list[list[float]], rooms: list[int], tokens: float, costs: _Costs) -> list[int]:
+def _greedy_depths(reach: list[list[float]], rooms: list[int], tokens: float, costs: _Costs,
+                   margin: float) -> list[int]:
     """Position by position, the best prefix (by gain per cost) of the requests that reach it: one plan per depth
     (``_best_level`` picks)."""
     time, depth = costs.base, [0] * len(reach)
@@ -168,6 +141,8 @@ def _greedy_depths(reach: list[list[float]], rooms: list[int], tokens: float, co
                        reverse=True)
         best, take, total = 0.0, 0, 0.0
         for n, (g, _) in enumerate(gains, 1):
+            if sum(depth) + n > costs.rows:
+                break
             total += g
             ratio = (tokens + total) / (time + costs.fixed(j) + n * costs.row)
             if ratio > best:
@@ -179,18 +154,21 @@ def _greedy_depths(reach: list[list[float]], rooms: list[int], tokens: float, co
         for _, i in gains[:take]:
             depth[i] = j
         levels.append((tokens / time, list(depth)))
-    return _best_level(levels)
+    return _best_level(levels, margin)
 
 
-def _uniform_depths(reach: list[list[float]], rooms: list[int], tokens: float, costs: _Costs) -> list[int]:
+def _uniform_depths(reach: list[list[float]], rooms: list[int], tokens: float, costs: _Costs,
+                    margin: float) -> list[int]:
     """The one depth d (each request min(d, its room)) of the best expected goodput (``_best_level``)."""
     levels = [(tokens / costs.base, [0] * len(rooms))]
     for d in range(1, max(rooms, default=0) + 1):
         depth = [min(d, r) for r in rooms]
+        if sum(depth) > costs.rows:
+            break
         gain = sum(sum(reach[i][:n]) for i, n in enumerate(depth))
         time = costs.base + sum(costs.fixed(j) for j in range(1, d + 1)) + sum(depth) * costs.row
         levels.append(((tokens + gain) / time, depth))
-    return _best_level(levels)
+    return _best_level(levels, margin)
 
 
 class DraftController:
@@ -205,6 +183,7 @@ class DraftController:
         # ~ [1, caught-up rows, forwards, forward rows, attends (1 where any forward)]
         self.steps: dict[int, LinearFit] = {}
         self.drafts: dict[int, LinearFit] = {}
+        self.measured: dict[int, float] = {}    # per octave: the most draft rows of a step measured (decayed)
         self.rng = random.Random(0)
         self.uniform = False        # one number of drafts for every request of a step (CUDA graphs replay them)
 
@@ -261,6 +240,7 @@ class DraftController:
             self.steps[b] = LinearFit([0.5 * seconds, per_row, per_row, 0.0],
                                       [1.0, max(seqs, 1), 0.25 * max(seqs, 1), 0.25])
         self.steps[b].add([1.0, seqs, drafts, float(drafts > 0)], seconds)
+        self.measured[b] = max(self.measured.get(b, 0.0) * COST_DECAY, float(drafts))
 
     def record_draft(self, seqs: int, rows: int, forwards: int, forward_rows: int, seconds: float) -> None:
         """The draft's work after a decode/verify step of ``seqs`` sequences took ``seconds``: catching up ``rows``
@@ -295,7 +275,8 @@ class DraftController:
         beta, dbeta = step.beta, draft.beta if draft is not None else np.zeros(5)
         return _Costs(base=max(step.predict([1.0, batch, 0, 0]), 1e-9) + max(float(dbeta[0] + dbeta[1] * batch), 0.0),
                       row=max(float(beta[2]), 0.0) + max(float(dbeta[3]), 0.0), forward=max(float(dbeta[2]), 0.0),
-                      verify=max(float(beta[3]), 0.0), attend=max(float(dbeta[4]), 0.0), watching=watching)
+                      verify=max(float(beta[3]), 0.0), attend=max(float(dbeta[4]), 0.0), watching=watching,
+                      rows=TRUST * self.measured.get(batch.bit_length(), 0.0))
 
     def plan(self, rates: list[tuple[float, float]], rooms: list[int], batch: int, watching: int) -> list[int]:
         """Drafts per candidate (``rates``: its (a, c); ``rooms``: most drafts it may take) for a step of
@@ -309,7 +290,8 @@ class DraftController:
         if costs is None or not rates:
             return [min(r, self.k) for r in rooms]          # nothing measured yet: draft, and measure
         reach = [_reach(a, c, min(room, self.k)) for (a, c), room in zip(rates, rooms)]
-        depth = (_uniform_depths if self.uniform else _greedy_depths)(reach, rooms, float(batch), costs)
+        depth = (_uniform_depths if self.uniform else _greedy_depths)(reach, rooms, float(batch), costs,
+                                                                      first_margin(batch))
         logger.debug("plan: batch %d, costs %s: %d drafts, depth %d", batch, costs, sum(depth), max(depth, default=0))
         own = self.steps.get(batch.bit_length())
         return self._dither(depth, rooms, own.count if own is not None else 0)

@@ -31,7 +31,8 @@ from dataclasses import dataclass, field
 import torch
 
 from kimik3.engine.config import EngineConfig
-from kimik3.engine.spec.controller import MAX_WATCH_GAP, Acceptance, DraftController
+from kimik3.engine.spec.acceptance import Acceptance
+from kimik3.engine.spec.controller import MAX_WATCH_GAP, DraftController
 from kimik3.engine.spec.device_drafts import DeviceDrafts
 from kimik3.model.draft_step import (DraftExecutor, DraftWork, allocate_draft_cache, cache_nbytes, draft_cache_shape,
                                      draft_state_bytes)

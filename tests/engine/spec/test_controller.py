@@ -10,8 +10,9 @@ import random
 import numpy as np
 import pytest
 
-from kimik3.engine.spec.controller import (EXPLORE, FIRST_MARGIN, IDLE_PROBE_EVERY, PROBE_EVERY, Acceptance,
-                                           DraftController, Rate)
+from kimik3.engine.spec.acceptance import Acceptance, Rate
+from kimik3.engine.spec.controller import (EXPLORE, FIRST_MARGIN, IDLE_PROBE_EVERY, PROBE_EVERY, TRUST,
+                                           DraftController, first_margin)
 from kimik3.engine.spec.linear_fit import LinearFit
 
 
@@ -31,6 +32,7 @@ def controller(k: int, step: tuple, draft: tuple) -> DraftController:
         c.steps[b] = LinearFit(step, [1.0] * 4, weight=1e9)
         c.steps[b].count = EXPLORE
         c.drafts[b] = LinearFit(draft, [1.0] * 5, weight=1e9)
+        c.measured[b] = math.inf
     return c
 
 
@@ -60,7 +62,7 @@ def test_plan_is_near_the_best_choice_of_drafts(seed):
     got = goodput(plan, rates, n, watching, step, draft)
     none = goodput([0] * n, rates, n, watching, step, draft)
     assert got >= none - 1e-12                                  # never worse than no drafts
-    assert got >= 0.97 * best or (plan == [0] * n and best < FIRST_MARGIN * none), (plan, got, best)   # or a wash
+    assert got >= 0.97 * best or (plan == [0] * n and 0.97 * best < first_margin(n) * none), (plan, got, best)  # a wash
 
 
 @pytest.mark.parametrize("seed", range(6))
@@ -77,7 +79,7 @@ def test_uniform_plan_is_the_best_single_depth(seed):
     assert len(set(plan)) == 1
     options = {d: goodput([d] * n, rates, n, 0, step, draft) for d in range(k + 1)}
     best = max(options.values())
-    assert options[plan[0]] >= best / 1.03 or (plan[0] == 0 and best < FIRST_MARGIN * options[0]), (plan, options)
+    assert options[plan[0]] >= best / 1.03 or (plan[0] == 0 and best < first_margin(n) * options[0]), (plan, options)
 
 
 def test_drafts_stop_where_they_stop_paying():
@@ -322,3 +324,32 @@ def test_a_rare_coefficient_is_not_set_by_one_outlier():
     fit.add([1.0, 0.0, 0.0], 0.02)
     fit.add([1.0, 1.0, 1.0], 0.5)                 # the first verify step: 0.03 s, on a loaded machine 0.5 s
     assert fit.predict([1.0, 1.0, 1.0]) < 0.1
+
+
+def test_plans_stay_near_the_draft_rows_measured():
+    """Costs are not linear in the draft rows (a CPU's batch-32 verify step: a fixed cost, then cheaper rows): a
+    plan has at most ``TRUST`` times the most draft rows its batch size's steps were measured with, and grows as
+    its own steps are measured."""
+    c = controller(4, (0.05, 0.001, 0.0001, 0.005), (0.0, 0.0, 0.0005, 0.00005))
+    rates, rooms = [(0.9, 0.9)] * 32, [4] * 32
+    assert sum(c.plan(rates, rooms, 32, 0)) == 128              # cheap rows, measured at every size: all deep
+    c.measured[6] = 10.0
+    sizes = []
+    for _ in range(4):
+        sizes.append(sum(c.plan(rates, rooms, 32, 0)))
+        c.record_step(32, sizes[-1], 0.06)
+    assert sizes[0] == TRUST * 10 and sizes == sorted(sizes) and sizes[-1] == 128, sizes
+    c.measured[6] = 0.0
+    assert c.plan(rates, rooms, 32, 0) == [0] * 32
+
+
+def test_a_larger_batch_needs_a_larger_gain():
+    """The step model leaves out more at a larger batch (the batch's last requests run alone after the others
+    finished; more rows priced from the probes): drafts that raise a step's goodput by 21% pay at batch 1 and 4,
+    not at 32 (on a CPU there, a modelled 1.2x ran 0.87x plain)."""
+    c = controller(1, (0.0, 0.01, 0.004), (0.0, 0.0, 0.0, 0.0))
+    for batch in (1, 4, 32):
+        gain = goodput([1] * batch, [(0.7, 0.5)] * batch, batch, 0, (0.0, 0.01, 0.004), (0.0,) * 4) * 0.01
+        assert gain == pytest.approx(1.7 / 1.4)
+        assert c.plan([(0.7, 0.5)] * batch, [1] * batch, batch, 0) == [int(batch < 32)] * batch, batch
+    assert first_margin(1) == FIRST_MARGIN and first_margin(2) < first_margin(8) < first_margin(32) <= 1.3
