@@ -32,8 +32,21 @@ def linear(x: torch.Tensor, weight: torch.Tensor, out_dtype: torch.dtype | None 
     if _streams(x, weight):
         from kimik3.ops.triton.gemv import gemv
         return gemv(x, weight, out_dtype=out_dtype)
-    y = torch.nn.functional.linear(x, weight)
+    y = _weight_first(x, weight) if _few_host_rows(x, weight) else torch.nn.functional.linear(x, weight)
     return y if out_dtype is None else y.to(out_dtype)
+
+
+def _few_host_rows(x: torch.Tensor, weight: torch.Tensor) -> bool:
+    """A host GEMM of a few rows (``KernelTuning.host_weight_first_rows``), in one dtype."""
+    lo, hi = tuning().host_weight_first_rows
+    return x.device.type == "cpu" and x.dtype == weight.dtype and lo <= x.numel() // max(x.shape[-1], 1) <= hi
+
+
+def _weight_first(x: torch.Tensor, weight: torch.Tensor) -> torch.Tensor:
+    """x W^T as (W x^T)^T: the weight as the GEMM's first operand (row-major, read as it is stored), the few rows
+    of x as the second; the result copied back to row-major [..., N]."""
+    x2 = x.reshape(-1, x.shape[-1])
+    return torch.mm(weight, x2.t()).t().contiguous().view(*x.shape[:-1], weight.shape[0])
 
 
 def linear_glu(x: torch.Tensor, weight: torch.Tensor, hidden_act: str, beta: float,

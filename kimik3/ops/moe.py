@@ -34,6 +34,7 @@ from kimik3.ops import mxfp4
 from kimik3.ops.activation import glu_activation
 from kimik3.ops.backend import use_fast_path
 from kimik3.ops.fp8 import MX_GROUP, WEIGHT_BLOCK, dequantize_weight, round_trip_groups
+from kimik3.ops.linear import linear
 from kimik3.ops.norm import acc_dtype
 from kimik3.ops.options import kernel_options, tuning
 
@@ -168,9 +169,9 @@ def _grouped_experts(x, weight, weights, ids, act, combine_fp32):
     """``_expert_loop``'s sum with fewer ops (the CPU path): the (token, slot) assignments sorted by expert once
     (stable: a token's experts stay in id order), the tokens gathered once, each used expert's three GEMMs on its
     rows (joined by one cat per projection), then the activation, the weighting and the combine once for all rows.
-    Every row is the product ``_expert_loop`` forms for it (the same GEMM shapes per expert, elementwise
-    activation, the combine adding a token's experts in id order), up to the GEMM library's rounding (MKL's
-    may depend on the buffers' alignment). CPU, the default model's experts (8 of 256 x 128, top-2, SITU; one
+    Every row is the product ``_expert_loop`` forms for it (the same GEMM shapes per expert, through
+    ``ops.linear``'s host GEMMs; elementwise activation; the combine adding a token's experts in id order), up to
+    the GEMM's rounding. CPU, the default model's experts (8 of 256 x 128, top-2, SITU; one
     thread, this box's EPYC): 164 against 202 us at 1 token, 342 / 613 at 5, 646 / 1101 at 32, 1830 / 2297 at
     160."""
     T, L = x.shape
@@ -186,11 +187,11 @@ def _grouped_experts(x, weight, weights, ids, act, combine_fp32):
     for e, n in enumerate(torch.bincount(flat).tolist()):
         if n:
             rows = slice(start, start + n)
-            gate.append(xs[rows] @ weight(e, 1).t())
-            up.append(xs[rows] @ weight(e, 3).t())
+            gate.append(linear(xs[rows], weight(e, 1)))
+            up.append(linear(xs[rows], weight(e, 3)))
             spans.append((e, rows))
         start += n
     h = act(torch.cat(gate), torch.cat(up))
-    y = torch.cat([h[rows] @ weight(e, 2).t() for e, rows in spans])
+    y = torch.cat([linear(h[rows], weight(e, 2)) for e, rows in spans])
     out.index_add_(0, tok, y.to(acc) * weights.reshape(-1)[order].unsqueeze(-1).to(acc))
     return out.to(x.dtype)

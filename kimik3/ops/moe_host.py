@@ -3,9 +3,9 @@
 ``slots``, except that the experts ``missed[e]`` take their weights from host tensors (expert e at index e) and
 the host computes their rows.
 
-Reference (the CPU path, where "device" and host are both CPU memory): the reference loop over expert ids
-(``ops.moe._expert_loop``; FP8: ``_quantized_expert_loop`` with its roundings), each expert's weights read where
-they are, so the result is the reference's, bit for bit. CUDA: the routing comes to the host (a
+Reference (the CPU path, where "device" and host are both CPU memory): what ``fused_moe`` runs there
+(``ops.moe._grouped_experts``; FP8: ``_quantized_expert_loop`` with its roundings), each expert's weights read where
+they are, so the result is the resident experts', bit for bit. CUDA: the routing comes to the host (a
 synchronisation: eager steps only); the GPU kernels run the cached experts' pairs (a missed pair is given weight 0
 and a cached expert, so the kernels' shapes are unchanged); the host computes the missed pairs' rows (MXFP4
 decoded through a byte table, FP8 codes times their scales) and their weighted sum in float32, which is added to
@@ -23,7 +23,7 @@ from kimik3.ops import mxfp4
 from kimik3.ops.activation import glu_activation
 from kimik3.ops.backend import use_fast_path
 from kimik3.ops.fp8 import dequantize_weight
-from kimik3.ops.moe import _expert_loop, _quantized_expert_loop, _rows, fp8_act_group, fused_moe, fused_moe_fp8, \
+from kimik3.ops.moe import _grouped_experts, _quantized_expert_loop, _rows, fp8_act_group, fused_moe, fused_moe_fp8, \
     fused_moe_mxfp4
 
 
@@ -75,7 +75,7 @@ def fused_moe_host_misses(x: torch.Tensor, pool: tuple, host: tuple, weights: to
         def weight(e, which):
             return decode(host[which - 1], e, x.dtype) if table[e] else decode(pool[which - 1], row(e), x.dtype)
 
-        return _expert_loop(x, weight, weights, ids, act, combine_fp32)
+        return _grouped_experts(x, weight, weights, ids, act, combine_fp32)
     ids_host = ids.cpu()                                           # waits for the routing
     pairs = missed[ids_host]
     kernel = fused_moe_fp8 if fp8 else fused_moe_mxfp4 if isinstance(pool[0], tuple) else fused_moe

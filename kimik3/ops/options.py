@@ -28,6 +28,14 @@ class KernelTuning:
     gemv_max_rows: int = 1
     # Below this reduction length cuBLAS stays faster (K3's f_b, K = 128: 4.1 against 4.3-4.6 us).
     gemv_min_k: int = 512
+    # Host (CPU) projections of this many rows (inclusive range) compute x W^T as (W x^T)^T, the weight as the
+    # GEMM's first operand (``ops.linear._weight_first``; the routed experts' GEMMs too); (0, -1): never. MKL
+    # on this box's EPYC (one thread, fp32, 2026-12-07): with the weights out of cache, as a step reads them,
+    # 0.4-0.7x F.linear's time at 2-8 rows (1092 x 256: 159 against 268 us at 5 rows), 1.0-1.4x from 16 rows
+    # (in cache it is 1.5-2x slower: a micro-benchmark that repeats one weight misleads). The default model's
+    # steps, interleaved A/B against (0, -1): verify step b1 (5 rows) 13.66 against 15.72 ms, b32 (160 rows)
+    # 70.3 / 74.1, decode b32 25.5 / 26.4, b1 even; (2, 16) and (2, 48) were no faster at b32.
+    host_weight_first_rows: tuple[int, int] = (2, 8)
 
     # ---- router logits (ops/router.py) ----
     # 16-bit weight: the SIMT kernel up to this many logits (tokens x experts), then the tensor-core GEMM
