@@ -15,7 +15,7 @@ from torch import nn
 from kimik3.distributed import ParallelContext
 from kimik3.model.batch import ForwardBatch
 from kimik3.model.layers import MergedLinear, MergedWeight, linear, tp_shards
-from kimik3.ops.conv import causal_conv1d_in_pool, conv_windows_at
+from kimik3.ops.conv import causal_conv1d_in_pool, causal_conv1d_rows_in_pool, conv_windows_at
 from kimik3.ops.kda import LowRank, OutputNorm, dense, kda_attention, kda_attention_in_pool, kda_recurrent_in_pool
 
 logger = logging.getLogger(__name__)
@@ -111,11 +111,8 @@ class KimiDeltaAttention(nn.Module):
         T, H, K = raw.shape[0], self.num_heads, self.head_dim
         slots, lens, table = batch.state_slots, batch.query_lens_cpu, batch.row_state_slots
         f = dense(f, H)
-        windows = conv_pool[slots]                          # before the conv below writes the new ones
-        q, k, v = (t.view(T, H, K) for t in causal_conv1d_in_pool(raw, weight, conv_pool, slots, has_state, lens,
-                                                                   batch.cu_seqlens, 3))
-        seq, offset = batch.row_positions()                 # the window after every row, into its slot
-        conv_pool[table[seq, offset]] = conv_windows_at(raw, windows, batch.cu_seqlens, seq, offset + 1)
+        q, k, v = (t.view(T, H, K) for t in causal_conv1d_rows_in_pool(raw, weight, conv_pool, slots, has_state, lens,
+                                                                        batch.cu_seqlens, table, 3))
         o = kda_recurrent_in_pool(q, k, v, f, b, self.A_log, self.dt_bias, self.lower_bound, state_pool, table,
                                   lens, batch.cu_seqlens)
         # checkpoints the table could not name (a chunk's last row, or a second one at a row) are

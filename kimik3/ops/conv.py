@@ -34,9 +34,8 @@ def causal_conv1d(x: torch.Tensor, weight: torch.Tensor, state: torch.Tensor,
     N = state.shape[0]
     if N > 1 and T == N * query_lens[0] and query_lens == [query_lens[0]] * N:
         # every sequence the same rows (a verify step): the loop below at once, each window as it forms it
-        seq = torch.cat([state.to(x.dtype).transpose(1, 2), x.view(N, -1, C)], dim=1)   # [N, W-1+q, C]
-        y = F.silu((seq.unfold(1, width, 1).to(acc) * w).sum(-1)).to(x.dtype)           # [N, q, C]
-        return y.view(T, C), seq[:, -(width - 1):].transpose(1, 2).to(state.dtype)
+        y, seq = _equal_chunks(x, w, state)
+        return y, seq[:, -(width - 1):].transpose(1, 2).to(state.dtype)
     outs, new_states = [], []
     start = 0
     for n, q in enumerate(query_lens):
@@ -46,6 +45,15 @@ def causal_conv1d(x: torch.Tensor, weight: torch.Tensor, state: torch.Tensor,
         new_states.append(seq[-(width - 1):].t())
         start += q
     return torch.cat(outs, dim=0), torch.stack(new_states).to(state.dtype)
+
+
+def _equal_chunks(x: torch.Tensor, w: torch.Tensor, state: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
+    """``causal_conv1d`` of N sequences of T / N rows each, all at once: y [T, C] and the histories
+    [N, W-1 + T/N, C] (oldest first) whose windows of W made it. w: the weight in the accumulation dtype."""
+    N, C, W1 = state.shape
+    seq = torch.cat([state.to(x.dtype).transpose(1, 2), x.view(N, -1, C)], dim=1)
+    y = F.silu((seq.unfold(1, W1 + 1, 1).to(w.dtype) * w).sum(-1)).to(x.dtype)
+    return y.view(x.shape), seq
 
 
 def conv_windows_at(x: torch.Tensor, windows: torch.Tensor, cu_seqlens: torch.Tensor, seq: torch.Tensor,
@@ -82,3 +90,34 @@ def causal_conv1d_in_pool(x: torch.Tensor, weight: torch.Tensor, pool: torch.Ten
     y, state1 = causal_conv1d(x, weight, state0, query_lens)
     pool[slots] = state1
     return tuple(part.contiguous() for part in y.chunk(groups, dim=-1))
+
+
+def causal_conv1d_rows_in_pool(x: torch.Tensor, weight: torch.Tensor, pool: torch.Tensor, slots: torch.Tensor,
+                               has_state: torch.Tensor | None, query_lens: list[int], cu_seqlens: torch.Tensor,
+                               write_slots: torch.Tensor, groups: int = 1) -> tuple[torch.Tensor, ...]:
+    """``causal_conv1d_in_pool`` that also keeps the window after every row (a speculative verify step, as
+    ``ops.kda.kda_recurrent_in_pool`` keeps the states): the window after row t of sequence n goes to pool slot
+    ``write_slots[n, t]`` ([N, max query_len] int64; the scratch slot where none is kept; the last row's slot,
+    like ``slots[n]``, receives the final window). Device indices only (a CUDA graph can hold it).
+    CPU, every sequence the same rows: the histories once (``_equal_chunks``), the kept windows views of them;
+    else the pool conv, then the kept windows gathered from the raw inputs (``conv_windows_at``)."""
+    N, T = len(query_lens), x.shape[0]
+    L = max(query_lens, default=0)
+    if not use_fast_path(x) and N and T == N * L and min(query_lens) == L:
+        state0 = pool.index_select(0, slots)
+        if has_state is not None:
+            state0.masked_fill_(~has_state.view(-1, 1, 1), 0)
+        y, seq = _equal_chunks(x, weight.to(acc_dtype(x.dtype)), state0)
+        kept = seq[:, 1:].unfold(1, pool.shape[-1], 1)                  # [N, L, C, W-1]: after each row
+        pool[write_slots[:, :L].reshape(-1)] = kept.reshape(N * L, *pool.shape[1:]).to(pool.dtype)
+        pool[slots] = kept[:, -1].to(pool.dtype)
+        return tuple(part.contiguous() for part in y.chunk(groups, dim=-1))
+    windows = pool[slots]                                                # before the conv writes the new ones
+    if has_state is not None:
+        windows.masked_fill_(~has_state.view(-1, 1, 1), 0)
+    y = causal_conv1d_in_pool(x, weight, pool, slots, has_state, query_lens, cu_seqlens, groups)
+    lens = cu_seqlens[1:] - cu_seqlens[:-1]
+    seq = torch.repeat_interleave(torch.arange(N, device=x.device), lens, output_size=T)
+    offset = torch.arange(T, device=x.device) - cu_seqlens[seq]
+    pool[write_slots[seq, offset]] = conv_windows_at(x, windows, cu_seqlens, seq, offset + 1)
+    return y

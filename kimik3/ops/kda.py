@@ -98,21 +98,29 @@ def naive_recurrent_kda(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, g: to
 
 
 def recurrent_kda_rows(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, g: torch.Tensor, beta: torch.Tensor,
-                       state: torch.Tensor, rows: torch.Tensor, lens: list[int]) -> tuple[torch.Tensor, torch.Tensor]:
-    """``naive_recurrent_kda`` of N sequences at once (the CPU path of verify steps): sequence n's t-th token is
-    packed row ``rows[n, t]`` (t < lens[n]; past it the table may name any row; q, k, v, g, beta packed as there),
-    ``state`` [N, H, V, K] the initial states (read only). Returns o [T, H, V] in packed order and the states
-    after every step, [L, N, H, V, K] with L = max(lens): [t, n] is sequence n's state after its token t, and
-    for t >= lens[n] its final state (so the last step holds every final state).
+                       state: torch.Tensor, lens: list[int]) -> tuple[torch.Tensor, torch.Tensor]:
+    """``naive_recurrent_kda`` of N sequences at once (the CPU path of verify steps): q, k, v, g, beta packed
+    rows (sequence n's ``lens[n]`` tokens after the sequences before it), ``state`` [N, H, V, K] the initial
+    states (read only). Returns o [T, H, V] in packed order and the states after every step, [L, N, H, V, K]
+    with L = max(lens): [t, n] is sequence n's state after its token t, and for t >= lens[n] its final state
+    (so the last step holds every final state).
 
-    The states stay V-first (the pool's layout). The operands are gathered step-major once; each step is one
-    read of the previous state for S^T (decay * k), the decay written into the step's own state (no copy of
-    it is kept apart), the rank-one update in place and one read for the output: the arithmetic of
-    ``recurrent_kda_step``, bit for bit (``tests/ops/test_kda_cpu_step.py``)."""
+    The states stay V-first (the pool's layout). The operands are taken step-major once (views for one
+    sequence, a copy for more; a gather for ragged lengths); each step is one read of the previous state for
+    S^T (decay * k), the decay written into the step's own state (no copy of it is kept apart), the rank-one
+    update in place and one read for the output: the arithmetic of ``recurrent_kda_step``, bit for bit
+    (``tests/ops/test_kda_cpu_step.py``)."""
     N, H, V, K = state.shape
     L = max(lens, default=0)
-    step_major = rows.t().reshape(-1)                                            # [L * N]
-    qs, ks, vs, gs, bs = (x.index_select(0, step_major).view(L, N, *x.shape[1:]) for x in (q, k, v, g, beta))
+    if min(lens, default=0) == L:                      # sequence n's rows n*L ... n*L + L - 1
+        def step_major(x):
+            x = x.view(N, L, *x.shape[1:]).transpose(0, 1)
+            return x if N == 1 else x.contiguous()
+        order = None
+    else:
+        order = _row_table(lens, q.device).t().reshape(-1)                      # [L * N] packed rows
+        step_major = lambda x: x.index_select(0, order).view(L, N, *x.shape[1:])   # noqa: E731
+    qs, ks, vs, gs, bs = map(step_major, (q, k, v, g, beta))
     dec = torch.exp(gs)                                                          # [L, N, H, K]
     dk = dec * ks
     states = state.new_empty(L, N, H, V, K)
@@ -134,12 +142,11 @@ def recurrent_kda_rows(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, g: tor
             S[done] = prev[done]
         into(outs[t].view(N * H, 1, V), torch.bmm, qs[t].view(N * H, 1, K), _keys_first(S))
         prev = S
+    if order is None:
+        return outs.transpose(0, 1).reshape(q.shape[0], H, V), states
+    valid = (torch.arange(L, device=q.device)[:, None] < lens_t[None]).view(-1)
     o = q.new_empty(q.shape[0], H, V)
-    if lens_t is None:
-        o[step_major] = outs.view(L * N, H, V)
-    else:
-        valid = (torch.arange(L, device=q.device)[:, None] < lens_t[None]).view(-1)
-        o[step_major[valid]] = outs.view(L * N, H, V)[valid]
+    o[order[valid]] = outs.view(L * N, H, V)[valid]
     return o, states
 
 
@@ -307,18 +314,18 @@ def kda_recurrent_in_pool(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, f: 
     N, L = len(query_lens), max(query_lens, default=0)
     if N == 0:
         return qn.new_empty(0, *v.shape[1:])
-    lens_t = torch.tensor(query_lens, device=q.device)
-    live = write_slots.gather(1, (lens_t - 1).clamp(min=0)[:, None])[:, 0]
-    o, states = recurrent_kda_rows(qn, kn, vf, g, beta, state_pool[live].to(qn.dtype), _row_table(query_lens, q.device),
-                                   query_lens)
     # the state after row t of sequence n into slot write_slots[n, t], all at once (only the scratch slot may
     # repeat in the table); the live slot, named at the last row, receives the final state
     dst = write_slots[:, :L].t()
     if min(query_lens) == L:
+        o, states = recurrent_kda_rows(qn, kn, vf, g, beta, state_pool[dst[-1]].to(qn.dtype), query_lens)
         state_pool[dst.reshape(-1)] = states.view(L * N, *states.shape[2:]).to(state_pool.dtype)
-    else:
-        valid = torch.arange(L, device=q.device)[:, None] < lens_t[None]      # [L, N]
-        state_pool[dst[valid]] = states[valid].to(state_pool.dtype)
+        return o
+    lens_t = torch.tensor(query_lens, device=q.device)
+    live = write_slots.gather(1, (lens_t - 1).clamp(min=0)[:, None])[:, 0]
+    o, states = recurrent_kda_rows(qn, kn, vf, g, beta, state_pool[live].to(qn.dtype), query_lens)
+    valid = torch.arange(L, device=q.device)[:, None] < lens_t[None]          # [L, N]
+    state_pool[dst[valid]] = states[valid].to(state_pool.dtype)
     return o
 
 

@@ -9,7 +9,7 @@ import torch
 from kimik3.ops import mxfp4
 from kimik3.ops.activation import situ_and_mul
 from kimik3.ops.attn_res import attn_res_mix
-from kimik3.ops.conv import causal_conv1d, conv_windows_at
+from kimik3.ops.conv import causal_conv1d, causal_conv1d_rows_in_pool, conv_windows_at
 from kimik3.ops.kda import chunk_kda_ref, kda_attention, kda_gate, kda_recurrent_in_pool, l2_normalize, \
     naive_recurrent_kda
 from kimik3.ops.mla import mla_decode_attention, mla_prefill_attention
@@ -386,3 +386,38 @@ def test_causal_conv1d_equal_chunks_at_once(dtype):
         y1, new1 = causal_conv1d(x[n * q:(n + 1) * q], w, state[n:n + 1], [q])
         torch.testing.assert_close(y[n * q:(n + 1) * q], y1, rtol=0 if dtype == F64 else 1e-6, atol=0)
         assert torch.equal(new[n], new1[0])
+
+
+@pytest.mark.parametrize("lens", [[3, 3, 3], [1, 1], [3], [3, 1, 2]])
+def test_causal_conv1d_rows_in_pool_keeps_the_window_after_each_row(lens):
+    """A verify step's conv (equal chunks: all at once on the CPU; ragged: the pool conv and a gather): the
+    float64 formula's outputs, the window after row t of sequence n in slot table[n, t] (slot 0 scratch, may
+    repeat), the final window in the sequence's slot, slots not named untouched."""
+    g = gen(24)
+    N, C, W = len(lens), 6, 4
+    x = torch.randn(sum(lens), 2 * C, dtype=F64, generator=g)
+    w = torch.randn(2 * C, W, dtype=F64, generator=g)
+    pool = torch.randn(12, 2 * C, W - 1, dtype=F64, generator=g)
+    slots = torch.tensor([9, 10, 11][:N])
+    table = torch.zeros(N, max(lens), dtype=torch.int64)
+    nxt = 1
+    for n, q in enumerate(lens):
+        for t in range(q - 1):
+            table[n, t] = nxt if t != 1 else 0       # row 1's window not kept (scratch)
+            nxt += t != 1
+        table[n, q - 1] = slots[n]
+    before = pool.clone()
+    cu = torch.tensor([0, *lens]).cumsum(0)
+    y1, y2 = causal_conv1d_rows_in_pool(x, w, pool, slots, None, lens, cu, table, 2)
+    y = torch.cat([y1, y2], dim=-1)
+    for n, q in enumerate(lens):
+        hist = torch.cat([before[slots[n]].t(), x[cu[n]:cu[n] + q]])              # oldest first
+        for t in range(q):
+            z = (hist[t:t + W] * w.t()).sum(0)
+            assert torch.allclose(y[cu[n] + t], z * torch.sigmoid(z), rtol=1e-13), (n, t)
+            if table[n, t]:
+                assert torch.equal(pool[table[n, t]], hist[t + 1:t + W].t()), (n, t)
+        assert torch.equal(pool[slots[n]], hist[-(W - 1):].t())
+    named = set(table.reshape(-1).tolist()) | set(slots.tolist())
+    untouched = [i for i in range(12) if i not in named]
+    assert torch.equal(pool[untouched], before[untouched])
