@@ -164,6 +164,7 @@ def _draft_engine(model, method: str, draft_path: str, rounds: list, monkeypatch
         record_drafts(alone, held)
         engine = LLMEngine(model, EngineConfig(**{**DRAFT_ENGINE_CONFIG, "speculative_method": method},
                                                speculative_model=draft_path))
+        engine.scheduler.drafter.may_lag = False     # as under TP: every step's rows caught up (step for step drafts)
         outs = [run_engine(engine, prompts)[0] for prompts in rounds]
     return plain, outs, alone, held["elements"]
 

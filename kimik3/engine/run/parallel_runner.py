@@ -98,6 +98,7 @@ class ParallelRunner(ModelRunner):
             broadcast(DraftSetup(drafter.method, str(drafter.source), drafter.num_cache_blocks, drafter.block_size,
                                  drafter.num_cache_slots), self.control)
             launch, control = drafter.executor.launch, self.control
+            drafter.may_lag = False       # every rank catches up from its own states: no rows wait on rank 0
 
             def launch_on_every_rank(work, states):
                 send_draft_work(control, work)

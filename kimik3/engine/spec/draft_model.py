@@ -10,7 +10,9 @@ layers, MTP's pre-norm h_final) for every row of the step (``ModelRunner``). Aft
    block's last row read the token after the block of the request that computed it). An MTP draft whose first
    layer is KDA keeps that layer's states in slots of its own numbered as the target's (``_slot``): they advance
    over committed rows only (the target's rollbacks to its draft snapshots are its own), and mirror the target
-   step's restores, resets and prefix checkpoints (exactly: ``DraftExecutor._recurrent_catch_up``);
+   step's restores, resets and prefix checkpoints (exactly: ``DraftExecutor._recurrent_catch_up``). On a CPU the
+   rows of a request that neither drafts nor watches wait until it does (``_defer``), so a step that drafts nothing
+   runs no draft work (at batch 32 its catch-up cost 2-3% of a step);
 2. the controller (``controller.py``) chooses each request's number of drafts k_r for the next step from its
    measured acceptance and the measured costs (0: a plain decode step), and the draft computes them (Eagle3 /
    MTP: one forward per draft position; DFlash: a block). A request that does not draft computes its first
@@ -44,6 +46,8 @@ from kimik3.model.mtp import MTPDraft
 
 logger = logging.getLogger(__name__)
 
+MAX_LAG = 256        # rows a request's draft cache may lag behind (``ModelDrafter._defer``)
+
 __all__ = ["ModelDrafter", "ModelState", "load_draft"]      # load_draft: the loader's, the engine's name for it
 
 
@@ -56,6 +60,7 @@ class ModelState:
     watch: tuple[int, int] | None = None     # (position, the first draft computed for it) while not drafting
     gap: int = 1                             # decode steps between its watched first drafts
     wait: int = 0                            # decode steps before the next one
+    lag: list = field(default_factory=list)  # rows not caught up yet: (target states [n, W], positions, next tokens)
 
 
 class ModelDrafter(Drafter):
@@ -95,6 +100,10 @@ class ModelDrafter(Drafter):
         # the controller's clock: wall time where a device runs the steps; on a CPU this process's CPU time (on a
         # machine shared with other processes their load would stretch the measured costs at random)
         self.clock = time.process_time if p.device.type == "cpu" else time.perf_counter
+        # rows of requests that neither draft nor watch wait (``_defer``) on a CPU; not where ranks hold states of
+        # their own (tensor parallelism sets it False), not for a recurrent first layer (its states advance in order)
+        self.may_lag = p.device.type == "cpu" and not self.recurrent
+        self.prefix_caching = config.enable_prefix_caching
         self._step_end: float | None = None      # when the last ``observe`` returned (the target step's start)
         self._pending: tuple | None = None       # the last ``observe``'s launched draft work, not yet handed out
         self._deferred = False                   # proposals are placeholders for drafts still on the device
@@ -157,7 +166,7 @@ class ModelDrafter(Drafter):
         if decode and self._step_end is not None:
             self.controller.record_step(len(out.chunks), sum(len(c.draft) for c in out.chunks), now - self._step_end)
         if states is not None:
-            work, reqs, counts = self._plan(out)
+            work, reqs, counts, states = self._plan(out, states)
             if work.rows or work.state_copies or work.state_resets:
                 collect, tokens = self.executor.launch(work, states)
                 sizes = (len(work.seq_lens), len(work.rows), work.num_forwards, work.forward_rows) \
@@ -205,21 +214,17 @@ class ModelDrafter(Drafter):
                 self.state(req).proposal = []
         self._asked = set()
 
-    def _plan(self, out) -> tuple[DraftWork, list, list[int]]:
+    def _plan(self, out, states: torch.Tensor) -> tuple[DraftWork, list, list[int], torch.Tensor]:
         """The step's catch-up rows and, for the requests that sample next, their drafts (``controller.plan``):
-        (work, the heads' requests, drafts each proposes: 0 for a watching head)."""
-        work, cands = self._catch_up(out)
+        (work, the heads' requests, drafts each proposes: 0 for a watching head, the states its rows index)."""
+        work, cands, spans = self._catch_up(out)
         rooms = [self._room(req) for req, _, _ in cands]
         rates = [self.controller.rates(self.state(req).accept) for req, _, _ in cands]
         depths = self.controller.plan(rates, rooms, len(cands), 0)
-        # requests that do not draft watch (their first draft) only where a forward runs anyway: a step that
-        # drafts nothing runs no draft forward (the controller's probes measure acceptance there)
-        watch = any(depths) and self.controller.schedule is None
-        watchers = {i for i, (req, _, _) in enumerate(cands) if watch and rooms[i] and self.state(req).wait == 0}
-        heads = sorted((i for i in range(len(cands)) if depths[i] or i in watchers), key=lambda i: -max(depths[i], 1))
-        for i in set(range(len(cands))) - set(heads):
-            s = self.state(cands[i][0])
-            s.wait = max(s.wait - 1, 0)
+        heads = self._drafting(cands, rooms, depths)
+        if self.may_lag and self.executor.graphs is None:
+            states, moved = self._defer(work, spans, {id(cands[i][0]) for i in heads}, states)
+            cands = [(req, moved.get(row, row), seq) for req, row, seq in cands]
         reach = self.draft.cfg.block_size if isinstance(self.draft, DFlashDraft) else None
         work.tables = extend_tables([reach or max(depths[i], 1) for i in heads],
                                     [work.positions[cands[i][1]] + 1 for i in heads],
@@ -228,20 +233,74 @@ class ModelDrafter(Drafter):
         work.heads, work.depths = [cands[i][1] for i in heads], [max(depths[i], 1) for i in heads]
         work.head_seqs = [cands[i][2] for i in heads]
         work.scratch_slots = list(range(self.first_scratch_slot, self.first_scratch_slot + len(heads)))
-        return work, [cands[i][0] for i in heads], [depths[i] for i in heads]
+        return work, [cands[i][0] for i in heads], [depths[i] for i in heads], states
 
-    def _catch_up(self, out) -> tuple[DraftWork, list]:
+    def _drafting(self, cands: list, rooms: list[int], depths: list[int]) -> list[int]:
+        """The candidates that draft or watch, longest first. Requests that do not draft watch (their first draft)
+        only where a forward runs anyway (a step that drafts nothing runs no draft forward)."""
+        watchers = {i for i, (req, _, _) in enumerate(cands) if any(depths) and self.controller.schedule is None
+                    and rooms[i] and self.state(req).wait == 0}
+        heads = sorted((i for i in range(len(cands)) if depths[i] or i in watchers), key=lambda i: -max(depths[i], 1))
+        for i in set(range(len(cands))) - set(heads):
+            s = self.state(cands[i][0])
+            s.wait = max(s.wait - 1, 0)
+        return heads
+
+    def _defer(self, work: DraftWork, spans: list, heads: set[int], states: torch.Tensor):
+        """Rows of requests that neither draft nor watch now wait, their target states copied (``ModelState.lag``);
+        a request's waiting rows are caught up with its next caught-up rows (the step it drafts or watches, one that
+        completes a block with prefix caching on: a cached block's draft rows are written, or ``MAX_LAG`` rows).
+        Waiting rows at or past a chunk's first position are dropped (preempted and recomputed). Rewrites ``work``'s
+        rows (those appended to ``states`` index past the step's rows): (the states, old row index -> new one)."""
+        rows, positions, slots, next_ids, extra, moved = [], [], [], [], [], {}
+        held, owners, bs, top = [], [], self.block_size, states.shape[0]
+        for req, a, n in spans:
+            s = self.state(req)
+            first = work.positions[a]
+            if s.lag and s.lag[-1][1][-1] >= first:       # recomputed (preempted): its waiting rows are stale
+                s.lag = [(f[:first - p[0]], p[:first - p[0]], x[:first - p[0]]) for f, p, x in s.lag if p[0] < first]
+            pos = work.positions[a:a + n]
+            waiting = s.lag[-1][1][-1] - s.lag[0][1][0] + 1 if s.lag else 0     # consecutive positions
+            if id(req) not in heads and waiting + n <= MAX_LAG and not (
+                    self.prefix_caching and any((q + 1) % bs == 0 for q in pos)):
+                owners.append((s, len(held), pos, work.next_ids[a:a + n]))
+                held.extend(work.rows[a:a + n])
+                continue
+            table = req.cache.block_ids
+            for f, p, x in s.lag:
+                rows.extend(range(top, top + len(p)))
+                top += len(p)
+                extra.append(f)
+                positions.extend(p)
+                slots.extend(table[q // bs] * bs + q % bs for q in p)
+                next_ids.extend(x)
+            s.lag = []
+            for r in range(a, a + n):
+                moved[r] = len(rows)
+                rows.append(work.rows[r])
+            positions.extend(pos)
+            slots.extend(work.slots[a:a + n])
+            next_ids.extend(work.next_ids[a:a + n])
+        if held:
+            feats = states[torch.tensor(held, dtype=torch.int64, device=states.device)]
+            for s, i, pos, nxt in owners:
+                s.lag.append((feats[i:i + len(pos)], pos, nxt))
+        work.rows, work.positions, work.slots, work.next_ids = rows, positions, slots, next_ids
+        return (torch.cat([states, *extra]) if extra else states), moved
+
+    def _catch_up(self, out) -> tuple[DraftWork, list, list]:
         """The rows of ``out`` the draft's cache catches up with (packed row, the next token, position, cache row;
         per request its rows, block table and state slot) with the step's state restores, resets and prefix
-        checkpoints, and the requests that sample next (request, its last row, its sequence); scores the first
-        drafts watched for them."""
+        checkpoints, the requests that sample next (request, its last row, its sequence) and each request's rows
+        (request, its first index in the rows, their number); scores the first drafts watched for them."""
         w = DraftWork([], [], [], [], [], [], [])
-        cands, seq_of, offset, bs = [], {}, 0, self.block_size
+        cands, spans, seq_of, offset, bs = [], [], {}, 0, self.block_size
         for i, c in enumerate(out.chunks):
             req, n_real = c.req, c.num_tokens - len(c.draft) + c.num_accepted
             if self.may_draft(req) and not req.is_finished and req.num_tokens > c.start + n_real:
                 self._score_watch(req)
                 table = req.cache.block_ids
+                spans.append((req, len(w.rows), n_real))
                 w.rows.extend(range(offset, offset + n_real))
                 w.positions.extend(range(c.start, c.start + n_real))
                 w.slots.extend(table[p // bs] * bs + p % bs for p in range(c.start, c.start + n_real))
@@ -255,7 +314,7 @@ class ModelDrafter(Drafter):
                     cands.append((req, len(w.rows) - 1, seq_of[i]))
             offset += c.num_tokens
         if not self.recurrent:
-            return w, cands
+            return w, cands, spans
         w.state_copies = [(self._slot(a), self._slot(b)) for a, b in out.state_copies if a not in self.spec_slots]
         w.state_resets = [self._slot(a) for a in out.state_resets]
         w.checkpoints = [(seq_of[ck.seq], ck.num_tokens, self._slot(ck.slot))
@@ -263,7 +322,7 @@ class ModelDrafter(Drafter):
         restored = {b for _, b in w.state_copies}         # live slots restored from a prefix checkpoint
         w.resumed = [(s, out.chunks[i].req.token_ids[out.chunks[i].start]) for i, s in seq_of.items()
                      if w.seq_slots[s] in restored]
-        return w, cands
+        return w, cands, spans
 
     def _score_watch(self, req) -> None:
         s = self.state(req)

@@ -135,23 +135,42 @@ def test_requests_with_penalties_draft_and_keep_plain_tokens(target, monkeypatch
     assert 0 < engine.num_accepted_tokens < engine.num_draft_tokens
 
 
-def test_proposals_equal_the_draft_run_from_scratch(target, monkeypatch):
+@pytest.mark.parametrize("plan, mode", [("controller", "prefix"), ("sparse", "prefix"), ("sparse", "plain"),
+                                        ("sparse", "preempt")])
+def test_proposals_equal_the_draft_run_from_scratch(target, monkeypatch, plan, mode):
     """Every proposal the engine's drafter makes (catch-up over chunked prefill and verify steps, then the chain)
     equals the draft run once over the whole history: the target's states of positions < P, the tokens after them,
-    draft 1 from row P - 1, draft j + 1 from a row at P + j - 1 fed draft j and the feature before it."""
+    draft 1 from row P - 1, draft j + 1 from a row at P + j - 1 fed draft j and the feature before it. ``sparse``: a
+    request drafts one decode step in three (the other's offset), so rows of requests that neither draft nor watch
+    wait and are caught up late (``ModelDrafter._defer``; with prefix caching at each block's end too; a preempted
+    request's waiting rows dropped, its recomputed ones caught up)."""
     from kimik3.model.batch import ForwardBatch
     from kimik3.model.draft_attention import DraftBatch
-    seen = []
-    hand_out = ModelDrafter._hand_out
+    seen, lagged = [], []
+    hand_out, defer = ModelDrafter._hand_out, ModelDrafter._defer
 
     def record(self, reqs, counts, drafts):
         hand_out(self, reqs, counts, drafts)
         seen.extend((list(r.token_ids), list(r.spec.proposal) or [r.spec.watch[1]], self.draft) for r in reqs)
     monkeypatch.setattr(ModelDrafter, "_hand_out", record)
-    reqs = requests(target, seed=4, n=2, max_tokens=12)
-    engine = engine_with(target, k=3, block_size=4, max_num_seqs=2, max_num_batched_tokens=7, max_model_len=40)
+    if plan == "sparse":
+        calls = iter(range(10 ** 6))
+        monkeypatch.setattr(DraftController, "plan", lambda self, rates, rooms, batch, watching: (
+            lambda t: [r if (t + i) % 3 == 0 else 0 for i, r in enumerate(rooms)])(next(calls)))
+
+        def count(self, work, spans, heads, states):
+            out = defer(self, work, spans, heads, states)
+            lagged.append(sum(len(p) for req, _, _ in spans for _, p, _ in self.state(req).lag))
+            return out
+        monkeypatch.setattr(ModelDrafter, "_defer", count)
+    n = 3 if mode == "preempt" else 2
+    reqs = requests(target, seed=4, n=n, max_tokens=12)
+    engine = engine_with(target, k=3, block_size=4, max_num_seqs=n, max_num_batched_tokens=7, max_model_len=40,
+                         enable_prefix_caching=mode == "prefix", **({"blocks": 2} if mode == "preempt" else {}))
     run(engine, reqs)
     assert len(seen) >= 3
+    assert plan == "controller" or max(lagged) >= 2, lagged
+    assert mode != "preempt" or engine.scheduler.num_preemptions > 0
     for tokens, proposal, draft in seen:
         P = len(tokens) - 1
         cache = target.allocate_cache(2, 2, P)
