@@ -31,7 +31,7 @@ request instead of one k for the batch.
   the process's CPU time on a CPU). Steps sized only by the plan would not tell a draft row's cost from the rest of
   a step, so some steps probe (``_dither``): a new batch size's first steps run one draft each, then none; later,
   while drafting, one step in ``PROBE_EVERY`` runs without drafts, one with a draft fewer each and one with a draft
-  more each; while not drafting one in ``IDLE_PROBE_EVERY`` runs one draft for a random number of the requests.
+  more each; while not drafting one in ``IDLE_PROBE_EVERY`` runs one draft for a random few of the requests.
 * Plan (``DraftController.plan``): from no drafts (B tokens in T seconds), draft position j = 1, 2, .. is added for
   the best prefix (by gain: the probability above) of the requests that reach it, each position's plan costed whole
   (a verify row and a draft row per draft, one more draft forward per position, the verify step's and the first
@@ -66,8 +66,8 @@ logger = logging.getLogger(__name__)
 
 MAX_WATCH_GAP = 16       # a request that does not draft computes its first draft at least every 16 decode steps
 PROBE_EVERY = 12         # steps between probes of each kind (at random; see ``DraftController._dither``)
-IDLE_PROBE_EVERY = 96    # while nothing drafts: a probe of one draft for a random number of the requests (acceptance
-                         # is explored by sampling, ``rates``; a probe of all 32 every 12 steps doubled a CPU step: 5%)
+IDLE_PROBE_EVERY = 96    # while nothing drafts: a probe of one draft for a few of the requests (acceptance is explored
+                         # by sampling, ``rates``; a probe of all 32 every 12 steps doubled a CPU step: 5%)
 EXPLORE = 2              # a batch size's first steps: one draft each, then none
 FIRST_MARGIN = 1.10      # drafting must raise the expected goodput by 10%: the step model leaves out what drafting
                          # costs beside its steps (requests that draft finish unevenly, so a batch's last ones run
@@ -302,8 +302,9 @@ class DraftController:
         step, and positions never drafted would keep their prior). A batch size's first ``EXPLORE`` steps run one
         draft each, then none; after that, at random, while drafting one step in ``PROBE_EVERY`` runs without
         drafts (the plain step's own time), one with a draft fewer each and one with a draft more each; while not
-        drafting one in ``IDLE_PROBE_EVERY`` with one draft for a random number of the requests (what drafts would
-        cost now; of varying number, so the fits tell a draft row from the verify step's fixed cost)."""
+        drafting one in ``IDLE_PROBE_EVERY`` with one draft for a random number of the requests, up to a quarter of
+        them (what drafts would cost now; of varying number, so the fits tell a draft row from the verify step's
+        fixed cost; few, so the probe costs a small part of a large batch's step: plans grow from them, ``TRUST``)."""
         if seen < EXPLORE:
             return [1 if r and seen % 2 == 0 else 0 for r in rooms]
         u = self.rng.random() * (PROBE_EVERY if any(depth) else IDLE_PROBE_EVERY)
@@ -315,5 +316,5 @@ class DraftController:
             return [min(d + 1, r, self.k) for d, r in zip(depth, rooms)] if u < 3.0 else depth
         if u >= 1.0:
             return depth
-        n = self.rng.randint(1, len(rooms))
+        n = self.rng.randint(1, max(len(rooms) // 4, 1))
         return [1 if r and i < n else 0 for i, r in enumerate(rooms)]
