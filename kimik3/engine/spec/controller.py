@@ -14,11 +14,11 @@ request instead of one k for the batch.
   the text and it drafts again once drafts would pay (only in steps where others draft: ``ModelDrafter._plan``).
   Exponentially decayed counts (recent text weighs most), pulled toward the global rates by ``PRIOR``
   pseudo-observations. The plan takes a draw of a from its Beta posterior (Thompson sampling, ``rates``; while the
-  request is young not under its mean plus a standard deviation), not its mean: a request whose rate is little known
-  (a new one, one whose first drafts failed, one that stopped drafting where nobody watches: batch 1) drafts now and
-  then while its rate might pay, and is measured so; one known well drafts as its rate says. (With the mean, a
-  warm-up's one rejected draft left a 0.4 prior that drafted nothing for 35 of a CPU's 64 batch-1 steps: 0.95x plain
-  where fixed depth 4 gave 1.55x.)
+  request is young not under its mean plus a standard deviation, less in a larger batch), not its mean: a request
+  whose rate is little known (a new one, one whose first drafts failed, one that stopped drafting where nobody
+  watches: batch 1) drafts now and then while its rate might pay, and is measured so; one known well drafts as its
+  rate says. (With the mean, a warm-up's one rejected draft left a 0.4 prior that drafted nothing for 35 of a CPU's
+  64 batch-1 steps: 0.95x plain where fixed depth 4 gave 1.55x.)
 * Costs (``LinearFit``, ``linear_fit.py``): the target's step time against [1, sequences, draft rows, verifies]
   (verifies: 1 where the step verifies any draft: the target's verify path costs a third of a decode step on a CPU
   at batch 1, then a tenth of that per row; a linear fit without it priced every draft at the first one's cost and
@@ -187,7 +187,7 @@ class DraftController:
         self.rng = random.Random(0)
         self.uniform = False        # one number of drafts for every request of a step (CUDA graphs replay them)
 
-    def rates(self, acc: Acceptance, sample: bool = True) -> tuple[float, list[float]]:
+    def rates(self, acc: Acceptance, sample: bool = True, crowd: int = 1) -> tuple[float, list[float]]:
         """A request's first-draft acceptance and its acceptance at draft positions 2..k after the one before:
         the global rate of each position (later drafts fail more often), scaled by how the request's later drafts
         fare against everyone's. The first-draft rate is a draw from its posterior (Thompson sampling; ``sample``
@@ -196,14 +196,15 @@ class DraftController:
         observations (a new one, or one whose early drafts failed) drafts now and then while its rate might pay, and
         so gets measured (Thompson alone left a quarter of simulated batch-1 runs stuck after an early rejection,
         where the rest of the request would repay a few drafts many times over); one with many where its rate
-        says."""
+        says. That bound shrinks with the square root of the ``crowd`` of requests planned together (at batch 32 on
+        a CPU, 32 new requests each taken at its bound drafted where their means would not: 0.91x plain)."""
         g = self.accept
         later = g.later.estimate(0.5, 0.0)
         scale = acc.later.estimate(later) / max(later, 1e-6)
         prior = g.first.estimate(0.5, 0.0)
         first = acc.first.estimate(prior)
         if sample:
-            young = first + (first * (1.0 - first) / (acc.seen + PRIOR + 1.0)) ** 0.5
+            young = first + (first * (1.0 - first) / (acc.seen + PRIOR + 1.0) / max(crowd, 1)) ** 0.5
             first = max(acc.first.sample(prior, self.rng), min(young, 1.0))
         return first, [min(1.0, p.estimate(0.5, 0.0) * scale) for p in self.positions]
 

@@ -203,7 +203,7 @@ def simulate(c: DraftController, costs: dict, batch: int, steps: int, seed: int,
     tokens = seconds = 0.0
     depths = []
     for _ in range(steps):
-        depth = c.plan([c.rates(a) for a in accs], [c.k] * batch, batch, 0)
+        depth = c.plan([c.rates(a, crowd=batch) for a in accs], [c.k] * batch, batch, 0)
         step, draft = step_seconds(costs, batch, depth)
         c.record_step(batch, sum(depth), step)
         c.record_draft(batch, batch, max(depth), sum(depth), draft)
@@ -230,14 +230,15 @@ def fixed_depth(costs: dict, batch: int, d: int) -> float:
 def test_batch_32_on_a_cpu_drafts_what_pays(seed):
     """After batch 1 was measured, batch 32's costs come from its own steps (not batch 1's fit extrapolated, whose
     fixed part passed for a base several times the real one and made deep drafts look cheap: 0.84x plain): its
-    drafts earn near the best fixed depth's goodput, >= 1.15x plain decoding, exploration and probes included."""
+    drafts earn near the best fixed depth's goodput, >= 1.12x plain decoding, exploration, probes and the larger
+    batch's margin (``first_margin``: 1.3, over this best 1.24x) included."""
     c = DraftController(4)
     c.rng = random.Random(seed)
     simulate(c, CPU_EARLIER, 1, 60, seed)
     got, depths = simulate(c, CPU_EARLIER, 32, 60, seed)
     best = max(fixed_depth(CPU_EARLIER, 32, d) for d in range(5))
     assert best / fixed_depth(CPU_EARLIER, 32, 0) > 1.2
-    assert got >= 0.93 * best and got >= 1.15 * fixed_depth(CPU_EARLIER, 32, 0), \
+    assert got >= 0.92 * best and got >= 1.12 * fixed_depth(CPU_EARLIER, 32, 0), \
         (got / fixed_depth(CPU_EARLIER, 32, 0), depths)
     assert 0.8 <= sum(depths[-20:]) / 20 <= 2.5               # one or two deep, not the four that lose
 
@@ -355,3 +356,18 @@ def test_a_larger_batch_needs_a_larger_gain():
         assert gain == pytest.approx(1.7 / 1.4)
         assert c.plan([(0.7, 0.5)] * batch, [1] * batch, batch, 0) == [int(batch < 32)] * batch, batch
     assert first_margin(1) == FIRST_MARGIN and first_margin(2) < first_margin(8) < first_margin(32) <= 1.3
+
+
+def test_a_young_requests_optimism_shrinks_with_the_crowd():
+    """A new request's first-draft rate is drawn from its posterior and not taken under its mean plus the standard
+    deviation of that posterior; planned with 31 others, plus that over sqrt(32) (32 new requests each at its bound
+    drafted at batch 32 where their means would not)."""
+    c = DraftController(4)
+    c.rng = random.Random(0)
+    acc = Acceptance()
+    mean = c.rates(acc, sample=False)[0]
+    sd = math.sqrt(mean * (1 - mean) / 3.0)                     # PRIOR (2) pseudo-observations and one
+    lone = min(c.rates(acc)[0] for _ in range(300))
+    crowd = min(c.rates(acc, crowd=32)[0] for _ in range(300))
+    assert lone == pytest.approx(mean + sd)
+    assert mean + sd / math.sqrt(32) <= crowd < mean + 0.3 * sd
