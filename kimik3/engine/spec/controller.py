@@ -73,8 +73,8 @@ FIRST_MARGIN = 1.10      # drafting must raise the expected goodput by 10%: the 
                          # costs beside its steps (requests that draft finish unevenly, so a batch's last ones run
                          # alone: 64-token requests at batch 32 on a CPU spent a fifth of their time so) and the fits
                          # err; at a 2-9% gain (batch 32 on a CPU) the run was slower than plain decoding
-BATCH_MARGIN = 0.05      # ... and 5% more of it per doubling of the batch (``first_margin``), up to MAX_MARGIN: both
-MAX_MARGIN = 1.3         # grow with the batch (more rows priced from fewer probes, a longer tail); on a CPU at batch
+BATCH_MARGIN = 0.08      # ... and 8% more of it per doubling of the batch (``first_margin``), up to MAX_MARGIN: both
+MAX_MARGIN = 1.5         # grow with the batch (more rows priced from fewer probes, a longer tail); on a CPU at batch
                          # 32 a modelled 1.2x ran 0.87x plain
 TRUST = 2.0              # a plan's draft rows stay within twice the most its batch size's steps were measured with:
                          # the costs are not linear (a CPU's batch-32 verify step: a fixed cost, then cheaper rows),

@@ -227,20 +227,19 @@ def fixed_depth(costs: dict, batch: int, d: int) -> float:
 
 
 @pytest.mark.parametrize("seed", range(3))
-def test_batch_32_on_a_cpu_drafts_what_pays(seed):
+def test_batch_32_on_a_cpu_leaves_a_modest_gain(seed):
     """After batch 1 was measured, batch 32's costs come from its own steps (not batch 1's fit extrapolated, whose
-    fixed part passed for a base several times the real one and made deep drafts look cheap: 0.84x plain): its
-    drafts earn near the best fixed depth's goodput, >= 1.12x plain decoding, exploration, probes and the larger
-    batch's margin (``first_margin``: 1.3, over this best 1.24x) included."""
+    fixed part passed for a base several times the real one and made deep drafts look cheap: 0.84x plain). Where
+    the best fixed depth gains 1.24x a step (an earlier CPU measurement), under the batch's margin (``first_margin``:
+    a closed batch's tail and the fits' errors; on the CPU a modelled 1.2x ran 0.87x), nothing drafts after the
+    first steps, and the goodput is near plain decoding's."""
     c = DraftController(4)
     c.rng = random.Random(seed)
     simulate(c, CPU_EARLIER, 1, 60, seed)
     got, depths = simulate(c, CPU_EARLIER, 32, 60, seed)
     best = max(fixed_depth(CPU_EARLIER, 32, d) for d in range(5))
-    assert best / fixed_depth(CPU_EARLIER, 32, 0) > 1.2
-    assert got >= 0.92 * best and got >= 1.12 * fixed_depth(CPU_EARLIER, 32, 0), \
-        (got / fixed_depth(CPU_EARLIER, 32, 0), depths)
-    assert 0.8 <= sum(depths[-20:]) / 20 <= 2.5               # one or two deep, not the four that lose
+    assert 1.2 < best / fixed_depth(CPU_EARLIER, 32, 0) < first_margin(32)
+    assert got >= 0.95 * fixed_depth(CPU_EARLIER, 32, 0) and sum(depths[-40:]) < 1.0, (got, depths)
 
 
 @pytest.mark.parametrize("seed", range(3))
@@ -333,7 +332,7 @@ def test_plans_stay_near_the_draft_rows_measured():
     """Costs are not linear in the draft rows (a CPU's batch-32 verify step: a fixed cost, then cheaper rows): a
     plan has at most ``TRUST`` times the most draft rows its batch size's steps were measured with, and grows as
     its own steps are measured."""
-    c = controller(4, (0.05, 0.001, 0.0001, 0.005), (0.0, 0.0, 0.0005, 0.00005))
+    c = controller(4, (0.05, 0.004, 0.0001, 0.0), (0.0, 0.0, 0.0005, 0.00005))
     rates, rooms = [(0.9, 0.9)] * 32, [4] * 32
     assert sum(c.plan(rates, rooms, 32, 0)) == 128              # cheap rows, measured at every size: all deep
     c.measured[6] = 10.0
@@ -348,14 +347,14 @@ def test_plans_stay_near_the_draft_rows_measured():
 
 def test_a_larger_batch_needs_a_larger_gain():
     """The step model leaves out more at a larger batch (the batch's last requests run alone after the others
-    finished; more rows priced from the probes): drafts that raise a step's goodput by 21% pay at batch 1 and 4,
+    finished; more rows priced from the probes): drafts that raise a step's goodput by 29% pay at batch 1 and 2,
     not at 32 (on a CPU there, a modelled 1.2x ran 0.87x plain)."""
     c = controller(1, (0.0, 0.01, 0.004), (0.0, 0.0, 0.0, 0.0))
-    for batch in (1, 4, 32):
-        gain = goodput([1] * batch, [(0.7, 0.5)] * batch, batch, 0, (0.0, 0.01, 0.004), (0.0,) * 4) * 0.01
-        assert gain == pytest.approx(1.7 / 1.4)
-        assert c.plan([(0.7, 0.5)] * batch, [1] * batch, batch, 0) == [int(batch < 32)] * batch, batch
-    assert first_margin(1) == FIRST_MARGIN and first_margin(2) < first_margin(8) < first_margin(32) <= 1.3
+    for batch in (1, 2, 32):
+        gain = goodput([1] * batch, [(0.8, 0.5)] * batch, batch, 0, (0.0, 0.01, 0.004), (0.0,) * 4) * 0.01
+        assert gain == pytest.approx(1.8 / 1.4)
+        assert c.plan([(0.8, 0.5)] * batch, [1] * batch, batch, 0) == [int(batch < 32)] * batch, batch
+    assert first_margin(1) == FIRST_MARGIN and first_margin(2) < first_margin(8) < first_margin(32) <= 1.5
 
 
 def test_a_young_requests_optimism_shrinks_with_the_crowd():
