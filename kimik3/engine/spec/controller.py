@@ -139,9 +139,9 @@ def _greedy_depths(reach: list[list[float]], rooms: list[int], tokens: float, co
     for j in range(1, max(rooms, default=0) + 1):
         gains = sorted(((reach[i][j - 1], i) for i, room in enumerate(rooms) if depth[i] == j - 1 and room >= j),
                        reverse=True)
-        best, take, total = 0.0, 0, 0.0
+        best, take, total, planned = 0.0, 0, 0.0, sum(depth)
         for n, (g, _) in enumerate(gains, 1):
-            if sum(depth) + n > costs.rows:
+            if planned + n > costs.rows:
                 break
             total += g
             ratio = (tokens + total) / (time + costs.fixed(j) + n * costs.row)
@@ -198,15 +198,23 @@ class DraftController:
         where the rest of the request would repay a few drafts many times over); one with many where its rate
         says. That bound shrinks with the square root of the ``crowd`` of requests planned together (at batch 32 on
         a CPU, 32 new requests each taken at its bound drafted where their means would not: 0.91x plain)."""
+        return self.rates_of([acc], sample, crowd)[0]
+
+    def rates_of(self, accs: list[Acceptance], sample: bool = True, crowd: int = 1) -> list[tuple[float, list[float]]]:
+        """``rates`` of each of ``accs`` in turn (the same draws, in order), the global rates computed once."""
         g = self.accept
         later = g.later.estimate(0.5, 0.0)
-        scale = acc.later.estimate(later) / max(later, 1e-6)
         prior = g.first.estimate(0.5, 0.0)
-        first = acc.first.estimate(prior)
-        if sample:
-            young = first + (first * (1.0 - first) / (acc.seen + PRIOR + 1.0) / max(crowd, 1)) ** 0.5
-            first = max(acc.first.sample(prior, self.rng), min(young, 1.0))
-        return first, [min(1.0, p.estimate(0.5, 0.0) * scale) for p in self.positions]
+        positions = [p.estimate(0.5, 0.0) for p in self.positions]
+        crowd, out = max(crowd, 1), []
+        for acc in accs:
+            scale = acc.later.estimate(later) / max(later, 1e-6)
+            first = acc.first.estimate(prior)
+            if sample:
+                young = first + (first * (1.0 - first) / (acc.seen + PRIOR + 1.0) / crowd) ** 0.5
+                first = max(acc.first.sample(prior, self.rng), min(young, 1.0))
+            out.append((first, [min(1.0, q * scale) for q in positions]))
+        return out
 
     def settle(self, acc: Acceptance, drafts: int, accepted: int) -> None:
         acc.record(drafts, accepted, REQUEST_DECAY)

@@ -60,7 +60,8 @@ class ModelState:
     watch: tuple[int, int] | None = None     # (position, the first draft computed for it) while not drafting
     gap: int = 1                             # decode steps between its watched first drafts
     wait: int = 0                            # decode steps before the next one
-    lag: list = field(default_factory=list)  # rows not caught up yet: (target states [n, W], positions, next tokens)
+    lag: list = field(default_factory=list)  # rows not caught up yet: ((target states, first row: its n rows
+                                             # follow), positions [n], next tokens [n])
 
 
 class ModelDrafter(Drafter):
@@ -219,7 +220,7 @@ class ModelDrafter(Drafter):
         (work, the heads' requests, drafts each proposes: 0 for a watching head, the states its rows index)."""
         work, cands, spans = self._catch_up(out)
         rooms = [self._room(req) for req, _, _ in cands]
-        rates = [self.controller.rates(self.state(req).accept, crowd=len(cands)) for req, _, _ in cands]
+        rates = self.controller.rates_of([self.state(req).accept for req, _, _ in cands], crowd=len(cands))
         depths = self.controller.plan(rates, rooms, len(cands), 0)
         heads = self._drafting(cands, rooms, depths)
         if self.may_lag and self.executor.graphs is None:
@@ -238,8 +239,8 @@ class ModelDrafter(Drafter):
     def _drafting(self, cands: list, rooms: list[int], depths: list[int]) -> list[int]:
         """The candidates that draft or watch, longest first. Requests that do not draft watch (their first draft)
         only where a forward runs anyway (a step that drafts nothing runs no draft forward)."""
-        watchers = {i for i, (req, _, _) in enumerate(cands) if any(depths) and self.controller.schedule is None
-                    and rooms[i] and self.state(req).wait == 0}
+        watch = any(depths) and self.controller.schedule is None
+        watchers = {i for i, (req, _, _) in enumerate(cands) if watch and rooms[i] and self.state(req).wait == 0}
         heads = sorted((i for i in range(len(cands)) if depths[i] or i in watchers), key=lambda i: -max(depths[i], 1))
         for i in set(range(len(cands))) - set(heads):
             s = self.state(cands[i][0])
@@ -250,7 +251,8 @@ class ModelDrafter(Drafter):
         """Rows of requests that neither draft nor watch now wait, their target states copied (``ModelState.lag``);
         a request's waiting rows are caught up with its next caught-up rows (the step it drafts or watches, one that
         completes a block with prefix caching on: a cached block's draft rows are written, or ``MAX_LAG`` rows).
-        Waiting rows at or past a chunk's first position are dropped (preempted and recomputed). Rewrites ``work``'s
+        Waiting rows at or past a chunk's first position are dropped (preempted and recomputed). The waiting rows'
+        states are copied with one gather per step and sliced per request only when caught up. Rewrites ``work``'s
         rows (those appended to ``states`` index past the step's rows): (the states, old row index -> new one)."""
         rows, positions, slots, next_ids, extra, moved = [], [], [], [], [], {}
         held, owners, bs, top = [], [], self.block_size, states.shape[0]
@@ -258,19 +260,20 @@ class ModelDrafter(Drafter):
             s = self.state(req)
             first = work.positions[a]
             if s.lag and s.lag[-1][1][-1] >= first:       # recomputed (preempted): its waiting rows are stale
-                s.lag = [(f[:first - p[0]], p[:first - p[0]], x[:first - p[0]]) for f, p, x in s.lag if p[0] < first]
+                s.lag = [(f, p[:first - p[0]], x[:first - p[0]]) for f, p, x in s.lag if p[0] < first]
             pos = work.positions[a:a + n]
             waiting = s.lag[-1][1][-1] - s.lag[0][1][0] + 1 if s.lag else 0     # consecutive positions
             if id(req) not in heads and waiting + n <= MAX_LAG and not (
                     self.prefix_caching and any((q + 1) % bs == 0 for q in pos)):
-                owners.append((s, len(held), pos, work.next_ids[a:a + n]))
+                s.lag.append((len(held), pos, work.next_ids[a:a + n]))   # its states: once gathered, below
+                owners.append(s)
                 held.extend(work.rows[a:a + n])
                 continue
             table = req.cache.block_ids
-            for f, p, x in s.lag:
+            for (f, i), p, x in s.lag:
                 rows.extend(range(top, top + len(p)))
                 top += len(p)
-                extra.append(f)
+                extra.append(f[i:i + len(p)])
                 positions.extend(p)
                 slots.extend(table[q // bs] * bs + q % bs for q in p)
                 next_ids.extend(x)
@@ -282,9 +285,12 @@ class ModelDrafter(Drafter):
             slots.extend(work.slots[a:a + n])
             next_ids.extend(work.next_ids[a:a + n])
         if held:
-            feats = states[torch.tensor(held, dtype=torch.int64, device=states.device)]
-            for s, i, pos, nxt in owners:
-                s.lag.append((feats[i:i + len(pos)], pos, nxt))
+            lo = held[0]
+            feats = states[lo:lo + len(held)].clone() if held[-1] - lo == len(held) - 1 and held == list(
+                range(lo, lo + len(held))) else states[torch.tensor(held, dtype=torch.int64, device=states.device)]
+            for s in owners:
+                i, pos, nxt = s.lag[-1]
+                s.lag[-1] = ((feats, i), pos, nxt)
         work.rows, work.positions, work.slots, work.next_ids = rows, positions, slots, next_ids
         return (torch.cat([states, *extra]) if extra else states), moved
 

@@ -370,3 +370,26 @@ def test_a_young_requests_optimism_shrinks_with_the_crowd():
     crowd = min(c.rates(acc, crowd=32)[0] for _ in range(300))
     assert lone == pytest.approx(mean + sd)
     assert mean + sd / math.sqrt(32) <= crowd < mean + 0.3 * sd
+
+
+def test_rates_of_a_batch_are_each_requests_rates_with_the_same_draws():
+    """``rates_of`` (the global rates computed once per step) gives each request what the formula gives it,
+    drawing its Thompson samples in order from the same generator: the plan sees the same rates and draws."""
+    c = DraftController(4)
+    c.accept = Acceptance(Rate(5.0, 9.0), Rate(3.0, 7.0))
+    c.positions = [Rate(2.0, 4.0), Rate(1.0, 4.0), Rate(0.5, 3.0)]
+    accs = [Acceptance(Rate(h, t), Rate(lh, lt), seen) for h, t, lh, lt, seen in
+            [(0.0, 0.0, 0.0, 0.0, 0), (2.0, 3.0, 1.0, 2.0, 3), (0.1, 4.0, 0.0, 1.0, 9), (3.9, 4.0, 2.5, 3.0, 40)]]
+    for sample in (True, False):
+        c.rng, rng = random.Random(7), random.Random(7)
+        got = c.rates_of(accs, sample=sample, crowd=len(accs))
+        g_first, g_later = 5.0 / 9.0, 3.0 / 7.0
+        for acc, (first, later) in zip(accs, got):
+            mean = (acc.first.hits + 2.0 * g_first) / (acc.first.tries + 2.0)
+            want = mean
+            if sample:
+                draw = rng.betavariate(acc.first.hits + 2.0 * g_first, acc.first.tries + 2.0 - acc.first.hits - 2.0 * g_first)
+                want = max(draw, min(mean + math.sqrt(mean * (1 - mean) / (acc.seen + 3.0) / len(accs)), 1.0))
+            scale = (acc.later.hits + 2.0 * g_later) / (acc.later.tries + 2.0) / g_later
+            assert first == pytest.approx(want, rel=1e-12)
+            assert later == pytest.approx([min(1.0, h / t * scale) for h, t in [(2.0, 4.0), (1.0, 4.0), (0.5, 3.0)]])
