@@ -60,8 +60,7 @@ class ModelState:
     watch: tuple[int, int] | None = None     # (position, the first draft computed for it) while not drafting
     gap: int = 1                             # decode steps between its watched first drafts
     wait: int = 0                            # decode steps before the next one
-    lag: list = field(default_factory=list)  # rows not caught up yet: ((target states, first row: its n rows
-                                             # follow), positions [n], next tokens [n])
+    lag: list = field(default_factory=list)  # rows not caught up: (([step's states], 1st row), positions, next ids)
 
 
 class ModelDrafter(Drafter):
@@ -251,11 +250,10 @@ class ModelDrafter(Drafter):
         """Rows of requests that neither draft nor watch now wait, their target states copied (``ModelState.lag``);
         a request's waiting rows are caught up with its next caught-up rows (the step it drafts or watches, one that
         completes a block with prefix caching on: a cached block's draft rows are written, or ``MAX_LAG`` rows).
-        Waiting rows at or past a chunk's first position are dropped (preempted and recomputed). The waiting rows'
-        states are copied with one gather per step and sliced per request only when caught up. Rewrites ``work``'s
+        Waiting rows at or past a chunk's first position are dropped (preempted and recomputed). Rewrites ``work``'s
         rows (those appended to ``states`` index past the step's rows): (the states, old row index -> new one)."""
         rows, positions, slots, next_ids, extra, moved = [], [], [], [], [], {}
-        held, owners, bs, top = [], [], self.block_size, states.shape[0]
+        held, cell, bs, top = [], [], self.block_size, states.shape[0]     # cell: [the step's waiting rows' states]
         for req, a, n in spans:
             s = self.state(req)
             first = work.positions[a]
@@ -265,15 +263,14 @@ class ModelDrafter(Drafter):
             waiting = s.lag[-1][1][-1] - s.lag[0][1][0] + 1 if s.lag else 0     # consecutive positions
             if id(req) not in heads and waiting + n <= MAX_LAG and not (
                     self.prefix_caching and any((q + 1) % bs == 0 for q in pos)):
-                s.lag.append((len(held), pos, work.next_ids[a:a + n]))   # its states: once gathered, below
-                owners.append(s)
+                s.lag.append(((cell, len(held)), pos, work.next_ids[a:a + n]))    # its states: cell[0][i:i + n]
                 held.extend(work.rows[a:a + n])
                 continue
             table = req.cache.block_ids
             for (f, i), p, x in s.lag:
                 rows.extend(range(top, top + len(p)))
                 top += len(p)
-                extra.append(f[i:i + len(p)])
+                extra.append(f[0][i:i + len(p)])
                 positions.extend(p)
                 slots.extend(table[q // bs] * bs + q % bs for q in p)
                 next_ids.extend(x)
@@ -284,13 +281,9 @@ class ModelDrafter(Drafter):
             positions.extend(pos)
             slots.extend(work.slots[a:a + n])
             next_ids.extend(work.next_ids[a:a + n])
-        if held:
-            lo = held[0]
-            feats = states[lo:lo + len(held)].clone() if held[-1] - lo == len(held) - 1 and held == list(
-                range(lo, lo + len(held))) else states[torch.tensor(held, dtype=torch.int64, device=states.device)]
-            for s in owners:
-                i, pos, nxt = s.lag[-1]
-                s.lag[-1] = ((feats, i), pos, nxt)
+        if held:    # one copy per step (a slice where the rows, ascending, are consecutive: a decode step's)
+            cell.append(states[held[0]:held[-1] + 1].clone() if held[-1] - held[0] + 1 == len(held) else
+                        states[torch.tensor(held, dtype=torch.int64, device=states.device)])
         work.rows, work.positions, work.slots, work.next_ids = rows, positions, slots, next_ids
         return (torch.cat([states, *extra]) if extra else states), moved
 
