@@ -287,21 +287,34 @@ class DraftController:
                       verify=max(float(beta[3]), 0.0), attend=max(float(dbeta[4]), 0.0), watching=watching,
                       rows=TRUST * self.measured.get(batch.bit_length(), 0.0))
 
-    def plan(self, rates: list[tuple[float, float]], rooms: list[int], batch: int, watching: int) -> list[int]:
+    def idle(self, rooms: list[int], batch: int) -> bool:
+        """Whether no plan can pay at ``batch`` whatever the requests' rates (all drafts accepted: D drafts emit at
+        most ``batch`` + D tokens in at least the base, the first position's fixed and D rows' time, monotone in D),
+        so ``plan`` drafts nothing but its probes: its rates need not be drawn (``plan``'s ``rates`` None)."""
+        costs = self._costs(batch, 0) if self.scheduled(batch) is None else None
+        if costs is None or not rooms:
+            return False
+        bar, most = first_margin(batch) * batch / costs.base, sum(min(r, self.k) for r in rooms)
+        return all((batch + d) / (costs.base + costs.fixed(1) + d * costs.row) <= bar for d in (1, most))
+
+    def plan(self, rates: list[tuple[float, float]] | None, rooms: list[int], batch: int, watching: int) -> list[int]:
         """Drafts per candidate (``rates``: its (a, c); ``rooms``: most drafts it may take) for a step of
         ``batch`` sequences in which ``watching`` other requests compute their first draft anyway. With
         ``uniform`` (the target replays CUDA graphs, whose verify steps need one number of drafts for all) one
-        depth for every candidate, the best one. With a table (``schedule``) the table's drafts for ``batch``."""
+        depth for every candidate, the best one. With a table (``schedule``) the table's drafts for ``batch``.
+        ``rates`` None: the step is ``idle`` (no drafts but the probes')."""
         fixed = self.scheduled(batch)
         if fixed is not None:
             return [min(r, fixed) for r in rooms]
         costs = self._costs(batch, watching)
-        if costs is None or not rates:
+        if costs is None or not rooms:
             return [min(r, self.k) for r in rooms]          # nothing measured yet: draft, and measure
-        reach = [_reach(a, c, min(room, self.k)) for (a, c), room in zip(rates, rooms)]
-        depth = (_uniform_depths if self.uniform else _greedy_depths)(reach, rooms, float(batch), costs,
-                                                                      first_margin(batch))
-        logger.debug("plan: batch %d, costs %s: %d drafts, depth %d", batch, costs, sum(depth), max(depth, default=0))
+        depth = [0] * len(rooms)                            # rates None: ``idle``, no plan pays
+        if rates is not None:
+            reach = [_reach(a, c, min(room, self.k)) for (a, c), room in zip(rates, rooms)]
+            depth = (_uniform_depths if self.uniform else _greedy_depths)(reach, rooms, float(batch), costs,
+                                                                          first_margin(batch))
+            logger.debug("plan: batch %d, costs %s: %d drafts, depth %d", batch, costs, sum(depth), max(depth))
         own = self.steps.get(batch.bit_length())
         return self._dither(depth, rooms, own.count if own is not None else 0)
 

@@ -219,7 +219,8 @@ class ModelDrafter(Drafter):
         (work, the heads' requests, drafts each proposes: 0 for a watching head, the states its rows index)."""
         work, cands, spans = self._catch_up(out)
         rooms = [self._room(req) for req, _, _ in cands]
-        rates = self.controller.rates_of([self.state(req).accept for req, _, _ in cands], crowd=len(cands))
+        rates = None if self.controller.idle(rooms, len(cands)) else self.controller.rates_of(
+            [self.state(req).accept for req, _, _ in cands], crowd=len(cands))     # idle: no plan pays
         depths = self.controller.plan(rates, rooms, len(cands), 0)
         heads = self._drafting(cands, rooms, depths)
         if self.may_lag and self.executor.graphs is None:

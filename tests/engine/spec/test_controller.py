@@ -393,3 +393,25 @@ def test_rates_of_a_batch_are_each_requests_rates_with_the_same_draws():
             scale = (acc.later.hits + 2.0 * g_later) / (acc.later.tries + 2.0) / g_later
             assert first == pytest.approx(want, rel=1e-12)
             assert later == pytest.approx([min(1.0, h / t * scale) for h, t in [(2.0, 4.0), (1.0, 4.0), (0.5, 3.0)]])
+
+
+@pytest.mark.parametrize("uniform", [False, True])
+def test_an_idle_step_is_one_no_rates_would_draft_in(uniform):
+    """``idle`` (the step's rates are not drawn) only where the plan drafts nothing whatever the rates: every
+    draft accepted, each request's own, and random ones; and often at costs where drafts cannot pay."""
+    rng, idle = random.Random(3), 0
+    for _ in range(400):
+        batch = rng.choice([1, 2, 5, 16, 32])
+        step = (rng.uniform(0.0, 0.02), rng.uniform(0.0, 0.002), rng.uniform(0.0, 0.002), rng.uniform(0.0, 0.01))
+        draft = (rng.uniform(0.0, 0.002), rng.uniform(0.0, 1e-4), rng.uniform(0.0, 0.003), rng.uniform(0.0, 3e-4),
+                 rng.uniform(0.0, 0.003))
+        c = controller(4, step, draft)
+        c.uniform = uniform
+        rooms = [rng.randint(0, 4) for _ in range(batch)]
+        if not c.idle(rooms, batch):
+            continue
+        idle += 1
+        assert c.plan(None, rooms, batch, 0) == [0] * batch
+        for rates in ([(1.0, 1.0)] * batch, [(rng.random(), rng.random()) for _ in range(batch)]):
+            assert c.plan(rates, rooms, batch, 0) == [0] * batch, (step, draft, rooms, rates)
+    assert 40 < idle < 360, idle
