@@ -45,7 +45,8 @@ request instead of one k for the batch.
   step's. Requests that do not draft watch only in steps where others draft (their first drafts ride on a forward
   that runs anyway), so a step that drafts nothing costs only the draft's catch-up of its rows
   (tests/engine/spec/test_controller.py: injected CPU and GPU timings). With ``uniform`` (CUDA graphs) the plans are
-  one depth for all requests, the same judgment picks.
+  one depth for all requests, the same judgment picks. A step where no plan could pay even with every draft
+  accepted (``idle``: a large batch on a CPU) draws no rates and plans nothing but its probes.
 * A table (vLLM's ``num_speculative_tokens_per_batch_size``, ``scheduled``) replaces the plan: each request drafts
   the table's number for the step's batch size, whatever the measurements (fixed-depth measurements).
 """
