@@ -27,7 +27,8 @@ class LinearFit:
         if self.count:                   # a step slowed by something else (another process, a page fault); from
             # the first: a coefficient few steps excite (a verify step's fixed cost while nothing drafts) kept the
             # first verify step's 0.5 s on a loaded machine, and no step drafted again
-            y = float(np.clip(y, 0.6 * self.predict(x), 1.7 * self.predict(x) + 1e-6))
+            p = float(np.dot(self.beta, v))
+            y = float(np.clip(y, 0.6 * p, 1.7 * p + 1e-6))
         self.a = self.a * self.decay + np.outer(v, v)
         self.b = self.b * self.decay + v * y
         self.count += 1
