@@ -56,6 +56,7 @@ on CUDA; a subclass records the function itself (tests replay it eagerly over th
 from __future__ import annotations
 
 import logging
+from dataclasses import dataclass
 
 import torch
 
@@ -72,6 +73,16 @@ logger = logging.getLogger(__name__)
 DRAFT_GRAPH_MAX_SEQS = 32          # drafting heads per graph (as the target's verify graphs: VERIFY_GRAPH_MAX_SEQS)
 MAX_KEY_BYTES = 256 << 20          # a step graph's gathered keys and values (fp32) at most
 MIN_SPAN = 256                     # the shortest key span (positions), before rounding to whole blocks
+
+
+@dataclass(frozen=True)
+class StepPlan:
+    """What ``DraftGraphs.launch`` replays for one step's ``DraftWork`` (``DraftGraphs.step_plan``)."""
+
+    rows: int                           # padded catch-up rows R: graph ("rows", R)
+    chain: list[tuple]                  # the graph key of each draft position (``step_key``)
+    rounds: tuple[int, int] | None      # a KDA first layer's catch-up (padded sequences, rounds) in graphs, or None:
+    #                                     eagerly before the replays (``rounds_for``; always None without one)
 
 
 def span_ladder(max_len: int, block_size: int, min_span: int = MIN_SPAN) -> list[int]:
@@ -310,14 +321,17 @@ class DraftGraphs:
         S = padded_batch_size(len(work.seq_lens), self.sizes)
         return (S, r) if S is not None and r <= self.k else None
 
-    def catches_up(self, work) -> bool:
-        """Whether ``launch`` replays the catch-up of a draft whose first layer is KDA (else it ran eagerly, before:
-        ``DraftExecutor._recurrent_catch_up``)."""
-        return self.rounds_for(work) is not None
-
     def fits(self, work, states: torch.Tensor) -> bool:
         """Whether ``launch`` replays ``work`` (else it does nothing and the step runs eagerly)."""
-        return states.dtype == self.states.dtype and self.plan(work) is not None
+        return self.step_plan(work, states) is not None
+
+    def step_plan(self, work, states: torch.Tensor) -> StepPlan | None:
+        """What ``launch`` replays for ``work`` (``plan`` and, a KDA first layer, ``rounds_for``), worked out once a
+        step: the executor passes it on to ``launch``. None: no graph fits (the step runs eagerly)."""
+        if states.dtype != self.states.dtype:
+            return None
+        plan = self.plan(work)
+        return None if plan is None else StepPlan(*plan, self.rounds_for(work))
 
     def plan(self, work) -> tuple[int, list[tuple]] | None:
         """(padded rows, the graph key of each draft position: ``step_key``) for ``work``, or None (eager)."""
@@ -344,9 +358,10 @@ class DraftGraphs:
             chain.append(key)
         return R, chain
 
-    def stage_rounds(self, work) -> tuple[int, int] | None:
-        """A KDA first layer's catch-up rounds of ``work`` copied in (``rounds_for``); None where it ran eagerly."""
-        plan = self.rounds_for(work)
+    def stage_rounds(self, work, plan: tuple[int, int] | None = ()) -> tuple[int, int] | None:
+        """A KDA first layer's catch-up rounds of ``work`` copied in (``plan``: its ``rounds_for``, worked out here
+        when not given); None where it ran eagerly."""
+        plan = self.rounds_for(work) if plan == () else plan
         if plan is None or not plan[1]:
             return plan
         rounds = self.rounds_host
@@ -366,15 +381,17 @@ class DraftGraphs:
         return None if collect is None else collect()
 
     @torch.inference_mode()
-    def launch(self, work, states: torch.Tensor):
+    def launch(self, work, states: torch.Tensor, plan: StepPlan | None = None):
         """Queue ``work``'s replays and the copy of its drafts to the host; a function that waits for them and returns
-        the drafts of each head, or None where no graph fits (nothing queued: ``fits``). Call it before the next
-        launch (the buffers are reused). An MTP draft with a KDA first layer: its catch-up in rounds, or (where
-        ``catches_up`` is false) ran before, eagerly (``DraftExecutor._recurrent_catch_up``)."""
-        plan = self.plan(work) if states.dtype == self.states.dtype else None
+        the drafts of each head, or None where no graph fits (nothing queued: ``fits``). ``plan``: ``work``'s
+        ``step_plan`` where the caller has it (else worked out here). Call it before the next launch (the buffers are
+        reused). An MTP draft with a KDA first layer: its catch-up in rounds, or (where ``plan.rounds`` is None) ran
+        before, eagerly (``DraftExecutor._recurrent_catch_up``)."""
+        if plan is None:
+            plan = self.step_plan(work, states)
         if plan is None:
             return None
-        R, chain = plan
+        R, chain = plan.rows, plan.chain
         T, n = len(work.rows), len(work.heads)
         if self.staged is not None:
             self.staged.synchronize()           # the last step's copies out of the staging buffers are done
@@ -399,7 +416,7 @@ class DraftGraphs:
             for i, t in enumerate(work.tables):          # blocks past the span hold no position it reads
                 tables[i, :min(len(t), W)] = t[:W]
             self.tables[:N * W].copy_(self.tables_host[:N * W], non_blocking=True)
-        rounds = self.stage_rounds(work)
+        rounds = self.stage_rounds(work, plan.rounds)
         if self.staged is not None:
             self.staged.record()
         torch.index_select(states, 0, self.rows[3, :T], out=self.states[:T])    # the caught-up rows' states

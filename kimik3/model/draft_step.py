@@ -179,12 +179,14 @@ class DraftExecutor:
     def _replayed(self, work: DraftWork, states: torch.Tensor):
         """``work`` queued on the draft's graphs (``DraftGraphs.launch``: a function that returns its drafts), or None
         (nothing done) where none fits. A KDA first layer's catch-up runs eagerly first where the graphs' rounds do not
-        hold it (the target's state copies, prefix checkpoints, prompt rows: ``DraftGraphs.rounds_for``)."""
-        if self.graphs is None or not self.graphs.fits(work, states):
+        hold it (the target's state copies, prefix checkpoints, prompt rows: ``DraftGraphs.rounds_for``). The step's
+        plan is worked out once (``DraftGraphs.step_plan``) and handed to ``launch``."""
+        plan = None if self.graphs is None else self.graphs.step_plan(work, states)
+        if plan is None:
             return None
-        if self.recurrent and not self.graphs.catches_up(work):
+        if self.recurrent and plan.rounds is None:
             self._recurrent_catch_up(work, states[self._long(work.rows).to(states.device)])
-        return self.graphs.launch(work, states)
+        return self.graphs.launch(work, states, plan)
 
     def _recurrent_catch_up(self, work: DraftWork, feats: torch.Tensor) -> None:
         """MTP whose layer 0 is KDA: its states follow the target's committed rows. The target step's restores and

@@ -225,3 +225,29 @@ def test_mtp_drafts_capture():
     plain = mtp_draft((False,), True)
     g = DraftGraphs(plain, allocate_draft_cache(plain, 9, BS, 4), BS, 4, 40, 3, torch.float32)
     assert {g.step_key(2, 44, j) for j in range(3)} == {("step", 2, 44, 0, 0)}
+
+
+def test_a_step_works_out_its_plan_once():
+    """A step through the executor works out its graphs (``DraftGraphs.plan``, a loop over the heads) and a KDA first
+    layer's catch-up rounds (``rounds_for``, a loop over the sequences) once each, whether the rounds replay or the
+    catch-up runs eagerly first, or the step runs eagerly (no graph fits); the drafts are the eager executor's."""
+    draft = mtp_draft((True,), False)
+    eager, graphed, num_blocks = mtp_executors(draft)
+    g, calls = graphed.graphs, []
+    for name in ("plan", "rounds_for"):
+        def counted(work, f=getattr(g, name), name=name):
+            calls.append(name)
+            return f(work)
+        setattr(g, name, counted)
+    rng = random.Random(7)
+    # rounds in graphs; the catch-up eagerly (state ops); a head at position 0 (no graph fits)
+    for seqs, state_ops, replays in (([(9, 3, 2), (5, 1, 1)], False, True), ([(9, 3, 2)], True, True),
+                                     ([(0, 1, 1)], False, False)):
+        work, T = mtp_work(rng, num_blocks, seqs, state_ops)
+        states = torch.randn(T, draft.cfg.hidden_size)
+        calls.clear()
+        g.replayed.clear()
+        assert graphed.run(work, states) == eager.run(work, states), seqs
+        assert calls == (["plan", "rounds_for"] if replays else ["plan"]), (seqs, calls)
+        assert bool(g.replayed) == replays and (("rounds", 2, 2) in g.replayed) == (replays and not state_ops)
+        sync(eager.cache, graphed.cache)

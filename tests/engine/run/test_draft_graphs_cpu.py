@@ -192,8 +192,8 @@ def test_draft_steps_replay_graphs_with_the_eager_drafts(target, monkeypatch, me
     launched, collected, in_flight = [], [], []
     launch = draft_graphs.launch
 
-    def tracking(work, states):
-        collect = launch(work, states)
+    def tracking(work, states, plan=None):
+        collect = launch(work, states, plan)
         if collect is None:
             return None
         launched.append(len(launched))
