@@ -21,6 +21,10 @@ graphs run the router and the shared experts beside the routed path (measured fa
 captured size, benchmarks/RESULTS.md); eager steps stay on one stream, where the extra stream
 switches cost more host time than the overlap saves.
 
+Under expert parallelism the MoE blocks run their share in fixed shapes inside ``step``
+(``moe.fixed_shape_experts``: every (token, expert) pair, other ranks' at weight 0), as a capture
+needs: the eager steps' local pairs alone bring their count to the host.
+
 Padding rows are token 0, context 0, state slot 0 and block 0. The ops do not skip them: fla's
 pool decode (``ssm_state_indices``), the conv window write and the latent write all read and
 write index 0. Slot 0 and block 0 are the null entries that the cache manager never hands to a
@@ -40,6 +44,7 @@ import numpy as np
 import torch
 
 from kimik3.model.batch import ForwardBatch, HybridCache
+from kimik3.model.moe import fixed_shape_experts, moe_blocks
 from kimik3.ops import ceil_div
 
 logger = logging.getLogger(__name__)
@@ -152,6 +157,7 @@ class DecodeGraphs:
                  aux_layers: tuple[int, ...] = ()):
         self.model, self.cache = model, cache
         self.aux_layers = tuple(aux_layers)
+        self.moes = moe_blocks(model)       # their expert-parallel share in fixed shapes while a step is captured
         self.sizes = graph_batch_sizes(max_num_seqs)
         self.max_model_len, self.max_query_len = max_model_len, max_query_len
         device = torch.device(model.device)
@@ -191,7 +197,12 @@ class DecodeGraphs:
     def step(self, size: int, L: int = 1) -> torch.Tensor:
         """One step over the static inputs of ``size`` sequences of L tokens: logits [size * L, vocab]. With
         ``aux_layers`` the states the draft reads are written to rows 0 .. size * L of ``aux_states``, a fixed
-        buffer outside the graphs' pool."""
+        buffer outside the graphs' pool. The MoE blocks under expert parallelism run in fixed shapes
+        (``moe.fixed_shape_experts``)."""
+        with fixed_shape_experts(self.moes):
+            return self._step(size, L)
+
+    def _step(self, size: int, L: int) -> torch.Tensor:
         T = size * L
         if not self.aux_layers:
             return self.model.compute_logits(self.model.forward_step(self.meta[0, :T], self.batches[size, L], self.cache))

@@ -46,7 +46,9 @@ equal up to rounding). A step with a head at position 0 (an eager prefill row) r
 Under tensor parallelism every rank captures its own graphs at once, their collectives inside (the attention's
 and MLP's / MoE's all-reduces, the greedy pick's all-gather), and all keep them only if every rank succeeded
 (``parallel/worker.py``); a step's plan depends only on its ``DraftWork`` and the captured keys, the same on every
-rank, so every rank replays the same graphs in the same order (or all run the step eagerly).
+rank, so every rank replays the same graphs in the same order (or all run the step eagerly). Under expert
+parallelism an MTP draft's MoE blocks run their share in fixed shapes in what the graphs record (``fixed``:
+``moe.fixed_shape_experts``), as the target's decode graphs do.
 
 Inputs reach the graphs through fixed buffers filled before the replays (one host-to-device copy each); the
 drafts come back in one device-to-host copy, as the eager executor's do. ``record`` captures one function
@@ -66,6 +68,7 @@ from kimik3.model.cuda_graphs import (capture_graph, captured_or_none, garbage_c
 from kimik3.model.dflash import DFlashDraft, DFlashLayer
 from kimik3.model.draft_attention import DraftBatch
 from kimik3.model.eagle3 import Eagle3Draft, Eagle3Layer
+from kimik3.model.moe import fixed_shape_experts, moe_blocks
 from kimik3.model.mtp import MTPDraft, MTPLayer
 
 logger = logging.getLogger(__name__)
@@ -153,6 +156,7 @@ class DraftGraphs:
         self.tokens_host = torch.zeros(self.tokens.shape, dtype=torch.int64, pin_memory=pinned)
         self.copied = torch.cuda.Event() if pinned else None     # when the drafts reached ``tokens_host``
         self.graphs: dict[tuple, object] = {}
+        self.moes = moe_blocks(draft)       # an MTP draft's: their expert-parallel share in fixed shapes (``record``)
         self.num_replays = 0
         self._keep: tuple = ()
 
@@ -272,6 +276,14 @@ class DraftGraphs:
         self._pool = graph.pool()
         return graph
 
+    def fixed(self, fn):
+        """``fn`` with the draft's MoE blocks under expert parallelism in fixed shapes (``moe.fixed_shape_experts``:
+        no host synchronisation), what ``capture`` records."""
+        def run():
+            with fixed_shape_experts(self.moes):
+                return fn()
+        return run
+
     @torch.inference_mode()
     @garbage_collection_paused()
     def capture(self) -> None:
@@ -287,10 +299,10 @@ class DraftGraphs:
             keep += [rotary.cos, rotary.sin]
         self._keep = tuple(keep)        # the tables the graphs read stay alive if an eager step regrows them
         for R in sorted(self.row_sizes, reverse=True):
-            self.graphs["rows", R] = self.record(lambda R=R: self.catch_up(R))
+            self.graphs["rows", R] = self.record(self.fixed(lambda R=R: self.catch_up(R)))
         for S in sorted(self.sizes, reverse=True) if self.recurrent else ():
             for r in range(self.k, 0, -1):
-                self.graphs["rounds", S, r] = self.record(lambda S=S, r=r: self.catch_up_rounds(S, r))
+                self.graphs["rounds", S, r] = self.record(self.fixed(lambda S=S, r=r: self.catch_up_rounds(S, r)))
         kinds = sorted({self.step_key(1, 1, j)[3:] for j in range(max(self.k, 1))})   # MTP: (layer, phase) a position
         for N, S in sorted(self.steps_keys, key=lambda key: -key[0] * key[1]):
             for kind in kinds:
@@ -298,7 +310,7 @@ class DraftGraphs:
                     t.zero_()                                                  # capturing reads past its span
                 fn = (lambda N=N, S=S, kind=kind: self.mtp_step(N, S, *kind)) if kind else \
                     (lambda N=N, S=S: self.step(N, S))
-                self.graphs[("step", N, S, *kind)] = self.record(fn)
+                self.graphs[("step", N, S, *kind)] = self.record(self.fixed(fn))
         if self.device.type == "cuda":
             torch.cuda.synchronize()
         logger.info("captured CUDA graphs of the draft's steps: catch-up rows %s, heads x key spans %s",

@@ -258,6 +258,9 @@ class MoE(nn.Module):
         self.exchange: ExpertExchange | None = make_exchange(par)     # token-sharded modes only
         self.side_stream: torch.cuda.Stream | None = None      # set by KimiForCausalLM.use_side_stream
         self.offload: LayerOffload | None = None                # set by ExpertOffload (expert_offload.py)
+        # expert parallelism: this rank's share of the pairs in fixed shapes (``local_pairs``), no host
+        # synchronisation; on inside ``fixed_shape_experts`` (the functions CUDA graphs capture)
+        self.fixed_shapes = False
         # EPLB (``set_placement`` once loaded): logical -> physical routing and the logical experts' loads
         self.placement: Placement | None = None
         self.expert_load: torch.Tensor | None = None         # [E] tokens routed to each logical expert
@@ -413,19 +416,61 @@ class MoE(nn.Module):
 
     def local_experts(self, z: torch.Tensor, weights: torch.Tensor, ids: torch.Tensor) -> torch.Tensor:
         """This rank's share of the routed sum over all tokens ([T, L]; the whole sum in one process).
-        Under EP only (token, slot) pairs routed to local experts run, one row per pair."""
+        Under EP only (token, slot) pairs routed to local experts run, one row per pair (their count comes to the
+        host); with ``fixed_shapes`` (a CUDA graph's capture) every pair runs, other ranks' at weight 0
+        (``local_pairs``)."""
         if self.par.ep_size == 1:
             return self.run_experts(z, weights, ids)
+        if self.fixed_shapes and ids.numel():
+            return self.run_experts(z, *self.local_pairs(weights, ids))
         local = ids - self.experts.first_expert
         tok, slot = ((local >= 0) & (local < self.experts.w1.shape[0])).nonzero(as_tuple=True)
         out = self.run_experts(z[tok], weights[tok, slot].unsqueeze(-1), local[tok, slot].unsqueeze(-1))
         return self.combine(z.shape[0], tok, out)
+
+    def local_pairs(self, weights: torch.Tensor, ids: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
+        """Expert parallelism in fixed shapes: (weights, local expert ids) [T, k] of every (token, slot) pair, a pair
+        routed to another rank's expert at weight 0 and pointed at a local expert the step reads anyway (its token's
+        smallest local one, else the step's smallest; local 0 where no pair is local), so its row adds exactly 0
+        and no other expert's weights are read. Device ops only: a CUDA graph captures them (the kernels then run T k
+        rows, not the ~T k / e local ones: cheap at decode sizes, where reading the experts' weights dominates). The
+        kernels' rows-per-expert choices (tiles; FP8 activations, W4A8: ``KernelTuning``) then see e times the local
+        pairs' average: a draft's steps (<= 32 heads) stay below the thresholds that change values (K3 at EP16: 9
+        rows an expert against 32 / 48), a large decode batch may cross one that its eager step would not."""
+        n = self.experts.w1.shape[0]
+        local = ids - self.experts.first_expert
+        mine = (local >= 0) & (local < n)
+        masked = torch.where(mine, local, n)
+        own = masked.amin(dim=1, keepdim=True)                      # n: the token has no local expert
+        fill = torch.where(own < n, own, masked.amin() % n)          # the step's smallest (no local pair: 0)
+        return weights.masked_fill(~mine, 0.0), torch.where(mine, local, fill)
 
     def combine(self, num_tokens: int, tok: torch.Tensor, rows: torch.Tensor) -> torch.Tensor:
         """Sum per-pair expert rows [n, L] into their tokens -> [num_tokens, L] (fp32 sum if official)."""
         acc = acc_dtype(rows.dtype) if self.cfg.combine_fp32 else rows.dtype
         u = torch.zeros(num_tokens, rows.shape[-1], dtype=acc, device=rows.device)
         return u.index_add_(0, tok, rows.to(acc)).to(rows.dtype)
+
+
+def moe_blocks(module: nn.Module) -> list[MoE]:
+    """Every MoE block inside ``module`` (a model, an MTP draft)."""
+    return [m for m in module.modules() if isinstance(m, MoE)]
+
+
+@contextlib.contextmanager
+def fixed_shape_experts(moes: list[MoE]):
+    """Inside, the blocks ``moes`` (``moe_blocks``) run their expert-parallel share in fixed shapes
+    (``MoE.local_pairs``: no host synchronisation, which a CUDA graph's capture forbids); as before after. The
+    graphs wrap what they capture in it (``cuda_graphs.DecodeGraphs.step``, ``draft_graphs.DraftGraphs``), so a
+    warm-up, the capture and a CPU test's eager stand-in of a replay all run the captured path."""
+    before = [m.fixed_shapes for m in moes]
+    for m in moes:
+        m.fixed_shapes = True
+    try:
+        yield
+    finally:
+        for m, was in zip(moes, before):
+            m.fixed_shapes = was
 
 
 class LatentMoE(MoE):

@@ -4,7 +4,7 @@ greedy decoding (up to near-ties: ``assert_same_greedy``) through ``LLM(tensor_p
 speculative_config=...)``; with CUDA graphs (``enforce_eager=False``) every rank captures the target's decode /
 verify graphs and the draft's own (Eagle3, DFlash, MTP), collectives inside,
 and rank 0's draft steps replay them (a worker that did not would leave rank 0 in a collective: the test would hang,
-not pass). Skipped with fewer than 2 GPUs; the same drafts run in float64 on CPU ranks in
+not pass); MTP under EP2 too (the MoE blocks' share in fixed shapes in the graphs). Skipped with fewer than 2 GPUs; the same drafts run in float64 on CPU ranks in
 tests/parallel/test_tensor_parallel.py (the graphs as eager stand-ins), where their drafts equal the one-process
 drafts exactly."""
 
@@ -57,6 +57,17 @@ def test_drafts_under_tp2_give_plain_greedy(ckpt, tmp_path, method):
 def test_draft_graphs_under_tp2_give_plain_greedy(ckpt, tmp_path, method):
     reqs, want, got, drafts, (graph_steps, draft_replays) = plain_and_tp2_drafts(ckpt, tmp_path, method, KW,
                                                                                 enforce_eager=False)
+    assert drafts > 0 and graph_steps > 0, (drafts, graph_steps)
+    assert draft_replays is not None and draft_replays > 0, draft_replays
+    assert_same_greedy(want, got, reqs)
+
+
+def test_mtp_graphs_under_ep2_give_plain_greedy(ckpt, tmp_path):
+    """Expert parallelism with tokens replicated (EP2, "tep"): the target's decode / verify graphs and the MTP draft's
+    capture on both ranks, their MoE blocks in fixed shapes (``MoE.local_pairs``: the local pairs alone need a host
+    synchronisation, which failed the capture and left both eager), and give plain greedy decoding."""
+    reqs, want, got, drafts, (graph_steps, draft_replays) = plain_and_tp2_drafts(
+        ckpt, tmp_path, "mtp", KW, enforce_eager=False, enable_expert_parallel=True)
     assert drafts > 0 and graph_steps > 0, (drafts, graph_steps)
     assert draft_replays is not None and draft_replays > 0, draft_replays
     assert_same_greedy(want, got, reqs)

@@ -242,7 +242,7 @@ def mtp_checkpoint(path, kinds: tuple[bool, ...]) -> str:
 
 def test_mtp_and_dflash_drafts_run_on_every_rank(tmp_path, monkeypatch):
     """K3's MTP layers (a KDA first layer then an MLA one, and the other way round; MoE blocks; the latter also under
-    EP2 all-to-all with DCP2) and a DFlash block drafter under TP2, in one spawn: each split as the target's layers are (MTP: by the target's own MLA / KDA / MoE
+    EP2 all-to-all with DCP2, and on graphs under EP2) and a DFlash block drafter under TP2, in one spawn: each split as the target's layers are (MTP: by the target's own MLA / KDA / MoE
     modules and a vocabulary-split head), two rounds of prompts (the second hits the prefix cache: a KDA draft layer's
     checkpoints and restores on every rank); greedy outputs are plain decoding's, every rank computed every draft
     step, and the drafts are the one-process drafts; also on graphs (``_check_draft_ranks``)."""
@@ -264,8 +264,10 @@ def test_mtp_and_dflash_drafts_run_on_every_rank(tmp_path, monkeypatch):
     cases["dflash"], alone["dflash"] = (path, "dflash", str(tmp_path / "dflash"), rounds[:1]), (plain, *drafts)
     # on graphs (eager stand-ins): the target's on every rank keep the states the draft reads; the draft's own steps
     # replay graphs on every rank (MTP's KDA first layer: its catch-up in rounds or eagerly), DFlash's with the
-    # target under EP2 and DCP2
+    # target under EP2 and DCP2; MTP under EP2 with tokens replicated: the target's and the draft's MoE blocks in
+    # the graphs' fixed shapes (every pair, other ranks' at weight 0: ``MoE.local_pairs``)
     for name, base, layout, graphs in (("mtp-kda+mla-graphs", "mtp-kda+mla", None, "sync"),
+                                       ("mtp-mla+kda-graphs-ep2", "mtp-mla+kda", (2, "tep", 1), "sync"),
                                        ("dflash-graphs-ep2-dcp2", "dflash", (2, "tep", 2), "sync prefix-caching")):
         cases[name], alone[name] = (*cases[base], layout, graphs), alone[base]
     spawn(draft_engine_rank, 2, cases, str(tmp_path / "out.pt"))
