@@ -13,7 +13,10 @@ its share of their intermediate) and the shared experts' intermediate share, the
 ``reduce`` completes both partial sums (the latent variant's tail: technique (a) one all-reduce
 over [latent | shared], or (b) the latent all-reduce, then each rank adds its column slice of the
 up-projection into its shared partial and one more all-reduce stitches the slices). Token-sharded
-modes ("a2a", "agrs") hand the whole layer to an ``ExpertExchange`` (``moe_exchange.py``).
+modes ("a2a", "agrs") hand the whole layer to an ``ExpertExchange`` (``moe_exchange.py``). Eagerly a rank
+runs the (token, expert) pairs on its experts alone, whose count comes to the host; inside
+``fixed_shape_experts`` (what CUDA graphs capture) it runs every pair, other ranks' at weight 0
+(``MoE.local_pairs``).
 """
 
 from __future__ import annotations
