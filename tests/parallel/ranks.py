@@ -371,7 +371,7 @@ def record_drafts(box: list, held: dict | None = None) -> None:
     from kimik3.engine.spec.controller import DraftController
     from kimik3.model.draft_step import DraftExecutor
     launch = DraftExecutor.launch
-    DraftController.plan = lambda self, rates, rooms, batch, watching: [min(r, self.k) for r in rooms]
+    DraftController.plan = lambda self, rates, rooms, batch, watching, costs=None: [min(r, self.k) for r in rooms]
 
     def recording(self, work, states):
         collect, tokens = launch(self, work, states)

@@ -249,8 +249,8 @@ class Scheduler:
 
     def _draft(self, req: Request, budget: int) -> list[int]:
         """Draft tokens for a decode step of ``req`` (``Drafter.propose`` within ``_draft_room``; ``schedule``
-        trims them to the free snapshot slots)."""
-        if not self._may_draft(req):
+        trims them to the free snapshot slots); none where the drafter has none for it (``Drafter.proposes``)."""
+        if not self._may_draft(req) or not self.drafter.proposes(req):
             return []
         return self.drafter.propose(req, self._draft_room(req, budget, 0))
 

@@ -32,21 +32,25 @@ request instead of one k for the batch.
   a step, so some steps probe (``_dither``): a new batch size's first steps run one draft each, then none; later,
   while drafting, one step in ``PROBE_EVERY`` runs without drafts, one with a draft fewer each and one with a draft
   more each; while not drafting one in ``IDLE_PROBE_EVERY`` runs one draft for a random few of the requests.
-* Plan (``DraftController.plan``): from no drafts (B tokens in T seconds), draft position j = 1, 2, .. is added for
-  the best prefix (by gain: the probability above) of the requests that reach it, each position's plan costed whole
-  (a verify row and a draft row per draft, one more draft forward per position, the verify step's and the first
-  forward's fixed costs at the first) and within ``TRUST`` times the draft rows the batch size's steps were measured
-  with (costs are not linear in them; probes and the plans' own steps extend it); of these ever deeper plans the
-  deepest that beats the one before it by ``DEEPER_MARGIN`` (no drafts: ``first_margin``, more at larger batches) is
-  the step's (``_best_level``: a whole plan judged by its goodput, so a first position that alone barely pays its
-  fixed costs does not stop the deeper ones that pay, and a 5% margin per position no longer stops a CPU's batch 1
-  at depth 2-3 where depth 4 was 7% faster). So drafts stop where they stop paying (adversarial text, a weak draft,
-  a large batch), for one request or for all, and the cost of one request's drafts is weighed against the whole
-  step's. Requests that do not draft watch only in steps where others draft (their first drafts ride on a forward
-  that runs anyway), so a step that drafts nothing costs only the draft's catch-up of its rows
+* Plan (``DraftController.plan``; the search: ``plan_search.py``): from no drafts (B tokens in T seconds), draft
+  position j = 1, 2, .. is added for the best prefix (by gain: the probability above) of the requests that reach it,
+  each position's plan costed whole (a verify row and a draft row per draft, one more draft forward per position, the
+  verify step's and the first forward's fixed costs at the first) and within ``TRUST`` times the draft rows the batch
+  size's steps were measured with (costs are not linear in them; probes and the plans' own steps extend it); of these
+  ever deeper plans the deepest that beats the one before it by ``DEEPER_MARGIN`` (no drafts: ``first_margin``, more
+  at larger batches) is the step's (``best_level``: a whole plan judged by its goodput, so a first position that alone
+  barely pays its fixed costs does not stop the deeper ones that pay, and a 5% margin per position no longer stops a
+  CPU's batch 1 at depth 2-3 where depth 4 was 7% faster). So drafts stop where they stop paying (adversarial text, a
+  weak draft, a large batch), for one request or for all, and the cost of one request's drafts is weighed against the
+  whole step's. Requests that do not draft watch only in steps where others draft (their first drafts ride on a
+  forward that runs anyway), so a step that drafts nothing costs only the draft's catch-up of its rows
   (tests/engine/spec/test_controller.py: injected CPU and GPU timings). With ``uniform`` (CUDA graphs) the plans are
-  one depth for all requests, the same judgment picks. A step where no plan could pay even with every draft
-  accepted (``idle``: a large batch on a CPU) draws no rates and plans nothing but its probes.
+  one depth for all requests, the same judgment picks. A step where no plan could pay even with every draft accepted
+  (``idle``: a large batch on a CPU) draws no rates and plans nothing but its probes. A plan that drafts nothing
+  (probes aside) holds for the next batch // ``REST_PER`` steps (at most ``MAX_REST``) of its batch-size octave
+  (``rests``: no rates, no plan, no probe; the plan's idle probe is as likely as theirs together), so a large batch
+  that does not draft plans one step in a few; a plan that drafts, a new octave or a batch under ``REST_PER`` plans
+  every step.
 * A table (vLLM's ``num_speculative_tokens_per_batch_size``, ``scheduled``) replaces the plan: each request drafts
   the table's number for the step's batch size, whatever the measurements (fixed-depth measurements).
 """
@@ -54,14 +58,13 @@ request instead of one k for the batch.
 from __future__ import annotations
 
 import logging
-import math
 import random
-from dataclasses import dataclass
 
 import numpy as np
 
 from kimik3.engine.spec.acceptance import GLOBAL_DECAY, PRIOR, REQUEST_DECAY, Acceptance, Rate
 from kimik3.engine.spec.linear_fit import COST_DECAY, LinearFit
+from kimik3.engine.spec.plan_search import Costs, first_margin, greedy_depths, reach, uniform_depths
 
 logger = logging.getLogger(__name__)
 
@@ -70,106 +73,13 @@ PROBE_EVERY = 12         # steps between probes of each kind (at random; see ``D
 IDLE_PROBE_EVERY = 96    # while nothing drafts: a probe of one draft for a few of the requests (acceptance is explored
                          # by sampling, ``rates``; a probe of all 32 every 12 steps doubled a CPU step: 5%)
 EXPLORE = 2              # a batch size's first steps: one draft each, then none
-FIRST_MARGIN = 1.10      # drafting must raise the expected goodput by 10%: the step model leaves out what drafting
-                         # costs beside its steps (requests that draft finish unevenly, so a batch's last ones run
-                         # alone: 64-token requests at batch 32 on a CPU spent a fifth of their time so) and the fits
-                         # err; at a 2-9% gain (batch 32 on a CPU) the run was slower than plain decoding
-BATCH_MARGIN = 0.08      # ... and 8% more of it per doubling of the batch (``first_margin``), up to MAX_MARGIN: both
-MAX_MARGIN = 1.5         # grow with the batch (more rows priced from fewer probes, a longer tail); on a CPU at batch
-                         # 32 a modelled 1.2x ran 0.87x plain
 TRUST = 2.0              # a plan's draft rows stay within twice the most its batch size's steps were measured with:
                          # the costs are not linear (a CPU's batch-32 verify step: a fixed cost, then cheaper rows),
                          # and a fit from probes of few rows priced 96 rows at half their cost (0.88x plain)
-DEEPER_MARGIN = 1.02     # a deeper plan over the best shallower one: 2% (judged by the whole plan's goodput: 5% per
-                         # position stopped a CPU's batch 1 at depth 2-3, though depth 4 was 7% faster than 3)
-
-
-def _reach(a: float, c, n: int) -> list[float]:
-    """P(the first j drafts are all accepted), j = 1..n: a * c_2 * .. * c_j (``c``: one rate for every later
-    position, or one per position)."""
-    out, p = [], a
-    for j in range(n):
-        if j:
-            p *= c if isinstance(c, (int, float)) else c[min(j - 1, len(c) - 1)]
-        out.append(p)
-    return out
-
-
-@dataclass(frozen=True)
-class _Costs:
-    base: float          # seconds of the step without drafts (target and draft)
-    row: float           # a draft: its verify row and its draft row
-    forward: float       # one more attending draft forward
-    verify: float = 0.0  # a step that verifies drafts over one that does not (the target's verify path: on a CPU at
-                         # batch 1 a third of a decode step, then a tenth of that per row)
-    attend: float = 0.0  # the draft attending at all (its first forward over a later one's cost)
-    watching: int = 0    # requests that compute their first draft anyway (the first forward runs)
-    rows: float = math.inf  # most draft rows a plan may have (``TRUST``)
-
-    def fixed(self, j: int) -> float:
-        """What draft position ``j`` adds to the step beside its rows."""
-        if j > 1:
-            return self.forward
-        return self.verify + (0.0 if self.watching else self.attend + self.forward)
-
-
-def first_margin(batch: int) -> float:
-    """How much drafting must raise a step's expected goodput at ``batch`` sequences (``FIRST_MARGIN``,
-    ``BATCH_MARGIN``)."""
-    return min(FIRST_MARGIN * (1.0 + BATCH_MARGIN * math.log2(max(batch, 1))), MAX_MARGIN)
-
-
-def _best_level(levels: list[tuple[float, list[int]]], margin: float) -> list[int]:
-    """Of plans ever deeper ((goodput, depths), the first without drafts), the deepest that beats the one chosen
-    before it by ``margin`` (over no drafts: ``first_margin``) or ``DEEPER_MARGIN``: a whole plan judged by its
-    goodput, not position by position (a position that barely pays may lead to one that pays well: the verify
-    step's fixed cost is paid once)."""
-    best = 0
-    for j in range(1, len(levels)):
-        if levels[j][0] > levels[best][0] * (margin if best == 0 else DEEPER_MARGIN):
-            best = j
-    return levels[best][1]
-
-
-def _greedy_depths(reach: list[list[float]], rooms: list[int], tokens: float, costs: _Costs,
-                   margin: float) -> list[int]:
-    """Position by position, the best prefix (by gain per cost) of the requests that reach it: one plan per depth
-    (``_best_level`` picks)."""
-    time, depth = costs.base, [0] * len(reach)
-    levels = [(tokens / time, list(depth))]
-    for j in range(1, max(rooms, default=0) + 1):
-        gains = sorted(((reach[i][j - 1], i) for i, room in enumerate(rooms) if depth[i] == j - 1 and room >= j),
-                       reverse=True)
-        best, take, total, planned = 0.0, 0, 0.0, sum(depth)
-        for n, (g, _) in enumerate(gains, 1):
-            if planned + n > costs.rows:
-                break
-            total += g
-            ratio = (tokens + total) / (time + costs.fixed(j) + n * costs.row)
-            if ratio > best:
-                best, take = ratio, n
-        if not take:
-            break
-        tokens += sum(g for g, _ in gains[:take])
-        time += costs.fixed(j) + take * costs.row
-        for _, i in gains[:take]:
-            depth[i] = j
-        levels.append((tokens / time, list(depth)))
-    return _best_level(levels, margin)
-
-
-def _uniform_depths(reach: list[list[float]], rooms: list[int], tokens: float, costs: _Costs,
-                    margin: float) -> list[int]:
-    """The one depth d (each request min(d, its room)) of the best expected goodput (``_best_level``)."""
-    levels = [(tokens / costs.base, [0] * len(rooms))]
-    for d in range(1, max(rooms, default=0) + 1):
-        depth = [min(d, r) for r in rooms]
-        if sum(depth) > costs.rows:
-            break
-        gain = sum(sum(reach[i][:n]) for i, n in enumerate(depth))
-        time = costs.base + sum(costs.fixed(j) for j in range(1, d + 1)) + sum(depth) * costs.row
-        levels.append(((tokens + gain) / time, depth))
-    return _best_level(levels, margin)
+REST_PER = 8             # a plan that drafts nothing (probes aside) holds for the next batch // 8 steps of its
+MAX_REST = 8             # octave, at most 8 (``DraftController.rests``): they draw no rates and plan nothing (at
+                         # batch 32 on a CPU costs, rates and plan took 0.25 ms of a 45 ms step that drafts nothing,
+                         # a fifth of the drafter's bookkeeping); below batch 8 every step plans (batch 1 unchanged)
 
 
 class DraftController:
@@ -187,6 +97,7 @@ class DraftController:
         self.measured: dict[int, float] = {}    # per octave: the most draft rows of a step measured (decayed)
         self.rng = random.Random(0)
         self.uniform = False        # one number of drafts for every request of a step (CUDA graphs replay them)
+        self._resting = (0, 0)      # (batch-size octave, steps left) that skip their plan (``rests``)
 
     def rates(self, acc: Acceptance, sample: bool = True, crowd: int = 1) -> tuple[float, list[float]]:
         """A request's first-draft acceptance and its acceptance at draft positions 2..k after the one before:
@@ -276,50 +187,81 @@ class DraftController:
             drafts = n
         return min(drafts, self.k)
 
-    def _costs(self, batch: int, watching: int) -> _Costs | None:
+    def _costs(self, batch: int, watching: int) -> Costs | None:
         """The step's costs at ``batch`` sequences from the fits (None before any step was measured)."""
         step = self.step_fit(batch)
         if step is None:
             return None
         draft = self.step_fit(batch, self.drafts)
         beta, dbeta = step.beta, draft.beta if draft is not None else np.zeros(5)
-        return _Costs(base=max(step.predict([1.0, batch, 0, 0]), 1e-9) + max(float(dbeta[0] + dbeta[1] * batch), 0.0),
+        return Costs(base=max(step.predict([1.0, batch, 0, 0]), 1e-9) + max(float(dbeta[0] + dbeta[1] * batch), 0.0),
                       row=max(float(beta[2]), 0.0) + max(float(dbeta[3]), 0.0), forward=max(float(dbeta[2]), 0.0),
                       verify=max(float(beta[3]), 0.0), attend=max(float(dbeta[4]), 0.0), watching=watching,
                       rows=TRUST * self.measured.get(batch.bit_length(), 0.0))
 
-    def idle(self, rooms: list[int], batch: int) -> bool:
+    def idle(self, rooms: list[int], batch: int, costs: Costs | None = None) -> bool:
         """Whether no plan can pay at ``batch`` whatever the requests' rates (all drafts accepted: D drafts emit at
         most ``batch`` + D tokens in at least the base, the first position's fixed and D rows' time, monotone in D),
-        so ``plan`` drafts nothing but its probes: its rates need not be drawn (``plan``'s ``rates`` None)."""
-        costs = self._costs(batch, 0) if self.scheduled(batch) is None else None
-        if costs is None or not rooms:
+        so ``plan`` drafts nothing but its probes: its rates need not be drawn (``plan``'s ``rates`` None).
+        ``costs``: the step's (``_costs``), where computed already."""
+        if self.scheduled(batch) is not None or not rooms:
+            return False
+        costs = costs if costs is not None else self._costs(batch, 0)
+        if costs is None:
             return False
         bar, most = first_margin(batch) * batch / costs.base, sum(min(r, self.k) for r in rooms)
         return all((batch + d) / (costs.base + costs.fixed(1) + d * costs.row) <= bar for d in (1, most))
 
-    def plan(self, rates: list[tuple[float, float]] | None, rooms: list[int], batch: int, watching: int) -> list[int]:
+    def rest(self, batch: int) -> int:
+        """Steps of ``batch`` sequences that follow a plan without drafts before the next plan (``REST_PER``)."""
+        return min(batch // REST_PER, MAX_REST)
+
+    def rests(self, batch: int) -> bool:
+        """Whether this step of ``batch`` sequences skips its plan (no rates drawn, no drafts, no probe): the last
+        plan at its batch-size octave drafted nothing (probes aside) and fewer than ``rest`` steps have passed since
+        (counted here). Never with a table (``schedule``), nor in a new octave, nor below ``REST_PER``."""
+        octave, left = self._resting
+        if left and octave == batch.bit_length():
+            self._resting = (octave, left - 1)
+            return True
+        return False
+
+    def plan_step(self, accs: list[Acceptance], rooms: list[int], batch: int) -> list[int]:
+        """The drafts of each of a step's requests (``accs``: their acceptance; none watching): ``plan`` on the
+        step's rates (drawn only where a plan could pay: ``idle``), the costs computed once."""
+        costs = self._costs(batch, 0) if self.scheduled(batch) is None else None
+        rates = None if self.idle(rooms, batch, costs) else self.rates_of(accs, crowd=batch)
+        return self.plan(rates, rooms, batch, 0, costs)
+
+    def plan(self, rates: list[tuple[float, float]] | None, rooms: list[int], batch: int, watching: int,
+             costs: Costs | None = None) -> list[int]:
         """Drafts per candidate (``rates``: its (a, c); ``rooms``: most drafts it may take) for a step of
         ``batch`` sequences in which ``watching`` other requests compute their first draft anyway. With
         ``uniform`` (the target replays CUDA graphs, whose verify steps need one number of drafts for all) one
         depth for every candidate, the best one. With a table (``schedule``) the table's drafts for ``batch``.
-        ``rates`` None: the step is ``idle`` (no drafts but the probes')."""
+        ``rates`` None: the step is ``idle`` (no drafts but the probes'). ``costs``: the step's, where computed
+        already (``_costs``). A plan without drafts past the octave's first steps rests the next ``rest`` steps
+        (``rests``), and its probe is as likely as the steps it stands for together (``IDLE_PROBE_EVERY``)."""
         fixed = self.scheduled(batch)
         if fixed is not None:
             return [min(r, fixed) for r in rooms]
-        costs = self._costs(batch, watching)
+        costs = costs if costs is not None else self._costs(batch, watching)
         if costs is None or not rooms:
             return [min(r, self.k) for r in rooms]          # nothing measured yet: draft, and measure
         depth = [0] * len(rooms)                            # rates None: ``idle``, no plan pays
         if rates is not None:
-            reach = [_reach(a, c, min(room, self.k)) for (a, c), room in zip(rates, rooms)]
-            depth = (_uniform_depths if self.uniform else _greedy_depths)(reach, rooms, float(batch), costs,
+            reaches = [reach(a, c, min(room, self.k)) for (a, c), room in zip(rates, rooms)]
+            depth = (uniform_depths if self.uniform else greedy_depths)(reaches, rooms, float(batch), costs,
                                                                           first_margin(batch))
             logger.debug("plan: batch %d, costs %s: %d drafts, depth %d", batch, costs, sum(depth), max(depth))
         own = self.steps.get(batch.bit_length())
-        return self._dither(depth, rooms, own.count if own is not None else 0)
+        seen, rest = own.count if own is not None else 0, 0
+        if seen >= EXPLORE and not any(depth):
+            rest = self.rest(batch)
+            self._resting = (batch.bit_length(), rest)
+        return self._dither(depth, rooms, seen, rest + 1)
 
-    def _dither(self, depth: list[int], rooms: list[int], seen: int) -> list[int]:
+    def _dither(self, depth: list[int], rooms: list[int], seen: int, span: int = 1) -> list[int]:
         """Now and then a step runs a nearby plan instead, so the fits see what drafts cost and how deeper drafts
         fare at this batch size (steps only as large as the plan's would not tell a draft row from the rest of a
         step, and positions never drafted would keep their prior). A batch size's first ``EXPLORE`` steps run one
@@ -327,10 +269,11 @@ class DraftController:
         drafts (the plain step's own time), one with a draft fewer each and one with a draft more each; while not
         drafting one in ``IDLE_PROBE_EVERY`` with one draft for a random number of the requests, up to a quarter of
         them (what drafts would cost now; of varying number, so the fits tell a draft row from the verify step's
-        fixed cost; few, so the probe costs a small part of a large batch's step: plans grow from them, ``TRUST``)."""
+        fixed cost; few, so the probe costs a small part of a large batch's step: plans grow from them, ``TRUST``);
+        ``span`` times as likely where the plan stands for ``span`` steps (``rests``)."""
         if seen < EXPLORE:
             return [1 if r and seen % 2 == 0 else 0 for r in rooms]
-        u = self.rng.random() * (PROBE_EVERY if any(depth) else IDLE_PROBE_EVERY)
+        u = self.rng.random() * (PROBE_EVERY if any(depth) else IDLE_PROBE_EVERY / span)
         if any(depth):
             if u < 1.0:
                 return [0] * len(depth)

@@ -11,8 +11,8 @@ layers, MTP's pre-norm h_final) for every row of the step (``ModelRunner``). Aft
    layer is KDA keeps that layer's states in slots of its own numbered as the target's (``_slot``): they advance
    over committed rows only (the target's rollbacks to its draft snapshots are its own), and mirror the target
    step's restores, resets and prefix checkpoints (exactly: ``DraftExecutor._recurrent_catch_up``). On a CPU the
-   rows of a request that neither drafts nor watches wait until it does (``_defer``), so a step that drafts nothing
-   runs no draft work (at batch 32 its catch-up cost 2-3% of a step);
+   rows of a request that neither drafts nor watches wait until it does (``_defer``, ``draft_lag.py``), so a step
+   that drafts nothing runs no draft work (at batch 32 its catch-up cost 2-3% of a step);
 2. the controller (``controller.py``) chooses each request's number of drafts k_r for the next step from its
    measured acceptance and the measured costs (0: a plain decode step), and the draft computes them (Eagle3 /
    MTP: one forward per draft position; DFlash: a block). A request that does not draft computes its first
@@ -38,6 +38,7 @@ from kimik3.engine.spec.controller import MAX_WATCH_GAP, DraftController
 from kimik3.engine.spec.device_drafts import DeviceDrafts
 from kimik3.model.draft_step import (DraftExecutor, DraftWork, allocate_draft_cache, cache_nbytes, draft_cache_shape,
                                      draft_state_bytes)
+from kimik3.engine.spec.draft_lag import defer_rows
 from kimik3.engine.spec.drafter import Drafter
 from kimik3.loader.drafts import load_draft
 from kimik3.model.dflash import DFlashDraft
@@ -45,8 +46,6 @@ from kimik3.model.draft_attention import extend_tables
 from kimik3.model.mtp import MTPDraft
 
 logger = logging.getLogger(__name__)
-
-MAX_LAG = 256        # rows a request's draft cache may lag behind (``ModelDrafter._defer``)
 
 __all__ = ["ModelDrafter", "ModelState", "load_draft"]      # load_draft: the loader's, the engine's name for it
 
@@ -136,6 +135,13 @@ class ModelDrafter(Drafter):
             req.spec = ModelState()
         return req.spec
 
+    def proposes(self, req) -> bool:
+        """Whether ``req`` drafts next: a drafting head of the last ``observe`` (its drafts launched, or handed out
+        by ``_collect``); the rest (most of a large batch on a CPU, where drafts seldom pay) are not asked."""
+        if self._pending is not None:
+            return id(req) in self._heads
+        return req.spec is not None and bool(req.spec.proposal)
+
     def propose(self, req, room: int) -> list[int]:
         """The draft's proposal from the last step (``observe``), within ``room`` and the grammar. While its drafts
         are still on the device (``_deferred``), placeholders of their count (``pending_drafts``)."""
@@ -218,10 +224,11 @@ class ModelDrafter(Drafter):
         """The step's catch-up rows and, for the requests that sample next, their drafts (``controller.plan``):
         (work, the heads' requests, drafts each proposes: 0 for a watching head, the states its rows index)."""
         work, cands, spans = self._catch_up(out)
-        rooms = [self._room(req) for req, _, _ in cands]
-        rates = None if self.controller.idle(rooms, len(cands)) else self.controller.rates_of(
-            [self.state(req).accept for req, _, _ in cands], crowd=len(cands))     # idle: no plan pays
-        depths = self.controller.plan(rates, rooms, len(cands), 0)
+        if self.controller.rests(len(cands)):        # the last plan drafted nothing: none now, nothing planned
+            rooms, depths = [], [0] * len(cands)
+        else:
+            rooms = [self._room(req) for req, _, _ in cands]
+            depths = self.controller.plan_step([self.state(req).accept for req, _, _ in cands], rooms, len(cands))
         heads = self._drafting(cands, rooms, depths)
         if self.may_lag and self.executor.graphs is None:
             states, moved = self._defer(work, spans, {id(cands[i][0]) for i in heads}, states)
@@ -239,7 +246,12 @@ class ModelDrafter(Drafter):
     def _drafting(self, cands: list, rooms: list[int], depths: list[int]) -> list[int]:
         """The candidates that draft or watch, longest first. Requests that do not draft watch (their first draft)
         only where a forward runs anyway (a step that drafts nothing runs no draft forward)."""
-        watch = any(depths) and self.controller.schedule is None
+        if not any(depths):                          # nothing drafts: none watches
+            for req, _, _ in cands:
+                s = self.state(req)
+                s.wait = max(s.wait - 1, 0)
+            return []
+        watch = self.controller.schedule is None
         watchers = {i for i, (req, _, _) in enumerate(cands) if watch and rooms[i] and self.state(req).wait == 0}
         heads = sorted((i for i in range(len(cands)) if depths[i] or i in watchers), key=lambda i: -max(depths[i], 1))
         for i in set(range(len(cands))) - set(heads):
@@ -248,45 +260,9 @@ class ModelDrafter(Drafter):
         return heads
 
     def _defer(self, work: DraftWork, spans: list, heads: set[int], states: torch.Tensor):
-        """Rows of requests that neither draft nor watch now wait, their target states copied (``ModelState.lag``);
-        a request's waiting rows are caught up with its next caught-up rows (the step it drafts or watches, one that
-        completes a block with prefix caching on: a cached block's draft rows are written, or ``MAX_LAG`` rows).
-        Waiting rows at or past a chunk's first position are dropped (preempted and recomputed). Rewrites ``work``'s
-        rows (those appended to ``states`` index past the step's rows): (the states, old row index -> new one)."""
-        rows, positions, slots, next_ids, extra, moved = [], [], [], [], [], {}
-        held, cell, bs, top = [], [], self.block_size, states.shape[0]     # cell: [the step's waiting rows' states]
-        for req, a, n in spans:
-            s = self.state(req)
-            first = work.positions[a]
-            if s.lag and s.lag[-1][1][-1] >= first:       # recomputed (preempted): its waiting rows are stale
-                s.lag = [(f, p[:first - p[0]], x[:first - p[0]]) for f, p, x in s.lag if p[0] < first]
-            pos = work.positions[a:a + n]
-            waiting = s.lag[-1][1][-1] - s.lag[0][1][0] + 1 if s.lag else 0     # consecutive positions
-            if id(req) not in heads and waiting + n <= MAX_LAG and not (
-                    self.prefix_caching and any((q + 1) % bs == 0 for q in pos)):
-                s.lag.append(((cell, len(held)), pos, work.next_ids[a:a + n]))    # its states: cell[0][i:i + n]
-                held.extend(work.rows[a:a + n])
-                continue
-            table = req.cache.block_ids
-            for (f, i), p, x in s.lag:
-                rows.extend(range(top, top + len(p)))
-                top += len(p)
-                extra.append(f[0][i:i + len(p)])
-                positions.extend(p)
-                slots.extend(table[q // bs] * bs + q % bs for q in p)
-                next_ids.extend(x)
-            s.lag = []
-            for r in range(a, a + n):
-                moved[r] = len(rows)
-                rows.append(work.rows[r])
-            positions.extend(pos)
-            slots.extend(work.slots[a:a + n])
-            next_ids.extend(work.next_ids[a:a + n])
-        if held:    # one copy per step (a slice where the rows, ascending, are consecutive: a decode step's)
-            cell.append(states[held[0]:held[-1] + 1].clone() if held[-1] - held[0] + 1 == len(held) else
-                        states[torch.tensor(held, dtype=torch.int64, device=states.device)])
-        work.rows, work.positions, work.slots, work.next_ids = rows, positions, slots, next_ids
-        return (torch.cat([states, *extra]) if extra else states), moved
+        """Rows of requests that neither draft nor watch now wait (``draft_lag.defer_rows``): (the states, old row
+        index -> new one)."""
+        return defer_rows(work, spans, heads, states, self.state, self.block_size, self.prefix_caching)
 
     def _catch_up(self, out) -> tuple[DraftWork, list, list]:
         """The rows of ``out`` the draft's cache catches up with (packed row, the next token, position, cache row;

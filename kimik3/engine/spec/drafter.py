@@ -12,8 +12,11 @@ The calls, in the order a request meets them:
 - ``may_draft(req)``: whether ``req`` ever drafts (the default: every request; a request with penalties too:
   ``verify.penalised`` penalises each verify row over the drafts before it). Requests that may not decode one
   token per step.
+- ``proposes(req)``: whether ``propose`` may give ``req`` drafts for its next decode step; where False the
+  scheduler neither computes its room nor calls ``propose`` (default True: a drafter that keeps per-step
+  bookkeeping in ``propose``, n-gram's, is always asked).
 - ``propose(req, room)``: the drafts for ``req``'s next decode step, after its last token (<= room; [] for a
-  plain decode step). Called once per decode step of a request that may draft, with room >= 0.
+  plain decode step). Called once per decode step of a request that may draft and ``proposes``, with room >= 0.
 - ``propose_ahead(req, room)``: async scheduling (``Scheduler.schedule_ahead``), only where ``drafts_ahead``:
   the step after ``req``'s pending token t (sampled, still on the device) is being planned. Returns []
   (no drafts), None (wait for t: the step is not scheduled ahead), or [g, d_1 .. d_j] (j <= room): g a guess
@@ -68,6 +71,9 @@ class Drafter:
         self.config = config
 
     def may_draft(self, req) -> bool:
+        return True
+
+    def proposes(self, req) -> bool:
         return True
 
     def propose(self, req, room: int) -> list[int]:

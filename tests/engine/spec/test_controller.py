@@ -11,8 +11,9 @@ import numpy as np
 import pytest
 
 from kimik3.engine.spec.acceptance import Acceptance, Rate
-from kimik3.engine.spec.controller import (EXPLORE, FIRST_MARGIN, IDLE_PROBE_EVERY, PROBE_EVERY, TRUST,
-                                           DraftController, first_margin)
+from kimik3.engine.spec.controller import (EXPLORE, IDLE_PROBE_EVERY, MAX_REST, PROBE_EVERY, REST_PER, TRUST,
+                                           DraftController)
+from kimik3.engine.spec.plan_search import FIRST_MARGIN, first_margin
 from kimik3.engine.spec.linear_fit import LinearFit
 
 
@@ -203,7 +204,7 @@ def simulate(c: DraftController, costs: dict, batch: int, steps: int, seed: int,
     tokens = seconds = 0.0
     depths = []
     for _ in range(steps):
-        depth = c.plan([c.rates(a, crowd=batch) for a in accs], [c.k] * batch, batch, 0)
+        depth = [0] * batch if c.rests(batch) else c.plan_step(accs, [c.k] * batch, batch)     # as the drafter
         step, draft = step_seconds(costs, batch, depth)
         c.record_step(batch, sum(depth), step)
         c.record_draft(batch, batch, max(depth), sum(depth), draft)
@@ -415,3 +416,49 @@ def test_an_idle_step_is_one_no_rates_would_draft_in(uniform):
         for rates in ([(1.0, 1.0)] * batch, [(rng.random(), rng.random()) for _ in range(batch)]):
             assert c.plan(rates, rooms, batch, 0) == [0] * batch, (step, draft, rooms, rates)
     assert 40 < idle < 360, idle
+
+
+def test_a_plan_without_drafts_rests_the_next_steps_of_its_batch_size():
+    """While the plan drafts nothing (draft rows that cost a decode row's share), a step of a batch of 32 plans,
+    then the next 32 // ``REST_PER`` steps of its octave skip the plan (``rests``: no rates drawn); below ``REST_PER``
+    every step plans, and another octave plans at once. A plan that drafts does not rest: once drafts pay (cheaper
+    rows), the first plan after the rest drafts. With a table, no step rests."""
+    costly = controller(4, (0.0, 0.01, 0.01), (0.0, 0.0, 0.002, 0.001))
+    rest = min(32 // REST_PER, MAX_REST)
+    assert rest >= 2
+    for batch in (1, REST_PER - 1):
+        assert costly.plan_step([Acceptance()] * batch, [4] * batch, batch) == [0] * batch
+        assert not costly.rests(batch)
+    assert costly.plan_step([Acceptance()] * 32, [4] * 32, 32) == [0] * 32
+    assert not costly.rests(16)                                  # another octave
+    assert [costly.rests(32) for _ in range(rest + 2)] == [True] * rest + [False] * 2
+    costly.plan_step([Acceptance()] * 32, [4] * 32, 32)
+    assert costly.rests(33) and costly.rests(63)                 # the octave 32-63 rests
+    for b in range(1, 8):                                        # drafts pay now: the next plan drafts, none rests
+        costly.steps[b] = LinearFit([0.02, 0.001, 0.00001, 0.0], [1.0] * 4, weight=1e9)
+        costly.drafts[b] = LinearFit([0.0, 0.0, 0.0001, 0.00001, 0.0], [1.0] * 5, weight=1e9)
+    while costly.rests(32):
+        pass
+    good = [Acceptance(Rate(9.0, 10.0), Rate(9.0, 10.0), 10)] * 32
+    costly.rng = type("Means", (NoProbe,), {"betavariate": lambda self, a, b: a / (a + b)})()
+    assert sum(costly.plan_step(good, [4] * 32, 32)) > 0 and not costly.rests(32)
+    table = DraftController(4, schedule=((1, 64, 0),))
+    for _ in range(3):
+        table.record_step(32, 0, 0.1)
+    assert table.plan_step([Acceptance()] * 32, [4] * 32, 32) == [0] * 32 and not table.rests(32)
+
+
+def test_resting_steps_keep_the_idle_probes_rate():
+    """A plan that stands for its rest's steps too probes as often as they would together: over the steps of a
+    batch of 32 that drafts nothing (planned or resting, as the drafter runs them), one in ``IDLE_PROBE_EVERY``
+    probes."""
+    c = controller(4, (0.0, 0.01, 0.01), (0.0, 0.0, 0.002, 0.001))
+    c.rng = random.Random(5)
+    steps, probes, planned = 40 * IDLE_PROBE_EVERY, 0, 0
+    for _ in range(steps):
+        if c.rests(32):
+            continue
+        planned += 1
+        probes += sum(c.plan_step([Acceptance()] * 32, [4] * 32, 32)) > 0
+    assert planned <= steps / (1 + min(32 // REST_PER, MAX_REST)) + 1
+    assert abs(probes / steps - 1 / IDLE_PROBE_EVERY) < 0.35 / IDLE_PROBE_EVERY, probes

@@ -72,7 +72,7 @@ def oracle(monkeypatch, futures: dict[tuple[int, ...], list[int]], vocab: int) -
 def fixed_plan(monkeypatch) -> None:
     """Every request drafts all it may: the controller's plan follows measured step times, so two engines (or
     two runs) would otherwise draft differently."""
-    monkeypatch.setattr(DraftController, "plan", lambda self, rates, rooms, batch, watching: list(rooms))
+    monkeypatch.setattr(DraftController, "plan", lambda self, rates, rooms, batch, watching, costs=None: list(rooms))
 
 
 def requests(target, seed: int, n: int = 3, shared: int = 0, max_tokens: int = 12):
@@ -155,7 +155,7 @@ def test_proposals_equal_the_draft_run_from_scratch(target, monkeypatch, plan, m
     monkeypatch.setattr(ModelDrafter, "_hand_out", record)
     if plan == "sparse":
         calls = iter(range(10 ** 6))
-        monkeypatch.setattr(DraftController, "plan", lambda self, rates, rooms, batch, watching: (
+        monkeypatch.setattr(DraftController, "plan", lambda self, rates, rooms, batch, watching, costs=None: (
             lambda t: [r if (t + i) % 3 == 0 else 0 for i, r in enumerate(rooms)])(next(calls)))
 
         def count(self, work, spans, heads, states):
@@ -236,6 +236,29 @@ def test_mtp_and_dflash_drafts_through_the_engine(target, monkeypatch, method):
         assert results[rid][0][0] == futures[tuple(prompt)], rid
     assert engine.num_accepted_tokens > 0
     assert method == "mtp" or max(proposals) == 3
+
+
+def test_only_requests_with_drafts_are_asked_for_them(target, monkeypatch):
+    """The scheduler asks for drafts (``propose``, and computes the room) only for the requests the last step gave
+    drafts (``ModelDrafter.proposes``): one decode step in three per request here; output plain decoding's."""
+    calls = iter(range(10 ** 6))
+    monkeypatch.setattr(DraftController, "plan", lambda self, rates, rooms, batch, watching, costs=None: (
+        lambda t: [r if (t + i) % 3 == 0 else 0 for i, r in enumerate(rooms)])(next(calls)))
+    handed, asked = [], []
+    hand_out, propose = ModelDrafter._hand_out, ModelDrafter.propose
+
+    def record(self, reqs, counts, drafts):
+        hand_out(self, reqs, counts, drafts)
+        handed.extend(r.request_id for r, k in zip(reqs, counts) if k)
+    monkeypatch.setattr(ModelDrafter, "_hand_out", record)
+    monkeypatch.setattr(ModelDrafter, "propose", lambda self, req, room: (asked.append(req.request_id),
+                                                                          propose(self, req, room))[1])
+    reqs = requests(target, seed=5, n=3, max_tokens=16)
+    engine = engine_with(target, **MODES["plain"])
+    results = run(engine, reqs)
+    for rid, (prompt, sp) in reqs.items():
+        assert results[rid][0][0] == reference_greedy(target, prompt, sp.max_tokens)
+    assert engine.num_drafts > 0 and sorted(asked) == sorted(handed), (asked, handed)
 
 
 def test_failing_drafts_stop_and_are_watched(target):
