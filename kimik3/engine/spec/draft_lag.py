@@ -9,6 +9,14 @@ import torch
 from kimik3.model.draft_step import DraftWork
 
 MAX_LAG = 256        # rows a request's draft cache may lag behind
+WATCH_LAG = 16       # a request with more rows waiting does not watch (``ModelDrafter._drafting``): its watch would
+                     # catch them all up (at batch 32 a probe of a few requests made all 32 watch: 2,700 rows, 36 ms,
+                     # most of a step), and where nothing drafts its acceptance matters little
+
+
+def waiting(lag: list) -> int:
+    """Rows waiting in a request's ``lag`` (consecutive positions)."""
+    return lag[-1][1][-1] - lag[0][1][0] + 1 if lag else 0
 
 
 def defer_rows(work: DraftWork, spans: list, heads: set[int], states: torch.Tensor, state_of, block_size: int,
@@ -27,8 +35,7 @@ def defer_rows(work: DraftWork, spans: list, heads: set[int], states: torch.Tens
         if s.lag and s.lag[-1][1][-1] >= first:       # recomputed (preempted): its waiting rows are stale
             s.lag = [(f, p[:first - p[0]], x[:first - p[0]]) for f, p, x in s.lag if p[0] < first]
         pos = work.positions[a:a + n]
-        waiting = s.lag[-1][1][-1] - s.lag[0][1][0] + 1 if s.lag else 0     # consecutive positions
-        if id(req) not in heads and waiting + n <= MAX_LAG and not (
+        if id(req) not in heads and waiting(s.lag) + n <= MAX_LAG and not (
                 prefix_caching and any((q + 1) % bs == 0 for q in pos)):
             s.lag.append(((cell, len(held)), pos, work.next_ids[a:a + n]))    # its states: cell[0][i:i + n]
             held.extend(work.rows[a:a + n])

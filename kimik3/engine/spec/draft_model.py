@@ -16,8 +16,8 @@ layers, MTP's pre-norm h_final) for every row of the step (``ModelRunner``). Aft
 2. the controller (``controller.py``) chooses each request's number of drafts k_r for the next step from its
    measured acceptance and the measured costs (0: a plain decode step), and the draft computes them (Eagle3 /
    MTP: one forward per draft position; DFlash: a block). A request that does not draft computes its first
-   draft every 1, 2, 4 .. ``MAX_WATCH_GAP`` decode steps (it "watches") and scores it against the token that
-   comes, so its acceptance follows the text.
+   draft every 1, 2, 4 .. ``MAX_WATCH_GAP`` decode steps (it "watches"; on a CPU not while more than
+   ``WATCH_LAG`` of its rows wait) and scores it against the token that comes, so its acceptance follows the text.
 
 Drafts are the draft's greedy tokens (a one-token draft distribution): ``verify.verify`` accepts exactly as the
 target's sampler would, greedy and sampled alike. Its drafts need the previous step's committed tokens, so its
@@ -38,7 +38,7 @@ from kimik3.engine.spec.controller import MAX_WATCH_GAP, DraftController
 from kimik3.engine.spec.device_drafts import DeviceDrafts
 from kimik3.model.draft_step import (DraftExecutor, DraftWork, allocate_draft_cache, cache_nbytes, draft_cache_shape,
                                      draft_state_bytes)
-from kimik3.engine.spec.draft_lag import defer_rows
+from kimik3.engine.spec.draft_lag import WATCH_LAG, defer_rows, waiting
 from kimik3.engine.spec.drafter import Drafter
 from kimik3.loader.drafts import load_draft
 from kimik3.model.dflash import DFlashDraft
@@ -245,14 +245,16 @@ class ModelDrafter(Drafter):
 
     def _drafting(self, cands: list, rooms: list[int], depths: list[int]) -> list[int]:
         """The candidates that draft or watch, longest first. Requests that do not draft watch (their first draft)
-        only where a forward runs anyway (a step that drafts nothing runs no draft forward)."""
+        only where a forward runs anyway (a step that drafts nothing runs no draft forward), and not where more
+        than ``WATCH_LAG`` of their rows wait (``_defer``: the watch would catch them all up)."""
         if not any(depths):                          # nothing drafts: none watches
             for req, _, _ in cands:
                 s = self.state(req)
                 s.wait = max(s.wait - 1, 0)
             return []
         watch = self.controller.schedule is None
-        watchers = {i for i, (req, _, _) in enumerate(cands) if watch and rooms[i] and self.state(req).wait == 0}
+        watchers = {i for i, (req, _, _) in enumerate(cands) if watch and rooms[i] and self.state(req).wait == 0
+                    and waiting(self.state(req).lag) <= WATCH_LAG}
         heads = sorted((i for i in range(len(cands)) if depths[i] or i in watchers), key=lambda i: -max(depths[i], 1))
         for i in set(range(len(cands))) - set(heads):
             s = self.state(cands[i][0])

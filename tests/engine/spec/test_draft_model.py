@@ -261,6 +261,44 @@ def test_only_requests_with_drafts_are_asked_for_them(target, monkeypatch):
     assert engine.num_drafts > 0 and sorted(asked) == sorted(handed), (asked, handed)
 
 
+def test_requests_whose_rows_wait_long_do_not_watch(target, monkeypatch):
+    """On a CPU the rows of a request that neither drafts nor watches wait (``_defer``; no prefix caching, whose
+    block ends catch up); where one request drafts, the others watch only while at most ``WATCH_LAG`` of their rows
+    wait (a watch would catch them all up): in the first decode step (their prompts wait) they watch; after more
+    steps than ``WATCH_LAG`` they do not. Output plain decoding's."""
+    from kimik3.engine.spec.draft_lag import WATCH_LAG, waiting
+    late = WATCH_LAG + 6
+    calls = iter(range(10 ** 6))
+    step = [0]
+
+    def plan(self, rates, rooms, batch, watching, costs=None):
+        step[0] = next(calls)
+        return [r if i == 0 and step[0] in (1, late) else 0 for i, r in enumerate(rooms)]
+    monkeypatch.setattr(DraftController, "plan", plan)
+    heads, lags = {}, {}
+    reqs = requests(target, seed=6, n=3, max_tokens=late + 8)
+    engine = engine_with(target, **{**MODES["plain"], "max_model_len": 64, "enable_prefix_caching": False})
+    drafter = engine.scheduler.drafter
+    assert drafter.may_lag
+    run_draft = drafter.executor.run
+
+    def record(work, states):
+        heads[step[0]] = len(work.heads)
+        return run_draft(work, states)
+    drafter.executor.run = record
+    drafting = drafter._drafting
+
+    def lag_of(cands, rooms, depths):
+        lags[step[0]] = sorted(waiting(drafter.state(req).lag) for req, _, _ in cands)
+        return drafting(cands, rooms, depths)
+    drafter._drafting = lag_of
+    results = run(engine, reqs)
+    for rid, (prompt, sp) in reqs.items():
+        assert results[rid][0][0] == reference_greedy(target, prompt, sp.max_tokens)
+    assert max(lags[1]) <= WATCH_LAG and heads[1] == 3, (lags[1], heads)
+    assert min(lags[late][1:]) > WATCH_LAG and heads[late] == 1, (lags[late], heads)
+
+
 def test_failing_drafts_stop_and_are_watched(target):
     """A random draft (drafts rejected): the request's measured acceptance falls, the controller stops its drafts,
     and it only watches its first draft now and then (``controller.py``), so most steps run plain; output still
