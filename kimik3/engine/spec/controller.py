@@ -60,8 +60,6 @@ from __future__ import annotations
 import logging
 import random
 
-import numpy as np
-
 from kimik3.engine.spec.acceptance import GLOBAL_DECAY, PRIOR, REQUEST_DECAY, Acceptance, Rate
 from kimik3.engine.spec.linear_fit import COST_DECAY, LinearFit
 from kimik3.engine.spec.plan_search import Costs, first_margin, greedy_depths, reach, uniform_depths
@@ -193,7 +191,7 @@ class DraftController:
         if step is None:
             return None
         draft = self.step_fit(batch, self.drafts)
-        beta, dbeta = step.beta, draft.beta if draft is not None else np.zeros(5)
+        beta, dbeta = step.beta, draft.beta if draft is not None else [0.0] * 5
         return Costs(base=max(step.predict([1.0, batch, 0, 0]), 1e-9) + max(float(dbeta[0] + dbeta[1] * batch), 0.0),
                       row=max(float(beta[2]), 0.0) + max(float(dbeta[3]), 0.0), forward=max(float(dbeta[2]), 0.0),
                       verify=max(float(beta[3]), 0.0), attend=max(float(dbeta[4]), 0.0), watching=watching,

@@ -125,6 +125,32 @@ def test_linear_fit_recovers_step_costs_and_keeps_unexcited_ones_at_the_prior():
     assert quiet.predict([1.0, 8.0, 0.0]) == pytest.approx(0.2, rel=0.03)
 
 
+@pytest.mark.parametrize("seed", range(4))
+def test_linear_fit_is_decayed_least_squares_with_its_prior(seed):
+    """The fit (floats, one update per step) against the normal equations solved by numpy over all observations
+    so far, each weighted decay ** age, each clipped to [0.6, 1.7] times what the fit before it predicted."""
+    rng = np.random.default_rng(seed)
+    n = 4 + seed % 2
+    prior, scale = list(rng.uniform(0.0, 0.01, n)), list(rng.uniform(0.25, 32.0, n))
+    fit = LinearFit(prior, scale, decay=0.97)
+    xs, ys = [], []
+    for t in range(60):
+        x = [1.0] + [float(rng.integers(0, 40)) for _ in range(n - 1)]
+        noise = rng.uniform(1.0, 5.0) if t % 7 == 3 else rng.uniform(0.1, 1.0) if t % 7 == 5 else 1.0  # outliers
+        y = (0.02 + 0.001 * sum(x)) * noise
+        fit.add(x, y)
+        if xs:
+            p = float(np.dot(want, x))
+            y = min(max(y, 0.6 * p), 1.7 * p + 1e-6)
+        xs.append(x)
+        ys.append(y)
+        w = 0.97 ** np.arange(len(xs) - 1, -1, -1)
+        X, Y, P = np.array(xs), np.array(ys), np.diag(np.square(scale))
+        want = np.linalg.solve(X.T @ (w[:, None] * X) + P, X.T @ (w * Y) + P @ np.array(prior))
+        assert fit.beta == pytest.approx(want, rel=1e-7, abs=1e-12)
+        assert fit.predict(x) == pytest.approx(float(np.dot(want, x)), rel=1e-7)
+
+
 def test_a_new_batch_size_starts_from_the_nearest_measured_one():
     c = DraftController(4)
     for _ in range(20):
