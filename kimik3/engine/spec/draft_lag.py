@@ -31,12 +31,12 @@ def defer_rows(work: DraftWork, spans: list, heads: set[int], states: torch.Tens
     held, cell, bs, top = [], [], block_size, states.shape[0]     # cell: [the step's waiting rows' states]
     for req, a, n in spans:
         s = state_of(req)
-        first = work.positions[a]
+        first = work.positions[a]                     # a request's rows: consecutive positions
         if s.lag and s.lag[-1][1][-1] >= first:       # recomputed (preempted): its waiting rows are stale
             s.lag = [(f, p[:first - p[0]], x[:first - p[0]]) for f, p, x in s.lag if p[0] < first]
         pos = work.positions[a:a + n]
         if id(req) not in heads and waiting(s.lag) + n <= MAX_LAG and not (
-                prefix_caching and any((q + 1) % bs == 0 for q in pos)):
+                prefix_caching and (first + n) // bs > first // bs):    # (completes no block)
             s.lag.append(((cell, len(held)), pos, work.next_ids[a:a + n]))    # its states: cell[0][i:i + n]
             held.extend(work.rows[a:a + n])
             continue

@@ -230,15 +230,15 @@ class ModelDrafter(Drafter):
             rooms = [self._room(req) for req, _, _ in cands]
             depths = self.controller.plan_step([self.state(req).accept for req, _, _ in cands], rooms, len(cands))
         heads = self._drafting(cands, rooms, depths)
+        last = [cands[i][1] for i in heads]                 # each head's last row
         if self.may_lag and self.executor.graphs is None:
             states, moved = self._defer(work, spans, {id(cands[i][0]) for i in heads}, states)
-            cands = [(req, moved.get(row, row), seq) for req, row, seq in cands]
+            last = [moved.get(row, row) for row in last]
         reach = self.draft.cfg.block_size if isinstance(self.draft, DFlashDraft) else None
-        work.tables = extend_tables([reach or max(depths[i], 1) for i in heads],
-                                    [work.positions[cands[i][1]] + 1 for i in heads],
+        work.tables = extend_tables([reach or max(depths[i], 1) for i in heads], [work.positions[r] + 1 for r in last],
                                     [cands[i][0].cache.block_ids for i in heads], self.block_size,
                                     self._scratch(len(heads)))
-        work.heads, work.depths = [cands[i][1] for i in heads], [max(depths[i], 1) for i in heads]
+        work.heads, work.depths = last, [max(depths[i], 1) for i in heads]
         work.head_seqs = [cands[i][2] for i in heads]
         work.scratch_slots = list(range(self.first_scratch_slot, self.first_scratch_slot + len(heads)))
         return work, [cands[i][0] for i in heads], [depths[i] for i in heads], states
@@ -272,24 +272,27 @@ class ModelDrafter(Drafter):
         checkpoints, the requests that sample next (request, its last row, its sequence) and each request's rows
         (request, its first index in the rows, their number); scores the first drafts watched for them."""
         w = DraftWork([], [], [], [], [], [], [])
+        rows, positions, slots, next_ids, seq_lens = w.rows, w.positions, w.slots, w.next_ids, w.seq_lens
         cands, spans, seq_of, offset, bs = [], [], {}, 0, self.block_size
-        for i, c in enumerate(out.chunks):
-            req, n_real = c.req, c.num_tokens - len(c.draft) + c.num_accepted
-            if self.may_draft(req) and not req.is_finished and req.num_tokens > c.start + n_real:
-                self._score_watch(req)
+        for i, c in enumerate(out.chunks):          # (once per step for every request: locals, no generators)
+            req, start = c.req, c.start
+            end = start + c.num_tokens - len(c.draft) + c.num_accepted
+            if self.may_draft(req) and not req.is_finished and len(req.token_ids) > end:
+                if req.spec is not None and req.spec.watch is not None:
+                    self._score_watch(req)
                 table = req.cache.block_ids
-                spans.append((req, len(w.rows), n_real))
-                w.rows.extend(range(offset, offset + n_real))
-                w.positions.extend(range(c.start, c.start + n_real))
-                w.slots.extend(table[p // bs] * bs + p % bs for p in range(c.start, c.start + n_real))
-                w.next_ids.extend(req.token_ids[c.start + 1:c.start + n_real + 1])
-                seq_of[i] = len(w.seq_lens)
-                w.seq_lens.append(n_real)
+                spans.append((req, len(rows), end - start))
+                rows.extend(range(offset, offset + end - start))
+                positions.extend(range(start, end))
+                slots.extend([table[p // bs] * bs + p % bs for p in range(start, end)])
+                next_ids.extend(req.token_ids[start + 1:end + 1])
+                seq_of[i] = len(seq_lens)
+                seq_lens.append(end - start)
                 if self.recurrent:
                     w.seq_tables.append(list(table))
                     w.seq_slots.append(self._slot(req.cache.state_slot))
                 if c.samples:
-                    cands.append((req, len(w.rows) - 1, seq_of[i]))
+                    cands.append((req, len(rows) - 1, seq_of[i]))
             offset += c.num_tokens
         if not self.recurrent:
             return w, cands, spans
