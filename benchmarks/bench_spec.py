@@ -128,8 +128,8 @@ def main() -> None:
     for kind in args.kinds.split(","):
         for b in (int(x) for x in args.batches.split(",")):
             batch = prompts(kind, tok, b * args.windows, args.prompt_tokens, vocab, seed=b)
-            run(plain, batch[:1], 4)                      # warm both engines
-            run(drafted, batch[:1], 4)
+            run(plain, batch[:b], 4)     # warm both engines at the case's batch size: the draft controller's first
+            run(drafted, batch[:b], 4)   # steps at a new batch size explore (one draft each), not its steady state
             e = drafted.engine
             before = (e.num_drafts, e.num_accepted_tokens, list(e.accepted_per_position))
             steps0 = (e.runner.num_steps, e.runner.num_graph_steps)
