@@ -62,11 +62,18 @@ def conv_windows_at(x: torch.Tensor, windows: torch.Tensor, cu_seqlens: torch.Te
     all (device indices only: a CUDA graph can hold it). x [T, C] packed raw inputs; windows
     [N, C, W-1] the states before the chunks; cu_seqlens [N + 1]; seq, num_rows [M] int64.
     Returns [M, C, W-1]: the last W-1 of the sequence's history followed by its first rows."""
+    return _history(x, windows, cu_seqlens, seq, num_rows, windows.shape[-1]).transpose(1, 2).to(windows.dtype)
+
+
+def _history(x: torch.Tensor, windows: torch.Tensor, cu_seqlens: torch.Tensor, seq: torch.Tensor,
+             num_rows: torch.Tensor, width: int) -> torch.Tensor:
+    """The last ``width`` raw inputs [M, width, C] (x's dtype, oldest first) of sequence ``seq[i]``'s history
+    followed by its chunk's first ``num_rows[i]`` rows (``width`` <= W: at most one more than a window)."""
     N, C, W1 = windows.shape
     hist = torch.cat([windows.transpose(1, 2).reshape(N * W1, C).to(x.dtype), x])      # [N*(W-1) + T, C]
-    p = num_rows.unsqueeze(1) - W1 + torch.arange(W1, device=x.device)                  # positions in the chunk
+    p = num_rows.unsqueeze(1) - width + torch.arange(width, device=x.device)             # positions in the chunk
     rows = torch.where(p < 0, (seq * W1 + W1).unsqueeze(1) + p, N * W1 + cu_seqlens[seq].unsqueeze(1) + p)
-    return hist[rows].transpose(1, 2).to(windows.dtype)
+    return hist[rows]
 
 
 def _windows(pool: torch.Tensor, slots: torch.Tensor, has_state: torch.Tensor | None) -> torch.Tensor:
@@ -106,7 +113,8 @@ def causal_conv1d_rows_in_pool(x: torch.Tensor, weight: torch.Tensor, pool: torc
     ``write_slots[n, t]`` ([N, max query_len] int64; the scratch slot where none is kept; the last row's slot,
     like ``slots[n]``, receives the final window). Device indices only (a CUDA graph can hold it).
     CPU, every sequence the same rows: the histories once (``_equal_chunks``), the kept windows views of them;
-    else the pool conv, then the kept windows gathered from the raw inputs (``conv_windows_at``)."""
+    ragged rows: each row's window gathered from the windows and the raw inputs (``_history``), its last W-1 the
+    kept window. CUDA: the pool conv, then the kept windows gathered (``conv_windows_at``)."""
     N, T = len(query_lens), x.shape[0]
     L = max(query_lens, default=0)
     if not use_fast_path(x) and N and T == N * L and min(query_lens) == L:
@@ -116,9 +124,18 @@ def causal_conv1d_rows_in_pool(x: torch.Tensor, weight: torch.Tensor, pool: torc
         pool[slots] = kept[:, -1].to(pool.dtype)
         return tuple(part.contiguous() for part in y.chunk(groups, dim=-1))
     windows = _windows(pool, slots, has_state)                           # before the conv writes the new ones
-    y = causal_conv1d_in_pool(x, weight, pool, slots, has_state, query_lens, cu_seqlens, groups)
     lens = cu_seqlens[1:] - cu_seqlens[:-1]
     seq = torch.repeat_interleave(torch.arange(N, device=x.device), lens, output_size=T)
     offset = torch.arange(T, device=x.device) - cu_seqlens[seq]
+    if not use_fast_path(x):
+        # ragged rows (a verify step where a few sequences carry drafts): each row's window of W inputs in one
+        # gather, so the cost follows the rows present; its last W-1 are the window kept after the row
+        # (a view [T, C, W] with W outermost in memory, as ``causal_conv1d``'s unfold: the same sums, bit for bit)
+        win = _history(x, windows, cu_seqlens, seq, offset + 1, weight.shape[1]).transpose(1, 2)
+        acc = acc_dtype(x.dtype)
+        y = F.silu((win.to(acc) * weight.to(acc)).sum(-1)).to(x.dtype)
+        pool[write_slots[seq, offset]] = win[..., 1:].to(pool.dtype)   # the last row's slot is the live one
+        return tuple(part.contiguous() for part in y.chunk(groups, dim=-1))
+    y = causal_conv1d_in_pool(x, weight, pool, slots, has_state, query_lens, cu_seqlens, groups)
     pool[write_slots[seq, offset]] = conv_windows_at(x, windows, cu_seqlens, seq, offset + 1)
     return y

@@ -11,6 +11,7 @@ reference written as the equations read.
 
 from __future__ import annotations
 
+import itertools
 from dataclasses import dataclass
 
 import torch
@@ -321,12 +322,40 @@ def kda_recurrent_in_pool(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, f: 
         o, states = recurrent_kda_rows(qn, kn, vf, g, beta, state_pool[dst[-1]].to(qn.dtype), query_lens)
         state_pool[dst.reshape(-1)] = states.view(L * N, *states.shape[2:]).to(state_pool.dtype)
         return o
-    lens_t = torch.tensor(query_lens, device=q.device)
-    live = write_slots.gather(1, (lens_t - 1).clamp(min=0)[:, None])[:, 0]
-    o, states = recurrent_kda_rows(qn, kn, vf, g, beta, state_pool[live].to(qn.dtype), query_lens)
-    valid = torch.arange(L, device=q.device)[:, None] < lens_t[None]          # [L, N]
-    state_pool[dst[valid]] = states[valid].to(state_pool.dtype)
-    return o
+    return _ragged_rows_in_pool(qn, kn, vf, g, beta, state_pool, write_slots, query_lens)
+
+
+def _ragged_rows_in_pool(qn, kn, vf, g, beta, state_pool: torch.Tensor, write_slots: torch.Tensor,
+                         query_lens: list[int]) -> torch.Tensor:
+    """``kda_recurrent_in_pool``'s CPU recurrence for sequences of different lengths (a verify step where a few
+    requests carry drafts), on the reference operands: the sequences taken longest first, step t runs the decode
+    step (``recurrent_kda_step``) on the first n_t (those with a row t) of one copy of the live states, in place,
+    so the cost follows the rows present; the states after non-final rows go to their slots as they form, the
+    final ones to the live slots in one write. Returns o [T, H, V] in packed order."""
+    N, L = len(query_lens), max(query_lens)
+    by_len = sorted(range(N), key=lambda n: -query_lens[n])
+    starts = [0, *itertools.accumulate(query_lens)]
+    active = [sum(1 for n in by_len if query_lens[n] > t) for t in range(L + 1)]     # n_t, n_L = 0
+    order = [starts[n] + t for t in range(L) for n in by_len[:active[t]]]          # step-major packed rows
+    dev = qn.device
+    seqs, order_t = torch.tensor(by_len, device=dev), torch.tensor(order, device=dev)
+    live = write_slots[seqs, torch.tensor([query_lens[n] - 1 for n in by_len], device=dev)]
+    S = state_pool.index_select(0, live).to(qn.dtype)
+    qs, ks, vs, gs, bs = (x.index_select(0, order_t) for x in (qn, kn, vf, g, beta))
+    outs = qn.new_empty(len(order), *vf.shape[1:])
+    at = 0
+    for t in range(L):
+        n, kept = active[t], active[t + 1]
+        rows = slice(at, at + n)
+        outs[rows] = recurrent_kda_step(qs[rows], ks[rows], vs[rows], gs[rows], bs[rows], S[:n])
+        if kept:                                    # sequences with a later row: the state after this one
+            state_pool[write_slots[seqs[:kept], t]] = S[:kept].to(state_pool.dtype)
+        at += n
+    state_pool[live] = S.to(state_pool.dtype)
+    inverse = [0] * len(order)
+    for j, r in enumerate(order):
+        inverse[r] = j
+    return outs.index_select(0, torch.tensor(inverse, device=dev))
 
 
 def kda_attention_in_pool(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, f: torch.Tensor | LowRank, b: torch.Tensor,

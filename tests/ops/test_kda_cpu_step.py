@@ -87,20 +87,23 @@ def test_decode_in_pool_matches_old_path_bitwise(dtype, masked):
         assert torch.equal(pool[untouched], before[untouched])
 
 
-def test_verify_in_pool_matches_old_path_bitwise():
-    """Ragged short chunks (a verify step): the in-place steps while every sequence has a token, then the
-    masked ones; every row's state into its slot as before."""
-    lens, H, K = [3, 1, 2], 2, 8
+@pytest.mark.parametrize("lens", [[3, 1, 2], [1, 2, 1, 1], [2, 3, 2], [1, 1, 2]])
+def test_verify_in_pool_matches_old_path_bitwise(lens):
+    """Ragged short chunks (a verify step, a few sequences with drafts among one-row ones): every row's output
+    and state into its slot as the former padded steps (each step over every sequence, the done ones masked)."""
+    H, K, N = 2, 8, len(lens)
     T = sum(lens)
-    q, k, v, f, b, A_log, dt_bias = _inputs(T, H, K, torch.float32, seed=3)
-    pool = torch.randn(12, H, K, K, generator=torch.Generator().manual_seed(4))
-    table = torch.tensor([[5, 0, 6], [7, 7, 7], [0, 8, 8]])                # live slots 6, 7, 8; scratch 0
-    cu = torch.tensor([0, 3, 4, 6])
+    q, k, v, f, b, A_log, dt_bias = _inputs(T, H, K, torch.float32, seed=3 + T)
+    pool = torch.randn(24, H, K, K, generator=torch.Generator().manual_seed(4))
+    live = list(range(24 - N, 24))
+    table = torch.tensor([[live[n] if t >= q - 1 else (0 if t == 1 else 1 + 3 * n + t) for t in range(max(lens))]
+                          for n, q in enumerate(lens)])                 # after row 1 scratch 0; live from the last row
+    cu = torch.tensor([0, *lens]).cumsum(0)
     ref_pool = pool.clone()
     o = kda_recurrent_in_pool(q, k, v, f, b, A_log, dt_bias, -5.0, pool, table, lens, cu)
 
     qn, kn, vf, g, beta = _reference_inputs(q, k, v, f, b, A_log, dt_bias, -5.0, ref_pool.dtype)
-    live = torch.tensor([6, 7, 8])
+    live = torch.tensor(live)
     state = ref_pool[live].to(qn.dtype)
 
     def keep(t, active, S):
@@ -109,8 +112,7 @@ def test_verify_in_pool_matches_old_path_bitwise():
             dst, S = dst[active], S[active]
         ref_pool[dst] = S
 
-    starts = torch.tensor([0, 3, 4])
-    rows = starts[:, None] + torch.minimum(torch.arange(3)[None], torch.tensor(lens)[:, None] - 1)
+    rows = cu[:-1, None] + torch.minimum(torch.arange(max(lens))[None], torch.tensor(lens)[:, None] - 1)
     ref = _old_rows(qn, kn, vf, g, beta, state, rows, lens, keep)
     ref_pool[live] = state
     assert torch.equal(o, ref) and torch.equal(pool[1:], ref_pool[1:])     # slot 0: scratch, any write order
