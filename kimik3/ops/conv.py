@@ -10,6 +10,7 @@ import torch.nn.functional as F
 
 from kimik3.ops.backend import use_fast_path
 from kimik3.ops.norm import acc_dtype
+from kimik3.ops.pool_rows import slot_range
 
 
 def causal_conv1d(x: torch.Tensor, weight: torch.Tensor, state: torch.Tensor,
@@ -100,8 +101,15 @@ def causal_conv1d_in_pool(x: torch.Tensor, weight: torch.Tensor, pool: torch.Ten
         from kimik3.ops.triton.conv import causal_conv1d_pool_triton
         x = x if x.stride(-1) == 1 else x.contiguous()
         return causal_conv1d_pool_triton(x, weight, pool, slots, has_state, cu_seqlens, groups).unbind(0)
-    y, state1 = causal_conv1d(x, weight, _windows(pool, slots, has_state), query_lens)
-    pool[slots] = state1
+    rows = slot_range(pool, slots) if query_lens == [1] * len(query_lens) else None
+    if rows is not None:            # a decode step of consecutive slots: their windows read and written in place
+        if has_state is not None:
+            rows.masked_fill_(~has_state.view(-1, 1, 1), 0)
+        y, state1 = causal_conv1d(x, weight, rows, query_lens)
+        rows.copy_(state1)
+    else:
+        y, state1 = causal_conv1d(x, weight, _windows(pool, slots, has_state), query_lens)
+        pool[slots] = state1
     return tuple(part.contiguous() for part in y.chunk(groups, dim=-1))
 
 

@@ -22,6 +22,7 @@ from kimik3.ops.cuda.flash_kda import flash_kda_applies, flash_kda_varlen
 from kimik3.ops.linear import linear
 from kimik3.ops.norm import acc_dtype, gated_rms_norm
 from kimik3.ops.options import tuning
+from kimik3.ops.pool_rows import slot_range
 
 
 @dataclass(frozen=True)
@@ -383,14 +384,22 @@ def kda_attention_in_pool(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, f: 
         norm = None if out_norm is None else (out_norm.weight, operand(out_norm.gate), out_norm.eps, out_norm.dtype)
         return kda_decode_triton(q, k, v, operand(f), b, A_log, dt_bias, lower_bound, state_pool, slots, norm=norm)
     f = dense(f, q.shape[1])
-    state0 = state_pool.index_select(0, slots)         # a copy, this call's to update (CPU: ~5x pool[slots])
+    fast = use_fast_path(q)
+    step = not fast and query_lens == [1] * len(query_lens)      # a CPU decode step
+    # the sequences' rows: a view where the slots are consecutive (a CPU decode step updates them in place), else
+    # a copy, this call's to update (CPU: ~5x pool[slots])
+    rows = slot_range(state_pool, slots) if step else None
+    state0 = state_pool.index_select(0, slots) if rows is None else rows
     if has_state is not None:
         state0.masked_fill_(~has_state.view(-1, 1, 1, 1), 0)
-    if use_fast_path(q):
+    if fast:
         o, state1 = _chunk_kda_cuda(q, k, v, f, b, A_log, dt_bias, lower_bound, state0, cu_seqlens)
-    elif query_lens == [1] * len(query_lens):          # a CPU decode step: on state0 in place (this call's copy)
+    elif step:                                          # on state0 in place
         o, state1 = _decode_step(q, k, v, f, b, A_log, dt_bias, lower_bound, state0, query_lens, copy=False)
     else:
         o, state1 = kda_attention(q, k, v, f, b, A_log, dt_bias, lower_bound, state0, query_lens)
-    state_pool[slots] = state1
+    if rows is None:
+        state_pool[slots] = state1
+    elif state1.data_ptr() != rows.data_ptr():          # the step ran in a wider dtype than the pool's
+        rows.copy_(state1)
     return o if out_norm is None else out_norm(o)
