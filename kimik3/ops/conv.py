@@ -5,6 +5,8 @@ Conv state per sequence: the last W-1 raw inputs of every channel, oldest first,
 
 from __future__ import annotations
 
+import itertools
+
 import torch
 import torch.nn.functional as F
 
@@ -131,19 +133,43 @@ def causal_conv1d_rows_in_pool(x: torch.Tensor, weight: torch.Tensor, pool: torc
         pool[write_slots[:, :L].reshape(-1)] = kept.reshape(N * L, *pool.shape[1:]).to(pool.dtype)
         pool[slots] = kept[:, -1].to(pool.dtype)
         return tuple(part.contiguous() for part in y.chunk(groups, dim=-1))
+    if not use_fast_path(x):
+        return _ragged_rows_in_pool(x, weight, pool, slots, has_state, query_lens, cu_seqlens, write_slots, groups)
     windows = _windows(pool, slots, has_state)                           # before the conv writes the new ones
     lens = cu_seqlens[1:] - cu_seqlens[:-1]
     seq = torch.repeat_interleave(torch.arange(N, device=x.device), lens, output_size=T)
     offset = torch.arange(T, device=x.device) - cu_seqlens[seq]
-    if not use_fast_path(x):
-        # ragged rows (a verify step where a few sequences carry drafts): each row's window of W inputs in one
-        # gather, so the cost follows the rows present; its last W-1 are the window kept after the row
-        # (a view [T, C, W] with W outermost in memory, as ``causal_conv1d``'s unfold: the same sums, bit for bit)
-        win = _history(x, windows, cu_seqlens, seq, offset + 1, weight.shape[1]).transpose(1, 2)
-        acc = acc_dtype(x.dtype)
-        y = F.silu((win.to(acc) * weight.to(acc)).sum(-1)).to(x.dtype)
-        pool[write_slots[seq, offset]] = win[..., 1:].to(pool.dtype)   # the last row's slot is the live one
-        return tuple(part.contiguous() for part in y.chunk(groups, dim=-1))
     y = causal_conv1d_in_pool(x, weight, pool, slots, has_state, query_lens, cu_seqlens, groups)
     pool[write_slots[seq, offset]] = conv_windows_at(x, windows, cu_seqlens, seq, offset + 1)
     return y
+
+
+def _ragged_rows_in_pool(x, weight, pool, slots, has_state, query_lens: list[int], cu_seqlens, write_slots,
+                         groups: int) -> tuple[torch.Tensor, ...]:
+    """``causal_conv1d_rows_in_pool`` on the CPU for ragged rows (a verify step where a few sequences carry
+    drafts): each row's window of W inputs in one gather, so the cost follows the rows present; its last W-1 are
+    the window kept after the row. The live windows are read and written in place where the slots are consecutive
+    (``slot_range``), the non-final rows' windows scattered to their slots."""
+    N, T = len(query_lens), x.shape[0]
+    live = slot_range(pool, slots)
+    if live is None:
+        windows = _windows(pool, slots, has_state)
+    else:
+        windows = live if has_state is None else live.masked_fill_(~has_state.view(-1, 1, 1), 0)
+    dev = x.device
+    seq = torch.repeat_interleave(torch.arange(N, device=dev), cu_seqlens[1:] - cu_seqlens[:-1], output_size=T)
+    offset = torch.arange(T, device=dev) - cu_seqlens[seq]
+    # (a view [T, C, W] with W outermost in memory, as ``causal_conv1d``'s unfold: the same sums, bit for bit)
+    win = _history(x, windows, cu_seqlens, seq, offset + 1, weight.shape[1]).transpose(1, 2)
+    acc = acc_dtype(x.dtype)
+    y = F.silu((win.to(acc) * weight.to(acc)).sum(-1)).to(x.dtype)
+    if live is None:
+        pool[write_slots[seq, offset]] = win[..., 1:].to(pool.dtype)    # the last row's slot is the live one
+    else:
+        live.copy_(win[cu_seqlens[1:] - 1, :, 1:])
+        starts = [0, *itertools.accumulate(query_lens)]
+        inner = torch.tensor([starts[n] + t for n, q in enumerate(query_lens) for t in range(q - 1)], device=dev,
+                             dtype=torch.int64)
+        if len(inner):
+            pool[write_slots[seq[inner], offset[inner]]] = win[inner, :, 1:].to(pool.dtype)
+    return tuple(part.contiguous() for part in y.chunk(groups, dim=-1))

@@ -329,34 +329,33 @@ def kda_recurrent_in_pool(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, f: 
 def _ragged_rows_in_pool(qn, kn, vf, g, beta, state_pool: torch.Tensor, write_slots: torch.Tensor,
                          query_lens: list[int]) -> torch.Tensor:
     """``kda_recurrent_in_pool``'s CPU recurrence for sequences of different lengths (a verify step where a few
-    requests carry drafts), on the reference operands: the sequences taken longest first, step t runs the decode
-    step (``recurrent_kda_step``) on the first n_t (those with a row t) of one copy of the live states, in place,
-    so the cost follows the rows present; the states after non-final rows go to their slots as they form, the
-    final ones to the live slots in one write. Returns o [T, H, V] in packed order."""
+    requests carry drafts), on the reference operands, so the cost follows the rows present: step t runs the
+    decode step (``recurrent_kda_step``) on the sequences with a row t, the first on all of them in place on the
+    live states (the pool rows themselves where the live slots are consecutive, ``slot_range``: no gather, no
+    scatter; else one copy), a later one on a gathered copy of its few; the states after non-final rows go to
+    their slots as they form. Returns o [T, H, V] in packed order."""
     N, L = len(query_lens), max(query_lens)
-    by_len = sorted(range(N), key=lambda n: -query_lens[n])
     starts = [0, *itertools.accumulate(query_lens)]
-    active = [sum(1 for n in by_len if query_lens[n] > t) for t in range(L + 1)]     # n_t, n_L = 0
-    order = [starts[n] + t for t in range(L) for n in by_len[:active[t]]]          # step-major packed rows
     dev = qn.device
-    seqs, order_t = torch.tensor(by_len, device=dev), torch.tensor(order, device=dev)
-    live = write_slots[seqs, torch.tensor([query_lens[n] - 1 for n in by_len], device=dev)]
-    S = state_pool.index_select(0, live).to(qn.dtype)
-    qs, ks, vs, gs, bs = (x.index_select(0, order_t) for x in (qn, kn, vf, g, beta))
-    outs = qn.new_empty(len(order), *vf.shape[1:])
-    at = 0
+    live = write_slots[torch.arange(N, device=dev), torch.tensor(query_lens, device=dev) - 1]
+    rows = slot_range(state_pool, live) if state_pool.dtype == qn.dtype else None
+    S = state_pool.index_select(0, live).to(qn.dtype) if rows is None else rows
+    o = qn.new_empty(qn.shape[0], *vf.shape[1:])
     for t in range(L):
-        n, kept = active[t], active[t + 1]
-        rows = slice(at, at + n)
-        outs[rows] = recurrent_kda_step(qs[rows], ks[rows], vs[rows], gs[rows], bs[rows], S[:n])
-        if kept:                                    # sequences with a later row: the state after this one
-            state_pool[write_slots[seqs[:kept], t]] = S[:kept].to(state_pool.dtype)
-        at += n
-    state_pool[live] = S.to(state_pool.dtype)
-    inverse = [0] * len(order)
-    for j, r in enumerate(order):
-        inverse[r] = j
-    return outs.index_select(0, torch.tensor(inverse, device=dev))
+        seqs = [n for n in range(N) if query_lens[n] > t]
+        packed = torch.tensor([starts[n] + t for n in seqs], device=dev)
+        idx = None if len(seqs) == N else torch.tensor(seqs, device=dev)
+        St = S if idx is None else S.index_select(0, idx)
+        o[packed] = recurrent_kda_step(*(x.index_select(0, packed) for x in (qn, kn, vf, g, beta)), St)
+        if idx is not None:
+            S.index_copy_(0, idx, St)
+        more = [n for n in seqs if query_lens[n] > t + 1]
+        if more:                                    # sequences with a later row: the state after this one
+            m = torch.tensor(more, device=dev)
+            state_pool[write_slots[m, t]] = S.index_select(0, m).to(state_pool.dtype)
+    if rows is None:
+        state_pool[live] = S.to(state_pool.dtype)
+    return o
 
 
 def kda_attention_in_pool(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, f: torch.Tensor | LowRank, b: torch.Tensor,

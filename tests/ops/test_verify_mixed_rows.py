@@ -29,8 +29,9 @@ def _table(lens: list[int], live: list[int]) -> torch.Tensor:
     return table
 
 
-def _live(lens):
-    return [SLOTS - 1 - n for n in range(len(lens))]
+def _live(lens, consecutive=False):
+    """Live slots: descending (gathered), or consecutive (the pool rows updated in place, ``slot_range``)."""
+    return [SLOTS - len(lens) + n if consecutive else SLOTS - 1 - n for n in range(len(lens))]
 
 
 def _kda_inputs(T, H, K, dtype, seed):
@@ -39,13 +40,14 @@ def _kda_inputs(T, H, K, dtype, seed):
     return r(T, H, K), r(T, H, K), r(T, H, K), r(T, H, K), r(T, H), r(H), r(H * K)
 
 
+@pytest.mark.parametrize("consecutive", [False, True])
 @pytest.mark.parametrize("lens", LENS)
-def test_kda_mixed_rows_match_float64_recurrence(lens):
+def test_kda_mixed_rows_match_float64_recurrence(lens, consecutive):
     H, K = 2, 8
     N, T = len(lens), sum(lens)
     q, k, v, f, b, A_log, dt_bias = _kda_inputs(T, H, K, torch.float64, seed=sum(lens))
     pool = torch.randn(SLOTS, H, K, K, generator=torch.Generator().manual_seed(7), dtype=torch.float64)
-    live = _live(lens)
+    live = _live(lens, consecutive)
     pool[live[-1]] = 0                                   # a fresh slot: zero state
     table = _table(lens, live)
     before = pool.clone()
@@ -94,9 +96,10 @@ def test_kda_mixed_rows_as_alone(lens):
     torch.testing.assert_close(pool[1:], ref_pool[1:], rtol=1e-6, atol=1e-6)      # slot 0: scratch
 
 
+@pytest.mark.parametrize("consecutive", [False, True])
 @pytest.mark.parametrize("lens", LENS)
 @pytest.mark.parametrize("dtype", [torch.float64, torch.float32])
-def test_conv_mixed_rows(lens, dtype):
+def test_conv_mixed_rows(lens, dtype, consecutive):
     """The outputs as ``causal_conv1d`` of the same windows (to rounding) and as the float64 formula; the window
     after each row in its slot, the final one in the live slot; a sequence without history reads zeros."""
     g = torch.Generator().manual_seed(30 + sum(lens))
@@ -104,7 +107,7 @@ def test_conv_mixed_rows(lens, dtype):
     x = torch.randn(sum(lens), 3 * C, dtype=dtype, generator=g)
     w = torch.randn(3 * C, W, dtype=dtype, generator=g)
     pool = torch.randn(SLOTS, 3 * C, W - 1, dtype=dtype, generator=g)
-    live = _live(lens)
+    live = _live(lens, consecutive)
     slots, table = torch.tensor(live), _table(lens, live)
     has_state = torch.tensor([n != N - 1 for n in range(N)])                # the last sequence: fresh
     before = pool.clone()
