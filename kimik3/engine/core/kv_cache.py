@@ -11,6 +11,7 @@ Answers are "fits or None": nothing is changed when a request does not fit.
 
 from __future__ import annotations
 
+import heapq
 from collections import OrderedDict
 from dataclasses import dataclass
 
@@ -35,7 +36,10 @@ class KVCacheManager:
         self.blocks = BlockPool(plan.num_blocks, on_evict=self._drop_checkpoint)
         first_spec = 1 + plan.num_live_slots           # MemoryPlan's slot layout; each list pops its lowest first
         first_ckpt = first_spec + plan.num_spec_slots
-        self.free_live_slots = list(reversed(range(1, first_spec)))
+        # live slots: a heap, the lowest free slot given first, so requests admitted together hold consecutive
+        # ascending slots whatever order earlier ones finished in (a CPU decode step then updates their KDA states
+        # and conv windows in place: ``ops/pool_rows.slot_range``)
+        self.free_live_slots = list(range(1, first_spec))
         self.free_spec_slots = list(reversed(range(first_spec, first_ckpt)))
         self.free_checkpoint_slots = list(reversed(range(first_ckpt, plan.num_slots)))
         self.checkpoints: OrderedDict[bytes, int] = OrderedDict()   # block hash -> slot, LRU first
@@ -122,7 +126,7 @@ class KVCacheManager:
         for b in hit_blocks:
             self.blocks.take(b)
         held.block_ids = BlockTable(hit_blocks + [self.blocks.allocate() for _ in range(need)])
-        held.state_slot = self.free_live_slots.pop()
+        held.state_slot = heapq.heappop(self.free_live_slots)
         held.num_cached_blocks = n_hit
         req.num_computed_tokens = hit_tokens
         restore = None
@@ -169,7 +173,7 @@ class KVCacheManager:
         if held.rollback_slot is not None:        # a speculative rollback that will not run
             self.return_spec_slots([held.rollback_slot])
         if held.state_slot:
-            self.free_live_slots.append(held.state_slot)
+            heapq.heappush(self.free_live_slots, held.state_slot)
         self.blocks.release(held.block_ids)
         req.cache = CacheHoldings()
 

@@ -175,3 +175,24 @@ def test_plan_counts_whole_sequences_of_a_length():
     assert plan.sequences_of(1024) == 8                 # 10 fit in the blocks, 8 states
     assert plan.sequences_of(2048) == 5                 # 645 usable blocks // 128 blocks per sequence
     assert plan.sequences_of(10 * 1024 * 1024) == 0
+
+
+def test_requests_admitted_together_get_consecutive_ascending_live_slots():
+    """Whatever order earlier requests finished in, a batch admitted together holds the lowest free live slots in
+    ascending order (so a CPU decode step updates its KDA states in place: ``ops/pool_rows.slot_range``)."""
+    plan = MemoryPlan(block_size=BS, num_blocks=40, num_slots=1 + 6, num_live_slots=6, num_checkpoint_slots=0,
+                      checkpoint_interval=1, bytes_per_block=1, bytes_per_slot=1, budget_bytes=1 << 20)
+    kv = KVCacheManager(plan, enable_prefix_caching=False)
+
+    def admit(n, tag):
+        reqs = [Request(f"{tag}{i}", [1, 2, 3], SamplingParams(), 0.0, block_size=BS) for i in range(n)]
+        assert all(kv.admit(r, 3) is not None for r in reqs)
+        return reqs
+
+    first = admit(5, "a")
+    assert [r.cache.state_slot for r in first] == [1, 2, 3, 4, 5]
+    for i in (3, 0, 4, 1):                 # finish out of order; slot 3 (first[2]) stays held
+        kv.free(first[i])
+    assert [r.cache.state_slot for r in admit(4, "b")] == [1, 2, 4, 5]
+    kv.free(first[2])
+    assert [r.cache.state_slot for r in admit(2, "c")] == [3, 6]
