@@ -79,10 +79,12 @@ def _history(x: torch.Tensor, windows: torch.Tensor, cu_seqlens: torch.Tensor, s
     return hist[rows]
 
 
-def _windows(pool: torch.Tensor, slots: torch.Tensor, has_state: torch.Tensor | None) -> torch.Tensor:
-    """The conv windows of ``slots`` as a copy (CPU: ~5x faster than ``pool[slots]`` at 65 rows), zero where
-    ``has_state`` is False (a sequence without history)."""
-    windows = pool.index_select(0, slots)
+def _windows(pool: torch.Tensor, slots: torch.Tensor, has_state: torch.Tensor | None,
+             rows: torch.Tensor | None = None) -> torch.Tensor:
+    """The conv windows of ``slots``: ``rows`` (their pool rows as a view, ``slot_range``: updated in place) or else a
+    copy (CPU: ~5x faster than ``pool[slots]`` at 65 rows), zero where ``has_state`` is False (a sequence without
+    history)."""
+    windows = pool.index_select(0, slots) if rows is None else rows
     if has_state is not None:
         windows.masked_fill_(~has_state.view(-1, 1, 1), 0)
     return windows
@@ -104,14 +106,11 @@ def causal_conv1d_in_pool(x: torch.Tensor, weight: torch.Tensor, pool: torch.Ten
         x = x if x.stride(-1) == 1 else x.contiguous()
         return causal_conv1d_pool_triton(x, weight, pool, slots, has_state, cu_seqlens, groups).unbind(0)
     rows = slot_range(pool, slots) if query_lens == [1] * len(query_lens) else None
-    if rows is not None:            # a decode step of consecutive slots: their windows read and written in place
-        if has_state is not None:
-            rows.masked_fill_(~has_state.view(-1, 1, 1), 0)
-        y, state1 = causal_conv1d(x, weight, rows, query_lens)
-        rows.copy_(state1)
-    else:
-        y, state1 = causal_conv1d(x, weight, _windows(pool, slots, has_state), query_lens)
+    y, state1 = causal_conv1d(x, weight, _windows(pool, slots, has_state, rows), query_lens)
+    if rows is None:
         pool[slots] = state1
+    else:                           # a decode step of consecutive slots: their windows read and written in place
+        rows.copy_(state1)
     return tuple(part.contiguous() for part in y.chunk(groups, dim=-1))
 
 
@@ -136,12 +135,17 @@ def causal_conv1d_rows_in_pool(x: torch.Tensor, weight: torch.Tensor, pool: torc
     if not use_fast_path(x):
         return _ragged_rows_in_pool(x, weight, pool, slots, has_state, query_lens, cu_seqlens, write_slots, groups)
     windows = _windows(pool, slots, has_state)                           # before the conv writes the new ones
-    lens = cu_seqlens[1:] - cu_seqlens[:-1]
-    seq = torch.repeat_interleave(torch.arange(N, device=x.device), lens, output_size=T)
-    offset = torch.arange(T, device=x.device) - cu_seqlens[seq]
+    seq, offset = _row_positions(cu_seqlens, N, T)
     y = causal_conv1d_in_pool(x, weight, pool, slots, has_state, query_lens, cu_seqlens, groups)
     pool[write_slots[seq, offset]] = conv_windows_at(x, windows, cu_seqlens, seq, offset + 1)
     return y
+
+
+def _row_positions(cu_seqlens: torch.Tensor, num_seqs: int, num_rows: int) -> tuple[torch.Tensor, torch.Tensor]:
+    """Each packed row's sequence and its offset in the sequence's chunk ([T] int64 each; device ops only)."""
+    seq = torch.repeat_interleave(torch.arange(num_seqs, device=cu_seqlens.device), cu_seqlens[1:] - cu_seqlens[:-1],
+                                  output_size=num_rows)
+    return seq, torch.arange(num_rows, device=cu_seqlens.device) - cu_seqlens[seq]
 
 
 def _ragged_rows_in_pool(x, weight, pool, slots, has_state, query_lens: list[int], cu_seqlens, write_slots,
@@ -152,13 +156,9 @@ def _ragged_rows_in_pool(x, weight, pool, slots, has_state, query_lens: list[int
     (``slot_range``), the non-final rows' windows scattered to their slots."""
     N, T = len(query_lens), x.shape[0]
     live = slot_range(pool, slots)
-    if live is None:
-        windows = _windows(pool, slots, has_state)
-    else:
-        windows = live if has_state is None else live.masked_fill_(~has_state.view(-1, 1, 1), 0)
+    windows = _windows(pool, slots, has_state, live)
     dev = x.device
-    seq = torch.repeat_interleave(torch.arange(N, device=dev), cu_seqlens[1:] - cu_seqlens[:-1], output_size=T)
-    offset = torch.arange(T, device=dev) - cu_seqlens[seq]
+    seq, offset = _row_positions(cu_seqlens, N, T)
     # (a view [T, C, W] with W outermost in memory, as ``causal_conv1d``'s unfold: the same sums, bit for bit)
     win = _history(x, windows, cu_seqlens, seq, offset + 1, weight.shape[1]).transpose(1, 2)
     acc = acc_dtype(x.dtype)

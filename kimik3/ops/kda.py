@@ -100,34 +100,28 @@ def naive_recurrent_kda(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, g: to
 
 
 def recurrent_kda_rows(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, g: torch.Tensor, beta: torch.Tensor,
-                       state: torch.Tensor, lens: list[int]) -> tuple[torch.Tensor, torch.Tensor]:
-    """``naive_recurrent_kda`` of N sequences at once (the CPU path of verify steps): q, k, v, g, beta packed
-    rows (sequence n's ``lens[n]`` tokens after the sequences before it), ``state`` [N, H, V, K] the initial
-    states (read only). Returns o [T, H, V] in packed order and the states after every step, [L, N, H, V, K]
-    with L = max(lens): [t, n] is sequence n's state after its token t, and for t >= lens[n] its final state
-    (so the last step holds every final state).
+                       state: torch.Tensor, num_rows: int) -> tuple[torch.Tensor, torch.Tensor]:
+    """``naive_recurrent_kda`` of N sequences of ``num_rows`` tokens each at once (the CPU path of verify steps
+    where every sequence carries the same rows; ragged rows: ``_ragged_rows_in_pool``): q, k, v, g, beta packed
+    rows (sequence n's rows n L .. n L + L - 1, L = ``num_rows``), ``state`` [N, H, V, K] the initial states (read
+    only). Returns o [T, H, V] in packed order and the states after every step, [L, N, H, V, K]: [t, n] is
+    sequence n's state after its token t (the last step holds every final state).
 
     The states stay V-first (the pool's layout). The operands are taken step-major once (views for one
-    sequence, a copy for more; a gather for ragged lengths); each step is one read of the previous state for
-    S^T (decay * k), the decay written into the step's own state (no copy of it is kept apart), the rank-one
-    update in place and one read for the output: the arithmetic of ``recurrent_kda_step``, bit for bit
-    (``tests/ops/test_kda_cpu_step.py``)."""
+    sequence, a copy for more); each step is one read of the previous state for S^T (decay * k), the decay
+    written into the step's own state (no copy of it is kept apart), the rank-one update in place and one read
+    for the output: the arithmetic of ``recurrent_kda_step``, bit for bit (``tests/ops/test_kda_cpu_step.py``)."""
     N, H, V, K = state.shape
-    L = max(lens, default=0)
-    if min(lens, default=0) == L:                      # sequence n's rows n*L ... n*L + L - 1
-        def step_major(x):
-            x = x.view(N, L, *x.shape[1:]).transpose(0, 1)
-            return x if N == 1 else x.contiguous()
-        order = None
-    else:
-        order = _row_table(lens, q.device).t().reshape(-1)                      # [L * N] packed rows
-        step_major = lambda x: x.index_select(0, order).view(L, N, *x.shape[1:])   # noqa: E731
+    L = num_rows
+
+    def step_major(x):
+        x = x.view(N, L, *x.shape[1:]).transpose(0, 1)
+        return x if N == 1 else x.contiguous()
     qs, ks, vs, gs, bs = map(step_major, (q, k, v, g, beta))
     dec = torch.exp(gs)                                                          # [L, N, H, K]
     dk = dec * ks
     states = state.new_empty(L, N, H, V, K)
     outs = q.new_empty(L, N, H, V)
-    lens_t = torch.tensor(lens, device=q.device) if min(lens, default=0) < L else None
     grad = torch.is_grad_enabled() and any(t.requires_grad for t in (q, k, v, g, beta, state))
 
     def into(dst, fn, *args):       # fn(*args) written into dst: out= (a copy where autograd records the ops)
@@ -139,17 +133,9 @@ def recurrent_kda_rows(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, g: tor
         delta = bs[t].unsqueeze(-1) * (vs[t] - sk)
         into(S, torch.mul, prev, dec[t].unsqueeze(-2))
         S.view(N * H, V, K).baddbmm_(delta.view(N * H, V, 1), ks[t].view(N * H, 1, K))
-        if lens_t is not None and min(lens) <= t:                                # sequences done: carry theirs
-            done = lens_t <= t
-            S[done] = prev[done]
         into(outs[t].view(N * H, 1, V), torch.bmm, qs[t].view(N * H, 1, K), _keys_first(S))
         prev = S
-    if order is None:
-        return outs.transpose(0, 1).reshape(q.shape[0], H, V), states
-    valid = (torch.arange(L, device=q.device)[:, None] < lens_t[None]).view(-1)
-    o = q.new_empty(q.shape[0], H, V)
-    o[order[valid]] = outs.view(L * N, H, V)[valid]
-    return o, states
+    return outs.transpose(0, 1).reshape(q.shape[0], H, V), states
 
 
 def recurrent_kda_step(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, g: torch.Tensor, beta: torch.Tensor,
@@ -185,14 +171,6 @@ def _decode_step(q, k, v, f, b, A_log, dt_bias, lower_bound, state: torch.Tensor
     S = state.to(qn.dtype, copy=copy)
     o = recurrent_kda_step(qn, kn, vf, g, beta, S)
     return o, S.to(state.dtype)
-
-
-def _row_table(query_lens: list[int], device) -> torch.Tensor:
-    """[N, max len] packed row of each sequence's t-th token (clamped to its last row past its length)."""
-    starts = torch.tensor([0, *query_lens[:-1]], device=device).cumsum(0)
-    t = torch.arange(max(query_lens, default=1), device=device)
-    last = torch.tensor(query_lens, device=device) - 1
-    return starts[:, None] + torch.minimum(t[None], last[:, None].clamp(min=0))
 
 
 def chunk_kda_ref(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, g: torch.Tensor,
@@ -320,7 +298,7 @@ def kda_recurrent_in_pool(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, f: 
     # repeat in the table); the live slot, named at the last row, receives the final state
     dst = write_slots[:, :L].t()
     if min(query_lens) == L:
-        o, states = recurrent_kda_rows(qn, kn, vf, g, beta, state_pool[dst[-1]].to(qn.dtype), query_lens)
+        o, states = recurrent_kda_rows(qn, kn, vf, g, beta, state_pool[dst[-1]].to(qn.dtype), L)
         state_pool[dst.reshape(-1)] = states.view(L * N, *states.shape[2:]).to(state_pool.dtype)
         return o
     return _ragged_rows_in_pool(qn, kn, vf, g, beta, state_pool, write_slots, query_lens)
