@@ -247,18 +247,17 @@ class ModelDrafter(Drafter):
         """The candidates that draft or watch, longest first. Requests that do not draft watch (their first draft)
         only where a forward runs anyway (a step that drafts nothing runs no draft forward), and not where more
         than ``WATCH_LAG`` of their rows wait (``_defer``: the watch would catch them all up)."""
-        if not any(depths):                          # nothing drafts: none watches
-            for req, _, _ in cands:
+        heads = []
+        if any(depths):                              # (where nothing drafts, none watches)
+            watch = self.controller.schedule is None
+            heads = sorted((i for i, (req, _, _) in enumerate(cands) if depths[i] or (
+                watch and rooms[i] and self.state(req).wait == 0 and waiting(self.state(req).lag) <= WATCH_LAG)),
+                key=lambda i: -max(depths[i], 1))
+        chosen = set(heads)
+        for i, (req, _, _) in enumerate(cands):
+            if i not in chosen:
                 s = self.state(req)
                 s.wait = max(s.wait - 1, 0)
-            return []
-        watch = self.controller.schedule is None
-        watchers = {i for i, (req, _, _) in enumerate(cands) if watch and rooms[i] and self.state(req).wait == 0
-                    and waiting(self.state(req).lag) <= WATCH_LAG}
-        heads = sorted((i for i in range(len(cands)) if depths[i] or i in watchers), key=lambda i: -max(depths[i], 1))
-        for i in set(range(len(cands))) - set(heads):
-            s = self.state(cands[i][0])
-            s.wait = max(s.wait - 1, 0)
         return heads
 
     def _defer(self, work: DraftWork, spans: list, heads: set[int], states: torch.Tensor):
