@@ -252,7 +252,7 @@ def replays(graphs: DraftGraphs, work, states: torch.Tensor):
     """The draft's captured step alone: the states gathered, the catch-up (a KDA first layer's rounds) and each
     position's graph (None when no captured graph holds ``work``, or a KDA first layer's catch-up runs eagerly)."""
     plan = graphs.plan(work)
-    rounds = graphs.stage_rounds(work) if graphs.recurrent else None
+    rounds = graphs.stage_rounds(work, graphs.rounds_for(work)) if graphs.recurrent else None
     if plan is None or (graphs.recurrent and rounds is None):
         return None
     (R, chain), T = plan, len(work.rows)

@@ -370,10 +370,9 @@ class DraftGraphs:
             chain.append(key)
         return R, chain
 
-    def stage_rounds(self, work, plan: tuple[int, int] | None = ()) -> tuple[int, int] | None:
-        """A KDA first layer's catch-up rounds of ``work`` copied in (``plan``: its ``rounds_for``, worked out here
-        when not given); None where it ran eagerly."""
-        plan = self.rounds_for(work) if plan == () else plan
+    def stage_rounds(self, work, plan: tuple[int, int] | None) -> tuple[int, int] | None:
+        """A KDA first layer's catch-up rounds of ``work`` copied in (``plan``: its ``rounds_for``); None where it ran
+        eagerly."""
         if plan is None or not plan[1]:
             return plan
         rounds = self.rounds_host
